@@ -1,0 +1,90 @@
+// Signal / wait: the one cross-GPU synchronization mechanism every other primitive builds on.
+//
+// A flag is a 64-bit word at the same offset in every rank's symmetric heap. Flags only grow (counters and
+// epochs), so nothing ever resets them and a late reader can never miss a value.
+//   signal_set / signal_add  write into a peer's flag with release semantics at system scope: everything the
+//                            calling thread wrote before (and its block, after a __syncthreads) is visible
+//                            to the peer once it sees the new value.
+//   wait_ge                  spins on this rank's own flag with relaxed loads (no fence per poll), then
+//                            issues one acquire fence. It never hangs: after the team's timeout, or once the
+//                            host raises the abort flag, it records who waited for what and returns false.
+#pragma once
+#include "weft/device/ptx.cuh"
+#include "weft/team_view.hpp"
+
+namespace weft {
+
+__device__ __forceinline__ void signal_set(const TeamView& team, uint64_t* flag, int peer, uint64_t value) {
+  ptx::st_release_sys(team.peer_ptr(flag, peer), value);
+}
+
+__device__ __forceinline__ void signal_add(const TeamView& team, uint64_t* flag, int peer, uint64_t delta) {
+  ptx::red_release_sys_add(team.peer_ptr(flag, peer), delta);
+}
+
+namespace detail {
+__device__ __forceinline__ uint32_t linear_block() {
+  return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+}
+__device__ __forceinline__ uint32_t linear_thread() {
+  return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+}
+
+// Records the first failure of this rank into host-mapped memory. Later failures keep the first record:
+// it names the wait that started the chain.
+__device__ __noinline__ void report_wait_failure(const TeamView& team, DeviceErrorCode code,
+                                                 const uint64_t* flag, uint64_t expected, uint64_t observed,
+                                                 uint64_t waited_ns) {
+  DeviceError* e = team.error;
+  if (atomicCAS_system(reinterpret_cast<unsigned int*>(&e->code), 0u, static_cast<unsigned int>(code)) != 0u)
+    return;
+  e->rank = team.rank;
+  e->block = linear_block();
+  e->thread = linear_thread();
+  e->flag_offset = static_cast<uint64_t>(reinterpret_cast<const char*>(flag) - team.local_base);
+  e->expected = expected;
+  e->observed = observed;
+  e->waited_ns = waited_ns;
+  __threadfence_system();
+}
+
+// Slow path of wait_ge: polls with the clock running, looks at the abort flag and this rank's error
+// record every few microseconds (both are host memory: too slow to read every poll).
+__device__ __noinline__ bool wait_ge_slow(const TeamView& team, const uint64_t* flag, uint64_t want) {
+  const uint64_t start = ptx::globaltimer_ns();
+  uint64_t last_check = start;
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (ptx::ld_relaxed_sys(flag) >= want) {
+        ptx::fence_acq_rel_sys();
+        return true;
+      }
+    }
+    const uint64_t now = ptx::globaltimer_ns();
+    if (now - last_check < 20000) continue;
+    last_check = now;
+    const uint64_t seen = ptx::ld_relaxed_sys(flag);
+    if (seen >= want) continue;
+    if (*team.abort != 0 || *reinterpret_cast<volatile uint32_t*>(&team.error->code) != 0) {
+      report_wait_failure(team, DeviceErrorCode::kAborted, flag, want, seen, now - start);
+      return false;
+    }
+    if (now - start > team.timeout_ns) {
+      report_wait_failure(team, DeviceErrorCode::kTimeout, flag, want, seen, now - start);
+      return false;
+    }
+  }
+}
+}  // namespace detail
+
+// Waits until this rank's `flag` (a pointer into its own heap) is >= `want`. Returns false (and records why)
+// on timeout or abort; the caller should then stop its work and return.
+__device__ __forceinline__ bool wait_ge(const TeamView& team, const uint64_t* flag, uint64_t want) {
+  if (ptx::ld_relaxed_sys(flag) >= want) {
+    ptx::fence_acq_rel_sys();
+    return true;
+  }
+  return detail::wait_ge_slow(team, flag, want);
+}
+
+}  // namespace weft

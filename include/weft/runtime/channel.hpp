@@ -1,0 +1,79 @@
+// Launcher-free rendezvous and host-side collectives between the processes of one job on one node.
+//
+// Rank 0 listens on an abstract Unix domain socket named after the job id ("\0weft.<job>": no file to clean
+// up, gone when the process dies); the other ranks connect to it. Messages carry at most one file descriptor
+// (SCM_RIGHTS), which is how the CUDA VMM handles of the symmetric heap travel. Rank 0 relays everything,
+// so a W-rank job holds W-1 connections.
+//
+// A background monitor notices a peer process that dies (its socket closes) even while no collective is in
+// flight, marks the channel lost and calls the on_peer_lost callback (the communicator raises the device
+// abort flag there, so spinning kernels fail within milliseconds instead of hanging). Rank 0 forwards the
+// loss to every other rank.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace weft {
+
+class Channel {
+ public:
+  struct Gathered {
+    std::vector<std::string> data;  // data[r]: what rank r contributed
+    std::vector<int> fds;           // fds[r]: rank r's descriptor, owned by the caller (-1: none, or self)
+  };
+
+  // Blocks until all `world` ranks of `job_id` are connected, or throws after `timeout`.
+  Channel(std::string job_id, int rank, int world, std::chrono::milliseconds timeout);
+  ~Channel();
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  const std::string& socket_name() const { return name_; }
+
+  // Every rank contributes `data` and optionally one descriptor (sent as a duplicate; the caller keeps its
+  // own). All ranks must call the same sequence of collectives; a mismatch is reported, not hung on.
+  Gathered allgather(std::string_view data, int fd = -1);
+  void barrier();
+
+  // Called once, from the monitor thread, when the channel is lost while idle (a peer died).
+  void set_on_peer_lost(std::function<void(const std::string&)> cb);
+  // Non-empty once the channel is lost; every later collective throws this message.
+  std::string lost_reason() const;
+  // Per-collective wait limit (default: the constructor's timeout).
+  void set_op_timeout(std::chrono::milliseconds t) { op_timeout_ = t; }
+
+ private:
+  struct Peer {
+    int sock = -1;
+    long pid = 0;
+  };
+  void hub_accept(std::chrono::steady_clock::time_point deadline);
+  void client_connect(std::chrono::steady_clock::time_point deadline);
+  [[noreturn]] void fail(const std::string& why);
+  void monitor_loop();
+  void stop_monitor();
+
+  std::string job_id_, name_;
+  int rank_ = 0, world_ = 1;
+  int listen_sock_ = -1;
+  std::vector<Peer> peers_;  // hub: indexed by rank (peers_[0] unused); client: peers_[0] is the hub
+  uint32_t seq_ = 0;
+  std::chrono::milliseconds op_timeout_;
+
+  mutable std::mutex io_mu_;  // held by collectives; the monitor only looks when it is free
+  std::string lost_;
+  std::function<void(const std::string&)> on_lost_;
+  std::atomic<bool> stop_{false};
+  std::thread monitor_;
+};
+
+}  // namespace weft

@@ -1,0 +1,141 @@
+// The host runtime: a team of ranks (one GPU each), their symmetric heaps, and device error reporting.
+//
+// Two ways to make one:
+//   single-process   one process drives every chosen GPU (default: all visible). Kernels synchronize through
+//                    device flags, so one host thread may launch a collective on each device in turn.
+//   one per process  torchrun / mpirun / weft-launch start one process per GPU; the processes meet through
+//                    a Unix-socket rendezvous (weft/runtime/channel.hpp) and exchange CUDA VMM handles.
+// Communicator::create() picks the mode from the environment.
+//
+// Symmetric heap: each rank reserves the same virtual span; every collective alloc() lands at the same
+// offset on every rank and is mapped into every rank's address space, so a kernel reaches a peer's copy at
+// peer_base[r] + offset (TeamView::peer_ptr).
+#pragma once
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/team_view.hpp"
+
+namespace weft {
+
+class Channel;
+class HeapAllocator;
+
+inline constexpr int kRuntimeBarrierSlot = kBarrierSlots - 1;  // used by Communicator::device_barrier
+
+struct Options {
+  std::vector<int> devices;              // single-process: CUDA device ordinals (default: all visible)
+  uint64_t heap_bytes = 0;               // virtual span per rank (0: WEFT_HEAP_BYTES, else the GPU's memory)
+  std::chrono::milliseconds timeout{0};  // device waits and host collectives (0: WEFT_TIMEOUT_MS, else 10 s)
+  std::optional<LaunchEnv> env;          // one-per-process: overrides the process environment (tests)
+};
+
+// A collective allocation: the same offset and size on every rank.
+struct SymmetricBuffer {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;           // rounded up to the heap granularity
+  std::vector<char*> local;     // local[i]: the buffer on this process's i-th rank
+  explicit operator bool() const { return bytes != 0; }
+};
+
+class Rank {
+ public:
+  int rank() const { return view_.rank; }
+  int world() const { return view_.world; }
+  int device() const { return device_; }
+  cudaStream_t stream() const { return stream_; }
+  // The device view to pass to kernels.
+  const TeamView& view() const { return view_; }
+  // Rank r's heap as mapped in this rank's address space.
+  char* heap_of(int r) const { return heap_of_[r]; }
+  template <class T = char>
+  T* at(const SymmetricBuffer& b, int r, uint64_t byte_offset = 0) const {
+    return reinterpret_cast<T*>(heap_of_[r] + b.offset + byte_offset);
+  }
+
+ private:
+  friend class Communicator;
+  int device_ = -1;
+  cudaStream_t stream_ = nullptr;
+  TeamView view_{};
+  std::vector<char*> heap_of_;
+};
+
+class Communicator {
+ public:
+  // Picks the mode: one rank per process if launcher variables are present, else single-process.
+  static std::unique_ptr<Communicator> create(Options opts = {});
+  static std::unique_ptr<Communicator> create_single_process(Options opts = {});
+  static std::unique_ptr<Communicator> create_from_launcher(const LaunchEnv& env, Options opts = {});
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int world() const { return world_; }
+  bool is_single_process() const { return channel_ == nullptr; }
+  Launcher launcher() const { return launcher_; }
+  int num_local() const { return static_cast<int>(ranks_.size()); }
+  Rank& local(int i) { return *ranks_.at(i); }
+  const Rank& local(int i) const { return *ranks_.at(i); }
+  uint64_t heap_capacity() const;
+  uint64_t heap_granularity() const;
+  uint64_t heap_in_use() const;
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // Collective over all ranks (every process must call it, in the same order, with the same size).
+  SymmetricBuffer alloc(uint64_t bytes);
+  // Waits for this process's GPUs, then unmaps. Not a rendezvous: peers' mappings keep the memory alive
+  // until they free it too.
+  void free(SymmetricBuffer& buf);
+
+  // Host-side barrier between processes (no-op in single-process mode).
+  void host_barrier();
+  // Enqueues an in-kernel barrier of the whole team on every local rank's stream.
+  void device_barrier();
+  // Waits for every local stream, then throws if any rank's device wait failed or a peer process died.
+  void synchronize();
+  // Throws weft::Error describing the first device wait failure of a local rank, if any.
+  void check_device_errors() const;
+  // Describes a heap offset for error messages ("barrier slot 3, inbox of rank 1", "user flag 7", ...).
+  std::string describe_offset(uint64_t offset) const;
+
+  // Live-mapping bookkeeping, for leak tests.
+  size_t live_mappings() const { return live_maps_; }
+
+ private:
+  Communicator() = default;
+  void init_devices(const std::vector<int>& devices, int first_rank, int world);
+  void init_heap(uint64_t heap_bytes);
+  void init_signal_pads();
+  void check_peer_access_single_process() const;
+  void check_peer_access_multi_process();
+  void map_range(char* va, uint64_t bytes, CUmemGenericAllocationHandle h, const std::vector<int>& devices);
+  void release_all() noexcept;
+
+  int world_ = 0;
+  Launcher launcher_ = Launcher::kNone;
+  std::chrono::milliseconds timeout_{10000};
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::unique_ptr<Channel> channel_;
+  std::unique_ptr<HeapAllocator> allocator_;
+  uint64_t capacity_ = 0, granularity_ = 0;
+  std::vector<CUdeviceptr> reservations_;  // (base, size) pairs reserved with cuMemAddressReserve
+  std::vector<uint64_t> reservation_sizes_;
+  std::vector<SymmetricBuffer> live_;      // for teardown
+  size_t live_maps_ = 0;
+  SymmetricBuffer pad_;
+  DeviceError* errors_ = nullptr;          // host-mapped, one per local rank
+  int32_t* abort_flag_ = nullptr;          // host-mapped
+  std::string lost_reason_;
+};
+
+}  // namespace weft

@@ -1,0 +1,36 @@
+// How this process was launched: single-process (no launcher variables) or one rank per process from
+// torchrun (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), mpirun (OMPI_COMM_WORLD_*) or weft-launch
+// (the torchrun names plus WEFT_JOB_ID).
+#pragma once
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace weft {
+
+enum class Launcher { kNone, kTorchrun, kMpi, kWeft };
+const char* launcher_name(Launcher l);
+
+struct LaunchEnv {
+  Launcher launcher = Launcher::kNone;
+  int rank = 0;
+  int world = 1;
+  int local_rank = 0;
+  int local_world = 1;
+  // Names this job's rendezvous socket. Two jobs on one node get different ids: WEFT_JOB_ID if set, else
+  // the launcher's own job id (TORCHELASTIC_RUN_ID + MASTER_PORT, the Open MPI/PMIx job id), else the
+  // parent process id (torchrun and mpirun start a node's ranks from one parent).
+  std::string job_id;
+};
+
+using EnvGetter = std::function<std::optional<std::string>(const std::string&)>;
+EnvGetter process_env();
+
+// Returns nullopt when no launcher variables are present (single-process mode). Throws weft::Error with a
+// precise message for incomplete, malformed, inconsistent or multi-node environments.
+std::optional<LaunchEnv> parse_launch_env(const EnvGetter& env, long parent_pid);
+
+// Parses a decimal integer in [lo, hi]; throws naming `what` otherwise.
+int parse_int(const std::string& text, const std::string& what, int lo, int hi);
+
+}  // namespace weft

@@ -1,0 +1,534 @@
+#include "weft/runtime/communicator.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "weft/runtime/channel.hpp"
+#include "weft/runtime/heap_allocator.hpp"
+
+namespace weft {
+
+void launch_team_barrier(const TeamView& view, int slot, cudaStream_t stream);  // kernels.cu
+
+namespace {
+
+std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds t) {
+  if (t.count() > 0) return t;
+  if (auto v = process_env()("WEFT_TIMEOUT_MS"))
+    return std::chrono::milliseconds(parse_int(*v, "WEFT_TIMEOUT_MS", 1, 86'400'000));
+  return std::chrono::milliseconds(10000);
+}
+
+uint64_t parse_bytes(const std::string& s, const char* what) {
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  uint64_t mult = 1;
+  std::string unit = end ? std::string(end) : "";
+  if (unit == "" || unit == "B") mult = 1;
+  else if (unit == "K" || unit == "KiB" || unit == "k") mult = 1ull << 10;
+  else if (unit == "M" || unit == "MiB") mult = 1ull << 20;
+  else if (unit == "G" || unit == "GiB") mult = 1ull << 30;
+  else throw_error(std::string("weft: ") + what + "='" + s + "': use a number with an optional K/M/G suffix");
+  WEFT_CHECK(v > 0, std::string(what) + "='" + s + "' must be positive");
+  return static_cast<uint64_t>(v * static_cast<double>(mult));
+}
+
+std::string device_name(int dev) {
+  char bus[32] = "?";
+  cudaDeviceGetPCIBusId(bus, sizeof(bus), dev);
+  return "GPU " + std::to_string(dev) + " (" + bus + ")";
+}
+
+void init_driver() {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e == cudaErrorNoDevice || (e == cudaSuccess && n == 0))
+    throw_error("weft: no CUDA GPU is visible (check the driver, CUDA_VISIBLE_DEVICES, and that this machine has one)");
+  if (e != cudaSuccess)
+    throw_error(std::string("weft: cannot use CUDA: ") + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+  WEFT_CU_CHECK(cuInit(0));
+}
+
+void check_device_capabilities(int dev, bool need_fd_handles) {
+  int major = 0, minor = 0, vmm = 0, fd = 0;
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (major < 9)
+    throw_error("weft: " + device_name(dev) + " has compute capability " + std::to_string(major) + "." +
+                std::to_string(minor) + "; weft needs 9.0 (Hopper) or newer");
+  CUdevice cu;
+  WEFT_CU_CHECK(cuDeviceGet(&cu, dev));
+  WEFT_CU_CHECK(cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu));
+  WEFT_CHECK(vmm, device_name(dev) + " does not support CUDA virtual memory management");
+  if (need_fd_handles) {
+    WEFT_CU_CHECK(cuDeviceGetAttribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cu));
+    WEFT_CHECK(fd, device_name(dev) + " cannot export memory as POSIX file descriptors (needed between processes)");
+  }
+}
+
+CUmemAllocationProp allocation_prop(int dev, bool exportable) {
+  CUmemAllocationProp p{};
+  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  p.location.id = dev;
+  p.requestedHandleTypes = exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+  return p;
+}
+
+template <class T>
+std::string as_bytes(const T& v) {
+  return std::string(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+struct OffsetSize {
+  uint64_t a, b;
+};
+template <class T>
+T from_bytes(const std::string& s) {
+  T v{};
+  std::memcpy(static_cast<void*>(&v), s.data(), std::min(sizeof(T), s.size()));
+  return v;
+}
+
+}  // namespace
+
+// ---- creation --------------------------------------------------------------------------------
+
+std::unique_ptr<Communicator> Communicator::create(Options opts) {
+  std::optional<LaunchEnv> env = opts.env ? opts.env : parse_launch_env(process_env(), static_cast<long>(::getppid()));
+  if (env) return create_from_launcher(*env, std::move(opts));
+  return create_single_process(std::move(opts));
+}
+
+std::unique_ptr<Communicator> Communicator::create_single_process(Options opts) {
+  init_driver();
+  std::vector<int> devices = opts.devices;
+  int n = 0;
+  WEFT_CUDA_CHECK(cudaGetDeviceCount(&n));
+  if (devices.empty())
+    for (int d = 0; d < n; ++d) devices.push_back(d);
+  WEFT_CHECK(static_cast<int>(devices.size()) <= kMaxWorld,
+             "at most " + std::to_string(kMaxWorld) + " ranks per team");
+  for (size_t i = 0; i < devices.size(); ++i) {
+    WEFT_CHECK(devices[i] >= 0 && devices[i] < n, "device " + std::to_string(devices[i]) + " does not exist (" +
+                                                      std::to_string(n) + " visible)");
+    for (size_t j = 0; j < i; ++j)
+      WEFT_CHECK(devices[i] != devices[j], "device " + std::to_string(devices[i]) + " listed twice");
+  }
+  std::unique_ptr<Communicator> c(new Communicator());
+  c->timeout_ = resolve_timeout(opts.timeout);
+  c->world_ = static_cast<int>(devices.size());
+  try {
+    c->init_devices(devices, 0, c->world_);
+    c->check_peer_access_single_process();
+    c->init_heap(opts.heap_bytes);
+    c->init_signal_pads();
+  } catch (...) {
+    c->release_all();
+    throw;
+  }
+  return c;
+}
+
+std::unique_ptr<Communicator> Communicator::create_from_launcher(const LaunchEnv& env, Options opts) {
+  WEFT_CHECK(env.local_world == env.world, "multi-node jobs are not supported yet (world size " +
+                                               std::to_string(env.world) + ", " + std::to_string(env.local_world) +
+                                               " ranks on this node)");
+  init_driver();
+  int n = 0;
+  WEFT_CUDA_CHECK(cudaGetDeviceCount(&n));
+  int dev;
+  if (n == env.local_world || n > env.local_rank) dev = env.local_rank;
+  else if (n == 1) dev = 0;  // the launcher gave each process its own CUDA_VISIBLE_DEVICES
+  else
+    throw_error("weft: local rank " + std::to_string(env.local_rank) + " has no GPU: only " + std::to_string(n) +
+                " visible for " + std::to_string(env.local_world) + " local ranks");
+  std::unique_ptr<Communicator> c(new Communicator());
+  c->timeout_ = resolve_timeout(opts.timeout);
+  c->world_ = env.world;
+  c->launcher_ = env.launcher;
+  try {
+    // The rendezvous may wait for slow starters longer than a device wait would.
+    c->channel_ = std::make_unique<Channel>(env.job_id, env.rank, env.world,
+                                            std::max(c->timeout_, std::chrono::milliseconds(60000)));
+    c->channel_->set_op_timeout(std::max(c->timeout_, std::chrono::milliseconds(30000)));
+    Communicator* self = c.get();
+    c->channel_->set_on_peer_lost([self](const std::string&) {
+      if (self->abort_flag_) *reinterpret_cast<volatile int32_t*>(self->abort_flag_) = 1;
+    });
+    c->init_devices({dev}, env.rank, env.world);
+    c->check_peer_access_multi_process();
+    c->init_heap(opts.heap_bytes);
+    c->init_signal_pads();
+  } catch (...) {
+    c->release_all();
+    throw;
+  }
+  return c;
+}
+
+void Communicator::init_devices(const std::vector<int>& devices, int first_rank, int world) {
+  // Host-mapped error records and abort flag: the device writes/reads them while kernels run.
+  void* host = nullptr;
+  const size_t bytes = sizeof(DeviceError) * devices.size() + 64;
+  WEFT_CUDA_CHECK(cudaSetDevice(devices[0]));
+  WEFT_CUDA_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(host, 0, bytes);
+  errors_ = static_cast<DeviceError*>(host);
+  abort_flag_ = reinterpret_cast<int32_t*>(static_cast<char*>(host) + sizeof(DeviceError) * devices.size());
+
+  for (size_t i = 0; i < devices.size(); ++i) {
+    check_device_capabilities(devices[i], channel_ != nullptr);
+    auto r = std::make_unique<Rank>();
+    r->device_ = devices[i];
+    WEFT_CUDA_CHECK(cudaSetDevice(devices[i]));
+    WEFT_CUDA_CHECK(cudaFree(nullptr));  // create the primary context now, not inside a timed region
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&r->stream_, cudaStreamNonBlocking));
+    r->view_.rank = first_rank + static_cast<int>(i);
+    r->view_.world = world;
+    r->view_.timeout_ns = static_cast<uint64_t>(timeout_.count()) * 1000000ull;
+    // Unified addressing: pinned host memory has the same address on the host and every device.
+    r->view_.error = &errors_[i];
+    r->view_.abort = abort_flag_;
+    ranks_.push_back(std::move(r));
+  }
+}
+
+void Communicator::check_peer_access_single_process() const {
+  for (auto& a : ranks_)
+    for (auto& b : ranks_) {
+      if (a->device_ == b->device_) continue;
+      int can = 0;
+      WEFT_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, a->device_, b->device_));
+      if (!can)
+        throw_error("weft: " + device_name(a->device_) + " cannot access " + device_name(b->device_) +
+                    " as a peer (no P2P between them; weft needs peer access between every pair of its GPUs)");
+    }
+}
+
+void Communicator::check_peer_access_multi_process() {
+  char bus[32] = {};
+  const int dev = ranks_[0]->device_;
+  WEFT_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof(bus), dev));
+  auto g = channel_->allgather(std::string(bus));
+  for (int r = 0; r < world_; ++r) {
+    if (r == ranks_[0]->rank()) continue;
+    if (g.data[r] == bus)
+      throw_error("weft: ranks " + std::to_string(std::min(r, ranks_[0]->rank())) + " and " +
+                  std::to_string(std::max(r, ranks_[0]->rank())) + " both use GPU " + bus +
+                  " (check LOCAL_RANK and CUDA_VISIBLE_DEVICES)");
+    int other = -1;
+    if (cudaDeviceGetByPCIBusId(&other, g.data[r].c_str()) != cudaSuccess) {
+      cudaGetLastError();
+      continue;  // not visible to this process; mapping its memory below reports any problem
+    }
+    int can = 0;
+    WEFT_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, dev, other));
+    if (!can)
+      throw_error("weft: rank " + std::to_string(ranks_[0]->rank()) + " on " + device_name(dev) +
+                  " cannot access rank " + std::to_string(r) + "'s " + device_name(other) + " as a peer");
+  }
+}
+
+void Communicator::init_heap(uint64_t heap_bytes) {
+  const bool mp = channel_ != nullptr;
+  uint64_t gran = 0;
+  for (auto& r : ranks_) {
+    CUmemAllocationProp p = allocation_prop(r->device_, mp);
+    size_t g = 0;
+    WEFT_CU_CHECK(cuMemGetAllocationGranularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+    gran = std::max<uint64_t>(gran, g);
+  }
+  if (heap_bytes == 0) {
+    if (auto v = process_env()("WEFT_HEAP_BYTES")) heap_bytes = parse_bytes(*v, "WEFT_HEAP_BYTES");
+  }
+  if (heap_bytes == 0) {
+    size_t total = 0;
+    WEFT_CUDA_CHECK(cudaSetDevice(ranks_[0]->device_));
+    size_t free_b = 0;
+    WEFT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total));
+    heap_bytes = total;  // virtual span only: physical memory is committed per allocation
+  }
+  if (mp) {  // every rank must use the same span and granularity
+    auto g = channel_->allgather(as_bytes(OffsetSize{heap_bytes, gran}));
+    for (auto& s : g.data) {
+      auto [h, gr] = from_bytes<OffsetSize>(s);
+      heap_bytes = std::max(heap_bytes, h);
+      gran = std::max(gran, gr);
+    }
+  }
+  granularity_ = gran;
+  capacity_ = (heap_bytes + gran - 1) / gran * gran;
+  allocator_ = std::make_unique<HeapAllocator>(capacity_, granularity_);
+
+  std::vector<char*> bases(world_);
+  if (!mp) {
+    for (int r = 0; r < world_; ++r) {
+      CUdeviceptr va = 0;
+      WEFT_CU_CHECK(cuMemAddressReserve(&va, capacity_, granularity_, 0, 0));
+      reservations_.push_back(va);
+      reservation_sizes_.push_back(capacity_);
+      bases[r] = reinterpret_cast<char*>(va);
+    }
+  } else {
+    CUdeviceptr va = 0;
+    WEFT_CU_CHECK(cuMemAddressReserve(&va, capacity_ * world_, granularity_, 0, 0));
+    reservations_.push_back(va);
+    reservation_sizes_.push_back(capacity_ * world_);
+    for (int r = 0; r < world_; ++r) bases[r] = reinterpret_cast<char*>(va) + capacity_ * r;
+  }
+  for (auto& r : ranks_) {
+    r->heap_of_ = bases;  // single-process: one address space, every rank sees the same bases
+    r->view_.local_base = bases[r->rank()];
+  }
+}
+
+void Communicator::map_range(char* va, uint64_t bytes, CUmemGenericAllocationHandle h,
+                             const std::vector<int>& devices) {
+  WEFT_CU_CHECK(cuMemMap(reinterpret_cast<CUdeviceptr>(va), bytes, 0, h, 0));
+  ++live_maps_;
+  std::vector<CUmemAccessDesc> access(devices.size());
+  for (size_t i = 0; i < devices.size(); ++i) {
+    access[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access[i].location.id = devices[i];
+    access[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  CUresult res = cuMemSetAccess(reinterpret_cast<CUdeviceptr>(va), bytes, access.data(), access.size());
+  if (res != CUDA_SUCCESS) {
+    cuMemUnmap(reinterpret_cast<CUdeviceptr>(va), bytes);
+    --live_maps_;
+    WEFT_CU_CHECK(res);
+  }
+}
+
+void Communicator::init_signal_pads() {
+  pad_ = alloc(SignalPadLayout::kBytes);
+  for (auto& r : ranks_) {
+    r->view_.pad_offset = pad_.offset;
+    char* pad = r->heap_of_[r->rank()] + pad_.offset;
+    std::vector<uint64_t> table(kMaxWorld, 0);
+    for (int p = 0; p < world_; ++p) table[p] = reinterpret_cast<uint64_t>(r->heap_of_[p]);
+    WEFT_CUDA_CHECK(cudaSetDevice(r->device_));
+    WEFT_CUDA_CHECK(cudaMemset(pad, 0, SignalPadLayout::kPeerTableOffset));
+    WEFT_CUDA_CHECK(cudaMemcpy(pad + SignalPadLayout::kPeerTableOffset, table.data(),
+                               sizeof(uint64_t) * kMaxWorld, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  host_barrier();  // nobody signals into a pad before its owner has zeroed it
+}
+
+// ---- symmetric allocation ---------------------------------------------------------------------
+
+SymmetricBuffer Communicator::alloc(uint64_t bytes) {
+  WEFT_CHECK(!channel_ || channel_->lost_reason().empty(), channel_->lost_reason());
+  const bool mp = channel_ != nullptr;
+  const uint64_t off = allocator_->allocate(bytes);
+  const uint64_t size = allocator_->size_of(off);
+  SymmetricBuffer buf;
+  buf.offset = off;
+  buf.bytes = size;
+  std::vector<std::pair<char*, uint64_t>> mapped;
+  auto undo = [&] {
+    for (auto& [va, n] : mapped) {
+      cuMemUnmap(reinterpret_cast<CUdeviceptr>(va), n);
+      --live_maps_;
+    }
+    allocator_->free(off);
+  };
+  try {
+    if (mp) {
+      auto g = channel_->allgather(as_bytes(OffsetSize{off, size}));
+      for (int r = 0; r < world_; ++r) {
+        auto [o, s] = from_bytes<OffsetSize>(g.data[r]);
+        if (o != off || s != size)
+          throw_error("weft: symmetric alloc mismatch: rank " + std::to_string(ranks_[0]->rank()) +
+                      " allocates " + std::to_string(size) + " bytes at offset " + std::to_string(off) + ", rank " +
+                      std::to_string(r) + " " + std::to_string(s) + " bytes at " + std::to_string(o) +
+                      " (alloc/free must be called by every rank, in the same order, with the same sizes)");
+      }
+    }
+    std::vector<int> all_devices;
+    for (auto& r : ranks_) all_devices.push_back(r->device_);
+    for (auto& r : ranks_) {
+      CUmemAllocationProp p = allocation_prop(r->device_, mp);
+      CUmemGenericAllocationHandle h;
+      CUresult res = cuMemCreate(&h, size, &p, 0);
+      if (res == CUDA_ERROR_OUT_OF_MEMORY)
+        throw_error("weft: out of GPU memory allocating a " + std::to_string(size >> 20) + " MiB symmetric buffer on " +
+                    device_name(r->device_));
+      WEFT_CU_CHECK(res);
+      char* mine = r->heap_of_[r->rank()] + off;
+      int fd = -1;
+      try {
+        map_range(mine, size, h, mp ? std::vector<int>{r->device_} : all_devices);
+        mapped.emplace_back(mine, size);
+        if (mp)
+          WEFT_CU_CHECK(cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+      } catch (...) {
+        cuMemRelease(h);
+        throw;
+      }
+      cuMemRelease(h);  // the mapping keeps the memory alive
+      if (!mp) continue;
+      auto g = channel_->allgather({}, fd);
+      ::close(fd);
+      for (int p = 0; p < world_; ++p) {
+        if (p == r->rank()) continue;
+        if (g.fds[p] < 0) {
+          for (int& x : g.fds)
+            if (x >= 0) ::close(x);
+          throw_error("weft: rank " + std::to_string(p) + " sent no memory handle");
+        }
+        CUmemGenericAllocationHandle ph;
+        CUresult ires = cuMemImportFromShareableHandle(&ph, reinterpret_cast<void*>(static_cast<intptr_t>(g.fds[p])),
+                                                       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+        ::close(g.fds[p]);
+        g.fds[p] = -1;
+        WEFT_CU_CHECK(ires);
+        try {
+          map_range(r->heap_of_[p] + off, size, ph, {r->device_});
+          mapped.emplace_back(r->heap_of_[p] + off, size);
+        } catch (...) {
+          cuMemRelease(ph);
+          for (int& x : g.fds)
+            if (x >= 0) ::close(x);
+          throw;
+        }
+        cuMemRelease(ph);
+      }
+    }
+  } catch (...) {
+    undo();
+    throw;
+  }
+  for (auto& r : ranks_) buf.local.push_back(r->heap_of_[r->rank()] + off);
+  live_.push_back(buf);
+  return buf;
+}
+
+void Communicator::free(SymmetricBuffer& buf) {
+  if (!buf) return;
+  auto it = std::find_if(live_.begin(), live_.end(), [&](auto& b) { return b.offset == buf.offset; });
+  WEFT_CHECK(it != live_.end(), "free of a buffer that this communicator did not allocate (or already freed)");
+  for (auto& r : ranks_) {
+    cudaSetDevice(r->device_);
+    cudaDeviceSynchronize();  // no kernel of ours may still touch it
+  }
+  std::vector<char*> vas;
+  if (channel_)
+    for (int p = 0; p < world_; ++p) vas.push_back(ranks_[0]->heap_of_[p] + buf.offset);
+  else
+    for (auto& r : ranks_) vas.push_back(r->heap_of_[r->rank()] + buf.offset);
+  for (char* va : vas) {
+    WEFT_CU_CHECK(cuMemUnmap(reinterpret_cast<CUdeviceptr>(va), buf.bytes));
+    --live_maps_;
+  }
+  allocator_->free(buf.offset);
+  live_.erase(it);
+  buf = SymmetricBuffer{};
+}
+
+uint64_t Communicator::heap_capacity() const { return capacity_; }
+uint64_t Communicator::heap_granularity() const { return granularity_; }
+uint64_t Communicator::heap_in_use() const { return allocator_ ? allocator_->bytes_in_use() : 0; }
+
+// ---- synchronization and errors ---------------------------------------------------------------
+
+void Communicator::host_barrier() {
+  if (channel_) channel_->barrier();
+}
+
+void Communicator::device_barrier() {
+  for (auto& r : ranks_) {
+    WEFT_CUDA_CHECK(cudaSetDevice(r->device_));
+    launch_team_barrier(r->view_, kRuntimeBarrierSlot, r->stream_);
+  }
+}
+
+void Communicator::synchronize() {
+  for (auto& r : ranks_) {
+    WEFT_CUDA_CHECK(cudaSetDevice(r->device_));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(r->stream_));
+  }
+  check_device_errors();
+}
+
+std::string Communicator::describe_offset(uint64_t offset) const {
+  if (pad_ && offset >= pad_.offset && offset < pad_.offset + SignalPadLayout::kBytes) {
+    const uint64_t o = offset - pad_.offset;
+    using L = SignalPadLayout;
+    if (o < L::kBarrierInboxOffset) return "user flag " + std::to_string(o / 8);
+    if (o < L::kBarrierEpochOffset) {
+      const uint64_t i = (o - L::kBarrierInboxOffset) / 8;
+      return "barrier slot " + std::to_string(i / kMaxWorld) + ", arrival of rank " + std::to_string(i % kMaxWorld);
+    }
+    if (o < L::kGridArriveOffset) return "barrier slot " + std::to_string((o - L::kBarrierEpochOffset) / 8) + " epoch";
+    if (o < L::kGridGenerationOffset)
+      return "grid barrier slot " + std::to_string((o - L::kGridArriveOffset) / 8) + " arrivals";
+    if (o < L::kPeerTableOffset)
+      return "grid barrier slot " + std::to_string((o - L::kGridGenerationOffset) / 8) + " generation";
+    return "signal pad peer table";
+  }
+  for (auto& b : live_)
+    if (offset >= b.offset && offset < b.offset + b.bytes)
+      return "byte " + std::to_string(offset - b.offset) + " of the symmetric buffer at heap offset " +
+             std::to_string(b.offset);
+  return "heap offset " + std::to_string(offset);
+}
+
+void Communicator::check_device_errors() const {
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    const volatile DeviceError& e = errors_[i];
+    const auto code = static_cast<DeviceErrorCode>(e.code);
+    if (code == DeviceErrorCode::kNone) continue;
+    std::string msg = "weft: rank " + std::to_string(e.rank) + " (block " + std::to_string(e.block) + ", thread " +
+                      std::to_string(e.thread) + ") ";
+    msg += code == DeviceErrorCode::kTimeout ? "timed out after " : "gave up (abort) after ";
+    msg += std::to_string(e.waited_ns / 1000000) + " ms waiting for " + describe_offset(e.flag_offset) +
+           " to reach " + std::to_string(e.expected) + " (last saw " + std::to_string(e.observed) + ")";
+    if (code == DeviceErrorCode::kTimeout)
+      msg += "; a peer is stuck, died, or skipped a matching signal (timeout: WEFT_TIMEOUT_MS)";
+    if (channel_ && !channel_->lost_reason().empty()) msg += "; " + channel_->lost_reason();
+    throw Error(msg);
+  }
+  if (channel_) {
+    std::string lost = channel_->lost_reason();
+    if (!lost.empty()) throw Error(lost);
+  }
+}
+
+// ---- teardown ---------------------------------------------------------------------------------
+
+void Communicator::release_all() noexcept {
+  for (auto& r : ranks_) {
+    cudaSetDevice(r->device_);
+    cudaDeviceSynchronize();
+  }
+  while (!live_.empty()) {
+    SymmetricBuffer b = live_.back();
+    try {
+      free(b);
+    } catch (...) {
+      live_.pop_back();
+    }
+  }
+  for (size_t i = 0; i < reservations_.size(); ++i) cuMemAddressFree(reservations_[i], reservation_sizes_[i]);
+  reservations_.clear();
+  for (auto& r : ranks_) {
+    if (r->stream_) {
+      cudaSetDevice(r->device_);
+      cudaStreamDestroy(r->stream_);
+    }
+  }
+  ranks_.clear();
+  channel_.reset();
+  if (errors_) cudaFreeHost(errors_);
+  errors_ = nullptr;
+  abort_flag_ = nullptr;
+}
+
+Communicator::~Communicator() { release_all(); }
+
+}  // namespace weft

@@ -1,0 +1,16 @@
+// Kernels the host runtime launches itself.
+#include "weft/comm/barrier.cuh"
+#include "weft/runtime/error.hpp"
+
+namespace weft {
+
+namespace {
+__global__ void team_barrier_kernel(TeamView team, int slot) { barrier_block(team, slot); }
+}  // namespace
+
+void launch_team_barrier(const TeamView& view, int slot, cudaStream_t stream) {
+  team_barrier_kernel<<<1, 32, 0, stream>>>(view, slot);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace weft

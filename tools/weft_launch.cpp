@@ -1,0 +1,98 @@
+// weft-launch: starts one process per GPU on this node, the way torchrun would, with no Python needed.
+//   weft-launch -n 4 ./my_program args...
+// Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and a job-unique WEFT_JOB_ID. When a child
+// fails, the others are expected to notice within seconds (weft's runtime does); any still running after a
+// grace period are killed, so the launcher never hangs.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/team_view.hpp"
+
+namespace {
+int usage() {
+  std::fprintf(stderr,
+               "usage: weft-launch -n NPROC [--grace SECONDS] [--] PROGRAM [ARGS...]\n"
+               "Starts NPROC copies of PROGRAM, one rank each, on this node.\n");
+  return 2;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  int nproc = 0, grace_s = 30, i = 1;
+  try {
+    for (; i < argc; ++i) {
+      std::string a = argv[i];
+      if ((a == "-n" || a == "--nproc") && i + 1 < argc) nproc = weft::parse_int(argv[++i], "-n", 1, weft::kMaxWorld);
+      else if (a == "--grace" && i + 1 < argc) grace_s = weft::parse_int(argv[++i], "--grace", 0, 86400);
+      else if (a == "--") { ++i; break; }
+      else if (a == "-h" || a == "--help") return usage(), 0;
+      else if (!a.empty() && a[0] == '-') { std::fprintf(stderr, "weft-launch: unknown option %s\n", a.c_str()); return usage(); }
+      else break;
+    }
+  } catch (const weft::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  }
+  if (nproc <= 0 || i >= argc) return usage();
+  const std::string job = "launch-" + std::to_string(::getpid());
+  std::vector<pid_t> kids;
+  for (int r = 0; r < nproc; ++r) {
+    pid_t pid = ::fork();
+    if (pid < 0) { std::perror("weft-launch: fork"); return 1; }
+    if (pid == 0) {
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("WEFT_JOB_ID", job.c_str(), 1);
+      ::execvp(argv[i], argv + i);
+      std::fprintf(stderr, "weft-launch: cannot run %s\n", argv[i]);
+      std::_Exit(127);
+    }
+    kids.push_back(pid);
+  }
+  int status_out = 0, alive = nproc;
+  std::chrono::steady_clock::time_point kill_at{};
+  bool failing = false;
+  while (alive > 0) {
+    int st = 0;
+    pid_t pid = ::waitpid(-1, &st, failing ? WNOHANG : 0);
+    if (pid == 0) {
+      if (std::chrono::steady_clock::now() >= kill_at) {
+        std::fprintf(stderr, "weft-launch: killing ranks still running %d s after a rank failed\n", grace_s);
+        for (pid_t k : kids) if (k > 0) ::kill(k, SIGKILL);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    if (pid < 0) break;
+    --alive;
+    int rank = -1;
+    for (int r = 0; r < nproc; ++r) if (kids[r] == pid) { rank = r; kids[r] = -1; }
+    int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    if (code == 77 && !failing) {  // the program's "skipped" exit code (no GPU): not a failure
+      if (status_out == 0) status_out = 77;
+      continue;
+    }
+    if (code != 0) {
+      if (WIFSIGNALED(st)) std::fprintf(stderr, "weft-launch: rank %d killed by signal %d\n", rank, WTERMSIG(st));
+      else std::fprintf(stderr, "weft-launch: rank %d exited with code %d\n", rank, code);
+      if (status_out == 0 || status_out == 77) status_out = code;
+      if (!failing) {
+        failing = true;
+        kill_at = std::chrono::steady_clock::now() + std::chrono::seconds(grace_s);
+      }
+    }
+  }
+  return status_out;
+}
