@@ -3,9 +3,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 
+#include "driver.hpp"
 #include "weft/runtime/channel.hpp"
 #include "weft/runtime/heap_allocator.hpp"
 
@@ -49,7 +51,7 @@ void init_driver() {
     throw_error("weft: no CUDA GPU is visible (check the driver, CUDA_VISIBLE_DEVICES, and that this machine has one)");
   if (e != cudaSuccess)
     throw_error(std::string("weft: cannot use CUDA: ") + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
-  WEFT_CU_CHECK(cuInit(0));
+  WEFT_CU_CHECK(driver().cuInit(0));
 }
 
 void check_device_capabilities(int dev, bool need_fd_handles) {
@@ -60,11 +62,11 @@ void check_device_capabilities(int dev, bool need_fd_handles) {
     throw_error("weft: " + device_name(dev) + " has compute capability " + std::to_string(major) + "." +
                 std::to_string(minor) + "; weft needs 9.0 (Hopper) or newer");
   CUdevice cu;
-  WEFT_CU_CHECK(cuDeviceGet(&cu, dev));
-  WEFT_CU_CHECK(cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu));
+  WEFT_CU_CHECK(driver().cuDeviceGet(&cu, dev));
+  WEFT_CU_CHECK(driver().cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu));
   WEFT_CHECK(vmm, device_name(dev) + " does not support CUDA virtual memory management");
   if (need_fd_handles) {
-    WEFT_CU_CHECK(cuDeviceGetAttribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cu));
+    WEFT_CU_CHECK(driver().cuDeviceGetAttribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cu));
     WEFT_CHECK(fd, device_name(dev) + " cannot export memory as POSIX file descriptors (needed between processes)");
   }
 }
@@ -151,7 +153,11 @@ std::unique_ptr<Communicator> Communicator::create_from_launcher(const LaunchEnv
   c->launcher_ = env.launcher;
   try {
     // The rendezvous may wait for slow starters longer than a device wait would.
-    c->channel_ = std::make_unique<Channel>(env.job_id, env.rank, env.world,
+    // Teams of one job are created in the same order on every rank; numbering them keeps a new team's
+    // rendezvous apart from a previous one that a slow rank may still be leaving.
+    static std::atomic<int> generation{0};
+    const std::string job = env.job_id + "." + std::to_string(generation++);
+    c->channel_ = std::make_unique<Channel>(job, env.rank, env.world,
                                             std::max(c->timeout_, std::chrono::milliseconds(60000)));
     c->channel_->set_op_timeout(std::max(c->timeout_, std::chrono::milliseconds(30000)));
     Communicator* self = c.get();
@@ -238,7 +244,7 @@ void Communicator::init_heap(uint64_t heap_bytes) {
   for (auto& r : ranks_) {
     CUmemAllocationProp p = allocation_prop(r->device_, mp);
     size_t g = 0;
-    WEFT_CU_CHECK(cuMemGetAllocationGranularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+    WEFT_CU_CHECK(driver().cuMemGetAllocationGranularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
     gran = std::max<uint64_t>(gran, g);
   }
   if (heap_bytes == 0) {
@@ -267,14 +273,14 @@ void Communicator::init_heap(uint64_t heap_bytes) {
   if (!mp) {
     for (int r = 0; r < world_; ++r) {
       CUdeviceptr va = 0;
-      WEFT_CU_CHECK(cuMemAddressReserve(&va, capacity_, granularity_, 0, 0));
+      WEFT_CU_CHECK(driver().cuMemAddressReserve(&va, capacity_, granularity_, 0, 0));
       reservations_.push_back(va);
       reservation_sizes_.push_back(capacity_);
       bases[r] = reinterpret_cast<char*>(va);
     }
   } else {
     CUdeviceptr va = 0;
-    WEFT_CU_CHECK(cuMemAddressReserve(&va, capacity_ * world_, granularity_, 0, 0));
+    WEFT_CU_CHECK(driver().cuMemAddressReserve(&va, capacity_ * world_, granularity_, 0, 0));
     reservations_.push_back(va);
     reservation_sizes_.push_back(capacity_ * world_);
     for (int r = 0; r < world_; ++r) bases[r] = reinterpret_cast<char*>(va) + capacity_ * r;
@@ -287,7 +293,7 @@ void Communicator::init_heap(uint64_t heap_bytes) {
 
 void Communicator::map_range(char* va, uint64_t bytes, CUmemGenericAllocationHandle h,
                              const std::vector<int>& devices) {
-  WEFT_CU_CHECK(cuMemMap(reinterpret_cast<CUdeviceptr>(va), bytes, 0, h, 0));
+  WEFT_CU_CHECK(driver().cuMemMap(reinterpret_cast<CUdeviceptr>(va), bytes, 0, h, 0));
   ++live_maps_;
   std::vector<CUmemAccessDesc> access(devices.size());
   for (size_t i = 0; i < devices.size(); ++i) {
@@ -295,9 +301,9 @@ void Communicator::map_range(char* va, uint64_t bytes, CUmemGenericAllocationHan
     access[i].location.id = devices[i];
     access[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   }
-  CUresult res = cuMemSetAccess(reinterpret_cast<CUdeviceptr>(va), bytes, access.data(), access.size());
+  CUresult res = driver().cuMemSetAccess(reinterpret_cast<CUdeviceptr>(va), bytes, access.data(), access.size());
   if (res != CUDA_SUCCESS) {
-    cuMemUnmap(reinterpret_cast<CUdeviceptr>(va), bytes);
+    driver().cuMemUnmap(reinterpret_cast<CUdeviceptr>(va), bytes);
     --live_maps_;
     WEFT_CU_CHECK(res);
   }
@@ -332,7 +338,7 @@ SymmetricBuffer Communicator::alloc(uint64_t bytes) {
   std::vector<std::pair<char*, uint64_t>> mapped;
   auto undo = [&] {
     for (auto& [va, n] : mapped) {
-      cuMemUnmap(reinterpret_cast<CUdeviceptr>(va), n);
+      driver().cuMemUnmap(reinterpret_cast<CUdeviceptr>(va), n);
       --live_maps_;
     }
     allocator_->free(off);
@@ -354,7 +360,7 @@ SymmetricBuffer Communicator::alloc(uint64_t bytes) {
     for (auto& r : ranks_) {
       CUmemAllocationProp p = allocation_prop(r->device_, mp);
       CUmemGenericAllocationHandle h;
-      CUresult res = cuMemCreate(&h, size, &p, 0);
+      CUresult res = driver().cuMemCreate(&h, size, &p, 0);
       if (res == CUDA_ERROR_OUT_OF_MEMORY)
         throw_error("weft: out of GPU memory allocating a " + std::to_string(size >> 20) + " MiB symmetric buffer on " +
                     device_name(r->device_));
@@ -365,12 +371,12 @@ SymmetricBuffer Communicator::alloc(uint64_t bytes) {
         map_range(mine, size, h, mp ? std::vector<int>{r->device_} : all_devices);
         mapped.emplace_back(mine, size);
         if (mp)
-          WEFT_CU_CHECK(cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+          WEFT_CU_CHECK(driver().cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
       } catch (...) {
-        cuMemRelease(h);
+        driver().cuMemRelease(h);
         throw;
       }
-      cuMemRelease(h);  // the mapping keeps the memory alive
+      driver().cuMemRelease(h);  // the mapping keeps the memory alive
       if (!mp) continue;
       auto g = channel_->allgather({}, fd);
       ::close(fd);
@@ -382,7 +388,7 @@ SymmetricBuffer Communicator::alloc(uint64_t bytes) {
           throw_error("weft: rank " + std::to_string(p) + " sent no memory handle");
         }
         CUmemGenericAllocationHandle ph;
-        CUresult ires = cuMemImportFromShareableHandle(&ph, reinterpret_cast<void*>(static_cast<intptr_t>(g.fds[p])),
+        CUresult ires = driver().cuMemImportFromShareableHandle(&ph, reinterpret_cast<void*>(static_cast<intptr_t>(g.fds[p])),
                                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
         ::close(g.fds[p]);
         g.fds[p] = -1;
@@ -391,12 +397,12 @@ SymmetricBuffer Communicator::alloc(uint64_t bytes) {
           map_range(r->heap_of_[p] + off, size, ph, {r->device_});
           mapped.emplace_back(r->heap_of_[p] + off, size);
         } catch (...) {
-          cuMemRelease(ph);
+          driver().cuMemRelease(ph);
           for (int& x : g.fds)
             if (x >= 0) ::close(x);
           throw;
         }
-        cuMemRelease(ph);
+        driver().cuMemRelease(ph);
       }
     }
   } catch (...) {
@@ -422,7 +428,7 @@ void Communicator::free(SymmetricBuffer& buf) {
   else
     for (auto& r : ranks_) vas.push_back(r->heap_of_[r->rank()] + buf.offset);
   for (char* va : vas) {
-    WEFT_CU_CHECK(cuMemUnmap(reinterpret_cast<CUdeviceptr>(va), buf.bytes));
+    WEFT_CU_CHECK(driver().cuMemUnmap(reinterpret_cast<CUdeviceptr>(va), buf.bytes));
     --live_maps_;
   }
   allocator_->free(buf.offset);
@@ -514,7 +520,7 @@ void Communicator::release_all() noexcept {
       live_.pop_back();
     }
   }
-  for (size_t i = 0; i < reservations_.size(); ++i) cuMemAddressFree(reservations_[i], reservation_sizes_[i]);
+  for (size_t i = 0; i < reservations_.size(); ++i) driver().cuMemAddressFree(reservations_[i], reservation_sizes_[i]);
   reservations_.clear();
   for (auto& r : ranks_) {
     if (r->stream_) {

@@ -32,7 +32,7 @@ __device__ __forceinline__ uint32_t linear_thread() {
 
 // Records the first failure of this rank into host-mapped memory. Later failures keep the first record:
 // it names the wait that started the chain.
-__device__ __noinline__ void report_wait_failure(const TeamView& team, DeviceErrorCode code,
+inline __device__ __noinline__ void report_wait_failure(const TeamView& team, DeviceErrorCode code,
                                                  const uint64_t* flag, uint64_t expected, uint64_t observed,
                                                  uint64_t waited_ns) {
   DeviceError* e = team.error;
@@ -50,7 +50,7 @@ __device__ __noinline__ void report_wait_failure(const TeamView& team, DeviceErr
 
 // Slow path of wait_ge: polls with the clock running, looks at the abort flag and this rank's error
 // record every few microseconds (both are host memory: too slow to read every poll).
-__device__ __noinline__ bool wait_ge_slow(const TeamView& team, const uint64_t* flag, uint64_t want) {
+inline __device__ __noinline__ bool wait_ge_slow(const TeamView& team, const uint64_t* flag, uint64_t want) {
   const uint64_t start = ptx::globaltimer_ns();
   uint64_t last_check = start;
   for (;;) {

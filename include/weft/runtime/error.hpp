@@ -14,6 +14,7 @@ class Error : public std::runtime_error {
 [[noreturn]] void throw_error(const std::string& what);
 [[noreturn]] void throw_cuda_error(int code, const char* name, const char* text, const char* expr,
                                    const char* file, int line);
+std::string driver_error_text(int code);
 
 }  // namespace weft
 
@@ -31,15 +32,11 @@ class Error : public std::runtime_error {
                                cudaGetErrorString(weft_err_), #expr, __FILE__, __LINE__);             \
   } while (0)
 
-// Driver API calls.
+// Driver API calls (through weft's resolved driver table; see src/runtime/driver.hpp).
 #define WEFT_CU_CHECK(expr)                                                                           \
   do {                                                                                                \
     CUresult weft_res_ = (expr);                                                                      \
-    if (weft_res_ != CUDA_SUCCESS) {                                                                  \
-      const char* weft_name_ = "?";                                                                   \
-      const char* weft_text_ = "?";                                                                   \
-      cuGetErrorName(weft_res_, &weft_name_);                                                         \
-      cuGetErrorString(weft_res_, &weft_text_);                                                       \
-      ::weft::throw_cuda_error(int(weft_res_), weft_name_, weft_text_, #expr, __FILE__, __LINE__);    \
-    }                                                                                                 \
+    if (weft_res_ != CUDA_SUCCESS)                                                                    \
+      ::weft::throw_error("weft: CUDA driver error " + ::weft::driver_error_text(int(weft_res_)) +    \
+                          " in " #expr " at " __FILE__ ":" + std::to_string(__LINE__));               \
   } while (0)

@@ -1,0 +1,144 @@
+#include "harness.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+
+namespace weft::test {
+
+std::vector<TestCase>& registry() {
+  static std::vector<TestCase> r;
+  return r;
+}
+
+Communicator& TestContext::comm() {
+  if (!shared) shared = make_comm();
+  return *shared;
+}
+
+std::unique_ptr<Communicator> TestContext::make_comm(std::chrono::milliseconds timeout) {
+  Options o = options;
+  o.timeout = timeout;
+  return multi_process ? Communicator::create_from_launcher(*o.env, o) : Communicator::create_single_process(o);
+}
+
+}  // namespace weft::test
+
+namespace {
+
+// Comma-separated substrings; a leading '-' excludes. No positive entry means "all".
+bool matches(const std::string& name, const std::string& filter) {
+  bool any_positive = false, hit = false;
+  size_t start = 0;
+  while (start < filter.size()) {
+    size_t end = filter.find(',', start);
+    if (end == std::string::npos) end = filter.size();
+    std::string part = filter.substr(start, end - start);
+    start = end + 1;
+    if (part.empty()) continue;
+    if (part[0] == '-') {
+      if (name.find(part.substr(1)) != std::string::npos) return false;
+    } else {
+      any_positive = true;
+      hit |= name.find(part) != std::string::npos;
+    }
+  }
+  return !any_positive || hit;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace weft::test;
+  TestContext ctx;
+  std::string filter;
+  int gpus = 0;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--filter" && i + 1 < argc) filter = argv[++i];
+    else if (a == "--gpus" && i + 1 < argc) gpus = std::atoi(argv[++i]);
+    else if (a == "--quick") ctx.quick = true;
+    else if (a == "--list") {
+      for (auto& t : registry()) std::printf("%s\n", t.name);
+      return 0;
+    } else {
+      std::fprintf(stderr,
+                   "usage: weft-gpu-tests [--gpus N] [--filter a,b,-c] [--quick] [--list]\n"
+                   "  single-process over N GPUs by default; one rank per process under weft-launch/torchrun/mpirun\n");
+      return 2;
+    }
+  }
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    std::printf("SKIPPED: weft-gpu-tests: no CUDA GPU visible on this machine; the GPU suite did not run\n");
+    return 77;
+  }
+  std::optional<weft::LaunchEnv> env;
+  try {
+    env = weft::parse_launch_env(weft::process_env(), static_cast<long>(::getppid()));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  }
+  std::string prefix;
+  if (env) {
+    ctx.multi_process = true;
+    ctx.process_rank = env->rank;
+    ctx.world = env->world;
+    ctx.options.env = env;
+    prefix = "[rank " + std::to_string(env->rank) + "] ";
+  } else {
+    ctx.world = gpus > 0 ? gpus : ndev;
+    if (ctx.world > ndev) {
+      std::printf("SKIPPED: weft-gpu-tests: %d GPUs requested, %d visible\n", ctx.world, ndev);
+      return 77;
+    }
+    for (int d = 0; d < ctx.world; ++d) ctx.options.devices.push_back(d);
+  }
+  if (ctx.world < 2) {
+    std::printf("SKIPPED: weft-gpu-tests: needs at least 2 GPUs (world size %d)\n", ctx.world);
+    return 77;
+  }
+  std::printf("%sweft-gpu-tests: %s, world size %d%s\n", prefix.c_str(), env ? weft::launcher_name(env->launcher) : "single-process",
+              ctx.world, ctx.quick ? " (quick)" : "");
+
+  int passed = 0, failed = 0, skipped = 0;
+  for (auto& t : registry()) {
+    if (!matches(t.name, filter)) continue;
+    std::printf("%s[ RUN      ] %s\n", prefix.c_str(), t.name);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string err;
+    bool skip = false;
+    try {
+      t.fn(ctx);
+    } catch (const Failure& f) {
+      err = f.what;
+    } catch (const Skip& s) {
+      skip = true;
+      err = s.why;
+    } catch (const std::exception& e) {
+      err = std::string("exception: ") + e.what();
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (skip) {
+      ++skipped;
+      std::printf("%s[  SKIPPED ] %s: %s\n", prefix.c_str(), t.name, err.c_str());
+    } else if (err.empty()) {
+      ++passed;
+      std::printf("%s[       OK ] %s (%.0f ms)\n", prefix.c_str(), t.name, ms);
+    } else {
+      ++failed;
+      std::printf("%s[  FAILED  ] %s (%.0f ms): %s\n", prefix.c_str(), t.name, ms, err.c_str());
+      ctx.shared.reset();  // a failed test may leave the team unusable
+      if (ctx.multi_process) break;  // peers cannot know; stop here (they fail fast on our exit)
+    }
+  }
+  std::printf("%ssummary: %d passed, %d failed, %d skipped\n", prefix.c_str(), passed, failed, skipped);
+  std::fflush(stdout);
+  ctx.shared.reset();
+  return failed ? 1 : 0;
+}

@@ -1,0 +1,67 @@
+// A minimal test harness for the GPU suite. It has no dependencies (the GPU machines have no GoogleTest)
+// and knows about ranks: in one-process-per-GPU mode every rank runs every test and reports its own result.
+//
+//   WEFT_GPU_TEST(name) { ... WEFT_EXPECT(cond, "what") ... }   // the body sees `ctx` (TestContext&)
+//
+// Exit codes: 0 all passed, 1 some failed, 77 skipped (no usable GPU), which ctest shows as skipped.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "weft/runtime/communicator.hpp"
+
+namespace weft::test {
+
+struct TestContext {
+  Options options;           // how to make a communicator in this mode (devices, env)
+  bool multi_process = false;
+  int process_rank = 0;      // 0 in single-process mode
+  int world = 0;             // team size the tests run at
+  bool quick = false;        // --quick: fewer rounds (for compute-sanitizer runs)
+  // The shared communicator for tests that don't need their own.
+  Communicator& comm();
+  std::unique_ptr<Communicator> make_comm(std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  std::unique_ptr<Communicator> shared;
+};
+
+struct Failure {
+  std::string what;
+};
+struct Skip {
+  std::string why;
+};
+
+using TestFn = void (*)(TestContext&);
+struct TestCase {
+  const char* name;
+  TestFn fn;
+};
+std::vector<TestCase>& registry();
+struct Registrar {
+  Registrar(const char* name, TestFn fn) { registry().push_back({name, fn}); }
+};
+
+}  // namespace weft::test
+
+#define WEFT_GPU_TEST(name)                                                     \
+  static void weft_test_##name(::weft::test::TestContext& ctx);                 \
+  static ::weft::test::Registrar weft_reg_##name(#name, &weft_test_##name);     \
+  static void weft_test_##name([[maybe_unused]] ::weft::test::TestContext& ctx)
+
+#define WEFT_EXPECT(cond, msg)                                                                   \
+  do {                                                                                           \
+    if (!(cond)) {                                                                               \
+      std::ostringstream weft_os_;                                                               \
+      weft_os_ << __FILE__ << ":" << __LINE__ << ": expected " #cond ": " << msg;                \
+      throw ::weft::test::Failure{weft_os_.str()};                                               \
+    }                                                                                            \
+  } while (0)
+
+#define WEFT_SKIP(msg) throw ::weft::test::Skip{msg}
+
+#define WEFT_CUDA_OK(expr) WEFT_CUDA_CHECK(expr)
