@@ -18,8 +18,8 @@ inline constexpr int kMaxWorld = 128;          // ranks in one team (an NVL72 fi
 inline constexpr int kUserFlags = 4096;        // signal flags free for ops and users
 inline constexpr int kBarrierSlots = 16;       // independent barriers (one block at a time per slot)
 
-// Why a device-side wait gave up. Written once (first error wins) into host-mapped memory, so the host can
-// read it while the kernel still runs and report it instead of hanging.
+// Why a device-side wait gave up. Written once per rank (first error wins) into the rank's signal pad; the
+// wait returns false, the kernel winds down, and the host reads the record after synchronizing.
 enum class DeviceErrorCode : uint32_t {
   kNone = 0,
   kTimeout = 1,  // a wait exceeded the team's timeout
@@ -51,7 +51,9 @@ struct SignalPadLayout {
   static constexpr size_t kGridGenerationOffset = kGridArriveOffset + sizeof(uint64_t) * kBarrierSlots;
   // peer_base[r]: rank r's heap as mapped in this rank's address space (read by this rank only).
   static constexpr size_t kPeerTableOffset = kGridGenerationOffset + sizeof(uint64_t) * kBarrierSlots;
-  static constexpr size_t kBytes = kPeerTableOffset + sizeof(uint64_t) * kMaxWorld;
+  // The first device wait failure of this rank (DeviceError).
+  static constexpr size_t kErrorOffset = kPeerTableOffset + sizeof(uint64_t) * kMaxWorld;
+  static constexpr size_t kBytes = kErrorOffset + 64;
 };
 
 struct TeamView {
@@ -60,7 +62,7 @@ struct TeamView {
   char* local_base = nullptr;          // this rank's heap
   uint64_t pad_offset = 0;             // the signal pad's offset in every heap
   uint64_t timeout_ns = 0;             // how long a wait may spin before it reports kTimeout
-  DeviceError* error = nullptr;        // host-mapped error record of this rank
+  DeviceError* error = nullptr;        // this rank's error record (in its signal pad)
   const volatile int32_t* abort = nullptr;  // host-mapped; non-zero once the host saw a peer die
 
   WEFT_HD char* pad() const { return local_base + pad_offset; }

@@ -166,6 +166,11 @@ long unpack_int(const std::string& s, size_t i) {
   return x;
 }
 
+// A failure report relayed by rank 0 already starts with "weft: "; fail() adds it again.
+std::string relayed(const std::string& payload) {
+  return payload.rfind("weft: ", 0) == 0 ? payload.substr(6) : payload;
+}
+
 }  // namespace
 
 Channel::Channel(std::string job_id, int rank, int world, std::chrono::milliseconds timeout)
@@ -362,7 +367,12 @@ Channel::Gathered Channel::allgather(std::string_view data, int fd) {
           if (pf[i].revents == 0) continue;
           const int r = ranks[i];
           Frame f = recv_frame(peers_[r].sock, deadline, r);
-          if (static_cast<MsgType>(f.h.type) == MsgType::kError) fail(f.payload);
+          if (static_cast<MsgType>(f.h.type) == MsgType::kError || f.h.seq != seq) {
+            for (int x : g.fds)
+              if (x >= 0) ::close(x);
+            if (f.fd >= 0) ::close(f.fd);
+          }
+          if (static_cast<MsgType>(f.h.type) == MsgType::kError) fail(relayed(f.payload));
           if (f.h.seq != seq)
             fail("host collectives out of order: " + describe(r) + " is in collective #" + std::to_string(f.h.seq) +
                  ", rank 0 in #" + std::to_string(seq) + " (every rank must make the same collective calls)");
@@ -379,8 +389,14 @@ Channel::Gathered Channel::allgather(std::string_view data, int fd) {
       send_frame(peers_[0].sock, MsgType::kData, seq, rank_, data, fd, 0);
       for (int k = 0; k < world_ - 1; ++k) {
         Frame f = recv_frame(peers_[0].sock, deadline, 0);
-        if (static_cast<MsgType>(f.h.type) == MsgType::kError) fail(f.payload);
-        if (f.h.seq != seq || f.h.src < 0 || f.h.src >= world_ || f.h.src == rank_)
+        const bool bad = f.h.seq != seq || f.h.src < 0 || f.h.src >= world_ || f.h.src == rank_;
+        if (static_cast<MsgType>(f.h.type) == MsgType::kError || bad) {
+          for (int x : g.fds)
+            if (x >= 0) ::close(x);
+          if (f.fd >= 0) ::close(f.fd);
+        }
+        if (static_cast<MsgType>(f.h.type) == MsgType::kError) fail(relayed(f.payload));
+        if (bad)
           fail("host collectives out of order: rank " + std::to_string(rank_) + " is in collective #" +
                std::to_string(seq) + ", got #" + std::to_string(f.h.seq) + " from rank 0");
         g.data[f.h.src] = std::move(f.payload);
@@ -415,23 +431,23 @@ void Channel::monitor_loop() {
       pollfd p{s, POLLIN | POLLRDHUP, 0};
       if (::poll(&p, 1, 0) <= 0) continue;
       std::string why;
-      if (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+      // Rank 0 reports a failure just before it hangs up: read the report first, so the reason travels.
+      Header h{};
+      const ssize_t n = (p.revents & POLLIN) ? ::recv(s, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT) : -1;
+      if (n == sizeof(h) && h.magic == kMagic && static_cast<MsgType>(h.type) == MsgType::kError) {
+        try {
+          Frame f = recv_frame(s, Clock::now() + std::chrono::seconds(1), r);
+          if (f.fd >= 0) ::close(f.fd);
+          why = relayed(f.payload);
+        } catch (...) {
+          why = "rank 0 reported a failure";
+        }
+      } else if (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) {
         why = rank_ == 0 ? "rank " + std::to_string(r) + " (pid " + std::to_string(peers_[r].pid) +
                                ") exited or crashed: its connection closed"
                          : "lost the connection to rank 0: it exited, crashed, or reported a failure";
-      } else {
-        Header h{};
-        const ssize_t n = ::recv(s, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT);
-        if (n == sizeof(h) && static_cast<MsgType>(h.type) == MsgType::kError) {
-          try {
-            Frame f = recv_frame(s, Clock::now() + std::chrono::seconds(1), r);
-            why = f.payload.rfind("weft: ", 0) == 0 ? f.payload.substr(6) : f.payload;
-          } catch (...) {
-            why = "rank 0 reported a failure";
-          }
-        } else if (n == 0) {
-          why = "rank " + std::to_string(r) + " closed its connection";
-        }
+      } else if (n == 0) {
+        why = "rank " + std::to_string(r) + " closed its connection";
       }
       if (why.empty()) continue;  // a peer already started the next collective; it will be read then
       try {

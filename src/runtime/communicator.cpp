@@ -176,14 +176,12 @@ std::unique_ptr<Communicator> Communicator::create_from_launcher(const LaunchEnv
 }
 
 void Communicator::init_devices(const std::vector<int>& devices, int first_rank, int world) {
-  // Host-mapped error records and abort flag: the device writes/reads them while kernels run.
+  // The abort flag lives in host-mapped memory: the host raises it while kernels run.
   void* host = nullptr;
-  const size_t bytes = sizeof(DeviceError) * devices.size() + 64;
   WEFT_CUDA_CHECK(cudaSetDevice(devices[0]));
-  WEFT_CUDA_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
-  std::memset(host, 0, bytes);
-  errors_ = static_cast<DeviceError*>(host);
-  abort_flag_ = reinterpret_cast<int32_t*>(static_cast<char*>(host) + sizeof(DeviceError) * devices.size());
+  WEFT_CUDA_CHECK(cudaHostAlloc(&host, 64, cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(host, 0, 64);
+  abort_flag_ = static_cast<int32_t*>(host);
 
   for (size_t i = 0; i < devices.size(); ++i) {
     check_device_capabilities(devices[i], channel_ != nullptr);
@@ -196,7 +194,6 @@ void Communicator::init_devices(const std::vector<int>& devices, int first_rank,
     r->view_.world = world;
     r->view_.timeout_ns = static_cast<uint64_t>(timeout_.count()) * 1000000ull;
     // Unified addressing: pinned host memory has the same address on the host and every device.
-    r->view_.error = &errors_[i];
     r->view_.abort = abort_flag_;
     ranks_.push_back(std::move(r));
   }
@@ -314,10 +311,11 @@ void Communicator::init_signal_pads() {
   for (auto& r : ranks_) {
     r->view_.pad_offset = pad_.offset;
     char* pad = r->heap_of_[r->rank()] + pad_.offset;
+    r->view_.error = reinterpret_cast<DeviceError*>(pad + SignalPadLayout::kErrorOffset);
     std::vector<uint64_t> table(kMaxWorld, 0);
     for (int p = 0; p < world_; ++p) table[p] = reinterpret_cast<uint64_t>(r->heap_of_[p]);
     WEFT_CUDA_CHECK(cudaSetDevice(r->device_));
-    WEFT_CUDA_CHECK(cudaMemset(pad, 0, SignalPadLayout::kPeerTableOffset));
+    WEFT_CUDA_CHECK(cudaMemset(pad, 0, SignalPadLayout::kBytes));
     WEFT_CUDA_CHECK(cudaMemcpy(pad + SignalPadLayout::kPeerTableOffset, table.data(),
                                sizeof(uint64_t) * kMaxWorld, cudaMemcpyHostToDevice));
     WEFT_CUDA_CHECK(cudaDeviceSynchronize());
@@ -475,7 +473,7 @@ std::string Communicator::describe_offset(uint64_t offset) const {
       return "grid barrier slot " + std::to_string((o - L::kGridArriveOffset) / 8) + " arrivals";
     if (o < L::kPeerTableOffset)
       return "grid barrier slot " + std::to_string((o - L::kGridGenerationOffset) / 8) + " generation";
-    return "signal pad peer table";
+    return o < L::kErrorOffset ? "signal pad peer table" : "device error record";
   }
   for (auto& b : live_)
     if (offset >= b.offset && offset < b.offset + b.bytes)
@@ -486,7 +484,10 @@ std::string Communicator::describe_offset(uint64_t offset) const {
 
 void Communicator::check_device_errors() const {
   for (size_t i = 0; i < ranks_.size(); ++i) {
-    const volatile DeviceError& e = errors_[i];
+    if (!ranks_[i]->view_.error) continue;
+    DeviceError e{};
+    WEFT_CUDA_CHECK(cudaSetDevice(ranks_[i]->device_));
+    WEFT_CUDA_CHECK(cudaMemcpy(&e, ranks_[i]->view_.error, sizeof(e), cudaMemcpyDeviceToHost));
     const auto code = static_cast<DeviceErrorCode>(e.code);
     if (code == DeviceErrorCode::kNone) continue;
     std::string msg = "weft: rank " + std::to_string(e.rank) + " (block " + std::to_string(e.block) + ", thread " +
@@ -530,8 +531,7 @@ void Communicator::release_all() noexcept {
   }
   ranks_.clear();
   channel_.reset();
-  if (errors_) cudaFreeHost(errors_);
-  errors_ = nullptr;
+  if (abort_flag_) cudaFreeHost(abort_flag_);
   abort_flag_ = nullptr;
 }
 

@@ -7,7 +7,10 @@
 namespace weft {
 
 namespace {
-std::string mib(uint64_t b) { return std::to_string(b >> 20) + " MiB"; }
+// Whole MiB as such; anything else exactly (a 4 KiB-granular heap must not report "0 MiB").
+std::string mib(uint64_t b) {
+  return b % (uint64_t{1} << 20) == 0 ? std::to_string(b >> 20) + " MiB" : std::to_string(b) + " bytes";
+}
 }  // namespace
 
 HeapAllocator::HeapAllocator(uint64_t capacity, uint64_t granularity)

@@ -77,14 +77,19 @@ __global__ void pingpong_all_pairs_kernel(TeamView team, uint64_t* inbox, int ro
   const int p = blockIdx.x;
   if (p == team.rank || threadIdx.x != 0) return;
   for (int i = 1; i <= rounds; ++i) {
+    // Each side checks the exact value before answering: the next one cannot have been sent yet.
+    auto check = [&] {
+      if (*reinterpret_cast<volatile uint64_t*>(inbox + p) != static_cast<uint64_t>(i)) atomicAdd(bad, 1ull);
+    };
     if (team.rank < p) {
       signal_set(team, inbox + team.rank, p, i);
       if (!wait_ge(team, inbox + p, i)) return;
+      check();
     } else {
       if (!wait_ge(team, inbox + p, i)) return;
+      check();
       signal_set(team, inbox + team.rank, p, i);
     }
-    if (*reinterpret_cast<volatile uint64_t*>(inbox + p) != static_cast<uint64_t>(i)) atomicAdd(bad, 1ull);
   }
 }
 

@@ -40,8 +40,8 @@ std::string error_of(F&& f) {
 inline ::testing::AssertionResult HasSubstrPred(const char* hay_expr, const char* needle_expr,
                                                 const std::string& hay, const std::string& needle) {
   if (hay.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << hay_expr << " does not contain " << needle_expr << "\n  actual: \"" << hay
-                                       << "\"\n  wanted: \"" << needle << "\"";
+  return ::testing::AssertionFailure() << hay_expr << " does not contain " << needle_expr << "\n  actual: \""
+                                       << hay << "\"\n  wanted: \"" << needle << "\"";
 }
 #define EXPECT_HAS(hay, needle) EXPECT_PRED_FORMAT2(::weft_test::HasSubstrPred, hay, needle)
 #define EXPECT_LACKS(hay, needle) EXPECT_EQ(std::string(hay).find(needle), std::string::npos) << (hay)

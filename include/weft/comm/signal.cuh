@@ -30,13 +30,13 @@ __device__ __forceinline__ uint32_t linear_thread() {
   return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
 }
 
-// Records the first failure of this rank into host-mapped memory. Later failures keep the first record:
-// it names the wait that started the chain.
+// Records the first failure of this rank. Later failures keep the first record: it names the wait that
+// started the chain.
 inline __device__ __noinline__ void report_wait_failure(const TeamView& team, DeviceErrorCode code,
                                                  const uint64_t* flag, uint64_t expected, uint64_t observed,
                                                  uint64_t waited_ns) {
   DeviceError* e = team.error;
-  if (atomicCAS_system(reinterpret_cast<unsigned int*>(&e->code), 0u, static_cast<unsigned int>(code)) != 0u)
+  if (atomicCAS(reinterpret_cast<unsigned int*>(&e->code), 0u, static_cast<unsigned int>(code)) != 0u)
     return;
   e->rank = team.rank;
   e->block = linear_block();
@@ -45,11 +45,11 @@ inline __device__ __noinline__ void report_wait_failure(const TeamView& team, De
   e->expected = expected;
   e->observed = observed;
   e->waited_ns = waited_ns;
-  __threadfence_system();
+  __threadfence();
 }
 
-// Slow path of wait_ge: polls with the clock running, looks at the abort flag and this rank's error
-// record every few microseconds (both are host memory: too slow to read every poll).
+// Slow path of wait_ge: polls with the clock running; every 20 us it also looks at the abort flag (host
+// memory, too slow to read every poll) and at this rank's error record (another wait already failed).
 inline __device__ __noinline__ bool wait_ge_slow(const TeamView& team, const uint64_t* flag, uint64_t want) {
   const uint64_t start = ptx::globaltimer_ns();
   uint64_t last_check = start;

@@ -133,7 +133,6 @@ class Communicator {
   std::vector<SymmetricBuffer> live_;      // for teardown
   size_t live_maps_ = 0;
   SymmetricBuffer pad_;
-  DeviceError* errors_ = nullptr;          // host-mapped, one per local rank
   int32_t* abort_flag_ = nullptr;          // host-mapped
   std::string lost_reason_;
 };

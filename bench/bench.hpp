@@ -1,0 +1,54 @@
+// weft-bench infrastructure: modes, result tables (readable and JSON), timing helpers.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "weft/runtime/communicator.hpp"
+
+namespace weft::bench {
+
+class Table {
+ public:
+  Table(std::string title, std::vector<std::string> columns, std::string note = {})
+      : title_(std::move(title)), note_(std::move(note)), columns_(std::move(columns)) {}
+  void add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  void print(std::FILE* out) const;
+  std::string json() const;
+  const std::string& title() const { return title_; }
+
+ private:
+  std::string title_, note_;
+  std::vector<std::string> columns_;
+  std::vector<std::vector<std::string>> rows_;
+};
+
+struct Context {
+  bool json = false;
+  bool quick = false;
+  int gpus = 0;                  // 0: all visible
+  std::vector<Table> tables;
+  // Prints to stderr so --json output stays clean.
+  void progress(const char* fmt, ...) const;
+  void add(Table t);
+};
+
+struct Mode {
+  const char* name;
+  const char* help;
+  void (*run)(Context&);
+};
+std::vector<Mode>& modes();
+struct ModeRegistrar {
+  ModeRegistrar(const char* name, const char* help, void (*run)(Context&)) { modes().push_back({name, help, run}); }
+};
+
+std::string fmt(const char* f, ...);
+std::string human_bytes(uint64_t b);
+float median(std::vector<float> v);
+
+}  // namespace weft::bench

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The test command (README; .ci/run calls exactly this): installs missing build dependencies where it can,
+# configures and builds everything (all device code for sm_90a), then runs every registered test with
+# ctest. Host tests need no GPU; GPU tests skip visibly when none is present. On a GPU machine, the full
+# multi-GPU suite is tests/gpu/run.sh.
+set -euo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${WEFT_BUILD_DIR:-$root/build}
+
+missing=()
+command -v cmake >/dev/null || missing+=(cmake)
+command -v g++ >/dev/null || missing+=(g++)
+[ -f /usr/include/gtest/gtest.h ] || [ -f /usr/local/include/gtest/gtest.h ] || missing+=(libgtest-dev)
+if [ ${#missing[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "installing: ${missing[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  else
+    echo "warning: missing ${missing[*]} and cannot install them here; building what is possible" >&2
+  fi
+fi
+
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release
+cmake --build "$build" -j "$(nproc)"
+cd "$build"
+ctest --output-on-failure --timeout 900 "$@"

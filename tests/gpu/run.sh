@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one command (run it on a GPU machine from anywhere):
+#   tests/gpu/run.sh            builds into ./build if needed, then runs everything below
+# At 2 and 4 GPUs (as many as the machine has): weft-gpu-tests single-process and one process per rank
+# (weft-launch), the rank-death test, and compute-sanitizer memcheck / racecheck / synccheck on small cases.
+# Logs go to $WEFT_LOG_DIR (default: build/gpu-logs). Exit 0 only if every step passed.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=${WEFT_BUILD_DIR:-$root/build}
+logs=${WEFT_LOG_DIR:-$build/gpu-logs}
+if [ ! -x "$build/tests/gpu/weft-gpu-tests" ] || [ ! -x "$build/weft-launch" ]; then
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+    cmake --build "$build" -j "$(nproc)" --target weft-gpu-tests weft-launch || exit 1
+fi
+mkdir -p "$logs"
+tests=$build/tests/gpu/weft-gpu-tests
+launch=$build/weft-launch
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${ngpu:-0}" -lt 2 ]; then
+  echo "SKIPPED: tests/gpu/run.sh needs at least 2 GPUs (found ${ngpu:-0}); the GPU suite did not run"
+  exit 77
+fi
+
+passed=0 failed=0 summary=()
+step() {  # step NAME LOGFILE CMD...
+  local name=$1 log=$logs/$2.log
+  shift 2
+  echo "=== $name"
+  local t0=$SECONDS
+  timeout 900 "$@" >"$log" 2>&1
+  local rc=$?
+  grep -E 'summary:|FAILED|SKIPPED|ERROR SUMMARY|saw after' "$log" | sed 's/^/    /' | head -20
+  if [ $rc -eq 0 ]; then
+    passed=$((passed + 1)); summary+=("PASS  $name ($((SECONDS - t0)) s)")
+  else
+    failed=$((failed + 1)); summary+=("FAIL  $name (exit $rc, log $log)")
+    tail -20 "$log" | sed 's/^/    | /'
+  fi
+}
+
+for n in 2 4; do
+  [ "$n" -le "$ngpu" ] || continue
+  step "single-process, $n GPUs" "single_$n" "$tests" --gpus "$n"
+  step "multi-process, $n ranks" "multi_$n" "$launch" -n "$n" "$tests"
+done
+step "rank death, 2 ranks (one exits mid-wait)" "rank_death" env WEFT_TEST_RANK_DEATH=1 "$launch" -n 2 "$tests" --filter rank_death
+for tool in memcheck racecheck synccheck; do
+  step "compute-sanitizer $tool, 2 ranks" "sanitizer_$tool" "$launch" -n 2 \
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$tests" --quick --filter -create_destroy,-rank_death
+done
+
+echo
+echo "GPU suite results:"
+printf '  %s\n' "${summary[@]}"
+echo "gpu-suite: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
