@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   which compute-sanitizer mpirun ninja; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 t0=$SECONDS
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release > "$OUT/build.log" 2>&1 && cmake --build build -j "$(nproc)" >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release > "$OUT/build.log" 2>&1 && cmake --build build -j "$(nproc)" --target weft-gpu-tests weft-launch weft-bench >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $((SECONDS - t0)) s"; grep -iE "warning|spill" "$OUT/build.log" | head -5
 for a in "$@"; do
   echo "=== $a"; t1=$SECONDS
