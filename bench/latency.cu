@@ -9,39 +9,63 @@
 namespace weft::bench {
 namespace {
 
-enum class Ordering { kWeft, kAcquirePoll, kRelaxed };
+// Ways to signal and to wait, measured against each other (weft's choice is the library's signal_set /
+// wait_ge). Only sys-scope release/acquire pairs are correct between GPUs under the PTX memory model; the
+// gpu-scope and relaxed rows are there to show what the ordering costs.
+constexpr const char* kSignalKinds[] = {"st.release.sys", "fence.acq_rel.sys + st.relaxed.sys",
+                                        "fence.sc.sys + st.relaxed.sys", "red.release.sys.add",
+                                        "atom.release.sys.exch", "fence.acq_rel.gpu + st.relaxed.sys (gpu scope)",
+                                        "st.relaxed.sys (no order)"};
+constexpr const char* kWaitKinds[] = {"ld.acquire.sys poll", "relaxed poll + fence.acq_rel.sys",
+                                      "relaxed poll + ld.acquire.sys", "relaxed poll + fence.acq_rel.gpu",
+                                      "relaxed poll (no order)"};
+constexpr int kWeftKind = -1;
 
-// Rank `initiator` sends value i, the other echoes it; rounds round trips after a handshake barrier.
-template <Ordering O>
-__global__ void pingpong_kernel(TeamView team, uint64_t* inbox, int peer, bool initiator, int rounds, uint64_t base,
-                                unsigned long long* elapsed_ns, unsigned long long* failures) {
-  if (!barrier_block(team, 3)) return;
+__device__ __forceinline__ void send_kind(int kind, const TeamView& team, uint64_t* inbox, int peer, uint64_t v) {
   uint64_t* remote = team.peer_ptr(inbox, peer);
-  auto send = [&](uint64_t v) {
-    if constexpr (O == Ordering::kRelaxed) ptx::st_relaxed_sys(remote, v);
-    else ptx::st_release_sys(remote, v);
-  };
-  auto await = [&](uint64_t v) -> bool {
-    if constexpr (O == Ordering::kWeft) {
-      return wait_ge(team, inbox, v);
-    } else {
-      // Bounded spins: a broken variant must not hang the benchmark.
-      for (long spin = 0; spin < (1l << 31); ++spin) {
-        const uint64_t x = O == Ordering::kAcquirePoll ? ptx::ld_acquire_sys(inbox) : ptx::ld_relaxed_sys(inbox);
-        if (x >= v) return true;
-      }
-      return false;
+  switch (kind) {
+    case kWeftKind: signal_set(team, inbox, peer, v); break;
+    case 0: ptx::st_release_sys(remote, v); break;
+    case 1: ptx::fence_acq_rel_sys(); ptx::st_relaxed_sys(remote, v); break;
+    case 2: ptx::fence_sc_sys(); ptx::st_relaxed_sys(remote, v); break;
+    case 3: ptx::red_release_sys_add(remote, 1); break;  // values rise by one per round
+    case 4: ptx::atom_exch_release_sys(remote, v); break;
+    case 5: ptx::fence_acq_rel_gpu(); ptx::st_relaxed_sys(remote, v); break;
+    default: ptx::st_relaxed_sys(remote, v); break;
+  }
+}
+
+// Bounded spins: a broken variant must not hang the benchmark.
+__device__ __forceinline__ bool await_kind(int kind, const TeamView& team, uint64_t* inbox, uint64_t v) {
+  if (kind == kWeftKind) return wait_ge(team, inbox, v);
+  for (long spin = 0; spin < (1l << 30); ++spin) {
+    if (kind == 0) {
+      if (ptx::ld_acquire_sys(inbox) >= v) return true;
+      continue;
     }
-  };
+    if (ptx::ld_relaxed_sys(inbox) < v) continue;
+    if (kind == 1) ptx::fence_acq_rel_sys();
+    if (kind == 2) ptx::ld_acquire_sys(inbox);
+    if (kind == 3) ptx::fence_acq_rel_gpu();
+    return true;
+  }
+  return false;
+}
+
+// Rank `initiator` sends round i, the other echoes it; `rounds` round trips after a handshake barrier.
+__global__ void pingpong_kernel(TeamView team, uint64_t* inbox, int peer, bool initiator, int rounds, uint64_t base,
+                                int signal_kind, int wait_kind, unsigned long long* elapsed_ns,
+                                unsigned long long* failures) {
+  if (!barrier_block(team, 3)) return;
   const uint64_t t0 = ptx::globaltimer_ns();
   for (int i = 1; i <= rounds; ++i) {
     const uint64_t v = base + i;
-    if (initiator) send(v);
-    if (!await(v)) {
+    if (initiator) send_kind(signal_kind, team, inbox, peer, v);
+    if (!await_kind(wait_kind, team, inbox, v)) {
       atomicAdd(failures, 1ull);
       return;
     }
-    if (!initiator) send(v);
+    if (!initiator) send_kind(signal_kind, team, inbox, peer, v);
   }
   *elapsed_ns = ptx::globaltimer_ns() - t0;
 }
@@ -63,37 +87,41 @@ std::unique_ptr<Communicator> team_of(std::vector<int> devices) {
   return Communicator::create_single_process(o);
 }
 
-// Round trip between devices a and b, in microseconds per round trip.
-template <Ordering O>
-double round_trip_us(int a, int b, int rounds) {
-  auto c = team_of({a, b});
-  SymmetricBuffer buf = c->alloc(64);
-  for (int i = 0; i < 2; ++i) {
-    WEFT_CUDA_CHECK(cudaSetDevice(c->local(i).device()));
-    WEFT_CUDA_CHECK(cudaMemset(buf.local[i], 0, 64));
-  }
-  c->synchronize();
-  double best = 1e30;
-  for (int rep = 0; rep < 3; ++rep) {
+// Round trip on a two-rank team, in microseconds: the best of 3 runs of `rounds` round trips.
+struct PingPong {
+  std::unique_ptr<Communicator> c;
+  SymmetricBuffer buf;
+  uint64_t sent = 0;  // flags only grow: each run continues where the last stopped
+  PingPong(int a, int b) : c(team_of({a, b})), buf(c->alloc(64)) {
     for (int i = 0; i < 2; ++i) {
-      Rank& r = c->local(i);
-      WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
-      auto* p = reinterpret_cast<uint64_t*>(buf.local[i]);
-      pingpong_kernel<O><<<1, 1, 0, r.stream()>>>(r.view(), p, 1 - i, i == 0, rounds, uint64_t(rep) * rounds,
-                                                  reinterpret_cast<unsigned long long*>(p + 2),
-                                                  reinterpret_cast<unsigned long long*>(p + 3));
-      WEFT_CUDA_CHECK(cudaGetLastError());
+      WEFT_CUDA_CHECK(cudaSetDevice(c->local(i).device()));
+      WEFT_CUDA_CHECK(cudaMemset(buf.local[i], 0, 64));
     }
     c->synchronize();
-    uint64_t v[4];
-    WEFT_CUDA_CHECK(cudaSetDevice(c->local(0).device()));
-    WEFT_CUDA_CHECK(cudaMemcpy(v, buf.local[0], sizeof(v), cudaMemcpyDeviceToHost));
-    WEFT_CHECK(v[3] == 0, "ping-pong variant lost a signal");
-    best = std::min(best, v[2] / 1e3 / rounds);
   }
-  c->free(buf);
-  return best;
-}
+  double round_trip_us(int signal_kind, int wait_kind, int rounds) {
+    double best = 1e30;
+    for (int rep = 0; rep < 3; ++rep) {
+      for (int i = 0; i < 2; ++i) {
+        Rank& r = c->local(i);
+        WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
+        auto* p = reinterpret_cast<uint64_t*>(buf.local[i]);
+        pingpong_kernel<<<1, 1, 0, r.stream()>>>(r.view(), p, 1 - i, i == 0, rounds, sent, signal_kind, wait_kind,
+                                                 reinterpret_cast<unsigned long long*>(p + 2),
+                                                 reinterpret_cast<unsigned long long*>(p + 3));
+        WEFT_CUDA_CHECK(cudaGetLastError());
+      }
+      c->synchronize();
+      sent += rounds;
+      uint64_t v[4];
+      WEFT_CUDA_CHECK(cudaSetDevice(c->local(0).device()));
+      WEFT_CUDA_CHECK(cudaMemcpy(v, buf.local[0], sizeof(v), cudaMemcpyDeviceToHost));
+      WEFT_CHECK(v[3] == 0, "ping-pong variant lost a signal");
+      best = std::min(best, v[2] / 1e3 / rounds);
+    }
+    return best;
+  }
+};
 
 // Per-barrier time: the slowest rank's loop time over the number of barriers.
 template <bool kGrid>
@@ -125,15 +153,28 @@ void run_latency(Context& ctx) {
   WEFT_CHECK(ctx.gpus >= 2, "latency needs at least 2 GPUs");
   const int rounds = ctx.quick ? 2000 : 20000;
   {
-    Table t("latency: signal round trip between two GPUs (us)",
-            {"pair", "weft signal/wait", "release store + acquire poll", "relaxed store + relaxed poll"},
-            "weft: st.release.sys, relaxed polling then one fence.acq_rel.sys. The relaxed variant orders nothing "
-            "(a lower bound, not usable for data). Best of 3 runs of " + std::to_string(rounds) + " round trips.");
+    Table t("latency: signal round trip between two GPUs (us)", {"pair", "weft signal_set / wait_ge"},
+            "weft: st.release.sys to the peer's flag, ld.acquire.sys polling of our own. Best of 3 runs of " +
+                std::to_string(rounds) + " round trips, timed inside one kernel.");
     for (int b = 1; b < ctx.gpus; ++b) {
       ctx.progress("latency: round trip GPU0 <-> GPU%d", b);
-      t.add({fmt("0 <-> %d", b), fmt("%.2f", round_trip_us<Ordering::kWeft>(0, b, rounds)),
-             fmt("%.2f", round_trip_us<Ordering::kAcquirePoll>(0, b, rounds)),
-             fmt("%.2f", round_trip_us<Ordering::kRelaxed>(0, b, rounds))});
+      PingPong pp(0, b);
+      t.add({fmt("0 <-> %d", b), fmt("%.2f", pp.round_trip_us(kWeftKind, kWeftKind, rounds))});
+    }
+    ctx.add(std::move(t));
+  }
+  {
+    std::vector<std::string> cols = {"signal \\ wait"};
+    for (auto* w : kWaitKinds) cols.push_back(w);
+    Table t("latency: round trip GPU0 <-> GPU1 by memory ordering (us)", cols,
+            "What each ordering costs. Correct between GPUs: sys-scope release with sys-scope acquire.");
+    PingPong pp(0, 1);
+    const int n = ctx.quick ? 1000 : 5000;
+    for (int s = 0; s < int(std::size(kSignalKinds)); ++s) {
+      ctx.progress("latency: ordering matrix, signal %s", kSignalKinds[s]);
+      std::vector<std::string> row = {kSignalKinds[s]};
+      for (int w = 0; w < int(std::size(kWaitKinds)); ++w) row.push_back(fmt("%.2f", pp.round_trip_us(s, w, n)));
+      t.add(row);
     }
     ctx.add(std::move(t));
   }

@@ -52,7 +52,7 @@ __device__ __forceinline__ bool barrier_grid(const TeamView& team, int slot = 0)
         if (p != team.rank) ok &= wait_ge(team, team.barrier_inbox(slot, p), epoch);
       ptx::st_release_gpu(gen_p, gen + 1);
     } else {
-      ok = wait_ge(team, gen_p, gen + 1);
+      ok = wait_ge_local(team, gen_p, gen + 1);
     }
     ok_shared = ok;
   }

@@ -5,9 +5,10 @@
 //   signal_set / signal_add  write into a peer's flag with release semantics at system scope: everything the
 //                            calling thread wrote before (and its block, after a __syncthreads) is visible
 //                            to the peer once it sees the new value.
-//   wait_ge                  spins on this rank's own flag with relaxed loads (no fence per poll), then
-//                            issues one acquire fence. It never hangs: after the team's timeout, or once the
-//                            host raises the abort flag, it records who waited for what and returns false.
+//   wait_ge                  spins on this rank's own flag with acquire loads at system scope (flags written
+//                            by peers); wait_ge_local at GPU scope (flags written by this GPU's own blocks).
+//                            It never hangs: after the team's timeout, or once the host raises the abort
+//                            flag, it records who waited for what and returns false.
 #pragma once
 #include "weft/device/ptx.cuh"
 #include "weft/team_view.hpp"
@@ -48,23 +49,25 @@ inline __device__ __noinline__ void report_wait_failure(const TeamView& team, De
   __threadfence();
 }
 
+template <bool kSys>
+__device__ __forceinline__ uint64_t ld_acquire(const uint64_t* flag) {
+  return kSys ? ptx::ld_acquire_sys(flag) : ptx::ld_acquire_gpu(flag);
+}
+
 // Slow path of wait_ge: polls with the clock running; every 20 us it also looks at the abort flag (host
 // memory, too slow to read every poll) and at this rank's error record (another wait already failed).
+template <bool kSys>
 inline __device__ __noinline__ bool wait_ge_slow(const TeamView& team, const uint64_t* flag, uint64_t want) {
   const uint64_t start = ptx::globaltimer_ns();
   uint64_t last_check = start;
   for (;;) {
-    for (int i = 0; i < 64; ++i) {
-      if (ptx::ld_relaxed_sys(flag) >= want) {
-        ptx::fence_acq_rel_sys();
-        return true;
-      }
-    }
+    for (int i = 0; i < 64; ++i)
+      if (ld_acquire<kSys>(flag) >= want) return true;
     const uint64_t now = ptx::globaltimer_ns();
     if (now - last_check < 20000) continue;
     last_check = now;
-    const uint64_t seen = ptx::ld_relaxed_sys(flag);
-    if (seen >= want) continue;
+    const uint64_t seen = ld_acquire<kSys>(flag);
+    if (seen >= want) return true;
     if (*team.abort != 0 || *reinterpret_cast<volatile uint32_t*>(&team.error->code) != 0) {
       report_wait_failure(team, DeviceErrorCode::kAborted, flag, want, seen, now - start);
       return false;
@@ -80,11 +83,14 @@ inline __device__ __noinline__ bool wait_ge_slow(const TeamView& team, const uin
 // Waits until this rank's `flag` (a pointer into its own heap) is >= `want`. Returns false (and records why)
 // on timeout or abort; the caller should then stop its work and return.
 __device__ __forceinline__ bool wait_ge(const TeamView& team, const uint64_t* flag, uint64_t want) {
-  if (ptx::ld_relaxed_sys(flag) >= want) {
-    ptx::fence_acq_rel_sys();
-    return true;
-  }
-  return detail::wait_ge_slow(team, flag, want);
+  if (ptx::ld_acquire_sys(flag) >= want) return true;
+  return detail::wait_ge_slow<true>(team, flag, want);
+}
+
+// The same for a flag that only threads of this GPU write (e.g. blocks of one kernel meeting).
+__device__ __forceinline__ bool wait_ge_local(const TeamView& team, const uint64_t* flag, uint64_t want) {
+  if (ptx::ld_acquire_gpu(flag) >= want) return true;
+  return detail::wait_ge_slow<false>(team, flag, want);
 }
 
 }  // namespace weft
