@@ -19,12 +19,17 @@ constexpr const char* kSignalKinds[] = {"st.release.sys", "fence.acq_rel.sys + s
 constexpr const char* kWaitKinds[] = {"ld.acquire.sys poll", "relaxed poll + fence.acq_rel.sys",
                                       "relaxed poll + ld.acquire.sys", "relaxed poll + fence.acq_rel.gpu",
                                       "relaxed poll (no order)"};
-constexpr int kWeftKind = -1;
+constexpr int kWeftKind = -1;         // signal_set / wait_ge
+constexpr int kWeftHoistedKind = -2;  // fence_release early, signal_set<Order::kRelaxed> / wait_ge
 
 __device__ __forceinline__ void send_kind(int kind, const TeamView& team, uint64_t* inbox, int peer, uint64_t v) {
   uint64_t* remote = team.peer_ptr(inbox, peer);
   switch (kind) {
     case kWeftKind: signal_set(team, inbox, peer, v); break;
+    case kWeftHoistedKind:
+      signal_set<Order::kRelaxed>(team, inbox, peer, v);
+      fence_release();  // publishes what the next signal covers; overlaps the wait for the peer
+      break;
     case 0: ptx::st_release_sys(remote, v); break;
     case 1: ptx::fence_acq_rel_sys(); ptx::st_relaxed_sys(remote, v); break;
     case 2: ptx::fence_sc_sys(); ptx::st_relaxed_sys(remote, v); break;
@@ -37,7 +42,7 @@ __device__ __forceinline__ void send_kind(int kind, const TeamView& team, uint64
 
 // Bounded spins: a broken variant must not hang the benchmark.
 __device__ __forceinline__ bool await_kind(int kind, const TeamView& team, uint64_t* inbox, uint64_t v) {
-  if (kind == kWeftKind) return wait_ge(team, inbox, v);
+  if (kind < 0) return wait_ge(team, inbox, v);
   for (long spin = 0; spin < (1l << 30); ++spin) {
     if (kind == 0) {
       if (ptx::ld_acquire_sys(inbox) >= v) return true;
@@ -57,6 +62,7 @@ __global__ void pingpong_kernel(TeamView team, uint64_t* inbox, int peer, bool i
                                 int signal_kind, int wait_kind, unsigned long long* elapsed_ns,
                                 unsigned long long* failures) {
   if (!barrier_block(team, 3)) return;
+  if (signal_kind == kWeftHoistedKind) fence_release();
   const uint64_t t0 = ptx::globaltimer_ns();
   for (int i = 1; i <= rounds; ++i) {
     const uint64_t v = base + i;
@@ -153,13 +159,16 @@ void run_latency(Context& ctx) {
   WEFT_CHECK(ctx.gpus >= 2, "latency needs at least 2 GPUs");
   const int rounds = ctx.quick ? 2000 : 20000;
   {
-    Table t("latency: signal round trip between two GPUs (us)", {"pair", "weft signal_set / wait_ge"},
-            "weft: st.release.sys to the peer's flag, ld.acquire.sys polling of our own. Best of 3 runs of " +
-                std::to_string(rounds) + " round trips, timed inside one kernel.");
+    Table t("latency: signal round trip between two GPUs (us)",
+            {"pair", "release fused: signal_set / wait_ge", "release hoisted: fence_release .. signal_set<kRelaxed> / wait_ge"},
+            "Both orderings publish the sender's earlier writes (sys-scope release, acquire polling). Fused: the "
+            "release is part of the signal. Hoisted: the fence is issued right after the data, overlapping the "
+            "wait for the peer. Best of 3 runs of " + std::to_string(rounds) + " round trips inside one kernel.");
     for (int b = 1; b < ctx.gpus; ++b) {
       ctx.progress("latency: round trip GPU0 <-> GPU%d", b);
       PingPong pp(0, b);
-      t.add({fmt("0 <-> %d", b), fmt("%.2f", pp.round_trip_us(kWeftKind, kWeftKind, rounds))});
+      t.add({fmt("0 <-> %d", b), fmt("%.2f", pp.round_trip_us(kWeftKind, kWeftKind, rounds)),
+             fmt("%.2f", pp.round_trip_us(kWeftHoistedKind, kWeftHoistedKind, rounds))});
     }
     ctx.add(std::move(t));
   }
@@ -181,13 +190,16 @@ void run_latency(Context& ctx) {
   {
     cudaDeviceProp prop{};
     WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    const int sms = prop.multiProcessorCount;
     Table t("latency: in-kernel team barrier (us per barrier)",
-            {"GPUs", "barrier_block (1 block)", fmt("barrier_grid (%d blocks)", prop.multiProcessorCount)},
+            {"GPUs", "barrier_block (1 block)", "barrier_grid (8 blocks)", "barrier_grid (32 blocks)",
+             fmt("barrier_grid (%d blocks)", sms)},
             "Slowest rank's time per barrier over " + std::to_string(rounds / 4) + " back-to-back barriers.");
     for (int w = 2; w <= ctx.gpus; ++w) {
       ctx.progress("latency: barrier, %d GPUs", w);
       t.add({std::to_string(w), fmt("%.2f", barrier_us<false>(w, 1, rounds / 4)),
-             fmt("%.2f", barrier_us<true>(w, prop.multiProcessorCount, rounds / 4))});
+             fmt("%.2f", barrier_us<true>(w, 8, rounds / 4)), fmt("%.2f", barrier_us<true>(w, 32, rounds / 4)),
+             fmt("%.2f", barrier_us<true>(w, sms, rounds / 4))});
     }
     ctx.add(std::move(t));
   }

@@ -51,12 +51,34 @@ int count_open_fds() {
 
 __device__ __forceinline__ int value_of(int round, int src, int i) { return round * 7919 + src * 131 + i; }
 
+enum class Meet { kBlockBarrier, kGridBarrier, kHoistedSignals };
+
+// A one-block meeting built from hoisted-release signals: fence as soon as the data is written, then a
+// relaxed signal. Checks that fence_release + signal_set<Order::kRelaxed> publishes the data.
+__device__ bool hoisted_meet(const TeamView& team, uint64_t* inbox, uint64_t round) {
+  __syncthreads();
+  for (int p = threadIdx.x; p < team.world; p += blockDim.x) {
+    if (p == team.rank) continue;
+    fence_release();
+    signal_set<Order::kRelaxed>(team, inbox + team.rank, p, round);
+  }
+  bool ok = true;
+  for (int p = threadIdx.x; p < team.world; p += blockDim.x)
+    if (p != team.rank) ok &= wait_ge(team, inbox + p, round);
+  return __syncthreads_and(ok) != 0;
+}
+
 // Every round: each rank writes its slot of `box` on every peer with plain stores, the team meets, and
-// each rank checks every slot it received. A second barrier keeps the next round's writes out until all
+// each rank checks every slot it received. A second meeting keeps the next round's writes out until all
 // checks are done. Mismatches are counted in `bad`.
-template <bool kGrid>
+template <Meet kMeet>
 __global__ void exchange_kernel(TeamView team, int* box, int ints_per_slot, int rounds,
-                                unsigned long long* bad, int slot) {
+                                unsigned long long* bad, int slot, uint64_t* inbox = nullptr) {
+  auto meet = [&](uint64_t n) {
+    if constexpr (kMeet == Meet::kGridBarrier) return barrier_grid(team, slot);
+    else if constexpr (kMeet == Meet::kBlockBarrier) return barrier_block(team, slot);
+    else return hoisted_meet(team, inbox, n);
+  };
   const int nthreads = blockDim.x * gridDim.x;
   const int tid = threadIdx.x + blockIdx.x * blockDim.x;
   for (int round = 1; round <= rounds; ++round) {
@@ -64,11 +86,11 @@ __global__ void exchange_kernel(TeamView team, int* box, int ints_per_slot, int 
       int* dst = team.peer_ptr(box, p) + team.rank * ints_per_slot;
       for (int i = tid; i < ints_per_slot; i += nthreads) dst[i] = value_of(round, team.rank, i);
     }
-    if (!(kGrid ? barrier_grid(team, slot) : barrier_block(team, slot))) return;
+    if (!meet(2 * round - 1)) return;
     for (int src = 0; src < team.world; ++src)
       for (int i = tid; i < ints_per_slot; i += nthreads)
         if (box[src * ints_per_slot + i] != value_of(round, src, i)) atomicAdd(bad, 1ull);
-    if (!(kGrid ? barrier_grid(team, slot) : barrier_block(team, slot))) return;
+    if (!meet(2 * round)) return;
   }
 }
 
@@ -148,7 +170,7 @@ WEFT_GPU_TEST(peer_writes_visible_after_block_barrier) {
   zero_buffer(c, box);
   for_each_local(c, [&](Rank& r, int i) {
     auto* bad = reinterpret_cast<unsigned long long*>(box.local[i] + sizeof(int) * ints * c.world());
-    exchange_kernel<false><<<1, 512, 0, r.stream()>>>(r.view(), reinterpret_cast<int*>(box.local[i]), ints, rounds,
+    exchange_kernel<Meet::kBlockBarrier><<<1, 512, 0, r.stream()>>>(r.view(), reinterpret_cast<int*>(box.local[i]), ints, rounds,
                                                         bad, 0);
     WEFT_CUDA_CHECK(cudaGetLastError());
   });
@@ -168,13 +190,35 @@ WEFT_GPU_TEST(peer_writes_visible_after_grid_barrier) {
   zero_buffer(c, box);
   for_each_local(c, [&](Rank& r, int i) {
     auto* bad = reinterpret_cast<unsigned long long*>(box.local[i] + sizeof(int) * ints * c.world());
-    exchange_kernel<true><<<16, 256, 0, r.stream()>>>(r.view(), reinterpret_cast<int*>(box.local[i]), ints, rounds,
+    exchange_kernel<Meet::kGridBarrier><<<16, 256, 0, r.stream()>>>(r.view(), reinterpret_cast<int*>(box.local[i]), ints, rounds,
                                                        bad, 1);
     WEFT_CUDA_CHECK(cudaGetLastError());
   });
   c.synchronize();
   for_each_local(c, [&](Rank& r, int i) {
     const uint64_t bad = read_u64(r, box.local[i] + sizeof(int) * ints * c.world());
+    WEFT_EXPECT(bad == 0, "rank " << r.rank() << ": " << bad << " stale elements after " << rounds << " rounds");
+  });
+  c.free(box);
+}
+
+WEFT_GPU_TEST(peer_writes_visible_after_hoisted_release_signals) {
+  Communicator& c = ctx.comm();
+  const int ints = 64 * 1024;
+  const int rounds = ctx.quick ? 20 : 500;
+  const uint64_t data_bytes = sizeof(int) * ints * c.world();
+  SymmetricBuffer box = c.alloc(data_bytes + 64 + sizeof(uint64_t) * kMaxWorld);
+  zero_buffer(c, box);
+  for_each_local(c, [&](Rank& r, int i) {
+    auto* bad = reinterpret_cast<unsigned long long*>(box.local[i] + data_bytes);
+    auto* inbox = reinterpret_cast<uint64_t*>(box.local[i] + data_bytes + 64);
+    exchange_kernel<Meet::kHoistedSignals><<<1, 512, 0, r.stream()>>>(
+        r.view(), reinterpret_cast<int*>(box.local[i]), ints, rounds, bad, 0, inbox);
+    WEFT_CUDA_CHECK(cudaGetLastError());
+  });
+  c.synchronize();
+  for_each_local(c, [&](Rank& r, int i) {
+    const uint64_t bad = read_u64(r, box.local[i] + data_bytes);
     WEFT_EXPECT(bad == 0, "rank " << r.rank() << ": " << bad << " stale elements after " << rounds << " rounds");
   });
   c.free(box);
