@@ -1,0 +1,19 @@
+# ctest package.find_package: installs this build into a scratch prefix and builds examples/consumer with
+# find_package(weft), as a user's project would.
+set(prefix ${WEFT_BUILD}/package-test/prefix)
+set(consumer ${WEFT_BUILD}/package-test/consumer)
+file(REMOVE_RECURSE ${WEFT_BUILD}/package-test)
+execute_process(COMMAND ${CMAKE_COMMAND} --install ${WEFT_BUILD} --prefix ${prefix} RESULT_VARIABLE rc OUTPUT_QUIET)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "install failed (${rc})")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${WEFT_SOURCE}/examples/consumer -B ${consumer}
+                        -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "configuring the consumer with find_package(weft) failed (${rc})")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${consumer} RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "building the consumer against the installed weft failed (${rc})")
+endif()
+message(STATUS "find_package(weft) consumer built: ${consumer}/hello_team")
