@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +20,9 @@
 #include "weft/team_view.hpp"
 
 namespace {
+volatile sig_atomic_t g_forward_signal = 0;
+void on_signal(int sig) { g_forward_signal = sig; }
+
 int usage() {
   std::fprintf(stderr,
                "usage: weft-launch -n NPROC [--grace SECONDS] [--] PROGRAM [ARGS...]\n"
@@ -50,6 +54,7 @@ int main(int argc, char** argv) {
     pid_t pid = ::fork();
     if (pid < 0) { std::perror("weft-launch: fork"); return 1; }
     if (pid == 0) {
+      ::setpgid(0, 0);  // each rank leads its own process group: the launcher can stop what it starts
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
@@ -59,23 +64,40 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "weft-launch: cannot run %s\n", argv[i]);
       std::_Exit(127);
     }
+    ::setpgid(pid, pid);
     kids.push_back(pid);
   }
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  auto signal_all = [&](int sig) {
+    for (pid_t k : kids)
+      if (k > 0) ::kill(-k, sig);
+  };
   int status_out = 0, alive = nproc;
   std::chrono::steady_clock::time_point kill_at{};
   bool failing = false;
   while (alive > 0) {
+    if (g_forward_signal != 0) {  // Ctrl-C / termination of the launcher reaches every rank
+      signal_all(g_forward_signal);
+      g_forward_signal = 0;
+    }
     int st = 0;
-    pid_t pid = ::waitpid(-1, &st, failing ? WNOHANG : 0);
+    pid_t pid = ::waitpid(-1, &st, WNOHANG);
     if (pid == 0) {
-      if (std::chrono::steady_clock::now() >= kill_at) {
+      if (failing && std::chrono::steady_clock::now() >= kill_at) {
         std::fprintf(stderr, "weft-launch: killing ranks still running %d s after a rank failed\n", grace_s);
-        for (pid_t k : kids) if (k > 0) ::kill(k, SIGKILL);
+        signal_all(SIGKILL);
+        kill_at = std::chrono::steady_clock::time_point::max();
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
       continue;
     }
-    if (pid < 0) break;
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
     --alive;
     int rank = -1;
     for (int r = 0; r < nproc; ++r) if (kids[r] == pid) { rank = r; kids[r] = -1; }

@@ -17,7 +17,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr uint32_t kMagic = 0x74666577;  // "weft"
 
-enum class MsgType : uint32_t { kHello = 1, kWelcome = 2, kData = 3, kError = 4 };
+enum class MsgType : uint32_t { kHello = 1, kWelcome = 2, kData = 3, kError = 4, kBye = 5 };
 
 struct Header {
   uint32_t magic;
@@ -202,8 +202,17 @@ Channel::Channel(std::string job_id, int rank, int world, std::chrono::milliseco
 
 Channel::~Channel() {
   stop_monitor();
-  for (auto& p : peers_)
-    if (p.sock >= 0) ::close(p.sock);
+  // Say goodbye, so peers tell a normal departure from a crash.
+  for (int r = 0; r < static_cast<int>(peers_.size()); ++r) {
+    if (peers_[r].sock < 0) continue;
+    if (lost_.empty()) {
+      try {
+        send_frame(peers_[r].sock, MsgType::kBye, 0, rank_, {}, -1, r);
+      } catch (...) {
+      }
+    }
+    ::close(peers_[r].sock);
+  }
   if (listen_sock_ >= 0) ::close(listen_sock_);
 }
 
@@ -373,6 +382,8 @@ Channel::Gathered Channel::allgather(std::string_view data, int fd) {
             if (f.fd >= 0) ::close(f.fd);
           }
           if (static_cast<MsgType>(f.h.type) == MsgType::kError) fail(relayed(f.payload));
+          if (static_cast<MsgType>(f.h.type) == MsgType::kBye)
+            fail(describe(r) + " left the job (destroyed its communicator) while the others were in a host collective");
           if (f.h.seq != seq)
             fail("host collectives out of order: " + describe(r) + " is in collective #" + std::to_string(f.h.seq) +
                  ", rank 0 in #" + std::to_string(seq) + " (every rank must make the same collective calls)");
@@ -389,6 +400,8 @@ Channel::Gathered Channel::allgather(std::string_view data, int fd) {
       send_frame(peers_[0].sock, MsgType::kData, seq, rank_, data, fd, 0);
       for (int k = 0; k < world_ - 1; ++k) {
         Frame f = recv_frame(peers_[0].sock, deadline, 0);
+        if (static_cast<MsgType>(f.h.type) == MsgType::kBye)
+          fail("rank 0 left the job (destroyed its communicator) during a host collective");
         const bool bad = f.h.seq != seq || f.h.src < 0 || f.h.src >= world_ || f.h.src == rank_;
         if (static_cast<MsgType>(f.h.type) == MsgType::kError || bad) {
           for (int x : g.fds)
@@ -434,7 +447,9 @@ void Channel::monitor_loop() {
       // Rank 0 reports a failure just before it hangs up: read the report first, so the reason travels.
       Header h{};
       const ssize_t n = (p.revents & POLLIN) ? ::recv(s, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT) : -1;
-      if (n == sizeof(h) && h.magic == kMagic && static_cast<MsgType>(h.type) == MsgType::kError) {
+      if (n == sizeof(h) && h.magic == kMagic && static_cast<MsgType>(h.type) == MsgType::kBye) {
+        why = "rank " + std::to_string(h.src) + " left the job (it destroyed its communicator)";
+      } else if (n == sizeof(h) && h.magic == kMagic && static_cast<MsgType>(h.type) == MsgType::kError) {
         try {
           Frame f = recv_frame(s, Clock::now() + std::chrono::seconds(1), r);
           if (f.fd >= 0) ::close(f.fd);

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
 #include <condition_variable>
 #include <fstream>
 #include <functional>
@@ -82,6 +83,13 @@ int raw_connect(const std::string& job) {
   return s;
 }
 
+int count_open_fds() {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd"))
+    n += e.path().filename() != "." ? 1 : 0;
+  return n;
+}
+
 // Polls until pred() or the limit; returns pred().
 template <class P>
 bool eventually(P pred, milliseconds limit) {
@@ -143,9 +151,9 @@ struct LossLog {
 TEST(Channel, WorldOfOneNeedsNoPeers) {
   const std::string job = unique_job("solo");
   const auto t0 = Clock::now();
-  Channel ch(job, 0, 1, milliseconds(100));
-  Channel again(job, 0, 1, milliseconds(100));  // nothing was bound: the same id can be used twice
-  EXPECT_LT(ms_since(t0), 50);
+  Channel ch(job, 0, 1, milliseconds(2000));
+  Channel again(job, 0, 1, milliseconds(2000));  // nothing was bound: the same id can be used twice
+  EXPECT_LT(ms_since(t0), 500);                  // and nothing was waited for
   EXPECT_EQ(ch.rank(), 0);
   EXPECT_EQ(ch.world(), 1);
   EXPECT_HAS(ch.socket_name(), job);
@@ -417,7 +425,7 @@ TEST(Channel, ConcurrentJobsDoNotInterfere) {
 TEST(Channel, SameJobIdTwiceIsAlreadyInUse) {
   const std::string job = unique_job("twice");
   std::string first_err = "<not run>";
-  std::thread first([&] {
+  std::jthread first([&] {
     first_err = error_of([&] {
       Channel ch(job, 0, 2, milliseconds(4000));
       ch.barrier();
@@ -442,7 +450,7 @@ TEST(Channel, SameJobIdTwiceIsAlreadyInUse) {
 TEST(Channel, StrayConnectionsDuringRendezvousAreIgnored) {
   const std::string job = unique_job("stray");
   std::string hub_err = "<not run>";
-  std::thread hub([&] {
+  std::jthread hub([&] {
     hub_err = error_of([&] {
       Channel ch(job, 0, 2, milliseconds(4000));
       EXPECT_EQ(ch.allgather("zero").data[1], "one");
@@ -704,8 +712,9 @@ TEST(Channel, OutOfOrderCollectiveIsReported) {
   };
   static_assert(sizeof(Header) == 32);
   const std::string job = unique_job("seq");
+  const int fds_before = count_open_fds();
   std::string hub_err;
-  std::thread hub([&] {
+  std::jthread hub([&] {
     hub_err = error_of([&] {
       Channel ch(job, 0, 2, milliseconds(4000));
       ch.set_op_timeout(milliseconds(4000));
@@ -722,10 +731,28 @@ TEST(Channel, OutOfOrderCollectiveIsReported) {
   Header welcome{};
   ASSERT_EQ(::recv(s, &welcome, sizeof(welcome), MSG_WAITALL), 32);
   EXPECT_EQ(welcome.type, 2u);
+  // "Collective #9", with a descriptor attached: rank 0 must not keep it after rejecting the message.
+  const int memfd = make_memfd("unwanted");
+  ASSERT_GE(memfd, 0);
   const auto t0 = Clock::now();
-  const Header data{0x74666577, 3, 9, 1, 0, 0, 0};  // "collective #9"
-  ASSERT_EQ(::send(s, &data, sizeof(data), MSG_NOSIGNAL), 32);
+  Header data{0x74666577, 3, 9, 1, 0, 1, 0};
+  iovec iov{&data, sizeof(data)};
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = ctrl;
+  msg.msg_controllen = sizeof(ctrl);
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &memfd, sizeof(int));
+  ASSERT_EQ(::sendmsg(s, &msg, MSG_NOSIGNAL), 32);
+  ::close(memfd);
   hub.join();
+  // The hub's Channel is gone; only our raw socket is left of the test's descriptors.
+  EXPECT_EQ(count_open_fds(), fds_before + 1) << "a received descriptor leaked";
   EXPECT_LT(ms_since(t0), 2000);
   EXPECT_HAS(hub_err, "out of order");
   EXPECT_HAS(hub_err, "#9");

@@ -5,8 +5,8 @@
 // (SCM_RIGHTS), which is how the CUDA VMM handles of the symmetric heap travel. Rank 0 relays everything,
 // so a W-rank job holds W-1 connections.
 //
-// A background monitor notices a peer process that dies (its socket closes) even while no collective is in
-// flight, marks the channel lost and calls the on_peer_lost callback (the communicator raises the device
+// A background monitor notices a peer process that dies (its socket closes) or leaves (a goodbye message
+// from its destructor) even while no collective is in flight, marks the channel lost and calls the on_peer_lost callback (the communicator raises the device
 // abort flag there, so spinning kernels fail within milliseconds instead of hanging). Rank 0 forwards the
 // loss to every other rank.
 #pragma once
@@ -44,7 +44,9 @@ class Channel {
   Gathered allgather(std::string_view data, int fd = -1);
   void barrier();
 
-  // Called once, from the monitor thread, when the channel is lost while idle (a peer died).
+  // Called once when the channel is lost: from the monitor thread while idle (a peer died or left), or
+  // from the thread whose collective failed. It runs under the channel's lock: it must not call back
+  // into the channel.
   void set_on_peer_lost(std::function<void(const std::string&)> cb);
   // Non-empty once the channel is lost; every later collective throws this message.
   std::string lost_reason() const;
