@@ -30,7 +30,7 @@ class Table {
 struct Context {
   bool json = false;
   bool quick = false;
-  int gpus = 0;                  // 0: all visible
+  int gpus = 0;  // 0: all visible
   std::vector<Table> tables;
   // Prints to stderr so --json output stays clean.
   void progress(const char* fmt, ...) const;
@@ -44,7 +44,9 @@ struct Mode {
 };
 std::vector<Mode>& modes();
 struct ModeRegistrar {
-  ModeRegistrar(const char* name, const char* help, void (*run)(Context&)) { modes().push_back({name, help, run}); }
+  ModeRegistrar(const char* name, const char* help, void (*run)(Context&)) {
+    modes().push_back({name, help, run});
+  }
 };
 
 std::string fmt(const char* f, ...);

@@ -12,9 +12,12 @@ namespace {
 // Ways to signal and to wait, measured against each other (weft's choice is the library's signal_set /
 // wait_ge). Only sys-scope release/acquire pairs are correct between GPUs under the PTX memory model; the
 // gpu-scope and relaxed rows are there to show what the ordering costs.
-constexpr const char* kSignalKinds[] = {"st.release.sys", "fence.acq_rel.sys + st.relaxed.sys",
-                                        "fence.sc.sys + st.relaxed.sys", "red.release.sys.add",
-                                        "atom.release.sys.exch", "fence.acq_rel.gpu + st.relaxed.sys (gpu scope)",
+constexpr const char* kSignalKinds[] = {"st.release.sys",
+                                        "fence.acq_rel.sys + st.relaxed.sys",
+                                        "fence.sc.sys + st.relaxed.sys",
+                                        "red.release.sys.add",
+                                        "atom.release.sys.exch",
+                                        "fence.acq_rel.gpu + st.relaxed.sys (gpu scope)",
                                         "st.relaxed.sys (no order)"};
 constexpr const char* kWaitKinds[] = {"ld.acquire.sys poll", "relaxed poll + fence.acq_rel.sys",
                                       "relaxed poll + ld.acquire.sys", "relaxed poll + fence.acq_rel.gpu",
@@ -22,21 +25,41 @@ constexpr const char* kWaitKinds[] = {"ld.acquire.sys poll", "relaxed poll + fen
 constexpr int kWeftKind = -1;         // signal_set / wait_ge
 constexpr int kWeftHoistedKind = -2;  // fence_release early, signal_set<Order::kRelaxed> / wait_ge
 
-__device__ __forceinline__ void send_kind(int kind, const TeamView& team, uint64_t* inbox, int peer, uint64_t v) {
+__device__ __forceinline__ void send_kind(int kind, const TeamView& team, uint64_t* inbox, int peer,
+                                          uint64_t v) {
   uint64_t* remote = team.peer_ptr(inbox, peer);
   switch (kind) {
-    case kWeftKind: signal_set(team, inbox, peer, v); break;
+    case kWeftKind:
+      signal_set(team, inbox, peer, v);
+      break;
     case kWeftHoistedKind:
       signal_set<Order::kRelaxed>(team, inbox, peer, v);
       fence_release();  // publishes what the next signal covers; overlaps the wait for the peer
       break;
-    case 0: ptx::st_release_sys(remote, v); break;
-    case 1: ptx::fence_acq_rel_sys(); ptx::st_relaxed_sys(remote, v); break;
-    case 2: ptx::fence_sc_sys(); ptx::st_relaxed_sys(remote, v); break;
-    case 3: ptx::red_release_sys_add(remote, 1); break;  // values rise by one per round
-    case 4: ptx::atom_exch_release_sys(remote, v); break;
-    case 5: ptx::fence_acq_rel_gpu(); ptx::st_relaxed_sys(remote, v); break;
-    default: ptx::st_relaxed_sys(remote, v); break;
+    case 0:
+      ptx::st_release_sys(remote, v);
+      break;
+    case 1:
+      ptx::fence_acq_rel_sys();
+      ptx::st_relaxed_sys(remote, v);
+      break;
+    case 2:
+      ptx::fence_sc_sys();
+      ptx::st_relaxed_sys(remote, v);
+      break;
+    case 3:
+      ptx::red_release_sys_add(remote, 1);
+      break;  // values rise by one per round
+    case 4:
+      ptx::atom_exch_release_sys(remote, v);
+      break;
+    case 5:
+      ptx::fence_acq_rel_gpu();
+      ptx::st_relaxed_sys(remote, v);
+      break;
+    default:
+      ptx::st_relaxed_sys(remote, v);
+      break;
   }
 }
 
@@ -58,8 +81,8 @@ __device__ __forceinline__ bool await_kind(int kind, const TeamView& team, uint6
 }
 
 // Rank `initiator` sends round i, the other echoes it; `rounds` round trips after a handshake barrier.
-__global__ void pingpong_kernel(TeamView team, uint64_t* inbox, int peer, bool initiator, int rounds, uint64_t base,
-                                int signal_kind, int wait_kind, unsigned long long* elapsed_ns,
+__global__ void pingpong_kernel(TeamView team, uint64_t* inbox, int peer, bool initiator, int rounds,
+                                uint64_t base, int signal_kind, int wait_kind, unsigned long long* elapsed_ns,
                                 unsigned long long* failures) {
   if (!barrier_block(team, 3)) return;
   if (signal_kind == kWeftHoistedKind) fence_release();
@@ -112,8 +135,8 @@ struct PingPong {
         Rank& r = c->local(i);
         WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
         auto* p = reinterpret_cast<uint64_t*>(buf.local[i]);
-        pingpong_kernel<<<1, 1, 0, r.stream()>>>(r.view(), p, 1 - i, i == 0, rounds, sent, signal_kind, wait_kind,
-                                                 reinterpret_cast<unsigned long long*>(p + 2),
+        pingpong_kernel<<<1, 1, 0, r.stream()>>>(r.view(), p, 1 - i, i == 0, rounds, sent, signal_kind,
+                                                 wait_kind, reinterpret_cast<unsigned long long*>(p + 2),
                                                  reinterpret_cast<unsigned long long*>(p + 3));
         WEFT_CUDA_CHECK(cudaGetLastError());
       }
@@ -139,8 +162,8 @@ double barrier_us(int world, int blocks, int rounds) {
   for (int i = 0; i < world; ++i) {
     Rank& r = c->local(i);
     WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
-    barrier_loop_kernel<kGrid><<<blocks, 128, 0, r.stream()>>>(r.view(), 200, rounds,
-                                                               reinterpret_cast<unsigned long long*>(buf.local[i]));
+    barrier_loop_kernel<kGrid><<<blocks, 128, 0, r.stream()>>>(
+        r.view(), 200, rounds, reinterpret_cast<unsigned long long*>(buf.local[i]));
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   c->synchronize();
@@ -159,11 +182,14 @@ void run_latency(Context& ctx) {
   WEFT_CHECK(ctx.gpus >= 2, "latency needs at least 2 GPUs");
   const int rounds = ctx.quick ? 2000 : 20000;
   {
-    Table t("latency: signal round trip between two GPUs (us)",
-            {"pair", "release fused: signal_set / wait_ge", "release hoisted: fence_release .. signal_set<kRelaxed> / wait_ge"},
-            "Both orderings publish the sender's earlier writes (sys-scope release, acquire polling). Fused: the "
-            "release is part of the signal. Hoisted: the fence is issued right after the data, overlapping the "
-            "wait for the peer. Best of 3 runs of " + std::to_string(rounds) + " round trips inside one kernel.");
+    Table t(
+        "latency: signal round trip between two GPUs (us)",
+        {"pair", "release fused: signal_set / wait_ge",
+         "release hoisted: fence_release .. signal_set<kRelaxed> / wait_ge"},
+        "Both orderings publish the sender's earlier writes (sys-scope release, acquire polling). Fused: the "
+        "release is part of the signal. Hoisted: the fence is issued right after the data, overlapping the "
+        "wait for the peer. Best of 3 runs of " +
+            std::to_string(rounds) + " round trips inside one kernel.");
     for (int b = 1; b < ctx.gpus; ++b) {
       ctx.progress("latency: round trip GPU0 <-> GPU%d", b);
       PingPong pp(0, b);
@@ -182,7 +208,8 @@ void run_latency(Context& ctx) {
     for (int s = 0; s < int(std::size(kSignalKinds)); ++s) {
       ctx.progress("latency: ordering matrix, signal %s", kSignalKinds[s]);
       std::vector<std::string> row = {kSignalKinds[s]};
-      for (int w = 0; w < int(std::size(kWaitKinds)); ++w) row.push_back(fmt("%.2f", pp.round_trip_us(s, w, n)));
+      for (int w = 0; w < int(std::size(kWaitKinds)); ++w)
+        row.push_back(fmt("%.2f", pp.round_trip_us(s, w, n)));
       t.add(row);
     }
     ctx.add(std::move(t));
@@ -198,7 +225,8 @@ void run_latency(Context& ctx) {
     for (int w = 2; w <= ctx.gpus; ++w) {
       ctx.progress("latency: barrier, %d GPUs", w);
       t.add({std::to_string(w), fmt("%.2f", barrier_us<false>(w, 1, rounds / 4)),
-             fmt("%.2f", barrier_us<true>(w, 8, rounds / 4)), fmt("%.2f", barrier_us<true>(w, 32, rounds / 4)),
+             fmt("%.2f", barrier_us<true>(w, 8, rounds / 4)),
+             fmt("%.2f", barrier_us<true>(w, 32, rounds / 4)),
              fmt("%.2f", barrier_us<true>(w, sms, rounds / 4))});
     }
     ctx.add(std::move(t));

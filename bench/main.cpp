@@ -11,11 +11,12 @@ using namespace weft::bench;
 
 namespace {
 int usage(int code) {
-  std::fprintf(code ? stderr : stdout,
-               "usage: weft-bench [MODE ...] [--json] [--gpus N] [--quick] [--list]\n"
-               "  Runs the chosen modes (default: all) single-process over the first N local GPUs (default: all).\n"
-               "  --json   machine-readable output on stdout (progress stays on stderr)\n"
-               "  --quick  fewer sizes and iterations\nmodes:\n");
+  std::fprintf(
+      code ? stderr : stdout,
+      "usage: weft-bench [MODE ...] [--json] [--gpus N] [--quick] [--list]\n"
+      "  Runs the chosen modes (default: all) single-process over the first N local GPUs (default: all).\n"
+      "  --json   machine-readable output on stdout (progress stays on stderr)\n"
+      "  --quick  fewer sizes and iterations\nmodes:\n");
   for (auto& m : modes()) std::fprintf(code ? stderr : stdout, "  %-10s %s\n", m.name, m.help);
   return code;
 }
@@ -26,10 +27,14 @@ int main(int argc, char** argv) {
   std::vector<const Mode*> chosen;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--json") ctx.json = true;
-    else if (a == "--quick") ctx.quick = true;
-    else if (a == "--gpus" && i + 1 < argc) ctx.gpus = std::atoi(argv[++i]);
-    else if (a == "--list" || a == "-h" || a == "--help") return usage(0);
+    if (a == "--json")
+      ctx.json = true;
+    else if (a == "--quick")
+      ctx.quick = true;
+    else if (a == "--gpus" && i + 1 < argc)
+      ctx.gpus = std::atoi(argv[++i]);
+    else if (a == "--list" || a == "-h" || a == "--help")
+      return usage(0);
     else {
       const Mode* m = nullptr;
       for (auto& x : modes())
@@ -47,8 +52,9 @@ int main(int argc, char** argv) {
   int ndev = 0;
   cudaError_t e = cudaGetDeviceCount(&ndev);
   if (e != cudaSuccess || ndev == 0) {
-    std::fprintf(stderr, "weft-bench: no CUDA GPU is visible (%s). weft-bench measures GPUs and needs at least one; "
-                         "run it on a machine with Hopper GPUs.\n",
+    std::fprintf(stderr,
+                 "weft-bench: no CUDA GPU is visible (%s). weft-bench measures GPUs and needs at least one; "
+                 "run it on a machine with Hopper GPUs.\n",
                  e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
     return 1;
   }
@@ -61,8 +67,9 @@ int main(int argc, char** argv) {
   std::time_t now = std::time(nullptr);
   char date[32];
   std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
-  std::string machine = fmt("%d x %s (%d SMs), driver %d.%d, CUDA runtime %d.%d, %s", ctx.gpus, prop.name,
-                            prop.multiProcessorCount, drv / 1000, (drv % 1000) / 10, rt / 1000, (rt % 1000) / 10, date);
+  std::string machine =
+      fmt("%d x %s (%d SMs), driver %d.%d, CUDA runtime %d.%d, %s", ctx.gpus, prop.name,
+          prop.multiProcessorCount, drv / 1000, (drv % 1000) / 10, rt / 1000, (rt % 1000) / 10, date);
   if (!ctx.json) std::printf("# weft-bench\n%s\n", machine.c_str());
 
   int rc = 0;
@@ -77,7 +84,8 @@ int main(int argc, char** argv) {
   }
   if (ctx.json) {
     std::printf("{\"machine\": \"%s\", \"tables\": [", machine.c_str());
-    for (size_t i = 0; i < ctx.tables.size(); ++i) std::printf("%s%s", i ? ",\n" : "\n", ctx.tables[i].json().c_str());
+    for (size_t i = 0; i < ctx.tables.size(); ++i)
+      std::printf("%s%s", i ? ",\n" : "\n", ctx.tables[i].json().c_str());
     std::printf("]}\n");
   }
   return rc;

@@ -63,7 +63,10 @@ __global__ void bulk_copy_kernel(Segments segs, uint32_t chunk) {
   const uint64_t total = (my.seg.bytes + chunk - 1) / chunk;
   const int64_t n = my.worker < total ? (total - my.worker + my.workers - 1) / my.workers : 0;
   auto offset = [&](int64_t k) { return (my.worker + uint64_t(k) * my.workers) * chunk; };
-  auto size = [&](int64_t k) { return static_cast<uint32_t>(uint64_t(chunk) < my.seg.bytes - offset(k) ? uint64_t(chunk) : my.seg.bytes - offset(k)); };
+  auto size = [&](int64_t k) {
+    return static_cast<uint32_t>(uint64_t(chunk) < my.seg.bytes - offset(k) ? uint64_t(chunk)
+                                                                            : my.seg.bytes - offset(k));
+  };
   auto load = [&](int64_t k) {
     const int s = k % kBulkStages;
     mbarrier_arrive_expect_tx(&full[s], size(k));
@@ -126,7 +129,8 @@ struct Launcher {
       for (int i = 0; i < segs.n; ++i) {
         WEFT_CUDA_CHECK(cudaEventRecord(fork[i], stream));
         WEFT_CUDA_CHECK(cudaStreamWaitEvent(side[i], fork[i]));
-        WEFT_CUDA_CHECK(cudaMemcpyAsync(segs.s[i].dst, segs.s[i].src, segs.s[i].bytes, cudaMemcpyDeviceToDevice, side[i]));
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(segs.s[i].dst, segs.s[i].src, segs.s[i].bytes,
+                                        cudaMemcpyDeviceToDevice, side[i]));
         WEFT_CUDA_CHECK(cudaEventRecord(join[i], side[i]));
         WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, join[i]));
       }
@@ -167,13 +171,14 @@ float time_transfer(Setup& st, Mech m, bool all_to_all, uint64_t bytes, int sms,
       Rank& r = c.local(i);
       WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
       Segments segs{};
-      // One pair: data flows rank 0 -> rank 1 (rank 0 puts, or rank 1 gets). All-to-all: every rank to every other.
+      // One pair: data flows rank 0 -> rank 1 (rank 0 puts, or rank 1 gets). All-to-all: every rank to every
+      // other.
       for (int p = 0; p < W; ++p) {
         if (p == r.rank()) continue;
         const int from = get ? p : r.rank(), to = get ? r.rank() : p;
         if (!all_to_all && !(from == 0 && to == 1)) continue;
-        segs.s[segs.n++] = Segment{r.at<const char>(st.src, from), r.at<char>(st.dst, to, uint64_t(from) * st.max_bytes),
-                                   bytes};
+        segs.s[segs.n++] = Segment{r.at<const char>(st.src, from),
+                                   r.at<char>(st.dst, to, uint64_t(from) * st.max_bytes), bytes};
       }
       if (segs.n == 0) continue;
       active[i] = true;
@@ -213,7 +218,8 @@ void run_transfer(Context& ctx) {
   const uint64_t max_bytes = 1ull << 30;
   cudaDeviceProp prop{};
   WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  Setup st{*comm, comm->alloc(max_bytes), comm->alloc(max_bytes * W), max_bytes, prop.multiProcessorCount, {}};
+  Setup st{*comm,     comm->alloc(max_bytes),   comm->alloc(max_bytes * W),
+           max_bytes, prop.multiProcessorCount, {}};
   for (int i = 0; i < W; ++i) {
     WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
     WEFT_CUDA_CHECK(cudaFuncSetAttribute(bulk_copy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -232,12 +238,16 @@ void run_transfer(Context& ctx) {
   {
     std::vector<std::string> cols = {"size"};
     for (auto& m : kMechs) cols.push_back(std::string(m.name) + " GB/s");
-    Table t("transfer: one pair (GPU0 -> GPU1), bandwidth vs message size, all " + std::to_string(st.sms) + " SMs", cols,
-            "Unidirectional; median of many transfers. Copy engine: cudaMemcpyAsync between symmetric-heap buffers.");
+    Table t("transfer: one pair (GPU0 -> GPU1), bandwidth vs message size, all " + std::to_string(st.sms) +
+                " SMs",
+            cols,
+            "Unidirectional; median of many transfers. Copy engine: cudaMemcpyAsync between symmetric-heap "
+            "buffers.");
     for (uint64_t b : sizes) {
       ctx.progress("transfer: one pair, %s", human_bytes(b).c_str());
       std::vector<std::string> row = {human_bytes(b)};
-      for (auto& m : kMechs) row.push_back(gbps(b, time_transfer(st, m.m, false, b, st.sms, iters_for(b, ctx.quick))));
+      for (auto& m : kMechs)
+        row.push_back(gbps(b, time_transfer(st, m.m, false, b, st.sms, iters_for(b, ctx.quick))));
       t.add(row);
     }
     ctx.add(std::move(t));
@@ -256,7 +266,8 @@ void run_transfer(Context& ctx) {
       ctx.progress("transfer: one pair, %d SMs", sms);
       std::vector<std::string> row = {std::to_string(sms)};
       for (auto& m : kMechs)
-        if (m.m != Mech::kCopyEngine) row.push_back(gbps(b, time_transfer(st, m.m, false, b, sms, ctx.quick ? 3 : 5)));
+        if (m.m != Mech::kCopyEngine)
+          row.push_back(gbps(b, time_transfer(st, m.m, false, b, sms, ctx.quick ? 3 : 5)));
       t.add(row);
     }
     ctx.add(std::move(t));
@@ -266,13 +277,16 @@ void run_transfer(Context& ctx) {
     std::vector<std::string> cols = {"size per peer"};
     for (auto& m : kMechs) cols.push_back(std::string(m.name) + " GB/s");
     Table t("transfer: all-to-all among " + std::to_string(W) + " GPUs, per-GPU egress bandwidth", cols,
-            "Each GPU moves (W-1) x size per transfer, to (put) or from (get) every peer at once; the slowest GPU counts.");
+            "Each GPU moves (W-1) x size per transfer, to (put) or from (get) every peer at once; the "
+            "slowest GPU counts.");
     for (uint64_t b : sizes) {
-      if (b > (256ull << 20) && W > 2 && !ctx.quick) continue;  // (W-1) x 1 GiB per GPU adds little over 256 MiB
+      if (b > (256ull << 20) && W > 2 && !ctx.quick)
+        continue;  // (W-1) x 1 GiB per GPU adds little over 256 MiB
       ctx.progress("transfer: all-to-all, %s per peer", human_bytes(b).c_str());
       std::vector<std::string> row = {human_bytes(b)};
       for (auto& m : kMechs)
-        row.push_back(gbps(b * (W - 1), time_transfer(st, m.m, true, b, st.sms, iters_for(b * (W - 1), ctx.quick))));
+        row.push_back(
+            gbps(b * (W - 1), time_transfer(st, m.m, true, b, st.sms, iters_for(b * (W - 1), ctx.quick))));
       t.add(row);
     }
     ctx.add(std::move(t));
@@ -281,7 +295,8 @@ void run_transfer(Context& ctx) {
   comm->free(st.dst);
 }
 
-ModeRegistrar reg("transfer", "peer bandwidth: copy engine, TMA, 16-byte ld/st; one pair and all-to-all", &run_transfer);
+ModeRegistrar reg("transfer", "peer bandwidth: copy engine, TMA, 16-byte ld/st; one pair and all-to-all",
+                  &run_transfer);
 
 }  // namespace
 }  // namespace weft::bench

@@ -10,7 +10,8 @@
 
 __global__ void greet(weft::TeamView team, int* slots, int* wrong) {
   // slots[r] on every rank is written by rank r.
-  for (int p = threadIdx.x; p < team.world; p += blockDim.x) *team.peer_ptr(slots + team.rank, p) = 1000 + team.rank;
+  for (int p = threadIdx.x; p < team.world; p += blockDim.x)
+    *team.peer_ptr(slots + team.rank, p) = 1000 + team.rank;
   if (!weft::barrier_block(team)) return;  // false only on timeout/abort; the host reports why
   for (int r = threadIdx.x; r < team.world; r += blockDim.x)
     if (slots[r] != 1000 + r) atomicAdd(wrong, 1);
@@ -38,8 +39,10 @@ int main() {
     for (int i = 0; i < comm->num_local(); ++i) {
       int wrong = 0;
       cudaSetDevice(comm->local(i).device());
-      cudaMemcpy(&wrong, reinterpret_cast<int*>(buf.local[i]) + comm->world(), sizeof(int), cudaMemcpyDeviceToHost);
-      std::printf("rank %d: %s\n", comm->local(i).rank(), wrong ? "WRONG greetings" : "greeted by every rank");
+      cudaMemcpy(&wrong, reinterpret_cast<int*>(buf.local[i]) + comm->world(), sizeof(int),
+                 cudaMemcpyDeviceToHost);
+      std::printf("rank %d: %s\n", comm->local(i).rank(),
+                  wrong ? "WRONG greetings" : "greeted by every rank");
       bad += wrong;
     }
     comm->free(buf);

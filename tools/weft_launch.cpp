@@ -21,7 +21,9 @@
 
 namespace {
 volatile sig_atomic_t g_forward_signal = 0;
-void on_signal(int sig) { g_forward_signal = sig; }
+void on_signal(int sig) {
+  g_forward_signal = sig;
+}
 
 int usage() {
   std::fprintf(stderr,
@@ -36,12 +38,20 @@ int main(int argc, char** argv) {
   try {
     for (; i < argc; ++i) {
       std::string a = argv[i];
-      if ((a == "-n" || a == "--nproc") && i + 1 < argc) nproc = weft::parse_int(argv[++i], "-n", 1, weft::kMaxWorld);
-      else if (a == "--grace" && i + 1 < argc) grace_s = weft::parse_int(argv[++i], "--grace", 0, 86400);
-      else if (a == "--") { ++i; break; }
-      else if (a == "-h" || a == "--help") return usage(), 0;
-      else if (!a.empty() && a[0] == '-') { std::fprintf(stderr, "weft-launch: unknown option %s\n", a.c_str()); return usage(); }
-      else break;
+      if ((a == "-n" || a == "--nproc") && i + 1 < argc)
+        nproc = weft::parse_int(argv[++i], "-n", 1, weft::kMaxWorld);
+      else if (a == "--grace" && i + 1 < argc)
+        grace_s = weft::parse_int(argv[++i], "--grace", 0, 86400);
+      else if (a == "--") {
+        ++i;
+        break;
+      } else if (a == "-h" || a == "--help")
+        return usage(), 0;
+      else if (!a.empty() && a[0] == '-') {
+        std::fprintf(stderr, "weft-launch: unknown option %s\n", a.c_str());
+        return usage();
+      } else
+        break;
     }
   } catch (const weft::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
@@ -52,7 +62,10 @@ int main(int argc, char** argv) {
   std::vector<pid_t> kids;
   for (int r = 0; r < nproc; ++r) {
     pid_t pid = ::fork();
-    if (pid < 0) { std::perror("weft-launch: fork"); return 1; }
+    if (pid < 0) {
+      std::perror("weft-launch: fork");
+      return 1;
+    }
     if (pid == 0) {
       ::setpgid(0, 0);  // each rank leads its own process group: the launcher can stop what it starts
       ::setenv("RANK", std::to_string(r).c_str(), 1);
@@ -100,15 +113,21 @@ int main(int argc, char** argv) {
     }
     --alive;
     int rank = -1;
-    for (int r = 0; r < nproc; ++r) if (kids[r] == pid) { rank = r; kids[r] = -1; }
+    for (int r = 0; r < nproc; ++r)
+      if (kids[r] == pid) {
+        rank = r;
+        kids[r] = -1;
+      }
     int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
     if (code == 77 && !failing) {  // the program's "skipped" exit code (no GPU): not a failure
       if (status_out == 0) status_out = 77;
       continue;
     }
     if (code != 0) {
-      if (WIFSIGNALED(st)) std::fprintf(stderr, "weft-launch: rank %d killed by signal %d\n", rank, WTERMSIG(st));
-      else std::fprintf(stderr, "weft-launch: rank %d exited with code %d\n", rank, code);
+      if (WIFSIGNALED(st))
+        std::fprintf(stderr, "weft-launch: rank %d killed by signal %d\n", rank, WTERMSIG(st));
+      else
+        std::fprintf(stderr, "weft-launch: rank %d exited with code %d\n", rank, code);
       if (status_out == 0 || status_out == 77) status_out = code;
       if (!failing) {
         failing = true;

@@ -14,9 +14,9 @@
 
 namespace weft {
 
-inline constexpr int kMaxWorld = 128;          // ranks in one team (an NVL72 fits)
-inline constexpr int kUserFlags = 4096;        // signal flags free for ops and users
-inline constexpr int kBarrierSlots = 16;       // independent barriers (one block at a time per slot)
+inline constexpr int kMaxWorld = 128;     // ranks in one team (an NVL72 fits)
+inline constexpr int kUserFlags = 4096;   // signal flags free for ops and users
+inline constexpr int kBarrierSlots = 16;  // independent barriers (one block at a time per slot)
 
 // Why a device-side wait gave up. Written once per rank (first error wins) into the rank's signal pad; the
 // wait returns false, the kernel winds down, and the host reads the record after synchronizing.
@@ -27,14 +27,15 @@ enum class DeviceErrorCode : uint32_t {
 };
 
 struct DeviceError {
-  uint32_t code;          // DeviceErrorCode
-  int32_t rank;           // rank that waited
-  uint32_t block;         // linear block index
-  uint32_t thread;        // linear thread index in the block
-  uint64_t flag_offset;   // the flag's byte offset in the heap (the host names it: user flag i, barrier slot s ...)
-  uint64_t expected;      // the value waited for (>=)
-  uint64_t observed;      // the last value seen
-  uint64_t waited_ns;     // how long it waited
+  uint32_t code;    // DeviceErrorCode
+  int32_t rank;     // rank that waited
+  uint32_t block;   // linear block index
+  uint32_t thread;  // linear thread index in the block
+  uint64_t
+      flag_offset;  // the flag's byte offset in the heap (the host names it: user flag i, barrier slot s ...)
+  uint64_t expected;   // the value waited for (>=)
+  uint64_t observed;   // the last value seen
+  uint64_t waited_ns;  // how long it waited
 };
 
 // Layout of the signal pad: one symmetric allocation made at team creation, zeroed, never reset. All flags
@@ -59,10 +60,10 @@ struct SignalPadLayout {
 struct TeamView {
   int32_t rank = 0;
   int32_t world = 0;
-  char* local_base = nullptr;          // this rank's heap
-  uint64_t pad_offset = 0;             // the signal pad's offset in every heap
-  uint64_t timeout_ns = 0;             // how long a wait may spin before it reports kTimeout
-  DeviceError* error = nullptr;        // this rank's error record (in its signal pad)
+  char* local_base = nullptr;               // this rank's heap
+  uint64_t pad_offset = 0;                  // the signal pad's offset in every heap
+  uint64_t timeout_ns = 0;                  // how long a wait may spin before it reports kTimeout
+  DeviceError* error = nullptr;             // this rank's error record (in its signal pad)
   const volatile int32_t* abort = nullptr;  // host-mapped; non-zero once the host saw a peer die
 
   WEFT_HD char* pad() const { return local_base + pad_offset; }

@@ -43,14 +43,17 @@ struct TimedOut {
   int rank;
 };
 
-std::string errno_text() { return std::strerror(errno); }
+std::string errno_text() {
+  return std::strerror(errno);
+}
 
 sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
   sockaddr_un a{};
   a.sun_family = AF_UNIX;
   a.sun_path[0] = '\0';  // abstract namespace: nothing on disk, released when the socket closes
   std::memcpy(a.sun_path + 1, name.data(), std::min(name.size(), sizeof(a.sun_path) - 2));
-  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + std::min(name.size(), sizeof(a.sun_path) - 2));
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 +
+                                std::min(name.size(), sizeof(a.sun_path) - 2));
   return a;
 }
 
@@ -83,7 +86,8 @@ void send_all(int sock, const char* data, size_t len, int peer_rank) {
   }
 }
 
-void send_frame(int sock, MsgType type, uint32_t seq, int src, std::string_view payload, int fd, int peer_rank) {
+void send_frame(int sock, MsgType type, uint32_t seq, int src, std::string_view payload, int fd,
+                int peer_rank) {
   Header h{kMagic, static_cast<uint32_t>(type), seq, src, payload.size(), fd >= 0 ? 1 : 0, 0};
   iovec iov{&h, sizeof(h)};
   msghdr msg{};
@@ -143,8 +147,10 @@ Frame recv_frame(int sock, Clock::time_point deadline, int peer_rank) {
   if (n == 0 || (n < 0 && errno == ECONNRESET)) throw PeerClosed{peer_rank};
   if (n < 0) throw_error("weft: recvmsg failed: " + errno_text());
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c))
-    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(&f.fd, CMSG_DATA(c), sizeof(int));
-  recv_all(sock, reinterpret_cast<char*>(&f.h) + n, sizeof(f.h) - static_cast<size_t>(n), deadline, peer_rank);
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+      std::memcpy(&f.fd, CMSG_DATA(c), sizeof(int));
+  recv_all(sock, reinterpret_cast<char*>(&f.h) + n, sizeof(f.h) - static_cast<size_t>(n), deadline,
+           peer_rank);
   if (f.h.magic != kMagic) {
     if (f.fd >= 0) ::close(f.fd);
     throw_error("weft: rendezvous: garbage from rank " + std::to_string(peer_rank) +
@@ -242,8 +248,8 @@ void Channel::hub_accept(Clock::time_point deadline) {
       std::string missing;
       for (int r = 1; r < world_; ++r)
         if (peers_[r].sock < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-      fail("rendezvous timed out: rank(s) " + missing + " never joined job '" + job_id_ + "' (socket @" + name_ +
-           "); did they start, with the same world size and job id?");
+      fail("rendezvous timed out: rank(s) " + missing + " never joined job '" + job_id_ + "' (socket @" +
+           name_ + "); did they start, with the same world size and job id?");
     }
     const int s = ::accept4(listen_sock_, nullptr, nullptr, SOCK_CLOEXEC);
     if (s < 0) continue;
@@ -265,8 +271,8 @@ void Channel::hub_accept(Clock::time_point deadline) {
     else if (r <= 0 || r >= world_)
       why = "a process claims rank " + std::to_string(r) + " in a world of " + std::to_string(world_);
     else if (peers_[r].sock >= 0)
-      why = "two processes claim rank " + std::to_string(r) + " (pids " + std::to_string(peers_[r].pid) + " and " +
-            std::to_string(unpack_int(hello.payload, 1)) + ")";
+      why = "two processes claim rank " + std::to_string(r) + " (pids " + std::to_string(peers_[r].pid) +
+            " and " + std::to_string(unpack_int(hello.payload, 1)) + ")";
     if (!why.empty()) {
       try {
         send_frame(s, MsgType::kError, 0, 0, "weft: rendezvous: " + why, -1, r);
@@ -302,15 +308,18 @@ void Channel::client_connect(Clock::time_point deadline) {
     if (err != ECONNREFUSED && err != ENOENT && err != EAGAIN && err != EINTR)
       throw_error("weft: connect(@" + name_ + ") failed: " + std::strerror(err));
     if (Clock::now() >= deadline)
-      throw_error("weft: rendezvous timed out: rank " + std::to_string(rank_) + " could not reach rank 0 of job '" +
-                  job_id_ + "' (socket @" + name_ + "); is rank 0 running with the same job id?");
+      throw_error("weft: rendezvous timed out: rank " + std::to_string(rank_) +
+                  " could not reach rank 0 of job '" + job_id_ + "' (socket @" + name_ +
+                  "); is rank 0 running with the same job id?");
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   try {
-    send_frame(peers_[0].sock, MsgType::kHello, 0, rank_, pack_ints({world_, static_cast<long>(::getpid())}), -1, 0);
+    send_frame(peers_[0].sock, MsgType::kHello, 0, rank_, pack_ints({world_, static_cast<long>(::getpid())}),
+               -1, 0);
     Frame f = recv_frame(peers_[0].sock, deadline, 0);
     if (static_cast<MsgType>(f.h.type) == MsgType::kError) throw_error(f.payload);
-    WEFT_CHECK(static_cast<MsgType>(f.h.type) == MsgType::kWelcome, "rendezvous: unexpected reply from rank 0");
+    WEFT_CHECK(static_cast<MsgType>(f.h.type) == MsgType::kWelcome,
+               "rendezvous: unexpected reply from rank 0");
   } catch (PeerClosed&) {
     throw_error("weft: rendezvous: rank 0 of job '" + job_id_ + "' closed the connection while rank " +
                 std::to_string(rank_) + " was joining (it failed or rejected this rank)");
@@ -359,7 +368,8 @@ Channel::Gathered Channel::allgather(std::string_view data, int fd) {
   const uint32_t seq = ++seq_;
   const auto deadline = Clock::now() + op_timeout_;
   auto describe = [&](int r) {
-    return "rank " + std::to_string(r) + (rank_ == 0 && r > 0 ? " (pid " + std::to_string(peers_[r].pid) + ")" : "");
+    return "rank " + std::to_string(r) +
+           (rank_ == 0 && r > 0 ? " (pid " + std::to_string(peers_[r].pid) + ")" : "");
   };
   try {
     if (rank_ == 0) {
@@ -383,10 +393,12 @@ Channel::Gathered Channel::allgather(std::string_view data, int fd) {
           }
           if (static_cast<MsgType>(f.h.type) == MsgType::kError) fail(relayed(f.payload));
           if (static_cast<MsgType>(f.h.type) == MsgType::kBye)
-            fail(describe(r) + " left the job (destroyed its communicator) while the others were in a host collective");
+            fail(describe(r) +
+                 " left the job (destroyed its communicator) while the others were in a host collective");
           if (f.h.seq != seq)
-            fail("host collectives out of order: " + describe(r) + " is in collective #" + std::to_string(f.h.seq) +
-                 ", rank 0 in #" + std::to_string(seq) + " (every rank must make the same collective calls)");
+            fail("host collectives out of order: " + describe(r) + " is in collective #" +
+                 std::to_string(f.h.seq) + ", rank 0 in #" + std::to_string(seq) +
+                 " (every rank must make the same collective calls)");
           g.data[r] = std::move(f.payload);
           g.fds[r] = f.fd;
           pending.erase(r);
@@ -395,7 +407,8 @@ Channel::Gathered Channel::allgather(std::string_view data, int fd) {
       const int my_fd = fd;
       for (int c = 1; c < world_; ++c)
         for (int r = 0; r < world_; ++r)
-          if (r != c) send_frame(peers_[c].sock, MsgType::kData, seq, r, g.data[r], r == 0 ? my_fd : g.fds[r], c);
+          if (r != c)
+            send_frame(peers_[c].sock, MsgType::kData, seq, r, g.data[r], r == 0 ? my_fd : g.fds[r], c);
     } else {
       send_frame(peers_[0].sock, MsgType::kData, seq, rank_, data, fd, 0);
       for (int k = 0; k < world_ - 1; ++k) {
@@ -420,18 +433,22 @@ Channel::Gathered Channel::allgather(std::string_view data, int fd) {
     for (int& x : g.fds)
       if (x >= 0) ::close(x);
     if (rank_ == 0)
-      fail(describe(e.rank) + " closed its connection during a host collective: the process exited or crashed");
+      fail(describe(e.rank) +
+           " closed its connection during a host collective: the process exited or crashed");
     fail("lost the connection to rank 0 during a host collective: rank 0 exited or crashed");
   } catch (TimedOut& e) {
     for (int& x : g.fds)
       if (x >= 0) ::close(x);
-    fail("host collective #" + std::to_string(seq) + " timed out after " + std::to_string(op_timeout_.count()) +
-         " ms waiting for " + describe(e.rank) + " (is it stuck, or making different collective calls?)");
+    fail("host collective #" + std::to_string(seq) + " timed out after " +
+         std::to_string(op_timeout_.count()) + " ms waiting for " + describe(e.rank) +
+         " (is it stuck, or making different collective calls?)");
   }
   return g;
 }
 
-void Channel::barrier() { allgather({}); }
+void Channel::barrier() {
+  allgather({});
+}
 
 void Channel::monitor_loop() {
   while (!stop_) {

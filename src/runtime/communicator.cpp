@@ -29,11 +29,16 @@ uint64_t parse_bytes(const std::string& s, const char* what) {
   const double v = std::strtod(s.c_str(), &end);
   uint64_t mult = 1;
   std::string unit = end ? std::string(end) : "";
-  if (unit == "" || unit == "B") mult = 1;
-  else if (unit == "K" || unit == "KiB" || unit == "k") mult = 1ull << 10;
-  else if (unit == "M" || unit == "MiB") mult = 1ull << 20;
-  else if (unit == "G" || unit == "GiB") mult = 1ull << 30;
-  else throw_error(std::string("weft: ") + what + "='" + s + "': use a number with an optional K/M/G suffix");
+  if (unit == "" || unit == "B")
+    mult = 1;
+  else if (unit == "K" || unit == "KiB" || unit == "k")
+    mult = 1ull << 10;
+  else if (unit == "M" || unit == "MiB")
+    mult = 1ull << 20;
+  else if (unit == "G" || unit == "GiB")
+    mult = 1ull << 30;
+  else
+    throw_error(std::string("weft: ") + what + "='" + s + "': use a number with an optional K/M/G suffix");
   WEFT_CHECK(v > 0, std::string(what) + "='" + s + "' must be positive");
   return static_cast<uint64_t>(v * static_cast<double>(mult));
 }
@@ -48,7 +53,9 @@ void init_driver() {
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e == cudaErrorNoDevice || (e == cudaSuccess && n == 0))
-    throw_error("weft: no CUDA GPU is visible (check the driver, CUDA_VISIBLE_DEVICES, and that this machine has one)");
+    throw_error(
+        "weft: no CUDA GPU is visible (check the driver, CUDA_VISIBLE_DEVICES, and that this machine has "
+        "one)");
   if (e != cudaSuccess)
     throw_error(std::string("weft: cannot use CUDA: ") + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
   WEFT_CU_CHECK(driver().cuInit(0));
@@ -63,11 +70,14 @@ void check_device_capabilities(int dev, bool need_fd_handles) {
                 std::to_string(minor) + "; weft needs 9.0 (Hopper) or newer");
   CUdevice cu;
   WEFT_CU_CHECK(driver().cuDeviceGet(&cu, dev));
-  WEFT_CU_CHECK(driver().cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu));
+  WEFT_CU_CHECK(
+      driver().cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu));
   WEFT_CHECK(vmm, device_name(dev) + " does not support CUDA virtual memory management");
   if (need_fd_handles) {
-    WEFT_CU_CHECK(driver().cuDeviceGetAttribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cu));
-    WEFT_CHECK(fd, device_name(dev) + " cannot export memory as POSIX file descriptors (needed between processes)");
+    WEFT_CU_CHECK(driver().cuDeviceGetAttribute(
+        &fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cu));
+    WEFT_CHECK(
+        fd, device_name(dev) + " cannot export memory as POSIX file descriptors (needed between processes)");
   }
 }
 
@@ -99,7 +109,8 @@ T from_bytes(const std::string& s) {
 // ---- creation --------------------------------------------------------------------------------
 
 std::unique_ptr<Communicator> Communicator::create(Options opts) {
-  std::optional<LaunchEnv> env = opts.env ? opts.env : parse_launch_env(process_env(), static_cast<long>(::getppid()));
+  std::optional<LaunchEnv> env =
+      opts.env ? opts.env : parse_launch_env(process_env(), static_cast<long>(::getppid()));
   if (env) return create_from_launcher(*env, std::move(opts));
   return create_single_process(std::move(opts));
 }
@@ -114,8 +125,8 @@ std::unique_ptr<Communicator> Communicator::create_single_process(Options opts) 
   WEFT_CHECK(static_cast<int>(devices.size()) <= kMaxWorld,
              "at most " + std::to_string(kMaxWorld) + " ranks per team");
   for (size_t i = 0; i < devices.size(); ++i) {
-    WEFT_CHECK(devices[i] >= 0 && devices[i] < n, "device " + std::to_string(devices[i]) + " does not exist (" +
-                                                      std::to_string(n) + " visible)");
+    WEFT_CHECK(devices[i] >= 0 && devices[i] < n, "device " + std::to_string(devices[i]) +
+                                                      " does not exist (" + std::to_string(n) + " visible)");
     for (size_t j = 0; j < i; ++j)
       WEFT_CHECK(devices[i] != devices[j], "device " + std::to_string(devices[i]) + " listed twice");
   }
@@ -136,17 +147,19 @@ std::unique_ptr<Communicator> Communicator::create_single_process(Options opts) 
 
 std::unique_ptr<Communicator> Communicator::create_from_launcher(const LaunchEnv& env, Options opts) {
   WEFT_CHECK(env.local_world == env.world, "multi-node jobs are not supported yet (world size " +
-                                               std::to_string(env.world) + ", " + std::to_string(env.local_world) +
-                                               " ranks on this node)");
+                                               std::to_string(env.world) + ", " +
+                                               std::to_string(env.local_world) + " ranks on this node)");
   init_driver();
   int n = 0;
   WEFT_CUDA_CHECK(cudaGetDeviceCount(&n));
   int dev;
-  if (n == env.local_world || n > env.local_rank) dev = env.local_rank;
-  else if (n == 1) dev = 0;  // the launcher gave each process its own CUDA_VISIBLE_DEVICES
+  if (n == env.local_world || n > env.local_rank)
+    dev = env.local_rank;
+  else if (n == 1)
+    dev = 0;  // the launcher gave each process its own CUDA_VISIBLE_DEVICES
   else
-    throw_error("weft: local rank " + std::to_string(env.local_rank) + " has no GPU: only " + std::to_string(n) +
-                " visible for " + std::to_string(env.local_world) + " local ranks");
+    throw_error("weft: local rank " + std::to_string(env.local_rank) + " has no GPU: only " +
+                std::to_string(n) + " visible for " + std::to_string(env.local_world) + " local ranks");
   std::unique_ptr<Communicator> c(new Communicator());
   c->timeout_ = resolve_timeout(opts.timeout);
   c->world_ = env.world;
@@ -206,8 +219,9 @@ void Communicator::check_peer_access_single_process() const {
       int can = 0;
       WEFT_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, a->device_, b->device_));
       if (!can)
-        throw_error("weft: " + device_name(a->device_) + " cannot access " + device_name(b->device_) +
-                    " as a peer (no P2P between them; weft needs peer access between every pair of its GPUs)");
+        throw_error(
+            "weft: " + device_name(a->device_) + " cannot access " + device_name(b->device_) +
+            " as a peer (no P2P between them; weft needs peer access between every pair of its GPUs)");
     }
 }
 
@@ -298,7 +312,8 @@ void Communicator::map_range(char* va, uint64_t bytes, CUmemGenericAllocationHan
     access[i].location.id = devices[i];
     access[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   }
-  CUresult res = driver().cuMemSetAccess(reinterpret_cast<CUdeviceptr>(va), bytes, access.data(), access.size());
+  CUresult res =
+      driver().cuMemSetAccess(reinterpret_cast<CUdeviceptr>(va), bytes, access.data(), access.size());
   if (res != CUDA_SUCCESS) {
     driver().cuMemUnmap(reinterpret_cast<CUdeviceptr>(va), bytes);
     --live_maps_;
@@ -348,8 +363,9 @@ SymmetricBuffer Communicator::alloc(uint64_t bytes) {
         auto [o, s] = from_bytes<OffsetSize>(g.data[r]);
         if (o != off || s != size)
           throw_error("weft: symmetric alloc mismatch: rank " + std::to_string(ranks_[0]->rank()) +
-                      " allocates " + std::to_string(size) + " bytes at offset " + std::to_string(off) + ", rank " +
-                      std::to_string(r) + " " + std::to_string(s) + " bytes at " + std::to_string(o) +
+                      " allocates " + std::to_string(size) + " bytes at offset " + std::to_string(off) +
+                      ", rank " + std::to_string(r) + " " + std::to_string(s) + " bytes at " +
+                      std::to_string(o) +
                       " (alloc/free must be called by every rank, in the same order, with the same sizes)");
       }
     }
@@ -360,8 +376,8 @@ SymmetricBuffer Communicator::alloc(uint64_t bytes) {
       CUmemGenericAllocationHandle h;
       CUresult res = driver().cuMemCreate(&h, size, &p, 0);
       if (res == CUDA_ERROR_OUT_OF_MEMORY)
-        throw_error("weft: out of GPU memory allocating a " + std::to_string(size >> 20) + " MiB symmetric buffer on " +
-                    device_name(r->device_));
+        throw_error("weft: out of GPU memory allocating a " + std::to_string(size >> 20) +
+                    " MiB symmetric buffer on " + device_name(r->device_));
       WEFT_CU_CHECK(res);
       char* mine = r->heap_of_[r->rank()] + off;
       int fd = -1;
@@ -369,7 +385,8 @@ SymmetricBuffer Communicator::alloc(uint64_t bytes) {
         map_range(mine, size, h, mp ? std::vector<int>{r->device_} : all_devices);
         mapped.emplace_back(mine, size);
         if (mp)
-          WEFT_CU_CHECK(driver().cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+          WEFT_CU_CHECK(
+              driver().cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
       } catch (...) {
         driver().cuMemRelease(h);
         throw;
@@ -386,8 +403,9 @@ SymmetricBuffer Communicator::alloc(uint64_t bytes) {
           throw_error("weft: rank " + std::to_string(p) + " sent no memory handle");
         }
         CUmemGenericAllocationHandle ph;
-        CUresult ires = driver().cuMemImportFromShareableHandle(&ph, reinterpret_cast<void*>(static_cast<intptr_t>(g.fds[p])),
-                                                       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+        CUresult ires = driver().cuMemImportFromShareableHandle(
+            &ph, reinterpret_cast<void*>(static_cast<intptr_t>(g.fds[p])),
+            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
         ::close(g.fds[p]);
         g.fds[p] = -1;
         WEFT_CU_CHECK(ires);
@@ -415,7 +433,8 @@ SymmetricBuffer Communicator::alloc(uint64_t bytes) {
 void Communicator::free(SymmetricBuffer& buf) {
   if (!buf) return;
   auto it = std::find_if(live_.begin(), live_.end(), [&](auto& b) { return b.offset == buf.offset; });
-  WEFT_CHECK(it != live_.end(), "free of a buffer that this communicator did not allocate (or already freed)");
+  WEFT_CHECK(it != live_.end(),
+             "free of a buffer that this communicator did not allocate (or already freed)");
   for (auto& r : ranks_) {
     cudaSetDevice(r->device_);
     cudaDeviceSynchronize();  // no kernel of ours may still touch it
@@ -434,9 +453,15 @@ void Communicator::free(SymmetricBuffer& buf) {
   buf = SymmetricBuffer{};
 }
 
-uint64_t Communicator::heap_capacity() const { return capacity_; }
-uint64_t Communicator::heap_granularity() const { return granularity_; }
-uint64_t Communicator::heap_in_use() const { return allocator_ ? allocator_->bytes_in_use() : 0; }
+uint64_t Communicator::heap_capacity() const {
+  return capacity_;
+}
+uint64_t Communicator::heap_granularity() const {
+  return granularity_;
+}
+uint64_t Communicator::heap_in_use() const {
+  return allocator_ ? allocator_->bytes_in_use() : 0;
+}
 
 // ---- synchronization and errors ---------------------------------------------------------------
 
@@ -466,9 +491,11 @@ std::string Communicator::describe_offset(uint64_t offset) const {
     if (o < L::kBarrierInboxOffset) return "user flag " + std::to_string(o / 8);
     if (o < L::kBarrierEpochOffset) {
       const uint64_t i = (o - L::kBarrierInboxOffset) / 8;
-      return "barrier slot " + std::to_string(i / kMaxWorld) + ", arrival of rank " + std::to_string(i % kMaxWorld);
+      return "barrier slot " + std::to_string(i / kMaxWorld) + ", arrival of rank " +
+             std::to_string(i % kMaxWorld);
     }
-    if (o < L::kGridArriveOffset) return "barrier slot " + std::to_string((o - L::kBarrierEpochOffset) / 8) + " epoch";
+    if (o < L::kGridArriveOffset)
+      return "barrier slot " + std::to_string((o - L::kBarrierEpochOffset) / 8) + " epoch";
     if (o < L::kGridGenerationOffset)
       return "grid barrier slot " + std::to_string((o - L::kGridArriveOffset) / 8) + " arrivals";
     if (o < L::kPeerTableOffset)
@@ -490,8 +517,8 @@ void Communicator::check_device_errors() const {
     WEFT_CUDA_CHECK(cudaMemcpy(&e, ranks_[i]->view_.error, sizeof(e), cudaMemcpyDeviceToHost));
     const auto code = static_cast<DeviceErrorCode>(e.code);
     if (code == DeviceErrorCode::kNone) continue;
-    std::string msg = "weft: rank " + std::to_string(e.rank) + " (block " + std::to_string(e.block) + ", thread " +
-                      std::to_string(e.thread) + ") ";
+    std::string msg = "weft: rank " + std::to_string(e.rank) + " (block " + std::to_string(e.block) +
+                      ", thread " + std::to_string(e.thread) + ") ";
     msg += code == DeviceErrorCode::kTimeout ? "timed out after " : "gave up (abort) after ";
     msg += std::to_string(e.waited_ns / 1000000) + " ms waiting for " + describe_offset(e.flag_offset) +
            " to reach " + std::to_string(e.expected) + " (last saw " + std::to_string(e.observed) + ")";
@@ -521,7 +548,8 @@ void Communicator::release_all() noexcept {
       live_.pop_back();
     }
   }
-  for (size_t i = 0; i < reservations_.size(); ++i) driver().cuMemAddressFree(reservations_[i], reservation_sizes_[i]);
+  for (size_t i = 0; i < reservations_.size(); ++i)
+    driver().cuMemAddressFree(reservations_[i], reservation_sizes_[i]);
   reservations_.clear();
   for (auto& r : ranks_) {
     if (r->stream_) {
@@ -535,6 +563,8 @@ void Communicator::release_all() noexcept {
   abort_flag_ = nullptr;
 }
 
-Communicator::~Communicator() { release_all(); }
+Communicator::~Communicator() {
+  release_all();
+}
 
 }  // namespace weft

@@ -15,8 +15,8 @@ const DriverApi& driver() {
       cudaDriverEntryPointQueryResult status{};
       const cudaError_t e = cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &status);
       if (e != cudaSuccess || status != cudaDriverEntryPointSuccess || *fn == nullptr)
-        throw_error(std::string("weft: the CUDA driver does not provide ") + name + " (" + cudaGetErrorString(e) +
-                    "); is the NVIDIA driver installed and new enough?");
+        throw_error(std::string("weft: the CUDA driver does not provide ") + name + " (" +
+                    cudaGetErrorString(e) + "); is the NVIDIA driver installed and new enough?");
     };
 #define WEFT_DRIVER_RESOLVE(name) resolve(#name, reinterpret_cast<void**>(&a.name));
     WEFT_DRIVER_FUNCTIONS(WEFT_DRIVER_RESOLVE)

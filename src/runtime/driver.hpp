@@ -7,10 +7,11 @@
 namespace weft {
 
 #define WEFT_DRIVER_FUNCTIONS(X)                                                                     \
-  X(cuInit) X(cuDeviceGet) X(cuDeviceGetAttribute) X(cuMemGetAllocationGranularity)                 \
-  X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) \
-  X(cuMemSetAccess) X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuGetErrorName) \
-  X(cuGetErrorString)
+  X(cuInit)                                                                                          \
+  X(cuDeviceGet) X(cuDeviceGetAttribute) X(cuMemGetAllocationGranularity) X(cuMemAddressReserve)     \
+      X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) \
+          X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuGetErrorName)        \
+              X(cuGetErrorString)
 
 struct DriverApi {
 #define WEFT_DRIVER_MEMBER(name) decltype(&::name) name = nullptr;

@@ -11,10 +11,14 @@ namespace weft {
 
 const char* launcher_name(Launcher l) {
   switch (l) {
-    case Launcher::kNone: return "single-process";
-    case Launcher::kTorchrun: return "torchrun";
-    case Launcher::kMpi: return "mpirun";
-    case Launcher::kWeft: return "weft-launch";
+    case Launcher::kNone:
+      return "single-process";
+    case Launcher::kTorchrun:
+      return "torchrun";
+    case Launcher::kMpi:
+      return "mpirun";
+    case Launcher::kWeft:
+      return "weft-launch";
   }
   return "?";
 }

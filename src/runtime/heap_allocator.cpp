@@ -18,8 +18,8 @@ HeapAllocator::HeapAllocator(uint64_t capacity, uint64_t granularity)
   WEFT_CHECK(granularity > 0 && (granularity & (granularity - 1)) == 0,
              "heap granularity must be a power of two, got " + std::to_string(granularity));
   WEFT_CHECK(capacity >= granularity && capacity % granularity == 0,
-             "heap capacity " + std::to_string(capacity) + " must be a positive multiple of the granularity " +
-                 std::to_string(granularity));
+             "heap capacity " + std::to_string(capacity) +
+                 " must be a positive multiple of the granularity " + std::to_string(granularity));
   free_[0] = capacity;
 }
 

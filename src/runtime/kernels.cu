@@ -5,7 +5,9 @@
 namespace weft {
 
 namespace {
-__global__ void team_barrier_kernel(TeamView team, int slot) { barrier_block(team, slot); }
+__global__ void team_barrier_kernel(TeamView team, int slot) {
+  barrier_block(team, slot);
+}
 }  // namespace
 
 void launch_team_barrier(const TeamView& view, int slot, cudaStream_t stream) {

@@ -21,7 +21,8 @@ Communicator& TestContext::comm() {
 std::unique_ptr<Communicator> TestContext::make_comm(std::chrono::milliseconds timeout) {
   Options o = options;
   o.timeout = timeout;
-  return multi_process ? Communicator::create_from_launcher(*o.env, o) : Communicator::create_single_process(o);
+  return multi_process ? Communicator::create_from_launcher(*o.env, o)
+                       : Communicator::create_single_process(o);
 }
 
 }  // namespace weft::test
@@ -57,16 +58,20 @@ int main(int argc, char** argv) {
   int gpus = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--filter" && i + 1 < argc) filter = argv[++i];
-    else if (a == "--gpus" && i + 1 < argc) gpus = std::atoi(argv[++i]);
-    else if (a == "--quick") ctx.quick = true;
+    if (a == "--filter" && i + 1 < argc)
+      filter = argv[++i];
+    else if (a == "--gpus" && i + 1 < argc)
+      gpus = std::atoi(argv[++i]);
+    else if (a == "--quick")
+      ctx.quick = true;
     else if (a == "--list") {
       for (auto& t : registry()) std::printf("%s\n", t.name);
       return 0;
     } else {
       std::fprintf(stderr,
                    "usage: weft-gpu-tests [--gpus N] [--filter a,b,-c] [--quick] [--list]\n"
-                   "  single-process over N GPUs by default; one rank per process under weft-launch/torchrun/mpirun\n");
+                   "  single-process over N GPUs by default; one rank per process under "
+                   "weft-launch/torchrun/mpirun\n");
       return 2;
     }
   }
@@ -103,8 +108,9 @@ int main(int argc, char** argv) {
     std::printf("SKIPPED: weft-gpu-tests: needs at least 2 GPUs (world size %d)\n", ctx.world);
     return 77;
   }
-  std::printf("%sweft-gpu-tests: %s, world size %d%s\n", prefix.c_str(), env ? weft::launcher_name(env->launcher) : "single-process",
-              ctx.world, ctx.quick ? " (quick)" : "");
+  std::printf("%sweft-gpu-tests: %s, world size %d%s\n", prefix.c_str(),
+              env ? weft::launcher_name(env->launcher) : "single-process", ctx.world,
+              ctx.quick ? " (quick)" : "");
 
   int passed = 0, failed = 0, skipped = 0;
   for (auto& t : registry()) {
@@ -123,7 +129,8 @@ int main(int argc, char** argv) {
     } catch (const std::exception& e) {
       err = std::string("exception: ") + e.what();
     }
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (skip) {
       ++skipped;
       std::printf("%s[  SKIPPED ] %s: %s\n", prefix.c_str(), t.name, err.c_str());
@@ -133,7 +140,7 @@ int main(int argc, char** argv) {
     } else {
       ++failed;
       std::printf("%s[  FAILED  ] %s (%.0f ms): %s\n", prefix.c_str(), t.name, ms, err.c_str());
-      ctx.shared.reset();  // a failed test may leave the team unusable
+      ctx.shared.reset();            // a failed test may leave the team unusable
       if (ctx.multi_process) break;  // peers cannot know; stop here (they fail fast on our exit)
     }
   }

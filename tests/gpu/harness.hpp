@@ -18,11 +18,11 @@
 namespace weft::test {
 
 struct TestContext {
-  Options options;           // how to make a communicator in this mode (devices, env)
+  Options options;  // how to make a communicator in this mode (devices, env)
   bool multi_process = false;
-  int process_rank = 0;      // 0 in single-process mode
-  int world = 0;             // team size the tests run at
-  bool quick = false;        // --quick: fewer rounds (for compute-sanitizer runs)
+  int process_rank = 0;  // 0 in single-process mode
+  int world = 0;         // team size the tests run at
+  bool quick = false;    // --quick: fewer rounds (for compute-sanitizer runs)
   // The shared communicator for tests that don't need their own.
   Communicator& comm();
   std::unique_ptr<Communicator> make_comm(std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
@@ -48,20 +48,23 @@ struct Registrar {
 
 }  // namespace weft::test
 
-#define WEFT_GPU_TEST(name)                                                     \
-  static void weft_test_##name(::weft::test::TestContext& ctx);                 \
-  static ::weft::test::Registrar weft_reg_##name(#name, &weft_test_##name);     \
+#define WEFT_GPU_TEST(name)                                                 \
+  static void weft_test_##name(::weft::test::TestContext& ctx);             \
+  static ::weft::test::Registrar weft_reg_##name(#name, &weft_test_##name); \
   static void weft_test_##name([[maybe_unused]] ::weft::test::TestContext& ctx)
 
-#define WEFT_EXPECT(cond, msg)                                                                   \
-  do {                                                                                           \
-    if (!(cond)) {                                                                               \
-      std::ostringstream weft_os_;                                                               \
-      weft_os_ << __FILE__ << ":" << __LINE__ << ": expected " #cond ": " << msg;                \
-      throw ::weft::test::Failure{weft_os_.str()};                                               \
-    }                                                                                            \
+#define WEFT_EXPECT(cond, msg)                                                    \
+  do {                                                                            \
+    if (!(cond)) {                                                                \
+      std::ostringstream weft_os_;                                                \
+      weft_os_ << __FILE__ << ":" << __LINE__ << ": expected " #cond ": " << msg; \
+      throw ::weft::test::Failure{weft_os_.str()};                                \
+    }                                                                             \
   } while (0)
 
-#define WEFT_SKIP(msg) throw ::weft::test::Skip{msg}
+#define WEFT_SKIP(msg)       \
+  throw ::weft::test::Skip { \
+    msg                      \
+  }
 
 #define WEFT_CUDA_OK(expr) WEFT_CUDA_CHECK(expr)

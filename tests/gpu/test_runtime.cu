@@ -28,7 +28,8 @@ void for_each_local(Communicator& c, F&& f) {
 
 // Zeroes a symmetric buffer on every rank and makes sure every rank finished before anyone writes into it.
 void zero_buffer(Communicator& c, const SymmetricBuffer& b) {
-  for_each_local(c, [&](Rank& r, int i) { WEFT_CUDA_CHECK(cudaMemsetAsync(b.local[i], 0, b.bytes, r.stream())); });
+  for_each_local(
+      c, [&](Rank& r, int i) { WEFT_CUDA_CHECK(cudaMemsetAsync(b.local[i], 0, b.bytes, r.stream())); });
   c.synchronize();
   c.host_barrier();
 }
@@ -49,7 +50,9 @@ int count_open_fds() {
   return n;
 }
 
-__device__ __forceinline__ int value_of(int round, int src, int i) { return round * 7919 + src * 131 + i; }
+__device__ __forceinline__ int value_of(int round, int src, int i) {
+  return round * 7919 + src * 131 + i;
+}
 
 enum class Meet { kBlockBarrier, kGridBarrier, kHoistedSignals };
 
@@ -75,9 +78,12 @@ template <Meet kMeet>
 __global__ void exchange_kernel(TeamView team, int* box, int ints_per_slot, int rounds,
                                 unsigned long long* bad, int slot, uint64_t* inbox = nullptr) {
   auto meet = [&](uint64_t n) {
-    if constexpr (kMeet == Meet::kGridBarrier) return barrier_grid(team, slot);
-    else if constexpr (kMeet == Meet::kBlockBarrier) return barrier_block(team, slot);
-    else return hoisted_meet(team, inbox, n);
+    if constexpr (kMeet == Meet::kGridBarrier)
+      return barrier_grid(team, slot);
+    else if constexpr (kMeet == Meet::kBlockBarrier)
+      return barrier_block(team, slot);
+    else
+      return hoisted_meet(team, inbox, n);
   };
   const int nthreads = blockDim.x * gridDim.x;
   const int tid = threadIdx.x + blockIdx.x * blockDim.x;
@@ -95,7 +101,8 @@ __global__ void exchange_kernel(TeamView team, int* box, int ints_per_slot, int 
 }
 
 // One block per peer; the lower rank of each pair serves, the higher answers.
-__global__ void pingpong_all_pairs_kernel(TeamView team, uint64_t* inbox, int rounds, unsigned long long* bad) {
+__global__ void pingpong_all_pairs_kernel(TeamView team, uint64_t* inbox, int rounds,
+                                          unsigned long long* bad) {
   const int p = blockIdx.x;
   if (p == team.rank || threadIdx.x != 0) return;
   for (int i = 1; i <= rounds; ++i) {
@@ -121,7 +128,9 @@ __global__ void signal_add_kernel(TeamView team, uint64_t* counter, int reps) {
       if (p != team.rank) signal_add(team, counter, p, 1);
 }
 
-__global__ void wait_kernel(TeamView team, const uint64_t* flag, uint64_t want) { wait_ge(team, flag, want); }
+__global__ void wait_kernel(TeamView team, const uint64_t* flag, uint64_t want) {
+  wait_ge(team, flag, want);
+}
 
 __global__ void many_barriers_kernel(TeamView team, int n, int slot) {
   for (int i = 0; i < n; ++i)
@@ -152,7 +161,8 @@ WEFT_GPU_TEST(symmetric_alloc_same_offsets_and_reuse) {
   SymmetricBuffer a = c.alloc(1000), b = c.alloc(3 * g + 1), d = c.alloc(g);
   WEFT_EXPECT(a.bytes == g && b.bytes == 4 * g && d.bytes == g, "sizes round up to the granularity " << g);
   WEFT_EXPECT(b.offset == a.offset + a.bytes && d.offset == b.offset + b.bytes, "first fit, in call order");
-  for_each_local(c, [&](Rank& r, int i) { WEFT_EXPECT(b.local[i] == r.heap_of(r.rank()) + b.offset, "local ptr"); });
+  for_each_local(
+      c, [&](Rank& r, int i) { WEFT_EXPECT(b.local[i] == r.heap_of(r.rank()) + b.offset, "local ptr"); });
   const uint64_t b_off = b.offset;
   c.free(b);
   SymmetricBuffer e = c.alloc(2 * g);
@@ -170,14 +180,15 @@ WEFT_GPU_TEST(peer_writes_visible_after_block_barrier) {
   zero_buffer(c, box);
   for_each_local(c, [&](Rank& r, int i) {
     auto* bad = reinterpret_cast<unsigned long long*>(box.local[i] + sizeof(int) * ints * c.world());
-    exchange_kernel<Meet::kBlockBarrier><<<1, 512, 0, r.stream()>>>(r.view(), reinterpret_cast<int*>(box.local[i]), ints, rounds,
-                                                        bad, 0);
+    exchange_kernel<Meet::kBlockBarrier>
+        <<<1, 512, 0, r.stream()>>>(r.view(), reinterpret_cast<int*>(box.local[i]), ints, rounds, bad, 0);
     WEFT_CUDA_CHECK(cudaGetLastError());
   });
   c.synchronize();
   for_each_local(c, [&](Rank& r, int i) {
     const uint64_t bad = read_u64(r, box.local[i] + sizeof(int) * ints * c.world());
-    WEFT_EXPECT(bad == 0, "rank " << r.rank() << ": " << bad << " stale elements after " << rounds << " rounds");
+    WEFT_EXPECT(bad == 0,
+                "rank " << r.rank() << ": " << bad << " stale elements after " << rounds << " rounds");
   });
   c.free(box);
 }
@@ -190,14 +201,15 @@ WEFT_GPU_TEST(peer_writes_visible_after_grid_barrier) {
   zero_buffer(c, box);
   for_each_local(c, [&](Rank& r, int i) {
     auto* bad = reinterpret_cast<unsigned long long*>(box.local[i] + sizeof(int) * ints * c.world());
-    exchange_kernel<Meet::kGridBarrier><<<16, 256, 0, r.stream()>>>(r.view(), reinterpret_cast<int*>(box.local[i]), ints, rounds,
-                                                       bad, 1);
+    exchange_kernel<Meet::kGridBarrier>
+        <<<16, 256, 0, r.stream()>>>(r.view(), reinterpret_cast<int*>(box.local[i]), ints, rounds, bad, 1);
     WEFT_CUDA_CHECK(cudaGetLastError());
   });
   c.synchronize();
   for_each_local(c, [&](Rank& r, int i) {
     const uint64_t bad = read_u64(r, box.local[i] + sizeof(int) * ints * c.world());
-    WEFT_EXPECT(bad == 0, "rank " << r.rank() << ": " << bad << " stale elements after " << rounds << " rounds");
+    WEFT_EXPECT(bad == 0,
+                "rank " << r.rank() << ": " << bad << " stale elements after " << rounds << " rounds");
   });
   c.free(box);
 }
@@ -219,7 +231,8 @@ WEFT_GPU_TEST(peer_writes_visible_after_hoisted_release_signals) {
   c.synchronize();
   for_each_local(c, [&](Rank& r, int i) {
     const uint64_t bad = read_u64(r, box.local[i] + data_bytes);
-    WEFT_EXPECT(bad == 0, "rank " << r.rank() << ": " << bad << " stale elements after " << rounds << " rounds");
+    WEFT_EXPECT(bad == 0,
+                "rank " << r.rank() << ": " << bad << " stale elements after " << rounds << " rounds");
   });
   c.free(box);
 }
@@ -255,7 +268,8 @@ WEFT_GPU_TEST(signal_pingpong_all_pairs) {
     auto* inbox = reinterpret_cast<uint64_t*>(box.local[i]);
     WEFT_EXPECT(read_u64(r, inbox + kMaxWorld) == 0, "out-of-order values seen");
     for (int p = 0; p < c.world(); ++p)
-      if (p != r.rank()) WEFT_EXPECT(read_u64(r, inbox + p) == static_cast<uint64_t>(rounds), "from rank " << p);
+      if (p != r.rank())
+        WEFT_EXPECT(read_u64(r, inbox + p) == static_cast<uint64_t>(rounds), "from rank " << p);
   });
   c.free(box);
 }
@@ -266,7 +280,8 @@ WEFT_GPU_TEST(signal_add_from_every_thread) {
   SymmetricBuffer box = c.alloc(sizeof(uint64_t));
   zero_buffer(c, box);
   for_each_local(c, [&](Rank& r, int i) {
-    signal_add_kernel<<<blocks, threads, 0, r.stream()>>>(r.view(), reinterpret_cast<uint64_t*>(box.local[i]), reps);
+    signal_add_kernel<<<blocks, threads, 0, r.stream()>>>(r.view(), reinterpret_cast<uint64_t*>(box.local[i]),
+                                                          reps);
     WEFT_CUDA_CHECK(cudaGetLastError());
   });
   c.synchronize();
@@ -381,10 +396,12 @@ WEFT_GPU_TEST(create_destroy_cycles_leak_nothing) {
     (void)b;  // freed by the destructor
   }
   probe(&fds1, &mem1);
-  WEFT_EXPECT(fds1 == fds0, "open file descriptors " << fds0 << " -> " << fds1 << " after " << cycles << " cycles");
+  WEFT_EXPECT(fds1 == fds0,
+              "open file descriptors " << fds0 << " -> " << fds1 << " after " << cycles << " cycles");
   for (size_t i = 0; i < mem0.size(); ++i) {
     const long long diff = static_cast<long long>(mem0[i]) - static_cast<long long>(mem1[i]);
-    WEFT_EXPECT(diff < (32ll << 20), "GPU memory lost after " << cycles << " cycles: " << (diff >> 20) << " MiB");
+    WEFT_EXPECT(diff < (32ll << 20),
+                "GPU memory lost after " << cycles << " cycles: " << (diff >> 20) << " MiB");
   }
 }
 

@@ -766,3 +766,17 @@ TEST(Channel, OutOfOrderCollectiveIsReported) {
   EXPECT_HAS(text, "out of order");
   ::close(s);
 }
+
+TEST(Channel, NormalDepartureIsToldApartFromACrash) {
+  const std::string job = unique_job("bye");
+  std::thread leaver([&] {
+    Channel ch(job, 1, 2, kJoin);
+    ch.barrier();
+  });  // destroyed normally: says goodbye
+  Channel ch(job, 0, 2, kJoin);
+  ch.barrier();
+  leaver.join();
+  ASSERT_TRUE(eventually([&] { return !ch.lost_reason().empty(); }, milliseconds(3000)));
+  EXPECT_HAS(ch.lost_reason(), "rank 1 left the job");
+  EXPECT_LACKS(ch.lost_reason(), "crashed");
+}

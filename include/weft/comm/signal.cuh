@@ -28,18 +28,24 @@ enum class Order {
 
 // Orders this thread's earlier writes (and its block's, after a __syncthreads) before its later
 // relaxed signals, system-wide.
-__device__ __forceinline__ void fence_release() { ptx::fence_acq_rel_sys(); }
+__device__ __forceinline__ void fence_release() {
+  ptx::fence_acq_rel_sys();
+}
 
 template <Order O = Order::kRelease>
 __device__ __forceinline__ void signal_set(const TeamView& team, uint64_t* flag, int peer, uint64_t value) {
-  if constexpr (O == Order::kRelease) ptx::st_release_sys(team.peer_ptr(flag, peer), value);
-  else ptx::st_relaxed_sys(team.peer_ptr(flag, peer), value);
+  if constexpr (O == Order::kRelease)
+    ptx::st_release_sys(team.peer_ptr(flag, peer), value);
+  else
+    ptx::st_relaxed_sys(team.peer_ptr(flag, peer), value);
 }
 
 template <Order O = Order::kRelease>
 __device__ __forceinline__ void signal_add(const TeamView& team, uint64_t* flag, int peer, uint64_t delta) {
-  if constexpr (O == Order::kRelease) ptx::red_release_sys_add(team.peer_ptr(flag, peer), delta);
-  else ptx::red_relaxed_sys_add(team.peer_ptr(flag, peer), delta);
+  if constexpr (O == Order::kRelease)
+    ptx::red_release_sys_add(team.peer_ptr(flag, peer), delta);
+  else
+    ptx::red_relaxed_sys_add(team.peer_ptr(flag, peer), delta);
 }
 
 namespace detail {
@@ -53,11 +59,10 @@ __device__ __forceinline__ uint32_t linear_thread() {
 // Records the first failure of this rank. Later failures keep the first record: it names the wait that
 // started the chain.
 inline __device__ __noinline__ void report_wait_failure(const TeamView& team, DeviceErrorCode code,
-                                                 const uint64_t* flag, uint64_t expected, uint64_t observed,
-                                                 uint64_t waited_ns) {
+                                                        const uint64_t* flag, uint64_t expected,
+                                                        uint64_t observed, uint64_t waited_ns) {
   DeviceError* e = team.error;
-  if (atomicCAS(reinterpret_cast<unsigned int*>(&e->code), 0u, static_cast<unsigned int>(code)) != 0u)
-    return;
+  if (atomicCAS(reinterpret_cast<unsigned int*>(&e->code), 0u, static_cast<unsigned int>(code)) != 0u) return;
   e->rank = team.rank;
   e->block = linear_block();
   e->thread = linear_thread();

@@ -55,10 +55,16 @@ __device__ __forceinline__ uint64_t atom_exch_release_sys(uint64_t* p, uint64_t 
   asm volatile("atom.release.sys.global.exch.b64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
   return old;
 }
-__device__ __forceinline__ void fence_sc_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
+__device__ __forceinline__ void fence_sc_sys() {
+  asm volatile("fence.sc.sys;" ::: "memory");
+}
 // Turns earlier relaxed loads into acquires and later stores into releases (cumulative), system-wide.
-__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+__device__ __forceinline__ void fence_acq_rel_gpu() {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
 
 // Nanoseconds from a global clock; coarse (~1 us ticks on some parts) but common to all SMs.
 __device__ __forceinline__ uint64_t globaltimer_ns() {

@@ -6,9 +6,9 @@
 // so a W-rank job holds W-1 connections.
 //
 // A background monitor notices a peer process that dies (its socket closes) or leaves (a goodbye message
-// from its destructor) even while no collective is in flight, marks the channel lost and calls the on_peer_lost callback (the communicator raises the device
-// abort flag there, so spinning kernels fail within milliseconds instead of hanging). Rank 0 forwards the
-// loss to every other rank.
+// from its destructor) even while no collective is in flight, marks the channel lost and calls the
+// on_peer_lost callback (the communicator raises the device abort flag there, so spinning kernels fail within
+// milliseconds instead of hanging). Rank 0 forwards the loss to every other rank.
 #pragma once
 #include <atomic>
 #include <chrono>

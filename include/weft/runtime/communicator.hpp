@@ -42,8 +42,8 @@ struct Options {
 // A collective allocation: the same offset and size on every rank.
 struct SymmetricBuffer {
   uint64_t offset = 0;
-  uint64_t bytes = 0;           // rounded up to the heap granularity
-  std::vector<char*> local;     // local[i]: the buffer on this process's i-th rank
+  uint64_t bytes = 0;        // rounded up to the heap granularity
+  std::vector<char*> local;  // local[i]: the buffer on this process's i-th rank
   explicit operator bool() const { return bytes != 0; }
 };
 
@@ -130,10 +130,10 @@ class Communicator {
   uint64_t capacity_ = 0, granularity_ = 0;
   std::vector<CUdeviceptr> reservations_;  // (base, size) pairs reserved with cuMemAddressReserve
   std::vector<uint64_t> reservation_sizes_;
-  std::vector<SymmetricBuffer> live_;      // for teardown
+  std::vector<SymmetricBuffer> live_;  // for teardown
   size_t live_maps_ = 0;
   SymmetricBuffer pad_;
-  int32_t* abort_flag_ = nullptr;          // host-mapped
+  int32_t* abort_flag_ = nullptr;  // host-mapped
   std::string lost_reason_;
 };
 

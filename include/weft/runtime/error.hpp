@@ -18,25 +18,25 @@ std::string driver_error_text(int code);
 
 }  // namespace weft
 
-#define WEFT_CHECK(cond, msg)                                                  \
-  do {                                                                         \
-    if (!(cond)) ::weft::throw_error(std::string("weft: ") + (msg));           \
+#define WEFT_CHECK(cond, msg)                                        \
+  do {                                                               \
+    if (!(cond)) ::weft::throw_error(std::string("weft: ") + (msg)); \
   } while (0)
 
 // Runtime API calls.
-#define WEFT_CUDA_CHECK(expr)                                                                         \
-  do {                                                                                                \
-    cudaError_t weft_err_ = (expr);                                                                   \
-    if (weft_err_ != cudaSuccess)                                                                     \
-      ::weft::throw_cuda_error(int(weft_err_), cudaGetErrorName(weft_err_),                           \
-                               cudaGetErrorString(weft_err_), #expr, __FILE__, __LINE__);             \
+#define WEFT_CUDA_CHECK(expr)                                                                              \
+  do {                                                                                                     \
+    cudaError_t weft_err_ = (expr);                                                                        \
+    if (weft_err_ != cudaSuccess)                                                                          \
+      ::weft::throw_cuda_error(int(weft_err_), cudaGetErrorName(weft_err_), cudaGetErrorString(weft_err_), \
+                               #expr, __FILE__, __LINE__);                                                 \
   } while (0)
 
 // Driver API calls (through weft's resolved driver table; see src/runtime/driver.hpp).
-#define WEFT_CU_CHECK(expr)                                                                           \
-  do {                                                                                                \
-    CUresult weft_res_ = (expr);                                                                      \
-    if (weft_res_ != CUDA_SUCCESS)                                                                    \
-      ::weft::throw_error("weft: CUDA driver error " + ::weft::driver_error_text(int(weft_res_)) +    \
-                          " in " #expr " at " __FILE__ ":" + std::to_string(__LINE__));               \
+#define WEFT_CU_CHECK(expr)                                                                        \
+  do {                                                                                             \
+    CUresult weft_res_ = (expr);                                                                   \
+    if (weft_res_ != CUDA_SUCCESS)                                                                 \
+      ::weft::throw_error("weft: CUDA driver error " + ::weft::driver_error_text(int(weft_res_)) + \
+                          " in " #expr " at " __FILE__ ":" + std::to_string(__LINE__));            \
   } while (0)
