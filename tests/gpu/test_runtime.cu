@@ -41,6 +41,16 @@ uint64_t read_u64(const Rank& r, const void* p) {
   return v;
 }
 
+// Synchronizes and returns the error message, or "" if there was none.
+std::string sync_error(Communicator& c) {
+  try {
+    c.synchronize();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return {};
+}
+
 int count_open_fds() {
   int n = 0;
   if (DIR* d = opendir("/proc/self/fd")) {
@@ -172,60 +182,18 @@ WEFT_GPU_TEST(symmetric_alloc_same_offsets_and_reuse) {
   c.free(e);
 }
 
-WEFT_GPU_TEST(peer_writes_visible_after_block_barrier) {
+// Runs exchange_kernel<kMeet> on every rank: box = [world slots of `ints`][mismatch counter][inbox].
+template <Meet kMeet>
+void check_exchange(TestContext& ctx, int ints, int rounds, int blocks, int threads, int slot) {
   Communicator& c = ctx.comm();
-  const int ints = 64 * 1024;
-  const int rounds = ctx.quick ? 20 : 500;
-  SymmetricBuffer box = c.alloc(sizeof(int) * ints * c.world() + 64);
-  zero_buffer(c, box);
-  for_each_local(c, [&](Rank& r, int i) {
-    auto* bad = reinterpret_cast<unsigned long long*>(box.local[i] + sizeof(int) * ints * c.world());
-    exchange_kernel<Meet::kBlockBarrier>
-        <<<1, 512, 0, r.stream()>>>(r.view(), reinterpret_cast<int*>(box.local[i]), ints, rounds, bad, 0);
-    WEFT_CUDA_CHECK(cudaGetLastError());
-  });
-  c.synchronize();
-  for_each_local(c, [&](Rank& r, int i) {
-    const uint64_t bad = read_u64(r, box.local[i] + sizeof(int) * ints * c.world());
-    WEFT_EXPECT(bad == 0,
-                "rank " << r.rank() << ": " << bad << " stale elements after " << rounds << " rounds");
-  });
-  c.free(box);
-}
-
-WEFT_GPU_TEST(peer_writes_visible_after_grid_barrier) {
-  Communicator& c = ctx.comm();
-  const int ints = 256 * 1024;
-  const int rounds = ctx.quick ? 10 : 300;
-  SymmetricBuffer box = c.alloc(sizeof(int) * ints * c.world() + 64);
-  zero_buffer(c, box);
-  for_each_local(c, [&](Rank& r, int i) {
-    auto* bad = reinterpret_cast<unsigned long long*>(box.local[i] + sizeof(int) * ints * c.world());
-    exchange_kernel<Meet::kGridBarrier>
-        <<<16, 256, 0, r.stream()>>>(r.view(), reinterpret_cast<int*>(box.local[i]), ints, rounds, bad, 1);
-    WEFT_CUDA_CHECK(cudaGetLastError());
-  });
-  c.synchronize();
-  for_each_local(c, [&](Rank& r, int i) {
-    const uint64_t bad = read_u64(r, box.local[i] + sizeof(int) * ints * c.world());
-    WEFT_EXPECT(bad == 0,
-                "rank " << r.rank() << ": " << bad << " stale elements after " << rounds << " rounds");
-  });
-  c.free(box);
-}
-
-WEFT_GPU_TEST(peer_writes_visible_after_hoisted_release_signals) {
-  Communicator& c = ctx.comm();
-  const int ints = 64 * 1024;
-  const int rounds = ctx.quick ? 20 : 500;
   const uint64_t data_bytes = sizeof(int) * ints * c.world();
   SymmetricBuffer box = c.alloc(data_bytes + 64 + sizeof(uint64_t) * kMaxWorld);
   zero_buffer(c, box);
   for_each_local(c, [&](Rank& r, int i) {
     auto* bad = reinterpret_cast<unsigned long long*>(box.local[i] + data_bytes);
     auto* inbox = reinterpret_cast<uint64_t*>(box.local[i] + data_bytes + 64);
-    exchange_kernel<Meet::kHoistedSignals><<<1, 512, 0, r.stream()>>>(
-        r.view(), reinterpret_cast<int*>(box.local[i]), ints, rounds, bad, 0, inbox);
+    exchange_kernel<kMeet><<<blocks, threads, 0, r.stream()>>>(r.view(), reinterpret_cast<int*>(box.local[i]),
+                                                               ints, rounds, bad, slot, inbox);
     WEFT_CUDA_CHECK(cudaGetLastError());
   });
   c.synchronize();
@@ -235,6 +203,18 @@ WEFT_GPU_TEST(peer_writes_visible_after_hoisted_release_signals) {
                 "rank " << r.rank() << ": " << bad << " stale elements after " << rounds << " rounds");
   });
   c.free(box);
+}
+
+WEFT_GPU_TEST(peer_writes_visible_after_block_barrier) {
+  check_exchange<Meet::kBlockBarrier>(ctx, 64 * 1024, ctx.quick ? 20 : 500, 1, 512, 0);
+}
+
+WEFT_GPU_TEST(peer_writes_visible_after_grid_barrier) {
+  check_exchange<Meet::kGridBarrier>(ctx, 256 * 1024, ctx.quick ? 10 : 300, 16, 256, 1);
+}
+
+WEFT_GPU_TEST(peer_writes_visible_after_hoisted_release_signals) {
+  check_exchange<Meet::kHoistedSignals>(ctx, 64 * 1024, ctx.quick ? 20 : 500, 1, 512, 0);
 }
 
 WEFT_GPU_TEST(barrier_stress_in_kernel_and_across_launches) {
@@ -303,12 +283,7 @@ WEFT_GPU_TEST(wait_timeout_reports_who_and_what) {
     wait_kernel<<<1, 1, 0, r.stream()>>>(r.view(), r.view().user_flag(7), 42);
     WEFT_CUDA_CHECK(cudaGetLastError());
   });
-  std::string msg;
-  try {
-    c->synchronize();
-  } catch (const Error& e) {
-    msg = e.what();
-  }
+  const std::string msg = sync_error(*c);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (ctx.process_rank == 0) {
     WEFT_EXPECT(!msg.empty(), "the wait should have timed out");
@@ -420,12 +395,7 @@ WEFT_GPU_TEST(rank_death_fails_peers_fast) {
   wait_kernel<<<1, 1, 0, r.stream()>>>(r.view(), r.view().user_flag(3), 1);
   WEFT_CUDA_CHECK(cudaGetLastError());
   const auto t0 = std::chrono::steady_clock::now();
-  std::string msg;
-  try {
-    c->synchronize();
-  } catch (const Error& e) {
-    msg = e.what();
-  }
+  const std::string msg = sync_error(*c);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("[rank %d] saw after %.2f s: %s\n", ctx.process_rank, s, msg.c_str());
   WEFT_EXPECT(!msg.empty(), "the wait should have been aborted");
