@@ -110,7 +110,10 @@ inline __device__ __noinline__ bool wait_ge_slow(const TeamView& team, const uin
 // Waits until this rank's `flag` (a pointer into its own heap) is >= `want`. Returns false (and records why)
 // on timeout or abort; the caller should then stop its work and return.
 __device__ __forceinline__ bool wait_ge(const TeamView& team, const uint64_t* flag, uint64_t want) {
-  if (ptx::ld_acquire_sys(flag) >= want) return true;
+  // Short waits (a signal already in flight) finish here, without the slow path's call and clock reads.
+#pragma unroll 1
+  for (int i = 0; i < 16; ++i)
+    if (ptx::ld_acquire_sys(flag) >= want) return true;
   return detail::wait_ge_slow<true>(team, flag, want);
 }
 
