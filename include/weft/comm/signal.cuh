@@ -78,12 +78,13 @@ __device__ __forceinline__ uint64_t ld_acquire(const uint64_t* flag) {
   return kSys ? ptx::ld_acquire_sys(flag) : ptx::ld_acquire_gpu(flag);
 }
 
-// Slow path of wait_ge: polls with the clock running; every 20 us it also looks at the abort flag (host
-// memory, too slow to read every poll) and at this rank's error record (another wait already failed).
+// Slow path of wait_ge: polls with the clock running. Every 20 us it looks at this rank's error record
+// (another wait already failed) and the timeout; every 1 ms at the host's abort flag. The abort flag is
+// host memory: 100+ blocks reading it every few microseconds queue up on PCIe and slow every wait.
 template <bool kSys>
 inline __device__ __noinline__ bool wait_ge_slow(const TeamView& team, const uint64_t* flag, uint64_t want) {
   const uint64_t start = ptx::globaltimer_ns();
-  uint64_t last_check = start;
+  uint64_t last_check = start, last_abort_check = start;
   for (;;) {
     for (int i = 0; i < 64; ++i) {
       if (ld_acquire<kSys>(flag) >= want) return true;
@@ -95,7 +96,12 @@ inline __device__ __noinline__ bool wait_ge_slow(const TeamView& team, const uin
     last_check = now;
     const uint64_t seen = ld_acquire<kSys>(flag);
     if (seen >= want) return true;
-    if (*team.abort != 0 || *reinterpret_cast<volatile uint32_t*>(&team.error->code) != 0) {
+    bool abort = *reinterpret_cast<volatile uint32_t*>(&team.error->code) != 0;
+    if (now - last_abort_check >= 1000000) {
+      last_abort_check = now;
+      abort |= *team.abort != 0;
+    }
+    if (abort) {
       report_wait_failure(team, DeviceErrorCode::kAborted, flag, want, seen, now - start);
       return false;
     }
