@@ -16,7 +16,9 @@ namespace weft {
 
 inline constexpr int kMaxWorld = 128;     // ranks in one team (an NVL72 fits)
 inline constexpr int kUserFlags = 4096;   // signal flags free for ops and users
-inline constexpr int kBarrierSlots = 16;  // independent barriers (one block at a time per slot)
+inline constexpr int kBarrierSlots = 512;      // independent barriers (one block at a time per slot)
+inline constexpr int kUserBarrierSlots = 256;  // [0, 256) free for ops and users; the runtime uses the
+                                               // rest (the collectives take one slot per block)
 
 // Why a device-side wait gave up. Written once per rank (first error wins) into the rank's signal pad; the
 // wait returns false, the kernel winds down, and the host reads the record after synchronizing.
@@ -54,7 +56,9 @@ struct SignalPadLayout {
   static constexpr size_t kPeerTableOffset = kGridGenerationOffset + sizeof(uint64_t) * kBarrierSlots;
   // The first device wait failure of this rank (DeviceError).
   static constexpr size_t kErrorOffset = kPeerTableOffset + sizeof(uint64_t) * kMaxWorld;
-  static constexpr size_t kBytes = kErrorOffset + 64;
+  // Collective call state: [0] calls completed, [1] blocks finished in the current call (local state).
+  static constexpr size_t kCollectiveStateOffset = kErrorOffset + 64;
+  static constexpr size_t kBytes = kCollectiveStateOffset + 64;
 };
 
 struct TeamView {
@@ -86,6 +90,9 @@ struct TeamView {
   }
   WEFT_HD uint64_t* grid_arrive(int slot) const {
     return reinterpret_cast<uint64_t*>(pad() + SignalPadLayout::kGridArriveOffset) + slot;
+  }
+  WEFT_HD uint64_t* collective_state() const {
+    return reinterpret_cast<uint64_t*>(pad() + SignalPadLayout::kCollectiveStateOffset);
   }
   WEFT_HD uint64_t* grid_generation(int slot) const {
     return reinterpret_cast<uint64_t*>(pad() + SignalPadLayout::kGridGenerationOffset) + slot;

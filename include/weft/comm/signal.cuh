@@ -78,16 +78,18 @@ __device__ __forceinline__ uint64_t ld_acquire(const uint64_t* flag) {
   return kSys ? ptx::ld_acquire_sys(flag) : ptx::ld_acquire_gpu(flag);
 }
 
-// Slow path of wait_ge: polls with the clock running. Every 20 us it looks at this rank's error record
-// (another wait already failed) and the timeout; every 1 ms at the host's abort flag. The abort flag is
-// host memory: 100+ blocks reading it every few microseconds queue up on PCIe and slow every wait.
-template <bool kSys>
-inline __device__ __noinline__ bool wait_ge_slow(const TeamView& team, const uint64_t* flag, uint64_t want) {
+// Slow path of every wait: polls `done(load(flag))` with the clock running. Every 20 us it looks at this
+// rank's error record (another wait already failed) and the timeout; every 1 ms at the host's abort flag.
+// The abort flag is host memory: 100+ blocks reading it every few microseconds queue up on PCIe and slow
+// every wait. `want` and `observe(value)` only feed the failure report.
+template <bool kSys, class Done, class Observe>
+inline __device__ __noinline__ bool wait_slow(const TeamView& team, const uint64_t* flag, uint64_t want, Done done,
+                                              Observe observe) {
   const uint64_t start = ptx::globaltimer_ns();
   uint64_t last_check = start, last_abort_check = start;
   for (;;) {
     for (int i = 0; i < 64; ++i) {
-      if (ld_acquire<kSys>(flag) >= want) return true;
+      if (done(ld_acquire<kSys>(flag))) return true;
       // Many blocks polling one local flag flood its L2 slice and slow the very writes they wait for.
       if constexpr (!kSys) __nanosleep(64);
     }
@@ -95,22 +97,30 @@ inline __device__ __noinline__ bool wait_ge_slow(const TeamView& team, const uin
     if (now - last_check < 20000) continue;
     last_check = now;
     const uint64_t seen = ld_acquire<kSys>(flag);
-    if (seen >= want) return true;
+    if (done(seen)) return true;
     bool abort = *reinterpret_cast<volatile uint32_t*>(&team.error->code) != 0;
     if (now - last_abort_check >= 1000000) {
       last_abort_check = now;
       abort |= *team.abort != 0;
     }
     if (abort) {
-      report_wait_failure(team, DeviceErrorCode::kAborted, flag, want, seen, now - start);
+      report_wait_failure(team, DeviceErrorCode::kAborted, flag, want, observe(seen), now - start);
       return false;
     }
     if (now - start > team.timeout_ns) {
-      report_wait_failure(team, DeviceErrorCode::kTimeout, flag, want, seen, now - start);
+      report_wait_failure(team, DeviceErrorCode::kTimeout, flag, want, observe(seen), now - start);
       return false;
     }
   }
 }
+
+struct AtLeast {
+  uint64_t want;
+  __device__ bool operator()(uint64_t x) const { return x >= want; }
+};
+struct Identity {
+  __device__ uint64_t operator()(uint64_t x) const { return x; }
+};
 }  // namespace detail
 
 // Waits until this rank's `flag` (a pointer into its own heap) is >= `want`. Returns false (and records why)
@@ -120,13 +130,22 @@ __device__ __forceinline__ bool wait_ge(const TeamView& team, const uint64_t* fl
 #pragma unroll 1
   for (int i = 0; i < 16; ++i)
     if (ptx::ld_acquire_sys(flag) >= want) return true;
-  return detail::wait_ge_slow<true>(team, flag, want);
+  return detail::wait_slow<true>(team, flag, want, detail::AtLeast{want}, detail::Identity{});
 }
 
 // The same for a flag that only threads of this GPU write (e.g. blocks of one kernel meeting).
 __device__ __forceinline__ bool wait_ge_local(const TeamView& team, const uint64_t* flag, uint64_t want) {
   if (ptx::ld_acquire_gpu(flag) >= want) return true;
-  return detail::wait_ge_slow<false>(team, flag, want);
+  return detail::wait_slow<false>(team, flag, want, detail::AtLeast{want}, detail::Identity{});
+}
+
+// Waits until `done(*flag)` holds for a condition other than ">=" (e.g. a word whose upper half carries a
+// call epoch); `want` and `observe(value)` describe it in a failure report.
+template <class Done, class Observe>
+__device__ __forceinline__ bool wait_until(const TeamView& team, const uint64_t* flag, uint64_t want, Done done,
+                                           Observe observe) {
+  if (done(ptx::ld_acquire_sys(flag))) return true;
+  return detail::wait_slow<true>(team, flag, want, done, observe);
 }
 
 }  // namespace weft

@@ -30,7 +30,9 @@ namespace weft {
 class Channel;
 class HeapAllocator;
 
-inline constexpr int kRuntimeBarrierSlot = kBarrierSlots - 1;  // used by Communicator::device_barrier
+inline constexpr int kRuntimeBarrierSlot = kUserBarrierSlots;  // used by Communicator::device_barrier
+inline constexpr int kCollectiveSlotBase = kUserBarrierSlots + 1;  // collectives: slot base + block index
+inline constexpr int kCollectiveMaxBlocks = kBarrierSlots - kCollectiveSlotBase;
 
 struct Options {
   std::vector<int> devices;              // single-process: CUDA device ordinals (default: all visible)
@@ -97,6 +99,19 @@ class Communicator {
   // until they free it too.
   void free(SymmetricBuffer& buf);
 
+  // Scratch memory for ops: a symmetric buffer of at least `bytes`, grown collectively (every rank asks
+  // for the same sizes in the same order, as it does when every rank makes the same op calls). Growing
+  // synchronizes the devices, so it is refused while `capturing` (a CUDA graph capture is in progress):
+  // run the op once before capturing, or call reserve_workspace.
+  const SymmetricBuffer& workspace(uint64_t bytes, bool capturing = false);
+  void reserve_workspace(uint64_t bytes) { workspace(bytes); }
+  // Whether [p, p + bytes) lies in rank's own symmetric heap (then peers reach it through TeamView::peer_ptr).
+  bool in_heap(const Rank& rank, const void* p, uint64_t bytes) const {
+    const char* c = static_cast<const char*>(p);
+    const char* base = rank.heap_of(rank.rank());
+    return c >= base && bytes <= capacity_ && c + bytes <= base + capacity_;
+  }
+
   // Host-side barrier between processes (no-op in single-process mode).
   void host_barrier();
   // Enqueues an in-kernel barrier of the whole team on every local rank's stream.
@@ -133,6 +148,7 @@ class Communicator {
   std::vector<SymmetricBuffer> live_;  // for teardown
   size_t live_maps_ = 0;
   SymmetricBuffer pad_;
+  SymmetricBuffer workspace_;
   int32_t* abort_flag_ = nullptr;  // host-mapped
   std::string lost_reason_;
 };

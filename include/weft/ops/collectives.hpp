@@ -1,0 +1,58 @@
+// Collectives: all-reduce, all-gather, reduce-scatter, all-to-all, written as short compositions of the
+// device primitives (weft/comm/*.cuh). Unicast NVLink only.
+//
+// Every rank of the team calls the same collective with the same arguments (in single-process mode: once
+// per local rank, each call enqueueing on that rank's stream; the kernels meet on the devices). Work is
+// enqueued on `stream` (default: the rank's own stream) with no host synchronization, so the calls can be
+// captured in CUDA graphs once the communicator's workspace is large enough (reserve_workspace, or one
+// call of the same size before capture).
+//
+// Buffers are device pointers on the rank's GPU. Inputs and outputs anywhere in device memory work: the
+// kernels push from the local input into peers' symmetric memory (the output when it is symmetric,
+// otherwise the communicator's workspace). In-place (in == out) is allowed everywhere.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "weft/runtime/communicator.hpp"
+
+namespace weft {
+
+enum class DType { kBF16, kFP16, kFP32 };
+enum class ReduceOp { kSum, kMax, kMin };
+size_t dtype_size(DType t);
+const char* dtype_name(DType t);
+const char* reduce_op_name(ReduceOp op);
+
+// A row-major 2-D tensor shape. A flat tensor of n elements is {n, 1}.
+struct Shape2D {
+  size_t rows = 0, cols = 1;
+  size_t count() const { return rows * cols; }
+};
+
+// Which algorithm an all-reduce uses; kAuto picks by size and world size.
+enum class AllReduceAlgo { kAuto, kOneShot, kTwoShot };
+
+// out[i] = op over ranks of in_r[i], for `count` elements.
+void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr, AllReduceAlgo algo = AllReduceAlgo::kAuto);
+
+// in: this rank's [rows, cols]. dim 0: out [W*rows, cols], rank r's rows at r*rows.
+//                                dim 1: out [rows, W*cols], rank r's columns at r*cols.
+void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D in_shape, int dim, DType dtype,
+                cudaStream_t stream = nullptr);
+
+// out: this rank's [rows, cols] of the reduced tensor. dim 0: in [W*rows, cols], rank r gets rows r*rows..;
+//                                                       dim 1: in [rows, W*cols], rank r gets columns r*cols..
+void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D out_shape, int dim,
+                    DType dtype, ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr);
+
+// Equal splits: in and out hold W blocks of `count_per_rank` elements; out block q on rank p is in block p
+// of rank q.
+void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank, DType dtype,
+                cudaStream_t stream = nullptr);
+
+}  // namespace weft

@@ -1,0 +1,280 @@
+// Host side of the collectives: argument checks, layout of each op in terms of the device phases
+// (weft/ops/collectives.cuh), workspace, launch.
+#include <algorithm>
+#include <string>
+
+#include "weft/ops/collectives.cuh"
+#include "weft/ops/collectives.hpp"
+
+namespace weft {
+
+size_t dtype_size(DType t) { return t == DType::kFP32 ? 4 : 2; }
+const char* dtype_name(DType t) { return t == DType::kBF16 ? "bf16" : t == DType::kFP16 ? "fp16" : "fp32"; }
+const char* reduce_op_name(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : op == ReduceOp::kMax ? "max" : "min"; }
+
+namespace {
+
+using coll::Rows;
+constexpr int kThreads = 512;
+constexpr uint64_t kBytesPerBlock = 256 << 10;  // enough work per block to hide its barriers
+constexpr uint64_t kOneShotMaxBytes = 256 << 10;
+
+struct Call {
+  Communicator& comm;
+  Rank& rank;
+  cudaStream_t stream;
+  const char* op;
+  bool capturing = false;
+
+  Call(Communicator& c, Rank& r, cudaStream_t s, const char* name) : comm(c), rank(r), stream(s ? s : r.stream()), op(name) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
+    capturing = st != cudaStreamCaptureStatusNone;
+  }
+  [[noreturn]] void fail(const std::string& why) const { throw_error(std::string("weft::") + op + ": " + why); }
+
+  // A device pointer on this rank's GPU, 16-byte aligned (what every vector path needs).
+  void check_buffer(const void* p, const char* name, uint64_t bytes) const {
+    if (p == nullptr) fail(std::string(name) + " is null");
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
+      fail(std::string(name) + " is not 16-byte aligned (" + std::to_string(reinterpret_cast<uintptr_t>(p) % 16) +
+           " bytes off); allocate it with cudaMalloc / the symmetric heap, or offset it by a multiple of 16 bytes");
+    if (comm.in_heap(rank, p, bytes)) return;
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess || (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
+      cudaGetLastError();
+      fail(std::string(name) + " is not device memory");
+    }
+    if (a.type == cudaMemoryTypeDevice && a.device != rank.device())
+      fail(std::string(name) + " lives on GPU " + std::to_string(a.device) + " but rank " + std::to_string(rank.rank()) +
+           " runs on GPU " + std::to_string(rank.device()));
+  }
+  static bool overlap(const void* a, uint64_t an, const void* b, uint64_t bn) {
+    auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+    return x < y + bn && y < x + an;
+  }
+  int blocks(uint64_t bytes) const {
+    int sms = 0;
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, rank.device()));
+    const uint64_t want = (bytes + kBytesPerBlock - 1) / kBytesPerBlock;
+    return static_cast<int>(std::clamp<uint64_t>(want, 1, std::min(sms, kCollectiveMaxBlocks)));
+  }
+  char* workspace(uint64_t bytes) { return comm.workspace(bytes, capturing).local[local_index()]; }
+  int local_index() const {
+    for (int i = 0; i < comm.num_local(); ++i)
+      if (&comm.local(i) == &rank) return i;
+    fail("the rank does not belong to this communicator");
+  }
+  void launched() const { WEFT_CUDA_CHECK(cudaGetLastError()); }
+};
+
+// Widest access (16, 8, 4, 2 bytes) that divides every size, stride and address given.
+int vector_width(std::initializer_list<uint64_t> values) {
+  for (int v : {16, 8, 4})
+    if (std::all_of(values.begin(), values.end(), [v](uint64_t x) { return x % v == 0; })) return v;
+  return 2;
+}
+
+template <class F>
+void with_elem(DType t, F&& f) {
+  switch (t) {
+    case DType::kBF16: return f(std::integral_constant<Elem, Elem::kBF16>{});
+    case DType::kFP16: return f(std::integral_constant<Elem, Elem::kFP16>{});
+    case DType::kFP32: return f(std::integral_constant<Elem, Elem::kFP32>{});
+  }
+}
+template <class F>
+void with_reduce(ReduceOp op, F&& f) {
+  switch (op) {
+    case ReduceOp::kSum: return f(std::integral_constant<Reduce, Reduce::kSum>{});
+    case ReduceOp::kMax: return f(std::integral_constant<Reduce, Reduce::kMax>{});
+    case ReduceOp::kMin: return f(std::integral_constant<Reduce, Reduce::kMin>{});
+  }
+}
+
+// Workspace layout: [LL region for one-shot all-reduce][op staging]. The LL region has a fixed size, so a
+// one-shot call right after another op never writes where that op's staging may still be read.
+uint64_t ll_region_bytes(int world) { return 2ull * world * (kOneShotMaxBytes / 4) * 8; }
+
+void launch_exchange(Call& c, coll::Exchange x, int v, uint64_t total_bytes) {
+  const int g = c.blocks(total_bytes);
+  switch (v) {
+    case 16: coll::exchange_kernel<16><<<g, kThreads, 0, c.stream>>>(x); break;
+    case 8: coll::exchange_kernel<8><<<g, kThreads, 0, c.stream>>>(x); break;
+    case 4: coll::exchange_kernel<4><<<g, kThreads, 0, c.stream>>>(x); break;
+    default: coll::exchange_kernel<2><<<g, kThreads, 0, c.stream>>>(x); break;
+  }
+  c.launched();
+}
+
+void launch_reduce_scatter(Call& c, const coll::ReduceScatter& x, DType dt, ReduceOp op, bool vec, uint64_t total_bytes) {
+  const int g = c.blocks(total_bytes);
+  with_elem(dt, [&](auto e) {
+    with_reduce(op, [&](auto r) {
+      if (vec) coll::reduce_scatter_kernel<e.value, r.value, true><<<g, kThreads, 0, c.stream>>>(x);
+      else coll::reduce_scatter_kernel<e.value, r.value, false><<<g, kThreads, 0, c.stream>>>(x);
+    });
+  });
+  c.launched();
+}
+
+void one_shot_all_reduce(Call& c, const void* in, void* out, uint64_t count, DType dt, ReduceOp op) {
+  const uint64_t bytes = count * dtype_size(dt);
+  const int world = c.rank.world();
+  coll::OneShot x{c.rank.view(),
+                  static_cast<const uint32_t*>(in),
+                  static_cast<uint32_t*>(out),
+                  (bytes + 3) / 4,
+                  static_cast<uint32_t>(bytes % 4 ? 2 : 4),
+                  reinterpret_cast<uint64_t*>(c.workspace(ll_region_bytes(world)))};
+  const int g = c.blocks(bytes * 8);  // LL moves 2x the bytes and polls: spread it wider
+  with_elem(dt, [&](auto e) {
+    with_reduce(op, [&](auto r) { coll::one_shot_kernel<e.value, r.value><<<g, kThreads, 0, c.stream>>>(x); });
+  });
+  c.launched();
+}
+
+}  // namespace
+
+void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                cudaStream_t stream, AllReduceAlgo algo) {
+  Call c(comm, rank, stream, "all_reduce");
+  if (count == 0) return;
+  const uint64_t esize = dtype_size(dtype), bytes = count * esize;
+  c.check_buffer(in, "in", bytes);
+  c.check_buffer(out, "out", bytes);
+  if (in != out && Call::overlap(in, bytes, out, bytes)) c.fail("in and out overlap without being equal");
+  const int world = rank.world();
+  if (algo == AllReduceAlgo::kAuto) algo = bytes <= kOneShotMaxBytes ? AllReduceAlgo::kOneShot : AllReduceAlgo::kTwoShot;
+  if (algo == AllReduceAlgo::kOneShot) {
+    if (bytes > kOneShotMaxBytes)
+      c.fail("one-shot all-reduce is limited to " + std::to_string(kOneShotMaxBytes) + " bytes, got " + std::to_string(bytes));
+    return one_shot_all_reduce(c, in, out, count, dtype, op);
+  }
+  // Two-shot over the largest prefix that splits into equal 16-byte-multiple slices; the rest (under
+  // 16 * world bytes) goes one-shot right after.
+  const uint64_t unit = 16 / esize * world;
+  const uint64_t main = count / unit * unit, tail = count - main;
+  if (main > 0) {
+    const uint64_t slice = main * esize / world;
+    const bool sym_out = comm.in_heap(rank, out, bytes);
+    const uint64_t ll = ll_region_bytes(world);
+    char* ws = c.workspace(ll + slice * world * (sym_out ? 1 : 2));
+    char* gather = ws + ll + slice * world;  // fan-out target when out is not symmetric
+    coll::ReduceScatter x{};
+    x.team = rank.view();
+    x.in = Rows{const_cast<char*>(static_cast<const char*>(in)), 0};
+    x.in_peer_step = slice;
+    x.staging = Rows{ws + ll, 0};
+    x.staging_step = slice;
+    x.out = Rows{(sym_out ? static_cast<char*>(out) : gather) + rank.rank() * slice, 0};
+    x.rows = 1;
+    x.row_bytes = slice;
+    x.fanout = true;
+    x.final_dst = sym_out ? nullptr : static_cast<char*>(out);
+    x.final_src = gather;
+    launch_reduce_scatter(c, x, dtype, op, true, main * esize);
+  }
+  if (tail > 0)
+    one_shot_all_reduce(c, static_cast<const char*>(in) + main * esize, static_cast<char*>(out) + main * esize, tail,
+                        dtype, op);
+}
+
+void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D s, int dim, DType dtype,
+                cudaStream_t stream) {
+  Call c(comm, rank, stream, "all_gather");
+  if (dim != 0 && dim != 1) c.fail("dim must be 0 or 1, got " + std::to_string(dim));
+  if (s.count() == 0) return;
+  const int world = rank.world();
+  const uint64_t esize = dtype_size(dtype), in_bytes = s.count() * esize, out_bytes = in_bytes * world;
+  c.check_buffer(in, "in", in_bytes);
+  c.check_buffer(out, "out", out_bytes);
+  const char* my_slot = static_cast<const char*>(out) + (dim == 0 ? rank.rank() * in_bytes : rank.rank() * s.cols * esize);
+  const bool in_place = dim == 0 && in == my_slot;
+  if (!in_place && Call::overlap(in, in_bytes, out, out_bytes))
+    c.fail("in overlaps out; in-place all-gather passes in == out + rank * in_bytes (dim 0 only)");
+  coll::Exchange x{};
+  x.team = rank.view();
+  if (dim == 0) {  // one contiguous row per rank
+    x.rows = 1;
+    x.row_bytes = in_bytes;
+    x.src = Rows{const_cast<char*>(static_cast<const char*>(in)), 0};
+    x.dst_peer_step = in_bytes;
+  } else {  // rank r's columns r*cols.. of every row
+    x.rows = s.rows;
+    x.row_bytes = s.cols * esize;
+    x.src = Rows{const_cast<char*>(static_cast<const char*>(in)), x.row_bytes};
+    x.dst_peer_step = x.row_bytes;
+  }
+  x.src_peer_step = 0;  // the same data for every peer
+  const uint64_t dst_stride = dim == 0 ? 0 : x.row_bytes * world;
+  x.via_workspace = !comm.in_heap(rank, out, out_bytes);
+  char* dst = x.via_workspace ? c.workspace(ll_region_bytes(world) + out_bytes) + ll_region_bytes(world) : static_cast<char*>(out);
+  x.dst = Rows{dst, dst_stride};
+  x.final_dst = Rows{static_cast<char*>(out), dst_stride};
+  x.final_peer_step = x.dst_peer_step;
+  const int v = vector_width({x.row_bytes, dst_stride, x.src.stride, reinterpret_cast<uintptr_t>(dst)});
+  launch_exchange(c, x, v, out_bytes);
+}
+
+void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D s, int dim, DType dtype,
+                    ReduceOp op, cudaStream_t stream) {
+  Call c(comm, rank, stream, "reduce_scatter");
+  if (dim != 0 && dim != 1) c.fail("dim must be 0 or 1, got " + std::to_string(dim));
+  if (s.count() == 0) return;
+  const int world = rank.world();
+  const uint64_t esize = dtype_size(dtype), out_bytes = s.count() * esize, in_bytes = out_bytes * world;
+  c.check_buffer(in, "in", in_bytes);
+  c.check_buffer(out, "out", out_bytes);
+  const bool in_place = dim == 0 && out == static_cast<const char*>(in) + rank.rank() * out_bytes;
+  if (!in_place && Call::overlap(in, in_bytes, out, out_bytes))
+    c.fail("out overlaps in; in-place reduce-scatter passes out == in + rank * out_bytes (dim 0 only)");
+  coll::ReduceScatter x{};
+  x.team = rank.view();
+  if (dim == 0) {
+    x.rows = 1;
+    x.row_bytes = out_bytes;
+    x.in = Rows{const_cast<char*>(static_cast<const char*>(in)), 0};
+    x.in_peer_step = out_bytes;
+  } else {
+    x.rows = s.rows;
+    x.row_bytes = s.cols * esize;
+    x.in = Rows{const_cast<char*>(static_cast<const char*>(in)), x.row_bytes * world};
+    x.in_peer_step = x.row_bytes;
+  }
+  const uint64_t ll = ll_region_bytes(world);
+  char* ws = c.workspace(ll + out_bytes * world);
+  x.staging = Rows{ws + ll, dim == 0 ? 0 : x.row_bytes};
+  x.staging_step = out_bytes;
+  x.out = Rows{static_cast<char*>(out), dim == 0 ? 0 : x.row_bytes};
+  x.fanout = false;
+  const bool vec = x.row_bytes % 16 == 0 && x.in.stride % 16 == 0;
+  launch_reduce_scatter(c, x, dtype, op, vec, in_bytes);
+}
+
+void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank, DType dtype,
+                cudaStream_t stream) {
+  Call c(comm, rank, stream, "all_to_all");
+  if (count_per_rank == 0) return;
+  const int world = rank.world();
+  const uint64_t blk = count_per_rank * dtype_size(dtype), bytes = blk * world;
+  c.check_buffer(in, "in", bytes);
+  c.check_buffer(out, "out", bytes);
+  if (in != out && Call::overlap(in, bytes, out, bytes)) c.fail("in and out overlap without being equal");
+  coll::Exchange x{};
+  x.team = rank.view();
+  x.rows = 1;
+  x.row_bytes = blk;
+  x.src = Rows{const_cast<char*>(static_cast<const char*>(in)), 0};
+  x.src_peer_step = blk;  // block p goes to rank p
+  x.dst_peer_step = blk;  // and lands in block `source`
+  // In place, peers would overwrite blocks not yet sent: receive into the workspace, then copy.
+  x.via_workspace = in == out || !comm.in_heap(rank, out, bytes);
+  char* dst = x.via_workspace ? c.workspace(ll_region_bytes(world) + bytes) + ll_region_bytes(world) : static_cast<char*>(out);
+  x.dst = Rows{dst, 0};
+  x.final_dst = Rows{static_cast<char*>(out), 0};
+  x.final_peer_step = blk;
+  launch_exchange(c, x, vector_width({blk}), bytes);
+}
+
+}  // namespace weft

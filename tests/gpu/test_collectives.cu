@@ -1,0 +1,393 @@
+// GPU tests of the collectives against an fp64 host reference: every rank's input is generated from a
+// seed on every process, so each rank can compute the exact expected result on its own. Outputs are
+// poisoned (NaN bytes) before each run; NaN never passes; data movement (all-gather, all-to-all) must
+// be bit-exact, reductions within bf16/fp16 rounding.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "harness.hpp"
+#include "weft/ops/collectives.hpp"
+
+using namespace weft;
+using weft::test::TestContext;
+
+namespace {
+
+float to_float(DType t, const void* p) {
+  if (t == DType::kFP32) return *static_cast<const float*>(p);
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  if (t == DType::kBF16) {
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  return __half2float(*reinterpret_cast<const __half*>(&h));
+}
+void from_float(DType t, float f, void* p) {
+  if (t == DType::kFP32) std::memcpy(p, &f, 4);
+  else if (t == DType::kBF16) *static_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(f);
+  else *static_cast<__half*>(p) = __float2half_rn(f);
+}
+
+// Rank r's input for one test case: values in [-1, 1], exactly representable in the dtype.
+std::vector<char> make_input(DType t, size_t count, int rank, uint64_t seed) {
+  std::mt19937_64 rng(seed * 1000003 + rank * 7919 + count);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<char> v(count * dtype_size(t));
+  for (size_t i = 0; i < count; ++i) from_float(t, u(rng), v.data() + i * dtype_size(t));
+  return v;
+}
+
+double reduce(ReduceOp op, double a, double b) {
+  return op == ReduceOp::kSum ? a + b : op == ReduceOp::kMax ? std::max(a, b) : std::min(a, b);
+}
+
+// Per-rank device buffers for one case: symmetric (in the heap) or ordinary cudaMalloc memory.
+struct Buffers {
+  Communicator& comm;
+  bool symmetric;
+  std::vector<char*> ptr;
+  SymmetricBuffer sym;
+  Buffers(Communicator& c, uint64_t bytes, bool sym_heap) : comm(c), symmetric(sym_heap) {
+    if (symmetric) {
+      sym = c.alloc(bytes);
+      ptr = sym.local;
+    } else {
+      for (int i = 0; i < c.num_local(); ++i) {
+        char* p = nullptr;
+        WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+        WEFT_CUDA_CHECK(cudaMalloc(&p, bytes));
+        ptr.push_back(p);
+      }
+    }
+  }
+  ~Buffers() {
+    if (symmetric) {
+      comm.free(sym);
+    } else {
+      for (int i = 0; i < comm.num_local(); ++i) {
+        cudaSetDevice(comm.local(i).device());
+        cudaFree(ptr[i]);
+      }
+    }
+  }
+};
+
+void upload(Communicator& c, int i, char* dst, const std::vector<char>& host) {
+  WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+  WEFT_CUDA_CHECK(cudaMemcpy(dst, host.data(), host.size(), cudaMemcpyHostToDevice));
+}
+void poison(Communicator& c, int i, char* dst, uint64_t bytes) {
+  WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+  WEFT_CUDA_CHECK(cudaMemset(dst, 0xff, bytes));  // NaN in every float type
+}
+std::vector<char> download(Communicator& c, int i, const char* src, uint64_t bytes) {
+  std::vector<char> v(bytes);
+  WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+  WEFT_CUDA_CHECK(cudaMemcpy(v.data(), src, bytes, cudaMemcpyDeviceToHost));
+  return v;
+}
+
+// Compares got (dtype t) with an fp64 reference: NaN fails; exact ops need bit equality of the rounded
+// reference; reductions need relative L2 error <= tol.
+std::string compare(DType t, const std::vector<char>& got, const std::vector<double>& ref, bool exact) {
+  double num = 0, den = 0;
+  const size_t es = dtype_size(t);
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const float g = to_float(t, got.data() + i * es);
+    if (std::isnan(g)) return "NaN at element " + std::to_string(i) + " (not written?)";
+    if (exact) {
+      char want[4];
+      from_float(t, static_cast<float>(ref[i]), want);
+      if (std::memcmp(want, got.data() + i * es, es) != 0)
+        return "element " + std::to_string(i) + ": got " + std::to_string(g) + ", want " + std::to_string(ref[i]);
+    }
+    num += (g - ref[i]) * (g - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  const double tol = t == DType::kFP32 ? 1e-6 : 1e-2;
+  const double err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  if (err > tol) return "relative error " + std::to_string(err) + " > " + std::to_string(tol);
+  return {};
+}
+
+const DType kTypes[] = {DType::kBF16, DType::kFP16, DType::kFP32};
+
+template <class F>
+void for_each_local(Communicator& c, F&& f) {
+  for (int i = 0; i < c.num_local(); ++i) f(c.local(i), i);
+}
+
+void all_reduce_case(TestContext& ctx, DType t, size_t count, ReduceOp op, bool sym, bool in_place,
+                     AllReduceAlgo algo, uint64_t seed) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  const uint64_t bytes = count * dtype_size(t);
+  Buffers in(c, bytes, sym), out(c, bytes, sym);
+  std::vector<double> ref(count);
+  for (int r = 0; r < W; ++r) {
+    auto x = make_input(t, count, r, seed);
+    for (size_t i = 0; i < count; ++i) {
+      const double v = to_float(t, x.data() + i * dtype_size(t));
+      ref[i] = r == 0 ? v : reduce(op, ref[i], v);
+    }
+  }
+  for_each_local(c, [&](Rank& r, int i) {
+    upload(c, i, in.ptr[i], make_input(t, count, r.rank(), seed));
+    if (!in_place) poison(c, i, out.ptr[i], bytes);
+  });
+  c.host_barrier();
+  for_each_local(c, [&](Rank& r, int i) {
+    all_reduce(c, r, in.ptr[i], in_place ? in.ptr[i] : out.ptr[i], count, t, op, nullptr, algo);
+  });
+  c.synchronize();
+  for_each_local(c, [&](Rank& r, int i) {
+    auto got = download(c, i, in_place ? in.ptr[i] : out.ptr[i], bytes);
+    const std::string err = compare(t, got, ref, op != ReduceOp::kSum);
+    WEFT_EXPECT(err.empty(), "all_reduce " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
+                                           << (sym ? " symmetric" : " device") << (in_place ? " in-place" : "")
+                                           << " algo " << int(algo) << " rank " << r.rank() << ": " << err);
+  });
+  c.host_barrier();
+}
+
+}  // namespace
+
+WEFT_GPU_TEST(all_reduce_matches_fp64_reference) {
+  std::vector<size_t> counts = {1, 2, 7, 8, 33, 1000, 4097, 65536 + 3, (1 << 20) + 5, 3 << 20};
+  if (ctx.quick) counts = {1, 7, 1000, 65536 + 3};
+  uint64_t seed = 1;
+  for (DType t : kTypes)
+    for (size_t n : counts) {
+      all_reduce_case(ctx, t, n, ReduceOp::kSum, true, false, AllReduceAlgo::kAuto, seed++);
+      all_reduce_case(ctx, t, n, ReduceOp::kSum, false, false, AllReduceAlgo::kAuto, seed++);
+    }
+}
+
+WEFT_GPU_TEST(all_reduce_algorithms_ops_and_in_place) {
+  const size_t n = ctx.quick ? 5000 : 50001;
+  uint64_t seed = 100;
+  for (DType t : kTypes)
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin})
+      for (AllReduceAlgo a : {AllReduceAlgo::kOneShot, AllReduceAlgo::kTwoShot}) {
+        all_reduce_case(ctx, t, n, op, true, false, a, seed++);
+        all_reduce_case(ctx, t, n, op, true, true, a, seed++);
+        all_reduce_case(ctx, t, n, op, false, true, a, seed++);
+      }
+}
+
+WEFT_GPU_TEST(all_gather_both_dims) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  std::vector<Shape2D> shapes = {{1, 1}, {3, 5}, {64, 128}, {1000, 77}, {513, 1024}, {1 << 20, 1}};
+  if (ctx.quick) shapes = {{3, 5}, {64, 128}, {1000, 77}};
+  uint64_t seed = 200;
+  for (DType t : kTypes)
+    for (Shape2D s : shapes)
+      for (int dim : {0, 1})
+        for (bool sym : {true, false})
+          for (bool in_place : {false, true}) {
+            if (in_place && dim == 1) continue;
+            const uint64_t es = dtype_size(t), in_bytes = s.count() * es;
+            Buffers out(c, in_bytes * W, sym);
+            Buffers in(c, in_bytes, true);
+            std::vector<std::vector<char>> inputs;
+            for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, s.count(), r, seed));
+            for_each_local(c, [&](Rank& r, int i) {
+              poison(c, i, out.ptr[i], in_bytes * W);
+              upload(c, i, in_place ? out.ptr[i] + r.rank() * in_bytes : in.ptr[i], inputs[r.rank()]);
+            });
+            c.host_barrier();
+            for_each_local(c, [&](Rank& r, int i) {
+              all_gather(c, r, in_place ? out.ptr[i] + r.rank() * in_bytes : in.ptr[i], out.ptr[i], s, dim, t);
+            });
+            c.synchronize();
+            std::vector<double> ref(s.count() * W);
+            for (int r = 0; r < W; ++r)
+              for (size_t i = 0; i < s.rows; ++i)
+                for (size_t j = 0; j < s.cols; ++j) {
+                  const size_t o = dim == 0 ? (r * s.rows + i) * s.cols + j : i * s.cols * W + r * s.cols + j;
+                  ref[o] = to_float(t, inputs[r].data() + (i * s.cols + j) * es);
+                }
+            for_each_local(c, [&](Rank& r, int i) {
+              const std::string err = compare(t, download(c, i, out.ptr[i], in_bytes * W), ref, true);
+              WEFT_EXPECT(err.empty(), "all_gather " << dtype_name(t) << " [" << s.rows << "," << s.cols << "] dim "
+                                                     << dim << (sym ? " symmetric" : " device")
+                                                     << (in_place ? " in-place" : "") << " rank " << r.rank() << ": "
+                                                     << err);
+            });
+            c.host_barrier();
+            ++seed;
+          }
+}
+
+WEFT_GPU_TEST(reduce_scatter_both_dims) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  std::vector<Shape2D> shapes = {{1, 1}, {3, 5}, {64, 128}, {1000, 77}, {513, 1024}, {1 << 20, 1}};
+  if (ctx.quick) shapes = {{3, 5}, {64, 128}, {1000, 77}};
+  uint64_t seed = 300;
+  for (DType t : kTypes)
+    for (Shape2D s : shapes)
+      for (int dim : {0, 1})
+        for (bool sym : {true, false})
+          for (bool in_place : {false, true}) {
+            if (in_place && dim == 1) continue;
+            const uint64_t es = dtype_size(t), out_bytes = s.count() * es;
+            Buffers in(c, out_bytes * W, sym), out(c, out_bytes, sym);
+            const Shape2D in_shape = dim == 0 ? Shape2D{s.rows * W, s.cols} : Shape2D{s.rows, s.cols * W};
+            std::vector<std::vector<char>> inputs;
+            for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, in_shape.count(), r, seed));
+            for_each_local(c, [&](Rank& r, int i) {
+              upload(c, i, in.ptr[i], inputs[r.rank()]);
+              if (!in_place) poison(c, i, out.ptr[i], out_bytes);
+            });
+            c.host_barrier();
+            for_each_local(c, [&](Rank& r, int i) {
+              char* o = in_place ? in.ptr[i] + r.rank() * out_bytes : out.ptr[i];
+              reduce_scatter(c, r, in.ptr[i], o, s, dim, t);
+            });
+            c.synchronize();
+            for_each_local(c, [&](Rank& r, int i) {
+              std::vector<double> ref(s.count(), 0.0);
+              for (int q = 0; q < W; ++q)
+                for (size_t a = 0; a < s.rows; ++a)
+                  for (size_t b = 0; b < s.cols; ++b) {
+                    const size_t src = dim == 0 ? (r.rank() * s.rows + a) * s.cols + b : a * s.cols * W + r.rank() * s.cols + b;
+                    ref[a * s.cols + b] += to_float(t, inputs[q].data() + src * es);
+                  }
+              const char* o = in_place ? in.ptr[i] + r.rank() * out_bytes : out.ptr[i];
+              const std::string err = compare(t, download(c, i, o, out_bytes), ref, false);
+              WEFT_EXPECT(err.empty(), "reduce_scatter " << dtype_name(t) << " [" << s.rows << "," << s.cols << "] dim "
+                                                         << dim << (sym ? " symmetric" : " device")
+                                                         << (in_place ? " in-place" : "") << " rank " << r.rank()
+                                                         << ": " << err);
+            });
+            c.host_barrier();
+            ++seed;
+          }
+}
+
+WEFT_GPU_TEST(all_to_all_equal_splits) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  std::vector<size_t> counts = {1, 5, 1000, 65536 + 1, 1 << 20};
+  if (ctx.quick) counts = {1, 5, 1000};
+  uint64_t seed = 400;
+  for (DType t : kTypes)
+    for (size_t n : counts)
+      for (bool sym : {true, false})
+        for (bool in_place : {false, true}) {
+          const uint64_t es = dtype_size(t), bytes = n * es * W;
+          Buffers in(c, bytes, sym), out(c, bytes, sym);
+          std::vector<std::vector<char>> inputs;
+          for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, n * W, r, seed));
+          for_each_local(c, [&](Rank& r, int i) {
+            upload(c, i, in.ptr[i], inputs[r.rank()]);
+            if (!in_place) poison(c, i, out.ptr[i], bytes);
+          });
+          c.host_barrier();
+          for_each_local(c, [&](Rank& r, int i) { all_to_all(c, r, in.ptr[i], in_place ? in.ptr[i] : out.ptr[i], n, t); });
+          c.synchronize();
+          for_each_local(c, [&](Rank& r, int i) {
+            std::vector<double> ref(n * W);
+            for (int q = 0; q < W; ++q)
+              for (size_t k = 0; k < n; ++k) ref[q * n + k] = to_float(t, inputs[q].data() + (r.rank() * n + k) * es);
+            const std::string err = compare(t, download(c, i, in_place ? in.ptr[i] : out.ptr[i], bytes), ref, true);
+            WEFT_EXPECT(err.empty(), "all_to_all " << dtype_name(t) << " " << n << " per rank"
+                                                   << (sym ? " symmetric" : " device") << (in_place ? " in-place" : "")
+                                                   << " rank " << r.rank() << ": " << err);
+          });
+          c.host_barrier();
+          ++seed;
+        }
+}
+
+WEFT_GPU_TEST(collectives_replay_in_cuda_graphs) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  const size_t n = 300001;
+  const DType t = DType::kBF16;
+  const uint64_t bytes = n * 2;
+  Buffers in(c, bytes, true), out(c, bytes, true), gathered(c, bytes * W, true);
+  // Size the workspace outside capture, then capture one all-reduce + all-gather per rank.
+  for_each_local(c, [&](Rank& r, int i) {
+    all_reduce(c, r, in.ptr[i], out.ptr[i], n, t);
+    all_gather(c, r, in.ptr[i], gathered.ptr[i], Shape2D{n, 1}, 0, t);
+  });
+  c.synchronize();
+  std::vector<cudaGraphExec_t> exec(c.num_local());
+  for_each_local(c, [&](Rank& r, int i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
+    cudaGraph_t g;
+    WEFT_CUDA_CHECK(cudaStreamBeginCapture(r.stream(), cudaStreamCaptureModeThreadLocal));
+    all_reduce(c, r, in.ptr[i], out.ptr[i], n, t);
+    all_gather(c, r, in.ptr[i], gathered.ptr[i], Shape2D{n, 1}, 0, t);
+    WEFT_CUDA_CHECK(cudaStreamEndCapture(r.stream(), &g));
+    WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[i], g, 0));
+    WEFT_CUDA_CHECK(cudaGraphDestroy(g));
+  });
+  for (int replay = 0; replay < 3; ++replay) {
+    const uint64_t seed = 500 + replay;
+    for_each_local(c, [&](Rank& r, int i) {
+      upload(c, i, in.ptr[i], make_input(t, n, r.rank(), seed));
+      poison(c, i, out.ptr[i], bytes);
+      poison(c, i, gathered.ptr[i], bytes * W);
+    });
+    c.host_barrier();
+    for_each_local(c, [&](Rank& r, int i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
+      WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], r.stream()));
+    });
+    c.synchronize();
+    std::vector<double> sum(n, 0.0), cat(n * W);
+    for (int q = 0; q < W; ++q) {
+      auto x = make_input(t, n, q, seed);
+      for (size_t k = 0; k < n; ++k) {
+        sum[k] += to_float(t, x.data() + k * 2);
+        cat[q * n + k] = to_float(t, x.data() + k * 2);
+      }
+    }
+    for_each_local(c, [&](Rank& r, int i) {
+      std::string err = compare(t, download(c, i, out.ptr[i], bytes), sum, false);
+      WEFT_EXPECT(err.empty(), "graph replay " << replay << " all_reduce rank " << r.rank() << ": " << err);
+      err = compare(t, download(c, i, gathered.ptr[i], bytes * W), cat, true);
+      WEFT_EXPECT(err.empty(), "graph replay " << replay << " all_gather rank " << r.rank() << ": " << err);
+    });
+    c.host_barrier();
+  }
+  for (auto& e : exec) cudaGraphExecDestroy(e);
+}
+
+WEFT_GPU_TEST(collective_argument_errors) {
+  Communicator& c = ctx.comm();
+  Rank& r = c.local(0);
+  SymmetricBuffer b = c.alloc(1 << 20);
+  auto error_of = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "<no error>";
+  };
+  char* p = b.local[0];
+  std::string e = error_of([&] { all_reduce(c, r, p + 2, p + 4096, 100, DType::kBF16); });
+  WEFT_EXPECT(e.find("16-byte aligned") != std::string::npos, e);
+  e = error_of([&] { all_gather(c, r, p, p + 65536, Shape2D{10, 10}, 2, DType::kFP32); });
+  WEFT_EXPECT(e.find("dim must be 0 or 1") != std::string::npos, e);
+  static float host_buffer[64];
+  e = error_of([&] { all_reduce(c, r, host_buffer, p, 16, DType::kFP32); });
+  WEFT_EXPECT(e.find("not device memory") != std::string::npos, e);
+  e = error_of([&] { all_reduce(c, r, p, p + 64, 1000, DType::kFP32); });
+  WEFT_EXPECT(e.find("overlap") != std::string::npos, e);
+  e = error_of([&] { all_reduce(c, r, p, p + 4096, 1 << 20, DType::kFP32, ReduceOp::kSum, nullptr, AllReduceAlgo::kOneShot); });
+  WEFT_EXPECT(e.find("one-shot all-reduce is limited") != std::string::npos, e);
+  c.free(b);
+}
