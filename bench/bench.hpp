@@ -50,6 +50,9 @@ struct ModeRegistrar {
 };
 
 std::string fmt(const char* f, ...);
+// Per-GPU egress (GB/s) of all-to-all 16-byte-store puts, `bytes_per_peer` to every peer at once: the
+// link bandwidth the collectives are measured against (weft-bench transfer).
+double measure_all_to_all_egress(Communicator& comm, uint64_t bytes_per_peer);
 std::string human_bytes(uint64_t b);
 float median(std::vector<float> v);
 

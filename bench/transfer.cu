@@ -295,6 +295,21 @@ void run_transfer(Context& ctx) {
   comm->free(st.dst);
 }
 
+}  // namespace
+
+double measure_all_to_all_egress(Communicator& comm, uint64_t bytes_per_peer) {
+  const int W = comm.world();
+  cudaDeviceProp prop{};
+  WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, comm.local(0).device()));
+  Setup st{comm, comm.alloc(bytes_per_peer), comm.alloc(bytes_per_peer * W), bytes_per_peer, prop.multiProcessorCount, {}};
+  for (int i = 0; i < W; ++i) st.launchers.push_back(std::make_unique<Launcher>(kMaxSegments));
+  const float us = time_transfer(st, Mech::kStorePut, true, bytes_per_peer, st.sms, 5);
+  comm.free(st.src);
+  comm.free(st.dst);
+  return double(bytes_per_peer) * (W - 1) / (us * 1e3);
+}
+
+namespace {
 ModeRegistrar reg("transfer", "peer bandwidth: copy engine, TMA, 16-byte ld/st; one pair and all-to-all",
                   &run_transfer);
 

@@ -1,0 +1,271 @@
+// weft-bench allreduce / allgather / reducescatter / alltoall: weft against NCCL (C API) in the same run,
+// nccl-tests columns. Both sides are timed as CUDA graphs of many back-to-back calls on every GPU at once;
+// a rank's time is the median over graph launches, the row's time the slowest rank's. Small messages
+// rotate through several buffer sets so L2 does not serve the data. weft uses symmetric-heap buffers
+// (zero-copy), NCCL plain cudaMalloc buffers (as nccl-tests does). #wrong counts elements where weft's
+// result differs from NCCL's on the same random input (beyond bf16 rounding for reductions).
+#include <nccl.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "bench.hpp"
+#include "weft/ops/collectives.hpp"
+
+namespace weft::bench {
+namespace {
+
+#define NCCL_CHECK(expr)                                                                                   \
+  do {                                                                                                     \
+    ncclResult_t r_ = (expr);                                                                              \
+    if (r_ != ncclSuccess) throw_error(std::string("NCCL error: ") + ncclGetErrorString(r_) + " in " #expr); \
+  } while (0)
+
+enum class Coll { kAllReduce, kAllGather, kReduceScatter, kAllToAll };
+const char* coll_name(Coll c) {
+  switch (c) {
+    case Coll::kAllReduce: return "all-reduce";
+    case Coll::kAllGather: return "all-gather";
+    case Coll::kReduceScatter: return "reduce-scatter";
+    case Coll::kAllToAll: return "all-to-all";
+  }
+  return "?";
+}
+
+// nccl-tests conventions: `size` is the larger of the per-rank buffers (all-gather: the output, reduce-
+// scatter: the input); busbw = algbw * factor.
+struct Geometry {
+  uint64_t in_bytes, out_bytes, count;  // count: elements of the size column
+  double bus_factor;
+};
+Geometry geometry(Coll c, uint64_t size, int W, uint64_t es) {
+  switch (c) {
+    case Coll::kAllReduce: return {size, size, size / es, 2.0 * (W - 1) / W};
+    case Coll::kAllGather: return {size / W, size, size / es, double(W - 1) / W};
+    case Coll::kReduceScatter: return {size, size / W, size / es, double(W - 1) / W};
+    case Coll::kAllToAll: return {size, size, size / es, double(W - 1) / W};
+  }
+  return {};
+}
+
+struct Side {  // one implementation's buffers on every GPU, `sets` rotating copies
+  std::vector<std::vector<char*>> in, out;  // [set][rank]
+  std::vector<SymmetricBuffer> sym;
+};
+
+void enqueue_weft(Communicator& comm, Coll c, int i, const void* in, void* out, const Geometry& g, cudaStream_t s) {
+  Rank& r = comm.local(i);
+  const int W = comm.world();
+  switch (c) {
+    case Coll::kAllReduce: return all_reduce(comm, r, in, out, g.count, DType::kBF16, ReduceOp::kSum, s);
+    case Coll::kAllGather: return all_gather(comm, r, in, out, Shape2D{g.in_bytes / 2, 1}, 0, DType::kBF16, s);
+    case Coll::kReduceScatter:
+      return reduce_scatter(comm, r, in, out, Shape2D{g.out_bytes / 2, 1}, 0, DType::kBF16, ReduceOp::kSum, s);
+    case Coll::kAllToAll: return all_to_all(comm, r, in, out, g.count / W, DType::kBF16, s);
+  }
+}
+
+void enqueue_nccl(ncclComm_t nc, Coll c, const void* in, void* out, const Geometry& g, int W, cudaStream_t s) {
+  switch (c) {
+    case Coll::kAllReduce: NCCL_CHECK(ncclAllReduce(in, out, g.count, ncclBfloat16, ncclSum, nc, s)); return;
+    case Coll::kAllGather: NCCL_CHECK(ncclAllGather(in, out, g.in_bytes / 2, ncclBfloat16, nc, s)); return;
+    case Coll::kReduceScatter: NCCL_CHECK(ncclReduceScatter(in, out, g.out_bytes / 2, ncclBfloat16, ncclSum, nc, s)); return;
+    case Coll::kAllToAll: {
+      const size_t n = g.count / W;
+      NCCL_CHECK(ncclGroupStart());
+      for (int p = 0; p < W; ++p) {
+        NCCL_CHECK(ncclSend(static_cast<const char*>(in) + p * n * 2, n, ncclBfloat16, p, nc, s));
+        NCCL_CHECK(ncclRecv(static_cast<char*>(out) + p * n * 2, n, ncclBfloat16, p, nc, s));
+      }
+      NCCL_CHECK(ncclGroupEnd());
+      return;
+    }
+  }
+}
+
+// Captures `iters` calls per GPU (rotating buffer sets) into one graph per GPU, replays it `reps` times,
+// returns the slowest rank's median time per call in microseconds.
+template <class Enqueue>
+double time_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams, int iters, int reps, Enqueue&& enqueue) {
+  const int W = comm.num_local();
+  std::vector<cudaGraphExec_t> exec(W);
+  for (int i = 0; i < W; ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+    WEFT_CUDA_CHECK(cudaStreamBeginCapture(streams[i], cudaStreamCaptureModeRelaxed));
+  }
+  for (int k = 0; k < iters; ++k) enqueue(k);
+  for (int i = 0; i < W; ++i) {
+    cudaGraph_t g;
+    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+    WEFT_CUDA_CHECK(cudaStreamEndCapture(streams[i], &g));
+    WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[i], g, 0));
+    WEFT_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  std::vector<std::vector<float>> ms(W);
+  std::vector<cudaEvent_t> start(W), stop(W);
+  for (int i = 0; i < W; ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+    WEFT_CUDA_CHECK(cudaEventCreate(&start[i]));
+    WEFT_CUDA_CHECK(cudaEventCreate(&stop[i]));
+  }
+  for (int rep = -1; rep < reps; ++rep) {  // rep -1: warm-up
+    for (int i = 0; i < W; ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      WEFT_CUDA_CHECK(cudaEventRecord(start[i], streams[i]));
+      WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], streams[i]));
+      WEFT_CUDA_CHECK(cudaEventRecord(stop[i], streams[i]));
+    }
+    for (int i = 0; i < W; ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      WEFT_CUDA_CHECK(cudaEventSynchronize(stop[i]));
+      float t = 0;
+      WEFT_CUDA_CHECK(cudaEventElapsedTime(&t, start[i], stop[i]));
+      if (rep >= 0) ms[i].push_back(t);
+    }
+  }
+  comm.check_device_errors();
+  double worst = 0;
+  for (int i = 0; i < W; ++i) {
+    worst = std::max(worst, double(median(ms[i])) * 1000.0 / iters);
+    cudaGraphExecDestroy(exec[i]);
+    cudaEventDestroy(start[i]);
+    cudaEventDestroy(stop[i]);
+  }
+  return worst;
+}
+
+float bf16_to_float(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+void run_collective(Context& ctx, Coll which) {
+  WEFT_CHECK(ctx.gpus >= 2, std::string(coll_name(which)) + " needs at least 2 GPUs");
+  Options o;
+  for (int d = 0; d < ctx.gpus; ++d) o.devices.push_back(d);
+  auto comm = Communicator::create_single_process(o);
+  const int W = comm->world();
+  std::vector<ncclComm_t> nccl(W);
+  NCCL_CHECK(ncclCommInitAll(nccl.data(), W, o.devices.data()));
+  std::vector<cudaStream_t> streams(W);
+  for (int i = 0; i < W; ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
+  }
+  ctx.progress("%s: measuring the link (all-to-all puts, 256 MiB per peer)", coll_name(which));
+  const double link = measure_all_to_all_egress(*comm, 256ull << 20);
+
+  std::vector<uint64_t> sizes = {8 << 10,  32 << 10,  128 << 10, 512 << 10, 1 << 20,
+                                 4 << 20,  16 << 20,  64 << 20,  256 << 20, 1ull << 30};
+  if (ctx.quick) sizes = {8 << 10, 1 << 20, 64 << 20, 256 << 20};
+  Table t(fmt("%s, bf16, %d GPUs: weft vs NCCL %d.%d.%d", coll_name(which), W, NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
+          {"size", "count", "type", "NCCL time us", "NCCL busbw", "weft time us", "weft algbw", "weft busbw", "#wrong",
+           "speedup", "% link"},
+          fmt("Times: CUDA graphs of many calls, slowest rank's median. busbw in GB/s; %% link = weft busbw over "
+              "the per-GPU all-to-all egress measured just before (%.0f GB/s).",
+              link));
+  for (uint64_t size : sizes) {
+    const Geometry g = geometry(which, size, W, 2);
+    if (g.count % W != 0 && which == Coll::kAllToAll) continue;
+    ctx.progress("%s: %s", coll_name(which), human_bytes(size).c_str());
+    const int sets = size <= (16u << 20) ? 4 : 1;  // rotate small buffers past the 50-60 MB L2
+    Side ws, ns;
+    for (int k = 0; k < sets; ++k) {
+      SymmetricBuffer a = comm->alloc(g.in_bytes), b = comm->alloc(g.out_bytes);
+      ws.sym.push_back(a);
+      ws.sym.push_back(b);
+      ws.in.push_back(a.local);
+      ws.out.push_back(b.local);
+      std::vector<char*> ni(W), no(W);
+      for (int i = 0; i < W; ++i) {
+        WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+        WEFT_CUDA_CHECK(cudaMalloc(&ni[i], g.in_bytes));
+        WEFT_CUDA_CHECK(cudaMalloc(&no[i], g.out_bytes));
+      }
+      ns.in.push_back(ni);
+      ns.out.push_back(no);
+    }
+    // Same random input on both sides; one call each; compare.
+    for (int i = 0; i < W; ++i) {
+      std::vector<uint16_t> host(g.in_bytes / 2);
+      std::mt19937 rng(1234 + i);
+      std::uniform_real_distribution<float> u(-1.f, 1.f);
+      for (auto& h : host) {
+        float f = u(rng);
+        uint32_t x;
+        std::memcpy(&x, &f, 4);
+        h = static_cast<uint16_t>((x + 0x8000u) >> 16);
+      }
+      WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+      for (int k = 0; k < sets; ++k) {
+        WEFT_CUDA_CHECK(cudaMemcpy(ws.in[k][i], host.data(), g.in_bytes, cudaMemcpyHostToDevice));
+        WEFT_CUDA_CHECK(cudaMemcpy(ns.in[k][i], host.data(), g.in_bytes, cudaMemcpyHostToDevice));
+        WEFT_CUDA_CHECK(cudaMemset(ws.out[k][i], 0xff, g.out_bytes));
+      }
+    }
+    for (int i = 0; i < W; ++i) enqueue_weft(*comm, which, i, ws.in[0][i], ws.out[0][i], g, streams[i]);
+    NCCL_CHECK(ncclGroupStart());
+    for (int i = 0; i < W; ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+      enqueue_nccl(nccl[i], which, ns.in[0][i], ns.out[0][i], g, W, streams[i]);
+    }
+    NCCL_CHECK(ncclGroupEnd());
+    uint64_t wrong = 0;
+    for (int i = 0; i < W; ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
+      std::vector<uint16_t> a(g.out_bytes / 2), b(g.out_bytes / 2);
+      WEFT_CUDA_CHECK(cudaMemcpy(a.data(), ws.out[0][i], g.out_bytes, cudaMemcpyDeviceToHost));
+      WEFT_CUDA_CHECK(cudaMemcpy(b.data(), ns.out[0][i], g.out_bytes, cudaMemcpyDeviceToHost));
+      const bool reduction = which == Coll::kAllReduce || which == Coll::kReduceScatter;
+      for (size_t k = 0; k < a.size(); ++k) {
+        const float x = bf16_to_float(a[k]), y = bf16_to_float(b[k]);
+        if (std::isnan(x) || (reduction ? std::fabs(x - y) > 2e-2f * std::max(1.f, std::fabs(y)) : a[k] != b[k])) ++wrong;
+      }
+    }
+    comm->check_device_errors();
+
+    const int iters = size <= (1u << 20) ? 200 : size <= (64u << 20) ? 20 : 4;
+    const int reps = ctx.quick ? 3 : 7;
+    const double t_nccl = time_graphs(*comm, streams, iters, reps, [&](int k) {
+      NCCL_CHECK(ncclGroupStart());
+      for (int i = 0; i < W; ++i) {
+        WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+        enqueue_nccl(nccl[i], which, ns.in[k % sets][i], ns.out[k % sets][i], g, W, streams[i]);
+      }
+      NCCL_CHECK(ncclGroupEnd());
+    });
+    const double t_weft = time_graphs(*comm, streams, iters, reps, [&](int k) {
+      for (int i = 0; i < W; ++i) enqueue_weft(*comm, which, i, ws.in[k % sets][i], ws.out[k % sets][i], g, streams[i]);
+    });
+    const double alg_w = size / (t_weft * 1e3), bus_w = alg_w * g.bus_factor;
+    const double bus_n = size / (t_nccl * 1e3) * g.bus_factor;
+    t.add({human_bytes(size), std::to_string(g.count), "bf16", fmt("%.1f", t_nccl), fmt("%.1f", bus_n),
+           fmt("%.1f", t_weft), fmt("%.1f", alg_w), fmt("%.1f", bus_w), std::to_string(wrong),
+           fmt("%.2fx", t_nccl / t_weft), fmt("%.0f%%", 100.0 * bus_w / link)});
+    for (auto& b : ws.sym) comm->free(b);
+    for (int k = 0; k < sets; ++k)
+      for (int i = 0; i < W; ++i) {
+        WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+        WEFT_CUDA_CHECK(cudaFree(ns.in[k][i]));
+        WEFT_CUDA_CHECK(cudaFree(ns.out[k][i]));
+      }
+  }
+  ctx.add(std::move(t));
+  for (auto& c : nccl) ncclCommDestroy(c);
+  for (int i = 0; i < W; ++i) {
+    cudaSetDevice(comm->local(i).device());
+    cudaStreamDestroy(streams[i]);
+  }
+}
+
+ModeRegistrar r1("allreduce", "bf16 all-reduce vs NCCL, 8 KiB..1 GiB", [](Context& c) { run_collective(c, Coll::kAllReduce); });
+ModeRegistrar r2("allgather", "bf16 all-gather vs NCCL", [](Context& c) { run_collective(c, Coll::kAllGather); });
+ModeRegistrar r3("reducescatter", "bf16 reduce-scatter vs NCCL", [](Context& c) { run_collective(c, Coll::kReduceScatter); });
+ModeRegistrar r4("alltoall", "bf16 all-to-all vs NCCL", [](Context& c) { run_collective(c, Coll::kAllToAll); });
+
+}  // namespace
+}  // namespace weft::bench

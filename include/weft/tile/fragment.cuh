@@ -1,0 +1,70 @@
+// Register tiles: the fp32 accumulator a warpgroup's 64 x N wgmma leaves in registers, and its conversion
+// into a 128-byte-swizzled shared-memory tile (the staging buffer a TMA store reads).
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "weft/tile/layout.cuh"
+#include "weft/tile/warp_roles.cuh"
+
+namespace weft::tile {
+
+// 64 x N fp32, N / 2 floats per thread. Thread t of the warpgroup (warp w = t / 32, lane l) holds
+//   d[i] = D[16 w + l / 4 + 8 ((i / 2) % 2)][8 (i / 4) + 2 (l % 4) + i % 2],
+// i.e. for each 8-column group j: d[4j], d[4j+1] are two adjacent columns of row r, d[4j+2], d[4j+3] the
+// same columns of row r + 8.
+template <int N>
+struct AccumM64 {
+  static constexpr int kN = N;
+  static constexpr int kRegs = N / 2;
+  float d[kRegs];
+
+  __device__ static int row(int i) { return 16 * warp_in_warpgroup() + lane_id() / 4 + 8 * ((i / 2) % 2); }
+  __device__ static int col(int i) { return 8 * (i / 4) + 2 * (lane_id() % 4) + i % 2; }
+};
+
+// Staging tile for one chunk of output columns: 64 rows x 128 bytes (64 bf16 or 32 f32 columns).
+template <class OutT>
+using OutChunk = Sw128Tile<OutT, 64, kSwizzleBytes / static_cast<int>(sizeof(OutT))>;
+
+// Writes accumulator columns [kChunk * C, (kChunk + 1) * C) into `dst` (C = OutChunk<OutT>::kCols),
+// converting to OutT (bf16: round to nearest even). Each warp writes 8-row groups whose 16-byte chunks land
+// on distinct bank groups, so the stores are conflict-free. The caller makes the writes visible to TMA
+// (fence_proxy_async_smem, then a barrier).
+template <int kChunk, class OutT, int N>
+__device__ __forceinline__ void store_accum_chunk(const AccumM64<N>& acc, OutChunk<OutT>& dst) {
+  static_assert(std::is_same_v<OutT, __nv_bfloat16> || std::is_same_v<OutT, float>, "bf16 or f32 output");
+  constexpr int kCols = OutChunk<OutT>::kCols;
+  static_assert((kChunk + 1) * kCols <= N, "chunk past the accumulator");
+  const uint32_t lane = static_cast<uint32_t>(lane_id());
+  const uint32_t s = lane >> 2;  // row % 8 for both rows this thread holds
+  const uint32_t row0 = 16u * static_cast<uint32_t>(warp_in_warpgroup()) + s;
+  const uint32_t base = smem_addr(dst.bytes) + row0 * kSwizzleBytes;
+  if constexpr (std::is_same_v<OutT, __nv_bfloat16>) {
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int j = kChunk * 8 + jj;  // 8-column group of the accumulator
+      const uint32_t off = ((static_cast<uint32_t>(jj) ^ s) << 4) + 4u * (lane & 3u);
+      const __nv_bfloat162 top = __floats2bfloat162_rn(acc.d[4 * j], acc.d[4 * j + 1]);
+      const __nv_bfloat162 bot = __floats2bfloat162_rn(acc.d[4 * j + 2], acc.d[4 * j + 3]);
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(base + off), "r"(reinterpret_cast<const uint32_t&>(top)));
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(base + 8 * kSwizzleBytes + off),
+                   "r"(reinterpret_cast<const uint32_t&>(bot)));
+    }
+  } else {
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const int j = kChunk * 4 + jj;
+      const uint32_t chunk16 = 2u * static_cast<uint32_t>(jj) + ((lane >> 1) & 1u);
+      const uint32_t off = ((chunk16 ^ s) << 4) + 8u * (lane & 1u);
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(base + off), "f"(acc.d[4 * j]),
+                   "f"(acc.d[4 * j + 1]));
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(base + 8 * kSwizzleBytes + off),
+                   "f"(acc.d[4 * j + 2]), "f"(acc.d[4 * j + 3]));
+    }
+  }
+}
+
+}  // namespace weft::tile

@@ -1,0 +1,66 @@
+// Warp specialization building blocks: which warpgroup a thread is in, register reallocation between
+// warpgroups (setmaxnreg), named barriers over one warpgroup, and a bounded wait for pipeline mbarriers.
+//
+// A block of W warpgroups launches with the same register count R for every thread (ptxas takes it from
+// __launch_bounds__(128 * W, 1): R = 65536 / (128 * W), rounded down to a multiple of 8). setmaxnreg then
+// moves registers between warpgroups: a producer warpgroup gives some back (dec), the consumers take them
+// (inc). The sum must stay within the block's allocation: 128 * (dec + (W - 1) * inc) <= 128 * W * R.
+#pragma once
+#include <cstdint>
+
+#include "weft/device/bulk_copy.cuh"
+#include "weft/device/ptx.cuh"
+
+namespace weft::tile {
+
+inline constexpr int kWarpSize = 32;
+inline constexpr int kWarpgroupThreads = 128;
+
+// Warp-uniform by construction (broadcast from lane 0), so branches on it never diverge inside a warp.
+__device__ __forceinline__ int warpgroup_index() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroupThreads, 0);
+}
+__device__ __forceinline__ int warp_in_warpgroup() {
+  return __shfl_sync(0xffffffffu, (static_cast<int>(threadIdx.x) / kWarpSize) % 4, 0);
+}
+__device__ __forceinline__ int thread_in_warpgroup() {
+  return static_cast<int>(threadIdx.x) % kWarpgroupThreads;
+}
+__device__ __forceinline__ int lane_id() {
+  return static_cast<int>(threadIdx.x) % kWarpSize;
+}
+
+// Register reallocation. Every warp of the warpgroup must execute the same call.
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  static_assert(kRegs >= 24 && kRegs <= 256 && kRegs % 8 == 0, "setmaxnreg: 24..256, multiple of 8");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  static_assert(kRegs >= 24 && kRegs <= 256 && kRegs % 8 == 0, "setmaxnreg: 24..256, multiple of 8");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+// Named barriers: id 0 is __syncthreads; ids 1..15 are free. `threads` is a multiple of 32.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Waits for an mbarrier phase like weft::mbarrier_wait, but gives up after kHangNs with a trap: inside one
+// block (or cluster) a pipeline wait that takes that long is a bug (a wrong byte count, a bad tensor map),
+// and a trap turns a silent hang into a launch error the host sees.
+inline constexpr uint64_t kHangNs = 20ull * 1000 * 1000 * 1000;
+__device__ __forceinline__ void mbarrier_wait_bounded(uint64_t* bar, uint32_t parity) {
+  if (mbarrier_try_wait(bar, parity)) return;
+  const uint64_t t0 = ptx::globaltimer_ns();
+  for (uint32_t spins = 1;; ++spins) {
+    if (mbarrier_try_wait(bar, parity)) return;
+    if ((spins & 1023u) == 0 && ptx::globaltimer_ns() - t0 > kHangNs) __trap();
+  }
+}
+
+}  // namespace weft::tile
