@@ -6,7 +6,9 @@
 // result differs from NCCL's on the same random input (beyond bf16 rounding for reductions).
 #include <nccl.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -54,11 +56,19 @@ struct Side {  // one implementation's buffers on every GPU, `sets` rotating cop
   std::vector<SymmetricBuffer> sym;
 };
 
+// WEFT_BENCH_AR_ALGO=oneshot|twoshot forces an all-reduce algorithm (for tuning the automatic choice).
+AllReduceAlgo forced_algo() {
+  const char* v = std::getenv("WEFT_BENCH_AR_ALGO");
+  if (v && std::string(v) == "oneshot") return AllReduceAlgo::kOneShot;
+  if (v && std::string(v) == "twoshot") return AllReduceAlgo::kTwoShot;
+  return AllReduceAlgo::kAuto;
+}
+
 void enqueue_weft(Communicator& comm, Coll c, int i, const void* in, void* out, const Geometry& g, cudaStream_t s) {
   Rank& r = comm.local(i);
   const int W = comm.world();
   switch (c) {
-    case Coll::kAllReduce: return all_reduce(comm, r, in, out, g.count, DType::kBF16, ReduceOp::kSum, s);
+    case Coll::kAllReduce: return all_reduce(comm, r, in, out, g.count, DType::kBF16, ReduceOp::kSum, s, forced_algo());
     case Coll::kAllGather: return all_gather(comm, r, in, out, Shape2D{g.in_bytes / 2, 1}, 0, DType::kBF16, s);
     case Coll::kReduceScatter:
       return reduce_scatter(comm, r, in, out, Shape2D{g.out_bytes / 2, 1}, 0, DType::kBF16, ReduceOp::kSum, s);
@@ -161,6 +171,9 @@ void run_collective(Context& ctx, Coll which) {
   std::vector<uint64_t> sizes = {8 << 10,  32 << 10,  128 << 10, 512 << 10, 1 << 20,
                                  4 << 20,  16 << 20,  64 << 20,  256 << 20, 1ull << 30};
   if (ctx.quick) sizes = {8 << 10, 1 << 20, 64 << 20, 256 << 20};
+  if (const char* m = std::getenv("WEFT_BENCH_MAX_BYTES"))  // tuning runs: stop early
+    sizes.erase(std::remove_if(sizes.begin(), sizes.end(), [&](uint64_t b) { return b > std::strtoull(m, nullptr, 0); }),
+                sizes.end());
   Table t(fmt("%s, bf16, %d GPUs: weft vs NCCL %d.%d.%d", coll_name(which), W, NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
           {"size", "count", "type", "NCCL time us", "NCCL busbw", "weft time us", "weft algbw", "weft busbw", "#wrong",
            "speedup", "% link"},

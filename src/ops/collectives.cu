@@ -16,7 +16,7 @@ namespace {
 
 using coll::Rows;
 constexpr int kThreads = 512;
-constexpr uint64_t kBytesPerBlock = 256 << 10;  // enough work per block to hide its barriers
+constexpr uint64_t kBytesPerBlock = 32 << 10;  // one SM moves ~40 GB/s: spread even 1 MiB wide
 constexpr uint64_t kOneShotMaxBytes = 256 << 10;
 
 struct Call {
@@ -33,12 +33,14 @@ struct Call {
   }
   [[noreturn]] void fail(const std::string& why) const { throw_error(std::string("weft::") + op + ": " + why); }
 
-  // A device pointer on this rank's GPU, 16-byte aligned (what every vector path needs).
-  void check_buffer(const void* p, const char* name, uint64_t bytes) const {
+  // A device pointer on this rank's GPU, aligned to `align` bytes.
+  void check_buffer(const void* p, const char* name, uint64_t bytes, uint64_t align) const {
     if (p == nullptr) fail(std::string(name) + " is null");
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
-      fail(std::string(name) + " is not 16-byte aligned (" + std::to_string(reinterpret_cast<uintptr_t>(p) % 16) +
-           " bytes off); allocate it with cudaMalloc / the symmetric heap, or offset it by a multiple of 16 bytes");
+    if (reinterpret_cast<uintptr_t>(p) % align != 0)
+      fail(std::string(name) + " is not " + std::to_string(align) + "-byte aligned (" +
+           std::to_string(reinterpret_cast<uintptr_t>(p) % align) + " bytes off)" +
+           (align == 16 ? "; allocate it with cudaMalloc / the symmetric heap, or offset it by a multiple of 16 bytes"
+                        : ""));
     if (comm.in_heap(rank, p, bytes)) return;
     cudaPointerAttributes a{};
     if (cudaPointerGetAttributes(&a, p) != cudaSuccess || (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
@@ -141,8 +143,8 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
   Call c(comm, rank, stream, "all_reduce");
   if (count == 0) return;
   const uint64_t esize = dtype_size(dtype), bytes = count * esize;
-  c.check_buffer(in, "in", bytes);
-  c.check_buffer(out, "out", bytes);
+  c.check_buffer(in, "in", bytes, 16);  // the vector and LL paths read whole 16-byte packs / 4-byte words
+  c.check_buffer(out, "out", bytes, 16);
   if (in != out && Call::overlap(in, bytes, out, bytes)) c.fail("in and out overlap without being equal");
   const int world = rank.world();
   if (algo == AllReduceAlgo::kAuto) algo = bytes <= kOneShotMaxBytes ? AllReduceAlgo::kOneShot : AllReduceAlgo::kTwoShot;
@@ -187,8 +189,8 @@ void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape
   if (s.count() == 0) return;
   const int world = rank.world();
   const uint64_t esize = dtype_size(dtype), in_bytes = s.count() * esize, out_bytes = in_bytes * world;
-  c.check_buffer(in, "in", in_bytes);
-  c.check_buffer(out, "out", out_bytes);
+  c.check_buffer(in, "in", in_bytes, esize);
+  c.check_buffer(out, "out", out_bytes, esize);
   const char* my_slot = static_cast<const char*>(out) + (dim == 0 ? rank.rank() * in_bytes : rank.rank() * s.cols * esize);
   const bool in_place = dim == 0 && in == my_slot;
   if (!in_place && Call::overlap(in, in_bytes, out, out_bytes))
@@ -213,7 +215,8 @@ void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape
   x.dst = Rows{dst, dst_stride};
   x.final_dst = Rows{static_cast<char*>(out), dst_stride};
   x.final_peer_step = x.dst_peer_step;
-  const int v = vector_width({x.row_bytes, dst_stride, x.src.stride, reinterpret_cast<uintptr_t>(dst)});
+  const int v = vector_width({x.row_bytes, dst_stride, x.src.stride, x.dst_peer_step, reinterpret_cast<uintptr_t>(dst),
+                               reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out)});
   launch_exchange(c, x, v, out_bytes);
 }
 
@@ -224,8 +227,8 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
   if (s.count() == 0) return;
   const int world = rank.world();
   const uint64_t esize = dtype_size(dtype), out_bytes = s.count() * esize, in_bytes = out_bytes * world;
-  c.check_buffer(in, "in", in_bytes);
-  c.check_buffer(out, "out", out_bytes);
+  c.check_buffer(in, "in", in_bytes, esize);
+  c.check_buffer(out, "out", out_bytes, esize);
   const bool in_place = dim == 0 && out == static_cast<const char*>(in) + rank.rank() * out_bytes;
   if (!in_place && Call::overlap(in, in_bytes, out, out_bytes))
     c.fail("out overlaps in; in-place reduce-scatter passes out == in + rank * out_bytes (dim 0 only)");
@@ -248,7 +251,8 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
   x.staging_step = out_bytes;
   x.out = Rows{static_cast<char*>(out), dim == 0 ? 0 : x.row_bytes};
   x.fanout = false;
-  const bool vec = x.row_bytes % 16 == 0 && x.in.stride % 16 == 0;
+  const bool vec = vector_width({x.row_bytes, x.in.stride, x.in_peer_step, reinterpret_cast<uintptr_t>(in),
+                                  reinterpret_cast<uintptr_t>(out), reinterpret_cast<uintptr_t>(ws)}) == 16;
   launch_reduce_scatter(c, x, dtype, op, vec, in_bytes);
 }
 
@@ -258,8 +262,8 @@ void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_
   if (count_per_rank == 0) return;
   const int world = rank.world();
   const uint64_t blk = count_per_rank * dtype_size(dtype), bytes = blk * world;
-  c.check_buffer(in, "in", bytes);
-  c.check_buffer(out, "out", bytes);
+  c.check_buffer(in, "in", bytes, dtype_size(dtype));
+  c.check_buffer(out, "out", bytes, dtype_size(dtype));
   if (in != out && Call::overlap(in, bytes, out, bytes)) c.fail("in and out overlap without being equal");
   coll::Exchange x{};
   x.team = rank.view();
@@ -274,7 +278,10 @@ void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_
   x.dst = Rows{dst, 0};
   x.final_dst = Rows{static_cast<char*>(out), 0};
   x.final_peer_step = blk;
-  launch_exchange(c, x, vector_width({blk}), bytes);
+  launch_exchange(c, x,
+                  vector_width({blk, reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out),
+                                reinterpret_cast<uintptr_t>(dst)}),
+                  bytes);
 }
 
 }  // namespace weft

@@ -368,7 +368,7 @@ WEFT_GPU_TEST(collectives_replay_in_cuda_graphs) {
 WEFT_GPU_TEST(collective_argument_errors) {
   Communicator& c = ctx.comm();
   Rank& r = c.local(0);
-  SymmetricBuffer b = c.alloc(1 << 20);
+  SymmetricBuffer b = c.alloc(16 << 20);
   auto error_of = [](auto&& f) -> std::string {
     try {
       f();
@@ -380,6 +380,8 @@ WEFT_GPU_TEST(collective_argument_errors) {
   char* p = b.local[0];
   std::string e = error_of([&] { all_reduce(c, r, p + 2, p + 4096, 100, DType::kBF16); });
   WEFT_EXPECT(e.find("16-byte aligned") != std::string::npos, e);
+  e = error_of([&] { all_gather(c, r, p + 1, p + 65536, Shape2D{10, 10}, 0, DType::kBF16); });
+  WEFT_EXPECT(e.find("2-byte aligned") != std::string::npos, e);
   e = error_of([&] { all_gather(c, r, p, p + 65536, Shape2D{10, 10}, 2, DType::kFP32); });
   WEFT_EXPECT(e.find("dim must be 0 or 1") != std::string::npos, e);
   static float host_buffer[64];
@@ -387,7 +389,7 @@ WEFT_GPU_TEST(collective_argument_errors) {
   WEFT_EXPECT(e.find("not device memory") != std::string::npos, e);
   e = error_of([&] { all_reduce(c, r, p, p + 64, 1000, DType::kFP32); });
   WEFT_EXPECT(e.find("overlap") != std::string::npos, e);
-  e = error_of([&] { all_reduce(c, r, p, p + 4096, 1 << 20, DType::kFP32, ReduceOp::kSum, nullptr, AllReduceAlgo::kOneShot); });
+  e = error_of([&] { all_reduce(c, r, p, p + (8 << 20), 1 << 20, DType::kFP32, ReduceOp::kSum, nullptr, AllReduceAlgo::kOneShot); });
   WEFT_EXPECT(e.find("one-shot all-reduce is limited") != std::string::npos, e);
   c.free(b);
 }

@@ -37,14 +37,34 @@ __device__ __forceinline__ bool meet(const TeamView& team) {
 // Copies this block's share of a rows x row_bytes region in units of V bytes (V divides row_bytes, both
 // strides and both addresses: the host picks the widest).
 template <int V>
+using Unit = std::conditional_t<V == 16, uint4, std::conditional_t<V == 8, uint2, std::conditional_t<V == 4, uint32_t, uint16_t>>>;
+
+// Copies this block's share of a rows x row_bytes region in units of V bytes (V divides row_bytes, both
+// strides and both addresses: the host picks the widest). A single row (contiguous data, the common case)
+// keeps 4 loads in flight per thread; NVLink stores need that much memory-level parallelism.
+template <int V>
 __device__ __forceinline__ void copy_rows(Rows dst, Rows src, uint64_t rows, uint64_t row_bytes) {
-  using U = std::conditional_t<V == 16, uint4, std::conditional_t<V == 8, uint2, std::conditional_t<V == 4, uint32_t, uint16_t>>>;
+  using U = Unit<V>;
   const uint64_t per_row = row_bytes / V;
   const Share share(rows * per_row);
+  if (rows == 1) {
+    constexpr int kUnroll = 4;
+    const U* from = reinterpret_cast<const U*>(src.base);
+    U* to = reinterpret_cast<U*>(dst.base);
+    uint64_t i = share.begin + threadIdx.x;
+    for (; i + (kUnroll - 1) * blockDim.x < share.end; i += kUnroll * blockDim.x) {
+      U v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = from[i + u * blockDim.x];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) to[i + u * blockDim.x] = v[u];
+    }
+    for (; i < share.end; i += blockDim.x) to[i] = from[i];
+    return;
+  }
   for (uint64_t i = share.begin + threadIdx.x; i < share.end; i += blockDim.x) {
     const uint64_t r = i / per_row, c = i - r * per_row;
-    *reinterpret_cast<U*>(dst.base + r * dst.stride + c * V) =
-        *reinterpret_cast<const U*>(src.base + r * src.stride + c * V);
+    *reinterpret_cast<U*>(dst.base + r * dst.stride + c * V) = *reinterpret_cast<const U*>(src.base + r * src.stride + c * V);
   }
 }
 
@@ -59,7 +79,7 @@ __device__ __forceinline__ void reduce_rows(const TeamView& team, Rows dst, SrcO
   const uint64_t per_row = row_elems / kLanes;
   const Share share(rows * per_row);
   for (uint64_t i = share.begin + threadIdx.x; i < share.end; i += blockDim.x) {
-    const uint64_t r = i / per_row, off = (i - r * per_row) * kLanes * sizeof(T);
+    const uint64_t r = rows == 1 ? 0 : i / per_row, off = (i - r * per_row) * kLanes * sizeof(T);
     auto at = [&](const Rows& x) { return x.base + r * x.stride + off; };
     T* out = reinterpret_cast<T*>(at(dst));
     if constexpr (kVec) {

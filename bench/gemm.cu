@@ -1,0 +1,247 @@
+// weft-bench gemm: weft's GEMM (weft::gemm) against cuBLAS (cublasGemmEx) in the same run on GPU 0: bf16
+// inputs, fp32 accumulation, bf16 output. Inputs are random and rotated through enough copies that no
+// iteration finds its operands in L2; each iteration is timed with its own CUDA events, weft and cuBLAS
+// interleaved so clock and thermal drift hit both alike; the median counts.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <functional>
+#include <memory>
+
+#include "bench.hpp"
+#include "weft/ops/gemm.hpp"
+
+namespace weft::bench {
+namespace {
+
+#define CUBLAS_CHECK(expr)                                                                               \
+  do {                                                                                                   \
+    const cublasStatus_t st_ = (expr);                                                                   \
+    if (st_ != CUBLAS_STATUS_SUCCESS) throw_error(fmt("weft-bench: %s failed (cuBLAS status %d)", #expr, int(st_))); \
+  } while (0)
+
+__global__ void fill_kernel(__nv_bfloat16* p, uint64_t n, uint64_t seed) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
+    uint64_t x = (seed << 40) ^ i;
+    x = (x ^ (x >> 31)) * 0x7fb5d329728ea185ull;
+    x = (x ^ (x >> 27)) * 0x81dadef4bc2dd44dull;
+    x ^= x >> 33;
+    p[i] = __float2bfloat16(float(x >> 40) * (2.0f / 16777216.0f) - 1.0f);
+  }
+}
+
+// sums[0] += (x - y)^2, sums[1] += y^2 for bf16 x (weft) and y (cuBLAS).
+__global__ void diff_kernel(const __nv_bfloat16* x, const __nv_bfloat16* y, uint64_t n, double* sums) {
+  double d = 0, r = 0;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
+    const double a = __bfloat162float(x[i]), b = __bfloat162float(y[i]);
+    d += (a - b) * (a - b);
+    r += b * b;
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    d += __shfl_down_sync(0xffffffffu, d, o);
+    r += __shfl_down_sync(0xffffffffu, r, o);
+  }
+  if (threadIdx.x % 32 == 0) {
+    atomicAdd(&sums[0], d);
+    atomicAdd(&sums[1], r);
+  }
+}
+
+struct DevMem {
+  void* p = nullptr;
+  explicit DevMem(size_t bytes) { WEFT_CUDA_CHECK(cudaMalloc(&p, bytes)); }
+  ~DevMem() { cudaFree(p); }
+};
+
+struct Shape {
+  int64_t m, n, k;
+  double flops() const { return 2.0 * double(m) * double(n) * double(k); }
+};
+
+struct Result {
+  float weft_ms = 0, cublas_ms = 0;
+  double rel_err = -1;  // weft vs cuBLAS output, when checked
+};
+
+class GemmBench {
+ public:
+  explicit GemmBench(bool quick) : quick_(quick) {
+    WEFT_CUDA_CHECK(cudaSetDevice(0));
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUBLAS_CHECK(cublasCreate(&blas_));
+    CUBLAS_CHECK(cublasSetStream(blas_, stream_));
+    workspace_ = std::make_unique<DevMem>(kWorkspace);
+    CUBLAS_CHECK(cublasSetWorkspace(blas_, workspace_->p, kWorkspace));
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes_, cudaDevAttrL2CacheSize, 0));
+  }
+  ~GemmBench() {
+    cublasDestroy(blas_);
+    cudaStreamDestroy(stream_);
+  }
+
+  Result run(const Shape& s, BLayout lay, const GemmOptions& opt = {}, bool check = false) {
+    const uint64_t a_bytes = uint64_t(s.m) * s.k * 2, b_bytes = uint64_t(s.n) * s.k * 2;
+    const uint64_t c_elems = uint64_t(s.m) * s.n;
+    // Enough copies of A and B that the ones in use were evicted from L2 since their last turn.
+    const int sets = int(std::clamp<uint64_t>((3ull * l2_bytes_ + a_bytes + b_bytes - 1) / (a_bytes + b_bytes), 2, 16));
+    std::vector<std::unique_ptr<DevMem>> as, bs;
+    for (int i = 0; i < sets; ++i) {
+      as.push_back(std::make_unique<DevMem>(a_bytes));
+      bs.push_back(std::make_unique<DevMem>(b_bytes));
+      fill_kernel<<<1024, 256, 0, stream_>>>(static_cast<__nv_bfloat16*>(as.back()->p), a_bytes / 2, 2 * i + 1);
+      fill_kernel<<<1024, 256, 0, stream_>>>(static_cast<__nv_bfloat16*>(bs.back()->p), b_bytes / 2, 2 * i + 2);
+    }
+    WEFT_CUDA_CHECK(cudaGetLastError());
+    DevMem c_weft(c_elems * 2), c_blas(c_elems * 2);
+    const bool nk = lay == BLayout::kNK;
+    auto weft_op = [&](int i) {
+      gemm(as[i % sets]->p, bs[i % sets]->p, c_weft.p, s.m, s.n, s.k, lay, DType::kBF16, stream_, opt);
+    };
+    auto blas_op = [&](int i) {
+      const float alpha = 1.0f, beta = 0.0f;
+      CUBLAS_CHECK(cublasGemmEx(blas_, nk ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, int(s.n), int(s.m), int(s.k),
+                                &alpha, bs[i % sets]->p, CUDA_R_16BF, int(nk ? s.k : s.n), as[i % sets]->p,
+                                CUDA_R_16BF, int(s.k), &beta, c_blas.p, CUDA_R_16BF, int(s.n), CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT));
+    };
+    const double est_ms = s.flops() / 650e12 * 1e3;
+    const int iters = quick_ ? std::clamp(int(60 / est_ms), 5, 20) : std::clamp(int(400 / est_ms), 15, 200);
+    const int warmup = 3;
+    std::vector<cudaEvent_t> ev(4 * iters);
+    for (auto& e : ev) WEFT_CUDA_CHECK(cudaEventCreate(&e));
+    for (int i = 0; i < warmup; ++i) {
+      weft_op(i);
+      blas_op(i);
+    }
+    for (int i = 0; i < iters; ++i) {
+      WEFT_CUDA_CHECK(cudaEventRecord(ev[4 * i], stream_));
+      weft_op(i);
+      WEFT_CUDA_CHECK(cudaEventRecord(ev[4 * i + 1], stream_));
+      blas_op(i + 1);  // a different input set than weft just used
+      WEFT_CUDA_CHECK(cudaEventRecord(ev[4 * i + 2], stream_));
+    }
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<float> tw, tb;
+    for (int i = 0; i < iters; ++i) {
+      float w = 0, b = 0;
+      WEFT_CUDA_CHECK(cudaEventElapsedTime(&w, ev[4 * i], ev[4 * i + 1]));
+      WEFT_CUDA_CHECK(cudaEventElapsedTime(&b, ev[4 * i + 1], ev[4 * i + 2]));
+      tw.push_back(w);
+      tb.push_back(b);
+    }
+    for (auto& e : ev) cudaEventDestroy(e);
+    Result r;
+    r.weft_ms = median(tw);
+    r.cublas_ms = median(tb);
+    if (check) {  // same inputs for both, then compare the bf16 outputs
+      weft_op(0);
+      blas_op(0);
+      DevMem sums(2 * sizeof(double));
+      WEFT_CUDA_CHECK(cudaMemsetAsync(sums.p, 0, 2 * sizeof(double), stream_));
+      diff_kernel<<<1024, 256, 0, stream_>>>(static_cast<const __nv_bfloat16*>(c_weft.p),
+                                             static_cast<const __nv_bfloat16*>(c_blas.p), c_elems,
+                                             static_cast<double*>(sums.p));
+      double h[2];
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(h, sums.p, sizeof(h), cudaMemcpyDeviceToHost, stream_));
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      r.rel_err = h[1] > 0 ? std::sqrt(h[0] / h[1]) : -1;
+    }
+    return r;
+  }
+
+ private:
+  static constexpr size_t kWorkspace = 64ull << 20;
+  bool quick_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  std::unique_ptr<DevMem> workspace_;
+  int l2_bytes_ = 0;
+};
+
+const char* layout_name(BLayout l) {
+  return l == BLayout::kNK ? "B [N,K]" : "B [K,N]";
+}
+std::string tflops(const Shape& s, float ms) {
+  return fmt("%.1f", s.flops() / (double(ms) * 1e9));
+}
+
+void run_gemm(Context& ctx) {
+  GemmBench bench(ctx.quick);
+  cudaDeviceProp prop{};
+  WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const std::string gpu = fmt("%s, %d SMs", prop.name, prop.multiProcessorCount);
+
+  // 1. The headline shape, both B layouts, with an output check against cuBLAS.
+  {
+    const Shape s{8192, 8192, 8192};
+    Table t("gemm: 8192^3, bf16 in / bf16 out, fp32 accumulate, GPU 0 (" + gpu + ")",
+            {"B layout", "weft ms", "weft TFLOP/s", "cuBLAS ms", "cuBLAS TFLOP/s", "weft / cuBLAS", "rel err"},
+            "Median over many iterations; inputs rotated through copies larger than L2. rel err: Frobenius "
+            "distance of weft's output from cuBLAS's, relative.");
+    for (BLayout lay : {BLayout::kNK, BLayout::kKN}) {
+      ctx.progress("gemm: 8192^3 %s", layout_name(lay));
+      const Result r = bench.run(s, lay, {}, true);
+      t.add({layout_name(lay), fmt("%.3f", r.weft_ms), tflops(s, r.weft_ms), fmt("%.3f", r.cublas_ms),
+             tflops(s, r.cublas_ms), fmt("%.1f%%", 100.0 * r.cublas_ms / r.weft_ms), fmt("%.1e", r.rel_err)});
+    }
+    ctx.add(std::move(t));
+  }
+
+  // 2. The sweep: M, N, K in {2048, 4096, 8192, 16384} with M N K >= 2^36.
+  std::vector<Shape> shapes;
+  for (int64_t m : {2048, 4096, 8192, 16384})
+    for (int64_t n : {2048, 4096, 8192, 16384})
+      for (int64_t k : {2048, 4096, 8192, 16384})
+        if (double(m) * double(n) * double(k) >= 68719476736.0) shapes.push_back({m, n, k});
+  if (ctx.quick) shapes = {{2048, 2048, 16384}, {16384, 16384, 2048}, {4096, 8192, 4096}, {16384, 16384, 16384}};
+  for (BLayout lay : {BLayout::kNK, BLayout::kKN}) {
+    Table t(std::string("gemm: sweep, ") + layout_name(lay) + ", bf16 out, GPU 0 (" + gpu + ")",
+            {"M", "N", "K", "weft ms", "weft TFLOP/s", "cuBLAS TFLOP/s", "weft / cuBLAS"},
+            "All M, N, K in {2048, 4096, 8192, 16384} with M*N*K >= 2^36; last rows: geometric mean and minimum "
+            "of weft / cuBLAS.");
+    double log_sum = 0, worst = 1e30;
+    std::string worst_shape;
+    for (const Shape& s : shapes) {
+      ctx.progress("gemm: %s %lldx%lldx%lld", layout_name(lay), (long long)s.m, (long long)s.n, (long long)s.k);
+      const Result r = bench.run(s, lay);
+      const double ratio = double(r.cublas_ms) / double(r.weft_ms);
+      log_sum += std::log(ratio);
+      if (ratio < worst) {
+        worst = ratio;
+        worst_shape = fmt("%lldx%lldx%lld", (long long)s.m, (long long)s.n, (long long)s.k);
+      }
+      t.add({std::to_string(s.m), std::to_string(s.n), std::to_string(s.k), fmt("%.3f", r.weft_ms),
+             tflops(s, r.weft_ms), tflops(s, r.cublas_ms), fmt("%.1f%%", 100.0 * ratio)});
+    }
+    t.add({"geomean", "", "", "", "", "", fmt("%.1f%%", 100.0 * std::exp(log_sum / double(shapes.size())))});
+    t.add({"min", worst_shape, "", "", "", "", fmt("%.1f%%", 100.0 * worst)});
+    ctx.add(std::move(t));
+  }
+
+  // 3. Tuning knobs at 8192^3 (not in --quick): cluster size and the grouped order's band height.
+  if (!ctx.quick) {
+    const Shape s{8192, 8192, 8192};
+    Table t("gemm: 8192^3 " + std::string(layout_name(BLayout::kNK)) + ", weft options",
+            {"cluster", "group_m", "weft TFLOP/s", "cuBLAS TFLOP/s", "weft / cuBLAS"},
+            "cluster: CTAs sharing their B tile by TMA multicast; group_m: tile rows per band of the tile "
+            "order (defaults: cluster 2, group_m 16).");
+    for (int cluster : {1, 2})
+      for (int group : {4, 8, 16, 32}) {
+        ctx.progress("gemm: options cluster %d group_m %d", cluster, group);
+        GemmOptions o;
+        o.cluster = cluster;
+        o.group_m = group;
+        const Result r = bench.run(s, BLayout::kNK, o);
+        t.add({std::to_string(cluster), std::to_string(group), tflops(s, r.weft_ms), tflops(s, r.cublas_ms),
+               fmt("%.1f%%", 100.0 * r.cublas_ms / r.weft_ms)});
+      }
+    ctx.add(std::move(t));
+  }
+}
+
+ModeRegistrar reg("gemm", "weft GEMM vs cuBLAS on GPU 0: 8192^3 and the M,N,K sweep (bf16)", &run_gemm);
+
+}  // namespace
+}  // namespace weft::bench

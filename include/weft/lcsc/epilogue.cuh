@@ -1,0 +1,88 @@
+// The storer role of the LCSC template: a consumer warpgroup's 64 x kBN fp32 accumulator goes to global
+// memory through shared memory and TMA, chunk by chunk (64 bf16 or 32 f32 columns = 128-byte rows, 8 KiB).
+// The destination is whatever the tensor map points at: this rank's C, a peer's C (symmetric heap), with a
+// plain store or an element-wise reduce-add (cp.reduce.async.bulk.tensor .add).
+//
+// Each warpgroup double-buffers its chunks: it converts chunk i into buffer i % 2 while the TMA engine reads
+// chunk i - 1 from the other buffer. Thread 0 of the warpgroup issues the stores and, before the barrier of
+// chunk i, waits until chunk i - 1's store has read its buffer, so that after the barrier both buffers'
+// previous contents are consumed... by induction a buffer is always free when it is written.
+#pragma once
+#include <cuda.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "weft/device/bulk_copy.cuh"
+#include "weft/tile/fragment.cuh"
+#include "weft/tile/tma.cuh"
+#include "weft/tile/warp_roles.cuh"
+
+namespace weft::lcsc {
+
+enum class StoreMode : int {
+  kStore = 0,      // C = A.B
+  kReduceAdd = 1,  // C += A.B (element-wise reduction in C's type; concurrent adders welcome)
+};
+
+// Named barrier ids used by this epilogue: kFirstBarrierId + consumer warpgroup index.
+inline constexpr int kEpilogueFirstBarrierId = 1;
+
+template <class OutT, int kBN, int kConsumers>
+struct TmaStoreEpilogue {
+  using Chunk = tile::OutChunk<OutT>;
+  static constexpr int kChunkCols = Chunk::kCols;
+  static constexpr int kChunks = kBN / kChunkCols;
+  static constexpr int kBoxRows = 64, kBoxCols = kChunkCols;  // the C tensor map's box
+  static_assert(kBN % kChunkCols == 0, "whole chunks");
+
+  struct Smem {
+    Chunk buf[kConsumers][2];
+  };
+  struct State {
+    uint32_t chunks = 0;  // chunks this warpgroup has stored so far (selects the buffer)
+  };
+
+  // Stores acc (the warpgroup's 64 rows) at element (row0, col0) of the map's tensor.
+  template <int N>
+  __device__ static void store(const CUtensorMap* map, StoreMode mode, Smem& s, State& es, int wg,
+                               const tile::AccumM64<N>& acc, int row0, int col0) {
+    static_assert(N == kBN, "accumulator width");
+    store_chunks(map, mode, s, es, wg, acc, row0, col0, std::make_integer_sequence<int, kChunks>{});
+  }
+
+  // After the warpgroup's last tile: every store has completed (its writes are done, not just its reads).
+  __device__ static void finish(State&) {
+    if (tile::thread_in_warpgroup() == 0) bulk_wait<0>();
+  }
+
+ private:
+  template <int... kI>
+  __device__ __forceinline__ static void store_chunks(const CUtensorMap* map, StoreMode mode, Smem& s, State& es,
+                                                      int wg, const tile::AccumM64<kBN>& acc, int row0, int col0,
+                                                      std::integer_sequence<int, kI...>) {
+    (store_chunk<kI>(map, mode, s, es, wg, acc, row0, col0), ...);
+  }
+
+  template <int kI>
+  __device__ __forceinline__ static void store_chunk(const CUtensorMap* map, StoreMode mode, Smem& s, State& es,
+                                                     int wg, const tile::AccumM64<kBN>& acc, int row0, int col0) {
+    const bool leader = tile::thread_in_warpgroup() == 0;
+    Chunk& buf = s.buf[wg][es.chunks & 1u];
+    tile::store_accum_chunk<kI, OutT>(acc, buf);
+    fence_proxy_async_smem();
+    if (leader) bulk_wait_read<0>();  // the previous chunk's store has read the other buffer
+    tile::named_barrier_sync(kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
+    if (leader) {
+      const int col = col0 + kI * kChunkCols;
+      if (mode == StoreMode::kStore)
+        tma::store_2d(map, col, row0, buf.bytes);
+      else
+        tma::reduce_add_2d(map, col, row0, buf.bytes);
+      bulk_commit();
+    }
+    ++es.chunks;
+  }
+};
+
+}  // namespace weft::lcsc

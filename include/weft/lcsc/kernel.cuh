@@ -1,0 +1,175 @@
+// The LCSC (load, compute, store, communicate) persistent kernel and its host launcher.
+//
+// One block per SM (or per SM of a cluster). Blocks [0, compute_blocks) compute, the rest of the grid (a
+// run-time count, possibly zero) runs the op's communicator instead. A compute block has one loader
+// warpgroup and Op::kConsumerWarpgroups consumer warpgroups:
+//   loader     thread 0 walks the tile sequence: Op::wait_inputs (optional hook), then Op::load, which fills
+//              pipeline stages with TMA. The loader warpgroup gives registers back (setmaxnreg.dec).
+//   consumers  every consumer warpgroup walks the same sequence: Op::compute (mainloop into registers), then
+//              Op::store (the storer: registers -> shared -> TMA to local or peer memory), finally
+//              Op::finish. Consumers take the loader's registers (setmaxnreg.inc).
+// While the consumers store tile i, the loader already fills the free stages with tile i + 1.
+//
+// An op is a struct of roles and types:
+//   kConsumerWarpgroups, kClusterSize, kLoaderRegs, kConsumerRegs
+//   Params (with `SchedulerParams sched`; passed as __grid_constant__), Smem (with `Pipeline::Storage pipe`),
+//   Pipeline, Accum, StoreState
+//   static load(p, smem, pipe, PipeState&, const Tile&)                 loader thread
+//   static compute(p, smem, pipe, PipeState&, const Tile&, wg, Accum&)  consumer warpgroup wg
+//   static store(p, smem, const Tile&, wg, const Accum&, StoreState&)   consumer warpgroup wg
+// and optionally:
+//   static init(p, smem)                                   thread 0, before the block syncs (own barriers)
+//   static wait_inputs(p, const Tile&)                     loader thread, before a tile's loads: the hook
+//                                                          for "inputs of this tile have arrived" (a wait on
+//                                                          a flag set by a peer or a communicator block)
+//   static finish(p, smem, wg, StoreState&)                consumer warpgroup after its last tile
+//   static communicate(p, smem, index, count)              every thread of a communicator block
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+
+#include "weft/lcsc/pipeline.cuh"
+#include "weft/lcsc/scheduler.cuh"
+#include "weft/runtime/error.hpp"
+#include "weft/tile/cluster.cuh"
+#include "weft/tile/warp_roles.cuh"
+
+namespace weft::lcsc {
+
+template <class Op>
+inline constexpr int kThreads = tile::kWarpgroupThreads * (1 + Op::kConsumerWarpgroups);
+
+// Dynamic shared memory is rounded up to 1024 bytes in the kernel (the swizzle atom).
+template <class Op>
+inline constexpr size_t kSmemBytes = sizeof(typename Op::Smem) + 1024;
+
+template <class Op>
+__global__ void __launch_bounds__(kThreads<Op>, 1) persistent_kernel(const __grid_constant__ typename Op::Params p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(Op::kLoaderRegs + Op::kConsumerWarpgroups * Op::kConsumerRegs <=
+                    (65536 / kThreads<Op> / 8 * 8) * (1 + Op::kConsumerWarpgroups),
+                "setmaxnreg: the warpgroups together need more registers than the block is given");
+  extern __shared__ __align__(1024) uint8_t lcsc_smem[];
+  using Smem = typename Op::Smem;
+  Smem& smem = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(lcsc_smem) + 1023) & ~uintptr_t(1023));
+  const SchedulerParams& sp = p.sched;
+
+  if (static_cast<int>(blockIdx.x) >= sp.compute_blocks) {
+    if constexpr (requires { Op::communicate(p, smem, 0, 0); })
+      Op::communicate(p, smem, static_cast<int>(blockIdx.x) - sp.compute_blocks,
+                      static_cast<int>(gridDim.x) - sp.compute_blocks);
+    return;
+  }
+
+  typename Op::Pipeline pipe(smem.pipe);
+  if (threadIdx.x == 0) {
+    pipe.init();
+    if constexpr (requires { Op::init(p, smem); }) Op::init(p, smem);
+    fence_barrier_init();
+  }
+  if constexpr (Op::kClusterSize > 1)
+    tile::cluster_sync();
+  else
+    __syncthreads();
+
+  const int rank = Op::kClusterSize > 1 ? static_cast<int>(tile::cluster_ctarank()) : 0;
+  TileScheduler sched(sp, static_cast<int>(blockIdx.x) / Op::kClusterSize, rank);
+  const int wg = tile::warpgroup_index();
+  if (wg == 0) {
+    tile::setmaxnreg_dec<Op::kLoaderRegs>();
+    if (threadIdx.x == 0) {
+      PipeState st;
+      Tile t;
+      while (sched.next(t)) {
+        if constexpr (requires { Op::wait_inputs(p, t); }) Op::wait_inputs(p, t);
+        Op::load(p, smem, pipe, st, t);
+      }
+    }
+  } else {
+    tile::setmaxnreg_inc<Op::kConsumerRegs>();
+    const int c = wg - 1;
+    typename Op::Accum acc{};
+    typename Op::StoreState es{};
+    PipeState st;
+    Tile t;
+    while (sched.next(t)) {
+      Op::compute(p, smem, pipe, st, t, c, acc);
+      Op::store(p, smem, t, c, acc, es);
+    }
+    if constexpr (requires { Op::finish(p, smem, c, es); }) Op::finish(p, smem, c, es);
+  }
+  // No CTA of a cluster may leave while a peer can still multicast into it or arrive on its barriers.
+  if constexpr (Op::kClusterSize > 1) {
+    __syncwarp();
+    tile::cluster_sync();
+  }
+#else
+  __trap();  // built for sm_90a only (wgmma, setmaxnreg); the host launcher refuses other GPUs
+#endif
+}
+
+// ---- host ------------------------------------------------------------------------------------
+template <class Op>
+struct Launcher {
+  static constexpr int kMaxDevices = 64;
+
+  // Sets the kernel's shared-memory limit on the current device (once) and returns how many clusters of
+  // Op::kClusterSize blocks can be resident at once: the size of a persistent grid that never waits.
+  static int max_resident_clusters() {
+    static std::mutex mu;
+    static int cached[kMaxDevices] = {};
+    int dev = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&dev));
+    std::lock_guard<std::mutex> lock(mu);
+    if (dev < kMaxDevices && cached[dev] > 0) return cached[dev];
+    const auto kernel = persistent_kernel<Op>;
+    WEFT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kSmemBytes<Op>)));
+    int sms = 0;
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    int n = 0;
+    if constexpr (Op::kClusterSize == 1) {
+      WEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads<Op>, kSmemBytes<Op>));
+      n *= sms;
+    } else {
+      cudaLaunchConfig_t cfg = {};
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = Op::kClusterSize;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.gridDim = dim3(static_cast<unsigned>(sms / Op::kClusterSize * Op::kClusterSize));
+      cfg.blockDim = dim3(kThreads<Op>);
+      cfg.dynamicSmemBytes = kSmemBytes<Op>;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      WEFT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+    }
+    WEFT_CHECK(n > 0, "the LCSC kernel does not fit on this GPU (" + std::to_string(kSmemBytes<Op>) +
+                          " bytes of shared memory, " + std::to_string(kThreads<Op>) + " threads per block)");
+    if (dev < kMaxDevices) cached[dev] = n;
+    return n;
+  }
+
+  // Launches `blocks` blocks (a multiple of Op::kClusterSize; p.sched.compute_blocks of them compute).
+  static void launch(const typename Op::Params& p, int blocks, cudaStream_t stream) {
+    if (blocks <= 0) return;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = Op::kClusterSize;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+    cfg.blockDim = dim3(kThreads<Op>);
+    cfg.dynamicSmemBytes = kSmemBytes<Op>;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = Op::kClusterSize > 1 ? 1 : 0;
+    WEFT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, persistent_kernel<Op>, p));
+  }
+};
+
+}  // namespace weft::lcsc

@@ -1,0 +1,123 @@
+// The GEMM mainloop of the LCSC template: TMA loads of A and B k-blocks into the pipeline (loader role) and
+// wgmma over them (consumer role), bf16 in, fp32 accumulate.
+//
+// Tile kBM x kBN x kBK with kBM / 64 consumer warpgroups; warpgroup w owns rows [64 w, 64 w + 64) and all
+// kBN columns (one m64nNk16 wgmma per 16 of K). A is row-major [M,K] (K-major). B is either an [N,K]
+// weight (K-major, kBKMajor) or row-major [K,N] (N-major). With kCluster > 1, the kCluster CTAs of a
+// cluster hold tiles stacked along M that share the same B tile: CTA rank r loads the r-th slice of B and
+// multicasts it to all of them, so each CTA reads its A tile and 1 / kCluster of B from L2.
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "weft/lcsc/pipeline.cuh"
+#include "weft/tile/cluster.cuh"
+#include "weft/tile/fragment.cuh"
+#include "weft/tile/layout.cuh"
+#include "weft/tile/tma.cuh"
+#include "weft/tile/wgmma.cuh"
+
+namespace weft::lcsc {
+
+template <int kBM, int kBN, int kBK, int kStages, bool kBKMajor, int kCluster>
+struct WgmmaMainloop {
+  using bf16 = __nv_bfloat16;
+  static constexpr int kConsumers = kBM / 64;
+  using Pipeline = lcsc::Pipeline<kStages, kConsumers, kCluster>;
+  using ATile = tile::Sw128Tile<bf16, kBM, kBK>;  // rows M, columns K
+  using BTile = std::conditional_t<kBKMajor, tile::Sw128Tile<bf16, kBN, kBK>,  // rows N, columns K
+                                   tile::Sw128Tile<bf16, kBK, kBN>>;           // rows K, columns N
+  struct Stage {
+    ATile a;
+    BTile b;
+  };
+  struct Smem {
+    Stage stage[kStages];
+  };
+  using Accum = tile::AccumM64<kBN>;
+
+  // Every byte that lands in one CTA's stage, from its own loads and its peers' multicasts.
+  static constexpr uint32_t kStageTxBytes = sizeof(ATile) + sizeof(BTile);
+  // TMA boxes (rows x columns of the global tensor) the host encodes the maps with.
+  static constexpr int kABoxRows = kBM, kABoxCols = kBK;
+  static constexpr int kBBoxRows = kBKMajor ? kBN / kCluster : kBK;
+  static constexpr int kBBoxCols = kBKMajor ? kBK : BTile::kBlockCols;
+
+  static_assert(kBM % 64 == 0 && kBM <= 256, "one to four consumer warpgroups of 64 rows");
+  static_assert(kBK == 64, "one 128-byte row of bf16 K per stage");
+  static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4, "cluster of 1, 2 or 4 CTAs");
+  static_assert(!kBKMajor || ((kBN / kCluster) % 8 == 0 && kBN / kCluster <= 256), "B slice per CTA");
+  static_assert(kBKMajor || BTile::kBlocks % kCluster == 0, "B column blocks split evenly over the cluster");
+
+  // ---- loader: one thread. The k_blocks stages of the tile whose first element is (m0, n0). ----
+  __device__ static void load(Smem& s, Pipeline& pipe, PipeState& st, const CUtensorMap* a, const CUtensorMap* b,
+                              int m0, int n0, int k_blocks) {
+    const uint32_t rank = kCluster > 1 ? tile::cluster_ctarank() : 0u;
+    constexpr uint16_t kAll = static_cast<uint16_t>((1u << kCluster) - 1u);
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      Stage& stage = s.stage[st.stage];
+      uint64_t* full = pipe.producer_acquire(st, kStageTxBytes);
+      const int k0 = kb * kBK;
+      tma::load_2d(stage.a.bytes, a, k0, m0, full);
+      if constexpr (kBKMajor) {
+        constexpr int kRows = kBN / kCluster;
+        uint8_t* dst = stage.b.bytes + rank * kRows * tile::kSwizzleBytes;
+        if constexpr (kCluster == 1)
+          tma::load_2d(dst, b, k0, n0, full);
+        else
+          tma::load_2d_multicast(dst, b, k0, n0 + static_cast<int>(rank) * kRows, full, kAll);
+      } else {
+        constexpr int kPerCta = BTile::kBlocks / kCluster;
+#pragma unroll
+        for (int i = 0; i < kPerCta; ++i) {
+          const int blk = static_cast<int>(rank) * kPerCta + i;
+          if constexpr (kCluster == 1)
+            tma::load_2d(stage.b.block(blk), b, n0 + blk * BTile::kBlockCols, k0, full);
+          else
+            tma::load_2d_multicast(stage.b.block(blk), b, n0 + blk * BTile::kBlockCols, k0, full, kAll);
+        }
+      }
+      st.advance(kStages);
+    }
+  }
+
+  // ---- consumer: warpgroup `wg` accumulates rows [64 wg, 64 wg + 64) of the tile into acc. ----
+  // One batch of kBK / 16 wgmmas per stage, one batch kept in flight: a stage is released as soon as the
+  // batch after it has been issued and the batch reading it has completed.
+  __device__ static void mma(Smem& s, Pipeline& pipe, PipeState& st, int k_blocks, int wg, Accum& acc) {
+    PipeState prev = st;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      pipe.consumer_wait(st);
+      const Stage& stage = s.stage[st.stage];
+      const uint64_t da = wgmma::desc_k_major(stage.a, 64 * wg, 0);
+      uint64_t db;
+      if constexpr (kBKMajor)
+        db = wgmma::desc_k_major(stage.b, 0, 0);
+      else
+        db = wgmma::desc_mn_major(stage.b, 0);
+      wgmma::fence_operands(acc.d);
+      wgmma::fence();
+#pragma unroll
+      for (int k = 0; k < kBK / 16; ++k) {
+        constexpr uint32_t kStepA = 16 * sizeof(bf16);  // 16 K columns inside the 128-byte row
+        constexpr uint32_t kStepB = kBKMajor ? 16 * sizeof(bf16) : 16 * tile::kSwizzleBytes;  // or 16 K rows
+        wgmma::mma_bf16<kBN, kBKMajor ? 0 : 1>(acc.d, wgmma::desc_advance(da, k * kStepA),
+                                               wgmma::desc_advance(db, k * kStepB), (kb > 0 || k > 0) ? 1 : 0);
+      }
+      wgmma::commit();
+      wgmma::fence_operands(acc.d);
+      wgmma::wait<1>();
+      if (kb > 0) pipe.consumer_release(prev);
+      prev = st;
+      st.advance(kStages);
+    }
+    wgmma::wait<0>();
+    wgmma::fence_operands(acc.d);
+    if (k_blocks > 0) pipe.consumer_release(prev);
+  }
+};
+
+}  // namespace weft::lcsc

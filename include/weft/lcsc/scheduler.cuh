@@ -1,0 +1,72 @@
+// The persistent tile scheduler of the LCSC template.
+//
+// Output tiles are grouped for L2 reuse: the tile grid is cut into bands of `group_m` tile rows, and a band
+// is walked column by column (down the rows of the band first), so the blocks running at the same time share
+// a few A row-blocks and a few B column-blocks. With clusters of kCluster CTAs along M, the unit of work is a
+// cluster tile (kCluster tiles stacked along M that share their B tile); CTA rank r of the cluster takes tile
+// row kCluster * unit_row + r.
+//
+// Persistent: compute block-cluster c takes units c, c + C, c + 2C, ... (C compute clusters). Hooks for
+// fused ops: `start_unit` rotates the sequence (a per-rank offset, so ranks start on different tiles, e.g.
+// their local rows first), and the op's wait_inputs() runs in the loader before each tile's loads.
+#pragma once
+#include <cstdint>
+
+namespace weft::lcsc {
+
+struct SchedulerParams {
+  int tiles_m = 0;         // CTA tiles along M
+  int tiles_n = 0;         // CTA tiles along N
+  int cluster_m = 1;       // CTAs per cluster, stacked along M (must match the op's kClusterSize)
+  int group_m = 16;        // tile rows per band of the grouped order (rounded to whole clusters)
+  int start_unit = 0;      // rotation of the unit sequence (any integer; taken modulo the unit count)
+  int compute_blocks = 0;  // blocks [0, compute_blocks) compute; the rest of the grid communicates
+  __host__ __device__ int units_m() const { return (tiles_m + cluster_m - 1) / cluster_m; }
+  __host__ __device__ int units() const { return units_m() * tiles_n; }
+};
+
+struct Tile {
+  int m = 0, n = 0;  // tile coordinates (multiply by the tile shape for element offsets)
+  int unit = 0;      // position in the grouped order (after rotation)
+  int iteration = 0; // how many tiles this block took before this one
+};
+
+class TileScheduler {
+ public:
+  __device__ TileScheduler(const SchedulerParams& p, int cluster_index, int cluster_rank)
+      : p_(p),
+        next_(cluster_index),
+        stride_(p.compute_blocks / p.cluster_m),
+        rank_(cluster_rank),
+        units_(p.units()) {
+    const int g = p.group_m / p.cluster_m;
+    group_ = g < 1 ? 1 : g;
+    int s = units_ > 0 ? p.start_unit % units_ : 0;
+    start_ = s < 0 ? s + units_ : s;
+  }
+
+  // The next tile of this block, or false when it has none left.
+  __device__ __forceinline__ bool next(Tile& t) {
+    if (next_ >= units_) return false;
+    int u = next_ + start_;
+    if (u >= units_) u -= units_;
+    next_ += stride_;
+    const int rows = p_.units_m();
+    const int per_group = group_ * p_.tiles_n;
+    const int band = u / per_group;
+    const int first = band * group_;
+    const int in_band = rows - first < group_ ? rows - first : group_;
+    const int r = u - band * per_group;
+    t.m = (first + r % in_band) * p_.cluster_m + rank_;
+    t.n = r / in_band;
+    t.unit = u;
+    t.iteration = iteration_++;
+    return true;
+  }
+
+ private:
+  SchedulerParams p_;
+  int next_, stride_, rank_, units_, group_ = 1, start_ = 0, iteration_ = 0;
+};
+
+}  // namespace weft::lcsc

@@ -1,0 +1,74 @@
+// The GEMM of weft, written as an LCSC op: C = A.B with A row-major [M,K] bf16, B either an [N,K] weight
+// (nn.Linear layout) or row-major [K,N] bf16, fp32 accumulation, C row-major [M,N] in bf16 or f32, stored,
+// or reduce-added, wherever C's tensor map points (this rank's memory or a peer's).
+//
+// Tile 128 x 256 x 64: two consumer warpgroups of 64 x 256 (m64n256k16 wgmma), one loader warpgroup, a
+// 4-stage TMA pipeline with 128-byte swizzle (48 KiB per stage), 2 x 8 KiB epilogue buffers per consumer
+// warpgroup, persistent grid over a grouped tile order. With kCluster = 2, the two CTAs of a cluster take
+// vertically adjacent tiles and multicast halves of their common B tile to each other.
+//
+// Fused ops reuse it by wrapping it: the same roles with a wait_inputs() hook (AG + GEMM), a C map per
+// destination rank (GEMM + RS), communicator blocks (lcsc/kernel.cuh).
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include "weft/lcsc/epilogue.cuh"
+#include "weft/lcsc/kernel.cuh"
+#include "weft/lcsc/mainloop.cuh"
+#include "weft/lcsc/scheduler.cuh"
+
+namespace weft::ops {
+
+struct GemmTile {
+  static constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
+};
+
+template <class OutT, bool kBKMajor, int kCluster>
+struct GemmOp {
+  static constexpr int kBM = GemmTile::kBM, kBN = GemmTile::kBN, kBK = GemmTile::kBK;
+  static constexpr int kConsumerWarpgroups = kBM / 64;
+  static constexpr int kClusterSize = kCluster;
+  // 384 threads start with 168 registers each; the loader gives 128 x 128 back, the consumers take them.
+  static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;
+
+  using Mainloop = lcsc::WgmmaMainloop<kBM, kBN, kBK, GemmTile::kStages, kBKMajor, kCluster>;
+  using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN, kConsumerWarpgroups>;
+  using Pipeline = typename Mainloop::Pipeline;
+  using Accum = typename Mainloop::Accum;
+  using StoreState = typename Epilogue::State;
+
+  struct Params {
+    lcsc::SchedulerParams sched;
+    CUtensorMap a;  // [M,K] bf16, box kABoxRows x kABoxCols
+    CUtensorMap b;  // [N,K] or [K,N] bf16, box kBBoxRows x kBBoxCols
+    CUtensorMap c;  // [M,N] OutT, box 64 x Epilogue::kChunkCols
+    int k_blocks;   // ceil(K / kBK); the tail block is zero-filled by TMA
+    lcsc::StoreMode store_mode;
+  };
+  struct Smem {
+    typename Mainloop::Smem main;
+    typename Epilogue::Smem epi;
+    typename Pipeline::Storage pipe;
+  };
+
+  __device__ static void init(const Params& p, Smem&) {
+    tma::prefetch_map(&p.a);
+    tma::prefetch_map(&p.b);
+    tma::prefetch_map(&p.c);
+  }
+  __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st, const lcsc::Tile& t) {
+    Mainloop::load(s.main, pipe, st, &p.a, &p.b, t.m * kBM, t.n * kBN, p.k_blocks);
+  }
+  __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st, const lcsc::Tile&,
+                                 int wg, Accum& acc) {
+    Mainloop::mma(s.main, pipe, st, p.k_blocks, wg, acc);
+  }
+  __device__ static void store(const Params& p, Smem& s, const lcsc::Tile& t, int wg, const Accum& acc,
+                               StoreState& es) {
+    Epilogue::store(&p.c, p.store_mode, s.epi, es, wg, acc, t.m * kBM + 64 * wg, t.n * kBN);
+  }
+  __device__ static void finish(const Params&, Smem&, int, StoreState& es) { Epilogue::finish(es); }
+};
+
+}  // namespace weft::ops

@@ -1,0 +1,43 @@
+// weft::gemm: C = A.B on the current GPU with weft's own Hopper GEMM (bf16 in, fp32 accumulate, bf16 or f32
+// out), the LCSC GEMM that the fused multi-GPU ops are built from. Host-only header.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "weft/ops/collectives.hpp"  // weft::DType (kBF16, kFP16, kFP32); C is kBF16 or kFP32
+
+namespace weft {
+
+enum class BLayout {
+  kKN,  // B is row-major [K,N]
+  kNK,  // B is row-major [N,K]: an nn.Linear weight (C = A . B^T in that layout's terms)
+};
+
+enum class GemmStore {
+  kStore,      // C = A.B
+  kReduceAdd,  // C += A.B, element-wise in C's type (TMA reduce-add; several GPUs may add into one C)
+};
+
+struct GemmOptions {
+  GemmStore store = GemmStore::kStore;
+  // Row strides in elements; 0 means dense (A: K, B: K for kNK or N for kKN, C: N).
+  int64_t lda = 0, ldb = 0, ldc = 0;
+  int cluster = 0;     // CTAs per cluster sharing their B tile by TMA multicast: 0 auto, 1 or 2
+  int group_m = 0;     // tile rows (128 each) per band of the grouped tile order; 0: 16
+  int start_tile = 0;  // rotates the tile order (fused ops give each rank its own start)
+  int max_blocks = 0;  // cap on persistent compute blocks; 0: every SM
+};
+
+// Enqueues C = A.B (or C += A.B) on `stream` for the current device.
+//   a  [M,K] bf16, row-major (row stride lda)
+//   b  bf16, [K,N] or [N,K] as b_layout says (row stride ldb)
+//   c  [M,N] of c_type (kBF16 or kFP32), row-major (row stride ldc); may point into a peer's memory (a symmetric-heap
+//      buffer seen through Rank::at) for a remote store or reduce-add.
+// Any M, N, K >= 1: partial tiles are handled. TMA needs 16-byte aligned base addresses and row strides
+// that are multiples of 16 bytes (K, N divisible by 8 for bf16 rows, N by 4 for f32 rows); anything else
+// throws weft::Error saying which operand and why, as does a GPU other than sm_90 (Hopper).
+void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type,
+          cudaStream_t stream, const GemmOptions& options = {});
+
+}  // namespace weft
