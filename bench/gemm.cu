@@ -15,14 +15,16 @@
 namespace weft::bench {
 namespace {
 
-#define CUBLAS_CHECK(expr)                                                                               \
-  do {                                                                                                   \
-    const cublasStatus_t st_ = (expr);                                                                   \
-    if (st_ != CUBLAS_STATUS_SUCCESS) throw_error(fmt("weft-bench: %s failed (cuBLAS status %d)", #expr, int(st_))); \
+#define CUBLAS_CHECK(expr)                                                           \
+  do {                                                                               \
+    const cublasStatus_t st_ = (expr);                                               \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                \
+      throw_error(fmt("weft-bench: %s failed (cuBLAS status %d)", #expr, int(st_))); \
   } while (0)
 
 __global__ void fill_kernel(__nv_bfloat16* p, uint64_t n, uint64_t seed) {
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n;
+       i += uint64_t(gridDim.x) * blockDim.x) {
     uint64_t x = (seed << 40) ^ i;
     x = (x ^ (x >> 31)) * 0x7fb5d329728ea185ull;
     x = (x ^ (x >> 27)) * 0x81dadef4bc2dd44dull;
@@ -34,7 +36,8 @@ __global__ void fill_kernel(__nv_bfloat16* p, uint64_t n, uint64_t seed) {
 // sums[0] += (x - y)^2, sums[1] += y^2 for bf16 x (weft) and y (cuBLAS).
 __global__ void diff_kernel(const __nv_bfloat16* x, const __nv_bfloat16* y, uint64_t n, double* sums) {
   double d = 0, r = 0;
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n;
+       i += uint64_t(gridDim.x) * blockDim.x) {
     const double a = __bfloat162float(x[i]), b = __bfloat162float(y[i]);
     d += (a - b) * (a - b);
     r += b * b;
@@ -85,13 +88,16 @@ class GemmBench {
     const uint64_t a_bytes = uint64_t(s.m) * s.k * 2, b_bytes = uint64_t(s.n) * s.k * 2;
     const uint64_t c_elems = uint64_t(s.m) * s.n;
     // Enough copies of A and B that the ones in use were evicted from L2 since their last turn.
-    const int sets = int(std::clamp<uint64_t>((3ull * l2_bytes_ + a_bytes + b_bytes - 1) / (a_bytes + b_bytes), 2, 16));
+    const int sets =
+        int(std::clamp<uint64_t>((3ull * l2_bytes_ + a_bytes + b_bytes - 1) / (a_bytes + b_bytes), 2, 16));
     std::vector<std::unique_ptr<DevMem>> as, bs;
     for (int i = 0; i < sets; ++i) {
       as.push_back(std::make_unique<DevMem>(a_bytes));
       bs.push_back(std::make_unique<DevMem>(b_bytes));
-      fill_kernel<<<1024, 256, 0, stream_>>>(static_cast<__nv_bfloat16*>(as.back()->p), a_bytes / 2, 2 * i + 1);
-      fill_kernel<<<1024, 256, 0, stream_>>>(static_cast<__nv_bfloat16*>(bs.back()->p), b_bytes / 2, 2 * i + 2);
+      fill_kernel<<<1024, 256, 0, stream_>>>(static_cast<__nv_bfloat16*>(as.back()->p), a_bytes / 2,
+                                             2 * i + 1);
+      fill_kernel<<<1024, 256, 0, stream_>>>(static_cast<__nv_bfloat16*>(bs.back()->p), b_bytes / 2,
+                                             2 * i + 2);
     }
     WEFT_CUDA_CHECK(cudaGetLastError());
     DevMem c_weft(c_elems * 2), c_blas(c_elems * 2);
@@ -101,10 +107,10 @@ class GemmBench {
     };
     auto blas_op = [&](int i) {
       const float alpha = 1.0f, beta = 0.0f;
-      CUBLAS_CHECK(cublasGemmEx(blas_, nk ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, int(s.n), int(s.m), int(s.k),
-                                &alpha, bs[i % sets]->p, CUDA_R_16BF, int(nk ? s.k : s.n), as[i % sets]->p,
-                                CUDA_R_16BF, int(s.k), &beta, c_blas.p, CUDA_R_16BF, int(s.n), CUBLAS_COMPUTE_32F,
-                                CUBLAS_GEMM_DEFAULT));
+      CUBLAS_CHECK(cublasGemmEx(blas_, nk ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, int(s.n), int(s.m),
+                                int(s.k), &alpha, bs[i % sets]->p, CUDA_R_16BF, int(nk ? s.k : s.n),
+                                as[i % sets]->p, CUDA_R_16BF, int(s.k), &beta, c_blas.p, CUDA_R_16BF,
+                                int(s.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
     const double est_ms = s.flops() / 650e12 * 1e3;
     const int iters = quick_ ? std::clamp(int(60 / est_ms), 5, 20) : std::clamp(int(400 / est_ms), 15, 200);
@@ -163,6 +169,11 @@ class GemmBench {
 const char* layout_name(BLayout l) {
   return l == BLayout::kNK ? "B [N,K]" : "B [K,N]";
 }
+std::string plan_text(const Shape& s, BLayout lay, const GemmOptions& o = {}) {
+  const GemmPlan p = gemm_plan(s.m, s.n, s.k, lay, DType::kBF16, o);
+  return fmt("%dx%dx%d, %d stages, cluster %d, group %d, %d blocks", p.tile_m, p.tile_n, p.tile_k, p.stages,
+             p.cluster, p.group_m, p.blocks);
+}
 std::string tflops(const Shape& s, float ms) {
   return fmt("%.1f", s.flops() / (double(ms) * 1e9));
 }
@@ -176,10 +187,12 @@ void run_gemm(Context& ctx) {
   // 1. The headline shape, both B layouts, with an output check against cuBLAS.
   {
     const Shape s{8192, 8192, 8192};
-    Table t("gemm: 8192^3, bf16 in / bf16 out, fp32 accumulate, GPU 0 (" + gpu + ")",
-            {"B layout", "weft ms", "weft TFLOP/s", "cuBLAS ms", "cuBLAS TFLOP/s", "weft / cuBLAS", "rel err"},
-            "Median over many iterations; inputs rotated through copies larger than L2. rel err: Frobenius "
-            "distance of weft's output from cuBLAS's, relative.");
+    Table t(
+        "gemm: 8192^3, bf16 in / bf16 out, fp32 accumulate, GPU 0 (" + gpu + ")",
+        {"B layout", "weft ms", "weft TFLOP/s", "cuBLAS ms", "cuBLAS TFLOP/s", "weft / cuBLAS", "rel err"},
+        "Median over many iterations; inputs rotated through copies larger than L2. rel err: Frobenius "
+        "distance of weft's output from cuBLAS's, relative. weft: " +
+            plan_text(s, BLayout::kNK) + ".");
     for (BLayout lay : {BLayout::kNK, BLayout::kKN}) {
       ctx.progress("gemm: 8192^3 %s", layout_name(lay));
       const Result r = bench.run(s, lay, {}, true);
@@ -195,16 +208,19 @@ void run_gemm(Context& ctx) {
     for (int64_t n : {2048, 4096, 8192, 16384})
       for (int64_t k : {2048, 4096, 8192, 16384})
         if (double(m) * double(n) * double(k) >= 68719476736.0) shapes.push_back({m, n, k});
-  if (ctx.quick) shapes = {{2048, 2048, 16384}, {16384, 16384, 2048}, {4096, 8192, 4096}, {16384, 16384, 16384}};
+  if (ctx.quick)
+    shapes = {{2048, 2048, 16384}, {16384, 16384, 2048}, {4096, 8192, 4096}, {16384, 16384, 16384}};
   for (BLayout lay : {BLayout::kNK, BLayout::kKN}) {
-    Table t(std::string("gemm: sweep, ") + layout_name(lay) + ", bf16 out, GPU 0 (" + gpu + ")",
-            {"M", "N", "K", "weft ms", "weft TFLOP/s", "cuBLAS TFLOP/s", "weft / cuBLAS"},
-            "All M, N, K in {2048, 4096, 8192, 16384} with M*N*K >= 2^36; last rows: geometric mean and minimum "
-            "of weft / cuBLAS.");
+    Table t(
+        std::string("gemm: sweep, ") + layout_name(lay) + ", bf16 out, GPU 0 (" + gpu + ")",
+        {"M", "N", "K", "weft ms", "weft TFLOP/s", "cuBLAS TFLOP/s", "weft / cuBLAS"},
+        "All M, N, K in {2048, 4096, 8192, 16384} with M*N*K >= 2^36; last rows: geometric mean and minimum "
+        "of weft / cuBLAS.");
     double log_sum = 0, worst = 1e30;
     std::string worst_shape;
     for (const Shape& s : shapes) {
-      ctx.progress("gemm: %s %lldx%lldx%lld", layout_name(lay), (long long)s.m, (long long)s.n, (long long)s.k);
+      ctx.progress("gemm: %s %lldx%lldx%lld", layout_name(lay), (long long)s.m, (long long)s.n,
+                   (long long)s.k);
       const Result r = bench.run(s, lay);
       const double ratio = double(r.cublas_ms) / double(r.weft_ms);
       log_sum += std::log(ratio);
@@ -224,7 +240,7 @@ void run_gemm(Context& ctx) {
   if (!ctx.quick) {
     const Shape s{8192, 8192, 8192};
     Table t("gemm: 8192^3 " + std::string(layout_name(BLayout::kNK)) + ", weft options",
-            {"cluster", "group_m", "weft TFLOP/s", "cuBLAS TFLOP/s", "weft / cuBLAS"},
+            {"cluster", "group_m", "blocks", "weft TFLOP/s", "cuBLAS TFLOP/s", "weft / cuBLAS"},
             "cluster: CTAs sharing their B tile by TMA multicast; group_m: tile rows per band of the tile "
             "order (defaults: cluster 2, group_m 16).");
     for (int cluster : {1, 2})
@@ -234,8 +250,9 @@ void run_gemm(Context& ctx) {
         o.cluster = cluster;
         o.group_m = group;
         const Result r = bench.run(s, BLayout::kNK, o);
-        t.add({std::to_string(cluster), std::to_string(group), tflops(s, r.weft_ms), tflops(s, r.cublas_ms),
-               fmt("%.1f%%", 100.0 * r.cublas_ms / r.weft_ms)});
+        t.add({std::to_string(cluster), std::to_string(group),
+               std::to_string(gemm_plan(s.m, s.n, s.k, BLayout::kNK, DType::kBF16, o).blocks),
+               tflops(s, r.weft_ms), tflops(s, r.cublas_ms), fmt("%.1f%%", 100.0 * r.cublas_ms / r.weft_ms)});
       }
     ctx.add(std::move(t));
   }

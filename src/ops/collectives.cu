@@ -1,6 +1,7 @@
 // Host side of the collectives: argument checks, layout of each op in terms of the device phases
 // (weft/ops/collectives.cuh), workspace, launch.
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "weft/ops/collectives.cuh"
@@ -120,6 +121,25 @@ void launch_reduce_scatter(Call& c, const coll::ReduceScatter& x, DType dt, Redu
   c.launched();
 }
 
+void launch_pull_reduce(Call& c, const coll::PullReduce& x, DType dt, ReduceOp op, bool vec, uint64_t total_bytes) {
+  const int g = c.blocks(total_bytes);
+  with_elem(dt, [&](auto e) {
+    with_reduce(op, [&](auto r) {
+      if (vec) coll::pull_reduce_kernel<e.value, r.value, true><<<g, kThreads, 0, c.stream>>>(x);
+      else coll::pull_reduce_kernel<e.value, r.value, false><<<g, kThreads, 0, c.stream>>>(x);
+    });
+  });
+  c.launched();
+}
+
+// Development knob: WEFT_COLL_VARIANT=push|pull picks the two-shot all-reduce / reduce-scatter data flow.
+bool use_pull(bool default_pull) {
+  const char* v = std::getenv("WEFT_COLL_VARIANT");
+  if (v && std::string(v) == "push") return false;
+  if (v && std::string(v) == "pull") return true;
+  return default_pull;
+}
+
 void one_shot_all_reduce(Call& c, const void* in, void* out, uint64_t count, DType dt, ReduceOp op) {
   const uint64_t bytes = count * dtype_size(dt);
   const int world = c.rank.world();
@@ -159,23 +179,42 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
   const uint64_t main = count / unit * unit, tail = count - main;
   if (main > 0) {
     const uint64_t slice = main * esize / world;
-    const bool sym_out = comm.in_heap(rank, out, bytes);
+    const bool sym_in = comm.in_heap(rank, in, bytes), sym_out = comm.in_heap(rank, out, bytes);
     const uint64_t ll = ll_region_bytes(world);
-    char* ws = c.workspace(ll + slice * world * (sym_out ? 1 : 2));
-    char* gather = ws + ll + slice * world;  // fan-out target when out is not symmetric
-    coll::ReduceScatter x{};
-    x.team = rank.view();
-    x.in = Rows{const_cast<char*>(static_cast<const char*>(in)), 0};
-    x.in_peer_step = slice;
-    x.staging = Rows{ws + ll, 0};
-    x.staging_step = slice;
-    x.out = Rows{(sym_out ? static_cast<char*>(out) : gather) + rank.rank() * slice, 0};
-    x.rows = 1;
-    x.row_bytes = slice;
-    x.fanout = true;
-    x.final_dst = sym_out ? nullptr : static_cast<char*>(out);
-    x.final_src = gather;
-    launch_reduce_scatter(c, x, dtype, op, true, main * esize);
+    if (use_pull(false)) {
+      // Peers read my input directly (a copy in the workspace when it is not symmetric).
+      char* ws = c.workspace(ll + (sym_in ? 0 : main * esize) + (sym_out ? 0 : main * esize));
+      char* in_copy = ws + ll;
+      char* gather = ws + ll + (sym_in ? 0 : main * esize);
+      coll::PullReduce x{};
+      x.team = rank.view();
+      x.in = Rows{sym_in ? const_cast<char*>(static_cast<const char*>(in)) : in_copy, 0};
+      x.in_peer_step = slice;
+      x.copy_from = Rows{sym_in ? nullptr : const_cast<char*>(static_cast<const char*>(in)), 0};
+      x.out = Rows{(sym_out ? static_cast<char*>(out) : gather) + rank.rank() * slice, 0};
+      x.rows = 1;
+      x.row_bytes = slice;
+      x.fanout = true;
+      x.final_dst = sym_out ? nullptr : static_cast<char*>(out);
+      x.final_src = gather;
+      launch_pull_reduce(c, x, dtype, op, true, main * esize);
+    } else {
+      char* ws = c.workspace(ll + slice * world * (sym_out ? 1 : 2));
+      char* gather = ws + ll + slice * world;  // fan-out target when out is not symmetric
+      coll::ReduceScatter x{};
+      x.team = rank.view();
+      x.in = Rows{const_cast<char*>(static_cast<const char*>(in)), 0};
+      x.in_peer_step = slice;
+      x.staging = Rows{ws + ll, 0};
+      x.staging_step = slice;
+      x.out = Rows{(sym_out ? static_cast<char*>(out) : gather) + rank.rank() * slice, 0};
+      x.rows = 1;
+      x.row_bytes = slice;
+      x.fanout = true;
+      x.final_dst = sym_out ? nullptr : static_cast<char*>(out);
+      x.final_src = gather;
+      launch_reduce_scatter(c, x, dtype, op, true, main * esize);
+    }
   }
   if (tail > 0)
     one_shot_all_reduce(c, static_cast<const char*>(in) + main * esize, static_cast<char*>(out) + main * esize, tail,
@@ -246,13 +285,31 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
     x.in_peer_step = x.row_bytes;
   }
   const uint64_t ll = ll_region_bytes(world);
+  if (use_pull(true)) {
+    // Rank r reads slice r of every rank's input (from a workspace copy when the input is not symmetric).
+    const bool sym_in = comm.in_heap(rank, in, in_bytes);
+    char* ws = c.workspace(ll + (sym_in ? 0 : in_bytes));
+    coll::PullReduce y{};
+    y.team = x.team;
+    y.in = Rows{sym_in ? x.in.base : ws + ll, x.in.stride};
+    y.in_peer_step = x.in_peer_step;
+    y.copy_from = Rows{sym_in ? nullptr : x.in.base, x.in.stride};
+    y.out = Rows{static_cast<char*>(out), dim == 0 ? 0 : x.row_bytes};
+    y.rows = x.rows;
+    y.row_bytes = x.row_bytes;
+    y.fanout = false;
+    const bool vec = vector_width({y.row_bytes, y.in.stride, y.in_peer_step, reinterpret_cast<uintptr_t>(in),
+                                   reinterpret_cast<uintptr_t>(out), reinterpret_cast<uintptr_t>(y.in.base)}) == 16;
+    launch_pull_reduce(c, y, dtype, op, vec, in_bytes);
+    return;
+  }
   char* ws = c.workspace(ll + out_bytes * world);
   x.staging = Rows{ws + ll, dim == 0 ? 0 : x.row_bytes};
   x.staging_step = out_bytes;
   x.out = Rows{static_cast<char*>(out), dim == 0 ? 0 : x.row_bytes};
   x.fanout = false;
   const bool vec = vector_width({x.row_bytes, x.in.stride, x.in_peer_step, reinterpret_cast<uintptr_t>(in),
-                                  reinterpret_cast<uintptr_t>(out), reinterpret_cast<uintptr_t>(ws)}) == 16;
+                                 reinterpret_cast<uintptr_t>(out), reinterpret_cast<uintptr_t>(ws)}) == 16;
   launch_reduce_scatter(c, x, dtype, op, vec, in_bytes);
 }
 

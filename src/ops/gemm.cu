@@ -1,4 +1,5 @@
 // Host side of weft::gemm: validation with clear errors, tensor maps, tile configuration and launch.
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <mutex>
@@ -17,6 +18,7 @@ struct Problem {
   const void* b;
   void* c;
   int64_t m, n, k, lda, ldb, ldc;
+  BLayout b_layout;
   DType c_type;
   GemmOptions opt;
 };
@@ -50,28 +52,15 @@ void check_device() {
                           std::to_string(dev) + " is sm_" + std::to_string(v));
 }
 
+// Plans (and, with a stream, launches) one problem with the GemmOp instantiation for these types.
 template <class OutT, bool kKMajor, int kCluster>
-void launch(const Problem& pr, cudaStream_t stream) {
+GemmPlan run(const Problem& pr, cudaStream_t stream, bool launch) {
   using Op = ops::GemmOp<OutT, kKMajor, kCluster>;
   using Mainloop = typename Op::Mainloop;
   using Epilogue = typename Op::Epilogue;
   using Launcher = lcsc::Launcher<Op>;
-  const bool f32 = pr.c_type == DType::kFP32;
-  const uint32_t c_bytes = f32 ? 4 : 2;
 
   typename Op::Params p{};
-  p.a = tma::make_map_2d({pr.a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(pr.m), uint64_t(pr.k),
-                          uint64_t(pr.lda) * 2},
-                         Mainloop::kABoxRows, Mainloop::kABoxCols, "weft::gemm: A");
-  const uint64_t b_rows = kKMajor ? pr.n : pr.k, b_cols = kKMajor ? pr.k : pr.n;
-  p.b = tma::make_map_2d({pr.b, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, b_rows, b_cols, uint64_t(pr.ldb) * 2},
-                         Mainloop::kBBoxRows, Mainloop::kBBoxCols, "weft::gemm: B");
-  p.c = tma::make_map_2d({pr.c, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, c_bytes,
-                          uint64_t(pr.m), uint64_t(pr.n), uint64_t(pr.ldc) * c_bytes},
-                         Epilogue::kBoxRows, Epilogue::kBoxCols, "weft::gemm: C");
-  p.k_blocks = static_cast<int>((pr.k + Op::kBK - 1) / Op::kBK);
-  p.store_mode = pr.opt.store == GemmStore::kReduceAdd ? lcsc::StoreMode::kReduceAdd : lcsc::StoreMode::kStore;
-
   lcsc::SchedulerParams& s = p.sched;
   s.tiles_m = static_cast<int>((pr.m + Op::kBM - 1) / Op::kBM);
   s.tiles_n = static_cast<int>((pr.n + Op::kBN - 1) / Op::kBN);
@@ -82,40 +71,69 @@ void launch(const Problem& pr, cudaStream_t stream) {
   if (pr.opt.max_blocks > 0) clusters = std::min(clusters, std::max(1, pr.opt.max_blocks / kCluster));
   clusters = std::min(clusters, s.units());
   s.compute_blocks = clusters * kCluster;
+
+  GemmPlan plan;
+  plan.tile_m = Op::kBM;
+  plan.tile_n = Op::kBN;
+  plan.tile_k = Op::kBK;
+  plan.stages = ops::GemmTile::kStages;
+  plan.cluster = kCluster;
+  plan.group_m = s.group_m;
+  plan.blocks = s.compute_blocks;
+  plan.tiles = int64_t(s.tiles_m) * s.tiles_n;
+  plan.smem_bytes = static_cast<int>(lcsc::kSmemBytes<Op>);
+  if (!launch) return plan;
+
+  const bool f32 = pr.c_type == DType::kFP32;
+  const uint32_t c_bytes = f32 ? 4 : 2;
+  p.a = tma::make_map_2d(
+      {pr.a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(pr.m), uint64_t(pr.k), uint64_t(pr.lda) * 2},
+      Mainloop::kABoxRows, Mainloop::kABoxCols, "weft::gemm: A");
+  const uint64_t b_rows = kKMajor ? pr.n : pr.k, b_cols = kKMajor ? pr.k : pr.n;
+  p.b = tma::make_map_2d({pr.b, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, b_rows, b_cols, uint64_t(pr.ldb) * 2},
+                         Mainloop::kBBoxRows, Mainloop::kBBoxCols, "weft::gemm: B");
+  p.c = tma::make_map_2d({pr.c, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                          c_bytes, uint64_t(pr.m), uint64_t(pr.n), uint64_t(pr.ldc) * c_bytes},
+                         Epilogue::kBoxRows, Epilogue::kBoxCols, "weft::gemm: C");
+  p.k_blocks = static_cast<int>((pr.k + Op::kBK - 1) / Op::kBK);
+  p.store_mode =
+      pr.opt.store == GemmStore::kReduceAdd ? lcsc::StoreMode::kReduceAdd : lcsc::StoreMode::kStore;
   Launcher::launch(p, s.compute_blocks, stream);
+  return plan;
 }
 
 template <class OutT, bool kKMajor>
-void launch_cluster(const Problem& pr, int cluster, cudaStream_t stream) {
-  if (cluster == 2)
-    launch<OutT, kKMajor, 2>(pr, stream);
-  else
-    launch<OutT, kKMajor, 1>(pr, stream);
+GemmPlan run_cluster(const Problem& pr, int cluster, cudaStream_t stream, bool launch) {
+  return cluster == 2 ? run<OutT, kKMajor, 2>(pr, stream, launch) : run<OutT, kKMajor, 1>(pr, stream, launch);
 }
 
-}  // namespace
-
-void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type,
-          cudaStream_t stream, const GemmOptions& opt) {
-  const std::string where =
-      "weft::gemm(M=" + std::to_string(m) + ", N=" + std::to_string(n) + ", K=" + std::to_string(k) + "): ";
-  const bool nk = b_layout == BLayout::kNK;
-  WEFT_CHECK(b_layout == BLayout::kNK || b_layout == BLayout::kKN, where + "unknown B layout");
-  WEFT_CHECK(c_type == DType::kBF16 || c_type == DType::kFP32, where + "C must be bf16 or fp32 (DType::kBF16, kFP32)");
-  WEFT_CHECK(m > 0 && n > 0 && k > 0, where + "M, N and K must be at least 1");
-  WEFT_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX,
+// Validates everything but the pointers' values (checked by the caller when it has them), picks the
+// instantiation and plans or launches.
+GemmPlan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
+  Problem pr = in;
+  const std::string where = "weft::gemm(M=" + std::to_string(pr.m) + ", N=" + std::to_string(pr.n) +
+                            ", K=" + std::to_string(pr.k) + "): ";
+  const bool nk = pr.b_layout == BLayout::kNK;
+  const GemmOptions& opt = pr.opt;
+  WEFT_CHECK(pr.b_layout == BLayout::kNK || pr.b_layout == BLayout::kKN, where + "unknown B layout");
+  WEFT_CHECK(pr.c_type == DType::kBF16 || pr.c_type == DType::kFP32,
+             where + "C must be bf16 or fp32 (DType::kBF16, kFP32)");
+  WEFT_CHECK(pr.m > 0 && pr.n > 0 && pr.k > 0, where + "M, N and K must be at least 1");
+  WEFT_CHECK(pr.m <= INT32_MAX && pr.n <= INT32_MAX && pr.k <= INT32_MAX,
              where + "dimensions above 2^31 - 1 are not supported (TMA coordinates are 32-bit)");
-  WEFT_CHECK(a != nullptr && b != nullptr && c != nullptr, where + "A, B and C must not be null");
-  WEFT_CHECK(opt.cluster >= 0 && opt.cluster <= 2, where + "options.cluster must be 0 (auto), 1 or 2, got " +
-                                                       std::to_string(opt.cluster));
+  WEFT_CHECK(opt.cluster >= 0 && opt.cluster <= 2,
+             where + "options.cluster must be 0 (auto), 1 or 2, got " + std::to_string(opt.cluster));
   WEFT_CHECK(opt.group_m >= 0 && opt.max_blocks >= 0, where + "options.group_m and max_blocks must be >= 0");
 
-  const int64_t lda = opt.lda ? opt.lda : k, ldb = opt.ldb ? opt.ldb : (nk ? k : n), ldc = opt.ldc ? opt.ldc : n;
-  const char* c_name = c_type == DType::kFP32 ? "f32" : "bf16";
-  const int64_t c_bytes = c_type == DType::kFP32 ? 4 : 2;
-  WEFT_CHECK(lda >= k, where + "lda = " + std::to_string(lda) + " is smaller than K");
-  WEFT_CHECK(ldb >= (nk ? k : n), where + "ldb = " + std::to_string(ldb) + " is smaller than " + (nk ? "K" : "N"));
-  WEFT_CHECK(ldc >= n, where + "ldc = " + std::to_string(ldc) + " is smaller than N");
+  pr.lda = opt.lda ? opt.lda : pr.k;
+  pr.ldb = opt.ldb ? opt.ldb : (nk ? pr.k : pr.n);
+  pr.ldc = opt.ldc ? opt.ldc : pr.n;
+  const char* c_name = pr.c_type == DType::kFP32 ? "f32" : "bf16";
+  const int64_t c_bytes = pr.c_type == DType::kFP32 ? 4 : 2;
+  WEFT_CHECK(pr.lda >= pr.k, where + "lda = " + std::to_string(pr.lda) + " is smaller than K");
+  WEFT_CHECK(pr.ldb >= (nk ? pr.k : pr.n),
+             where + "ldb = " + std::to_string(pr.ldb) + " is smaller than " + (nk ? "K" : "N"));
+  WEFT_CHECK(pr.ldc >= pr.n, where + "ldc = " + std::to_string(pr.ldc) + " is smaller than N");
 
   // TMA: every row of every operand starts on a 16-byte boundary.
   auto stride_msg = [&](const std::string& operand, const char* ld, int64_t elems, int64_t bytes_per,
@@ -125,33 +143,41 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
            " bytes) is not a multiple of 16 bytes, which TMA requires; make " + dim + " (or " + ld +
            ") a multiple of " + std::to_string(multiple) + ", e.g. by zero-padding";
   };
-  WEFT_CHECK(lda % 8 == 0, stride_msg("A is row-major [M,K] bf16", "lda", lda, 2, "K", 8));
-  WEFT_CHECK(ldb % 8 == 0, nk ? stride_msg("B is an [N,K] bf16 weight", "ldb", ldb, 2, "K", 8)
-                              : stride_msg("B is row-major [K,N] bf16", "ldb", ldb, 2, "N", 8));
-  WEFT_CHECK((ldc * c_bytes) % 16 == 0, stride_msg(std::string("C is row-major [M,N] ") + c_name, "ldc", ldc,
-                                                   c_bytes, "N", static_cast<int>(16 / c_bytes)));
-  auto align_msg = [&](const char* operand, const void* p) {
-    return where + operand + " = " + hex(p) + " is not 16-byte aligned, which TMA requires";
-  };
-  WEFT_CHECK(reinterpret_cast<uintptr_t>(a) % 16 == 0, align_msg("A", a));
-  WEFT_CHECK(reinterpret_cast<uintptr_t>(b) % 16 == 0, align_msg("B", b));
-  WEFT_CHECK(reinterpret_cast<uintptr_t>(c) % 16 == 0, align_msg("C", c));
+  WEFT_CHECK(pr.lda % 8 == 0, stride_msg("A is row-major [M,K] bf16", "lda", pr.lda, 2, "K", 8));
+  WEFT_CHECK(pr.ldb % 8 == 0, nk ? stride_msg("B is an [N,K] bf16 weight", "ldb", pr.ldb, 2, "K", 8)
+                                 : stride_msg("B is row-major [K,N] bf16", "ldb", pr.ldb, 2, "N", 8));
+  WEFT_CHECK((pr.ldc * c_bytes) % 16 == 0, stride_msg(std::string("C is row-major [M,N] ") + c_name, "ldc",
+                                                      pr.ldc, c_bytes, "N", static_cast<int>(16 / c_bytes)));
+  if (launch) {
+    auto align_msg = [&](const char* operand, const void* p) {
+      return where + operand + " = " + hex(p) + " is not 16-byte aligned, which TMA requires";
+    };
+    WEFT_CHECK(pr.a != nullptr && pr.b != nullptr && pr.c != nullptr, where + "A, B and C must not be null");
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(pr.a) % 16 == 0, align_msg("A", pr.a));
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(pr.b) % 16 == 0, align_msg("B", pr.b));
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(pr.c) % 16 == 0, align_msg("C", pr.c));
+  }
   check_device();
 
-  const Problem pr{a, b, c, m, n, k, lda, ldb, ldc, c_type, opt};
-  const int64_t tiles_m = (m + ops::GemmTile::kBM - 1) / ops::GemmTile::kBM;
+  const int64_t tiles_m = (pr.m + ops::GemmTile::kBM - 1) / ops::GemmTile::kBM;
   const int cluster = opt.cluster ? opt.cluster : (tiles_m >= 2 ? 2 : 1);
-  if (c_type == DType::kBF16) {
-    if (nk)
-      launch_cluster<__nv_bfloat16, true>(pr, cluster, stream);
-    else
-      launch_cluster<__nv_bfloat16, false>(pr, cluster, stream);
-  } else {
-    if (nk)
-      launch_cluster<float, true>(pr, cluster, stream);
-    else
-      launch_cluster<float, false>(pr, cluster, stream);
-  }
+  if (pr.c_type == DType::kBF16)
+    return nk ? run_cluster<__nv_bfloat16, true>(pr, cluster, stream, launch)
+              : run_cluster<__nv_bfloat16, false>(pr, cluster, stream, launch);
+  return nk ? run_cluster<float, true>(pr, cluster, stream, launch)
+            : run_cluster<float, false>(pr, cluster, stream, launch);
+}
+
+}  // namespace
+
+void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout,
+          DType c_type, cudaStream_t stream, const GemmOptions& opt) {
+  dispatch(Problem{a, b, c, m, n, k, 0, 0, 0, b_layout, c_type, opt}, stream, true);
+}
+
+GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type, const GemmOptions& opt) {
+  return dispatch(Problem{nullptr, nullptr, nullptr, m, n, k, 0, 0, 0, b_layout, c_type, opt}, nullptr,
+                  false);
 }
 
 }  // namespace weft

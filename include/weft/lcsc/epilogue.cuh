@@ -4,9 +4,10 @@
 // plain store or an element-wise reduce-add (cp.reduce.async.bulk.tensor .add).
 //
 // Each warpgroup double-buffers its chunks: it converts chunk i into buffer i % 2 while the TMA engine reads
-// chunk i - 1 from the other buffer. Thread 0 of the warpgroup issues the stores and, before the barrier of
-// chunk i, waits until chunk i - 1's store has read its buffer, so that after the barrier both buffers'
-// previous contents are consumed... by induction a buffer is always free when it is written.
+// chunk i - 1 from the other buffer. Thread 0 of the warpgroup issues the stores; before the barrier of
+// chunk i it waits until every earlier store has read its buffer, so once past that barrier the warpgroup
+// may overwrite the other buffer with chunk i + 1. The chunk count runs on across tiles, so the invariant
+// holds from one tile to the next.
 #pragma once
 #include <cuda.h>
 
@@ -25,7 +26,7 @@ enum class StoreMode : int {
   kReduceAdd = 1,  // C += A.B (element-wise reduction in C's type; concurrent adders welcome)
 };
 
-// Named barrier ids used by this epilogue: kFirstBarrierId + consumer warpgroup index.
+// Named barrier ids used by this epilogue: kEpilogueFirstBarrierId + consumer warpgroup index.
 inline constexpr int kEpilogueFirstBarrierId = 1;
 
 template <class OutT, int kBN, int kConsumers>
@@ -58,15 +59,16 @@ struct TmaStoreEpilogue {
 
  private:
   template <int... kI>
-  __device__ __forceinline__ static void store_chunks(const CUtensorMap* map, StoreMode mode, Smem& s, State& es,
-                                                      int wg, const tile::AccumM64<kBN>& acc, int row0, int col0,
-                                                      std::integer_sequence<int, kI...>) {
+  __device__ __forceinline__ static void store_chunks(const CUtensorMap* map, StoreMode mode, Smem& s,
+                                                      State& es, int wg, const tile::AccumM64<kBN>& acc,
+                                                      int row0, int col0, std::integer_sequence<int, kI...>) {
     (store_chunk<kI>(map, mode, s, es, wg, acc, row0, col0), ...);
   }
 
   template <int kI>
-  __device__ __forceinline__ static void store_chunk(const CUtensorMap* map, StoreMode mode, Smem& s, State& es,
-                                                     int wg, const tile::AccumM64<kBN>& acc, int row0, int col0) {
+  __device__ __forceinline__ static void store_chunk(const CUtensorMap* map, StoreMode mode, Smem& s,
+                                                     State& es, int wg, const tile::AccumM64<kBN>& acc,
+                                                     int row0, int col0) {
     const bool leader = tile::thread_in_warpgroup() == 0;
     Chunk& buf = s.buf[wg][es.chunks & 1u];
     tile::store_accum_chunk<kI, OutT>(acc, buf);

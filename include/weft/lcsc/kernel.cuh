@@ -39,14 +39,16 @@
 namespace weft::lcsc {
 
 template <class Op>
-inline constexpr int kThreads = tile::kWarpgroupThreads * (1 + Op::kConsumerWarpgroups);
+inline constexpr int kThreads = (1 + Op::kConsumerWarpgroups) * tile::kWarpgroupThreads;
 
 // Dynamic shared memory is rounded up to 1024 bytes in the kernel (the swizzle atom).
 template <class Op>
 inline constexpr size_t kSmemBytes = sizeof(typename Op::Smem) + 1024;
+inline constexpr size_t kMaxSmemBytes = 227 * 1024;  // Hopper's per-block opt-in limit
 
 template <class Op>
-__global__ void __launch_bounds__(kThreads<Op>, 1) persistent_kernel(const __grid_constant__ typename Op::Params p) {
+__global__ void __launch_bounds__(kThreads<Op>, 1)
+    persistent_kernel(const __grid_constant__ typename Op::Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(Op::kLoaderRegs + Op::kConsumerWarpgroups * Op::kConsumerRegs <=
                     (65536 / kThreads<Op> / 8 * 8) * (1 + Op::kConsumerWarpgroups),
@@ -114,6 +116,7 @@ __global__ void __launch_bounds__(kThreads<Op>, 1) persistent_kernel(const __gri
 template <class Op>
 struct Launcher {
   static constexpr int kMaxDevices = 64;
+  static_assert(kSmemBytes<Op> <= kMaxSmemBytes, "the op's shared memory exceeds 227 KiB per block");
 
   // Sets the kernel's shared-memory limit on the current device (once) and returns how many clusters of
   // Op::kClusterSize blocks can be resident at once: the size of a persistent grid that never waits.
@@ -131,7 +134,8 @@ struct Launcher {
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     int n = 0;
     if constexpr (Op::kClusterSize == 1) {
-      WEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads<Op>, kSmemBytes<Op>));
+      WEFT_CUDA_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads<Op>, kSmemBytes<Op>));
       n *= sms;
     } else {
       cudaLaunchConfig_t cfg = {};

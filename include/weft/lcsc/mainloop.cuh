@@ -27,7 +27,7 @@ struct WgmmaMainloop {
   using bf16 = __nv_bfloat16;
   static constexpr int kConsumers = kBM / 64;
   using Pipeline = lcsc::Pipeline<kStages, kConsumers, kCluster>;
-  using ATile = tile::Sw128Tile<bf16, kBM, kBK>;  // rows M, columns K
+  using ATile = tile::Sw128Tile<bf16, kBM, kBK>;                               // rows M, columns K
   using BTile = std::conditional_t<kBKMajor, tile::Sw128Tile<bf16, kBN, kBK>,  // rows N, columns K
                                    tile::Sw128Tile<bf16, kBK, kBN>>;           // rows K, columns N
   struct Stage {
@@ -53,8 +53,8 @@ struct WgmmaMainloop {
   static_assert(kBKMajor || BTile::kBlocks % kCluster == 0, "B column blocks split evenly over the cluster");
 
   // ---- loader: one thread. The k_blocks stages of the tile whose first element is (m0, n0). ----
-  __device__ static void load(Smem& s, Pipeline& pipe, PipeState& st, const CUtensorMap* a, const CUtensorMap* b,
-                              int m0, int n0, int k_blocks) {
+  __device__ static void load(Smem& s, Pipeline& pipe, PipeState& st, const CUtensorMap* a,
+                              const CUtensorMap* b, int m0, int n0, int k_blocks) {
     const uint32_t rank = kCluster > 1 ? tile::cluster_ctarank() : 0u;
     constexpr uint16_t kAll = static_cast<uint16_t>((1u << kCluster) - 1u);
     for (int kb = 0; kb < k_blocks; ++kb) {
@@ -105,7 +105,8 @@ struct WgmmaMainloop {
         constexpr uint32_t kStepA = 16 * sizeof(bf16);  // 16 K columns inside the 128-byte row
         constexpr uint32_t kStepB = kBKMajor ? 16 * sizeof(bf16) : 16 * tile::kSwizzleBytes;  // or 16 K rows
         wgmma::mma_bf16<kBN, kBKMajor ? 0 : 1>(acc.d, wgmma::desc_advance(da, k * kStepA),
-                                               wgmma::desc_advance(db, k * kStepB), (kb > 0 || k > 0) ? 1 : 0);
+                                               wgmma::desc_advance(db, k * kStepB),
+                                               (kb > 0 || k > 0) ? 1 : 0);
       }
       wgmma::commit();
       wgmma::fence_operands(acc.d);

@@ -26,14 +26,14 @@ struct SchedulerParams {
 };
 
 struct Tile {
-  int m = 0, n = 0;  // tile coordinates (multiply by the tile shape for element offsets)
-  int unit = 0;      // position in the grouped order (after rotation)
-  int iteration = 0; // how many tiles this block took before this one
+  int m = 0, n = 0;   // tile coordinates (multiply by the tile shape for element offsets)
+  int unit = 0;       // position in the grouped order (after rotation)
+  int iteration = 0;  // how many tiles this block took before this one
 };
 
 class TileScheduler {
  public:
-  __device__ TileScheduler(const SchedulerParams& p, int cluster_index, int cluster_rank)
+  __host__ __device__ TileScheduler(const SchedulerParams& p, int cluster_index, int cluster_rank)
       : p_(p),
         next_(cluster_index),
         stride_(p.compute_blocks / p.cluster_m),
@@ -46,7 +46,7 @@ class TileScheduler {
   }
 
   // The next tile of this block, or false when it has none left.
-  __device__ __forceinline__ bool next(Tile& t) {
+  __host__ __device__ __forceinline__ bool next(Tile& t) {
     if (next_ >= units_) return false;
     int u = next_ + start_;
     if (u >= units_) u -= units_;

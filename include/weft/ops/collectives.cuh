@@ -83,8 +83,21 @@ __device__ __forceinline__ void reduce_rows(const TeamView& team, Rows dst, SrcO
     auto at = [&](const Rows& x) { return x.base + r * x.stride + off; };
     T* out = reinterpret_cast<T*>(at(dst));
     if constexpr (kVec) {
-      Pack<E> acc = Pack<E>::load(ld16(at(src_of(0))));
-      for (int s = 1; s < team.world; ++s) acc.template combine_with<R>(Pack<E>::load(ld16(at(src_of(s)))));
+      // Issue up to 8 sources' loads before combining any: remote loads overlap instead of queueing.
+      constexpr int kBatch = 8;
+      Pack<E> acc;
+      for (int base = 0; base < team.world; base += kBatch) {
+        uint4 raw[kBatch];
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k)
+          if (base + k < team.world) raw[k] = ld16(at(src_of(base + k)));
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          if (base + k >= team.world) break;
+          if (base + k == 0) acc = Pack<E>::load(raw[0]);
+          else acc.template combine_with<R>(Pack<E>::load(raw[k]));
+        }
+      }
       const uint4 v = acc.store();
       if (fanout) broadcast16(team, out, v);
       else st16(out, v);
@@ -162,6 +175,41 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
   reduce_rows<E, R, kVec>(t, x.out, src_of, x.rows, x.row_bytes / sizeof(T), x.fanout);
   if (!x.fanout || !meet(t) || x.final_dst == nullptr) return;  // now every slice has landed
   // Block b copies exactly the parts it met for: its share of each slice (same partition as the reduce).
+  for (int q = 0; q < t.world; ++q)
+    copy_rows<V>(Rows{x.final_dst + q * x.row_bytes, 0}, Rows{const_cast<char*>(x.final_src) + q * x.row_bytes, 0}, 1,
+                 x.row_bytes);
+}
+
+// ---- pull variant: every rank reads its slice straight from the others' inputs (reduce-from-peers) ----
+// No staging: after the entry meeting, rank r reads slice r of every rank's (symmetric) input, reduces in
+// fp32 and writes its output (two-shot all-reduce: into every rank's output). The exit meeting keeps
+// inputs alive until every reader is done. A non-symmetric input is first copied into the workspace.
+struct PullReduce {
+  TeamView team;
+  Rows in;               // symmetric input (or its workspace copy): slice of rank 0; + in_peer_step per rank
+  uint64_t in_peer_step;
+  Rows copy_from;        // non-symmetric input to copy into `in` first (base nullptr: none)
+  Rows out;              // my reduced slice (with fanout: in a symmetric buffer, stored to every rank)
+  uint64_t rows, row_bytes;
+  bool fanout;
+  char* final_dst;       // fanout into the workspace: gathered result at final_src, copied slice by slice
+  const char* final_src;
+};
+
+template <Elem E, Reduce R, bool kVec>
+__global__ void __launch_bounds__(512) pull_reduce_kernel(PullReduce x) {
+  using T = typename ElemTraits<E>::T;
+  constexpr int V = kVec ? 16 : sizeof(T);
+  const TeamView& t = x.team;
+  if (x.copy_from.base != nullptr)  // same per-slice partition as the reads below
+    for (int q = 0; q < t.world; ++q)
+      copy_rows<V>(Rows{x.in.base + x.in_peer_step * q, x.in.stride},
+                   Rows{x.copy_from.base + x.in_peer_step * q, x.copy_from.stride}, x.rows, x.row_bytes);
+  if (!meet(t)) return;
+  char* mine = x.in.base + x.in_peer_step * t.rank;
+  auto src_of = [&](int s) { return Rows{t.peer_ptr(mine, (t.rank + s) % t.world), x.in.stride}; };
+  reduce_rows<E, R, kVec>(t, x.out, src_of, x.rows, x.row_bytes / sizeof(T), x.fanout);
+  if (!meet(t) || x.final_dst == nullptr) return;
   for (int q = 0; q < t.world; ++q)
     copy_rows<V>(Rows{x.final_dst + q * x.row_bytes, 0}, Rows{const_cast<char*>(x.final_src) + q * x.row_bytes, 0}, 1,
                  x.row_bytes);

@@ -57,11 +57,12 @@ struct GemmOp {
     tma::prefetch_map(&p.b);
     tma::prefetch_map(&p.c);
   }
-  __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st, const lcsc::Tile& t) {
+  __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                              const lcsc::Tile& t) {
     Mainloop::load(s.main, pipe, st, &p.a, &p.b, t.m * kBM, t.n * kBN, p.k_blocks);
   }
-  __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st, const lcsc::Tile&,
-                                 int wg, Accum& acc) {
+  __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                                 const lcsc::Tile&, int wg, Accum& acc) {
     Mainloop::mma(s.main, pipe, st, p.k_blocks, wg, acc);
   }
   __device__ static void store(const Params& p, Smem& s, const lcsc::Tile& t, int wg, const Accum& acc,

@@ -32,12 +32,26 @@ struct GemmOptions {
 // Enqueues C = A.B (or C += A.B) on `stream` for the current device.
 //   a  [M,K] bf16, row-major (row stride lda)
 //   b  bf16, [K,N] or [N,K] as b_layout says (row stride ldb)
-//   c  [M,N] of c_type (kBF16 or kFP32), row-major (row stride ldc); may point into a peer's memory (a symmetric-heap
+//   c  [M,N] of c_type (kBF16 or kFP32), row-major (row stride ldc); may point into a peer's memory (a
+//   symmetric-heap
 //      buffer seen through Rank::at) for a remote store or reduce-add.
 // Any M, N, K >= 1: partial tiles are handled. TMA needs 16-byte aligned base addresses and row strides
 // that are multiples of 16 bytes (K, N divisible by 8 for bf16 rows, N by 4 for f32 rows); anything else
 // throws weft::Error saying which operand and why, as does a GPU other than sm_90 (Hopper).
-void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type,
-          cudaStream_t stream, const GemmOptions& options = {});
+void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout,
+          DType c_type, cudaStream_t stream, const GemmOptions& options = {});
+
+// How weft::gemm runs a problem on the current device, without running it (benchmarks, logs). Validates
+// the shape and options like gemm() does.
+struct GemmPlan {
+  int tile_m = 0, tile_n = 0, tile_k = 0, stages = 0;
+  int cluster = 0;     // CTAs per cluster
+  int group_m = 0;     // tile rows per band of the tile order
+  int blocks = 0;      // persistent compute blocks launched
+  int64_t tiles = 0;   // output tiles
+  int smem_bytes = 0;  // dynamic shared memory per block
+};
+GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type,
+                   const GemmOptions& options = {});
 
 }  // namespace weft

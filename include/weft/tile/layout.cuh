@@ -18,7 +18,7 @@ namespace weft::tile {
 inline constexpr int kSwizzleBytes = 128;
 inline constexpr int kSwizzleAtomBytes = 1024;
 
-// Byte offset of the 16-byte chunk `chunk` of row `row` inside a 128-byte-swizzled block.
+// Byte offset of byte `byte_in_row` of row `row` inside a 128-byte-swizzled block.
 __host__ __device__ constexpr uint32_t sw128_offset(uint32_t row, uint32_t byte_in_row) {
   return row * kSwizzleBytes + ((((byte_in_row >> 4) ^ (row & 7u)) << 4) | (byte_in_row & 15u));
 }

@@ -49,12 +49,14 @@ inline decltype(&::cuTensorMapEncodeTiled) encode_tiled_fn() {
 // Encodes a tensor map whose box is box_rows x box_cols elements. `what` names the tensor in errors.
 // With the 128-byte swizzle a box row must be at most 128 bytes (tile/layout.cuh's Sw128Tile blocks are
 // exactly 128).
-inline CUtensorMap make_map_2d(const Tensor2d& t, uint32_t box_rows, uint32_t box_cols, const std::string& what,
+inline CUtensorMap make_map_2d(const Tensor2d& t, uint32_t box_rows, uint32_t box_cols,
+                               const std::string& what,
                                CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B,
                                CUtensorMapL2promotion l2 = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   const auto addr = reinterpret_cast<uintptr_t>(t.base);
   WEFT_CHECK(t.base != nullptr, what + ": null pointer");
-  WEFT_CHECK(addr % 16 == 0, what + ": TMA needs a 16-byte aligned base address, got " + std::to_string(addr));
+  WEFT_CHECK(addr % 16 == 0,
+             what + ": TMA needs a 16-byte aligned base address, got " + std::to_string(addr));
   WEFT_CHECK(t.rows >= 1 && t.cols >= 1 && t.rows <= (1ull << 32) && t.cols <= (1ull << 32),
              what + ": each dimension must be in [1, 2^32], got " + std::to_string(t.rows) + " x " +
                  std::to_string(t.cols));
@@ -74,9 +76,9 @@ inline CUtensorMap make_map_2d(const Tensor2d& t, uint32_t box_rows, uint32_t bo
   const cuuint64_t strides[1] = {t.row_stride_bytes};
   const cuuint32_t box[2] = {box_cols, box_rows};
   const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode_tiled_fn()(&map, t.dtype, 2, const_cast<void*>(t.base), dims, strides, box,
-                                       elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, l2,
-                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r =
+      encode_tiled_fn()(&map, t.dtype, 2, const_cast<void*>(t.base), dims, strides, box, elem_strides,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw_error("weft: cuTensorMapEncodeTiled failed for " + what + ": " + driver_error_text(int(r)) + " (" +
                 std::to_string(t.rows) + " x " + std::to_string(t.cols) + ", row stride " +
@@ -115,7 +117,8 @@ __device__ __forceinline__ void load_2d_multicast(void* smem_dst, const CUtensor
 
 // shared -> global (local or peer). Make the tile's ordinary shared-memory writes visible first
 // (fence_proxy_async_smem by every writer, then a barrier); completes with the thread's bulk groups.
-__device__ __forceinline__ void store_2d(const CUtensorMap* map, int32_t col, int32_t row, const void* smem_src) {
+__device__ __forceinline__ void store_2d(const CUtensorMap* map, int32_t col, int32_t row,
+                                         const void* smem_src) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
                    reinterpret_cast<uint64_t>(map)),
                "r"(col), "r"(row), "r"(smem_addr(smem_src))

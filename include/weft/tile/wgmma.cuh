@@ -27,7 +27,8 @@
 namespace weft::wgmma {
 
 // ---- descriptors -----------------------------------------------------------------------------
-__device__ __forceinline__ uint64_t make_desc_sw128(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+__device__ __forceinline__ uint64_t make_desc_sw128(const void* smem, uint32_t lbo_bytes,
+                                                    uint32_t sbo_bytes) {
   const uint32_t addr = smem_addr(smem);
   return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) |
          (static_cast<uint64_t>((lbo_bytes & 0x3FFFFu) >> 4) << 16) |
