@@ -19,6 +19,9 @@ using coll::Rows;
 constexpr int kThreads = 512;
 constexpr uint64_t kBytesPerBlock = 32 << 10;  // one SM moves ~40 GB/s: spread even 1 MiB wide
 constexpr uint64_t kOneShotMaxBytes = 256 << 10;
+// Two-shot all-reduce up to this size pulls (2 meetings, reads overlap); above, pushes through staging,
+// which streams better at full bandwidth (measured, 4 x H200: pull 1.6x NCCL at 1-4 MiB, push 1.03x at 256 MiB).
+constexpr uint64_t kPullMaxBytes = 4 << 20;
 
 struct Call {
   Communicator& comm;
@@ -181,7 +184,7 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
     const uint64_t slice = main * esize / world;
     const bool sym_in = comm.in_heap(rank, in, bytes), sym_out = comm.in_heap(rank, out, bytes);
     const uint64_t ll = ll_region_bytes(world);
-    if (use_pull(false)) {
+    if (use_pull(main * esize <= kPullMaxBytes)) {
       // Peers read my input directly (a copy in the workspace when it is not symmetric).
       char* ws = c.workspace(ll + (sym_in ? 0 : main * esize) + (sym_out ? 0 : main * esize));
       char* in_copy = ws + ll;
