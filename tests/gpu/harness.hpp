@@ -40,18 +40,23 @@ using TestFn = void (*)(TestContext&);
 struct TestCase {
   const char* name;
   TestFn fn;
+  int min_world;  // ranks the test needs (1: runs on a single-GPU machine too)
 };
 std::vector<TestCase>& registry();
 struct Registrar {
-  Registrar(const char* name, TestFn fn) { registry().push_back({name, fn}); }
+  Registrar(const char* name, TestFn fn, int min_world) { registry().push_back({name, fn, min_world}); }
 };
 
 }  // namespace weft::test
 
-#define WEFT_GPU_TEST(name)                                                 \
-  static void weft_test_##name(::weft::test::TestContext& ctx);             \
-  static ::weft::test::Registrar weft_reg_##name(#name, &weft_test_##name); \
+#define WEFT_GPU_TEST_WORLD(name, min_world)                                           \
+  static void weft_test_##name(::weft::test::TestContext& ctx);                        \
+  static ::weft::test::Registrar weft_reg_##name(#name, &weft_test_##name, min_world); \
   static void weft_test_##name([[maybe_unused]] ::weft::test::TestContext& ctx)
+// A test of the team: needs at least 2 ranks.
+#define WEFT_GPU_TEST(name) WEFT_GPU_TEST_WORLD(name, 2)
+// A test of one GPU's kernels (it uses rank 0 only): also runs on single-GPU machines.
+#define WEFT_GPU_TEST_ONE_GPU(name) WEFT_GPU_TEST_WORLD(name, 1)
 
 #define WEFT_EXPECT(cond, msg)                                                    \
   do {                                                                            \

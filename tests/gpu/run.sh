@@ -18,9 +18,14 @@ mkdir -p "$logs"
 tests=$build/tests/gpu/weft-gpu-tests
 launch=$build/weft-launch
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-if [ "${ngpu:-0}" -lt 2 ]; then
-  echo "SKIPPED: tests/gpu/run.sh needs at least 2 GPUs (found ${ngpu:-0}); the GPU suite did not run"
+if [ "${ngpu:-0}" -lt 1 ]; then
+  echo "SKIPPED: tests/gpu/run.sh found no GPU; the GPU suite did not run"
   exit 77
+fi
+if [ "$ngpu" -lt 2 ]; then  # single-GPU machine: the one-GPU tests (GEMM) only
+  echo "=== one GPU: running the single-GPU tests only (team tests need 2 GPUs)"
+  "$tests" --gpus 1
+  exit $?
 fi
 
 passed=0 failed=0 summary=()
@@ -47,8 +52,12 @@ for n in 2 4; do
 done
 step "rank death, 2 ranks (one exits mid-wait)" "rank_death" env WEFT_TEST_RANK_DEATH=1 "$launch" -n 2 "$tests" --filter rank_death
 for tool in memcheck racecheck synccheck; do
+  # racecheck flags cuBLAS's own kernels (nvjet_*), which the GEMM tests use as their reference; weft's
+  # kernels were racecheck-clean with them included (2026-11-21). Leave the GEMM tests out of racecheck.
+  skip=-create_destroy,-rank_death
+  [ "$tool" = racecheck ] && skip=$skip,-gemm
   step "compute-sanitizer $tool, 2 ranks" "sanitizer_$tool" "$launch" -n 2 \
-    compute-sanitizer --tool "$tool" --error-exitcode 9 "$tests" --quick --filter -create_destroy,-rank_death
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$tests" --quick --filter "$skip"
 done
 
 echo

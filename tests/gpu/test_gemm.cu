@@ -255,11 +255,11 @@ std::string error_of(const std::function<void()>& f) {
 
 }  // namespace
 
-WEFT_GPU_TEST(gemm_matches_cublas_bf16_out) {
+WEFT_GPU_TEST_ONE_GPU(gemm_matches_cublas_bf16_out) {
   run_sweep(ctx, DType::kBF16);
 }
 
-WEFT_GPU_TEST(gemm_matches_cublas_f32_out) {
+WEFT_GPU_TEST_ONE_GPU(gemm_matches_cublas_f32_out) {
   run_sweep(ctx, DType::kFP32);
   // f32 rows only need N % 4 == 0 (with a K-major B, whose rows are K long).
   Gpu g(ctx);
@@ -271,7 +271,7 @@ WEFT_GPU_TEST(gemm_matches_cublas_f32_out) {
 
 // Persistent-grid corners: few blocks (each walks many tiles, so the pipeline phase wraps across tiles),
 // rotated and regrouped tile orders, forced cluster sizes with an odd number of tile rows.
-WEFT_GPU_TEST(gemm_schedule_options) {
+WEFT_GPU_TEST_ONE_GPU(gemm_schedule_options) {
   Gpu g(ctx);
   const Shape shapes[] = {{1000, 1000, 1000}, {1160, 520, 200}, {130, 4000, 136}};
   for (const Shape& s : shapes)
@@ -290,7 +290,7 @@ WEFT_GPU_TEST(gemm_schedule_options) {
 }
 
 // Sub-matrices: row strides larger than the rows; columns past N of C stay untouched.
-WEFT_GPU_TEST(gemm_leading_dimensions) {
+WEFT_GPU_TEST_ONE_GPU(gemm_leading_dimensions) {
   Gpu g(ctx);
   for (BLayout lay : {BLayout::kNK, BLayout::kKN})
     for (DType out : {DType::kBF16, DType::kFP32}) {
@@ -306,7 +306,7 @@ WEFT_GPU_TEST(gemm_leading_dimensions) {
 }
 
 // Same inputs, same bits: the kernel has no atomics, so any difference is a race.
-WEFT_GPU_TEST(gemm_is_deterministic) {
+WEFT_GPU_TEST_ONE_GPU(gemm_is_deterministic) {
   Gpu g(ctx);
   const Shape s{2000, 2048, 1032};
   const uint64_t a_elems = uint64_t(s.m) * s.k, b_elems = uint64_t(s.n) * s.k, c_elems = uint64_t(s.m) * s.n;
@@ -333,7 +333,7 @@ WEFT_GPU_TEST(gemm_is_deterministic) {
 }
 
 // C += A.B with TMA reduce-add, locally, for both output types.
-WEFT_GPU_TEST(gemm_reduce_add_local) {
+WEFT_GPU_TEST_ONE_GPU(gemm_reduce_add_local) {
   Gpu g(ctx);
   const Shape s{1000, 776, 520};
   for (DType out : {DType::kFP32, DType::kBF16}) {
@@ -450,7 +450,7 @@ WEFT_GPU_TEST(gemm_into_peers) {
 }
 
 // What TMA cannot do is refused before anything runs, naming the operand and the fix.
-WEFT_GPU_TEST(gemm_rejects_unsupported) {
+WEFT_GPU_TEST_ONE_GPU(gemm_rejects_unsupported) {
   Gpu g(ctx);
   DeviceBuffer buf(64 << 20);
   char* p = buf.as<char>();
