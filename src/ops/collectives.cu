@@ -9,9 +9,15 @@
 
 namespace weft {
 
-size_t dtype_size(DType t) { return t == DType::kFP32 ? 4 : 2; }
-const char* dtype_name(DType t) { return t == DType::kBF16 ? "bf16" : t == DType::kFP16 ? "fp16" : "fp32"; }
-const char* reduce_op_name(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : op == ReduceOp::kMax ? "max" : "min"; }
+size_t dtype_size(DType t) {
+  return t == DType::kFP32 ? 4 : 2;
+}
+const char* dtype_name(DType t) {
+  return t == DType::kBF16 ? "bf16" : t == DType::kFP16 ? "fp16" : "fp32";
+}
+const char* reduce_op_name(ReduceOp op) {
+  return op == ReduceOp::kSum ? "sum" : op == ReduceOp::kMax ? "max" : "min";
+}
 
 namespace {
 
@@ -20,7 +26,8 @@ constexpr int kThreads = 512;
 constexpr uint64_t kBytesPerBlock = 32 << 10;  // one SM moves ~40 GB/s: spread even 1 MiB wide
 constexpr uint64_t kOneShotMaxBytes = 256 << 10;
 // Two-shot all-reduce up to this size pulls (2 meetings, reads overlap); above, pushes through staging,
-// which streams better at full bandwidth (measured, 4 x H200: pull 1.6x NCCL at 1-4 MiB, push 1.03x at 256 MiB).
+// which streams better at full bandwidth (measured, 4 x H200: pull 1.6x NCCL at 1-4 MiB, push 1.03x at 256
+// MiB).
 constexpr uint64_t kPullMaxBytes = 4 << 20;
 
 struct Call {
@@ -30,12 +37,15 @@ struct Call {
   const char* op;
   bool capturing = false;
 
-  Call(Communicator& c, Rank& r, cudaStream_t s, const char* name) : comm(c), rank(r), stream(s ? s : r.stream()), op(name) {
+  Call(Communicator& c, Rank& r, cudaStream_t s, const char* name)
+      : comm(c), rank(r), stream(s ? s : r.stream()), op(name) {
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
     capturing = st != cudaStreamCaptureStatusNone;
   }
-  [[noreturn]] void fail(const std::string& why) const { throw_error(std::string("weft::") + op + ": " + why); }
+  [[noreturn]] void fail(const std::string& why) const {
+    throw_error(std::string("weft::") + op + ": " + why);
+  }
 
   // A device pointer on this rank's GPU, aligned to `align` bytes.
   void check_buffer(const void* p, const char* name, uint64_t bytes, uint64_t align) const {
@@ -43,17 +53,19 @@ struct Call {
     if (reinterpret_cast<uintptr_t>(p) % align != 0)
       fail(std::string(name) + " is not " + std::to_string(align) + "-byte aligned (" +
            std::to_string(reinterpret_cast<uintptr_t>(p) % align) + " bytes off)" +
-           (align == 16 ? "; allocate it with cudaMalloc / the symmetric heap, or offset it by a multiple of 16 bytes"
-                        : ""));
+           (align == 16
+                ? "; allocate it with cudaMalloc / the symmetric heap, or offset it by a multiple of 16 bytes"
+                : ""));
     if (comm.in_heap(rank, p, bytes)) return;
     cudaPointerAttributes a{};
-    if (cudaPointerGetAttributes(&a, p) != cudaSuccess || (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess ||
+        (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
       cudaGetLastError();
       fail(std::string(name) + " is not device memory");
     }
     if (a.type == cudaMemoryTypeDevice && a.device != rank.device())
-      fail(std::string(name) + " lives on GPU " + std::to_string(a.device) + " but rank " + std::to_string(rank.rank()) +
-           " runs on GPU " + std::to_string(rank.device()));
+      fail(std::string(name) + " lives on GPU " + std::to_string(a.device) + " but rank " +
+           std::to_string(rank.rank()) + " runs on GPU " + std::to_string(rank.device()));
   }
   static bool overlap(const void* a, uint64_t an, const void* b, uint64_t bn) {
     auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
@@ -84,53 +96,78 @@ int vector_width(std::initializer_list<uint64_t> values) {
 template <class F>
 void with_elem(DType t, F&& f) {
   switch (t) {
-    case DType::kBF16: return f(std::integral_constant<Elem, Elem::kBF16>{});
-    case DType::kFP16: return f(std::integral_constant<Elem, Elem::kFP16>{});
-    case DType::kFP32: return f(std::integral_constant<Elem, Elem::kFP32>{});
+    case DType::kBF16:
+      return f(std::integral_constant<Elem, Elem::kBF16>{});
+    case DType::kFP16:
+      return f(std::integral_constant<Elem, Elem::kFP16>{});
+    case DType::kFP32:
+      return f(std::integral_constant<Elem, Elem::kFP32>{});
   }
 }
 template <class F>
 void with_reduce(ReduceOp op, F&& f) {
   switch (op) {
-    case ReduceOp::kSum: return f(std::integral_constant<Reduce, Reduce::kSum>{});
-    case ReduceOp::kMax: return f(std::integral_constant<Reduce, Reduce::kMax>{});
-    case ReduceOp::kMin: return f(std::integral_constant<Reduce, Reduce::kMin>{});
+    case ReduceOp::kSum:
+      return f(std::integral_constant<Reduce, Reduce::kSum>{});
+    case ReduceOp::kMax:
+      return f(std::integral_constant<Reduce, Reduce::kMax>{});
+    case ReduceOp::kMin:
+      return f(std::integral_constant<Reduce, Reduce::kMin>{});
   }
 }
 
 // Workspace layout: [LL region for one-shot all-reduce][op staging]. The LL region has a fixed size, so a
 // one-shot call right after another op never writes where that op's staging may still be read.
-uint64_t ll_region_bytes(int world) { return 2ull * world * (kOneShotMaxBytes / 4) * 8; }
+uint64_t ll_region_bytes(int world) {
+  return 2ull * world * (kOneShotMaxBytes / 4) * 8;
+}
 
 void launch_exchange(Call& c, coll::Exchange x, int v, uint64_t total_bytes) {
   const int g = c.blocks(total_bytes);
   switch (v) {
-    case 16: coll::exchange_kernel<16><<<g, kThreads, 0, c.stream>>>(x); break;
-    case 8: coll::exchange_kernel<8><<<g, kThreads, 0, c.stream>>>(x); break;
-    case 4: coll::exchange_kernel<4><<<g, kThreads, 0, c.stream>>>(x); break;
-    default: coll::exchange_kernel<2><<<g, kThreads, 0, c.stream>>>(x); break;
+    case 16:
+      coll::exchange_kernel<16><<<g, kThreads, 0, c.stream>>>(x);
+      break;
+    case 8:
+      coll::exchange_kernel<8><<<g, kThreads, 0, c.stream>>>(x);
+      break;
+    case 4:
+      coll::exchange_kernel<4><<<g, kThreads, 0, c.stream>>>(x);
+      break;
+    default:
+      coll::exchange_kernel<2><<<g, kThreads, 0, c.stream>>>(x);
+      break;
   }
   c.launched();
 }
 
-void launch_reduce_scatter(Call& c, const coll::ReduceScatter& x, DType dt, ReduceOp op, bool vec, uint64_t total_bytes) {
-  const int g = c.blocks(total_bytes);
+// Instantiates `launch(elem, reduce, vec)` for the run-time dtype, op and vector choice.
+template <class Launch>
+void with_reduction(DType dt, ReduceOp op, bool vec, Launch&& launch) {
   with_elem(dt, [&](auto e) {
     with_reduce(op, [&](auto r) {
-      if (vec) coll::reduce_scatter_kernel<e.value, r.value, true><<<g, kThreads, 0, c.stream>>>(x);
-      else coll::reduce_scatter_kernel<e.value, r.value, false><<<g, kThreads, 0, c.stream>>>(x);
+      if (vec)
+        launch(e, r, std::true_type{});
+      else
+        launch(e, r, std::false_type{});
     });
+  });
+}
+
+void launch_reduce_scatter(Call& c, const coll::ReduceScatter& x, DType dt, ReduceOp op, bool vec,
+                           uint64_t total_bytes) {
+  const int g = c.blocks(total_bytes);
+  with_reduction(dt, op, vec, [&](auto e, auto r, auto v) {
+    coll::reduce_scatter_kernel<e.value, r.value, v.value><<<g, kThreads, 0, c.stream>>>(x);
   });
   c.launched();
 }
 
-void launch_pull_reduce(Call& c, const coll::PullReduce& x, DType dt, ReduceOp op, bool vec, uint64_t total_bytes) {
+void launch_pull_reduce(Call& c, const coll::PullReduce& x, DType dt, ReduceOp op, bool vec,
+                        uint64_t total_bytes) {
   const int g = c.blocks(total_bytes);
-  with_elem(dt, [&](auto e) {
-    with_reduce(op, [&](auto r) {
-      if (vec) coll::pull_reduce_kernel<e.value, r.value, true><<<g, kThreads, 0, c.stream>>>(x);
-      else coll::pull_reduce_kernel<e.value, r.value, false><<<g, kThreads, 0, c.stream>>>(x);
-    });
+  with_reduction(dt, op, vec, [&](auto e, auto r, auto v) {
+    coll::pull_reduce_kernel<e.value, r.value, v.value><<<g, kThreads, 0, c.stream>>>(x);
   });
   c.launched();
 }
@@ -154,15 +191,16 @@ void one_shot_all_reduce(Call& c, const void* in, void* out, uint64_t count, DTy
                   reinterpret_cast<uint64_t*>(c.workspace(ll_region_bytes(world)))};
   const int g = c.blocks(bytes * 8);  // LL moves 2x the bytes and polls: spread it wider
   with_elem(dt, [&](auto e) {
-    with_reduce(op, [&](auto r) { coll::one_shot_kernel<e.value, r.value><<<g, kThreads, 0, c.stream>>>(x); });
+    with_reduce(op,
+                [&](auto r) { coll::one_shot_kernel<e.value, r.value><<<g, kThreads, 0, c.stream>>>(x); });
   });
   c.launched();
 }
 
 }  // namespace
 
-void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, ReduceOp op,
-                cudaStream_t stream, AllReduceAlgo algo) {
+void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                ReduceOp op, cudaStream_t stream, AllReduceAlgo algo) {
   Call c(comm, rank, stream, "all_reduce");
   if (count == 0) return;
   const uint64_t esize = dtype_size(dtype), bytes = count * esize;
@@ -170,10 +208,12 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
   c.check_buffer(out, "out", bytes, 16);
   if (in != out && Call::overlap(in, bytes, out, bytes)) c.fail("in and out overlap without being equal");
   const int world = rank.world();
-  if (algo == AllReduceAlgo::kAuto) algo = bytes <= kOneShotMaxBytes ? AllReduceAlgo::kOneShot : AllReduceAlgo::kTwoShot;
+  if (algo == AllReduceAlgo::kAuto)
+    algo = bytes <= kOneShotMaxBytes ? AllReduceAlgo::kOneShot : AllReduceAlgo::kTwoShot;
   if (algo == AllReduceAlgo::kOneShot) {
     if (bytes > kOneShotMaxBytes)
-      c.fail("one-shot all-reduce is limited to " + std::to_string(kOneShotMaxBytes) + " bytes, got " + std::to_string(bytes));
+      c.fail("one-shot all-reduce is limited to " + std::to_string(kOneShotMaxBytes) + " bytes, got " +
+             std::to_string(bytes));
     return one_shot_all_reduce(c, in, out, count, dtype, op);
   }
   // Two-shot over the largest prefix that splits into equal 16-byte-multiple slices; the rest (under
@@ -220,8 +260,8 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
     }
   }
   if (tail > 0)
-    one_shot_all_reduce(c, static_cast<const char*>(in) + main * esize, static_cast<char*>(out) + main * esize, tail,
-                        dtype, op);
+    one_shot_all_reduce(c, static_cast<const char*>(in) + main * esize,
+                        static_cast<char*>(out) + main * esize, tail, dtype, op);
 }
 
 void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D s, int dim, DType dtype,
@@ -233,7 +273,8 @@ void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape
   const uint64_t esize = dtype_size(dtype), in_bytes = s.count() * esize, out_bytes = in_bytes * world;
   c.check_buffer(in, "in", in_bytes, esize);
   c.check_buffer(out, "out", out_bytes, esize);
-  const char* my_slot = static_cast<const char*>(out) + (dim == 0 ? rank.rank() * in_bytes : rank.rank() * s.cols * esize);
+  const char* my_slot =
+      static_cast<const char*>(out) + (dim == 0 ? rank.rank() * in_bytes : rank.rank() * s.cols * esize);
   const bool in_place = dim == 0 && in == my_slot;
   if (!in_place && Call::overlap(in, in_bytes, out, out_bytes))
     c.fail("in overlaps out; in-place all-gather passes in == out + rank * in_bytes (dim 0 only)");
@@ -253,17 +294,19 @@ void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape
   x.src_peer_step = 0;  // the same data for every peer
   const uint64_t dst_stride = dim == 0 ? 0 : x.row_bytes * world;
   x.via_workspace = !comm.in_heap(rank, out, out_bytes);
-  char* dst = x.via_workspace ? c.workspace(ll_region_bytes(world) + out_bytes) + ll_region_bytes(world) : static_cast<char*>(out);
+  char* dst = x.via_workspace ? c.workspace(ll_region_bytes(world) + out_bytes) + ll_region_bytes(world)
+                              : static_cast<char*>(out);
   x.dst = Rows{dst, dst_stride};
   x.final_dst = Rows{static_cast<char*>(out), dst_stride};
   x.final_peer_step = x.dst_peer_step;
-  const int v = vector_width({x.row_bytes, dst_stride, x.src.stride, x.dst_peer_step, reinterpret_cast<uintptr_t>(dst),
-                               reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out)});
+  const int v =
+      vector_width({x.row_bytes, dst_stride, x.src.stride, x.dst_peer_step, reinterpret_cast<uintptr_t>(dst),
+                    reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out)});
   launch_exchange(c, x, v, out_bytes);
 }
 
-void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D s, int dim, DType dtype,
-                    ReduceOp op, cudaStream_t stream) {
+void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D s, int dim,
+                    DType dtype, ReduceOp op, cudaStream_t stream) {
   Call c(comm, rank, stream, "reduce_scatter");
   if (dim != 0 && dim != 1) c.fail("dim must be 0 or 1, got " + std::to_string(dim));
   if (s.count() == 0) return;
@@ -301,8 +344,9 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
     y.rows = x.rows;
     y.row_bytes = x.row_bytes;
     y.fanout = false;
-    const bool vec = vector_width({y.row_bytes, y.in.stride, y.in_peer_step, reinterpret_cast<uintptr_t>(in),
-                                   reinterpret_cast<uintptr_t>(out), reinterpret_cast<uintptr_t>(y.in.base)}) == 16;
+    const bool vec =
+        vector_width({y.row_bytes, y.in.stride, y.in_peer_step, reinterpret_cast<uintptr_t>(in),
+                      reinterpret_cast<uintptr_t>(out), reinterpret_cast<uintptr_t>(y.in.base)}) == 16;
     launch_pull_reduce(c, y, dtype, op, vec, in_bytes);
     return;
   }
@@ -334,7 +378,8 @@ void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_
   x.dst_peer_step = blk;  // and lands in block `source`
   // In place, peers would overwrite blocks not yet sent: receive into the workspace, then copy.
   x.via_workspace = in == out || !comm.in_heap(rank, out, bytes);
-  char* dst = x.via_workspace ? c.workspace(ll_region_bytes(world) + bytes) + ll_region_bytes(world) : static_cast<char*>(out);
+  char* dst = x.via_workspace ? c.workspace(ll_region_bytes(world) + bytes) + ll_region_bytes(world)
+                              : static_cast<char*>(out);
   x.dst = Rows{dst, 0};
   x.final_dst = Rows{static_cast<char*>(out), 0};
   x.final_peer_step = blk;
