@@ -31,7 +31,8 @@ __device__ __forceinline__ void tile_get(const TeamView& team, const T* local_sr
                                          TileShape t, uint64_t* bar) {
   const char* src = reinterpret_cast<const char*>(team.peer_ptr(local_src, peer));
   char* dst = static_cast<char*>(smem_dst);
-  for (uint32_t r = 0; r < t.rows; ++r) bulk_load(dst + r * t.row_bytes, src + r * t.stride, t.row_bytes, bar);
+  for (uint32_t r = 0; r < t.rows; ++r)
+    bulk_load(dst + r * t.row_bytes, src + r * t.stride, t.row_bytes, bar);
 }
 
 namespace detail {
@@ -42,28 +43,40 @@ __device__ __forceinline__ void bulk_reduce_add(void* gmem_dst, const void* smem
                  "r"(smem_addr(smem_src)), "r"(bytes)
                  : "memory");
   else if constexpr (E == Elem::kBF16)
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;" ::"l"(gmem_dst),
-                 "r"(smem_addr(smem_src)), "r"(bytes)
-                 : "memory");
+    asm volatile(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;" ::"l"(gmem_dst),
+        "r"(smem_addr(smem_src)), "r"(bytes)
+        : "memory");
   else
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.f16 [%0], [%1], %2;" ::"l"(gmem_dst),
-                 "r"(smem_addr(smem_src)), "r"(bytes)
-                 : "memory");
+    asm volatile(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.f16 [%0], [%1], %2;" ::"l"(gmem_dst),
+        "r"(smem_addr(smem_src)), "r"(bytes)
+        : "memory");
 }
 }  // namespace detail
 
 // peer[tile] += smem tile, element type E, done by the copy engine (each element atomically).
 template <Elem E, class T>
-__device__ __forceinline__ void tile_put_reduce_add(const TeamView& team, T* local_dst, int peer, const void* smem_src,
-                                                    TileShape t) {
+__device__ __forceinline__ void tile_put_reduce_add(const TeamView& team, T* local_dst, int peer,
+                                                    const void* smem_src, TileShape t) {
   char* dst = reinterpret_cast<char*>(team.peer_ptr(local_dst, peer));
   const char* src = static_cast<const char*>(smem_src);
-  for (uint32_t r = 0; r < t.rows; ++r) detail::bulk_reduce_add<E>(dst + r * t.stride, src + r * t.row_bytes, t.row_bytes);
+  for (uint32_t r = 0; r < t.rows; ++r)
+    detail::bulk_reduce_add<E>(dst + r * t.stride, src + r * t.row_bytes, t.row_bytes);
+}
+
+// Waits until this thread's committed puts (and put-reduces) have landed, and orders them before its
+// later ordinary writes, such as the signal that tells the peer: the copy engine writes through the async
+// proxy, so completion alone does not order it with the generic proxy.
+__device__ __forceinline__ void tile_puts_complete() {
+  bulk_wait<0>();
+  asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
 // The same tile put to every rank (this rank's copy included): unicast fan-out, no multicast.
 template <class T>
-__device__ __forceinline__ void tile_broadcast(const TeamView& team, T* local_dst, const void* smem_src, TileShape t) {
+__device__ __forceinline__ void tile_broadcast(const TeamView& team, T* local_dst, const void* smem_src,
+                                               TileShape t) {
   for (int p = 0; p < team.world; ++p) tile_put(team, local_dst, (team.rank + p) % team.world, smem_src, t);
 }
 
