@@ -33,6 +33,7 @@ float median(std::vector<float> v) {
 }
 
 void Context::progress(const char* f, ...) const {
+  if (quiet) return;
   va_list ap;
   va_start(ap, f);
   std::fprintf(stderr, "[weft-bench] ");
@@ -42,7 +43,7 @@ void Context::progress(const char* f, ...) const {
 }
 
 void Context::add(Table t) {
-  if (!json) t.print(stdout);
+  if (!json && !quiet) t.print(stdout);
   tables.push_back(std::move(t));
 }
 

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <optional>
 #include <vector>
 
 #include "weft/runtime/communicator.hpp"
@@ -30,7 +31,9 @@ class Table {
 struct Context {
   bool json = false;
   bool quick = false;
-  int gpus = 0;  // 0: all visible
+  int gpus = 0;                  // 0: all visible
+  std::optional<LaunchEnv> env;  // set when started one rank per process (weft-launch / torchrun / mpirun)
+  bool quiet = false;            // ranks other than 0 of a multi-process run print nothing
   std::vector<Table> tables;
   // Prints to stderr so --json output stays clean.
   void progress(const char* fmt, ...) const;

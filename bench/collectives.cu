@@ -18,19 +18,23 @@
 namespace weft::bench {
 namespace {
 
-#define NCCL_CHECK(expr)                                                                                   \
-  do {                                                                                                     \
-    ncclResult_t r_ = (expr);                                                                              \
+#define NCCL_CHECK(expr)                                                                                     \
+  do {                                                                                                       \
+    ncclResult_t r_ = (expr);                                                                                \
     if (r_ != ncclSuccess) throw_error(std::string("NCCL error: ") + ncclGetErrorString(r_) + " in " #expr); \
   } while (0)
 
 enum class Coll { kAllReduce, kAllGather, kReduceScatter, kAllToAll };
 const char* coll_name(Coll c) {
   switch (c) {
-    case Coll::kAllReduce: return "all-reduce";
-    case Coll::kAllGather: return "all-gather";
-    case Coll::kReduceScatter: return "reduce-scatter";
-    case Coll::kAllToAll: return "all-to-all";
+    case Coll::kAllReduce:
+      return "all-reduce";
+    case Coll::kAllGather:
+      return "all-gather";
+    case Coll::kReduceScatter:
+      return "reduce-scatter";
+    case Coll::kAllToAll:
+      return "all-to-all";
   }
   return "?";
 }
@@ -43,10 +47,14 @@ struct Geometry {
 };
 Geometry geometry(Coll c, uint64_t size, int W, uint64_t es) {
   switch (c) {
-    case Coll::kAllReduce: return {size, size, size / es, 2.0 * (W - 1) / W};
-    case Coll::kAllGather: return {size / W, size, size / es, double(W - 1) / W};
-    case Coll::kReduceScatter: return {size, size / W, size / es, double(W - 1) / W};
-    case Coll::kAllToAll: return {size, size, size / es, double(W - 1) / W};
+    case Coll::kAllReduce:
+      return {size, size, size / es, 2.0 * (W - 1) / W};
+    case Coll::kAllGather:
+      return {size / W, size, size / es, double(W - 1) / W};
+    case Coll::kReduceScatter:
+      return {size, size / W, size / es, double(W - 1) / W};
+    case Coll::kAllToAll:
+      return {size, size, size / es, double(W - 1) / W};
   }
   return {};
 }
@@ -64,23 +72,35 @@ AllReduceAlgo forced_algo() {
   return AllReduceAlgo::kAuto;
 }
 
-void enqueue_weft(Communicator& comm, Coll c, int i, const void* in, void* out, const Geometry& g, cudaStream_t s) {
+void enqueue_weft(Communicator& comm, Coll c, int i, const void* in, void* out, const Geometry& g,
+                  cudaStream_t s) {
   Rank& r = comm.local(i);
   const int W = comm.world();
   switch (c) {
-    case Coll::kAllReduce: return all_reduce(comm, r, in, out, g.count, DType::kBF16, ReduceOp::kSum, s, forced_algo());
-    case Coll::kAllGather: return all_gather(comm, r, in, out, Shape2D{g.in_bytes / 2, 1}, 0, DType::kBF16, s);
+    case Coll::kAllReduce:
+      return all_reduce(comm, r, in, out, g.count, DType::kBF16, ReduceOp::kSum, s, forced_algo());
+    case Coll::kAllGather:
+      return all_gather(comm, r, in, out, Shape2D{g.in_bytes / 2, 1}, 0, DType::kBF16, s);
     case Coll::kReduceScatter:
-      return reduce_scatter(comm, r, in, out, Shape2D{g.out_bytes / 2, 1}, 0, DType::kBF16, ReduceOp::kSum, s);
-    case Coll::kAllToAll: return all_to_all(comm, r, in, out, g.count / W, DType::kBF16, s);
+      return reduce_scatter(comm, r, in, out, Shape2D{g.out_bytes / 2, 1}, 0, DType::kBF16, ReduceOp::kSum,
+                            s);
+    case Coll::kAllToAll:
+      return all_to_all(comm, r, in, out, g.count / W, DType::kBF16, s);
   }
 }
 
-void enqueue_nccl(ncclComm_t nc, Coll c, const void* in, void* out, const Geometry& g, int W, cudaStream_t s) {
+void enqueue_nccl(ncclComm_t nc, Coll c, const void* in, void* out, const Geometry& g, int W,
+                  cudaStream_t s) {
   switch (c) {
-    case Coll::kAllReduce: NCCL_CHECK(ncclAllReduce(in, out, g.count, ncclBfloat16, ncclSum, nc, s)); return;
-    case Coll::kAllGather: NCCL_CHECK(ncclAllGather(in, out, g.in_bytes / 2, ncclBfloat16, nc, s)); return;
-    case Coll::kReduceScatter: NCCL_CHECK(ncclReduceScatter(in, out, g.out_bytes / 2, ncclBfloat16, ncclSum, nc, s)); return;
+    case Coll::kAllReduce:
+      NCCL_CHECK(ncclAllReduce(in, out, g.count, ncclBfloat16, ncclSum, nc, s));
+      return;
+    case Coll::kAllGather:
+      NCCL_CHECK(ncclAllGather(in, out, g.in_bytes / 2, ncclBfloat16, nc, s));
+      return;
+    case Coll::kReduceScatter:
+      NCCL_CHECK(ncclReduceScatter(in, out, g.out_bytes / 2, ncclBfloat16, ncclSum, nc, s));
+      return;
     case Coll::kAllToAll: {
       const size_t n = g.count / W;
       NCCL_CHECK(ncclGroupStart());
@@ -97,7 +117,8 @@ void enqueue_nccl(ncclComm_t nc, Coll c, const void* in, void* out, const Geomet
 // Captures `iters` calls per GPU (rotating buffer sets) into one graph per GPU, replays it `reps` times,
 // returns the slowest rank's median time per call in microseconds.
 template <class Enqueue>
-double time_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams, int iters, int reps, Enqueue&& enqueue) {
+double time_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams, int iters, int reps,
+                   Enqueue&& enqueue) {
   const int W = comm.num_local();
   std::vector<cudaGraphExec_t> exec(W);
   for (int i = 0; i < W; ++i) {
@@ -154,32 +175,58 @@ float bf16_to_float(uint16_t h) {
 
 void run_collective(Context& ctx, Coll which) {
   WEFT_CHECK(ctx.gpus >= 2, std::string(coll_name(which)) + " needs at least 2 GPUs");
+  // Single-process over the first `gpus` GPUs, or this process's one rank under a launcher.
   Options o;
   for (int d = 0; d < ctx.gpus; ++d) o.devices.push_back(d);
-  auto comm = Communicator::create_single_process(o);
-  const int W = comm->world();
-  std::vector<ncclComm_t> nccl(W);
-  NCCL_CHECK(ncclCommInitAll(nccl.data(), W, o.devices.data()));
-  std::vector<cudaStream_t> streams(W);
-  for (int i = 0; i < W; ++i) {
+  auto comm =
+      ctx.env ? Communicator::create_from_launcher(*ctx.env, o) : Communicator::create_single_process(o);
+  const int W = comm->world(), L = comm->num_local();
+  std::vector<ncclComm_t> nccl(L);
+  if (ctx.env) {
+    ncclUniqueId id{};
+    if (comm->local(0).rank() == 0) NCCL_CHECK(ncclGetUniqueId(&id));
+    const std::string root =
+        comm->host_allgather(std::string(reinterpret_cast<const char*>(&id), sizeof(id)))[0];
+    std::memcpy(&id, root.data(), sizeof(id));
+    WEFT_CUDA_CHECK(cudaSetDevice(comm->local(0).device()));
+    NCCL_CHECK(ncclCommInitRank(&nccl[0], W, id, comm->local(0).rank()));
+  } else {
+    NCCL_CHECK(ncclCommInitAll(nccl.data(), W, o.devices.data()));
+  }
+  std::vector<cudaStream_t> streams(L);
+  for (int i = 0; i < L; ++i) {
     WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
   }
+  // The slowest rank of the team: across processes when there are several.
+  auto team_max = [&](double x) {
+    double m = x;
+    for (const std::string& v :
+         comm->host_allgather(std::string(reinterpret_cast<const char*>(&x), sizeof(x)))) {
+      double y;
+      std::memcpy(&y, v.data(), sizeof(y));
+      m = std::max(m, y);
+    }
+    return m;
+  };
   ctx.progress("%s: measuring the link (all-to-all puts, 256 MiB per peer)", coll_name(which));
-  const double link = measure_all_to_all_egress(*comm, 256ull << 20);
+  const double link = ctx.env ? 0.0 : measure_all_to_all_egress(*comm, 256ull << 20);
 
-  std::vector<uint64_t> sizes = {8 << 10,  32 << 10,  128 << 10, 512 << 10, 1 << 20,
-                                 4 << 20,  16 << 20,  64 << 20,  256 << 20, 1ull << 30};
+  std::vector<uint64_t> sizes = {8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20,
+                                 4 << 20, 16 << 20, 64 << 20,  256 << 20, 1ull << 30};
   if (ctx.quick) sizes = {8 << 10, 1 << 20, 64 << 20, 256 << 20};
   if (const char* m = std::getenv("WEFT_BENCH_MAX_BYTES"))  // tuning runs: stop early
-    sizes.erase(std::remove_if(sizes.begin(), sizes.end(), [&](uint64_t b) { return b > std::strtoull(m, nullptr, 0); }),
+    sizes.erase(std::remove_if(sizes.begin(), sizes.end(),
+                               [&](uint64_t b) { return b > std::strtoull(m, nullptr, 0); }),
                 sizes.end());
-  Table t(fmt("%s, bf16, %d GPUs: weft vs NCCL %d.%d.%d", coll_name(which), W, NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
-          {"size", "count", "type", "NCCL time us", "NCCL busbw", "weft time us", "weft algbw", "weft busbw", "#wrong",
-           "speedup", "% link"},
-          fmt("Times: CUDA graphs of many calls, slowest rank's median. busbw in GB/s; %% link = weft busbw over "
-              "the per-GPU all-to-all egress measured just before (%.0f GB/s).",
-              link));
+  Table t(
+      fmt("%s, bf16, %d GPUs (%s): weft vs NCCL %d.%d.%d", coll_name(which), W,
+          ctx.env ? "one process per GPU" : "single-process", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
+      {"size", "count", "type", "NCCL time us", "NCCL busbw", "weft time us", "weft algbw", "weft busbw",
+       "#wrong", "speedup", "% link"},
+      fmt("Times: CUDA graphs of many calls, slowest rank's median. busbw in GB/s; %% link = weft busbw over "
+          "the per-GPU all-to-all egress measured just before (%.0f GB/s).",
+          link));
   for (uint64_t size : sizes) {
     const Geometry g = geometry(which, size, W, 2);
     if (g.count % W != 0 && which == Coll::kAllToAll) continue;
@@ -192,8 +239,8 @@ void run_collective(Context& ctx, Coll which) {
       ws.sym.push_back(b);
       ws.in.push_back(a.local);
       ws.out.push_back(b.local);
-      std::vector<char*> ni(W), no(W);
-      for (int i = 0; i < W; ++i) {
+      std::vector<char*> ni(L), no(L);
+      for (int i = 0; i < L; ++i) {
         WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
         WEFT_CUDA_CHECK(cudaMalloc(&ni[i], g.in_bytes));
         WEFT_CUDA_CHECK(cudaMalloc(&no[i], g.out_bytes));
@@ -202,9 +249,9 @@ void run_collective(Context& ctx, Coll which) {
       ns.out.push_back(no);
     }
     // Same random input on both sides; one call each; compare.
-    for (int i = 0; i < W; ++i) {
+    for (int i = 0; i < L; ++i) {
       std::vector<uint16_t> host(g.in_bytes / 2);
-      std::mt19937 rng(1234 + i);
+      std::mt19937 rng(1234 + comm->local(i).rank());
       std::uniform_real_distribution<float> u(-1.f, 1.f);
       for (auto& h : host) {
         float f = u(rng);
@@ -219,15 +266,15 @@ void run_collective(Context& ctx, Coll which) {
         WEFT_CUDA_CHECK(cudaMemset(ws.out[k][i], 0xff, g.out_bytes));
       }
     }
-    for (int i = 0; i < W; ++i) enqueue_weft(*comm, which, i, ws.in[0][i], ws.out[0][i], g, streams[i]);
+    for (int i = 0; i < L; ++i) enqueue_weft(*comm, which, i, ws.in[0][i], ws.out[0][i], g, streams[i]);
     NCCL_CHECK(ncclGroupStart());
-    for (int i = 0; i < W; ++i) {
+    for (int i = 0; i < L; ++i) {
       WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
       enqueue_nccl(nccl[i], which, ns.in[0][i], ns.out[0][i], g, W, streams[i]);
     }
     NCCL_CHECK(ncclGroupEnd());
     uint64_t wrong = 0;
-    for (int i = 0; i < W; ++i) {
+    for (int i = 0; i < L; ++i) {
       WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
       WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
       std::vector<uint16_t> a(g.out_bytes / 2), b(g.out_bytes / 2);
@@ -236,32 +283,37 @@ void run_collective(Context& ctx, Coll which) {
       const bool reduction = which == Coll::kAllReduce || which == Coll::kReduceScatter;
       for (size_t k = 0; k < a.size(); ++k) {
         const float x = bf16_to_float(a[k]), y = bf16_to_float(b[k]);
-        if (std::isnan(x) || (reduction ? std::fabs(x - y) > 2e-2f * std::max(1.f, std::fabs(y)) : a[k] != b[k])) ++wrong;
+        if (std::isnan(x) ||
+            (reduction ? std::fabs(x - y) > 2e-2f * std::max(1.f, std::fabs(y)) : a[k] != b[k]))
+          ++wrong;
       }
     }
     comm->check_device_errors();
+    wrong = static_cast<uint64_t>(team_max(double(wrong)));  // any rank's mismatches show
 
     const int iters = size <= (1u << 20) ? 200 : size <= (64u << 20) ? 20 : 4;
     const int reps = ctx.quick ? 3 : 7;
-    const double t_nccl = time_graphs(*comm, streams, iters, reps, [&](int k) {
+    const double t_nccl_local = time_graphs(*comm, streams, iters, reps, [&](int k) {
       NCCL_CHECK(ncclGroupStart());
-      for (int i = 0; i < W; ++i) {
+      for (int i = 0; i < L; ++i) {
         WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
         enqueue_nccl(nccl[i], which, ns.in[k % sets][i], ns.out[k % sets][i], g, W, streams[i]);
       }
       NCCL_CHECK(ncclGroupEnd());
     });
-    const double t_weft = time_graphs(*comm, streams, iters, reps, [&](int k) {
-      for (int i = 0; i < W; ++i) enqueue_weft(*comm, which, i, ws.in[k % sets][i], ws.out[k % sets][i], g, streams[i]);
+    const double t_weft_local = time_graphs(*comm, streams, iters, reps, [&](int k) {
+      for (int i = 0; i < L; ++i)
+        enqueue_weft(*comm, which, i, ws.in[k % sets][i], ws.out[k % sets][i], g, streams[i]);
     });
+    const double t_nccl = team_max(t_nccl_local), t_weft = team_max(t_weft_local);
     const double alg_w = size / (t_weft * 1e3), bus_w = alg_w * g.bus_factor;
     const double bus_n = size / (t_nccl * 1e3) * g.bus_factor;
     t.add({human_bytes(size), std::to_string(g.count), "bf16", fmt("%.1f", t_nccl), fmt("%.1f", bus_n),
            fmt("%.1f", t_weft), fmt("%.1f", alg_w), fmt("%.1f", bus_w), std::to_string(wrong),
-           fmt("%.2fx", t_nccl / t_weft), fmt("%.0f%%", 100.0 * bus_w / link)});
+           fmt("%.2fx", t_nccl / t_weft), link > 0 ? fmt("%.0f%%", 100.0 * bus_w / link) : std::string("-")});
     for (auto& b : ws.sym) comm->free(b);
     for (int k = 0; k < sets; ++k)
-      for (int i = 0; i < W; ++i) {
+      for (int i = 0; i < L; ++i) {
         WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
         WEFT_CUDA_CHECK(cudaFree(ns.in[k][i]));
         WEFT_CUDA_CHECK(cudaFree(ns.out[k][i]));
@@ -269,16 +321,20 @@ void run_collective(Context& ctx, Coll which) {
   }
   ctx.add(std::move(t));
   for (auto& c : nccl) ncclCommDestroy(c);
-  for (int i = 0; i < W; ++i) {
+  for (int i = 0; i < L; ++i) {
     cudaSetDevice(comm->local(i).device());
     cudaStreamDestroy(streams[i]);
   }
 }
 
-ModeRegistrar r1("allreduce", "bf16 all-reduce vs NCCL, 8 KiB..1 GiB", [](Context& c) { run_collective(c, Coll::kAllReduce); });
-ModeRegistrar r2("allgather", "bf16 all-gather vs NCCL", [](Context& c) { run_collective(c, Coll::kAllGather); });
-ModeRegistrar r3("reducescatter", "bf16 reduce-scatter vs NCCL", [](Context& c) { run_collective(c, Coll::kReduceScatter); });
-ModeRegistrar r4("alltoall", "bf16 all-to-all vs NCCL", [](Context& c) { run_collective(c, Coll::kAllToAll); });
+ModeRegistrar r1("allreduce", "bf16 all-reduce vs NCCL, 8 KiB..1 GiB",
+                 [](Context& c) { run_collective(c, Coll::kAllReduce); });
+ModeRegistrar r2("allgather", "bf16 all-gather vs NCCL",
+                 [](Context& c) { run_collective(c, Coll::kAllGather); });
+ModeRegistrar r3("reducescatter", "bf16 reduce-scatter vs NCCL",
+                 [](Context& c) { run_collective(c, Coll::kReduceScatter); });
+ModeRegistrar r4("alltoall", "bf16 all-to-all vs NCCL",
+                 [](Context& c) { run_collective(c, Coll::kAllToAll); });
 
 }  // namespace
 }  // namespace weft::bench

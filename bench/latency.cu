@@ -180,6 +180,8 @@ double barrier_us(int world, int blocks, int rounds) {
 
 void run_latency(Context& ctx) {
   WEFT_CHECK(ctx.gpus >= 2, "latency needs at least 2 GPUs");
+  WEFT_CHECK(!ctx.env,
+             "latency runs single-process (it drives every GPU itself); start it without a launcher");
   const int rounds = ctx.quick ? 2000 : 20000;
   {
     Table t(

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <ctime>
 
+#include <unistd.h>
+
 #include "bench.hpp"
 
 using namespace weft::bench;
@@ -59,6 +61,16 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (ctx.gpus <= 0 || ctx.gpus > ndev) ctx.gpus = ndev;
+  try {
+    ctx.env = weft::parse_launch_env(weft::process_env(), static_cast<long>(::getppid()));
+  } catch (const std::exception& ex) {
+    std::fprintf(stderr, "weft-bench: %s\n", ex.what());
+    return 2;
+  }
+  if (ctx.env) {  // one rank per process: rank 0 reports for the team
+    ctx.quiet = ctx.env->rank != 0;
+    ctx.gpus = ctx.env->world;
+  }
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   int drv = 0, rt = 0;
@@ -67,10 +79,10 @@ int main(int argc, char** argv) {
   std::time_t now = std::time(nullptr);
   char date[32];
   std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
-  std::string machine =
-      fmt("%d x %s (%d SMs), driver %d.%d, CUDA runtime %d.%d, %s", ctx.gpus, prop.name,
-          prop.multiProcessorCount, drv / 1000, (drv % 1000) / 10, rt / 1000, (rt % 1000) / 10, date);
-  if (!ctx.json) std::printf("# weft-bench\n%s\n", machine.c_str());
+  std::string machine = fmt("%d x %s (%d SMs), driver %d.%d, CUDA runtime %d.%d, %s, %s", ctx.gpus, prop.name,
+                            prop.multiProcessorCount, drv / 1000, (drv % 1000) / 10, rt / 1000,
+                            (rt % 1000) / 10, ctx.env ? "one process per GPU" : "single-process", date);
+  if (!ctx.json && !ctx.quiet) std::printf("# weft-bench\n%s\n", machine.c_str());
 
   int rc = 0;
   for (const Mode* m : chosen) {
@@ -82,7 +94,7 @@ int main(int argc, char** argv) {
       rc = 1;
     }
   }
-  if (ctx.json) {
+  if (ctx.json && !ctx.quiet) {
     std::printf("{\"machine\": \"%s\", \"tables\": [", machine.c_str());
     for (size_t i = 0; i < ctx.tables.size(); ++i)
       std::printf("%s%s", i ? ",\n" : "\n", ctx.tables[i].json().c_str());

@@ -213,6 +213,8 @@ void run_transfer(Context& ctx) {
   Options o;
   for (int d = 0; d < ctx.gpus; ++d) o.devices.push_back(d);
   WEFT_CHECK(ctx.gpus >= 2, "transfer needs at least 2 GPUs");
+  WEFT_CHECK(!ctx.env,
+             "transfer runs single-process (it drives every GPU itself); start it without a launcher");
   auto comm = Communicator::create_single_process(o);
   const int W = comm->world();
   const uint64_t max_bytes = 1ull << 30;
@@ -301,7 +303,8 @@ double measure_all_to_all_egress(Communicator& comm, uint64_t bytes_per_peer) {
   const int W = comm.world();
   cudaDeviceProp prop{};
   WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, comm.local(0).device()));
-  Setup st{comm, comm.alloc(bytes_per_peer), comm.alloc(bytes_per_peer * W), bytes_per_peer, prop.multiProcessorCount, {}};
+  Setup st{comm,           comm.alloc(bytes_per_peer), comm.alloc(bytes_per_peer * W),
+           bytes_per_peer, prop.multiProcessorCount,   {}};
   for (int i = 0; i < W; ++i) st.launchers.push_back(std::make_unique<Launcher>(kMaxSegments));
   const float us = time_transfer(st, Mech::kStorePut, true, bytes_per_peer, st.sms, 5);
   comm.free(st.src);

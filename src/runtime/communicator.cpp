@@ -476,6 +476,11 @@ uint64_t Communicator::heap_in_use() const {
 
 // ---- synchronization and errors ---------------------------------------------------------------
 
+std::vector<std::string> Communicator::host_allgather(const std::string& data) {
+  if (!channel_) return {data};
+  return channel_->allgather(data).data;
+}
+
 void Communicator::host_barrier() {
   if (channel_) channel_->barrier();
 }

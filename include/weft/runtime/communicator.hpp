@@ -112,6 +112,10 @@ class Communicator {
     return c >= base && bytes <= capacity_ && c + bytes <= base + capacity_;
   }
 
+  // Exchanges a small blob between the team's processes; entry p is process p's (one per rank in
+  // one-rank-per-process mode; single-process: just `data`). Collective, like alloc.
+  std::vector<std::string> host_allgather(const std::string& data);
+
   // Host-side barrier between processes (no-op in single-process mode).
   void host_barrier();
   // Enqueues an in-kernel barrier of the whole team on every local rank's stream.
