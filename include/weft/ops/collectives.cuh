@@ -27,7 +27,10 @@ struct Rows {
 // exactly the data block b moved.
 template <class F>
 __device__ __forceinline__ void for_each_chunk(uint64_t n, F f) {  // f(first unit, units in chunk)
-  const uint64_t chunk = 4ull * blockDim.x;
+  // Full chunks of 4 * blockDim units when there is enough work for every block; otherwise even shares,
+  // so small messages still spread over the whole grid (not yet measured: see bench/RESULTS.md).
+  const uint64_t even = (n + gridDim.x - 1) / gridDim.x;
+  const uint64_t chunk = min(uint64_t(4) * blockDim.x, max(uint64_t(blockDim.x), even));
   for (uint64_t base = uint64_t(blockIdx.x) * chunk; base < n; base += uint64_t(gridDim.x) * chunk)
     f(base, min(chunk, n - base));
 }
