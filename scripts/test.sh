@@ -12,6 +12,9 @@ missing=()
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
 [ -f /usr/include/gtest/gtest.h ] || [ -f /usr/local/include/gtest/gtest.h ] || missing+=(libgtest-dev)
+# The Python package's no-GPU tests: pybind11 headers (Debian's, unless pip's is there) and Python headers.
+python3 -m pybind11 --cmakedir >/dev/null 2>&1 || [ -d /usr/lib/cmake/pybind11 ] || missing+=(pybind11-dev)
+[ -f "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null)/Python.h" ] || missing+=(python3-dev)
 if [ ${#missing[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     echo "installing: ${missing[*]}"

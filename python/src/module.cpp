@@ -1,0 +1,228 @@
+// weft._weft: the C++ side of the Python package. It owns the communicator, hands out symmetric tensors
+// through DLPack, reads any DLPack tensor, and runs the ops on raw pointers. Argument checking that needs
+// no GPU (dtypes, shapes, devices) happens in weft/__init__.py; this layer re-checks what the C++ API
+// cannot see (pointers, alignment) through the ops' own weft::Error messages.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "weft/ops/collectives.hpp"
+#include "weft/runtime/communicator.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+// ---- DLPack ABI (v0.x "dltensor" capsules), declared from the public specification ----------------
+struct DLDevice {
+  int32_t device_type;  // 1 CPU, 2 CUDA, 3 CUDA host, 13 CUDA managed
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 0 int, 1 uint, 2 float, 4 bfloat
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;  // in elements; null means compact row-major
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+constexpr int32_t kDLCUDA = 2;
+
+weft::DType parse_dtype(const std::string& s) {
+  if (s == "bf16") return weft::DType::kBF16;
+  if (s == "fp16") return weft::DType::kFP16;
+  if (s == "fp32") return weft::DType::kFP32;
+  throw py::type_error("weft: unsupported dtype '" + s + "' (bf16, fp16 or fp32)");
+}
+weft::ReduceOp parse_op(const std::string& s) {
+  if (s == "sum") return weft::ReduceOp::kSum;
+  if (s == "max") return weft::ReduceOp::kMax;
+  if (s == "min") return weft::ReduceOp::kMin;
+  throw py::value_error("weft: unsupported reduction op '" + s + "' (sum, max or min)");
+}
+
+// The process's communicator (one rank per process) shared by every tensor it handed out.
+struct Comm {
+  std::shared_ptr<weft::Communicator> comm;
+  weft::Rank& rank() const { return comm->local(0); }
+  cudaStream_t stream(uintptr_t s) const { return s ? reinterpret_cast<cudaStream_t>(s) : rank().stream(); }
+};
+
+// A symmetric allocation kept alive by every DLPack export of it.
+struct SymMemory {
+  std::shared_ptr<weft::Communicator> comm;
+  weft::SymmetricBuffer buf;
+  ~SymMemory() {
+    try {
+      comm->free(buf);
+    } catch (...) {
+    }
+  }
+};
+
+struct SymTensor {
+  std::shared_ptr<SymMemory> mem;
+  std::vector<int64_t> shape;
+  std::string dtype;
+  int device = 0;
+
+  uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(mem->buf.local[0]); }
+
+  py::capsule dlpack(py::object /*stream*/) const {
+    // The export owns: the DLManagedTensor, a copy of the shape, and a reference to the memory.
+    struct Ctx {
+      std::shared_ptr<SymMemory> mem;
+      std::vector<int64_t> shape;
+      DLManagedTensor managed;
+    };
+    auto* ctx = new Ctx{mem, shape, {}};
+    DLTensor& t = ctx->managed.dl_tensor;
+    t.data = mem->buf.local[0];
+    t.device = DLDevice{kDLCUDA, device};
+    t.ndim = static_cast<int32_t>(ctx->shape.size());
+    t.dtype = dtype == "bf16"   ? DLDataType{4, 16, 1}
+              : dtype == "fp16" ? DLDataType{2, 16, 1}
+                                : DLDataType{2, 32, 1};
+    t.shape = ctx->shape.data();
+    t.strides = nullptr;
+    t.byte_offset = 0;
+    ctx->managed.manager_ctx = ctx;
+    ctx->managed.deleter = [](DLManagedTensor* m) { delete static_cast<Ctx*>(m->manager_ctx); };
+    return py::capsule(&ctx->managed, "dltensor", [](PyObject* cap) {
+      // Deleter of an export nobody consumed (a consumer renames the capsule to "used_dltensor").
+      if (PyCapsule_IsValid(cap, "dltensor")) {
+        auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+        if (m && m->deleter) m->deleter(m);
+      }
+    });
+  }
+};
+
+// Reads a "dltensor" capsule produced by any framework: (data pointer, shape, strides or None, dtype, device
+// type, device id). The capsule is consumed and released at once; the caller keeps the producer's tensor
+// alive for as long as the pointer is used.
+py::tuple dlpack_info(py::capsule cap) {
+  if (!PyCapsule_IsValid(cap.ptr(), "dltensor"))
+    throw py::type_error("weft: expected an unconsumed DLPack capsule named 'dltensor'");
+  auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap.ptr(), "dltensor"));
+  const DLTensor& t = m->dl_tensor;
+  std::vector<int64_t> shape(t.shape, t.shape + t.ndim);
+  py::object strides = py::none();
+  if (t.strides) strides = py::cast(std::vector<int64_t>(t.strides, t.strides + t.ndim));
+  std::string dtype = "unsupported";
+  if (t.dtype.lanes == 1) {
+    if (t.dtype.code == 4 && t.dtype.bits == 16)
+      dtype = "bf16";
+    else if (t.dtype.code == 2 && t.dtype.bits == 16)
+      dtype = "fp16";
+    else if (t.dtype.code == 2 && t.dtype.bits == 32)
+      dtype = "fp32";
+  }
+  const uintptr_t ptr = reinterpret_cast<uintptr_t>(t.data) + t.byte_offset;
+  py::tuple out = py::make_tuple(ptr, shape, strides, dtype, t.device.device_type, t.device.device_id);
+  PyCapsule_SetName(cap.ptr(), "used_dltensor");
+  if (m->deleter) m->deleter(m);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_weft, m) {
+  m.doc() = "weft: overlapped multi-GPU kernels (C++ extension; use the weft package)";
+  py::register_exception<weft::Error>(m, "WeftError", PyExc_RuntimeError);
+
+  py::class_<Comm>(m, "Comm")
+      .def_static(
+          "from_env",
+          [](int timeout_ms) {
+            auto env = weft::parse_launch_env(weft::process_env(), static_cast<long>(::getppid()));
+            if (!env)
+              throw py::value_error(
+                  "weft.init(): no launcher environment: start one process per GPU with torchrun, mpirun or "
+                  "weft-launch (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)");
+            weft::Options o;
+            o.timeout = std::chrono::milliseconds(timeout_ms);
+            py::gil_scoped_release release;  // the rendezvous waits for the other processes
+            return Comm{
+                std::shared_ptr<weft::Communicator>(weft::Communicator::create_from_launcher(*env, o))};
+          },
+          py::arg("timeout_ms") = 0)
+      .def_property_readonly("rank", [](const Comm& c) { return c.rank().rank(); })
+      .def_property_readonly("world_size", [](const Comm& c) { return c.comm->world(); })
+      .def_property_readonly("device", [](const Comm& c) { return c.rank().device(); })
+      .def_property_readonly("stream",
+                             [](const Comm& c) { return reinterpret_cast<uintptr_t>(c.rank().stream()); })
+      .def("empty",
+           [](const Comm& c, std::vector<int64_t> shape, const std::string& dtype) {
+             uint64_t n = 1;
+             for (int64_t d : shape) {
+               if (d < 0) throw py::value_error("weft: negative dimension in shape");
+               n *= static_cast<uint64_t>(d);
+             }
+             auto mem = std::make_shared<SymMemory>();
+             mem->comm = c.comm;
+             mem->buf = c.comm->alloc(std::max<uint64_t>(1, n * weft::dtype_size(parse_dtype(dtype))));
+             return SymTensor{mem, shape, dtype, c.rank().device()};
+           })
+      .def("in_heap",
+           [](const Comm& c, uintptr_t p, uint64_t bytes) {
+             return c.comm->in_heap(c.rank(), reinterpret_cast<void*>(p), bytes);
+           })
+      .def("reserve_workspace", [](const Comm& c, uint64_t bytes) { c.comm->reserve_workspace(bytes); })
+      .def("barrier",
+           [](const Comm& c) {
+             py::gil_scoped_release release;
+             c.comm->host_barrier();
+           })
+      .def("synchronize", [](const Comm& c) {
+        py::gil_scoped_release release;
+        c.comm->synchronize();
+      });
+
+  py::class_<SymTensor>(m, "SymTensor")
+      .def_property_readonly("shape", [](const SymTensor& t) { return py::tuple(py::cast(t.shape)); })
+      .def_property_readonly("dtype", [](const SymTensor& t) { return t.dtype; })
+      .def_property_readonly("data_ptr", &SymTensor::data_ptr)
+      .def("__dlpack__", &SymTensor::dlpack, py::arg("stream") = py::none())
+      .def("__dlpack_device__", [](const SymTensor& t) { return py::make_tuple(kDLCUDA, t.device); });
+
+  m.def("dlpack_info", &dlpack_info,
+        "Reads (ptr, shape, strides, dtype, device_type, device_id) of a DLPack capsule");
+
+  // Ops on raw device pointers; the Python layer checks shapes and devices first.
+  m.def("all_reduce", [](const Comm& c, uintptr_t in, uintptr_t out, uint64_t count, const std::string& dtype,
+                         const std::string& op, uintptr_t stream) {
+    weft::all_reduce(*c.comm, c.rank(), reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out),
+                     count, parse_dtype(dtype), parse_op(op), c.stream(stream));
+  });
+  m.def("all_gather", [](const Comm& c, uintptr_t in, uintptr_t out, uint64_t rows, uint64_t cols, int dim,
+                         const std::string& dtype, uintptr_t stream) {
+    weft::all_gather(*c.comm, c.rank(), reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out),
+                     weft::Shape2D{rows, cols}, dim, parse_dtype(dtype), c.stream(stream));
+  });
+  m.def("reduce_scatter", [](const Comm& c, uintptr_t in, uintptr_t out, uint64_t rows, uint64_t cols,
+                             int dim, const std::string& dtype, const std::string& op, uintptr_t stream) {
+    weft::reduce_scatter(*c.comm, c.rank(), reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out),
+                         weft::Shape2D{rows, cols}, dim, parse_dtype(dtype), parse_op(op), c.stream(stream));
+  });
+  m.def("all_to_all", [](const Comm& c, uintptr_t in, uintptr_t out, uint64_t count_per_rank,
+                         const std::string& dtype, uintptr_t stream) {
+    weft::all_to_all(*c.comm, c.rank(), reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out),
+                     count_per_rank, parse_dtype(dtype), c.stream(stream));
+  });
+}

@@ -1,0 +1,159 @@
+"""Tests of the Python package that need no GPU (they run in CI): import, environment errors, and the
+argument checks every op makes before anything reaches the GPU. Tensors are faked with hand-made
+DLPack capsules; the communicator with a stand-in that never touches CUDA."""
+import ctypes
+import os
+import unittest
+from unittest import mock
+
+import weft
+from weft import _weft
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+_PyCapsule_New.restype = ctypes.py_object
+_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+_DTYPE_CODES = {"bf16": (4, 16), "fp16": (2, 16), "fp32": (2, 32), "int32": (0, 32)}
+
+
+class FakeTensor:
+    """Anything with __dlpack__: device memory at a fake address, never dereferenced by these tests."""
+
+    def __init__(self, shape, dtype="bf16", device_type=2, device_id=0, strides=None):
+        self.shape, self.dtype = tuple(shape), dtype
+        self._keep = []
+        n = len(shape)
+        shp = (ctypes.c_int64 * max(n, 1))(*shape)
+        std = None if strides is None else (ctypes.c_int64 * max(n, 1))(*strides)
+        code, bits = _DTYPE_CODES[dtype]
+        self._m = _DLManagedTensor()
+        t = self._m.dl_tensor
+        t.data, t.device, t.ndim = 0x100000, _DLDevice(device_type, device_id), n
+        t.dtype = _DLDataType(code, bits, 1)
+        t.shape = ctypes.cast(shp, ctypes.POINTER(ctypes.c_int64))
+        t.strides = None if std is None else ctypes.cast(std, ctypes.POINTER(ctypes.c_int64))
+        self._keep += [shp, std]
+
+    def __dlpack__(self, stream=None):
+        return _PyCapsule_New(ctypes.addressof(self._m), b"dltensor", None)
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+class FakeNative:
+    """Stands in for _weft.Comm: rank 0 of 4 on cuda:0. Any attempt to run an op fails the test."""
+
+    rank, world_size, device, stream = 0, 4, 0, 0
+
+    def empty(self, shape, dtype):
+        return FakeTensor(shape, dtype)
+
+
+class NoGpu(unittest.TestCase):
+    def setUp(self):
+        self.comm = weft.Communicator(FakeNative())
+        # Reaching the C++ op means every check passed: record the call instead of running it.
+        self.calls = []
+        for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+            p = mock.patch.object(_weft, name, lambda *a, _n=name: self.calls.append((_n, a[1:])))
+            p.start()
+            self.addCleanup(p.stop)
+
+    def raises(self, exc, fragment, fn, *args, **kw):
+        with self.assertRaises(exc) as cm:
+            fn(*args, **kw)
+        self.assertIn(fragment, str(cm.exception))
+
+    def test_module_imports(self):
+        self.assertTrue(hasattr(weft, "all_reduce"))
+        self.assertTrue(issubclass(weft.WeftError, RuntimeError))
+
+    def test_init_without_launcher_environment(self):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") and not k.startswith("OMPI_")}
+        with mock.patch.dict(os.environ, env, clear=True):
+            self.raises(ValueError, "torchrun", weft.init)
+
+    def test_init_with_incomplete_environment(self):
+        with mock.patch.dict(os.environ, {"RANK": "0", "WORLD_SIZE": "2"}):
+            self.raises(weft.WeftError, "LOCAL_RANK", weft.init)
+
+    def test_init_multi_node_is_refused(self):
+        env = {"RANK": "0", "WORLD_SIZE": "16", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}
+        with mock.patch.dict(os.environ, env):
+            self.raises(weft.WeftError, "multi-node", weft.init)
+
+    def test_ops_need_init(self):
+        with mock.patch.object(weft, "_default", None):
+            self.raises(RuntimeError, "weft.init()", weft.all_reduce, FakeTensor((8,)))
+
+    def test_valid_calls_reach_the_kernels(self):
+        x = FakeTensor((8, 6))
+        self.comm.all_reduce(x)
+        self.comm.all_gather(x, dim=1)
+        self.comm.reduce_scatter(FakeTensor((8, 6)), dim=0)
+        self.comm.all_to_all(x)
+        self.assertEqual([c[0] for c in self.calls], ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
+        _, ag = self.calls[1]
+        self.assertEqual(ag[2:5], (8, 6, 1))  # rows, cols, dim-1 gather
+
+    def test_unsupported_dtype(self):
+        self.raises(TypeError, "unsupported dtype", self.comm.all_reduce, FakeTensor((8,), "int32"))
+        self.raises(TypeError, "unsupported dtype", self.comm.empty, (8,), "int8")
+
+    def test_unsupported_op(self):
+        self.raises(ValueError, "reduction op", self.comm.all_reduce, FakeTensor((8,)), op="prod")
+
+    def test_host_memory_is_rejected(self):
+        self.raises(ValueError, "CUDA device memory", self.comm.all_reduce, FakeTensor((8,), device_type=1))
+
+    def test_wrong_device(self):
+        self.raises(ValueError, "cuda:1", self.comm.all_reduce, FakeTensor((8,), device_id=1))
+
+    def test_non_contiguous(self):
+        self.raises(ValueError, "contiguous", self.comm.all_reduce, FakeTensor((4, 4), strides=(1, 4)))
+
+    def test_not_a_tensor(self):
+        self.raises(TypeError, "DLPack", self.comm.all_reduce, [1.0, 2.0])
+
+    def test_out_shape_and_dtype(self):
+        x = FakeTensor((8,))
+        self.raises(ValueError, "shape", self.comm.all_reduce, x, out=FakeTensor((9,)))
+        self.raises(TypeError, "dtype", self.comm.all_reduce, x, out=FakeTensor((8,), "fp32"))
+        self.raises(ValueError, "shape", self.comm.all_gather, x, out=FakeTensor((8,)))
+
+    def test_scatter_and_all_to_all_divisibility(self):
+        self.raises(ValueError, "not divisible by the world size 4", self.comm.reduce_scatter, FakeTensor((6,)))
+        self.raises(ValueError, "not divisible by the world size 4", self.comm.all_to_all, FakeTensor((6,)))
+
+    def test_dim_out_of_range(self):
+        self.raises(ValueError, "out of range", self.comm.all_gather, FakeTensor((4, 4)), dim=2)
+        self.raises(ValueError, "0-d", self.comm.all_gather, FakeTensor(()))
+
+    def test_negative_dim_counts_from_the_end(self):
+        self.comm.all_gather(FakeTensor((2, 3, 4)), dim=-1)
+        self.assertEqual(self.calls[-1][1][2:5], (6, 4, 1))
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,260 @@
+"""weft: overlapped multi-GPU kernels for PyTorch and any DLPack framework.
+
+One process per GPU, started by torchrun, mpirun or weft-launch:
+
+    import torch, weft
+    comm = weft.init()                        # rendezvous with the other processes
+    x = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)
+    y = weft.all_reduce(x)                    # queued on torch's current stream
+    z = comm.empty((1 << 20,), "bf16")        # symmetric tensor: zero-copy input/output (DLPack)
+
+Torch tensors in, torch tensors out when torch is the caller; other frameworks pass anything with
+__dlpack__ and get symmetric tensors back (wrap them with their from_dlpack). Bad input raises TypeError or
+ValueError with the reason, before anything reaches the GPU.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+from . import _weft
+
+WeftError = _weft.WeftError
+
+__all__ = ["init", "Communicator", "WeftError", "all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+
+_DTYPES = ("bf16", "fp16", "fp32")
+_OPS = ("sum", "max", "min")
+_default = None
+
+
+def init(timeout_ms: int = 0) -> "Communicator":
+    """Joins this process's GPU to the team described by the launcher's environment.
+
+    The returned communicator also becomes the default one of the module-level ops.
+    """
+    global _default
+    _default = Communicator(_weft.Comm.from_env(timeout_ms))
+    return _default
+
+
+class Communicator:
+    """This process's rank of a weft team (one GPU)."""
+
+    def __init__(self, native):
+        self._c = native
+
+    rank = property(lambda self: self._c.rank)
+    world_size = property(lambda self: self._c.world_size)
+    device = property(lambda self: self._c.device)
+
+    def empty(self, shape, dtype="bf16"):
+        """A symmetric tensor (collective: every rank must call it with the same shape and dtype)."""
+        shape = _shape_tuple(shape)
+        return self._c.empty(list(shape), _dtype_name(dtype))
+
+    def barrier(self):
+        self._c.barrier()
+
+    def synchronize(self):
+        """Waits for this rank's queued weft work; raises WeftError if a device wait failed."""
+        self._c.synchronize()
+
+    def reserve_workspace(self, nbytes: int):
+        """Sizes the scratch memory up front (needed before capturing ops in a CUDA graph)."""
+        self._c.reserve_workspace(int(nbytes))
+
+    # The ops, bound to this communicator.
+    def all_reduce(self, x, op="sum", out=None):
+        return all_reduce(x, op=op, out=out, comm=self)
+
+    def all_gather(self, x, dim=0, out=None):
+        return all_gather(x, dim=dim, out=out, comm=self)
+
+    def reduce_scatter(self, x, dim=0, op="sum", out=None):
+        return reduce_scatter(x, dim=dim, op=op, out=out, comm=self)
+
+    def all_to_all(self, x, out=None):
+        return all_to_all(x, out=out, comm=self)
+
+
+# ---- argument handling --------------------------------------------------------------------------------
+
+
+class _Arg:
+    """A tensor argument reduced to what the kernels need."""
+
+    __slots__ = ("ptr", "shape", "dtype", "device", "contiguous", "torch")
+
+    def __init__(self, ptr, shape, dtype, device, contiguous, torch):
+        self.ptr, self.shape, self.dtype = ptr, tuple(shape), dtype
+        self.device, self.contiguous, self.torch = device, contiguous, torch
+
+    @property
+    def numel(self):
+        return math.prod(self.shape)
+
+
+def _is_torch(x):
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def _dtype_name(dtype):
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return dtype
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+        if dtype in names:
+            return names[dtype]
+    raise TypeError(f"weft: unsupported dtype {dtype!r}: use bf16, fp16 or fp32")
+
+
+def _shape_tuple(shape):
+    if isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"weft: negative dimension in shape {shape}")
+    return shape
+
+
+def _arg(x, name, stream):
+    if _is_torch(x):
+        if not x.is_cuda:
+            raise ValueError(f"weft: {name} must be a CUDA tensor, got one on {x.device}")
+        return _Arg(x.data_ptr(), x.shape, _dtype_name(x.dtype), x.device.index, x.is_contiguous(), True)
+    if hasattr(x, "__dlpack__"):
+        ptr, shape, strides, dtype, dev_type, dev_id = _weft.dlpack_info(x.__dlpack__(stream=stream or None))
+        if dev_type not in (2, 13):
+            raise ValueError(f"weft: {name} must be in CUDA device memory (DLPack device type {dev_type})")
+        if dtype not in _DTYPES:
+            raise TypeError(f"weft: {name} has an unsupported dtype: use bf16, fp16 or fp32")
+        contiguous = strides is None or _compact(shape, strides)
+        return _Arg(ptr, shape, dtype, dev_id, contiguous, False)
+    raise TypeError(f"weft: {name} must be a torch tensor or support DLPack (__dlpack__), got {type(x).__name__}")
+
+
+def _compact(shape, strides):
+    expect = 1
+    for d, s in zip(reversed(shape), reversed(strides)):
+        if d != 1 and s != expect:
+            return False
+        expect *= d
+    return True
+
+
+def _comm(comm):
+    c = comm if comm is not None else _default
+    if c is None:
+        raise RuntimeError("weft: call weft.init() first (or pass comm=)")
+    return c
+
+
+def _stream(c, x):
+    if _is_torch(x):
+        import torch  # the caller uses torch, so it is installed
+
+        return torch.cuda.current_stream(x.device).cuda_stream
+    return c._c.stream
+
+
+def _check_input(c, a, name):
+    if a.device != c.device:
+        raise ValueError(f"weft: {name} is on cuda:{a.device} but this rank uses cuda:{c.device}")
+    if not a.contiguous:
+        raise ValueError(f"weft: {name} must be contiguous (call .contiguous() first)")
+
+
+def _output(c, like, a, shape, out, name="out"):
+    """The given out (checked) or a new tensor: torch.empty when torch is the caller, else symmetric."""
+    if out is None:
+        if a.torch:
+            import torch
+
+            out = torch.empty(shape, dtype=like.dtype, device=like.device)
+        else:
+            out = c.empty(shape, a.dtype)
+    o = _arg(out, name, _stream(c, like))
+    _check_input(c, o, name)
+    if o.shape != tuple(shape):
+        raise ValueError(f"weft: {name} has shape {o.shape}, expected {tuple(shape)}")
+    if o.dtype != a.dtype:
+        raise TypeError(f"weft: {name} has dtype {o.dtype}, the input {a.dtype}")
+    return out, o
+
+
+def _dim(dim, ndim):
+    if ndim == 0:
+        raise ValueError("weft: a 0-d tensor has no dimension to gather or scatter")
+    d = dim + ndim if dim < 0 else dim
+    if not 0 <= d < ndim:
+        raise ValueError(f"weft: dim {dim} is out of range for a {ndim}-d tensor")
+    return d
+
+
+# ---- ops ----------------------------------------------------------------------------------------------
+
+
+def all_reduce(x, op="sum", out=None, comm=None):
+    """Elementwise reduction over ranks (sum, max or min); returns out (new tensor if not given)."""
+    c = _comm(comm)
+    if op not in _OPS:
+        raise ValueError(f"weft: unsupported reduction op {op!r}: use sum, max or min")
+    s = _stream(c, x)
+    a = _arg(x, "x", s)
+    _check_input(c, a, "x")
+    out, o = _output(c, x, a, a.shape, out)
+    _weft.all_reduce(c._c, a.ptr, o.ptr, a.numel, a.dtype, op, s)
+    return out
+
+
+def all_gather(x, dim=0, out=None, comm=None):
+    """Concatenates every rank's x along dim (any dim: no extra copies for inner ones)."""
+    c = _comm(comm)
+    s = _stream(c, x)
+    a = _arg(x, "x", s)
+    _check_input(c, a, "x")
+    d = _dim(dim, len(a.shape))
+    shape = list(a.shape)
+    shape[d] *= c.world_size
+    out, o = _output(c, x, a, shape, out)
+    rows = math.prod(a.shape[:d])
+    cols = math.prod(a.shape[d:])
+    _weft.all_gather(c._c, a.ptr, o.ptr, rows, cols, 0 if d == 0 else 1, a.dtype, s)
+    return out
+
+
+def reduce_scatter(x, dim=0, op="sum", out=None, comm=None):
+    """Reduces over ranks, then rank r keeps the r-th of world_size equal slices along dim."""
+    c = _comm(comm)
+    if op not in _OPS:
+        raise ValueError(f"weft: unsupported reduction op {op!r}: use sum, max or min")
+    s = _stream(c, x)
+    a = _arg(x, "x", s)
+    _check_input(c, a, "x")
+    d = _dim(dim, len(a.shape))
+    w = c.world_size
+    if a.shape[d] % w:
+        raise ValueError(f"weft: dim {dim} has size {a.shape[d]}, not divisible by the world size {w}")
+    shape = list(a.shape)
+    shape[d] //= w
+    out, o = _output(c, x, a, shape, out)
+    rows = math.prod(shape[:d])
+    cols = math.prod(shape[d:])
+    _weft.reduce_scatter(c._c, a.ptr, o.ptr, rows, cols, 0 if d == 0 else 1, a.dtype, op, s)
+    return out
+
+
+def all_to_all(x, out=None, comm=None):
+    """Equal splits: x holds world_size blocks; block p goes to rank p, and out block q comes from rank q."""
+    c = _comm(comm)
+    s = _stream(c, x)
+    a = _arg(x, "x", s)
+    _check_input(c, a, "x")
+    w = c.world_size
+    if a.numel % w:
+        raise ValueError(f"weft: x has {a.numel} elements, not divisible by the world size {w}")
+    out, o = _output(c, x, a, a.shape, out)
+    _weft.all_to_all(c._c, a.ptr, o.ptr, a.numel // w, a.dtype, s)
+    return out
