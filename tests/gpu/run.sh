@@ -51,6 +51,19 @@ for n in 2 4; do
   step "multi-process, $n ranks" "multi_$n" "$launch" -n "$n" "$tests"
 done
 step "rank death, 2 ranks (one exits mid-wait)" "rank_death" env WEFT_TEST_RANK_DEATH=1 "$launch" -n 2 "$tests" --filter rank_death
+# The Python package under torchrun, against torch.distributed (when torch and the module are there).
+if python3 -c "import torch" 2>/dev/null; then
+  cmake --build "$build" -j "$(nproc)" --target _weft >/dev/null 2>&1 || true
+  if ls "$build"/python/weft/_weft*.so >/dev/null 2>&1; then
+    for n in 2 4; do
+      [ "$n" -le "$ngpu" ] || continue
+      step "python (torchrun), $n processes" "python_$n" env PYTHONPATH="$build/python" \
+        python3 -m torch.distributed.run --nproc_per_node="$n" "$root/python/tests/gpu_ops.py"
+    done
+  else
+    echo "=== python: the extension module was not built (pybind11 / Python headers missing); skipped"
+  fi
+fi
 for tool in memcheck racecheck synccheck; do
   # racecheck flags cuBLAS's own kernels (nvjet_*), which the GEMM tests use as their reference; weft's
   # kernels were racecheck-clean with them included (2026-11-21). Leave the GEMM tests out of racecheck.
