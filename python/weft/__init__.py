@@ -193,17 +193,23 @@ def _dim(dim, ndim):
     return d
 
 
+def _prepare(x, comm, op=None):
+    """Communicator, stream and checked input of an op call."""
+    c = _comm(comm)
+    if op is not None and op not in _OPS:
+        raise ValueError(f"weft: unsupported reduction op {op!r}: use sum, max or min")
+    s = _stream(c, x)
+    a = _arg(x, "x", s)
+    _check_input(c, a, "x")
+    return c, s, a
+
+
 # ---- ops ----------------------------------------------------------------------------------------------
 
 
 def all_reduce(x, op="sum", out=None, comm=None):
     """Elementwise reduction over ranks (sum, max or min); returns out (new tensor if not given)."""
-    c = _comm(comm)
-    if op not in _OPS:
-        raise ValueError(f"weft: unsupported reduction op {op!r}: use sum, max or min")
-    s = _stream(c, x)
-    a = _arg(x, "x", s)
-    _check_input(c, a, "x")
+    c, s, a = _prepare(x, comm, op)
     out, o = _output(c, x, a, a.shape, out)
     _weft.all_reduce(c._c, a.ptr, o.ptr, a.numel, a.dtype, op, s)
     return out
@@ -211,10 +217,7 @@ def all_reduce(x, op="sum", out=None, comm=None):
 
 def all_gather(x, dim=0, out=None, comm=None):
     """Concatenates every rank's x along dim (any dim: no extra copies for inner ones)."""
-    c = _comm(comm)
-    s = _stream(c, x)
-    a = _arg(x, "x", s)
-    _check_input(c, a, "x")
+    c, s, a = _prepare(x, comm)
     d = _dim(dim, len(a.shape))
     shape = list(a.shape)
     shape[d] *= c.world_size
@@ -227,12 +230,7 @@ def all_gather(x, dim=0, out=None, comm=None):
 
 def reduce_scatter(x, dim=0, op="sum", out=None, comm=None):
     """Reduces over ranks, then rank r keeps the r-th of world_size equal slices along dim."""
-    c = _comm(comm)
-    if op not in _OPS:
-        raise ValueError(f"weft: unsupported reduction op {op!r}: use sum, max or min")
-    s = _stream(c, x)
-    a = _arg(x, "x", s)
-    _check_input(c, a, "x")
+    c, s, a = _prepare(x, comm, op)
     d = _dim(dim, len(a.shape))
     w = c.world_size
     if a.shape[d] % w:
@@ -248,10 +246,7 @@ def reduce_scatter(x, dim=0, op="sum", out=None, comm=None):
 
 def all_to_all(x, out=None, comm=None):
     """Equal splits: x holds world_size blocks; block p goes to rank p, and out block q comes from rank q."""
-    c = _comm(comm)
-    s = _stream(c, x)
-    a = _arg(x, "x", s)
-    _check_input(c, a, "x")
+    c, s, a = _prepare(x, comm)
     w = c.world_size
     if a.numel % w:
         raise ValueError(f"weft: x has {a.numel} elements, not divisible by the world size {w}")
