@@ -2,8 +2,9 @@
 // share of the data. Block b of every rank handles the same share, and the blocks with the same index meet
 // in their own barrier slot (kCollectiveSlotBase + b): no grid-wide synchronization anywhere.
 //
-// Every kernel starts with that per-block barrier. Passing it means every peer has started this call, so
-// its previous kernels (which may still have been reading the buffers we are about to write) are done.
+// Every kernel but the LL one-shot starts with that per-block barrier. Passing it means every peer has
+// started this call, so its previous kernels (which may still have been reading the buffers we are about to
+// write) are done. The LL one-shot needs none: see its comment.
 #pragma once
 #include <type_traits>
 
@@ -49,8 +50,7 @@ __device__ __forceinline__ bool meet(const TeamView& team) {
   return barrier_block(team, kCollectiveSlotBase + blockIdx.x);
 }
 
-// Copies this block's share of a rows x row_bytes region in units of V bytes (V divides row_bytes, both
-// strides and both addresses: the host picks the widest).
+// The access unit of V bytes.
 template <int V>
 using Unit =
     std::conditional_t<V == 16, uint4,
