@@ -10,6 +10,49 @@ std::vector<Mode>& modes() {
   return m;
 }
 
+BenchTeam::BenchTeam(const Context& ctx) {
+  Options o;
+  for (int d = 0; d < ctx.gpus; ++d) o.devices.push_back(d);
+  comm = ctx.env ? Communicator::create_from_launcher(*ctx.env, o) : Communicator::create_single_process(o);
+  const int L = comm->num_local();
+  nccl.resize(L);
+  if (ctx.env) {  // one rank per process: rank 0's unique id reaches the others through weft's channel
+    ncclUniqueId id{};
+    if (comm->local(0).rank() == 0) WEFT_NCCL_CHECK(ncclGetUniqueId(&id));
+    const std::string root =
+        comm->host_allgather(std::string(reinterpret_cast<const char*>(&id), sizeof(id)))[0];
+    std::memcpy(&id, root.data(), sizeof(id));
+    WEFT_CUDA_CHECK(cudaSetDevice(comm->local(0).device()));
+    WEFT_NCCL_CHECK(ncclCommInitRank(&nccl[0], comm->world(), id, comm->local(0).rank()));
+  } else {
+    WEFT_NCCL_CHECK(ncclCommInitAll(nccl.data(), comm->world(), o.devices.data()));
+  }
+  streams.resize(L);
+  for (int i = 0; i < L; ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
+  }
+}
+
+BenchTeam::~BenchTeam() {
+  for (int i = 0; i < static_cast<int>(streams.size()); ++i) {
+    cudaSetDevice(comm->local(i).device());
+    cudaStreamDestroy(streams[i]);
+    ncclCommDestroy(nccl[i]);
+  }
+}
+
+double BenchTeam::team_max(double x) {
+  double m = x;
+  for (const std::string& v :
+       comm->host_allgather(std::string(reinterpret_cast<const char*>(&x), sizeof(x)))) {
+    double y;
+    std::memcpy(&y, v.data(), sizeof(y));
+    m = std::max(m, y);
+  }
+  return m;
+}
+
 std::string fmt(const char* f, ...) {
   char buf[512];
   va_list ap;
@@ -91,6 +134,57 @@ std::string Table::json() const {
     o += "]";
   }
   return o + "]}";
+}
+
+// Captures `iters` calls per GPU (rotating buffer sets) into one graph per GPU, replays it `reps` times,
+// returns the slowest rank's median time per call in microseconds.
+double time_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams, int iters, int reps,
+                   const std::function<void(int)>& enqueue) {
+  const int W = comm.num_local();
+  std::vector<cudaGraphExec_t> exec(W);
+  for (int i = 0; i < W; ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+    WEFT_CUDA_CHECK(cudaStreamBeginCapture(streams[i], cudaStreamCaptureModeRelaxed));
+  }
+  for (int k = 0; k < iters; ++k) enqueue(k);
+  for (int i = 0; i < W; ++i) {
+    cudaGraph_t g;
+    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+    WEFT_CUDA_CHECK(cudaStreamEndCapture(streams[i], &g));
+    WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[i], g, 0));
+    WEFT_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  std::vector<std::vector<float>> ms(W);
+  std::vector<cudaEvent_t> start(W), stop(W);
+  for (int i = 0; i < W; ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+    WEFT_CUDA_CHECK(cudaEventCreate(&start[i]));
+    WEFT_CUDA_CHECK(cudaEventCreate(&stop[i]));
+  }
+  for (int rep = -1; rep < reps; ++rep) {  // rep -1: warm-up
+    for (int i = 0; i < W; ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      WEFT_CUDA_CHECK(cudaEventRecord(start[i], streams[i]));
+      WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], streams[i]));
+      WEFT_CUDA_CHECK(cudaEventRecord(stop[i], streams[i]));
+    }
+    for (int i = 0; i < W; ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      WEFT_CUDA_CHECK(cudaEventSynchronize(stop[i]));
+      float t = 0;
+      WEFT_CUDA_CHECK(cudaEventElapsedTime(&t, start[i], stop[i]));
+      if (rep >= 0) ms[i].push_back(t);
+    }
+  }
+  comm.check_device_errors();
+  double worst = 0;
+  for (int i = 0; i < W; ++i) {
+    worst = std::max(worst, double(median(ms[i])) * 1000.0 / iters);
+    cudaGraphExecDestroy(exec[i]);
+    cudaEventDestroy(start[i]);
+    cudaEventDestroy(stop[i]);
+  }
+  return worst;
 }
 
 }  // namespace weft::bench

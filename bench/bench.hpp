@@ -1,11 +1,13 @@
 // weft-bench infrastructure: modes, result tables (readable and JSON), timing helpers.
 #pragma once
 #include <cuda_runtime.h>
+#include <nccl.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -52,11 +54,37 @@ struct ModeRegistrar {
   }
 };
 
+#define WEFT_NCCL_CHECK(expr)                                                                             \
+  do {                                                                                                    \
+    ncclResult_t weft_nccl_r_ = (expr);                                                                   \
+    if (weft_nccl_r_ != ncclSuccess)                                                                      \
+      ::weft::throw_error(std::string("NCCL error: ") + ncclGetErrorString(weft_nccl_r_) + " in " #expr); \
+  } while (0)
+
+// What a benchmark against NCCL runs on: the weft team (single-process over the first ctx.gpus GPUs, or
+// this process's rank under a launcher), an NCCL communicator and a stream per local rank.
+struct BenchTeam {
+  std::unique_ptr<Communicator> comm;
+  std::vector<ncclComm_t> nccl;
+  std::vector<cudaStream_t> streams;
+  explicit BenchTeam(const Context& ctx);
+  ~BenchTeam();
+  int world() const { return comm->world(); }
+  int local() const { return comm->num_local(); }
+  // The slowest rank's value: across processes when there are several.
+  double team_max(double x);
+};
+
 std::string fmt(const char* f, ...);
 // Per-GPU egress (GB/s) of all-to-all 16-byte-store puts, `bytes_per_peer` to every peer at once: the
 // link bandwidth the collectives are measured against (weft-bench transfer).
 double measure_all_to_all_egress(Communicator& comm, uint64_t bytes_per_peer);
 std::string human_bytes(uint64_t b);
 float median(std::vector<float> v);
+// Captures `iters` calls per local GPU (enqueue(k) enqueues call k on every local GPU) into one CUDA graph
+// per GPU, replays it `reps` times after a warm-up, returns the slowest local rank's median time per call in
+// us.
+double time_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams, int iters, int reps,
+                   const std::function<void(int)>& enqueue);
 
 }  // namespace weft::bench

@@ -18,12 +18,6 @@
 namespace weft::bench {
 namespace {
 
-#define NCCL_CHECK(expr)                                                                                     \
-  do {                                                                                                       \
-    ncclResult_t r_ = (expr);                                                                                \
-    if (r_ != ncclSuccess) throw_error(std::string("NCCL error: ") + ncclGetErrorString(r_) + " in " #expr); \
-  } while (0)
-
 enum class Coll { kAllReduce, kAllGather, kReduceScatter, kAllToAll };
 const char* coll_name(Coll c) {
   switch (c) {
@@ -93,77 +87,25 @@ void enqueue_nccl(ncclComm_t nc, Coll c, const void* in, void* out, const Geomet
                   cudaStream_t s) {
   switch (c) {
     case Coll::kAllReduce:
-      NCCL_CHECK(ncclAllReduce(in, out, g.count, ncclBfloat16, ncclSum, nc, s));
+      WEFT_NCCL_CHECK(ncclAllReduce(in, out, g.count, ncclBfloat16, ncclSum, nc, s));
       return;
     case Coll::kAllGather:
-      NCCL_CHECK(ncclAllGather(in, out, g.in_bytes / 2, ncclBfloat16, nc, s));
+      WEFT_NCCL_CHECK(ncclAllGather(in, out, g.in_bytes / 2, ncclBfloat16, nc, s));
       return;
     case Coll::kReduceScatter:
-      NCCL_CHECK(ncclReduceScatter(in, out, g.out_bytes / 2, ncclBfloat16, ncclSum, nc, s));
+      WEFT_NCCL_CHECK(ncclReduceScatter(in, out, g.out_bytes / 2, ncclBfloat16, ncclSum, nc, s));
       return;
     case Coll::kAllToAll: {
       const size_t n = g.count / W;
-      NCCL_CHECK(ncclGroupStart());
+      WEFT_NCCL_CHECK(ncclGroupStart());
       for (int p = 0; p < W; ++p) {
-        NCCL_CHECK(ncclSend(static_cast<const char*>(in) + p * n * 2, n, ncclBfloat16, p, nc, s));
-        NCCL_CHECK(ncclRecv(static_cast<char*>(out) + p * n * 2, n, ncclBfloat16, p, nc, s));
+        WEFT_NCCL_CHECK(ncclSend(static_cast<const char*>(in) + p * n * 2, n, ncclBfloat16, p, nc, s));
+        WEFT_NCCL_CHECK(ncclRecv(static_cast<char*>(out) + p * n * 2, n, ncclBfloat16, p, nc, s));
       }
-      NCCL_CHECK(ncclGroupEnd());
+      WEFT_NCCL_CHECK(ncclGroupEnd());
       return;
     }
   }
-}
-
-// Captures `iters` calls per GPU (rotating buffer sets) into one graph per GPU, replays it `reps` times,
-// returns the slowest rank's median time per call in microseconds.
-template <class Enqueue>
-double time_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams, int iters, int reps,
-                   Enqueue&& enqueue) {
-  const int W = comm.num_local();
-  std::vector<cudaGraphExec_t> exec(W);
-  for (int i = 0; i < W; ++i) {
-    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-    WEFT_CUDA_CHECK(cudaStreamBeginCapture(streams[i], cudaStreamCaptureModeRelaxed));
-  }
-  for (int k = 0; k < iters; ++k) enqueue(k);
-  for (int i = 0; i < W; ++i) {
-    cudaGraph_t g;
-    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-    WEFT_CUDA_CHECK(cudaStreamEndCapture(streams[i], &g));
-    WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[i], g, 0));
-    WEFT_CUDA_CHECK(cudaGraphDestroy(g));
-  }
-  std::vector<std::vector<float>> ms(W);
-  std::vector<cudaEvent_t> start(W), stop(W);
-  for (int i = 0; i < W; ++i) {
-    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-    WEFT_CUDA_CHECK(cudaEventCreate(&start[i]));
-    WEFT_CUDA_CHECK(cudaEventCreate(&stop[i]));
-  }
-  for (int rep = -1; rep < reps; ++rep) {  // rep -1: warm-up
-    for (int i = 0; i < W; ++i) {
-      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-      WEFT_CUDA_CHECK(cudaEventRecord(start[i], streams[i]));
-      WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], streams[i]));
-      WEFT_CUDA_CHECK(cudaEventRecord(stop[i], streams[i]));
-    }
-    for (int i = 0; i < W; ++i) {
-      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-      WEFT_CUDA_CHECK(cudaEventSynchronize(stop[i]));
-      float t = 0;
-      WEFT_CUDA_CHECK(cudaEventElapsedTime(&t, start[i], stop[i]));
-      if (rep >= 0) ms[i].push_back(t);
-    }
-  }
-  comm.check_device_errors();
-  double worst = 0;
-  for (int i = 0; i < W; ++i) {
-    worst = std::max(worst, double(median(ms[i])) * 1000.0 / iters);
-    cudaGraphExecDestroy(exec[i]);
-    cudaEventDestroy(start[i]);
-    cudaEventDestroy(stop[i]);
-  }
-  return worst;
 }
 
 float bf16_to_float(uint16_t h) {
@@ -175,40 +117,12 @@ float bf16_to_float(uint16_t h) {
 
 void run_collective(Context& ctx, Coll which) {
   WEFT_CHECK(ctx.gpus >= 2, std::string(coll_name(which)) + " needs at least 2 GPUs");
-  // Single-process over the first `gpus` GPUs, or this process's one rank under a launcher.
-  Options o;
-  for (int d = 0; d < ctx.gpus; ++d) o.devices.push_back(d);
-  auto comm =
-      ctx.env ? Communicator::create_from_launcher(*ctx.env, o) : Communicator::create_single_process(o);
-  const int W = comm->world(), L = comm->num_local();
-  std::vector<ncclComm_t> nccl(L);
-  if (ctx.env) {
-    ncclUniqueId id{};
-    if (comm->local(0).rank() == 0) NCCL_CHECK(ncclGetUniqueId(&id));
-    const std::string root =
-        comm->host_allgather(std::string(reinterpret_cast<const char*>(&id), sizeof(id)))[0];
-    std::memcpy(&id, root.data(), sizeof(id));
-    WEFT_CUDA_CHECK(cudaSetDevice(comm->local(0).device()));
-    NCCL_CHECK(ncclCommInitRank(&nccl[0], W, id, comm->local(0).rank()));
-  } else {
-    NCCL_CHECK(ncclCommInitAll(nccl.data(), W, o.devices.data()));
-  }
-  std::vector<cudaStream_t> streams(L);
-  for (int i = 0; i < L; ++i) {
-    WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
-  }
-  // The slowest rank of the team: across processes when there are several.
-  auto team_max = [&](double x) {
-    double m = x;
-    for (const std::string& v :
-         comm->host_allgather(std::string(reinterpret_cast<const char*>(&x), sizeof(x)))) {
-      double y;
-      std::memcpy(&y, v.data(), sizeof(y));
-      m = std::max(m, y);
-    }
-    return m;
-  };
+  BenchTeam team(ctx);
+  Communicator* comm = team.comm.get();
+  const int W = team.world(), L = team.local();
+  std::vector<ncclComm_t>& nccl = team.nccl;
+  std::vector<cudaStream_t>& streams = team.streams;
+  auto team_max = [&](double x) { return team.team_max(x); };
   ctx.progress("%s: measuring the link (all-to-all puts, 256 MiB per peer)", coll_name(which));
   const double link = ctx.env ? 0.0 : measure_all_to_all_egress(*comm, 256ull << 20);
 
@@ -267,12 +181,12 @@ void run_collective(Context& ctx, Coll which) {
       }
     }
     for (int i = 0; i < L; ++i) enqueue_weft(*comm, which, i, ws.in[0][i], ws.out[0][i], g, streams[i]);
-    NCCL_CHECK(ncclGroupStart());
+    WEFT_NCCL_CHECK(ncclGroupStart());
     for (int i = 0; i < L; ++i) {
       WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
       enqueue_nccl(nccl[i], which, ns.in[0][i], ns.out[0][i], g, W, streams[i]);
     }
-    NCCL_CHECK(ncclGroupEnd());
+    WEFT_NCCL_CHECK(ncclGroupEnd());
     uint64_t wrong = 0;
     for (int i = 0; i < L; ++i) {
       WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
@@ -294,12 +208,12 @@ void run_collective(Context& ctx, Coll which) {
     const int iters = size <= (1u << 20) ? 200 : size <= (64u << 20) ? 20 : 4;
     const int reps = ctx.quick ? 3 : 7;
     const double t_nccl_local = time_graphs(*comm, streams, iters, reps, [&](int k) {
-      NCCL_CHECK(ncclGroupStart());
+      WEFT_NCCL_CHECK(ncclGroupStart());
       for (int i = 0; i < L; ++i) {
         WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
         enqueue_nccl(nccl[i], which, ns.in[k % sets][i], ns.out[k % sets][i], g, W, streams[i]);
       }
-      NCCL_CHECK(ncclGroupEnd());
+      WEFT_NCCL_CHECK(ncclGroupEnd());
     });
     const double t_weft_local = time_graphs(*comm, streams, iters, reps, [&](int k) {
       for (int i = 0; i < L; ++i)
@@ -320,11 +234,6 @@ void run_collective(Context& ctx, Coll which) {
       }
   }
   ctx.add(std::move(t));
-  for (auto& c : nccl) ncclCommDestroy(c);
-  for (int i = 0; i < L; ++i) {
-    cudaSetDevice(comm->local(i).device());
-    cudaStreamDestroy(streams[i]);
-  }
 }
 
 ModeRegistrar r1("allreduce", "bf16 all-reduce vs NCCL, 8 KiB..1 GiB",

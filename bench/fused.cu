@@ -1,0 +1,164 @@
+// weft-bench fused: the fused tensor-parallel ops against the sequential cuBLAS + NCCL path in the same run,
+// bf16, B as an [N, K] weight. Per op and shape: sequential (cuBLAS then NCCL), compute alone (the cuBLAS
+// GEMM), communication alone (the NCCL collective), weft (the fused op, which may itself fall back to its
+// sequential path: the "weft path" column says so), and weft over the bound max(compute, communication).
+// Shapes are global (N = K = 8192, N = 28672 / K = 8192): all_gather_matmul multiplies by an N/W column
+// slice, matmul_reduce_scatter / all_reduce by a K/W slice. Times: CUDA graphs, slowest rank's median.
+#include <cublas_v2.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <random>
+
+#include "bench.hpp"
+#include "weft/ops/fused.hpp"
+
+namespace weft::bench {
+namespace {
+
+#define FB_CUBLAS(expr) \
+  WEFT_CHECK((expr) == CUBLAS_STATUS_SUCCESS, std::string("weft-bench fused: cuBLAS failed: ") + #expr)
+
+enum class Op { kAG, kRS, kAR };
+const char* op_name(Op o) {
+  return o == Op::kAG ? "all_gather_matmul" : o == Op::kRS ? "matmul_reduce_scatter" : "matmul_all_reduce";
+}
+
+struct PerGpu {
+  cublasHandle_t blas = nullptr;
+  void* blas_ws = nullptr;
+  char *a = nullptr, *b = nullptr, *out = nullptr, *tmp = nullptr;  // cudaMalloc: cuBLAS + NCCL side
+};
+
+// C [M,N] = A [M,K] . W^T with W [N,K], all row-major (column-major: C^T = W . A^T).
+void cublas_gemm(cublasHandle_t h, const void* a, const void* w, void* c, int64_t m, int64_t n, int64_t k) {
+  const float one = 1.f, zero = 0.f;
+  FB_CUBLAS(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(m), int(k), &one, w, CUDA_R_16BF, int(k), a,
+                         CUDA_R_16BF, int(k), &zero, c, CUDA_R_16BF, int(n), CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT));
+}
+
+void run_fused(Context& ctx) {
+  WEFT_CHECK(ctx.gpus >= 2, "fused needs at least 2 GPUs");
+  BenchTeam team(ctx);
+  Communicator* comm = team.comm.get();
+  const int W = team.world(), L = team.local();
+  std::vector<ncclComm_t>& nccl = team.nccl;
+  std::vector<cudaStream_t>& streams = team.streams;
+  auto team_max = [&](double x) { return team.team_max(x); };
+  std::vector<PerGpu> g(L);
+  constexpr size_t kBlasWs = 64 << 20;
+  for (int i = 0; i < L; ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+    FB_CUBLAS(cublasCreate(&g[i].blas));
+    FB_CUBLAS(cublasSetStream(g[i].blas, streams[i]));
+    WEFT_CUDA_CHECK(cudaMalloc(&g[i].blas_ws, kBlasWs));
+    FB_CUBLAS(cublasSetWorkspace(g[i].blas, g[i].blas_ws, kBlasWs));
+  }
+  std::vector<int64_t> ms = {1024, 2048, 4096, 8192, 16384, 32768};
+  if (ctx.quick) ms = {2048, 8192};
+  const std::pair<int64_t, int64_t> nks[] = {{8192, 8192}, {28672, 8192}};
+  Table t(fmt("fused tensor-parallel ops, bf16, %d GPUs (%s): weft vs cuBLAS + NCCL %d.%d.%d", W,
+              ctx.env ? "one process per GPU" : "single-process", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
+          {"op", "M", "N", "K", "sequential us", "compute us", "comm us", "weft us", "weft path", "speedup",
+           "weft / bound"},
+          "sequential = cuBLAS GEMM + NCCL collective; bound = max(compute alone, communication alone); weft "
+          "path "
+          "'sequential' means the op chose its fallback (weft::gemm + weft collective) for this shape.");
+  for (Op op : {Op::kAG, Op::kRS, Op::kAR})
+    for (auto [N, K] : nks)
+      for (int64_t M : ms) {
+        // Per-rank GEMM: AG [M, K] x [N/W, K]^T; RS / AR [M, K/W] x [N, K/W]^T.
+        const int64_t gn = op == Op::kAG ? N / W : N, gk = op == Op::kAG ? K : K / W, rows = M / W;
+        ctx.progress("fused: %s M=%lld N=%lld K=%lld", op_name(op), (long long)M, (long long)N, (long long)K);
+        const uint64_t a_bytes = M * gk * 2, out_bytes = (op == Op::kRS ? rows : M) * gn * 2;
+        SymmetricBuffer wa = comm->alloc(op == Op::kAG ? rows * gk * 2 : a_bytes),
+                        wo = comm->alloc(out_bytes);
+        for (int i = 0; i < L; ++i) {
+          WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+          WEFT_CUDA_CHECK(cudaMalloc(&g[i].a, a_bytes));
+          WEFT_CUDA_CHECK(cudaMalloc(&g[i].b, gn * gk * 2));
+          WEFT_CUDA_CHECK(cudaMalloc(&g[i].out, out_bytes));
+          WEFT_CUDA_CHECK(cudaMalloc(&g[i].tmp, M * gn * 2));
+          std::vector<uint16_t> h(std::max<uint64_t>(a_bytes, gn * gk * 2) / 2);
+          std::mt19937 rng(7 + comm->local(i).rank());
+          for (auto& x : h)
+            x = uint16_t(0x3c00 + (rng() & 0x3ff)) ^ uint16_t((rng() & 1) << 15);  // bf16 +-[2^-7, 2)
+          WEFT_CUDA_CHECK(cudaMemcpy(g[i].a, h.data(), a_bytes, cudaMemcpyHostToDevice));
+          WEFT_CUDA_CHECK(cudaMemcpy(wa.local[i], h.data(), op == Op::kAG ? rows * gk * 2 : a_bytes,
+                                     cudaMemcpyHostToDevice));
+          WEFT_CUDA_CHECK(cudaMemcpy(g[i].b, h.data(), gn * gk * 2, cudaMemcpyHostToDevice));
+        }
+        auto gemm_alone = [&](int i) { cublas_gemm(g[i].blas, g[i].a, g[i].b, g[i].tmp, M, gn, gk); };
+        auto comm_alone = [&](int i) {
+          if (op == Op::kAG)
+            WEFT_NCCL_CHECK(
+                ncclAllGather(g[i].out, g[i].a, size_t(rows * gk), ncclBfloat16, nccl[i], streams[i]));
+          else if (op == Op::kRS)
+            WEFT_NCCL_CHECK(ncclReduceScatter(g[i].tmp, g[i].out, size_t(rows * gn), ncclBfloat16, ncclSum,
+                                              nccl[i], streams[i]));
+          else
+            WEFT_NCCL_CHECK(ncclAllReduce(g[i].tmp, g[i].out, size_t(M * gn), ncclBfloat16, ncclSum, nccl[i],
+                                          streams[i]));
+        };
+        FusedPath path = FusedPath::kFused;
+        auto weft_call = [&](int i) {
+          Rank& r = comm->local(i);
+          const BLayout nk = BLayout::kNK;
+          if (op == Op::kAG)
+            path = all_gather_matmul(*comm, r, wa.local[i], g[i].b, wo.local[i], nullptr, M, gn, gk, nk,
+                                     streams[i]);
+          else if (op == Op::kRS)
+            path =
+                matmul_reduce_scatter(*comm, r, wa.local[i], g[i].b, wo.local[i], M, gn, gk, nk, streams[i]);
+          else
+            path = matmul_all_reduce(*comm, r, wa.local[i], g[i].b, wo.local[i], M, gn, gk, nk, streams[i]);
+        };
+        auto on_all = [&](auto&& f, bool nccl_group) {
+          return [&, nccl_group](int) {
+            if (nccl_group) WEFT_NCCL_CHECK(ncclGroupStart());
+            for (int i = 0; i < L; ++i) {
+              WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+              f(i);
+            }
+            if (nccl_group) WEFT_NCCL_CHECK(ncclGroupEnd());
+          };
+        };
+        on_all(weft_call, false)(0);  // grows the workspace before any capture
+        comm->synchronize();
+        const int iters = M <= 4096 ? 10 : 3, reps = ctx.quick ? 3 : 7;
+        // Sequential: AG is the collective then the GEMM; RS / AR the GEMM then the collective. NCCL calls of
+        // one thread for several GPUs go in a group (launched at ncclGroupEnd), so each stage is its own
+        // pass.
+        auto seq = [&](int k) {
+          if (op == Op::kAG) on_all(comm_alone, true)(k);
+          on_all(gemm_alone, false)(k);
+          if (op != Op::kAG) on_all(comm_alone, true)(k);
+        };
+        const double t_seq = team_max(time_graphs(*comm, streams, iters, reps, seq));
+        const double t_gemm = team_max(time_graphs(*comm, streams, iters, reps, on_all(gemm_alone, false)));
+        const double t_comm = team_max(time_graphs(*comm, streams, iters, reps, on_all(comm_alone, true)));
+        const double t_weft = team_max(time_graphs(*comm, streams, iters, reps, on_all(weft_call, false)));
+        t.add({op_name(op), std::to_string(M), std::to_string(N), std::to_string(K), fmt("%.1f", t_seq),
+               fmt("%.1f", t_gemm), fmt("%.1f", t_comm), fmt("%.1f", t_weft), fused_path_name(path),
+               fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm))});
+        comm->free(wa);
+        comm->free(wo);
+        for (int i = 0; i < L; ++i) {
+          WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+          for (char* p : {g[i].a, g[i].b, g[i].out, g[i].tmp}) WEFT_CUDA_CHECK(cudaFree(p));
+        }
+      }
+  ctx.add(std::move(t));
+  for (int i = 0; i < L; ++i) {
+    cudaSetDevice(comm->local(i).device());
+    cublasDestroy(g[i].blas);
+    cudaFree(g[i].blas_ws);
+  }
+}
+
+ModeRegistrar reg("fused", "all_gather_matmul / matmul_reduce_scatter / matmul_all_reduce vs cuBLAS + NCCL",
+                  run_fused);
+
+}  // namespace
+}  // namespace weft::bench

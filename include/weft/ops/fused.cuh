@@ -1,0 +1,179 @@
+// Device code of the fused tensor-parallel ops, each a short wrapper of the LCSC GEMM (ops/gemm.cuh) plus the
+// communication primitives. Unicast only: peer stores, TMA reduce-add into a peer, signals, barriers.
+//
+// Per-call epoch: every fused kernel reads `state[0] + 1` (state: fused-op user flags in the signal pad,
+// local to the rank) as its call epoch; every block, or consumer warpgroup, adds 1 to state[1] when it will
+// not read the epoch again, and the last one stores the epoch into state[0] (and clears state[1] for the next
+// call). Every rank makes the same fused calls in the same order, so epochs agree across ranks. Flags only
+// grow.
+//
+//   AgGemmOp  all-gather + GEMM, inter-SM overlap. Communicator blocks meet their counterparts (so every
+//   peer's
+//             previous call is over), then push this rank's A shard, chunk by chunk, into every rank's
+//             gathered A (this rank's first, then rank - 1, rank - 2, ...) and set that rank's flag of the
+//             chunk to the epoch. The loader's wait_inputs waits for the flags of every chunk a tile's rows
+//             touch.
+//   RsGemmOp  GEMM + reduce-scatter, intra-SM overlap. The storer TMA-reduce-adds each 64-row half tile into
+//             the fp32 accumulator shard of the rank(s) owning those rows (one tensor map per rank). One
+//             communicator block meets the team first (every owner has zeroed its accumulator) and raises a
+//             local flag the storers wait on before their first add. rs_finalize_kernel (after the GEMM)
+//             meets again (every rank's adds have landed) and converts the shard to bf16.
+#pragma once
+#include "weft/comm/barrier.cuh"
+#include "weft/comm/signal.cuh"
+#include "weft/ops/collectives.cuh"
+#include "weft/ops/gemm.cuh"
+
+namespace weft::ops {
+
+inline constexpr int kFusedMaxWorld = 8;  // RsGemmOp carries one tensor map per rank
+inline constexpr int kFusedFlags = 1024;  // AG chunk flags: user flags [kFusedFlagBase, + kFusedFlags)
+inline constexpr int kFusedFlagBase = kUserFlags - kFusedFlags - 2;
+inline constexpr int kFusedStateFlag = kUserFlags - 2;      // [0] calls completed, [1] finishers of this call
+inline constexpr int kFusedReadyFlag = kFusedFlagBase - 1;  // RS: the start meeting has passed
+
+struct FusedSync {
+  TeamView team;
+  int done_target;  // finishers per call: consumer warpgroups of compute blocks + communicator blocks
+  __device__ uint64_t epoch() const {
+    return *reinterpret_cast<volatile uint64_t*>(team.user_flag(kFusedStateFlag)) + 1;
+  }
+  __device__ void done() const {  // this finisher reads the epoch no more
+    uint64_t* s = team.user_flag(kFusedStateFlag);
+    const uint64_t e = epoch();
+    __threadfence();
+    if (atomicAdd(reinterpret_cast<unsigned long long*>(s + 1), 1ull) + 1 == uint64_t(done_target)) {
+      s[1] = 0;
+      *reinterpret_cast<volatile uint64_t*>(s) = e;
+    }
+  }
+};
+
+// ---- all-gather + GEMM ---------------------------------------------------------------------------------
+template <bool kBKMajor, int kCluster>
+struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
+  using Base = GemmOp<__nv_bfloat16, kBKMajor, kCluster>;
+  struct Params : Base::Params {
+    FusedSync sync;
+    const __nv_bfloat16* a_shard;  // [shard_rows, K], dense, this rank's
+    __nv_bfloat16* gathered;       // [W * shard_rows, K], dense, symmetric (Base::Params::a maps it)
+    int64_t shard_rows, k;
+    int chunk_rows, chunks;  // per shard: chunk j = rows [j * chunk_rows, ..), its flag (source * chunks + j)
+  };
+
+  __device__ static uint64_t* flag(const Params& p, int src, int j) {
+    return p.sync.team.user_flag(kFusedFlagBase + src * p.chunks + j);
+  }
+  __device__ static void wait_inputs(const Params& p, const lcsc::Tile& t) {
+    const uint64_t e = p.sync.epoch();
+    const int64_t m_end = p.shard_rows * p.sync.team.world;
+    const int64_t r0 = int64_t(t.m) * Base::kBM, r1 = min(r0 + Base::kBM, m_end) - 1;
+    for (int64_t r = r0; r <= r1;) {  // one wait per (source, chunk) the rows touch
+      const int src = int(r / p.shard_rows), j = int((r - src * p.shard_rows) / p.chunk_rows);
+      wait_ge(p.sync.team, flag(p, src, j), e);
+      r = src * p.shard_rows + min(int64_t(j + 1) * p.chunk_rows, p.shard_rows);
+    }
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // peers' generic stores before our TMA loads
+  }
+  __device__ static void finish(const Params& p, typename Base::Smem& s, int wg,
+                                typename Base::StoreState& es) {
+    Base::finish(p, s, wg, es);
+    if (tile::thread_in_warpgroup() == 0) p.sync.done();
+  }
+  __device__ static void communicate(const Params& p, typename Base::Smem&, int index, int count) {
+    const TeamView& t = p.sync.team;
+    const uint64_t e = p.sync.epoch();
+    // Meet this block's counterparts (slot by communicator index): every peer has finished its previous call.
+    if (barrier_block(t, kCollectiveSlotBase + index)) {
+      const int world = t.world;
+      for (int u = index; u < world * p.chunks; u += count) {
+        const int dst = (t.rank - u / p.chunks + world) % world, j = u % p.chunks;
+        const int64_t r0 = int64_t(j) * p.chunk_rows, rows = min(int64_t(p.chunk_rows), p.shard_rows - r0);
+        const uint4* from = reinterpret_cast<const uint4*>(p.a_shard + r0 * p.k);
+        uint4* to =
+            t.peer_ptr(reinterpret_cast<uint4*>(p.gathered + (t.rank * p.shard_rows + r0) * p.k), dst);
+        const int64_t n = rows * p.k / 8, step = blockDim.x;
+        int64_t i = threadIdx.x;
+        for (; i + 3 * step < n; i += 4 * step) {  // 4 loads in flight per thread
+          uint4 v[4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) v[q] = from[i + q * step];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) to[i + q * step] = v[q];
+        }
+        for (; i < n; i += step) to[i] = from[i];
+        __syncthreads();  // the block's stores, then one release signal covers them
+        if (threadIdx.x == 0) signal_set(t, flag(p, t.rank, j), dst, e);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) p.sync.done();
+  }
+};
+
+// ---- GEMM + reduce-scatter (and the first half of all-reduce) -----------------------------------------
+template <bool kBKMajor, int kCluster>
+struct RsGemmOp : GemmOp<float, kBKMajor, kCluster> {
+  using Base = GemmOp<float, kBKMajor, kCluster>;
+  struct Params : Base::Params {
+    FusedSync sync;
+    CUtensorMap owner[kFusedMaxWorld];  // rank r's fp32 accumulator [shard_rows, N], as this rank sees it
+    int shard_rows;
+  };
+  struct StoreState {
+    typename Base::StoreState epi;
+    bool ready;
+  };
+
+  __device__ static void init(const Params& p, typename Base::Smem& s) {
+    Base::init(p, s);
+    for (int r = 0; r < p.sync.team.world; ++r) tma::prefetch_map(&p.owner[r]);
+  }
+  __device__ static void store(const Params& p, typename Base::Smem& s, const lcsc::Tile& t, int wg,
+                               const typename Base::Accum& acc, StoreState& es) {
+    const TeamView& team = p.sync.team;
+    if (!es.ready && tile::thread_in_warpgroup() == 0) {  // only the leader issues TMA: only it waits
+      wait_ge(team, team.user_flag(kFusedReadyFlag), p.sync.epoch());
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+    es.ready = true;
+    const int row = t.m * Base::kBM + 64 * wg, col = t.n * Base::kBN;
+    const int last = min((row + 63) / p.shard_rows, team.world - 1);
+    for (int r = row / p.shard_rows; r <= last; ++r)  // two owners when the 64 rows straddle shards
+      Base::Epilogue::store(&p.owner[r], lcsc::StoreMode::kReduceAdd, s.epi, es.epi, wg, acc,
+                            row - r * p.shard_rows, col);
+  }
+  __device__ static void finish(const Params& p, typename Base::Smem&, int, StoreState& es) {
+    Base::Epilogue::finish(es.epi);  // every add has landed
+    if (tile::thread_in_warpgroup() == 0) {
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      p.sync.done();
+    }
+  }
+  __device__ static void communicate(const Params& p, typename Base::Smem&, int index, int) {
+    const TeamView& t = p.sync.team;
+    const uint64_t e = p.sync.epoch();
+    // Block 0: every rank has zeroed its accumulator (stream-ordered before its kernel) and finished
+    // converting the previous call's; then the storers may add.
+    if (index == 0 && barrier_block(t, kCollectiveSlotBase) && threadIdx.x == 0)
+      signal_set(t, t.user_flag(kFusedReadyFlag), t.rank, e);
+    __syncthreads();
+    if (threadIdx.x == 0) p.sync.done();
+  }
+};
+
+// After the RS GEMM: meet (every rank's kernel, hence every add into this rank's shard, is complete), then
+// out = bf16(acc) over this rank's shard.
+__global__ void __launch_bounds__(512)
+    rs_finalize_kernel(TeamView team, const float4* acc, uint2* out, uint64_t n4) {
+  if (!coll::meet(team)) return;
+  coll::for_each_chunk(n4, [&](uint64_t base, uint64_t len) {
+    for (uint64_t i = base + threadIdx.x; i < base + len; i += blockDim.x) {
+      const float4 v = acc[i];
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+      out[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+    }
+  });
+}
+
+}  // namespace weft::ops

@@ -1,0 +1,60 @@
+// Fused tensor-parallel ops: communication overlapped with the GEMM inside one kernel (unicast NVLink only).
+//
+//   all_gather_matmul      A sharded along M ([M/W, K] on each rank) gathered and multiplied by this rank's
+//                          B ([K, N] or an [N, K] weight): out [M, N] on each rank; optionally also the
+//                          gathered A [M, K]. Inter-SM overlap: communicator blocks push A chunks to every
+//                          rank and signal them; the GEMM's loader waits per chunk (local rows first).
+//   matmul_reduce_scatter  A [M, K] . B ([K, N] or [N, K]) summed over ranks; rank r gets rows
+//                          r*M/W..(r+1)*M/W of the [M, N] sum. Intra-SM overlap: the storer TMA-reduce-adds
+//                          every tile into its owner's fp32 accumulator (staggered tile order per rank), then
+//                          the owner converts to bf16.
+//   matmul_all_reduce      the same sum, all of [M, N] on every rank: reduce-scatter as above, then the
+//                          reduced shards are all-gathered (first version: weft::all_gather after the
+//                          kernel).
+//
+// Every rank calls the op with the same arguments (single-process: once per local rank). bf16 in and out,
+// fp32 accumulation. Dense row-major operands; M divisible by the world size; K and N multiples of 8 (TMA
+// rows are 16-byte multiples); 16-byte aligned pointers on the rank's GPU. Any memory works: symmetric-heap
+// buffers are used in place where that helps (AG: `gathered_a`), anything else goes through
+// Communicator::workspace, which grows on first use (run once before capturing a CUDA graph, or
+// reserve_workspace).
+//
+// Fallback: where overlap cannot win (M below FusedOptions::min_fused_m, i.e. too few 128-row tiles per rank
+// for communication to hide under), or the fused kernel cannot run (world > 8 for RS/AR, too many AG chunks),
+// the op runs sequentially: weft::gemm then weft::all_gather / reduce_scatter / all_reduce. The return value
+// says which path ran.
+//
+// Fused ops own user flags [kUserFlags - 1027, kUserFlags) of the signal pad (see weft/ops/fused.cuh).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "weft/ops/collectives.hpp"
+#include "weft/ops/gemm.hpp"
+
+namespace weft {
+
+enum class FusedPath { kFused, kSequential };
+const char* fused_path_name(FusedPath p);
+
+struct FusedOptions {
+  enum class Mode { kAuto, kFused, kSequential } mode = Mode::kAuto;
+  int comm_blocks = 0;         // all_gather_matmul's communicator blocks: 0 auto (16), else 1..32
+  int64_t min_fused_m = 1024;  // kAuto: below this M the sequential path runs
+  int max_compute_blocks = 0;  // cap on GEMM blocks (benchmarks: "compute alone" at the fused op's SM count)
+};
+
+FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
+                            void* gathered_a, int64_t m, int64_t n, int64_t k, BLayout b_layout,
+                            cudaStream_t stream = nullptr, const FusedOptions& options = {});
+
+FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, const void* b, void* out,
+                                int64_t m, int64_t n, int64_t k, BLayout b_layout,
+                                cudaStream_t stream = nullptr, const FusedOptions& options = {});
+
+FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const void* b, void* out,
+                            int64_t m, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream = nullptr,
+                            const FusedOptions& options = {});
+
+}  // namespace weft

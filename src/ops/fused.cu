@@ -1,0 +1,260 @@
+// Host side of the fused tensor-parallel ops: argument checks, the fused-or-sequential choice, workspace
+// layout, tensor maps and launch (device code: weft/ops/fused.cuh).
+#include <algorithm>
+#include <string>
+
+#include "weft/ops/fused.cuh"
+#include "weft/ops/fused.hpp"
+#include "weft/tile/tma.cuh"
+
+namespace weft {
+
+const char* fused_path_name(FusedPath p) {
+  return p == FusedPath::kFused ? "fused" : "sequential";
+}
+
+namespace {
+
+// The collectives keep the head of the workspace for the one-shot all-reduce's LL region (fixed size, see
+// src/ops/collectives.cu); fused ops use what follows it, so a one-shot call never overlaps their data.
+uint64_t ll_region_bytes(int world) {
+  return 2ull * world * ((256ull << 10) / 4) * 8;
+}
+
+struct Call {
+  Communicator& comm;
+  Rank& rank;
+  cudaStream_t stream;
+  std::string where;
+  bool capturing = false;
+  int saved_device = 0;
+  ~Call() { cudaSetDevice(saved_device); }
+  Call(Communicator& c, Rank& r, cudaStream_t s, const char* op, int64_t m, int64_t n, int64_t k)
+      : comm(c), rank(r), stream(s ? s : r.stream()) {
+    WEFT_CUDA_CHECK(cudaGetDevice(&saved_device));
+    WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
+    where = std::string("weft::") + op + "(M=" + std::to_string(m) + ", N=" + std::to_string(n) +
+            ", K=" + std::to_string(k) + "): ";
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
+    capturing = st != cudaStreamCaptureStatusNone;
+    WEFT_CHECK(m > 0 && n > 0 && k > 0, where + "M, N and K must be at least 1");
+    WEFT_CHECK(m % r.world() == 0,
+               where + "M must be divisible by the world size " + std::to_string(r.world()));
+    WEFT_CHECK(k % 8 == 0 && n % 8 == 0,
+               where + "K and N must be multiples of 8 (bf16 rows of 16-byte multiples, which TMA requires)");
+  }
+  void check_buffer(const void* p, const char* name, uint64_t bytes) const {
+    WEFT_CHECK(p != nullptr, where + name + " is null");
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, where + name + " is not 16-byte aligned");
+    if (comm.in_heap(rank, p, bytes)) return;
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess ||
+        (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
+      cudaGetLastError();
+      throw_error(where + name + " is not device memory");
+    }
+    WEFT_CHECK(a.type != cudaMemoryTypeDevice || a.device == rank.device(),
+               where + name + " lives on GPU " + std::to_string(a.device) + " but rank " +
+                   std::to_string(rank.rank()) + " runs on GPU " + std::to_string(rank.device()));
+  }
+  char* workspace(uint64_t bytes) {
+    const SymmetricBuffer& ws = comm.workspace(ll_region_bytes(rank.world()) + bytes, capturing);
+    for (int i = 0; i < comm.num_local(); ++i)
+      if (&comm.local(i) == &rank) return ws.local[i] + ll_region_bytes(rank.world());
+    throw_error(where + "the rank does not belong to this communicator");
+  }
+  bool fused(const FusedOptions& o, int64_t m, bool possible) const {
+    WEFT_CHECK(o.mode != FusedOptions::Mode::kFused || possible,
+               where + "the fused kernel cannot run here (world size above 8, or too many A chunks)");
+    if (o.mode == FusedOptions::Mode::kAuto) return possible && rank.world() > 1 && m >= o.min_fused_m;
+    return o.mode == FusedOptions::Mode::kFused;
+  }
+  // Grid of an LCSC op with `comm` communicator blocks: compute clusters fill the rest of the GPU.
+  template <class Op>
+  int compute_blocks(int comm_blocks, int units, const FusedOptions& o) const {
+    int clusters = lcsc::Launcher<Op>::max_resident_clusters() - comm_blocks / Op::kClusterSize;
+    if (o.max_compute_blocks > 0)
+      clusters = std::min(clusters, std::max(1, o.max_compute_blocks / Op::kClusterSize));
+    WEFT_CHECK(clusters >= 1, where + "no SMs left for the GEMM next to " + std::to_string(comm_blocks) +
+                                  " communicator blocks");
+    return std::min(clusters, units) * Op::kClusterSize;
+  }
+};
+
+template <class Op, bool kKMajor>
+void set_gemm_maps(typename Op::Params& p, const void* a, const void* b, int64_t m, int64_t n, int64_t k,
+                   const void* c, CUtensorMapDataType c_type, uint32_t c_bytes, int64_t c_rows) {
+  using Mainloop = typename Op::Mainloop;
+  p.a = tma::make_map_2d({a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(m), uint64_t(k), uint64_t(k) * 2},
+                         Mainloop::kABoxRows, Mainloop::kABoxCols, "fused op: A");
+  const uint64_t b_rows = kKMajor ? n : k, b_cols = kKMajor ? k : n;
+  p.b = tma::make_map_2d({b, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, b_rows, b_cols, b_cols * 2},
+                         Mainloop::kBBoxRows, Mainloop::kBBoxCols, "fused op: B");
+  p.c = tma::make_map_2d({c, c_type, c_bytes, uint64_t(c_rows), uint64_t(n), uint64_t(n) * c_bytes},
+                         Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, "fused op: C");
+  p.k_blocks = static_cast<int>((k + Op::kBK - 1) / Op::kBK);
+  p.store_mode = lcsc::StoreMode::kStore;
+}
+
+template <class Op>
+void set_schedule(lcsc::SchedulerParams& s, int64_t m, int64_t n) {
+  s.tiles_m = static_cast<int>((m + Op::kBM - 1) / Op::kBM);
+  s.tiles_n = static_cast<int>((n + Op::kBN - 1) / Op::kBN);
+  s.cluster_m = Op::kClusterSize;
+  s.group_m = 16;
+}
+
+template <bool kKMajor>
+void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m, int64_t n,
+               int64_t k, int chunk_rows, int chunks, const FusedOptions& o) {
+  using Op = ops::AgGemmOp<kKMajor, 2>;
+  typename Op::Params p{};
+  const int W = c.rank.world(), comm_blocks = o.comm_blocks > 0 ? (o.comm_blocks + 1) / 2 * 2 : 16;
+  set_schedule<Op>(p.sched, m, n);
+  set_gemm_maps<Op, kKMajor>(p, gathered, b, m, n, k, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m);
+  // Local rows first: start at the band of tile rows holding this rank's shard; then rank + 1's (which
+  // rank + 1 pushes here right after its own copy), and so on.
+  const int band_units = p.sched.group_m / Op::kClusterSize;
+  const int first_unit_row = static_cast<int>(c.rank.rank() * (m / W) / Op::kBM) / Op::kClusterSize;
+  p.sched.start_unit = first_unit_row / band_units * band_units * p.sched.tiles_n;
+  p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
+  p.sync = ops::FusedSync{c.rank.view(), p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks};
+  p.a_shard = static_cast<const __nv_bfloat16*>(a_shard);
+  p.gathered = reinterpret_cast<__nv_bfloat16*>(gathered);
+  p.shard_rows = m / W;
+  p.k = k;
+  p.chunk_rows = chunk_rows;
+  p.chunks = chunks;
+  lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
+// The RS GEMM into every owner's fp32 accumulator (`acc`: this rank's [M/W, N] in the workspace), then the
+// finalize kernel converts this rank's shard into `out` (bf16 [M/W, N]).
+template <bool kKMajor>
+void launch_rs(Call& c, const void* a, const void* b, void* out, float* acc, int64_t m, int64_t n, int64_t k,
+               const FusedOptions& o) {
+  using Op = ops::RsGemmOp<kKMajor, 2>;
+  typename Op::Params p{};
+  const int W = c.rank.world(), me = c.rank.rank(), comm_blocks = Op::kClusterSize;  // block 0 meets
+  const int64_t rows = m / W;
+  set_schedule<Op>(p.sched, m, n);
+  set_gemm_maps<Op, kKMajor>(p, a, b, m, n, k, acc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, rows);
+  const char* my_heap = c.rank.heap_of(me);
+  for (int r = 0; r < W; ++r)
+    p.owner[r] =
+        tma::make_map_2d({c.rank.heap_of(r) + (reinterpret_cast<char*>(acc) - my_heap),
+                          CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(rows), uint64_t(n), uint64_t(n) * 4},
+                         Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, "matmul_reduce_scatter: owner");
+  p.sched.start_unit =
+      static_cast<int>(int64_t(me) * p.sched.units() / W);  // ranks start on different owners
+  p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
+  p.sync = ops::FusedSync{c.rank.view(), p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks};
+  p.shard_rows = static_cast<int>(rows);
+  WEFT_CUDA_CHECK(cudaMemsetAsync(acc, 0, rows * n * 4, c.stream));
+  lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  int sms = 0;
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c.rank.device()));
+  const uint64_t n4 = uint64_t(rows) * n / 4;
+  const int blocks =
+      static_cast<int>(std::clamp<uint64_t>((n4 + 2047) / 2048, 1, std::min(sms, kCollectiveMaxBlocks)));
+  ops::rs_finalize_kernel<<<blocks, 512, 0, c.stream>>>(c.rank.view(), reinterpret_cast<const float4*>(acc),
+                                                        static_cast<uint2*>(out), n4);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
+bool rs_possible(const Call& c, int64_t m) {
+  return c.rank.world() <= ops::kFusedMaxWorld && m / c.rank.world() <= INT32_MAX;
+}
+
+}  // namespace
+
+FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
+                            void* gathered_a, int64_t m, int64_t n, int64_t k, BLayout layout,
+                            cudaStream_t stream, const FusedOptions& o) {
+  Call c(comm, rank, stream, "all_gather_matmul", m, n, k);
+  const int W = rank.world();
+  const int64_t rows = m / W;
+  c.check_buffer(a_shard, "a_shard", rows * k * 2);
+  c.check_buffer(b, "b", n * k * 2);
+  c.check_buffer(out, "out", m * n * 2);
+  if (gathered_a) c.check_buffer(gathered_a, "gathered_a", m * k * 2);
+  WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 32, c.where + "options.comm_blocks must be 0..32");
+  gemm_plan(m, n, k, layout, DType::kBF16);  // shape, layout and device checks with gemm's messages
+  // Chunks of whole 128-row blocks, at most kFusedFlags flags in all.
+  const int64_t blocks = (rows + 127) / 128, per_shard = std::max<int64_t>(1, ops::kFusedFlags / W);
+  const int64_t chunk_rows = 128 * ((blocks + per_shard - 1) / per_shard),
+                chunks = (rows + chunk_rows - 1) / chunk_rows;
+  const bool sym_gathered = gathered_a && comm.in_heap(rank, gathered_a, m * k * 2);
+  if (!c.fused(o, m, chunk_rows <= INT32_MAX && W * chunks <= ops::kFusedFlags)) {
+    char* g = gathered_a ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
+    all_gather(comm, rank, a_shard, g, Shape2D{size_t(rows), size_t(k)}, 0, DType::kBF16, c.stream);
+    gemm(g, b, out, m, n, k, layout, DType::kBF16, c.stream);
+    return FusedPath::kSequential;
+  }
+  char* g = sym_gathered ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
+  if (layout == BLayout::kNK)
+    launch_ag<true>(c, a_shard, b, out, g, m, n, k, int(chunk_rows), int(chunks), o);
+  else
+    launch_ag<false>(c, a_shard, b, out, g, m, n, k, int(chunk_rows), int(chunks), o);
+  if (gathered_a && !sym_gathered)
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(gathered_a, g, m * k * 2, cudaMemcpyDeviceToDevice, c.stream));
+  return FusedPath::kFused;
+}
+
+FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, const void* b, void* out,
+                                int64_t m, int64_t n, int64_t k, BLayout layout, cudaStream_t stream,
+                                const FusedOptions& o) {
+  Call c(comm, rank, stream, "matmul_reduce_scatter", m, n, k);
+  const int64_t rows = m / rank.world();
+  c.check_buffer(a, "a", m * k * 2);
+  c.check_buffer(b, "b", n * k * 2);
+  c.check_buffer(out, "out", rows * n * 2);
+  gemm_plan(m, n, k, layout, DType::kBF16);
+  if (!c.fused(o, m, rs_possible(c, m))) {
+    char* tmp = c.workspace(m * n * 2);  // symmetric: reduce_scatter reads it in place
+    gemm(a, b, tmp, m, n, k, layout, DType::kBF16, c.stream);
+    reduce_scatter(comm, rank, tmp, out, Shape2D{size_t(rows), size_t(n)}, 0, DType::kBF16, ReduceOp::kSum,
+                   c.stream);
+    return FusedPath::kSequential;
+  }
+  float* acc = reinterpret_cast<float*>(c.workspace(rows * n * 4));
+  if (layout == BLayout::kNK)
+    launch_rs<true>(c, a, b, out, acc, m, n, k, o);
+  else
+    launch_rs<false>(c, a, b, out, acc, m, n, k, o);
+  return FusedPath::kFused;
+}
+
+FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const void* b, void* out,
+                            int64_t m, int64_t n, int64_t k, BLayout layout, cudaStream_t stream,
+                            const FusedOptions& o) {
+  Call c(comm, rank, stream, "matmul_all_reduce", m, n, k);
+  const int W = rank.world();
+  const int64_t rows = m / W;
+  c.check_buffer(a, "a", m * k * 2);
+  c.check_buffer(b, "b", n * k * 2);
+  c.check_buffer(out, "out", m * n * 2);
+  gemm_plan(m, n, k, layout, DType::kBF16);
+  if (!c.fused(o, m, rs_possible(c, m))) {
+    gemm(a, b, out, m, n, k, layout, DType::kBF16, c.stream);
+    all_reduce(comm, rank, out, out, size_t(m) * n, DType::kBF16, ReduceOp::kSum, c.stream);
+    return FusedPath::kSequential;
+  }
+  // First version: the fused reduce-scatter into this rank's rows of out, then an in-place all-gather.
+  char* mine = static_cast<char*>(out) + rows * n * 2 * rank.rank();
+  // Workspace for the all-gather too (non-symmetric out stages there): growing it between the two kernels
+  // would synchronize the devices while this rank's kernel waits for peers not yet launched.
+  c.workspace(comm.in_heap(rank, out, m * n * 2) ? 0 : m * n * 2);
+  float* acc = reinterpret_cast<float*>(c.workspace(rows * n * 4));
+  if (layout == BLayout::kNK)
+    launch_rs<true>(c, a, b, mine, acc, m, n, k, o);
+  else
+    launch_rs<false>(c, a, b, mine, acc, m, n, k, o);
+  all_gather(comm, rank, mine, out, Shape2D{size_t(rows), size_t(n)}, 0, DType::kBF16, c.stream);
+  return FusedPath::kFused;
+}
+
+}  // namespace weft
