@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "op_args.hpp"
 #include "weft/ops/collectives.cuh"
 #include "weft/ops/collectives.hpp"
 
@@ -24,7 +25,8 @@ namespace {
 using coll::Rows;
 constexpr int kThreads = 512;
 constexpr uint64_t kBytesPerBlock = 32 << 10;  // one SM moves ~40 GB/s: spread even 1 MiB wide
-constexpr uint64_t kOneShotMaxBytes = 256 << 10;
+using ops::kOneShotMaxBytes;
+using ops::ll_region_bytes;
 // Two-shot all-reduce up to this size pulls (2 meetings, reads overlap); above, pushes through staging,
 // which streams better at full bandwidth (measured, 4 x H200: pull 1.6x NCCL at 1-4 MiB, push 1.03x at 256
 // MiB).
@@ -49,23 +51,7 @@ struct Call {
 
   // A device pointer on this rank's GPU, aligned to `align` bytes.
   void check_buffer(const void* p, const char* name, uint64_t bytes, uint64_t align) const {
-    if (p == nullptr) fail(std::string(name) + " is null");
-    if (reinterpret_cast<uintptr_t>(p) % align != 0)
-      fail(std::string(name) + " is not " + std::to_string(align) + "-byte aligned (" +
-           std::to_string(reinterpret_cast<uintptr_t>(p) % align) + " bytes off)" +
-           (align == 16
-                ? "; allocate it with cudaMalloc / the symmetric heap, or offset it by a multiple of 16 bytes"
-                : ""));
-    if (comm.in_heap(rank, p, bytes)) return;
-    cudaPointerAttributes a{};
-    if (cudaPointerGetAttributes(&a, p) != cudaSuccess ||
-        (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
-      cudaGetLastError();
-      fail(std::string(name) + " is not device memory");
-    }
-    if (a.type == cudaMemoryTypeDevice && a.device != rank.device())
-      fail(std::string(name) + " lives on GPU " + std::to_string(a.device) + " but rank " +
-           std::to_string(rank.rank()) + " runs on GPU " + std::to_string(rank.device()));
+    ops::check_device_buffer(comm, rank, p, name, bytes, align, std::string("weft::") + op + ": ");
   }
   static bool overlap(const void* a, uint64_t an, const void* b, uint64_t bn) {
     auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
@@ -77,11 +63,8 @@ struct Call {
     const uint64_t want = (bytes + kBytesPerBlock - 1) / kBytesPerBlock;
     return static_cast<int>(std::clamp<uint64_t>(want, 1, std::min(sms, kCollectiveMaxBlocks)));
   }
-  char* workspace(uint64_t bytes) { return comm.workspace(bytes, capturing).local[local_index()]; }
-  int local_index() const {
-    for (int i = 0; i < comm.num_local(); ++i)
-      if (&comm.local(i) == &rank) return i;
-    fail("the rank does not belong to this communicator");
+  char* workspace(uint64_t bytes) {
+    return ops::workspace_of(comm, rank, bytes, capturing, std::string("weft::") + op + ": ");
   }
   void launched() const { WEFT_CUDA_CHECK(cudaGetLastError()); }
 };
@@ -116,11 +99,7 @@ void with_reduce(ReduceOp op, F&& f) {
   }
 }
 
-// Workspace layout: [LL region for one-shot all-reduce][op staging]. The LL region has a fixed size, so a
-// one-shot call right after another op never writes where that op's staging may still be read.
-uint64_t ll_region_bytes(int world) {
-  return 2ull * world * (kOneShotMaxBytes / 4) * 8;
-}
+// Workspace layout: [LL region for one-shot all-reduce (src/ops/op_args.hpp)][op staging].
 
 void launch_exchange(Call& c, coll::Exchange x, int v, uint64_t total_bytes) {
   const int g = c.blocks(total_bytes);

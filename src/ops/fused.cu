@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "op_args.hpp"
 #include "weft/ops/fused.cuh"
 #include "weft/ops/fused.hpp"
 #include "weft/tile/tma.cuh"
@@ -15,11 +16,7 @@ const char* fused_path_name(FusedPath p) {
 
 namespace {
 
-// The collectives keep the head of the workspace for the one-shot all-reduce's LL region (fixed size, see
-// src/ops/collectives.cu); fused ops use what follows it, so a one-shot call never overlaps their data.
-uint64_t ll_region_bytes(int world) {
-  return 2ull * world * ((256ull << 10) / 4) * 8;
-}
+using ops::ll_region_bytes;  // fused ops keep their data after the collectives' LL region
 
 struct Call {
   Communicator& comm;
@@ -45,24 +42,11 @@ struct Call {
                where + "K and N must be multiples of 8 (bf16 rows of 16-byte multiples, which TMA requires)");
   }
   void check_buffer(const void* p, const char* name, uint64_t bytes) const {
-    WEFT_CHECK(p != nullptr, where + name + " is null");
-    WEFT_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, where + name + " is not 16-byte aligned");
-    if (comm.in_heap(rank, p, bytes)) return;
-    cudaPointerAttributes a{};
-    if (cudaPointerGetAttributes(&a, p) != cudaSuccess ||
-        (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
-      cudaGetLastError();
-      throw_error(where + name + " is not device memory");
-    }
-    WEFT_CHECK(a.type != cudaMemoryTypeDevice || a.device == rank.device(),
-               where + name + " lives on GPU " + std::to_string(a.device) + " but rank " +
-                   std::to_string(rank.rank()) + " runs on GPU " + std::to_string(rank.device()));
+    ops::check_device_buffer(comm, rank, p, name, bytes, 16, where);
   }
   char* workspace(uint64_t bytes) {
-    const SymmetricBuffer& ws = comm.workspace(ll_region_bytes(rank.world()) + bytes, capturing);
-    for (int i = 0; i < comm.num_local(); ++i)
-      if (&comm.local(i) == &rank) return ws.local[i] + ll_region_bytes(rank.world());
-    throw_error(where + "the rank does not belong to this communicator");
+    return ops::workspace_of(comm, rank, ll_region_bytes(rank.world()) + bytes, capturing, where) +
+           ll_region_bytes(rank.world());
   }
   bool fused(const FusedOptions& o, int64_t m, bool possible) const {
     WEFT_CHECK(o.mode != FusedOptions::Mode::kFused || possible,

@@ -1,0 +1,51 @@
+// What every op launcher shares (internal to src/ops): the device-buffer check and the workspace layout.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "weft/runtime/communicator.hpp"
+
+namespace weft::ops {
+
+// One-shot all-reduce limit; the head of the workspace is its LL region (two halves of `world` slots of
+// 8-byte words), so a one-shot call never overlaps what other ops keep after the head.
+inline constexpr uint64_t kOneShotMaxBytes = 256 << 10;
+inline uint64_t ll_region_bytes(int world) {
+  return 2ull * world * (kOneShotMaxBytes / 4) * 8;
+}
+
+// Throws weft::Error (prefixed with `where`) unless p is a non-null, `align`-aligned pointer into the rank's
+// symmetric heap or into device (or managed) memory on the rank's GPU.
+inline void check_device_buffer(const Communicator& comm, const Rank& rank, const void* p, const char* name,
+                                uint64_t bytes, uint64_t align, const std::string& where) {
+  if (p == nullptr) throw_error(where + name + " is null");
+  if (reinterpret_cast<uintptr_t>(p) % align != 0)
+    throw_error(where + name + " is not " + std::to_string(align) + "-byte aligned (" +
+                std::to_string(reinterpret_cast<uintptr_t>(p) % align) + " bytes off)" +
+                (align == 16
+                     ? "; allocate it with cudaMalloc / the symmetric heap, or offset it by a multiple of 16 "
+                       "bytes"
+                     : ""));
+  if (comm.in_heap(rank, p, bytes)) return;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess ||
+      (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
+    cudaGetLastError();
+    throw_error(where + name + " is not device memory");
+  }
+  if (a.type == cudaMemoryTypeDevice && a.device != rank.device())
+    throw_error(where + name + " lives on GPU " + std::to_string(a.device) + " but rank " +
+                std::to_string(rank.rank()) + " runs on GPU " + std::to_string(rank.device()));
+}
+
+// This rank's pointer to the communicator's workspace of at least `bytes` (grown collectively if needed).
+inline char* workspace_of(Communicator& comm, const Rank& rank, uint64_t bytes, bool capturing,
+                          const std::string& where) {
+  const SymmetricBuffer& ws = comm.workspace(bytes, capturing);
+  for (int i = 0; i < comm.num_local(); ++i)
+    if (&comm.local(i) == &rank) return ws.local[i];
+  throw_error(where + "the rank does not belong to this communicator");
+}
+
+}  // namespace weft::ops
