@@ -7,6 +7,8 @@
 #include <cublas_v2.h>
 #include <nccl.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -65,90 +67,97 @@ void run_fused(Context& ctx) {
           "sequential = cuBLAS GEMM + NCCL collective; bound = max(compute alone, communication alone); weft "
           "path "
           "'sequential' means the op chose its fallback (weft::gemm + weft collective) for this shape.");
+  // WEFT_BENCH_FUSED_OPS=ag,rs,ar (default: all) picks the ops.
+  const char* only = std::getenv("WEFT_BENCH_FUSED_OPS");
+  auto wanted = [&](Op op) {
+    return !only || std::strstr(only, op == Op::kAG ? "ag" : op == Op::kRS ? "rs" : "ar");
+  };
   for (Op op : {Op::kAG, Op::kRS, Op::kAR})
-    for (auto [N, K] : nks)
-      for (int64_t M : ms) {
-        // Per-rank GEMM: AG [M, K] x [N/W, K]^T; RS / AR [M, K/W] x [N, K/W]^T.
-        const int64_t gn = op == Op::kAG ? N / W : N, gk = op == Op::kAG ? K : K / W, rows = M / W;
-        ctx.progress("fused: %s M=%lld N=%lld K=%lld", op_name(op), (long long)M, (long long)N, (long long)K);
-        const uint64_t a_bytes = M * gk * 2, out_bytes = (op == Op::kRS ? rows : M) * gn * 2;
-        SymmetricBuffer wa = comm->alloc(op == Op::kAG ? rows * gk * 2 : a_bytes),
-                        wo = comm->alloc(out_bytes);
-        for (int i = 0; i < L; ++i) {
-          WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-          WEFT_CUDA_CHECK(cudaMalloc(&g[i].a, a_bytes));
-          WEFT_CUDA_CHECK(cudaMalloc(&g[i].b, gn * gk * 2));
-          WEFT_CUDA_CHECK(cudaMalloc(&g[i].out, out_bytes));
-          WEFT_CUDA_CHECK(cudaMalloc(&g[i].tmp, M * gn * 2));
-          std::vector<uint16_t> h(std::max<uint64_t>(a_bytes, gn * gk * 2) / 2);
-          std::mt19937 rng(7 + comm->local(i).rank());
-          for (auto& x : h)
-            x = uint16_t(0x3c00 + (rng() & 0x3ff)) ^ uint16_t((rng() & 1) << 15);  // bf16 +-[2^-7, 2)
-          WEFT_CUDA_CHECK(cudaMemcpy(g[i].a, h.data(), a_bytes, cudaMemcpyHostToDevice));
-          WEFT_CUDA_CHECK(cudaMemcpy(wa.local[i], h.data(), op == Op::kAG ? rows * gk * 2 : a_bytes,
-                                     cudaMemcpyHostToDevice));
-          WEFT_CUDA_CHECK(cudaMemcpy(g[i].b, h.data(), gn * gk * 2, cudaMemcpyHostToDevice));
-        }
-        auto gemm_alone = [&](int i) { cublas_gemm(g[i].blas, g[i].a, g[i].b, g[i].tmp, M, gn, gk); };
-        auto comm_alone = [&](int i) {
-          if (op == Op::kAG)
-            WEFT_NCCL_CHECK(
-                ncclAllGather(g[i].out, g[i].a, size_t(rows * gk), ncclBfloat16, nccl[i], streams[i]));
-          else if (op == Op::kRS)
-            WEFT_NCCL_CHECK(ncclReduceScatter(g[i].tmp, g[i].out, size_t(rows * gn), ncclBfloat16, ncclSum,
-                                              nccl[i], streams[i]));
-          else
-            WEFT_NCCL_CHECK(ncclAllReduce(g[i].tmp, g[i].out, size_t(M * gn), ncclBfloat16, ncclSum, nccl[i],
-                                          streams[i]));
-        };
-        FusedPath path = FusedPath::kFused;
-        auto weft_call = [&](int i) {
-          Rank& r = comm->local(i);
-          const BLayout nk = BLayout::kNK;
-          if (op == Op::kAG)
-            path = all_gather_matmul(*comm, r, wa.local[i], g[i].b, wo.local[i], nullptr, M, gn, gk, nk,
-                                     streams[i]);
-          else if (op == Op::kRS)
-            path =
-                matmul_reduce_scatter(*comm, r, wa.local[i], g[i].b, wo.local[i], M, gn, gk, nk, streams[i]);
-          else
-            path = matmul_all_reduce(*comm, r, wa.local[i], g[i].b, wo.local[i], M, gn, gk, nk, streams[i]);
-        };
-        auto on_all = [&](auto&& f, bool nccl_group) {
-          return [&, nccl_group](int) {
-            if (nccl_group) WEFT_NCCL_CHECK(ncclGroupStart());
-            for (int i = 0; i < L; ++i) {
-              WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-              f(i);
-            }
-            if (nccl_group) WEFT_NCCL_CHECK(ncclGroupEnd());
+    if (wanted(op))
+      for (auto [N, K] : nks)
+        for (int64_t M : ms) {
+          // Per-rank GEMM: AG [M, K] x [N/W, K]^T; RS / AR [M, K/W] x [N, K/W]^T.
+          const int64_t gn = op == Op::kAG ? N / W : N, gk = op == Op::kAG ? K : K / W, rows = M / W;
+          ctx.progress("fused: %s M=%lld N=%lld K=%lld", op_name(op), (long long)M, (long long)N,
+                       (long long)K);
+          const uint64_t a_bytes = M * gk * 2, out_bytes = (op == Op::kRS ? rows : M) * gn * 2;
+          SymmetricBuffer wa = comm->alloc(op == Op::kAG ? rows * gk * 2 : a_bytes),
+                          wo = comm->alloc(out_bytes);
+          for (int i = 0; i < L; ++i) {
+            WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+            WEFT_CUDA_CHECK(cudaMalloc(&g[i].a, a_bytes));
+            WEFT_CUDA_CHECK(cudaMalloc(&g[i].b, gn * gk * 2));
+            WEFT_CUDA_CHECK(cudaMalloc(&g[i].out, out_bytes));
+            WEFT_CUDA_CHECK(cudaMalloc(&g[i].tmp, M * gn * 2));
+            std::vector<uint16_t> h(std::max<uint64_t>(a_bytes, gn * gk * 2) / 2);
+            std::mt19937 rng(7 + comm->local(i).rank());
+            for (auto& x : h)
+              x = uint16_t(0x3c00 + (rng() & 0x3ff)) ^ uint16_t((rng() & 1) << 15);  // bf16 +-[2^-7, 2)
+            WEFT_CUDA_CHECK(cudaMemcpy(g[i].a, h.data(), a_bytes, cudaMemcpyHostToDevice));
+            WEFT_CUDA_CHECK(cudaMemcpy(wa.local[i], h.data(), op == Op::kAG ? rows * gk * 2 : a_bytes,
+                                       cudaMemcpyHostToDevice));
+            WEFT_CUDA_CHECK(cudaMemcpy(g[i].b, h.data(), gn * gk * 2, cudaMemcpyHostToDevice));
+          }
+          auto gemm_alone = [&](int i) { cublas_gemm(g[i].blas, g[i].a, g[i].b, g[i].tmp, M, gn, gk); };
+          auto comm_alone = [&](int i) {
+            if (op == Op::kAG)
+              WEFT_NCCL_CHECK(
+                  ncclAllGather(g[i].out, g[i].a, size_t(rows * gk), ncclBfloat16, nccl[i], streams[i]));
+            else if (op == Op::kRS)
+              WEFT_NCCL_CHECK(ncclReduceScatter(g[i].tmp, g[i].out, size_t(rows * gn), ncclBfloat16, ncclSum,
+                                                nccl[i], streams[i]));
+            else
+              WEFT_NCCL_CHECK(ncclAllReduce(g[i].tmp, g[i].out, size_t(M * gn), ncclBfloat16, ncclSum,
+                                            nccl[i], streams[i]));
           };
-        };
-        on_all(weft_call, false)(0);  // grows the workspace before any capture
-        comm->synchronize();
-        const int iters = M <= 4096 ? 10 : 3, reps = ctx.quick ? 3 : 7;
-        // Sequential: AG is the collective then the GEMM; RS / AR the GEMM then the collective. NCCL calls of
-        // one thread for several GPUs go in a group (launched at ncclGroupEnd), so each stage is its own
-        // pass.
-        auto seq = [&](int k) {
-          if (op == Op::kAG) on_all(comm_alone, true)(k);
-          on_all(gemm_alone, false)(k);
-          if (op != Op::kAG) on_all(comm_alone, true)(k);
-        };
-        const double t_seq = team_max(time_graphs(*comm, streams, iters, reps, seq));
-        const double t_gemm = team_max(time_graphs(*comm, streams, iters, reps, on_all(gemm_alone, false)));
-        const double t_comm = team_max(time_graphs(*comm, streams, iters, reps, on_all(comm_alone, true)));
-        const double t_weft = team_max(time_graphs(*comm, streams, iters, reps, on_all(weft_call, false)));
-        t.add({op_name(op), std::to_string(M), std::to_string(N), std::to_string(K), fmt("%.1f", t_seq),
-               fmt("%.1f", t_gemm), fmt("%.1f", t_comm), fmt("%.1f", t_weft), fused_path_name(path),
-               fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm))});
-        comm->free(wa);
-        comm->free(wo);
-        for (int i = 0; i < L; ++i) {
-          WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-          for (char* p : {g[i].a, g[i].b, g[i].out, g[i].tmp}) WEFT_CUDA_CHECK(cudaFree(p));
+          FusedPath path = FusedPath::kFused;
+          auto weft_call = [&](int i) {
+            Rank& r = comm->local(i);
+            const BLayout nk = BLayout::kNK;
+            if (op == Op::kAG)
+              path = all_gather_matmul(*comm, r, wa.local[i], g[i].b, wo.local[i], nullptr, M, gn, gk, nk,
+                                       streams[i]);
+            else if (op == Op::kRS)
+              path = matmul_reduce_scatter(*comm, r, wa.local[i], g[i].b, wo.local[i], M, gn, gk, nk,
+                                           streams[i]);
+            else
+              path = matmul_all_reduce(*comm, r, wa.local[i], g[i].b, wo.local[i], M, gn, gk, nk, streams[i]);
+          };
+          auto on_all = [&](auto&& f, bool nccl_group) {
+            return [&, nccl_group](int) {
+              if (nccl_group) WEFT_NCCL_CHECK(ncclGroupStart());
+              for (int i = 0; i < L; ++i) {
+                WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+                f(i);
+              }
+              if (nccl_group) WEFT_NCCL_CHECK(ncclGroupEnd());
+            };
+          };
+          on_all(weft_call, false)(0);  // grows the workspace before any capture
+          comm->synchronize();
+          const int iters = M <= 4096 ? 10 : 3, reps = ctx.quick ? 3 : 7;
+          // Sequential: AG is the collective then the GEMM; RS / AR the GEMM then the collective. NCCL calls
+          // of one thread for several GPUs go in a group (launched at ncclGroupEnd), so each stage is its own
+          // pass.
+          auto seq = [&](int k) {
+            if (op == Op::kAG) on_all(comm_alone, true)(k);
+            on_all(gemm_alone, false)(k);
+            if (op != Op::kAG) on_all(comm_alone, true)(k);
+          };
+          const double t_seq = team_max(time_graphs(*comm, streams, iters, reps, seq));
+          const double t_gemm = team_max(time_graphs(*comm, streams, iters, reps, on_all(gemm_alone, false)));
+          const double t_comm = team_max(time_graphs(*comm, streams, iters, reps, on_all(comm_alone, true)));
+          const double t_weft = team_max(time_graphs(*comm, streams, iters, reps, on_all(weft_call, false)));
+          t.add({op_name(op), std::to_string(M), std::to_string(N), std::to_string(K), fmt("%.1f", t_seq),
+                 fmt("%.1f", t_gemm), fmt("%.1f", t_comm), fmt("%.1f", t_weft), fused_path_name(path),
+                 fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm))});
+          comm->free(wa);
+          comm->free(wo);
+          for (int i = 0; i < L; ++i) {
+            WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+            for (char* p : {g[i].a, g[i].b, g[i].out, g[i].tmp}) WEFT_CUDA_CHECK(cudaFree(p));
+          }
         }
-      }
   ctx.add(std::move(t));
   for (int i = 0; i < L; ++i) {
     cudaSetDevice(comm->local(i).device());

@@ -242,7 +242,7 @@ void run_gemm(Context& ctx) {
     Table t("gemm: 8192^3 " + std::string(layout_name(BLayout::kNK)) + ", weft options",
             {"cluster", "group_m", "blocks", "weft TFLOP/s", "cuBLAS TFLOP/s", "weft / cuBLAS"},
             "cluster: CTAs sharing their B tile by TMA multicast; group_m: tile rows per band of the tile "
-            "order (defaults: cluster 2, group_m 16).");
+            "order (defaults: cluster 1, group_m 16).");
     for (int cluster : {1, 2})
       for (int group : {4, 8, 16, 32}) {
         ctx.progress("gemm: options cluster %d group_m %d", cluster, group);

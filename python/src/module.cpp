@@ -60,7 +60,8 @@ weft::ReduceOp parse_op(const std::string& s) {
 struct Comm {
   std::shared_ptr<weft::Communicator> comm;
   weft::Rank& rank() const { return comm->local(0); }
-  cudaStream_t stream(uintptr_t s) const { return s ? reinterpret_cast<cudaStream_t>(s) : rank().stream(); }
+  // The caller's stream as is: 0 is the legacy default stream (torch's default), not "weft's own".
+  cudaStream_t stream(uintptr_t s) const { return reinterpret_cast<cudaStream_t>(s); }
 };
 
 // A symmetric allocation kept alive by every DLPack export of it.

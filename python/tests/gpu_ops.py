@@ -23,7 +23,11 @@ def check(name, got, want, exact=False):
         raise AssertionError(f"{name}: NaN in the output")
     if exact:
         if not torch.equal(got, want):
-            raise AssertionError(f"{name}: differs from torch.distributed")
+            bad = (got.flatten() != want.flatten()).nonzero().flatten()
+            i = bad[0].item()
+            raise AssertionError(f"{name}: {bad.numel()} of {want.numel()} elements differ from "
+                                 f"torch.distributed, first at flat index {i}: got {got.flatten()[i].item()}, "
+                                 f"want {want.flatten()[i].item()}")
         return
     err = ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
     if err > TOL[got.dtype]:

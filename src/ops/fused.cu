@@ -48,10 +48,11 @@ struct Call {
     return ops::workspace_of(comm, rank, ll_region_bytes(rank.world()) + bytes, capturing, where) +
            ll_region_bytes(rank.world());
   }
-  bool fused(const FusedOptions& o, int64_t m, bool possible) const {
-    WEFT_CHECK(o.mode != FusedOptions::Mode::kFused || possible,
-               where + "the fused kernel cannot run here (world size above 8, or too many A chunks)");
-    if (o.mode == FusedOptions::Mode::kAuto) return possible && rank.world() > 1 && m >= o.min_fused_m;
+  // Fused or sequential; `why_not` is empty when the fused kernel can run, else the reason it cannot.
+  bool fused(const FusedOptions& o, int64_t m, const std::string& why_not) const {
+    WEFT_CHECK(o.mode != FusedOptions::Mode::kFused || why_not.empty(),
+               where + "the fused kernel cannot run here: " + why_not + " (use Mode::kAuto to fall back)");
+    if (o.mode == FusedOptions::Mode::kAuto) return why_not.empty() && rank.world() > 1 && m >= o.min_fused_m;
     return o.mode == FusedOptions::Mode::kFused;
   }
   // Grid of an LCSC op with `comm` communicator blocks: compute clusters fill the rest of the GPU.
@@ -92,7 +93,7 @@ void set_schedule(lcsc::SchedulerParams& s, int64_t m, int64_t n) {
 template <bool kKMajor>
 void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m, int64_t n,
                int64_t k, int chunk_rows, int chunks, const FusedOptions& o) {
-  using Op = ops::AgGemmOp<kKMajor, 2>;
+  using Op = ops::AgGemmOp<kKMajor, 1>;
   typename Op::Params p{};
   const int W = c.rank.world(), comm_blocks = o.comm_blocks > 0 ? (o.comm_blocks + 1) / 2 * 2 : 16;
   set_schedule<Op>(p.sched, m, n);
@@ -119,7 +120,7 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
 template <bool kKMajor>
 void launch_rs(Call& c, const void* a, const void* b, void* out, float* acc, int64_t m, int64_t n, int64_t k,
                const FusedOptions& o) {
-  using Op = ops::RsGemmOp<kKMajor, 2>;
+  using Op = ops::RsGemmOp<kKMajor, 1>;
   typename Op::Params p{};
   const int W = c.rank.world(), me = c.rank.rank(), comm_blocks = Op::kClusterSize;  // block 0 meets
   const int64_t rows = m / W;
@@ -149,8 +150,15 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, float* acc, int
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
-bool rs_possible(const Call& c, int64_t m) {
-  return c.rank.world() <= ops::kFusedMaxWorld && m / c.rank.world() <= INT32_MAX;
+// The storer adds whole 64-row halves of a tile into one owner's shard: a half that straddled two shards
+// would need a TMA box starting at a negative row of the second, which the hardware rejects (illegal
+// instruction, seen on H200).
+std::string rs_why_not(const Call& c, int64_t m) {
+  const int64_t rows = m / c.rank.world();
+  if (c.rank.world() > ops::kFusedMaxWorld) return "world size above " + std::to_string(ops::kFusedMaxWorld);
+  if (rows % 64 != 0) return "M / world size = " + std::to_string(rows) + " is not a multiple of 64";
+  if (rows > INT32_MAX) return "M / world size above 2^31";
+  return {};
 }
 
 }  // namespace
@@ -172,7 +180,8 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
   const int64_t chunk_rows = 128 * ((blocks + per_shard - 1) / per_shard),
                 chunks = (rows + chunk_rows - 1) / chunk_rows;
   const bool sym_gathered = gathered_a && comm.in_heap(rank, gathered_a, m * k * 2);
-  if (!c.fused(o, m, chunk_rows <= INT32_MAX && W * chunks <= ops::kFusedFlags)) {
+  const bool fits = W * chunks <= ops::kFusedFlags && chunk_rows <= INT32_MAX;
+  if (!c.fused(o, m, fits ? std::string() : "more A chunks than flags")) {
     char* g = gathered_a ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
     all_gather(comm, rank, a_shard, g, Shape2D{size_t(rows), size_t(k)}, 0, DType::kBF16, c.stream);
     gemm(g, b, out, m, n, k, layout, DType::kBF16, c.stream);
@@ -197,7 +206,7 @@ FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, c
   c.check_buffer(b, "b", n * k * 2);
   c.check_buffer(out, "out", rows * n * 2);
   gemm_plan(m, n, k, layout, DType::kBF16);
-  if (!c.fused(o, m, rs_possible(c, m))) {
+  if (!c.fused(o, m, rs_why_not(c, m))) {
     char* tmp = c.workspace(m * n * 2);  // symmetric: reduce_scatter reads it in place
     gemm(a, b, tmp, m, n, k, layout, DType::kBF16, c.stream);
     reduce_scatter(comm, rank, tmp, out, Shape2D{size_t(rows), size_t(n)}, 0, DType::kBF16, ReduceOp::kSum,
@@ -222,7 +231,7 @@ FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const
   c.check_buffer(b, "b", n * k * 2);
   c.check_buffer(out, "out", m * n * 2);
   gemm_plan(m, n, k, layout, DType::kBF16);
-  if (!c.fused(o, m, rs_possible(c, m))) {
+  if (!c.fused(o, m, rs_why_not(c, m))) {
     gemm(a, b, out, m, n, k, layout, DType::kBF16, c.stream);
     all_reduce(comm, rank, out, out, size_t(m) * n, DType::kBF16, ReduceOp::kSum, c.stream);
     return FusedPath::kSequential;

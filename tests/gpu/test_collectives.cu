@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 
 #include "harness.hpp"
@@ -30,9 +31,12 @@ float to_float(DType t, const void* p) {
   return __half2float(*reinterpret_cast<const __half*>(&h));
 }
 void from_float(DType t, float f, void* p) {
-  if (t == DType::kFP32) std::memcpy(p, &f, 4);
-  else if (t == DType::kBF16) *static_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(f);
-  else *static_cast<__half*>(p) = __float2half_rn(f);
+  if (t == DType::kFP32)
+    std::memcpy(p, &f, 4);
+  else if (t == DType::kBF16)
+    *static_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(f);
+  else
+    *static_cast<__half*>(p) = __float2half_rn(f);
 }
 
 // Rank r's input for one test case: values in [-1, 1], exactly representable in the dtype.
@@ -106,7 +110,8 @@ std::string compare(DType t, const std::vector<char>& got, const std::vector<dou
       char want[4];
       from_float(t, static_cast<float>(ref[i]), want);
       if (std::memcmp(want, got.data() + i * es, es) != 0)
-        return "element " + std::to_string(i) + ": got " + std::to_string(g) + ", want " + std::to_string(ref[i]);
+        return "element " + std::to_string(i) + ": got " + std::to_string(g) + ", want " +
+               std::to_string(ref[i]);
     }
     num += (g - ref[i]) * (g - ref[i]);
     den += ref[i] * ref[i];
@@ -151,8 +156,9 @@ void all_reduce_case(TestContext& ctx, DType t, size_t count, ReduceOp op, bool 
     auto got = download(c, i, in_place ? in.ptr[i] : out.ptr[i], bytes);
     const std::string err = compare(t, got, ref, op != ReduceOp::kSum);
     WEFT_EXPECT(err.empty(), "all_reduce " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
-                                           << (sym ? " symmetric" : " device") << (in_place ? " in-place" : "")
-                                           << " algo " << int(algo) << " rank " << r.rank() << ": " << err);
+                                           << (sym ? " symmetric" : " device")
+                                           << (in_place ? " in-place" : "") << " algo " << int(algo)
+                                           << " rank " << r.rank() << ": " << err);
   });
   c.host_barrier();
 }
@@ -182,6 +188,56 @@ WEFT_GPU_TEST(all_reduce_algorithms_ops_and_in_place) {
       }
 }
 
+// Back-to-back calls with no host synchronization in between (what a training step does): each call's
+// inputs, op and size differ, every output has its own buffer, one check at the end. A race between one
+// call's reads and the next call's writes shows up here and not in the one-call-at-a-time tests.
+WEFT_GPU_TEST(all_reduce_back_to_back) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  const DType t = DType::kBF16;
+  const ReduceOp ops[] = {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin};
+  const size_t counts[] = {65536 + 3, 1000, 100000, 7, (1 << 20) + 5};
+  const int calls = ctx.quick ? 6 : 30;
+  for (bool sym : {false, true}) {
+    std::vector<std::unique_ptr<Buffers>> in, out;
+    std::vector<std::vector<double>> refs;
+    for (int q = 0; q < calls; ++q) {
+      const size_t n = counts[q % 5];
+      const ReduceOp op = ops[q % 3];
+      in.push_back(std::make_unique<Buffers>(c, n * 2, sym));
+      out.push_back(std::make_unique<Buffers>(c, n * 2, sym));
+      std::vector<double> ref(n);
+      for (int r = 0; r < W; ++r) {
+        auto x = make_input(t, n, r, 900 + q);
+        for (size_t i = 0; i < n; ++i) {
+          const double v = to_float(t, x.data() + i * 2);
+          ref[i] = r == 0 ? v : reduce(op, ref[i], v);
+        }
+      }
+      refs.push_back(std::move(ref));
+      for_each_local(c, [&](Rank& r, int i) {
+        upload(c, i, in[q]->ptr[i], make_input(t, n, r.rank(), 900 + q));
+        poison(c, i, out[q]->ptr[i], n * 2);
+      });
+    }
+    c.host_barrier();
+    for (int q = 0; q < calls; ++q)
+      for_each_local(c, [&](Rank& r, int i) {
+        all_reduce(c, r, in[q]->ptr[i], out[q]->ptr[i], counts[q % 5], t, ops[q % 3], nullptr);
+      });
+    c.synchronize();
+    for (int q = 0; q < calls; ++q)
+      for_each_local(c, [&](Rank& r, int i) {
+        auto got = download(c, i, out[q]->ptr[i], counts[q % 5] * 2);
+        const std::string err = compare(t, got, refs[q], ops[q % 3] != ReduceOp::kSum);
+        WEFT_EXPECT(err.empty(), "back-to-back call " << q << " " << reduce_op_name(ops[q % 3]) << " count "
+                                                      << counts[q % 5] << (sym ? " symmetric" : " device")
+                                                      << " rank " << r.rank() << ": " << err);
+      });
+    c.host_barrier();
+  }
+}
+
 WEFT_GPU_TEST(all_gather_both_dims) {
   Communicator& c = ctx.comm();
   const int W = c.world();
@@ -205,7 +261,8 @@ WEFT_GPU_TEST(all_gather_both_dims) {
             });
             c.host_barrier();
             for_each_local(c, [&](Rank& r, int i) {
-              all_gather(c, r, in_place ? out.ptr[i] + r.rank() * in_bytes : in.ptr[i], out.ptr[i], s, dim, t);
+              all_gather(c, r, in_place ? out.ptr[i] + r.rank() * in_bytes : in.ptr[i], out.ptr[i], s, dim,
+                         t);
             });
             c.synchronize();
             std::vector<double> ref(s.count() * W);
@@ -217,10 +274,10 @@ WEFT_GPU_TEST(all_gather_both_dims) {
                 }
             for_each_local(c, [&](Rank& r, int i) {
               const std::string err = compare(t, download(c, i, out.ptr[i], in_bytes * W), ref, true);
-              WEFT_EXPECT(err.empty(), "all_gather " << dtype_name(t) << " [" << s.rows << "," << s.cols << "] dim "
-                                                     << dim << (sym ? " symmetric" : " device")
-                                                     << (in_place ? " in-place" : "") << " rank " << r.rank() << ": "
-                                                     << err);
+              WEFT_EXPECT(err.empty(), "all_gather " << dtype_name(t) << " [" << s.rows << "," << s.cols
+                                                     << "] dim " << dim << (sym ? " symmetric" : " device")
+                                                     << (in_place ? " in-place" : "") << " rank " << r.rank()
+                                                     << ": " << err);
             });
             c.host_barrier();
             ++seed;
@@ -259,15 +316,17 @@ WEFT_GPU_TEST(reduce_scatter_both_dims) {
               for (int q = 0; q < W; ++q)
                 for (size_t a = 0; a < s.rows; ++a)
                   for (size_t b = 0; b < s.cols; ++b) {
-                    const size_t src = dim == 0 ? (r.rank() * s.rows + a) * s.cols + b : a * s.cols * W + r.rank() * s.cols + b;
+                    const size_t src = dim == 0 ? (r.rank() * s.rows + a) * s.cols + b
+                                                : a * s.cols * W + r.rank() * s.cols + b;
                     ref[a * s.cols + b] += to_float(t, inputs[q].data() + src * es);
                   }
               const char* o = in_place ? in.ptr[i] + r.rank() * out_bytes : out.ptr[i];
               const std::string err = compare(t, download(c, i, o, out_bytes), ref, false);
-              WEFT_EXPECT(err.empty(), "reduce_scatter " << dtype_name(t) << " [" << s.rows << "," << s.cols << "] dim "
-                                                         << dim << (sym ? " symmetric" : " device")
-                                                         << (in_place ? " in-place" : "") << " rank " << r.rank()
-                                                         << ": " << err);
+              WEFT_EXPECT(err.empty(), "reduce_scatter "
+                                           << dtype_name(t) << " [" << s.rows << "," << s.cols << "] dim "
+                                           << dim << (sym ? " symmetric" : " device")
+                                           << (in_place ? " in-place" : "") << " rank " << r.rank() << ": "
+                                           << err);
             });
             c.host_barrier();
             ++seed;
@@ -293,16 +352,21 @@ WEFT_GPU_TEST(all_to_all_equal_splits) {
             if (!in_place) poison(c, i, out.ptr[i], bytes);
           });
           c.host_barrier();
-          for_each_local(c, [&](Rank& r, int i) { all_to_all(c, r, in.ptr[i], in_place ? in.ptr[i] : out.ptr[i], n, t); });
+          for_each_local(c, [&](Rank& r, int i) {
+            all_to_all(c, r, in.ptr[i], in_place ? in.ptr[i] : out.ptr[i], n, t);
+          });
           c.synchronize();
           for_each_local(c, [&](Rank& r, int i) {
             std::vector<double> ref(n * W);
             for (int q = 0; q < W; ++q)
-              for (size_t k = 0; k < n; ++k) ref[q * n + k] = to_float(t, inputs[q].data() + (r.rank() * n + k) * es);
-            const std::string err = compare(t, download(c, i, in_place ? in.ptr[i] : out.ptr[i], bytes), ref, true);
+              for (size_t k = 0; k < n; ++k)
+                ref[q * n + k] = to_float(t, inputs[q].data() + (r.rank() * n + k) * es);
+            const std::string err =
+                compare(t, download(c, i, in_place ? in.ptr[i] : out.ptr[i], bytes), ref, true);
             WEFT_EXPECT(err.empty(), "all_to_all " << dtype_name(t) << " " << n << " per rank"
-                                                   << (sym ? " symmetric" : " device") << (in_place ? " in-place" : "")
-                                                   << " rank " << r.rank() << ": " << err);
+                                                   << (sym ? " symmetric" : " device")
+                                                   << (in_place ? " in-place" : "") << " rank " << r.rank()
+                                                   << ": " << err);
           });
           c.host_barrier();
           ++seed;
@@ -389,7 +453,10 @@ WEFT_GPU_TEST(collective_argument_errors) {
   WEFT_EXPECT(e.find("not device memory") != std::string::npos, e);
   e = error_of([&] { all_reduce(c, r, p, p + 64, 1000, DType::kFP32); });
   WEFT_EXPECT(e.find("overlap") != std::string::npos, e);
-  e = error_of([&] { all_reduce(c, r, p, p + (8 << 20), 1 << 20, DType::kFP32, ReduceOp::kSum, nullptr, AllReduceAlgo::kOneShot); });
+  e = error_of([&] {
+    all_reduce(c, r, p, p + (8 << 20), 1 << 20, DType::kFP32, ReduceOp::kSum, nullptr,
+               AllReduceAlgo::kOneShot);
+  });
   WEFT_EXPECT(e.find("one-shot all-reduce is limited") != std::string::npos, e);
   c.free(b);
 }

@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -103,7 +105,8 @@ std::string compare(const std::vector<__nv_bfloat16>& got, const std::vector<dou
 struct Shape {
   int64_t shard, n, k;  // M = W * shard
 };
-const Shape kShapes[] = {{128, 256, 256}, {200, 264, 136}, {520, 384, 192}, {64, 8, 8}};
+// M / W: one tile, partial tiles (200, 520: not multiples of 64), tiles straddling shards (192), tiny.
+const Shape kShapes[] = {{128, 256, 256}, {200, 264, 136}, {192, 264, 136}, {520, 384, 192}, {64, 8, 8}};
 const FusedOptions::Mode kModes[] = {FusedOptions::Mode::kFused, FusedOptions::Mode::kSequential};
 const char* mode_name(FusedOptions::Mode m) {
   return m == FusedOptions::Mode::kFused ? "fused" : "sequential";
@@ -128,6 +131,10 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, FusedOptions::Mo
   FusedOptions o;
   o.mode = mode;
   o.comm_blocks = int(seed % 3) * 4;  // 0 (auto), 4, 8
+  if (std::getenv("WEFT_TEST_VERBOSE"))
+    std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d\n", int(op), (long long)m,
+                 (long long)n, (long long)k, nk ? "NK" : "KN", mode_name(mode), sym ? "sym" : "device",
+                 o.comm_blocks);
   for (int i = 0; i < c.num_local(); ++i) {
     const int r = c.local(i).rank();
     const __nv_bfloat16* a_src = op == Op::kAG ? a[0].h.data() + r * s.shard * k : a[r].h.data();
@@ -137,6 +144,25 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, FusedOptions::Mo
     poison(c, i, gathered.p[i], m * k * 2);
   }
   c.host_barrier();
+  // The fused RS / AR kernels need M / W to be a multiple of 64; forced, other shapes must be refused
+  // with that reason (before anything is launched) and kAuto must fall back.
+  if (op != Op::kAG && s.shard % 64 != 0 && mode == FusedOptions::Mode::kFused) {
+    for (int i = 0; i < c.num_local(); ++i) {
+      std::string msg;
+      try {
+        if (op == Op::kRS)
+          matmul_reduce_scatter(c, c.local(i), A.p[i], B.p[i], out.p[i], m, n, k, layout, nullptr, o);
+        else
+          matmul_all_reduce(c, c.local(i), A.p[i], B.p[i], out.p[i], m, n, k, layout, nullptr, o);
+      } catch (const Error& e) {
+        msg = e.what();
+      }
+      WEFT_EXPECT(msg.find("not a multiple of 64") != std::string::npos, "forced fused: got '" << msg << "'");
+    }
+    o.mode = FusedOptions::Mode::kAuto;
+    o.min_fused_m = 0;
+    mode = FusedOptions::Mode::kSequential;  // what kAuto must pick here
+  }
   for (int i = 0; i < c.num_local(); ++i) {
     Rank& r = c.local(i);
     FusedPath path;
