@@ -105,6 +105,9 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
   p.sched.start_unit = first_unit_row / band_units * band_units * p.sched.tiles_n;
   p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
   p.sync = ops::FusedSync{c.rank.view(), p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks};
+  p.a_local = tma::make_map_2d(
+      {a_shard, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(m / W), uint64_t(k), uint64_t(k) * 2},
+      Op::Mainloop::kABoxRows, Op::Mainloop::kABoxCols, "all_gather_matmul: A shard");
   p.a_shard = static_cast<const __nv_bfloat16*>(a_shard);
   p.gathered = reinterpret_cast<__nv_bfloat16*>(gathered);
   p.shard_rows = m / W;

@@ -7,12 +7,14 @@
 // call). Every rank makes the same fused calls in the same order, so epochs agree across ranks. Flags only
 // grow.
 //
-//   AgGemmOp  all-gather + GEMM, inter-SM overlap. Communicator blocks meet their counterparts (so every
-//   peer's
-//             previous call is over), then push this rank's A shard, chunk by chunk, into every rank's
-//             gathered A (this rank's first, then rank - 1, rank - 2, ...) and set that rank's flag of the
-//             chunk to the epoch. The loader's wait_inputs waits for the flags of every chunk a tile's rows
-//             touch.
+//   AgGemmOp  all-gather + GEMM, inter-SM overlap. Tiles whose rows lie in this rank's shard read the shard
+//             itself (a second A map): they need no wait and run first. Communicator blocks meet their
+//             counterparts (so every peer's previous call is over), then push this rank's A shard, chunk
+//             by chunk, into the peers' gathered A (rank - 1 first, then rank - 2, ...: rank - 1 walks
+//             this rank's rows right after its own) and set that rank's flag of the chunk to the epoch;
+//             the copy into this rank's own gathered A comes last (only tiles straddling two shards, and
+//             the caller's gathered A, read it). The loader's wait_inputs waits for the flags of every
+//             chunk a tile's rows touch.
 //   RsGemmOp  GEMM + reduce-scatter, intra-SM overlap. The storer TMA-reduce-adds each 64-row half tile into
 //             the fp32 accumulator shard of the rank(s) owning those rows (one tensor map per rank). One
 //             communicator block meets the team first (every owner has zeroed its accumulator) and raises a
@@ -55,6 +57,7 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
   using Base = GemmOp<__nv_bfloat16, kBKMajor, kCluster>;
   struct Params : Base::Params {
     FusedSync sync;
+    CUtensorMap a_local;           // this rank's shard [shard_rows, K], same box as Base::Params::a
     const __nv_bfloat16* a_shard;  // [shard_rows, K], dense, this rank's
     __nv_bfloat16* gathered;       // [W * shard_rows, K], dense, symmetric (Base::Params::a maps it)
     int64_t shard_rows, k;
@@ -64,7 +67,23 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
   __device__ static uint64_t* flag(const Params& p, int src, int j) {
     return p.sync.team.user_flag(kFusedFlagBase + src * p.chunks + j);
   }
+  // First row of tile t inside this rank's shard, or -1 when the tile's rows are not all in it.
+  __device__ static int64_t local_row(const Params& p, const lcsc::Tile& t) {
+    const int64_t r0 = int64_t(t.m) * Base::kBM - int64_t(p.sync.team.rank) * p.shard_rows;
+    return r0 >= 0 && r0 + Base::kBM <= p.shard_rows ? r0 : -1;
+  }
+  __device__ static void init(const Params& p, typename Base::Smem& s) {
+    Base::init(p, s);
+    tma::prefetch_map(&p.a_local);
+  }
+  __device__ static void load(const Params& p, typename Base::Smem& s, typename Base::Pipeline& pipe,
+                              lcsc::PipeState& st, const lcsc::Tile& t) {
+    const int64_t r = local_row(p, t);
+    if (r < 0) return Base::load(p, s, pipe, st, t);
+    Base::Mainloop::load(s.main, pipe, st, &p.a_local, &p.b, int(r), t.n * Base::kBN, p.k_blocks);
+  }
   __device__ static void wait_inputs(const Params& p, const lcsc::Tile& t) {
+    if (local_row(p, t) >= 0) return;  // the shard itself: ready before the kernel started
     const uint64_t e = p.sync.epoch();
     const int64_t m_end = p.shard_rows * p.sync.team.world;
     const int64_t r0 = int64_t(t.m) * Base::kBM, r1 = min(r0 + Base::kBM, m_end) - 1;
@@ -86,8 +105,8 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     // Meet this block's counterparts (slot by communicator index): every peer has finished its previous call.
     if (barrier_block(t, kCollectiveSlotBase + index)) {
       const int world = t.world;
-      for (int u = index; u < world * p.chunks; u += count) {
-        const int dst = (t.rank - u / p.chunks + world) % world, j = u % p.chunks;
+      for (int u = index; u < world * p.chunks; u += count) {  // peers rank - 1, rank - 2, ..., then self
+        const int dst = (t.rank - 1 - u / p.chunks + 2 * world) % world, j = u % p.chunks;
         const int64_t r0 = int64_t(j) * p.chunk_rows, rows = min(int64_t(p.chunk_rows), p.shard_rows - r0);
         const uint4* from = reinterpret_cast<const uint4*>(p.a_shard + r0 * p.k);
         uint4* to =
