@@ -60,8 +60,9 @@ weft::ReduceOp parse_op(const std::string& s) {
 struct Comm {
   std::shared_ptr<weft::Communicator> comm;
   weft::Rank& rank() const { return comm->local(0); }
-  // The caller's stream as is: 0 is the legacy default stream (torch's default), not "weft's own".
-  cudaStream_t stream(uintptr_t s) const { return reinterpret_cast<cudaStream_t>(s); }
+  // The caller's stream. 0 is torch's default, the legacy default stream: pass that, since a null stream
+  // means "weft's own stream" to the C++ ops (unordered with the caller's work).
+  cudaStream_t stream(uintptr_t s) const { return s ? reinterpret_cast<cudaStream_t>(s) : cudaStreamLegacy; }
 };
 
 // A symmetric allocation kept alive by every DLPack export of it.

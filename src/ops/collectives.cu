@@ -5,6 +5,7 @@
 #include <string>
 
 #include "op_args.hpp"
+#include "weft/runtime/kernel_preload.hpp"
 #include "weft/ops/collectives.cuh"
 #include "weft/ops/collectives.hpp"
 
@@ -105,15 +106,19 @@ void launch_exchange(Call& c, coll::Exchange x, int v, uint64_t total_bytes) {
   const int g = c.blocks(total_bytes);
   switch (v) {
     case 16:
+      detail::preload<&coll::exchange_kernel<16>>();
       coll::exchange_kernel<16><<<g, kThreads, 0, c.stream>>>(x);
       break;
     case 8:
+      detail::preload<&coll::exchange_kernel<8>>();
       coll::exchange_kernel<8><<<g, kThreads, 0, c.stream>>>(x);
       break;
     case 4:
+      detail::preload<&coll::exchange_kernel<4>>();
       coll::exchange_kernel<4><<<g, kThreads, 0, c.stream>>>(x);
       break;
     default:
+      detail::preload<&coll::exchange_kernel<2>>();
       coll::exchange_kernel<2><<<g, kThreads, 0, c.stream>>>(x);
       break;
   }
@@ -137,6 +142,7 @@ void launch_reduce_scatter(Call& c, const coll::ReduceScatter& x, DType dt, Redu
                            uint64_t total_bytes) {
   const int g = c.blocks(total_bytes);
   with_reduction(dt, op, vec, [&](auto e, auto r, auto v) {
+    detail::preload<&coll::reduce_scatter_kernel<e.value, r.value, v.value>>();
     coll::reduce_scatter_kernel<e.value, r.value, v.value><<<g, kThreads, 0, c.stream>>>(x);
   });
   c.launched();
@@ -146,6 +152,7 @@ void launch_pull_reduce(Call& c, const coll::PullReduce& x, DType dt, ReduceOp o
                         uint64_t total_bytes) {
   const int g = c.blocks(total_bytes);
   with_reduction(dt, op, vec, [&](auto e, auto r, auto v) {
+    detail::preload<&coll::pull_reduce_kernel<e.value, r.value, v.value>>();
     coll::pull_reduce_kernel<e.value, r.value, v.value><<<g, kThreads, 0, c.stream>>>(x);
   });
   c.launched();
@@ -170,8 +177,10 @@ void one_shot_all_reduce(Call& c, const void* in, void* out, uint64_t count, DTy
                   reinterpret_cast<uint64_t*>(c.workspace(ll_region_bytes(world)))};
   const int g = c.blocks(bytes * 8);  // LL moves 2x the bytes and polls: spread it wider
   with_elem(dt, [&](auto e) {
-    with_reduce(op,
-                [&](auto r) { coll::one_shot_kernel<e.value, r.value><<<g, kThreads, 0, c.stream>>>(x); });
+    with_reduce(op, [&](auto r) {
+      detail::preload<&coll::one_shot_kernel<e.value, r.value>>();
+      coll::one_shot_kernel<e.value, r.value><<<g, kThreads, 0, c.stream>>>(x);
+    });
   });
   c.launched();
 }

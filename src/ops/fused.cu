@@ -4,6 +4,7 @@
 #include <string>
 
 #include "op_args.hpp"
+#include "weft/runtime/kernel_preload.hpp"
 #include "weft/ops/fused.cuh"
 #include "weft/ops/fused.hpp"
 #include "weft/tile/tma.cuh"
@@ -148,6 +149,7 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, float* acc, int
   const uint64_t n4 = uint64_t(rows) * n / 4;
   const int blocks =
       static_cast<int>(std::clamp<uint64_t>((n4 + 2047) / 2048, 1, std::min(sms, kCollectiveMaxBlocks)));
+  detail::preload<&ops::rs_finalize_kernel>();
   ops::rs_finalize_kernel<<<blocks, 512, 0, c.stream>>>(c.rank.view(), reinterpret_cast<const float4*>(acc),
                                                         static_cast<uint2*>(out), n4);
   WEFT_CUDA_CHECK(cudaGetLastError());

@@ -1,4 +1,5 @@
 #include "weft/runtime/communicator.hpp"
+#include "weft/runtime/kernel_preload.hpp"
 
 #include <unistd.h>
 
@@ -201,7 +202,8 @@ void Communicator::init_devices(const std::vector<int>& devices, int first_rank,
     auto r = std::make_unique<Rank>();
     r->device_ = devices[i];
     WEFT_CUDA_CHECK(cudaSetDevice(devices[i]));
-    WEFT_CUDA_CHECK(cudaFree(nullptr));  // create the primary context now, not inside a timed region
+    WEFT_CUDA_CHECK(cudaFree(nullptr));    // create the primary context now, not inside a timed region
+    detail::preload_registered_kernels();  // no lazy loading between launches of spinning kernels
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&r->stream_, cudaStreamNonBlocking));
     r->view_.rank = first_rank + static_cast<int>(i);
     r->view_.world = world;
@@ -455,7 +457,8 @@ void Communicator::free(SymmetricBuffer& buf) {
 
 const SymmetricBuffer& Communicator::workspace(uint64_t bytes, bool capturing) {
   if (workspace_.bytes >= bytes) return workspace_;
-  WEFT_CHECK(!capturing, "an op needs " + std::to_string(bytes >> 20) + " MiB of workspace but the communicator has " +
+  WEFT_CHECK(!capturing, "an op needs " + std::to_string(bytes >> 20) +
+                             " MiB of workspace but the communicator has " +
                              std::to_string(workspace_.bytes >> 20) +
                              " MiB, and it cannot grow during CUDA graph capture: run the op once before "
                              "capturing, or call Communicator::reserve_workspace");

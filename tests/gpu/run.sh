@@ -69,7 +69,8 @@ for tool in memcheck racecheck synccheck; do
   # kernels were racecheck-clean with them included (2026-11-21). Leave the GEMM tests out of racecheck.
   skip=-create_destroy,-rank_death
   [ "$tool" = racecheck ] && skip=$skip,-gemm
-  step "compute-sanitizer $tool, 2 ranks" "sanitizer_$tool" "$launch" -n 2 \
+  # Sanitized kernels run many times slower: a 300 s device and host-collective timeout instead of 10 / 30 s.
+  step "compute-sanitizer $tool, 2 ranks" "sanitizer_$tool" env WEFT_TIMEOUT_MS=300000 "$launch" -n 2 \
     compute-sanitizer --tool "$tool" --error-exitcode 9 "$tests" --quick --filter "$skip"
 done
 

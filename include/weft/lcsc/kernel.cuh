@@ -33,6 +33,7 @@
 #include "weft/lcsc/pipeline.cuh"
 #include "weft/lcsc/scheduler.cuh"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/kernel_preload.hpp"
 #include "weft/tile/cluster.cuh"
 #include "weft/tile/warp_roles.cuh"
 
@@ -160,6 +161,7 @@ struct Launcher {
   // Launches `blocks` blocks (a multiple of Op::kClusterSize; p.sched.compute_blocks of them compute).
   static void launch(const typename Op::Params& p, int blocks, cudaStream_t stream) {
     if (blocks <= 0) return;
+    detail::preload<&persistent_kernel<Op>>();
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
