@@ -49,11 +49,13 @@ struct Call {
     return ops::workspace_of(comm, rank, ll_region_bytes(rank.world()) + bytes, capturing, where) +
            ll_region_bytes(rank.world());
   }
-  // Fused or sequential; `why_not` is empty when the fused kernel can run, else the reason it cannot.
-  bool fused(const FusedOptions& o, int64_t m, const std::string& why_not) const {
+  // Fused or sequential; `why_not` is empty when the fused kernel can run, else the reason it cannot;
+  // `pays_off`: kAuto's measured rule (fused_pays_off) says the fused kernel beats the sequential path.
+  bool fused(const FusedOptions& o, int64_t m, const std::string& why_not, bool pays_off) const {
     WEFT_CHECK(o.mode != FusedOptions::Mode::kFused || why_not.empty(),
                where + "the fused kernel cannot run here: " + why_not + " (use Mode::kAuto to fall back)");
-    if (o.mode == FusedOptions::Mode::kAuto) return why_not.empty() && rank.world() > 1 && m >= o.min_fused_m;
+    if (o.mode == FusedOptions::Mode::kAuto)
+      return why_not.empty() && rank.world() > 1 && m >= o.min_fused_m && pays_off;
     return o.mode == FusedOptions::Mode::kFused;
   }
   // Grid of an LCSC op with `comm` communicator blocks: compute clusters fill the rest of the GPU.
@@ -155,6 +157,14 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, float* acc, int
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
+// kAuto's choice, from weft-bench fused on 4x H200 (bench/RESULTS.md, 2026-11-21): the fused all-gather
+// GEMM beat cuBLAS + NCCL by 1.40-1.60x where communication outweighs the GEMM (M >= 8192 with N <= 2048 per
+// rank) and lost or tied elsewhere (0.80-1.03x); the fused reduce-scatter GEMM lost everywhere (0.83-0.94x),
+// so matmul_reduce_scatter and matmul_all_reduce run sequentially unless forced.
+bool fused_pays_off(bool all_gather, int64_t m, int64_t n_per_rank) {
+  return all_gather && m >= 8192 && n_per_rank <= 4096;
+}
+
 // The storer adds whole 64-row halves of a tile into one owner's shard: a half that straddled two shards
 // would need a TMA box starting at a negative row of the second, which the hardware rejects (illegal
 // instruction, seen on H200).
@@ -186,7 +196,7 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
                 chunks = (rows + chunk_rows - 1) / chunk_rows;
   const bool sym_gathered = gathered_a && comm.in_heap(rank, gathered_a, m * k * 2);
   const bool fits = W * chunks <= ops::kFusedFlags && chunk_rows <= INT32_MAX;
-  if (!c.fused(o, m, fits ? std::string() : "more A chunks than flags")) {
+  if (!c.fused(o, m, fits ? std::string() : "more A chunks than flags", fused_pays_off(true, m, n))) {
     char* g = gathered_a ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
     all_gather(comm, rank, a_shard, g, Shape2D{size_t(rows), size_t(k)}, 0, DType::kBF16, c.stream);
     gemm(g, b, out, m, n, k, layout, DType::kBF16, c.stream);
@@ -211,7 +221,7 @@ FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, c
   c.check_buffer(b, "b", n * k * 2);
   c.check_buffer(out, "out", rows * n * 2);
   gemm_plan(m, n, k, layout, DType::kBF16);
-  if (!c.fused(o, m, rs_why_not(c, m))) {
+  if (!c.fused(o, m, rs_why_not(c, m), fused_pays_off(false, m, n))) {
     char* tmp = c.workspace(m * n * 2);  // symmetric: reduce_scatter reads it in place
     gemm(a, b, tmp, m, n, k, layout, DType::kBF16, c.stream);
     reduce_scatter(comm, rank, tmp, out, Shape2D{size_t(rows), size_t(n)}, 0, DType::kBF16, ReduceOp::kSum,
@@ -236,7 +246,7 @@ FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const
   c.check_buffer(b, "b", n * k * 2);
   c.check_buffer(out, "out", m * n * 2);
   gemm_plan(m, n, k, layout, DType::kBF16);
-  if (!c.fused(o, m, rs_why_not(c, m))) {
+  if (!c.fused(o, m, rs_why_not(c, m), fused_pays_off(false, m, n))) {
     gemm(a, b, out, m, n, k, layout, DType::kBF16, c.stream);
     all_reduce(comm, rank, out, out, size_t(m) * n, DType::kBF16, ReduceOp::kSum, c.stream);
     return FusedPath::kSequential;

@@ -18,6 +18,16 @@ void launch_team_barrier(const TeamView& view, int slot, cudaStream_t stream);  
 
 namespace {
 
+// Restores the calling thread's current device: public calls that visit every local GPU must not leave the
+// caller (or the op launcher that called them) on another device.
+struct CurrentDeviceGuard {
+  int device = 0;
+  CurrentDeviceGuard() { cudaGetDevice(&device); }
+  ~CurrentDeviceGuard() { cudaSetDevice(device); }
+  CurrentDeviceGuard(const CurrentDeviceGuard&) = delete;
+  CurrentDeviceGuard& operator=(const CurrentDeviceGuard&) = delete;
+};
+
 std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds t) {
   if (t.count() > 0) return t;
   if (auto v = process_env()("WEFT_TIMEOUT_MS"))
@@ -343,6 +353,7 @@ void Communicator::init_signal_pads() {
 // ---- symmetric allocation ---------------------------------------------------------------------
 
 SymmetricBuffer Communicator::alloc(uint64_t bytes) {
+  const CurrentDeviceGuard keep_device;
   WEFT_CHECK(!channel_ || channel_->lost_reason().empty(), channel_->lost_reason());
   const bool mp = channel_ != nullptr;
   const uint64_t off = allocator_->allocate(bytes);
@@ -433,6 +444,7 @@ SymmetricBuffer Communicator::alloc(uint64_t bytes) {
 }
 
 void Communicator::free(SymmetricBuffer& buf) {
+  const CurrentDeviceGuard keep_device;
   if (!buf) return;
   auto it = std::find_if(live_.begin(), live_.end(), [&](auto& b) { return b.offset == buf.offset; });
   WEFT_CHECK(it != live_.end(),
@@ -489,6 +501,7 @@ void Communicator::host_barrier() {
 }
 
 void Communicator::device_barrier() {
+  const CurrentDeviceGuard keep_device;
   for (auto& r : ranks_) {
     WEFT_CUDA_CHECK(cudaSetDevice(r->device_));
     launch_team_barrier(r->view_, kRuntimeBarrierSlot, r->stream_);
@@ -496,6 +509,7 @@ void Communicator::device_barrier() {
 }
 
 void Communicator::synchronize() {
+  const CurrentDeviceGuard keep_device;
   for (auto& r : ranks_) {
     WEFT_CUDA_CHECK(cudaSetDevice(r->device_));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(r->stream_));
@@ -529,6 +543,7 @@ std::string Communicator::describe_offset(uint64_t offset) const {
 }
 
 void Communicator::check_device_errors() const {
+  const CurrentDeviceGuard keep_device;
   for (size_t i = 0; i < ranks_.size(); ++i) {
     if (!ranks_[i]->view_.error) continue;
     DeviceError e{};
