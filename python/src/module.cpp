@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "weft/ops/collectives.hpp"
+#include "weft/ops/fused.hpp"
 #include "weft/runtime/communicator.hpp"
 
 namespace py = pybind11;
@@ -226,5 +227,30 @@ PYBIND11_MODULE(_weft, m) {
                          const std::string& dtype, uintptr_t stream) {
     weft::all_to_all(*c.comm, c.rank(), reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out),
                      count_per_rank, parse_dtype(dtype), c.stream(stream));
+  });
+
+  // Fused tensor-parallel ops (bf16): b_layout "kn" ([K, N] row-major) or "nk" (an [N, K] weight); the
+  // return value names the path that ran ("fused" or "sequential").
+  auto layout = [](const std::string& l) { return l == "nk" ? weft::BLayout::kNK : weft::BLayout::kKN; };
+  m.def("all_gather_matmul",
+        [layout](const Comm& c, uintptr_t a, uintptr_t b, uintptr_t out, uintptr_t gathered, int64_t m,
+                 int64_t n, int64_t k, const std::string& b_layout, uintptr_t stream) {
+          return std::string(weft::fused_path_name(weft::all_gather_matmul(
+              *c.comm, c.rank(), reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
+              reinterpret_cast<void*>(out), reinterpret_cast<void*>(gathered), m, n, k, layout(b_layout),
+              c.stream(stream))));
+        });
+  m.def("matmul_reduce_scatter",
+        [layout](const Comm& c, uintptr_t a, uintptr_t b, uintptr_t out, int64_t m, int64_t n, int64_t k,
+                 const std::string& b_layout, uintptr_t stream) {
+          return std::string(weft::fused_path_name(weft::matmul_reduce_scatter(
+              *c.comm, c.rank(), reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
+              reinterpret_cast<void*>(out), m, n, k, layout(b_layout), c.stream(stream))));
+        });
+  m.def("matmul_all_reduce", [layout](const Comm& c, uintptr_t a, uintptr_t b, uintptr_t out, int64_t m,
+                                      int64_t n, int64_t k, const std::string& b_layout, uintptr_t stream) {
+    return std::string(weft::fused_path_name(weft::matmul_all_reduce(
+        *c.comm, c.rank(), reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
+        reinterpret_cast<void*>(out), m, n, k, layout(b_layout), c.stream(stream))));
   });
 }

@@ -67,6 +67,24 @@ def main():
         dist.all_to_all_single(want, x)
         check(f"all_to_all {dtype}", weft.all_to_all(x), want, True)
         cases += 1
+    # Fused matmul ops against torch.distributed + a fp32 torch matmul (weights in nn.Linear layout [N, K],
+    # passed as w.t(); also as a contiguous [K, N]).
+    for m_shard, n, k in ((128, 256, 256), (256, 264, 136), (200, 128, 64)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
+        a = torch.randn(m_shard, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        parts = [torch.empty_like(a) for _ in range(world)]
+        dist.all_gather(parts, a)
+        want = torch.cat(parts).float() @ w.float().t()
+        check(f"all_gather_matmul {m_shard}x{n}x{k}", weft.all_gather_matmul(a, w.t()), want.to(torch.bfloat16))
+        a_full = torch.randn(m_shard * world, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        total = a_full.float() @ w.float().t()
+        dist.all_reduce(total)
+        check(f"matmul_all_reduce {m_shard}x{n}x{k}", weft.matmul_all_reduce(a_full, w.t()),
+              total.to(torch.bfloat16))
+        mine = total[rank * m_shard:(rank + 1) * m_shard].to(torch.bfloat16)
+        check(f"matmul_reduce_scatter {m_shard}x{n}x{k}", weft.matmul_reduce_scatter(a_full, w.t().contiguous()),
+              mine)
+        cases += 3
     # Symmetric tensors through DLPack, out=, and a captured graph.
     n = 1 << 20
     sym_in = torch.from_dlpack(comm.empty((n,), "bf16"))

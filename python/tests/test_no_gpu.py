@@ -74,7 +74,8 @@ class NoGpu(unittest.TestCase):
         self.comm = weft.Communicator(FakeNative())
         # Reaching the C++ op means every check passed: record the call instead of running it.
         self.calls = []
-        for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul",
+                     "matmul_reduce_scatter", "matmul_all_reduce"):
             p = mock.patch.object(_weft, name, lambda *a, _n=name: self.calls.append((_n, a[1:])))
             p.start()
             self.addCleanup(p.stop)
@@ -153,6 +154,30 @@ class NoGpu(unittest.TestCase):
     def test_negative_dim_counts_from_the_end(self):
         self.comm.all_gather(FakeTensor((2, 3, 4)), dim=-1)
         self.assertEqual(self.calls[-1][1][2:5], (6, 4, 1))
+
+    def test_matmul_ops_reach_the_kernels(self):
+        a, b_kn = FakeTensor((8, 16)), FakeTensor((16, 24))
+        b_weight_t = FakeTensor((16, 24), strides=(1, 16))  # weight [24, 16] viewed as .t()
+        self.comm.all_gather_matmul(a, b_weight_t)
+        self.comm.matmul_reduce_scatter(a, b_kn)
+        self.comm.matmul_all_reduce(a, b_kn, out=FakeTensor((8, 24)))
+        (n0, ag), (n1, rs), (n2, ar) = self.calls
+        self.assertEqual((n0, n1, n2), ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"))
+        self.assertEqual(ag[4:8], (32, 24, 16, "nk"))  # M = 4 ranks x 8 rows, N, K, layout
+        self.assertEqual(rs[3:7], (8, 24, 16, "kn"))
+
+    def test_matmul_ops_reject_bad_operands(self):
+        a = FakeTensor((8, 16))
+        self.raises(ValueError, "inner dimensions", self.comm.matmul_all_reduce, a, FakeTensor((8, 24)))
+        self.raises(TypeError, "bf16", self.comm.matmul_all_reduce, FakeTensor((8, 16), "fp32"),
+                    FakeTensor((16, 24), "fp32"))
+        self.raises(ValueError, ".t() view", self.comm.matmul_all_reduce, a, FakeTensor((16, 24), strides=(2, 32)))
+        self.raises(ValueError, "multiples of 8", self.comm.matmul_all_reduce, a, FakeTensor((16, 20)))
+        self.raises(ValueError, "not divisible by the world size 4", self.comm.matmul_reduce_scatter,
+                    FakeTensor((6, 16)), FakeTensor((16, 24)))
+        self.raises(ValueError, "2-D", self.comm.matmul_all_reduce, FakeTensor((8, 16, 1)), FakeTensor((16, 24)))
+        self.raises(ValueError, "shape", self.comm.all_gather_matmul, a, FakeTensor((16, 24)),
+                    out=FakeTensor((8, 24)))
 
 
 if __name__ == "__main__":

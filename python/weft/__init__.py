@@ -21,7 +21,8 @@ from . import _weft
 
 WeftError = _weft.WeftError
 
-__all__ = ["init", "Communicator", "WeftError", "all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+__all__ = ["init", "Communicator", "WeftError", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+           "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
 
 _DTYPES = ("bf16", "fp16", "fp32")
 _OPS = ("sum", "max", "min")
@@ -77,6 +78,15 @@ class Communicator:
     def all_to_all(self, x, out=None):
         return all_to_all(x, out=out, comm=self)
 
+    def all_gather_matmul(self, a, b, out=None, gathered_a=None):
+        return all_gather_matmul(a, b, out=out, gathered_a=gathered_a, comm=self)
+
+    def matmul_reduce_scatter(self, a, b, out=None):
+        return matmul_reduce_scatter(a, b, out=out, comm=self)
+
+    def matmul_all_reduce(self, a, b, out=None):
+        return matmul_all_reduce(a, b, out=out, comm=self)
+
 
 # ---- argument handling --------------------------------------------------------------------------------
 
@@ -84,11 +94,12 @@ class Communicator:
 class _Arg:
     """A tensor argument reduced to what the kernels need."""
 
-    __slots__ = ("ptr", "shape", "dtype", "device", "contiguous", "torch")
+    __slots__ = ("ptr", "shape", "dtype", "device", "contiguous", "torch", "strides")
 
-    def __init__(self, ptr, shape, dtype, device, contiguous, torch):
+    def __init__(self, ptr, shape, dtype, device, contiguous, torch, strides=None):
         self.ptr, self.shape, self.dtype = ptr, tuple(shape), dtype
         self.device, self.contiguous, self.torch = device, contiguous, torch
+        self.strides = tuple(strides) if strides is not None else None  # in elements; None: compact
 
     @property
     def numel(self):
@@ -123,7 +134,8 @@ def _arg(x, name, stream):
     if _is_torch(x):
         if not x.is_cuda:
             raise ValueError(f"weft: {name} must be a CUDA tensor, got one on {x.device}")
-        return _Arg(x.data_ptr(), x.shape, _dtype_name(x.dtype), x.device.index, x.is_contiguous(), True)
+        return _Arg(x.data_ptr(), x.shape, _dtype_name(x.dtype), x.device.index, x.is_contiguous(), True,
+                    x.stride())
     if hasattr(x, "__dlpack__"):
         ptr, shape, strides, dtype, dev_type, dev_id = _weft.dlpack_info(x.__dlpack__(stream=stream or None))
         if dev_type not in (2, 13):
@@ -131,7 +143,7 @@ def _arg(x, name, stream):
         if dtype not in _DTYPES:
             raise TypeError(f"weft: {name} has an unsupported dtype: use bf16, fp16 or fp32")
         contiguous = strides is None or _compact(shape, strides)
-        return _Arg(ptr, shape, dtype, dev_id, contiguous, False)
+        return _Arg(ptr, shape, dtype, dev_id, contiguous, False, strides)
     raise TypeError(f"weft: {name} must be a torch tensor or support DLPack (__dlpack__), got {type(x).__name__}")
 
 
@@ -252,4 +264,69 @@ def all_to_all(x, out=None, comm=None):
         raise ValueError(f"weft: x has {a.numel} elements, not divisible by the world size {w}")
     out, o = _output(c, x, a, a.shape, out)
     _weft.all_to_all(c._c, a.ptr, o.ptr, a.numel // w, a.dtype, s)
+    return out
+
+
+# ---- fused tensor-parallel ops (bf16) ------------------------------------------------------------------
+
+
+def _matmul_operands(a, b, comm):
+    """Checks A [rows, K] and B ([K, N] contiguous, or the .t() view of a contiguous [N, K] weight)."""
+    c, s, x = _prepare(a, comm)
+    w = _arg(b, "b", s)
+    if w.device != c.device:
+        raise ValueError(f"weft: b is on cuda:{w.device} but this rank uses cuda:{c.device}")
+    for name, t in (("a", x), ("b", w)):
+        if t.dtype != "bf16":
+            raise TypeError(f"weft: {name} must be bf16 for the matmul ops, got {t.dtype}")
+        if len(t.shape) != 2:
+            raise ValueError(f"weft: {name} must be 2-D, got shape {t.shape}")
+    k, n = w.shape
+    if x.shape[1] != k:
+        raise ValueError(f"weft: a is {x.shape} and b is {w.shape}: the inner dimensions differ")
+    if w.contiguous:
+        layout = "kn"
+    elif w.strides == (1, k) or (n == 1 and w.strides[0] == 1):
+        layout = "nk"  # b = weight.t() of a contiguous [N, K] weight
+    else:
+        raise ValueError("weft: b must be a contiguous [K, N] tensor or the .t() view of a contiguous [N, K] "
+                         f"weight (got strides {w.strides})")
+    if n % 8 or k % 8:
+        raise ValueError(f"weft: K = {k} and N = {n} must be multiples of 8 (TMA needs 16-byte rows)")
+    return c, s, x, w, layout, n, k
+
+
+def all_gather_matmul(a, b, out=None, gathered_a=None, comm=None):
+    """out [M, N] = all_gather(a, dim 0) @ b, with a [M / world, K] on each rank; also fills gathered_a
+    ([M, K]) when given."""
+    c, s, x, w, layout, n, k = _matmul_operands(a, b, comm)
+    m = x.shape[0] * c.world_size
+    out, o = _output(c, a, x, (m, n), out)
+    g = 0
+    if gathered_a is not None:
+        _, ga = _output(c, a, x, (m, k), gathered_a, "gathered_a")
+        g = ga.ptr
+    _weft.all_gather_matmul(c._c, x.ptr, w.ptr, o.ptr, g, m, n, k, layout, s)
+    return out
+
+
+def matmul_reduce_scatter(a, b, out=None, comm=None):
+    """The [M, N] product a @ b summed over ranks; this rank gets rows rank * M / world .. (rank + 1) * M / world."""
+    c, s, x, w, layout, n, k = _matmul_operands(a, b, comm)
+    m = x.shape[0]
+    if m % c.world_size:
+        raise ValueError(f"weft: a has {m} rows, not divisible by the world size {c.world_size}")
+    out, o = _output(c, a, x, (m // c.world_size, n), out)
+    _weft.matmul_reduce_scatter(c._c, x.ptr, w.ptr, o.ptr, m, n, k, layout, s)
+    return out
+
+
+def matmul_all_reduce(a, b, out=None, comm=None):
+    """The [M, N] product a @ b summed over ranks, on every rank."""
+    c, s, x, w, layout, n, k = _matmul_operands(a, b, comm)
+    m = x.shape[0]
+    if m % c.world_size:
+        raise ValueError(f"weft: a has {m} rows, not divisible by the world size {c.world_size}")
+    out, o = _output(c, a, x, (m, n), out)
+    _weft.matmul_all_reduce(c._c, x.ptr, w.ptr, o.ptr, m, n, k, layout, s)
     return out
