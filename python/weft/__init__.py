@@ -310,23 +310,22 @@ def all_gather_matmul(a, b, out=None, gathered_a=None, comm=None):
     return out
 
 
-def matmul_reduce_scatter(a, b, out=None, comm=None):
-    """The [M, N] product a @ b summed over ranks; this rank gets rows rank * M / world .. (rank + 1) * M / world."""
+def _summed_matmul(native_op, a, b, out, comm, scatter):
+    """matmul_reduce_scatter / matmul_all_reduce: the [M, N] product summed over ranks, scattered or not."""
     c, s, x, w, layout, n, k = _matmul_operands(a, b, comm)
     m = x.shape[0]
     if m % c.world_size:
         raise ValueError(f"weft: a has {m} rows, not divisible by the world size {c.world_size}")
-    out, o = _output(c, a, x, (m // c.world_size, n), out)
-    _weft.matmul_reduce_scatter(c._c, x.ptr, w.ptr, o.ptr, m, n, k, layout, s)
+    out, o = _output(c, a, x, (m // c.world_size if scatter else m, n), out)
+    native_op(c._c, x.ptr, w.ptr, o.ptr, m, n, k, layout, s)
     return out
+
+
+def matmul_reduce_scatter(a, b, out=None, comm=None):
+    """The [M, N] product a @ b summed over ranks; this rank gets rows rank * M / world .. (rank + 1) * M / world."""
+    return _summed_matmul(_weft.matmul_reduce_scatter, a, b, out, comm, scatter=True)
 
 
 def matmul_all_reduce(a, b, out=None, comm=None):
     """The [M, N] product a @ b summed over ranks, on every rank."""
-    c, s, x, w, layout, n, k = _matmul_operands(a, b, comm)
-    m = x.shape[0]
-    if m % c.world_size:
-        raise ValueError(f"weft: a has {m} rows, not divisible by the world size {c.world_size}")
-    out, o = _output(c, a, x, (m, n), out)
-    _weft.matmul_all_reduce(c._c, x.ptr, w.ptr, o.ptr, m, n, k, layout, s)
-    return out
+    return _summed_matmul(_weft.matmul_all_reduce, a, b, out, comm, scatter=False)
