@@ -4,6 +4,7 @@
 #include <string>
 
 #include "op_args.hpp"
+#include "weft/runtime/current_device.hpp"
 #include "weft/runtime/kernel_preload.hpp"
 #include "weft/ops/fused.cuh"
 #include "weft/ops/fused.hpp"
@@ -25,11 +26,9 @@ struct Call {
   cudaStream_t stream;
   std::string where;
   bool capturing = false;
-  int saved_device = 0;
-  ~Call() { cudaSetDevice(saved_device); }
+  detail::CurrentDeviceGuard keep_device;  // the op runs on the rank's GPU; the caller's device comes back
   Call(Communicator& c, Rank& r, cudaStream_t s, const char* op, int64_t m, int64_t n, int64_t k)
       : comm(c), rank(r), stream(s ? s : r.stream()) {
-    WEFT_CUDA_CHECK(cudaGetDevice(&saved_device));
     WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
     where = std::string("weft::") + op + "(M=" + std::to_string(m) + ", N=" + std::to_string(n) +
             ", K=" + std::to_string(k) + "): ";

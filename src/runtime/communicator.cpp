@@ -1,4 +1,5 @@
 #include "weft/runtime/communicator.hpp"
+#include "weft/runtime/current_device.hpp"
 #include "weft/runtime/kernel_preload.hpp"
 
 #include <unistd.h>
@@ -18,15 +19,7 @@ void launch_team_barrier(const TeamView& view, int slot, cudaStream_t stream);  
 
 namespace {
 
-// Restores the calling thread's current device: public calls that visit every local GPU must not leave the
-// caller (or the op launcher that called them) on another device.
-struct CurrentDeviceGuard {
-  int device = 0;
-  CurrentDeviceGuard() { cudaGetDevice(&device); }
-  ~CurrentDeviceGuard() { cudaSetDevice(device); }
-  CurrentDeviceGuard(const CurrentDeviceGuard&) = delete;
-  CurrentDeviceGuard& operator=(const CurrentDeviceGuard&) = delete;
-};
+using detail::CurrentDeviceGuard;
 
 std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds t) {
   if (t.count() > 0) return t;

@@ -119,6 +119,23 @@ struct Launcher {
   static constexpr int kMaxDevices = 64;
   static_assert(kSmemBytes<Op> <= kMaxSmemBytes, "the op's shared memory exceeds 227 KiB per block");
 
+  // The launch configuration of `blocks` blocks in clusters of Op::kClusterSize (`attr` holds the cluster
+  // shape; the config points at it).
+  static cudaLaunchConfig_t config(int blocks, cudaStream_t stream, cudaLaunchAttribute& attr) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = Op::kClusterSize;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+    cfg.blockDim = dim3(kThreads<Op>);
+    cfg.dynamicSmemBytes = kSmemBytes<Op>;
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = Op::kClusterSize > 1 ? 1 : 0;
+    return cfg;
+  }
+
   // Sets the kernel's shared-memory limit on the current device (once) and returns how many clusters of
   // Op::kClusterSize blocks can be resident at once: the size of a persistent grid that never waits.
   static int max_resident_clusters() {
@@ -139,17 +156,8 @@ struct Launcher {
           cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads<Op>, kSmemBytes<Op>));
       n *= sms;
     } else {
-      cudaLaunchConfig_t cfg = {};
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = Op::kClusterSize;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.gridDim = dim3(static_cast<unsigned>(sms / Op::kClusterSize * Op::kClusterSize));
-      cfg.blockDim = dim3(kThreads<Op>);
-      cfg.dynamicSmemBytes = kSmemBytes<Op>;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
+      cudaLaunchAttribute attr;
+      const cudaLaunchConfig_t cfg = config(sms / Op::kClusterSize * Op::kClusterSize, nullptr, attr);
       WEFT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
     }
     WEFT_CHECK(n > 0, "the LCSC kernel does not fit on this GPU (" + std::to_string(kSmemBytes<Op>) +
@@ -162,18 +170,8 @@ struct Launcher {
   static void launch(const typename Op::Params& p, int blocks, cudaStream_t stream) {
     if (blocks <= 0) return;
     detail::preload<&persistent_kernel<Op>>();
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = Op::kClusterSize;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-    cfg.blockDim = dim3(kThreads<Op>);
-    cfg.dynamicSmemBytes = kSmemBytes<Op>;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = Op::kClusterSize > 1 ? 1 : 0;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = config(blocks, stream, attr);
     WEFT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, persistent_kernel<Op>, p));
   }
 };
