@@ -1,12 +1,18 @@
 """weft vs torch.distributed (NCCL) vs torch symmetric-memory ops, from Python, one process per GPU:
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-    PYTHONPATH=build/python torchrun --nproc_per_node=4 python/bench.py
+    PYTHONPATH=build/python torchrun --nproc_per_node=4 python/bench.py [--quick]
 
-Device time per call from CUDA events around many back-to-back calls (the slowest rank's median), and the
-host time of one weft call (Python overhead: argument checks, pointer extraction, enqueue).
+Three tables (rank 0 prints markdown):
+- collectives: device us per call of torch.distributed, weft, and torch's symmetric-memory all-reduce;
+- tensor-parallel matmul ops (bf16, weights in nn.Linear layout): torch.distributed + torch.matmul in sequence,
+  torch's symmetric-memory fused ops (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter),
+  and weft; plus weft's relative error against the sequential torch result on the same inputs;
+- host time per weft call from Python (checks, pointer extraction, enqueue), per op.
+Device times: CUDA events around back-to-back calls, median of reps, max over ranks.
 """
 import statistics
+import sys
 import time
 
 import torch
@@ -15,10 +21,17 @@ import torch.distributed as dist
 import weft
 
 
+def team_max(x):
+    t = torch.tensor([x], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def timed(fn, iters, reps=5):
     """Median over reps of the device time per call (us), max over ranks."""
     fn()
     torch.cuda.synchronize()
+    dist.barrier()
     times = []
     for _ in range(reps):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -28,78 +41,211 @@ def timed(fn, iters, reps=5):
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop) * 1e3 / iters)
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return team_max(statistics.median(times))
 
 
-def symm_mem_ops():
-    """torch's symmetric-memory all-reduce, if this torch build has it (multicast stays off)."""
+def host_us(fn, calls=200, reps=7):
+    """Host time of one call (us): `calls` back-to-back calls, fewer than the launch queue holds, so the host
+    never waits for the GPU; median over reps, max over ranks."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+    torch.cuda.synchronize()
+    return team_max(statistics.median(times))
+
+
+def rel_err(got, want):
+    if torch.isnan(got).any():
+        return float("nan")
+    return team_max(((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item())
+
+
+def try_symm(fn):
+    """torch symmetric-memory op, or None where this torch build (without multicast) cannot run it."""
     try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        return symm_mem
-    except Exception:
+        fn()
+        torch.cuda.synchronize()
+        return fn
+    except Exception as e:  # noqa: BLE001: any failure means "not available here"
+        print(f"[rank {dist.get_rank()}] torch symm-mem op unavailable: {type(e).__name__}: {e}"[:300],
+              file=sys.stderr)
         return None
 
 
-def main():
-    comm = weft.init()
-    rank, world = comm.rank, comm.world_size
-    torch.cuda.set_device(comm.device)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", comm.device))
-    group = dist.group.WORLD
-    symm = symm_mem_ops()
+def fmt(x):
+    return f"{x:.1f}" if isinstance(x, float) else str(x)
+
+
+def print_table(title, rows):
+    if dist.get_rank() != 0 or not rows:
+        return
+    keys = list(rows[0])
+    print(f"\n## {title}")
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(fmt(r[k]) for k in keys) + " |")
+    sys.stdout.flush()
+
+
+def bench_collectives(comm, world, group_name, symm, quick):
     rows = []
-    for nbytes in (8 << 10, 256 << 10, 1 << 20, 16 << 20, 256 << 20):
+    for nbytes in (8 << 10, 1 << 20) if quick else (8 << 10, 256 << 10, 1 << 20, 16 << 20, 256 << 20):
         n = nbytes // 2
+        iters = 200 if nbytes <= (1 << 20) else 20
         x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         sym = torch.from_dlpack(comm.empty((n,), "bf16"))
         sym_out = torch.from_dlpack(comm.empty((n,), "bf16"))
         sym.copy_(x)
-        iters = 200 if nbytes <= (1 << 20) else 20
-        row = {"size": nbytes}
+        row = {"size": f"{nbytes >> 10} KiB"}
         row["all_reduce nccl"] = timed(lambda: dist.all_reduce(x), iters)
         row["all_reduce weft"] = timed(lambda: weft.all_reduce(sym, out=sym_out), iters)
+        one_shot = None
         if symm is not None:
-            try:
-                buf = symm.empty(n, device="cuda", dtype=torch.bfloat16)
-                symm.rendezvous(buf, group.group_name)
-                buf.copy_(x)
-                row["all_reduce torch symm"] = timed(
-                    lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name), iters)
-            except Exception as e:  # not available in this build / without multicast
-                row["all_reduce torch symm"] = f"n/a ({type(e).__name__})"
+            buf = symm.empty(n, device="cuda", dtype=torch.bfloat16)
+            symm.rendezvous(buf, group_name)
+            buf.copy_(x)
+            one_shot = try_symm(lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group_name))
+        row["all_reduce torch symm one-shot"] = timed(one_shot, iters) if one_shot else "n/a"
         gathered = torch.empty(n * world, device="cuda", dtype=torch.bfloat16)
         row["all_gather nccl"] = timed(lambda: dist.all_gather_into_tensor(gathered, x), iters)
-        row["all_gather weft"] = timed(lambda: weft.all_gather(x, out=gathered), iters)
+        row["all_gather weft"] = timed(lambda: weft.all_gather(sym, out=gathered), iters)
         scattered = torch.empty(n // world, device="cuda", dtype=torch.bfloat16)
         row["reduce_scatter nccl"] = timed(lambda: dist.reduce_scatter_tensor(scattered, x), iters)
-        row["reduce_scatter weft"] = timed(lambda: weft.reduce_scatter(x, out=scattered), iters)
+        row["reduce_scatter weft"] = timed(lambda: weft.reduce_scatter(sym, out=scattered), iters)
         a2a = torch.empty_like(x)
         row["all_to_all nccl"] = timed(lambda: dist.all_to_all_single(a2a, x), iters)
-        row["all_to_all weft"] = timed(lambda: weft.all_to_all(x, out=a2a), iters)
+        row["all_to_all weft"] = timed(lambda: weft.all_to_all(sym, out=a2a), iters)
         rows.append(row)
-    # Host overhead of one weft call (tiny tensor: the GPU keeps up, the host is the limit).
-    small, small_out = torch.randn(8, device="cuda", dtype=torch.bfloat16), torch.empty(8, device="cuda",
-                                                                                        dtype=torch.bfloat16)
-    for _ in range(100):
-        weft.all_reduce(small, out=small_out)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(2000):
-        weft.all_reduce(small, out=small_out)
-    host_us = (time.perf_counter() - t0) * 1e6 / 2000
-    torch.cuda.synchronize()
+        del sym, sym_out
+    print_table(f"collectives, bf16, {world} GPUs: device us per call (slowest rank)", rows)
+
+
+def bench_matmul_ops(comm, world, rank, group_name, symm, quick):
+    """The issue's shapes (global M, N, K; each rank multiplies by its slice, weights [N, K] as nn.Linear)."""
+    rows = []
+    ms = (2048, 8192) if quick else (1024, 4096, 8192, 16384, 32768)
+    for n_glob, k_glob in ((8192, 8192), (28672, 8192)):
+        for m in ms:
+            iters = 10 if m <= 4096 else 3
+            g = torch.Generator(device="cuda").manual_seed(100 + rank)
+            # all_gather_matmul: a [M/W, K] shard, weight [N/W, K].
+            a_shard = torch.randn(m // world, k_glob, device="cuda", dtype=torch.bfloat16, generator=g)
+            w = torch.randn(n_glob // world, k_glob, device="cuda", dtype=torch.bfloat16, generator=g) / k_glob**0.5
+            a_sym = torch.from_dlpack(comm.empty(tuple(a_shard.shape), "bf16"))
+            a_sym.copy_(a_shard)
+            gathered = torch.empty(m, k_glob, device="cuda", dtype=torch.bfloat16)
+
+            def ag_seq():
+                dist.all_gather_into_tensor(gathered, a_shard)
+                return gathered @ w.t()
+
+            out = torch.empty(m, n_glob // world, device="cuda", dtype=torch.bfloat16)
+            comm.barrier()
+            err = rel_err(weft.all_gather_matmul(a_sym, w.t(), out=out), ag_seq())
+            fused = try_symm(lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [w.t()], 0, group_name))
+            rows.append({"op": "all_gather_matmul", "M": m, "N": n_glob, "K": k_glob,
+                         "torch seq us": timed(ag_seq, iters),
+                         "torch symm fused us": timed(fused, iters) if fused else "n/a",
+                         "weft us": timed(lambda: weft.all_gather_matmul(a_sym, w.t(), out=out), iters),
+                         "weft rel err": f"{err:.1e}"})
+            del a_shard, a_sym, gathered, out
+            # matmul_reduce_scatter / matmul_all_reduce: a [M, K/W], weight [N, K/W].
+            a = torch.randn(m, k_glob // world, device="cuda", dtype=torch.bfloat16, generator=g)
+            w = torch.randn(n_glob, k_glob // world, device="cuda", dtype=torch.bfloat16, generator=g) / k_glob**0.5
+            a_sym = torch.from_dlpack(comm.empty(tuple(a.shape), "bf16"))
+            a_sym.copy_(a)
+            rs_out = torch.empty(m // world, n_glob, device="cuda", dtype=torch.bfloat16)
+            ar_out = torch.empty(m, n_glob, device="cuda", dtype=torch.bfloat16)
+
+            def rs_seq():
+                dist.reduce_scatter_tensor(rs_out, a @ w.t())
+                return rs_out
+
+            def ar_seq():
+                p = a @ w.t()
+                dist.all_reduce(p)
+                return p
+
+            comm.barrier()
+            rs_want = rs_seq().clone()
+            err = rel_err(weft.matmul_reduce_scatter(a_sym, w.t(), out=torch.empty_like(rs_out)), rs_want)
+            fused = try_symm(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w.t(), "sum", 0, group_name))
+            rows.append({"op": "matmul_reduce_scatter", "M": m, "N": n_glob, "K": k_glob,
+                         "torch seq us": timed(rs_seq, iters),
+                         "torch symm fused us": timed(fused, iters) if fused else "n/a",
+                         "weft us": timed(lambda: weft.matmul_reduce_scatter(a_sym, w.t(), out=rs_out), iters),
+                         "weft rel err": f"{err:.1e}"})
+            ar_want = ar_seq()
+            err = rel_err(weft.matmul_all_reduce(a_sym, w.t(), out=ar_out), ar_want)
+            rows.append({"op": "matmul_all_reduce", "M": m, "N": n_glob, "K": k_glob,
+                         "torch seq us": timed(ar_seq, iters), "torch symm fused us": "n/a (no such op)",
+                         "weft us": timed(lambda: weft.matmul_all_reduce(a_sym, w.t(), out=ar_out), iters),
+                         "weft rel err": f"{err:.1e}"})
+            del a, w, a_sym, rs_out, ar_out, ar_want, rs_want
+            torch.cuda.empty_cache()
+    for r in rows:
+        t = r["torch symm fused us"]
+        best_torch = min(r["torch seq us"], t) if isinstance(t, float) else r["torch seq us"]
+        r["weft vs best torch"] = f"{best_torch / r['weft us']:.2f}x"
+    print_table(f"tensor-parallel matmul ops, bf16, {world} GPUs: device us per call (slowest rank)", rows)
+
+
+def bench_host_overhead(comm, world):
+    """Host us per call with small tensors: symmetric inputs and outputs (the zero-copy path), and plain
+    torch tensors (copied into symmetric memory inside the call)."""
+    x = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    sym = torch.from_dlpack(comm.empty((4096,), "bf16"))
+    sym_out = torch.from_dlpack(comm.empty((4096 * world,), "bf16"))
+    sym.copy_(x)
+    a_sym = torch.from_dlpack(comm.empty((64, 64), "bf16"))
+    a_sym.copy_(torch.randn(64, 64, device="cuda", dtype=torch.bfloat16))
+    w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(64 * world, 64, device="cuda", dtype=torch.bfloat16)
+    small = torch.empty(4096, device="cuda", dtype=torch.bfloat16)
+    cases = {
+        "all_reduce (symmetric in/out)": lambda: weft.all_reduce(sym, out=sym_out[:4096]),
+        "all_reduce (torch tensors, copy-in)": lambda: weft.all_reduce(x, out=small),
+        "all_gather (symmetric in)": lambda: weft.all_gather(sym, out=sym_out),
+        "reduce_scatter (symmetric in)": lambda: weft.reduce_scatter(sym, out=sym_out[:4096 // world]),
+        "all_to_all (symmetric in)": lambda: weft.all_to_all(sym, out=sym_out[:4096]),
+        "all_gather_matmul (symmetric a)": lambda: weft.all_gather_matmul(a_sym, w.t(), out=out),
+        "matmul_reduce_scatter (symmetric a)": lambda: weft.matmul_reduce_scatter(a_sym, w.t(), out=out[:64 // world]),
+        "matmul_all_reduce (symmetric a)": lambda: weft.matmul_all_reduce(a_sym, w.t(), out=out[:64]),
+        "torch.distributed.all_reduce (for scale)": lambda: dist.all_reduce(x),
+    }
+    rows = [{"call": name, "host us per call": host_us(fn)} for name, fn in cases.items()]
+    print_table(f"host time per call from Python, {world} GPUs (200 back-to-back calls, median of 7, max over ranks)",
+                rows)
+
+
+def main():
+    quick = "--quick" in sys.argv
+    comm = weft.init()
+    rank, world = comm.rank, comm.world_size
+    torch.cuda.set_device(comm.device)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", comm.device))
+    group_name = dist.group.WORLD.group_name
+    try:
+        import torch.distributed._symmetric_memory as symm
+
+        if hasattr(symm, "enable_symm_mem_for_group"):
+            symm.enable_symm_mem_for_group(group_name)
+    except Exception:  # noqa: BLE001
+        symm = None
     if rank == 0:
-        keys = [k for k in rows[0] if k != "size"]
-        print(f"# weft vs torch.distributed, bf16, {world} GPUs, device us per call (slowest rank)")
-        print("| size | " + " | ".join(keys) + " |")
-        print("|---" * (len(keys) + 1) + "|")
-        for r in rows:
-            cells = [f"{r[k]:.1f}" if isinstance(r[k], float) else str(r[k]) for k in keys]
-            print(f"| {r['size'] >> 10} KiB | " + " | ".join(cells) + " |")
-        print(f"\nhost time per weft.all_reduce call (8 elements, torch tensors): {host_us:.1f} us")
+        print(f"# weft Python bench: {world} GPUs ({torch.cuda.get_device_name()}), torch {torch.__version__}, "
+              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    bench_host_overhead(comm, world)
+    bench_collectives(comm, world, group_name, symm, quick)
+    bench_matmul_ops(comm, world, rank, group_name, symm, quick)
     dist.destroy_process_group()
 
 
