@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "cublas_gemm.hpp"
 #include "op_args.hpp"
 #include "weft/runtime/current_device.hpp"
 #include "weft/runtime/kernel_preload.hpp"
@@ -57,6 +58,13 @@ struct Call {
       return why_not.empty() && rank.world() > 1 && m >= o.min_fused_m && pays_off;
     return o.mode == FusedOptions::Mode::kFused;
   }
+  // The sequential path's GEMM: cuBLAS (never slower than the cuBLAS + NCCL baseline), weft::gemm where
+  // cuBLAS cannot take the shape.
+  void sequential_gemm(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
+                       BLayout layout) const {
+    if (!ops::cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, capturing, where))
+      gemm(a, b, out, m, n, k, layout, DType::kBF16, stream);
+  }
   // Grid of an LCSC op with `comm` communicator blocks: compute clusters fill the rest of the GPU.
   template <class Op>
   int compute_blocks(int comm_blocks, int units, const FusedOptions& o) const {
@@ -97,7 +105,9 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
                int64_t k, int chunk_rows, int chunks, const FusedOptions& o) {
   using Op = ops::AgGemmOp<kKMajor, 1>;
   typename Op::Params p{};
-  const int W = c.rank.world(), comm_blocks = o.comm_blocks > 0 ? (o.comm_blocks + 1) / 2 * 2 : 16;
+  // 8 communicator blocks: the pushes go to one peer at a time, and 8 SMs already fill a pair's NVLink
+  // bandwidth (bench/RESULTS.md, transfer vs SMs); every further SM is better spent on the GEMM.
+  const int W = c.rank.world(), comm_blocks = o.comm_blocks > 0 ? (o.comm_blocks + 1) / 2 * 2 : 8;
   set_schedule<Op>(p.sched, m, n);
   set_gemm_maps<Op, kKMajor>(p, gathered, b, m, n, k, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m);
   // Local rows first: start at the band of tile rows holding this rank's shard; then rank + 1's (which
@@ -198,7 +208,7 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
   if (!c.fused(o, m, fits ? std::string() : "more A chunks than flags", fused_pays_off(true, m, n))) {
     char* g = gathered_a ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
     all_gather(comm, rank, a_shard, g, Shape2D{size_t(rows), size_t(k)}, 0, DType::kBF16, c.stream);
-    gemm(g, b, out, m, n, k, layout, DType::kBF16, c.stream);
+    c.sequential_gemm(g, b, out, m, n, k, layout);
     return FusedPath::kSequential;
   }
   char* g = sym_gathered ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
@@ -222,7 +232,7 @@ FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, c
   gemm_plan(m, n, k, layout, DType::kBF16);
   if (!c.fused(o, m, rs_why_not(c, m), fused_pays_off(false, m, n))) {
     char* tmp = c.workspace(m * n * 2);  // symmetric: reduce_scatter reads it in place
-    gemm(a, b, tmp, m, n, k, layout, DType::kBF16, c.stream);
+    c.sequential_gemm(a, b, tmp, m, n, k, layout);
     reduce_scatter(comm, rank, tmp, out, Shape2D{size_t(rows), size_t(n)}, 0, DType::kBF16, ReduceOp::kSum,
                    c.stream);
     return FusedPath::kSequential;
@@ -246,7 +256,7 @@ FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const
   c.check_buffer(out, "out", m * n * 2);
   gemm_plan(m, n, k, layout, DType::kBF16);
   if (!c.fused(o, m, rs_why_not(c, m), fused_pays_off(false, m, n))) {
-    gemm(a, b, out, m, n, k, layout, DType::kBF16, c.stream);
+    c.sequential_gemm(a, b, out, m, n, k, layout);
     all_reduce(comm, rank, out, out, size_t(m) * n, DType::kBF16, ReduceOp::kSum, c.stream);
     return FusedPath::kSequential;
   }

@@ -23,8 +23,9 @@
 // all_gather_matmul below M = 8192 or above N = 4096 per rank, and matmul_reduce_scatter / matmul_all_reduce
 // always; see fused_pays_off in src/ops/fused.cu), below FusedOptions::min_fused_m, or where it cannot run
 // (world > 8 or M / W not a multiple of 64 for RS/AR, too many AG chunks), the op runs sequentially:
-// weft::gemm then weft::all_gather / reduce_scatter / all_reduce. Mode::kFused forces the kernel (or throws
-// why it cannot run). The return value says which path ran.
+// a cuBLAS GEMM (so never slower than cuBLAS + NCCL for the GEMM part) with weft::all_gather / reduce_scatter
+// / all_reduce. Mode::kFused forces the kernel (or throws why it cannot run). The return value says which
+// path ran.
 //
 // Fused ops own user flags [kUserFlags - 1027, kUserFlags) of the signal pad (see weft/ops/fused.cuh).
 #pragma once
@@ -42,7 +43,7 @@ const char* fused_path_name(FusedPath p);
 
 struct FusedOptions {
   enum class Mode { kAuto, kFused, kSequential } mode = Mode::kAuto;
-  int comm_blocks = 0;         // all_gather_matmul's communicator blocks: 0 auto (16), else 1..32
+  int comm_blocks = 0;         // all_gather_matmul's communicator blocks: 0 auto (8), else 1..32
   int64_t min_fused_m = 1024;  // kAuto: below this M the sequential path runs (besides the measured rule)
   int max_compute_blocks = 0;  // cap on GEMM blocks (benchmarks: "compute alone" at the fused op's SM count)
 };

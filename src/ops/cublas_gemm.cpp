@@ -1,0 +1,61 @@
+#include "cublas_gemm.hpp"
+
+#include <cublas_v2.h>
+
+#include <climits>
+#include <mutex>
+
+#include "weft/runtime/error.hpp"
+
+namespace weft::ops {
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr size_t kWorkspaceBytes = 32 << 20;  // cuBLAS's recommendation for Hopper
+
+// Per-device handle with a workspace of ours: cuBLAS then allocates nothing inside a graph capture. Never
+// destroyed: a static destructor at exit may run after the CUDA context is gone.
+cublasHandle_t handle_for(int device, bool capturing, const std::string& where) {
+  static std::mutex mu;
+  static cublasHandle_t handles[kMaxDevices] = {};
+  WEFT_CHECK(device >= 0 && device < kMaxDevices,
+             where + "device index out of range for the cuBLAS fallback");
+  std::lock_guard<std::mutex> lock(mu);
+  if (handles[device]) return handles[device];
+  WEFT_CHECK(!capturing,
+             where +
+                 "the first sequential-path call on a GPU creates its cuBLAS handle, which a CUDA "
+                 "graph capture does not allow: make one call before capturing");
+  cublasHandle_t h = nullptr;
+  WEFT_CHECK(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS, where + "cublasCreate failed");
+  void* ws = nullptr;
+  WEFT_CUDA_CHECK(cudaMalloc(&ws, kWorkspaceBytes));
+  WEFT_CHECK(cublasSetWorkspace(h, ws, kWorkspaceBytes) == CUBLAS_STATUS_SUCCESS,
+             where + "cublasSetWorkspace failed");
+  handles[device] = h;
+  return h;
+}
+
+}  // namespace
+
+bool cublas_gemm_bf16(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
+                      BLayout layout, cudaStream_t stream, bool capturing, const std::string& where) {
+  if (m > INT_MAX || n > INT_MAX || k > INT_MAX) return false;
+  int device = 0;
+  WEFT_CUDA_CHECK(cudaGetDevice(&device));
+  cublasHandle_t h = handle_for(device, capturing, where);
+  WEFT_CHECK(cublasSetStream(h, stream) == CUBLAS_STATUS_SUCCESS, where + "cublasSetStream failed");
+  // Row-major C [M,N] = A . B is column-major C^T [N,M] = B^T . A^T: B's row-major [N,K] (weight) is a
+  // column-major [K,N] to transpose; B's row-major [K,N] is a column-major [N,K] as it is.
+  const bool weight = layout == BLayout::kNK;
+  const float one = 1.f, zero = 0.f;
+  const cublasStatus_t st =
+      cublasGemmEx(h, weight ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, int(n), int(m), int(k), &one, b,
+                   CUDA_R_16BF, weight ? int(k) : int(n), a, CUDA_R_16BF, int(k), &zero, out, CUDA_R_16BF,
+                   int(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  WEFT_CHECK(st == CUBLAS_STATUS_SUCCESS,
+             where + "cublasGemmEx failed (status " + std::to_string(int(st)) + ")");
+  return true;
+}
+
+}  // namespace weft::ops

@@ -1,0 +1,21 @@
+// cuBLAS GEMM for the fused ops' sequential fallback (internal to src/ops). The fallback exists to be never
+// slower than cuBLAS + NCCL, so its GEMM is cuBLAS itself: weft::gemm matches cuBLAS on the sweep of the
+// GEMM issue but not on every shape and data pattern (bench/RESULTS.md, fused tables).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "weft/ops/gemm.hpp"
+
+namespace weft::ops {
+
+// out [M, N] bf16 = a [M, K] bf16 . b ([K, N] or an [N, K] weight, bf16), fp32 accumulation, on `stream` of
+// the current device. One cuBLAS handle (with its own workspace) per device, created on the first call; that
+// call must not be inside a CUDA-graph capture (`capturing`: then it throws, saying so, with `where`).
+// Returns false (nothing launched) where cuBLAS cannot take the shape (a dimension above 2^31 - 1).
+bool cublas_gemm_bf16(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
+                      BLayout layout, cudaStream_t stream, bool capturing, const std::string& where);
+
+}  // namespace weft::ops
