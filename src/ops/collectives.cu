@@ -26,8 +26,8 @@ namespace {
 using coll::Rows;
 constexpr int kThreads = 512;
 constexpr uint64_t kBytesPerBlock = 32 << 10;  // one SM moves ~40 GB/s: spread even 1 MiB wide
-using ops::kOneShotMaxBytes;
 using ops::ll_region_bytes;
+using ops::one_shot_max_bytes;
 // Two-shot all-reduce up to this size pulls (2 meetings, reads overlap); above, pushes through staging,
 // which streams better at full bandwidth (measured, 4 x H200: pull 1.6x NCCL at 1-4 MiB, push 1.03x at 256
 // MiB).
@@ -196,12 +196,13 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
   c.check_buffer(out, "out", bytes, 16);
   if (in != out && Call::overlap(in, bytes, out, bytes)) c.fail("in and out overlap without being equal");
   const int world = rank.world();
+  const uint64_t one_shot_max = one_shot_max_bytes(world);
   if (algo == AllReduceAlgo::kAuto)
-    algo = bytes <= kOneShotMaxBytes ? AllReduceAlgo::kOneShot : AllReduceAlgo::kTwoShot;
+    algo = bytes <= one_shot_max ? AllReduceAlgo::kOneShot : AllReduceAlgo::kTwoShot;
   if (algo == AllReduceAlgo::kOneShot) {
-    if (bytes > kOneShotMaxBytes)
-      c.fail("one-shot all-reduce is limited to " + std::to_string(kOneShotMaxBytes) + " bytes, got " +
-             std::to_string(bytes));
+    if (bytes > one_shot_max)
+      c.fail("one-shot all-reduce is limited to " + std::to_string(one_shot_max) + " bytes at " +
+             std::to_string(world) + " ranks, got " + std::to_string(bytes));
     return one_shot_all_reduce(c, in, out, count, dtype, op);
   }
   // Two-shot over the largest prefix that splits into equal 16-byte-multiple slices; the rest (under

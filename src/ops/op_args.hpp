@@ -8,11 +8,17 @@
 
 namespace weft::ops {
 
-// One-shot all-reduce limit; the head of the workspace is its LL region (two halves of `world` slots of
-// 8-byte words), so a one-shot call never overlaps what other ops keep after the head.
-inline constexpr uint64_t kOneShotMaxBytes = 256 << 10;
+// One-shot all-reduce limit by world size. The LL push moves 2x the bytes to each of W - 1 peers; the
+// two-shot moves (W - 1) / W of them twice but meets the team twice. At 2 GPUs one peer takes the whole push
+// and the one-shot stays ahead up to 1 MiB (4.7 us at 128 KiB vs two-shot 10.1 us at 512 KiB,
+// bench/RESULTS.md); at 4 GPUs it stops paying at 256 KiB.
+inline uint64_t one_shot_max_bytes(int world) {
+  return world == 2 ? (1u << 20) : (256u << 10);
+}
+// The head of the workspace is the one-shot's LL region (two halves of `world` slots of 8-byte words per
+// 4 data bytes), so a one-shot call never overlaps what other ops keep after the head.
 inline uint64_t ll_region_bytes(int world) {
-  return 2ull * world * (kOneShotMaxBytes / 4) * 8;
+  return 2ull * world * (one_shot_max_bytes(world) / 4) * 8;
 }
 
 // Throws weft::Error (prefixed with `where`) unless p is a non-null, `align`-aligned pointer into the rank's
