@@ -80,6 +80,8 @@ std::string fmt(const char* f, ...);
 // link bandwidth the collectives are measured against (weft-bench transfer).
 double measure_all_to_all_egress(Communicator& comm, uint64_t bytes_per_peer);
 std::string human_bytes(uint64_t b);
+// n bf16 values uniform in [-1, 1) from `seed` (bench/random.cu), queued on `stream`.
+void fill_uniform_bf16(void* p, uint64_t n, uint64_t seed, cudaStream_t stream);
 float median(std::vector<float> v);
 // Captures `iters` calls per local GPU (enqueue(k) enqueues call k on every local GPU) into one CUDA graph
 // per GPU, replays it `reps` times after a warm-up, returns the slowest local rank's median time per call in

@@ -10,10 +10,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <random>
 
 #include "bench.hpp"
 #include "weft/ops/fused.hpp"
+#include "weft/ops/gemm.hpp"
 
 namespace weft::bench {
 namespace {
@@ -60,13 +60,15 @@ void run_fused(Context& ctx) {
   std::vector<int64_t> ms = {1024, 2048, 4096, 8192, 16384, 32768};
   if (ctx.quick) ms = {2048, 8192};
   const std::pair<int64_t, int64_t> nks[] = {{8192, 8192}, {28672, 8192}};
-  Table t(fmt("fused tensor-parallel ops, bf16, %d GPUs (%s): weft vs cuBLAS + NCCL %d.%d.%d", W,
-              ctx.env ? "one process per GPU" : "single-process", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
-          {"op", "M", "N", "K", "sequential us", "compute us", "comm us", "weft us", "weft path", "speedup",
-           "weft / bound"},
-          "sequential = cuBLAS GEMM + NCCL collective; bound = max(compute alone, communication alone); weft "
-          "path "
-          "'sequential' means the op chose its fallback (weft::gemm + weft collective) for this shape.");
+  Table t(
+      fmt("fused tensor-parallel ops, bf16, %d GPUs (%s): weft vs cuBLAS + NCCL %d.%d.%d", W,
+          ctx.env ? "one process per GPU" : "single-process", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
+      {"op", "M", "N", "K", "sequential us", "compute us", "comm us", "weft us", "weft path", "speedup",
+       "weft / bound", "weft gemm us", "AG fused us"},
+      "sequential = cuBLAS GEMM + NCCL collective; compute = the cuBLAS GEMM alone; bound = max(compute "
+      "alone, communication alone); weft path 'sequential' means the op chose its fallback (cuBLAS GEMM + "
+      "weft collective) for this shape. weft gemm = weft::gemm alone on the compute shape; AG fused = "
+      "all_gather_matmul with the fused kernel forced (what kAuto's rule weighs).");
   // WEFT_BENCH_FUSED_OPS=ag,rs,ar (default: all) picks the ops.
   const char* only = std::getenv("WEFT_BENCH_FUSED_OPS");
   auto wanted = [&](Op op) {
@@ -89,14 +91,12 @@ void run_fused(Context& ctx) {
             WEFT_CUDA_CHECK(cudaMalloc(&g[i].b, gn * gk * 2));
             WEFT_CUDA_CHECK(cudaMalloc(&g[i].out, out_bytes));
             WEFT_CUDA_CHECK(cudaMalloc(&g[i].tmp, M * gn * 2));
-            std::vector<uint16_t> h(std::max<uint64_t>(a_bytes, gn * gk * 2) / 2);
-            std::mt19937 rng(7 + comm->local(i).rank());
-            for (auto& x : h)
-              x = uint16_t(0x3c00 + (rng() & 0x3ff)) ^ uint16_t((rng() & 1) << 15);  // bf16 +-[2^-7, 2)
-            WEFT_CUDA_CHECK(cudaMemcpy(g[i].a, h.data(), a_bytes, cudaMemcpyHostToDevice));
-            WEFT_CUDA_CHECK(cudaMemcpy(wa.local[i], h.data(), op == Op::kAG ? rows * gk * 2 : a_bytes,
-                                       cudaMemcpyHostToDevice));
-            WEFT_CUDA_CHECK(cudaMemcpy(g[i].b, h.data(), gn * gk * 2, cudaMemcpyHostToDevice));
+            const int rk = comm->local(i).rank();
+            fill_uniform_bf16(g[i].a, a_bytes / 2, 100 + 2 * rk, streams[i]);
+            fill_uniform_bf16(g[i].b, gn * gk, 101 + 2 * rk, streams[i]);
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(wa.local[i], g[i].a, op == Op::kAG ? rows * gk * 2 : a_bytes,
+                                            cudaMemcpyDeviceToDevice, streams[i]));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
           }
           auto gemm_alone = [&](int i) { cublas_gemm(g[i].blas, g[i].a, g[i].b, g[i].tmp, M, gn, gk); };
           auto comm_alone = [&](int i) {
@@ -111,6 +111,15 @@ void run_fused(Context& ctx) {
                                             nccl[i], streams[i]));
           };
           FusedPath path = FusedPath::kFused;
+          FusedOptions forced;
+          forced.mode = FusedOptions::Mode::kFused;
+          auto weft_gemm_alone = [&](int i) {
+            gemm(g[i].a, g[i].b, g[i].tmp, M, gn, gk, BLayout::kNK, DType::kBF16, streams[i]);
+          };
+          auto ag_forced = [&](int i) {
+            all_gather_matmul(*comm, comm->local(i), wa.local[i], g[i].b, wo.local[i], nullptr, M, gn, gk,
+                              BLayout::kNK, streams[i], forced);
+          };
           auto weft_call = [&](int i) {
             Rank& r = comm->local(i);
             const BLayout nk = BLayout::kNK;
@@ -148,9 +157,18 @@ void run_fused(Context& ctx) {
           const double t_gemm = team_max(time_graphs(*comm, streams, iters, reps, on_all(gemm_alone, false)));
           const double t_comm = team_max(time_graphs(*comm, streams, iters, reps, on_all(comm_alone, true)));
           const double t_weft = team_max(time_graphs(*comm, streams, iters, reps, on_all(weft_call, false)));
+          const double t_wgemm =
+              team_max(time_graphs(*comm, streams, iters, reps, on_all(weft_gemm_alone, false)));
+          double t_forced = 0;
+          if (op == Op::kAG) {
+            on_all(ag_forced, false)(0);
+            comm->synchronize();
+            t_forced = team_max(time_graphs(*comm, streams, iters, reps, on_all(ag_forced, false)));
+          }
           t.add({op_name(op), std::to_string(M), std::to_string(N), std::to_string(K), fmt("%.1f", t_seq),
                  fmt("%.1f", t_gemm), fmt("%.1f", t_comm), fmt("%.1f", t_weft), fused_path_name(path),
-                 fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm))});
+                 fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm)),
+                 fmt("%.1f", t_wgemm), op == Op::kAG ? fmt("%.1f", t_forced) : std::string("-")});
           comm->free(wa);
           comm->free(wo);
           for (int i = 0; i < L; ++i) {

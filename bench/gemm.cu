@@ -22,17 +22,6 @@ namespace {
       throw_error(fmt("weft-bench: %s failed (cuBLAS status %d)", #expr, int(st_))); \
   } while (0)
 
-__global__ void fill_kernel(__nv_bfloat16* p, uint64_t n, uint64_t seed) {
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n;
-       i += uint64_t(gridDim.x) * blockDim.x) {
-    uint64_t x = (seed << 40) ^ i;
-    x = (x ^ (x >> 31)) * 0x7fb5d329728ea185ull;
-    x = (x ^ (x >> 27)) * 0x81dadef4bc2dd44dull;
-    x ^= x >> 33;
-    p[i] = __float2bfloat16(float(x >> 40) * (2.0f / 16777216.0f) - 1.0f);
-  }
-}
-
 // sums[0] += (x - y)^2, sums[1] += y^2 for bf16 x (weft) and y (cuBLAS).
 __global__ void diff_kernel(const __nv_bfloat16* x, const __nv_bfloat16* y, uint64_t n, double* sums) {
   double d = 0, r = 0;
@@ -94,12 +83,9 @@ class GemmBench {
     for (int i = 0; i < sets; ++i) {
       as.push_back(std::make_unique<DevMem>(a_bytes));
       bs.push_back(std::make_unique<DevMem>(b_bytes));
-      fill_kernel<<<1024, 256, 0, stream_>>>(static_cast<__nv_bfloat16*>(as.back()->p), a_bytes / 2,
-                                             2 * i + 1);
-      fill_kernel<<<1024, 256, 0, stream_>>>(static_cast<__nv_bfloat16*>(bs.back()->p), b_bytes / 2,
-                                             2 * i + 2);
+      fill_uniform_bf16(as.back()->p, a_bytes / 2, 2 * i + 1, stream_);
+      fill_uniform_bf16(bs.back()->p, b_bytes / 2, 2 * i + 2, stream_);
     }
-    WEFT_CUDA_CHECK(cudaGetLastError());
     DevMem c_weft(c_elems * 2), c_blas(c_elems * 2);
     const bool nk = lay == BLayout::kNK;
     auto weft_op = [&](int i) {

@@ -1,7 +1,7 @@
 """weft vs torch.distributed (NCCL) vs torch symmetric-memory ops, from Python, one process per GPU:
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-    PYTHONPATH=build/python torchrun --nproc_per_node=4 python/bench.py [--quick]
+    PYTHONPATH=build/python torchrun --nproc_per_node=4 python/benchmarks/bench.py [--quick]
 
 Three tables (rank 0 prints markdown):
 - collectives: device us per call of torch.distributed, weft, and torch's symmetric-memory all-reduce;
