@@ -105,9 +105,7 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
                int64_t k, int chunk_rows, int chunks, const FusedOptions& o) {
   using Op = ops::AgGemmOp<kKMajor, 1>;
   typename Op::Params p{};
-  // 8 communicator blocks: the pushes go to one peer at a time, and 8 SMs already fill a pair's NVLink
-  // bandwidth (bench/RESULTS.md, transfer vs SMs); every further SM is better spent on the GEMM.
-  const int W = c.rank.world(), comm_blocks = o.comm_blocks > 0 ? (o.comm_blocks + 1) / 2 * 2 : 8;
+  const int W = c.rank.world(), comm_blocks = o.comm_blocks > 0 ? (o.comm_blocks + 1) / 2 * 2 : 16;
   set_schedule<Op>(p.sched, m, n);
   set_gemm_maps<Op, kKMajor>(p, gathered, b, m, n, k, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m);
   // Local rows first: start at the band of tile rows holding this rank's shard; then rank + 1's (which
@@ -207,6 +205,10 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
   const bool fits = W * chunks <= ops::kFusedFlags && chunk_rows <= INT32_MAX;
   if (!c.fused(o, m, fits ? std::string() : "more A chunks than flags", fused_pays_off(true, m, n))) {
     char* g = gathered_a ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
+    // The all-gather waits for peers that this thread launches later when it drives several ranks: load
+    // cuBLAS's kernel for this shape before it (cublas_gemm_preload says why).
+    if (comm.num_local() > 1)
+      ops::cublas_gemm_preload(g, b, out, m, n, k, layout, c.stream, c.capturing, c.where);
     all_gather(comm, rank, a_shard, g, Shape2D{size_t(rows), size_t(k)}, 0, DType::kBF16, c.stream);
     c.sequential_gemm(g, b, out, m, n, k, layout);
     return FusedPath::kSequential;
