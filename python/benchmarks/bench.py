@@ -185,13 +185,18 @@ def bench_matmul_ops(comm, world, rank, group_name, symm, quick):
                          "weft rel err": f"{err:.1e}"})
             ar_want = ar_seq()
             err = rel_err(weft.matmul_all_reduce(a_sym, w.t(), out=ar_out), ar_want)
+            # A symmetric out is the zero-copy path (an ordinary out costs a local copy of [M, N] at the end).
+            ar_sym = torch.from_dlpack(comm.empty((m, n_glob), "bf16"))
             rows.append({"op": "matmul_all_reduce", "M": m, "N": n_glob, "K": k_glob,
                          "torch seq us": timed(ar_seq, iters), "torch symm fused us": "n/a (no such op)",
                          "weft us": timed(lambda: weft.matmul_all_reduce(a_sym, w.t(), out=ar_out), iters),
-                         "weft rel err": f"{err:.1e}"})
-            del a, w, a_sym, rs_out, ar_out, ar_want, rs_want
+                         "weft rel err": f"{err:.1e}",
+                         "weft, symmetric out us": timed(lambda: weft.matmul_all_reduce(a_sym, w.t(), out=ar_sym),
+                                                         iters)})
+            del a, w, a_sym, rs_out, ar_out, ar_want, rs_want, ar_sym
             torch.cuda.empty_cache()
     for r in rows:
+        r.setdefault("weft, symmetric out us", "-")
         t = r["torch symm fused us"]
         best_torch = min(r["torch seq us"], t) if isinstance(t, float) else r["torch seq us"]
         r["weft vs best torch"] = f"{best_torch / r['weft us']:.2f}x"
@@ -221,7 +226,26 @@ def bench_host_overhead(comm, world):
         "matmul_all_reduce (symmetric a)": lambda: weft.matmul_all_reduce(a_sym, w.t(), out=out[:64]),
         "torch.distributed.all_reduce (for scale)": lambda: dist.all_reduce(x),
     }
-    rows = [{"call": name, "host us per call": host_us(fn)} for name, fn in cases.items()]
+    # The same calls straight into the extension (pointers and sizes computed beforehand): what the C++ op
+    # and pybind11 cost. The Python layer's own overhead is the difference.
+    from weft import _weft
+
+    stream = torch.cuda.current_stream().cuda_stream
+    native = {
+        "all_reduce (symmetric in/out)": lambda: _weft.all_reduce(comm._c, sym.data_ptr(), sym_out.data_ptr(), 4096,
+                                                                  "bf16", "sum", stream),
+        "all_gather_matmul (symmetric a)": lambda: _weft.all_gather_matmul(
+            comm._c, a_sym.data_ptr(), w.data_ptr(), out.data_ptr(), 0, 64 * world, 64, 64, "nk", stream),
+    }
+    rows = []
+    for name, fn in cases.items():
+        total = host_us(fn)
+        row = {"call": name, "host us per call (Python API)": total, "of which C++ op + binding": "-",
+               "Python layer": "-"}
+        if name in native:
+            direct = host_us(native[name])
+            row["of which C++ op + binding"], row["Python layer"] = direct, total - direct
+        rows.append(row)
     print_table(f"host time per call from Python, {world} GPUs (200 back-to-back calls, median of 7, max over ranks)",
                 rows)
 

@@ -44,10 +44,8 @@ class Communicator:
 
     def __init__(self, native):
         self._c = native
-
-    rank = property(lambda self: self._c.rank)
-    world_size = property(lambda self: self._c.world_size)
-    device = property(lambda self: self._c.device)
+        # Plain attributes: every op call reads them (a native property costs a pybind11 round trip).
+        self.rank, self.world_size, self.device = native.rank, native.world_size, native.device
 
     def empty(self, shape, dtype="bf16"):
         """A symmetric tensor (collective: every rank must call it with the same shape and dtype)."""
@@ -106,18 +104,38 @@ class _Arg:
         return math.prod(self.shape)
 
 
+# torch, once the caller has imported it (weft never imports it first): its Tensor type, dtype names and
+# the raw current-stream getter, looked up once. Per-call cost matters: the ops are called every layer.
+_torch = None
+
+
+def _torch_api():
+    global _torch
+    if _torch is None and "torch" in sys.modules:
+        t = sys.modules["torch"]
+
+        class _T:
+            Tensor = t.Tensor
+            dtypes = {t.bfloat16: "bf16", t.float16: "fp16", t.float32: "fp32"}
+            raw_stream = getattr(t._C, "_cuda_getCurrentRawStream", None)
+            current_stream = t.cuda.current_stream
+            empty = t.empty
+
+        _torch = _T
+    return _torch
+
+
 def _is_torch(x):
-    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+    t = _torch_api()
+    return t is not None and isinstance(x, t.Tensor)
 
 
 def _dtype_name(dtype):
     if isinstance(dtype, str) and dtype in _DTYPES:
         return dtype
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-        if dtype in names:
-            return names[dtype]
+    t = _torch_api()
+    if t is not None and dtype in t.dtypes:
+        return t.dtypes[dtype]
     raise TypeError(f"weft: unsupported dtype {dtype!r}: use bf16, fp16 or fp32")
 
 
@@ -134,7 +152,7 @@ def _arg(x, name, stream):
     if _is_torch(x):
         if not x.is_cuda:
             raise ValueError(f"weft: {name} must be a CUDA tensor, got one on {x.device}")
-        return _Arg(x.data_ptr(), x.shape, _dtype_name(x.dtype), x.device.index, x.is_contiguous(), True,
+        return _Arg(x.data_ptr(), x.shape, _dtype_name(x.dtype), x.get_device(), x.is_contiguous(), True,
                     x.stride())
     if hasattr(x, "__dlpack__"):
         ptr, shape, strides, dtype, dev_type, dev_id = _weft.dlpack_info(x.__dlpack__(stream=stream or None))
@@ -165,9 +183,10 @@ def _comm(comm):
 
 def _stream(c, x):
     if _is_torch(x):
-        import torch  # the caller uses torch, so it is installed
-
-        return torch.cuda.current_stream(x.device).cuda_stream
+        t = _torch_api()
+        if t.raw_stream is not None:  # an int, without building a torch.cuda.Stream object
+            return t.raw_stream(c.device)
+        return t.current_stream(c.device).cuda_stream
     return c._c.stream
 
 
@@ -178,16 +197,14 @@ def _check_input(c, a, name):
         raise ValueError(f"weft: {name} must be contiguous (call .contiguous() first)")
 
 
-def _output(c, like, a, shape, out, name="out"):
+def _output(c, s, like, a, shape, out, name="out"):
     """The given out (checked) or a new tensor: torch.empty when torch is the caller, else symmetric."""
     if out is None:
         if a.torch:
-            import torch
-
-            out = torch.empty(shape, dtype=like.dtype, device=like.device)
+            out = _torch_api().empty(shape, dtype=like.dtype, device=like.device)
         else:
             out = c.empty(shape, a.dtype)
-    o = _arg(out, name, _stream(c, like))
+    o = _arg(out, name, s)
     _check_input(c, o, name)
     if o.shape != tuple(shape):
         raise ValueError(f"weft: {name} has shape {o.shape}, expected {tuple(shape)}")
@@ -222,7 +239,7 @@ def _prepare(x, comm, op=None):
 def all_reduce(x, op="sum", out=None, comm=None):
     """Elementwise reduction over ranks (sum, max or min); returns out (new tensor if not given)."""
     c, s, a = _prepare(x, comm, op)
-    out, o = _output(c, x, a, a.shape, out)
+    out, o = _output(c, s, x, a, a.shape, out)
     _weft.all_reduce(c._c, a.ptr, o.ptr, a.numel, a.dtype, op, s)
     return out
 
@@ -233,7 +250,7 @@ def all_gather(x, dim=0, out=None, comm=None):
     d = _dim(dim, len(a.shape))
     shape = list(a.shape)
     shape[d] *= c.world_size
-    out, o = _output(c, x, a, shape, out)
+    out, o = _output(c, s, x, a, shape, out)
     rows = math.prod(a.shape[:d])
     cols = math.prod(a.shape[d:])
     _weft.all_gather(c._c, a.ptr, o.ptr, rows, cols, 0 if d == 0 else 1, a.dtype, s)
@@ -249,7 +266,7 @@ def reduce_scatter(x, dim=0, op="sum", out=None, comm=None):
         raise ValueError(f"weft: dim {dim} has size {a.shape[d]}, not divisible by the world size {w}")
     shape = list(a.shape)
     shape[d] //= w
-    out, o = _output(c, x, a, shape, out)
+    out, o = _output(c, s, x, a, shape, out)
     rows = math.prod(shape[:d])
     cols = math.prod(shape[d:])
     _weft.reduce_scatter(c._c, a.ptr, o.ptr, rows, cols, 0 if d == 0 else 1, a.dtype, op, s)
@@ -262,7 +279,7 @@ def all_to_all(x, out=None, comm=None):
     w = c.world_size
     if a.numel % w:
         raise ValueError(f"weft: x has {a.numel} elements, not divisible by the world size {w}")
-    out, o = _output(c, x, a, a.shape, out)
+    out, o = _output(c, s, x, a, a.shape, out)
     _weft.all_to_all(c._c, a.ptr, o.ptr, a.numel // w, a.dtype, s)
     return out
 
@@ -301,10 +318,10 @@ def all_gather_matmul(a, b, out=None, gathered_a=None, comm=None):
     ([M, K]) when given."""
     c, s, x, w, layout, n, k = _matmul_operands(a, b, comm)
     m = x.shape[0] * c.world_size
-    out, o = _output(c, a, x, (m, n), out)
+    out, o = _output(c, s, a, x, (m, n), out)
     g = 0
     if gathered_a is not None:
-        _, ga = _output(c, a, x, (m, k), gathered_a, "gathered_a")
+        _, ga = _output(c, s, a, x, (m, k), gathered_a, "gathered_a")
         g = ga.ptr
     _weft.all_gather_matmul(c._c, x.ptr, w.ptr, o.ptr, g, m, n, k, layout, s)
     return out
@@ -316,7 +333,7 @@ def _summed_matmul(native_op, a, b, out, comm, scatter):
     m = x.shape[0]
     if m % c.world_size:
         raise ValueError(f"weft: a has {m} rows, not divisible by the world size {c.world_size}")
-    out, o = _output(c, a, x, (m // c.world_size if scatter else m, n), out)
+    out, o = _output(c, s, a, x, (m // c.world_size if scatter else m, n), out)
     native_op(c._c, x.ptr, w.ptr, o.ptr, m, n, k, layout, s)
     return out
 
