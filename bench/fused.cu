@@ -101,8 +101,10 @@ void run_fused(Context& ctx) {
           auto gemm_alone = [&](int i) { cublas_gemm(g[i].blas, g[i].a, g[i].b, g[i].tmp, M, gn, gk); };
           auto comm_alone = [&](int i) {
             if (op == Op::kAG)
-              WEFT_NCCL_CHECK(
-                  ncclAllGather(g[i].out, g[i].a, size_t(rows * gk), ncclBfloat16, nccl[i], streams[i]));
+              // In place: this rank's rows of A are its shard (random data), so the GEMM after the gather
+              // multiplies real data (a never-written send buffer would feed it zeros, which run cooler).
+              WEFT_NCCL_CHECK(ncclAllGather(g[i].a + comm->local(i).rank() * rows * gk * 2, g[i].a,
+                                            size_t(rows * gk), ncclBfloat16, nccl[i], streams[i]));
             else if (op == Op::kRS)
               WEFT_NCCL_CHECK(ncclReduceScatter(g[i].tmp, g[i].out, size_t(rows * gn), ncclBfloat16, ncclSum,
                                                 nccl[i], streams[i]));
