@@ -14,8 +14,8 @@
 
 namespace weft {
 
-inline constexpr int kMaxWorld = 128;     // ranks in one team (an NVL72 fits)
-inline constexpr int kUserFlags = 4096;   // signal flags free for ops and users
+inline constexpr int kMaxWorld = 128;          // ranks in one team (an NVL72 fits)
+inline constexpr int kUserFlags = 4096;        // signal flags free for ops and users
 inline constexpr int kBarrierSlots = 512;      // independent barriers (one block at a time per slot)
 inline constexpr int kUserBarrierSlots = 256;  // [0, 256) free for ops and users; the runtime uses the
                                                // rest (the collectives take one slot per block)

@@ -6,11 +6,12 @@
 
 namespace weft {
 
-#define WEFT_DRIVER_FUNCTIONS(X)                                                                     \
-  X(cuInit)                                                                                          \
-  X(cuDeviceGet) X(cuDeviceGetAttribute) X(cuMemGetAllocationGranularity) X(cuMemAddressReserve)     \
-      X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) \
-          X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuGetErrorName)        \
+#define WEFT_DRIVER_FUNCTIONS(X)                                                                      \
+  X(cuInit)                                                                                           \
+  X(cuDeviceGet)                                                                                      \
+  X(cuDeviceGetAttribute) X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree) \
+      X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)                      \
+          X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuGetErrorName)         \
               X(cuGetErrorString)
 
 struct DriverApi {

@@ -28,10 +28,12 @@ __device__ __forceinline__ void peer_red_add(const TeamView& team, float* local,
 }
 // Atomic add of 8 bf16 (as 4 bf16x2) into `peer`'s copy. Accumulates in bf16: for sums of many terms
 // prefer staging and an fp32 reduce_from_peers.
-__device__ __forceinline__ void peer_red_add(const TeamView& team, __nv_bfloat16* local, int peer, const uint4& v) {
-  asm volatile("red.relaxed.sys.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(team.peer_ptr(local, peer)),
-               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
+__device__ __forceinline__ void peer_red_add(const TeamView& team, __nv_bfloat16* local, int peer,
+                                             const uint4& v) {
+  asm volatile(
+      "red.relaxed.sys.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(team.peer_ptr(local, peer)),
+      "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+      : "memory");
 }
 
 // Stores the same 16 bytes into every rank's copy of `local` (this rank's included).
@@ -43,7 +45,8 @@ __device__ __forceinline__ void broadcast16(const TeamView& team, T* local, cons
 // The same 16 bytes read from every rank's copy of `local`, combined in fp32 with R. Loads from all ranks
 // are issued before any is used, so the W reads overlap.
 template <Elem E, Reduce R, int kMaxRanks = 8>
-__device__ __forceinline__ Pack<E> reduce_from_peers16(const TeamView& team, const typename Pack<E>::T* local) {
+__device__ __forceinline__ Pack<E> reduce_from_peers16(const TeamView& team,
+                                                       const typename Pack<E>::T* local) {
   Pack<E> acc = Pack<E>::load(ld16(local));
   for (int base = 0; base < team.world; base += kMaxRanks) {
     uint4 raw[kMaxRanks];

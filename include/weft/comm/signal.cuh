@@ -83,8 +83,8 @@ __device__ __forceinline__ uint64_t ld_acquire(const uint64_t* flag) {
 // The abort flag is host memory: 100+ blocks reading it every few microseconds queue up on PCIe and slow
 // every wait. `want` and `observe(value)` only feed the failure report.
 template <bool kSys, class Done, class Observe>
-inline __device__ __noinline__ bool wait_slow(const TeamView& team, const uint64_t* flag, uint64_t want, Done done,
-                                              Observe observe) {
+inline __device__ __noinline__ bool wait_slow(const TeamView& team, const uint64_t* flag, uint64_t want,
+                                              Done done, Observe observe) {
   const uint64_t start = ptx::globaltimer_ns();
   uint64_t last_check = start, last_abort_check = start;
   for (;;) {
@@ -142,8 +142,8 @@ __device__ __forceinline__ bool wait_ge_local(const TeamView& team, const uint64
 // Waits until `done(*flag)` holds for a condition other than ">=" (e.g. a word whose upper half carries a
 // call epoch); `want` and `observe(value)` describe it in a failure report.
 template <class Done, class Observe>
-__device__ __forceinline__ bool wait_until(const TeamView& team, const uint64_t* flag, uint64_t want, Done done,
-                                           Observe observe) {
+__device__ __forceinline__ bool wait_until(const TeamView& team, const uint64_t* flag, uint64_t want,
+                                           Done done, Observe observe) {
   if (done(ptx::ld_acquire_sys(flag))) return true;
   return detail::wait_slow<true>(team, flag, want, done, observe);
 }

@@ -34,9 +34,12 @@ struct ElemTraits<Elem::kFP32> {
 
 template <Reduce R>
 __device__ __forceinline__ float combine(float a, float b) {
-  if constexpr (R == Reduce::kSum) return a + b;
-  else if constexpr (R == Reduce::kMax) return fmaxf(a, b);
-  else return fminf(a, b);
+  if constexpr (R == Reduce::kSum)
+    return a + b;
+  else if constexpr (R == Reduce::kMax)
+    return fmaxf(a, b);
+  else
+    return fminf(a, b);
 }
 
 // A 16-byte pack unpacked to fp32 lanes.

@@ -38,15 +38,17 @@ enum class AllReduceAlgo { kAuto, kOneShot, kTwoShot };
 
 // out[i] = op over ranks of in_r[i], for `count` elements.
 void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
-                ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr, AllReduceAlgo algo = AllReduceAlgo::kAuto);
+                ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr,
+                AllReduceAlgo algo = AllReduceAlgo::kAuto);
 
 // in: this rank's [rows, cols]. dim 0: out [W*rows, cols], rank r's rows at r*rows.
 //                                dim 1: out [rows, W*cols], rank r's columns at r*cols.
-void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D in_shape, int dim, DType dtype,
-                cudaStream_t stream = nullptr);
+void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D in_shape, int dim,
+                DType dtype, cudaStream_t stream = nullptr);
 
 // out: this rank's [rows, cols] of the reduced tensor. dim 0: in [W*rows, cols], rank r gets rows r*rows..;
-//                                                       dim 1: in [rows, W*cols], rank r gets columns r*cols..
+//                                                       dim 1: in [rows, W*cols], rank r gets columns
+//                                                       r*cols..
 void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D out_shape, int dim,
                     DType dtype, ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr);
 

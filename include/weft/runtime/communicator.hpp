@@ -30,7 +30,7 @@ namespace weft {
 class Channel;
 class HeapAllocator;
 
-inline constexpr int kRuntimeBarrierSlot = kUserBarrierSlots;  // used by Communicator::device_barrier
+inline constexpr int kRuntimeBarrierSlot = kUserBarrierSlots;      // used by Communicator::device_barrier
 inline constexpr int kCollectiveSlotBase = kUserBarrierSlots + 1;  // collectives: slot base + block index
 inline constexpr int kCollectiveMaxBlocks = kBarrierSlots - kCollectiveSlotBase;
 
@@ -105,7 +105,8 @@ class Communicator {
   // run the op once before capturing, or call reserve_workspace.
   const SymmetricBuffer& workspace(uint64_t bytes, bool capturing = false);
   void reserve_workspace(uint64_t bytes) { workspace(bytes); }
-  // Whether [p, p + bytes) lies in rank's own symmetric heap (then peers reach it through TeamView::peer_ptr).
+  // Whether [p, p + bytes) lies in rank's own symmetric heap (then peers reach it through
+  // TeamView::peer_ptr).
   bool in_heap(const Rank& rank, const void* p, uint64_t bytes) const {
     const char* c = static_cast<const char*>(p);
     const char* base = rank.heap_of(rank.rank());
