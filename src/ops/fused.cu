@@ -45,6 +45,15 @@ struct Call {
   void check_buffer(const void* p, const char* name, uint64_t bytes) const {
     ops::check_device_buffer(comm, rank, p, name, bytes, 16, where);
   }
+  // The operands every fused op has: A (`a_rows` x K, named `a_name`), B (K x N either way), out
+  // (`out_rows` x N), all bf16; then the GEMM's own shape, layout and device checks, with gemm's messages.
+  void check_operands(const void* a, const char* a_name, int64_t a_rows, const void* b, const void* out,
+                      int64_t out_rows, int64_t m, int64_t n, int64_t k, BLayout layout) const {
+    check_buffer(a, a_name, a_rows * k * 2);
+    check_buffer(b, "b", n * k * 2);
+    check_buffer(out, "out", out_rows * n * 2);
+    gemm_plan(m, n, k, layout, DType::kBF16);
+  }
   char* workspace(uint64_t bytes) {
     return ops::workspace_of(comm, rank, ll_region_bytes(rank.world()) + bytes, capturing, where) +
            ll_region_bytes(rank.world());
@@ -191,12 +200,9 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
   Call c(comm, rank, stream, "all_gather_matmul", m, n, k);
   const int W = rank.world();
   const int64_t rows = m / W;
-  c.check_buffer(a_shard, "a_shard", rows * k * 2);
-  c.check_buffer(b, "b", n * k * 2);
-  c.check_buffer(out, "out", m * n * 2);
+  c.check_operands(a_shard, "a_shard", rows, b, out, m, m, n, k, layout);
   if (gathered_a) c.check_buffer(gathered_a, "gathered_a", m * k * 2);
   WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 32, c.where + "options.comm_blocks must be 0..32");
-  gemm_plan(m, n, k, layout, DType::kBF16);  // shape, layout and device checks with gemm's messages
   // Chunks of whole 128-row blocks, at most kFusedFlags flags in all.
   const int64_t blocks = (rows + 127) / 128, per_shard = std::max<int64_t>(1, ops::kFusedFlags / W);
   const int64_t chunk_rows = 128 * ((blocks + per_shard - 1) / per_shard),
@@ -228,10 +234,7 @@ FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, c
                                 const FusedOptions& o) {
   Call c(comm, rank, stream, "matmul_reduce_scatter", m, n, k);
   const int64_t rows = m / rank.world();
-  c.check_buffer(a, "a", m * k * 2);
-  c.check_buffer(b, "b", n * k * 2);
-  c.check_buffer(out, "out", rows * n * 2);
-  gemm_plan(m, n, k, layout, DType::kBF16);
+  c.check_operands(a, "a", m, b, out, rows, m, n, k, layout);
   if (!c.fused(o, m, rs_why_not(c, m), fused_pays_off(false, m, n))) {
     char* tmp = c.workspace(m * n * 2);  // symmetric: reduce_scatter reads it in place
     c.sequential_gemm(a, b, tmp, m, n, k, layout);
@@ -253,10 +256,7 @@ FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const
   Call c(comm, rank, stream, "matmul_all_reduce", m, n, k);
   const int W = rank.world();
   const int64_t rows = m / W;
-  c.check_buffer(a, "a", m * k * 2);
-  c.check_buffer(b, "b", n * k * 2);
-  c.check_buffer(out, "out", m * n * 2);
-  gemm_plan(m, n, k, layout, DType::kBF16);
+  c.check_operands(a, "a", m, b, out, m, m, n, k, layout);
   if (!c.fused(o, m, rs_why_not(c, m), fused_pays_off(false, m, n))) {
     c.sequential_gemm(a, b, out, m, n, k, layout);
     all_reduce(comm, rank, out, out, size_t(m) * n, DType::kBF16, ReduceOp::kSum, c.stream);
