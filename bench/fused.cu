@@ -64,11 +64,12 @@ void run_fused(Context& ctx) {
       fmt("fused tensor-parallel ops, bf16, %d GPUs (%s): weft vs cuBLAS + NCCL %d.%d.%d", W,
           ctx.env ? "one process per GPU" : "single-process", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
       {"op", "M", "N", "K", "sequential us", "compute us", "comm us", "weft us", "weft path", "speedup",
-       "weft / bound", "weft gemm us", "AG fused us"},
+       "weft / bound", "weft gemm us", "AG fused us", "pipelined us"},
       "sequential = cuBLAS GEMM + NCCL collective; compute = the cuBLAS GEMM alone; bound = max(compute "
       "alone, communication alone); weft path 'sequential' means the op chose its fallback (cuBLAS GEMM + "
       "weft collective) for this shape. weft gemm = weft::gemm alone on the compute shape; AG fused = "
-      "all_gather_matmul with the fused kernel forced (what kAuto's rule weighs).");
+      "all_gather_matmul with the fused kernel forced; pipelined = the op with the copy-engine pipeline "
+      "forced (both: what kAuto's rule weighs).");
   // WEFT_BENCH_FUSED_OPS=ag,rs,ar (default: all) picks the ops.
   const char* only = std::getenv("WEFT_BENCH_FUSED_OPS");
   auto wanted = [&](Op op) {
@@ -122,18 +123,22 @@ void run_fused(Context& ctx) {
             all_gather_matmul(*comm, comm->local(i), wa.local[i], g[i].b, wo.local[i], nullptr, M, gn, gk,
                               BLayout::kNK, streams[i], forced);
           };
-          auto weft_call = [&](int i) {
+          auto call = [&](int i, const FusedOptions& o) {
             Rank& r = comm->local(i);
             const BLayout nk = BLayout::kNK;
             if (op == Op::kAG)
-              path = all_gather_matmul(*comm, r, wa.local[i], g[i].b, wo.local[i], nullptr, M, gn, gk, nk,
-                                       streams[i]);
-            else if (op == Op::kRS)
-              path = matmul_reduce_scatter(*comm, r, wa.local[i], g[i].b, wo.local[i], M, gn, gk, nk,
-                                           streams[i]);
-            else
-              path = matmul_all_reduce(*comm, r, wa.local[i], g[i].b, wo.local[i], M, gn, gk, nk, streams[i]);
+              return all_gather_matmul(*comm, r, wa.local[i], g[i].b, wo.local[i], nullptr, M, gn, gk, nk,
+                                       streams[i], o);
+            if (op == Op::kRS)
+              return matmul_reduce_scatter(*comm, r, wa.local[i], g[i].b, wo.local[i], M, gn, gk, nk,
+                                           streams[i], o);
+            return matmul_all_reduce(*comm, r, wa.local[i], g[i].b, wo.local[i], M, gn, gk, nk, streams[i],
+                                     o);
           };
+          auto weft_call = [&](int i) { path = call(i, FusedOptions{}); };
+          FusedOptions pipelined;
+          pipelined.mode = FusedOptions::Mode::kPipelined;
+          auto pipelined_call = [&](int i) { call(i, pipelined); };
           auto on_all = [&](auto&& f, bool nccl_group) {
             return [&, nccl_group](int) {
               if (nccl_group) WEFT_NCCL_CHECK(ncclGroupStart());
@@ -167,10 +172,15 @@ void run_fused(Context& ctx) {
             comm->synchronize();
             t_forced = team_max(time_graphs(*comm, streams, iters, reps, on_all(ag_forced, false)));
           }
+          on_all(pipelined_call, false)(0);
+          comm->synchronize();
+          const double t_pipe =
+              team_max(time_graphs(*comm, streams, iters, reps, on_all(pipelined_call, false)));
           t.add({op_name(op), std::to_string(M), std::to_string(N), std::to_string(K), fmt("%.1f", t_seq),
                  fmt("%.1f", t_gemm), fmt("%.1f", t_comm), fmt("%.1f", t_weft), fused_path_name(path),
                  fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm)),
-                 fmt("%.1f", t_wgemm), op == Op::kAG ? fmt("%.1f", t_forced) : std::string("-")});
+                 fmt("%.1f", t_wgemm), op == Op::kAG ? fmt("%.1f", t_forced) : std::string("-"),
+                 fmt("%.1f", t_pipe)});
           comm->free(wa);
           comm->free(wo);
           for (int i = 0; i < L; ++i) {

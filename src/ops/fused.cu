@@ -1,8 +1,11 @@
 // Host side of the fused tensor-parallel ops: argument checks, the fused-or-sequential choice, workspace
 // layout, tensor maps and launch (device code: weft/ops/fused.cuh).
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
 
+#include "../runtime/driver.hpp"
 #include "cublas_gemm.hpp"
 #include "op_args.hpp"
 #include "weft/runtime/current_device.hpp"
@@ -14,7 +17,7 @@
 namespace weft {
 
 const char* fused_path_name(FusedPath p) {
-  return p == FusedPath::kFused ? "fused" : "sequential";
+  return p == FusedPath::kFused ? "fused" : p == FusedPath::kPipelined ? "pipelined" : "sequential";
 }
 
 namespace {
@@ -58,14 +61,29 @@ struct Call {
     return ops::workspace_of(comm, rank, ll_region_bytes(rank.world()) + bytes, capturing, where) +
            ll_region_bytes(rank.world());
   }
-  // Fused or sequential; `why_not` is empty when the fused kernel can run, else the reason it cannot;
-  // `pays_off`: kAuto's measured rule (fused_pays_off) says the fused kernel beats the sequential path.
-  bool fused(const FusedOptions& o, int64_t m, const std::string& why_not, bool pays_off) const {
-    WEFT_CHECK(o.mode != FusedOptions::Mode::kFused || why_not.empty(),
-               where + "the fused kernel cannot run here: " + why_not + " (use Mode::kAuto to fall back)");
-    if (o.mode == FusedOptions::Mode::kAuto)
-      return why_not.empty() && rank.world() > 1 && m >= o.min_fused_m && pays_off;
-    return o.mode == FusedOptions::Mode::kFused;
+  char* pipeline_area(int area, uint64_t bytes) {
+    return ops::workspace_of(comm, rank, bytes, capturing, where, area);
+  }
+  // The path to run. `why_not_fused` is empty when the fused kernel can run, else the reason it cannot;
+  // kAuto takes the path of the measured rule (auto_path) where it can.
+  FusedPath path(const FusedOptions& o, int64_t m, const std::string& why_not_fused, FusedPath rule) const {
+    using Mode = FusedOptions::Mode;
+    WEFT_CHECK(
+        o.mode != Mode::kFused || why_not_fused.empty(),
+        where + "the fused kernel cannot run here: " + why_not_fused + " (use Mode::kAuto to fall back)");
+    switch (o.mode) {
+      case Mode::kFused:
+        return FusedPath::kFused;
+      case Mode::kPipelined:
+        return FusedPath::kPipelined;
+      case Mode::kSequential:
+        return FusedPath::kSequential;
+      case Mode::kAuto:
+        break;
+    }
+    if (rank.world() == 1 || m < o.min_fused_m) return FusedPath::kSequential;
+    if (rule == FusedPath::kFused && !why_not_fused.empty()) return FusedPath::kSequential;
+    return rule;
   }
   // The sequential path's GEMM: cuBLAS (never slower than the cuBLAS + NCCL baseline), weft::gemm where
   // cuBLAS cannot take the shape.
@@ -85,6 +103,171 @@ struct Call {
     return std::min(clusters, units) * Op::kClusterSize;
   }
 };
+
+// ---- copy-engine pipeline (FusedPath::kPipelined) -------------------------------------------------------
+// The GEMM runs as W row chunks of cuBLAS (every SM) on the caller's stream while the copy engines move
+// finished chunks (RS) or A shards (AG) between GPUs on a side stream, one peer at a time (rank + 1 first):
+// no SM spends time on communication. Stream writes and waits on signal-pad flags (ops::pipe_used_flag /
+// pipe_arrived_flag) order the two GPUs' streams; the pipeline's buffers are a workspace area of their own,
+// since peers write into them ahead of this rank's call. A push into rank r's area first waits for r to
+// clear this rank's used flag (r consumed the previous push), so no rank runs more than one call ahead.
+
+struct PipeStreams {
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr, gemm_done[2] = {}, copy_done[2] = {};
+};
+
+// Per GPU, created on the first pipelined call (not under capture), never destroyed (as the cuBLAS handles).
+// One pipelined call at a time per GPU.
+PipeStreams& pipe_streams(int device, bool capturing, const std::string& where) {
+  static std::mutex mu;
+  static std::map<int, PipeStreams> all;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = all.find(device); it != all.end()) return it->second;
+  WEFT_CHECK(!capturing, where +
+                             "the first pipelined call on a GPU creates its copy stream, which a CUDA graph "
+                             "capture does not allow: make one call before capturing");
+  PipeStreams p;
+  WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&p.side, cudaStreamNonBlocking));
+  for (cudaEvent_t* e :
+       {&p.fork, &p.join, &p.gemm_done[0], &p.gemm_done[1], &p.copy_done[0], &p.copy_done[1]})
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  return all.emplace(device, p).first->second;
+}
+
+class Pipeline {
+ public:
+  // Forks the side stream off the caller's (everything before this call is ordered before its copies).
+  Pipeline(Call& c, int id)
+      : c_(c), id_(id), me_(c.rank.rank()), s_(pipe_streams(c.rank.device(), c.capturing, c.where)) {
+    WEFT_CUDA_CHECK(cudaEventRecord(s_.fork, c_.stream));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(s_.side, s_.fork));
+  }
+  cudaStream_t side() const { return s_.side; }
+  PipeStreams& events() { return s_; }
+  // Side stream: once `to` has consumed this rank's previous push, copy `bytes` from `src` (this GPU) to
+  // rank `to`'s copy of `dst` (a pointer into this rank's pipeline area), then raise `to`'s arrival flag.
+  void push(int to, char* dst, const void* src, uint64_t bytes) const {
+    wait_eq(s_.side, flag(ops::pipe_used_flag(id_, to), me_), 0);
+    write(s_.side, flag(ops::pipe_used_flag(id_, to), me_), 1);
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(on(to, dst), src, bytes, cudaMemcpyDeviceToDevice, s_.side));
+    write(s_.side, flag(ops::pipe_arrived_flag(id_, me_), to), 1);
+  }
+  // Caller's stream: wait until `from`'s push has landed here.
+  void wait_arrival(int from) const { wait_eq(c_.stream, flag(ops::pipe_arrived_flag(id_, from), me_), 1); }
+  // This rank's arrival flags (indexed by source), for a kernel to wait on.
+  const uint64_t* arrivals() const { return flag(ops::pipe_arrived_flag(id_, 0), me_); }
+  // Caller's stream, after everything pushed here was consumed: clear the arrivals, free every peer to push
+  // again; then join the side stream back.
+  void finish() const {
+    for (int r = 0; r < c_.rank.world(); ++r)
+      if (r != me_) {
+        write(c_.stream, flag(ops::pipe_arrived_flag(id_, r), me_), 0);
+        write(c_.stream, flag(ops::pipe_used_flag(id_, me_), r), 0);
+      }
+    WEFT_CUDA_CHECK(cudaEventRecord(s_.join, s_.side));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(c_.stream, s_.join));
+  }
+
+ private:
+  template <class T>
+  T* on(int r, T* local) const {  // rank r's copy of a pointer into this rank's heap
+    return reinterpret_cast<T*>(c_.rank.heap_of(r) +
+                                (reinterpret_cast<char*>(local) - c_.rank.heap_of(c_.rank.rank())));
+  }
+  uint64_t* flag(int index, int r) const { return on(r, c_.rank.view().user_flag(index)); }
+  // The flags are 64-bit words holding 0 or 1: 32-bit stream operations on their low half.
+  static void wait_eq(cudaStream_t s, uint64_t* f, uint32_t v) {
+    WEFT_CU_CHECK(
+        driver().cuStreamWaitValue32(s, reinterpret_cast<CUdeviceptr>(f), v, CU_STREAM_WAIT_VALUE_EQ));
+  }
+  static void write(cudaStream_t s, uint64_t* f, uint32_t v) {  // ordered after the stream's earlier work
+    WEFT_CU_CHECK(
+        driver().cuStreamWriteValue32(s, reinterpret_cast<CUdeviceptr>(f), v, CU_STREAM_WRITE_VALUE_DEFAULT));
+  }
+  Call& c_;
+  int id_, me_;
+  PipeStreams& s_;
+};
+
+// all_gather_matmul: this rank's shard goes to every peer's area (slot of this rank) by copy engine; the
+// GEMM runs on this rank's own rows first, then on each peer's rows as they land (rank - 1 first).
+void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* gathered_a, int64_t m,
+                  int64_t n, int64_t k, BLayout layout) {
+  const int W = c.rank.world(), me = c.rank.rank();
+  const int64_t rows = m / W;
+  const uint64_t shard = rows * k * 2;
+  char* g = c.pipeline_area(Communicator::kAgPipelineArea, m * k * 2);
+  auto a_of = [&](int r) { return r == me ? static_cast<const char*>(a_shard) : g + r * shard; };
+  auto out_of = [&](int r) { return static_cast<char*>(out) + r * rows * n * 2; };
+  // One thread driving several ranks: load cuBLAS's kernels before this stream waits for peers
+  // (cublas_gemm_preload).
+  if (c.comm.num_local() > 1)
+    for (int r = 0; r < W; ++r)
+      ops::cublas_gemm_preload(a_of(r), b, out_of(r), rows, n, k, layout, c.stream, c.capturing, c.where);
+  Pipeline p(c, 0);
+  for (int s = 1; s < W; ++s) p.push((me + s) % W, g + me * shard, a_shard, shard);
+  for (int s = 0; s < W; ++s) {
+    const int r = (me - s + W) % W;
+    if (r != me) p.wait_arrival(r);
+    c.sequential_gemm(a_of(r), b, out_of(r), rows, n, k, layout);
+  }
+  if (gathered_a)
+    for (int r = 0; r < W; ++r)
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(gathered_a) + r * shard, a_of(r), shard,
+                                      cudaMemcpyDeviceToDevice, c.stream));
+  p.finish();
+}
+
+// matmul_reduce_scatter (and the first half of matmul_all_reduce): the GEMM makes the rows every peer owns,
+// rank + 1's first, into two alternating staging slices; the copy engine pushes each into its owner's area
+// (slot of this rank) while the next is computed; this rank's own rows go straight into its own slot. Then
+// the reduce-scatter kernel (pre-staged: it waits for the arrivals) sums the W slots into `out` — with
+// `gather` (AR) also into every rank's copy of out, or of the workspace when out is not symmetric.
+void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
+                  BLayout layout, bool all_reduce) {
+  const int W = c.rank.world(), me = c.rank.rank();
+  const int64_t rows = m / W;
+  const uint64_t slice = rows * n * 2;
+  const bool sym_out = all_reduce && c.comm.in_heap(c.rank, out, m * n * 2);
+  char* gather = all_reduce && !sym_out ? c.workspace(m * n * 2) : nullptr;  // grown before anything waits
+  char* inbox = c.pipeline_area(Communicator::kRsPipelineArea, (W + 2) * slice);
+  char* staging = inbox + W * slice;
+  auto a_of = [&](int r) { return static_cast<const char*>(a) + r * rows * k * 2; };
+  Pipeline p(c, 1);
+  PipeStreams& ev = p.events();
+  for (int s = 1; s < W; ++s) {
+    const int to = (me + s) % W, slot = (s - 1) % 2;
+    if (s >= 3) WEFT_CUDA_CHECK(cudaStreamWaitEvent(c.stream, ev.copy_done[slot]));  // slot pushed out
+    c.sequential_gemm(a_of(to), b, staging + slot * slice, rows, n, k, layout);
+    WEFT_CUDA_CHECK(cudaEventRecord(ev.gemm_done[slot], c.stream));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(p.side(), ev.gemm_done[slot]));
+    p.push(to, inbox + me * slice, staging + slot * slice, slice);
+    WEFT_CUDA_CHECK(cudaEventRecord(ev.copy_done[slot], p.side()));
+  }
+  c.sequential_gemm(a_of(me), b, inbox + me * slice, rows, n, k, layout);
+  coll::ReduceScatter x{};
+  x.team = c.rank.view();
+  x.arrived = p.arrivals();
+  x.staging = coll::Rows{inbox, 0};
+  x.staging_step = slice;
+  x.rows = 1;
+  x.row_bytes = slice;
+  x.fanout = all_reduce;
+  x.out = coll::Rows{
+      (all_reduce ? (sym_out ? static_cast<char*>(out) : gather) + me * slice : static_cast<char*>(out)), 0};
+  x.final_dst = all_reduce && !sym_out ? static_cast<char*>(out) : nullptr;
+  x.final_src = gather;
+  int sms = 0;
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c.rank.device()));
+  const int blocks = static_cast<int>(
+      std::clamp<uint64_t>((slice + (32 << 10) - 1) / (32 << 10), 1, std::min(sms, kCollectiveMaxBlocks)));
+  constexpr auto kernel = &coll::reduce_scatter_kernel<Elem::kBF16, Reduce::kSum, true>;
+  detail::preload<kernel>();
+  kernel<<<blocks, 512, 0, c.stream>>>(x);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  p.finish();
+}
 
 template <class Op, bool kKMajor>
 void set_gemm_maps(typename Op::Params& p, const void* a, const void* b, int64_t m, int64_t n, int64_t k,
@@ -177,8 +360,9 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, float* acc, int
 // GEMM beat cuBLAS + NCCL by 1.40-1.60x where communication outweighs the GEMM (M >= 8192 with N <= 2048 per
 // rank) and lost or tied elsewhere (0.80-1.03x); the fused reduce-scatter GEMM lost everywhere (0.83-0.94x),
 // so matmul_reduce_scatter and matmul_all_reduce run sequentially unless forced.
-bool fused_pays_off(bool all_gather, int64_t m, int64_t n_per_rank) {
-  return all_gather && m >= 8192 && n_per_rank <= 4096;
+FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int world) {
+  if (all_gather && m >= 8192 && n_per_rank <= 4096) return FusedPath::kFused;
+  return m / world >= 512 ? FusedPath::kPipelined : FusedPath::kSequential;
 }
 
 // The storer adds whole 64-row halves of a tile into one owner's shard: a half that straddled two shards
@@ -209,7 +393,13 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
                 chunks = (rows + chunk_rows - 1) / chunk_rows;
   const bool sym_gathered = gathered_a && comm.in_heap(rank, gathered_a, m * k * 2);
   const bool fits = W * chunks <= ops::kFusedFlags && chunk_rows <= INT32_MAX;
-  if (!c.fused(o, m, fits ? std::string() : "more A chunks than flags", fused_pays_off(true, m, n))) {
+  const FusedPath path =
+      c.path(o, m, fits ? std::string() : "more A chunks than flags", auto_path(true, m, n, W));
+  if (path == FusedPath::kPipelined) {
+    pipelined_ag(c, a_shard, b, out, gathered_a, m, n, k, layout);
+    return path;
+  }
+  if (path == FusedPath::kSequential) {
     char* g = gathered_a ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
     // The all-gather waits for peers that this thread launches later when it drives several ranks: load
     // cuBLAS's kernel for this shape before it (cublas_gemm_preload says why).
@@ -235,7 +425,12 @@ FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, c
   Call c(comm, rank, stream, "matmul_reduce_scatter", m, n, k);
   const int64_t rows = m / rank.world();
   c.check_operands(a, "a", m, b, out, rows, m, n, k, layout);
-  if (!c.fused(o, m, rs_why_not(c, m), fused_pays_off(false, m, n))) {
+  const FusedPath path = c.path(o, m, rs_why_not(c, m), auto_path(false, m, n, rank.world()));
+  if (path == FusedPath::kPipelined) {
+    pipelined_rs(c, a, b, out, m, n, k, layout, false);
+    return path;
+  }
+  if (path == FusedPath::kSequential) {
     char* tmp = c.workspace(m * n * 2);  // symmetric: reduce_scatter reads it in place
     c.sequential_gemm(a, b, tmp, m, n, k, layout);
     reduce_scatter(comm, rank, tmp, out, Shape2D{size_t(rows), size_t(n)}, 0, DType::kBF16, ReduceOp::kSum,
@@ -257,7 +452,12 @@ FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const
   const int W = rank.world();
   const int64_t rows = m / W;
   c.check_operands(a, "a", m, b, out, m, m, n, k, layout);
-  if (!c.fused(o, m, rs_why_not(c, m), fused_pays_off(false, m, n))) {
+  const FusedPath path = c.path(o, m, rs_why_not(c, m), auto_path(false, m, n, W));
+  if (path == FusedPath::kPipelined) {
+    pipelined_rs(c, a, b, out, m, n, k, layout, true);
+    return path;
+  }
+  if (path == FusedPath::kSequential) {
     c.sequential_gemm(a, b, out, m, n, k, layout);
     all_reduce(comm, rank, out, out, size_t(m) * n, DType::kBF16, ReduceOp::kSum, c.stream);
     return FusedPath::kSequential;

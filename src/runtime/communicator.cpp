@@ -460,16 +460,17 @@ void Communicator::free(SymmetricBuffer& buf) {
   buf = SymmetricBuffer{};
 }
 
-const SymmetricBuffer& Communicator::workspace(uint64_t bytes, bool capturing) {
-  if (workspace_.bytes >= bytes) return workspace_;
+const SymmetricBuffer& Communicator::workspace(uint64_t bytes, bool capturing, int area) {
+  WEFT_CHECK(area >= 0 && area < kWorkspaceAreas, "workspace area " + std::to_string(area) + " out of range");
+  SymmetricBuffer& ws = workspace_[area];
+  if (ws.bytes >= bytes) return ws;
   WEFT_CHECK(!capturing, "an op needs " + std::to_string(bytes >> 20) +
-                             " MiB of workspace but the communicator has " +
-                             std::to_string(workspace_.bytes >> 20) +
+                             " MiB of workspace but the communicator has " + std::to_string(ws.bytes >> 20) +
                              " MiB, and it cannot grow during CUDA graph capture: run the op once before "
                              "capturing, or call Communicator::reserve_workspace");
-  if (workspace_) free(workspace_);
-  workspace_ = alloc(bytes);
-  return workspace_;
+  if (ws) free(ws);
+  ws = alloc(bytes);
+  return ws;
 }
 
 uint64_t Communicator::heap_capacity() const {

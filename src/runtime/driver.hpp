@@ -6,13 +6,14 @@
 
 namespace weft {
 
-#define WEFT_DRIVER_FUNCTIONS(X)                                                                      \
-  X(cuInit)                                                                                           \
-  X(cuDeviceGet)                                                                                      \
-  X(cuDeviceGetAttribute) X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree) \
-      X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)                      \
-          X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuGetErrorName)         \
-              X(cuGetErrorString)
+#define WEFT_DRIVER_FUNCTIONS(X)                                                                             \
+  X(cuInit)                                                                                                  \
+  X(cuDeviceGet)                                                                                             \
+  X(cuDeviceGetAttribute)                                                                                    \
+  X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease) \
+      X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemExportToShareableHandle)                            \
+          X(cuMemImportFromShareableHandle) X(cuGetErrorName) X(cuGetErrorString) X(cuStreamWaitValue32)     \
+              X(cuStreamWriteValue32)
 
 struct DriverApi {
 #define WEFT_DRIVER_MEMBER(name) decltype(&::name) name = nullptr;

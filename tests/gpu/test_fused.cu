@@ -107,15 +107,23 @@ struct Shape {
 };
 // M / W: one tile, partial tiles (200, 520: not multiples of 64), tiles straddling shards (192), tiny.
 const Shape kShapes[] = {{128, 256, 256}, {200, 264, 136}, {192, 264, 136}, {520, 384, 192}, {64, 8, 8}};
-const FusedOptions::Mode kModes[] = {FusedOptions::Mode::kFused, FusedOptions::Mode::kSequential};
-const char* mode_name(FusedOptions::Mode m) {
-  return m == FusedOptions::Mode::kFused ? "fused" : "sequential";
+using Mode = FusedOptions::Mode;
+const Mode kModes[] = {Mode::kFused, Mode::kPipelined, Mode::kSequential};
+const char* mode_name(Mode m) {
+  return m == Mode::kFused       ? "fused"
+         : m == Mode::kPipelined ? "pipelined"
+         : m == Mode::kAuto      ? "auto"
+                                 : "sequential";
+}
+FusedPath path_of(Mode m) {
+  return m == Mode::kFused       ? FusedPath::kFused
+         : m == Mode::kPipelined ? FusedPath::kPipelined
+                                 : FusedPath::kSequential;
 }
 
 enum class Op { kAG, kRS, kAR };
 
-void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, FusedOptions::Mode mode, bool sym,
-              uint64_t seed) {
+void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool sym, uint64_t seed) {
   Communicator& c = ctx.comm();
   const int W = c.world();
   const int64_t m = W * s.shard, n = s.n, k = s.k;
@@ -146,7 +154,7 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, FusedOptions::Mo
   c.host_barrier();
   // The fused RS / AR kernels need M / W to be a multiple of 64; forced, other shapes must be refused
   // with that reason (before anything is launched) and kAuto must fall back.
-  if (op != Op::kAG && s.shard % 64 != 0 && mode == FusedOptions::Mode::kFused) {
+  if (op != Op::kAG && s.shard % 64 != 0 && mode == Mode::kFused) {
     for (int i = 0; i < c.num_local(); ++i) {
       std::string msg;
       try {
@@ -159,9 +167,8 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, FusedOptions::Mo
       }
       WEFT_EXPECT(msg.find("not a multiple of 64") != std::string::npos, "forced fused: got '" << msg << "'");
     }
-    o.mode = FusedOptions::Mode::kAuto;
+    o.mode = mode = Mode::kAuto;  // which must not pick the fused kernel here
     o.min_fused_m = 0;
-    mode = FusedOptions::Mode::kSequential;  // what kAuto must pick here
   }
   for (int i = 0; i < c.num_local(); ++i) {
     Rank& r = c.local(i);
@@ -172,8 +179,10 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, FusedOptions::Mo
       path = matmul_reduce_scatter(c, r, A.p[i], B.p[i], out.p[i], m, n, k, layout, nullptr, o);
     else
       path = matmul_all_reduce(c, r, A.p[i], B.p[i], out.p[i], m, n, k, layout, nullptr, o);
-    WEFT_EXPECT((path == FusedPath::kFused) == (mode == FusedOptions::Mode::kFused),
-                "path " << fused_path_name(path));
+    if (mode == Mode::kAuto)
+      WEFT_EXPECT(path != FusedPath::kFused, "kAuto ran the fused kernel where it cannot run");
+    else
+      WEFT_EXPECT(path == path_of(mode), "path " << fused_path_name(path) << " for mode " << mode_name(mode));
   }
   c.synchronize();
   for (int i = 0; i < c.num_local(); ++i) {
@@ -203,7 +212,7 @@ void run_all(TestContext& ctx, Op op) {
   uint64_t seed = 1 + 100 * int(op);
   for (const Shape& s : kShapes)
     for (BLayout layout : {BLayout::kNK, BLayout::kKN})
-      for (FusedOptions::Mode mode : kModes)
+      for (Mode mode : kModes)
         for (bool sym : {true, false}) {
           if (ctx.quick && (layout == BLayout::kKN) != (s.n % 256 != 0)) continue;
           run_case(ctx, op, s, layout, mode, sym, seed++);
@@ -222,11 +231,81 @@ WEFT_GPU_TEST(matmul_all_reduce_matches_fp64_reference) {
   run_all(ctx, Op::kAR);
 }
 // Repeated calls: the per-call epochs and barriers must carry over without resets (and mixed with the
-// collectives, which share barrier slots with the fused kernels).
+// collectives, which share barrier slots with the fused kernels); the pipelines' flags must come back to 0.
 WEFT_GPU_TEST(fused_ops_back_to_back) {
   for (int rep = 0; rep < (ctx.quick ? 3 : 10); ++rep) {
-    run_case(ctx, Op::kAG, kShapes[1], BLayout::kNK, FusedOptions::Mode::kFused, rep % 2 == 0, 500 + rep);
-    run_case(ctx, Op::kRS, kShapes[2], BLayout::kKN, FusedOptions::Mode::kFused, true, 600 + rep);
-    run_case(ctx, Op::kAR, kShapes[0], BLayout::kNK, FusedOptions::Mode::kFused, false, 700 + rep);
+    const Mode mode = rep % 3 == 2 ? Mode::kFused : Mode::kPipelined;
+    run_case(ctx, Op::kAG, kShapes[1], BLayout::kNK, mode, rep % 2 == 0, 500 + rep);
+    run_case(ctx, Op::kRS, kShapes[2], BLayout::kKN, rep % 2 ? Mode::kFused : Mode::kPipelined, true,
+             600 + rep);
+    run_case(ctx, Op::kAR, kShapes[0], BLayout::kNK, mode, false, 700 + rep);
   }
+}
+
+// The three ops, pipelined, captured once per rank into a CUDA graph and replayed on fresh inputs: the
+// pipelines' stream writes and waits replay with the same values, so their flags must return to 0 per call.
+WEFT_GPU_TEST(fused_ops_pipelined_in_cuda_graphs) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  const Shape s = kShapes[3];
+  const int64_t m = W * s.shard, n = s.n, k = s.k;
+  FusedOptions o;
+  o.mode = Mode::kPipelined;
+  Buf a_ag(c, s.shard * k * 2, false), a(c, m * k * 2, false), b(c, n * k * 2, false),
+      out_ag(c, m * n * 2, false), out_rs(c, s.shard * n * 2, false), out_ar(c, m * n * 2, true);
+  auto issue = [&](int i) {
+    Rank& r = c.local(i);
+    all_gather_matmul(c, r, a_ag.p[i], b.p[i], out_ag.p[i], nullptr, m, n, k, BLayout::kNK, r.stream(), o);
+    matmul_reduce_scatter(c, r, a.p[i], b.p[i], out_rs.p[i], m, n, k, BLayout::kNK, r.stream(), o);
+    matmul_all_reduce(c, r, a.p[i], b.p[i], out_ar.p[i], m, n, k, BLayout::kNK, r.stream(), o);
+  };
+  for (int i = 0; i < c.num_local(); ++i) issue(i);  // workspace, copy streams, cuBLAS handles
+  c.synchronize();
+  std::vector<cudaGraphExec_t> exec(c.num_local());
+  for (int i = 0; i < c.num_local(); ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+    cudaGraph_t g;
+    WEFT_CUDA_CHECK(cudaStreamBeginCapture(c.local(i).stream(), cudaStreamCaptureModeThreadLocal));
+    issue(i);
+    WEFT_CUDA_CHECK(cudaStreamEndCapture(c.local(i).stream(), &g));
+    WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[i], g, 0));
+    WEFT_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  for (int replay = 0; replay < 3; ++replay) {
+    const uint64_t seed = 900 + 10 * replay;
+    const Mat full_a = make(size_t(m * k), seed);  // AG: the gathered A; RS / AR: every rank's A
+    std::vector<Mat> bs(W);
+    for (int r = 0; r < W; ++r) bs[r] = make(size_t(n * k), seed + 1 + r);
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      put(c, i, a_ag.p[i], full_a.h.data() + r * s.shard * k, s.shard * k * 2);
+      put(c, i, a.p[i], full_a.h.data(), m * k * 2);
+      put(c, i, b.p[i], bs[r].h.data(), n * k * 2);
+      for (auto [p, bytes] :
+           {std::pair{out_ag.p[i], m * n * 2}, {out_rs.p[i], s.shard * n * 2}, {out_ar.p[i], m * n * 2}})
+        poison(c, i, p, bytes);
+    }
+    c.host_barrier();
+    for (int i = 0; i < c.num_local(); ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+      WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], c.local(i).stream()));
+    }
+    c.synchronize();
+    std::vector<double> sum(size_t(m * n), 0.0);  // sum over ranks of A . B_r
+    for (int q = 0; q < W; ++q) gemm_ref(sum, full_a, bs[q], 0, m, n, k, true);
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      std::vector<double> ag(size_t(m * n), 0.0);
+      gemm_ref(ag, full_a, bs[r], 0, m, n, k, true);
+      const std::vector<double> rs(sum.begin() + r * s.shard * n, sum.begin() + (r + 1) * s.shard * n);
+      std::string err = compare(get(c, i, out_ag.p[i], m * n), ag);
+      WEFT_EXPECT(err.empty(), "replay " << replay << " all_gather_matmul rank " << r << ": " << err);
+      err = compare(get(c, i, out_rs.p[i], s.shard * n), rs);
+      WEFT_EXPECT(err.empty(), "replay " << replay << " matmul_reduce_scatter rank " << r << ": " << err);
+      err = compare(get(c, i, out_ar.p[i], m * n), sum);
+      WEFT_EXPECT(err.empty(), "replay " << replay << " matmul_all_reduce rank " << r << ": " << err);
+    }
+    c.host_barrier();
+  }
+  for (auto& e : exec) cudaGraphExecDestroy(e);
 }

@@ -181,6 +181,10 @@ struct ReduceScatter {
   bool fanout;            // two-shot all-reduce: the reduced slice goes to every rank
   char* final_dst;        // fanout into the workspace (out not symmetric): gathered result at final_src,
   const char* final_src;  // copied to final_dst slice by slice (nullptr: out is the symmetric target)
+  // Pre-staged (the fused ops' copy-engine pipeline): every source's slice, this rank's own included, is
+  // already in staging, and flag arrived[s] (this rank's pad) reads 1 once source s's slice has landed.
+  // Then the kernel waits for those flags instead of meeting and pushing (`in` is unused).
+  const uint64_t* arrived;
 };
 
 template <Elem E, Reduce R, bool kVec>
@@ -188,15 +192,22 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
   using T = typename ElemTraits<E>::T;
   constexpr int V = kVec ? 16 : sizeof(T);
   const TeamView& t = x.team;
-  if (!meet(t)) return;
-  for (int k = 1; k < t.world; ++k) {
-    const int p = (t.rank + k) % t.world;
-    Rows dst{t.peer_ptr(x.staging.base + x.staging_step * t.rank, p), x.staging.stride};
-    copy_rows<V>(dst, Rows{x.in.base + x.in_peer_step * p, x.in.stride}, x.rows, x.row_bytes);
+  if (x.arrived) {
+    bool ok = true;
+    if (threadIdx.x == 0)
+      for (int s = 0; s < t.world && ok; ++s) ok = s == t.rank || wait_ge(t, x.arrived + s, 1);
+    if (!__syncthreads_and(ok)) return;
+  } else {
+    if (!meet(t)) return;
+    for (int k = 1; k < t.world; ++k) {
+      const int p = (t.rank + k) % t.world;
+      Rows dst{t.peer_ptr(x.staging.base + x.staging_step * t.rank, p), x.staging.stride};
+      copy_rows<V>(dst, Rows{x.in.base + x.in_peer_step * p, x.in.stride}, x.rows, x.row_bytes);
+    }
+    if (!meet(t)) return;
   }
-  if (!meet(t)) return;
-  auto src_of = [&](int s) {  // s = 0: my own slice of the input; then the peers' staged slices
-    if (s == 0) return Rows{x.in.base + x.in_peer_step * t.rank, x.in.stride};
+  auto src_of = [&](int s) {  // s = 0: my own slice (of the input, or staged); then the peers' staged slices
+    if (s == 0 && !x.arrived) return Rows{x.in.base + x.in_peer_step * t.rank, x.in.stride};
     return Rows{x.staging.base + x.staging_step * ((t.rank + s) % t.world), x.staging.stride};
   };
   reduce_rows<E, R, kVec>(t, x.out, src_of, x.rows, x.row_bytes / sizeof(T), x.fanout);

@@ -34,6 +34,20 @@ inline constexpr int kFusedFlagBase = kUserFlags - kFusedFlags - 2;
 inline constexpr int kFusedStateFlag = kUserFlags - 2;      // [0] calls completed, [1] finishers of this call
 inline constexpr int kFusedReadyFlag = kFusedFlagBase - 1;  // RS: the start meeting has passed
 
+// Flags of the copy-engine pipelines (FusedPath::kPipelined, src/ops/fused.cu), per pipeline (0: all-gather,
+// 1: reduce-scatter) and rank r: used(r), set by this rank when its data sits in r's workspace and cleared
+// by r once consumed; arrived(r), set by rank r when its data has landed here and cleared by this rank once
+// consumed. Unlike every other flag these hold 0 or 1 and their reader clears them: the host enqueues them
+// as stream writes and waits, whose values are fixed when enqueued (or captured into a graph), so they
+// cannot carry a per-call epoch.
+inline constexpr int kPipeFlagBase = kFusedReadyFlag - 4 * kMaxWorld;
+inline constexpr int pipe_used_flag(int pipeline, int r) {
+  return kPipeFlagBase + 2 * pipeline * kMaxWorld + r;
+}
+inline constexpr int pipe_arrived_flag(int pipeline, int r) {
+  return kPipeFlagBase + (2 * pipeline + 1) * kMaxWorld + r;
+}
+
 struct FusedSync {
   TeamView team;
   int done_target;  // finishers per call: consumer warpgroups of compute blocks + communicator blocks

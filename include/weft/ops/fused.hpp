@@ -19,15 +19,21 @@
 // Communicator::workspace, which grows on first use (run once before capturing a CUDA graph, or
 // reserve_workspace).
 //
-// Fallback (Mode::kAuto): where the fused kernel did not measure faster than the sequential path (today:
-// all_gather_matmul below M = 8192 or above N = 4096 per rank, and matmul_reduce_scatter / matmul_all_reduce
-// always; see fused_pays_off in src/ops/fused.cu), below FusedOptions::min_fused_m, or where it cannot run
-// (world > 8 or M / W not a multiple of 64 for RS/AR, too many AG chunks), the op runs sequentially:
-// a cuBLAS GEMM (so never slower than cuBLAS + NCCL for the GEMM part) with weft::all_gather / reduce_scatter
-// / all_reduce. Mode::kFused forces the kernel (or throws why it cannot run). The return value says which
-// path ran.
+// Three paths (FusedPath), each forced by its Mode; kAuto takes the one that measured fastest for the
+// shape (auto_path in src/ops/fused.cu, from bench/RESULTS.md), or kSequential below
+// FusedOptions::min_fused_m:
+//   kFused      one kernel, as above (all_gather_matmul's where communication outweighs the GEMM).
+//   kPipelined  the GEMM as W row chunks of cuBLAS on every SM while the copy engines move data between
+//               GPUs on a side stream (AG: A shards, rank by rank; RS / AR: each finished chunk into its
+//               owner's staging, then one reduce kernel). Stream waits on peer flags order the GPUs; they
+//               have no timeout, so a rank that dies mid-call leaves its peers' streams waiting (the RS / AR
+//               reduce kernel's own waits do time out). The first call on a GPU creates its copy stream:
+//               make one call before capturing a CUDA graph.
+//   kSequential a cuBLAS GEMM with weft::all_gather / reduce_scatter / all_reduce.
+// kFused cannot run for RS / AR with world > 8 or M / W not a multiple of 64, nor for AG with too many A
+// chunks: forced, it throws why; kAuto then falls back to kSequential. The return value says which path ran.
 //
-// Fused ops own user flags [kUserFlags - 1027, kUserFlags) of the signal pad (see weft/ops/fused.cuh).
+// Fused ops own user flags [kUserFlags - 1539, kUserFlags) of the signal pad (see weft/ops/fused.cuh).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -38,11 +44,11 @@
 
 namespace weft {
 
-enum class FusedPath { kFused, kSequential };
+enum class FusedPath { kFused, kSequential, kPipelined };
 const char* fused_path_name(FusedPath p);
 
 struct FusedOptions {
-  enum class Mode { kAuto, kFused, kSequential } mode = Mode::kAuto;
+  enum class Mode { kAuto, kFused, kSequential, kPipelined } mode = Mode::kAuto;
   int comm_blocks = 0;         // all_gather_matmul's communicator blocks: 0 auto (16), else 1..32
   int64_t min_fused_m = 1024;  // kAuto: below this M the sequential path runs (besides the measured rule)
   int max_compute_blocks = 0;  // cap on GEMM blocks (benchmarks: "compute alone" at the fused op's SM count)

@@ -103,8 +103,12 @@ class Communicator {
   // for the same sizes in the same order, as it does when every rank makes the same op calls). Growing
   // synchronizes the devices, so it is refused while `capturing` (a CUDA graph capture is in progress):
   // run the op once before capturing, or call reserve_workspace.
-  const SymmetricBuffer& workspace(uint64_t bytes, bool capturing = false);
-  void reserve_workspace(uint64_t bytes) { workspace(bytes); }
+  // Areas are separate buffers: area 0 serves the collectives and the ops' staging; the fused ops'
+  // copy-engine pipelines each own one more (kAgPipelineArea, kRsPipelineArea), because peers write into
+  // those ahead of this rank's call, which nothing else in the area may then be using.
+  static constexpr int kWorkspaceAreas = 3, kAgPipelineArea = 1, kRsPipelineArea = 2;
+  const SymmetricBuffer& workspace(uint64_t bytes, bool capturing = false, int area = 0);
+  void reserve_workspace(uint64_t bytes, int area = 0) { workspace(bytes, false, area); }
   // Whether [p, p + bytes) lies in rank's own symmetric heap (then peers reach it through
   // TeamView::peer_ptr).
   bool in_heap(const Rank& rank, const void* p, uint64_t bytes) const {
@@ -153,7 +157,7 @@ class Communicator {
   std::vector<SymmetricBuffer> live_;  // for teardown
   size_t live_maps_ = 0;
   SymmetricBuffer pad_;
-  SymmetricBuffer workspace_;
+  SymmetricBuffer workspace_[kWorkspaceAreas];
   int32_t* abort_flag_ = nullptr;  // host-mapped
   std::string lost_reason_;
 };
