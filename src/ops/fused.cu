@@ -356,13 +356,18 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, float* acc, int
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
-// kAuto's choice, from weft-bench fused on 4x H200 (bench/RESULTS.md, 2026-11-21): the fused all-gather
-// GEMM beat cuBLAS + NCCL by 1.40-1.60x where communication outweighs the GEMM (M >= 8192 with N <= 2048 per
-// rank) and lost or tied elsewhere (0.80-1.03x); the fused reduce-scatter GEMM lost everywhere (0.83-0.94x),
-// so matmul_reduce_scatter and matmul_all_reduce run sequentially unless forced.
+// kAuto's choice, from weft-bench fused on 4x H200 at 4 and 2 GPUs (bench/RESULTS.md, 2026-11-21, session 4):
+// - all_gather_matmul with N <= 4096 per rank at M >= 8192 (communication outweighs the GEMM): the fused
+//   kernel (1.44-1.71x cuBLAS + NCCL at 4 GPUs; the pipeline 1.31-1.61x there).
+// - elsewhere the copy-engine pipeline once each rank's rows make pushes of >= 16 MiB-ish: M / W >= 1024
+//   (>= 512 at 2 GPUs, one push per call). It won 1.03-1.51x at 4 GPUs from M = 4096 and 1.03-1.37x at
+//   2 GPUs from M = 1024 (one tie within noise: AG 1024 x 28672); at 4 GPUs and M / W = 512 it lost
+//   (0.84-0.98x: three small pushes in a row).
+// - below that, cuBLAS + weft's collective (1.07-1.36x cuBLAS + NCCL).
+// World sizes above 4 were not measured; they take the same rule.
 FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int world) {
   if (all_gather && m >= 8192 && n_per_rank <= 4096) return FusedPath::kFused;
-  return m / world >= 512 ? FusedPath::kPipelined : FusedPath::kSequential;
+  return m / world >= (world == 2 ? 512 : 1024) ? FusedPath::kPipelined : FusedPath::kSequential;
 }
 
 // The storer adds whole 64-row halves of a tile into one owner's shard: a half that straddled two shards
