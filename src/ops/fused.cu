@@ -361,13 +361,15 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, float* acc, int
 //   kernel (1.44-1.71x cuBLAS + NCCL at 4 GPUs; the pipeline 1.31-1.61x there).
 // - elsewhere the copy-engine pipeline once each rank's rows make pushes of >= 16 MiB-ish: M / W >= 1024
 //   (>= 512 at 2 GPUs, one push per call). It won 1.03-1.51x at 4 GPUs from M = 4096 and 1.03-1.37x at
-//   2 GPUs from M = 1024 (one tie within noise: AG 1024 x 28672); at 4 GPUs and M / W = 512 it lost
-//   (0.84-0.98x: three small pushes in a row).
+//   2 GPUs from M = 1024; at 4 GPUs and M / W = 512 it lost (0.84-0.98x: three small pushes in a row), and
+//   so did all_gather_matmul at 2 GPUs, M = 1024, N / W = 14336 (0.93x and 1.00x in two runs; the
+//   sequential path 1.09x): there the pipeline waits for M / W >= 1024 too.
 // - below that, cuBLAS + weft's collective (1.07-1.36x cuBLAS + NCCL).
 // World sizes above 4 were not measured; they take the same rule.
 FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int world) {
   if (all_gather && m >= 8192 && n_per_rank <= 4096) return FusedPath::kFused;
-  return m / world >= (world == 2 ? 512 : 1024) ? FusedPath::kPipelined : FusedPath::kSequential;
+  const int64_t min_rows = world == 2 && !(all_gather && n_per_rank > 4096) ? 512 : 1024;
+  return m / world >= min_rows ? FusedPath::kPipelined : FusedPath::kSequential;
 }
 
 // The storer adds whole 64-row halves of a tile into one owner's shard: a half that straddled two shards
