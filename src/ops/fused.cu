@@ -358,18 +358,19 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, float* acc, int
 
 // kAuto's choice, from weft-bench fused on 4x H200 at 4 and 2 GPUs (bench/RESULTS.md, 2026-11-21, session 4):
 // - all_gather_matmul with N <= 4096 per rank at M >= 8192 (communication outweighs the GEMM): the fused
-//   kernel (1.44-1.71x cuBLAS + NCCL at 4 GPUs; the pipeline 1.31-1.61x there).
-// - elsewhere the copy-engine pipeline once each rank's rows make pushes of >= 16 MiB-ish: M / W >= 1024
-//   (>= 512 at 2 GPUs, one push per call). It won 1.03-1.51x at 4 GPUs from M = 4096 and 1.03-1.37x at
-//   2 GPUs from M = 1024; at 4 GPUs and M / W = 512 it lost (0.84-0.98x: three small pushes in a row), and
-//   so did all_gather_matmul at 2 GPUs, M = 1024, N / W = 14336 (0.93x and 1.00x in two runs; the
-//   sequential path 1.09x): there the pipeline waits for M / W >= 1024 too.
-// - below that, cuBLAS + weft's collective (1.07-1.36x cuBLAS + NCCL).
-// World sizes above 4 were not measured; they take the same rule.
-FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int world) {
+//   kernel (1.47-1.83x cuBLAS + NCCL at 4 GPUs; the pipeline 1.27-1.54x there).
+// - elsewhere the copy-engine pipeline once each push (M / W rows of A for AG, of the output for RS / AR)
+//   is >= 16 MiB, or >= 8 MiB at 2 GPUs (one push per call instead of W - 1 in a row). It won 1.04-1.51x at
+//   4 GPUs and 1.07-1.47x at 2 GPUs there; with 8 MiB pushes at 4 GPUs it lost (0.84-0.98x). The exception:
+//   all_gather_matmul at 2 GPUs with N / W > 4096 (the GEMM dwarfs the gather) tied or lost with 8 MiB
+//   pushes (0.93x, 1.00x; the sequential path 1.09x), so it too waits for 16 MiB.
+// - below that, cuBLAS + weft's collective (1.03-1.36x cuBLAS + NCCL).
+// World sizes above 4 were not measured; they take the 4-GPU rule.
+FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int64_t k, int world) {
   if (all_gather && m >= 8192 && n_per_rank <= 4096) return FusedPath::kFused;
-  const int64_t min_rows = world == 2 && !(all_gather && n_per_rank > 4096) ? 512 : 1024;
-  return m / world >= min_rows ? FusedPath::kPipelined : FusedPath::kSequential;
+  const uint64_t push_bytes = uint64_t(m / world) * (all_gather ? k : n_per_rank) * 2;
+  const bool one_push = world == 2 && !(all_gather && n_per_rank > 4096);
+  return push_bytes >= (one_push ? 8u << 20 : 16u << 20) ? FusedPath::kPipelined : FusedPath::kSequential;
 }
 
 // The storer adds whole 64-row halves of a tile into one owner's shard: a half that straddled two shards
@@ -401,7 +402,7 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
   const bool sym_gathered = gathered_a && comm.in_heap(rank, gathered_a, m * k * 2);
   const bool fits = W * chunks <= ops::kFusedFlags && chunk_rows <= INT32_MAX;
   const FusedPath path =
-      c.path(o, m, fits ? std::string() : "more A chunks than flags", auto_path(true, m, n, W));
+      c.path(o, m, fits ? std::string() : "more A chunks than flags", auto_path(true, m, n, k, W));
   if (path == FusedPath::kPipelined) {
     pipelined_ag(c, a_shard, b, out, gathered_a, m, n, k, layout);
     return path;
@@ -432,7 +433,7 @@ FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, c
   Call c(comm, rank, stream, "matmul_reduce_scatter", m, n, k);
   const int64_t rows = m / rank.world();
   c.check_operands(a, "a", m, b, out, rows, m, n, k, layout);
-  const FusedPath path = c.path(o, m, rs_why_not(c, m), auto_path(false, m, n, rank.world()));
+  const FusedPath path = c.path(o, m, rs_why_not(c, m), auto_path(false, m, n, k, rank.world()));
   if (path == FusedPath::kPipelined) {
     pipelined_rs(c, a, b, out, m, n, k, layout, false);
     return path;
@@ -459,7 +460,7 @@ FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const
   const int W = rank.world();
   const int64_t rows = m / W;
   c.check_operands(a, "a", m, b, out, m, m, n, k, layout);
-  const FusedPath path = c.path(o, m, rs_why_not(c, m), auto_path(false, m, n, W));
+  const FusedPath path = c.path(o, m, rs_why_not(c, m), auto_path(false, m, n, k, W));
   if (path == FusedPath::kPipelined) {
     pipelined_rs(c, a, b, out, m, n, k, layout, true);
     return path;
