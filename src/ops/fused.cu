@@ -1,5 +1,5 @@
-// Host side of the fused tensor-parallel ops: argument checks, the fused-or-sequential choice, workspace
-// layout, tensor maps and launch (device code: weft/ops/fused.cuh).
+// Host side of the fused tensor-parallel ops: argument checks, the choice of path (fused kernel, copy-engine
+// pipeline or sequential), workspace layout, tensor maps and launch (device code: weft/ops/fused.cuh).
 #include <algorithm>
 #include <map>
 #include <mutex>
