@@ -25,7 +25,6 @@ namespace {
 
 using coll::Rows;
 constexpr int kThreads = 512;
-constexpr uint64_t kBytesPerBlock = 32 << 10;  // one SM moves ~40 GB/s: spread even 1 MiB wide
 using ops::ll_region_bytes;
 using ops::one_shot_max_bytes;
 // Two-shot all-reduce up to this size pulls (2 meetings, reads overlap); above, pushes through staging,
@@ -58,12 +57,7 @@ struct Call {
     auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
     return x < y + bn && y < x + an;
   }
-  int blocks(uint64_t bytes) const {
-    int sms = 0;
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, rank.device()));
-    const uint64_t want = (bytes + kBytesPerBlock - 1) / kBytesPerBlock;
-    return static_cast<int>(std::clamp<uint64_t>(want, 1, std::min(sms, kCollectiveMaxBlocks)));
-  }
+  int blocks(uint64_t bytes) const { return ops::collective_blocks(rank, bytes); }
   char* workspace(uint64_t bytes) {
     return ops::workspace_of(comm, rank, bytes, capturing, std::string("weft::") + op + ": ");
   }

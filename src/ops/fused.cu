@@ -150,7 +150,8 @@ class Pipeline {
   void push(int to, char* dst, const void* src, uint64_t bytes) const {
     wait_eq(s_.side, flag(ops::pipe_used_flag(id_, to), me_), 0);
     write(s_.side, flag(ops::pipe_used_flag(id_, to), me_), 1);
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(on(to, dst), src, bytes, cudaMemcpyDeviceToDevice, s_.side));
+    WEFT_CUDA_CHECK(
+        cudaMemcpyAsync(c_.rank.peer_ptr(dst, to), src, bytes, cudaMemcpyDeviceToDevice, s_.side));
     write(s_.side, flag(ops::pipe_arrived_flag(id_, me_), to), 1);
   }
   // Caller's stream: wait until `from`'s push has landed here.
@@ -170,12 +171,7 @@ class Pipeline {
   }
 
  private:
-  template <class T>
-  T* on(int r, T* local) const {  // rank r's copy of a pointer into this rank's heap
-    return reinterpret_cast<T*>(c_.rank.heap_of(r) +
-                                (reinterpret_cast<char*>(local) - c_.rank.heap_of(c_.rank.rank())));
-  }
-  uint64_t* flag(int index, int r) const { return on(r, c_.rank.view().user_flag(index)); }
+  uint64_t* flag(int index, int r) const { return c_.rank.peer_ptr(c_.rank.view().user_flag(index), r); }
   // The flags are 64-bit words holding 0 or 1: 32-bit stream operations on their low half.
   static void wait_eq(cudaStream_t s, uint64_t* f, uint32_t v) {
     WEFT_CU_CHECK(
@@ -258,10 +254,7 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
       (all_reduce ? (sym_out ? static_cast<char*>(out) : gather) + me * slice : static_cast<char*>(out)), 0};
   x.final_dst = all_reduce && !sym_out ? static_cast<char*>(out) : nullptr;
   x.final_src = gather;
-  int sms = 0;
-  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c.rank.device()));
-  const int blocks = static_cast<int>(
-      std::clamp<uint64_t>((slice + (32 << 10) - 1) / (32 << 10), 1, std::min(sms, kCollectiveMaxBlocks)));
+  const int blocks = ops::collective_blocks(c.rank, slice);
   constexpr auto kernel = &coll::reduce_scatter_kernel<Elem::kBF16, Reduce::kSum, true>;
   detail::preload<kernel>();
   kernel<<<blocks, 512, 0, c.stream>>>(x);
@@ -331,11 +324,10 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, float* acc, int
   const int64_t rows = m / W;
   set_schedule<Op>(p.sched, m, n);
   set_gemm_maps<Op, kKMajor>(p, a, b, m, n, k, acc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, rows);
-  const char* my_heap = c.rank.heap_of(me);
   for (int r = 0; r < W; ++r)
     p.owner[r] =
-        tma::make_map_2d({c.rank.heap_of(r) + (reinterpret_cast<char*>(acc) - my_heap),
-                          CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(rows), uint64_t(n), uint64_t(n) * 4},
+        tma::make_map_2d({c.rank.peer_ptr(acc, r), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(rows),
+                          uint64_t(n), uint64_t(n) * 4},
                          Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, "matmul_reduce_scatter: owner");
   p.sched.start_unit =
       static_cast<int>(int64_t(me) * p.sched.units() / W);  // ranks start on different owners
@@ -345,11 +337,8 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, float* acc, int
   WEFT_CUDA_CHECK(cudaMemsetAsync(acc, 0, rows * n * 4, c.stream));
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
-  int sms = 0;
-  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c.rank.device()));
   const uint64_t n4 = uint64_t(rows) * n / 4;
-  const int blocks =
-      static_cast<int>(std::clamp<uint64_t>((n4 + 2047) / 2048, 1, std::min(sms, kCollectiveMaxBlocks)));
+  const int blocks = ops::collective_blocks(c.rank, n4 * 16);
   detail::preload<&ops::rs_finalize_kernel>();
   ops::rs_finalize_kernel<<<blocks, 512, 0, c.stream>>>(c.rank.view(), reinterpret_cast<const float4*>(acc),
                                                         static_cast<uint2*>(out), n4);

@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "weft/runtime/communicator.hpp"
@@ -19,6 +20,16 @@ inline uint64_t one_shot_max_bytes(int world) {
 // 4 data bytes), so a one-shot call never overlaps what other ops keep after the head.
 inline uint64_t ll_region_bytes(int world) {
   return 2ull * world * (one_shot_max_bytes(world) / 4) * 8;
+}
+
+// Blocks of a collective-style kernel (one barrier slot each) moving `bytes`: one per 32 KiB, since one SM
+// moves ~40 GB/s and even 1 MiB should spread wide, at most one per SM and per barrier slot.
+inline int collective_blocks(const Rank& rank, uint64_t bytes) {
+  constexpr uint64_t kBytesPerBlock = 32 << 10;
+  int sms = 0;
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, rank.device()));
+  const uint64_t want = (bytes + kBytesPerBlock - 1) / kBytesPerBlock;
+  return static_cast<int>(std::clamp<uint64_t>(want, 1, std::min(sms, kCollectiveMaxBlocks)));
 }
 
 // Throws weft::Error (prefixed with `where`) unless p is a non-null, `align`-aligned pointer into the rank's

@@ -59,6 +59,11 @@ class Rank {
   const TeamView& view() const { return view_; }
   // Rank r's heap as mapped in this rank's address space.
   char* heap_of(int r) const { return heap_of_[r]; }
+  // Rank r's copy of `local`, a pointer into this rank's heap (host side of TeamView::peer_ptr).
+  template <class T>
+  T* peer_ptr(T* local, int r) const {
+    return reinterpret_cast<T*>(heap_of_[r] + (reinterpret_cast<const char*>(local) - heap_of_[view_.rank]));
+  }
   template <class T = char>
   T* at(const SymmetricBuffer& b, int r, uint64_t byte_offset = 0) const {
     return reinterpret_cast<T*>(heap_of_[r] + b.offset + byte_offset);
