@@ -129,10 +129,15 @@ void run_collective(Context& ctx, Coll which) {
   std::vector<uint64_t> sizes = {8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20,
                                  4 << 20, 16 << 20, 64 << 20,  256 << 20, 1ull << 30};
   if (ctx.quick) sizes = {8 << 10, 1 << 20, 64 << 20, 256 << 20};
-  if (const char* m = std::getenv("WEFT_BENCH_MAX_BYTES"))  // tuning runs: stop early
-    sizes.erase(std::remove_if(sizes.begin(), sizes.end(),
-                               [&](uint64_t b) { return b > std::strtoull(m, nullptr, 0); }),
-                sizes.end());
+  // Tuning runs: WEFT_BENCH_MIN_BYTES / WEFT_BENCH_MAX_BYTES keep a range of sizes.
+  const char* lo = std::getenv("WEFT_BENCH_MIN_BYTES");
+  const char* hi = std::getenv("WEFT_BENCH_MAX_BYTES");
+  sizes.erase(std::remove_if(sizes.begin(), sizes.end(),
+                             [&](uint64_t b) {
+                               return (lo && b < std::strtoull(lo, nullptr, 0)) ||
+                                      (hi && b > std::strtoull(hi, nullptr, 0));
+                             }),
+              sizes.end());
   Table t(
       fmt("%s, bf16, %d GPUs (%s): weft vs NCCL %d.%d.%d", coll_name(which), W,
           ctx.env ? "one process per GPU" : "single-process", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),

@@ -27,9 +27,8 @@ using coll::Rows;
 constexpr int kThreads = 512;
 using ops::ll_region_bytes;
 using ops::one_shot_max_bytes;
-// Two-shot all-reduce up to this size pulls (2 meetings, reads overlap); above, pushes through staging,
-// which streams better at full bandwidth (measured, 4 x H200: pull 1.6x NCCL at 1-4 MiB, push 1.03x at 256
-// MiB).
+// Two-shot all-reduce up to this size pulls (2 meetings, reads overlap); above, it pushes through staging,
+// which streams better at full bandwidth (4 x H200, 1 GiB: push 343-345 GB/s busbw, pull 320).
 constexpr uint64_t kPullMaxBytes = 4 << 20;
 
 struct Call {
@@ -132,12 +131,15 @@ void with_reduction(DType dt, ReduceOp op, bool vec, Launch&& launch) {
   });
 }
 
-void launch_reduce_scatter(Call& c, const coll::ReduceScatter& x, DType dt, ReduceOp op, bool vec,
+// 16-byte packs only: every caller checks the alignment (or, for the two-shot all-reduce, makes it).
+void launch_reduce_scatter(Call& c, const coll::ReduceScatter& x, DType dt, ReduceOp op,
                            uint64_t total_bytes) {
   const int g = c.blocks(total_bytes);
-  with_reduction(dt, op, vec, [&](auto e, auto r, auto v) {
-    detail::preload<&coll::reduce_scatter_kernel<e.value, r.value, v.value>>();
-    coll::reduce_scatter_kernel<e.value, r.value, v.value><<<g, kThreads, 0, c.stream>>>(x);
+  with_elem(dt, [&](auto e) {
+    with_reduce(op, [&](auto r) {
+      detail::preload<&coll::reduce_scatter_kernel<e.value, r.value, true>>();
+      coll::reduce_scatter_kernel<e.value, r.value, true><<<g, kThreads, 0, c.stream>>>(x);
+    });
   });
   c.launched();
 }
@@ -160,15 +162,21 @@ bool use_pull(bool default_pull) {
   return default_pull;
 }
 
-void one_shot_all_reduce(Call& c, const void* in, void* out, uint64_t count, DType dt, ReduceOp op) {
-  const uint64_t bytes = count * dtype_size(dt);
+// One round: every rank sends each peer p `bytes` starting at in + p * in_peer_step (in_peer_step 0: the
+// whole input to everyone, an all-reduce; the peer's slice: a reduce-scatter) and reduces what it
+// receives with its own part into out. bytes <= one_shot_max_bytes; in_peer_step a multiple of 4.
+void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_t bytes, DType dt,
+              ReduceOp op) {
   const int world = c.rank.world();
+  char* region = c.workspace(ll_region_bytes(world));
   coll::OneShot x{c.rank.view(),
                   static_cast<const uint32_t*>(in),
+                  in_peer_step / 4,
                   static_cast<uint32_t*>(out),
                   (bytes + 3) / 4,
                   static_cast<uint32_t>(bytes % 4 ? 2 : 4),
-                  reinterpret_cast<uint64_t*>(c.workspace(ll_region_bytes(world)))};
+                  reinterpret_cast<uint64_t*>(region),
+                  ops::ll_slot_bytes(world) / 8};
   const int g = c.blocks(bytes * 8);  // LL moves 2x the bytes and polls: spread it wider
   with_elem(dt, [&](auto e) {
     with_reduce(op, [&](auto r) {
@@ -197,7 +205,7 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
     if (bytes > one_shot_max)
       c.fail("one-shot all-reduce is limited to " + std::to_string(one_shot_max) + " bytes at " +
              std::to_string(world) + " ranks, got " + std::to_string(bytes));
-    return one_shot_all_reduce(c, in, out, count, dtype, op);
+    return one_shot(c, in, 0, out, bytes, dtype, op);
   }
   // Two-shot over the largest prefix that splits into equal 16-byte-multiple slices; the rest (under
   // 16 * world bytes) goes one-shot right after.
@@ -239,12 +247,12 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
       x.fanout = true;
       x.final_dst = sym_out ? nullptr : static_cast<char*>(out);
       x.final_src = gather;
-      launch_reduce_scatter(c, x, dtype, op, true, main * esize);
+      launch_reduce_scatter(c, x, dtype, op, main * esize);
     }
   }
   if (tail > 0)
-    one_shot_all_reduce(c, static_cast<const char*>(in) + main * esize,
-                        static_cast<char*>(out) + main * esize, tail, dtype, op);
+    one_shot(c, static_cast<const char*>(in) + main * esize, 0, static_cast<char*>(out) + main * esize,
+             tail * esize, dtype, op);
 }
 
 void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D s, int dim, DType dtype,
@@ -313,8 +321,18 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
     x.in = Rows{const_cast<char*>(static_cast<const char*>(in)), x.row_bytes * world};
     x.in_peer_step = x.row_bytes;
   }
+  // Small contiguous slices: one round, no meeting (the LL words need 4-byte aligned slices).
+  if (dim == 0 && out_bytes <= one_shot_max_bytes(world) && out_bytes % 4 == 0 &&
+      reinterpret_cast<uintptr_t>(in) % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 4 == 0 &&
+      std::getenv("WEFT_COLL_VARIANT") == nullptr)
+    return one_shot(c, in, out_bytes, out, out_bytes, dtype, op);
   const uint64_t ll = ll_region_bytes(world);
-  if (use_pull(true)) {
+  // The push kernel moves 16-byte packs only (its element-wise form would spill); other layouts pull.
+  const bool vec = vector_width({x.row_bytes, x.in.stride, x.in_peer_step, reinterpret_cast<uintptr_t>(in),
+                                 reinterpret_cast<uintptr_t>(out)}) == 16;
+  // Pull at every size by default: the pipelined push ties it from 256 MiB (4 x H200: 328 vs 328 GB/s busbw
+  // at 1 GiB) and loses at 64 MiB (186 vs 164 us); WEFT_COLL_VARIANT=push selects it.
+  if (!vec || use_pull(true)) {
     // Rank r reads slice r of every rank's input (from a workspace copy when the input is not symmetric).
     const bool sym_in = comm.in_heap(rank, in, in_bytes);
     char* ws = c.workspace(ll + (sym_in ? 0 : in_bytes));
@@ -327,10 +345,7 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
     y.rows = x.rows;
     y.row_bytes = x.row_bytes;
     y.fanout = false;
-    const bool vec =
-        vector_width({y.row_bytes, y.in.stride, y.in_peer_step, reinterpret_cast<uintptr_t>(in),
-                      reinterpret_cast<uintptr_t>(out), reinterpret_cast<uintptr_t>(y.in.base)}) == 16;
-    launch_pull_reduce(c, y, dtype, op, vec, in_bytes);
+    launch_pull_reduce(c, y, dtype, op, vec, in_bytes);  // the workspace copy is 16-byte aligned
     return;
   }
   char* ws = c.workspace(ll + out_bytes * world);
@@ -338,9 +353,7 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
   x.staging_step = out_bytes;
   x.out = Rows{static_cast<char*>(out), dim == 0 ? 0 : x.row_bytes};
   x.fanout = false;
-  const bool vec = vector_width({x.row_bytes, x.in.stride, x.in_peer_step, reinterpret_cast<uintptr_t>(in),
-                                 reinterpret_cast<uintptr_t>(out), reinterpret_cast<uintptr_t>(ws)}) == 16;
-  launch_reduce_scatter(c, x, dtype, op, vec, in_bytes);
+  launch_reduce_scatter(c, x, dtype, op, in_bytes);
 }
 
 void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank, DType dtype,

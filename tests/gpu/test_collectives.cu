@@ -166,7 +166,8 @@ void all_reduce_case(TestContext& ctx, DType t, size_t count, ReduceOp op, bool 
 }  // namespace
 
 WEFT_GPU_TEST(all_reduce_matches_fp64_reference) {
-  std::vector<size_t> counts = {1, 2, 7, 8, 33, 1000, 4097, 65536 + 3, (1 << 20) + 5, 3 << 20};
+  // 262208 (16-byte multiple, 512 KiB in bf16): the staged one-shot at 2 GPUs; 3 << 20: the pipelined push.
+  std::vector<size_t> counts = {1, 2, 7, 8, 33, 1000, 4097, 65536 + 3, 262208, (1 << 20) + 5, 3 << 20};
   if (ctx.quick) counts = {1, 7, 1000, 65536 + 3};
   uint64_t seed = 1;
   for (DType t : kTypes)
@@ -174,6 +175,9 @@ WEFT_GPU_TEST(all_reduce_matches_fp64_reference) {
       all_reduce_case(ctx, t, n, ReduceOp::kSum, true, false, AllReduceAlgo::kAuto, seed++);
       all_reduce_case(ctx, t, n, ReduceOp::kSum, false, false, AllReduceAlgo::kAuto, seed++);
     }
+  // 160 MiB: the push two-shot's blocks walk several groups, odd blocks shifted by half a group.
+  if (!ctx.quick)
+    all_reduce_case(ctx, DType::kBF16, 80 << 20, ReduceOp::kSum, true, false, AllReduceAlgo::kAuto, seed++);
 }
 
 WEFT_GPU_TEST(all_reduce_algorithms_ops_and_in_place) {
@@ -196,13 +200,16 @@ WEFT_GPU_TEST(all_reduce_back_to_back) {
   const int W = c.world();
   const DType t = DType::kBF16;
   const ReduceOp ops[] = {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin};
-  const size_t counts[] = {65536 + 3, 1000, 100000, 7, (1 << 20) + 5};
+  // Sizes alternate between the one-shot protocols (LL, staged at 2 GPUs) and the two-shot ones: a call
+  // must never write where a slower rank still reads the previous call's data.
+  const size_t counts[] = {65536 + 3, 1000, 100000, 262208, 7, (1 << 20) + 5};
+  const size_t kCounts = sizeof(counts) / sizeof(counts[0]);
   const int calls = ctx.quick ? 6 : 30;
   for (bool sym : {false, true}) {
     std::vector<std::unique_ptr<Buffers>> in, out;
     std::vector<std::vector<double>> refs;
     for (int q = 0; q < calls; ++q) {
-      const size_t n = counts[q % 5];
+      const size_t n = counts[q % kCounts];
       const ReduceOp op = ops[q % 3];
       in.push_back(std::make_unique<Buffers>(c, n * 2, sym));
       out.push_back(std::make_unique<Buffers>(c, n * 2, sym));
@@ -223,16 +230,17 @@ WEFT_GPU_TEST(all_reduce_back_to_back) {
     c.host_barrier();
     for (int q = 0; q < calls; ++q)
       for_each_local(c, [&](Rank& r, int i) {
-        all_reduce(c, r, in[q]->ptr[i], out[q]->ptr[i], counts[q % 5], t, ops[q % 3], nullptr);
+        all_reduce(c, r, in[q]->ptr[i], out[q]->ptr[i], counts[q % kCounts], t, ops[q % 3], nullptr);
       });
     c.synchronize();
     for (int q = 0; q < calls; ++q)
       for_each_local(c, [&](Rank& r, int i) {
-        auto got = download(c, i, out[q]->ptr[i], counts[q % 5] * 2);
+        auto got = download(c, i, out[q]->ptr[i], counts[q % kCounts] * 2);
         const std::string err = compare(t, got, refs[q], ops[q % 3] != ReduceOp::kSum);
         WEFT_EXPECT(err.empty(), "back-to-back call " << q << " " << reduce_op_name(ops[q % 3]) << " count "
-                                                      << counts[q % 5] << (sym ? " symmetric" : " device")
-                                                      << " rank " << r.rank() << ": " << err);
+                                                      << counts[q % kCounts]
+                                                      << (sym ? " symmetric" : " device") << " rank "
+                                                      << r.rank() << ": " << err);
       });
     c.host_barrier();
   }

@@ -4,6 +4,7 @@
 //   barrier_block(team, slot)  every thread of ONE block per rank calls it; returns when every rank's block
 //                              has arrived. Thread p < world announces to peer p and waits for peer p, so a
 //                              team of W ranks costs one round of W-1 parallel stores and polls.
+//   barrier_arrive / barrier_wait   barrier_block in two halves, for pipelined kernels (below).
 //   barrier_grid(team, slot)   every thread of EVERY block calls it: the blocks of this kernel meet first,
 //                              the last one to arrive runs the cross-rank barrier, then releases the rest.
 //                              All blocks must be co-resident (a persistent grid of at most one wave).
@@ -15,20 +16,32 @@
 
 namespace weft {
 
-__device__ __forceinline__ bool barrier_block(const TeamView& team, int slot = 0) {
+// Split form of barrier_block, for pipelines: barrier_arrive announces that this block's earlier writes
+// (to any rank) are done and returns the epoch it announced; barrier_wait(epoch) returns once every rank's
+// block announced at least that epoch. A block may arrive several times before it waits (each arrival is
+// its own epoch); every rank's block must make the same sequence of arrivals on the slot.
+__device__ __forceinline__ uint64_t barrier_arrive(const TeamView& team, int slot = 0) {
   uint64_t* epoch_p = team.barrier_epoch(slot);
   __syncthreads();  // the block's earlier writes happen-before the release stores below
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(epoch_p) + 1;
   __syncthreads();  // everyone read the old epoch before thread 0 advances it
   if (threadIdx.x == 0) *epoch_p = epoch;
+  const int nthreads = blockDim.x * blockDim.y * blockDim.z;
+  for (int p = detail::linear_thread(); p < team.world; p += nthreads)
+    if (p != team.rank) signal_set(team, team.barrier_inbox(slot, team.rank), p, epoch);
+  return epoch;
+}
+
+__device__ __forceinline__ bool barrier_wait(const TeamView& team, int slot, uint64_t epoch) {
   bool ok = true;
   const int nthreads = blockDim.x * blockDim.y * blockDim.z;
-  const int tid = detail::linear_thread();
-  for (int p = tid; p < team.world; p += nthreads)
-    if (p != team.rank) signal_set(team, team.barrier_inbox(slot, team.rank), p, epoch);
-  for (int p = tid; p < team.world; p += nthreads)
+  for (int p = detail::linear_thread(); p < team.world; p += nthreads)
     if (p != team.rank) ok &= wait_ge(team, team.barrier_inbox(slot, p), epoch);
   return __syncthreads_and(ok) != 0;
+}
+
+__device__ __forceinline__ bool barrier_block(const TeamView& team, int slot = 0) {
+  return barrier_wait(team, slot, barrier_arrive(team, slot));
 }
 
 __device__ __forceinline__ bool barrier_grid(const TeamView& team, int slot = 0) {

@@ -6,6 +6,7 @@
 // started this call, so its previous kernels (which may still have been reading the buffers we are about to
 // write) are done. The LL one-shot needs none: see its comment.
 #pragma once
+#include <initializer_list>
 #include <type_traits>
 
 #include "weft/comm/barrier.cuh"
@@ -25,15 +26,27 @@ struct Rows {
 // whole grid streams through memory together. Contiguous per-block shares of a 1 GiB buffer keep
 // 132 x 3 remote pages hot at once and lose ~7% to address translation; interleaved chunks keep a
 // window of a few pages. Every phase of a kernel uses the same dealing, so block b's meeting covers
-// exactly the data block b moved.
-template <class F>
-__device__ __forceinline__ void for_each_chunk(uint64_t n, F f) {  // f(first unit, units in chunk)
+// exactly the data block b moved. Iterations [it_begin, it_end) of the block's deal only: pipelined
+// kernels walk the deal in groups.
+__device__ __forceinline__ uint64_t chunk_units(uint64_t n) {
   // Full chunks of 4 * blockDim units when there is enough work for every block; otherwise even shares,
-  // so small messages still spread over the whole grid (not yet measured: see bench/RESULTS.md).
+  // so small messages still spread over the whole grid.
   const uint64_t even = (n + gridDim.x - 1) / gridDim.x;
-  const uint64_t chunk = min(uint64_t(4) * blockDim.x, max(uint64_t(blockDim.x), even));
-  for (uint64_t base = uint64_t(blockIdx.x) * chunk; base < n; base += uint64_t(gridDim.x) * chunk)
-    f(base, min(chunk, n - base));
+  return min(uint64_t(4) * blockDim.x, max(uint64_t(blockDim.x), even));
+}
+// How many chunks of [0, n) this block is dealt.
+__device__ __forceinline__ uint64_t chunk_iterations(uint64_t n) {
+  const uint64_t chunk = chunk_units(n), first = uint64_t(blockIdx.x) * chunk;
+  return first < n ? (n - first + uint64_t(gridDim.x) * chunk - 1) / (uint64_t(gridDim.x) * chunk) : 0;
+}
+inline constexpr uint64_t kAllIterations = ~uint64_t(0);
+
+template <class F>
+__device__ __forceinline__ void for_each_chunk(uint64_t n, F f, uint64_t it_begin = 0,
+                                               uint64_t it_end = kAllIterations) {  // f(first unit, units)
+  const uint64_t chunk = chunk_units(n), stride = uint64_t(gridDim.x) * chunk;
+  uint64_t base = uint64_t(blockIdx.x) * chunk + it_begin * stride;
+  for (uint64_t it = it_begin; it < it_end && base < n; ++it, base += stride) f(base, min(chunk, n - base));
 }
 
 // This block's contiguous share [begin, end) of n units (the LL one-shot: small, latency-bound).
@@ -56,37 +69,44 @@ using Unit =
     std::conditional_t<V == 16, uint4,
                        std::conditional_t<V == 8, uint2, std::conditional_t<V == 4, uint32_t, uint16_t>>>;
 
-// Copies this block's share of a rows x row_bytes region in units of V bytes (V divides row_bytes, both
-// strides and both addresses: the host picks the widest). A single row (contiguous data, the common case)
-// keeps 4 loads in flight per thread; NVLink stores need that much memory-level parallelism.
+// Copies units [base, base + len) of a rows x row_bytes region in units of V bytes (V divides row_bytes,
+// both strides and both addresses: the host picks the widest). A single row (contiguous data, the common
+// case) keeps 4 loads in flight per thread; NVLink stores need that much memory-level parallelism.
 template <int V>
-__device__ __forceinline__ void copy_rows(Rows dst, Rows src, uint64_t rows, uint64_t row_bytes) {
+__device__ __forceinline__ void copy_chunk(Rows dst, Rows src, uint64_t rows, uint64_t row_bytes,
+                                           uint64_t base, uint64_t len) {
   using U = Unit<V>;
   const uint64_t per_row = row_bytes / V;
+  const uint64_t t = threadIdx.x, step = blockDim.x;
   if (rows == 1) {
-    const U* from = reinterpret_cast<const U*>(src.base);
-    U* to = reinterpret_cast<U*>(dst.base);
-    for_each_chunk(per_row, [&](uint64_t base, uint64_t len) {
-      const uint64_t t = threadIdx.x, step = blockDim.x;
-      if (len == 4 * step) {  // full chunk: 4 loads in flight per thread
-        U v[4];
+    const U* from = reinterpret_cast<const U*>(src.base) + base;
+    U* to = reinterpret_cast<U*>(dst.base) + base;
+    if (len == 4 * step) {  // full chunk: 4 loads in flight per thread
+      U v[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) v[u] = from[base + t + u * step];
+      for (int u = 0; u < 4; ++u) v[u] = from[t + u * step];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) to[base + t + u * step] = v[u];
-      } else {
-        for (uint64_t j = t; j < len; j += step) to[base + j] = from[base + j];
-      }
-    });
+      for (int u = 0; u < 4; ++u) to[t + u * step] = v[u];
+    } else {
+      for (uint64_t j = t; j < len; j += step) to[j] = from[j];
+    }
     return;
   }
-  for_each_chunk(rows * per_row, [&](uint64_t base, uint64_t len) {
-    for (uint64_t j = threadIdx.x; j < len; j += blockDim.x) {
-      const uint64_t i = base + j, r = i / per_row, c = i - r * per_row;
-      *reinterpret_cast<U*>(dst.base + r * dst.stride + c * V) =
-          *reinterpret_cast<const U*>(src.base + r * src.stride + c * V);
-    }
-  });
+  for (uint64_t j = t; j < len; j += step) {
+    const uint64_t i = base + j, r = i / per_row, c = i - r * per_row;
+    *reinterpret_cast<U*>(dst.base + r * dst.stride + c * V) =
+        *reinterpret_cast<const U*>(src.base + r * src.stride + c * V);
+  }
+}
+
+// This block's share (chunk iterations [it_begin, it_end)) of a rows x row_bytes copy.
+template <int V>
+__device__ __forceinline__ void copy_rows(Rows dst, Rows src, uint64_t rows, uint64_t row_bytes,
+                                          uint64_t it_begin = 0, uint64_t it_end = kAllIterations) {
+  for_each_chunk(
+      rows * (row_bytes / V),
+      [&](uint64_t base, uint64_t len) { copy_chunk<V>(dst, src, rows, row_bytes, base, len); }, it_begin,
+      it_end);
 }
 
 // dst = R over the world's sources (src_of(0) .. src_of(world - 1), same layout), also stored into every
@@ -94,50 +114,54 @@ __device__ __forceinline__ void copy_rows(Rows dst, Rows src, uint64_t rows, uin
 // kVec, single elements otherwise; arithmetic in fp32.
 template <Elem E, Reduce R, bool kVec, class SrcOf>
 __device__ __forceinline__ void reduce_rows(const TeamView& team, Rows dst, SrcOf src_of, uint64_t rows,
-                                            uint64_t row_elems, bool fanout) {
+                                            uint64_t row_elems, bool fanout, uint64_t it_begin = 0,
+                                            uint64_t it_end = kAllIterations) {
   using T = typename ElemTraits<E>::T;
   constexpr int kLanes = kVec ? 16 / sizeof(T) : 1;
   const uint64_t per_row = row_elems / kLanes;
-  for_each_chunk(rows * per_row, [&](uint64_t base, uint64_t len) {
-    for (uint64_t i = base + threadIdx.x; i < base + len; i += blockDim.x) {
-      const uint64_t r = rows == 1 ? 0 : i / per_row, off = (i - r * per_row) * kLanes * sizeof(T);
-      auto at = [&](const Rows& x) { return x.base + r * x.stride + off; };
-      T* out = reinterpret_cast<T*>(at(dst));
-      if constexpr (kVec) {
-        // Issue up to 8 sources' loads before combining any: remote loads overlap instead of queueing.
-        constexpr int kBatch = 8;
-        Pack<E> acc;
-        for (int base = 0; base < team.world; base += kBatch) {
-          uint4 raw[kBatch];
+  for_each_chunk(
+      rows * per_row,
+      [&](uint64_t base, uint64_t len) {
+        for (uint64_t i = base + threadIdx.x; i < base + len; i += blockDim.x) {
+          const uint64_t r = rows == 1 ? 0 : i / per_row, off = (i - r * per_row) * kLanes * sizeof(T);
+          auto at = [&](const Rows& x) { return x.base + r * x.stride + off; };
+          T* out = reinterpret_cast<T*>(at(dst));
+          if constexpr (kVec) {
+            // Issue up to 8 sources' loads before combining any: remote loads overlap instead of queueing.
+            constexpr int kBatch = 8;
+            Pack<E> acc;
+            for (int base = 0; base < team.world; base += kBatch) {
+              uint4 raw[kBatch];
 #pragma unroll
-          for (int k = 0; k < kBatch; ++k)
-            if (base + k < team.world) raw[k] = ld16(at(src_of(base + k)));
+              for (int k = 0; k < kBatch; ++k)
+                if (base + k < team.world) raw[k] = ld16(at(src_of(base + k)));
 #pragma unroll
-          for (int k = 0; k < kBatch; ++k) {
-            if (base + k >= team.world) break;
-            if (base + k == 0)
-              acc = Pack<E>::load(raw[0]);
+              for (int k = 0; k < kBatch; ++k) {
+                if (base + k >= team.world) break;
+                if (base + k == 0)
+                  acc = Pack<E>::load(raw[0]);
+                else
+                  acc.template combine_with<R>(Pack<E>::load(raw[k]));
+              }
+            }
+            const uint4 v = acc.store();
+            if (fanout)
+              broadcast16(team, out, v);
             else
-              acc.template combine_with<R>(Pack<E>::load(raw[k]));
+              st16(out, v);
+          } else {
+            float acc = ElemTraits<E>::to_float(*reinterpret_cast<const T*>(at(src_of(0))));
+            for (int s = 1; s < team.world; ++s)
+              acc = combine<R>(acc, ElemTraits<E>::to_float(*reinterpret_cast<const T*>(at(src_of(s)))));
+            const T v = ElemTraits<E>::from_float(acc);
+            if (fanout)
+              for (int p = 0; p < team.world; ++p) *team.peer_ptr(out, p) = v;
+            else
+              *out = v;
           }
         }
-        const uint4 v = acc.store();
-        if (fanout)
-          broadcast16(team, out, v);
-        else
-          st16(out, v);
-      } else {
-        float acc = ElemTraits<E>::to_float(*reinterpret_cast<const T*>(at(src_of(0))));
-        for (int s = 1; s < team.world; ++s)
-          acc = combine<R>(acc, ElemTraits<E>::to_float(*reinterpret_cast<const T*>(at(src_of(s)))));
-        const T v = ElemTraits<E>::from_float(acc);
-        if (fanout)
-          for (int p = 0; p < team.world; ++p) *team.peer_ptr(out, p) = v;
-        else
-          *out = v;
-      }
-    }
-  });
+      },
+      it_begin, it_end);
 }
 
 // ---- all-gather / all-to-all: push my part into every peer, meet, (copy out of the workspace) ----------
@@ -158,10 +182,20 @@ template <int V>
 __global__ void __launch_bounds__(512) exchange_kernel(Exchange x) {
   const TeamView& t = x.team;
   if (!meet(t)) return;
-  for (int k = 0; k < t.world; ++k) {
-    const int p = (t.rank + k) % t.world;  // stagger: every rank starts with a different peer
-    Rows dst{t.peer_ptr(x.dst.base + x.dst_peer_step * t.rank, p), x.dst.stride};
-    copy_rows<V>(dst, Rows{x.src.base + x.src_peer_step * p, x.src.stride}, x.rows, x.row_bytes);
+  // One peer per step, staggered so every rank starts with a different peer (the links carry a
+  // permutation at each moment). This rank's own part is copied during the first step, chunk by chunk
+  // beside the push: on its own it would leave the links idle for the length of an HBM copy (~7% of a
+  // 1 GiB all-gather at 4 GPUs).
+  for (int k = 1; k < max(t.world, 2); ++k) {
+    const int peer = (t.rank + k) % t.world;
+    for_each_chunk(x.rows * (x.row_bytes / V), [&](uint64_t base, uint64_t len) {
+      for (int p : {peer, t.rank}) {  // one call site: a second copy_chunk costs registers (spills)
+        if (p == t.rank && k != 1) break;
+        if (p == peer && p == t.rank) continue;  // a team of one
+        copy_chunk<V>(Rows{t.peer_ptr(x.dst.base + x.dst_peer_step * t.rank, p), x.dst.stride},
+                      Rows{x.src.base + x.src_peer_step * p, x.src.stride}, x.rows, x.row_bytes, base, len);
+      }
+    });
   }
   if (!meet(t) || !x.via_workspace) return;
   for (int q = 0; q < t.world; ++q)
@@ -169,7 +203,24 @@ __global__ void __launch_bounds__(512) exchange_kernel(Exchange x) {
                  Rows{x.dst.base + x.dst_peer_step * q, x.dst.stride}, x.rows, x.row_bytes);
 }
 
-// ---- reduce-scatter and two-shot all-reduce: push slices to their owners, reduce mine, (fan out) ------
+// The call epoch of the one-shot kernel (its workspace halves alternate by it): read at the start, and
+// advanced by the last block to finish (every block has read it by then).
+__device__ __forceinline__ uint32_t call_epoch(const TeamView& t) {
+  return static_cast<uint32_t>(*reinterpret_cast<volatile uint64_t*>(t.collective_state())) + 1;
+}
+__device__ __forceinline__ void finish_call(const TeamView& t, uint32_t epoch) {
+  uint64_t* state = t.collective_state();  // [0] calls completed, [1] blocks done in this call
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(reinterpret_cast<unsigned long long*>(state + 1), 1ull) + 1 == gridDim.x) {
+      state[1] = 0;
+      *reinterpret_cast<volatile uint64_t*>(state) = epoch;
+    }
+  }
+}
+
+// ---- reduce-scatter and two-shot all-reduce: push slices to their owners, reduce mine (and fan out) ---
 struct ReduceScatter {
   TeamView team;
   Rows in;  // the input's slice for rank 0; + in_peer_step per rank
@@ -187,30 +238,53 @@ struct ReduceScatter {
   const uint64_t* arrived;
 };
 
+// Groups a block's pushes are announced in: the reduce of group g - 1 runs while peers still push group g.
+inline constexpr uint64_t kPushGroups = 8;
+
 template <Elem E, Reduce R, bool kVec>
 __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
   using T = typename ElemTraits<E>::T;
   constexpr int V = kVec ? 16 : sizeof(T);
   const TeamView& t = x.team;
+  const int slot = kCollectiveSlotBase + blockIdx.x;
+  auto src_of = [&](int s) {  // s = 0: my own slice (of the input, or staged); then the peers' staged slices
+    if (s == 0 && !x.arrived) return Rows{x.in.base + x.in_peer_step * t.rank, x.in.stride};
+    return Rows{x.staging.base + x.staging_step * ((t.rank + s) % t.world), x.staging.stride};
+  };
   if (x.arrived) {
     bool ok = true;
     if (threadIdx.x == 0)
       for (int s = 0; s < t.world && ok; ++s) ok = s == t.rank || wait_ge(t, x.arrived + s, 1);
     if (!__syncthreads_and(ok)) return;
-  } else {
-    if (!meet(t)) return;
-    for (int k = 1; k < t.world; ++k) {
-      const int p = (t.rank + k) % t.world;
-      Rows dst{t.peer_ptr(x.staging.base + x.staging_step * t.rank, p), x.staging.stride};
-      copy_rows<V>(dst, Rows{x.in.base + x.in_peer_step * p, x.in.stride}, x.rows, x.row_bytes);
-    }
-    if (!meet(t)) return;
+  } else if (!meet(t)) {
+    return;
   }
-  auto src_of = [&](int s) {  // s = 0: my own slice (of the input, or staged); then the peers' staged slices
-    if (s == 0 && !x.arrived) return Rows{x.in.base + x.in_peer_step * t.rank, x.in.stride};
-    return Rows{x.staging.base + x.staging_step * ((t.rank + s) % t.world), x.staging.stride};
-  };
-  reduce_rows<E, R, kVec>(t, x.out, src_of, x.rows, x.row_bytes / sizeof(T), x.fanout);
+  // Push my chunks of every peer's slice group by group; announce each group (barrier_arrive) and reduce
+  // the previous one once every peer announced it. Odd blocks start with a half group so that the blocks
+  // do not all reduce at once (the links would idle meanwhile). Pre-staged: one group, no pushes.
+  const uint64_t iters = chunk_iterations(x.rows * (x.row_bytes / V));
+  const uint64_t group = max(uint64_t(1), x.arrived ? iters : (iters + kPushGroups - 1) / kPushGroups);
+  const uint64_t shift = (blockIdx.x & 1) && !x.arrived ? group / 2 : 0;
+  const uint64_t groups = iters == 0 ? 0 : (iters + shift + group - 1) / group;
+  auto start = [&](uint64_t g) { return g == 0 ? 0 : min(iters, g * group - shift); };  // of group g
+  uint64_t announced = 0;
+  for (uint64_t g = 0; g <= groups; ++g) {
+    const uint64_t previous = announced;
+    if (g < groups && !x.arrived) {
+      for (int k = 1; k < t.world; ++k) {
+        const int p = (t.rank + k) % t.world;
+        Rows dst{t.peer_ptr(x.staging.base + x.staging_step * t.rank, p), x.staging.stride};
+        copy_rows<V>(dst, Rows{x.in.base + x.in_peer_step * p, x.in.stride}, x.rows, x.row_bytes, start(g),
+                     start(g + 1));
+      }
+      announced = barrier_arrive(t, slot);
+    }
+    if (g > 0) {
+      if (!x.arrived && !barrier_wait(t, slot, previous)) return;
+      reduce_rows<E, R, kVec>(t, x.out, src_of, x.rows, x.row_bytes / sizeof(T), x.fanout, start(g - 1),
+                              start(g));
+    }
+  }
   if (!x.fanout || !meet(t) || x.final_dst == nullptr) return;  // now every slice has landed
   // Block b copies exactly the parts it met for: its share of each slice (same partition as the reduce).
   for (int q = 0; q < t.world; ++q)
@@ -253,18 +327,23 @@ __global__ void __launch_bounds__(512) pull_reduce_kernel(PullReduce x) {
                  Rows{const_cast<char*>(x.final_src) + q * x.row_bytes, 0}, 1, x.row_bytes);
 }
 
-// ---- one-shot all-reduce, LL protocol: data and call epoch travel in one 8-byte store -------------------
-// Every rank stores its input, 4 bytes at a time next to the call's epoch, into every peer's workspace
-// (half `epoch & 1`, slot of the sender); each rank then polls its own workspace until every word carries
-// this epoch and reduces. No barrier and no fence: an 8-byte store is seen whole or not at all. Two halves
-// alternate by call, so a fast rank never overwrites words a slow rank is still reading.
+// ---- one-shot all-reduce / reduce-scatter, LL protocol: data and call epoch travel in one 8-byte store ---
+// Every rank stores its data for each peer (the whole input for an all-reduce, the peer's slice for a
+// reduce-scatter), 4 bytes at a time next to the call's epoch, into that peer's workspace (half
+// `epoch & 1`, slot of the sender); each rank then polls its own workspace until every word carries this
+// epoch and reduces. No barrier and no fence: an 8-byte store is seen whole or not at all. Two halves
+// alternate by call: a rank writing call n's half has finished call n - 1, for which it waited on every
+// peer's data, so every peer had finished call n - 2, the last reader of that half. Halves and slots sit
+// at fixed offsets (whatever the call's size), so calls of different sizes never overlap.
 struct OneShot {
   TeamView team;
-  const uint32_t* in;
+  const uint32_t* in;     // the data for rank 0; + in_peer_step words per rank (0: the same for all)
+  uint64_t in_peer_step;  // words
   uint32_t* out;
-  uint64_t words;       // 4-byte words of input (the last may be half used: bf16/fp16 odd counts)
+  uint64_t words;       // 4-byte words per destination (the last may be half used: bf16/fp16 odd counts)
   uint32_t tail_bytes;  // bytes used in the last word (4 if full)
-  uint64_t* ll;         // workspace: [2][world][words]
+  uint64_t* ll;         // workspace: [2][world][slot_words]
+  uint64_t slot_words;
 };
 
 __device__ __forceinline__ bool ll_wait(const TeamView& team, const uint64_t* word, uint32_t epoch,
@@ -288,45 +367,38 @@ template <Elem E, Reduce R>
 __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
   using T = typename ElemTraits<E>::T;
   const TeamView& t = x.team;
-  uint64_t* state = t.collective_state();  // [0] calls completed, [1] blocks done in this call
-  const uint32_t epoch = static_cast<uint32_t>(*reinterpret_cast<volatile uint64_t*>(state)) + 1;
-  uint64_t* half = x.ll + (epoch & 1) * t.world * x.words;
+  const uint32_t epoch = call_epoch(t);
+  uint64_t* half = x.ll + (epoch & 1) * t.world * x.slot_words;
+  auto word_of = [&](int p, uint64_t i) {  // word i of the data for rank p
+    const uint32_t* w = x.in + p * x.in_peer_step + i;
+    return (i + 1 == x.words && x.tail_bytes == 2) ? uint32_t(*reinterpret_cast<const uint16_t*>(w)) : *w;
+  };
   const Share share(x.words);
+  for (uint64_t i = share.begin + threadIdx.x; i < share.end; i += blockDim.x)
+    for (int k = 1; k < t.world; ++k) {
+      const int p = (t.rank + k) % t.world;
+      const uint64_t word = (uint64_t(epoch) << 32) | word_of(p, i);
+      ptx::st_relaxed_sys(t.peer_ptr(half + t.rank * x.slot_words + i, p), word);
+    }
   for (uint64_t i = share.begin + threadIdx.x; i < share.end; i += blockDim.x) {
-    const uint32_t v =
-        (i + 1 == x.words && x.tail_bytes == 2) ? *reinterpret_cast<const uint16_t*>(x.in + i) : x.in[i];
-    const uint64_t word = (uint64_t(epoch) << 32) | v;
-    for (int k = 1; k < t.world; ++k)
-      ptx::st_relaxed_sys(t.peer_ptr(half + t.rank * x.words + i, (t.rank + k) % t.world), word);
-  }
-  for (uint64_t i = share.begin + threadIdx.x; i < share.end; i += blockDim.x) {
-    const bool half_word = i + 1 == x.words && x.tail_bytes == 2;
-    uint32_t mine = half_word ? *reinterpret_cast<const uint16_t*>(x.in + i) : x.in[i];
+    uint32_t mine = word_of(t.rank, i);
     float acc[4 / sizeof(T)];
     for (int l = 0; l < int(4 / sizeof(T)); ++l)
       acc[l] = ElemTraits<E>::to_float(reinterpret_cast<const T*>(&mine)[l]);
     for (int k = 1; k < t.world; ++k) {
       uint32_t v;
-      if (!ll_wait(t, half + ((t.rank + k) % t.world) * x.words + i, epoch, &v)) return;
+      if (!ll_wait(t, half + ((t.rank + k) % t.world) * x.slot_words + i, epoch, &v)) return;
       for (int l = 0; l < int(4 / sizeof(T)); ++l)
         acc[l] = combine<R>(acc[l], ElemTraits<E>::to_float(reinterpret_cast<const T*>(&v)[l]));
     }
     for (int l = 0; l < int(4 / sizeof(T)); ++l)
       reinterpret_cast<T*>(&mine)[l] = ElemTraits<E>::from_float(acc[l]);
-    if (half_word)
+    if (i + 1 == x.words && x.tail_bytes == 2)
       *reinterpret_cast<uint16_t*>(x.out + i) = static_cast<uint16_t>(mine);
     else
       x.out[i] = mine;
   }
-  // The last block to finish advances the epoch for the next call (every block has read it by then).
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(reinterpret_cast<unsigned long long*>(state + 1), 1ull) + 1 == gridDim.x) {
-      state[1] = 0;
-      *reinterpret_cast<volatile uint64_t*>(state) = epoch;
-    }
-  }
+  finish_call(t, epoch);
 }
 
 }  // namespace weft::coll

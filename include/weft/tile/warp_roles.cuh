@@ -44,10 +44,10 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 
 // Named barriers: id 0 is __syncthreads; ids 1..15 are free. `threads` is a multiple of 32.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+  ptx::bar_sync(id, threads);
 }
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+  ptx::bar_arrive(id, threads);
 }
 
 // Waits for an mbarrier phase like weft::mbarrier_wait, but gives up after kHangNs with a trap: inside one
