@@ -143,9 +143,13 @@ void run_collective(Context& ctx, Coll which) {
           ctx.env ? "one process per GPU" : "single-process", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
       {"size", "count", "type", "NCCL time us", "NCCL busbw", "weft time us", "weft algbw", "weft busbw",
        "#wrong", "speedup", "% link"},
-      fmt("Times: CUDA graphs of many calls, slowest rank's median. busbw in GB/s; %% link = weft busbw over "
-          "the per-GPU all-to-all egress measured just before (%.0f GB/s).",
-          link));
+      link > 0
+          ? fmt("Times: CUDA graphs of many calls, slowest rank's median. busbw in GB/s; %% link = weft "
+                "busbw "
+                "over the per-GPU all-to-all egress measured just before (%.0f GB/s).",
+                link)
+          : std::string("Times: CUDA graphs of many calls, slowest rank's median. busbw in GB/s; % link: not "
+                        "measured with one process per GPU."));
   for (uint64_t size : sizes) {
     const Geometry g = geometry(which, size, W, 2);
     if (g.count % W != 0 && which == Coll::kAllToAll) continue;
