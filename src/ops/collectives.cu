@@ -5,6 +5,7 @@
 #include <string>
 
 #include "op_args.hpp"
+#include "weft/runtime/current_device.hpp"
 #include "weft/runtime/kernel_preload.hpp"
 #include "weft/ops/collectives.cuh"
 #include "weft/ops/collectives.hpp"
@@ -37,9 +38,11 @@ struct Call {
   cudaStream_t stream;
   const char* op;
   bool capturing = false;
+  detail::CurrentDeviceGuard keep_device;  // the op runs on the rank's GPU; the caller's device comes back
 
   Call(Communicator& c, Rank& r, cudaStream_t s, const char* name)
       : comm(c), rank(r), stream(s ? s : r.stream()), op(name) {
+    WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
     capturing = st != cudaStreamCaptureStatusNone;
