@@ -157,7 +157,8 @@ void launch_pull_reduce(Call& c, const coll::PullReduce& x, DType dt, ReduceOp o
   c.launched();
 }
 
-// Development knob: WEFT_COLL_VARIANT=push|pull picks the two-shot all-reduce / reduce-scatter data flow.
+// Development knob: WEFT_COLL_VARIANT=push|pull picks the two-shot all-reduce / reduce-scatter data flow at
+// every size (for reduce-scatter it also skips the one-shot for small slices).
 bool use_pull(bool default_pull) {
   const char* v = std::getenv("WEFT_COLL_VARIANT");
   if (v && std::string(v) == "push") return false;
