@@ -47,6 +47,54 @@ struct Registrar {
   Registrar(const char* name, TestFn fn, int min_world) { registry().push_back({name, fn, min_world}); }
 };
 
+// Per-local-rank device buffers of one size: in the symmetric heap, or ordinary cudaMalloc memory on each
+// rank's GPU. ptr[i] belongs to comm.local(i).
+struct RankBuffers {
+  Communicator& comm;
+  bool symmetric;
+  std::vector<char*> ptr;
+  SymmetricBuffer sym;
+  RankBuffers(Communicator& c, uint64_t bytes, bool in_heap) : comm(c), symmetric(in_heap) {
+    if (symmetric) {
+      sym = c.alloc(bytes);
+      ptr = sym.local;
+      return;
+    }
+    for (int i = 0; i < c.num_local(); ++i) {
+      char* p = nullptr;
+      WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+      WEFT_CUDA_CHECK(cudaMalloc(&p, bytes));
+      ptr.push_back(p);
+    }
+  }
+  ~RankBuffers() {
+    if (symmetric) {
+      comm.free(sym);
+      return;
+    }
+    for (int i = 0; i < comm.num_local(); ++i) {
+      cudaSetDevice(comm.local(i).device());
+      cudaFree(ptr[i]);
+    }
+  }
+  RankBuffers(const RankBuffers&) = delete;
+  RankBuffers& operator=(const RankBuffers&) = delete;
+};
+
+// Host <-> device copies and poisoning on local rank i's GPU.
+inline void upload(Communicator& c, int i, void* dst, const void* src, size_t bytes) {
+  WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+  WEFT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+inline void download(Communicator& c, int i, void* dst, const void* src, size_t bytes) {
+  WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+  WEFT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+inline void poison(Communicator& c, int i, void* dst, size_t bytes) {
+  WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+  WEFT_CUDA_CHECK(cudaMemset(dst, 0xff, bytes));  // NaN in every float type
+}
+
 }  // namespace weft::test
 
 #define WEFT_GPU_TEST_WORLD(name, min_world)                                           \

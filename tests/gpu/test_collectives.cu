@@ -52,49 +52,15 @@ double reduce(ReduceOp op, double a, double b) {
   return op == ReduceOp::kSum ? a + b : op == ReduceOp::kMax ? std::max(a, b) : std::min(a, b);
 }
 
-// Per-rank device buffers for one case: symmetric (in the heap) or ordinary cudaMalloc memory.
-struct Buffers {
-  Communicator& comm;
-  bool symmetric;
-  std::vector<char*> ptr;
-  SymmetricBuffer sym;
-  Buffers(Communicator& c, uint64_t bytes, bool sym_heap) : comm(c), symmetric(sym_heap) {
-    if (symmetric) {
-      sym = c.alloc(bytes);
-      ptr = sym.local;
-    } else {
-      for (int i = 0; i < c.num_local(); ++i) {
-        char* p = nullptr;
-        WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-        WEFT_CUDA_CHECK(cudaMalloc(&p, bytes));
-        ptr.push_back(p);
-      }
-    }
-  }
-  ~Buffers() {
-    if (symmetric) {
-      comm.free(sym);
-    } else {
-      for (int i = 0; i < comm.num_local(); ++i) {
-        cudaSetDevice(comm.local(i).device());
-        cudaFree(ptr[i]);
-      }
-    }
-  }
-};
+using weft::test::poison;
+using weft::test::RankBuffers;
 
 void upload(Communicator& c, int i, char* dst, const std::vector<char>& host) {
-  WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-  WEFT_CUDA_CHECK(cudaMemcpy(dst, host.data(), host.size(), cudaMemcpyHostToDevice));
-}
-void poison(Communicator& c, int i, char* dst, uint64_t bytes) {
-  WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-  WEFT_CUDA_CHECK(cudaMemset(dst, 0xff, bytes));  // NaN in every float type
+  weft::test::upload(c, i, dst, host.data(), host.size());
 }
 std::vector<char> download(Communicator& c, int i, const char* src, uint64_t bytes) {
   std::vector<char> v(bytes);
-  WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-  WEFT_CUDA_CHECK(cudaMemcpy(v.data(), src, bytes, cudaMemcpyDeviceToHost));
+  weft::test::download(c, i, v.data(), src, bytes);
   return v;
 }
 
@@ -134,7 +100,7 @@ void all_reduce_case(TestContext& ctx, DType t, size_t count, ReduceOp op, bool 
   Communicator& c = ctx.comm();
   const int W = c.world();
   const uint64_t bytes = count * dtype_size(t);
-  Buffers in(c, bytes, sym), out(c, bytes, sym);
+  RankBuffers in(c, bytes, sym), out(c, bytes, sym);
   std::vector<double> ref(count);
   for (int r = 0; r < W; ++r) {
     auto x = make_input(t, count, r, seed);
@@ -206,13 +172,13 @@ WEFT_GPU_TEST(all_reduce_back_to_back) {
   const size_t kCounts = sizeof(counts) / sizeof(counts[0]);
   const int calls = ctx.quick ? 6 : 30;
   for (bool sym : {false, true}) {
-    std::vector<std::unique_ptr<Buffers>> in, out;
+    std::vector<std::unique_ptr<RankBuffers>> in, out;
     std::vector<std::vector<double>> refs;
     for (int q = 0; q < calls; ++q) {
       const size_t n = counts[q % kCounts];
       const ReduceOp op = ops[q % 3];
-      in.push_back(std::make_unique<Buffers>(c, n * 2, sym));
-      out.push_back(std::make_unique<Buffers>(c, n * 2, sym));
+      in.push_back(std::make_unique<RankBuffers>(c, n * 2, sym));
+      out.push_back(std::make_unique<RankBuffers>(c, n * 2, sym));
       std::vector<double> ref(n);
       for (int r = 0; r < W; ++r) {
         auto x = make_input(t, n, r, 900 + q);
@@ -259,8 +225,8 @@ WEFT_GPU_TEST(all_gather_both_dims) {
           for (bool in_place : {false, true}) {
             if (in_place && dim == 1) continue;
             const uint64_t es = dtype_size(t), in_bytes = s.count() * es;
-            Buffers out(c, in_bytes * W, sym);
-            Buffers in(c, in_bytes, true);
+            RankBuffers out(c, in_bytes * W, sym);
+            RankBuffers in(c, in_bytes, true);
             std::vector<std::vector<char>> inputs;
             for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, s.count(), r, seed));
             for_each_local(c, [&](Rank& r, int i) {
@@ -305,7 +271,7 @@ WEFT_GPU_TEST(reduce_scatter_both_dims) {
           for (bool in_place : {false, true}) {
             if (in_place && dim == 1) continue;
             const uint64_t es = dtype_size(t), out_bytes = s.count() * es;
-            Buffers in(c, out_bytes * W, sym), out(c, out_bytes, sym);
+            RankBuffers in(c, out_bytes * W, sym), out(c, out_bytes, sym);
             const Shape2D in_shape = dim == 0 ? Shape2D{s.rows * W, s.cols} : Shape2D{s.rows, s.cols * W};
             std::vector<std::vector<char>> inputs;
             for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, in_shape.count(), r, seed));
@@ -352,7 +318,7 @@ WEFT_GPU_TEST(all_to_all_equal_splits) {
       for (bool sym : {true, false})
         for (bool in_place : {false, true}) {
           const uint64_t es = dtype_size(t), bytes = n * es * W;
-          Buffers in(c, bytes, sym), out(c, bytes, sym);
+          RankBuffers in(c, bytes, sym), out(c, bytes, sym);
           std::vector<std::vector<char>> inputs;
           for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, n * W, r, seed));
           for_each_local(c, [&](Rank& r, int i) {
@@ -387,7 +353,7 @@ WEFT_GPU_TEST(collectives_replay_in_cuda_graphs) {
   const size_t n = 300001;
   const DType t = DType::kBF16;
   const uint64_t bytes = n * 2;
-  Buffers in(c, bytes, true), out(c, bytes, true), gathered(c, bytes * W, true);
+  RankBuffers in(c, bytes, true), out(c, bytes, true), gathered(c, bytes * W, true);
   // Size the workspace outside capture, then capture one all-reduce + all-gather per rank.
   for_each_local(c, [&](Rank& r, int i) {
     all_reduce(c, r, in.ptr[i], out.ptr[i], n, t);

@@ -46,48 +46,13 @@ void gemm_ref(std::vector<double>& ref, const Mat& a, const Mat& b, int64_t r0, 
     }
 }
 
-struct Buf {  // per local rank: symmetric or cudaMalloc
-  Communicator& c;
-  bool sym;
-  SymmetricBuffer s;
-  std::vector<char*> p;
-  Buf(Communicator& comm, uint64_t bytes, bool symmetric) : c(comm), sym(symmetric) {
-    if (sym) {
-      s = c.alloc(bytes);
-      p = s.local;
-      return;
-    }
-    for (int i = 0; i < c.num_local(); ++i) {
-      char* x = nullptr;
-      WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-      WEFT_CUDA_CHECK(cudaMalloc(&x, bytes));
-      p.push_back(x);
-    }
-  }
-  ~Buf() {
-    if (sym) {
-      c.free(s);
-      return;
-    }
-    for (int i = 0; i < c.num_local(); ++i) {
-      cudaSetDevice(c.local(i).device());
-      cudaFree(p[i]);
-    }
-  }
-};
+using weft::test::poison;
+using weft::test::RankBuffers;
+using weft::test::upload;
 
-void put(Communicator& c, int i, void* dst, const void* src, size_t bytes) {
-  WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-  WEFT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
-}
-void poison(Communicator& c, int i, void* dst, size_t bytes) {
-  WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-  WEFT_CUDA_CHECK(cudaMemset(dst, 0xff, bytes));
-}
 std::vector<__nv_bfloat16> get(Communicator& c, int i, const void* src, size_t count) {
   std::vector<__nv_bfloat16> v(count);
-  WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-  WEFT_CUDA_CHECK(cudaMemcpy(v.data(), src, count * 2, cudaMemcpyDeviceToHost));
+  weft::test::download(c, i, v.data(), src, count * 2);
   return v;
 }
 std::string compare(const std::vector<__nv_bfloat16>& got, const std::vector<double>& ref) {
@@ -134,8 +99,8 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
     b[r] = make(size_t(n * k), seed * 137 + 1000 + r);
   }
   const int64_t out_rows = op == Op::kRS ? s.shard : m;
-  Buf A(c, (op == Op::kAG ? s.shard : m) * k * 2, sym), B(c, n * k * 2, false), out(c, out_rows * n * 2, sym),
-      gathered(c, m * k * 2, sym);
+  RankBuffers A(c, (op == Op::kAG ? s.shard : m) * k * 2, sym), B(c, n * k * 2, false),
+      out(c, out_rows * n * 2, sym), gathered(c, m * k * 2, sym);
   FusedOptions o;
   o.mode = mode;
   o.comm_blocks = int(seed % 3) * 4;  // 0 (auto), 4, 8
@@ -146,10 +111,10 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   for (int i = 0; i < c.num_local(); ++i) {
     const int r = c.local(i).rank();
     const __nv_bfloat16* a_src = op == Op::kAG ? a[0].h.data() + r * s.shard * k : a[r].h.data();
-    put(c, i, A.p[i], a_src, (op == Op::kAG ? s.shard : m) * k * 2);
-    put(c, i, B.p[i], b[r].h.data(), n * k * 2);
-    poison(c, i, out.p[i], out_rows * n * 2);
-    poison(c, i, gathered.p[i], m * k * 2);
+    upload(c, i, A.ptr[i], a_src, (op == Op::kAG ? s.shard : m) * k * 2);
+    upload(c, i, B.ptr[i], b[r].h.data(), n * k * 2);
+    poison(c, i, out.ptr[i], out_rows * n * 2);
+    poison(c, i, gathered.ptr[i], m * k * 2);
   }
   c.host_barrier();
   // The fused RS / AR kernels need M / W to be a multiple of 64; forced, other shapes must be refused
@@ -159,9 +124,9 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
       std::string msg;
       try {
         if (op == Op::kRS)
-          matmul_reduce_scatter(c, c.local(i), A.p[i], B.p[i], out.p[i], m, n, k, layout, nullptr, o);
+          matmul_reduce_scatter(c, c.local(i), A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, layout, nullptr, o);
         else
-          matmul_all_reduce(c, c.local(i), A.p[i], B.p[i], out.p[i], m, n, k, layout, nullptr, o);
+          matmul_all_reduce(c, c.local(i), A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, layout, nullptr, o);
       } catch (const Error& e) {
         msg = e.what();
       }
@@ -174,11 +139,12 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
     Rank& r = c.local(i);
     FusedPath path;
     if (op == Op::kAG)
-      path = all_gather_matmul(c, r, A.p[i], B.p[i], out.p[i], gathered.p[i], m, n, k, layout, nullptr, o);
+      path = all_gather_matmul(c, r, A.ptr[i], B.ptr[i], out.ptr[i], gathered.ptr[i], m, n, k, layout,
+                               nullptr, o);
     else if (op == Op::kRS)
-      path = matmul_reduce_scatter(c, r, A.p[i], B.p[i], out.p[i], m, n, k, layout, nullptr, o);
+      path = matmul_reduce_scatter(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, layout, nullptr, o);
     else
-      path = matmul_all_reduce(c, r, A.p[i], B.p[i], out.p[i], m, n, k, layout, nullptr, o);
+      path = matmul_all_reduce(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, layout, nullptr, o);
     if (mode == Mode::kAuto)
       WEFT_EXPECT(path != FusedPath::kFused, "kAuto ran the fused kernel where it cannot run");
     else
@@ -190,14 +156,14 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
     std::vector<double> ref(size_t(out_rows * n), 0.0);
     if (op == Op::kAG) {
       gemm_ref(ref, a[0], b[r], 0, m, n, k, nk);
-      const auto g = get(c, i, gathered.p[i], m * k);
+      const auto g = get(c, i, gathered.ptr[i], m * k);
       WEFT_EXPECT(std::memcmp(g.data(), a[0].h.data(), m * k * 2) == 0, "gathered A differs, rank " << r);
     } else {
       for (int q = 0; q < W; ++q)
         gemm_ref(ref, a[q], b[q], op == Op::kRS ? r * s.shard : 0, op == Op::kRS ? (r + 1) * s.shard : m, n,
                  k, nk);
     }
-    const std::string err = compare(get(c, i, out.p[i], out_rows * n), ref);
+    const std::string err = compare(get(c, i, out.ptr[i], out_rows * n), ref);
     WEFT_EXPECT(err.empty(), (op == Op::kAG   ? "all_gather_matmul"
                               : op == Op::kRS ? "matmul_reduce_scatter"
                                               : "matmul_all_reduce")
@@ -251,13 +217,14 @@ WEFT_GPU_TEST(fused_ops_pipelined_in_cuda_graphs) {
   const int64_t m = W * s.shard, n = s.n, k = s.k;
   FusedOptions o;
   o.mode = Mode::kPipelined;
-  Buf a_ag(c, s.shard * k * 2, false), a(c, m * k * 2, false), b(c, n * k * 2, false),
+  RankBuffers a_ag(c, s.shard * k * 2, false), a(c, m * k * 2, false), b(c, n * k * 2, false),
       out_ag(c, m * n * 2, false), out_rs(c, s.shard * n * 2, false), out_ar(c, m * n * 2, true);
   auto issue = [&](int i) {
     Rank& r = c.local(i);
-    all_gather_matmul(c, r, a_ag.p[i], b.p[i], out_ag.p[i], nullptr, m, n, k, BLayout::kNK, r.stream(), o);
-    matmul_reduce_scatter(c, r, a.p[i], b.p[i], out_rs.p[i], m, n, k, BLayout::kNK, r.stream(), o);
-    matmul_all_reduce(c, r, a.p[i], b.p[i], out_ar.p[i], m, n, k, BLayout::kNK, r.stream(), o);
+    all_gather_matmul(c, r, a_ag.ptr[i], b.ptr[i], out_ag.ptr[i], nullptr, m, n, k, BLayout::kNK, r.stream(),
+                      o);
+    matmul_reduce_scatter(c, r, a.ptr[i], b.ptr[i], out_rs.ptr[i], m, n, k, BLayout::kNK, r.stream(), o);
+    matmul_all_reduce(c, r, a.ptr[i], b.ptr[i], out_ar.ptr[i], m, n, k, BLayout::kNK, r.stream(), o);
   };
   for (int i = 0; i < c.num_local(); ++i) issue(i);  // workspace, copy streams, cuBLAS handles
   c.synchronize();
@@ -278,11 +245,12 @@ WEFT_GPU_TEST(fused_ops_pipelined_in_cuda_graphs) {
     for (int r = 0; r < W; ++r) bs[r] = make(size_t(n * k), seed + 1 + r);
     for (int i = 0; i < c.num_local(); ++i) {
       const int r = c.local(i).rank();
-      put(c, i, a_ag.p[i], full_a.h.data() + r * s.shard * k, s.shard * k * 2);
-      put(c, i, a.p[i], full_a.h.data(), m * k * 2);
-      put(c, i, b.p[i], bs[r].h.data(), n * k * 2);
-      for (auto [p, bytes] :
-           {std::pair{out_ag.p[i], m * n * 2}, {out_rs.p[i], s.shard * n * 2}, {out_ar.p[i], m * n * 2}})
+      upload(c, i, a_ag.ptr[i], full_a.h.data() + r * s.shard * k, s.shard * k * 2);
+      upload(c, i, a.ptr[i], full_a.h.data(), m * k * 2);
+      upload(c, i, b.ptr[i], bs[r].h.data(), n * k * 2);
+      for (auto [p, bytes] : {std::pair{out_ag.ptr[i], m * n * 2},
+                              {out_rs.ptr[i], s.shard * n * 2},
+                              {out_ar.ptr[i], m * n * 2}})
         poison(c, i, p, bytes);
     }
     c.host_barrier();
@@ -298,11 +266,11 @@ WEFT_GPU_TEST(fused_ops_pipelined_in_cuda_graphs) {
       std::vector<double> ag(size_t(m * n), 0.0);
       gemm_ref(ag, full_a, bs[r], 0, m, n, k, true);
       const std::vector<double> rs(sum.begin() + r * s.shard * n, sum.begin() + (r + 1) * s.shard * n);
-      std::string err = compare(get(c, i, out_ag.p[i], m * n), ag);
+      std::string err = compare(get(c, i, out_ag.ptr[i], m * n), ag);
       WEFT_EXPECT(err.empty(), "replay " << replay << " all_gather_matmul rank " << r << ": " << err);
-      err = compare(get(c, i, out_rs.p[i], s.shard * n), rs);
+      err = compare(get(c, i, out_rs.ptr[i], s.shard * n), rs);
       WEFT_EXPECT(err.empty(), "replay " << replay << " matmul_reduce_scatter rank " << r << ": " << err);
-      err = compare(get(c, i, out_ar.p[i], m * n), sum);
+      err = compare(get(c, i, out_ar.ptr[i], m * n), sum);
       WEFT_EXPECT(err.empty(), "replay " << replay << " matmul_all_reduce rank " << r << ": " << err);
     }
     c.host_barrier();
