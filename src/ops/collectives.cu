@@ -134,14 +134,14 @@ void with_reduction(DType dt, ReduceOp op, bool vec, Launch&& launch) {
   });
 }
 
-// 16-byte packs only: every caller checks the alignment (or, for the two-shot all-reduce, makes it).
+// 16-byte packs only: every caller checks the alignment (the two-shot all-reduce makes it).
 void launch_reduce_scatter(Call& c, const coll::ReduceScatter& x, DType dt, ReduceOp op,
                            uint64_t total_bytes) {
   const int g = c.blocks(total_bytes);
   with_elem(dt, [&](auto e) {
     with_reduce(op, [&](auto r) {
-      detail::preload<&coll::reduce_scatter_kernel<e.value, r.value, true>>();
-      coll::reduce_scatter_kernel<e.value, r.value, true><<<g, kThreads, 0, c.stream>>>(x);
+      detail::preload<&coll::reduce_scatter_kernel<e.value, r.value>>();
+      coll::reduce_scatter_kernel<e.value, r.value><<<g, kThreads, 0, c.stream>>>(x);
     });
   });
   c.launched();
@@ -159,8 +159,12 @@ void launch_pull_reduce(Call& c, const coll::PullReduce& x, DType dt, ReduceOp o
 
 // Development knob: WEFT_COLL_VARIANT=push|pull picks the two-shot all-reduce / reduce-scatter data flow at
 // every size (for reduce-scatter it also skips the one-shot for small slices).
+const char* coll_variant() {  // read once: calls are on the hot path
+  static const char* v = std::getenv("WEFT_COLL_VARIANT");
+  return v;
+}
 bool use_pull(bool default_pull) {
-  const char* v = std::getenv("WEFT_COLL_VARIANT");
+  const char* v = coll_variant();
   if (v && std::string(v) == "push") return false;
   if (v && std::string(v) == "pull") return true;
   return default_pull;
@@ -328,7 +332,7 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
   // Small contiguous slices: one round, no meeting (the LL words need 4-byte aligned slices).
   if (dim == 0 && out_bytes <= one_shot_max_bytes(world) && out_bytes % 4 == 0 &&
       reinterpret_cast<uintptr_t>(in) % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 4 == 0 &&
-      std::getenv("WEFT_COLL_VARIANT") == nullptr)
+      coll_variant() == nullptr)
     return one_shot(c, in, out_bytes, out, out_bytes, dtype, op);
   const uint64_t ll = ll_region_bytes(world);
   // The push kernel moves 16-byte packs only (its element-wise form would spill); other layouts pull.

@@ -255,7 +255,7 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
   x.final_dst = all_reduce && !sym_out ? static_cast<char*>(out) : nullptr;
   x.final_src = gather;
   const int blocks = ops::collective_blocks(c.rank, slice);
-  constexpr auto kernel = &coll::reduce_scatter_kernel<Elem::kBF16, Reduce::kSum, true>;
+  constexpr auto kernel = &coll::reduce_scatter_kernel<Elem::kBF16, Reduce::kSum>;
   detail::preload<kernel>();
   kernel<<<blocks, 512, 0, c.stream>>>(x);
   WEFT_CUDA_CHECK(cudaGetLastError());

@@ -241,10 +241,11 @@ struct ReduceScatter {
 // Groups a block's pushes are announced in: the reduce of group g - 1 runs while peers still push group g.
 inline constexpr uint64_t kPushGroups = 8;
 
-template <Elem E, Reduce R, bool kVec>
+// 16-byte packs only (the host checks the alignment): the element-wise form would spill.
+template <Elem E, Reduce R>
 __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
   using T = typename ElemTraits<E>::T;
-  constexpr int V = kVec ? 16 : sizeof(T);
+  constexpr int V = 16;
   const TeamView& t = x.team;
   const int slot = kCollectiveSlotBase + blockIdx.x;
   auto src_of = [&](int s) {  // s = 0: my own slice (of the input, or staged); then the peers' staged slices
@@ -281,7 +282,7 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
     }
     if (g > 0) {
       if (!x.arrived && !barrier_wait(t, slot, previous)) return;
-      reduce_rows<E, R, kVec>(t, x.out, src_of, x.rows, x.row_bytes / sizeof(T), x.fanout, start(g - 1),
+      reduce_rows<E, R, true>(t, x.out, src_of, x.rows, x.row_bytes / sizeof(T), x.fanout, start(g - 1),
                               start(g));
     }
   }
