@@ -468,7 +468,13 @@ const SymmetricBuffer& Communicator::workspace(uint64_t bytes, bool capturing, i
                              " MiB of workspace but the communicator has " + std::to_string(ws.bytes >> 20) +
                              " MiB, and it cannot grow during CUDA graph capture: run the op once before "
                              "capturing, or call Communicator::reserve_workspace");
-  if (ws) free(ws);
+  // Freeing waits for every local GPU to go idle. A thread driving several ranks may already have queued
+  // work on one GPU that waits for a peer's part it has not queued yet (the fused ops' copy pipelines):
+  // waiting now would hang. There the outgrown workspace lives on until the next synchronize().
+  if (ws && num_local() > 1)
+    retired_workspaces_.push_back(ws);
+  else if (ws)
+    free(ws);
   ws = alloc(bytes);
   return ws;
 }
@@ -509,6 +515,8 @@ void Communicator::synchronize() {
     WEFT_CUDA_CHECK(cudaStreamSynchronize(r->stream_));
   }
   check_device_errors();
+  for (SymmetricBuffer& b : retired_workspaces_) free(b);
+  retired_workspaces_.clear();
 }
 
 std::string Communicator::describe_offset(uint64_t offset) const {

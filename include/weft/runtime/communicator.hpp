@@ -163,6 +163,7 @@ class Communicator {
   size_t live_maps_ = 0;
   SymmetricBuffer pad_;
   SymmetricBuffer workspace_[kWorkspaceAreas];
+  std::vector<SymmetricBuffer> retired_workspaces_;  // outgrown with several local ranks: freed by synchronize()
   int32_t* abort_flag_ = nullptr;  // host-mapped
   std::string lost_reason_;
 };
