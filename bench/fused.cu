@@ -64,11 +64,11 @@ void run_fused(Context& ctx) {
       fmt("fused tensor-parallel ops, bf16, %d GPUs (%s): weft vs cuBLAS + NCCL %d.%d.%d", W,
           ctx.env ? "one process per GPU" : "single-process", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
       {"op", "M", "N", "K", "sequential us", "compute us", "comm us", "weft us", "weft path", "speedup",
-       "weft / bound", "weft gemm us", "AG fused us", "pipelined us"},
+       "weft / bound", "weft gemm us", "fused us", "pipelined us"},
       "sequential = cuBLAS GEMM + NCCL collective; compute = the cuBLAS GEMM alone; bound = max(compute "
       "alone, communication alone); weft path 'sequential' means the op chose its fallback (cuBLAS GEMM + "
-      "weft collective) for this shape. weft gemm = weft::gemm alone on the compute shape; AG fused = "
-      "all_gather_matmul with the fused kernel forced; pipelined = the op with the copy-engine pipeline "
+      "weft collective) for this shape. weft gemm = weft::gemm alone on the compute shape; fused = "
+      "the op with the fused kernel forced; pipelined = the op with the copy-engine pipeline "
       "forced (both: what kAuto's rule weighs).");
   // WEFT_BENCH_FUSED_OPS=ag,rs,ar (default: all) picks the ops.
   const char* only = std::getenv("WEFT_BENCH_FUSED_OPS");
@@ -119,10 +119,6 @@ void run_fused(Context& ctx) {
           auto weft_gemm_alone = [&](int i) {
             gemm(g[i].a, g[i].b, g[i].tmp, M, gn, gk, BLayout::kNK, DType::kBF16, streams[i]);
           };
-          auto ag_forced = [&](int i) {
-            all_gather_matmul(*comm, comm->local(i), wa.local[i], g[i].b, wo.local[i], nullptr, M, gn, gk,
-                              BLayout::kNK, streams[i], forced);
-          };
           auto call = [&](int i, const FusedOptions& o) {
             Rank& r = comm->local(i);
             const BLayout nk = BLayout::kNK;
@@ -136,6 +132,7 @@ void run_fused(Context& ctx) {
                                      o);
           };
           auto weft_call = [&](int i) { path = call(i, FusedOptions{}); };
+          auto fused_call = [&](int i) { call(i, forced); };
           FusedOptions pipelined;
           pipelined.mode = FusedOptions::Mode::kPipelined;
           auto pipelined_call = [&](int i) { call(i, pipelined); };
@@ -166,12 +163,10 @@ void run_fused(Context& ctx) {
           const double t_weft = team_max(time_graphs(*comm, streams, iters, reps, on_all(weft_call, false)));
           const double t_wgemm =
               team_max(time_graphs(*comm, streams, iters, reps, on_all(weft_gemm_alone, false)));
-          double t_forced = 0;
-          if (op == Op::kAG) {
-            on_all(ag_forced, false)(0);
-            comm->synchronize();
-            t_forced = team_max(time_graphs(*comm, streams, iters, reps, on_all(ag_forced, false)));
-          }
+          on_all(fused_call, false)(0);
+          comm->synchronize();
+          const double t_forced =
+              team_max(time_graphs(*comm, streams, iters, reps, on_all(fused_call, false)));
           on_all(pipelined_call, false)(0);
           comm->synchronize();
           const double t_pipe =
@@ -179,8 +174,7 @@ void run_fused(Context& ctx) {
           t.add({op_name(op), std::to_string(M), std::to_string(N), std::to_string(K), fmt("%.1f", t_seq),
                  fmt("%.1f", t_gemm), fmt("%.1f", t_comm), fmt("%.1f", t_weft), fused_path_name(path),
                  fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm)),
-                 fmt("%.1f", t_wgemm), op == Op::kAG ? fmt("%.1f", t_forced) : std::string("-"),
-                 fmt("%.1f", t_pipe)});
+                 fmt("%.1f", t_wgemm), fmt("%.1f", t_forced), fmt("%.1f", t_pipe)});
           comm->free(wa);
           comm->free(wo);
           for (int i = 0; i < L; ++i) {

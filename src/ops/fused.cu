@@ -215,6 +215,33 @@ void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* 
   p.finish();
 }
 
+// The end of both reduce-scatter paths: every rank's partial of this rank's rows (slice bytes each) sits in
+// this rank's `inbox`, slot by source rank; the reduce-scatter kernel (pre-staged) sums them into `out` — or,
+// for all-reduce, into every rank's copy of out, through `gather` (workspace) when out is not symmetric. It
+// starts once arrived[s] reads 1 for every source s, or, without flags, at its entry meeting.
+void reduce_staged(Call& c, char* inbox, uint64_t slice, void* out, char* gather, bool all_reduce,
+                   const uint64_t* arrived) {
+  const int me = c.rank.rank();
+  coll::ReduceScatter x{};
+  x.team = c.rank.view();
+  x.arrived = arrived;
+  x.staged = true;
+  x.staging = coll::Rows{inbox, 0};
+  x.staging_step = slice;
+  x.rows = 1;
+  x.row_bytes = slice;
+  x.fanout = all_reduce;
+  x.out = coll::Rows{
+      (all_reduce ? (gather ? gather : static_cast<char*>(out)) + me * slice : static_cast<char*>(out)), 0};
+  x.final_dst = gather ? static_cast<char*>(out) : nullptr;
+  x.final_src = gather;
+  const int blocks = ops::collective_blocks(c.rank, slice);
+  constexpr auto kernel = &coll::reduce_scatter_kernel<Elem::kBF16, Reduce::kSum>;
+  detail::preload<kernel>();
+  kernel<<<blocks, 512, 0, c.stream>>>(x);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
 // matmul_reduce_scatter (and the first half of matmul_all_reduce): the GEMM makes the rows every peer owns,
 // rank + 1's first, into two alternating staging slices; the copy engine pushes each into its owner's area
 // (slot of this rank) while the next is computed; this rank's own rows go straight into its own slot. Then
@@ -242,23 +269,7 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
     WEFT_CUDA_CHECK(cudaEventRecord(ev.copy_done[slot], p.side()));
   }
   c.sequential_gemm(a_of(me), b, inbox + me * slice, rows, n, k, layout);
-  coll::ReduceScatter x{};
-  x.team = c.rank.view();
-  x.arrived = p.arrivals();
-  x.staging = coll::Rows{inbox, 0};
-  x.staging_step = slice;
-  x.rows = 1;
-  x.row_bytes = slice;
-  x.fanout = all_reduce;
-  x.out = coll::Rows{
-      (all_reduce ? (sym_out ? static_cast<char*>(out) : gather) + me * slice : static_cast<char*>(out)), 0};
-  x.final_dst = all_reduce && !sym_out ? static_cast<char*>(out) : nullptr;
-  x.final_src = gather;
-  const int blocks = ops::collective_blocks(c.rank, slice);
-  constexpr auto kernel = &coll::reduce_scatter_kernel<Elem::kBF16, Reduce::kSum>;
-  detail::preload<kernel>();
-  kernel<<<blocks, 512, 0, c.stream>>>(x);
-  WEFT_CUDA_CHECK(cudaGetLastError());
+  reduce_staged(c, inbox, slice, out, gather, all_reduce, p.arrivals());
   p.finish();
 }
 
@@ -313,58 +324,58 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
-// The RS GEMM into every owner's fp32 accumulator (`acc`: this rank's [M/W, N] in the workspace), then the
-// finalize kernel converts this rank's shard into `out` (bf16 [M/W, N]).
+// The RS GEMM, each tile into its owner's inbox (workspace, slot of this rank), then reduce_staged. The
+// all-reduce's non-symmetric out gathers in the workspace after the inbox.
 template <bool kKMajor>
-void launch_rs(Call& c, const void* a, const void* b, void* out, float* acc, int64_t m, int64_t n, int64_t k,
-               const FusedOptions& o) {
+void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
+               const FusedOptions& o, bool all_reduce) {
   using Op = ops::RsGemmOp<kKMajor, 1>;
   typename Op::Params p{};
   const int W = c.rank.world(), me = c.rank.rank(), comm_blocks = Op::kClusterSize;  // block 0 meets
   const int64_t rows = m / W;
+  const uint64_t slice = uint64_t(rows) * n * 2;
+  const bool gathers = all_reduce && !c.comm.in_heap(c.rank, out, m * n * 2);
+  char* inbox = c.workspace(W * slice + (gathers ? m * n * 2 : 0));
   set_schedule<Op>(p.sched, m, n);
-  set_gemm_maps<Op, kKMajor>(p, a, b, m, n, k, acc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, rows);
+  set_gemm_maps<Op, kKMajor>(p, a, b, m, n, k, inbox, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows);
   for (int r = 0; r < W; ++r)
     p.owner[r] =
-        tma::make_map_2d({c.rank.peer_ptr(acc, r), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(rows),
-                          uint64_t(n), uint64_t(n) * 4},
+        tma::make_map_2d({c.rank.peer_ptr(inbox + me * slice, r), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+                          uint64_t(rows), uint64_t(n), uint64_t(n) * 2},
                          Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, "matmul_reduce_scatter: owner");
-  p.sched.start_unit =
-      static_cast<int>(int64_t(me) * p.sched.units() / W);  // ranks start on different owners
+  // Ranks start on different owners: rank r on rank r + 1's rows, its own last (they meet the GEMM's end).
+  p.sched.start_unit = static_cast<int>(int64_t((me + 1) % W) * p.sched.units() / W);
   p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
   p.sync = ops::FusedSync{c.rank.view(), p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks};
   p.shard_rows = static_cast<int>(rows);
-  WEFT_CUDA_CHECK(cudaMemsetAsync(acc, 0, rows * n * 4, c.stream));
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
-  const uint64_t n4 = uint64_t(rows) * n / 4;
-  const int blocks = ops::collective_blocks(c.rank, n4 * 16);
-  detail::preload<&ops::rs_finalize_kernel>();
-  ops::rs_finalize_kernel<<<blocks, 512, 0, c.stream>>>(c.rank.view(), reinterpret_cast<const float4*>(acc),
-                                                        static_cast<uint2*>(out), n4);
-  WEFT_CUDA_CHECK(cudaGetLastError());
+  reduce_staged(c, inbox, slice, out, gathers ? inbox + W * slice : nullptr, all_reduce, nullptr);
 }
 
-// kAuto's choice, from weft-bench fused on 4x H200 at 4 and 2 GPUs (bench/RESULTS.md, 2026-11-21, session 4):
+// kAuto's choice, from weft-bench fused on 4x H200 at 4 and 2 GPUs (bench/RESULTS.md):
 // - all_gather_matmul with N <= 4096 per rank at M >= 8192 (communication outweighs the GEMM): the fused
-//   kernel (1.47-1.83x cuBLAS + NCCL at 4 GPUs; the pipeline 1.27-1.54x there).
+//   kernel (1.47-1.83x cuBLAS + NCCL at 4 GPUs; the pipeline 1.27-1.54x there; session 4).
+// - matmul_reduce_scatter / matmul_all_reduce at 4 GPUs with M x N below 2^27 (output up to 256 MiB): the
+//   fused kernel (session 6: 1.12-1.36x faster than the path chosen before, which was the pipeline from
+//   16 MiB pushes and cuBLAS + weft's collective below; from 2^27 the pipeline ties or wins). At 2 GPUs the
+//   pipeline or the sequential path won everywhere but M = 1024, N = 8192 (within 4%).
 // - elsewhere the copy-engine pipeline once each push (M / W rows of A for AG, of the output for RS / AR)
 //   is >= 16 MiB, or >= 8 MiB at 2 GPUs (one push per call instead of W - 1 in a row). It won 1.04-1.51x at
-//   4 GPUs and 1.07-1.47x at 2 GPUs there; with 8 MiB pushes at 4 GPUs it lost (0.84-0.98x). The exception:
-//   all_gather_matmul at 2 GPUs with N / W > 4096 (the GEMM dwarfs the gather) tied or lost with 8 MiB
-//   pushes (0.93x, 1.00x; the sequential path 1.09x), so it too waits for 16 MiB.
+//   4 GPUs and 1.07-1.47x at 2 GPUs (session 4); with 8 MiB pushes at 4 GPUs it lost (0.84-0.98x). The
+//   exception: all_gather_matmul at 2 GPUs with N / W > 4096 (the GEMM dwarfs the gather) tied or lost with
+//   8 MiB pushes (0.93x, 1.00x; the sequential path 1.09x), so it too waits for 16 MiB.
 // - below that, cuBLAS + weft's collective (1.03-1.36x cuBLAS + NCCL).
 // World sizes above 4 were not measured; they take the 4-GPU rule.
 FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int64_t k, int world) {
   if (all_gather && m >= 8192 && n_per_rank <= 4096) return FusedPath::kFused;
+  if (!all_gather && world >= 4 && m * n_per_rank < (int64_t(1) << 27)) return FusedPath::kFused;
   const uint64_t push_bytes = uint64_t(m / world) * (all_gather ? k : n_per_rank) * 2;
   const bool one_push = world == 2 && !(all_gather && n_per_rank > 4096);
   return push_bytes >= (one_push ? 8u << 20 : 16u << 20) ? FusedPath::kPipelined : FusedPath::kSequential;
 }
 
-// The storer adds whole 64-row halves of a tile into one owner's shard: a half that straddled two shards
-// would need a TMA box starting at a negative row of the second, which the hardware rejects (illegal
-// instruction, seen on H200).
+// The storer writes whole 64-row halves of a tile into one owner's slot: shards of whole halves only.
 std::string rs_why_not(const Call& c, int64_t m) {
   const int64_t rows = m / c.rank.world();
   if (c.rank.world() > ops::kFusedMaxWorld) return "world size above " + std::to_string(ops::kFusedMaxWorld);
@@ -434,11 +445,10 @@ FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, c
                    c.stream);
     return FusedPath::kSequential;
   }
-  float* acc = reinterpret_cast<float*>(c.workspace(rows * n * 4));
   if (layout == BLayout::kNK)
-    launch_rs<true>(c, a, b, out, acc, m, n, k, o);
+    launch_rs<true>(c, a, b, out, m, n, k, o, false);
   else
-    launch_rs<false>(c, a, b, out, acc, m, n, k, o);
+    launch_rs<false>(c, a, b, out, m, n, k, o, false);
   return FusedPath::kFused;
 }
 
@@ -447,7 +457,6 @@ FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const
                             const FusedOptions& o) {
   Call c(comm, rank, stream, "matmul_all_reduce", m, n, k);
   const int W = rank.world();
-  const int64_t rows = m / W;
   c.check_operands(a, "a", m, b, out, m, m, n, k, layout);
   const FusedPath path = c.path(o, m, rs_why_not(c, m), auto_path(false, m, n, k, W));
   if (path == FusedPath::kPipelined) {
@@ -459,17 +468,10 @@ FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const
     all_reduce(comm, rank, out, out, size_t(m) * n, DType::kBF16, ReduceOp::kSum, c.stream);
     return FusedPath::kSequential;
   }
-  // First version: the fused reduce-scatter into this rank's rows of out, then an in-place all-gather.
-  char* mine = static_cast<char*>(out) + rows * n * 2 * rank.rank();
-  // Workspace for the all-gather too (non-symmetric out stages there): growing it between the two kernels
-  // would synchronize the devices while this rank's kernel waits for peers not yet launched.
-  c.workspace(comm.in_heap(rank, out, m * n * 2) ? 0 : m * n * 2);
-  float* acc = reinterpret_cast<float*>(c.workspace(rows * n * 4));
   if (layout == BLayout::kNK)
-    launch_rs<true>(c, a, b, mine, acc, m, n, k, o);
+    launch_rs<true>(c, a, b, out, m, n, k, o, true);
   else
-    launch_rs<false>(c, a, b, mine, acc, m, n, k, o);
-  all_gather(comm, rank, mine, out, Shape2D{size_t(rows), size_t(n)}, 0, DType::kBF16, c.stream);
+    launch_rs<false>(c, a, b, out, m, n, k, o, true);
   return FusedPath::kFused;
 }
 

@@ -15,11 +15,15 @@
 //             the copy into this rank's own gathered A comes last (only tiles straddling two shards, and
 //             the caller's gathered A, read it). The loader's wait_inputs waits for the flags of every
 //             chunk a tile's rows touch.
-//   RsGemmOp  GEMM + reduce-scatter, intra-SM overlap. The storer TMA-reduce-adds each 64-row half tile into
-//             the fp32 accumulator shard of the rank(s) owning those rows (one tensor map per rank). One
-//             communicator block meets the team first (every owner has zeroed its accumulator) and raises a
-//             local flag the storers wait on before their first add. rs_finalize_kernel (after the GEMM)
-//             meets again (every rank's adds have landed) and converts the shard to bf16.
+//   RsGemmOp  GEMM + reduce-scatter, intra-SM overlap. The storer TMA-stores each 64-row half tile (bf16)
+//             into the staging slot of this rank in the workspace of the rank owning those rows (one tensor
+//             map per owner); ranks start on different owners, so at any moment they write to different
+//             peers. One communicator block meets the team first (every owner has finished reading the
+//             previous call's staging) and raises a local flag the storers wait on before their first
+//             store. After the GEMM, coll::reduce_scatter_kernel in its pre-staged mode meets again (every
+//             rank's stores have landed) and sums the W slots of this rank's rows (all-reduce: into every
+//             rank's copy of the output). bf16 partials, as NCCL's ring sums them: half the link bytes of
+//             fp32 partials, and plain stores instead of read-modify-write at the owner.
 #pragma once
 #include "weft/comm/barrier.cuh"
 #include "weft/comm/signal.cuh"
@@ -146,11 +150,11 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
 
 // ---- GEMM + reduce-scatter (and the first half of all-reduce) -----------------------------------------
 template <bool kBKMajor, int kCluster>
-struct RsGemmOp : GemmOp<float, kBKMajor, kCluster> {
-  using Base = GemmOp<float, kBKMajor, kCluster>;
+struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
+  using Base = GemmOp<__nv_bfloat16, kBKMajor, kCluster>;
   struct Params : Base::Params {
     FusedSync sync;
-    CUtensorMap owner[kFusedMaxWorld];  // rank r's fp32 accumulator [shard_rows, N], as this rank sees it
+    CUtensorMap owner[kFusedMaxWorld];  // this rank's staging slot [shard_rows, N] at rank r, as seen here
     int shard_rows;
   };
   struct StoreState {
@@ -170,14 +174,14 @@ struct RsGemmOp : GemmOp<float, kBKMajor, kCluster> {
       asm volatile("fence.proxy.async.global;" ::: "memory");
     }
     es.ready = true;
-    const int row = t.m * Base::kBM + 64 * wg, col = t.n * Base::kBN;
-    const int last = min((row + 63) / p.shard_rows, team.world - 1);
-    for (int r = row / p.shard_rows; r <= last; ++r)  // two owners when the 64 rows straddle shards
-      Base::Epilogue::store(&p.owner[r], lcsc::StoreMode::kReduceAdd, s.epi, es.epi, wg, acc,
-                            row - r * p.shard_rows, col);
+    // The host admits only shards of whole 64-row halves: a half has one owner (none past the last row).
+    const int row = t.m * Base::kBM + 64 * wg, owner = row / p.shard_rows;
+    if (owner >= team.world) return;
+    Base::Epilogue::store(&p.owner[owner], lcsc::StoreMode::kStore, s.epi, es.epi, wg, acc,
+                          row - owner * p.shard_rows, t.n * Base::kBN);
   }
   __device__ static void finish(const Params& p, typename Base::Smem&, int, StoreState& es) {
-    Base::Epilogue::finish(es.epi);  // every add has landed
+    Base::Epilogue::finish(es.epi);  // every store has landed
     if (tile::thread_in_warpgroup() == 0) {
       asm volatile("fence.proxy.async.global;" ::: "memory");
       p.sync.done();
@@ -186,27 +190,13 @@ struct RsGemmOp : GemmOp<float, kBKMajor, kCluster> {
   __device__ static void communicate(const Params& p, typename Base::Smem&, int index, int) {
     const TeamView& t = p.sync.team;
     const uint64_t e = p.sync.epoch();
-    // Block 0: every rank has zeroed its accumulator (stream-ordered before its kernel) and finished
-    // converting the previous call's; then the storers may add.
+    // Block 0: every rank has finished the previous call's reduce (stream-ordered before its kernel), so
+    // its staging is free; then the storers may store.
     if (index == 0 && barrier_block(t, kCollectiveSlotBase) && threadIdx.x == 0)
       signal_set(t, t.user_flag(kFusedReadyFlag), t.rank, e);
     __syncthreads();
     if (threadIdx.x == 0) p.sync.done();
   }
 };
-
-// After the RS GEMM: meet (every rank's kernel, hence every add into this rank's shard, is complete), then
-// out = bf16(acc) over this rank's shard.
-__global__ void __launch_bounds__(512)
-    rs_finalize_kernel(TeamView team, const float4* acc, uint2* out, uint64_t n4) {
-  if (!coll::meet(team)) return;
-  coll::for_each_chunk(n4, [&](uint64_t base, uint64_t len) {
-    for (uint64_t i = base + threadIdx.x; i < base + len; i += blockDim.x) {
-      const float4 v = acc[i];
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-      out[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
-    }
-  });
-}
 
 }  // namespace weft::ops

@@ -5,12 +5,11 @@
 //                          gathered A [M, K]. Inter-SM overlap: communicator blocks push A chunks to every
 //                          rank and signal them; the GEMM's loader waits per chunk (local rows first).
 //   matmul_reduce_scatter  A [M, K] . B ([K, N] or [N, K]) summed over ranks; rank r gets rows
-//                          r*M/W..(r+1)*M/W of the [M, N] sum. Intra-SM overlap: the storer TMA-reduce-adds
-//                          every tile into its owner's fp32 accumulator (staggered tile order per rank), then
-//                          the owner converts to bf16.
-//   matmul_all_reduce      the same sum, all of [M, N] on every rank: reduce-scatter as above, then the
-//                          reduced shards are all-gathered (first version: weft::all_gather after the
-//                          kernel).
+//                          r*M/W..(r+1)*M/W of the [M, N] sum. Intra-SM overlap: the storer TMA-stores
+//                          every bf16 tile into its owner's staging slot for this rank (ranks start on
+//                          different owners), then one reduce kernel sums the W slots of the rank's rows.
+//   matmul_all_reduce      the same sum, all of [M, N] on every rank: as above, and the reduce kernel stores
+//                          the summed rows into every rank's out.
 //
 // Every rank calls the op with the same arguments (single-process: once per local rank). bf16 in and out,
 // fp32 accumulation. Dense row-major operands; M divisible by the world size; K and N multiples of 8 (TMA
@@ -22,7 +21,8 @@
 // Three paths (FusedPath), each forced by its Mode; kAuto takes the one that measured fastest for the
 // shape (auto_path in src/ops/fused.cu, from bench/RESULTS.md), or kSequential below
 // FusedOptions::min_fused_m:
-//   kFused      one kernel, as above (all_gather_matmul's where communication outweighs the GEMM).
+//   kFused      one kernel (plus the reduce for RS / AR), as above: all_gather_matmul's where
+//               communication outweighs the GEMM, RS / AR's at 4 GPUs up to 256 MiB of output.
 //   kPipelined  the GEMM as W row chunks of cuBLAS on every SM while the copy engines move data between
 //               GPUs on a side stream (AG: A shards, rank by rank; RS / AR: each finished chunk into its
 //               owner's staging, then one reduce kernel). Stream waits on peer flags order the GPUs; they
