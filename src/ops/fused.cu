@@ -357,7 +357,7 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
 // - all_gather_matmul with N <= 4096 per rank at M >= 8192 (communication outweighs the GEMM): the fused
 //   kernel (1.47-1.83x cuBLAS + NCCL at 4 GPUs; the pipeline 1.27-1.54x there; session 4).
 // - matmul_reduce_scatter / matmul_all_reduce at 4 GPUs with M x N below 2^27 (output up to 256 MiB): the
-//   fused kernel (session 6: 1.12-1.36x faster than the path chosen before, which was the pipeline from
+//   fused kernel (session 6: 1.05-1.40x faster than the path chosen before, which was the pipeline from
 //   16 MiB pushes and cuBLAS + weft's collective below; from 2^27 the pipeline ties or wins). At 2 GPUs the
 //   pipeline or the sequential path won everywhere but M = 1024, N = 8192 (within 4%).
 // - elsewhere the copy-engine pipeline once each push (M / W rows of A for AG, of the output for RS / AR)
