@@ -106,8 +106,11 @@ class Communicator {
 
   // Scratch memory for ops: a symmetric buffer of at least `bytes`, grown collectively (every rank asks
   // for the same sizes in the same order, as it does when every rank makes the same op calls). Growing
-  // synchronizes the devices, so it is refused while `capturing` (a CUDA graph capture is in progress):
-  // run the op once before capturing, or call reserve_workspace.
+  // allocates (and, with one local rank, frees the old buffer, which synchronizes the GPU), so it is refused
+  // while `capturing` (a CUDA graph capture is in progress): run the op once before capturing, or call
+  // reserve_workspace. With several local ranks the outgrown buffer stays mapped until synchronize() (or
+  // the communicator's end): freeing would wait for every local GPU while one of them may wait for a peer
+  // whose part the calling thread has not queued yet.
   // Areas are separate buffers: area 0 serves the collectives and the ops' staging; the fused ops'
   // copy-engine pipelines each own one more (kAgPipelineArea, kRsPipelineArea), because peers write into
   // those ahead of this rank's call, which nothing else in the area may then be using.
@@ -163,7 +166,8 @@ class Communicator {
   size_t live_maps_ = 0;
   SymmetricBuffer pad_;
   SymmetricBuffer workspace_[kWorkspaceAreas];
-  std::vector<SymmetricBuffer> retired_workspaces_;  // outgrown with several local ranks: freed by synchronize()
+  std::vector<SymmetricBuffer>
+      retired_workspaces_;         // outgrown with several local ranks: freed by synchronize()
   int32_t* abort_flag_ = nullptr;  // host-mapped
   std::string lost_reason_;
 };
