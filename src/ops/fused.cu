@@ -343,7 +343,10 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
         tma::make_map_2d({c.rank.peer_ptr(inbox + me * slice, r), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
                           uint64_t(rows), uint64_t(n), uint64_t(n) * 2},
                          Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, "matmul_reduce_scatter: owner");
-  // Ranks start on different owners: rank r on rank r + 1's rows, its own last (they meet the GEMM's end).
+  // Every band of tiles spans all owners' rows where the rows split evenly and W is a power of two (each
+  // rank then sends to every owner at once: 2-6% faster at M >= 2048, session 7); ranks also start on
+  // different owners (rank r on rank r + 1's rows).
+  if ((W & (W - 1)) == 0 && p.sched.units_m() % W == 0) p.sched.parts_log2 = __builtin_ctz(unsigned(W));
   p.sched.start_unit = static_cast<int>(int64_t((me + 1) % W) * p.sched.units() / W);
   p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
   p.sync = ops::FusedSync{c.rank.view(), p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks};

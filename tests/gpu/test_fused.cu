@@ -70,8 +70,10 @@ std::string compare(const std::vector<__nv_bfloat16>& got, const std::vector<dou
 struct Shape {
   int64_t shard, n, k;  // M = W * shard
 };
-// M / W: one tile, partial tiles (200, 520: not multiples of 64), tiles straddling shards (192), tiny.
-const Shape kShapes[] = {{128, 256, 256}, {200, 264, 136}, {192, 264, 136}, {520, 384, 192}, {64, 8, 8}};
+// M / W: one tile, partial tiles (200, 520: not multiples of 64), tiles straddling shards (192), tiny, and
+// three tile rows per shard.
+const Shape kShapes[] = {{128, 256, 256}, {200, 264, 136}, {192, 264, 136},
+                         {520, 384, 192}, {64, 8, 8},      {384, 264, 136}};
 using Mode = FusedOptions::Mode;
 const Mode kModes[] = {Mode::kFused, Mode::kPipelined, Mode::kSequential};
 const char* mode_name(Mode m) {
@@ -202,9 +204,65 @@ WEFT_GPU_TEST(fused_ops_back_to_back) {
   for (int rep = 0; rep < (ctx.quick ? 3 : 10); ++rep) {
     const Mode mode = rep % 3 == 2 ? Mode::kFused : Mode::kPipelined;
     run_case(ctx, Op::kAG, kShapes[1], BLayout::kNK, mode, rep % 2 == 0, 500 + rep);
-    run_case(ctx, Op::kRS, kShapes[2], BLayout::kKN, rep % 2 ? Mode::kFused : Mode::kPipelined, true,
-             600 + rep);
+    run_case(ctx, Op::kRS, kShapes[rep % 4 < 2 ? 2 : 5], BLayout::kKN,
+             rep % 2 ? Mode::kFused : Mode::kPipelined, true, 600 + rep);
     run_case(ctx, Op::kAR, kShapes[0], BLayout::kNK, mode, false, 700 + rep);
+  }
+}
+
+// RS / AR at a size where blocks take several tiles, of every owner, with a partial last tile column: the
+// fused kernel against the sequential path (cuBLAS + weft's collective) on the same inputs, and repeated: the
+// fused result must be the same bits every time (a fixed summation order; a difference between runs is a
+// race).
+WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  const int64_t shard = 1024, m = W * shard, n = 1288, k = 512;
+  for (Op op : {Op::kRS, Op::kAR}) {
+    const int64_t out_rows = op == Op::kRS ? shard : m;
+    RankBuffers a(c, m * k * 2, false), b(c, n * k * 2, false), out(c, out_rows * n * 2, op == Op::kAR),
+        ref(c, out_rows * n * 2, false);
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      upload(c, i, a.ptr[i], make(size_t(m * k), 77 + r).h.data(), m * k * 2);
+      upload(c, i, b.ptr[i], make(size_t(n * k), 88 + r).h.data(), n * k * 2);
+    }
+    c.host_barrier();
+    auto run = [&](RankBuffers& dst, Mode mode) {
+      FusedOptions o;
+      o.mode = mode;
+      for (int i = 0; i < c.num_local(); ++i) poison(c, i, dst.ptr[i], out_rows * n * 2);
+      c.host_barrier();
+      for (int i = 0; i < c.num_local(); ++i) {
+        Rank& r = c.local(i);
+        if (op == Op::kRS)
+          matmul_reduce_scatter(c, r, a.ptr[i], b.ptr[i], dst.ptr[i], m, n, k, BLayout::kNK, nullptr, o);
+        else
+          matmul_all_reduce(c, r, a.ptr[i], b.ptr[i], dst.ptr[i], m, n, k, BLayout::kNK, nullptr, o);
+      }
+      c.synchronize();
+    };
+    run(ref, Mode::kSequential);
+    std::vector<std::vector<__nv_bfloat16>> first(c.num_local());
+    for (int rep = 0; rep < 3; ++rep) {
+      run(out, Mode::kFused);
+      for (int i = 0; i < c.num_local(); ++i) {
+        const int r = c.local(i).rank();
+        const auto got = get(c, i, out.ptr[i], out_rows * n);
+        const auto want = get(c, i, ref.ptr[i], out_rows * n);
+        const std::vector<double> want_d(want.begin(), want.end());
+        const std::string err = compare(got, want_d);
+        WEFT_EXPECT(err.empty(), (op == Op::kRS ? "matmul_reduce_scatter" : "matmul_all_reduce")
+                                     << " M=" << m << " rep " << rep << " rank " << r << ": " << err);
+        if (rep == 0)
+          first[i] = got;
+        else
+          WEFT_EXPECT(std::memcmp(got.data(), first[i].data(), got.size() * 2) == 0,
+                      (op == Op::kRS ? "matmul_reduce_scatter" : "matmul_all_reduce")
+                          << " rank " << r << ": rep " << rep << " differs from rep 0 (a race?)");
+      }
+      c.host_barrier();
+    }
   }
 }
 

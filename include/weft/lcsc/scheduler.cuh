@@ -9,6 +9,10 @@
 // Persistent: compute block-cluster c takes units c, c + C, c + 2C, ... (C compute clusters). Hooks for
 // fused ops: `start_unit` rotates the sequence (a per-rank offset, so ranks start on different tiles, e.g.
 // their local rows first), and the op's wait_inputs() runs in the loader before each tile's loads.
+// `parts_log2` > 0 cuts the unit rows into 2^parts_log2 equal parts (it must divide them) and walks the
+// rows of part 0, 1, 2, .. in turn, so every band, and so the tiles in flight, spans all parts: the fused
+// reduce-scatter, whose parts are the owners' rows, then sends to every owner at once. (Powers of two
+// only: shifts, where a division would cost the consumers registers they do not have.)
 #pragma once
 #include <cstdint>
 
@@ -20,6 +24,7 @@ struct SchedulerParams {
   int cluster_m = 1;       // CTAs per cluster, stacked along M (must match the op's kClusterSize)
   int group_m = 16;        // tile rows per band of the grouped order (rounded to whole clusters)
   int start_unit = 0;      // rotation of the unit sequence (any integer; taken modulo the unit count)
+  int parts_log2 = 0;      // unit rows dealt round-robin over 2^parts_log2 equal parts of M (see above)
   int compute_blocks = 0;  // blocks [0, compute_blocks) compute; the rest of the grid communicates
   __host__ __device__ int units_m() const { return (tiles_m + cluster_m - 1) / cluster_m; }
   __host__ __device__ int units() const { return units_m() * tiles_n; }
@@ -57,7 +62,10 @@ class TileScheduler {
     const int first = band * group_;
     const int in_band = rows - first < group_ ? rows - first : group_;
     const int r = u - band * per_group;
-    t.m = (first + r % in_band) * p_.cluster_m + rank_;
+    int row = first + r % in_band;
+    const int k = p_.parts_log2;
+    row = ((row & ((1 << k) - 1)) * (rows >> k)) + (row >> k);
+    t.m = row * p_.cluster_m + rank_;
     t.n = r / in_band;
     t.unit = u;
     t.iteration = iteration_++;
