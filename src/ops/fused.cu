@@ -359,10 +359,12 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
 // kAuto's choice, from weft-bench fused on 4x H200 at 4 and 2 GPUs (bench/RESULTS.md):
 // - all_gather_matmul with N <= 4096 per rank at M >= 8192 (communication outweighs the GEMM): the fused
 //   kernel (1.47-1.83x cuBLAS + NCCL at 4 GPUs; the pipeline 1.27-1.54x there; session 4).
-// - matmul_reduce_scatter / matmul_all_reduce at 4 GPUs with M x N below 2^27 (output up to 256 MiB): the
+// - matmul_reduce_scatter / matmul_all_reduce at 4 GPUs with M x N up to 2^27 (output up to 256 MiB): the
 //   fused kernel (session 6: 1.05-1.40x faster than the path chosen before, which was the pipeline from
-//   16 MiB pushes and cuBLAS + weft's collective below; from 2^27 the pipeline ties or wins). At 2 GPUs the
-//   pipeline or the sequential path won everywhere but M = 1024, N = 8192 (within 4%).
+//   16 MiB pushes and cuBLAS + weft's collective below; session 7, with the owners' rows interleaved, also
+//   at M x N = 2^27: RS 16384 x 8192 982-984 vs 1015-1038 us, AR 1430-1441 vs 1513-1550, two runs; above
+//   2^27 the pipeline ties or wins). At 2 GPUs the pipeline or the sequential path won everywhere but
+//   M = 1024, N = 8192 (within 4%).
 // - elsewhere the copy-engine pipeline once each push (M / W rows of A for AG, of the output for RS / AR)
 //   is >= 16 MiB, or >= 8 MiB at 2 GPUs (one push per call instead of W - 1 in a row). It won 1.04-1.51x at
 //   4 GPUs and 1.07-1.47x at 2 GPUs (session 4); with 8 MiB pushes at 4 GPUs it lost (0.84-0.98x). The
@@ -372,7 +374,7 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
 // World sizes above 4 were not measured; they take the 4-GPU rule.
 FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int64_t k, int world) {
   if (all_gather && m >= 8192 && n_per_rank <= 4096) return FusedPath::kFused;
-  if (!all_gather && world >= 4 && m * n_per_rank < (int64_t(1) << 27)) return FusedPath::kFused;
+  if (!all_gather && world >= 4 && m * n_per_rank <= (int64_t(1) << 27)) return FusedPath::kFused;
   const uint64_t push_bytes = uint64_t(m / world) * (all_gather ? k : n_per_rank) * 2;
   const bool one_push = world == 2 && !(all_gather && n_per_rank > 4096);
   return push_bytes >= (one_push ? 8u << 20 : 16u << 20) ? FusedPath::kPipelined : FusedPath::kSequential;
