@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "weft/comm/barrier.cuh"
+#include "weft/comm/call_epoch.cuh"
 #include "weft/comm/elementwise.cuh"
 #include "weft/device/numeric.cuh"
 #include "weft/runtime/communicator.hpp"
@@ -203,23 +204,6 @@ __global__ void __launch_bounds__(512) exchange_kernel(Exchange x) {
                  Rows{x.dst.base + x.dst_peer_step * q, x.dst.stride}, x.rows, x.row_bytes);
 }
 
-// The call epoch of the one-shot kernel (its workspace halves alternate by it): read at the start, and
-// advanced by the last block to finish (every block has read it by then).
-__device__ __forceinline__ uint32_t call_epoch(const TeamView& t) {
-  return static_cast<uint32_t>(*reinterpret_cast<volatile uint64_t*>(t.collective_state())) + 1;
-}
-__device__ __forceinline__ void finish_call(const TeamView& t, uint32_t epoch) {
-  uint64_t* state = t.collective_state();  // [0] calls completed, [1] blocks done in this call
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(reinterpret_cast<unsigned long long*>(state + 1), 1ull) + 1 == gridDim.x) {
-      state[1] = 0;
-      *reinterpret_cast<volatile uint64_t*>(state) = epoch;
-    }
-  }
-}
-
 // ---- reduce-scatter and two-shot all-reduce: push slices to their owners, reduce mine (and fan out) ---
 struct ReduceScatter {
   TeamView team;
@@ -372,7 +356,9 @@ template <Elem E, Reduce R>
 __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
   using T = typename ElemTraits<E>::T;
   const TeamView& t = x.team;
-  const uint32_t epoch = call_epoch(t);
+  // The call epoch (the workspace halves alternate by it), advanced by the last block to finish.
+  const CallEpoch calls{t.collective_state()};
+  const uint32_t epoch = static_cast<uint32_t>(calls.epoch());
   uint64_t* half = x.ll + (epoch & 1) * t.world * x.slot_words;
   auto word_of = [&](int p, uint64_t i) {  // word i of the data for rank p
     const uint32_t* w = x.in + p * x.in_peer_step + i;
@@ -403,7 +389,8 @@ __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
     else
       x.out[i] = mine;
   }
-  finish_call(t, epoch);
+  __syncthreads();
+  if (threadIdx.x == 0) calls.finished(gridDim.x);
 }
 
 }  // namespace weft::coll

@@ -26,6 +26,7 @@
 //             fp32 partials, and plain stores instead of read-modify-write at the owner.
 #pragma once
 #include "weft/comm/barrier.cuh"
+#include "weft/comm/call_epoch.cuh"
 #include "weft/comm/signal.cuh"
 #include "weft/ops/collectives.cuh"
 #include "weft/ops/gemm.cuh"
@@ -55,18 +56,9 @@ inline constexpr int pipe_arrived_flag(int pipeline, int r) {
 struct FusedSync {
   TeamView team;
   int done_target;  // finishers per call: consumer warpgroups of compute blocks + communicator blocks
-  __device__ uint64_t epoch() const {
-    return *reinterpret_cast<volatile uint64_t*>(team.user_flag(kFusedStateFlag)) + 1;
-  }
-  __device__ void done() const {  // this finisher reads the epoch no more
-    uint64_t* s = team.user_flag(kFusedStateFlag);
-    const uint64_t e = epoch();
-    __threadfence();
-    if (atomicAdd(reinterpret_cast<unsigned long long*>(s + 1), 1ull) + 1 == uint64_t(done_target)) {
-      s[1] = 0;
-      *reinterpret_cast<volatile uint64_t*>(s) = e;
-    }
-  }
+  __device__ CallEpoch calls() const { return CallEpoch{team.user_flag(kFusedStateFlag)}; }
+  __device__ uint64_t epoch() const { return calls().epoch(); }
+  __device__ void done() const { calls().finished(uint64_t(done_target)); }  // reads the epoch no more
 };
 
 // ---- all-gather + GEMM ---------------------------------------------------------------------------------
