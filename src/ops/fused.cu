@@ -344,8 +344,9 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
                           uint64_t(rows), uint64_t(n), uint64_t(n) * 2},
                          Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, "matmul_reduce_scatter: owner");
   // Every band of tiles spans all owners' rows where the rows split evenly and W is a power of two (each
-  // rank then sends to every owner at once: up to 6% faster, session 7, bench/RESULTS.md); ranks also
-  // start on different owners (rank r on rank r + 1's rows).
+  // rank then sends to every owner at once: up to 6% faster, session 7, bench/RESULTS.md). Ranks also start
+  // at different points of the tile sequence (rank r at (r + 1) / W of it: without the interleave, the
+  // start of rank r + 1's rows).
   if ((W & (W - 1)) == 0 && p.sched.units_m() % W == 0) p.sched.parts_log2 = __builtin_ctz(unsigned(W));
   p.sched.start_unit = static_cast<int>(int64_t((me + 1) % W) * p.sched.units() / W);
   p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);

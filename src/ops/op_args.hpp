@@ -17,8 +17,8 @@ inline uint64_t one_shot_max_bytes(int world) {
   return world == 2 ? (1u << 20) : (256u << 10);
 }
 // The head of the workspace is the one-shot region: two halves of `world` slots of ll_slot_bytes (the LL
-// protocol stores 8 bytes per 4 data bytes; the staged one-shot uses the first half of a slot), so a one-shot
-// call never overlaps what other ops keep after the head, and every slot has a fixed place.
+// protocol stores 8 bytes per 4 data bytes), so a one-shot call never overlaps what other ops keep after
+// the head, and every slot has a fixed place.
 inline uint64_t ll_slot_bytes(int world) {
   return 2ull * one_shot_max_bytes(world);
 }

@@ -17,13 +17,14 @@
 //             chunk a tile's rows touch.
 //   RsGemmOp  GEMM + reduce-scatter, intra-SM overlap. The storer TMA-stores each 64-row half tile (bf16)
 //             into the staging slot of this rank in the workspace of the rank owning those rows (one tensor
-//             map per owner); ranks start on different owners, so at any moment they write to different
-//             peers. One communicator block meets the team first (every owner has finished reading the
-//             previous call's staging) and raises a local flag the storers wait on before their first
-//             store. After the GEMM, coll::reduce_scatter_kernel in its pre-staged mode meets again (every
-//             rank's stores have landed) and sums the W slots of this rank's rows (all-reduce: into every
-//             rank's copy of the output). bf16 partials, as NCCL's ring sums them: half the link bytes of
-//             fp32 partials, and plain stores instead of read-modify-write at the owner.
+//             map per owner); the tile order deals the owners' rows round-robin (where they split evenly),
+//             so each rank writes to every owner at once. One communicator block meets the team first (every
+//             owner has finished reading the previous call's staging) and raises a local flag the storers
+//             wait on before their first store. After the GEMM, coll::reduce_scatter_kernel in its pre-staged
+//             mode meets again (every rank's stores have landed) and sums the W slots of this rank's rows
+//             (all-reduce: into every rank's copy of the output). bf16 partials, as NCCL's ring sums them:
+//             half the link bytes of fp32 partials, and plain stores instead of read-modify-write at the
+//             owner.
 #pragma once
 #include "weft/comm/barrier.cuh"
 #include "weft/comm/call_epoch.cuh"

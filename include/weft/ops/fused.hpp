@@ -6,8 +6,9 @@
 //                          rank and signal them; the GEMM's loader waits per chunk (local rows first).
 //   matmul_reduce_scatter  A [M, K] . B ([K, N] or [N, K]) summed over ranks; rank r gets rows
 //                          r*M/W..(r+1)*M/W of the [M, N] sum. Intra-SM overlap: the storer TMA-stores
-//                          every bf16 tile into its owner's staging slot for this rank (ranks start on
-//                          different owners), then one reduce kernel sums the W slots of the rank's rows.
+//                          every bf16 tile into its owner's staging slot for this rank (tile rows dealt
+//                          round-robin over the owners), then one reduce kernel sums the W slots of the
+//                          rank's rows.
 //   matmul_all_reduce      the same sum, all of [M, N] on every rank: as above, and the reduce kernel stores
 //                          the summed rows into every rank's out.
 //
