@@ -223,7 +223,14 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
     const uint64_t slice = main * esize / world;
     const bool sym_in = comm.in_heap(rank, in, bytes), sym_out = comm.in_heap(rank, out, bytes);
     const uint64_t ll = ll_region_bytes(world);
-    if (use_pull(main * esize <= kPullMaxBytes)) {
+    // Pushing stages in the workspace: buffers that live there themselves are pulled instead.
+    bool pull = use_pull(main * esize <= kPullMaxBytes);
+    const uint64_t push_ws = slice * world * (sym_out ? 1 : 2);
+    char* push_area = pull ? nullptr : c.workspace(ll + push_ws) + ll;
+    if (push_area &&
+        (Call::overlap(in, bytes, push_area, push_ws) || Call::overlap(out, bytes, push_area, push_ws)))
+      pull = true;
+    if (pull) {
       // Peers read my input directly (a copy in the workspace when it is not symmetric).
       char* ws = c.workspace(ll + (sym_in ? 0 : main * esize) + (sym_out ? 0 : main * esize));
       char* in_copy = ws + ll;
@@ -241,13 +248,12 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
       x.final_src = gather;
       launch_pull_reduce(c, x, dtype, op, true, main * esize);
     } else {
-      char* ws = c.workspace(ll + slice * world * (sym_out ? 1 : 2));
-      char* gather = ws + ll + slice * world;  // fan-out target when out is not symmetric
+      char* gather = push_area + slice * world;  // fan-out target when out is not symmetric
       coll::ReduceScatter x{};
       x.team = rank.view();
       x.in = Rows{const_cast<char*>(static_cast<const char*>(in)), 0};
       x.in_peer_step = slice;
-      x.staging = Rows{ws + ll, 0};
+      x.staging = Rows{push_area, 0};
       x.staging_step = slice;
       x.out = Rows{(sym_out ? static_cast<char*>(out) : gather) + rank.rank() * slice, 0};
       x.rows = 1;
@@ -339,8 +345,15 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
   const bool vec = vector_width({x.row_bytes, x.in.stride, x.in_peer_step, reinterpret_cast<uintptr_t>(in),
                                  reinterpret_cast<uintptr_t>(out)}) == 16;
   // Pull at every size by default: the pipelined push ties it from 256 MiB (4 x H200: 328 vs 328 GB/s busbw
-  // at 1 GiB) and loses at 64 MiB (186 vs 164 us); WEFT_COLL_VARIANT=push selects it.
-  if (!vec || use_pull(true)) {
+  // at 1 GiB) and loses at 64 MiB (186 vs 164 us); WEFT_COLL_VARIANT=push selects it. Pushing stages in the
+  // workspace: an input that lives there itself (the fused ops' sequential path reduces its GEMM output in
+  // place) is pulled instead.
+  char* staging = nullptr;
+  if (vec && !use_pull(true)) {
+    staging = c.workspace(ll + out_bytes * world) + ll;
+    if (Call::overlap(in, in_bytes, staging, out_bytes * world)) staging = nullptr;
+  }
+  if (staging == nullptr) {
     // Rank r reads slice r of every rank's input (from a workspace copy when the input is not symmetric).
     const bool sym_in = comm.in_heap(rank, in, in_bytes);
     char* ws = c.workspace(ll + (sym_in ? 0 : in_bytes));
@@ -356,8 +369,7 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
     launch_pull_reduce(c, y, dtype, op, vec, in_bytes);  // the workspace copy is 16-byte aligned
     return;
   }
-  char* ws = c.workspace(ll + out_bytes * world);
-  x.staging = Rows{ws + ll, dim == 0 ? 0 : x.row_bytes};
+  x.staging = Rows{staging, dim == 0 ? 0 : x.row_bytes};
   x.staging_step = out_bytes;
   x.out = Rows{static_cast<char*>(out), dim == 0 ? 0 : x.row_bytes};
   x.fanout = false;
