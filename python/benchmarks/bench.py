@@ -9,7 +9,8 @@ Three tables (rank 0 prints markdown):
   torch's symmetric-memory fused ops (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter),
   and weft; plus weft's relative error against the sequential torch result on the same inputs;
 - host time per weft call from Python (checks, pointer extraction, enqueue), per op.
-Device times: CUDA events around back-to-back calls, median of reps, max over ranks.
+Device times: CUDA events around back-to-back calls, median of reps, max over ranks; the matmul ops'
+candidates are measured alternately, round after round (median over rounds), as the GPUs' speed drifts.
 """
 import statistics
 import sys
@@ -42,6 +43,18 @@ def timed(fn, iters, reps=5):
         stop.synchronize()
         times.append(start.elapsed_time(stop) * 1e3 / iters)
     return team_max(statistics.median(times))
+
+
+def timed_alternating(fns, iters, rounds=3, reps=3):
+    """Like timed, for several callables measured in turn, round after round; each one's result is the median
+    over rounds. The GPUs' speed drifts during long heavy runs (up to ~40% for one call within a process on
+    4 x H200), so callables compared with each other are measured side by side, never one after the other."""
+    names = [k for k, f in fns.items() if f is not None]
+    per_round = {k: [] for k in names}
+    for _ in range(rounds):
+        for k in names:
+            per_round[k].append(timed(fns[k], iters, reps))
+    return {k: (statistics.median(per_round[k]) if k in per_round else None) for k in fns}
 
 
 def host_us(fn, calls=200, reps=7):
@@ -151,10 +164,10 @@ def bench_matmul_ops(comm, world, rank, group_name, symm, quick):
             comm.barrier()
             err = rel_err(weft.all_gather_matmul(a_sym, w.t(), out=out), ag_seq())
             fused = try_symm(lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [w.t()], 0, group_name))
-            rows.append({"op": "all_gather_matmul", "M": m, "N": n_glob, "K": k_glob,
-                         "torch seq us": timed(ag_seq, iters),
-                         "torch symm fused us": timed(fused, iters) if fused else "n/a",
-                         "weft us": timed(lambda: weft.all_gather_matmul(a_sym, w.t(), out=out), iters),
+            t = timed_alternating({"seq": ag_seq, "fused": fused,
+                                   "weft": lambda: weft.all_gather_matmul(a_sym, w.t(), out=out)}, iters)
+            rows.append({"op": "all_gather_matmul", "M": m, "N": n_glob, "K": k_glob, "torch seq us": t["seq"],
+                         "torch symm fused us": t["fused"] if fused else "n/a", "weft us": t["weft"],
                          "weft rel err": f"{err:.1e}"})
             del a_shard, a_sym, gathered, out
             # matmul_reduce_scatter / matmul_all_reduce: a [M, K/W], weight [N, K/W].
@@ -178,21 +191,20 @@ def bench_matmul_ops(comm, world, rank, group_name, symm, quick):
             rs_want = rs_seq().clone()
             err = rel_err(weft.matmul_reduce_scatter(a_sym, w.t(), out=torch.empty_like(rs_out)), rs_want)
             fused = try_symm(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w.t(), "sum", 0, group_name))
-            rows.append({"op": "matmul_reduce_scatter", "M": m, "N": n_glob, "K": k_glob,
-                         "torch seq us": timed(rs_seq, iters),
-                         "torch symm fused us": timed(fused, iters) if fused else "n/a",
-                         "weft us": timed(lambda: weft.matmul_reduce_scatter(a_sym, w.t(), out=rs_out), iters),
+            t = timed_alternating({"seq": rs_seq, "fused": fused,
+                                   "weft": lambda: weft.matmul_reduce_scatter(a_sym, w.t(), out=rs_out)}, iters)
+            rows.append({"op": "matmul_reduce_scatter", "M": m, "N": n_glob, "K": k_glob, "torch seq us": t["seq"],
+                         "torch symm fused us": t["fused"] if fused else "n/a", "weft us": t["weft"],
                          "weft rel err": f"{err:.1e}"})
             ar_want = ar_seq()
             err = rel_err(weft.matmul_all_reduce(a_sym, w.t(), out=ar_out), ar_want)
             # A symmetric out is the zero-copy path (an ordinary out costs a local copy of [M, N] at the end).
             ar_sym = torch.from_dlpack(comm.empty((m, n_glob), "bf16"))
-            rows.append({"op": "matmul_all_reduce", "M": m, "N": n_glob, "K": k_glob,
-                         "torch seq us": timed(ar_seq, iters), "torch symm fused us": "n/a (no such op)",
-                         "weft us": timed(lambda: weft.matmul_all_reduce(a_sym, w.t(), out=ar_out), iters),
-                         "weft rel err": f"{err:.1e}",
-                         "weft, symmetric out us": timed(lambda: weft.matmul_all_reduce(a_sym, w.t(), out=ar_sym),
-                                                         iters)})
+            t = timed_alternating({"seq": ar_seq, "weft": lambda: weft.matmul_all_reduce(a_sym, w.t(), out=ar_out),
+                                   "weft sym": lambda: weft.matmul_all_reduce(a_sym, w.t(), out=ar_sym)}, iters)
+            rows.append({"op": "matmul_all_reduce", "M": m, "N": n_glob, "K": k_glob, "torch seq us": t["seq"],
+                         "torch symm fused us": "n/a (no such op)", "weft us": t["weft"], "weft rel err": f"{err:.1e}",
+                         "weft, symmetric out us": t["weft sym"]})
             del a, w, a_sym, rs_out, ar_out, ar_want, rs_want, ar_sym
             torch.cuda.empty_cache()
     for r in rows:
