@@ -223,14 +223,7 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
     const uint64_t slice = main * esize / world;
     const bool sym_in = comm.in_heap(rank, in, bytes), sym_out = comm.in_heap(rank, out, bytes);
     const uint64_t ll = ll_region_bytes(world);
-    // Pushing stages in the workspace: buffers that live there themselves are pulled instead.
-    bool pull = use_pull(main * esize <= kPullMaxBytes);
-    const uint64_t push_ws = slice * world * (sym_out ? 1 : 2);
-    char* push_area = pull ? nullptr : c.workspace(ll + push_ws) + ll;
-    if (push_area &&
-        (Call::overlap(in, bytes, push_area, push_ws) || Call::overlap(out, bytes, push_area, push_ws)))
-      pull = true;
-    if (pull) {
+    if (use_pull(main * esize <= kPullMaxBytes)) {
       // Peers read my input directly (a copy in the workspace when it is not symmetric).
       char* ws = c.workspace(ll + (sym_in ? 0 : main * esize) + (sym_out ? 0 : main * esize));
       char* in_copy = ws + ll;
@@ -248,12 +241,13 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
       x.final_src = gather;
       launch_pull_reduce(c, x, dtype, op, true, main * esize);
     } else {
-      char* gather = push_area + slice * world;  // fan-out target when out is not symmetric
+      char* ws = c.workspace(ll + slice * world * (sym_out ? 1 : 2));
+      char* gather = ws + ll + slice * world;  // fan-out target when out is not symmetric
       coll::ReduceScatter x{};
       x.team = rank.view();
       x.in = Rows{const_cast<char*>(static_cast<const char*>(in)), 0};
       x.in_peer_step = slice;
-      x.staging = Rows{push_area, 0};
+      x.staging = Rows{ws + ll, 0};
       x.staging_step = slice;
       x.out = Rows{(sym_out ? static_cast<char*>(out) : gather) + rank.rank() * slice, 0};
       x.rows = 1;
