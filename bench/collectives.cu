@@ -138,18 +138,15 @@ void run_collective(Context& ctx, Coll which) {
                                       (hi && b > std::strtoull(hi, nullptr, 0));
                              }),
               sizes.end());
-  Table t(
-      fmt("%s, bf16, %d GPUs (%s): weft vs NCCL %d.%d.%d", coll_name(which), W,
-          ctx.env ? "one process per GPU" : "single-process", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
-      {"size", "count", "type", "NCCL time us", "NCCL busbw", "weft time us", "weft algbw", "weft busbw",
-       "#wrong", "speedup", "% link"},
-      link > 0
-          ? fmt("Times: CUDA graphs of many calls, slowest rank's median. busbw in GB/s; %% link = weft "
-                "busbw "
-                "over the per-GPU all-to-all egress measured just before (%.0f GB/s).",
-                link)
-          : std::string("Times: CUDA graphs of many calls, slowest rank's median. busbw in GB/s; % link: not "
-                        "measured with one process per GPU."));
+  Table t(fmt("%s, bf16, %d GPUs (%s): weft vs NCCL %d.%d.%d", coll_name(which), W,
+              ctx.env ? "one process per GPU" : "single-process", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
+          {"size", "count", "type", "NCCL time us", "NCCL busbw", "weft time us", "weft algbw", "weft busbw",
+           "#wrong", "speedup", "% link"},
+          "Times: CUDA graphs of many calls, slowest rank's median. busbw in GB/s; " +
+              (link > 0 ? fmt("%% link = weft busbw over the per-GPU all-to-all egress measured just before "
+                              "(%.0f GB/s).",
+                              link)
+                        : std::string("% link: not measured with one process per GPU.")));
   for (uint64_t size : sizes) {
     const Geometry g = geometry(which, size, W, 2);
     if (g.count % W != 0 && which == Coll::kAllToAll) continue;
