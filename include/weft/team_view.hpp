@@ -56,9 +56,9 @@ struct SignalPadLayout {
   static constexpr size_t kPeerTableOffset = kGridGenerationOffset + sizeof(uint64_t) * kBarrierSlots;
   // The first device wait failure of this rank (DeviceError).
   static constexpr size_t kErrorOffset = kPeerTableOffset + sizeof(uint64_t) * kMaxWorld;
-  // Collective call state: [0] calls completed, [1] blocks finished in the current call (local state).
-  static constexpr size_t kCollectiveStateOffset = kErrorOffset + 64;
-  static constexpr size_t kBytes = kCollectiveStateOffset + 64;
+  // one_shot_calls[block]: the LL one-shot calls block `block` of this rank has completed (local state).
+  static constexpr size_t kOneShotCallsOffset = kErrorOffset + 64;
+  static constexpr size_t kBytes = kOneShotCallsOffset + sizeof(uint64_t) * kBarrierSlots;
 };
 
 struct TeamView {
@@ -91,8 +91,8 @@ struct TeamView {
   WEFT_HD uint64_t* grid_arrive(int slot) const {
     return reinterpret_cast<uint64_t*>(pad() + SignalPadLayout::kGridArriveOffset) + slot;
   }
-  WEFT_HD uint64_t* collective_state() const {
-    return reinterpret_cast<uint64_t*>(pad() + SignalPadLayout::kCollectiveStateOffset);
+  WEFT_HD uint64_t* one_shot_calls(int block) const {
+    return reinterpret_cast<uint64_t*>(pad() + SignalPadLayout::kOneShotCallsOffset) + block;
   }
   WEFT_HD uint64_t* grid_generation(int slot) const {
     return reinterpret_cast<uint64_t*>(pad() + SignalPadLayout::kGridGenerationOffset) + slot;

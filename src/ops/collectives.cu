@@ -28,8 +28,13 @@ using coll::Rows;
 constexpr int kThreads = 512;
 using ops::ll_region_bytes;
 using ops::one_shot_max_bytes;
-// Two-shot all-reduce up to this size pulls (2 meetings, reads overlap); above, it pushes through staging,
-// which streams better at full bandwidth (4 x H200, 1 GiB: push 343-345 GB/s busbw, pull 320).
+// How a two-shot all-reduce or a reduce-scatter moves its data (the reduce half):
+//   kPull   every rank reads its slice from all peers at once (2 meetings; best latency)
+//   kSteps  the same one peer at a time, in a permutation of the GPUs
+//   kPush   pushes slices into the owners' staging, pipelined in groups
+// Up to kPullMaxBytes of input both pull; above, the all-reduce pushes (4 x H200, 1 GiB: 343-345 GB/s busbw
+// vs stepwise 337, pull 320) and the reduce-scatter steps.
+enum class Flow { kPull, kSteps, kPush };
 constexpr uint64_t kPullMaxBytes = 4 << 20;
 
 struct Call {
@@ -157,17 +162,21 @@ void launch_pull_reduce(Call& c, const coll::PullReduce& x, DType dt, ReduceOp o
   c.launched();
 }
 
-// Development knob: WEFT_COLL_VARIANT=push|pull picks the two-shot all-reduce / reduce-scatter data flow at
-// every size (for reduce-scatter it also skips the one-shot for small slices).
+// Development knob: WEFT_COLL_VARIANT=push|pull|steps picks the two-shot all-reduce / reduce-scatter data
+// flow at every size (for reduce-scatter it also skips the one-shot for small slices).
 const char* coll_variant() {  // read once: calls are on the hot path
   static const char* v = std::getenv("WEFT_COLL_VARIANT");
   return v;
 }
-bool use_pull(bool default_pull) {
+// The flow for `bytes` of input (`large`: the flow above kPullMaxBytes); push and steps move 16-byte packs
+// only (`vec`), else pull.
+Flow pick_flow(uint64_t bytes, Flow large, bool vec) {
   const char* v = coll_variant();
-  if (v && std::string(v) == "push") return false;
-  if (v && std::string(v) == "pull") return true;
-  return default_pull;
+  Flow f = bytes <= kPullMaxBytes ? Flow::kPull : large;
+  if (v && std::string(v) == "push") f = Flow::kPush;
+  if (v && std::string(v) == "pull") f = Flow::kPull;
+  if (v && std::string(v) == "steps") f = Flow::kSteps;
+  return vec ? f : Flow::kPull;
 }
 
 // One round: every rank sends each peer p `bytes` starting at in + p * in_peer_step (in_peer_step 0: the
@@ -184,8 +193,11 @@ void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_
                   (bytes + 3) / 4,
                   static_cast<uint32_t>(bytes % 4 ? 2 : 4),
                   reinterpret_cast<uint64_t*>(region),
-                  ops::ll_slot_bytes(world) / 8};
-  const int g = c.blocks(bytes * 8);  // LL moves 2x the bytes and polls: spread it wider
+                  ops::ll_slot_bytes(world) / 8,
+                  ops::ll_block_words(world)};
+  // LL moves 2x the bytes and polls: spread it wide, but every block's share must fit its part of a slot.
+  const int g = std::clamp<int>(c.blocks(bytes * 8), (x.words + x.block_words - 1) / x.block_words,
+                                ops::one_shot_max_blocks(world));
   with_elem(dt, [&](auto e) {
     with_reduce(op, [&](auto r) {
       detail::preload<&coll::one_shot_kernel<e.value, r.value>>();
@@ -223,7 +235,8 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
     const uint64_t slice = main * esize / world;
     const bool sym_in = comm.in_heap(rank, in, bytes), sym_out = comm.in_heap(rank, out, bytes);
     const uint64_t ll = ll_region_bytes(world);
-    if (use_pull(main * esize <= kPullMaxBytes)) {
+    const Flow flow = pick_flow(main * esize, Flow::kPush, true);
+    if (flow != Flow::kPush) {
       // Peers read my input directly (a copy in the workspace when it is not symmetric).
       char* ws = c.workspace(ll + (sym_in ? 0 : main * esize) + (sym_out ? 0 : main * esize));
       char* in_copy = ws + ll;
@@ -239,6 +252,7 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
       x.fanout = true;
       x.final_dst = sym_out ? nullptr : static_cast<char*>(out);
       x.final_src = gather;
+      x.stepwise = flow == Flow::kSteps;
       launch_pull_reduce(c, x, dtype, op, true, main * esize);
     } else {
       char* ws = c.workspace(ll + slice * world * (sym_out ? 1 : 2));
@@ -338,12 +352,13 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
   // The push kernel moves 16-byte packs only (its element-wise form would spill); other layouts pull.
   const bool vec = vector_width({x.row_bytes, x.in.stride, x.in_peer_step, reinterpret_cast<uintptr_t>(in),
                                  reinterpret_cast<uintptr_t>(out)}) == 16;
-  // Pull at every size by default: the pipelined push ties it from 256 MiB (4 x H200: 328 vs 328 GB/s busbw
+  // Never pushed by default: the pipelined push ties the pull from 256 MiB (4 x H200: 328 vs 328 GB/s busbw
   // at 1 GiB) and loses at 64 MiB (186 vs 164 us); WEFT_COLL_VARIANT=push selects it. Pushing stages in the
   // workspace: an input that lives there itself (the fused ops' sequential path reduces its GEMM output in
   // place) is pulled instead.
+  const Flow flow = pick_flow(in_bytes, Flow::kSteps, vec);
   char* staging = nullptr;
-  if (vec && !use_pull(true)) {
+  if (flow == Flow::kPush) {
     staging = c.workspace(ll + out_bytes * world) + ll;
     if (Call::overlap(in, in_bytes, staging, out_bytes * world)) staging = nullptr;
   }
@@ -360,6 +375,7 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
     y.rows = x.rows;
     y.row_bytes = x.row_bytes;
     y.fanout = false;
+    y.stepwise = flow == Flow::kSteps;
     launch_pull_reduce(c, y, dtype, op, vec, in_bytes);  // the workspace copy is 16-byte aligned
     return;
   }

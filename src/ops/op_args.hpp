@@ -18,9 +18,17 @@ inline uint64_t one_shot_max_bytes(int world) {
 }
 // The head of the workspace is the one-shot region: two halves of `world` slots of ll_slot_bytes (the LL
 // protocol stores 8 bytes per 4 data bytes), so a one-shot call never overlaps what other ops keep after
-// the head, and every slot has a fixed place.
+// the head, and every slot has a fixed place. A slot holds one fixed part of ll_block_words words per block
+// (each block keeps its own call count): a one-shot call runs on words / ll_block_words to
+// one_shot_max_blocks blocks. 1024 words per block (2 per thread) at most sizes, at most 128 blocks.
+inline uint64_t ll_block_words(int world) {
+  return std::max<uint64_t>(1024, one_shot_max_bytes(world) / 4 / 128);
+}
+inline int one_shot_max_blocks(int world) {
+  return static_cast<int>(one_shot_max_bytes(world) / 4 / ll_block_words(world));
+}
 inline uint64_t ll_slot_bytes(int world) {
-  return 2ull * one_shot_max_bytes(world);
+  return 8ull * ll_block_words(world) * one_shot_max_blocks(world);
 }
 inline uint64_t ll_region_bytes(int world) {
   return 2ull * world * ll_slot_bytes(world);

@@ -476,6 +476,21 @@ const SymmetricBuffer& Communicator::workspace(uint64_t bytes, bool capturing, i
   else if (ws)
     free(ws);
   ws = alloc(bytes);
+  // Zeroed before first use: flag protocols (the one-shot's LL words) must never find a matching value in
+  // memory recycled from an earlier buffer. A stream of its own, so queued work is not waited for; the
+  // host barrier keeps every peer from writing into a workspace its owner has not zeroed yet.
+  const CurrentDeviceGuard keep_device;
+  for (int i = 0; i < num_local(); ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(ranks_[i]->device_));
+    cudaStream_t s = nullptr;
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    const cudaError_t set = cudaMemsetAsync(ws.local[i], 0, ws.bytes, s);
+    const cudaError_t done = cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+    WEFT_CUDA_CHECK(set);
+    WEFT_CUDA_CHECK(done);
+  }
+  host_barrier();
   return ws;
 }
 
