@@ -136,55 +136,69 @@ std::string Table::json() const {
   return o + "]}";
 }
 
-// Captures `iters` calls per GPU (rotating buffer sets) into one graph per GPU, replays it `reps` times,
-// returns the slowest rank's median time per call in microseconds.
-double time_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams, int iters, int reps,
-                   const std::function<void(int)>& enqueue) {
-  const int W = comm.num_local();
-  std::vector<cudaGraphExec_t> exec(W);
-  for (int i = 0; i < W; ++i) {
-    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-    WEFT_CUDA_CHECK(cudaStreamBeginCapture(streams[i], cudaStreamCaptureModeRelaxed));
+// Captures `iters` calls per GPU (rotating buffer sets) of each candidate into one graph per GPU, replays
+// the candidates' graphs in turn `reps` times (after a warm-up round), and returns per candidate the slowest
+// rank's median time per call in microseconds. Taking turns keeps slow drift of the machine (clocks, heat)
+// out of the candidates' ratios.
+std::vector<double> time_graphs_alternating(Communicator& comm, const std::vector<cudaStream_t>& streams,
+                                            int iters, int reps,
+                                            const std::vector<std::function<void(int)>>& candidates) {
+  const int W = comm.num_local(), C = static_cast<int>(candidates.size());
+  std::vector<std::vector<cudaGraphExec_t>> exec(C, std::vector<cudaGraphExec_t>(W));
+  for (int c = 0; c < C; ++c) {
+    for (int i = 0; i < W; ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      WEFT_CUDA_CHECK(cudaStreamBeginCapture(streams[i], cudaStreamCaptureModeRelaxed));
+    }
+    for (int k = 0; k < iters; ++k) candidates[c](k);
+    for (int i = 0; i < W; ++i) {
+      cudaGraph_t g;
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      WEFT_CUDA_CHECK(cudaStreamEndCapture(streams[i], &g));
+      WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[c][i], g, 0));
+      WEFT_CUDA_CHECK(cudaGraphDestroy(g));
+    }
   }
-  for (int k = 0; k < iters; ++k) enqueue(k);
-  for (int i = 0; i < W; ++i) {
-    cudaGraph_t g;
-    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-    WEFT_CUDA_CHECK(cudaStreamEndCapture(streams[i], &g));
-    WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[i], g, 0));
-    WEFT_CUDA_CHECK(cudaGraphDestroy(g));
-  }
-  std::vector<std::vector<float>> ms(W);
+  std::vector<std::vector<std::vector<float>>> ms(C, std::vector<std::vector<float>>(W));
   std::vector<cudaEvent_t> start(W), stop(W);
   for (int i = 0; i < W; ++i) {
     WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
     WEFT_CUDA_CHECK(cudaEventCreate(&start[i]));
     WEFT_CUDA_CHECK(cudaEventCreate(&stop[i]));
   }
-  for (int rep = -1; rep < reps; ++rep) {  // rep -1: warm-up
-    for (int i = 0; i < W; ++i) {
-      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-      WEFT_CUDA_CHECK(cudaEventRecord(start[i], streams[i]));
-      WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], streams[i]));
-      WEFT_CUDA_CHECK(cudaEventRecord(stop[i], streams[i]));
+  for (int rep = -1; rep < reps; ++rep)  // rep -1: warm-up
+    for (int c = 0; c < C; ++c) {
+      for (int i = 0; i < W; ++i) {
+        WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+        WEFT_CUDA_CHECK(cudaEventRecord(start[i], streams[i]));
+        WEFT_CUDA_CHECK(cudaGraphLaunch(exec[c][i], streams[i]));
+        WEFT_CUDA_CHECK(cudaEventRecord(stop[i], streams[i]));
+      }
+      for (int i = 0; i < W; ++i) {
+        WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+        WEFT_CUDA_CHECK(cudaEventSynchronize(stop[i]));
+        float t = 0;
+        WEFT_CUDA_CHECK(cudaEventElapsedTime(&t, start[i], stop[i]));
+        if (rep >= 0) ms[c][i].push_back(t);
+      }
     }
-    for (int i = 0; i < W; ++i) {
-      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-      WEFT_CUDA_CHECK(cudaEventSynchronize(stop[i]));
-      float t = 0;
-      WEFT_CUDA_CHECK(cudaEventElapsedTime(&t, start[i], stop[i]));
-      if (rep >= 0) ms[i].push_back(t);
-    }
-  }
   comm.check_device_errors();
-  double worst = 0;
+  std::vector<double> worst(C, 0.0);
+  for (int c = 0; c < C; ++c)
+    for (int i = 0; i < W; ++i) {
+      worst[c] = std::max(worst[c], double(median(ms[c][i])) * 1000.0 / iters);
+      cudaGraphExecDestroy(exec[c][i]);
+    }
   for (int i = 0; i < W; ++i) {
-    worst = std::max(worst, double(median(ms[i])) * 1000.0 / iters);
-    cudaGraphExecDestroy(exec[i]);
     cudaEventDestroy(start[i]);
     cudaEventDestroy(stop[i]);
   }
   return worst;
+}
+
+double time_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams, int iters, int reps,
+                   const std::function<void(int)>& enqueue) {
+  return time_graphs_alternating(comm, streams, iters, reps, {enqueue})[0];
 }
 
 }  // namespace weft::bench

@@ -88,5 +88,10 @@ float median(std::vector<float> v);
 // us.
 double time_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams, int iters, int reps,
                    const std::function<void(int)>& enqueue);
+// The same for several candidates, their graphs replayed in turn (rep 1 of each, rep 2 of each, ...) so
+// that drift of the machine during the run does not bias their ratios; one time per candidate.
+std::vector<double> time_graphs_alternating(Communicator& comm, const std::vector<cudaStream_t>& streams,
+                                            int iters, int reps,
+                                            const std::vector<std::function<void(int)>>& candidates);
 
 }  // namespace weft::bench

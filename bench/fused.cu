@@ -3,7 +3,8 @@
 // GEMM), communication alone (the NCCL collective), weft (the fused op, which may itself fall back to its
 // sequential path: the "weft path" column says so), and weft over the bound max(compute, communication).
 // Shapes are global (N = K = 8192, N = 28672 / K = 8192): all_gather_matmul multiplies by an N/W column
-// slice, matmul_reduce_scatter / all_reduce by a K/W slice. Times: CUDA graphs, slowest rank's median.
+// slice, matmul_reduce_scatter / all_reduce by a K/W slice. Times: CUDA graphs, slowest rank's median; the
+// columns of a row are timed in turns (one replay of each, then the next round), so drift does not bias them.
 #include <cublas_v2.h>
 #include <nccl.h>
 
@@ -157,20 +158,17 @@ void run_fused(Context& ctx) {
             on_all(gemm_alone, false)(k);
             if (op != Op::kAG) on_all(comm_alone, true)(k);
           };
-          const double t_seq = team_max(time_graphs(*comm, streams, iters, reps, seq));
-          const double t_gemm = team_max(time_graphs(*comm, streams, iters, reps, on_all(gemm_alone, false)));
-          const double t_comm = team_max(time_graphs(*comm, streams, iters, reps, on_all(comm_alone, true)));
-          const double t_weft = team_max(time_graphs(*comm, streams, iters, reps, on_all(weft_call, false)));
-          const double t_wgemm =
-              team_max(time_graphs(*comm, streams, iters, reps, on_all(weft_gemm_alone, false)));
+          // Every path's workspace grown before any capture; then all candidates timed in turns.
           on_all(fused_call, false)(0);
-          comm->synchronize();
-          const double t_forced =
-              team_max(time_graphs(*comm, streams, iters, reps, on_all(fused_call, false)));
           on_all(pipelined_call, false)(0);
           comm->synchronize();
-          const double t_pipe =
-              team_max(time_graphs(*comm, streams, iters, reps, on_all(pipelined_call, false)));
+          const std::vector<double> times = time_graphs_alternating(
+              *comm, streams, iters, reps,
+              {seq, on_all(gemm_alone, false), on_all(comm_alone, true), on_all(weft_call, false),
+               on_all(weft_gemm_alone, false), on_all(fused_call, false), on_all(pipelined_call, false)});
+          double t_all[7];
+          for (int c = 0; c < 7; ++c) t_all[c] = team_max(times[c]);
+          const auto [t_seq, t_gemm, t_comm, t_weft, t_wgemm, t_forced, t_pipe] = t_all;
           t.add({op_name(op), std::to_string(M), std::to_string(N), std::to_string(K), fmt("%.1f", t_seq),
                  fmt("%.1f", t_gemm), fmt("%.1f", t_comm), fmt("%.1f", t_weft), fused_path_name(path),
                  fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm)),
