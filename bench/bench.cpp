@@ -139,7 +139,8 @@ std::string Table::json() const {
 // Captures `iters` calls per GPU (rotating buffer sets) of each candidate into one graph per GPU, replays
 // the candidates' graphs in turn `reps` times (after a warm-up round), and returns per candidate the slowest
 // rank's median time per call in microseconds. Taking turns keeps slow drift of the machine (clocks, heat)
-// out of the candidates' ratios.
+// out of the candidates' ratios; rotating who goes first keeps out what one candidate leaves the next (a
+// hot GPU after a long one).
 std::vector<double> time_graphs_alternating(Communicator& comm, const std::vector<cudaStream_t>& streams,
                                             int iters, int reps,
                                             const std::vector<std::function<void(int)>>& candidates) {
@@ -167,7 +168,8 @@ std::vector<double> time_graphs_alternating(Communicator& comm, const std::vecto
     WEFT_CUDA_CHECK(cudaEventCreate(&stop[i]));
   }
   for (int rep = -1; rep < reps; ++rep)  // rep -1: warm-up
-    for (int c = 0; c < C; ++c) {
+    for (int turn = 0; turn < C; ++turn) {
+      const int c = (turn + rep + 1) % C;  // each round starts one candidate later: no fixed place in it
       for (int i = 0; i < W; ++i) {
         WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
         WEFT_CUDA_CHECK(cudaEventRecord(start[i], streams[i]));
