@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(512) pull_reduce_kernel(PullReduce x) {
 // 8-byte store is seen whole or not at all.
 // Block b of every rank moves the same share, so each block keeps its own epoch (the one-shot calls it took
 // part in, the same count on every rank) and its own fixed part of each slot: no block waits for another,
-// and the call ends without a grid-wide count. Two halves alternate by epoch: block b writing its call n's
+// and the call ends without a grid-wide count. Two halves alternate by call: block b writing its call n's
 // half has finished its call n - 1, for which it waited on every peer's block b, so each of those had
 // finished its call n - 2, the last reader of that half of block b's part.
 struct OneShot {
@@ -422,9 +422,11 @@ __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
   constexpr int kLanes = 4 / sizeof(T);
   const TeamView& t = x.team;
   uint64_t* calls = t.one_shot_calls(blockIdx.x);
-  const uint32_t epoch = static_cast<uint32_t>(*reinterpret_cast<volatile uint64_t*>(calls) + 1);
+  const uint64_t call = *reinterpret_cast<volatile uint64_t*>(calls) + 1;
+  // The epoch in the words is never 0 (what a workspace holds before its first call), also after 2^32 calls.
+  const uint32_t epoch = static_cast<uint32_t>(call % 0xffffffffull) + 1;
   // Word j of this block's share, from rank s, lands at part[s * slot_words + j] of the receiver.
-  uint64_t* part = x.ll + (epoch & 1) * t.world * x.slot_words + blockIdx.x * x.block_words;
+  uint64_t* part = x.ll + (call & 1) * t.world * x.slot_words + blockIdx.x * x.block_words;
   auto word_of = [&](int p, uint64_t i) {  // word i of the data for rank p
     const uint32_t* w = x.in + p * x.in_peer_step + i;
     return (i + 1 == x.words && x.tail_bytes == 2) ? uint32_t(*reinterpret_cast<const uint16_t*>(w)) : *w;
@@ -467,7 +469,7 @@ __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
     }
   }
   __syncthreads();  // every thread has read the epoch; the next call (stream-ordered) reads the new one
-  if (threadIdx.x == 0) *calls = epoch;
+  if (threadIdx.x == 0) *calls = call;
 }
 
 }  // namespace weft::coll
