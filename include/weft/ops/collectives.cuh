@@ -59,6 +59,15 @@ struct Share {
   }
 };
 
+// Where unit i (of `unit` bytes) of a rows x per_row-units region lies: its row and its byte offset in
+// the row; at(x) is its address in region x. One row (contiguous data) skips the division.
+struct UnitAt {
+  uint64_t row, offset;
+  __device__ __forceinline__ UnitAt(uint64_t i, uint64_t rows, uint64_t per_row, uint64_t unit)
+      : row(rows == 1 ? 0 : i / per_row), offset((i - row * per_row) * unit) {}
+  __device__ __forceinline__ char* at(const Rows& x) const { return x.base + row * x.stride + offset; }
+};
+
 __device__ __forceinline__ bool meet(const TeamView& team) {
   return barrier_block(team, kCollectiveSlotBase + blockIdx.x);
 }
@@ -93,9 +102,8 @@ __device__ __forceinline__ void copy_chunk(Rows dst, Rows src, uint64_t rows, ui
     return;
   }
   for (uint64_t j = t; j < len; j += step) {
-    const uint64_t i = base + j, r = i / per_row, c = i - r * per_row;
-    *reinterpret_cast<U*>(dst.base + r * dst.stride + c * V) =
-        *reinterpret_cast<const U*>(src.base + r * src.stride + c * V);
+    const UnitAt u(base + j, rows, per_row, V);
+    *reinterpret_cast<U*>(u.at(dst)) = *reinterpret_cast<const U*>(u.at(src));
   }
 }
 
@@ -123,8 +131,8 @@ __device__ __forceinline__ void reduce_rows(const TeamView& team, Rows dst, SrcO
       rows * per_row,
       [&](uint64_t base, uint64_t len) {
         for (uint64_t i = base + threadIdx.x; i < base + len; i += blockDim.x) {
-          const uint64_t r = rows == 1 ? 0 : i / per_row, off = (i - r * per_row) * kLanes * sizeof(T);
-          auto at = [&](const Rows& x) { return x.base + r * x.stride + off; };
+          const UnitAt u(i, rows, per_row, kLanes * sizeof(T));
+          auto at = [&](const Rows& x) { return u.at(x); };
           T* out = reinterpret_cast<T*>(at(dst));
           if constexpr (kVec) {
             // Issue up to 8 sources' loads before combining any: remote loads overlap instead of queueing.
@@ -284,10 +292,7 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
 template <Elem E, Reduce R>
 __device__ __forceinline__ void combine_rows(Rows dst, Rows a, Rows b, uint64_t rows, uint64_t row_bytes) {
   const uint64_t per_row = row_bytes / 16;
-  auto at = [&](const Rows& x, uint64_t i) {
-    const uint64_t r = rows == 1 ? 0 : i / per_row;
-    return x.base + r * x.stride + (i - r * per_row) * 16;
-  };
+  auto at = [&](const Rows& x, uint64_t i) { return UnitAt(i, rows, per_row, 16).at(x); };
   for_each_chunk(rows * per_row, [&](uint64_t base, uint64_t len) {
     constexpr int kInFlight = 4;
     for (uint64_t j = threadIdx.x; j < len; j += kInFlight * blockDim.x) {
@@ -314,9 +319,9 @@ __device__ __forceinline__ void combine_rows(Rows dst, Rows a, Rows b, uint64_t 
 // fp32 and writes its output (two-shot all-reduce: into every rank's output). The exit meeting keeps
 // inputs alive until every reader is done. A non-symmetric input is first copied into the workspace.
 //
-// Stepwise (large messages): reading every peer at once streams ~15% below reading one peer at a time
-// (4 x H200: 323 vs 375 GB/s per GPU), so rank r instead reads peer r + 1, then r + 2, ..., adding each into
-// its output (the running sum rounds to the element type at each step, as a ring does), and fans the sum
+// Stepwise (large messages): in weft-bench transfer, reads from every peer at once reach 323 GB/s per GPU
+// and reads from one peer 375 (4 x H200), so rank r instead reads peer r + 1, then r + 2, ..., adding each
+// into its output (the running sum rounds to the element type at each step, as a ring does), and fans the sum
 // out one peer at a time too: at each step the ranks read from (and write to) a permutation of the GPUs.
 struct PullReduce {
   TeamView team;
