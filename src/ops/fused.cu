@@ -358,8 +358,10 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
 }
 
 // kAuto's choice, from weft-bench fused on 4x H200 at 4 and 2 GPUs (bench/RESULTS.md):
-// - all_gather_matmul with N <= 4096 per rank at M >= 8192 (communication outweighs the GEMM): the fused
-//   kernel (1.47-1.83x cuBLAS + NCCL at 4 GPUs; the pipeline 1.27-1.54x there; session 4).
+// - all_gather_matmul with N <= 4096 per rank at M >= 8192 (communication outweighs the GEMM), 4 GPUs: the
+//   fused kernel (1.47-1.83x cuBLAS + NCCL; the pipeline 1.27-1.54x there; session 4). At 2 GPUs the pipeline
+//   wins these (session 9, columns timed in turns: 785.5 vs 857.3 us at 8192^3, 1592.3 vs 1777.9 at M =
+//   16384, 3293.1 vs 3612.2 at 32768), so they take the rule below.
 // - matmul_reduce_scatter / matmul_all_reduce at 4 GPUs with M x N up to 2^27 (output up to 256 MiB): the
 //   fused kernel (session 6: 1.05-1.40x faster than the path chosen before, which was the pipeline from
 //   16 MiB pushes and cuBLAS + weft's collective below; session 7, with the owners' rows interleaved, also
@@ -374,8 +376,6 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
 // - below that, cuBLAS + weft's collective (1.03-1.36x cuBLAS + NCCL).
 // World sizes above 4 were not measured; they take the 4-GPU rule.
 FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int64_t k, int world) {
-  // At 2 GPUs the copy-engine pipeline wins every AG shape (4 x H200 pair, 2026-11-22: 774 vs 848 us at
-  // M = N = K = 8192, 1558 vs 1723 at M = 16384).
   if (all_gather && world >= 4 && m >= 8192 && n_per_rank <= 4096) return FusedPath::kFused;
   if (!all_gather && world >= 4 && m * n_per_rank <= (int64_t(1) << 27)) return FusedPath::kFused;
   const uint64_t push_bytes = uint64_t(m / world) * (all_gather ? k : n_per_rank) * 2;

@@ -105,7 +105,8 @@ class Communicator {
   void free(SymmetricBuffer& buf);
 
   // Scratch memory for ops: a symmetric buffer of at least `bytes`, grown collectively (every rank asks
-  // for the same sizes in the same order, as it does when every rank makes the same op calls). Growing
+  // for the same sizes in the same order, as it does when every rank makes the same op calls); a grown
+  // buffer reads zero on every rank before any rank's next op (flag protocols rely on it). Growing
   // allocates (and, with one local rank, frees the old buffer, which synchronizes the GPU), so it is refused
   // while `capturing` (a CUDA graph capture is in progress): run the op once before capturing, or call
   // reserve_workspace. With several local ranks the outgrown buffer stays mapped until synchronize() (or
