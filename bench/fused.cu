@@ -71,8 +71,11 @@ void run_fused(Context& ctx) {
       "weft collective) for this shape. weft gemm = weft::gemm alone on the compute shape; fused = "
       "the op with the fused kernel forced; pipelined = the op with the copy-engine pipeline "
       "forced (both: what kAuto's rule weighs).");
-  // WEFT_BENCH_FUSED_OPS=ag,rs,ar (default: all) picks the ops.
+  // WEFT_BENCH_FUSED_OPS=ag,rs,ar (default: all) picks the ops; WEFT_BENCH_PIPE_PIECES=n sets
+  // FusedOptions::pipeline_pieces for the weft and pipelined columns (tuning).
   const char* only = std::getenv("WEFT_BENCH_FUSED_OPS");
+  FusedOptions weft_options;
+  if (const char* p = std::getenv("WEFT_BENCH_PIPE_PIECES")) weft_options.pipeline_pieces = std::atoi(p);
   auto wanted = [&](Op op) {
     return !only || std::strstr(only, op == Op::kAG ? "ag" : op == Op::kRS ? "rs" : "ar");
   };
@@ -132,9 +135,9 @@ void run_fused(Context& ctx) {
             return matmul_all_reduce(*comm, r, wa.local[i], g[i].b, wo.local[i], M, gn, gk, nk, streams[i],
                                      o);
           };
-          auto weft_call = [&](int i) { path = call(i, FusedOptions{}); };
+          auto weft_call = [&](int i) { path = call(i, weft_options); };
           auto fused_call = [&](int i) { call(i, forced); };
-          FusedOptions pipelined;
+          FusedOptions pipelined = weft_options;
           pipelined.mode = FusedOptions::Mode::kPipelined;
           auto pipelined_call = [&](int i) { call(i, pipelined); };
           auto on_all = [&](auto&& f, bool nccl_group) {

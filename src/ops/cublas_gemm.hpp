@@ -15,8 +15,11 @@ namespace weft::ops {
 // the current device. One cuBLAS handle (with its own workspace) per device, created on the first call; that
 // call must not be inside a CUDA-graph capture (`capturing`: then it throws, saying so, with `where`).
 // Returns false (nothing launched) where cuBLAS cannot take the shape (a dimension above 2^31 - 1).
+// With `addend` (bf16 [M, N], may not overlap out): out = a . b + addend, the sum taken in fp32 in the GEMM's
+// epilogue (cublasLt, which unlike cublasGemmEx reads C from another buffer than it writes D to).
 bool cublas_gemm_bf16(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
-                      BLayout layout, cudaStream_t stream, bool capturing, const std::string& where);
+                      BLayout layout, cudaStream_t stream, bool capturing, const std::string& where,
+                      const void* addend = nullptr);
 
 // CUDA loads a cuBLAS kernel's module on its first launch on a GPU, and that load waits for the GPU's
 // running kernels. One host thread driving several ranks that has just launched a kernel waiting for its
@@ -24,6 +27,7 @@ bool cublas_gemm_bf16(const void* a, const void* b, void* out, int64_t m, int64_
 // kernel: the first time this shape (and pointer alignment) is seen on the current GPU, the GEMM runs once
 // into `out`, which the real call overwrites. Nothing happens while capturing (nothing runs then).
 void cublas_gemm_preload(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
-                         BLayout layout, cudaStream_t stream, bool capturing, const std::string& where);
+                         BLayout layout, cudaStream_t stream, bool capturing, const std::string& where,
+                         const void* addend = nullptr);
 
 }  // namespace weft::ops

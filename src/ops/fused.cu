@@ -4,6 +4,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "../runtime/driver.hpp"
 #include "cublas_gemm.hpp"
@@ -87,10 +88,12 @@ struct Call {
   }
   // The sequential path's GEMM: cuBLAS (never slower than the cuBLAS + NCCL baseline), weft::gemm where
   // cuBLAS cannot take the shape.
+  // With `addend`: out = a . b + addend (the pipeline's partial sums; cuBLAS only).
   void sequential_gemm(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
-                       BLayout layout) const {
-    if (!ops::cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, capturing, where))
-      gemm(a, b, out, m, n, k, layout, DType::kBF16, stream);
+                       BLayout layout, const void* addend = nullptr) const {
+    if (ops::cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, capturing, where, addend)) return;
+    WEFT_CHECK(!addend, where + "the pipelined path needs N and K below 2^31 (cuBLAS's limit)");
+    gemm(a, b, out, m, n, k, layout, DType::kBF16, stream);
   }
   // Grid of an LCSC op with `comm` communicator blocks: compute clusters fill the rest of the GPU.
   template <class Op>
@@ -105,16 +108,17 @@ struct Call {
 };
 
 // ---- copy-engine pipeline (FusedPath::kPipelined) -------------------------------------------------------
-// The GEMM runs as W row chunks of cuBLAS (every SM) on the caller's stream while the copy engines move
-// finished chunks (RS) or A shards (AG) between GPUs on a side stream, one peer at a time (rank + 1 first):
-// no SM spends time on communication. Stream writes and waits on signal-pad flags (ops::pipe_used_flag /
-// pipe_arrived_flag) order the two GPUs' streams; the pipeline's buffers are a workspace area of their own,
-// since peers write into them ahead of this rank's call. A push into rank r's area first waits for r to
-// clear this rank's used flag (r consumed the previous push), so no rank runs more than one call ahead.
+// The GEMM runs as row pieces of cuBLAS (every SM) on the caller's stream while the copy engines move
+// finished pieces (RS / AR) or A shards (AG) between GPUs on a side stream: no SM spends time on
+// communication. Stream writes and waits on signal-pad flags (ops::pipe_used_flag / pipe_arrived_flag) order
+// the GPUs' streams; the pipeline's buffers are a workspace area of their own, since peers write into them
+// ahead of this rank's call. A rank's first push into rank r in a call waits for r to clear this rank's used
+// flag (r consumed the previous call's pushes), so no rank runs more than one call ahead.
 
 struct PipeStreams {
-  cudaStream_t side = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr, gemm_done[2] = {}, copy_done[2] = {};
+  cudaStream_t side = nullptr;   // the copies
+  cudaStream_t waits = nullptr;  // the waits for peers' arrivals
+  cudaEvent_t fork = nullptr, join = nullptr, gemm_done = nullptr, arrived = nullptr;
 };
 
 // Per GPU, created on the first pipelined call (not under capture), never destroyed (as the cuBLAS handles).
@@ -128,54 +132,71 @@ PipeStreams& pipe_streams(int device, bool capturing, const std::string& where) 
                              "the first pipelined call on a GPU creates its copy stream, which a CUDA graph "
                              "capture does not allow: make one call before capturing");
   PipeStreams p;
-  WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&p.side, cudaStreamNonBlocking));
-  for (cudaEvent_t* e :
-       {&p.fork, &p.join, &p.gemm_done[0], &p.gemm_done[1], &p.copy_done[0], &p.copy_done[1]})
+  for (cudaStream_t* st : {&p.side, &p.waits})
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking));
+  for (cudaEvent_t* e : {&p.fork, &p.join, &p.gemm_done, &p.arrived})
     WEFT_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   return all.emplace(device, p).first->second;
 }
 
 class Pipeline {
  public:
-  // Forks the side stream off the caller's (everything before this call is ordered before its copies).
+  // Forks the side streams off the caller's (everything before this call is ordered before their work).
   Pipeline(Call& c, int id)
-      : c_(c), id_(id), me_(c.rank.rank()), s_(pipe_streams(c.rank.device(), c.capturing, c.where)) {
+      : c_(c),
+        id_(id),
+        me_(c.rank.rank()),
+        claimed_(c.rank.world()),
+        s_(pipe_streams(c.rank.device(), c.capturing, c.where)) {
     WEFT_CUDA_CHECK(cudaEventRecord(s_.fork, c_.stream));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(s_.side, s_.fork));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(s_.waits, s_.fork));
   }
-  cudaStream_t side() const { return s_.side; }
-  PipeStreams& events() { return s_; }
-  // Side stream: once `to` has consumed this rank's previous push, copy `bytes` from `src` (this GPU) to
-  // rank `to`'s copy of `dst` (a pointer into this rank's pipeline area), then raise `to`'s arrival flag.
-  void push(int to, char* dst, const void* src, uint64_t bytes) const {
-    wait_eq(s_.side, flag(ops::pipe_used_flag(id_, to), me_), 0);
-    write(s_.side, flag(ops::pipe_used_flag(id_, to), me_), 1);
+  // Caller's stream to side stream: the side stream's next work waits for the caller's work so far.
+  void side_waits() const {
+    WEFT_CUDA_CHECK(cudaEventRecord(s_.gemm_done, c_.stream));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(s_.side, s_.gemm_done));
+  }
+  // Side stream: copy `bytes` from `src` (this GPU) to rank `to`'s copy of `dst` (a pointer into a symmetric
+  // buffer of this rank), then set `to`'s arrival count for this rank to `count` (the pieces pushed to `to`
+  // so far in this call). The first push to a peer in a call waits until it has consumed the previous call's.
+  void push(int to, char* dst, const void* src, uint64_t bytes, uint32_t count = 1) {
+    if (!claimed_[to]) {
+      wait_value(s_.side, flag(ops::pipe_used_flag(id_, to), me_), 0, CU_STREAM_WAIT_VALUE_EQ);
+      write(s_.side, flag(ops::pipe_used_flag(id_, to), me_), 1);
+      claimed_[to] = true;
+    }
     WEFT_CUDA_CHECK(
         cudaMemcpyAsync(c_.rank.peer_ptr(dst, to), src, bytes, cudaMemcpyDeviceToDevice, s_.side));
-    write(s_.side, flag(ops::pipe_arrived_flag(id_, me_), to), 1);
+    write(s_.side, flag(ops::pipe_arrived_flag(id_, me_), to), count);
   }
-  // Caller's stream: wait until `from`'s push has landed here.
-  void wait_arrival(int from) const { wait_eq(c_.stream, flag(ops::pipe_arrived_flag(id_, from), me_), 1); }
-  // This rank's arrival flags (indexed by source), for a kernel to wait on.
-  const uint64_t* arrivals() const { return flag(ops::pipe_arrived_flag(id_, 0), me_); }
-  // Caller's stream, after everything pushed here was consumed: clear the arrivals, free every peer to push
-  // again; then join the side stream back.
+  // Caller's stream: what comes next waits until `from` has pushed `count` pieces here in this call. The
+  // wait itself runs on a stream of its own, during the caller's current GEMM, and the caller's stream only
+  // takes an event edge: a stream wait between two GEMMs cost ~10 us each (2 x H200, session 10).
+  void wait_arrivals(int from, uint32_t count = 1) const {
+    wait_value(s_.waits, flag(ops::pipe_arrived_flag(id_, from), me_), count, CU_STREAM_WAIT_VALUE_GEQ);
+    WEFT_CUDA_CHECK(cudaEventRecord(s_.arrived, s_.waits));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(c_.stream, s_.arrived));
+  }
+  // Caller's stream, after everything pushed here was consumed: clear the arrival counts, free every peer to
+  // push again; then join the side streams back.
   void finish() const {
     for (int r = 0; r < c_.rank.world(); ++r)
       if (r != me_) {
         write(c_.stream, flag(ops::pipe_arrived_flag(id_, r), me_), 0);
         write(c_.stream, flag(ops::pipe_used_flag(id_, me_), r), 0);
       }
-    WEFT_CUDA_CHECK(cudaEventRecord(s_.join, s_.side));
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(c_.stream, s_.join));
+    for (cudaStream_t st : {s_.side, s_.waits}) {
+      WEFT_CUDA_CHECK(cudaEventRecord(s_.join, st));
+      WEFT_CUDA_CHECK(cudaStreamWaitEvent(c_.stream, s_.join));
+    }
   }
 
  private:
   uint64_t* flag(int index, int r) const { return c_.rank.peer_ptr(c_.rank.view().user_flag(index), r); }
-  // The flags are 64-bit words holding 0 or 1: 32-bit stream operations on their low half.
-  static void wait_eq(cudaStream_t s, uint64_t* f, uint32_t v) {
-    WEFT_CU_CHECK(
-        driver().cuStreamWaitValue32(s, reinterpret_cast<CUdeviceptr>(f), v, CU_STREAM_WAIT_VALUE_EQ));
+  // The flags are 64-bit words holding small counts: 32-bit stream operations on their low half.
+  static void wait_value(cudaStream_t s, uint64_t* f, uint32_t v, unsigned how) {
+    WEFT_CU_CHECK(driver().cuStreamWaitValue32(s, reinterpret_cast<CUdeviceptr>(f), v, how));
   }
   static void write(cudaStream_t s, uint64_t* f, uint32_t v) {  // ordered after the stream's earlier work
     WEFT_CU_CHECK(
@@ -183,6 +204,7 @@ class Pipeline {
   }
   Call& c_;
   int id_, me_;
+  std::vector<bool> claimed_;  // peers pushed to in this call
   PipeStreams& s_;
 };
 
@@ -205,7 +227,7 @@ void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* 
   for (int s = 1; s < W; ++s) p.push((me + s) % W, g + me * shard, a_shard, shard);
   for (int s = 0; s < W; ++s) {
     const int r = (me - s + W) % W;
-    if (r != me) p.wait_arrival(r);
+    if (r != me) p.wait_arrivals(r);
     c.sequential_gemm(a_of(r), b, out_of(r), rows, n, k, layout);
   }
   if (gathered_a)
@@ -215,16 +237,138 @@ void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* 
   p.finish();
 }
 
-// The end of both reduce-scatter paths: every rank's partial of this rank's rows (slice bytes each) sits in
-// this rank's `inbox`, slot by source rank; the reduce-scatter kernel (pre-staged) sums them into `out` — or,
-// for all-reduce, into every rank's copy of out, through `gather` (workspace) when out is not symmetric. It
-// starts once arrived[s] reads 1 for every source s, or, without flags, at its entry meeting.
-void reduce_staged(Call& c, char* inbox, uint64_t slice, void* out, char* gather, bool all_reduce,
-                   const uint64_t* arrived) {
+// Row bounds [0, .., rows] of `count` equal pieces, whole 64-row multiples where the rows allow; with
+// `tail_rows`, the last piece halved again and again down to about tail_rows, so that what must follow the
+// last GEMM (the all-reduce's fan-out of it) is short.
+std::vector<int64_t> piece_bounds(int64_t rows, int count, int64_t tail_rows = 0) {
+  count = static_cast<int>(std::clamp<int64_t>(count, 1, rows));
+  int64_t per = (rows + count - 1) / count;
+  if (rows >= 64 * int64_t(count)) per = (per + 63) / 64 * 64;
+  std::vector<int64_t> b;
+  for (int64_t r = 0; r < rows; r += per) b.push_back(r);
+  if (tail_rows > 0)
+    while (rows - b.back() >= 2 * tail_rows)
+      b.push_back(b.back() + std::max<int64_t>((rows - b.back()) / 2 / 64 * 64, tail_rows));
+  b.push_back(rows);
+  return b;
+}
+
+// The order of a ring pipeline's GEMMs: piece j of step s for steps 0..steps-1, pieces 0..pieces-1, by
+// diagonals s + j (within one, by step). Piece (s, j) needs the previous rank's (s - 1, j), which that rank
+// made on the diagonal before, so at least one GEMM ran here while it was pushed. The last step's last piece
+// comes last; it may stand for `last_extra` + 1 smaller ones (piece_bounds' tail).
+struct RingItem {
+  int step, piece;
+};
+std::vector<RingItem> ring_order(int steps, int pieces, int last_extra) {
+  std::vector<RingItem> order;
+  for (int d = 0; d < steps + pieces - 1; ++d)
+    for (int s = std::max(0, d - pieces + 1); s <= std::min(steps - 1, d); ++s) order.push_back({s, d - s});
+  for (int j = 1; j <= last_extra; ++j) order.push_back({steps - 1, pieces - 1 + j});
+  return order;
+}
+
+// matmul_reduce_scatter / matmul_all_reduce: a ring reduce-scatter whose additions run in the GEMM's
+// epilogue (cublasLt, out = a . b + partial). At step s = 0..W-1 rank r computes the rows of rank
+// (r - s - 1) mod W (its own last), adding from step 1 on the partial sum of those rows that rank r - 1 made
+// at its step s - 1 and pushed into this rank's inbox (in place there); below the last step it pushes its sum
+// on to rank r + 1. Steps run in row pieces in ring_order, each pushed as soon as it is computed, so no step
+// waits for a whole push and no reduce pass remains (2 GPUs: the peer's rows, then this rank's own plus the
+// peer's partial). All-reduce: each final piece also goes to every peer's out (through the workspace when out
+// is not symmetric: copied into out at the end).
+void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
+                  BLayout layout, bool all_reduce, int pieces_wanted) {
+  const int W = c.rank.world(), me = c.rank.rank(), next = (me + 1) % W, prev = (me + W - 1) % W;
+  if (W == 1) return c.sequential_gemm(a, b, out, m, n, k, layout);
+  const int64_t rows = m / W;
+  const uint64_t row_bytes = n * 2, slice = rows * row_bytes;
+  // Two pieces per step measured best (2 x H200, bench/RESULTS.md: each more costs ~5-9 us of stream
+  // memops and GEMM ramps, and one stalls every step for a whole push); the all-reduce's last step halves its
+  // last piece down to ~4 MiB or an eighth of the rows, for a short fan-out after the last GEMM.
+  const std::vector<int64_t> ring = piece_bounds(rows, pieces_wanted > 0 ? pieces_wanted : 2);
+  const int pieces = int(ring.size()) - 1;
+  const std::vector<int64_t> last =
+      all_reduce
+          ? piece_bounds(rows, pieces,
+                         std::max<int64_t>(64, std::min<int64_t>(rows / 8, (4 << 20) / row_bytes) / 64 * 64))
+          : ring;
+  auto bounds_of = [&](int s) -> const std::vector<int64_t>& { return s == W - 1 ? last : ring; };
+  const bool sym_out = all_reduce && c.comm.in_heap(c.rank, out, m * n * 2);
+  char* gather = all_reduce && !sym_out ? c.workspace(m * n * 2) : nullptr;  // grown before anything waits
+  // Inbox slice s - 1 takes rank r - 1's step s - 1 (for this rank's step s); step 0 is made in `staging`.
+  char* inbox = c.pipeline_area(Communicator::kRsPipelineArea, W * slice);
+  char* staging = inbox + (W - 1) * slice;
+  char* my_rows = static_cast<char*>(out) + (all_reduce ? me * slice : 0);
+  auto a_at = [&](int s, int64_t row) {  // A's rows computed at step s, from `row` of that chunk on
+    return static_cast<const char*>(a) + (((me + W - s - 1) % W) * rows + row) * k * 2;
+  };
+  auto partial_at = [&](int s, int64_t row) -> char* {
+    return s == 0 ? nullptr : inbox + (s - 1) * slice + row * row_bytes;
+  };
+  auto dst_at = [&](int s, int64_t row) {
+    return s == 0 ? staging + row * row_bytes : s < W - 1 ? partial_at(s, row) : my_rows + row * row_bytes;
+  };
+  // Arrival counts, the same on every rank: the pushes to the next rank (every piece below the last step,
+  // and with all-reduce the final ones too) and the final pieces (the fan-out to the other peers), each
+  // numbered in ring order; pushed_to_next[i] / finals[i] count them up to item i.
+  const std::vector<RingItem> order = ring_order(W, pieces, int(last.size() - ring.size()));
+  std::vector<uint32_t> pushed_to_next(order.size()), finals(order.size());
+  std::vector<size_t> index_of(size_t(W) * pieces);  // of the ring steps' items
+  for (size_t i = 0, to_next = 0, final = 0; i < order.size(); ++i) {
+    const bool is_final = order[i].step == W - 1;
+    to_next += !is_final || all_reduce;
+    final += is_final;
+    pushed_to_next[i] = uint32_t(to_next);
+    finals[i] = uint32_t(final);
+    if (!is_final) index_of[size_t(order[i].step) * pieces + order[i].piece] = i;
+  }
+  // One thread driving several ranks: load cuBLAS's kernels before this stream waits for peers.
+  if (c.comm.num_local() > 1)
+    for (const RingItem& it : order) {
+      const int64_t r0 = bounds_of(it.step)[it.piece], nr = bounds_of(it.step)[it.piece + 1] - r0;
+      ops::cublas_gemm_preload(a_at(it.step, r0), b, dst_at(it.step, r0), nr, n, k, layout, c.stream,
+                               c.capturing, c.where, partial_at(it.step, r0));
+    }
+  Pipeline p(c, 1);
+  for (size_t i = 0; i < order.size(); ++i) {
+    const int s = order[i].step, j = order[i].piece;
+    const int64_t r0 = bounds_of(s)[j], nr = bounds_of(s)[j + 1] - r0;
+    if (s > 0) {  // the previous rank's piece of step s - 1 holding this one's rows has landed
+      const auto holding = std::lower_bound(ring.begin(), ring.end(), r0 + nr) - ring.begin() - 1;
+      p.wait_arrivals(prev, pushed_to_next[index_of[size_t(s - 1) * pieces + holding]]);
+    }
+    c.sequential_gemm(a_at(s, r0), b, dst_at(s, r0), nr, n, k, layout, partial_at(s, r0));
+    if (s < W - 1) {
+      p.side_waits();
+      p.push(next, partial_at(s + 1, r0), dst_at(s, r0), nr * row_bytes, pushed_to_next[i]);
+    } else if (all_reduce) {
+      p.side_waits();
+      for (int t = 1; t < W; ++t) {
+        const int to = (me + t) % W;
+        p.push(to, (sym_out ? my_rows : gather + me * slice) + r0 * row_bytes, dst_at(s, r0), nr * row_bytes,
+               to == next ? pushed_to_next[i] : finals[i]);
+      }
+    }
+  }
+  if (all_reduce)
+    for (int q = 0; q < W; ++q) {
+      if (q == me) continue;
+      p.wait_arrivals(q, q == prev ? pushed_to_next.back() : finals.back());
+      if (gather)
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + q * slice, gather + q * slice, slice,
+                                        cudaMemcpyDeviceToDevice, c.stream));
+    }
+  p.finish();
+}
+
+// The fused RS / AR kernels' end: every rank's partial of this rank's rows (slice bytes each) sits in this
+// rank's `inbox`, slot by source rank (stored by the kernel before its exit meeting); the reduce-scatter
+// kernel sums them into `out` — or, for all-reduce, into every rank's copy of out, through `gather`
+// (workspace) when out is not symmetric.
+void reduce_staged(Call& c, char* inbox, uint64_t slice, void* out, char* gather, bool all_reduce) {
   const int me = c.rank.rank();
   coll::ReduceScatter x{};
   x.team = c.rank.view();
-  x.arrived = arrived;
   x.staged = true;
   x.staging = coll::Rows{inbox, 0};
   x.staging_step = slice;
@@ -240,37 +384,6 @@ void reduce_staged(Call& c, char* inbox, uint64_t slice, void* out, char* gather
   detail::preload<kernel>();
   kernel<<<blocks, 512, 0, c.stream>>>(x);
   WEFT_CUDA_CHECK(cudaGetLastError());
-}
-
-// matmul_reduce_scatter (and the first half of matmul_all_reduce): the GEMM makes the rows every peer owns,
-// rank + 1's first, into two alternating staging slices; the copy engine pushes each into its owner's area
-// (slot of this rank) while the next is computed; this rank's own rows go straight into its own slot. Then
-// the reduce-scatter kernel (pre-staged: it waits for the arrivals) sums the W slots into `out` — with
-// `gather` (AR) also into every rank's copy of out, or of the workspace when out is not symmetric.
-void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
-                  BLayout layout, bool all_reduce) {
-  const int W = c.rank.world(), me = c.rank.rank();
-  const int64_t rows = m / W;
-  const uint64_t slice = rows * n * 2;
-  const bool sym_out = all_reduce && c.comm.in_heap(c.rank, out, m * n * 2);
-  char* gather = all_reduce && !sym_out ? c.workspace(m * n * 2) : nullptr;  // grown before anything waits
-  char* inbox = c.pipeline_area(Communicator::kRsPipelineArea, (W + 2) * slice);
-  char* staging = inbox + W * slice;
-  auto a_of = [&](int r) { return static_cast<const char*>(a) + r * rows * k * 2; };
-  Pipeline p(c, 1);
-  PipeStreams& ev = p.events();
-  for (int s = 1; s < W; ++s) {
-    const int to = (me + s) % W, slot = (s - 1) % 2;
-    if (s >= 3) WEFT_CUDA_CHECK(cudaStreamWaitEvent(c.stream, ev.copy_done[slot]));  // slot pushed out
-    c.sequential_gemm(a_of(to), b, staging + slot * slice, rows, n, k, layout);
-    WEFT_CUDA_CHECK(cudaEventRecord(ev.gemm_done[slot], c.stream));
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(p.side(), ev.gemm_done[slot]));
-    p.push(to, inbox + me * slice, staging + slot * slice, slice);
-    WEFT_CUDA_CHECK(cudaEventRecord(ev.copy_done[slot], p.side()));
-  }
-  c.sequential_gemm(a_of(me), b, inbox + me * slice, rows, n, k, layout);
-  reduce_staged(c, inbox, slice, out, gather, all_reduce, p.arrivals());
-  p.finish();
 }
 
 template <class Op, bool kKMajor>
@@ -354,7 +467,7 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
   p.shard_rows = static_cast<int>(rows);
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
-  reduce_staged(c, inbox, slice, out, gathers ? inbox + W * slice : nullptr, all_reduce, nullptr);
+  reduce_staged(c, inbox, slice, out, gathers ? inbox + W * slice : nullptr, all_reduce);
 }
 
 // kAuto's choice, from weft-bench fused on 4x H200 at 4 and 2 GPUs (bench/RESULTS.md):
@@ -366,8 +479,9 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
 //   fused kernel (session 6: 1.05-1.40x faster than the path chosen before, which was the pipeline from
 //   16 MiB pushes and cuBLAS + weft's collective below; session 7, with the owners' rows interleaved, also
 //   at M x N = 2^27: RS 16384 x 8192 982-984 vs 1015-1038 us, AR 1430-1441 vs 1513-1550, two runs; above
-//   2^27 the pipeline ties or wins). At 2 GPUs the pipeline or the sequential path won everywhere but
-//   M = 1024, N = 8192 (within 4%).
+//   2^27 the pipeline ties or wins). At 2 GPUs below 2^25 (session 10, against the ring pipeline: RS 1024 x
+//   8192 116.5 vs 138.3 us, 1024 x 28672 401.2 vs 449.2; AR 137.6 vs 172.6, 442.6 vs 497.4; at 2048 x 8192
+//   within 2-5%); from 2^25 on the ring pipeline wins at 2 GPUs (4096 x 8192: RS 434.0 vs 453.2).
 // - elsewhere the copy-engine pipeline once each push (M / W rows of A for AG, of the output for RS / AR)
 //   is >= 16 MiB, or >= 8 MiB at 2 GPUs (one push per call instead of W - 1 in a row). It won 1.04-1.51x at
 //   4 GPUs and 1.07-1.47x at 2 GPUs (session 4); with 8 MiB pushes at 4 GPUs it lost (0.84-0.98x). The
@@ -378,6 +492,7 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
 FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int64_t k, int world) {
   if (all_gather && world >= 4 && m >= 8192 && n_per_rank <= 4096) return FusedPath::kFused;
   if (!all_gather && world >= 4 && m * n_per_rank <= (int64_t(1) << 27)) return FusedPath::kFused;
+  if (!all_gather && world == 2 && m * n_per_rank < (int64_t(1) << 25)) return FusedPath::kFused;
   const uint64_t push_bytes = uint64_t(m / world) * (all_gather ? k : n_per_rank) * 2;
   const bool one_push = world == 2 && !(all_gather && n_per_rank > 4096);
   return push_bytes >= (one_push ? 8u << 20 : 16u << 20) ? FusedPath::kPipelined : FusedPath::kSequential;
@@ -443,7 +558,7 @@ FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, c
   c.check_operands(a, "a", m, b, out, rows, m, n, k, layout);
   const FusedPath path = c.path(o, m, rs_why_not(c, m), auto_path(false, m, n, k, rank.world()));
   if (path == FusedPath::kPipelined) {
-    pipelined_rs(c, a, b, out, m, n, k, layout, false);
+    pipelined_rs(c, a, b, out, m, n, k, layout, false, o.pipeline_pieces);
     return path;
   }
   if (path == FusedPath::kSequential) {
@@ -468,7 +583,7 @@ FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const
   c.check_operands(a, "a", m, b, out, m, m, n, k, layout);
   const FusedPath path = c.path(o, m, rs_why_not(c, m), auto_path(false, m, n, k, W));
   if (path == FusedPath::kPipelined) {
-    pipelined_rs(c, a, b, out, m, n, k, layout, true);
+    pipelined_rs(c, a, b, out, m, n, k, layout, true, o.pipeline_pieces);
     return path;
   }
   if (path == FusedPath::kSequential) {

@@ -105,11 +105,12 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
       out(c, out_rows * n * 2, sym), gathered(c, m * k * 2, sym);
   FusedOptions o;
   o.mode = mode;
-  o.comm_blocks = int(seed % 3) * 4;  // 0 (auto), 4, 8
+  o.comm_blocks = int(seed % 3) * 4;      // 0 (auto), 4, 8
+  o.pipeline_pieces = int(seed / 3 % 4);  // 0 (auto), 1, 2, 3
   if (std::getenv("WEFT_TEST_VERBOSE"))
-    std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d\n", int(op), (long long)m,
-                 (long long)n, (long long)k, nk ? "NK" : "KN", mode_name(mode), sym ? "sym" : "device",
-                 o.comm_blocks);
+    std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d\n", int(op),
+                 (long long)m, (long long)n, (long long)k, nk ? "NK" : "KN", mode_name(mode),
+                 sym ? "sym" : "device", o.comm_blocks, o.pipeline_pieces);
   for (int i = 0; i < c.num_local(); ++i) {
     const int r = c.local(i).rank();
     const __nv_bfloat16* a_src = op == Op::kAG ? a[0].h.data() + r * s.shard * k : a[r].h.data();
@@ -211,9 +212,9 @@ WEFT_GPU_TEST(fused_ops_back_to_back) {
 }
 
 // RS / AR at a size where blocks take several tiles, of every owner, with a partial last tile column: the
-// fused kernel against the sequential path (cuBLAS + weft's collective) on the same inputs, and repeated: the
-// fused result must be the same bits every time (a fixed summation order; a difference between runs is a
-// race).
+// fused kernel and the pipeline (in 3 pieces per step) against the sequential path (cuBLAS + weft's
+// collective) on the same inputs, and repeated: each result must be the same bits every time (a fixed
+// summation order; a difference between runs is a race).
 WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
   Communicator& c = ctx.comm();
   const int W = c.world();
@@ -231,6 +232,7 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
     auto run = [&](RankBuffers& dst, Mode mode) {
       FusedOptions o;
       o.mode = mode;
+      o.pipeline_pieces = 3;
       for (int i = 0; i < c.num_local(); ++i) poison(c, i, dst.ptr[i], out_rows * n * 2);
       c.host_barrier();
       for (int i = 0; i < c.num_local(); ++i) {
@@ -243,25 +245,29 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
       c.synchronize();
     };
     run(ref, Mode::kSequential);
-    std::vector<std::vector<__nv_bfloat16>> first(c.num_local());
-    for (int rep = 0; rep < 3; ++rep) {
-      run(out, Mode::kFused);
-      for (int i = 0; i < c.num_local(); ++i) {
-        const int r = c.local(i).rank();
-        const auto got = get(c, i, out.ptr[i], out_rows * n);
-        const auto want = get(c, i, ref.ptr[i], out_rows * n);
-        const std::vector<double> want_d(want.begin(), want.end());
-        const std::string err = compare(got, want_d);
-        WEFT_EXPECT(err.empty(), (op == Op::kRS ? "matmul_reduce_scatter" : "matmul_all_reduce")
-                                     << " M=" << m << " rep " << rep << " rank " << r << ": " << err);
-        if (rep == 0)
-          first[i] = got;
-        else
-          WEFT_EXPECT(std::memcmp(got.data(), first[i].data(), got.size() * 2) == 0,
-                      (op == Op::kRS ? "matmul_reduce_scatter" : "matmul_all_reduce")
-                          << " rank " << r << ": rep " << rep << " differs from rep 0 (a race?)");
+    for (Mode mode : {Mode::kFused, Mode::kPipelined}) {
+      std::vector<std::vector<__nv_bfloat16>> first(c.num_local());
+      for (int rep = 0; rep < 3; ++rep) {
+        run(out, mode);
+        for (int i = 0; i < c.num_local(); ++i) {
+          const int r = c.local(i).rank();
+          const auto got = get(c, i, out.ptr[i], out_rows * n);
+          const auto want = get(c, i, ref.ptr[i], out_rows * n);
+          const std::vector<double> want_d(want.begin(), want.end());
+          const std::string err = compare(got, want_d);
+          WEFT_EXPECT(err.empty(), (op == Op::kRS ? "matmul_reduce_scatter" : "matmul_all_reduce")
+                                       << " " << mode_name(mode) << " M=" << m << " rep " << rep << " rank "
+                                       << r << ": " << err);
+          if (rep == 0)
+            first[i] = got;
+          else
+            WEFT_EXPECT(std::memcmp(got.data(), first[i].data(), got.size() * 2) == 0,
+                        (op == Op::kRS ? "matmul_reduce_scatter" : "matmul_all_reduce")
+                            << " " << mode_name(mode) << " rank " << r << ": rep " << rep
+                            << " differs from rep 0 (a race?)");
+        }
+        c.host_barrier();
       }
-      c.host_barrier();
     }
   }
 }

@@ -223,12 +223,9 @@ struct ReduceScatter {
   bool fanout;            // two-shot all-reduce: the reduced slice goes to every rank
   char* final_dst;        // fanout into the workspace (out not symmetric): gathered result at final_src,
   const char* final_src;  // copied to final_dst slice by slice (nullptr: out is the symmetric target)
-  // Pre-staged (the fused ops): every source's slice, this rank's own included, is already in staging, and
-  // the kernel only reduces (`in` is unused). Either flag arrived[s] (this rank's pad) reads 1 once source
-  // s's slice has landed (copy-engine pipeline), and the kernel waits for those flags; or, with `staged`
-  // and no flags, every rank's previous kernel stored the slices, and the entry meeting orders those
-  // stores before the reads (fused kernel).
-  const uint64_t* arrived;
+  // Pre-staged (the fused kernels): every source's slice, this rank's own included, is already in staging,
+  // and the kernel only reduces (`in` is unused): every rank's previous kernel stored the slices, and the
+  // entry meeting orders those stores before the reads.
   bool staged;
 };
 
@@ -242,31 +239,23 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
   constexpr int V = 16;
   const TeamView& t = x.team;
   const int slot = kCollectiveSlotBase + blockIdx.x;
-  const bool prestaged = x.staged || x.arrived;
   auto src_of = [&](int s) {  // s = 0: my own slice (of the input, or staged); then the peers' staged slices
-    if (s == 0 && !prestaged) return Rows{x.in.base + x.in_peer_step * t.rank, x.in.stride};
+    if (s == 0 && !x.staged) return Rows{x.in.base + x.in_peer_step * t.rank, x.in.stride};
     return Rows{x.staging.base + x.staging_step * ((t.rank + s) % t.world), x.staging.stride};
   };
-  if (x.arrived) {
-    bool ok = true;
-    if (threadIdx.x == 0)
-      for (int s = 0; s < t.world && ok; ++s) ok = s == t.rank || wait_ge(t, x.arrived + s, 1);
-    if (!__syncthreads_and(ok)) return;
-  } else if (!meet(t)) {
-    return;
-  }
+  if (!meet(t)) return;
   // Push my chunks of every peer's slice group by group; announce each group (barrier_arrive) and reduce
   // the previous one once every peer announced it. Odd blocks start with a half group so that the blocks
   // do not all reduce at once (the links would idle meanwhile). Pre-staged: one group, no pushes.
   const uint64_t iters = chunk_iterations(x.rows * (x.row_bytes / V));
-  const uint64_t group = max(uint64_t(1), prestaged ? iters : (iters + kPushGroups - 1) / kPushGroups);
-  const uint64_t shift = (blockIdx.x & 1) && !prestaged ? group / 2 : 0;
+  const uint64_t group = max(uint64_t(1), x.staged ? iters : (iters + kPushGroups - 1) / kPushGroups);
+  const uint64_t shift = (blockIdx.x & 1) && !x.staged ? group / 2 : 0;
   const uint64_t groups = iters == 0 ? 0 : (iters + shift + group - 1) / group;
   auto start = [&](uint64_t g) { return g == 0 ? 0 : min(iters, g * group - shift); };  // of group g
   uint64_t announced = 0;
   for (uint64_t g = 0; g <= groups; ++g) {
     const uint64_t previous = announced;
-    if (g < groups && !prestaged) {
+    if (g < groups && !x.staged) {
       for (int k = 1; k < t.world; ++k) {
         const int p = (t.rank + k) % t.world;
         Rows dst{t.peer_ptr(x.staging.base + x.staging_step * t.rank, p), x.staging.stride};
@@ -276,7 +265,7 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
       announced = barrier_arrive(t, slot);
     }
     if (g > 0) {
-      if (!prestaged && !barrier_wait(t, slot, previous)) return;
+      if (!x.staged && !barrier_wait(t, slot, previous)) return;
       reduce_rows<E, R, true>(t, x.out, src_of, x.rows, x.row_bytes / sizeof(T), x.fanout, start(g - 1),
                               start(g));
     }

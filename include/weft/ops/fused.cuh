@@ -41,11 +41,11 @@ inline constexpr int kFusedStateFlag = kUserFlags - 2;      // [0] calls complet
 inline constexpr int kFusedReadyFlag = kFusedFlagBase - 1;  // RS: the start meeting has passed
 
 // Flags of the copy-engine pipelines (FusedPath::kPipelined, src/ops/fused.cu), per pipeline (0: all-gather,
-// 1: reduce-scatter) and rank r: used(r), set by this rank when its data sits in r's workspace and cleared
-// by r once consumed; arrived(r), set by rank r when its data has landed here and cleared by this rank once
-// consumed. Unlike every other flag these hold 0 or 1 and their reader clears them: the host enqueues them
-// as stream writes and waits, whose values are fixed when enqueued (or captured into a graph), so they
-// cannot carry a per-call epoch.
+// 1: reduce-scatter / all-reduce) and rank r: used(r), set by this rank before its first push into r's
+// workspace in a call and cleared by r once it consumed the call's pushes; arrived(r), the count of pieces
+// rank r has pushed here in this call, cleared by this rank at the end of the call. Unlike every other flag
+// these restart from 0 in every call: the host enqueues them as stream writes and waits, whose values are
+// fixed when enqueued (or captured into a graph), so they cannot carry a per-call epoch.
 inline constexpr int kPipeFlagBase = kFusedReadyFlag - 4 * kMaxWorld;
 inline constexpr int pipe_used_flag(int pipeline, int r) {
   return kPipeFlagBase + 2 * pipeline * kMaxWorld + r;

@@ -24,12 +24,14 @@
 // FusedOptions::min_fused_m:
 //   kFused      one kernel (plus the reduce for RS / AR), as above: all_gather_matmul's where
 //               communication outweighs the GEMM, RS / AR's at 4 GPUs up to 256 MiB of output.
-//   kPipelined  the GEMM as W row chunks of cuBLAS on every SM while the copy engines move data between
-//               GPUs on a side stream (AG: A shards, rank by rank; RS / AR: each finished chunk into its
-//               owner's staging, then one reduce kernel). Stream waits on peer flags order the GPUs; they
-//               have no timeout, so a rank that dies mid-call leaves its peers' streams waiting (the RS / AR
-//               reduce kernel's own waits do time out). The first call on a GPU creates its copy stream:
-//               make one call before capturing a CUDA graph.
+//   kPipelined  the GEMM as row pieces of cuBLAS on every SM while the copy engines move data between
+//               GPUs on a side stream. AG: A shards, rank by rank. RS / AR: a ring reduce-scatter whose
+//               additions run in the GEMM's epilogue (each piece of a peer's rows is computed on top of
+//               the partial sum that the previous rank pushed here, then pushed on; the owner's piece is
+//               final), AR then pushing each final piece to every peer. Stream waits on peer flags order
+//               the GPUs; they have no timeout, so a rank that dies mid-call leaves its peers' streams
+//               waiting. The first call on a GPU creates its copy stream and cublasLt handle: make one
+//               call before capturing a CUDA graph.
 //   kSequential a cuBLAS GEMM with weft::all_gather / reduce_scatter / all_reduce.
 // kFused cannot run for RS / AR with world > 8 or M / W not a multiple of 64, nor for AG with too many A
 // chunks: forced, it throws why; kAuto then falls back to kSequential. The return value says which path ran.
@@ -53,6 +55,7 @@ struct FusedOptions {
   int comm_blocks = 0;         // all_gather_matmul's communicator blocks: 0 auto (16), else 1..32
   int64_t min_fused_m = 1024;  // kAuto: below this M the sequential path runs (besides the measured rule)
   int max_compute_blocks = 0;  // cap on GEMM blocks (benchmarks: "compute alone" at the fused op's SM count)
+  int pipeline_pieces = 0;     // kPipelined RS / AR: row pieces per ring step, 0 auto; the same on every rank
 };
 
 FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
