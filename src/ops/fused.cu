@@ -369,7 +369,6 @@ void reduce_staged(Call& c, char* inbox, uint64_t slice, void* out, char* gather
   const int me = c.rank.rank();
   coll::ReduceScatter x{};
   x.team = c.rank.view();
-  x.staged = true;
   x.staging = coll::Rows{inbox, 0};
   x.staging_step = slice;
   x.rows = 1;
@@ -380,7 +379,7 @@ void reduce_staged(Call& c, char* inbox, uint64_t slice, void* out, char* gather
   x.final_dst = gather ? static_cast<char*>(out) : nullptr;
   x.final_src = gather;
   const int blocks = ops::collective_blocks(c.rank, slice);
-  constexpr auto kernel = &coll::reduce_scatter_kernel<Elem::kBF16, Reduce::kSum>;
+  constexpr auto kernel = &coll::reduce_scatter_kernel<Elem::kBF16, Reduce::kSum, true>;
   detail::preload<kernel>();
   kernel<<<blocks, 512, 0, c.stream>>>(x);
   WEFT_CUDA_CHECK(cudaGetLastError());

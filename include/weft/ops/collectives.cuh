@@ -223,24 +223,23 @@ struct ReduceScatter {
   bool fanout;            // two-shot all-reduce: the reduced slice goes to every rank
   char* final_dst;        // fanout into the workspace (out not symmetric): gathered result at final_src,
   const char* final_src;  // copied to final_dst slice by slice (nullptr: out is the symmetric target)
-  // Pre-staged (the fused kernels): every source's slice, this rank's own included, is already in staging,
-  // and the kernel only reduces (`in` is unused): every rank's previous kernel stored the slices, and the
-  // entry meeting orders those stores before the reads.
-  bool staged;
 };
 
 // Groups a block's pushes are announced in: the reduce of group g - 1 runs while peers still push group g.
 inline constexpr uint64_t kPushGroups = 8;
 
 // 16-byte packs only (the host checks the alignment): the element-wise form would spill.
-template <Elem E, Reduce R>
+// kStaged (the fused kernels): every source's slice, this rank's own included, is already in staging, and
+// the kernel only reduces (`in` is unused): every rank's previous kernel stored the slices, and the entry
+// meeting orders those stores before the reads.
+template <Elem E, Reduce R, bool kStaged = false>
 __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
   using T = typename ElemTraits<E>::T;
   constexpr int V = 16;
   const TeamView& t = x.team;
   const int slot = kCollectiveSlotBase + blockIdx.x;
   auto src_of = [&](int s) {  // s = 0: my own slice (of the input, or staged); then the peers' staged slices
-    if (s == 0 && !x.staged) return Rows{x.in.base + x.in_peer_step * t.rank, x.in.stride};
+    if (s == 0 && !kStaged) return Rows{x.in.base + x.in_peer_step * t.rank, x.in.stride};
     return Rows{x.staging.base + x.staging_step * ((t.rank + s) % t.world), x.staging.stride};
   };
   if (!meet(t)) return;
@@ -248,14 +247,14 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
   // the previous one once every peer announced it. Odd blocks start with a half group so that the blocks
   // do not all reduce at once (the links would idle meanwhile). Pre-staged: one group, no pushes.
   const uint64_t iters = chunk_iterations(x.rows * (x.row_bytes / V));
-  const uint64_t group = max(uint64_t(1), x.staged ? iters : (iters + kPushGroups - 1) / kPushGroups);
-  const uint64_t shift = (blockIdx.x & 1) && !x.staged ? group / 2 : 0;
+  const uint64_t group = max(uint64_t(1), kStaged ? iters : (iters + kPushGroups - 1) / kPushGroups);
+  const uint64_t shift = (blockIdx.x & 1) && !kStaged ? group / 2 : 0;
   const uint64_t groups = iters == 0 ? 0 : (iters + shift + group - 1) / group;
   auto start = [&](uint64_t g) { return g == 0 ? 0 : min(iters, g * group - shift); };  // of group g
   uint64_t announced = 0;
   for (uint64_t g = 0; g <= groups; ++g) {
     const uint64_t previous = announced;
-    if (g < groups && !x.staged) {
+    if (g < groups && !kStaged) {
       for (int k = 1; k < t.world; ++k) {
         const int p = (t.rank + k) % t.world;
         Rows dst{t.peer_ptr(x.staging.base + x.staging_step * t.rank, p), x.staging.stride};
@@ -265,7 +264,7 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
       announced = barrier_arrive(t, slot);
     }
     if (g > 0) {
-      if (!x.staged && !barrier_wait(t, slot, previous)) return;
+      if (!kStaged && !barrier_wait(t, slot, previous)) return;
       reduce_rows<E, R, true>(t, x.out, src_of, x.rows, x.row_bytes / sizeof(T), x.fanout, start(g - 1),
                               start(g));
     }
