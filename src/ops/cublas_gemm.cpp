@@ -49,9 +49,9 @@ uint32_t alignment(const void* p) {
   return v;
 }
 
-// cublasLt for out = a . b + addend: one handle and workspace per device, one plan (descriptors and the
-// heuristic's algorithm) per shape and operand alignment, made on first use (not under capture: the
-// heuristic query is host work, but creating the handle allocates).
+// cublasLt for out = a . b + addend: one handle and workspace per device, made on the device's first call
+// (which allocates, so not under capture); one plan (descriptors and the heuristic's algorithm) per shape and
+// operand alignment, made on first use (host work only, so also under capture).
 struct LtPlan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;

@@ -69,6 +69,8 @@ struct Call {
   // kAuto takes the path of the measured rule (auto_path) where it can.
   FusedPath path(const FusedOptions& o, int64_t m, const std::string& why_not_fused, FusedPath rule) const {
     using Mode = FusedOptions::Mode;
+    WEFT_CHECK(o.pipeline_pieces >= 0, where + "options.pipeline_pieces must be 0 (auto) or more, got " +
+                                           std::to_string(o.pipeline_pieces));
     WEFT_CHECK(
         o.mode != Mode::kFused || why_not_fused.empty(),
         where + "the fused kernel cannot run here: " + why_not_fused + " (use Mode::kAuto to fall back)");

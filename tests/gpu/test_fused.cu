@@ -199,6 +199,24 @@ WEFT_GPU_TEST(matmul_reduce_scatter_matches_fp64_reference) {
 WEFT_GPU_TEST(matmul_all_reduce_matches_fp64_reference) {
   run_all(ctx, Op::kAR);
 }
+// A negative pipeline_pieces is refused with its name, before anything runs.
+WEFT_GPU_TEST(fused_ops_reject_negative_pieces) {
+  Communicator& c = ctx.comm();
+  const int64_t m = 64 * c.world(), n = 64, k = 64;
+  RankBuffers a(c, m * k * 2, false), b(c, n * k * 2, false), out(c, m * n * 2, false);
+  FusedOptions o;
+  o.pipeline_pieces = -1;
+  for (int i = 0; i < c.num_local(); ++i) {
+    std::string msg;
+    try {
+      matmul_all_reduce(c, c.local(i), a.ptr[i], b.ptr[i], out.ptr[i], m, n, k, BLayout::kNK, nullptr, o);
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    WEFT_EXPECT(msg.find("pipeline_pieces") != std::string::npos, "got '" << msg << "'");
+  }
+}
+
 // Repeated calls: the per-call epochs and barriers must carry over without resets (and mixed with the
 // collectives, which share barrier slots with the fused kernels); the pipelines' flags must come back to 0.
 WEFT_GPU_TEST(fused_ops_back_to_back) {
