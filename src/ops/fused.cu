@@ -289,11 +289,9 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
   // last piece down to ~4 MiB or an eighth of the rows, for a short fan-out after the last GEMM.
   const std::vector<int64_t> ring = piece_bounds(rows, pieces_wanted > 0 ? pieces_wanted : 2);
   const int pieces = int(ring.size()) - 1;
-  const std::vector<int64_t> last =
-      all_reduce
-          ? piece_bounds(rows, pieces,
-                         std::max<int64_t>(64, std::min<int64_t>(rows / 8, (4 << 20) / row_bytes) / 64 * 64))
-          : ring;
+  const int64_t tail_rows =
+      std::max<int64_t>(64, std::min<int64_t>(rows / 8, (4 << 20) / row_bytes) / 64 * 64);
+  const std::vector<int64_t> last = all_reduce ? piece_bounds(rows, pieces, tail_rows) : ring;
   auto bounds_of = [&](int s) -> const std::vector<int64_t>& { return s == W - 1 ? last : ring; };
   const bool sym_out = all_reduce && c.comm.in_heap(c.rank, out, m * n * 2);
   char* gather = all_reduce && !sym_out ? c.workspace(m * n * 2) : nullptr;  // grown before anything waits
