@@ -15,19 +15,22 @@ namespace weft::ops {
 // the current device. One cuBLAS handle (with its own workspace) per device, created on the first call; that
 // call must not be inside a CUDA-graph capture (`capturing`: then it throws, saying so, with `where`).
 // Returns false (nothing launched) where cuBLAS cannot take the shape (a dimension above 2^31 - 1).
-// With `addend` (bf16 [M, N], may not overlap out): out = a . b + addend, the sum taken in fp32 in the GEMM's
-// epilogue (cublasLt, which unlike cublasGemmEx reads C from another buffer than it writes D to).
+// With `accumulate`: out = a . b + out, the sum taken in fp32 in the GEMM's epilogue (the copy-engine
+// pipeline's partial sums). cublasGemmEx, not cublasLt: one thread driving several ranks (SP) hung in
+// cublasLtMatmul, which sets the kernel's attributes at every call (cuKernelSetAttribute), while another
+// GPU had a launch of that kernel queued behind a wait for a rank not yet driven (4 x H200, session 11).
 bool cublas_gemm_bf16(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                       BLayout layout, cudaStream_t stream, bool capturing, const std::string& where,
-                      const void* addend = nullptr);
+                      bool accumulate = false);
 
 // CUDA loads a cuBLAS kernel's module on its first launch on a GPU, and that load waits for the GPU's
 // running kernels. One host thread driving several ranks that has just launched a kernel waiting for its
 // peers (launched by the same thread after this call returns) would wait forever there. Run before such a
-// kernel: the first time this shape (and pointer alignment) is seen on the current GPU, the GEMM runs once
-// into `out`, which the real call overwrites. Nothing happens while capturing (nothing runs then).
-void cublas_gemm_preload(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
+// kernel: the first time this shape (and operand alignments) is seen on the current GPU, the GEMM runs once
+// on `stream` into scratch aligned as `out` (out itself is not written). Nothing happens while capturing
+// (nothing runs then).
+void cublas_gemm_preload(const void* a, const void* b, const void* out, int64_t m, int64_t n, int64_t k,
                          BLayout layout, cudaStream_t stream, bool capturing, const std::string& where,
-                         const void* addend = nullptr);
+                         bool accumulate = false);
 
 }  // namespace weft::ops

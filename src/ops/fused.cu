@@ -90,11 +90,9 @@ struct Call {
   }
   // The sequential path's GEMM: cuBLAS (never slower than the cuBLAS + NCCL baseline), weft::gemm where
   // cuBLAS cannot take the shape.
-  // With `addend`: out = a . b + addend (the pipeline's partial sums; cuBLAS only).
   void sequential_gemm(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
-                       BLayout layout, const void* addend = nullptr) const {
-    if (ops::cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, capturing, where, addend)) return;
-    WEFT_CHECK(!addend, where + "the pipelined path needs N and K below 2^31 (cuBLAS's limit)");
+                       BLayout layout) const {
+    if (ops::cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, capturing, where)) return;
     gemm(a, b, out, m, n, k, layout, DType::kBF16, stream);
   }
   // Grid of an LCSC op with `comm` communicator blocks: compute clusters fill the rest of the GPU.
@@ -141,6 +139,12 @@ PipeStreams& pipe_streams(int device, bool capturing, const std::string& where) 
   return all.emplace(device, p).first->second;
 }
 
+struct Copy {  // bytes from src to dst, both on this GPU
+  void* dst = nullptr;
+  const void* src = nullptr;
+  uint64_t bytes = 0;
+};
+
 class Pipeline {
  public:
   // Forks the side streams off the caller's (everything before this call is ordered before their work).
@@ -172,11 +176,14 @@ class Pipeline {
         cudaMemcpyAsync(c_.rank.peer_ptr(dst, to), src, bytes, cudaMemcpyDeviceToDevice, s_.side));
     write(s_.side, flag(ops::pipe_arrived_flag(id_, me_), to), count);
   }
-  // Caller's stream: what comes next waits until `from` has pushed `count` pieces here in this call. The
-  // wait itself runs on a stream of its own, during the caller's current GEMM, and the caller's stream only
-  // takes an event edge: a stream wait between two GEMMs cost ~10 us each (2 x H200, session 10).
-  void wait_arrivals(int from, uint32_t count = 1) const {
+  // Caller's stream: what comes next waits until `from` has pushed `count` pieces here in this call (and
+  // `then` copied what it names on this GPU). The wait itself runs on a stream of its own, during the
+  // caller's current GEMM, and the caller's stream only takes an event edge: a stream wait between two
+  // GEMMs cost ~10 us each (2 x H200, session 10).
+  void wait_arrivals(int from, uint32_t count = 1, Copy then = {}) const {
     wait_value(s_.waits, flag(ops::pipe_arrived_flag(id_, from), me_), count, CU_STREAM_WAIT_VALUE_GEQ);
+    if (then.bytes)
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(then.dst, then.src, then.bytes, cudaMemcpyDeviceToDevice, s_.waits));
     WEFT_CUDA_CHECK(cudaEventRecord(s_.arrived, s_.waits));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(c_.stream, s_.arrived));
   }
@@ -271,13 +278,14 @@ std::vector<RingItem> ring_order(int steps, int pieces, int last_extra) {
 }
 
 // matmul_reduce_scatter / matmul_all_reduce: a ring reduce-scatter whose additions run in the GEMM's
-// epilogue (cublasLt, out = a . b + partial). At step s = 0..W-1 rank r computes the rows of rank
-// (r - s - 1) mod W (its own last), adding from step 1 on the partial sum of those rows that rank r - 1 made
-// at its step s - 1 and pushed into this rank's inbox (in place there); below the last step it pushes its sum
-// on to rank r + 1. Steps run in row pieces in ring_order, each pushed as soon as it is computed, so no step
-// waits for a whole push and no reduce pass remains (2 GPUs: the peer's rows, then this rank's own plus the
-// peer's partial). All-reduce: each final piece also goes to every peer's out (through the workspace when out
-// is not symmetric: copied into out at the end).
+// epilogue (cuBLAS with beta = 1: out = a . b + out, the partial in out). At step s = 0..W-1 rank r computes
+// the rows of rank (r - s - 1) mod W (its own last), adding from step 1 on the partial sum of those rows that
+// rank r - 1 made at its step s - 1 and pushed into this rank's inbox (in place there; the last step copies
+// it into out first, while the GEMM before runs); below the last step it pushes its sum on to rank r + 1.
+// Steps run in row pieces in ring_order, each pushed as soon as it is computed, so no step waits for a whole
+// push and no reduce pass remains (2 GPUs: the peer's rows, then this rank's own plus the peer's partial).
+// All-reduce: each final piece also goes to every peer's out (through the workspace when out is not
+// symmetric: copied into out at the end).
 void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                   BLayout layout, bool all_reduce, int pieces_wanted) {
   const int W = c.rank.world(), me = c.rank.rank(), next = (me + 1) % W, prev = (me + W - 1) % W;
@@ -327,7 +335,7 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
     for (const RingItem& it : order) {
       const int64_t r0 = bounds_of(it.step)[it.piece], nr = bounds_of(it.step)[it.piece + 1] - r0;
       ops::cublas_gemm_preload(a_at(it.step, r0), b, dst_at(it.step, r0), nr, n, k, layout, c.stream,
-                               c.capturing, c.where, partial_at(it.step, r0));
+                               c.capturing, c.where, it.step > 0);
     }
   Pipeline p(c, 1);
   for (size_t i = 0; i < order.size(); ++i) {
@@ -335,9 +343,15 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
     const int64_t r0 = bounds_of(s)[j], nr = bounds_of(s)[j + 1] - r0;
     if (s > 0) {  // the previous rank's piece of step s - 1 holding this one's rows has landed
       const auto holding = std::lower_bound(ring.begin(), ring.end(), r0 + nr) - ring.begin() - 1;
-      p.wait_arrivals(prev, pushed_to_next[index_of[size_t(s - 1) * pieces + holding]]);
+      const bool in_place = dst_at(s, r0) == partial_at(s, r0);
+      p.wait_arrivals(prev, pushed_to_next[index_of[size_t(s - 1) * pieces + holding]],
+                      in_place ? Copy{} : Copy{dst_at(s, r0), partial_at(s, r0), uint64_t(nr) * row_bytes});
     }
-    c.sequential_gemm(a_at(s, r0), b, dst_at(s, r0), nr, n, k, layout, partial_at(s, r0));
+    // out = a . b (+ the partial there from step 1 on: in place in the inbox, the last step's copied into
+    // out)
+    WEFT_CHECK(ops::cublas_gemm_bf16(a_at(s, r0), b, dst_at(s, r0), nr, n, k, layout, c.stream, c.capturing,
+                                     c.where, s > 0),
+               c.where + "the pipelined path needs M, N and K below 2^31 (cuBLAS's limit)");
     if (s < W - 1) {
       p.side_waits();
       p.push(next, partial_at(s + 1, r0), dst_at(s, r0), nr * row_bytes, pushed_to_next[i]);

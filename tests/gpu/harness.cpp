@@ -2,9 +2,12 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 
 namespace weft::test {
 
@@ -49,6 +52,45 @@ bool matches(const std::string& name, const std::string& filter) {
   return !any_positive || hit;
 }
 
+// Ends the process when one test runs longer than WEFT_TEST_TIMEOUT_S (default 300 s): a host thread
+// blocked in a CUDA call (or a stream waiting for a peer: those waits have no timeout) would otherwise hang
+// the suite until its outer timeout, with no word of which test. Exit code 124, as timeout(1) uses.
+class Watchdog {
+ public:
+  explicit Watchdog(std::string prefix) : prefix_(std::move(prefix)) {
+    const char* v = std::getenv("WEFT_TEST_TIMEOUT_S");
+    limit_s_ = v ? std::atoi(v) : 300;
+    if (limit_s_ > 0) std::thread([this] { watch(); }).detach();
+  }
+  void start(const char* test) {
+    test_.store(test);
+    started_.store(now_s());
+  }
+
+ private:
+  static int64_t now_s() {
+    return std::chrono::duration_cast<std::chrono::seconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  [[noreturn]] void watch() {
+    for (;;) {
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      const char* test = test_.load();
+      if (test && now_s() - started_.load() > limit_s_) {
+        std::printf("%s[  HUNG    ] %s: still running after %d s (WEFT_TEST_TIMEOUT_S); exiting\n",
+                    prefix_.c_str(), test, limit_s_);
+        std::fflush(stdout);
+        std::_Exit(124);
+      }
+    }
+  }
+  std::string prefix_;
+  int limit_s_ = 0;
+  std::atomic<const char*> test_{nullptr};
+  std::atomic<int64_t> started_{0};
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -71,7 +113,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: weft-gpu-tests [--gpus N] [--filter a,b,-c] [--quick] [--list]\n"
                    "  single-process over N GPUs by default; one rank per process under "
-                   "weft-launch/torchrun/mpirun\n");
+                   "weft-launch/torchrun/mpirun\n"
+                   "  WEFT_TEST_TIMEOUT_S=n: exit (124) when one test runs longer (default 300, 0: never)\n");
       return 2;
     }
   }
@@ -116,6 +159,7 @@ int main(int argc, char** argv) {
               ctx.quick ? " (quick)" : "");
 
   int passed = 0, failed = 0, skipped = 0;
+  static Watchdog watchdog(prefix);  // static: its detached thread may outlive main's frame
   for (auto& t : registry()) {
     if (!matches(t.name, filter)) continue;
     if (t.min_world > ctx.world) {
@@ -125,6 +169,7 @@ int main(int argc, char** argv) {
       continue;
     }
     std::printf("%s[ RUN      ] %s\n", prefix.c_str(), t.name);
+    watchdog.start(t.name);
     const auto t0 = std::chrono::steady_clock::now();
     std::string err;
     bool skip = false;
@@ -155,6 +200,7 @@ int main(int argc, char** argv) {
   }
   std::printf("%ssummary: %d passed, %d failed, %d skipped\n", prefix.c_str(), passed, failed, skipped);
   std::fflush(stdout);
+  watchdog.start("(communicator teardown)");
   ctx.shared.reset();
   return failed ? 1 : 0;
 }

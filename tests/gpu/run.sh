@@ -36,7 +36,7 @@ step() {  # step NAME LOGFILE CMD...
   local t0=$SECONDS
   timeout 900 "$@" >"$log" 2>&1
   local rc=$?
-  grep -E 'summary:|FAILED|SKIPPED|ERROR SUMMARY|saw after' "$log" | sed 's/^/    /' | head -20
+  grep -E 'summary:|FAILED|HUNG|SKIPPED|ERROR SUMMARY|saw after' "$log" | sed 's/^/    /' | head -20
   if [ $rc -eq 0 ]; then
     passed=$((passed + 1)); summary+=("PASS  $name ($((SECONDS - t0)) s)")
   else
@@ -70,8 +70,10 @@ for tool in memcheck racecheck synccheck; do
   # the other fused tests still race-check the fused kernels. Leave those two out of racecheck.
   skip=-create_destroy,-rank_death
   [ "$tool" = racecheck ] && skip=$skip,-gemm,-fused_rs_ar_large
-  # Sanitized kernels run many times slower: a 300 s device and host-collective timeout instead of 10 / 30 s.
-  step "compute-sanitizer $tool, 2 ranks" "sanitizer_$tool" env WEFT_TIMEOUT_MS=300000 "$launch" -n 2 \
+  # Sanitized kernels run many times slower: a 300 s device and host-collective timeout instead of 10 / 30 s,
+  # and 850 s per test (weft-gpu-tests' watchdog) instead of 300.
+  step "compute-sanitizer $tool, 2 ranks" "sanitizer_$tool" env WEFT_TIMEOUT_MS=300000 WEFT_TEST_TIMEOUT_S=850 \
+    "$launch" -n 2 \
     compute-sanitizer --tool "$tool" --error-exitcode 9 "$tests" --quick --filter "$skip"
 done
 

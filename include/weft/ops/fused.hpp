@@ -30,7 +30,7 @@
 //               the partial sum that the previous rank pushed here, then pushed on; the owner's piece is
 //               final), AR then pushing each final piece to every peer. Stream waits on peer flags order
 //               the GPUs; they have no timeout, so a rank that dies mid-call leaves its peers' streams
-//               waiting. The first call on a GPU creates its copy stream and cublasLt handle: make one
+//               waiting. The first call on a GPU creates its copy stream and cuBLAS handle: make one
 //               call before capturing a CUDA graph.
 //   kSequential a cuBLAS GEMM with weft::all_gather / reduce_scatter / all_reduce.
 // kFused cannot run for RS / AR with world > 8 or M / W not a multiple of 64, nor for AG with too many A
