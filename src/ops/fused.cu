@@ -9,6 +9,7 @@
 #include "../runtime/driver.hpp"
 #include "cublas_gemm.hpp"
 #include "op_args.hpp"
+#include "ring_schedule.hpp"
 #include "weft/runtime/current_device.hpp"
 #include "weft/runtime/kernel_preload.hpp"
 #include "weft/ops/fused.cuh"
@@ -246,45 +247,14 @@ void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* 
   p.finish();
 }
 
-// Row bounds [0, .., rows] of `count` equal pieces, whole 64-row multiples where the rows allow; with
-// `tail_rows`, the last piece halved again and again down to about tail_rows, so that what must follow the
-// last GEMM (the all-reduce's fan-out of it) is short.
-std::vector<int64_t> piece_bounds(int64_t rows, int count, int64_t tail_rows = 0) {
-  count = static_cast<int>(std::clamp<int64_t>(count, 1, rows));
-  int64_t per = (rows + count - 1) / count;
-  if (rows >= 64 * int64_t(count)) per = (per + 63) / 64 * 64;
-  std::vector<int64_t> b;
-  for (int64_t r = 0; r < rows; r += per) b.push_back(r);
-  if (tail_rows > 0)
-    while (rows - b.back() >= 2 * tail_rows)
-      b.push_back(b.back() + std::max<int64_t>((rows - b.back()) / 2 / 64 * 64, tail_rows));
-  b.push_back(rows);
-  return b;
-}
-
-// The order of a ring pipeline's GEMMs: piece j of step s for steps 0..steps-1, pieces 0..pieces-1, by
-// diagonals s + j (within one, by step). Piece (s, j) needs the previous rank's (s - 1, j), which that rank
-// made on the diagonal before, so at least one GEMM ran here while it was pushed. The last step's last piece
-// comes last; it may stand for `last_extra` + 1 smaller ones (piece_bounds' tail).
-struct RingItem {
-  int step, piece;
-};
-std::vector<RingItem> ring_order(int steps, int pieces, int last_extra) {
-  std::vector<RingItem> order;
-  for (int d = 0; d < steps + pieces - 1; ++d)
-    for (int s = std::max(0, d - pieces + 1); s <= std::min(steps - 1, d); ++s) order.push_back({s, d - s});
-  for (int j = 1; j <= last_extra; ++j) order.push_back({steps - 1, pieces - 1 + j});
-  return order;
-}
-
 // matmul_reduce_scatter / matmul_all_reduce: a ring reduce-scatter whose additions run in the GEMM's
 // epilogue (cuBLAS with beta = 1: out = a . b + out, the partial in out). At step s = 0..W-1 rank r computes
 // the rows of rank (r - s - 1) mod W (its own last), adding from step 1 on the partial sum of those rows that
 // rank r - 1 made at its step s - 1 and pushed into this rank's inbox (in place there; the last step copies
 // it into out first, while the GEMM before runs); below the last step it pushes its sum on to rank r + 1.
-// Steps run in row pieces in ring_order, each pushed as soon as it is computed, so no step waits for a whole
-// push and no reduce pass remains (2 GPUs: the peer's rows, then this rank's own plus the peer's partial).
-// All-reduce: each final piece also goes to every peer's out (through the workspace when out is not
+// Steps run in row pieces in ring_schedule's order, each pushed as soon as it is computed, so no step waits
+// for a whole push and no reduce pass remains (2 GPUs: the peer's rows, then this rank's own plus the peer's
+// partial). All-reduce: each final piece also goes to every peer's out (through the workspace when out is not
 // symmetric: copied into out at the end).
 void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                   BLayout layout, bool all_reduce, int pieces_wanted) {
@@ -295,12 +265,10 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
   // Two pieces per step measured best (2 x H200, bench/RESULTS.md: each more costs ~5-9 us of stream
   // memops and GEMM ramps, and one stalls every step for a whole push); the all-reduce's last step halves its
   // last piece down to ~4 MiB or an eighth of the rows, for a short fan-out after the last GEMM.
-  const std::vector<int64_t> ring = piece_bounds(rows, pieces_wanted > 0 ? pieces_wanted : 2);
-  const int pieces = int(ring.size()) - 1;
   const int64_t tail_rows =
       std::max<int64_t>(64, std::min<int64_t>(rows / 8, (4 << 20) / row_bytes) / 64 * 64);
-  const std::vector<int64_t> last = all_reduce ? piece_bounds(rows, pieces, tail_rows) : ring;
-  auto bounds_of = [&](int s) -> const std::vector<int64_t>& { return s == W - 1 ? last : ring; };
+  const ops::RingSchedule plan = ops::ring_schedule(W, rows, pieces_wanted > 0 ? pieces_wanted : 2,
+                                                    all_reduce ? tail_rows : 0, all_reduce);
   const bool sym_out = all_reduce && c.comm.in_heap(c.rank, out, m * n * 2);
   char* gather = all_reduce && !sym_out ? c.workspace(m * n * 2) : nullptr;  // grown before anything waits
   // Inbox slice s - 1 takes rank r - 1's step s - 1 (for this rank's step s); step 0 is made in `staging`.
@@ -316,35 +284,21 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
   auto dst_at = [&](int s, int64_t row) {
     return s == 0 ? staging + row * row_bytes : s < W - 1 ? partial_at(s, row) : my_rows + row * row_bytes;
   };
-  // Arrival counts, the same on every rank: the pushes to the next rank (every piece below the last step,
-  // and with all-reduce the final ones too) and the final pieces (the fan-out to the other peers), each
-  // numbered in ring order; pushed_to_next[i] / finals[i] count them up to item i.
-  const std::vector<RingItem> order = ring_order(W, pieces, int(last.size() - ring.size()));
-  std::vector<uint32_t> pushed_to_next(order.size()), finals(order.size());
-  std::vector<size_t> index_of(size_t(W) * pieces);  // of the ring steps' items
-  for (size_t i = 0, to_next = 0, final = 0; i < order.size(); ++i) {
-    const bool is_final = order[i].step == W - 1;
-    to_next += !is_final || all_reduce;
-    final += is_final;
-    pushed_to_next[i] = uint32_t(to_next);
-    finals[i] = uint32_t(final);
-    if (!is_final) index_of[size_t(order[i].step) * pieces + order[i].piece] = i;
-  }
   // One thread driving several ranks: load cuBLAS's kernels before this stream waits for peers.
   if (c.comm.num_local() > 1)
-    for (const RingItem& it : order) {
-      const int64_t r0 = bounds_of(it.step)[it.piece], nr = bounds_of(it.step)[it.piece + 1] - r0;
-      ops::cublas_gemm_preload(a_at(it.step, r0), b, dst_at(it.step, r0), nr, n, k, layout, c.stream,
-                               c.capturing, c.where, it.step > 0);
+    for (size_t i = 0; i < plan.order.size(); ++i) {
+      const int s = plan.order[i].step;
+      const int64_t r0 = plan.first_row(i);
+      ops::cublas_gemm_preload(a_at(s, r0), b, dst_at(s, r0), plan.row_count(i), n, k, layout, c.stream,
+                               c.capturing, c.where, s > 0);
     }
   Pipeline p(c, 1);
-  for (size_t i = 0; i < order.size(); ++i) {
-    const int s = order[i].step, j = order[i].piece;
-    const int64_t r0 = bounds_of(s)[j], nr = bounds_of(s)[j + 1] - r0;
+  for (size_t i = 0; i < plan.order.size(); ++i) {
+    const int s = plan.order[i].step;
+    const int64_t r0 = plan.first_row(i), nr = plan.row_count(i);
     if (s > 0) {  // the previous rank's piece of step s - 1 holding this one's rows has landed
-      const auto holding = std::lower_bound(ring.begin(), ring.end(), r0 + nr) - ring.begin() - 1;
       const bool in_place = dst_at(s, r0) == partial_at(s, r0);
-      p.wait_arrivals(prev, pushed_to_next[index_of[size_t(s - 1) * pieces + holding]],
+      p.wait_arrivals(prev, plan.needs[i],
                       in_place ? Copy{} : Copy{dst_at(s, r0), partial_at(s, r0), uint64_t(nr) * row_bytes});
     }
     // out = a . b (+ the partial there from step 1 on: in place in the inbox, the last step's copied into
@@ -354,20 +308,20 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
                c.where + "the pipelined path needs M, N and K below 2^31 (cuBLAS's limit)");
     if (s < W - 1) {
       p.side_waits();
-      p.push(next, partial_at(s + 1, r0), dst_at(s, r0), nr * row_bytes, pushed_to_next[i]);
+      p.push(next, partial_at(s + 1, r0), dst_at(s, r0), nr * row_bytes, plan.pushed_to_next[i]);
     } else if (all_reduce) {
       p.side_waits();
       for (int t = 1; t < W; ++t) {
         const int to = (me + t) % W;
         p.push(to, (sym_out ? my_rows : gather + me * slice) + r0 * row_bytes, dst_at(s, r0), nr * row_bytes,
-               to == next ? pushed_to_next[i] : finals[i]);
+               to == next ? plan.pushed_to_next[i] : plan.finals[i]);
       }
     }
   }
   if (all_reduce)
     for (int q = 0; q < W; ++q) {
       if (q == me) continue;
-      p.wait_arrivals(q, q == prev ? pushed_to_next.back() : finals.back());
+      p.wait_arrivals(q, q == prev ? plan.pushed_to_next.back() : plan.finals.back());
       if (gather)
         WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + q * slice, gather + q * slice, slice,
                                         cudaMemcpyDeviceToDevice, c.stream));
