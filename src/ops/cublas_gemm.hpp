@@ -16,12 +16,13 @@ namespace weft::ops {
 // call must not be inside a CUDA-graph capture (`capturing`: then it throws, saying so, with `where`).
 // Returns false (nothing launched) where cuBLAS cannot take the shape (a dimension above 2^31 - 1).
 // With `accumulate`: out = a . b + out, the sum taken in fp32 in the GEMM's epilogue (the copy-engine
-// pipeline's partial sums). cublasGemmEx, not cublasLt: one thread driving several ranks (SP) hung in
-// cublasLtMatmul, which sets the kernel's attributes at every call (cuKernelSetAttribute), while another
-// GPU had a launch of that kernel queued behind a wait for a rank not yet driven (4 x H200, session 11).
+// pipeline's partial sums, in place).
 bool cublas_gemm_bf16(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                       BLayout layout, cudaStream_t stream, bool capturing, const std::string& where,
                       bool accumulate = false);
+
+// Creates the current device's cuBLAS handle if it has none (before a capture, which cannot).
+void cublas_gemm_ready(const std::string& where);
 
 // CUDA loads a cuBLAS kernel's module on its first launch on a GPU, and that load waits for the GPU's
 // running kernels. One host thread driving several ranks that has just launched a kernel waiting for its
@@ -30,7 +31,6 @@ bool cublas_gemm_bf16(const void* a, const void* b, void* out, int64_t m, int64_
 // on `stream` into scratch aligned as `out` (out itself is not written). Nothing happens while capturing
 // (nothing runs then).
 void cublas_gemm_preload(const void* a, const void* b, const void* out, int64_t m, int64_t n, int64_t k,
-                         BLayout layout, cudaStream_t stream, bool capturing, const std::string& where,
-                         bool accumulate = false);
+                         BLayout layout, cudaStream_t stream, bool capturing, const std::string& where);
 
 }  // namespace weft::ops

@@ -218,6 +218,72 @@ class Pipeline {
   PipeStreams& s_;
 };
 
+// Single-process: one host thread driving several ranks must make no call that can block (a library's
+// kernel setup, module loading; 4 x H200, session 11: cublasLtMatmul waited in cuKernelSetAttribute) while a
+// GPU already holds pipeline work that waits for a rank the thread has not driven yet: that work never runs,
+// so the call never returns. A pipelined call made there outside a capture is therefore captured into a
+// graph, and the last local rank's call launches every local rank's graph, when all host work of the call
+// is done. (So the pipeline's work reaches a rank's stream at the last local rank's call, not at its own.)
+void launch_with_local_peers(Call& c, cudaGraphExec_t exec) {
+  struct Deferred {
+    int local, device;
+    cudaStream_t stream;
+    cudaGraphExec_t exec;
+  };
+  static std::mutex mu;
+  static std::map<const Communicator*, std::vector<Deferred>> pending;
+  int local = 0;
+  while (&c.comm.local(local) != &c.rank) ++local;
+  std::vector<Deferred> ready;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    std::vector<Deferred>& v = pending[&c.comm];
+    for (const Deferred& d : v)
+      if (d.local == local) {
+        cudaGraphExecDestroy(exec);
+        throw_error(c.where +
+                    "single-process: this rank's previous pipelined call still waits for the other "
+                    "local ranks' calls (every local rank must make each call)");
+      }
+    v.push_back({local, c.rank.device(), c.stream, exec});
+    if (int(v.size()) < c.comm.num_local()) return;
+    ready.swap(v);
+    pending.erase(&c.comm);
+  }
+  for (const Deferred& d : ready) {
+    WEFT_CUDA_CHECK(cudaSetDevice(d.device));
+    WEFT_CUDA_CHECK(cudaGraphLaunch(d.exec, d.stream));
+    WEFT_CUDA_CHECK(cudaGraphExecDestroy(d.exec));  // freed once it has run
+  }
+  WEFT_CUDA_CHECK(cudaSetDevice(c.rank.device()));
+}
+
+// Runs `enqueue` (a pipeline's stream work, after any workspace growth): at once, or single-process outside
+// a capture, captured and launched with the other local ranks' (launch_with_local_peers).
+template <class F>
+void run_pipeline(Call& c, F&& enqueue) {
+  if (c.comm.num_local() == 1 || c.capturing) return enqueue();
+  pipe_streams(c.rank.device(), false, c.where);  // created before the capture, which cannot
+  ops::cublas_gemm_ready(c.where);
+  WEFT_CUDA_CHECK(cudaStreamBeginCapture(c.stream, cudaStreamCaptureModeRelaxed));
+  c.capturing = true;
+  cudaGraph_t graph = nullptr;
+  try {
+    enqueue();
+  } catch (...) {
+    c.capturing = false;
+    if (cudaStreamEndCapture(c.stream, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
+    throw;
+  }
+  c.capturing = false;
+  WEFT_CUDA_CHECK(cudaStreamEndCapture(c.stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  WEFT_CUDA_CHECK(made);
+  launch_with_local_peers(c, exec);
+}
+
 // all_gather_matmul: this rank's shard goes to every peer's area (slot of this rank) by copy engine; the
 // GEMM runs on this rank's own rows first, then on each peer's rows as they land (rank - 1 first).
 void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* gathered_a, int64_t m,
@@ -228,23 +294,20 @@ void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* 
   char* g = c.pipeline_area(Communicator::kAgPipelineArea, m * k * 2);
   auto a_of = [&](int r) { return r == me ? static_cast<const char*>(a_shard) : g + r * shard; };
   auto out_of = [&](int r) { return static_cast<char*>(out) + r * rows * n * 2; };
-  // One thread driving several ranks: load cuBLAS's kernels before this stream waits for peers
-  // (cublas_gemm_preload).
-  if (c.comm.num_local() > 1)
-    for (int r = 0; r < W; ++r)
-      ops::cublas_gemm_preload(a_of(r), b, out_of(r), rows, n, k, layout, c.stream, c.capturing, c.where);
-  Pipeline p(c, 0);
-  for (int s = 1; s < W; ++s) p.push((me + s) % W, g + me * shard, a_shard, shard);
-  for (int s = 0; s < W; ++s) {
-    const int r = (me - s + W) % W;
-    if (r != me) p.wait_arrivals(r);
-    c.sequential_gemm(a_of(r), b, out_of(r), rows, n, k, layout);
-  }
-  if (gathered_a)
-    for (int r = 0; r < W; ++r)
-      WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(gathered_a) + r * shard, a_of(r), shard,
-                                      cudaMemcpyDeviceToDevice, c.stream));
-  p.finish();
+  run_pipeline(c, [&] {
+    Pipeline p(c, 0);
+    for (int s = 1; s < W; ++s) p.push((me + s) % W, g + me * shard, a_shard, shard);
+    for (int s = 0; s < W; ++s) {
+      const int r = (me - s + W) % W;
+      if (r != me) p.wait_arrivals(r);
+      c.sequential_gemm(a_of(r), b, out_of(r), rows, n, k, layout);
+    }
+    if (gathered_a)
+      for (int r = 0; r < W; ++r)
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(gathered_a) + r * shard, a_of(r), shard,
+                                        cudaMemcpyDeviceToDevice, c.stream));
+    p.finish();
+  });
 }
 
 // matmul_reduce_scatter / matmul_all_reduce: a ring reduce-scatter whose additions run in the GEMM's
@@ -284,49 +347,43 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
   auto dst_at = [&](int s, int64_t row) {
     return s == 0 ? staging + row * row_bytes : s < W - 1 ? partial_at(s, row) : my_rows + row * row_bytes;
   };
-  // One thread driving several ranks: load cuBLAS's kernels before this stream waits for peers.
-  if (c.comm.num_local() > 1)
+  run_pipeline(c, [&] {
+    Pipeline p(c, 1);
     for (size_t i = 0; i < plan.order.size(); ++i) {
       const int s = plan.order[i].step;
-      const int64_t r0 = plan.first_row(i);
-      ops::cublas_gemm_preload(a_at(s, r0), b, dst_at(s, r0), plan.row_count(i), n, k, layout, c.stream,
-                               c.capturing, c.where, s > 0);
-    }
-  Pipeline p(c, 1);
-  for (size_t i = 0; i < plan.order.size(); ++i) {
-    const int s = plan.order[i].step;
-    const int64_t r0 = plan.first_row(i), nr = plan.row_count(i);
-    if (s > 0) {  // the previous rank's piece of step s - 1 holding this one's rows has landed
-      const bool in_place = dst_at(s, r0) == partial_at(s, r0);
-      p.wait_arrivals(prev, plan.needs[i],
-                      in_place ? Copy{} : Copy{dst_at(s, r0), partial_at(s, r0), uint64_t(nr) * row_bytes});
-    }
-    // out = a . b (+ the partial there from step 1 on: in place in the inbox, the last step's copied into
-    // out)
-    WEFT_CHECK(ops::cublas_gemm_bf16(a_at(s, r0), b, dst_at(s, r0), nr, n, k, layout, c.stream, c.capturing,
-                                     c.where, s > 0),
-               c.where + "the pipelined path needs M, N and K below 2^31 (cuBLAS's limit)");
-    if (s < W - 1) {
-      p.side_waits();
-      p.push(next, partial_at(s + 1, r0), dst_at(s, r0), nr * row_bytes, plan.pushed_to_next[i]);
-    } else if (all_reduce) {
-      p.side_waits();
-      for (int t = 1; t < W; ++t) {
-        const int to = (me + t) % W;
-        p.push(to, (sym_out ? my_rows : gather + me * slice) + r0 * row_bytes, dst_at(s, r0), nr * row_bytes,
-               to == next ? plan.pushed_to_next[i] : plan.finals[i]);
+      const int64_t r0 = plan.first_row(i), nr = plan.row_count(i);
+      if (s > 0) {  // the previous rank's piece of step s - 1 holding this one's rows has landed
+        const bool in_place = dst_at(s, r0) == partial_at(s, r0);
+        p.wait_arrivals(prev, plan.needs[i],
+                        in_place ? Copy{} : Copy{dst_at(s, r0), partial_at(s, r0), uint64_t(nr) * row_bytes});
+      }
+      // out = a . b (+ the partial there from step 1 on: in place in the inbox, the last step's copied into
+      // out)
+      WEFT_CHECK(ops::cublas_gemm_bf16(a_at(s, r0), b, dst_at(s, r0), nr, n, k, layout, c.stream, c.capturing,
+                                       c.where, s > 0),
+                 c.where + "the pipelined path needs M, N and K below 2^31 (cuBLAS's limit)");
+      if (s < W - 1) {
+        p.side_waits();
+        p.push(next, partial_at(s + 1, r0), dst_at(s, r0), nr * row_bytes, plan.pushed_to_next[i]);
+      } else if (all_reduce) {
+        p.side_waits();
+        for (int t = 1; t < W; ++t) {
+          const int to = (me + t) % W;
+          p.push(to, (sym_out ? my_rows : gather + me * slice) + r0 * row_bytes, dst_at(s, r0),
+                 nr * row_bytes, to == next ? plan.pushed_to_next[i] : plan.finals[i]);
+        }
       }
     }
-  }
-  if (all_reduce)
-    for (int q = 0; q < W; ++q) {
-      if (q == me) continue;
-      p.wait_arrivals(q, q == prev ? plan.pushed_to_next.back() : plan.finals.back());
-      if (gather)
-        WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + q * slice, gather + q * slice, slice,
-                                        cudaMemcpyDeviceToDevice, c.stream));
-    }
-  p.finish();
+    if (all_reduce)
+      for (int q = 0; q < W; ++q) {
+        if (q == me) continue;
+        p.wait_arrivals(q, q == prev ? plan.pushed_to_next.back() : plan.finals.back());
+        if (gather)
+          WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + q * slice, gather + q * slice, slice,
+                                          cudaMemcpyDeviceToDevice, c.stream));
+      }
+    p.finish();
+  });
 }
 
 // The fused RS / AR kernels' end: every rank's partial of this rank's rows (slice bytes each) sits in this
