@@ -60,6 +60,16 @@ void run_fused(Context& ctx) {
   }
   std::vector<int64_t> ms = {1024, 2048, 4096, 8192, 16384, 32768};
   if (ctx.quick) ms = {2048, 8192};
+  if (const char* list = std::getenv("WEFT_BENCH_FUSED_M")) {  // e.g. 4096,8192: these M only
+    ms.clear();
+    for (const char* p = list; *p;) {
+      char* end = nullptr;
+      const long long m = std::strtoll(p, &end, 10);
+      if (end == p) break;
+      if (m > 0) ms.push_back(m);
+      p = *end == ',' ? end + 1 : end;
+    }
+  }
   const std::pair<int64_t, int64_t> nks[] = {{8192, 8192}, {28672, 8192}};
   Table t(
       fmt("fused tensor-parallel ops, bf16, %d GPUs (%s): weft vs cuBLAS + NCCL %d.%d.%d", W,
@@ -71,8 +81,8 @@ void run_fused(Context& ctx) {
       "weft collective) for this shape. weft gemm = weft::gemm alone on the compute shape; fused = "
       "the op with the fused kernel forced; pipelined = the op with the copy-engine pipeline "
       "forced (both: what kAuto's rule weighs).");
-  // WEFT_BENCH_FUSED_OPS=ag,rs,ar (default: all) picks the ops; WEFT_BENCH_PIPE_PIECES=n sets
-  // FusedOptions::pipeline_pieces for the weft and pipelined columns (tuning).
+  // WEFT_BENCH_FUSED_OPS=ag,rs,ar (default: all) picks the ops, WEFT_BENCH_FUSED_M (above) the M values;
+  // WEFT_BENCH_PIPE_PIECES=n sets FusedOptions::pipeline_pieces for the weft and pipelined columns (tuning).
   const char* only = std::getenv("WEFT_BENCH_FUSED_OPS");
   FusedOptions weft_options;
   if (const char* p = std::getenv("WEFT_BENCH_PIPE_PIECES")) weft_options.pipeline_pieces = std::atoi(p);
