@@ -218,48 +218,12 @@ class Pipeline {
   PipeStreams& s_;
 };
 
-// Single-process: one host thread driving several ranks must make no call that can block (a library's
-// kernel setup, module loading; 4 x H200, session 11: cublasLtMatmul waited in cuKernelSetAttribute) while a
-// GPU already holds pipeline work that waits for a rank the thread has not driven yet: that work never runs,
-// so the call never returns. A pipelined call made there outside a capture is therefore captured into a
-// graph, and the last local rank's call launches every local rank's graph, when all host work of the call
-// is done. (So the pipeline's work reaches a rank's stream at the last local rank's call, not at its own.)
-void launch_with_local_peers(Call& c, cudaGraphExec_t exec) {
-  struct Deferred {
-    int local, device;
-    cudaStream_t stream;
-    cudaGraphExec_t exec;
-  };
-  static std::mutex mu;
-  static std::map<const Communicator*, std::vector<Deferred>> pending;
-  int local = 0;
-  while (&c.comm.local(local) != &c.rank) ++local;
-  std::vector<Deferred> ready;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    std::vector<Deferred>& v = pending[&c.comm];
-    for (const Deferred& d : v)
-      if (d.local == local) {
-        cudaGraphExecDestroy(exec);
-        throw_error(c.where +
-                    "single-process: this rank's previous pipelined call still waits for the other "
-                    "local ranks' calls (every local rank must make each call)");
-      }
-    v.push_back({local, c.rank.device(), c.stream, exec});
-    if (int(v.size()) < c.comm.num_local()) return;
-    ready.swap(v);
-    pending.erase(&c.comm);
-  }
-  for (const Deferred& d : ready) {
-    WEFT_CUDA_CHECK(cudaSetDevice(d.device));
-    WEFT_CUDA_CHECK(cudaGraphLaunch(d.exec, d.stream));
-    WEFT_CUDA_CHECK(cudaGraphExecDestroy(d.exec));  // freed once it has run
-  }
-  WEFT_CUDA_CHECK(cudaSetDevice(c.rank.device()));
-}
-
-// Runs `enqueue` (a pipeline's stream work, after any workspace growth): at once, or single-process outside
-// a capture, captured and launched with the other local ranks' (launch_with_local_peers).
+// Single-process, one host thread drives several ranks, and a host call that waits for a GPU (a library's
+// kernel setup or module loading) never returns if that GPU already holds work waiting for a rank the thread
+// has not driven yet (4 x H200, session 11: cublasLtMatmul waited in cuKernelSetAttribute while this GPU's
+// earlier pieces waited for a rank two steps back). So there a pipelined call outside a capture is captured
+// into a graph, which makes every host call of the op before the GPU gets any of its work, and launched at
+// the end of the call (same stream order as direct enqueueing). Otherwise `enqueue` runs directly.
 template <class F>
 void run_pipeline(Call& c, F&& enqueue) {
   if (c.comm.num_local() == 1 || c.capturing) return enqueue();
@@ -281,7 +245,9 @@ void run_pipeline(Call& c, F&& enqueue) {
   const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
   WEFT_CUDA_CHECK(made);
-  launch_with_local_peers(c, exec);
+  const cudaError_t launched = cudaGraphLaunch(exec, c.stream);
+  cudaGraphExecDestroy(exec);  // freed once it has run
+  WEFT_CUDA_CHECK(launched);
 }
 
 // all_gather_matmul: this rank's shard goes to every peer's area (slot of this rank) by copy engine; the

@@ -31,10 +31,9 @@
 //               final), AR then pushing each final piece to every peer. Stream waits on peer flags order
 //               the GPUs; they have no timeout, so a rank that dies mid-call leaves its peers' streams
 //               waiting. The first call on a GPU creates its copy stream and cuBLAS handle: make one
-//               call before capturing a CUDA graph. Single-process outside a capture, a rank's call
-//               captures its work into a graph and the last local rank's call launches them all (so no
-//               host call can block while a GPU waits for a rank not yet driven): make the calls of all
-//               local ranks one after another, with nothing in between on their streams.
+//               call before capturing a CUDA graph. Single-process outside a capture, a call captures
+//               its work into a graph and launches it at its end (no host call of the op may block while
+//               the GPU waits for a rank not yet driven).
 //   kSequential a cuBLAS GEMM with weft::all_gather / reduce_scatter / all_reduce.
 // kFused cannot run for RS / AR with world > 8 or M / W not a multiple of 64, nor for AG with too many A
 // chunks: forced, it throws why; kAuto then falls back to kSequential. The return value says which path ran.
