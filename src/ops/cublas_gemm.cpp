@@ -75,31 +75,25 @@ void cublas_gemm_ready(const std::string& where) {
   handle_for(device, false, where);
 }
 
-void cublas_gemm_preload(const void* a, const void* b, const void* out, int64_t m, int64_t n, int64_t k,
+void cublas_gemm_preload(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                          BLayout layout, cudaStream_t stream, bool capturing, const std::string& where) {
   if (capturing) return;
   static std::mutex mu;
   static std::set<std::array<int64_t, 6>> seen;  // (device, m, n, k, layout, alignments)
   int device = 0;
   WEFT_CUDA_CHECK(cudaGetDevice(&device));
-  const uint32_t out_align = alignment(out);
   const std::array<int64_t, 6> key = {
       device,
       m,
       n,
       k,
       layout == BLayout::kNK ? 1 : 0,
-      int64_t(alignment(a)) | int64_t(alignment(b)) << 9 | int64_t(out_align) << 18};
+      int64_t(alignment(a)) | int64_t(alignment(b)) << 9 | int64_t(alignment(out)) << 18};
   {
     std::lock_guard<std::mutex> lock(mu);
     if (!seen.insert(key).second) return;
   }
-  // Into scratch at out's alignment (so that a caller's buffer is never written early), freed in stream
-  // order.
-  char* scratch = nullptr;
-  WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch), m * n * 2 + 256, stream));
-  cublas_gemm_bf16(a, b, scratch + out_align % 256, m, n, k, layout, stream, capturing, where);
-  WEFT_CUDA_CHECK(cudaFreeAsync(scratch, stream));
+  cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, capturing, where);
 }
 
 }  // namespace weft::ops

@@ -27,10 +27,10 @@ void cublas_gemm_ready(const std::string& where);
 // CUDA loads a cuBLAS kernel's module on its first launch on a GPU, and that load waits for the GPU's
 // running kernels. One host thread driving several ranks that has just launched a kernel waiting for its
 // peers (launched by the same thread after this call returns) would wait forever there. Run before such a
-// kernel: the first time this shape (and operand alignments) is seen on the current GPU, the GEMM runs once
-// on `stream` into scratch aligned as `out` (out itself is not written). Nothing happens while capturing
-// (nothing runs then).
-void cublas_gemm_preload(const void* a, const void* b, const void* out, int64_t m, int64_t n, int64_t k,
+// kernel: the first time this shape (and operand alignments, by which cuBLAS picks kernels) is seen on the
+// current GPU, the GEMM runs once into `out`, which the real call overwrites. Nothing happens while
+// capturing (nothing runs then).
+void cublas_gemm_preload(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                          BLayout layout, cudaStream_t stream, bool capturing, const std::string& where);
 
 }  // namespace weft::ops
