@@ -46,11 +46,12 @@ struct Mode {
   const char* name;
   const char* help;
   void (*run)(Context&);
+  int min_gpus;  // fewer GPUs in use: weft-bench skips the mode, saying so
 };
 std::vector<Mode>& modes();
 struct ModeRegistrar {
-  ModeRegistrar(const char* name, const char* help, void (*run)(Context&)) {
-    modes().push_back({name, help, run});
+  ModeRegistrar(const char* name, const char* help, void (*run)(Context&), int min_gpus = 2) {
+    modes().push_back({name, help, run, min_gpus});
   }
 };
 

@@ -73,12 +73,49 @@ class GemmBench {
     cudaStreamDestroy(stream_);
   }
 
+  // Each candidate's median time (ms) per call: after 3 warm-up rounds, `iters` rounds of one call of each
+  // in turn (candidate(i) runs round i: it rotates its inputs by i), each call timed with its own events,
+  // so clock and thermal drift hit all alike.
+  std::vector<float> time_in_turns(const std::vector<std::function<void(int)>>& candidates, int iters) {
+    const size_t n = candidates.size();
+    for (int i = 0; i < 3; ++i)
+      for (auto& c : candidates) c(i);
+    std::vector<cudaEvent_t> ev(iters * (n + 1));
+    for (auto& e : ev) WEFT_CUDA_CHECK(cudaEventCreate(&e));
+    for (int i = 0; i < iters; ++i) {
+      WEFT_CUDA_CHECK(cudaEventRecord(ev[i * (n + 1)], stream_));
+      for (size_t c = 0; c < n; ++c) {
+        candidates[c](i);
+        WEFT_CUDA_CHECK(cudaEventRecord(ev[i * (n + 1) + c + 1], stream_));
+      }
+    }
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<float> medians;
+    for (size_t c = 0; c < n; ++c) {
+      std::vector<float> t;
+      for (int i = 0; i < iters; ++i) {
+        float ms = 0;
+        WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[i * (n + 1) + c], ev[i * (n + 1) + c + 1]));
+        t.push_back(ms);
+      }
+      medians.push_back(median(t));
+    }
+    for (auto& e : ev) cudaEventDestroy(e);
+    return medians;
+  }
+  cudaStream_t stream() const { return stream_; }
+  cublasHandle_t blas() const { return blas_; }
+  // Copies of an operand pair that together exceed L2 three times (2..16), so that a rotation through
+  // them never finds its operands in L2.
+  int rotation_sets(uint64_t bytes_per_set) const {
+    return int(std::clamp<uint64_t>((3ull * l2_bytes_ + bytes_per_set - 1) / bytes_per_set, 2, 16));
+  }
+
   Result run(const Shape& s, BLayout lay, const GemmOptions& opt = {}, bool check = false) {
     const uint64_t a_bytes = uint64_t(s.m) * s.k * 2, b_bytes = uint64_t(s.n) * s.k * 2;
     const uint64_t c_elems = uint64_t(s.m) * s.n;
     // Enough copies of A and B that the ones in use were evicted from L2 since their last turn.
-    const int sets =
-        int(std::clamp<uint64_t>((3ull * l2_bytes_ + a_bytes + b_bytes - 1) / (a_bytes + b_bytes), 2, 16));
+    const int sets = rotation_sets(a_bytes + b_bytes);
     std::vector<std::unique_ptr<DevMem>> as, bs;
     for (int i = 0; i < sets; ++i) {
       as.push_back(std::make_unique<DevMem>(a_bytes));
@@ -100,33 +137,11 @@ class GemmBench {
     };
     const double est_ms = s.flops() / 650e12 * 1e3;
     const int iters = quick_ ? std::clamp(int(60 / est_ms), 5, 20) : std::clamp(int(400 / est_ms), 15, 200);
-    const int warmup = 3;
-    std::vector<cudaEvent_t> ev(4 * iters);
-    for (auto& e : ev) WEFT_CUDA_CHECK(cudaEventCreate(&e));
-    for (int i = 0; i < warmup; ++i) {
-      weft_op(i);
-      blas_op(i);
-    }
-    for (int i = 0; i < iters; ++i) {
-      WEFT_CUDA_CHECK(cudaEventRecord(ev[4 * i], stream_));
-      weft_op(i);
-      WEFT_CUDA_CHECK(cudaEventRecord(ev[4 * i + 1], stream_));
-      blas_op(i + 1);  // a different input set than weft just used
-      WEFT_CUDA_CHECK(cudaEventRecord(ev[4 * i + 2], stream_));
-    }
-    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    std::vector<float> tw, tb;
-    for (int i = 0; i < iters; ++i) {
-      float w = 0, b = 0;
-      WEFT_CUDA_CHECK(cudaEventElapsedTime(&w, ev[4 * i], ev[4 * i + 1]));
-      WEFT_CUDA_CHECK(cudaEventElapsedTime(&b, ev[4 * i + 1], ev[4 * i + 2]));
-      tw.push_back(w);
-      tb.push_back(b);
-    }
-    for (auto& e : ev) cudaEventDestroy(e);
+    // cuBLAS gets a different input set than weft just used.
+    const std::vector<float> ms = time_in_turns({weft_op, [&](int i) { blas_op(i + 1); }}, iters);
     Result r;
-    r.weft_ms = median(tw);
-    r.cublas_ms = median(tb);
+    r.weft_ms = ms[0];
+    r.cublas_ms = ms[1];
     if (check) {  // same inputs for both, then compare the bf16 outputs
       weft_op(0);
       blas_op(0);
@@ -162,6 +177,75 @@ std::string plan_text(const Shape& s, BLayout lay, const GemmOptions& o = {}) {
 }
 std::string tflops(const Shape& s, float ms) {
   return fmt("%.1f", s.flops() / (double(ms) * 1e9));
+}
+
+// The copy-engine ring pipeline of matmul_reduce_scatter / matmul_all_reduce (src/ops/fused.cu) runs its
+// per-rank GEMM [M, K/W] x [N, K/W]^T as W steps of M / W rows, two row pieces each, every step after the
+// first adding into a partial. This table times that split alone on one GPU (no communication): the floor
+// of the pipelined path's compute, against the whole GEMM (the bound's compute term). cuBLAS pieces add with
+// beta = 1 (what the pipeline calls); weft pieces with a TMA reduce-add store.
+void run_ring_pieces(Context& ctx, GemmBench& bench, const std::string& gpu) {
+  Table t(
+      "gemm: the ring pipeline's GEMM pieces, B [N,K], bf16, GPU 0 (" + gpu + ")",
+      {"W", "pieces / step", "M", "N", "K/W", "cuBLAS whole us", "cuBLAS pieces us", "pieces / whole",
+       "weft whole us", "weft pieces us", "weft pieces / cuBLAS whole"},
+      "Per-rank GEMM of the pipelined RS / AR at world size W: M x N x K/W (K = 8192), as one call and as "
+      "the ring's W steps of `pieces` row pieces each (beta = 1, or reduce-add, after the first step; the "
+      "pipeline's default is 2 pieces). No communication: pieces / whole is the GEMM's own cost of the "
+      "split.");
+  std::vector<int64_t> ms = {2048, 4096, 8192, 16384};
+  if (ctx.quick) ms = {4096, 8192};
+  for (int W : {2, 4})
+    for (int kPieces : {1, 2})
+      for (int64_t N : {8192, 28672})
+        for (int64_t M : ms) {
+          const int64_t K = 8192 / W, piece = M / W / kPieces;
+          ctx.progress("gemm: ring pieces W=%d x %d M=%lld N=%lld", W, kPieces, (long long)M, (long long)N);
+          const uint64_t a_bytes = uint64_t(M) * K * 2, b_bytes = uint64_t(N) * K * 2;
+          const int sets = bench.rotation_sets(a_bytes + b_bytes);
+          std::vector<std::unique_ptr<DevMem>> as, bs;
+          for (int i = 0; i < sets; ++i) {
+            as.push_back(std::make_unique<DevMem>(a_bytes));
+            bs.push_back(std::make_unique<DevMem>(b_bytes));
+            fill_uniform_bf16(as.back()->p, a_bytes / 2, 2 * i + 11, bench.stream());
+            fill_uniform_bf16(bs.back()->p, b_bytes / 2, 2 * i + 12, bench.stream());
+          }
+          DevMem c(uint64_t(M) * N * 2);
+          auto rows_of = [&](const DevMem& x, int64_t row, int64_t width) {
+            return static_cast<char*>(x.p) + row * width * 2;
+          };
+          auto blas = [&](int i, int64_t row, int64_t rows, bool add) {
+            const float one = 1.f, beta = add ? 1.f : 0.f;
+            CUBLAS_CHECK(cublasGemmEx(bench.blas(), CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(rows), int(K), &one,
+                                      bs[i % sets]->p, CUDA_R_16BF, int(K), rows_of(*as[i % sets], row, K),
+                                      CUDA_R_16BF, int(K), &beta, rows_of(c, row % (M / W), N), CUDA_R_16BF,
+                                      int(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+          };
+          auto weft = [&](int i, int64_t row, int64_t rows, bool add) {
+            GemmOptions o;
+            o.store = add ? GemmStore::kReduceAdd : GemmStore::kStore;
+            gemm(rows_of(*as[i % sets], row, K), bs[i % sets]->p, rows_of(c, row % (M / W), N), rows, N, K,
+                 BLayout::kNK, DType::kBF16, bench.stream(), o);
+          };
+          // Step s computes rows [s M / W, (s + 1) M / W) into the partial of rows (row mod M / W).
+          auto pieces = [&](auto&& one) {
+            return [&, one](int i) {
+              for (int s = 0; s < W; ++s)
+                for (int p = 0; p < kPieces; ++p) one(i, (s * kPieces + p) * piece, piece, s > 0);
+            };
+          };
+          const double est_ms = 2.0 * M * N * K / 650e12 * 1e3;
+          const int iters = std::clamp(int((ctx.quick ? 60 : 300) / est_ms), 10, 200);
+          const std::vector<float> r =
+              bench.time_in_turns({[&](int i) { blas(i, 0, M, false); }, pieces(blas),
+                                   [&](int i) { weft(i, 0, M, false); }, pieces(weft)},
+                                  iters);
+          t.add({std::to_string(W), std::to_string(kPieces), std::to_string(M), std::to_string(N),
+                 std::to_string(K), fmt("%.1f", r[0] * 1e3), fmt("%.1f", r[1] * 1e3),
+                 fmt("%.3f", r[1] / r[0]), fmt("%.1f", r[2] * 1e3), fmt("%.1f", r[3] * 1e3),
+                 fmt("%.3f", r[3] / r[0])});
+        }
+  ctx.add(std::move(t));
 }
 
 void run_gemm(Context& ctx) {
@@ -222,7 +306,10 @@ void run_gemm(Context& ctx) {
     ctx.add(std::move(t));
   }
 
-  // 3. Tuning knobs at 8192^3 (not in --quick): cluster size and the grouped order's band height.
+  // 3. The ring pipeline's GEMM split.
+  run_ring_pieces(ctx, bench, gpu);
+
+  // 4. Tuning knobs at 8192^3 (not in --quick): cluster size and the grouped order's band height.
   if (!ctx.quick) {
     const Shape s{8192, 8192, 8192};
     Table t("gemm: 8192^3 " + std::string(layout_name(BLayout::kNK)) + ", weft options",
@@ -244,7 +331,9 @@ void run_gemm(Context& ctx) {
   }
 }
 
-ModeRegistrar reg("gemm", "weft GEMM vs cuBLAS on GPU 0: 8192^3 and the M,N,K sweep (bf16)", &run_gemm);
+ModeRegistrar reg("gemm",
+                  "weft GEMM vs cuBLAS on GPU 0: 8192^3, the M,N,K sweep, the ring pipeline's pieces (bf16)",
+                  &run_gemm, 1);
 
 }  // namespace
 }  // namespace weft::bench

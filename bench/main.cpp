@@ -86,6 +86,12 @@ int main(int argc, char** argv) {
 
   int rc = 0;
   for (const Mode* m : chosen) {
+    if (ctx.gpus < m->min_gpus) {  // e.g. a single-GPU machine: the team modes cannot run, the GEMM can
+      ctx.progress("mode %s skipped: needs %d GPUs, %d in use", m->name, m->min_gpus, ctx.gpus);
+      if (!ctx.json && !ctx.quiet)
+        std::printf("## %s: SKIPPED (needs %d GPUs, %d in use)\n\n", m->name, m->min_gpus, ctx.gpus);
+      continue;
+    }
     ctx.progress("mode %s", m->name);
     try {
       m->run(ctx);

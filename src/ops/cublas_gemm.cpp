@@ -2,10 +2,8 @@
 
 #include <cublas_v2.h>
 
-#include <array>
 #include <climits>
 #include <mutex>
-#include <set>
 
 #include "weft/runtime/error.hpp"
 
@@ -38,14 +36,6 @@ cublasHandle_t handle_for(int device, bool capturing, const std::string& where) 
   return h;
 }
 
-// The largest power of two up to 256 dividing the address (cuBLAS picks kernels by operand alignment).
-uint32_t alignment(const void* p) {
-  const auto a = reinterpret_cast<uintptr_t>(p);
-  uint32_t v = 256;
-  while (v > 2 && a % v != 0) v /= 2;
-  return v;
-}
-
 }  // namespace
 
 bool cublas_gemm_bf16(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
@@ -73,27 +63,6 @@ void cublas_gemm_ready(const std::string& where) {
   int device = 0;
   WEFT_CUDA_CHECK(cudaGetDevice(&device));
   handle_for(device, false, where);
-}
-
-void cublas_gemm_preload(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
-                         BLayout layout, cudaStream_t stream, bool capturing, const std::string& where) {
-  if (capturing) return;
-  static std::mutex mu;
-  static std::set<std::array<int64_t, 6>> seen;  // (device, m, n, k, layout, alignments)
-  int device = 0;
-  WEFT_CUDA_CHECK(cudaGetDevice(&device));
-  const std::array<int64_t, 6> key = {
-      device,
-      m,
-      n,
-      k,
-      layout == BLayout::kNK ? 1 : 0,
-      int64_t(alignment(a)) | int64_t(alignment(b)) << 9 | int64_t(alignment(out)) << 18};
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (!seen.insert(key).second) return;
-  }
-  cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, capturing, where);
 }
 
 }  // namespace weft::ops

@@ -1,6 +1,7 @@
-// cuBLAS GEMM for the fused ops' sequential fallback (internal to src/ops). The fallback exists to be never
-// slower than cuBLAS + NCCL, so its GEMM is cuBLAS itself: weft::gemm matches cuBLAS on the sweep of the
-// GEMM issue but not on every shape and data pattern (bench/RESULTS.md, fused tables).
+// cuBLAS GEMM for the fused ops' sequential and pipelined paths (internal to src/ops). Those paths exist to
+// be never slower than cuBLAS + NCCL, so their GEMM is cuBLAS itself where it is safe (fused.cu's
+// Call::gemm_into says where not): weft::gemm matches cuBLAS on the sweep of the GEMM issue but not on every
+// shape and data pattern (bench/RESULTS.md, fused tables).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -21,16 +22,8 @@ bool cublas_gemm_bf16(const void* a, const void* b, void* out, int64_t m, int64_
                       BLayout layout, cudaStream_t stream, bool capturing, const std::string& where,
                       bool accumulate = false);
 
-// Creates the current device's cuBLAS handle if it has none (before a capture, which cannot).
+// Creates the current device's cuBLAS handle if it has none: for a call that does not use cuBLAS now, so
+// that a later call under a CUDA-graph capture (which cannot create it) can.
 void cublas_gemm_ready(const std::string& where);
-
-// CUDA loads a cuBLAS kernel's module on its first launch on a GPU, and that load waits for the GPU's
-// running kernels. One host thread driving several ranks that has just launched a kernel waiting for its
-// peers (launched by the same thread after this call returns) would wait forever there. Run before such a
-// kernel: the first time this shape (and operand alignments, by which cuBLAS picks kernels) is seen on the
-// current GPU, the GEMM runs once into `out`, which the real call overwrites. Nothing happens while
-// capturing (nothing runs then).
-void cublas_gemm_preload(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
-                         BLayout layout, cudaStream_t stream, bool capturing, const std::string& where);
 
 }  // namespace weft::ops

@@ -89,12 +89,25 @@ struct Call {
     if (rule == FusedPath::kFused && !why_not_fused.empty()) return FusedPath::kSequential;
     return rule;
   }
-  // The sequential path's GEMM: cuBLAS (never slower than the cuBLAS + NCCL baseline), weft::gemm where
-  // cuBLAS cannot take the shape.
-  void sequential_gemm(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
-                       BLayout layout) const {
-    if (ops::cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, capturing, where)) return;
-    gemm(a, b, out, m, n, k, layout, DType::kBF16, stream);
+  // The GEMM of the sequential and pipelined paths: out = a . b (with `accumulate`: out += a . b). cuBLAS
+  // (never slower than the cuBLAS + NCCL baseline) where it is safe, else weft::gemm (the store, or a
+  // reduce-add into out), which also takes what cuBLAS cannot (a dimension above 2^31 - 1).
+  // Not safe: one host thread driving several local ranks outside a capture. Then a GPU may already hold
+  // work that waits for a rank this thread drives later (this op's earlier ranks, or this rank's previous
+  // op), and cuBLAS's first use of one of its kernels on a GPU waits until that GPU's queued and running
+  // work is done: for ever. Seen at 4 GPUs (session 11, in cuKernelSetAttribute) and on one GPU with a
+  // held stream (tests/gpu/test_host_calls.cu: cublasGemmEx of a shape not run before waited, captured or
+  // not, with eager module loading too; weft::gemm, whose kernels are loaded with the communicator, never).
+  void gemm_into(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k, BLayout layout,
+                 bool accumulate = false) const {
+    const bool cublas_safe = comm.num_local() == 1 || capturing;
+    if (cublas_safe &&
+        ops::cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, capturing, where, accumulate))
+      return;
+    if (!cublas_safe) ops::cublas_gemm_ready(where);  // for a later capture (the probe: creating never waits)
+    GemmOptions o;
+    o.store = accumulate ? GemmStore::kReduceAdd : GemmStore::kStore;
+    gemm(a, b, out, m, n, k, layout, DType::kBF16, stream, o);
   }
   // Grid of an LCSC op with `comm` communicator blocks: compute clusters fill the rest of the GPU.
   template <class Op>
@@ -218,38 +231,6 @@ class Pipeline {
   PipeStreams& s_;
 };
 
-// Single-process, one host thread drives several ranks, and a host call that waits for a GPU (a library's
-// kernel setup or module loading) never returns if that GPU already holds work waiting for a rank the thread
-// has not driven yet (4 x H200, session 11: cublasLtMatmul waited in cuKernelSetAttribute while this GPU's
-// earlier pieces waited for a rank two steps back). So there a pipelined call outside a capture is captured
-// into a graph, which makes every host call of the op before the GPU gets any of its work, and launched at
-// the end of the call (same stream order as direct enqueueing). Otherwise `enqueue` runs directly.
-template <class F>
-void run_pipeline(Call& c, F&& enqueue) {
-  if (c.comm.num_local() == 1 || c.capturing) return enqueue();
-  pipe_streams(c.rank.device(), false, c.where);  // created before the capture, which cannot
-  ops::cublas_gemm_ready(c.where);
-  WEFT_CUDA_CHECK(cudaStreamBeginCapture(c.stream, cudaStreamCaptureModeRelaxed));
-  c.capturing = true;
-  cudaGraph_t graph = nullptr;
-  try {
-    enqueue();
-  } catch (...) {
-    c.capturing = false;
-    if (cudaStreamEndCapture(c.stream, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
-    throw;
-  }
-  c.capturing = false;
-  WEFT_CUDA_CHECK(cudaStreamEndCapture(c.stream, &graph));
-  cudaGraphExec_t exec = nullptr;
-  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
-  cudaGraphDestroy(graph);
-  WEFT_CUDA_CHECK(made);
-  const cudaError_t launched = cudaGraphLaunch(exec, c.stream);
-  cudaGraphExecDestroy(exec);  // freed once it has run
-  WEFT_CUDA_CHECK(launched);
-}
-
 // all_gather_matmul: this rank's shard goes to every peer's area (slot of this rank) by copy engine; the
 // GEMM runs on this rank's own rows first, then on each peer's rows as they land (rank - 1 first).
 void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* gathered_a, int64_t m,
@@ -260,35 +241,33 @@ void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* 
   char* g = c.pipeline_area(Communicator::kAgPipelineArea, m * k * 2);
   auto a_of = [&](int r) { return r == me ? static_cast<const char*>(a_shard) : g + r * shard; };
   auto out_of = [&](int r) { return static_cast<char*>(out) + r * rows * n * 2; };
-  run_pipeline(c, [&] {
-    Pipeline p(c, 0);
-    for (int s = 1; s < W; ++s) p.push((me + s) % W, g + me * shard, a_shard, shard);
-    for (int s = 0; s < W; ++s) {
-      const int r = (me - s + W) % W;
-      if (r != me) p.wait_arrivals(r);
-      c.sequential_gemm(a_of(r), b, out_of(r), rows, n, k, layout);
-    }
-    if (gathered_a)
-      for (int r = 0; r < W; ++r)
-        WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(gathered_a) + r * shard, a_of(r), shard,
-                                        cudaMemcpyDeviceToDevice, c.stream));
-    p.finish();
-  });
+  Pipeline p(c, 0);
+  for (int s = 1; s < W; ++s) p.push((me + s) % W, g + me * shard, a_shard, shard);
+  for (int s = 0; s < W; ++s) {
+    const int r = (me - s + W) % W;
+    if (r != me) p.wait_arrivals(r);
+    c.gemm_into(a_of(r), b, out_of(r), rows, n, k, layout);
+  }
+  if (gathered_a)
+    for (int r = 0; r < W; ++r)
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(gathered_a) + r * shard, a_of(r), shard,
+                                      cudaMemcpyDeviceToDevice, c.stream));
+  p.finish();
 }
 
 // matmul_reduce_scatter / matmul_all_reduce: a ring reduce-scatter whose additions run in the GEMM's
-// epilogue (cuBLAS with beta = 1: out = a . b + out, the partial in out). At step s = 0..W-1 rank r computes
-// the rows of rank (r - s - 1) mod W (its own last), adding from step 1 on the partial sum of those rows that
-// rank r - 1 made at its step s - 1 and pushed into this rank's inbox (in place there; the last step copies
-// it into out first, while the GEMM before runs); below the last step it pushes its sum on to rank r + 1.
-// Steps run in row pieces in ring_schedule's order, each pushed as soon as it is computed, so no step waits
-// for a whole push and no reduce pass remains (2 GPUs: the peer's rows, then this rank's own plus the peer's
-// partial). All-reduce: each final piece also goes to every peer's out (through the workspace when out is not
-// symmetric: copied into out at the end).
+// epilogue (gemm_into with accumulate: out = a . b + out, the partial in out). At step s = 0..W-1 rank r
+// computes the rows of rank (r - s - 1) mod W (its own last), adding from step 1 on the partial sum of those
+// rows that rank r - 1 made at its step s - 1 and pushed into this rank's inbox (in place there; the last
+// step copies it into out first, while the GEMM before runs); below the last step it pushes its sum on to
+// rank r + 1. Steps run in row pieces in ring_schedule's order, each pushed as soon as it is computed, so no
+// step waits for a whole push and no reduce pass remains (2 GPUs: the peer's rows, then this rank's own plus
+// the peer's partial). All-reduce: each final piece also goes to every peer's out (through the workspace when
+// out is not symmetric: copied into out at the end).
 void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                   BLayout layout, bool all_reduce, int pieces_wanted) {
   const int W = c.rank.world(), me = c.rank.rank(), next = (me + 1) % W, prev = (me + W - 1) % W;
-  if (W == 1) return c.sequential_gemm(a, b, out, m, n, k, layout);
+  if (W == 1) return c.gemm_into(a, b, out, m, n, k, layout);
   const int64_t rows = m / W;
   const uint64_t row_bytes = n * 2, slice = rows * row_bytes;
   // Two pieces per step measured best (2 x H200, bench/RESULTS.md: each more costs ~5-9 us of stream
@@ -313,43 +292,39 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
   auto dst_at = [&](int s, int64_t row) {
     return s == 0 ? staging + row * row_bytes : s < W - 1 ? partial_at(s, row) : my_rows + row * row_bytes;
   };
-  run_pipeline(c, [&] {
-    Pipeline p(c, 1);
-    for (size_t i = 0; i < plan.order.size(); ++i) {
-      const int s = plan.order[i].step;
-      const int64_t r0 = plan.first_row(i), nr = plan.row_count(i);
-      if (s > 0) {  // the previous rank's piece of step s - 1 holding this one's rows has landed
-        const bool in_place = dst_at(s, r0) == partial_at(s, r0);
-        p.wait_arrivals(prev, plan.needs[i],
-                        in_place ? Copy{} : Copy{dst_at(s, r0), partial_at(s, r0), uint64_t(nr) * row_bytes});
-      }
-      // out = a . b (+ the partial there from step 1 on: in place in the inbox, the last step's copied into
-      // out)
-      WEFT_CHECK(ops::cublas_gemm_bf16(a_at(s, r0), b, dst_at(s, r0), nr, n, k, layout, c.stream, c.capturing,
-                                       c.where, s > 0),
-                 c.where + "the pipelined path needs M, N and K below 2^31 (cuBLAS's limit)");
-      if (s < W - 1) {
-        p.side_waits();
-        p.push(next, partial_at(s + 1, r0), dst_at(s, r0), nr * row_bytes, plan.pushed_to_next[i]);
-      } else if (all_reduce) {
-        p.side_waits();
-        for (int t = 1; t < W; ++t) {
-          const int to = (me + t) % W;
-          p.push(to, (sym_out ? my_rows : gather + me * slice) + r0 * row_bytes, dst_at(s, r0),
-                 nr * row_bytes, to == next ? plan.pushed_to_next[i] : plan.finals[i]);
-        }
+  Pipeline p(c, 1);
+  for (size_t i = 0; i < plan.order.size(); ++i) {
+    const int s = plan.order[i].step;
+    const int64_t r0 = plan.first_row(i), nr = plan.row_count(i);
+    if (s > 0) {  // the previous rank's piece of step s - 1 holding this one's rows has landed
+      const bool in_place = dst_at(s, r0) == partial_at(s, r0);
+      p.wait_arrivals(prev, plan.needs[i],
+                      in_place ? Copy{} : Copy{dst_at(s, r0), partial_at(s, r0), uint64_t(nr) * row_bytes});
+    }
+    // out = a . b (+ the partial there from step 1 on: in place in the inbox, the last step's copied into
+    // out)
+    c.gemm_into(a_at(s, r0), b, dst_at(s, r0), nr, n, k, layout, s > 0);
+    if (s < W - 1) {
+      p.side_waits();
+      p.push(next, partial_at(s + 1, r0), dst_at(s, r0), nr * row_bytes, plan.pushed_to_next[i]);
+    } else if (all_reduce) {
+      p.side_waits();
+      for (int t = 1; t < W; ++t) {
+        const int to = (me + t) % W;
+        p.push(to, (sym_out ? my_rows : gather + me * slice) + r0 * row_bytes, dst_at(s, r0), nr * row_bytes,
+               to == next ? plan.pushed_to_next[i] : plan.finals[i]);
       }
     }
-    if (all_reduce)
-      for (int q = 0; q < W; ++q) {
-        if (q == me) continue;
-        p.wait_arrivals(q, q == prev ? plan.pushed_to_next.back() : plan.finals.back());
-        if (gather)
-          WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + q * slice, gather + q * slice, slice,
-                                          cudaMemcpyDeviceToDevice, c.stream));
-      }
-    p.finish();
-  });
+  }
+  if (all_reduce)
+    for (int q = 0; q < W; ++q) {
+      if (q == me) continue;
+      p.wait_arrivals(q, q == prev ? plan.pushed_to_next.back() : plan.finals.back());
+      if (gather)
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + q * slice, gather + q * slice, slice,
+                                        cudaMemcpyDeviceToDevice, c.stream));
+    }
+  p.finish();
 }
 
 // The fused RS / AR kernels' end: every rank's partial of this rank's rows (slice bytes each) sits in this
@@ -522,12 +497,8 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
   }
   if (path == FusedPath::kSequential) {
     char* g = gathered_a ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
-    // The all-gather waits for peers that this thread launches later when it drives several ranks: load
-    // cuBLAS's kernel for this shape before it (cublas_gemm_preload says why).
-    if (comm.num_local() > 1)
-      ops::cublas_gemm_preload(g, b, out, m, n, k, layout, c.stream, c.capturing, c.where);
     all_gather(comm, rank, a_shard, g, Shape2D{size_t(rows), size_t(k)}, 0, DType::kBF16, c.stream);
-    c.sequential_gemm(g, b, out, m, n, k, layout);
+    c.gemm_into(g, b, out, m, n, k, layout);
     return FusedPath::kSequential;
   }
   char* g = sym_gathered ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
@@ -553,7 +524,7 @@ FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, c
   }
   if (path == FusedPath::kSequential) {
     char* tmp = c.workspace(m * n * 2);  // symmetric: reduce_scatter reads it in place
-    c.sequential_gemm(a, b, tmp, m, n, k, layout);
+    c.gemm_into(a, b, tmp, m, n, k, layout);
     reduce_scatter(comm, rank, tmp, out, Shape2D{size_t(rows), size_t(n)}, 0, DType::kBF16, ReduceOp::kSum,
                    c.stream);
     return FusedPath::kSequential;
@@ -577,7 +548,7 @@ FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const
     return path;
   }
   if (path == FusedPath::kSequential) {
-    c.sequential_gemm(a, b, out, m, n, k, layout);
+    c.gemm_into(a, b, out, m, n, k, layout);
     all_reduce(comm, rank, out, out, size_t(m) * n, DType::kBF16, ReduceOp::kSum, c.stream);
     return FusedPath::kSequential;
   }

@@ -132,6 +132,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", e.what());
     return 2;
   }
+  // More ranks on this node than GPUs, with no per-rank CUDA_VISIBLE_DEVICES: ranks would share a GPU, which
+  // weft refuses. A single-GPU machine running the suite's 2-rank entry skips it, visibly.
+  if (env && ndev < env->local_world && !std::getenv("CUDA_VISIBLE_DEVICES")) {
+    std::printf(
+        "SKIPPED: weft-gpu-tests: %d ranks on this node but %d GPU%s visible (one GPU per rank); the "
+        "multi-process tests did not run\n",
+        env->local_world, ndev, ndev == 1 ? "" : "s");
+    return 77;
+  }
   std::string prefix;
   if (env) {
     ctx.multi_process = true;
