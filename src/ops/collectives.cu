@@ -70,6 +70,12 @@ struct Call {
     return ops::workspace_of(comm, rank, bytes, capturing, std::string("weft::") + op + ": ");
   }
   void launched() const { WEFT_CUDA_CHECK(cudaGetLastError()); }
+  // A team of one: every collective returns its input (no kernel, no meeting). True when it did.
+  bool alone(const void* in, void* out, uint64_t bytes) const {
+    if (rank.world() > 1) return false;
+    if (in != out) WEFT_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream));
+    return true;
+  }
 };
 
 // Widest access (16, 8, 4, 2 bytes) that divides every size, stride and address given.
@@ -218,6 +224,7 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
   c.check_buffer(in, "in", bytes, 16);  // the vector and LL paths read whole 16-byte packs / 4-byte words
   c.check_buffer(out, "out", bytes, 16);
   if (in != out && Call::overlap(in, bytes, out, bytes)) c.fail("in and out overlap without being equal");
+  if (c.alone(in, out, bytes)) return;
   const int world = rank.world();
   const uint64_t one_shot_max = one_shot_max_bytes(world);
   if (algo == AllReduceAlgo::kAuto)
@@ -292,6 +299,7 @@ void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape
   const bool in_place = dim == 0 && in == my_slot;
   if (!in_place && Call::overlap(in, in_bytes, out, out_bytes))
     c.fail("in overlaps out; in-place all-gather passes in == out + rank * in_bytes (dim 0 only)");
+  if (c.alone(in, out, in_bytes)) return;
   coll::Exchange x{};
   x.team = rank.view();
   if (dim == 0) {  // one contiguous row per rank
@@ -331,6 +339,7 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
   const bool in_place = dim == 0 && out == static_cast<const char*>(in) + rank.rank() * out_bytes;
   if (!in_place && Call::overlap(in, in_bytes, out, out_bytes))
     c.fail("out overlaps in; in-place reduce-scatter passes out == in + rank * out_bytes (dim 0 only)");
+  if (c.alone(in, out, in_bytes)) return;
   coll::ReduceScatter x{};
   x.team = rank.view();
   if (dim == 0) {
@@ -396,6 +405,7 @@ void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_
   c.check_buffer(in, "in", bytes, dtype_size(dtype));
   c.check_buffer(out, "out", bytes, dtype_size(dtype));
   if (in != out && Call::overlap(in, bytes, out, bytes)) c.fail("in and out overlap without being equal");
+  if (c.alone(in, out, bytes)) return;
   coll::Exchange x{};
   x.team = rank.view();
   x.rows = 1;

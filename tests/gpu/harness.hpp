@@ -82,17 +82,23 @@ struct RankBuffers {
 };
 
 // Host <-> device copies and poisoning on local rank i's GPU.
+// cudaMemcpy from pageable memory may return before its DMA lands, on the legacy stream, which the rank's
+// non-blocking stream does not wait for: wait for it here.
 inline void upload(Communicator& c, int i, void* dst, const void* src, size_t bytes) {
   WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
   WEFT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
 }
 inline void download(Communicator& c, int i, void* dst, const void* src, size_t bytes) {
   WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
   WEFT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 }
+// On the rank's stream, where the ops run by default: a plain cudaMemset runs on the legacy stream, which a
+// non-blocking rank stream does not wait for (a poison landing after the op's output would read as a
+// failure).
 inline void poison(Communicator& c, int i, void* dst, size_t bytes) {
   WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-  WEFT_CUDA_CHECK(cudaMemset(dst, 0xff, bytes));  // NaN in every float type
+  WEFT_CUDA_CHECK(cudaMemsetAsync(dst, 0xff, bytes, c.local(i).stream()));  // NaN in every float type
 }
 
 }  // namespace weft::test

@@ -31,10 +31,11 @@
 //               final), AR then pushing each final piece to every peer. Stream waits on peer flags order
 //               the GPUs; they have no timeout, so a rank that dies mid-call leaves its peers' streams
 //               waiting. The first call on a GPU creates its copy stream and cuBLAS handle: make one
-//               call before capturing a CUDA graph. Single-process outside a capture, a call captures
-//               its work into a graph and launches it at its end (no host call of the op may block while
-//               the GPU waits for a rank not yet driven).
+//               call before capturing a CUDA graph.
 //   kSequential a cuBLAS GEMM with weft::all_gather / reduce_scatter / all_reduce.
+// Where one thread drives several ranks (single-process) outside a capture, the pipelined and sequential
+// paths run weft::gemm instead of cuBLAS: cuBLAS's first use of a kernel on a GPU can wait for that GPU's
+// queued work, which may wait for a rank the thread has not driven yet (docs/DESIGN.md).
 // kFused cannot run for RS / AR with world > 8 or M / W not a multiple of 64, nor for AG with too many A
 // chunks: forced, it throws why; kAuto then falls back to kSequential. The return value says which path ran.
 //
