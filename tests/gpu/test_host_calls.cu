@@ -3,13 +3,14 @@
 // spinning on a peer's flag, or a stream wait on one). A host call that waits for such a GPU never returns:
 // session 11 saw a 4-GPU hang inside cublasLtMatmul (cuKernelSetAttribute) in that state.
 //
-// This test puts a GPU in that state on purpose: a hold (a kernel spinning on a host-memory flag, or a
-// stream wait on it) with a cuBLAS GEMM queued behind it, launched directly or from a graph. Then it makes,
-// on another stream of the same GPU (and of the next GPU, single-process with two or more), each host call
-// weft's single-process paths make. A call that has not returned after kPatience is counted as waiting; the
-// flag is then released so that the test ends. Every outcome is printed; the calls weft relies on must
-// return. cublasLtMatmul and a GEMM of a shape never run before are printed only (weft does not make them
-// in that state).
+// This test puts a GPU in that state on purpose: a kernel spinning on a host-memory flag (alone, or with a
+// cuBLAS GEMM queued behind it), or a stream wait on the flag with a GEMM queued behind it. Then it makes,
+// on another stream of the same GPU (and of the next GPU, single-process with two or more), host calls of
+// weft's and cuBLAS's. A call that has not returned after kPatience counts as waiting; the flag is then
+// released so that the test ends. Every outcome is printed. The calls that weft makes where one thread
+// drives several ranks outside a capture must return (weft::gemm, copies, the cuBLAS handle and the
+// symmetric heap's allocation); the cuBLAS GEMMs are printed only: weft does not call them there, because
+// one of them waits (1 x H200, session 12: cublasGemmEx whose kernel is new on the GPU, captured or not).
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda.h>
@@ -69,6 +70,8 @@ struct GpuSide {
   cublasLtHandle_t lt = nullptr;
   void *a = nullptr, *b = nullptr, *c = nullptr, *lt_ws = nullptr;
   std::vector<std::pair<cublasHandle_t, void*>> made;  // handles (and workspaces) the probe created
+  std::unique_ptr<Communicator> team;                  // a team of one on this GPU (its heap)
+  std::vector<SymmetricBuffer> heap_buffers;
   static constexpr size_t kLtWorkspace = 32 << 20;
 
   explicit GpuSide(int dev) : device(dev) {
@@ -83,12 +86,17 @@ struct GpuSide {
     WEFT_CUDA_CHECK(cudaMalloc(&lt_ws, kLtWorkspace));
     CUBLAS_CALL(cublasCreate(&blas));
     CUBLAS_CALL(cublasLtCreate(&lt));
+    Options o;
+    o.devices = {device};
+    team = Communicator::create_single_process(o);
   }
   ~GpuSide() {
     cudaSetDevice(device);
     cudaDeviceSynchronize();
     cublasDestroy(blas);
     cublasLtDestroy(lt);
+    for (auto& b : heap_buffers) team->free(b);
+    team.reset();
     for (auto& [h, ws] : made) {
       cublasDestroy(h);
       cudaFree(ws);
@@ -176,8 +184,8 @@ void captured(GpuSide& g, const std::function<void()>& enqueue) {
 // New shapes differ in M (as the pipelines' row pieces do): kDim + 64 * unique rows.
 std::vector<HostCall> host_calls() {
   return {
-      {"cublasGemmEx, shape run before", true, [](GpuSide& g, int) { g.gemm(g.free, kDim, kDim, kDim); }},
-      {"cublasGemmEx, shape run before, captured + instantiated + launched", true,
+      {"cublasGemmEx, shape run before", false, [](GpuSide& g, int) { g.gemm(g.free, kDim, kDim, kDim); }},
+      {"cublasGemmEx, shape run before, captured + instantiated + launched", false,
        [](GpuSide& g, int) { captured(g, [&] { g.gemm(g.free, kDim, kDim, kDim); }); }},
       {"weft::gemm, shape run before", true, [](GpuSide& g, int) { weft_gemm(g, kDim, GemmStore::kStore); }},
       {"weft::gemm, new shape", true,
@@ -192,6 +200,8 @@ std::vector<HostCall> host_calls() {
          WEFT_CUDA_CHECK(cudaMalloc(&g.made.back().second, GpuSide::kLtWorkspace));
          CUBLAS_CALL(cublasSetWorkspace(g.made.back().first, g.made.back().second, GpuSide::kLtWorkspace));
        }},
+      {"symmetric heap allocation (a team of one on this GPU)", true,
+       [](GpuSide& g, int) { g.heap_buffers.push_back(g.team->alloc(8 << 20)); }},
       {"cudaMemcpyAsync device to device", true,
        [](GpuSide& g, int) {
          WEFT_CUDA_CHECK(cudaSetDevice(g.device));
