@@ -248,6 +248,59 @@ void run_ring_pieces(Context& ctx, GemmBench& bench, const std::string& gpu) {
   ctx.add(std::move(t));
 }
 
+// weft::gemm's two tile widths on small and narrow problems (where 128 x 256 tiles leave SMs idle) and on
+// large ones (the narrow tile's rate per tile), against cuBLAS: the data for auto_tile_n (src/ops/gemm.cu).
+void run_tile_widths(Context& ctx, GemmBench& bench, const std::string& gpu) {
+  Table t("gemm: tile width, B [N,K], bf16, GPU 0 (" + gpu + ")",
+          {"M", "N", "K", "128x256 us", "128x128 us", "auto", "auto us", "cuBLAS us", "auto / cuBLAS"},
+          "weft::gemm with options.tile_n = 256, 128 and 0 (auto: the width it picks), timed in turns with "
+          "cuBLAS; auto / cuBLAS is cuBLAS's time over weft's (above 100%: weft faster).");
+  std::vector<Shape> shapes;
+  for (int64_t m : {128, 256, 512, 1024, 2048})
+    for (int64_t n : {4096, 8192, 28672})
+      for (int64_t k : {2048, 8192}) shapes.push_back({m, n, k});
+  for (Shape s : {Shape{4096, 4096, 4096}, Shape{8192, 8192, 8192}, Shape{4096, 28672, 8192},
+                  Shape{384, 2560, 8192}, Shape{1536, 3072, 4096}})
+    shapes.push_back(s);
+  if (ctx.quick) shapes = {{256, 8192, 2048}, {1024, 8192, 8192}, {8192, 8192, 8192}};
+  for (const Shape& sh : shapes) {
+    ctx.progress("gemm: tile width %lldx%lldx%lld", (long long)sh.m, (long long)sh.n, (long long)sh.k);
+    const uint64_t a_bytes = uint64_t(sh.m) * sh.k * 2, b_bytes = uint64_t(sh.n) * sh.k * 2;
+    const int sets = bench.rotation_sets(a_bytes + b_bytes);
+    std::vector<std::unique_ptr<DevMem>> as, bs;
+    for (int i = 0; i < sets; ++i) {
+      as.push_back(std::make_unique<DevMem>(a_bytes));
+      bs.push_back(std::make_unique<DevMem>(b_bytes));
+      fill_uniform_bf16(as.back()->p, a_bytes / 2, 2 * i + 21, bench.stream());
+      fill_uniform_bf16(bs.back()->p, b_bytes / 2, 2 * i + 22, bench.stream());
+    }
+    DevMem c(uint64_t(sh.m) * sh.n * 2);
+    auto weft = [&](int tile_n) {
+      return [&, tile_n](int i) {
+        GemmOptions o;
+        o.tile_n = tile_n;
+        gemm(as[i % sets]->p, bs[i % sets]->p, c.p, sh.m, sh.n, sh.k, BLayout::kNK, DType::kBF16,
+             bench.stream(), o);
+      };
+    };
+    auto blas = [&](int i) {
+      const float one = 1.f, zero = 0.f;
+      CUBLAS_CHECK(cublasGemmEx(bench.blas(), CUBLAS_OP_T, CUBLAS_OP_N, int(sh.n), int(sh.m), int(sh.k), &one,
+                                bs[i % sets]->p, CUDA_R_16BF, int(sh.k), as[i % sets]->p, CUDA_R_16BF,
+                                int(sh.k), &zero, c.p, CUDA_R_16BF, int(sh.n), CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT));
+    };
+    const double est_ms = sh.flops() / 650e12 * 1e3;
+    const int iters = std::clamp(int((ctx.quick ? 40 : 200) / std::max(est_ms, 0.01)), 10, 200);
+    const std::vector<float> r = bench.time_in_turns({weft(256), weft(128), weft(0), blas}, iters);
+    const int chosen = gemm_plan(sh.m, sh.n, sh.k, BLayout::kNK, DType::kBF16).tile_n;
+    t.add({std::to_string(sh.m), std::to_string(sh.n), std::to_string(sh.k), fmt("%.1f", r[0] * 1e3),
+           fmt("%.1f", r[1] * 1e3), fmt("128x%d", chosen), fmt("%.1f", r[2] * 1e3), fmt("%.1f", r[3] * 1e3),
+           fmt("%.1f%%", 100.0 * r[3] / r[2])});
+  }
+  ctx.add(std::move(t));
+}
+
 void run_gemm(Context& ctx) {
   GemmBench bench(ctx.quick);
   cudaDeviceProp prop{};
@@ -306,10 +359,11 @@ void run_gemm(Context& ctx) {
     ctx.add(std::move(t));
   }
 
-  // 3. The ring pipeline's GEMM split.
+  // 3. The ring pipeline's GEMM split; 4. the two tile widths.
   run_ring_pieces(ctx, bench, gpu);
+  run_tile_widths(ctx, bench, gpu);
 
-  // 4. Tuning knobs at 8192^3 (not in --quick): cluster size and the grouped order's band height.
+  // 5. Tuning knobs at 8192^3 (not in --quick): cluster size and the grouped order's band height.
   if (!ctx.quick) {
     const Shape s{8192, 8192, 8192};
     Table t("gemm: 8192^3 " + std::string(layout_name(BLayout::kNK)) + ", weft options",

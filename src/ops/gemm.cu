@@ -53,9 +53,9 @@ void check_device() {
 }
 
 // Plans (and, with a stream, launches) one problem with the GemmOp instantiation for these types.
-template <class OutT, bool kKMajor, int kCluster>
+template <class OutT, bool kKMajor, int kCluster, int kTileN>
 GemmPlan run(const Problem& pr, cudaStream_t stream, bool launch) {
-  using Op = ops::GemmOp<OutT, kKMajor, kCluster>;
+  using Op = ops::GemmOp<OutT, kKMajor, kCluster, kTileN>;
   using Mainloop = typename Op::Mainloop;
   using Epilogue = typename Op::Epilogue;
   using Launcher = lcsc::Launcher<Op>;
@@ -76,7 +76,7 @@ GemmPlan run(const Problem& pr, cudaStream_t stream, bool launch) {
   plan.tile_m = Op::kBM;
   plan.tile_n = Op::kBN;
   plan.tile_k = Op::kBK;
-  plan.stages = ops::GemmTile::kStages;
+  plan.stages = Op::kStages;
   plan.cluster = kCluster;
   plan.group_m = s.group_m;
   plan.blocks = s.compute_blocks;
@@ -102,9 +102,39 @@ GemmPlan run(const Problem& pr, cudaStream_t stream, bool launch) {
   return plan;
 }
 
+// The instantiations: 128 x 256 tiles with cluster 1 or 2, 128 x 128 tiles with cluster 1.
 template <class OutT, bool kKMajor>
-GemmPlan run_cluster(const Problem& pr, int cluster, cudaStream_t stream, bool launch) {
-  return cluster == 2 ? run<OutT, kKMajor, 2>(pr, stream, launch) : run<OutT, kKMajor, 1>(pr, stream, launch);
+GemmPlan run_config(const Problem& pr, int cluster, int tile_n, cudaStream_t stream, bool launch) {
+  if (cluster == 2) return run<OutT, kKMajor, 2, 256>(pr, stream, launch);
+  return tile_n == 128 ? run<OutT, kKMajor, 1, 128>(pr, stream, launch)
+                       : run<OutT, kKMajor, 1, 256>(pr, stream, launch);
+}
+
+// Tile width for cluster 1: 128 x 256 unless 128 x 128 tiles fill the SMs' waves better by more than their
+// lower rate (one H200, weft-bench gemm "tile width": the narrow tile ran large problems at 0.994-0.998 of
+// the wide one's rate, and small or narrow ones up to 1.9x faster, e.g. 256 x 8192 x 8192 49.0 vs 87.0 us).
+int auto_tile_n(int64_t m, int64_t n) {
+  constexpr double kNarrowRate = 0.97;
+  static std::mutex mu;
+  static int sms_of[64] = {};
+  int dev = 0;
+  WEFT_CUDA_CHECK(cudaGetDevice(&dev));
+  int sms = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (dev < 64) sms = sms_of[dev];
+  }
+  if (sms == 0) {
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    std::lock_guard<std::mutex> lock(mu);
+    if (dev < 64) sms_of[dev] = sms;
+  }
+  // Busy share of the SM-slots the tiles take: tiles / (waves x SMs).
+  auto fill = [&](int64_t tile_n) {
+    const int64_t tiles = ((m + 127) / 128) * ((n + tile_n - 1) / tile_n);
+    return double(tiles) / double((tiles + sms - 1) / sms * sms);
+  };
+  return kNarrowRate * fill(128) > fill(256) ? 128 : 256;
 }
 
 // Validates everything but the pointers' values (checked by the caller when it has them), picks the
@@ -124,6 +154,9 @@ GemmPlan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
   WEFT_CHECK(opt.cluster >= 0 && opt.cluster <= 2,
              where + "options.cluster must be 0 (auto), 1 or 2, got " + std::to_string(opt.cluster));
   WEFT_CHECK(opt.group_m >= 0 && opt.max_blocks >= 0, where + "options.group_m and max_blocks must be >= 0");
+  WEFT_CHECK(opt.tile_n == 0 || opt.tile_n == 128 || opt.tile_n == 256,
+             where + "options.tile_n must be 0 (auto), 128 or 256, got " + std::to_string(opt.tile_n));
+  WEFT_CHECK(opt.tile_n != 128 || opt.cluster != 2, where + "options.tile_n = 128 runs with cluster 1 only");
 
   pr.lda = opt.lda ? opt.lda : pr.k;
   pr.ldb = opt.ldb ? opt.ldb : (nk ? pr.k : pr.n);
@@ -162,11 +195,12 @@ GemmPlan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
   // Auto is 1: the B multicast of cluster 2 measured 75-78% of cuBLAS at 8192^3 on H200 against 102% for
   // cluster 1 (weft-bench gemm, 2026-11-21); it stays selectable until its pipeline is fixed.
   const int cluster = opt.cluster ? opt.cluster : 1;
+  const int tile_n = cluster == 2 ? 256 : opt.tile_n ? opt.tile_n : auto_tile_n(pr.m, pr.n);
   if (pr.c_type == DType::kBF16)
-    return nk ? run_cluster<__nv_bfloat16, true>(pr, cluster, stream, launch)
-              : run_cluster<__nv_bfloat16, false>(pr, cluster, stream, launch);
-  return nk ? run_cluster<float, true>(pr, cluster, stream, launch)
-            : run_cluster<float, false>(pr, cluster, stream, launch);
+    return nk ? run_config<__nv_bfloat16, true>(pr, cluster, tile_n, stream, launch)
+              : run_config<__nv_bfloat16, false>(pr, cluster, tile_n, stream, launch);
+  return nk ? run_config<float, true>(pr, cluster, tile_n, stream, launch)
+            : run_config<float, false>(pr, cluster, tile_n, stream, launch);
 }
 
 }  // namespace

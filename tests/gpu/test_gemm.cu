@@ -208,10 +208,10 @@ double check_case(Gpu& g, const Case& c) {
   WEFT_CUDA_CHECK(cudaGetLastError());
   reference(g.blas, a.p, b.p, ref.as<float>(), s, c.lay, lda, ldb);
   const Verdict v = compare(out.p, c.out, ldc, ref.as<float>(), s, g.stream);
-  const std::string what = str(s) + " " + str(c.lay) + " -> " + str(c.out) + " (cluster " +
-                           std::to_string(c.opt.cluster) + ", max_blocks " +
-                           std::to_string(c.opt.max_blocks) + ", start " + std::to_string(c.opt.start_tile) +
-                           ", group " + std::to_string(c.opt.group_m) + ")";
+  const std::string what =
+      str(s) + " " + str(c.lay) + " -> " + str(c.out) + " (tile_n " + std::to_string(c.opt.tile_n) +
+      ", cluster " + std::to_string(c.opt.cluster) + ", max_blocks " + std::to_string(c.opt.max_blocks) +
+      ", start " + std::to_string(c.opt.start_tile) + ", group " + std::to_string(c.opt.group_m) + ")";
   WEFT_EXPECT(v.nonfinite == 0, what << ": " << v.nonfinite << " outputs are not finite (unwritten or NaN)");
   WEFT_EXPECT(v.rel <= kTolerance, what << ": relative Frobenius error " << v.rel << " > " << kTolerance);
   WEFT_EXPECT(v.padding_touched == 0,
@@ -231,17 +231,21 @@ std::vector<Shape> sweep(bool quick) {
   return v;
 }
 
+// Every shape with both tile widths (auto picks one of them).
 void run_sweep(TestContext& ctx, DType out) {
   Gpu g(ctx);
   for (const Shape& s : sweep(ctx.quick))
-    for (BLayout lay : {BLayout::kNK, BLayout::kKN}) {
-      Case c;
-      c.s = s;
-      c.lay = lay;
-      c.out = out;
-      const double rel = check_case(g, c);
-      std::printf("    %-16s %-7s -> %-4s rel err %.2e\n", str(s).c_str(), str(lay), str(out), rel);
-    }
+    for (BLayout lay : {BLayout::kNK, BLayout::kKN})
+      for (int tile_n : {256, 128}) {
+        Case c;
+        c.s = s;
+        c.lay = lay;
+        c.out = out;
+        c.opt.tile_n = tile_n;
+        const double rel = check_case(g, c);
+        std::printf("    %-16s %-7s -> %-4s 128x%d rel err %.2e\n", str(s).c_str(), str(lay), str(out),
+                    tile_n, rel);
+      }
 }
 
 std::string error_of(const std::function<void()>& f) {
@@ -286,6 +290,10 @@ WEFT_GPU_TEST_ONE_GPU(gemm_schedule_options) {
         c.opt.start_tile = max_blocks * 5 - 7;
         c.opt.group_m = max_blocks == 3 ? 3 : (max_blocks == 8 ? 1 : 0);
         check_case(g, c);
+        if (cluster == 1) {  // the narrow tile too (cluster 1 only)
+          c.opt.tile_n = 128;
+          check_case(g, c);
+        }
       }
 }
 
@@ -305,7 +313,8 @@ WEFT_GPU_TEST_ONE_GPU(gemm_leading_dimensions) {
     }
 }
 
-// Same inputs, same bits: the kernel has no atomics, so any difference is a race.
+// Same inputs, same bits: the kernel has no atomics, so any difference is a race. Per tile width (the two
+// use different wgmma shapes, whose sums need not agree to the bit).
 WEFT_GPU_TEST_ONE_GPU(gemm_is_deterministic) {
   Gpu g(ctx);
   const Shape s{2000, 2048, 1032};
@@ -314,21 +323,25 @@ WEFT_GPU_TEST_ONE_GPU(gemm_is_deterministic) {
   fill_bf16(a.p, a_elems, 11, g.stream);
   fill_bf16(b.p, b_elems, 12, g.stream);
   std::vector<uint16_t> first(c_elems), again(c_elems);
-  gemm(a.p, b.p, c0.p, s.m, s.n, s.k, BLayout::kNK, DType::kBF16, g.stream);
-  WEFT_CUDA_CHECK(cudaMemcpyAsync(first.data(), c0.p, c_elems * 2, cudaMemcpyDeviceToHost, g.stream));
-  WEFT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
-  const int rounds = ctx.quick ? 3 : 20;
-  for (int i = 0; i < rounds; ++i) {
-    GemmOptions o;
-    o.max_blocks = (i % 4 == 3) ? 5 : 0;
-    o.cluster = 1 + i % 2;
-    WEFT_CUDA_CHECK(cudaMemsetAsync(c1.p, 0xff, c1.bytes, g.stream));
-    gemm(a.p, b.p, c1.p, s.m, s.n, s.k, BLayout::kNK, DType::kBF16, g.stream, o);
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(again.data(), c1.p, c_elems * 2, cudaMemcpyDeviceToHost, g.stream));
+  for (int tile_n : {256, 128}) {
+    GemmOptions base;
+    base.tile_n = tile_n;
+    gemm(a.p, b.p, c0.p, s.m, s.n, s.k, BLayout::kNK, DType::kBF16, g.stream, base);
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(first.data(), c0.p, c_elems * 2, cudaMemcpyDeviceToHost, g.stream));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
-    WEFT_EXPECT(std::memcmp(first.data(), again.data(), c_elems * 2) == 0,
-                "round " << i << " (cluster " << o.cluster << ", max_blocks " << o.max_blocks
-                         << ") differs from the first run");
+    const int rounds = ctx.quick ? 3 : 20;
+    for (int i = 0; i < rounds; ++i) {
+      GemmOptions o = base;
+      o.max_blocks = (i % 4 == 3) ? 5 : 0;
+      o.cluster = tile_n == 256 ? 1 + i % 2 : 1;
+      WEFT_CUDA_CHECK(cudaMemsetAsync(c1.p, 0xff, c1.bytes, g.stream));
+      gemm(a.p, b.p, c1.p, s.m, s.n, s.k, BLayout::kNK, DType::kBF16, g.stream, o);
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(again.data(), c1.p, c_elems * 2, cudaMemcpyDeviceToHost, g.stream));
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+      WEFT_EXPECT(std::memcmp(first.data(), again.data(), c_elems * 2) == 0,
+                  "tile 128x" << tile_n << ", round " << i << " (cluster " << o.cluster << ", max_blocks "
+                              << o.max_blocks << ") differs from the first run");
+    }
   }
 }
 
@@ -351,11 +364,12 @@ WEFT_GPU_TEST_ONE_GPU(gemm_reduce_add_local) {
     }
     GemmOptions o;
     o.store = GemmStore::kReduceAdd;
+    o.tile_n = out == DType::kFP32 ? 256 : 128;  // both tile widths
     gemm(a.p, b.p, c.p, s.m, s.n, s.k, BLayout::kNK, out, g.stream, o);
     reference(g.blas, a.p, b.p, ref.as<float>(), s, BLayout::kNK, s.k, s.k, 1.0f, 1.0f);  // X + A.B
     const Verdict v = compare(c.p, out, s.n, ref.as<float>(), s, g.stream);
-    WEFT_EXPECT(v.nonfinite == 0, str(out) << ": non-finite outputs");
-    WEFT_EXPECT(v.rel <= kTolerance, str(out) << ": relative error " << v.rel);
+    WEFT_EXPECT(v.nonfinite == 0, str(out) << " (tile_n " << o.tile_n << "): non-finite outputs");
+    WEFT_EXPECT(v.rel <= kTolerance, str(out) << " (tile_n " << o.tile_n << "): relative error " << v.rel);
   }
 }
 
@@ -497,6 +511,21 @@ WEFT_GPU_TEST_ONE_GPU(gemm_rejects_unsupported) {
          gemm(a, b, c, 256, 256, 256, BLayout::kNK, DType::kBF16, g.stream, o);
        },
        {"options.cluster"}},
+      {"tile_n 64",
+       [&] {
+         GemmOptions o;
+         o.tile_n = 64;
+         gemm(a, b, c, 256, 256, 256, BLayout::kNK, DType::kBF16, g.stream, o);
+       },
+       {"options.tile_n", "got 64"}},
+      {"tile_n 128 with cluster 2",
+       [&] {
+         GemmOptions o;
+         o.tile_n = 128;
+         o.cluster = 2;
+         gemm(a, b, c, 256, 256, 256, BLayout::kNK, DType::kBF16, g.stream, o);
+       },
+       {"tile_n = 128", "cluster 1"}},
   };
   for (const Bad& bad : cases) {
     const std::string msg = error_of(bad.call);

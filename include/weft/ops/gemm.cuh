@@ -5,7 +5,9 @@
 // Tile 128 x 256 x 64: two consumer warpgroups of 64 x 256 (m64n256k16 wgmma), one loader warpgroup, a
 // 4-stage TMA pipeline with 128-byte swizzle (48 KiB per stage), 2 x 8 KiB epilogue buffers per consumer
 // warpgroup, persistent grid over a grouped tile order. With kCluster = 2, the two CTAs of a cluster take
-// vertically adjacent tiles and multicast halves of their common B tile to each other.
+// vertically adjacent tiles and multicast halves of their common B tile to each other. A 128 x 128 tile
+// (m64n128k16, 6 stages of 32 KiB) serves problems whose 128 x 256 tiles would leave SMs idle
+// (src/ops/gemm.cu picks by the count of tiles per wave).
 //
 // Fused ops reuse it by wrapping it: the same roles with a wait_inputs() hook (AG + GEMM), a C map per
 // destination rank (GEMM + RS), communicator blocks (lcsc/kernel.cuh).
@@ -20,19 +22,22 @@
 
 namespace weft::ops {
 
+template <int kTileN>
 struct GemmTile {
-  static constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
+  static_assert(kTileN == 128 || kTileN == 256, "tiles of 128 x 128 or 128 x 256");
+  static constexpr int kBM = 128, kBN = kTileN, kBK = 64, kStages = kTileN == 256 ? 4 : 6;
 };
 
-template <class OutT, bool kBKMajor, int kCluster>
+template <class OutT, bool kBKMajor, int kCluster, int kTileN = 256>
 struct GemmOp {
-  static constexpr int kBM = GemmTile::kBM, kBN = GemmTile::kBN, kBK = GemmTile::kBK;
+  using Tile = GemmTile<kTileN>;
+  static constexpr int kBM = Tile::kBM, kBN = Tile::kBN, kBK = Tile::kBK, kStages = Tile::kStages;
   static constexpr int kConsumerWarpgroups = kBM / 64;
   static constexpr int kClusterSize = kCluster;
   // 384 threads start with 168 registers each; the loader gives 128 x 128 back, the consumers take them.
   static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;
 
-  using Mainloop = lcsc::WgmmaMainloop<kBM, kBN, kBK, GemmTile::kStages, kBKMajor, kCluster>;
+  using Mainloop = lcsc::WgmmaMainloop<kBM, kBN, kBK, kStages, kBKMajor, kCluster>;
   using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN, kConsumerWarpgroups>;
   using Pipeline = typename Mainloop::Pipeline;
   using Accum = typename Mainloop::Accum;

@@ -24,6 +24,8 @@ struct GemmOptions {
   // Row strides in elements; 0 means dense (A: K, B: K for kNK or N for kKN, C: N).
   int64_t lda = 0, ldb = 0, ldc = 0;
   int cluster = 0;     // CTAs per cluster sharing their B tile by TMA multicast: 0 auto (1), 1 or 2
+  int tile_n = 0;      // output tile 128 x tile_n: 0 auto (by how well the tiles fill the SMs), 128 or 256
+                       // (cluster 2: 256 only)
   int group_m = 0;     // tile rows (128 each) per band of the grouped tile order; 0: 16
   int start_tile = 0;  // rotates the tile order (fused ops give each rank its own start)
   int max_blocks = 0;  // cap on persistent compute blocks; 0: every SM
