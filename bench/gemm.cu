@@ -105,35 +105,41 @@ class GemmBench {
   }
   cudaStream_t stream() const { return stream_; }
   cublasHandle_t blas() const { return blas_; }
-  // Copies of an operand pair that together exceed L2 three times (2..16), so that a rotation through
-  // them never finds its operands in L2.
-  int rotation_sets(uint64_t bytes_per_set) const {
-    return int(std::clamp<uint64_t>((3ull * l2_bytes_ + bytes_per_set - 1) / bytes_per_set, 2, 16));
+  // Random A [M,K] and B operands (a_bytes, b_bytes each), in enough copies that together they exceed L2
+  // three times (2..16): a rotation through them never finds its operands in L2. a(i), b(i): copy i mod n.
+  struct Operands {
+    std::vector<std::unique_ptr<DevMem>> as, bs;
+    void* a(int i) const { return as[i % as.size()]->p; }
+    void* b(int i) const { return bs[i % bs.size()]->p; }
+  };
+  Operands rotating_operands(uint64_t a_bytes, uint64_t b_bytes, uint64_t seed) const {
+    const int sets =
+        int(std::clamp<uint64_t>((3ull * l2_bytes_ + a_bytes + b_bytes - 1) / (a_bytes + b_bytes), 2, 16));
+    Operands o;
+    for (int i = 0; i < sets; ++i) {
+      o.as.push_back(std::make_unique<DevMem>(a_bytes));
+      o.bs.push_back(std::make_unique<DevMem>(b_bytes));
+      fill_uniform_bf16(o.as.back()->p, a_bytes / 2, seed + 2 * i, stream_);
+      fill_uniform_bf16(o.bs.back()->p, b_bytes / 2, seed + 2 * i + 1, stream_);
+    }
+    return o;
   }
 
   Result run(const Shape& s, BLayout lay, const GemmOptions& opt = {}, bool check = false) {
     const uint64_t a_bytes = uint64_t(s.m) * s.k * 2, b_bytes = uint64_t(s.n) * s.k * 2;
     const uint64_t c_elems = uint64_t(s.m) * s.n;
-    // Enough copies of A and B that the ones in use were evicted from L2 since their last turn.
-    const int sets = rotation_sets(a_bytes + b_bytes);
-    std::vector<std::unique_ptr<DevMem>> as, bs;
-    for (int i = 0; i < sets; ++i) {
-      as.push_back(std::make_unique<DevMem>(a_bytes));
-      bs.push_back(std::make_unique<DevMem>(b_bytes));
-      fill_uniform_bf16(as.back()->p, a_bytes / 2, 2 * i + 1, stream_);
-      fill_uniform_bf16(bs.back()->p, b_bytes / 2, 2 * i + 2, stream_);
-    }
+    const Operands ops = rotating_operands(a_bytes, b_bytes, 1);
     DevMem c_weft(c_elems * 2), c_blas(c_elems * 2);
     const bool nk = lay == BLayout::kNK;
     auto weft_op = [&](int i) {
-      gemm(as[i % sets]->p, bs[i % sets]->p, c_weft.p, s.m, s.n, s.k, lay, DType::kBF16, stream_, opt);
+      gemm(ops.a(i), ops.b(i), c_weft.p, s.m, s.n, s.k, lay, DType::kBF16, stream_, opt);
     };
     auto blas_op = [&](int i) {
       const float alpha = 1.0f, beta = 0.0f;
       CUBLAS_CHECK(cublasGemmEx(blas_, nk ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, int(s.n), int(s.m),
-                                int(s.k), &alpha, bs[i % sets]->p, CUDA_R_16BF, int(nk ? s.k : s.n),
-                                as[i % sets]->p, CUDA_R_16BF, int(s.k), &beta, c_blas.p, CUDA_R_16BF,
-                                int(s.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                int(s.k), &alpha, ops.b(i), CUDA_R_16BF, int(nk ? s.k : s.n), ops.a(i),
+                                CUDA_R_16BF, int(s.k), &beta, c_blas.p, CUDA_R_16BF, int(s.n),
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
     const double est_ms = s.flops() / 650e12 * 1e3;
     const int iters = quick_ ? std::clamp(int(60 / est_ms), 5, 20) : std::clamp(int(400 / est_ms), 15, 200);
@@ -202,29 +208,22 @@ void run_ring_pieces(Context& ctx, GemmBench& bench, const std::string& gpu) {
           const int64_t K = 8192 / W, piece = M / W / kPieces;
           ctx.progress("gemm: ring pieces W=%d x %d M=%lld N=%lld", W, kPieces, (long long)M, (long long)N);
           const uint64_t a_bytes = uint64_t(M) * K * 2, b_bytes = uint64_t(N) * K * 2;
-          const int sets = bench.rotation_sets(a_bytes + b_bytes);
-          std::vector<std::unique_ptr<DevMem>> as, bs;
-          for (int i = 0; i < sets; ++i) {
-            as.push_back(std::make_unique<DevMem>(a_bytes));
-            bs.push_back(std::make_unique<DevMem>(b_bytes));
-            fill_uniform_bf16(as.back()->p, a_bytes / 2, 2 * i + 11, bench.stream());
-            fill_uniform_bf16(bs.back()->p, b_bytes / 2, 2 * i + 12, bench.stream());
-          }
+          const auto ops = bench.rotating_operands(a_bytes, b_bytes, 11);
           DevMem c(uint64_t(M) * N * 2);
-          auto rows_of = [&](const DevMem& x, int64_t row, int64_t width) {
-            return static_cast<char*>(x.p) + row * width * 2;
+          auto rows_of = [](void* x, int64_t row, int64_t width) {
+            return static_cast<char*>(x) + row * width * 2;
           };
           auto blas = [&](int i, int64_t row, int64_t rows, bool add) {
             const float one = 1.f, beta = add ? 1.f : 0.f;
             CUBLAS_CHECK(cublasGemmEx(bench.blas(), CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(rows), int(K), &one,
-                                      bs[i % sets]->p, CUDA_R_16BF, int(K), rows_of(*as[i % sets], row, K),
-                                      CUDA_R_16BF, int(K), &beta, rows_of(c, row % (M / W), N), CUDA_R_16BF,
-                                      int(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                      ops.b(i), CUDA_R_16BF, int(K), rows_of(ops.a(i), row, K), CUDA_R_16BF,
+                                      int(K), &beta, rows_of(c.p, row % (M / W), N), CUDA_R_16BF, int(N),
+                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
           };
           auto weft = [&](int i, int64_t row, int64_t rows, bool add) {
             GemmOptions o;
             o.store = add ? GemmStore::kReduceAdd : GemmStore::kStore;
-            gemm(rows_of(*as[i % sets], row, K), bs[i % sets]->p, rows_of(c, row % (M / W), N), rows, N, K,
+            gemm(rows_of(ops.a(i), row, K), ops.b(i), rows_of(c.p, row % (M / W), N), rows, N, K,
                  BLayout::kNK, DType::kBF16, bench.stream(), o);
           };
           // Step s computes rows [s M / W, (s + 1) M / W) into the partial of rows (row mod M / W).
@@ -266,29 +265,20 @@ void run_tile_widths(Context& ctx, GemmBench& bench, const std::string& gpu) {
   for (const Shape& sh : shapes) {
     ctx.progress("gemm: tile width %lldx%lldx%lld", (long long)sh.m, (long long)sh.n, (long long)sh.k);
     const uint64_t a_bytes = uint64_t(sh.m) * sh.k * 2, b_bytes = uint64_t(sh.n) * sh.k * 2;
-    const int sets = bench.rotation_sets(a_bytes + b_bytes);
-    std::vector<std::unique_ptr<DevMem>> as, bs;
-    for (int i = 0; i < sets; ++i) {
-      as.push_back(std::make_unique<DevMem>(a_bytes));
-      bs.push_back(std::make_unique<DevMem>(b_bytes));
-      fill_uniform_bf16(as.back()->p, a_bytes / 2, 2 * i + 21, bench.stream());
-      fill_uniform_bf16(bs.back()->p, b_bytes / 2, 2 * i + 22, bench.stream());
-    }
+    const auto ops = bench.rotating_operands(a_bytes, b_bytes, 21);
     DevMem c(uint64_t(sh.m) * sh.n * 2);
     auto weft = [&](int tile_n) {
       return [&, tile_n](int i) {
         GemmOptions o;
         o.tile_n = tile_n;
-        gemm(as[i % sets]->p, bs[i % sets]->p, c.p, sh.m, sh.n, sh.k, BLayout::kNK, DType::kBF16,
-             bench.stream(), o);
+        gemm(ops.a(i), ops.b(i), c.p, sh.m, sh.n, sh.k, BLayout::kNK, DType::kBF16, bench.stream(), o);
       };
     };
     auto blas = [&](int i) {
       const float one = 1.f, zero = 0.f;
       CUBLAS_CHECK(cublasGemmEx(bench.blas(), CUBLAS_OP_T, CUBLAS_OP_N, int(sh.n), int(sh.m), int(sh.k), &one,
-                                bs[i % sets]->p, CUDA_R_16BF, int(sh.k), as[i % sets]->p, CUDA_R_16BF,
-                                int(sh.k), &zero, c.p, CUDA_R_16BF, int(sh.n), CUBLAS_COMPUTE_32F,
-                                CUBLAS_GEMM_DEFAULT));
+                                ops.b(i), CUDA_R_16BF, int(sh.k), ops.a(i), CUDA_R_16BF, int(sh.k), &zero,
+                                c.p, CUDA_R_16BF, int(sh.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
     const double est_ms = sh.flops() / 650e12 * 1e3;
     const int iters = std::clamp(int((ctx.quick ? 40 : 200) / std::max(est_ms, 0.01)), 10, 200);

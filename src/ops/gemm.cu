@@ -29,27 +29,38 @@ std::string hex(const void* p) {
   return buf;
 }
 
-// Compute capability of the current device, cached.
-void check_device() {
+// Facts of the current device that every call needs, read once per device (the attribute queries are
+// host calls on the launch path).
+struct DeviceFacts {
+  int device = 0;
+  int cc = 0;   // compute capability, major * 10 + minor
+  int sms = 0;  // multiprocessors
+};
+DeviceFacts device_facts() {
   static std::mutex mu;
-  static int cc[64] = {};
+  static DeviceFacts cached[64] = {};
   int dev = 0;
   WEFT_CUDA_CHECK(cudaGetDevice(&dev));
-  int v = 0;
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (dev < 64) v = cc[dev];
+    if (dev < 64 && cached[dev].cc) return cached[dev];
   }
-  if (v == 0) {
-    int major = 0, minor = 0;
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-    v = major * 10 + minor;
-    std::lock_guard<std::mutex> lock(mu);
-    if (dev < 64) cc[dev] = v;
-  }
-  WEFT_CHECK(v == 90, "weft::gemm runs on Hopper (sm_90) GPUs (wgmma, built for sm_90a); device " +
-                          std::to_string(dev) + " is sm_" + std::to_string(v));
+  int major = 0, minor = 0;
+  DeviceFacts f;
+  f.device = dev;
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev));
+  f.cc = major * 10 + minor;
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < 64) cached[dev] = f;
+  return f;
+}
+
+void check_device() {
+  const DeviceFacts f = device_facts();
+  WEFT_CHECK(f.cc == 90, "weft::gemm runs on Hopper (sm_90) GPUs (wgmma, built for sm_90a); device " +
+                             std::to_string(f.device) + " is sm_" + std::to_string(f.cc));
 }
 
 // Plans (and, with a stream, launches) one problem with the GemmOp instantiation for these types.
@@ -115,20 +126,7 @@ GemmPlan run_config(const Problem& pr, int cluster, int tile_n, cudaStream_t str
 // the wide one's rate, and small or narrow ones up to 1.9x faster, e.g. 256 x 8192 x 8192 49.0 vs 87.0 us).
 int auto_tile_n(int64_t m, int64_t n) {
   constexpr double kNarrowRate = 0.97;
-  static std::mutex mu;
-  static int sms_of[64] = {};
-  int dev = 0;
-  WEFT_CUDA_CHECK(cudaGetDevice(&dev));
-  int sms = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (dev < 64) sms = sms_of[dev];
-  }
-  if (sms == 0) {
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    std::lock_guard<std::mutex> lock(mu);
-    if (dev < 64) sms_of[dev] = sms;
-  }
+  const int sms = device_facts().sms;
   // Busy share of the SM-slots the tiles take: tiles / (waves x SMs).
   auto fill = [&](int64_t tile_n) {
     const int64_t tiles = ((m + 127) / 128) * ((n + tile_n - 1) / tile_n);
