@@ -8,9 +8,10 @@
 // on another stream of the same GPU (and of the next GPU, single-process with two or more), host calls of
 // weft's and cuBLAS's. A call that has not returned after kPatience counts as waiting; the flag is then
 // released so that the test ends. Every outcome is printed. The calls that weft makes where one thread
-// drives several ranks outside a capture must return (weft::gemm, copies, the cuBLAS handle and the
-// symmetric heap's allocation); the cuBLAS GEMMs are printed only: weft does not call them there, because
-// one of them waits (1 x H200, session 12: cublasGemmEx whose kernel is new on the GPU, captured or not).
+// drives several ranks outside a capture must return (weft::gemm, copies, the cuBLAS handle, streams and
+// events, the symmetric heap's allocation); the cuBLAS GEMMs are printed only: weft does not call them
+// there, because one of them waits (1 x H200, session 12: cublasGemmEx whose kernel is new on the GPU,
+// captured or not).
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda.h>
@@ -72,6 +73,7 @@ struct GpuSide {
   std::vector<std::pair<cublasHandle_t, void*>> made;  // handles (and workspaces) the probe created
   std::unique_ptr<Communicator> team;                  // a team of one on this GPU (its heap)
   std::vector<SymmetricBuffer> heap_buffers;
+  std::vector<std::pair<cudaStream_t, cudaEvent_t>> streams;  // made by the probe
   static constexpr size_t kLtWorkspace = 32 << 20;
 
   explicit GpuSide(int dev) : device(dev) {
@@ -95,6 +97,10 @@ struct GpuSide {
     cudaDeviceSynchronize();
     cublasDestroy(blas);
     cublasLtDestroy(lt);
+    for (auto& [st, ev] : streams) {
+      cudaStreamDestroy(st);
+      cudaEventDestroy(ev);
+    }
     for (auto& b : heap_buffers) team->free(b);
     team.reset();
     for (auto& [h, ws] : made) {
@@ -202,6 +208,13 @@ std::vector<HostCall> host_calls() {
        }},
       {"symmetric heap allocation (a team of one on this GPU)", true,
        [](GpuSide& g, int) { g.heap_buffers.push_back(g.team->alloc(8 << 20)); }},
+      {"cudaStreamCreateWithFlags + cudaEventCreateWithFlags (a pipeline's first call)", true,
+       [](GpuSide& g, int) {
+         WEFT_CUDA_CHECK(cudaSetDevice(g.device));
+         g.streams.emplace_back();
+         WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&g.streams.back().first, cudaStreamNonBlocking));
+         WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&g.streams.back().second, cudaEventDisableTiming));
+       }},
       {"cudaMemcpyAsync device to device", true,
        [](GpuSide& g, int) {
          WEFT_CUDA_CHECK(cudaSetDevice(g.device));
