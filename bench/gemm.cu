@@ -3,6 +3,7 @@
 // iteration finds its operands in L2; each iteration is timed with its own CUDA events, weft and cuBLAS
 // interleaved so clock and thermal drift hit both alike; the median counts.
 #include <cublas_v2.h>
+#include <cuda.h>
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -190,15 +191,80 @@ std::string tflops(const Shape& s, float ms) {
 // first adding into a partial. This table times that split alone on one GPU (no communication): the floor
 // of the pipelined path's compute, against the whole GEMM (the bound's compute term). cuBLAS pieces add with
 // beta = 1 (what the pipeline calls); weft pieces with a TMA reduce-add store.
+// The copy-engine pipeline's per-piece stream operations (src/ops/fused.cu, Pipeline) without their data:
+// before a piece that adds a peer's partial, a wait on an arrival flag (already satisfied here) on the
+// waits stream and an event edge from it into the GEMM stream; after a piece that is pushed on, an event
+// edge from the GEMM stream into the copy stream and a flag write there. On one GPU this measures what the
+// bookkeeping costs the GEMM stream when nothing has to be waited for.
+class PipelineStreamOps {
+ public:
+  explicit PipelineStreamOps(cudaStream_t gemm_stream) : gemm_(gemm_stream) {
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&waits_, cudaStreamNonBlocking));
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    for (cudaEvent_t* e : {&arrived_, &done_, &join_})
+      WEFT_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    WEFT_CUDA_CHECK(cudaMalloc(&flag_, sizeof(uint32_t)));
+    const uint32_t one = 1;
+    WEFT_CUDA_CHECK(cudaMemcpy(flag_, &one, sizeof(one), cudaMemcpyHostToDevice));
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    WEFT_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault, &found));
+    WEFT_CHECK(fn != nullptr, "weft-bench: cuStreamWaitValue32 not found");
+    wait_value_ = reinterpret_cast<decltype(wait_value_)>(fn);
+    WEFT_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &found));
+    WEFT_CHECK(fn != nullptr, "weft-bench: cuStreamWriteValue32 not found");
+    write_value_ = reinterpret_cast<decltype(write_value_)>(fn);
+  }
+  ~PipelineStreamOps() {
+    cudaStreamSynchronize(side_);
+    cudaStreamSynchronize(waits_);
+    for (cudaEvent_t e : {arrived_, done_, join_}) cudaEventDestroy(e);
+    cudaStreamDestroy(waits_);
+    cudaStreamDestroy(side_);
+    cudaFree(flag_);
+  }
+  void before_piece() {  // wait_arrivals
+    WEFT_CHECK(wait_value_(waits_, reinterpret_cast<CUdeviceptr>(flag_), 1, CU_STREAM_WAIT_VALUE_GEQ) == 0,
+               "weft-bench: cuStreamWaitValue32 failed");
+    WEFT_CUDA_CHECK(cudaEventRecord(arrived_, waits_));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(gemm_, arrived_));
+  }
+  void after_piece() {  // side_waits + the push's arrival write
+    WEFT_CUDA_CHECK(cudaEventRecord(done_, gemm_));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(side_, done_));
+    WEFT_CHECK(
+        write_value_(side_, reinterpret_cast<CUdeviceptr>(flag_), 1, CU_STREAM_WRITE_VALUE_DEFAULT) == 0,
+        "weft-bench: cuStreamWriteValue32 failed");
+  }
+  void finish() {  // join the side streams back into the GEMM stream
+    for (cudaStream_t st : {side_, waits_}) {
+      WEFT_CUDA_CHECK(cudaEventRecord(join_, st));
+      WEFT_CUDA_CHECK(cudaStreamWaitEvent(gemm_, join_));
+    }
+  }
+
+ private:
+  cudaStream_t gemm_, waits_ = nullptr, side_ = nullptr;
+  cudaEvent_t arrived_ = nullptr, done_ = nullptr, join_ = nullptr;
+  uint32_t* flag_ = nullptr;
+  CUresult (*wait_value_)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
+  CUresult (*write_value_)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
+};
+
 void run_ring_pieces(Context& ctx, GemmBench& bench, const std::string& gpu) {
+  PipelineStreamOps stream_ops(bench.stream());
   Table t(
       "gemm: the ring pipeline's GEMM pieces, B [N,K], bf16, GPU 0 (" + gpu + ")",
       {"W", "pieces / step", "M", "N", "K/W", "cuBLAS whole us", "cuBLAS pieces us", "pieces / whole",
-       "weft whole us", "weft pieces us", "weft pieces / cuBLAS whole"},
+       "weft whole us", "weft pieces us", "weft pieces / cuBLAS whole", "cuBLAS pieces + stream ops us",
+       "stream ops us / piece"},
       "Per-rank GEMM of the pipelined RS / AR at world size W: M x N x K/W (K = 8192), as one call and as "
       "the ring's W steps of `pieces` row pieces each (beta = 1, or reduce-add, after the first step; the "
       "pipeline's default is 2 pieces). No communication: pieces / whole is the GEMM's own cost of the "
-      "split.");
+      "split. + stream ops: the pipeline's waits (satisfied), event edges and flag writes around each piece, "
+      "no data moved; per piece: their cost over the plain pieces, divided by the pieces.");
   std::vector<int64_t> ms = {2048, 4096, 8192, 16384};
   if (ctx.quick) ms = {4096, 8192};
   for (int W : {2, 4})
@@ -235,14 +301,24 @@ void run_ring_pieces(Context& ctx, GemmBench& bench, const std::string& gpu) {
           };
           const double est_ms = 2.0 * M * N * K / 650e12 * 1e3;
           const int iters = std::clamp(int((ctx.quick ? 60 : 300) / est_ms), 10, 200);
+          auto with_stream_ops = [&](int i) {
+            for (int s = 0; s < W; ++s)
+              for (int p = 0; p < kPieces; ++p) {
+                if (s > 0) stream_ops.before_piece();
+                blas(i, (s * kPieces + p) * piece, piece, s > 0);
+                if (s < W - 1) stream_ops.after_piece();
+              }
+            stream_ops.finish();
+          };
           const std::vector<float> r =
               bench.time_in_turns({[&](int i) { blas(i, 0, M, false); }, pieces(blas),
-                                   [&](int i) { weft(i, 0, M, false); }, pieces(weft)},
+                                   [&](int i) { weft(i, 0, M, false); }, pieces(weft), with_stream_ops},
                                   iters);
           t.add({std::to_string(W), std::to_string(kPieces), std::to_string(M), std::to_string(N),
                  std::to_string(K), fmt("%.1f", r[0] * 1e3), fmt("%.1f", r[1] * 1e3),
                  fmt("%.3f", r[1] / r[0]), fmt("%.1f", r[2] * 1e3), fmt("%.1f", r[3] * 1e3),
-                 fmt("%.3f", r[3] / r[0])});
+                 fmt("%.3f", r[3] / r[0]), fmt("%.1f", r[4] * 1e3),
+                 fmt("%.2f", (r[4] - r[1]) * 1e3 / (W * kPieces))});
         }
   ctx.add(std::move(t));
 }
