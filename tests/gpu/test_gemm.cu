@@ -476,6 +476,14 @@ WEFT_GPU_TEST_ONE_GPU(gemm_rejects_unsupported) {
     std::function<void()> call;
     std::vector<std::string> expect;
   };
+  // A valid 256^3 call with some options set: the options are what is wrong.
+  auto with_options = [&](void (*set)(GemmOptions&)) {
+    return [&, set] {
+      GemmOptions o;
+      set(o);
+      gemm(a, b, c, 256, 256, 256, BLayout::kNK, DType::kBF16, g.stream, o);
+    };
+  };
   const std::vector<Bad> cases = {
       {"K not a multiple of 8",
        [&] { gemm(a, b, c, 256, 256, 1001, BLayout::kNK, DType::kBF16, g.stream); },
@@ -497,34 +505,14 @@ WEFT_GPU_TEST_ONE_GPU(gemm_rejects_unsupported) {
        {"C = ", "16-byte aligned"}},
       {"M = 0", [&] { gemm(a, b, c, 0, 256, 256, BLayout::kNK, DType::kBF16, g.stream); }, {"at least 1"}},
       {"null B", [&] { gemm(a, nullptr, c, 256, 256, 256, BLayout::kNK, DType::kBF16, g.stream); }, {"null"}},
-      {"lda < K",
-       [&] {
-         GemmOptions o;
-         o.lda = 128;
-         gemm(a, b, c, 256, 256, 256, BLayout::kNK, DType::kBF16, g.stream, o);
-       },
-       {"lda = 128", "smaller than K"}},
-      {"cluster 3",
-       [&] {
-         GemmOptions o;
-         o.cluster = 3;
-         gemm(a, b, c, 256, 256, 256, BLayout::kNK, DType::kBF16, g.stream, o);
-       },
-       {"options.cluster"}},
-      {"tile_n 64",
-       [&] {
-         GemmOptions o;
-         o.tile_n = 64;
-         gemm(a, b, c, 256, 256, 256, BLayout::kNK, DType::kBF16, g.stream, o);
-       },
-       {"options.tile_n", "got 64"}},
+      {"lda < K", with_options([](GemmOptions& o) { o.lda = 128; }), {"lda = 128", "smaller than K"}},
+      {"cluster 3", with_options([](GemmOptions& o) { o.cluster = 3; }), {"options.cluster"}},
+      {"tile_n 64", with_options([](GemmOptions& o) { o.tile_n = 64; }), {"options.tile_n", "got 64"}},
       {"tile_n 128 with cluster 2",
-       [&] {
-         GemmOptions o;
+       with_options([](GemmOptions& o) {
          o.tile_n = 128;
          o.cluster = 2;
-         gemm(a, b, c, 256, 256, 256, BLayout::kNK, DType::kBF16, g.stream, o);
-       },
+       }),
        {"tile_n = 128", "cluster 1"}},
   };
   for (const Bad& bad : cases) {
