@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "bench.hpp"
+#include "runtime/driver.hpp"
 #include "weft/ops/gemm.hpp"
 
 namespace weft::bench {
@@ -186,11 +187,6 @@ std::string tflops(const Shape& s, float ms) {
   return fmt("%.1f", s.flops() / (double(ms) * 1e9));
 }
 
-// The copy-engine ring pipeline of matmul_reduce_scatter / matmul_all_reduce (src/ops/fused.cu) runs its
-// per-rank GEMM [M, K/W] x [N, K/W]^T as W steps of M / W rows, two row pieces each, every step after the
-// first adding into a partial. This table times that split alone on one GPU (no communication): the floor
-// of the pipelined path's compute, against the whole GEMM (the bound's compute term). cuBLAS pieces add with
-// beta = 1 (what the pipeline calls); weft pieces with a TMA reduce-add store.
 // The copy-engine pipeline's per-piece stream operations (src/ops/fused.cu, Pipeline) without their data:
 // before a piece that adds a peer's partial, a wait on an arrival flag (already satisfied here) on the
 // waits stream and an event edge from it into the GEMM stream; after a piece that is pushed on, an event
@@ -206,16 +202,6 @@ class PipelineStreamOps {
     WEFT_CUDA_CHECK(cudaMalloc(&flag_, sizeof(uint32_t)));
     const uint32_t one = 1;
     WEFT_CUDA_CHECK(cudaMemcpy(flag_, &one, sizeof(one), cudaMemcpyHostToDevice));
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    WEFT_CUDA_CHECK(
-        cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault, &found));
-    WEFT_CHECK(fn != nullptr, "weft-bench: cuStreamWaitValue32 not found");
-    wait_value_ = reinterpret_cast<decltype(wait_value_)>(fn);
-    WEFT_CUDA_CHECK(
-        cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &found));
-    WEFT_CHECK(fn != nullptr, "weft-bench: cuStreamWriteValue32 not found");
-    write_value_ = reinterpret_cast<decltype(write_value_)>(fn);
   }
   ~PipelineStreamOps() {
     cudaStreamSynchronize(side_);
@@ -226,17 +212,16 @@ class PipelineStreamOps {
     cudaFree(flag_);
   }
   void before_piece() {  // wait_arrivals
-    WEFT_CHECK(wait_value_(waits_, reinterpret_cast<CUdeviceptr>(flag_), 1, CU_STREAM_WAIT_VALUE_GEQ) == 0,
-               "weft-bench: cuStreamWaitValue32 failed");
+    WEFT_CU_CHECK(driver().cuStreamWaitValue32(waits_, reinterpret_cast<CUdeviceptr>(flag_), 1,
+                                               CU_STREAM_WAIT_VALUE_GEQ));
     WEFT_CUDA_CHECK(cudaEventRecord(arrived_, waits_));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(gemm_, arrived_));
   }
   void after_piece() {  // side_waits + the push's arrival write
     WEFT_CUDA_CHECK(cudaEventRecord(done_, gemm_));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(side_, done_));
-    WEFT_CHECK(
-        write_value_(side_, reinterpret_cast<CUdeviceptr>(flag_), 1, CU_STREAM_WRITE_VALUE_DEFAULT) == 0,
-        "weft-bench: cuStreamWriteValue32 failed");
+    WEFT_CU_CHECK(driver().cuStreamWriteValue32(side_, reinterpret_cast<CUdeviceptr>(flag_), 1,
+                                                CU_STREAM_WRITE_VALUE_DEFAULT));
   }
   void finish() {  // join the side streams back into the GEMM stream
     for (cudaStream_t st : {side_, waits_}) {
@@ -249,10 +234,13 @@ class PipelineStreamOps {
   cudaStream_t gemm_, waits_ = nullptr, side_ = nullptr;
   cudaEvent_t arrived_ = nullptr, done_ = nullptr, join_ = nullptr;
   uint32_t* flag_ = nullptr;
-  CUresult (*wait_value_)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
-  CUresult (*write_value_)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
 };
 
+// The copy-engine ring pipeline of matmul_reduce_scatter / matmul_all_reduce (src/ops/fused.cu) runs its
+// per-rank GEMM [M, K/W] x [N, K/W]^T as W steps of M / W rows, two row pieces each, every step after the
+// first adding into a partial. This table times that split alone on one GPU (no communication): the floor
+// of the pipelined path's compute, against the whole GEMM (the bound's compute term). cuBLAS pieces add with
+// beta = 1 (what the pipeline calls); weft pieces with a TMA reduce-add store.
 void run_ring_pieces(Context& ctx, GemmBench& bench, const std::string& gpu) {
   PipelineStreamOps stream_ops(bench.stream());
   Table t(

@@ -57,12 +57,6 @@ DeviceFacts device_facts() {
   return f;
 }
 
-void check_device() {
-  const DeviceFacts f = device_facts();
-  WEFT_CHECK(f.cc == 90, "weft::gemm runs on Hopper (sm_90) GPUs (wgmma, built for sm_90a); device " +
-                             std::to_string(f.device) + " is sm_" + std::to_string(f.cc));
-}
-
 // Plans (and, with a stream, launches) one problem with the GemmOp instantiation for these types.
 template <class OutT, bool kKMajor, int kCluster, int kTileN>
 GemmPlan run(const Problem& pr, cudaStream_t stream, bool launch) {
@@ -124,9 +118,8 @@ GemmPlan run_config(const Problem& pr, int cluster, int tile_n, cudaStream_t str
 // Tile width for cluster 1: 128 x 256 unless 128 x 128 tiles fill the SMs' waves better by more than their
 // lower rate (one H200, weft-bench gemm "tile width": the narrow tile ran large problems at 0.994-0.998 of
 // the wide one's rate, and small or narrow ones up to 1.9x faster, e.g. 256 x 8192 x 8192 49.0 vs 87.0 us).
-int auto_tile_n(int64_t m, int64_t n) {
+int auto_tile_n(int64_t m, int64_t n, int sms) {
   constexpr double kNarrowRate = 0.97;
-  const int sms = device_facts().sms;
   // Busy share of the SM-slots the tiles take: tiles / (waves x SMs).
   auto fill = [&](int64_t tile_n) {
     const int64_t tiles = ((m + 127) / 128) * ((n + tile_n - 1) / tile_n);
@@ -188,12 +181,14 @@ GemmPlan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
     WEFT_CHECK(reinterpret_cast<uintptr_t>(pr.b) % 16 == 0, align_msg("B", pr.b));
     WEFT_CHECK(reinterpret_cast<uintptr_t>(pr.c) % 16 == 0, align_msg("C", pr.c));
   }
-  check_device();
+  const DeviceFacts dev = device_facts();
+  WEFT_CHECK(dev.cc == 90, "weft::gemm runs on Hopper (sm_90) GPUs (wgmma, built for sm_90a); device " +
+                               std::to_string(dev.device) + " is sm_" + std::to_string(dev.cc));
 
   // Auto is 1: the B multicast of cluster 2 measured 75-78% of cuBLAS at 8192^3 on H200 against 102% for
   // cluster 1 (weft-bench gemm, 2026-11-21); it stays selectable until its pipeline is fixed.
   const int cluster = opt.cluster ? opt.cluster : 1;
-  const int tile_n = cluster == 2 ? 256 : opt.tile_n ? opt.tile_n : auto_tile_n(pr.m, pr.n);
+  const int tile_n = cluster == 2 ? 256 : opt.tile_n ? opt.tile_n : auto_tile_n(pr.m, pr.n, dev.sms);
   if (pr.c_type == DType::kBF16)
     return nk ? run_config<__nv_bfloat16, true>(pr, cluster, tile_n, stream, launch)
               : run_config<__nv_bfloat16, false>(pr, cluster, tile_n, stream, launch);

@@ -81,6 +81,20 @@ struct RankBuffers {
   RankBuffers& operator=(const RankBuffers&) = delete;
 };
 
+// cudaMalloc'd memory on the current GPU for one test's scope.
+struct DeviceBuffer {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t b) : bytes(b) { WEFT_CUDA_CHECK(cudaMalloc(&p, b ? b : 16)); }
+  ~DeviceBuffer() { cudaFree(p); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
 // Host <-> device copies and poisoning on local rank i's GPU.
 // cudaMemcpy from pageable memory may return before its DMA lands, on the legacy stream, which the rank's
 // non-blocking stream does not wait for: wait for it here.

@@ -16,6 +16,7 @@
 #include "weft/ops/gemm.hpp"
 
 using namespace weft;
+using weft::test::DeviceBuffer;
 using weft::test::TestContext;
 
 namespace {
@@ -101,19 +102,6 @@ __global__ void compare_kernel(const void* out, bool f32, int64_t ldc, const flo
 }
 
 // ---- host helpers ------------------------------------------------------------------------------
-struct DeviceBuffer {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit DeviceBuffer(size_t b) : bytes(b) { WEFT_CUDA_CHECK(cudaMalloc(&p, b ? b : 16)); }
-  ~DeviceBuffer() { cudaFree(p); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-};
-
 void fill_bf16(void* p, uint64_t count, uint64_t seed, cudaStream_t s) {
   fill_bf16_kernel<<<264, 256, 0, s>>>(static_cast<__nv_bfloat16*>(p), count, seed);
   WEFT_CUDA_CHECK(cudaGetLastError());

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "harness.hpp"
+#include "runtime/driver.hpp"
 #include "weft/ops/gemm.hpp"
 
 using namespace weft;
@@ -50,17 +51,6 @@ constexpr int64_t kDim = 2048;  // the held and the seen GEMM: kDim^3
 __global__ void spin_until_set(const volatile uint32_t* flag) {
   const long long start = clock64();
   while (*flag == 0 && clock64() - start < (1ll << 37)) __nanosleep(2000);
-}
-
-using StreamWaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-
-StreamWaitValue32 stream_wait_value32() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  WEFT_CUDA_CHECK(
-      cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault, &found));
-  WEFT_EXPECT(found == cudaDriverEntryPointSuccess && fn, "cuStreamWaitValue32 not found");
-  return reinterpret_cast<StreamWaitValue32>(fn);
 }
 
 // One GPU's cuBLAS / cublasLt state and GEMM operands (zeros: only the calls matter here).
@@ -287,7 +277,6 @@ WEFT_GPU_TEST_ONE_GPU(host_calls_return_while_gpu_waits) {
   WEFT_CUDA_CHECK(cudaHostAlloc(&flag, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable));
   uint32_t* flag_dev = nullptr;
   WEFT_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&flag_dev), flag, 0));
-  const StreamWaitValue32 wait_value = stream_wait_value32();
   std::vector<std::string> waited_relied;
   int unique = 1, rows = 0;
   // The hold on GPU 0: a kernel spinning on the flag, alone or with a GEMM queued behind it, or a stream wait
@@ -304,9 +293,8 @@ WEFT_GPU_TEST_ONE_GPU(host_calls_return_while_gpu_waits) {
         *flag = 0;
         WEFT_CUDA_CHECK(cudaSetDevice(held.device));
         if (hold == Hold::kStreamWaitThenGemm) {  // 32-bit stream memory operations: always supported
-          const CUresult r =
-              wait_value(held.held, reinterpret_cast<CUdeviceptr>(flag_dev), 1, CU_STREAM_WAIT_VALUE_GEQ);
-          WEFT_EXPECT(r == CUDA_SUCCESS, "cuStreamWaitValue32 on mapped host memory failed: " << int(r));
+          WEFT_CU_CHECK(driver().cuStreamWaitValue32(held.held, reinterpret_cast<CUdeviceptr>(flag_dev), 1,
+                                                     CU_STREAM_WAIT_VALUE_GEQ));
         } else {
           spin_until_set<<<1, 32, 0, held.held>>>(flag_dev);
           WEFT_CUDA_CHECK(cudaGetLastError());

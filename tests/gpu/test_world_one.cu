@@ -15,6 +15,7 @@
 #include "weft/ops/fused.hpp"
 
 using namespace weft;
+using weft::test::DeviceBuffer;
 using weft::test::TestContext;
 
 namespace {
@@ -34,12 +35,6 @@ double to_double(uint16_t x) {
   std::memcpy(&b, &x, 2);
   return __bfloat162float(b);
 }
-
-struct DeviceBuffer {
-  void* p = nullptr;
-  explicit DeviceBuffer(size_t bytes) { WEFT_CUDA_CHECK(cudaMalloc(&p, bytes)); }
-  ~DeviceBuffer() { cudaFree(p); }
-};
 
 std::unique_ptr<Communicator> one_rank_team(TestContext& ctx) {
   if (ctx.multi_process) {
