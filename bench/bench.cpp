@@ -13,10 +13,12 @@ std::vector<Mode>& modes() {
 BenchTeam::BenchTeam(const Context& ctx) {
   Options o;
   for (int d = 0; d < ctx.gpus; ++d) o.devices.push_back(d);
+  if (ctx.virtual_ranks()) o.ranks_per_gpu = ctx.ranks / ctx.gpus;
   comm = ctx.env ? Communicator::create_from_launcher(*ctx.env, o) : Communicator::create_single_process(o);
   const int L = comm->num_local();
-  nccl.resize(L);
-  if (ctx.env) {  // one rank per process: rank 0's unique id reaches the others through weft's channel
+  if (!ctx.virtual_ranks()) nccl.resize(L);
+  if (ctx.virtual_ranks()) {
+  } else if (ctx.env) {  // one rank per process: rank 0's unique id reaches the others through weft's channel
     ncclUniqueId id{};
     if (comm->local(0).rank() == 0) WEFT_NCCL_CHECK(ncclGetUniqueId(&id));
     const std::string root =
@@ -38,7 +40,7 @@ BenchTeam::~BenchTeam() {
   for (int i = 0; i < static_cast<int>(streams.size()); ++i) {
     cudaSetDevice(comm->local(i).device());
     cudaStreamDestroy(streams[i]);
-    ncclCommDestroy(nccl[i]);
+    if (has_nccl()) ncclCommDestroy(nccl[i]);
   }
 }
 
@@ -86,8 +88,15 @@ void Context::progress(const char* f, ...) const {
 }
 
 void Context::add(Table t) {
+  if (virtual_ranks()) t.prefix_note("Virtual ranks (" + team_label() + "): not a performance figure.");
   if (!json && !quiet) t.print(stdout);
   tables.push_back(std::move(t));
+}
+
+std::string Context::team_label() const {
+  if (env) return fmt("%d GPUs (one process per GPU)", gpus);
+  if (virtual_ranks()) return fmt("%d virtual ranks on %d GPU%s (single-process)", ranks, gpus, gpus > 1 ? "s" : "");
+  return fmt("%d GPUs (single-process)", gpus);
 }
 
 void Table::print(std::FILE* out) const {

@@ -23,6 +23,7 @@ class Table {
   void print(std::FILE* out) const;
   std::string json() const;
   const std::string& title() const { return title_; }
+  void prefix_note(const std::string& s) { note_ = note_.empty() ? s : s + " " + note_; }
 
  private:
   std::string title_, note_;
@@ -34,24 +35,32 @@ struct Context {
   bool json = false;
   bool quick = false;
   int gpus = 0;                  // 0: all visible
+  int ranks = 0;                 // --ranks W: a team of W virtual ranks over the GPUs (0: one rank per GPU)
   std::optional<LaunchEnv> env;  // set when started one rank per process (weft-launch / torchrun / mpirun)
   bool quiet = false;            // ranks other than 0 of a multi-process run print nothing
   std::vector<Table> tables;
   // Prints to stderr so --json output stays clean.
   void progress(const char* fmt, ...) const;
+  // Adds a table (virtual ranks: its note says that it is not a performance figure).
   void add(Table t);
+  bool virtual_ranks() const { return ranks > gpus; }
+  int team_size() const { return virtual_ranks() ? ranks : gpus; }
+  // "4 GPUs (single-process)", "4 GPUs (one process per GPU)", "4 virtual ranks on 1 GPU (single-process)".
+  std::string team_label() const;
 };
 
 struct Mode {
   const char* name;
   const char* help;
   void (*run)(Context&);
-  int min_gpus;  // fewer GPUs in use: weft-bench skips the mode, saying so
+  int min_gpus;        // fewer GPUs (ranks, with virtual ranks) in use: weft-bench skips the mode, saying so
+  bool virtual_ranks;  // runs on a team of virtual ranks (--ranks); else it needs one GPU per rank
 };
 std::vector<Mode>& modes();
 struct ModeRegistrar {
-  ModeRegistrar(const char* name, const char* help, void (*run)(Context&), int min_gpus = 2) {
-    modes().push_back({name, help, run, min_gpus});
+  ModeRegistrar(const char* name, const char* help, void (*run)(Context&), int min_gpus = 2,
+                bool virtual_ranks = false) {
+    modes().push_back({name, help, run, min_gpus, virtual_ranks});
   }
 };
 
@@ -63,7 +72,8 @@ struct ModeRegistrar {
   } while (0)
 
 // What a benchmark against NCCL runs on: the weft team (single-process over the first ctx.gpus GPUs, or
-// this process's rank under a launcher), an NCCL communicator and a stream per local rank.
+// this process's rank under a launcher), an NCCL communicator and a stream per local rank. Virtual ranks
+// (ctx.ranks): no NCCL (it takes one rank per GPU); `nccl` is empty.
 struct BenchTeam {
   std::unique_ptr<Communicator> comm;
   std::vector<ncclComm_t> nccl;
@@ -72,6 +82,7 @@ struct BenchTeam {
   ~BenchTeam();
   int world() const { return comm->world(); }
   int local() const { return comm->num_local(); }
+  bool has_nccl() const { return !nccl.empty(); }
   // The slowest rank's value: across processes when there are several.
   double team_max(double x);
 };

@@ -116,15 +116,16 @@ float bf16_to_float(uint16_t h) {
 }
 
 void run_collective(Context& ctx, Coll which) {
-  WEFT_CHECK(ctx.gpus >= 2, std::string(coll_name(which)) + " needs at least 2 GPUs");
+  WEFT_CHECK(ctx.team_size() >= 2, std::string(coll_name(which)) + " needs at least 2 ranks");
   BenchTeam team(ctx);
+  const bool nccl_on = team.has_nccl();  // virtual ranks: weft alone
   Communicator* comm = team.comm.get();
   const int W = team.world(), L = team.local();
   std::vector<ncclComm_t>& nccl = team.nccl;
   std::vector<cudaStream_t>& streams = team.streams;
   auto team_max = [&](double x) { return team.team_max(x); };
   ctx.progress("%s: measuring the link (all-to-all puts, 256 MiB per peer)", coll_name(which));
-  const double link = ctx.env ? 0.0 : measure_all_to_all_egress(*comm, 256ull << 20);
+  const double link = ctx.env || !nccl_on ? 0.0 : measure_all_to_all_egress(*comm, 256ull << 20);
 
   std::vector<uint64_t> sizes = {8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20,
                                  4 << 20, 16 << 20, 64 << 20,  256 << 20, 1ull << 30};
@@ -138,15 +139,16 @@ void run_collective(Context& ctx, Coll which) {
                                       (hi && b > std::strtoull(hi, nullptr, 0));
                              }),
               sizes.end());
-  Table t(fmt("%s, bf16, %d GPUs (%s): weft vs NCCL %d.%d.%d", coll_name(which), W,
-              ctx.env ? "one process per GPU" : "single-process", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
+  Table t(fmt("%s, bf16, %s: weft vs NCCL %d.%d.%d", coll_name(which), ctx.team_label().c_str(), NCCL_MAJOR,
+              NCCL_MINOR, NCCL_PATCH),
           {"size", "count", "type", "NCCL time us", "NCCL busbw", "weft time us", "weft algbw", "weft busbw",
            "#wrong", "speedup", "% link"},
           "Times: CUDA graphs of many calls, slowest rank's median. busbw in GB/s; " +
               (link > 0 ? fmt("%% link = weft busbw over the per-GPU all-to-all egress measured just before "
                               "(%.0f GB/s).",
                               link)
-                        : std::string("% link: not measured with one process per GPU.")));
+                        : std::string("% link: not measured with one process per GPU or virtual ranks.")) +
+              (nccl_on ? "" : " No NCCL on virtual ranks: its columns are empty, #wrong counts NaN only."));
   for (uint64_t size : sizes) {
     const Geometry g = geometry(which, size, W, 2);
     if (g.count % W != 0 && which == Coll::kAllToAll) continue;
@@ -186,13 +188,17 @@ void run_collective(Context& ctx, Coll which) {
         WEFT_CUDA_CHECK(cudaMemset(ws.out[k][i], 0xff, g.out_bytes));
       }
     }
+    auto nccl_all = [&](int k) {
+      if (!nccl_on) return;
+      WEFT_NCCL_CHECK(ncclGroupStart());
+      for (int i = 0; i < L; ++i) {
+        WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+        enqueue_nccl(nccl[i], which, ns.in[k % sets][i], ns.out[k % sets][i], g, W, streams[i]);
+      }
+      WEFT_NCCL_CHECK(ncclGroupEnd());
+    };
     for (int i = 0; i < L; ++i) enqueue_weft(*comm, which, i, ws.in[0][i], ws.out[0][i], g, streams[i]);
-    WEFT_NCCL_CHECK(ncclGroupStart());
-    for (int i = 0; i < L; ++i) {
-      WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-      enqueue_nccl(nccl[i], which, ns.in[0][i], ns.out[0][i], g, W, streams[i]);
-    }
-    WEFT_NCCL_CHECK(ncclGroupEnd());
+    nccl_all(0);
     uint64_t wrong = 0;
     for (int i = 0; i < L; ++i) {
       WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
@@ -204,7 +210,7 @@ void run_collective(Context& ctx, Coll which) {
       for (size_t k = 0; k < a.size(); ++k) {
         const float x = bf16_to_float(a[k]), y = bf16_to_float(b[k]);
         if (std::isnan(x) ||
-            (reduction ? std::fabs(x - y) > 2e-2f * std::max(1.f, std::fabs(y)) : a[k] != b[k]))
+            (nccl_on && (reduction ? std::fabs(x - y) > 2e-2f * std::max(1.f, std::fabs(y)) : a[k] != b[k])))
           ++wrong;
       }
     }
@@ -213,14 +219,7 @@ void run_collective(Context& ctx, Coll which) {
 
     const int iters = size <= (1u << 20) ? 200 : size <= (64u << 20) ? 20 : 4;
     const int reps = ctx.quick ? 3 : 7;
-    const double t_nccl_local = time_graphs(*comm, streams, iters, reps, [&](int k) {
-      WEFT_NCCL_CHECK(ncclGroupStart());
-      for (int i = 0; i < L; ++i) {
-        WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-        enqueue_nccl(nccl[i], which, ns.in[k % sets][i], ns.out[k % sets][i], g, W, streams[i]);
-      }
-      WEFT_NCCL_CHECK(ncclGroupEnd());
-    });
+    const double t_nccl_local = nccl_on ? time_graphs(*comm, streams, iters, reps, nccl_all) : 0.0;
     const double t_weft_local = time_graphs(*comm, streams, iters, reps, [&](int k) {
       for (int i = 0; i < L; ++i)
         enqueue_weft(*comm, which, i, ws.in[k % sets][i], ws.out[k % sets][i], g, streams[i]);
@@ -228,9 +227,11 @@ void run_collective(Context& ctx, Coll which) {
     const double t_nccl = team_max(t_nccl_local), t_weft = team_max(t_weft_local);
     const double alg_w = size / (t_weft * 1e3), bus_w = alg_w * g.bus_factor;
     const double bus_n = size / (t_nccl * 1e3) * g.bus_factor;
-    t.add({human_bytes(size), std::to_string(g.count), "bf16", fmt("%.1f", t_nccl), fmt("%.1f", bus_n),
-           fmt("%.1f", t_weft), fmt("%.1f", alg_w), fmt("%.1f", bus_w), std::to_string(wrong),
-           fmt("%.2fx", t_nccl / t_weft), link > 0 ? fmt("%.0f%%", 100.0 * bus_w / link) : std::string("-")});
+    auto nccl_cell = [&](const std::string& s) { return nccl_on ? s : std::string("-"); };
+    t.add({human_bytes(size), std::to_string(g.count), "bf16", nccl_cell(fmt("%.1f", t_nccl)),
+           nccl_cell(fmt("%.1f", bus_n)), fmt("%.1f", t_weft), fmt("%.1f", alg_w), fmt("%.1f", bus_w),
+           std::to_string(wrong), nccl_cell(fmt("%.2fx", t_nccl / t_weft)),
+           link > 0 ? fmt("%.0f%%", 100.0 * bus_w / link) : std::string("-")});
     for (auto& b : ws.sym) comm->free(b);
     for (int k = 0; k < sets; ++k)
       for (int i = 0; i < L; ++i) {
@@ -243,13 +244,13 @@ void run_collective(Context& ctx, Coll which) {
 }
 
 ModeRegistrar r1("allreduce", "bf16 all-reduce vs NCCL, 8 KiB..1 GiB",
-                 [](Context& c) { run_collective(c, Coll::kAllReduce); });
+                 [](Context& c) { run_collective(c, Coll::kAllReduce); }, 2, true);
 ModeRegistrar r2("allgather", "bf16 all-gather vs NCCL",
-                 [](Context& c) { run_collective(c, Coll::kAllGather); });
+                 [](Context& c) { run_collective(c, Coll::kAllGather); }, 2, true);
 ModeRegistrar r3("reducescatter", "bf16 reduce-scatter vs NCCL",
-                 [](Context& c) { run_collective(c, Coll::kReduceScatter); });
+                 [](Context& c) { run_collective(c, Coll::kReduceScatter); }, 2, true);
 ModeRegistrar r4("alltoall", "bf16 all-to-all vs NCCL",
-                 [](Context& c) { run_collective(c, Coll::kAllToAll); });
+                 [](Context& c) { run_collective(c, Coll::kAllToAll); }, 2, true);
 
 }  // namespace
 }  // namespace weft::bench

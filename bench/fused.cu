@@ -42,8 +42,9 @@ void cublas_gemm(cublasHandle_t h, const void* a, const void* w, void* c, int64_
 }
 
 void run_fused(Context& ctx) {
-  WEFT_CHECK(ctx.gpus >= 2, "fused needs at least 2 GPUs");
+  WEFT_CHECK(ctx.team_size() >= 2, "fused needs at least 2 ranks");
   BenchTeam team(ctx);
+  const bool nccl_on = team.has_nccl();  // virtual ranks: weft's collectives stand in (labelled)
   Communicator* comm = team.comm.get();
   const int W = team.world(), L = team.local();
   std::vector<ncclComm_t>& nccl = team.nccl;
@@ -72,15 +73,16 @@ void run_fused(Context& ctx) {
   }
   const std::pair<int64_t, int64_t> nks[] = {{8192, 8192}, {28672, 8192}};
   Table t(
-      fmt("fused tensor-parallel ops, bf16, %d GPUs (%s): weft vs cuBLAS + NCCL %d.%d.%d", W,
-          ctx.env ? "one process per GPU" : "single-process", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
+      fmt("fused tensor-parallel ops, bf16, %s: weft vs cuBLAS + NCCL %d.%d.%d", ctx.team_label().c_str(),
+          NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
       {"op", "M", "N", "K", "sequential us", "compute us", "comm us", "weft us", "weft path", "speedup",
        "weft / bound", "weft gemm us", "fused us", "pipelined us"},
       "sequential = cuBLAS GEMM + NCCL collective; compute = the cuBLAS GEMM alone; bound = max(compute "
       "alone, communication alone); weft path 'sequential' means the op chose its fallback (cuBLAS GEMM + "
       "weft collective) for this shape. weft gemm = weft::gemm alone on the compute shape; fused = "
       "the op with the fused kernel forced; pipelined = the op with the copy-engine pipeline "
-      "forced (both: what kAuto's rule weighs).");
+      "forced (both: what kAuto's rule weighs)." +
+          std::string(nccl_on ? "" : " Virtual ranks: no NCCL; comm and sequential use weft's collectives."));
   // WEFT_BENCH_FUSED_OPS=ag,rs,ar (default: all) picks the ops, WEFT_BENCH_FUSED_M (above) the M values;
   // WEFT_BENCH_PIPE_PIECES=n sets FusedOptions::pipeline_pieces for the weft and pipelined columns (tuning).
   const char* only = std::getenv("WEFT_BENCH_FUSED_OPS");
@@ -115,6 +117,18 @@ void run_fused(Context& ctx) {
           }
           auto gemm_alone = [&](int i) { cublas_gemm(g[i].blas, g[i].a, g[i].b, g[i].tmp, M, gn, gk); };
           auto comm_alone = [&](int i) {
+            if (!nccl_on) {  // virtual ranks: weft's collective, same buffers
+              Rank& r = comm->local(i);
+              if (op == Op::kAG)
+                all_gather(*comm, r, g[i].a + r.rank() * rows * gk * 2, g[i].a, Shape2D{size_t(rows), size_t(gk)},
+                           0, DType::kBF16, streams[i]);
+              else if (op == Op::kRS)
+                reduce_scatter(*comm, r, g[i].tmp, g[i].out, Shape2D{size_t(rows), size_t(gn)}, 0, DType::kBF16,
+                               ReduceOp::kSum, streams[i]);
+              else
+                all_reduce(*comm, r, g[i].tmp, g[i].out, size_t(M * gn), DType::kBF16, ReduceOp::kSum, streams[i]);
+              return;
+            }
             if (op == Op::kAG)
               // In place: this rank's rows of A are its shard (random data), so the GEMM after the gather
               // multiplies real data (a never-written send buffer would feed it zeros, which run cooler).
@@ -151,7 +165,7 @@ void run_fused(Context& ctx) {
           pipelined.mode = FusedOptions::Mode::kPipelined;
           auto pipelined_call = [&](int i) { call(i, pipelined); };
           auto on_all = [&](auto&& f, bool nccl_group) {
-            return [&, nccl_group](int) {
+            return [&, nccl_group = nccl_group && nccl_on](int) {
               if (nccl_group) WEFT_NCCL_CHECK(ncclGroupStart());
               for (int i = 0; i < L; ++i) {
                 WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
@@ -202,7 +216,7 @@ void run_fused(Context& ctx) {
 }
 
 ModeRegistrar reg("fused", "all_gather_matmul / matmul_reduce_scatter / matmul_all_reduce vs cuBLAS + NCCL",
-                  run_fused);
+                  run_fused, 2, true);
 
 }  // namespace
 }  // namespace weft::bench

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <ctime>
+#include <numeric>
 
 #include <unistd.h>
 
@@ -15,8 +16,10 @@ namespace {
 int usage(int code) {
   std::fprintf(
       code ? stderr : stdout,
-      "usage: weft-bench [MODE ...] [--json] [--gpus N] [--quick] [--list]\n"
+      "usage: weft-bench [MODE ...] [--json] [--gpus N] [--ranks W] [--quick] [--list]\n"
       "  Runs the chosen modes (default: all) single-process over the first N local GPUs (default: all).\n"
+      "  --ranks W: a team of W virtual ranks over the GPUs (W / N per GPU; default N: the largest that\n"
+      "           divides W), for the modes that take them; no NCCL baseline, not a performance figure\n"
       "  --json   machine-readable output on stdout (progress stays on stderr)\n"
       "  --quick  fewer sizes and iterations\nmodes:\n");
   for (auto& m : modes()) std::fprintf(code ? stderr : stdout, "  %-10s %s\n", m.name, m.help);
@@ -33,8 +36,14 @@ int main(int argc, char** argv) {
       ctx.json = true;
     else if (a == "--quick")
       ctx.quick = true;
-    else if (a == "--gpus" && i + 1 < argc)
-      ctx.gpus = std::atoi(argv[++i]);
+    else if ((a == "--gpus" || a == "--ranks") && i + 1 < argc) {
+      const int v = std::atoi(argv[++i]);
+      if (v < 1) {
+        std::fprintf(stderr, "weft-bench: %s takes a positive integer, got '%s'\n", a.c_str(), argv[i]);
+        return 2;
+      }
+      (a == "--gpus" ? ctx.gpus : ctx.ranks) = v;
+    }
     else if (a == "--list" || a == "-h" || a == "--help")
       return usage(0);
     else {
@@ -60,7 +69,15 @@ int main(int argc, char** argv) {
                  e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
     return 1;
   }
-  if (ctx.gpus <= 0 || ctx.gpus > ndev) ctx.gpus = ndev;
+  if (ctx.gpus > ndev) {
+    std::fprintf(stderr, "weft-bench: --gpus %d but only %d GPU%s visible\n", ctx.gpus, ndev, ndev > 1 ? "s" : "");
+    return 2;
+  }
+  if (ctx.gpus <= 0) ctx.gpus = ctx.ranks > 0 ? std::gcd(ctx.ranks, ndev) : ndev;
+  if (ctx.ranks > 0 && ctx.ranks % ctx.gpus != 0) {
+    std::fprintf(stderr, "weft-bench: --ranks %d is not a multiple of the %d GPUs in use\n", ctx.ranks, ctx.gpus);
+    return 2;
+  }
   try {
     ctx.env = weft::parse_launch_env(weft::process_env(), static_cast<long>(::getppid()));
   } catch (const std::exception& ex) {
@@ -68,6 +85,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (ctx.env) {  // one rank per process: rank 0 reports for the team
+    if (ctx.ranks > 0) {
+      std::fprintf(stderr, "weft-bench: --ranks (virtual ranks) runs single-process, not under a launcher\n");
+      return 2;
+    }
     ctx.quiet = ctx.env->rank != 0;
     ctx.gpus = ctx.env->world;
   }
@@ -81,15 +102,25 @@ int main(int argc, char** argv) {
   std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
   std::string machine = fmt("%d x %s (%d SMs), driver %d.%d, CUDA runtime %d.%d, %s, %s", ctx.gpus, prop.name,
                             prop.multiProcessorCount, drv / 1000, (drv % 1000) / 10, rt / 1000,
-                            (rt % 1000) / 10, ctx.env ? "one process per GPU" : "single-process", date);
+                            (rt % 1000) / 10,
+                            ctx.env               ? "one process per GPU"
+                            : ctx.virtual_ranks() ? fmt("single-process, %d virtual ranks", ctx.ranks).c_str()
+                                                  : "single-process",
+                            date);
   if (!ctx.json && !ctx.quiet) std::printf("# weft-bench\n%s\n", machine.c_str());
 
   int rc = 0;
   for (const Mode* m : chosen) {
-    if (ctx.gpus < m->min_gpus) {  // e.g. a single-GPU machine: the team modes cannot run, the GEMM can
+    if (ctx.virtual_ranks() && !m->virtual_ranks) {  // it builds teams of its own, one rank per GPU
+      ctx.progress("mode %s skipped: needs one GPU per rank (no virtual ranks)", m->name);
+      if (!ctx.json && !ctx.quiet) std::printf("## %s: SKIPPED (needs one GPU per rank)\n\n", m->name);
+      continue;
+    }
+    if (ctx.team_size() < m->min_gpus) {  // e.g. a single-GPU machine: the team modes cannot run, the GEMM can
       ctx.progress("mode %s skipped: needs %d GPUs, %d in use", m->name, m->min_gpus, ctx.gpus);
       if (!ctx.json && !ctx.quiet)
-        std::printf("## %s: SKIPPED (needs %d GPUs, %d in use)\n\n", m->name, m->min_gpus, ctx.gpus);
+        std::printf("## %s: SKIPPED (needs %d GPUs, %d in use; --ranks W runs it on virtual ranks)\n\n", m->name,
+                    m->min_gpus, ctx.gpus);
       continue;
     }
     ctx.progress("mode %s", m->name);

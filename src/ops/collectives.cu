@@ -70,6 +70,10 @@ struct Call {
     return ops::workspace_of(comm, rank, bytes, capturing, std::string("weft::") + op + ": ");
   }
   void launched() const { WEFT_CUDA_CHECK(cudaGetLastError()); }
+  // Whether a one-shot round of `bytes` fits this rank's SM budget (it needs a block per slot part).
+  bool one_shot_fits(uint64_t bytes) const {
+    return ops::one_shot_min_blocks(rank.world(), bytes) <= ops::max_collective_blocks(rank);
+  }
   // A team of one: every collective returns its input (no kernel, no meeting). True when it did.
   bool alone(const void* in, void* out, uint64_t bytes) const {
     if (rank.world() > 1) return false;
@@ -202,9 +206,11 @@ void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_
                   reinterpret_cast<uint64_t*>(region),
                   ops::ll_slot_bytes(world) / 8,
                   ops::ll_block_words(world)};
-  // LL moves 2x the bytes and polls: spread it wide, but every block's share must fit its part of a slot.
-  const int g = std::clamp<int>(c.blocks(bytes * 8), (x.words + x.block_words - 1) / x.block_words,
-                                ops::one_shot_max_blocks(world));
+  // LL moves 2x the bytes and polls: spread it wide, but every block's share must fit its part of a slot
+  // (callers check that the SM budget allows that many: one_shot_fits).
+  const int g = std::clamp<int>(c.blocks(bytes * 8), ops::one_shot_min_blocks(world, bytes),
+                                std::min(ops::one_shot_max_blocks(world), ops::max_collective_blocks(c.rank)));
+  ops::check_grid_in_budget(c.rank, g, std::string("weft::") + c.op + ": ");
   with_elem(dt, [&](auto e) {
     with_reduce(op, [&](auto r) {
       detail::preload<&coll::one_shot_kernel<e.value, r.value>>();
@@ -228,11 +234,16 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
   const int world = rank.world();
   const uint64_t one_shot_max = one_shot_max_bytes(world);
   if (algo == AllReduceAlgo::kAuto)
-    algo = bytes <= one_shot_max ? AllReduceAlgo::kOneShot : AllReduceAlgo::kTwoShot;
+    algo = bytes <= one_shot_max && c.one_shot_fits(bytes) ? AllReduceAlgo::kOneShot : AllReduceAlgo::kTwoShot;
   if (algo == AllReduceAlgo::kOneShot) {
     if (bytes > one_shot_max)
       c.fail("one-shot all-reduce is limited to " + std::to_string(one_shot_max) + " bytes at " +
              std::to_string(world) + " ranks, got " + std::to_string(bytes));
+    if (!c.one_shot_fits(bytes))
+      c.fail("one-shot all-reduce of " + std::to_string(bytes) + " bytes needs " +
+             std::to_string(ops::one_shot_min_blocks(world, bytes)) + " resident blocks, more than rank " +
+             std::to_string(rank.rank()) + "'s SM budget of " + std::to_string(rank.sm_budget()) +
+             " (Options::sm_budget); use AllReduceAlgo::kAuto or kTwoShot");
     return one_shot(c, in, 0, out, bytes, dtype, op);
   }
   // Two-shot over the largest prefix that splits into equal 16-byte-multiple slices; the rest (under
@@ -354,7 +365,7 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
     x.in_peer_step = x.row_bytes;
   }
   // Small contiguous slices: one round, no meeting (the LL words need 4-byte aligned slices).
-  if (dim == 0 && out_bytes <= one_shot_max_bytes(world) && out_bytes % 4 == 0 &&
+  if (dim == 0 && out_bytes <= one_shot_max_bytes(world) && c.one_shot_fits(out_bytes) && out_bytes % 4 == 0 &&
       reinterpret_cast<uintptr_t>(in) % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 4 == 0 &&
       coll_variant() == nullptr)
     return one_shot(c, in, out_bytes, out, out_bytes, dtype, op);

@@ -3,6 +3,7 @@
 #include <cublas_v2.h>
 
 #include <climits>
+#include <map>
 #include <mutex>
 
 #include "weft/runtime/error.hpp"
@@ -10,18 +11,16 @@
 namespace weft::ops {
 namespace {
 
-constexpr int kMaxDevices = 64;
 constexpr size_t kWorkspaceBytes = 32 << 20;  // cuBLAS's recommendation for Hopper
 
-// Per-device handle with a workspace of ours: cuBLAS then allocates nothing inside a graph capture. Never
-// destroyed: a static destructor at exit may run after the CUDA context is gone.
-cublasHandle_t handle_for(int device, bool capturing, const std::string& where) {
+// A handle per device and rank (virtual ranks of one GPU run GEMMs at the same time, and a handle's
+// workspace serves one at a time), with a workspace of ours: cuBLAS then allocates nothing inside a graph
+// capture. Never destroyed: a static destructor at exit may run after the CUDA context is gone.
+cublasHandle_t handle_for(int device, int rank, bool capturing, const std::string& where) {
   static std::mutex mu;
-  static cublasHandle_t handles[kMaxDevices] = {};
-  WEFT_CHECK(device >= 0 && device < kMaxDevices,
-             where + "device index out of range for the cuBLAS fallback");
+  static std::map<std::pair<int, int>, cublasHandle_t> handles;
   std::lock_guard<std::mutex> lock(mu);
-  if (handles[device]) return handles[device];
+  if (auto it = handles.find({device, rank}); it != handles.end()) return it->second;
   WEFT_CHECK(!capturing,
              where +
                  "the first sequential-path call on a GPU creates its cuBLAS handle, which a CUDA "
@@ -32,19 +31,19 @@ cublasHandle_t handle_for(int device, bool capturing, const std::string& where) 
   WEFT_CUDA_CHECK(cudaMalloc(&ws, kWorkspaceBytes));
   WEFT_CHECK(cublasSetWorkspace(h, ws, kWorkspaceBytes) == CUBLAS_STATUS_SUCCESS,
              where + "cublasSetWorkspace failed");
-  handles[device] = h;
+  handles[{device, rank}] = h;
   return h;
 }
 
 }  // namespace
 
 bool cublas_gemm_bf16(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
-                      BLayout layout, cudaStream_t stream, bool capturing, const std::string& where,
+                      BLayout layout, cudaStream_t stream, int rank, bool capturing, const std::string& where,
                       bool accumulate) {
   if (m > INT_MAX || n > INT_MAX || k > INT_MAX) return false;
   int device = 0;
   WEFT_CUDA_CHECK(cudaGetDevice(&device));
-  cublasHandle_t h = handle_for(device, capturing, where);
+  cublasHandle_t h = handle_for(device, rank, capturing, where);
   WEFT_CHECK(cublasSetStream(h, stream) == CUBLAS_STATUS_SUCCESS, where + "cublasSetStream failed");
   // Row-major C [M,N] = A . B is column-major C^T [N,M] = B^T . A^T: B's row-major [N,K] (weight) is a
   // column-major [K,N] to transpose; B's row-major [K,N] is a column-major [N,K] as it is.
@@ -59,10 +58,10 @@ bool cublas_gemm_bf16(const void* a, const void* b, void* out, int64_t m, int64_
   return true;
 }
 
-void cublas_gemm_ready(const std::string& where) {
+void cublas_gemm_ready(int rank, const std::string& where) {
   int device = 0;
   WEFT_CUDA_CHECK(cudaGetDevice(&device));
-  handle_for(device, false, where);
+  handle_for(device, rank, false, where);
 }
 
 }  // namespace weft::ops

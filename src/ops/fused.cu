@@ -101,22 +101,37 @@ struct Call {
   void gemm_into(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k, BLayout layout,
                  bool accumulate = false) const {
     const bool cublas_safe = comm.num_local() == 1 || capturing;
-    if (cublas_safe &&
-        ops::cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, capturing, where, accumulate))
+    if (cublas_safe && ops::cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, rank.rank(), capturing, where,
+                                             accumulate))
       return;
-    if (!cublas_safe) ops::cublas_gemm_ready(where);  // for a later capture (the probe: creating never waits)
+    if (!cublas_safe) ops::cublas_gemm_ready(rank.rank(), where);  // for a later capture (creating never waits)
     GemmOptions o;
     o.store = accumulate ? GemmStore::kReduceAdd : GemmStore::kStore;
+    o.max_blocks = rank.sm_budget();
     gemm(a, b, out, m, n, k, layout, DType::kBF16, stream, o);
   }
-  // Grid of an LCSC op with `comm` communicator blocks: compute clusters fill the rest of the GPU.
+  // Clusters of an LCSC op's grid that the rank's SM budget allows: its share of what the GPU holds.
+  template <class Op>
+  int budget_clusters() const {
+    return static_cast<int>(int64_t(lcsc::Launcher<Op>::max_resident_clusters()) *
+                            std::min(rank.sm_budget(), rank.device_sms()) / rank.device_sms());
+  }
+  // Why an LCSC op with `comm` communicator blocks cannot run within the SM budget ("" when it can).
+  template <class Op>
+  std::string why_not_in_budget(int comm_blocks) const {
+    if (budget_clusters<Op>() - comm_blocks / Op::kClusterSize >= 1) return {};
+    return "rank " + std::to_string(rank.rank()) + "'s SM budget of " + std::to_string(rank.sm_budget()) +
+           " SMs leaves no SMs for the GEMM next to " + std::to_string(comm_blocks) +
+           " communicator blocks (Options::sm_budget, FusedOptions::comm_blocks)";
+  }
+  // Grid of an LCSC op with `comm` communicator blocks: compute clusters fill the rest of the budget.
   template <class Op>
   int compute_blocks(int comm_blocks, int units, const FusedOptions& o) const {
-    int clusters = lcsc::Launcher<Op>::max_resident_clusters() - comm_blocks / Op::kClusterSize;
+    int clusters = budget_clusters<Op>() - comm_blocks / Op::kClusterSize;
     if (o.max_compute_blocks > 0)
       clusters = std::min(clusters, std::max(1, o.max_compute_blocks / Op::kClusterSize));
-    WEFT_CHECK(clusters >= 1, where + "no SMs left for the GEMM next to " + std::to_string(comm_blocks) +
-                                  " communicator blocks");
+    const std::string why = why_not_in_budget<Op>(comm_blocks);
+    WEFT_CHECK(why.empty(), where + why);
     return std::min(clusters, units) * Op::kClusterSize;
   }
 };
@@ -135,13 +150,13 @@ struct PipeStreams {
   cudaEvent_t fork = nullptr, join = nullptr, gemm_done = nullptr, arrived = nullptr;
 };
 
-// Per GPU, created on the first pipelined call (not under capture), never destroyed (as the cuBLAS handles).
-// One pipelined call at a time per GPU.
-PipeStreams& pipe_streams(int device, bool capturing, const std::string& where) {
+// Per GPU and rank (virtual ranks share a GPU), created on the first pipelined call (not under capture),
+// never destroyed (as the cuBLAS handles). One pipelined call at a time per rank of a GPU.
+PipeStreams& pipe_streams(int device, int rank, bool capturing, const std::string& where) {
   static std::mutex mu;
-  static std::map<int, PipeStreams> all;
+  static std::map<std::pair<int, int>, PipeStreams> all;
   std::lock_guard<std::mutex> lock(mu);
-  if (auto it = all.find(device); it != all.end()) return it->second;
+  if (auto it = all.find({device, rank}); it != all.end()) return it->second;
   WEFT_CHECK(!capturing, where +
                              "the first pipelined call on a GPU creates its copy stream, which a CUDA graph "
                              "capture does not allow: make one call before capturing");
@@ -150,7 +165,7 @@ PipeStreams& pipe_streams(int device, bool capturing, const std::string& where) 
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking));
   for (cudaEvent_t* e : {&p.fork, &p.join, &p.gemm_done, &p.arrived})
     WEFT_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-  return all.emplace(device, p).first->second;
+  return all.emplace(std::pair{device, rank}, p).first->second;
 }
 
 struct Copy {  // bytes from src to dst, both on this GPU
@@ -167,7 +182,7 @@ class Pipeline {
         id_(id),
         me_(c.rank.rank()),
         claimed_(c.rank.world()),
-        s_(pipe_streams(c.rank.device(), c.capturing, c.where)) {
+        s_(pipe_streams(c.rank.device(), c.rank.rank(), c.capturing, c.where)) {
     WEFT_CUDA_CHECK(cudaEventRecord(s_.fork, c_.stream));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(s_.side, s_.fork));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(s_.waits, s_.fork));
@@ -345,6 +360,7 @@ void reduce_staged(Call& c, char* inbox, uint64_t slice, void* out, char* gather
   x.final_dst = gather ? static_cast<char*>(out) : nullptr;
   x.final_src = gather;
   const int blocks = ops::collective_blocks(c.rank, slice);
+  ops::check_grid_in_budget(c.rank, blocks, c.where);
   constexpr auto kernel = &coll::reduce_scatter_kernel<Elem::kBF16, Reduce::kSum, true>;
   detail::preload<kernel>();
   kernel<<<blocks, 512, 0, c.stream>>>(x);
@@ -374,12 +390,19 @@ void set_schedule(lcsc::SchedulerParams& s, int64_t m, int64_t n) {
   s.group_m = 16;
 }
 
+// all_gather_matmul's communicator blocks, an even count: as asked, else an eighth of the SM budget, at
+// most 16 (a whole H100 / H200's budget gives the 16 that the fused tables were measured with), at least 2.
+int ag_comm_blocks(const Rank& rank, const FusedOptions& o) {
+  if (o.comm_blocks > 0) return (o.comm_blocks + 1) / 2 * 2;
+  return std::clamp(rank.sm_budget() / 8, 2, 16) / 2 * 2;
+}
+
 template <bool kKMajor>
 void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m, int64_t n,
                int64_t k, int chunk_rows, int chunks, const FusedOptions& o) {
   using Op = ops::AgGemmOp<kKMajor, 1>;
   typename Op::Params p{};
-  const int W = c.rank.world(), comm_blocks = o.comm_blocks > 0 ? (o.comm_blocks + 1) / 2 * 2 : 16;
+  const int W = c.rank.world(), comm_blocks = ag_comm_blocks(c.rank, o);
   set_schedule<Op>(p.sched, m, n);
   set_gemm_maps<Op, kKMajor>(p, gathered, b, m, n, k, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m);
   // Local rows first: start at the band of tile rows holding this rank's shard; then rank + 1's (which
@@ -469,7 +492,7 @@ std::string rs_why_not(const Call& c, int64_t m) {
   if (c.rank.world() > ops::kFusedMaxWorld) return "world size above " + std::to_string(ops::kFusedMaxWorld);
   if (rows % 64 != 0) return "M / world size = " + std::to_string(rows) + " is not a multiple of 64";
   if (rows > INT32_MAX) return "M / world size above 2^31";
-  return {};
+  return c.why_not_in_budget<ops::RsGemmOp<true, 1>>(ops::RsGemmOp<true, 1>::kClusterSize);
 }
 
 }  // namespace
@@ -489,8 +512,9 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
                 chunks = (rows + chunk_rows - 1) / chunk_rows;
   const bool sym_gathered = gathered_a && comm.in_heap(rank, gathered_a, m * k * 2);
   const bool fits = W * chunks <= ops::kFusedFlags && chunk_rows <= INT32_MAX;
-  const FusedPath path =
-      c.path(o, m, fits ? std::string() : "more A chunks than flags", auto_path(true, m, n, k, W));
+  const std::string why_not =
+      fits ? c.why_not_in_budget<ops::AgGemmOp<true, 1>>(ag_comm_blocks(rank, o)) : "more A chunks than flags";
+  const FusedPath path = c.path(o, m, why_not, auto_path(true, m, n, k, W));
   if (path == FusedPath::kPipelined) {
     pipelined_ag(c, a_shard, b, out, gathered_a, m, n, k, layout);
     return path;

@@ -188,7 +188,8 @@ GemmPlan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
   // Auto is 1: the B multicast of cluster 2 measured 75-78% of cuBLAS at 8192^3 on H200 against 102% for
   // cluster 1 (weft-bench gemm, 2026-11-21); it stays selectable until its pipeline is fixed.
   const int cluster = opt.cluster ? opt.cluster : 1;
-  const int tile_n = cluster == 2 ? 256 : opt.tile_n ? opt.tile_n : auto_tile_n(pr.m, pr.n, dev.sms);
+  const int sms = opt.max_blocks > 0 ? std::min(opt.max_blocks, dev.sms) : dev.sms;  // the SMs it may use
+  const int tile_n = cluster == 2 ? 256 : opt.tile_n ? opt.tile_n : auto_tile_n(pr.m, pr.n, sms);
   if (pr.c_type == DType::kBF16)
     return nk ? run_config<__nv_bfloat16, true>(pr, cluster, tile_n, stream, launch)
               : run_config<__nv_bfloat16, false>(pr, cluster, tile_n, stream, launch);

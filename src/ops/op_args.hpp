@@ -33,15 +33,32 @@ inline uint64_t ll_slot_bytes(int world) {
 inline uint64_t ll_region_bytes(int world) {
   return 2ull * world * ll_slot_bytes(world);
 }
+// Blocks a one-shot call of `bytes` needs at least: every block's share must fit its part of a slot.
+inline int one_shot_min_blocks(int world, uint64_t bytes) {
+  const uint64_t words = (bytes + 3) / 4;
+  return static_cast<int>((words + ll_block_words(world) - 1) / ll_block_words(world));
+}
 
 // Blocks of a collective-style kernel (one barrier slot each) moving `bytes`: one per 32 KiB, since one SM
-// moves ~40 GB/s and even 1 MiB should spread wide, at most one per SM and per barrier slot.
+// moves ~40 GB/s and even 1 MiB should spread wide, at most one per SM of the rank's budget and per
+// barrier slot.
+inline int max_collective_blocks(const Rank& rank) {
+  return std::min(rank.sm_budget(), kCollectiveMaxBlocks);
+}
 inline int collective_blocks(const Rank& rank, uint64_t bytes) {
   constexpr uint64_t kBytesPerBlock = 32 << 10;
-  int sms = 0;
-  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, rank.device()));
   const uint64_t want = (bytes + kBytesPerBlock - 1) / kBytesPerBlock;
-  return static_cast<int>(std::clamp<uint64_t>(want, 1, std::min(sms, kCollectiveMaxBlocks)));
+  return static_cast<int>(std::clamp<uint64_t>(want, 1, max_collective_blocks(rank)));
+}
+
+// Refuses a grid of a kernel that waits for peers when its blocks could not all be resident next to the
+// other ranks' kernels on the GPU (one block per SM counted): it would wait for ever.
+inline void check_grid_in_budget(const Rank& rank, int blocks, const std::string& where) {
+  if (blocks > rank.sm_budget())
+    throw_error(where + "the kernel needs " + std::to_string(blocks) + " resident blocks but rank " +
+                std::to_string(rank.rank()) + "'s SM budget is " + std::to_string(rank.sm_budget()) +
+                " SMs (Options::sm_budget / WEFT_SM_BUDGET; with virtual ranks at most the GPU's SMs / ranks "
+                "per GPU)");
 }
 
 // Throws weft::Error (prefixed with `where`) unless p is a non-null, `align`-aligned pointer into the rank's
@@ -57,6 +74,10 @@ inline void check_device_buffer(const Communicator& comm, const Rank& rank, cons
                        "bytes"
                      : ""));
   if (comm.in_heap(rank, p, bytes)) return;
+  if (const std::string whose = comm.foreign_heap(rank, p); !whose.empty())
+    throw_error(where + name + " points into " + whose + ", not into rank " + std::to_string(rank.rank()) +
+                "'s own: pass each rank its own buffer (SymmetricBuffer::local[i], Rank::at(buffer, "
+                "rank.rank()))");
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, p) != cudaSuccess ||
       (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {

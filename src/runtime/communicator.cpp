@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <mutex>
 
 #include "driver.hpp"
@@ -27,6 +28,33 @@ std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds t) {
     return std::chrono::milliseconds(parse_int(*v, "WEFT_TIMEOUT_MS", 1, 86'400'000));
   return std::chrono::milliseconds(10000);
 }
+
+// Ranks per GPU of a single-process team: the option, else WEFT_RANKS_PER_GPU, else 1.
+int resolve_ranks_per_gpu(int v) {
+  WEFT_CHECK(v >= 0 && v <= kMaxWorld, "Options::ranks_per_gpu must be 0 (WEFT_RANKS_PER_GPU, else 1) or 1.." +
+                                           std::to_string(kMaxWorld) + ", got " + std::to_string(v));
+  if (v > 0) return v;
+  if (auto e = process_env()("WEFT_RANKS_PER_GPU")) return parse_int(*e, "WEFT_RANKS_PER_GPU", 1, kMaxWorld);
+  return 1;
+}
+
+// The SM budget asked for: the option, else WEFT_SM_BUDGET, else 0 (the GPU's share).
+int requested_sm_budget(int v) {
+  WEFT_CHECK(v >= 0, "Options::sm_budget must be 0 (WEFT_SM_BUDGET, else the GPU's SMs / ranks on it) or "
+                     "positive, got " +
+                         std::to_string(v));
+  if (v > 0) return v;
+  if (auto e = process_env()("WEFT_SM_BUDGET")) return parse_int(*e, "WEFT_SM_BUDGET", 1, 1 << 16);
+  return 0;
+}
+
+// Why one process per rank cannot share a GPU, and what to do instead.
+const char* kOneGpuPerProcess =
+    "one process per rank needs a GPU per rank: kernels of different processes take turns on a GPU (time "
+    "slices, without MPS) instead of running side by side, so a rank whose kernel waits for a peer on the "
+    "same GPU would stall the team. To run more ranks than GPUs, drive them from one process as virtual "
+    "ranks: run without a launcher and set WEFT_RANKS_PER_GPU=k (Options::ranks_per_gpu; weft-gpu-tests and "
+    "weft-bench take --ranks W)";
 
 uint64_t parse_bytes(const std::string& s, const char* what) {
   char* end = nullptr;
@@ -126,19 +154,29 @@ std::unique_ptr<Communicator> Communicator::create_single_process(Options opts) 
   WEFT_CUDA_CHECK(cudaGetDeviceCount(&n));
   if (devices.empty())
     for (int d = 0; d < n; ++d) devices.push_back(d);
-  WEFT_CHECK(static_cast<int>(devices.size()) <= kMaxWorld,
-             "at most " + std::to_string(kMaxWorld) + " ranks per team");
+  const int per_gpu = resolve_ranks_per_gpu(opts.ranks_per_gpu);
+  WEFT_CHECK(static_cast<int>(devices.size()) * per_gpu <= kMaxWorld,
+             "at most " + std::to_string(kMaxWorld) + " ranks per team (" + std::to_string(devices.size()) +
+                 " GPUs x " + std::to_string(per_gpu) + " ranks per GPU asked for)");
   for (size_t i = 0; i < devices.size(); ++i) {
     WEFT_CHECK(devices[i] >= 0 && devices[i] < n, "device " + std::to_string(devices[i]) +
                                                       " does not exist (" + std::to_string(n) + " visible)");
     for (size_t j = 0; j < i; ++j)
-      WEFT_CHECK(devices[i] != devices[j], "device " + std::to_string(devices[i]) + " listed twice");
+      WEFT_CHECK(devices[i] != devices[j],
+                 "device " + std::to_string(devices[i]) +
+                     " listed twice (to put several ranks on one GPU, set Options::ranks_per_gpu)");
   }
+  // Ranks g * per_gpu .. (g + 1) * per_gpu - 1 run on devices[g].
+  std::vector<int> rank_devices;
+  for (int d : devices)
+    for (int j = 0; j < per_gpu; ++j) rank_devices.push_back(d);
   std::unique_ptr<Communicator> c(new Communicator());
   c->timeout_ = resolve_timeout(opts.timeout);
-  c->world_ = static_cast<int>(devices.size());
+  c->world_ = static_cast<int>(rank_devices.size());
+  c->ranks_per_gpu_ = per_gpu;
+  c->per_rank_views_ = per_gpu > 1;
   try {
-    c->init_devices(devices, 0, c->world_);
+    c->init_devices(rank_devices, 0, c->world_, opts.sm_budget);
     c->check_peer_access_single_process();
     c->init_heap(opts.heap_bytes);
     c->init_signal_pads();
@@ -153,6 +191,10 @@ std::unique_ptr<Communicator> Communicator::create_from_launcher(const LaunchEnv
   WEFT_CHECK(env.local_world == env.world, "multi-node jobs are not supported yet (world size " +
                                                std::to_string(env.world) + ", " +
                                                std::to_string(env.local_world) + " ranks on this node)");
+  WEFT_CHECK(resolve_ranks_per_gpu(opts.ranks_per_gpu) == 1,
+             "virtual ranks (Options::ranks_per_gpu / WEFT_RANKS_PER_GPU above 1) are a single-process mode: "
+             "one process drives all of them. Under a launcher every process is one rank with a GPU of its "
+             "own");
   init_driver();
   int n = 0;
   WEFT_CUDA_CHECK(cudaGetDeviceCount(&n));
@@ -163,11 +205,13 @@ std::unique_ptr<Communicator> Communicator::create_from_launcher(const LaunchEnv
     dev = 0;  // the launcher gave each process its own CUDA_VISIBLE_DEVICES
   else
     throw_error("weft: local rank " + std::to_string(env.local_rank) + " has no GPU: only " +
-                std::to_string(n) + " visible for " + std::to_string(env.local_world) + " local ranks");
+                std::to_string(n) + " visible for " + std::to_string(env.local_world) + " local ranks; " +
+                kOneGpuPerProcess);
   std::unique_ptr<Communicator> c(new Communicator());
   c->timeout_ = resolve_timeout(opts.timeout);
   c->world_ = env.world;
   c->launcher_ = env.launcher;
+  c->per_rank_views_ = true;
   try {
     // The rendezvous may wait for slow starters longer than a device wait would.
     // Teams of one job are created in the same order on every rank; numbering them keeps a new team's
@@ -181,7 +225,7 @@ std::unique_ptr<Communicator> Communicator::create_from_launcher(const LaunchEnv
     c->channel_->set_on_peer_lost([self](const std::string&) {
       if (self->abort_flag_) *reinterpret_cast<volatile int32_t*>(self->abort_flag_) = 1;
     });
-    c->init_devices({dev}, env.rank, env.world);
+    c->init_devices({dev}, env.rank, env.world, opts.sm_budget);
     c->check_peer_access_multi_process();
     c->init_heap(opts.heap_bytes);
     c->init_signal_pads();
@@ -192,7 +236,7 @@ std::unique_ptr<Communicator> Communicator::create_from_launcher(const LaunchEnv
   return c;
 }
 
-void Communicator::init_devices(const std::vector<int>& devices, int first_rank, int world) {
+void Communicator::init_devices(const std::vector<int>& devices, int first_rank, int world, int sm_budget) {
   // The abort flag lives in host-mapped memory: the host raises it while kernels run.
   void* host = nullptr;
   WEFT_CUDA_CHECK(cudaSetDevice(devices[0]));
@@ -200,13 +244,34 @@ void Communicator::init_devices(const std::vector<int>& devices, int first_rank,
   std::memset(host, 0, 64);
   abort_flag_ = static_cast<int32_t*>(host);
 
+  std::map<int, int> ranks_on;  // ranks per device
+  for (int d : devices) ++ranks_on[d];
+  const int asked = requested_sm_budget(sm_budget);
+  int budget = INT32_MAX;
   for (size_t i = 0; i < devices.size(); ++i) {
-    check_device_capabilities(devices[i], channel_ != nullptr);
+    const int dev = devices[i];
+    // Peers map this rank's memory through exported handles between processes and with virtual ranks.
+    check_device_capabilities(dev, per_rank_views_);
     auto r = std::make_unique<Rank>();
-    r->device_ = devices[i];
-    WEFT_CUDA_CHECK(cudaSetDevice(devices[i]));
-    WEFT_CUDA_CHECK(cudaFree(nullptr));    // create the primary context now, not inside a timed region
-    detail::preload_registered_kernels();  // no lazy loading between launches of spinning kernels
+    r->device_ = dev;
+    WEFT_CUDA_CHECK(cudaSetDevice(dev));
+    WEFT_CUDA_CHECK(cudaFree(nullptr));  // create the primary context now, not inside a timed region
+    if (std::find(devices.begin(), devices.end(), dev) == devices.begin() + i)
+      detail::preload_registered_kernels();  // no lazy loading between launches of spinning kernels
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&r->device_sms_, cudaDevAttrMultiProcessorCount, dev));
+    // Every rank on this GPU may have a whole grid resident at once.
+    const int share = r->device_sms_ / ranks_on[dev];
+    WEFT_CHECK(share >= 1, device_name(dev) + " has " + std::to_string(r->device_sms_) + " SMs for " +
+                               std::to_string(ranks_on[dev]) + " ranks: at most one rank per SM");
+    if (asked > share)
+      throw_error("weft: an SM budget of " + std::to_string(asked) + " SMs per rank does not fit " +
+                  device_name(dev) + ": its " + std::to_string(r->device_sms_) + " SMs hold " +
+                  std::to_string(ranks_on[dev]) + " rank" + (ranks_on[dev] > 1 ? "s'" : "'s") +
+                  " kernels resident together only up to " + std::to_string(share) +
+                  " SMs each (a waiting block whose peer cannot be scheduled would wait for ever); ask for "
+                  "at most " +
+                  std::to_string(share) + " (Options::sm_budget, WEFT_SM_BUDGET)");
+    budget = std::min(budget, asked > 0 ? asked : share);
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&r->stream_, cudaStreamNonBlocking));
     r->view_.rank = first_rank + static_cast<int>(i);
     r->view_.world = world;
@@ -215,6 +280,11 @@ void Communicator::init_devices(const std::vector<int>& devices, int first_rank,
     r->view_.abort = abort_flag_;
     ranks_.push_back(std::move(r));
   }
+  // One budget for the team: block b of every rank meets its counterparts, so grids must match.
+  if (channel_)
+    for (const std::string& s : channel_->allgather(std::to_string(budget)).data)
+      budget = std::min(budget, std::stoi(s));
+  for (auto& r : ranks_) r->sm_budget_ = budget;
 }
 
 void Communicator::check_peer_access_single_process() const {
@@ -240,7 +310,7 @@ void Communicator::check_peer_access_multi_process() {
     if (g.data[r] == bus)
       throw_error("weft: ranks " + std::to_string(std::min(r, ranks_[0]->rank())) + " and " +
                   std::to_string(std::max(r, ranks_[0]->rank())) + " both use GPU " + bus +
-                  " (check LOCAL_RANK and CUDA_VISIBLE_DEVICES)");
+                  " (check LOCAL_RANK and CUDA_VISIBLE_DEVICES): " + kOneGpuPerProcess);
     int other = -1;
     if (cudaDeviceGetByPCIBusId(&other, g.data[r].c_str()) != cudaSuccess) {
       cudaGetLastError();
@@ -271,7 +341,9 @@ void Communicator::init_heap(uint64_t heap_bytes) {
     WEFT_CUDA_CHECK(cudaSetDevice(ranks_[0]->device_));
     size_t free_b = 0;
     WEFT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total));
-    heap_bytes = total;  // virtual span only: physical memory is committed per allocation
+    // Virtual span only (physical memory is committed per allocation): the GPU's memory, shared by the
+    // ranks on it.
+    heap_bytes = total / ranks_per_gpu_;
   }
   if (mp) {  // every rank must use the same span and granularity
     auto g = channel_->allgather(as_bytes(OffsetSize{heap_bytes, gran}));
@@ -285,26 +357,25 @@ void Communicator::init_heap(uint64_t heap_bytes) {
   capacity_ = (heap_bytes + gran - 1) / gran * gran;
   allocator_ = std::make_unique<HeapAllocator>(capacity_, granularity_);
 
-  std::vector<char*> bases(world_);
-  if (!mp) {
-    for (int r = 0; r < world_; ++r) {
-      CUdeviceptr va = 0;
-      WEFT_CU_CHECK(driver().cuMemAddressReserve(&va, capacity_, granularity_, 0, 0));
-      reservations_.push_back(va);
-      reservation_sizes_.push_back(capacity_);
-      bases[r] = reinterpret_cast<char*>(va);
-    }
-  } else {
+  auto reserve = [&](uint64_t bytes) {
     CUdeviceptr va = 0;
-    WEFT_CU_CHECK(driver().cuMemAddressReserve(&va, capacity_ * world_, granularity_, 0, 0));
+    WEFT_CU_CHECK(driver().cuMemAddressReserve(&va, bytes, granularity_, 0, 0));
     reservations_.push_back(va);
-    reservation_sizes_.push_back(capacity_ * world_);
-    for (int r = 0; r < world_; ++r) bases[r] = reinterpret_cast<char*>(va) + capacity_ * r;
+    reservation_sizes_.push_back(bytes);
+    return reinterpret_cast<char*>(va);
+  };
+  if (per_rank_views_) {  // each rank: one span holding every rank's heap, rank p's at p * capacity
+    for (auto& r : ranks_) {
+      char* va = reserve(capacity_ * world_);
+      r->heap_of_.resize(world_);
+      for (int p = 0; p < world_; ++p) r->heap_of_[p] = va + capacity_ * p;
+    }
+  } else {  // one address space, every rank sees each heap at its owner's address
+    std::vector<char*> bases(world_);
+    for (int p = 0; p < world_; ++p) bases[p] = reserve(capacity_);
+    for (auto& r : ranks_) r->heap_of_ = bases;
   }
-  for (auto& r : ranks_) {
-    r->heap_of_ = bases;  // single-process: one address space, every rank sees the same bases
-    r->view_.local_base = bases[r->rank()];
-  }
+  for (auto& r : ranks_) r->view_.local_base = r->heap_of_[r->rank()];
 }
 
 void Communicator::map_range(char* va, uint64_t bytes, CUmemGenericAllocationHandle h,
@@ -375,58 +446,10 @@ SymmetricBuffer Communicator::alloc(uint64_t bytes) {
                       " (alloc/free must be called by every rank, in the same order, with the same sizes)");
       }
     }
-    std::vector<int> all_devices;
-    for (auto& r : ranks_) all_devices.push_back(r->device_);
-    for (auto& r : ranks_) {
-      CUmemAllocationProp p = allocation_prop(r->device_, mp);
-      CUmemGenericAllocationHandle h;
-      CUresult res = driver().cuMemCreate(&h, size, &p, 0);
-      if (res == CUDA_ERROR_OUT_OF_MEMORY)
-        throw_error("weft: out of GPU memory allocating a " + std::to_string(size >> 20) +
-                    " MiB symmetric buffer on " + device_name(r->device_));
-      WEFT_CU_CHECK(res);
-      char* mine = r->heap_of_[r->rank()] + off;
-      int fd = -1;
-      try {
-        map_range(mine, size, h, mp ? std::vector<int>{r->device_} : all_devices);
-        mapped.emplace_back(mine, size);
-        if (mp)
-          WEFT_CU_CHECK(
-              driver().cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
-      } catch (...) {
-        driver().cuMemRelease(h);
-        throw;
-      }
-      driver().cuMemRelease(h);  // the mapping keeps the memory alive
-      if (!mp) continue;
-      auto g = channel_->allgather({}, fd);
-      ::close(fd);
-      for (int p = 0; p < world_; ++p) {
-        if (p == r->rank()) continue;
-        if (g.fds[p] < 0) {
-          for (int& x : g.fds)
-            if (x >= 0) ::close(x);
-          throw_error("weft: rank " + std::to_string(p) + " sent no memory handle");
-        }
-        CUmemGenericAllocationHandle ph;
-        CUresult ires = driver().cuMemImportFromShareableHandle(
-            &ph, reinterpret_cast<void*>(static_cast<intptr_t>(g.fds[p])),
-            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-        ::close(g.fds[p]);
-        g.fds[p] = -1;
-        WEFT_CU_CHECK(ires);
-        try {
-          map_range(r->heap_of_[p] + off, size, ph, {r->device_});
-          mapped.emplace_back(r->heap_of_[p] + off, size);
-        } catch (...) {
-          driver().cuMemRelease(ph);
-          for (int& x : g.fds)
-            if (x >= 0) ::close(x);
-          throw;
-        }
-        driver().cuMemRelease(ph);
-      }
-    }
+    if (per_rank_views_)
+      map_everywhere(off, size, mapped);
+    else
+      map_shared(off, size, mapped);
   } catch (...) {
     undo();
     throw;
@@ -434,6 +457,104 @@ SymmetricBuffer Communicator::alloc(uint64_t bytes) {
   for (auto& r : ranks_) buf.local.push_back(r->heap_of_[r->rank()] + off);
   live_.push_back(buf);
   return buf;
+}
+
+// Single-process, one rank per GPU: each rank's memory mapped once, at its owner's address, open to every
+// local GPU.
+void Communicator::map_shared(uint64_t off, uint64_t size, std::vector<std::pair<char*, uint64_t>>& mapped) {
+  std::vector<int> all_devices;
+  for (auto& r : ranks_) all_devices.push_back(r->device_);
+  for (auto& r : ranks_) {
+    CUmemGenericAllocationHandle h = create_physical(r->device_, size, false);
+    char* mine = r->heap_of_[r->rank()] + off;
+    try {
+      map_range(mine, size, h, all_devices);
+    } catch (...) {
+      driver().cuMemRelease(h);
+      throw;
+    }
+    driver().cuMemRelease(h);  // the mapping keeps the memory alive
+    mapped.emplace_back(mine, size);
+  }
+}
+
+// Per-rank views (between processes, and virtual ranks): each rank maps its own memory, exports it as a
+// POSIX file descriptor, and every rank maps every peer's memory at its own view of that peer's heap from the
+// imported handle. Between processes the descriptors travel over the channel; virtual ranks import their
+// local peers' descriptors in this process, so the same mapping path runs.
+void Communicator::map_everywhere(uint64_t off, uint64_t size,
+                                  std::vector<std::pair<char*, uint64_t>>& mapped) {
+  std::vector<int> fds(world_, -1);
+  struct CloseAll {
+    std::vector<int>& fds;
+    ~CloseAll() {
+      for (int& x : fds)
+        if (x >= 0) ::close(x), x = -1;
+    }
+  } close_all{fds};
+  for (auto& r : ranks_) {
+    CUmemGenericAllocationHandle h = create_physical(r->device_, size, true);
+    char* mine = r->heap_of_[r->rank()] + off;
+    int fd = -1;
+    try {
+      map_range(mine, size, h, {r->device_});
+      mapped.emplace_back(mine, size);
+      WEFT_CU_CHECK(
+          driver().cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    } catch (...) {
+      driver().cuMemRelease(h);
+      throw;
+    }
+    driver().cuMemRelease(h);  // the mapping keeps the memory alive
+    fds[r->rank()] = fd;
+  }
+  if (channel_) {  // one local rank: trade descriptors with the other processes
+    const int me = ranks_[0]->rank();
+    auto g = channel_->allgather({}, fds[me]);
+    ::close(fds[me]);
+    fds = std::move(g.fds);
+    fds[me] = -1;
+  }
+  for (auto& r : ranks_)
+    for (int p = 0; p < world_; ++p) {
+      if (p == r->rank()) continue;
+      if (fds[p] < 0) throw_error("weft: rank " + std::to_string(p) + " sent no memory handle");
+      CUmemGenericAllocationHandle ph;
+      WEFT_CU_CHECK(driver().cuMemImportFromShareableHandle(
+          &ph, reinterpret_cast<void*>(static_cast<intptr_t>(fds[p])), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+      try {
+        map_range(r->heap_of_[p] + off, size, ph, {r->device_});
+      } catch (...) {
+        driver().cuMemRelease(ph);
+        throw;
+      }
+      driver().cuMemRelease(ph);
+      mapped.emplace_back(r->heap_of_[p] + off, size);
+    }
+}
+
+CUmemGenericAllocationHandle Communicator::create_physical(int device, uint64_t size, bool exportable) {
+  CUmemAllocationProp p = allocation_prop(device, exportable);
+  CUmemGenericAllocationHandle h;
+  CUresult res = driver().cuMemCreate(&h, size, &p, 0);
+  if (res == CUDA_ERROR_OUT_OF_MEMORY)
+    throw_error("weft: out of GPU memory allocating a " + std::to_string(size >> 20) +
+                " MiB symmetric buffer on " + device_name(device));
+  WEFT_CU_CHECK(res);
+  return h;
+}
+
+std::string Communicator::foreign_heap(const Rank& rank, const void* p) const {
+  const char* c = static_cast<const char*>(p);
+  for (auto& q : ranks_)
+    for (int owner = 0; owner < world_; ++owner) {
+      const char* base = q->heap_of_[owner];
+      if (c < base || c >= base + capacity_ || (q.get() == &rank && owner == rank.rank())) continue;
+      std::string s = "rank " + std::to_string(owner) + "'s symmetric heap";
+      if (per_rank_views_) s += ", as mapped by rank " + std::to_string(q->rank());
+      return s;
+    }
+  return {};
 }
 
 void Communicator::free(SymmetricBuffer& buf) {
@@ -447,10 +568,9 @@ void Communicator::free(SymmetricBuffer& buf) {
     cudaDeviceSynchronize();  // no kernel of ours may still touch it
   }
   std::vector<char*> vas;
-  if (channel_)
-    for (int p = 0; p < world_; ++p) vas.push_back(ranks_[0]->heap_of_[p] + buf.offset);
-  else
-    for (auto& r : ranks_) vas.push_back(r->heap_of_[r->rank()] + buf.offset);
+  for (auto& r : ranks_)
+    for (int p = 0; p < world_; ++p)
+      if (per_rank_views_ || p == r->rank()) vas.push_back(r->heap_of_[p] + buf.offset);
   for (char* va : vas) {
     WEFT_CU_CHECK(driver().cuMemUnmap(reinterpret_cast<CUdeviceptr>(va), buf.bytes));
     --live_maps_;

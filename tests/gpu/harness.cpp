@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <thread>
 
 namespace weft::test {
@@ -24,6 +25,10 @@ Communicator& TestContext::comm() {
 std::unique_ptr<Communicator> TestContext::make_comm(std::chrono::milliseconds timeout) {
   Options o = options;
   o.timeout = timeout;
+  return make_comm_with(o);
+}
+
+std::unique_ptr<Communicator> TestContext::make_comm_with(Options o) {
   return multi_process ? Communicator::create_from_launcher(*o.env, o)
                        : Communicator::create_single_process(o);
 }
@@ -97,13 +102,28 @@ int main(int argc, char** argv) {
   using namespace weft::test;
   TestContext ctx;
   std::string filter;
-  int gpus = 0;
+  int gpus = 0, ranks = 0;
+  bool team_only = false;  // leave out the one-GPU tests (they run in the plain one-GPU step)
+  auto count_arg = [&](int& i, const char* name) {
+    const int v = i + 1 < argc ? std::atoi(argv[++i]) : 0;
+    if (v < 1) {
+      std::fprintf(stderr, "weft-gpu-tests: %s takes a positive integer\n", name);
+      std::exit(2);
+    }
+    return v;
+  };
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--filter" && i + 1 < argc)
       filter = argv[++i];
-    else if (a == "--gpus" && i + 1 < argc)
-      gpus = std::atoi(argv[++i]);
+    else if (a == "--gpus")
+      gpus = count_arg(i, "--gpus");
+    else if (a == "--ranks")
+      ranks = count_arg(i, "--ranks");
+    else if (a == "--sm-budget")
+      ctx.options.sm_budget = count_arg(i, "--sm-budget");
+    else if (a == "--team-only")
+      team_only = true;
     else if (a == "--quick")
       ctx.quick = true;
     else if (a == "--list") {
@@ -111,9 +131,12 @@ int main(int argc, char** argv) {
       return 0;
     } else {
       std::fprintf(stderr,
-                   "usage: weft-gpu-tests [--gpus N] [--filter a,b,-c] [--quick] [--list]\n"
-                   "  single-process over N GPUs by default; one rank per process under "
-                   "weft-launch/torchrun/mpirun\n"
+                   "usage: weft-gpu-tests [--gpus G] [--ranks W] [--sm-budget B] [--filter a,b,-c] [--quick] "
+                   "[--list]\n"
+                   "  single-process over G GPUs (default: all) with one rank each; --ranks W: a team of W\n"
+                   "  virtual ranks over G GPUs (default G: the largest that divides W), W / G per GPU;\n"
+                   "  --sm-budget B: SMs per rank (Options::sm_budget); --team-only: only tests of 2+ ranks.\n"
+                   "  One rank per process under weft-launch/torchrun/mpirun.\n"
                    "  WEFT_TEST_TIMEOUT_S=n: exit (124) when one test runs longer (default 300, 0: never)\n");
       return 2;
     }
@@ -149,32 +172,48 @@ int main(int argc, char** argv) {
     ctx.options.env = env;
     prefix = "[rank " + std::to_string(env->rank) + "] ";
   } else {
-    ctx.world = gpus > 0 ? gpus : ndev;
-    if (ctx.world > ndev) {
-      std::printf("SKIPPED: weft-gpu-tests: %d GPUs requested, %d visible\n", ctx.world, ndev);
+    if (ranks > 0 && gpus == 0) gpus = std::gcd(ranks, ndev);
+    if (gpus == 0) gpus = ndev;
+    if (gpus > ndev) {
+      std::printf("SKIPPED: weft-gpu-tests: %d GPUs requested, %d visible\n", gpus, ndev);
       return 77;
     }
-    for (int d = 0; d < ctx.world; ++d) ctx.options.devices.push_back(d);
+    if (ranks == 0) ranks = gpus;
+    if (ranks % gpus != 0) {
+      std::fprintf(stderr, "weft-gpu-tests: --ranks %d is not a multiple of --gpus %d\n", ranks, gpus);
+      return 2;
+    }
+    ctx.world = ranks;
+    ctx.gpus = gpus;
+    ctx.options.ranks_per_gpu = ranks / gpus;
+    for (int d = 0; d < gpus; ++d) ctx.options.devices.push_back(d);
   }
   bool any_runnable = false;
-  for (auto& t : registry()) any_runnable |= matches(t.name, filter) && t.min_world <= ctx.world;
+  auto selected = [&](const TestCase& t) { return matches(t.name, filter) && !(team_only && t.min_world < 2); };
+  for (auto& t : registry()) any_runnable |= selected(t) && t.min_world <= ctx.world;
   if (!any_runnable) {
-    std::printf("SKIPPED: weft-gpu-tests: no selected test runs at world size %d (team tests need 2 GPUs)\n",
-                ctx.world);
+    std::printf(
+        "SKIPPED: weft-gpu-tests: no selected test runs at world size %d (team tests need 2 ranks: 2 GPUs, "
+        "or --ranks 2 for virtual ranks on one)\n",
+        ctx.world);
     return 77;
   }
-  std::printf("%sweft-gpu-tests: %s, world size %d%s\n", prefix.c_str(),
-              env ? weft::launcher_name(env->launcher) : "single-process", ctx.world,
+  std::string mode = env ? weft::launcher_name(env->launcher) : "single-process";
+  if (!env && ctx.options.ranks_per_gpu > 1)
+    mode += ", virtual ranks: " + std::to_string(ctx.options.ranks_per_gpu) + " per GPU on " +
+            std::to_string(ctx.gpus) + " GPU" + (ctx.gpus > 1 ? "s" : "");
+  if (ctx.options.sm_budget > 0) mode += ", SM budget " + std::to_string(ctx.options.sm_budget);
+  std::printf("%sweft-gpu-tests: %s, world size %d%s\n", prefix.c_str(), mode.c_str(), ctx.world,
               ctx.quick ? " (quick)" : "");
 
   int passed = 0, failed = 0, skipped = 0;
   static Watchdog watchdog(prefix);  // static: its detached thread may outlive main's frame
   for (auto& t : registry()) {
-    if (!matches(t.name, filter)) continue;
+    if (!selected(t)) continue;
     if (t.min_world > ctx.world) {
       ++skipped;
-      std::printf("%s[  SKIPPED ] %s: needs %d GPUs, world size is %d\n", prefix.c_str(), t.name, t.min_world,
-                  ctx.world);
+      std::printf("%s[  SKIPPED ] %s: needs %d ranks, world size is %d\n", prefix.c_str(), t.name,
+                  t.min_world, ctx.world);
       continue;
     }
     std::printf("%s[ RUN      ] %s\n", prefix.c_str(), t.name);

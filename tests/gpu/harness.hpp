@@ -22,10 +22,13 @@ struct TestContext {
   bool multi_process = false;
   int process_rank = 0;  // 0 in single-process mode
   int world = 0;         // team size the tests run at
+  int gpus = 1;          // single-process: GPUs the team spans (world / options.ranks_per_gpu)
   bool quick = false;    // --quick: fewer rounds (for compute-sanitizer runs)
   // The shared communicator for tests that don't need their own.
   Communicator& comm();
   std::unique_ptr<Communicator> make_comm(std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  // A communicator of this mode with other options (o.env and o.devices as in `options`).
+  std::unique_ptr<Communicator> make_comm_with(Options o);
   std::unique_ptr<Communicator> shared;
 };
 

@@ -2,8 +2,9 @@
 # The whole GPU suite in one command (run it on a GPU machine from anywhere):
 #   tests/gpu/run.sh            builds into ./build if needed, then runs everything below
 # At 2 and 4 GPUs (as many as the machine has): weft-gpu-tests single-process and one process per rank
-# (weft-launch), the rank-death test, the Python package under torchrun, and compute-sanitizer memcheck /
-# racecheck / synccheck on small cases. On one GPU: the one-GPU tests, Python on a team of one, sanitizers.
+# (weft-launch), the rank-death test. On any machine: virtual ranks (teams of W = 2, 3, 4 and 8 on one GPU),
+# the team under a small SM budget, the refusal of processes sharing a GPU; the Python package under torchrun
+# (a team of one on a single GPU), and compute-sanitizer memcheck / racecheck / synccheck on small cases.
 # Logs go to $WEFT_LOG_DIR (default: build/gpu-logs). Exit 0 only if every step passed.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -41,27 +42,38 @@ step() {  # step NAME LOGFILE CMD...
   fi
 }
 
-# Team sizes: 2 and 4 (as many as the machine has); a single-GPU machine runs the one-GPU tests (GEMM, host
-# calls, teams of one) and the Python package on a team of one, and says that the team tests did not run.
-if [ "$ngpu" -lt 2 ]; then
-  sizes=1
-  echo "=== one GPU: the team tests (2 GPUs and more) do not run here"
-else
-  sizes="2 4"
-fi
-for n in $sizes; do
-  [ "$n" -le "$ngpu" ] || continue
-  step "single-process, $n GPUs" "single_$n" "$tests" --gpus "$n"
-  [ "$n" -ge 2 ] && step "multi-process, $n ranks" "multi_$n" "$launch" -n "$n" "$tests"
-done
-[ "$ngpu" -ge 2 ] &&
+# Real teams: 2 and 4 GPUs (as many as the machine has), single-process and one process per GPU.
+if [ "$ngpu" -ge 2 ]; then
+  for n in 2 4; do
+    [ "$n" -le "$ngpu" ] || continue
+    step "single-process, $n GPUs" "single_$n" "$tests" --gpus "$n"
+    step "multi-process, $n ranks" "multi_$n" "$launch" -n "$n" "$tests"
+  done
   step "rank death, 2 ranks (one exits mid-wait)" "rank_death" env WEFT_TEST_RANK_DEATH=1 "$launch" -n 2 "$tests" --filter rank_death
+else
+  step "single-process, 1 GPU (one-GPU tests)" "single_1" "$tests" --gpus 1
+fi
+# Virtual ranks: teams of W ranks on one GPU (every protocol, on any machine with a GPU; not a substitute for
+# real GPUs: one L2 hides a missing system-scope fence). The one-GPU tests ran above.
+for w in 2 3 4; do
+  step "virtual ranks, W = $w on 1 GPU" "virtual_$w" "$tests" --gpus 1 --ranks "$w" --team-only
+done
+step "virtual ranks, W = 8 on 1 GPU (runtime, primitives, collectives)" "virtual_8" \
+  "$tests" --gpus 1 --ranks 8 --team-only --filter -matmul,-fused
+# An SM budget of a few SMs per rank: the collectives and fused ops still right (grids sized from it).
+step "virtual ranks, W = 2, SM budget 4" "budget_4" "$tests" --gpus 1 --ranks 2 --sm-budget 4 --team-only \
+  --filter all_reduce,all_gather,reduce_scatter,all_to_all,collective,matmul,fused,budget
+# One process per rank on a shared GPU is refused at creation with the reason and what to do instead.
+step "one process per rank on one GPU: refused" "shared_gpu" bash -c \
+  "! CUDA_VISIBLE_DEVICES=0 '$launch' -n 2 '$tests' --filter team_layout && \
+   grep -q 'one process per rank needs a GPU per rank' '$logs/shared_gpu.log'"
 # The Python package under torchrun, against torch.distributed (when torch and the module are there).
 if python3 -c "import torch" 2>/dev/null; then
   cmake --build "$build" -j "$(nproc)" --target _weft >/dev/null 2>&1 || true
   if ls "$build"/python/weft/_weft*.so >/dev/null 2>&1; then
-    for n in $sizes; do
+    for n in 1 2 4; do
       [ "$n" -le "$ngpu" ] || continue
+      [ "$n" -eq 1 ] && [ "$ngpu" -ge 2 ] && continue
       step "python (torchrun), $n processes" "python_$n" env PYTHONPATH="$build/python" \
         python3 -m torch.distributed.run --nproc_per_node="$n" "$root/python/tests/gpu_ops.py"
     done
@@ -79,11 +91,17 @@ for tool in memcheck racecheck synccheck; do
   skip=-create_destroy,-rank_death,-host_calls
   [ "$tool" = racecheck ] && skip=$skip,-gemm,-fused_rs_ar_large,-fused_ops_on_a_team_of_one
   # Sanitized kernels run many times slower: a 300 s device and host-collective timeout instead of 10 / 30 s,
-  # and 850 s per test (weft-gpu-tests' watchdog) instead of 300.
-  ranks=$((ngpu < 2 ? 1 : 2))
-  step "compute-sanitizer $tool, $ranks rank(s)" "sanitizer_$tool" env WEFT_TIMEOUT_MS=300000 \
-    WEFT_TEST_TIMEOUT_S=850 "$launch" -n "$ranks" \
-    compute-sanitizer --tool "$tool" --error-exitcode 9 "$tests" --quick --filter "$skip"
+  # and 850 s per test (weft-gpu-tests' watchdog) instead of 300. Two ranks: one process per GPU where there
+  # are two GPUs, else two virtual ranks on one.
+  if [ "$ngpu" -ge 2 ]; then
+    run=("$launch" -n 2 compute-sanitizer --tool "$tool" --error-exitcode 9 "$tests" --quick --filter "$skip")
+    what="2 ranks"
+  else
+    run=(compute-sanitizer --tool "$tool" --error-exitcode 9 "$tests" --gpus 1 --ranks 2 --quick --filter "$skip")
+    what="2 virtual ranks on 1 GPU"
+  fi
+  step "compute-sanitizer $tool, $what" "sanitizer_$tool" env WEFT_TIMEOUT_MS=300000 WEFT_TEST_TIMEOUT_S=850 \
+    "${run[@]}"
 done
 
 echo

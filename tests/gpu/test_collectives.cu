@@ -11,6 +11,7 @@
 #include <random>
 
 #include "harness.hpp"
+#include "ops/op_args.hpp"  // one_shot_min_blocks: what a forced one-shot needs of the SM budget
 #include "weft/ops/collectives.hpp"
 
 using namespace weft;
@@ -101,6 +102,19 @@ void all_reduce_case(TestContext& ctx, DType t, size_t count, ReduceOp op, bool 
   const int W = c.world();
   const uint64_t bytes = count * dtype_size(t);
   RankBuffers in(c, bytes, sym), out(c, bytes, sym);
+  // A small SM budget (--sm-budget) cannot hold a forced one-shot's blocks: refused before any launch.
+  if (algo == AllReduceAlgo::kOneShot && ops::one_shot_min_blocks(W, bytes) > c.local(0).sm_budget()) {
+    for_each_local(c, [&](Rank& r, int i) {
+      std::string msg;
+      try {
+        all_reduce(c, r, in.ptr[i], out.ptr[i], count, t, op, nullptr, algo);
+      } catch (const Error& e) {
+        msg = e.what();
+      }
+      WEFT_EXPECT(msg.find("SM budget") != std::string::npos, "forced one-shot: got '" << msg << "'");
+    });
+    return;
+  }
   std::vector<double> ref(count);
   for (int r = 0; r < W; ++r) {
     auto x = make_input(t, count, r, seed);

@@ -262,7 +262,7 @@ WEFT_GPU_TEST_ONE_GPU(host_calls_return_while_gpu_waits) {
   if (ctx.multi_process) {
     devices.push_back(ctx.comm().local(0).device());
   } else {
-    for (int d = 0; d < std::min(ctx.world, 2); ++d) devices.push_back(d);
+    for (int d = 0; d < std::min(ctx.gpus, 2); ++d) devices.push_back(d);
   }
   std::vector<std::unique_ptr<GpuSide>> gpus;
   for (int d : devices) gpus.push_back(std::make_unique<GpuSide>(d));

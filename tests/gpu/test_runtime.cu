@@ -162,7 +162,22 @@ WEFT_GPU_TEST(team_layout) {
                                sizeof(uint64_t) * c.world(), cudaMemcpyDeviceToHost));
     for (int p = 0; p < c.world(); ++p)
       WEFT_EXPECT(table[p] == reinterpret_cast<uint64_t>(r.heap_of(p)), "peer table entry " << p);
+    WEFT_EXPECT(r.sm_budget() == c.local(0).sm_budget() && r.sm_budget() >= 1 &&
+                    r.sm_budget() * c.ranks_per_gpu() <= r.device_sms(),
+                "rank " << r.rank() << ": SM budget " << r.sm_budget() << " of " << r.device_sms() << " SMs, "
+                        << c.ranks_per_gpu() << " ranks per GPU");
   });
+  // Virtual ranks map every heap at addresses of their own (the mapping path of separate processes); one
+  // rank per GPU in one process shares its owner's address.
+  for (int i = 0; i < c.num_local(); ++i)
+    for (int j = 0; j < i; ++j)
+      for (int p = 0; p < c.world(); ++p) {
+        const bool same = c.local(i).heap_of(p) == c.local(j).heap_of(p);
+        WEFT_EXPECT(same == (c.ranks_per_gpu() == 1), "rank " << c.local(i).rank() << " and rank "
+                                                              << c.local(j).rank() << " see rank " << p
+                                                              << "'s heap at " << (same ? "one" : "two")
+                                                              << " address(es)");
+      }
 }
 
 WEFT_GPU_TEST(symmetric_alloc_same_offsets_and_reuse) {
@@ -210,7 +225,9 @@ WEFT_GPU_TEST(peer_writes_visible_after_block_barrier) {
 }
 
 WEFT_GPU_TEST(peer_writes_visible_after_grid_barrier) {
-  check_exchange<Meet::kGridBarrier>(ctx, 256 * 1024, ctx.quick ? 10 : 300, 16, 256, 1);
+  // Every block of the grid meets: all must be resident, within the SM budget.
+  const int blocks = std::min(16, ctx.comm().local(0).sm_budget());
+  check_exchange<Meet::kGridBarrier>(ctx, 256 * 1024, ctx.quick ? 10 : 300, blocks, 256, 1);
 }
 
 WEFT_GPU_TEST(peer_writes_visible_after_hoisted_release_signals) {

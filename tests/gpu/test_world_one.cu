@@ -43,6 +43,7 @@ std::unique_ptr<Communicator> one_rank_team(TestContext& ctx) {
   }
   Options o = ctx.options;
   o.devices = {ctx.options.devices.empty() ? 0 : ctx.options.devices[0]};
+  o.ranks_per_gpu = 1;
   return Communicator::create_single_process(o);
 }
 

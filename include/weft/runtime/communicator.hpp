@@ -1,8 +1,13 @@
-// The host runtime: a team of ranks (one GPU each), their symmetric heaps, and device error reporting.
+// The host runtime: a team of ranks, their symmetric heaps, and device error reporting.
 //
 // Two ways to make one:
 //   single-process   one process drives every chosen GPU (default: all visible). Kernels synchronize through
 //                    device flags, so one host thread may launch a collective on each device in turn.
+//                    With ranks_per_gpu = k > 1 each GPU hosts k "virtual ranks" (a team of k x GPUs ranks,
+//                    e.g. 4 ranks on one GPU): each has its own heap, signal pad, workspace and stream, and
+//                    maps its peers' memory through exported handles as processes do, so every multi-rank
+//                    protocol runs on a single GPU. They share one L2 and one memory, so a missing
+//                    system-scope fence can pass there that fails between GPUs.
 //   one per process  torchrun / mpirun / weft-launch start one process per GPU; the processes meet through
 //                    a Unix-socket rendezvous (weft/runtime/channel.hpp) and exchange CUDA VMM handles.
 // Communicator::create() picks the mode from the environment.
@@ -10,6 +15,12 @@
 // Symmetric heap: each rank reserves the same virtual span; every collective alloc() lands at the same
 // offset on every rank and is mapped into every rank's address space, so a kernel reaches a peer's copy at
 // peer_base[r] + offset (TeamView::peer_ptr).
+//
+// SM budget: the SMs that one rank's kernels may occupy at once. Every kernel of weft that waits for peers
+// (or is persistent) sizes its grid from it, so that the blocks of every rank sharing a GPU are resident
+// together (a spinning block whose peer cannot be scheduled waits for ever). Default: the GPU's SMs divided by
+// the ranks on it; on real GPUs a smaller budget leaves SMs to concurrent work (NCCL's max CTAs, DeepEP's
+// num_sms). The same on every rank of a team (the smallest asked for).
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -19,6 +30,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "weft/runtime/env.hpp"
@@ -36,6 +48,8 @@ inline constexpr int kCollectiveMaxBlocks = kBarrierSlots - kCollectiveSlotBase;
 
 struct Options {
   std::vector<int> devices;              // single-process: CUDA device ordinals (default: all visible)
+  int ranks_per_gpu = 0;                 // single-process: ranks on each device (0: WEFT_RANKS_PER_GPU, else 1)
+  int sm_budget = 0;                     // SMs per rank (0: WEFT_SM_BUDGET, else SMs / ranks on the GPU)
   uint64_t heap_bytes = 0;               // virtual span per rank (0: WEFT_HEAP_BYTES, else the GPU's memory)
   std::chrono::milliseconds timeout{0};  // device waits and host collectives (0: WEFT_TIMEOUT_MS, else 10 s)
   std::optional<LaunchEnv> env;          // one-per-process: overrides the process environment (tests)
@@ -55,6 +69,11 @@ class Rank {
   int world() const { return view_.world; }
   int device() const { return device_; }
   cudaStream_t stream() const { return stream_; }
+  // SMs this rank's kernels may occupy at once (the grid of a kernel that waits for peers); the same on
+  // every rank of the team.
+  int sm_budget() const { return sm_budget_; }
+  // The multiprocessors of this rank's GPU.
+  int device_sms() const { return device_sms_; }
   // The device view to pass to kernels.
   const TeamView& view() const { return view_; }
   // Rank r's heap as mapped in this rank's address space.
@@ -72,6 +91,7 @@ class Rank {
  private:
   friend class Communicator;
   int device_ = -1;
+  int sm_budget_ = 0, device_sms_ = 0;
   cudaStream_t stream_ = nullptr;
   TeamView view_{};
   std::vector<char*> heap_of_;
@@ -89,6 +109,8 @@ class Communicator {
 
   int world() const { return world_; }
   bool is_single_process() const { return channel_ == nullptr; }
+  // Ranks sharing each GPU (single-process virtual ranks; 1 otherwise).
+  int ranks_per_gpu() const { return ranks_per_gpu_; }
   Launcher launcher() const { return launcher_; }
   int num_local() const { return static_cast<int>(ranks_.size()); }
   Rank& local(int i) { return *ranks_.at(i); }
@@ -125,6 +147,11 @@ class Communicator {
     const char* base = rank.heap_of(rank.rank());
     return c >= base && bytes <= capacity_ && c + bytes <= base + capacity_;
   }
+  // If p lies in a symmetric heap other than rank's own (a peer's heap as some local rank maps it), says
+  // whose ("rank 2's symmetric heap, as mapped by rank 0"); else "". Such a pointer is a mistake when passed
+  // as rank's own buffer: on real GPUs it is another GPU's memory, with virtual ranks it is not caught by
+  // the device check.
+  std::string foreign_heap(const Rank& rank, const void* p) const;
 
   // Exchanges a small blob between the team's processes; entry p is process p's (one per rank in
   // one-rank-per-process mode; single-process: just `data`). Collective, like alloc.
@@ -146,15 +173,23 @@ class Communicator {
 
  private:
   Communicator() = default;
-  void init_devices(const std::vector<int>& devices, int first_rank, int world);
+  void init_devices(const std::vector<int>& devices, int first_rank, int world, int sm_budget);
   void init_heap(uint64_t heap_bytes);
   void init_signal_pads();
   void check_peer_access_single_process() const;
   void check_peer_access_multi_process();
   void map_range(char* va, uint64_t bytes, CUmemGenericAllocationHandle h, const std::vector<int>& devices);
+  CUmemGenericAllocationHandle create_physical(int device, uint64_t size, bool exportable);
+  void map_shared(uint64_t off, uint64_t size, std::vector<std::pair<char*, uint64_t>>& mapped);
+  void map_everywhere(uint64_t off, uint64_t size, std::vector<std::pair<char*, uint64_t>>& mapped);
   void release_all() noexcept;
 
   int world_ = 0;
+  int ranks_per_gpu_ = 1;
+  // Every rank maps every heap at addresses of its own (between processes, and for virtual ranks so that
+  // the same mapping path runs); otherwise (single-process, one rank per GPU) every rank sees each heap at
+  // its owner's address.
+  bool per_rank_views_ = false;
   Launcher launcher_ = Launcher::kNone;
   std::chrono::milliseconds timeout_{10000};
   std::vector<std::unique_ptr<Rank>> ranks_;
