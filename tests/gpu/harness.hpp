@@ -7,10 +7,12 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "weft/runtime/communicator.hpp"
@@ -83,6 +85,17 @@ struct RankBuffers {
   RankBuffers(const RankBuffers&) = delete;
   RankBuffers& operator=(const RankBuffers&) = delete;
 };
+
+// Runs f(begin, end) over [0, n) split into contiguous parts on the host's cores (host references of large
+// teams: a W-rank reference costs W times a 1-rank one).
+template <class F>
+void parallel_for(size_t n, F&& f) {
+  const size_t parts = std::max<size_t>(1, std::min<size_t>(std::thread::hardware_concurrency(), n / 4096));
+  if (parts == 1) return f(size_t(0), n);
+  std::vector<std::thread> pool;
+  for (size_t p = 0; p < parts; ++p) pool.emplace_back([&, p] { f(n * p / parts, n * (p + 1) / parts); });
+  for (auto& t : pool) t.join();
+}
 
 // cudaMalloc'd memory on the current GPU for one test's scope.
 struct DeviceBuffer {

@@ -7,8 +7,11 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <random>
+#include <tuple>
 
 #include "harness.hpp"
 #include "ops/op_args.hpp"  // one_shot_min_blocks: what a forced one-shot needs of the SM budget
@@ -40,12 +43,30 @@ void from_float(DType t, float f, void* p) {
     *static_cast<__half*>(p) = __float2half_rn(f);
 }
 
-// Rank r's input for one test case: values in [-1, 1], exactly representable in the dtype.
+// Rank r's input for one test case: values in [-1, 1], exactly representable in the dtype. Made in parts of
+// 64 Ki elements, each from its own generator (so in parallel), and kept for the next asks of the same
+// case (the reference and the upload want every rank's input).
 std::vector<char> make_input(DType t, size_t count, int rank, uint64_t seed) {
-  std::mt19937_64 rng(seed * 1000003 + rank * 7919 + count);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  static std::mutex mu;
+  static std::map<std::tuple<int, size_t, int, uint64_t>, std::vector<char>> made;
+  const auto key = std::tuple{int(t), count, rank, seed};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = made.find(key); it != made.end()) return it->second;
+  }
+  constexpr size_t kPart = 64 << 10;
   std::vector<char> v(count * dtype_size(t));
-  for (size_t i = 0; i < count; ++i) from_float(t, u(rng), v.data() + i * dtype_size(t));
+  weft::test::parallel_for((count + kPart - 1) / kPart, [&](size_t p0, size_t p1) {
+    for (size_t p = p0; p < p1; ++p) {
+      std::mt19937_64 rng(seed * 1000003 + rank * 7919 + count + p * 0x9E3779B97F4A7C15ull);
+      std::uniform_real_distribution<float> u(-1.f, 1.f);
+      for (size_t i = p * kPart; i < std::min(count, (p + 1) * kPart); ++i)
+        from_float(t, u(rng), v.data() + i * dtype_size(t));
+    }
+  });
+  std::lock_guard<std::mutex> lock(mu);
+  if (made.size() >= 64) made.clear();
+  made[key] = v;
   return v;
 }
 

@@ -38,12 +38,14 @@ Mat make(size_t n, uint64_t seed) {
 // ref[i][j] += sum_k a[i][k] * b(k, j) for rows [r0, r1) of a [*, K]; b is [N,K] (nk) or [K,N].
 void gemm_ref(std::vector<double>& ref, const Mat& a, const Mat& b, int64_t r0, int64_t r1, int64_t n,
               int64_t k, bool nk) {
-  for (int64_t i = r0; i < r1; ++i)
-    for (int64_t j = 0; j < n; ++j) {
+  weft::test::parallel_for(size_t(r1 - r0) * n / 64 + 1, [&](size_t p0, size_t p1) {
+    for (int64_t e = int64_t(p0) * 64; e < std::min(int64_t(p1) * 64, (r1 - r0) * n); ++e) {
+      const int64_t i = r0 + e / n, j = e % n;
       double s = 0;
       for (int64_t q = 0; q < k; ++q) s += a.d[i * k + q] * b.d[nk ? j * k + q : q * n + j];
-      ref[(i - r0) * n + j] += s;
+      ref[e] += s;
     }
+  });
 }
 
 using weft::test::poison;
@@ -155,6 +157,11 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
       WEFT_EXPECT(path == path_of(mode), "path " << fused_path_name(path) << " for mode " << mode_name(mode));
   }
   c.synchronize();
+  std::vector<double> sum;  // RS / AR: the sum over ranks of A_q . B_q, all M rows, made once
+  if (op != Op::kAG) {
+    sum.assign(size_t(m * n), 0.0);
+    for (int q = 0; q < W; ++q) gemm_ref(sum, a[q], b[q], 0, m, n, k, nk);
+  }
   for (int i = 0; i < c.num_local(); ++i) {
     const int r = c.local(i).rank();
     std::vector<double> ref(size_t(out_rows * n), 0.0);
@@ -163,9 +170,8 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
       const auto g = get(c, i, gathered.ptr[i], m * k);
       WEFT_EXPECT(std::memcmp(g.data(), a[0].h.data(), m * k * 2) == 0, "gathered A differs, rank " << r);
     } else {
-      for (int q = 0; q < W; ++q)
-        gemm_ref(ref, a[q], b[q], op == Op::kRS ? r * s.shard : 0, op == Op::kRS ? (r + 1) * s.shard : m, n,
-                 k, nk);
+      const int64_t first = op == Op::kRS ? r * s.shard * n : 0;
+      std::copy(sum.begin() + first, sum.begin() + first + out_rows * n, ref.begin());
     }
     const std::string err = compare(get(c, i, out.ptr[i], out_rows * n), ref);
     WEFT_EXPECT(err.empty(), (op == Op::kAG   ? "all_gather_matmul"
