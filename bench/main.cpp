@@ -28,6 +28,8 @@ int usage(int code) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Virtual ranks need the most hardware work queues (weft::Communicator says why); read when CUDA starts.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   Context ctx;
   std::vector<const Mode*> chosen;
   for (int i = 1; i < argc; ++i) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -46,6 +47,22 @@ int requested_sm_budget(int v) {
   if (v > 0) return v;
   if (auto e = process_env()("WEFT_SM_BUDGET")) return parse_int(*e, "WEFT_SM_BUDGET", 1, 1 << 16);
   return 0;
+}
+
+// Virtual ranks' streams share their GPU's hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS of them, 8 by
+// default), which the driver deals out to streams in turn. A stream that waits for a peer (a spinning kernel
+// with work queued behind it, a stream wait) blocks its queue, and a peer's stream dealt the same queue then
+// never runs: two ranks on one H100 hung this way replaying the pipelined ops' CUDA graphs, and passed with
+// 32 queues. So virtual ranks need the most queues the driver gives (32), asked for before CUDA starts.
+void check_work_queues_for_virtual_ranks() {
+  const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  if (v && std::atoi(v) >= 32) return;
+  throw_error(std::string("weft: virtual ranks (several ranks on one GPU) need CUDA_DEVICE_MAX_CONNECTIONS=32 in "
+                          "the environment before the process first uses CUDA (it is ") +
+              (v ? std::string("'") + v + "'" : std::string("unset, i.e. 8")) +
+              "): the ranks' streams share the GPU's hardware work queues, and a stream waiting for a peer "
+              "blocks the queue it sits in, so with few queues a peer's work can end up stuck behind it. "
+              "weft-gpu-tests and weft-bench set it themselves");
 }
 
 // Why one process per rank cannot share a GPU, and what to do instead.
@@ -155,6 +172,7 @@ std::unique_ptr<Communicator> Communicator::create_single_process(Options opts) 
   if (devices.empty())
     for (int d = 0; d < n; ++d) devices.push_back(d);
   const int per_gpu = resolve_ranks_per_gpu(opts.ranks_per_gpu);
+  if (per_gpu > 1) check_work_queues_for_virtual_ranks();
   WEFT_CHECK(static_cast<int>(devices.size()) * per_gpu <= kMaxWorld,
              "at most " + std::to_string(kMaxWorld) + " ranks per team (" + std::to_string(devices.size()) +
                  " GPUs x " + std::to_string(per_gpu) + " ranks per GPU asked for)");

@@ -100,6 +100,8 @@ class Watchdog {
 
 int main(int argc, char** argv) {
   using namespace weft::test;
+  // Virtual ranks need the most hardware work queues (weft::Communicator says why); read when CUDA starts.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   TestContext ctx;
   std::string filter;
   int gpus = 0, ranks = 0;
