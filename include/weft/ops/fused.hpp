@@ -33,6 +33,9 @@
 //               waiting. The first call on a GPU creates its copy stream and cuBLAS handle: make one
 //               call before capturing a CUDA graph.
 //   kSequential a cuBLAS GEMM with weft::all_gather / reduce_scatter / all_reduce.
+// Grids follow the rank's SM budget (Rank::sm_budget): the fused kernels' communicator and GEMM blocks fit
+// in it (AG's default communicator blocks: an eighth of it, 2..16), the pipelines' weft::gemm stays inside
+// it; a forced fused kernel that cannot fit is refused, kAuto falls back.
 // Where one thread drives several ranks (single-process) outside a capture, the pipelined and sequential
 // paths run weft::gemm instead of cuBLAS: cuBLAS's first use of a kernel on a GPU can wait for that GPU's
 // queued work, which may wait for a rank the thread has not driven yet (docs/DESIGN.md).
@@ -55,7 +58,7 @@ const char* fused_path_name(FusedPath p);
 
 struct FusedOptions {
   enum class Mode { kAuto, kFused, kSequential, kPipelined } mode = Mode::kAuto;
-  int comm_blocks = 0;         // all_gather_matmul's communicator blocks: 0 auto (16), else 1..32
+  int comm_blocks = 0;         // all_gather_matmul's communicator blocks: 0 auto (SM budget / 8, 2..16), 1..32
   int64_t min_fused_m = 1024;  // kAuto: below this M the sequential path runs (besides the measured rule)
   int max_compute_blocks = 0;  // cap on GEMM blocks (benchmarks: "compute alone" at the fused op's SM count)
   int pipeline_pieces = 0;     // kPipelined RS / AR: row pieces per ring step, 0 auto; the same on every rank
