@@ -95,7 +95,8 @@ void Context::add(Table t) {
 
 std::string Context::team_label() const {
   if (env) return fmt("%d GPUs (one process per GPU)", gpus);
-  if (virtual_ranks()) return fmt("%d virtual ranks on %d GPU%s (single-process)", ranks, gpus, gpus > 1 ? "s" : "");
+  if (virtual_ranks())
+    return fmt("%d virtual ranks on %d GPU%s (single-process)", ranks, gpus, gpus > 1 ? "s" : "");
   return fmt("%d GPUs (single-process)", gpus);
 }
 

@@ -246,14 +246,16 @@ void run_collective(Context& ctx, Coll which) {
   ctx.add(std::move(t));
 }
 
-ModeRegistrar r1("allreduce", "bf16 all-reduce vs NCCL, 8 KiB..1 GiB",
-                 [](Context& c) { run_collective(c, Coll::kAllReduce); }, 2, true);
-ModeRegistrar r2("allgather", "bf16 all-gather vs NCCL",
-                 [](Context& c) { run_collective(c, Coll::kAllGather); }, 2, true);
-ModeRegistrar r3("reducescatter", "bf16 reduce-scatter vs NCCL",
-                 [](Context& c) { run_collective(c, Coll::kReduceScatter); }, 2, true);
-ModeRegistrar r4("alltoall", "bf16 all-to-all vs NCCL",
-                 [](Context& c) { run_collective(c, Coll::kAllToAll); }, 2, true);
+ModeRegistrar r1(
+    "allreduce", "bf16 all-reduce vs NCCL, 8 KiB..1 GiB",
+    [](Context& c) { run_collective(c, Coll::kAllReduce); }, 2, true);
+ModeRegistrar r2(
+    "allgather", "bf16 all-gather vs NCCL", [](Context& c) { run_collective(c, Coll::kAllGather); }, 2, true);
+ModeRegistrar r3(
+    "reducescatter", "bf16 reduce-scatter vs NCCL",
+    [](Context& c) { run_collective(c, Coll::kReduceScatter); }, 2, true);
+ModeRegistrar r4(
+    "alltoall", "bf16 all-to-all vs NCCL", [](Context& c) { run_collective(c, Coll::kAllToAll); }, 2, true);
 
 }  // namespace
 }  // namespace weft::bench

@@ -120,13 +120,14 @@ void run_fused(Context& ctx) {
             if (!nccl_on) {  // virtual ranks: weft's collective, same buffers
               Rank& r = comm->local(i);
               if (op == Op::kAG)
-                all_gather(*comm, r, g[i].a + r.rank() * rows * gk * 2, g[i].a, Shape2D{size_t(rows), size_t(gk)},
-                           0, DType::kBF16, streams[i]);
+                all_gather(*comm, r, g[i].a + r.rank() * rows * gk * 2, g[i].a,
+                           Shape2D{size_t(rows), size_t(gk)}, 0, DType::kBF16, streams[i]);
               else if (op == Op::kRS)
-                reduce_scatter(*comm, r, g[i].tmp, g[i].out, Shape2D{size_t(rows), size_t(gn)}, 0, DType::kBF16,
-                               ReduceOp::kSum, streams[i]);
+                reduce_scatter(*comm, r, g[i].tmp, g[i].out, Shape2D{size_t(rows), size_t(gn)}, 0,
+                               DType::kBF16, ReduceOp::kSum, streams[i]);
               else
-                all_reduce(*comm, r, g[i].tmp, g[i].out, size_t(M * gn), DType::kBF16, ReduceOp::kSum, streams[i]);
+                all_reduce(*comm, r, g[i].tmp, g[i].out, size_t(M * gn), DType::kBF16, ReduceOp::kSum,
+                           streams[i]);
               return;
             }
             if (op == Op::kAG)

@@ -45,8 +45,7 @@ int main(int argc, char** argv) {
         return 2;
       }
       (a == "--gpus" ? ctx.gpus : ctx.ranks) = v;
-    }
-    else if (a == "--list" || a == "-h" || a == "--help")
+    } else if (a == "--list" || a == "-h" || a == "--help")
       return usage(0);
     else {
       const Mode* m = nullptr;
@@ -72,12 +71,14 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (ctx.gpus > ndev) {
-    std::fprintf(stderr, "weft-bench: --gpus %d but only %d GPU%s visible\n", ctx.gpus, ndev, ndev > 1 ? "s" : "");
+    std::fprintf(stderr, "weft-bench: --gpus %d but only %d GPU%s visible\n", ctx.gpus, ndev,
+                 ndev > 1 ? "s" : "");
     return 2;
   }
   if (ctx.gpus <= 0) ctx.gpus = ctx.ranks > 0 ? std::gcd(ctx.ranks, ndev) : ndev;
   if (ctx.ranks > 0 && ctx.ranks % ctx.gpus != 0) {
-    std::fprintf(stderr, "weft-bench: --ranks %d is not a multiple of the %d GPUs in use\n", ctx.ranks, ctx.gpus);
+    std::fprintf(stderr, "weft-bench: --ranks %d is not a multiple of the %d GPUs in use\n", ctx.ranks,
+                 ctx.gpus);
     return 2;
   }
   try {
@@ -102,13 +103,13 @@ int main(int argc, char** argv) {
   std::time_t now = std::time(nullptr);
   char date[32];
   std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
-  std::string machine = fmt("%d x %s (%d SMs), driver %d.%d, CUDA runtime %d.%d, %s, %s", ctx.gpus, prop.name,
-                            prop.multiProcessorCount, drv / 1000, (drv % 1000) / 10, rt / 1000,
-                            (rt % 1000) / 10,
-                            ctx.env               ? "one process per GPU"
-                            : ctx.virtual_ranks() ? fmt("single-process, %d virtual ranks", ctx.ranks).c_str()
-                                                  : "single-process",
-                            date);
+  std::string machine =
+      fmt("%d x %s (%d SMs), driver %d.%d, CUDA runtime %d.%d, %s, %s", ctx.gpus, prop.name,
+          prop.multiProcessorCount, drv / 1000, (drv % 1000) / 10, rt / 1000, (rt % 1000) / 10,
+          ctx.env               ? "one process per GPU"
+          : ctx.virtual_ranks() ? fmt("single-process, %d virtual ranks", ctx.ranks).c_str()
+                                : "single-process",
+          date);
   if (!ctx.json && !ctx.quiet) std::printf("# weft-bench\n%s\n", machine.c_str());
 
   int rc = 0;
@@ -118,11 +119,12 @@ int main(int argc, char** argv) {
       if (!ctx.json && !ctx.quiet) std::printf("## %s: SKIPPED (needs one GPU per rank)\n\n", m->name);
       continue;
     }
-    if (ctx.team_size() < m->min_gpus) {  // e.g. a single-GPU machine: the team modes cannot run, the GEMM can
+    if (ctx.team_size() <
+        m->min_gpus) {  // e.g. a single-GPU machine: the team modes cannot run, the GEMM can
       ctx.progress("mode %s skipped: needs %d GPUs, %d in use", m->name, m->min_gpus, ctx.gpus);
       if (!ctx.json && !ctx.quiet)
-        std::printf("## %s: SKIPPED (needs %d GPUs, %d in use; --ranks W runs it on virtual ranks)\n\n", m->name,
-                    m->min_gpus, ctx.gpus);
+        std::printf("## %s: SKIPPED (needs %d GPUs, %d in use; --ranks W runs it on virtual ranks)\n\n",
+                    m->name, m->min_gpus, ctx.gpus);
       continue;
     }
     ctx.progress("mode %s", m->name);

@@ -208,8 +208,9 @@ void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_
                   ops::ll_block_words(world)};
   // LL moves 2x the bytes and polls: spread it wide, but every block's share must fit its part of a slot
   // (callers check that the SM budget allows that many: one_shot_fits).
-  const int g = std::clamp<int>(c.blocks(bytes * 8), ops::one_shot_min_blocks(world, bytes),
-                                std::min(ops::one_shot_max_blocks(world), ops::max_collective_blocks(c.rank)));
+  const int g =
+      std::clamp<int>(c.blocks(bytes * 8), ops::one_shot_min_blocks(world, bytes),
+                      std::min(ops::one_shot_max_blocks(world), ops::max_collective_blocks(c.rank)));
   ops::check_grid_in_budget(c.rank, g, std::string("weft::") + c.op + ": ");
   with_elem(dt, [&](auto e) {
     with_reduce(op, [&](auto r) {
@@ -234,7 +235,8 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
   const int world = rank.world();
   const uint64_t one_shot_max = one_shot_max_bytes(world);
   if (algo == AllReduceAlgo::kAuto)
-    algo = bytes <= one_shot_max && c.one_shot_fits(bytes) ? AllReduceAlgo::kOneShot : AllReduceAlgo::kTwoShot;
+    algo =
+        bytes <= one_shot_max && c.one_shot_fits(bytes) ? AllReduceAlgo::kOneShot : AllReduceAlgo::kTwoShot;
   if (algo == AllReduceAlgo::kOneShot) {
     if (bytes > one_shot_max)
       c.fail("one-shot all-reduce is limited to " + std::to_string(one_shot_max) + " bytes at " +
@@ -365,9 +367,9 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
     x.in_peer_step = x.row_bytes;
   }
   // Small contiguous slices: one round, no meeting (the LL words need 4-byte aligned slices).
-  if (dim == 0 && out_bytes <= one_shot_max_bytes(world) && c.one_shot_fits(out_bytes) && out_bytes % 4 == 0 &&
-      reinterpret_cast<uintptr_t>(in) % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 4 == 0 &&
-      coll_variant() == nullptr)
+  if (dim == 0 && out_bytes <= one_shot_max_bytes(world) && c.one_shot_fits(out_bytes) &&
+      out_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 4 == 0 &&
+      reinterpret_cast<uintptr_t>(out) % 4 == 0 && coll_variant() == nullptr)
     return one_shot(c, in, out_bytes, out, out_bytes, dtype, op);
   const uint64_t ll = ll_region_bytes(world);
   // The push kernel moves 16-byte packs only (its element-wise form would spill); other layouts pull.

@@ -101,10 +101,11 @@ struct Call {
   void gemm_into(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k, BLayout layout,
                  bool accumulate = false) const {
     const bool cublas_safe = comm.num_local() == 1 || capturing;
-    if (cublas_safe && ops::cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, rank.rank(), capturing, where,
-                                             accumulate))
+    if (cublas_safe &&
+        ops::cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, rank.rank(), capturing, where, accumulate))
       return;
-    if (!cublas_safe) ops::cublas_gemm_ready(rank.rank(), where);  // for a later capture (creating never waits)
+    if (!cublas_safe)
+      ops::cublas_gemm_ready(rank.rank(), where);  // for a later capture (creating never waits)
     GemmOptions o;
     o.store = accumulate ? GemmStore::kReduceAdd : GemmStore::kStore;
     o.max_blocks = rank.sm_budget();
@@ -512,8 +513,8 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
                 chunks = (rows + chunk_rows - 1) / chunk_rows;
   const bool sym_gathered = gathered_a && comm.in_heap(rank, gathered_a, m * k * 2);
   const bool fits = W * chunks <= ops::kFusedFlags && chunk_rows <= INT32_MAX;
-  const std::string why_not =
-      fits ? c.why_not_in_budget<ops::AgGemmOp<true, 1>>(ag_comm_blocks(rank, o)) : "more A chunks than flags";
+  const std::string why_not = fits ? c.why_not_in_budget<ops::AgGemmOp<true, 1>>(ag_comm_blocks(rank, o))
+                                   : "more A chunks than flags";
   const FusedPath path = c.path(o, m, why_not, auto_path(true, m, n, k, W));
   if (path == FusedPath::kPipelined) {
     pipelined_ag(c, a_shard, b, out, gathered_a, m, n, k, layout);

@@ -32,8 +32,9 @@ std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds t) {
 
 // Ranks per GPU of a single-process team: the option, else WEFT_RANKS_PER_GPU, else 1.
 int resolve_ranks_per_gpu(int v) {
-  WEFT_CHECK(v >= 0 && v <= kMaxWorld, "Options::ranks_per_gpu must be 0 (WEFT_RANKS_PER_GPU, else 1) or 1.." +
-                                           std::to_string(kMaxWorld) + ", got " + std::to_string(v));
+  WEFT_CHECK(v >= 0 && v <= kMaxWorld,
+             "Options::ranks_per_gpu must be 0 (WEFT_RANKS_PER_GPU, else 1) or 1.." +
+                 std::to_string(kMaxWorld) + ", got " + std::to_string(v));
   if (v > 0) return v;
   if (auto e = process_env()("WEFT_RANKS_PER_GPU")) return parse_int(*e, "WEFT_RANKS_PER_GPU", 1, kMaxWorld);
   return 1;
@@ -41,9 +42,10 @@ int resolve_ranks_per_gpu(int v) {
 
 // The SM budget asked for: the option, else WEFT_SM_BUDGET, else 0 (the GPU's share).
 int requested_sm_budget(int v) {
-  WEFT_CHECK(v >= 0, "Options::sm_budget must be 0 (WEFT_SM_BUDGET, else the GPU's SMs / ranks on it) or "
-                     "positive, got " +
-                         std::to_string(v));
+  WEFT_CHECK(v >= 0,
+             "Options::sm_budget must be 0 (WEFT_SM_BUDGET, else the GPU's SMs / ranks on it) or "
+             "positive, got " +
+                 std::to_string(v));
   if (v > 0) return v;
   if (auto e = process_env()("WEFT_SM_BUDGET")) return parse_int(*e, "WEFT_SM_BUDGET", 1, 1 << 16);
   return 0;
@@ -57,12 +59,13 @@ int requested_sm_budget(int v) {
 void check_work_queues_for_virtual_ranks() {
   const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   if (v && std::atoi(v) >= 32) return;
-  throw_error(std::string("weft: virtual ranks (several ranks on one GPU) need CUDA_DEVICE_MAX_CONNECTIONS=32 in "
-                          "the environment before the process first uses CUDA (it is ") +
-              (v ? std::string("'") + v + "'" : std::string("unset, i.e. 8")) +
-              "): the ranks' streams share the GPU's hardware work queues, and a stream waiting for a peer "
-              "blocks the queue it sits in, so with few queues a peer's work can end up stuck behind it. "
-              "weft-gpu-tests and weft-bench set it themselves");
+  throw_error(
+      std::string("weft: virtual ranks (several ranks on one GPU) need CUDA_DEVICE_MAX_CONNECTIONS=32 in "
+                  "the environment before the process first uses CUDA (it is ") +
+      (v ? std::string("'") + v + "'" : std::string("unset, i.e. 8")) +
+      "): the ranks' streams share the GPU's hardware work queues, and a stream waiting for a peer "
+      "blocks the queue it sits in, so with few queues a peer's work can end up stuck behind it. "
+      "weft-gpu-tests and weft-bench set it themselves");
 }
 
 // Why one process per rank cannot share a GPU, and what to do instead.
@@ -538,8 +541,9 @@ void Communicator::map_everywhere(uint64_t off, uint64_t size,
       if (p == r->rank()) continue;
       if (fds[p] < 0) throw_error("weft: rank " + std::to_string(p) + " sent no memory handle");
       CUmemGenericAllocationHandle ph;
-      WEFT_CU_CHECK(driver().cuMemImportFromShareableHandle(
-          &ph, reinterpret_cast<void*>(static_cast<intptr_t>(fds[p])), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+      WEFT_CU_CHECK(
+          driver().cuMemImportFromShareableHandle(&ph, reinterpret_cast<void*>(static_cast<intptr_t>(fds[p])),
+                                                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
       try {
         map_range(r->heap_of_[p] + off, size, ph, {r->device_});
       } catch (...) {

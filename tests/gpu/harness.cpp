@@ -132,14 +132,15 @@ int main(int argc, char** argv) {
       for (auto& t : registry()) std::printf("%s\n", t.name);
       return 0;
     } else {
-      std::fprintf(stderr,
-                   "usage: weft-gpu-tests [--gpus G] [--ranks W] [--sm-budget B] [--filter a,b,-c] [--quick] "
-                   "[--list]\n"
-                   "  single-process over G GPUs (default: all) with one rank each; --ranks W: a team of W\n"
-                   "  virtual ranks over G GPUs (default G: the largest that divides W), W / G per GPU;\n"
-                   "  --sm-budget B: SMs per rank (Options::sm_budget); --team-only: only tests of 2+ ranks.\n"
-                   "  One rank per process under weft-launch/torchrun/mpirun.\n"
-                   "  WEFT_TEST_TIMEOUT_S=n: exit (124) when one test runs longer (default 300, 0: never)\n");
+      std::fprintf(
+          stderr,
+          "usage: weft-gpu-tests [--gpus G] [--ranks W] [--sm-budget B] [--filter a,b,-c] [--quick] "
+          "[--list]\n"
+          "  single-process over G GPUs (default: all) with one rank each; --ranks W: a team of W\n"
+          "  virtual ranks over G GPUs (default G: the largest that divides W), W / G per GPU;\n"
+          "  --sm-budget B: SMs per rank (Options::sm_budget); --team-only: only tests of 2+ ranks.\n"
+          "  One rank per process under weft-launch/torchrun/mpirun.\n"
+          "  WEFT_TEST_TIMEOUT_S=n: exit (124) when one test runs longer (default 300, 0: never)\n");
       return 2;
     }
   }
@@ -191,7 +192,9 @@ int main(int argc, char** argv) {
     for (int d = 0; d < gpus; ++d) ctx.options.devices.push_back(d);
   }
   bool any_runnable = false;
-  auto selected = [&](const TestCase& t) { return matches(t.name, filter) && !(team_only && t.min_world < 2); };
+  auto selected = [&](const TestCase& t) {
+    return matches(t.name, filter) && !(team_only && t.min_world < 2);
+  };
   for (auto& t : registry()) any_runnable |= selected(t) && t.min_world <= ctx.world;
   if (!any_runnable) {
     std::printf(

@@ -173,10 +173,9 @@ WEFT_GPU_TEST(team_layout) {
     for (int j = 0; j < i; ++j)
       for (int p = 0; p < c.world(); ++p) {
         const bool same = c.local(i).heap_of(p) == c.local(j).heap_of(p);
-        WEFT_EXPECT(same == (c.ranks_per_gpu() == 1), "rank " << c.local(i).rank() << " and rank "
-                                                              << c.local(j).rank() << " see rank " << p
-                                                              << "'s heap at " << (same ? "one" : "two")
-                                                              << " address(es)");
+        WEFT_EXPECT(same == (c.ranks_per_gpu() == 1),
+                    "rank " << c.local(i).rank() << " and rank " << c.local(j).rank() << " see rank " << p
+                            << "'s heap at " << (same ? "one" : "two") << " address(es)");
       }
 }
 

@@ -99,7 +99,8 @@ WEFT_GPU_TEST(small_sm_budget_refuses_big_grids_and_computes_right) {
   fo.comm_blocks = 4;  // nothing left for the GEMM
   for (int i = 0; i < c.num_local(); ++i) {
     const std::string msg = error_of([&] {
-      all_gather_matmul(c, c.local(i), a.ptr[i], b.ptr[i], y.ptr[i], nullptr, m, n, k, BLayout::kNK, nullptr, fo);
+      all_gather_matmul(c, c.local(i), a.ptr[i], b.ptr[i], y.ptr[i], nullptr, m, n, k, BLayout::kNK, nullptr,
+                        fo);
     });
     WEFT_EXPECT(msg.find("SM budget of 4") != std::string::npos, "all_gather_matmul: got '" << msg << "'");
   }
@@ -108,11 +109,10 @@ WEFT_GPU_TEST(small_sm_budget_refuses_big_grids_and_computes_right) {
     for (int i = 0; i < c.num_local(); ++i) weft::test::poison(c, i, y.ptr[i], m * n * 2);
     c.host_barrier();
     for (int i = 0; i < c.num_local(); ++i) {
-      const FusedPath path =
-          op == 0 ? all_gather_matmul(c, c.local(i), a.ptr[i], b.ptr[i], y.ptr[i], nullptr, m, n, k,
-                                      BLayout::kNK, nullptr, fo)
-                  : matmul_reduce_scatter(c, c.local(i), a.ptr[i], b.ptr[i], y.ptr[i], m, n, k, BLayout::kNK,
-                                          nullptr, fo);
+      const FusedPath path = op == 0 ? all_gather_matmul(c, c.local(i), a.ptr[i], b.ptr[i], y.ptr[i], nullptr,
+                                                         m, n, k, BLayout::kNK, nullptr, fo)
+                                     : matmul_reduce_scatter(c, c.local(i), a.ptr[i], b.ptr[i], y.ptr[i], m,
+                                                             n, k, BLayout::kNK, nullptr, fo);
       WEFT_EXPECT(path == FusedPath::kFused, fused_path_name(path));
     }
     c.synchronize();
@@ -122,7 +122,8 @@ WEFT_GPU_TEST(small_sm_budget_refuses_big_grids_and_computes_right) {
         weft::test::download(c, i, h.data(), y.ptr[i], m * n * 2);
         size_t bad = 0;
         for (int64_t row = 0; row < m; ++row)
-          for (int64_t j = 0; j < n; ++j) bad += __bfloat162float(h[row * n + j]) != float((row / shard + 1) * k);
+          for (int64_t j = 0; j < n; ++j)
+            bad += __bfloat162float(h[row * n + j]) != float((row / shard + 1) * k);
         WEFT_EXPECT(bad == 0, "all_gather_matmul rank " << c.local(i).rank() << ": " << bad << " wrong");
       } else {  // sum over ranks q of (q + 1) * K
         WEFT_EXPECT(mismatches(c, i, y.ptr[i], size_t(shard * n), float(k * W * (W + 1) / 2)) == 0,
@@ -143,8 +144,9 @@ WEFT_GPU_TEST(pointer_into_another_ranks_heap_is_refused) {
     char* theirs = r.at(buf, peer);  // this rank's view of the peer's copy
     const std::string msg =
         error_of([&] { all_reduce(c, r, theirs, buf.local[i], 1024, DType::kFP32, ReduceOp::kSum); });
-    WEFT_EXPECT(msg.find("points into rank " + std::to_string(peer) + "'s symmetric heap") != std::string::npos,
-                "got '" << msg << "'");
+    WEFT_EXPECT(
+        msg.find("points into rank " + std::to_string(peer) + "'s symmetric heap") != std::string::npos,
+        "got '" << msg << "'");
   }
   c.free(buf);
 }

@@ -18,8 +18,8 @@
 //
 // SM budget: the SMs that one rank's kernels may occupy at once. Every kernel of weft that waits for peers
 // (or is persistent) sizes its grid from it, so that the blocks of every rank sharing a GPU are resident
-// together (a spinning block whose peer cannot be scheduled waits for ever). Default: the GPU's SMs divided by
-// the ranks on it; on real GPUs a smaller budget leaves SMs to concurrent work (NCCL's max CTAs, DeepEP's
+// together (a spinning block whose peer cannot be scheduled waits for ever). Default: the GPU's SMs divided
+// by the ranks on it; on real GPUs a smaller budget leaves SMs to concurrent work (NCCL's max CTAs, DeepEP's
 // num_sms). The same on every rank of a team (the smallest asked for).
 #pragma once
 #include <cuda.h>
@@ -47,10 +47,10 @@ inline constexpr int kCollectiveSlotBase = kUserBarrierSlots + 1;  // collective
 inline constexpr int kCollectiveMaxBlocks = kBarrierSlots - kCollectiveSlotBase;
 
 struct Options {
-  std::vector<int> devices;              // single-process: CUDA device ordinals (default: all visible)
-  int ranks_per_gpu = 0;                 // single-process: ranks on each device (0: WEFT_RANKS_PER_GPU, else 1)
-  int sm_budget = 0;                     // SMs per rank (0: WEFT_SM_BUDGET, else SMs / ranks on the GPU)
-  uint64_t heap_bytes = 0;               // virtual span per rank (0: WEFT_HEAP_BYTES, else the GPU's memory)
+  std::vector<int> devices;  // single-process: CUDA device ordinals (default: all visible)
+  int ranks_per_gpu = 0;     // single-process: ranks on each device (0: WEFT_RANKS_PER_GPU, else 1)
+  int sm_budget = 0;         // SMs per rank (0: WEFT_SM_BUDGET, else SMs / ranks on the GPU)
+  uint64_t heap_bytes = 0;   // virtual span per rank (0: WEFT_HEAP_BYTES, else the GPU's memory)
   std::chrono::milliseconds timeout{0};  // device waits and host collectives (0: WEFT_TIMEOUT_MS, else 10 s)
   std::optional<LaunchEnv> env;          // one-per-process: overrides the process environment (tests)
 };
