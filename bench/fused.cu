@@ -82,7 +82,9 @@ void run_fused(Context& ctx) {
       "weft collective) for this shape. weft gemm = weft::gemm alone on the compute shape; fused = "
       "the op with the fused kernel forced; pipelined = the op with the copy-engine pipeline "
       "forced (both: what kAuto's rule weighs)." +
-          std::string(nccl_on ? "" : " Virtual ranks: no NCCL; comm and sequential use weft's collectives."));
+          std::string(nccl_on ? ""
+                              : " Virtual ranks: no NCCL, comm and sequential use weft's collectives; the "
+                                "pipeline is not captured into graphs there (pipelined: -)."));
   // WEFT_BENCH_FUSED_OPS=ag,rs,ar (default: all) picks the ops, WEFT_BENCH_FUSED_M (above) the M values;
   // WEFT_BENCH_PIPE_PIECES=n sets FusedOptions::pipeline_pieces for the weft and pipelined columns (tuning).
   const char* only = std::getenv("WEFT_BENCH_FUSED_OPS");
@@ -175,6 +177,7 @@ void run_fused(Context& ctx) {
               if (nccl_group) WEFT_NCCL_CHECK(ncclGroupEnd());
             };
           };
+          ctx.progress("fused: warm-up, weft's choice");
           on_all(weft_call, false)(0);  // grows the workspace before any capture
           comm->synchronize();
           const int iters = M <= 4096 ? 10 : 3, reps = ctx.quick ? 3 : 7;
@@ -187,20 +190,39 @@ void run_fused(Context& ctx) {
             if (op != Op::kAG) on_all(comm_alone, true)(k);
           };
           // Every path's workspace grown before any capture; then all candidates timed in turns.
+          ctx.progress("fused: warm-up, fused kernel");
           on_all(fused_call, false)(0);
+          comm->synchronize();
+          ctx.progress("fused: warm-up, pipeline");
           on_all(pipelined_call, false)(0);
           comm->synchronize();
-          const std::vector<double> times = time_graphs_alternating(
-              *comm, streams, iters, reps,
-              {seq, on_all(gemm_alone, false), on_all(comm_alone, true), on_all(weft_call, false),
-               on_all(weft_gemm_alone, false), on_all(fused_call, false), on_all(pipelined_call, false)});
+          ctx.progress("fused: warm-up, communication alone");
+          on_all(comm_alone, true)(0);  // weft's collective (virtual ranks) may grow the workspace too
+          comm->synchronize();
+          ctx.progress("fused: timing");
+          const std::vector<std::function<void(int)>> candidates = {seq,
+                                                                    on_all(gemm_alone, false),
+                                                                    on_all(comm_alone, true),
+                                                                    on_all(weft_call, false),
+                                                                    on_all(weft_gemm_alone, false),
+                                                                    on_all(fused_call, false),
+                                                                    on_all(pipelined_call, false)};
+          std::vector<double> times;
+          if (nccl_on) {
+            times = time_graphs_alternating(*comm, streams, iters, reps, candidates);
+          } else {  // virtual ranks: not figures; one at a time; the pipeline is not captured there
+            for (size_t c = 0; c + 1 < candidates.size(); ++c)
+              times.push_back(time_graphs(*comm, streams, iters, reps, candidates[c]));
+            times.push_back(0);
+          }
           double t_all[7];
           for (int c = 0; c < 7; ++c) t_all[c] = team_max(times[c]);
           const auto [t_seq, t_gemm, t_comm, t_weft, t_wgemm, t_forced, t_pipe] = t_all;
           t.add({op_name(op), std::to_string(M), std::to_string(N), std::to_string(K), fmt("%.1f", t_seq),
                  fmt("%.1f", t_gemm), fmt("%.1f", t_comm), fmt("%.1f", t_weft), fused_path_name(path),
                  fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm)),
-                 fmt("%.1f", t_wgemm), fmt("%.1f", t_forced), fmt("%.1f", t_pipe)});
+                 fmt("%.1f", t_wgemm), fmt("%.1f", t_forced),
+                 t_pipe > 0 ? fmt("%.1f", t_pipe) : std::string("-")});
           comm->free(wa);
           comm->free(wo);
           for (int i = 0; i < L; ++i) {

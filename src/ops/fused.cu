@@ -75,6 +75,16 @@ struct Call {
     WEFT_CHECK(
         o.mode != Mode::kFused || why_not_fused.empty(),
         where + "the fused kernel cannot run here: " + why_not_fused + " (use Mode::kAuto to fall back)");
+    // Virtual ranks: the pipeline's stream waits, replayed from CUDA graphs of ranks sharing a GPU, can block
+    // one another in the GPU's shared work queues (weft-bench fused hung there: 2 ranks on one H100, 10 calls
+    // per graph at M = 2048; eager calls and the suite's one-call graphs passed). Not captured there.
+    const bool pipeline_ok = !(capturing && comm.ranks_per_gpu() > 1);
+    WEFT_CHECK(
+        o.mode != Mode::kPipelined || pipeline_ok,
+        where +
+            "the copy-engine pipeline is not captured into CUDA graphs on virtual ranks (ranks sharing "
+            "a GPU: their replayed stream waits can block one another); run it outside the capture, or "
+            "use Mode::kAuto, kFused or kSequential");
     switch (o.mode) {
       case Mode::kFused:
         return FusedPath::kFused;
@@ -87,6 +97,8 @@ struct Call {
     }
     if (rank.world() == 1 || m < o.min_fused_m) return FusedPath::kSequential;
     if (rule == FusedPath::kFused && !why_not_fused.empty()) return FusedPath::kSequential;
+    if (rule == FusedPath::kPipelined && !pipeline_ok)
+      return why_not_fused.empty() ? FusedPath::kFused : FusedPath::kSequential;
     return rule;
   }
   // The GEMM of the sequential and pipelined paths: out = a . b (with `accumulate`: out += a . b). cuBLAS

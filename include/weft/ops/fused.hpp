@@ -35,7 +35,8 @@
 //   kSequential a cuBLAS GEMM with weft::all_gather / reduce_scatter / all_reduce.
 // Grids follow the rank's SM budget (Rank::sm_budget): the fused kernels' communicator and GEMM blocks fit
 // in it (AG's default communicator blocks: an eighth of it, 2..16), the pipelines' weft::gemm stays inside
-// it; a forced fused kernel that cannot fit is refused, kAuto falls back.
+// it; a forced fused kernel that cannot fit is refused, kAuto falls back. On virtual ranks (ranks sharing a
+// GPU) the copy-engine pipeline is not captured into CUDA graphs (forced: refused; kAuto avoids it there).
 // Where one thread drives several ranks (single-process) outside a capture, the pipelined and sequential
 // paths run weft::gemm instead of cuBLAS: cuBLAS's first use of a kernel on a GPU can wait for that GPU's
 // queued work, which may wait for a rank the thread has not driven yet (docs/DESIGN.md).
