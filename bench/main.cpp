@@ -61,15 +61,13 @@ int main(int argc, char** argv) {
   if (chosen.empty())
     for (auto& m : modes()) chosen.push_back(&m);
 
-  int ndev = 0;
-  cudaError_t e = cudaGetDeviceCount(&ndev);
-  if (e != cudaSuccess || ndev == 0) {
-    std::fprintf(stderr,
-                 "weft-bench: no CUDA GPU is visible (%s). weft-bench measures GPUs and needs at least one; "
-                 "run it on a machine with Hopper GPUs.\n",
-                 e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+  if (const std::string why = weft::cuda_unavailable_reason(); !why.empty()) {
+    std::fprintf(stderr, "weft-bench: %s. weft-bench measures GPUs and needs at least one Hopper GPU.\n",
+                 why.c_str());
     return 1;
   }
+  int ndev = 0;
+  WEFT_CUDA_CHECK(cudaGetDeviceCount(&ndev));
   if (ctx.gpus > ndev) {
     std::fprintf(stderr, "weft-bench: --gpus %d but only %d GPU%s visible\n", ctx.gpus, ndev,
                  ndev > 1 ? "s" : "");

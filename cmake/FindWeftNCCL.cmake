@@ -25,8 +25,9 @@ find_library(WEFT_NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_weft_nccl_hints}
              PATH_SUFFIXES lib lib64 lib/x86_64-linux-gnu NO_CACHE)
 
 if(NOT WEFT_NCCL_INCLUDE_DIR OR NOT WEFT_NCCL_LIBRARY)
-  message(FATAL_ERROR "weft: NCCL not found (looked in: ${_weft_nccl_hints}). "
-                      "Set -DWEFT_NCCL_ROOT=<dir with include/nccl.h and lib/libnccl.so*>.")
+  message(FATAL_ERROR "weft: NCCL not found (looked in: ${_weft_nccl_hints}). Only weft-bench needs it (its "
+                      "baseline): set -DWEFT_NCCL_ROOT=<dir with include/nccl.h and lib/libnccl.so*>, or "
+                      "configure with -DWEFT_BUILD_BENCH=OFF.")
 endif()
 file(STRINGS "${WEFT_NCCL_INCLUDE_DIR}/nccl.h" _weft_nccl_ver REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) ")
 string(REGEX REPLACE ".*NCCL_MAJOR ([0-9]+).*NCCL_MINOR ([0-9]+).*NCCL_PATCH ([0-9]+).*" "\\1.\\2.\\3"

@@ -148,6 +148,7 @@ py::tuple dlpack_info(py::capsule cap) {
 PYBIND11_MODULE(_weft, m) {
   m.doc() = "weft: overlapped multi-GPU kernels (C++ extension; use the weft package)";
   py::register_exception<weft::Error>(m, "WeftError", PyExc_RuntimeError);
+  m.attr("__version__") = WEFT_VERSION;
 
   py::class_<Comm>(m, "Comm")
       .def_static(
@@ -155,7 +156,7 @@ PYBIND11_MODULE(_weft, m) {
           [](int timeout_ms) {
             auto env = weft::parse_launch_env(weft::process_env(), static_cast<long>(::getppid()));
             if (!env)
-              throw py::value_error(
+              throw weft::Error(
                   "weft.init(): no launcher environment: start one process per GPU with torchrun, mpirun or "
                   "weft-launch (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)");
             weft::Options o;

@@ -87,13 +87,40 @@ class NoGpu(unittest.TestCase):
 
     def test_module_imports(self):
         self.assertTrue(hasattr(weft, "all_reduce"))
+        self.assertRegex(weft.__version__, r"^\d+\.\d+\.\d+$")
+
+    def test_one_exception_hierarchy(self):
         self.assertTrue(issubclass(weft.WeftError, RuntimeError))
+        self.assertTrue(issubclass(weft.WeftValueError, weft.WeftError))
+        self.assertTrue(issubclass(weft.WeftValueError, ValueError))
+        self.assertTrue(issubclass(weft.WeftTypeError, weft.WeftError))
+        self.assertTrue(issubclass(weft.WeftTypeError, TypeError))
+
+    def test_public_api_has_docstrings(self):
+        for name in weft.__all__:
+            obj = getattr(weft, name)
+            if callable(obj):
+                self.assertTrue(obj.__doc__, name)
+        for name in ("empty", "barrier", "synchronize", "reserve_workspace", "all_reduce", "all_gather",
+                     "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
+                     "matmul_all_reduce"):
+            self.assertTrue(getattr(weft.Communicator, name).__doc__, name)
 
     def test_init_without_launcher_environment(self):
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") and not k.startswith("OMPI_")}
         with mock.patch.dict(os.environ, env, clear=True):
-            self.raises(ValueError, "torchrun", weft.init)
+            self.raises(weft.WeftError, "torchrun", weft.init)
+
+    def test_init_without_a_driver_says_so(self):
+        try:
+            ctypes.CDLL("libcuda.so.1")
+            self.skipTest("an NVIDIA driver is installed here")
+        except OSError:
+            pass
+        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        with mock.patch.dict(os.environ, env):
+            self.raises(weft.WeftError, "no NVIDIA driver", weft.init)
 
     def test_init_with_incomplete_environment(self):
         with mock.patch.dict(os.environ, {"RANK": "0", "WORLD_SIZE": "2"}):
@@ -126,7 +153,7 @@ class NoGpu(unittest.TestCase):
         self.raises(ValueError, "reduction op", self.comm.all_reduce, FakeTensor((8,)), op="prod")
 
     def test_host_memory_is_rejected(self):
-        self.raises(ValueError, "CUDA device memory", self.comm.all_reduce, FakeTensor((8,), device_type=1))
+        self.raises(weft.WeftValueError, "got CPU memory", self.comm.all_reduce, FakeTensor((8,), device_type=1))
 
     def test_wrong_device(self):
         self.raises(ValueError, "cuda:1", self.comm.all_reduce, FakeTensor((8,), device_id=1))
@@ -178,6 +205,11 @@ class NoGpu(unittest.TestCase):
         self.raises(ValueError, "2-D", self.comm.matmul_all_reduce, FakeTensor((8, 16, 1)), FakeTensor((16, 24)))
         self.raises(ValueError, "shape", self.comm.all_gather_matmul, a, FakeTensor((16, 24)),
                     out=FakeTensor((8, 24)))
+        # the first operand is called `a` in messages, as in the signature
+        self.raises(ValueError, "a must be in CUDA device memory", self.comm.matmul_all_reduce,
+                    FakeTensor((8, 16), device_type=1), FakeTensor((16, 24)))
+        self.raises(ValueError, "a must be contiguous", self.comm.matmul_all_reduce,
+                    FakeTensor((8, 16), strides=(1, 8)), FakeTensor((16, 24)))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ One process per GPU, started by torchrun, mpirun or weft-launch:
     z = comm.empty((1 << 20,), "bf16")        # symmetric tensor: zero-copy input/output (DLPack)
 
 Torch tensors in, torch tensors out when torch is the caller; other frameworks pass anything with
-__dlpack__ and get symmetric tensors back (wrap them with their from_dlpack). Bad input raises TypeError or
-ValueError with the reason, before anything reaches the GPU.
+__dlpack__ and get symmetric tensors back (wrap them with their from_dlpack).
+
+Errors: everything weft raises is a WeftError (a RuntimeError): environment and GPU problems as WeftError
+itself, bad arguments as WeftValueError / WeftTypeError, which are also ValueError / TypeError. Bad input is
+refused with the reason before anything reaches the GPU.
 """
 from __future__ import annotations
 
@@ -20,9 +23,25 @@ import sys
 from . import _weft
 
 WeftError = _weft.WeftError
+WeftError.__doc__ = "Everything weft raises: environment and GPU problems, failed device waits (a RuntimeError)."
+__version__ = _weft.__version__
 
-__all__ = ["init", "Communicator", "WeftError", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-           "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
+
+class WeftValueError(WeftError, ValueError):
+    """An argument with a bad value (shape, size, device, layout, alignment, world-size divisibility)."""
+
+
+class WeftTypeError(WeftError, TypeError):
+    """An argument of the wrong kind or dtype."""
+
+
+__all__ = ["init", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
+           "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
+           "matmul_all_reduce"]
+
+# DLPack device types (dlpack.h DLDeviceType) for messages.
+_DLPACK_DEVICES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI",
+                   10: "ROCm", 11: "ROCm host", 13: "CUDA managed", 14: "oneAPI"}
 
 _DTYPES = ("bf16", "fp16", "fp32")
 _OPS = ("sum", "max", "min")
@@ -53,6 +72,7 @@ class Communicator:
         return self._c.empty(list(shape), _dtype_name(dtype))
 
     def barrier(self):
+        """Host-side barrier of the team's processes (returns once every rank called it)."""
         self._c.barrier()
 
     def synchronize(self):
@@ -136,7 +156,7 @@ def _dtype_name(dtype):
     t = _torch_api()
     if t is not None and dtype in t.dtypes:
         return t.dtypes[dtype]
-    raise TypeError(f"weft: unsupported dtype {dtype!r}: use bf16, fp16 or fp32")
+    raise WeftTypeError(f"weft: unsupported dtype {dtype!r}: use bf16, fp16 or fp32")
 
 
 def _shape_tuple(shape):
@@ -144,25 +164,27 @@ def _shape_tuple(shape):
         shape = (shape,)
     shape = tuple(int(d) for d in shape)
     if any(d < 0 for d in shape):
-        raise ValueError(f"weft: negative dimension in shape {shape}")
+        raise WeftValueError(f"weft: negative dimension in shape {shape}")
     return shape
 
 
 def _arg(x, name, stream):
     if _is_torch(x):
         if not x.is_cuda:
-            raise ValueError(f"weft: {name} must be a CUDA tensor, got one on {x.device}")
+            raise WeftValueError(f"weft: {name} must be a CUDA tensor, got one on {x.device}")
         return _Arg(x.data_ptr(), x.shape, _dtype_name(x.dtype), x.get_device(), x.is_contiguous(), True,
                     x.stride())
     if hasattr(x, "__dlpack__"):
         ptr, shape, strides, dtype, dev_type, dev_id = _weft.dlpack_info(x.__dlpack__(stream=stream or None))
         if dev_type not in (2, 13):
-            raise ValueError(f"weft: {name} must be in CUDA device memory (DLPack device type {dev_type})")
+            kind = _DLPACK_DEVICES.get(dev_type, "unknown")
+            raise WeftValueError(f"weft: {name} must be in CUDA device memory, got {kind} memory "
+                                 f"(DLPack device type {dev_type})")
         if dtype not in _DTYPES:
-            raise TypeError(f"weft: {name} has an unsupported dtype: use bf16, fp16 or fp32")
+            raise WeftTypeError(f"weft: {name} has an unsupported dtype: use bf16, fp16 or fp32")
         contiguous = strides is None or _compact(shape, strides)
         return _Arg(ptr, shape, dtype, dev_id, contiguous, False, strides)
-    raise TypeError(f"weft: {name} must be a torch tensor or support DLPack (__dlpack__), got {type(x).__name__}")
+    raise WeftTypeError(f"weft: {name} must be a torch tensor or support DLPack (__dlpack__), got {type(x).__name__}")
 
 
 def _compact(shape, strides):
@@ -177,7 +199,7 @@ def _compact(shape, strides):
 def _comm(comm):
     c = comm if comm is not None else _default
     if c is None:
-        raise RuntimeError("weft: call weft.init() first (or pass comm=)")
+        raise WeftError("weft: call weft.init() first (or pass comm=)")
     return c
 
 
@@ -192,9 +214,9 @@ def _stream(c, x):
 
 def _check_input(c, a, name):
     if a.device != c.device:
-        raise ValueError(f"weft: {name} is on cuda:{a.device} but this rank uses cuda:{c.device}")
+        raise WeftValueError(f"weft: {name} is on cuda:{a.device} but this rank uses cuda:{c.device}")
     if not a.contiguous:
-        raise ValueError(f"weft: {name} must be contiguous (call .contiguous() first)")
+        raise WeftValueError(f"weft: {name} must be contiguous (call .contiguous() first)")
 
 
 def _output(c, s, like, a, shape, out, name="out"):
@@ -207,29 +229,29 @@ def _output(c, s, like, a, shape, out, name="out"):
     o = _arg(out, name, s)
     _check_input(c, o, name)
     if o.shape != tuple(shape):
-        raise ValueError(f"weft: {name} has shape {o.shape}, expected {tuple(shape)}")
+        raise WeftValueError(f"weft: {name} has shape {o.shape}, expected {tuple(shape)}")
     if o.dtype != a.dtype:
-        raise TypeError(f"weft: {name} has dtype {o.dtype}, the input {a.dtype}")
+        raise WeftTypeError(f"weft: {name} has dtype {o.dtype}, the input {a.dtype}")
     return out, o
 
 
 def _dim(dim, ndim):
     if ndim == 0:
-        raise ValueError("weft: a 0-d tensor has no dimension to gather or scatter")
+        raise WeftValueError("weft: a 0-d tensor has no dimension to gather or scatter")
     d = dim + ndim if dim < 0 else dim
     if not 0 <= d < ndim:
-        raise ValueError(f"weft: dim {dim} is out of range for a {ndim}-d tensor")
+        raise WeftValueError(f"weft: dim {dim} is out of range for a {ndim}-d tensor")
     return d
 
 
-def _prepare(x, comm, op=None):
-    """Communicator, stream and checked input of an op call."""
+def _prepare(x, comm, op=None, name="x"):
+    """Communicator, stream and checked input (called `name` in messages) of an op call."""
     c = _comm(comm)
     if op is not None and op not in _OPS:
-        raise ValueError(f"weft: unsupported reduction op {op!r}: use sum, max or min")
+        raise WeftValueError(f"weft: unsupported reduction op {op!r}: use sum, max or min")
     s = _stream(c, x)
-    a = _arg(x, "x", s)
-    _check_input(c, a, "x")
+    a = _arg(x, name, s)
+    _check_input(c, a, name)
     return c, s, a
 
 
@@ -263,7 +285,7 @@ def reduce_scatter(x, dim=0, op="sum", out=None, comm=None):
     d = _dim(dim, len(a.shape))
     w = c.world_size
     if a.shape[d] % w:
-        raise ValueError(f"weft: dim {dim} has size {a.shape[d]}, not divisible by the world size {w}")
+        raise WeftValueError(f"weft: dim {dim} has size {a.shape[d]}, not divisible by the world size {w}")
     shape = list(a.shape)
     shape[d] //= w
     out, o = _output(c, s, x, a, shape, out)
@@ -278,7 +300,7 @@ def all_to_all(x, out=None, comm=None):
     c, s, a = _prepare(x, comm)
     w = c.world_size
     if a.numel % w:
-        raise ValueError(f"weft: x has {a.numel} elements, not divisible by the world size {w}")
+        raise WeftValueError(f"weft: x has {a.numel} elements, not divisible by the world size {w}")
     out, o = _output(c, s, x, a, a.shape, out)
     _weft.all_to_all(c._c, a.ptr, o.ptr, a.numel // w, a.dtype, s)
     return out
@@ -289,27 +311,27 @@ def all_to_all(x, out=None, comm=None):
 
 def _matmul_operands(a, b, comm):
     """Checks A [rows, K] and B ([K, N] contiguous, or the .t() view of a contiguous [N, K] weight)."""
-    c, s, x = _prepare(a, comm)
+    c, s, x = _prepare(a, comm, name="a")
     w = _arg(b, "b", s)
     if w.device != c.device:
-        raise ValueError(f"weft: b is on cuda:{w.device} but this rank uses cuda:{c.device}")
+        raise WeftValueError(f"weft: b is on cuda:{w.device} but this rank uses cuda:{c.device}")
     for name, t in (("a", x), ("b", w)):
         if t.dtype != "bf16":
-            raise TypeError(f"weft: {name} must be bf16 for the matmul ops, got {t.dtype}")
+            raise WeftTypeError(f"weft: {name} must be bf16 for the matmul ops, got {t.dtype}")
         if len(t.shape) != 2:
-            raise ValueError(f"weft: {name} must be 2-D, got shape {t.shape}")
+            raise WeftValueError(f"weft: {name} must be 2-D, got shape {t.shape}")
     k, n = w.shape
     if x.shape[1] != k:
-        raise ValueError(f"weft: a is {x.shape} and b is {w.shape}: the inner dimensions differ")
+        raise WeftValueError(f"weft: a is {x.shape} and b is {w.shape}: the inner dimensions differ")
     if w.contiguous:
         layout = "kn"
     elif w.strides == (1, k) or (n == 1 and w.strides[0] == 1):
         layout = "nk"  # b = weight.t() of a contiguous [N, K] weight
     else:
-        raise ValueError("weft: b must be a contiguous [K, N] tensor or the .t() view of a contiguous [N, K] "
+        raise WeftValueError("weft: b must be a contiguous [K, N] tensor or the .t() view of a contiguous [N, K] "
                          f"weight (got strides {w.strides})")
     if n % 8 or k % 8:
-        raise ValueError(f"weft: K = {k} and N = {n} must be multiples of 8 (TMA needs 16-byte rows)")
+        raise WeftValueError(f"weft: K = {k} and N = {n} must be multiples of 8 (TMA needs 16-byte rows)")
     return c, s, x, w, layout, n, k
 
 
@@ -332,7 +354,7 @@ def _summed_matmul(native_op, a, b, out, comm, scatter):
     c, s, x, w, layout, n, k = _matmul_operands(a, b, comm)
     m = x.shape[0]
     if m % c.world_size:
-        raise ValueError(f"weft: a has {m} rows, not divisible by the world size {c.world_size}")
+        raise WeftValueError(f"weft: a has {m} rows, not divisible by the world size {c.world_size}")
     out, o = _output(c, s, a, x, (m // c.world_size if scatter else m, n), out)
     native_op(c._c, x.ptr, w.ptr, o.ptr, m, n, k, layout, s)
     return out
@@ -346,3 +368,10 @@ def matmul_reduce_scatter(a, b, out=None, comm=None):
 def matmul_all_reduce(a, b, out=None, comm=None):
     """The [M, N] product a @ b summed over ranks, on every rank."""
     return _summed_matmul(_weft.matmul_all_reduce, a, b, out, comm, scatter=False)
+
+
+# Communicator's bound ops say what the module-level ones say.
+for _name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul",
+              "matmul_reduce_scatter", "matmul_all_reduce"):
+    getattr(Communicator, _name).__doc__ = globals()[_name].__doc__
+del _name

@@ -102,14 +102,7 @@ std::string device_name(int dev) {
 }
 
 void init_driver() {
-  int n = 0;
-  cudaError_t e = cudaGetDeviceCount(&n);
-  if (e == cudaErrorNoDevice || (e == cudaSuccess && n == 0))
-    throw_error(
-        "weft: no CUDA GPU is visible (check the driver, CUDA_VISIBLE_DEVICES, and that this machine has "
-        "one)");
-  if (e != cudaSuccess)
-    throw_error(std::string("weft: cannot use CUDA: ") + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+  if (const std::string why = cuda_unavailable_reason(); !why.empty()) throw_error("weft: " + why);
   WEFT_CU_CHECK(driver().cuInit(0));
 }
 
@@ -157,6 +150,26 @@ T from_bytes(const std::string& s) {
 }
 
 }  // namespace
+
+std::string cuda_unavailable_reason() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e == cudaSuccess && n > 0) return {};
+  cudaGetLastError();
+  int drv = 0, rt = 0;
+  cudaDriverGetVersion(&drv);  // 0 when no driver is loaded
+  cudaRuntimeGetVersion(&rt);
+  auto version = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
+  if (drv == 0)
+    return "no NVIDIA driver on this machine (libcuda.so.1 not found): weft needs an NVIDIA GPU (Hopper, "
+           "sm_90) with its driver";
+  if (e == cudaErrorInsufficientDriver)
+    return "the NVIDIA driver supports CUDA up to " + version(drv) + " but weft was built with the CUDA " +
+           version(rt) + " runtime: update the driver";
+  if (e == cudaErrorNoDevice || e == cudaSuccess)
+    return "no CUDA GPU is visible (check that this machine has one, its driver, and CUDA_VISIBLE_DEVICES)";
+  return std::string("CUDA cannot be used: ") + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+}
 
 // ---- creation --------------------------------------------------------------------------------
 

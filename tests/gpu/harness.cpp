@@ -146,11 +146,12 @@ int main(int argc, char** argv) {
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
 
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    std::printf("SKIPPED: weft-gpu-tests: no CUDA GPU visible on this machine; the GPU suite did not run\n");
+  if (const std::string why = weft::cuda_unavailable_reason(); !why.empty()) {
+    std::printf("SKIPPED: weft-gpu-tests: %s; the GPU suite did not run\n", why.c_str());
     return 77;
   }
+  int ndev = 0;
+  WEFT_CUDA_CHECK(cudaGetDeviceCount(&ndev));
   std::optional<weft::LaunchEnv> env;
   try {
     env = weft::parse_launch_env(weft::process_env(), static_cast<long>(::getppid()));

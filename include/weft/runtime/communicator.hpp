@@ -42,6 +42,10 @@ namespace weft {
 class Channel;
 class HeapAllocator;
 
+// Why CUDA cannot be used here ("" when at least one GPU is visible): no NVIDIA driver, a driver older than
+// the CUDA runtime weft was built with, or no visible GPU. Every weft entry point that finds no GPU says this.
+std::string cuda_unavailable_reason();
+
 inline constexpr int kRuntimeBarrierSlot = kUserBarrierSlots;      // used by Communicator::device_barrier
 inline constexpr int kCollectiveSlotBase = kUserBarrierSlots + 1;  // collectives: slot base + block index
 inline constexpr int kCollectiveMaxBlocks = kBarrierSlots - kCollectiveSlotBase;
