@@ -13,13 +13,13 @@ namespace {
 
 using weft::lcsc::SchedulerParams;
 using weft::lcsc::Tile;
-using weft::lcsc::TileScheduler;
+using weft::lcsc::GemmTileScheduler;
 
 // Each block's tiles in its order.
 std::vector<std::vector<Tile>> walk(const SchedulerParams& p) {
   std::vector<std::vector<Tile>> blocks(p.compute_blocks);
   for (int b = 0; b < p.compute_blocks; ++b) {
-    TileScheduler s(p, b / p.cluster_m, b % p.cluster_m);
+    GemmTileScheduler s(p, b / p.cluster_m, b % p.cluster_m);
     Tile t;
     while (s.next(t)) blocks[b].push_back(t);
   }

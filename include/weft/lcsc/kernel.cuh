@@ -12,18 +12,25 @@
 //
 // An op is a struct of roles and types:
 //   kConsumerWarpgroups, kClusterSize, kLoaderRegs, kConsumerRegs
-//   Params (with `SchedulerParams sched`; passed as __grid_constant__), Smem (with `Pipeline::Storage pipe`),
-//   Pipeline, Accum, StoreState
-//   static load(p, smem, pipe, PipeState&, const Tile&)                 loader thread
-//   static compute(p, smem, pipe, PipeState&, const Tile&, wg, Accum&)  consumer warpgroup wg
-//   static store(p, smem, const Tile&, wg, const Accum&, StoreState&)   consumer warpgroup wg
+//   Scheduler (the op's work items and their order, below), Params (with `Scheduler::Params sched`; passed
+//   as __grid_constant__), Smem (with `Pipeline::Storage pipe`), Pipeline, Accum, StoreState
+//   static load(p, smem, pipe, PipeState&, const Work&)                 loader thread
+//   static compute(p, smem, pipe, PipeState&, const Work&, wg, Accum&)  consumer warpgroup wg
+//   static store(p, smem, const Work&, wg, const Accum&, StoreState&)   consumer warpgroup wg
 // and optionally:
 //   static init(p, smem)                                   thread 0, before the block syncs (own barriers)
-//   static wait_inputs(p, const Tile&)                     loader thread, before a tile's loads: the hook
-//                                                          for "inputs of this tile have arrived" (a wait on
-//                                                          a flag set by a peer or a communicator block)
-//   static finish(p, smem, wg, StoreState&)                consumer warpgroup after its last tile
+//   static wait_inputs(p, const Work&)                     loader thread, before an item's loads: the hook
+//                                                          for "inputs of this item have arrived" (a wait
+//                                                          on a flag set by a peer or a communicator block)
+//   static finish(p, smem, wg, StoreState&)                consumer warpgroup after its last item
 //   static communicate(p, smem, index, count)              every thread of a communicator block
+// Work is Scheduler::Work. A scheduler hands each compute block (cluster) its work items in turn:
+//   using Params; using Work;                              its launch arguments; one work item
+//   static int compute_blocks(const Params&)               blocks below it compute, the rest communicate
+//   Scheduler(const Params&, int cluster_index, int cluster_rank)    on the device, per block
+//   bool next(Work&)                                       the block's next item; false when done
+// The loader and every consumer warpgroup walk the same sequence. GemmTileScheduler (lcsc/scheduler.cuh)
+// serves GEMM-shaped ops: output tiles in grouped, rotated, optionally owner-interleaved order.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -57,12 +64,14 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
   extern __shared__ __align__(1024) uint8_t lcsc_smem[];
   using Smem = typename Op::Smem;
   Smem& smem = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(lcsc_smem) + 1023) & ~uintptr_t(1023));
-  const SchedulerParams& sp = p.sched;
+  using Scheduler = typename Op::Scheduler;
+  using Work = typename Scheduler::Work;
+  const int compute_blocks = Scheduler::compute_blocks(p.sched);
 
-  if (static_cast<int>(blockIdx.x) >= sp.compute_blocks) {
+  if (static_cast<int>(blockIdx.x) >= compute_blocks) {
     if constexpr (requires { Op::communicate(p, smem, 0, 0); })
-      Op::communicate(p, smem, static_cast<int>(blockIdx.x) - sp.compute_blocks,
-                      static_cast<int>(gridDim.x) - sp.compute_blocks);
+      Op::communicate(p, smem, static_cast<int>(blockIdx.x) - compute_blocks,
+                      static_cast<int>(gridDim.x) - compute_blocks);
     return;
   }
 
@@ -78,13 +87,13 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
     __syncthreads();
 
   const int rank = Op::kClusterSize > 1 ? static_cast<int>(tile::cluster_ctarank()) : 0;
-  TileScheduler sched(sp, static_cast<int>(blockIdx.x) / Op::kClusterSize, rank);
+  Scheduler sched(p.sched, static_cast<int>(blockIdx.x) / Op::kClusterSize, rank);
   const int wg = tile::warpgroup_index();
   if (wg == 0) {
     tile::setmaxnreg_dec<Op::kLoaderRegs>();
     if (threadIdx.x == 0) {
       PipeState st;
-      Tile t;
+      Work t;
       while (sched.next(t)) {
         if constexpr (requires { Op::wait_inputs(p, t); }) Op::wait_inputs(p, t);
         Op::load(p, smem, pipe, st, t);
@@ -96,7 +105,7 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
     typename Op::Accum acc{};
     typename Op::StoreState es{};
     PipeState st;
-    Tile t;
+    Work t;
     while (sched.next(t)) {
       Op::compute(p, smem, pipe, st, t, c, acc);
       Op::store(p, smem, t, c, acc, es);

@@ -1,4 +1,5 @@
-// The persistent tile scheduler of the LCSC template.
+// The GEMM tile scheduler: a scheduler of the LCSC template (lcsc/kernel.cuh says what a scheduler is) for
+// ops whose work items are output tiles of a GEMM.
 //
 // Output tiles are grouped for L2 reuse: the tile grid is cut into bands of `group_m` tile rows, and a band
 // is walked column by column (down the rows of the band first), so the blocks running at the same time share
@@ -18,7 +19,7 @@
 
 namespace weft::lcsc {
 
-struct SchedulerParams {
+struct SchedulerParams {  // GemmTileScheduler::Params
   int tiles_m = 0;         // CTA tiles along M
   int tiles_n = 0;         // CTA tiles along N
   int cluster_m = 1;       // CTAs per cluster, stacked along M (must match the op's kClusterSize)
@@ -30,15 +31,20 @@ struct SchedulerParams {
   __host__ __device__ int units() const { return units_m() * tiles_n; }
 };
 
-struct Tile {
+struct Tile {  // GemmTileScheduler::Work
   int m = 0, n = 0;   // tile coordinates (multiply by the tile shape for element offsets)
   int unit = 0;       // position in the grouped order (after rotation)
   int iteration = 0;  // how many tiles this block took before this one
 };
 
-class TileScheduler {
+class GemmTileScheduler {
  public:
-  __host__ __device__ TileScheduler(const SchedulerParams& p, int cluster_index, int cluster_rank)
+  using Params = SchedulerParams;
+  using Work = Tile;
+  // Blocks [0, compute_blocks) of the grid compute; the rest communicate.
+  __host__ __device__ static int compute_blocks(const Params& p) { return p.compute_blocks; }
+
+  __host__ __device__ GemmTileScheduler(const SchedulerParams& p, int cluster_index, int cluster_rank)
       : p_(p),
         next_(cluster_index),
         stride_(p.compute_blocks / p.cluster_m),

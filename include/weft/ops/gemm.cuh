@@ -37,6 +37,7 @@ struct GemmOp {
   // 384 threads start with 168 registers each; the loader gives 128 x 128 back, the consumers take them.
   static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;
 
+  using Scheduler = lcsc::GemmTileScheduler;  // output tiles (lcsc::Tile) in grouped order
   using Mainloop = lcsc::WgmmaMainloop<kBM, kBN, kBK, kStages, kBKMajor, kCluster>;
   using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN, kConsumerWarpgroups>;
   using Pipeline = typename Mainloop::Pipeline;
