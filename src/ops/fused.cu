@@ -8,6 +8,7 @@
 
 #include "../runtime/driver.hpp"
 #include "cublas_gemm.hpp"
+#include "fused_rules.hpp"
 #include "op_args.hpp"
 #include "ring_schedule.hpp"
 #include "weft/runtime/current_device.hpp"
@@ -471,34 +472,6 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
   reduce_staged(c, inbox, slice, out, gathers ? inbox + W * slice : nullptr, all_reduce);
 }
 
-// kAuto's choice, from weft-bench fused on 4x H200 at 4 and 2 GPUs (bench/RESULTS.md):
-// - all_gather_matmul with N <= 4096 per rank at M >= 8192 (communication outweighs the GEMM), 4 GPUs: the
-//   fused kernel (1.47-1.83x cuBLAS + NCCL; the pipeline 1.27-1.54x there; session 4). At 2 GPUs the pipeline
-//   wins these (session 9, columns timed in turns: 785.5 vs 857.3 us at 8192^3, 1592.3 vs 1777.9 at M =
-//   16384, 3293.1 vs 3612.2 at 32768), so they take the rule below.
-// - matmul_reduce_scatter / matmul_all_reduce at 4 GPUs with M x N up to 2^27 (output up to 256 MiB): the
-//   fused kernel (session 6: 1.05-1.40x faster than the path chosen before, which was the pipeline from
-//   16 MiB pushes and cuBLAS + weft's collective below; session 7, with the owners' rows interleaved, also
-//   at M x N = 2^27: RS 16384 x 8192 982-984 vs 1015-1038 us, AR 1430-1441 vs 1513-1550, two runs; above
-//   2^27 the pipeline ties or wins). At 2 GPUs below 2^25 (session 10, against the ring pipeline: RS 1024 x
-//   8192 116.5 vs 138.3 us, 1024 x 28672 401.2 vs 449.2; AR 137.6 vs 172.6, 442.6 vs 497.4; at 2048 x 8192
-//   within 2-5%); from 2^25 on the ring pipeline wins at 2 GPUs (4096 x 8192: RS 434.0 vs 453.2).
-// - elsewhere the copy-engine pipeline once each push (M / W rows of A for AG, of the output for RS / AR)
-//   is >= 16 MiB, or >= 8 MiB at 2 GPUs (one push per call instead of W - 1 in a row). It won 1.04-1.51x at
-//   4 GPUs and 1.07-1.47x at 2 GPUs (session 4); with 8 MiB pushes at 4 GPUs it lost (0.84-0.98x). The
-//   exception: all_gather_matmul at 2 GPUs with N / W > 4096 (the GEMM dwarfs the gather) tied or lost with
-//   8 MiB pushes (0.93x, 1.00x; the sequential path 1.09x), so it too waits for 16 MiB.
-// - below that, cuBLAS + weft's collective (1.03-1.36x cuBLAS + NCCL).
-// World sizes above 4 were not measured; they take the 4-GPU rule.
-FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int64_t k, int world) {
-  if (all_gather && world >= 4 && m >= 8192 && n_per_rank <= 4096) return FusedPath::kFused;
-  if (!all_gather && world >= 4 && m * n_per_rank <= (int64_t(1) << 27)) return FusedPath::kFused;
-  if (!all_gather && world == 2 && m * n_per_rank < (int64_t(1) << 25)) return FusedPath::kFused;
-  const uint64_t push_bytes = uint64_t(m / world) * (all_gather ? k : n_per_rank) * 2;
-  const bool one_push = world == 2 && !(all_gather && n_per_rank > 4096);
-  return push_bytes >= (one_push ? 8u << 20 : 16u << 20) ? FusedPath::kPipelined : FusedPath::kSequential;
-}
-
 // The storer writes whole 64-row halves of a tile into one owner's slot: shards of whole halves only.
 std::string rs_why_not(const Call& c, int64_t m) {
   const int64_t rows = m / c.rank.world();
@@ -527,7 +500,7 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
   const bool fits = W * chunks <= ops::kFusedFlags && chunk_rows <= INT32_MAX;
   const std::string why_not = fits ? c.why_not_in_budget<ops::AgGemmOp<true, 1>>(ag_comm_blocks(rank, o))
                                    : "more A chunks than flags";
-  const FusedPath path = c.path(o, m, why_not, auto_path(true, m, n, k, W));
+  const FusedPath path = c.path(o, m, why_not, ops::auto_path(true, m, n, k, W));
   if (path == FusedPath::kPipelined) {
     pipelined_ag(c, a_shard, b, out, gathered_a, m, n, k, layout);
     return path;
@@ -554,7 +527,7 @@ FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, c
   Call c(comm, rank, stream, "matmul_reduce_scatter", m, n, k);
   const int64_t rows = m / rank.world();
   c.check_operands(a, "a", m, b, out, rows, m, n, k, layout);
-  const FusedPath path = c.path(o, m, rs_why_not(c, m), auto_path(false, m, n, k, rank.world()));
+  const FusedPath path = c.path(o, m, rs_why_not(c, m), ops::auto_path(false, m, n, k, rank.world()));
   if (path == FusedPath::kPipelined) {
     pipelined_rs(c, a, b, out, m, n, k, layout, false, o.pipeline_pieces);
     return path;
@@ -579,7 +552,7 @@ FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const
   Call c(comm, rank, stream, "matmul_all_reduce", m, n, k);
   const int W = rank.world();
   c.check_operands(a, "a", m, b, out, m, m, n, k, layout);
-  const FusedPath path = c.path(o, m, rs_why_not(c, m), auto_path(false, m, n, k, W));
+  const FusedPath path = c.path(o, m, rs_why_not(c, m), ops::auto_path(false, m, n, k, W));
   if (path == FusedPath::kPipelined) {
     pipelined_rs(c, a, b, out, m, n, k, layout, true, o.pipeline_pieces);
     return path;

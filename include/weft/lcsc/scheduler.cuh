@@ -19,7 +19,7 @@
 
 namespace weft::lcsc {
 
-struct SchedulerParams {  // GemmTileScheduler::Params
+struct SchedulerParams {   // GemmTileScheduler::Params
   int tiles_m = 0;         // CTA tiles along M
   int tiles_n = 0;         // CTA tiles along N
   int cluster_m = 1;       // CTAs per cluster, stacked along M (must match the op's kClusterSize)
@@ -31,7 +31,7 @@ struct SchedulerParams {  // GemmTileScheduler::Params
   __host__ __device__ int units() const { return units_m() * tiles_n; }
 };
 
-struct Tile {  // GemmTileScheduler::Work
+struct Tile {         // GemmTileScheduler::Work
   int m = 0, n = 0;   // tile coordinates (multiply by the tile shape for element offsets)
   int unit = 0;       // position in the grouped order (after rotation)
   int iteration = 0;  // how many tiles this block took before this one

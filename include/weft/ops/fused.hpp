@@ -20,7 +20,7 @@
 // reserve_workspace).
 //
 // Three paths (FusedPath), each forced by its Mode; kAuto takes the one that measured fastest for the
-// shape (auto_path in src/ops/fused.cu, from bench/RESULTS.md), or kSequential below
+// shape (the table in src/ops/fused_rules.hpp, each row with its measurement), or kSequential below
 // FusedOptions::min_fused_m:
 //   kFused      one kernel (plus the reduce for RS / AR), as above: all_gather_matmul's where
 //               communication outweighs the GEMM, RS / AR's at 4 GPUs up to 256 MiB of output.

@@ -1,0 +1,58 @@
+// kAuto's choice of path for the fused tensor-parallel ops, as data: which measured shapes take the fused
+// kernel, and from which push size the copy-engine pipeline beats cuBLAS + weft's collective. Each row names
+// the measurement it comes from (bench/RESULTS.md, "Fused tensor-parallel ops"). Host only, so the rule is
+// tested on the host (tests/host/test_fused_rules.cpp). World sizes above 4 were not measured: they take the
+// 4-GPU rows.
+#pragma once
+#include <cstdint>
+
+#include "weft/ops/fused.hpp"
+
+namespace weft::ops {
+
+// The fused kernel, where a row matches: the op (all_gather_matmul, or matmul_reduce_scatter /
+// matmul_all_reduce), the world sizes, and bounds on M, N per rank and M x N per rank (inclusive).
+struct FusedKernelRule {
+  bool all_gather;
+  int min_world, max_world;
+  int64_t min_m, max_n_per_rank, max_mn;
+  const char* measured;
+};
+inline constexpr int64_t kNoBound = INT64_MAX;
+inline constexpr int kAnyWorld = 1 << 30;
+inline constexpr FusedKernelRule kFusedKernelRules[] = {
+    // Communication outweighs the GEMM: N <= 4096 per rank at M >= 8192.
+    {true, 4, kAnyWorld, 8192, 4096, kNoBound,
+     "4 x H200, session 4: 1.47-1.83x cuBLAS + NCCL, the pipeline 1.27-1.54x; at 2 GPUs the pipeline wins "
+     "these (session 9: 785.5 vs 857.3 us at 8192^3)"},
+    // Output up to 256 MiB.
+    {false, 4, kAnyWorld, 0, kNoBound, int64_t(1) << 27,
+     "4 x H200, sessions 6-7: 1.05-1.40x faster than the path before; RS 16384 x 8192 982-984 vs 1015-1038 "
+     "us, "
+     "AR 1430-1441 vs 1513-1550; above 2^27 the pipeline ties or wins"},
+    {false, 2, 2, 0, kNoBound, (int64_t(1) << 25) - 1,
+     "2 x H200, session 10, against the ring pipeline: RS 1024 x 8192 116.5 vs 138.3 us, AR 137.6 vs 172.6; "
+     "from 2^25 the pipeline wins (4096 x 8192 RS 434.0 vs 453.2)"},
+};
+
+// The pipeline, elsewhere, once each push (M / W rows of A for AG, of the output for RS / AR) reaches
+// kPipelineMinPush, or kPipelineMinPushOnePeer where one push per call goes to one peer (2 GPUs), except
+// all_gather_matmul at 2 GPUs with N per rank above kOnePeerAgMaxN (the GEMM dwarfs the gather).
+// Measured: 4 x H200, session 4: 1.04-1.51x at 4 GPUs and 1.07-1.47x at 2 GPUs over the sequential path;
+// 8 MiB pushes at 4 GPUs lost (0.84-0.98x); AG at 2 GPUs with N / W > 4096 tied or lost with 8 MiB pushes
+// (0.93x, 1.00x; the sequential path 1.09x). Below: cuBLAS + weft's collective (1.03-1.36x cuBLAS + NCCL).
+inline constexpr uint64_t kPipelineMinPush = 16u << 20, kPipelineMinPushOnePeer = 8u << 20;
+inline constexpr int64_t kOnePeerAgMaxN = 4096;
+
+inline FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int64_t k, int world) {
+  for (const FusedKernelRule& r : kFusedKernelRules)
+    if (r.all_gather == all_gather && world >= r.min_world && world <= r.max_world && m >= r.min_m &&
+        n_per_rank <= r.max_n_per_rank && m * n_per_rank <= r.max_mn)
+      return FusedPath::kFused;
+  const uint64_t push_bytes = uint64_t(m / world) * uint64_t(all_gather ? k : n_per_rank) * 2;
+  const bool one_peer = world == 2 && !(all_gather && n_per_rank > kOnePeerAgMaxN);
+  return push_bytes >= (one_peer ? kPipelineMinPushOnePeer : kPipelineMinPush) ? FusedPath::kPipelined
+                                                                               : FusedPath::kSequential;
+}
+
+}  // namespace weft::ops

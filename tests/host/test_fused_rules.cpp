@@ -1,0 +1,51 @@
+// kAuto's path rule for the fused TP ops (src/ops/fused_rules.hpp): the decisions at the edges of every row
+// of the table, so that a change of the rule is a visible change of these expectations.
+#include <gtest/gtest.h>
+
+#include "ops/fused_rules.hpp"
+
+using weft::FusedPath;
+using weft::ops::auto_path;
+
+namespace {
+constexpr bool kAG = true, kRS = false;
+}
+
+TEST(FusedRules, AllGatherMatmulFusedWhereCommunicationOutweighsTheGemm) {
+  EXPECT_EQ(auto_path(kAG, 8192, 4096, 8192, 4), FusedPath::kFused);
+  EXPECT_EQ(auto_path(kAG, 8192, 4096, 8192, 8), FusedPath::kFused);  // larger teams take the 4-GPU rows
+  EXPECT_NE(auto_path(kAG, 8192, 4104, 8192, 4), FusedPath::kFused);  // N per rank above 4096
+  EXPECT_NE(auto_path(kAG, 4096, 4096, 8192, 4), FusedPath::kFused);  // M below 8192
+  EXPECT_NE(auto_path(kAG, 8192, 4096, 8192, 2), FusedPath::kFused);  // 2 GPUs: the pipeline won
+}
+
+TEST(FusedRules, SummedMatmulsFusedUpTo256MiBAtFourAndBelow64MiBAtTwo) {
+  EXPECT_EQ(auto_path(kRS, 16384, 8192, 8192, 4), FusedPath::kFused);  // M x N = 2^27: included
+  EXPECT_NE(auto_path(kRS, 16384, 8200, 8192, 4), FusedPath::kFused);
+  EXPECT_EQ(auto_path(kRS, 2048, 8192, 8192, 2), FusedPath::kFused);  // 2^24
+  EXPECT_NE(auto_path(kRS, 4096, 8192, 8192, 2), FusedPath::kFused);  // 2^25: excluded at 2 GPUs
+  EXPECT_NE(auto_path(kRS, 1024, 8192, 8192, 3), FusedPath::kFused);  // 3 GPUs: no row
+}
+
+TEST(FusedRules, PipelineFromSixteenMiBPushesEightWithOnePeer) {
+  // RS at 4 GPUs above 2^27: push = M / 4 rows x N x 2 bytes.
+  EXPECT_EQ(auto_path(kRS, 32768, 8192, 8192, 4), FusedPath::kPipelined);  // 128 MiB pushes
+  // 3 GPUs (no fused row): 16 MiB pushes pipeline, less does not.
+  EXPECT_EQ(auto_path(kRS, 3072, 8192, 8192, 3), FusedPath::kPipelined);   // 1024 rows x 8192 x 2 = 16 MiB
+  EXPECT_EQ(auto_path(kRS, 1536, 8192, 8192, 3), FusedPath::kSequential);  // 8 MiB
+  // 2 GPUs: from 2^25 (not fused) the push is M x N bytes >= 32 MiB.
+  EXPECT_EQ(auto_path(kRS, 4096, 8192, 8192, 2), FusedPath::kPipelined);
+  // AG at 2 GPUs, one push per call: 8 MiB is enough where N per rank <= 4096.
+  EXPECT_EQ(auto_path(kAG, 1024, 4096, 8192, 2), FusedPath::kPipelined);  // 512 rows x 8192 x 2 = 8 MiB
+  EXPECT_EQ(auto_path(kAG, 512, 4096, 8192, 2), FusedPath::kSequential);  // 4 MiB
+  // AG at 2 GPUs with N per rank above 4096 waits for 16 MiB pushes (of A: M / 2 rows x K x 2 bytes).
+  EXPECT_EQ(auto_path(kAG, 1024, 8192, 8192, 2), FusedPath::kSequential);  // 8 MiB
+  EXPECT_EQ(auto_path(kAG, 2048, 8192, 8192, 2), FusedPath::kPipelined);   // 16 MiB
+}
+
+TEST(FusedRules, EveryRowSaysWhereItWasMeasured) {
+  for (const auto& r : weft::ops::kFusedKernelRules) {
+    EXPECT_NE(std::string(r.measured).find("H200"), std::string::npos) << r.measured;
+    EXPECT_LE(r.min_world, r.max_world);
+  }
+}
