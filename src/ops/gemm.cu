@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdio>
+#include <map>
 #include <mutex>
 #include <string>
 
@@ -38,12 +39,12 @@ struct DeviceFacts {
 };
 DeviceFacts device_facts() {
   static std::mutex mu;
-  static DeviceFacts cached[64] = {};
+  static std::map<int, DeviceFacts> cached;  // by device
   int dev = 0;
   WEFT_CUDA_CHECK(cudaGetDevice(&dev));
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (dev < 64 && cached[dev].cc) return cached[dev];
+    if (auto it = cached.find(dev); it != cached.end()) return it->second;
   }
   int major = 0, minor = 0;
   DeviceFacts f;
@@ -53,7 +54,7 @@ DeviceFacts device_facts() {
   WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev));
   f.cc = major * 10 + minor;
   std::lock_guard<std::mutex> lock(mu);
-  if (dev < 64) cached[dev] = f;
+  cached[dev] = f;
   return f;
 }
 

@@ -35,6 +35,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
 #include <mutex>
 
 #include "weft/lcsc/pipeline.cuh"
@@ -125,7 +126,6 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
 // ---- host ------------------------------------------------------------------------------------
 template <class Op>
 struct Launcher {
-  static constexpr int kMaxDevices = 64;
   static_assert(kSmemBytes<Op> <= kMaxSmemBytes, "the op's shared memory exceeds 227 KiB per block");
 
   // The launch configuration of `blocks` blocks in clusters of Op::kClusterSize (`attr` holds the cluster
@@ -149,11 +149,11 @@ struct Launcher {
   // Op::kClusterSize blocks can be resident at once: the size of a persistent grid that never waits.
   static int max_resident_clusters() {
     static std::mutex mu;
-    static int cached[kMaxDevices] = {};
+    static std::map<int, int> cached;  // by device
     int dev = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&dev));
     std::lock_guard<std::mutex> lock(mu);
-    if (dev < kMaxDevices && cached[dev] > 0) return cached[dev];
+    if (auto it = cached.find(dev); it != cached.end()) return it->second;
     const auto kernel = persistent_kernel<Op>;
     WEFT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(kSmemBytes<Op>)));
@@ -171,7 +171,7 @@ struct Launcher {
     }
     WEFT_CHECK(n > 0, "the LCSC kernel does not fit on this GPU (" + std::to_string(kSmemBytes<Op>) +
                           " bytes of shared memory, " + std::to_string(kThreads<Op>) + " threads per block)");
-    if (dev < kMaxDevices) cached[dev] = n;
+    cached[dev] = n;
     return n;
   }
 
