@@ -32,7 +32,7 @@ __device__ __forceinline__ uint64_t barrier_arrive(const TeamView& team, int slo
   return epoch;
 }
 
-__device__ __forceinline__ bool barrier_wait(const TeamView& team, int slot, uint64_t epoch) {
+[[nodiscard]] __device__ __forceinline__ bool barrier_wait(const TeamView& team, int slot, uint64_t epoch) {
   bool ok = true;
   const int nthreads = blockDim.x * blockDim.y * blockDim.z;
   for (int p = detail::linear_thread(); p < team.world; p += nthreads)
@@ -40,11 +40,11 @@ __device__ __forceinline__ bool barrier_wait(const TeamView& team, int slot, uin
   return __syncthreads_and(ok) != 0;
 }
 
-__device__ __forceinline__ bool barrier_block(const TeamView& team, int slot = 0) {
+[[nodiscard]] __device__ __forceinline__ bool barrier_block(const TeamView& team, int slot = 0) {
   return barrier_wait(team, slot, barrier_arrive(team, slot));
 }
 
-__device__ __forceinline__ bool barrier_grid(const TeamView& team, int slot = 0) {
+[[nodiscard]] __device__ __forceinline__ bool barrier_grid(const TeamView& team, int slot = 0) {
   __shared__ int ok_shared;
   const uint64_t nblocks = uint64_t(gridDim.x) * gridDim.y * gridDim.z;
   __syncthreads();

@@ -125,7 +125,8 @@ struct Identity {
 
 // Waits until this rank's `flag` (a pointer into its own heap) is >= `want`. Returns false (and records why)
 // on timeout or abort; the caller should then stop its work and return.
-__device__ __forceinline__ bool wait_ge(const TeamView& team, const uint64_t* flag, uint64_t want) {
+[[nodiscard]] __device__ __forceinline__ bool wait_ge(const TeamView& team, const uint64_t* flag,
+                                                      uint64_t want) {
   // Short waits (a signal already in flight) finish here, without the slow path's call and clock reads.
 #pragma unroll 1
   for (int i = 0; i < 16; ++i)
@@ -134,7 +135,8 @@ __device__ __forceinline__ bool wait_ge(const TeamView& team, const uint64_t* fl
 }
 
 // The same for a flag that only threads of this GPU write (e.g. blocks of one kernel meeting).
-__device__ __forceinline__ bool wait_ge_local(const TeamView& team, const uint64_t* flag, uint64_t want) {
+[[nodiscard]] __device__ __forceinline__ bool wait_ge_local(const TeamView& team, const uint64_t* flag,
+                                                            uint64_t want) {
   if (ptx::ld_acquire_gpu(flag) >= want) return true;
   return detail::wait_slow<false>(team, flag, want, detail::AtLeast{want}, detail::Identity{});
 }
@@ -142,8 +144,8 @@ __device__ __forceinline__ bool wait_ge_local(const TeamView& team, const uint64
 // Waits until `done(*flag)` holds for a condition other than ">=" (e.g. a word whose upper half carries a
 // call epoch); `want` and `observe(value)` describe it in a failure report.
 template <class Done, class Observe>
-__device__ __forceinline__ bool wait_until(const TeamView& team, const uint64_t* flag, uint64_t want,
-                                           Done done, Observe observe) {
+[[nodiscard]] __device__ __forceinline__ bool wait_until(const TeamView& team, const uint64_t* flag,
+                                                         uint64_t want, Done done, Observe observe) {
   if (done(ptx::ld_acquire_sys(flag))) return true;
   return detail::wait_slow<true>(team, flag, want, done, observe);
 }

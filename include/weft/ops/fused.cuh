@@ -100,7 +100,9 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     const int64_t r0 = int64_t(t.m) * Base::kBM, r1 = min(r0 + Base::kBM, m_end) - 1;
     for (int64_t r = r0; r <= r1;) {  // one wait per (source, chunk) the rows touch
       const int src = int(r / p.shard_rows), j = int((r - src * p.shard_rows) / p.chunk_rows);
-      wait_ge(p.sync.team, flag(p, src, j), e);
+      // A failed wait is recorded (the host's synchronize() reports it); the loads still go out, so the
+      // consumers' pipeline drains and the kernel ends instead of hanging on its stages.
+      (void)wait_ge(p.sync.team, flag(p, src, j), e);
       r = src * p.shard_rows + min(int64_t(j + 1) * p.chunk_rows, p.shard_rows);
     }
     asm volatile("fence.proxy.async.global;" ::: "memory");  // peers' generic stores before our TMA loads
@@ -163,7 +165,9 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
                                const typename Base::Accum& acc, StoreState& es) {
     const TeamView& team = p.sync.team;
     if (!es.ready && tile::thread_in_warpgroup() == 0) {  // only the leader issues TMA: only it waits
-      wait_ge(team, team.user_flag(kFusedReadyFlag), p.sync.epoch());
+      // A failed wait is recorded and reported by synchronize(); the kernel runs to its end rather than
+      // leave the other warpgroups waiting on the epilogue's barriers.
+      (void)wait_ge(team, team.user_flag(kFusedReadyFlag), p.sync.epoch());
       asm volatile("fence.proxy.async.global;" ::: "memory");
     }
     es.ready = true;
