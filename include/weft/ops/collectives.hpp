@@ -17,14 +17,12 @@
 #include <cstdint>
 #include <string>
 
+#include "weft/dtype.hpp"
 #include "weft/runtime/communicator.hpp"
 
 namespace weft {
 
-enum class DType { kBF16, kFP16, kFP32 };
 enum class ReduceOp { kSum, kMax, kMin };
-size_t dtype_size(DType t);
-const char* dtype_name(DType t);
 const char* reduce_op_name(ReduceOp op);
 
 // A row-major 2-D tensor shape. A flat tensor of n elements is {n, 1}.

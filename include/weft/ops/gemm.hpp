@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "weft/ops/collectives.hpp"  // weft::DType (kBF16, kFP16, kFP32); C is kBF16 or kFP32
+#include "weft/dtype.hpp"  // C is kBF16 or kFP32
 
 namespace weft {
 
