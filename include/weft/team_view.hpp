@@ -19,6 +19,9 @@ inline constexpr int kUserFlags = 4096;        // signal flags free for ops and 
 inline constexpr int kBarrierSlots = 512;      // independent barriers (one block at a time per slot)
 inline constexpr int kUserBarrierSlots = 256;  // [0, 256) free for ops and users; the runtime uses the
                                                // rest (the collectives take one slot per block)
+inline constexpr int kRuntimeBarrierSlot = kUserBarrierSlots;      // used by Communicator::device_barrier
+inline constexpr int kCollectiveSlotBase = kUserBarrierSlots + 1;  // collectives: slot base + block index
+inline constexpr int kCollectiveMaxBlocks = kBarrierSlots - kCollectiveSlotBase;
 
 // Why a device-side wait gave up. Written once per rank (first error wins) into the rank's signal pad; the
 // wait returns false, the kernel winds down, and the host reads the record after synchronizing.

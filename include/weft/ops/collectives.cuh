@@ -12,7 +12,7 @@
 #include "weft/comm/barrier.cuh"
 #include "weft/comm/elementwise.cuh"
 #include "weft/device/numeric.cuh"
-#include "weft/runtime/communicator.hpp"
+#include "weft/team_view.hpp"
 
 namespace weft::coll {
 

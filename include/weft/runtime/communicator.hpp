@@ -46,9 +46,6 @@ class HeapAllocator;
 // the CUDA runtime weft was built with, or no visible GPU. Every weft entry point that finds no GPU says this.
 std::string cuda_unavailable_reason();
 
-inline constexpr int kRuntimeBarrierSlot = kUserBarrierSlots;      // used by Communicator::device_barrier
-inline constexpr int kCollectiveSlotBase = kUserBarrierSlots + 1;  // collectives: slot base + block index
-inline constexpr int kCollectiveMaxBlocks = kBarrierSlots - kCollectiveSlotBase;
 
 struct Options {
   std::vector<int> devices;  // single-process: CUDA device ordinals (default: all visible)
