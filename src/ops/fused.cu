@@ -13,6 +13,7 @@
 #include "ring_schedule.hpp"
 #include "weft/runtime/current_device.hpp"
 #include "weft/runtime/kernel_preload.hpp"
+#include "weft/lcsc/launch.cuh"
 #include "weft/ops/fused.cuh"
 #include "weft/ops/fused.hpp"
 #include "weft/tile/tma.cuh"

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <string>
 
+#include "weft/lcsc/launch.cuh"
 #include "weft/ops/gemm.cuh"
 #include "weft/ops/gemm.hpp"
 #include "weft/runtime/error.hpp"
