@@ -58,12 +58,21 @@ struct Side {  // one implementation's buffers on every GPU, `sets` rotating cop
   std::vector<SymmetricBuffer> sym;
 };
 
-// WEFT_BENCH_AR_ALGO=oneshot|twoshot forces an all-reduce algorithm (for tuning the automatic choice).
-AllReduceAlgo forced_algo() {
-  const char* v = std::getenv("WEFT_BENCH_AR_ALGO");
-  if (v && std::string(v) == "oneshot") return AllReduceAlgo::kOneShot;
-  if (v && std::string(v) == "twoshot") return AllReduceAlgo::kTwoShot;
-  return AllReduceAlgo::kAuto;
+// Tuning the automatic choices: WEFT_BENCH_AR_ALGO=oneshot|twoshot forces an all-reduce algorithm,
+// WEFT_BENCH_FLOW=pull|steps|push the reduce-scatter / two-shot flow (CollectiveOptions). Read once.
+CollectiveOptions forced_options() {
+  static const CollectiveOptions o = [] {
+    CollectiveOptions x;
+    const std::string algo = std::getenv("WEFT_BENCH_AR_ALGO") ? std::getenv("WEFT_BENCH_AR_ALGO") : "";
+    const std::string flow = std::getenv("WEFT_BENCH_FLOW") ? std::getenv("WEFT_BENCH_FLOW") : "";
+    if (algo == "oneshot") x.algo = AllReduceAlgo::kOneShot;
+    if (algo == "twoshot") x.algo = AllReduceAlgo::kTwoShot;
+    if (flow == "pull") x.flow = ReduceFlow::kPull;
+    if (flow == "steps") x.flow = ReduceFlow::kSteps;
+    if (flow == "push") x.flow = ReduceFlow::kPush;
+    return x;
+  }();
+  return o;
 }
 
 void enqueue_weft(Communicator& comm, Coll c, int i, const void* in, void* out, const Geometry& g,
@@ -72,12 +81,12 @@ void enqueue_weft(Communicator& comm, Coll c, int i, const void* in, void* out, 
   const int W = comm.world();
   switch (c) {
     case Coll::kAllReduce:
-      return all_reduce(comm, r, in, out, g.count, DType::kBF16, ReduceOp::kSum, s, forced_algo());
+      return all_reduce(comm, r, in, out, g.count, DType::kBF16, ReduceOp::kSum, s, forced_options());
     case Coll::kAllGather:
       return all_gather(comm, r, in, out, Shape2D{g.in_bytes / 2, 1}, 0, DType::kBF16, s);
     case Coll::kReduceScatter:
-      return reduce_scatter(comm, r, in, out, Shape2D{g.out_bytes / 2, 1}, 0, DType::kBF16, ReduceOp::kSum,
-                            s);
+      return reduce_scatter(comm, r, in, out, Shape2D{g.out_bytes / 2, 1}, 0, DType::kBF16, ReduceOp::kSum, s,
+                            forced_options());
     case Coll::kAllToAll:
       return all_to_all(comm, r, in, out, g.count / W, DType::kBF16, s);
   }

@@ -173,20 +173,13 @@ void launch_pull_reduce(Call& c, const coll::PullReduce& x, DType dt, ReduceOp o
   c.launched();
 }
 
-// Development knob: WEFT_COLL_VARIANT=push|pull|steps picks the two-shot all-reduce / reduce-scatter data
-// flow at every size (for reduce-scatter it also skips the one-shot for small slices).
-const char* coll_variant() {  // read once: calls are on the hot path
-  static const char* v = std::getenv("WEFT_COLL_VARIANT");
-  return v;
-}
-// The flow for `bytes` of input (`large`: the flow above kPullMaxBytes); push and steps move 16-byte packs
-// only (`vec`), else pull.
-Flow pick_flow(uint64_t bytes, Flow large, bool vec) {
-  const char* v = coll_variant();
+// The flow for `bytes` of input: as asked, else kPull up to kPullMaxBytes and `large` above; push and steps
+// move 16-byte packs only (`vec`), else pull.
+Flow pick_flow(ReduceFlow asked, uint64_t bytes, Flow large, bool vec) {
   Flow f = bytes <= kPullMaxBytes ? Flow::kPull : large;
-  if (v && std::string(v) == "push") f = Flow::kPush;
-  if (v && std::string(v) == "pull") f = Flow::kPull;
-  if (v && std::string(v) == "steps") f = Flow::kSteps;
+  if (asked == ReduceFlow::kPull) f = Flow::kPull;
+  if (asked == ReduceFlow::kSteps) f = Flow::kSteps;
+  if (asked == ReduceFlow::kPush) f = Flow::kPush;
   return vec ? f : Flow::kPull;
 }
 
@@ -224,7 +217,8 @@ void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_
 }  // namespace
 
 void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
-                ReduceOp op, cudaStream_t stream, AllReduceAlgo algo) {
+                ReduceOp op, cudaStream_t stream, const CollectiveOptions& options) {
+  AllReduceAlgo algo = options.algo;
   Call c(comm, rank, stream, "all_reduce");
   if (count == 0) return;
   const uint64_t esize = dtype_size(dtype), bytes = count * esize;
@@ -256,7 +250,7 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
     const uint64_t slice = main * esize / world;
     const bool sym_in = comm.in_heap(rank, in, bytes), sym_out = comm.in_heap(rank, out, bytes);
     const uint64_t ll = ll_region_bytes(world);
-    const Flow flow = pick_flow(main * esize, Flow::kPush, true);
+    const Flow flow = pick_flow(options.flow, main * esize, Flow::kPush, true);
     if (flow != Flow::kPush) {
       // Peers read my input directly (a copy in the workspace when it is not symmetric).
       char* ws = c.workspace(ll + (sym_in ? 0 : main * esize) + (sym_out ? 0 : main * esize));
@@ -341,7 +335,7 @@ void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape
 }
 
 void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D s, int dim,
-                    DType dtype, ReduceOp op, cudaStream_t stream) {
+                    DType dtype, ReduceOp op, cudaStream_t stream, const CollectiveOptions& options) {
   Call c(comm, rank, stream, "reduce_scatter");
   if (dim != 0 && dim != 1) c.fail("dim must be 0 or 1, got " + std::to_string(dim));
   if (s.count() == 0) return;
@@ -369,17 +363,17 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
   // Small contiguous slices: one round, no meeting (the LL words need 4-byte aligned slices).
   if (dim == 0 && out_bytes <= one_shot_max_bytes(world) && c.one_shot_fits(out_bytes) &&
       out_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 4 == 0 &&
-      reinterpret_cast<uintptr_t>(out) % 4 == 0 && coll_variant() == nullptr)
+      reinterpret_cast<uintptr_t>(out) % 4 == 0 && options.flow == ReduceFlow::kAuto)
     return one_shot(c, in, out_bytes, out, out_bytes, dtype, op);
   const uint64_t ll = ll_region_bytes(world);
   // The push kernel moves 16-byte packs only (its element-wise form would spill); other layouts pull.
   const bool vec = vector_width({x.row_bytes, x.in.stride, x.in_peer_step, reinterpret_cast<uintptr_t>(in),
                                  reinterpret_cast<uintptr_t>(out)}) == 16;
   // Never pushed by default: the pipelined push ties the pull from 256 MiB (4 x H200: 328 vs 328 GB/s busbw
-  // at 1 GiB) and loses at 64 MiB (186 vs 164 us); WEFT_COLL_VARIANT=push selects it. Pushing stages in the
+  // at 1 GiB) and loses at 64 MiB (186 vs 164 us); ReduceFlow::kPush selects it. Pushing stages in the
   // workspace: an input that lives there itself (the fused ops' sequential path reduces its GEMM output in
   // place) is pulled instead.
-  const Flow flow = pick_flow(in_bytes, Flow::kSteps, vec);
+  const Flow flow = pick_flow(options.flow, in_bytes, Flow::kSteps, vec);
   char* staging = nullptr;
   if (flow == Flow::kPush) {
     staging = c.workspace(ll + out_bytes * world) + ll;

@@ -130,7 +130,8 @@ void for_each_local(Communicator& c, F&& f) {
 }
 
 void all_reduce_case(TestContext& ctx, DType t, size_t count, ReduceOp op, bool sym, bool in_place,
-                     AllReduceAlgo algo, uint64_t seed) {
+                     CollectiveOptions options, uint64_t seed) {
+  const AllReduceAlgo algo = options.algo;
   Communicator& c = ctx.comm();
   const int W = c.world();
   const uint64_t bytes = count * dtype_size(t);
@@ -162,7 +163,7 @@ void all_reduce_case(TestContext& ctx, DType t, size_t count, ReduceOp op, bool 
   });
   c.host_barrier();
   for_each_local(c, [&](Rank& r, int i) {
-    all_reduce(c, r, in.ptr[i], in_place ? in.ptr[i] : out.ptr[i], count, t, op, nullptr, algo);
+    all_reduce(c, r, in.ptr[i], in_place ? in.ptr[i] : out.ptr[i], count, t, op, nullptr, options);
   });
   c.synchronize();
   for_each_local(c, [&](Rank& r, int i) {
@@ -191,6 +192,20 @@ WEFT_GPU_TEST(all_reduce_matches_fp64_reference) {
   // 160 MiB: the push two-shot's blocks walk several groups, odd blocks shifted by half a group.
   if (!ctx.quick)
     all_reduce_case(ctx, DType::kBF16, 80 << 20, ReduceOp::kSum, true, false, AllReduceAlgo::kAuto, seed++);
+}
+
+// Every reduce flow forced on the two-shot all-reduce (the automatic choice and tuning rely on each being
+// right at any size): pull, stepwise pull and the pipelined push, symmetric and not.
+WEFT_GPU_TEST(all_reduce_every_reduce_flow) {
+  uint64_t seed = 1300;
+  for (ReduceFlow f : {ReduceFlow::kPull, ReduceFlow::kSteps, ReduceFlow::kPush}) {
+    CollectiveOptions o;
+    o.algo = AllReduceAlgo::kTwoShot;
+    o.flow = f;
+    for (bool sym : {true, false})
+      for (size_t n : {size_t(4097), size_t(ctx.quick ? 1 << 16 : 3 << 20)})
+        all_reduce_case(ctx, DType::kBF16, n, ReduceOp::kSum, sym, false, o, seed++);
+  }
 }
 
 WEFT_GPU_TEST(all_reduce_algorithms_ops_and_in_place) {

@@ -33,11 +33,26 @@ struct Shape2D {
 
 // Which algorithm an all-reduce uses; kAuto picks by size and world size.
 enum class AllReduceAlgo { kAuto, kOneShot, kTwoShot };
+// How the two-shot all-reduce's reduce half and the reduce-scatter move their data; kAuto picks by size:
+//   kPull   every rank reads its slice from all peers at once
+//   kSteps  the same one peer at a time, in a permutation of the GPUs
+//   kPush   ranks push slices into the owners' staging, pipelined in groups (16-byte aligned data only;
+//           other layouts pull)
+// A forced flow also keeps the reduce-scatter from its one-shot for small slices.
+enum class ReduceFlow { kAuto, kPull, kSteps, kPush };
+
+// Choices for tuning and tests; the defaults are the measured ones. An AllReduceAlgo converts to it.
+struct CollectiveOptions {
+  AllReduceAlgo algo = AllReduceAlgo::kAuto;  // all_reduce only
+  ReduceFlow flow = ReduceFlow::kAuto;
+  CollectiveOptions() = default;
+  CollectiveOptions(AllReduceAlgo a) : algo(a) {}  // NOLINT: implicit, as the parameter it replaced
+};
 
 // out[i] = op over ranks of in_r[i], for `count` elements.
 void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
                 ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr,
-                AllReduceAlgo algo = AllReduceAlgo::kAuto);
+                const CollectiveOptions& options = {});
 
 // in: this rank's [rows, cols]. dim 0: out [W*rows, cols], rank r's rows at r*rows.
 //                                dim 1: out [rows, W*cols], rank r's columns at r*cols.
@@ -48,7 +63,8 @@ void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape
 //                                                       dim 1: in [rows, W*cols], rank r gets columns
 //                                                       r*cols..
 void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D out_shape, int dim,
-                    DType dtype, ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr);
+                    DType dtype, ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr,
+                    const CollectiveOptions& options = {});
 
 // Equal splits: in and out hold W blocks of `count_per_rank` elements; out block q on rank p is in block p
 // of rank q.
