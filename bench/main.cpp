@@ -28,8 +28,6 @@ int usage(int code) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Virtual ranks need the most hardware work queues (weft::Communicator says why); read when CUDA starts.
-  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   Context ctx;
   std::vector<const Mode*> chosen;
   for (int i = 1; i < argc; ++i) {
@@ -61,6 +59,9 @@ int main(int argc, char** argv) {
   if (chosen.empty())
     for (auto& m : modes()) chosen.push_back(&m);
 
+  // Virtual ranks need the most hardware work queues (weft::Communicator says why), read when CUDA starts:
+  // set before the first CUDA call, and only for them (real GPUs keep the driver's default).
+  if (ctx.ranks > 0) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   if (const std::string why = weft::cuda_unavailable_reason(); !why.empty()) {
     std::fprintf(stderr, "weft-bench: %s. weft-bench measures GPUs and needs at least one Hopper GPU.\n",
                  why.c_str());

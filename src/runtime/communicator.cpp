@@ -65,7 +65,7 @@ void check_work_queues_for_virtual_ranks() {
       (v ? std::string("'") + v + "'" : std::string("unset, i.e. 8")) +
       "): the ranks' streams share the GPU's hardware work queues, and a stream waiting for a peer "
       "blocks the queue it sits in, so with few queues a peer's work can end up stuck behind it. "
-      "weft-gpu-tests and weft-bench set it themselves");
+      "weft-gpu-tests and weft-bench set it themselves when given --ranks");
 }
 
 // Why one process per rank cannot share a GPU, and what to do instead.

@@ -100,8 +100,6 @@ class Watchdog {
 
 int main(int argc, char** argv) {
   using namespace weft::test;
-  // Virtual ranks need the most hardware work queues (weft::Communicator says why); read when CUDA starts.
-  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   TestContext ctx;
   std::string filter;
   int gpus = 0, ranks = 0;
@@ -146,6 +144,9 @@ int main(int argc, char** argv) {
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
 
+  // Virtual ranks need the most hardware work queues (weft::Communicator says why), read when CUDA starts:
+  // set before the first CUDA call, and only for them (real GPUs keep the driver's default).
+  if (ranks > 0) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   if (const std::string why = weft::cuda_unavailable_reason(); !why.empty()) {
     std::printf("SKIPPED: weft-gpu-tests: %s; the GPU suite did not run\n", why.c_str());
     return 77;
