@@ -65,7 +65,7 @@ struct Call {
     return ops::workspace_of(comm, rank, ll_region_bytes(rank.world()) + bytes, capturing, where) +
            ll_region_bytes(rank.world());
   }
-  char* pipeline_area(int area, uint64_t bytes) {
+  char* pipeline_area(const char* area, uint64_t bytes) {
     return ops::workspace_of(comm, rank, bytes, capturing, where, area);
   }
   // The path to run. `why_not_fused` is empty when the fused kernel can run, else the reason it cannot;
@@ -268,7 +268,7 @@ void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* 
   const int W = c.rank.world(), me = c.rank.rank();
   const int64_t rows = m / W;
   const uint64_t shard = rows * k * 2;
-  char* g = c.pipeline_area(Communicator::kAgPipelineArea, m * k * 2);
+  char* g = c.pipeline_area("all_gather_matmul pipeline", m * k * 2);
   auto a_of = [&](int r) { return r == me ? static_cast<const char*>(a_shard) : g + r * shard; };
   auto out_of = [&](int r) { return static_cast<char*>(out) + r * rows * n * 2; };
   Pipeline p(c, 0);
@@ -310,7 +310,7 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
   const bool sym_out = all_reduce && c.comm.in_heap(c.rank, out, m * n * 2);
   char* gather = all_reduce && !sym_out ? c.workspace(m * n * 2) : nullptr;  // grown before anything waits
   // Inbox slice s - 1 takes rank r - 1's step s - 1 (for this rank's step s); step 0 is made in `staging`.
-  char* inbox = c.pipeline_area(Communicator::kRsPipelineArea, W * slice);
+  char* inbox = c.pipeline_area("matmul_reduce_scatter / all_reduce pipeline", W * slice);
   char* staging = inbox + (W - 1) * slice;
   char* my_rows = static_cast<char*>(out) + (all_reduce ? me * slice : 0);
   auto a_at = [&](int s, int64_t row) {  // A's rows computed at step s, from `row` of that chunk on

@@ -89,10 +89,10 @@ inline void check_device_buffer(const Communicator& comm, const Rank& rank, cons
                 std::to_string(rank.rank()) + " runs on GPU " + std::to_string(rank.device()));
 }
 
-// This rank's pointer to the communicator's workspace `area` of at least `bytes` (grown collectively if
-// needed).
+// This rank's pointer to the communicator's workspace `area` ("": the shared one) of at least `bytes` (grown
+// collectively if needed).
 inline char* workspace_of(Communicator& comm, const Rank& rank, uint64_t bytes, bool capturing,
-                          const std::string& where, int area = 0) {
+                          const std::string& where, const std::string& area = {}) {
   const SymmetricBuffer& ws = comm.workspace(bytes, capturing, area);
   for (int i = 0; i < comm.num_local(); ++i)
     if (&comm.local(i) == &rank) return ws.local[i];

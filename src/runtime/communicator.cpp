@@ -615,9 +615,8 @@ void Communicator::free(SymmetricBuffer& buf) {
   buf = SymmetricBuffer{};
 }
 
-const SymmetricBuffer& Communicator::workspace(uint64_t bytes, bool capturing, int area) {
-  WEFT_CHECK(area >= 0 && area < kWorkspaceAreas, "workspace area " + std::to_string(area) + " out of range");
-  SymmetricBuffer& ws = workspace_[area];
+const SymmetricBuffer& Communicator::workspace(uint64_t bytes, bool capturing, const std::string& area) {
+  SymmetricBuffer& ws = workspaces_[area];
   if (ws.bytes >= bytes) return ws;
   WEFT_CHECK(!capturing, "an op needs " + std::to_string(bytes >> 20) +
                              " MiB of workspace but the communicator has " + std::to_string(ws.bytes >> 20) +
@@ -707,6 +706,10 @@ std::string Communicator::describe_offset(uint64_t offset) const {
       return "grid barrier slot " + std::to_string((o - L::kGridGenerationOffset) / 8) + " generation";
     return o < L::kErrorOffset ? "signal pad peer table" : "device error record";
   }
+  for (auto& [name, ws] : workspaces_)
+    if (ws && offset >= ws.offset && offset < ws.offset + ws.bytes)
+      return "byte " + std::to_string(offset - ws.offset) + " of " +
+             (name.empty() ? std::string("the shared workspace") : "workspace area '" + name + "'");
   for (auto& b : live_)
     if (offset >= b.offset && offset < b.offset + b.bytes)
       return "byte " + std::to_string(offset - b.offset) + " of the symmetric buffer at heap offset " +

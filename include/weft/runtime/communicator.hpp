@@ -27,6 +27,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -43,9 +44,9 @@ class Channel;
 class HeapAllocator;
 
 // Why CUDA cannot be used here ("" when at least one GPU is visible): no NVIDIA driver, a driver older than
-// the CUDA runtime weft was built with, or no visible GPU. Every weft entry point that finds no GPU says this.
+// the CUDA runtime weft was built with, or no visible GPU. Every weft entry point that finds no GPU says
+// this.
 std::string cuda_unavailable_reason();
-
 
 struct Options {
   std::vector<int> devices;  // single-process: CUDA device ordinals (default: all visible)
@@ -135,12 +136,12 @@ class Communicator {
   // reserve_workspace. With several local ranks the outgrown buffer stays mapped until synchronize() (or
   // the communicator's end): freeing would wait for every local GPU while one of them may wait for a peer
   // whose part the calling thread has not queued yet.
-  // Areas are separate buffers: area 0 serves the collectives and the ops' staging; the fused ops'
-  // copy-engine pipelines each own one more (kAgPipelineArea, kRsPipelineArea), because peers write into
-  // those ahead of this rank's call, which nothing else in the area may then be using.
-  static constexpr int kWorkspaceAreas = 3, kAgPipelineArea = 1, kRsPipelineArea = 2;
-  const SymmetricBuffer& workspace(uint64_t bytes, bool capturing = false, int area = 0);
-  void reserve_workspace(uint64_t bytes, int area = 0) { workspace(bytes, false, area); }
+  // Areas are separate buffers, named by the op that asks: the unnamed area serves the collectives and the
+  // ops' staging; an op whose peers write into its scratch ahead of this rank's call (the fused ops'
+  // copy-engine pipelines) names an area of its own, which nothing else then uses. Every rank asks for the
+  // same areas in the same order (it makes the same op calls).
+  const SymmetricBuffer& workspace(uint64_t bytes, bool capturing = false, const std::string& area = {});
+  void reserve_workspace(uint64_t bytes, const std::string& area = {}) { workspace(bytes, false, area); }
   // Whether [p, p + bytes) lies in rank's own symmetric heap (then peers reach it through
   // TeamView::peer_ptr).
   bool in_heap(const Rank& rank, const void* p, uint64_t bytes) const {
@@ -202,7 +203,7 @@ class Communicator {
   std::vector<SymmetricBuffer> live_;  // for teardown
   size_t live_maps_ = 0;
   SymmetricBuffer pad_;
-  SymmetricBuffer workspace_[kWorkspaceAreas];
+  std::map<std::string, SymmetricBuffer> workspaces_;  // by area name ("": the shared one)
   std::vector<SymmetricBuffer>
       retired_workspaces_;         // outgrown with several local ranks: freed by synchronize()
   int32_t* abort_flag_ = nullptr;  // host-mapped
