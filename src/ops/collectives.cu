@@ -204,7 +204,6 @@ void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_
   const int g =
       std::clamp<int>(c.blocks(bytes * 8), ops::one_shot_min_blocks(world, bytes),
                       std::min(ops::one_shot_max_blocks(world), ops::max_collective_blocks(c.rank)));
-  ops::check_grid_in_budget(c.rank, g, std::string("weft::") + c.op + ": ");
   with_elem(dt, [&](auto e) {
     with_reduce(op, [&](auto r) {
       detail::preload<&coll::one_shot_kernel<e.value, r.value>>();
@@ -218,7 +217,10 @@ void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_
 
 void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
                 ReduceOp op, cudaStream_t stream, const CollectiveOptions& options) {
-  AllReduceAlgo algo = options.algo;
+  // A forced flow is a two-shot's: it makes an automatic choice two-shot.
+  AllReduceAlgo algo = options.algo == AllReduceAlgo::kAuto && options.flow != ReduceFlow::kAuto
+                           ? AllReduceAlgo::kTwoShot
+                           : options.algo;
   Call c(comm, rank, stream, "all_reduce");
   if (count == 0) return;
   const uint64_t esize = dtype_size(dtype), bytes = count * esize;

@@ -99,7 +99,9 @@ struct Call {
     }
     if (rank.world() == 1 || m < o.min_fused_m) return FusedPath::kSequential;
     if (rule == FusedPath::kFused && !why_not_fused.empty()) return FusedPath::kSequential;
-    if (rule == FusedPath::kPipelined && !pipeline_ok)
+    // Virtual ranks: never the pipeline, captured or not, so that every rank decides alike whichever of
+    // them a graph captures.
+    if (rule == FusedPath::kPipelined && comm.ranks_per_gpu() > 1)
       return why_not_fused.empty() ? FusedPath::kFused : FusedPath::kSequential;
     return rule;
   }
@@ -375,7 +377,6 @@ void reduce_staged(Call& c, char* inbox, uint64_t slice, void* out, char* gather
   x.final_dst = gather ? static_cast<char*>(out) : nullptr;
   x.final_src = gather;
   const int blocks = ops::collective_blocks(c.rank, slice);
-  ops::check_grid_in_budget(c.rank, blocks, c.where);
   constexpr auto kernel = &coll::reduce_scatter_kernel<Elem::kBF16, Reduce::kSum, true>;
   detail::preload<kernel>();
   kernel<<<blocks, 512, 0, c.stream>>>(x);
@@ -406,7 +407,8 @@ void set_schedule(lcsc::SchedulerParams& s, int64_t m, int64_t n) {
 }
 
 // all_gather_matmul's communicator blocks, an even count: as asked, else an eighth of the SM budget, at
-// most 16 (a whole H100 / H200's budget gives the 16 that the fused tables were measured with), at least 2.
+// most 16 (a whole 132-SM H100 / H200 gives the 16 that the fused tables were measured with; a 114-SM
+// H100 PCIe gets 14), at least 2.
 int ag_comm_blocks(const Rank& rank, const FusedOptions& o) {
   if (o.comm_blocks > 0) return (o.comm_blocks + 1) / 2 * 2;
   return std::clamp(rank.sm_budget() / 8, 2, 16) / 2 * 2;

@@ -51,16 +51,6 @@ inline int collective_blocks(const Rank& rank, uint64_t bytes) {
   return static_cast<int>(std::clamp<uint64_t>(want, 1, max_collective_blocks(rank)));
 }
 
-// Refuses a grid of a kernel that waits for peers when its blocks could not all be resident next to the
-// other ranks' kernels on the GPU (one block per SM counted): it would wait for ever.
-inline void check_grid_in_budget(const Rank& rank, int blocks, const std::string& where) {
-  if (blocks > rank.sm_budget())
-    throw_error(where + "the kernel needs " + std::to_string(blocks) + " resident blocks but rank " +
-                std::to_string(rank.rank()) + "'s SM budget is " + std::to_string(rank.sm_budget()) +
-                " SMs (Options::sm_budget / WEFT_SM_BUDGET; with virtual ranks at most the GPU's SMs / ranks "
-                "per GPU)");
-}
-
 // Throws weft::Error (prefixed with `where`) unless p is a non-null, `align`-aligned pointer into the rank's
 // symmetric heap or into device (or managed) memory on the rank's GPU.
 inline void check_device_buffer(const Communicator& comm, const Rank& rank, const void* p, const char* name,
@@ -74,6 +64,10 @@ inline void check_device_buffer(const Communicator& comm, const Rank& rank, cons
                        "bytes"
                      : ""));
   if (comm.in_heap(rank, p, bytes)) return;
+  if (comm.in_heap(rank, p, 1))
+    throw_error(where + name + " starts in rank " + std::to_string(rank.rank()) +
+                "'s symmetric heap but its " + std::to_string(bytes) +
+                " bytes run past the heap's end (a size too large?)");
   if (const std::string whose = comm.foreign_heap(rank, p); !whose.empty())
     throw_error(where + name + " points into " + whose + ", not into rank " + std::to_string(rank.rank()) +
                 "'s own: pass each rank its own buffer (SymmetricBuffer::local[i], Rank::at(buffer, "

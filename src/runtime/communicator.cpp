@@ -122,7 +122,9 @@ void check_device_capabilities(int dev, bool need_fd_handles) {
     WEFT_CU_CHECK(driver().cuDeviceGetAttribute(
         &fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cu));
     WEFT_CHECK(
-        fd, device_name(dev) + " cannot export memory as POSIX file descriptors (needed between processes)");
+        fd, device_name(dev) +
+                " cannot export memory as POSIX file descriptors (needed between processes and for virtual "
+                "ranks)");
   }
 }
 
@@ -362,7 +364,7 @@ void Communicator::init_heap(uint64_t heap_bytes) {
   const bool mp = channel_ != nullptr;
   uint64_t gran = 0;
   for (auto& r : ranks_) {
-    CUmemAllocationProp p = allocation_prop(r->device_, mp);
+    CUmemAllocationProp p = allocation_prop(r->device_, per_rank_views_);
     size_t g = 0;
     WEFT_CU_CHECK(driver().cuMemGetAllocationGranularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
     gran = std::max<uint64_t>(gran, g);
@@ -584,7 +586,10 @@ std::string Communicator::foreign_heap(const Rank& rank, const void* p) const {
   for (auto& q : ranks_)
     for (int owner = 0; owner < world_; ++owner) {
       const char* base = q->heap_of_[owner];
-      if (c < base || c >= base + capacity_ || (q.get() == &rank && owner == rank.rank())) continue;
+      // Rank's own heap (any local rank's view of it without per-rank views, where all views are one).
+      if (c < base || c >= base + capacity_ ||
+          (owner == rank.rank() && (q.get() == &rank || !per_rank_views_)))
+        continue;
       std::string s = "rank " + std::to_string(owner) + "'s symmetric heap";
       if (per_rank_views_) s += ", as mapped by rank " + std::to_string(q->rank());
       return s;

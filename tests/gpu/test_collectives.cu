@@ -186,12 +186,12 @@ WEFT_GPU_TEST(all_reduce_matches_fp64_reference) {
   uint64_t seed = 1;
   for (DType t : kTypes)
     for (size_t n : counts) {
-      all_reduce_case(ctx, t, n, ReduceOp::kSum, true, false, AllReduceAlgo::kAuto, seed++);
-      all_reduce_case(ctx, t, n, ReduceOp::kSum, false, false, AllReduceAlgo::kAuto, seed++);
+      all_reduce_case(ctx, t, n, ReduceOp::kSum, true, false, CollectiveOptions{}, seed++);
+      all_reduce_case(ctx, t, n, ReduceOp::kSum, false, false, CollectiveOptions{}, seed++);
     }
   // 160 MiB: the push two-shot's blocks walk several groups, odd blocks shifted by half a group.
   if (!ctx.quick)
-    all_reduce_case(ctx, DType::kBF16, 80 << 20, ReduceOp::kSum, true, false, AllReduceAlgo::kAuto, seed++);
+    all_reduce_case(ctx, DType::kBF16, 80 << 20, ReduceOp::kSum, true, false, CollectiveOptions{}, seed++);
 }
 
 // Every reduce flow forced on the two-shot all-reduce (the automatic choice and tuning rely on each being
@@ -214,9 +214,9 @@ WEFT_GPU_TEST(all_reduce_algorithms_ops_and_in_place) {
   for (DType t : kTypes)
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin})
       for (AllReduceAlgo a : {AllReduceAlgo::kOneShot, AllReduceAlgo::kTwoShot}) {
-        all_reduce_case(ctx, t, n, op, true, false, a, seed++);
-        all_reduce_case(ctx, t, n, op, true, true, a, seed++);
-        all_reduce_case(ctx, t, n, op, false, true, a, seed++);
+        all_reduce_case(ctx, t, n, op, true, false, CollectiveOptions{a}, seed++);
+        all_reduce_case(ctx, t, n, op, true, true, CollectiveOptions{a}, seed++);
+        all_reduce_case(ctx, t, n, op, false, true, CollectiveOptions{a}, seed++);
       }
 }
 

@@ -1,8 +1,8 @@
 // GPU tests of the SM budget and of the guards that virtual ranks need: a budget the GPU cannot hold for
 // every rank on it is refused when the team is made; a kernel needing more resident blocks than the budget is
-// refused before launch, and kAuto takes a path that fits; a team with a budget of a few SMs computes right
-// (tests/gpu/run.sh also runs the collective and fused suites under --sm-budget 4); a rank handed a pointer
-// into another rank's heap is told so (with virtual ranks the device check cannot see it).
+// refused before launch (forced), and kAuto takes a path that fits; a team with a budget of a few SMs
+// computes right (tests/gpu/run.sh also runs the collective and fused suites under --sm-budget 4); a rank
+// handed a pointer into another rank's heap is told so (with virtual ranks the device check cannot see it).
 #include <cuda_bf16.h>
 
 #include <string>
@@ -132,6 +132,43 @@ WEFT_GPU_TEST(small_sm_budget_refuses_big_grids_and_computes_right) {
     }
     c.host_barrier();
   }
+}
+
+// A budget of one SM cannot hold the fused RS kernel (a communicator block and a GEMM block): forced, it is
+// refused; kAuto, whose rule picks it at 2 ranks for this shape, falls back to the sequential path, right.
+WEFT_GPU_TEST(kauto_falls_back_when_the_budget_cannot_hold_the_fused_kernel) {
+  Options o = ctx.options;
+  o.sm_budget = 1;
+  auto comm = ctx.make_comm_with(o);
+  Communicator& c = *comm;
+  const int W = c.world();
+  const int64_t shard = 128, m = W * shard, n = 256, k = 64;
+  RankBuffers a(c, m * k * 2, false), b(c, n * k * 2, false), y(c, shard * n * 2, false);
+  for (int i = 0; i < c.num_local(); ++i) {
+    weft::test::upload(c, i, a.ptr[i], filled(size_t(m * k), float(c.local(i).rank() + 1)).data(), m * k * 2);
+    weft::test::upload(c, i, b.ptr[i], filled(size_t(n * k), 1.f).data(), n * k * 2);
+    weft::test::poison(c, i, y.ptr[i], shard * n * 2);
+  }
+  c.host_barrier();
+  FusedOptions fo;
+  fo.mode = FusedOptions::Mode::kFused;
+  for (int i = 0; i < c.num_local(); ++i) {
+    const std::string msg = error_of([&] {
+      matmul_reduce_scatter(c, c.local(i), a.ptr[i], b.ptr[i], y.ptr[i], m, n, k, BLayout::kNK, nullptr, fo);
+    });
+    WEFT_EXPECT(msg.find("SM budget of 1") != std::string::npos, "forced fused: got '" << msg << "'");
+  }
+  fo.mode = FusedOptions::Mode::kAuto;
+  fo.min_fused_m = 0;
+  for (int i = 0; i < c.num_local(); ++i) {
+    const FusedPath path = matmul_reduce_scatter(c, c.local(i), a.ptr[i], b.ptr[i], y.ptr[i], m, n, k,
+                                                 BLayout::kNK, nullptr, fo);
+    WEFT_EXPECT(path == FusedPath::kSequential, fused_path_name(path));
+  }
+  c.synchronize();
+  for (int i = 0; i < c.num_local(); ++i)
+    WEFT_EXPECT(mismatches(c, i, y.ptr[i], size_t(shard * n), float(k * W * (W + 1) / 2)) == 0,
+                "matmul_reduce_scatter rank " << c.local(i).rank());
 }
 
 // Rank i handed a pointer into another rank's heap (a peer's buffer, or its own view of a peer) hears so.

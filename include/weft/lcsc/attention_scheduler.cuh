@@ -34,6 +34,7 @@ class AttentionScheduler {
  public:
   using Params = AttentionSchedulerParams;
   using Work = AttentionWork;
+  static constexpr int kMaxClusterSize = 1;  // one CTA per item (lcsc/kernel.cuh checks the op's clusters)
   __host__ __device__ static int compute_blocks(const Params& p) { return p.compute_blocks; }
 
   __host__ __device__ AttentionScheduler(const Params& p, int cluster_index, int /*cluster_rank*/)
@@ -42,6 +43,7 @@ class AttentionScheduler {
   // The next item of this block, or false when it has none left.
   __host__ __device__ __forceinline__ bool next(Work& w) {
     const int64_t runs = p_.compute_blocks;
+    if (runs <= 0) return false;
     while (run_ * runs < p_.units()) {
       const int64_t u = run_ * runs + (p_.heavy_first && (run_ & 1) ? runs - 1 - block_ : block_);
       ++run_;

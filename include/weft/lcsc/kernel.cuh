@@ -29,6 +29,7 @@
 //   static int compute_blocks(const Params&)               blocks below it compute, the rest communicate
 //   Scheduler(const Params&, int cluster_index, int cluster_rank)    on the device, per block
 //   bool next(Work&)                                       the block's next item; false when done
+//   kMaxClusterSize (optional)                             the largest cluster its items can be split over
 // The loader and every consumer warpgroup walk the same sequence. GemmTileScheduler (lcsc/scheduler.cuh)
 // serves GEMM-shaped ops: output tiles in grouped, rotated, optionally owner-interleaved order.
 #pragma once
@@ -63,6 +64,9 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
   Smem& smem = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(lcsc_smem) + 1023) & ~uintptr_t(1023));
   using Scheduler = typename Op::Scheduler;
   using Work = typename Scheduler::Work;
+  if constexpr (requires { Scheduler::kMaxClusterSize; })
+    static_assert(Op::kClusterSize <= Scheduler::kMaxClusterSize,
+                  "the op's clusters are too large for its scheduler");
   const int compute_blocks = Scheduler::compute_blocks(p.sched);
 
   if (static_cast<int>(blockIdx.x) >= compute_blocks) {

@@ -41,18 +41,20 @@ enum class AllReduceAlgo { kAuto, kOneShot, kTwoShot };
 // A forced flow also keeps the reduce-scatter from its one-shot for small slices.
 enum class ReduceFlow { kAuto, kPull, kSteps, kPush };
 
-// Choices for tuning and tests; the defaults are the measured ones. An AllReduceAlgo converts to it.
+// Choices for tuning and tests; the defaults are the measured ones.
 struct CollectiveOptions {
-  AllReduceAlgo algo = AllReduceAlgo::kAuto;  // all_reduce only
+  AllReduceAlgo algo = AllReduceAlgo::kAuto;  // all_reduce only (a forced flow makes kAuto two-shot)
   ReduceFlow flow = ReduceFlow::kAuto;
-  CollectiveOptions() = default;
-  CollectiveOptions(AllReduceAlgo a) : algo(a) {}  // NOLINT: implicit, as the parameter it replaced
 };
 
 // out[i] = op over ranks of in_r[i], for `count` elements.
 void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
                 ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr,
                 const CollectiveOptions& options = {});
+inline void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                       ReduceOp op, cudaStream_t stream, AllReduceAlgo algo) {
+  all_reduce(comm, rank, in, out, count, dtype, op, stream, CollectiveOptions{algo, ReduceFlow::kAuto});
+}
 
 // in: this rank's [rows, cols]. dim 0: out [W*rows, cols], rank r's rows at r*rows.
 //                                dim 1: out [rows, W*cols], rank r's columns at r*cols.
