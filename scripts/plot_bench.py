@@ -53,12 +53,8 @@ def plot_gemm(plt, table, path):
     c_w, c_b = col(table, "weft TFLOP/s"), col(table, "cuBLAS TFLOP/s")
     rows = [r for r in table["rows"] if number(r[c_m]) is not None and number(r[c_w]) is not None]
     labels = [f"{r[c_m]}x{r[c_n]}x{r[c_k]}" for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(rows)), 4.5))
-    width = 0.4
-    ax.bar([i - width / 2 for i in x], [number(r[c_w]) for r in rows], width, label="weft")
-    ax.bar([i + width / 2 for i in x], [number(r[c_b]) for r in rows], width, label="cuBLAS")
-    ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=7)
+    fig, ax = paired_bars(plt, labels, [number(r[c_w]) for r in rows], "weft",
+                          [number(r[c_b]) for r in rows], "cuBLAS")
     ax.set_ylabel("TFLOP/s")
     finish(plt, fig, ax, table, path)
 
@@ -69,17 +65,24 @@ def plot_fused(plt, table, path):
     c_g, c_c = col(table, "compute us"), col(table, "comm us")
     rows = [r for r in table["rows"] if number(r[c_w]) is not None]
     labels = [f"{r[c_op]} {r[c_m]}x{r[c_n]}x{r[c_k]}" for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(rows)), 4.5))
-    width = 0.4
-    ax.bar([i - width / 2 for i in x], [number(r[c_w]) for r in rows], width, label="weft")
-    ax.bar([i + width / 2 for i in x], [number(r[c_s]) for r in rows], width, label="sequential baseline")
+    fig, ax = paired_bars(plt, labels, [number(r[c_w]) for r in rows], "weft",
+                          [number(r[c_s]) for r in rows], "sequential baseline")
     bound = [max(number(r[c_g]) or 0, number(r[c_c]) or 0) for r in rows]
-    ax.plot(list(x), bound, "k_", markersize=14, label="max(compute, comm)")
-    ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=7)
+    ax.plot(list(range(len(rows))), bound, "k_", markersize=14, label="max(compute, comm)")
     ax.set_yscale("log")
     ax.set_ylabel("time per call (us)")
     finish(plt, fig, ax, table, path)
+
+
+def paired_bars(plt, labels, ours, our_name, theirs, their_name):
+    """Two bars per label (weft's and a baseline's), labels slanted below."""
+    x = list(range(len(labels)))
+    fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(labels)), 4.5))
+    width = 0.4
+    ax.bar([i - width / 2 for i in x], ours, width, label=our_name)
+    ax.bar([i + width / 2 for i in x], theirs, width, label=their_name)
+    ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
+    return fig, ax
 
 
 def finish(plt, fig, ax, table, path):

@@ -41,6 +41,14 @@ size_t mismatches(Communicator& c, int i, const void* p, size_t n, float want) {
   return bad;
 }
 
+// A [m, k] filled with rank + 1 and B [n, k] of ones on every local rank: products are exact small integers.
+void upload_rank_and_ones(Communicator& c, RankBuffers& a, RankBuffers& b, int64_t m, int64_t n, int64_t k) {
+  for (int i = 0; i < c.num_local(); ++i) {
+    weft::test::upload(c, i, a.ptr[i], filled(size_t(m * k), float(c.local(i).rank() + 1)).data(), m * k * 2);
+    weft::test::upload(c, i, b.ptr[i], filled(size_t(n * k), 1.f).data(), n * k * 2);
+  }
+}
+
 }  // namespace
 
 WEFT_GPU_TEST(sm_budget_above_the_gpu_share_is_refused) {
@@ -89,10 +97,7 @@ WEFT_GPU_TEST(small_sm_budget_refuses_big_grids_and_computes_right) {
   // Fused ops: A and B of ones (K = 64), so every output is an exact small integer.
   const int64_t shard = 128, m = W * shard, n = 256, k = 64;
   RankBuffers a(c, m * k * 2, true), b(c, n * k * 2, false), y(c, m * n * 2, false);
-  for (int i = 0; i < c.num_local(); ++i) {
-    weft::test::upload(c, i, a.ptr[i], filled(size_t(m * k), float(c.local(i).rank() + 1)).data(), m * k * 2);
-    weft::test::upload(c, i, b.ptr[i], filled(size_t(n * k), 1.f).data(), n * k * 2);
-  }
+  upload_rank_and_ones(c, a, b, m, n, k);
   c.host_barrier();
   FusedOptions fo;
   fo.mode = FusedOptions::Mode::kFused;
@@ -144,11 +149,8 @@ WEFT_GPU_TEST(kauto_falls_back_when_the_budget_cannot_hold_the_fused_kernel) {
   const int W = c.world();
   const int64_t shard = 128, m = W * shard, n = 256, k = 64;
   RankBuffers a(c, m * k * 2, false), b(c, n * k * 2, false), y(c, shard * n * 2, false);
-  for (int i = 0; i < c.num_local(); ++i) {
-    weft::test::upload(c, i, a.ptr[i], filled(size_t(m * k), float(c.local(i).rank() + 1)).data(), m * k * 2);
-    weft::test::upload(c, i, b.ptr[i], filled(size_t(n * k), 1.f).data(), n * k * 2);
-    weft::test::poison(c, i, y.ptr[i], shard * n * 2);
-  }
+  upload_rank_and_ones(c, a, b, m, n, k);
+  for (int i = 0; i < c.num_local(); ++i) weft::test::poison(c, i, y.ptr[i], shard * n * 2);
   c.host_barrier();
   FusedOptions fo;
   fo.mode = FusedOptions::Mode::kFused;

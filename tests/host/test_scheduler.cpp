@@ -19,15 +19,20 @@ using weft::lcsc::GemmTileScheduler;
 using weft::lcsc::SchedulerParams;
 using weft::lcsc::Tile;
 
-// Each block's tiles in its order.
-std::vector<std::vector<Tile>> walk(const SchedulerParams& p) {
-  std::vector<std::vector<Tile>> blocks(p.compute_blocks);
-  for (int b = 0; b < p.compute_blocks; ++b) {
-    GemmTileScheduler s(p, b / p.cluster_m, b % p.cluster_m);
-    Tile t;
-    while (s.next(t)) blocks[b].push_back(t);
+// Each block's work items in its order, as the LCSC kernel walks them (clusters of `cluster` blocks).
+template <class Scheduler>
+std::vector<std::vector<typename Scheduler::Work>> walk_blocks(const typename Scheduler::Params& p,
+                                                               int cluster) {
+  std::vector<std::vector<typename Scheduler::Work>> blocks(Scheduler::compute_blocks(p));
+  for (int b = 0; b < Scheduler::compute_blocks(p); ++b) {
+    Scheduler s(p, b / cluster, b % cluster);
+    typename Scheduler::Work w;
+    while (s.next(w)) blocks[b].push_back(w);
   }
   return blocks;
+}
+std::vector<std::vector<Tile>> walk(const SchedulerParams& p) {
+  return walk_blocks<GemmTileScheduler>(p, p.cluster_m);
 }
 
 void expect_each_tile_once(const SchedulerParams& p) {
@@ -85,13 +90,7 @@ using weft::lcsc::AttentionSchedulerParams;
 using weft::lcsc::AttentionWork;
 
 std::vector<std::vector<AttentionWork>> walk_attention(const AttentionSchedulerParams& p) {
-  std::vector<std::vector<AttentionWork>> blocks(p.compute_blocks);
-  for (int b = 0; b < p.compute_blocks; ++b) {
-    AttentionScheduler s(p, b, 0);
-    AttentionWork w;
-    while (s.next(w)) blocks[b].push_back(w);
-  }
-  return blocks;
+  return walk_blocks<AttentionScheduler>(p, 1);
 }
 
 }  // namespace
