@@ -49,6 +49,13 @@ void upload_rank_and_ones(Communicator& c, RankBuffers& a, RankBuffers& b, int64
   }
 }
 
+// A team of this run's mode whose ranks may each keep `sms` SMs busy.
+std::unique_ptr<Communicator> team_with_budget(TestContext& ctx, int sms) {
+  Options o = ctx.options;
+  o.sm_budget = sms;
+  return ctx.make_comm_with(o);
+}
+
 }  // namespace
 
 WEFT_GPU_TEST(sm_budget_above_the_gpu_share_is_refused) {
@@ -65,9 +72,7 @@ WEFT_GPU_TEST(sm_budget_above_the_gpu_share_is_refused) {
 // A team with a budget of 4 SMs per rank: what needs more is refused with the budget named, kAuto fits,
 // and the results are right.
 WEFT_GPU_TEST(small_sm_budget_refuses_big_grids_and_computes_right) {
-  Options o = ctx.options;
-  o.sm_budget = 4;
-  auto comm = ctx.make_comm_with(o);
+  auto comm = team_with_budget(ctx, 4);
   Communicator& c = *comm;
   const int W = c.world();
   for (int i = 0; i < c.num_local(); ++i) WEFT_EXPECT(c.local(i).sm_budget() == 4, c.local(i).sm_budget());
@@ -142,9 +147,7 @@ WEFT_GPU_TEST(small_sm_budget_refuses_big_grids_and_computes_right) {
 // A budget of one SM cannot hold the fused RS kernel (a communicator block and a GEMM block): forced, it is
 // refused; kAuto, whose rule picks it at 2 ranks for this shape, falls back to the sequential path, right.
 WEFT_GPU_TEST(kauto_falls_back_when_the_budget_cannot_hold_the_fused_kernel) {
-  Options o = ctx.options;
-  o.sm_budget = 1;
-  auto comm = ctx.make_comm_with(o);
+  auto comm = team_with_budget(ctx, 1);
   Communicator& c = *comm;
   const int W = c.world();
   const int64_t shard = 128, m = W * shard, n = 256, k = 64;
