@@ -14,14 +14,20 @@
 
 namespace weft {
 
-inline constexpr int kMaxWorld = 128;          // ranks in one team (an NVL72 fits)
-inline constexpr int kUserFlags = 4096;        // signal flags free for ops and users
-inline constexpr int kBarrierSlots = 512;      // independent barriers (one block at a time per slot)
-inline constexpr int kUserBarrierSlots = 256;  // [0, 256) free for ops and users; the runtime uses the
-                                               // rest (the collectives take one slot per block)
-inline constexpr int kRuntimeBarrierSlot = kUserBarrierSlots;      // used by Communicator::device_barrier
-inline constexpr int kCollectiveSlotBase = kUserBarrierSlots + 1;  // collectives: slot base + block index
-inline constexpr int kCollectiveMaxBlocks = kBarrierSlots - kCollectiveSlotBase;
+inline constexpr int kMaxWorld = 128;     // ranks in one team (an NVL72 fits)
+inline constexpr int kFlagWords = 8192;   // the signal pad's 64-bit flag words, granted to ops by name
+inline constexpr int kBarrierSlots = 512;  // independent team barriers (one block per rank at a time in each)
+
+// Typed handles to signal-pad resources. The communicator grants them by name (weft/runtime/resources.hpp:
+// every rank gets the same run for the same name), and kernels take them as parameters: no op carves the
+// pad by arithmetic of its own.
+struct Flags {  // a run of flag words: zero at team creation, never reset by weft (counters and epochs)
+  int32_t first = 0, count = 0;
+};
+struct BarrierSlots {  // a run of barrier slots (barrier_block): slot i of the run is first + i
+  int32_t first = 0, count = 0;
+  WEFT_HD int operator[](int i) const { return first + i; }
+};
 
 // Why a device-side wait gave up. Written once per rank (first error wins) into the rank's signal pad; the
 // wait returns false, the kernel winds down, and the host reads the record after synchronizing.
@@ -46,8 +52,8 @@ struct DeviceError {
 // Layout of the signal pad: one symmetric allocation made at team creation, zeroed, never reset. All flags
 // are 64-bit and monotonic (counters / epochs), so no kernel ever needs to clear them.
 struct SignalPadLayout {
-  static constexpr size_t kUserFlagsOffset = 0;
-  static constexpr size_t kBarrierInboxOffset = kUserFlagsOffset + sizeof(uint64_t) * kUserFlags;
+  static constexpr size_t kFlagsOffset = 0;  // flag words (Flags runs index them)
+  static constexpr size_t kBarrierInboxOffset = kFlagsOffset + sizeof(uint64_t) * kFlagWords;
   // inbox[slot][src]: the last barrier epoch rank `src` announced to this rank on `slot`.
   static constexpr size_t kBarrierEpochOffset =
       kBarrierInboxOffset + sizeof(uint64_t) * kBarrierSlots * kMaxWorld;
@@ -59,9 +65,7 @@ struct SignalPadLayout {
   static constexpr size_t kPeerTableOffset = kGridGenerationOffset + sizeof(uint64_t) * kBarrierSlots;
   // The first device wait failure of this rank (DeviceError).
   static constexpr size_t kErrorOffset = kPeerTableOffset + sizeof(uint64_t) * kMaxWorld;
-  // one_shot_calls[block]: the LL one-shot calls block `block` of this rank has completed (local state).
-  static constexpr size_t kOneShotCallsOffset = kErrorOffset + 64;
-  static constexpr size_t kBytes = kOneShotCallsOffset + sizeof(uint64_t) * kBarrierSlots;
+  static constexpr size_t kBytes = kErrorOffset + 64;
 };
 
 struct TeamView {
@@ -82,8 +86,10 @@ struct TeamView {
   WEFT_HD T* peer_ptr(T* local, int r) const {
     return reinterpret_cast<T*>(peer_bases()[r] + (reinterpret_cast<const char*>(local) - local_base));
   }
-  WEFT_HD uint64_t* user_flag(int i) const {
-    return reinterpret_cast<uint64_t*>(pad() + SignalPadLayout::kUserFlagsOffset) + i;
+  // Flag i of a granted run (this rank's copy; peer_ptr reaches a peer's).
+  WEFT_HD uint64_t* flag(Flags run, int i) const { return flag_word(run.first + i); }
+  WEFT_HD uint64_t* flag_word(int word) const {
+    return reinterpret_cast<uint64_t*>(pad() + SignalPadLayout::kFlagsOffset) + word;
   }
   WEFT_HD uint64_t* barrier_inbox(int slot, int src) const {
     return reinterpret_cast<uint64_t*>(pad() + SignalPadLayout::kBarrierInboxOffset) + slot * kMaxWorld + src;
@@ -93,9 +99,6 @@ struct TeamView {
   }
   WEFT_HD uint64_t* grid_arrive(int slot) const {
     return reinterpret_cast<uint64_t*>(pad() + SignalPadLayout::kGridArriveOffset) + slot;
-  }
-  WEFT_HD uint64_t* one_shot_calls(int block) const {
-    return reinterpret_cast<uint64_t*>(pad() + SignalPadLayout::kOneShotCallsOffset) + block;
   }
   WEFT_HD uint64_t* grid_generation(int slot) const {
     return reinterpret_cast<uint64_t*>(pad() + SignalPadLayout::kGridGenerationOffset) + slot;

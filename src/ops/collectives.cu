@@ -26,8 +26,12 @@ namespace {
 
 using coll::Rows;
 constexpr int kThreads = 512;
-using ops::ll_region_bytes;
 using ops::one_shot_max_bytes;
+
+// The one-shot's per-block call counts and LL region (op_args.hpp); the meeting slots of every kernel.
+const char* const kOneShot = "all_reduce / reduce_scatter: one-shot calls per block, LL region";
+const ResourceDeclaration kOneShotResources{{kOneShot, ops::kMeetingSlots, 0, &ops::ll_region_bytes}};
+const ResourceDeclaration kMeetings{{ops::kBlockMeetings, 0, ops::kMeetingSlots}};
 // How a two-shot all-reduce or a reduce-scatter moves its data (the reduce half):
 //   kPull   every rank reads its slice from all peers at once (2 meetings; best latency)
 //   kSteps  the same one peer at a time, in a permutation of the GPUs
@@ -66,9 +70,10 @@ struct Call {
     return x < y + bn && y < x + an;
   }
   int blocks(uint64_t bytes) const { return ops::collective_blocks(rank, bytes); }
-  char* workspace(uint64_t bytes) {
-    return ops::workspace_of(comm, rank, bytes, capturing, std::string("weft::") + op + ": ");
+  char* workspace(uint64_t bytes, const std::string& area = {}) {
+    return ops::workspace_of(comm, rank, bytes, capturing, std::string("weft::") + op + ": ", area);
   }
+  BarrierSlots meetings() const { return ops::meeting_slots(comm); }
   void launched() const { WEFT_CUDA_CHECK(cudaGetLastError()); }
   // Whether a one-shot round of `bytes` fits this rank's SM budget (it needs a block per slot part).
   bool one_shot_fits(uint64_t bytes) const {
@@ -111,8 +116,6 @@ void with_reduce(ReduceOp op, F&& f) {
       return f(std::integral_constant<Reduce, Reduce::kMin>{});
   }
 }
-
-// Workspace layout: [LL region for one-shot all-reduce (src/ops/op_args.hpp)][op staging].
 
 void launch_exchange(Call& c, coll::Exchange x, int v, uint64_t total_bytes) {
   const int g = c.blocks(total_bytes);
@@ -189,7 +192,7 @@ Flow pick_flow(ReduceFlow asked, uint64_t bytes, Flow large, bool vec) {
 void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_t bytes, DType dt,
               ReduceOp op) {
   const int world = c.rank.world();
-  char* region = c.workspace(ll_region_bytes(world));
+  char* region = c.workspace(ops::ll_region_bytes(world), kOneShot);
   coll::OneShot x{c.rank.view(),
                   static_cast<const uint32_t*>(in),
                   in_peer_step / 4,
@@ -198,7 +201,8 @@ void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_
                   static_cast<uint32_t>(bytes % 4 ? 2 : 4),
                   reinterpret_cast<uint64_t*>(region),
                   ops::ll_slot_bytes(world) / 8,
-                  ops::ll_block_words(world)};
+                  ops::ll_block_words(world),
+                  c.comm.resources(kOneShot).flags};
   // LL moves 2x the bytes and polls: spread it wide, but every block's share must fit its part of a slot
   // (callers check that the SM budget allows that many: one_shot_fits).
   const int g =
@@ -251,15 +255,15 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
   if (main > 0) {
     const uint64_t slice = main * esize / world;
     const bool sym_in = comm.in_heap(rank, in, bytes), sym_out = comm.in_heap(rank, out, bytes);
-    const uint64_t ll = ll_region_bytes(world);
     const Flow flow = pick_flow(options.flow, main * esize, Flow::kPush, true);
     if (flow != Flow::kPush) {
       // Peers read my input directly (a copy in the workspace when it is not symmetric).
-      char* ws = c.workspace(ll + (sym_in ? 0 : main * esize) + (sym_out ? 0 : main * esize));
-      char* in_copy = ws + ll;
-      char* gather = ws + ll + (sym_in ? 0 : main * esize);
+      char* ws = c.workspace((sym_in ? 0 : main * esize) + (sym_out ? 0 : main * esize));
+      char* in_copy = ws;
+      char* gather = ws + (sym_in ? 0 : main * esize);
       coll::PullReduce x{};
       x.team = rank.view();
+      x.slots = c.meetings();
       x.in = Rows{sym_in ? const_cast<char*>(static_cast<const char*>(in)) : in_copy, 0};
       x.in_peer_step = slice;
       x.copy_from = Rows{sym_in ? nullptr : const_cast<char*>(static_cast<const char*>(in)), 0};
@@ -272,13 +276,14 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
       x.stepwise = flow == Flow::kSteps;
       launch_pull_reduce(c, x, dtype, op, true, main * esize);
     } else {
-      char* ws = c.workspace(ll + slice * world * (sym_out ? 1 : 2));
-      char* gather = ws + ll + slice * world;  // fan-out target when out is not symmetric
+      char* ws = c.workspace(slice * world * (sym_out ? 1 : 2));
+      char* gather = ws + slice * world;  // fan-out target when out is not symmetric
       coll::ReduceScatter x{};
       x.team = rank.view();
+      x.slots = c.meetings();
       x.in = Rows{const_cast<char*>(static_cast<const char*>(in)), 0};
       x.in_peer_step = slice;
-      x.staging = Rows{ws + ll, 0};
+      x.staging = Rows{ws, 0};
       x.staging_step = slice;
       x.out = Rows{(sym_out ? static_cast<char*>(out) : gather) + rank.rank() * slice, 0};
       x.rows = 1;
@@ -311,6 +316,7 @@ void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape
   if (c.alone(in, out, in_bytes)) return;
   coll::Exchange x{};
   x.team = rank.view();
+  x.slots = c.meetings();
   if (dim == 0) {  // one contiguous row per rank
     x.rows = 1;
     x.row_bytes = in_bytes;
@@ -325,7 +331,7 @@ void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape
   x.src_peer_step = 0;  // the same data for every peer
   const uint64_t dst_stride = dim == 0 ? 0 : x.row_bytes * world;
   x.via_workspace = !comm.in_heap(rank, out, out_bytes);
-  char* dst = x.via_workspace ? c.workspace(ll_region_bytes(world) + out_bytes) + ll_region_bytes(world)
+  char* dst = x.via_workspace ? c.workspace(out_bytes)
                               : static_cast<char*>(out);
   x.dst = Rows{dst, dst_stride};
   x.final_dst = Rows{static_cast<char*>(out), dst_stride};
@@ -351,6 +357,7 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
   if (c.alone(in, out, in_bytes)) return;
   coll::ReduceScatter x{};
   x.team = rank.view();
+  x.slots = c.meetings();
   if (dim == 0) {
     x.rows = 1;
     x.row_bytes = out_bytes;
@@ -367,7 +374,6 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
       out_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 4 == 0 &&
       reinterpret_cast<uintptr_t>(out) % 4 == 0 && options.flow == ReduceFlow::kAuto)
     return one_shot(c, in, out_bytes, out, out_bytes, dtype, op);
-  const uint64_t ll = ll_region_bytes(world);
   // The push kernel moves 16-byte packs only (its element-wise form would spill); other layouts pull.
   const bool vec = vector_width({x.row_bytes, x.in.stride, x.in_peer_step, reinterpret_cast<uintptr_t>(in),
                                  reinterpret_cast<uintptr_t>(out)}) == 16;
@@ -378,16 +384,17 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
   const Flow flow = pick_flow(options.flow, in_bytes, Flow::kSteps, vec);
   char* staging = nullptr;
   if (flow == Flow::kPush) {
-    staging = c.workspace(ll + out_bytes * world) + ll;
+    staging = c.workspace(out_bytes * world);
     if (Call::overlap(in, in_bytes, staging, out_bytes * world)) staging = nullptr;
   }
   if (staging == nullptr) {
     // Rank r reads slice r of every rank's input (from a workspace copy when the input is not symmetric).
     const bool sym_in = comm.in_heap(rank, in, in_bytes);
-    char* ws = c.workspace(ll + (sym_in ? 0 : in_bytes));
+    char* ws = c.workspace(sym_in ? 0 : in_bytes);
     coll::PullReduce y{};
     y.team = x.team;
-    y.in = Rows{sym_in ? x.in.base : ws + ll, x.in.stride};
+    y.slots = x.slots;
+    y.in = Rows{sym_in ? x.in.base : ws, x.in.stride};
     y.in_peer_step = x.in_peer_step;
     y.copy_from = Rows{sym_in ? nullptr : x.in.base, x.in.stride};
     y.out = Rows{static_cast<char*>(out), dim == 0 ? 0 : x.row_bytes};
@@ -417,6 +424,7 @@ void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_
   if (c.alone(in, out, bytes)) return;
   coll::Exchange x{};
   x.team = rank.view();
+  x.slots = c.meetings();
   x.rows = 1;
   x.row_bytes = blk;
   x.src = Rows{const_cast<char*>(static_cast<const char*>(in)), 0};
@@ -424,7 +432,7 @@ void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_
   x.dst_peer_step = blk;  // and lands in block `source`
   // In place, peers would overwrite blocks not yet sent: receive into the workspace, then copy.
   x.via_workspace = in == out || !comm.in_heap(rank, out, bytes);
-  char* dst = x.via_workspace ? c.workspace(ll_region_bytes(world) + bytes) + ll_region_bytes(world)
+  char* dst = x.via_workspace ? c.workspace(bytes)
                               : static_cast<char*>(out);
   x.dst = Rows{dst, 0};
   x.final_dst = Rows{static_cast<char*>(out), 0};

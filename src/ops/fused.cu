@@ -13,6 +13,7 @@
 #include "ring_schedule.hpp"
 #include "weft/runtime/current_device.hpp"
 #include "weft/runtime/kernel_preload.hpp"
+#include "weft/comm/stream_wait.cuh"
 #include "weft/lcsc/launch.cuh"
 #include "weft/ops/fused.cuh"
 #include "weft/ops/fused.hpp"
@@ -26,7 +27,23 @@ const char* fused_path_name(FusedPath p) {
 
 namespace {
 
-using ops::ll_region_bytes;  // fused ops keep their data after the collectives' LL region
+// Signal-pad resources (weft/runtime/resources.hpp): the fused kernels' call state, RS's ready flag, AG's
+// chunk flags, each copy-engine pipeline's used / arrived flags (pipelines also name a workspace area of the
+// same name), and the block-meeting slots shared with the collectives.
+const char* const kFusedState = "fused kernels: call count, finishers";
+const char* const kRsReady = "matmul_reduce_scatter / all_reduce kernel: staging ready";
+const char* const kAgChunks = "all_gather_matmul kernel: chunk arrivals";
+const char* const kAgPipeline = "all_gather_matmul pipeline";
+const char* const kRsPipeline = "matmul_reduce_scatter / all_reduce pipeline";
+constexpr int kPipelineFlags = 2 * kMaxWorld;  // used(r), then arrived(r)
+const ResourceDeclaration kFusedResources[] = {
+    ResourceDeclaration{{kFusedState, 2}},
+    ResourceDeclaration{{kRsReady, 1}},
+    ResourceDeclaration{{kAgChunks, ops::kFusedChunkFlags}},
+    ResourceDeclaration{{kAgPipeline, kPipelineFlags}},
+    ResourceDeclaration{{kRsPipeline, kPipelineFlags}},
+    ResourceDeclaration{{ops::kBlockMeetings, 0, ops::kMeetingSlots}},
+};
 
 struct Call {
   Communicator& comm;
@@ -61,12 +78,17 @@ struct Call {
     check_buffer(out, "out", out_rows * n * 2);
     gemm_plan(m, n, k, layout, DType::kBF16);
   }
-  char* workspace(uint64_t bytes) {
-    return ops::workspace_of(comm, rank, ll_region_bytes(rank.world()) + bytes, capturing, where) +
-           ll_region_bytes(rank.world());
-  }
-  char* pipeline_area(const char* area, uint64_t bytes) {
+  char* workspace(uint64_t bytes, const std::string& area = {}) {
     return ops::workspace_of(comm, rank, bytes, capturing, where, area);
+  }
+  // What a fused kernel synchronizes with; `done_target` finishers per call.
+  ops::FusedSync sync(int done_target) const {
+    return ops::FusedSync{rank.view(),
+                          comm.resources(kFusedState).flags,
+                          comm.resources(kRsReady).flags,
+                          comm.resources(kAgChunks).flags,
+                          ops::meeting_slots(comm),
+                          done_target};
   }
   // The path to run. `why_not_fused` is empty when the fused kernel can run, else the reason it cannot;
   // kAuto takes the path of the measured rule (auto_path) where it can.
@@ -156,8 +178,8 @@ struct Call {
 // ---- copy-engine pipeline (FusedPath::kPipelined) -------------------------------------------------------
 // The GEMM runs as row pieces of cuBLAS (every SM) on the caller's stream while the copy engines move
 // finished pieces (RS / AR) or A shards (AG) between GPUs on a side stream: no SM spends time on
-// communication. Stream writes and waits on signal-pad flags (ops::pipe_used_flag / pipe_arrived_flag) order
-// the GPUs' streams; the pipeline's buffers are a workspace area of their own, since peers write into them
+// communication. Stream writes and timed waits on signal-pad flags (Pipeline::used / arrived) order the
+// GPUs' streams; the pipeline's buffers are a workspace area of their own, since peers write into them
 // ahead of this rank's call. A rank's first push into rank r in a call waits for r to clear this rank's used
 // flag (r consumed the previous call's pushes), so no rank runs more than one call ahead.
 
@@ -194,9 +216,10 @@ struct Copy {  // bytes from src to dst, both on this GPU
 class Pipeline {
  public:
   // Forks the side streams off the caller's (everything before this call is ordered before their work).
-  Pipeline(Call& c, int id)
+  // `owner` names the pipeline's flags (granted at team creation) and its workspace area.
+  Pipeline(Call& c, const char* owner)
       : c_(c),
-        id_(id),
+        flags_(c.comm.resources(owner).flags),
         me_(c.rank.rank()),
         claimed_(c.rank.world()),
         s_(pipe_streams(c.rank.device(), c.rank.rank(), c.capturing, c.where)) {
@@ -214,20 +237,20 @@ class Pipeline {
   // so far in this call). The first push to a peer in a call waits until it has consumed the previous call's.
   void push(int to, char* dst, const void* src, uint64_t bytes, uint32_t count = 1) {
     if (!claimed_[to]) {
-      wait_value(s_.side, flag(ops::pipe_used_flag(id_, to), me_), 0, CU_STREAM_WAIT_VALUE_EQ);
-      write(s_.side, flag(ops::pipe_used_flag(id_, to), me_), 1);
+      wait(s_.side, used(to), StreamWait::kEqual, 0);
+      write(s_.side, used(to), 1);
       claimed_[to] = true;
     }
     WEFT_CUDA_CHECK(
         cudaMemcpyAsync(c_.rank.peer_ptr(dst, to), src, bytes, cudaMemcpyDeviceToDevice, s_.side));
-    write(s_.side, flag(ops::pipe_arrived_flag(id_, me_), to), count);
+    write(s_.side, c_.rank.peer_ptr(arrived(me_), to), count);
   }
   // Caller's stream: what comes next waits until `from` has pushed `count` pieces here in this call (and
   // `then` copied what it names on this GPU). The wait itself runs on a stream of its own, during the
   // caller's current GEMM, and the caller's stream only takes an event edge: a stream wait between two
-  // GEMMs cost ~10 us each (2 x H200, session 10).
+  // GEMMs cost ~10 us each (2 x H200).
   void wait_arrivals(int from, uint32_t count = 1, Copy then = {}) const {
-    wait_value(s_.waits, flag(ops::pipe_arrived_flag(id_, from), me_), count, CU_STREAM_WAIT_VALUE_GEQ);
+    wait(s_.waits, arrived(from), StreamWait::kAtLeast, count);
     if (then.bytes)
       WEFT_CUDA_CHECK(cudaMemcpyAsync(then.dst, then.src, then.bytes, cudaMemcpyDeviceToDevice, s_.waits));
     WEFT_CUDA_CHECK(cudaEventRecord(s_.arrived, s_.waits));
@@ -238,8 +261,8 @@ class Pipeline {
   void finish() const {
     for (int r = 0; r < c_.rank.world(); ++r)
       if (r != me_) {
-        write(c_.stream, flag(ops::pipe_arrived_flag(id_, r), me_), 0);
-        write(c_.stream, flag(ops::pipe_used_flag(id_, me_), r), 0);
+        write(c_.stream, arrived(r), 0);
+        write(c_.stream, c_.rank.peer_ptr(used(me_), r), 0);
       }
     for (cudaStream_t st : {s_.side, s_.waits}) {
       WEFT_CUDA_CHECK(cudaEventRecord(s_.join, st));
@@ -248,17 +271,33 @@ class Pipeline {
   }
 
  private:
-  uint64_t* flag(int index, int r) const { return c_.rank.peer_ptr(c_.rank.view().user_flag(index), r); }
-  // The flags are 64-bit words holding small counts: 32-bit stream operations on their low half.
-  static void wait_value(cudaStream_t s, uint64_t* f, uint32_t v, unsigned how) {
-    WEFT_CU_CHECK(driver().cuStreamWaitValue32(s, reinterpret_cast<CUdeviceptr>(f), v, how));
+  // This rank's flags: used(r), set here before this rank's first push into r in a call and cleared by r
+  // once it consumed the call's pushes; arrived(r), the count of pieces r has pushed here in this call,
+  // cleared here at the end of the call. Unlike other flags these restart from 0 in every call: the host
+  // enqueues them as stream writes and waits, whose values are fixed when enqueued (or captured into a
+  // graph), so they cannot carry a per-call epoch.
+  uint64_t* used(int r) const { return c_.rank.view().flag(flags_, r); }
+  uint64_t* arrived(int r) const { return c_.rank.view().flag(flags_, kMaxWorld + r); }
+  // A wait on this rank's flag that fails with a device error after the team's timeout (a dead or stuck
+  // peer) instead of blocking the stream for ever (weft/comm/stream_wait.cuh).
+  void wait(cudaStream_t s, const uint64_t* f, StreamWait how, uint32_t v) const {
+    if (how == StreamWait::kEqual) {
+      detail::preload<&stream_wait_kernel<StreamWait::kEqual>>();
+      stream_wait_kernel<StreamWait::kEqual><<<1, 32, 0, s>>>(c_.rank.view(), f, v);
+    } else {
+      detail::preload<&stream_wait_kernel<StreamWait::kAtLeast>>();
+      stream_wait_kernel<StreamWait::kAtLeast><<<1, 32, 0, s>>>(c_.rank.view(), f, v);
+    }
+    WEFT_CUDA_CHECK(cudaGetLastError());
   }
+  // The flags are 64-bit words holding small counts: 32-bit stream writes into their low half.
   static void write(cudaStream_t s, uint64_t* f, uint32_t v) {  // ordered after the stream's earlier work
     WEFT_CU_CHECK(
         driver().cuStreamWriteValue32(s, reinterpret_cast<CUdeviceptr>(f), v, CU_STREAM_WRITE_VALUE_DEFAULT));
   }
   Call& c_;
-  int id_, me_;
+  Flags flags_;
+  int me_;
   std::vector<bool> claimed_;  // peers pushed to in this call
   PipeStreams& s_;
 };
@@ -270,10 +309,10 @@ void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* 
   const int W = c.rank.world(), me = c.rank.rank();
   const int64_t rows = m / W;
   const uint64_t shard = rows * k * 2;
-  char* g = c.pipeline_area("all_gather_matmul pipeline", m * k * 2);
+  char* g = c.workspace(m * k * 2, kAgPipeline);
   auto a_of = [&](int r) { return r == me ? static_cast<const char*>(a_shard) : g + r * shard; };
   auto out_of = [&](int r) { return static_cast<char*>(out) + r * rows * n * 2; };
-  Pipeline p(c, 0);
+  Pipeline p(c, kAgPipeline);
   for (int s = 1; s < W; ++s) p.push((me + s) % W, g + me * shard, a_shard, shard);
   for (int s = 0; s < W; ++s) {
     const int r = (me - s + W) % W;
@@ -312,7 +351,7 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
   const bool sym_out = all_reduce && c.comm.in_heap(c.rank, out, m * n * 2);
   char* gather = all_reduce && !sym_out ? c.workspace(m * n * 2) : nullptr;  // grown before anything waits
   // Inbox slice s - 1 takes rank r - 1's step s - 1 (for this rank's step s); step 0 is made in `staging`.
-  char* inbox = c.pipeline_area("matmul_reduce_scatter / all_reduce pipeline", W * slice);
+  char* inbox = c.workspace(W * slice, kRsPipeline);
   char* staging = inbox + (W - 1) * slice;
   char* my_rows = static_cast<char*>(out) + (all_reduce ? me * slice : 0);
   auto a_at = [&](int s, int64_t row) {  // A's rows computed at step s, from `row` of that chunk on
@@ -324,7 +363,7 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
   auto dst_at = [&](int s, int64_t row) {
     return s == 0 ? staging + row * row_bytes : s < W - 1 ? partial_at(s, row) : my_rows + row * row_bytes;
   };
-  Pipeline p(c, 1);
+  Pipeline p(c, kRsPipeline);
   for (size_t i = 0; i < plan.order.size(); ++i) {
     const int s = plan.order[i].step;
     const int64_t r0 = plan.first_row(i), nr = plan.row_count(i);
@@ -367,6 +406,7 @@ void reduce_staged(Call& c, char* inbox, uint64_t slice, void* out, char* gather
   const int me = c.rank.rank();
   coll::ReduceScatter x{};
   x.team = c.rank.view();
+  x.slots = ops::meeting_slots(c.comm);
   x.staging = coll::Rows{inbox, 0};
   x.staging_step = slice;
   x.rows = 1;
@@ -428,7 +468,7 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
   const int first_unit_row = static_cast<int>(c.rank.rank() * (m / W) / Op::kBM) / Op::kClusterSize;
   p.sched.start_unit = first_unit_row / band_units * band_units * p.sched.tiles_n;
   p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
-  p.sync = ops::FusedSync{c.rank.view(), p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks};
+  p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
   p.a_local = tma::make_map_2d(
       {a_shard, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(m / W), uint64_t(k), uint64_t(k) * 2},
       Op::Mainloop::kABoxRows, Op::Mainloop::kABoxCols, "all_gather_matmul: A shard");
@@ -468,7 +508,7 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
   if ((W & (W - 1)) == 0 && p.sched.units_m() % W == 0) p.sched.parts_log2 = __builtin_ctz(unsigned(W));
   p.sched.start_unit = static_cast<int>(int64_t((me + 1) % W) * p.sched.units() / W);
   p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
-  p.sync = ops::FusedSync{c.rank.view(), p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks};
+  p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
   p.shard_rows = static_cast<int>(rows);
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
@@ -495,12 +535,12 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
   c.check_operands(a_shard, "a_shard", rows, b, out, m, m, n, k, layout);
   if (gathered_a) c.check_buffer(gathered_a, "gathered_a", m * k * 2);
   WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 32, c.where + "options.comm_blocks must be 0..32");
-  // Chunks of whole 128-row blocks, at most kFusedFlags flags in all.
-  const int64_t blocks = (rows + 127) / 128, per_shard = std::max<int64_t>(1, ops::kFusedFlags / W);
+  // Chunks of whole 128-row blocks, at most kFusedChunkFlags flags in all.
+  const int64_t blocks = (rows + 127) / 128, per_shard = std::max<int64_t>(1, ops::kFusedChunkFlags / W);
   const int64_t chunk_rows = 128 * ((blocks + per_shard - 1) / per_shard),
                 chunks = (rows + chunk_rows - 1) / chunk_rows;
   const bool sym_gathered = gathered_a && comm.in_heap(rank, gathered_a, m * k * 2);
-  const bool fits = W * chunks <= ops::kFusedFlags && chunk_rows <= INT32_MAX;
+  const bool fits = W * chunks <= ops::kFusedChunkFlags && chunk_rows <= INT32_MAX;
   const std::string why_not = fits ? c.why_not_in_budget<ops::AgGemmOp<true, 1>>(ag_comm_blocks(rank, o))
                                    : "more A chunks than flags";
   const FusedPath path = c.path(o, m, why_not, ops::auto_path(true, m, n, k, W));

@@ -16,9 +16,8 @@ namespace weft::ops {
 inline uint64_t one_shot_max_bytes(int world) {
   return world == 2 ? (1u << 20) : (256u << 10);
 }
-// The head of the workspace is the one-shot region: two halves of `world` slots of ll_slot_bytes (the LL
-// protocol stores 8 bytes per 4 data bytes), so a one-shot call never overlaps what other ops keep after
-// the head, and every slot has a fixed place. A slot holds one fixed part of ll_block_words words per block
+// The one-shot's LL region (a workspace area of its own, made at team creation): two halves of `world`
+// slots of ll_slot_bytes (the LL protocol stores 8 bytes per 4 data bytes), every slot in a fixed place. A slot holds one fixed part of ll_block_words words per block
 // (each block keeps its own call count): a one-shot call runs on words / ll_block_words to
 // one_shot_max_blocks blocks. 1024 words per block (2 per thread) at most sizes, at most 128 blocks.
 inline uint64_t ll_block_words(int world) {
@@ -39,11 +38,20 @@ inline int one_shot_min_blocks(int world, uint64_t bytes) {
   return static_cast<int>((words + ll_block_words(world) - 1) / ll_block_words(world));
 }
 
+// Block-meeting slots: block b of a collective or fused kernel meets its counterparts on the other ranks in
+// slot b. One run shared by the collectives and the fused kernels (they run one after another on a stream,
+// and every slot's epochs advance alike on every rank).
+inline constexpr int kMeetingSlots = 256;
+inline const char* const kBlockMeetings = "block meetings (collectives, fused kernels)";
+inline BarrierSlots meeting_slots(const Communicator& comm) {
+  return comm.resources(kBlockMeetings).slots;
+}
+
 // Blocks of a collective-style kernel (one barrier slot each) moving `bytes`: one per 32 KiB, since one SM
 // moves ~40 GB/s and even 1 MiB should spread wide, at most one per SM of the rank's budget and per
 // barrier slot.
 inline int max_collective_blocks(const Rank& rank) {
-  return std::min(rank.sm_budget(), kCollectiveMaxBlocks);
+  return std::min(rank.sm_budget(), kMeetingSlots);
 }
 inline int collective_blocks(const Rank& rank, uint64_t bytes) {
   constexpr uint64_t kBytesPerBlock = 32 << 10;
@@ -84,10 +92,11 @@ inline void check_device_buffer(const Communicator& comm, const Rank& rank, cons
 }
 
 // This rank's pointer to the communicator's workspace `area` ("": the shared one) of at least `bytes` (grown
-// collectively if needed).
+// collectively if needed); nullptr when no area was ever needed (bytes 0).
 inline char* workspace_of(Communicator& comm, const Rank& rank, uint64_t bytes, bool capturing,
                           const std::string& where, const std::string& area = {}) {
   const SymmetricBuffer& ws = comm.workspace(bytes, capturing, area);
+  if (!ws) return nullptr;
   for (int i = 0; i < comm.num_local(); ++i)
     if (&comm.local(i) == &rank) return ws.local[i];
   throw_error(where + "the rank does not belong to this communicator");

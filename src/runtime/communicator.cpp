@@ -23,6 +23,10 @@ namespace {
 
 using detail::CurrentDeviceGuard;
 
+// The slot of Communicator::device_barrier.
+const char* const kDeviceBarrier = "Communicator::device_barrier";
+const ResourceDeclaration kDeviceBarrierSlot{{kDeviceBarrier, 0, 1}};
+
 std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds t) {
   if (t.count() > 0) return t;
   if (auto v = process_env()("WEFT_TIMEOUT_MS"))
@@ -216,6 +220,7 @@ std::unique_ptr<Communicator> Communicator::create_single_process(Options opts) 
     c->check_peer_access_single_process();
     c->init_heap(opts.heap_bytes);
     c->init_signal_pads();
+    c->grant_declared_resources();
   } catch (...) {
     c->release_all();
     throw;
@@ -265,6 +270,7 @@ std::unique_ptr<Communicator> Communicator::create_from_launcher(const LaunchEnv
     c->check_peer_access_multi_process();
     c->init_heap(opts.heap_bytes);
     c->init_signal_pads();
+    c->grant_declared_resources();
   } catch (...) {
     c->release_all();
     throw;
@@ -448,6 +454,29 @@ void Communicator::init_signal_pads() {
     WEFT_CUDA_CHECK(cudaDeviceSynchronize());
   }
   host_barrier();  // nobody signals into a pad before its owner has zeroed it
+}
+
+// Every declaration, sorted by owner (declarations of one owner merged), so that every process grants the
+// same runs whatever its static initialization order; declared areas are made now, before any capture.
+void Communicator::grant_declared_resources() {
+  std::vector<ResourceRequest> all = declared_resources();
+  std::stable_sort(all.begin(), all.end(), [](auto& a, auto& b) { return a.owner < b.owner; });
+  for (const ResourceRequest& r : all) {
+    registry_.grant(r);
+    if (r.area_bytes) reserve_workspace(r.area_bytes(world_), r.owner);
+  }
+}
+
+const ResourceGrant& Communicator::resources(const ResourceRequest& request) {
+  return registry_.grant(request);
+}
+
+const ResourceGrant& Communicator::resources(const std::string& owner) const {
+  const ResourceGrant* g = registry_.find(owner);
+  WEFT_CHECK(g != nullptr, "weft: no resources were granted to '" + owner +
+                               "' (declare them with a ResourceDeclaration, or ask with "
+                               "Communicator::resources(ResourceRequest))");
+  return *g;
 }
 
 // ---- symmetric allocation ---------------------------------------------------------------------
@@ -678,7 +707,7 @@ void Communicator::device_barrier() {
   const CurrentDeviceGuard keep_device;
   for (auto& r : ranks_) {
     WEFT_CUDA_CHECK(cudaSetDevice(r->device_));
-    launch_team_barrier(r->view_, kRuntimeBarrierSlot, r->stream_);
+    launch_team_barrier(r->view_, resources(kDeviceBarrier).slots[0], r->stream_);
   }
 }
 
@@ -697,18 +726,19 @@ std::string Communicator::describe_offset(uint64_t offset) const {
   if (pad_ && offset >= pad_.offset && offset < pad_.offset + SignalPadLayout::kBytes) {
     const uint64_t o = offset - pad_.offset;
     using L = SignalPadLayout;
-    if (o < L::kBarrierInboxOffset) return "user flag " + std::to_string(o / 8);
+    if (o < L::kBarrierInboxOffset) return registry_.describe_flag(static_cast<int>(o / 8));
     if (o < L::kBarrierEpochOffset) {
       const uint64_t i = (o - L::kBarrierInboxOffset) / 8;
-      return "barrier slot " + std::to_string(i / kMaxWorld) + ", arrival of rank " +
+      return registry_.describe_slot(static_cast<int>(i / kMaxWorld)) + ", arrival of rank " +
              std::to_string(i % kMaxWorld);
     }
     if (o < L::kGridArriveOffset)
-      return "barrier slot " + std::to_string((o - L::kBarrierEpochOffset) / 8) + " epoch";
+      return registry_.describe_slot(static_cast<int>((o - L::kBarrierEpochOffset) / 8)) + ", epoch";
     if (o < L::kGridGenerationOffset)
-      return "grid barrier slot " + std::to_string((o - L::kGridArriveOffset) / 8) + " arrivals";
+      return registry_.describe_slot(static_cast<int>((o - L::kGridArriveOffset) / 8)) + ", grid arrivals";
     if (o < L::kPeerTableOffset)
-      return "grid barrier slot " + std::to_string((o - L::kGridGenerationOffset) / 8) + " generation";
+      return registry_.describe_slot(static_cast<int>((o - L::kGridGenerationOffset) / 8)) +
+             ", grid generation";
     return o < L::kErrorOffset ? "signal pad peer table" : "device error record";
   }
   for (auto& [name, ws] : workspaces_)

@@ -236,6 +236,67 @@ WEFT_GPU_TEST(fused_ops_back_to_back) {
   }
 }
 
+// A rank that stalls mid-stream (it made one call, then never makes the next) makes every other rank's call
+// fail within the team's timeout, naming the wait, on each path: the fused kernel, the copy-engine pipeline
+// (its stream waits are timed kernels) and the sequential path. On virtual ranks a rank that died looks the
+// same; between processes the abort flag also ends the waits (rank_death_fails_peers_fast).
+WEFT_GPU_TEST(fused_ops_fail_fast_when_a_rank_stalls) {
+  for (Op op : {Op::kAG, Op::kRS, Op::kAR})
+    for (Mode mode : kModes) {
+      auto cp = ctx.make_comm(std::chrono::milliseconds(500));
+      Communicator& c = *cp;
+      const int W = c.world(), stalled = W - 1;
+      const int64_t shard = 128, m = W * shard, n = 256, k = 256;
+      const int64_t out_rows = op == Op::kRS ? shard : m;
+      RankBuffers A(c, (op == Op::kAG ? shard : m) * k * 2, true), B(c, n * k * 2, false),
+          out(c, out_rows * n * 2, true);
+      FusedOptions o;
+      o.mode = mode;
+      auto call_all = [&](bool skip_stalled) {
+        for (int i = 0; i < c.num_local(); ++i) {
+          Rank& r = c.local(i);
+          if (skip_stalled && r.rank() == stalled) continue;
+          if (op == Op::kAG)
+            all_gather_matmul(c, r, A.ptr[i], B.ptr[i], out.ptr[i], nullptr, m, n, k, BLayout::kNK, nullptr,
+                              o);
+          else if (op == Op::kRS)
+            matmul_reduce_scatter(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, BLayout::kNK, nullptr, o);
+          else
+            matmul_all_reduce(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, BLayout::kNK, nullptr, o);
+        }
+      };
+      for (int i = 0; i < c.num_local(); ++i) {
+        poison(c, i, A.ptr[i], (op == Op::kAG ? shard : m) * k * 2);  // values do not matter here
+        poison(c, i, B.ptr[i], n * k * 2);
+      }
+      call_all(false);
+      c.synchronize();
+      c.host_barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      call_all(true);
+      std::string msg;
+      try {
+        c.synchronize();
+      } catch (const Error& e) {
+        msg = e.what();
+      }
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const bool waits = !(ctx.multi_process && c.local(0).rank() == stalled);  // the stalled rank itself
+      const std::string what = std::string(op == Op::kAG   ? "all_gather_matmul"
+                                           : op == Op::kRS ? "matmul_reduce_scatter"
+                                                           : "matmul_all_reduce") +
+                               " " + mode_name(mode);
+      if (waits) {
+        WEFT_EXPECT(msg.find("timed out") != std::string::npos || msg.find("gave up") != std::string::npos,
+                    what << ": the others should fail with a diagnostic, got '" << msg << "'");
+        WEFT_EXPECT(msg.find("waiting for") != std::string::npos, what << ": " << msg);
+        WEFT_EXPECT(s < 8.0, what << ": took " << s << " s to fail for a 0.5 s timeout");
+        std::printf("  %s: failed after %.2f s: %s\n", what.c_str(), s, msg.c_str());
+      }
+      c.host_barrier();
+    }
+}
+
 // RS / AR at a size where blocks take several tiles, of every owner, with a partial last tile column: the
 // fused kernel and the pipeline (in 3 pieces per step) against the sequential path (cuBLAS + weft's
 // collective) on the same inputs, and repeated: each result must be the same bits every time (a fixed

@@ -293,10 +293,11 @@ WEFT_GPU_TEST(signal_add_from_every_thread) {
 
 WEFT_GPU_TEST(wait_timeout_reports_who_and_what) {
   auto c = ctx.make_comm(std::chrono::milliseconds(300));
+  const Flags flags = c->resources(ResourceRequest{"test: a wait nobody answers", 8}).flags;
   const auto t0 = std::chrono::steady_clock::now();
   for_each_local(*c, [&](Rank& r, int) {
-    if (r.rank() != 0) return;  // nobody ever signals user flag 7 of rank 0
-    wait_kernel<<<1, 1, 0, r.stream()>>>(r.view(), r.view().user_flag(7), 42);
+    if (r.rank() != 0) return;  // nobody ever signals flag 7 of rank 0
+    wait_kernel<<<1, 1, 0, r.stream()>>>(r.view(), r.view().flag(flags, 7), 42);
     WEFT_CUDA_CHECK(cudaGetLastError());
   });
   const std::string msg = sync_error(*c);
@@ -305,7 +306,7 @@ WEFT_GPU_TEST(wait_timeout_reports_who_and_what) {
     WEFT_EXPECT(!msg.empty(), "the wait should have timed out");
     WEFT_EXPECT(msg.find("rank 0") != std::string::npos, msg);
     WEFT_EXPECT(msg.find("timed out") != std::string::npos, msg);
-    WEFT_EXPECT(msg.find("user flag 7") != std::string::npos, msg);
+    WEFT_EXPECT(msg.find("flag 7 of 'test: a wait nobody answers'") != std::string::npos, msg);
     WEFT_EXPECT(msg.find("reach 42") != std::string::npos, msg);
     WEFT_EXPECT(s < 5.0, "took " << s << " s for a 0.3 s timeout");
   } else {
@@ -408,7 +409,8 @@ WEFT_GPU_TEST(rank_death_fails_peers_fast) {
     ::_exit(0);
   }
   Rank& r = c->local(0);
-  wait_kernel<<<1, 1, 0, r.stream()>>>(r.view(), r.view().user_flag(3), 1);
+  const Flags flags = c->resources(ResourceRequest{"test: rank death", 4}).flags;
+  wait_kernel<<<1, 1, 0, r.stream()>>>(r.view(), r.view().flag(flags, 3), 1);
   WEFT_CUDA_CHECK(cudaGetLastError());
   const auto t0 = std::chrono::steady_clock::now();
   const std::string msg = sync_error(*c);

@@ -11,6 +11,11 @@
 //                            is written, do other work (typically: wait for the peer), then signal relaxed.
 //                            The signal covers everything written before the fence, nothing after it. A
 //                            relaxed signal with no fence before it publishes nothing (a bare notification).
+//   acquire_for_tma          after a successful wait: makes what the signal published visible to this
+//                            thread's later TMA (async-proxy) reads too; a wait acquires for generic loads
+//                            only. Likewise before a TMA store into memory a peer handed over by a signal.
+//   release_after_tma        after this thread's TMA stores completed (bulk wait): orders them before its
+//                            later signals, which otherwise publish generic writes only.
 //   wait_ge                  spins on this rank's own flag with acquire loads at system scope (flags written
 //                            by peers); wait_ge_local at GPU scope (flags written by this GPU's own blocks).
 //                            It never hangs: after the team's timeout, or once the host raises the abort
@@ -30,6 +35,14 @@ enum class Order {
 // relaxed signals, system-wide.
 __device__ __forceinline__ void fence_release() {
   ptx::fence_acq_rel_sys();
+}
+
+// See the header: the proxy fence that lets TMA see (or overwrite) what a wait acquired.
+__device__ __forceinline__ void acquire_for_tma() {
+  ptx::fence_proxy_async_global();
+}
+__device__ __forceinline__ void release_after_tma() {
+  ptx::fence_proxy_async_global();
 }
 
 template <Order O = Order::kRelease>

@@ -73,6 +73,10 @@ __device__ __forceinline__ void fence_acq_rel_sys() {
 __device__ __forceinline__ void fence_acq_rel_gpu() {
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
+// Orders this thread's generic-proxy accesses of global memory with its later async-proxy (TMA) ones.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
 
 // Nanoseconds from a global clock; coarse (~1 us ticks on some parts) but common to all SMs.
 __device__ __forceinline__ uint64_t globaltimer_ns() {

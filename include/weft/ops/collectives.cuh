@@ -1,6 +1,7 @@
 // Device code of the collectives: each is a few phases of the primitives, run by every block on its own
 // share of the data. Block b of every rank handles the same share, and the blocks with the same index meet
-// in their own barrier slot (kCollectiveSlotBase + b): no grid-wide synchronization anywhere.
+// in their own barrier slot (slot b of the kernel's `slots`, the team's block-meeting slots that the host
+// passes in): no grid-wide synchronization anywhere.
 //
 // Every kernel but the LL one-shot starts with that per-block barrier. Passing it means every peer has
 // started this call, so its previous kernels (which may still have been reading the buffers we are about to
@@ -68,8 +69,9 @@ struct UnitAt {
   __device__ __forceinline__ char* at(const Rows& x) const { return x.base + row * x.stride + offset; }
 };
 
-__device__ __forceinline__ bool meet(const TeamView& team) {
-  return barrier_block(team, kCollectiveSlotBase + blockIdx.x);
+// Block b of every rank meets its counterparts in slot b of `slots`.
+[[nodiscard]] __device__ __forceinline__ bool meet(const TeamView& team, BarrierSlots slots) {
+  return barrier_block(team, slots[blockIdx.x]);
 }
 
 // The access unit of V bytes.
@@ -184,12 +186,13 @@ struct Exchange {
   Rows final_dst;  // when dst is the workspace: the output, + final_peer_step per source
   uint64_t final_peer_step;
   bool via_workspace;
+  BarrierSlots slots;  // block b meets in slots[b]
 };
 
 template <int V>
 __global__ void __launch_bounds__(512) exchange_kernel(Exchange x) {
   const TeamView& t = x.team;
-  if (!meet(t)) return;
+  if (!meet(t, x.slots)) return;
   // One peer per step, staggered so every rank starts with a different peer (the links carry a
   // permutation at each moment). This rank's own part is copied during the first step, chunk by chunk
   // beside the push: on its own it would leave the links idle for the length of an HBM copy (~7% of a
@@ -205,7 +208,7 @@ __global__ void __launch_bounds__(512) exchange_kernel(Exchange x) {
       }
     });
   }
-  if (!meet(t) || !x.via_workspace) return;
+  if (!meet(t, x.slots) || !x.via_workspace) return;
   for (int q = 0; q < t.world; ++q)
     copy_rows<V>(Rows{x.final_dst.base + x.final_peer_step * q, x.final_dst.stride},
                  Rows{x.dst.base + x.dst_peer_step * q, x.dst.stride}, x.rows, x.row_bytes);
@@ -223,6 +226,7 @@ struct ReduceScatter {
   bool fanout;            // two-shot all-reduce: the reduced slice goes to every rank
   char* final_dst;        // fanout into the workspace (out not symmetric): gathered result at final_src,
   const char* final_src;  // copied to final_dst slice by slice (nullptr: out is the symmetric target)
+  BarrierSlots slots;     // block b meets in slots[b]
 };
 
 // Groups a block's pushes are announced in: the reduce of group g - 1 runs while peers still push group g.
@@ -237,12 +241,11 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
   using T = typename ElemTraits<E>::T;
   constexpr int V = 16;
   const TeamView& t = x.team;
-  const int slot = kCollectiveSlotBase + blockIdx.x;
   auto src_of = [&](int s) {  // s = 0: my own slice (of the input, or staged); then the peers' staged slices
     if (s == 0 && !kStaged) return Rows{x.in.base + x.in_peer_step * t.rank, x.in.stride};
     return Rows{x.staging.base + x.staging_step * ((t.rank + s) % t.world), x.staging.stride};
   };
-  if (!meet(t)) return;
+  if (!meet(t, x.slots)) return;
   // Push my chunks of every peer's slice group by group; announce each group (barrier_arrive) and reduce
   // the previous one once every peer announced it. Odd blocks start with a half group so that the blocks
   // do not all reduce at once (the links would idle meanwhile). Pre-staged: one group, no pushes.
@@ -261,15 +264,15 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
         copy_rows<V>(dst, Rows{x.in.base + x.in_peer_step * p, x.in.stride}, x.rows, x.row_bytes, start(g),
                      start(g + 1));
       }
-      announced = barrier_arrive(t, slot);
+      announced = barrier_arrive(t, x.slots[blockIdx.x]);
     }
     if (g > 0) {
-      if (!kStaged && !barrier_wait(t, slot, previous)) return;
+      if (!kStaged && !barrier_wait(t, x.slots[blockIdx.x], previous)) return;
       reduce_rows<E, R, true>(t, x.out, src_of, x.rows, x.row_bytes / sizeof(T), x.fanout, start(g - 1),
                               start(g));
     }
   }
-  if (!x.fanout || !meet(t) || x.final_dst == nullptr) return;  // now every slice has landed
+  if (!x.fanout || !meet(t, x.slots) || x.final_dst == nullptr) return;  // now every slice has landed
   // Block b copies exactly the parts it met for: its share of each slice (same partition as the reduce).
   for (int q = 0; q < t.world; ++q)
     copy_rows<V>(Rows{x.final_dst + q * x.row_bytes, 0},
@@ -322,6 +325,7 @@ struct PullReduce {
   char* final_dst;  // fanout into the workspace: gathered result at final_src, copied slice by slice
   const char* final_src;
   bool stepwise;  // one peer at a time (16-byte packs only)
+  BarrierSlots slots;  // block b meets in slots[b]
 };
 
 template <Elem E, Reduce R, bool kVec>
@@ -333,7 +337,7 @@ __global__ void __launch_bounds__(512) pull_reduce_kernel(PullReduce x) {
     for (int q = 0; q < t.world; ++q)
       copy_rows<V>(Rows{x.in.base + x.in_peer_step * q, x.in.stride},
                    Rows{x.copy_from.base + x.in_peer_step * q, x.copy_from.stride}, x.rows, x.row_bytes);
-  if (!meet(t)) return;
+  if (!meet(t, x.slots)) return;
   char* mine = x.in.base + x.in_peer_step * t.rank;
   auto src_of = [&](int s) { return Rows{t.peer_ptr(mine, (t.rank + s) % t.world), x.in.stride}; };
   if (kVec && x.stepwise && t.world > 1) {
@@ -345,7 +349,7 @@ __global__ void __launch_bounds__(512) pull_reduce_kernel(PullReduce x) {
   } else {
     reduce_rows<E, R, kVec>(t, x.out, src_of, x.rows, x.row_bytes / sizeof(T), x.fanout);
   }
-  if (!meet(t) || x.final_dst == nullptr) return;
+  if (!meet(t, x.slots) || x.final_dst == nullptr) return;
   for (int q = 0; q < t.world; ++q)
     copy_rows<V>(Rows{x.final_dst + q * x.row_bytes, 0},
                  Rows{const_cast<char*>(x.final_src) + q * x.row_bytes, 0}, 1, x.row_bytes);
@@ -370,6 +374,7 @@ struct OneShot {
   uint32_t tail_bytes;  // bytes used in the last word (4 if full)
   uint64_t* ll;         // workspace: [2][world][slot_words], a slot = [blocks][block_words]
   uint64_t slot_words, block_words;
+  Flags calls;  // calls[b]: the one-shot calls block b of this rank has completed (local state)
 };
 
 // Waits until the LL word carries `epoch`; its data in *value.
@@ -414,8 +419,8 @@ __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
   using T = typename ElemTraits<E>::T;
   constexpr int kLanes = 4 / sizeof(T);
   const TeamView& t = x.team;
-  uint64_t* calls = t.one_shot_calls(blockIdx.x);
-  const uint64_t call = *reinterpret_cast<volatile uint64_t*>(calls) + 1;
+  // (The count's address is recomputed at the end rather than kept: registers are short here.)
+  const uint64_t call = *reinterpret_cast<volatile uint64_t*>(t.flag(x.calls, blockIdx.x)) + 1;
   // The epoch in the words is never 0 (what a workspace holds before its first call), also after 2^32 calls.
   const uint32_t epoch = static_cast<uint32_t>(call % 0xffffffffull) + 1;
   // Word j of this block's share, from rank s, lands at part[s * slot_words + j] of the receiver.
@@ -462,7 +467,7 @@ __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
     }
   }
   __syncthreads();  // every thread has read the epoch; the next call (stream-ordered) reads the new one
-  if (threadIdx.x == 0) *calls = call;
+  if (threadIdx.x == 0) *t.flag(x.calls, blockIdx.x) = call;
 }
 
 }  // namespace weft::coll

@@ -35,29 +35,19 @@
 namespace weft::ops {
 
 inline constexpr int kFusedMaxWorld = 8;  // RsGemmOp carries one tensor map per rank
-inline constexpr int kFusedFlags = 1024;  // AG chunk flags: user flags [kFusedFlagBase, + kFusedFlags)
-inline constexpr int kFusedFlagBase = kUserFlags - kFusedFlags - 2;
-inline constexpr int kFusedStateFlag = kUserFlags - 2;      // [0] calls completed, [1] finishers of this call
-inline constexpr int kFusedReadyFlag = kFusedFlagBase - 1;  // RS: the start meeting has passed
+inline constexpr int kFusedChunkFlags = 1024;  // AG chunk flags: (source rank, chunk) pairs at most
 
-// Flags of the copy-engine pipelines (FusedPath::kPipelined, src/ops/fused.cu), per pipeline (0: all-gather,
-// 1: reduce-scatter / all-reduce) and rank r: used(r), set by this rank before its first push into r's
-// workspace in a call and cleared by r once it consumed the call's pushes; arrived(r), the count of pieces
-// rank r has pushed here in this call, cleared by this rank at the end of the call. Unlike every other flag
-// these restart from 0 in every call: the host enqueues them as stream writes and waits, whose values are
-// fixed when enqueued (or captured into a graph), so they cannot carry a per-call epoch.
-inline constexpr int kPipeFlagBase = kFusedReadyFlag - 4 * kMaxWorld;
-inline constexpr int pipe_used_flag(int pipeline, int r) {
-  return kPipeFlagBase + 2 * pipeline * kMaxWorld + r;
-}
-inline constexpr int pipe_arrived_flag(int pipeline, int r) {
-  return kPipeFlagBase + (2 * pipeline + 1) * kMaxWorld + r;
-}
-
+// What every fused kernel synchronizes with (granted by the host, src/ops/fused.cu): its call count and
+// finishers (CallEpoch), RS's "start meeting passed" flag, AG's chunk flags, and the block-meeting slots it
+// shares with the collectives.
 struct FusedSync {
   TeamView team;
+  Flags state;   // [0] calls completed, [1] finishers of this call
+  Flags ready;   // [0] RS: the start meeting has passed (this call's epoch)
+  Flags chunks;  // AG: chunk j of source rank s has landed here, flag s * chunks_per_shard + j
+  BarrierSlots meetings;
   int done_target;  // finishers per call: consumer warpgroups of compute blocks + communicator blocks
-  __device__ CallEpoch calls() const { return CallEpoch{team.user_flag(kFusedStateFlag)}; }
+  __device__ CallEpoch calls() const { return CallEpoch{team.flag(state, 0)}; }
   __device__ uint64_t epoch() const { return calls().epoch(); }
   __device__ void done() const { calls().finished(uint64_t(done_target)); }  // reads the epoch no more
 };
@@ -76,7 +66,7 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
   };
 
   __device__ static uint64_t* flag(const Params& p, int src, int j) {
-    return p.sync.team.user_flag(kFusedFlagBase + src * p.chunks + j);
+    return p.sync.team.flag(p.sync.chunks, src * p.chunks + j);
   }
   // First row of tile t inside this rank's shard, or -1 when the tile's rows are not all in it.
   __device__ static int64_t local_row(const Params& p, const lcsc::Tile& t) {
@@ -105,7 +95,7 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
       (void)wait_ge(p.sync.team, flag(p, src, j), e);
       r = src * p.shard_rows + min(int64_t(j + 1) * p.chunk_rows, p.shard_rows);
     }
-    asm volatile("fence.proxy.async.global;" ::: "memory");  // peers' generic stores before our TMA loads
+    acquire_for_tma();  // peers' generic stores before our TMA loads
   }
   __device__ static void finish(const Params& p, typename Base::Smem& s, int wg,
                                 typename Base::StoreState& es) {
@@ -116,7 +106,7 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     const TeamView& t = p.sync.team;
     const uint64_t e = p.sync.epoch();
     // Meet this block's counterparts (slot by communicator index): every peer has finished its previous call.
-    if (barrier_block(t, kCollectiveSlotBase + index)) {
+    if (barrier_block(t, p.sync.meetings[index])) {
       const int world = t.world;
       for (int u = index; u < world * p.chunks; u += count) {  // peers rank - 1, rank - 2, ..., then self
         const int dst = (t.rank - 1 - u / p.chunks + 2 * world) % world, j = u % p.chunks;
@@ -167,8 +157,8 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     if (!es.ready && tile::thread_in_warpgroup() == 0) {  // only the leader issues TMA: only it waits
       // A failed wait is recorded and reported by synchronize(); the kernel runs to its end rather than
       // leave the other warpgroups waiting on the epilogue's barriers.
-      (void)wait_ge(team, team.user_flag(kFusedReadyFlag), p.sync.epoch());
-      asm volatile("fence.proxy.async.global;" ::: "memory");
+      (void)wait_ge(team, team.flag(p.sync.ready, 0), p.sync.epoch());
+      acquire_for_tma();  // the peers' reads of their staging slots (generic) before our TMA stores into it
     }
     es.ready = true;
     // The host admits only shards of whole 64-row halves: a half has one owner (none past the last row).
@@ -180,7 +170,7 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
   __device__ static void finish(const Params& p, typename Base::Smem&, int, StoreState& es) {
     Base::Epilogue::finish(es.epi);  // every store has landed
     if (tile::thread_in_warpgroup() == 0) {
-      asm volatile("fence.proxy.async.global;" ::: "memory");
+      release_after_tma();
       p.sync.done();
     }
   }
@@ -189,8 +179,8 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     const uint64_t e = p.sync.epoch();
     // Block 0: every rank has finished the previous call's reduce (stream-ordered before its kernel), so
     // its staging is free; then the storers may store.
-    if (index == 0 && barrier_block(t, kCollectiveSlotBase) && threadIdx.x == 0)
-      signal_set(t, t.user_flag(kFusedReadyFlag), t.rank, e);
+    if (index == 0 && barrier_block(t, p.sync.meetings[0]) && threadIdx.x == 0)
+      signal_set(t, t.flag(p.sync.ready, 0), t.rank, e);
     __syncthreads();
     if (threadIdx.x == 0) p.sync.done();
   }

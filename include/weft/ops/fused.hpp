@@ -43,7 +43,9 @@
 // kFused cannot run for RS / AR with world > 8 or M / W not a multiple of 64, nor for AG with too many A
 // chunks: forced, it throws why; kAuto then falls back to kSequential. The return value says which path ran.
 //
-// Fused ops own user flags [kUserFlags - 1539, kUserFlags) of the signal pad (see weft/ops/fused.cuh).
+// Their flags, barrier slots and pipeline areas are granted by name at team creation (src/ops/fused.cu,
+// weft/runtime/resources.hpp): error messages name them ("flag 3 of 'all_gather_matmul kernel: chunk
+// arrivals'").
 #pragma once
 #include <cuda_runtime.h>
 

@@ -36,6 +36,7 @@
 
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/resources.hpp"
 #include "weft/team_view.hpp"
 
 namespace weft {
@@ -142,6 +143,12 @@ class Communicator {
   // same areas in the same order (it makes the same op calls).
   const SymmetricBuffer& workspace(uint64_t bytes, bool capturing = false, const std::string& area = {});
   void reserve_workspace(uint64_t bytes, const std::string& area = {}) { workspace(bytes, false, area); }
+  // Flag words, barrier slots and a workspace area, granted by name (weft/runtime/resources.hpp): the same
+  // runs on every rank. Declared resources were granted at creation; others are granted on first request,
+  // so every rank must ask in the same order. The second form looks a grant up (throws if there is none).
+  const ResourceGrant& resources(const ResourceRequest& request);
+  const ResourceGrant& resources(const std::string& owner) const;
+
   // Whether [p, p + bytes) lies in rank's own symmetric heap (then peers reach it through
   // TeamView::peer_ptr).
   bool in_heap(const Rank& rank, const void* p, uint64_t bytes) const {
@@ -167,7 +174,8 @@ class Communicator {
   void synchronize();
   // Throws weft::Error describing the first device wait failure of a local rank, if any.
   void check_device_errors() const;
-  // Describes a heap offset for error messages ("barrier slot 3, inbox of rank 1", "user flag 7", ...).
+  // Describes a heap offset for error messages ("flag 3 of 'all_gather_matmul: chunk arrivals'", "barrier
+  // slot 0 of 'block meetings', arrival of rank 1", ...).
   std::string describe_offset(uint64_t offset) const;
 
   // Live-mapping bookkeeping, for leak tests.
@@ -178,6 +186,7 @@ class Communicator {
   void init_devices(const std::vector<int>& devices, int first_rank, int world, int sm_budget);
   void init_heap(uint64_t heap_bytes);
   void init_signal_pads();
+  void grant_declared_resources();
   void check_peer_access_single_process() const;
   void check_peer_access_multi_process();
   void map_range(char* va, uint64_t bytes, CUmemGenericAllocationHandle h, const std::vector<int>& devices);
@@ -203,6 +212,7 @@ class Communicator {
   std::vector<SymmetricBuffer> live_;  // for teardown
   size_t live_maps_ = 0;
   SymmetricBuffer pad_;
+  ResourceRegistry registry_{kFlagWords, kBarrierSlots};
   std::map<std::string, SymmetricBuffer> workspaces_;  // by area name ("": the shared one)
   std::vector<SymmetricBuffer>
       retired_workspaces_;         // outgrown with several local ranks: freed by synchronize()
