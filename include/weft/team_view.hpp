@@ -14,8 +14,8 @@
 
 namespace weft {
 
-inline constexpr int kMaxWorld = 128;     // ranks in one team (an NVL72 fits)
-inline constexpr int kFlagWords = 8192;   // the signal pad's 64-bit flag words, granted to ops by name
+inline constexpr int kMaxWorld = 128;      // ranks in one team (an NVL72 fits)
+inline constexpr int kFlagWords = 8192;    // the signal pad's 64-bit flag words, granted to ops by name
 inline constexpr int kBarrierSlots = 512;  // independent team barriers (one block per rank at a time in each)
 
 // Typed handles to signal-pad resources. The communicator grants them by name (weft/runtime/resources.hpp:

@@ -331,8 +331,7 @@ void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape
   x.src_peer_step = 0;  // the same data for every peer
   const uint64_t dst_stride = dim == 0 ? 0 : x.row_bytes * world;
   x.via_workspace = !comm.in_heap(rank, out, out_bytes);
-  char* dst = x.via_workspace ? c.workspace(out_bytes)
-                              : static_cast<char*>(out);
+  char* dst = x.via_workspace ? c.workspace(out_bytes) : static_cast<char*>(out);
   x.dst = Rows{dst, dst_stride};
   x.final_dst = Rows{static_cast<char*>(out), dst_stride};
   x.final_peer_step = x.dst_peer_step;
@@ -432,8 +431,7 @@ void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_
   x.dst_peer_step = blk;  // and lands in block `source`
   // In place, peers would overwrite blocks not yet sent: receive into the workspace, then copy.
   x.via_workspace = in == out || !comm.in_heap(rank, out, bytes);
-  char* dst = x.via_workspace ? c.workspace(bytes)
-                              : static_cast<char*>(out);
+  char* dst = x.via_workspace ? c.workspace(bytes) : static_cast<char*>(out);
   x.dst = Rows{dst, 0};
   x.final_dst = Rows{static_cast<char*>(out), 0};
   x.final_peer_step = blk;

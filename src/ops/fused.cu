@@ -456,10 +456,10 @@ int ag_comm_blocks(const Rank& rank, const FusedOptions& o) {
 
 template <bool kKMajor>
 void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m, int64_t n,
-               int64_t k, int chunk_rows, int chunks, const FusedOptions& o) {
+               int64_t k, const FusedPlan& plan, const FusedOptions& o) {
   using Op = ops::AgGemmOp<kKMajor, 1>;
   typename Op::Params p{};
-  const int W = c.rank.world(), comm_blocks = ag_comm_blocks(c.rank, o);
+  const int W = c.rank.world(), comm_blocks = plan.comm_blocks;
   set_schedule<Op>(p.sched, m, n);
   set_gemm_maps<Op, kKMajor>(p, gathered, b, m, n, k, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m);
   // Local rows first: start at the band of tile rows holding this rank's shard; then rank + 1's (which
@@ -476,8 +476,8 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
   p.gathered = reinterpret_cast<__nv_bfloat16*>(gathered);
   p.shard_rows = m / W;
   p.k = k;
-  p.chunk_rows = chunk_rows;
-  p.chunks = chunks;
+  p.chunk_rows = static_cast<int>(plan.chunk_rows);
+  p.chunks = static_cast<int>(plan.chunks);
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
@@ -524,7 +524,41 @@ std::string rs_why_not(const Call& c, int64_t m) {
   return c.why_not_in_budget<ops::RsGemmOp<true, 1>>(ops::RsGemmOp<true, 1>::kClusterSize);
 }
 
+// all_gather_matmul's A chunks: whole 128-row blocks, at most kFusedChunkFlags flags in all.
+void ag_chunks(int world, int64_t rows, int64_t& chunk_rows, int64_t& chunks) {
+  const int64_t blocks = (rows + 127) / 128, per_shard = std::max<int64_t>(1, ops::kFusedChunkFlags / world);
+  chunk_rows = 128 * ((blocks + per_shard - 1) / per_shard);
+  chunks = (rows + chunk_rows - 1) / chunk_rows;
+}
+
+// The plan of a call: every choice the op makes before it launches anything, in one place.
+FusedPlan plan_call(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const FusedOptions& o) {
+  WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 32, c.where + "options.comm_blocks must be 0..32");
+  const int W = c.rank.world();
+  FusedPlan plan;
+  if (op == FusedOp::kAllGatherMatmul) {
+    ag_chunks(W, m / W, plan.chunk_rows, plan.chunks);
+    plan.comm_blocks = ag_comm_blocks(c.rank, o);
+    const bool fits = W * plan.chunks <= ops::kFusedChunkFlags && plan.chunk_rows <= INT32_MAX;
+    plan.why_not_fused =
+        fits ? c.why_not_in_budget<ops::AgGemmOp<true, 1>>(plan.comm_blocks) : "more A chunks than flags";
+  } else {
+    plan.comm_blocks = ops::RsGemmOp<true, 1>::kClusterSize;  // block 0 meets
+    plan.why_not_fused = rs_why_not(c, m);
+  }
+  plan.path = c.path(o, m, plan.why_not_fused, ops::auto_path(op == FusedOp::kAllGatherMatmul, m, n, k, W));
+  return plan;
+}
+
 }  // namespace
+
+FusedPlan fused_plan(FusedOp op, Communicator& comm, Rank& rank, int64_t m, int64_t n, int64_t k,
+                     cudaStream_t stream, const FusedOptions& options) {
+  const char* name = op == FusedOp::kAllGatherMatmul       ? "all_gather_matmul"
+                     : op == FusedOp::kMatmulReduceScatter ? "matmul_reduce_scatter"
+                                                           : "matmul_all_reduce";
+  return plan_call(Call(comm, rank, stream, name, m, n, k), op, m, n, k, options);
+}
 
 FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
                             void* gathered_a, int64_t m, int64_t n, int64_t k, BLayout layout,
@@ -534,16 +568,9 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
   const int64_t rows = m / W;
   c.check_operands(a_shard, "a_shard", rows, b, out, m, m, n, k, layout);
   if (gathered_a) c.check_buffer(gathered_a, "gathered_a", m * k * 2);
-  WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 32, c.where + "options.comm_blocks must be 0..32");
-  // Chunks of whole 128-row blocks, at most kFusedChunkFlags flags in all.
-  const int64_t blocks = (rows + 127) / 128, per_shard = std::max<int64_t>(1, ops::kFusedChunkFlags / W);
-  const int64_t chunk_rows = 128 * ((blocks + per_shard - 1) / per_shard),
-                chunks = (rows + chunk_rows - 1) / chunk_rows;
+  const FusedPlan plan = plan_call(c, FusedOp::kAllGatherMatmul, m, n, k, o);
+  const FusedPath path = plan.path;
   const bool sym_gathered = gathered_a && comm.in_heap(rank, gathered_a, m * k * 2);
-  const bool fits = W * chunks <= ops::kFusedChunkFlags && chunk_rows <= INT32_MAX;
-  const std::string why_not = fits ? c.why_not_in_budget<ops::AgGemmOp<true, 1>>(ag_comm_blocks(rank, o))
-                                   : "more A chunks than flags";
-  const FusedPath path = c.path(o, m, why_not, ops::auto_path(true, m, n, k, W));
   if (path == FusedPath::kPipelined) {
     pipelined_ag(c, a_shard, b, out, gathered_a, m, n, k, layout);
     return path;
@@ -556,9 +583,9 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
   }
   char* g = sym_gathered ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
   if (layout == BLayout::kNK)
-    launch_ag<true>(c, a_shard, b, out, g, m, n, k, int(chunk_rows), int(chunks), o);
+    launch_ag<true>(c, a_shard, b, out, g, m, n, k, plan, o);
   else
-    launch_ag<false>(c, a_shard, b, out, g, m, n, k, int(chunk_rows), int(chunks), o);
+    launch_ag<false>(c, a_shard, b, out, g, m, n, k, plan, o);
   if (gathered_a && !sym_gathered)
     WEFT_CUDA_CHECK(cudaMemcpyAsync(gathered_a, g, m * k * 2, cudaMemcpyDeviceToDevice, c.stream));
   return FusedPath::kFused;
@@ -570,7 +597,7 @@ FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, c
   Call c(comm, rank, stream, "matmul_reduce_scatter", m, n, k);
   const int64_t rows = m / rank.world();
   c.check_operands(a, "a", m, b, out, rows, m, n, k, layout);
-  const FusedPath path = c.path(o, m, rs_why_not(c, m), ops::auto_path(false, m, n, k, rank.world()));
+  const FusedPath path = plan_call(c, FusedOp::kMatmulReduceScatter, m, n, k, o).path;
   if (path == FusedPath::kPipelined) {
     pipelined_rs(c, a, b, out, m, n, k, layout, false, o.pipeline_pieces);
     return path;
@@ -595,7 +622,7 @@ FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const
   Call c(comm, rank, stream, "matmul_all_reduce", m, n, k);
   const int W = rank.world();
   c.check_operands(a, "a", m, b, out, m, m, n, k, layout);
-  const FusedPath path = c.path(o, m, rs_why_not(c, m), ops::auto_path(false, m, n, k, W));
+  const FusedPath path = plan_call(c, FusedOp::kMatmulAllReduce, m, n, k, o).path;
   if (path == FusedPath::kPipelined) {
     pipelined_rs(c, a, b, out, m, n, k, layout, true, o.pipeline_pieces);
     return path;

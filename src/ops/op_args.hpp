@@ -17,9 +17,10 @@ inline uint64_t one_shot_max_bytes(int world) {
   return world == 2 ? (1u << 20) : (256u << 10);
 }
 // The one-shot's LL region (a workspace area of its own, made at team creation): two halves of `world`
-// slots of ll_slot_bytes (the LL protocol stores 8 bytes per 4 data bytes), every slot in a fixed place. A slot holds one fixed part of ll_block_words words per block
-// (each block keeps its own call count): a one-shot call runs on words / ll_block_words to
-// one_shot_max_blocks blocks. 1024 words per block (2 per thread) at most sizes, at most 128 blocks.
+// slots of ll_slot_bytes (the LL protocol stores 8 bytes per 4 data bytes), every slot in a fixed place. A
+// slot holds one fixed part of ll_block_words words per block (each block keeps its own call count): a
+// one-shot call runs on words / ll_block_words to one_shot_max_blocks blocks. 1024 words per block (2 per
+// thread) at most sizes, at most 128 blocks.
 inline uint64_t ll_block_words(int world) {
   return std::max<uint64_t>(1024, one_shot_max_bytes(world) / 4 / 128);
 }

@@ -39,10 +39,10 @@ const ResourceGrant& ResourceRegistry::grant(const ResourceRequest& r) {
       return g;
     }
   WEFT_CHECK(next_flag_ + r.flags <= flag_words_ && next_slot_ + r.barrier_slots <= slots_,
-             "weft resources: no room for '" + r.owner + "' (" + counts(r) + "): " +
-                 std::to_string(flag_words_ - next_flag_) + " flags and " + std::to_string(slots_ - next_slot_) +
-                 " barrier slots are left of " + std::to_string(flag_words_) + " and " +
-                 std::to_string(slots_));
+             "weft resources: no room for '" + r.owner + "' (" + counts(r) +
+                 "): " + std::to_string(flag_words_ - next_flag_) + " flags and " +
+                 std::to_string(slots_ - next_slot_) + " barrier slots are left of " +
+                 std::to_string(flag_words_) + " and " + std::to_string(slots_));
   ResourceGrant g{r.owner, Flags{next_flag_, r.flags}, BarrierSlots{next_slot_, r.barrier_slots}};
   next_flag_ += r.flags;
   next_slot_ += r.barrier_slots;

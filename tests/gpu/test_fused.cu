@@ -151,6 +151,14 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
       path = matmul_reduce_scatter(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, layout, nullptr, o);
     else
       path = matmul_all_reduce(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, layout, nullptr, o);
+    const FusedOp fop = op == Op::kAG   ? FusedOp::kAllGatherMatmul
+                        : op == Op::kRS ? FusedOp::kMatmulReduceScatter
+                                        : FusedOp::kMatmulAllReduce;
+    const FusedPlan plan = fused_plan(fop, c, r, m, n, k, nullptr, o);
+    WEFT_EXPECT(plan.path == path, "fused_plan says " << fused_path_name(plan.path) << ", the call ran "
+                                                      << fused_path_name(path));
+    WEFT_EXPECT((path != FusedPath::kFused) || plan.why_not_fused.empty(),
+                "the fused kernel ran although the plan says: " << plan.why_not_fused);
     if (mode == Mode::kAuto)
       WEFT_EXPECT(path != FusedPath::kFused, "kAuto ran the fused kernel where it cannot run");
     else

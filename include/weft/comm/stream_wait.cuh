@@ -22,11 +22,11 @@ enum class StreamWait : uint32_t {
 };
 
 template <StreamWait kHow>
-__global__ void __launch_bounds__(32) stream_wait_kernel(TeamView team, const uint64_t* flag, uint64_t value) {
+__global__ void __launch_bounds__(32)
+    stream_wait_kernel(TeamView team, const uint64_t* flag, uint64_t value) {
   if (threadIdx.x != 0) return;
   (void)wait_until(
-      team, flag, value,
-      [value](uint64_t x) { return kHow == StreamWait::kEqual ? x == value : x >= value; },
+      team, flag, value, [value](uint64_t x) { return kHow == StreamWait::kEqual ? x == value : x >= value; },
       [](uint64_t x) { return x; });  // a failure is recorded; the host's synchronize() reports it
 }
 

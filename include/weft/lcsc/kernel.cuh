@@ -23,7 +23,14 @@
 //                                                          for "inputs of this item have arrived" (a wait
 //                                                          on a flag set by a peer or a communicator block)
 //   static finish(p, smem, wg, StoreState&)                consumer warpgroup after its last item
-//   static communicate(p, smem, index, count)              every thread of a communicator block
+// and, for ops with communicator blocks (index = blockIdx.x - compute_blocks, count of them), a task loop
+// run by every thread of such a block, each hook optional:
+//   static bool comm_begin(p, smem, index)                 first (e.g. meet the peers' counterpart blocks);
+//                                                          false skips the tasks
+//   CommTasks(p, index, count); bool next(Task&)           the tasks of this block (lcsc::StridedTasks deals
+//                                                          [0, n) round-robin)
+//   static comm_task(p, smem, const Task&)                 one task (e.g. push a chunk, then signal it)
+//   static comm_end(p, smem, index)                        last (e.g. count the block as a finisher)
 // Work is Scheduler::Work. A scheduler hands each compute block (cluster) its work items in turn:
 //   using Params; using Work;                              its launch arguments; one work item
 //   static int compute_blocks(const Params&)               blocks below it compute, the rest communicate
@@ -70,9 +77,17 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
   const int compute_blocks = Scheduler::compute_blocks(p.sched);
 
   if (static_cast<int>(blockIdx.x) >= compute_blocks) {
-    if constexpr (requires { Op::communicate(p, smem, 0, 0); })
-      Op::communicate(p, smem, static_cast<int>(blockIdx.x) - compute_blocks,
-                      static_cast<int>(gridDim.x) - compute_blocks);
+    const int index = static_cast<int>(blockIdx.x) - compute_blocks;
+    bool go = true;
+    if constexpr (requires { Op::comm_begin(p, smem, index); }) go = Op::comm_begin(p, smem, index);
+    if constexpr (requires { typename Op::CommTasks; }) {
+      if (go) {
+        typename Op::CommTasks tasks(p, index, static_cast<int>(gridDim.x) - compute_blocks);
+        typename Op::CommTasks::Task t;
+        while (tasks.next(t)) Op::comm_task(p, smem, t);
+      }
+    }
+    if constexpr (requires { Op::comm_end(p, smem, index); }) Op::comm_end(p, smem, index);
     return;
   }
 

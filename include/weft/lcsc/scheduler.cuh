@@ -37,6 +37,22 @@ struct Tile {         // GemmTileScheduler::Work
   int iteration = 0;  // how many tiles this block took before this one
 };
 
+// Communicator tasks [0, n) dealt round-robin: block `index` of `count` takes index, index + count, ...
+class StridedTasks {
+ public:
+  using Task = int;
+  __host__ __device__ StridedTasks(int n, int index, int count) : next_(index), end_(n), step_(count) {}
+  __host__ __device__ bool next(Task& t) {
+    if (next_ >= end_) return false;
+    t = next_;
+    next_ += step_;
+    return true;
+  }
+
+ private:
+  int next_, end_, step_;
+};
+
 class GemmTileScheduler {
  public:
   using Params = SchedulerParams;

@@ -324,7 +324,7 @@ struct PullReduce {
   bool fanout;
   char* final_dst;  // fanout into the workspace: gathered result at final_src, copied slice by slice
   const char* final_src;
-  bool stepwise;  // one peer at a time (16-byte packs only)
+  bool stepwise;       // one peer at a time (16-byte packs only)
   BarrierSlots slots;  // block b meets in slots[b]
 };
 

@@ -34,7 +34,7 @@
 
 namespace weft::ops {
 
-inline constexpr int kFusedMaxWorld = 8;  // RsGemmOp carries one tensor map per rank
+inline constexpr int kFusedMaxWorld = 8;       // RsGemmOp carries one tensor map per rank
 inline constexpr int kFusedChunkFlags = 1024;  // AG chunk flags: (source rank, chunk) pairs at most
 
 // What every fused kernel synchronizes with (granted by the host, src/ops/fused.cu): its call count and
@@ -102,32 +102,37 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     Base::finish(p, s, wg, es);
     if (tile::thread_in_warpgroup() == 0) p.sync.done();
   }
-  __device__ static void communicate(const Params& p, typename Base::Smem&, int index, int count) {
+  // Communicator blocks: meet the counterpart blocks (every peer has finished its previous call), then
+  // push chunks of this rank's shard, task u = chunk u % chunks to peer rank - 1 - u / chunks (peers rank -
+  // 1, rank - 2, ..., then self), each followed by its flag.
+  __device__ static bool comm_begin(const Params& p, typename Base::Smem&, int index) {
+    return barrier_block(p.sync.team, p.sync.meetings[index]);
+  }
+  struct CommTasks : lcsc::StridedTasks {
+    __device__ CommTasks(const Params& p, int index, int count)
+        : lcsc::StridedTasks(p.sync.team.world * p.chunks, index, count) {}
+  };
+  __device__ static void comm_task(const Params& p, typename Base::Smem&, int u) {
     const TeamView& t = p.sync.team;
-    const uint64_t e = p.sync.epoch();
-    // Meet this block's counterparts (slot by communicator index): every peer has finished its previous call.
-    if (barrier_block(t, p.sync.meetings[index])) {
-      const int world = t.world;
-      for (int u = index; u < world * p.chunks; u += count) {  // peers rank - 1, rank - 2, ..., then self
-        const int dst = (t.rank - 1 - u / p.chunks + 2 * world) % world, j = u % p.chunks;
-        const int64_t r0 = int64_t(j) * p.chunk_rows, rows = min(int64_t(p.chunk_rows), p.shard_rows - r0);
-        const uint4* from = reinterpret_cast<const uint4*>(p.a_shard + r0 * p.k);
-        uint4* to =
-            t.peer_ptr(reinterpret_cast<uint4*>(p.gathered + (t.rank * p.shard_rows + r0) * p.k), dst);
-        const int64_t n = rows * p.k / 8, step = blockDim.x;
-        int64_t i = threadIdx.x;
-        for (; i + 3 * step < n; i += 4 * step) {  // 4 loads in flight per thread
-          uint4 v[4];
+    const int world = t.world;
+    const int dst = (t.rank - 1 - u / p.chunks + 2 * world) % world, j = u % p.chunks;
+    const int64_t r0 = int64_t(j) * p.chunk_rows, rows = min(int64_t(p.chunk_rows), p.shard_rows - r0);
+    const uint4* from = reinterpret_cast<const uint4*>(p.a_shard + r0 * p.k);
+    uint4* to = t.peer_ptr(reinterpret_cast<uint4*>(p.gathered + (t.rank * p.shard_rows + r0) * p.k), dst);
+    const int64_t n = rows * p.k / 8, step = blockDim.x;
+    int64_t i = threadIdx.x;
+    for (; i + 3 * step < n; i += 4 * step) {  // 4 loads in flight per thread
+      uint4 v[4];
 #pragma unroll
-          for (int q = 0; q < 4; ++q) v[q] = from[i + q * step];
+      for (int q = 0; q < 4; ++q) v[q] = from[i + q * step];
 #pragma unroll
-          for (int q = 0; q < 4; ++q) to[i + q * step] = v[q];
-        }
-        for (; i < n; i += step) to[i] = from[i];
-        __syncthreads();  // the block's stores, then one release signal covers them
-        if (threadIdx.x == 0) signal_set(t, flag(p, t.rank, j), dst, e);
-      }
+      for (int q = 0; q < 4; ++q) to[i + q * step] = v[q];
     }
+    for (; i < n; i += step) to[i] = from[i];
+    __syncthreads();  // the block's stores, then one release signal covers them
+    if (threadIdx.x == 0) signal_set(t, flag(p, t.rank, j), dst, p.sync.epoch());
+  }
+  __device__ static void comm_end(const Params& p, typename Base::Smem&, int) {
     __syncthreads();
     if (threadIdx.x == 0) p.sync.done();
   }
@@ -174,13 +179,15 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
       p.sync.done();
     }
   }
-  __device__ static void communicate(const Params& p, typename Base::Smem&, int index, int) {
+  // Block 0 of the communicator: every rank has finished the previous call's reduce (stream-ordered before
+  // its kernel), so its staging is free; then the storers may store.
+  __device__ static bool comm_begin(const Params& p, typename Base::Smem&, int index) {
     const TeamView& t = p.sync.team;
-    const uint64_t e = p.sync.epoch();
-    // Block 0: every rank has finished the previous call's reduce (stream-ordered before its kernel), so
-    // its staging is free; then the storers may store.
     if (index == 0 && barrier_block(t, p.sync.meetings[0]) && threadIdx.x == 0)
-      signal_set(t, t.flag(p.sync.ready, 0), t.rank, e);
+      signal_set(t, t.flag(p.sync.ready, 0), t.rank, p.sync.epoch());
+    return false;
+  }
+  __device__ static void comm_end(const Params& p, typename Base::Smem&, int) {
     __syncthreads();
     if (threadIdx.x == 0) p.sync.done();
   }

@@ -50,6 +50,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/gemm.hpp"
@@ -66,6 +67,22 @@ struct FusedOptions {
   int max_compute_blocks = 0;  // cap on GEMM blocks (benchmarks: "compute alone" at the fused op's SM count)
   int pipeline_pieces = 0;     // kPipelined RS / AR: row pieces per ring step, 0 auto; the same on every rank
 };
+
+enum class FusedOp { kAllGatherMatmul, kMatmulReduceScatter, kMatmulAllReduce };
+
+// What a call of a fused op with these shapes and options would do on `rank`, without doing it (as
+// gemm_plan): the path it takes and why the fused kernel cannot run here. The op itself runs this plan, so
+// the two never disagree. Throws what the call would throw for bad shapes or options (a forced mode that
+// cannot run here included); `stream` matters only for whether it is being captured.
+struct FusedPlan {
+  FusedPath path = FusedPath::kSequential;
+  std::string why_not_fused;  // "" when the fused kernel can run here, else why not
+  int comm_blocks = 0;        // the fused kernel's communicator blocks
+  int64_t chunk_rows = 0;     // all_gather_matmul: rows per A chunk (one flag each) ...
+  int64_t chunks = 0;         // ... and chunks per shard
+};
+FusedPlan fused_plan(FusedOp op, Communicator& comm, Rank& rank, int64_t m, int64_t n, int64_t k,
+                     cudaStream_t stream = nullptr, const FusedOptions& options = {});
 
 FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
                             void* gathered_a, int64_t m, int64_t n, int64_t k, BLayout b_layout,

@@ -25,9 +25,9 @@
 namespace weft {
 
 struct ResourceRequest {
-  std::string owner;       // who uses them: an op name, or a name ops share to share the resources
-  int flags = 0;           // flag words (zero at team creation; weft never resets them)
-  int barrier_slots = 0;   // team barrier slots
+  std::string owner;      // who uses them: an op name, or a name ops share to share the resources
+  int flags = 0;          // flag words (zero at team creation; weft never resets them)
+  int barrier_slots = 0;  // team barrier slots
   // A workspace area of its own (Communicator::workspace(bytes, capturing, owner)) of area_bytes(world)
   // bytes, made at team creation (declared requests only; nullptr: none).
   uint64_t (*area_bytes)(int world) = nullptr;
