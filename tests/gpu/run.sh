@@ -14,9 +14,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${WEFT_BUILD_DIR:-$root/build}
 logs=${WEFT_LOG_DIR:-$build/gpu-logs}
-if [ ! -x "$build/tests/gpu/weft-gpu-tests" ] || [ ! -x "$build/weft-launch" ]; then
+if [ ! -x "$build/tests/gpu/weft-gpu-tests" ] || [ ! -x "$build/weft-launch" ] ||
+  [ ! -x "$build/examples/matmul_to_next" ]; then
   cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-    cmake --build "$build" -j "$(nproc)" --target weft-gpu-tests weft-launch || exit 1
+    cmake --build "$build" -j "$(nproc)" --target weft-gpu-tests weft-launch hello_team matmul_to_next || exit 1
 fi
 mkdir -p "$logs"
 tests=$build/tests/gpu/weft-gpu-tests
@@ -72,6 +73,10 @@ step "virtual ranks, W = 8 on 1 GPU (runtime, primitives, collectives; quick)" "
 # An SM budget of a few SMs per rank: the collectives and fused ops still right (grids sized from it).
 step "virtual ranks, W = 2, SM budget 4" "budget_4" "$tests" --gpus 1 --ranks 2 --sm-budget 4 --team-only \
   --filter all_reduce,all_gather,reduce_scatter,all_to_all,collective,matmul,fused,budget
+# The C++ examples (a team program, an LCSC op of one's own) on 3 virtual ranks of one GPU.
+step "examples (hello_team, matmul_to_next), 3 virtual ranks" "examples" env WEFT_RANKS_PER_GPU=3 \
+  CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=0 bash -c \
+  "'$build/examples/hello_team' && '$build/examples/matmul_to_next'"
 # One process per rank on a shared GPU is refused at creation with the reason and what to do instead.
 step "one process per rank on one GPU: refused" "shared_gpu" bash -c \
   "! CUDA_VISIBLE_DEVICES=0 '$launch' -n 2 '$tests' --filter team_layout && \
