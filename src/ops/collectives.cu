@@ -42,37 +42,14 @@ const ResourceDeclaration kMeetings{{ops::kBlockMeetings, 0, ops::kMeetingSlots}
 enum class Flow { kPull, kSteps, kPush };
 constexpr uint64_t kPullMaxBytes = 4 << 20;
 
-struct Call {
-  Communicator& comm;
-  Rank& rank;
-  cudaStream_t stream;
-  const char* op;
-  bool capturing = false;
-  detail::CurrentDeviceGuard keep_device;  // the op runs on the rank's GPU; the caller's device comes back
-
+struct Call : ops::OpCall {
   Call(Communicator& c, Rank& r, cudaStream_t s, const char* name)
-      : comm(c), rank(r), stream(s ? s : r.stream()), op(name) {
-    WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
-    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
-    capturing = st != cudaStreamCaptureStatusNone;
-  }
-  [[noreturn]] void fail(const std::string& why) const {
-    throw_error(std::string("weft::") + op + ": " + why);
-  }
-
-  // A device pointer on this rank's GPU, aligned to `align` bytes.
-  void check_buffer(const void* p, const char* name, uint64_t bytes, uint64_t align) const {
-    ops::check_device_buffer(comm, rank, p, name, bytes, align, std::string("weft::") + op + ": ");
-  }
+      : OpCall(c, r, s, std::string("weft::") + name + ": ") {}
   static bool overlap(const void* a, uint64_t an, const void* b, uint64_t bn) {
     auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
     return x < y + bn && y < x + an;
   }
   int blocks(uint64_t bytes) const { return ops::collective_blocks(rank, bytes); }
-  char* workspace(uint64_t bytes, const std::string& area = {}) {
-    return ops::workspace_of(comm, rank, bytes, capturing, std::string("weft::") + op + ": ", area);
-  }
   BarrierSlots meetings() const { return ops::meeting_slots(comm); }
   void launched() const { WEFT_CUDA_CHECK(cudaGetLastError()); }
   // Whether a one-shot round of `bytes` fits this rank's SM budget (it needs a block per slot part).

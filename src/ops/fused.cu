@@ -45,29 +45,16 @@ const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{ops::kBlockMeetings, 0, ops::kMeetingSlots}},
 };
 
-struct Call {
-  Communicator& comm;
-  Rank& rank;
-  cudaStream_t stream;
-  std::string where;
-  bool capturing = false;
-  detail::CurrentDeviceGuard keep_device;  // the op runs on the rank's GPU; the caller's device comes back
+struct Call : ops::OpCall {
   Call(Communicator& c, Rank& r, cudaStream_t s, const char* op, int64_t m, int64_t n, int64_t k)
-      : comm(c), rank(r), stream(s ? s : r.stream()) {
-    WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
-    where = std::string("weft::") + op + "(M=" + std::to_string(m) + ", N=" + std::to_string(n) +
-            ", K=" + std::to_string(k) + "): ";
-    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
-    capturing = st != cudaStreamCaptureStatusNone;
+      : OpCall(c, r, s,
+               std::string("weft::") + op + "(M=" + std::to_string(m) + ", N=" + std::to_string(n) +
+                   ", K=" + std::to_string(k) + "): ") {
     WEFT_CHECK(m > 0 && n > 0 && k > 0, where + "M, N and K must be at least 1");
     WEFT_CHECK(m % r.world() == 0,
                where + "M must be divisible by the world size " + std::to_string(r.world()));
     WEFT_CHECK(k % 8 == 0 && n % 8 == 0,
                where + "K and N must be multiples of 8 (bf16 rows of 16-byte multiples, which TMA requires)");
-  }
-  void check_buffer(const void* p, const char* name, uint64_t bytes) const {
-    ops::check_device_buffer(comm, rank, p, name, bytes, 16, where);
   }
   // The operands every fused op has: A (`a_rows` x K, named `a_name`), B (K x N either way), out
   // (`out_rows` x N), all bf16; then the GEMM's own shape, layout and device checks, with gemm's messages.
@@ -77,9 +64,6 @@ struct Call {
     check_buffer(b, "b", n * k * 2);
     check_buffer(out, "out", out_rows * n * 2);
     gemm_plan(m, n, k, layout, DType::kBF16);
-  }
-  char* workspace(uint64_t bytes, const std::string& area = {}) {
-    return ops::workspace_of(comm, rank, bytes, capturing, where, area);
   }
   // What a fused kernel synchronizes with; `done_target` finishers per call.
   ops::FusedSync sync(int done_target) const {
@@ -213,11 +197,11 @@ struct Copy {  // bytes from src to dst, both on this GPU
   uint64_t bytes = 0;
 };
 
-class Pipeline {
+class CopyPipeline {
  public:
   // Forks the side streams off the caller's (everything before this call is ordered before their work).
   // `owner` names the pipeline's flags (granted at team creation) and its workspace area.
-  Pipeline(Call& c, const char* owner)
+  CopyPipeline(Call& c, const char* owner)
       : c_(c),
         flags_(c.comm.resources(owner).flags),
         me_(c.rank.rank()),
@@ -312,7 +296,7 @@ void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* 
   char* g = c.workspace(m * k * 2, kAgPipeline);
   auto a_of = [&](int r) { return r == me ? static_cast<const char*>(a_shard) : g + r * shard; };
   auto out_of = [&](int r) { return static_cast<char*>(out) + r * rows * n * 2; };
-  Pipeline p(c, kAgPipeline);
+  CopyPipeline p(c, kAgPipeline);
   for (int s = 1; s < W; ++s) p.push((me + s) % W, g + me * shard, a_shard, shard);
   for (int s = 0; s < W; ++s) {
     const int r = (me - s + W) % W;
@@ -363,7 +347,7 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
   auto dst_at = [&](int s, int64_t row) {
     return s == 0 ? staging + row * row_bytes : s < W - 1 ? partial_at(s, row) : my_rows + row * row_bytes;
   };
-  Pipeline p(c, kRsPipeline);
+  CopyPipeline p(c, kRsPipeline);
   for (size_t i = 0; i < plan.order.size(); ++i) {
     const int s = plan.order[i].step;
     const int64_t r0 = plan.first_row(i), nr = plan.row_count(i);

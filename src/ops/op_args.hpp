@@ -6,6 +6,7 @@
 #include <string>
 
 #include "weft/runtime/communicator.hpp"
+#include "weft/runtime/current_device.hpp"
 
 namespace weft::ops {
 
@@ -102,5 +103,34 @@ inline char* workspace_of(Communicator& comm, const Rank& rank, uint64_t bytes, 
     if (&comm.local(i) == &rank) return ws.local[i];
   throw_error(where + "the rank does not belong to this communicator");
 }
+
+// What every op call starts with: the rank's GPU made current (the caller's comes back at the end), the
+// stream (the rank's when none is given), whether it is being captured, and the prefix of every error
+// message ("weft::all_gather: ").
+struct OpCall {
+  Communicator& comm;
+  Rank& rank;
+  cudaStream_t stream;
+  std::string where;
+  bool capturing = false;
+  detail::CurrentDeviceGuard keep_device;
+
+  OpCall(Communicator& c, Rank& r, cudaStream_t s, std::string prefix)
+      : comm(c), rank(r), stream(s ? s : r.stream()), where(std::move(prefix)) {
+    WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
+    capturing = st != cudaStreamCaptureStatusNone;
+  }
+  [[noreturn]] void fail(const std::string& why) const { throw_error(where + why); }
+  // A device pointer on this rank's GPU (or in its symmetric heap), aligned to `align` bytes.
+  void check_buffer(const void* p, const char* name, uint64_t bytes, uint64_t align = 16) const {
+    check_device_buffer(comm, rank, p, name, bytes, align, where);
+  }
+  // This rank's part of workspace `area` ("": the shared one), at least `bytes`.
+  char* workspace(uint64_t bytes, const std::string& area = {}) {
+    return workspace_of(comm, rank, bytes, capturing, where, area);
+  }
+};
 
 }  // namespace weft::ops
