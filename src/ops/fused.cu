@@ -29,7 +29,8 @@ namespace {
 
 // Signal-pad resources (weft/runtime/resources.hpp): the fused kernels' call state, RS's ready flag, AG's
 // chunk flags, each copy-engine pipeline's used / arrived flags (pipelines also name a workspace area of the
-// same name), and the block-meeting slots shared with the collectives.
+// same name). The block-meeting slots they share with the collectives are declared in collectives.cu (which
+// every fused op links: its sequential paths call the collectives).
 const char* const kFusedState = "fused kernels: call count, finishers";
 const char* const kRsReady = "matmul_reduce_scatter / all_reduce kernel: staging ready";
 const char* const kAgChunks = "all_gather_matmul kernel: chunk arrivals";
@@ -42,7 +43,6 @@ const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kAgChunks, ops::kFusedChunkFlags}},
     ResourceDeclaration{{kAgPipeline, kPipelineFlags}},
     ResourceDeclaration{{kRsPipeline, kPipelineFlags}},
-    ResourceDeclaration{{ops::kBlockMeetings, 0, ops::kMeetingSlots}},
 };
 
 struct Call : ops::OpCall {

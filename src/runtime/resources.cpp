@@ -56,20 +56,28 @@ const ResourceGrant* ResourceRegistry::find(const std::string& owner) const {
   return nullptr;
 }
 
+// Names index i of the runs that `run` picks from each grant ("flag 3 of 'x'"), or says none holds it.
+template <class Run>
+std::string describe(const std::deque<ResourceGrant>& grants, Run run, int i, const char* what,
+                     const char* raw) {
+  for (const ResourceGrant& g : grants) {
+    const auto r = run(g);
+    if (i >= r.first && i < r.first + r.count)
+      return std::string(what) + " " + std::to_string(i - r.first) + " of '" + g.owner + "'";
+  }
+  return std::string(raw) + " " + std::to_string(i) + " (not granted)";
+}
+
 std::string ResourceRegistry::describe_flag(int word) const {
   std::lock_guard<std::mutex> lock(mu_);
-  for (const ResourceGrant& g : grants_)
-    if (word >= g.flags.first && word < g.flags.first + g.flags.count)
-      return "flag " + std::to_string(word - g.flags.first) + " of '" + g.owner + "'";
-  return "flag word " + std::to_string(word) + " (not granted)";
+  return describe(
+      grants_, [](const ResourceGrant& g) { return g.flags; }, word, "flag", "flag word");
 }
 
 std::string ResourceRegistry::describe_slot(int slot) const {
   std::lock_guard<std::mutex> lock(mu_);
-  for (const ResourceGrant& g : grants_)
-    if (slot >= g.slots.first && slot < g.slots.first + g.slots.count)
-      return "barrier slot " + std::to_string(slot - g.slots.first) + " of '" + g.owner + "'";
-  return "barrier slot " + std::to_string(slot) + " (not granted)";
+  return describe(
+      grants_, [](const ResourceGrant& g) { return g.slots; }, slot, "barrier slot", "barrier slot");
 }
 
 }  // namespace weft
