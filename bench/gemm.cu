@@ -179,9 +179,9 @@ const char* layout_name(BLayout l) {
   return l == BLayout::kNK ? "B [N,K]" : "B [K,N]";
 }
 std::string plan_text(const Shape& s, BLayout lay, const GemmOptions& o = {}) {
-  const GemmPlan p = gemm_plan(s.m, s.n, s.k, lay, DType::kBF16, o);
-  return fmt("%dx%dx%d, %d stages, cluster %d, group %d, %d blocks", p.tile_m, p.tile_n, p.tile_k, p.stages,
-             p.cluster, p.group_m, p.blocks);
+  const Plan p = gemm_plan(s.m, s.n, s.k, lay, DType::kBF16, o);
+  return fmt("%dx%dx%d, %d stages, cluster %d, group %d, %d blocks", p.tiles.m, p.tiles.n, p.tiles.k,
+             p.tiles.stages, p.cluster, p.tiles.group_m, p.blocks);
 }
 std::string tflops(const Shape& s, float ms) {
   return fmt("%.1f", s.flops() / (double(ms) * 1e9));
@@ -347,7 +347,7 @@ void run_tile_widths(Context& ctx, GemmBench& bench, const std::string& gpu) {
     const double est_ms = sh.flops() / 650e12 * 1e3;
     const int iters = std::clamp(int((ctx.quick ? 40 : 200) / std::max(est_ms, 0.01)), 10, 200);
     const std::vector<float> r = bench.time_in_turns({weft(256), weft(128), weft(0), blas}, iters);
-    const int chosen = gemm_plan(sh.m, sh.n, sh.k, BLayout::kNK, DType::kBF16).tile_n;
+    const int chosen = gemm_plan(sh.m, sh.n, sh.k, BLayout::kNK, DType::kBF16).tiles.n;
     t.add({std::to_string(sh.m), std::to_string(sh.n), std::to_string(sh.k), fmt("%.1f", r[0] * 1e3),
            fmt("%.1f", r[1] * 1e3), fmt("128x%d", chosen), fmt("%.1f", r[2] * 1e3), fmt("%.1f", r[3] * 1e3),
            fmt("%.1f%%", 100.0 * r[3] / r[2])});

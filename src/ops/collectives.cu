@@ -43,8 +43,10 @@ enum class Flow { kPull, kSteps, kPush };
 constexpr uint64_t kPullMaxBytes = 4 << 20;
 
 struct Call : ops::OpCall {
-  Call(Communicator& c, Rank& r, cudaStream_t s, const char* name)
-      : OpCall(c, r, s, std::string("weft::") + name + ": ") {}
+  Call(Communicator& c, Rank& r, cudaStream_t s, const char* name, Plan* into = nullptr)
+      : OpCall(c, r, s, std::string("weft::") + name + ": ", into) {
+    if (into) into->op = name;
+  }
   static bool overlap(const void* a, uint64_t an, const void* b, uint64_t bn) {
     auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
     return x < y + bn && y < x + an;
@@ -59,6 +61,7 @@ struct Call : ops::OpCall {
   // A team of one: every collective returns its input (no kernel, no meeting). True when it did.
   bool alone(const void* in, void* out, uint64_t bytes) const {
     if (rank.world() > 1) return false;
+    if (planned(in != out ? "copy (team of one)" : "nothing (team of one)")) return true;
     if (in != out) WEFT_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream));
     return true;
   }
@@ -96,6 +99,7 @@ void with_reduce(ReduceOp op, F&& f) {
 
 void launch_exchange(Call& c, coll::Exchange x, int v, uint64_t total_bytes) {
   const int g = c.blocks(total_bytes);
+  if (c.planned(x.via_workspace ? "exchange via workspace" : "exchange", g)) return;
   switch (v) {
     case 16:
       detail::preload<&coll::exchange_kernel<16>>();
@@ -131,9 +135,10 @@ void with_reduction(DType dt, ReduceOp op, bool vec, Launch&& launch) {
 }
 
 // 16-byte packs only: every caller checks the alignment (the two-shot all-reduce makes it).
-void launch_reduce_scatter(Call& c, const coll::ReduceScatter& x, DType dt, ReduceOp op,
-                           uint64_t total_bytes) {
+void launch_reduce_scatter(Call& c, const coll::ReduceScatter& x, DType dt, ReduceOp op, uint64_t total_bytes,
+                           const char* path) {
   const int g = c.blocks(total_bytes);
+  if (c.planned(path, g)) return;
   with_elem(dt, [&](auto e) {
     with_reduce(op, [&](auto r) {
       detail::preload<&coll::reduce_scatter_kernel<e.value, r.value>>();
@@ -144,8 +149,9 @@ void launch_reduce_scatter(Call& c, const coll::ReduceScatter& x, DType dt, Redu
 }
 
 void launch_pull_reduce(Call& c, const coll::PullReduce& x, DType dt, ReduceOp op, bool vec,
-                        uint64_t total_bytes) {
+                        uint64_t total_bytes, const char* path) {
   const int g = c.blocks(total_bytes);
+  if (c.planned(path, g)) return;
   with_reduction(dt, op, vec, [&](auto e, auto r, auto v) {
     detail::preload<&coll::pull_reduce_kernel<e.value, r.value, v.value>>();
     coll::pull_reduce_kernel<e.value, r.value, v.value><<<g, kThreads, 0, c.stream>>>(x);
@@ -185,6 +191,7 @@ void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_
   const int g =
       std::clamp<int>(c.blocks(bytes * 8), ops::one_shot_min_blocks(world, bytes),
                       std::min(ops::one_shot_max_blocks(world), ops::max_collective_blocks(c.rank)));
+  if (c.planned("one-shot", g)) return;
   with_elem(dt, [&](auto e) {
     with_reduce(op, [&](auto r) {
       detail::preload<&coll::one_shot_kernel<e.value, r.value>>();
@@ -194,15 +201,14 @@ void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_
   c.launched();
 }
 
-}  // namespace
-
-void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
-                ReduceOp op, cudaStream_t stream, const CollectiveOptions& options) {
+void run_all_reduce(Call& c, const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                    const CollectiveOptions& options) {
+  Communicator& comm = c.comm;
+  Rank& rank = c.rank;
   // A forced flow is a two-shot's: it makes an automatic choice two-shot.
   AllReduceAlgo algo = options.algo == AllReduceAlgo::kAuto && options.flow != ReduceFlow::kAuto
                            ? AllReduceAlgo::kTwoShot
                            : options.algo;
-  Call c(comm, rank, stream, "all_reduce");
   if (count == 0) return;
   const uint64_t esize = dtype_size(dtype), bytes = count * esize;
   c.check_buffer(in, "in", bytes, 16);  // the vector and LL paths read whole 16-byte packs / 4-byte words
@@ -251,7 +257,8 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
       x.final_dst = sym_out ? nullptr : static_cast<char*>(out);
       x.final_src = gather;
       x.stepwise = flow == Flow::kSteps;
-      launch_pull_reduce(c, x, dtype, op, true, main * esize);
+      launch_pull_reduce(c, x, dtype, op, true, main * esize,
+                         flow == Flow::kSteps ? "two-shot steps" : "two-shot pull");
     } else {
       char* ws = c.workspace(slice * world * (sym_out ? 1 : 2));
       char* gather = ws + slice * world;  // fan-out target when out is not symmetric
@@ -268,7 +275,7 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
       x.fanout = true;
       x.final_dst = sym_out ? nullptr : static_cast<char*>(out);
       x.final_src = gather;
-      launch_reduce_scatter(c, x, dtype, op, main * esize);
+      launch_reduce_scatter(c, x, dtype, op, main * esize, "two-shot push");
     }
   }
   if (tail > 0)
@@ -276,9 +283,9 @@ void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_
              tail * esize, dtype, op);
 }
 
-void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D s, int dim, DType dtype,
-                cudaStream_t stream) {
-  Call c(comm, rank, stream, "all_gather");
+void run_all_gather(Call& c, const void* in, void* out, Shape2D s, int dim, DType dtype) {
+  Communicator& comm = c.comm;
+  Rank& rank = c.rank;
   if (dim != 0 && dim != 1) c.fail("dim must be 0 or 1, got " + std::to_string(dim));
   if (s.count() == 0) return;
   const int world = rank.world();
@@ -318,9 +325,10 @@ void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape
   launch_exchange(c, x, v, out_bytes);
 }
 
-void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D s, int dim,
-                    DType dtype, ReduceOp op, cudaStream_t stream, const CollectiveOptions& options) {
-  Call c(comm, rank, stream, "reduce_scatter");
+void run_reduce_scatter(Call& c, const void* in, void* out, Shape2D s, int dim, DType dtype, ReduceOp op,
+                        const CollectiveOptions& options) {
+  Communicator& comm = c.comm;
+  Rank& rank = c.rank;
   if (dim != 0 && dim != 1) c.fail("dim must be 0 or 1, got " + std::to_string(dim));
   if (s.count() == 0) return;
   const int world = rank.world();
@@ -378,19 +386,20 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
     y.row_bytes = x.row_bytes;
     y.fanout = false;
     y.stepwise = flow == Flow::kSteps;
-    launch_pull_reduce(c, y, dtype, op, vec, in_bytes);  // the workspace copy is 16-byte aligned
+    // (the workspace copy is 16-byte aligned)
+    launch_pull_reduce(c, y, dtype, op, vec, in_bytes, flow == Flow::kSteps ? "steps" : "pull");
     return;
   }
   x.staging = Rows{staging, dim == 0 ? 0 : x.row_bytes};
   x.staging_step = out_bytes;
   x.out = Rows{static_cast<char*>(out), dim == 0 ? 0 : x.row_bytes};
   x.fanout = false;
-  launch_reduce_scatter(c, x, dtype, op, in_bytes);
+  launch_reduce_scatter(c, x, dtype, op, in_bytes, "push");
 }
 
-void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank, DType dtype,
-                cudaStream_t stream) {
-  Call c(comm, rank, stream, "all_to_all");
+void run_all_to_all(Call& c, const void* in, void* out, size_t count_per_rank, DType dtype) {
+  Communicator& comm = c.comm;
+  Rank& rank = c.rank;
   if (count_per_rank == 0) return;
   const int world = rank.world();
   const uint64_t blk = count_per_rank * dtype_size(dtype), bytes = blk * world;
@@ -416,6 +425,62 @@ void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_
                   vector_width({blk, reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out),
                                 reinterpret_cast<uintptr_t>(dst)}),
                   bytes);
+}
+
+}  // namespace
+
+// The calls, and their plans (the same code, planning).
+void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                ReduceOp op, cudaStream_t stream, const CollectiveOptions& options) {
+  Call c(comm, rank, stream, "all_reduce");
+  run_all_reduce(c, in, out, count, dtype, op, options);
+}
+Plan all_reduce_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                     ReduceOp op, cudaStream_t stream, const CollectiveOptions& options) {
+  Plan plan;
+  Call c(comm, rank, stream, "all_reduce", &plan);
+  run_all_reduce(c, in, out, count, dtype, op, options);
+  return plan;
+}
+
+void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D in_shape, int dim,
+                DType dtype, cudaStream_t stream) {
+  Call c(comm, rank, stream, "all_gather");
+  run_all_gather(c, in, out, in_shape, dim, dtype);
+}
+Plan all_gather_plan(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D in_shape, int dim,
+                     DType dtype, cudaStream_t stream) {
+  Plan plan;
+  Call c(comm, rank, stream, "all_gather", &plan);
+  run_all_gather(c, in, out, in_shape, dim, dtype);
+  return plan;
+}
+
+void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D out_shape, int dim,
+                    DType dtype, ReduceOp op, cudaStream_t stream, const CollectiveOptions& options) {
+  Call c(comm, rank, stream, "reduce_scatter");
+  run_reduce_scatter(c, in, out, out_shape, dim, dtype, op, options);
+}
+Plan reduce_scatter_plan(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D out_shape,
+                         int dim, DType dtype, ReduceOp op, cudaStream_t stream,
+                         const CollectiveOptions& options) {
+  Plan plan;
+  Call c(comm, rank, stream, "reduce_scatter", &plan);
+  run_reduce_scatter(c, in, out, out_shape, dim, dtype, op, options);
+  return plan;
+}
+
+void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank, DType dtype,
+                cudaStream_t stream) {
+  Call c(comm, rank, stream, "all_to_all");
+  run_all_to_all(c, in, out, count_per_rank, dtype);
+}
+Plan all_to_all_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank,
+                     DType dtype, cudaStream_t stream) {
+  Plan plan;
+  Call c(comm, rank, stream, "all_to_all", &plan);
+  run_all_to_all(c, in, out, count_per_rank, dtype);
+  return plan;
 }
 
 }  // namespace weft

@@ -46,10 +46,13 @@ const ResourceDeclaration kFusedResources[] = {
 };
 
 struct Call : ops::OpCall {
-  Call(Communicator& c, Rank& r, cudaStream_t s, const char* op, int64_t m, int64_t n, int64_t k)
+  Call(Communicator& c, Rank& r, cudaStream_t s, const char* op, int64_t m, int64_t n, int64_t k,
+       Plan* into = nullptr)
       : OpCall(c, r, s,
                std::string("weft::") + op + "(M=" + std::to_string(m) + ", N=" + std::to_string(n) +
-                   ", K=" + std::to_string(k) + "): ") {
+                   ", K=" + std::to_string(k) + "): ",
+               into) {
+    if (into) into->op = op;
     WEFT_CHECK(m > 0 && n > 0 && k > 0, where + "M, N and K must be at least 1");
     WEFT_CHECK(m % r.world() == 0,
                where + "M must be divisible by the world size " + std::to_string(r.world()));
@@ -122,6 +125,7 @@ struct Call : ops::OpCall {
   // not, with eager module loading too; weft::gemm, whose kernels are loaded with the communicator, never).
   void gemm_into(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k, BLayout layout,
                  bool accumulate = false) const {
+    if (planning()) return;
     const bool cublas_safe = comm.num_local() == 1 || capturing;
     if (cublas_safe &&
         ops::cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, rank.rank(), capturing, where, accumulate))
@@ -132,6 +136,26 @@ struct Call : ops::OpCall {
     o.store = accumulate ? GemmStore::kReduceAdd : GemmStore::kStore;
     o.max_blocks = rank.sm_budget();
     gemm(a, b, out, m, n, k, layout, DType::kBF16, stream, o);
+  }
+  // Before an LCSC op's launch with `comm_blocks` communicator blocks: planning, records the fused kernel's
+  // grid and tiles and returns true (launch nothing); else false.
+  template <class Op>
+  bool planned_kernel(const lcsc::SchedulerParams& s, int comm_blocks) const {
+    if (!planning()) return false;
+    plan->path = fused_path_name(FusedPath::kFused);
+    plan->blocks = s.compute_blocks + comm_blocks;
+    plan->comm_blocks = comm_blocks;
+    plan->cluster = Op::kClusterSize;
+    plan->smem_bytes = static_cast<int>(lcsc::kSmemBytes<Op>);
+    plan->tiles = {Op::kBM, Op::kBN, Op::kBK, Op::kStages, s.group_m, int64_t(s.tiles_m) * s.tiles_n};
+    return true;
+  }
+  // Planning a sequential path: takes in the plan of the collective it runs (its path and workspace).
+  void plan_sequential(const Plan& collective) const {
+    plan->path = fused_path_name(FusedPath::kSequential) + std::string(" (") + collective.op + ": " +
+                 collective.path + ")";
+    for (const auto& [area, bytes] : collective.workspace)
+      plan->workspace[area] = std::max(plan->workspace[area], bytes);
   }
   // Clusters of an LCSC op's grid that the rank's SM budget allows: its share of what the GPU holds.
   template <class Op>
@@ -294,6 +318,7 @@ void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* 
   const int64_t rows = m / W;
   const uint64_t shard = rows * k * 2;
   char* g = c.workspace(m * k * 2, kAgPipeline);
+  if (c.planned(fused_path_name(FusedPath::kPipelined))) return;
   auto a_of = [&](int r) { return r == me ? static_cast<const char*>(a_shard) : g + r * shard; };
   auto out_of = [&](int r) { return static_cast<char*>(out) + r * rows * n * 2; };
   CopyPipeline p(c, kAgPipeline);
@@ -322,6 +347,7 @@ void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* 
 void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                   BLayout layout, bool all_reduce, int pieces_wanted) {
   const int W = c.rank.world(), me = c.rank.rank(), next = (me + 1) % W, prev = (me + W - 1) % W;
+  if (W == 1 && c.planned(fused_path_name(FusedPath::kPipelined))) return;
   if (W == 1) return c.gemm_into(a, b, out, m, n, k, layout);
   const int64_t rows = m / W;
   const uint64_t row_bytes = n * 2, slice = rows * row_bytes;
@@ -336,6 +362,7 @@ void pipelined_rs(Call& c, const void* a, const void* b, void* out, int64_t m, i
   char* gather = all_reduce && !sym_out ? c.workspace(m * n * 2) : nullptr;  // grown before anything waits
   // Inbox slice s - 1 takes rank r - 1's step s - 1 (for this rank's step s); step 0 is made in `staging`.
   char* inbox = c.workspace(W * slice, kRsPipeline);
+  if (c.planned(fused_path_name(FusedPath::kPipelined))) return;
   char* staging = inbox + (W - 1) * slice;
   char* my_rows = static_cast<char*>(out) + (all_reduce ? me * slice : 0);
   auto a_at = [&](int s, int64_t row) {  // A's rows computed at step s, from `row` of that chunk on
@@ -430,6 +457,15 @@ void set_schedule(lcsc::SchedulerParams& s, int64_t m, int64_t n) {
   s.group_m = 16;
 }
 
+enum class FusedOp { kAllGatherMatmul, kMatmulReduceScatter, kMatmulAllReduce };
+// What choose() (below) decides for a call.
+struct Choice {
+  FusedPath path = FusedPath::kSequential;
+  std::string why_not_fused;
+  int comm_blocks = 0;
+  int64_t chunk_rows = 0, chunks = 0;
+};
+
 // all_gather_matmul's communicator blocks, an even count: as asked, else an eighth of the SM budget, at
 // most 16 (a whole 132-SM H100 / H200 gives the 16 that the fused tables were measured with; a 114-SM
 // H100 PCIe gets 14), at least 2.
@@ -440,7 +476,7 @@ int ag_comm_blocks(const Rank& rank, const FusedOptions& o) {
 
 template <bool kKMajor>
 void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m, int64_t n,
-               int64_t k, const FusedPlan& plan, const FusedOptions& o) {
+               int64_t k, const Choice& plan, const FusedOptions& o) {
   using Op = ops::AgGemmOp<kKMajor, 1>;
   typename Op::Params p{};
   const int W = c.rank.world(), comm_blocks = plan.comm_blocks;
@@ -462,6 +498,7 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
   p.k = k;
   p.chunk_rows = static_cast<int>(plan.chunk_rows);
   p.chunks = static_cast<int>(plan.chunks);
+  if (c.planned_kernel<Op>(p.sched, comm_blocks)) return;
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
@@ -494,6 +531,7 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
   p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
   p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
   p.shard_rows = static_cast<int>(rows);
+  if (c.planned_kernel<Op>(p.sched, comm_blocks)) return;
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
   reduce_staged(c, inbox, slice, out, gathers ? inbox + W * slice : nullptr, all_reduce);
@@ -515,11 +553,12 @@ void ag_chunks(int world, int64_t rows, int64_t& chunk_rows, int64_t& chunks) {
   chunks = (rows + chunk_rows - 1) / chunk_rows;
 }
 
-// The plan of a call: every choice the op makes before it launches anything, in one place.
-FusedPlan plan_call(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const FusedOptions& o) {
+// Every choice a call makes before it launches anything, in one place: the path, why the fused kernel
+// cannot run here ("" when it can), and the fused kernel's communicator blocks and A chunks.
+Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const FusedOptions& o) {
   WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 32, c.where + "options.comm_blocks must be 0..32");
   const int W = c.rank.world();
-  FusedPlan plan;
+  Choice plan;
   if (op == FusedOp::kAllGatherMatmul) {
     ag_chunks(W, m / W, plan.chunk_rows, plan.chunks);
     plan.comm_blocks = ag_comm_blocks(c.rank, o);
@@ -531,28 +570,26 @@ FusedPlan plan_call(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, 
     plan.why_not_fused = rs_why_not(c, m);
   }
   plan.path = c.path(o, m, plan.why_not_fused, ops::auto_path(op == FusedOp::kAllGatherMatmul, m, n, k, W));
+  if (c.planning()) {
+    c.plan->why_not = plan.why_not_fused.empty() ? "" : "fused kernel: " + plan.why_not_fused;
+    if (plan.path == FusedPath::kFused) {
+      c.plan->chunk_rows = plan.chunk_rows;
+      c.plan->chunks = plan.chunks;
+    }
+  }
   return plan;
 }
 
-}  // namespace
-
-FusedPlan fused_plan(FusedOp op, Communicator& comm, Rank& rank, int64_t m, int64_t n, int64_t k,
-                     cudaStream_t stream, const FusedOptions& options) {
-  const char* name = op == FusedOp::kAllGatherMatmul       ? "all_gather_matmul"
-                     : op == FusedOp::kMatmulReduceScatter ? "matmul_reduce_scatter"
-                                                           : "matmul_all_reduce";
-  return plan_call(Call(comm, rank, stream, name, m, n, k), op, m, n, k, options);
-}
-
-FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
-                            void* gathered_a, int64_t m, int64_t n, int64_t k, BLayout layout,
-                            cudaStream_t stream, const FusedOptions& o) {
-  Call c(comm, rank, stream, "all_gather_matmul", m, n, k);
+// The calls' bodies, which also plan (Call::plan set: every path stops before it launches anything).
+FusedPath run_all_gather_matmul(Call& c, const void* a_shard, const void* b, void* out, void* gathered_a,
+                                int64_t m, int64_t n, int64_t k, BLayout layout, const FusedOptions& o) {
+  Communicator& comm = c.comm;
+  Rank& rank = c.rank;
   const int W = rank.world();
   const int64_t rows = m / W;
   c.check_operands(a_shard, "a_shard", rows, b, out, m, m, n, k, layout);
   if (gathered_a) c.check_buffer(gathered_a, "gathered_a", m * k * 2);
-  const FusedPlan plan = plan_call(c, FusedOp::kAllGatherMatmul, m, n, k, o);
+  const Choice plan = choose(c, FusedOp::kAllGatherMatmul, m, n, k, o);
   const FusedPath path = plan.path;
   const bool sym_gathered = gathered_a && comm.in_heap(rank, gathered_a, m * k * 2);
   if (path == FusedPath::kPipelined) {
@@ -561,66 +598,113 @@ FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard,
   }
   if (path == FusedPath::kSequential) {
     char* g = gathered_a ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
-    all_gather(comm, rank, a_shard, g, Shape2D{size_t(rows), size_t(k)}, 0, DType::kBF16, c.stream);
+    const Shape2D shard{size_t(rows), size_t(k)};
+    if (c.planning()) {
+      c.plan_sequential(all_gather_plan(comm, rank, a_shard, g, shard, 0, DType::kBF16, c.stream));
+      return path;
+    }
+    all_gather(comm, rank, a_shard, g, shard, 0, DType::kBF16, c.stream);
     c.gemm_into(g, b, out, m, n, k, layout);
-    return FusedPath::kSequential;
+    return path;
   }
   char* g = sym_gathered ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
   if (layout == BLayout::kNK)
     launch_ag<true>(c, a_shard, b, out, g, m, n, k, plan, o);
   else
     launch_ag<false>(c, a_shard, b, out, g, m, n, k, plan, o);
-  if (gathered_a && !sym_gathered)
+  if (gathered_a && !sym_gathered && !c.planning())
     WEFT_CUDA_CHECK(cudaMemcpyAsync(gathered_a, g, m * k * 2, cudaMemcpyDeviceToDevice, c.stream));
-  return FusedPath::kFused;
+  return path;
+}
+
+// matmul_reduce_scatter (all_reduce false) and matmul_all_reduce.
+FusedPath run_matmul_reduce(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
+                            BLayout layout, const FusedOptions& o, bool sum_everywhere) {
+  Communicator& comm = c.comm;
+  Rank& rank = c.rank;
+  const int64_t rows = m / rank.world();
+  c.check_operands(a, "a", m, b, out, sum_everywhere ? m : rows, m, n, k, layout);
+  const FusedPath path =
+      choose(c, sum_everywhere ? FusedOp::kMatmulAllReduce : FusedOp::kMatmulReduceScatter, m, n, k, o).path;
+  if (path == FusedPath::kPipelined) {
+    pipelined_rs(c, a, b, out, m, n, k, layout, sum_everywhere, o.pipeline_pieces);
+    return path;
+  }
+  if (path == FusedPath::kSequential && sum_everywhere) {
+    const size_t count = size_t(m) * n;
+    if (c.planning()) {
+      c.plan_sequential(all_reduce_plan(comm, rank, out, out, count, DType::kBF16, ReduceOp::kSum, c.stream));
+      return path;
+    }
+    c.gemm_into(a, b, out, m, n, k, layout);
+    all_reduce(comm, rank, out, out, count, DType::kBF16, ReduceOp::kSum, c.stream);
+    return path;
+  }
+  if (path == FusedPath::kSequential) {
+    char* tmp = c.workspace(m * n * 2);  // symmetric: reduce_scatter reads it in place
+    const Shape2D slice{size_t(rows), size_t(n)};
+    if (c.planning()) {
+      c.plan_sequential(
+          reduce_scatter_plan(comm, rank, tmp, out, slice, 0, DType::kBF16, ReduceOp::kSum, c.stream));
+      return path;
+    }
+    c.gemm_into(a, b, tmp, m, n, k, layout);
+    reduce_scatter(comm, rank, tmp, out, slice, 0, DType::kBF16, ReduceOp::kSum, c.stream);
+    return path;
+  }
+  if (layout == BLayout::kNK)
+    launch_rs<true>(c, a, b, out, m, n, k, o, sum_everywhere);
+  else
+    launch_rs<false>(c, a, b, out, m, n, k, o, sum_everywhere);
+  return path;
+}
+
+}  // namespace
+
+FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
+                            void* gathered_a, int64_t m, int64_t n, int64_t k, BLayout layout,
+                            cudaStream_t stream, const FusedOptions& o) {
+  Call c(comm, rank, stream, "all_gather_matmul", m, n, k);
+  return run_all_gather_matmul(c, a_shard, b, out, gathered_a, m, n, k, layout, o);
+}
+Plan all_gather_matmul_plan(Communicator& comm, Rank& rank, const void* a_shard, const void* b,
+                            const void* out, const void* gathered_a, int64_t m, int64_t n, int64_t k,
+                            BLayout layout, cudaStream_t stream, const FusedOptions& o) {
+  Plan plan;
+  Call c(comm, rank, stream, "all_gather_matmul", m, n, k, &plan);
+  run_all_gather_matmul(c, a_shard, b, const_cast<void*>(out), const_cast<void*>(gathered_a), m, n, k, layout,
+                        o);
+  return plan;
 }
 
 FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, const void* b, void* out,
                                 int64_t m, int64_t n, int64_t k, BLayout layout, cudaStream_t stream,
                                 const FusedOptions& o) {
   Call c(comm, rank, stream, "matmul_reduce_scatter", m, n, k);
-  const int64_t rows = m / rank.world();
-  c.check_operands(a, "a", m, b, out, rows, m, n, k, layout);
-  const FusedPath path = plan_call(c, FusedOp::kMatmulReduceScatter, m, n, k, o).path;
-  if (path == FusedPath::kPipelined) {
-    pipelined_rs(c, a, b, out, m, n, k, layout, false, o.pipeline_pieces);
-    return path;
-  }
-  if (path == FusedPath::kSequential) {
-    char* tmp = c.workspace(m * n * 2);  // symmetric: reduce_scatter reads it in place
-    c.gemm_into(a, b, tmp, m, n, k, layout);
-    reduce_scatter(comm, rank, tmp, out, Shape2D{size_t(rows), size_t(n)}, 0, DType::kBF16, ReduceOp::kSum,
-                   c.stream);
-    return FusedPath::kSequential;
-  }
-  if (layout == BLayout::kNK)
-    launch_rs<true>(c, a, b, out, m, n, k, o, false);
-  else
-    launch_rs<false>(c, a, b, out, m, n, k, o, false);
-  return FusedPath::kFused;
+  return run_matmul_reduce(c, a, b, out, m, n, k, layout, o, false);
+}
+Plan matmul_reduce_scatter_plan(Communicator& comm, Rank& rank, const void* a, const void* b, const void* out,
+                                int64_t m, int64_t n, int64_t k, BLayout layout, cudaStream_t stream,
+                                const FusedOptions& o) {
+  Plan plan;
+  Call c(comm, rank, stream, "matmul_reduce_scatter", m, n, k, &plan);
+  run_matmul_reduce(c, a, b, const_cast<void*>(out), m, n, k, layout, o, false);
+  return plan;
 }
 
 FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const void* b, void* out,
                             int64_t m, int64_t n, int64_t k, BLayout layout, cudaStream_t stream,
                             const FusedOptions& o) {
   Call c(comm, rank, stream, "matmul_all_reduce", m, n, k);
-  const int W = rank.world();
-  c.check_operands(a, "a", m, b, out, m, m, n, k, layout);
-  const FusedPath path = plan_call(c, FusedOp::kMatmulAllReduce, m, n, k, o).path;
-  if (path == FusedPath::kPipelined) {
-    pipelined_rs(c, a, b, out, m, n, k, layout, true, o.pipeline_pieces);
-    return path;
-  }
-  if (path == FusedPath::kSequential) {
-    c.gemm_into(a, b, out, m, n, k, layout);
-    all_reduce(comm, rank, out, out, size_t(m) * n, DType::kBF16, ReduceOp::kSum, c.stream);
-    return FusedPath::kSequential;
-  }
-  if (layout == BLayout::kNK)
-    launch_rs<true>(c, a, b, out, m, n, k, o, true);
-  else
-    launch_rs<false>(c, a, b, out, m, n, k, o, true);
-  return FusedPath::kFused;
+  return run_matmul_reduce(c, a, b, out, m, n, k, layout, o, true);
+}
+Plan matmul_all_reduce_plan(Communicator& comm, Rank& rank, const void* a, const void* b, const void* out,
+                            int64_t m, int64_t n, int64_t k, BLayout layout, cudaStream_t stream,
+                            const FusedOptions& o) {
+  Plan plan;
+  Call c(comm, rank, stream, "matmul_all_reduce", m, n, k, &plan);
+  run_matmul_reduce(c, a, b, const_cast<void*>(out), m, n, k, layout, o, true);
+  return plan;
 }
 
 }  // namespace weft

@@ -61,7 +61,7 @@ DeviceFacts device_facts() {
 
 // Plans (and, with a stream, launches) one problem with the GemmOp instantiation for these types.
 template <class OutT, bool kKMajor, int kCluster, int kTileN>
-GemmPlan run(const Problem& pr, cudaStream_t stream, bool launch) {
+Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
   using Op = ops::GemmOp<OutT, kKMajor, kCluster, kTileN>;
   using Mainloop = typename Op::Mainloop;
   using Epilogue = typename Op::Epilogue;
@@ -79,15 +79,12 @@ GemmPlan run(const Problem& pr, cudaStream_t stream, bool launch) {
   clusters = std::min(clusters, s.units());
   s.compute_blocks = clusters * kCluster;
 
-  GemmPlan plan;
-  plan.tile_m = Op::kBM;
-  plan.tile_n = Op::kBN;
-  plan.tile_k = Op::kBK;
-  plan.stages = Op::kStages;
+  Plan plan;
+  plan.op = "gemm";
+  plan.path = "persistent GEMM";
+  plan.tiles = {Op::kBM, Op::kBN, Op::kBK, Op::kStages, s.group_m, int64_t(s.tiles_m) * s.tiles_n};
   plan.cluster = kCluster;
-  plan.group_m = s.group_m;
   plan.blocks = s.compute_blocks;
-  plan.tiles = int64_t(s.tiles_m) * s.tiles_n;
   plan.smem_bytes = static_cast<int>(lcsc::kSmemBytes<Op>);
   if (!launch) return plan;
 
@@ -111,7 +108,7 @@ GemmPlan run(const Problem& pr, cudaStream_t stream, bool launch) {
 
 // The instantiations: 128 x 256 tiles with cluster 1 or 2, 128 x 128 tiles with cluster 1.
 template <class OutT, bool kKMajor>
-GemmPlan run_config(const Problem& pr, int cluster, int tile_n, cudaStream_t stream, bool launch) {
+Plan run_config(const Problem& pr, int cluster, int tile_n, cudaStream_t stream, bool launch) {
   if (cluster == 2) return run<OutT, kKMajor, 2, 256>(pr, stream, launch);
   return tile_n == 128 ? run<OutT, kKMajor, 1, 128>(pr, stream, launch)
                        : run<OutT, kKMajor, 1, 256>(pr, stream, launch);
@@ -132,7 +129,7 @@ int auto_tile_n(int64_t m, int64_t n, int sms) {
 
 // Validates everything but the pointers' values (checked by the caller when it has them), picks the
 // instantiation and plans or launches.
-GemmPlan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
+Plan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
   Problem pr = in;
   const std::string where = "weft::gemm(M=" + std::to_string(pr.m) + ", N=" + std::to_string(pr.n) +
                             ", K=" + std::to_string(pr.k) + "): ";
@@ -206,7 +203,7 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   dispatch(Problem{a, b, c, m, n, k, 0, 0, 0, b_layout, c_type, opt}, stream, true);
 }
 
-GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type, const GemmOptions& opt) {
+Plan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type, const GemmOptions& opt) {
   return dispatch(Problem{nullptr, nullptr, nullptr, m, n, k, 0, 0, 0, b_layout, c_type, opt}, nullptr,
                   false);
 }

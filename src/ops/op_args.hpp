@@ -6,6 +6,7 @@
 #include <string>
 
 #include "weft/runtime/communicator.hpp"
+#include "weft/ops/plan.hpp"
 #include "weft/runtime/current_device.hpp"
 
 namespace weft::ops {
@@ -93,43 +94,72 @@ inline void check_device_buffer(const Communicator& comm, const Rank& rank, cons
                 std::to_string(rank.rank()) + " runs on GPU " + std::to_string(rank.device()));
 }
 
+// Index of `rank` among the communicator's local ranks.
+inline int local_index(const Communicator& comm, const Rank& rank, const std::string& where) {
+  for (int i = 0; i < comm.num_local(); ++i)
+    if (&comm.local(i) == &rank) return i;
+  throw_error(where + "the rank does not belong to this communicator");
+}
+
 // This rank's pointer to the communicator's workspace `area` ("": the shared one) of at least `bytes` (grown
 // collectively if needed); nullptr when no area was ever needed (bytes 0).
 inline char* workspace_of(Communicator& comm, const Rank& rank, uint64_t bytes, bool capturing,
                           const std::string& where, const std::string& area = {}) {
   const SymmetricBuffer& ws = comm.workspace(bytes, capturing, area);
   if (!ws) return nullptr;
-  for (int i = 0; i < comm.num_local(); ++i)
-    if (&comm.local(i) == &rank) return ws.local[i];
-  throw_error(where + "the rank does not belong to this communicator");
+  return ws.local[local_index(comm, rank, where)];
 }
 
 // What every op call starts with: the rank's GPU made current (the caller's comes back at the end), the
 // stream (the rank's when none is given), whether it is being captured, and the prefix of every error
-// message ("weft::all_gather: ").
+// message ("weft::all_gather: "). With `into` the call only plans (weft/ops/plan.hpp): it runs the op's
+// code up to its launches, recording the workspace it asks for and the path and grid it would launch,
+// and grows nothing and launches nothing.
 struct OpCall {
   Communicator& comm;
   Rank& rank;
   cudaStream_t stream;
   std::string where;
   bool capturing = false;
+  Plan* plan = nullptr;
   detail::CurrentDeviceGuard keep_device;
 
-  OpCall(Communicator& c, Rank& r, cudaStream_t s, std::string prefix)
-      : comm(c), rank(r), stream(s ? s : r.stream()), where(std::move(prefix)) {
+  OpCall(Communicator& c, Rank& r, cudaStream_t s, std::string prefix, Plan* into = nullptr)
+      : comm(c), rank(r), stream(s ? s : r.stream()), where(std::move(prefix)), plan(into) {
     WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
     capturing = st != cudaStreamCaptureStatusNone;
   }
+  bool planning() const { return plan != nullptr; }
   [[noreturn]] void fail(const std::string& why) const { throw_error(where + why); }
   // A device pointer on this rank's GPU (or in its symmetric heap), aligned to `align` bytes.
   void check_buffer(const void* p, const char* name, uint64_t bytes, uint64_t align = 16) const {
     check_device_buffer(comm, rank, p, name, bytes, align, where);
   }
-  // This rank's part of workspace `area` ("": the shared one), at least `bytes`.
+  // This rank's part of workspace `area` ("": the shared one), at least `bytes`. Planning: recorded, and
+  // the area as it is now where it is large enough; else a stand-in in the rank's symmetric heap (where the
+  // grown area will be), assumed apart from the call's buffers as a fresh area is.
   char* workspace(uint64_t bytes, const std::string& area = {}) {
-    return workspace_of(comm, rank, bytes, capturing, where, area);
+    if (!plan) return workspace_of(comm, rank, bytes, capturing, where, area);
+    if (bytes == 0) return nullptr;
+    uint64_t& need = plan->workspace[area];
+    need = std::max(need, bytes);
+    const SymmetricBuffer* ws = comm.current_workspace(area);
+    if (ws && ws->bytes >= bytes) return ws->local[local_index(comm, rank, where)];
+    const uint64_t span = (bytes + 255) / 256 * 256;
+    if (span > comm.heap_capacity())
+      fail("needs " + std::to_string(bytes) + " bytes of workspace, more than the symmetric heap's " +
+           std::to_string(comm.heap_capacity()) + " (Options::heap_bytes)");
+    return rank.heap_of(rank.rank()) + (comm.heap_capacity() - span);
+  }
+  // Before a launch: planning, records `path` (joined to earlier launches' with " + ") and the largest grid,
+  // and returns true (launch nothing); else false.
+  bool planned(const std::string& path, int blocks = 0) const {
+    if (!plan) return false;
+    plan->path += (plan->path.empty() ? "" : " + ") + path;
+    plan->blocks = std::max(plan->blocks, blocks);
+    return true;
   }
 };
 

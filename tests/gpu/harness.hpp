@@ -9,12 +9,14 @@
 
 #include <algorithm>
 #include <functional>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "weft/ops/plan.hpp"
 #include "weft/runtime/communicator.hpp"
 
 namespace weft::test {
@@ -129,6 +131,30 @@ inline void download(Communicator& c, int i, void* dst, const void* src, size_t 
 inline void poison(Communicator& c, int i, void* dst, size_t bytes) {
   WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
   WEFT_CUDA_CHECK(cudaMemsetAsync(dst, 0xff, bytes, c.local(i).stream()));  // NaN in every float type
+}
+
+// Op plans (weft/ops/plan.hpp) against their calls: the sizes of the workspace areas a plan names (and of
+// the shared area) before a call, then check_call_kept_plan after it: "" when no area grew past what the
+// plan named (a grown area is the asked size rounded up to the heap granularity), else what grew.
+using WorkspaceSizes = std::map<std::string, uint64_t>;
+inline WorkspaceSizes workspace_sizes(const Communicator& c, const Plan& plan) {
+  WorkspaceSizes sizes{{"", 0}};
+  for (const auto& [area, bytes] : plan.workspace) sizes[area] = 0;
+  for (auto& [area, bytes] : sizes)
+    if (const SymmetricBuffer* ws = c.current_workspace(area)) bytes = ws->bytes;
+  return sizes;
+}
+inline std::string check_call_kept_plan(const Communicator& c, const Plan& plan,
+                                        const WorkspaceSizes& before) {
+  const uint64_t g = c.heap_granularity();
+  for (const auto& [area, now] : workspace_sizes(c, plan)) {
+    const uint64_t planned = (plan.workspace_bytes(area) + g - 1) / g * g;
+    const uint64_t was = before.count(area) ? before.at(area) : 0;
+    if (now > std::max(was, planned))
+      return "workspace '" + area + "' grew to " + std::to_string(now) + " bytes, the plan (" +
+             describe(plan) + ") named " + std::to_string(plan.workspace_bytes(area));
+  }
+  return {};
 }
 
 }  // namespace weft::test

@@ -43,6 +43,17 @@ void from_float(DType t, float f, void* p) {
     *static_cast<__half*>(p) = __float2half_rn(f);
 }
 
+// A call after its plan (weft/ops/plan.hpp): the call must keep to the plan's workspace; returns the plan.
+template <class Call>
+Plan keeping_plan(Communicator& c, const Plan& plan, Call&& call) {
+  const weft::test::WorkspaceSizes before = weft::test::workspace_sizes(c, plan);
+  call();
+  const std::string kept = weft::test::check_call_kept_plan(c, plan, before);
+  WEFT_EXPECT(kept.empty(), kept);
+  WEFT_EXPECT(!plan.path.empty() && (plan.blocks > 0 || c.world() == 1), describe(plan));
+  return plan;
+}
+
 // Rank r's input for one test case: values in [-1, 1], exactly representable in the dtype. Made in parts of
 // 64 Ki elements, each from its own generator (so in parallel), and kept for the next asks of the same
 // case (the reference and the upload want every rank's input).
@@ -163,7 +174,13 @@ void all_reduce_case(TestContext& ctx, DType t, size_t count, ReduceOp op, bool 
   });
   c.host_barrier();
   for_each_local(c, [&](Rank& r, int i) {
-    all_reduce(c, r, in.ptr[i], in_place ? in.ptr[i] : out.ptr[i], count, t, op, nullptr, options);
+    void* dst = in_place ? in.ptr[i] : out.ptr[i];
+    const Plan plan = keeping_plan(c, all_reduce_plan(c, r, in.ptr[i], dst, count, t, op, nullptr, options),
+                                   [&] { all_reduce(c, r, in.ptr[i], dst, count, t, op, nullptr, options); });
+    WEFT_EXPECT(algo != AllReduceAlgo::kOneShot || plan.path == "one-shot", describe(plan));
+    WEFT_EXPECT(algo != AllReduceAlgo::kTwoShot || plan.path.rfind("two-shot", 0) == 0 ||
+                    count * dtype_size(t) < 16 * size_t(W),
+                describe(plan));
   });
   c.synchronize();
   for_each_local(c, [&](Rank& r, int i) {
@@ -297,8 +314,9 @@ WEFT_GPU_TEST(all_gather_both_dims) {
             });
             c.host_barrier();
             for_each_local(c, [&](Rank& r, int i) {
-              all_gather(c, r, in_place ? out.ptr[i] + r.rank() * in_bytes : in.ptr[i], out.ptr[i], s, dim,
-                         t);
+              const void* src = in_place ? out.ptr[i] + r.rank() * in_bytes : in.ptr[i];
+              keeping_plan(c, all_gather_plan(c, r, src, out.ptr[i], s, dim, t),
+                           [&] { all_gather(c, r, src, out.ptr[i], s, dim, t); });
             });
             c.synchronize();
             std::vector<double> ref(s.count() * W);
@@ -344,7 +362,8 @@ WEFT_GPU_TEST(reduce_scatter_both_dims) {
             c.host_barrier();
             for_each_local(c, [&](Rank& r, int i) {
               char* o = in_place ? in.ptr[i] + r.rank() * out_bytes : out.ptr[i];
-              reduce_scatter(c, r, in.ptr[i], o, s, dim, t);
+              keeping_plan(c, reduce_scatter_plan(c, r, in.ptr[i], o, s, dim, t),
+                           [&] { reduce_scatter(c, r, in.ptr[i], o, s, dim, t); });
             });
             c.synchronize();
             for_each_local(c, [&](Rank& r, int i) {
@@ -389,7 +408,9 @@ WEFT_GPU_TEST(all_to_all_equal_splits) {
           });
           c.host_barrier();
           for_each_local(c, [&](Rank& r, int i) {
-            all_to_all(c, r, in.ptr[i], in_place ? in.ptr[i] : out.ptr[i], n, t);
+            void* dst = in_place ? in.ptr[i] : out.ptr[i];
+            keeping_plan(c, all_to_all_plan(c, r, in.ptr[i], dst, n, t),
+                         [&] { all_to_all(c, r, in.ptr[i], dst, n, t); });
           });
           c.synchronize();
           for_each_local(c, [&](Rank& r, int i) {
@@ -416,10 +437,12 @@ WEFT_GPU_TEST(collectives_replay_in_cuda_graphs) {
   const DType t = DType::kBF16;
   const uint64_t bytes = n * 2;
   RankBuffers in(c, bytes, true), out(c, bytes, true), gathered(c, bytes * W, true);
-  // Size the workspace outside capture, then capture one all-reduce + all-gather per rank.
+  // Size the workspace from the calls' plans outside capture, then capture one all-reduce + all-gather per
+  // rank.
   for_each_local(c, [&](Rank& r, int i) {
-    all_reduce(c, r, in.ptr[i], out.ptr[i], n, t);
-    all_gather(c, r, in.ptr[i], gathered.ptr[i], Shape2D{n, 1}, 0, t);
+    for (const Plan& p : {all_reduce_plan(c, r, in.ptr[i], out.ptr[i], n, t),
+                          all_gather_plan(c, r, in.ptr[i], gathered.ptr[i], Shape2D{n, 1}, 0, t)})
+      for (const auto& [area, bytes] : p.workspace) c.reserve_workspace(bytes, area);
   });
   c.synchronize();
   std::vector<cudaGraphExec_t> exec(c.num_local());

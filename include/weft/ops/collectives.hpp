@@ -18,6 +18,7 @@
 #include <string>
 
 #include "weft/dtype.hpp"
+#include "weft/ops/plan.hpp"
 #include "weft/runtime/communicator.hpp"
 
 namespace weft {
@@ -72,5 +73,18 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
 // of rank q.
 void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank, DType dtype,
                 cudaStream_t stream = nullptr);
+
+// What each collective call with these arguments would do (weft/ops/plan.hpp): its algorithm, grid and
+// workspace; it throws what the call would throw.
+Plan all_reduce_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                     ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr,
+                     const CollectiveOptions& options = {});
+Plan all_gather_plan(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D in_shape, int dim,
+                     DType dtype, cudaStream_t stream = nullptr);
+Plan reduce_scatter_plan(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D out_shape,
+                         int dim, DType dtype, ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr,
+                         const CollectiveOptions& options = {});
+Plan all_to_all_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank,
+                     DType dtype, cudaStream_t stream = nullptr);
 
 }  // namespace weft

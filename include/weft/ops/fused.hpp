@@ -28,10 +28,10 @@
 //               GPUs on a side stream. AG: A shards, rank by rank. RS / AR: a ring reduce-scatter whose
 //               additions run in the GEMM's epilogue (each piece of a peer's rows is computed on top of
 //               the partial sum that the previous rank pushed here, then pushed on; the owner's piece is
-//               final), AR then pushing each final piece to every peer. Stream waits on peer flags order
-//               the GPUs; they have no timeout, so a rank that dies mid-call leaves its peers' streams
-//               waiting. The first call on a GPU creates its copy stream and cuBLAS handle: make one
-//               call before capturing a CUDA graph.
+//               final), AR then pushing each final piece to every peer. Waits on peer flags (one-warp
+//               kernels on side streams) order the GPUs and fail the call with a named device error
+//               after the team's timeout when a peer dies or stalls. The first call on a GPU creates its copy
+//               stream and cuBLAS handle: make one call before capturing a CUDA graph.
 //   kSequential a cuBLAS GEMM with weft::all_gather / reduce_scatter / all_reduce.
 // Grids follow the rank's SM budget (Rank::sm_budget): the fused kernels' communicator and GEMM blocks fit
 // in it (AG's default communicator blocks: an eighth of it, 2..16), the pipelines' weft::gemm stays inside
@@ -68,22 +68,6 @@ struct FusedOptions {
   int pipeline_pieces = 0;     // kPipelined RS / AR: row pieces per ring step, 0 auto; the same on every rank
 };
 
-enum class FusedOp { kAllGatherMatmul, kMatmulReduceScatter, kMatmulAllReduce };
-
-// What a call of a fused op with these shapes and options would do on `rank`, without doing it (as
-// gemm_plan): the path it takes and why the fused kernel cannot run here. The op itself runs this plan, so
-// the two never disagree. Throws what the call would throw for bad shapes or options (a forced mode that
-// cannot run here included); `stream` matters only for whether it is being captured.
-struct FusedPlan {
-  FusedPath path = FusedPath::kSequential;
-  std::string why_not_fused;  // "" when the fused kernel can run here, else why not
-  int comm_blocks = 0;        // the fused kernel's communicator blocks
-  int64_t chunk_rows = 0;     // all_gather_matmul: rows per A chunk (one flag each) ...
-  int64_t chunks = 0;         // ... and chunks per shard
-};
-FusedPlan fused_plan(FusedOp op, Communicator& comm, Rank& rank, int64_t m, int64_t n, int64_t k,
-                     cudaStream_t stream = nullptr, const FusedOptions& options = {});
-
 FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
                             void* gathered_a, int64_t m, int64_t n, int64_t k, BLayout b_layout,
                             cudaStream_t stream = nullptr, const FusedOptions& options = {});
@@ -93,6 +77,21 @@ FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, c
                                 cudaStream_t stream = nullptr, const FusedOptions& options = {});
 
 FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const void* b, void* out,
+                            int64_t m, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream = nullptr,
+                            const FusedOptions& options = {});
+
+// What each call with these arguments would do (weft/ops/plan.hpp), without doing it: the path (plan.path
+// starts with fused_path_name of the path the call returns), why the fused kernel cannot run here, the
+// fused kernel's grid and tiles, and the workspace per area (the sequential path's collective included).
+// The call itself runs this plan, so the two never disagree; it throws what the call would throw.
+Plan all_gather_matmul_plan(Communicator& comm, Rank& rank, const void* a_shard, const void* b,
+                            const void* out, const void* gathered_a, int64_t m, int64_t n, int64_t k,
+                            BLayout b_layout, cudaStream_t stream = nullptr,
+                            const FusedOptions& options = {});
+Plan matmul_reduce_scatter_plan(Communicator& comm, Rank& rank, const void* a, const void* b, const void* out,
+                                int64_t m, int64_t n, int64_t k, BLayout b_layout,
+                                cudaStream_t stream = nullptr, const FusedOptions& options = {});
+Plan matmul_all_reduce_plan(Communicator& comm, Rank& rank, const void* a, const void* b, const void* out,
                             int64_t m, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream = nullptr,
                             const FusedOptions& options = {});
 

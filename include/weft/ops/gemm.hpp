@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "weft/dtype.hpp"  // C is kBF16 or kFP32
+#include "weft/ops/plan.hpp"
 
 namespace weft {
 
@@ -43,17 +44,9 @@ struct GemmOptions {
 void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout,
           DType c_type, cudaStream_t stream, const GemmOptions& options = {});
 
-// How weft::gemm runs a problem on the current device, without running it (benchmarks, logs). Validates
-// the shape and options like gemm() does.
-struct GemmPlan {
-  int tile_m = 0, tile_n = 0, tile_k = 0, stages = 0;
-  int cluster = 0;     // CTAs per cluster
-  int group_m = 0;     // tile rows per band of the tile order
-  int blocks = 0;      // persistent compute blocks launched
-  int64_t tiles = 0;   // output tiles
-  int smem_bytes = 0;  // dynamic shared memory per block
-};
-GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type,
-                   const GemmOptions& options = {});
+// How weft::gemm runs a problem on the current device, without running it (weft/ops/plan.hpp: tiles,
+// grid, shared memory). Validates the shape and options like gemm() does.
+Plan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type,
+               const GemmOptions& options = {});
 
 }  // namespace weft

@@ -143,6 +143,11 @@ class Communicator {
   // same areas in the same order (it makes the same op calls).
   const SymmetricBuffer& workspace(uint64_t bytes, bool capturing = false, const std::string& area = {});
   void reserve_workspace(uint64_t bytes, const std::string& area = {}) { workspace(bytes, false, area); }
+  // Workspace `area` as it is now, without growing it (op plans); nullptr before its first use.
+  const SymmetricBuffer* current_workspace(const std::string& area = {}) const {
+    auto it = workspaces_.find(area);
+    return it == workspaces_.end() || !it->second ? nullptr : &it->second;
+  }
   // Flag words, barrier slots and a workspace area, granted by name (weft/runtime/resources.hpp): the same
   // runs on every rank. Declared resources were granted at creation; others are granted on first request,
   // so every rank must ask in the same order. The second form looks a grant up (throws if there is none).
