@@ -38,6 +38,13 @@ struct Context {
   int ranks = 0;                 // --ranks W: a team of W virtual ranks over the GPUs (0: one rank per GPU)
   std::optional<LaunchEnv> env;  // set when started one rank per process (weft-launch / torchrun / mpirun)
   bool quiet = false;            // ranks other than 0 of a multi-process run print nothing
+  // Developer flags for tuning and focused runs (empty / 0: the defaults).
+  std::string ar_algo;  // --ar-algo oneshot|twoshot: forces weft's all-reduce algorithm
+  std::string flow;     // --flow pull|steps|push: forces the reduce flow (CollectiveOptions)
+  uint64_t min_bytes = 0, max_bytes = 0;  // --min-bytes / --max-bytes: collective sizes kept
+  std::vector<int64_t> fused_m;           // --fused-m 4096,8192: the fused modes' M values
+  std::string fused_ops;                  // --fused-ops ag,rs,ar: the fused ops run
+  int pipeline_pieces = 0;                // --pipeline-pieces n: FusedOptions::pipeline_pieces
   std::vector<Table> tables;
   // Prints to stderr so --json output stays clean.
   void progress(const char* fmt, ...) const;

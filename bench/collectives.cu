@@ -58,35 +58,30 @@ struct Side {  // one implementation's buffers on every GPU, `sets` rotating cop
   std::vector<SymmetricBuffer> sym;
 };
 
-// Tuning the automatic choices: WEFT_BENCH_AR_ALGO=oneshot|twoshot forces an all-reduce algorithm,
-// WEFT_BENCH_FLOW=pull|steps|push the reduce-scatter / two-shot flow (CollectiveOptions). Read once.
-CollectiveOptions forced_options() {
-  static const CollectiveOptions o = [] {
-    CollectiveOptions x;
-    const std::string algo = std::getenv("WEFT_BENCH_AR_ALGO") ? std::getenv("WEFT_BENCH_AR_ALGO") : "";
-    const std::string flow = std::getenv("WEFT_BENCH_FLOW") ? std::getenv("WEFT_BENCH_FLOW") : "";
-    if (algo == "oneshot") x.algo = AllReduceAlgo::kOneShot;
-    if (algo == "twoshot") x.algo = AllReduceAlgo::kTwoShot;
-    if (flow == "pull") x.flow = ReduceFlow::kPull;
-    if (flow == "steps") x.flow = ReduceFlow::kSteps;
-    if (flow == "push") x.flow = ReduceFlow::kPush;
-    return x;
-  }();
-  return o;
+// Tuning the automatic choices: weft-bench --ar-algo forces an all-reduce algorithm, --flow the
+// reduce-scatter / two-shot flow (CollectiveOptions).
+CollectiveOptions forced_options(const Context& ctx) {
+  CollectiveOptions x;
+  if (ctx.ar_algo == "oneshot") x.algo = AllReduceAlgo::kOneShot;
+  if (ctx.ar_algo == "twoshot") x.algo = AllReduceAlgo::kTwoShot;
+  if (ctx.flow == "pull") x.flow = ReduceFlow::kPull;
+  if (ctx.flow == "steps") x.flow = ReduceFlow::kSteps;
+  if (ctx.flow == "push") x.flow = ReduceFlow::kPush;
+  return x;
 }
 
 void enqueue_weft(Communicator& comm, Coll c, int i, const void* in, void* out, const Geometry& g,
-                  cudaStream_t s) {
+                  cudaStream_t s, const CollectiveOptions& forced) {
   Rank& r = comm.local(i);
   const int W = comm.world();
   switch (c) {
     case Coll::kAllReduce:
-      return all_reduce(comm, r, in, out, g.count, DType::kBF16, ReduceOp::kSum, s, forced_options());
+      return all_reduce(comm, r, in, out, g.count, DType::kBF16, ReduceOp::kSum, s, forced);
     case Coll::kAllGather:
       return all_gather(comm, r, in, out, Shape2D{g.in_bytes / 2, 1}, 0, DType::kBF16, s);
     case Coll::kReduceScatter:
       return reduce_scatter(comm, r, in, out, Shape2D{g.out_bytes / 2, 1}, 0, DType::kBF16, ReduceOp::kSum, s,
-                            forced_options());
+                            forced);
     case Coll::kAllToAll:
       return all_to_all(comm, r, in, out, g.count / W, DType::kBF16, s);
   }
@@ -130,6 +125,7 @@ void run_collective(Context& ctx, Coll which) {
   const bool nccl_on = team.has_nccl();  // virtual ranks: weft alone
   Communicator* comm = team.comm.get();
   const int W = team.world(), L = team.local();
+  const CollectiveOptions forced = forced_options(ctx);
   std::vector<ncclComm_t>& nccl = team.nccl;
   std::vector<cudaStream_t>& streams = team.streams;
   auto team_max = [&](double x) { return team.team_max(x); };
@@ -142,13 +138,11 @@ void run_collective(Context& ctx, Coll which) {
   std::vector<uint64_t> sizes = {8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20,
                                  4 << 20, 16 << 20, 64 << 20,  256 << 20, 1ull << 30};
   if (ctx.quick) sizes = {8 << 10, 1 << 20, 64 << 20, 256 << 20};
-  // Tuning runs: WEFT_BENCH_MIN_BYTES / WEFT_BENCH_MAX_BYTES keep a range of sizes.
-  const char* lo = std::getenv("WEFT_BENCH_MIN_BYTES");
-  const char* hi = std::getenv("WEFT_BENCH_MAX_BYTES");
+  // Tuning runs: --min-bytes / --max-bytes keep a range of sizes.
   sizes.erase(std::remove_if(sizes.begin(), sizes.end(),
                              [&](uint64_t b) {
-                               return (lo && b < std::strtoull(lo, nullptr, 0)) ||
-                                      (hi && b > std::strtoull(hi, nullptr, 0));
+                               return (ctx.min_bytes && b < ctx.min_bytes) ||
+                                      (ctx.max_bytes && b > ctx.max_bytes);
                              }),
               sizes.end());
   Table t(fmt("%s, bf16, %s: weft vs NCCL %d.%d.%d", coll_name(which), ctx.team_label().c_str(), NCCL_MAJOR,
@@ -209,7 +203,8 @@ void run_collective(Context& ctx, Coll which) {
       }
       WEFT_NCCL_CHECK(ncclGroupEnd());
     };
-    for (int i = 0; i < L; ++i) enqueue_weft(*comm, which, i, ws.in[0][i], ws.out[0][i], g, streams[i]);
+    for (int i = 0; i < L; ++i)
+      enqueue_weft(*comm, which, i, ws.in[0][i], ws.out[0][i], g, streams[i], forced);
     nccl_all(0);
     uint64_t wrong = 0;
     for (int i = 0; i < L; ++i) {
@@ -234,7 +229,7 @@ void run_collective(Context& ctx, Coll which) {
     const double t_nccl_local = nccl_on ? time_graphs(*comm, streams, iters, reps, nccl_all) : 0.0;
     const double t_weft_local = time_graphs(*comm, streams, iters, reps, [&](int k) {
       for (int i = 0; i < L; ++i)
-        enqueue_weft(*comm, which, i, ws.in[k % sets][i], ws.out[k % sets][i], g, streams[i]);
+        enqueue_weft(*comm, which, i, ws.in[k % sets][i], ws.out[k % sets][i], g, streams[i], forced);
     });
     const double t_nccl = team_max(t_nccl_local), t_weft = team_max(t_weft_local);
     const double alg_w = size / (t_weft * 1e3), bus_w = alg_w * g.bus_factor;

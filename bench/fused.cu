@@ -61,16 +61,7 @@ void run_fused(Context& ctx) {
   }
   std::vector<int64_t> ms = {1024, 2048, 4096, 8192, 16384, 32768};
   if (ctx.quick) ms = {2048, 8192};
-  if (const char* list = std::getenv("WEFT_BENCH_FUSED_M")) {  // e.g. 4096,8192: these M only
-    ms.clear();
-    for (const char* p = list; *p;) {
-      char* end = nullptr;
-      const long long m = std::strtoll(p, &end, 10);
-      if (end == p) break;
-      if (m > 0) ms.push_back(m);
-      p = *end == ',' ? end + 1 : end;
-    }
-  }
+  if (!ctx.fused_m.empty()) ms = ctx.fused_m;  // --fused-m
   const std::pair<int64_t, int64_t> nks[] = {{8192, 8192}, {28672, 8192}};
   Table t(
       fmt("fused tensor-parallel ops, bf16, %s: weft vs cuBLAS + NCCL %d.%d.%d", ctx.team_label().c_str(),
@@ -85,13 +76,14 @@ void run_fused(Context& ctx) {
           std::string(nccl_on ? ""
                               : " Virtual ranks: no NCCL, comm and sequential use weft's collectives; the "
                                 "pipeline is not captured into graphs there (pipelined: -)."));
-  // WEFT_BENCH_FUSED_OPS=ag,rs,ar (default: all) picks the ops, WEFT_BENCH_FUSED_M (above) the M values;
-  // WEFT_BENCH_PIPE_PIECES=n sets FusedOptions::pipeline_pieces for the weft and pipelined columns (tuning).
-  const char* only = std::getenv("WEFT_BENCH_FUSED_OPS");
+  // --fused-ops ag,rs,ar (default: all) picks the ops, --fused-m (above) the M values; --pipeline-pieces
+  // sets FusedOptions::pipeline_pieces for the weft and pipelined columns (tuning).
   FusedOptions weft_options;
-  if (const char* p = std::getenv("WEFT_BENCH_PIPE_PIECES")) weft_options.pipeline_pieces = std::atoi(p);
+  weft_options.pipeline_pieces = ctx.pipeline_pieces;
   auto wanted = [&](Op op) {
-    return !only || std::strstr(only, op == Op::kAG ? "ag" : op == Op::kRS ? "rs" : "ar");
+    return ctx.fused_ops.empty() || ctx.fused_ops.find(op == Op::kAG   ? "ag"
+                                                       : op == Op::kRS ? "rs"
+                                                                       : "ar") != std::string::npos;
   };
   for (Op op : {Op::kAG, Op::kRS, Op::kAR})
     if (wanted(op))

@@ -21,10 +21,58 @@ int usage(int code) {
       "  --ranks W: a team of W virtual ranks over the GPUs (W / N per GPU; default N: the largest that\n"
       "           divides W), for the modes that take them; no NCCL baseline, not a performance figure\n"
       "  --json   machine-readable output on stdout (progress stays on stderr)\n"
-      "  --quick  fewer sizes and iterations\nmodes:\n");
+      "  --quick  fewer sizes and iterations\n"
+      "developer flags (tuning):\n"
+      "  --ar-algo oneshot|twoshot   force weft's all-reduce algorithm\n"
+      "  --flow pull|steps|push      force the reduce-scatter / two-shot reduce flow\n"
+      "  --min-bytes B --max-bytes B collective sizes kept\n"
+      "  --fused-m M1,M2,..          the fused modes' M values\n"
+      "  --fused-ops ag,rs,ar        the fused ops run\n"
+      "  --pipeline-pieces n         FusedOptions::pipeline_pieces of the weft and pipelined columns\n"
+      "modes:\n");
   for (auto& m : modes()) std::fprintf(code ? stderr : stdout, "  %-10s %s\n", m.name, m.help);
   return code;
 }
+// A positive integer (decimal or 0x hex) filling all of `v`.
+bool parse_count(const std::string& v, uint64_t& out) {
+  char* end = nullptr;
+  const unsigned long long x = std::strtoull(v.c_str(), &end, 0);
+  if (v.empty() || v[0] == '-' || *end != '\0' || x == 0) return false;
+  out = x;
+  return true;
+}
+
+bool set_developer_flag(Context& ctx, const std::string& flag, const std::string& v) {
+  uint64_t n = 0;
+  if (flag == "--ar-algo") return (v == "oneshot" || v == "twoshot") && (ctx.ar_algo = v, true);
+  if (flag == "--flow") return (v == "pull" || v == "steps" || v == "push") && (ctx.flow = v, true);
+  if (flag == "--fused-ops") {
+    for (size_t p = 0; p <= v.size();) {
+      const size_t e = std::min(v.find(',', p), v.size());
+      const std::string op = v.substr(p, e - p);
+      if (op != "ag" && op != "rs" && op != "ar") return false;
+      p = e + 1;
+    }
+    ctx.fused_ops = v;
+    return true;
+  }
+  if (flag == "--fused-m") {
+    ctx.fused_m.clear();
+    for (size_t p = 0; p <= v.size();) {
+      const size_t e = std::min(v.find(',', p), v.size());
+      if (!parse_count(v.substr(p, e - p), n)) return false;
+      ctx.fused_m.push_back(int64_t(n));
+      p = e + 1;
+    }
+    return true;
+  }
+  if (!parse_count(v, n)) return false;
+  if (flag == "--min-bytes") ctx.min_bytes = n;
+  if (flag == "--max-bytes") ctx.max_bytes = n;
+  if (flag == "--pipeline-pieces") ctx.pipeline_pieces = static_cast<int>(n);
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -43,6 +91,17 @@ int main(int argc, char** argv) {
         return 2;
       }
       (a == "--gpus" ? ctx.gpus : ctx.ranks) = v;
+    } else if (a == "--ar-algo" || a == "--flow" || a == "--fused-ops" || a == "--min-bytes" ||
+               a == "--max-bytes" || a == "--fused-m" || a == "--pipeline-pieces") {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "weft-bench: %s takes a value\n", a.c_str());
+        return 2;
+      }
+      const std::string v = argv[++i];
+      if (!set_developer_flag(ctx, a, v)) {
+        std::fprintf(stderr, "weft-bench: bad value '%s' for %s (weft-bench --help)\n", v.c_str(), a.c_str());
+        return 2;
+      }
     } else if (a == "--list" || a == "-h" || a == "--help")
       return usage(0);
     else {
