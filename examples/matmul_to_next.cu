@@ -17,7 +17,7 @@
 #include "weft/lcsc/launch.cuh"
 #include "weft/ops/gemm.cuh"
 #include "weft/runtime/communicator.hpp"
-#include "weft/tile/tma.cuh"
+#include "weft/runtime/tensor_map.hpp"
 
 // ---- the op: device code ----------------------------------------------------------------------------
 struct MatmulToNext : weft::ops::GemmOp<__nv_bfloat16, /*B is [N,K]*/ true, /*cluster*/ 1> {

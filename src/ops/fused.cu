@@ -17,7 +17,7 @@
 #include "weft/lcsc/launch.cuh"
 #include "weft/ops/fused.cuh"
 #include "weft/ops/fused.hpp"
-#include "weft/tile/tma.cuh"
+#include "weft/runtime/tensor_map.hpp"
 
 namespace weft {
 

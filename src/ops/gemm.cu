@@ -10,7 +10,7 @@
 #include "weft/ops/gemm.cuh"
 #include "weft/ops/gemm.hpp"
 #include "weft/runtime/error.hpp"
-#include "weft/tile/tma.cuh"
+#include "weft/runtime/tensor_map.hpp"
 
 namespace weft {
 namespace {
