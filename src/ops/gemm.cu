@@ -2,13 +2,12 @@
 #include <algorithm>
 #include <climits>
 #include <cstdio>
-#include <map>
-#include <mutex>
 #include <string>
 
 #include "weft/lcsc/launch.cuh"
 #include "weft/ops/gemm.cuh"
 #include "weft/ops/gemm.hpp"
+#include "weft/runtime/current_device.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/tensor_map.hpp"
 
@@ -39,24 +38,16 @@ struct DeviceFacts {
   int sms = 0;  // multiprocessors
 };
 DeviceFacts device_facts() {
-  static std::mutex mu;
-  static std::map<int, DeviceFacts> cached;  // by device
-  int dev = 0;
-  WEFT_CUDA_CHECK(cudaGetDevice(&dev));
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (auto it = cached.find(dev); it != cached.end()) return it->second;
-  }
-  int major = 0, minor = 0;
-  DeviceFacts f;
-  f.device = dev;
-  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev));
-  f.cc = major * 10 + minor;
-  std::lock_guard<std::mutex> lock(mu);
-  cached[dev] = f;
-  return f;
+  return detail::once_per_device([](int dev) {
+    int major = 0, minor = 0;
+    DeviceFacts f;
+    f.device = dev;
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev));
+    f.cc = major * 10 + minor;
+    return f;
+  });
 }
 
 // Plans (and, with a stream, launches) one problem with the GemmOp instantiation for these types.

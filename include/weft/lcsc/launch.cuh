@@ -3,11 +3,10 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include <map>
-#include <mutex>
 #include <string>
 
 #include "weft/lcsc/kernel.cuh"
+#include "weft/runtime/current_device.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/kernel_preload.hpp"
 
@@ -37,31 +36,27 @@ struct Launcher {
   // Sets the kernel's shared-memory limit on the current device (once) and returns how many clusters of
   // Op::kClusterSize blocks can be resident at once: the size of a persistent grid that never waits.
   static int max_resident_clusters() {
-    static std::mutex mu;
-    static std::map<int, int> cached;  // by device
-    int dev = 0;
-    WEFT_CUDA_CHECK(cudaGetDevice(&dev));
-    std::lock_guard<std::mutex> lock(mu);
-    if (auto it = cached.find(dev); it != cached.end()) return it->second;
-    const auto kernel = persistent_kernel<Op>;
-    WEFT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kSmemBytes<Op>)));
-    int sms = 0;
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    int n = 0;
-    if constexpr (Op::kClusterSize == 1) {
-      WEFT_CUDA_CHECK(
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads<Op>, kSmemBytes<Op>));
-      n *= sms;
-    } else {
-      cudaLaunchAttribute attr;
-      const cudaLaunchConfig_t cfg = config(sms / Op::kClusterSize * Op::kClusterSize, nullptr, attr);
-      WEFT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
-    }
-    WEFT_CHECK(n > 0, "the LCSC kernel does not fit on this GPU (" + std::to_string(kSmemBytes<Op>) +
-                          " bytes of shared memory, " + std::to_string(kThreads<Op>) + " threads per block)");
-    cached[dev] = n;
-    return n;
+    return detail::once_per_device([](int dev) {
+      const auto kernel = persistent_kernel<Op>;
+      WEFT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(kSmemBytes<Op>)));
+      int sms = 0;
+      WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+      int n = 0;
+      if constexpr (Op::kClusterSize == 1) {
+        WEFT_CUDA_CHECK(
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads<Op>, kSmemBytes<Op>));
+        n *= sms;
+      } else {
+        cudaLaunchAttribute attr;
+        const cudaLaunchConfig_t cfg = config(sms / Op::kClusterSize * Op::kClusterSize, nullptr, attr);
+        WEFT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+      }
+      WEFT_CHECK(n > 0, "the LCSC kernel does not fit on this GPU (" + std::to_string(kSmemBytes<Op>) +
+                            " bytes of shared memory, " + std::to_string(kThreads<Op>) +
+                            " threads per block)");
+      return n;
+    });
   }
 
   // Launches `blocks` blocks (a multiple of Op::kClusterSize; p.sched.compute_blocks of them compute).
