@@ -29,6 +29,29 @@ enum class StoreMode : int {
 // Named barrier ids used by this epilogue: kEpilogueFirstBarrierId + consumer warpgroup index.
 inline constexpr int kEpilogueFirstBarrierId = 1;
 
+// Where a warpgroup's 64 rows go: issue(col, chunk) stores (or reduce-adds) a 64-row chunk whose first
+// column is `col`, by TMA. A 2-D tensor at row `row0`:
+struct TmaRows2d {
+  const CUtensorMap* map;
+  StoreMode mode;
+  int row0;
+  __device__ __forceinline__ void issue(int col, const void* chunk) const {
+    if (mode == StoreMode::kStore)
+      tma::store_2d(map, col, row0, chunk);
+    else
+      tma::reduce_add_2d(map, col, row0, chunk);
+  }
+};
+// A 4-D tensor (dims: columns, c1, rows, c3), rows from `row0`: e.g. one head of a [batch, seq, heads,
+// dim] tensor, whose map clips at each sequence's end (no row of the next batch is written).
+struct TmaRows4d {
+  const CUtensorMap* map;
+  int c1, row0, c3;
+  __device__ __forceinline__ void issue(int col, const void* chunk) const {
+    tma::store_4d(map, col, c1, row0, c3, chunk);
+  }
+};
+
 template <class OutT, int kBN, int kConsumers>
 struct TmaStoreEpilogue {
   using Chunk = tile::OutChunk<OutT>;
@@ -48,8 +71,14 @@ struct TmaStoreEpilogue {
   template <int N>
   __device__ static void store(const CUtensorMap* map, StoreMode mode, Smem& s, State& es, int wg,
                                const tile::AccumM64<N>& acc, int row0, int col0) {
+    store_to(TmaRows2d{map, mode, row0}, s, es, wg, acc, col0);
+  }
+  // Stores acc's columns from `col0` on wherever `dest` (TmaRows2d, TmaRows4d) puts the rows.
+  template <class Dest, int N>
+  __device__ static void store_to(const Dest& dest, Smem& s, State& es, int wg, const tile::AccumM64<N>& acc,
+                                  int col0) {
     static_assert(N == kBN, "accumulator width");
-    store_chunks(map, mode, s, es, wg, acc, row0, col0, std::make_integer_sequence<int, kChunks>{});
+    store_chunks(dest, s, es, wg, acc, col0, std::make_integer_sequence<int, kChunks>{});
   }
 
   // After the warpgroup's last tile: every store has completed (its writes are done, not just its reads).
@@ -58,17 +87,16 @@ struct TmaStoreEpilogue {
   }
 
  private:
-  template <int... kI>
-  __device__ __forceinline__ static void store_chunks(const CUtensorMap* map, StoreMode mode, Smem& s,
-                                                      State& es, int wg, const tile::AccumM64<kBN>& acc,
-                                                      int row0, int col0, std::integer_sequence<int, kI...>) {
-    (store_chunk<kI>(map, mode, s, es, wg, acc, row0, col0), ...);
+  template <class Dest, int... kI>
+  __device__ __forceinline__ static void store_chunks(const Dest& dest, Smem& s, State& es, int wg,
+                                                      const tile::AccumM64<kBN>& acc, int col0,
+                                                      std::integer_sequence<int, kI...>) {
+    (store_chunk<kI>(dest, s, es, wg, acc, col0), ...);
   }
 
-  template <int kI>
-  __device__ __forceinline__ static void store_chunk(const CUtensorMap* map, StoreMode mode, Smem& s,
-                                                     State& es, int wg, const tile::AccumM64<kBN>& acc,
-                                                     int row0, int col0) {
+  template <int kI, class Dest>
+  __device__ __forceinline__ static void store_chunk(const Dest& dest, Smem& s, State& es, int wg,
+                                                     const tile::AccumM64<kBN>& acc, int col0) {
     const bool leader = tile::thread_in_warpgroup() == 0;
     Chunk& buf = s.buf[wg][es.chunks & 1u];
     tile::store_accum_chunk<kI, OutT>(acc, buf);
@@ -76,11 +104,7 @@ struct TmaStoreEpilogue {
     if (leader) bulk_wait_read<0>();  // the previous chunk's store has read the other buffer
     tile::named_barrier_sync(kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
     if (leader) {
-      const int col = col0 + kI * kChunkCols;
-      if (mode == StoreMode::kStore)
-        tma::store_2d(map, col, row0, buf.bytes);
-      else
-        tma::reduce_add_2d(map, col, row0, buf.bytes);
+      dest.issue(col0 + kI * kChunkCols, buf.bytes);
       bulk_commit();
     }
     ++es.chunks;

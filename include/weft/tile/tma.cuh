@@ -69,4 +69,22 @@ __device__ __forceinline__ void reduce_add_2d(const CUtensorMap* map, int32_t co
       : "memory");
 }
 
+// ---- rank 4 (e.g. [batch, seq, heads, dim] tensors: coordinates {dim, head, seq, batch}) ----------
+__device__ __forceinline__ void load_4d(void* smem_dst, const CUtensorMap* map, int32_t c0, int32_t c1,
+                                        int32_t c2, int32_t c3, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void store_4d(const CUtensorMap* map, int32_t c0, int32_t c1, int32_t c2,
+                                         int32_t c3, const void* smem_src) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(smem_src))
+      : "memory");
+}
+
 }  // namespace weft::tma

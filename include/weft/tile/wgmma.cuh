@@ -178,4 +178,75 @@ __device__ __forceinline__ void mma_bf16(float (&d)[kN / 2], uint64_t desc_a, ui
     mma_m64n64k16_bf16<kTransB>(d, desc_a, desc_b, scale_d);
 }
 
+// ---- mma_async with A from registers: D(64 x N, fp32) = A(64 x 16, bf16, in registers) * B(16 x N) ----
+// A is the warpgroup's 64 x 16 bf16 tile held as 4 x .b32 per thread (two bf16 each, the lower column in the
+// lower half): a[0] = (row r, columns 2q, 2q+1), a[1] = (r + 8, 2q..), a[2] = (r, 2q + 8..), a[3] = (r + 8,
+// 2q + 8..), with r = 16 w + lane / 4 and q = lane % 4: the accumulator layout of tile/fragment.cuh, so a
+// 64 x N fp32 accumulator converted pairwise is the A operand of a following MMA (tile::pack_a). The A
+// registers must not change until the MMA has completed (wait()).
+// clang-format off
+template <int kTransB>
+__device__ __forceinline__ void mma_rs_m64n64k16_bf16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+                                                     int scale_d) {
+#if defined(WEFT_WGMMA_AVAILABLE)
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      " setp.ne.b32 p, %37, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+#else
+  __trap();
+#endif
+}
+
+template <int kTransB>
+__device__ __forceinline__ void mma_rs_m64n128k16_bf16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
+                                                     int scale_d) {
+#if defined(WEFT_WGMMA_AVAILABLE)
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      " setp.ne.b32 p, %69, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+#else
+  __trap();
+#endif
+}
+// clang-format on
+
+template <int kN, int kTransB>
+__device__ __forceinline__ void mma_rs_bf16(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_t desc_b,
+                                            int scale_d) {
+  static_assert(kN == 64 || kN == 128, "register-A wgmma wrappers exist for N = 64, 128");
+  if constexpr (kN == 128)
+    mma_rs_m64n128k16_bf16<kTransB>(d, a, desc_b, scale_d);
+  else
+    mma_rs_m64n64k16_bf16<kTransB>(d, a, desc_b, scale_d);
+}
+template <int kRegs>
+__device__ __forceinline__ void fence_operands(uint32_t (&a)[kRegs]) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
 }  // namespace weft::wgmma

@@ -1,0 +1,40 @@
+// weft::flash_attention_forward: softmax(scale * Q K^T) V on the current GPU with weft's own Hopper kernel
+// (an LCSC op, weft/ops/attention.cuh), and its plan. Host-only header.
+//
+// Layout (flash-attn's): q [batch, seq_q, heads, head_dim], k and v [batch, seq_k, kv_heads, head_dim], out
+// like q, all dense bf16; lse [batch, heads, seq_q] fp32 (natural log of each row's softmax denominator,
+// scale included), optional. Query head h reads K / V head h / (heads / kv_heads) (GQA, MQA). Any sequence
+// lengths >= 1. Causal masks are aligned to the bottom right (query row i sees keys j <= i + seq_k - seq_q,
+// as flash-attn); a row that sees no key gets O = 0 and LSE = -inf. fp32 accumulation, P rounded to bf16
+// for the P V product (as flash-attn does).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "weft/dtype.hpp"
+#include "weft/ops/plan.hpp"
+
+namespace weft {
+
+struct AttentionShape {
+  int64_t batch = 1, seq_q = 0, seq_k = 0, heads = 0, kv_heads = 0, head_dim = 0;
+};
+
+struct AttentionOptions {
+  bool causal = false;
+  float softmax_scale = 0.f;  // 0: 1 / sqrt(head_dim)
+  int max_blocks = 0;         // cap on persistent blocks (an SM budget); 0: every SM
+};
+
+// Enqueues the forward pass on `stream`. Head dims 64 and 128, bf16 (dtype kBF16); pointers 16-byte aligned
+// device memory on the current GPU. Anything else throws weft::Error saying what and why.
+void flash_attention_forward(const void* q, const void* k, const void* v, void* out, float* lse,
+                             const AttentionShape& shape, DType dtype, cudaStream_t stream,
+                             const AttentionOptions& options = {});
+
+// What that call would do (weft/ops/plan.hpp): tiles, grid, shared memory; throws what the call would.
+Plan flash_attention_forward_plan(const AttentionShape& shape, DType dtype,
+                                  const AttentionOptions& options = {});
+
+}  // namespace weft
