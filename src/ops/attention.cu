@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "op_args.hpp"
 #include "weft/lcsc/launch.cuh"
 #include "weft/ops/attention.cuh"
 #include "weft/ops/attention.hpp"
@@ -108,31 +109,17 @@ Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   WEFT_CHECK(!std::isnan(c.options.softmax_scale) && c.options.softmax_scale >= 0.f,
              w + "softmax_scale must be positive (or 0 for 1 / sqrt(head_dim))");
   WEFT_CHECK(c.options.max_blocks >= 0, w + "options.max_blocks must be >= 0");
+  const ops::DeviceFacts dev = ops::device_facts();
+  WEFT_CHECK(dev.cc == 90, w + "runs on Hopper (sm_90) GPUs; device " + std::to_string(dev.device) +
+                               " is sm_" + std::to_string(dev.cc));
   if (launch) {
-    auto check = [&](const void* p, const char* name) {
-      WEFT_CHECK(p != nullptr, w + name + " is null");
-      WEFT_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0,
-                 w + name + " is not 16-byte aligned, which TMA requires");
-      cudaPointerAttributes a{};
-      if (cudaPointerGetAttributes(&a, p) != cudaSuccess ||
-          (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
-        cudaGetLastError();
-        throw_error(w + name + " is not device memory");
-      }
-    };
-    check(c.q, "q");
-    check(c.k, "k");
-    check(c.v, "v");
-    check(c.out, "out");
-    if (c.lse) WEFT_CHECK(reinterpret_cast<uintptr_t>(c.lse) % 4 == 0, w + "lse is not 4-byte aligned");
+    for (auto [p, name] :
+         {std::pair<const void*, const char*>{c.q, "q"}, {c.k, "k"}, {c.v, "v"}, {c.out, "out"}}) {
+      ops::check_pointer_alignment(p, name, 16, w);
+      ops::check_device_memory(p, name, dev.device, w);
+    }
+    if (c.lse) ops::check_pointer_alignment(c.lse, "lse", 4, w);
   }
-  const int dev_cc = detail::once_per_device([](int dev) {
-    int major = 0, minor = 0;
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-    return major * 10 + minor;
-  });
-  WEFT_CHECK(dev_cc == 90, w + "runs on Hopper (sm_90) GPUs; this device is sm_" + std::to_string(dev_cc));
   return s.head_dim == 64 ? run<64>(c, stream, launch) : run<128>(c, stream, launch);
 }
 

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <string>
 
+#include "op_args.hpp"
 #include "weft/lcsc/launch.cuh"
 #include "weft/ops/gemm.cuh"
 #include "weft/ops/gemm.hpp"
@@ -30,25 +31,8 @@ std::string hex(const void* p) {
   return buf;
 }
 
-// Facts of the current device that every call needs, read once per device (the attribute queries are
-// host calls on the launch path).
-struct DeviceFacts {
-  int device = 0;
-  int cc = 0;   // compute capability, major * 10 + minor
-  int sms = 0;  // multiprocessors
-};
-DeviceFacts device_facts() {
-  return detail::once_per_device([](int dev) {
-    int major = 0, minor = 0;
-    DeviceFacts f;
-    f.device = dev;
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev));
-    f.cc = major * 10 + minor;
-    return f;
-  });
-}
+using ops::device_facts;
+using ops::DeviceFacts;
 
 // Plans (and, with a stream, launches) one problem with the GemmOp instantiation for these types.
 template <class OutT, bool kKMajor, int kCluster, int kTileN>

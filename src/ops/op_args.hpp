@@ -62,10 +62,29 @@ inline int collective_blocks(const Rank& rank, uint64_t bytes) {
   return static_cast<int>(std::clamp<uint64_t>(want, 1, max_collective_blocks(rank)));
 }
 
-// Throws weft::Error (prefixed with `where`) unless p is a non-null, `align`-aligned pointer into the rank's
-// symmetric heap or into device (or managed) memory on the rank's GPU.
-inline void check_device_buffer(const Communicator& comm, const Rank& rank, const void* p, const char* name,
-                                uint64_t bytes, uint64_t align, const std::string& where) {
+// Facts of the current device that every call needs, read once per device (the attribute queries are
+// host calls on the launch path).
+struct DeviceFacts {
+  int device = 0;
+  int cc = 0;   // compute capability, major * 10 + minor
+  int sms = 0;  // multiprocessors
+};
+inline DeviceFacts device_facts() {
+  return detail::once_per_device([](int dev) {
+    int major = 0, minor = 0;
+    DeviceFacts f;
+    f.device = dev;
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev));
+    f.cc = major * 10 + minor;
+    return f;
+  });
+}
+
+// Throws weft::Error (prefixed with `where`) unless p is non-null and `align`-aligned.
+inline void check_pointer_alignment(const void* p, const char* name, uint64_t align,
+                                    const std::string& where) {
   if (p == nullptr) throw_error(where + name + " is null");
   if (reinterpret_cast<uintptr_t>(p) % align != 0)
     throw_error(where + name + " is not " + std::to_string(align) + "-byte aligned (" +
@@ -74,6 +93,25 @@ inline void check_device_buffer(const Communicator& comm, const Rank& rank, cons
                      ? "; allocate it with cudaMalloc / the symmetric heap, or offset it by a multiple of 16 "
                        "bytes"
                      : ""));
+}
+// Throws unless p points into device (or managed) memory, device memory on GPU `device`.
+inline void check_device_memory(const void* p, const char* name, int device, const std::string& where) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess ||
+      (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
+    cudaGetLastError();
+    throw_error(where + name + " is not device memory");
+  }
+  if (a.type == cudaMemoryTypeDevice && a.device != device)
+    throw_error(where + name + " lives on GPU " + std::to_string(a.device) + " but the call runs on GPU " +
+                std::to_string(device));
+}
+
+// Throws weft::Error (prefixed with `where`) unless p is a non-null, `align`-aligned pointer into the rank's
+// symmetric heap or into device (or managed) memory on the rank's GPU.
+inline void check_device_buffer(const Communicator& comm, const Rank& rank, const void* p, const char* name,
+                                uint64_t bytes, uint64_t align, const std::string& where) {
+  check_pointer_alignment(p, name, align, where);
   if (comm.in_heap(rank, p, bytes)) return;
   if (comm.in_heap(rank, p, 1))
     throw_error(where + name + " starts in rank " + std::to_string(rank.rank()) +
@@ -83,15 +121,7 @@ inline void check_device_buffer(const Communicator& comm, const Rank& rank, cons
     throw_error(where + name + " points into " + whose + ", not into rank " + std::to_string(rank.rank()) +
                 "'s own: pass each rank its own buffer (SymmetricBuffer::local[i], Rank::at(buffer, "
                 "rank.rank()))");
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess ||
-      (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
-    cudaGetLastError();
-    throw_error(where + name + " is not device memory");
-  }
-  if (a.type == cudaMemoryTypeDevice && a.device != rank.device())
-    throw_error(where + name + " lives on GPU " + std::to_string(a.device) + " but rank " +
-                std::to_string(rank.rank()) + " runs on GPU " + std::to_string(rank.device()));
+  check_device_memory(p, name, rank.device(), where + "rank " + std::to_string(rank.rank()) + ": ");
 }
 
 // Index of `rank` among the communicator's local ranks.
