@@ -53,16 +53,10 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   p.sched.heads = static_cast<int>(sh.heads);
   p.sched.q_blocks = static_cast<int>((sh.seq_q + Op::kBM - 1) / Op::kBM);
   p.sched.heavy_first = c.options.causal;
-  // One work item per block for now: a block that takes a second item hangs (seen with 3 blocks for 16
-  // items; the hand-over between items is being debugged), so the grid covers every item and the hardware
-  // schedules the blocks. An SM budget below the item count is refused until then.
-  const int blocks = static_cast<int>(p.sched.units());
-  WEFT_CHECK(c.options.max_blocks == 0 || c.options.max_blocks >= blocks,
-             c.where + "options.max_blocks (" + std::to_string(c.options.max_blocks) + ") below the " +
-                 std::to_string(blocks) +
-                 " work items is not supported yet (persistent blocks taking several "
-                 "items are not working yet)");
-  (void)Launcher::max_resident_clusters();  // sets the kernel's shared-memory limit
+  // A persistent grid: one block per resident slot (one per SM), capped by the SM budget and the item count.
+  int blocks = Launcher::max_resident_clusters();
+  if (c.options.max_blocks > 0) blocks = std::min(blocks, c.options.max_blocks);
+  blocks = static_cast<int>(std::min<int64_t>(blocks, p.sched.units()));
   p.sched.compute_blocks = blocks;
 
   Plan plan;

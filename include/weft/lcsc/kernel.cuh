@@ -123,6 +123,9 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
     PipeState st;
     Work t;
     while (sched.next(t)) {
+      // wgmma is warp-aligned: the whole warp must issue it together. Independent thread scheduling does
+      // not promise that lanes split by a branch of the previous item's store have met again, so meet here.
+      __syncwarp();
       Op::compute(p, smem, pipe, st, t, c, acc);
       Op::store(p, smem, t, c, acc, es);
     }

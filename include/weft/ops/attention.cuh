@@ -23,6 +23,7 @@
 
 #include <cstdint>
 
+#include "weft/device/ptx.cuh"
 #include "weft/lcsc/attention_scheduler.cuh"
 #include "weft/lcsc/epilogue.cuh"
 #include "weft/lcsc/kernel.cuh"
@@ -218,12 +219,14 @@ struct AttentionFwdOp {
                                const Accum& acc, StoreState& es) {
     const int row0 = w.q_block * kBM + 64 * wg;
     Epilogue::store_to(lcsc::TmaRows4d{&p.o, w.head, row0, w.batch}, s.epi, es, wg, acc.o, 0);
-    if (p.lse != nullptr && tile::lane_id() % 4 == 0) {
+    // LSE by the first lane of each quad (the four hold the same value), as predicated stores: a branch
+    // here could leave the warp split when the next item's (warp-aligned) wgmma begins.
+    if (p.lse != nullptr) {
       float* lse = p.lse + (int64_t(w.batch) * p.heads + w.head) * p.seq_q;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row0 + 16 * tile::warp_in_warpgroup() + tile::lane_id() / 4 + 8 * h;
-        if (row < p.seq_q) lse[row] = acc.lse[h];
+        ptx::st_global_if(tile::lane_id() % 4 == 0 && row < p.seq_q, lse + row, acc.lse[h]);
       }
     }
   }
