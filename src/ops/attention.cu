@@ -68,9 +68,9 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   plan.tiles = {Op::kBM, Op::kBN, kD, Op::kStages, 0, p.sched.units()};
   if (!launch) return plan;
 
-  p.q = map_bshd(c.q, sh.batch, sh.seq_q, sh.heads, kD, Op::kBoxRows, c.where + "q");
-  p.k = map_bshd(c.k, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::kBoxRows, c.where + "k");
-  p.v = map_bshd(c.v, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::kBoxRows, c.where + "v");
+  p.q = map_bshd(c.q, sh.batch, sh.seq_q, sh.heads, kD, Op::kBM, c.where + "q");
+  p.k = map_bshd(c.k, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::kBN, c.where + "k");
+  p.v = map_bshd(c.v, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::kBN, c.where + "v");
   p.o = map_bshd(c.out, sh.batch, sh.seq_q, sh.heads, kD, Op::Epilogue::kBoxRows, c.where + "out");
   p.lse = c.lse;
   p.seq_q = static_cast<int>(sh.seq_q);

@@ -90,8 +90,7 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
 __device__ __forceinline__ void st_global_if(bool pred, float* p, float v) {
   asm volatile(
       "{\n .reg .pred q;\n setp.ne.b32 q, %0, 0;\n @q st.global.f32 [%1], %2;\n}" ::"r"(int(pred)), "l"(p),
-      "f"(v)
-      : "memory");
+      "f"(v));
 }
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

@@ -38,23 +38,24 @@ class AttentionScheduler {
   __host__ __device__ static int compute_blocks(const Params& p) { return p.compute_blocks; }
 
   __host__ __device__ AttentionScheduler(const Params& p, int cluster_index, int /*cluster_rank*/)
-      : p_(p), block_(cluster_index), per_row_(int64_t(p.batch) * p.heads) {}
+      : p_(p), block_(cluster_index), per_row_(p.batch * p.heads) {}
 
-  // The next item of this block, or false when it has none left.
+  // The next item of this block, or false when it has none left. 32-bit arithmetic (the host keeps units()
+  // below 2^31): a 64-bit division is a subroutine call, which caps the registers of the whole consumer.
   __host__ __device__ __forceinline__ bool next(Work& w) {
-    const int64_t runs = p_.compute_blocks;
+    const int runs = p_.compute_blocks, units = static_cast<int>(p_.units());
     if (runs <= 0) return false;
-    while (run_ * runs < p_.units()) {
-      const int64_t u = run_ * runs + (p_.heavy_first && (run_ & 1) ? runs - 1 - block_ : block_);
+    while (run_ < (units + runs - 1) / runs) {
+      const int u = run_ * runs + (p_.heavy_first && (run_ & 1) ? runs - 1 - block_ : block_);
       ++run_;
-      if (u >= p_.units()) continue;  // the last run is short
-      const int row = static_cast<int>(u / per_row_);
-      const int64_t r = u - row * per_row_;
-      const int b = static_cast<int>(r / p_.heads);
+      if (u >= units) continue;  // the last run is short
+      const int row = u / per_row_;
+      const int r = u - row * per_row_;
+      const int b = r / p_.heads;
       const int q = p_.heavy_first ? p_.q_blocks - 1 - row : row;
       if (p_.seq_q_blocks && q >= p_.seq_q_blocks[b]) continue;  // past this sequence's end
       w.batch = b;
-      w.head = static_cast<int>(r - int64_t(b) * p_.heads);
+      w.head = r - b * p_.heads;
       w.q_block = q;
       w.iteration = iteration_++;
       return true;
@@ -64,7 +65,7 @@ class AttentionScheduler {
 
  private:
   Params p_;
-  int64_t block_, per_row_, run_ = 0;
+  int block_, per_row_, run_ = 0;
   int iteration_ = 0;
 };
 

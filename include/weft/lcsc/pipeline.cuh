@@ -61,8 +61,11 @@ class Pipeline {
   }
 
   // ---- consumers (whole warpgroups) ----
+  // Returns with the warp converged (lanes may leave the wait's loop at different times), ready for
+  // warp-aligned instructions such as wgmma.
   __device__ __forceinline__ void consumer_wait(const PipeState& st) {
     tile::mbarrier_wait_bounded(&s_.full[st.stage], st.phase);
+    __syncwarp();
   }
   // Called by every thread of the warpgroup after its reads of the stage completed (wgmma::wait).
   __device__ __forceinline__ void consumer_release(const PipeState& st) {

@@ -28,6 +28,7 @@
 #include "weft/lcsc/epilogue.cuh"
 #include "weft/lcsc/kernel.cuh"
 #include "weft/lcsc/pipeline.cuh"
+#include "weft/lcsc/turns.cuh"
 #include "weft/tile/fragment.cuh"
 #include "weft/tile/layout.cuh"
 #include "weft/tile/softmax.cuh"
@@ -36,23 +37,27 @@
 
 namespace weft::ops {
 
-inline constexpr int kAttentionBlockM = 128;  // query rows per work item
+// Query rows per work item for a head dim: 64 per consumer warpgroup, 3 warpgroups at D = 64 (where the
+// softmax's exponentials weigh as much as the MMAs, so more warpgroups take turns), 2 at D = 128.
+__host__ __device__ constexpr int attention_warpgroups(int head_dim) {
+  return head_dim == 64 ? 3 : 2;
+}
 inline constexpr int kAttentionBlockN = 128;  // keys per block
 
-// The key blocks [0, end) a query block attends to, and from which block on a block needs a mask (the
-// sequence's partial last block, the causal diagonal). The loader and the consumers both use it.
+// The key blocks [0, end) a query block of `block_m` rows attends to, and from which block on a block needs
+// a mask (the sequence's partial last block, the causal diagonal). The loader and the consumers both use it.
 struct KeyBlocks {
   int end = 0;          // blocks of kAttentionBlockN keys; 0: the block sees no key
   int masked_from = 0;  // blocks >= this one need the mask
 };
-__host__ __device__ inline KeyBlocks key_blocks(int q_block, int seq_q, int seq_k, bool causal) {
-  constexpr int kBM = kAttentionBlockM, kBN = kAttentionBlockN;
+__host__ __device__ inline KeyBlocks key_blocks(int q_block, int block_m, int seq_q, int seq_k, bool causal) {
+  constexpr int kBN = kAttentionBlockN;
   KeyBlocks kb;
   kb.end = (seq_k + kBN - 1) / kBN;
   kb.masked_from = seq_k / kBN;  // the partial last block, if any
   if (causal) {
-    const int64_t first_row = int64_t(q_block) * kBM;
-    const int64_t last_row = (first_row + kBM < seq_q ? first_row + kBM : seq_q) - 1;
+    const int64_t first_row = int64_t(q_block) * block_m;
+    const int64_t last_row = (first_row + block_m < seq_q ? first_row + block_m : seq_q) - 1;
     const int64_t last_key = last_row + seq_k - seq_q;  // the last row's last visible key
     const int64_t end = last_key < 0 ? 0 : last_key / kBN + 1;
     if (end < kb.end) kb.end = static_cast<int>(end);
@@ -69,11 +74,13 @@ __host__ __device__ inline KeyBlocks key_blocks(int q_block, int seq_q, int seq_
 template <int kHeadDim>
 struct AttentionFwdOp {
   using bf16 = __nv_bfloat16;
-  static constexpr int kD = kHeadDim, kBM = kAttentionBlockM, kBN = kAttentionBlockN, kStages = 2;
-  static constexpr int kConsumerWarpgroups = kBM / 64;
+  static constexpr int kConsumerWarpgroups = attention_warpgroups(kHeadDim);
+  static constexpr int kD = kHeadDim, kBM = 64 * kConsumerWarpgroups, kBN = kAttentionBlockN, kStages = 2;
   static constexpr int kClusterSize = 1;
-  // 384 threads start with 168 registers; S (64), P (32) and O (D / 2) live together in a consumer.
-  static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;
+  // 2 consumers: 384 threads start with 168 registers each, 3: 512 with 128. Live together in a consumer:
+  // S of the next block (kBN / 2), P of the previous one (kBN / 4) and O (kD / 2).
+  static constexpr int kLoaderRegs = kConsumerWarpgroups == 2 ? 40 : 32;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 232 : 160;
   static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
 
   using Scheduler = lcsc::AttentionScheduler;
@@ -83,7 +90,8 @@ struct AttentionFwdOp {
   using Epilogue = lcsc::TmaStoreEpilogue<bf16, kD, kConsumerWarpgroups>;
   using StoreState = typename Epilogue::State;
   using Ring = lcsc::Pipeline<kStages, kConsumerWarpgroups, 1>;
-  static constexpr int kBoxRows = 128, kBoxCols = 64;  // Q / K / V maps' box {64, 1, 128, 1}; O: the storer's
+  using Turns = lcsc::Turns<kConsumerWarpgroups, lcsc::kEpilogueFirstBarrierId + kConsumerWarpgroups>;
+  static constexpr int kBoxCols = 64;  // Q / K / V maps' box: {64, 1, kBM (Q) or kBN (K, V), 1}
 
   // Q's barriers (one phase per work item) and the K and V rings.
   class Pipeline {
@@ -140,7 +148,7 @@ struct AttentionFwdOp {
   }
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                               const lcsc::AttentionWork& w) {
-    const KeyBlocks kb = key_blocks(w.q_block, p.seq_q, p.seq_k, p.causal != 0);
+    const KeyBlocks kb = key_blocks(w.q_block, kBM, p.seq_q, p.seq_k, p.causal != 0);
     const int kv_head = w.head / p.group;
     // Q: once the consumers are done with the previous item's (a fresh barrier passes the first wait).
     tile::mbarrier_wait_bounded(&pipe.s_.q_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
@@ -154,65 +162,65 @@ struct AttentionFwdOp {
   }
 
   // ---- consumers ----
-  // Scores of keys past the sequence's end, or (causal) past the row's last visible key, become -inf.
-  __device__ static void mask(const Params& p, tile::AccumM64<kBN>& s, int row0, int key0) {
-#pragma unroll
-    for (int i = 0; i < tile::AccumM64<kBN>::kRegs; ++i) {
-      const int row = row0 + tile::AccumM64<kBN>::row(i);
-      int limit = p.seq_k - 1;
-      if (p.causal) limit = min(limit, row + p.seq_k - p.seq_q);
-      if (key0 + tile::AccumM64<kBN>::col(i) > limit) s.d[i] = tile::kNegInf;
-    }
-  }
-
+  // Per key block n, from the last to the first, in the warpgroup's turn (lcsc/turns.cuh): issue S_n =
+  // Q K_n^T, then O += P_{n+1} V_{n+1} with the previous block's P; turn over. While the P V MMAs run, the
+  // softmax turns S_n into P_n (after the mask where the block needs one); once they are done, O is rescaled
+  // to the new row maxima. The first block issues only its S, the last P V runs after the loop.
   __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                                  const lcsc::AttentionWork& w, int wg, Accum& acc) {
-    const KeyBlocks kb = key_blocks(w.q_block, p.seq_q, p.seq_k, p.causal != 0);
+    if (w.iteration == 0) Turns::start(wg);
+    const KeyBlocks kb = key_blocks(w.q_block, kBM, p.seq_q, p.seq_k, p.causal != 0);
     const int row0 = w.q_block * kBM + 64 * wg;  // this warpgroup's first query row
-    tile::mbarrier_wait_bounded(&pipe.s_.q_full, static_cast<uint32_t>(w.iteration) & 1u);
+    tile::OnlineSoftmax<kBN> softmax;
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.o.d[i] = 0.f;
-    tile::OnlineSoftmax<kBN> softmax;
-    for (int n = kb.end - 1; n >= 0; --n) {
-      // S = Q K^T over the head dim, 16 at a time.
-      tile::AccumM64<kBN> sc;
-      pipe.k.consumer_wait(st);
-      wgmma::fence();
-#pragma unroll
-      for (int k = 0; k < kD / 16; ++k)
-        wgmma::mma_bf16<kBN, 0>(sc.d, q_desc_at(s.q, wg, k), wgmma::desc_k_major(s.k[st.stage], 0, 16 * k),
-                                k > 0 ? 1 : 0);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operands(sc.d);
-      pipe.k.consumer_release(st);
-      if (n == 0) release_q(pipe);  // the item's last read of Q
-      if (n >= kb.masked_from) mask(p, sc, row0, n * kBN);
-      float rescale[2];
-      softmax.step(sc, p.scale_log2, rescale);
-      tile::scale_rows(acc.o, rescale);
-      uint32_t pa[kBN / 4];
-      tile::pack_a(sc, pa);
-      // O += P V: P from registers, V (rows = keys) as the MN-major B operand, 16 keys at a time.
-      pipe.v.consumer_wait(st);
-      const uint64_t v_desc = wgmma::desc_mn_major(s.v[st.stage], 0);
-      wgmma::fence_operands(acc.o.d);
-      wgmma::fence();
-#pragma unroll
-      for (int k = 0; k < kBN / 16; ++k)
-        wgmma::mma_rs_bf16<kD, 1>(acc.o.d, reinterpret_cast<const uint32_t(&)[4]>(pa[4 * k]),
-                                  wgmma::desc_advance(v_desc, k * 16 * tile::kSwizzleBytes), 1);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operands(acc.o.d);
-      wgmma::fence_operands(pa);
-      pipe.v.consumer_release(st);
-      st.advance(kStages);
+    tile::mbarrier_wait_bounded(&pipe.s_.q_full, static_cast<uint32_t>(w.iteration) & 1u);
+    if (kb.end == 0) {  // no key: O = 0, LSE = -inf
+      release_q(pipe);
+      finish_rows(p, softmax, acc);
+      return;
     }
-    if (kb.end == 0) release_q(pipe);
-    float inv[2];
-    softmax.finish(p.scale, inv, acc.lse);
-    tile::scale_rows(acc.o, inv);
+    lcsc::PipeState kst = st, vst = st;  // the V ring runs one block behind the K ring
+    tile::AccumM64<kBN> sc;              // S_n, turned into P_n in place
+    uint32_t pa[kBN / 4];                // P of the block whose P V is next, as the MMA's A operand
+    float rescale[2];
+    int n = kb.end - 1;
+    // The first block: S only.
+    pipe.k.consumer_wait(kst);
+    Turns::begin(wg);
+    wgmma::fence();
+    issue_scores(s, wg, kst.stage, sc);
+    Turns::end(wg);
+    wgmma::wait<0>();
+    scores_landed(pipe, kst, sc, n);
+    to_probabilities(p, kb, n, row0, softmax, sc, rescale);
+    tile::pack_a(sc, pa);
+    for (--n; n >= 0; --n) {
+      pipe.k.consumer_wait(kst);
+      pipe.v.consumer_wait(vst);
+      Turns::begin(wg);
+      wgmma::fence();
+      issue_scores(s, wg, kst.stage, sc);
+      issue_pv(s, vst.stage, pa, acc.o);
+      Turns::end(wg);
+      wgmma::wait<1>();  // S_n has landed; P_{n+1} V_{n+1} may still run
+      scores_landed(pipe, kst, sc, n);
+      to_probabilities(p, kb, n, row0, softmax, sc, rescale);
+      wgmma::wait<0>();
+      pv_landed(pipe, vst, pa, acc.o);
+      tile::scale_rows(acc.o, rescale);  // O to the new row maxima, as P_n is
+      tile::pack_a(sc, pa);
+    }
+    // The last block's P V.
+    pipe.v.consumer_wait(vst);
+    Turns::begin(wg);
+    wgmma::fence();
+    issue_pv(s, vst.stage, pa, acc.o);
+    Turns::end(wg);
+    wgmma::wait<0>();
+    pv_landed(pipe, vst, pa, acc.o);
+    st = kst;  // both rings have advanced by the item's blocks
+    finish_rows(p, softmax, acc);
   }
 
   __device__ static void store(const Params& p, Smem& s, const lcsc::AttentionWork& w, int wg,
@@ -235,8 +243,61 @@ struct AttentionFwdOp {
   }
 
  private:
-  __device__ static uint64_t q_desc_at(const QTile& q, int wg, int k) {
-    return wgmma::desc_k_major(q, 64 * wg, 16 * k);
+  // S = Q K^T over the head dim, 16 at a time (async; the caller commits).
+  __device__ static void issue_scores(Smem& s, int wg, int stage, tile::AccumM64<kBN>& sc) {
+    const uint64_t q_desc = wgmma::desc_k_major(s.q, 64 * wg, 0), k_desc = wgmma::desc_k_major(s.k[stage], 0, 0);
+#pragma unroll
+    for (int k = 0; k < kD / 16; ++k)
+      wgmma::mma_bf16<kBN, 0>(sc.d, wgmma::desc_advance(q_desc, wgmma::k_major_offset<QTile>(16 * k)),
+                              wgmma::desc_advance(k_desc, wgmma::k_major_offset<KTile>(16 * k)), k > 0 ? 1 : 0);
+    wgmma::commit();
+  }
+  // O += P V: P from registers, V (rows = keys) as the MN-major B operand, 16 keys at a time (async).
+  __device__ static void issue_pv(Smem& s, int stage, uint32_t (&pa)[kBN / 4], tile::AccumM64<kD>& o) {
+    const uint64_t v_desc = wgmma::desc_mn_major(s.v[stage], 0);
+#pragma unroll
+    for (int k = 0; k < kBN / 16; ++k)
+      wgmma::mma_rs_bf16<kD, 1>(o.d, reinterpret_cast<const uint32_t(&)[4]>(pa[4 * k]),
+                                wgmma::desc_advance(v_desc, k * 16 * tile::kSwizzleBytes), 1);
+    wgmma::commit();
+  }
+  // After S_n's MMAs: K_n's stage goes back to the loader, and Q after the item's last block.
+  __device__ static void scores_landed(Pipeline& pipe, lcsc::PipeState& kst, tile::AccumM64<kBN>& sc, int n) {
+    wgmma::fence_operands(sc.d);
+    pipe.k.consumer_release(kst);
+    kst.advance(kStages);
+    if (n == 0) release_q(pipe);
+  }
+  // After a P V's MMAs: V's stage goes back to the loader; P's and O's registers are free again.
+  __device__ static void pv_landed(Pipeline& pipe, lcsc::PipeState& vst, uint32_t (&pa)[kBN / 4],
+                                   tile::AccumM64<kD>& o) {
+    wgmma::fence_operands(o.d);
+    wgmma::fence_operands(pa);
+    pipe.v.consumer_release(vst);
+    vst.advance(kStages);
+  }
+  // S_n -> P_n: the mask where block n needs one, then the online softmax step (rescale: O's factor).
+  __device__ static void to_probabilities(const Params& p, const KeyBlocks& kb, int n, int row0,
+                                          tile::OnlineSoftmax<kBN>& softmax, tile::AccumM64<kBN>& sc,
+                                          float (&rescale)[2]) {
+    if (n >= kb.masked_from) mask(p, sc, row0, n * kBN);
+    softmax.step(sc, p.scale_log2, rescale);
+  }
+  // Scores of keys past the sequence's end, or (causal) past the row's last visible key, become -inf.
+  __device__ static void mask(const Params& p, tile::AccumM64<kBN>& s, int row0, int key0) {
+#pragma unroll
+    for (int i = 0; i < tile::AccumM64<kBN>::kRegs; ++i) {
+      const int row = row0 + tile::AccumM64<kBN>::row(i);
+      int limit = p.seq_k - 1;
+      if (p.causal) limit = min(limit, row + p.seq_k - p.seq_q);
+      if (key0 + tile::AccumM64<kBN>::col(i) > limit) s.d[i] = tile::kNegInf;
+    }
+  }
+  // O normalised by the row sums, and the rows' LSE.
+  __device__ static void finish_rows(const Params& p, const tile::OnlineSoftmax<kBN>& softmax, Accum& acc) {
+    float inv[2];
+    softmax.finish(p.scale, inv, acc.lse);
+    tile::scale_rows(acc.o, inv);
   }
   __device__ static void release_q(Pipeline& pipe) {
     if (tile::thread_in_warpgroup() == 0) tile::mbarrier_arrive(&pipe.s_.q_empty);

@@ -21,6 +21,13 @@ __device__ __forceinline__ float ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+// 1 / x on the special-function unit (about 1 ulp); `1.f / x` without fast math is an IEEE division whose
+// slow path is a subroutine call, and a call in a consumer caps its registers.
+__device__ __forceinline__ float rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ float lg2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -104,7 +111,7 @@ struct OnlineSoftmax {
     for (int h = 0; h < 2; ++h) {
       const float total = quad_sum(sum[h]);
       const bool any = total > 0.f;
-      inv[h] = any ? 1.f / total : 0.f;
+      inv[h] = any ? rcp(total) : 0.f;
       lse[h] = any ? max[h] * scale + lg2(total) * kLn2 : kNegInf;
     }
   }

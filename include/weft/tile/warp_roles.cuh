@@ -54,13 +54,29 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // block (or cluster) a pipeline wait that takes that long is a bug (a wrong byte count, a bad tensor map),
 // and a trap turns a silent hang into a launch error the host sees.
 inline constexpr uint64_t kHangNs = 20ull * 1000 * 1000 * 1000;
+// The loop is PTX, not C++: a C++ loop around the try-wait (with its trap path) in a consumer warpgroup
+// changed ptxas' register allocation of the whole consumer (spills, and wgmma serialised for lack of
+// registers); as one asm statement it is opaque straight-line code to the allocator.
 __device__ __forceinline__ void mbarrier_wait_bounded(uint64_t* bar, uint32_t parity) {
-  if (mbarrier_try_wait(bar, parity)) return;
-  const uint64_t t0 = ptx::globaltimer_ns();
-  for (uint32_t spins = 1;; ++spins) {
-    if (mbarrier_try_wait(bar, parity)) return;
-    if ((spins & 1023u) == 0 && ptx::globaltimer_ns() - t0 > kHangNs) __trap();
-  }
+  asm volatile(
+      "{\n"
+      " .reg .pred done, late;\n"
+      " .reg .u64 t0, t;\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @done bra DONE;\n"
+      " mov.u64 t0, %%globaltimer;\n"
+      "WAIT:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @done bra DONE;\n"
+      " mov.u64 t, %%globaltimer;\n"
+      " sub.u64 t, t, t0;\n"
+      " setp.gt.u64 late, t, %2;\n"
+      " @late trap;\n"
+      " bra WAIT;\n"
+      "DONE:\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity), "l"(kHangNs)
+      : "memory");
 }
 
 }  // namespace weft::tile

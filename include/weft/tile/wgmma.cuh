@@ -47,6 +47,14 @@ __device__ __forceinline__ uint64_t desc_k_major(const Tile& t, int row0, int k0
   constexpr int kElem = static_cast<int>(sizeof(typename Tile::Element));
   return make_desc_sw128(t.row_ptr(k0 / Tile::kBlockCols, row0) + (k0 % Tile::kBlockCols) * kElem, 16, 1024);
 }
+// Where K column k0 starts in a K-major tile, from its column 0: desc_k_major(t, row0, k0) is
+// desc_advance(desc_k_major(t, row0, 0), k_major_offset<Tile>(k0)). A loop over k that advances one base
+// descriptor by constants keeps one descriptor live per operand, not one per k step.
+template <class Tile>
+__host__ __device__ constexpr uint32_t k_major_offset(int k0) {
+  return static_cast<uint32_t>((k0 / Tile::kBlockCols) * Tile::kBlockBytes +
+                               (k0 % Tile::kBlockCols) * static_cast<int>(sizeof(typename Tile::Element)));
+}
 // MN-major operand: K rows [k0, k0 + 16) and every column of a tile whose rows are K.
 template <class Tile>
 __device__ __forceinline__ uint64_t desc_mn_major(const Tile& t, int k0) {
