@@ -58,6 +58,15 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   if (c.options.max_blocks > 0) blocks = std::min(blocks, c.options.max_blocks);
   blocks = static_cast<int>(std::min<int64_t>(blocks, p.sched.units()));
   p.sched.compute_blocks = blocks;
+  // L2 sections: as many (batch, head) pairs as have their K and V in 2/3 of L2 (the rest holds Q, O and
+  // other traffic), whole GQA groups; causal, at least 16 runs of the grid per section (the scheduler's
+  // balance needs them).
+  const int64_t group = sh.heads / sh.kv_heads;
+  const int64_t kv_bytes_per_group = 2 * sh.seq_k * kD * 2;
+  int64_t section = std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / kv_bytes_per_group) * group;
+  if (c.options.causal)
+    section = std::max<int64_t>(section, (16 * int64_t(blocks) + p.sched.q_blocks - 1) / p.sched.q_blocks);
+  p.sched.section_pairs = static_cast<int>(std::min<int64_t>(section, sh.batch * sh.heads));
 
   Plan plan;
   plan.op = "flash_attention_forward";

@@ -68,6 +68,7 @@ struct DeviceFacts {
   int device = 0;
   int cc = 0;   // compute capability, major * 10 + minor
   int sms = 0;  // multiprocessors
+  int64_t l2_bytes = 0;
 };
 inline DeviceFacts device_facts() {
   return detail::once_per_device([](int dev) {
@@ -77,6 +78,9 @@ inline DeviceFacts device_facts() {
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev));
+    int l2 = 0;
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+    f.l2_bytes = l2;
     f.cc = major * 10 + minor;
     return f;
   });

@@ -99,27 +99,29 @@ TEST(AttentionScheduler, EveryItemOnceWithVariableLengths) {
   const std::vector<int> lengths = {5, 1, 8, 3};  // query blocks per sequence; the longest is 8
   for (bool heavy_first : {false, true})
     for (const int* seq : {static_cast<const int*>(nullptr), lengths.data()})
-      for (int blocks : {1, 3, 7, 132}) {
-        AttentionSchedulerParams p;
-        p.batch = 4;
-        p.heads = 3;
-        p.q_blocks = 8;
-        p.seq_q_blocks = seq;
-        p.heavy_first = heavy_first;
-        p.compute_blocks = blocks;
-        std::set<std::tuple<int, int, int>> seen;
-        for (const auto& items : walk_attention(p)) {
-          int iteration = 0;
-          for (const AttentionWork& w : items) {
-            const int count = seq ? seq[w.batch] : p.q_blocks;
-            EXPECT_TRUE(w.batch >= 0 && w.batch < p.batch && w.head >= 0 && w.head < p.heads &&
-                        w.q_block >= 0 && w.q_block < count);
-            EXPECT_TRUE(seen.insert({w.batch, w.head, w.q_block}).second) << "an item twice";
-            EXPECT_EQ(w.iteration, iteration++);
+      for (int blocks : {1, 3, 7, 132})
+        for (int section_pairs : {0, 1, 5, 12, 40}) {  // 12 = every pair; 5 leaves a short last section
+          AttentionSchedulerParams p;
+          p.batch = 4;
+          p.heads = 3;
+          p.q_blocks = 8;
+          p.seq_q_blocks = seq;
+          p.heavy_first = heavy_first;
+          p.compute_blocks = blocks;
+          p.section_pairs = section_pairs;
+          std::set<std::tuple<int, int, int>> seen;
+          for (const auto& items : walk_attention(p)) {
+            int iteration = 0;
+            for (const AttentionWork& w : items) {
+              const int count = seq ? seq[w.batch] : p.q_blocks;
+              EXPECT_TRUE(w.batch >= 0 && w.batch < p.batch && w.head >= 0 && w.head < p.heads &&
+                          w.q_block >= 0 && w.q_block < count);
+              EXPECT_TRUE(seen.insert({w.batch, w.head, w.q_block}).second) << "an item twice";
+              EXPECT_EQ(w.iteration, iteration++);
+            }
           }
+          EXPECT_EQ(seen.size(), size_t(p.heads) * (seq ? 5 + 1 + 8 + 3 : p.batch * p.q_blocks));
         }
-        EXPECT_EQ(seen.size(), size_t(p.heads) * (seq ? 5 + 1 + 8 + 3 : p.batch * p.q_blocks));
-      }
 }
 
 // Causal: query block j costs j + 1 key blocks. Heaviest first, dealt in a snake, the persistent blocks'
@@ -129,27 +131,33 @@ TEST(AttentionScheduler, CausalHeavyFirstBalancesTheBlocks) {
     int batch, heads, q_blocks;
   };
   for (Shape s : {Shape{1, 32, 64}, Shape{4, 16, 32}, Shape{8, 64, 16}, Shape{2, 8, 128}})
-    for (bool heavy_first : {true, false}) {
-      AttentionSchedulerParams p;
-      p.batch = s.batch;
-      p.heads = s.heads;
-      p.q_blocks = s.q_blocks;
-      p.heavy_first = heavy_first;
-      p.compute_blocks = 132;
-      int64_t most = 0, least = INT64_MAX, total = 0;
-      for (const auto& items : walk_attention(p)) {
-        int64_t cost = 0;
-        for (const AttentionWork& w : items) cost += w.q_block + 1;
-        most = std::max(most, cost);
-        least = std::min(least, cost);
-        total += cost;
+    for (bool heavy_first : {true, false})
+      for (int runs_per_section : {0, 16, 32}) {  // fewer runs per section unbalance the blocks (8: 10-30%)
+        const int section_pairs = runs_per_section * 132 / s.q_blocks;
+        AttentionSchedulerParams p;
+        p.batch = s.batch;
+        p.heads = s.heads;
+        p.q_blocks = s.q_blocks;
+        p.heavy_first = heavy_first;
+        p.compute_blocks = 132;
+        p.section_pairs = section_pairs;
+        int64_t most = 0, least = INT64_MAX, total = 0;
+        for (const auto& items : walk_attention(p)) {
+          int64_t cost = 0;
+          for (const AttentionWork& w : items) cost += w.q_block + 1;
+          most = std::max(most, cost);
+          least = std::min(least, cost);
+          total += cost;
+        }
+        const double mean = double(total) / p.compute_blocks;
+        if (heavy_first) {
+          EXPECT_LE(most / mean, 1.01)
+              << s.batch << "x" << s.heads << "x" << s.q_blocks << " " << section_pairs;
+          EXPECT_GE(least / mean, 0.99)
+              << s.batch << "x" << s.heads << "x" << s.q_blocks << " " << section_pairs;
+        }
+        std::printf("  causal %dx%dx%d %s, sections of %d pairs: busiest block %.3f of the mean\n", s.batch,
+                    s.heads, s.q_blocks, heavy_first ? "heavy first" : "in order   ", section_pairs,
+                    most / mean);
       }
-      const double mean = double(total) / p.compute_blocks;
-      if (heavy_first) {
-        EXPECT_LE(most / mean, 1.01) << s.batch << "x" << s.heads << "x" << s.q_blocks;
-        EXPECT_GE(least / mean, 0.99) << s.batch << "x" << s.heads << "x" << s.q_blocks;
-      }
-      std::printf("  causal %dx%dx%d %s: busiest block %.3f of the mean\n", s.batch, s.heads, s.q_blocks,
-                  heavy_first ? "heavy first" : "in order   ", most / mean);
-    }
 }
