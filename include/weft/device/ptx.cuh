@@ -88,9 +88,8 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
 // Named barriers (id 0 is __syncthreads; `threads` a multiple of 32).
 // *p = v where `pred` holds, as one predicated store: no branch, so the warp cannot split around it.
 __device__ __forceinline__ void st_global_if(bool pred, float* p, float v) {
-  asm volatile(
-      "{\n .reg .pred q;\n setp.ne.b32 q, %0, 0;\n @q st.global.f32 [%1], %2;\n}" ::"r"(int(pred)), "l"(p),
-      "f"(v));
+  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %0, 0;\n @q st.global.f32 [%1], %2;\n}" ::"r"(int(pred)),
+               "l"(p), "f"(v));
 }
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

@@ -78,9 +78,10 @@ struct AttentionFwdOp {
   static constexpr int kD = kHeadDim, kBM = 64 * kConsumerWarpgroups, kBN = kAttentionBlockN, kStages = 2;
   static constexpr int kClusterSize = 1;
   // 2 consumers: 384 threads start with 168 registers each, 3: 512 with 128. Live together in a consumer:
-  // S of the next block (kBN / 2), P of the previous one (kBN / 4) and O (kD / 2).
-  static constexpr int kLoaderRegs = kConsumerWarpgroups == 2 ? 40 : 32;
-  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 232 : 160;
+  // S of the next block (kBN / 2), P of the previous one (kBN / 4) and O (kD / 2), about 184 at D = 128;
+  // the loader thread (scheduler, key blocks, TMA coordinates) needs 56 not to spill.
+  static constexpr int kLoaderRegs = kConsumerWarpgroups == 2 ? 56 : 32;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 224 : 160;
   static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
 
   using Scheduler = lcsc::AttentionScheduler;
@@ -245,11 +246,13 @@ struct AttentionFwdOp {
  private:
   // S = Q K^T over the head dim, 16 at a time (async; the caller commits).
   __device__ static void issue_scores(Smem& s, int wg, int stage, tile::AccumM64<kBN>& sc) {
-    const uint64_t q_desc = wgmma::desc_k_major(s.q, 64 * wg, 0), k_desc = wgmma::desc_k_major(s.k[stage], 0, 0);
+    const uint64_t q_desc = wgmma::desc_k_major(s.q, 64 * wg, 0),
+                   k_desc = wgmma::desc_k_major(s.k[stage], 0, 0);
 #pragma unroll
     for (int k = 0; k < kD / 16; ++k)
       wgmma::mma_bf16<kBN, 0>(sc.d, wgmma::desc_advance(q_desc, wgmma::k_major_offset<QTile>(16 * k)),
-                              wgmma::desc_advance(k_desc, wgmma::k_major_offset<KTile>(16 * k)), k > 0 ? 1 : 0);
+                              wgmma::desc_advance(k_desc, wgmma::k_major_offset<KTile>(16 * k)),
+                              k > 0 ? 1 : 0);
     wgmma::commit();
   }
   // O += P V: P from registers, V (rows = keys) as the MN-major B operand, 16 keys at a time (async).
