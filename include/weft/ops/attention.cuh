@@ -7,14 +7,17 @@
 // The causal mask is aligned to the bottom right: query row i sees keys j <= i + seq_k - seq_q (rows with
 // no key get O = 0 and LSE = -inf).
 //
-// Work items are (batch, head, 128-row query block) from lcsc::AttentionScheduler. A compute block has one
-// loader thread and two consumer warpgroups of 64 query rows each:
+// Work items are (batch, head, query block) from lcsc::AttentionScheduler (L2 sections, heavy first when
+// causal). A compute block has one loader thread and W consumer warpgroups of 64 query rows each (W = 2 at
+// D = 128, 3 at D = 64):
 //   loader     Q of the item once (q_full / q_empty, one phase per item), then K and V of each key block
 //              into two rings of kStages 128-row stages, key blocks from the last to the first (so only the
 //              first one a tile sees can be a partial block at the sequence's end).
-//   consumers  per key block: S = Q K^T (wgmma, both operands in shared memory), the mask where the block
-//              needs one, the online softmax (tile/softmax.cuh) turning S into P in registers and rescaling
-//              O, then O += P V (wgmma with P from registers, V as the MN-major B operand: no transpose).
+//   consumers  per key block n, in the warpgroup's turn at the tensor cores (lcsc/turns.cuh): issue
+//              S_n = Q K_n^T (both operands in shared memory) and O += P_{n+1} V_{n+1} (P from registers,
+//              V as the MN-major B operand: no transpose); while the P V runs, the mask where the block
+//              needs one and the online softmax (tile/softmax.cuh) turn S_n into P_n; then O is rescaled
+//              to the new row maxima (see compute()).
 //   store      O normalised by the row sums, through the TMA storer into O's 4-D map; LSE by the lanes that
 //              own a row.
 #pragma once
