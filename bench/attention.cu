@@ -1,5 +1,5 @@
-// weft-bench attention: weft's flash attention forward on GPU 0, TFLOP/s with the usual convention
-// (4 B H S^2 D, halved for causal) over the shapes of the attention issue: B S = 16k tokens at S = 1k..16k,
+// weft-bench attention: weft's flash attention forward and backward on GPU 0, TFLOP/s with the usual
+// convention (forward 4 B H S^2 D, halved for causal; backward 2.5 times the forward's) over the shapes of the attention issue: B S = 16k tokens at S = 1k..16k,
 // head dims 128 (16 heads) and 64 (32 heads), causal and not, and GQA 32:8. Each call is timed with its own
 // events; the median of the iterations counts. The torch SDPA baselines (cuDNN, flash) are timed by
 // python/benchmarks/attention.py on the same machine.
@@ -20,15 +20,35 @@ struct Buffer {
   ~Buffer() { cudaFree(p); }
 };
 
+// Median of `iters` calls, each timed alone with its own pair of events, after 3 warm-up calls.
+template <class F>
+float median_ms(F&& call, int iters, cudaStream_t stream) {
+  for (int i = 0; i < 3; ++i) call();
+  std::vector<cudaEvent_t> ev(iters + 1);
+  for (auto& e : ev) WEFT_CUDA_CHECK(cudaEventCreate(&e));
+  WEFT_CUDA_CHECK(cudaEventRecord(ev[0], stream));
+  for (int i = 0; i < iters; ++i) {
+    call();
+    WEFT_CUDA_CHECK(cudaEventRecord(ev[i + 1], stream));
+  }
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<float> ms(iters);
+  for (int i = 0; i < iters; ++i) WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
+  for (auto& e : ev) cudaEventDestroy(e);
+  return median(ms);
+}
+
 void run_attention(Context& ctx) {
   WEFT_CUDA_CHECK(cudaSetDevice(0));
   cudaDeviceProp prop{};
   WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream = nullptr;
   WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  Table t(fmt("flash attention forward, bf16, GPU 0 (%s, %d SMs)", prop.name, prop.multiProcessorCount),
-          {"B", "S", "H / KV", "D", "causal", "weft ms", "weft TFLOP/s"},
-          "TFLOP/s = 4 B H S^2 D / time (halved for causal); median of the iterations, each timed alone.");
+  Table t(fmt("flash attention forward and backward, bf16, GPU 0 (%s, %d SMs)", prop.name,
+              prop.multiProcessorCount),
+          {"B", "S", "H / KV", "D", "causal", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s"},
+          "TFLOP/s = 4 B H S^2 D / time (halved for causal; backward 2.5x); median of the iterations, each "
+          "timed alone. The backward call includes its three launches (prepare, kernel, dQ conversion).");
   std::vector<int64_t> seqs = {1024, 2048, 4096, 8192, 16384};
   if (ctx.quick) seqs = {2048, 8192};
   struct Heads {
@@ -41,43 +61,40 @@ void run_attention(Context& ctx) {
         const int64_t b = 16384 / s;
         const AttentionShape shape{b, s, s, hd.h, hd.kv, hd.d};
         Buffer q(b * s * hd.h * hd.d * 2), k(b * s * hd.kv * hd.d * 2), v(b * s * hd.kv * hd.d * 2),
-            o(b * s * hd.h * hd.d * 2), lse(b * hd.h * s * 4);
+            o(b * s * hd.h * hd.d * 2), lse(b * hd.h * s * 4), dout(b * s * hd.h * hd.d * 2),
+            dq(b * s * hd.h * hd.d * 2), dk(b * s * hd.kv * hd.d * 2), dv(b * s * hd.kv * hd.d * 2),
+            ws(flash_attention_backward_workspace_bytes(shape));
         fill_uniform_bf16(q.p, b * s * hd.h * hd.d, 1, stream);
         fill_uniform_bf16(k.p, b * s * hd.kv * hd.d, 2, stream);
         fill_uniform_bf16(v.p, b * s * hd.kv * hd.d, 3, stream);
+        fill_uniform_bf16(dout.p, b * s * hd.h * hd.d, 4, stream);
         AttentionOptions opt;
         opt.causal = causal;
-        auto call = [&] {
+        auto forward = [&] {
           flash_attention_forward(q.p, k.p, v.p, o.p, static_cast<float*>(lse.p), shape, DType::kBF16, stream,
                                   opt);
         };
+        auto backward = [&] {
+          flash_attention_backward(q.p, k.p, v.p, o.p, dout.p, static_cast<float*>(lse.p), dq.p, dk.p, dv.p, ws.p,
+                                   flash_attention_backward_workspace_bytes(shape), shape, DType::kBF16, stream,
+                                   opt);
+        };
         const double flops = 4.0 * b * hd.h * double(s) * s * hd.d * (causal ? 0.5 : 1.0);
         const int iters = ctx.quick ? 10 : 30;
-        for (int i = 0; i < 3; ++i) call();
-        std::vector<cudaEvent_t> ev(iters + 1);
-        for (auto& e : ev) WEFT_CUDA_CHECK(cudaEventCreate(&e));
-        WEFT_CUDA_CHECK(cudaEventRecord(ev[0], stream));
-        for (int i = 0; i < iters; ++i) {
-          call();
-          WEFT_CUDA_CHECK(cudaEventRecord(ev[i + 1], stream));
-        }
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-        std::vector<float> ms(iters);
-        for (int i = 0; i < iters; ++i) WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
-        for (auto& e : ev) cudaEventDestroy(e);
-        const float med = median(ms);
+        const float med = median_ms(forward, iters, stream);
+        const float bwd = median_ms(backward, iters, stream);
         t.add({std::to_string(b), std::to_string(s), fmt("%lld / %lld", (long long)hd.h, (long long)hd.kv),
-               std::to_string(hd.d), causal ? "yes" : "no", fmt("%.3f", med),
-               fmt("%.1f", flops / (med * 1e9))});
-        ctx.progress("attention: S=%lld D=%lld causal=%d: %.3f ms", (long long)s, (long long)hd.d,
-                     int(causal), med);
+               std::to_string(hd.d), causal ? "yes" : "no", fmt("%.3f", med), fmt("%.1f", flops / (med * 1e9)),
+               fmt("%.3f", bwd), fmt("%.1f", 2.5 * flops / (bwd * 1e9))});
+        ctx.progress("attention: S=%lld D=%lld causal=%d: forward %.3f ms, backward %.3f ms", (long long)s,
+                     (long long)hd.d, int(causal), med, bwd);
       }
   ctx.add(std::move(t));
   cudaStreamDestroy(stream);
 }
 
 ModeRegistrar reg("attention",
-                  "weft flash attention forward on GPU 0, TFLOP/s (B S = 16k tokens, S = 1k..16k)",
+                  "weft flash attention forward and backward on GPU 0, TFLOP/s (B S = 16k tokens, S = 1k..16k)",
                   &run_attention, 1);
 
 }  // namespace

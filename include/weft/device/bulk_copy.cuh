@@ -54,6 +54,13 @@ __device__ __forceinline__ void bulk_store(void* gmem_dst, const void* smem_src,
                "r"(smem_addr(smem_src)), "r"(bytes)
                : "memory");
 }
+// global[0, bytes) += shared (f32 element-wise, each a relaxed gpu-scope reduction); completes with the
+// thread's bulk groups like bulk_store. Concurrent adders to the same floats are welcome.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const void* smem_src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gmem_dst),
+               "r"(smem_addr(smem_src)), "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }

@@ -74,6 +74,15 @@ __host__ __device__ inline KeyBlocks key_blocks(int q_block, int block_m, int se
   return kb;
 }
 
+// Loads rows [row0, row0 + Tile::kRows) of one head of a [batch, seq, heads, dim] tensor (a 4-D map with box
+// {64, 1, rows, 1}) into a tile, 64 columns per TMA load; rows past the sequence's end read zeros.
+template <class Tile>
+__device__ __forceinline__ void load_head_rows(Tile& t, const CUtensorMap* map, int head, int row0, int batch,
+                                               uint64_t* bar) {
+#pragma unroll
+  for (int b = 0; b < Tile::kBlocks; ++b) tma::load_4d(t.block(b), map, b * Tile::kBlockCols, head, row0, batch, bar);
+}
+
 template <int kHeadDim>
 struct AttentionFwdOp {
   using bf16 = __nv_bfloat16;
@@ -143,13 +152,6 @@ struct AttentionFwdOp {
   }
 
   // ---- loader (one thread) ----
-  template <class Tile>
-  __device__ static void load_rows(Tile& t, const CUtensorMap* map, int head, int row0, int batch,
-                                   uint64_t* bar) {
-#pragma unroll
-    for (int b = 0; b < Tile::kBlocks; ++b)
-      tma::load_4d(t.block(b), map, b * Tile::kBlockCols, head, row0, batch, bar);
-  }
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                               const lcsc::AttentionWork& w) {
     const KeyBlocks kb = key_blocks(w.q_block, kBM, p.seq_q, p.seq_k, p.causal != 0);
@@ -157,10 +159,10 @@ struct AttentionFwdOp {
     // Q: once the consumers are done with the previous item's (a fresh barrier passes the first wait).
     tile::mbarrier_wait_bounded(&pipe.s_.q_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
     mbarrier_arrive_expect_tx(&pipe.s_.q_full, sizeof(QTile));
-    load_rows(s.q, &p.q, w.head, w.q_block * kBM, w.batch, &pipe.s_.q_full);
+    load_head_rows(s.q, &p.q, w.head, w.q_block * kBM, w.batch, &pipe.s_.q_full);
     for (int n = kb.end - 1; n >= 0; --n) {
-      load_rows(s.k[st.stage], &p.k, kv_head, n * kBN, w.batch, pipe.k.producer_acquire(st, sizeof(KTile)));
-      load_rows(s.v[st.stage], &p.v, kv_head, n * kBN, w.batch, pipe.v.producer_acquire(st, sizeof(VTile)));
+      load_head_rows(s.k[st.stage], &p.k, kv_head, n * kBN, w.batch, pipe.k.producer_acquire(st, sizeof(KTile)));
+      load_head_rows(s.v[st.stage], &p.v, kv_head, n * kBN, w.batch, pipe.v.producer_acquire(st, sizeof(VTile)));
       st.advance(kStages);
     }
   }

@@ -1,5 +1,6 @@
 // weft::flash_attention_forward: softmax(scale * Q K^T) V on the current GPU with weft's own Hopper kernel
-// (an LCSC op, weft/ops/attention.cuh), and its plan. Host-only header.
+// (an LCSC op, weft/ops/attention.cuh), its backward (weft/ops/attention_backward.cuh), and their plans.
+// Host-only header.
 //
 // Layout (flash-attn's): q [batch, seq_q, heads, head_dim], k and v [batch, seq_k, kv_heads, head_dim], out
 // like q, all dense bf16; lse [batch, heads, seq_q] fp32 (natural log of each row's softmax denominator,
@@ -36,5 +37,19 @@ void flash_attention_forward(const void* q, const void* k, const void* v, void* 
 // What that call would do (weft/ops/plan.hpp): tiles, grid, shared memory; throws what the call would.
 Plan flash_attention_forward_plan(const AttentionShape& shape, DType dtype,
                                   const AttentionOptions& options = {});
+
+// The backward pass: dq, dk, dv (layouts of q, k, v; bf16) from q, k, v, the forward's out and lse, and
+// dout (out's gradient, out's layout). `options` must be the forward's (causal, softmax_scale). The
+// workspace (fp32 dQ accumulator and per-row terms) is device memory of at least
+// flash_attention_backward_workspace_bytes(shape) bytes, 256-byte aligned, owned by the caller; calls on
+// one stream may share it. dQ is accumulated with fp32 atomics in whatever order blocks finish: results
+// agree to fp32 rounding, not bit for bit, from run to run.
+size_t flash_attention_backward_workspace_bytes(const AttentionShape& shape);
+void flash_attention_backward(const void* q, const void* k, const void* v, const void* out, const void* dout,
+                              const float* lse, void* dq, void* dk, void* dv, void* workspace,
+                              size_t workspace_bytes, const AttentionShape& shape, DType dtype,
+                              cudaStream_t stream, const AttentionOptions& options = {});
+Plan flash_attention_backward_plan(const AttentionShape& shape, DType dtype,
+                                   const AttentionOptions& options = {});
 
 }  // namespace weft

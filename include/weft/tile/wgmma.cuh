@@ -55,10 +55,13 @@ __host__ __device__ constexpr uint32_t k_major_offset(int k0) {
   return static_cast<uint32_t>((k0 / Tile::kBlockCols) * Tile::kBlockBytes +
                                (k0 % Tile::kBlockCols) * static_cast<int>(sizeof(typename Tile::Element)));
 }
-// MN-major operand: K rows [k0, k0 + 16) and every column of a tile whose rows are K.
+// MN-major operand: K rows [k0, k0 + 16) and the columns from n0 on of a tile whose rows are K (n0 a multiple
+// of 8: the start may sit inside a 128-byte row, as a K-major start does).
 template <class Tile>
-__device__ __forceinline__ uint64_t desc_mn_major(const Tile& t, int k0) {
-  return make_desc_sw128(t.row_ptr(0, k0), Tile::kBlockBytes, 1024);
+__device__ __forceinline__ uint64_t desc_mn_major(const Tile& t, int k0, int n0 = 0) {
+  constexpr int kElem = static_cast<int>(sizeof(typename Tile::Element));
+  return make_desc_sw128(t.row_ptr(n0 / Tile::kBlockCols, k0) + (n0 % Tile::kBlockCols) * kElem,
+                         Tile::kBlockBytes, 1024);
 }
 
 // ---- ordering --------------------------------------------------------------------------------
@@ -85,9 +88,10 @@ __device__ __forceinline__ void fence_operands(float (&d)[kRegs]) {
 }
 
 // ---- mma_async: D(64 x N, fp32) = A(64 x 16, bf16) * B(16 x N, bf16) + (scale_d ? D : 0) ----------
-// kTransB = 0: B is K-major; 1: B is N-major. A is always K-major.
+// kTransB = 0: B is K-major; 1: B is N-major. kTransA = 0: A is K-major; 1: A is M-major (a tile whose
+// rows are K, read through desc_mn_major).
 // clang-format off
-template <int kTransB>
+template <int kTransB, int kTransA = 0>
 __device__ __forceinline__ void mma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
                                                    int scale_d) {
 #if defined(WEFT_WGMMA_AVAILABLE)
@@ -103,7 +107,7 @@ __device__ __forceinline__ void mma_m64n256k16_bf16(float (&d)[128], uint64_t de
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+      "}, %128, %129, p, 1, 1, %132, %131;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -120,13 +124,13 @@ __device__ __forceinline__ void mma_m64n256k16_bf16(float (&d)[128], uint64_t de
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "n"(kTransA));
 #else
   __trap();
 #endif
 }
 
-template <int kTransB>
+template <int kTransB, int kTransA = 0>
 __device__ __forceinline__ void mma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
                                                    int scale_d) {
 #if defined(WEFT_WGMMA_AVAILABLE)
@@ -138,7 +142,7 @@ __device__ __forceinline__ void mma_m64n128k16_bf16(float (&d)[64], uint64_t des
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+      "}, %64, %65, p, 1, 1, %68, %67;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -147,13 +151,13 @@ __device__ __forceinline__ void mma_m64n128k16_bf16(float (&d)[64], uint64_t des
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "n"(kTransA));
 #else
   __trap();
 #endif
 }
 
-template <int kTransB>
+template <int kTransB, int kTransA = 0>
 __device__ __forceinline__ void mma_m64n64k16_bf16(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
                                                    int scale_d) {
 #if defined(WEFT_WGMMA_AVAILABLE)
@@ -163,27 +167,46 @@ __device__ __forceinline__ void mma_m64n64k16_bf16(float (&d)[32], uint64_t desc
       " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+      "}, %32, %33, p, 1, 1, %36, %35;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "n"(kTransA));
+#else
+  __trap();
+#endif
+}
+template <int kTransB, int kTransA = 0>
+__device__ __forceinline__ void mma_m64n32k16_bf16(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
+                                                  int scale_d) {
+#if defined(WEFT_WGMMA_AVAILABLE)
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      " setp.ne.b32 p, %18, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+      "}, %16, %17, p, 1, 1, %20, %19;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "n"(kTransA));
 #else
   __trap();
 #endif
 }
 // clang-format on
 
-template <int kN, int kTransB>
+template <int kN, int kTransB, int kTransA = 0>
 __device__ __forceinline__ void mma_bf16(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  static_assert(kN == 64 || kN == 128 || kN == 256, "wgmma wrappers exist for N = 64, 128, 256");
+  static_assert(kN == 32 || kN == 64 || kN == 128 || kN == 256, "wgmma wrappers exist for N = 32, 64, 128, 256");
   if constexpr (kN == 256)
-    mma_m64n256k16_bf16<kTransB>(d, desc_a, desc_b, scale_d);
+    mma_m64n256k16_bf16<kTransB, kTransA>(d, desc_a, desc_b, scale_d);
   else if constexpr (kN == 128)
-    mma_m64n128k16_bf16<kTransB>(d, desc_a, desc_b, scale_d);
+    mma_m64n128k16_bf16<kTransB, kTransA>(d, desc_a, desc_b, scale_d);
+  else if constexpr (kN == 64)
+    mma_m64n64k16_bf16<kTransB, kTransA>(d, desc_a, desc_b, scale_d);
   else
-    mma_m64n64k16_bf16<kTransB>(d, desc_a, desc_b, scale_d);
+    mma_m64n32k16_bf16<kTransB, kTransA>(d, desc_a, desc_b, scale_d);
 }
 
 // ---- mma_async with A from registers: D(64 x N, fp32) = A(64 x 16, bf16, in registers) * B(16 x N) ----

@@ -1,0 +1,392 @@
+// Flash attention backward as an LCSC op (lcsc/kernel.cuh), with its two small companion kernels. Host
+// launcher: src/ops/attention_backward.cu. Forward and notation: weft/ops/attention.cuh.
+//
+// With S = scale * Q K^T (masked), P = softmax(S) recomputed from the forward's LSE, and dO the output's
+// gradient:
+//   dV = P^T dO     dP = dO V^T     dS = P o (dP - D),  D = rowsum(dO o O)     dQ = scale dS K    dK = scale dS^T Q
+//
+//   prepare    (plain kernel) per query row: D, and LSE * log2(e) (+inf for a row that sees no key and for
+//              the padding rows past seq_q, so that their P is 0), into the workspace.
+//   LCSC op    work items are (batch, K/V head, key block of 128 keys); each consumer warpgroup owns 64 of the
+//              keys and keeps their dK and dV (64 x D fp32 each) in registers across the item. The loader
+//              brings K and V once per item, then Q, dO, LSE and D of every query block of 64 rows of every
+//              query head of the GQA group that sees the key block (causal: from the diagonal on) into a ring
+//              of stages. Per query block, each warpgroup computes (from its own key rows)
+//                S^T = K Q^T and dP^T = V dO^T (shared-memory operands), P^T = exp2(S^T log2e scale - LSE),
+//                dV += P^T dO (P from registers), dS^T = P^T o (dP^T - D), dK += dS^T Q (dS from registers),
+//              writes dS^T to shared memory and meets the other warpgroup; then warpgroup w computes columns
+//              [w D/2, (w+1) D/2) of dQ = dS K over all 128 keys (dS^T read M-major) and adds them to the fp32
+//              dQ accumulator in global memory with one bulk reduce-add (the staging buffer is the
+//              warpgroup's half of the epilogue's buffers). At the item's end dK (times scale) and dV go out
+//              through the TMA storer.
+//   convert    (plain kernel) dQ = scale * accumulator, to bf16 in q's layout.
+// Every item adds into dQ in whatever order the blocks reach it: fp32 sums, not bit-reproducible run to run.
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "weft/lcsc/attention_scheduler.cuh"
+#include "weft/lcsc/epilogue.cuh"
+#include "weft/lcsc/kernel.cuh"
+#include "weft/lcsc/pipeline.cuh"
+#include "weft/ops/attention.cuh"
+#include "weft/tile/fragment.cuh"
+#include "weft/tile/layout.cuh"
+#include "weft/tile/softmax.cuh"
+#include "weft/tile/tma.cuh"
+#include "weft/tile/wgmma.cuh"
+
+namespace weft::ops {
+
+inline constexpr int kAttentionBwdBlockM = 64;   // query rows per step
+inline constexpr int kAttentionBwdBlockN = 128;  // keys per work item, 64 per consumer warpgroup
+
+// The query blocks [begin, end) that see some key of key block n (causal: the first row that sees the
+// block's first key, n * kBN, is n * kBN - (seq_k - seq_q)).
+struct QueryBlocks {
+  int begin = 0, end = 0;
+};
+__host__ __device__ inline QueryBlocks query_blocks(int key_block, int seq_q, int seq_k, bool causal) {
+  constexpr int kBM = kAttentionBwdBlockM, kBN = kAttentionBwdBlockN;
+  QueryBlocks qb;
+  qb.end = (seq_q + kBM - 1) / kBM;
+  if (causal) {
+    const int64_t first_row = int64_t(key_block) * kBN - (int64_t(seq_k) - seq_q);
+    if (first_row > 0) qb.begin = static_cast<int>(first_row / kBM < qb.end ? first_row / kBM : qb.end);
+  }
+  return qb;
+}
+
+// Floats of the dQ accumulator per (batch, head, query block): two warpgroups' 64 x D/2 parts, each in
+// fragment order (float4 j of thread t at (j * 128 + t) * 4: registers 4j..4j+3 of tile::AccumM64<D/2>).
+__host__ __device__ constexpr int attention_dq_block_floats(int head_dim) {
+  return kAttentionBwdBlockM * head_dim;
+}
+
+template <int kHeadDim>
+struct AttentionBwdOp {
+  using bf16 = __nv_bfloat16;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kD = kHeadDim, kBM = kAttentionBwdBlockM, kBN = kAttentionBwdBlockN, kStages = 2;
+  static constexpr int kClusterSize = 1;
+  // Live in a consumer: dK and dV (kD / 2 each), then either S / P and dP / dS (kBM / 2 each) or P and dS as
+  // A operands (kBM / 4 each) and the dQ part (kD / 4): about 192 at D = 128.
+  static constexpr int kLoaderRegs = 24, kConsumerRegs = 240;
+  static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
+  static_assert(kBN == 64 * kConsumerWarpgroups, "64 keys per consumer warpgroup");
+
+  using Scheduler = lcsc::AttentionScheduler;   // items: (batch, K/V head, key block); see key_block()
+  using KTile = tile::Sw128Tile<bf16, kBN, kD>;  // rows: keys (K-major A of S^T, MN-major B of dQ)
+  using VTile = tile::Sw128Tile<bf16, kBN, kD>;  // rows: keys (K-major A of dP^T)
+  using QTile = tile::Sw128Tile<bf16, kBM, kD>;  // rows: queries (K-major B of S^T, MN-major B of dK); dO alike
+  using DsTile = tile::Sw128Tile<bf16, kBN, kBM>;  // dS^T: rows keys, columns queries (M-major A of dQ)
+  using Epilogue = lcsc::TmaStoreEpilogue<bf16, kD, kConsumerWarpgroups>;
+  using StoreState = typename Epilogue::State;
+  using Ring = lcsc::Pipeline<kStages, kConsumerWarpgroups, 1>;
+  static constexpr int kDqCols = kD / 2;  // dQ columns per warpgroup
+  static constexpr int kDqPartFloats = kBM * kDqCols;
+  static constexpr int kDsBarrierId = lcsc::kEpilogueFirstBarrierId + kConsumerWarpgroups;  // both warpgroups
+  static_assert(sizeof(typename Epilogue::Chunk) * 2 >= kDqPartFloats * sizeof(float),
+                "a warpgroup's dQ part is staged in its two epilogue buffers");
+
+  // K and V: one phase per item (kv_full / kv_empty); Q, dO, LSE, D: the ring.
+  class Pipeline {
+   public:
+    struct Storage {
+      uint64_t kv_full, kv_empty;
+      typename Ring::Storage qdo;
+    };
+    __device__ explicit Pipeline(Storage& s) : s_(s), qdo(s.qdo) {}
+    __device__ void init() {
+      qdo.init();
+      mbarrier_init(&s_.kv_full, 1);
+      mbarrier_init(&s_.kv_empty, kConsumerWarpgroups);
+    }
+    Storage& s_;
+    Ring qdo;
+  };
+
+  struct Params {
+    lcsc::AttentionSchedulerParams sched;  // heads = K/V heads, q_blocks = key blocks
+    CUtensorMap q, k, v, dout, dk, dv;     // 4-D {dim, head, seq, batch}
+    const float* lse_log2;                 // [batch, heads, q_blocks * kBM] (prepare)
+    const float* dsum;                     // [batch, heads, q_blocks * kBM]: D (prepare)
+    float* dq_accum;                       // [batch, heads, q_blocks, attention_dq_block_floats]
+    int seq_q, seq_k, heads, group, q_blocks, key_blocks;
+    float scale, scale_log2;
+    int causal;
+  };
+  struct Smem {
+    KTile k;
+    VTile v;
+    QTile q[kStages], dout[kStages];
+    DsTile ds[kStages];  // one per ring stage: written at a step, read by both warpgroups' dQ MMAs
+    alignas(16) float lse_log2[kStages][kBM];
+    alignas(16) float dsum[kStages][kBM];
+    typename Epilogue::Smem epi;  // dK / dV staging; a warpgroup's two buffers also stage its dQ part
+    typename Pipeline::Storage pipe;
+  };
+  struct Accum {
+    tile::AccumM64<kD> dk, dv;
+  };
+
+  __device__ static void init(const Params& p, Smem&) {
+    tma::prefetch_map(&p.q);
+    tma::prefetch_map(&p.k);
+    tma::prefetch_map(&p.v);
+    tma::prefetch_map(&p.dout);
+    tma::prefetch_map(&p.dk);
+    tma::prefetch_map(&p.dv);
+  }
+
+  // The item's key block. Causal: the scheduler's heavy-first order walks its blocks from the last, and the
+  // key blocks seen by the most query blocks are the first ones.
+  __device__ static int key_block(const Params& p, const lcsc::AttentionWork& w) {
+    return p.causal ? p.key_blocks - 1 - w.q_block : w.q_block;
+  }
+
+  // ---- loader (one thread) ----
+  __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                              const lcsc::AttentionWork& w) {
+    const int n = key_block(p, w);
+    tile::mbarrier_wait_bounded(&pipe.s_.kv_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
+    mbarrier_arrive_expect_tx(&pipe.s_.kv_full, sizeof(KTile) + sizeof(VTile));
+    load_head_rows(s.k, &p.k, w.head, n * kBN, w.batch, &pipe.s_.kv_full);
+    load_head_rows(s.v, &p.v, w.head, n * kBN, w.batch, &pipe.s_.kv_full);
+    const QueryBlocks qb = query_blocks(n, p.seq_q, p.seq_k, p.causal != 0);
+    for (int g = 0; g < p.group; ++g) {
+      const int h = w.head * p.group + g;
+      const float* lse_log2 = p.lse_log2 + (int64_t(w.batch) * p.heads + h) * p.q_blocks * kBM;
+      const float* dsum = p.dsum + (int64_t(w.batch) * p.heads + h) * p.q_blocks * kBM;
+      for (int m = qb.begin; m < qb.end; ++m) {
+        uint64_t* bar = pipe.qdo.producer_acquire(st, 2 * sizeof(QTile) + 2 * kBM * sizeof(float));
+        load_head_rows(s.q[st.stage], &p.q, h, m * kBM, w.batch, bar);
+        load_head_rows(s.dout[st.stage], &p.dout, h, m * kBM, w.batch, bar);
+        bulk_load(s.lse_log2[st.stage], lse_log2 + m * kBM, kBM * sizeof(float), bar);
+        bulk_load(s.dsum[st.stage], dsum + m * kBM, kBM * sizeof(float), bar);
+        st.advance(kStages);
+      }
+    }
+  }
+
+  // ---- consumers ----
+  __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                                 const lcsc::AttentionWork& w, int wg, Accum& acc) {
+    const int n = key_block(p, w);
+#pragma unroll
+    for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.dk.d[i] = acc.dv.d[i] = 0.f;
+    tile::mbarrier_wait_bounded(&pipe.s_.kv_full, static_cast<uint32_t>(w.iteration) & 1u);
+    __syncwarp();
+    const QueryBlocks qb = query_blocks(n, p.seq_q, p.seq_k, p.causal != 0);
+    const int key0 = n * kBN + 64 * wg;  // this warpgroup's first key
+    for (int g = 0; g < p.group; ++g) {
+      const int h = w.head * p.group + g;
+      float* dq_accum = p.dq_accum + ((int64_t(w.batch) * p.heads + h) * p.q_blocks) * (2 * kDqPartFloats) +
+                        wg * kDqPartFloats;
+      for (int m = qb.begin; m < qb.end; ++m) {
+        pipe.qdo.consumer_wait(st);
+        step(p, s, st.stage, wg, key0, m, acc, dq_accum + int64_t(m) * (2 * kDqPartFloats));
+        pipe.qdo.consumer_release(st);
+        st.advance(kStages);
+      }
+    }
+    if (tile::thread_in_warpgroup() == 0) tile::mbarrier_arrive(&pipe.s_.kv_empty);
+#pragma unroll
+    for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.dk.d[i] *= p.scale;
+  }
+
+  __device__ static void store(const Params& p, Smem& s, const lcsc::AttentionWork& w, int wg,
+                               const Accum& acc, StoreState& es) {
+    // The epilogue's buffers staged this warpgroup's dQ parts: wait until the last reduce-add has read them.
+    wait_staging_free(wg);
+    const int row0 = key_block(p, w) * kBN + 64 * wg;
+    Epilogue::store_to(lcsc::TmaRows4d{&p.dk, w.head, row0, w.batch}, s.epi, es, wg, acc.dk, 0);
+    Epilogue::store_to(lcsc::TmaRows4d{&p.dv, w.head, row0, w.batch}, s.epi, es, wg, acc.dv, 0);
+  }
+  __device__ static void finish(const Params&, Smem&, int, StoreState& es) {
+    Epilogue::finish(es);
+  }
+
+ private:
+  // One query block of 64 rows against the warpgroup's 64 keys (see the header comment).
+  __device__ static void step(const Params& p, Smem& s, int stage, int wg, int key0, int m, Accum& acc,
+                              float* dq_accum) {
+    tile::AccumM64<kBM> sp;  // S^T, then P^T: rows keys, columns queries
+    tile::AccumM64<kBM> ds;  // dP^T, then dS^T
+    wgmma::fence();
+    issue_scores(s.k, s.q[stage], wg, sp);
+    wgmma::wait<0>();
+    wgmma::fence_operands(sp.d);
+    wgmma::fence();
+    issue_scores(s.v, s.dout[stage], wg, ds);
+    to_probabilities(p, s.lse_log2[stage], key0, m * kBM, sp);
+    wgmma::wait<0>();
+    wgmma::fence_operands(ds.d);
+#pragma unroll
+    for (int i = 0; i < tile::AccumM64<kBM>::kRegs; ++i)
+      ds.d[i] = sp.d[i] * (ds.d[i] - s.dsum[stage][tile::AccumM64<kBM>::col(i)]);
+    // P as the A operand of dV (S and dP die here); dS^T to shared memory, the A operand of dK and dQ.
+    uint32_t pa[kBM / 4];
+    tile::pack_a(sp, pa);
+    tile::store_accum_chunk<0, bf16>(ds, *reinterpret_cast<tile::OutChunk<bf16>*>(s.ds[stage].row_ptr(0, 64 * wg)));
+    // Both warpgroups' dS^T in shared memory, visible to the tensor cores.
+    fence_proxy_async_smem();
+    tile::named_barrier_sync(kDsBarrierId, kConsumerWarpgroups * tile::kWarpgroupThreads);
+    wgmma::fence();
+    issue_dv(pa, s.dout[stage], acc.dv);  // dV += P^T dO
+    issue_dk(s.ds[stage], s.q[stage], wg, acc.dk);  // dK += dS^T Q
+    tile::AccumM64<kDqCols> dq;
+    issue_dq(s.ds[stage], s.k, wg, dq);  // columns [wg D/2, (wg+1) D/2) of dQ = dS K
+    wgmma::wait<0>();
+    wgmma::fence_operands(dq.d);
+    wgmma::fence_operands(acc.dk.d);
+    wgmma::fence_operands(acc.dv.d);
+    wgmma::fence_operands(pa);
+    add_dq_part(s, wg, dq, dq_accum);
+  }
+
+  // D (64 x 64, rows: this warpgroup's keys) = A_rows B^T over the head dim, both K-major in shared memory.
+  __device__ static void issue_scores(const KTile& a, const QTile& b, int wg, tile::AccumM64<kBM>& d) {
+    const uint64_t a_desc = wgmma::desc_k_major(a, 64 * wg, 0), b_desc = wgmma::desc_k_major(b, 0, 0);
+#pragma unroll
+    for (int k = 0; k < kD / 16; ++k)
+      wgmma::mma_bf16<kBM, 0>(d.d, wgmma::desc_advance(a_desc, wgmma::k_major_offset<KTile>(16 * k)),
+                              wgmma::desc_advance(b_desc, wgmma::k_major_offset<QTile>(16 * k)), k > 0 ? 1 : 0);
+    wgmma::commit();
+  }
+  // dV (64 x D) += P^T (64 x 64 queries, registers) dO (64 queries x D, the MN-major B), 16 queries at a time.
+  __device__ static void issue_dv(uint32_t (&pa)[kBM / 4], const QTile& dout, tile::AccumM64<kD>& dv) {
+    const uint64_t b_desc = wgmma::desc_mn_major(dout, 0);
+#pragma unroll
+    for (int k = 0; k < kBM / 16; ++k)
+      wgmma::mma_rs_bf16<kD, 1>(dv.d, reinterpret_cast<const uint32_t(&)[4]>(pa[4 * k]),
+                                wgmma::desc_advance(b_desc, k * 16 * tile::kSwizzleBytes), 1);
+    wgmma::commit();
+  }
+  // dK (64 x D) += dS^T (this warpgroup's 64 key rows of the tile, K-major A) Q (MN-major B).
+  __device__ static void issue_dk(const DsTile& ds, const QTile& q, int wg, tile::AccumM64<kD>& dk) {
+    const uint64_t a_desc = wgmma::desc_k_major(ds, 64 * wg, 0), b_desc = wgmma::desc_mn_major(q, 0);
+#pragma unroll
+    for (int k = 0; k < kBM / 16; ++k)
+      wgmma::mma_bf16<kD, 1>(dk.d, wgmma::desc_advance(a_desc, wgmma::k_major_offset<DsTile>(16 * k)),
+                             wgmma::desc_advance(b_desc, k * 16 * tile::kSwizzleBytes), 1);
+    wgmma::commit();
+  }
+  // dQ columns [wg D/2, (wg+1) D/2) = dS (64 queries x 128 keys: the whole dS^T tile read M-major) K (keys x
+  // those columns, MN-major), 16 keys at a time.
+  __device__ static void issue_dq(const DsTile& ds, const KTile& k, int wg, tile::AccumM64<kDqCols>& dq) {
+    const uint64_t a_desc = wgmma::desc_mn_major(ds, 0), b_desc = wgmma::desc_mn_major(k, 0, wg * kDqCols);
+#pragma unroll
+    for (int i = 0; i < kBN / 16; ++i)
+      wgmma::mma_bf16<kDqCols, 1, 1>(dq.d, wgmma::desc_advance(a_desc, i * 16 * tile::kSwizzleBytes),
+                                     wgmma::desc_advance(b_desc, i * 16 * tile::kSwizzleBytes), i > 0 ? 1 : 0);
+    wgmma::commit();
+  }
+
+  // S^T -> P^T = exp2(S^T scale log2(e) - LSE log2(e)) per query column; keys past seq_k and (causal) past a
+  // row's last visible key get P = 0. Padding rows and rows that see no key have LSE = +inf: P = 0.
+  __device__ static void to_probabilities(const Params& p, const float (&lse_log2)[kBM], int key0, int row0,
+                                          tile::AccumM64<kBM>& s) {
+    const int shift = p.seq_k - p.seq_q;
+    // Whether this 64 x 64 block needs the mask: it reaches past seq_k, or (causal) its last key lies past
+    // its first row's last visible key.
+    const bool masked = key0 + 64 > p.seq_k || (p.causal && key0 + 63 > row0 + shift);
+#pragma unroll
+    for (int i = 0; i < tile::AccumM64<kBM>::kRegs; ++i) {
+      const int col = tile::AccumM64<kBM>::col(i);
+      float v = tile::ex2(fmaf(s.d[i], p.scale_log2, -lse_log2[col]));
+      if (masked) {
+        const int key = key0 + tile::AccumM64<kBM>::row(i);
+        if (key >= p.seq_k || (p.causal && key > row0 + col + shift)) v = 0.f;
+      }
+      s.d[i] = v;
+    }
+  }
+
+  // The warpgroup's part of dQ into its staging buffer (fragment order: conflict-free 16-byte stores) and
+  // one bulk reduce-add of it into the accumulator.
+  __device__ static float* staging(Smem& s, int wg) {
+    return reinterpret_cast<float*>(s.epi.buf[wg][0].bytes);
+  }
+  __device__ static void wait_staging_free(int wg) {
+    if (tile::thread_in_warpgroup() == 0) bulk_wait_read<0>();
+    tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
+  }
+  __device__ static void add_dq_part(Smem& s, int wg, const tile::AccumM64<kDqCols>& dq, float* dq_accum) {
+    wait_staging_free(wg);
+    const uint32_t base = smem_addr(staging(s, wg)) + 16u * static_cast<uint32_t>(tile::thread_in_warpgroup());
+#pragma unroll
+    for (int j = 0; j < tile::AccumM64<kDqCols>::kRegs / 4; ++j)
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(base + j * 128u * 16u), "f"(dq.d[4 * j]),
+                   "f"(dq.d[4 * j + 1]), "f"(dq.d[4 * j + 2]), "f"(dq.d[4 * j + 3]));
+    fence_proxy_async_smem();
+    tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
+    if (tile::thread_in_warpgroup() == 0) {
+      bulk_reduce_add_f32(dq_accum, staging(s, wg), kDqPartFloats * sizeof(float));
+      bulk_commit();
+    }
+  }
+};
+
+// ---- companion kernels ----------------------------------------------------------------------------------
+// prepare: one warp per (batch, head, padded row). D = rowsum(dO o O) in fp32 from the bf16 tensors; LSE in
+// log2 units, +inf where P must be 0 (a row that sees no key, LSE = -inf; rows past seq_q).
+template <int kD>
+__global__ void attention_bwd_prepare(const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse,
+                                      float* lse_log2, float* dsum, int batch, int seq_q, int heads,
+                                      int rows_padded) {
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (warp >= int64_t(batch) * heads * rows_padded) return;
+  const int row = static_cast<int>(warp % rows_padded);
+  const int64_t bh = warp / rows_padded;
+  const int h = static_cast<int>(bh % heads), b = static_cast<int>(bh / heads);
+  float d = 0.f, l = tile::kNegInf;
+  if (row < seq_q) {
+    const int64_t off = ((int64_t(b) * seq_q + row) * heads + h) * kD;
+#pragma unroll
+    for (int c = lane * 2; c < kD; c += 64) {
+      const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + off + c));
+      const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + off + c));
+      d += o.x * g.x + o.y * g.y;
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2) d += __shfl_xor_sync(0xffffffffu, d, s);
+    l = lse[bh * seq_q + row];
+  }
+  if (lane == 0) {
+    dsum[warp] = d;
+    lse_log2[warp] = l == tile::kNegInf ? -tile::kNegInf : l * 1.4426950408889634f;
+  }
+}
+
+// convert: dQ (bf16, q's layout) = scale * the accumulator, undoing its fragment order (see
+// attention_dq_block_floats). One thread per float4 of the accumulator: two adjacent columns of two rows.
+template <int kD>
+__global__ void attention_bwd_convert_dq(const float* dq_accum, __nv_bfloat16* dq, int batch, int seq_q,
+                                         int heads, int q_blocks, float scale) {
+  constexpr int kPart = kAttentionBwdBlockM * kD / 2;
+  const int64_t f = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (f >= int64_t(batch) * heads * q_blocks * 2 * kPart) return;
+  const float4 v = *reinterpret_cast<const float4*>(dq_accum + f);
+  const int64_t part = f / kPart;
+  const int in_part = static_cast<int>(f % kPart);
+  const int half = static_cast<int>(part % 2);
+  const int m = static_cast<int>(part / 2 % q_blocks);
+  const int64_t bh = part / 2 / q_blocks;
+  const int h = static_cast<int>(bh % heads), b = static_cast<int>(bh / heads);
+  const int j = in_part / 512, t = in_part % 512 / 4;  // float4 j of thread t
+  const int warp = t / 32, lane = t % 32;
+  const int row = m * kAttentionBwdBlockM + 16 * warp + lane / 4;
+  const int col = half * (kD / 2) + 8 * j + 2 * (lane % 4);
+  if (row < seq_q)
+    *reinterpret_cast<__nv_bfloat162*>(dq + ((int64_t(b) * seq_q + row) * heads + h) * kD + col) =
+        __floats2bfloat162_rn(v.x * scale, v.y * scale);
+  if (row + 8 < seq_q)
+    *reinterpret_cast<__nv_bfloat162*>(dq + ((int64_t(b) * seq_q + row + 8) * heads + h) * kD + col) =
+        __floats2bfloat162_rn(v.z * scale, v.w * scale);
+}
+
+}  // namespace weft::ops

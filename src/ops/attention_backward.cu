@@ -1,0 +1,164 @@
+// Host side of weft::flash_attention_backward: validation, the workspace layout, and the three launches
+// (prepare, the LCSC op, convert; device code: weft/ops/attention_backward.cuh).
+#include <algorithm>
+#include <string>
+
+#include "attention_args.hpp"
+#include "weft/lcsc/launch.cuh"
+#include "weft/ops/attention_backward.cuh"
+
+namespace weft {
+namespace {
+
+struct Call {
+  const void *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr, *dout = nullptr;
+  const float* lse = nullptr;
+  void *dq = nullptr, *dk = nullptr, *dv = nullptr, *workspace = nullptr;
+  size_t workspace_bytes = 0;
+  AttentionShape shape;
+  AttentionOptions options;
+  std::string where;
+};
+
+// The workspace: the fp32 dQ accumulator, then LSE * log2(e) and D per padded query row.
+struct Workspace {
+  int64_t q_blocks = 0, rows = 0;  // rows: batch * heads * q_blocks * 64
+  size_t accum_bytes = 0, row_bytes = 0;
+  explicit Workspace(const AttentionShape& s) {
+    q_blocks = (s.seq_q + ops::kAttentionBwdBlockM - 1) / ops::kAttentionBwdBlockM;
+    rows = s.batch * s.heads * q_blocks * ops::kAttentionBwdBlockM;
+    accum_bytes = size_t(s.batch * s.heads * q_blocks) * ops::attention_dq_block_floats(int(s.head_dim)) * 4;
+    row_bytes = size_t(rows) * 4;  // a multiple of 256
+  }
+  size_t bytes() const { return accum_bytes + 2 * row_bytes; }
+};
+
+template <int kD>
+Plan run(const Call& c, cudaStream_t stream, bool launch) {
+  using Op = ops::AttentionBwdOp<kD>;
+  using Launcher = lcsc::Launcher<Op>;
+  const AttentionShape& sh = c.shape;
+  const Workspace ws(sh);
+  typename Op::Params p{};
+  p.sched.batch = static_cast<int>(sh.batch);
+  p.sched.heads = static_cast<int>(sh.kv_heads);
+  p.sched.q_blocks = static_cast<int>((sh.seq_k + Op::kBN - 1) / Op::kBN);  // key blocks
+  p.sched.heavy_first = c.options.causal;
+  const int blocks = ops::attention_blocks(Launcher::max_resident_clusters(), c.options, p.sched.units());
+  p.sched.compute_blocks = blocks;
+  // L2 sections (lcsc/attention_scheduler.cuh): K / V heads whose group's Q, dO and dQ accumulator fit in
+  // 2/3 of L2; causal, at least 16 runs of the grid per section.
+  const int64_t group = sh.heads / sh.kv_heads;
+  const int64_t bytes_per_pair = group * sh.seq_q * kD * (2 + 2 + 4);
+  int64_t section = std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / bytes_per_pair);
+  if (c.options.causal)
+    section = std::max<int64_t>(section, (16 * int64_t(blocks) + p.sched.q_blocks - 1) / p.sched.q_blocks);
+  p.sched.section_pairs = static_cast<int>(std::min<int64_t>(section, sh.batch * sh.kv_heads));
+
+  Plan plan;
+  plan.op = "flash_attention_backward";
+  plan.path = c.options.causal ? "prepare, persistent attention backward (causal), convert dQ"
+                               : "prepare, persistent attention backward, convert dQ";
+  plan.blocks = blocks;
+  plan.cluster = 1;
+  plan.smem_bytes = static_cast<int>(lcsc::kSmemBytes<Op>);
+  plan.tiles = {Op::kBM, Op::kBN, kD, Op::kStages, 0, p.sched.units()};
+  if (!launch) return plan;
+
+  auto* accum = static_cast<float*>(c.workspace);
+  auto* lse_log2 = reinterpret_cast<float*>(static_cast<char*>(c.workspace) + ws.accum_bytes);
+  auto* dsum = reinterpret_cast<float*>(static_cast<char*>(c.workspace) + ws.accum_bytes + ws.row_bytes);
+  WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, ws.accum_bytes, stream));
+  using bf16 = __nv_bfloat16;
+  {
+    constexpr int kThreads = 256;
+    const int64_t grid = (ws.rows * 32 + kThreads - 1) / kThreads;
+    ops::attention_bwd_prepare<kD><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+        static_cast<const bf16*>(c.out), static_cast<const bf16*>(c.dout), c.lse, lse_log2, dsum,
+        static_cast<int>(sh.batch), static_cast<int>(sh.seq_q), static_cast<int>(sh.heads),
+        static_cast<int>(ws.q_blocks * ops::kAttentionBwdBlockM));
+    WEFT_CUDA_CHECK(cudaGetLastError());
+  }
+
+  p.q = ops::map_bshd(c.q, sh.batch, sh.seq_q, sh.heads, kD, Op::kBM, c.where + "q");
+  p.dout = ops::map_bshd(c.dout, sh.batch, sh.seq_q, sh.heads, kD, Op::kBM, c.where + "dout");
+  p.k = ops::map_bshd(c.k, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::kBN, c.where + "k");
+  p.v = ops::map_bshd(c.v, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::kBN, c.where + "v");
+  p.dk = ops::map_bshd(c.dk, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::Epilogue::kBoxRows, c.where + "dk");
+  p.dv = ops::map_bshd(c.dv, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::Epilogue::kBoxRows, c.where + "dv");
+  p.lse_log2 = lse_log2;
+  p.dsum = dsum;
+  p.dq_accum = accum;
+  p.seq_q = static_cast<int>(sh.seq_q);
+  p.seq_k = static_cast<int>(sh.seq_k);
+  p.heads = static_cast<int>(sh.heads);
+  p.group = static_cast<int>(group);
+  p.q_blocks = static_cast<int>(ws.q_blocks);
+  p.key_blocks = p.sched.q_blocks;
+  const float scale = ops::attention_scale(sh, c.options);
+  p.scale = scale;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.causal = c.options.causal ? 1 : 0;
+  Launcher::launch(p, blocks, stream);
+
+  {
+    constexpr int kThreads = 256;
+    const int64_t float4s = int64_t(ws.accum_bytes / 16);
+    ops::attention_bwd_convert_dq<kD><<<static_cast<unsigned>((float4s + kThreads - 1) / kThreads), kThreads, 0,
+                                        stream>>>(accum, static_cast<bf16*>(c.dq), static_cast<int>(sh.batch),
+                                                  static_cast<int>(sh.seq_q), static_cast<int>(sh.heads),
+                                                  static_cast<int>(ws.q_blocks), scale);
+    WEFT_CUDA_CHECK(cudaGetLastError());
+  }
+  return plan;
+}
+
+Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
+  const ops::DeviceFacts dev = ops::check_attention_call(c.shape, dtype, c.options, c.where);
+  if (launch) {
+    for (auto [p, name] : {std::pair<const void*, const char*>{c.q, "q"}, {c.k, "k"}, {c.v, "v"}, {c.out, "out"},
+                           {c.dout, "dout"}, {c.dq, "dq"}, {c.dk, "dk"}, {c.dv, "dv"}}) {
+      ops::check_pointer_alignment(p, name, 16, c.where);
+      ops::check_device_memory(p, name, dev.device, c.where);
+    }
+    WEFT_CHECK(c.lse != nullptr, c.where + "lse (the forward's log-sum-exp) is required");
+    ops::check_pointer_alignment(c.lse, "lse", 4, c.where);
+    ops::check_device_memory(c.lse, "lse", dev.device, c.where);
+    const size_t need = Workspace(c.shape).bytes();
+    WEFT_CHECK(c.workspace != nullptr && c.workspace_bytes >= need,
+               c.where + "the workspace must hold flash_attention_backward_workspace_bytes() = " +
+                   std::to_string(need) + " bytes, got " + std::to_string(c.workspace_bytes));
+    ops::check_pointer_alignment(c.workspace, "workspace", 256, c.where);
+    ops::check_device_memory(c.workspace, "workspace", dev.device, c.where);
+  }
+  return c.shape.head_dim == 64 ? run<64>(c, stream, launch) : run<128>(c, stream, launch);
+}
+
+std::string where(const AttentionShape& s) {
+  return ops::attention_where("weft::flash_attention_backward", s);
+}
+
+}  // namespace
+
+size_t flash_attention_backward_workspace_bytes(const AttentionShape& shape) {
+  ops::check_attention_shape(shape, where(shape));
+  return Workspace(shape).bytes();
+}
+
+void flash_attention_backward(const void* q, const void* k, const void* v, const void* out, const void* dout,
+                              const float* lse, void* dq, void* dk, void* dv, void* workspace,
+                              size_t workspace_bytes, const AttentionShape& shape, DType dtype,
+                              cudaStream_t stream, const AttentionOptions& options) {
+  Call c{q, k, v, out, dout, lse, dq, dk, dv, workspace, workspace_bytes, shape, options, where(shape)};
+  dispatch(c, dtype, stream, true);
+}
+
+Plan flash_attention_backward_plan(const AttentionShape& shape, DType dtype, const AttentionOptions& options) {
+  Call c;
+  c.shape = shape;
+  c.options = options;
+  c.where = where(shape);
+  return dispatch(c, dtype, nullptr, false);
+}
+
+}  // namespace weft
