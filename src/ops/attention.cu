@@ -28,17 +28,14 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   p.sched.batch = static_cast<int>(sh.batch);
   p.sched.heads = static_cast<int>(sh.heads);
   p.sched.q_blocks = static_cast<int>((sh.seq_q + Op::kBM - 1) / Op::kBM);
-  p.sched.heavy_first = c.options.causal;
+  p.sched.paired = c.options.causal;
   const int blocks = ops::attention_blocks(Launcher::max_resident_clusters(), c.options, p.sched.units());
   p.sched.compute_blocks = blocks;
   // L2 sections: as many (batch, head) pairs as have their K and V in 2/3 of L2 (the rest holds Q, O and
-  // other traffic), whole GQA groups; causal, at least 16 runs of the grid per section (the scheduler's
-  // balance needs them).
+  // other traffic), whole GQA groups.
   const int64_t group = sh.heads / sh.kv_heads;
   const int64_t kv_bytes_per_group = 2 * sh.seq_k * kD * 2;
   int64_t section = std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / kv_bytes_per_group) * group;
-  if (c.options.causal)
-    section = std::max<int64_t>(section, (16 * int64_t(blocks) + p.sched.q_blocks - 1) / p.sched.q_blocks);
   p.sched.section_pairs = static_cast<int>(std::min<int64_t>(section, sh.batch * sh.heads));
 
   Plan plan;

@@ -43,16 +43,14 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   p.sched.batch = static_cast<int>(sh.batch);
   p.sched.heads = static_cast<int>(sh.kv_heads);
   p.sched.q_blocks = static_cast<int>((sh.seq_k + Op::kBN - 1) / Op::kBN);  // key blocks
-  p.sched.heavy_first = c.options.causal;
+  p.sched.paired = c.options.causal;
   const int blocks = ops::attention_blocks(Launcher::max_resident_clusters(), c.options, p.sched.units());
   p.sched.compute_blocks = blocks;
   // L2 sections (lcsc/attention_scheduler.cuh): K / V heads whose group's Q, dO and dQ accumulator fit in
-  // 2/3 of L2; causal, at least 16 runs of the grid per section.
+  // 2/3 of L2.
   const int64_t group = sh.heads / sh.kv_heads;
   const int64_t bytes_per_pair = group * sh.seq_q * kD * (2 + 2 + 4);
   int64_t section = std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / bytes_per_pair);
-  if (c.options.causal)
-    section = std::max<int64_t>(section, (16 * int64_t(blocks) + p.sched.q_blocks - 1) / p.sched.q_blocks);
   p.sched.section_pairs = static_cast<int>(std::min<int64_t>(section, sh.batch * sh.kv_heads));
 
   Plan plan;
@@ -94,7 +92,6 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   p.heads = static_cast<int>(sh.heads);
   p.group = static_cast<int>(group);
   p.q_blocks = static_cast<int>(ws.q_blocks);
-  p.key_blocks = p.sched.q_blocks;
   const float scale = ops::attention_scale(sh, c.options);
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;

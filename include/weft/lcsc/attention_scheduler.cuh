@@ -2,17 +2,16 @@
 // (batch, head, query block) triples, as flash attention's are.
 //
 // Order: the (batch, head) pairs are cut into L2 sections of `section_pairs` pairs (sized by the host so a
-// section's K and V fit in L2); a section's items run before the next section's, query block by query
-// block, the pairs of the section fastest. The items running at one time then read the K / V of a few
-// heads, each from L2 after its first read, where an order over all heads at once would stream every
-// head's K / V from memory once per query block. GQA heads sharing a K / V head are adjacent pairs.
-// Persistent block c of C takes one item of each run of C in that order. Causal attention gives query
-// block j a cost growing with j (its keys end at its last row), so `heavy_first` walks each section's query
-// blocks from the last to the first and deals each run of C in a snake (block c takes position c of even
-// runs and C - 1 - c of odd ones): a block that took a heavy item of one run takes a light one of the next,
-// and long items come first, so the blocks end together (tests/host/test_scheduler.cpp: the busiest block
-// within 1% of the mean at 132 blocks, against 6% for the plain order, when a section holds at least 16
-// runs: the switch from a section's light items to the next one's heavy items unbalances shorter ones).
+// section's streamed operands fit in L2); a section's items run before the next section's, query block by
+// query block, the pairs of the section fastest. The items running at one time then read the K / V (or Q /
+// dO) of a few heads, each from L2 after its first read, where an order over all heads at once would stream
+// every head's operands from memory once per block. GQA heads sharing a K / V head are adjacent pairs.
+// Persistent block c of C takes unit (c + r) mod C of run r of C units in that order.
+// Causal attention gives block j a cost growing (forward) or shrinking (backward, over key blocks) linearly
+// with j, so `paired` makes a unit the two blocks j and count - 1 - j of one pair, the heavier first, taken
+// one after the other by the same persistent block: every unit costs the same, the blocks end within one
+// unit of each other whatever the section size, and sections stay as small as L2 wants
+// (tests/host/test_scheduler.cpp).
 // Variable-length batches give each sequence its own count of query blocks (`seq_q_blocks`, readable where
 // the scheduler runs); the items past a sequence's count are skipped. One CTA per item: ops using it run
 // clusters of 1.
@@ -25,10 +24,12 @@ struct AttentionSchedulerParams {
   int batch = 0, heads = 0;
   int q_blocks = 0;                   // query blocks of the longest sequence
   const int* seq_q_blocks = nullptr;  // variable lengths: query blocks of each sequence (else all q_blocks)
-  bool heavy_first = false;           // causal: the query blocks with the most keys first
+  bool paired = false;                // causal: blocks j and count - 1 - j as one unit (see above)
   int section_pairs = 0;              // (batch, head) pairs per L2 section; 0: one section
   int compute_blocks = 0;             // blocks [0, compute_blocks) compute; the rest of the grid communicates
-  __host__ __device__ int64_t units() const { return int64_t(batch) * heads * q_blocks; }
+  // Rows of units per (batch, head) pair, and units in all.
+  __host__ __device__ int unit_rows() const { return paired ? (q_blocks + 1) / 2 : q_blocks; }
+  __host__ __device__ int64_t units() const { return int64_t(batch) * heads * unit_rows(); }
 };
 
 struct AttentionWork {
@@ -47,19 +48,31 @@ class AttentionScheduler {
 
   __host__ __device__ AttentionScheduler(const Params& p, int cluster_index, int /*cluster_rank*/)
       : p_(p),
-        block_(cluster_index),
         pairs_(p.batch * p.heads),
         section_pairs_(p.section_pairs > 0 && p.section_pairs < pairs_ ? p.section_pairs : pairs_),
-        section_units_(section_pairs_ * p.q_blocks) {}
+        section_units_(section_pairs_ * p.unit_rows()),
+        position_(cluster_index) {}
 
   // The next item of this block, or false when it has none left. 32-bit arithmetic (the host keeps units()
   // below 2^31): a 64-bit division is a subroutine call, which caps the registers of the whole consumer.
   __host__ __device__ __forceinline__ bool next(Work& w) {
+    if (second_ >= 0) {  // the light block of a pair
+      w.batch = second_batch_;
+      w.head = second_head_;
+      w.q_block = second_;
+      second_ = -1;
+      w.iteration = iteration_++;
+      return true;
+    }
     const int runs = p_.compute_blocks, units = static_cast<int>(p_.units());
     if (runs <= 0) return false;
     while (run_ < (units + runs - 1) / runs) {
-      const int u = run_ * runs + (p_.heavy_first && (run_ & 1) ? runs - 1 - block_ : block_);
+      // Rotated by the run: a block does not take the same position of every run (with an odd count of
+      // blocks, a pair's middle block is a unit of half the cost, and the same position would give it to
+      // the same persistent blocks each run).
+      const int u = run_ * runs + position_;
       ++run_;
+      if (++position_ == runs) position_ = 0;
       if (u >= units) continue;  // the last run is short
       const int section = u / section_units_;
       const int first_pair = section * section_pairs_;
@@ -68,11 +81,16 @@ class AttentionScheduler {
       const int row = r / pairs;
       const int pair = first_pair + r - row * pairs;
       const int b = pair / p_.heads;
-      const int q = p_.heavy_first ? p_.q_blocks - 1 - row : row;
-      if (p_.seq_q_blocks && q >= p_.seq_q_blocks[b]) continue;  // past this sequence's end
+      const int count = p_.seq_q_blocks ? p_.seq_q_blocks[b] : p_.q_blocks;
+      if (p_.paired ? 2 * row >= count : row >= count) continue;  // past this sequence's end
       w.batch = b;
       w.head = pair - b * p_.heads;
-      w.q_block = q;
+      w.q_block = p_.paired ? count - 1 - row : row;
+      if (p_.paired && row != count - 1 - row) {
+        second_ = row;
+        second_batch_ = w.batch;
+        second_head_ = w.head;
+      }
       w.iteration = iteration_++;
       return true;
     }
@@ -81,8 +99,9 @@ class AttentionScheduler {
 
  private:
   Params p_;
-  int block_, pairs_, section_pairs_, section_units_, run_ = 0;
+  int pairs_, section_pairs_, section_units_, position_, run_ = 0;
   int iteration_ = 0;
+  int second_ = -1, second_batch_ = 0, second_head_ = 0;  // paired: the light block still due (-1: none)
 };
 
 }  // namespace weft::lcsc

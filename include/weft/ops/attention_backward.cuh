@@ -73,7 +73,7 @@ struct AttentionBwdOp {
   static constexpr int kClusterSize = 1;
   // Live in a consumer: dK and dV (kD / 2 each), then either S / P and dP / dS (kBM / 2 each) or P and dS as
   // A operands (kBM / 4 each) and the dQ part (kD / 4): about 192 at D = 128.
-  static constexpr int kLoaderRegs = 24, kConsumerRegs = 240;
+  static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;
   static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
   static_assert(kBN == 64 * kConsumerWarpgroups, "64 keys per consumer warpgroup");
 
@@ -114,7 +114,7 @@ struct AttentionBwdOp {
     const float* lse_log2;                 // [batch, heads, q_blocks * kBM] (prepare)
     const float* dsum;                     // [batch, heads, q_blocks * kBM]: D (prepare)
     float* dq_accum;                       // [batch, heads, q_blocks, attention_dq_block_floats]
-    int seq_q, seq_k, heads, group, q_blocks, key_blocks;
+    int seq_q, seq_k, heads, group, q_blocks;
     float scale, scale_log2;
     int causal;
   };
@@ -141,11 +141,8 @@ struct AttentionBwdOp {
     tma::prefetch_map(&p.dv);
   }
 
-  // The item's key block. Causal: the scheduler's heavy-first order walks its blocks from the last, and the
-  // key blocks seen by the most query blocks are the first ones.
-  __device__ static int key_block(const Params& p, const lcsc::AttentionWork& w) {
-    return p.causal ? p.key_blocks - 1 - w.q_block : w.q_block;
-  }
+  // The item's key block (the scheduler's blocks run along the keys here).
+  __device__ static int key_block(const Params&, const lcsc::AttentionWork& w) { return w.q_block; }
 
   // ---- loader (one thread) ----
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
