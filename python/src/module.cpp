@@ -10,6 +10,9 @@
 #include <string>
 #include <vector>
 
+#include <cuda_runtime.h>
+
+#include "weft/ops/attention.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/fused.hpp"
 #include "weft/runtime/communicator.hpp"
@@ -229,6 +232,52 @@ PYBIND11_MODULE(_weft, m) {
     weft::all_to_all(*c.comm, c.rank(), reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out),
                      count_per_rank, parse_dtype(dtype), c.stream(stream));
   });
+
+  // Flash attention (bf16, [batch, seq, heads, dim] tensors on GPU `device`), no communicator: the call runs
+  // with `device` current and gives the caller's current device back.
+  struct OnDevice {
+    int saved = 0;
+    explicit OnDevice(int device) {
+      cudaGetDevice(&saved);
+      if (saved != device && cudaSetDevice(device) != cudaSuccess)
+        throw weft::Error("weft: cannot make cuda:" + std::to_string(device) + " current");
+    }
+    ~OnDevice() { cudaSetDevice(saved); }
+  };
+  auto attention_shape = [](py::tuple s) {
+    return weft::AttentionShape{s[0].cast<int64_t>(), s[1].cast<int64_t>(), s[2].cast<int64_t>(),
+                                s[3].cast<int64_t>(), s[4].cast<int64_t>(), s[5].cast<int64_t>()};
+  };
+  auto attention_options = [](bool causal, float scale) {
+    weft::AttentionOptions o;
+    o.causal = causal;
+    o.softmax_scale = scale;
+    return o;
+  };
+  m.def("flash_attention_forward", [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
+                                       uintptr_t lse, py::tuple shape, bool causal, float scale, uintptr_t stream) {
+    OnDevice on(device);
+    weft::flash_attention_forward(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
+                                  reinterpret_cast<const void*>(v), reinterpret_cast<void*>(out),
+                                  reinterpret_cast<float*>(lse), attention_shape(shape), weft::DType::kBF16,
+                                  reinterpret_cast<cudaStream_t>(stream), attention_options(causal, scale));
+  });
+  m.def("flash_attention_backward_workspace_bytes", [=](py::tuple shape) {
+    return weft::flash_attention_backward_workspace_bytes(attention_shape(shape));
+  });
+  m.def("flash_attention_backward",
+        [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t dout, uintptr_t lse,
+            uintptr_t dq, uintptr_t dk, uintptr_t dv, uintptr_t workspace, uint64_t workspace_bytes,
+            py::tuple shape, bool causal, float scale, uintptr_t stream) {
+          OnDevice on(device);
+          weft::flash_attention_backward(
+              reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
+              reinterpret_cast<const void*>(out), reinterpret_cast<const void*>(dout),
+              reinterpret_cast<const float*>(lse), reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk),
+              reinterpret_cast<void*>(dv), reinterpret_cast<void*>(workspace), workspace_bytes,
+              attention_shape(shape), weft::DType::kBF16, reinterpret_cast<cudaStream_t>(stream),
+              attention_options(causal, scale));
+        });
 
   // Fused tensor-parallel ops (bf16): b_layout "kn" ([K, N] row-major) or "nk" (an [N, K] weight); the
   // return value names the path that ran ("fused" or "sequential").

@@ -37,7 +37,7 @@ class WeftTypeError(WeftError, TypeError):
 
 __all__ = ["init", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
            "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
-           "matmul_all_reduce"]
+           "matmul_all_reduce", "flash_attention"]
 
 # DLPack device types (dlpack.h DLDeviceType) for messages.
 _DLPACK_DEVICES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI",
@@ -368,6 +368,97 @@ def matmul_reduce_scatter(a, b, out=None, comm=None):
 def matmul_all_reduce(a, b, out=None, comm=None):
     """The [M, N] product a @ b summed over ranks, on every rank."""
     return _summed_matmul(_weft.matmul_all_reduce, a, b, out, comm, scatter=False)
+
+
+# ---- attention (one GPU, no communicator) ----------------------------------------------------------------
+_flash_fn = None
+
+
+def _flash_attention_fn():
+    """The torch.autograd.Function of flash_attention, made once torch is there (weft never imports it)."""
+    global _flash_fn
+    if _flash_fn is None:
+        torch = sys.modules["torch"]
+
+        def stream(x):
+            return torch.cuda.current_stream(x.device).cuda_stream
+
+        class FlashAttention(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v, causal, scale):
+                shape = (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
+                out = torch.empty_like(q)
+                lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+                _weft.flash_attention_forward(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                              out.data_ptr(), lse.data_ptr(), shape, causal, scale, stream(q))
+                ctx.save_for_backward(q, k, v, out, lse)
+                ctx.attention = (shape, causal, scale)
+                ctx.mark_non_differentiable(lse)
+                return out, lse
+
+            @staticmethod
+            def backward(ctx, dout, _dlse):
+                q, k, v, out, lse = ctx.saved_tensors
+                shape, causal, scale = ctx.attention
+                dout = dout.contiguous()
+                if dout.dtype != q.dtype:
+                    dout = dout.to(q.dtype)
+                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                nbytes = _weft.flash_attention_backward_workspace_bytes(shape)
+                ws = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
+                _weft.flash_attention_backward(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                               out.data_ptr(), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(),
+                                               dk.data_ptr(), dv.data_ptr(), ws.data_ptr(), nbytes, shape, causal,
+                                               scale, stream(q))
+                return dq, dk, dv, None, None
+
+        _flash_fn = FlashAttention
+    return _flash_fn
+
+
+def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+    """softmax(softmax_scale * q k^T [causal mask]) v on one GPU with weft's Hopper kernel, with autograd.
+
+    q [batch, seq_q, heads, dim], k and v [batch, seq_k, kv_heads, dim] (flash-attn's layout), bf16 CUDA torch
+    tensors on one device; dim 64 or 128; heads a multiple of kv_heads (GQA / MQA); any lengths >= 1.
+    causal: query i sees keys j <= i + seq_k - seq_q (aligned to the bottom right, as flash-attn); a row
+    that sees no key gets 0. softmax_scale defaults to 1 / sqrt(dim). Inputs that are not contiguous are
+    copied first. Runs on torch's current stream. Returns the output (like q), and with return_lse=True
+    also the fp32 log-sum-exp [batch, heads, seq_q] (not differentiable).
+    """
+    t = _torch_api()
+    if t is None or not all(isinstance(x, t.Tensor) for x in (q, k, v)):
+        raise WeftTypeError("weft.flash_attention: q, k and v must be torch tensors")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_cuda:
+            raise WeftValueError(f"weft.flash_attention: {name} must be a CUDA tensor, got one on {x.device}")
+        if x.dim() != 4:
+            raise WeftValueError(f"weft.flash_attention: {name} must be 4-d [batch, seq, heads, dim], "
+                                 f"got shape {tuple(x.shape)}")
+        if x.dtype != q.dtype or _dtype_name(x.dtype) != "bf16":
+            raise WeftTypeError(f"weft.flash_attention: q, k and v must be bf16, got {q.dtype}, {k.dtype}, "
+                                f"{v.dtype}")
+        if x.device != q.device:
+            raise WeftValueError(f"weft.flash_attention: q, k and v must be on one device, got {q.device}, "
+                                 f"{k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise WeftValueError(f"weft.flash_attention: k and v must have one shape, got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+    b, sq, h, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise WeftValueError(f"weft.flash_attention: k's batch and dim must be q's, got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}")
+    if d not in (64, 128):
+        raise WeftValueError(f"weft.flash_attention: dim must be 64 or 128, got {d}")
+    if k.shape[2] < 1 or h % k.shape[2] != 0:
+        raise WeftValueError(f"weft.flash_attention: heads ({h}) must be a multiple of kv_heads ({k.shape[2]})")
+    if min(b, sq, h, k.shape[1]) < 1:
+        raise WeftValueError(f"weft.flash_attention: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not scale > 0:
+        raise WeftValueError(f"weft.flash_attention: softmax_scale must be positive, got {softmax_scale}")
+    out, lse = _flash_attention_fn().apply(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale)
+    return (out, lse) if return_lse else out
 
 
 # Communicator's bound ops say what the module-level ones say.

@@ -91,6 +91,8 @@ if python3 -c "import torch" 2>/dev/null; then
       step "python (torchrun), $n processes" "python_$n" env PYTHONPATH="$build/python" \
         python3 -m torch.distributed.run --nproc_per_node="$n" "$root/python/tests/gpu_ops.py"
     done
+    step "python: flash attention against fp32 and SDPA" "python_attention" env PYTHONPATH="$build/python" \
+      python3 "$root/python/tests/gpu_attention.py"
   else
     echo "=== python: the extension module was not built (pybind11 / Python headers missing); skipped"
   fi
@@ -118,6 +120,8 @@ for tool in memcheck racecheck synccheck; do
   fi
   step "compute-sanitizer $tool, $what" "sanitizer_$tool" env WEFT_TIMEOUT_MS=300000 WEFT_TEST_TIMEOUT_S=850 \
     "${run[@]}"
+  step "compute-sanitizer $tool, attention (small cases)" "sanitizer_attention_$tool" env WEFT_TEST_TIMEOUT_S=850 \
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$tests" --gpus 1 --filter flash_attention_small
 done
 
 echo

@@ -321,6 +321,25 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_backward_matches_fp64_reference) {
   WEFT_EXPECT(failures.empty(), failures);
 }
 
+// Small cases of both passes, for compute-sanitizer (tests/gpu/run.sh runs this one under memcheck,
+// racecheck and synccheck): partial blocks, causal with seq_q != seq_k, GQA, both head dims, 2 blocks.
+WEFT_GPU_TEST_ONE_GPU(flash_attention_small) {
+  WEFT_CUDA_CHECK(cudaSetDevice(ctx.comm().local(0).device()));
+  const std::vector<Case> cases = {
+      {1, 130, 200, 2, 1, 128, true, 0.f, 2},
+      {2, 70, 129, 2, 2, 64, false, 0.f, 2},
+      {1, 200, 70, 4, 2, 64, true, 0.f},
+  };
+  uint64_t seed = 3;
+  std::string failures;
+  for (const Case& c : cases) {
+    std::string e = run_case(c, seed += 10);
+    if (e.empty()) e = run_backward_case(c, seed += 10);
+    if (!e.empty()) failures += "\n    " + e;
+  }
+  WEFT_EXPECT(failures.empty(), failures);
+}
+
 WEFT_GPU_TEST_ONE_GPU(flash_attention_argument_errors) {
   WEFT_CUDA_CHECK(cudaSetDevice(ctx.comm().local(0).device()));
   DeviceBuffer buf(1 << 20);

@@ -73,7 +73,7 @@ struct AttentionBwdOp {
   static constexpr int kClusterSize = 1;
   // Live in a consumer: dK and dV (kD / 2 each), then either S / P and dP / dS (kBM / 2 each) or P and dS as
   // A operands (kBM / 4 each) and the dQ part (kD / 4): about 192 at D = 128.
-  static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;
+  static constexpr int kLoaderRegs = 24, kConsumerRegs = 240;
   static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
   static_assert(kBN == 64 * kConsumerWarpgroups, "64 keys per consumer warpgroup");
 

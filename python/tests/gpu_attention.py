@@ -1,0 +1,113 @@
+"""GPU test of weft.flash_attention (forward and autograd backward) against an fp32 reference, one GPU:
+
+    PYTHONPATH=build/python python3 python/tests/gpu_attention.py
+
+For every case the reference is torch's math attention in fp32 on the same bf16 inputs (with an explicit
+bottom-right causal mask); weft passes when the relative error (Frobenius norm) of its output and of its
+three gradients is at most twice that of torch SDPA in bf16 on the same inputs (and below 2e-2), NaN never.
+Also: wrong shapes, dtypes and devices are refused with WeftValueError / WeftTypeError.
+"""
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import weft
+
+
+def reference(q, k, v, causal, scale, dtype):
+    """SDPA in [batch, heads, seq, dim] on q, k, v cast to dtype; outputs in [batch, seq, heads, dim]."""
+    sq, sk = q.shape[1], k.shape[1]
+    mask = None
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        mask = j <= i + (sk - sq)
+    qt, kt, vt = (x.detach().to(dtype).transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=k.shape[2] != q.shape[2])
+    return out, (qt, kt, vt)
+
+
+def rel(got, want):
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
+
+
+def run_case(b, sq, sk, h, kvh, d, causal, scale, g):
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    k = torch.randn(b, sk, kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    v = torch.randn(b, sk, kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    dout = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    s = scale if scale is not None else d ** -0.5
+    # Rows that see no key (causal, seq_q > seq_k: the first seq_q - seq_k) get 0 from weft, NaN from SDPA:
+    # they are checked to be 0, the references run on the other rows (the mask keeps its form on them).
+    first = max(0, sq - sk) if causal else 0
+
+    out = weft.flash_attention(q, k, v, causal=causal, softmax_scale=scale)
+    out.backward(dout)
+    ours = [out.detach()[:, first:], q.grad[:, first:], k.grad, v.grad]
+    zero_rows = [out.detach()[:, :first], q.grad[:, :first]]
+    want_out, want_in = reference(q[:, first:], k, v, causal, s, torch.float32)
+    want_out.backward(dout[:, first:].float().transpose(1, 2))
+    want = [want_out.detach().transpose(1, 2)] + [x.grad.transpose(1, 2) for x in want_in]
+    sdpa_out, sdpa_in = reference(q[:, first:], k, v, causal, s, torch.bfloat16)
+    sdpa_out.backward(dout[:, first:].transpose(1, 2))
+    sdpa = [sdpa_out.detach().transpose(1, 2)] + [x.grad.transpose(1, 2) for x in sdpa_in]
+
+    line = f"B={b} Sq={sq} Sk={sk} H={h}/{kvh} D={d}{' causal' if causal else ''}:"
+    failures = []
+    if any(z.numel() and (z != 0).any() for z in zero_rows):
+        failures.append("rows that see no key are not 0")
+    for name, o, w, t in zip(("out", "dq", "dk", "dv"), ours, want, sdpa):
+        e, te = rel(o, w), rel(t, w)
+        line += f" {name} {e:.2e} (sdpa {te:.2e})"
+        if not (e <= 2 * te + 1e-6 and e <= 2e-2):
+            failures.append(f"{name}: relative error {e:.3e}, SDPA's {te:.3e}")
+    print(line, flush=True)
+    return failures
+
+
+def expect_error(kind, fn, part):
+    try:
+        fn()
+    except kind as e:
+        if part not in str(e):
+            raise AssertionError(f"expected an error naming {part!r}, got {e}")
+        return
+    raise AssertionError(f"expected {kind.__name__} naming {part!r}, nothing raised")
+
+
+def main():
+    torch.cuda.set_device(0)
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    cases = [
+        (2, 1000, 1000, 8, 2, 128, True, None),
+        (2, 1000, 1000, 8, 8, 128, False, None),
+        (1, 17, 1000, 8, 1, 64, True, None),
+        (2, 513, 513, 4, 4, 64, False, 0.3),
+        (1, 300, 129, 4, 2, 64, True, None),
+        (1, 1, 64, 2, 1, 128, False, None),
+        (1, 600, 300, 4, 4, 128, True, None),
+        (1, 4099, 4099, 2, 1, 128, True, None),
+    ]
+    failures = []
+    for c in cases:
+        failures += [f"{c}: {f}" for f in run_case(*c, g)]
+    x = torch.zeros(1, 16, 2, 128, device="cuda", dtype=torch.bfloat16)
+    expect_error(weft.WeftValueError, lambda: weft.flash_attention(x, x, x[:, :, :1, :64]), "one shape")
+    expect_error(weft.WeftValueError, lambda: weft.flash_attention(x[..., :96], x[..., :96], x[..., :96]),
+                 "dim must be 64 or 128")
+    expect_error(weft.WeftTypeError, lambda: weft.flash_attention(x.float(), x.float(), x.float()), "bf16")
+    expect_error(weft.WeftValueError, lambda: weft.flash_attention(x.cpu(), x.cpu(), x.cpu()), "CUDA")
+    expect_error(weft.WeftValueError, lambda: weft.flash_attention(x, x[:, :, :1].repeat(1, 1, 3, 1)[:, :, :3],
+                                                                    x[:, :, :1].repeat(1, 1, 3, 1)[:, :, :3]),
+                 "multiple of kv_heads")
+    if failures:
+        print("FAILED:\n  " + "\n  ".join(failures))
+        sys.exit(1)
+    print("weft.flash_attention: all cases passed")
+
+
+if __name__ == "__main__":
+    main()
