@@ -84,8 +84,21 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   p.v = ops::map_bshd(c.v, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::kBN, c.where + "v");
   p.dk = ops::map_bshd(c.dk, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::Epilogue::kBoxRows, c.where + "dk");
   p.dv = ops::map_bshd(c.dv, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::Epilogue::kBoxRows, c.where + "dv");
-  p.lse_log2 = lse_log2;
-  p.dsum = dsum;
+  // The per-row terms as 2-D maps of 64-float rows, one per (batch, head, query block).
+  auto rows_map = [&](const float* base, const char* what) {
+    tma::TensorNd t;
+    t.base = base;
+    t.dtype = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+    t.elem_bytes = 4;
+    t.rank = 2;
+    t.dims[0] = Op::kBM;
+    t.dims[1] = uint64_t(ws.rows / Op::kBM);
+    t.strides_bytes[1] = Op::kBM * 4;
+    const uint32_t box[2] = {Op::kBM, 1};
+    return tma::make_map(t, box, c.where + what, CU_TENSOR_MAP_SWIZZLE_NONE);
+  };
+  p.lse_map = rows_map(lse_log2, "workspace (LSE)");
+  p.dsum_map = rows_map(dsum, "workspace (D)");
   p.dq_accum = accum;
   p.seq_q = static_cast<int>(sh.seq_q);
   p.seq_k = static_cast<int>(sh.seq_k);

@@ -111,8 +111,7 @@ struct AttentionBwdOp {
   struct Params {
     lcsc::AttentionSchedulerParams sched;  // heads = K/V heads, q_blocks = key blocks
     CUtensorMap q, k, v, dout, dk, dv;     // 4-D {dim, head, seq, batch}
-    const float* lse_log2;                 // [batch, heads, q_blocks * kBM] (prepare)
-    const float* dsum;                     // [batch, heads, q_blocks * kBM]: D (prepare)
+    CUtensorMap lse_map, dsum_map;         // LSE log2(e) and D (prepare): 2-D {kBM, batch * heads * q_blocks}
     float* dq_accum;                       // [batch, heads, q_blocks, attention_dq_block_floats]
     int seq_q, seq_k, heads, group, q_blocks;
     float scale, scale_log2;
@@ -139,6 +138,8 @@ struct AttentionBwdOp {
     tma::prefetch_map(&p.dout);
     tma::prefetch_map(&p.dk);
     tma::prefetch_map(&p.dv);
+    tma::prefetch_map(&p.lse_map);
+    tma::prefetch_map(&p.dsum_map);
   }
 
   // The item's key block (the scheduler's blocks run along the keys here).
@@ -155,14 +156,13 @@ struct AttentionBwdOp {
     const QueryBlocks qb = query_blocks(n, p.seq_q, p.seq_k, p.causal != 0);
     for (int g = 0; g < p.group; ++g) {
       const int h = w.head * p.group + g;
-      const float* lse_log2 = p.lse_log2 + (int64_t(w.batch) * p.heads + h) * p.q_blocks * kBM;
-      const float* dsum = p.dsum + (int64_t(w.batch) * p.heads + h) * p.q_blocks * kBM;
+      const int first_block = (w.batch * p.heads + h) * p.q_blocks;  // row of the LSE / D maps
       for (int m = qb.begin; m < qb.end; ++m) {
         uint64_t* bar = pipe.qdo.producer_acquire(st, 2 * sizeof(QTile) + 2 * kBM * sizeof(float));
         load_head_rows(s.q[st.stage], &p.q, h, m * kBM, w.batch, bar);
         load_head_rows(s.dout[st.stage], &p.dout, h, m * kBM, w.batch, bar);
-        bulk_load(s.lse_log2[st.stage], lse_log2 + m * kBM, kBM * sizeof(float), bar);
-        bulk_load(s.dsum[st.stage], dsum + m * kBM, kBM * sizeof(float), bar);
+        tma::load_2d(s.lse_log2[st.stage], &p.lse_map, 0, first_block + m, bar);
+        tma::load_2d(s.dsum[st.stage], &p.dsum_map, 0, first_block + m, bar);
         st.advance(kStages);
       }
     }
