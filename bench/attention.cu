@@ -1,8 +1,8 @@
 // weft-bench attention: weft's flash attention forward and backward on GPU 0, TFLOP/s with the usual
-// convention (forward 4 B H S^2 D, halved for causal; backward 2.5 times the forward's) over the shapes of the attention issue: B S = 16k tokens at S = 1k..16k,
-// head dims 128 (16 heads) and 64 (32 heads), causal and not, and GQA 32:8. Each call is timed with its own
-// events; the median of the iterations counts. The torch SDPA baselines (cuDNN, flash) are timed by
-// python/benchmarks/attention.py on the same machine.
+// convention (forward 4 B H S^2 D, halved for causal; backward 2.5 times the forward's) over the shapes of
+// the attention issue: B S = 16k tokens at S = 1k..16k, head dims 128 (16 heads) and 64 (32 heads), causal
+// and not, and GQA 32:8. Each call is timed with its own events; the median of the iterations counts. The
+// torch SDPA baselines (cuDNN, flash) are timed by python/benchmarks/attention.py on the same machine.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -75,17 +75,17 @@ void run_attention(Context& ctx) {
                                   opt);
         };
         auto backward = [&] {
-          flash_attention_backward(q.p, k.p, v.p, o.p, dout.p, static_cast<float*>(lse.p), dq.p, dk.p, dv.p, ws.p,
-                                   flash_attention_backward_workspace_bytes(shape), shape, DType::kBF16, stream,
-                                   opt);
+          flash_attention_backward(q.p, k.p, v.p, o.p, dout.p, static_cast<float*>(lse.p), dq.p, dk.p, dv.p,
+                                   ws.p, flash_attention_backward_workspace_bytes(shape), shape, DType::kBF16,
+                                   stream, opt);
         };
         const double flops = 4.0 * b * hd.h * double(s) * s * hd.d * (causal ? 0.5 : 1.0);
         const int iters = ctx.quick ? 10 : 30;
         const float med = median_ms(forward, iters, stream);
         const float bwd = median_ms(backward, iters, stream);
         t.add({std::to_string(b), std::to_string(s), fmt("%lld / %lld", (long long)hd.h, (long long)hd.kv),
-               std::to_string(hd.d), causal ? "yes" : "no", fmt("%.3f", med), fmt("%.1f", flops / (med * 1e9)),
-               fmt("%.3f", bwd), fmt("%.1f", 2.5 * flops / (bwd * 1e9))});
+               std::to_string(hd.d), causal ? "yes" : "no", fmt("%.3f", med),
+               fmt("%.1f", flops / (med * 1e9)), fmt("%.3f", bwd), fmt("%.1f", 2.5 * flops / (bwd * 1e9))});
         ctx.progress("attention: S=%lld D=%lld causal=%d: forward %.3f ms, backward %.3f ms", (long long)s,
                      (long long)hd.d, int(causal), med, bwd);
       }
@@ -93,9 +93,10 @@ void run_attention(Context& ctx) {
   cudaStreamDestroy(stream);
 }
 
-ModeRegistrar reg("attention",
-                  "weft flash attention forward and backward on GPU 0, TFLOP/s (B S = 16k tokens, S = 1k..16k)",
-                  &run_attention, 1);
+ModeRegistrar reg(
+    "attention",
+    "weft flash attention forward and backward on GPU 0, TFLOP/s (B S = 16k tokens, S = 1k..16k)",
+    &run_attention, 1);
 
 }  // namespace
 }  // namespace weft::bench

@@ -255,7 +255,8 @@ PYBIND11_MODULE(_weft, m) {
     return o;
   };
   m.def("flash_attention_forward", [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
-                                       uintptr_t lse, py::tuple shape, bool causal, float scale, uintptr_t stream) {
+                                       uintptr_t lse, py::tuple shape, bool causal, float scale,
+                                       uintptr_t stream) {
     OnDevice on(device);
     weft::flash_attention_forward(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
                                   reinterpret_cast<const void*>(v), reinterpret_cast<void*>(out),
@@ -265,19 +266,19 @@ PYBIND11_MODULE(_weft, m) {
   m.def("flash_attention_backward_workspace_bytes", [=](py::tuple shape) {
     return weft::flash_attention_backward_workspace_bytes(attention_shape(shape));
   });
-  m.def("flash_attention_backward",
-        [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t dout, uintptr_t lse,
-            uintptr_t dq, uintptr_t dk, uintptr_t dv, uintptr_t workspace, uint64_t workspace_bytes,
-            py::tuple shape, bool causal, float scale, uintptr_t stream) {
-          OnDevice on(device);
-          weft::flash_attention_backward(
-              reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
-              reinterpret_cast<const void*>(out), reinterpret_cast<const void*>(dout),
-              reinterpret_cast<const float*>(lse), reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk),
-              reinterpret_cast<void*>(dv), reinterpret_cast<void*>(workspace), workspace_bytes,
-              attention_shape(shape), weft::DType::kBF16, reinterpret_cast<cudaStream_t>(stream),
-              attention_options(causal, scale));
-        });
+  m.def("flash_attention_backward", [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
+                                        uintptr_t dout, uintptr_t lse, uintptr_t dq, uintptr_t dk,
+                                        uintptr_t dv, uintptr_t workspace, uint64_t workspace_bytes,
+                                        py::tuple shape, bool causal, float scale, uintptr_t stream) {
+    OnDevice on(device);
+    weft::flash_attention_backward(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
+                                   reinterpret_cast<const void*>(v), reinterpret_cast<const void*>(out),
+                                   reinterpret_cast<const void*>(dout), reinterpret_cast<const float*>(lse),
+                                   reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk),
+                                   reinterpret_cast<void*>(dv), reinterpret_cast<void*>(workspace),
+                                   workspace_bytes, attention_shape(shape), weft::DType::kBF16,
+                                   reinterpret_cast<cudaStream_t>(stream), attention_options(causal, scale));
+  });
 
   // Fused tensor-parallel ops (bf16): b_layout "kn" ([K, N] row-major) or "nk" (an [N, K] weight); the
   // return value names the path that ran ("fused" or "sequential").

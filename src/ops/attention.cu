@@ -90,8 +90,8 @@ void flash_attention_forward(const void* q, const void* k, const void* v, void* 
 }
 
 Plan flash_attention_forward_plan(const AttentionShape& shape, DType dtype, const AttentionOptions& options) {
-  return dispatch(Call{nullptr, nullptr, nullptr, nullptr, nullptr, shape, options, where(shape)}, dtype, nullptr,
-                  false);
+  return dispatch(Call{nullptr, nullptr, nullptr, nullptr, nullptr, shape, options, where(shape)}, dtype,
+                  nullptr, false);
 }
 
 }  // namespace weft

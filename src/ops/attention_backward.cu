@@ -114,10 +114,10 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   {
     constexpr int kThreads = 256;
     const int64_t float4s = int64_t(ws.accum_bytes / 16);
-    ops::attention_bwd_convert_dq<kD><<<static_cast<unsigned>((float4s + kThreads - 1) / kThreads), kThreads, 0,
-                                        stream>>>(accum, static_cast<bf16*>(c.dq), static_cast<int>(sh.batch),
-                                                  static_cast<int>(sh.seq_q), static_cast<int>(sh.heads),
-                                                  static_cast<int>(ws.q_blocks), scale);
+    ops::attention_bwd_convert_dq<kD>
+        <<<static_cast<unsigned>((float4s + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+            accum, static_cast<bf16*>(c.dq), static_cast<int>(sh.batch), static_cast<int>(sh.seq_q),
+            static_cast<int>(sh.heads), static_cast<int>(ws.q_blocks), scale);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   return plan;
@@ -126,8 +126,14 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
 Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   const ops::DeviceFacts dev = ops::check_attention_call(c.shape, dtype, c.options, c.where);
   if (launch) {
-    for (auto [p, name] : {std::pair<const void*, const char*>{c.q, "q"}, {c.k, "k"}, {c.v, "v"}, {c.out, "out"},
-                           {c.dout, "dout"}, {c.dq, "dq"}, {c.dk, "dk"}, {c.dv, "dv"}}) {
+    for (auto [p, name] : {std::pair<const void*, const char*>{c.q, "q"},
+                           {c.k, "k"},
+                           {c.v, "v"},
+                           {c.out, "out"},
+                           {c.dout, "dout"},
+                           {c.dq, "dq"},
+                           {c.dk, "dk"},
+                           {c.dv, "dv"}}) {
       ops::check_pointer_alignment(p, name, 16, c.where);
       ops::check_device_memory(p, name, dev.device, c.where);
     }
@@ -163,7 +169,8 @@ void flash_attention_backward(const void* q, const void* k, const void* v, const
   dispatch(c, dtype, stream, true);
 }
 
-Plan flash_attention_backward_plan(const AttentionShape& shape, DType dtype, const AttentionOptions& options) {
+Plan flash_attention_backward_plan(const AttentionShape& shape, DType dtype,
+                                   const AttentionOptions& options) {
   Call c;
   c.shape = shape;
   c.options = options;

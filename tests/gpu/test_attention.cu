@@ -1,8 +1,8 @@
 // GPU tests of weft::flash_attention_forward and flash_attention_backward against fp64 host references
-// computed from the same bf16 inputs: odd lengths, seq_q < seq_k and seq_q > seq_k (bottom-right causal, rows that see no key), GQA and
-// MQA, both head dims, a custom softmax scale. Outputs and LSE are poisoned (NaN) first; NaN never passes.
-// Pass: |O - ref| <= 5e-3 + 5e-3 |ref| per element (P and O are rounded to bf16 once each: at most 2^-9
-// relative each on values bounded by max |V| = 1), |LSE - ref| <= 1e-3 (1 + |ref|).
+// computed from the same bf16 inputs: odd lengths, seq_q < seq_k and seq_q > seq_k (bottom-right causal, rows
+// that see no key), GQA and MQA, both head dims, a custom softmax scale. Outputs and LSE are poisoned (NaN)
+// first; NaN never passes. Pass: |O - ref| <= 5e-3 + 5e-3 |ref| per element (P and O are rounded to bf16 once
+// each: at most 2^-9 relative each on values bounded by max |V| = 1), |LSE - ref| <= 1e-3 (1 + |ref|).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -143,8 +143,8 @@ void split_rows(int64_t n, F&& f) {
 
 // Backward: weft's forward gives out and lse, weft's backward dq, dk, dv for a random dout; the fp64
 // reference recomputes everything from the bf16 q, k, v, dout. Per tensor, pass when every element is within
-// 1e-5 + 2e-2 max|ref| + 2e-2 |ref| (P and dS are rounded to bf16 before their products, as in flash-attn; the
-// gradients sum up to seq terms each); the report gives the largest error relative to max|ref|.
+// 1e-5 + 2e-2 max|ref| + 2e-2 |ref| (P and dS are rounded to bf16 before their products, as in flash-attn;
+// the gradients sum up to seq terms each); the report gives the largest error relative to max|ref|.
 std::string run_backward_case(const Case& c, uint64_t seed) {
   const int64_t qn = c.batch * c.seq_q * c.heads * c.dim, kn = c.batch * c.seq_k * c.kv_heads * c.dim;
   const auto q = random_bf16(qn, seed), k = random_bf16(kn, seed + 1), v = random_bf16(kn, seed + 2),
@@ -154,16 +154,17 @@ std::string run_backward_case(const Case& c, uint64_t seed) {
   o.causal = c.causal;
   o.softmax_scale = c.scale;
   o.max_blocks = c.max_blocks;
-  DeviceBuffer dq(qn * 2), dk(kn * 2), dv(kn * 2), dout(qn * 2), dgo(qn * 2), dlse(c.batch * c.heads * c.seq_q * 4),
-      ddq(qn * 2), ddk(kn * 2), ddv(kn * 2), ws(flash_attention_backward_workspace_bytes(shape));
+  DeviceBuffer dq(qn * 2), dk(kn * 2), dv(kn * 2), dout(qn * 2), dgo(qn * 2),
+      dlse(c.batch * c.heads * c.seq_q * 4), ddq(qn * 2), ddk(kn * 2), ddv(kn * 2),
+      ws(flash_attention_backward_workspace_bytes(shape));
   WEFT_CUDA_CHECK(cudaMemcpy(dq.p, q.data(), qn * 2, cudaMemcpyHostToDevice));
   WEFT_CUDA_CHECK(cudaMemcpy(dk.p, k.data(), kn * 2, cudaMemcpyHostToDevice));
   WEFT_CUDA_CHECK(cudaMemcpy(dv.p, v.data(), kn * 2, cudaMemcpyHostToDevice));
   WEFT_CUDA_CHECK(cudaMemcpy(dgo.p, go.data(), qn * 2, cudaMemcpyHostToDevice));
   for (DeviceBuffer* b : {&ddq, &ddk, &ddv, &ws}) WEFT_CUDA_CHECK(cudaMemset(b->p, 0xff, b->bytes));
   flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape, DType::kBF16, nullptr, o);
-  flash_attention_backward(dq.p, dk.p, dv.p, dout.p, dgo.p, dlse.as<float>(), ddq.p, ddk.p, ddv.p, ws.p, ws.bytes,
-                           shape, DType::kBF16, nullptr, o);
+  flash_attention_backward(dq.p, dk.p, dv.p, dout.p, dgo.p, dlse.as<float>(), ddq.p, ddk.p, ddv.p, ws.p,
+                           ws.bytes, shape, DType::kBF16, nullptr, o);
   WEFT_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<__nv_bfloat16> gq(qn), gk(kn), gv(kn);
   WEFT_CUDA_CHECK(cudaMemcpy(gq.data(), ddq.p, qn * 2, cudaMemcpyDeviceToHost));
@@ -183,7 +184,9 @@ std::string run_backward_case(const Case& c, uint64_t seed) {
     for (int64_t d = 0; d < D; ++d) s += double(to_f(x[d])) * to_f(y[d]);
     return s;
   };
-  auto last_key = [&](int64_t i) { return c.causal ? std::min(c.seq_k - 1, i + c.seq_k - c.seq_q) : c.seq_k - 1; };
+  auto last_key = [&](int64_t i) {
+    return c.causal ? std::min(c.seq_k - 1, i + c.seq_k - c.seq_q) : c.seq_k - 1;
+  };
   // Pass 1, per query row: LSE, D = dO . O, and dQ.
   const int64_t rows = c.batch * c.heads * c.seq_q;
   std::vector<double> lse(rows), dsum(rows), ref_dq(qn, 0.0), ref_dk(kn, 0.0), ref_dv(kn, 0.0);
@@ -197,7 +200,8 @@ std::string run_backward_case(const Case& c, uint64_t seed) {
         continue;
       }
       double mx = -std::numeric_limits<double>::infinity();
-      for (int64_t j = 0; j <= last; ++j) mx = std::max(mx, p[j] = scale * dot(at_q(q, b, i, h), at_k(k, b, j, hk)));
+      for (int64_t j = 0; j <= last; ++j)
+        mx = std::max(mx, p[j] = scale * dot(at_q(q, b, i, h), at_k(k, b, j, hk)));
       double sum = 0;
       for (int64_t j = 0; j <= last; ++j) sum += (p[j] = std::exp(p[j] - mx));
       std::fill(o.begin(), o.end(), 0.0);
@@ -240,10 +244,12 @@ std::string run_backward_case(const Case& c, uint64_t seed) {
   });
   std::string what = "B=" + std::to_string(c.batch) + " Sq=" + std::to_string(c.seq_q) +
                      " Sk=" + std::to_string(c.seq_k) + " H=" + std::to_string(c.heads) + "/" +
-                     std::to_string(c.kv_heads) + " D=" + std::to_string(c.dim) + (c.causal ? " causal" : "") +
+                     std::to_string(c.kv_heads) + " D=" + std::to_string(c.dim) +
+                     (c.causal ? " causal" : "") +
                      (c.max_blocks ? " blocks=" + std::to_string(c.max_blocks) : std::string()) + ":";
   std::string failures;
-  auto compare = [&](const char* name, const std::vector<__nv_bfloat16>& got, const std::vector<double>& ref) {
+  auto compare = [&](const char* name, const std::vector<__nv_bfloat16>& got,
+                     const std::vector<double>& ref) {
     double top = 0, worst = 0;
     for (double x : ref) top = std::max(top, std::abs(x));
     int64_t bad = 0, first = -1;
@@ -261,9 +267,9 @@ std::string run_backward_case(const Case& c, uint64_t seed) {
                   top > 0 ? worst / top : worst);
     what += buf;
     if (bad)
-      failures += std::string(" ") + name + ": " + std::to_string(bad) + " elements out of tolerance, first " +
-                  std::to_string(first) + " got " + std::to_string(to_f(got[first])) + " ref " +
-                  std::to_string(ref[first]) + ";";
+      failures += std::string(" ") + name + ": " + std::to_string(bad) +
+                  " elements out of tolerance, first " + std::to_string(first) + " got " +
+                  std::to_string(to_f(got[first])) + " ref " + std::to_string(ref[first]) + ";";
   };
   compare("dq", gq, ref_dq);
   compare("dk", gk, ref_dk);
@@ -274,50 +280,58 @@ std::string run_backward_case(const Case& c, uint64_t seed) {
 
 }  // namespace
 
+// Shapes both passes are tested on: odd lengths, seq_q < seq_k and seq_q > seq_k, GQA and MQA, both head
+// dims, custom scales.
+std::vector<Case> common_cases() {
+  return {
+      {2, 256, 256, 4, 4, 128, false, 0.f},
+      {2, 256, 256, 4, 4, 128, true, 0.f},
+      {1, 1, 1, 2, 1, 128, false, 0.f},
+      {1, 1, 1, 2, 2, 64, true, 0.f},
+      {2, 17, 1000, 8, 1, 128, true, 0.f},
+      {1, 300, 129, 4, 2, 64, true, 0.f},
+      {1, 1000, 1000, 2, 1, 64, true, 0.f},
+      {1, 1000, 1000, 8, 2, 128, false, 1.0f},
+      {3, 129, 383, 4, 4, 64, false, 0.3f},
+      {1, 200, 200, 4, 1, 128, true, 1.0f},
+      // An SM budget below the item count: each persistent block takes several items in turn.
+      {2, 256, 256, 4, 4, 128, false, 0.f, 3},
+      {1, 1000, 1000, 2, 1, 64, true, 0.f, 5},
+  };
+}
+
+template <class Run>
+std::string run_cases(const std::vector<Case>& cases, uint64_t seed, Run&& run) {
+  std::string failures;
+  for (const Case& c : cases) {
+    const std::string e = run(c, seed += 10);
+    if (!e.empty()) failures += "\n    " + e;
+  }
+  return failures;
+}
+
 WEFT_GPU_TEST_ONE_GPU(flash_attention_forward_matches_fp64_reference) {
   WEFT_CUDA_CHECK(cudaSetDevice(ctx.comm().local(0).device()));
-  std::vector<Case> cases = {
-      {2, 256, 256, 4, 4, 128, false, 0.f}, {2, 256, 256, 4, 4, 128, true, 0.f},
-      {1, 1, 1, 2, 1, 128, false, 0.f},     {1, 1, 1, 2, 2, 64, true, 0.f},
-      {2, 17, 1000, 8, 1, 128, true, 0.f},  {1, 300, 129, 4, 2, 64, true, 0.f},
-      {1, 1000, 1000, 2, 1, 64, true, 0.f}, {1, 1000, 1000, 8, 2, 128, false, 1.0f},
-      {3, 129, 383, 4, 4, 64, false, 0.3f}, {1, 200, 200, 4, 1, 128, true, 1.0f},
-      // An SM budget below the item count: each persistent block takes several items in turn.
-      {2, 256, 256, 4, 4, 128, false, 0.f, 3}, {1, 1000, 1000, 2, 1, 64, true, 0.f, 5},
-      {2, 300, 700, 8, 2, 128, true, 0.f, 7}, {4, 1000, 1000, 8, 8, 128, true, 0.f, 1},
-  };
+  std::vector<Case> cases = common_cases();
+  cases.push_back({2, 300, 700, 8, 2, 128, true, 0.f, 7});
+  cases.push_back({4, 1000, 1000, 8, 8, 128, true, 0.f, 1});
   if (!ctx.quick) {
     cases.push_back({1, 4099, 4099, 1, 1, 128, true, 0.f});
     cases.push_back({1, 4099, 4099, 2, 1, 64, false, 0.f});
   }
-  uint64_t seed = 7;
-  std::string failures;
-  for (const Case& c : cases) {
-    const std::string e = run_case(c, seed += 10);
-    if (!e.empty()) failures += "\n    " + e;
-  }
+  const std::string failures = run_cases(cases, 7, run_case);
   WEFT_EXPECT(failures.empty(), failures);
 }
 
 WEFT_GPU_TEST_ONE_GPU(flash_attention_backward_matches_fp64_reference) {
   WEFT_CUDA_CHECK(cudaSetDevice(ctx.comm().local(0).device()));
-  std::vector<Case> cases = {
-      {2, 256, 256, 4, 4, 128, false, 0.f}, {2, 256, 256, 4, 4, 128, true, 0.f},
-      {1, 1, 1, 2, 1, 128, false, 0.f},     {1, 1, 1, 2, 2, 64, true, 0.f},
-      {2, 17, 1000, 8, 1, 128, true, 0.f},  {1, 300, 129, 4, 2, 64, true, 0.f},
-      {1, 1000, 1000, 2, 1, 64, true, 0.f}, {1, 1000, 1000, 8, 2, 128, false, 1.0f},
-      {3, 129, 383, 4, 4, 64, false, 0.3f}, {1, 200, 200, 4, 1, 128, true, 1.0f},
-      {2, 256, 256, 4, 4, 64, false, 0.f},  {1, 600, 300, 4, 4, 128, true, 0.f},
-      // Fewer persistent blocks than items.
-      {2, 256, 256, 4, 4, 128, true, 0.f, 3}, {1, 1000, 1000, 4, 1, 64, true, 0.f, 5},
-  };
+  std::vector<Case> cases = common_cases();
+  cases.push_back({2, 256, 256, 4, 4, 64, false, 0.f});
+  cases.push_back({1, 600, 300, 4, 4, 128, true, 0.f});
+  cases.push_back({2, 256, 256, 4, 4, 128, true, 0.f, 3});
+  cases.push_back({1, 1000, 1000, 4, 1, 64, true, 0.f, 5});
   if (!ctx.quick) cases.push_back({1, 4099, 4099, 2, 1, 128, true, 0.f});
-  uint64_t seed = 11;
-  std::string failures;
-  for (const Case& c : cases) {
-    const std::string e = run_backward_case(c, seed += 10);
-    if (!e.empty()) failures += "\n    " + e;
-  }
+  const std::string failures = run_cases(cases, 11, run_backward_case);
   WEFT_EXPECT(failures.empty(), failures);
 }
 
@@ -330,13 +344,10 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_small) {
       {2, 70, 129, 2, 2, 64, false, 0.f, 2},
       {1, 200, 70, 4, 2, 64, true, 0.f},
   };
-  uint64_t seed = 3;
-  std::string failures;
-  for (const Case& c : cases) {
-    std::string e = run_case(c, seed += 10);
-    if (e.empty()) e = run_backward_case(c, seed += 10);
-    if (!e.empty()) failures += "\n    " + e;
-  }
+  const std::string failures = run_cases(cases, 3, [](const Case& c, uint64_t seed) {
+    const std::string e = run_case(c, seed);
+    return e.empty() ? run_backward_case(c, seed + 5) : e;
+  });
   WEFT_EXPECT(failures.empty(), failures);
 }
 
@@ -365,8 +376,8 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_argument_errors) {
   expect(error_of(ok, DType::kBF16, host.data()), "not device memory");
   auto backward_error_of = [&](const float* lse, size_t ws_bytes) {
     try {
-      flash_attention_backward(buf.p, buf.p, buf.p, buf.p, buf.p, lse, buf.p, buf.p, buf.p, buf.p, ws_bytes, ok,
-                               DType::kBF16, nullptr);
+      flash_attention_backward(buf.p, buf.p, buf.p, buf.p, buf.p, lse, buf.p, buf.p, buf.p, buf.p, ws_bytes,
+                               ok, DType::kBF16, nullptr);
     } catch (const Error& e) {
       return std::string(e.what());
     }

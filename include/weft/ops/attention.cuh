@@ -80,7 +80,8 @@ template <class Tile>
 __device__ __forceinline__ void load_head_rows(Tile& t, const CUtensorMap* map, int head, int row0, int batch,
                                                uint64_t* bar) {
 #pragma unroll
-  for (int b = 0; b < Tile::kBlocks; ++b) tma::load_4d(t.block(b), map, b * Tile::kBlockCols, head, row0, batch, bar);
+  for (int b = 0; b < Tile::kBlocks; ++b)
+    tma::load_4d(t.block(b), map, b * Tile::kBlockCols, head, row0, batch, bar);
 }
 
 template <int kHeadDim>
@@ -163,8 +164,10 @@ struct AttentionFwdOp {
     mbarrier_arrive_expect_tx(&pipe.s_.q_full, sizeof(QTile));
     load_head_rows(s.q, &p.q, w.head, w.q_block * kBM, w.batch, &pipe.s_.q_full);
     for (int n = kb.end - 1; n >= 0; --n) {
-      load_head_rows(s.k[st.stage], &p.k, kv_head, n * kBN, w.batch, pipe.k.producer_acquire(st, sizeof(KTile)));
-      load_head_rows(s.v[st.stage], &p.v, kv_head, n * kBN, w.batch, pipe.v.producer_acquire(st, sizeof(VTile)));
+      load_head_rows(s.k[st.stage], &p.k, kv_head, n * kBN, w.batch,
+                     pipe.k.producer_acquire(st, sizeof(KTile)));
+      load_head_rows(s.v[st.stage], &p.v, kv_head, n * kBN, w.batch,
+                     pipe.v.producer_acquire(st, sizeof(VTile)));
       st.advance(kStages);
     }
   }

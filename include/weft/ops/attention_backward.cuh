@@ -3,11 +3,13 @@
 //
 // With S = scale * Q K^T (masked), P = softmax(S) recomputed from the forward's LSE, and dO the output's
 // gradient:
-//   dV = P^T dO     dP = dO V^T     dS = P o (dP - D),  D = rowsum(dO o O)     dQ = scale dS K    dK = scale dS^T Q
+//   dV = P^T dO     dP = dO V^T     dS = P o (dP - D),  D = rowsum(dO o O)     dQ = scale dS K    dK = scale
+//   dS^T Q
 //
 //   prepare    (plain kernel) per query row: D, and LSE * log2(e) (+inf for a row that sees no key and for
 //              the padding rows past seq_q, so that their P is 0), into the workspace.
-//   LCSC op    work items are (batch, K/V head, key block of 128 keys); each consumer warpgroup owns 64 of the
+//   LCSC op    work items are (batch, K/V head, key block of 128 keys); each consumer warpgroup owns 64 of
+//   the
 //              keys and keeps their dK and dV (64 x D fp32 each) in registers across the item. The loader
 //              brings K and V once per item, then Q, dO, LSE and D of every query block of 64 rows of every
 //              query head of the GQA group that sees the key block (causal: from the diagonal on) into a ring
@@ -15,8 +17,8 @@
 //                S^T = K Q^T and dP^T = V dO^T (shared-memory operands), P^T = exp2(S^T log2e scale - LSE),
 //                dV += P^T dO (P from registers), dS^T = P^T o (dP^T - D), dK += dS^T Q (dS from registers),
 //              writes dS^T to shared memory and meets the other warpgroup; then warpgroup w computes columns
-//              [w D/2, (w+1) D/2) of dQ = dS K over all 128 keys (dS^T read M-major) and adds them to the fp32
-//              dQ accumulator in global memory with one bulk reduce-add (the staging buffer is the
+//              [w D/2, (w+1) D/2) of dQ = dS K over all 128 keys (dS^T read M-major) and adds them to the
+//              fp32 dQ accumulator in global memory with one bulk reduce-add (the staging buffer is the
 //              warpgroup's half of the epilogue's buffers). At the item's end dK (times scale) and dV go out
 //              through the TMA storer.
 //   convert    (plain kernel) dQ = scale * accumulator, to bf16 in q's layout.
@@ -77,10 +79,11 @@ struct AttentionBwdOp {
   static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
   static_assert(kBN == 64 * kConsumerWarpgroups, "64 keys per consumer warpgroup");
 
-  using Scheduler = lcsc::AttentionScheduler;   // items: (batch, K/V head, key block); see key_block()
+  using Scheduler = lcsc::AttentionScheduler;    // items: (batch, K/V head, key block); see key_block()
   using KTile = tile::Sw128Tile<bf16, kBN, kD>;  // rows: keys (K-major A of S^T, MN-major B of dQ)
   using VTile = tile::Sw128Tile<bf16, kBN, kD>;  // rows: keys (K-major A of dP^T)
-  using QTile = tile::Sw128Tile<bf16, kBM, kD>;  // rows: queries (K-major B of S^T, MN-major B of dK); dO alike
+  using QTile =
+      tile::Sw128Tile<bf16, kBM, kD>;  // rows: queries (K-major B of S^T, MN-major B of dK); dO alike
   using DsTile = tile::Sw128Tile<bf16, kBN, kBM>;  // dS^T: rows keys, columns queries (M-major A of dQ)
   using Epilogue = lcsc::TmaStoreEpilogue<bf16, kD, kConsumerWarpgroups>;
   using StoreState = typename Epilogue::State;
@@ -227,12 +230,13 @@ struct AttentionBwdOp {
     // P as the A operand of dV (S and dP die here); dS^T to shared memory, the A operand of dK and dQ.
     uint32_t pa[kBM / 4];
     tile::pack_a(sp, pa);
-    tile::store_accum_chunk<0, bf16>(ds, *reinterpret_cast<tile::OutChunk<bf16>*>(s.ds[stage].row_ptr(0, 64 * wg)));
+    tile::store_accum_chunk<0, bf16>(
+        ds, *reinterpret_cast<tile::OutChunk<bf16>*>(s.ds[stage].row_ptr(0, 64 * wg)));
     // Both warpgroups' dS^T in shared memory, visible to the tensor cores.
     fence_proxy_async_smem();
     tile::named_barrier_sync(kDsBarrierId, kConsumerWarpgroups * tile::kWarpgroupThreads);
     wgmma::fence();
-    issue_dv(pa, s.dout[stage], acc.dv);  // dV += P^T dO
+    issue_dv(pa, s.dout[stage], acc.dv);            // dV += P^T dO
     issue_dk(s.ds[stage], s.q[stage], wg, acc.dk);  // dK += dS^T Q
     tile::AccumM64<kDqCols> dq;
     issue_dq(s.ds[stage], s.k, wg, dq);  // columns [wg D/2, (wg+1) D/2) of dQ = dS K
@@ -250,10 +254,12 @@ struct AttentionBwdOp {
 #pragma unroll
     for (int k = 0; k < kD / 16; ++k)
       wgmma::mma_bf16<kBM, 0>(d.d, wgmma::desc_advance(a_desc, wgmma::k_major_offset<KTile>(16 * k)),
-                              wgmma::desc_advance(b_desc, wgmma::k_major_offset<QTile>(16 * k)), k > 0 ? 1 : 0);
+                              wgmma::desc_advance(b_desc, wgmma::k_major_offset<QTile>(16 * k)),
+                              k > 0 ? 1 : 0);
     wgmma::commit();
   }
-  // dV (64 x D) += P^T (64 x 64 queries, registers) dO (64 queries x D, the MN-major B), 16 queries at a time.
+  // dV (64 x D) += P^T (64 x 64 queries, registers) dO (64 queries x D, the MN-major B), 16 queries at a
+  // time.
   __device__ static void issue_dv(uint32_t (&pa)[kBM / 4], const QTile& dout, tile::AccumM64<kD>& dv) {
     const uint64_t b_desc = wgmma::desc_mn_major(dout, 0);
 #pragma unroll
@@ -278,7 +284,8 @@ struct AttentionBwdOp {
 #pragma unroll
     for (int i = 0; i < kBN / 16; ++i)
       wgmma::mma_bf16<kDqCols, 1, 1>(dq.d, wgmma::desc_advance(a_desc, i * 16 * tile::kSwizzleBytes),
-                                     wgmma::desc_advance(b_desc, i * 16 * tile::kSwizzleBytes), i > 0 ? 1 : 0);
+                                     wgmma::desc_advance(b_desc, i * 16 * tile::kSwizzleBytes),
+                                     i > 0 ? 1 : 0);
     wgmma::commit();
   }
 
@@ -313,7 +320,8 @@ struct AttentionBwdOp {
   }
   __device__ static void add_dq_part(Smem& s, int wg, const tile::AccumM64<kDqCols>& dq, float* dq_accum) {
     wait_staging_free(wg);
-    const uint32_t base = smem_addr(staging(s, wg)) + 16u * static_cast<uint32_t>(tile::thread_in_warpgroup());
+    const uint32_t base =
+        smem_addr(staging(s, wg)) + 16u * static_cast<uint32_t>(tile::thread_in_warpgroup());
 #pragma unroll
     for (int j = 0; j < tile::AccumM64<kDqCols>::kRegs / 4; ++j)
       asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(base + j * 128u * 16u), "f"(dq.d[4 * j]),

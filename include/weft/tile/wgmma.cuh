@@ -198,7 +198,8 @@ __device__ __forceinline__ void mma_m64n32k16_bf16(float (&d)[16], uint64_t desc
 
 template <int kN, int kTransB, int kTransA = 0>
 __device__ __forceinline__ void mma_bf16(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  static_assert(kN == 32 || kN == 64 || kN == 128 || kN == 256, "wgmma wrappers exist for N = 32, 64, 128, 256");
+  static_assert(kN == 32 || kN == 64 || kN == 128 || kN == 256,
+                "wgmma wrappers exist for N = 32, 64, 128, 256");
   if constexpr (kN == 256)
     mma_m64n256k16_bf16<kTransB, kTransA>(d, desc_a, desc_b, scale_d);
   else if constexpr (kN == 128)
