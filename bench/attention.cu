@@ -64,6 +64,7 @@ void run_attention(Context& ctx) {
             o(b * s * hd.h * hd.d * 2), lse(b * hd.h * s * 4), dout(b * s * hd.h * hd.d * 2),
             dq(b * s * hd.h * hd.d * 2), dk(b * s * hd.kv * hd.d * 2), dv(b * s * hd.kv * hd.d * 2),
             ws(flash_attention_backward_workspace_bytes(shape));
+        const size_t ws_bytes = flash_attention_backward_workspace_bytes(shape);
         fill_uniform_bf16(q.p, b * s * hd.h * hd.d, 1, stream);
         fill_uniform_bf16(k.p, b * s * hd.kv * hd.d, 2, stream);
         fill_uniform_bf16(v.p, b * s * hd.kv * hd.d, 3, stream);
@@ -76,8 +77,7 @@ void run_attention(Context& ctx) {
         };
         auto backward = [&] {
           flash_attention_backward(q.p, k.p, v.p, o.p, dout.p, static_cast<float*>(lse.p), dq.p, dk.p, dv.p,
-                                   ws.p, flash_attention_backward_workspace_bytes(shape), shape, DType::kBF16,
-                                   stream, opt);
+                                   ws.p, ws_bytes, shape, DType::kBF16, stream, opt);
         };
         const double flops = 4.0 * b * hd.h * double(s) * s * hd.d * (causal ? 0.5 : 1.0);
         const int iters = ctx.quick ? 10 : 30;

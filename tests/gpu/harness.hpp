@@ -88,11 +88,13 @@ struct RankBuffers {
   RankBuffers& operator=(const RankBuffers&) = delete;
 };
 
-// Runs f(begin, end) over [0, n) split into contiguous parts on the host's cores (host references of large
-// teams: a W-rank reference costs W times a 1-rank one).
+// Runs f(begin, end) over [0, n) split into contiguous parts of at least `min_part` items on the host's cores
+// (host references of large teams: a W-rank reference costs W times a 1-rank one; attention references have
+// few but long rows: min_part 1).
 template <class F>
-void parallel_for(size_t n, F&& f) {
-  const size_t parts = std::max<size_t>(1, std::min<size_t>(std::thread::hardware_concurrency(), n / 4096));
+void parallel_for(size_t n, F&& f, size_t min_part = 4096) {
+  const size_t parts =
+      std::max<size_t>(1, std::min<size_t>(std::thread::hardware_concurrency(), n / min_part));
   if (parts == 1) return f(size_t(0), n);
   std::vector<std::thread> pool;
   for (size_t p = 0; p < parts; ++p) pool.emplace_back([&, p] { f(n * p / parts, n * (p + 1) / parts); });

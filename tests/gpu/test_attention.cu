@@ -12,7 +12,6 @@
 #include <limits>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "harness.hpp"
@@ -132,15 +131,6 @@ std::string run_case(const Case& c, uint64_t seed) {
          (bad[first_bad] & 2 ? " (LSE)" : "");
 }
 
-// Runs f(lo, hi) over [0, n) on every hardware thread (the references' rows are few but long).
-template <class F>
-void split_rows(int64_t n, F&& f) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(std::thread::hardware_concurrency(), n));
-  std::vector<std::thread> pool;
-  for (int64_t p = 0; p < parts; ++p) pool.emplace_back([&, p] { f(n * p / parts, n * (p + 1) / parts); });
-  for (auto& t : pool) t.join();
-}
-
 // Backward: weft's forward gives out and lse, weft's backward dq, dk, dv for a random dout; the fp64
 // reference recomputes everything from the bf16 q, k, v, dout. Per tensor, pass when every element is within
 // 1e-5 + 2e-2 max|ref| + 2e-2 |ref| (P and dS are rounded to bf16 before their products, as in flash-attn;
@@ -190,58 +180,64 @@ std::string run_backward_case(const Case& c, uint64_t seed) {
   // Pass 1, per query row: LSE, D = dO . O, and dQ.
   const int64_t rows = c.batch * c.heads * c.seq_q;
   std::vector<double> lse(rows), dsum(rows), ref_dq(qn, 0.0), ref_dk(kn, 0.0), ref_dv(kn, 0.0);
-  split_rows(rows, [&](int64_t r0, int64_t r1) {
-    std::vector<double> p(c.seq_k), dp(c.seq_k), o(D);
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t i = r % c.seq_q, h = r / c.seq_q % c.heads, b = r / c.seq_q / c.heads, hk = h / group;
-      const int64_t last = last_key(i);
-      if (last < 0) {
-        lse[r] = std::numeric_limits<double>::infinity();  // P = 0
-        continue;
-      }
-      double mx = -std::numeric_limits<double>::infinity();
-      for (int64_t j = 0; j <= last; ++j)
-        mx = std::max(mx, p[j] = scale * dot(at_q(q, b, i, h), at_k(k, b, j, hk)));
-      double sum = 0;
-      for (int64_t j = 0; j <= last; ++j) sum += (p[j] = std::exp(p[j] - mx));
-      std::fill(o.begin(), o.end(), 0.0);
-      for (int64_t j = 0; j <= last; ++j) {
-        p[j] /= sum;
-        const __nv_bfloat16* vr = at_k(v, b, j, hk);
-        for (int64_t d = 0; d < D; ++d) o[d] += p[j] * to_f(vr[d]);
-      }
-      lse[r] = mx + std::log(sum);
-      double dsr = 0;
-      for (int64_t d = 0; d < D; ++d) dsr += o[d] * to_f(at_q(go, b, i, h)[d]);
-      dsum[r] = dsr;
-      double* dqr = &ref_dq[((b * c.seq_q + i) * c.heads + h) * D];
-      for (int64_t j = 0; j <= last; ++j) {
-        const double ds = p[j] * (dot(at_q(go, b, i, h), at_k(v, b, j, hk)) - dsr);
-        const __nv_bfloat16* kr = at_k(k, b, j, hk);
-        for (int64_t d = 0; d < D; ++d) dqr[d] += scale * ds * to_f(kr[d]);
-      }
-    }
-  });
-  // Pass 2, per key row: dK and dV over every query row of every head of the group.
-  split_rows(c.batch * c.kv_heads * c.seq_k, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t j = r % c.seq_k, hk = r / c.seq_k % c.kv_heads, b = r / c.seq_k / c.kv_heads;
-      double* dkr = &ref_dk[((b * c.seq_k + j) * c.kv_heads + hk) * D];
-      double* dvr = &ref_dv[((b * c.seq_k + j) * c.kv_heads + hk) * D];
-      for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
-        for (int64_t i = 0; i < c.seq_q; ++i) {
-          if (j > last_key(i)) continue;
-          const int64_t row = (b * c.heads + h) * c.seq_q + i;
-          const double p = std::exp(scale * dot(at_q(q, b, i, h), at_k(k, b, j, hk)) - lse[row]);
-          const double ds = p * (dot(at_q(go, b, i, h), at_k(v, b, j, hk)) - dsum[row]);
-          const __nv_bfloat16 *qr = at_q(q, b, i, h), *gr = at_q(go, b, i, h);
-          for (int64_t d = 0; d < D; ++d) {
-            dkr[d] += scale * ds * to_f(qr[d]);
-            dvr[d] += p * to_f(gr[d]);
+  weft::test::parallel_for(
+      size_t(rows),
+      [&](size_t r0, size_t r1) {
+        std::vector<double> p(c.seq_k), dp(c.seq_k), o(D);
+        for (int64_t r = int64_t(r0); r < int64_t(r1); ++r) {
+          const int64_t i = r % c.seq_q, h = r / c.seq_q % c.heads, b = r / c.seq_q / c.heads, hk = h / group;
+          const int64_t last = last_key(i);
+          if (last < 0) {
+            lse[r] = std::numeric_limits<double>::infinity();  // P = 0
+            continue;
+          }
+          double mx = -std::numeric_limits<double>::infinity();
+          for (int64_t j = 0; j <= last; ++j)
+            mx = std::max(mx, p[j] = scale * dot(at_q(q, b, i, h), at_k(k, b, j, hk)));
+          double sum = 0;
+          for (int64_t j = 0; j <= last; ++j) sum += (p[j] = std::exp(p[j] - mx));
+          std::fill(o.begin(), o.end(), 0.0);
+          for (int64_t j = 0; j <= last; ++j) {
+            p[j] /= sum;
+            const __nv_bfloat16* vr = at_k(v, b, j, hk);
+            for (int64_t d = 0; d < D; ++d) o[d] += p[j] * to_f(vr[d]);
+          }
+          lse[r] = mx + std::log(sum);
+          double dsr = 0;
+          for (int64_t d = 0; d < D; ++d) dsr += o[d] * to_f(at_q(go, b, i, h)[d]);
+          dsum[r] = dsr;
+          double* dqr = &ref_dq[((b * c.seq_q + i) * c.heads + h) * D];
+          for (int64_t j = 0; j <= last; ++j) {
+            const double ds = p[j] * (dot(at_q(go, b, i, h), at_k(v, b, j, hk)) - dsr);
+            const __nv_bfloat16* kr = at_k(k, b, j, hk);
+            for (int64_t d = 0; d < D; ++d) dqr[d] += scale * ds * to_f(kr[d]);
           }
         }
-    }
-  });
+      },
+      1);
+  // Pass 2, per key row: dK and dV over every query row of every head of the group.
+  weft::test::parallel_for(
+      size_t(c.batch * c.kv_heads * c.seq_k),
+      [&](size_t r0, size_t r1) {
+        for (int64_t r = int64_t(r0); r < int64_t(r1); ++r) {
+          const int64_t j = r % c.seq_k, hk = r / c.seq_k % c.kv_heads, b = r / c.seq_k / c.kv_heads;
+          double* dkr = &ref_dk[((b * c.seq_k + j) * c.kv_heads + hk) * D];
+          double* dvr = &ref_dv[((b * c.seq_k + j) * c.kv_heads + hk) * D];
+          for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+            for (int64_t i = 0; i < c.seq_q; ++i) {
+              if (j > last_key(i)) continue;
+              const int64_t row = (b * c.heads + h) * c.seq_q + i;
+              const double p = std::exp(scale * dot(at_q(q, b, i, h), at_k(k, b, j, hk)) - lse[row]);
+              const double ds = p * (dot(at_q(go, b, i, h), at_k(v, b, j, hk)) - dsum[row]);
+              const __nv_bfloat16 *qr = at_q(q, b, i, h), *gr = at_q(go, b, i, h);
+              for (int64_t d = 0; d < D; ++d) {
+                dkr[d] += scale * ds * to_f(qr[d]);
+                dvr[d] += p * to_f(gr[d]);
+              }
+            }
+        }
+      },
+      1);
   std::string what = "B=" + std::to_string(c.batch) + " Sq=" + std::to_string(c.seq_q) +
                      " Sk=" + std::to_string(c.seq_k) + " H=" + std::to_string(c.heads) + "/" +
                      std::to_string(c.kv_heads) + " D=" + std::to_string(c.dim) +

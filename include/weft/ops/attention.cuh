@@ -254,25 +254,14 @@ struct AttentionFwdOp {
   }
 
  private:
-  // S = Q K^T over the head dim, 16 at a time (async; the caller commits).
+  // S = Q K^T over the head dim (both K-major; async, one commit group).
   __device__ static void issue_scores(Smem& s, int wg, int stage, tile::AccumM64<kBN>& sc) {
-    const uint64_t q_desc = wgmma::desc_k_major(s.q, 64 * wg, 0),
-                   k_desc = wgmma::desc_k_major(s.k[stage], 0, 0);
-#pragma unroll
-    for (int k = 0; k < kD / 16; ++k)
-      wgmma::mma_bf16<kBN, 0>(sc.d, wgmma::desc_advance(q_desc, wgmma::k_major_offset<QTile>(16 * k)),
-                              wgmma::desc_advance(k_desc, wgmma::k_major_offset<KTile>(16 * k)),
-                              k > 0 ? 1 : 0);
-    wgmma::commit();
+    wgmma::mma_ss_group<kBN, kD, QTile, 0, KTile, 0>(sc.d, wgmma::desc_k_major(s.q, 64 * wg, 0),
+                                                     wgmma::desc_k_major(s.k[stage], 0, 0), false);
   }
-  // O += P V: P from registers, V (rows = keys) as the MN-major B operand, 16 keys at a time (async).
+  // O += P V: P from registers, V (rows = keys) as the MN-major B operand (async, one commit group).
   __device__ static void issue_pv(Smem& s, int stage, uint32_t (&pa)[kBN / 4], tile::AccumM64<kD>& o) {
-    const uint64_t v_desc = wgmma::desc_mn_major(s.v[stage], 0);
-#pragma unroll
-    for (int k = 0; k < kBN / 16; ++k)
-      wgmma::mma_rs_bf16<kD, 1>(o.d, reinterpret_cast<const uint32_t(&)[4]>(pa[4 * k]),
-                                wgmma::desc_advance(v_desc, k * 16 * tile::kSwizzleBytes), 1);
-    wgmma::commit();
+    wgmma::mma_rs_group<kD, kBN, VTile, 1>(o.d, pa, wgmma::desc_mn_major(s.v[stage], 0));
   }
   // After S_n's MMAs: K_n's stage goes back to the loader, and Q after the item's last block.
   __device__ static void scores_landed(Pipeline& pipe, lcsc::PipeState& kst, tile::AccumM64<kBN>& sc, int n) {

@@ -145,13 +145,13 @@ struct AttentionBwdOp {
     tma::prefetch_map(&p.dsum_map);
   }
 
-  // The item's key block (the scheduler's blocks run along the keys here).
-  __device__ static int key_block(const Params&, const lcsc::AttentionWork& w) { return w.q_block; }
+  // The item's key block: the scheduler's blocks (AttentionWork::q_block) run along the keys here.
+  __device__ static int key_block(const lcsc::AttentionWork& w) { return w.q_block; }
 
   // ---- loader (one thread) ----
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                               const lcsc::AttentionWork& w) {
-    const int n = key_block(p, w);
+    const int n = key_block(w);
     tile::mbarrier_wait_bounded(&pipe.s_.kv_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
     mbarrier_arrive_expect_tx(&pipe.s_.kv_full, sizeof(KTile) + sizeof(VTile));
     load_head_rows(s.k, &p.k, w.head, n * kBN, w.batch, &pipe.s_.kv_full);
@@ -174,7 +174,7 @@ struct AttentionBwdOp {
   // ---- consumers ----
   __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                                  const lcsc::AttentionWork& w, int wg, Accum& acc) {
-    const int n = key_block(p, w);
+    const int n = key_block(w);
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.dk.d[i] = acc.dv.d[i] = 0.f;
     tile::mbarrier_wait_bounded(&pipe.s_.kv_full, static_cast<uint32_t>(w.iteration) & 1u);
@@ -201,7 +201,7 @@ struct AttentionBwdOp {
                                const Accum& acc, StoreState& es) {
     // The epilogue's buffers staged this warpgroup's dQ parts: wait until the last reduce-add has read them.
     wait_staging_free(wg);
-    const int row0 = key_block(p, w) * kBN + 64 * wg;
+    const int row0 = key_block(w) * kBN + 64 * wg;
     Epilogue::store_to(lcsc::TmaRows4d{&p.dk, w.head, row0, w.batch}, s.epi, es, wg, acc.dk, 0);
     Epilogue::store_to(lcsc::TmaRows4d{&p.dv, w.head, row0, w.batch}, s.epi, es, wg, acc.dv, 0);
   }
@@ -250,43 +250,23 @@ struct AttentionBwdOp {
 
   // D (64 x 64, rows: this warpgroup's keys) = A_rows B^T over the head dim, both K-major in shared memory.
   __device__ static void issue_scores(const KTile& a, const QTile& b, int wg, tile::AccumM64<kBM>& d) {
-    const uint64_t a_desc = wgmma::desc_k_major(a, 64 * wg, 0), b_desc = wgmma::desc_k_major(b, 0, 0);
-#pragma unroll
-    for (int k = 0; k < kD / 16; ++k)
-      wgmma::mma_bf16<kBM, 0>(d.d, wgmma::desc_advance(a_desc, wgmma::k_major_offset<KTile>(16 * k)),
-                              wgmma::desc_advance(b_desc, wgmma::k_major_offset<QTile>(16 * k)),
-                              k > 0 ? 1 : 0);
-    wgmma::commit();
+    wgmma::mma_ss_group<kBM, kD, KTile, 0, QTile, 0>(d.d, wgmma::desc_k_major(a, 64 * wg, 0),
+                                                     wgmma::desc_k_major(b, 0, 0), false);
   }
-  // dV (64 x D) += P^T (64 x 64 queries, registers) dO (64 queries x D, the MN-major B), 16 queries at a
-  // time.
+  // dV (64 x D) += P^T (64 x 64 queries, registers) dO (64 queries x D, the MN-major B).
   __device__ static void issue_dv(uint32_t (&pa)[kBM / 4], const QTile& dout, tile::AccumM64<kD>& dv) {
-    const uint64_t b_desc = wgmma::desc_mn_major(dout, 0);
-#pragma unroll
-    for (int k = 0; k < kBM / 16; ++k)
-      wgmma::mma_rs_bf16<kD, 1>(dv.d, reinterpret_cast<const uint32_t(&)[4]>(pa[4 * k]),
-                                wgmma::desc_advance(b_desc, k * 16 * tile::kSwizzleBytes), 1);
-    wgmma::commit();
+    wgmma::mma_rs_group<kD, kBM, QTile, 1>(dv.d, pa, wgmma::desc_mn_major(dout, 0));
   }
   // dK (64 x D) += dS^T (this warpgroup's 64 key rows of the tile, K-major A) Q (MN-major B).
   __device__ static void issue_dk(const DsTile& ds, const QTile& q, int wg, tile::AccumM64<kD>& dk) {
-    const uint64_t a_desc = wgmma::desc_k_major(ds, 64 * wg, 0), b_desc = wgmma::desc_mn_major(q, 0);
-#pragma unroll
-    for (int k = 0; k < kBM / 16; ++k)
-      wgmma::mma_bf16<kD, 1>(dk.d, wgmma::desc_advance(a_desc, wgmma::k_major_offset<DsTile>(16 * k)),
-                             wgmma::desc_advance(b_desc, k * 16 * tile::kSwizzleBytes), 1);
-    wgmma::commit();
+    wgmma::mma_ss_group<kD, kBM, DsTile, 0, QTile, 1>(dk.d, wgmma::desc_k_major(ds, 64 * wg, 0),
+                                                      wgmma::desc_mn_major(q, 0), true);
   }
   // dQ columns [wg D/2, (wg+1) D/2) = dS (64 queries x 128 keys: the whole dS^T tile read M-major) K (keys x
-  // those columns, MN-major), 16 keys at a time.
+  // those columns, MN-major).
   __device__ static void issue_dq(const DsTile& ds, const KTile& k, int wg, tile::AccumM64<kDqCols>& dq) {
-    const uint64_t a_desc = wgmma::desc_mn_major(ds, 0), b_desc = wgmma::desc_mn_major(k, 0, wg * kDqCols);
-#pragma unroll
-    for (int i = 0; i < kBN / 16; ++i)
-      wgmma::mma_bf16<kDqCols, 1, 1>(dq.d, wgmma::desc_advance(a_desc, i * 16 * tile::kSwizzleBytes),
-                                     wgmma::desc_advance(b_desc, i * 16 * tile::kSwizzleBytes),
-                                     i > 0 ? 1 : 0);
-    wgmma::commit();
+    wgmma::mma_ss_group<kDqCols, kBN, DsTile, 1, KTile, 1>(dq.d, wgmma::desc_mn_major(ds, 0),
+                                                           wgmma::desc_mn_major(k, 0, wg * kDqCols), false);
   }
 
   // S^T -> P^T = exp2(S^T scale log2(e) - LSE log2(e)) per query column; keys past seq_k and (causal) past a

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "weft/device/bulk_copy.cuh"
+#include "weft/tile/layout.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define WEFT_WGMMA_AVAILABLE 1
@@ -279,6 +280,38 @@ template <int kRegs>
 __device__ __forceinline__ void fence_operands(uint32_t (&a)[kRegs]) {
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// ---- a whole K extent as one commit group ------------------------------------------------------------
+// Where K step k0 of a shared-memory operand starts, from K = 0: in a K-major tile (kTrans = 0) K runs along
+// the row (k_major_offset), in an MN-major one (kTrans = 1) K is the row index.
+template <class Tile, int kTrans>
+__host__ __device__ constexpr uint32_t k_offset(int k0) {
+  return kTrans ? static_cast<uint32_t>(k0) * tile::kSwizzleBytes : k_major_offset<Tile>(k0);
+}
+// D (64 x kN) = A B (+ D when `accumulate`) over K = [0, kK), A and B in shared memory: a_desc / b_desc
+// address K = 0 of tiles ATile / BTile, read K-major (kTrans* = 0) or MN-major (1). Issues kK / 16 MMAs
+// advancing one base descriptor per operand by constants, and commits them as one group.
+template <int kN, int kK, class ATile, int kTransA, class BTile, int kTransB>
+__device__ __forceinline__ void mma_ss_group(float (&d)[kN / 2], uint64_t a_desc, uint64_t b_desc,
+                                             bool accumulate) {
+#pragma unroll
+  for (int k = 0; k < kK / 16; ++k)
+    mma_bf16<kN, kTransB, kTransA>(d, desc_advance(a_desc, k_offset<ATile, kTransA>(16 * k)),
+                                   desc_advance(b_desc, k_offset<BTile, kTransB>(16 * k)),
+                                   k > 0 || accumulate ? 1 : 0);
+  commit();
+}
+// D (64 x kN) += A B over K = [0, kK), A from registers (kK / 4 registers: K step s in a[4 s .. 4 s + 3], see
+// mma_rs_bf16), B in shared memory as in mma_ss_group; one commit group.
+template <int kN, int kK, class BTile, int kTransB>
+__device__ __forceinline__ void mma_rs_group(float (&d)[kN / 2], const uint32_t (&a)[kK / 4],
+                                             uint64_t b_desc) {
+#pragma unroll
+  for (int k = 0; k < kK / 16; ++k)
+    mma_rs_bf16<kN, kTransB>(d, reinterpret_cast<const uint32_t(&)[4]>(a[4 * k]),
+                             desc_advance(b_desc, k_offset<BTile, kTransB>(16 * k)), 1);
+  commit();
 }
 
 }  // namespace weft::wgmma
