@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <exception>
 #include <set>
 
 #include "weft/runtime/error.hpp"
@@ -208,12 +209,20 @@ Channel::Channel(std::string job_id, int rank, int world, std::chrono::milliseco
 
 Channel::~Channel() {
   stop_monitor();
-  // Say goodbye, so peers tell a normal departure from a crash.
+  // Say goodbye, so peers tell a normal departure from a crash; leaving on an exception is a failure that
+  // the peers should hear at once (they may be waiting for work this rank will never do).
+  const bool unwinding = std::uncaught_exceptions() > 0;
+  const std::string failing = "weft: rank " + std::to_string(rank_) +
+                              " left the job on an error (its communicator was destroyed while an exception "
+                              "was propagating)";
   for (int r = 0; r < static_cast<int>(peers_.size()); ++r) {
     if (peers_[r].sock < 0) continue;
     if (lost_.empty()) {
       try {
-        send_frame(peers_[r].sock, MsgType::kBye, 0, rank_, {}, -1, r);
+        if (unwinding)
+          send_frame(peers_[r].sock, MsgType::kError, 0, rank_, failing, -1, r);
+        else
+          send_frame(peers_[r].sock, MsgType::kBye, 0, rank_, {}, -1, r);
       } catch (...) {
       }
     }
@@ -352,6 +361,11 @@ std::string Channel::lost_reason() const {
   return lost_;
 }
 
+std::string Channel::departed_reason() const {
+  std::lock_guard<std::mutex> lk(io_mu_);
+  return departed_;
+}
+
 void Channel::set_on_peer_lost(std::function<void(const std::string&)> cb) {
   std::lock_guard<std::mutex> lk(io_mu_);
   on_lost_ = std::move(cb);
@@ -457,7 +471,7 @@ void Channel::monitor_loop() {
     if (!lk.owns_lock() || !lost_.empty()) continue;
     for (int r = 0; r < static_cast<int>(peers_.size()); ++r) {
       const int s = peers_[r].sock;
-      if (s < 0) continue;
+      if (s < 0 || peers_[r].departed) continue;
       pollfd p{s, POLLIN | POLLRDHUP, 0};
       if (::poll(&p, 1, 0) <= 0) continue;
       std::string why;
@@ -465,14 +479,19 @@ void Channel::monitor_loop() {
       Header h{};
       const ssize_t n = (p.revents & POLLIN) ? ::recv(s, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT) : -1;
       if (n == sizeof(h) && h.magic == kMagic && static_cast<MsgType>(h.type) == MsgType::kBye) {
-        why = "rank " + std::to_string(h.src) + " left the job (it destroyed its communicator)";
-      } else if (n == sizeof(h) && h.magic == kMagic && static_cast<MsgType>(h.type) == MsgType::kError) {
+        // Left normally: noted, not a loss. The goodbye stays unread, so a collective still fails on it.
+        peers_[r].departed = true;
+        if (departed_.empty())
+          departed_ = "weft: rank " + std::to_string(h.src) + " left the job (it destroyed its communicator)";
+        continue;
+      }
+      if (n == sizeof(h) && h.magic == kMagic && static_cast<MsgType>(h.type) == MsgType::kError) {
         try {
           Frame f = recv_frame(s, Clock::now() + std::chrono::seconds(1), r);
           if (f.fd >= 0) ::close(f.fd);
           why = relayed(f.payload);
         } catch (...) {
-          why = "rank 0 reported a failure";
+          why = "rank " + std::to_string(r) + " reported a failure";
         }
       } else if (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) {
         why = rank_ == 0 ? "rank " + std::to_string(r) + " (pid " + std::to_string(peers_[r].pid) +

@@ -769,6 +769,7 @@ void Communicator::check_device_errors() const {
     if (code == DeviceErrorCode::kTimeout)
       msg += "; a peer is stuck, died, or skipped a matching signal (timeout: WEFT_TIMEOUT_MS)";
     if (channel_ && !channel_->lost_reason().empty()) msg += "; " + channel_->lost_reason();
+    if (channel_ && !channel_->departed_reason().empty()) msg += "; " + channel_->departed_reason();
     throw Error(msg);
   }
   if (channel_) {

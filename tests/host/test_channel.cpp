@@ -776,7 +776,33 @@ TEST(Channel, NormalDepartureIsToldApartFromACrash) {
   Channel ch(job, 0, 2, kJoin);
   ch.barrier();
   leaver.join();
+  // A normal departure is noted, not a loss: this rank may still finish work that needs nothing more from
+  // the peer (a slower rank checking its results while the faster one has already gone).
+  ASSERT_TRUE(eventually([&] { return !ch.departed_reason().empty(); }, milliseconds(3000)));
+  EXPECT_HAS(ch.departed_reason(), "rank 1 left the job");
+  EXPECT_LACKS(ch.departed_reason(), "crashed");
+  std::this_thread::sleep_for(milliseconds(100));  // several monitor rounds: still not lost
+  EXPECT_EQ(ch.lost_reason(), "");
+  // A collective with the departed rank fails at once, naming the departure.
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string err = error_of([&] { ch.barrier(); });
+  EXPECT_HAS(err, "left the job");
+  EXPECT_LT(ms_since(t0), 1000);
+}
+
+TEST(Channel, LeavingOnAnExceptionFailsThePeersFast) {
+  const std::string job = unique_job("unwind");
+  std::thread leaver([&] {
+    try {
+      Channel ch(job, 1, 2, kJoin);
+      ch.barrier();
+      throw std::runtime_error("the rank's own failure");
+    } catch (std::runtime_error&) {
+    }
+  });  // destroyed while the exception propagates: an error report, not a goodbye
+  Channel ch(job, 0, 2, kJoin);
+  ch.barrier();
+  leaver.join();
   ASSERT_TRUE(eventually([&] { return !ch.lost_reason().empty(); }, milliseconds(3000)));
-  EXPECT_HAS(ch.lost_reason(), "rank 1 left the job");
-  EXPECT_LACKS(ch.lost_reason(), "crashed");
+  EXPECT_HAS(ch.lost_reason(), "rank 1 left the job on an error");
 }

@@ -5,10 +5,15 @@
 // (SCM_RIGHTS), which is how the CUDA VMM handles of the symmetric heap travel. Rank 0 relays everything,
 // so a W-rank job holds W-1 connections.
 //
-// A background monitor notices a peer process that dies (its socket closes) or leaves (a goodbye message
-// from its destructor) even while no collective is in flight, marks the channel lost and calls the
-// on_peer_lost callback (the communicator raises the device abort flag there, so spinning kernels fail within
+// A background monitor notices a peer process that dies (its socket closes without a goodbye) or fails (an
+// error report) even while no collective is in flight, marks the channel lost and calls the on_peer_lost
+// callback (the communicator raises the device abort flag there, so spinning kernels fail within
 // milliseconds instead of hanging). Rank 0 forwards the loss to every other rank.
+// A peer that leaves normally (the goodbye its destructor sends) has finished its part of the job, and a
+// slower rank may still be finishing work of its own that needs nothing more from it: that is noted
+// (departed_reason), not treated as a loss. A later collective with it fails at once; a device wait on it
+// times out, and the communicator names the departure in that message. A destructor that runs while an
+// exception unwinds sends an error report instead, so the peers fail fast.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -50,6 +55,8 @@ class Channel {
   void set_on_peer_lost(std::function<void(const std::string&)> cb);
   // Non-empty once the channel is lost; every later collective throws this message.
   std::string lost_reason() const;
+  // Non-empty once a peer has left normally (its goodbye arrived while no collective was in flight).
+  std::string departed_reason() const;
   // Per-collective wait limit (default: the constructor's timeout).
   void set_op_timeout(std::chrono::milliseconds t) { op_timeout_ = t; }
 
@@ -57,6 +64,7 @@ class Channel {
   struct Peer {
     int sock = -1;
     long pid = 0;
+    bool departed = false;  // said goodbye: the monitor stops watching it
   };
   void hub_accept(std::chrono::steady_clock::time_point deadline);
   void client_connect(std::chrono::steady_clock::time_point deadline);
@@ -73,6 +81,7 @@ class Channel {
 
   mutable std::mutex io_mu_;  // held by collectives; the monitor only looks when it is free
   std::string lost_;
+  std::string departed_;
   std::function<void(const std::string&)> on_lost_;
   std::atomic<bool> stop_{false};
   std::thread monitor_;

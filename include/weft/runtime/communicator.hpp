@@ -222,7 +222,6 @@ class Communicator {
   std::vector<SymmetricBuffer>
       retired_workspaces_;         // outgrown with several local ranks: freed by synchronize()
   int32_t* abort_flag_ = nullptr;  // host-mapped
-  std::string lost_reason_;
 };
 
 }  // namespace weft
