@@ -1,0 +1,155 @@
+// The sequence layout and ring schedule of ring attention: which of a rank's query rows meet which rows of
+// the K/V block in hand at each ring step, and under which mask. Host only and the same on every rank (tests
+// /host check it against a brute-force enumeration of the attention pairs). The ring kernel and the Python
+// shard / unshard helpers take their layout from here.
+//
+// Layout. The sequence is one or more documents (a packed variable-length batch: attention never crosses a
+// document). Each document is cut into parts: W parts without a causal mask (rank r holds part r), 2W with
+// one (zigzag: rank r holds parts r and 2W - 1 - r, so every rank holds an early and a late part and the
+// causal work is even). Parts differ in length by at most one token (the first `length % parts` are one
+// longer); a document shorter than its part count leaves some parts empty. A rank's local rows are its parts
+// of document 0, then of document 1, ...; within a document, part r before part 2W - 1 - r.
+//
+// Schedule. At step s = 0 .. W-1 rank r holds the K/V rows of rank (r - s) mod W (they travel one rank
+// along the ring per step). Query part i meets key part j of the same document when j < i (every key
+// visible: RingMask::kFull), j == i (the same positions: RingMask::kCausal, key j visible to query i iff
+// j <= i), and not when j > i. Without a causal mask every pair of parts of a document is kFull.
+// With zigzag every rank does the same work at every step: two part pairs' worth (step 0: the two diagonal
+// blocks and the late part against the early one; then either both query parts against the source's early
+// part, or the late query part against both of the source's parts).
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace weft::ops {
+
+enum class RingMask : uint8_t {
+  kFull,    // every key visible
+  kCausal,  // query row i and key row j at the same positions: visible iff j <= i
+};
+
+struct RingLayout {
+  int world = 0;
+  bool zigzag = false;  // causal: 2W parts per document; else W
+  std::vector<int64_t> doc_length;
+
+  int parts() const { return zigzag ? 2 * world : world; }
+  // Part c of document d: first position in the document, and length.
+  int64_t part_begin(int d, int c) const {
+    const int64_t n = doc_length[d], p = parts(), base = n / p, extra = n % p;
+    return c * base + (c < extra ? c : extra);
+  }
+  int64_t part_length(int d, int c) const {
+    const int64_t n = doc_length[d], p = parts();
+    return n / p + (c < n % p ? 1 : 0);
+  }
+  // The parts rank r holds of each document, in local order.
+  std::vector<int> parts_of(int r) const {
+    if (zigzag) return {r, 2 * world - 1 - r};
+    return {r};
+  }
+  // First local row of rank r's part `c` of document d (c one of parts_of(r)), and rank r's row count.
+  int64_t local_row(int r, int d, int c) const {
+    int64_t row = 0;
+    for (int e = 0; e < d; ++e)
+      for (int q : parts_of(r)) row += part_length(e, q);
+    for (int q : parts_of(r)) {
+      if (q == c) return row;
+      row += part_length(d, q);
+    }
+    throw std::invalid_argument("RingLayout::local_row: rank " + std::to_string(r) + " does not hold part " +
+                                std::to_string(c));
+  }
+  int64_t local_rows(int r) const {
+    int64_t rows = 0;
+    for (size_t d = 0; d < doc_length.size(); ++d)
+      for (int c : parts_of(r)) rows += part_length(static_cast<int>(d), c);
+    return rows;
+  }
+};
+
+inline RingLayout ring_layout(const std::vector<int64_t>& doc_length, int world, bool causal) {
+  if (world < 1) throw std::invalid_argument("ring_layout: world size must be at least 1");
+  if (doc_length.empty()) throw std::invalid_argument("ring_layout: no documents");
+  for (size_t d = 0; d < doc_length.size(); ++d)
+    if (doc_length[d] < 0)
+      throw std::invalid_argument("ring_layout: document " + std::to_string(d) + " has a negative length");
+  return RingLayout{world, causal, doc_length};
+}
+
+// Document lengths from cumulative offsets (flash-attn's cu_seqlens: [0, l0, l0 + l1, ...]).
+inline std::vector<int64_t> doc_lengths_from_offsets(const std::vector<int64_t>& cu_seqlens) {
+  if (cu_seqlens.size() < 2 || cu_seqlens[0] != 0)
+    throw std::invalid_argument("cu_seqlens must start with 0 and hold at least one document");
+  std::vector<int64_t> len;
+  for (size_t i = 1; i < cu_seqlens.size(); ++i) {
+    if (cu_seqlens[i] < cu_seqlens[i - 1])
+      throw std::invalid_argument("cu_seqlens must not decrease (entry " + std::to_string(i) + ")");
+    len.push_back(cu_seqlens[i] - cu_seqlens[i - 1]);
+  }
+  return len;
+}
+
+// Rank r's local rows as positions in the whole packed sequence (documents back to back): local row i holds
+// token ring_tokens(L, r)[i]. Sharding gathers these rows; unsharding scatters them back.
+inline std::vector<int64_t> ring_tokens(const RingLayout& L, int r) {
+  std::vector<int64_t> tokens;
+  int64_t doc_start = 0;
+  for (size_t d = 0; d < L.doc_length.size(); ++d) {
+    for (int c : L.parts_of(r)) {
+      const int64_t b = L.part_begin(static_cast<int>(d), c), n = L.part_length(static_cast<int>(d), c);
+      for (int64_t i = 0; i < n; ++i) tokens.push_back(doc_start + b + i);
+    }
+    doc_start += L.doc_length[d];
+  }
+  return tokens;
+}
+
+struct RingBlock {
+  int doc = 0;
+  int64_t q_row = 0, q_rows = 0;  // this rank's local query rows
+  int64_t k_row = 0, k_rows = 0;  // rows of the source rank's local K / V
+  RingMask mask = RingMask::kFull;
+  // Query-key pairs that see each other: the block's share of the step's work.
+  int64_t pairs() const { return mask == RingMask::kFull ? q_rows * k_rows : q_rows * (q_rows + 1) / 2; }
+};
+
+struct RingStep {
+  int source = 0;  // the rank whose K / V rows this step uses
+  std::vector<RingBlock> blocks;
+  int64_t pairs() const {
+    int64_t n = 0;
+    for (const RingBlock& b : blocks) n += b.pairs();
+    return n;
+  }
+};
+
+// Rank r's W steps. Empty parts give no block; a step may have no block at all (a short document).
+inline std::vector<RingStep> ring_schedule_of(const RingLayout& L, int r) {
+  if (r < 0 || r >= L.world)
+    throw std::invalid_argument("ring_schedule_of: rank " + std::to_string(r) + " outside a team of " +
+                                std::to_string(L.world));
+  std::vector<RingStep> steps(L.world);
+  for (int s = 0; s < L.world; ++s) {
+    RingStep& step = steps[s];
+    step.source = (r - s + L.world) % L.world;
+    for (int d = 0; d < static_cast<int>(L.doc_length.size()); ++d)
+      for (int qc : L.parts_of(r))
+        for (int kc : L.parts_of(step.source)) {
+          if (L.zigzag && kc > qc) continue;  // keys after every query of the part
+          RingBlock b;
+          b.doc = d;
+          b.q_row = L.local_row(r, d, qc);
+          b.q_rows = L.part_length(d, qc);
+          b.k_row = L.local_row(step.source, d, kc);
+          b.k_rows = L.part_length(d, kc);
+          b.mask = L.zigzag && kc == qc ? RingMask::kCausal : RingMask::kFull;
+          if (b.q_rows > 0 && b.k_rows > 0) step.blocks.push_back(b);
+        }
+  }
+  return steps;
+}
+
+}  // namespace weft::ops

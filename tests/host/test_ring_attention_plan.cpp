@@ -1,0 +1,144 @@
+// Ring attention's layout and schedule (src/ops/ring_attention_plan.hpp): every query-key pair that attention
+// over the whole sequence computes is computed exactly once over all ranks and steps (brute force on small
+// sequences of several documents, any lengths), the ranks' rows partition the tokens, and zigzag keeps every
+// step's work even.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+
+#include "ops/ring_attention_plan.hpp"
+
+using weft::ops::RingBlock;
+using weft::ops::RingLayout;
+using weft::ops::RingMask;
+using weft::ops::RingStep;
+
+namespace {
+
+// Counts, for every (query token, key token) of the packed sequence, how often the schedules of all ranks
+// compute it, and checks the counts against attention over the whole sequence.
+void expect_every_pair_once(const std::vector<int64_t>& docs, int W, bool causal) {
+  const RingLayout L = weft::ops::ring_layout(docs, W, causal);
+  int64_t total = 0;
+  std::vector<int> doc_of, pos_of;
+  for (size_t d = 0; d < docs.size(); ++d)
+    for (int64_t i = 0; i < docs[d]; ++i) {
+      doc_of.push_back(static_cast<int>(d));
+      pos_of.push_back(static_cast<int>(i));
+      ++total;
+    }
+  std::vector<int> count(total * total, 0);
+  std::vector<std::vector<int64_t>> tokens(W);
+  for (int r = 0; r < W; ++r) tokens[r] = weft::ops::ring_tokens(L, r);
+  for (int r = 0; r < W; ++r) {
+    const std::vector<RingStep> steps = weft::ops::ring_schedule_of(L, r);
+    ASSERT_EQ(static_cast<int>(steps.size()), W);
+    for (int s = 0; s < W; ++s) {
+      EXPECT_EQ(steps[s].source, (r - s + W) % W);
+      for (const RingBlock& b : steps[s].blocks) {
+        ASSERT_LE(b.q_row + b.q_rows, static_cast<int64_t>(tokens[r].size()));
+        ASSERT_LE(b.k_row + b.k_rows, static_cast<int64_t>(tokens[steps[s].source].size()));
+        if (b.mask == RingMask::kCausal) ASSERT_EQ(b.q_rows, b.k_rows);
+        for (int64_t i = 0; i < b.q_rows; ++i)
+          for (int64_t j = 0; j < b.k_rows; ++j) {
+            if (b.mask == RingMask::kCausal && j > i) continue;
+            const int64_t q = tokens[r][b.q_row + i], k = tokens[steps[s].source][b.k_row + j];
+            ASSERT_EQ(doc_of[q], b.doc);
+            ASSERT_EQ(doc_of[k], b.doc);
+            ++count[q * total + k];
+          }
+      }
+    }
+  }
+  for (int64_t q = 0; q < total; ++q)
+    for (int64_t k = 0; k < total; ++k) {
+      const bool sees = doc_of[q] == doc_of[k] && (!causal || pos_of[k] <= pos_of[q]);
+      ASSERT_EQ(count[q * total + k], sees ? 1 : 0)
+          << "query " << q << " key " << k << ", W " << W << (causal ? " causal" : "") << ", " << docs.size()
+          << " documents";
+    }
+}
+
+}  // namespace
+
+TEST(RingAttentionPlan, EveryPairOnceForAnyLengths) {
+  std::mt19937 rng(7);
+  for (int W : {1, 2, 3, 4, 8})
+    for (bool causal : {false, true}) {
+      expect_every_pair_once({1}, W, causal);
+      expect_every_pair_once({2 * W}, W, causal);
+      expect_every_pair_once({2 * W + 3}, W, causal);
+      expect_every_pair_once({0, 5, 1}, W, causal);
+      for (int trial = 0; trial < 6; ++trial) {
+        std::vector<int64_t> docs(1 + rng() % 4);
+        for (int64_t& n : docs) n = 1 + rng() % 40;
+        expect_every_pair_once(docs, W, causal);
+      }
+    }
+}
+
+TEST(RingAttentionPlan, RanksPartitionTheTokens) {
+  for (int W : {2, 3, 8})
+    for (bool causal : {false, true}) {
+      const std::vector<int64_t> docs = {17, 1, 64, 3};
+      const RingLayout L = weft::ops::ring_layout(docs, W, causal);
+      std::vector<int64_t> all;
+      for (int r = 0; r < W; ++r) {
+        const std::vector<int64_t> t = weft::ops::ring_tokens(L, r);
+        EXPECT_EQ(static_cast<int64_t>(t.size()), L.local_rows(r));
+        all.insert(all.end(), t.begin(), t.end());
+      }
+      std::sort(all.begin(), all.end());
+      ASSERT_EQ(all.size(), 85u);
+      for (size_t i = 0; i < all.size(); ++i) EXPECT_EQ(all[i], static_cast<int64_t>(i));
+    }
+  // Zigzag: rank 1 of 2 holds parts 1 and 2 of an 8-token document.
+  const RingLayout L = weft::ops::ring_layout({8}, 2, true);
+  EXPECT_EQ(weft::ops::ring_tokens(L, 1), (std::vector<int64_t>{2, 3, 4, 5}));
+  EXPECT_EQ(weft::ops::ring_tokens(L, 0), (std::vector<int64_t>{0, 1, 6, 7}));
+}
+
+// With zigzag, every rank's work at every step is the same (equal parts), or within a few rows' worth of it.
+TEST(RingAttentionPlan, ZigzagKeepsEveryStepEven) {
+  for (int W : {2, 4, 8}) {
+    const int64_t n = 2 * W * 1024;
+    const RingLayout L = weft::ops::ring_layout({n}, W, true);
+    const int64_t part = n / (2 * W);
+    for (int r = 0; r < W; ++r) {
+      const std::vector<RingStep> steps = weft::ops::ring_schedule_of(L, r);
+      for (int s = 0; s < W; ++s) {
+        // Step 0: two diagonal blocks and one full; later steps two full blocks.
+        const int64_t want = s == 0 ? part * part + part * (part + 1) : 2 * part * part;
+        EXPECT_EQ(steps[s].pairs(), want) << "W " << W << " rank " << r << " step " << s;
+      }
+    }
+  }
+  std::mt19937 rng(11);
+  for (int W : {3, 4, 8})
+    for (int trial = 0; trial < 5; ++trial) {
+      std::vector<int64_t> docs(1 + rng() % 3);
+      for (int64_t& n : docs) n = 1000 + rng() % 30000;
+      const RingLayout L = weft::ops::ring_layout(docs, W, true);
+      std::vector<std::vector<RingStep>> steps(W);
+      for (int r = 0; r < W; ++r) steps[r] = weft::ops::ring_schedule_of(L, r);
+      for (int s = 0; s < W; ++s) {
+        int64_t most = 0, sum = 0;
+        for (int r = 0; r < W; ++r) {
+          most = std::max(most, steps[r][s].pairs());
+          sum += steps[r][s].pairs();
+        }
+        EXPECT_LE(double(most) * W / double(sum), 1.01) << "W " << W << " step " << s;
+      }
+    }
+}
+
+TEST(RingAttentionPlan, Errors) {
+  EXPECT_THROW(weft::ops::ring_layout({8}, 0, true), std::invalid_argument);
+  EXPECT_THROW(weft::ops::ring_layout({}, 2, true), std::invalid_argument);
+  EXPECT_THROW(weft::ops::ring_layout({4, -1}, 2, false), std::invalid_argument);
+  EXPECT_THROW(weft::ops::ring_schedule_of(weft::ops::ring_layout({8}, 2, true), 2), std::invalid_argument);
+  EXPECT_THROW(weft::ops::doc_lengths_from_offsets({1, 4}), std::invalid_argument);
+  EXPECT_THROW(weft::ops::doc_lengths_from_offsets({0, 4, 3}), std::invalid_argument);
+  EXPECT_EQ(weft::ops::doc_lengths_from_offsets({0, 4, 4, 9}), (std::vector<int64_t>{4, 0, 5}));
+}
