@@ -16,6 +16,7 @@
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/fused.hpp"
 #include "weft/runtime/communicator.hpp"
+#include "ops/ring_attention_plan.hpp"
 
 namespace py = pybind11;
 
@@ -208,6 +209,17 @@ PYBIND11_MODULE(_weft, m) {
       .def("__dlpack__", &SymTensor::dlpack, py::arg("stream") = py::none())
       .def("__dlpack_device__", [](const SymTensor& t) { return py::make_tuple(kDLCUDA, t.device); });
 
+  m.def(
+      "ring_shard_tokens",
+      [](const std::vector<int64_t>& doc_lengths, int world, int rank, bool causal) {
+        const weft::ops::RingLayout L = weft::ops::ring_layout(doc_lengths, world, causal);
+        if (rank < 0 || rank >= world)
+          throw std::invalid_argument("rank " + std::to_string(rank) + " outside a team of " +
+                                      std::to_string(world));
+        return weft::ops::ring_tokens(L, rank);
+      },
+      "Positions in the packed sequence of rank's local rows under ring attention's layout "
+      "(src/ops/ring_attention_plan.hpp)");
   m.def("dlpack_info", &dlpack_info,
         "Reads (ptr, shape, strides, dtype, device_type, device_id) of a DLPack capsule");
 

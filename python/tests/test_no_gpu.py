@@ -214,3 +214,37 @@ class NoGpu(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class RingShardTest(unittest.TestCase):
+    """Ring attention's sequence layout (the C++ plan through the module): zigzag parts, packed documents."""
+
+    def test_zigzag_parts(self):
+        self.assertEqual(weft.ring_shard_indices(2, 0, causal=True, seq_len=8), [0, 1, 6, 7])
+        self.assertEqual(weft.ring_shard_indices(2, 1, causal=True, seq_len=8), [2, 3, 4, 5])
+        self.assertEqual(weft.ring_shard_indices(2, 1, causal=False, seq_len=8), [4, 5, 6, 7])
+
+    def test_ranks_partition_any_lengths(self):
+        for world in (2, 3, 4, 8):
+            for causal in (False, True):
+                for kwargs in ({"seq_len": 1}, {"seq_len": 37}, {"cu_seqlens": [0, 5, 5, 22, 23]}):
+                    got = sorted(i for r in range(world)
+                                 for i in weft.ring_shard_indices(world, r, causal, **kwargs))
+                    n = kwargs.get("seq_len") or kwargs["cu_seqlens"][-1]
+                    self.assertEqual(got, list(range(n)), (world, causal, kwargs))
+
+    def test_packed_documents_stay_apart(self):
+        # Two documents of 4 tokens, 2 ranks, zigzag: each rank takes parts of both documents.
+        self.assertEqual(weft.ring_shard_indices(2, 0, True, cu_seqlens=[0, 4, 8]), [0, 3, 4, 7])
+
+    def test_errors(self):
+        with self.assertRaises(weft.WeftValueError):
+            weft.ring_shard_indices(0, 0, seq_len=8)
+        with self.assertRaises(weft.WeftValueError):
+            weft.ring_shard_indices(2, 2, seq_len=8)
+        with self.assertRaises(weft.WeftValueError):
+            weft.ring_shard_indices(2, 0, seq_len=8, cu_seqlens=[0, 8])
+        with self.assertRaises(weft.WeftValueError):
+            weft.ring_shard_indices(2, 0, cu_seqlens=[0, 5, 3])
+        with self.assertRaises(weft.WeftTypeError):
+            weft.ring_shard([1, 2, 3], 2, 0)

@@ -35,7 +35,7 @@ class WeftTypeError(WeftError, TypeError):
     """An argument of the wrong kind or dtype."""
 
 
-__all__ = ["init", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
+__all__ = ["ring_shard_indices", "ring_shard", "ring_unshard", "init", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
            "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
            "matmul_all_reduce", "flash_attention"]
 
@@ -459,6 +459,71 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
         raise WeftValueError(f"weft.flash_attention: softmax_scale must be positive, got {softmax_scale}")
     out, lse = _flash_attention_fn().apply(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale)
     return (out, lse) if return_lse else out
+
+
+def _ring_documents(seq_len, cu_seqlens):
+    if (seq_len is None) == (cu_seqlens is None):
+        raise WeftValueError("give either seq_len (one sequence) or cu_seqlens (a packed batch of documents)")
+    if seq_len is not None:
+        return [int(seq_len)]
+    offsets = [int(x) for x in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
+    if len(offsets) < 2 or offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise WeftValueError(f"cu_seqlens must start with 0, not decrease and hold at least one document, "
+                             f"got {offsets}")
+    return [b - a for a, b in zip(offsets, offsets[1:])]
+
+
+def ring_shard_indices(world, rank, causal=True, seq_len=None, cu_seqlens=None):
+    """Positions in the (packed) sequence of the rows rank `rank` of `world` holds for ring attention.
+
+    Each document (the whole sequence, or each of a packed batch given by cu_seqlens = [0, l0, l0 + l1, ...])
+    is cut into parts differing by at most one token: with causal=True 2 * world parts, rank r holding parts r
+    and 2 * world - 1 - r (zigzag: every rank gets equal causal work); else world parts, rank r holding part r.
+    A rank's rows are its parts of document 0, then of document 1, ... Returns a list of ints.
+    """
+    docs = _ring_documents(seq_len, cu_seqlens)
+    if world < 1 or not 0 <= rank < world:
+        raise WeftValueError(f"ring_shard_indices: rank {rank} of a team of {world}")
+    if any(n < 0 for n in docs):
+        raise WeftValueError(f"ring_shard_indices: negative sequence length in {docs}")
+    return _weft.ring_shard_tokens(docs, int(world), int(rank), bool(causal))
+
+
+def ring_shard(x, world, rank, causal=True, dim=1, cu_seqlens=None):
+    """This rank's rows of the torch tensor x along `dim` (the sequence), in ring attention's layout
+    (ring_shard_indices: zigzag when causal). cu_seqlens: x holds a packed batch of documents along dim."""
+    t = _torch_api()
+    if t is None or not isinstance(x, t.Tensor):
+        raise WeftTypeError("weft.ring_shard: x must be a torch tensor")
+    d = _dim(dim, x.dim())
+    idx = ring_shard_indices(world, rank, causal, seq_len=None if cu_seqlens is not None else x.shape[d],
+                             cu_seqlens=cu_seqlens)
+    if cu_seqlens is not None and (not idx or max(idx) >= x.shape[d]):
+        raise WeftValueError(f"weft.ring_shard: cu_seqlens covers more tokens than x has along dim {d}")
+    import torch
+    return x.index_select(d, torch.tensor(idx, dtype=torch.long, device=x.device))
+
+
+def ring_unshard(shards, causal=True, dim=1, cu_seqlens=None):
+    """The inverse of ring_shard: the whole sequence from the list of every rank's shard (rank order)."""
+    t = _torch_api()
+    if t is None or not shards or not all(isinstance(x, t.Tensor) for x in shards):
+        raise WeftTypeError("weft.ring_unshard: shards must be a non-empty list of torch tensors")
+    import torch
+    world = len(shards)
+    d = _dim(dim, shards[0].dim())
+    total = sum(x.shape[d] for x in shards)
+    shape = list(shards[0].shape)
+    shape[d] = total
+    out = shards[0].new_empty(shape)
+    for r, x in enumerate(shards):
+        idx = ring_shard_indices(world, r, causal, seq_len=None if cu_seqlens is not None else total,
+                                 cu_seqlens=cu_seqlens)
+        if len(idx) != x.shape[d]:
+            raise WeftValueError(f"weft.ring_unshard: rank {r}'s shard has {x.shape[d]} rows along dim {d}, "
+                                 f"the layout gives it {len(idx)}")
+        out.index_copy_(d, torch.tensor(idx, dtype=torch.long, device=x.device), x)
+    return out
 
 
 # Communicator's bound ops say what the module-level ones say.
