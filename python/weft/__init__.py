@@ -35,9 +35,9 @@ class WeftTypeError(WeftError, TypeError):
     """An argument of the wrong kind or dtype."""
 
 
-__all__ = ["ring_shard_indices", "ring_shard", "ring_unshard", "init", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
+__all__ = ["init", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
            "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
-           "matmul_all_reduce", "flash_attention"]
+           "matmul_all_reduce", "flash_attention", "ring_shard_indices", "ring_shard", "ring_unshard"]
 
 # DLPack device types (dlpack.h DLDeviceType) for messages.
 _DLPACK_DEVICES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI",
