@@ -50,24 +50,19 @@ struct RingLayout {
     if (zigzag) return {r, 2 * world - 1 - r};
     return {r};
   }
+  // doc_row[r][d]: rank r's first local row of document d (doc_row[r][documents]: its row count). Filled by
+  // ring_layout, so that a block's rows cost O(1) however many documents a packed batch holds.
+  std::vector<std::vector<int64_t>> doc_row;
+
   // First local row of rank r's part `c` of document d (c one of parts_of(r)), and rank r's row count.
   int64_t local_row(int r, int d, int c) const {
-    int64_t row = 0;
-    for (int e = 0; e < d; ++e)
-      for (int q : parts_of(r)) row += part_length(e, q);
-    for (int q : parts_of(r)) {
-      if (q == c) return row;
-      row += part_length(d, q);
-    }
+    const std::vector<int> held = parts_of(r);
+    if (c == held[0]) return doc_row[r][d];
+    if (held.size() > 1 && c == held[1]) return doc_row[r][d] + part_length(d, held[0]);
     throw std::invalid_argument("RingLayout::local_row: rank " + std::to_string(r) + " does not hold part " +
                                 std::to_string(c));
   }
-  int64_t local_rows(int r) const {
-    int64_t rows = 0;
-    for (size_t d = 0; d < doc_length.size(); ++d)
-      for (int c : parts_of(r)) rows += part_length(static_cast<int>(d), c);
-    return rows;
-  }
+  int64_t local_rows(int r) const { return doc_row[r].back(); }
 };
 
 inline RingLayout ring_layout(const std::vector<int64_t>& doc_length, int world, bool causal) {
@@ -76,7 +71,15 @@ inline RingLayout ring_layout(const std::vector<int64_t>& doc_length, int world,
   for (size_t d = 0; d < doc_length.size(); ++d)
     if (doc_length[d] < 0)
       throw std::invalid_argument("ring_layout: document " + std::to_string(d) + " has a negative length");
-  return RingLayout{world, causal, doc_length};
+  RingLayout L{world, causal, doc_length, {}};
+  L.doc_row.assign(world, std::vector<int64_t>(doc_length.size() + 1, 0));
+  for (int r = 0; r < world; ++r)
+    for (size_t d = 0; d < doc_length.size(); ++d) {
+      int64_t rows = 0;
+      for (int c : L.parts_of(r)) rows += L.part_length(static_cast<int>(d), c);
+      L.doc_row[r][d + 1] = L.doc_row[r][d] + rows;
+    }
+  return L;
 }
 
 // Document lengths from cumulative offsets (flash-attn's cu_seqlens: [0, l0, l0 + l1, ...]).
