@@ -29,6 +29,9 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   p.sched.heads = static_cast<int>(sh.heads);
   p.sched.q_blocks = static_cast<int>((sh.seq_q + Op::kBM - 1) / Op::kBM);
   p.sched.paired = c.options.causal;
+  p.sched.row_begin = c.options.segments.q_begin;
+  p.sched.row_end = c.options.segments.q_end;
+  p.sched.block_rows = Op::kBM;
   const int blocks = ops::attention_blocks(Launcher::max_resident_clusters(), c.options, p.sched.units());
   p.sched.compute_blocks = blocks;
   // L2 sections: as many (batch, head) pairs as have their K and V in 2/3 of L2 (the rest holds Q, O and
@@ -40,20 +43,27 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
 
   Plan plan;
   plan.op = "flash_attention_forward";
-  plan.path = c.options.causal ? "persistent attention, causal" : "persistent attention";
+  plan.path = std::string(c.options.causal ? "persistent attention, causal" : "persistent attention") +
+              (c.options.segments.packed() ? ", packed sequences" : "") +
+              (c.options.accumulate.enabled() ? ", accumulating in fp32" : "");
   plan.blocks = blocks;
   plan.cluster = 1;
   plan.smem_bytes = static_cast<int>(lcsc::kSmemBytes<Op>);
   plan.tiles = {Op::kBM, Op::kBN, kD, Op::kStages, 0, p.sched.units()};
   if (!launch) return plan;
 
-  p.q = ops::map_bshd(c.q, sh.batch, sh.seq_q, sh.heads, kD, Op::kBM, c.where + "q");
-  p.k = ops::map_bshd(c.k, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::kBN, c.where + "k");
-  p.v = ops::map_bshd(c.v, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::kBN, c.where + "v");
-  p.o = ops::map_bshd(c.out, sh.batch, sh.seq_q, sh.heads, kD, Op::Epilogue::kBoxRows, c.where + "out");
+  const AttentionSegments& seg = c.options.segments;
+  const AttentionAccumulate& acc = c.options.accumulate;
+  p.q = ops::map_rows(c.q, sh, seg, false, sh.heads, Op::kBM, c.where + "q");
+  p.k = ops::map_rows(c.k, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "k");
+  p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v");
+  if (!acc.enabled()) p.o = ops::map_rows(c.out, sh, seg, false, sh.heads, Op::Epilogue::kBoxRows, c.where + "out");
+  p.rows = {seg.q_begin, seg.q_end, seg.k_begin, seg.k_end, static_cast<int>(sh.seq_q),
+            static_cast<int>(sh.seq_k), static_cast<int>(seg.total_q)};
   p.lse = c.lse;
-  p.seq_q = static_cast<int>(sh.seq_q);
-  p.seq_k = static_cast<int>(sh.seq_k);
+  p.out = static_cast<__nv_bfloat16*>(c.out);
+  p.acc_o = acc.o;
+  p.acc_lse = acc.lse;
   p.heads = static_cast<int>(sh.heads);
   p.group = static_cast<int>(sh.heads / sh.kv_heads);
   const float scale = ops::attention_scale(sh, c.options);
@@ -66,13 +76,27 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
 
 Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   const ops::DeviceFacts dev = ops::check_attention_call(c.shape, dtype, c.options, c.where);
+  const AttentionAccumulate& acc = c.options.accumulate;
+  WEFT_CHECK(acc.enabled() == (acc.lse != nullptr),
+             c.where + "options.accumulate needs both o and lse (the running fp32 output and LSE)");
   if (launch) {
-    for (auto [p, name] :
-         {std::pair<const void*, const char*>{c.q, "q"}, {c.k, "k"}, {c.v, "v"}, {c.out, "out"}}) {
+    for (auto [p, name] : {std::pair<const void*, const char*>{c.q, "q"}, {c.k, "k"}, {c.v, "v"}}) {
       ops::check_pointer_alignment(p, name, 16, c.where);
       ops::check_device_memory(p, name, dev.device, c.where);
     }
+    if (c.out != nullptr || !acc.enabled()) {
+      ops::check_pointer_alignment(c.out, "out", 16, c.where);
+      ops::check_device_memory(c.out, "out", dev.device, c.where);
+    }
     if (c.lse) ops::check_pointer_alignment(c.lse, "lse", 4, c.where);
+    if (acc.enabled()) {
+      WEFT_CHECK(c.lse == nullptr, c.where + "accumulating: pass lse = null (the running LSE is accumulate.lse)");
+      ops::check_pointer_alignment(acc.o, "accumulate.o", 16, c.where);
+      ops::check_device_memory(acc.o, "accumulate.o", dev.device, c.where);
+      ops::check_pointer_alignment(acc.lse, "accumulate.lse", 4, c.where);
+      ops::check_device_memory(acc.lse, "accumulate.lse", dev.device, c.where);
+    }
+    ops::check_segment_arrays(c.options.segments, dev.device, c.where);
   }
   return c.shape.head_dim == 64 ? run<64>(c, stream, launch) : run<128>(c, stream, launch);
 }

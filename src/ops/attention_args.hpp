@@ -17,8 +17,22 @@ inline std::string attention_where(const char* op, const AttentionShape& s) {
          ", kv_heads=" + std::to_string(s.kv_heads) + ", head_dim=" + std::to_string(s.head_dim) + "): ";
 }
 
-// Shape checks with clear errors (no device needed).
-inline void check_attention_shape(const AttentionShape& s, const std::string& w) {
+// Shape checks with clear errors (no device needed). Packed sequences: `segments` (see AttentionSegments).
+inline void check_attention_shape(const AttentionShape& s, const AttentionSegments& seg, const std::string& w) {
+  if (seg.packed()) {
+    WEFT_CHECK(seg.q_end != nullptr && seg.k_begin != nullptr && seg.k_end != nullptr,
+               w + "packed sequences need all four of segments.q_begin, q_end, k_begin and k_end");
+    WEFT_CHECK(seg.total_q >= 1 && seg.total_k >= 1 && seg.total_q < (int64_t(1) << 31) &&
+                   seg.total_k < (int64_t(1) << 31),
+               w + "packed sequences: segments.total_q and total_k (rows of q and of k / v) must be in [1, "
+                   "2^31), got " + std::to_string(seg.total_q) + " and " + std::to_string(seg.total_k));
+    WEFT_CHECK(s.seq_q <= seg.total_q && s.seq_k <= seg.total_k,
+               w + "packed sequences: seq_q / seq_k are the longest sequences and cannot exceed total_q ("
+                   + std::to_string(seg.total_q) + ") / total_k (" + std::to_string(seg.total_k) + ")");
+  } else {
+    WEFT_CHECK(seg.q_end == nullptr && seg.k_begin == nullptr && seg.k_end == nullptr,
+               w + "segments.q_begin is null but other segment arrays are set: packed sequences need all four");
+  }
   WEFT_CHECK(s.batch >= 1 && s.seq_q >= 1 && s.seq_k >= 1 && s.heads >= 1 && s.kv_heads >= 1,
              w + "batch, seq_q, seq_k, heads and kv_heads must be at least 1");
   WEFT_CHECK(s.heads % s.kv_heads == 0, w + "heads (" + std::to_string(s.heads) +
@@ -35,7 +49,7 @@ inline void check_attention_shape(const AttentionShape& s, const std::string& w)
 // Shape, dtype, options and device checks with clear errors; returns the current device's facts.
 inline DeviceFacts check_attention_call(const AttentionShape& s, DType dtype, const AttentionOptions& o,
                                         const std::string& w) {
-  check_attention_shape(s, w);
+  check_attention_shape(s, o.segments, w);
   WEFT_CHECK(dtype == DType::kBF16, w + "tensors must be bf16 (DType::kBF16), got " + dtype_name(dtype));
   WEFT_CHECK(!std::isnan(o.softmax_scale) && o.softmax_scale >= 0.f,
              w + "softmax_scale must be positive (or 0 for 1 / sqrt(head_dim))");
@@ -52,22 +66,48 @@ inline float attention_scale(const AttentionShape& s, const AttentionOptions& o)
 
 // A [batch, seq, heads, dim] bf16 tensor as a 4-D map {dim, head, seq, batch} with box {64, 1, rows, 1}:
 // boxes clip at each sequence's end (loads past it read zeros, stores past it write nothing).
+// fp32 tensors (f32): box {32, 1, rows, 1}, 128 bytes across as well.
 inline CUtensorMap map_bshd(const void* base, int64_t batch, int64_t seq, int64_t heads, int64_t dim,
-                            uint32_t rows, const std::string& what) {
+                            uint32_t rows, const std::string& what, bool f32 = false) {
   tma::TensorNd t;
   t.base = base;
-  t.dtype = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  t.elem_bytes = 2;
+  t.dtype = f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  t.elem_bytes = f32 ? 4 : 2;
   t.rank = 4;
   t.dims[0] = uint64_t(dim);
   t.dims[1] = uint64_t(heads);
   t.dims[2] = uint64_t(seq);
   t.dims[3] = uint64_t(batch);
-  t.strides_bytes[1] = uint64_t(dim) * 2;
-  t.strides_bytes[2] = uint64_t(heads * dim) * 2;
-  t.strides_bytes[3] = uint64_t(seq * heads * dim) * 2;
-  const uint32_t box[4] = {64, 1, rows, 1};
+  t.strides_bytes[1] = uint64_t(dim) * t.elem_bytes;
+  t.strides_bytes[2] = uint64_t(heads * dim) * t.elem_bytes;
+  t.strides_bytes[3] = uint64_t(seq * heads * dim) * t.elem_bytes;
+  const uint32_t box[4] = {f32 ? 32u : 64u, 1, rows, 1};
   return tma::make_map(t, box, what);
+}
+
+// Packed sequences' arrays: device memory on `device`, int32-aligned.
+inline void check_segment_arrays(const AttentionSegments& seg, int device, const std::string& w) {
+  if (!seg.packed()) return;
+  for (auto [p, name] : {std::pair<const void*, const char*>{seg.q_begin, "segments.q_begin"},
+                         {seg.q_end, "segments.q_end"},
+                         {seg.k_begin, "segments.k_begin"},
+                         {seg.k_end, "segments.k_end"}}) {
+    check_pointer_alignment(p, name, 4, w);
+    check_device_memory(p, name, device, w);
+  }
+}
+
+// The map of q-like (rows = seq_q or total_q) or k-like tensors, dense or packed (one sequence of `total`
+// rows).
+inline CUtensorMap map_rows(const void* base, const AttentionShape& s, const AttentionSegments& seg, bool keys,
+                            int64_t heads, uint32_t box_rows, const std::string& what, bool f32 = false) {
+  if (seg.packed())
+    return map_bshd(base, 1, keys ? seg.total_k : seg.total_q, heads, s.head_dim, box_rows, what, f32);
+  return map_bshd(base, s.batch, keys ? s.seq_k : s.seq_q, heads, s.head_dim, box_rows, what, f32);
+}
+// Rows of q's layout seen as [rows, heads, dim].
+inline int64_t query_rows(const AttentionShape& s, const AttentionSegments& seg) {
+  return seg.packed() ? seg.total_q : s.batch * s.seq_q;
 }
 
 // Persistent blocks of an attention kernel: one per resident slot, capped by the SM budget and the items.

@@ -20,15 +20,16 @@ struct Call {
   std::string where;
 };
 
-// The workspace: the fp32 dQ accumulator, then LSE * log2(e) and D per padded query row.
+// The workspace: the fp32 dQ accumulator (q's layout), then LSE * log2(e) and D per query row, [heads,
+// rows_stride] each.
 struct Workspace {
-  int64_t q_blocks = 0, rows = 0;  // rows: batch * heads * q_blocks * 64
+  int64_t rows = 0, rows_stride = 0;
   size_t accum_bytes = 0, row_bytes = 0;
-  explicit Workspace(const AttentionShape& s) {
-    q_blocks = (s.seq_q + ops::kAttentionBwdBlockM - 1) / ops::kAttentionBwdBlockM;
-    rows = s.batch * s.heads * q_blocks * ops::kAttentionBwdBlockM;
-    accum_bytes = size_t(s.batch * s.heads * q_blocks) * ops::attention_dq_block_floats(int(s.head_dim)) * 4;
-    row_bytes = size_t(rows) * 4;  // a multiple of 256
+  Workspace(const AttentionShape& s, const AttentionSegments& seg) {
+    rows = ops::query_rows(s, seg);
+    rows_stride = (rows + 63) / 64 * 64;
+    accum_bytes = (size_t(rows * s.heads * s.head_dim) * 4 + 255) / 256 * 256;
+    row_bytes = size_t(s.heads * rows_stride) * 4;  // a multiple of 256
   }
   size_t bytes() const { return accum_bytes + 2 * row_bytes; }
 };
@@ -38,12 +39,16 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   using Op = ops::AttentionBwdOp<kD>;
   using Launcher = lcsc::Launcher<Op>;
   const AttentionShape& sh = c.shape;
-  const Workspace ws(sh);
+  const AttentionSegments& seg = c.options.segments;
+  const Workspace ws(sh, seg);
   typename Op::Params p{};
   p.sched.batch = static_cast<int>(sh.batch);
   p.sched.heads = static_cast<int>(sh.kv_heads);
   p.sched.q_blocks = static_cast<int>((sh.seq_k + Op::kBN - 1) / Op::kBN);  // key blocks
   p.sched.paired = c.options.causal;
+  p.sched.row_begin = seg.k_begin;
+  p.sched.row_end = seg.k_end;
+  p.sched.block_rows = Op::kBN;
   const int blocks = ops::attention_blocks(Launcher::max_resident_clusters(), c.options, p.sched.units());
   p.sched.compute_blocks = blocks;
   // L2 sections (lcsc/attention_scheduler.cuh): K / V heads whose group's Q, dO and dQ accumulator fit in
@@ -55,8 +60,9 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
 
   Plan plan;
   plan.op = "flash_attention_backward";
-  plan.path = c.options.causal ? "prepare, persistent attention backward (causal), convert dQ"
-                               : "prepare, persistent attention backward, convert dQ";
+  plan.path = std::string(c.options.causal ? "prepare, persistent attention backward (causal), convert dQ"
+                                           : "prepare, persistent attention backward, convert dQ") +
+              (seg.packed() ? ", packed sequences" : "");
   plan.blocks = blocks;
   plan.cluster = 1;
   plan.smem_bytes = static_cast<int>(lcsc::kSmemBytes<Op>);
@@ -70,41 +76,42 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   using bf16 = __nv_bfloat16;
   {
     constexpr int kThreads = 256;
-    const int64_t grid = (ws.rows * 32 + kThreads - 1) / kThreads;
+    const int64_t grid = (ws.rows * sh.heads * 32 + kThreads - 1) / kThreads;
     ops::attention_bwd_prepare<kD><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
         static_cast<const bf16*>(c.out), static_cast<const bf16*>(c.dout), c.lse, lse_log2, dsum,
-        static_cast<int>(sh.batch), static_cast<int>(sh.seq_q), static_cast<int>(sh.heads),
-        static_cast<int>(ws.q_blocks * ops::kAttentionBwdBlockM));
+        static_cast<int>(ws.rows), static_cast<int>(sh.heads), static_cast<int>(sh.seq_q), seg.packed(),
+        static_cast<int>(ws.rows_stride));
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
 
-  p.q = ops::map_bshd(c.q, sh.batch, sh.seq_q, sh.heads, kD, Op::kBM, c.where + "q");
-  p.dout = ops::map_bshd(c.dout, sh.batch, sh.seq_q, sh.heads, kD, Op::kBM, c.where + "dout");
-  p.k = ops::map_bshd(c.k, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::kBN, c.where + "k");
-  p.v = ops::map_bshd(c.v, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::kBN, c.where + "v");
-  p.dk = ops::map_bshd(c.dk, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::Epilogue::kBoxRows, c.where + "dk");
-  p.dv = ops::map_bshd(c.dv, sh.batch, sh.seq_k, sh.kv_heads, kD, Op::Epilogue::kBoxRows, c.where + "dv");
-  // The per-row terms as 2-D maps of 64-float rows, one per (batch, head, query block).
+  p.q = ops::map_rows(c.q, sh, seg, false, sh.heads, Op::kBM, c.where + "q");
+  p.dout = ops::map_rows(c.dout, sh, seg, false, sh.heads, Op::kBM, c.where + "dout");
+  p.k = ops::map_rows(c.k, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "k");
+  p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v");
+  p.dk = ops::map_rows(c.dk, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dk");
+  p.dv = ops::map_rows(c.dv, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dv");
+  p.dq_accum = ops::map_rows(accum, sh, seg, false, sh.heads, Op::kBM, c.where + "workspace (dQ)", true);
+  // The per-row terms: 2-D {rows, heads} maps, boxes of 64 rows.
   auto rows_map = [&](const float* base, const char* what) {
     tma::TensorNd t;
     t.base = base;
     t.dtype = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
     t.elem_bytes = 4;
     t.rank = 2;
-    t.dims[0] = Op::kBM;
-    t.dims[1] = uint64_t(ws.rows / Op::kBM);
-    t.strides_bytes[1] = Op::kBM * 4;
+    t.dims[0] = uint64_t(ws.rows);
+    t.dims[1] = uint64_t(sh.heads);
+    t.strides_bytes[1] = uint64_t(ws.rows_stride) * 4;
     const uint32_t box[2] = {Op::kBM, 1};
     return tma::make_map(t, box, c.where + what, CU_TENSOR_MAP_SWIZZLE_NONE);
   };
   p.lse_map = rows_map(lse_log2, "workspace (LSE)");
   p.dsum_map = rows_map(dsum, "workspace (D)");
-  p.dq_accum = accum;
-  p.seq_q = static_cast<int>(sh.seq_q);
-  p.seq_k = static_cast<int>(sh.seq_k);
+  p.rows = {seg.q_begin, seg.q_end, seg.k_begin, seg.k_end, static_cast<int>(sh.seq_q),
+            static_cast<int>(sh.seq_k), static_cast<int>(seg.total_q)};
+  p.dk_out = static_cast<bf16*>(c.dk);
+  p.dv_out = static_cast<bf16*>(c.dv);
   p.heads = static_cast<int>(sh.heads);
   p.group = static_cast<int>(group);
-  p.q_blocks = static_cast<int>(ws.q_blocks);
   const float scale = ops::attention_scale(sh, c.options);
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;
@@ -113,11 +120,9 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
 
   {
     constexpr int kThreads = 256;
-    const int64_t float4s = int64_t(ws.accum_bytes / 16);
-    ops::attention_bwd_convert_dq<kD>
-        <<<static_cast<unsigned>((float4s + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-            accum, static_cast<bf16*>(c.dq), static_cast<int>(sh.batch), static_cast<int>(sh.seq_q),
-            static_cast<int>(sh.heads), static_cast<int>(ws.q_blocks), scale);
+    const int64_t elements = ws.rows * sh.heads * kD;
+    ops::attention_bwd_convert_dq<<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads,
+                                    0, stream>>>(accum, static_cast<bf16*>(c.dq), elements, scale);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   return plan;
@@ -140,9 +145,12 @@ Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
     WEFT_CHECK(c.lse != nullptr, c.where + "lse (the forward's log-sum-exp) is required");
     ops::check_pointer_alignment(c.lse, "lse", 4, c.where);
     ops::check_device_memory(c.lse, "lse", dev.device, c.where);
-    const size_t need = Workspace(c.shape).bytes();
+    WEFT_CHECK(!c.options.accumulate.enabled(),
+               c.where + "options.accumulate is for the forward; the backward takes the forward's out and lse");
+    ops::check_segment_arrays(c.options.segments, dev.device, c.where);
+    const size_t need = Workspace(c.shape, c.options.segments).bytes();
     WEFT_CHECK(c.workspace != nullptr && c.workspace_bytes >= need,
-               c.where + "the workspace must hold flash_attention_backward_workspace_bytes() = " +
+               c.where + "the workspace must hold flash_attention_backward_workspace_bytes(shape, options) = " +
                    std::to_string(need) + " bytes, got " + std::to_string(c.workspace_bytes));
     ops::check_pointer_alignment(c.workspace, "workspace", 256, c.where);
     ops::check_device_memory(c.workspace, "workspace", dev.device, c.where);
@@ -156,9 +164,9 @@ std::string where(const AttentionShape& s) {
 
 }  // namespace
 
-size_t flash_attention_backward_workspace_bytes(const AttentionShape& shape) {
-  ops::check_attention_shape(shape, where(shape));
-  return Workspace(shape).bytes();
+size_t flash_attention_backward_workspace_bytes(const AttentionShape& shape, const AttentionOptions& options) {
+  ops::check_attention_shape(shape, options.segments, where(shape));
+  return Workspace(shape, options.segments).bytes();
 }
 
 void flash_attention_backward(const void* q, const void* k, const void* v, const void* out, const void* dout,

@@ -6,10 +6,12 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -41,117 +43,330 @@ float to_f(__nv_bfloat16 x) {
   return __bfloat162float(x);
 }
 
-std::string run_case(const Case& c, uint64_t seed) {
-  const int64_t qn = c.batch * c.seq_q * c.heads * c.dim, kn = c.batch * c.seq_k * c.kv_heads * c.dim;
+// The attention problem in its packed view: q [rows_q, heads, dim], k / v [rows_k, kv_heads, dim]; sequence
+// b is query rows [q0, q0 + q_len) and key rows [k0, k0 + k_len). Dense [batch, seq, heads, dim] tensors
+// are the packed view with sequence b at rows b * seq.
+struct Seq {
+  int64_t q0, q_len, k0, k_len;
+};
+struct Problem {
+  int64_t rows_q = 0, rows_k = 0, heads = 0, kv_heads = 0, dim = 0;
+  bool causal = false, packed = false;  // packed: LSE [heads, rows_q]; dense: [batch, heads, seq_q]
+  double scale = 0;
+  int64_t seq_q = 0;  // dense: each sequence's rows
+  std::vector<Seq> seqs;
+  int64_t lse_index(int64_t b, int64_t h, int64_t i) const {
+    return packed ? h * rows_q + seqs[b].q0 + i : (b * heads + h) * seq_q + i;
+  }
+  int64_t last_key(const Seq& s, int64_t i) const {  // of query i of sequence s (-1: none)
+    return causal ? std::min(s.k_len - 1, i + s.k_len - s.q_len) : s.k_len - 1;
+  }
+};
+
+Problem dense_problem(const Case& c) {
+  Problem pr;
+  pr.rows_q = c.batch * c.seq_q;
+  pr.rows_k = c.batch * c.seq_k;
+  pr.heads = c.heads;
+  pr.kv_heads = c.kv_heads;
+  pr.dim = c.dim;
+  pr.causal = c.causal;
+  pr.scale = c.scale > 0 ? c.scale : 1.0 / std::sqrt(double(c.dim));
+  pr.seq_q = c.seq_q;
+  for (int64_t b = 0; b < c.batch; ++b) pr.seqs.push_back({b * c.seq_q, c.seq_q, b * c.seq_k, c.seq_k});
+  return pr;
+}
+
+// fp64 forward over every sequence: O (q's layout) and LSE (lse's layout, -inf for rows that see no key);
+// `covered` marks the query rows of some sequence.
+struct ForwardRef {
+  std::vector<double> o, lse;
+  std::vector<char> covered;
+};
+ForwardRef reference_forward(const Problem& pr, const std::vector<__nv_bfloat16>& q,
+                             const std::vector<__nv_bfloat16>& k, const std::vector<__nv_bfloat16>& v) {
+  const int64_t H = pr.heads, KV = pr.kv_heads, D = pr.dim, group = H / KV;
+  ForwardRef r;
+  r.o.assign(pr.rows_q * H * D, 0.0);
+  r.lse.assign(pr.rows_q * H, 0.0);
+  r.covered.assign(pr.rows_q, 0);
+  // Work items: (sequence, head, query row).
+  std::vector<std::array<int64_t, 3>> items;
+  for (int64_t b = 0; b < int64_t(pr.seqs.size()); ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < pr.seqs[b].q_len; ++i) items.push_back({b, h, i});
+  for (const Seq& s : pr.seqs)
+    for (int64_t i = 0; i < s.q_len; ++i) r.covered[s.q0 + i] = 1;
+  weft::test::parallel_for(items.size(), [&](size_t i0, size_t i1) {
+    std::vector<double> p;
+    for (size_t it = i0; it < i1; ++it) {
+      const auto [b, h, i] = items[it];
+      const Seq& s = pr.seqs[b];
+      const int64_t hk = h / group, last = pr.last_key(s, i);
+      const __nv_bfloat16* qr = &q[((s.q0 + i) * H + h) * D];
+      double* o = &r.o[((s.q0 + i) * H + h) * D];
+      p.assign(std::max<int64_t>(last + 1, 0), 0.0);
+      double mx = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j <= last; ++j) {
+        const __nv_bfloat16* kr = &k[((s.k0 + j) * KV + hk) * D];
+        double dot = 0;
+        for (int64_t d = 0; d < D; ++d) dot += double(to_f(qr[d])) * to_f(kr[d]);
+        mx = std::max(mx, p[j] = dot * pr.scale);
+      }
+      double sum = 0;
+      for (int64_t j = 0; j <= last; ++j) {
+        sum += (p[j] = std::exp(p[j] - mx));
+        const __nv_bfloat16* vr = &v[((s.k0 + j) * KV + hk) * D];
+        for (int64_t d = 0; d < D; ++d) o[d] += p[j] * to_f(vr[d]);
+      }
+      if (last >= 0)
+        for (int64_t d = 0; d < D; ++d) o[d] /= sum;
+      r.lse[pr.lse_index(b, h, i)] = last >= 0 ? mx + std::log(sum) : -std::numeric_limits<double>::infinity();
+    }
+  }, 64);
+  return r;
+}
+
+// Compares a forward's out (bf16, or fp32 when out_f32) and LSE with the reference over the covered rows;
+// rows of no sequence must still hold the poison (0xff bytes). Pass: |O - ref| <= 5e-3 + 5e-3 |ref|, |LSE -
+// ref| <= 1e-3 (1 + |ref|), -inf exactly where the reference has it.
+std::string check_forward(const Problem& pr, const ForwardRef& ref, const std::vector<__nv_bfloat16>& out,
+                          const std::vector<float>& out_f32, const std::vector<float>& lse,
+                          const std::string& label) {
+  const int64_t H = pr.heads, D = pr.dim;
+  double w = 0, wl = 0;
+  int64_t bad_o = 0, bad_lse = 0, bad_untouched = 0;
+  std::string first;
+  for (int64_t row = 0; row < pr.rows_q; ++row)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t e = (row * H + h) * D + d;
+        if (!ref.covered[row]) {
+          uint16_t bits = 0xffff;
+          if (!out.empty()) std::memcpy(&bits, &out[e], 2);
+          if (bits != 0xffff) ++bad_untouched;
+          continue;
+        }
+        const double got = out_f32.empty() ? double(to_f(out[e])) : double(out_f32[e]);
+        const double err = std::isfinite(got) ? std::abs(got - ref.o[e]) : 1e30;
+        w = std::max(w, err);
+        if (!(err <= 5e-3 + 5e-3 * std::abs(ref.o[e]))) {
+          if (bad_o++ == 0) first = " first O error at row " + std::to_string(row) + " head " + std::to_string(h);
+        }
+      }
+  for (int64_t b = 0; b < int64_t(pr.seqs.size()); ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < pr.seqs[b].q_len; ++i) {
+        const int64_t x = pr.lse_index(b, h, i);
+        const double rl = ref.lse[x], gl = lse[x];
+        if (std::isinf(rl)) {
+          if (!(std::isinf(gl) && gl < 0)) ++bad_lse;
+          continue;
+        }
+        const double e = std::isfinite(gl) ? std::abs(gl - rl) : 1e30;
+        wl = std::max(wl, e);
+        if (!(e <= 1e-3 * (1 + std::abs(rl)))) ++bad_lse;
+      }
+  const std::string what = label + ": max |O err| " + std::to_string(w) + ", max |LSE err| " + std::to_string(wl);
+  std::fprintf(stderr, "  %s\n", what.c_str());
+  if (bad_o + bad_lse + bad_untouched == 0) return {};
+  return what + "; " + std::to_string(bad_o) + " O elements and " + std::to_string(bad_lse) +
+         " LSE rows out of tolerance, " + std::to_string(bad_untouched) + " elements of rows in no sequence written;" +
+         first;
+}
+
+std::string case_label(const Case& c) {
+  return "B=" + std::to_string(c.batch) + " Sq=" + std::to_string(c.seq_q) + " Sk=" + std::to_string(c.seq_k) +
+         " H=" + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " D=" + std::to_string(c.dim) +
+         (c.causal ? " causal" : "") + (c.max_blocks ? " blocks=" + std::to_string(c.max_blocks) : std::string());
+}
+
+// Packed sequences on the device: the four range arrays.
+struct DeviceSegments {
+  DeviceBuffer buf;
+  AttentionSegments seg;
+  DeviceSegments(const Problem& pr) : buf(pr.seqs.size() * 16) {
+    const size_t n = pr.seqs.size();
+    std::vector<int32_t> h(4 * n);
+    for (size_t b = 0; b < n; ++b) {
+      const Seq& s = pr.seqs[b];
+      h[b] = int32_t(s.q0);
+      h[n + b] = int32_t(s.q0 + s.q_len);
+      h[2 * n + b] = int32_t(s.k0);
+      h[3 * n + b] = int32_t(s.k0 + s.k_len);
+    }
+    WEFT_CUDA_CHECK(cudaMemcpy(buf.p, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+    const int32_t* a = buf.as<int32_t>();
+    seg = {a, a + n, a + 2 * n, a + 3 * n, pr.rows_q, pr.rows_k};
+  }
+};
+
+// The call's shape: dense [batch, seq, ...], or packed with the longest sequences.
+AttentionShape shape_of(const Problem& pr) {
+  if (!pr.packed)
+    return {int64_t(pr.seqs.size()), pr.seq_q, pr.rows_k / int64_t(pr.seqs.size()), pr.heads, pr.kv_heads,
+            pr.dim};
+  int64_t mq = 1, mk = 1;
+  for (const Seq& s : pr.seqs) mq = std::max(mq, s.q_len), mk = std::max(mk, s.k_len);
+  return {int64_t(pr.seqs.size()), mq, mk, pr.heads, pr.kv_heads, pr.dim};
+}
+
+std::string run_forward(const Problem& pr, uint64_t seed, int max_blocks, const std::string& label) {
+  const int64_t qn = pr.rows_q * pr.heads * pr.dim, kn = pr.rows_k * pr.kv_heads * pr.dim;
   const auto q = random_bf16(qn, seed), k = random_bf16(kn, seed + 1), v = random_bf16(kn, seed + 2);
-  DeviceBuffer dq(qn * 2), dk(kn * 2), dv(kn * 2), dout(qn * 2), dlse(c.batch * c.heads * c.seq_q * 4);
+  DeviceBuffer dq(qn * 2), dk(kn * 2), dv(kn * 2), dout(qn * 2), dlse(pr.rows_q * pr.heads * 4);
   WEFT_CUDA_CHECK(cudaMemcpy(dq.p, q.data(), qn * 2, cudaMemcpyHostToDevice));
   WEFT_CUDA_CHECK(cudaMemcpy(dk.p, k.data(), kn * 2, cudaMemcpyHostToDevice));
   WEFT_CUDA_CHECK(cudaMemcpy(dv.p, v.data(), kn * 2, cudaMemcpyHostToDevice));
   WEFT_CUDA_CHECK(cudaMemset(dout.p, 0xff, qn * 2));
   WEFT_CUDA_CHECK(cudaMemset(dlse.p, 0xff, dlse.bytes));
   AttentionOptions o;
-  o.causal = c.causal;
-  o.softmax_scale = c.scale;
-  o.max_blocks = c.max_blocks;
-  const AttentionShape shape{c.batch, c.seq_q, c.seq_k, c.heads, c.kv_heads, c.dim};
-  flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape, DType::kBF16, nullptr, o);
+  o.causal = pr.causal;
+  o.softmax_scale = float(pr.scale);
+  o.max_blocks = max_blocks;
+  std::unique_ptr<DeviceSegments> segs;
+  if (pr.packed) o.segments = (segs = std::make_unique<DeviceSegments>(pr))->seg;
+  flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape_of(pr), DType::kBF16, nullptr, o);
   WEFT_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<__nv_bfloat16> out(qn);
-  std::vector<float> lse(c.batch * c.heads * c.seq_q);
+  std::vector<float> lse(pr.rows_q * pr.heads);
   WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout.p, qn * 2, cudaMemcpyDeviceToHost));
   WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), dlse.p, lse.size() * 4, cudaMemcpyDeviceToHost));
+  return check_forward(pr, reference_forward(pr, q, k, v), out, {}, lse, label);
+}
 
-  const double scale = c.scale > 0 ? c.scale : 1.0 / std::sqrt(double(c.dim));
-  const int64_t group = c.heads / c.kv_heads, rows = c.batch * c.heads * c.seq_q;
-  std::vector<double> worst(rows, 0.0), worst_lse(rows, 0.0);
-  std::vector<int> bad(rows, 0);
-  weft::test::parallel_for(size_t(rows), [&](size_t r0, size_t r1) {
-    std::vector<double> p(c.seq_k), acc(c.dim);
-    for (size_t r = r0; r < r1; ++r) {
-      const int64_t i = int64_t(r) % c.seq_q, h = int64_t(r) / c.seq_q % c.heads,
-                    b = int64_t(r) / c.seq_q / c.heads;
-      const int64_t hk = h / group;
-      const __nv_bfloat16* qr = &q[((b * c.seq_q + i) * c.heads + h) * c.dim];
-      int64_t last = c.seq_k - 1;
-      if (c.causal) last = std::min(last, i + c.seq_k - c.seq_q);
-      double mx = -std::numeric_limits<double>::infinity();
-      for (int64_t j = 0; j <= last; ++j) {
-        const __nv_bfloat16* kr = &k[((b * c.seq_k + j) * c.kv_heads + hk) * c.dim];
-        double s = 0;
-        for (int64_t d = 0; d < c.dim; ++d) s += double(to_f(qr[d])) * to_f(kr[d]);
-        p[j] = s * scale;
-        mx = std::max(mx, p[j]);
-      }
-      double sum = 0;
-      std::fill(acc.begin(), acc.end(), 0.0);
-      for (int64_t j = 0; j <= last; ++j) {
-        p[j] = std::exp(p[j] - mx);
-        sum += p[j];
-        const __nv_bfloat16* vr = &v[((b * c.seq_k + j) * c.kv_heads + hk) * c.dim];
-        for (int64_t d = 0; d < c.dim; ++d) acc[d] += p[j] * to_f(vr[d]);
-      }
-      const double ref_lse = last >= 0 ? mx + std::log(sum) : -std::numeric_limits<double>::infinity();
-      const float got_lse = lse[(b * c.heads + h) * c.seq_q + i];
-      if (std::isinf(ref_lse)) {
-        if (!(std::isinf(got_lse) && got_lse < 0)) bad[r] |= 2;
-      } else {
-        const double e = std::abs(double(got_lse) - ref_lse);
-        if (!(e <= 1e-3 * (1 + std::abs(ref_lse)))) bad[r] |= 2;
-        worst_lse[r] = std::isfinite(got_lse) ? e : 1e30;
-      }
-      for (int64_t d = 0; d < c.dim; ++d) {
-        const double ref = last >= 0 ? acc[d] / sum : 0.0;
-        const double got = to_f(out[((b * c.seq_q + i) * c.heads + h) * c.dim + d]);
-        const double e = std::isfinite(got) ? std::abs(got - ref) : 1e30;
-        worst[r] = std::max(worst[r], e);
-        if (!(e <= 5e-3 + 5e-3 * std::abs(ref))) bad[r] |= 1;
-      }
-    }
-  });
-  double w = 0, wl = 0;
-  int64_t bad_rows = 0, first_bad = -1;
-  for (int64_t r = 0; r < rows; ++r) {
-    w = std::max(w, worst[r]);
-    wl = std::max(wl, worst_lse[r]);
-    if (bad[r]) {
-      ++bad_rows;
-      if (first_bad < 0) first_bad = r;
-    }
+std::string run_case(const Case& c, uint64_t seed) {
+  return run_forward(dense_problem(c), seed, c.max_blocks, case_label(c));
+}
+
+// Packed sequences: (query rows, key rows) per sequence, `gap` rows of no sequence before each one (they
+// must come out untouched).
+struct PackedCase {
+  std::vector<std::array<int64_t, 2>> lengths;
+  int64_t gap, heads, kv_heads, dim;
+  bool causal;
+  int max_blocks = 0;
+};
+Problem packed_problem(const PackedCase& c) {
+  Problem pr;
+  pr.heads = c.heads;
+  pr.kv_heads = c.kv_heads;
+  pr.dim = c.dim;
+  pr.causal = c.causal;
+  pr.packed = true;
+  pr.scale = 1.0 / std::sqrt(double(c.dim));
+  for (const auto& [lq, lk] : c.lengths) {
+    pr.seqs.push_back({pr.rows_q + c.gap, lq, pr.rows_k + c.gap, lk});
+    pr.rows_q += c.gap + lq;
+    pr.rows_k += c.gap + lk;
   }
-  std::string what = "B=" + std::to_string(c.batch) + " Sq=" + std::to_string(c.seq_q) +
-                     " Sk=" + std::to_string(c.seq_k) + " H=" + std::to_string(c.heads) + "/" +
-                     std::to_string(c.kv_heads) + " D=" + std::to_string(c.dim) +
-                     (c.causal ? " causal" : "") + ": max |O err| " + std::to_string(w) + ", max |LSE err| " +
-                     std::to_string(wl);
-  std::fprintf(stderr, "  %s\n", what.c_str());
-  if (bad_rows == 0) return {};
-  return what + "; " + std::to_string(bad_rows) + " rows out of tolerance, first row " +
-         std::to_string(first_bad) + (bad[first_bad] & 1 ? " (O)" : "") +
-         (bad[first_bad] & 2 ? " (LSE)" : "");
+  pr.rows_q += c.gap;  // rows after the last sequence, too
+  pr.rows_k += c.gap;
+  return pr;
+}
+std::string packed_label(const PackedCase& c) {
+  std::string s = "packed";
+  for (const auto& [lq, lk] : c.lengths)
+    s += " " + std::to_string(lq) + (lq == lk ? "" : "/" + std::to_string(lk));
+  return s + " gap=" + std::to_string(c.gap) + " H=" + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) +
+         " D=" + std::to_string(c.dim) + (c.causal ? " causal" : "") +
+         (c.max_blocks ? " blocks=" + std::to_string(c.max_blocks) : std::string());
+}
+
+// Partial attention: the keys of each sequence (dense [batch, seq, heads, dim], seq_q = seq_k) cut into
+// `parts` blocks, merged call by call into a running fp32 O and LSE as ring attention's steps would: without
+// a causal mask one call per block (every query against the block); with one, per block [c0, c1) the
+// diagonal (queries [c0, c1), causal) and the rows below it (queries [c1, seq), no mask). The fp32 result and
+// the bf16 `out` of the last call against the fp64 reference over all keys at once.
+std::string run_accumulate_case(const Case& c, int parts, uint64_t seed) {
+  Problem pr = dense_problem(c);
+  pr.packed = true;  // the calls see the batch as one packed sequence of ranges; LSE [heads, rows]
+  const int64_t qn = pr.rows_q * pr.heads * pr.dim, kn = pr.rows_k * pr.kv_heads * pr.dim;
+  const auto q = random_bf16(qn, seed), k = random_bf16(kn, seed + 1), v = random_bf16(kn, seed + 2);
+  DeviceBuffer dq(qn * 2), dk(kn * 2), dv(kn * 2), dout(qn * 2), acc_o(qn * 4), acc_lse(pr.rows_q * pr.heads * 4);
+  WEFT_CUDA_CHECK(cudaMemcpy(dq.p, q.data(), qn * 2, cudaMemcpyHostToDevice));
+  WEFT_CUDA_CHECK(cudaMemcpy(dk.p, k.data(), kn * 2, cudaMemcpyHostToDevice));
+  WEFT_CUDA_CHECK(cudaMemcpy(dv.p, v.data(), kn * 2, cudaMemcpyHostToDevice));
+  WEFT_CUDA_CHECK(cudaMemset(dout.p, 0xff, qn * 2));
+  WEFT_CUDA_CHECK(cudaMemset(acc_o.p, 0, acc_o.bytes));
+  {
+    std::vector<float> minf(pr.rows_q * pr.heads, -std::numeric_limits<float>::infinity());
+    WEFT_CUDA_CHECK(cudaMemcpy(acc_lse.p, minf.data(), acc_lse.bytes, cudaMemcpyHostToDevice));
+  }
+  struct Call {
+    Problem pr;
+    bool causal;
+  };
+  std::vector<Call> calls;
+  const int64_t S = c.seq_q;
+  for (int part = 0; part < parts; ++part) {
+    const int64_t c0 = S * part / parts, c1 = S * (part + 1) / parts;
+    Problem diag = pr, below = pr;
+    diag.seqs.clear();
+    below.seqs.clear();
+    for (int64_t b = 0; b < c.batch; ++b) {
+      if (c.causal) {
+        diag.seqs.push_back({b * S + c0, c1 - c0, b * S + c0, c1 - c0});
+        below.seqs.push_back({b * S + c1, S - c1, b * S + c0, c1 - c0});
+      } else {
+        diag.seqs.push_back({b * S, S, b * S + c0, c1 - c0});
+      }
+    }
+    calls.push_back({diag, c.causal});
+    if (c.causal && c1 < S) calls.push_back({below, false});
+  }
+  std::vector<std::unique_ptr<DeviceSegments>> keep;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    AttentionOptions o;
+    o.causal = calls[i].causal;
+    o.softmax_scale = float(pr.scale);
+    o.max_blocks = c.max_blocks;
+    keep.push_back(std::make_unique<DeviceSegments>(calls[i].pr));
+    o.segments = keep.back()->seg;
+    o.accumulate = {acc_o.as<float>(), acc_lse.as<float>()};
+    // Without a mask the last call covers every row: it also writes the merged result in bf16.
+    const bool last = i + 1 == calls.size() && !c.causal;
+    flash_attention_forward(dq.p, dk.p, dv.p, last ? dout.p : nullptr, nullptr, shape_of(calls[i].pr),
+                            DType::kBF16, nullptr, o);
+  }
+  WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<__nv_bfloat16> out(qn);
+  std::vector<float> o32(qn), lse(pr.rows_q * pr.heads);
+  WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout.p, qn * 2, cudaMemcpyDeviceToHost));
+  WEFT_CUDA_CHECK(cudaMemcpy(o32.data(), acc_o.p, qn * 4, cudaMemcpyDeviceToHost));
+  WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), acc_lse.p, lse.size() * 4, cudaMemcpyDeviceToHost));
+  const ForwardRef ref = reference_forward(pr, q, k, v);
+  const std::string label = case_label(c) + " in " + std::to_string(parts) + " accumulated parts (" +
+                            std::to_string(calls.size()) + " calls)";
+  std::string e = check_forward(pr, ref, {}, o32, lse, label + ", fp32");
+  if (e.empty() && !c.causal) e = check_forward(pr, ref, out, {}, lse, label + ", bf16 out");
+  return e;
 }
 
 // Backward: weft's forward gives out and lse, weft's backward dq, dk, dv for a random dout; the fp64
 // reference recomputes everything from the bf16 q, k, v, dout. Per tensor, pass when every element is within
 // 1e-5 + 2e-2 max|ref| + 2e-2 |ref| (P and dS are rounded to bf16 before their products, as in flash-attn;
-// the gradients sum up to seq terms each); the report gives the largest error relative to max|ref|.
-std::string run_backward_case(const Case& c, uint64_t seed) {
-  const int64_t qn = c.batch * c.seq_q * c.heads * c.dim, kn = c.batch * c.seq_k * c.kv_heads * c.dim;
+// the gradients sum up to seq terms each); the report gives the largest error relative to max|ref|. Rows of
+// no sequence: dq there must be 0, dk / dv untouched (the poison).
+std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const std::string& label) {
+  const int64_t H = pr.heads, KV = pr.kv_heads, D = pr.dim, group = H / KV;
+  const int64_t qn = pr.rows_q * H * D, kn = pr.rows_k * KV * D;
   const auto q = random_bf16(qn, seed), k = random_bf16(kn, seed + 1), v = random_bf16(kn, seed + 2),
              go = random_bf16(qn, seed + 3);
-  const AttentionShape shape{c.batch, c.seq_q, c.seq_k, c.heads, c.kv_heads, c.dim};
+  const AttentionShape shape = shape_of(pr);
   AttentionOptions o;
-  o.causal = c.causal;
-  o.softmax_scale = c.scale;
-  o.max_blocks = c.max_blocks;
-  DeviceBuffer dq(qn * 2), dk(kn * 2), dv(kn * 2), dout(qn * 2), dgo(qn * 2),
-      dlse(c.batch * c.heads * c.seq_q * 4), ddq(qn * 2), ddk(kn * 2), ddv(kn * 2),
-      ws(flash_attention_backward_workspace_bytes(shape));
+  o.causal = pr.causal;
+  o.softmax_scale = float(pr.scale);
+  o.max_blocks = max_blocks;
+  std::unique_ptr<DeviceSegments> segs;
+  if (pr.packed) o.segments = (segs = std::make_unique<DeviceSegments>(pr))->seg;
+  DeviceBuffer dq(qn * 2), dk(kn * 2), dv(kn * 2), dout(qn * 2), dgo(qn * 2), dlse(pr.rows_q * H * 4),
+      ddq(qn * 2), ddk(kn * 2), ddv(kn * 2), ws(flash_attention_backward_workspace_bytes(shape, o));
   WEFT_CUDA_CHECK(cudaMemcpy(dq.p, q.data(), qn * 2, cudaMemcpyHostToDevice));
   WEFT_CUDA_CHECK(cudaMemcpy(dk.p, k.data(), kn * 2, cudaMemcpyHostToDevice));
   WEFT_CUDA_CHECK(cudaMemcpy(dv.p, v.data(), kn * 2, cudaMemcpyHostToDevice));
   WEFT_CUDA_CHECK(cudaMemcpy(dgo.p, go.data(), qn * 2, cudaMemcpyHostToDevice));
-  for (DeviceBuffer* b : {&ddq, &ddk, &ddv, &ws}) WEFT_CUDA_CHECK(cudaMemset(b->p, 0xff, b->bytes));
+  for (DeviceBuffer* b : {&ddq, &ddk, &ddv, &ws, &dout}) WEFT_CUDA_CHECK(cudaMemset(b->p, 0xff, b->bytes));
   flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape, DType::kBF16, nullptr, o);
   flash_attention_backward(dq.p, dk.p, dv.p, dout.p, dgo.p, dlse.as<float>(), ddq.p, ddk.p, ddv.p, ws.p,
                            ws.bytes, shape, DType::kBF16, nullptr, o);
@@ -161,95 +376,96 @@ std::string run_backward_case(const Case& c, uint64_t seed) {
   WEFT_CUDA_CHECK(cudaMemcpy(gk.data(), ddk.p, kn * 2, cudaMemcpyDeviceToHost));
   WEFT_CUDA_CHECK(cudaMemcpy(gv.data(), ddv.p, kn * 2, cudaMemcpyDeviceToHost));
 
-  const double scale = c.scale > 0 ? c.scale : 1.0 / std::sqrt(double(c.dim));
-  const int64_t group = c.heads / c.kv_heads, D = c.dim;
-  auto at_q = [&](const std::vector<__nv_bfloat16>& t, int64_t b, int64_t i, int64_t h) {
-    return &t[((b * c.seq_q + i) * c.heads + h) * D];
-  };
-  auto at_k = [&](const std::vector<__nv_bfloat16>& t, int64_t b, int64_t j, int64_t h) {
-    return &t[((b * c.seq_k + j) * c.kv_heads + h) * D];
-  };
   auto dot = [&](const __nv_bfloat16* x, const __nv_bfloat16* y) {
     double s = 0;
     for (int64_t d = 0; d < D; ++d) s += double(to_f(x[d])) * to_f(y[d]);
     return s;
   };
-  auto last_key = [&](int64_t i) {
-    return c.causal ? std::min(c.seq_k - 1, i + c.seq_k - c.seq_q) : c.seq_k - 1;
-  };
-  // Pass 1, per query row: LSE, D = dO . O, and dQ.
-  const int64_t rows = c.batch * c.heads * c.seq_q;
-  std::vector<double> lse(rows), dsum(rows), ref_dq(qn, 0.0), ref_dk(kn, 0.0), ref_dv(kn, 0.0);
-  weft::test::parallel_for(
-      size_t(rows),
-      [&](size_t r0, size_t r1) {
-        std::vector<double> p(c.seq_k), dp(c.seq_k), o(D);
-        for (int64_t r = int64_t(r0); r < int64_t(r1); ++r) {
-          const int64_t i = r % c.seq_q, h = r / c.seq_q % c.heads, b = r / c.seq_q / c.heads, hk = h / group;
-          const int64_t last = last_key(i);
-          if (last < 0) {
-            lse[r] = std::numeric_limits<double>::infinity();  // P = 0
-            continue;
-          }
-          double mx = -std::numeric_limits<double>::infinity();
-          for (int64_t j = 0; j <= last; ++j)
-            mx = std::max(mx, p[j] = scale * dot(at_q(q, b, i, h), at_k(k, b, j, hk)));
-          double sum = 0;
-          for (int64_t j = 0; j <= last; ++j) sum += (p[j] = std::exp(p[j] - mx));
-          std::fill(o.begin(), o.end(), 0.0);
-          for (int64_t j = 0; j <= last; ++j) {
-            p[j] /= sum;
-            const __nv_bfloat16* vr = at_k(v, b, j, hk);
-            for (int64_t d = 0; d < D; ++d) o[d] += p[j] * to_f(vr[d]);
-          }
-          lse[r] = mx + std::log(sum);
-          double dsr = 0;
-          for (int64_t d = 0; d < D; ++d) dsr += o[d] * to_f(at_q(go, b, i, h)[d]);
-          dsum[r] = dsr;
-          double* dqr = &ref_dq[((b * c.seq_q + i) * c.heads + h) * D];
-          for (int64_t j = 0; j <= last; ++j) {
-            const double ds = p[j] * (dot(at_q(go, b, i, h), at_k(v, b, j, hk)) - dsr);
-            const __nv_bfloat16* kr = at_k(k, b, j, hk);
-            for (int64_t d = 0; d < D; ++d) dqr[d] += scale * ds * to_f(kr[d]);
+  auto qrow = [&](const std::vector<__nv_bfloat16>& t, int64_t row, int64_t h) { return &t[(row * H + h) * D]; };
+  auto krow = [&](const std::vector<__nv_bfloat16>& t, int64_t row, int64_t h) { return &t[(row * KV + h) * D]; };
+  // Pass 1, per (sequence, head, query row): LSE, D = dO . O, and dQ.
+  std::vector<std::array<int64_t, 3>> qitems, kitems;
+  for (int64_t b = 0; b < int64_t(pr.seqs.size()); ++b) {
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < pr.seqs[b].q_len; ++i) qitems.push_back({b, h, i});
+    for (int64_t h = 0; h < KV; ++h)
+      for (int64_t j = 0; j < pr.seqs[b].k_len; ++j) kitems.push_back({b, h, j});
+  }
+  std::vector<double> lse(pr.rows_q * H), dsum(pr.rows_q * H), ref_dq(qn, 0.0), ref_dk(kn, 0.0),
+      ref_dv(kn, 0.0);
+  std::vector<char> q_covered(pr.rows_q, 0), k_covered(pr.rows_k, 0);
+  for (const Seq& s : pr.seqs) {
+    for (int64_t i = 0; i < s.q_len; ++i) q_covered[s.q0 + i] = 1;
+    for (int64_t j = 0; j < s.k_len; ++j) k_covered[s.k0 + j] = 1;
+  }
+  weft::test::parallel_for(qitems.size(), [&](size_t r0, size_t r1) {
+    std::vector<double> p, o(D);
+    for (size_t it = r0; it < r1; ++it) {
+      const auto [b, h, i] = qitems[it];
+      const Seq& s = pr.seqs[b];
+      const int64_t hk = h / group, last = pr.last_key(s, i), row = s.q0 + i;
+      if (last < 0) {
+        lse[row * H + h] = std::numeric_limits<double>::infinity();  // P = 0
+        continue;
+      }
+      p.assign(last + 1, 0.0);
+      double mx = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j <= last; ++j) mx = std::max(mx, p[j] = pr.scale * dot(qrow(q, row, h), krow(k, s.k0 + j, hk)));
+      double sum = 0;
+      for (int64_t j = 0; j <= last; ++j) sum += (p[j] = std::exp(p[j] - mx));
+      std::fill(o.begin(), o.end(), 0.0);
+      for (int64_t j = 0; j <= last; ++j) {
+        p[j] /= sum;
+        const __nv_bfloat16* vr = krow(v, s.k0 + j, hk);
+        for (int64_t d = 0; d < D; ++d) o[d] += p[j] * to_f(vr[d]);
+      }
+      lse[row * H + h] = mx + std::log(sum);
+      double dsr = 0;
+      for (int64_t d = 0; d < D; ++d) dsr += o[d] * to_f(qrow(go, row, h)[d]);
+      dsum[row * H + h] = dsr;
+      double* dqr = &ref_dq[(row * H + h) * D];
+      for (int64_t j = 0; j <= last; ++j) {
+        const double ds = p[j] * (dot(qrow(go, row, h), krow(v, s.k0 + j, hk)) - dsr);
+        const __nv_bfloat16* kr = krow(k, s.k0 + j, hk);
+        for (int64_t d = 0; d < D; ++d) dqr[d] += pr.scale * ds * to_f(kr[d]);
+      }
+    }
+  }, 16);
+  // Pass 2, per (sequence, K/V head, key row): dK and dV over every query row of every head of the group.
+  weft::test::parallel_for(kitems.size(), [&](size_t r0, size_t r1) {
+    for (size_t it = r0; it < r1; ++it) {
+      const auto [b, hk, j] = kitems[it];
+      const Seq& s = pr.seqs[b];
+      double* dkr = &ref_dk[((s.k0 + j) * KV + hk) * D];
+      double* dvr = &ref_dv[((s.k0 + j) * KV + hk) * D];
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+        for (int64_t i = 0; i < s.q_len; ++i) {
+          if (j > pr.last_key(s, i)) continue;
+          const int64_t row = s.q0 + i;
+          const double p = std::exp(pr.scale * dot(qrow(q, row, h), krow(k, s.k0 + j, hk)) - lse[row * H + h]);
+          const double ds = p * (dot(qrow(go, row, h), krow(v, s.k0 + j, hk)) - dsum[row * H + h]);
+          const __nv_bfloat16 *qr = qrow(q, row, h), *gr = qrow(go, row, h);
+          for (int64_t d = 0; d < D; ++d) {
+            dkr[d] += pr.scale * ds * to_f(qr[d]);
+            dvr[d] += p * to_f(gr[d]);
           }
         }
-      },
-      1);
-  // Pass 2, per key row: dK and dV over every query row of every head of the group.
-  weft::test::parallel_for(
-      size_t(c.batch * c.kv_heads * c.seq_k),
-      [&](size_t r0, size_t r1) {
-        for (int64_t r = int64_t(r0); r < int64_t(r1); ++r) {
-          const int64_t j = r % c.seq_k, hk = r / c.seq_k % c.kv_heads, b = r / c.seq_k / c.kv_heads;
-          double* dkr = &ref_dk[((b * c.seq_k + j) * c.kv_heads + hk) * D];
-          double* dvr = &ref_dv[((b * c.seq_k + j) * c.kv_heads + hk) * D];
-          for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
-            for (int64_t i = 0; i < c.seq_q; ++i) {
-              if (j > last_key(i)) continue;
-              const int64_t row = (b * c.heads + h) * c.seq_q + i;
-              const double p = std::exp(scale * dot(at_q(q, b, i, h), at_k(k, b, j, hk)) - lse[row]);
-              const double ds = p * (dot(at_q(go, b, i, h), at_k(v, b, j, hk)) - dsum[row]);
-              const __nv_bfloat16 *qr = at_q(q, b, i, h), *gr = at_q(go, b, i, h);
-              for (int64_t d = 0; d < D; ++d) {
-                dkr[d] += scale * ds * to_f(qr[d]);
-                dvr[d] += p * to_f(gr[d]);
-              }
-            }
-        }
-      },
-      1);
-  std::string what = "B=" + std::to_string(c.batch) + " Sq=" + std::to_string(c.seq_q) +
-                     " Sk=" + std::to_string(c.seq_k) + " H=" + std::to_string(c.heads) + "/" +
-                     std::to_string(c.kv_heads) + " D=" + std::to_string(c.dim) +
-                     (c.causal ? " causal" : "") +
-                     (c.max_blocks ? " blocks=" + std::to_string(c.max_blocks) : std::string()) + ":";
+    }
+  }, 16);
+  std::string what = label + ":";
   std::string failures;
-  auto compare = [&](const char* name, const std::vector<__nv_bfloat16>& got,
-                     const std::vector<double>& ref) {
+  auto compare = [&](const char* name, const std::vector<__nv_bfloat16>& got, const std::vector<double>& ref,
+                     const std::vector<char>& covered, int64_t heads, bool zero_outside) {
     double top = 0, worst = 0;
     for (double x : ref) top = std::max(top, std::abs(x));
-    int64_t bad = 0, first = -1;
+    int64_t bad = 0, first = -1, outside = 0;
     for (size_t e = 0; e < ref.size(); ++e) {
+      if (!covered[e / D / heads]) {
+        uint16_t bits;
+        std::memcpy(&bits, &got[e], 2);
+        if (zero_outside ? to_f(got[e]) != 0.f : bits != 0xffff) ++outside;
+        continue;
+      }
       const double g = to_f(got[e]);
       const double err = std::isfinite(g) ? std::abs(g - ref[e]) : 1e30;
       worst = std::max(worst, err);
@@ -263,15 +479,22 @@ std::string run_backward_case(const Case& c, uint64_t seed) {
                   top > 0 ? worst / top : worst);
     what += buf;
     if (bad)
-      failures += std::string(" ") + name + ": " + std::to_string(bad) +
-                  " elements out of tolerance, first " + std::to_string(first) + " got " +
-                  std::to_string(to_f(got[first])) + " ref " + std::to_string(ref[first]) + ";";
+      failures += std::string(" ") + name + ": " + std::to_string(bad) + " elements out of tolerance, first " +
+                  std::to_string(first) + " got " + std::to_string(to_f(got[first])) + " ref " +
+                  std::to_string(ref[first]) + ";";
+    if (outside)
+      failures += std::string(" ") + name + ": " + std::to_string(outside) + " elements of rows in no sequence " +
+                  (zero_outside ? "not 0;" : "written;");
   };
-  compare("dq", gq, ref_dq);
-  compare("dk", gk, ref_dk);
-  compare("dv", gv, ref_dv);
+  compare("dq", gq, ref_dq, q_covered, H, true);
+  compare("dk", gk, ref_dk, k_covered, KV, false);
+  compare("dv", gv, ref_dv, k_covered, KV, false);
   std::fprintf(stderr, "  %s\n", what.c_str());
   return failures.empty() ? std::string() : what + failures;
+}
+
+std::string run_backward_case(const Case& c, uint64_t seed) {
+  return run_backward(dense_problem(c), seed, c.max_blocks, case_label(c));
 }
 
 }  // namespace
@@ -331,6 +554,60 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_backward_matches_fp64_reference) {
   WEFT_EXPECT(failures.empty(), failures);
 }
 
+// Packed variable-length sequences (flash-attn's varlen layout, with rows of no sequence between them):
+// lengths 1 to 4k, empty sequences, seq_q != seq_k per sequence, GQA, both head dims, causal and not.
+std::vector<PackedCase> packed_cases(bool quick) {
+  std::vector<PackedCase> v = {
+      {{{1, 1}, {17, 17}, {300, 300}, {129, 129}, {64, 64}}, 0, 4, 4, 128, false},
+      {{{1, 1}, {17, 17}, {300, 300}, {129, 129}, {64, 64}}, 3, 4, 2, 64, true},
+      {{{200, 70}, {70, 200}, {0, 5}, {5, 0}, {1000, 1000}}, 7, 8, 1, 128, true},
+      {{{1000, 1000}, {1, 1000}, {333, 333}}, 0, 2, 2, 64, false, 3},
+      {{{130, 130}, {63, 63}, {65, 65}, {127, 129}}, 1, 8, 2, 128, true, 2},
+  };
+  if (!quick) {
+    v.push_back({{{4099, 4099}, {1, 1}, {2000, 2000}, {17, 17}}, 0, 2, 1, 128, true});
+    v.push_back({{{4096, 4096}, {3000, 3000}, {1, 1}}, 5, 4, 1, 64, false});
+  }
+  return v;
+}
+
+WEFT_GPU_TEST_ONE_GPU(flash_attention_packed_sequences) {
+  WEFT_CUDA_CHECK(cudaSetDevice(ctx.comm().local(0).device()));
+  std::string failures;
+  uint64_t seed = 101;
+  for (const PackedCase& c : packed_cases(ctx.quick)) {
+    const Problem pr = packed_problem(c);
+    std::string e = run_forward(pr, seed += 10, c.max_blocks, packed_label(c));
+    if (e.empty()) e = run_backward(pr, seed + 5, c.max_blocks, packed_label(c));
+    if (!e.empty()) failures += "\n    " + e;
+  }
+  WEFT_EXPECT(failures.empty(), failures);
+}
+
+// Partial attention merged in fp32 across calls (ring attention's steps) equals attention over all keys.
+WEFT_GPU_TEST_ONE_GPU(flash_attention_accumulates_in_fp32) {
+  WEFT_CUDA_CHECK(cudaSetDevice(ctx.comm().local(0).device()));
+  struct Item {
+    Case c;
+    int parts;
+  };
+  std::vector<Item> items = {
+      {{2, 256, 256, 4, 4, 128, false, 0.f}, 2},
+      {{2, 256, 256, 4, 4, 128, true, 0.f}, 2},
+      {{1, 1000, 1000, 4, 1, 64, true, 0.f}, 3},
+      {{2, 700, 700, 8, 2, 128, false, 0.f, 5}, 8},
+      {{1, 1000, 1000, 2, 2, 64, true, 0.f}, 8},
+  };
+  if (!ctx.quick) items.push_back({{1, 4099, 4099, 2, 1, 128, true, 0.f}, 4});
+  std::string failures;
+  uint64_t seed = 201;
+  for (const Item& it : items) {
+    const std::string e = run_accumulate_case(it.c, it.parts, seed += 10);
+    if (!e.empty()) failures += "\n    " + e;
+  }
+  WEFT_EXPECT(failures.empty(), failures);
+}
+
 // Small cases of both passes, for compute-sanitizer (tests/gpu/run.sh runs this one under memcheck,
 // racecheck and synccheck): partial blocks, causal with seq_q != seq_k, GQA, both head dims, 2 blocks.
 WEFT_GPU_TEST_ONE_GPU(flash_attention_small) {
@@ -340,10 +617,15 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_small) {
       {2, 70, 129, 2, 2, 64, false, 0.f, 2},
       {1, 200, 70, 4, 2, 64, true, 0.f},
   };
-  const std::string failures = run_cases(cases, 3, [](const Case& c, uint64_t seed) {
+  std::string failures = run_cases(cases, 3, [](const Case& c, uint64_t seed) {
     const std::string e = run_case(c, seed);
     return e.empty() ? run_backward_case(c, seed + 5) : e;
   });
+  const PackedCase packed{{{70, 70}, {1, 3}, {130, 65}}, 2, 2, 1, 64, true, 2};
+  std::string e = run_forward(packed_problem(packed), 41, 2, packed_label(packed));
+  if (e.empty()) e = run_backward(packed_problem(packed), 43, 2, packed_label(packed));
+  if (e.empty()) e = run_accumulate_case({1, 200, 200, 2, 1, 128, true, 0.f, 2}, 3, 47);
+  if (!e.empty()) failures += "\n    " + e;
   WEFT_EXPECT(failures.empty(), failures);
 }
 
@@ -382,4 +664,35 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_argument_errors) {
   const size_t need = flash_attention_backward_workspace_bytes(ok);
   expect(backward_error_of(nullptr, need), "lse");
   expect(backward_error_of(buf.as<float>(), need - 1), "workspace must hold");
+  auto options_error_of = [&](const AttentionOptions& o, float* lse) {
+    try {
+      flash_attention_forward(buf.p, buf.p, buf.p, buf.p, lse, ok, DType::kBF16, nullptr, o);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const int32_t* cu = buf.as<int32_t>();
+  AttentionOptions o;
+  o.segments = varlen_segments(cu, cu, 0, 16);
+  expect(options_error_of(o, nullptr), "total_q");
+  o.segments = varlen_segments(cu, cu, 8, 16);
+  expect(options_error_of(o, nullptr), "cannot exceed total_q");
+  o.segments = varlen_segments(cu, cu, 16, 16);
+  o.segments.k_end = nullptr;
+  expect(options_error_of(o, nullptr), "need all four");
+  o.segments = varlen_segments(reinterpret_cast<const int32_t*>(host.data()), cu, 16, 16);
+  expect(options_error_of(o, nullptr), "segments.q_begin is not device memory");
+  o.segments = {};
+  o.accumulate.o = buf.as<float>();
+  expect(options_error_of(o, nullptr), "needs both o and lse");
+  o.accumulate.lse = buf.as<float>();
+  expect(options_error_of(o, buf.as<float>()), "pass lse = null");
+  try {
+    flash_attention_backward(buf.p, buf.p, buf.p, buf.p, buf.p, buf.as<float>(), buf.p, buf.p, buf.p, buf.p, need,
+                             ok, DType::kBF16, nullptr, o);
+    expect("", "options.accumulate is for the forward");
+  } catch (const Error& e) {
+    expect(e.what(), "options.accumulate is for the forward");
+  }
 }

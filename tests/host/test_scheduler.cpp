@@ -96,16 +96,22 @@ std::vector<std::vector<AttentionWork>> walk_attention(const AttentionSchedulerP
 }  // namespace
 
 TEST(AttentionScheduler, EveryItemOnceWithVariableLengths) {
-  const std::vector<int> lengths = {5, 1, 8, 3};  // query blocks per sequence; the longest is 8
+  // Packed rows of five sequences, 64 rows per block: 5, 1, 8, 3 and 0 blocks (the longest is 8).
+  const std::vector<int> begin = {0, 317, 318, 830, 1023}, end = {317, 318, 830, 1023, 1023};
+  const std::vector<int> blocks_of = {5, 1, 8, 3, 0};
   for (bool paired : {false, true})
-    for (const int* seq : {static_cast<const int*>(nullptr), lengths.data()})
+    for (bool packed : {false, true})
       for (int blocks : {1, 3, 7, 132})
-        for (int section_pairs : {0, 1, 5, 12, 40}) {  // 12 = every pair; 5 leaves a short last section
+        for (int section_pairs : {0, 1, 5, 15, 40}) {  // 15 = every pair; 5 leaves a short last section
           AttentionSchedulerParams p;
-          p.batch = 4;
+          p.batch = 5;
           p.heads = 3;
           p.q_blocks = 8;
-          p.seq_q_blocks = seq;
+          if (packed) {
+            p.row_begin = begin.data();
+            p.row_end = end.data();
+            p.block_rows = 64;
+          }
           p.paired = paired;
           p.compute_blocks = blocks;
           p.section_pairs = section_pairs;
@@ -113,14 +119,14 @@ TEST(AttentionScheduler, EveryItemOnceWithVariableLengths) {
           for (const auto& items : walk_attention(p)) {
             int iteration = 0;
             for (const AttentionWork& w : items) {
-              const int count = seq ? seq[w.batch] : p.q_blocks;
+              const int count = packed ? blocks_of[w.batch] : p.q_blocks;
               EXPECT_TRUE(w.batch >= 0 && w.batch < p.batch && w.head >= 0 && w.head < p.heads &&
                           w.q_block >= 0 && w.q_block < count);
               EXPECT_TRUE(seen.insert({w.batch, w.head, w.q_block}).second) << "an item twice";
               EXPECT_EQ(w.iteration, iteration++);
             }
           }
-          EXPECT_EQ(seen.size(), size_t(p.heads) * (seq ? 5 + 1 + 8 + 3 : p.batch * p.q_blocks));
+          EXPECT_EQ(seen.size(), size_t(p.heads) * (packed ? 5 + 1 + 8 + 3 : p.batch * p.q_blocks));
         }
 }
 

@@ -12,8 +12,8 @@
 // one after the other by the same persistent block: every unit costs the same, the blocks end within one
 // unit of each other whatever the section size, and sections stay as small as L2 wants
 // (tests/host/test_scheduler.cpp).
-// Variable-length batches give each sequence its own count of query blocks (`seq_q_blocks`, readable where
-// the scheduler runs); the items past a sequence's count are skipped. One CTA per item: ops using it run
+// Packed variable-length sequences give each sequence its own count of blocks, from its rows [row_begin[b],
+// row_end[b]) (device memory) in blocks of `block_rows`; the items past a sequence's count are skipped. One CTA per item: ops using it run
 // clusters of 1.
 #pragma once
 #include <cstdint>
@@ -23,7 +23,9 @@ namespace weft::lcsc {
 struct AttentionSchedulerParams {
   int batch = 0, heads = 0;
   int q_blocks = 0;                   // query blocks of the longest sequence
-  const int* seq_q_blocks = nullptr;  // variable lengths: query blocks of each sequence (else all q_blocks)
+  const int* row_begin = nullptr;     // packed sequences: each one's rows (else all have q_blocks blocks)
+  const int* row_end = nullptr;
+  int block_rows = 0;                 // rows per block (packed sequences)
   bool paired = false;                // causal: blocks j and count - 1 - j as one unit (see above)
   int section_pairs = 0;              // (batch, head) pairs per L2 section; 0: one section
   int compute_blocks = 0;             // blocks [0, compute_blocks) compute; the rest of the grid communicates
@@ -81,7 +83,9 @@ class AttentionScheduler {
       const int row = r / pairs;
       const int pair = first_pair + r - row * pairs;
       const int b = pair / p_.heads;
-      const int count = p_.seq_q_blocks ? p_.seq_q_blocks[b] : p_.q_blocks;
+      const int count = p_.row_begin ? min(p_.q_blocks, (p_.row_end[b] - p_.row_begin[b] + p_.block_rows - 1) /
+                                                             p_.block_rows)
+                                     : p_.q_blocks;
       if (p_.paired ? 2 * row >= count : row >= count) continue;  // past this sequence's end
       w.batch = b;
       w.head = pair - b * p_.heads;

@@ -47,8 +47,12 @@ struct TmaRows2d {
 struct TmaRows4d {
   const CUtensorMap* map;
   int c1, row0, c3;
+  StoreMode mode = StoreMode::kStore;
   __device__ __forceinline__ void issue(int col, const void* chunk) const {
-    tma::store_4d(map, col, c1, row0, c3, chunk);
+    if (mode == StoreMode::kStore)
+      tma::store_4d(map, col, c1, row0, c3, chunk);
+    else
+      tma::reduce_add_4d(map, col, c1, row0, c3, chunk);
   }
 };
 

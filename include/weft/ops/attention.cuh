@@ -5,7 +5,10 @@
 // {dim, head, seq, batch} whose boxes clip at each sequence's end: loads past it read zeros, stores past it
 // write nothing. K / V have `kv_heads` heads; query head h reads K / V head h / (heads / kv_heads) (GQA).
 // The causal mask is aligned to the bottom right: query row i sees keys j <= i + seq_k - seq_q (rows with
-// no key get O = 0 and LSE = -inf).
+// no key get O = 0 and LSE = -inf). Packed sequences (AttentionRows) are one long sequence of the maps
+// (batch 1) cut into ranges: loads past a range read the next one's rows (masked like keys past seq_k),
+// and the query block that ends a range is stored row by row, straight from registers, where a TMA box
+// would write into the next range.
 //
 // Work items are (batch, head, query block) from lcsc::AttentionScheduler (L2 sections, heavy first when
 // causal). A compute block has one loader thread and W consumer warpgroups of 64 query rows each (W = 2 at
@@ -19,7 +22,7 @@
 //              needs one and the online softmax (tile/softmax.cuh) turn S_n into P_n; then O is rescaled
 //              to the new row maxima (see compute()).
 //   store      O normalised by the row sums, through the TMA storer into O's 4-D map; LSE by the lanes that
-//              own a row.
+//              own a row. Accumulating (a ring step): merged into the running fp32 O and LSE instead.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -72,6 +75,54 @@ __host__ __device__ inline KeyBlocks key_blocks(int q_block, int block_m, int se
   }
   if (kb.masked_from > kb.end) kb.masked_from = kb.end;
   return kb;
+}
+
+// Where sequence b's rows lie. Dense tensors are [batch, seq, heads, dim]: the maps' batch coordinate
+// selects the sequence. Packed ones are [total, heads, dim] with sequence b at rows [q_begin[b], q_end[b])
+// (keys: k_begin, k_end) of one long sequence (the maps have batch 1). Shared by the forward and backward.
+struct AttentionRows {
+  const int32_t *q_begin, *q_end, *k_begin, *k_end;  // packed; null: dense
+  int seq_q, seq_k;                                  // dense lengths; packed: the longest ranges
+  int total_q;                                       // packed: rows of q (the LSE's row stride)
+};
+struct SeqRows {
+  int q0, q_len, k0, k_len;  // first row (map coordinate) and length of the sequence's queries and keys
+  int batch;                 // the maps' batch coordinate
+  int64_t q_base;            // row of [rows, heads, dim] (q's layout seen as 3-D) holding query 0
+  int64_t k_base;            // the same for k / v
+};
+__device__ __forceinline__ SeqRows seq_rows(const AttentionRows& r, int b) {
+  SeqRows s;
+  if (r.q_begin != nullptr) {
+    s.q0 = __ldg(r.q_begin + b);
+    s.q_len = __ldg(r.q_end + b) - s.q0;
+    s.k0 = __ldg(r.k_begin + b);
+    s.k_len = __ldg(r.k_end + b) - s.k0;
+    s.batch = 0;
+    s.q_base = s.q0;
+    s.k_base = s.k0;
+  } else {
+    s.q0 = s.k0 = 0;
+    s.q_len = r.seq_q;
+    s.k_len = r.seq_k;
+    s.batch = b;
+    s.q_base = int64_t(b) * r.seq_q;
+    s.k_base = int64_t(b) * r.seq_k;
+  }
+  return s;
+}
+// Element offset of the LSE of (sequence, head, query row): dense [batch, heads, seq_q], packed [heads,
+// total_q].
+__device__ __forceinline__ int64_t lse_index(const AttentionRows& r, const SeqRows& s, int heads, int head,
+                                             int row) {
+  if (r.q_begin != nullptr) return int64_t(head) * r.total_q + s.q0 + row;
+  return (int64_t(s.batch) * heads + head) * r.seq_q + row;
+}
+// A packed sequence longer than the launch's longest (shape.seq_q / seq_k) would lose its last rows: the
+// kernel traps instead of answering wrong (the stream reports an illegal instruction). No printf: a call
+// in the kernel would serialise its wgmma pipeline. Called by the loader thread.
+__device__ __forceinline__ void check_sequence_fits(int rows, int blocks, int block_rows) {
+  if (rows > blocks * block_rows) __trap();
 }
 
 // Loads rows [row0, row0 + Tile::kRows) of one head of a [batch, seq, heads, dim] tensor (a 4-D map with box
@@ -129,10 +180,13 @@ struct AttentionFwdOp {
 
   struct Params {
     lcsc::AttentionSchedulerParams sched;
-    CUtensorMap q, k, v, o;          // 4-D {dim, head, seq, batch}
-    float* lse;                      // [batch, heads, seq_q] fp32, or null
-    int seq_q, seq_k, heads, group;  // group: query heads per K / V head
-    float scale, scale_log2;         // softmax scale, and times log2(e)
+    CUtensorMap q, k, v, o;  // 4-D {dim, head, seq, batch}
+    AttentionRows rows;
+    float* lse;              // [batch, heads, seq_q] (packed: [heads, total_q]) fp32, or null
+    bf16* out;               // O itself: the row-by-row stores (packed sequences' last block, accumulating)
+    float *acc_o, *acc_lse;  // accumulating: the running O (q's layout) and LSE (lse's); else null
+    int heads, group;        // group: query heads per K / V head
+    float scale, scale_log2;  // softmax scale, and times log2(e)
     int causal;
   };
   struct Smem {
@@ -157,16 +211,18 @@ struct AttentionFwdOp {
   // ---- loader (one thread) ----
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                               const lcsc::AttentionWork& w) {
-    const KeyBlocks kb = key_blocks(w.q_block, kBM, p.seq_q, p.seq_k, p.causal != 0);
+    const SeqRows sr = seq_rows(p.rows, w.batch);
+    check_sequence_fits(sr.q_len, p.sched.q_blocks, kBM);
+    const KeyBlocks kb = key_blocks(w.q_block, kBM, sr.q_len, sr.k_len, p.causal != 0);
     const int kv_head = w.head / p.group;
     // Q: once the consumers are done with the previous item's (a fresh barrier passes the first wait).
     tile::mbarrier_wait_bounded(&pipe.s_.q_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
     mbarrier_arrive_expect_tx(&pipe.s_.q_full, sizeof(QTile));
-    load_head_rows(s.q, &p.q, w.head, w.q_block * kBM, w.batch, &pipe.s_.q_full);
+    load_head_rows(s.q, &p.q, w.head, sr.q0 + w.q_block * kBM, sr.batch, &pipe.s_.q_full);
     for (int n = kb.end - 1; n >= 0; --n) {
-      load_head_rows(s.k[st.stage], &p.k, kv_head, n * kBN, w.batch,
+      load_head_rows(s.k[st.stage], &p.k, kv_head, sr.k0 + n * kBN, sr.batch,
                      pipe.k.producer_acquire(st, sizeof(KTile)));
-      load_head_rows(s.v[st.stage], &p.v, kv_head, n * kBN, w.batch,
+      load_head_rows(s.v[st.stage], &p.v, kv_head, sr.k0 + n * kBN, sr.batch,
                      pipe.v.producer_acquire(st, sizeof(VTile)));
       st.advance(kStages);
     }
@@ -180,8 +236,10 @@ struct AttentionFwdOp {
   __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                                  const lcsc::AttentionWork& w, int wg, Accum& acc) {
     if (w.iteration == 0) Turns::start(wg);
-    const KeyBlocks kb = key_blocks(w.q_block, kBM, p.seq_q, p.seq_k, p.causal != 0);
-    const int row0 = w.q_block * kBM + 64 * wg;  // this warpgroup's first query row
+    const SeqRows sr = seq_rows(p.rows, w.batch);
+    const Lengths len{sr.q_len, sr.k_len};
+    const KeyBlocks kb = key_blocks(w.q_block, kBM, len.q, len.k, p.causal != 0);
+    const int row0 = w.q_block * kBM + 64 * wg;  // this warpgroup's first query row (of the sequence)
     tile::OnlineSoftmax<kBN> softmax;
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.o.d[i] = 0.f;
@@ -204,7 +262,7 @@ struct AttentionFwdOp {
     Turns::end(wg);
     wgmma::wait<0>();
     scores_landed(pipe, kst, sc, n);
-    to_probabilities(p, kb, n, row0, softmax, sc, rescale);
+    to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
     tile::pack_a(sc, pa);
     for (--n; n >= 0; --n) {
       pipe.k.consumer_wait(kst);
@@ -216,7 +274,7 @@ struct AttentionFwdOp {
       Turns::end(wg);
       wgmma::wait<1>();  // S_n has landed; P_{n+1} V_{n+1} may still run
       scores_landed(pipe, kst, sc, n);
-      to_probabilities(p, kb, n, row0, softmax, sc, rescale);
+      to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
       wgmma::wait<0>();
       pv_landed(pipe, vst, pa, acc.o);
       tile::scale_rows(acc.o, rescale);  // O to the new row maxima, as P_n is
@@ -236,16 +294,26 @@ struct AttentionFwdOp {
 
   __device__ static void store(const Params& p, Smem& s, const lcsc::AttentionWork& w, int wg,
                                const Accum& acc, StoreState& es) {
+    const SeqRows sr = seq_rows(p.rows, w.batch);
     const int row0 = w.q_block * kBM + 64 * wg;
-    Epilogue::store_to(lcsc::TmaRows4d{&p.o, w.head, row0, w.batch}, s.epi, es, wg, acc.o, 0);
+    if (p.acc_o != nullptr) {
+      merge_rows(p, sr, w.head, row0, acc);
+      return;
+    }
+    // A TMA box clips at a dense sequence's end but would write into the next packed sequence.
+    if (p.rows.q_begin == nullptr || row0 + 64 <= sr.q_len)
+      Epilogue::store_to(lcsc::TmaRows4d{&p.o, w.head, sr.q0 + row0, sr.batch}, s.epi, es, wg, acc.o, 0);
+    else
+      tile::store_rows(acc.o, p.out + ((sr.q_base + row0) * p.heads + w.head) * kD, int64_t(p.heads) * kD,
+                       sr.q_len - row0);
     // LSE by the first lane of each quad (the four hold the same value), as predicated stores: a branch
     // here could leave the warp split when the next item's (warp-aligned) wgmma begins.
     if (p.lse != nullptr) {
-      float* lse = p.lse + (int64_t(w.batch) * p.heads + w.head) * p.seq_q;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = row0 + 16 * tile::warp_in_warpgroup() + tile::lane_id() / 4 + 8 * h;
-        ptx::st_global_if(tile::lane_id() % 4 == 0 && row < p.seq_q, lse + row, acc.lse[h]);
+        const int row = row0 + tile::AccumM64<kD>::row(2 * h);
+        ptx::st_global_if(tile::lane_id() % 4 == 0 && row < sr.q_len,
+                          p.lse + lse_index(p.rows, sr, p.heads, w.head, row), acc.lse[h]);
       }
     }
   }
@@ -254,6 +322,9 @@ struct AttentionFwdOp {
   }
 
  private:
+  struct Lengths {
+    int q, k;  // the sequence's query and key rows
+  };
   // S = Q K^T over the head dim (both K-major; async, one commit group).
   __device__ static void issue_scores(Smem& s, int wg, int stage, tile::AccumM64<kBN>& sc) {
     wgmma::mma_ss_group<kBN, kD, QTile, 0, KTile, 0>(sc.d, wgmma::desc_k_major(s.q, 64 * wg, 0),
@@ -279,21 +350,49 @@ struct AttentionFwdOp {
     vst.advance(kStages);
   }
   // S_n -> P_n: the mask where block n needs one, then the online softmax step (rescale: O's factor).
-  __device__ static void to_probabilities(const Params& p, const KeyBlocks& kb, int n, int row0,
-                                          tile::OnlineSoftmax<kBN>& softmax, tile::AccumM64<kBN>& sc,
+  __device__ static void to_probabilities(const Params& p, const Lengths& len, const KeyBlocks& kb, int n,
+                                          int row0, tile::OnlineSoftmax<kBN>& softmax, tile::AccumM64<kBN>& sc,
                                           float (&rescale)[2]) {
-    if (n >= kb.masked_from) mask(p, sc, row0, n * kBN);
+    if (n >= kb.masked_from) mask(p, len, sc, row0, n * kBN);
     softmax.step(sc, p.scale_log2, rescale);
   }
   // Scores of keys past the sequence's end, or (causal) past the row's last visible key, become -inf.
-  __device__ static void mask(const Params& p, tile::AccumM64<kBN>& s, int row0, int key0) {
+  __device__ static void mask(const Params& p, const Lengths& len, tile::AccumM64<kBN>& s, int row0, int key0) {
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kBN>::kRegs; ++i) {
       const int row = row0 + tile::AccumM64<kBN>::row(i);
-      int limit = p.seq_k - 1;
-      if (p.causal) limit = min(limit, row + p.seq_k - p.seq_q);
+      int limit = len.k - 1;
+      if (p.causal) limit = min(limit, row + len.k - len.q);
       if (key0 + tile::AccumM64<kBN>::col(i) > limit) s.d[i] = tile::kNegInf;
     }
+  }
+  // Accumulating: this call's O and LSE of the warpgroup's rows merged into the running ones (see
+  // AttentionAccumulate), and O in bf16 too where the call has `out`. A row's four lanes read its running
+  // LSE before the first of them writes the new one.
+  __device__ static void merge_rows(const Params& p, const SeqRows& sr, int head, int row0, const Accum& acc) {
+    float a[2], b[2], lse[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + tile::AccumM64<kD>::row(2 * h);
+      const float old = row < sr.q_len ? p.acc_lse[lse_index(p.rows, sr, p.heads, head, row)] : tile::kNegInf;
+      const float now = acc.lse[h];
+      const float top = fmaxf(old, now);
+      lse[h] = top == tile::kNegInf ? top : top + logf(expf(old - top) + expf(now - top));
+      a[h] = old == tile::kNegInf ? 0.f : expf(old - lse[h]);
+      b[h] = now == tile::kNegInf ? 0.f : expf(now - lse[h]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + tile::AccumM64<kD>::row(2 * h);
+      ptx::st_global_if(tile::lane_id() % 4 == 0 && row < sr.q_len,
+                        p.acc_lse + lse_index(p.rows, sr, p.heads, head, row), lse[h]);
+    }
+    tile::AccumM64<kD> o;
+    const int64_t stride = int64_t(p.heads) * kD;
+    const int64_t first = (sr.q_base + row0) * p.heads * kD + int64_t(head) * kD;
+    tile::merge_rows(p.acc_o + first, stride, sr.q_len - row0, acc.o, a, b, o);
+    if (p.out != nullptr) tile::store_rows(o, p.out + first, stride, sr.q_len - row0);
   }
   // O normalised by the row sums, and the rows' LSE.
   __device__ static void finish_rows(const Params& p, const tile::OnlineSoftmax<kBN>& softmax, Accum& acc) {

@@ -6,8 +6,9 @@
 //   dV = P^T dO     dP = dO V^T     dS = P o (dP - D),  D = rowsum(dO o O)     dQ = scale dS K    dK = scale
 //   dS^T Q
 //
-//   prepare    (plain kernel) per query row: D, and LSE * log2(e) (+inf for a row that sees no key and for
-//              the padding rows past seq_q, so that their P is 0), into the workspace.
+//   prepare    (plain kernel) per query row (rows of q's layout seen as [rows, heads, dim]): D, and LSE *
+//              log2(e) (+inf for a row that sees no key, so that its P is 0), into the workspace, [heads,
+//              rows].
 //   LCSC op    work items are (batch, K/V head, key block of 128 keys); each consumer warpgroup owns 64 of
 //   the
 //              keys and keeps their dK and dV (64 x D fp32 each) in registers across the item. The loader
@@ -18,10 +19,12 @@
 //                dV += P^T dO (P from registers), dS^T = P^T o (dP^T - D), dK += dS^T Q (dS from registers),
 //              writes dS^T to shared memory and meets the other warpgroup; then warpgroup w computes columns
 //              [w D/2, (w+1) D/2) of dQ = dS K over all 128 keys (dS^T read M-major) and adds them to the
-//              fp32 dQ accumulator in global memory with one bulk reduce-add (the staging buffer is the
-//              warpgroup's half of the epilogue's buffers). At the item's end dK (times scale) and dV go out
-//              through the TMA storer.
-//   convert    (plain kernel) dQ = scale * accumulator, to bf16 in q's layout.
+//              fp32 dQ accumulator (q's layout) with TMA reduce-adds (staged in the warpgroup's half of the
+//              epilogue's buffers). Query rows past the sequence have P = 0, so their dQ rows add zeros:
+//              harmless where a packed sequence's block reaches into the next one. At the item's end dK
+//              (times scale) and dV go out through the TMA storer (row by row from registers where a packed
+//              sequence's last key block ends inside the TMA box).
+//   convert    (plain kernel) dQ = scale * accumulator, to bf16.
 // Every item adds into dQ in whatever order the blocks reach it: fp32 sums, not bit-reproducible run to run.
 #pragma once
 #include <cuda.h>
@@ -61,11 +64,6 @@ __host__ __device__ inline QueryBlocks query_blocks(int key_block, int seq_q, in
   return qb;
 }
 
-// Floats of the dQ accumulator per (batch, head, query block): two warpgroups' 64 x D/2 parts, each in
-// fragment order (float4 j of thread t at (j * 128 + t) * 4: registers 4j..4j+3 of tile::AccumM64<D/2>).
-__host__ __device__ constexpr int attention_dq_block_floats(int head_dim) {
-  return kAttentionBwdBlockM * head_dim;
-}
 
 template <int kHeadDim>
 struct AttentionBwdOp {
@@ -90,8 +88,10 @@ struct AttentionBwdOp {
   using Ring = lcsc::Pipeline<kStages, kConsumerWarpgroups, 1>;
   static constexpr int kDqCols = kD / 2;  // dQ columns per warpgroup
   static constexpr int kDqPartFloats = kBM * kDqCols;
+  using DqChunk = tile::OutChunk<float>;  // 32 fp32 columns of 64 rows: the dQ accumulator map's box
+  static constexpr int kDqChunks = kDqCols / DqChunk::kCols;
   static constexpr int kDsBarrierId = lcsc::kEpilogueFirstBarrierId + kConsumerWarpgroups;  // both warpgroups
-  static_assert(sizeof(typename Epilogue::Chunk) * 2 >= kDqPartFloats * sizeof(float),
+  static_assert(sizeof(typename Epilogue::Chunk) == sizeof(DqChunk) && kDqChunks <= 2,
                 "a warpgroup's dQ part is staged in its two epilogue buffers");
 
   // K and V: one phase per item (kv_full / kv_empty); Q, dO, LSE, D: the ring.
@@ -114,9 +114,11 @@ struct AttentionBwdOp {
   struct Params {
     lcsc::AttentionSchedulerParams sched;  // heads = K/V heads, q_blocks = key blocks
     CUtensorMap q, k, v, dout, dk, dv;     // 4-D {dim, head, seq, batch}
-    CUtensorMap lse_map, dsum_map;         // LSE log2(e) and D (prepare): 2-D {kBM, batch * heads * q_blocks}
-    float* dq_accum;                       // [batch, heads, q_blocks, attention_dq_block_floats]
-    int seq_q, seq_k, heads, group, q_blocks;
+    CUtensorMap dq_accum;                  // fp32, q's layout, 4-D like q (box 32 columns): reduce-adds
+    CUtensorMap lse_map, dsum_map;         // LSE log2(e) and D (prepare): 2-D {rows, heads}, box 64 rows
+    AttentionRows rows;
+    bf16 *dk_out, *dv_out;                 // dK, dV themselves: the row-by-row stores
+    int heads, group;
     float scale, scale_log2;
     int causal;
   };
@@ -143,6 +145,7 @@ struct AttentionBwdOp {
     tma::prefetch_map(&p.dv);
     tma::prefetch_map(&p.lse_map);
     tma::prefetch_map(&p.dsum_map);
+    tma::prefetch_map(&p.dq_accum);
   }
 
   // The item's key block: the scheduler's blocks (AttentionWork::q_block) run along the keys here.
@@ -152,20 +155,22 @@ struct AttentionBwdOp {
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                               const lcsc::AttentionWork& w) {
     const int n = key_block(w);
+    const SeqRows sr = seq_rows(p.rows, w.batch);
+    check_sequence_fits(sr.k_len, p.sched.q_blocks, kBN);
     tile::mbarrier_wait_bounded(&pipe.s_.kv_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
     mbarrier_arrive_expect_tx(&pipe.s_.kv_full, sizeof(KTile) + sizeof(VTile));
-    load_head_rows(s.k, &p.k, w.head, n * kBN, w.batch, &pipe.s_.kv_full);
-    load_head_rows(s.v, &p.v, w.head, n * kBN, w.batch, &pipe.s_.kv_full);
-    const QueryBlocks qb = query_blocks(n, p.seq_q, p.seq_k, p.causal != 0);
+    load_head_rows(s.k, &p.k, w.head, sr.k0 + n * kBN, sr.batch, &pipe.s_.kv_full);
+    load_head_rows(s.v, &p.v, w.head, sr.k0 + n * kBN, sr.batch, &pipe.s_.kv_full);
+    const QueryBlocks qb = query_blocks(n, sr.q_len, sr.k_len, p.causal != 0);
     for (int g = 0; g < p.group; ++g) {
       const int h = w.head * p.group + g;
-      const int first_block = (w.batch * p.heads + h) * p.q_blocks;  // row of the LSE / D maps
       for (int m = qb.begin; m < qb.end; ++m) {
         uint64_t* bar = pipe.qdo.producer_acquire(st, 2 * sizeof(QTile) + 2 * kBM * sizeof(float));
-        load_head_rows(s.q[st.stage], &p.q, h, m * kBM, w.batch, bar);
-        load_head_rows(s.dout[st.stage], &p.dout, h, m * kBM, w.batch, bar);
-        tma::load_2d(s.lse_log2[st.stage], &p.lse_map, 0, first_block + m, bar);
-        tma::load_2d(s.dsum[st.stage], &p.dsum_map, 0, first_block + m, bar);
+        load_head_rows(s.q[st.stage], &p.q, h, sr.q0 + m * kBM, sr.batch, bar);
+        load_head_rows(s.dout[st.stage], &p.dout, h, sr.q0 + m * kBM, sr.batch, bar);
+        const int row = static_cast<int>(sr.q_base) + m * kBM;  // of the LSE / D maps
+        tma::load_2d(s.lse_log2[st.stage], &p.lse_map, row, h, bar);
+        tma::load_2d(s.dsum[st.stage], &p.dsum_map, row, h, bar);
         st.advance(kStages);
       }
     }
@@ -179,15 +184,16 @@ struct AttentionBwdOp {
     for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.dk.d[i] = acc.dv.d[i] = 0.f;
     tile::mbarrier_wait_bounded(&pipe.s_.kv_full, static_cast<uint32_t>(w.iteration) & 1u);
     __syncwarp();
-    const QueryBlocks qb = query_blocks(n, p.seq_q, p.seq_k, p.causal != 0);
-    const int key0 = n * kBN + 64 * wg;  // this warpgroup's first key
+    const SeqRows sr = seq_rows(p.rows, w.batch);
+    const Lengths len{sr.q_len, sr.k_len};
+    const QueryBlocks qb = query_blocks(n, len.q, len.k, p.causal != 0);
+    const int key0 = n * kBN + 64 * wg;  // this warpgroup's first key (of the sequence)
     for (int g = 0; g < p.group; ++g) {
       const int h = w.head * p.group + g;
-      float* dq_accum = p.dq_accum + ((int64_t(w.batch) * p.heads + h) * p.q_blocks) * (2 * kDqPartFloats) +
-                        wg * kDqPartFloats;
       for (int m = qb.begin; m < qb.end; ++m) {
         pipe.qdo.consumer_wait(st);
-        step(p, s, st.stage, wg, key0, m, acc, dq_accum + int64_t(m) * (2 * kDqPartFloats));
+        const lcsc::TmaRows4d dq_rows{&p.dq_accum, h, sr.q0 + m * kBM, sr.batch, lcsc::StoreMode::kReduceAdd};
+        step(p, len, s, st.stage, wg, key0, m, acc, dq_rows);
         pipe.qdo.consumer_release(st);
         st.advance(kStages);
       }
@@ -201,9 +207,18 @@ struct AttentionBwdOp {
                                const Accum& acc, StoreState& es) {
     // The epilogue's buffers staged this warpgroup's dQ parts: wait until the last reduce-add has read them.
     wait_staging_free(wg);
+    const SeqRows sr = seq_rows(p.rows, w.batch);
     const int row0 = key_block(w) * kBN + 64 * wg;
-    Epilogue::store_to(lcsc::TmaRows4d{&p.dk, w.head, row0, w.batch}, s.epi, es, wg, acc.dk, 0);
-    Epilogue::store_to(lcsc::TmaRows4d{&p.dv, w.head, row0, w.batch}, s.epi, es, wg, acc.dv, 0);
+    // A TMA box clips at a dense sequence's end but would write into the next packed sequence.
+    if (p.rows.q_begin == nullptr || row0 + 64 <= sr.k_len) {
+      Epilogue::store_to(lcsc::TmaRows4d{&p.dk, w.head, sr.k0 + row0, sr.batch}, s.epi, es, wg, acc.dk, 0);
+      Epilogue::store_to(lcsc::TmaRows4d{&p.dv, w.head, sr.k0 + row0, sr.batch}, s.epi, es, wg, acc.dv, 0);
+    } else {
+      const int64_t stride = int64_t(p.sched.heads) * kD;
+      const int64_t first = (sr.k_base + row0) * stride + int64_t(w.head) * kD;
+      tile::store_rows(acc.dk, p.dk_out + first, stride, sr.k_len - row0);
+      tile::store_rows(acc.dv, p.dv_out + first, stride, sr.k_len - row0);
+    }
   }
   __device__ static void finish(const Params&, Smem&, int, StoreState& es) {
     Epilogue::finish(es);
@@ -211,8 +226,11 @@ struct AttentionBwdOp {
 
  private:
   // One query block of 64 rows against the warpgroup's 64 keys (see the header comment).
-  __device__ static void step(const Params& p, Smem& s, int stage, int wg, int key0, int m, Accum& acc,
-                              float* dq_accum) {
+  struct Lengths {
+    int q, k;  // the sequence's query and key rows
+  };
+  __device__ static void step(const Params& p, const Lengths& len, Smem& s, int stage, int wg, int key0, int m,
+                              Accum& acc, const lcsc::TmaRows4d& dq_rows) {
     tile::AccumM64<kBM> sp;  // S^T, then P^T: rows keys, columns queries
     tile::AccumM64<kBM> ds;  // dP^T, then dS^T
     wgmma::fence();
@@ -221,12 +239,15 @@ struct AttentionBwdOp {
     wgmma::fence_operands(sp.d);
     wgmma::fence();
     issue_scores(s.v, s.dout[stage], wg, ds);
-    to_probabilities(p, s.lse_log2[stage], key0, m * kBM, sp);
+    const bool masked = to_probabilities(p, len, s.lse_log2[stage], key0, m * kBM, sp);
     wgmma::wait<0>();
     wgmma::fence_operands(ds.d);
+    // dS = 0 exactly where P is: a masked row's D may be another sequence's or garbage (even NaN).
 #pragma unroll
-    for (int i = 0; i < tile::AccumM64<kBM>::kRegs; ++i)
-      ds.d[i] = sp.d[i] * (ds.d[i] - s.dsum[stage][tile::AccumM64<kBM>::col(i)]);
+    for (int i = 0; i < tile::AccumM64<kBM>::kRegs; ++i) {
+      const float d = sp.d[i] * (ds.d[i] - s.dsum[stage][tile::AccumM64<kBM>::col(i)]);
+      ds.d[i] = masked && sp.d[i] == 0.f ? 0.f : d;
+    }
     // P as the A operand of dV (S and dP die here); dS^T to shared memory, the A operand of dK and dQ.
     uint32_t pa[kBM / 4];
     tile::pack_a(sp, pa);
@@ -245,7 +266,7 @@ struct AttentionBwdOp {
     wgmma::fence_operands(acc.dk.d);
     wgmma::fence_operands(acc.dv.d);
     wgmma::fence_operands(pa);
-    add_dq_part(s, wg, dq, dq_accum);
+    add_dq_part(s, wg, dq, dq_rows);
   }
 
   // D (64 x 64, rows: this warpgroup's keys) = A_rows B^T over the head dim, both K-major in shared memory.
@@ -269,109 +290,96 @@ struct AttentionBwdOp {
                                                            wgmma::desc_mn_major(k, 0, wg * kDqCols), false);
   }
 
-  // S^T -> P^T = exp2(S^T scale log2(e) - LSE log2(e)) per query column; keys past seq_k and (causal) past a
-  // row's last visible key get P = 0. Padding rows and rows that see no key have LSE = +inf: P = 0.
-  __device__ static void to_probabilities(const Params& p, const float (&lse_log2)[kBM], int key0, int row0,
-                                          tile::AccumM64<kBM>& s) {
-    const int shift = p.seq_k - p.seq_q;
-    // Whether this 64 x 64 block needs the mask: it reaches past seq_k, or (causal) its last key lies past
-    // its first row's last visible key.
-    const bool masked = key0 + 64 > p.seq_k || (p.causal && key0 + 63 > row0 + shift);
+  // S^T -> P^T = exp2(S^T scale log2(e) - LSE log2(e)) per query column; keys past the sequence's, query
+  // rows past its rows (whose LSE and D are another sequence's, or zeros) and (causal) keys past a row's
+  // last visible one get P = 0. Rows that see no key have LSE = +inf: P = 0.
+  // Returns whether the block needed the mask.
+  __device__ static bool to_probabilities(const Params& p, const Lengths& len, const float (&lse_log2)[kBM],
+                                          int key0, int row0, tile::AccumM64<kBM>& s) {
+    const int shift = len.k - len.q;
+    // Whether this 64 x 64 block needs the mask: it reaches past the keys or the rows, or (causal) its last
+    // key lies past its first row's last visible key.
+    const bool masked = key0 + 64 > len.k || row0 + 64 > len.q || (p.causal && key0 + 63 > row0 + shift);
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kBM>::kRegs; ++i) {
       const int col = tile::AccumM64<kBM>::col(i);
       float v = tile::ex2(fmaf(s.d[i], p.scale_log2, -lse_log2[col]));
       if (masked) {
         const int key = key0 + tile::AccumM64<kBM>::row(i);
-        if (key >= p.seq_k || (p.causal && key > row0 + col + shift)) v = 0.f;
+        if (key >= len.k || row0 + col >= len.q || (p.causal && key > row0 + col + shift)) v = 0.f;
       }
       s.d[i] = v;
     }
+    return masked;
   }
 
-  // The warpgroup's part of dQ into its staging buffer (fragment order: conflict-free 16-byte stores) and
-  // one bulk reduce-add of it into the accumulator.
-  __device__ static float* staging(Smem& s, int wg) {
-    return reinterpret_cast<float*>(s.epi.buf[wg][0].bytes);
-  }
+  // The warpgroup's part of dQ (64 rows x D/2 columns) into its two staging buffers (32-column chunks in
+  // the accumulator map's 128-byte swizzle: conflict-free stores) and reduce-added into the accumulator.
+  __device__ static void* staging(Smem& s, int wg, int chunk) { return s.epi.buf[wg][chunk].bytes; }
   __device__ static void wait_staging_free(int wg) {
     if (tile::thread_in_warpgroup() == 0) bulk_wait_read<0>();
     tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
   }
-  __device__ static void add_dq_part(Smem& s, int wg, const tile::AccumM64<kDqCols>& dq, float* dq_accum) {
+  template <int kChunk>
+  __device__ static void stage_dq_chunk(Smem& s, int wg, const tile::AccumM64<kDqCols>& dq) {
+    if constexpr (kChunk < kDqChunks)
+      tile::store_accum_chunk<kChunk, float>(dq, *reinterpret_cast<DqChunk*>(staging(s, wg, kChunk)));
+  }
+  __device__ static void add_dq_part(Smem& s, int wg, const tile::AccumM64<kDqCols>& dq,
+                                     const lcsc::TmaRows4d& dq_rows) {
     wait_staging_free(wg);
-    const uint32_t base =
-        smem_addr(staging(s, wg)) + 16u * static_cast<uint32_t>(tile::thread_in_warpgroup());
-#pragma unroll
-    for (int j = 0; j < tile::AccumM64<kDqCols>::kRegs / 4; ++j)
-      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(base + j * 128u * 16u), "f"(dq.d[4 * j]),
-                   "f"(dq.d[4 * j + 1]), "f"(dq.d[4 * j + 2]), "f"(dq.d[4 * j + 3]));
+    stage_dq_chunk<0>(s, wg, dq);
+    stage_dq_chunk<1>(s, wg, dq);
     fence_proxy_async_smem();
     tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
     if (tile::thread_in_warpgroup() == 0) {
-      bulk_reduce_add_f32(dq_accum, staging(s, wg), kDqPartFloats * sizeof(float));
+#pragma unroll
+      for (int c = 0; c < kDqChunks; ++c) dq_rows.issue(wg * kDqCols + c * DqChunk::kCols, staging(s, wg, c));
       bulk_commit();
     }
   }
 };
 
 // ---- companion kernels ----------------------------------------------------------------------------------
-// prepare: one warp per (batch, head, padded row). D = rowsum(dO o O) in fp32 from the bf16 tensors; LSE in
-// log2 units, +inf where P must be 0 (a row that sees no key, LSE = -inf; rows past seq_q).
+// Rows here are the rows of q's layout seen as [rows, heads, dim]: dense, row b * seq_q + i is query i of
+// sequence b (its LSE at [b, h, i]); packed, the packed rows (LSE at [h, row]).
+// prepare: one warp per (row, head). D = rowsum(dO o O) in fp32 from the bf16 tensors; LSE in log2 units,
+// +inf where P must be 0 (a row that sees no key, LSE = -inf); both into [heads, rows_stride] arrays.
 template <int kD>
 __global__ void attention_bwd_prepare(const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse,
-                                      float* lse_log2, float* dsum, int batch, int seq_q, int heads,
-                                      int rows_padded) {
+                                      float* lse_log2, float* dsum, int rows, int heads, int seq_q, bool packed,
+                                      int rows_stride) {
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
-  if (warp >= int64_t(batch) * heads * rows_padded) return;
-  const int row = static_cast<int>(warp % rows_padded);
-  const int64_t bh = warp / rows_padded;
-  const int h = static_cast<int>(bh % heads), b = static_cast<int>(bh / heads);
-  float d = 0.f, l = tile::kNegInf;
-  if (row < seq_q) {
-    const int64_t off = ((int64_t(b) * seq_q + row) * heads + h) * kD;
+  if (warp >= int64_t(rows) * heads) return;
+  const int row = static_cast<int>(warp / heads), h = static_cast<int>(warp % heads);
+  const int64_t off = warp * kD;
+  float d = 0.f;
 #pragma unroll
-    for (int c = lane * 2; c < kD; c += 64) {
-      const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + off + c));
-      const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + off + c));
-      d += o.x * g.x + o.y * g.y;
-    }
-#pragma unroll
-    for (int s = 16; s > 0; s /= 2) d += __shfl_xor_sync(0xffffffffu, d, s);
-    l = lse[bh * seq_q + row];
+  for (int c = lane * 2; c < kD; c += 64) {
+    const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + off + c));
+    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + off + c));
+    d += o.x * g.x + o.y * g.y;
   }
+#pragma unroll
+  for (int s = 16; s > 0; s /= 2) d += __shfl_xor_sync(0xffffffffu, d, s);
   if (lane == 0) {
-    dsum[warp] = d;
-    lse_log2[warp] = l == tile::kNegInf ? -tile::kNegInf : l * 1.4426950408889634f;
+    const float l = packed ? lse[int64_t(h) * rows + row]
+                           : lse[(int64_t(row / seq_q) * heads + h) * seq_q + row % seq_q];
+    dsum[int64_t(h) * rows_stride + row] = d;
+    lse_log2[int64_t(h) * rows_stride + row] = l == tile::kNegInf ? -tile::kNegInf : l * 1.4426950408889634f;
   }
 }
 
-// convert: dQ (bf16, q's layout) = scale * the accumulator, undoing its fragment order (see
-// attention_dq_block_floats). One thread per float4 of the accumulator: two adjacent columns of two rows.
-template <int kD>
-__global__ void attention_bwd_convert_dq(const float* dq_accum, __nv_bfloat16* dq, int batch, int seq_q,
-                                         int heads, int q_blocks, float scale) {
-  constexpr int kPart = kAttentionBwdBlockM * kD / 2;
-  const int64_t f = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
-  if (f >= int64_t(batch) * heads * q_blocks * 2 * kPart) return;
-  const float4 v = *reinterpret_cast<const float4*>(dq_accum + f);
-  const int64_t part = f / kPart;
-  const int in_part = static_cast<int>(f % kPart);
-  const int half = static_cast<int>(part % 2);
-  const int m = static_cast<int>(part / 2 % q_blocks);
-  const int64_t bh = part / 2 / q_blocks;
-  const int h = static_cast<int>(bh % heads), b = static_cast<int>(bh / heads);
-  const int j = in_part / 512, t = in_part % 512 / 4;  // float4 j of thread t
-  const int warp = t / 32, lane = t % 32;
-  const int row = m * kAttentionBwdBlockM + 16 * warp + lane / 4;
-  const int col = half * (kD / 2) + 8 * j + 2 * (lane % 4);
-  if (row < seq_q)
-    *reinterpret_cast<__nv_bfloat162*>(dq + ((int64_t(b) * seq_q + row) * heads + h) * kD + col) =
-        __floats2bfloat162_rn(v.x * scale, v.y * scale);
-  if (row + 8 < seq_q)
-    *reinterpret_cast<__nv_bfloat162*>(dq + ((int64_t(b) * seq_q + row + 8) * heads + h) * kD + col) =
-        __floats2bfloat162_rn(v.z * scale, v.w * scale);
+// convert: dQ (bf16, q's layout) = scale * the accumulator (fp32, q's layout), four elements per thread.
+__global__ inline void attention_bwd_convert_dq(const float* dq_accum, __nv_bfloat16* dq, int64_t elements,
+                                                float scale) {
+  const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (i >= elements) return;
+  const float4 v = *reinterpret_cast<const float4*>(dq_accum + i);
+  auto* out = reinterpret_cast<__nv_bfloat162*>(dq + i);
+  out[0] = __floats2bfloat162_rn(v.x * scale, v.y * scale);
+  out[1] = __floats2bfloat162_rn(v.z * scale, v.w * scale);
 }
 
 }  // namespace weft::ops

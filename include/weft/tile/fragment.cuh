@@ -67,4 +67,48 @@ __device__ __forceinline__ void store_accum_chunk(const AccumM64<N>& acc, OutChu
   }
 }
 
+// Row by row from registers, no shared memory: rows [0, rows) of the accumulator (rows past it are not
+// written) to dst + row * row_stride, columns from 0, as T (bf16 or f32). For tiles whose rows a TMA box
+// cannot cut off (a packed sequence's last rows). Ends converged: a warp-aligned instruction may follow.
+template <class T, int N>
+__device__ __forceinline__ void store_rows(const AccumM64<N>& acc, T* dst, int64_t row_stride, int rows) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, float>, "bf16 or f32 output");
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = AccumM64<N>::row(2 * h), col = AccumM64<N>::col(4 * j);
+      if (row < rows) {
+        T* p = dst + row * row_stride + col;
+        if constexpr (std::is_same_v<T, float>)
+          *reinterpret_cast<float2*>(p) = make_float2(acc.d[4 * j + 2 * h], acc.d[4 * j + 2 * h + 1]);
+        else
+          *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(acc.d[4 * j + 2 * h], acc.d[4 * j + 2 * h + 1]);
+      }
+    }
+  __syncwarp();
+}
+
+// run[row] = run[row] * a[h] + now[row] * b[h] for rows [0, rows) of an fp32 [rows, row_stride] array
+// (h: which of the thread's two rows), the results also into `merged`. Ends converged.
+template <int N>
+__device__ __forceinline__ void merge_rows(float* run, int64_t row_stride, int rows, const AccumM64<N>& now,
+                                           const float (&a)[2], const float (&b)[2], AccumM64<N>& merged) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = AccumM64<N>::row(2 * h), col = AccumM64<N>::col(4 * j);
+      const int i = 4 * j + 2 * h;
+      float2 old = make_float2(0.f, 0.f);
+      float2* p = reinterpret_cast<float2*>(run + row * row_stride + col);
+      if (row < rows) old = *p;
+      const float2 m = make_float2(old.x * a[h] + now.d[i] * b[h], old.y * a[h] + now.d[i + 1] * b[h]);
+      if (row < rows) *p = m;
+      merged.d[i] = m.x;
+      merged.d[i + 1] = m.y;
+    }
+  __syncwarp();
+}
+
 }  // namespace weft::tile
