@@ -91,7 +91,7 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   p.dk = ops::map_rows(c.dk, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dk");
   p.dv = ops::map_rows(c.dv, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dv");
   p.dq_accum = ops::map_rows(accum, sh, seg, false, sh.heads, Op::kBM, c.where + "workspace (dQ)", true);
-  // The per-row terms: 2-D {rows, heads} maps, boxes of 64 rows.
+  // The per-row terms: 2-D {rows, heads} maps, boxes of a query block's rows and up to 3 before them.
   auto rows_map = [&](const float* base, const char* what) {
     tma::TensorNd t;
     t.base = base;
@@ -101,7 +101,7 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
     t.dims[0] = uint64_t(ws.rows);
     t.dims[1] = uint64_t(sh.heads);
     t.strides_bytes[1] = uint64_t(ws.rows_stride) * 4;
-    const uint32_t box[2] = {Op::kBM, 1};
+    const uint32_t box[2] = {Op::kRowTerms, 1};
     return tma::make_map(t, box, c.where + what, CU_TENSOR_MAP_SWIZZLE_NONE);
   };
   p.lse_map = rows_map(lse_log2, "workspace (LSE)");

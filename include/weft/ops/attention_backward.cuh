@@ -90,6 +90,8 @@ struct AttentionBwdOp {
   static constexpr int kDqPartFloats = kBM * kDqCols;
   using DqChunk = tile::OutChunk<float>;  // 32 fp32 columns of 64 rows: the dQ accumulator map's box
   static constexpr int kDqChunks = kDqCols / DqChunk::kCols;
+  static constexpr int kRowTerms = kBM + 4;  // LSE / D floats loaded per query block (see Smem)
+  static constexpr int kRowStride = (kRowTerms + 31) / 32 * 32;
   static constexpr int kDsBarrierId = lcsc::kEpilogueFirstBarrierId + kConsumerWarpgroups;  // both warpgroups
   static_assert(sizeof(typename Epilogue::Chunk) == sizeof(DqChunk) && kDqChunks <= 2,
                 "a warpgroup's dQ part is staged in its two epilogue buffers");
@@ -115,7 +117,7 @@ struct AttentionBwdOp {
     lcsc::AttentionSchedulerParams sched;  // heads = K/V heads, q_blocks = key blocks
     CUtensorMap q, k, v, dout, dk, dv;     // 4-D {dim, head, seq, batch}
     CUtensorMap dq_accum;                  // fp32, q's layout, 4-D like q (box 32 columns): reduce-adds
-    CUtensorMap lse_map, dsum_map;         // LSE log2(e) and D (prepare): 2-D {rows, heads}, box 64 rows
+    CUtensorMap lse_map, dsum_map;         // LSE log2(e) and D (prepare): 2-D {rows, heads}, box kRowTerms
     AttentionRows rows;
     bf16 *dk_out, *dv_out;                 // dK, dV themselves: the row-by-row stores
     int heads, group;
@@ -127,8 +129,11 @@ struct AttentionBwdOp {
     VTile v;
     QTile q[kStages], dout[kStages];
     DsTile ds[kStages];  // one per ring stage: written at a step, read by both warpgroups' dQ MMAs
-    alignas(16) float lse_log2[kStages][kBM];
-    alignas(16) float dsum[kStages][kBM];
+    // A query block's LSE and D, from the 16-byte boundary at or before its first row (TMA's boxes start
+    // on one in the innermost dimension): kRowTerms floats, the block's at offset Lengths::term0.
+    // (Rows kRowStride floats apart: TMA writes shared memory at 128-byte boundaries.)
+    alignas(128) float lse_log2[kStages][kRowStride];
+    alignas(128) float dsum[kStages][kRowStride];
     typename Epilogue::Smem epi;  // dK / dV staging; a warpgroup's two buffers also stage its dQ part
     typename Pipeline::Storage pipe;
   };
@@ -165,10 +170,10 @@ struct AttentionBwdOp {
     for (int g = 0; g < p.group; ++g) {
       const int h = w.head * p.group + g;
       for (int m = qb.begin; m < qb.end; ++m) {
-        uint64_t* bar = pipe.qdo.producer_acquire(st, 2 * sizeof(QTile) + 2 * kBM * sizeof(float));
+        uint64_t* bar = pipe.qdo.producer_acquire(st, 2 * sizeof(QTile) + 2 * kRowTerms * sizeof(float));
         load_head_rows(s.q[st.stage], &p.q, h, sr.q0 + m * kBM, sr.batch, bar);
         load_head_rows(s.dout[st.stage], &p.dout, h, sr.q0 + m * kBM, sr.batch, bar);
-        const int row = static_cast<int>(sr.q_base) + m * kBM;  // of the LSE / D maps
+        const int row = (static_cast<int>(sr.q_base) + m * kBM) & ~3;  // of the LSE / D maps
         tma::load_2d(s.lse_log2[st.stage], &p.lse_map, row, h, bar);
         tma::load_2d(s.dsum[st.stage], &p.dsum_map, row, h, bar);
         st.advance(kStages);
@@ -185,7 +190,7 @@ struct AttentionBwdOp {
     tile::mbarrier_wait_bounded(&pipe.s_.kv_full, static_cast<uint32_t>(w.iteration) & 1u);
     __syncwarp();
     const SeqRows sr = seq_rows(p.rows, w.batch);
-    const Lengths len{sr.q_len, sr.k_len};
+    const Lengths len{sr.q_len, sr.k_len, static_cast<int>(sr.q_base & 3)};
     const QueryBlocks qb = query_blocks(n, len.q, len.k, p.causal != 0);
     const int key0 = n * kBN + 64 * wg;  // this warpgroup's first key (of the sequence)
     for (int g = 0; g < p.group; ++g) {
@@ -227,7 +232,8 @@ struct AttentionBwdOp {
  private:
   // One query block of 64 rows against the warpgroup's 64 keys (see the header comment).
   struct Lengths {
-    int q, k;  // the sequence's query and key rows
+    int q, k;   // the sequence's query and key rows
+    int term0;  // where a query block's LSE and D begin in Smem::lse_log2 / dsum
   };
   __device__ static void step(const Params& p, const Lengths& len, Smem& s, int stage, int wg, int key0, int m,
                               Accum& acc, const lcsc::TmaRows4d& dq_rows) {
@@ -239,13 +245,13 @@ struct AttentionBwdOp {
     wgmma::fence_operands(sp.d);
     wgmma::fence();
     issue_scores(s.v, s.dout[stage], wg, ds);
-    const bool masked = to_probabilities(p, len, s.lse_log2[stage], key0, m * kBM, sp);
+    const bool masked = to_probabilities(p, len, s.lse_log2[stage] + len.term0, key0, m * kBM, sp);
     wgmma::wait<0>();
     wgmma::fence_operands(ds.d);
     // dS = 0 exactly where P is: a masked row's D may be another sequence's or garbage (even NaN).
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kBM>::kRegs; ++i) {
-      const float d = sp.d[i] * (ds.d[i] - s.dsum[stage][tile::AccumM64<kBM>::col(i)]);
+      const float d = sp.d[i] * (ds.d[i] - s.dsum[stage][len.term0 + tile::AccumM64<kBM>::col(i)]);
       ds.d[i] = masked && sp.d[i] == 0.f ? 0.f : d;
     }
     // P as the A operand of dV (S and dP die here); dS^T to shared memory, the A operand of dK and dQ.
@@ -294,7 +300,7 @@ struct AttentionBwdOp {
   // rows past its rows (whose LSE and D are another sequence's, or zeros) and (causal) keys past a row's
   // last visible one get P = 0. Rows that see no key have LSE = +inf: P = 0.
   // Returns whether the block needed the mask.
-  __device__ static bool to_probabilities(const Params& p, const Lengths& len, const float (&lse_log2)[kBM],
+  __device__ static bool to_probabilities(const Params& p, const Lengths& len, const float* lse_log2,
                                           int key0, int row0, tile::AccumM64<kBM>& s) {
     const int shift = len.k - len.q;
     // Whether this 64 x 64 block needs the mask: it reaches past the keys or the rows, or (causal) its last
