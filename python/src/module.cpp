@@ -260,37 +260,64 @@ PYBIND11_MODULE(_weft, m) {
     return weft::AttentionShape{s[0].cast<int64_t>(), s[1].cast<int64_t>(), s[2].cast<int64_t>(),
                                 s[3].cast<int64_t>(), s[4].cast<int64_t>(), s[5].cast<int64_t>()};
   };
-  auto attention_options = [](bool causal, float scale) {
+  // segments: () for dense tensors, or (q_begin, q_end, k_begin, k_end, total_q, total_k) (device int32
+  // pointers, then row counts) for packed sequences; accumulate: () or (o, lse) fp32 device pointers.
+  auto attention_options = [](bool causal, float scale, py::tuple seg, py::tuple acc) {
     weft::AttentionOptions o;
     o.causal = causal;
     o.softmax_scale = scale;
+    auto i32 = [](py::handle h) { return reinterpret_cast<const int32_t*>(h.cast<uintptr_t>()); };
+    if (seg.size() == 6)
+      o.segments = {i32(seg[0]), i32(seg[1]), i32(seg[2]), i32(seg[3]), seg[4].cast<int64_t>(),
+                    seg[5].cast<int64_t>()};
+    else if (seg.size() != 0)
+      throw weft::Error("weft: segments must be () or (q_begin, q_end, k_begin, k_end, total_q, total_k)");
+    if (acc.size() == 2)
+      o.accumulate = {reinterpret_cast<float*>(acc[0].cast<uintptr_t>()),
+                      reinterpret_cast<float*>(acc[1].cast<uintptr_t>())};
+    else if (acc.size() != 0)
+      throw weft::Error("weft: accumulate must be () or (o, lse)");
     return o;
   };
-  m.def("flash_attention_forward", [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
-                                       uintptr_t lse, py::tuple shape, bool causal, float scale,
-                                       uintptr_t stream) {
-    OnDevice on(device);
-    weft::flash_attention_forward(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
-                                  reinterpret_cast<const void*>(v), reinterpret_cast<void*>(out),
-                                  reinterpret_cast<float*>(lse), attention_shape(shape), weft::DType::kBF16,
-                                  reinterpret_cast<cudaStream_t>(stream), attention_options(causal, scale));
-  });
-  m.def("flash_attention_backward_workspace_bytes", [=](py::tuple shape) {
-    return weft::flash_attention_backward_workspace_bytes(attention_shape(shape));
-  });
-  m.def("flash_attention_backward", [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
-                                        uintptr_t dout, uintptr_t lse, uintptr_t dq, uintptr_t dk,
-                                        uintptr_t dv, uintptr_t workspace, uint64_t workspace_bytes,
-                                        py::tuple shape, bool causal, float scale, uintptr_t stream) {
-    OnDevice on(device);
-    weft::flash_attention_backward(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
-                                   reinterpret_cast<const void*>(v), reinterpret_cast<const void*>(out),
-                                   reinterpret_cast<const void*>(dout), reinterpret_cast<const float*>(lse),
-                                   reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk),
-                                   reinterpret_cast<void*>(dv), reinterpret_cast<void*>(workspace),
-                                   workspace_bytes, attention_shape(shape), weft::DType::kBF16,
-                                   reinterpret_cast<cudaStream_t>(stream), attention_options(causal, scale));
-  });
+  m.def(
+      "flash_attention_forward",
+      [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, py::tuple shape,
+          bool causal, float scale, uintptr_t stream, py::tuple segments, py::tuple accumulate) {
+        OnDevice on(device);
+        weft::flash_attention_forward(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
+                                      reinterpret_cast<const void*>(v), reinterpret_cast<void*>(out),
+                                      reinterpret_cast<float*>(lse), attention_shape(shape), weft::DType::kBF16,
+                                      reinterpret_cast<cudaStream_t>(stream),
+                                      attention_options(causal, scale, segments, accumulate));
+      },
+      py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+      py::arg("shape"), py::arg("causal"), py::arg("scale"), py::arg("stream"), py::arg("segments") = py::tuple(),
+      py::arg("accumulate") = py::tuple());
+  m.def(
+      "flash_attention_backward_workspace_bytes",
+      [=](py::tuple shape, py::tuple segments) {
+        return weft::flash_attention_backward_workspace_bytes(
+            attention_shape(shape), attention_options(false, 0.f, segments, py::tuple()));
+      },
+      py::arg("shape"), py::arg("segments") = py::tuple());
+  m.def(
+      "flash_attention_backward",
+      [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t dout, uintptr_t lse,
+          uintptr_t dq, uintptr_t dk, uintptr_t dv, uintptr_t workspace, uint64_t workspace_bytes, py::tuple shape,
+          bool causal, float scale, uintptr_t stream, py::tuple segments) {
+        OnDevice on(device);
+        weft::flash_attention_backward(
+            reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
+            reinterpret_cast<const void*>(out), reinterpret_cast<const void*>(dout),
+            reinterpret_cast<const float*>(lse), reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk),
+            reinterpret_cast<void*>(dv), reinterpret_cast<void*>(workspace), workspace_bytes,
+            attention_shape(shape), weft::DType::kBF16, reinterpret_cast<cudaStream_t>(stream),
+            attention_options(causal, scale, segments, py::tuple()));
+      },
+      py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("dout"),
+      py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("workspace"),
+      py::arg("workspace_bytes"), py::arg("shape"), py::arg("causal"), py::arg("scale"), py::arg("stream"),
+      py::arg("segments") = py::tuple());
 
   // Fused tensor-parallel ops (bf16): b_layout "kn" ([K, N] row-major) or "nk" (an [N, K] weight); the
   // return value names the path that ran ("fused" or "sequential").

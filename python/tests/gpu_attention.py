@@ -1,4 +1,5 @@
-"""GPU test of weft.flash_attention (forward and autograd backward) against an fp32 reference, one GPU:
+"""GPU test of weft.flash_attention and flash_attention_varlen (forward and autograd backward) against an
+fp32 reference, one GPU:
 
     PYTHONPATH=build/python python3 python/tests/gpu_attention.py
 
@@ -68,6 +69,41 @@ def run_case(b, sq, sk, h, kvh, d, causal, scale, g):
     return failures
 
 
+def run_varlen_case(lengths, h, kvh, d, causal, g):
+    """weft.flash_attention_varlen on a packed batch against the references run per sequence."""
+    lq = [a for a, _ in lengths]
+    lk = [b for _, b in lengths]
+    cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lq), h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    k = torch.randn(sum(lk), kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    v = torch.randn(sum(lk), kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    dout = torch.randn(sum(lq), h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = weft.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True)
+    out.backward(dout)
+    ours = [out.detach(), q.grad, k.grad, v.grad]
+    want, sdpa = [[], [], [], []], [[], [], [], []]
+    s = d ** -0.5
+    for b in range(len(lengths)):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        for dtype, dest in ((torch.float32, want), (torch.bfloat16, sdpa)):
+            o, ins = reference(q[None, qs], k[None, ks], v[None, ks], causal, s, dtype)
+            o.backward(dout[None, qs].to(dtype).transpose(1, 2))
+            for i, x in enumerate([o.detach()] + [x.grad for x in ins]):
+                dest[i].append(x.transpose(1, 2)[0])
+    line = f"varlen {lengths} H={h}/{kvh} D={d}{' causal' if causal else ''}:"
+    failures = []
+    for name, o, w, t in zip(("out", "dq", "dk", "dv"), ours, want, sdpa):
+        e, te = rel(o, torch.cat(w)), rel(torch.cat(t), torch.cat(w))
+        line += f" {name} {e:.2e} (sdpa {te:.2e})"
+        if not (e <= 2 * te + 1e-6 and e <= 2e-2):
+            failures.append(f"{name}: relative error {e:.3e}, SDPA's {te:.3e}")
+    if tuple(lse.shape) != (h, sum(lq)) or not torch.isfinite(lse).all():
+        failures.append(f"lse: shape {tuple(lse.shape)} (want {(h, sum(lq))}) or not finite")
+    print(line, flush=True)
+    return failures
+
+
 def expect_error(kind, fn, part):
     try:
         fn()
@@ -94,6 +130,21 @@ def main():
     failures = []
     for c in cases:
         failures += [f"{c}: {f}" for f in run_case(*c, g)]
+    varlen_cases = [
+        ([(1, 1), (17, 17), (1000, 1000), (300, 300), (513, 513)], 8, 2, 128, True),
+        ([(1, 5), (17, 200), (1000, 64), (129, 129)], 4, 4, 64, False),
+        ([(4096, 4096), (1, 1), (2000, 2000)], 4, 1, 64, True),
+        ([(64, 64), (127, 127), (3000, 3000)], 2, 2, 128, False),
+    ]
+    for c in varlen_cases:
+        failures += [f"varlen {c}: {f}" for f in run_varlen_case(*c, g)]
+    cu = torch.tensor([0, 16], dtype=torch.int32, device="cuda")
+    y = torch.zeros(16, 2, 128, device="cuda", dtype=torch.bfloat16)
+    expect_error(weft.WeftValueError, lambda: weft.flash_attention_varlen(y, y, y, cu.long(), cu, 16, 16), "int32")
+    expect_error(weft.WeftValueError, lambda: weft.flash_attention_varlen(y, y, y, cu, cu[:1], 16, 16),
+                 "batch + 1")
+    expect_error(weft.WeftValueError, lambda: weft.flash_attention_varlen(y, y, y, cu, cu, 17, 16), "max_seqlen")
+    expect_error(weft.WeftValueError, lambda: weft.flash_attention_varlen(y[None], y, y, cu, cu, 16, 16), "3-d")
     x = torch.zeros(1, 16, 2, 128, device="cuda", dtype=torch.bfloat16)
     expect_error(weft.WeftValueError, lambda: weft.flash_attention(x, x, x[:, :, :1, :64]), "one shape")
     expect_error(weft.WeftValueError, lambda: weft.flash_attention(x[..., :96], x[..., :96], x[..., :96]),
@@ -116,7 +167,7 @@ def main():
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         sys.exit(1)
-    print("weft.flash_attention: all cases passed")
+    print("weft.flash_attention, flash_attention_varlen: all cases passed")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ class WeftTypeError(WeftError, TypeError):
 
 __all__ = ["init", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
            "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
-           "matmul_all_reduce", "flash_attention", "ring_shard_indices", "ring_shard", "ring_unshard"]
+           "matmul_all_reduce", "flash_attention", "flash_attention_varlen", "ring_shard_indices", "ring_shard",
+           "ring_unshard"]
 
 # DLPack device types (dlpack.h DLDeviceType) for messages.
 _DLPACK_DEVICES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI",
@@ -384,33 +385,46 @@ def _flash_attention_fn():
             return torch.cuda.current_stream(x.device).cuda_stream
 
         class FlashAttention(torch.autograd.Function):
+            # packed: None for dense [batch, seq, heads, dim] tensors, else (cu_seqlens_q, cu_seqlens_k,
+            # max_seqlen_q, max_seqlen_k) for [total, heads, dim] ones.
             @staticmethod
-            def forward(ctx, q, k, v, causal, scale):
-                shape = (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
+            def forward(ctx, q, k, v, causal, scale, packed):
+                if packed is None:
+                    shape = (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
+                    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+                    segments = ()
+                else:
+                    cu_q, cu_k, max_q, max_k = packed
+                    shape = (cu_q.shape[0] - 1, max_q, max_k, q.shape[1], k.shape[1], q.shape[2])
+                    lse_shape = (q.shape[1], q.shape[0])
+                    segments = (cu_q.data_ptr(), cu_q.data_ptr() + 4, cu_k.data_ptr(), cu_k.data_ptr() + 4,
+                                q.shape[0], k.shape[0])
                 out = torch.empty_like(q)
-                lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+                lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
                 _weft.flash_attention_forward(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                              out.data_ptr(), lse.data_ptr(), shape, causal, scale, stream(q))
+                                              out.data_ptr(), lse.data_ptr(), shape, causal, scale, stream(q),
+                                              segments)
                 ctx.save_for_backward(q, k, v, out, lse)
-                ctx.attention = (shape, causal, scale)
+                ctx.attention = (shape, causal, scale, segments)
+                ctx.packed = packed  # keeps the offsets `segments` points at alive
                 ctx.mark_non_differentiable(lse)
                 return out, lse
 
             @staticmethod
             def backward(ctx, dout, _dlse):
                 q, k, v, out, lse = ctx.saved_tensors
-                shape, causal, scale = ctx.attention
+                shape, causal, scale, segments = ctx.attention
                 dout = dout.contiguous()
                 if dout.dtype != q.dtype:
                     dout = dout.to(q.dtype)
                 dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-                nbytes = _weft.flash_attention_backward_workspace_bytes(shape)
+                nbytes = _weft.flash_attention_backward_workspace_bytes(shape, segments)
                 ws = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
                 _weft.flash_attention_backward(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                                out.data_ptr(), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(),
                                                dk.data_ptr(), dv.data_ptr(), ws.data_ptr(), nbytes, shape, causal,
-                                               scale, stream(q))
-                return dq, dk, dv, None, None
+                                               scale, stream(q), segments)
+                return dq, dk, dv, None, None, None
 
         _flash_fn = FlashAttention
     return _flash_fn
@@ -457,7 +471,60 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     if not scale > 0:
         raise WeftValueError(f"weft.flash_attention: softmax_scale must be positive, got {softmax_scale}")
-    out, lse = _flash_attention_fn().apply(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale)
+    out, lse = _flash_attention_fn().apply(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale,
+                                           None)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           softmax_scale=None, return_lse=False):
+    """weft.flash_attention over a packed batch of variable-length sequences (flash-attn's varlen layout).
+
+    q [total_q, heads, dim], k and v [total_k, kv_heads, dim], bf16 CUDA tensors; sequence b is query rows
+    cu_seqlens_q[b] .. cu_seqlens_q[b + 1] and key rows cu_seqlens_k[b] .. cu_seqlens_k[b + 1]
+    (int32 CUDA tensors of batch + 1 ascending offsets starting at 0). max_seqlen_q / max_seqlen_k: the
+    longest sequences (a Python int each; the offsets stay on the GPU, nothing synchronises); a longer
+    sequence stops the kernel with a CUDA error rather than computing a wrong answer. causal aligns each
+    sequence's mask to its bottom right. Returns the output (like q), and with return_lse=True also the fp32
+    log-sum-exp [heads, total_q]. Differentiable in q, k and v.
+    """
+    where = "weft.flash_attention_varlen"
+    t = _torch_api()
+    if t is None or not all(isinstance(x, t.Tensor) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k)):
+        raise WeftTypeError(f"{where}: q, k, v, cu_seqlens_q and cu_seqlens_k must be torch tensors")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_cuda or x.device != q.device:
+            raise WeftValueError(f"{where}: q, k and v must be CUDA tensors on one device, got {name} on {x.device}")
+        if x.dim() != 3:
+            raise WeftValueError(f"{where}: {name} must be 3-d [total, heads, dim], got shape {tuple(x.shape)}")
+        if x.dtype != q.dtype or _dtype_name(x.dtype) != "bf16":
+            raise WeftTypeError(f"{where}: q, k and v must be bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if x.dtype != t.int32 or x.dim() != 1 or x.device != q.device:
+            raise WeftValueError(f"{where}: {name} must be a 1-d int32 tensor on {q.device}, got {x.dtype} "
+                                 f"{tuple(x.shape)} on {x.device}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0] or cu_seqlens_q.shape[0] < 2:
+        raise WeftValueError(f"{where}: cu_seqlens_q and cu_seqlens_k must have batch + 1 >= 2 entries each, got "
+                             f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    if k.shape != v.shape:
+        raise WeftValueError(f"{where}: k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    total_q, h, d = q.shape
+    if k.shape[2] != d:
+        raise WeftValueError(f"{where}: k's dim must be q's, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if d not in (64, 128):
+        raise WeftValueError(f"{where}: dim must be 64 or 128, got {d}")
+    if k.shape[1] < 1 or h % k.shape[1] != 0:
+        raise WeftValueError(f"{where}: heads ({h}) must be a multiple of kv_heads ({k.shape[1]})")
+    max_q, max_k = int(max_seqlen_q), int(max_seqlen_k)
+    if min(total_q, k.shape[0], h, max_q, max_k) < 1 or max_q > total_q or max_k > k.shape[0]:
+        raise WeftValueError(f"{where}: need non-empty q and k and 1 <= max_seqlen <= total rows, got q "
+                             f"{tuple(q.shape)}, k {tuple(k.shape)}, max_seqlen_q {max_q}, max_seqlen_k {max_k}")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not scale > 0:
+        raise WeftValueError(f"{where}: softmax_scale must be positive, got {softmax_scale}")
+    packed = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k)
+    out, lse = _flash_attention_fn().apply(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale,
+                                           packed)
     return (out, lse) if return_lse else out
 
 
