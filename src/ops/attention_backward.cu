@@ -21,15 +21,15 @@ struct Call {
 };
 
 // The workspace: the fp32 dQ accumulator (q's layout), then LSE * log2(e) and D per query row, [heads,
-// rows_stride] each.
+// term_stride] each (attention_term_rows, and a box of slack).
 struct Workspace {
-  int64_t rows = 0, rows_stride = 0;
+  int64_t rows = 0, term_stride = 0;
   size_t accum_bytes = 0, row_bytes = 0;
   Workspace(const AttentionShape& s, const AttentionSegments& seg) {
     rows = ops::query_rows(s, seg);
-    rows_stride = (rows + 63) / 64 * 64;
+    term_stride = (ops::attention_term_rows(seg.packed(), seg.total_q, s.batch, s.seq_q) + 127) / 64 * 64;
     accum_bytes = (size_t(rows * s.heads * s.head_dim) * 4 + 255) / 256 * 256;
-    row_bytes = size_t(s.heads * rows_stride) * 4;  // a multiple of 256
+    row_bytes = size_t(s.heads * term_stride) * 4;  // a multiple of 256
   }
   size_t bytes() const { return accum_bytes + 2 * row_bytes; }
 };
@@ -74,13 +74,14 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   auto* dsum = reinterpret_cast<float*>(static_cast<char*>(c.workspace) + ws.accum_bytes + ws.row_bytes);
   WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, ws.accum_bytes, stream));
   using bf16 = __nv_bfloat16;
+  p.rows = {seg.q_begin, seg.q_end, seg.k_begin, seg.k_end, static_cast<int>(sh.seq_q),
+            static_cast<int>(sh.seq_k), static_cast<int>(seg.total_q)};
   {
     constexpr int kThreads = 256;
-    const int64_t grid = (ws.rows * sh.heads * 32 + kThreads - 1) / kThreads;
+    const int64_t grid = (sh.batch * sh.seq_q * sh.heads * 32 + kThreads - 1) / kThreads;
     ops::attention_bwd_prepare<kD><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-        static_cast<const bf16*>(c.out), static_cast<const bf16*>(c.dout), c.lse, lse_log2, dsum,
-        static_cast<int>(ws.rows), static_cast<int>(sh.heads), static_cast<int>(sh.seq_q), seg.packed(),
-        static_cast<int>(ws.rows_stride));
+        static_cast<const bf16*>(c.out), static_cast<const bf16*>(c.dout), c.lse, lse_log2, dsum, p.rows,
+        static_cast<int>(sh.batch), static_cast<int>(sh.heads), static_cast<int>(ws.term_stride));
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
 
@@ -91,23 +92,21 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   p.dk = ops::map_rows(c.dk, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dk");
   p.dv = ops::map_rows(c.dv, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dv");
   p.dq_accum = ops::map_rows(accum, sh, seg, false, sh.heads, Op::kBM, c.where + "workspace (dQ)", true);
-  // The per-row terms: 2-D {rows, heads} maps, boxes of a query block's rows and up to 3 before them.
+  // The per-row terms: 2-D {term rows, heads} maps, boxes of a query block's rows.
   auto rows_map = [&](const float* base, const char* what) {
     tma::TensorNd t;
     t.base = base;
     t.dtype = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
     t.elem_bytes = 4;
     t.rank = 2;
-    t.dims[0] = uint64_t(ws.rows);
+    t.dims[0] = uint64_t(ws.term_stride);
     t.dims[1] = uint64_t(sh.heads);
-    t.strides_bytes[1] = uint64_t(ws.rows_stride) * 4;
-    const uint32_t box[2] = {Op::kRowTerms, 1};
+    t.strides_bytes[1] = uint64_t(ws.term_stride) * 4;
+    const uint32_t box[2] = {Op::kBM, 1};
     return tma::make_map(t, box, c.where + what, CU_TENSOR_MAP_SWIZZLE_NONE);
   };
   p.lse_map = rows_map(lse_log2, "workspace (LSE)");
   p.dsum_map = rows_map(dsum, "workspace (D)");
-  p.rows = {seg.q_begin, seg.q_end, seg.k_begin, seg.k_end, static_cast<int>(sh.seq_q),
-            static_cast<int>(sh.seq_k), static_cast<int>(seg.total_q)};
   p.dk_out = static_cast<bf16*>(c.dk);
   p.dv_out = static_cast<bf16*>(c.dv);
   p.heads = static_cast<int>(sh.heads);

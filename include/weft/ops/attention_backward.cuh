@@ -65,6 +65,16 @@ __host__ __device__ inline QueryBlocks query_blocks(int key_block, int seq_q, in
 }
 
 
+// Where sequence b's per-row terms (LSE, D) begin in the workspace's rows: a multiple of 4, so that every
+// query block's 64 floats start on a 16-byte boundary (TMA boxes do in the innermost dimension). Packed:
+// 4 q_begin[b] (the ranges do not overlap, so neither do these); dense: b times seq_q rounded up to 4.
+__host__ __device__ inline int64_t attention_term_rows(bool packed, int64_t total_q, int64_t batch, int64_t seq_q) {
+  return packed ? 4 * total_q : batch * ((seq_q + 3) / 4 * 4);
+}
+__device__ __forceinline__ int term_row(const AttentionRows& r, const SeqRows& s) {
+  return r.q_begin != nullptr ? 4 * s.q0 : s.batch * ((r.seq_q + 3) & ~3);
+}
+
 template <int kHeadDim>
 struct AttentionBwdOp {
   using bf16 = __nv_bfloat16;
@@ -90,8 +100,6 @@ struct AttentionBwdOp {
   static constexpr int kDqPartFloats = kBM * kDqCols;
   using DqChunk = tile::OutChunk<float>;  // 32 fp32 columns of 64 rows: the dQ accumulator map's box
   static constexpr int kDqChunks = kDqCols / DqChunk::kCols;
-  static constexpr int kRowTerms = kBM + 4;  // LSE / D floats loaded per query block (see Smem)
-  static constexpr int kRowStride = (kRowTerms + 31) / 32 * 32;
   static constexpr int kDsBarrierId = lcsc::kEpilogueFirstBarrierId + kConsumerWarpgroups;  // both warpgroups
   static_assert(sizeof(typename Epilogue::Chunk) == sizeof(DqChunk) && kDqChunks <= 2,
                 "a warpgroup's dQ part is staged in its two epilogue buffers");
@@ -117,7 +125,7 @@ struct AttentionBwdOp {
     lcsc::AttentionSchedulerParams sched;  // heads = K/V heads, q_blocks = key blocks
     CUtensorMap q, k, v, dout, dk, dv;     // 4-D {dim, head, seq, batch}
     CUtensorMap dq_accum;                  // fp32, q's layout, 4-D like q (box 32 columns): reduce-adds
-    CUtensorMap lse_map, dsum_map;         // LSE log2(e) and D (prepare): 2-D {rows, heads}, box kRowTerms
+    CUtensorMap lse_map, dsum_map;         // LSE log2(e) and D (prepare): 2-D {term rows, heads}, box kBM
     AttentionRows rows;
     bf16 *dk_out, *dv_out;                 // dK, dV themselves: the row-by-row stores
     int heads, group;
@@ -129,11 +137,8 @@ struct AttentionBwdOp {
     VTile v;
     QTile q[kStages], dout[kStages];
     DsTile ds[kStages];  // one per ring stage: written at a step, read by both warpgroups' dQ MMAs
-    // A query block's LSE and D, from the 16-byte boundary at or before its first row (TMA's boxes start
-    // on one in the innermost dimension): kRowTerms floats, the block's at offset Lengths::term0.
-    // (Rows kRowStride floats apart: TMA writes shared memory at 128-byte boundaries.)
-    alignas(128) float lse_log2[kStages][kRowStride];
-    alignas(128) float dsum[kStages][kRowStride];
+    alignas(128) float lse_log2[kStages][kBM];  // a query block's LSE * log2(e) and D
+    alignas(128) float dsum[kStages][kBM];
     typename Epilogue::Smem epi;  // dK / dV staging; a warpgroup's two buffers also stage its dQ part
     typename Pipeline::Storage pipe;
   };
@@ -170,10 +175,10 @@ struct AttentionBwdOp {
     for (int g = 0; g < p.group; ++g) {
       const int h = w.head * p.group + g;
       for (int m = qb.begin; m < qb.end; ++m) {
-        uint64_t* bar = pipe.qdo.producer_acquire(st, 2 * sizeof(QTile) + 2 * kRowTerms * sizeof(float));
+        uint64_t* bar = pipe.qdo.producer_acquire(st, 2 * sizeof(QTile) + 2 * kBM * sizeof(float));
         load_head_rows(s.q[st.stage], &p.q, h, sr.q0 + m * kBM, sr.batch, bar);
         load_head_rows(s.dout[st.stage], &p.dout, h, sr.q0 + m * kBM, sr.batch, bar);
-        const int row = (static_cast<int>(sr.q_base) + m * kBM) & ~3;  // of the LSE / D maps
+        const int row = term_row(p.rows, sr) + m * kBM;  // of the LSE / D maps
         tma::load_2d(s.lse_log2[st.stage], &p.lse_map, row, h, bar);
         tma::load_2d(s.dsum[st.stage], &p.dsum_map, row, h, bar);
         st.advance(kStages);
@@ -190,7 +195,7 @@ struct AttentionBwdOp {
     tile::mbarrier_wait_bounded(&pipe.s_.kv_full, static_cast<uint32_t>(w.iteration) & 1u);
     __syncwarp();
     const SeqRows sr = seq_rows(p.rows, w.batch);
-    const Lengths len{sr.q_len, sr.k_len, static_cast<int>(sr.q_base & 3)};
+    const Lengths len{sr.q_len, sr.k_len};
     const QueryBlocks qb = query_blocks(n, len.q, len.k, p.causal != 0);
     const int key0 = n * kBN + 64 * wg;  // this warpgroup's first key (of the sequence)
     for (int g = 0; g < p.group; ++g) {
@@ -233,7 +238,6 @@ struct AttentionBwdOp {
   // One query block of 64 rows against the warpgroup's 64 keys (see the header comment).
   struct Lengths {
     int q, k;   // the sequence's query and key rows
-    int term0;  // where a query block's LSE and D begin in Smem::lse_log2 / dsum
   };
   __device__ static void step(const Params& p, const Lengths& len, Smem& s, int stage, int wg, int key0, int m,
                               Accum& acc, const lcsc::TmaRows4d& dq_rows) {
@@ -245,13 +249,13 @@ struct AttentionBwdOp {
     wgmma::fence_operands(sp.d);
     wgmma::fence();
     issue_scores(s.v, s.dout[stage], wg, ds);
-    const bool masked = to_probabilities(p, len, s.lse_log2[stage] + len.term0, key0, m * kBM, sp);
+    const bool masked = to_probabilities(p, len, s.lse_log2[stage], key0, m * kBM, sp);
     wgmma::wait<0>();
     wgmma::fence_operands(ds.d);
     // dS = 0 exactly where P is: a masked row's D may be another sequence's or garbage (even NaN).
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kBM>::kRegs; ++i) {
-      const float d = sp.d[i] * (ds.d[i] - s.dsum[stage][len.term0 + tile::AccumM64<kBM>::col(i)]);
+      const float d = sp.d[i] * (ds.d[i] - s.dsum[stage][tile::AccumM64<kBM>::col(i)]);
       ds.d[i] = masked && sp.d[i] == 0.f ? 0.f : d;
     }
     // P as the A operand of dV (S and dP die here); dS^T to shared memory, the A operand of dK and dQ.
@@ -300,7 +304,7 @@ struct AttentionBwdOp {
   // rows past its rows (whose LSE and D are another sequence's, or zeros) and (causal) keys past a row's
   // last visible one get P = 0. Rows that see no key have LSE = +inf: P = 0.
   // Returns whether the block needed the mask.
-  __device__ static bool to_probabilities(const Params& p, const Lengths& len, const float* lse_log2,
+  __device__ static bool to_probabilities(const Params& p, const Lengths& len, const float (&lse_log2)[kBM],
                                           int key0, int row0, tile::AccumM64<kBM>& s) {
     const int shift = len.k - len.q;
     // Whether this 64 x 64 block needs the mask: it reaches past the keys or the rows, or (causal) its last
@@ -347,19 +351,21 @@ struct AttentionBwdOp {
 };
 
 // ---- companion kernels ----------------------------------------------------------------------------------
-// Rows here are the rows of q's layout seen as [rows, heads, dim]: dense, row b * seq_q + i is query i of
-// sequence b (its LSE at [b, h, i]); packed, the packed rows (LSE at [h, row]).
-// prepare: one warp per (row, head). D = rowsum(dO o O) in fp32 from the bf16 tensors; LSE in log2 units,
-// +inf where P must be 0 (a row that sees no key, LSE = -inf); both into [heads, rows_stride] arrays.
+// prepare: one warp per (sequence, query row, head). D = rowsum(dO o O) in fp32 from the bf16 tensors; LSE
+// in log2 units, +inf where P must be 0 (a row that sees no key, LSE = -inf); both into [heads,
+// term_stride] arrays at the sequence's term_row.
 template <int kD>
 __global__ void attention_bwd_prepare(const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse,
-                                      float* lse_log2, float* dsum, int rows, int heads, int seq_q, bool packed,
-                                      int rows_stride) {
+                                      float* lse_log2, float* dsum, AttentionRows rows, int batch, int heads,
+                                      int term_stride) {
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
-  if (warp >= int64_t(rows) * heads) return;
-  const int row = static_cast<int>(warp / heads), h = static_cast<int>(warp % heads);
-  const int64_t off = warp * kD;
+  if (warp >= int64_t(batch) * rows.seq_q * heads) return;
+  const int h = static_cast<int>(warp % heads);
+  const int i = static_cast<int>(warp / heads % rows.seq_q), b = static_cast<int>(warp / heads / rows.seq_q);
+  const SeqRows sr = seq_rows(rows, b);
+  if (i >= sr.q_len) return;
+  const int64_t off = ((sr.q_base + i) * heads + h) * kD;
   float d = 0.f;
 #pragma unroll
   for (int c = lane * 2; c < kD; c += 64) {
@@ -370,10 +376,10 @@ __global__ void attention_bwd_prepare(const __nv_bfloat16* out, const __nv_bfloa
 #pragma unroll
   for (int s = 16; s > 0; s /= 2) d += __shfl_xor_sync(0xffffffffu, d, s);
   if (lane == 0) {
-    const float l = packed ? lse[int64_t(h) * rows + row]
-                           : lse[(int64_t(row / seq_q) * heads + h) * seq_q + row % seq_q];
-    dsum[int64_t(h) * rows_stride + row] = d;
-    lse_log2[int64_t(h) * rows_stride + row] = l == tile::kNegInf ? -tile::kNegInf : l * 1.4426950408889634f;
+    const float l = lse[lse_index(rows, sr, heads, h, i)];
+    const int64_t t = int64_t(h) * term_stride + term_row(rows, sr) + i;
+    dsum[t] = d;
+    lse_log2[t] = l == tile::kNegInf ? -tile::kNegInf : l * 1.4426950408889634f;
   }
 }
 
