@@ -282,17 +282,18 @@ PYBIND11_MODULE(_weft, m) {
   m.def(
       "flash_attention_forward",
       [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, py::tuple shape,
-          bool causal, float scale, uintptr_t stream, py::tuple segments, py::tuple accumulate) {
+          bool causal, float scale, uintptr_t stream, py::tuple segments, py::tuple accumulate,
+          const std::string& dtype) {
         OnDevice on(device);
         weft::flash_attention_forward(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
                                       reinterpret_cast<const void*>(v), reinterpret_cast<void*>(out),
-                                      reinterpret_cast<float*>(lse), attention_shape(shape), weft::DType::kBF16,
+                                      reinterpret_cast<float*>(lse), attention_shape(shape), parse_dtype(dtype),
                                       reinterpret_cast<cudaStream_t>(stream),
                                       attention_options(causal, scale, segments, accumulate));
       },
       py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
       py::arg("shape"), py::arg("causal"), py::arg("scale"), py::arg("stream"), py::arg("segments") = py::tuple(),
-      py::arg("accumulate") = py::tuple());
+      py::arg("accumulate") = py::tuple(), py::arg("dtype") = "bf16");
   m.def(
       "flash_attention_backward_workspace_bytes",
       [=](py::tuple shape, py::tuple segments) {
@@ -304,20 +305,20 @@ PYBIND11_MODULE(_weft, m) {
       "flash_attention_backward",
       [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t dout, uintptr_t lse,
           uintptr_t dq, uintptr_t dk, uintptr_t dv, uintptr_t workspace, uint64_t workspace_bytes, py::tuple shape,
-          bool causal, float scale, uintptr_t stream, py::tuple segments) {
+          bool causal, float scale, uintptr_t stream, py::tuple segments, const std::string& dtype) {
         OnDevice on(device);
         weft::flash_attention_backward(
             reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
             reinterpret_cast<const void*>(out), reinterpret_cast<const void*>(dout),
             reinterpret_cast<const float*>(lse), reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk),
             reinterpret_cast<void*>(dv), reinterpret_cast<void*>(workspace), workspace_bytes,
-            attention_shape(shape), weft::DType::kBF16, reinterpret_cast<cudaStream_t>(stream),
+            attention_shape(shape), parse_dtype(dtype), reinterpret_cast<cudaStream_t>(stream),
             attention_options(causal, scale, segments, py::tuple()));
       },
       py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("dout"),
       py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("workspace"),
       py::arg("workspace_bytes"), py::arg("shape"), py::arg("causal"), py::arg("scale"), py::arg("stream"),
-      py::arg("segments") = py::tuple());
+      py::arg("segments") = py::tuple(), py::arg("dtype") = "bf16");
 
   // Fused tensor-parallel ops (bf16): b_layout "kn" ([K, N] row-major) or "nk" (an [N, K] weight); the
   // return value names the path that ran ("fused" or "sequential").

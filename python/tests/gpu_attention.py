@@ -1,11 +1,11 @@
-"""GPU test of weft.flash_attention and flash_attention_varlen (forward and autograd backward) against an
-fp32 reference, one GPU:
+"""GPU test of weft.flash_attention and flash_attention_varlen (forward and autograd backward, bf16 and fp16)
+against an fp32 reference, one GPU:
 
     PYTHONPATH=build/python python3 python/tests/gpu_attention.py
 
 For every case the reference is torch's math attention in fp32 on the same bf16 inputs (with an explicit
 bottom-right causal mask); weft passes when the relative error (Frobenius norm) of its output and of its
-three gradients is at most twice that of torch SDPA in bf16 on the same inputs (and below 2e-2), NaN never.
+three gradients is at most twice that of torch SDPA in the inputs' type on the same inputs (and below 2e-2), NaN never.
 Also: wrong shapes, dtypes and devices are refused with WeftValueError / WeftTypeError.
 """
 import sys
@@ -35,11 +35,11 @@ def rel(got, want):
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
 
 
-def run_case(b, sq, sk, h, kvh, d, causal, scale, g):
-    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    k = torch.randn(b, sk, kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    v = torch.randn(b, sk, kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    dout = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+def run_case(b, sq, sk, h, kvh, d, causal, scale, g, dt=torch.bfloat16):
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dt, generator=g).requires_grad_(True)
+    k = torch.randn(b, sk, kvh, d, device="cuda", dtype=dt, generator=g).requires_grad_(True)
+    v = torch.randn(b, sk, kvh, d, device="cuda", dtype=dt, generator=g).requires_grad_(True)
+    dout = torch.randn(b, sq, h, d, device="cuda", dtype=dt, generator=g)
     s = scale if scale is not None else d ** -0.5
     # Rows that see no key (causal, seq_q > seq_k: the first seq_q - seq_k) get 0 from weft, NaN from SDPA:
     # they are checked to be 0, the references run on the other rows (the mask keeps its form on them).
@@ -52,11 +52,12 @@ def run_case(b, sq, sk, h, kvh, d, causal, scale, g):
     want_out, want_in = reference(q[:, first:], k, v, causal, s, torch.float32)
     want_out.backward(dout[:, first:].float().transpose(1, 2))
     want = [want_out.detach().transpose(1, 2)] + [x.grad.transpose(1, 2) for x in want_in]
-    sdpa_out, sdpa_in = reference(q[:, first:], k, v, causal, s, torch.bfloat16)
+    sdpa_out, sdpa_in = reference(q[:, first:], k, v, causal, s, dt)
     sdpa_out.backward(dout[:, first:].transpose(1, 2))
     sdpa = [sdpa_out.detach().transpose(1, 2)] + [x.grad.transpose(1, 2) for x in sdpa_in]
 
-    line = f"B={b} Sq={sq} Sk={sk} H={h}/{kvh} D={d}{' causal' if causal else ''}:"
+    fp16 = " fp16" if dt == torch.float16 else ""
+    line = f"B={b} Sq={sq} Sk={sk} H={h}/{kvh} D={d}{' causal' if causal else ''}{fp16}:"
     failures = []
     if any(z.numel() and (z != 0).any() for z in zero_rows):
         failures.append("rows that see no key are not 0")
@@ -69,16 +70,16 @@ def run_case(b, sq, sk, h, kvh, d, causal, scale, g):
     return failures
 
 
-def run_varlen_case(lengths, h, kvh, d, causal, g):
+def run_varlen_case(lengths, h, kvh, d, causal, g, dt=torch.bfloat16):
     """weft.flash_attention_varlen on a packed batch against the references run per sequence."""
     lq = [a for a, _ in lengths]
     lk = [b for _, b in lengths]
     cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device="cuda")
-    q = torch.randn(sum(lq), h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    k = torch.randn(sum(lk), kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    v = torch.randn(sum(lk), kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    dout = torch.randn(sum(lq), h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(sum(lq), h, d, device="cuda", dtype=dt, generator=g).requires_grad_(True)
+    k = torch.randn(sum(lk), kvh, d, device="cuda", dtype=dt, generator=g).requires_grad_(True)
+    v = torch.randn(sum(lk), kvh, d, device="cuda", dtype=dt, generator=g).requires_grad_(True)
+    dout = torch.randn(sum(lq), h, d, device="cuda", dtype=dt, generator=g)
     out, lse = weft.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True)
     out.backward(dout)
     ours = [out.detach(), q.grad, k.grad, v.grad]
@@ -86,12 +87,13 @@ def run_varlen_case(lengths, h, kvh, d, causal, g):
     s = d ** -0.5
     for b in range(len(lengths)):
         qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-        for dtype, dest in ((torch.float32, want), (torch.bfloat16, sdpa)):
+        for dtype, dest in ((torch.float32, want), (dt, sdpa)):
             o, ins = reference(q[None, qs], k[None, ks], v[None, ks], causal, s, dtype)
             o.backward(dout[None, qs].to(dtype).transpose(1, 2))
             for i, x in enumerate([o.detach()] + [x.grad for x in ins]):
                 dest[i].append(x.transpose(1, 2)[0])
-    line = f"varlen {lengths} H={h}/{kvh} D={d}{' causal' if causal else ''}:"
+    fp16 = " fp16" if dt == torch.float16 else ""
+    line = f"varlen {lengths} H={h}/{kvh} D={d}{' causal' if causal else ''}{fp16}:"
     failures = []
     for name, o, w, t in zip(("out", "dq", "dk", "dv"), ours, want, sdpa):
         e, te = rel(o, torch.cat(w)), rel(torch.cat(t), torch.cat(w))
@@ -138,6 +140,11 @@ def main():
     ]
     for c in varlen_cases:
         failures += [f"varlen {c}: {f}" for f in run_varlen_case(*c, g)]
+    # fp16 inputs, dense and packed.
+    for c in [(2, 1000, 1000, 8, 2, 128, True, None), (1, 300, 129, 4, 2, 64, False, None)]:
+        failures += [f"fp16 {c}: {f}" for f in run_case(*c, g, torch.float16)]
+    failures += [f"fp16 varlen: {f}" for f in run_varlen_case([(1, 1), (700, 700), (65, 65)], 4, 2, 64, True, g,
+                                                               torch.float16)]
     cu = torch.tensor([0, 16], dtype=torch.int32, device="cuda")
     y = torch.zeros(16, 2, 128, device="cuda", dtype=torch.bfloat16)
     expect_error(weft.WeftValueError, lambda: weft.flash_attention_varlen(y, y, y, cu.long(), cu, 16, 16), "int32")

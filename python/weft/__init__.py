@@ -141,6 +141,7 @@ def _torch_api():
             raw_stream = getattr(t._C, "_cuda_getCurrentRawStream", None)
             current_stream = t.cuda.current_stream
             empty = t.empty
+            int32 = t.int32
 
         _torch = _T
     return _torch
@@ -403,7 +404,7 @@ def _flash_attention_fn():
                 lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
                 _weft.flash_attention_forward(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                               out.data_ptr(), lse.data_ptr(), shape, causal, scale, stream(q),
-                                              segments)
+                                              segments, (), _dtype_name(q.dtype))
                 ctx.save_for_backward(q, k, v, out, lse)
                 ctx.attention = (shape, causal, scale, segments)
                 ctx.packed = packed  # keeps the offsets `segments` points at alive
@@ -423,7 +424,7 @@ def _flash_attention_fn():
                 _weft.flash_attention_backward(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                                out.data_ptr(), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(),
                                                dk.data_ptr(), dv.data_ptr(), ws.data_ptr(), nbytes, shape, causal,
-                                               scale, stream(q), segments)
+                                               scale, stream(q), segments, _dtype_name(q.dtype))
                 return dq, dk, dv, None, None, None
 
         _flash_fn = FlashAttention
@@ -433,8 +434,8 @@ def _flash_attention_fn():
 def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
     """softmax(softmax_scale * q k^T [causal mask]) v on one GPU with weft's Hopper kernel, with autograd.
 
-    q [batch, seq_q, heads, dim], k and v [batch, seq_k, kv_heads, dim] (flash-attn's layout), bf16 CUDA torch
-    tensors on one device; dim 64 or 128; heads a multiple of kv_heads (GQA / MQA); any lengths >= 1.
+    q [batch, seq_q, heads, dim], k and v [batch, seq_k, kv_heads, dim] (flash-attn's layout), CUDA torch
+    tensors on one device, all bf16 or all fp16; dim 64 or 128; heads a multiple of kv_heads (GQA / MQA); any lengths >= 1.
     causal: query i sees keys j <= i + seq_k - seq_q (aligned to the bottom right, as flash-attn); a row
     that sees no key gets 0. softmax_scale defaults to 1 / sqrt(dim). Inputs that are not contiguous are
     copied first. Runs on torch's current stream. Returns the output (like q), and with return_lse=True
@@ -449,9 +450,9 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
         if x.dim() != 4:
             raise WeftValueError(f"weft.flash_attention: {name} must be 4-d [batch, seq, heads, dim], "
                                  f"got shape {tuple(x.shape)}")
-        if x.dtype != q.dtype or _dtype_name(x.dtype) != "bf16":
-            raise WeftTypeError(f"weft.flash_attention: q, k and v must be bf16, got {q.dtype}, {k.dtype}, "
-                                f"{v.dtype}")
+        if x.dtype != q.dtype or _dtype_name(x.dtype) not in ("bf16", "fp16"):
+            raise WeftTypeError(f"weft.flash_attention: q, k and v must all be bf16 or all fp16, got {q.dtype}, "
+                                f"{k.dtype}, {v.dtype}")
         if x.device != q.device:
             raise WeftValueError(f"weft.flash_attention: q, k and v must be on one device, got {q.device}, "
                                  f"{k.device}, {v.device}")
@@ -480,7 +481,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, return_lse=False):
     """weft.flash_attention over a packed batch of variable-length sequences (flash-attn's varlen layout).
 
-    q [total_q, heads, dim], k and v [total_k, kv_heads, dim], bf16 CUDA tensors; sequence b is query rows
+    q [total_q, heads, dim], k and v [total_k, kv_heads, dim], CUDA tensors, all bf16 or all fp16; sequence b is query rows
     cu_seqlens_q[b] .. cu_seqlens_q[b + 1] and key rows cu_seqlens_k[b] .. cu_seqlens_k[b + 1]
     (int32 CUDA tensors of batch + 1 ascending offsets starting at 0). max_seqlen_q / max_seqlen_k: the
     longest sequences (a Python int each; the offsets stay on the GPU, nothing synchronises); a longer
@@ -497,8 +498,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise WeftValueError(f"{where}: q, k and v must be CUDA tensors on one device, got {name} on {x.device}")
         if x.dim() != 3:
             raise WeftValueError(f"{where}: {name} must be 3-d [total, heads, dim], got shape {tuple(x.shape)}")
-        if x.dtype != q.dtype or _dtype_name(x.dtype) != "bf16":
-            raise WeftTypeError(f"{where}: q, k and v must be bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if x.dtype != q.dtype or _dtype_name(x.dtype) not in ("bf16", "fp16"):
+            raise WeftTypeError(f"{where}: q, k and v must all be bf16 or all fp16, got {q.dtype}, {k.dtype}, "
+                                f"{v.dtype}")
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if x.dtype != t.int32 or x.dim() != 1 or x.device != q.device:
             raise WeftValueError(f"{where}: {name} must be a 1-d int32 tensor on {q.device}, got {x.dtype} "

@@ -19,9 +19,9 @@ struct Call {
   std::string where;
 };
 
-template <int kD>
-Plan run(const Call& c, cudaStream_t stream, bool launch) {
-  using Op = ops::AttentionFwdOp<kD>;
+template <int kD, class T>
+Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
+  using Op = ops::AttentionFwdOp<kD, T>;
   using Launcher = lcsc::Launcher<Op>;
   const AttentionShape& sh = c.shape;
   typename Op::Params p{};
@@ -54,14 +54,14 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
 
   const AttentionSegments& seg = c.options.segments;
   const AttentionAccumulate& acc = c.options.accumulate;
-  p.q = ops::map_rows(c.q, sh, seg, false, sh.heads, Op::kBM, c.where + "q");
-  p.k = ops::map_rows(c.k, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "k");
-  p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v");
-  if (!acc.enabled()) p.o = ops::map_rows(c.out, sh, seg, false, sh.heads, Op::Epilogue::kBoxRows, c.where + "out");
+  p.q = ops::map_rows(c.q, sh, seg, false, sh.heads, Op::kBM, c.where + "q", dtype);
+  p.k = ops::map_rows(c.k, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "k", dtype);
+  p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v", dtype);
+  if (!acc.enabled()) p.o = ops::map_rows(c.out, sh, seg, false, sh.heads, Op::Epilogue::kBoxRows, c.where + "out", dtype);
   p.rows = {seg.q_begin, seg.q_end, seg.k_begin, seg.k_end, static_cast<int>(sh.seq_q),
             static_cast<int>(sh.seq_k), static_cast<int>(seg.total_q)};
   p.lse = c.lse;
-  p.out = static_cast<__nv_bfloat16*>(c.out);
+  p.out = static_cast<T*>(c.out);
   p.acc_o = acc.o;
   p.acc_lse = acc.lse;
   p.heads = static_cast<int>(sh.heads);
@@ -98,7 +98,11 @@ Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
     }
     ops::check_segment_arrays(c.options.segments, dev.device, c.where);
   }
-  return c.shape.head_dim == 64 ? run<64>(c, stream, launch) : run<128>(c, stream, launch);
+  if (dtype == DType::kFP16)
+    return c.shape.head_dim == 64 ? run<64, __half>(c, dtype, stream, launch)
+                                  : run<128, __half>(c, dtype, stream, launch);
+  return c.shape.head_dim == 64 ? run<64, __nv_bfloat16>(c, dtype, stream, launch)
+                                : run<128, __nv_bfloat16>(c, dtype, stream, launch);
 }
 
 std::string where(const AttentionShape& s) {

@@ -50,7 +50,8 @@ inline void check_attention_shape(const AttentionShape& s, const AttentionSegmen
 inline DeviceFacts check_attention_call(const AttentionShape& s, DType dtype, const AttentionOptions& o,
                                         const std::string& w) {
   check_attention_shape(s, o.segments, w);
-  WEFT_CHECK(dtype == DType::kBF16, w + "tensors must be bf16 (DType::kBF16), got " + dtype_name(dtype));
+  WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16,
+             w + "tensors must be bf16 or fp16 (DType::kBF16, kFP16), got " + dtype_name(dtype));
   WEFT_CHECK(!std::isnan(o.softmax_scale) && o.softmax_scale >= 0.f,
              w + "softmax_scale must be positive (or 0 for 1 / sqrt(head_dim))");
   WEFT_CHECK(o.max_blocks >= 0, w + "options.max_blocks must be >= 0");
@@ -64,14 +65,17 @@ inline float attention_scale(const AttentionShape& s, const AttentionOptions& o)
   return o.softmax_scale > 0.f ? o.softmax_scale : 1.f / std::sqrt(float(s.head_dim));
 }
 
-// A [batch, seq, heads, dim] bf16 tensor as a 4-D map {dim, head, seq, batch} with box {64, 1, rows, 1}:
-// boxes clip at each sequence's end (loads past it read zeros, stores past it write nothing).
-// fp32 tensors (f32): box {32, 1, rows, 1}, 128 bytes across as well.
+// A [batch, seq, heads, dim] bf16 / fp16 tensor as a 4-D map {dim, head, seq, batch} with box {64, 1, rows,
+// 1}: boxes clip at each sequence's end (loads past it read zeros, stores past it write nothing). fp32
+// tensors: box {32, 1, rows, 1}, 128 bytes across as well.
 inline CUtensorMap map_bshd(const void* base, int64_t batch, int64_t seq, int64_t heads, int64_t dim,
-                            uint32_t rows, const std::string& what, bool f32 = false) {
+                            uint32_t rows, const std::string& what, DType dtype) {
+  const bool f32 = dtype == DType::kFP32;
   tma::TensorNd t;
   t.base = base;
-  t.dtype = f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  t.dtype = f32                       ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+            : dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                      : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   t.elem_bytes = f32 ? 4 : 2;
   t.rank = 4;
   t.dims[0] = uint64_t(dim);
@@ -100,10 +104,10 @@ inline void check_segment_arrays(const AttentionSegments& seg, int device, const
 // The map of q-like (rows = seq_q or total_q) or k-like tensors, dense or packed (one sequence of `total`
 // rows).
 inline CUtensorMap map_rows(const void* base, const AttentionShape& s, const AttentionSegments& seg, bool keys,
-                            int64_t heads, uint32_t box_rows, const std::string& what, bool f32 = false) {
+                            int64_t heads, uint32_t box_rows, const std::string& what, DType dtype) {
   if (seg.packed())
-    return map_bshd(base, 1, keys ? seg.total_k : seg.total_q, heads, s.head_dim, box_rows, what, f32);
-  return map_bshd(base, s.batch, keys ? s.seq_k : s.seq_q, heads, s.head_dim, box_rows, what, f32);
+    return map_bshd(base, 1, keys ? seg.total_k : seg.total_q, heads, s.head_dim, box_rows, what, dtype);
+  return map_bshd(base, s.batch, keys ? s.seq_k : s.seq_q, heads, s.head_dim, box_rows, what, dtype);
 }
 // Rows of q's layout seen as [rows, heads, dim].
 inline int64_t query_rows(const AttentionShape& s, const AttentionSegments& seg) {

@@ -34,9 +34,9 @@ struct Workspace {
   size_t bytes() const { return accum_bytes + 2 * row_bytes; }
 };
 
-template <int kD>
-Plan run(const Call& c, cudaStream_t stream, bool launch) {
-  using Op = ops::AttentionBwdOp<kD>;
+template <int kD, class T>
+Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
+  using Op = ops::AttentionBwdOp<kD, T>;
   using Launcher = lcsc::Launcher<Op>;
   const AttentionShape& sh = c.shape;
   const AttentionSegments& seg = c.options.segments;
@@ -73,25 +73,24 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   auto* lse_log2 = reinterpret_cast<float*>(static_cast<char*>(c.workspace) + ws.accum_bytes);
   auto* dsum = reinterpret_cast<float*>(static_cast<char*>(c.workspace) + ws.accum_bytes + ws.row_bytes);
   WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, ws.accum_bytes, stream));
-  using bf16 = __nv_bfloat16;
   p.rows = {seg.q_begin, seg.q_end, seg.k_begin, seg.k_end, static_cast<int>(sh.seq_q),
             static_cast<int>(sh.seq_k), static_cast<int>(seg.total_q)};
   {
     constexpr int kThreads = 256;
     const int64_t grid = (sh.batch * sh.seq_q * sh.heads * 32 + kThreads - 1) / kThreads;
-    ops::attention_bwd_prepare<kD><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-        static_cast<const bf16*>(c.out), static_cast<const bf16*>(c.dout), c.lse, lse_log2, dsum, p.rows,
+    ops::attention_bwd_prepare<kD, T><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+        static_cast<const T*>(c.out), static_cast<const T*>(c.dout), c.lse, lse_log2, dsum, p.rows,
         static_cast<int>(sh.batch), static_cast<int>(sh.heads), static_cast<int>(ws.term_stride));
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
 
-  p.q = ops::map_rows(c.q, sh, seg, false, sh.heads, Op::kBM, c.where + "q");
-  p.dout = ops::map_rows(c.dout, sh, seg, false, sh.heads, Op::kBM, c.where + "dout");
-  p.k = ops::map_rows(c.k, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "k");
-  p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v");
-  p.dk = ops::map_rows(c.dk, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dk");
-  p.dv = ops::map_rows(c.dv, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dv");
-  p.dq_accum = ops::map_rows(accum, sh, seg, false, sh.heads, Op::kBM, c.where + "workspace (dQ)", true);
+  p.q = ops::map_rows(c.q, sh, seg, false, sh.heads, Op::kBM, c.where + "q", dtype);
+  p.dout = ops::map_rows(c.dout, sh, seg, false, sh.heads, Op::kBM, c.where + "dout", dtype);
+  p.k = ops::map_rows(c.k, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "k", dtype);
+  p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v", dtype);
+  p.dk = ops::map_rows(c.dk, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dk", dtype);
+  p.dv = ops::map_rows(c.dv, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dv", dtype);
+  p.dq_accum = ops::map_rows(accum, sh, seg, false, sh.heads, Op::kBM, c.where + "workspace (dQ)", DType::kFP32);
   // The per-row terms: 2-D {term rows, heads} maps, boxes of a query block's rows.
   auto rows_map = [&](const float* base, const char* what) {
     tma::TensorNd t;
@@ -107,8 +106,8 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   };
   p.lse_map = rows_map(lse_log2, "workspace (LSE)");
   p.dsum_map = rows_map(dsum, "workspace (D)");
-  p.dk_out = static_cast<bf16*>(c.dk);
-  p.dv_out = static_cast<bf16*>(c.dv);
+  p.dk_out = static_cast<T*>(c.dk);
+  p.dv_out = static_cast<T*>(c.dv);
   p.heads = static_cast<int>(sh.heads);
   p.group = static_cast<int>(group);
   const float scale = ops::attention_scale(sh, c.options);
@@ -120,8 +119,8 @@ Plan run(const Call& c, cudaStream_t stream, bool launch) {
   {
     constexpr int kThreads = 256;
     const int64_t elements = ws.rows * sh.heads * kD;
-    ops::attention_bwd_convert_dq<<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads,
-                                    0, stream>>>(accum, static_cast<bf16*>(c.dq), elements, scale);
+    ops::attention_bwd_convert_dq<T><<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads,
+                                    0, stream>>>(accum, static_cast<T*>(c.dq), elements, scale);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   return plan;
@@ -154,7 +153,11 @@ Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
     ops::check_pointer_alignment(c.workspace, "workspace", 256, c.where);
     ops::check_device_memory(c.workspace, "workspace", dev.device, c.where);
   }
-  return c.shape.head_dim == 64 ? run<64>(c, stream, launch) : run<128>(c, stream, launch);
+  if (dtype == DType::kFP16)
+    return c.shape.head_dim == 64 ? run<64, __half>(c, dtype, stream, launch)
+                                  : run<128, __half>(c, dtype, stream, launch);
+  return c.shape.head_dim == 64 ? run<64, __nv_bfloat16>(c, dtype, stream, launch)
+                                : run<128, __nv_bfloat16>(c, dtype, stream, launch);
 }
 
 std::string where(const AttentionShape& s) {

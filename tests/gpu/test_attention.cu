@@ -4,6 +4,7 @@
 // first; NaN never passes. Pass: |O - ref| <= 5e-3 + 5e-3 |ref| per element (P and O are rounded to bf16 once
 // each: at most 2^-9 relative each on values bounded by max |V| = 1), |LSE - ref| <= 1e-3 (1 + |ref|).
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <array>
@@ -36,11 +37,35 @@ std::vector<__nv_bfloat16> random_bf16(size_t n, uint64_t seed) {
   std::vector<__nv_bfloat16> v(n);
   std::mt19937_64 g(seed);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
-  for (auto& x : v) x = __float2bfloat16(u(g));
+  for (auto& x : v) {
+    const float f = u(g);
+    x = __float2bfloat16(std::abs(f) < 0x1p-10f ? 0.f : f);
+  }
   return v;
 }
 float to_f(__nv_bfloat16 x) {
   return __bfloat162float(x);
+}
+// Tensors travel as 16-bit patterns of the call's type: inputs are generated in bf16 with no magnitude below
+// 2^-10 (see random_bf16), so fp16 holds them exactly and one fp64 reference serves both types.
+float bits_f(uint16_t b, DType t) {
+  if (t == DType::kFP16) return __half2float(__ushort_as_half(b));
+  return __bfloat162float(__ushort_as_bfloat16(b));
+}
+void upload(const DeviceBuffer& dst, const std::vector<__nv_bfloat16>& v, DType t) {
+  std::vector<uint16_t> bits(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (t == DType::kFP16)
+      bits[i] = __half_as_ushort(__float2half_rn(to_f(v[i])));
+    else
+      bits[i] = __bfloat16_as_ushort(v[i]);
+  }
+  WEFT_CUDA_CHECK(cudaMemcpy(dst.p, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
+}
+std::vector<uint16_t> download(const DeviceBuffer& src, size_t n) {
+  std::vector<uint16_t> bits(n);
+  WEFT_CUDA_CHECK(cudaMemcpy(bits.data(), src.p, n * 2, cudaMemcpyDeviceToHost));
+  return bits;
 }
 
 // The attention problem in its packed view: q [rows_q, heads, dim], k / v [rows_k, kv_heads, dim]; sequence
@@ -52,6 +77,7 @@ struct Seq {
 struct Problem {
   int64_t rows_q = 0, rows_k = 0, heads = 0, kv_heads = 0, dim = 0;
   bool causal = false, packed = false;  // packed: LSE [heads, rows_q]; dense: [batch, heads, seq_q]
+  DType dtype = DType::kBF16;
   double scale = 0;
   int64_t seq_q = 0;  // dense: each sequence's rows
   std::vector<Seq> seqs;
@@ -130,7 +156,7 @@ ForwardRef reference_forward(const Problem& pr, const std::vector<__nv_bfloat16>
 // Compares a forward's out (bf16, or fp32 when out_f32) and LSE with the reference over the covered rows;
 // rows of no sequence must still hold the poison (0xff bytes). Pass: |O - ref| <= 5e-3 + 5e-3 |ref|, |LSE -
 // ref| <= 1e-3 (1 + |ref|), -inf exactly where the reference has it.
-std::string check_forward(const Problem& pr, const ForwardRef& ref, const std::vector<__nv_bfloat16>& out,
+std::string check_forward(const Problem& pr, const ForwardRef& ref, const std::vector<uint16_t>& out,
                           const std::vector<float>& out_f32, const std::vector<float>& lse,
                           const std::string& label) {
   const int64_t H = pr.heads, D = pr.dim;
@@ -142,12 +168,10 @@ std::string check_forward(const Problem& pr, const ForwardRef& ref, const std::v
       for (int64_t d = 0; d < D; ++d) {
         const int64_t e = (row * H + h) * D + d;
         if (!ref.covered[row]) {
-          uint16_t bits = 0xffff;
-          if (!out.empty()) std::memcpy(&bits, &out[e], 2);
-          if (bits != 0xffff) ++bad_untouched;
+          if (!out.empty() && out[e] != 0xffff) ++bad_untouched;
           continue;
         }
-        const double got = out_f32.empty() ? double(to_f(out[e])) : double(out_f32[e]);
+        const double got = out_f32.empty() ? double(bits_f(out[e], pr.dtype)) : double(out_f32[e]);
         const double err = std::isfinite(got) ? std::abs(got - ref.o[e]) : 1e30;
         w = std::max(w, err);
         if (!(err <= 5e-3 + 5e-3 * std::abs(ref.o[e]))) {
@@ -215,9 +239,9 @@ std::string run_forward(const Problem& pr, uint64_t seed, int max_blocks, const 
   const int64_t qn = pr.rows_q * pr.heads * pr.dim, kn = pr.rows_k * pr.kv_heads * pr.dim;
   const auto q = random_bf16(qn, seed), k = random_bf16(kn, seed + 1), v = random_bf16(kn, seed + 2);
   DeviceBuffer dq(qn * 2), dk(kn * 2), dv(kn * 2), dout(qn * 2), dlse(pr.rows_q * pr.heads * 4);
-  WEFT_CUDA_CHECK(cudaMemcpy(dq.p, q.data(), qn * 2, cudaMemcpyHostToDevice));
-  WEFT_CUDA_CHECK(cudaMemcpy(dk.p, k.data(), kn * 2, cudaMemcpyHostToDevice));
-  WEFT_CUDA_CHECK(cudaMemcpy(dv.p, v.data(), kn * 2, cudaMemcpyHostToDevice));
+  upload(dq, q, pr.dtype);
+  upload(dk, k, pr.dtype);
+  upload(dv, v, pr.dtype);
   WEFT_CUDA_CHECK(cudaMemset(dout.p, 0xff, qn * 2));
   WEFT_CUDA_CHECK(cudaMemset(dlse.p, 0xff, dlse.bytes));
   AttentionOptions o;
@@ -226,11 +250,10 @@ std::string run_forward(const Problem& pr, uint64_t seed, int max_blocks, const 
   o.max_blocks = max_blocks;
   std::unique_ptr<DeviceSegments> segs;
   if (pr.packed) o.segments = (segs = std::make_unique<DeviceSegments>(pr))->seg;
-  flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape_of(pr), DType::kBF16, nullptr, o);
+  flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape_of(pr), pr.dtype, nullptr, o);
   WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<__nv_bfloat16> out(qn);
+  const std::vector<uint16_t> out = download(dout, qn);
   std::vector<float> lse(pr.rows_q * pr.heads);
-  WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout.p, qn * 2, cudaMemcpyDeviceToHost));
   WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), dlse.p, lse.size() * 4, cudaMemcpyDeviceToHost));
   return check_forward(pr, reference_forward(pr, q, k, v), out, {}, lse, label);
 }
@@ -330,9 +353,8 @@ std::string run_accumulate_case(const Case& c, int parts, uint64_t seed) {
                             DType::kBF16, nullptr, o);
   }
   WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<__nv_bfloat16> out(qn);
+  const std::vector<uint16_t> out = download(dout, qn);
   std::vector<float> o32(qn), lse(pr.rows_q * pr.heads);
-  WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout.p, qn * 2, cudaMemcpyDeviceToHost));
   WEFT_CUDA_CHECK(cudaMemcpy(o32.data(), acc_o.p, qn * 4, cudaMemcpyDeviceToHost));
   WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), acc_lse.p, lse.size() * 4, cudaMemcpyDeviceToHost));
   const ForwardRef ref = reference_forward(pr, q, k, v);
@@ -362,19 +384,16 @@ std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const
   if (pr.packed) o.segments = (segs = std::make_unique<DeviceSegments>(pr))->seg;
   DeviceBuffer dq(qn * 2), dk(kn * 2), dv(kn * 2), dout(qn * 2), dgo(qn * 2), dlse(pr.rows_q * H * 4),
       ddq(qn * 2), ddk(kn * 2), ddv(kn * 2), ws(flash_attention_backward_workspace_bytes(shape, o));
-  WEFT_CUDA_CHECK(cudaMemcpy(dq.p, q.data(), qn * 2, cudaMemcpyHostToDevice));
-  WEFT_CUDA_CHECK(cudaMemcpy(dk.p, k.data(), kn * 2, cudaMemcpyHostToDevice));
-  WEFT_CUDA_CHECK(cudaMemcpy(dv.p, v.data(), kn * 2, cudaMemcpyHostToDevice));
-  WEFT_CUDA_CHECK(cudaMemcpy(dgo.p, go.data(), qn * 2, cudaMemcpyHostToDevice));
+  upload(dq, q, pr.dtype);
+  upload(dk, k, pr.dtype);
+  upload(dv, v, pr.dtype);
+  upload(dgo, go, pr.dtype);
   for (DeviceBuffer* b : {&ddq, &ddk, &ddv, &ws, &dout}) WEFT_CUDA_CHECK(cudaMemset(b->p, 0xff, b->bytes));
-  flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape, DType::kBF16, nullptr, o);
+  flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape, pr.dtype, nullptr, o);
   flash_attention_backward(dq.p, dk.p, dv.p, dout.p, dgo.p, dlse.as<float>(), ddq.p, ddk.p, ddv.p, ws.p,
-                           ws.bytes, shape, DType::kBF16, nullptr, o);
+                           ws.bytes, shape, pr.dtype, nullptr, o);
   WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<__nv_bfloat16> gq(qn), gk(kn), gv(kn);
-  WEFT_CUDA_CHECK(cudaMemcpy(gq.data(), ddq.p, qn * 2, cudaMemcpyDeviceToHost));
-  WEFT_CUDA_CHECK(cudaMemcpy(gk.data(), ddk.p, kn * 2, cudaMemcpyDeviceToHost));
-  WEFT_CUDA_CHECK(cudaMemcpy(gv.data(), ddv.p, kn * 2, cudaMemcpyDeviceToHost));
+  const std::vector<uint16_t> gq = download(ddq, qn), gk = download(ddk, kn), gv = download(ddv, kn);
 
   auto dot = [&](const __nv_bfloat16* x, const __nv_bfloat16* y) {
     double s = 0;
@@ -454,19 +473,17 @@ std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const
   }, 16);
   std::string what = label + ":";
   std::string failures;
-  auto compare = [&](const char* name, const std::vector<__nv_bfloat16>& got, const std::vector<double>& ref,
+  auto compare = [&](const char* name, const std::vector<uint16_t>& got, const std::vector<double>& ref,
                      const std::vector<char>& covered, int64_t heads, bool zero_outside) {
     double top = 0, worst = 0;
     for (double x : ref) top = std::max(top, std::abs(x));
     int64_t bad = 0, first = -1, outside = 0;
     for (size_t e = 0; e < ref.size(); ++e) {
       if (!covered[e / D / heads]) {
-        uint16_t bits;
-        std::memcpy(&bits, &got[e], 2);
-        if (zero_outside ? to_f(got[e]) != 0.f : bits != 0xffff) ++outside;
+        if (zero_outside ? bits_f(got[e], pr.dtype) != 0.f : got[e] != 0xffff) ++outside;
         continue;
       }
-      const double g = to_f(got[e]);
+      const double g = bits_f(got[e], pr.dtype);
       const double err = std::isfinite(g) ? std::abs(g - ref[e]) : 1e30;
       worst = std::max(worst, err);
       if (!(err <= 1e-5 + 2e-2 * top + 2e-2 * std::abs(ref[e]))) {
@@ -480,7 +497,7 @@ std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const
     what += buf;
     if (bad)
       failures += std::string(" ") + name + ": " + std::to_string(bad) + " elements out of tolerance, first " +
-                  std::to_string(first) + " got " + std::to_string(to_f(got[first])) + " ref " +
+                  std::to_string(first) + " got " + std::to_string(bits_f(got[first], pr.dtype)) + " ref " +
                   std::to_string(ref[first]) + ";";
     if (outside)
       failures += std::string(" ") + name + ": " + std::to_string(outside) + " elements of rows in no sequence " +
@@ -603,6 +620,30 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_accumulates_in_fp32) {
   uint64_t seed = 201;
   for (const Item& it : items) {
     const std::string e = run_accumulate_case(it.c, it.parts, seed += 10);
+    if (!e.empty()) failures += "\n    " + e;
+  }
+  WEFT_EXPECT(failures.empty(), failures);
+}
+
+// fp16 inputs: the same kernels with fp16 MMAs (P and dS rounded to fp16), dense and packed, both passes.
+WEFT_GPU_TEST_ONE_GPU(flash_attention_fp16) {
+  WEFT_CUDA_CHECK(cudaSetDevice(ctx.comm().local(0).device()));
+  std::string failures;
+  uint64_t seed = 301;
+  std::vector<Problem> problems;
+  for (const Case& c : std::vector<Case>{{2, 256, 256, 4, 4, 128, true, 0.f},
+                                         {1, 1000, 1000, 8, 2, 64, false, 0.f},
+                                         {2, 17, 300, 4, 1, 128, true, 0.f, 3}})
+    problems.push_back(dense_problem(c));
+  problems.push_back(packed_problem({{{1, 1}, {300, 300}, {129, 64}}, 2, 4, 2, 64, true}));
+  problems.push_back(packed_problem({{{1000, 1000}, {17, 17}}, 0, 2, 1, 128, false}));
+  for (Problem& pr : problems) {
+    pr.dtype = DType::kFP16;
+    const std::string label = std::string("fp16 ") + (pr.packed ? "packed " : "") + std::to_string(pr.rows_q) +
+                              " rows, H=" + std::to_string(pr.heads) + "/" + std::to_string(pr.kv_heads) +
+                              " D=" + std::to_string(pr.dim) + (pr.causal ? " causal" : "");
+    std::string e = run_forward(pr, seed += 10, 0, label);
+    if (e.empty()) e = run_backward(pr, seed + 5, 0, label);
     if (!e.empty()) failures += "\n    " + e;
   }
   WEFT_EXPECT(failures.empty(), failures);

@@ -1,7 +1,7 @@
 // Flash attention forward as an LCSC op (lcsc/kernel.cuh): O = softmax(scale * Q K^T [+ causal mask]) V per
 // (batch, head), with the fp32 log-sum-exp of every row. Host launcher: src/ops/attention.cu.
 //
-// Tensors are [batch, seq, heads, head_dim] bf16 (flash-attn's layout), seen through 4-D tensor maps
+// Tensors are [batch, seq, heads, head_dim] bf16 or fp16 (flash-attn's layout), seen through 4-D tensor maps
 // {dim, head, seq, batch} whose boxes clip at each sequence's end: loads past it read zeros, stores past it
 // write nothing. K / V have `kv_heads` heads; query head h reads K / V head h / (heads / kv_heads) (GQA).
 // The causal mask is aligned to the bottom right: query row i sees keys j <= i + seq_k - seq_q (rows with
@@ -26,6 +26,7 @@
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -135,9 +136,9 @@ __device__ __forceinline__ void load_head_rows(Tile& t, const CUtensorMap* map, 
     tma::load_4d(t.block(b), map, b * Tile::kBlockCols, head, row0, batch, bar);
 }
 
-template <int kHeadDim>
+template <int kHeadDim, class T = __nv_bfloat16>
 struct AttentionFwdOp {
-  using bf16 = __nv_bfloat16;
+  static_assert(tile::kIs16Bit<T>, "bf16 or fp16 tensors");
   static constexpr int kConsumerWarpgroups = attention_warpgroups(kHeadDim);
   static constexpr int kD = kHeadDim, kBM = 64 * kConsumerWarpgroups, kBN = kAttentionBlockN, kStages = 2;
   static constexpr int kClusterSize = 1;
@@ -151,10 +152,10 @@ struct AttentionFwdOp {
   static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
 
   using Scheduler = lcsc::AttentionScheduler;
-  using QTile = tile::Sw128Tile<bf16, kBM, kD>;  // rows: queries; the K-major A of S = Q K^T
-  using KTile = tile::Sw128Tile<bf16, kBN, kD>;  // rows: keys; the K-major B of S
-  using VTile = tile::Sw128Tile<bf16, kBN, kD>;  // rows: keys; the MN-major B of O += P V
-  using Epilogue = lcsc::TmaStoreEpilogue<bf16, kD, kConsumerWarpgroups>;
+  using QTile = tile::Sw128Tile<T, kBM, kD>;  // rows: queries; the K-major A of S = Q K^T
+  using KTile = tile::Sw128Tile<T, kBN, kD>;  // rows: keys; the K-major B of S
+  using VTile = tile::Sw128Tile<T, kBN, kD>;  // rows: keys; the MN-major B of O += P V
+  using Epilogue = lcsc::TmaStoreEpilogue<T, kD, kConsumerWarpgroups>;
   using StoreState = typename Epilogue::State;
   using Ring = lcsc::Pipeline<kStages, kConsumerWarpgroups, 1>;
   using Turns = lcsc::Turns<kConsumerWarpgroups, lcsc::kEpilogueFirstBarrierId + kConsumerWarpgroups>;
@@ -183,7 +184,7 @@ struct AttentionFwdOp {
     CUtensorMap q, k, v, o;  // 4-D {dim, head, seq, batch}
     AttentionRows rows;
     float* lse;              // [batch, heads, seq_q] (packed: [heads, total_q]) fp32, or null
-    bf16* out;               // O itself: the row-by-row stores (packed sequences' last block, accumulating)
+    T* out;                  // O itself: the row-by-row stores (packed sequences' last block, accumulating)
     float *acc_o, *acc_lse;  // accumulating: the running O (q's layout) and LSE (lse's); else null
     int heads, group;        // group: query heads per K / V head
     float scale, scale_log2;  // softmax scale, and times log2(e)
@@ -263,7 +264,7 @@ struct AttentionFwdOp {
     wgmma::wait<0>();
     scores_landed(pipe, kst, sc, n);
     to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
-    tile::pack_a(sc, pa);
+    tile::pack_a<T>(sc, pa);
     for (--n; n >= 0; --n) {
       pipe.k.consumer_wait(kst);
       pipe.v.consumer_wait(vst);
@@ -278,7 +279,7 @@ struct AttentionFwdOp {
       wgmma::wait<0>();
       pv_landed(pipe, vst, pa, acc.o);
       tile::scale_rows(acc.o, rescale);  // O to the new row maxima, as P_n is
-      tile::pack_a(sc, pa);
+      tile::pack_a<T>(sc, pa);
     }
     // The last block's P V.
     pipe.v.consumer_wait(vst);
@@ -367,7 +368,7 @@ struct AttentionFwdOp {
     }
   }
   // Accumulating: this call's O and LSE of the warpgroup's rows merged into the running ones (see
-  // AttentionAccumulate), and O in bf16 too where the call has `out`. A row's four lanes read its running
+  // AttentionAccumulate), and O in T too where the call has `out`. A row's four lanes read its running
   // LSE before the first of them writes the new one.
   __device__ static void merge_rows(const Params& p, const SeqRows& sr, int head, int row0, const Accum& acc) {
     float a[2], b[2], lse[2];

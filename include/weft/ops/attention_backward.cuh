@@ -24,11 +24,12 @@
 //              harmless where a packed sequence's block reaches into the next one. At the item's end dK
 //              (times scale) and dV go out through the TMA storer (row by row from registers where a packed
 //              sequence's last key block ends inside the TMA box).
-//   convert    (plain kernel) dQ = scale * accumulator, to bf16.
+//   convert    (plain kernel) dQ = scale * accumulator, to q's type.
 // Every item adds into dQ in whatever order the blocks reach it: fp32 sums, not bit-reproducible run to run.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -75,9 +76,9 @@ __device__ __forceinline__ int term_row(const AttentionRows& r, const SeqRows& s
   return r.q_begin != nullptr ? 4 * s.q0 : s.batch * ((r.seq_q + 3) & ~3);
 }
 
-template <int kHeadDim>
+template <int kHeadDim, class T = __nv_bfloat16>
 struct AttentionBwdOp {
-  using bf16 = __nv_bfloat16;
+  static_assert(tile::kIs16Bit<T>, "bf16 or fp16 tensors");
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kD = kHeadDim, kBM = kAttentionBwdBlockM, kBN = kAttentionBwdBlockN, kStages = 2;
   static constexpr int kClusterSize = 1;
@@ -88,12 +89,12 @@ struct AttentionBwdOp {
   static_assert(kBN == 64 * kConsumerWarpgroups, "64 keys per consumer warpgroup");
 
   using Scheduler = lcsc::AttentionScheduler;    // items: (batch, K/V head, key block); see key_block()
-  using KTile = tile::Sw128Tile<bf16, kBN, kD>;  // rows: keys (K-major A of S^T, MN-major B of dQ)
-  using VTile = tile::Sw128Tile<bf16, kBN, kD>;  // rows: keys (K-major A of dP^T)
+  using KTile = tile::Sw128Tile<T, kBN, kD>;  // rows: keys (K-major A of S^T, MN-major B of dQ)
+  using VTile = tile::Sw128Tile<T, kBN, kD>;  // rows: keys (K-major A of dP^T)
   using QTile =
-      tile::Sw128Tile<bf16, kBM, kD>;  // rows: queries (K-major B of S^T, MN-major B of dK); dO alike
-  using DsTile = tile::Sw128Tile<bf16, kBN, kBM>;  // dS^T: rows keys, columns queries (M-major A of dQ)
-  using Epilogue = lcsc::TmaStoreEpilogue<bf16, kD, kConsumerWarpgroups>;
+      tile::Sw128Tile<T, kBM, kD>;  // rows: queries (K-major B of S^T, MN-major B of dK); dO alike
+  using DsTile = tile::Sw128Tile<T, kBN, kBM>;  // dS^T: rows keys, columns queries (M-major A of dQ)
+  using Epilogue = lcsc::TmaStoreEpilogue<T, kD, kConsumerWarpgroups>;
   using StoreState = typename Epilogue::State;
   using Ring = lcsc::Pipeline<kStages, kConsumerWarpgroups, 1>;
   static constexpr int kDqCols = kD / 2;  // dQ columns per warpgroup
@@ -127,7 +128,7 @@ struct AttentionBwdOp {
     CUtensorMap dq_accum;                  // fp32, q's layout, 4-D like q (box 32 columns): reduce-adds
     CUtensorMap lse_map, dsum_map;         // LSE log2(e) and D (prepare): 2-D {term rows, heads}, box kBM
     AttentionRows rows;
-    bf16 *dk_out, *dv_out;                 // dK, dV themselves: the row-by-row stores
+    T *dk_out, *dv_out;                    // dK, dV themselves: the row-by-row stores
     int heads, group;
     float scale, scale_log2;
     int causal;
@@ -260,9 +261,8 @@ struct AttentionBwdOp {
     }
     // P as the A operand of dV (S and dP die here); dS^T to shared memory, the A operand of dK and dQ.
     uint32_t pa[kBM / 4];
-    tile::pack_a(sp, pa);
-    tile::store_accum_chunk<0, bf16>(
-        ds, *reinterpret_cast<tile::OutChunk<bf16>*>(s.ds[stage].row_ptr(0, 64 * wg)));
+    tile::pack_a<T>(sp, pa);
+    tile::store_accum_chunk<0, T>(ds, *reinterpret_cast<tile::OutChunk<T>*>(s.ds[stage].row_ptr(0, 64 * wg)));
     // Both warpgroups' dS^T in shared memory, visible to the tensor cores.
     fence_proxy_async_smem();
     tile::named_barrier_sync(kDsBarrierId, kConsumerWarpgroups * tile::kWarpgroupThreads);
@@ -351,11 +351,19 @@ struct AttentionBwdOp {
 };
 
 // ---- companion kernels ----------------------------------------------------------------------------------
-// prepare: one warp per (sequence, query row, head). D = rowsum(dO o O) in fp32 from the bf16 tensors; LSE
+// prepare: one warp per (sequence, query row, head). D = rowsum(dO o O) in fp32 from the T tensors; LSE
 // in log2 units, +inf where P must be 0 (a row that sees no key, LSE = -inf); both into [heads,
 // term_stride] arrays at the sequence's term_row.
-template <int kD>
-__global__ void attention_bwd_prepare(const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse,
+// Two adjacent bf16 / fp16 elements as floats.
+__device__ __forceinline__ float2 to_float2(const __nv_bfloat16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+__device__ __forceinline__ float2 to_float2(const __half* p) {
+  return __half22float2(*reinterpret_cast<const __half2*>(p));
+}
+
+template <int kD, class T>
+__global__ void attention_bwd_prepare(const T* out, const T* dout, const float* lse,
                                       float* lse_log2, float* dsum, AttentionRows rows, int batch, int heads,
                                       int term_stride) {
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -369,8 +377,7 @@ __global__ void attention_bwd_prepare(const __nv_bfloat16* out, const __nv_bfloa
   float d = 0.f;
 #pragma unroll
   for (int c = lane * 2; c < kD; c += 64) {
-    const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + off + c));
-    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + off + c));
+    const float2 o = to_float2(out + off + c), g = to_float2(dout + off + c);
     d += o.x * g.x + o.y * g.y;
   }
 #pragma unroll
@@ -383,15 +390,14 @@ __global__ void attention_bwd_prepare(const __nv_bfloat16* out, const __nv_bfloa
   }
 }
 
-// convert: dQ (bf16, q's layout) = scale * the accumulator (fp32, q's layout), four elements per thread.
-__global__ inline void attention_bwd_convert_dq(const float* dq_accum, __nv_bfloat16* dq, int64_t elements,
-                                                float scale) {
+// convert: dQ (T, q's layout) = scale * the accumulator (fp32, q's layout), four elements per thread.
+template <class T>
+__global__ void attention_bwd_convert_dq(const float* dq_accum, T* dq, int64_t elements, float scale) {
   const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
   if (i >= elements) return;
   const float4 v = *reinterpret_cast<const float4*>(dq_accum + i);
-  auto* out = reinterpret_cast<__nv_bfloat162*>(dq + i);
-  out[0] = __floats2bfloat162_rn(v.x * scale, v.y * scale);
-  out[1] = __floats2bfloat162_rn(v.z * scale, v.w * scale);
+  *reinterpret_cast<uint2*>(dq + i) = make_uint2(tile::pack2<T>(v.x * scale, v.y * scale),
+                                                  tile::pack2<T>(v.z * scale, v.w * scale));
 }
 
 }  // namespace weft::ops

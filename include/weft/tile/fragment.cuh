@@ -2,6 +2,7 @@
 // into a 128-byte-swizzled shared-memory tile (the staging buffer a TMA store reads).
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -25,33 +26,46 @@ struct AccumM64 {
   __device__ static int col(int i) { return 8 * (i / 4) + 2 * (lane_id() % 4) + i % 2; }
 };
 
-// Staging tile for one chunk of output columns: 64 rows x 128 bytes (64 bf16 or 32 f32 columns).
+// Two floats rounded (to nearest even) to a pair of T = bf16 or fp16, the first in the lower half.
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bf16 or fp16 pairs");
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return reinterpret_cast<const uint32_t&>(v);
+  } else {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return reinterpret_cast<const uint32_t&>(v);
+  }
+}
+template <class T>
+inline constexpr bool kIs16Bit = std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>;
+
+// Staging tile for one chunk of output columns: 64 rows x 128 bytes (64 bf16 / fp16 or 32 f32 columns).
 template <class OutT>
 using OutChunk = Sw128Tile<OutT, 64, kSwizzleBytes / static_cast<int>(sizeof(OutT))>;
 
 // Writes accumulator columns [kChunk * C, (kChunk + 1) * C) into `dst` (C = OutChunk<OutT>::kCols),
-// converting to OutT (bf16: round to nearest even). Each warp writes 8-row groups whose 16-byte chunks land
+// converting to OutT (bf16, fp16: round to nearest even; or f32). Each warp writes 8-row groups whose 16-byte chunks land
 // on distinct bank groups, so the stores are conflict-free. The caller makes the writes visible to TMA
 // (fence_proxy_async_smem, then a barrier).
 template <int kChunk, class OutT, int N>
 __device__ __forceinline__ void store_accum_chunk(const AccumM64<N>& acc, OutChunk<OutT>& dst) {
-  static_assert(std::is_same_v<OutT, __nv_bfloat16> || std::is_same_v<OutT, float>, "bf16 or f32 output");
+  static_assert(kIs16Bit<OutT> || std::is_same_v<OutT, float>, "bf16, fp16 or f32 output");
   constexpr int kCols = OutChunk<OutT>::kCols;
   static_assert((kChunk + 1) * kCols <= N, "chunk past the accumulator");
   const uint32_t lane = static_cast<uint32_t>(lane_id());
   const uint32_t s = lane >> 2;  // row % 8 for both rows this thread holds
   const uint32_t row0 = 16u * static_cast<uint32_t>(warp_in_warpgroup()) + s;
   const uint32_t base = smem_addr(dst.bytes) + row0 * kSwizzleBytes;
-  if constexpr (std::is_same_v<OutT, __nv_bfloat16>) {
+  if constexpr (kIs16Bit<OutT>) {
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const int j = kChunk * 8 + jj;  // 8-column group of the accumulator
       const uint32_t off = ((static_cast<uint32_t>(jj) ^ s) << 4) + 4u * (lane & 3u);
-      const __nv_bfloat162 top = __floats2bfloat162_rn(acc.d[4 * j], acc.d[4 * j + 1]);
-      const __nv_bfloat162 bot = __floats2bfloat162_rn(acc.d[4 * j + 2], acc.d[4 * j + 3]);
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(base + off), "r"(reinterpret_cast<const uint32_t&>(top)));
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(base + off), "r"(pack2<OutT>(acc.d[4 * j], acc.d[4 * j + 1])));
       asm volatile("st.shared.b32 [%0], %1;" ::"r"(base + 8 * kSwizzleBytes + off),
-                   "r"(reinterpret_cast<const uint32_t&>(bot)));
+                   "r"(pack2<OutT>(acc.d[4 * j + 2], acc.d[4 * j + 3])));
     }
   } else {
 #pragma unroll
@@ -68,11 +82,11 @@ __device__ __forceinline__ void store_accum_chunk(const AccumM64<N>& acc, OutChu
 }
 
 // Row by row from registers, no shared memory: rows [0, rows) of the accumulator (rows past it are not
-// written) to dst + row * row_stride, columns from 0, as T (bf16 or f32). For tiles whose rows a TMA box
+// written) to dst + row * row_stride, columns from 0, as T (bf16, fp16 or f32). For tiles whose rows a TMA box
 // cannot cut off (a packed sequence's last rows). Ends converged: a warp-aligned instruction may follow.
 template <class T, int N>
 __device__ __forceinline__ void store_rows(const AccumM64<N>& acc, T* dst, int64_t row_stride, int rows) {
-  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, float>, "bf16 or f32 output");
+  static_assert(kIs16Bit<T> || std::is_same_v<T, float>, "bf16, fp16 or f32 output");
 #pragma unroll
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
@@ -83,7 +97,7 @@ __device__ __forceinline__ void store_rows(const AccumM64<N>& acc, T* dst, int64
         if constexpr (std::is_same_v<T, float>)
           *reinterpret_cast<float2*>(p) = make_float2(acc.d[4 * j + 2 * h], acc.d[4 * j + 2 * h + 1]);
         else
-          *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(acc.d[4 * j + 2 * h], acc.d[4 * j + 2 * h + 1]);
+          *reinterpret_cast<uint32_t*>(p) = pack2<T>(acc.d[4 * j + 2 * h], acc.d[4 * j + 2 * h + 1]);
       }
     }
   __syncwarp();

@@ -56,16 +56,13 @@ __device__ __forceinline__ void scale_rows(AccumM64<N>& acc, const float (&f)[2]
   for (int i = 0; i < AccumM64<N>::kRegs; ++i) acc.d[i] *= f[row_half(i)];
 }
 
-// The 64 x N accumulator as the bf16 A operand of N / 16 register-A MMAs (wgmma::mma_rs_bf16): k-step s
-// uses a[4 s .. 4 s + 3]. The accumulator and the A operand share their layout, so register j of k-step s
-// is the pair (d[8 s + 2 j], d[8 s + 2 j + 1]) rounded to bf16, the first in the lower half.
-template <int N>
+// The 64 x N accumulator as the T (bf16 or fp16) A operand of N / 16 register-A MMAs (wgmma::mma_rs):
+// k-step s uses a[4 s .. 4 s + 3]. The accumulator and the A operand share their layout, so register j of
+// k-step s is the pair (d[8 s + 2 j], d[8 s + 2 j + 1]) rounded to T, the first in the lower half.
+template <class T = __nv_bfloat16, int N>
 __device__ __forceinline__ void pack_a(const AccumM64<N>& acc, uint32_t (&a)[N / 4]) {
 #pragma unroll
-  for (int j = 0; j < N / 4; ++j) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(acc.d[2 * j], acc.d[2 * j + 1]);
-    a[j] = reinterpret_cast<const uint32_t&>(v);
-  }
+  for (int j = 0; j < N / 4; ++j) a[j] = pack2<T>(acc.d[2 * j], acc.d[2 * j + 1]);
 }
 
 // The online softmax of a 64-row tile over key blocks of N columns (flash attention): the running row
