@@ -16,7 +16,8 @@ namespace {
 
 struct Buffer {
   void* p = nullptr;
-  explicit Buffer(size_t bytes) { WEFT_CUDA_CHECK(cudaMalloc(&p, bytes)); }
+  size_t bytes = 0;
+  explicit Buffer(size_t n) : bytes(n) { WEFT_CUDA_CHECK(cudaMalloc(&p, n)); }
   ~Buffer() { cudaFree(p); }
 };
 
@@ -46,9 +47,11 @@ void run_attention(Context& ctx) {
   WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Table t(fmt("flash attention forward and backward, bf16, GPU 0 (%s, %d SMs)", prop.name,
               prop.multiProcessorCount),
-          {"B", "S", "H / KV", "D", "causal", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s"},
+          {"B", "S", "H / KV", "D", "causal", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s",
+           "deterministic bwd ms", "det. / bwd"},
           "TFLOP/s = 4 B H S^2 D / time (halved for causal; backward 2.5x); median of the iterations, each "
-          "timed alone. The backward call includes its three launches (prepare, kernel, dQ conversion).");
+          "timed alone. The backward call includes its three launches (prepare, kernel, dQ conversion); "
+          "'deterministic': the same call with AttentionOptions::deterministic (bit-reproducible dQ).");
   std::vector<int64_t> seqs = {1024, 2048, 4096, 8192, 16384};
   if (ctx.quick) seqs = {2048, 8192};
   struct Heads {
@@ -63,8 +66,8 @@ void run_attention(Context& ctx) {
         Buffer q(b * s * hd.h * hd.d * 2), k(b * s * hd.kv * hd.d * 2), v(b * s * hd.kv * hd.d * 2),
             o(b * s * hd.h * hd.d * 2), lse(b * hd.h * s * 4), dout(b * s * hd.h * hd.d * 2),
             dq(b * s * hd.h * hd.d * 2), dk(b * s * hd.kv * hd.d * 2), dv(b * s * hd.kv * hd.d * 2),
-            ws(flash_attention_backward_workspace_bytes(shape));
-        const size_t ws_bytes = flash_attention_backward_workspace_bytes(shape);
+            ws(flash_attention_backward_workspace_bytes(shape, AttentionOptions{.deterministic = true}));
+        const size_t ws_bytes = ws.bytes;
         fill_uniform_bf16(q.p, b * s * hd.h * hd.d, 1, stream);
         fill_uniform_bf16(k.p, b * s * hd.kv * hd.d, 2, stream);
         fill_uniform_bf16(v.p, b * s * hd.kv * hd.d, 3, stream);
@@ -75,17 +78,25 @@ void run_attention(Context& ctx) {
           flash_attention_forward(q.p, k.p, v.p, o.p, static_cast<float*>(lse.p), shape, DType::kBF16, stream,
                                   opt);
         };
+        AttentionOptions det = opt;
+        det.deterministic = true;
         auto backward = [&] {
           flash_attention_backward(q.p, k.p, v.p, o.p, dout.p, static_cast<float*>(lse.p), dq.p, dk.p, dv.p,
                                    ws.p, ws_bytes, shape, DType::kBF16, stream, opt);
+        };
+        auto backward_det = [&] {
+          flash_attention_backward(q.p, k.p, v.p, o.p, dout.p, static_cast<float*>(lse.p), dq.p, dk.p, dv.p,
+                                   ws.p, ws_bytes, shape, DType::kBF16, stream, det);
         };
         const double flops = 4.0 * b * hd.h * double(s) * s * hd.d * (causal ? 0.5 : 1.0);
         const int iters = ctx.quick ? 10 : 30;
         const float med = median_ms(forward, iters, stream);
         const float bwd = median_ms(backward, iters, stream);
+        const float bwd_det = median_ms(backward_det, iters, stream);
         t.add({std::to_string(b), std::to_string(s), fmt("%lld / %lld", (long long)hd.h, (long long)hd.kv),
                std::to_string(hd.d), causal ? "yes" : "no", fmt("%.3f", med),
-               fmt("%.1f", flops / (med * 1e9)), fmt("%.3f", bwd), fmt("%.1f", 2.5 * flops / (bwd * 1e9))});
+               fmt("%.1f", flops / (med * 1e9)), fmt("%.3f", bwd), fmt("%.1f", 2.5 * flops / (bwd * 1e9)),
+               fmt("%.3f", bwd_det), fmt("%.2f", bwd_det / bwd)});
         ctx.progress("attention: S=%lld D=%lld causal=%d: forward %.3f ms, backward %.3f ms", (long long)s,
                      (long long)hd.d, int(causal), med, bwd);
       }

@@ -296,29 +296,32 @@ PYBIND11_MODULE(_weft, m) {
       py::arg("accumulate") = py::tuple(), py::arg("dtype") = "bf16");
   m.def(
       "flash_attention_backward_workspace_bytes",
-      [=](py::tuple shape, py::tuple segments) {
-        return weft::flash_attention_backward_workspace_bytes(
-            attention_shape(shape), attention_options(false, 0.f, segments, py::tuple()));
+      [=](py::tuple shape, py::tuple segments, bool deterministic) {
+        weft::AttentionOptions o = attention_options(false, 0.f, segments, py::tuple());
+        o.deterministic = deterministic;
+        return weft::flash_attention_backward_workspace_bytes(attention_shape(shape), o);
       },
-      py::arg("shape"), py::arg("segments") = py::tuple());
+      py::arg("shape"), py::arg("segments") = py::tuple(), py::arg("deterministic") = false);
   m.def(
       "flash_attention_backward",
       [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t dout, uintptr_t lse,
           uintptr_t dq, uintptr_t dk, uintptr_t dv, uintptr_t workspace, uint64_t workspace_bytes, py::tuple shape,
-          bool causal, float scale, uintptr_t stream, py::tuple segments, const std::string& dtype) {
+          bool causal, float scale, uintptr_t stream, py::tuple segments, const std::string& dtype,
+          bool deterministic) {
         OnDevice on(device);
+        weft::AttentionOptions o = attention_options(causal, scale, segments, py::tuple());
+        o.deterministic = deterministic;
         weft::flash_attention_backward(
             reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
             reinterpret_cast<const void*>(out), reinterpret_cast<const void*>(dout),
             reinterpret_cast<const float*>(lse), reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk),
             reinterpret_cast<void*>(dv), reinterpret_cast<void*>(workspace), workspace_bytes,
-            attention_shape(shape), parse_dtype(dtype), reinterpret_cast<cudaStream_t>(stream),
-            attention_options(causal, scale, segments, py::tuple()));
+            attention_shape(shape), parse_dtype(dtype), reinterpret_cast<cudaStream_t>(stream), o);
       },
       py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("dout"),
       py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("workspace"),
       py::arg("workspace_bytes"), py::arg("shape"), py::arg("causal"), py::arg("scale"), py::arg("stream"),
-      py::arg("segments") = py::tuple(), py::arg("dtype") = "bf16");
+      py::arg("segments") = py::tuple(), py::arg("dtype") = "bf16", py::arg("deterministic") = false);
 
   // Fused tensor-parallel ops (bf16): b_layout "kn" ([K, N] row-major) or "nk" (an [N, K] weight); the
   // return value names the path that ran ("fused" or "sequential").

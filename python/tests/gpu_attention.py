@@ -145,6 +145,18 @@ def main():
         failures += [f"fp16 {c}: {f}" for f in run_case(*c, g, torch.float16)]
     failures += [f"fp16 varlen: {f}" for f in run_varlen_case([(1, 1), (700, 700), (65, 65)], 4, 2, 64, True, g,
                                                                torch.float16)]
+    # deterministic=True: the same gradients, bit for bit, in two runs.
+    grads = []
+    for _ in range(2):
+        q, k, v = (torch.randn(2, 700, h, 128, device="cuda", dtype=torch.bfloat16,
+                               generator=torch.Generator(device="cuda").manual_seed(7 + i)).requires_grad_(True)
+                   for i, h in enumerate((8, 2, 2)))
+        weft.flash_attention(q, k, v, causal=True, deterministic=True).sum().backward()
+        grads.append([q.grad, k.grad, v.grad])
+    if not all(torch.equal(a, b) for a, b in zip(*grads)):
+        failures.append("deterministic=True: two backward runs differ")
+    print("deterministic backward: two runs " + ("differ" if failures and "deterministic" in failures[-1]
+                                                  else "bit-identical"), flush=True)
     cu = torch.tensor([0, 16], dtype=torch.int32, device="cuda")
     y = torch.zeros(16, 2, 128, device="cuda", dtype=torch.bfloat16)
     expect_error(weft.WeftValueError, lambda: weft.flash_attention_varlen(y, y, y, cu.long(), cu, 16, 16), "int32")

@@ -389,7 +389,7 @@ def _flash_attention_fn():
             # packed: None for dense [batch, seq, heads, dim] tensors, else (cu_seqlens_q, cu_seqlens_k,
             # max_seqlen_q, max_seqlen_k) for [total, heads, dim] ones.
             @staticmethod
-            def forward(ctx, q, k, v, causal, scale, packed):
+            def forward(ctx, q, k, v, causal, scale, packed, deterministic):
                 if packed is None:
                     shape = (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
                     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
@@ -406,7 +406,7 @@ def _flash_attention_fn():
                                               out.data_ptr(), lse.data_ptr(), shape, causal, scale, stream(q),
                                               segments, (), _dtype_name(q.dtype))
                 ctx.save_for_backward(q, k, v, out, lse)
-                ctx.attention = (shape, causal, scale, segments)
+                ctx.attention = (shape, causal, scale, segments, deterministic)
                 ctx.packed = packed  # keeps the offsets `segments` points at alive
                 ctx.mark_non_differentiable(lse)
                 return out, lse
@@ -414,24 +414,24 @@ def _flash_attention_fn():
             @staticmethod
             def backward(ctx, dout, _dlse):
                 q, k, v, out, lse = ctx.saved_tensors
-                shape, causal, scale, segments = ctx.attention
+                shape, causal, scale, segments, deterministic = ctx.attention
                 dout = dout.contiguous()
                 if dout.dtype != q.dtype:
                     dout = dout.to(q.dtype)
                 dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-                nbytes = _weft.flash_attention_backward_workspace_bytes(shape, segments)
+                nbytes = _weft.flash_attention_backward_workspace_bytes(shape, segments, deterministic)
                 ws = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
                 _weft.flash_attention_backward(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                                out.data_ptr(), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(),
                                                dk.data_ptr(), dv.data_ptr(), ws.data_ptr(), nbytes, shape, causal,
-                                               scale, stream(q), segments, _dtype_name(q.dtype))
-                return dq, dk, dv, None, None, None
+                                               scale, stream(q), segments, _dtype_name(q.dtype), deterministic)
+                return dq, dk, dv, None, None, None, None
 
         _flash_fn = FlashAttention
     return _flash_fn
 
 
-def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, deterministic=False):
     """softmax(softmax_scale * q k^T [causal mask]) v on one GPU with weft's Hopper kernel, with autograd.
 
     q [batch, seq_q, heads, dim], k and v [batch, seq_k, kv_heads, dim] (flash-attn's layout), CUDA torch
@@ -439,7 +439,8 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
     causal: query i sees keys j <= i + seq_k - seq_q (aligned to the bottom right, as flash-attn); a row
     that sees no key gets 0. softmax_scale defaults to 1 / sqrt(dim). Inputs that are not contiguous are
     copied first. Runs on torch's current stream. Returns the output (like q), and with return_lse=True
-    also the fp32 log-sum-exp [batch, heads, seq_q] (not differentiable).
+    also the fp32 log-sum-exp [batch, heads, seq_q] (not differentiable). deterministic=True makes the backward
+    bit-reproducible run to run (its dQ additions take turns; slower).
     """
     t = _torch_api()
     if t is None or not all(isinstance(x, t.Tensor) for x in (q, k, v)):
@@ -473,12 +474,12 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
     if not scale > 0:
         raise WeftValueError(f"weft.flash_attention: softmax_scale must be positive, got {softmax_scale}")
     out, lse = _flash_attention_fn().apply(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale,
-                                           None)
+                                           None, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                           softmax_scale=None, return_lse=False):
+                           softmax_scale=None, return_lse=False, deterministic=False):
     """weft.flash_attention over a packed batch of variable-length sequences (flash-attn's varlen layout).
 
     q [total_q, heads, dim], k and v [total_k, kv_heads, dim], CUDA tensors, all bf16 or all fp16; sequence b is query rows
@@ -487,7 +488,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     longest sequences (a Python int each; the offsets stay on the GPU, nothing synchronises); a longer
     sequence stops the kernel with a CUDA error rather than computing a wrong answer. causal aligns each
     sequence's mask to its bottom right. Returns the output (like q), and with return_lse=True also the fp32
-    log-sum-exp [heads, total_q]. Differentiable in q, k and v.
+    log-sum-exp [heads, total_q]. Differentiable in q, k and v; deterministic as in flash_attention.
     """
     where = "weft.flash_attention_varlen"
     t = _torch_api()
@@ -526,7 +527,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise WeftValueError(f"{where}: softmax_scale must be positive, got {softmax_scale}")
     packed = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k)
     out, lse = _flash_attention_fn().apply(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale,
-                                           packed)
+                                           packed, bool(deterministic))
     return (out, lse) if return_lse else out
 
 

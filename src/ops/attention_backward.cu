@@ -22,30 +22,36 @@ struct Call {
 
 // The workspace: the fp32 dQ accumulator (q's layout), then LSE * log2(e) and D per query row, [heads,
 // term_stride] each (attention_term_rows, and a box of slack).
+// Deterministic calls add a counter per (sequence, head, query block) for the turns of the dQ additions.
 struct Workspace {
-  int64_t rows = 0, term_stride = 0;
-  size_t accum_bytes = 0, row_bytes = 0;
-  Workspace(const AttentionShape& s, const AttentionSegments& seg) {
+  int64_t rows = 0, term_stride = 0, dq_blocks = 0;
+  size_t accum_bytes = 0, row_bytes = 0, order_bytes = 0;
+  Workspace(const AttentionShape& s, const AttentionOptions& o) {
+    const AttentionSegments& seg = o.segments;
     rows = ops::query_rows(s, seg);
     term_stride = (ops::attention_term_rows(seg.packed(), seg.total_q, s.batch, s.seq_q) + 127) / 64 * 64;
     accum_bytes = (size_t(rows * s.heads * s.head_dim) * 4 + 255) / 256 * 256;
     row_bytes = size_t(s.heads * term_stride) * 4;  // a multiple of 256
+    dq_blocks = (s.seq_q + ops::kAttentionBwdBlockM - 1) / ops::kAttentionBwdBlockM;
+    if (o.deterministic) order_bytes = size_t(s.batch * s.heads * dq_blocks) * 8;
   }
-  size_t bytes() const { return accum_bytes + 2 * row_bytes; }
+  size_t bytes() const { return accum_bytes + 2 * row_bytes + order_bytes; }
 };
 
-template <int kD, class T>
+template <int kD, class T, bool kDeterministic>
 Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
-  using Op = ops::AttentionBwdOp<kD, T>;
+  using Op = ops::AttentionBwdOp<kD, T, kDeterministic>;
   using Launcher = lcsc::Launcher<Op>;
   const AttentionShape& sh = c.shape;
   const AttentionSegments& seg = c.options.segments;
-  const Workspace ws(sh, seg);
+  const Workspace ws(sh, c.options);
   typename Op::Params p{};
   p.sched.batch = static_cast<int>(sh.batch);
   p.sched.heads = static_cast<int>(sh.kv_heads);
   p.sched.q_blocks = static_cast<int>((sh.seq_k + Op::kBN - 1) / Op::kBN);  // key blocks
-  p.sched.paired = c.options.causal;
+  // Causal key blocks cost less the later they are: paired units even that out, except for deterministic
+  // calls, whose dQ turns need ascending order (heaviest first, which balances fairly well too).
+  p.sched.paired = c.options.causal && !kDeterministic;
   p.sched.row_begin = seg.k_begin;
   p.sched.row_end = seg.k_end;
   p.sched.block_rows = Op::kBN;
@@ -62,7 +68,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   plan.op = "flash_attention_backward";
   plan.path = std::string(c.options.causal ? "prepare, persistent attention backward (causal), convert dQ"
                                            : "prepare, persistent attention backward, convert dQ") +
-              (seg.packed() ? ", packed sequences" : "");
+              (seg.packed() ? ", packed sequences" : "") + (c.options.deterministic ? ", deterministic dQ" : "");
   plan.blocks = blocks;
   plan.cluster = 1;
   plan.smem_bytes = static_cast<int>(lcsc::kSmemBytes<Op>);
@@ -72,7 +78,9 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   auto* accum = static_cast<float*>(c.workspace);
   auto* lse_log2 = reinterpret_cast<float*>(static_cast<char*>(c.workspace) + ws.accum_bytes);
   auto* dsum = reinterpret_cast<float*>(static_cast<char*>(c.workspace) + ws.accum_bytes + ws.row_bytes);
+  auto* dq_order = reinterpret_cast<uint64_t*>(static_cast<char*>(c.workspace) + ws.accum_bytes + 2 * ws.row_bytes);
   WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, ws.accum_bytes, stream));
+  if (ws.order_bytes) WEFT_CUDA_CHECK(cudaMemsetAsync(dq_order, 0, ws.order_bytes, stream));
   p.rows = {seg.q_begin, seg.q_end, seg.k_begin, seg.k_end, static_cast<int>(sh.seq_q),
             static_cast<int>(sh.seq_k), static_cast<int>(seg.total_q)};
   {
@@ -106,6 +114,8 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   };
   p.lse_map = rows_map(lse_log2, "workspace (LSE)");
   p.dsum_map = rows_map(dsum, "workspace (D)");
+  p.dq_order = dq_order;
+  p.dq_blocks = static_cast<int>(ws.dq_blocks);
   p.dk_out = static_cast<T*>(c.dk);
   p.dv_out = static_cast<T*>(c.dv);
   p.heads = static_cast<int>(sh.heads);
@@ -124,6 +134,15 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   return plan;
+}
+
+template <bool kDeterministic>
+Plan by_type(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
+  if (dtype == DType::kFP16)
+    return c.shape.head_dim == 64 ? run<64, __half, kDeterministic>(c, dtype, stream, launch)
+                                  : run<128, __half, kDeterministic>(c, dtype, stream, launch);
+  return c.shape.head_dim == 64 ? run<64, __nv_bfloat16, kDeterministic>(c, dtype, stream, launch)
+                                : run<128, __nv_bfloat16, kDeterministic>(c, dtype, stream, launch);
 }
 
 Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
@@ -146,18 +165,14 @@ Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
     WEFT_CHECK(!c.options.accumulate.enabled(),
                c.where + "options.accumulate is for the forward; the backward takes the forward's out and lse");
     ops::check_segment_arrays(c.options.segments, dev.device, c.where);
-    const size_t need = Workspace(c.shape, c.options.segments).bytes();
+    const size_t need = Workspace(c.shape, c.options).bytes();
     WEFT_CHECK(c.workspace != nullptr && c.workspace_bytes >= need,
                c.where + "the workspace must hold flash_attention_backward_workspace_bytes(shape, options) = " +
                    std::to_string(need) + " bytes, got " + std::to_string(c.workspace_bytes));
     ops::check_pointer_alignment(c.workspace, "workspace", 256, c.where);
     ops::check_device_memory(c.workspace, "workspace", dev.device, c.where);
   }
-  if (dtype == DType::kFP16)
-    return c.shape.head_dim == 64 ? run<64, __half>(c, dtype, stream, launch)
-                                  : run<128, __half>(c, dtype, stream, launch);
-  return c.shape.head_dim == 64 ? run<64, __nv_bfloat16>(c, dtype, stream, launch)
-                                : run<128, __nv_bfloat16>(c, dtype, stream, launch);
+  return c.options.deterministic ? by_type<true>(c, dtype, stream, launch) : by_type<false>(c, dtype, stream, launch);
 }
 
 std::string where(const AttentionShape& s) {
@@ -168,7 +183,7 @@ std::string where(const AttentionShape& s) {
 
 size_t flash_attention_backward_workspace_bytes(const AttentionShape& shape, const AttentionOptions& options) {
   ops::check_attention_shape(shape, options.segments, where(shape));
-  return Workspace(shape, options.segments).bytes();
+  return Workspace(shape, options).bytes();
 }
 
 void flash_attention_backward(const void* q, const void* k, const void* v, const void* out, const void* dout,

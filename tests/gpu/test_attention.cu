@@ -78,6 +78,7 @@ struct Problem {
   int64_t rows_q = 0, rows_k = 0, heads = 0, kv_heads = 0, dim = 0;
   bool causal = false, packed = false;  // packed: LSE [heads, rows_q]; dense: [batch, heads, seq_q]
   DType dtype = DType::kBF16;
+  bool deterministic = false;  // backward: also checks that a second run gives the same bits
   double scale = 0;
   int64_t seq_q = 0;  // dense: each sequence's rows
   std::vector<Seq> seqs;
@@ -380,6 +381,7 @@ std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const
   o.causal = pr.causal;
   o.softmax_scale = float(pr.scale);
   o.max_blocks = max_blocks;
+  o.deterministic = pr.deterministic;
   std::unique_ptr<DeviceSegments> segs;
   if (pr.packed) o.segments = (segs = std::make_unique<DeviceSegments>(pr))->seg;
   DeviceBuffer dq(qn * 2), dk(kn * 2), dv(kn * 2), dout(qn * 2), dgo(qn * 2), dlse(pr.rows_q * H * 4),
@@ -394,6 +396,17 @@ std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const
                            ws.bytes, shape, pr.dtype, nullptr, o);
   WEFT_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<uint16_t> gq = download(ddq, qn), gk = download(ddk, kn), gv = download(ddv, kn);
+  std::string failures;
+  if (pr.deterministic) {  // a second run: the same bits
+    for (int run = 0; run < 2; ++run) {
+      for (DeviceBuffer* b : {&ddq, &ddk, &ddv, &ws}) WEFT_CUDA_CHECK(cudaMemset(b->p, 0xff, b->bytes));
+      flash_attention_backward(dq.p, dk.p, dv.p, dout.p, dgo.p, dlse.as<float>(), ddq.p, ddk.p, ddv.p, ws.p,
+                               ws.bytes, shape, pr.dtype, nullptr, o);
+      WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+      if (download(ddq, qn) != gq || download(ddk, kn) != gk || download(ddv, kn) != gv)
+        failures += " deterministic: run " + std::to_string(run + 2) + " gave other bits than the first;";
+    }
+  }
 
   auto dot = [&](const __nv_bfloat16* x, const __nv_bfloat16* y) {
     double s = 0;
@@ -471,8 +484,7 @@ std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const
         }
     }
   }, 16);
-  std::string what = label + ":";
-  std::string failures;
+  std::string what = label + (pr.deterministic ? " deterministic:" : ":");
   auto compare = [&](const char* name, const std::vector<uint16_t>& got, const std::vector<double>& ref,
                      const std::vector<char>& covered, int64_t heads, bool zero_outside) {
     double top = 0, worst = 0;
@@ -649,6 +661,32 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_fp16) {
   WEFT_EXPECT(failures.empty(), failures);
 }
 
+// The deterministic backward: within tolerance, and the same bits in three runs (with several persistent
+// blocks per item order, causal and not, GQA, packed).
+WEFT_GPU_TEST_ONE_GPU(flash_attention_deterministic_backward) {
+  WEFT_CUDA_CHECK(cudaSetDevice(ctx.comm().local(0).device()));
+  std::string failures;
+  uint64_t seed = 401;
+  std::vector<std::pair<Problem, int>> problems;
+  for (const Case& c : std::vector<Case>{{2, 1000, 1000, 8, 2, 128, true, 0.f},
+                                         {1, 700, 700, 4, 4, 64, false, 0.f},
+                                         {2, 300, 1000, 4, 1, 128, true, 0.f, 7},
+                                         {1, 1000, 300, 2, 2, 64, true, 0.f}})
+    problems.push_back({dense_problem(c), c.max_blocks});
+  problems.push_back({packed_problem({{{1, 1}, {900, 900}, {129, 64}, {300, 300}}, 2, 4, 2, 64, true}), 0});
+  problems.push_back({packed_problem({{{1000, 1000}, {17, 500}}, 0, 2, 1, 128, false}), 5});
+  for (auto& [pr, blocks] : problems) {
+    pr.deterministic = true;
+    const std::string label = std::string(pr.packed ? "packed " : "") + std::to_string(pr.rows_q) + " rows, H=" +
+                              std::to_string(pr.heads) + "/" + std::to_string(pr.kv_heads) +
+                              " D=" + std::to_string(pr.dim) + (pr.causal ? " causal" : "") +
+                              (blocks ? " blocks=" + std::to_string(blocks) : std::string());
+    const std::string e = run_backward(pr, seed += 10, blocks, label);
+    if (!e.empty()) failures += "\n    " + e;
+  }
+  WEFT_EXPECT(failures.empty(), failures);
+}
+
 // Small cases of both passes, for compute-sanitizer (tests/gpu/run.sh runs this one under memcheck,
 // racecheck and synccheck): partial blocks, causal with seq_q != seq_k, GQA, both head dims, 2 blocks.
 WEFT_GPU_TEST_ONE_GPU(flash_attention_small) {
@@ -666,6 +704,11 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_small) {
   std::string e = run_forward(packed_problem(packed), 41, 2, packed_label(packed));
   if (e.empty()) e = run_backward(packed_problem(packed), 43, 2, packed_label(packed));
   if (e.empty()) e = run_accumulate_case({1, 200, 200, 2, 1, 128, true, 0.f, 2}, 3, 47);
+  if (e.empty()) {
+    Problem d = dense_problem({1, 200, 200, 2, 1, 64, true, 0.f});
+    d.deterministic = true;
+    e = run_backward(d, 53, 2, "small deterministic D=64 causal blocks=2");
+  }
   if (!e.empty()) failures += "\n    " + e;
   WEFT_EXPECT(failures.empty(), failures);
 }

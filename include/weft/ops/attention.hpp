@@ -59,6 +59,7 @@ struct AttentionOptions {
   int max_blocks = 0;         // cap on persistent blocks (an SM budget); 0: every SM
   AttentionSegments segments;      // packed sequences; default: dense [batch, seq, heads, head_dim]
   AttentionAccumulate accumulate;  // forward only: merge into a running fp32 result (see above)
+  bool deterministic = false;      // backward only: dQ bit-reproducible run to run (slower; see below)
 };
 
 // Enqueues the forward pass on `stream`. Head dims 64 and 128, bf16 or fp16 (dtype kBF16, kFP16); pointers 16-byte aligned
@@ -76,8 +77,9 @@ Plan flash_attention_forward_plan(const AttentionShape& shape, DType dtype,
 // dout (out's gradient, out's layout). `options` must be the forward's (causal, softmax_scale). The
 // workspace (fp32 dQ accumulator and per-row terms) is device memory of at least
 // flash_attention_backward_workspace_bytes(shape, options) bytes, 256-byte aligned, owned by the caller; calls on
-// one stream may share it. dQ is accumulated with fp32 atomics in whatever order blocks finish: results
-// agree to fp32 rounding, not bit for bit, from run to run.
+// one stream may share it. dQ is accumulated in fp32 in whatever order blocks finish: results agree to fp32
+// rounding, not bit for bit, from run to run; with options.deterministic the additions into each query
+// block take turns in a fixed order, and dq, dk, dv are the same bits every run (at some cost in speed).
 size_t flash_attention_backward_workspace_bytes(const AttentionShape& shape, const AttentionOptions& options = {});
 void flash_attention_backward(const void* q, const void* k, const void* v, const void* out, const void* dout,
                               const float* lse, void* dq, void* dk, void* dv, void* workspace,

@@ -25,7 +25,9 @@
 //              (times scale) and dV go out through the TMA storer (row by row from registers where a packed
 //              sequence's last key block ends inside the TMA box).
 //   convert    (plain kernel) dQ = scale * accumulator, to q's type.
-// Every item adds into dQ in whatever order the blocks reach it: fp32 sums, not bit-reproducible run to run.
+// Every item adds into dQ in whatever order the blocks reach it (fp32 sums, not bit-reproducible run to run),
+// unless the call asks for determinism: then the adds into one query block take turns in ascending key-block
+// order (a counter per query block; each add completes before the next one starts).
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -33,6 +35,7 @@
 
 #include <cstdint>
 
+#include "weft/device/ptx.cuh"
 #include "weft/lcsc/attention_scheduler.cuh"
 #include "weft/lcsc/epilogue.cuh"
 #include "weft/lcsc/kernel.cuh"
@@ -76,7 +79,9 @@ __device__ __forceinline__ int term_row(const AttentionRows& r, const SeqRows& s
   return r.q_begin != nullptr ? 4 * s.q0 : s.batch * ((r.seq_q + 3) & ~3);
 }
 
-template <int kHeadDim, class T = __nv_bfloat16>
+// kDeterministic: dQ's additions take turns in a fixed order (a kernel of its own: the turns' code in the
+// default kernel costs it registers, and wgmma serialisation).
+template <int kHeadDim, class T = __nv_bfloat16, bool kDeterministic = false>
 struct AttentionBwdOp {
   static_assert(tile::kIs16Bit<T>, "bf16 or fp16 tensors");
   static constexpr int kConsumerWarpgroups = 2;
@@ -129,6 +134,9 @@ struct AttentionBwdOp {
     CUtensorMap lse_map, dsum_map;         // LSE log2(e) and D (prepare): 2-D {term rows, heads}, box kBM
     AttentionRows rows;
     T *dk_out, *dv_out;                    // dK, dV themselves: the row-by-row stores
+    uint64_t* dq_order;                    // kDeterministic: contributions so far per (sequence, head, query
+                                           // block), [batch, heads, dq_blocks]
+    int dq_blocks;                         // query blocks of the longest sequence
     int heads, group;
     float scale, scale_log2;
     int causal;
@@ -204,7 +212,7 @@ struct AttentionBwdOp {
       for (int m = qb.begin; m < qb.end; ++m) {
         pipe.qdo.consumer_wait(st);
         const lcsc::TmaRows4d dq_rows{&p.dq_accum, h, sr.q0 + m * kBM, sr.batch, lcsc::StoreMode::kReduceAdd};
-        step(p, len, s, st.stage, wg, key0, m, acc, dq_rows);
+        step(p, len, s, st.stage, wg, key0, m, acc, dq_rows, DqTurn{w.batch, h, n});
         pipe.qdo.consumer_release(st);
         st.advance(kStages);
       }
@@ -240,8 +248,16 @@ struct AttentionBwdOp {
   struct Lengths {
     int q, k;   // the sequence's query and key rows
   };
+  // Deterministic dQ (kDeterministic, Params::dq_order): the adds into one query block's accumulator happen in
+  // ascending key-block order (the host then schedules key blocks in ascending order, unpaired, so every
+  // block's predecessor is handed out before it: no wait can close a cycle); a counter per (sequence, head,
+  // query block) counts the warpgroup halves added so far, and key block n waits for 2 n of them (the
+  // blocks that add into a query block are always 0 .. some last one). What an add needs to find its turn:
+  struct DqTurn {
+    int batch, head, key_block;
+  };
   __device__ static void step(const Params& p, const Lengths& len, Smem& s, int stage, int wg, int key0, int m,
-                              Accum& acc, const lcsc::TmaRows4d& dq_rows) {
+                              Accum& acc, const lcsc::TmaRows4d& dq_rows, const DqTurn& turn) {
     tile::AccumM64<kBM> sp;  // S^T, then P^T: rows keys, columns queries
     tile::AccumM64<kBM> ds;  // dP^T, then dS^T
     wgmma::fence();
@@ -276,7 +292,7 @@ struct AttentionBwdOp {
     wgmma::fence_operands(acc.dk.d);
     wgmma::fence_operands(acc.dv.d);
     wgmma::fence_operands(pa);
-    add_dq_part(s, wg, dq, dq_rows);
+    add_dq_part(p, s, wg, m, dq, dq_rows, turn);
   }
 
   // D (64 x 64, rows: this warpgroup's keys) = A_rows B^T over the head dim, both K-major in shared memory.
@@ -335,18 +351,56 @@ struct AttentionBwdOp {
     if constexpr (kChunk < kDqChunks)
       tile::store_accum_chunk<kChunk, float>(dq, *reinterpret_cast<DqChunk*>(staging(s, wg, kChunk)));
   }
-  __device__ static void add_dq_part(Smem& s, int wg, const tile::AccumM64<kDqCols>& dq,
-                                     const lcsc::TmaRows4d& dq_rows) {
+  __device__ static void add_dq_part(const Params& p, Smem& s, int wg, int m,
+                                     const tile::AccumM64<kDqCols>& dq, const lcsc::TmaRows4d& dq_rows,
+                                     const DqTurn& turn) {
     wait_staging_free(wg);
     stage_dq_chunk<0>(s, wg, dq);
     stage_dq_chunk<1>(s, wg, dq);
     fence_proxy_async_smem();
     tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
     if (tile::thread_in_warpgroup() == 0) {
+      uint64_t* counter = nullptr;
+      if constexpr (kDeterministic) {  // the earlier adds are complete and visible to this one's TMA
+        counter = p.dq_order + (int64_t(turn.batch) * p.heads + turn.head) * p.dq_blocks + m;
+        wait_count(counter, 2 * static_cast<uint64_t>(turn.key_block));
+        ptx::fence_proxy_async_global();
+      }
 #pragma unroll
       for (int c = 0; c < kDqChunks; ++c) dq_rows.issue(wg * kDqCols + c * DqChunk::kCols, staging(s, wg, c));
       bulk_commit();
+      if constexpr (kDeterministic) {  // this add complete (written, not only read) before the next one's turn
+        bulk_wait<0>();
+        ptx::fence_proxy_async_global();
+        asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
+      }
     }
+  }
+  // Spins until *counter >= want (an acquire); traps after tile::kHangNs rather than hang. One asm block:
+  // a loop the compiler sees would make it keep the live accumulators out of the wgmma pipeline.
+  __device__ static void wait_count(const uint64_t* counter, uint64_t want) {
+    asm volatile(
+        "{\n"
+        " .reg .pred done, late;\n"
+        " .reg .u64 v, t0, t;\n"
+        " ld.acquire.gpu.global.u64 v, [%0];\n"
+        " setp.ge.u64 done, v, %1;\n"
+        " @done bra DONE;\n"
+        " mov.u64 t0, %%globaltimer;\n"
+        "WAIT:\n"
+        " nanosleep.u32 64;\n"
+        " ld.acquire.gpu.global.u64 v, [%0];\n"
+        " setp.ge.u64 done, v, %1;\n"
+        " @done bra DONE;\n"
+        " mov.u64 t, %%globaltimer;\n"
+        " sub.u64 t, t, t0;\n"
+        " setp.gt.u64 late, t, %2;\n"
+        " @late trap;\n"
+        " bra WAIT;\n"
+        "DONE:\n"
+        "}\n" ::"l"(counter),
+        "l"(want), "l"(tile::kHangNs)
+        : "memory");
   }
 };
 
