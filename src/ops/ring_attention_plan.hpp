@@ -18,6 +18,7 @@
 // blocks and the late part against the early one; then either both query parts against the source's early
 // part, or the late query part against both of the source's parts).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -153,6 +154,37 @@ inline std::vector<RingStep> ring_schedule_of(const RingLayout& L, int r) {
         }
   }
   return steps;
+}
+
+// One ring step as one attention call (AttentionSegments, one mask for the call): per document, the step's
+// blocks merged into one segment of rank r's query rows against the source's K / V rows. Step 0 (the rank's
+// own K / V) is causal: its blocks are a document's diagonal parts and, with zigzag, the late part against
+// the early one, i.e. the document's local rows against themselves under a causal mask (the late part comes
+// after the early one in both). Later steps have no mask: either both query parts against the source's early
+// part or the late query part against both source parts, contiguous rows either way.
+struct RingSegment {
+  int64_t q_begin = 0, q_end = 0;  // this rank's local query rows
+  int64_t k_begin = 0, k_end = 0;  // the source's local K / V rows
+};
+struct RingCall {
+  bool causal = false;
+  std::vector<RingSegment> segments;  // ascending, one per document with work in the step
+};
+inline RingCall ring_call_of(const RingStep& step) {
+  RingCall call;
+  for (const RingBlock& b : step.blocks) {
+    if (b.mask == RingMask::kCausal) call.causal = true;
+    if (!call.segments.empty() && step.blocks[&b - step.blocks.data() - 1].doc == b.doc) {
+      RingSegment& seg = call.segments.back();  // the same document: extend (blocks come in row order)
+      seg.q_begin = std::min(seg.q_begin, b.q_row);
+      seg.q_end = std::max(seg.q_end, b.q_row + b.q_rows);
+      seg.k_begin = std::min(seg.k_begin, b.k_row);
+      seg.k_end = std::max(seg.k_end, b.k_row + b.k_rows);
+    } else {
+      call.segments.push_back({b.q_row, b.q_row + b.q_rows, b.k_row, b.k_row + b.k_rows});
+    }
+  }
+  return call;
 }
 
 }  // namespace weft::ops

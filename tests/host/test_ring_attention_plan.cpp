@@ -133,6 +133,42 @@ TEST(RingAttentionPlan, ZigzagKeepsEveryStepEven) {
     }
 }
 
+// Each step as one attention call (ring_call_of): the pairs the call's segments see under its one mask
+// (bottom-right causal per segment, as the attention kernel applies it) are exactly the step's blocks'.
+TEST(RingAttentionPlan, EachStepIsOneCall) {
+  std::mt19937 g(11);
+  for (int W : {1, 2, 3, 4, 8})
+    for (bool causal : {false, true})
+      for (int trial = 0; trial < 6; ++trial) {
+        std::vector<int64_t> docs;
+        const int n = 1 + static_cast<int>(g() % 4);
+        for (int d = 0; d < n; ++d) docs.push_back(static_cast<int64_t>(g() % 40));
+        const RingLayout L = weft::ops::ring_layout(docs, W, causal);
+        for (int r = 0; r < W; ++r) {
+          const std::vector<RingStep> steps = weft::ops::ring_schedule_of(L, r);
+          for (int s = 0; s < W; ++s) {
+            const weft::ops::RingCall call = weft::ops::ring_call_of(steps[s]);
+            EXPECT_TRUE(!call.causal || s == 0) << "only the rank's own K / V needs the mask";
+            const int64_t rows = L.local_rows(r), keys = L.local_rows(steps[s].source);
+            std::vector<int> want(rows * keys, 0), got(rows * keys, 0);
+            for (const RingBlock& b : steps[s].blocks)
+              for (int64_t i = 0; i < b.q_rows; ++i)
+                for (int64_t j = 0; j < b.k_rows; ++j)
+                  if (b.mask == RingMask::kFull || j <= i) ++want[(b.q_row + i) * keys + b.k_row + j];
+            for (size_t x = 0; x < call.segments.size(); ++x) {
+              const weft::ops::RingSegment& seg = call.segments[x];
+              if (x > 0) EXPECT_GE(seg.q_begin, call.segments[x - 1].q_end) << "segments overlap";
+              const int64_t ql = seg.q_end - seg.q_begin, kl = seg.k_end - seg.k_begin;
+              for (int64_t i = 0; i < ql; ++i)
+                for (int64_t j = 0; j < kl; ++j)
+                  if (!call.causal || j <= i + kl - ql) ++got[(seg.q_begin + i) * keys + seg.k_begin + j];
+            }
+            ASSERT_EQ(got, want) << "W " << W << (causal ? " causal" : "") << " rank " << r << " step " << s;
+          }
+        }
+      }
+}
+
 TEST(RingAttentionPlan, Errors) {
   EXPECT_THROW(weft::ops::ring_layout({8}, 0, true), std::invalid_argument);
   EXPECT_THROW(weft::ops::ring_layout({}, 2, true), std::invalid_argument);
