@@ -268,7 +268,7 @@ PYBIND11_MODULE(_weft, m) {
     o.softmax_scale = scale;
     auto i32 = [](py::handle h) { return reinterpret_cast<const int32_t*>(h.cast<uintptr_t>()); };
     if (seg.size() == 6)
-      o.segments = {i32(seg[0]), i32(seg[1]), i32(seg[2]), i32(seg[3]), seg[4].cast<int64_t>(),
+      o.segments = {i32(seg[0]),           i32(seg[1]), i32(seg[2]), i32(seg[3]), seg[4].cast<int64_t>(),
                     seg[5].cast<int64_t>()};
     else if (seg.size() != 0)
       throw weft::Error("weft: segments must be () or (q_begin, q_end, k_begin, k_end, total_q, total_k)");
@@ -287,13 +287,13 @@ PYBIND11_MODULE(_weft, m) {
         OnDevice on(device);
         weft::flash_attention_forward(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
                                       reinterpret_cast<const void*>(v), reinterpret_cast<void*>(out),
-                                      reinterpret_cast<float*>(lse), attention_shape(shape), parse_dtype(dtype),
-                                      reinterpret_cast<cudaStream_t>(stream),
+                                      reinterpret_cast<float*>(lse), attention_shape(shape),
+                                      parse_dtype(dtype), reinterpret_cast<cudaStream_t>(stream),
                                       attention_options(causal, scale, segments, accumulate));
       },
       py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
-      py::arg("shape"), py::arg("causal"), py::arg("scale"), py::arg("stream"), py::arg("segments") = py::tuple(),
-      py::arg("accumulate") = py::tuple(), py::arg("dtype") = "bf16");
+      py::arg("shape"), py::arg("causal"), py::arg("scale"), py::arg("stream"),
+      py::arg("segments") = py::tuple(), py::arg("accumulate") = py::tuple(), py::arg("dtype") = "bf16");
   m.def(
       "flash_attention_backward_workspace_bytes",
       [=](py::tuple shape, py::tuple segments, bool deterministic) {
@@ -305,18 +305,19 @@ PYBIND11_MODULE(_weft, m) {
   m.def(
       "flash_attention_backward",
       [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t dout, uintptr_t lse,
-          uintptr_t dq, uintptr_t dk, uintptr_t dv, uintptr_t workspace, uint64_t workspace_bytes, py::tuple shape,
-          bool causal, float scale, uintptr_t stream, py::tuple segments, const std::string& dtype,
-          bool deterministic) {
+          uintptr_t dq, uintptr_t dk, uintptr_t dv, uintptr_t workspace, uint64_t workspace_bytes,
+          py::tuple shape, bool causal, float scale, uintptr_t stream, py::tuple segments,
+          const std::string& dtype, bool deterministic) {
         OnDevice on(device);
         weft::AttentionOptions o = attention_options(causal, scale, segments, py::tuple());
         o.deterministic = deterministic;
         weft::flash_attention_backward(
-            reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
-            reinterpret_cast<const void*>(out), reinterpret_cast<const void*>(dout),
-            reinterpret_cast<const float*>(lse), reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk),
-            reinterpret_cast<void*>(dv), reinterpret_cast<void*>(workspace), workspace_bytes,
-            attention_shape(shape), parse_dtype(dtype), reinterpret_cast<cudaStream_t>(stream), o);
+            reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
+            reinterpret_cast<const void*>(v), reinterpret_cast<const void*>(out),
+            reinterpret_cast<const void*>(dout), reinterpret_cast<const float*>(lse),
+            reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk), reinterpret_cast<void*>(dv),
+            reinterpret_cast<void*>(workspace), workspace_bytes, attention_shape(shape), parse_dtype(dtype),
+            reinterpret_cast<cudaStream_t>(stream), o);
       },
       py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("dout"),
       py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("workspace"),

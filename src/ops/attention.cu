@@ -57,9 +57,15 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.q = ops::map_rows(c.q, sh, seg, false, sh.heads, Op::kBM, c.where + "q", dtype);
   p.k = ops::map_rows(c.k, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "k", dtype);
   p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v", dtype);
-  if (!acc.enabled()) p.o = ops::map_rows(c.out, sh, seg, false, sh.heads, Op::Epilogue::kBoxRows, c.where + "out", dtype);
-  p.rows = {seg.q_begin, seg.q_end, seg.k_begin, seg.k_end, static_cast<int>(sh.seq_q),
-            static_cast<int>(sh.seq_k), static_cast<int>(seg.total_q)};
+  if (!acc.enabled())
+    p.o = ops::map_rows(c.out, sh, seg, false, sh.heads, Op::Epilogue::kBoxRows, c.where + "out", dtype);
+  p.rows = {seg.q_begin,
+            seg.q_end,
+            seg.k_begin,
+            seg.k_end,
+            static_cast<int>(sh.seq_q),
+            static_cast<int>(sh.seq_k),
+            static_cast<int>(seg.total_q)};
   p.lse = c.lse;
   p.out = static_cast<T*>(c.out);
   p.acc_o = acc.o;
@@ -90,7 +96,8 @@ Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
     }
     if (c.lse) ops::check_pointer_alignment(c.lse, "lse", 4, c.where);
     if (acc.enabled()) {
-      WEFT_CHECK(c.lse == nullptr, c.where + "accumulating: pass lse = null (the running LSE is accumulate.lse)");
+      WEFT_CHECK(c.lse == nullptr,
+                 c.where + "accumulating: pass lse = null (the running LSE is accumulate.lse)");
       ops::check_pointer_alignment(acc.o, "accumulate.o", 16, c.where);
       ops::check_device_memory(acc.o, "accumulate.o", dev.device, c.where);
       ops::check_pointer_alignment(acc.lse, "accumulate.lse", 4, c.where);

@@ -18,20 +18,24 @@ inline std::string attention_where(const char* op, const AttentionShape& s) {
 }
 
 // Shape checks with clear errors (no device needed). Packed sequences: `segments` (see AttentionSegments).
-inline void check_attention_shape(const AttentionShape& s, const AttentionSegments& seg, const std::string& w) {
+inline void check_attention_shape(const AttentionShape& s, const AttentionSegments& seg,
+                                  const std::string& w) {
   if (seg.packed()) {
     WEFT_CHECK(seg.q_end != nullptr && seg.k_begin != nullptr && seg.k_end != nullptr,
                w + "packed sequences need all four of segments.q_begin, q_end, k_begin and k_end");
     WEFT_CHECK(seg.total_q >= 1 && seg.total_k >= 1 && seg.total_q < (int64_t(1) << 31) &&
                    seg.total_k < (int64_t(1) << 31),
-               w + "packed sequences: segments.total_q and total_k (rows of q and of k / v) must be in [1, "
-                   "2^31), got " + std::to_string(seg.total_q) + " and " + std::to_string(seg.total_k));
+               w +
+                   "packed sequences: segments.total_q and total_k (rows of q and of k / v) must be in [1, "
+                   "2^31), got " +
+                   std::to_string(seg.total_q) + " and " + std::to_string(seg.total_k));
     WEFT_CHECK(s.seq_q <= seg.total_q && s.seq_k <= seg.total_k,
-               w + "packed sequences: seq_q / seq_k are the longest sequences and cannot exceed total_q ("
-                   + std::to_string(seg.total_q) + ") / total_k (" + std::to_string(seg.total_k) + ")");
+               w + "packed sequences: seq_q / seq_k are the longest sequences and cannot exceed total_q (" +
+                   std::to_string(seg.total_q) + ") / total_k (" + std::to_string(seg.total_k) + ")");
   } else {
-    WEFT_CHECK(seg.q_end == nullptr && seg.k_begin == nullptr && seg.k_end == nullptr,
-               w + "segments.q_begin is null but other segment arrays are set: packed sequences need all four");
+    WEFT_CHECK(
+        seg.q_end == nullptr && seg.k_begin == nullptr && seg.k_end == nullptr,
+        w + "segments.q_begin is null but other segment arrays are set: packed sequences need all four");
   }
   WEFT_CHECK(s.batch >= 1 && s.seq_q >= 1 && s.seq_k >= 1 && s.heads >= 1 && s.kv_heads >= 1,
              w + "batch, seq_q, seq_k, heads and kv_heads must be at least 1");
@@ -73,9 +77,9 @@ inline CUtensorMap map_bshd(const void* base, int64_t batch, int64_t seq, int64_
   const bool f32 = dtype == DType::kFP32;
   tma::TensorNd t;
   t.base = base;
-  t.dtype = f32                       ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+  t.dtype = f32                     ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
             : dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                      : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   t.elem_bytes = f32 ? 4 : 2;
   t.rank = 4;
   t.dims[0] = uint64_t(dim);
@@ -103,8 +107,9 @@ inline void check_segment_arrays(const AttentionSegments& seg, int device, const
 
 // The map of q-like (rows = seq_q or total_q) or k-like tensors, dense or packed (one sequence of `total`
 // rows).
-inline CUtensorMap map_rows(const void* base, const AttentionShape& s, const AttentionSegments& seg, bool keys,
-                            int64_t heads, uint32_t box_rows, const std::string& what, DType dtype) {
+inline CUtensorMap map_rows(const void* base, const AttentionShape& s, const AttentionSegments& seg,
+                            bool keys, int64_t heads, uint32_t box_rows, const std::string& what,
+                            DType dtype) {
   if (seg.packed())
     return map_bshd(base, 1, keys ? seg.total_k : seg.total_q, heads, s.head_dim, box_rows, what, dtype);
   return map_bshd(base, s.batch, keys ? s.seq_k : s.seq_q, heads, s.head_dim, box_rows, what, dtype);

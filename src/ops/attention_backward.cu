@@ -68,7 +68,8 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   plan.op = "flash_attention_backward";
   plan.path = std::string(c.options.causal ? "prepare, persistent attention backward (causal), convert dQ"
                                            : "prepare, persistent attention backward, convert dQ") +
-              (seg.packed() ? ", packed sequences" : "") + (c.options.deterministic ? ", deterministic dQ" : "");
+              (seg.packed() ? ", packed sequences" : "") +
+              (c.options.deterministic ? ", deterministic dQ" : "");
   plan.blocks = blocks;
   plan.cluster = 1;
   plan.smem_bytes = static_cast<int>(lcsc::kSmemBytes<Op>);
@@ -78,11 +79,17 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   auto* accum = static_cast<float*>(c.workspace);
   auto* lse_log2 = reinterpret_cast<float*>(static_cast<char*>(c.workspace) + ws.accum_bytes);
   auto* dsum = reinterpret_cast<float*>(static_cast<char*>(c.workspace) + ws.accum_bytes + ws.row_bytes);
-  auto* dq_order = reinterpret_cast<uint64_t*>(static_cast<char*>(c.workspace) + ws.accum_bytes + 2 * ws.row_bytes);
+  auto* dq_order =
+      reinterpret_cast<uint64_t*>(static_cast<char*>(c.workspace) + ws.accum_bytes + 2 * ws.row_bytes);
   WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, ws.accum_bytes, stream));
   if (ws.order_bytes) WEFT_CUDA_CHECK(cudaMemsetAsync(dq_order, 0, ws.order_bytes, stream));
-  p.rows = {seg.q_begin, seg.q_end, seg.k_begin, seg.k_end, static_cast<int>(sh.seq_q),
-            static_cast<int>(sh.seq_k), static_cast<int>(seg.total_q)};
+  p.rows = {seg.q_begin,
+            seg.q_end,
+            seg.k_begin,
+            seg.k_end,
+            static_cast<int>(sh.seq_q),
+            static_cast<int>(sh.seq_k),
+            static_cast<int>(seg.total_q)};
   {
     constexpr int kThreads = 256;
     const int64_t grid = (sh.batch * sh.seq_q * sh.heads * 32 + kThreads - 1) / kThreads;
@@ -98,7 +105,8 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v", dtype);
   p.dk = ops::map_rows(c.dk, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dk", dtype);
   p.dv = ops::map_rows(c.dv, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dv", dtype);
-  p.dq_accum = ops::map_rows(accum, sh, seg, false, sh.heads, Op::kBM, c.where + "workspace (dQ)", DType::kFP32);
+  p.dq_accum =
+      ops::map_rows(accum, sh, seg, false, sh.heads, Op::kBM, c.where + "workspace (dQ)", DType::kFP32);
   // The per-row terms: 2-D {term rows, heads} maps, boxes of a query block's rows.
   auto rows_map = [&](const float* base, const char* what) {
     tma::TensorNd t;
@@ -129,8 +137,9 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   {
     constexpr int kThreads = 256;
     const int64_t elements = ws.rows * sh.heads * kD;
-    ops::attention_bwd_convert_dq<T><<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads,
-                                    0, stream>>>(accum, static_cast<T*>(c.dq), elements, scale);
+    ops::attention_bwd_convert_dq<T>
+        <<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+            accum, static_cast<T*>(c.dq), elements, scale);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   return plan;
@@ -162,17 +171,20 @@ Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
     WEFT_CHECK(c.lse != nullptr, c.where + "lse (the forward's log-sum-exp) is required");
     ops::check_pointer_alignment(c.lse, "lse", 4, c.where);
     ops::check_device_memory(c.lse, "lse", dev.device, c.where);
-    WEFT_CHECK(!c.options.accumulate.enabled(),
-               c.where + "options.accumulate is for the forward; the backward takes the forward's out and lse");
+    WEFT_CHECK(
+        !c.options.accumulate.enabled(),
+        c.where + "options.accumulate is for the forward; the backward takes the forward's out and lse");
     ops::check_segment_arrays(c.options.segments, dev.device, c.where);
     const size_t need = Workspace(c.shape, c.options).bytes();
     WEFT_CHECK(c.workspace != nullptr && c.workspace_bytes >= need,
-               c.where + "the workspace must hold flash_attention_backward_workspace_bytes(shape, options) = " +
+               c.where +
+                   "the workspace must hold flash_attention_backward_workspace_bytes(shape, options) = " +
                    std::to_string(need) + " bytes, got " + std::to_string(c.workspace_bytes));
     ops::check_pointer_alignment(c.workspace, "workspace", 256, c.where);
     ops::check_device_memory(c.workspace, "workspace", dev.device, c.where);
   }
-  return c.options.deterministic ? by_type<true>(c, dtype, stream, launch) : by_type<false>(c, dtype, stream, launch);
+  return c.options.deterministic ? by_type<true>(c, dtype, stream, launch)
+                                 : by_type<false>(c, dtype, stream, launch);
 }
 
 std::string where(const AttentionShape& s) {
@@ -181,7 +193,8 @@ std::string where(const AttentionShape& s) {
 
 }  // namespace
 
-size_t flash_attention_backward_workspace_bytes(const AttentionShape& shape, const AttentionOptions& options) {
+size_t flash_attention_backward_workspace_bytes(const AttentionShape& shape,
+                                                const AttentionOptions& options) {
   ops::check_attention_shape(shape, options.segments, where(shape));
   return Workspace(shape, options).bytes();
 }

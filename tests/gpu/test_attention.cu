@@ -124,33 +124,37 @@ ForwardRef reference_forward(const Problem& pr, const std::vector<__nv_bfloat16>
       for (int64_t i = 0; i < pr.seqs[b].q_len; ++i) items.push_back({b, h, i});
   for (const Seq& s : pr.seqs)
     for (int64_t i = 0; i < s.q_len; ++i) r.covered[s.q0 + i] = 1;
-  weft::test::parallel_for(items.size(), [&](size_t i0, size_t i1) {
-    std::vector<double> p;
-    for (size_t it = i0; it < i1; ++it) {
-      const auto [b, h, i] = items[it];
-      const Seq& s = pr.seqs[b];
-      const int64_t hk = h / group, last = pr.last_key(s, i);
-      const __nv_bfloat16* qr = &q[((s.q0 + i) * H + h) * D];
-      double* o = &r.o[((s.q0 + i) * H + h) * D];
-      p.assign(std::max<int64_t>(last + 1, 0), 0.0);
-      double mx = -std::numeric_limits<double>::infinity();
-      for (int64_t j = 0; j <= last; ++j) {
-        const __nv_bfloat16* kr = &k[((s.k0 + j) * KV + hk) * D];
-        double dot = 0;
-        for (int64_t d = 0; d < D; ++d) dot += double(to_f(qr[d])) * to_f(kr[d]);
-        mx = std::max(mx, p[j] = dot * pr.scale);
-      }
-      double sum = 0;
-      for (int64_t j = 0; j <= last; ++j) {
-        sum += (p[j] = std::exp(p[j] - mx));
-        const __nv_bfloat16* vr = &v[((s.k0 + j) * KV + hk) * D];
-        for (int64_t d = 0; d < D; ++d) o[d] += p[j] * to_f(vr[d]);
-      }
-      if (last >= 0)
-        for (int64_t d = 0; d < D; ++d) o[d] /= sum;
-      r.lse[pr.lse_index(b, h, i)] = last >= 0 ? mx + std::log(sum) : -std::numeric_limits<double>::infinity();
-    }
-  }, 64);
+  weft::test::parallel_for(
+      items.size(),
+      [&](size_t i0, size_t i1) {
+        std::vector<double> p;
+        for (size_t it = i0; it < i1; ++it) {
+          const auto [b, h, i] = items[it];
+          const Seq& s = pr.seqs[b];
+          const int64_t hk = h / group, last = pr.last_key(s, i);
+          const __nv_bfloat16* qr = &q[((s.q0 + i) * H + h) * D];
+          double* o = &r.o[((s.q0 + i) * H + h) * D];
+          p.assign(std::max<int64_t>(last + 1, 0), 0.0);
+          double mx = -std::numeric_limits<double>::infinity();
+          for (int64_t j = 0; j <= last; ++j) {
+            const __nv_bfloat16* kr = &k[((s.k0 + j) * KV + hk) * D];
+            double dot = 0;
+            for (int64_t d = 0; d < D; ++d) dot += double(to_f(qr[d])) * to_f(kr[d]);
+            mx = std::max(mx, p[j] = dot * pr.scale);
+          }
+          double sum = 0;
+          for (int64_t j = 0; j <= last; ++j) {
+            sum += (p[j] = std::exp(p[j] - mx));
+            const __nv_bfloat16* vr = &v[((s.k0 + j) * KV + hk) * D];
+            for (int64_t d = 0; d < D; ++d) o[d] += p[j] * to_f(vr[d]);
+          }
+          if (last >= 0)
+            for (int64_t d = 0; d < D; ++d) o[d] /= sum;
+          r.lse[pr.lse_index(b, h, i)] =
+              last >= 0 ? mx + std::log(sum) : -std::numeric_limits<double>::infinity();
+        }
+      },
+      64);
   return r;
 }
 
@@ -176,7 +180,8 @@ std::string check_forward(const Problem& pr, const ForwardRef& ref, const std::v
         const double err = std::isfinite(got) ? std::abs(got - ref.o[e]) : 1e30;
         w = std::max(w, err);
         if (!(err <= 5e-3 + 5e-3 * std::abs(ref.o[e]))) {
-          if (bad_o++ == 0) first = " first O error at row " + std::to_string(row) + " head " + std::to_string(h);
+          if (bad_o++ == 0)
+            first = " first O error at row " + std::to_string(row) + " head " + std::to_string(h);
         }
       }
   for (int64_t b = 0; b < int64_t(pr.seqs.size()); ++b)
@@ -192,18 +197,20 @@ std::string check_forward(const Problem& pr, const ForwardRef& ref, const std::v
         wl = std::max(wl, e);
         if (!(e <= 1e-3 * (1 + std::abs(rl)))) ++bad_lse;
       }
-  const std::string what = label + ": max |O err| " + std::to_string(w) + ", max |LSE err| " + std::to_string(wl);
+  const std::string what =
+      label + ": max |O err| " + std::to_string(w) + ", max |LSE err| " + std::to_string(wl);
   std::fprintf(stderr, "  %s\n", what.c_str());
   if (bad_o + bad_lse + bad_untouched == 0) return {};
   return what + "; " + std::to_string(bad_o) + " O elements and " + std::to_string(bad_lse) +
-         " LSE rows out of tolerance, " + std::to_string(bad_untouched) + " elements of rows in no sequence written;" +
-         first;
+         " LSE rows out of tolerance, " + std::to_string(bad_untouched) +
+         " elements of rows in no sequence written;" + first;
 }
 
 std::string case_label(const Case& c) {
-  return "B=" + std::to_string(c.batch) + " Sq=" + std::to_string(c.seq_q) + " Sk=" + std::to_string(c.seq_k) +
-         " H=" + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " D=" + std::to_string(c.dim) +
-         (c.causal ? " causal" : "") + (c.max_blocks ? " blocks=" + std::to_string(c.max_blocks) : std::string());
+  return "B=" + std::to_string(c.batch) + " Sq=" + std::to_string(c.seq_q) +
+         " Sk=" + std::to_string(c.seq_k) + " H=" + std::to_string(c.heads) + "/" +
+         std::to_string(c.kv_heads) + " D=" + std::to_string(c.dim) + (c.causal ? " causal" : "") +
+         (c.max_blocks ? " blocks=" + std::to_string(c.max_blocks) : std::string());
 }
 
 // Packed sequences on the device: the four range arrays.
@@ -229,7 +236,11 @@ struct DeviceSegments {
 // The call's shape: dense [batch, seq, ...], or packed with the longest sequences.
 AttentionShape shape_of(const Problem& pr) {
   if (!pr.packed)
-    return {int64_t(pr.seqs.size()), pr.seq_q, pr.rows_k / int64_t(pr.seqs.size()), pr.heads, pr.kv_heads,
+    return {int64_t(pr.seqs.size()),
+            pr.seq_q,
+            pr.rows_k / int64_t(pr.seqs.size()),
+            pr.heads,
+            pr.kv_heads,
             pr.dim};
   int64_t mq = 1, mk = 1;
   for (const Seq& s : pr.seqs) mq = std::max(mq, s.q_len), mk = std::max(mk, s.k_len);
@@ -292,8 +303,8 @@ std::string packed_label(const PackedCase& c) {
   std::string s = "packed";
   for (const auto& [lq, lk] : c.lengths)
     s += " " + std::to_string(lq) + (lq == lk ? "" : "/" + std::to_string(lk));
-  return s + " gap=" + std::to_string(c.gap) + " H=" + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) +
-         " D=" + std::to_string(c.dim) + (c.causal ? " causal" : "") +
+  return s + " gap=" + std::to_string(c.gap) + " H=" + std::to_string(c.heads) + "/" +
+         std::to_string(c.kv_heads) + " D=" + std::to_string(c.dim) + (c.causal ? " causal" : "") +
          (c.max_blocks ? " blocks=" + std::to_string(c.max_blocks) : std::string());
 }
 
@@ -307,7 +318,8 @@ std::string run_accumulate_case(const Case& c, int parts, uint64_t seed) {
   pr.packed = true;  // the calls see the batch as one packed sequence of ranges; LSE [heads, rows]
   const int64_t qn = pr.rows_q * pr.heads * pr.dim, kn = pr.rows_k * pr.kv_heads * pr.dim;
   const auto q = random_bf16(qn, seed), k = random_bf16(kn, seed + 1), v = random_bf16(kn, seed + 2);
-  DeviceBuffer dq(qn * 2), dk(kn * 2), dv(kn * 2), dout(qn * 2), acc_o(qn * 4), acc_lse(pr.rows_q * pr.heads * 4);
+  DeviceBuffer dq(qn * 2), dk(kn * 2), dv(kn * 2), dout(qn * 2), acc_o(qn * 4),
+      acc_lse(pr.rows_q * pr.heads * 4);
   WEFT_CUDA_CHECK(cudaMemcpy(dq.p, q.data(), qn * 2, cudaMemcpyHostToDevice));
   WEFT_CUDA_CHECK(cudaMemcpy(dk.p, k.data(), kn * 2, cudaMemcpyHostToDevice));
   WEFT_CUDA_CHECK(cudaMemcpy(dv.p, v.data(), kn * 2, cudaMemcpyHostToDevice));
@@ -413,8 +425,12 @@ std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const
     for (int64_t d = 0; d < D; ++d) s += double(to_f(x[d])) * to_f(y[d]);
     return s;
   };
-  auto qrow = [&](const std::vector<__nv_bfloat16>& t, int64_t row, int64_t h) { return &t[(row * H + h) * D]; };
-  auto krow = [&](const std::vector<__nv_bfloat16>& t, int64_t row, int64_t h) { return &t[(row * KV + h) * D]; };
+  auto qrow = [&](const std::vector<__nv_bfloat16>& t, int64_t row, int64_t h) {
+    return &t[(row * H + h) * D];
+  };
+  auto krow = [&](const std::vector<__nv_bfloat16>& t, int64_t row, int64_t h) {
+    return &t[(row * KV + h) * D];
+  };
   // Pass 1, per (sequence, head, query row): LSE, D = dO . O, and dQ.
   std::vector<std::array<int64_t, 3>> qitems, kitems;
   for (int64_t b = 0; b < int64_t(pr.seqs.size()); ++b) {
@@ -430,60 +446,68 @@ std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const
     for (int64_t i = 0; i < s.q_len; ++i) q_covered[s.q0 + i] = 1;
     for (int64_t j = 0; j < s.k_len; ++j) k_covered[s.k0 + j] = 1;
   }
-  weft::test::parallel_for(qitems.size(), [&](size_t r0, size_t r1) {
-    std::vector<double> p, o(D);
-    for (size_t it = r0; it < r1; ++it) {
-      const auto [b, h, i] = qitems[it];
-      const Seq& s = pr.seqs[b];
-      const int64_t hk = h / group, last = pr.last_key(s, i), row = s.q0 + i;
-      if (last < 0) {
-        lse[row * H + h] = std::numeric_limits<double>::infinity();  // P = 0
-        continue;
-      }
-      p.assign(last + 1, 0.0);
-      double mx = -std::numeric_limits<double>::infinity();
-      for (int64_t j = 0; j <= last; ++j) mx = std::max(mx, p[j] = pr.scale * dot(qrow(q, row, h), krow(k, s.k0 + j, hk)));
-      double sum = 0;
-      for (int64_t j = 0; j <= last; ++j) sum += (p[j] = std::exp(p[j] - mx));
-      std::fill(o.begin(), o.end(), 0.0);
-      for (int64_t j = 0; j <= last; ++j) {
-        p[j] /= sum;
-        const __nv_bfloat16* vr = krow(v, s.k0 + j, hk);
-        for (int64_t d = 0; d < D; ++d) o[d] += p[j] * to_f(vr[d]);
-      }
-      lse[row * H + h] = mx + std::log(sum);
-      double dsr = 0;
-      for (int64_t d = 0; d < D; ++d) dsr += o[d] * to_f(qrow(go, row, h)[d]);
-      dsum[row * H + h] = dsr;
-      double* dqr = &ref_dq[(row * H + h) * D];
-      for (int64_t j = 0; j <= last; ++j) {
-        const double ds = p[j] * (dot(qrow(go, row, h), krow(v, s.k0 + j, hk)) - dsr);
-        const __nv_bfloat16* kr = krow(k, s.k0 + j, hk);
-        for (int64_t d = 0; d < D; ++d) dqr[d] += pr.scale * ds * to_f(kr[d]);
-      }
-    }
-  }, 16);
-  // Pass 2, per (sequence, K/V head, key row): dK and dV over every query row of every head of the group.
-  weft::test::parallel_for(kitems.size(), [&](size_t r0, size_t r1) {
-    for (size_t it = r0; it < r1; ++it) {
-      const auto [b, hk, j] = kitems[it];
-      const Seq& s = pr.seqs[b];
-      double* dkr = &ref_dk[((s.k0 + j) * KV + hk) * D];
-      double* dvr = &ref_dv[((s.k0 + j) * KV + hk) * D];
-      for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
-        for (int64_t i = 0; i < s.q_len; ++i) {
-          if (j > pr.last_key(s, i)) continue;
-          const int64_t row = s.q0 + i;
-          const double p = std::exp(pr.scale * dot(qrow(q, row, h), krow(k, s.k0 + j, hk)) - lse[row * H + h]);
-          const double ds = p * (dot(qrow(go, row, h), krow(v, s.k0 + j, hk)) - dsum[row * H + h]);
-          const __nv_bfloat16 *qr = qrow(q, row, h), *gr = qrow(go, row, h);
-          for (int64_t d = 0; d < D; ++d) {
-            dkr[d] += pr.scale * ds * to_f(qr[d]);
-            dvr[d] += p * to_f(gr[d]);
+  weft::test::parallel_for(
+      qitems.size(),
+      [&](size_t r0, size_t r1) {
+        std::vector<double> p, o(D);
+        for (size_t it = r0; it < r1; ++it) {
+          const auto [b, h, i] = qitems[it];
+          const Seq& s = pr.seqs[b];
+          const int64_t hk = h / group, last = pr.last_key(s, i), row = s.q0 + i;
+          if (last < 0) {
+            lse[row * H + h] = std::numeric_limits<double>::infinity();  // P = 0
+            continue;
+          }
+          p.assign(last + 1, 0.0);
+          double mx = -std::numeric_limits<double>::infinity();
+          for (int64_t j = 0; j <= last; ++j)
+            mx = std::max(mx, p[j] = pr.scale * dot(qrow(q, row, h), krow(k, s.k0 + j, hk)));
+          double sum = 0;
+          for (int64_t j = 0; j <= last; ++j) sum += (p[j] = std::exp(p[j] - mx));
+          std::fill(o.begin(), o.end(), 0.0);
+          for (int64_t j = 0; j <= last; ++j) {
+            p[j] /= sum;
+            const __nv_bfloat16* vr = krow(v, s.k0 + j, hk);
+            for (int64_t d = 0; d < D; ++d) o[d] += p[j] * to_f(vr[d]);
+          }
+          lse[row * H + h] = mx + std::log(sum);
+          double dsr = 0;
+          for (int64_t d = 0; d < D; ++d) dsr += o[d] * to_f(qrow(go, row, h)[d]);
+          dsum[row * H + h] = dsr;
+          double* dqr = &ref_dq[(row * H + h) * D];
+          for (int64_t j = 0; j <= last; ++j) {
+            const double ds = p[j] * (dot(qrow(go, row, h), krow(v, s.k0 + j, hk)) - dsr);
+            const __nv_bfloat16* kr = krow(k, s.k0 + j, hk);
+            for (int64_t d = 0; d < D; ++d) dqr[d] += pr.scale * ds * to_f(kr[d]);
           }
         }
-    }
-  }, 16);
+      },
+      16);
+  // Pass 2, per (sequence, K/V head, key row): dK and dV over every query row of every head of the group.
+  weft::test::parallel_for(
+      kitems.size(),
+      [&](size_t r0, size_t r1) {
+        for (size_t it = r0; it < r1; ++it) {
+          const auto [b, hk, j] = kitems[it];
+          const Seq& s = pr.seqs[b];
+          double* dkr = &ref_dk[((s.k0 + j) * KV + hk) * D];
+          double* dvr = &ref_dv[((s.k0 + j) * KV + hk) * D];
+          for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+            for (int64_t i = 0; i < s.q_len; ++i) {
+              if (j > pr.last_key(s, i)) continue;
+              const int64_t row = s.q0 + i;
+              const double p =
+                  std::exp(pr.scale * dot(qrow(q, row, h), krow(k, s.k0 + j, hk)) - lse[row * H + h]);
+              const double ds = p * (dot(qrow(go, row, h), krow(v, s.k0 + j, hk)) - dsum[row * H + h]);
+              const __nv_bfloat16 *qr = qrow(q, row, h), *gr = qrow(go, row, h);
+              for (int64_t d = 0; d < D; ++d) {
+                dkr[d] += pr.scale * ds * to_f(qr[d]);
+                dvr[d] += p * to_f(gr[d]);
+              }
+            }
+        }
+      },
+      16);
   std::string what = label + (pr.deterministic ? " deterministic:" : ":");
   auto compare = [&](const char* name, const std::vector<uint16_t>& got, const std::vector<double>& ref,
                      const std::vector<char>& covered, int64_t heads, bool zero_outside) {
@@ -508,12 +532,12 @@ std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const
                   top > 0 ? worst / top : worst);
     what += buf;
     if (bad)
-      failures += std::string(" ") + name + ": " + std::to_string(bad) + " elements out of tolerance, first " +
-                  std::to_string(first) + " got " + std::to_string(bits_f(got[first], pr.dtype)) + " ref " +
-                  std::to_string(ref[first]) + ";";
+      failures += std::string(" ") + name + ": " + std::to_string(bad) +
+                  " elements out of tolerance, first " + std::to_string(first) + " got " +
+                  std::to_string(bits_f(got[first], pr.dtype)) + " ref " + std::to_string(ref[first]) + ";";
     if (outside)
-      failures += std::string(" ") + name + ": " + std::to_string(outside) + " elements of rows in no sequence " +
-                  (zero_outside ? "not 0;" : "written;");
+      failures += std::string(" ") + name + ": " + std::to_string(outside) +
+                  " elements of rows in no sequence " + (zero_outside ? "not 0;" : "written;");
   };
   compare("dq", gq, ref_dq, q_covered, H, true);
   compare("dk", gk, ref_dk, k_covered, KV, false);
@@ -621,10 +645,8 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_accumulates_in_fp32) {
     int parts;
   };
   std::vector<Item> items = {
-      {{2, 256, 256, 4, 4, 128, false, 0.f}, 2},
-      {{2, 256, 256, 4, 4, 128, true, 0.f}, 2},
-      {{1, 1000, 1000, 4, 1, 64, true, 0.f}, 3},
-      {{2, 700, 700, 8, 2, 128, false, 0.f, 5}, 8},
+      {{2, 256, 256, 4, 4, 128, false, 0.f}, 2}, {{2, 256, 256, 4, 4, 128, true, 0.f}, 2},
+      {{1, 1000, 1000, 4, 1, 64, true, 0.f}, 3}, {{2, 700, 700, 8, 2, 128, false, 0.f, 5}, 8},
       {{1, 1000, 1000, 2, 2, 64, true, 0.f}, 8},
   };
   if (!ctx.quick) items.push_back({{1, 4099, 4099, 2, 1, 128, true, 0.f}, 4});
@@ -651,9 +673,10 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_fp16) {
   problems.push_back(packed_problem({{{1000, 1000}, {17, 17}}, 0, 2, 1, 128, false}));
   for (Problem& pr : problems) {
     pr.dtype = DType::kFP16;
-    const std::string label = std::string("fp16 ") + (pr.packed ? "packed " : "") + std::to_string(pr.rows_q) +
-                              " rows, H=" + std::to_string(pr.heads) + "/" + std::to_string(pr.kv_heads) +
-                              " D=" + std::to_string(pr.dim) + (pr.causal ? " causal" : "");
+    const std::string label = std::string("fp16 ") + (pr.packed ? "packed " : "") +
+                              std::to_string(pr.rows_q) + " rows, H=" + std::to_string(pr.heads) + "/" +
+                              std::to_string(pr.kv_heads) + " D=" + std::to_string(pr.dim) +
+                              (pr.causal ? " causal" : "");
     std::string e = run_forward(pr, seed += 10, 0, label);
     if (e.empty()) e = run_backward(pr, seed + 5, 0, label);
     if (!e.empty()) failures += "\n    " + e;
@@ -677,8 +700,8 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_deterministic_backward) {
   problems.push_back({packed_problem({{{1000, 1000}, {17, 500}}, 0, 2, 1, 128, false}), 5});
   for (auto& [pr, blocks] : problems) {
     pr.deterministic = true;
-    const std::string label = std::string(pr.packed ? "packed " : "") + std::to_string(pr.rows_q) + " rows, H=" +
-                              std::to_string(pr.heads) + "/" + std::to_string(pr.kv_heads) +
+    const std::string label = std::string(pr.packed ? "packed " : "") + std::to_string(pr.rows_q) +
+                              " rows, H=" + std::to_string(pr.heads) + "/" + std::to_string(pr.kv_heads) +
                               " D=" + std::to_string(pr.dim) + (pr.causal ? " causal" : "") +
                               (blocks ? " blocks=" + std::to_string(blocks) : std::string());
     const std::string e = run_backward(pr, seed += 10, blocks, label);
@@ -773,8 +796,8 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_argument_errors) {
   o.accumulate.lse = buf.as<float>();
   expect(options_error_of(o, buf.as<float>()), "pass lse = null");
   try {
-    flash_attention_backward(buf.p, buf.p, buf.p, buf.p, buf.p, buf.as<float>(), buf.p, buf.p, buf.p, buf.p, need,
-                             ok, DType::kBF16, nullptr, o);
+    flash_attention_backward(buf.p, buf.p, buf.p, buf.p, buf.p, buf.as<float>(), buf.p, buf.p, buf.p, buf.p,
+                             need, ok, DType::kBF16, nullptr, o);
     expect("", "options.accumulate is for the forward");
   } catch (const Error& e) {
     expect(e.what(), "options.accumulate is for the forward");

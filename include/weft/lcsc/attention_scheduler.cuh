@@ -13,8 +13,8 @@
 // unit of each other whatever the section size, and sections stay as small as L2 wants
 // (tests/host/test_scheduler.cpp).
 // Packed variable-length sequences give each sequence its own count of blocks, from its rows [row_begin[b],
-// row_end[b]) (device memory) in blocks of `block_rows`; the items past a sequence's count are skipped. One CTA per item: ops using it run
-// clusters of 1.
+// row_end[b]) (device memory) in blocks of `block_rows`; the items past a sequence's count are skipped. One
+// CTA per item: ops using it run clusters of 1.
 #pragma once
 #include <cstdint>
 
@@ -22,13 +22,13 @@ namespace weft::lcsc {
 
 struct AttentionSchedulerParams {
   int batch = 0, heads = 0;
-  int q_blocks = 0;                   // query blocks of the longest sequence
-  const int* row_begin = nullptr;     // packed sequences: each one's rows (else all have q_blocks blocks)
+  int q_blocks = 0;                // query blocks of the longest sequence
+  const int* row_begin = nullptr;  // packed sequences: each one's rows (else all have q_blocks blocks)
   const int* row_end = nullptr;
-  int block_rows = 0;                 // rows per block (packed sequences)
-  bool paired = false;                // causal: blocks j and count - 1 - j as one unit (see above)
-  int section_pairs = 0;              // (batch, head) pairs per L2 section; 0: one section
-  int compute_blocks = 0;             // blocks [0, compute_blocks) compute; the rest of the grid communicates
+  int block_rows = 0;      // rows per block (packed sequences)
+  bool paired = false;     // causal: blocks j and count - 1 - j as one unit (see above)
+  int section_pairs = 0;   // (batch, head) pairs per L2 section; 0: one section
+  int compute_blocks = 0;  // blocks [0, compute_blocks) compute; the rest of the grid communicates
   // Rows of units per (batch, head) pair, and units in all.
   __host__ __device__ int unit_rows() const { return paired ? (q_blocks + 1) / 2 : q_blocks; }
   __host__ __device__ int64_t units() const { return int64_t(batch) * heads * unit_rows(); }
@@ -83,9 +83,10 @@ class AttentionScheduler {
       const int row = r / pairs;
       const int pair = first_pair + r - row * pairs;
       const int b = pair / p_.heads;
-      const int count = p_.row_begin ? min(p_.q_blocks, (p_.row_end[b] - p_.row_begin[b] + p_.block_rows - 1) /
-                                                             p_.block_rows)
-                                     : p_.q_blocks;
+      const int count =
+          p_.row_begin
+              ? min(p_.q_blocks, (p_.row_end[b] - p_.row_begin[b] + p_.block_rows - 1) / p_.block_rows)
+              : p_.q_blocks;
       if (p_.paired ? 2 * row >= count : row >= count) continue;  // past this sequence's end
       w.batch = b;
       w.head = pair - b * p_.heads;

@@ -183,10 +183,10 @@ struct AttentionFwdOp {
     lcsc::AttentionSchedulerParams sched;
     CUtensorMap q, k, v, o;  // 4-D {dim, head, seq, batch}
     AttentionRows rows;
-    float* lse;              // [batch, heads, seq_q] (packed: [heads, total_q]) fp32, or null
-    T* out;                  // O itself: the row-by-row stores (packed sequences' last block, accumulating)
-    float *acc_o, *acc_lse;  // accumulating: the running O (q's layout) and LSE (lse's); else null
-    int heads, group;        // group: query heads per K / V head
+    float* lse;               // [batch, heads, seq_q] (packed: [heads, total_q]) fp32, or null
+    T* out;                   // O itself: the row-by-row stores (packed sequences' last block, accumulating)
+    float *acc_o, *acc_lse;   // accumulating: the running O (q's layout) and LSE (lse's); else null
+    int heads, group;         // group: query heads per K / V head
     float scale, scale_log2;  // softmax scale, and times log2(e)
     int causal;
   };
@@ -352,13 +352,14 @@ struct AttentionFwdOp {
   }
   // S_n -> P_n: the mask where block n needs one, then the online softmax step (rescale: O's factor).
   __device__ static void to_probabilities(const Params& p, const Lengths& len, const KeyBlocks& kb, int n,
-                                          int row0, tile::OnlineSoftmax<kBN>& softmax, tile::AccumM64<kBN>& sc,
-                                          float (&rescale)[2]) {
+                                          int row0, tile::OnlineSoftmax<kBN>& softmax,
+                                          tile::AccumM64<kBN>& sc, float (&rescale)[2]) {
     if (n >= kb.masked_from) mask(p, len, sc, row0, n * kBN);
     softmax.step(sc, p.scale_log2, rescale);
   }
   // Scores of keys past the sequence's end, or (causal) past the row's last visible key, become -inf.
-  __device__ static void mask(const Params& p, const Lengths& len, tile::AccumM64<kBN>& s, int row0, int key0) {
+  __device__ static void mask(const Params& p, const Lengths& len, tile::AccumM64<kBN>& s, int row0,
+                              int key0) {
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kBN>::kRegs; ++i) {
       const int row = row0 + tile::AccumM64<kBN>::row(i);
@@ -370,7 +371,8 @@ struct AttentionFwdOp {
   // Accumulating: this call's O and LSE of the warpgroup's rows merged into the running ones (see
   // AttentionAccumulate), and O in T too where the call has `out`. A row's four lanes read its running
   // LSE before the first of them writes the new one.
-  __device__ static void merge_rows(const Params& p, const SeqRows& sr, int head, int row0, const Accum& acc) {
+  __device__ static void merge_rows(const Params& p, const SeqRows& sr, int head, int row0,
+                                    const Accum& acc) {
     float a[2], b[2], lse[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

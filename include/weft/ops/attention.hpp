@@ -3,11 +3,11 @@
 // Host-only header.
 //
 // Layout (flash-attn's): q [batch, seq_q, heads, head_dim], k and v [batch, seq_k, kv_heads, head_dim], out
-// like q, all dense bf16 or all fp16; lse [batch, heads, seq_q] fp32 (natural log of each row's softmax denominator,
-// scale included), optional. Query head h reads K / V head h / (heads / kv_heads) (GQA, MQA). Any sequence
-// lengths >= 1. Causal masks are aligned to the bottom right (query row i sees keys j <= i + seq_k - seq_q,
-// as flash-attn); a row that sees no key gets O = 0 and LSE = -inf. fp32 accumulation, P rounded to the inputs' type
-// for the P V product (as flash-attn does).
+// like q, all dense bf16 or all fp16; lse [batch, heads, seq_q] fp32 (natural log of each row's softmax
+// denominator, scale included), optional. Query head h reads K / V head h / (heads / kv_heads) (GQA, MQA).
+// Any sequence lengths >= 1. Causal masks are aligned to the bottom right (query row i sees keys j <= i +
+// seq_k - seq_q, as flash-attn); a row that sees no key gets O = 0 and LSE = -inf. fp32 accumulation, P
+// rounded to the inputs' type for the P V product (as flash-attn does).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -45,8 +45,9 @@ inline AttentionSegments varlen_segments(const int32_t* cu_seqlens_q, const int3
 // result instead of writing a fresh one: per query row, lse = log(exp(lse) + exp(lse_call)) and o = o *
 // exp(old lse - lse) + o_call * exp(lse_call - lse). o is fp32 in q's layout, lse fp32 in lse's layout,
 // both device memory (start them at 0 and -inf). Attention over key blocks merged call by call equals
-// attention over their concatenation to fp32 rounding: nothing goes through 16 bits between calls. Rows a call
-// does not cover are left as they are. `out` may be null (o only) or receive the merged result in q's type.
+// attention over their concatenation to fp32 rounding: nothing goes through 16 bits between calls. Rows a
+// call does not cover are left as they are. `out` may be null (o only) or receive the merged result in q's
+// type.
 struct AttentionAccumulate {
   float* o = nullptr;
   float* lse = nullptr;
@@ -55,16 +56,16 @@ struct AttentionAccumulate {
 
 struct AttentionOptions {
   bool causal = false;
-  float softmax_scale = 0.f;  // 0: 1 / sqrt(head_dim)
-  int max_blocks = 0;         // cap on persistent blocks (an SM budget); 0: every SM
+  float softmax_scale = 0.f;       // 0: 1 / sqrt(head_dim)
+  int max_blocks = 0;              // cap on persistent blocks (an SM budget); 0: every SM
   AttentionSegments segments;      // packed sequences; default: dense [batch, seq, heads, head_dim]
   AttentionAccumulate accumulate;  // forward only: merge into a running fp32 result (see above)
   bool deterministic = false;      // backward only: dQ bit-reproducible run to run (slower; see below)
 };
 
-// Enqueues the forward pass on `stream`. Head dims 64 and 128, bf16 or fp16 (dtype kBF16, kFP16); pointers 16-byte aligned
-// device memory on the current GPU. Anything else throws weft::Error saying what and why. With
-// options.accumulate, `lse` must be null (the running LSE is accumulate.lse) and `out` may be.
+// Enqueues the forward pass on `stream`. Head dims 64 and 128, bf16 or fp16 (dtype kBF16, kFP16); pointers
+// 16-byte aligned device memory on the current GPU. Anything else throws weft::Error saying what and why.
+// With options.accumulate, `lse` must be null (the running LSE is accumulate.lse) and `out` may be.
 void flash_attention_forward(const void* q, const void* k, const void* v, void* out, float* lse,
                              const AttentionShape& shape, DType dtype, cudaStream_t stream,
                              const AttentionOptions& options = {});
@@ -76,11 +77,13 @@ Plan flash_attention_forward_plan(const AttentionShape& shape, DType dtype,
 // The backward pass: dq, dk, dv (layouts and type of q, k, v) from q, k, v, the forward's out and lse, and
 // dout (out's gradient, out's layout). `options` must be the forward's (causal, softmax_scale). The
 // workspace (fp32 dQ accumulator and per-row terms) is device memory of at least
-// flash_attention_backward_workspace_bytes(shape, options) bytes, 256-byte aligned, owned by the caller; calls on
-// one stream may share it. dQ is accumulated in fp32 in whatever order blocks finish: results agree to fp32
-// rounding, not bit for bit, from run to run; with options.deterministic the additions into each query
-// block take turns in a fixed order, and dq, dk, dv are the same bits every run (at some cost in speed).
-size_t flash_attention_backward_workspace_bytes(const AttentionShape& shape, const AttentionOptions& options = {});
+// flash_attention_backward_workspace_bytes(shape, options) bytes, 256-byte aligned, owned by the caller;
+// calls on one stream may share it. dQ is accumulated in fp32 in whatever order blocks finish: results agree
+// to fp32 rounding, not bit for bit, from run to run; with options.deterministic the additions into each
+// query block take turns in a fixed order, and dq, dk, dv are the same bits every run (at some cost in
+// speed).
+size_t flash_attention_backward_workspace_bytes(const AttentionShape& shape,
+                                                const AttentionOptions& options = {});
 void flash_attention_backward(const void* q, const void* k, const void* v, const void* out, const void* dout,
                               const float* lse, void* dq, void* dk, void* dv, void* workspace,
                               size_t workspace_bytes, const AttentionShape& shape, DType dtype,

@@ -68,11 +68,11 @@ __host__ __device__ inline QueryBlocks query_blocks(int key_block, int seq_q, in
   return qb;
 }
 
-
 // Where sequence b's per-row terms (LSE, D) begin in the workspace's rows: a multiple of 4, so that every
 // query block's 64 floats start on a 16-byte boundary (TMA boxes do in the innermost dimension). Packed:
 // 4 q_begin[b] (the ranges do not overlap, so neither do these); dense: b times seq_q rounded up to 4.
-__host__ __device__ inline int64_t attention_term_rows(bool packed, int64_t total_q, int64_t batch, int64_t seq_q) {
+__host__ __device__ inline int64_t attention_term_rows(bool packed, int64_t total_q, int64_t batch,
+                                                       int64_t seq_q) {
   return packed ? 4 * total_q : batch * ((seq_q + 3) / 4 * 4);
 }
 __device__ __forceinline__ int term_row(const AttentionRows& r, const SeqRows& s) {
@@ -93,11 +93,10 @@ struct AttentionBwdOp {
   static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
   static_assert(kBN == 64 * kConsumerWarpgroups, "64 keys per consumer warpgroup");
 
-  using Scheduler = lcsc::AttentionScheduler;    // items: (batch, K/V head, key block); see key_block()
-  using KTile = tile::Sw128Tile<T, kBN, kD>;  // rows: keys (K-major A of S^T, MN-major B of dQ)
-  using VTile = tile::Sw128Tile<T, kBN, kD>;  // rows: keys (K-major A of dP^T)
-  using QTile =
-      tile::Sw128Tile<T, kBM, kD>;  // rows: queries (K-major B of S^T, MN-major B of dK); dO alike
+  using Scheduler = lcsc::AttentionScheduler;  // items: (batch, K/V head, key block); see key_block()
+  using KTile = tile::Sw128Tile<T, kBN, kD>;   // rows: keys (K-major A of S^T, MN-major B of dQ)
+  using VTile = tile::Sw128Tile<T, kBN, kD>;   // rows: keys (K-major A of dP^T)
+  using QTile = tile::Sw128Tile<T, kBM, kD>;   // rows: queries (K-major B of S^T, MN-major B of dK); dO alike
   using DsTile = tile::Sw128Tile<T, kBN, kBM>;  // dS^T: rows keys, columns queries (M-major A of dQ)
   using Epilogue = lcsc::TmaStoreEpilogue<T, kD, kConsumerWarpgroups>;
   using StoreState = typename Epilogue::State;
@@ -133,10 +132,10 @@ struct AttentionBwdOp {
     CUtensorMap dq_accum;                  // fp32, q's layout, 4-D like q (box 32 columns): reduce-adds
     CUtensorMap lse_map, dsum_map;         // LSE log2(e) and D (prepare): 2-D {term rows, heads}, box kBM
     AttentionRows rows;
-    T *dk_out, *dv_out;                    // dK, dV themselves: the row-by-row stores
-    uint64_t* dq_order;                    // kDeterministic: contributions so far per (sequence, head, query
-                                           // block), [batch, heads, dq_blocks]
-    int dq_blocks;                         // query blocks of the longest sequence
+    T *dk_out, *dv_out;  // dK, dV themselves: the row-by-row stores
+    uint64_t* dq_order;  // kDeterministic: contributions so far per (sequence, head, query
+                         // block), [batch, heads, dq_blocks]
+    int dq_blocks;       // query blocks of the longest sequence
     int heads, group;
     float scale, scale_log2;
     int causal;
@@ -246,18 +245,18 @@ struct AttentionBwdOp {
  private:
   // One query block of 64 rows against the warpgroup's 64 keys (see the header comment).
   struct Lengths {
-    int q, k;   // the sequence's query and key rows
+    int q, k;  // the sequence's query and key rows
   };
-  // Deterministic dQ (kDeterministic, Params::dq_order): the adds into one query block's accumulator happen in
-  // ascending key-block order (the host then schedules key blocks in ascending order, unpaired, so every
+  // Deterministic dQ (kDeterministic, Params::dq_order): the adds into one query block's accumulator happen
+  // in ascending key-block order (the host then schedules key blocks in ascending order, unpaired, so every
   // block's predecessor is handed out before it: no wait can close a cycle); a counter per (sequence, head,
   // query block) counts the warpgroup halves added so far, and key block n waits for 2 n of them (the
   // blocks that add into a query block are always 0 .. some last one). What an add needs to find its turn:
   struct DqTurn {
     int batch, head, key_block;
   };
-  __device__ static void step(const Params& p, const Lengths& len, Smem& s, int stage, int wg, int key0, int m,
-                              Accum& acc, const lcsc::TmaRows4d& dq_rows, const DqTurn& turn) {
+  __device__ static void step(const Params& p, const Lengths& len, Smem& s, int stage, int wg, int key0,
+                              int m, Accum& acc, const lcsc::TmaRows4d& dq_rows, const DqTurn& turn) {
     tile::AccumM64<kBM> sp;  // S^T, then P^T: rows keys, columns queries
     tile::AccumM64<kBM> ds;  // dP^T, then dS^T
     wgmma::fence();
@@ -341,7 +340,9 @@ struct AttentionBwdOp {
 
   // The warpgroup's part of dQ (64 rows x D/2 columns) into its two staging buffers (32-column chunks in
   // the accumulator map's 128-byte swizzle: conflict-free stores) and reduce-added into the accumulator.
-  __device__ static void* staging(Smem& s, int wg, int chunk) { return s.epi.buf[wg][chunk].bytes; }
+  __device__ static void* staging(Smem& s, int wg, int chunk) {
+    return s.epi.buf[wg][chunk].bytes;
+  }
   __device__ static void wait_staging_free(int wg) {
     if (tile::thread_in_warpgroup() == 0) bulk_wait_read<0>();
     tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
@@ -369,7 +370,8 @@ struct AttentionBwdOp {
 #pragma unroll
       for (int c = 0; c < kDqChunks; ++c) dq_rows.issue(wg * kDqCols + c * DqChunk::kCols, staging(s, wg, c));
       bulk_commit();
-      if constexpr (kDeterministic) {  // this add complete (written, not only read) before the next one's turn
+      if constexpr (kDeterministic) {  // this add complete (written, not only read) before the next one's
+                                       // turn
         bulk_wait<0>();
         ptx::fence_proxy_async_global();
         asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
@@ -417,8 +419,8 @@ __device__ __forceinline__ float2 to_float2(const __half* p) {
 }
 
 template <int kD, class T>
-__global__ void attention_bwd_prepare(const T* out, const T* dout, const float* lse,
-                                      float* lse_log2, float* dsum, AttentionRows rows, int batch, int heads,
+__global__ void attention_bwd_prepare(const T* out, const T* dout, const float* lse, float* lse_log2,
+                                      float* dsum, AttentionRows rows, int batch, int heads,
                                       int term_stride) {
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -450,8 +452,8 @@ __global__ void attention_bwd_convert_dq(const float* dq_accum, T* dq, int64_t e
   const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
   if (i >= elements) return;
   const float4 v = *reinterpret_cast<const float4*>(dq_accum + i);
-  *reinterpret_cast<uint2*>(dq + i) = make_uint2(tile::pack2<T>(v.x * scale, v.y * scale),
-                                                  tile::pack2<T>(v.z * scale, v.w * scale));
+  *reinterpret_cast<uint2*>(dq + i) =
+      make_uint2(tile::pack2<T>(v.x * scale, v.y * scale), tile::pack2<T>(v.z * scale, v.w * scale));
 }
 
 }  // namespace weft::ops

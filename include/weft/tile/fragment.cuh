@@ -46,9 +46,9 @@ template <class OutT>
 using OutChunk = Sw128Tile<OutT, 64, kSwizzleBytes / static_cast<int>(sizeof(OutT))>;
 
 // Writes accumulator columns [kChunk * C, (kChunk + 1) * C) into `dst` (C = OutChunk<OutT>::kCols),
-// converting to OutT (bf16, fp16: round to nearest even; or f32). Each warp writes 8-row groups whose 16-byte chunks land
-// on distinct bank groups, so the stores are conflict-free. The caller makes the writes visible to TMA
-// (fence_proxy_async_smem, then a barrier).
+// converting to OutT (bf16, fp16: round to nearest even; or f32). Each warp writes 8-row groups whose 16-byte
+// chunks land on distinct bank groups, so the stores are conflict-free. The caller makes the writes visible
+// to TMA (fence_proxy_async_smem, then a barrier).
 template <int kChunk, class OutT, int N>
 __device__ __forceinline__ void store_accum_chunk(const AccumM64<N>& acc, OutChunk<OutT>& dst) {
   static_assert(kIs16Bit<OutT> || std::is_same_v<OutT, float>, "bf16, fp16 or f32 output");
@@ -63,7 +63,8 @@ __device__ __forceinline__ void store_accum_chunk(const AccumM64<N>& acc, OutChu
     for (int jj = 0; jj < 8; ++jj) {
       const int j = kChunk * 8 + jj;  // 8-column group of the accumulator
       const uint32_t off = ((static_cast<uint32_t>(jj) ^ s) << 4) + 4u * (lane & 3u);
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(base + off), "r"(pack2<OutT>(acc.d[4 * j], acc.d[4 * j + 1])));
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(base + off),
+                   "r"(pack2<OutT>(acc.d[4 * j], acc.d[4 * j + 1])));
       asm volatile("st.shared.b32 [%0], %1;" ::"r"(base + 8 * kSwizzleBytes + off),
                    "r"(pack2<OutT>(acc.d[4 * j + 2], acc.d[4 * j + 3])));
     }
@@ -82,8 +83,8 @@ __device__ __forceinline__ void store_accum_chunk(const AccumM64<N>& acc, OutChu
 }
 
 // Row by row from registers, no shared memory: rows [0, rows) of the accumulator (rows past it are not
-// written) to dst + row * row_stride, columns from 0, as T (bf16, fp16 or f32). For tiles whose rows a TMA box
-// cannot cut off (a packed sequence's last rows). Ends converged: a warp-aligned instruction may follow.
+// written) to dst + row * row_stride, columns from 0, as T (bf16, fp16 or f32). For tiles whose rows a TMA
+// box cannot cut off (a packed sequence's last rows). Ends converged: a warp-aligned instruction may follow.
 template <class T, int N>
 __device__ __forceinline__ void store_rows(const AccumM64<N>& acc, T* dst, int64_t row_stride, int rows) {
   static_assert(kIs16Bit<T> || std::is_same_v<T, float>, "bf16, fp16 or f32 output");

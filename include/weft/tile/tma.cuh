@@ -90,8 +90,8 @@ __device__ __forceinline__ void store_4d(const CUtensorMap* map, int32_t c0, int
 __device__ __forceinline__ void reduce_add_4d(const CUtensorMap* map, int32_t c0, int32_t c1, int32_t c2,
                                               int32_t c3, const void* smem_src) {
   asm volatile(
-      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];" ::"l"(
-          reinterpret_cast<uint64_t>(map)),
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];" ::
+          "l"(reinterpret_cast<uint64_t>(map)),
       "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(smem_src))
       : "memory");
 }

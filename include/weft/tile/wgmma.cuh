@@ -247,9 +247,9 @@ __device__ __forceinline__ void mma_bf16(float (&d)[kN / 2], uint64_t desc_a, ui
 }
 
 // ---- mma_async with A from registers: D(64 x N, fp32) = A(64 x 16, in registers) * B(16 x N) ----------
-// A is the warpgroup's 64 x 16 bf16 / fp16 tile held as 4 x .b32 per thread (two each, the lower column in the
-// lower half): a[0] = (row r, columns 2q, 2q+1), a[1] = (r + 8, 2q..), a[2] = (r, 2q + 8..), a[3] = (r + 8,
-// 2q + 8..), with r = 16 w + lane / 4 and q = lane % 4: the accumulator layout of tile/fragment.cuh, so a
+// A is the warpgroup's 64 x 16 bf16 / fp16 tile held as 4 x .b32 per thread (two each, the lower column in
+// the lower half): a[0] = (row r, columns 2q, 2q+1), a[1] = (r + 8, 2q..), a[2] = (r, 2q + 8..), a[3] = (r +
+// 8, 2q + 8..), with r = 16 w + lane / 4 and q = lane % 4: the accumulator layout of tile/fragment.cuh, so a
 // 64 x N fp32 accumulator converted pairwise is the A operand of a following MMA (tile::pack_a). The A
 // registers must not change until the MMA has completed (wait()).
 // clang-format off
@@ -313,7 +313,8 @@ __device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const uint32_t
 // clang-format on
 
 template <int kN, int kTransB, bool kHalf = false>
-__device__ __forceinline__ void mma_rs(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+__device__ __forceinline__ void mma_rs(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_t desc_b,
+                                       int scale_d) {
   static_assert(kN == 64 || kN == 128, "register-A wgmma wrappers exist for N = 64, 128");
   if constexpr (kN == 128)
     mma_rs_m64n128k16<kTransB, kHalf>(d, a, desc_b, scale_d);
@@ -357,8 +358,9 @@ __device__ __forceinline__ void mma_rs_group(float (&d)[kN / 2], const uint32_t 
   static_assert(kIsMmaElement<typename BTile::Element>, "bf16 or fp16 operands");
 #pragma unroll
   for (int k = 0; k < kK / 16; ++k)
-    mma_rs<kN, kTransB, kIsHalf<typename BTile::Element>>(d, reinterpret_cast<const uint32_t(&)[4]>(a[4 * k]),
-                                                          desc_advance(b_desc, k_offset<BTile, kTransB>(16 * k)), 1);
+    mma_rs<kN, kTransB, kIsHalf<typename BTile::Element>>(
+        d, reinterpret_cast<const uint32_t(&)[4]>(a[4 * k]),
+        desc_advance(b_desc, k_offset<BTile, kTransB>(16 * k)), 1);
   commit();
 }
 
