@@ -59,13 +59,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v", dtype);
   if (!acc.enabled())
     p.o = ops::map_rows(c.out, sh, seg, false, sh.heads, Op::Epilogue::kBoxRows, c.where + "out", dtype);
-  p.rows = {seg.q_begin,
-            seg.q_end,
-            seg.k_begin,
-            seg.k_end,
-            static_cast<int>(sh.seq_q),
-            static_cast<int>(sh.seq_k),
-            static_cast<int>(seg.total_q)};
+  p.rows = ops::attention_rows(sh, seg);
   p.lse = c.lse;
   p.out = static_cast<T*>(c.out);
   p.acc_o = acc.o;

@@ -83,13 +83,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
       reinterpret_cast<uint64_t*>(static_cast<char*>(c.workspace) + ws.accum_bytes + 2 * ws.row_bytes);
   WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, ws.accum_bytes, stream));
   if (ws.order_bytes) WEFT_CUDA_CHECK(cudaMemsetAsync(dq_order, 0, ws.order_bytes, stream));
-  p.rows = {seg.q_begin,
-            seg.q_end,
-            seg.k_begin,
-            seg.k_end,
-            static_cast<int>(sh.seq_q),
-            static_cast<int>(sh.seq_k),
-            static_cast<int>(seg.total_q)};
+  p.rows = ops::attention_rows(sh, seg);
   {
     constexpr int kThreads = 256;
     const int64_t grid = (sh.batch * sh.seq_q * sh.heads * 32 + kThreads - 1) / kThreads;

@@ -34,6 +34,7 @@
 #include "weft/lcsc/attention_scheduler.cuh"
 #include "weft/lcsc/epilogue.cuh"
 #include "weft/lcsc/kernel.cuh"
+#include "weft/ops/attention.hpp"
 #include "weft/lcsc/pipeline.cuh"
 #include "weft/lcsc/turns.cuh"
 #include "weft/tile/fragment.cuh"
@@ -86,6 +87,16 @@ struct AttentionRows {
   int seq_q, seq_k;                                  // dense lengths; packed: the longest ranges
   int total_q;                                       // packed: rows of q (the LSE's row stride)
 };
+// The rows of a call (host): dense, or packed by `seg`.
+inline AttentionRows attention_rows(const AttentionShape& s, const AttentionSegments& seg) {
+  return {seg.q_begin,
+          seg.q_end,
+          seg.k_begin,
+          seg.k_end,
+          static_cast<int>(s.seq_q),
+          static_cast<int>(s.seq_k),
+          static_cast<int>(seg.total_q)};
+}
 struct SeqRows {
   int q0, q_len, k0, k_len;  // first row (map coordinate) and length of the sequence's queries and keys
   int batch;                 // the maps' batch coordinate

@@ -364,7 +364,7 @@ struct AttentionBwdOp {
       uint64_t* counter = nullptr;
       if constexpr (kDeterministic) {  // the earlier adds are complete and visible to this one's TMA
         counter = p.dq_order + (int64_t(turn.batch) * p.heads + turn.head) * p.dq_blocks + m;
-        wait_count(counter, 2 * static_cast<uint64_t>(turn.key_block));
+        tile::wait_ge_bounded(counter, 2 * static_cast<uint64_t>(turn.key_block));
         ptx::fence_proxy_async_global();
       }
 #pragma unroll
@@ -377,32 +377,6 @@ struct AttentionBwdOp {
         asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
       }
     }
-  }
-  // Spins until *counter >= want (an acquire); traps after tile::kHangNs rather than hang. One asm block:
-  // a loop the compiler sees would make it keep the live accumulators out of the wgmma pipeline.
-  __device__ static void wait_count(const uint64_t* counter, uint64_t want) {
-    asm volatile(
-        "{\n"
-        " .reg .pred done, late;\n"
-        " .reg .u64 v, t0, t;\n"
-        " ld.acquire.gpu.global.u64 v, [%0];\n"
-        " setp.ge.u64 done, v, %1;\n"
-        " @done bra DONE;\n"
-        " mov.u64 t0, %%globaltimer;\n"
-        "WAIT:\n"
-        " nanosleep.u32 64;\n"
-        " ld.acquire.gpu.global.u64 v, [%0];\n"
-        " setp.ge.u64 done, v, %1;\n"
-        " @done bra DONE;\n"
-        " mov.u64 t, %%globaltimer;\n"
-        " sub.u64 t, t, t0;\n"
-        " setp.gt.u64 late, t, %2;\n"
-        " @late trap;\n"
-        " bra WAIT;\n"
-        "DONE:\n"
-        "}\n" ::"l"(counter),
-        "l"(want), "l"(tile::kHangNs)
-        : "memory");
   }
 };
 

@@ -79,4 +79,32 @@ __device__ __forceinline__ void mbarrier_wait_bounded(uint64_t* bar, uint32_t pa
       : "memory");
 }
 
+// Spins until *counter >= want (a gpu-scope acquire load), and like mbarrier_wait_bounded traps after
+// kHangNs. One asm block: a loop the compiler sees inside a kernel that holds wgmma accumulators made ptxas
+// spill them and serialise the kernel's wgmma.
+__device__ __forceinline__ void wait_ge_bounded(const uint64_t* counter, uint64_t want) {
+  asm volatile(
+      "{\n"
+      " .reg .pred done, late;\n"
+      " .reg .u64 v, t0, t;\n"
+      " ld.acquire.gpu.global.u64 v, [%0];\n"
+      " setp.ge.u64 done, v, %1;\n"
+      " @done bra DONE;\n"
+      " mov.u64 t0, %%globaltimer;\n"
+      "WAIT:\n"
+      " nanosleep.u32 64;\n"
+      " ld.acquire.gpu.global.u64 v, [%0];\n"
+      " setp.ge.u64 done, v, %1;\n"
+      " @done bra DONE;\n"
+      " mov.u64 t, %%globaltimer;\n"
+      " sub.u64 t, t, t0;\n"
+      " setp.gt.u64 late, t, %2;\n"
+      " @late trap;\n"
+      " bra WAIT;\n"
+      "DONE:\n"
+      "}\n" ::"l"(counter),
+      "l"(want), "l"(kHangNs)
+      : "memory");
+}
+
 }  // namespace weft::tile
