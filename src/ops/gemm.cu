@@ -23,6 +23,8 @@ struct Problem {
   BLayout b_layout;
   DType c_type;
   GemmOptions opt;
+  const int32_t* group_end = nullptr;  // grouped: the groups' row ends (device); m is the rows' capacity
+  int groups = 0;
 };
 
 std::string hex(const void* p) {
@@ -35,9 +37,8 @@ using ops::device_facts;
 using ops::DeviceFacts;
 
 // Plans (and, with a stream, launches) one problem with the GemmOp instantiation for these types.
-template <class OutT, bool kKMajor, int kCluster, int kTileN>
-Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
-  using Op = ops::GemmOp<OutT, kKMajor, kCluster, kTileN>;
+template <class Op, bool kKMajor, int kCluster>
+Plan run_op(const Problem& pr, cudaStream_t stream, bool launch) {
   using Mainloop = typename Op::Mainloop;
   using Epilogue = typename Op::Epilogue;
   using Launcher = lcsc::Launcher<Op>;
@@ -55,8 +56,8 @@ Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
   s.compute_blocks = clusters * kCluster;
 
   Plan plan;
-  plan.op = "gemm";
-  plan.path = "persistent GEMM";
+  plan.op = pr.groups ? "grouped_gemm" : "gemm";
+  plan.path = pr.groups ? "persistent grouped GEMM" : "persistent GEMM";
   plan.tiles = {Op::kBM, Op::kBN, Op::kBK, Op::kStages, s.group_m, int64_t(s.tiles_m) * s.tiles_n};
   plan.cluster = kCluster;
   plan.blocks = s.compute_blocks;
@@ -68,7 +69,7 @@ Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
   p.a = tma::make_map_2d(
       {pr.a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(pr.m), uint64_t(pr.k), uint64_t(pr.lda) * 2},
       Mainloop::kABoxRows, Mainloop::kABoxCols, "weft::gemm: A");
-  const uint64_t b_rows = kKMajor ? pr.n : pr.k, b_cols = kKMajor ? pr.k : pr.n;
+  const uint64_t b_rows = (kKMajor ? pr.n : pr.k) * std::max(1, pr.groups), b_cols = kKMajor ? pr.k : pr.n;
   p.b = tma::make_map_2d({pr.b, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, b_rows, b_cols, uint64_t(pr.ldb) * 2},
                          Mainloop::kBBoxRows, Mainloop::kBBoxCols, "weft::gemm: B");
   p.c = tma::make_map_2d({pr.c, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -77,8 +78,23 @@ Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
   p.k_blocks = static_cast<int>((pr.k + Op::kBK - 1) / Op::kBK);
   p.store_mode =
       pr.opt.store == GemmStore::kReduceAdd ? lcsc::StoreMode::kReduceAdd : lcsc::StoreMode::kStore;
+  if constexpr (requires { p.group_end; }) {
+    p.group_end = pr.group_end;
+    p.groups = pr.groups;
+    p.b_rows = static_cast<int>(kKMajor ? pr.n : pr.k);
+  }
   Launcher::launch(p, s.compute_blocks, stream);
   return plan;
+}
+
+template <class OutT, bool kKMajor, int kCluster, int kTileN>
+Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
+  if (pr.groups) {
+    if constexpr (kCluster == 1)
+      return run_op<ops::GroupedGemmOp<OutT, kKMajor, kTileN>, kKMajor, 1>(pr, stream, launch);
+    throw_error("weft::grouped_gemm runs with cluster 1 only");
+  }
+  return run_op<ops::GemmOp<OutT, kKMajor, kCluster, kTileN>, kKMajor, kCluster>(pr, stream, launch);
 }
 
 // The instantiations: 128 x 256 tiles with cluster 1 or 2, 128 x 128 tiles with cluster 1.
@@ -106,8 +122,24 @@ int auto_tile_n(int64_t m, int64_t n, int sms) {
 // instantiation and plans or launches.
 Plan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
   Problem pr = in;
-  const std::string where = "weft::gemm(M=" + std::to_string(pr.m) + ", N=" + std::to_string(pr.n) +
-                            ", K=" + std::to_string(pr.k) + "): ";
+  const std::string where = (pr.groups ? "weft::grouped_gemm(rows=" : "weft::gemm(M=") +
+                            std::to_string(pr.m) + ", N=" + std::to_string(pr.n) +
+                            ", K=" + std::to_string(pr.k) +
+                            (pr.groups ? ", groups=" + std::to_string(pr.groups) : std::string()) + "): ";
+  if (pr.groups || pr.group_end) {
+    WEFT_CHECK(pr.groups >= 1, where + "groups must be at least 1");
+    WEFT_CHECK(pr.m % 128 == 0, where + "rows (the capacity) must be a multiple of 128, the tile's rows");
+    WEFT_CHECK(pr.opt.cluster <= 1, where + "options.cluster must be 0 or 1");
+    WEFT_CHECK(pr.opt.lda == 0 && pr.opt.ldb == 0 && pr.opt.ldc == 0, where + "strides must be dense (0)");
+    WEFT_CHECK(pr.opt.store == GemmStore::kStore, where + "C is stored (no reduce-add)");
+    WEFT_CHECK(int64_t(pr.groups) * (pr.b_layout == BLayout::kNK ? pr.n : pr.k) <= INT32_MAX,
+               where + "B's rows (groups x N or K) past 2^31 - 1 are not supported");
+    if (launch) {
+      WEFT_CHECK(pr.group_end != nullptr, where + "group_end must not be null");
+      WEFT_CHECK(reinterpret_cast<uintptr_t>(pr.group_end) % 4 == 0,
+                 where + "group_end is not 4-byte aligned");
+    }
+  }
   const bool nk = pr.b_layout == BLayout::kNK;
   const GemmOptions& opt = pr.opt;
   WEFT_CHECK(pr.b_layout == BLayout::kNK || pr.b_layout == BLayout::kKN, where + "unknown B layout");
@@ -181,6 +213,12 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
 Plan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type, const GemmOptions& opt) {
   return dispatch(Problem{nullptr, nullptr, nullptr, m, n, k, 0, 0, 0, b_layout, c_type, opt}, nullptr,
                   false);
+}
+
+void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_end, int groups, int64_t rows,
+                  int64_t n, int64_t k, BLayout b_layout, DType c_type, cudaStream_t stream,
+                  const GemmOptions& opt) {
+  dispatch(Problem{a, b, c, rows, n, k, 0, 0, 0, b_layout, c_type, opt, group_end, groups}, stream, true);
 }
 
 }  // namespace weft

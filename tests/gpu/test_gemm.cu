@@ -247,6 +247,91 @@ std::string error_of(const std::function<void()>& f) {
 
 }  // namespace
 
+// Grouped GEMM: groups of rows (multiples of 128, some empty) each times its own B, against cuBLAS per
+// group; rows past the last group untouched (still the NaN poison); both B layouts, both outputs, K and N
+// that leave partial tiles (a K tail reads the next expert's B rows: they must meet zeros), several tiles per
+// block.
+WEFT_GPU_TEST_ONE_GPU(grouped_gemm_matches_cublas_per_group) {
+  Gpu g(ctx);
+  struct GroupedCase {
+    std::vector<int> sizes;
+    int64_t n, k;
+    int tile_n, max_blocks;
+  };
+  const std::vector<GroupedCase> cases = {
+      {{256, 0, 128, 384, 128}, 512, 256, 256, 0},
+      {{128, 128, 0, 0, 640}, 264, 200, 128, 3},
+      {{0, 1024, 128}, 1000, 1032, 256, 5},
+      {{128}, 64, 64, 128, 0},
+  };
+  uint64_t seed = 71;
+  for (const GroupedCase& gc : cases)
+    for (BLayout lay : {BLayout::kNK, BLayout::kKN})
+      for (DType out : {DType::kBF16, DType::kFP32}) {
+        const int groups = static_cast<int>(gc.sizes.size());
+        std::vector<int32_t> ends(groups);
+        int64_t last = 0;
+        for (int e = 0; e < groups; ++e) ends[e] = static_cast<int32_t>(last += gc.sizes[e]);
+        const int64_t rows = last + 128, n = gc.n, k = gc.k;  // 128 rows past the last group
+        const size_t es = out == DType::kFP32 ? 4 : 2;
+        DeviceBuffer a(uint64_t(rows) * k * 2), b(uint64_t(groups) * n * k * 2), c(uint64_t(rows) * n * es),
+            ref(uint64_t(std::max<int64_t>(last, 1)) * n * 4), dend(groups * 4);
+        fill_bf16(a.p, uint64_t(rows) * k, ++seed, g.stream);
+        fill_bf16(b.p, uint64_t(groups) * n * k, ++seed, g.stream);
+        WEFT_CUDA_CHECK(cudaMemsetAsync(c.p, 0xff, c.bytes, g.stream));
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(dend.p, ends.data(), groups * 4, cudaMemcpyHostToDevice, g.stream));
+        GemmOptions opt;
+        opt.tile_n = gc.tile_n;
+        opt.max_blocks = gc.max_blocks;
+        grouped_gemm(a.p, b.p, c.p, dend.as<int32_t>(), groups, rows, n, k, lay, out, g.stream, opt);
+        WEFT_CUDA_CHECK(cudaGetLastError());
+        for (int e = 0, lo = 0; e < groups; lo = ends[e++]) {
+          if (ends[e] == lo) continue;
+          const Shape s{ends[e] - lo, n, k};
+          reference(g.blas, static_cast<char*>(a.p) + int64_t(lo) * k * 2,
+                    static_cast<char*>(b.p) + int64_t(e) * n * k * 2, ref.as<float>() + int64_t(lo) * n, s,
+                    lay, k, lay == BLayout::kNK ? k : n);
+        }
+        std::string what = "grouped " + std::to_string(groups) + " groups, " + std::to_string(rows) +
+                           " rows, N " + std::to_string(n) + " K " + std::to_string(k) + " " + str(lay) +
+                           " -> " + str(out) + " tile_n " + std::to_string(gc.tile_n);
+        if (last > 0) {
+          const Verdict v = compare(c.p, out, n, ref.as<float>(), Shape{last, n, k}, g.stream);
+          WEFT_EXPECT(v.nonfinite == 0, what << ": " << v.nonfinite << " outputs are not finite");
+          WEFT_EXPECT(v.rel <= kTolerance, what << ": relative Frobenius error " << v.rel);
+          std::printf("    %s: rel err %.2e\n", what.c_str(), v.rel);
+        }
+        std::vector<unsigned char> tail(uint64_t(rows - last) * n * es);
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(tail.data(), static_cast<char*>(c.p) + uint64_t(last) * n * es,
+                                        tail.size(), cudaMemcpyDeviceToHost, g.stream));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+        size_t written = 0;
+        for (unsigned char x : tail) written += x != 0xff;
+        WEFT_EXPECT(written == 0, what << ": " << written << " bytes past the last group were written");
+      }
+  // Errors: a capacity that is not whole tiles, no groups, reduce-add.
+  DeviceBuffer buf(1 << 20);
+  const int32_t* ends = buf.as<int32_t>();
+  auto expect_error = [&](const std::function<void()>& f, const char* part) {
+    const std::string e = error_of(f);
+    WEFT_EXPECT(e.find(part) != std::string::npos,
+                "expected an error naming '" << part << "', got '" << e << "'");
+  };
+  expect_error(
+      [&] { grouped_gemm(buf.p, buf.p, buf.p, ends, 2, 200, 64, 64, BLayout::kNK, DType::kBF16, g.stream); },
+      "multiple of 128");
+  expect_error(
+      [&] { grouped_gemm(buf.p, buf.p, buf.p, ends, 0, 256, 64, 64, BLayout::kNK, DType::kBF16, g.stream); },
+      "groups must be at least 1");
+  GemmOptions add;
+  add.store = GemmStore::kReduceAdd;
+  expect_error(
+      [&] {
+        grouped_gemm(buf.p, buf.p, buf.p, ends, 2, 256, 64, 64, BLayout::kNK, DType::kBF16, g.stream, add);
+      },
+      "no reduce-add");
+}
+
 WEFT_GPU_TEST_ONE_GPU(gemm_matches_cublas_bf16_out) {
   run_sweep(ctx, DType::kBF16);
 }

@@ -53,8 +53,9 @@ struct WgmmaMainloop {
   static_assert(kBKMajor || BTile::kBlocks % kCluster == 0, "B column blocks split evenly over the cluster");
 
   // ---- loader: one thread. The k_blocks stages of the tile whose first element is (m0, n0). ----
+  // b_row0: B's first row (a grouped GEMM's expert in a stacked [E, N, K] or [E, K, N] tensor).
   __device__ static void load(Smem& s, Pipeline& pipe, PipeState& st, const CUtensorMap* a,
-                              const CUtensorMap* b, int m0, int n0, int k_blocks) {
+                              const CUtensorMap* b, int m0, int n0, int k_blocks, int b_row0 = 0) {
     const uint32_t rank = kCluster > 1 ? tile::cluster_ctarank() : 0u;
     constexpr uint16_t kAll = static_cast<uint16_t>((1u << kCluster) - 1u);
     for (int kb = 0; kb < k_blocks; ++kb) {
@@ -66,18 +67,19 @@ struct WgmmaMainloop {
         constexpr int kRows = kBN / kCluster;
         uint8_t* dst = stage.b.bytes + rank * kRows * tile::kSwizzleBytes;
         if constexpr (kCluster == 1)
-          tma::load_2d(dst, b, k0, n0, full);
+          tma::load_2d(dst, b, k0, b_row0 + n0, full);
         else
-          tma::load_2d_multicast(dst, b, k0, n0 + static_cast<int>(rank) * kRows, full, kAll);
+          tma::load_2d_multicast(dst, b, k0, b_row0 + n0 + static_cast<int>(rank) * kRows, full, kAll);
       } else {
         constexpr int kPerCta = BTile::kBlocks / kCluster;
 #pragma unroll
         for (int i = 0; i < kPerCta; ++i) {
           const int blk = static_cast<int>(rank) * kPerCta + i;
           if constexpr (kCluster == 1)
-            tma::load_2d(stage.b.block(blk), b, n0 + blk * BTile::kBlockCols, k0, full);
+            tma::load_2d(stage.b.block(blk), b, n0 + blk * BTile::kBlockCols, b_row0 + k0, full);
           else
-            tma::load_2d_multicast(stage.b.block(blk), b, n0 + blk * BTile::kBlockCols, k0, full, kAll);
+            tma::load_2d_multicast(stage.b.block(blk), b, n0 + blk * BTile::kBlockCols, b_row0 + k0, full,
+                                   kAll);
         }
       }
       st.advance(kStages);

@@ -78,4 +78,43 @@ struct GemmOp {
   __device__ static void finish(const Params&, Smem&, int, StoreState& es) { Epilogue::finish(es); }
 };
 
+// Grouped GEMM (an MoE layer's experts): rows of A come in groups laid out back to back, group e being
+// rows [group_end[e - 1], group_end[e]) (device int32, each end a multiple of kBM), and C's rows of group e
+// = A's rows of group e times B_e, B stacked [E, N, K] (kBKMajor) or [E, K, N]. The tiles are the GEMM's
+// over the rows' capacity; a tile past the last group's end is skipped by the loader and the consumers
+// alike (both read the same end), a tile's group found by the loader thread's scan of group_end. A
+// K-tail block reads the next expert's first rows of B, which meet A's zero-filled columns: zeros.
+template <class OutT, bool kBKMajor, int kTileN = 256>
+struct GroupedGemmOp : GemmOp<OutT, kBKMajor, 1, kTileN> {
+  using Base = GemmOp<OutT, kBKMajor, 1, kTileN>;
+  using Base::kBM, Base::kBN;
+  using typename Base::Accum, typename Base::Mainloop, typename Base::Epilogue, typename Base::Pipeline,
+      typename Base::Smem, typename Base::StoreState;
+
+  struct Params : Base::Params {
+    const int32_t* group_end;  // [groups], device
+    int groups;
+    int b_rows;  // rows of one expert's B: N (kBKMajor) or K
+  };
+
+  __device__ static bool skipped(const Params& p, int m0) { return m0 >= __ldg(p.group_end + p.groups - 1); }
+  __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                              const lcsc::Tile& t) {
+    const int m0 = t.m * kBM;
+    int e = 0;
+    while (e < p.groups && __ldg(p.group_end + e) <= m0) ++e;
+    if (e == p.groups) return;
+    if (__ldg(p.group_end + e) % kBM != 0) __trap();  // group ends must be whole tiles (see the header)
+    Mainloop::load(s.main, pipe, st, &p.a, &p.b, m0, t.n * kBN, p.k_blocks, e * p.b_rows);
+  }
+  __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                                 const lcsc::Tile& t, int wg, Accum& acc) {
+    if (!skipped(p, t.m * kBM)) Mainloop::mma(s.main, pipe, st, p.k_blocks, wg, acc);
+  }
+  __device__ static void store(const Params& p, Smem& s, const lcsc::Tile& t, int wg, const Accum& acc,
+                               StoreState& es) {
+    if (!skipped(p, t.m * kBM)) Base::store(p, s, t, wg, acc, es);
+  }
+};
+
 }  // namespace weft::ops

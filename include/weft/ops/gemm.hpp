@@ -49,4 +49,15 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
 Plan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type,
                const GemmOptions& options = {});
 
+// Grouped GEMM (an MoE layer's experts on one GPU): A's rows come in `groups` groups back to back, group e
+// being rows [group_end[e - 1], group_end[e]) (group_end: device int32 array, ascending, every end a multiple
+// of 128, e.g. the dispatch's rows padded per expert), and C's rows of group e = A's rows of group e times
+// B_e. b is [groups, N, K] (b_layout kNK: nn.Linear weights) or [groups, K, N] (kKN), bf16, dense. `rows` is
+// A's and C's row count (a multiple of 128, at least the last group's end); rows past that end are left as
+// they are. The counts stay on the GPU: nothing synchronises. An end that is not a multiple of 128 traps
+// the kernel. options: tile_n and max_blocks as for gemm; cluster 1, dense strides, store only.
+void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_end, int groups, int64_t rows,
+                  int64_t n, int64_t k, BLayout b_layout, DType c_type, cudaStream_t stream,
+                  const GemmOptions& options = {});
+
 }  // namespace weft
