@@ -21,24 +21,6 @@ struct Buffer {
   ~Buffer() { cudaFree(p); }
 };
 
-// Median of `iters` calls, each timed alone with its own pair of events, after 3 warm-up calls.
-template <class F>
-float median_ms(F&& call, int iters, cudaStream_t stream) {
-  for (int i = 0; i < 3; ++i) call();
-  std::vector<cudaEvent_t> ev(iters + 1);
-  for (auto& e : ev) WEFT_CUDA_CHECK(cudaEventCreate(&e));
-  WEFT_CUDA_CHECK(cudaEventRecord(ev[0], stream));
-  for (int i = 0; i < iters; ++i) {
-    call();
-    WEFT_CUDA_CHECK(cudaEventRecord(ev[i + 1], stream));
-  }
-  WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<float> ms(iters);
-  for (int i = 0; i < iters; ++i) WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
-  for (auto& e : ev) cudaEventDestroy(e);
-  return median(ms);
-}
-
 void run_attention(Context& ctx) {
   WEFT_CUDA_CHECK(cudaSetDevice(0));
   cudaDeviceProp prop{};
@@ -90,9 +72,9 @@ void run_attention(Context& ctx) {
         };
         const double flops = 4.0 * b * hd.h * double(s) * s * hd.d * (causal ? 0.5 : 1.0);
         const int iters = ctx.quick ? 10 : 30;
-        const float med = median_ms(forward, iters, stream);
-        const float bwd = median_ms(backward, iters, stream);
-        const float bwd_det = median_ms(backward_det, iters, stream);
+        const float med = median_call_ms(forward, iters, stream);
+        const float bwd = median_call_ms(backward, iters, stream);
+        const float bwd_det = median_call_ms(backward_det, iters, stream);
         t.add({std::to_string(b), std::to_string(s), fmt("%lld / %lld", (long long)hd.h, (long long)hd.kv),
                std::to_string(hd.d), causal ? "yes" : "no", fmt("%.3f", med),
                fmt("%.1f", flops / (med * 1e9)), fmt("%.3f", bwd), fmt("%.1f", 2.5 * flops / (bwd * 1e9)),

@@ -213,4 +213,20 @@ double time_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams,
   return time_graphs_alternating(comm, streams, iters, reps, {enqueue})[0];
 }
 
+float median_call_ms(const std::function<void()>& call, int iters, cudaStream_t stream) {
+  for (int i = 0; i < 3; ++i) call();
+  std::vector<cudaEvent_t> ev(iters + 1);
+  for (auto& e : ev) WEFT_CUDA_CHECK(cudaEventCreate(&e));
+  WEFT_CUDA_CHECK(cudaEventRecord(ev[0], stream));
+  for (int i = 0; i < iters; ++i) {
+    call();
+    WEFT_CUDA_CHECK(cudaEventRecord(ev[i + 1], stream));
+  }
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<float> ms(iters);
+  for (int i = 0; i < iters; ++i) WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
+  for (auto& e : ev) cudaEventDestroy(e);
+  return median(ms);
+}
+
 }  // namespace weft::bench

@@ -102,6 +102,9 @@ std::string human_bytes(uint64_t b);
 // n bf16 values uniform in [-1, 1) from `seed` (bench/random.cu), queued on `stream`.
 void fill_uniform_bf16(void* p, uint64_t n, uint64_t seed, cudaStream_t stream);
 float median(std::vector<float> v);
+// One GPU, one stream: the median of `iters` calls of `call`, each timed alone with its own pair of events,
+// after 3 warm-up calls (ms).
+float median_call_ms(const std::function<void()>& call, int iters, cudaStream_t stream);
 // Captures `iters` calls per local GPU (enqueue(k) enqueues call k on every local GPU) into one CUDA graph
 // per GPU, replays it `reps` times after a warm-up, returns the slowest local rank's median time per call in
 // us.

@@ -19,23 +19,6 @@ struct Mem {
   ~Mem() { cudaFree(p); }
 };
 
-template <class F>
-float time_median_ms(F&& call, int iters, cudaStream_t stream) {
-  for (int i = 0; i < 3; ++i) call();
-  std::vector<cudaEvent_t> ev(iters + 1);
-  for (auto& e : ev) WEFT_CUDA_CHECK(cudaEventCreate(&e));
-  WEFT_CUDA_CHECK(cudaEventRecord(ev[0], stream));
-  for (int i = 0; i < iters; ++i) {
-    call();
-    WEFT_CUDA_CHECK(cudaEventRecord(ev[i + 1], stream));
-  }
-  WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<float> ms(iters);
-  for (int i = 0; i < iters; ++i) WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
-  for (auto& e : ev) cudaEventDestroy(e);
-  return median(ms);
-}
-
 void run_grouped_gemm(Context& ctx) {
   WEFT_CUDA_CHECK(cudaSetDevice(0));
   cudaStream_t stream = nullptr;
@@ -51,7 +34,8 @@ void run_grouped_gemm(Context& ctx) {
     int experts, rows;
     int64_t k, n;
   };
-  for (const Shape& s : {Shape{32, 1024, 7168, 4096}, Shape{32, 1024, 2048, 7168}, Shape{2, 8192, 4096, 28672}})
+  for (const Shape& s :
+       {Shape{32, 1024, 7168, 4096}, Shape{32, 1024, 2048, 7168}, Shape{2, 8192, 4096, 28672}})
     for (BLayout lay : {BLayout::kNK, BLayout::kKN}) {
       const int64_t rows = int64_t(s.experts) * s.rows;
       Mem a(rows * s.k * 2), b(int64_t(s.experts) * s.k * s.n * 2), c(rows * s.n * 2), ends(s.experts * 4);
@@ -61,18 +45,19 @@ void run_grouped_gemm(Context& ctx) {
       for (int i = 0; i < s.experts; ++i) e[i] = (i + 1) * s.rows;
       WEFT_CUDA_CHECK(cudaMemcpyAsync(ends.p, e.data(), e.size() * 4, cudaMemcpyHostToDevice, stream));
       auto grouped = [&] {
-        grouped_gemm(a.p, b.p, c.p, static_cast<int32_t*>(ends.p), s.experts, rows, s.n, s.k, lay, DType::kBF16,
-                     stream);
+        grouped_gemm(a.p, b.p, c.p, static_cast<int32_t*>(ends.p), s.experts, rows, s.n, s.k, lay,
+                     DType::kBF16, stream);
       };
       const float alpha = 1.f, beta = 0.f;
       auto dense = [&] {
         cublasGemmEx(blas, lay == BLayout::kNK ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, int(s.n), int(rows),
-                     int(s.k), &alpha, b.p, CUDA_R_16BF, int(lay == BLayout::kNK ? s.k : s.n), a.p, CUDA_R_16BF,
-                     int(s.k), &beta, c.p, CUDA_R_16BF, int(s.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+                     int(s.k), &alpha, b.p, CUDA_R_16BF, int(lay == BLayout::kNK ? s.k : s.n), a.p,
+                     CUDA_R_16BF, int(s.k), &beta, c.p, CUDA_R_16BF, int(s.n), CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT);
       };
       const int iters = ctx.quick ? 10 : 30;
-      const float ms = time_median_ms(grouped, iters, stream);
-      const float dense_ms = time_median_ms(dense, iters, stream);
+      const float ms = median_call_ms(grouped, iters, stream);
+      const float dense_ms = median_call_ms(dense, iters, stream);
       const double flops = 2.0 * rows * s.n * s.k;
       t.add({std::to_string(s.experts), std::to_string(s.rows), std::to_string(s.k), std::to_string(s.n),
              lay == BLayout::kNK ? "nk" : "kn", fmt("%.3f", ms), fmt("%.1f", flops / (ms * 1e9)),
@@ -85,7 +70,8 @@ void run_grouped_gemm(Context& ctx) {
   cudaStreamDestroy(stream);
 }
 
-ModeRegistrar reg("grouped_gemm", "weft grouped GEMM (MoE experts) on GPU 0 vs cuBLAS dense of the same FLOPs",
+ModeRegistrar reg("grouped_gemm",
+                  "weft grouped GEMM (MoE experts) on GPU 0 vs cuBLAS dense of the same FLOPs",
                   &run_grouped_gemm, 1);
 
 }  // namespace
