@@ -187,4 +187,29 @@ inline RingCall ring_call_of(const RingStep& step) {
   return call;
 }
 
+// Attention over all-gathered K / V (context parallelism without a ring): every rank gathers the whole
+// sequence's K / V in natural order (the packed documents back to back, ring_tokens' positions), then runs
+// one attention call of its own query rows against it. Per document, each query part meets one contiguous
+// key range: the document's keys up to the part's last position under a bottom-right causal mask (the part's
+// first query sits part_begin keys in), or the whole document without a mask. Query ranges are rank r's
+// local rows, key ranges rows of the gathered sequence.
+inline RingCall gathered_call_of(const RingLayout& L, int r) {
+  RingCall call;
+  call.causal = L.zigzag;
+  int64_t doc_start = 0;
+  for (int d = 0; d < static_cast<int>(L.doc_length.size()); ++d) {
+    if (L.zigzag) {
+      for (int c : L.parts_of(r)) {
+        const int64_t q = L.local_row(r, d, c), n = L.part_length(d, c);
+        if (n > 0) call.segments.push_back({q, q + n, doc_start, doc_start + L.part_begin(d, c) + n});
+      }
+    } else {
+      const int64_t q = L.doc_row[r][d], n = L.doc_row[r][d + 1] - q;
+      if (n > 0) call.segments.push_back({q, q + n, doc_start, doc_start + L.doc_length[d]});
+    }
+    doc_start += L.doc_length[d];
+  }
+  return call;
+}
+
 }  // namespace weft::ops

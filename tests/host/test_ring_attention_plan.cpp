@@ -169,6 +169,51 @@ TEST(RingAttentionPlan, EachStepIsOneCall) {
       }
 }
 
+// Attention over all-gathered K / V (gathered_call_of): over all ranks, every (query token, key token) pair
+// of attention over the whole sequence is computed exactly once, under each call's one mask.
+TEST(RingAttentionPlan, GatheredCallsCoverEveryPairOnce) {
+  std::mt19937 g(5);
+  for (int W : {1, 2, 3, 4, 8})
+    for (bool causal : {false, true})
+      for (int trial = 0; trial < 6; ++trial) {
+        std::vector<int64_t> docs;
+        const int n = 1 + static_cast<int>(g() % 4);
+        for (int d = 0; d < n; ++d) docs.push_back(static_cast<int64_t>(g() % 40));
+        const RingLayout L = weft::ops::ring_layout(docs, W, causal);
+        int64_t total = 0;
+        std::vector<int> doc_of, pos_of;
+        for (size_t d = 0; d < docs.size(); ++d)
+          for (int64_t i = 0; i < docs[d]; ++i, ++total) {
+            doc_of.push_back(static_cast<int>(d));
+            pos_of.push_back(static_cast<int>(i));
+          }
+        std::vector<int> count(total * total, 0);
+        for (int r = 0; r < W; ++r) {
+          const std::vector<int64_t> tokens = weft::ops::ring_tokens(L, r);
+          const weft::ops::RingCall call = weft::ops::gathered_call_of(L, r);
+          EXPECT_EQ(call.causal, causal);
+          for (size_t x = 0; x < call.segments.size(); ++x) {
+            const weft::ops::RingSegment& seg = call.segments[x];
+            if (x > 0) EXPECT_GE(seg.q_begin, call.segments[x - 1].q_end) << "query ranges overlap";
+            ASSERT_LE(seg.q_end, static_cast<int64_t>(tokens.size()));
+            ASSERT_LE(seg.k_end, total);
+            const int64_t ql = seg.q_end - seg.q_begin, kl = seg.k_end - seg.k_begin;
+            ASSERT_GE(kl, causal ? ql : 0);
+            for (int64_t i = 0; i < ql; ++i)
+              for (int64_t j = 0; j < kl; ++j)
+                if (!call.causal || j <= i + kl - ql)
+                  ++count[tokens[seg.q_begin + i] * total + seg.k_begin + j];
+          }
+        }
+        for (int64_t q = 0; q < total; ++q)
+          for (int64_t k = 0; k < total; ++k) {
+            const bool sees = doc_of[q] == doc_of[k] && (!causal || pos_of[k] <= pos_of[q]);
+            ASSERT_EQ(count[q * total + k], sees ? 1 : 0)
+                << "query " << q << " key " << k << ", W " << W << (causal ? " causal" : "");
+          }
+      }
+}
+
 TEST(RingAttentionPlan, Errors) {
   EXPECT_THROW(weft::ops::ring_layout({8}, 0, true), std::invalid_argument);
   EXPECT_THROW(weft::ops::ring_layout({}, 2, true), std::invalid_argument);
