@@ -133,6 +133,14 @@ TEST(RingAttentionPlan, ZigzagKeepsEveryStepEven) {
     }
 }
 
+// One to four documents of 0..39 tokens.
+static std::vector<int64_t> random_documents(std::mt19937& g) {
+  std::vector<int64_t> docs;
+  const int n = 1 + static_cast<int>(g() % 4);
+  for (int d = 0; d < n; ++d) docs.push_back(static_cast<int64_t>(g() % 40));
+  return docs;
+}
+
 // Each step as one attention call (ring_call_of): the pairs the call's segments see under its one mask
 // (bottom-right causal per segment, as the attention kernel applies it) are exactly the step's blocks'.
 TEST(RingAttentionPlan, EachStepIsOneCall) {
@@ -140,9 +148,7 @@ TEST(RingAttentionPlan, EachStepIsOneCall) {
   for (int W : {1, 2, 3, 4, 8})
     for (bool causal : {false, true})
       for (int trial = 0; trial < 6; ++trial) {
-        std::vector<int64_t> docs;
-        const int n = 1 + static_cast<int>(g() % 4);
-        for (int d = 0; d < n; ++d) docs.push_back(static_cast<int64_t>(g() % 40));
+        const std::vector<int64_t> docs = random_documents(g);
         const RingLayout L = weft::ops::ring_layout(docs, W, causal);
         for (int r = 0; r < W; ++r) {
           const std::vector<RingStep> steps = weft::ops::ring_schedule_of(L, r);
@@ -176,9 +182,7 @@ TEST(RingAttentionPlan, GatheredCallsCoverEveryPairOnce) {
   for (int W : {1, 2, 3, 4, 8})
     for (bool causal : {false, true})
       for (int trial = 0; trial < 6; ++trial) {
-        std::vector<int64_t> docs;
-        const int n = 1 + static_cast<int>(g() % 4);
-        for (int d = 0; d < n; ++d) docs.push_back(static_cast<int64_t>(g() % 40));
+        const std::vector<int64_t> docs = random_documents(g);
         const RingLayout L = weft::ops::ring_layout(docs, W, causal);
         int64_t total = 0;
         std::vector<int> doc_of, pos_of;
