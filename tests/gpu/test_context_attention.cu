@@ -1,0 +1,170 @@
+// GPU test of weft::context_attention_forward on a team (real or virtual ranks): a packed sequence of
+// documents sharded in ring attention's layout (zigzag when causal), every rank's output and LSE against
+// weft's single-GPU attention over the whole packed sequence on the same data (the same kernel, the same key
+// blocks from each document's start: per row the same arithmetic, so the two agree to rounding or exactly);
+// outputs poisoned first, NaN never passes; odd lengths, an empty document, GQA, both head dims.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <memory>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ops/ring_attention_plan.hpp"
+#include "harness.hpp"
+#include "weft/ops/attention.hpp"
+#include "weft/ops/context_attention.hpp"
+
+using namespace weft;
+using weft::test::DeviceBuffer;
+using weft::test::TestContext;
+
+namespace {
+
+std::vector<__nv_bfloat16> random_rows(size_t n, uint64_t seed) {
+  std::vector<__nv_bfloat16> v(n);
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (auto& x : v) x = __float2bfloat16(u(g));
+  return v;
+}
+
+struct CpCase {
+  std::vector<int64_t> docs;
+  int64_t heads, kv_heads, dim;
+  bool causal;
+};
+
+std::string run_cp_case(Communicator& c, const CpCase& cc, uint64_t seed) {
+  const int W = c.world();
+  int64_t total = 0;
+  for (int64_t d : cc.docs) total += d;
+  const int64_t H = cc.heads, KV = cc.kv_heads, D = cc.dim;
+  const auto q = random_rows(total * H * D, seed), k = random_rows(total * KV * D, seed + 1),
+             v = random_rows(total * KV * D, seed + 2);
+  const ops::RingLayout L = ops::ring_layout(cc.docs, W, cc.causal);
+  std::string failures;
+  // Shard, run on every rank, compare.
+  std::vector<std::vector<int64_t>> tokens(W);
+  for (int r = 0; r < W; ++r) tokens[r] = ops::ring_tokens(L, r);
+  struct Local {
+    DeviceBuffer q, k, v, out, lse, ws;
+    Local(int64_t n, int64_t H, int64_t KV, int64_t D, size_t ws_bytes)
+        : q(n * H * D * 2),
+          k(n * KV * D * 2),
+          v(n * KV * D * 2),
+          out(n * H * D * 2),
+          lse(n * H * 4),
+          ws(ws_bytes) {}
+  };
+  std::vector<std::unique_ptr<Local>> local;
+  const size_t ws_bytes = context_attention_workspace_bytes(W, cc.docs, cc.causal, KV, D);
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    const std::vector<int64_t>& t = tokens[rank.rank()];
+    const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(t.size()));
+    auto l = std::make_unique<Local>(n, H, KV, D, ws_bytes);
+    std::vector<__nv_bfloat16> lq(n * H * D), lk(n * KV * D), lv(n * KV * D);
+    for (size_t x = 0; x < t.size(); ++x) {
+      std::copy_n(&q[t[x] * H * D], H * D, &lq[x * H * D]);
+      std::copy_n(&k[t[x] * KV * D], KV * D, &lk[x * KV * D]);
+      std::copy_n(&v[t[x] * KV * D], KV * D, &lv[x * KV * D]);
+    }
+    weft::test::upload(c, i, l->q.p, lq.data(), l->q.bytes);
+    weft::test::upload(c, i, l->k.p, lk.data(), l->k.bytes);
+    weft::test::upload(c, i, l->v.p, lv.data(), l->v.bytes);
+    weft::test::poison(c, i, l->out.p, l->out.bytes);
+    weft::test::poison(c, i, l->lse.p, l->lse.bytes);
+    local.push_back(std::move(l));
+  }
+  c.host_barrier();
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    AttentionOptions o;
+    o.causal = cc.causal;
+    context_attention_forward(c, rank, local[i]->q.p, local[i]->k.p, local[i]->v.p, local[i]->out.p,
+                              local[i]->lse.as<float>(), cc.docs, H, KV, D, local[i]->ws.p, ws_bytes,
+                              DType::kBF16, nullptr, o);
+  }
+  c.synchronize();
+  // The reference, on local rank 0's GPU (every process computes the same).
+  WEFT_CUDA_CHECK(cudaSetDevice(c.local(0).device()));
+  std::vector<__nv_bfloat16> ref(total * H * D);
+  std::vector<float> ref_lse(total * H);
+  {
+    std::vector<int32_t> cu(1, 0);
+    for (int64_t d : cc.docs) cu.push_back(static_cast<int32_t>(cu.back() + d));
+    DeviceBuffer dq(total * H * D * 2), dk(total * KV * D * 2), dv(total * KV * D * 2),
+        dout(total * H * D * 2), dlse(total * H * 4), dcu(cu.size() * 4);
+    WEFT_CUDA_CHECK(cudaMemcpy(dq.p, q.data(), dq.bytes, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpy(dk.p, k.data(), dk.bytes, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpy(dv.p, v.data(), dv.bytes, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpy(dcu.p, cu.data(), dcu.bytes, cudaMemcpyHostToDevice));
+    AttentionOptions o;
+    o.causal = cc.causal;
+    const int32_t* cup = dcu.as<int32_t>();
+    o.segments = varlen_segments(cup, cup, total, total);
+    const int64_t longest = *std::max_element(cc.docs.begin(), cc.docs.end());
+    flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(),
+                            AttentionShape{int64_t(cc.docs.size()), longest, longest, H, KV, D}, DType::kBF16,
+                            nullptr, o);
+    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+    WEFT_CUDA_CHECK(cudaMemcpy(ref.data(), dout.p, dout.bytes, cudaMemcpyDeviceToHost));
+    WEFT_CUDA_CHECK(cudaMemcpy(ref_lse.data(), dlse.p, dlse.bytes, cudaMemcpyDeviceToHost));
+  }
+  for (int i = 0; i < c.num_local(); ++i) {
+    const int r = c.local(i).rank();
+    const std::vector<int64_t>& t = tokens[r];
+    const int64_t n = static_cast<int64_t>(t.size());
+    std::vector<__nv_bfloat16> got(std::max<int64_t>(n, 1) * H * D);
+    std::vector<float> got_lse(std::max<int64_t>(n, 1) * H);
+    weft::test::download(c, i, got.data(), local[i]->out.p, got.size() * 2);
+    weft::test::download(c, i, got_lse.data(), local[i]->lse.p, got_lse.size() * 4);
+    double worst = 0, worst_lse = 0;
+    int64_t bad = 0;
+    for (int64_t x = 0; x < n; ++x)
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t d = 0; d < D; ++d) {
+          const double a = __bfloat162float(got[(x * H + h) * D + d]),
+                       b = __bfloat162float(ref[(t[x] * H + h) * D + d]);
+          const double e = std::isfinite(a) ? std::abs(a - b) : 1e30;
+          worst = std::max(worst, e);
+          bad += !(e <= 1e-3 + 1e-3 * std::abs(b));
+        }
+        const double a = got_lse[h * n + x], b = ref_lse[h * total + t[x]];
+        const double e = a == b ? 0.0 : (std::isfinite(a) ? std::abs(a - b) : 1e30);
+        worst_lse = std::max(worst_lse, e);
+        bad += !(e <= 1e-4 * (1 + std::abs(b)));
+      }
+    std::string docs;
+    for (int64_t d : cc.docs) docs += std::to_string(d) + " ";
+    std::fprintf(stderr, "  rank %d/%d docs %sH=%lld/%lld D=%lld%s: max |O diff| %.2e, max |LSE diff| %.2e\n",
+                 r, W, docs.c_str(), (long long)H, (long long)KV, (long long)D, cc.causal ? " causal" : "",
+                 worst, worst_lse);
+    if (bad)
+      failures += "\n    rank " + std::to_string(r) + " docs " + docs + (cc.causal ? "causal" : "") + ": " +
+                  std::to_string(bad) + " values differ from single-GPU attention";
+  }
+  return failures;
+}
+
+}  // namespace
+
+WEFT_GPU_TEST(context_attention_matches_single_gpu) {
+  Communicator& c = ctx.comm();
+  std::vector<CpCase> cases = {
+      {{1000}, 4, 2, 128, true},
+      {{1000}, 4, 4, 64, false},
+      {{300, 0, 17, 777}, 8, 2, 64, true},
+      {{129, 64, 1}, 2, 1, 128, false},
+  };
+  if (!ctx.quick) cases.push_back({{4099, 2000}, 4, 1, 128, true});
+  std::string failures;
+  uint64_t seed = 501;
+  for (const CpCase& cc : cases) failures += run_cp_case(c, cc, seed += 10);
+  WEFT_EXPECT(failures.empty(), failures);
+}
