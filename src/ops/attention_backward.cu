@@ -97,8 +97,17 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.dout = ops::map_rows(c.dout, sh, seg, false, sh.heads, Op::kBM, c.where + "dout", dtype);
   p.k = ops::map_rows(c.k, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "k", dtype);
   p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v", dtype);
-  p.dk = ops::map_rows(c.dk, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dk", dtype);
-  p.dv = ops::map_rows(c.dv, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dv", dtype);
+  const AttentionGradAccumulate& grads = c.options.accumulate_grads;
+  if (grads.enabled()) {  // fp32 maps of the accumulators: dK / dV reduce-added
+    p.dk = ops::map_rows(grads.dk, sh, seg, true, sh.kv_heads, Op::kBM, c.where + "accumulate_grads.dk",
+                         DType::kFP32);
+    p.dv = ops::map_rows(grads.dv, sh, seg, true, sh.kv_heads, Op::kBM, c.where + "accumulate_grads.dv",
+                         DType::kFP32);
+    p.dkv_fp32 = 1;
+  } else {
+    p.dk = ops::map_rows(c.dk, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dk", dtype);
+    p.dv = ops::map_rows(c.dv, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dv", dtype);
+  }
   p.dq_accum =
       ops::map_rows(accum, sh, seg, false, sh.heads, Op::kBM, c.where + "workspace (dQ)", DType::kFP32);
   // The per-row terms: 2-D {term rows, heads} maps, boxes of a query block's rows.
@@ -151,14 +160,19 @@ Plan by_type(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
 Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   const ops::DeviceFacts dev = ops::check_attention_call(c.shape, dtype, c.options, c.where);
   if (launch) {
+    const AttentionGradAccumulate& grads = c.options.accumulate_grads;
+    WEFT_CHECK(grads.enabled() == (grads.dv != nullptr),
+               c.where + "options.accumulate_grads needs both dk and dv (fp32 accumulators)");
+    const void* dk = grads.enabled() ? static_cast<const void*>(grads.dk) : c.dk;
+    const void* dv = grads.enabled() ? static_cast<const void*>(grads.dv) : c.dv;
     for (auto [p, name] : {std::pair<const void*, const char*>{c.q, "q"},
                            {c.k, "k"},
                            {c.v, "v"},
                            {c.out, "out"},
                            {c.dout, "dout"},
                            {c.dq, "dq"},
-                           {c.dk, "dk"},
-                           {c.dv, "dv"}}) {
+                           {dk, grads.enabled() ? "accumulate_grads.dk" : "dk"},
+                           {dv, grads.enabled() ? "accumulate_grads.dv" : "dv"}}) {
       ops::check_pointer_alignment(p, name, 16, c.where);
       ops::check_device_memory(p, name, dev.device, c.where);
     }

@@ -1,8 +1,8 @@
-// GPU test of weft::context_attention_forward on a team (real or virtual ranks): a packed sequence of
-// documents sharded in ring attention's layout (zigzag when causal), every rank's output and LSE against
-// weft's single-GPU attention over the whole packed sequence on the same data (the same kernel, the same key
-// blocks from each document's start: per row the same arithmetic, so the two agree to rounding or exactly);
-// outputs poisoned first, NaN never passes; odd lengths, an empty document, GQA, both head dims.
+// GPU test of weft::context_attention_forward and _backward on a team (real or virtual ranks): a packed
+// sequence of documents sharded in ring attention's layout (zigzag when causal), every rank's output and LSE
+// against weft's single-GPU attention over the whole packed sequence on the same data (the same kernel, the
+// same key blocks from each document's start: per row the same arithmetic, so the two agree to rounding or
+// exactly); outputs poisoned first, NaN never passes; odd lengths, an empty document, GQA, both head dims.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -148,6 +148,100 @@ std::string run_cp_case(Communicator& c, const CpCase& cc, uint64_t seed) {
     if (bad)
       failures += "\n    rank " + std::to_string(r) + " docs " + docs + (cc.causal ? "causal" : "") + ": " +
                   std::to_string(bad) + " values differ from single-GPU attention";
+  }
+  if (!failures.empty()) return failures;
+
+  // Backward: each rank's dq, dk, dv against the single-GPU backward over the whole sequence (dQ and the
+  // team's fp32 sums of dK / dV come in another order: agreement to bf16 rounding).
+  const auto go = random_rows(total * H * D, seed + 3);
+  std::vector<__nv_bfloat16> ref_dq(total * H * D), ref_dk(total * KV * D), ref_dv(total * KV * D);
+  {
+    WEFT_CUDA_CHECK(cudaSetDevice(c.local(0).device()));
+    std::vector<int32_t> cu(1, 0);
+    for (int64_t d : cc.docs) cu.push_back(static_cast<int32_t>(cu.back() + d));
+    DeviceBuffer dq(total * H * D * 2), dk(total * KV * D * 2), dv(total * KV * D * 2),
+        dout(total * H * D * 2), dgo(total * H * D * 2), dlse(total * H * 4), dcu(cu.size() * 4),
+        gq(total * H * D * 2), gk(total * KV * D * 2), gv(total * KV * D * 2);
+    WEFT_CUDA_CHECK(cudaMemcpy(dq.p, q.data(), dq.bytes, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpy(dk.p, k.data(), dk.bytes, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpy(dv.p, v.data(), dv.bytes, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpy(dgo.p, go.data(), dgo.bytes, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpy(dcu.p, cu.data(), dcu.bytes, cudaMemcpyHostToDevice));
+    AttentionOptions o;
+    o.causal = cc.causal;
+    const int32_t* cup = dcu.as<int32_t>();
+    o.segments = varlen_segments(cup, cup, total, total);
+    const int64_t longest = *std::max_element(cc.docs.begin(), cc.docs.end());
+    const AttentionShape shape{int64_t(cc.docs.size()), longest, longest, H, KV, D};
+    DeviceBuffer ws(flash_attention_backward_workspace_bytes(shape, o));
+    flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape, DType::kBF16, nullptr, o);
+    flash_attention_backward(dq.p, dk.p, dv.p, dout.p, dgo.p, dlse.as<float>(), gq.p, gk.p, gv.p, ws.p,
+                             ws.bytes, shape, DType::kBF16, nullptr, o);
+    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+    WEFT_CUDA_CHECK(cudaMemcpy(ref_dq.data(), gq.p, gq.bytes, cudaMemcpyDeviceToHost));
+    WEFT_CUDA_CHECK(cudaMemcpy(ref_dk.data(), gk.p, gk.bytes, cudaMemcpyDeviceToHost));
+    WEFT_CUDA_CHECK(cudaMemcpy(ref_dv.data(), gv.p, gv.bytes, cudaMemcpyDeviceToHost));
+  }
+  struct Grads {
+    DeviceBuffer go, dq, dk, dv, ws;
+    Grads(int64_t n, int64_t H, int64_t KV, int64_t D, size_t ws_bytes)
+        : go(n * H * D * 2), dq(n * H * D * 2), dk(n * KV * D * 2), dv(n * KV * D * 2), ws(ws_bytes) {}
+  };
+  const size_t bws_bytes = context_attention_backward_workspace_bytes(W, cc.docs, cc.causal, H, KV, D);
+  std::vector<std::unique_ptr<Grads>> grads;
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    const std::vector<int64_t>& t = tokens[rank.rank()];
+    const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(t.size()));
+    auto gr = std::make_unique<Grads>(n, H, KV, D, bws_bytes);
+    std::vector<__nv_bfloat16> lgo(n * H * D);
+    for (size_t x = 0; x < t.size(); ++x) std::copy_n(&go[t[x] * H * D], H * D, &lgo[x * H * D]);
+    weft::test::upload(c, i, gr->go.p, lgo.data(), gr->go.bytes);
+    for (DeviceBuffer* b : {&gr->dq, &gr->dk, &gr->dv}) weft::test::poison(c, i, b->p, b->bytes);
+    grads.push_back(std::move(gr));
+  }
+  c.host_barrier();
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    AttentionOptions o;
+    o.causal = cc.causal;
+    context_attention_backward(c, rank, local[i]->q.p, local[i]->k.p, local[i]->v.p, local[i]->out.p,
+                               grads[i]->go.p, local[i]->lse.as<float>(), grads[i]->dq.p, grads[i]->dk.p,
+                               grads[i]->dv.p, cc.docs, H, KV, D, grads[i]->ws.p, bws_bytes, DType::kBF16,
+                               nullptr, o);
+  }
+  c.synchronize();
+  auto compare = [&](const char* name, const std::vector<__nv_bfloat16>& got,
+                     const std::vector<__nv_bfloat16>& want, const std::vector<int64_t>& t, int64_t width,
+                     int r) {
+    double top = 0, worst = 0;
+    for (const auto& x : want) top = std::max(top, double(std::abs(__bfloat162float(x))));
+    int64_t bad = 0;
+    for (size_t x = 0; x < t.size(); ++x)
+      for (int64_t e = 0; e < width; ++e) {
+        const double a = __bfloat162float(got[x * width + e]), b = __bfloat162float(want[t[x] * width + e]);
+        const double err = std::isfinite(a) ? std::abs(a - b) : 1e30;
+        worst = std::max(worst, err);
+        bad += !(err <= 1e-5 + 1e-2 * top + 1e-2 * std::abs(b));
+      }
+    std::fprintf(stderr, "  rank %d/%d %s max diff %.2e of max|ref| %.3g\n", r, W, name, worst, top);
+    if (bad)
+      failures += "\n    rank " + std::to_string(r) + " " + name + ": " + std::to_string(bad) +
+                  " values differ from the single-GPU backward";
+  };
+  for (int i = 0; i < c.num_local(); ++i) {
+    const int r = c.local(i).rank();
+    const std::vector<int64_t>& t = tokens[r];
+    const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(t.size()));
+    std::vector<__nv_bfloat16> gq(n * H * D), gk(n * KV * D), gv(n * KV * D);
+    weft::test::download(c, i, gq.data(), grads[i]->dq.p, gq.size() * 2);
+    weft::test::download(c, i, gk.data(), grads[i]->dk.p, gk.size() * 2);
+    weft::test::download(c, i, gv.data(), grads[i]->dv.p, gv.size() * 2);
+    compare("dq", gq, ref_dq, t, H * D, r);
+    compare("dk", gk, ref_dk, t, KV * D, r);
+    compare("dv", gv, ref_dv, t, KV * D, r);
   }
   return failures;
 }

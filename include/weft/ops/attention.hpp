@@ -54,6 +54,15 @@ struct AttentionAccumulate {
   bool enabled() const { return o != nullptr; }
 };
 
+// Backward for sequence-parallel callers: scale dK and dV are reduce-added in fp32 into these (k's layout,
+// device memory, zeroed by the caller) instead of written to dk / dv (which may then be null); rows in no
+// key range add zeros.
+struct AttentionGradAccumulate {
+  float* dk = nullptr;
+  float* dv = nullptr;
+  bool enabled() const { return dk != nullptr; }
+};
+
 struct AttentionOptions {
   bool causal = false;
   float softmax_scale = 0.f;       // 0: 1 / sqrt(head_dim)
@@ -61,6 +70,7 @@ struct AttentionOptions {
   AttentionSegments segments;      // packed sequences; default: dense [batch, seq, heads, head_dim]
   AttentionAccumulate accumulate;  // forward only: merge into a running fp32 result (see above)
   bool deterministic = false;      // backward only: dQ bit-reproducible run to run (slower; see below)
+  AttentionGradAccumulate accumulate_grads;  // backward only: dK / dV added in fp32 (see above)
 };
 
 // Enqueues the forward pass on `stream`. Head dims 64 and 128, bf16 or fp16 (dtype kBF16, kFP16); pointers

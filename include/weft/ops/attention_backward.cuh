@@ -133,6 +133,7 @@ struct AttentionBwdOp {
     CUtensorMap lse_map, dsum_map;         // LSE log2(e) and D (prepare): 2-D {term rows, heads}, box kBM
     AttentionRows rows;
     T *dk_out, *dv_out;  // dK, dV themselves: the row-by-row stores
+    int dkv_fp32;        // dk / dv are fp32 maps that dK / dV are reduce-added into
     uint64_t* dq_order;  // kDeterministic: contributions so far per (sequence, head, query
                          // block), [batch, heads, dq_blocks]
     int dq_blocks;       // query blocks of the longest sequence
@@ -227,6 +228,13 @@ struct AttentionBwdOp {
     wait_staging_free(wg);
     const SeqRows sr = seq_rows(p.rows, w.batch);
     const int row0 = key_block(w) * kBN + 64 * wg;
+    if (p.dkv_fp32) {  // rows past the sequence's keys hold exact zeros: harmless to add
+      reduce_add_rows(s, wg, acc.dk,
+                      lcsc::TmaRows4d{&p.dk, w.head, sr.k0 + row0, sr.batch, lcsc::StoreMode::kReduceAdd});
+      reduce_add_rows(s, wg, acc.dv,
+                      lcsc::TmaRows4d{&p.dv, w.head, sr.k0 + row0, sr.batch, lcsc::StoreMode::kReduceAdd});
+      return;
+    }
     // A TMA box clips at a dense sequence's end but would write into the next packed sequence.
     if (p.rows.q_begin == nullptr || row0 + 64 <= sr.k_len) {
       Epilogue::store_to(lcsc::TmaRows4d{&p.dk, w.head, sr.k0 + row0, sr.batch}, s.epi, es, wg, acc.dk, 0);
@@ -351,6 +359,29 @@ struct AttentionBwdOp {
   __device__ static void stage_dq_chunk(Smem& s, int wg, const tile::AccumM64<kDqCols>& dq) {
     if constexpr (kChunk < kDqChunks)
       tile::store_accum_chunk<kChunk, float>(dq, *reinterpret_cast<DqChunk*>(staging(s, wg, kChunk)));
+  }
+  // The warpgroup's 64 x kD fp32 rows reduce-added into `dest` (an fp32 map, 32-column boxes), two chunks at
+  // a time through its two staging buffers.
+  template <int kChunk>
+  __device__ static void reduce_add_pair(Smem& s, int wg, const tile::AccumM64<kD>& acc,
+                                         const lcsc::TmaRows4d& dest) {
+    constexpr int kChunks = kD / DqChunk::kCols;
+    wait_staging_free(wg);
+    tile::store_accum_chunk<kChunk, float>(acc, *reinterpret_cast<DqChunk*>(staging(s, wg, 0)));
+    if constexpr (kChunk + 1 < kChunks)
+      tile::store_accum_chunk<kChunk + 1, float>(acc, *reinterpret_cast<DqChunk*>(staging(s, wg, 1)));
+    fence_proxy_async_smem();
+    tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
+    if (tile::thread_in_warpgroup() == 0) {
+      dest.issue(kChunk * DqChunk::kCols, staging(s, wg, 0));
+      if constexpr (kChunk + 1 < kChunks) dest.issue((kChunk + 1) * DqChunk::kCols, staging(s, wg, 1));
+      bulk_commit();
+    }
+  }
+  __device__ static void reduce_add_rows(Smem& s, int wg, const tile::AccumM64<kD>& acc,
+                                         const lcsc::TmaRows4d& dest) {
+    reduce_add_pair<0>(s, wg, acc, dest);
+    if constexpr (kD / DqChunk::kCols > 2) reduce_add_pair<2>(s, wg, acc, dest);
   }
   __device__ static void add_dq_part(const Params& p, Smem& s, int wg, int m,
                                      const tile::AccumM64<kDqCols>& dq, const lcsc::TmaRows4d& dq_rows,

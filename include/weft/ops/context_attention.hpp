@@ -32,6 +32,19 @@ void context_attention_forward(Communicator& comm, Rank& rank, const void* q, co
                                DType dtype, cudaStream_t stream = nullptr,
                                const AttentionOptions& options = {});
 
+// The backward: dq (q's layout), dk, dv (k's layout, this rank's rows) from the forward's out and lse and
+// out's gradient dout. dK / dV are summed over the team in fp32 and rounded once. The workspace:
+// context_attention_backward_workspace_bytes() (it includes the forward's).
+size_t context_attention_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths,
+                                                  bool causal, int64_t heads, int64_t kv_heads,
+                                                  int64_t head_dim);
+void context_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                                const void* out, const void* dout, const float* lse, void* dq, void* dk,
+                                void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                                int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
+                                DType dtype, cudaStream_t stream = nullptr,
+                                const AttentionOptions& options = {});
+
 // This rank's local rows in that layout.
 int64_t context_attention_local_rows(int world, int rank, const std::vector<int64_t>& doc_lengths,
                                      bool causal);
