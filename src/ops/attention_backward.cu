@@ -87,6 +87,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   {
     constexpr int kThreads = 256;
     const int64_t grid = (sh.batch * sh.seq_q * sh.heads * 32 + kThreads - 1) / kThreads;
+    detail::preload<&ops::attention_bwd_prepare<kD, T>>();
     ops::attention_bwd_prepare<kD, T><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
         static_cast<const T*>(c.out), static_cast<const T*>(c.dout), c.lse, lse_log2, dsum, p.rows,
         static_cast<int>(sh.batch), static_cast<int>(sh.heads), static_cast<int>(ws.term_stride));
@@ -140,6 +141,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   {
     constexpr int kThreads = 256;
     const int64_t elements = ws.rows * sh.heads * kD;
+    detail::preload<&ops::attention_bwd_convert_dq<T>>();
     ops::attention_bwd_convert_dq<T>
         <<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
             accum, static_cast<T*>(c.dq), elements, scale);

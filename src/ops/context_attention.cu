@@ -7,48 +7,15 @@
 #include <vector>
 
 #include "attention_args.hpp"
-#include "ring_attention_plan.hpp"
+#include "sequence_parallel.hpp"
 #include "weft/ops/collectives.hpp"
-#include "weft/tile/fragment.cuh"
 #include "weft/ops/context_attention.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft {
 namespace {
 
-// dst row i = src row index[i], `row_bytes` each (a multiple of 16).
-__global__ void gather_rows(const uint4* src, uint4* dst, const int32_t* index, int64_t rows, int row_vecs) {
-  const int64_t n = rows * row_vecs;
-  for (int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; x < n;
-       x += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = x / row_vecs;
-    const int c = static_cast<int>(x - row * row_vecs);
-    dst[x] = src[int64_t(__ldg(index + row)) * row_vecs + c];
-  }
-}
-
-// dst row index[i] = src row i (the inverse of gather_rows), fp32 rows of `row_vecs` float4.
-__global__ void scatter_rows(const float4* src, float4* dst, const int32_t* index, int64_t rows,
-                             int row_vecs) {
-  const int64_t n = rows * row_vecs;
-  for (int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; x < n;
-       x += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = x / row_vecs;
-    const int c = static_cast<int>(x - row * row_vecs);
-    dst[int64_t(__ldg(index + row)) * row_vecs + c] = src[x];
-  }
-}
-// fp32 -> T, n elements (a multiple of 2).
-template <class T>
-__global__ void to_half_type(const float* src, T* dst, int64_t n) {
-  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 2; i < n;
-       i += int64_t(gridDim.x) * blockDim.x * 2)
-    *reinterpret_cast<uint32_t*>(dst + i) = tile::pack2<T>(src[i], src[i + 1]);
-}
-
-size_t round256(size_t b) {
-  return (b + 255) / 256 * 256;
-}
+using ops::round256;
 
 // The workspace: K and V padded to the longest rank, both gathered in rank order, both in natural order,
 // the permutation, the segments.
@@ -56,7 +23,7 @@ struct Workspace {
   int64_t max_local = 0, total = 0, segments = 0;
   size_t row_bytes = 0, pad = 0, ranked = 0, natural = 0, index = 0, seg = 0;
   Workspace(const ops::RingLayout& L, int64_t kv_heads, int64_t head_dim, int64_t nseg) {
-    for (int r = 0; r < L.world; ++r) max_local = std::max(max_local, L.local_rows(r));
+    max_local = ops::max_local_rows(L);
     for (int64_t d : L.doc_length) total += d;
     segments = nseg;
     row_bytes = size_t(kv_heads * head_dim) * 2;
@@ -93,7 +60,6 @@ struct Gathered {
   const void *k = nullptr, *v = nullptr;  // natural order, in the workspace
   int32_t* seg = nullptr;
   int64_t nseg = 0, max_q = 1, max_k = 1, local = 0, total = 0;
-  AttentionShape shape() const { return {nseg, max_q, max_k, 0, 0, 0}; }
   AttentionSegments segments() const {
     return {seg, seg + nseg, seg + 2 * nseg, seg + 3 * nseg, std::max<int64_t>(local, 1), total};
   }
@@ -101,7 +67,7 @@ struct Gathered {
 
 Gathered gather(Communicator& comm, Rank& rank, const ops::RingLayout& L, const Workspace& ws, const void* k,
                 const void* v, void* workspace, size_t workspace_bytes, size_t need, DType dtype,
-                cudaStream_t stream, const std::string& where) {
+                cudaStream_t stream, const std::string& where, bool backward) {
   WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
              where + "the workspace must hold " + std::to_string(need) +
                  " bytes (the op's workspace_bytes()), got " + std::to_string(workspace_bytes));
@@ -125,13 +91,8 @@ Gathered gather(Communicator& comm, Rank& rank, const ops::RingLayout& L, const 
   g.k = nat_k;
   g.v = nat_v;
 
-  // The permutation (natural row -> rank-order row) and the segments, from the host (pageable copies are
-  // staged before cudaMemcpyAsync returns).
-  std::vector<int32_t> perm(ws.total);
-  for (int s = 0; s < W; ++s) {
-    const std::vector<int64_t> tokens = ops::ring_tokens(L, s);
-    for (size_t i = 0; i < tokens.size(); ++i) perm[tokens[i]] = static_cast<int32_t>(s * ws.max_local + i);
-  }
+  // The permutation (natural row -> rank-order row) and the segments.
+  ops::write_rank_order_index(L, ws.max_local, index, stream);
   g.nseg = static_cast<int64_t>(call.segments.size());
   std::vector<int32_t> segs(4 * std::max<int64_t>(g.nseg, 1), 0);
   for (int64_t i = 0; i < g.nseg; ++i) {
@@ -143,20 +104,24 @@ Gathered gather(Communicator& comm, Rank& rank, const ops::RingLayout& L, const 
     g.max_q = std::max(g.max_q, s.q_end - s.q_begin);
     g.max_k = std::max(g.max_k, s.k_end - s.k_begin);
   }
-  WEFT_CUDA_CHECK(cudaMemcpyAsync(index, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice, stream));
-  WEFT_CUDA_CHECK(cudaMemcpyAsync(g.seg, segs.data(), segs.size() * 4, cudaMemcpyHostToDevice, stream));
+  ops::upload_words(g.seg, segs, stream);
 
   // K and V of every rank, padded to the longest rank's rows, in rank order; then in natural order.
   const Shape2D shape{size_t(ws.max_local), ws.row_bytes / 2};
+  {  // the collectives' workspace first (the planned calls read only the pointers' kind: the workspace's)
+    char* a = static_cast<char*>(workspace);
+    std::vector<Plan> plans = {all_gather_plan(comm, rank, a, a + ws.pad, shape, 0, dtype, stream)};
+    if (backward)
+      plans.push_back(reduce_scatter_plan(comm, rank, a + 2 * ws.ranked, a, shape, 0, DType::kFP32,
+                                          ReduceOp::kSum, stream));
+    ops::reserve_collective_workspace(comm, plans, stream);
+  }
   for (auto [src, padded, ranked, natural] :
        {std::tuple{k, pad_k, ranked_k, nat_k}, std::tuple{v, pad_v, ranked_v, nat_v}}) {
     if (g.local > 0)
       WEFT_CUDA_CHECK(cudaMemcpyAsync(padded, src, g.local * ws.row_bytes, cudaMemcpyDeviceToDevice, stream));
     all_gather(comm, rank, padded, ranked, shape, 0, dtype, stream);
-    const int row_vecs = static_cast<int>(ws.row_bytes / 16);
-    gather_rows<<<264, 256, 0, stream>>>(reinterpret_cast<const uint4*>(ranked),
-                                         reinterpret_cast<uint4*>(natural), index, ws.total, row_vecs);
-    WEFT_CUDA_CHECK(cudaGetLastError());
+    ops::rows_to_natural(ranked, natural, index, ws.total, ws.row_bytes, stream);
   }
   return g;
 }
@@ -208,7 +173,7 @@ void context_attention_forward(Communicator& comm, Rank& rank, const void* q, co
   const Workspace ws(L, kv_heads, head_dim, max_segments(L));
   if (stream == nullptr) stream = rank.stream();
   const Gathered g =
-      gather(comm, rank, L, ws, k, v, workspace, workspace_bytes, ws.bytes(), dtype, stream, where);
+      gather(comm, rank, L, ws, k, v, workspace, workspace_bytes, ws.bytes(), dtype, stream, where, false);
   if (g.nseg == 0) return;  // no query rows here (short documents)
   AttentionOptions o = options;
   o.segments = g.segments();
@@ -239,7 +204,7 @@ void context_attention_backward(Communicator& comm, Rank& rank, const void* q, c
   const BackwardWorkspace bws(L, ws, heads, kv_heads, head_dim);
   if (stream == nullptr) stream = rank.stream();
   const Gathered g = gather(comm, rank, L, ws, k, v, workspace, workspace_bytes, ws.bytes() + bws.bytes(),
-                            dtype, stream, where);
+                            dtype, stream, where, true);
   char* p = static_cast<char*>(workspace) + ws.bytes();
   auto *nat_dk = reinterpret_cast<float*>(p), *nat_dv = reinterpret_cast<float*>(p + bws.natural32);
   p += 2 * bws.natural32;
@@ -262,23 +227,14 @@ void context_attention_backward(Communicator& comm, Rank& rank, const void* q, c
   // Back to the owners: rank order (padding rows zero), summed over the team, this rank's rows to T.
   const auto* index =
       reinterpret_cast<const int32_t*>(static_cast<char*>(workspace) + 2 * (ws.pad + ws.ranked + ws.natural));
-  const int row_vecs32 = static_cast<int>(ws.row_bytes * 2 / 16);
   const int64_t row_elems = static_cast<int64_t>(ws.row_bytes / 2);
   for (auto [natural, ranked, own, grad] :
        {std::tuple{nat_dk, ranked_dk, own_dk, dk}, std::tuple{nat_dv, ranked_dv, own_dv, dv}}) {
     WEFT_CUDA_CHECK(cudaMemsetAsync(ranked, 0, bws.ranked32, stream));
-    scatter_rows<<<264, 256, 0, stream>>>(reinterpret_cast<const float4*>(natural),
-                                          reinterpret_cast<float4*>(ranked), index, ws.total, row_vecs32);
-    WEFT_CUDA_CHECK(cudaGetLastError());
+    ops::rows_to_ranked(natural, ranked, index, ws.total, ws.row_bytes * 2, stream);
     reduce_scatter(comm, rank, ranked, own, Shape2D{size_t(ws.max_local), size_t(row_elems)}, 0, DType::kFP32,
                    ReduceOp::kSum, stream);
-    if (g.local > 0) {
-      if (dtype == DType::kFP16)
-        to_half_type<<<264, 256, 0, stream>>>(own, static_cast<__half*>(grad), g.local * row_elems);
-      else
-        to_half_type<<<264, 256, 0, stream>>>(own, static_cast<__nv_bfloat16*>(grad), g.local * row_elems);
-      WEFT_CUDA_CHECK(cudaGetLastError());
-    }
+    ops::round_fp32(own, grad, g.local * row_elems, dtype, stream);
   }
 }
 

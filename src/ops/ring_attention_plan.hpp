@@ -111,6 +111,28 @@ inline std::vector<int64_t> ring_tokens(const RingLayout& L, int r) {
   return tokens;
 }
 
+// The layout as runs of consecutive rows: natural rows [natural, natural + length) are rank `rank`'s local
+// rows [local, local + length). One run per non-empty part; the runs cover the sequence exactly once.
+struct RowRun {
+  int64_t natural = 0, length = 0;
+  int rank = 0;
+  int64_t local = 0;
+};
+inline std::vector<RowRun> ring_runs(const RingLayout& L) {
+  std::vector<RowRun> runs;
+  for (int r = 0; r < L.world; ++r) {
+    int64_t doc_start = 0;
+    for (int d = 0; d < static_cast<int>(L.doc_length.size()); ++d) {
+      for (int c : L.parts_of(r)) {
+        const int64_t n = L.part_length(d, c);
+        if (n > 0) runs.push_back({doc_start + L.part_begin(d, c), n, r, L.local_row(r, d, c)});
+      }
+      doc_start += L.doc_length[d];
+    }
+  }
+  return runs;
+}
+
 struct RingBlock {
   int doc = 0;
   int64_t q_row = 0, q_rows = 0;  // this rank's local query rows

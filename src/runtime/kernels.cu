@@ -1,6 +1,7 @@
 // Kernels the host runtime launches itself.
 #include "weft/comm/barrier.cuh"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/kernel_preload.hpp"
 
 namespace weft {
 
@@ -11,6 +12,7 @@ __global__ void team_barrier_kernel(TeamView team, int slot) {
 }  // namespace
 
 void launch_team_barrier(const TeamView& view, int slot, cudaStream_t stream) {
+  detail::preload<&team_barrier_kernel>();
   team_barrier_kernel<<<1, 32, 0, stream>>>(view, slot);
   WEFT_CUDA_CHECK(cudaGetLastError());
 }

@@ -602,7 +602,13 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_backward_matches_fp64_reference) {
   cases.push_back({1, 600, 300, 4, 4, 128, true, 0.f});
   cases.push_back({2, 256, 256, 4, 4, 128, true, 0.f, 3});
   cases.push_back({1, 1000, 1000, 4, 1, 64, true, 0.f, 5});
-  if (!ctx.quick) cases.push_back({1, 4099, 4099, 2, 1, 128, true, 0.f});
+  if (!ctx.quick) {
+    cases.push_back({1, 4099, 4099, 2, 1, 128, true, 0.f});
+    // Queries a short suffix of long keys (context parallelism's calls over gathered K / V).
+    cases.push_back({1, 256, 4099, 4, 1, 128, true, 0.f});
+    cases.push_back({1, 1025, 2050, 4, 1, 128, true, 0.f});
+    cases.push_back({1, 1025, 4099, 2, 1, 64, true, 0.f});
+  }
   const std::string failures = run_cases(cases, 11, run_backward_case);
   WEFT_EXPECT(failures.empty(), failures);
 }
@@ -620,6 +626,7 @@ std::vector<PackedCase> packed_cases(bool quick) {
   if (!quick) {
     v.push_back({{{4099, 4099}, {1, 1}, {2000, 2000}, {17, 17}}, 0, 2, 1, 128, true});
     v.push_back({{{4096, 4096}, {3000, 3000}, {1, 1}}, 5, 4, 1, 64, false});
+    v.push_back({{{1025, 2050}, {1025, 4099}, {256, 4099}}, 0, 4, 1, 128, true});
   }
   return v;
 }

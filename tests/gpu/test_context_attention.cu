@@ -37,7 +37,27 @@ struct CpCase {
   bool causal;
 };
 
-std::string run_cp_case(Communicator& c, const CpCase& cc, uint64_t seed) {
+// The two methods behind one set of signatures.
+enum class Method { kAllGather, kUlysses };
+size_t forward_workspace(Method m, int W, const CpCase& cc) {
+  return m == Method::kUlysses
+             ? ulysses_attention_workspace_bytes(W, cc.docs, cc.causal, cc.heads, cc.kv_heads, cc.dim)
+             : context_attention_workspace_bytes(W, cc.docs, cc.causal, cc.kv_heads, cc.dim);
+}
+size_t backward_workspace(Method m, int W, const CpCase& cc) {
+  return m == Method::kUlysses ? ulysses_attention_backward_workspace_bytes(W, cc.docs, cc.causal, cc.heads,
+                                                                            cc.kv_heads, cc.dim)
+                               : context_attention_backward_workspace_bytes(W, cc.docs, cc.causal, cc.heads,
+                                                                            cc.kv_heads, cc.dim);
+}
+decltype(&context_attention_forward) forward_of(Method m) {
+  return m == Method::kUlysses ? &ulysses_attention_forward : &context_attention_forward;
+}
+decltype(&context_attention_backward) backward_of(Method m) {
+  return m == Method::kUlysses ? &ulysses_attention_backward : &context_attention_backward;
+}
+
+std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64_t seed) {
   const int W = c.world();
   int64_t total = 0;
   for (int64_t d : cc.docs) total += d;
@@ -60,7 +80,7 @@ std::string run_cp_case(Communicator& c, const CpCase& cc, uint64_t seed) {
           ws(ws_bytes) {}
   };
   std::vector<std::unique_ptr<Local>> local;
-  const size_t ws_bytes = context_attention_workspace_bytes(W, cc.docs, cc.causal, KV, D);
+  const size_t ws_bytes = forward_workspace(method, W, cc);
   for (int i = 0; i < c.num_local(); ++i) {
     Rank& rank = c.local(i);
     WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
@@ -86,9 +106,9 @@ std::string run_cp_case(Communicator& c, const CpCase& cc, uint64_t seed) {
     WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
     AttentionOptions o;
     o.causal = cc.causal;
-    context_attention_forward(c, rank, local[i]->q.p, local[i]->k.p, local[i]->v.p, local[i]->out.p,
-                              local[i]->lse.as<float>(), cc.docs, H, KV, D, local[i]->ws.p, ws_bytes,
-                              DType::kBF16, nullptr, o);
+    forward_of(method)(c, rank, local[i]->q.p, local[i]->k.p, local[i]->v.p, local[i]->out.p,
+                       local[i]->lse.as<float>(), cc.docs, H, KV, D, local[i]->ws.p, ws_bytes, DType::kBF16,
+                       nullptr, o);
   }
   c.synchronize();
   // The reference, on local rank 0's GPU (every process computes the same).
@@ -187,7 +207,7 @@ std::string run_cp_case(Communicator& c, const CpCase& cc, uint64_t seed) {
     Grads(int64_t n, int64_t H, int64_t KV, int64_t D, size_t ws_bytes)
         : go(n * H * D * 2), dq(n * H * D * 2), dk(n * KV * D * 2), dv(n * KV * D * 2), ws(ws_bytes) {}
   };
-  const size_t bws_bytes = context_attention_backward_workspace_bytes(W, cc.docs, cc.causal, H, KV, D);
+  const size_t bws_bytes = backward_workspace(method, W, cc);
   std::vector<std::unique_ptr<Grads>> grads;
   for (int i = 0; i < c.num_local(); ++i) {
     Rank& rank = c.local(i);
@@ -207,10 +227,9 @@ std::string run_cp_case(Communicator& c, const CpCase& cc, uint64_t seed) {
     WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
     AttentionOptions o;
     o.causal = cc.causal;
-    context_attention_backward(c, rank, local[i]->q.p, local[i]->k.p, local[i]->v.p, local[i]->out.p,
-                               grads[i]->go.p, local[i]->lse.as<float>(), grads[i]->dq.p, grads[i]->dk.p,
-                               grads[i]->dv.p, cc.docs, H, KV, D, grads[i]->ws.p, bws_bytes, DType::kBF16,
-                               nullptr, o);
+    backward_of(method)(c, rank, local[i]->q.p, local[i]->k.p, local[i]->v.p, local[i]->out.p, grads[i]->go.p,
+                        local[i]->lse.as<float>(), grads[i]->dq.p, grads[i]->dk.p, grads[i]->dv.p, cc.docs, H,
+                        KV, D, grads[i]->ws.p, bws_bytes, DType::kBF16, nullptr, o);
   }
   c.synchronize();
   auto compare = [&](const char* name, const std::vector<__nv_bfloat16>& got,
@@ -259,6 +278,50 @@ WEFT_GPU_TEST(context_attention_matches_single_gpu) {
   if (!ctx.quick) cases.push_back({{4099, 2000}, 4, 1, 128, true});
   std::string failures;
   uint64_t seed = 501;
-  for (const CpCase& cc : cases) failures += run_cp_case(c, cc, seed += 10);
+  for (const CpCase& cc : cases) failures += run_cp_case(c, Method::kAllGather, cc, seed += 10);
   WEFT_EXPECT(failures.empty(), failures);
+}
+
+// Heads a multiple of W; K / V heads a multiple of W, or shared (fewer than W).
+WEFT_GPU_TEST(ulysses_attention_matches_single_gpu) {
+  Communicator& c = ctx.comm();
+  const int64_t W = c.world();
+  std::vector<CpCase> cases = {
+      {{1000}, 2 * W, 2 * W, 128, true},
+      {{1000}, 2 * W, W, 64, false},
+      {{300, 0, 17, 777}, 2 * W, 1, 64, true},
+      {{129, 64, 1}, W, W, 128, false},
+  };
+  if (!ctx.quick) cases.push_back({{4099, 2000}, 4 * W, W % 2 == 0 ? 2 : W, 128, true});
+  std::string failures;
+  uint64_t seed = 701;
+  for (const CpCase& cc : cases) failures += run_cp_case(c, Method::kUlysses, cc, seed += 10);
+  WEFT_EXPECT(failures.empty(), failures);
+}
+
+// Shapes Ulysses cannot split are refused on every rank, before anything is enqueued.
+WEFT_GPU_TEST(ulysses_attention_argument_errors) {
+  Communicator& c = ctx.comm();
+  const int64_t W = c.world();
+  Rank& rank = c.local(0);
+  WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+  DeviceBuffer ws(1 << 20), x(1 << 20);
+  const std::vector<int64_t> docs = {64};
+  auto error_of = [&](int64_t h, int64_t kv, int64_t d, size_t ws_bytes) {
+    try {
+      ulysses_attention_forward(c, rank, x.p, x.p, x.p, x.p, nullptr, docs, h, kv, d, ws.p, ws_bytes,
+                                DType::kBF16);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto expect = [&](const std::string& msg, const char* part) {
+    WEFT_EXPECT(msg.find(part) != std::string::npos,
+                "expected an error naming '" << part << "', got '" << msg << "'");
+  };
+  expect(error_of(2 * W + 1, 1, 64, ws.bytes), "must be a multiple of the world size");
+  if (W > 2) expect(error_of(2 * W * (W - 1), W - 1, 64, ws.bytes), "must divide one another");
+  expect(error_of(W, W, 96, ws.bytes), "head_dim must be 64 or 128");
+  expect(error_of(W, W, 64, 16), "the workspace must hold");
 }

@@ -93,6 +93,20 @@ TEST(RingAttentionPlan, RanksPartitionTheTokens) {
       ASSERT_EQ(all.size(), 85u);
       for (size_t i = 0; i < all.size(); ++i) EXPECT_EQ(all[i], static_cast<int64_t>(i));
     }
+  // The runs say the same as the token lists.
+  for (int W : {1, 2, 5})
+    for (bool causal : {false, true}) {
+      const RingLayout L = weft::ops::ring_layout({17, 0, 1, 64, 3}, W, causal);
+      std::vector<std::vector<int64_t>> t(W);
+      for (const weft::ops::RowRun& run : weft::ops::ring_runs(L)) {
+        ASSERT_GT(run.length, 0);
+        auto& tokens = t[run.rank];
+        if (static_cast<int64_t>(tokens.size()) < run.local + run.length)
+          tokens.resize(run.local + run.length, -1);
+        for (int64_t i = 0; i < run.length; ++i) tokens[run.local + i] = run.natural + i;
+      }
+      for (int r = 0; r < W; ++r) EXPECT_EQ(t[r], weft::ops::ring_tokens(L, r));
+    }
   // Zigzag: rank 1 of 2 holds parts 1 and 2 of an 8-token document.
   const RingLayout L = weft::ops::ring_layout({8}, 2, true);
   EXPECT_EQ(weft::ops::ring_tokens(L, 1), (std::vector<int64_t>{2, 3, 4, 5}));

@@ -45,6 +45,30 @@ void context_attention_backward(Communicator& comm, Rank& rank, const void* q, c
                                 DType dtype, cudaStream_t stream = nullptr,
                                 const AttentionOptions& options = {});
 
+// Ulysses: the same layout and arguments, another method. Every rank sends each other rank that rank's
+// share of the heads for its own rows (all-to-all), attends heads / W query heads over the whole sequence in
+// one packed call, and sends the output rows back (all-to-all). Needs heads % W == 0 and either kv_heads % W
+// == 0 (each rank gets kv_heads / W K / V heads) or W % kv_heads == 0 (a K / V head goes to the W / kv_heads
+// ranks that attend its query heads; their dK / dV are summed in fp32). It moves 4 (forward) or 10
+// (backward) activation-sized tensors per rank where context_attention moves the whole K / V W-fold; the
+// attention calls are the same work.
+size_t ulysses_attention_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
+                                         int64_t heads, int64_t kv_heads, int64_t head_dim);
+void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                               void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                               int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
+                               DType dtype, cudaStream_t stream = nullptr,
+                               const AttentionOptions& options = {});
+size_t ulysses_attention_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths,
+                                                  bool causal, int64_t heads, int64_t kv_heads,
+                                                  int64_t head_dim);
+void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                                const void* out, const void* dout, const float* lse, void* dq, void* dk,
+                                void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                                int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
+                                DType dtype, cudaStream_t stream = nullptr,
+                                const AttentionOptions& options = {});
+
 // This rank's local rows in that layout.
 int64_t context_attention_local_rows(int world, int rank, const std::vector<int64_t>& doc_lengths,
                                      bool causal);

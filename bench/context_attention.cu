@@ -1,0 +1,156 @@
+// weft-bench context_attention: sequence-parallel attention (weft::context_attention_* over all-gathered
+// K / V, weft::ulysses_attention_*) on the team, against weft's single-GPU attention over the whole
+// sequence on GPU 0. On W virtual ranks of one GPU the team does the same attention work as the single call,
+// so time(team) / time(single GPU) is the method's scheduling, data-movement and load-balance overhead (the
+// issue's ratio); on W real GPUs the ideal is time(single GPU) / W. One document of S tokens, sharded in
+// ring attention's layout (zigzag when causal); 16 heads of 128 (8 K / V heads for GQA).
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <vector>
+
+#include "bench.hpp"
+#include "weft/ops/attention.hpp"
+#include "weft/ops/context_attention.hpp"
+
+namespace weft::bench {
+namespace {
+
+struct Buffer {
+  void* p = nullptr;
+  explicit Buffer(size_t n) { WEFT_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 256))); }
+  ~Buffer() { cudaFree(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+// One rank's tensors for a shape.
+struct RankData {
+  Buffer q, k, v, out, lse, dout, dq, dk, dv, ws;
+  size_t ws_bytes;
+  RankData(int64_t n, int64_t H, int64_t KV, int64_t D, size_t ws_bytes)
+      : q(n * H * D * 2),
+        k(n * KV * D * 2),
+        v(n * KV * D * 2),
+        out(n * H * D * 2),
+        lse(n * H * 4),
+        dout(n * H * D * 2),
+        dq(n * H * D * 2),
+        dk(n * KV * D * 2),
+        dv(n * KV * D * 2),
+        ws(ws_bytes),
+        ws_bytes(ws_bytes) {}
+};
+
+// Single-GPU attention over the whole sequence: forward and backward ms.
+std::pair<float, float> single_gpu(int64_t S, int64_t H, int64_t KV, int64_t D, bool causal, int iters) {
+  WEFT_CUDA_CHECK(cudaSetDevice(0));
+  cudaStream_t stream;
+  WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const AttentionShape shape{1, S, S, H, KV, D};
+  AttentionOptions o;
+  o.causal = causal;
+  RankData d(S, H, KV, D, flash_attention_backward_workspace_bytes(shape, o));
+  fill_uniform_bf16(d.q.p, S * H * D, 1, stream);
+  fill_uniform_bf16(d.k.p, S * KV * D, 2, stream);
+  fill_uniform_bf16(d.v.p, S * KV * D, 3, stream);
+  fill_uniform_bf16(d.dout.p, S * H * D, 4, stream);
+  const float fwd = median_call_ms(
+      [&] {
+        flash_attention_forward(d.q.p, d.k.p, d.v.p, d.out.p, static_cast<float*>(d.lse.p), shape,
+                                DType::kBF16, stream, o);
+      },
+      iters, stream);
+  const float bwd = median_call_ms(
+      [&] {
+        flash_attention_backward(d.q.p, d.k.p, d.v.p, d.out.p, d.dout.p, static_cast<float*>(d.lse.p), d.dq.p,
+                                 d.dk.p, d.dv.p, d.ws.p, d.ws_bytes, shape, DType::kBF16, stream, o);
+      },
+      iters, stream);
+  WEFT_CUDA_CHECK(cudaStreamDestroy(stream));
+  return {fwd, bwd};
+}
+
+void run_context_attention(Context& ctx) {
+  BenchTeam team(ctx);
+  Communicator& comm = *team.comm;
+  const int W = team.world(), L = team.local();
+  Table t(
+      fmt("sequence-parallel attention on %s, bf16, H 16 / KV 8, D 128", ctx.team_label().c_str()),
+      {"method", "S", "causal", "single fwd ms", "team fwd ms", "fwd ratio", "single bwd ms", "team bwd ms",
+       "bwd ratio"},
+      ctx.virtual_ranks()
+          ? "ratio = team time / single-GPU time over the same sequence (virtual ranks: the same work on one "
+            "GPU, so the ratio is the method's overhead; goal <= 1.10). Team times: per-rank CUDA graphs "
+            "launched together, the slowest rank's median."
+          : "ratio = team time / (single-GPU time / W): 1.0 is perfect scaling.");
+  std::vector<int64_t> seqs = {16384, 32768, 65536};
+  if (ctx.quick) seqs = {32768};
+  const int64_t H = 16, KV = 8, D = 128;
+  const int iters = ctx.quick ? 5 : 10;
+  for (bool ulysses : {false, true})
+    for (bool causal : {false, true})
+      for (int64_t S : seqs) {
+        const auto [single_fwd, single_bwd] = single_gpu(S, H, KV, D, causal, iters);
+        const std::vector<int64_t> docs = {S};
+        AttentionOptions o;
+        o.causal = causal;
+        const size_t ws_bytes =
+            ulysses ? ulysses_attention_backward_workspace_bytes(W, docs, causal, H, KV, D)
+                    : std::max(context_attention_backward_workspace_bytes(W, docs, causal, H, KV, D),
+                               context_attention_workspace_bytes(W, docs, causal, KV, D));
+        std::vector<std::unique_ptr<RankData>> data;
+        for (int i = 0; i < L; ++i) {
+          Rank& r = comm.local(i);
+          WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
+          const int64_t n = context_attention_local_rows(W, r.rank(), docs, causal);
+          data.push_back(std::make_unique<RankData>(n, H, KV, D, ws_bytes));
+          fill_uniform_bf16(data[i]->q.p, n * H * D, 10 + r.rank(), team.streams[i]);
+          fill_uniform_bf16(data[i]->k.p, n * KV * D, 30 + r.rank(), team.streams[i]);
+          fill_uniform_bf16(data[i]->v.p, n * KV * D, 50 + r.rank(), team.streams[i]);
+          fill_uniform_bf16(data[i]->dout.p, n * H * D, 70 + r.rank(), team.streams[i]);
+        }
+        auto forward = [&](int) {
+          for (int i = 0; i < L; ++i) {
+            Rank& r = comm.local(i);
+            WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
+            RankData& d = *data[i];
+            (ulysses ? ulysses_attention_forward : context_attention_forward)(
+                comm, r, d.q.p, d.k.p, d.v.p, d.out.p, static_cast<float*>(d.lse.p), docs, H, KV, D, d.ws.p,
+                d.ws_bytes, DType::kBF16, team.streams[i], o);
+          }
+        };
+        auto backward = [&](int) {
+          for (int i = 0; i < L; ++i) {
+            Rank& r = comm.local(i);
+            WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
+            RankData& d = *data[i];
+            (ulysses ? ulysses_attention_backward : context_attention_backward)(
+                comm, r, d.q.p, d.k.p, d.v.p, d.out.p, d.dout.p, static_cast<float*>(d.lse.p), d.dq.p, d.dk.p,
+                d.dv.p, docs, H, KV, D, d.ws.p, d.ws_bytes, DType::kBF16, team.streams[i], o);
+          }
+        };
+        forward(0);  // sizes the communicator's workspace before capture
+        backward(0);
+        comm.synchronize();
+        const double fwd = team.team_max(time_graphs(comm, team.streams, 1, iters, forward)) / 1000.0;
+        const double bwd = team.team_max(time_graphs(comm, team.streams, 1, iters, backward)) / 1000.0;
+        const double per = ctx.virtual_ranks() ? 1.0 : 1.0 / W;
+        t.add({ulysses ? "ulysses" : "all-gather", std::to_string(S), causal ? "yes" : "no",
+               fmt("%.3f", single_fwd), fmt("%.3f", fwd), fmt("%.3f", fwd / (single_fwd * per)),
+               fmt("%.3f", single_bwd), fmt("%.3f", bwd), fmt("%.3f", bwd / (single_bwd * per))});
+        ctx.progress("context_attention %s S=%lld causal=%d: fwd %.3f / %.3f ms, bwd %.3f / %.3f ms",
+                     ulysses ? "ulysses" : "all-gather", (long long)S, int(causal), fwd, single_fwd, bwd,
+                     single_bwd);
+      }
+  ctx.add(std::move(t));
+}
+
+ModeRegistrar reg(
+    "context_attention",
+    "sequence-parallel attention (all-gather K / V, Ulysses) vs single-GPU attention; on virtual "
+    "ranks the overhead ratio",
+    &run_context_attention, 2, true);
+
+}  // namespace
+}  // namespace weft::bench
