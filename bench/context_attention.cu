@@ -42,34 +42,29 @@ struct RankData {
         ws_bytes(ws_bytes) {}
 };
 
-// Single-GPU attention over the whole sequence: forward and backward ms.
-std::pair<float, float> single_gpu(int64_t S, int64_t H, int64_t KV, int64_t D, bool causal, int iters) {
-  WEFT_CUDA_CHECK(cudaSetDevice(0));
-  cudaStream_t stream;
-  WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const AttentionShape shape{1, S, S, H, KV, D};
+// Single-GPU attention over the whole sequence, on local rank 0's GPU.
+struct Single {
+  AttentionShape shape;
   AttentionOptions o;
-  o.causal = causal;
-  RankData d(S, H, KV, D, flash_attention_backward_workspace_bytes(shape, o));
-  fill_uniform_bf16(d.q.p, S * H * D, 1, stream);
-  fill_uniform_bf16(d.k.p, S * KV * D, 2, stream);
-  fill_uniform_bf16(d.v.p, S * KV * D, 3, stream);
-  fill_uniform_bf16(d.dout.p, S * H * D, 4, stream);
-  const float fwd = median_call_ms(
-      [&] {
-        flash_attention_forward(d.q.p, d.k.p, d.v.p, d.out.p, static_cast<float*>(d.lse.p), shape,
-                                DType::kBF16, stream, o);
-      },
-      iters, stream);
-  const float bwd = median_call_ms(
-      [&] {
-        flash_attention_backward(d.q.p, d.k.p, d.v.p, d.out.p, d.dout.p, static_cast<float*>(d.lse.p), d.dq.p,
-                                 d.dk.p, d.dv.p, d.ws.p, d.ws_bytes, shape, DType::kBF16, stream, o);
-      },
-      iters, stream);
-  WEFT_CUDA_CHECK(cudaStreamDestroy(stream));
-  return {fwd, bwd};
-}
+  RankData d;
+  Single(int64_t S, int64_t H, int64_t KV, int64_t D, bool causal, cudaStream_t stream)
+      : shape{1, S, S, H, KV, D},
+        o{.causal = causal},
+        d(S, H, KV, D, flash_attention_backward_workspace_bytes(shape, o)) {
+    fill_uniform_bf16(d.q.p, S * H * D, 1, stream);
+    fill_uniform_bf16(d.k.p, S * KV * D, 2, stream);
+    fill_uniform_bf16(d.v.p, S * KV * D, 3, stream);
+    fill_uniform_bf16(d.dout.p, S * H * D, 4, stream);
+  }
+  void forward(cudaStream_t stream) {
+    flash_attention_forward(d.q.p, d.k.p, d.v.p, d.out.p, static_cast<float*>(d.lse.p), shape, DType::kBF16,
+                            stream, o);
+  }
+  void backward(cudaStream_t stream) {
+    flash_attention_backward(d.q.p, d.k.p, d.v.p, d.out.p, d.dout.p, static_cast<float*>(d.lse.p), d.dq.p,
+                             d.dk.p, d.dv.p, d.ws.p, d.ws_bytes, shape, DType::kBF16, stream, o);
+  }
+};
 
 void run_context_attention(Context& ctx) {
   BenchTeam team(ctx);
@@ -91,7 +86,8 @@ void run_context_attention(Context& ctx) {
   for (bool ulysses : {false, true})
     for (bool causal : {false, true})
       for (int64_t S : seqs) {
-        const auto [single_fwd, single_bwd] = single_gpu(S, H, KV, D, causal, iters);
+        WEFT_CUDA_CHECK(cudaSetDevice(comm.local(0).device()));
+        Single single(S, H, KV, D, causal, team.streams[0]);
         const std::vector<int64_t> docs = {S};
         AttentionOptions o;
         o.causal = causal;
@@ -130,11 +126,22 @@ void run_context_attention(Context& ctx) {
                 d.dv.p, docs, H, KV, D, d.ws.p, d.ws_bytes, DType::kBF16, team.streams[i], o);
           }
         };
-        forward(0);  // sizes the communicator's workspace before capture
+        forward(0);  // sizes the communicator's workspace areas before capture
         backward(0);
         comm.synchronize();
-        const double fwd = team.team_max(time_graphs(comm, team.streams, 1, iters, forward)) / 1000.0;
-        const double bwd = team.team_max(time_graphs(comm, team.streams, 1, iters, backward)) / 1000.0;
+        // The single call on local rank 0's stream, in turn with the team's calls (drift hits both alike).
+        auto on_rank0 = [&](void (Single::*pass)(cudaStream_t)) {
+          return [&, pass](int) {
+            WEFT_CUDA_CHECK(cudaSetDevice(comm.local(0).device()));
+            (single.*pass)(team.streams[0]);
+          };
+        };
+        const std::vector<double> fwd_us =
+            time_graphs_alternating(comm, team.streams, 1, iters, {on_rank0(&Single::forward), forward});
+        const std::vector<double> bwd_us =
+            time_graphs_alternating(comm, team.streams, 1, iters, {on_rank0(&Single::backward), backward});
+        const double single_fwd = team.team_max(fwd_us[0]) / 1000.0, fwd = team.team_max(fwd_us[1]) / 1000.0;
+        const double single_bwd = team.team_max(bwd_us[0]) / 1000.0, bwd = team.team_max(bwd_us[1]) / 1000.0;
         const double per = ctx.virtual_ranks() ? 1.0 : 1.0 / W;
         t.add({ulysses ? "ulysses" : "all-gather", std::to_string(S), causal ? "yes" : "no",
                fmt("%.3f", single_fwd), fmt("%.3f", fwd), fmt("%.3f", fwd / (single_fwd * per)),

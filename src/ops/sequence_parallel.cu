@@ -1,10 +1,14 @@
 // Device side of the sequence-parallel helpers (sequence_parallel.hpp).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <algorithm>
 
+#include "op_args.hpp"
 #include "sequence_parallel.hpp"
+#include "weft/comm/barrier.cuh"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/kernel_preload.hpp"
-#include "weft/tile/fragment.cuh"
 
 namespace weft::ops {
 namespace {
@@ -17,53 +21,100 @@ __global__ void store_words(int32_t* dst, Words words, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = words.w[i];
 }
 
-constexpr int kRunsPerLaunch = 320;  // three words each
+constexpr int kRunsPerLaunch = 480;  // two words each
 struct Runs {
-  int32_t natural[kRunsPerLaunch], ranked[kRunsPerLaunch], length[kRunsPerLaunch];
+  int32_t local[kRunsPerLaunch], natural[kRunsPerLaunch];
 };
-// One block per run: index[natural + i] = ranked + i.
-__global__ void expand_runs(int32_t* index, Runs runs) {
+// Block b: the rows of run b (up to the next run's start or `end`): index[local + i] = natural + i.
+__global__ void expand_runs(int32_t* index, Runs runs, int count, int32_t end) {
   const int b = blockIdx.x;
-  for (int i = threadIdx.x; i < runs.length[b]; i += blockDim.x)
-    index[runs.natural[b] + i] = runs.ranked[b] + i;
+  const int32_t length = (b + 1 < count ? runs.local[b + 1] : end) - runs.local[b];
+  for (int i = threadIdx.x; i < length; i += blockDim.x) index[runs.local[b] + i] = runs.natural[b] + i;
 }
 
-__global__ void move_rows(const uint4* src, uint4* dst, const int32_t* index, int64_t rows, int row_vecs,
-                          bool to_natural) {
-  const int64_t n = rows * row_vecs;
-  for (int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; x < n;
-       x += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = x / row_vecs;
-    const int c = static_cast<int>(x - row * row_vecs);
-    const int64_t other = int64_t(__ldg(index + row)) * row_vecs + c;
-    if (to_natural)
-      dst[x] = src[other];
-    else
-      dst[other] = src[x];
+__device__ __forceinline__ int64_t first_head(const HeadShare& s, int j, int world) {
+  return s.replicate ? 0 : j * s.groups / world;
+}
+
+// One 16-byte vector per step: element e of [n][W][width * head_vecs].
+__global__ void push_rows_kernel(TeamView team, BarrierSlots slots, const uint4* src, int64_t n,
+                                 uint4* natural, const int32_t* local_nat, HeadShare share, int head_vecs) {
+  if (!barrier_block(team, slots[blockIdx.x])) return;
+  const int W = team.world;
+  const int64_t row = share.width * head_vecs, per_x = W * row, total = n * per_x;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t x = e / per_x, rest = e - x * per_x;
+    const int j = static_cast<int>((rest / row + team.rank) % W);  // rank-staggered destinations
+    const int64_t c = rest % row;
+    team.peer_ptr(natural, j)[int64_t(__ldg(local_nat + x)) * row + c] =
+        src[(x * share.groups + first_head(share, j, W)) * head_vecs + c];
+  }
+  (void)barrier_block(team, slots[blockIdx.x]);
+}
+
+// 8 values from 16-bit or fp32 memory, and 8 to 16-bit memory.
+template <class In>
+__device__ __forceinline__ void load8(const In* p, float (&v)[8]) {
+  if constexpr (std::is_same_v<In, float>) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const In* h = reinterpret_cast<const In*>(&u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(h[i]);
+  }
+}
+template <class Out>
+__device__ __forceinline__ void store8(Out* p, const float (&v)[8]) {
+  uint4 u;
+  Out* h = reinterpret_cast<Out*>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) h[i] = static_cast<Out>(v[i]);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+
+// Element packs of 8: dst[x][g][d..d+8) = sum over the ranks s holding head g of s's natural[nat(x)][g -
+// first(s)][d..d+8).
+template <class In, class Out>
+__global__ void pull_rows_kernel(TeamView team, BarrierSlots slots, const In* natural, Out* dst, int64_t n,
+                                 const int32_t* local_nat, HeadShare share, int head_dim) {
+  if (!barrier_block(team, slots[blockIdx.x])) return;
+  const int W = team.world, packs = head_dim / 8;
+  const int64_t per_x = share.groups * packs, total = n * per_x;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t x = e / per_x, rest = e - x * per_x, g = rest / packs, d = (rest - g * packs) * 8;
+    const int64_t nat = __ldg(local_nat + x);
+    float sum[8] = {};
+    for (int k = 0; k < W; ++k) {
+      const int s = (k + team.rank) % W;
+      const int64_t first = first_head(share, s, W);
+      if (g < first || g >= first + share.width) continue;
+      float v[8];
+      load8(team.peer_ptr(natural, s) + (nat * share.width + (g - first)) * head_dim + d, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum[i] += v[i];
+    }
+    store8(dst + (x * share.groups + g) * head_dim + d, sum);
   }
 }
 
-// natural [heads, rows] <-> ranked [W][heads][max_local].
-__global__ void move_lse(const float* src, float* dst, const int32_t* index, int64_t heads, int64_t rows,
-                         int64_t max_local, bool to_natural) {
-  const int64_t n = heads * rows;
-  for (int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; x < n;
-       x += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t h = x / rows, i = x - h * rows;
-    const int64_t at = __ldg(index + i), s = at / max_local, local = at - s * max_local;
-    const int64_t other = (s * heads + h) * max_local + local;
-    if (to_natural)
-      dst[x] = src[other];
+// LSE: local [heads][n] <-> rank j's natural [heads / W][total] (head h of rank j is j * heads / W + h).
+__global__ void move_lse_kernel(TeamView team, float* local, int64_t n, float* natural,
+                                const int32_t* local_nat, int64_t heads, int64_t total, bool push) {
+  const int64_t per_rank = heads / team.world, count = heads * n;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t h = e / n, x = e - h * n;
+    const int j = static_cast<int>(h / per_rank);
+    float* at = team.peer_ptr(natural, j) + (h - j * per_rank) * total + __ldg(local_nat + x);
+    if (push)
+      *at = local[e];
     else
-      dst[other] = src[x];
+      local[e] = *at;
   }
-}
-
-template <class T>
-__global__ void round_pairs(const float* src, T* dst, int64_t n) {
-  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 2; i < n;
-       i += int64_t(gridDim.x) * blockDim.x * 2)
-    *reinterpret_cast<uint32_t*>(dst + i) = tile::pack2<T>(src[i], src[i + 1]);
 }
 
 int grid_for(int64_t n) {
@@ -78,83 +129,82 @@ int64_t max_local_rows(const RingLayout& L) {
   return m;
 }
 
-void reserve_collective_workspace(Communicator& comm, const std::vector<Plan>& collectives,
-                                  cudaStream_t stream) {
-  uint64_t need = 0;
-  for (const Plan& p : collectives) need = std::max(need, p.workspace_bytes());
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (need > 0) comm.workspace(need, capture != cudaStreamCaptureStatusNone);
-}
-
 void upload_words(int32_t* dst, const std::vector<int32_t>& words, cudaStream_t stream) {
+  detail::preload<&store_words>();
   for (size_t at = 0; at < words.size(); at += kWordsPerLaunch) {
     const int n = static_cast<int>(std::min<size_t>(kWordsPerLaunch, words.size() - at));
     Words w{};
     std::copy_n(words.data() + at, n, w.w);
-    detail::preload<&store_words>();
     store_words<<<1, 256, 0, stream>>>(dst + at, w, n);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
 }
 
-void write_rank_order_index(const RingLayout& L, int64_t max_local, int32_t* index, cudaStream_t stream) {
-  const std::vector<RowRun> runs = ring_runs(L);
+void write_local_to_natural(const RingLayout& L, int r, int32_t* natural, cudaStream_t stream) {
+  std::vector<RowRun> runs;
+  for (const RowRun& run : ring_runs(L))
+    if (run.rank == r) runs.push_back(run);  // in local order
+  detail::preload<&expand_runs>();
   for (size_t at = 0; at < runs.size(); at += kRunsPerLaunch) {
     const int n = static_cast<int>(std::min<size_t>(kRunsPerLaunch, runs.size() - at));
-    Runs r{};
+    Runs batch{};
     for (int i = 0; i < n; ++i) {
-      const RowRun& run = runs[at + i];
-      r.natural[i] = static_cast<int32_t>(run.natural);
-      r.ranked[i] = static_cast<int32_t>(run.rank * max_local + run.local);
-      r.length[i] = static_cast<int32_t>(run.length);
+      batch.local[i] = static_cast<int32_t>(runs[at + i].local);
+      batch.natural[i] = static_cast<int32_t>(runs[at + i].natural);
     }
-    detail::preload<&expand_runs>();
-    expand_runs<<<n, 256, 0, stream>>>(index, r);
+    const RowRun& last = runs[at + n - 1];
+    expand_runs<<<n, 256, 0, stream>>>(natural, batch, n, static_cast<int32_t>(last.local + last.length));
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
 }
 
-void rows_to_natural(const void* ranked, void* natural, const int32_t* index, int64_t rows, size_t row_bytes,
-                     cudaStream_t stream) {
-  const int vecs = static_cast<int>(row_bytes / 16);
-  detail::preload<&move_rows>();
-  move_rows<<<grid_for(rows * vecs), 256, 0, stream>>>(static_cast<const uint4*>(ranked),
-                                                       static_cast<uint4*>(natural), index, rows, vecs, true);
+void push_rows(Communicator& comm, Rank& rank, const void* src, int64_t n, void* natural,
+               const int32_t* local_nat, const HeadShare& share, int64_t head_dim, int64_t max_local,
+               cudaStream_t stream) {
+  // The grid from the longest rank's rows: the same on every rank (block b meets block b).
+  const int blocks = collective_blocks(rank, uint64_t(max_local * rank.world() * share.width * head_dim * 2));
+  detail::preload<&push_rows_kernel>();
+  push_rows_kernel<<<blocks, 512, 0, stream>>>(
+      rank.view(), meeting_slots(comm), static_cast<const uint4*>(src), n, static_cast<uint4*>(natural),
+      local_nat, share, static_cast<int>(head_dim * 2 / 16));
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
-void rows_to_ranked(const void* natural, void* ranked, const int32_t* index, int64_t rows, size_t row_bytes,
-                    cudaStream_t stream) {
-  const int vecs = static_cast<int>(row_bytes / 16);
-  detail::preload<&move_rows>();
-  move_rows<<<grid_for(rows * vecs), 256, 0, stream>>>(static_cast<const uint4*>(natural),
-                                                       static_cast<uint4*>(ranked), index, rows, vecs, false);
+void pull_rows(Communicator& comm, Rank& rank, const void* natural, bool natural_fp32, void* dst, int64_t n,
+               const int32_t* local_nat, const HeadShare& share, int64_t head_dim, int64_t max_local,
+               DType dtype, cudaStream_t stream) {
+  const int blocks = collective_blocks(rank, uint64_t(max_local * share.groups * head_dim * 2));
+  auto launch = [&](auto* in, auto* out) {
+    constexpr auto kernel = &pull_rows_kernel<std::remove_cv_t<std::remove_pointer_t<decltype(in)>>,
+                                              std::remove_pointer_t<decltype(out)>>;
+    detail::preload<kernel>();
+    kernel<<<blocks, 512, 0, stream>>>(rank.view(), meeting_slots(comm), in, out, n, local_nat, share,
+                                       static_cast<int>(head_dim));
+  };
+  const bool half = dtype == DType::kFP16;
+  if (natural_fp32 && half) launch(static_cast<const float*>(natural), static_cast<__half*>(dst));
+  if (natural_fp32 && !half) launch(static_cast<const float*>(natural), static_cast<__nv_bfloat16*>(dst));
+  if (!natural_fp32 && half) launch(static_cast<const __half*>(natural), static_cast<__half*>(dst));
+  if (!natural_fp32 && !half)
+    launch(static_cast<const __nv_bfloat16*>(natural), static_cast<__nv_bfloat16*>(dst));
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
-void lse_to_natural(const float* ranked, float* natural, const int32_t* index, int64_t heads, int64_t rows,
-                    int64_t max_local, cudaStream_t stream) {
-  detail::preload<&move_lse>();
-  move_lse<<<grid_for(heads * rows), 256, 0, stream>>>(ranked, natural, index, heads, rows, max_local, true);
+void push_lse(const Rank& rank, const float* lse, int64_t n, float* natural, const int32_t* local_nat,
+              int64_t heads, int64_t total, cudaStream_t stream) {
+  if (n == 0) return;
+  detail::preload<&move_lse_kernel>();
+  move_lse_kernel<<<grid_for(heads * n), 256, 0, stream>>>(rank.view(), const_cast<float*>(lse), n, natural,
+                                                           local_nat, heads, total, true);
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
-void lse_to_ranked(const float* natural, float* ranked, const int32_t* index, int64_t heads, int64_t rows,
-                   int64_t max_local, cudaStream_t stream) {
-  detail::preload<&move_lse>();
-  move_lse<<<grid_for(heads * rows), 256, 0, stream>>>(natural, ranked, index, heads, rows, max_local, false);
-  WEFT_CUDA_CHECK(cudaGetLastError());
-}
-
-void round_fp32(const float* src, void* dst, int64_t n, DType dtype, cudaStream_t stream) {
-  if (n <= 0) return;
-  detail::preload<&round_pairs<__half>>();
-  detail::preload<&round_pairs<__nv_bfloat16>>();
-  if (dtype == DType::kFP16)
-    round_pairs<<<grid_for(n / 2), 256, 0, stream>>>(src, static_cast<__half*>(dst), n);
-  else
-    round_pairs<<<grid_for(n / 2), 256, 0, stream>>>(src, static_cast<__nv_bfloat16*>(dst), n);
+void pull_lse(const Rank& rank, const float* natural, float* lse, int64_t n, const int32_t* local_nat,
+              int64_t heads, int64_t total, cudaStream_t stream) {
+  if (n == 0) return;
+  detail::preload<&move_lse_kernel>();
+  move_lse_kernel<<<grid_for(heads * n), 256, 0, stream>>>(rank.view(), lse, n, const_cast<float*>(natural),
+                                                           local_nat, heads, total, false);
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 

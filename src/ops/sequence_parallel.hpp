@@ -1,9 +1,14 @@
 // What the sequence-parallel attention ops (context_attention.cu, ulysses_attention.cu) share: the layout's
-// device form and the row moves between rank order and natural order. Rank order: every rank's local rows
-// padded to the longest rank's count (`max_local`), rank s's local row x at s * max_local + x (what an
-// all-gather or all-to-all of padded shards gives); natural order: the packed sequence's rows
-// (ring_tokens' positions). Everything here is enqueued on a stream without host synchronization and from
-// no pageable memory, so it can be captured in CUDA graphs.
+// device form and the moves of rows between a rank's local rows (ring layout) and natural-order buffers
+// (the packed sequence's rows, ring_tokens' positions) in the ranks' symmetric heaps. Kernels push straight
+// into the peers' buffers and pull straight from them: one pass over the data, no staging. Everything is
+// enqueued without host synchronization and from no pageable memory, so it can be captured in CUDA graphs.
+//
+// Ordering. push_rows meets the team before it writes (every peer is done with the buffers of its previous
+// call: its kernels before this one on its stream have finished) and after (every push into this rank has
+// landed). pull_rows meets before it reads (every peer's kernels before it, e.g. the attention that wrote the
+// buffer, have finished). push_lse / pull_lse do not meet: they go between push_rows calls / after a
+// pull_rows, whose meetings order them.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -12,7 +17,6 @@
 
 #include "ring_attention_plan.hpp"
 #include "weft/dtype.hpp"
-#include "weft/ops/plan.hpp"
 #include "weft/runtime/communicator.hpp"
 
 namespace weft::ops {
@@ -23,36 +27,40 @@ inline size_t round256(size_t b) {
 
 int64_t max_local_rows(const RingLayout& L);
 
-// Grows the communicator's shared workspace to what the largest of an op's collective calls needs, before
-// the op enqueues any of them. In single-process mode the first rank's call grows it for every local rank:
-// growing between two collectives of one op would leave ranks that already enqueued the first on the old
-// buffer and the others on the new one.
-void reserve_collective_workspace(Communicator& comm, const std::vector<Plan>& collectives,
-                                  cudaStream_t stream);
-
 // Writes `words` to device memory at `dst` through kernel arguments (no host buffer has to outlive the
 // call; a graph captures the values).
 void upload_words(int32_t* dst, const std::vector<int32_t>& words, cudaStream_t stream);
 
-// index[natural row] = its rank-order row, for the whole sequence (sum of doc_length entries), built on the
-// device from the layout's runs.
-void write_rank_order_index(const RingLayout& L, int64_t max_local, int32_t* index, cudaStream_t stream);
+// natural[x] = the natural row of rank r's local row x, for its L.local_rows(r) rows.
+void write_local_to_natural(const RingLayout& L, int r, int32_t* natural, cudaStream_t stream);
 
-// Row moves by that index, `row_bytes` (a multiple of 16) per row, `rows` natural rows:
-//   to_natural:  natural[i] = ranked[index[i]]
-//   to_ranked:   ranked[index[i]] = natural[i]   (rank-order padding rows untouched)
-void rows_to_natural(const void* ranked, void* natural, const int32_t* index, int64_t rows, size_t row_bytes,
-                     cudaStream_t stream);
-void rows_to_ranked(const void* natural, void* ranked, const int32_t* index, int64_t rows, size_t row_bytes,
-                    cudaStream_t stream);
+// Which heads of a row of `groups` heads rank j holds in the natural-order buffers: [first(j), first(j) +
+// width) with first(j) = j * groups / W (Ulysses' head groups; with fewer heads than ranks W / groups
+// ranks share one), or all of them on every rank (`replicate`: the all-gather of K / V).
+struct HeadShare {
+  int64_t groups = 0, width = 0;
+  bool replicate = false;
+  static HeadShare split(int64_t groups, int world) {
+    return {groups, std::max<int64_t>(1, groups / world), false};
+  }
+  static HeadShare all(int64_t groups) { return {groups, groups, true}; }
+};
 
-// Per-head rows of fp32 (LSE): natural [heads, rows] and rank order [W][heads][max_local].
-void lse_to_natural(const float* ranked, float* natural, const int32_t* index, int64_t heads, int64_t rows,
-                    int64_t max_local, cudaStream_t stream);
-void lse_to_ranked(const float* natural, float* ranked, const int32_t* index, int64_t heads, int64_t rows,
-                   int64_t max_local, cudaStream_t stream);
-
-// fp32 -> bf16 / fp16, n elements (even).
-void round_fp32(const float* src, void* dst, int64_t n, DType dtype, cudaStream_t stream);
+// Every rank's copy of `natural` ([total][share.width][head_dim], 16-bit, this rank's pointer into its
+// symmetric heap) gets rows local_nat[x] of this rank's rows `src` ([n][share.groups][head_dim]), its heads.
+void push_rows(Communicator& comm, Rank& rank, const void* src, int64_t n, void* natural,
+               const int32_t* local_nat, const HeadShare& share, int64_t head_dim, int64_t max_local,
+               cudaStream_t stream);
+// This rank's rows `dst` ([n][share.groups][head_dim], 16-bit `dtype`) from rows local_nat[x] of every
+// rank's copy of `natural` ([total][share.width][head_dim], 16-bit `dtype` or fp32), a head summed over
+// the ranks that hold it (in fp32, rounded once).
+void pull_rows(Communicator& comm, Rank& rank, const void* natural, bool natural_fp32, void* dst, int64_t n,
+               const int32_t* local_nat, const HeadShare& share, int64_t head_dim, int64_t max_local,
+               DType dtype, cudaStream_t stream);
+// LSE between this rank's [heads][n] and every rank's natural [heads / W][total] (fp32; Ulysses' heads).
+void push_lse(const Rank& rank, const float* lse, int64_t n, float* natural, const int32_t* local_nat,
+              int64_t heads, int64_t total, cudaStream_t stream);
+void pull_lse(const Rank& rank, const float* natural, float* lse, int64_t n, const int32_t* local_nat,
+              int64_t heads, int64_t total, cudaStream_t stream);
 
 }  // namespace weft::ops

@@ -1,16 +1,22 @@
-// weft::context_attention_forward: attention over a sequence sharded across a team (context parallelism),
-// each rank holding its local rows of q, k and v in ring attention's layout (src/ops/ring_attention_plan.hpp;
-// Python: weft.ring_shard): every rank gathers the whole K / V in natural order (weft::all_gather, then a row
-// permutation), then attends its own queries in one call of weft's attention over packed segments (per
-// document and query part, the keys up to the part's end under a bottom-right causal mask, or the whole
-// document). Host-only header.
+// Sequence-parallel attention (context parallelism): attention over a sequence sharded across a team, each
+// rank holding its local rows of q, k and v in ring attention's layout (src/ops/ring_attention_plan.hpp;
+// Python: weft.ring_shard). Two methods, one set of arguments:
+//   context_attention_*  every rank pushes its K / V rows into every rank's natural-order K / V, then
+//                        attends its own queries in one call of weft's attention over packed segments (per
+//                        document and query part, the keys up to the part's end under a bottom-right causal
+//                        mask, or the whole document). The backward sums dK / dV over the team in fp32.
+//   ulysses_attention_*  every rank sends each rank that rank's share of the heads of its rows; each attends
+//                        its heads over the whole sequence; the outputs come back.
+// Host-only header.
 //
 // q, out: [local_rows, heads, head_dim]; k, v: [local_rows, kv_heads, head_dim]; lse (optional): [heads,
 // local_rows] fp32; bf16 or fp16; local_rows is this rank's row count of the layout of `doc_lengths` (the
-// packed documents' lengths, the same on every rank) over the team, zigzag when options.causal. Every rank of
-// the team calls it with the same doc_lengths and options (single-process: once per local rank). The
-// workspace (device memory on the rank's GPU, context_attention_workspace_bytes(), 256-byte aligned) holds
-// the gathered K / V; calls on one stream may share it.
+// packed documents' lengths, the same on every rank) over the team, zigzag when options.causal
+// (context_attention_local_rows). Every rank of the team calls it with the same doc_lengths and options
+// (single-process: once per local rank). The workspace (device memory on the rank's GPU, the op's
+// workspace_bytes(), 256-byte aligned) holds the layout and the attention backward's scratch; calls on one
+// stream may share it. The natural-order buffers live in the communicator's workspace area named after the
+// method (symmetric memory, grown by the first call of a size: run a call before capturing a CUDA graph).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -45,13 +51,11 @@ void context_attention_backward(Communicator& comm, Rank& rank, const void* q, c
                                 DType dtype, cudaStream_t stream = nullptr,
                                 const AttentionOptions& options = {});
 
-// Ulysses: the same layout and arguments, another method. Every rank sends each other rank that rank's
-// share of the heads for its own rows (all-to-all), attends heads / W query heads over the whole sequence in
-// one packed call, and sends the output rows back (all-to-all). Needs heads % W == 0 and either kv_heads % W
-// == 0 (each rank gets kv_heads / W K / V heads) or W % kv_heads == 0 (a K / V head goes to the W / kv_heads
-// ranks that attend its query heads; their dK / dV are summed in fp32). It moves 4 (forward) or 10
-// (backward) activation-sized tensors per rank where context_attention moves the whole K / V W-fold; the
-// attention calls are the same work.
+// Ulysses: heads / W query heads per rank over the whole sequence. Needs heads % W == 0 and either kv_heads
+// % W == 0 (each rank gets kv_heads / W K / V heads) or W % kv_heads == 0 (a K / V head goes to the W /
+// kv_heads ranks that attend its query heads; their dK / dV are summed in fp32). Each rank sends and receives
+// about 4 (forward) or 8 (backward) of its activation-sized tensors where context_attention receives the
+// whole K / V; the attention work is the same.
 size_t ulysses_attention_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                          int64_t heads, int64_t kv_heads, int64_t head_dim);
 void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
