@@ -14,6 +14,7 @@
 
 #include "weft/ops/attention.hpp"
 #include "weft/ops/collectives.hpp"
+#include "weft/ops/context_attention.hpp"
 #include "weft/ops/fused.hpp"
 #include "weft/runtime/communicator.hpp"
 #include "ops/ring_attention_plan.hpp"
@@ -323,6 +324,62 @@ PYBIND11_MODULE(_weft, m) {
       py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("workspace"),
       py::arg("workspace_bytes"), py::arg("shape"), py::arg("causal"), py::arg("scale"), py::arg("stream"),
       py::arg("segments") = py::tuple(), py::arg("dtype") = "bf16", py::arg("deterministic") = false);
+
+  // Sequence-parallel attention on this process's rank: method "all_gather" (weft::context_attention_*) or
+  // "ulysses"; tensors in ring attention's layout of doc_lengths (weft/ops/context_attention.hpp).
+  auto ulysses = [](const std::string& method) {
+    if (method != "all_gather" && method != "ulysses")
+      throw weft::Error("weft: context attention method must be 'all_gather' or 'ulysses', got '" + method +
+                        "'");
+    return method == "ulysses";
+  };
+  m.def("context_attention_workspace_bytes",
+        [=](const std::string& method, int world, const std::vector<int64_t>& docs, bool causal,
+            int64_t heads, int64_t kv_heads, int64_t head_dim, bool backward) -> uint64_t {
+          if (ulysses(method))
+            return backward ? weft::ulysses_attention_backward_workspace_bytes(world, docs, causal, heads,
+                                                                               kv_heads, head_dim)
+                            : weft::ulysses_attention_workspace_bytes(world, docs, causal, heads, kv_heads,
+                                                                      head_dim);
+          return backward ? weft::context_attention_backward_workspace_bytes(world, docs, causal, heads,
+                                                                             kv_heads, head_dim)
+                          : weft::context_attention_workspace_bytes(world, docs, causal, kv_heads, head_dim);
+        });
+  m.def("context_attention_local_rows",
+        [](int world, int rank, const std::vector<int64_t>& docs, bool causal) {
+          return weft::context_attention_local_rows(world, rank, docs, causal);
+        });
+  m.def("context_attention_forward",
+        [=](const Comm& c, const std::string& method, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
+            uintptr_t lse, const std::vector<int64_t>& docs, int64_t heads, int64_t kv_heads,
+            int64_t head_dim, uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype,
+            uintptr_t stream, bool causal, float scale) {
+          weft::AttentionOptions o;
+          o.causal = causal;
+          o.softmax_scale = scale;
+          auto* op = ulysses(method) ? &weft::ulysses_attention_forward : &weft::context_attention_forward;
+          op(*c.comm, c.rank(), reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
+             reinterpret_cast<const void*>(v), reinterpret_cast<void*>(out), reinterpret_cast<float*>(lse),
+             docs, heads, kv_heads, head_dim, reinterpret_cast<void*>(workspace), workspace_bytes,
+             parse_dtype(dtype), c.stream(stream), o);
+        });
+  m.def("context_attention_backward",
+        [=](const Comm& c, const std::string& method, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
+            uintptr_t dout, uintptr_t lse, uintptr_t dq, uintptr_t dk, uintptr_t dv,
+            const std::vector<int64_t>& docs, int64_t heads, int64_t kv_heads, int64_t head_dim,
+            uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype, uintptr_t stream,
+            bool causal, float scale) {
+          weft::AttentionOptions o;
+          o.causal = causal;
+          o.softmax_scale = scale;
+          auto* op = ulysses(method) ? &weft::ulysses_attention_backward : &weft::context_attention_backward;
+          op(*c.comm, c.rank(), reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
+             reinterpret_cast<const void*>(v), reinterpret_cast<const void*>(out),
+             reinterpret_cast<const void*>(dout), reinterpret_cast<const float*>(lse),
+             reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk), reinterpret_cast<void*>(dv), docs,
+             heads, kv_heads, head_dim, reinterpret_cast<void*>(workspace), workspace_bytes,
+             parse_dtype(dtype), c.stream(stream), o);
+        });
 
   // Fused tensor-parallel ops (bf16): b_layout "kn" ([K, N] row-major) or "nk" (an [N, K] weight); the
   // return value names the path that ran ("fused" or "sequential").

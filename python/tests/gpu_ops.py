@@ -85,6 +85,41 @@ def main():
         check(f"matmul_reduce_scatter {m_shard}x{n}x{k}", weft.matmul_reduce_scatter(a_full, w.t().contiguous()),
               mine)
         cases += 3
+    # Sequence-parallel attention: every rank builds the same whole sequence, attends its ring shard with
+    # each method, and compares output and gradients with single-GPU weft.flash_attention over the whole
+    # sequence, sharded alike (the same kernel: agreement to rounding).
+    ag = torch.Generator(device="cuda").manual_seed(99)  # the same on every rank
+    for method in ("all_gather", "ulysses"):
+        for causal, seq, heads, kv_heads, dim, docs in ((True, 1000, 2 * world, world, 128, None),
+                                                        (False, 777, 2 * world, 1, 64, None),
+                                                        (True, 1300, 2 * world, 2 * world, 64, [0, 300, 301, 1300])):
+            q = torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=ag)
+            k = torch.randn(1, seq, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=ag)
+            v = torch.randn(1, seq, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=ag)
+            dout = torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=ag)
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            if docs is None:
+                ref = weft.flash_attention(*leaves, causal=causal)
+                shard = lambda x: weft.ring_shard(x, world, rank, causal=causal, dim=1)
+            else:
+                cu = torch.tensor(docs, dtype=torch.int32, device="cuda")
+                longest = max(b - a for a, b in zip(docs, docs[1:]))
+                ref = weft.flash_attention_varlen(*(x[0] for x in leaves), cu, cu, longest, longest,
+                                                  causal=causal).unsqueeze(0)
+                shard = lambda x: weft.ring_shard(x[0], world, rank, causal=causal, dim=0, cu_seqlens=docs)
+            ref.backward(dout)
+            mine = [shard(x).clone().requires_grad_() for x in (q, k, v)]
+            if docs is None:
+                out = weft.context_attention(*mine, causal=causal, method=method, seq_len=seq)
+            else:
+                out = weft.context_attention(*mine, causal=causal, method=method, cu_seqlens=docs)
+            out.backward(shard(dout))
+            label = f"context_attention {method} causal={causal} seq={seq} H={heads}/{kv_heads} D={dim}" + \
+                (" packed" if docs else "")
+            check(label, out, shard(ref.detach()))
+            for name, got, leaf in zip(("dq", "dk", "dv"), mine, leaves):
+                check(f"{label} {name}", got.grad, shard(leaf.grad))
+            cases += 4
     # Symmetric tensors through DLPack, out=, and a captured graph.
     n = 1 << 20
     sym_in = torch.from_dlpack(comm.empty((n,), "bf16"))

@@ -38,7 +38,7 @@ class WeftTypeError(WeftError, TypeError):
 __all__ = ["init", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
            "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
            "matmul_all_reduce", "flash_attention", "flash_attention_varlen", "ring_shard_indices", "ring_shard",
-           "ring_unshard"]
+           "ring_unshard", "context_attention", "ulysses_attention"]
 
 # DLPack device types (dlpack.h DLDeviceType) for messages.
 _DLPACK_DEVICES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI",
@@ -594,6 +594,131 @@ def ring_unshard(shards, causal=True, dim=1, cu_seqlens=None):
                                  f"the layout gives it {len(idx)}")
         out.index_copy_(d, torch.tensor(idx, dtype=torch.long, device=x.device), x)
     return out
+
+
+# ---- sequence-parallel attention (a team; ring attention's layout) -------------------------------------
+_context_fn = None
+
+
+def _context_attention_fn():
+    """The torch.autograd.Function of context_attention, made once torch is there."""
+    global _context_fn
+    if _context_fn is None:
+        torch = sys.modules["torch"]
+
+        class ContextAttention(torch.autograd.Function):
+            # q, k, v: [rows, heads, dim] views; call: (native comm, method, docs, causal, scale, stream).
+            @staticmethod
+            def forward(ctx, q, k, v, call):
+                native, method, docs, causal, scale, stream = call
+                heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+                out = torch.empty_like(q)
+                lse = torch.empty((heads, q.shape[0]), dtype=torch.float32, device=q.device)
+                nbytes = _weft.context_attention_workspace_bytes(method, native.world_size, docs, causal, heads,
+                                                                 kv_heads, dim, False)
+                ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=q.device)
+                _weft.context_attention_forward(native, method, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                                out.data_ptr(), lse.data_ptr(), docs, heads, kv_heads, dim,
+                                                ws.data_ptr(), nbytes, _dtype_name(q.dtype), stream, causal, scale)
+                ctx.save_for_backward(q, k, v, out, lse)
+                ctx.call = call
+                ctx.mark_non_differentiable(lse)
+                return out, lse
+
+            @staticmethod
+            def backward(ctx, dout, _dlse):
+                q, k, v, out, lse = ctx.saved_tensors
+                native, method, docs, causal, scale, _ = ctx.call
+                stream = torch.cuda.current_stream(q.device).cuda_stream
+                heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+                dout = dout.contiguous()
+                if dout.dtype != q.dtype:
+                    dout = dout.to(q.dtype)
+                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                nbytes = _weft.context_attention_workspace_bytes(method, native.world_size, docs, causal, heads,
+                                                                 kv_heads, dim, True)
+                ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=q.device)
+                _weft.context_attention_backward(native, method, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                                 out.data_ptr(), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(),
+                                                 dk.data_ptr(), dv.data_ptr(), docs, heads, kv_heads, dim,
+                                                 ws.data_ptr(), nbytes, _dtype_name(q.dtype), stream, causal, scale)
+                return dq, dk, dv, None
+
+        _context_fn = ContextAttention
+    return _context_fn
+
+
+def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, cu_seqlens=None,
+                      softmax_scale=None, return_lse=False, comm=None):
+    """Attention over a sequence sharded across the team (context parallelism), with autograd.
+
+    Every rank calls it with its shard in ring attention's layout (weft.ring_shard: zigzag when causal).
+    q [batch, local_seq, heads, dim], k and v [batch, local_seq, kv_heads, dim]: each of the batch's
+    sequences (global length seq_len, default local_seq * world) sharded alike; or a packed batch of
+    documents: q [local_rows, heads, dim], k and v [local_rows, kv_heads, dim] with cu_seqlens the documents'
+    global offsets [0, l0, l0 + l1, ...] (a list or tensor; the same on every rank). bf16 or fp16, dim 64
+    or 128, on this rank's GPU. Attention never crosses a document; causal masks each one.
+    method "all_gather": every rank gathers the whole K / V and attends its own queries (any head counts);
+    "ulysses": heads are split over the ranks (heads a multiple of the world size, kv_heads and the world
+    size dividing one another), each rank attends its heads over the whole sequence.
+    Returns the output (like q), and with return_lse=True also the fp32 log-sum-exp [heads, local rows]
+    (rows in q's order, batch-major; not differentiable). Runs on torch's current stream.
+    """
+    where = "weft.context_attention"
+    t = _torch_api()
+    if t is None or not all(isinstance(x, t.Tensor) for x in (q, k, v)):
+        raise WeftTypeError(f"{where}: q, k and v must be torch tensors")
+    if method not in ("all_gather", "ulysses"):
+        raise WeftValueError(f"{where}: method must be 'all_gather' or 'ulysses', got {method!r}")
+    c = _comm(comm)
+    packed = cu_seqlens is not None
+    ndim = 3 if packed else 4
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_cuda or x.get_device() != c.device:
+            raise WeftValueError(f"{where}: {name} must be a CUDA tensor on this rank's cuda:{c.device}, got one "
+                                 f"on {x.device}")
+        if x.dim() != ndim:
+            raise WeftValueError(f"{where}: {name} must be {ndim}-d "
+                                 f"{'[local_rows, heads, dim] with cu_seqlens' if packed else '[batch, local_seq, heads, dim]'}"
+                                 f", got shape {tuple(x.shape)}")
+        if x.dtype != q.dtype or _dtype_name(x.dtype) not in ("bf16", "fp16"):
+            raise WeftTypeError(f"{where}: q, k and v must all be bf16 or all fp16, got {q.dtype}, {k.dtype}, "
+                                f"{v.dtype}")
+    if k.shape != v.shape or k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+        raise WeftValueError(f"{where}: k and v must be [..., kv_heads, dim] over q's rows, got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    heads, kv_heads, dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    if dim not in (64, 128):
+        raise WeftValueError(f"{where}: dim must be 64 or 128, got {dim}")
+    if kv_heads < 1 or heads % kv_heads != 0:
+        raise WeftValueError(f"{where}: heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    world = c.world_size
+    if packed:
+        docs = _ring_documents(None, cu_seqlens)
+    else:
+        batch, local = q.shape[0], q.shape[1]
+        docs = [int(seq_len) if seq_len is not None else local * world] * batch
+    rows = _weft.context_attention_local_rows(world, c.rank, docs, bool(causal))
+    have = q.shape[0] if packed else q.shape[0] * q.shape[1]
+    if have != rows:
+        raise WeftValueError(f"{where}: rank {c.rank} of {world} holds {rows} rows of that layout, q has {have}"
+                             + ("" if packed else " (pass seq_len= when the global length is not local_seq x world)"))
+    scale = 1.0 / math.sqrt(dim) if softmax_scale is None else float(softmax_scale)
+    if not scale > 0:
+        raise WeftValueError(f"{where}: softmax_scale must be positive, got {softmax_scale}")
+    stream = t.current_stream(c.device).cuda_stream
+    flat = lambda x: x.contiguous().view(-1, x.shape[-2], x.shape[-1])
+    out, lse = _context_attention_fn().apply(flat(q), flat(k), flat(v),
+                                             (c._c, method, docs, bool(causal), scale, stream))
+    out = out.view(q.shape)
+    return (out, lse) if return_lse else out
+
+
+def ulysses_attention(q, k, v, causal=False, seq_len=None, cu_seqlens=None, softmax_scale=None, return_lse=False,
+                      comm=None):
+    """weft.context_attention with method="ulysses" (heads split over the ranks)."""
+    return context_attention(q, k, v, causal=causal, method="ulysses", seq_len=seq_len, cu_seqlens=cu_seqlens,
+                             softmax_scale=softmax_scale, return_lse=return_lse, comm=comm)
 
 
 # Communicator's bound ops say what the module-level ones say.
