@@ -1,0 +1,53 @@
+// weft::moe_dispatch: the token exchange of an expert-parallel MoE layer (experts split evenly over the
+// team: rank r holds experts [r E / W, (r + 1) E / W)). Each rank routes its tokens to top-k experts; a token
+// travels once to each rank that holds any of its experts, and there fills one row of each of its experts'
+// row groups. The layout (src/ops/moe_layout.hpp: groups by local expert, each padded to `align` rows;
+// within a group rows by source rank, then token order) is computed on the device, with no host
+// synchronisation, so a dispatch can be captured in a CUDA graph. Host-only header.
+//
+// Every rank of the team calls it with the same shape apart from `tokens` (single-process: once per local
+// rank). tokens: [tokens, hidden] bf16 / fp16 device rows; experts: [tokens, top_k] int32 global expert ids
+// on the device (-1: a dropped slot; one expert may appear twice). Buffers are sized for the worst case
+// (max_tokens from every rank routed to this rank's experts), so no count has to reach the host.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "weft/dtype.hpp"
+#include "weft/runtime/communicator.hpp"
+
+namespace weft {
+
+struct MoeShape {
+  int64_t tokens = 0;      // this rank's tokens, 0..max_tokens
+  int64_t max_tokens = 0;  // the most any rank passes: the same on every rank
+  int64_t hidden = 0;      // a multiple of 8
+  int num_experts = 0;     // a multiple of the world size
+  int top_k = 0;           // 1..16
+  int align = 128;         // each local expert's rows padded to a multiple of this (grouped GEMM tiles)
+};
+
+// What a dispatch leaves on this rank (device pointers). rows and group_end live in the communicator's
+// workspace area "moe dispatch" and stay valid until the next dispatch on the team; row_of lives in the
+// caller's workspace.
+struct MoeDispatched {
+  const void* rows = nullptr;  // [capacity, hidden]: this rank's experts' rows, groups back to back
+  const int32_t* group_end =
+      nullptr;                      // [experts per rank]: each group's padded end (grouped_gemm's group_end)
+  const int32_t* row_of = nullptr;  // [tokens, top_k]: the row each slot filled on its expert's rank, -1
+                                    // for a dropped slot (combine reads the expert outputs there)
+  int64_t capacity = 0;             // rows of `rows`: the worst case, a multiple of align
+};
+
+// Rows an expert buffer holds at most: every rank's max_tokens, each in up to top_k groups (an expert may be
+// named twice), plus each group's padding.
+int64_t moe_capacity(int world, const MoeShape& shape);
+// The caller's workspace (device memory, 256-byte aligned) of a dispatch.
+size_t moe_dispatch_workspace_bytes(int world, const MoeShape& shape);
+
+MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                           const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                           cudaStream_t stream = nullptr);
+
+}  // namespace weft

@@ -1,0 +1,267 @@
+// weft::moe_dispatch (weft/ops/moe.hpp): the layout of src/ops/moe_layout.hpp computed on the device, and
+// the token rows pushed once per destination rank, then copied into the row groups of their other experts
+// there.
+//
+// The op's symmetric workspace area ("moe dispatch"), on every rank: counts [W sources][E + 1] (each
+// source's rows per global expert, then its token count; then this rank's group ends), records [W
+// sources][max_tokens][top_k] (per source token: the row each slot fills on this rank, or -1), rows
+// [capacity][hidden]. Steps, one stream: count this rank's slots per expert; exchange the counts (meet, push
+// to every rank, meet); positions (every rank derives every group's offset from the same counts, so a source
+// knows its rows' places on every destination); push (meet, each token's row to the first of its rows on each
+// destination and a record per (token, destination), meet); expand (the records' other rows, locally).
+#include <algorithm>
+#include <string>
+
+#include "op_args.hpp"
+#include "sequence_parallel.hpp"
+#include "weft/comm/barrier.cuh"
+#include "weft/ops/moe.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/kernel_preload.hpp"
+
+namespace weft {
+namespace {
+
+using ops::round256;
+const char* const kArea = "moe dispatch";
+
+struct Dims {
+  int world, rank, experts, per_rank, top_k, align;
+  int64_t tokens, max_tokens, hidden;
+};
+
+// Slots per expert; a dropped slot's row_of is -1 (place_slots writes the others).
+__global__ void count_slots(const int32_t* experts, int64_t slots, int num_experts, int32_t* counts,
+                            int32_t* row_of) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < slots;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int e = experts[i];
+    if (e >= num_experts) __trap();  // an expert id past the count: stop rather than scatter anywhere
+    if (e >= 0)
+      atomicAdd(counts + e, 1);
+    else
+      row_of[i] = -1;
+  }
+}
+
+// One block: every rank gets this rank's counts and token count in its row `rank` of the counts table.
+__global__ void exchange_counts(TeamView team, BarrierSlots slots, const int32_t* mine, int32_t tokens,
+                                int32_t* table, int experts) {
+  if (!barrier_block(team, slots[0])) return;
+  for (int p = 0; p < team.world; ++p) {
+    int32_t* row = team.peer_ptr(table, p) + int64_t(team.rank) * (experts + 1);
+    for (int i = threadIdx.x; i <= experts; i += blockDim.x) row[i] = i < experts ? mine[i] : tokens;
+  }
+  (void)barrier_block(team, slots[0]);
+}
+
+__device__ __forceinline__ int64_t padded(int64_t n, int align) {
+  return (n + align - 1) / align * align;
+}
+
+// Block e (a global expert): its group's place on its rank from the counts table, this rank's rows in it
+// by token order (a block-wide scan over the slots), and, on the expert's own rank, the group's end.
+__global__ void __launch_bounds__(256)
+    place_slots(const int32_t* table, const int32_t* experts, Dims d, int32_t* row_of, int32_t* group_end) {
+  __shared__ int64_t base_s;
+  __shared__ int warp_sums[8];
+  const int e = blockIdx.x, owner = e / d.per_rank, local = e % d.per_rank;
+  const int stride = d.experts + 1;
+  auto total = [&](int g) {
+    int64_t n = 0;
+    for (int s = 0; s < d.world; ++s) n += table[int64_t(s) * stride + g];
+    return n;
+  };
+  if (threadIdx.x == 0) {
+    int64_t offset = 0;
+    for (int g = owner * d.per_rank; g < e; ++g) offset += padded(total(g), d.align);
+    if (owner == d.rank) group_end[local] = static_cast<int32_t>(offset + padded(total(e), d.align));
+    for (int s = 0; s < d.rank; ++s) offset += table[int64_t(s) * stride + e];
+    base_s = offset;
+  }
+  __syncthreads();
+  int64_t base = base_s;
+  const int64_t slots = d.tokens * d.top_k;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int64_t at = 0; at < slots; at += blockDim.x) {
+    const int64_t i = at + threadIdx.x;
+    const bool mine = i < slots && experts[i] == e;
+    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+    if (lane == 0) warp_sums[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) {
+      before += w < warp ? warp_sums[w] : 0;
+      all += warp_sums[w];
+    }
+    if (mine) row_of[i] = static_cast<int32_t>(base + before + __popc(ballot & ((1u << lane) - 1)));
+    base += all;
+    __syncthreads();  // warp_sums reused
+  }
+}
+
+// Push: per (token, destination) a record of the rows the token fills there; per token and destination
+// holding any of its experts, the row itself into the first of them. One warp per (token, destination).
+__global__ void push_tokens(TeamView team, BarrierSlots slots, const uint4* tokens, const int32_t* experts,
+                            const int32_t* row_of, Dims d, int32_t* records, uint4* rows) {
+  if (!barrier_block(team, slots[blockIdx.x])) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32, row_vecs = d.hidden * 2 / 16;
+  const int64_t units = d.tokens * d.world;
+  for (int64_t u = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; u < units; u += warps) {
+    const int64_t t = u / d.world;
+    const int dest = static_cast<int>((u % d.world + team.rank) % d.world);  // rank-staggered
+    int first = -1;
+    for (int j = 0; j < d.top_k; ++j) {
+      const int e = experts[t * d.top_k + j];
+      const bool here = e >= 0 && e / d.per_rank == dest;
+      if (here && first < 0) first = row_of[t * d.top_k + j];
+      if (lane == j)
+        team.peer_ptr(records, dest)[(int64_t(team.rank) * d.max_tokens + t) * d.top_k + j] =
+            here ? row_of[t * d.top_k + j] : -1;
+    }
+    if (first < 0) continue;
+    uint4* to = team.peer_ptr(rows, dest) + int64_t(first) * row_vecs;
+    const uint4* from = tokens + t * row_vecs;
+    for (int64_t c = lane; c < row_vecs; c += 32) to[c] = from[c];
+  }
+  (void)barrier_block(team, slots[blockIdx.x]);
+}
+
+// Expand, on this rank: each received token's row from the first of its rows to the others. One warp per
+// (source, token).
+__global__ void expand_tokens(const int32_t* table, const int32_t* records, Dims d, uint4* rows) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32, row_vecs = d.hidden * 2 / 16;
+  const int64_t units = int64_t(d.world) * d.max_tokens;
+  for (int64_t u = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; u < units; u += warps) {
+    const int s = static_cast<int>(u / d.max_tokens);
+    const int64_t t = u % d.max_tokens;
+    if (t >= table[int64_t(s) * (d.experts + 1) + d.experts]) continue;  // past source s's tokens
+    const int32_t* rec = records + u * d.top_k;
+    int first = -1;
+    for (int j = 0; j < d.top_k; ++j) {
+      const int r = rec[j];
+      if (r < 0) continue;
+      if (first < 0) {
+        first = r;
+        continue;
+      }
+      for (int64_t c = lane; c < row_vecs; c += 32)
+        rows[int64_t(r) * row_vecs + c] = rows[int64_t(first) * row_vecs + c];
+    }
+  }
+}
+
+struct Sizes {
+  Dims d;
+  int64_t capacity;
+  size_t table_bytes, record_bytes, row_bytes, counts_bytes, row_of_bytes;
+  Sizes(int world, int rank, const MoeShape& s)
+      : d{world,    rank,         s.num_experts, world > 0 ? s.num_experts / world : 0, s.top_k, s.align,
+          s.tokens, s.max_tokens, s.hidden} {
+    capacity = moe_capacity(world, s);
+    // the table, then this rank's group ends
+    table_bytes = round256((size_t(world) * (s.num_experts + 1) + d.per_rank) * 4);
+    record_bytes = round256(size_t(world) * s.max_tokens * s.top_k * 4);
+    row_bytes = round256(size_t(capacity) * s.hidden * 2);
+    counts_bytes = round256(size_t(s.num_experts) * 4);
+    row_of_bytes = round256(size_t(std::max<int64_t>(s.max_tokens, 1)) * s.top_k * 4);
+  }
+};
+
+void check(const MoeShape& s, int world, const std::string& where) {
+  WEFT_CHECK(s.num_experts > 0 && s.num_experts % world == 0,
+             where + "num_experts (" + std::to_string(s.num_experts) +
+                 ") must be a positive multiple of the world size (" + std::to_string(world) + ")");
+  WEFT_CHECK(s.top_k >= 1 && s.top_k <= 16, where + "top_k must be 1..16, got " + std::to_string(s.top_k));
+  WEFT_CHECK(
+      s.hidden > 0 && s.hidden % 8 == 0,
+      where + "hidden must be a positive multiple of 8 (16-byte rows), got " + std::to_string(s.hidden));
+  WEFT_CHECK(s.max_tokens >= 0 && s.tokens >= 0 && s.tokens <= s.max_tokens,
+             where + "tokens (" + std::to_string(s.tokens) + ") must be 0..max_tokens (" +
+                 std::to_string(s.max_tokens) + ")");
+  WEFT_CHECK(s.align >= 1, where + "align must be at least 1");
+  WEFT_CHECK(moe_capacity(world, s) < (int64_t(1) << 31), where + "the expert buffer's rows exceed int32");
+}
+
+int grid_for(int64_t n, int per_block) {
+  return static_cast<int>(std::clamp<int64_t>((n + per_block - 1) / per_block, 1, 1056));
+}
+
+}  // namespace
+
+int64_t moe_capacity(int world, const MoeShape& s) {
+  const int per = world > 0 ? s.num_experts / world : 0;
+  const int64_t worst = int64_t(world) * s.max_tokens * s.top_k + int64_t(per) * (s.align - 1);
+  return (worst + s.align - 1) / s.align * s.align;
+}
+
+size_t moe_dispatch_workspace_bytes(int world, const MoeShape& shape) {
+  const Sizes z(world, 0, shape);
+  return z.counts_bytes + z.row_of_bytes;
+}
+
+MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                           const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                           cudaStream_t stream) {
+  const std::string where = "weft::moe_dispatch(rank " + std::to_string(rank.rank()) + " of " +
+                            std::to_string(rank.world()) + "): ";
+  check(shape, rank.world(), where);
+  WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
+  const Sizes z(rank.world(), rank.rank(), shape);
+  const size_t need = z.counts_bytes + z.row_of_bytes;
+  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
+             where + "the workspace must hold " + std::to_string(need) +
+                 " bytes (moe_dispatch_workspace_bytes()), got " + std::to_string(workspace_bytes));
+  ops::check_pointer_alignment(workspace, "workspace", 256, where);
+  if (shape.tokens > 0) {
+    ops::check_pointer_alignment(tokens, "tokens", 16, where);
+    ops::check_pointer_alignment(experts, "experts", 4, where);
+  }
+  if (stream == nullptr) stream = rank.stream();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  char* area = ops::workspace_of(comm, rank, z.table_bytes + z.record_bytes + z.row_bytes,
+                                 capture != cudaStreamCaptureStatusNone, where, kArea);
+  auto* table = reinterpret_cast<int32_t*>(area);
+  auto* records = reinterpret_cast<int32_t*>(area + z.table_bytes);
+  auto* rows = reinterpret_cast<uint4*>(area + z.table_bytes + z.record_bytes);
+  auto* counts = static_cast<int32_t*>(workspace);
+  auto* row_of = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes);
+  auto* group_end = table + size_t(z.d.world) * (z.d.experts + 1);
+
+  const int64_t slots = shape.tokens * shape.top_k;
+  WEFT_CUDA_CHECK(cudaMemsetAsync(counts, 0, z.counts_bytes, stream));
+  detail::preload<&count_slots>();
+  if (slots > 0) {
+    count_slots<<<grid_for(slots, 256), 256, 0, stream>>>(experts, slots, shape.num_experts, counts, row_of);
+    WEFT_CUDA_CHECK(cudaGetLastError());
+  }
+  const BarrierSlots meet = ops::meeting_slots(comm);
+  detail::preload<&exchange_counts>();
+  exchange_counts<<<1, 256, 0, stream>>>(rank.view(), meet, counts, static_cast<int32_t>(shape.tokens), table,
+                                         shape.num_experts);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  detail::preload<&place_slots>();
+  place_slots<<<shape.num_experts, 256, 0, stream>>>(table, experts, z.d, row_of, group_end);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  const int blocks =
+      ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2 * rank.world());
+  detail::preload<&push_tokens>();
+  push_tokens<<<blocks, 512, 0, stream>>>(rank.view(), meet, static_cast<const uint4*>(tokens), experts,
+                                          row_of, z.d, records, rows);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  detail::preload<&expand_tokens>();
+  expand_tokens<<<grid_for(int64_t(rank.world()) * shape.max_tokens * 32, 256), 256, 0, stream>>>(
+      table, records, z.d, rows);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  MoeDispatched out;
+  out.rows = rows;
+  out.group_end = group_end;
+  out.row_of = row_of;
+  out.capacity = z.capacity;
+  return out;
+}
+
+}  // namespace weft

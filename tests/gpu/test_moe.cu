@@ -1,0 +1,163 @@
+// GPU test of weft::moe_dispatch on a team (real or virtual ranks): the device layout against the host
+// reference (src/ops/moe_layout.hpp) and every routed slot's row on its expert's rank against the source
+// token, bit for bit; top-k 1, 2, 8, dropped slots, repeated experts, skewed routing (half the slots to rank
+// 0's experts), ranks with no token, two dispatches in a row on one area.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "harness.hpp"
+#include "ops/moe_layout.hpp"
+#include "weft/ops/moe.hpp"
+
+using namespace weft;
+using weft::test::DeviceBuffer;
+
+namespace {
+
+struct MoeCase {
+  int experts_per_rank, top_k;
+  int64_t hidden, base_tokens;
+  bool skewed;
+  int align;
+};
+
+std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
+  const int W = c.world();
+  const int E = mc.experts_per_rank * W, per = mc.experts_per_rank;
+  std::vector<int64_t> T(W);
+  for (int r = 0; r < W; ++r) T[r] = r % 3 == 2 ? 0 : (r % 3 == 1 ? 1 : mc.base_tokens + r);
+  const int64_t max_tokens = *std::max_element(T.begin(), T.end());
+  std::mt19937_64 g(seed);
+  std::vector<ops::MoeRouting> routing(W);
+  std::vector<std::vector<__nv_bfloat16>> tokens(W);
+  for (int r = 0; r < W; ++r) {
+    routing[r].tokens = static_cast<int>(T[r]);
+    routing[r].top_k = mc.top_k;
+    for (int64_t i = 0; i < T[r] * mc.top_k; ++i) {
+      int e = static_cast<int>(g() % E);
+      if (mc.skewed && g() % 2) e = static_cast<int>(g() % per);  // rank 0's experts
+      if (g() % 20 == 0) e = -1;                                  // a dropped slot
+      routing[r].experts.push_back(e);
+    }
+    tokens[r].resize(std::max<int64_t>(T[r], 1) * mc.hidden);
+    for (auto& x : tokens[r]) x = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 64.f);
+  }
+  const ops::MoeLayout L = ops::moe_layout(routing, E, mc.align);
+  const MoeShape base{0, max_tokens, mc.hidden, E, mc.top_k, mc.align};
+  const size_t ws_bytes = moe_dispatch_workspace_bytes(W, base);
+  struct Local {
+    DeviceBuffer tok, exp, ws;
+    Local(size_t t, size_t e, size_t w) : tok(t), exp(e), ws(w) {}
+  };
+  std::vector<std::unique_ptr<Local>> local;
+  for (int i = 0; i < c.num_local(); ++i) {
+    const int r = c.local(i).rank();
+    WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+    auto l = std::make_unique<Local>(tokens[r].size() * 2, std::max<size_t>(routing[r].experts.size(), 1) * 4,
+                                     ws_bytes);
+    weft::test::upload(c, i, l->tok.p, tokens[r].data(), l->tok.bytes);
+    if (!routing[r].experts.empty())
+      weft::test::upload(c, i, l->exp.p, routing[r].experts.data(), routing[r].experts.size() * 4);
+    local.push_back(std::move(l));
+  }
+  c.host_barrier();
+  std::vector<MoeDispatched> got(c.num_local());
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    MoeShape s = base;
+    s.tokens = T[rank.rank()];
+    got[i] = moe_dispatch(c, rank, local[i]->tok.p, local[i]->exp.as<int32_t>(), s, local[i]->ws.p, ws_bytes,
+                          DType::kBF16);
+  }
+  c.synchronize();
+  std::string failures;
+  const std::string label = "E=" + std::to_string(E) + " top_k=" + std::to_string(mc.top_k) +
+                            " hidden=" + std::to_string(mc.hidden) + (mc.skewed ? " skewed" : "");
+  for (int i = 0; i < c.num_local(); ++i) {
+    const int d = c.local(i).rank();
+    // This rank as a source: its row_of.
+    const size_t slots = routing[d].experts.size();
+    std::vector<int32_t> row_of(std::max<size_t>(slots, 1));
+    if (slots) weft::test::download(c, i, row_of.data(), got[i].row_of, slots * 4);
+    int64_t bad_rows = 0;
+    for (size_t x = 0; x < slots; ++x) bad_rows += row_of[x] != L.row_of[d][x];
+    // This rank as a destination: group ends and rows.
+    std::vector<int32_t> ends(per);
+    weft::test::download(c, i, ends.data(), got[i].group_end, per * 4);
+    int64_t bad_ends = 0;
+    for (int e = 0; e < per; ++e) {
+      const int want = L.group_offset[d][e] + (L.group_rows[d][e] + mc.align - 1) / mc.align * mc.align;
+      bad_ends += ends[e] != want;
+    }
+    std::vector<__nv_bfloat16> rows(std::max(L.rows[d], 1) * mc.hidden);
+    if (L.rows[d] > got[i].capacity) {
+      failures += "\n    " + label + ": rank " + std::to_string(d) + " needs " + std::to_string(L.rows[d]) +
+                  " rows, capacity " + std::to_string(got[i].capacity);
+      continue;
+    }
+    weft::test::download(c, i, rows.data(), got[i].rows, size_t(L.rows[d]) * mc.hidden * 2);
+    int64_t bad_data = 0;
+    for (int s = 0; s < W; ++s)
+      for (int64_t t = 0; t < T[s]; ++t)
+        for (int j = 0; j < mc.top_k; ++j) {
+          const int e = routing[s].experts[t * mc.top_k + j];
+          if (e < 0 || e / per != d) continue;
+          const int64_t row = L.row_of[s][t * mc.top_k + j];
+          bad_data += std::memcmp(&rows[row * mc.hidden], &tokens[s][t * mc.hidden], mc.hidden * 2) != 0;
+        }
+    if (bad_rows || bad_ends || bad_data)
+      failures += "\n    " + label + ": rank " + std::to_string(d) + ": " + std::to_string(bad_rows) +
+                  " row_of entries, " + std::to_string(bad_ends) + " group ends, " +
+                  std::to_string(bad_data) + " rows differ from the host layout";
+  }
+  return failures;
+}
+
+}  // namespace
+
+WEFT_GPU_TEST(moe_dispatch_matches_host_layout) {
+  Communicator& c = ctx.comm();
+  std::vector<MoeCase> cases = {
+      {1, 1, 64, 100, false, 1},
+      {4, 2, 136, 257, true, 128},
+      {8, 8, 1024, 64, false, 128},
+      {2, 8, 256, 300, true, 16},  // fewer experts per rank than top_k: tokens fill several groups
+  };
+  if (!ctx.quick) cases.push_back({4, 8, 2048, 1000, true, 128});
+  std::string failures;
+  uint64_t seed = 900;
+  for (const MoeCase& mc : cases)
+    for (int round = 0; round < 2; ++round) failures += run_moe_case(c, mc, seed += 7);
+  WEFT_EXPECT(failures.empty(), failures);
+}
+
+WEFT_GPU_TEST(moe_dispatch_argument_errors) {
+  Communicator& c = ctx.comm();
+  Rank& rank = c.local(0);
+  WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+  DeviceBuffer ws(1 << 20), x(1 << 20);
+  const int W = c.world();
+  auto error_of = [&](MoeShape s) {
+    try {
+      moe_dispatch(c, rank, x.p, x.as<int32_t>(), s, ws.p, ws.bytes, DType::kBF16);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto expect = [&](const std::string& msg, const char* part) {
+    WEFT_EXPECT(msg.find(part) != std::string::npos,
+                "expected an error naming '" << part << "', got '" << msg << "'");
+  };
+  expect(error_of({4, 4, 64, W + 1, 2, 128}), "must be a positive multiple of the world size");
+  expect(error_of({4, 4, 64, W, 17, 128}), "top_k must be 1..16");
+  expect(error_of({4, 4, 60, W, 2, 128}), "hidden must be a positive multiple of 8");
+  expect(error_of({5, 4, 64, W, 2, 128}), "must be 0..max_tokens");
+}
