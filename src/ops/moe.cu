@@ -9,6 +9,9 @@
 // to every rank, meet); positions (every rank derives every group's offset from the same counts, so a source
 // knows its rows' places on every destination); push (meet, each token's row to the first of its rows on each
 // destination and a record per (token, destination), meet); expand (the records' other rows, locally).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <algorithm>
 #include <string>
 
@@ -24,19 +27,22 @@ namespace {
 
 using ops::round256;
 const char* const kArea = "moe dispatch";
+const char* const kCombineArea = "moe combine";
 
 struct Dims {
   int world, rank, experts, per_rank, top_k, align;
   int64_t tokens, max_tokens, hidden;
 };
 
-// Slots per expert; a dropped slot's row_of is -1 (place_slots writes the others).
+// Slots per expert, and the expert ids kept for combine; a dropped slot's row_of is -1 (place_slots writes
+// the others).
 __global__ void count_slots(const int32_t* experts, int64_t slots, int num_experts, int32_t* counts,
-                            int32_t* row_of) {
+                            int32_t* row_of, int32_t* kept) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < slots;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int e = experts[i];
     if (e >= num_experts) __trap();  // an expert id past the count: stop rather than scatter anywhere
+    kept[i] = e;
     if (e >= 0)
       atomicAdd(counts + e, 1);
     else
@@ -153,6 +159,36 @@ __global__ void expand_tokens(const int32_t* table, const int32_t* records, Dims
   }
 }
 
+// Combine: one warp per token, 256 elements (8 per lane) at a time, the slots in ascending order.
+template <class T>
+__global__ void combine_tokens(TeamView team, BarrierSlots slots, const T* expert_out, const int32_t* experts,
+                               const int32_t* row_of, const float* weights, Dims d, T* out) {
+  if (!barrier_block(team, slots[blockIdx.x])) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < d.tokens; t += warps)
+    for (int64_t c = lane * 8; c < d.hidden; c += 256) {
+      float acc[8] = {};
+      for (int j = 0; j < d.top_k; ++j) {
+        const int e = experts[t * d.top_k + j];
+        if (e < 0) continue;
+        const float w = weights[t * d.top_k + j];
+        const uint4 u = *reinterpret_cast<const uint4*>(team.peer_ptr(expert_out, e / d.per_rank) +
+                                                        int64_t(row_of[t * d.top_k + j]) * d.hidden + c);
+        const T* v = reinterpret_cast<const T*>(&u);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, static_cast<float>(v[i]), acc[i]);
+      }
+      uint4 r;
+      T* h = reinterpret_cast<T*>(&r);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) h[i] = static_cast<T>(acc[i]);
+      *reinterpret_cast<uint4*>(out + t * d.hidden + c) = r;
+    }
+  // No meeting at the end: a peer writes its expert outputs again only after a later dispatch's meetings,
+  // which this rank reaches after this kernel.
+}
+
 struct Sizes {
   Dims d;
   int64_t capacity;
@@ -199,7 +235,7 @@ int64_t moe_capacity(int world, const MoeShape& s) {
 
 size_t moe_dispatch_workspace_bytes(int world, const MoeShape& shape) {
   const Sizes z(world, 0, shape);
-  return z.counts_bytes + z.row_of_bytes;
+  return z.counts_bytes + 2 * z.row_of_bytes;
 }
 
 MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
@@ -210,7 +246,7 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
   check(shape, rank.world(), where);
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
   const Sizes z(rank.world(), rank.rank(), shape);
-  const size_t need = z.counts_bytes + z.row_of_bytes;
+  const size_t need = z.counts_bytes + 2 * z.row_of_bytes;
   WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
              where + "the workspace must hold " + std::to_string(need) +
                  " bytes (moe_dispatch_workspace_bytes()), got " + std::to_string(workspace_bytes));
@@ -229,13 +265,15 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
   auto* rows = reinterpret_cast<uint4*>(area + z.table_bytes + z.record_bytes);
   auto* counts = static_cast<int32_t*>(workspace);
   auto* row_of = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes);
+  auto* kept = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes + z.row_of_bytes);
   auto* group_end = table + size_t(z.d.world) * (z.d.experts + 1);
 
   const int64_t slots = shape.tokens * shape.top_k;
   WEFT_CUDA_CHECK(cudaMemsetAsync(counts, 0, z.counts_bytes, stream));
   detail::preload<&count_slots>();
   if (slots > 0) {
-    count_slots<<<grid_for(slots, 256), 256, 0, stream>>>(experts, slots, shape.num_experts, counts, row_of);
+    count_slots<<<grid_for(slots, 256), 256, 0, stream>>>(experts, slots, shape.num_experts, counts, row_of,
+                                                          kept);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   const BarrierSlots meet = ops::meeting_slots(comm);
@@ -260,8 +298,49 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
   out.rows = rows;
   out.group_end = group_end;
   out.row_of = row_of;
+  out.experts = kept;
   out.capacity = z.capacity;
   return out;
+}
+
+void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype) {
+  const std::string where = "weft::moe_combine_input(rank " + std::to_string(rank.rank()) + "): ";
+  check(shape, rank.world(), where);
+  const size_t bytes = round256(size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype));
+  return ops::workspace_of(comm, rank, bytes, false, where, kCombineArea);
+}
+
+void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
+                 const float* weights, void* out, const MoeShape& shape, DType dtype, cudaStream_t stream) {
+  const std::string where =
+      "weft::moe_combine(rank " + std::to_string(rank.rank()) + " of " + std::to_string(rank.world()) + "): ";
+  check(shape, rank.world(), where);
+  WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "expert outputs must be bf16 or fp16");
+  WEFT_CHECK(dispatched.row_of != nullptr && dispatched.experts != nullptr,
+             where + "`dispatched` is not a dispatch's handle");
+  const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
+  WEFT_CHECK(comm.in_heap(rank, expert_out, bytes),
+             where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
+  if (shape.tokens > 0) {
+    ops::check_pointer_alignment(out, "out", 16, where);
+    ops::check_pointer_alignment(weights, "weights", 4, where);
+  }
+  if (stream == nullptr) stream = rank.stream();
+  const Sizes z(rank.world(), rank.rank(), shape);
+  const int blocks = ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2);
+  auto launch = [&](auto* typed_out) {
+    using T = std::remove_pointer_t<decltype(typed_out)>;
+    constexpr auto kernel = &combine_tokens<T>;
+    detail::preload<kernel>();
+    kernel<<<blocks, 256, 0, stream>>>(rank.view(), ops::meeting_slots(comm),
+                                       static_cast<const T*>(expert_out), dispatched.experts,
+                                       dispatched.row_of, weights, z.d, typed_out);
+  };
+  if (dtype == DType::kFP16)
+    launch(static_cast<__half*>(out));
+  else
+    launch(static_cast<__nv_bfloat16*>(out));
+  WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace weft

@@ -1,10 +1,12 @@
-// GPU test of weft::moe_dispatch on a team (real or virtual ranks): the device layout against the host
-// reference (src/ops/moe_layout.hpp) and every routed slot's row on its expert's rank against the source
-// token, bit for bit; top-k 1, 2, 8, dropped slots, repeated experts, skewed routing (half the slots to rank
-// 0's experts), ranks with no token, two dispatches in a row on one area.
+// GPU test of weft::moe_dispatch and weft::moe_combine on a team (real or virtual ranks): the device layout
+// against the host reference (src/ops/moe_layout.hpp) and every routed slot's row on its expert's rank
+// against the source token, bit for bit; combine's weighted sums against the host's, bit for bit; top-k 1, 2,
+// 8, dropped slots, repeated experts, skewed routing (half the slots to rank 0's experts), ranks with no
+// token, two dispatches in a row on one area.
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -117,12 +119,76 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
                   " row_of entries, " + std::to_string(bad_ends) + " group ends, " +
                   std::to_string(bad_data) + " rows differ from the host layout";
   }
+  if (!failures.empty()) return failures;
+
+  // Combine: random expert outputs on every rank's rows, random weights; out[t] against the fp32 sum in
+  // slot order, rounded once (the same fmas: bit for bit).
+  std::vector<std::vector<__nv_bfloat16>> y(W);
+  for (int d = 0; d < W; ++d) {
+    y[d].resize(std::max(L.rows[d], 1) * mc.hidden);
+    for (auto& x : y[d]) x = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 256.f);
+  }
+  std::vector<std::vector<float>> weights(W);
+  for (int s = 0; s < W; ++s) {
+    weights[s].resize(std::max<size_t>(routing[s].experts.size(), 1));
+    for (auto& w : weights[s]) w = float(g() % 1000) / 1000.f;
+  }
+  struct Combine {
+    DeviceBuffer w, out;
+    Combine(size_t wb, size_t ob) : w(wb), out(ob) {}
+  };
+  std::vector<std::unique_ptr<Combine>> comb;
+  std::vector<void*> inputs(c.num_local());
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    const int r = rank.rank();
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    MoeShape s = base;
+    s.tokens = T[r];
+    inputs[i] = moe_combine_input(c, rank, s, DType::kBF16);
+    if (L.rows[r] > 0) weft::test::upload(c, i, inputs[i], y[r].data(), size_t(L.rows[r]) * mc.hidden * 2);
+    auto cb = std::make_unique<Combine>(weights[r].size() * 4, std::max<int64_t>(T[r], 1) * mc.hidden * 2);
+    weft::test::upload(c, i, cb->w.p, weights[r].data(), cb->w.bytes);
+    weft::test::poison(c, i, cb->out.p, cb->out.bytes);
+    comb.push_back(std::move(cb));
+  }
+  c.host_barrier();
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    MoeShape s = base;
+    s.tokens = T[rank.rank()];
+    moe_combine(c, rank, inputs[i], got[i], comb[i]->w.as<float>(), comb[i]->out.p, s, DType::kBF16);
+  }
+  c.synchronize();
+  for (int i = 0; i < c.num_local(); ++i) {
+    const int s = c.local(i).rank();
+    std::vector<__nv_bfloat16> out(std::max<int64_t>(T[s], 1) * mc.hidden);
+    weft::test::download(c, i, out.data(), comb[i]->out.p, out.size() * 2);
+    int64_t bad = 0;
+    for (int64_t t = 0; t < T[s]; ++t)
+      for (int64_t h = 0; h < mc.hidden; ++h) {
+        float acc = 0.f;
+        for (int j = 0; j < mc.top_k; ++j) {
+          const int e = routing[s].experts[t * mc.top_k + j];
+          if (e < 0) continue;
+          const int64_t row = L.row_of[s][t * mc.top_k + j];
+          acc =
+              std::fma(weights[s][t * mc.top_k + j], __bfloat162float(y[e / per][row * mc.hidden + h]), acc);
+        }
+        const float a = __bfloat162float(out[t * mc.hidden + h]), b = __bfloat162float(__float2bfloat16(acc));
+        bad += !(a == b);
+      }
+    if (bad)
+      failures += "\n    " + label + ": rank " + std::to_string(s) + " combine: " + std::to_string(bad) +
+                  " values differ from the host's weighted sum";
+  }
   return failures;
 }
 
 }  // namespace
 
-WEFT_GPU_TEST(moe_dispatch_matches_host_layout) {
+WEFT_GPU_TEST(moe_dispatch_and_combine_match_host_layout) {
   Communicator& c = ctx.comm();
   std::vector<MoeCase> cases = {
       {1, 1, 64, 100, false, 1},

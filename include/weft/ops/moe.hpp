@@ -30,14 +30,15 @@ struct MoeShape {
 
 // What a dispatch leaves on this rank (device pointers). rows and group_end live in the communicator's
 // workspace area "moe dispatch" and stay valid until the next dispatch on the team; row_of lives in the
-// caller's workspace.
+// caller's workspace (with a copy of the expert ids).
 struct MoeDispatched {
   const void* rows = nullptr;  // [capacity, hidden]: this rank's experts' rows, groups back to back
   const int32_t* group_end =
-      nullptr;                      // [experts per rank]: each group's padded end (grouped_gemm's group_end)
-  const int32_t* row_of = nullptr;  // [tokens, top_k]: the row each slot filled on its expert's rank, -1
-                                    // for a dropped slot (combine reads the expert outputs there)
-  int64_t capacity = 0;             // rows of `rows`: the worst case, a multiple of align
+      nullptr;                       // [experts per rank]: each group's padded end (grouped_gemm's group_end)
+  const int32_t* row_of = nullptr;   // [tokens, top_k]: the row each slot filled on its expert's rank, -1
+                                     // for a dropped slot (combine reads the expert outputs there)
+  const int32_t* experts = nullptr;  // [tokens, top_k]: the dispatch's expert ids, kept for combine
+  int64_t capacity = 0;              // rows of `rows`: the worst case, a multiple of align
 };
 
 // Rows an expert buffer holds at most: every rank's max_tokens, each in up to top_k groups (an expert may be
@@ -49,5 +50,17 @@ size_t moe_dispatch_workspace_bytes(int world, const MoeShape& shape);
 MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
                            const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
                            cudaStream_t stream = nullptr);
+
+// Combine: out[t] = sum over j of weights[t, j] * (the expert output at row_of[t, j] on expert e_j's rank),
+// in fp32 in ascending j (deterministic), rounded once to dtype; a token with every slot dropped gets zeros.
+// The experts' outputs must be where every rank can read them: the buffer moe_combine_input() gives
+// ([capacity, hidden] of dtype in the communicator's workspace area "moe combine"; e.g. grouped_gemm's c).
+// `dispatched` is the dispatch's handle (its row_of), weights [tokens, top_k] fp32 and out [tokens, hidden]
+// device memory. Every rank calls it (single-process: once per local rank) after writing its experts'
+// outputs on the same stream.
+void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype);
+void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
+                 const float* weights, void* out, const MoeShape& shape, DType dtype,
+                 cudaStream_t stream = nullptr);
 
 }  // namespace weft
