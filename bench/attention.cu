@@ -14,13 +14,6 @@
 namespace weft::bench {
 namespace {
 
-struct Buffer {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit Buffer(size_t n) : bytes(n) { WEFT_CUDA_CHECK(cudaMalloc(&p, n)); }
-  ~Buffer() { cudaFree(p); }
-};
-
 void run_attention(Context& ctx) {
   WEFT_CUDA_CHECK(cudaSetDevice(0));
   cudaDeviceProp prop{};
@@ -45,7 +38,7 @@ void run_attention(Context& ctx) {
       for (int64_t s : seqs) {
         const int64_t b = 16384 / s;
         const AttentionShape shape{b, s, s, hd.h, hd.kv, hd.d};
-        Buffer q(b * s * hd.h * hd.d * 2), k(b * s * hd.kv * hd.d * 2), v(b * s * hd.kv * hd.d * 2),
+        DeviceBuffer q(b * s * hd.h * hd.d * 2), k(b * s * hd.kv * hd.d * 2), v(b * s * hd.kv * hd.d * 2),
             o(b * s * hd.h * hd.d * 2), lse(b * hd.h * s * 4), dout(b * s * hd.h * hd.d * 2),
             dq(b * s * hd.h * hd.d * 2), dk(b * s * hd.kv * hd.d * 2), dv(b * s * hd.kv * hd.d * 2),
             ws(flash_attention_backward_workspace_bytes(shape, AttentionOptions{.deterministic = true}));

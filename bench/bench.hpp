@@ -95,6 +95,15 @@ struct BenchTeam {
 };
 
 std::string fmt(const char* f, ...);
+// cudaMalloc'd memory on the current GPU for the life of the object (at least 256 bytes).
+struct DeviceBuffer {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) { WEFT_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 256))); }
+  ~DeviceBuffer() { cudaFree(p); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
 // Per-GPU egress (GB/s) of all-to-all 16-byte-store puts, `bytes_per_peer` to every peer at once: the
 // link bandwidth the collectives are measured against (weft-bench transfer).
 double measure_all_to_all_egress(Communicator& comm, uint64_t bytes_per_peer);

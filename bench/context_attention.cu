@@ -16,17 +16,9 @@
 namespace weft::bench {
 namespace {
 
-struct Buffer {
-  void* p = nullptr;
-  explicit Buffer(size_t n) { WEFT_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 256))); }
-  ~Buffer() { cudaFree(p); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-};
-
 // One rank's tensors for a shape.
 struct RankData {
-  Buffer q, k, v, out, lse, dout, dq, dk, dv, ws;
+  DeviceBuffer q, k, v, out, lse, dout, dq, dk, dv, ws;
   size_t ws_bytes;
   RankData(int64_t n, int64_t H, int64_t KV, int64_t D, size_t ws_bytes)
       : q(n * H * D * 2),

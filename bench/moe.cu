@@ -18,20 +18,12 @@
 namespace weft::bench {
 namespace {
 
-struct Buffer {
-  void* p = nullptr;
-  explicit Buffer(size_t n) { WEFT_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 256))); }
-  ~Buffer() { cudaFree(p); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-};
-
 // One rank's layer: its tokens, routing, weights of its experts, scratch.
 struct Layer {
   MoeShape shape;
   int experts_here;
   int64_t inter;
-  Buffer tokens, experts, weights, up_w, down_w, hidden_act, out, ws;
+  DeviceBuffer tokens, experts, weights, up_w, down_w, hidden_act, out, ws;
   Layer(const MoeShape& s, int world, int64_t inter_size, const std::vector<int32_t>& routing, uint64_t seed,
         cudaStream_t stream)
       : shape(s),

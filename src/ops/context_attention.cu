@@ -63,11 +63,6 @@ struct Gathered {
   void* k() const { return area; }
 };
 
-std::string where_of(const char* op, const Rank& rank) {
-  return std::string(op) + "(rank " + std::to_string(rank.rank()) + " of " + std::to_string(rank.world()) +
-         "): ";
-}
-
 Gathered gather(Communicator& comm, Rank& rank, const Sizes& z, const void* k, const void* v, void* workspace,
                 size_t workspace_bytes, size_t need, DType dtype, cudaStream_t stream,
                 const std::string& where) {
@@ -78,11 +73,8 @@ Gathered gather(Communicator& comm, Rank& rank, const Sizes& z, const void* k, c
              where + "the workspace must hold " + std::to_string(need) +
                  " bytes (the op's workspace_bytes()), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   Gathered g;
-  g.area =
-      ops::workspace_of(comm, rank, z.area_bytes(), capture != cudaStreamCaptureStatusNone, where, kArea);
+  g.area = ops::workspace_on(comm, rank, z.area_bytes(), stream, where, kArea);
   g.local_nat = static_cast<int32_t*>(workspace);
   g.seg = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.index_bytes());
   ops::write_local_to_natural(z.L, rank.rank(), g.local_nat, stream);
@@ -137,7 +129,7 @@ void context_attention_forward(Communicator& comm, Rank& rank, const void* q, co
                                void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
                                int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                                DType dtype, cudaStream_t stream, const AttentionOptions& options) {
-  const std::string where = where_of("weft::context_attention_forward", rank);
+  const std::string where = ops::team_where("weft::context_attention_forward", rank);
   WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled(),
              where + "options.segments and options.accumulate are set by the op itself; leave them empty");
   const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, kv_heads, head_dim);
@@ -155,7 +147,7 @@ void context_attention_backward(Communicator& comm, Rank& rank, const void* q, c
                                 void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
                                 int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                                 DType dtype, cudaStream_t stream, const AttentionOptions& options) {
-  const std::string where = where_of("weft::context_attention_backward", rank);
+  const std::string where = ops::team_where("weft::context_attention_backward", rank);
   WEFT_CHECK(
       !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
       where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");

@@ -241,8 +241,7 @@ size_t moe_dispatch_workspace_bytes(int world, const MoeShape& shape) {
 MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
                            const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
                            cudaStream_t stream) {
-  const std::string where = "weft::moe_dispatch(rank " + std::to_string(rank.rank()) + " of " +
-                            std::to_string(rank.world()) + "): ";
+  const std::string where = ops::team_where("weft::moe_dispatch", rank);
   check(shape, rank.world(), where);
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
   const Sizes z(rank.world(), rank.rank(), shape);
@@ -256,10 +255,8 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
     ops::check_pointer_alignment(experts, "experts", 4, where);
   }
   if (stream == nullptr) stream = rank.stream();
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  char* area = ops::workspace_of(comm, rank, z.table_bytes + z.record_bytes + z.row_bytes,
-                                 capture != cudaStreamCaptureStatusNone, where, kArea);
+  char* area =
+      ops::workspace_on(comm, rank, z.table_bytes + z.record_bytes + z.row_bytes, stream, where, kArea);
   auto* table = reinterpret_cast<int32_t*>(area);
   auto* records = reinterpret_cast<int32_t*>(area + z.table_bytes);
   auto* rows = reinterpret_cast<uint4*>(area + z.table_bytes + z.record_bytes);
@@ -304,7 +301,7 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
 }
 
 void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype) {
-  const std::string where = "weft::moe_combine_input(rank " + std::to_string(rank.rank()) + "): ";
+  const std::string where = ops::team_where("weft::moe_combine_input", rank);
   check(shape, rank.world(), where);
   const size_t bytes = round256(size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype));
   return ops::workspace_of(comm, rank, bytes, false, where, kCombineArea);
@@ -312,8 +309,7 @@ void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, D
 
 void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
                  const float* weights, void* out, const MoeShape& shape, DType dtype, cudaStream_t stream) {
-  const std::string where =
-      "weft::moe_combine(rank " + std::to_string(rank.rank()) + " of " + std::to_string(rank.world()) + "): ";
+  const std::string where = ops::team_where("weft::moe_combine", rank);
   check(shape, rank.world(), where);
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "expert outputs must be bf16 or fp16");
   WEFT_CHECK(dispatched.row_of != nullptr && dispatched.experts != nullptr,

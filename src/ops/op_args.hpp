@@ -144,6 +144,20 @@ inline char* workspace_of(Communicator& comm, const Rank& rank, uint64_t bytes, 
   return ws.local[local_index(comm, rank, where)];
 }
 
+// workspace_of for a call enqueued on `stream`: refused to grow while the stream is being captured.
+inline char* workspace_on(Communicator& comm, const Rank& rank, uint64_t bytes, cudaStream_t stream,
+                          const std::string& where, const std::string& area) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  return workspace_of(comm, rank, bytes, capture != cudaStreamCaptureStatusNone, where, area);
+}
+
+// The prefix of a team op's error messages: "weft::op(rank r of W): ".
+inline std::string team_where(const char* op, const Rank& rank) {
+  return std::string(op) + "(rank " + std::to_string(rank.rank()) + " of " + std::to_string(rank.world()) +
+         "): ";
+}
+
 // What every op call starts with: the rank's GPU made current (the caller's comes back at the end), the
 // stream (the rank's when none is given), whether it is being captured, and the prefix of every error
 // message ("weft::all_gather: "). With `into` the call only plans (weft/ops/plan.hpp): it runs the op's

@@ -75,11 +75,6 @@ struct Sizes {
   }
 };
 
-std::string where_of(const char* op, const Rank& rank) {
-  return std::string(op) + "(rank " + std::to_string(rank.rank()) + " of " + std::to_string(rank.world()) +
-         "): ";
-}
-
 // Checks; then the area, the local -> natural rows and the document offsets. Returns the area.
 Sizes::Area start(Communicator& comm, Rank& rank, const Sizes& z, const AttentionOptions& options,
                   void* workspace, size_t workspace_bytes, size_t need, DType dtype, cudaStream_t stream,
@@ -101,10 +96,7 @@ Sizes::Area start(Communicator& comm, Rank& rank, const Sizes& z, const Attentio
              where + "the workspace must hold " + std::to_string(need) +
                  " bytes (the op's workspace_bytes()), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  char* area =
-      ops::workspace_of(comm, rank, z.area_bytes(), capture != cudaStreamCaptureStatusNone, where, kArea);
+  char* area = ops::workspace_on(comm, rank, z.area_bytes(), stream, where, kArea);
   auto* local_nat = static_cast<int32_t*>(workspace);
   ops::write_local_to_natural(z.L, rank.rank(), local_nat, stream);
   std::vector<int32_t> cu(1, 0);
@@ -134,7 +126,7 @@ void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, co
                                void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
                                int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                                DType dtype, cudaStream_t stream, const AttentionOptions& options) {
-  const std::string where = where_of("weft::ulysses_attention_forward", rank);
+  const std::string where = ops::team_where("weft::ulysses_attention_forward", rank);
   const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
   if (stream == nullptr) stream = rank.stream();
   const Sizes::Area a = start(comm, rank, z, options, workspace, workspace_bytes,
@@ -158,7 +150,7 @@ void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, c
                                 void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
                                 int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                                 DType dtype, cudaStream_t stream, const AttentionOptions& options) {
-  const std::string where = where_of("weft::ulysses_attention_backward", rank);
+  const std::string where = ops::team_where("weft::ulysses_attention_backward", rank);
   const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
   if (stream == nullptr) stream = rank.stream();
   const size_t head = z.index_bytes() + z.offsets_bytes(), attention_bytes = z.attention_backward(options);

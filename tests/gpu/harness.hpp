@@ -179,6 +179,19 @@ inline std::string check_call_kept_plan(const Communicator& c, const Plan& plan,
     }                                                                             \
   } while (0)
 
+// `statement` must throw weft::Error with `part` in its message.
+#define WEFT_EXPECT_ERROR(statement, part)                                                 \
+  do {                                                                                     \
+    std::string weft_msg_;                                                                 \
+    try {                                                                                  \
+      statement;                                                                           \
+    } catch (const ::weft::Error& weft_e_) {                                               \
+      weft_msg_ = weft_e_.what();                                                          \
+    }                                                                                      \
+    WEFT_EXPECT(weft_msg_.find(part) != std::string::npos,                                 \
+                "expected an error naming '" << (part) << "', got '" << weft_msg_ << "'"); \
+  } while (0)
+
 #define WEFT_SKIP(msg)       \
   throw ::weft::test::Skip { \
     msg                      \
