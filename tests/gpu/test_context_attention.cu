@@ -57,6 +57,49 @@ decltype(&context_attention_backward) backward_of(Method m) {
   return m == Method::kUlysses ? &ulysses_attention_backward : &context_attention_backward;
 }
 
+// Weft's single-GPU attention over the whole packed sequence: out, LSE, and the gradients for `go`.
+struct Reference {
+  std::vector<__nv_bfloat16> out, dq, dk, dv;
+  std::vector<float> lse;
+};
+Reference single_gpu_reference(Communicator& c, const CpCase& cc, const std::vector<__nv_bfloat16>& q,
+                               const std::vector<__nv_bfloat16>& k, const std::vector<__nv_bfloat16>& v,
+                               const std::vector<__nv_bfloat16>& go) {
+  WEFT_CUDA_CHECK(cudaSetDevice(c.local(0).device()));
+  const int64_t H = cc.heads, KV = cc.kv_heads, D = cc.dim;
+  std::vector<int32_t> cu(1, 0);
+  for (int64_t d : cc.docs) cu.push_back(static_cast<int32_t>(cu.back() + d));
+  const int64_t total = cu.back();
+  DeviceBuffer dq(total * H * D * 2), dk(total * KV * D * 2), dv(total * KV * D * 2), dout(total * H * D * 2),
+      dgo(total * H * D * 2), dlse(total * H * 4), dcu(cu.size() * 4), gq(total * H * D * 2),
+      gk(total * KV * D * 2), gv(total * KV * D * 2);
+  WEFT_CUDA_CHECK(cudaMemcpy(dq.p, q.data(), dq.bytes, cudaMemcpyHostToDevice));
+  WEFT_CUDA_CHECK(cudaMemcpy(dk.p, k.data(), dk.bytes, cudaMemcpyHostToDevice));
+  WEFT_CUDA_CHECK(cudaMemcpy(dv.p, v.data(), dv.bytes, cudaMemcpyHostToDevice));
+  WEFT_CUDA_CHECK(cudaMemcpy(dgo.p, go.data(), dgo.bytes, cudaMemcpyHostToDevice));
+  WEFT_CUDA_CHECK(cudaMemcpy(dcu.p, cu.data(), dcu.bytes, cudaMemcpyHostToDevice));
+  AttentionOptions o;
+  o.causal = cc.causal;
+  const int32_t* cup = dcu.as<int32_t>();
+  o.segments = varlen_segments(cup, cup, total, total);
+  const int64_t longest = *std::max_element(cc.docs.begin(), cc.docs.end());
+  const AttentionShape shape{int64_t(cc.docs.size()), longest, longest, H, KV, D};
+  DeviceBuffer ws(flash_attention_backward_workspace_bytes(shape, o));
+  flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape, DType::kBF16, nullptr, o);
+  flash_attention_backward(dq.p, dk.p, dv.p, dout.p, dgo.p, dlse.as<float>(), gq.p, gk.p, gv.p, ws.p,
+                           ws.bytes, shape, DType::kBF16, nullptr, o);
+  WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+  Reference r{std::vector<__nv_bfloat16>(total * H * D), std::vector<__nv_bfloat16>(total * H * D),
+              std::vector<__nv_bfloat16>(total * KV * D), std::vector<__nv_bfloat16>(total * KV * D),
+              std::vector<float>(total * H)};
+  WEFT_CUDA_CHECK(cudaMemcpy(r.out.data(), dout.p, dout.bytes, cudaMemcpyDeviceToHost));
+  WEFT_CUDA_CHECK(cudaMemcpy(r.lse.data(), dlse.p, dlse.bytes, cudaMemcpyDeviceToHost));
+  WEFT_CUDA_CHECK(cudaMemcpy(r.dq.data(), gq.p, gq.bytes, cudaMemcpyDeviceToHost));
+  WEFT_CUDA_CHECK(cudaMemcpy(r.dk.data(), gk.p, gk.bytes, cudaMemcpyDeviceToHost));
+  WEFT_CUDA_CHECK(cudaMemcpy(r.dv.data(), gv.p, gv.bytes, cudaMemcpyDeviceToHost));
+  return r;
+}
+
 std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64_t seed) {
   const int W = c.world();
   int64_t total = 0;
@@ -112,30 +155,10 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
   }
   c.synchronize();
   // The reference, on local rank 0's GPU (every process computes the same).
-  WEFT_CUDA_CHECK(cudaSetDevice(c.local(0).device()));
-  std::vector<__nv_bfloat16> ref(total * H * D);
-  std::vector<float> ref_lse(total * H);
-  {
-    std::vector<int32_t> cu(1, 0);
-    for (int64_t d : cc.docs) cu.push_back(static_cast<int32_t>(cu.back() + d));
-    DeviceBuffer dq(total * H * D * 2), dk(total * KV * D * 2), dv(total * KV * D * 2),
-        dout(total * H * D * 2), dlse(total * H * 4), dcu(cu.size() * 4);
-    WEFT_CUDA_CHECK(cudaMemcpy(dq.p, q.data(), dq.bytes, cudaMemcpyHostToDevice));
-    WEFT_CUDA_CHECK(cudaMemcpy(dk.p, k.data(), dk.bytes, cudaMemcpyHostToDevice));
-    WEFT_CUDA_CHECK(cudaMemcpy(dv.p, v.data(), dv.bytes, cudaMemcpyHostToDevice));
-    WEFT_CUDA_CHECK(cudaMemcpy(dcu.p, cu.data(), dcu.bytes, cudaMemcpyHostToDevice));
-    AttentionOptions o;
-    o.causal = cc.causal;
-    const int32_t* cup = dcu.as<int32_t>();
-    o.segments = varlen_segments(cup, cup, total, total);
-    const int64_t longest = *std::max_element(cc.docs.begin(), cc.docs.end());
-    flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(),
-                            AttentionShape{int64_t(cc.docs.size()), longest, longest, H, KV, D}, DType::kBF16,
-                            nullptr, o);
-    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-    WEFT_CUDA_CHECK(cudaMemcpy(ref.data(), dout.p, dout.bytes, cudaMemcpyDeviceToHost));
-    WEFT_CUDA_CHECK(cudaMemcpy(ref_lse.data(), dlse.p, dlse.bytes, cudaMemcpyDeviceToHost));
-  }
+  const auto go = random_rows(total * H * D, seed + 3);
+  const Reference reference = single_gpu_reference(c, cc, q, k, v, go);
+  const std::vector<__nv_bfloat16>& ref = reference.out;
+  const std::vector<float>& ref_lse = reference.lse;
   for (int i = 0; i < c.num_local(); ++i) {
     const int r = c.local(i).rank();
     const std::vector<int64_t>& t = tokens[r];
@@ -173,35 +196,7 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
 
   // Backward: each rank's dq, dk, dv against the single-GPU backward over the whole sequence (dQ and the
   // team's fp32 sums of dK / dV come in another order: agreement to bf16 rounding).
-  const auto go = random_rows(total * H * D, seed + 3);
-  std::vector<__nv_bfloat16> ref_dq(total * H * D), ref_dk(total * KV * D), ref_dv(total * KV * D);
-  {
-    WEFT_CUDA_CHECK(cudaSetDevice(c.local(0).device()));
-    std::vector<int32_t> cu(1, 0);
-    for (int64_t d : cc.docs) cu.push_back(static_cast<int32_t>(cu.back() + d));
-    DeviceBuffer dq(total * H * D * 2), dk(total * KV * D * 2), dv(total * KV * D * 2),
-        dout(total * H * D * 2), dgo(total * H * D * 2), dlse(total * H * 4), dcu(cu.size() * 4),
-        gq(total * H * D * 2), gk(total * KV * D * 2), gv(total * KV * D * 2);
-    WEFT_CUDA_CHECK(cudaMemcpy(dq.p, q.data(), dq.bytes, cudaMemcpyHostToDevice));
-    WEFT_CUDA_CHECK(cudaMemcpy(dk.p, k.data(), dk.bytes, cudaMemcpyHostToDevice));
-    WEFT_CUDA_CHECK(cudaMemcpy(dv.p, v.data(), dv.bytes, cudaMemcpyHostToDevice));
-    WEFT_CUDA_CHECK(cudaMemcpy(dgo.p, go.data(), dgo.bytes, cudaMemcpyHostToDevice));
-    WEFT_CUDA_CHECK(cudaMemcpy(dcu.p, cu.data(), dcu.bytes, cudaMemcpyHostToDevice));
-    AttentionOptions o;
-    o.causal = cc.causal;
-    const int32_t* cup = dcu.as<int32_t>();
-    o.segments = varlen_segments(cup, cup, total, total);
-    const int64_t longest = *std::max_element(cc.docs.begin(), cc.docs.end());
-    const AttentionShape shape{int64_t(cc.docs.size()), longest, longest, H, KV, D};
-    DeviceBuffer ws(flash_attention_backward_workspace_bytes(shape, o));
-    flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape, DType::kBF16, nullptr, o);
-    flash_attention_backward(dq.p, dk.p, dv.p, dout.p, dgo.p, dlse.as<float>(), gq.p, gk.p, gv.p, ws.p,
-                             ws.bytes, shape, DType::kBF16, nullptr, o);
-    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-    WEFT_CUDA_CHECK(cudaMemcpy(ref_dq.data(), gq.p, gq.bytes, cudaMemcpyDeviceToHost));
-    WEFT_CUDA_CHECK(cudaMemcpy(ref_dk.data(), gk.p, gk.bytes, cudaMemcpyDeviceToHost));
-    WEFT_CUDA_CHECK(cudaMemcpy(ref_dv.data(), gv.p, gv.bytes, cudaMemcpyDeviceToHost));
-  }
+  const std::vector<__nv_bfloat16>&ref_dq = reference.dq, &ref_dk = reference.dk, &ref_dv = reference.dv;
   struct Grads {
     DeviceBuffer go, dq, dk, dv, ws;
     Grads(int64_t n, int64_t H, int64_t KV, int64_t D, size_t ws_bytes)
