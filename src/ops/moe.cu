@@ -221,10 +221,6 @@ void check(const MoeShape& s, int world, const std::string& where) {
   WEFT_CHECK(moe_capacity(world, s) < (int64_t(1) << 31), where + "the expert buffer's rows exceed int32");
 }
 
-int grid_for(int64_t n, int per_block) {
-  return static_cast<int>(std::clamp<int64_t>((n + per_block - 1) / per_block, 1, 1056));
-}
-
 }  // namespace
 
 int64_t moe_capacity(int world, const MoeShape& s) {
@@ -269,8 +265,8 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
   WEFT_CUDA_CHECK(cudaMemsetAsync(counts, 0, z.counts_bytes, stream));
   detail::preload<&count_slots>();
   if (slots > 0) {
-    count_slots<<<grid_for(slots, 256), 256, 0, stream>>>(experts, slots, shape.num_experts, counts, row_of,
-                                                          kept);
+    count_slots<<<ops::grid_stride_blocks(slots, 256), 256, 0, stream>>>(experts, slots, shape.num_experts,
+                                                                         counts, row_of, kept);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   const BarrierSlots meet = ops::meeting_slots(comm);
@@ -288,8 +284,8 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
                                           row_of, z.d, records, rows);
   WEFT_CUDA_CHECK(cudaGetLastError());
   detail::preload<&expand_tokens>();
-  expand_tokens<<<grid_for(int64_t(rank.world()) * shape.max_tokens * 32, 256), 256, 0, stream>>>(
-      table, records, z.d, rows);
+  expand_tokens<<<ops::grid_stride_blocks(int64_t(rank.world()) * shape.max_tokens * 32, 256), 256, 0,
+                  stream>>>(table, records, z.d, rows);
   WEFT_CUDA_CHECK(cudaGetLastError());
   MoeDispatched out;
   out.rows = rows;

@@ -152,6 +152,12 @@ inline char* workspace_on(Communicator& comm, const Rank& rank, uint64_t bytes, 
   return workspace_of(comm, rank, bytes, capture != cudaStreamCaptureStatusNone, where, area);
 }
 
+// Grid of a grid-stride kernel over n units, `per_block` per block: at least 1, at most 8 blocks per SM of an
+// H100 / H200.
+inline int grid_stride_blocks(int64_t n, int per_block = 256) {
+  return static_cast<int>(std::clamp<int64_t>((n + per_block - 1) / per_block, 1, 1056));
+}
+
 // The prefix of a team op's error messages: "weft::op(rank r of W): ".
 inline std::string team_where(const char* op, const Rank& rank) {
   return std::string(op) + "(rank " + std::to_string(rank.rank()) + " of " + std::to_string(rank.world()) +

@@ -117,10 +117,6 @@ __global__ void move_lse_kernel(TeamView team, float* local, int64_t n, float* n
   }
 }
 
-int grid_for(int64_t n) {
-  return static_cast<int>(std::clamp<int64_t>((n + 255) / 256, 1, 1056));
-}
-
 }  // namespace
 
 int64_t max_local_rows(const RingLayout& L) {
@@ -194,8 +190,8 @@ void push_lse(const Rank& rank, const float* lse, int64_t n, float* natural, con
               int64_t heads, int64_t total, cudaStream_t stream) {
   if (n == 0) return;
   detail::preload<&move_lse_kernel>();
-  move_lse_kernel<<<grid_for(heads * n), 256, 0, stream>>>(rank.view(), const_cast<float*>(lse), n, natural,
-                                                           local_nat, heads, total, true);
+  move_lse_kernel<<<grid_stride_blocks(heads * n), 256, 0, stream>>>(rank.view(), const_cast<float*>(lse), n,
+                                                                     natural, local_nat, heads, total, true);
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -203,8 +199,8 @@ void pull_lse(const Rank& rank, const float* natural, float* lse, int64_t n, con
               int64_t heads, int64_t total, cudaStream_t stream) {
   if (n == 0) return;
   detail::preload<&move_lse_kernel>();
-  move_lse_kernel<<<grid_for(heads * n), 256, 0, stream>>>(rank.view(), lse, n, const_cast<float*>(natural),
-                                                           local_nat, heads, total, false);
+  move_lse_kernel<<<grid_stride_blocks(heads * n), 256, 0, stream>>>(
+      rank.view(), lse, n, const_cast<float*>(natural), local_nat, heads, total, false);
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
