@@ -1,5 +1,5 @@
 // weft-bench context_attention: sequence-parallel attention (weft::context_attention_* over all-gathered
-// K / V, weft::ulysses_attention_*) on the team, against weft's single-GPU attention over the whole
+// K / V, weft::ring_attention_forward, weft::ulysses_attention_*) on the team, against weft's single-GPU attention over the whole
 // sequence on GPU 0. On W virtual ranks of one GPU the team does the same attention work as the single call,
 // so time(team) / time(single GPU) is the method's scheduling, data-movement and load-balance overhead (the
 // issue's ratio); on W real GPUs the ideal is time(single GPU) / W. One document of S tokens, sharded in
@@ -75,9 +75,12 @@ void run_context_attention(Context& ctx) {
   if (ctx.quick) seqs = {32768};
   const int64_t H = 16, KV = 8, D = 128;
   const int iters = ctx.quick ? 5 : 10;
-  for (bool ulysses : {false, true})
+  enum class M { kAllGather, kRing, kUlysses };
+  for (M method : {M::kAllGather, M::kRing, M::kUlysses})
     for (bool causal : {false, true})
       for (int64_t S : seqs) {
+        const bool ulysses = method == M::kUlysses, ring = method == M::kRing;  // the ring's backward: all-gather's
+        const char* name = ulysses ? "ulysses" : ring ? "ring" : "all-gather";
         WEFT_CUDA_CHECK(cudaSetDevice(comm.local(0).device()));
         Single single(S, H, KV, D, causal, team.streams[0]);
         const std::vector<int64_t> docs = {S};
@@ -85,8 +88,9 @@ void run_context_attention(Context& ctx) {
         o.causal = causal;
         const size_t ws_bytes =
             ulysses ? ulysses_attention_backward_workspace_bytes(W, docs, causal, H, KV, D)
-                    : std::max(context_attention_backward_workspace_bytes(W, docs, causal, H, KV, D),
-                               context_attention_workspace_bytes(W, docs, causal, KV, D));
+                    : std::max({context_attention_backward_workspace_bytes(W, docs, causal, H, KV, D),
+                                context_attention_workspace_bytes(W, docs, causal, KV, D),
+                                ring_attention_workspace_bytes(W, docs, causal, KV, D)});
         std::vector<std::unique_ptr<RankData>> data;
         for (int i = 0; i < L; ++i) {
           Rank& r = comm.local(i);
@@ -103,7 +107,7 @@ void run_context_attention(Context& ctx) {
             Rank& r = comm.local(i);
             WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
             RankData& d = *data[i];
-            (ulysses ? ulysses_attention_forward : context_attention_forward)(
+            (ulysses ? ulysses_attention_forward : ring ? ring_attention_forward : context_attention_forward)(
                 comm, r, d.q.p, d.k.p, d.v.p, d.out.p, static_cast<float*>(d.lse.p), docs, H, KV, D, d.ws.p,
                 d.ws_bytes, DType::kBF16, team.streams[i], o);
           }
@@ -130,24 +134,30 @@ void run_context_attention(Context& ctx) {
         };
         const std::vector<double> fwd_us =
             time_graphs_alternating(comm, team.streams, 1, iters, {on_rank0(&Single::forward), forward});
+        const double single_fwd = team.team_max(fwd_us[0]) / 1000.0, fwd = team.team_max(fwd_us[1]) / 1000.0;
+        const double per = ctx.virtual_ranks() ? 1.0 : 1.0 / W;
+        if (ring) {  // its backward is the all-gather row's
+          t.add({name, std::to_string(S), causal ? "yes" : "no", fmt("%.3f", single_fwd), fmt("%.3f", fwd),
+                 fmt("%.3f", fwd / (single_fwd * per)), "-", "(all-gather's)", "-"});
+          ctx.progress("context_attention ring S=%lld causal=%d: fwd %.3f / %.3f ms", (long long)S, int(causal),
+                       fwd, single_fwd);
+          continue;
+        }
         const std::vector<double> bwd_us =
             time_graphs_alternating(comm, team.streams, 1, iters, {on_rank0(&Single::backward), backward});
-        const double single_fwd = team.team_max(fwd_us[0]) / 1000.0, fwd = team.team_max(fwd_us[1]) / 1000.0;
         const double single_bwd = team.team_max(bwd_us[0]) / 1000.0, bwd = team.team_max(bwd_us[1]) / 1000.0;
-        const double per = ctx.virtual_ranks() ? 1.0 : 1.0 / W;
-        t.add({ulysses ? "ulysses" : "all-gather", std::to_string(S), causal ? "yes" : "no",
-               fmt("%.3f", single_fwd), fmt("%.3f", fwd), fmt("%.3f", fwd / (single_fwd * per)),
-               fmt("%.3f", single_bwd), fmt("%.3f", bwd), fmt("%.3f", bwd / (single_bwd * per))});
-        ctx.progress("context_attention %s S=%lld causal=%d: fwd %.3f / %.3f ms, bwd %.3f / %.3f ms",
-                     ulysses ? "ulysses" : "all-gather", (long long)S, int(causal), fwd, single_fwd, bwd,
-                     single_bwd);
+        t.add({name, std::to_string(S), causal ? "yes" : "no", fmt("%.3f", single_fwd), fmt("%.3f", fwd),
+               fmt("%.3f", fwd / (single_fwd * per)), fmt("%.3f", single_bwd), fmt("%.3f", bwd),
+               fmt("%.3f", bwd / (single_bwd * per))});
+        ctx.progress("context_attention %s S=%lld causal=%d: fwd %.3f / %.3f ms, bwd %.3f / %.3f ms", name,
+                     (long long)S, int(causal), fwd, single_fwd, bwd, single_bwd);
       }
   ctx.add(std::move(t));
 }
 
 ModeRegistrar reg(
     "context_attention",
-    "sequence-parallel attention (all-gather K / V, Ulysses) vs single-GPU attention; on virtual "
+    "sequence-parallel attention (all-gather K / V, ring, Ulysses) vs single-GPU attention; on virtual "
     "ranks the overhead ratio",
     &run_context_attention, 2, true);
 

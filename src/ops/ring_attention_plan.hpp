@@ -209,6 +209,46 @@ inline RingCall ring_call_of(const RingStep& step) {
   return call;
 }
 
+// The ring kernel's work (one persistent kernel per pass, src/ops/ring_attention.cu): rank r's query rows cut
+// into segments, one per document and held part, and for each segment one key range per step: rows of the
+// step's source's local K / V, contiguous because a source's parts of a document are adjacent (early, then
+// late) and a query part meets a prefix of them (kc <= qc). A work item (segment, head, query block) meets
+// all W ranges in turn, its O and LSE in registers throughout. Step 0 (the rank's own K / V) is causal under
+// a bottom-right mask: the early query part against its own rows, the late one against both parts (the
+// early part fully, the late up to itself); later steps have no mask.
+struct RingPass {
+  int steps = 0;
+  bool causal = false;                  // step 0's ranges take the bottom-right causal mask
+  std::vector<int64_t> q_begin, q_end;  // per segment: this rank's local query rows
+  std::vector<int64_t> k_begin, k_end;  // [segment * steps + step]: rows of the source's local K / V
+  int64_t segments() const { return static_cast<int64_t>(q_begin.size()); }
+};
+inline RingPass ring_pass_of(const RingLayout& L, int r) {
+  if (r < 0 || r >= L.world)
+    throw std::invalid_argument("ring_pass_of: rank " + std::to_string(r) + " outside a team of " +
+                                std::to_string(L.world));
+  RingPass pass;
+  pass.steps = L.world;
+  pass.causal = L.zigzag;
+  for (int d = 0; d < static_cast<int>(L.doc_length.size()); ++d)
+    for (int qc : L.parts_of(r)) {
+      const int64_t n = L.part_length(d, qc);
+      if (n == 0) continue;
+      pass.q_begin.push_back(L.local_row(r, d, qc));
+      pass.q_end.push_back(L.local_row(r, d, qc) + n);
+      for (int s = 0; s < L.world; ++s) {
+        const int src = (r - s + L.world) % L.world;
+        const int64_t begin = L.doc_row[src][d];
+        int64_t end = begin;
+        for (int kc : L.parts_of(src))
+          if (!L.zigzag || kc <= qc) end += L.part_length(d, kc);
+        pass.k_begin.push_back(begin);
+        pass.k_end.push_back(end);
+      }
+    }
+  return pass;
+}
+
 // Attention over all-gathered K / V (context parallelism without a ring): every rank gathers the whole
 // sequence's K / V in natural order (the packed documents back to back, ring_tokens' positions), then runs
 // one attention call of its own query rows against it. Per document, each query part meets one contiguous

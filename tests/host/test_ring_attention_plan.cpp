@@ -232,6 +232,58 @@ TEST(RingAttentionPlan, GatheredCallsCoverEveryPairOnce) {
       }
 }
 
+// The ring kernel's pass: every segment meets its W key ranges (step 0 under the bottom-right causal mask
+// when causal), and over all ranks every pair of attention over the whole sequence is met exactly once.
+TEST(RingAttentionPlan, RingPassCoversEveryPairOnce) {
+  std::mt19937 g(7);
+  for (int W : {1, 2, 3, 4, 8})
+    for (bool causal : {false, true})
+      for (int trial = 0; trial < 6; ++trial) {
+        const std::vector<int64_t> docs = random_documents(g);
+        const RingLayout L = weft::ops::ring_layout(docs, W, causal);
+        int64_t total = 0;
+        std::vector<int> doc_of, pos_of;
+        for (size_t d = 0; d < docs.size(); ++d)
+          for (int64_t i = 0; i < docs[d]; ++i, ++total) {
+            doc_of.push_back(static_cast<int>(d));
+            pos_of.push_back(static_cast<int>(i));
+          }
+        std::vector<std::vector<int64_t>> tokens(W);
+        for (int r = 0; r < W; ++r) tokens[r] = weft::ops::ring_tokens(L, r);
+        std::vector<int> count(total * total, 0);
+        for (int r = 0; r < W; ++r) {
+          const weft::ops::RingPass pass = weft::ops::ring_pass_of(L, r);
+          EXPECT_EQ(pass.steps, W);
+          EXPECT_EQ(pass.causal, causal);
+          ASSERT_EQ(pass.k_begin.size(), pass.q_begin.size() * W);
+          for (int64_t x = 0; x < pass.segments(); ++x) {
+            if (x > 0) EXPECT_GE(pass.q_begin[x], pass.q_end[x - 1]) << "query segments overlap";
+            ASSERT_LT(pass.q_begin[x], pass.q_end[x]) << "an empty segment";
+            ASSERT_LE(pass.q_end[x], static_cast<int64_t>(tokens[r].size()));
+            const int64_t ql = pass.q_end[x] - pass.q_begin[x];
+            for (int s = 0; s < W; ++s) {
+              const int src = (r - s + W) % W;
+              const int64_t kb = pass.k_begin[x * W + s], kl = pass.k_end[x * W + s] - kb;
+              ASSERT_GE(kl, 0);
+              ASSERT_LE(kb + kl, static_cast<int64_t>(tokens[src].size()));
+              const bool masked = causal && s == 0;
+              if (masked && kl > 0) ASSERT_GE(kl, ql);
+              for (int64_t i = 0; i < ql; ++i)
+                for (int64_t j = 0; j < kl; ++j)
+                  if (!masked || j <= i + kl - ql)
+                    ++count[tokens[r][pass.q_begin[x] + i] * total + tokens[src][kb + j]];
+            }
+          }
+        }
+        for (int64_t q = 0; q < total; ++q)
+          for (int64_t k = 0; k < total; ++k) {
+            const bool sees = doc_of[q] == doc_of[k] && (!causal || pos_of[k] <= pos_of[q]);
+            ASSERT_EQ(count[q * total + k], sees ? 1 : 0)
+                << "query " << q << " key " << k << ", W " << W << (causal ? " causal" : "");
+          }
+      }
+}
+
 TEST(RingAttentionPlan, Errors) {
   EXPECT_THROW(weft::ops::ring_layout({8}, 0, true), std::invalid_argument);
   EXPECT_THROW(weft::ops::ring_layout({}, 2, true), std::invalid_argument);

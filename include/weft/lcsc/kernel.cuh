@@ -23,6 +23,10 @@
 //                                                          for "inputs of this item have arrived" (a wait
 //                                                          on a flag set by a peer or a communicator block)
 //   static finish(p, smem, wg, StoreState&)                consumer warpgroup after its last item
+//   static helper_warp(p, smem, index, count)              warps 1-3 of a compute block's loader warpgroup
+//                                                          (idle otherwise; index of count such warps in
+//                                                          the grid), with the loader's registers: side work
+//                                                          beside the compute, e.g. pushing data to peers
 // and, for ops with communicator blocks (index = blockIdx.x - compute_blocks, count of them), a task loop
 // run by every thread of such a block, each hook optional:
 //   static bool comm_begin(p, smem, index)                 first (e.g. meet the peers' counterpart blocks);
@@ -114,6 +118,11 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
         if constexpr (requires { Op::wait_inputs(p, t); }) Op::wait_inputs(p, t);
         Op::load(p, smem, pipe, st, t);
       }
+    } else if constexpr (requires { Op::helper_warp(p, smem, 0, 0); }) {
+      constexpr int kHelpers = tile::kWarpgroupThreads / 32 - 1;
+      if (threadIdx.x >= 32)
+        Op::helper_warp(p, smem, static_cast<int>(blockIdx.x) * kHelpers + static_cast<int>(threadIdx.x) / 32 - 1,
+                        compute_blocks * kHelpers);
     }
   } else {
     tile::setmaxnreg_inc<Op::kConsumerRegs>();

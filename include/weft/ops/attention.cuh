@@ -226,18 +226,8 @@ struct AttentionFwdOp {
     const SeqRows sr = seq_rows(p.rows, w.batch);
     check_sequence_fits(sr.q_len, p.sched.q_blocks, kBM);
     const KeyBlocks kb = key_blocks(w.q_block, kBM, sr.q_len, sr.k_len, p.causal != 0);
-    const int kv_head = w.head / p.group;
-    // Q: once the consumers are done with the previous item's (a fresh barrier passes the first wait).
-    tile::mbarrier_wait_bounded(&pipe.s_.q_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
-    mbarrier_arrive_expect_tx(&pipe.s_.q_full, sizeof(QTile));
-    load_head_rows(s.q, &p.q, w.head, sr.q0 + w.q_block * kBM, sr.batch, &pipe.s_.q_full);
-    for (int n = kb.end - 1; n >= 0; --n) {
-      load_head_rows(s.k[st.stage], &p.k, kv_head, sr.k0 + n * kBN, sr.batch,
-                     pipe.k.producer_acquire(st, sizeof(KTile)));
-      load_head_rows(s.v[st.stage], &p.v, kv_head, sr.k0 + n * kBN, sr.batch,
-                     pipe.v.producer_acquire(st, sizeof(VTile)));
-      st.advance(kStages);
-    }
+    load_q(p, s, pipe, w, sr);
+    load_keys(&p.k, &p.v, s, pipe, st, w.head / p.group, sr.k0, sr.batch, kb.end);
   }
 
   // ---- consumers ----
@@ -249,8 +239,8 @@ struct AttentionFwdOp {
                                  const lcsc::AttentionWork& w, int wg, Accum& acc) {
     if (w.iteration == 0) Turns::start(wg);
     const SeqRows sr = seq_rows(p.rows, w.batch);
-    const Lengths len{sr.q_len, sr.k_len};
-    const KeyBlocks kb = key_blocks(w.q_block, kBM, len.q, len.k, p.causal != 0);
+    const Lengths len{sr.q_len, sr.k_len, p.causal != 0};
+    const KeyBlocks kb = key_blocks(w.q_block, kBM, len.q, len.k, len.causal);
     const int row0 = w.q_block * kBM + 64 * wg;  // this warpgroup's first query row (of the sequence)
     tile::OnlineSoftmax<kBN> softmax;
 #pragma unroll
@@ -333,10 +323,28 @@ struct AttentionFwdOp {
     Epilogue::finish(es);
   }
 
- private:
+ protected:
   struct Lengths {
-    int q, k;  // the sequence's query and key rows
+    int q, k;     // the sequence's query and key rows
+    bool causal;  // under the bottom-right causal mask
   };
+  // Q of the item, once the consumers are done with the previous item's (a fresh barrier passes the first
+  // wait).
+  __device__ static void load_q(const Params& p, Smem& s, Pipeline& pipe, const lcsc::AttentionWork& w,
+                                const SeqRows& sr) {
+    tile::mbarrier_wait_bounded(&pipe.s_.q_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
+    mbarrier_arrive_expect_tx(&pipe.s_.q_full, sizeof(QTile));
+    load_head_rows(s.q, &p.q, w.head, sr.q0 + w.q_block * kBM, sr.batch, &pipe.s_.q_full);
+  }
+  // K and V of key blocks [0, blocks) from row k0 (map coordinates), the last block first.
+  __device__ static void load_keys(const CUtensorMap* k, const CUtensorMap* v, Smem& s, Pipeline& pipe,
+                                   lcsc::PipeState& st, int kv_head, int k0, int batch, int blocks) {
+    for (int n = blocks - 1; n >= 0; --n) {
+      load_head_rows(s.k[st.stage], k, kv_head, k0 + n * kBN, batch, pipe.k.producer_acquire(st, sizeof(KTile)));
+      load_head_rows(s.v[st.stage], v, kv_head, k0 + n * kBN, batch, pipe.v.producer_acquire(st, sizeof(VTile)));
+      st.advance(kStages);
+    }
+  }
   // S = Q K^T over the head dim (both K-major; async, one commit group).
   __device__ static void issue_scores(Smem& s, int wg, int stage, tile::AccumM64<kBN>& sc) {
     wgmma::mma_ss_group<kBN, kD, QTile, 0, KTile, 0>(sc.d, wgmma::desc_k_major(s.q, 64 * wg, 0),
@@ -365,17 +373,16 @@ struct AttentionFwdOp {
   __device__ static void to_probabilities(const Params& p, const Lengths& len, const KeyBlocks& kb, int n,
                                           int row0, tile::OnlineSoftmax<kBN>& softmax,
                                           tile::AccumM64<kBN>& sc, float (&rescale)[2]) {
-    if (n >= kb.masked_from) mask(p, len, sc, row0, n * kBN);
+    if (n >= kb.masked_from) mask(len, sc, row0, n * kBN);
     softmax.step(sc, p.scale_log2, rescale);
   }
   // Scores of keys past the sequence's end, or (causal) past the row's last visible key, become -inf.
-  __device__ static void mask(const Params& p, const Lengths& len, tile::AccumM64<kBN>& s, int row0,
-                              int key0) {
+  __device__ static void mask(const Lengths& len, tile::AccumM64<kBN>& s, int row0, int key0) {
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kBN>::kRegs; ++i) {
       const int row = row0 + tile::AccumM64<kBN>::row(i);
       int limit = len.k - 1;
-      if (p.causal) limit = min(limit, row + len.k - len.q);
+      if (len.causal) limit = min(limit, row + len.k - len.q);
       if (key0 + tile::AccumM64<kBN>::col(i) > limit) s.d[i] = tile::kNegInf;
     }
   }

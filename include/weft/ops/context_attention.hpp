@@ -73,6 +73,18 @@ void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, c
                                 DType dtype, cudaStream_t stream = nullptr,
                                 const AttentionOptions& options = {});
 
+// Ring attention: each rank attends its queries against every rank's K / V rows while they travel (one
+// persistent kernel per pass: the compute blocks' idle loader warps push this rank's K / V into the ranks
+// after it, the attention of each query block runs over the W steps' key ranges in one online softmax, each
+// range as soon as its rows have landed). Receive slots: the communicator's workspace area "ring attention",
+// (W - 1) x this rank's K / V. The workspace holds the pass's segment table.
+size_t ring_attention_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
+                                      int64_t kv_heads, int64_t head_dim);
+void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                            void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                            int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
+                            DType dtype, cudaStream_t stream = nullptr, const AttentionOptions& options = {});
+
 // This rank's local rows in that layout.
 int64_t context_attention_local_rows(int world, int rank, const std::vector<int64_t>& doc_lengths,
                                      bool causal);

@@ -1,0 +1,206 @@
+// Host side of weft::ring_attention_forward (weft/ops/context_attention.hpp; device code:
+// weft/ops/ring_attention.cuh): the pass's segments and key ranges (ring_pass_of) uploaded into the caller's
+// workspace, the receive slots in the communicator's workspace area "ring attention" (symmetric), a meeting,
+// then the one persistent kernel.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "attention_args.hpp"
+#include "op_args.hpp"
+#include "sequence_parallel.hpp"
+#include "weft/comm/barrier.cuh"
+#include "weft/lcsc/launch.cuh"
+#include "weft/ops/context_attention.hpp"
+#include "weft/ops/ring_attention.cuh"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/kernel_preload.hpp"
+
+namespace weft {
+namespace {
+
+using ops::round256;
+const char* const kArea = "ring attention";
+const char* const kState = "ring attention: call count, finishers";
+const char* const kArrived = "ring attention: chunk arrivals";
+const char* const kMeeting = "ring attention: slots free";
+const ResourceDeclaration kRingResources[] = {
+    ResourceDeclaration{{kState, 2}},
+    ResourceDeclaration{{kArrived, ops::kRingChunkFlags}},
+    ResourceDeclaration{{kMeeting, 0, 1}},
+};
+
+// Every rank has finished the previous pass (its kernels before this one on its stream), so its slots are
+// free for the pushes.
+__global__ void ring_meet_kernel(TeamView team, int slot) {
+  (void)barrier_block(team, slot);  // a failed wait is recorded; synchronize() reports it
+}
+
+// Chunks per slot: a function of the world size alone, so every call signals the same flags and each flag
+// grows by kRingPiecesPerChunk per call.
+int chunks_per_slot(int world) {
+  return world < 2 ? 1 : std::min(ops::kRingMaxChunksPerSlot, ops::kRingChunkFlags / (world - 1));
+}
+
+struct Sizes {
+  ops::RingLayout L;
+  ops::RingPass pass;
+  int64_t local = 0, slot_rows = 0, kv_heads = 0, head_dim = 0, max_q = 1;
+  Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, bool causal, int64_t kv, int64_t d)
+      : L(ops::ring_layout(doc_lengths, world, causal)), pass(ops::ring_pass_of(L, rank)), kv_heads(kv),
+        head_dim(d) {
+    local = L.local_rows(rank);
+    slot_rows = std::max<int64_t>(1, ops::max_local_rows(L));
+    for (int64_t x = 0; x < pass.segments(); ++x) max_q = std::max(max_q, pass.q_end[x] - pass.q_begin[x]);
+  }
+  int64_t nseg() const { return pass.segments(); }
+  size_t index_bytes() const { return round256(size_t(2 * nseg() * (1 + L.world) + 1) * 4); }
+  size_t slot_bytes() const { return size_t(slot_rows * kv_heads * head_dim) * 2; }
+  size_t area_bytes() const { return round256(2 * size_t(std::max(1, L.world - 1)) * slot_bytes()); }
+};
+
+template <int kD, class T>
+void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const void* k, const void* v,
+            void* out, float* lse, int64_t heads, const int32_t* index, char* area, cudaStream_t stream,
+            const AttentionOptions& options, DType dtype, const std::string& where) {
+  using Op = ops::RingAttentionFwdOp<kD, T>;
+  using Launcher = lcsc::Launcher<Op>;
+  const int W = z.L.world;
+  const int64_t G = z.nseg(), local = std::max<int64_t>(z.local, 1);
+  typename Op::Params p{};
+  const int32_t *q_begin = index, *q_end = index + G, *key_begin = index + 2 * G,
+                *key_end = index + 2 * G + G * W;
+  p.sched.batch = static_cast<int>(G);
+  p.sched.heads = static_cast<int>(heads);
+  p.sched.q_blocks = static_cast<int>((z.max_q + Op::kBM - 1) / Op::kBM);
+  p.sched.row_begin = q_begin;
+  p.sched.row_end = q_end;
+  p.sched.block_rows = Op::kBM;
+  p.sched.paired = z.pass.causal;
+  // Every rank launches (its pushes feed its peers and its call count must advance with theirs), at least
+  // one block, within the rank's SM budget.
+  const int resident = std::min(Launcher::max_resident_clusters(), rank.sm_budget());
+  const int blocks = std::max(1, ops::attention_blocks(resident, options, p.sched.units()));
+  p.sched.compute_blocks = blocks;
+  const int64_t group = heads / z.kv_heads;
+  const int64_t kv_bytes_per_group = 2 * z.slot_rows * W * kD * 2;
+  const int64_t section =
+      std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / kv_bytes_per_group) * group;
+  p.sched.section_pairs = static_cast<int>(std::min<int64_t>(section, std::max<int64_t>(G, 1) * heads));
+
+  // A rank with no rows still needs maps: they point at the slots and are never read.
+  const void* qs = z.local > 0 ? q : area;
+  const void* ks = z.local > 0 ? k : area;
+  const void* vs = z.local > 0 ? v : area;
+  void* os = z.local > 0 ? out : area;
+  const int64_t slots = std::max(1, W - 1);
+  char* slots_k = area;
+  char* slots_v = area + slots * z.slot_bytes();
+  p.q = ops::map_bshd(qs, 1, local, heads, kD, Op::kBM, where + "q", dtype);
+  p.k = ops::map_bshd(ks, 1, local, z.kv_heads, kD, Op::kBN, where + "k", dtype);
+  p.v = ops::map_bshd(vs, 1, local, z.kv_heads, kD, Op::kBN, where + "v", dtype);
+  p.o = ops::map_bshd(os, 1, local, heads, kD, Op::Epilogue::kBoxRows, where + "out", dtype);
+  p.slot_k = ops::map_bshd(slots_k, slots, z.slot_rows, z.kv_heads, kD, Op::kBN, where + "slots", dtype);
+  p.slot_v = ops::map_bshd(slots_v, slots, z.slot_rows, z.kv_heads, kD, Op::kBN, where + "slots", dtype);
+  // The store reads each segment's query range; its key fields are unused (the key ranges are per step).
+  p.rows = {q_begin, q_end, key_begin, key_end, static_cast<int>(z.max_q), 0, static_cast<int>(local)};
+  p.lse = lse;
+  p.out = static_cast<T*>(out);
+  p.heads = static_cast<int>(heads);
+  p.group = static_cast<int>(group);
+  const AttentionShape shape{1, z.max_q, z.max_q, heads, z.kv_heads, kD};
+  const float scale = ops::attention_scale(shape, options);
+  p.scale = scale;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.causal = z.pass.causal ? 1 : 0;
+
+  p.sync = {rank.view(), comm.resources(kState).flags, comm.resources(kArrived).flags,
+            blocks * (Op::kConsumerWarpgroups + tile::kWarpgroupThreads / 32 - 1)};
+  p.key_begin = key_begin;
+  p.key_end = key_end;
+  p.steps = W;
+  p.slot_rows = static_cast<int>(z.slot_rows);
+  p.chunks = chunks_per_slot(W);
+  p.chunk_rows = static_cast<int>(std::max<int64_t>(1, (z.slot_rows + p.chunks - 1) / p.chunks));
+  p.k_src = static_cast<const uint4*>(ks);
+  p.v_src = static_cast<const uint4*>(vs);
+  p.slots_k = reinterpret_cast<uint4*>(slots_k);
+  p.slots_v = reinterpret_cast<uint4*>(slots_v);
+  p.local_rows = static_cast<int>(z.local);
+  p.row_vecs = static_cast<int>(z.kv_heads * kD / 8);
+
+  detail::preload<&ring_meet_kernel>();
+  ring_meet_kernel<<<1, 32, 0, stream>>>(rank.view(), comm.resources(kMeeting).slots[0]);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  Launcher::launch(p, blocks, stream);
+}
+
+}  // namespace
+
+size_t ring_attention_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
+                                      int64_t kv_heads, int64_t head_dim) {
+  size_t most = 0;
+  for (int r = 0; r < world; ++r)
+    most = std::max(most, Sizes(world, r, doc_lengths, causal, kv_heads, head_dim).index_bytes());
+  return most;
+}
+
+void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                            void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                            int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
+                            DType dtype, cudaStream_t stream, const AttentionOptions& options) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::ring_attention_forward", rank));
+  const std::string& where = call.where;
+  WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled(),
+             where + "options.segments and options.accumulate are set by the op itself; leave them empty");
+  WEFT_CHECK(head_dim == 64 || head_dim == 128, where + "head_dim must be 64 or 128, got " +
+                                                    std::to_string(head_dim));
+  WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tensors must be bf16 or fp16");
+  WEFT_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0,
+             where + "heads (" + std::to_string(heads) + ") must be a positive multiple of kv_heads (" +
+                 std::to_string(kv_heads) + ")");
+  WEFT_CHECK(!std::isnan(options.softmax_scale) && options.softmax_scale >= 0.f,
+             where + "softmax_scale must be positive (or 0 for 1 / sqrt(head_dim))");
+  WEFT_CHECK(ops::device_facts().cc == 90, where + "runs on Hopper (sm_90) GPUs");
+  const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, kv_heads, head_dim);
+  WEFT_CHECK(z.slot_rows * std::max(heads, kv_heads) < (int64_t(1) << 31) &&
+                 z.nseg() * rank.world() < (int64_t(1) << 31),
+             where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
+  WEFT_CHECK(workspace != nullptr && workspace_bytes >= z.index_bytes(),
+             where + "the workspace must hold " + std::to_string(z.index_bytes()) +
+                 " bytes (ring_attention_workspace_bytes()), got " + std::to_string(workspace_bytes));
+  ops::check_pointer_alignment(workspace, "workspace", 256, where);
+  if (z.local > 0) {
+    call.check_buffer(q, "q", uint64_t(z.local * heads * head_dim) * 2);
+    call.check_buffer(k, "k", uint64_t(z.local * kv_heads * head_dim) * 2);
+    call.check_buffer(v, "v", uint64_t(z.local * kv_heads * head_dim) * 2);
+    call.check_buffer(out, "out", uint64_t(z.local * heads * head_dim) * 2);
+    if (lse != nullptr) call.check_buffer(lse, "lse", uint64_t(z.local * heads) * 4, 4);
+  }
+  char* area = call.workspace(z.area_bytes(), kArea);
+  // The pass's words: q_begin, q_end (per segment), key_begin, key_end (per segment and step).
+  const int64_t G = z.nseg(), W = rank.world();
+  std::vector<int32_t> words(2 * G * (1 + W) + 1, 0);
+  for (int64_t x = 0; x < G; ++x) {
+    words[x] = static_cast<int32_t>(z.pass.q_begin[x]);
+    words[G + x] = static_cast<int32_t>(z.pass.q_end[x]);
+  }
+  for (int64_t i = 0; i < G * W; ++i) {
+    words[2 * G + i] = static_cast<int32_t>(z.pass.k_begin[i]);
+    words[2 * G + G * W + i] = static_cast<int32_t>(z.pass.k_end[i]);
+  }
+  auto* index = static_cast<int32_t*>(workspace);
+  ops::upload_words(index, words, call.stream);
+  const auto run = [&](auto d, auto t) {
+    launch<decltype(d)::value, decltype(t)>(comm, rank, z, q, k, v, out, lse, heads, index, area, call.stream,
+                                            options, dtype, where);
+  };
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
+  if (dtype == DType::kFP16)
+    head_dim == 64 ? run(D64{}, __half{}) : run(D128{}, __half{});
+  else
+    head_dim == 64 ? run(D64{}, __nv_bfloat16{}) : run(D128{}, __nv_bfloat16{});
+}
+
+}  // namespace weft
