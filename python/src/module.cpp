@@ -325,12 +325,13 @@ PYBIND11_MODULE(_weft, m) {
       py::arg("workspace_bytes"), py::arg("shape"), py::arg("causal"), py::arg("scale"), py::arg("stream"),
       py::arg("segments") = py::tuple(), py::arg("dtype") = "bf16", py::arg("deterministic") = false);
 
-  // Sequence-parallel attention on this process's rank: method "all_gather" (weft::context_attention_*) or
-  // "ulysses"; tensors in ring attention's layout of doc_lengths (weft/ops/context_attention.hpp).
+  // Sequence-parallel attention on this process's rank: method "all_gather" (weft::context_attention_*),
+  // "ring" (weft::ring_attention_forward; its backward is all-gather's) or "ulysses"; tensors in ring
+  // attention's layout of doc_lengths (weft/ops/context_attention.hpp).
   auto ulysses = [](const std::string& method) {
-    if (method != "all_gather" && method != "ulysses")
-      throw weft::Error("weft: context attention method must be 'all_gather' or 'ulysses', got '" + method +
-                        "'");
+    if (method != "all_gather" && method != "ring" && method != "ulysses")
+      throw weft::Error("weft: context attention method must be 'all_gather', 'ring' or 'ulysses', got '" +
+                        method + "'");
     return method == "ulysses";
   };
   m.def("context_attention_workspace_bytes",
@@ -341,9 +342,12 @@ PYBIND11_MODULE(_weft, m) {
                                                                                kv_heads, head_dim)
                             : weft::ulysses_attention_workspace_bytes(world, docs, causal, heads, kv_heads,
                                                                       head_dim);
-          return backward ? weft::context_attention_backward_workspace_bytes(world, docs, causal, heads,
-                                                                             kv_heads, head_dim)
-                          : weft::context_attention_workspace_bytes(world, docs, causal, kv_heads, head_dim);
+          if (backward)
+            return weft::context_attention_backward_workspace_bytes(world, docs, causal, heads, kv_heads,
+                                                                    head_dim);
+          return method == "ring"
+                     ? weft::ring_attention_workspace_bytes(world, docs, causal, kv_heads, head_dim)
+                     : weft::context_attention_workspace_bytes(world, docs, causal, kv_heads, head_dim);
         });
   m.def("context_attention_local_rows",
         [](int world, int rank, const std::vector<int64_t>& docs, bool causal) {
@@ -357,7 +361,9 @@ PYBIND11_MODULE(_weft, m) {
           weft::AttentionOptions o;
           o.causal = causal;
           o.softmax_scale = scale;
-          auto* op = ulysses(method) ? &weft::ulysses_attention_forward : &weft::context_attention_forward;
+          auto* op = ulysses(method)      ? &weft::ulysses_attention_forward
+                     : method == "ring" ? &weft::ring_attention_forward
+                                        : &weft::context_attention_forward;
           op(*c.comm, c.rank(), reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
              reinterpret_cast<const void*>(v), reinterpret_cast<void*>(out), reinterpret_cast<float*>(lse),
              docs, heads, kv_heads, head_dim, reinterpret_cast<void*>(workspace), workspace_bytes,

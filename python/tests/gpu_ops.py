@@ -89,7 +89,7 @@ def main():
     # each method, and compares output and gradients with single-GPU weft.flash_attention over the whole
     # sequence, sharded alike (the same kernel: agreement to rounding).
     ag = torch.Generator(device="cuda").manual_seed(99)  # the same on every rank
-    for method in ("all_gather", "ulysses"):
+    for method in ("all_gather", "ring", "ulysses"):
         for causal, seq, heads, kv_heads, dim, docs in ((True, 1000, 2 * world, world, 128, None),
                                                         (False, 777, 2 * world, 1, 64, None),
                                                         (True, 1300, 2 * world, 2 * world, 64, [0, 300, 301, 1300])):

@@ -38,7 +38,7 @@ class WeftTypeError(WeftError, TypeError):
 __all__ = ["init", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
            "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
            "matmul_all_reduce", "flash_attention", "flash_attention_varlen", "ring_shard_indices", "ring_shard",
-           "ring_unshard", "context_attention", "ulysses_attention"]
+           "ring_unshard", "context_attention", "ring_attention", "ulysses_attention"]
 
 # DLPack device types (dlpack.h DLDeviceType) for messages.
 _DLPACK_DEVICES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI",
@@ -659,6 +659,8 @@ def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, 
     global offsets [0, l0, l0 + l1, ...] (a list or tensor; the same on every rank). bf16 or fp16, dim 64
     or 128, on this rank's GPU. Attention never crosses a document; causal masks each one.
     method "all_gather": every rank gathers the whole K / V and attends its own queries (any head counts);
+    "ring": the K / V rows travel to every rank while it attends the ones that have landed (one kernel per
+    pass; the backward is all-gather's for now);
     "ulysses": heads are split over the ranks (heads a multiple of the world size, kv_heads and the world
     size dividing one another), each rank attends its heads over the whole sequence.
     Returns the output (like q), and with return_lse=True also the fp32 log-sum-exp [heads, local rows]
@@ -668,8 +670,8 @@ def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, 
     t = _torch_api()
     if t is None or not all(isinstance(x, t.Tensor) for x in (q, k, v)):
         raise WeftTypeError(f"{where}: q, k and v must be torch tensors")
-    if method not in ("all_gather", "ulysses"):
-        raise WeftValueError(f"{where}: method must be 'all_gather' or 'ulysses', got {method!r}")
+    if method not in ("all_gather", "ring", "ulysses"):
+        raise WeftValueError(f"{where}: method must be 'all_gather', 'ring' or 'ulysses', got {method!r}")
     c = _comm(comm)
     packed = cu_seqlens is not None
     ndim = 3 if packed else 4
@@ -712,6 +714,13 @@ def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, 
                                              (c._c, method, docs, bool(causal), scale, stream))
     out = out.view(q.shape)
     return (out, lse) if return_lse else out
+
+
+def ring_attention(q, k, v, causal=False, seq_len=None, cu_seqlens=None, softmax_scale=None, return_lse=False,
+                   comm=None):
+    """weft.context_attention with method="ring" (K / V travel to every rank while it computes)."""
+    return context_attention(q, k, v, causal=causal, method="ring", seq_len=seq_len, cu_seqlens=cu_seqlens,
+                             softmax_scale=softmax_scale, return_lse=return_lse, comm=comm)
 
 
 def ulysses_attention(q, k, v, causal=False, seq_len=None, cu_seqlens=None, softmax_scale=None, return_lse=False,
