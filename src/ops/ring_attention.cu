@@ -178,16 +178,25 @@ void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const
     if (lse != nullptr) call.check_buffer(lse, "lse", uint64_t(z.local * heads) * 4, 4);
   }
   char* area = call.workspace(z.area_bytes(), kArea);
-  // The pass's words: q_begin, q_end (per segment), key_begin, key_end (per segment and step).
+  // The pass's words: q_begin, q_end (per segment), key_begin, key_end (per segment and step). Segments go
+  // heaviest first (the keys a row meets over the pass: a late part meets about three times an early
+  // part's), so the persistent blocks' last items are light ones and they end together.
   const int64_t G = z.nseg(), W = rank.world();
-  std::vector<int32_t> words(2 * G * (1 + W) + 1, 0);
+  std::vector<int64_t> order(G), keys(G, 0);
   for (int64_t x = 0; x < G; ++x) {
-    words[x] = static_cast<int32_t>(z.pass.q_begin[x]);
-    words[G + x] = static_cast<int32_t>(z.pass.q_end[x]);
+    order[x] = x;
+    for (int64_t s = 0; s < W; ++s) keys[x] += z.pass.k_end[x * W + s] - z.pass.k_begin[x * W + s];
   }
-  for (int64_t i = 0; i < G * W; ++i) {
-    words[2 * G + i] = static_cast<int32_t>(z.pass.k_begin[i]);
-    words[2 * G + G * W + i] = static_cast<int32_t>(z.pass.k_end[i]);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys[a] > keys[b]; });
+  std::vector<int32_t> words(2 * G * (1 + W) + 1, 0);
+  for (int64_t y = 0; y < G; ++y) {
+    const int64_t x = order[y];
+    words[y] = static_cast<int32_t>(z.pass.q_begin[x]);
+    words[G + y] = static_cast<int32_t>(z.pass.q_end[x]);
+    for (int64_t s = 0; s < W; ++s) {
+      words[2 * G + y * W + s] = static_cast<int32_t>(z.pass.k_begin[x * W + s]);
+      words[2 * G + G * W + y * W + s] = static_cast<int32_t>(z.pass.k_end[x * W + s]);
+    }
   }
   auto* index = static_cast<int32_t*>(workspace);
   ops::upload_words(index, words, call.stream);
