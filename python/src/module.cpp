@@ -16,6 +16,7 @@
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/context_attention.hpp"
 #include "weft/ops/fused.hpp"
+#include "weft/ops/moe.hpp"
 #include "weft/runtime/communicator.hpp"
 #include "ops/ring_attention_plan.hpp"
 
@@ -83,29 +84,36 @@ struct SymMemory {
   }
 };
 
+// A tensor in symmetric memory: an allocation of its own (`mem`), or a view into a workspace area of an op
+// (`view`, kept valid by the op's contract, e.g. until the next MoE dispatch; `keep` holds the communicator).
 struct SymTensor {
   std::shared_ptr<SymMemory> mem;
   std::vector<int64_t> shape;
   std::string dtype;
   int device = 0;
+  void* view = nullptr;
+  std::shared_ptr<weft::Communicator> keep;
 
-  uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(mem->buf.local[0]); }
+  void* data() const { return view != nullptr ? view : mem->buf.local[0]; }
+  uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data()); }
 
   py::capsule dlpack(py::object /*stream*/) const {
     // The export owns: the DLManagedTensor, a copy of the shape, and a reference to the memory.
     struct Ctx {
       std::shared_ptr<SymMemory> mem;
+      std::shared_ptr<weft::Communicator> keep;
       std::vector<int64_t> shape;
       DLManagedTensor managed;
     };
-    auto* ctx = new Ctx{mem, shape, {}};
+    auto* ctx = new Ctx{mem, keep, shape, {}};
     DLTensor& t = ctx->managed.dl_tensor;
-    t.data = mem->buf.local[0];
+    t.data = data();
     t.device = DLDevice{kDLCUDA, device};
     t.ndim = static_cast<int32_t>(ctx->shape.size());
-    t.dtype = dtype == "bf16"   ? DLDataType{4, 16, 1}
-              : dtype == "fp16" ? DLDataType{2, 16, 1}
-                                : DLDataType{2, 32, 1};
+    t.dtype = dtype == "bf16"    ? DLDataType{4, 16, 1}
+              : dtype == "fp16"  ? DLDataType{2, 16, 1}
+              : dtype == "int32" ? DLDataType{0, 32, 1}
+                                 : DLDataType{2, 32, 1};
     t.shape = ctx->shape.data();
     t.strides = nullptr;
     t.byte_offset = 0;
@@ -385,6 +393,57 @@ PYBIND11_MODULE(_weft, m) {
              reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk), reinterpret_cast<void*>(dv), docs,
              heads, kv_heads, head_dim, reinterpret_cast<void*>(workspace), workspace_bytes,
              parse_dtype(dtype), c.stream(stream), o);
+        });
+
+  // MoE expert parallelism on this process's rank (weft/ops/moe.hpp). shape: (tokens, max_tokens, hidden,
+  // num_experts, top_k, align). Views into the op's areas come back as SymTensor views.
+  auto moe_shape = [](py::tuple s) {
+    return weft::MoeShape{s[0].cast<int64_t>(), s[1].cast<int64_t>(), s[2].cast<int64_t>(),
+                          s[3].cast<int>(),     s[4].cast<int>(),     s[5].cast<int>()};
+  };
+  auto view_of = [](const Comm& c, void* p, std::vector<int64_t> shape, const std::string& dtype) {
+    SymTensor t;
+    t.shape = std::move(shape);
+    t.dtype = dtype;
+    t.device = c.rank().device();
+    t.view = p;
+    t.keep = c.comm;
+    return t;
+  };
+  m.def("moe_capacity",
+        [=](int world, py::tuple shape) { return weft::moe_capacity(world, moe_shape(shape)); });
+  m.def("moe_dispatch_workspace_bytes", [=](int world, py::tuple shape) {
+    return weft::moe_dispatch_workspace_bytes(world, moe_shape(shape));
+  });
+  // Returns (rows view [capacity, hidden], group_end view [experts per rank] int32, row_of pointer, experts
+  // pointer, capacity).
+  m.def("moe_dispatch", [=](const Comm& c, uintptr_t tokens, uintptr_t experts, py::tuple shape,
+                            uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype,
+                            uintptr_t stream) {
+    const weft::MoeShape s = moe_shape(shape);
+    const weft::MoeDispatched d = weft::moe_dispatch(
+        *c.comm, c.rank(), reinterpret_cast<const void*>(tokens), reinterpret_cast<const int32_t*>(experts),
+        s, reinterpret_cast<void*>(workspace), workspace_bytes, parse_dtype(dtype), c.stream(stream));
+    const int64_t per = s.num_experts / c.rank().world();
+    return py::make_tuple(view_of(c, const_cast<void*>(d.rows), {d.capacity, s.hidden}, dtype),
+                          view_of(c, const_cast<int32_t*>(d.group_end), {per}, "int32"),
+                          reinterpret_cast<uintptr_t>(d.row_of), reinterpret_cast<uintptr_t>(d.experts),
+                          d.capacity);
+  });
+  m.def("moe_combine_input", [=](const Comm& c, py::tuple shape, const std::string& dtype) {
+    const weft::MoeShape s = moe_shape(shape);
+    void* p = weft::moe_combine_input(*c.comm, c.rank(), s, parse_dtype(dtype));
+    return view_of(c, p, {weft::moe_capacity(c.rank().world(), s), s.hidden}, dtype);
+  });
+  m.def("moe_combine",
+        [=](const Comm& c, uintptr_t expert_out, uintptr_t row_of, uintptr_t experts, uintptr_t weights,
+            uintptr_t out, py::tuple shape, const std::string& dtype, uintptr_t stream) {
+          weft::MoeDispatched d;
+          d.row_of = reinterpret_cast<const int32_t*>(row_of);
+          d.experts = reinterpret_cast<const int32_t*>(experts);
+          weft::moe_combine(*c.comm, c.rank(), reinterpret_cast<const void*>(expert_out), d,
+                            reinterpret_cast<const float*>(weights), reinterpret_cast<void*>(out),
+                            moe_shape(shape), parse_dtype(dtype), c.stream(stream));
         });
 
   // Fused tensor-parallel ops (bf16): b_layout "kn" ([K, N] row-major) or "nk" (an [N, K] weight); the

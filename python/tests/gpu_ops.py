@@ -120,6 +120,28 @@ def main():
             for name, got, leaf in zip(("dq", "dk", "dv"), mine, leaves):
                 check(f"{label} {name}", got.grad, shard(leaf.grad))
             cases += 4
+    # MoE: dispatch, each expert scaling its rows (1 + e / 4), combine; against the direct weighted sum.
+    for experts_per_rank, top_k, hidden in ((1, 1, 64), (4, 2, 264), (2, 8, 512)):
+        num_experts = experts_per_rank * world
+        tokens, max_tokens = 200 + 17 * rank, 200 + 17 * world
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+        ids = torch.randint(-1, num_experts, (tokens, top_k), device="cuda", generator=g, dtype=torch.int32)
+        weights = torch.rand(tokens, top_k, device="cuda", generator=g)
+        d = weft.moe_dispatch(x, ids, num_experts, max_tokens=max_tokens)
+        y = weft.moe_combine_input(d)
+        begin = 0
+        for local, end in enumerate(d.group_end.tolist()):
+            scale = 1 + (rank * experts_per_rank + local) / 4
+            y[begin:end] = (d.rows[begin:end].float() * scale).to(torch.bfloat16)
+            begin = end
+        out = weft.moe_combine(y, d, weights)
+        scale = 1 + ids.clamp(min=0).float() / 4
+        want = torch.zeros(tokens, hidden, device="cuda")
+        for j in range(top_k):
+            routed = (x.float() * scale[:, j:j + 1]).to(torch.bfloat16).float()
+            want += torch.where(ids[:, j:j + 1] >= 0, weights[:, j:j + 1] * routed, torch.zeros_like(routed))
+        check(f"moe dispatch + combine E={num_experts} top_k={top_k} hidden={hidden}", out, want.to(torch.bfloat16))
+        cases += 1
     # Symmetric tensors through DLPack, out=, and a captured graph.
     n = 1 << 20
     sym_in = torch.from_dlpack(comm.empty((n,), "bf16"))
