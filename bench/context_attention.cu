@@ -1,9 +1,10 @@
 // weft-bench context_attention: sequence-parallel attention (weft::context_attention_* over all-gathered
-// K / V, weft::ring_attention_forward, weft::ulysses_attention_*) on the team, against weft's single-GPU attention over the whole
-// sequence on GPU 0. On W virtual ranks of one GPU the team does the same attention work as the single call,
-// so time(team) / time(single GPU) is the method's scheduling, data-movement and load-balance overhead (the
-// issue's ratio); on W real GPUs the ideal is time(single GPU) / W. One document of S tokens, sharded in
-// ring attention's layout (zigzag when causal); 16 heads of 128 (8 K / V heads for GQA).
+// K / V, weft::ring_attention_forward, weft::ulysses_attention_*) on the team, against weft's single-GPU
+// attention over the whole sequence on GPU 0. On W virtual ranks of one GPU the team does the same attention
+// work as the single call, so time(team) / time(single GPU) is the method's scheduling, data-movement and
+// load-balance overhead (the issue's ratio); on W real GPUs the ideal is time(single GPU) / W. One document
+// of S tokens, sharded in ring attention's layout (zigzag when causal); 16 heads of 128 (8 K / V heads for
+// GQA).
 #include <cuda_runtime.h>
 
 #include <memory>
@@ -79,7 +80,8 @@ void run_context_attention(Context& ctx) {
   for (M method : {M::kAllGather, M::kRing, M::kUlysses})
     for (bool causal : {false, true})
       for (int64_t S : seqs) {
-        const bool ulysses = method == M::kUlysses, ring = method == M::kRing;  // the ring's backward: all-gather's
+        const bool ulysses = method == M::kUlysses,
+                   ring = method == M::kRing;  // the ring's backward: all-gather's
         const char* name = ulysses ? "ulysses" : ring ? "ring" : "all-gather";
         WEFT_CUDA_CHECK(cudaSetDevice(comm.local(0).device()));
         Single single(S, H, KV, D, causal, team.streams[0]);
@@ -107,9 +109,11 @@ void run_context_attention(Context& ctx) {
             Rank& r = comm.local(i);
             WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
             RankData& d = *data[i];
-            (ulysses ? ulysses_attention_forward : ring ? ring_attention_forward : context_attention_forward)(
-                comm, r, d.q.p, d.k.p, d.v.p, d.out.p, static_cast<float*>(d.lse.p), docs, H, KV, D, d.ws.p,
-                d.ws_bytes, DType::kBF16, team.streams[i], o);
+            (ulysses ? ulysses_attention_forward
+             : ring  ? ring_attention_forward
+                     : context_attention_forward)(comm, r, d.q.p, d.k.p, d.v.p, d.out.p,
+                                                 static_cast<float*>(d.lse.p), docs, H, KV, D, d.ws.p,
+                                                 d.ws_bytes, DType::kBF16, team.streams[i], o);
           }
         };
         auto backward = [&](int) {
@@ -139,8 +143,8 @@ void run_context_attention(Context& ctx) {
         if (ring) {  // its backward is the all-gather row's
           t.add({name, std::to_string(S), causal ? "yes" : "no", fmt("%.3f", single_fwd), fmt("%.3f", fwd),
                  fmt("%.3f", fwd / (single_fwd * per)), "-", "(all-gather's)", "-"});
-          ctx.progress("context_attention ring S=%lld causal=%d: fwd %.3f / %.3f ms", (long long)S, int(causal),
-                       fwd, single_fwd);
+          ctx.progress("context_attention ring S=%lld causal=%d: fwd %.3f / %.3f ms", (long long)S,
+                       int(causal), fwd, single_fwd);
           continue;
         }
         const std::vector<double> bwd_us =

@@ -369,7 +369,7 @@ PYBIND11_MODULE(_weft, m) {
           weft::AttentionOptions o;
           o.causal = causal;
           o.softmax_scale = scale;
-          auto* op = ulysses(method)      ? &weft::ulysses_attention_forward
+          auto* op = ulysses(method)    ? &weft::ulysses_attention_forward
                      : method == "ring" ? &weft::ring_attention_forward
                                         : &weft::context_attention_forward;
           op(*c.comm, c.rank(), reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),

@@ -47,7 +47,9 @@ struct Sizes {
   ops::RingPass pass;
   int64_t local = 0, slot_rows = 0, kv_heads = 0, head_dim = 0, max_q = 1;
   Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, bool causal, int64_t kv, int64_t d)
-      : L(ops::ring_layout(doc_lengths, world, causal)), pass(ops::ring_pass_of(L, rank)), kv_heads(kv),
+      : L(ops::ring_layout(doc_lengths, world, causal)),
+        pass(ops::ring_pass_of(L, rank)),
+        kv_heads(kv),
         head_dim(d) {
     local = L.local_rows(rank);
     slot_rows = std::max<int64_t>(1, ops::max_local_rows(L));
@@ -153,8 +155,8 @@ void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const
   const std::string& where = call.where;
   WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled(),
              where + "options.segments and options.accumulate are set by the op itself; leave them empty");
-  WEFT_CHECK(head_dim == 64 || head_dim == 128, where + "head_dim must be 64 or 128, got " +
-                                                    std::to_string(head_dim));
+  WEFT_CHECK(head_dim == 64 || head_dim == 128,
+             where + "head_dim must be 64 or 128, got " + std::to_string(head_dim));
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tensors must be bf16 or fp16");
   WEFT_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0,
              where + "heads (" + std::to_string(heads) + ") must be a positive multiple of kv_heads (" +

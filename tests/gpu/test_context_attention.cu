@@ -104,7 +104,8 @@ Reference single_gpu_reference(Communicator& c, const CpCase& cc, const std::vec
 
 // Attention over the packed documents in fp64 on the host (small cases): out [total][H][D].
 std::vector<double> exact_attention(const CpCase& cc, const std::vector<__nv_bfloat16>& q,
-                                    const std::vector<__nv_bfloat16>& k, const std::vector<__nv_bfloat16>& v) {
+                                    const std::vector<__nv_bfloat16>& k,
+                                    const std::vector<__nv_bfloat16>& v) {
   const int64_t H = cc.heads, KV = cc.kv_heads, D = cc.dim, group = H / KV;
   int64_t total = 0;
   for (int64_t d : cc.docs) total += d;
@@ -128,7 +129,8 @@ std::vector<double> exact_attention(const CpCase& cc, const std::vector<__nv_bfl
         for (double& x : p) sum += (x = std::exp(x - top));
         double* o = &out[((start + i) * H + h) * D];
         for (int64_t j = 0; j < keys; ++j)
-          for (int64_t d = 0; d < D; ++d) o[d] += p[j] / sum * __bfloat162float(v[((start + j) * KV + kh) * D + d]);
+          for (int64_t d = 0; d < D; ++d)
+            o[d] += p[j] / sum * __bfloat162float(v[((start + j) * KV + kh) * D + d]);
       }
     start += n;
   }
@@ -238,7 +240,8 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
                  worst, worst_lse, team_exact, single_exact);
     if (team_exact > 1.5 * single_exact + 1e-6)
       failures += "\n    rank " + std::to_string(r) + " docs " + docs + ": error against fp64 " +
-                  std::to_string(team_exact) + " above 1.5x the single call's " + std::to_string(single_exact);
+                  std::to_string(team_exact) + " above 1.5x the single call's " +
+                  std::to_string(single_exact);
     if (bad)
       failures += "\n    rank " + std::to_string(r) + " docs " + docs + (cc.causal ? "causal" : "") + ": " +
                   std::to_string(bad) + " values differ from single-GPU attention";
@@ -337,11 +340,8 @@ WEFT_GPU_TEST(context_attention_matches_single_gpu) {
 WEFT_GPU_TEST(ring_attention_matches_single_gpu) {
   Communicator& c = ctx.comm();
   std::vector<CpCase> cases = {
-      {{1000}, 4, 2, 128, true},
-      {{1000}, 4, 4, 64, false},
-      {{300, 0, 17, 777}, 8, 2, 64, true},
-      {{129, 64, 1}, 2, 1, 128, false},
-      {{3, 1}, 2, 2, 64, true},
+      {{1000}, 4, 2, 128, true},        {{1000}, 4, 4, 64, false}, {{300, 0, 17, 777}, 8, 2, 64, true},
+      {{129, 64, 1}, 2, 1, 128, false}, {{3, 1}, 2, 2, 64, true},
   };
   if (!ctx.quick) cases.push_back({{4099, 2000}, 4, 1, 128, true});
   cases.push_back(cases.front());

@@ -155,6 +155,30 @@ static std::vector<int64_t> random_documents(std::mt19937& g) {
   return docs;
 }
 
+// The packed sequence's tokens (document and position of each) and a count per (query, key) token pair;
+// expect_every_pair_counted_once checks the counts against attention over the whole sequence.
+struct PairCounts {
+  int64_t total = 0;
+  std::vector<int> doc_of, pos_of, count;
+  explicit PairCounts(const std::vector<int64_t>& docs) {
+    for (size_t d = 0; d < docs.size(); ++d)
+      for (int64_t i = 0; i < docs[d]; ++i, ++total) {
+        doc_of.push_back(static_cast<int>(d));
+        pos_of.push_back(static_cast<int>(i));
+      }
+    count.assign(total * total, 0);
+  }
+  void add(int64_t q, int64_t k) { ++count[q * total + k]; }
+  void expect_every_pair_counted_once(bool causal, int W) const {
+    for (int64_t q = 0; q < total; ++q)
+      for (int64_t k = 0; k < total; ++k) {
+        const bool sees = doc_of[q] == doc_of[k] && (!causal || pos_of[k] <= pos_of[q]);
+        ASSERT_EQ(count[q * total + k], sees ? 1 : 0)
+            << "query " << q << " key " << k << ", W " << W << (causal ? " causal" : "");
+      }
+  }
+};
+
 // Each step as one attention call (ring_call_of): the pairs the call's segments see under its one mask
 // (bottom-right causal per segment, as the attention kernel applies it) are exactly the step's blocks'.
 TEST(RingAttentionPlan, EachStepIsOneCall) {
@@ -198,14 +222,8 @@ TEST(RingAttentionPlan, GatheredCallsCoverEveryPairOnce) {
       for (int trial = 0; trial < 6; ++trial) {
         const std::vector<int64_t> docs = random_documents(g);
         const RingLayout L = weft::ops::ring_layout(docs, W, causal);
-        int64_t total = 0;
-        std::vector<int> doc_of, pos_of;
-        for (size_t d = 0; d < docs.size(); ++d)
-          for (int64_t i = 0; i < docs[d]; ++i, ++total) {
-            doc_of.push_back(static_cast<int>(d));
-            pos_of.push_back(static_cast<int>(i));
-          }
-        std::vector<int> count(total * total, 0);
+        PairCounts pairs(docs);
+        const int64_t total = pairs.total;
         for (int r = 0; r < W; ++r) {
           const std::vector<int64_t> tokens = weft::ops::ring_tokens(L, r);
           const weft::ops::RingCall call = weft::ops::gathered_call_of(L, r);
@@ -219,16 +237,10 @@ TEST(RingAttentionPlan, GatheredCallsCoverEveryPairOnce) {
             ASSERT_GE(kl, causal ? ql : 0);
             for (int64_t i = 0; i < ql; ++i)
               for (int64_t j = 0; j < kl; ++j)
-                if (!call.causal || j <= i + kl - ql)
-                  ++count[tokens[seg.q_begin + i] * total + seg.k_begin + j];
+                if (!call.causal || j <= i + kl - ql) pairs.add(tokens[seg.q_begin + i], seg.k_begin + j);
           }
         }
-        for (int64_t q = 0; q < total; ++q)
-          for (int64_t k = 0; k < total; ++k) {
-            const bool sees = doc_of[q] == doc_of[k] && (!causal || pos_of[k] <= pos_of[q]);
-            ASSERT_EQ(count[q * total + k], sees ? 1 : 0)
-                << "query " << q << " key " << k << ", W " << W << (causal ? " causal" : "");
-          }
+        pairs.expect_every_pair_counted_once(causal, W);
       }
 }
 
@@ -241,16 +253,9 @@ TEST(RingAttentionPlan, RingPassCoversEveryPairOnce) {
       for (int trial = 0; trial < 6; ++trial) {
         const std::vector<int64_t> docs = random_documents(g);
         const RingLayout L = weft::ops::ring_layout(docs, W, causal);
-        int64_t total = 0;
-        std::vector<int> doc_of, pos_of;
-        for (size_t d = 0; d < docs.size(); ++d)
-          for (int64_t i = 0; i < docs[d]; ++i, ++total) {
-            doc_of.push_back(static_cast<int>(d));
-            pos_of.push_back(static_cast<int>(i));
-          }
+        PairCounts pairs(docs);
         std::vector<std::vector<int64_t>> tokens(W);
         for (int r = 0; r < W; ++r) tokens[r] = weft::ops::ring_tokens(L, r);
-        std::vector<int> count(total * total, 0);
         for (int r = 0; r < W; ++r) {
           const weft::ops::RingPass pass = weft::ops::ring_pass_of(L, r);
           EXPECT_EQ(pass.steps, W);
@@ -271,16 +276,11 @@ TEST(RingAttentionPlan, RingPassCoversEveryPairOnce) {
               for (int64_t i = 0; i < ql; ++i)
                 for (int64_t j = 0; j < kl; ++j)
                   if (!masked || j <= i + kl - ql)
-                    ++count[tokens[r][pass.q_begin[x] + i] * total + tokens[src][kb + j]];
+                    pairs.add(tokens[r][pass.q_begin[x] + i], tokens[src][kb + j]);
             }
           }
         }
-        for (int64_t q = 0; q < total; ++q)
-          for (int64_t k = 0; k < total; ++k) {
-            const bool sees = doc_of[q] == doc_of[k] && (!causal || pos_of[k] <= pos_of[q]);
-            ASSERT_EQ(count[q * total + k], sees ? 1 : 0)
-                << "query " << q << " key " << k << ", W " << W << (causal ? " causal" : "");
-          }
+        pairs.expect_every_pair_counted_once(causal, W);
       }
 }
 

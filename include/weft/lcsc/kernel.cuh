@@ -121,7 +121,8 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
     } else if constexpr (requires { Op::helper_warp(p, smem, 0, 0); }) {
       constexpr int kHelpers = tile::kWarpgroupThreads / 32 - 1;
       if (threadIdx.x >= 32)
-        Op::helper_warp(p, smem, static_cast<int>(blockIdx.x) * kHelpers + static_cast<int>(threadIdx.x) / 32 - 1,
+        Op::helper_warp(p, smem,
+                        static_cast<int>(blockIdx.x) * kHelpers + static_cast<int>(threadIdx.x) / 32 - 1,
                         compute_blocks * kHelpers);
     }
   } else {

@@ -340,8 +340,10 @@ struct AttentionFwdOp {
   __device__ static void load_keys(const CUtensorMap* k, const CUtensorMap* v, Smem& s, Pipeline& pipe,
                                    lcsc::PipeState& st, int kv_head, int k0, int batch, int blocks) {
     for (int n = blocks - 1; n >= 0; --n) {
-      load_head_rows(s.k[st.stage], k, kv_head, k0 + n * kBN, batch, pipe.k.producer_acquire(st, sizeof(KTile)));
-      load_head_rows(s.v[st.stage], v, kv_head, k0 + n * kBN, batch, pipe.v.producer_acquire(st, sizeof(VTile)));
+      load_head_rows(s.k[st.stage], k, kv_head, k0 + n * kBN, batch,
+                     pipe.k.producer_acquire(st, sizeof(KTile)));
+      load_head_rows(s.v[st.stage], v, kv_head, k0 + n * kBN, batch,
+                     pipe.v.producer_acquire(st, sizeof(VTile)));
       st.advance(kStages);
     }
   }

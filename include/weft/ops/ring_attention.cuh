@@ -42,20 +42,20 @@ struct RingSync {
 template <int kHeadDim, class T = __nv_bfloat16>
 struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
   using Base = AttentionFwdOp<kHeadDim, T>;
-  using typename Base::Lengths;
-  using typename Base::Pipeline;
   using Base::kBM;
   using Base::kBN;
   using Base::kD;
+  using typename Base::Lengths;
+  using typename Base::Pipeline;
 
   struct Params : Base::Params {
     RingSync sync;
-    CUtensorMap slot_k, slot_v;            // 4-D {dim, kv_head, row, slot}: slot s - 1 holds step s's rows
-    const int32_t *key_begin, *key_end;    // [segment * steps + step]: rows of the step source's local K / V
-    int steps;                             // the world size
-    int slot_rows, chunk_rows, chunks;     // chunk j of a slot: rows [j * chunk_rows, ..) of slot_rows
-    const uint4 *k_src, *v_src;            // this rank's K / V: local_rows rows of row_vecs 16-byte vectors
-    uint4 *slots_k, *slots_v;              // this rank's slots [steps - 1][slot_rows][row_vecs] (symmetric)
+    CUtensorMap slot_k, slot_v;          // 4-D {dim, kv_head, row, slot}: slot s - 1 holds step s's rows
+    const int32_t *key_begin, *key_end;  // [segment * steps + step]: rows of the step source's local K / V
+    int steps;                           // the world size
+    int slot_rows, chunk_rows, chunks;   // chunk j of a slot: rows [j * chunk_rows, ..) of slot_rows
+    const uint4 *k_src, *v_src;          // this rank's K / V: local_rows rows of row_vecs 16-byte vectors
+    uint4 *slots_k, *slots_v;            // this rank's slots [steps - 1][slot_rows][row_vecs] (symmetric)
     int local_rows, row_vecs;
   };
   struct Smem : Base::Smem {
