@@ -155,6 +155,18 @@ static std::vector<int64_t> random_documents(std::mt19937& g) {
   return docs;
 }
 
+// Calls f(docs, L) for W = 1, 2, 3, 4 and 8, causal and not, on six random packings each.
+template <class F>
+void for_random_layouts(uint32_t seed, F f) {
+  std::mt19937 g(seed);
+  for (int W : {1, 2, 3, 4, 8})
+    for (bool causal : {false, true})
+      for (int trial = 0; trial < 6; ++trial) {
+        const std::vector<int64_t> docs = random_documents(g);
+        f(docs, weft::ops::ring_layout(docs, W, causal));
+      }
+}
+
 // The packed sequence's tokens (document and position of each) and a count per (query, key) token pair;
 // expect_every_pair_counted_once checks the counts against attention over the whole sequence.
 struct PairCounts {
@@ -182,106 +194,96 @@ struct PairCounts {
 // Each step as one attention call (ring_call_of): the pairs the call's segments see under its one mask
 // (bottom-right causal per segment, as the attention kernel applies it) are exactly the step's blocks'.
 TEST(RingAttentionPlan, EachStepIsOneCall) {
-  std::mt19937 g(11);
-  for (int W : {1, 2, 3, 4, 8})
-    for (bool causal : {false, true})
-      for (int trial = 0; trial < 6; ++trial) {
-        const std::vector<int64_t> docs = random_documents(g);
-        const RingLayout L = weft::ops::ring_layout(docs, W, causal);
-        for (int r = 0; r < W; ++r) {
-          const std::vector<RingStep> steps = weft::ops::ring_schedule_of(L, r);
-          for (int s = 0; s < W; ++s) {
-            const weft::ops::RingCall call = weft::ops::ring_call_of(steps[s]);
-            EXPECT_TRUE(!call.causal || s == 0) << "only the rank's own K / V needs the mask";
-            const int64_t rows = L.local_rows(r), keys = L.local_rows(steps[s].source);
-            std::vector<int> want(rows * keys, 0), got(rows * keys, 0);
-            for (const RingBlock& b : steps[s].blocks)
-              for (int64_t i = 0; i < b.q_rows; ++i)
-                for (int64_t j = 0; j < b.k_rows; ++j)
-                  if (b.mask == RingMask::kFull || j <= i) ++want[(b.q_row + i) * keys + b.k_row + j];
-            for (size_t x = 0; x < call.segments.size(); ++x) {
-              const weft::ops::RingSegment& seg = call.segments[x];
-              if (x > 0) EXPECT_GE(seg.q_begin, call.segments[x - 1].q_end) << "segments overlap";
-              const int64_t ql = seg.q_end - seg.q_begin, kl = seg.k_end - seg.k_begin;
-              for (int64_t i = 0; i < ql; ++i)
-                for (int64_t j = 0; j < kl; ++j)
-                  if (!call.causal || j <= i + kl - ql) ++got[(seg.q_begin + i) * keys + seg.k_begin + j];
-            }
-            ASSERT_EQ(got, want) << "W " << W << (causal ? " causal" : "") << " rank " << r << " step " << s;
-          }
+  for_random_layouts(11, [](const std::vector<int64_t>& docs, const RingLayout& L) {
+    const int W = L.world;
+    const bool causal = L.zigzag;
+    for (int r = 0; r < W; ++r) {
+      const std::vector<RingStep> steps = weft::ops::ring_schedule_of(L, r);
+      for (int s = 0; s < W; ++s) {
+        const weft::ops::RingCall call = weft::ops::ring_call_of(steps[s]);
+        EXPECT_TRUE(!call.causal || s == 0) << "only the rank's own K / V needs the mask";
+        const int64_t rows = L.local_rows(r), keys = L.local_rows(steps[s].source);
+        std::vector<int> want(rows * keys, 0), got(rows * keys, 0);
+        for (const RingBlock& b : steps[s].blocks)
+          for (int64_t i = 0; i < b.q_rows; ++i)
+            for (int64_t j = 0; j < b.k_rows; ++j)
+              if (b.mask == RingMask::kFull || j <= i) ++want[(b.q_row + i) * keys + b.k_row + j];
+        for (size_t x = 0; x < call.segments.size(); ++x) {
+          const weft::ops::RingSegment& seg = call.segments[x];
+          if (x > 0) EXPECT_GE(seg.q_begin, call.segments[x - 1].q_end) << "segments overlap";
+          const int64_t ql = seg.q_end - seg.q_begin, kl = seg.k_end - seg.k_begin;
+          for (int64_t i = 0; i < ql; ++i)
+            for (int64_t j = 0; j < kl; ++j)
+              if (!call.causal || j <= i + kl - ql) ++got[(seg.q_begin + i) * keys + seg.k_begin + j];
         }
+        ASSERT_EQ(got, want) << "W " << W << (causal ? " causal" : "") << " rank " << r << " step " << s;
       }
+    }
+  });
 }
 
 // Attention over all-gathered K / V (gathered_call_of): over all ranks, every (query token, key token) pair
 // of attention over the whole sequence is computed exactly once, under each call's one mask.
 TEST(RingAttentionPlan, GatheredCallsCoverEveryPairOnce) {
-  std::mt19937 g(5);
-  for (int W : {1, 2, 3, 4, 8})
-    for (bool causal : {false, true})
-      for (int trial = 0; trial < 6; ++trial) {
-        const std::vector<int64_t> docs = random_documents(g);
-        const RingLayout L = weft::ops::ring_layout(docs, W, causal);
-        PairCounts pairs(docs);
-        const int64_t total = pairs.total;
-        for (int r = 0; r < W; ++r) {
-          const std::vector<int64_t> tokens = weft::ops::ring_tokens(L, r);
-          const weft::ops::RingCall call = weft::ops::gathered_call_of(L, r);
-          EXPECT_EQ(call.causal, causal);
-          for (size_t x = 0; x < call.segments.size(); ++x) {
-            const weft::ops::RingSegment& seg = call.segments[x];
-            if (x > 0) EXPECT_GE(seg.q_begin, call.segments[x - 1].q_end) << "query ranges overlap";
-            ASSERT_LE(seg.q_end, static_cast<int64_t>(tokens.size()));
-            ASSERT_LE(seg.k_end, total);
-            const int64_t ql = seg.q_end - seg.q_begin, kl = seg.k_end - seg.k_begin;
-            ASSERT_GE(kl, causal ? ql : 0);
-            for (int64_t i = 0; i < ql; ++i)
-              for (int64_t j = 0; j < kl; ++j)
-                if (!call.causal || j <= i + kl - ql) pairs.add(tokens[seg.q_begin + i], seg.k_begin + j);
-          }
-        }
-        pairs.expect_every_pair_counted_once(causal, W);
+  for_random_layouts(5, [](const std::vector<int64_t>& docs, const RingLayout& L) {
+    const int W = L.world;
+    const bool causal = L.zigzag;
+    PairCounts pairs(docs);
+    const int64_t total = pairs.total;
+    for (int r = 0; r < W; ++r) {
+      const std::vector<int64_t> tokens = weft::ops::ring_tokens(L, r);
+      const weft::ops::RingCall call = weft::ops::gathered_call_of(L, r);
+      EXPECT_EQ(call.causal, causal);
+      for (size_t x = 0; x < call.segments.size(); ++x) {
+        const weft::ops::RingSegment& seg = call.segments[x];
+        if (x > 0) EXPECT_GE(seg.q_begin, call.segments[x - 1].q_end) << "query ranges overlap";
+        ASSERT_LE(seg.q_end, static_cast<int64_t>(tokens.size()));
+        ASSERT_LE(seg.k_end, total);
+        const int64_t ql = seg.q_end - seg.q_begin, kl = seg.k_end - seg.k_begin;
+        ASSERT_GE(kl, causal ? ql : 0);
+        for (int64_t i = 0; i < ql; ++i)
+          for (int64_t j = 0; j < kl; ++j)
+            if (!call.causal || j <= i + kl - ql) pairs.add(tokens[seg.q_begin + i], seg.k_begin + j);
       }
+    }
+    pairs.expect_every_pair_counted_once(causal, W);
+  });
 }
 
 // The ring kernel's pass: every segment meets its W key ranges (step 0 under the bottom-right causal mask
 // when causal), and over all ranks every pair of attention over the whole sequence is met exactly once.
 TEST(RingAttentionPlan, RingPassCoversEveryPairOnce) {
-  std::mt19937 g(7);
-  for (int W : {1, 2, 3, 4, 8})
-    for (bool causal : {false, true})
-      for (int trial = 0; trial < 6; ++trial) {
-        const std::vector<int64_t> docs = random_documents(g);
-        const RingLayout L = weft::ops::ring_layout(docs, W, causal);
-        PairCounts pairs(docs);
-        std::vector<std::vector<int64_t>> tokens(W);
-        for (int r = 0; r < W; ++r) tokens[r] = weft::ops::ring_tokens(L, r);
-        for (int r = 0; r < W; ++r) {
-          const weft::ops::RingPass pass = weft::ops::ring_pass_of(L, r);
-          EXPECT_EQ(pass.steps, W);
-          EXPECT_EQ(pass.causal, causal);
-          ASSERT_EQ(pass.k_begin.size(), pass.q_begin.size() * W);
-          for (int64_t x = 0; x < pass.segments(); ++x) {
-            if (x > 0) EXPECT_GE(pass.q_begin[x], pass.q_end[x - 1]) << "query segments overlap";
-            ASSERT_LT(pass.q_begin[x], pass.q_end[x]) << "an empty segment";
-            ASSERT_LE(pass.q_end[x], static_cast<int64_t>(tokens[r].size()));
-            const int64_t ql = pass.q_end[x] - pass.q_begin[x];
-            for (int s = 0; s < W; ++s) {
-              const int src = (r - s + W) % W;
-              const int64_t kb = pass.k_begin[x * W + s], kl = pass.k_end[x * W + s] - kb;
-              ASSERT_GE(kl, 0);
-              ASSERT_LE(kb + kl, static_cast<int64_t>(tokens[src].size()));
-              const bool masked = causal && s == 0;
-              if (masked && kl > 0) ASSERT_GE(kl, ql);
-              for (int64_t i = 0; i < ql; ++i)
-                for (int64_t j = 0; j < kl; ++j)
-                  if (!masked || j <= i + kl - ql)
-                    pairs.add(tokens[r][pass.q_begin[x] + i], tokens[src][kb + j]);
-            }
-          }
+  for_random_layouts(7, [](const std::vector<int64_t>& docs, const RingLayout& L) {
+    const int W = L.world;
+    const bool causal = L.zigzag;
+    PairCounts pairs(docs);
+    std::vector<std::vector<int64_t>> tokens(W);
+    for (int r = 0; r < W; ++r) tokens[r] = weft::ops::ring_tokens(L, r);
+    for (int r = 0; r < W; ++r) {
+      const weft::ops::RingPass pass = weft::ops::ring_pass_of(L, r);
+      EXPECT_EQ(pass.steps, W);
+      EXPECT_EQ(pass.causal, causal);
+      ASSERT_EQ(pass.k_begin.size(), pass.q_begin.size() * W);
+      for (int64_t x = 0; x < pass.segments(); ++x) {
+        if (x > 0) EXPECT_GE(pass.q_begin[x], pass.q_end[x - 1]) << "query segments overlap";
+        ASSERT_LT(pass.q_begin[x], pass.q_end[x]) << "an empty segment";
+        ASSERT_LE(pass.q_end[x], static_cast<int64_t>(tokens[r].size()));
+        const int64_t ql = pass.q_end[x] - pass.q_begin[x];
+        for (int s = 0; s < W; ++s) {
+          const int src = (r - s + W) % W;
+          const int64_t kb = pass.k_begin[x * W + s], kl = pass.k_end[x * W + s] - kb;
+          ASSERT_GE(kl, 0);
+          ASSERT_LE(kb + kl, static_cast<int64_t>(tokens[src].size()));
+          const bool masked = causal && s == 0;
+          if (masked && kl > 0) ASSERT_GE(kl, ql);
+          for (int64_t i = 0; i < ql; ++i)
+            for (int64_t j = 0; j < kl; ++j)
+              if (!masked || j <= i + kl - ql) pairs.add(tokens[r][pass.q_begin[x] + i], tokens[src][kb + j]);
         }
-        pairs.expect_every_pair_counted_once(causal, W);
       }
+    }
+    pairs.expect_every_pair_counted_once(causal, W);
+  });
 }
 
 TEST(RingAttentionPlan, Errors) {
