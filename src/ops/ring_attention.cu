@@ -155,15 +155,8 @@ void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const
   const std::string& where = call.where;
   WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled(),
              where + "options.segments and options.accumulate are set by the op itself; leave them empty");
-  WEFT_CHECK(head_dim == 64 || head_dim == 128,
-             where + "head_dim must be 64 or 128, got " + std::to_string(head_dim));
-  WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tensors must be bf16 or fp16");
-  WEFT_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0,
-             where + "heads (" + std::to_string(heads) + ") must be a positive multiple of kv_heads (" +
-                 std::to_string(kv_heads) + ")");
-  WEFT_CHECK(!std::isnan(options.softmax_scale) && options.softmax_scale >= 0.f,
-             where + "softmax_scale must be positive (or 0 for 1 / sqrt(head_dim))");
-  WEFT_CHECK(ops::device_facts().cc == 90, where + "runs on Hopper (sm_90) GPUs");
+  // The attention core's checks (head_dim, dtype, heads vs kv_heads, scale, Hopper) on one segment's shape.
+  ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
   const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, kv_heads, head_dim);
   WEFT_CHECK(z.slot_rows * std::max(heads, kv_heads) < (int64_t(1) << 31) &&
                  z.nseg() * rank.world() < (int64_t(1) << 31),
