@@ -1,5 +1,5 @@
 // weft-bench context_attention: sequence-parallel attention (weft::context_attention_* over all-gathered
-// K / V, weft::ring_attention_forward, weft::ulysses_attention_*) on the team, against weft's single-GPU
+// K / V, weft::ring_attention_*, weft::ulysses_attention_*) on the team, against weft's single-GPU
 // attention over the whole sequence on GPU 0. On W virtual ranks of one GPU the team does the same attention
 // work as the single call, so time(team) / time(single GPU) is the method's scheduling, data-movement and
 // load-balance overhead (the issue's ratio); on W real GPUs the ideal is time(single GPU) / W. One document
@@ -80,8 +80,7 @@ void run_context_attention(Context& ctx) {
   for (M method : {M::kAllGather, M::kRing, M::kUlysses})
     for (bool causal : {false, true})
       for (int64_t S : seqs) {
-        const bool ulysses = method == M::kUlysses,
-                   ring = method == M::kRing;  // the ring's backward: all-gather's
+        const bool ulysses = method == M::kUlysses, ring = method == M::kRing;
         const char* name = ulysses ? "ulysses" : ring ? "ring" : "all-gather";
         WEFT_CUDA_CHECK(cudaSetDevice(comm.local(0).device()));
         Single single(S, H, KV, D, causal, team.streams[0]);
@@ -92,7 +91,8 @@ void run_context_attention(Context& ctx) {
             ulysses ? ulysses_attention_backward_workspace_bytes(W, docs, causal, H, KV, D)
                     : std::max({context_attention_backward_workspace_bytes(W, docs, causal, H, KV, D),
                                 context_attention_workspace_bytes(W, docs, causal, KV, D),
-                                ring_attention_workspace_bytes(W, docs, causal, KV, D)});
+                                ring_attention_workspace_bytes(W, docs, causal, KV, D),
+                                ring_attention_backward_workspace_bytes(W, docs, causal, H, KV, D)});
         std::vector<std::unique_ptr<RankData>> data;
         for (int i = 0; i < L; ++i) {
           Rank& r = comm.local(i);
@@ -121,7 +121,9 @@ void run_context_attention(Context& ctx) {
             Rank& r = comm.local(i);
             WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
             RankData& d = *data[i];
-            (ulysses ? ulysses_attention_backward : context_attention_backward)(
+            (ulysses ? ulysses_attention_backward
+             : ring  ? ring_attention_backward
+                     : context_attention_backward)(
                 comm, r, d.q.p, d.k.p, d.v.p, d.out.p, d.dout.p, static_cast<float*>(d.lse.p), d.dq.p, d.dk.p,
                 d.dv.p, docs, H, KV, D, d.ws.p, d.ws_bytes, DType::kBF16, team.streams[i], o);
           }
@@ -140,13 +142,6 @@ void run_context_attention(Context& ctx) {
             time_graphs_alternating(comm, team.streams, 1, iters, {on_rank0(&Single::forward), forward});
         const double single_fwd = team.team_max(fwd_us[0]) / 1000.0, fwd = team.team_max(fwd_us[1]) / 1000.0;
         const double per = ctx.virtual_ranks() ? 1.0 : 1.0 / W;
-        if (ring) {  // its backward is the all-gather row's
-          t.add({name, std::to_string(S), causal ? "yes" : "no", fmt("%.3f", single_fwd), fmt("%.3f", fwd),
-                 fmt("%.3f", fwd / (single_fwd * per)), "-", "(all-gather's)", "-"});
-          ctx.progress("context_attention ring S=%lld causal=%d: fwd %.3f / %.3f ms", (long long)S,
-                       int(causal), fwd, single_fwd);
-          continue;
-        }
         const std::vector<double> bwd_us =
             time_graphs_alternating(comm, team.streams, 1, iters, {on_rank0(&Single::backward), backward});
         const double single_bwd = team.team_max(bwd_us[0]) / 1000.0, bwd = team.team_max(bwd_us[1]) / 1000.0;

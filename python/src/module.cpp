@@ -334,7 +334,7 @@ PYBIND11_MODULE(_weft, m) {
       py::arg("segments") = py::tuple(), py::arg("dtype") = "bf16", py::arg("deterministic") = false);
 
   // Sequence-parallel attention on this process's rank: method "all_gather" (weft::context_attention_*),
-  // "ring" (weft::ring_attention_forward; its backward is all-gather's) or "ulysses"; tensors in ring
+  // "ring" (weft::ring_attention_*) or "ulysses"; tensors in ring
   // attention's layout of doc_lengths (weft/ops/context_attention.hpp).
   auto ulysses = [](const std::string& method) {
     if (method != "all_gather" && method != "ring" && method != "ulysses")
@@ -351,8 +351,10 @@ PYBIND11_MODULE(_weft, m) {
                             : weft::ulysses_attention_workspace_bytes(world, docs, causal, heads, kv_heads,
                                                                       head_dim);
           if (backward)
-            return weft::context_attention_backward_workspace_bytes(world, docs, causal, heads, kv_heads,
-                                                                    head_dim);
+            return method == "ring" ? weft::ring_attention_backward_workspace_bytes(world, docs, causal, heads,
+                                                                                    kv_heads, head_dim)
+                                    : weft::context_attention_backward_workspace_bytes(world, docs, causal, heads,
+                                                                                       kv_heads, head_dim);
           return method == "ring"
                      ? weft::ring_attention_workspace_bytes(world, docs, causal, kv_heads, head_dim)
                      : weft::context_attention_workspace_bytes(world, docs, causal, kv_heads, head_dim);
@@ -386,7 +388,9 @@ PYBIND11_MODULE(_weft, m) {
           weft::AttentionOptions o;
           o.causal = causal;
           o.softmax_scale = scale;
-          auto* op = ulysses(method) ? &weft::ulysses_attention_backward : &weft::context_attention_backward;
+          auto* op = ulysses(method)    ? &weft::ulysses_attention_backward
+                     : method == "ring" ? &weft::ring_attention_backward
+                                        : &weft::context_attention_backward;
           op(*c.comm, c.rank(), reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
              reinterpret_cast<const void*>(v), reinterpret_cast<const void*>(out),
              reinterpret_cast<const void*>(dout), reinterpret_cast<const float*>(lse),

@@ -93,6 +93,22 @@ inline CUtensorMap map_bshd(const void* base, int64_t batch, int64_t seq, int64_
   return tma::make_map(t, box, what);
 }
 
+// The attention backward's per-row terms (LSE * log2(e), D): [heads][term_stride] fp32 rows viewed as a 2-D
+// map {term_stride, heads} with boxes of `rows` floats of one head.
+inline CUtensorMap map_terms(const float* base, int64_t term_stride, int64_t heads, uint32_t rows,
+                             const std::string& what) {
+  tma::TensorNd t;
+  t.base = base;
+  t.dtype = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  t.elem_bytes = 4;
+  t.rank = 2;
+  t.dims[0] = uint64_t(term_stride);
+  t.dims[1] = uint64_t(heads);
+  t.strides_bytes[1] = uint64_t(term_stride) * 4;
+  const uint32_t box[2] = {rows, 1};
+  return tma::make_map(t, box, what, CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
 // Packed sequences' arrays: device memory on `device`, int32-aligned.
 inline void check_segment_arrays(const AttentionSegments& seg, int device, const std::string& w) {
   if (!seg.packed()) return;

@@ -112,20 +112,8 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.dq_accum =
       ops::map_rows(accum, sh, seg, false, sh.heads, Op::kBM, c.where + "workspace (dQ)", DType::kFP32);
   // The per-row terms: 2-D {term rows, heads} maps, boxes of a query block's rows.
-  auto rows_map = [&](const float* base, const char* what) {
-    tma::TensorNd t;
-    t.base = base;
-    t.dtype = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-    t.elem_bytes = 4;
-    t.rank = 2;
-    t.dims[0] = uint64_t(ws.term_stride);
-    t.dims[1] = uint64_t(sh.heads);
-    t.strides_bytes[1] = uint64_t(ws.term_stride) * 4;
-    const uint32_t box[2] = {Op::kBM, 1};
-    return tma::make_map(t, box, c.where + what, CU_TENSOR_MAP_SWIZZLE_NONE);
-  };
-  p.lse_map = rows_map(lse_log2, "workspace (LSE)");
-  p.dsum_map = rows_map(dsum, "workspace (D)");
+  p.lse_map = ops::map_terms(lse_log2, ws.term_stride, sh.heads, Op::kBM, c.where + "workspace (LSE)");
+  p.dsum_map = ops::map_terms(dsum, ws.term_stride, sh.heads, Op::kBM, c.where + "workspace (D)");
   p.dq_order = dq_order;
   p.dq_blocks = static_cast<int>(ws.dq_blocks);
   p.dk_out = static_cast<T*>(c.dk);

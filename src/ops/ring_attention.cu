@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "attention_args.hpp"
+#include "ring_attention_host.hpp"
 #include "op_args.hpp"
 #include "sequence_parallel.hpp"
 #include "weft/comm/barrier.cuh"
@@ -30,33 +31,10 @@ const ResourceDeclaration kRingResources[] = {
     ResourceDeclaration{{kMeeting, 0, 1}},
 };
 
-// Every rank has finished the previous pass (its kernels before this one on its stream), so its slots are
-// free for the pushes.
-__global__ void ring_meet_kernel(TeamView team, int slot) {
-  (void)barrier_block(team, slot);  // a failed wait is recorded; synchronize() reports it
-}
-
-// Chunks per slot: a function of the world size alone, so every call signals the same flags and each flag
-// grows by kRingPiecesPerChunk per call.
-int chunks_per_slot(int world) {
-  return world < 2 ? 1 : std::min(ops::kRingMaxChunksPerSlot, ops::kRingChunkFlags / (world - 1));
-}
-
-struct Sizes {
-  ops::RingLayout L;
-  ops::RingPass pass;
-  int64_t local = 0, slot_rows = 0, kv_heads = 0, head_dim = 0, max_q = 1;
+struct Sizes : ops::RingPassSizes {
+  int64_t kv_heads = 0, head_dim = 0;
   Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, bool causal, int64_t kv, int64_t d)
-      : L(ops::ring_layout(doc_lengths, world, causal)),
-        pass(ops::ring_pass_of(L, rank)),
-        kv_heads(kv),
-        head_dim(d) {
-    local = L.local_rows(rank);
-    slot_rows = std::max<int64_t>(1, ops::max_local_rows(L));
-    for (int64_t x = 0; x < pass.segments(); ++x) max_q = std::max(max_q, pass.q_end[x] - pass.q_begin[x]);
-  }
-  int64_t nseg() const { return pass.segments(); }
-  size_t index_bytes() const { return round256(size_t(2 * nseg() * (1 + L.world) + 1) * 4); }
+      : RingPassSizes(world, rank, doc_lengths, causal, ops::RingTravel::kKeys), kv_heads(kv), head_dim(d) {}
   size_t slot_bytes() const { return size_t(slot_rows * kv_heads * head_dim) * 2; }
   size_t area_bytes() const { return round256(2 * size_t(std::max(1, L.world - 1)) * slot_bytes()); }
 };
@@ -68,15 +46,14 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const
   using Op = ops::RingAttentionFwdOp<kD, T>;
   using Launcher = lcsc::Launcher<Op>;
   const int W = z.L.world;
-  const int64_t G = z.nseg(), local = std::max<int64_t>(z.local, 1);
+  const int64_t G = z.segments(), local = std::max<int64_t>(z.local, 1);
   typename Op::Params p{};
-  const int32_t *q_begin = index, *q_end = index + G, *key_begin = index + 2 * G,
-                *key_end = index + 2 * G + G * W;
+  const ops::RingTable table(index, G, W);
   p.sched.batch = static_cast<int>(G);
   p.sched.heads = static_cast<int>(heads);
-  p.sched.q_blocks = static_cast<int>((z.max_q + Op::kBM - 1) / Op::kBM);
-  p.sched.row_begin = q_begin;
-  p.sched.row_end = q_end;
+  p.sched.q_blocks = static_cast<int>((z.max_own + Op::kBM - 1) / Op::kBM);
+  p.sched.row_begin = table.own_begin;
+  p.sched.row_end = table.own_end;
   p.sched.block_rows = Op::kBM;
   p.sched.paired = z.pass.causal;
   // Every rank launches (its pushes feed its peers and its call count must advance with theirs), at least
@@ -105,12 +82,13 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const
   p.slot_k = ops::map_bshd(slots_k, slots, z.slot_rows, z.kv_heads, kD, Op::kBN, where + "slots", dtype);
   p.slot_v = ops::map_bshd(slots_v, slots, z.slot_rows, z.kv_heads, kD, Op::kBN, where + "slots", dtype);
   // The store reads each segment's query range; its key fields are unused (the key ranges are per step).
-  p.rows = {q_begin, q_end, key_begin, key_end, static_cast<int>(z.max_q), 0, static_cast<int>(local)};
+  p.rows = {table.own_begin, table.own_end, table.met_begin, table.met_end, static_cast<int>(z.max_own), 0,
+            static_cast<int>(local)};
   p.lse = lse;
   p.out = static_cast<T*>(out);
   p.heads = static_cast<int>(heads);
   p.group = static_cast<int>(group);
-  const AttentionShape shape{1, z.max_q, z.max_q, heads, z.kv_heads, kD};
+  const AttentionShape shape{1, z.max_own, z.max_own, heads, z.kv_heads, kD};
   const float scale = ops::attention_scale(shape, options);
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;
@@ -118,32 +96,40 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const
 
   p.sync = {rank.view(), comm.resources(kState).flags, comm.resources(kArrived).flags,
             blocks * (Op::kConsumerWarpgroups + tile::kWarpgroupThreads / 32 - 1)};
-  p.key_begin = key_begin;
-  p.key_end = key_end;
+  p.key_begin = table.met_begin;
+  p.key_end = table.met_end;
   p.steps = W;
-  p.slot_rows = static_cast<int>(z.slot_rows);
-  p.chunks = chunks_per_slot(W);
-  p.chunk_rows = static_cast<int>(std::max<int64_t>(1, (z.slot_rows + p.chunks - 1) / p.chunks));
+  p.slots = ops::ring_slots(W, z.slot_rows, z.local);
   p.k_src = static_cast<const uint4*>(ks);
   p.v_src = static_cast<const uint4*>(vs);
   p.slots_k = reinterpret_cast<uint4*>(slots_k);
   p.slots_v = reinterpret_cast<uint4*>(slots_v);
-  p.local_rows = static_cast<int>(z.local);
   p.row_vecs = static_cast<int>(z.kv_heads * kD / 8);
 
-  detail::preload<&ring_meet_kernel>();
-  ring_meet_kernel<<<1, 32, 0, stream>>>(rank.view(), comm.resources(kMeeting).slots[0]);
-  WEFT_CUDA_CHECK(cudaGetLastError());
+  ops::ring_meet(rank, comm.resources(kMeeting).slots[0], stream);
   Launcher::launch(p, blocks, stream);
 }
 
 }  // namespace
 
+namespace ops {
+namespace {
+__global__ void ring_meet_kernel(TeamView team, int slot) {
+  (void)barrier_block(team, slot);  // a failed wait is recorded; synchronize() reports it
+}
+}  // namespace
+void ring_meet(const Rank& rank, int slot, cudaStream_t stream) {
+  detail::preload<&ring_meet_kernel>();
+  ring_meet_kernel<<<1, 32, 0, stream>>>(rank.view(), slot);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+}
+}  // namespace ops
+
 size_t ring_attention_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                       int64_t kv_heads, int64_t head_dim) {
   size_t most = 0;
   for (int r = 0; r < world; ++r)
-    most = std::max(most, Sizes(world, r, doc_lengths, causal, kv_heads, head_dim).index_bytes());
+    most = std::max(most, Sizes(world, r, doc_lengths, causal, kv_heads, head_dim).table_bytes());
   return most;
 }
 
@@ -159,10 +145,10 @@ void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
   const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, kv_heads, head_dim);
   WEFT_CHECK(z.slot_rows * std::max(heads, kv_heads) < (int64_t(1) << 31) &&
-                 z.nseg() * rank.world() < (int64_t(1) << 31),
+                 z.segments() * rank.world() < (int64_t(1) << 31),
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
-  WEFT_CHECK(workspace != nullptr && workspace_bytes >= z.index_bytes(),
-             where + "the workspace must hold " + std::to_string(z.index_bytes()) +
+  WEFT_CHECK(workspace != nullptr && workspace_bytes >= z.table_bytes(),
+             where + "the workspace must hold " + std::to_string(z.table_bytes()) +
                  " bytes (ring_attention_workspace_bytes()), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
   if (z.local > 0) {
@@ -173,28 +159,8 @@ void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const
     if (lse != nullptr) call.check_buffer(lse, "lse", uint64_t(z.local * heads) * 4, 4);
   }
   char* area = call.workspace(z.area_bytes(), kArea);
-  // The pass's words: q_begin, q_end (per segment), key_begin, key_end (per segment and step). Segments go
-  // heaviest first (the keys a row meets over the pass: a late part meets about three times an early
-  // part's), so the persistent blocks' last items are light ones and they end together.
-  const int64_t G = z.nseg(), W = rank.world();
-  std::vector<int64_t> order(G), keys(G, 0);
-  for (int64_t x = 0; x < G; ++x) {
-    order[x] = x;
-    for (int64_t s = 0; s < W; ++s) keys[x] += z.pass.k_end[x * W + s] - z.pass.k_begin[x * W + s];
-  }
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys[a] > keys[b]; });
-  std::vector<int32_t> words(2 * G * (1 + W) + 1, 0);
-  for (int64_t y = 0; y < G; ++y) {
-    const int64_t x = order[y];
-    words[y] = static_cast<int32_t>(z.pass.q_begin[x]);
-    words[G + y] = static_cast<int32_t>(z.pass.q_end[x]);
-    for (int64_t s = 0; s < W; ++s) {
-      words[2 * G + y * W + s] = static_cast<int32_t>(z.pass.k_begin[x * W + s]);
-      words[2 * G + G * W + y * W + s] = static_cast<int32_t>(z.pass.k_end[x * W + s]);
-    }
-  }
   auto* index = static_cast<int32_t*>(workspace);
-  ops::upload_words(index, words, call.stream);
+  ops::upload_words(index, ops::ring_table_words(z.pass), call.stream);
   const auto run = [&](auto d, auto t) {
     launch<decltype(d)::value, decltype(t)>(comm, rank, z, q, k, v, out, lse, heads, index, area, call.stream,
                                             options, dtype, where);

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace weft::ops {
@@ -209,21 +210,29 @@ inline RingCall ring_call_of(const RingStep& step) {
   return call;
 }
 
-// The ring kernel's work (one persistent kernel per pass, src/ops/ring_attention.cu): rank r's query rows cut
-// into segments, one per document and held part, and for each segment one key range per step: rows of the
-// step's source's local K / V, contiguous because a source's parts of a document are adjacent (early, then
-// late) and a query part meets a prefix of them (kc <= qc). A work item (segment, head, query block) meets
-// all W ranges in turn, its O and LSE in registers throughout. Step 0 (the rank's own K / V) is causal under
-// a bottom-right mask: the early query part against its own rows, the late one against both parts (the
-// early part fully, the late up to itself); later steps have no mask.
+// The ring kernels' work (one persistent kernel per pass, src/ops/ring_attention.cu and
+// ring_attention_backward.cu). One side of the attention stays on its rank, the other travels around the
+// ring: K / V in the forward (a segment is a part of this rank's query rows), Q, dO and the per-row terms in
+// the backward (a segment is a part of this rank's key rows). A segment is one document's part held by rank
+// r; for each segment and step the pass gives the rows it meets of the step's source (r - s): one range of
+// the source's local rows, contiguous because a source's parts of a document are adjacent (early, then late)
+// and a part meets either all of the other side's parts or a prefix (keys) / suffix (queries) of them. A
+// work item (segment, head, block) meets all W ranges in turn, its accumulators (O and LSE forward, dK and
+// dV backward) in registers throughout. Step 0 (the rank's own rows on both sides) is causal when the layout
+// is zigzag: a key is visible to a query iff its local row is not after the query's (within a document's
+// local rows the positions keep their order); later steps have no mask.
+enum class RingTravel : uint8_t {
+  kKeys,     // forward: K / V travel; segments are query rows
+  kQueries,  // backward: Q, dO, LSE and D travel; segments are key rows
+};
 struct RingPass {
   int steps = 0;
-  bool causal = false;                  // step 0's ranges take the bottom-right causal mask
-  std::vector<int64_t> q_begin, q_end;  // per segment: this rank's local query rows
-  std::vector<int64_t> k_begin, k_end;  // [segment * steps + step]: rows of the source's local K / V
-  int64_t segments() const { return static_cast<int64_t>(q_begin.size()); }
+  bool causal = false;                      // step 0's ranges take the causal mask
+  std::vector<int64_t> own_begin, own_end;  // per segment: this rank's local rows
+  std::vector<int64_t> met_begin, met_end;  // [segment * steps + step]: rows of the source's local rows
+  int64_t segments() const { return static_cast<int64_t>(own_begin.size()); }
 };
-inline RingPass ring_pass_of(const RingLayout& L, int r) {
+inline RingPass ring_pass_of(const RingLayout& L, int r, RingTravel travel = RingTravel::kKeys) {
   if (r < 0 || r >= L.world)
     throw std::invalid_argument("ring_pass_of: rank " + std::to_string(r) + " outside a team of " +
                                 std::to_string(L.world));
@@ -231,22 +240,44 @@ inline RingPass ring_pass_of(const RingLayout& L, int r) {
   pass.steps = L.world;
   pass.causal = L.zigzag;
   for (int d = 0; d < static_cast<int>(L.doc_length.size()); ++d)
-    for (int qc : L.parts_of(r)) {
-      const int64_t n = L.part_length(d, qc);
+    for (int own : L.parts_of(r)) {
+      const int64_t n = L.part_length(d, own);
       if (n == 0) continue;
-      pass.q_begin.push_back(L.local_row(r, d, qc));
-      pass.q_end.push_back(L.local_row(r, d, qc) + n);
+      pass.own_begin.push_back(L.local_row(r, d, own));
+      pass.own_end.push_back(L.local_row(r, d, own) + n);
       for (int s = 0; s < L.world; ++s) {
         const int src = (r - s + L.world) % L.world;
-        const int64_t begin = L.doc_row[src][d];
-        int64_t end = begin;
-        for (int kc : L.parts_of(src))
-          if (!L.zigzag || kc <= qc) end += L.part_length(d, kc);
-        pass.k_begin.push_back(begin);
-        pass.k_end.push_back(end);
+        int64_t begin = L.doc_row[src][d], end = begin;
+        for (int met : L.parts_of(src)) {
+          if (travel == RingTravel::kKeys) {
+            if (!L.zigzag || met <= own) end += L.part_length(d, met);  // keys up to the query part
+          } else if (L.zigzag && met < own) {
+            begin += L.part_length(d, met);  // queries from the key part on: a suffix
+          }
+        }
+        if (travel == RingTravel::kQueries) end = L.doc_row[src][d + 1];
+        pass.met_begin.push_back(begin);
+        pass.met_end.push_back(std::max(begin, end));
       }
     }
   return pass;
+}
+
+// The query ranges of rank r that backward passes (RingTravel::kQueries) meet, each once: per document its
+// whole rows and, zigzag, its late part alone (the met ranges of every rank's pass with source r are among
+// them). The per-row terms of a range beginning at local row x live at term rows 4 x, 4 x + 1, ...: every
+// range starts 16-byte aligned for TMA, and the copies of one row for the two ranges that hold it never
+// land on another row's (parts differ by at most one row, so a late part is never over three times the
+// early part).
+inline std::vector<std::pair<int64_t, int64_t>> ring_query_ranges(const RingLayout& L, int r) {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int d = 0; d < static_cast<int>(L.doc_length.size()); ++d) {
+    const int64_t begin = L.doc_row[r][d], end = L.doc_row[r][d + 1];
+    if (end > begin) ranges.push_back({begin, end});
+    const int64_t late = begin + L.part_length(d, L.parts_of(r)[0]);
+    if (L.zigzag && late > begin && late < end) ranges.push_back({late, end});
+  }
+  return ranges;
 }
 
 // Attention over all-gathered K / V (context parallelism without a ring): every rank gathers the whole

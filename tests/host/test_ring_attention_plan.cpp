@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <random>
+#include <utility>
 
 #include "ops/ring_attention_plan.hpp"
 
@@ -250,39 +252,84 @@ TEST(RingAttentionPlan, GatheredCallsCoverEveryPairOnce) {
   });
 }
 
-// The ring kernel's pass: every segment meets its W key ranges (step 0 under the bottom-right causal mask
-// when causal), and over all ranks every pair of attention over the whole sequence is met exactly once.
-TEST(RingAttentionPlan, RingPassCoversEveryPairOnce) {
-  for_random_layouts(7, [](const std::vector<int64_t>& docs, const RingLayout& L) {
+// The ring kernels' passes: every segment meets W ranges (step 0 under the causal mask when causal: a key
+// visible iff its local row is not after the query's), and over all ranks every pair of attention over the
+// whole sequence is met exactly once, with K / V travelling (forward) and with the queries travelling
+// (backward).
+void expect_pass_covers_every_pair_once(weft::ops::RingTravel travel) {
+  const bool queries_travel = travel == weft::ops::RingTravel::kQueries;
+  for_random_layouts(7, [&](const std::vector<int64_t>& docs, const RingLayout& L) {
     const int W = L.world;
     const bool causal = L.zigzag;
     PairCounts pairs(docs);
     std::vector<std::vector<int64_t>> tokens(W);
     for (int r = 0; r < W; ++r) tokens[r] = weft::ops::ring_tokens(L, r);
     for (int r = 0; r < W; ++r) {
-      const weft::ops::RingPass pass = weft::ops::ring_pass_of(L, r);
+      const weft::ops::RingPass pass = weft::ops::ring_pass_of(L, r, travel);
       EXPECT_EQ(pass.steps, W);
       EXPECT_EQ(pass.causal, causal);
-      ASSERT_EQ(pass.k_begin.size(), pass.q_begin.size() * W);
+      ASSERT_EQ(pass.met_begin.size(), pass.own_begin.size() * W);
       for (int64_t x = 0; x < pass.segments(); ++x) {
-        if (x > 0) EXPECT_GE(pass.q_begin[x], pass.q_end[x - 1]) << "query segments overlap";
-        ASSERT_LT(pass.q_begin[x], pass.q_end[x]) << "an empty segment";
-        ASSERT_LE(pass.q_end[x], static_cast<int64_t>(tokens[r].size()));
-        const int64_t ql = pass.q_end[x] - pass.q_begin[x];
+        if (x > 0) EXPECT_GE(pass.own_begin[x], pass.own_end[x - 1]) << "segments overlap";
+        ASSERT_LT(pass.own_begin[x], pass.own_end[x]) << "an empty segment";
+        ASSERT_LE(pass.own_end[x], static_cast<int64_t>(tokens[r].size()));
         for (int s = 0; s < W; ++s) {
           const int src = (r - s + W) % W;
-          const int64_t kb = pass.k_begin[x * W + s], kl = pass.k_end[x * W + s] - kb;
-          ASSERT_GE(kl, 0);
-          ASSERT_LE(kb + kl, static_cast<int64_t>(tokens[src].size()));
-          const bool masked = causal && s == 0;
-          if (masked && kl > 0) ASSERT_GE(kl, ql);
-          for (int64_t i = 0; i < ql; ++i)
-            for (int64_t j = 0; j < kl; ++j)
-              if (!masked || j <= i + kl - ql) pairs.add(tokens[r][pass.q_begin[x] + i], tokens[src][kb + j]);
+          const int64_t mb = pass.met_begin[x * W + s], me = pass.met_end[x * W + s];
+          ASSERT_LE(mb, me);
+          ASSERT_LE(me, static_cast<int64_t>(tokens[src].size()));
+          if (queries_travel && me > mb) {  // a range whose per-row terms the source has prepared
+            const auto ranges = weft::ops::ring_query_ranges(L, src);
+            EXPECT_NE(std::find(ranges.begin(), ranges.end(), std::make_pair(mb, me)), ranges.end())
+                << "rank " << r << " step " << s << " meets rows [" << mb << ", " << me << ") of rank " << src;
+          }
+          for (int64_t own = pass.own_begin[x]; own < pass.own_end[x]; ++own)
+            for (int64_t met = mb; met < me; ++met) {
+              const int64_t q = queries_travel ? met : own, k = queries_travel ? own : met;
+              if (causal && s == 0 && k > q) continue;  // local rows of this rank on both sides
+              const int q_rank = queries_travel ? src : r, k_rank = queries_travel ? r : src;
+              pairs.add(tokens[q_rank][q], tokens[k_rank][k]);
+            }
         }
       }
     }
     pairs.expect_every_pair_counted_once(causal, W);
+  });
+}
+// The term rows of a rank's query ranges (range [b, e) at term rows [4 b, 4 b + e - b)): no term row holds
+// two different rows.
+TEST(RingAttentionPlan, QueryRangeTermsNeverCollide) {
+  for_random_layouts(13, [](const std::vector<int64_t>&, const RingLayout& L) {
+    for (int r = 0; r < L.world; ++r) {
+      std::map<int64_t, int64_t> row_at;
+      for (const auto& [b, e] : weft::ops::ring_query_ranges(L, r))
+        for (int64_t x = b; x < e; ++x) {
+          const auto [it, fresh] = row_at.insert({4 * b + x - b, x});
+          EXPECT_TRUE(fresh || it->second == x) << "term row " << 4 * b + x - b << " of rank " << r;
+        }
+    }
+  });
+}
+
+TEST(RingAttentionPlan, ForwardPassCoversEveryPairOnce) {
+  expect_pass_covers_every_pair_once(weft::ops::RingTravel::kKeys);
+}
+TEST(RingAttentionPlan, BackwardPassCoversEveryPairOnce) {
+  expect_pass_covers_every_pair_once(weft::ops::RingTravel::kQueries);
+}
+
+// The forward kernel takes step 0 under a bottom-right mask (query row i of a segment sees key j of its
+// range iff j <= i + keys - queries): the same as the local-row rule above, since its ranges end together.
+TEST(RingAttentionPlan, ForwardStepZeroIsBottomRight) {
+  for_random_layouts(3, [](const std::vector<int64_t>&, const RingLayout& L) {
+    if (!L.zigzag) return;
+    for (int r = 0; r < L.world; ++r) {
+      const weft::ops::RingPass pass = weft::ops::ring_pass_of(L, r);
+      for (int64_t x = 0; x < pass.segments(); ++x) {
+        const int64_t kb = pass.met_begin[x * L.world], ke = pass.met_end[x * L.world];
+        if (ke > kb) EXPECT_EQ(ke, pass.own_end[x]) << "rank " << r << " segment " << x;
+      }
+    }
   });
 }
 

@@ -52,20 +52,24 @@ namespace weft::ops {
 inline constexpr int kAttentionBwdBlockM = 64;   // query rows per step
 inline constexpr int kAttentionBwdBlockN = 128;  // keys per work item, 64 per consumer warpgroup
 
-// The query blocks [begin, end) that see some key of key block n (causal: the first row that sees the
-// block's first key, n * kBN, is n * kBN - (seq_k - seq_q)).
+// The query blocks [begin, end) that see some key of key block n. Causal: query row i sees key j iff j <= i
+// + shift (bottom-right: shift = seq_k - seq_q), so the first row that sees the block's first key, n * kBN,
+// is n * kBN - shift.
 struct QueryBlocks {
   int begin = 0, end = 0;
 };
-__host__ __device__ inline QueryBlocks query_blocks(int key_block, int seq_q, int seq_k, bool causal) {
+__host__ __device__ inline QueryBlocks query_blocks_shifted(int key_block, int seq_q, int shift, bool causal) {
   constexpr int kBM = kAttentionBwdBlockM, kBN = kAttentionBwdBlockN;
   QueryBlocks qb;
   qb.end = (seq_q + kBM - 1) / kBM;
   if (causal) {
-    const int64_t first_row = int64_t(key_block) * kBN - (int64_t(seq_k) - seq_q);
+    const int64_t first_row = int64_t(key_block) * kBN - shift;
     if (first_row > 0) qb.begin = static_cast<int>(first_row / kBM < qb.end ? first_row / kBM : qb.end);
   }
   return qb;
+}
+__host__ __device__ inline QueryBlocks query_blocks(int key_block, int seq_q, int seq_k, bool causal) {
+  return query_blocks_shifted(key_block, seq_q, seq_k - seq_q, causal);
 }
 
 // Where sequence b's per-row terms (LSE, D) begin in the workspace's rows: a multiple of 4, so that every
@@ -204,8 +208,8 @@ struct AttentionBwdOp {
     tile::mbarrier_wait_bounded(&pipe.s_.kv_full, static_cast<uint32_t>(w.iteration) & 1u);
     __syncwarp();
     const SeqRows sr = seq_rows(p.rows, w.batch);
-    const Lengths len{sr.q_len, sr.k_len};
-    const QueryBlocks qb = query_blocks(n, len.q, len.k, p.causal != 0);
+    const Lengths len{sr.q_len, sr.k_len, sr.k_len - sr.q_len, p.causal != 0};
+    const QueryBlocks qb = query_blocks(n, len.q, len.k, len.causal);
     const int key0 = n * kBN + 64 * wg;  // this warpgroup's first key (of the sequence)
     for (int g = 0; g < p.group; ++g) {
       const int h = w.head * p.group + g;
@@ -250,10 +254,12 @@ struct AttentionBwdOp {
     Epilogue::finish(es);
   }
 
- private:
+ protected:
   // One query block of 64 rows against the warpgroup's 64 keys (see the header comment).
   struct Lengths {
-    int q, k;  // the sequence's query and key rows
+    int q, k;     // the sequence's query and key rows
+    int shift;    // causal: query row i sees key j iff j <= i + shift
+    bool causal;
   };
   // Deterministic dQ (kDeterministic, Params::dq_order): the adds into one query block's accumulator happen
   // in ascending key-block order (the host then schedules key blocks in ascending order, unpaired, so every
@@ -329,17 +335,17 @@ struct AttentionBwdOp {
   // Returns whether the block needed the mask.
   __device__ static bool to_probabilities(const Params& p, const Lengths& len, const float (&lse_log2)[kBM],
                                           int key0, int row0, tile::AccumM64<kBM>& s) {
-    const int shift = len.k - len.q;
+    const int shift = len.shift;
     // Whether this 64 x 64 block needs the mask: it reaches past the keys or the rows, or (causal) its last
     // key lies past its first row's last visible key.
-    const bool masked = key0 + 64 > len.k || row0 + 64 > len.q || (p.causal && key0 + 63 > row0 + shift);
+    const bool masked = key0 + 64 > len.k || row0 + 64 > len.q || (len.causal && key0 + 63 > row0 + shift);
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kBM>::kRegs; ++i) {
       const int col = tile::AccumM64<kBM>::col(i);
       float v = tile::ex2(fmaf(s.d[i], p.scale_log2, -lse_log2[col]));
       if (masked) {
         const int key = key0 + tile::AccumM64<kBM>::row(i);
-        if (key >= len.k || row0 + col >= len.q || (p.causal && key > row0 + col + shift)) v = 0.f;
+        if (key >= len.k || row0 + col >= len.q || (len.causal && key > row0 + col + shift)) v = 0.f;
       }
       s.d[i] = v;
     }

@@ -85,6 +85,21 @@ void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const
                             int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                             DType dtype, cudaStream_t stream = nullptr, const AttentionOptions& options = {});
 
+// The ring backward: the same arguments as context_attention_backward. The keys stay and the queries
+// travel: the idle loader warps push this rank's Q, dO and per-row terms (LSE, D) to the ranks after it; each
+// key block's dK / dV accumulate in fp32 registers over all W steps (rounded once); each query block's dQ
+// part is added in fp32 straight into the accumulator of the rank that owns the rows. Receive slots and the
+// accumulator: the communicator's workspace area "ring attention backward", (W - 1) x this rank's Q and dO
+// plus fp32 dQ. The workspace holds the pass's table and a tensor map per rank. options.deterministic is
+// refused (dQ parts are added in arrival order).
+size_t ring_attention_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
+                                               int64_t heads, int64_t kv_heads, int64_t head_dim);
+void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                             const void* out, const void* dout, const float* lse, void* dq, void* dk, void* dv,
+                             const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype,
+                             cudaStream_t stream = nullptr, const AttentionOptions& options = {});
+
 // This rank's local rows in that layout.
 int64_t context_attention_local_rows(int world, int rank, const std::vector<int64_t>& doc_lengths,
                                      bool causal);

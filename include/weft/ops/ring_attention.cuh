@@ -39,6 +39,71 @@ struct RingSync {
   __device__ void done() const { calls().finished(uint64_t(done_target)); }
 };
 
+// The receive slots of a pass, chunked alike on every rank (slot_rows: the longest rank's rows; chunks per
+// slot: a function of the world size alone, so each flag grows by kRingPiecesPerChunk per call).
+struct RingSlots {
+  int slot_rows, chunk_rows, chunks;  // chunk j of a slot: rows [j * chunk_rows, ..) of slot_rows
+  int local_rows;                     // this rank's rows: pushes write zeros past them
+};
+
+// Helper warp `index` of `count` (lcsc helper_warp): this rank's rows into the peers' slots. Task u is piece
+// u % P of chunk (u / P) % chunks of slot u / (P * chunks), i.e. to rank + slot + 1 (slot s - 1 of rank r + s
+// holds step s's rows: in that order the pushes of all ranks form a permutation at every moment and each
+// step's rows land before later ones'). push(slot, dst, r0, r1, lane) copies rows [r0, r1) of the slot;
+// then one release add per piece into the chunk's flag at dst covers the warp's stores.
+template <class Push>
+__device__ void ring_push(const RingSync& sync, const RingSlots& sl, int index, int count, Push&& push) {
+  const TeamView& t = sync.team;
+  const int lane = threadIdx.x % 32;
+  const int per_slot = sl.chunks * kRingPiecesPerChunk, tasks = (t.world - 1) * per_slot;
+  const int piece_rows = (sl.chunk_rows + kRingPiecesPerChunk - 1) / kRingPiecesPerChunk;
+  for (int u = index; u < tasks; u += count) {
+    const int slot = u / per_slot, j = (u - slot * per_slot) / kRingPiecesPerChunk;
+    const int piece = u % kRingPiecesPerChunk, dst = (t.rank + slot + 1) % t.world;
+    const int chunk_end = min((j + 1) * sl.chunk_rows, sl.slot_rows);
+    const int r0 = min(j * sl.chunk_rows + piece * piece_rows, chunk_end);
+    const int r1 = min(r0 + piece_rows, chunk_end);
+    push(slot, dst, r0, r1, lane);
+    __syncwarp();  // the warp's stores, then one release covers them
+    if (lane == 0) signal_add(t, t.flag(sync.arrived, slot * sl.chunks + j), dst, 1);
+  }
+  __syncwarp();
+  if (lane == 0) sync.done();
+}
+
+// Loader: waits until chunks [0, c) of slot `slot` have landed, c covering rows below `rows_end`; `landed`
+// (shared memory) remembers per slot what this block has seen in this call.
+__device__ inline void ring_wait_landed(const RingSync& sync, const RingSlots& sl, int* landed, int slot,
+                                        int rows_end) {
+  const int rows = min(rows_end, sl.slot_rows);
+  const int need = min(sl.chunks, (rows + sl.chunk_rows - 1) / sl.chunk_rows);
+  int have = landed[slot];
+  if (have >= need) return;
+  const uint64_t target = sync.epoch() * kRingPiecesPerChunk;
+  // A failed wait is recorded (synchronize() reports it); the loads still go out so the kernel drains.
+  for (; have < need; ++have) (void)wait_ge(sync.team, sync.team.flag(sync.arrived, slot * sl.chunks + have), target);
+  landed[slot] = have;
+  acquire_for_tma();  // the peers' generic stores before our TMA loads
+}
+
+// Rows [r0, r1) of src ([rows][row_vecs] 16-byte vectors; zeros from row `rows` on) to dst (already offset
+// to row r0), by one warp.
+__device__ inline void ring_copy_rows(const uint4* src, uint4* dst, int r0, int r1, int rows, int row_vecs,
+                                      int lane) {
+  const int64_t n = int64_t(r1 - r0) * row_vecs, valid = int64_t(max(0, min(r1, rows) - r0)) * row_vecs;
+  const uint4* from = src + int64_t(r0) * row_vecs;
+  int64_t i = lane;
+  for (; i + 96 < valid; i += 128) {  // 4 loads in flight per lane
+    uint4 v[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) v[q] = from[i + 32 * q];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) dst[i + 32 * q] = v[q];
+  }
+  for (; i < valid; i += 32) dst[i] = from[i];
+  for (; i < n; i += 32) dst[i] = make_uint4(0, 0, 0, 0);
+}
+
 template <int kHeadDim, class T = __nv_bfloat16>
 struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
   using Base = AttentionFwdOp<kHeadDim, T>;
@@ -53,10 +118,10 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
     CUtensorMap slot_k, slot_v;          // 4-D {dim, kv_head, row, slot}: slot s - 1 holds step s's rows
     const int32_t *key_begin, *key_end;  // [segment * steps + step]: rows of the step source's local K / V
     int steps;                           // the world size
-    int slot_rows, chunk_rows, chunks;   // chunk j of a slot: rows [j * chunk_rows, ..) of slot_rows
+    RingSlots slots;
     const uint4 *k_src, *v_src;          // this rank's K / V: local_rows rows of row_vecs 16-byte vectors
     uint4 *slots_k, *slots_v;            // this rank's slots [steps - 1][slot_rows][row_vecs] (symmetric)
-    int local_rows, row_vecs;
+    int row_vecs;
   };
   struct Smem : Base::Smem {
     int landed[kMaxWorld];  // loader: chunks of slot s known to have landed in this call
@@ -91,7 +156,7 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
       if (step == 0) {
         Base::load_keys(&p.k, &p.v, s, pipe, st, kv_head, r.begin, 0, kb.end);
       } else {
-        wait_landed(p, s, step - 1, r.begin + kb.end * kBN);
+        ring_wait_landed(p.sync, p.slots, s.landed, step - 1, r.begin + kb.end * kBN);
         Base::load_keys(&p.slot_k, &p.slot_v, s, pipe, st, kv_head, r.begin, step - 1, kb.end);
       }
     }
@@ -188,59 +253,13 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
   }
 
   // ---- helper warps: this rank's K / V into the peers' slots ----
-  // Task u: piece u % P of chunk (u / P) % chunks of slot u / (P * chunks), i.e. to rank + slot + 1; rows
-  // past this rank's own (the slot is as long as the longest rank's rows) are written as zeros.
   __device__ static void helper_warp(const Params& p, Smem&, int index, int count) {
     const TeamView& t = p.sync.team;
-    const uint64_t e = p.sync.epoch();
-    const int lane = threadIdx.x % 32;
-    const int per_slot = p.chunks * kRingPiecesPerChunk, tasks = (t.world - 1) * per_slot;
-    const int piece_rows = (p.chunk_rows + kRingPiecesPerChunk - 1) / kRingPiecesPerChunk;
-    for (int u = index; u < tasks; u += count) {
-      const int slot = u / per_slot, j = (u - slot * per_slot) / kRingPiecesPerChunk;
-      const int piece = u % kRingPiecesPerChunk, dst = (t.rank + slot + 1) % t.world;
-      const int chunk_end = min((j + 1) * p.chunk_rows, p.slot_rows);
-      const int r0 = min(j * p.chunk_rows + piece * piece_rows, chunk_end);
-      const int r1 = min(r0 + piece_rows, chunk_end);
-      const int64_t at = (int64_t(slot) * p.slot_rows + r0) * p.row_vecs;
-      copy_rows(p.k_src, t.peer_ptr(p.slots_k + at, dst), r0, r1, p.local_rows, p.row_vecs, lane);
-      copy_rows(p.v_src, t.peer_ptr(p.slots_v + at, dst), r0, r1, p.local_rows, p.row_vecs, lane);
-      __syncwarp();  // the warp's stores, then one release covers them
-      if (lane == 0) signal_add(t, t.flag(p.sync.arrived, slot * p.chunks + j), dst, 1);
-    }
-    __syncwarp();
-    if (lane == 0) p.sync.done();
-  }
-
- private:
-  // Waits until chunks [0, c) of slot `slot` have landed, c covering rows below `rows_end`.
-  __device__ static void wait_landed(const Params& p, Smem& s, int slot, int rows_end) {
-    const int rows = min(rows_end, p.slot_rows);
-    const int need = min(p.chunks, (rows + p.chunk_rows - 1) / p.chunk_rows);
-    int have = s.landed[slot];
-    if (have >= need) return;
-    const uint64_t target = p.sync.epoch() * kRingPiecesPerChunk;
-    // A failed wait is recorded (synchronize() reports it); the loads still go out so the kernel drains.
-    for (; have < need; ++have)
-      (void)wait_ge(p.sync.team, p.sync.team.flag(p.sync.arrived, slot * p.chunks + have), target);
-    s.landed[slot] = have;
-    acquire_for_tma();  // the peers' generic stores before our TMA loads
-  }
-  // Rows [r0, r1) of src (zeros from row `rows` on) to dst (already offset to row r0), by one warp.
-  __device__ static void copy_rows(const uint4* src, uint4* dst, int r0, int r1, int rows, int row_vecs,
-                                   int lane) {
-    const int64_t n = int64_t(r1 - r0) * row_vecs, valid = int64_t(max(0, min(r1, rows) - r0)) * row_vecs;
-    const uint4* from = src + int64_t(r0) * row_vecs;
-    int64_t i = lane;
-    for (; i + 96 < valid; i += 128) {  // 4 loads in flight per lane
-      uint4 v[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) v[q] = from[i + 32 * q];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) dst[i + 32 * q] = v[q];
-    }
-    for (; i < valid; i += 32) dst[i] = from[i];
-    for (; i < n; i += 32) dst[i] = make_uint4(0, 0, 0, 0);
+    ring_push(p.sync, p.slots, index, count, [&](int slot, int dst, int r0, int r1, int lane) {
+      const int64_t at = (int64_t(slot) * p.slots.slot_rows + r0) * p.row_vecs;
+      ring_copy_rows(p.k_src, t.peer_ptr(p.slots_k + at, dst), r0, r1, p.slots.local_rows, p.row_vecs, lane);
+      ring_copy_rows(p.v_src, t.peer_ptr(p.slots_v + at, dst), r0, r1, p.slots.local_rows, p.row_vecs, lane);
+    });
   }
 };
 

@@ -26,6 +26,12 @@ namespace weft::tma {
 __device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
+// A map in global memory written through the generic proxy (by an earlier kernel, e.g. an upload): made
+// visible to this thread's tensor-map reads before its first TMA operation with it.
+__device__ __forceinline__ void acquire_global_map(const CUtensorMap* map) {
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(reinterpret_cast<uint64_t>(map))
+               : "memory");
+}
 
 // global -> this CTA's shared memory; the box's bytes complete as transactions on `bar`.
 __device__ __forceinline__ void load_2d(void* smem_dst, const CUtensorMap* map, int32_t col, int32_t row,

@@ -1,0 +1,196 @@
+// Ring attention backward as one persistent LCSC kernel per pass (host launcher:
+// src/ops/ring_attention_backward.cu; the pass: src/ops/ring_attention_plan.hpp, ring_pass_of with
+// RingTravel::kQueries). The mirror of the forward (weft/ops/ring_attention.cuh): here the keys stay and the
+// queries travel.
+//
+// Every rank holds its local rows of q, k, v, out, dout and LSE. A prepare kernel turns its own rows' LSE and
+// D = rowsum(dO o O) into the per-row terms (index 0 of the terms, symmetric memory). At step s a rank meets
+// the query rows of rank r - s: the idle warps of every compute block's loader warpgroup push this rank's Q,
+// dO and terms into the receive slots of ranks r + 1, r + 2, ... (ring_push: slot s - 1 of rank r + s for Q
+// and dO, terms index s), in pieces with a release add per piece into the receiver's chunk flag.
+//
+// A work item is (key segment, K / V head, key block of 128 keys): one document's part of this rank's key
+// rows against the query rows of all W ranges in turn, as the single-GPU backward runs one key block against
+// its sequence's query blocks (weft/ops/attention_backward.cuh, whose step() this op reuses): dK and dV in
+// registers from the first query block of step 0 to the last of step W - 1, rounded once at the item's end.
+// Each query block's dQ part is reduce-added (TMA, fp32) straight into the accumulator of the rank that owns
+// the query rows (the step's source; its accumulator in symmetric memory, one tensor map per rank in global
+// memory). The loader waits, before the first load of a step's range, until every chunk of the slot up to the
+// range's last loaded row has landed.
+//
+// Calls: the host zeroes this rank's dQ accumulator and runs the prepare kernel before a meeting (every rank
+// has finished the previous pass: slots free, accumulators zeroed), then this kernel; each consumer
+// warpgroup completes its reduce-adds (and makes them visible system-wide) before it counts itself finished.
+// A second meeting after the kernel (every rank's adds into this rank's accumulator are complete) comes
+// before the conversion dQ = scale * accumulator.
+#pragma once
+#include "weft/ops/attention_backward.cuh"
+#include "weft/ops/ring_attention.cuh"
+
+namespace weft::ops {
+
+template <int kHeadDim, class T = __nv_bfloat16>
+struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false> {
+  using Base = AttentionBwdOp<kHeadDim, T, false>;
+  using Base::kBM;
+  using Base::kBN;
+  using Base::kD;
+  using Base::kStages;
+  using typename Base::Accum;
+  using typename Base::Lengths;
+  using typename Base::Pipeline;
+  using typename Base::QTile;
+  using typename Base::StoreState;
+
+  struct Params : Base::Params {
+    RingSync sync;
+    CUtensorMap slot_q, slot_dout;  // 4-D {dim, head, row, slot}: slot s - 1 holds step s's rows
+    const CUtensorMap* dq_maps;     // [world]: rank j's fp32 dQ accumulator, 4-D {dim, head, row, 1}
+    const int32_t *query_begin, *query_end;  // [segment * steps + step]: rows of the step source's local Q
+    int steps;                               // the world size
+    RingSlots slots;
+    const uint4 *q_src, *dout_src;  // this rank's Q / dO: local_rows rows of row_vecs 16-byte vectors
+    uint4 *slots_q, *slots_dout;    // this rank's slots [steps - 1][slot_rows][row_vecs] (symmetric)
+    int row_vecs;
+    // The per-row terms (symmetric): LSE * log2(e), then D, each [steps][heads][term_stride], index 0 this
+    // rank's own rows, index s the rows of rank r - s; a query range beginning at local row x has its rows'
+    // terms at term rows 4 x, 4 x + 1, ... (ring_query_ranges). Base::lse_map / dsum_map view each as 2-D
+    // {term_stride, steps * heads}.
+    float* terms;
+    int term_stride;
+  };
+  struct Smem : Base::Smem {
+    int landed[kMaxWorld];  // loader: chunks of slot s known to have landed in this call
+  };
+
+  // The query rows of the step's source that a key segment meets. Step 0 has this rank's rows on both
+  // sides: causal when the pass is, a key visible iff its local row is not after the query's.
+  struct QueryRange {
+    int begin, length, shift;
+    bool causal;
+  };
+  __device__ static QueryRange query_range(const Params& p, const SeqRows& keys, int segment, int step) {
+    const int i = segment * p.steps + step, begin = __ldg(p.query_begin + i);
+    return {begin, __ldg(p.query_end + i) - begin, begin - keys.k0, p.causal != 0 && step == 0};
+  }
+
+  __device__ static void init(const Params& p, Smem& s) {
+    Base::init(p, s);
+    tma::prefetch_map(&p.slot_q);
+    tma::prefetch_map(&p.slot_dout);
+    for (int i = 0; i < kMaxWorld; ++i) s.landed[i] = 0;
+  }
+
+  // ---- loader (one thread) ----
+  __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                              const lcsc::AttentionWork& w) {
+    const int n = Base::key_block(w);
+    const SeqRows sr = seq_rows(p.rows, w.batch);
+    check_sequence_fits(sr.k_len, p.sched.q_blocks, kBN);
+    tile::mbarrier_wait_bounded(&pipe.s_.kv_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
+    mbarrier_arrive_expect_tx(&pipe.s_.kv_full, sizeof(typename Base::KTile) + sizeof(typename Base::VTile));
+    load_head_rows(s.k, &p.k, w.head, sr.k0 + n * kBN, 0, &pipe.s_.kv_full);
+    load_head_rows(s.v, &p.v, w.head, sr.k0 + n * kBN, 0, &pipe.s_.kv_full);
+    for (int step = 0; step < p.steps; ++step) {
+      const QueryRange r = query_range(p, sr, w.batch, step);
+      const QueryBlocks qb = query_blocks_shifted(n, r.length, r.shift, r.causal);
+      if (qb.begin >= qb.end) continue;
+      if (step > 0) ring_wait_landed(p.sync, p.slots, s.landed, step - 1, r.begin + qb.end * kBM);
+      const CUtensorMap* q = step == 0 ? &p.q : &p.slot_q;
+      const CUtensorMap* dout = step == 0 ? &p.dout : &p.slot_dout;
+      const int slot = step == 0 ? 0 : step - 1;
+      for (int g = 0; g < p.group; ++g) {
+        const int h = w.head * p.group + g;
+        for (int m = qb.begin; m < qb.end; ++m) {
+          uint64_t* bar = pipe.qdo.producer_acquire(st, 2 * sizeof(QTile) + 2 * kBM * sizeof(float));
+          const int row = r.begin + m * kBM;
+          load_head_rows(s.q[st.stage], q, h, row, slot, bar);
+          load_head_rows(s.dout[st.stage], dout, h, row, slot, bar);
+          const int term = 4 * r.begin + m * kBM;  // TMA boxes start 16-byte aligned
+          tma::load_2d(s.lse_log2[st.stage], &p.lse_map, term, step * p.heads + h, bar);
+          tma::load_2d(s.dsum[st.stage], &p.dsum_map, term, step * p.heads + h, bar);
+          st.advance(kStages);
+        }
+      }
+    }
+  }
+
+  // ---- consumers ----
+  __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                                 const lcsc::AttentionWork& w, int wg, Accum& acc) {
+    const TeamView& t = p.sync.team;
+    if (w.iteration == 0 && tile::thread_in_warpgroup() == 0)
+      for (int j = 0; j < t.world; ++j) tma::acquire_global_map(p.dq_maps + j);
+    const int n = Base::key_block(w);
+#pragma unroll
+    for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.dk.d[i] = acc.dv.d[i] = 0.f;
+    tile::mbarrier_wait_bounded(&pipe.s_.kv_full, static_cast<uint32_t>(w.iteration) & 1u);
+    __syncwarp();
+    const SeqRows sr = seq_rows(p.rows, w.batch);
+    const int key0 = n * kBN + 64 * wg;  // this warpgroup's first key (of the segment)
+    for (int step = 0; step < p.steps; ++step) {
+      const QueryRange r = query_range(p, sr, w.batch, step);
+      const Lengths len{r.length, sr.k_len, r.shift, r.causal};
+      const QueryBlocks qb = query_blocks_shifted(n, len.q, len.shift, len.causal);
+      const CUtensorMap* dq = p.dq_maps + (t.rank - step + t.world) % t.world;  // the rows' owner
+      for (int g = 0; g < p.group; ++g) {
+        const int h = w.head * p.group + g;
+        for (int m = qb.begin; m < qb.end; ++m) {
+          pipe.qdo.consumer_wait(st);
+          const lcsc::TmaRows4d dq_rows{dq, h, r.begin + m * kBM, 0, lcsc::StoreMode::kReduceAdd};
+          Base::step(p, len, s, st.stage, wg, key0, m, acc, dq_rows, typename Base::DqTurn{0, h, n});
+          pipe.qdo.consumer_release(st);
+          st.advance(kStages);
+        }
+      }
+    }
+    if (tile::thread_in_warpgroup() == 0) tile::mbarrier_arrive(&pipe.s_.kv_empty);
+#pragma unroll
+    for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.dk.d[i] *= p.scale;
+  }
+
+  // Base::finish waits until this warpgroup's bulk operations (dQ reduce-adds into every rank, dK / dV
+  // stores) have completed; then they are made visible to the peers before the warpgroup counts itself
+  // finished.
+  __device__ static void finish(const Params& p, Smem& s, int wg, StoreState& es) {
+    Base::finish(p, s, wg, es);
+    if (tile::thread_in_warpgroup() == 0) {
+      ptx::fence_proxy_async_global();
+      __threadfence_system();
+      p.sync.done();
+    }
+  }
+
+  // ---- helper warps: this rank's Q, dO and per-row terms into the peers' slots ----
+  __device__ static void helper_warp(const Params& p, Smem&, int index, int count) {
+    const TeamView& t = p.sync.team;
+    const int64_t terms_per_rank = int64_t(p.heads) * p.term_stride;
+    ring_push(p.sync, p.slots, index, count, [&](int slot, int dst, int r0, int r1, int lane) {
+      const int64_t at = (int64_t(slot) * p.slots.slot_rows + r0) * p.row_vecs;
+      const int rows = p.slots.local_rows;
+      ring_copy_rows(p.q_src, t.peer_ptr(p.slots_q + at, dst), r0, r1, rows, p.row_vecs, lane);
+      ring_copy_rows(p.dout_src, t.peer_ptr(p.slots_dout + at, dst), r0, r1, rows, p.row_vecs, lane);
+      // LSE, then D: index 0 here to index slot + 1 there. Rows [r0, r1)'s terms lie in term rows [4 r0,
+      // 4 r1) (a range beginning at row x has them from 4 x on), so a chunk's landing covers its rows' terms.
+      for (int half = 0; half < 2; ++half) {
+        const float* from = p.terms + half * p.steps * terms_per_rank;
+        copy_terms(from, t.peer_ptr(p.terms + (half * p.steps + slot + 1) * terms_per_rank, dst), 4 * r0,
+                   4 * r1, 4 * rows, p.heads, p.term_stride, lane);
+      }
+    });
+  }
+
+ private:
+  // Rows [r0, r1) of every head's terms ([heads][stride] floats; zeros from row `rows` on), by one warp.
+  __device__ static void copy_terms(const float* src, float* dst, int r0, int r1, int rows, int heads,
+                                    int stride, int lane) {
+    const int n = r1 - r0;
+    for (int i = lane; i < heads * n; i += 32) {
+      const int h = i / n, r = r0 + i - h * n;
+      const int64_t at = int64_t(h) * stride + r;
+      dst[at] = r < rows ? src[at] : 0.f;
+    }
+  }
+};
+
+}  // namespace weft::ops

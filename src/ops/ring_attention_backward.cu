@@ -1,0 +1,263 @@
+// Host side of weft::ring_attention_backward (weft/ops/context_attention.hpp; device code:
+// weft/ops/ring_attention_backward.cuh). The communicator's workspace area "ring attention backward"
+// (symmetric) holds this rank's fp32 dQ accumulator, the per-row terms (own and received) and the Q / dO
+// receive slots; the caller's workspace holds one tensor map per rank (its accumulator) and the pass's table.
+// Order on the stream: zero the accumulator, prepare the terms, upload, meet (slots free, accumulators
+// zeroed), the persistent kernel, meet (every add into this rank's accumulator complete), convert dQ.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "attention_args.hpp"
+#include "op_args.hpp"
+#include "ring_attention_host.hpp"
+#include "sequence_parallel.hpp"
+#include "weft/lcsc/launch.cuh"
+#include "weft/ops/context_attention.hpp"
+#include "weft/ops/ring_attention_backward.cuh"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/kernel_preload.hpp"
+
+namespace weft {
+namespace {
+
+using ops::round256;
+const char* const kArea = "ring attention backward";
+const char* const kState = "ring attention backward: call count, finishers";
+const char* const kArrived = "ring attention backward: chunk arrivals";
+const char* const kMeetings = "ring attention backward: slots free, dQ complete";
+const ResourceDeclaration kRingBackwardResources[] = {
+    ResourceDeclaration{{kState, 2}},
+    ResourceDeclaration{{kArrived, ops::kRingChunkFlags}},
+    ResourceDeclaration{{kMeetings, 0, 2}},
+};
+
+struct Sizes : ops::RingPassSizes {
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, term_stride = 0;
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // this rank's query ranges that the peers meet
+  int64_t longest_range = 1;
+  Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, bool causal, int64_t h, int64_t kv,
+        int64_t d)
+      : RingPassSizes(world, rank, doc_lengths, causal, ops::RingTravel::kQueries),
+        heads(h),
+        kv_heads(kv),
+        head_dim(d),
+        term_stride(4 * slot_rows),  // a range beginning at row x has its terms from term row 4 x on
+        ranges(ops::ring_query_ranges(L, rank)) {
+    for (const auto& [b, e] : ranges) longest_range = std::max(longest_range, e - b);
+  }
+  // The area: the dQ accumulator [slot_rows][heads][head_dim] fp32; the terms (LSE, D) [2][W][heads]
+  // [term_stride] fp32; the Q and dO slots [W - 1][slot_rows][heads][head_dim] each.
+  size_t accum_bytes() const { return round256(size_t(slot_rows * heads * head_dim) * 4); }
+  size_t terms_bytes() const { return round256(size_t(2 * L.world * heads * term_stride) * 4); }
+  size_t slot_bytes() const { return size_t(slot_rows * heads * head_dim) * 2; }
+  size_t area_bytes() const {
+    return accum_bytes() + terms_bytes() + round256(2 * size_t(std::max(1, L.world - 1)) * slot_bytes());
+  }
+  // The caller's workspace: the accumulators' maps (one per rank, 64-byte aligned), the table, and the query
+  // ranges (begins, then ends) for the prepare kernel.
+  size_t maps_bytes() const { return round256(size_t(L.world) * sizeof(CUtensorMap)); }
+  size_t ranges_bytes() const { return round256((2 * ranges.size() + 1) * 4); }
+  size_t workspace_bytes() const { return maps_bytes() + table_bytes() + ranges_bytes(); }
+};
+
+struct Buffers {
+  const void *q, *k, *v, *out, *dout;
+  const float* lse;
+  void *dq, *dk, *dv;
+};
+
+template <int kD, class T>
+void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, char* workspace, char* area,
+            cudaStream_t stream, const AttentionOptions& options, DType dtype, const std::string& where) {
+  using Op = ops::RingAttentionBwdOp<kD, T>;
+  using Launcher = lcsc::Launcher<Op>;
+  const int W = z.L.world;
+  const int64_t G = z.segments(), local = std::max<int64_t>(z.local, 1), heads = z.heads;
+  const AttentionShape shape{1, z.max_own, z.max_own, heads, z.kv_heads, kD};
+  const float scale = ops::attention_scale(shape, options);
+
+  float* accum = reinterpret_cast<float*>(area);
+  float* terms = reinterpret_cast<float*>(area + z.accum_bytes());
+  char* slots_q = area + z.accum_bytes() + z.terms_bytes();
+  char* slots_dout = slots_q + std::max(1, W - 1) * z.slot_bytes();
+  // A rank with no rows still needs maps: they point at the area and are never read.
+  const auto own = [&](const void* p) { return z.local > 0 ? p : static_cast<const void*>(area); };
+
+  // Every rank's accumulator as this rank reaches it, the pass's table, this rank's query ranges.
+  std::vector<int32_t> map_words(z.maps_bytes() / 4, 0);
+  for (int j = 0; j < W; ++j) {
+    const CUtensorMap m = ops::map_bshd(rank.peer_ptr(accum, j), 1, z.slot_rows, heads, kD, Op::kBM,
+                                        where + "dQ accumulator of rank " + std::to_string(j), DType::kFP32);
+    std::memcpy(map_words.data() + j * sizeof(CUtensorMap) / 4, &m, sizeof(CUtensorMap));
+  }
+  ops::upload_words(reinterpret_cast<int32_t*>(workspace), map_words, stream);
+  auto* index = reinterpret_cast<int32_t*>(workspace + z.maps_bytes());
+  ops::upload_words(index, ops::ring_table_words(z.pass), stream);
+  const ops::RingTable table(index, G, W);
+  const int64_t nr = static_cast<int64_t>(z.ranges.size());
+  auto* range_begin = reinterpret_cast<int32_t*>(workspace + z.maps_bytes() + z.table_bytes());
+  std::vector<int32_t> range_words(2 * nr);
+  for (int64_t i = 0; i < nr; ++i) {
+    range_words[i] = static_cast<int32_t>(z.ranges[i].first);
+    range_words[nr + i] = static_cast<int32_t>(z.ranges[i].second);
+  }
+  if (nr > 0) ops::upload_words(range_begin, range_words, stream);
+
+  // This rank's accumulator zeroed and its rows' terms written (the base prepare over the query ranges as
+  // packed sequences: a range beginning at row x gets term rows 4 x on) before the meeting that lets the
+  // peers in.
+  WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, z.accum_bytes(), stream));
+  if (nr > 0) {
+    const ops::AttentionRows ranges{range_begin,         range_begin + nr, range_begin, range_begin + nr,
+                                    static_cast<int>(z.longest_range), static_cast<int>(z.longest_range),
+                                    static_cast<int>(z.local)};
+    constexpr int kThreads = 256;
+    const int64_t grid = (nr * z.longest_range * heads * 32 + kThreads - 1) / kThreads;
+    detail::preload<&ops::attention_bwd_prepare<kD, T>>();
+    ops::attention_bwd_prepare<kD, T><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+        static_cast<const T*>(b.out), static_cast<const T*>(b.dout), b.lse, terms,
+        terms + W * heads * z.term_stride, ranges, static_cast<int>(nr), static_cast<int>(heads),
+        static_cast<int>(z.term_stride));
+    WEFT_CUDA_CHECK(cudaGetLastError());
+  }
+
+  typename Op::Params p{};
+  p.sched.batch = static_cast<int>(G);
+  p.sched.heads = static_cast<int>(z.kv_heads);
+  p.sched.q_blocks = static_cast<int>((z.max_own + Op::kBN - 1) / Op::kBN);  // key blocks
+  p.sched.row_begin = table.own_begin;
+  p.sched.row_end = table.own_end;
+  p.sched.block_rows = Op::kBN;
+  p.sched.paired = z.pass.causal;
+  // Every rank launches (its pushes feed its peers and its call count must advance with theirs), at least
+  // one block, within the rank's SM budget.
+  const int resident = std::min(Launcher::max_resident_clusters(), rank.sm_budget());
+  const int blocks = std::max(1, ops::attention_blocks(resident, options, p.sched.units()));
+  p.sched.compute_blocks = blocks;
+  // L2 sections: K / V heads whose group's Q, dO (of all W ranks) and dQ parts fit in 2/3 of L2.
+  const int64_t group = heads / z.kv_heads;
+  const int64_t bytes_per_pair = group * z.slot_rows * W * kD * (2 + 2 + 4);
+  const int64_t section = std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / bytes_per_pair);
+  p.sched.section_pairs = static_cast<int>(std::min<int64_t>(section, std::max<int64_t>(G, 1) * z.kv_heads));
+
+  const int64_t slots = std::max(1, W - 1);
+  p.q = ops::map_bshd(own(b.q), 1, local, heads, kD, Op::kBM, where + "q", dtype);
+  p.dout = ops::map_bshd(own(b.dout), 1, local, heads, kD, Op::kBM, where + "dout", dtype);
+  p.k = ops::map_bshd(own(b.k), 1, local, z.kv_heads, kD, Op::kBN, where + "k", dtype);
+  p.v = ops::map_bshd(own(b.v), 1, local, z.kv_heads, kD, Op::kBN, where + "v", dtype);
+  p.dk = ops::map_bshd(own(b.dk), 1, local, z.kv_heads, kD, Op::Epilogue::kBoxRows, where + "dk", dtype);
+  p.dv = ops::map_bshd(own(b.dv), 1, local, z.kv_heads, kD, Op::Epilogue::kBoxRows, where + "dv", dtype);
+  p.dq_accum = ops::map_bshd(accum, 1, z.slot_rows, heads, kD, Op::kBM, where + "dQ accumulator", DType::kFP32);
+  p.lse_map = ops::map_terms(terms, z.term_stride, W * heads, Op::kBM, where + "terms (LSE)");
+  p.dsum_map = ops::map_terms(terms + W * heads * z.term_stride, z.term_stride, W * heads, Op::kBM,
+                              where + "terms (D)");
+  p.slot_q = ops::map_bshd(slots_q, slots, z.slot_rows, heads, kD, Op::kBM, where + "slots (q)", dtype);
+  p.slot_dout = ops::map_bshd(slots_dout, slots, z.slot_rows, heads, kD, Op::kBM, where + "slots (dout)", dtype);
+  // Key segments: the store reads each one's rows (the query fields are unused: the ranges are per step).
+  p.rows = {table.own_begin, table.own_end, table.own_begin, table.own_end, static_cast<int>(z.max_own),
+            static_cast<int>(z.max_own), static_cast<int>(local)};
+  p.dk_out = static_cast<T*>(b.dk);
+  p.dv_out = static_cast<T*>(b.dv);
+  p.heads = static_cast<int>(heads);
+  p.group = static_cast<int>(group);
+  p.scale = scale;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.causal = z.pass.causal ? 1 : 0;
+
+  p.sync = {rank.view(), comm.resources(kState).flags, comm.resources(kArrived).flags,
+            blocks * (Op::kConsumerWarpgroups + tile::kWarpgroupThreads / 32 - 1)};
+  p.dq_maps = reinterpret_cast<const CUtensorMap*>(workspace);
+  p.query_begin = table.met_begin;
+  p.query_end = table.met_end;
+  p.steps = W;
+  p.slots = ops::ring_slots(W, z.slot_rows, z.local);
+  p.q_src = static_cast<const uint4*>(own(b.q));
+  p.dout_src = static_cast<const uint4*>(own(b.dout));
+  p.slots_q = reinterpret_cast<uint4*>(slots_q);
+  p.slots_dout = reinterpret_cast<uint4*>(slots_dout);
+  p.row_vecs = static_cast<int>(heads * kD / 8);
+  p.terms = terms;
+  p.term_stride = static_cast<int>(z.term_stride);
+
+  const BarrierSlots meetings = comm.resources(kMeetings).slots;
+  ops::ring_meet(rank, meetings[0], stream);
+  Launcher::launch(p, blocks, stream);
+  ops::ring_meet(rank, meetings[1], stream);
+  if (z.local > 0) {
+    constexpr int kThreads = 256;
+    const int64_t elements = z.local * heads * kD;
+    detail::preload<&ops::attention_bwd_convert_dq<T>>();
+    ops::attention_bwd_convert_dq<T>
+        <<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+            accum, static_cast<T*>(b.dq), elements, scale);
+    WEFT_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace
+
+size_t ring_attention_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
+                                               int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  size_t most = 0;
+  for (int r = 0; r < world; ++r)
+    most = std::max(most, Sizes(world, r, doc_lengths, causal, heads, kv_heads, head_dim).workspace_bytes());
+  return most;
+}
+
+void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                             const void* out, const void* dout, const float* lse, void* dq, void* dk, void* dv,
+                             const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype,
+                             cudaStream_t stream, const AttentionOptions& options) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::ring_attention_backward", rank));
+  const std::string& where = call.where;
+  WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
+             where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
+  WEFT_CHECK(!options.deterministic,
+             where + "options.deterministic is not supported by the ring backward (dQ parts of every rank are "
+                     "added in arrival order); use context_attention_backward for bit-reproducible gradients");
+  ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
+  const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
+  WEFT_CHECK(z.slot_rows * heads * head_dim < (int64_t(1) << 31) &&
+                 z.term_stride * heads * rank.world() < (int64_t(1) << 31) &&
+                 int64_t(z.ranges.size()) * z.longest_range * heads * 32 < (int64_t(1) << 39) &&
+                 z.segments() * rank.world() < (int64_t(1) << 31),
+             where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
+  WEFT_CHECK(workspace != nullptr && workspace_bytes >= z.workspace_bytes(),
+             where + "the workspace must hold " + std::to_string(z.workspace_bytes()) +
+                 " bytes (ring_attention_backward_workspace_bytes()), got " + std::to_string(workspace_bytes));
+  ops::check_pointer_alignment(workspace, "workspace", 256, where);
+  if (z.local > 0) {
+    const uint64_t q_bytes = uint64_t(z.local * heads * head_dim) * 2;
+    const uint64_t kv_bytes = uint64_t(z.local * kv_heads * head_dim) * 2;
+    for (auto [p, name, bytes] : {std::tuple<const void*, const char*, uint64_t>{q, "q", q_bytes},
+                                  {k, "k", kv_bytes},
+                                  {v, "v", kv_bytes},
+                                  {out, "out", q_bytes},
+                                  {dout, "dout", q_bytes},
+                                  {dq, "dq", q_bytes},
+                                  {dk, "dk", kv_bytes},
+                                  {dv, "dv", kv_bytes}})
+      call.check_buffer(p, name, bytes);
+    WEFT_CHECK(lse != nullptr, where + "lse (the forward's log-sum-exp) is required");
+    call.check_buffer(lse, "lse", uint64_t(z.local * heads) * 4, 4);
+  }
+  char* area = call.workspace(z.area_bytes(), kArea);
+  const Buffers b{q, k, v, out, dout, lse, dq, dk, dv};
+  const auto run = [&](auto d, auto t) {
+    launch<decltype(d)::value, decltype(t)>(comm, rank, z, b, static_cast<char*>(workspace), area, call.stream,
+                                            options, dtype, where);
+  };
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
+  if (dtype == DType::kFP16)
+    head_dim == 64 ? run(D64{}, __half{}) : run(D128{}, __half{});
+  else
+    head_dim == 64 ? run(D64{}, __nv_bfloat16{}) : run(D128{}, __nv_bfloat16{});
+}
+
+}  // namespace weft

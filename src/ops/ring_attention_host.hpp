@@ -1,0 +1,85 @@
+// What the ring attention launchers share (src/ops/ring_attention.cu, ring_attention_backward.cu): the
+// pass of a rank (ring_pass_of), its table of segments and ranges in the caller's workspace, the receive
+// slots' chunking, and the meeting that frees the slots before a pass.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "ring_attention_plan.hpp"
+#include "sequence_parallel.hpp"
+#include "weft/ops/ring_attention.cuh"
+#include "weft/runtime/communicator.hpp"
+
+namespace weft::ops {
+
+// Chunks per slot: a function of the world size alone, so every call signals the same flags and each flag
+// grows by kRingPiecesPerChunk per call.
+inline RingSlots ring_slots(int world, int64_t slot_rows, int64_t local_rows) {
+  RingSlots s{};
+  s.chunks = world < 2 ? 1 : std::min(kRingMaxChunksPerSlot, kRingChunkFlags / (world - 1));
+  s.slot_rows = static_cast<int>(slot_rows);
+  s.chunk_rows = static_cast<int>(std::max<int64_t>(1, (slot_rows + s.chunks - 1) / s.chunks));
+  s.local_rows = static_cast<int>(local_rows);
+  return s;
+}
+
+// A rank's pass and the sizes every launch derives from it.
+struct RingPassSizes {
+  RingLayout L;
+  RingPass pass;
+  int64_t local = 0;      // this rank's rows
+  int64_t slot_rows = 1;  // the longest rank's rows (a receive slot's)
+  int64_t max_own = 1;    // the longest segment
+  RingPassSizes(int world, int rank, const std::vector<int64_t>& doc_lengths, bool causal, RingTravel travel)
+      : L(ring_layout(doc_lengths, world, causal)), pass(ring_pass_of(L, rank, travel)) {
+    local = L.local_rows(rank);
+    slot_rows = std::max<int64_t>(1, max_local_rows(L));
+    for (int64_t x = 0; x < pass.segments(); ++x)
+      max_own = std::max(max_own, pass.own_end[x] - pass.own_begin[x]);
+  }
+  int64_t segments() const { return pass.segments(); }
+  // The pass's table: own_begin, own_end (per segment), met_begin, met_end (per segment and step).
+  size_t table_bytes() const { return round256(size_t(2 * segments() * (1 + L.world) + 1) * 4); }
+};
+
+// The table's words, segments heaviest first (by the rows they meet over the pass: in a causal pass a late
+// part meets about three times an early part's), so the persistent blocks' last items are light ones and
+// they end together.
+inline std::vector<int32_t> ring_table_words(const RingPass& pass) {
+  const int64_t G = pass.segments(), W = pass.steps;
+  std::vector<int64_t> order(G), met(G, 0);
+  for (int64_t x = 0; x < G; ++x) {
+    order[x] = x;
+    for (int64_t s = 0; s < W; ++s) met[x] += pass.met_end[x * W + s] - pass.met_begin[x * W + s];
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return met[a] > met[b]; });
+  std::vector<int32_t> words(2 * G * (1 + W) + 1, 0);
+  for (int64_t y = 0; y < G; ++y) {
+    const int64_t x = order[y];
+    words[y] = static_cast<int32_t>(pass.own_begin[x]);
+    words[G + y] = static_cast<int32_t>(pass.own_end[x]);
+    for (int64_t s = 0; s < W; ++s) {
+      words[2 * G + y * W + s] = static_cast<int32_t>(pass.met_begin[x * W + s]);
+      words[2 * G + G * W + y * W + s] = static_cast<int32_t>(pass.met_end[x * W + s]);
+    }
+  }
+  return words;
+}
+// Where the uploaded table's arrays start.
+struct RingTable {
+  const int32_t *own_begin, *own_end, *met_begin, *met_end;
+  RingTable(const int32_t* words, int64_t segments, int world)
+      : own_begin(words),
+        own_end(words + segments),
+        met_begin(words + 2 * segments),
+        met_end(words + 2 * segments + segments * world) {}
+};
+
+// A one-block kernel on `stream` that meets the team in barrier slot `slot` (every rank's kernels before it
+// on its stream have finished). A failed wait is recorded; synchronize() reports it.
+void ring_meet(const Rank& rank, int slot, cudaStream_t stream);
+
+}  // namespace weft::ops
