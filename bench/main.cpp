@@ -29,6 +29,7 @@ int usage(int code) {
       "  --fused-m M1,M2,..          the fused modes' M values\n"
       "  --fused-ops ag,rs,ar        the fused ops run\n"
       "  --pipeline-pieces n         FusedOptions::pipeline_pieces of the weft and pipelined columns\n"
+      "  --cp-methods all-gather,ring,ulysses  the context_attention methods run\n"
       "modes:\n");
   for (auto& m : modes()) std::fprintf(code ? stderr : stdout, "  %-10s %s\n", m.name, m.help);
   return code;
@@ -54,6 +55,16 @@ bool set_developer_flag(Context& ctx, const std::string& flag, const std::string
       p = e + 1;
     }
     ctx.fused_ops = v;
+    return true;
+  }
+  if (flag == "--cp-methods") {
+    for (size_t p = 0; p <= v.size();) {
+      const size_t e = std::min(v.find(',', p), v.size());
+      const std::string m = v.substr(p, e - p);
+      if (m != "all-gather" && m != "ring" && m != "ulysses") return false;
+      p = e + 1;
+    }
+    ctx.cp_methods = v;
     return true;
   }
   if (flag == "--fused-m") {
@@ -92,7 +103,7 @@ int main(int argc, char** argv) {
       }
       (a == "--gpus" ? ctx.gpus : ctx.ranks) = v;
     } else if (a == "--ar-algo" || a == "--flow" || a == "--fused-ops" || a == "--min-bytes" ||
-               a == "--max-bytes" || a == "--fused-m" || a == "--pipeline-pieces") {
+               a == "--max-bytes" || a == "--fused-m" || a == "--pipeline-pieces" || a == "--cp-methods") {
       if (i + 1 >= argc) {
         std::fprintf(stderr, "weft-bench: %s takes a value\n", a.c_str());
         return 2;

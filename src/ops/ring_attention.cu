@@ -37,6 +37,7 @@ struct Sizes : ops::RingPassSizes {
       : RingPassSizes(world, rank, doc_lengths, causal, ops::RingTravel::kKeys), kv_heads(kv), head_dim(d) {}
   size_t slot_bytes() const { return size_t(slot_rows * kv_heads * head_dim) * 2; }
   size_t area_bytes() const { return round256(2 * size_t(std::max(1, L.world - 1)) * slot_bytes()); }
+  size_t workspace_bytes() const { return table_bytes() + landed_bytes(); }  // the table, the landed counts
 };
 
 template <int kD, class T>
@@ -99,7 +100,10 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const
   p.key_begin = table.met_begin;
   p.key_end = table.met_end;
   p.steps = W;
-  p.slots = ops::ring_slots(W, z.slot_rows, z.local);
+  WEFT_CHECK(blocks <= ops::kRingMaxBlocks, where + "more compute blocks than the landed counts hold");
+  int* landed = const_cast<int*>(index) + z.table_bytes() / 4;
+  WEFT_CUDA_CHECK(cudaMemsetAsync(landed, 0, z.landed_bytes(), stream));
+  p.slots = ops::ring_slots(W, z.slot_rows, z.local, landed);
   p.k_src = static_cast<const uint4*>(ks);
   p.v_src = static_cast<const uint4*>(vs);
   p.slots_k = reinterpret_cast<uint4*>(slots_k);
@@ -129,7 +133,7 @@ size_t ring_attention_workspace_bytes(int world, const std::vector<int64_t>& doc
                                       int64_t kv_heads, int64_t head_dim) {
   size_t most = 0;
   for (int r = 0; r < world; ++r)
-    most = std::max(most, Sizes(world, r, doc_lengths, causal, kv_heads, head_dim).table_bytes());
+    most = std::max(most, Sizes(world, r, doc_lengths, causal, kv_heads, head_dim).workspace_bytes());
   return most;
 }
 
@@ -147,8 +151,8 @@ void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const
   WEFT_CHECK(z.slot_rows * std::max(heads, kv_heads) < (int64_t(1) << 31) &&
                  z.segments() * rank.world() < (int64_t(1) << 31),
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
-  WEFT_CHECK(workspace != nullptr && workspace_bytes >= z.table_bytes(),
-             where + "the workspace must hold " + std::to_string(z.table_bytes()) +
+  WEFT_CHECK(workspace != nullptr && workspace_bytes >= z.workspace_bytes(),
+             where + "the workspace must hold " + std::to_string(z.workspace_bytes()) +
                  " bytes (ring_attention_workspace_bytes()), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
   if (z.local > 0) {

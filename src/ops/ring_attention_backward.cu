@@ -61,7 +61,7 @@ struct Sizes : ops::RingPassSizes {
   // ranges (begins, then ends) for the prepare kernel.
   size_t maps_bytes() const { return round256(size_t(L.world) * sizeof(CUtensorMap)); }
   size_t ranges_bytes() const { return round256((2 * ranges.size() + 1) * 4); }
-  size_t workspace_bytes() const { return maps_bytes() + table_bytes() + ranges_bytes(); }
+  size_t workspace_bytes() const { return maps_bytes() + table_bytes() + ranges_bytes() + landed_bytes(); }
 };
 
 struct Buffers {
@@ -174,7 +174,10 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   p.query_begin = table.met_begin;
   p.query_end = table.met_end;
   p.steps = W;
-  p.slots = ops::ring_slots(W, z.slot_rows, z.local);
+  WEFT_CHECK(blocks <= ops::kRingMaxBlocks, where + "more compute blocks than the landed counts hold");
+  int* landed = reinterpret_cast<int*>(workspace + z.maps_bytes() + z.table_bytes() + z.ranges_bytes());
+  WEFT_CUDA_CHECK(cudaMemsetAsync(landed, 0, z.landed_bytes(), stream));
+  p.slots = ops::ring_slots(W, z.slot_rows, z.local, landed);
   p.q_src = static_cast<const uint4*>(own(b.q));
   p.dout_src = static_cast<const uint4*>(own(b.dout));
   p.slots_q = reinterpret_cast<uint4*>(slots_q);

@@ -17,8 +17,9 @@ namespace weft::ops {
 
 // Chunks per slot: a function of the world size alone, so every call signals the same flags and each flag
 // grows by kRingPiecesPerChunk per call.
-inline RingSlots ring_slots(int world, int64_t slot_rows, int64_t local_rows) {
+inline RingSlots ring_slots(int world, int64_t slot_rows, int64_t local_rows, int* landed) {
   RingSlots s{};
+  s.landed = landed;
   s.chunks = world < 2 ? 1 : std::min(kRingMaxChunksPerSlot, kRingChunkFlags / (world - 1));
   s.slot_rows = static_cast<int>(slot_rows);
   s.chunk_rows = static_cast<int>(std::max<int64_t>(1, (slot_rows + s.chunks - 1) / s.chunks));
@@ -43,6 +44,8 @@ struct RingPassSizes {
   int64_t segments() const { return pass.segments(); }
   // The pass's table: own_begin, own_end (per segment), met_begin, met_end (per segment and step).
   size_t table_bytes() const { return round256(size_t(2 * segments() * (1 + L.world) + 1) * 4); }
+  // RingSlots::landed: [kRingMaxBlocks][world - 1] counts, zeroed before each kernel.
+  size_t landed_bytes() const { return round256(size_t(kRingMaxBlocks) * std::max(1, L.world - 1) * 4); }
 };
 
 // The table's words, segments heaviest first (by the rows they meet over the pass: in a causal pass a late

@@ -28,6 +28,7 @@ namespace weft::ops {
 inline constexpr int kRingChunkFlags = 1024;      // arrival flags, shared by the slots of a pass
 inline constexpr int kRingMaxChunksPerSlot = 32;  // finer chunks only cost the loader more waits
 inline constexpr int kRingPiecesPerChunk = 16;    // pushes per chunk: enough tasks for every helper warp
+inline constexpr int kRingMaxBlocks = 1024;       // compute blocks of a ring kernel (RingSlots::landed)
 
 struct RingSync {
   TeamView team;
@@ -44,6 +45,10 @@ struct RingSync {
 struct RingSlots {
   int slot_rows, chunk_rows, chunks;  // chunk j of a slot: rows [j * chunk_rows, ..) of slot_rows
   int local_rows;                     // this rank's rows: pushes write zeros past them
+  // Per compute block and slot, the chunks its loader knows to have landed in this call ([block][world -
+  // 1], zeroed before the kernel). Global memory, not shared: the attention kernels fill shared memory to
+  // the edge of a carveout step, and a step more leaves L1 too small for their register spills.
+  int* landed;
 };
 
 // Helper warp `index` of `count` (lcsc helper_warp): this rank's rows into the peers' slots. Task u is piece
@@ -71,18 +76,18 @@ __device__ void ring_push(const RingSync& sync, const RingSlots& sl, int index, 
   if (lane == 0) sync.done();
 }
 
-// Loader: waits until chunks [0, c) of slot `slot` have landed, c covering rows below `rows_end`; `landed`
-// (shared memory) remembers per slot what this block has seen in this call.
-__device__ inline void ring_wait_landed(const RingSync& sync, const RingSlots& sl, int* landed, int slot,
-                                        int rows_end) {
+// Loader: waits until chunks [0, c) of slot `slot` have landed, c covering rows below `rows_end`.
+__device__ inline void ring_wait_landed(const RingSync& sync, const RingSlots& sl, int slot, int rows_end) {
   const int rows = min(rows_end, sl.slot_rows);
   const int need = min(sl.chunks, (rows + sl.chunk_rows - 1) / sl.chunk_rows);
-  int have = landed[slot];
+  int* landed = sl.landed + blockIdx.x * (sync.team.world - 1) + slot;
+  int have = *landed;
   if (have >= need) return;
   const uint64_t target = sync.epoch() * kRingPiecesPerChunk;
   // A failed wait is recorded (synchronize() reports it); the loads still go out so the kernel drains.
-  for (; have < need; ++have) (void)wait_ge(sync.team, sync.team.flag(sync.arrived, slot * sl.chunks + have), target);
-  landed[slot] = have;
+  for (; have < need; ++have)
+    (void)wait_ge(sync.team, sync.team.flag(sync.arrived, slot * sl.chunks + have), target);
+  *landed = have;
   acquire_for_tma();  // the peers' generic stores before our TMA loads
 }
 
@@ -123,9 +128,7 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
     uint4 *slots_k, *slots_v;            // this rank's slots [steps - 1][slot_rows][row_vecs] (symmetric)
     int row_vecs;
   };
-  struct Smem : Base::Smem {
-    int landed[kMaxWorld];  // loader: chunks of slot s known to have landed in this call
-  };
+  using typename Base::Smem;
   struct KeyRange {
     int begin, length;  // rows of the step source's local K / V
     bool causal;
@@ -139,7 +142,6 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
     Base::init(p, s);
     tma::prefetch_map(&p.slot_k);
     tma::prefetch_map(&p.slot_v);
-    for (int i = 0; i < kMaxWorld; ++i) s.landed[i] = 0;
   }
 
   // ---- loader (one thread) ----
@@ -156,7 +158,7 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
       if (step == 0) {
         Base::load_keys(&p.k, &p.v, s, pipe, st, kv_head, r.begin, 0, kb.end);
       } else {
-        ring_wait_landed(p.sync, p.slots, s.landed, step - 1, r.begin + kb.end * kBN);
+        ring_wait_landed(p.sync, p.slots, step - 1, r.begin + kb.end * kBN);
         Base::load_keys(&p.slot_k, &p.slot_v, s, pipe, st, kv_head, r.begin, step - 1, kb.end);
       }
     }

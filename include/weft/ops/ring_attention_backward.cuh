@@ -59,9 +59,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false> {
     float* terms;
     int term_stride;
   };
-  struct Smem : Base::Smem {
-    int landed[kMaxWorld];  // loader: chunks of slot s known to have landed in this call
-  };
+  using typename Base::Smem;
 
   // The query rows of the step's source that a key segment meets. Step 0 has this rank's rows on both
   // sides: causal when the pass is, a key visible iff its local row is not after the query's.
@@ -78,7 +76,6 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false> {
     Base::init(p, s);
     tma::prefetch_map(&p.slot_q);
     tma::prefetch_map(&p.slot_dout);
-    for (int i = 0; i < kMaxWorld; ++i) s.landed[i] = 0;
   }
 
   // ---- loader (one thread) ----
@@ -95,20 +92,20 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false> {
       const QueryRange r = query_range(p, sr, w.batch, step);
       const QueryBlocks qb = query_blocks_shifted(n, r.length, r.shift, r.causal);
       if (qb.begin >= qb.end) continue;
-      if (step > 0) ring_wait_landed(p.sync, p.slots, s.landed, step - 1, r.begin + qb.end * kBM);
+      if (step > 0) ring_wait_landed(p.sync, p.slots, step - 1, r.begin + qb.end * kBM);
       const CUtensorMap* q = step == 0 ? &p.q : &p.slot_q;
       const CUtensorMap* dout = step == 0 ? &p.dout : &p.slot_dout;
       const int slot = step == 0 ? 0 : step - 1;
-      for (int g = 0; g < p.group; ++g) {
-        const int h = w.head * p.group + g;
-        for (int m = qb.begin; m < qb.end; ++m) {
+      const int first = qb.begin * kBM, last = qb.end * kBM;
+      for (int h = w.head * p.group, y = step * p.heads + h; h < (w.head + 1) * p.group; ++h, ++y) {
+        // Q / dO rows from r.begin on; their terms from term row 4 r.begin on (TMA boxes start 16-byte
+        // aligned).
+        for (int row = first; row < last; row += kBM) {
           uint64_t* bar = pipe.qdo.producer_acquire(st, 2 * sizeof(QTile) + 2 * kBM * sizeof(float));
-          const int row = r.begin + m * kBM;
-          load_head_rows(s.q[st.stage], q, h, row, slot, bar);
-          load_head_rows(s.dout[st.stage], dout, h, row, slot, bar);
-          const int term = 4 * r.begin + m * kBM;  // TMA boxes start 16-byte aligned
-          tma::load_2d(s.lse_log2[st.stage], &p.lse_map, term, step * p.heads + h, bar);
-          tma::load_2d(s.dsum[st.stage], &p.dsum_map, term, step * p.heads + h, bar);
+          load_head_rows(s.q[st.stage], q, h, r.begin + row, slot, bar);
+          load_head_rows(s.dout[st.stage], dout, h, r.begin + row, slot, bar);
+          tma::load_2d(s.lse_log2[st.stage], &p.lse_map, 4 * r.begin + row, y, bar);
+          tma::load_2d(s.dsum[st.stage], &p.dsum_map, 4 * r.begin + row, y, bar);
           st.advance(kStages);
         }
       }
