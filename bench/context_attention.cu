@@ -83,8 +83,8 @@ void run_context_attention(Context& ctx) {
       for (int64_t S : seqs) {
         const bool ulysses = method == M::kUlysses, ring = method == M::kRing;
         const char* name = ulysses ? "ulysses" : ring ? "ring" : "all-gather";
-        if (!ctx.cp_methods.empty() && ("," + ctx.cp_methods + ",").find(std::string(",") + name + ",") ==
-                                           std::string::npos)
+        if (!ctx.cp_methods.empty() &&
+            ("," + ctx.cp_methods + ",").find(std::string(",") + name + ",") == std::string::npos)
           continue;
         WEFT_CUDA_CHECK(cudaSetDevice(comm.local(0).device()));
         Single single(S, H, KV, D, causal, team.streams[0]);

@@ -351,10 +351,10 @@ PYBIND11_MODULE(_weft, m) {
                             : weft::ulysses_attention_workspace_bytes(world, docs, causal, heads, kv_heads,
                                                                       head_dim);
           if (backward)
-            return method == "ring" ? weft::ring_attention_backward_workspace_bytes(world, docs, causal, heads,
-                                                                                    kv_heads, head_dim)
-                                    : weft::context_attention_backward_workspace_bytes(world, docs, causal, heads,
-                                                                                       kv_heads, head_dim);
+            return method == "ring" ? weft::ring_attention_backward_workspace_bytes(world, docs, causal,
+                                                                                    heads, kv_heads, head_dim)
+                                    : weft::context_attention_backward_workspace_bytes(
+                                          world, docs, causal, heads, kv_heads, head_dim);
           return method == "ring"
                      ? weft::ring_attention_workspace_bytes(world, docs, causal, kv_heads, head_dim)
                      : weft::context_attention_workspace_bytes(world, docs, causal, kv_heads, head_dim);

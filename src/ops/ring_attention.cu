@@ -83,8 +83,9 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const
   p.slot_k = ops::map_bshd(slots_k, slots, z.slot_rows, z.kv_heads, kD, Op::kBN, where + "slots", dtype);
   p.slot_v = ops::map_bshd(slots_v, slots, z.slot_rows, z.kv_heads, kD, Op::kBN, where + "slots", dtype);
   // The store reads each segment's query range; its key fields are unused (the key ranges are per step).
-  p.rows = {table.own_begin, table.own_end, table.met_begin, table.met_end, static_cast<int>(z.max_own), 0,
-            static_cast<int>(local)};
+  p.rows = {
+      table.own_begin,        table.own_end, table.met_begin, table.met_end, static_cast<int>(z.max_own), 0,
+      static_cast<int>(local)};
   p.lse = lse;
   p.out = static_cast<T*>(out);
   p.heads = static_cast<int>(heads);

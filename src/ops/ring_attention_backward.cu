@@ -112,8 +112,12 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   // peers in.
   WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, z.accum_bytes(), stream));
   if (nr > 0) {
-    const ops::AttentionRows ranges{range_begin,         range_begin + nr, range_begin, range_begin + nr,
-                                    static_cast<int>(z.longest_range), static_cast<int>(z.longest_range),
+    const ops::AttentionRows ranges{range_begin,
+                                    range_begin + nr,
+                                    range_begin,
+                                    range_begin + nr,
+                                    static_cast<int>(z.longest_range),
+                                    static_cast<int>(z.longest_range),
                                     static_cast<int>(z.local)};
     constexpr int kThreads = 256;
     const int64_t grid = (nr * z.longest_range * heads * 32 + kThreads - 1) / kThreads;
@@ -151,15 +155,22 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   p.v = ops::map_bshd(own(b.v), 1, local, z.kv_heads, kD, Op::kBN, where + "v", dtype);
   p.dk = ops::map_bshd(own(b.dk), 1, local, z.kv_heads, kD, Op::Epilogue::kBoxRows, where + "dk", dtype);
   p.dv = ops::map_bshd(own(b.dv), 1, local, z.kv_heads, kD, Op::Epilogue::kBoxRows, where + "dv", dtype);
-  p.dq_accum = ops::map_bshd(accum, 1, z.slot_rows, heads, kD, Op::kBM, where + "dQ accumulator", DType::kFP32);
+  p.dq_accum =
+      ops::map_bshd(accum, 1, z.slot_rows, heads, kD, Op::kBM, where + "dQ accumulator", DType::kFP32);
   p.lse_map = ops::map_terms(terms, z.term_stride, W * heads, Op::kBM, where + "terms (LSE)");
   p.dsum_map = ops::map_terms(terms + W * heads * z.term_stride, z.term_stride, W * heads, Op::kBM,
                               where + "terms (D)");
   p.slot_q = ops::map_bshd(slots_q, slots, z.slot_rows, heads, kD, Op::kBM, where + "slots (q)", dtype);
-  p.slot_dout = ops::map_bshd(slots_dout, slots, z.slot_rows, heads, kD, Op::kBM, where + "slots (dout)", dtype);
+  p.slot_dout =
+      ops::map_bshd(slots_dout, slots, z.slot_rows, heads, kD, Op::kBM, where + "slots (dout)", dtype);
   // Key segments: the store reads each one's rows (the query fields are unused: the ranges are per step).
-  p.rows = {table.own_begin, table.own_end, table.own_begin, table.own_end, static_cast<int>(z.max_own),
-            static_cast<int>(z.max_own), static_cast<int>(local)};
+  p.rows = {table.own_begin,
+            table.own_end,
+            table.own_begin,
+            table.own_end,
+            static_cast<int>(z.max_own),
+            static_cast<int>(z.max_own),
+            static_cast<int>(local)};
   p.dk_out = static_cast<T*>(b.dk);
   p.dv_out = static_cast<T*>(b.dv);
   p.heads = static_cast<int>(heads);
@@ -203,8 +214,9 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
 
 }  // namespace
 
-size_t ring_attention_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
-                                               int64_t heads, int64_t kv_heads, int64_t head_dim) {
+size_t ring_attention_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths,
+                                               bool causal, int64_t heads, int64_t kv_heads,
+                                               int64_t head_dim) {
   size_t most = 0;
   for (int r = 0; r < world; ++r)
     most = std::max(most, Sizes(world, r, doc_lengths, causal, heads, kv_heads, head_dim).workspace_bytes());
@@ -212,17 +224,19 @@ size_t ring_attention_backward_workspace_bytes(int world, const std::vector<int6
 }
 
 void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
-                             const void* out, const void* dout, const float* lse, void* dq, void* dk, void* dv,
-                             const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
-                             int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype,
-                             cudaStream_t stream, const AttentionOptions& options) {
+                             const void* out, const void* dout, const float* lse, void* dq, void* dk,
+                             void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
+                             DType dtype, cudaStream_t stream, const AttentionOptions& options) {
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::ring_attention_backward", rank));
   const std::string& where = call.where;
-  WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
-             where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
+  WEFT_CHECK(
+      !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
+      where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
   WEFT_CHECK(!options.deterministic,
-             where + "options.deterministic is not supported by the ring backward (dQ parts of every rank are "
-                     "added in arrival order); use context_attention_backward for bit-reproducible gradients");
+             where +
+                 "options.deterministic is not supported by the ring backward (dQ parts of every rank are "
+                 "added in arrival order); use context_attention_backward for bit-reproducible gradients");
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
   const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
   WEFT_CHECK(z.slot_rows * heads * head_dim < (int64_t(1) << 31) &&
@@ -232,7 +246,8 @@ void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, cons
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
   WEFT_CHECK(workspace != nullptr && workspace_bytes >= z.workspace_bytes(),
              where + "the workspace must hold " + std::to_string(z.workspace_bytes()) +
-                 " bytes (ring_attention_backward_workspace_bytes()), got " + std::to_string(workspace_bytes));
+                 " bytes (ring_attention_backward_workspace_bytes()), got " +
+                 std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
   if (z.local > 0) {
     const uint64_t q_bytes = uint64_t(z.local * heads * head_dim) * 2;
@@ -252,8 +267,8 @@ void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, cons
   char* area = call.workspace(z.area_bytes(), kArea);
   const Buffers b{q, k, v, out, dout, lse, dq, dk, dv};
   const auto run = [&](auto d, auto t) {
-    launch<decltype(d)::value, decltype(t)>(comm, rank, z, b, static_cast<char*>(workspace), area, call.stream,
-                                            options, dtype, where);
+    launch<decltype(d)::value, decltype(t)>(comm, rank, z, b, static_cast<char*>(workspace), area,
+                                            call.stream, options, dtype, where);
   };
   using D64 = std::integral_constant<int, 64>;
   using D128 = std::integral_constant<int, 128>;

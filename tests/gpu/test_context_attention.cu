@@ -110,8 +110,9 @@ Reference single_gpu_reference(Communicator& c, const CpCase& cc, const std::vec
 struct Exact {
   std::vector<double> out, dq, dk, dv;
 };
-Exact exact_attention(const CpCase& cc, const std::vector<__nv_bfloat16>& q, const std::vector<__nv_bfloat16>& k,
-                      const std::vector<__nv_bfloat16>& v, const std::vector<__nv_bfloat16>& go) {
+Exact exact_attention(const CpCase& cc, const std::vector<__nv_bfloat16>& q,
+                      const std::vector<__nv_bfloat16>& k, const std::vector<__nv_bfloat16>& v,
+                      const std::vector<__nv_bfloat16>& go) {
   const int64_t H = cc.heads, KV = cc.kv_heads, D = cc.dim, group = H / KV;
   int64_t total = 0;
   for (int64_t d : cc.docs) total += d;
@@ -321,16 +322,19 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
         worst = std::max(worst, err);
         bad += !(err <= 1e-5 + 1e-2 * top + 1e-2 * std::abs(b));
         if (!exact_grad.empty())
-          team_exact = std::max(team_exact, std::isfinite(a) ? std::abs(a - exact_grad[t[x] * width + e]) : 1e30);
+          team_exact =
+              std::max(team_exact, std::isfinite(a) ? std::abs(a - exact_grad[t[x] * width + e]) : 1e30);
       }
-    std::fprintf(stderr, "  rank %d/%d %s max diff %.2e of max|ref| %.3g, max |diff - fp64| %.2e (single GPU %.2e)\n",
+    std::fprintf(stderr,
+                 "  rank %d/%d %s max diff %.2e of max|ref| %.3g, max |diff - fp64| %.2e (single GPU %.2e)\n",
                  r, W, name, worst, top, team_exact, single_exact);
     if (bad)
       failures += "\n    rank " + std::to_string(r) + " " + name + ": " + std::to_string(bad) +
                   " values differ from the single-GPU backward";
     if (team_exact > 1.5 * single_exact + 1e-6)
       failures += "\n    rank " + std::to_string(r) + " " + name + ": error against fp64 " +
-                  std::to_string(team_exact) + " above 1.5x the single call's " + std::to_string(single_exact);
+                  std::to_string(team_exact) + " above 1.5x the single call's " +
+                  std::to_string(single_exact);
   };
   for (int i = 0; i < c.num_local(); ++i) {
     const int r = c.local(i).rank();
@@ -399,8 +403,8 @@ WEFT_GPU_TEST(ring_attention_argument_errors) {
   packed.segments.q_begin = ws.as<int32_t>();
   WEFT_EXPECT_ERROR(call(4, 4, 64, ws.bytes, packed), "set by the op itself");
   auto backward = [&](size_t ws_bytes, const AttentionOptions& o = {}) {
-    ring_attention_backward(c, rank, x.p, x.p, x.p, x.p, x.p, x.as<float>(), x.p, x.p, x.p, docs, 4, 4, 64, ws.p,
-                            ws_bytes, DType::kBF16, nullptr, o);
+    ring_attention_backward(c, rank, x.p, x.p, x.p, x.p, x.p, x.as<float>(), x.p, x.p, x.p, docs, 4, 4, 64,
+                            ws.p, ws_bytes, DType::kBF16, nullptr, o);
   };
   WEFT_EXPECT_ERROR(backward(16), "the workspace must hold");
   AttentionOptions deterministic;

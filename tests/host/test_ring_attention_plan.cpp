@@ -281,7 +281,8 @@ void expect_pass_covers_every_pair_once(weft::ops::RingTravel travel) {
           if (queries_travel && me > mb) {  // a range whose per-row terms the source has prepared
             const auto ranges = weft::ops::ring_query_ranges(L, src);
             EXPECT_NE(std::find(ranges.begin(), ranges.end(), std::make_pair(mb, me)), ranges.end())
-                << "rank " << r << " step " << s << " meets rows [" << mb << ", " << me << ") of rank " << src;
+                << "rank " << r << " step " << s << " meets rows [" << mb << ", " << me << ") of rank "
+                << src;
           }
           for (int64_t own = pass.own_begin[x]; own < pass.own_end[x]; ++own)
             for (int64_t met = mb; met < me; ++met) {

@@ -58,7 +58,8 @@ inline constexpr int kAttentionBwdBlockN = 128;  // keys per work item, 64 per c
 struct QueryBlocks {
   int begin = 0, end = 0;
 };
-__host__ __device__ inline QueryBlocks query_blocks_shifted(int key_block, int seq_q, int shift, bool causal) {
+__host__ __device__ inline QueryBlocks query_blocks_shifted(int key_block, int seq_q, int shift,
+                                                            bool causal) {
   constexpr int kBM = kAttentionBwdBlockM, kBN = kAttentionBwdBlockN;
   QueryBlocks qb;
   qb.end = (seq_q + kBM - 1) / kBM;
@@ -257,8 +258,8 @@ struct AttentionBwdOp {
  protected:
   // One query block of 64 rows against the warpgroup's 64 keys (see the header comment).
   struct Lengths {
-    int q, k;     // the sequence's query and key rows
-    int shift;    // causal: query row i sees key j iff j <= i + shift
+    int q, k;   // the sequence's query and key rows
+    int shift;  // causal: query row i sees key j iff j <= i + shift
     bool causal;
   };
   // Deterministic dQ (kDeterministic, Params::dq_order): the adds into one query block's accumulator happen

@@ -92,13 +92,15 @@ void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const
 // accumulator: the communicator's workspace area "ring attention backward", (W - 1) x this rank's Q and dO
 // plus fp32 dQ. The workspace holds the pass's table and a tensor map per rank. options.deterministic is
 // refused (dQ parts are added in arrival order).
-size_t ring_attention_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
-                                               int64_t heads, int64_t kv_heads, int64_t head_dim);
+size_t ring_attention_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths,
+                                               bool causal, int64_t heads, int64_t kv_heads,
+                                               int64_t head_dim);
 void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
-                             const void* out, const void* dout, const float* lse, void* dq, void* dk, void* dv,
-                             const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
-                             int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype,
-                             cudaStream_t stream = nullptr, const AttentionOptions& options = {});
+                             const void* out, const void* dout, const float* lse, void* dq, void* dk,
+                             void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
+                             DType dtype, cudaStream_t stream = nullptr,
+                             const AttentionOptions& options = {});
 
 // This rank's local rows in that layout.
 int64_t context_attention_local_rows(int world, int rank, const std::vector<int64_t>& doc_lengths,

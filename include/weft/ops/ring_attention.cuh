@@ -11,9 +11,10 @@
 // all W of its key ranges in turn (step 0 from k / v themselves, causal; the rest from the slots, no mask),
 // one online softmax over all of them, O and LSE in registers from the first key to the last: no partial
 // output leaves the SM and nothing is merged. The loader waits, before the first load of a step's range,
-// until every chunk of the slot up to the range's last loaded row has landed (a count per slot in shared
-// memory remembers what it has seen), then loads as the forward does. The boxes past a range's end read
-// rows of the same slot that have landed (masked, multiplied by exact zeros), or zeros past the slot.
+// until every chunk of the slot up to the range's last loaded row has landed (a count per block and slot
+// in global memory remembers what it has seen: RingSlots::landed), then loads as the forward does. The
+// boxes past a range's end read rows of the same slot that have landed (masked, multiplied by exact zeros),
+// or zeros past the slot.
 //
 // Calls: a meeting kernel runs before each pass (every rank has finished reading its slots in the previous
 // one); flags only grow, by a constant per chunk and call, so a chunk has landed in call e when its flag
@@ -124,8 +125,8 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
     const int32_t *key_begin, *key_end;  // [segment * steps + step]: rows of the step source's local K / V
     int steps;                           // the world size
     RingSlots slots;
-    const uint4 *k_src, *v_src;          // this rank's K / V: local_rows rows of row_vecs 16-byte vectors
-    uint4 *slots_k, *slots_v;            // this rank's slots [steps - 1][slot_rows][row_vecs] (symmetric)
+    const uint4 *k_src, *v_src;  // this rank's K / V: local_rows rows of row_vecs 16-byte vectors
+    uint4 *slots_k, *slots_v;    // this rank's slots [steps - 1][slot_rows][row_vecs] (symmetric)
     int row_vecs;
   };
   using typename Base::Smem;

@@ -44,8 +44,8 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false> {
 
   struct Params : Base::Params {
     RingSync sync;
-    CUtensorMap slot_q, slot_dout;  // 4-D {dim, head, row, slot}: slot s - 1 holds step s's rows
-    const CUtensorMap* dq_maps;     // [world]: rank j's fp32 dQ accumulator, 4-D {dim, head, row, 1}
+    CUtensorMap slot_q, slot_dout;           // 4-D {dim, head, row, slot}: slot s - 1 holds step s's rows
+    const CUtensorMap* dq_maps;              // [world]: rank j's fp32 dQ accumulator, 4-D {dim, head, row, 1}
     const int32_t *query_begin, *query_end;  // [segment * steps + step]: rows of the step source's local Q
     int steps;                               // the world size
     RingSlots slots;
