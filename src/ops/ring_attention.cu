@@ -45,28 +45,18 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const
             void* out, float* lse, int64_t heads, const int32_t* index, char* area, cudaStream_t stream,
             const AttentionOptions& options, DType dtype, const std::string& where) {
   using Op = ops::RingAttentionFwdOp<kD, T>;
-  using Launcher = lcsc::Launcher<Op>;
   const int W = z.L.world;
   const int64_t G = z.segments(), local = std::max<int64_t>(z.local, 1);
   typename Op::Params p{};
   const ops::RingTable table(index, G, W);
-  p.sched.batch = static_cast<int>(G);
-  p.sched.heads = static_cast<int>(heads);
-  p.sched.q_blocks = static_cast<int>((z.max_own + Op::kBM - 1) / Op::kBM);
-  p.sched.row_begin = table.own_begin;
-  p.sched.row_end = table.own_end;
-  p.sched.block_rows = Op::kBM;
-  p.sched.paired = z.pass.causal;
-  // Every rank launches (its pushes feed its peers and its call count must advance with theirs), at least
-  // one block, within the rank's SM budget.
-  const int resident = std::min(Launcher::max_resident_clusters(), rank.sm_budget());
-  const int blocks = std::max(1, ops::attention_blocks(resident, options, p.sched.units()));
-  p.sched.compute_blocks = blocks;
+  // L2 sections: query heads whose K / V (of all W ranks) fit in 2/3 of L2, whole GQA groups.
   const int64_t group = heads / z.kv_heads;
   const int64_t kv_bytes_per_group = 2 * z.slot_rows * W * kD * 2;
   const int64_t section =
       std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / kv_bytes_per_group) * group;
-  p.sched.section_pairs = static_cast<int>(std::min<int64_t>(section, std::max<int64_t>(G, 1) * heads));
+  int* landed = const_cast<int*>(index) + z.table_bytes() / 4;
+  const int blocks = ops::ring_launch_setup<Op>(comm, rank, z, table, {kState, kArrived}, heads, Op::kBM,
+                                                section, options, landed, stream, p, where);
 
   // A rank with no rows still needs maps: they point at the slots and are never read.
   const void* qs = z.local > 0 ? q : area;
@@ -96,15 +86,8 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const
   p.scale_log2 = scale * 1.4426950408889634f;
   p.causal = z.pass.causal ? 1 : 0;
 
-  p.sync = {rank.view(), comm.resources(kState).flags, comm.resources(kArrived).flags,
-            blocks * (Op::kConsumerWarpgroups + tile::kWarpgroupThreads / 32 - 1)};
   p.key_begin = table.met_begin;
   p.key_end = table.met_end;
-  p.steps = W;
-  WEFT_CHECK(blocks <= ops::kRingMaxBlocks, where + "more compute blocks than the landed counts hold");
-  int* landed = const_cast<int*>(index) + z.table_bytes() / 4;
-  WEFT_CUDA_CHECK(cudaMemsetAsync(landed, 0, z.landed_bytes(), stream));
-  p.slots = ops::ring_slots(W, z.slot_rows, z.local, landed);
   p.k_src = static_cast<const uint4*>(ks);
   p.v_src = static_cast<const uint4*>(vs);
   p.slots_k = reinterpret_cast<uint4*>(slots_k);
@@ -112,7 +95,7 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const
   p.row_vecs = static_cast<int>(z.kv_heads * kD / 8);
 
   ops::ring_meet(rank, comm.resources(kMeeting).slots[0], stream);
-  Launcher::launch(p, blocks, stream);
+  lcsc::Launcher<Op>::launch(p, blocks, stream);
 }
 
 }  // namespace

@@ -74,7 +74,6 @@ template <int kD, class T>
 void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, char* workspace, char* area,
             cudaStream_t stream, const AttentionOptions& options, DType dtype, const std::string& where) {
   using Op = ops::RingAttentionBwdOp<kD, T>;
-  using Launcher = lcsc::Launcher<Op>;
   const int W = z.L.world;
   const int64_t G = z.segments(), local = std::max<int64_t>(z.local, 1), heads = z.heads;
   const AttentionShape shape{1, z.max_own, z.max_own, heads, z.kv_heads, kD};
@@ -130,23 +129,13 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   }
 
   typename Op::Params p{};
-  p.sched.batch = static_cast<int>(G);
-  p.sched.heads = static_cast<int>(z.kv_heads);
-  p.sched.q_blocks = static_cast<int>((z.max_own + Op::kBN - 1) / Op::kBN);  // key blocks
-  p.sched.row_begin = table.own_begin;
-  p.sched.row_end = table.own_end;
-  p.sched.block_rows = Op::kBN;
-  p.sched.paired = z.pass.causal;
-  // Every rank launches (its pushes feed its peers and its call count must advance with theirs), at least
-  // one block, within the rank's SM budget.
-  const int resident = std::min(Launcher::max_resident_clusters(), rank.sm_budget());
-  const int blocks = std::max(1, ops::attention_blocks(resident, options, p.sched.units()));
-  p.sched.compute_blocks = blocks;
   // L2 sections: K / V heads whose group's Q, dO (of all W ranks) and dQ parts fit in 2/3 of L2.
   const int64_t group = heads / z.kv_heads;
   const int64_t bytes_per_pair = group * z.slot_rows * W * kD * (2 + 2 + 4);
   const int64_t section = std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / bytes_per_pair);
-  p.sched.section_pairs = static_cast<int>(std::min<int64_t>(section, std::max<int64_t>(G, 1) * z.kv_heads));
+  int* landed = reinterpret_cast<int*>(workspace + z.maps_bytes() + z.table_bytes() + z.ranges_bytes());
+  const int blocks = ops::ring_launch_setup<Op>(comm, rank, z, table, {kState, kArrived}, z.kv_heads, Op::kBN,
+                                                section, options, landed, stream, p, where);
 
   const int64_t slots = std::max(1, W - 1);
   p.q = ops::map_bshd(own(b.q), 1, local, heads, kD, Op::kBM, where + "q", dtype);
@@ -179,16 +168,9 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   p.scale_log2 = scale * 1.4426950408889634f;
   p.causal = z.pass.causal ? 1 : 0;
 
-  p.sync = {rank.view(), comm.resources(kState).flags, comm.resources(kArrived).flags,
-            blocks * (Op::kConsumerWarpgroups + tile::kWarpgroupThreads / 32 - 1)};
   p.dq_maps = reinterpret_cast<const CUtensorMap*>(workspace);
   p.query_begin = table.met_begin;
   p.query_end = table.met_end;
-  p.steps = W;
-  WEFT_CHECK(blocks <= ops::kRingMaxBlocks, where + "more compute blocks than the landed counts hold");
-  int* landed = reinterpret_cast<int*>(workspace + z.maps_bytes() + z.table_bytes() + z.ranges_bytes());
-  WEFT_CUDA_CHECK(cudaMemsetAsync(landed, 0, z.landed_bytes(), stream));
-  p.slots = ops::ring_slots(W, z.slot_rows, z.local, landed);
   p.q_src = static_cast<const uint4*>(own(b.q));
   p.dout_src = static_cast<const uint4*>(own(b.dout));
   p.slots_q = reinterpret_cast<uint4*>(slots_q);
@@ -199,7 +181,7 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
 
   const BarrierSlots meetings = comm.resources(kMeetings).slots;
   ops::ring_meet(rank, meetings[0], stream);
-  Launcher::launch(p, blocks, stream);
+  lcsc::Launcher<Op>::launch(p, blocks, stream);
   ops::ring_meet(rank, meetings[1], stream);
   if (z.local > 0) {
     constexpr int kThreads = 256;

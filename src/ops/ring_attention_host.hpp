@@ -6,12 +6,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include "attention_args.hpp"
 #include "ring_attention_plan.hpp"
 #include "sequence_parallel.hpp"
+#include "weft/lcsc/launch.cuh"
 #include "weft/ops/ring_attention.cuh"
 #include "weft/runtime/communicator.hpp"
+#include "weft/runtime/error.hpp"
 
 namespace weft::ops {
 
@@ -80,6 +84,44 @@ struct RingTable {
         met_begin(words + 2 * segments),
         met_end(words + 2 * segments + segments * world) {}
 };
+
+// The flags of one ring op (declared by its launcher): its call count and finishers (2 flags) and its chunk
+// arrivals (kRingChunkFlags flags).
+struct RingResources {
+  const char *state, *arrived;
+};
+
+// What a ring launch sets up alike for both passes: the persistent grid over items (segment, head, block of
+// `block_rows` own rows; heads = the scheduler's head count) within the rank's SM budget (every rank
+// launches at least one block: its pushes feed its peers and its call count must advance with theirs), L2
+// sections of `section_pairs`, the team sync (finishers: every consumer warpgroup and helper warp) and the
+// landed counts zeroed on `stream`. Returns the grid.
+template <class Op>
+int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, const RingTable& table,
+                      const RingResources& res, int64_t heads, int block_rows, int64_t section_pairs,
+                      const AttentionOptions& options, int* landed, cudaStream_t stream,
+                      typename Op::Params& p, const std::string& where) {
+  lcsc::AttentionSchedulerParams& sched = p.sched;
+  sched.batch = static_cast<int>(z.segments());
+  sched.heads = static_cast<int>(heads);
+  sched.q_blocks = static_cast<int>((z.max_own + block_rows - 1) / block_rows);
+  sched.row_begin = table.own_begin;
+  sched.row_end = table.own_end;
+  sched.block_rows = block_rows;
+  sched.paired = z.pass.causal;
+  const int resident = std::min(lcsc::Launcher<Op>::max_resident_clusters(), rank.sm_budget());
+  const int blocks = std::max(1, attention_blocks(resident, options, sched.units()));
+  sched.compute_blocks = blocks;
+  sched.section_pairs =
+      static_cast<int>(std::min<int64_t>(section_pairs, std::max<int64_t>(z.segments(), 1) * heads));
+  WEFT_CHECK(blocks <= kRingMaxBlocks, where + "more compute blocks than the landed counts hold");
+  p.sync = {rank.view(), comm.resources(res.state).flags, comm.resources(res.arrived).flags,
+            blocks * (Op::kConsumerWarpgroups + tile::kWarpgroupThreads / 32 - 1)};
+  p.steps = z.L.world;
+  WEFT_CUDA_CHECK(cudaMemsetAsync(landed, 0, z.landed_bytes(), stream));
+  p.slots = ring_slots(z.L.world, z.slot_rows, z.local, landed);
+  return blocks;
+}
 
 // A one-block kernel on `stream` that meets the team in barrier slot `slot` (every rank's kernels before it
 // on its stream have finished). A failed wait is recorded; synchronize() reports it.
