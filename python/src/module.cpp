@@ -334,8 +334,8 @@ PYBIND11_MODULE(_weft, m) {
       py::arg("segments") = py::tuple(), py::arg("dtype") = "bf16", py::arg("deterministic") = false);
 
   // Sequence-parallel attention on this process's rank: method "all_gather" (weft::context_attention_*),
-  // "ring" (weft::ring_attention_*) or "ulysses"; tensors in ring
-  // attention's layout of doc_lengths (weft/ops/context_attention.hpp).
+  // "ring" (weft::ring_attention_*) or "ulysses"; tensors in ring attention's layout of doc_lengths
+  // (weft/ops/context_attention.hpp).
   auto ulysses = [](const std::string& method) {
     if (method != "all_gather" && method != "ring" && method != "ulysses")
       throw weft::Error("weft: context attention method must be 'all_gather', 'ring' or 'ulysses', got '" +

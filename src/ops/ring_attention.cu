@@ -6,16 +6,15 @@
 #include <string>
 #include <vector>
 
+#include "../runtime/kernels.hpp"
 #include "attention_args.hpp"
 #include "ring_attention_host.hpp"
 #include "op_args.hpp"
 #include "sequence_parallel.hpp"
-#include "weft/comm/barrier.cuh"
 #include "weft/lcsc/launch.cuh"
 #include "weft/ops/context_attention.hpp"
 #include "weft/ops/ring_attention.cuh"
 #include "weft/runtime/error.hpp"
-#include "weft/runtime/kernel_preload.hpp"
 
 namespace weft {
 namespace {
@@ -94,24 +93,11 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const
   p.slots_v = reinterpret_cast<uint4*>(slots_v);
   p.row_vecs = static_cast<int>(z.kv_heads * kD / 8);
 
-  ops::ring_meet(rank, comm.resources(kMeeting).slots[0], stream);
+  launch_team_barrier(rank.view(), comm.resources(kMeeting).slots[0], stream);  // slots free
   lcsc::Launcher<Op>::launch(p, blocks, stream);
 }
 
 }  // namespace
-
-namespace ops {
-namespace {
-__global__ void ring_meet_kernel(TeamView team, int slot) {
-  (void)barrier_block(team, slot);  // a failed wait is recorded; synchronize() reports it
-}
-}  // namespace
-void ring_meet(const Rank& rank, int slot, cudaStream_t stream) {
-  detail::preload<&ring_meet_kernel>();
-  ring_meet_kernel<<<1, 32, 0, stream>>>(rank.view(), slot);
-  WEFT_CUDA_CHECK(cudaGetLastError());
-}
-}  // namespace ops
 
 size_t ring_attention_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                       int64_t kv_heads, int64_t head_dim) {

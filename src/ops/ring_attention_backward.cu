@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "../runtime/kernels.hpp"
 #include "attention_args.hpp"
 #include "op_args.hpp"
 #include "ring_attention_host.hpp"
@@ -180,9 +181,9 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   p.term_stride = static_cast<int>(z.term_stride);
 
   const BarrierSlots meetings = comm.resources(kMeetings).slots;
-  ops::ring_meet(rank, meetings[0], stream);
+  launch_team_barrier(rank.view(), meetings[0], stream);  // slots free, accumulators zeroed
   lcsc::Launcher<Op>::launch(p, blocks, stream);
-  ops::ring_meet(rank, meetings[1], stream);
+  launch_team_barrier(rank.view(), meetings[1], stream);  // every add into the accumulator complete
   if (z.local > 0) {
     constexpr int kThreads = 256;
     const int64_t elements = z.local * heads * kD;

@@ -1,6 +1,6 @@
 // What the ring attention launchers share (src/ops/ring_attention.cu, ring_attention_backward.cu): the
 // pass of a rank (ring_pass_of), its table of segments and ranges in the caller's workspace, the receive
-// slots' chunking, and the meeting that frees the slots before a pass.
+// slots' chunking and the launch setup.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -122,9 +122,5 @@ int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, co
   p.slots = ring_slots(z.L.world, z.slot_rows, z.local, landed);
   return blocks;
 }
-
-// A one-block kernel on `stream` that meets the team in barrier slot `slot` (every rank's kernels before it
-// on its stream have finished). A failed wait is recorded; synchronize() reports it.
-void ring_meet(const Rank& rank, int slot, cudaStream_t stream);
 
 }  // namespace weft::ops

@@ -12,12 +12,11 @@
 #include <mutex>
 
 #include "driver.hpp"
+#include "kernels.hpp"
 #include "weft/runtime/channel.hpp"
 #include "weft/runtime/heap_allocator.hpp"
 
 namespace weft {
-
-void launch_team_barrier(const TeamView& view, int slot, cudaStream_t stream);  // kernels.cu
 
 namespace {
 

@@ -1,4 +1,5 @@
-// Kernels the host runtime launches itself.
+// Kernels the host runtime launches itself (declared in kernels.hpp).
+#include "kernels.hpp"
 #include "weft/comm/barrier.cuh"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/kernel_preload.hpp"
