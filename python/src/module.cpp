@@ -5,7 +5,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,15 +65,6 @@ weft::ReduceOp parse_op(const std::string& s) {
   throw py::value_error("weft: unsupported reduction op '" + s + "' (sum, max or min)");
 }
 
-// The process's communicator (one rank per process) shared by every tensor it handed out.
-struct Comm {
-  std::shared_ptr<weft::Communicator> comm;
-  weft::Rank& rank() const { return comm->local(0); }
-  // The caller's stream. 0 is torch's default, the legacy default stream: pass that, since a null stream
-  // means "weft's own stream" to the C++ ops (unordered with the caller's work).
-  cudaStream_t stream(uintptr_t s) const { return s ? reinterpret_cast<cudaStream_t>(s) : cudaStreamLegacy; }
-};
-
 // A symmetric allocation kept alive by every DLPack export of it.
 struct SymMemory {
   std::shared_ptr<weft::Communicator> comm;
@@ -84,8 +77,68 @@ struct SymMemory {
   }
 };
 
-// A tensor in symmetric memory: an allocation of its own (`mem`), or a view into a workspace area of an op
-// (`view`, kept valid by the op's contract, e.g. until the next MoE dispatch; `keep` holds the communicator).
+// The allocations of a virtual team (several ranks in this process): Communicator::alloc maps a buffer on
+// every local rank at once, while each rank's Python object calls empty() on its own. The k-th call of
+// every rank gets the k-th allocation, so the collective contract (every rank asks for the same sizes in the
+// same order) reads as it does between processes; an allocation leaves the queue once every rank took it.
+struct TeamAllocations {
+  std::deque<std::shared_ptr<SymMemory>> pending;  // allocations some rank has not taken yet
+  std::vector<uint64_t> taken;                     // allocations rank i took so far
+  uint64_t made = 0;                               // allocations made so far
+};
+
+// One rank of this process's communicator: the only one under a launcher, or one of its virtual ranks.
+struct Comm {
+  std::shared_ptr<weft::Communicator> comm;
+  int index = 0;  // which local rank
+  std::shared_ptr<TeamAllocations> allocations;
+
+  weft::Rank& rank() const { return comm->local(index); }
+  // The caller's stream. 0 is torch's default, the legacy default stream: pass that, since a null stream
+  // means "weft's own stream" to the C++ ops (unordered with the caller's work). Virtual ranks need a
+  // stream each: on a shared stream a rank's kernel waiting for a peer would sit in front of the peer's part.
+  cudaStream_t stream(uintptr_t s) const {
+    if (s == 0 && comm->num_local() > 1)
+      throw weft::Error("weft: rank " + std::to_string(rank().rank()) +
+                        " of a virtual team was called on the default stream: each virtual rank needs a stream "
+                        "of its own (Team.run(fn) runs fn on each rank's stream)");
+    return s ? reinterpret_cast<cudaStream_t>(s) : cudaStreamLegacy;
+  }
+  // The symmetric allocation of this rank's next empty() call (see TeamAllocations).
+  std::shared_ptr<SymMemory> next_allocation(uint64_t bytes) const {
+    TeamAllocations& a = *allocations;
+    const uint64_t k = a.taken[index];
+    if (k == a.made) {
+      auto mem = std::make_shared<SymMemory>();
+      mem->comm = comm;
+      mem->buf = comm->alloc(bytes);
+      a.pending.push_back(std::move(mem));
+      ++a.made;
+    }
+    std::shared_ptr<SymMemory> mem = a.pending[k - (a.made - a.pending.size())];
+    if (mem->buf.bytes < bytes)
+      throw py::value_error("weft: rank " + std::to_string(rank().rank()) + " asked for " +
+                            std::to_string(bytes) + " bytes in symmetric allocation " + std::to_string(k) +
+                            ", another rank for " + std::to_string(mem->buf.bytes) +
+                            ": every rank must call empty() with the same shapes in the same order");
+    ++a.taken[index];
+    const uint64_t least = *std::min_element(a.taken.begin(), a.taken.end());
+    while (!a.pending.empty() && a.made - a.pending.size() < least) a.pending.pop_front();
+    return mem;
+  }
+  // One Comm per local rank of c.
+  static std::vector<Comm> of(std::shared_ptr<weft::Communicator> c) {
+    auto allocations = std::make_shared<TeamAllocations>();
+    allocations->taken.assign(c->num_local(), 0);
+    std::vector<Comm> out;
+    for (int i = 0; i < c->num_local(); ++i) out.push_back(Comm{c, i, allocations});
+    return out;
+  }
+};
+
+// A tensor in symmetric memory: one rank's part of an allocation (`mem`, `view` = the part), or a view into a
+// workspace area of an op (`view`, kept valid by the op's contract, e.g. until the next MoE dispatch; `keep`
+// holds the communicator).
 struct SymTensor {
   std::shared_ptr<SymMemory> mem;
   std::vector<int64_t> shape;
@@ -94,7 +147,7 @@ struct SymTensor {
   void* view = nullptr;
   std::shared_ptr<weft::Communicator> keep;
 
-  void* data() const { return view != nullptr ? view : mem->buf.local[0]; }
+  void* data() const { return view; }
   uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data()); }
 
   py::capsule dlpack(py::object /*stream*/) const {
@@ -175,10 +228,24 @@ PYBIND11_MODULE(_weft, m) {
             weft::Options o;
             o.timeout = std::chrono::milliseconds(timeout_ms);
             py::gil_scoped_release release;  // the rendezvous waits for the other processes
-            return Comm{
-                std::shared_ptr<weft::Communicator>(weft::Communicator::create_from_launcher(*env, o))};
+            return Comm::of(
+                std::shared_ptr<weft::Communicator>(weft::Communicator::create_from_launcher(*env, o)))[0];
           },
           py::arg("timeout_ms") = 0)
+      .def_static(
+          "virtual_team",
+          [](int world, int device, int sm_budget, int timeout_ms) {
+            if (world < 2)
+              throw py::value_error("weft: a virtual team needs at least 2 ranks, got " + std::to_string(world));
+            weft::Options o;
+            o.devices = {device};
+            o.ranks_per_gpu = world;
+            o.sm_budget = sm_budget;
+            o.timeout = std::chrono::milliseconds(timeout_ms);
+            return Comm::of(std::shared_ptr<weft::Communicator>(weft::Communicator::create_single_process(o)));
+          },
+          py::arg("world"), py::arg("device"), py::arg("sm_budget") = 0, py::arg("timeout_ms") = 0,
+          "W ranks on one GPU in this process (one Comm per rank)")
       .def_property_readonly("rank", [](const Comm& c) { return c.rank().rank(); })
       .def_property_readonly("world_size", [](const Comm& c) { return c.comm->world(); })
       .def_property_readonly("device", [](const Comm& c) { return c.rank().device(); })
@@ -191,10 +258,13 @@ PYBIND11_MODULE(_weft, m) {
                if (d < 0) throw py::value_error("weft: negative dimension in shape");
                n *= static_cast<uint64_t>(d);
              }
-             auto mem = std::make_shared<SymMemory>();
-             mem->comm = c.comm;
-             mem->buf = c.comm->alloc(std::max<uint64_t>(1, n * weft::dtype_size(parse_dtype(dtype))));
-             return SymTensor{mem, shape, dtype, c.rank().device()};
+             SymTensor t;
+             t.mem = c.next_allocation(std::max<uint64_t>(1, n * weft::dtype_size(parse_dtype(dtype))));
+             t.view = t.mem->buf.local[c.index];
+             t.shape = std::move(shape);
+             t.dtype = dtype;
+             t.device = c.rank().device();
+             return t;
            })
       .def("in_heap",
            [](const Comm& c, uintptr_t p, uint64_t bytes) {

@@ -122,6 +122,20 @@ class NoGpu(unittest.TestCase):
         with mock.patch.dict(os.environ, env):
             self.raises(weft.WeftError, "no NVIDIA driver", weft.init)
 
+    def test_virtual_team_arguments(self):
+        self.raises(weft.WeftValueError, "world must be an int >= 2", weft.virtual_team, 1)
+        self.raises(weft.WeftValueError, "world must be an int >= 2", weft.virtual_team, "4")
+
+    def test_virtual_team_without_a_driver_says_so(self):
+        try:
+            ctypes.CDLL("libcuda.so.1")
+            self.skipTest("an NVIDIA driver is installed here")
+        except OSError:
+            pass
+        with mock.patch.dict(os.environ, {}):
+            self.raises(weft.WeftError, "no NVIDIA driver", weft.virtual_team, 2)
+            self.assertEqual(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), "32")
+
     def test_init_with_incomplete_environment(self):
         with mock.patch.dict(os.environ, {"RANK": "0", "WORLD_SIZE": "2"}):
             self.raises(weft.WeftError, "LOCAL_RANK", weft.init)

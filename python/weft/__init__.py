@@ -9,7 +9,14 @@ One process per GPU, started by torchrun, mpirun or weft-launch:
     z = comm.empty((1 << 20,), "bf16")        # symmetric tensor: zero-copy input/output (DLPack)
 
 Torch tensors in, torch tensors out when torch is the caller; other frameworks pass anything with
-__dlpack__ and get symmetric tensors back (wrap them with their from_dlpack).
+__dlpack__ and get symmetric tensors back (wrap them with their from_dlpack). On torch tensors every op is a
+torch operator (torch.ops.weft.*: torch.compile traces it, CUDA graphs capture it) with autograd; ops given
+out= run eagerly and are not differentiable.
+
+A team on one GPU, for developing and testing multi-rank code without several GPUs (no launcher):
+
+    team = weft.virtual_team(4)               # 4 ranks on this GPU, each with its own stream
+    ys = team.run(lambda comm, x: weft.all_reduce(x, comm=comm), xs)   # xs[r]: rank r's input
 
 Errors: everything weft raises is a WeftError (a RuntimeError): environment and GPU problems as WeftError
 itself, bad arguments as WeftValueError / WeftTypeError, which are also ValueError / TypeError. Bad input is
@@ -18,6 +25,7 @@ refused with the reason before anything reaches the GPU.
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 from . import _weft
@@ -35,7 +43,7 @@ class WeftTypeError(WeftError, TypeError):
     """An argument of the wrong kind or dtype."""
 
 
-__all__ = ["init", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
+__all__ = ["init", "virtual_team", "Team", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
            "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
            "matmul_all_reduce", "flash_attention", "flash_attention_varlen", "ring_shard_indices", "ring_shard",
            "ring_unshard", "context_attention", "ring_attention", "ulysses_attention", "MoeDispatch",
@@ -48,6 +56,10 @@ _DLPACK_DEVICES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 4: "OpenCL", 7: "
 _DTYPES = ("bf16", "fp16", "fp32")
 _OPS = ("sum", "max", "min")
 _default = None
+# Every Communicator by id: torch operators name their communicator by this integer.
+_communicators = {}
+# weft._torch_ops once torch is imported (the ops on torch tensors), else None.
+_ops = None
 
 
 def init(timeout_ms: int = 0) -> "Communicator":
@@ -56,8 +68,99 @@ def init(timeout_ms: int = 0) -> "Communicator":
     The returned communicator also becomes the default one of the module-level ops.
     """
     global _default
+    _torch_api()
     _default = Communicator(_weft.Comm.from_env(timeout_ms))
     return _default
+
+
+def virtual_team(world: int, device=None, sm_budget: int = 0, timeout_ms: int = 0) -> "Team":
+    """A team of `world` ranks on one GPU, driven from this process (no launcher): every multi-rank op runs
+    on one GPU, for development and tests. Not a performance setup: the ranks share the GPU's SMs (each
+    rank's kernels get sm_budget SMs, default SMs / world), its memory bandwidth and its L2, so they
+    catch protocol and indexing bugs, not a missing system-scope fence.
+
+    Each rank has its own stream; Team.run(fn, ...) calls fn(comm_r, ...) for every rank on that stream.
+    Needs CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts (the ranks' streams must not share hardware
+    queues): set here when CUDA has not started yet, else refused with the reason.
+    device: the GPU (default torch's current device, else 0).
+    """
+    if not isinstance(world, int) or world < 2:
+        raise WeftValueError(f"weft.virtual_team: world must be an int >= 2, got {world!r}")
+    queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "")
+    if not (queues.isdigit() and int(queues) >= 32):
+        t = sys.modules.get("torch")
+        if t is not None and t.cuda.is_initialized():
+            raise WeftError("weft.virtual_team: needs CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before "
+                            f"CUDA starts (it is {queues or 'unset, i.e. 8'}) and torch has started CUDA already: "
+                            "a rank's stream waiting for a peer blocks the hardware queue it shares. Export it "
+                            "before starting Python, or call weft.virtual_team before torch uses the GPU")
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
+    t = _torch_api()
+    if device is None:
+        device = sys.modules["torch"].cuda.current_device() if t is not None else 0
+    natives = _weft.Comm.virtual_team(world, int(device), int(sm_budget), int(timeout_ms))
+    return Team([Communicator(n) for n in natives])
+
+
+class Team:
+    """The ranks of weft.virtual_team: team[r] is rank r's Communicator, team.streams[r] its torch stream."""
+
+    def __init__(self, comms):
+        self.comms = list(comms)
+        self.world_size = len(self.comms)
+        self.device = self.comms[0].device
+        torch = sys.modules.get("torch")
+        self.streams = [torch.cuda.Stream(device=self.device) for _ in self.comms] if torch else None
+
+    def __len__(self):
+        return self.world_size
+
+    def __getitem__(self, r):
+        return self.comms[r]
+
+    def __iter__(self):
+        return iter(self.comms)
+
+    def run(self, fn, *per_rank):
+        """[fn(team[r], a[r], b[r], ...) for every rank r], each call on rank r's stream.
+
+        Every rank's work starts after the work already queued on the current stream and the current stream
+        waits for all of it, so the results can be used right away. With torch each result tensor (or
+        tuple / list of them) is also marked as used by the current stream, for the caching allocator.
+        Calls run in rank order on this thread; an op's kernels wait on the GPU for their peers, so every
+        rank must make the same op calls in the same order, as processes do. Autograd's backward of the
+        results runs each rank's part on the stream of its forward.
+        """
+        for a in per_rank:
+            if len(a) != self.world_size:
+                raise WeftValueError(f"Team.run: every per-rank argument needs {self.world_size} entries, got {len(a)}")
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return [fn(c, *(a[r] for a in per_rank)) for r, c in enumerate(self.comms)]
+        current = torch.cuda.current_stream(self.device)
+        outs = []
+        for r, (c, s) in enumerate(zip(self.comms, self.streams)):
+            s.wait_stream(current)
+            with torch.cuda.stream(s):
+                outs.append(fn(c, *(a[r] for a in per_rank)))
+        for s in self.streams:
+            current.wait_stream(s)
+        for o in outs:
+            for t in (o if isinstance(o, (tuple, list)) else (o,)):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(current)
+        return outs
+
+    def empty(self, shape, dtype="bf16"):
+        """One symmetric tensor per rank (team[r].empty for every r)."""
+        return [c.empty(shape, dtype) for c in self.comms]
+
+    def synchronize(self):
+        """Waits for the GPU, then raises WeftError if a rank's device wait failed."""
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.cuda.synchronize(self.device)
+        self.comms[0].synchronize()
 
 
 class Communicator:
@@ -67,6 +170,8 @@ class Communicator:
         self._c = native
         # Plain attributes: every op call reads them (a native property costs a pybind11 round trip).
         self.rank, self.world_size, self.device = native.rank, native.world_size, native.device
+        self._id = len(_communicators)
+        _communicators[self._id] = self
 
     def empty(self, shape, dtype="bf16"):
         """A symmetric tensor (collective: every rank must call it with the same shape and dtype)."""
@@ -132,7 +237,7 @@ _torch = None
 
 
 def _torch_api():
-    global _torch
+    global _torch, _ops
     if _torch is None and "torch" in sys.modules:
         t = sys.modules["torch"]
 
@@ -145,7 +250,14 @@ def _torch_api():
             int32 = t.int32
 
         _torch = _T
+        from . import _torch_ops
+        _ops = _torch_ops
     return _torch
+
+
+def _torch_tensor(x):
+    """Whether x is a torch tensor (then the op runs as a torch operator). Traceable by torch.compile."""
+    return (_ops is not None or _torch_api() is not None) and isinstance(x, _ops.Tensor)
 
 
 def _is_torch(x):
@@ -156,9 +268,8 @@ def _is_torch(x):
 def _dtype_name(dtype):
     if isinstance(dtype, str) and dtype in _DTYPES:
         return dtype
-    t = _torch_api()
-    if t is not None and dtype in t.dtypes:
-        return t.dtypes[dtype]
+    if _ops is not None and dtype in _ops.DTYPES:
+        return _ops.DTYPES[dtype]
     raise WeftTypeError(f"weft: unsupported dtype {dtype!r}: use bf16, fp16 or fp32")
 
 
@@ -263,6 +374,8 @@ def _prepare(x, comm, op=None, name="x"):
 
 def all_reduce(x, op="sum", out=None, comm=None):
     """Elementwise reduction over ranks (sum, max or min); returns out (new tensor if not given)."""
+    if out is None and _torch_tensor(x):
+        return _ops.all_reduce(x, op, comm)
     c, s, a = _prepare(x, comm, op)
     out, o = _output(c, s, x, a, a.shape, out)
     _weft.all_reduce(c._c, a.ptr, o.ptr, a.numel, a.dtype, op, s)
@@ -271,6 +384,8 @@ def all_reduce(x, op="sum", out=None, comm=None):
 
 def all_gather(x, dim=0, out=None, comm=None):
     """Concatenates every rank's x along dim (any dim: no extra copies for inner ones)."""
+    if out is None and _torch_tensor(x):
+        return _ops.all_gather(x, dim, comm)
     c, s, a = _prepare(x, comm)
     d = _dim(dim, len(a.shape))
     shape = list(a.shape)
@@ -284,6 +399,8 @@ def all_gather(x, dim=0, out=None, comm=None):
 
 def reduce_scatter(x, dim=0, op="sum", out=None, comm=None):
     """Reduces over ranks, then rank r keeps the r-th of world_size equal slices along dim."""
+    if out is None and _torch_tensor(x):
+        return _ops.reduce_scatter(x, dim, op, comm)
     c, s, a = _prepare(x, comm, op)
     d = _dim(dim, len(a.shape))
     w = c.world_size
@@ -300,6 +417,8 @@ def reduce_scatter(x, dim=0, op="sum", out=None, comm=None):
 
 def all_to_all(x, out=None, comm=None):
     """Equal splits: x holds world_size blocks; block p goes to rank p, and out block q comes from rank q."""
+    if out is None and _torch_tensor(x):
+        return _ops.all_to_all(x, comm)
     c, s, a = _prepare(x, comm)
     w = c.world_size
     if a.numel % w:
@@ -312,35 +431,44 @@ def all_to_all(x, out=None, comm=None):
 # ---- fused tensor-parallel ops (bf16) ------------------------------------------------------------------
 
 
+def _matmul_layout(a_shape, a_dtype, b_shape, b_dtype, b_contiguous, b_strides):
+    """(layout, N, K) of A [rows, K] and B: [K, N] contiguous ("kn") or the .t() view of a contiguous [N, K]
+    weight ("nk"); both bf16, K and N multiples of 8."""
+    for name, shape, dtype in (("a", a_shape, a_dtype), ("b", b_shape, b_dtype)):
+        if dtype != "bf16":
+            raise WeftTypeError(f"weft: {name} must be bf16 for the matmul ops, got {dtype}")
+        if len(shape) != 2:
+            raise WeftValueError(f"weft: {name} must be 2-D, got shape {tuple(shape)}")
+    k, n = b_shape
+    if a_shape[1] != k:
+        raise WeftValueError(f"weft: a is {tuple(a_shape)} and b is {tuple(b_shape)}: the inner dimensions differ")
+    if b_contiguous:
+        layout = "kn"
+    elif tuple(b_strides) == (1, k) or (n == 1 and b_strides[0] == 1):
+        layout = "nk"  # b = weight.t() of a contiguous [N, K] weight
+    else:
+        raise WeftValueError("weft: b must be a contiguous [K, N] tensor or the .t() view of a contiguous [N, K] "
+                             f"weight (got strides {tuple(b_strides)})")
+    if n % 8 or k % 8:
+        raise WeftValueError(f"weft: K = {k} and N = {n} must be multiples of 8 (TMA needs 16-byte rows)")
+    return layout, n, k
+
+
 def _matmul_operands(a, b, comm):
     """Checks A [rows, K] and B ([K, N] contiguous, or the .t() view of a contiguous [N, K] weight)."""
     c, s, x = _prepare(a, comm, name="a")
     w = _arg(b, "b", s)
     if w.device != c.device:
         raise WeftValueError(f"weft: b is on cuda:{w.device} but this rank uses cuda:{c.device}")
-    for name, t in (("a", x), ("b", w)):
-        if t.dtype != "bf16":
-            raise WeftTypeError(f"weft: {name} must be bf16 for the matmul ops, got {t.dtype}")
-        if len(t.shape) != 2:
-            raise WeftValueError(f"weft: {name} must be 2-D, got shape {t.shape}")
-    k, n = w.shape
-    if x.shape[1] != k:
-        raise WeftValueError(f"weft: a is {x.shape} and b is {w.shape}: the inner dimensions differ")
-    if w.contiguous:
-        layout = "kn"
-    elif w.strides == (1, k) or (n == 1 and w.strides[0] == 1):
-        layout = "nk"  # b = weight.t() of a contiguous [N, K] weight
-    else:
-        raise WeftValueError("weft: b must be a contiguous [K, N] tensor or the .t() view of a contiguous [N, K] "
-                         f"weight (got strides {w.strides})")
-    if n % 8 or k % 8:
-        raise WeftValueError(f"weft: K = {k} and N = {n} must be multiples of 8 (TMA needs 16-byte rows)")
+    layout, n, k = _matmul_layout(x.shape, x.dtype, w.shape, w.dtype, w.contiguous, w.strides)
     return c, s, x, w, layout, n, k
 
 
 def all_gather_matmul(a, b, out=None, gathered_a=None, comm=None):
     """out [M, N] = all_gather(a, dim 0) @ b, with a [M / world, K] on each rank; also fills gathered_a
     ([M, K]) when given."""
+    if out is None and gathered_a is None and _torch_tensor(a):
+        return _ops.all_gather_matmul(a, b, comm)
     c, s, x, w, layout, n, k = _matmul_operands(a, b, comm)
     m = x.shape[0] * c.world_size
     out, o = _output(c, s, a, x, (m, n), out)
@@ -365,71 +493,19 @@ def _summed_matmul(native_op, a, b, out, comm, scatter):
 
 def matmul_reduce_scatter(a, b, out=None, comm=None):
     """The [M, N] product a @ b summed over ranks; this rank gets rows rank * M / world .. (rank + 1) * M / world."""
+    if out is None and _torch_tensor(a):
+        return _ops.matmul_reduce_scatter(a, b, comm)
     return _summed_matmul(_weft.matmul_reduce_scatter, a, b, out, comm, scatter=True)
 
 
 def matmul_all_reduce(a, b, out=None, comm=None):
     """The [M, N] product a @ b summed over ranks, on every rank."""
+    if out is None and _torch_tensor(a):
+        return _ops.matmul_all_reduce(a, b, comm)
     return _summed_matmul(_weft.matmul_all_reduce, a, b, out, comm, scatter=False)
 
 
 # ---- attention (one GPU, no communicator) ----------------------------------------------------------------
-_flash_fn = None
-
-
-def _flash_attention_fn():
-    """The torch.autograd.Function of flash_attention, made once torch is there (weft never imports it)."""
-    global _flash_fn
-    if _flash_fn is None:
-        torch = sys.modules["torch"]
-
-        def stream(x):
-            return torch.cuda.current_stream(x.device).cuda_stream
-
-        class FlashAttention(torch.autograd.Function):
-            # packed: None for dense [batch, seq, heads, dim] tensors, else (cu_seqlens_q, cu_seqlens_k,
-            # max_seqlen_q, max_seqlen_k) for [total, heads, dim] ones.
-            @staticmethod
-            def forward(ctx, q, k, v, causal, scale, packed, deterministic):
-                if packed is None:
-                    shape = (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
-                    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-                    segments = ()
-                else:
-                    cu_q, cu_k, max_q, max_k = packed
-                    shape = (cu_q.shape[0] - 1, max_q, max_k, q.shape[1], k.shape[1], q.shape[2])
-                    lse_shape = (q.shape[1], q.shape[0])
-                    segments = (cu_q.data_ptr(), cu_q.data_ptr() + 4, cu_k.data_ptr(), cu_k.data_ptr() + 4,
-                                q.shape[0], k.shape[0])
-                out = torch.empty_like(q)
-                lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-                _weft.flash_attention_forward(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                              out.data_ptr(), lse.data_ptr(), shape, causal, scale, stream(q),
-                                              segments, (), _dtype_name(q.dtype))
-                ctx.save_for_backward(q, k, v, out, lse)
-                ctx.attention = (shape, causal, scale, segments, deterministic)
-                ctx.packed = packed  # keeps the offsets `segments` points at alive
-                ctx.mark_non_differentiable(lse)
-                return out, lse
-
-            @staticmethod
-            def backward(ctx, dout, _dlse):
-                q, k, v, out, lse = ctx.saved_tensors
-                shape, causal, scale, segments, deterministic = ctx.attention
-                dout = dout.contiguous()
-                if dout.dtype != q.dtype:
-                    dout = dout.to(q.dtype)
-                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-                nbytes = _weft.flash_attention_backward_workspace_bytes(shape, segments, deterministic)
-                ws = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
-                _weft.flash_attention_backward(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                               out.data_ptr(), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(),
-                                               dk.data_ptr(), dv.data_ptr(), ws.data_ptr(), nbytes, shape, causal,
-                                               scale, stream(q), segments, _dtype_name(q.dtype), deterministic)
-                return dq, dk, dv, None, None, None, None
-
-        _flash_fn = FlashAttention
-    return _flash_fn
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, deterministic=False):
@@ -443,8 +519,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     also the fp32 log-sum-exp [batch, heads, seq_q] (not differentiable). deterministic=True makes the backward
     bit-reproducible run to run (its dQ additions take turns; slower).
     """
-    t = _torch_api()
-    if t is None or not all(isinstance(x, t.Tensor) for x in (q, k, v)):
+    if not (_torch_tensor(q) and _torch_tensor(k) and _torch_tensor(v)):
         raise WeftTypeError("weft.flash_attention: q, k and v must be torch tensors")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not x.is_cuda:
@@ -474,8 +549,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     if not scale > 0:
         raise WeftValueError(f"weft.flash_attention: softmax_scale must be positive, got {softmax_scale}")
-    out, lse = _flash_attention_fn().apply(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale,
-                                           None, bool(deterministic))
+    out, lse = _ops.flash_attention(q, k, v, bool(causal), scale, None, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -492,8 +566,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     log-sum-exp [heads, total_q]. Differentiable in q, k and v; deterministic as in flash_attention.
     """
     where = "weft.flash_attention_varlen"
-    t = _torch_api()
-    if t is None or not all(isinstance(x, t.Tensor) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k)):
+    if not (_torch_tensor(q) and _torch_tensor(k) and _torch_tensor(v) and _torch_tensor(cu_seqlens_q)
+            and _torch_tensor(cu_seqlens_k)):
         raise WeftTypeError(f"{where}: q, k, v, cu_seqlens_q and cu_seqlens_k must be torch tensors")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not x.is_cuda or x.device != q.device:
@@ -504,7 +578,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise WeftTypeError(f"{where}: q, k and v must all be bf16 or all fp16, got {q.dtype}, {k.dtype}, "
                                 f"{v.dtype}")
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if x.dtype != t.int32 or x.dim() != 1 or x.device != q.device:
+        if x.dtype != _ops.torch.int32 or x.dim() != 1 or x.device != q.device:
             raise WeftValueError(f"{where}: {name} must be a 1-d int32 tensor on {q.device}, got {x.dtype} "
                                  f"{tuple(x.shape)} on {x.device}")
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0] or cu_seqlens_q.shape[0] < 2:
@@ -527,8 +601,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if not scale > 0:
         raise WeftValueError(f"{where}: softmax_scale must be positive, got {softmax_scale}")
     packed = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k)
-    out, lse = _flash_attention_fn().apply(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale,
-                                           packed, bool(deterministic))
+    out, lse = _ops.flash_attention(q, k, v, bool(causal), scale, packed, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -598,57 +671,6 @@ def ring_unshard(shards, causal=True, dim=1, cu_seqlens=None):
 
 
 # ---- sequence-parallel attention (a team; ring attention's layout) -------------------------------------
-_context_fn = None
-
-
-def _context_attention_fn():
-    """The torch.autograd.Function of context_attention, made once torch is there."""
-    global _context_fn
-    if _context_fn is None:
-        torch = sys.modules["torch"]
-
-        class ContextAttention(torch.autograd.Function):
-            # q, k, v: [rows, heads, dim] views; call: (native comm, method, docs, causal, scale, stream).
-            @staticmethod
-            def forward(ctx, q, k, v, call):
-                native, method, docs, causal, scale, stream = call
-                heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
-                out = torch.empty_like(q)
-                lse = torch.empty((heads, q.shape[0]), dtype=torch.float32, device=q.device)
-                nbytes = _weft.context_attention_workspace_bytes(method, native.world_size, docs, causal, heads,
-                                                                 kv_heads, dim, False)
-                ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=q.device)
-                _weft.context_attention_forward(native, method, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                                out.data_ptr(), lse.data_ptr(), docs, heads, kv_heads, dim,
-                                                ws.data_ptr(), nbytes, _dtype_name(q.dtype), stream, causal, scale)
-                ctx.save_for_backward(q, k, v, out, lse)
-                ctx.call = call
-                ctx.mark_non_differentiable(lse)
-                return out, lse
-
-            @staticmethod
-            def backward(ctx, dout, _dlse):
-                q, k, v, out, lse = ctx.saved_tensors
-                native, method, docs, causal, scale, _ = ctx.call
-                stream = torch.cuda.current_stream(q.device).cuda_stream
-                heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
-                dout = dout.contiguous()
-                if dout.dtype != q.dtype:
-                    dout = dout.to(q.dtype)
-                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-                nbytes = _weft.context_attention_workspace_bytes(method, native.world_size, docs, causal, heads,
-                                                                 kv_heads, dim, True)
-                ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=q.device)
-                _weft.context_attention_backward(native, method, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                                 out.data_ptr(), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(),
-                                                 dk.data_ptr(), dv.data_ptr(), docs, heads, kv_heads, dim,
-                                                 ws.data_ptr(), nbytes, _dtype_name(q.dtype), stream, causal, scale)
-                return dq, dk, dv, None
-
-        _context_fn = ContextAttention
-    return _context_fn
-
-
 def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, cu_seqlens=None,
                       softmax_scale=None, return_lse=False, comm=None):
     """Attention over a sequence sharded across the team (context parallelism), with autograd.
@@ -669,8 +691,7 @@ def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, 
     (rows in q's order, batch-major; not differentiable). Runs on torch's current stream.
     """
     where = "weft.context_attention"
-    t = _torch_api()
-    if t is None or not all(isinstance(x, t.Tensor) for x in (q, k, v)):
+    if not (_torch_tensor(q) and _torch_tensor(k) and _torch_tensor(v)):
         raise WeftTypeError(f"{where}: q, k and v must be torch tensors")
     if method not in ("all_gather", "ring", "ulysses"):
         raise WeftValueError(f"{where}: method must be 'all_gather', 'ring' or 'ulysses', got {method!r}")
@@ -678,7 +699,7 @@ def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, 
     packed = cu_seqlens is not None
     ndim = 3 if packed else 4
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not x.is_cuda or x.get_device() != c.device:
+        if not x.is_cuda or x.device.index != c.device:
             raise WeftValueError(f"{where}: {name} must be a CUDA tensor on this rank's cuda:{c.device}, got one "
                                  f"on {x.device}")
         if x.dim() != ndim:
@@ -702,18 +723,11 @@ def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, 
     else:
         batch, local = q.shape[0], q.shape[1]
         docs = [int(seq_len) if seq_len is not None else local * world] * batch
-    rows = _weft.context_attention_local_rows(world, c.rank, docs, bool(causal))
-    have = q.shape[0] if packed else q.shape[0] * q.shape[1]
-    if have != rows:
-        raise WeftValueError(f"{where}: rank {c.rank} of {world} holds {rows} rows of that layout, q has {have}"
-                             + ("" if packed else " (pass seq_len= when the global length is not local_seq x world)"))
     scale = 1.0 / math.sqrt(dim) if softmax_scale is None else float(softmax_scale)
     if not scale > 0:
         raise WeftValueError(f"{where}: softmax_scale must be positive, got {softmax_scale}")
-    stream = t.current_stream(c.device).cuda_stream
-    flat = lambda x: x.contiguous().view(-1, x.shape[-2], x.shape[-1])
-    out, lse = _context_attention_fn().apply(flat(q), flat(k), flat(v),
-                                             (c._c, method, docs, bool(causal), scale, stream))
+    flat = lambda x: x.reshape(-1, x.shape[-2], x.shape[-1])
+    out, lse = _ops.context_attention(flat(q), flat(k), flat(v), method, docs, bool(causal), scale, c)
     out = out.view(q.shape)
     return (out, lse) if return_lse else out
 
@@ -819,3 +833,5 @@ for _name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_g
               "matmul_reduce_scatter", "matmul_all_reduce"):
     getattr(Communicator, _name).__doc__ = globals()[_name].__doc__
 del _name
+
+_torch_api()  # torch's operators, when torch came first

@@ -93,6 +93,10 @@ if python3 -c "import torch" 2>/dev/null; then
     done
     step "python: flash attention against fp32 and SDPA" "python_attention" env PYTHONPATH="$build/python" \
       python3 "$root/python/tests/gpu_attention.py"
+    # Torch operators on virtual teams of 2 and 4 ranks: autograd against plain torch, torch.compile,
+    # CUDA graphs through torch.
+    step "python: torch operators on virtual teams (W = 2, 4)" "python_team" env PYTHONPATH="$build/python" \
+      CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=0 python3 "$root/python/tests/gpu_team.py" 2 4
   else
     echo "=== python: the extension module was not built (pybind11 / Python headers missing); skipped"
   fi

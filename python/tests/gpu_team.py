@@ -1,0 +1,284 @@
+"""GPU tests of weft's torch operators on a virtual team (W ranks on one GPU, one process, no launcher):
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+    PYTHONPATH=build/python python3 python/tests/gpu_team.py [W ...]      # default W = 2 and 4
+
+- every collective and TP matmul op: outputs and gradients (autograd) against plain torch in fp32 on the
+  whole team's data, random inputs, several shapes and both weight layouts;
+- the TP MLP block (all_gather_matmul, gelu, matmul_reduce_scatter): loss and gradients against plain torch
+  on the gathered data; torch.compile(fullgraph=True) against eager (outputs and gradients); a CUDA graph
+  per rank captured with torch.cuda.graph and replayed on new inputs;
+- ring attention and flash attention under torch.compile(fullgraph=True) against eager;
+- errors: the default stream on a virtual rank, bad operands through the torch path.
+Prints one line per case; exits non-zero on the first failure.
+"""
+import os
+import sys
+
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts (weft.virtual_team checks)
+
+import torch
+import torch.nn.functional as F
+
+import weft
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+cases = 0
+
+
+def check(name, got, want, tol):
+    global cases
+    got, want = got.float(), want.float()
+    if got.shape != want.shape:
+        raise AssertionError(f"{name}: shape {tuple(got.shape)}, want {tuple(want.shape)}")
+    if torch.isnan(got).any():
+        raise AssertionError(f"{name}: NaN in the result")
+    err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    if not err <= tol:
+        raise AssertionError(f"{name}: relative error {err:.3e} > {tol:.0e}")
+    cases += 1
+
+
+def leaves(tensors, dtype=None):
+    return [t.detach().clone().to(dtype or t.dtype).requires_grad_() for t in tensors]
+
+
+def against_torch(team, name, weft_fn, ref_fn, inputs, tol):
+    """Runs weft_fn(comm, *rank_inputs) on every rank and ref_fn(list of every rank's fp32 inputs) -> list of
+    per-rank outputs; compares outputs, then the gradients of sum_r <out_r, g_r> for random g."""
+    ours = [leaves(ins) for ins in inputs]
+    refs = [leaves(ins, torch.float32) for ins in inputs]
+    outs = team.run(lambda c, ins: weft_fn(c, *ins), ours)
+    want = ref_fn(refs)
+    for r in range(team.world_size):
+        check(f"{name}: rank {r} output", outs[r], want[r], tol)
+    grads = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads)
+    torch.autograd.backward(want, [g.float() for g in grads])
+    for r in range(team.world_size):
+        for i, (a, b) in enumerate(zip(ours[r], refs[r])):
+            check(f"{name}: rank {r} gradient of input {i}", a.grad, b.grad, tol)
+
+
+def collectives(team, g):
+    w = team.world_size
+    for dtype in (torch.bfloat16, torch.float32):
+        tol = TOL[dtype]
+
+        def rand(*shape):
+            return [torch.randn(*shape, device="cuda", dtype=dtype, generator=g) for _ in range(w)]
+
+        for shape in ((1000,), (48, 40)):
+            against_torch(team, f"all_reduce {dtype} {shape}", lambda c, x: weft.all_reduce(x, comm=c),
+                          lambda xs: [sum(x[0] for x in xs)] * w, [(x,) for x in rand(*shape)], tol)
+        for shape, dim in (((24, 40), 0), ((24, 40), 1), ((3, 5, 8), 2), ((7,), 0)):
+            against_torch(team, f"all_gather dim {dim} {dtype} {shape}",
+                          lambda c, x, d=dim: weft.all_gather(x, dim=d, comm=c),
+                          lambda xs, d=dim: [torch.cat([x[0] for x in xs], d)] * w, [(x,) for x in rand(*shape)],
+                          tol)
+        for shape, dim in (((8 * w, 40), 0), ((6, 4 * w), 1), ((3, 5, 8 * w), 2)):
+            against_torch(team, f"reduce_scatter dim {dim} {dtype} {shape}",
+                          lambda c, x, d=dim: weft.reduce_scatter(x, dim=d, comm=c),
+                          lambda xs, d=dim: list(sum(x[0] for x in xs).chunk(w, d)), [(x,) for x in rand(*shape)],
+                          tol)
+        against_torch(team, f"all_to_all {dtype}", lambda c, x: weft.all_to_all(x, comm=c),
+                      lambda xs: [torch.cat([x[0].chunk(w)[r] for x in xs]) for r in range(w)],
+                      [(x,) for x in rand(16 * w, 24)], tol)
+
+
+def tp_matmuls(team, g):
+    w = team.world_size
+    for m, k, n in ((128, 256, 384), (40, 136, 200)):
+        def rand(*shape, scale=1.0):
+            return [torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * scale for _ in range(w)]
+
+        a_rows, a_all = rand(m, k), rand(m * w, k)
+        weights = rand(n, k, scale=k**-0.5)  # [N, K], passed as weight.t()
+        kn = rand(k, n, scale=k**-0.5)  # [K, N] contiguous
+        shape = f"M/W {m} K {k} N {n}"
+        against_torch(team, f"all_gather_matmul (weight.t()) {shape}",
+                      lambda c, a, wt: weft.all_gather_matmul(a, wt.t(), comm=c),
+                      lambda xs: [torch.cat([x[0] for x in xs]) @ x[1].t() for x in xs],
+                      list(zip(a_rows, weights)), TOL[torch.bfloat16])
+        against_torch(team, f"all_gather_matmul ([K, N]) {shape}",
+                      lambda c, a, b: weft.all_gather_matmul(a, b, comm=c),
+                      lambda xs: [torch.cat([x[0] for x in xs]) @ x[1] for x in xs],
+                      list(zip(a_rows, kn)), TOL[torch.bfloat16])
+        against_torch(team, f"matmul_reduce_scatter (weight.t()) {shape}",
+                      lambda c, a, wt: weft.matmul_reduce_scatter(a, wt.t(), comm=c),
+                      lambda xs: list(sum(x[0] @ x[1].t() for x in xs).chunk(w)),
+                      list(zip(a_all, weights)), TOL[torch.bfloat16])
+        against_torch(team, f"matmul_reduce_scatter ([K, N]) {shape}",
+                      lambda c, a, b: weft.matmul_reduce_scatter(a, b, comm=c),
+                      lambda xs: list(sum(x[0] @ x[1] for x in xs).chunk(w)),
+                      list(zip(a_all, kn)), TOL[torch.bfloat16])
+        against_torch(team, f"matmul_all_reduce (weight.t()) {shape}",
+                      lambda c, a, wt: weft.matmul_all_reduce(a, wt.t(), comm=c),
+                      lambda xs: [sum(x[0] @ x[1].t() for x in xs)] * w,
+                      list(zip(a_all, weights)), TOL[torch.bfloat16])
+
+
+def mlp(comm, x, w1, w2):
+    """The sequence-parallel TP MLP block of examples/tp_mlp.py: x [S/W, H], w1 [F/W, H], w2 [H, F/W]."""
+    h = F.gelu(weft.all_gather_matmul(x, w1.t(), comm=comm), approximate="tanh")
+    return weft.matmul_reduce_scatter(h, w2.t(), comm=comm)
+
+
+def mlp_reference(xs, w1s, w2s):
+    """The same block on the gathered data in plain torch: every rank's output rows."""
+    y = F.gelu(torch.cat(xs) @ torch.cat(w1s).t(), approximate="tanh") @ torch.cat(w2s, 1).t()
+    return list(y.chunk(len(xs)))
+
+
+def tp_mlp_block(team, g):
+    w = team.world_size
+    tokens, hidden, ffn = 256 * w, 512, 256 * w
+
+    def rand(*shape, scale=1.0):
+        return [torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * scale for _ in range(w)]
+
+    xs, w1s, w2s = rand(tokens // w, hidden), rand(ffn // w, hidden, scale=hidden**-0.5), rand(
+        hidden, ffn // w, scale=ffn**-0.5)
+    targets = rand(tokens // w, hidden)
+    tol = TOL[torch.bfloat16]
+
+    def loss_of(ys):  # the team's loss: the sum of every rank's (on its own rows)
+        return sum(F.mse_loss(y.float(), t.float(), reduction="sum") for y, t in zip(ys, targets))
+
+    # Eager, against plain torch on the gathered data: loss and gradients.
+    ours = [leaves(t) for t in (xs, w1s, w2s)]
+    refs = [leaves(t, torch.float32) for t in (xs, w1s, w2s)]
+    ys = team.run(mlp, *ours)
+    loss = loss_of(ys)
+    loss.backward()
+    want = loss_of(mlp_reference(*refs))
+    want.backward()
+    check("TP MLP block: loss", loss.detach().reshape(1), want.detach().reshape(1), tol)
+    for name, a, b in (("x", ours[0], refs[0]), ("w1", ours[1], refs[1]), ("w2", ours[2], refs[2])):
+        for r in range(w):
+            check(f"TP MLP block: rank {r} gradient of {name}", a[r].grad, b[r].grad, tol)
+
+    # torch.compile(fullgraph=True) against eager: outputs and gradients.
+    compiled = torch.compile(mlp, fullgraph=True)
+    mine = [leaves(t) for t in (xs, w1s, w2s)]
+    ys_c = team.run(compiled, *mine)
+    loss_c = loss_of(ys_c)
+    loss_c.backward()
+    for r in range(w):
+        check(f"TP MLP block compiled: rank {r} output", ys_c[r], ys[r], tol)
+    for name, a, b in (("x", mine[0], ours[0]), ("w1", mine[1], ours[1]), ("w2", mine[2], ours[2])):
+        for r in range(w):
+            check(f"TP MLP block compiled: rank {r} gradient of {name}", a[r].grad, b[r].grad, tol)
+
+    # A CUDA graph per rank (torch.cuda.graph on the rank's stream), replayed on new inputs.
+    static = [x.clone() for x in xs]
+    outs, graphs = [None] * w, []
+    with torch.no_grad():
+        team.run(mlp, static, w1s, w2s)  # sizes the workspaces before capture
+        torch.cuda.synchronize()
+        for r, c in enumerate(team):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=team.streams[r]):
+                outs[r] = mlp(c, static[r], w1s[r], w2s[r])
+            graphs.append(graph)
+        for step in range(3):
+            fresh = rand(tokens // w, hidden)
+            for s, f in zip(static, fresh):
+                s.copy_(f)
+            current = torch.cuda.current_stream()
+            for r in range(w):
+                team.streams[r].wait_stream(current)
+                with torch.cuda.stream(team.streams[r]):
+                    graphs[r].replay()
+            for s in team.streams:
+                current.wait_stream(s)
+            want = mlp_reference(fresh, w1s, w2s)
+            for r in range(w):
+                check(f"TP MLP block CUDA graph replay {step}: rank {r}", outs[r], want[r], tol)
+
+
+def ring_attention_compiled(team, g):
+    w = team.world_size
+    seq, heads, dim = 512 * w, 4, 128
+    whole = [torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+    shards = [[weft.ring_shard(t, w, r, causal=True) for t in whole] for r in range(w)]
+
+    def layer(comm, q, k, v):
+        return weft.ring_attention(q, k, v, causal=True, comm=comm)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    eager_in, comp_in = [leaves(s) for s in shards], [leaves(s) for s in shards]
+    eager = team.run(lambda c, ins: layer(c, *ins), eager_in)
+    comp = team.run(lambda c, ins: compiled(c, *ins), comp_in)
+    grads = [torch.randn_like(o) for o in eager]
+    torch.autograd.backward(eager, grads)
+    torch.autograd.backward(comp, grads)
+    for r in range(w):
+        check(f"ring attention compiled: rank {r} output", comp[r], eager[r], 1e-3)
+        for i, name in enumerate("qkv"):
+            check(f"ring attention compiled: rank {r} d{name}", comp_in[r][i].grad, eager_in[r][i].grad, 1e-2)
+
+
+def flash_attention_compiled(g):
+    q, k, v = (torch.randn(2, 1000, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    fn = lambda q, k, v: weft.flash_attention(q, k, v, causal=True)
+    compiled = torch.compile(fn, fullgraph=True)
+    a, b = leaves((q, k, v)), leaves((q, k, v))
+    out_e, out_c = fn(*a), compiled(*b)
+    grad = torch.randn_like(out_e)
+    out_e.backward(grad)
+    out_c.backward(grad)
+    check("flash attention compiled: output", out_c, out_e, 1e-3)
+    for i, name in enumerate("qkv"):
+        check(f"flash attention compiled: d{name}", b[i].grad, a[i].grad, 1e-2)
+
+
+def errors(team):
+    global cases
+    x = torch.randn(64, device="cuda")
+    try:
+        weft.all_reduce(x, comm=team[0])  # the default stream: refused before anything is queued
+        raise AssertionError("all_reduce on the default stream of a virtual rank was not refused")
+    except weft.WeftError as e:
+        assert "stream of its own" in str(e), e
+    a = torch.randn(64, 48, device="cuda", dtype=torch.bfloat16)
+    for fn, args, kind, fragment in (
+            (weft.all_gather_matmul, (a, torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)), ValueError,
+             "inner dimensions"),
+            (weft.matmul_all_reduce, (a.float(), torch.randn(48, 64, device="cuda")), TypeError, "bf16"),
+            (weft.reduce_scatter, (torch.randn(team.world_size * 3 + 1, device="cuda"),), ValueError,
+             "not divisible"),
+            (weft.all_gather, (torch.randn(4, 4, device="cuda").t(),), ValueError, "contiguous")):
+        try:
+            team.run(lambda c: fn(*args, comm=c))
+            raise AssertionError(f"{fn.__name__} accepted bad operands")
+        except kind as e:
+            assert fragment in str(e), e
+            assert isinstance(e, weft.WeftError), type(e)
+    cases += 5
+
+
+def main():
+    worlds = [int(v) for v in sys.argv[1:]] or [2, 4]
+    for w in worlds:
+        team = weft.virtual_team(w)
+        g = torch.Generator(device="cuda").manual_seed(1000 + w)
+        before = cases
+        for step in (collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled):
+            step(team, g)
+            team.synchronize()
+            print(f"W = {w}: {step.__name__} passed", flush=True)
+        errors(team)
+        print(f"W = {w}: {cases - before} cases passed", flush=True)
+    flash_attention_compiled(torch.Generator(device="cuda").manual_seed(7))
+    print(f"python team tests: {cases} passed, 0 failed", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as e:  # one clear line, then a non-zero exit
+        import traceback
+        traceback.print_exc()
+        print(f"FAILED: {type(e).__name__}: {e}", flush=True)
+        sys.exit(1)

@@ -1,0 +1,508 @@
+"""weft's ops as torch operators (torch.library): what weft's functions call on torch tensors.
+
+Each op is a `torch.ops.weft.*` operator with a fake (meta) implementation, so torch.compile traces it
+without a graph break and CUDA graphs capture it, and with autograd:
+
+    all_gather (dim d)        <->  reduce_scatter (sum, dim d)
+    all_reduce (sum)          ->   all_reduce of the gradient
+    all_to_all                ->   all_to_all of the gradient
+    all_gather_matmul         ->   dA = matmul_reduce_scatter(dOut, B^T), dB = gathered(A)^T dOut
+    matmul_reduce_scatter     ->   dA = all_gather_matmul(dOut, B^T),    dB = A^T all_gather(dOut)
+    matmul_all_reduce         ->   dA = all_reduce(dOut) B^T,             dB = A^T all_reduce(dOut)
+
+Gradients are those of the sum of every rank's loss (as torch.distributed.nn.functional's): a value that
+all_reduce replicates and every rank then counts in its loss gets its gradient once per rank.
+
+The functions here check their arguments with traceable tensor attributes only (no data pointers, no
+streams), then call the operator; the operators' implementations launch on torch's current stream.
+A communicator crosses the operator boundary as its integer id (weft's registry of communicators).
+Imported by weft once torch is imported; weft itself never imports torch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import weft as _w
+from . import _weft
+
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_ANY = (torch.bfloat16, torch.float16, torch.float32)
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _stream(x):
+    return torch.cuda.current_stream(x.device).cuda_stream
+
+
+def _native(comm_id):
+    return _w._communicators[comm_id]._c
+
+
+def _world(comm_id):
+    return _w._communicators[comm_id].world_size
+
+
+def _check(c, x, name, dtypes=_ANY, where="weft"):
+    """x: a contiguous CUDA tensor on c's GPU of one of `dtypes` (traceable attributes only)."""
+    if not isinstance(x, Tensor):
+        raise _w.WeftTypeError(f"{where}: {name} must be a torch tensor, got {type(x).__name__}")
+    if not x.is_cuda:
+        raise _w.WeftValueError(f"{where}: {name} must be a CUDA tensor, got one on {x.device}")
+    if x.device.index != c.device:
+        raise _w.WeftValueError(f"{where}: {name} is on {x.device} but this rank uses cuda:{c.device}")
+    if x.dtype not in dtypes:
+        names = ", ".join(DTYPES[d] for d in dtypes)
+        raise _w.WeftTypeError(f"{where}: {name} has an unsupported dtype {x.dtype}: use {names}")
+    if not x.is_contiguous():
+        raise _w.WeftValueError(f"{where}: {name} must be contiguous (call .contiguous() first)")
+
+
+def _flat_shape(shape, d):
+    """(rows, cols) of a gather / scatter along d as the C++ ops see it (d = 0: one row)."""
+    return math.prod(shape[:d]), math.prod(shape[d:])
+
+
+# ---- collectives --------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("weft::all_reduce", mutates_args=())
+def _all_reduce(x: Tensor, op: str, comm: int) -> Tensor:
+    out = torch.empty_like(x)
+    _weft.all_reduce(_native(comm), x.data_ptr(), out.data_ptr(), x.numel(), DTYPES[x.dtype], op, _stream(x))
+    return out
+
+
+@_all_reduce.register_fake
+def _(x, op, comm):
+    return torch.empty_like(x)
+
+
+def _all_reduce_setup(ctx, inputs, output):
+    _, ctx.op, ctx.comm = inputs
+
+
+def _all_reduce_backward(ctx, grad):
+    if ctx.op != "sum":
+        raise _w.WeftValueError(f"weft.all_reduce: no gradient for op={ctx.op!r} (only for 'sum')")
+    return _all_reduce(grad.contiguous(), "sum", ctx.comm), None, None
+
+
+_all_reduce.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
+
+
+@torch.library.custom_op("weft::all_gather", mutates_args=())
+def _all_gather(x: Tensor, dim: int, comm: int) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] *= _world(comm)
+    out = x.new_empty(shape)
+    rows, cols = _flat_shape(x.shape, dim)
+    _weft.all_gather(_native(comm), x.data_ptr(), out.data_ptr(), rows, cols, 0 if dim == 0 else 1,
+                     DTYPES[x.dtype], _stream(x))
+    return out
+
+
+@_all_gather.register_fake
+def _(x, dim, comm):
+    shape = list(x.shape)
+    shape[dim] *= _world(comm)
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("weft::reduce_scatter", mutates_args=())
+def _reduce_scatter(x: Tensor, dim: int, op: str, comm: int) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] //= _world(comm)
+    out = x.new_empty(shape)
+    rows, cols = _flat_shape(shape, dim)
+    _weft.reduce_scatter(_native(comm), x.data_ptr(), out.data_ptr(), rows, cols, 0 if dim == 0 else 1,
+                         DTYPES[x.dtype], op, _stream(x))
+    return out
+
+
+@_reduce_scatter.register_fake
+def _(x, dim, op, comm):
+    shape = list(x.shape)
+    shape[dim] //= _world(comm)
+    return x.new_empty(shape)
+
+
+def _all_gather_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.comm = inputs
+
+
+def _all_gather_backward(ctx, grad):
+    return _reduce_scatter(grad.contiguous(), ctx.dim, "sum", ctx.comm), None, None
+
+
+def _reduce_scatter_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.op, ctx.comm = inputs
+
+
+def _reduce_scatter_backward(ctx, grad):
+    if ctx.op != "sum":
+        raise _w.WeftValueError(f"weft.reduce_scatter: no gradient for op={ctx.op!r} (only for 'sum')")
+    return _all_gather(grad.contiguous(), ctx.dim, ctx.comm), None, None, None
+
+
+_all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
+_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduce_scatter_setup)
+
+
+@torch.library.custom_op("weft::all_to_all", mutates_args=())
+def _all_to_all(x: Tensor, comm: int) -> Tensor:
+    out = torch.empty_like(x)
+    _weft.all_to_all(_native(comm), x.data_ptr(), out.data_ptr(), x.numel() // _world(comm), DTYPES[x.dtype],
+                     _stream(x))
+    return out
+
+
+@_all_to_all.register_fake
+def _(x, comm):
+    return torch.empty_like(x)
+
+
+def _all_to_all_setup(ctx, inputs, output):
+    ctx.comm = inputs[1]
+
+
+def _all_to_all_backward(ctx, grad):
+    # out block q of rank r is rank q's input block r, so the gradient goes back the same way.
+    return _all_to_all(grad.contiguous(), ctx.comm), None
+
+
+_all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+
+
+def all_reduce(x, op, comm):
+    c = _w._comm(comm)
+    if op not in _w._OPS:
+        raise _w.WeftValueError(f"weft: unsupported reduction op {op!r}: use sum, max or min")
+    _check(c, x, "x")
+    return _all_reduce(x, op, c._id)
+
+
+def all_gather(x, dim, comm):
+    c = _w._comm(comm)
+    _check(c, x, "x")
+    return _all_gather(x, _w._dim(dim, x.dim()), c._id)
+
+
+def reduce_scatter(x, dim, op, comm):
+    c = _w._comm(comm)
+    if op not in _w._OPS:
+        raise _w.WeftValueError(f"weft: unsupported reduction op {op!r}: use sum, max or min")
+    _check(c, x, "x")
+    d = _w._dim(dim, x.dim())
+    if x.shape[d] % c.world_size:
+        raise _w.WeftValueError(f"weft: dim {dim} has size {x.shape[d]}, not divisible by the world size "
+                                f"{c.world_size}")
+    return _reduce_scatter(x, d, op, c._id)
+
+
+def all_to_all(x, comm):
+    c = _w._comm(comm)
+    _check(c, x, "x")
+    if x.numel() % c.world_size:
+        raise _w.WeftValueError(f"weft: x has {x.numel()} elements, not divisible by the world size "
+                                f"{c.world_size}")
+    return _all_to_all(x, c._id)
+
+
+# ---- fused tensor-parallel matmuls (bf16) ---------------------------------------------------------------
+
+
+def _layout(a, b):
+    """(layout, n, k) of A [rows, K] and B [K, N] (weft._matmul_layout's checks on tensor attributes)."""
+    return _w._matmul_layout(tuple(a.shape), DTYPES.get(a.dtype, str(a.dtype)), tuple(b.shape),
+                             DTYPES.get(b.dtype, str(b.dtype)), b.is_contiguous(), tuple(b.stride()))
+
+
+@torch.library.custom_op("weft::all_gather_matmul", mutates_args=())
+def _all_gather_matmul(a: Tensor, b: Tensor, gather: bool, comm: int) -> tuple[Tensor, Tensor]:
+    layout, n, k = _layout(a, b)
+    m = a.shape[0] * _world(comm)
+    out = a.new_empty((m, n))
+    gathered = a.new_empty((m, k) if gather else (0,))
+    _weft.all_gather_matmul(_native(comm), a.data_ptr(), b.data_ptr(), out.data_ptr(),
+                            gathered.data_ptr() if gather else 0, m, n, k, layout, _stream(a))
+    return out, gathered
+
+
+@_all_gather_matmul.register_fake
+def _(a, b, gather, comm):
+    m, k = a.shape[0] * _world(comm), a.shape[1]
+    return a.new_empty((m, b.shape[1])), a.new_empty((m, k) if gather else (0,))
+
+
+@torch.library.custom_op("weft::matmul_reduce_scatter", mutates_args=())
+def _matmul_reduce_scatter(a: Tensor, b: Tensor, comm: int) -> Tensor:
+    layout, n, k = _layout(a, b)
+    m = a.shape[0]
+    out = a.new_empty((m // _world(comm), n))
+    _weft.matmul_reduce_scatter(_native(comm), a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, layout,
+                                _stream(a))
+    return out
+
+
+@_matmul_reduce_scatter.register_fake
+def _(a, b, comm):
+    return a.new_empty((a.shape[0] // _world(comm), b.shape[1]))
+
+
+@torch.library.custom_op("weft::matmul_all_reduce", mutates_args=())
+def _matmul_all_reduce(a: Tensor, b: Tensor, comm: int) -> Tensor:
+    layout, n, k = _layout(a, b)
+    out = a.new_empty((a.shape[0], n))
+    _weft.matmul_all_reduce(_native(comm), a.data_ptr(), b.data_ptr(), out.data_ptr(), a.shape[0], n, k, layout,
+                            _stream(a))
+    return out
+
+
+@_matmul_all_reduce.register_fake
+def _(a, b, comm):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+# B^T of an accepted B is accepted too: [K, N] contiguous <-> the .t() view of a contiguous weight.
+def _all_gather_matmul_setup(ctx, inputs, output):
+    a, b, gather, ctx.comm = inputs
+    ctx.save_for_backward(b, output[1] if gather else None)
+
+
+def _all_gather_matmul_backward(ctx, grad, _grad_gathered):
+    b, gathered = ctx.saved_tensors
+    grad = grad.contiguous()
+    da = _matmul_reduce_scatter(grad, b.t(), ctx.comm) if ctx.needs_input_grad[0] else None
+    db = gathered.t() @ grad if ctx.needs_input_grad[1] else None
+    return da, db, None, None
+
+
+def _matmul_reduce_scatter_setup(ctx, inputs, output):
+    a, b, ctx.comm = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _matmul_reduce_scatter_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    grad = grad.contiguous()
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    da = db = None
+    if need_a:
+        da, gathered = _all_gather_matmul(grad, b.t(), need_b, ctx.comm)
+    elif need_b:
+        gathered = _all_gather(grad, 0, ctx.comm)
+    if need_b:
+        db = a.t() @ gathered
+    return da, db, None
+
+
+def _matmul_all_reduce_setup(ctx, inputs, output):
+    a, b, ctx.comm = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _matmul_all_reduce_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    summed = _all_reduce(grad.contiguous(), "sum", ctx.comm)
+    da = summed @ b.t() if ctx.needs_input_grad[0] else None
+    db = a.t() @ summed if ctx.needs_input_grad[1] else None
+    return da, db, None
+
+
+_all_gather_matmul.register_autograd(_all_gather_matmul_backward, setup_context=_all_gather_matmul_setup)
+_matmul_reduce_scatter.register_autograd(_matmul_reduce_scatter_backward, setup_context=_matmul_reduce_scatter_setup)
+_matmul_all_reduce.register_autograd(_matmul_all_reduce_backward, setup_context=_matmul_all_reduce_setup)
+
+
+def _matmul_operands(a, b, comm):
+    c = _w._comm(comm)
+    _check(c, a, "a", (torch.bfloat16,))
+    if not isinstance(b, Tensor):  # b may be a transposed view: _layout checks its strides and dtype
+        raise _w.WeftTypeError(f"weft: b must be a torch tensor, got {type(b).__name__}")
+    if not b.is_cuda or b.device.index != c.device:
+        raise _w.WeftValueError(f"weft: b is on {b.device} but this rank uses cuda:{c.device}")
+    _layout(a, b)
+    return c
+
+
+def all_gather_matmul(a, b, comm):
+    c = _matmul_operands(a, b, comm)
+    gather = torch.is_grad_enabled() and b.requires_grad
+    return _all_gather_matmul(a, b, gather, c._id)[0]
+
+
+def matmul_reduce_scatter(a, b, comm):
+    c = _matmul_operands(a, b, comm)
+    if a.shape[0] % c.world_size:
+        raise _w.WeftValueError(f"weft: a has {a.shape[0]} rows, not divisible by the world size {c.world_size}")
+    return _matmul_reduce_scatter(a, b, c._id)
+
+
+def matmul_all_reduce(a, b, comm):
+    c = _matmul_operands(a, b, comm)
+    if a.shape[0] % c.world_size:
+        raise _w.WeftValueError(f"weft: a has {a.shape[0]} rows, not divisible by the world size {c.world_size}")
+    return _matmul_all_reduce(a, b, c._id)
+
+
+# ---- flash attention (one GPU) ----------------------------------------------------------------------------
+
+
+def _attention_call(q, k, cu_q, cu_k, max_q, max_k):
+    """(shape, lse shape, segments) of a dense [batch, seq, heads, dim] call (cu_q None) or a packed one."""
+    if cu_q is None:
+        shape = (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
+        return shape, (q.shape[0], q.shape[2], q.shape[1]), ()
+    shape = (cu_q.shape[0] - 1, max_q, max_k, q.shape[1], k.shape[1], q.shape[2])
+    segments = (cu_q.data_ptr(), cu_q.data_ptr() + 4, cu_k.data_ptr(), cu_k.data_ptr() + 4, q.shape[0], k.shape[0])
+    return shape, (q.shape[1], q.shape[0]), segments
+
+
+def _lse_shape(q, cu_q):
+    return (q.shape[0], q.shape[2], q.shape[1]) if cu_q is None else (q.shape[1], q.shape[0])
+
+
+@torch.library.custom_op("weft::flash_attention", mutates_args=())
+def _flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, cu_seqlens_q: Optional[Tensor],
+                     cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                     deterministic: bool) -> tuple[Tensor, Tensor]:
+    shape, lse_shape, segments = _attention_call(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = torch.empty_like(q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    _weft.flash_attention_forward(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                  lse.data_ptr(), shape, causal, scale, _stream(q), segments, (), DTYPES[q.dtype])
+    return out, lse
+
+
+@_flash_attention.register_fake
+def _(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic):
+    return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("weft::flash_attention_backward", mutates_args=())
+def _flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              causal: bool, scale: float, cu_seqlens_q: Optional[Tensor],
+                              cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                              deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    shape, _, segments = _attention_call(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    nbytes = _weft.flash_attention_backward_workspace_bytes(shape, segments, deterministic)
+    ws = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=q.device)
+    _weft.flash_attention_backward(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                   dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                                   ws.data_ptr(), nbytes, shape, causal, scale, _stream(q), segments,
+                                   DTYPES[q.dtype], deterministic)
+    return dq, dk, dv
+
+
+@_flash_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, causal, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flash_attention_setup(ctx, inputs, output):
+    q, k, v, causal, scale, cu_q, cu_k, max_q, max_k, deterministic = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
+    ctx.args = (causal, scale, max_q, max_k, deterministic)
+
+
+def _flash_attention_backward_fn(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    causal, scale, max_q, max_k, deterministic = ctx.args
+    dq, dk, dv = _flash_attention_backward(dout.contiguous().to(q.dtype), q, k, v, out, lse, causal, scale, cu_q,
+                                           cu_k, max_q, max_k, deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_flash_attention.register_autograd(_flash_attention_backward_fn, setup_context=_flash_attention_setup)
+
+
+def flash_attention(q, k, v, causal, scale, packed, deterministic):
+    """packed: None, or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k). Checked by the caller."""
+    cu_q, cu_k, max_q, max_k = packed if packed is not None else (None, None, 0, 0)
+    out, lse = _flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale, cu_q, cu_k, max_q,
+                                max_k, deterministic)
+    return out, lse.detach()
+
+
+# ---- sequence-parallel attention (a team) ----------------------------------------------------------------
+
+
+def _context_rows_check(q, docs, causal, comm):
+    c = _w._communicators[comm]
+    rows = _weft.context_attention_local_rows(c.world_size, c.rank, list(docs), causal)
+    if q.shape[0] != rows:
+        raise _w.WeftValueError(f"weft.context_attention: rank {c.rank} of {c.world_size} holds {rows} rows of "
+                                f"that layout, q has {q.shape[0]} (pass seq_len= when the global length is not "
+                                "local_seq x world)")
+
+
+@torch.library.custom_op("weft::context_attention", mutates_args=())
+def _context_attention(q: Tensor, k: Tensor, v: Tensor, method: str, docs: list[int], causal: bool, scale: float,
+                       comm: int) -> tuple[Tensor, Tensor]:
+    _context_rows_check(q, docs, causal, comm)
+    native = _native(comm)
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty((heads, q.shape[0]), dtype=torch.float32, device=q.device)
+    nbytes = _weft.context_attention_workspace_bytes(method, native.world_size, docs, causal, heads, kv_heads, dim,
+                                                     False)
+    ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=q.device)
+    _weft.context_attention_forward(native, method, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                    lse.data_ptr(), docs, heads, kv_heads, dim, ws.data_ptr(), nbytes,
+                                    DTYPES[q.dtype], _stream(q), causal, scale)
+    return out, lse
+
+
+@_context_attention.register_fake
+def _(q, k, v, method, docs, causal, scale, comm):
+    _context_rows_check(q, docs, causal, comm)
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("weft::context_attention_backward", mutates_args=())
+def _context_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                method: str, docs: list[int], causal: bool, scale: float,
+                                comm: int) -> tuple[Tensor, Tensor, Tensor]:
+    native = _native(comm)
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    nbytes = _weft.context_attention_workspace_bytes(method, native.world_size, docs, causal, heads, kv_heads, dim,
+                                                     True)
+    ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=q.device)
+    _weft.context_attention_backward(native, method, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                     dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                                     docs, heads, kv_heads, dim, ws.data_ptr(), nbytes, DTYPES[q.dtype], _stream(q),
+                                     causal, scale)
+    return dq, dk, dv
+
+
+@_context_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, method, docs, causal, scale, comm):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _context_attention_setup(ctx, inputs, output):
+    q, k, v, *ctx.args = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1])
+
+
+def _context_attention_backward_fn(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _context_attention_backward(dout.contiguous().to(q.dtype), q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_context_attention.register_autograd(_context_attention_backward_fn, setup_context=_context_attention_setup)
+
+
+def context_attention(q, k, v, method, docs, causal, scale, comm):
+    """q, k, v [rows, heads, dim] (checked by the caller); returns (out, lse), lse not differentiable."""
+    out, lse = _context_attention(q.contiguous(), k.contiguous(), v.contiguous(), method, list(docs), causal,
+                                  scale, comm._id)
+    return out, lse.detach()
