@@ -35,7 +35,8 @@ def check(name, got, want, tol):
         raise AssertionError(f"{name}: NaN in the result")
     err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
     if not err <= tol:
-        raise AssertionError(f"{name}: relative error {err:.3e} > {tol:.0e}")
+        raise AssertionError(f"{name}: relative error {err:.3e} > {tol:.0e} (norms: got {got.norm().item():.4e}, "
+                             f"want {want.norm().item():.4e})")
     cases += 1
 
 

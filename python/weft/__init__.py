@@ -111,6 +111,16 @@ class Team:
         self.device = self.comms[0].device
         torch = sys.modules.get("torch")
         self.streams = [torch.cuda.Stream(device=self.device) for _ in self.comms] if torch else None
+        if torch is not None:
+            # One thread drives every rank, so a rank's kernel may wait on the GPU for a peer this thread
+            # launches later; torch's first GEMM initializes cuBLAS, which waits for the GPU's running work:
+            # between two ranks' launches, for ever. Initialize it (and each stream's workspace) now.
+            for s in self.streams:
+                with torch.cuda.stream(s):
+                    for dtype in (torch.float32, torch.bfloat16):
+                        x = torch.ones(16, 16, device=f"cuda:{self.device}", dtype=dtype)
+                        torch.addmm(x, x, x.t())
+            torch.cuda.synchronize(self.device)
 
     def __len__(self):
         return self.world_size

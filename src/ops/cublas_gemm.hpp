@@ -24,7 +24,9 @@ bool cublas_gemm_bf16(const void* a, const void* b, void* out, int64_t m, int64_
                       bool accumulate = false);
 
 // Creates the current device's cuBLAS handle for `rank` if it has none: for a call that does not use cuBLAS
-// now, so that a later call under a CUDA-graph capture (which cannot create it) can.
+// now, so that a later call under a CUDA-graph capture (which cannot create it) can. The first handle of a
+// process waits for the GPU's running work (cuBLAS initializes): a communicator whose thread drives several
+// ranks makes every rank's handle at creation, before any kernel that waits for a peer.
 void cublas_gemm_ready(int rank, const std::string& where);
 
 }  // namespace weft::ops

@@ -131,7 +131,7 @@ struct Call : ops::OpCall {
         ops::cublas_gemm_bf16(a, b, out, m, n, k, layout, stream, rank.rank(), capturing, where, accumulate))
       return;
     if (!cublas_safe)
-      ops::cublas_gemm_ready(rank.rank(), where);  // for a later capture (creating never waits)
+      ops::cublas_gemm_ready(rank.rank(), where);  // for a later capture (made with the communicator)
     GemmOptions o;
     o.store = accumulate ? GemmStore::kReduceAdd : GemmStore::kStore;
     o.max_blocks = rank.sm_budget();

@@ -13,6 +13,7 @@
 
 #include "driver.hpp"
 #include "kernels.hpp"
+#include "../ops/cublas_gemm.hpp"
 #include "weft/runtime/channel.hpp"
 #include "weft/runtime/heap_allocator.hpp"
 
@@ -220,6 +221,15 @@ std::unique_ptr<Communicator> Communicator::create_single_process(Options opts) 
     c->init_heap(opts.heap_bytes);
     c->init_signal_pads();
     c->grant_declared_resources();
+    // One host thread drives several ranks here, so a GPU may hold a kernel that waits for a rank this
+    // thread has not launched yet. cuBLAS's first handle in a process initializes the library, which waits
+    // for the GPU's running work: inside an op (the fused ops' sequential path readies a handle for a later
+    // capture) that wait never ends. Ready every rank's handle now, before any kernel runs.
+    if (c->world_ > 1)
+      for (const auto& r : c->ranks_) {
+        WEFT_CUDA_CHECK(cudaSetDevice(r->device_));
+        ops::cublas_gemm_ready(r->rank(), "weft: Communicator::create: ");
+      }
   } catch (...) {
     c->release_all();
     throw;
