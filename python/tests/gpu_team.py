@@ -49,6 +49,7 @@ def against_torch(team, name, weft_fn, ref_fn, inputs, tol):
     per-rank outputs; compares outputs, then the gradients of sum_r <out_r, g_r> for random g."""
     ours = [leaves(ins) for ins in inputs]
     refs = [leaves(ins, torch.float32) for ins in inputs]
+    team.warmup(lambda c, ins: weft_fn(c, *ins), ours)
     outs = team.run(lambda c, ins: weft_fn(c, *ins), ours)
     want = ref_fn(refs)
     for r in range(team.world_size):
@@ -149,6 +150,7 @@ def tp_mlp_block(team, g):
     # Eager, against plain torch on the gathered data: loss and gradients.
     ours = [leaves(t) for t in (xs, w1s, w2s)]
     refs = [leaves(t, torch.float32) for t in (xs, w1s, w2s)]
+    team.warmup(mlp, *ours)
     ys = team.run(mlp, *ours)
     loss = loss_of(ys)
     loss.backward()
@@ -162,6 +164,7 @@ def tp_mlp_block(team, g):
     # torch.compile(fullgraph=True) against eager: outputs and gradients.
     compiled = torch.compile(mlp, fullgraph=True)
     mine = [leaves(t) for t in (xs, w1s, w2s)]
+    team.warmup(compiled, *mine)  # compiles every rank's graph and loads its kernels
     ys_c = team.run(compiled, *mine)
     loss_c = loss_of(ys_c)
     loss_c.backward()
@@ -209,6 +212,8 @@ def ring_attention_compiled(team, g):
 
     compiled = torch.compile(layer, fullgraph=True)
     eager_in, comp_in = [leaves(s) for s in shards], [leaves(s) for s in shards]
+    team.warmup(lambda c, ins: layer(c, *ins), eager_in)
+    team.warmup(lambda c, ins: compiled(c, *ins), comp_in)
     eager = team.run(lambda c, ins: layer(c, *ins), eager_in)
     comp = team.run(lambda c, ins: compiled(c, *ins), comp_in)
     grads = [torch.randn_like(o) for o in eager]
@@ -259,10 +264,14 @@ def errors(team):
     cases += 5
 
 
+_team = None
+
+
 def main():
+    global _team
     worlds = [int(v) for v in sys.argv[1:]] or [2, 4]
     for w in worlds:
-        team = weft.virtual_team(w)
+        team = _team = weft.virtual_team(w)
         g = torch.Generator(device="cuda").manual_seed(1000 + w)
         before = cases
         for step in (collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled):
@@ -282,4 +291,9 @@ if __name__ == "__main__":
         import traceback
         traceback.print_exc()
         print(f"FAILED: {type(e).__name__}: {e}", flush=True)
+        try:
+            if _team is not None:
+                _team.synchronize()
+        except Exception as device_error:
+            print(f"device errors: {device_error}", flush=True)
         sys.exit(1)

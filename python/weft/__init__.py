@@ -102,6 +102,15 @@ def virtual_team(world: int, device=None, sm_budget: int = 0, timeout_ms: int = 
     return Team([Communicator(n) for n in natives])
 
 
+def _detached_copy(x, torch):
+    """x with its tensors (x itself, or those of a list / tuple) replaced by detached copies."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone().requires_grad_(x.requires_grad)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_detached_copy(v, torch) for v in x)
+    return x
+
+
 class Team:
     """The ranks of weft.virtual_team: team[r] is rank r's Communicator, team.streams[r] its torch stream."""
 
@@ -113,13 +122,14 @@ class Team:
         self.streams = [torch.cuda.Stream(device=self.device) for _ in self.comms] if torch else None
         if torch is not None:
             # One thread drives every rank, so a rank's kernel may wait on the GPU for a peer this thread
-            # launches later; torch's first GEMM initializes cuBLAS, which waits for the GPU's running work:
-            # between two ranks' launches, for ever. Initialize it (and each stream's workspace) now.
+            # launches later. A thread's first GEMM in torch makes its cuBLAS handle, which waits for the
+            # GPU's running work: between two ranks' launches, for ever. Make the handles (this thread's, and
+            # the autograd engine's, which runs the backward) and every stream's workspace now.
             for s in self.streams:
                 with torch.cuda.stream(s):
                     for dtype in (torch.float32, torch.bfloat16):
-                        x = torch.ones(16, 16, device=f"cuda:{self.device}", dtype=dtype)
-                        torch.addmm(x, x, x.t())
+                        x = torch.ones(16, 16, device=f"cuda:{self.device}", dtype=dtype, requires_grad=True)
+                        torch.addmm(x, x, x.t()).sum().backward()
             torch.cuda.synchronize(self.device)
 
     def __len__(self):
@@ -140,6 +150,11 @@ class Team:
         Calls run in rank order on this thread; an op's kernels wait on the GPU for their peers, so every
         rank must make the same op calls in the same order, as processes do. Autograd's backward of the
         results runs each rank's part on the stream of its forward.
+        One thread drives every rank, so a host call that waits for the GPU's running work (a library's
+        first use on a thread: cuBLAS handles, cuDNN) would wait for a kernel that waits for a rank not yet
+        launched; such a wait ends at the device-wait timeout with an error. The team makes torch's cuBLAS
+        handles up front (the main thread's and autograd's); Team.warmup(fn, ...) loads the rest of a step's
+        torch work (a GEMM shape's first cuBLAS kernel waits like that too).
         """
         for a in per_rank:
             if len(a) != self.world_size:
@@ -160,6 +175,30 @@ class Team:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(current)
         return outs
+
+    def warmup(self, fn, *per_rank):
+        """Runs fn(team[r], a[r], ...) once for every rank with weft's ops emulated (computed with torch on
+        this GPU alone, as if every rank held rank r's input), then the backward of every output that
+        requires grad: the torch work of a team step (GEMM shapes, elementwise and compiled kernels,
+        torch.compile's per-rank graphs) loads its kernels and libraries now, while no weft kernel waits for a
+        peer. Call it once before Team.run of a step that mixes torch and weft ops (Team.run explains why).
+        Tensor arguments (and those in list / tuple arguments) are passed as detached copies, so their
+        gradients land there; parameters fn reaches
+        otherwise (a module's) get warm-up gradients: zero them afterwards."""
+        torch = sys.modules["torch"]
+        _ops.EMULATE = True
+        try:
+            for r, (c, s) in enumerate(zip(self.comms, self.streams)):
+                args = [_detached_copy(a[r], torch) for a in per_rank]
+                with torch.cuda.stream(s):
+                    out = fn(c, *args)
+                    outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                            if isinstance(t, torch.Tensor) and t.requires_grad]
+                    if outs:
+                        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        finally:
+            _ops.EMULATE = False
+        self.synchronize()
 
     def empty(self, shape, dtype="bf16"):
         """One symmetric tensor per rank (team[r].empty for every r)."""

@@ -16,6 +16,8 @@ all_reduce replicates and every rank then counts in its loss gets its gradient o
 The functions here check their arguments with traceable tensor attributes only (no data pointers, no
 streams), then call the operator; the operators' implementations launch on torch's current stream.
 A communicator crosses the operator boundary as its integer id (weft's registry of communicators).
+The id is only read by the implementations (at run time): under torch.compile it may be symbolic (one
+graph serves every rank of a virtual team), so the fake implementations take shapes from a `world` argument.
 Imported by weft once torch is imported; weft itself never imports torch.
 """
 from __future__ import annotations
@@ -30,6 +32,10 @@ import weft as _w
 from . import _weft
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# Team.warmup's emulation: the operators compute with torch on this rank alone, as if every rank held this
+# rank's input (right shapes and dtypes, no peers, no weft kernel), so that the torch work around them
+# loads its kernels and libraries while no weft kernel waits for a peer.
+EMULATE = False
 _ANY = (torch.bfloat16, torch.float16, torch.float32)
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -71,6 +77,8 @@ def _flat_shape(shape, d):
 
 @torch.library.custom_op("weft::all_reduce", mutates_args=())
 def _all_reduce(x: Tensor, op: str, comm: int) -> Tensor:
+    if EMULATE:
+        return x * _world(comm) if op == "sum" else x.clone()
     out = torch.empty_like(x)
     _weft.all_reduce(_native(comm), x.data_ptr(), out.data_ptr(), x.numel(), DTYPES[x.dtype], op, _stream(x))
     return out
@@ -95,9 +103,11 @@ _all_reduce.register_autograd(_all_reduce_backward, setup_context=_all_reduce_se
 
 
 @torch.library.custom_op("weft::all_gather", mutates_args=())
-def _all_gather(x: Tensor, dim: int, comm: int) -> Tensor:
+def _all_gather(x: Tensor, dim: int, world: int, comm: int) -> Tensor:
+    if EMULATE:
+        return torch.cat([x] * world, dim)
     shape = list(x.shape)
-    shape[dim] *= _world(comm)
+    shape[dim] *= world
     out = x.new_empty(shape)
     rows, cols = _flat_shape(x.shape, dim)
     _weft.all_gather(_native(comm), x.data_ptr(), out.data_ptr(), rows, cols, 0 if dim == 0 else 1,
@@ -106,16 +116,18 @@ def _all_gather(x: Tensor, dim: int, comm: int) -> Tensor:
 
 
 @_all_gather.register_fake
-def _(x, dim, comm):
+def _(x, dim, world, comm):
     shape = list(x.shape)
-    shape[dim] *= _world(comm)
+    shape[dim] *= world
     return x.new_empty(shape)
 
 
 @torch.library.custom_op("weft::reduce_scatter", mutates_args=())
-def _reduce_scatter(x: Tensor, dim: int, op: str, comm: int) -> Tensor:
+def _reduce_scatter(x: Tensor, dim: int, op: str, world: int, comm: int) -> Tensor:
+    if EMULATE:
+        return (x.chunk(world, dim)[0] * (world if op == "sum" else 1)).contiguous()
     shape = list(x.shape)
-    shape[dim] //= _world(comm)
+    shape[dim] //= world
     out = x.new_empty(shape)
     rows, cols = _flat_shape(shape, dim)
     _weft.reduce_scatter(_native(comm), x.data_ptr(), out.data_ptr(), rows, cols, 0 if dim == 0 else 1,
@@ -124,28 +136,28 @@ def _reduce_scatter(x: Tensor, dim: int, op: str, comm: int) -> Tensor:
 
 
 @_reduce_scatter.register_fake
-def _(x, dim, op, comm):
+def _(x, dim, op, world, comm):
     shape = list(x.shape)
-    shape[dim] //= _world(comm)
+    shape[dim] //= world
     return x.new_empty(shape)
 
 
 def _all_gather_setup(ctx, inputs, output):
-    _, ctx.dim, ctx.comm = inputs
+    _, ctx.dim, ctx.world, ctx.comm = inputs
 
 
 def _all_gather_backward(ctx, grad):
-    return _reduce_scatter(grad.contiguous(), ctx.dim, "sum", ctx.comm), None, None
+    return _reduce_scatter(grad.contiguous(), ctx.dim, "sum", ctx.world, ctx.comm), None, None, None
 
 
 def _reduce_scatter_setup(ctx, inputs, output):
-    _, ctx.dim, ctx.op, ctx.comm = inputs
+    _, ctx.dim, ctx.op, ctx.world, ctx.comm = inputs
 
 
 def _reduce_scatter_backward(ctx, grad):
     if ctx.op != "sum":
         raise _w.WeftValueError(f"weft.reduce_scatter: no gradient for op={ctx.op!r} (only for 'sum')")
-    return _all_gather(grad.contiguous(), ctx.dim, ctx.comm), None, None, None
+    return _all_gather(grad.contiguous(), ctx.dim, ctx.world, ctx.comm), None, None, None, None
 
 
 _all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
@@ -154,6 +166,8 @@ _reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduc
 
 @torch.library.custom_op("weft::all_to_all", mutates_args=())
 def _all_to_all(x: Tensor, comm: int) -> Tensor:
+    if EMULATE:
+        return x.clone()
     out = torch.empty_like(x)
     _weft.all_to_all(_native(comm), x.data_ptr(), out.data_ptr(), x.numel() // _world(comm), DTYPES[x.dtype],
                      _stream(x))
@@ -188,7 +202,7 @@ def all_reduce(x, op, comm):
 def all_gather(x, dim, comm):
     c = _w._comm(comm)
     _check(c, x, "x")
-    return _all_gather(x, _w._dim(dim, x.dim()), c._id)
+    return _all_gather(x, _w._dim(dim, x.dim()), c.world_size, c._id)
 
 
 def reduce_scatter(x, dim, op, comm):
@@ -200,7 +214,7 @@ def reduce_scatter(x, dim, op, comm):
     if x.shape[d] % c.world_size:
         raise _w.WeftValueError(f"weft: dim {dim} has size {x.shape[d]}, not divisible by the world size "
                                 f"{c.world_size}")
-    return _reduce_scatter(x, d, op, c._id)
+    return _reduce_scatter(x, d, op, c.world_size, c._id)
 
 
 def all_to_all(x, comm):
@@ -222,9 +236,12 @@ def _layout(a, b):
 
 
 @torch.library.custom_op("weft::all_gather_matmul", mutates_args=())
-def _all_gather_matmul(a: Tensor, b: Tensor, gather: bool, comm: int) -> tuple[Tensor, Tensor]:
+def _all_gather_matmul(a: Tensor, b: Tensor, gather: bool, world: int, comm: int) -> tuple[Tensor, Tensor]:
+    if EMULATE:
+        gathered = torch.cat([a] * world)
+        return gathered @ b, gathered if gather else a.new_empty((0,))
     layout, n, k = _layout(a, b)
-    m = a.shape[0] * _world(comm)
+    m = a.shape[0] * world
     out = a.new_empty((m, n))
     gathered = a.new_empty((m, k) if gather else (0,))
     _weft.all_gather_matmul(_native(comm), a.data_ptr(), b.data_ptr(), out.data_ptr(),
@@ -233,28 +250,32 @@ def _all_gather_matmul(a: Tensor, b: Tensor, gather: bool, comm: int) -> tuple[T
 
 
 @_all_gather_matmul.register_fake
-def _(a, b, gather, comm):
-    m, k = a.shape[0] * _world(comm), a.shape[1]
+def _(a, b, gather, world, comm):
+    m, k = a.shape[0] * world, a.shape[1]
     return a.new_empty((m, b.shape[1])), a.new_empty((m, k) if gather else (0,))
 
 
 @torch.library.custom_op("weft::matmul_reduce_scatter", mutates_args=())
-def _matmul_reduce_scatter(a: Tensor, b: Tensor, comm: int) -> Tensor:
+def _matmul_reduce_scatter(a: Tensor, b: Tensor, world: int, comm: int) -> Tensor:
+    if EMULATE:
+        return (a @ b).chunk(world)[0] * world
     layout, n, k = _layout(a, b)
     m = a.shape[0]
-    out = a.new_empty((m // _world(comm), n))
+    out = a.new_empty((m // world, n))
     _weft.matmul_reduce_scatter(_native(comm), a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, layout,
                                 _stream(a))
     return out
 
 
 @_matmul_reduce_scatter.register_fake
-def _(a, b, comm):
-    return a.new_empty((a.shape[0] // _world(comm), b.shape[1]))
+def _(a, b, world, comm):
+    return a.new_empty((a.shape[0] // world, b.shape[1]))
 
 
 @torch.library.custom_op("weft::matmul_all_reduce", mutates_args=())
 def _matmul_all_reduce(a: Tensor, b: Tensor, comm: int) -> Tensor:
+    if EMULATE:
+        return (a @ b) * _world(comm)
     layout, n, k = _layout(a, b)
     out = a.new_empty((a.shape[0], n))
     _weft.matmul_all_reduce(_native(comm), a.data_ptr(), b.data_ptr(), out.data_ptr(), a.shape[0], n, k, layout,
@@ -269,20 +290,20 @@ def _(a, b, comm):
 
 # B^T of an accepted B is accepted too: [K, N] contiguous <-> the .t() view of a contiguous weight.
 def _all_gather_matmul_setup(ctx, inputs, output):
-    a, b, gather, ctx.comm = inputs
+    a, b, gather, ctx.world, ctx.comm = inputs
     ctx.save_for_backward(b, output[1] if gather else None)
 
 
 def _all_gather_matmul_backward(ctx, grad, _grad_gathered):
     b, gathered = ctx.saved_tensors
     grad = grad.contiguous()
-    da = _matmul_reduce_scatter(grad, b.t(), ctx.comm) if ctx.needs_input_grad[0] else None
-    db = gathered.t() @ grad if ctx.needs_input_grad[1] else None
-    return da, db, None, None
+    db = gathered.t() @ grad if ctx.needs_input_grad[1] else None  # torch's work before weft's (Team.run)
+    da = _matmul_reduce_scatter(grad, b.t(), ctx.world, ctx.comm) if ctx.needs_input_grad[0] else None
+    return da, db, None, None, None
 
 
 def _matmul_reduce_scatter_setup(ctx, inputs, output):
-    a, b, ctx.comm = inputs
+    a, b, ctx.world, ctx.comm = inputs
     ctx.save_for_backward(a, b)
 
 
@@ -292,12 +313,12 @@ def _matmul_reduce_scatter_backward(ctx, grad):
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     da = db = None
     if need_a:
-        da, gathered = _all_gather_matmul(grad, b.t(), need_b, ctx.comm)
+        da, gathered = _all_gather_matmul(grad, b.t(), need_b, ctx.world, ctx.comm)
     elif need_b:
-        gathered = _all_gather(grad, 0, ctx.comm)
+        gathered = _all_gather(grad, 0, ctx.world, ctx.comm)
     if need_b:
         db = a.t() @ gathered
-    return da, db, None
+    return da, db, None, None
 
 
 def _matmul_all_reduce_setup(ctx, inputs, output):
@@ -332,14 +353,14 @@ def _matmul_operands(a, b, comm):
 def all_gather_matmul(a, b, comm):
     c = _matmul_operands(a, b, comm)
     gather = torch.is_grad_enabled() and b.requires_grad
-    return _all_gather_matmul(a, b, gather, c._id)[0]
+    return _all_gather_matmul(a, b, gather, c.world_size, c._id)[0]
 
 
 def matmul_reduce_scatter(a, b, comm):
     c = _matmul_operands(a, b, comm)
     if a.shape[0] % c.world_size:
         raise _w.WeftValueError(f"weft: a has {a.shape[0]} rows, not divisible by the world size {c.world_size}")
-    return _matmul_reduce_scatter(a, b, c._id)
+    return _matmul_reduce_scatter(a, b, c.world_size, c._id)
 
 
 def matmul_all_reduce(a, b, comm):
@@ -446,6 +467,8 @@ def _context_rows_check(q, docs, causal, comm):
 def _context_attention(q: Tensor, k: Tensor, v: Tensor, method: str, docs: list[int], causal: bool, scale: float,
                        comm: int) -> tuple[Tensor, Tensor]:
     _context_rows_check(q, docs, causal, comm)
+    if EMULATE:
+        return torch.zeros_like(q), q.new_zeros((q.shape[1], q.shape[0]), dtype=torch.float32)
     native = _native(comm)
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     out = torch.empty_like(q)
@@ -461,7 +484,6 @@ def _context_attention(q: Tensor, k: Tensor, v: Tensor, method: str, docs: list[
 
 @_context_attention.register_fake
 def _(q, k, v, method, docs, causal, scale, comm):
-    _context_rows_check(q, docs, causal, comm)
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -469,6 +491,8 @@ def _(q, k, v, method, docs, causal, scale, comm):
 def _context_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                 method: str, docs: list[int], causal: bool, scale: float,
                                 comm: int) -> tuple[Tensor, Tensor, Tensor]:
+    if EMULATE:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     native = _native(comm)
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
