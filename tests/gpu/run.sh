@@ -77,6 +77,12 @@ step "virtual ranks, W = 2, SM budget 4" "budget_4" "$tests" --gpus 1 --ranks 2 
 step "examples (hello_team, matmul_to_next), 3 virtual ranks" "examples" env WEFT_RANKS_PER_GPU=3 \
   CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=0 bash -c \
   "'$build/examples/hello_team' && '$build/examples/matmul_to_next'"
+# The installed package as a user's project consumes it (README "Using it from CMake"): examples/consumer
+# builds hello_team with find_package(weft) against `cmake --install`; it runs on 2 virtual ranks.
+step "find_package(weft) consumer: hello_team, 2 virtual ranks" "consumer" bash -c \
+  "cmake --build '$build' -j '$(nproc)' --target weft weft-launch >/dev/null && \
+   cmake -DWEFT_BUILD='$build' -DWEFT_SOURCE='$root' -P '$root/cmake/TestPackage.cmake' && \
+   WEFT_RANKS_PER_GPU=2 CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=0 '$build/package-test/consumer/hello_team'"
 # One process per rank on a shared GPU is refused at creation with the reason and what to do instead.
 step "one process per rank on one GPU: refused" "shared_gpu" bash -c \
   "! CUDA_VISIBLE_DEVICES=0 '$launch' -n 2 '$tests' --filter team_layout && \
@@ -97,6 +103,9 @@ if python3 -c "import torch" 2>/dev/null; then
     # CUDA graphs through torch.
     step "python: torch operators on virtual teams (W = 2, 4)" "python_team" env PYTHONPATH="$build/python" \
       CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=0 python3 "$root/python/tests/gpu_team.py" 2 4
+    step "python: examples/tp_mlp.py trains on virtual teams (W = 2, 4) as plain torch does" "python_tp_mlp" \
+      env PYTHONPATH="$build/python" CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=0 bash -c \
+      "python3 '$root/examples/tp_mlp.py' --ranks 2 && python3 '$root/examples/tp_mlp.py' --ranks 4"
   else
     echo "=== python: the extension module was not built (pybind11 / Python headers missing); skipped"
   fi
