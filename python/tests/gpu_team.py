@@ -9,6 +9,8 @@
   on the gathered data; torch.compile(fullgraph=True) against eager (outputs and gradients); a CUDA graph
   per rank captured with torch.cuda.graph and replayed on new inputs;
 - ring attention and flash attention under torch.compile(fullgraph=True) against eager;
+- an MoE layer (dispatch, per-expert scaling on the GPU, combine): eager against the direct weighted sum,
+  torch.compile(fullgraph=True) against eager;
 - errors: the default stream on a virtual rank, bad operands through the torch path.
 Prints one line per case; exits non-zero on the first failure.
 """
@@ -225,6 +227,43 @@ def ring_attention_compiled(team, g):
             check(f"ring attention compiled: rank {r} d{name}", comp_in[r][i].grad, eager_in[r][i].grad, 1e-2)
 
 
+def moe_layer(comm, x, ids, weights, num_experts, max_tokens):
+    """Dispatch, each expert scaling its rows by 1 + e / 4 (expert of a row from group_end, on the GPU), combine."""
+    d = weft.moe_dispatch(x, ids, num_experts, max_tokens=max_tokens, comm=comm)
+    rows = torch.arange(d.rows.shape[0], device=x.device, dtype=torch.int32)
+    local = torch.searchsorted(d.group_end, rows, right=True)
+    expert = comm.rank * (num_experts // comm.world_size) + local
+    y = (d.rows.float() * (1 + expert.float() / 4)[:, None]).to(x.dtype)
+    return weft.moe_combine(y, d, weights)
+
+
+def moe_compiled(team, g):
+    w = team.world_size
+    compiled = torch.compile(moe_layer, fullgraph=True)
+    for experts_per_rank, top_k, hidden in ((1, 1, 64), (2, 4, 264)):
+        num_experts = experts_per_rank * w
+        tokens = [200 + 17 * r for r in range(w)]
+        max_tokens = max(tokens)
+        xs = [torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for t in tokens]
+        ids = [torch.randint(-1, num_experts, (t, top_k), device="cuda", generator=g, dtype=torch.int32)
+               for t in tokens]
+        weights = [torch.rand(t, top_k, device="cuda", generator=g) for t in tokens]
+        args = (xs, ids, weights, [num_experts] * w, [max_tokens] * w)
+        team.warmup(moe_layer, *args)
+        eager = team.run(moe_layer, *args)
+        team.warmup(compiled, *args)
+        comp = team.run(compiled, *args)
+        for r in range(w):
+            scale = 1 + ids[r].clamp(min=0).float() / 4
+            want = torch.zeros(tokens[r], hidden, device="cuda")
+            for j in range(top_k):
+                routed = (xs[r].float() * scale[:, j:j + 1]).to(torch.bfloat16).float()
+                want += torch.where(ids[r][:, j:j + 1] >= 0, weights[r][:, j:j + 1] * routed, torch.zeros_like(routed))
+            label = f"MoE layer E={num_experts} top_k={top_k} hidden={hidden}: rank {r}"
+            check(f"{label} eager", eager[r], want, TOL[torch.bfloat16])
+            check(f"{label} compiled vs eager", comp[r], eager[r], 1e-6)
+
+
 def flash_attention_compiled(g):
     q, k, v = (torch.randn(2, 1000, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     fn = lambda q, k, v: weft.flash_attention(q, k, v, causal=True)
@@ -274,7 +313,7 @@ def main():
         team = _team = weft.virtual_team(w)
         g = torch.Generator(device="cuda").manual_seed(1000 + w)
         before = cases
-        for step in (collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled):
+        for step in (collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled, moe_compiled):
             step(team, g)
             team.synchronize()
             print(f"W = {w}: {step.__name__} passed", flush=True)

@@ -799,14 +799,13 @@ def ulysses_attention(q, k, v, causal=False, seq_len=None, cu_seqlens=None, soft
 class MoeDispatch:
     """What weft.moe_dispatch returns on this rank: `rows` [capacity, hidden] (this rank's experts' rows, one
     padded group per local expert, back to back; a view valid until the next dispatch on the team),
-    `group_end` int32 [experts per rank] (each group's padded end, on the GPU), `capacity`; and the handle
-    weft.moe_combine reuses."""
+    `group_end` int32 [experts per rank] (each group's padded end, on the GPU), `capacity`; and what
+    weft.moe_combine needs of the dispatch (each slot's row on its expert's rank, the expert ids)."""
 
-    def __init__(self, native, shape, dtype, rows, group_end, row_of, experts, capacity, keep):
-        self.rows, self.group_end, self.capacity = rows, group_end, capacity
-        self._native, self._shape, self._dtype = native, shape, dtype
+    def __init__(self, comm, shape, rows, group_end, row_of, experts):
+        self.rows, self.group_end, self.capacity = rows, group_end, rows.shape[0]
+        self._comm, self._shape = comm, shape
         self._row_of, self._experts = row_of, experts
-        self._keep = keep  # the workspace holding row_of and the expert ids
 
 
 def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None):
@@ -815,66 +814,58 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None)
     x [tokens, hidden] bf16 / fp16 on this rank's GPU (hidden a multiple of 8); experts [tokens, top_k] integer
     global expert ids (-1: a dropped slot). max_tokens: the most tokens any rank passes (the same on every rank;
     default this rank's count, right when all ranks pass as many). Every rank calls it. No host
-    synchronisation: buffers are sized for the worst case. Returns a MoeDispatch.
+    synchronisation: buffers are sized for the worst case. Returns a MoeDispatch. A torch operator
+    (torch.compile traces it; no autograd yet).
     """
     where = "weft.moe_dispatch"
-    t = _torch_api()
-    if t is None or not isinstance(x, t.Tensor) or not isinstance(experts, t.Tensor):
+    if not (_torch_tensor(x) and _torch_tensor(experts)):
         raise WeftTypeError(f"{where}: x and experts must be torch tensors")
     c = _comm(comm)
-    if not x.is_cuda or x.get_device() != c.device or experts.device != x.device:
+    if not x.is_cuda or x.device.index != c.device or experts.device != x.device:
         raise WeftValueError(f"{where}: x and experts must be CUDA tensors on this rank's cuda:{c.device}")
     if x.dim() != 2 or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
         raise WeftValueError(f"{where}: x must be [tokens, hidden] and experts [tokens, top_k], got "
                              f"{tuple(x.shape)} and {tuple(experts.shape)}")
-    if _dtype_name(x.dtype) not in ("bf16", "fp16"):
+    if _ops.DTYPES.get(x.dtype) not in ("bf16", "fp16"):
         raise WeftTypeError(f"{where}: x must be bf16 or fp16, got {x.dtype}")
-    import torch
     if experts.dtype.is_floating_point:
         raise WeftTypeError(f"{where}: experts must hold integer ids, got {experts.dtype}")
     tokens, hidden = x.shape
     shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts),
              experts.shape[1], int(align))
-    x = x.contiguous()
-    ids = experts.to(torch.int32).contiguous()
-    nbytes = _weft.moe_dispatch_workspace_bytes(c.world_size, shape)
-    ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=x.device)
-    stream = t.current_stream(c.device).cuda_stream
-    rows, ends, row_of, kept, capacity = _weft.moe_dispatch(c._c, x.data_ptr(), ids.data_ptr(), shape,
-                                                            ws.data_ptr(), nbytes, _dtype_name(x.dtype), stream)
-    return MoeDispatch(c._c, shape, _dtype_name(x.dtype), torch.from_dlpack(rows), torch.from_dlpack(ends),
-                       row_of, kept, capacity, (ws, x, ids))
+    ids = experts.to(_ops.torch.int32).contiguous()
+    rows, ends, row_of, kept = _ops.moe_dispatch(x.contiguous(), ids, shape, c)
+    return MoeDispatch(c, shape, rows, ends, row_of, kept)
 
 
 def moe_combine_input(dispatched):
     """The buffer weft.moe_combine reads the experts' outputs from: [capacity, hidden] in dispatched.rows'
-    layout (write each group's output to the same rows), symmetric so every rank can read it."""
+    layout (write each group's output to the same rows), symmetric so every rank can read it. Writing there
+    saves moe_combine a copy; any other [capacity, hidden] tensor works too."""
     if not isinstance(dispatched, MoeDispatch):
         raise WeftTypeError("weft.moe_combine_input: pass what weft.moe_dispatch returned")
-    import torch
-    return torch.from_dlpack(_weft.moe_combine_input(dispatched._native, dispatched._shape, dispatched._dtype))
+    torch = sys.modules["torch"]
+    dtype = _dtype_name(dispatched.rows.dtype)
+    return torch.from_dlpack(_weft.moe_combine_input(dispatched._comm._c, dispatched._shape, dtype))
 
 
 def moe_combine(expert_out, dispatched, weights):
     """out[t] = sum over j of weights[t, j] * the expert output of token t's j-th slot, in fp32 in slot order
-    (deterministic), rounded once. expert_out: weft.moe_combine_input(dispatched) holding the outputs;
-    weights [tokens, top_k] (fp32). Every rank calls it. Returns out [tokens, hidden]."""
+    (deterministic), rounded once. expert_out [capacity, hidden] in dispatched.rows' layout (best:
+    weft.moe_combine_input(dispatched), else it is copied there); weights [tokens, top_k] (fp32). Every rank
+    calls it. Returns out [tokens, hidden]. A torch operator (torch.compile traces it)."""
     where = "weft.moe_combine"
     if not isinstance(dispatched, MoeDispatch):
         raise WeftTypeError(f"{where}: pass what weft.moe_dispatch returned")
-    import torch
     tokens, _, hidden, _, top_k, _ = dispatched._shape
     if tuple(weights.shape) != (tokens, top_k):
         raise WeftValueError(f"{where}: weights must be [{tokens}, {top_k}], got {tuple(weights.shape)}")
-    if tuple(expert_out.shape) != (dispatched.capacity, hidden):
-        raise WeftValueError(f"{where}: expert_out must be weft.moe_combine_input(dispatched), got shape "
-                             f"{tuple(expert_out.shape)}")
-    w = weights.to(torch.float32).contiguous()
-    out = torch.empty((tokens, hidden), dtype=expert_out.dtype, device=expert_out.device)
-    stream = torch.cuda.current_stream(expert_out.device).cuda_stream
-    _weft.moe_combine(dispatched._native, expert_out.data_ptr(), dispatched._row_of, dispatched._experts,
-                      w.data_ptr(), out.data_ptr(), dispatched._shape, dispatched._dtype, stream)
-    return out
+    if tuple(expert_out.shape) != (dispatched.capacity, hidden) or expert_out.dtype != dispatched.rows.dtype:
+        raise WeftValueError(f"{where}: expert_out must be [{dispatched.capacity}, {hidden}] of {dispatched.rows.dtype} "
+                             f"(dispatched.rows' layout), got {tuple(expert_out.shape)} of {expert_out.dtype}")
+    w = weights.to(_ops.torch.float32).contiguous()
+    return _ops.moe_combine(expert_out, dispatched._row_of, dispatched._experts, w, dispatched._shape,
+                            dispatched._comm)
 
 
 # Communicator's bound ops say what the module-level ones say.

@@ -530,3 +530,71 @@ def context_attention(q, k, v, method, docs, causal, scale, comm):
     out, lse = _context_attention(q.contiguous(), k.contiguous(), v.contiguous(), method, list(docs), causal,
                                   scale, comm._id)
     return out, lse.detach()
+
+
+# ---- expert parallelism (MoE) ------------------------------------------------------------------------------
+# shape: (tokens, max_tokens, hidden, num_experts, top_k, align), weft::MoeShape's fields.
+
+
+@torch.library.custom_op("weft::moe_dispatch", mutates_args=())
+def _moe_dispatch(x: Tensor, experts: Tensor, shape: list[int], world: int,
+                  comm: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    tokens, top_k = shape[0], shape[4]
+    if EMULATE:
+        capacity = _weft.moe_capacity(world, tuple(shape))
+        slots = torch.full((tokens, top_k), -1, dtype=torch.int32, device=x.device)
+        return (x.new_zeros((capacity, shape[2])), x.new_zeros((shape[3] // world,), dtype=torch.int32), slots,
+                slots.clone())
+    native = _native(comm)
+    nbytes = _weft.moe_dispatch_workspace_bytes(world, tuple(shape))
+    ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=x.device)
+    rows, ends, row_of, kept, _ = _weft.moe_dispatch(native, x.data_ptr(), experts.data_ptr(), tuple(shape),
+                                                     ws.data_ptr(), nbytes, DTYPES[x.dtype], _stream(x))
+
+    def slots(ptr):  # [tokens, top_k] int32 at ptr inside ws, copied out (combine needs only these)
+        at = ptr - ws.data_ptr()
+        return ws[at:at + 4 * tokens * top_k].view(torch.int32).view(tokens, top_k).clone()
+
+    # rows and group_end are views of the team's dispatch area (valid until the next dispatch).
+    return torch.from_dlpack(rows), torch.from_dlpack(ends), slots(row_of), slots(kept)
+
+
+@_moe_dispatch.register_fake
+def _(x, experts, shape, world, comm):
+    tokens, top_k = shape[0], shape[4]
+    capacity = _weft.moe_capacity(world, tuple(shape))
+    slots = experts.new_empty((tokens, top_k), dtype=torch.int32)
+    return (x.new_empty((capacity, shape[2])), x.new_empty((shape[3] // world,), dtype=torch.int32), slots,
+            slots.new_empty((tokens, top_k)))
+
+
+@torch.library.custom_op("weft::moe_combine", mutates_args=())
+def _moe_combine(expert_out: Tensor, row_of: Tensor, kept: Tensor, weights: Tensor, shape: list[int],
+                 comm: int) -> Tensor:
+    out = expert_out.new_empty((shape[0], shape[2]))
+    if EMULATE:
+        return out.zero_()
+    native = _native(comm)
+    dtype = DTYPES[expert_out.dtype]
+    # The outputs are read by the ranks that sent the tokens: from the team's symmetric combine area.
+    area = torch.from_dlpack(_weft.moe_combine_input(native, tuple(shape), dtype))
+    if expert_out.data_ptr() != area.data_ptr():
+        area.copy_(expert_out)
+    _weft.moe_combine(native, area.data_ptr(), row_of.data_ptr(), kept.data_ptr(), weights.data_ptr(),
+                      out.data_ptr(), tuple(shape), dtype, _stream(expert_out))
+    return out
+
+
+@_moe_combine.register_fake
+def _(expert_out, row_of, kept, weights, shape, comm):
+    return expert_out.new_empty((shape[0], shape[2]))
+
+
+def moe_dispatch(x, ids, shape, comm):
+    """x, ids (int32, contiguous) checked by the caller; returns (rows, group_end, row_of, kept)."""
+    return _moe_dispatch(x, ids, list(shape), comm.world_size, comm._id)
+
+
+def moe_combine(expert_out, row_of, kept, weights, shape, comm):
+    return _moe_combine(expert_out.contiguous(), row_of, kept, weights, list(shape), comm._id)
+
