@@ -78,9 +78,10 @@ step "examples (hello_team, matmul_to_next), 3 virtual ranks" "examples" env WEF
   CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=0 bash -c \
   "'$build/examples/hello_team' && '$build/examples/matmul_to_next'"
 # The installed package as a user's project consumes it (README "Using it from CMake"): examples/consumer
-# builds hello_team with find_package(weft) against `cmake --install`; it runs on 2 virtual ranks.
+# builds hello_team with find_package(weft) against `cmake --install` (which installs every built program,
+# so everything is built first); it runs on 2 virtual ranks.
 step "find_package(weft) consumer: hello_team, 2 virtual ranks" "consumer" bash -c \
-  "cmake --build '$build' -j '$(nproc)' --target weft weft-launch >/dev/null && \
+  "cmake --build '$build' -j '$(nproc)' >/dev/null && \
    cmake -DWEFT_BUILD='$build' -DWEFT_SOURCE='$root' -P '$root/cmake/TestPackage.cmake' && \
    WEFT_RANKS_PER_GPU=2 CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=0 '$build/package-test/consumer/hello_team'"
 # One process per rank on a shared GPU is refused at creation with the reason and what to do instead.
