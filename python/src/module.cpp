@@ -99,9 +99,10 @@ struct Comm {
   // stream each: on a shared stream a rank's kernel waiting for a peer would sit in front of the peer's part.
   cudaStream_t stream(uintptr_t s) const {
     if (s == 0 && comm->num_local() > 1)
-      throw weft::Error("weft: rank " + std::to_string(rank().rank()) +
-                        " of a virtual team was called on the default stream: each virtual rank needs a stream "
-                        "of its own (Team.run(fn) runs fn on each rank's stream)");
+      throw weft::Error(
+          "weft: rank " + std::to_string(rank().rank()) +
+          " of a virtual team was called on the default stream: each virtual rank needs a stream "
+          "of its own (Team.run(fn) runs fn on each rank's stream)");
     return s ? reinterpret_cast<cudaStream_t>(s) : cudaStreamLegacy;
   }
   // The symmetric allocation of this rank's next empty() call (see TeamAllocations).
@@ -236,13 +237,15 @@ PYBIND11_MODULE(_weft, m) {
           "virtual_team",
           [](int world, int device, int sm_budget, int timeout_ms) {
             if (world < 2)
-              throw py::value_error("weft: a virtual team needs at least 2 ranks, got " + std::to_string(world));
+              throw py::value_error("weft: a virtual team needs at least 2 ranks, got " +
+                                    std::to_string(world));
             weft::Options o;
             o.devices = {device};
             o.ranks_per_gpu = world;
             o.sm_budget = sm_budget;
             o.timeout = std::chrono::milliseconds(timeout_ms);
-            return Comm::of(std::shared_ptr<weft::Communicator>(weft::Communicator::create_single_process(o)));
+            return Comm::of(
+                std::shared_ptr<weft::Communicator>(weft::Communicator::create_single_process(o)));
           },
           py::arg("world"), py::arg("device"), py::arg("sm_budget") = 0, py::arg("timeout_ms") = 0,
           "W ranks on one GPU in this process (one Comm per rank)")
