@@ -239,9 +239,6 @@ def moe_layer(comm, x, ids, weights, num_experts, max_tokens):
 
 def moe_compiled(team, g):
     w = team.world_size
-    # Every rank passes its own token count, and the dispatch's shape argument (int[]) specializes on it: one
-    # graph per count (2 configs x W counts here), past Dynamo's default limit of 8 at W = 4.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * w)
     compiled = torch.compile(moe_layer, fullgraph=True)
     for experts_per_rank, top_k, hidden in ((1, 1, 64), (2, 4, 264)):
         num_experts = experts_per_rank * w

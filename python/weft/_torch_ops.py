@@ -536,12 +536,18 @@ def context_attention(q, k, v, method, docs, causal, scale, comm):
 # shape: (tokens, max_tokens, hidden, num_experts, top_k, align), weft::MoeShape's fields.
 
 
+def _moe_capacity(shape, world):
+    """Rows of the dispatch area: from max_tokens, never this rank's token count (symbolic under torch.compile,
+    where passing it to C++ would specialize the graph on it)."""
+    return _weft.moe_capacity(world, (1, *(int(v) for v in shape[1:])))
+
+
 @torch.library.custom_op("weft::moe_dispatch", mutates_args=())
 def _moe_dispatch(x: Tensor, experts: Tensor, shape: list[int], world: int,
                   comm: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     tokens, top_k = shape[0], shape[4]
     if EMULATE:
-        capacity = _weft.moe_capacity(world, tuple(shape))
+        capacity = _moe_capacity(shape, world)
         slots = torch.full((tokens, top_k), -1, dtype=torch.int32, device=x.device)
         return (x.new_zeros((capacity, shape[2])), x.new_zeros((shape[3] // world,), dtype=torch.int32), slots,
                 slots.clone())
@@ -562,7 +568,7 @@ def _moe_dispatch(x: Tensor, experts: Tensor, shape: list[int], world: int,
 @_moe_dispatch.register_fake
 def _(x, experts, shape, world, comm):
     tokens, top_k = shape[0], shape[4]
-    capacity = _weft.moe_capacity(world, tuple(shape))
+    capacity = _moe_capacity(shape, world)
     slots = experts.new_empty((tokens, top_k), dtype=torch.int32)
     return (x.new_empty((capacity, shape[2])), x.new_empty((shape[3] // world,), dtype=torch.int32), slots,
             slots.new_empty((tokens, top_k)))
