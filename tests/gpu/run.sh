@@ -97,6 +97,10 @@ if python3 -c "import torch" 2>/dev/null; then
       [ "$n" -eq 1 ] && [ "$ngpu" -ge 2 ] && continue
       step "python (torchrun), $n processes" "python_$n" env PYTHONPATH="$build/python" \
         python3 -m torch.distributed.run --nproc_per_node="$n" "$root/python/tests/gpu_ops.py"
+      # Training through weft's ops against torch.distributed's differentiable collectives and fp32.
+      [ "$n" -ge 2 ] && step "python: examples/tp_mlp.py trains (torchrun), $n processes" "python_tp_mlp_$n" \
+        env PYTHONPATH="$build/python" python3 -m torch.distributed.run --nproc_per_node="$n" \
+        "$root/examples/tp_mlp.py" 4096 2048 8192
     done
     step "python: flash attention against fp32 and SDPA" "python_attention" env PYTHONPATH="$build/python" \
       python3 "$root/python/tests/gpu_attention.py"
