@@ -296,7 +296,6 @@ def _torch_api():
             raw_stream = getattr(t._C, "_cuda_getCurrentRawStream", None)
             current_stream = t.cuda.current_stream
             empty = t.empty
-            int32 = t.int32
 
         _torch = _T
         from . import _torch_ops
