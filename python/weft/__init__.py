@@ -292,7 +292,6 @@ def _torch_api():
 
         class _T:
             Tensor = t.Tensor
-            dtypes = {t.bfloat16: "bf16", t.float16: "fp16", t.float32: "fp32"}
             raw_stream = getattr(t._C, "_cuda_getCurrentRawStream", None)
             current_stream = t.cuda.current_stream
             empty = t.empty
