@@ -40,7 +40,13 @@ _ANY = (torch.bfloat16, torch.float16, torch.float32)
 _HALF = (torch.bfloat16, torch.float16)
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(x):
+    """torch's current stream on x's GPU, as an int (without building a torch.cuda.Stream: every op call)."""
+    if _raw_stream is not None:
+        return _raw_stream(x.device.index)
     return torch.cuda.current_stream(x.device).cuda_stream
 
 
