@@ -280,33 +280,34 @@ struct AttentionBwdOp {
     wgmma::fence_operands(sp.d);
     wgmma::fence();
     issue_scores(s.v, s.dout[stage], wg, ds);
-    const bool masked = to_probabilities(p, len, s.lse_log2[stage], key0, m * kBM, sp);
-    wgmma::wait<0>();
-    wgmma::fence_operands(ds.d);
-    // dS = 0 exactly where P is: a masked row's D may be another sequence's or garbage (even NaN).
-#pragma unroll
-    for (int i = 0; i < tile::AccumM64<kBM>::kRegs; ++i) {
-      const float d = sp.d[i] * (ds.d[i] - s.dsum[stage][tile::AccumM64<kBM>::col(i)]);
-      ds.d[i] = masked && sp.d[i] == 0.f ? 0.f : d;
-    }
-    // P as the A operand of dV (S and dP die here); dS^T to shared memory, the A operand of dK and dQ.
+    // One branch per block, not one per element: most blocks need no mask.
+    if (block_needs_mask(len, key0, m * kBM))
+      scores_to_ds<true>(p, len, s.lse_log2[stage], s.dsum[stage], key0, m * kBM, sp, ds);
+    else
+      scores_to_ds<false>(p, len, s.lse_log2[stage], s.dsum[stage], key0, m * kBM, sp, ds);
+    // P as the A operand of dV (S and dP die here). dV needs nothing of the other warpgroup, so it runs on
+    // the tensor cores while dS^T goes to shared memory (the A operand of dK and dQ) and the warpgroups meet.
     uint32_t pa[kBM / 4];
     tile::pack_a<T>(sp, pa);
+    wgmma::fence();
+    issue_dv(pa, s.dout[stage], acc.dv);  // dV += P^T dO
     tile::store_accum_chunk<0, T>(ds, *reinterpret_cast<tile::OutChunk<T>*>(s.ds[stage].row_ptr(0, 64 * wg)));
     // Both warpgroups' dS^T in shared memory, visible to the tensor cores.
     fence_proxy_async_smem();
     tile::named_barrier_sync(kDsBarrierId, kConsumerWarpgroups * tile::kWarpgroupThreads);
-    wgmma::fence();
-    issue_dv(pa, s.dout[stage], acc.dv);            // dV += P^T dO
-    issue_dk(s.ds[stage], s.q[stage], wg, acc.dk);  // dK += dS^T Q
+    // dQ before dK: dQ's part is staged and sent while dK runs.
     tile::AccumM64<kDqCols> dq;
-    issue_dq(s.ds[stage], s.k, wg, dq);  // columns [wg D/2, (wg+1) D/2) of dQ = dS K
-    wgmma::wait<0>();
+    wgmma::fence();
+    issue_dq(s.ds[stage], s.k, wg, dq);             // columns [wg D/2, (wg+1) D/2) of dQ = dS K
+    issue_dk(s.ds[stage], s.q[stage], wg, acc.dk);  // dK += dS^T Q
+    wgmma::wait<1>();                               // dV and dQ (groups complete in order)
     wgmma::fence_operands(dq.d);
-    wgmma::fence_operands(acc.dk.d);
     wgmma::fence_operands(acc.dv.d);
     wgmma::fence_operands(pa);
     add_dq_part(p, s, wg, m, dq, dq_rows, turn);
+    // dK reads this stage's Q and dS^T: complete before the stage is released.
+    wgmma::wait<0>();
+    wgmma::fence_operands(acc.dk.d);
   }
 
   // D (64 x 64, rows: this warpgroup's keys) = A_rows B^T over the head dim, both K-major in shared memory.
@@ -330,27 +331,56 @@ struct AttentionBwdOp {
                                                            wgmma::desc_mn_major(k, 0, wg * kDqCols), false);
   }
 
-  // S^T -> P^T = exp2(S^T scale log2(e) - LSE log2(e)) per query column; keys past the sequence's, query
-  // rows past its rows (whose LSE and D are another sequence's, or zeros) and (causal) keys past a row's
-  // last visible one get P = 0. Rows that see no key have LSE = +inf: P = 0.
-  // Returns whether the block needed the mask.
-  __device__ static bool to_probabilities(const Params& p, const Lengths& len, const float (&lse_log2)[kBM],
-                                          int key0, int row0, tile::AccumM64<kBM>& s) {
-    const int shift = len.shift;
-    // Whether this 64 x 64 block needs the mask: it reaches past the keys or the rows, or (causal) its last
-    // key lies past its first row's last visible key.
-    const bool masked = key0 + 64 > len.k || row0 + 64 > len.q || (len.causal && key0 + 63 > row0 + shift);
+  // Whether the 64 x 64 block of keys [key0, key0 + 64) and query rows [row0, row0 + 64) needs the mask: it
+  // reaches past the keys or the rows, or (causal) its last key lies past its first row's last visible key.
+  __device__ static bool block_needs_mask(const Lengths& len, int key0, int row0) {
+    return key0 + 64 > len.k || row0 + 64 > len.q || (len.causal && key0 + 63 > row0 + len.shift);
+  }
+  // S^T -> P^T = exp2(S^T scale log2(e) - LSE log2(e)) per query column (while dP^T's MMAs run), then, once
+  // they are done, dP^T -> dS^T = P^T o (dP^T - D). kMasked: keys past the sequence's, query rows past its
+  // rows (whose LSE and D are another sequence's, or garbage, even NaN) and (causal) keys past a row's last
+  // visible one get P = 0 and dS = 0. Rows that see no key have LSE = +inf: P = 0. LSE and D are read two
+  // adjacent columns at a time (a thread's columns come in pairs).
+  template <bool kMasked>
+  __device__ static void scores_to_ds(const Params& p, const Lengths& len, const float (&lse_log2)[kBM],
+                                      const float (&dsum)[kBM], int key0, int row0, tile::AccumM64<kBM>& sp,
+                                      tile::AccumM64<kBM>& ds) {
+    using Frag = tile::AccumM64<kBM>;
 #pragma unroll
-    for (int i = 0; i < tile::AccumM64<kBM>::kRegs; ++i) {
-      const int col = tile::AccumM64<kBM>::col(i);
-      float v = tile::ex2(fmaf(s.d[i], p.scale_log2, -lse_log2[col]));
-      if (masked) {
-        const int key = key0 + tile::AccumM64<kBM>::row(i);
-        if (key >= len.k || row0 + col >= len.q || (len.causal && key > row0 + col + shift)) v = 0.f;
+    for (int i = 0; i < Frag::kRegs; i += 2) {
+      const int col = Frag::col(i);
+      const float2 lse = lds_float2(&lse_log2[col]);
+      float v0 = tile::ex2(fmaf(sp.d[i], p.scale_log2, -lse.x));
+      float v1 = tile::ex2(fmaf(sp.d[i + 1], p.scale_log2, -lse.y));
+      if constexpr (kMasked) {
+        const int key = key0 + Frag::row(i);
+        const bool key_out = key >= len.k;
+        if (key_out || row0 + col >= len.q || (len.causal && key > row0 + col + len.shift)) v0 = 0.f;
+        if (key_out || row0 + col + 1 >= len.q || (len.causal && key > row0 + col + 1 + len.shift)) v1 = 0.f;
       }
-      s.d[i] = v;
+      sp.d[i] = v0;
+      sp.d[i + 1] = v1;
     }
-    return masked;
+    wgmma::wait<0>();
+    wgmma::fence_operands(ds.d);
+#pragma unroll
+    for (int i = 0; i < Frag::kRegs; i += 2) {
+      const float2 d = lds_float2(&dsum[Frag::col(i)]);
+      const float g0 = sp.d[i] * (ds.d[i] - d.x), g1 = sp.d[i + 1] * (ds.d[i + 1] - d.y);
+      if constexpr (kMasked) {  // 0 * NaN would not be 0
+        ds.d[i] = sp.d[i] == 0.f ? 0.f : g0;
+        ds.d[i + 1] = sp.d[i + 1] == 0.f ? 0.f : g1;
+      } else {
+        ds.d[i] = g0;
+        ds.d[i + 1] = g1;
+      }
+    }
+  }
+  // Two adjacent floats of shared memory (8-byte aligned).
+  __device__ static float2 lds_float2(const float* p) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(smem_addr(p)));
+    return v;
   }
 
   // The warpgroup's part of dQ (64 rows x D/2 columns) into its two staging buffers (32-column chunks in

@@ -42,9 +42,11 @@ __device__ __forceinline__ uint64_t make_desc_sw128(const void* smem, uint32_t l
 }
 
 // Descriptor arithmetic: the start address is the low 14 bits in 16-byte units, so moving the operand by
-// a multiple of 16 bytes (inside one shared-memory window) is an integer add.
+// a multiple of 16 bytes (inside one shared-memory window) is an integer add. It never carries out of the
+// low word: a 32-bit add, with no carry into the high word for the compiler to propagate.
 __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
-  return desc + (bytes >> 4);
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
 }
 
 // K-major operand: rows [row0, row0 + 64 or N) and K columns [k0, k0 + 16) of a tile whose rows are M/N.
