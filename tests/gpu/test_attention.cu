@@ -608,6 +608,9 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_backward_matches_fp64_reference) {
     cases.push_back({1, 256, 4099, 4, 1, 128, true, 0.f});
     cases.push_back({1, 1025, 2050, 4, 1, 128, true, 0.f});
     cases.push_back({1, 1025, 4099, 2, 1, 64, true, 0.f});
+    // D = 64 from 4096 queries on: the kernel of 128 query rows per step.
+    cases.push_back({1, 4099, 4099, 2, 1, 64, true, 0.f});
+    cases.push_back({1, 4096, 4500, 2, 2, 64, false, 0.f, 5});
   }
   const std::string failures = run_cases(cases, 11, run_backward_case);
   WEFT_EXPECT(failures.empty(), failures);
@@ -739,6 +742,9 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_small) {
     d.deterministic = true;
     e = run_backward(d, 53, 2, "small deterministic D=64 causal blocks=2");
   }
+  // The backward's kernel of 128 query rows per step (D = 64 from 4096 queries on), on two blocks.
+  if (e.empty())
+    e = run_backward(dense_problem({1, 4100, 4100, 1, 1, 64, true, 0.f}), 59, 2, "D=64 4100 causal");
   if (!e.empty()) failures += "\n    " + e;
   WEFT_EXPECT(failures.empty(), failures);
 }

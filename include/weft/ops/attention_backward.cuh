@@ -10,20 +10,22 @@
 //              log2(e) (+inf for a row that sees no key, so that its P is 0), into the workspace, [heads,
 //              rows].
 //   LCSC op    work items are (batch, K/V head, key block of 128 keys); each consumer warpgroup owns 64 of
-//   the
-//              keys and keeps their dK and dV (64 x D fp32 each) in registers across the item. The loader
-//              brings K and V once per item, then Q, dO, LSE and D of every query block of 64 rows of every
-//              query head of the GQA group that sees the key block (causal: from the diagonal on) into a ring
-//              of stages. Per query block, each warpgroup computes (from its own key rows)
-//                S^T = K Q^T and dP^T = V dO^T (shared-memory operands), P^T = exp2(S^T log2e scale - LSE),
-//                dV += P^T dO (P from registers), dS^T = P^T o (dP^T - D), dK += dS^T Q (dS from registers),
-//              writes dS^T to shared memory and meets the other warpgroup; then warpgroup w computes columns
-//              [w D/2, (w+1) D/2) of dQ = dS K over all 128 keys (dS^T read M-major) and adds them to the
-//              fp32 dQ accumulator (q's layout) with TMA reduce-adds (staged in the warpgroup's half of the
-//              epilogue's buffers). Query rows past the sequence have P = 0, so their dQ rows add zeros:
-//              harmless where a packed sequence's block reaches into the next one. At the item's end dK
-//              (times scale) and dV go out through the TMA storer (row by row from registers where a packed
-//              sequence's last key block ends inside the TMA box).
+//              the keys and keeps their dK and dV (64 x D fp32 each) in registers across the item. The
+//              loader brings K and V once per item, then Q, dO, LSE and D of every query block (kBM = 64 or
+//              128 rows) of every query head of the GQA group that sees the key block (causal: from the
+//              diagonal on) into a ring of stages. Per query block, each warpgroup computes (from its own
+//              key rows)
+//                S^T = K Q^T, then dP^T = V dO^T (shared-memory operands) while P^T = exp2(S^T log2e scale -
+//                LSE) is computed, dS^T = P^T o (dP^T - D), dV += P^T dO (P from registers; issued before
+//                the meeting below, so that it runs while the warpgroups wait for each other),
+//              writes dS^T to shared memory and meets the other warpgroup; then its part of dQ = dS K over
+//              all 128 keys (dS^T read M-major; kBM = 64: columns [w D/2, (w+1) D/2), kBM = 128: rows [64 w,
+//              64 w + 64)), then dK += dS^T Q; while dK runs, the dQ part is added to the fp32 dQ accumulator
+//              (q's layout) with TMA reduce-adds (staged in the warpgroup's half of the epilogue's buffers).
+//              Query rows past the sequence have P = 0, so their dQ rows add zeros: harmless where a packed
+//              sequence's block reaches into the next one. At the item's end dK (times scale) and dV go out
+//              through the TMA storer (row by row from registers where a packed sequence's last key block
+//              ends inside the TMA box).
 //   convert    (plain kernel) dQ = scale * accumulator, to q's type.
 // Every item adds into dQ in whatever order the blocks reach it (fp32 sums, not bit-reproducible run to run),
 // unless the call asks for determinism: then the adds into one query block take turns in ascending key-block
@@ -34,6 +36,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "weft/device/ptx.cuh"
 #include "weft/lcsc/attention_scheduler.cuh"
@@ -49,7 +52,6 @@
 
 namespace weft::ops {
 
-inline constexpr int kAttentionBwdBlockM = 64;   // query rows per step
 inline constexpr int kAttentionBwdBlockN = 128;  // keys per work item, 64 per consumer warpgroup
 
 // The query blocks [begin, end) that see some key of key block n. Causal: query row i sees key j iff j <= i
@@ -58,9 +60,9 @@ inline constexpr int kAttentionBwdBlockN = 128;  // keys per work item, 64 per c
 struct QueryBlocks {
   int begin = 0, end = 0;
 };
-__host__ __device__ inline QueryBlocks query_blocks_shifted(int key_block, int seq_q, int shift,
-                                                            bool causal) {
-  constexpr int kBM = kAttentionBwdBlockM, kBN = kAttentionBwdBlockN;
+__host__ __device__ inline QueryBlocks query_blocks_shifted(int key_block, int seq_q, int shift, bool causal,
+                                                            int kBM) {
+  constexpr int kBN = kAttentionBwdBlockN;
   QueryBlocks qb;
   qb.end = (seq_q + kBM - 1) / kBM;
   if (causal) {
@@ -69,8 +71,9 @@ __host__ __device__ inline QueryBlocks query_blocks_shifted(int key_block, int s
   }
   return qb;
 }
-__host__ __device__ inline QueryBlocks query_blocks(int key_block, int seq_q, int seq_k, bool causal) {
-  return query_blocks_shifted(key_block, seq_q, seq_k - seq_q, causal);
+__host__ __device__ inline QueryBlocks query_blocks(int key_block, int seq_q, int seq_k, bool causal,
+                                                    int kBM) {
+  return query_blocks_shifted(key_block, seq_q, seq_k - seq_q, causal, kBM);
 }
 
 // Where sequence b's per-row terms (LSE, D) begin in the workspace's rows: a multiple of 4, so that every
@@ -85,17 +88,21 @@ __device__ __forceinline__ int term_row(const AttentionRows& r, const SeqRows& s
 }
 
 // kDeterministic: dQ's additions take turns in a fixed order (a kernel of its own: the turns' code in the
-// default kernel costs it registers, and wgmma serialisation).
-template <int kHeadDim, class T = __nv_bfloat16, bool kDeterministic = false>
+// default kernel costs it registers, and wgmma serialisation). kBlockM: query rows per step, 64, or 128 at
+// D = 64 (D = 128 leaves no registers for more: dK and dV take 64 x 128 fp32 each per warpgroup). 128 rows
+// halve the steps, and with them each step's fixed cost (waits, the warpgroups' meeting, the dQ staging),
+// for the same work; the host picks (src/ops/attention_backward.cu).
+template <int kHeadDim, class T = __nv_bfloat16, bool kDeterministic = false, int kBlockM = 64>
 struct AttentionBwdOp {
   static_assert(tile::kIs16Bit<T>, "bf16 or fp16 tensors");
   static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kD = kHeadDim, kBM = kAttentionBwdBlockM, kBN = kAttentionBwdBlockN, kStages = 2;
+  static constexpr int kD = kHeadDim, kBM = kBlockM, kBN = kAttentionBwdBlockN, kStages = 2;
   static constexpr int kClusterSize = 1;
-  // Live in a consumer: dK and dV (kD / 2 each), then either S / P and dP / dS (kBM / 2 each) or P and dS as
-  // A operands (kBM / 4 each) and the dQ part (kD / 4): about 192 at D = 128.
+  // Live in a consumer: dK and dV (kD / 2 each), then either S / P and dP / dS (kBM / 2 each) or P as an A
+  // operand (kBM / 4) and the dQ part (32): about 192 at D = 128 (kBM 64) and at D = 64 (kBM 128).
   static constexpr int kLoaderRegs = 24, kConsumerRegs = 240;
   static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
+  static_assert(kBM == 64 || (kBM == 128 && kD == 64), "64 query rows per step, or 128 at D = 64");
   static_assert(kBN == 64 * kConsumerWarpgroups, "64 keys per consumer warpgroup");
 
   using Scheduler = lcsc::AttentionScheduler;  // items: (batch, K/V head, key block); see key_block()
@@ -106,7 +113,11 @@ struct AttentionBwdOp {
   using Epilogue = lcsc::TmaStoreEpilogue<T, kD, kConsumerWarpgroups>;
   using StoreState = typename Epilogue::State;
   using Ring = lcsc::Pipeline<kStages, kConsumerWarpgroups, 1>;
-  static constexpr int kDqCols = kD / 2;  // dQ columns per warpgroup
+  // dQ = dS K of a step (kBM x kD) is split between the warpgroups by columns when kBM = 64 and by rows when
+  // kBM = 128: either way a warpgroup's part is 64 rows x 64 columns.
+  static constexpr bool kDqSplitRows = kBM == 128;
+  static constexpr int kDqCols = kDqSplitRows ? kD : kD / 2;  // dQ columns per warpgroup
+  static constexpr int kWgRows = 64;                          // keys per warpgroup; dQ rows per warpgroup
   static constexpr int kDqPartFloats = kBM * kDqCols;
   using DqChunk = tile::OutChunk<float>;  // 32 fp32 columns of 64 rows: the dQ accumulator map's box
   static constexpr int kDqChunks = kDqCols / DqChunk::kCols;
@@ -185,7 +196,7 @@ struct AttentionBwdOp {
     mbarrier_arrive_expect_tx(&pipe.s_.kv_full, sizeof(KTile) + sizeof(VTile));
     load_head_rows(s.k, &p.k, w.head, sr.k0 + n * kBN, sr.batch, &pipe.s_.kv_full);
     load_head_rows(s.v, &p.v, w.head, sr.k0 + n * kBN, sr.batch, &pipe.s_.kv_full);
-    const QueryBlocks qb = query_blocks(n, sr.q_len, sr.k_len, p.causal != 0);
+    const QueryBlocks qb = query_blocks(n, sr.q_len, sr.k_len, p.causal != 0, kBM);
     for (int g = 0; g < p.group; ++g) {
       const int h = w.head * p.group + g;
       for (int m = qb.begin; m < qb.end; ++m) {
@@ -210,7 +221,7 @@ struct AttentionBwdOp {
     __syncwarp();
     const SeqRows sr = seq_rows(p.rows, w.batch);
     const Lengths len{sr.q_len, sr.k_len, sr.k_len - sr.q_len, p.causal != 0};
-    const QueryBlocks qb = query_blocks(n, len.q, len.k, len.causal);
+    const QueryBlocks qb = query_blocks(n, len.q, len.k, len.causal, kBM);
     const int key0 = n * kBN + 64 * wg;  // this warpgroup's first key (of the sequence)
     for (int g = 0; g < p.group; ++g) {
       const int h = w.head * p.group + g;
@@ -256,7 +267,7 @@ struct AttentionBwdOp {
   }
 
  protected:
-  // One query block of 64 rows against the warpgroup's 64 keys (see the header comment).
+  // One query block of kBM rows against the warpgroup's 64 keys (see the header comment).
   struct Lengths {
     int q, k;   // the sequence's query and key rows
     int shift;  // causal: query row i sees key j iff j <= i + shift
@@ -291,14 +302,14 @@ struct AttentionBwdOp {
     tile::pack_a<T>(sp, pa);
     wgmma::fence();
     issue_dv(pa, s.dout[stage], acc.dv);  // dV += P^T dO
-    tile::store_accum_chunk<0, T>(ds, *reinterpret_cast<tile::OutChunk<T>*>(s.ds[stage].row_ptr(0, 64 * wg)));
+    store_ds(ds, s.ds[stage], wg);
     // Both warpgroups' dS^T in shared memory, visible to the tensor cores.
     fence_proxy_async_smem();
     tile::named_barrier_sync(kDsBarrierId, kConsumerWarpgroups * tile::kWarpgroupThreads);
     // dQ before dK: dQ's part is staged and sent while dK runs.
     tile::AccumM64<kDqCols> dq;
     wgmma::fence();
-    issue_dq(s.ds[stage], s.k, wg, dq);             // columns [wg D/2, (wg+1) D/2) of dQ = dS K
+    issue_dq(s.ds[stage], s.k, wg, dq);             // the warpgroup's part of dQ = dS K
     issue_dk(s.ds[stage], s.q[stage], wg, acc.dk);  // dK += dS^T Q
     wgmma::wait<1>();                               // dV and dQ (groups complete in order)
     wgmma::fence_operands(dq.d);
@@ -310,12 +321,12 @@ struct AttentionBwdOp {
     wgmma::fence_operands(acc.dk.d);
   }
 
-  // D (64 x 64, rows: this warpgroup's keys) = A_rows B^T over the head dim, both K-major in shared memory.
+  // D (64 x kBM, rows: this warpgroup's keys) = A_rows B^T over the head dim, both K-major in shared memory.
   __device__ static void issue_scores(const KTile& a, const QTile& b, int wg, tile::AccumM64<kBM>& d) {
     wgmma::mma_ss_group<kBM, kD, KTile, 0, QTile, 0>(d.d, wgmma::desc_k_major(a, 64 * wg, 0),
                                                      wgmma::desc_k_major(b, 0, 0), false);
   }
-  // dV (64 x D) += P^T (64 x 64 queries, registers) dO (64 queries x D, the MN-major B).
+  // dV (64 x D) += P^T (64 x kBM queries, registers) dO (kBM queries x D, the MN-major B).
   __device__ static void issue_dv(uint32_t (&pa)[kBM / 4], const QTile& dout, tile::AccumM64<kD>& dv) {
     wgmma::mma_rs_group<kD, kBM, QTile, 1>(dv.d, pa, wgmma::desc_mn_major(dout, 0));
   }
@@ -324,17 +335,29 @@ struct AttentionBwdOp {
     wgmma::mma_ss_group<kD, kBM, DsTile, 0, QTile, 1>(dk.d, wgmma::desc_k_major(ds, 64 * wg, 0),
                                                       wgmma::desc_mn_major(q, 0), true);
   }
-  // dQ columns [wg D/2, (wg+1) D/2) = dS (64 queries x 128 keys: the whole dS^T tile read M-major) K (keys x
-  // those columns, MN-major).
+  // The warpgroup's part of dQ = dS (queries x 128 keys: the dS^T tile read M-major) K (keys x columns,
+  // MN-major): kBM = 64, all 64 rows and columns [wg D/2, (wg+1) D/2); kBM = 128, rows [64 wg, 64 wg + 64)
+  // and all columns.
   __device__ static void issue_dq(const DsTile& ds, const KTile& k, int wg, tile::AccumM64<kDqCols>& dq) {
-    wgmma::mma_ss_group<kDqCols, kBN, DsTile, 1, KTile, 1>(dq.d, wgmma::desc_mn_major(ds, 0),
-                                                           wgmma::desc_mn_major(k, 0, wg * kDqCols), false);
+    wgmma::mma_ss_group<kDqCols, kBN, DsTile, 1, KTile, 1>(
+        dq.d, wgmma::desc_mn_major(ds, 0, kDqSplitRows ? kWgRows * wg : 0),
+        wgmma::desc_mn_major(k, 0, kDqSplitRows ? 0 : wg * kDqCols), false);
+  }
+  // The warpgroup's dS^T (its 64 keys x kBM queries) into rows [64 wg, 64 wg + 64) of the shared tile, one
+  // 64-column block at a time.
+  __device__ static void store_ds(const tile::AccumM64<kBM>& ds, DsTile& tile_ds, int wg) {
+    [&]<int... kBlock>(std::integer_sequence<int, kBlock...>) {
+      (tile::store_accum_chunk<kBlock, T>(
+           ds, *reinterpret_cast<tile::OutChunk<T>*>(tile_ds.row_ptr(kBlock, kWgRows * wg))),
+       ...);
+    }
+    (std::make_integer_sequence<int, kBM / 64>{});
   }
 
-  // Whether the 64 x 64 block of keys [key0, key0 + 64) and query rows [row0, row0 + 64) needs the mask: it
+  // Whether the block of keys [key0, key0 + 64) and query rows [row0, row0 + kBM) needs the mask: it
   // reaches past the keys or the rows, or (causal) its last key lies past its first row's last visible key.
   __device__ static bool block_needs_mask(const Lengths& len, int key0, int row0) {
-    return key0 + 64 > len.k || row0 + 64 > len.q || (len.causal && key0 + 63 > row0 + len.shift);
+    return key0 + 64 > len.k || row0 + kBM > len.q || (len.causal && key0 + 63 > row0 + len.shift);
   }
   // S^T -> P^T = exp2(S^T scale log2(e) - LSE log2(e)) per query column (while dP^T's MMAs run), then, once
   // they are done, dP^T -> dS^T = P^T o (dP^T - D). kMasked: keys past the sequence's, query rows past its
@@ -383,7 +406,7 @@ struct AttentionBwdOp {
     return v;
   }
 
-  // The warpgroup's part of dQ (64 rows x D/2 columns) into its two staging buffers (32-column chunks in
+  // The warpgroup's part of dQ (64 rows x 64 columns) into its two staging buffers (32-column chunks in
   // the accumulator map's 128-byte swizzle: conflict-free stores) and reduce-added into the accumulator.
   __device__ static void* staging(Smem& s, int wg, int chunk) {
     return s.epi.buf[wg][chunk].bytes;
@@ -435,8 +458,11 @@ struct AttentionBwdOp {
         tile::wait_ge_bounded(counter, 2 * static_cast<uint64_t>(turn.key_block));
         ptx::fence_proxy_async_global();
       }
+      lcsc::TmaRows4d part = dq_rows;
+      if constexpr (kDqSplitRows) part.row0 += kWgRows * wg;
+      const int col0 = kDqSplitRows ? 0 : wg * kDqCols;
 #pragma unroll
-      for (int c = 0; c < kDqChunks; ++c) dq_rows.issue(wg * kDqCols + c * DqChunk::kCols, staging(s, wg, c));
+      for (int c = 0; c < kDqChunks; ++c) part.issue(col0 + c * DqChunk::kCols, staging(s, wg, c));
       bulk_commit();
       if constexpr (kDeterministic) {  // this add complete (written, not only read) before the next one's
                                        // turn

@@ -30,8 +30,8 @@
 namespace weft::ops {
 
 template <int kHeadDim, class T = __nv_bfloat16>
-struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false> {
-  using Base = AttentionBwdOp<kHeadDim, T, false>;
+struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
+  using Base = AttentionBwdOp<kHeadDim, T, false, 64>;
   using Base::kBM;
   using Base::kBN;
   using Base::kD;
@@ -90,7 +90,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false> {
     load_head_rows(s.v, &p.v, w.head, sr.k0 + n * kBN, 0, &pipe.s_.kv_full);
     for (int step = 0; step < p.steps; ++step) {
       const QueryRange r = query_range(p, sr, w.batch, step);
-      const QueryBlocks qb = query_blocks_shifted(n, r.length, r.shift, r.causal);
+      const QueryBlocks qb = query_blocks_shifted(n, r.length, r.shift, r.causal, kBM);
       if (qb.begin >= qb.end) continue;
       if (step > 0) ring_wait_landed(p.sync, p.slots, step - 1, r.begin + qb.end * kBM);
       const CUtensorMap* q = step == 0 ? &p.q : &p.slot_q;
@@ -128,7 +128,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false> {
     for (int step = 0; step < p.steps; ++step) {
       const QueryRange r = query_range(p, sr, w.batch, step);
       const Lengths len{r.length, sr.k_len, r.shift, r.causal};
-      const QueryBlocks qb = query_blocks_shifted(n, len.q, len.shift, len.causal);
+      const QueryBlocks qb = query_blocks_shifted(n, len.q, len.shift, len.causal, kBM);
       const CUtensorMap* dq = p.dq_maps + (t.rank - step + t.world) % t.world;  // the rows' owner
       for (int g = 0; g < p.group; ++g) {
         const int h = w.head * p.group + g;
