@@ -41,19 +41,20 @@ struct Sizes : ops::RingPassSizes {
 
 template <int kD, class T>
 void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const void* k, const void* v,
-            void* out, float* lse, int64_t heads, const int32_t* index, char* area, cudaStream_t stream,
+            void* out, float* lse, int64_t heads, int32_t* index, char* area, cudaStream_t stream,
             const AttentionOptions& options, DType dtype, const std::string& where) {
   using Op = ops::RingAttentionFwdOp<kD, T>;
   const int W = z.L.world;
   const int64_t G = z.segments(), local = std::max<int64_t>(z.local, 1);
   typename Op::Params p{};
+  ops::upload_words(index, ops::ring_table_words(z, Op::kBN), stream);
   const ops::RingTable table(index, G, W);
   // L2 sections: query heads whose K / V (of all W ranks) fit in 2/3 of L2, whole GQA groups.
   const int64_t group = heads / z.kv_heads;
   const int64_t kv_bytes_per_group = 2 * z.slot_rows * W * kD * 2;
   const int64_t section =
       std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / kv_bytes_per_group) * group;
-  int* landed = const_cast<int*>(index) + z.table_bytes() / 4;
+  int* landed = index + z.table_bytes() / 4;
   const int blocks = ops::ring_launch_setup<Op>(comm, rank, z, table, {kState, kArrived}, heads, Op::kBM,
                                                 section, options, landed, stream, p, where);
 
@@ -134,7 +135,6 @@ void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const
   }
   char* area = call.workspace(z.area_bytes(), kArea);
   auto* index = static_cast<int32_t*>(workspace);
-  ops::upload_words(index, ops::ring_table_words(z.pass), call.stream);
   const auto run = [&](auto d, auto t) {
     launch<decltype(d)::value, decltype(t)>(comm, rank, z, q, k, v, out, lse, heads, index, area, call.stream,
                                             options, dtype, where);

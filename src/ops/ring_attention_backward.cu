@@ -96,7 +96,7 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   }
   ops::upload_words(reinterpret_cast<int32_t*>(workspace), map_words, stream);
   auto* index = reinterpret_cast<int32_t*>(workspace + z.maps_bytes());
-  ops::upload_words(index, ops::ring_table_words(z.pass), stream);
+  ops::upload_words(index, ops::ring_table_words(z, Op::kBM), stream);
   const ops::RingTable table(index, G, W);
   const int64_t nr = static_cast<int64_t>(z.ranges.size());
   auto* range_begin = reinterpret_cast<int32_t*>(workspace + z.maps_bytes() + z.table_bytes());

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_args.hpp"
@@ -34,28 +35,34 @@ inline RingSlots ring_slots(int world, int64_t slot_rows, int64_t local_rows, in
 // A rank's pass and the sizes every launch derives from it.
 struct RingPassSizes {
   RingLayout L;
+  int rank = 0;
+  RingTravel travel;
   RingPass pass;
   int64_t local = 0;      // this rank's rows
   int64_t slot_rows = 1;  // the longest rank's rows (a receive slot's)
   int64_t max_own = 1;    // the longest segment
-  RingPassSizes(int world, int rank, const std::vector<int64_t>& doc_lengths, bool causal, RingTravel travel)
-      : L(ring_layout(doc_lengths, world, causal)), pass(ring_pass_of(L, rank, travel)) {
+  RingPassSizes(int world, int r, const std::vector<int64_t>& doc_lengths, bool causal, RingTravel t)
+      : L(ring_layout(doc_lengths, world, causal)), rank(r), travel(t), pass(ring_pass_of(L, r, t)) {
     local = L.local_rows(rank);
     slot_rows = std::max<int64_t>(1, max_local_rows(L));
     for (int64_t x = 0; x < pass.segments(); ++x)
       max_own = std::max(max_own, pass.own_end[x] - pass.own_begin[x]);
   }
   int64_t segments() const { return pass.segments(); }
-  // The pass's table: own_begin, own_end (per segment), met_begin, met_end (per segment and step).
-  size_t table_bytes() const { return round256(size_t(2 * segments() * (1 + L.world) + 1) * 4); }
+  // The pass's table: own_begin, own_end (per segment), met_begin, met_end (per segment and step), then
+  // push_begin, push_end (per slot).
+  size_t table_bytes() const {
+    return round256(size_t(2 * segments() * (1 + L.world) + 2 * std::max(1, L.world - 1) + 1) * 4);
+  }
   // RingSlots::landed: [kRingMaxBlocks][world - 1] counts, zeroed before each kernel.
   size_t landed_bytes() const { return round256(size_t(kRingMaxBlocks) * std::max(1, L.world - 1) * 4); }
 };
 
 // The table's words, segments heaviest first (by the rows they meet over the pass: in a causal pass a late
 // part meets about three times an early part's), so the persistent blocks' last items are light ones and
-// they end together.
-inline std::vector<int32_t> ring_table_words(const RingPass& pass) {
+// they end together; then the slots' push rows (ring_push_rows).
+inline std::vector<int32_t> ring_table_words(const RingPassSizes& z, int box_rows) {
+  const RingPass& pass = z.pass;
   const int64_t G = pass.segments(), W = pass.steps;
   std::vector<int64_t> order(G), met(G, 0);
   for (int64_t x = 0; x < G; ++x) {
@@ -63,7 +70,8 @@ inline std::vector<int32_t> ring_table_words(const RingPass& pass) {
     for (int64_t s = 0; s < W; ++s) met[x] += pass.met_end[x * W + s] - pass.met_begin[x * W + s];
   }
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return met[a] > met[b]; });
-  std::vector<int32_t> words(2 * G * (1 + W) + 1, 0);
+  const int64_t slots = std::max<int64_t>(1, W - 1);
+  std::vector<int32_t> words(2 * G * (1 + W) + 2 * slots + 1, 0);
   for (int64_t y = 0; y < G; ++y) {
     const int64_t x = order[y];
     words[y] = static_cast<int32_t>(pass.own_begin[x]);
@@ -73,16 +81,24 @@ inline std::vector<int32_t> ring_table_words(const RingPass& pass) {
       words[2 * G + G * W + y * W + s] = static_cast<int32_t>(pass.met_end[x * W + s]);
     }
   }
+  const std::vector<std::pair<int64_t, int64_t>> push =
+      ring_push_rows(z.L, z.rank, z.travel, box_rows, z.slot_rows);
+  for (int64_t slot = 0; slot < slots; ++slot) {
+    words[2 * G * (1 + W) + slot] = static_cast<int32_t>(push[slot].first);
+    words[2 * G * (1 + W) + slots + slot] = static_cast<int32_t>(push[slot].second);
+  }
   return words;
 }
 // Where the uploaded table's arrays start.
 struct RingTable {
-  const int32_t *own_begin, *own_end, *met_begin, *met_end;
+  const int32_t *own_begin, *own_end, *met_begin, *met_end, *push_begin, *push_end;
   RingTable(const int32_t* words, int64_t segments, int world)
       : own_begin(words),
         own_end(words + segments),
         met_begin(words + 2 * segments),
-        met_end(words + 2 * segments + segments * world) {}
+        met_end(words + 2 * segments + segments * world),
+        push_begin(words + 2 * segments * (1 + world)),
+        push_end(push_begin + std::max(1, world - 1)) {}
 };
 
 // The flags of one ring op (declared by its launcher): its call count and finishers (2 flags) and its chunk
@@ -120,6 +136,8 @@ int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, co
   p.steps = z.L.world;
   WEFT_CUDA_CHECK(cudaMemsetAsync(landed, 0, z.landed_bytes(), stream));
   p.slots = ring_slots(z.L.world, z.slot_rows, z.local, landed);
+  p.slots.push_begin = table.push_begin;
+  p.slots.push_end = table.push_end;
   return blocks;
 }
 

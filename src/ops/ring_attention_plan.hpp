@@ -263,6 +263,30 @@ inline RingPass ring_pass_of(const RingLayout& L, int r, RingTravel travel = Rin
   return pass;
 }
 
+// The rows of rank r's local rows that the receiver of each of its slots reads (slot s: rank r + s + 1, at
+// its step s + 1): the hull of that receiver's met ranges with this rank as the source, each range extended
+// to whole boxes of `box_rows` (a range's last load reads its box whole), within the slot. The rest is never
+// read, and its pushes are skipped: in a causal zigzag pass a receiver on one side of this rank never meets
+// one of its two parts (a quarter of all the bytes).
+inline std::vector<std::pair<int64_t, int64_t>> ring_push_rows(const RingLayout& L, int r, RingTravel travel,
+                                                               int box_rows, int64_t slot_rows) {
+  const int W = L.world;
+  std::vector<std::pair<int64_t, int64_t>> rows(std::max(1, W - 1), {0, 0});
+  for (int slot = 0; slot + 1 < W; ++slot) {
+    const int dst = (r + slot + 1) % W, step = slot + 1;
+    const RingPass there = ring_pass_of(L, dst, travel);
+    int64_t lo = slot_rows, hi = 0;
+    for (int64_t x = 0; x < there.segments(); ++x) {
+      const int64_t b = there.met_begin[x * W + step], e = there.met_end[x * W + step];
+      if (e <= b) continue;
+      lo = std::min(lo, b);
+      hi = std::max(hi, std::min(slot_rows, b + (e - b + box_rows - 1) / box_rows * box_rows));
+    }
+    if (hi > lo) rows[slot] = {lo, hi};
+  }
+  return rows;
+}
+
 // The query ranges of rank r that backward passes (RingTravel::kQueries) meet, each once: per document its
 // whole rows and, zigzag, its late part alone (the met ranges of every rank's pass with source r are among
 // them). The per-row terms of a range beginning at local row x live at term rows 4 x, 4 x + 1, ...: every

@@ -319,6 +319,42 @@ TEST(RingAttentionPlan, BackwardPassCoversEveryPairOnce) {
   expect_pass_covers_every_pair_once(weft::ops::RingTravel::kQueries);
 }
 
+// The pushes of a slot cover every row its receiver's loads read (each met range extended to whole boxes,
+// within the slot), and a causal zigzag pass skips about a quarter of the bytes.
+TEST(RingAttentionPlan, PushRowsCoverEveryLoad) {
+  for (weft::ops::RingTravel travel : {weft::ops::RingTravel::kKeys, weft::ops::RingTravel::kQueries})
+    for_random_layouts(11, [&](const std::vector<int64_t>&, const RingLayout& L) {
+      const int W = L.world;
+      int64_t slot_rows = 1;
+      for (int r = 0; r < W; ++r) slot_rows = std::max(slot_rows, L.local_rows(r));
+      for (int box : {64, 128}) {
+        for (int r = 0; r < W; ++r) {
+          const auto push = weft::ops::ring_push_rows(L, r, travel, box, slot_rows);
+          ASSERT_EQ(push.size(), static_cast<size_t>(std::max(1, W - 1)));
+          for (int slot = 0; slot + 1 < W; ++slot) {
+            const int dst = (r + slot + 1) % W;
+            const weft::ops::RingPass there = weft::ops::ring_pass_of(L, dst, travel);
+            for (int64_t x = 0; x < there.segments(); ++x) {
+              const int64_t b = there.met_begin[x * W + slot + 1], e = there.met_end[x * W + slot + 1];
+              if (e <= b) continue;
+              const int64_t read_end = std::min(slot_rows, b + (e - b + box - 1) / box * box);
+              EXPECT_LE(push[slot].first, b) << "rank " << r << " slot " << slot;
+              EXPECT_GE(push[slot].second, read_end) << "rank " << r << " slot " << slot;
+            }
+          }
+        }
+      }
+    });
+  // One causal document of 32k tokens on 8 ranks: each rank's later receivers skip one of its parts.
+  const RingLayout L = weft::ops::ring_layout({32768}, 8, true);
+  for (weft::ops::RingTravel travel : {weft::ops::RingTravel::kKeys, weft::ops::RingTravel::kQueries}) {
+    int64_t pushed = 0;
+    for (int r = 0; r < 8; ++r)
+      for (const auto& [b, e] : weft::ops::ring_push_rows(L, r, travel, 64, L.local_rows(r))) pushed += e - b;
+    EXPECT_EQ(pushed, 8 * 7 * 4096 - 28 * 2048);
+  }
+}
+
 // The forward kernel takes step 0 under a bottom-right mask (query row i of a segment sees key j of its
 // range iff j <= i + keys - queries): the same as the local-row rule above, since its ranges end together.
 TEST(RingAttentionPlan, ForwardStepZeroIsBottomRight) {

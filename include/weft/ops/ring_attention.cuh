@@ -46,6 +46,9 @@ struct RingSync {
 struct RingSlots {
   int slot_rows, chunk_rows, chunks;  // chunk j of a slot: rows [j * chunk_rows, ..) of slot_rows
   int local_rows;                     // this rank's rows: pushes write zeros past them
+  // Per slot, the rows its receiver reads: [push_begin, push_end) (ring_push_rows). Only those are copied;
+  // every chunk's flag is still signalled, so a receiver's waits count chunks from the slot's start.
+  const int32_t *push_begin, *push_end;
   // Per compute block and slot, the chunks its loader knows to have landed in this call ([block][world -
   // 1], zeroed before the kernel). Global memory, not shared: the attention kernels fill shared memory to
   // the edge of a carveout step, and a step more leaves L1 too small for their register spills.
@@ -67,9 +70,10 @@ __device__ void ring_push(const RingSync& sync, const RingSlots& sl, int index, 
     const int slot = u / per_slot, j = (u - slot * per_slot) / kRingPiecesPerChunk;
     const int piece = u % kRingPiecesPerChunk, dst = (t.rank + slot + 1) % t.world;
     const int chunk_end = min((j + 1) * sl.chunk_rows, sl.slot_rows);
-    const int r0 = min(j * sl.chunk_rows + piece * piece_rows, chunk_end);
-    const int r1 = min(r0 + piece_rows, chunk_end);
-    push(slot, dst, r0, r1, lane);
+    const int first = min(j * sl.chunk_rows + piece * piece_rows, chunk_end);
+    const int r0 = max(first, __ldg(sl.push_begin + slot));
+    const int r1 = min(min(first + piece_rows, chunk_end), __ldg(sl.push_end + slot));
+    if (r0 < r1) push(slot, dst, r0, r1, lane);
     __syncwarp();  // the warp's stores, then one release covers them
     if (lane == 0) signal_add(t, t.flag(sync.arrived, slot * sl.chunks + j), dst, 1);
   }
