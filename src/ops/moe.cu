@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <string>
 
+#include "../runtime/kernels.hpp"
 #include "op_args.hpp"
 #include "sequence_parallel.hpp"
 #include "weft/comm/barrier.cuh"
@@ -162,8 +163,8 @@ __global__ void expand_tokens(const int32_t* table, const int32_t* records, Dims
 // Combine: one warp per token, 256 elements (8 per lane) at a time, the slots in ascending order.
 template <class T>
 __global__ void combine_tokens(TeamView team, BarrierSlots slots, const T* expert_out, const int32_t* experts,
-                               const int32_t* row_of, const float* weights, Dims d, T* out) {
-  if (!barrier_block(team, slots[blockIdx.x])) return;
+                               const int32_t* row_of, const float* weights, Dims d, T* out, bool meet) {
+  if (meet && !barrier_block(team, slots[blockIdx.x])) return;
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
   for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < d.tokens; t += warps)
@@ -265,8 +266,8 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
   WEFT_CUDA_CHECK(cudaMemsetAsync(counts, 0, z.counts_bytes, stream));
   detail::preload<&count_slots>();
   if (slots > 0) {
-    count_slots<<<ops::grid_stride_blocks(slots, 256), 256, 0, stream>>>(experts, slots, shape.num_experts,
-                                                                         counts, row_of, kept);
+    count_slots<<<std::min(ops::grid_stride_blocks(slots, 256), 2 * rank.sm_budget()), 256, 0, stream>>>(
+        experts, slots, shape.num_experts, counts, row_of, kept);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   const BarrierSlots meet = ops::meeting_slots(comm);
@@ -284,8 +285,11 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
                                           row_of, z.d, records, rows);
   WEFT_CUDA_CHECK(cudaGetLastError());
   detail::preload<&expand_tokens>();
-  expand_tokens<<<ops::grid_stride_blocks(int64_t(rank.world()) * shape.max_tokens * 32, 256), 256, 0,
-                  stream>>>(table, records, z.d, rows);
+  // At most two blocks per SM of the rank's budget: ranks sharing a GPU (virtual ranks) must not flood it
+  // with blocks while a peer's expert GEMM is placing its persistent blocks.
+  const int expand_blocks = std::min(
+      ops::grid_stride_blocks(int64_t(rank.world()) * shape.max_tokens * 32, 256), 2 * rank.sm_budget());
+  expand_tokens<<<expand_blocks, 256, 0, stream>>>(table, records, z.d, rows);
   WEFT_CUDA_CHECK(cudaGetLastError());
   MoeDispatched out;
   out.rows = rows;
@@ -320,13 +324,17 @@ void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const M
   if (stream == nullptr) stream = rank.stream();
   const Sizes z(rank.world(), rank.rank(), shape);
   const int blocks = ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2);
+  // Ranks sharing a GPU meet in a one-block kernel first: a grid of blocks waiting at the meeting would hold
+  // SMs that a slower peer's expert GEMMs on the same GPU still need.
+  const bool shared_gpu = comm.ranks_per_gpu() > 1;
+  if (shared_gpu) launch_team_barrier(rank.view(), ops::meeting_slots(comm)[0], stream);
   auto launch = [&](auto* typed_out) {
     using T = std::remove_pointer_t<decltype(typed_out)>;
     constexpr auto kernel = &combine_tokens<T>;
     detail::preload<kernel>();
     kernel<<<blocks, 256, 0, stream>>>(rank.view(), ops::meeting_slots(comm),
                                        static_cast<const T*>(expert_out), dispatched.experts,
-                                       dispatched.row_of, weights, z.d, typed_out);
+                                       dispatched.row_of, weights, z.d, typed_out, !shared_gpu);
   };
   if (dtype == DType::kFP16)
     launch(static_cast<__half*>(out));
