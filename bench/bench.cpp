@@ -146,6 +146,54 @@ std::string Table::json() const {
   return o + "]}";
 }
 
+namespace {
+
+// One graph per local stream of what `enqueue` puts on the streams, captured together (team ops meet across
+// the ranks while they are enqueued).
+std::vector<cudaGraphExec_t> capture_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams,
+                                            const std::function<void()>& enqueue) {
+  const int W = comm.num_local();
+  std::vector<cudaGraphExec_t> exec(W);
+  for (int i = 0; i < W; ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+    WEFT_CUDA_CHECK(cudaStreamBeginCapture(streams[i], cudaStreamCaptureModeRelaxed));
+  }
+  enqueue();
+  for (int i = 0; i < W; ++i) {
+    cudaGraph_t g;
+    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+    WEFT_CUDA_CHECK(cudaStreamEndCapture(streams[i], &g));
+    WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[i], g, 0));
+    WEFT_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  return exec;
+}
+
+// Runs the candidates in turn, `reps` rounds after a warm-up round, each round starting one candidate later
+// (no fixed place in it): launch(c, i) enqueues candidate c on local stream i, whose work then ends at event
+// done(c, i); after it, record(c, i) reads the times.
+void replay_in_turn(Communicator& comm, int candidates, int reps, const std::function<void(int, int)>& launch,
+                    const std::function<cudaEvent_t(int, int)>& done,
+                    const std::function<void(int, int)>& record) {
+  const int W = comm.num_local();
+  for (int rep = -1; rep < reps; ++rep)
+    for (int turn = 0; turn < candidates; ++turn) {
+      const int c = (turn + rep + 1) % candidates;
+      for (int i = 0; i < W; ++i) {
+        WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+        launch(c, i);
+      }
+      for (int i = 0; i < W; ++i) {
+        WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+        WEFT_CUDA_CHECK(cudaEventSynchronize(done(c, i)));
+        if (rep >= 0) record(c, i);
+      }
+    }
+  comm.check_device_errors();
+}
+
+}  // namespace
+
 // Captures `iters` calls per GPU (rotating buffer sets) of each candidate into one graph per GPU, replays
 // the candidates' graphs in turn `reps` times (after a warm-up round), and returns per candidate the slowest
 // rank's median time per call in microseconds. Taking turns keeps slow drift of the machine (clocks, heat)
@@ -155,46 +203,32 @@ std::vector<double> time_graphs_alternating(Communicator& comm, const std::vecto
                                             int iters, int reps,
                                             const std::vector<std::function<void(int)>>& candidates) {
   const int W = comm.num_local(), C = static_cast<int>(candidates.size());
-  std::vector<std::vector<cudaGraphExec_t>> exec(C, std::vector<cudaGraphExec_t>(W));
-  for (int c = 0; c < C; ++c) {
-    for (int i = 0; i < W; ++i) {
-      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-      WEFT_CUDA_CHECK(cudaStreamBeginCapture(streams[i], cudaStreamCaptureModeRelaxed));
-    }
-    for (int k = 0; k < iters; ++k) candidates[c](k);
-    for (int i = 0; i < W; ++i) {
-      cudaGraph_t g;
-      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-      WEFT_CUDA_CHECK(cudaStreamEndCapture(streams[i], &g));
-      WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[c][i], g, 0));
-      WEFT_CUDA_CHECK(cudaGraphDestroy(g));
-    }
-  }
-  std::vector<std::vector<std::vector<float>>> ms(C, std::vector<std::vector<float>>(W));
+  std::vector<std::vector<cudaGraphExec_t>> exec(C);
+  for (int c = 0; c < C; ++c)
+    exec[c] = capture_graphs(comm, streams, [&] {
+      for (int k = 0; k < iters; ++k) candidates[c](k);
+    });
   std::vector<cudaEvent_t> start(W), stop(W);
   for (int i = 0; i < W; ++i) {
     WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
     WEFT_CUDA_CHECK(cudaEventCreate(&start[i]));
     WEFT_CUDA_CHECK(cudaEventCreate(&stop[i]));
   }
-  for (int rep = -1; rep < reps; ++rep)  // rep -1: warm-up
-    for (int turn = 0; turn < C; ++turn) {
-      const int c = (turn + rep + 1) % C;  // each round starts one candidate later: no fixed place in it
-      for (int i = 0; i < W; ++i) {
-        WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+  // The events go around each launch (on the streams, not in the graphs: the launch counts).
+  std::vector<std::vector<std::vector<float>>> ms(C, std::vector<std::vector<float>>(W));
+  replay_in_turn(
+      comm, C, reps,
+      [&](int c, int i) {
         WEFT_CUDA_CHECK(cudaEventRecord(start[i], streams[i]));
         WEFT_CUDA_CHECK(cudaGraphLaunch(exec[c][i], streams[i]));
         WEFT_CUDA_CHECK(cudaEventRecord(stop[i], streams[i]));
-      }
-      for (int i = 0; i < W; ++i) {
-        WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-        WEFT_CUDA_CHECK(cudaEventSynchronize(stop[i]));
+      },
+      [&](int, int i) { return stop[i]; },
+      [&](int c, int i) {
         float t = 0;
         WEFT_CUDA_CHECK(cudaEventElapsedTime(&t, start[i], stop[i]));
-        if (rep >= 0) ms[c][i].push_back(t);
-      }
-    }
-  comm.check_device_errors();
+        ms[c][i].push_back(t);
+      });
   std::vector<double> worst(C, 0.0);
   for (int c = 0; c < C; ++c)
     for (int i = 0; i < W; ++i) {
@@ -205,6 +239,54 @@ std::vector<double> time_graphs_alternating(Communicator& comm, const std::vecto
     cudaEventDestroy(start[i]);
     cudaEventDestroy(stop[i]);
   }
+  return worst;
+}
+
+std::vector<std::vector<double>> time_phases_alternating(
+    Communicator& comm, const std::vector<cudaStream_t>& streams, int phases, int reps,
+    const std::vector<std::function<void(int)>>& candidates) {
+  const int W = comm.num_local(), C = static_cast<int>(candidates.size());
+  // marks[c][i][p]: on stream i, before phase p of candidate c (p = phases: after the last), as graph nodes.
+  std::vector<std::vector<std::vector<cudaEvent_t>>> marks(
+      C, std::vector<std::vector<cudaEvent_t>>(W, std::vector<cudaEvent_t>(phases + 1)));
+  const auto mark = [&](int c, int p) {
+    for (int i = 0; i < W; ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      WEFT_CUDA_CHECK(cudaEventCreate(&marks[c][i][p]));
+      WEFT_CUDA_CHECK(cudaEventRecordWithFlags(marks[c][i][p], streams[i], cudaEventRecordExternal));
+    }
+  };
+  std::vector<std::vector<cudaGraphExec_t>> exec(C);
+  for (int c = 0; c < C; ++c)
+    exec[c] = capture_graphs(comm, streams, [&] {
+      mark(c, 0);
+      for (int p = 0; p < phases; ++p) {
+        candidates[c](p);
+        mark(c, p + 1);
+      }
+    });
+  // ms[c][i][p]: phase p's times on stream i (p = phases: the whole call).
+  std::vector<std::vector<std::vector<std::vector<float>>>> ms(
+      C, std::vector<std::vector<std::vector<float>>>(W, std::vector<std::vector<float>>(phases + 1)));
+  replay_in_turn(
+      comm, C, reps, [&](int c, int i) { WEFT_CUDA_CHECK(cudaGraphLaunch(exec[c][i], streams[i])); },
+      [&](int c, int i) { return marks[c][i][phases]; },
+      [&](int c, int i) {
+        for (int p = 0; p <= phases; ++p) {
+          float t = 0;
+          const int from = p < phases ? p : 0, to = p < phases ? p + 1 : phases;
+          WEFT_CUDA_CHECK(cudaEventElapsedTime(&t, marks[c][i][from], marks[c][i][to]));
+          ms[c][i][p].push_back(t);
+        }
+      });
+  std::vector<std::vector<double>> worst(C, std::vector<double>(phases + 1, 0.0));
+  for (int c = 0; c < C; ++c)
+    for (int i = 0; i < W; ++i) {
+      for (int p = 0; p <= phases; ++p)
+        worst[c][p] = std::max(worst[c][p], double(median(ms[c][i][p])) * 1000.0);
+      cudaGraphExecDestroy(exec[c][i]);
+      for (cudaEvent_t e : marks[c][i]) cudaEventDestroy(e);
+    }
   return worst;
 }
 

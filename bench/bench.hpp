@@ -125,5 +125,12 @@ double time_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams,
 std::vector<double> time_graphs_alternating(Communicator& comm, const std::vector<cudaStream_t>& streams,
                                             int iters, int reps,
                                             const std::vector<std::function<void(int)>>& candidates);
+// One call per candidate in `phases` phases (candidates[c](p) enqueues phase p on the local streams), with
+// event nodes between the phases in each graph, replayed in turn as above. Returns per candidate the
+// slowest local rank's median time of each phase, then of the whole call, in us (a phase's time on a rank
+// includes its waits for peers at meetings).
+std::vector<std::vector<double>> time_phases_alternating(
+    Communicator& comm, const std::vector<cudaStream_t>& streams, int phases, int reps,
+    const std::vector<std::function<void(int)>>& candidates);
 
 }  // namespace weft::bench

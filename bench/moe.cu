@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <functional>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -47,7 +46,8 @@ struct Layer {
     WEFT_CUDA_CHECK(cudaMemcpyAsync(weights.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice, stream));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
-  // The layer's phases; each after the one before it has run once (combine reads the last dispatch's handle).
+  // The layer's phases (kAll: all four); each after the one before it has run once (combine reads the last
+  // dispatch's handle).
   enum Phase { kDispatch, kUp, kDown, kCombine, kAll };
   MoeDispatched d;
   void run(Communicator& comm, Rank& rank, void* combine_in, cudaStream_t stream, Phase phase = kAll) {
@@ -128,103 +128,30 @@ void run_moe(Context& ctx) {
     const MoeShape s1{c.tokens, c.tokens, c.hidden, c.experts, c.top_k, 128};
     Layer one_gpu(s1, 1, c.inter, all, 5, team.streams[0]);
     void* one_input = moe_combine_input(*single, single->local(0), s1, DType::kBF16);
-    const auto team_phase = [&](Layer::Phase phase) {
-      return [&, phase](int) {
-        for (int i = 0; i < L; ++i) {
-          WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-          layers[i]->run(comm, comm.local(i), inputs[i], team.streams[i], phase);
-        }
-      };
+    const auto team_phase = [&](int phase) {
+      for (int i = 0; i < L; ++i) {
+        WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+        layers[i]->run(comm, comm.local(i), inputs[i], team.streams[i], Layer::Phase(phase));
+      }
     };
-    const auto one_phase = [&](Layer::Phase phase) {
-      return [&, phase](int) {
-        WEFT_CUDA_CHECK(cudaSetDevice(single->local(0).device()));
-        one_gpu.run(*single, single->local(0), one_input, team.streams[0], phase);
-      };
+    const auto one_phase = [&](int phase) {
+      WEFT_CUDA_CHECK(cudaSetDevice(single->local(0).device()));
+      one_gpu.run(*single, single->local(0), one_input, team.streams[0], Layer::Phase(phase));
     };
-    team_phase(Layer::kAll)(0);  // sizes the workspace areas before capture
-    one_phase(Layer::kAll)(0);
+    team_phase(Layer::kAll);  // sizes the workspace areas before capture
+    one_phase(Layer::kAll);
     comm.synchronize();
     WEFT_CUDA_CHECK(cudaStreamSynchronize(team.streams[0]));
-    const std::vector<double> us = time_graphs_alternating(comm, team.streams, 1, iters,
-                                                           {one_phase(Layer::kAll), team_phase(Layer::kAll)});
-    const double one_ms = team.team_max(us[0]) / 1000.0, team_ms = team.team_max(us[1]) / 1000.0;
-    // Where the layer's time goes: events between its phases inside each rank's graph (the team's phases
-    // include waiting for the slowest rank at dispatch's and combine's meetings).
+    // The layer in its four phases, with events between them in each rank's graph: the layer's time and where
+    // it goes (a team phase includes waiting for the slowest rank at dispatch's and combine's meetings).
+    const std::vector<std::vector<double>> us =
+        time_phases_alternating(comm, team.streams, Layer::kAll, iters, {one_phase, team_phase});
+    const double one_ms = team.team_max(us[0][Layer::kAll]) / 1000.0,
+                 team_ms = team.team_max(us[1][Layer::kAll]) / 1000.0;
     std::vector<std::string> phase_cells;
-    {
-      constexpr int kMarks = 5;  // before dispatch, after dispatch, up, down, combine
-      std::vector<std::vector<cudaEvent_t>> ev(L + 1, std::vector<cudaEvent_t>(kMarks));
-      std::vector<cudaGraphExec_t> exec(L + 1);
-      const auto instrumented = [&](int g, cudaStream_t st, const std::function<void(Layer::Phase)>& run) {
-        for (cudaEvent_t& e : ev[g]) WEFT_CUDA_CHECK(cudaEventCreate(&e));
-        WEFT_CUDA_CHECK(
-            cudaEventRecordWithFlags(ev[g][0], st, cudaEventRecordExternal));  // a node of the graph
-        int m = 1;
-        for (Layer::Phase phase : {Layer::kDispatch, Layer::kUp, Layer::kDown, Layer::kCombine}) {
-          run(phase);
-          WEFT_CUDA_CHECK(cudaEventRecordWithFlags(ev[g][m++], st, cudaEventRecordExternal));
-        }
-      };
-      // The team's graphs (captured together: the ops meet across ranks), then the one-GPU layer's.
-      for (int i = 0; i < L; ++i) {
-        WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-        WEFT_CUDA_CHECK(cudaStreamBeginCapture(team.streams[i], cudaStreamCaptureModeRelaxed));
-      }
-      for (int i = 0; i < L; ++i) {
-        WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-        instrumented(i, team.streams[i], [&](Layer::Phase phase) {
-          layers[i]->run(comm, comm.local(i), inputs[i], team.streams[i], phase);
-        });
-      }
-      for (int i = 0; i < L; ++i) {
-        cudaGraph_t g;
-        WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-        WEFT_CUDA_CHECK(cudaStreamEndCapture(team.streams[i], &g));
-        WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[i], g, 0));
-        WEFT_CUDA_CHECK(cudaGraphDestroy(g));
-      }
-      WEFT_CUDA_CHECK(cudaSetDevice(single->local(0).device()));
-      {
-        cudaGraph_t g;
-        WEFT_CUDA_CHECK(cudaStreamBeginCapture(team.streams[0], cudaStreamCaptureModeRelaxed));
-        instrumented(L, team.streams[0], [&](Layer::Phase phase) {
-          one_gpu.run(*single, single->local(0), one_input, team.streams[0], phase);
-        });
-        WEFT_CUDA_CHECK(cudaStreamEndCapture(team.streams[0], &g));
-        WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[L], g, 0));
-        WEFT_CUDA_CHECK(cudaGraphDestroy(g));
-      }
-      // ms[g][phase][rep]; the team's launches together, the one-GPU layer's in turn.
-      std::vector<std::vector<std::vector<float>>> ms(L + 1, std::vector<std::vector<float>>(kMarks - 1));
-      for (int rep = -1; rep < iters; ++rep)
-        for (bool team_turn : {false, true}) {
-          const int first = team_turn ? 0 : L, last = team_turn ? L : L + 1;
-          for (int g = first; g < last; ++g) {
-            WEFT_CUDA_CHECK(cudaSetDevice(g < L ? comm.local(g).device() : single->local(0).device()));
-            WEFT_CUDA_CHECK(cudaGraphLaunch(exec[g], team.streams[g < L ? g : 0]));
-          }
-          for (int g = first; g < last; ++g) {
-            WEFT_CUDA_CHECK(cudaSetDevice(g < L ? comm.local(g).device() : single->local(0).device()));
-            WEFT_CUDA_CHECK(cudaEventSynchronize(ev[g][kMarks - 1]));
-            for (int m = 0; m + 1 < kMarks && rep >= 0; ++m) {
-              float t = 0;
-              WEFT_CUDA_CHECK(cudaEventElapsedTime(&t, ev[g][m], ev[g][m + 1]));
-              ms[g][m].push_back(t);
-            }
-          }
-        }
-      comm.check_device_errors();
-      for (int m = 0; m + 1 < kMarks; ++m) {
-        double worst = 0;
-        for (int i = 0; i < L; ++i) worst = std::max(worst, double(median(ms[i][m])));
-        phase_cells.push_back(fmt("%.3f / %.3f", median(ms[L][m]), team.team_max(worst)));
-      }
-      for (int g = 0; g <= L; ++g) {
-        cudaGraphExecDestroy(exec[g]);
-        for (cudaEvent_t e : ev[g]) cudaEventDestroy(e);
-      }
-    }
+    for (int p = 0; p < Layer::kAll; ++p)
+      phase_cells.push_back(
+          fmt("%.3f / %.3f", team.team_max(us[0][p]) / 1000.0, team.team_max(us[1][p]) / 1000.0));
     const double flops = 2.0 * c.tokens * c.top_k * c.hidden * c.inter * 2;
     const double per = ctx.virtual_ranks() ? 1.0 : 1.0 / W;
     t.add({std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),

@@ -266,8 +266,8 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
   WEFT_CUDA_CHECK(cudaMemsetAsync(counts, 0, z.counts_bytes, stream));
   detail::preload<&count_slots>();
   if (slots > 0) {
-    count_slots<<<std::min(ops::grid_stride_blocks(slots, 256), 2 * rank.sm_budget()), 256, 0, stream>>>(
-        experts, slots, shape.num_experts, counts, row_of, kept);
+    count_slots<<<ops::grid_stride_blocks(rank, slots), 256, 0, stream>>>(experts, slots, shape.num_experts,
+                                                                          counts, row_of, kept);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   const BarrierSlots meet = ops::meeting_slots(comm);
@@ -285,11 +285,8 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
                                           row_of, z.d, records, rows);
   WEFT_CUDA_CHECK(cudaGetLastError());
   detail::preload<&expand_tokens>();
-  // At most two blocks per SM of the rank's budget: ranks sharing a GPU (virtual ranks) must not flood it
-  // with blocks while a peer's expert GEMM is placing its persistent blocks.
-  const int expand_blocks = std::min(
-      ops::grid_stride_blocks(int64_t(rank.world()) * shape.max_tokens * 32, 256), 2 * rank.sm_budget());
-  expand_tokens<<<expand_blocks, 256, 0, stream>>>(table, records, z.d, rows);
+  expand_tokens<<<ops::grid_stride_blocks(rank, int64_t(rank.world()) * shape.max_tokens * 32), 256, 0,
+                  stream>>>(table, records, z.d, rows);
   WEFT_CUDA_CHECK(cudaGetLastError());
   MoeDispatched out;
   out.rows = rows;

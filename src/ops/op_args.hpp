@@ -157,6 +157,11 @@ inline char* workspace_on(Communicator& comm, const Rank& rank, uint64_t bytes, 
 inline int grid_stride_blocks(int64_t n, int per_block = 256) {
   return static_cast<int>(std::clamp<int64_t>((n + per_block - 1) / per_block, 1, 1056));
 }
+// The same for a team op's kernel: at most two blocks per SM of the rank's budget, so that ranks sharing a
+// GPU (virtual ranks) do not flood it with blocks while a peer's persistent kernel is placing its own.
+inline int grid_stride_blocks(const Rank& rank, int64_t n, int per_block = 256) {
+  return std::min(grid_stride_blocks(n, per_block), 2 * rank.sm_budget());
+}
 
 // The prefix of a team op's error messages: "weft::op(rank r of W): ".
 inline std::string team_where(const char* op, const Rank& rank) {

@@ -232,6 +232,23 @@ struct RingPass {
   std::vector<int64_t> met_begin, met_end;  // [segment * steps + step]: rows of the source's local rows
   int64_t segments() const { return static_cast<int64_t>(own_begin.size()); }
 };
+// The rows of rank src's local rows that the part `own` of document d meets (a rank holding that part, at
+// the step where src's rows are in hand): keys up to the query part (kKeys), or queries from the key part
+// on (kQueries); all of the document's rows when not zigzag.
+inline std::pair<int64_t, int64_t> ring_met_rows(const RingLayout& L, int d, int own, int src,
+                                                 RingTravel travel) {
+  int64_t begin = L.doc_row[src][d], end = begin;
+  for (int met : L.parts_of(src)) {
+    if (travel == RingTravel::kKeys) {
+      if (!L.zigzag || met <= own) end += L.part_length(d, met);  // keys up to the query part
+    } else if (L.zigzag && met < own) {
+      begin += L.part_length(d, met);  // queries from the key part on: a suffix
+    }
+  }
+  if (travel == RingTravel::kQueries) end = L.doc_row[src][d + 1];
+  return {begin, std::max(begin, end)};
+}
+
 inline RingPass ring_pass_of(const RingLayout& L, int r, RingTravel travel = RingTravel::kKeys) {
   if (r < 0 || r >= L.world)
     throw std::invalid_argument("ring_pass_of: rank " + std::to_string(r) + " outside a team of " +
@@ -246,42 +263,34 @@ inline RingPass ring_pass_of(const RingLayout& L, int r, RingTravel travel = Rin
       pass.own_begin.push_back(L.local_row(r, d, own));
       pass.own_end.push_back(L.local_row(r, d, own) + n);
       for (int s = 0; s < L.world; ++s) {
-        const int src = (r - s + L.world) % L.world;
-        int64_t begin = L.doc_row[src][d], end = begin;
-        for (int met : L.parts_of(src)) {
-          if (travel == RingTravel::kKeys) {
-            if (!L.zigzag || met <= own) end += L.part_length(d, met);  // keys up to the query part
-          } else if (L.zigzag && met < own) {
-            begin += L.part_length(d, met);  // queries from the key part on: a suffix
-          }
-        }
-        if (travel == RingTravel::kQueries) end = L.doc_row[src][d + 1];
+        const auto [begin, end] = ring_met_rows(L, d, own, (r - s + L.world) % L.world, travel);
         pass.met_begin.push_back(begin);
-        pass.met_end.push_back(std::max(begin, end));
+        pass.met_end.push_back(end);
       }
     }
   return pass;
 }
 
 // The rows of rank r's local rows that the receiver of each of its slots reads (slot s: rank r + s + 1, at
-// its step s + 1): the hull of that receiver's met ranges with this rank as the source, each range extended
-// to whole boxes of `box_rows` (a range's last load reads its box whole), within the slot. The rest is never
-// read, and its pushes are skipped: in a causal zigzag pass a receiver on one side of this rank never meets
-// one of its two parts (a quarter of all the bytes).
+// its step s + 1): the hull of that receiver's met ranges with r as the source, each range extended to whole
+// boxes of `box_rows` (a range's last load reads its box whole), within the slot. The rest is never read,
+// and its pushes are skipped: in a causal zigzag pass a receiver on one side of r never meets one of r's two
+// parts (a quarter of all the bytes).
 inline std::vector<std::pair<int64_t, int64_t>> ring_push_rows(const RingLayout& L, int r, RingTravel travel,
                                                                int box_rows, int64_t slot_rows) {
   const int W = L.world;
   std::vector<std::pair<int64_t, int64_t>> rows(std::max(1, W - 1), {0, 0});
   for (int slot = 0; slot + 1 < W; ++slot) {
-    const int dst = (r + slot + 1) % W, step = slot + 1;
-    const RingPass there = ring_pass_of(L, dst, travel);
+    const int dst = (r + slot + 1) % W;
     int64_t lo = slot_rows, hi = 0;
-    for (int64_t x = 0; x < there.segments(); ++x) {
-      const int64_t b = there.met_begin[x * W + step], e = there.met_end[x * W + step];
-      if (e <= b) continue;
-      lo = std::min(lo, b);
-      hi = std::max(hi, std::min(slot_rows, b + (e - b + box_rows - 1) / box_rows * box_rows));
-    }
+    for (int d = 0; d < static_cast<int>(L.doc_length.size()); ++d)
+      for (int own : L.parts_of(dst)) {
+        if (L.part_length(d, own) == 0) continue;
+        const auto [b, e] = ring_met_rows(L, d, own, r, travel);
+        if (e <= b) continue;
+        lo = std::min(lo, b);
+        hi = std::max(hi, std::min(slot_rows, b + (e - b + box_rows - 1) / box_rows * box_rows));
+      }
     if (hi > lo) rows[slot] = {lo, hi};
   }
   return rows;

@@ -54,26 +54,27 @@ namespace weft::ops {
 
 inline constexpr int kAttentionBwdBlockN = 128;  // keys per work item, 64 per consumer warpgroup
 
-// The query blocks [begin, end) that see some key of key block n. Causal: query row i sees key j iff j <= i
-// + shift (bottom-right: shift = seq_k - seq_q), so the first row that sees the block's first key, n * kBN,
-// is n * kBN - shift.
+// The query blocks [begin, end) of block_rows rows that see some key of key block n. Causal: query row i
+// sees key j iff j <= i + shift (bottom-right: shift = seq_k - seq_q), so the first row that sees the block's
+// first key, n * kBN, is n * kBN - shift.
 struct QueryBlocks {
   int begin = 0, end = 0;
 };
 __host__ __device__ inline QueryBlocks query_blocks_shifted(int key_block, int seq_q, int shift, bool causal,
-                                                            int kBM) {
+                                                            int block_rows) {
   constexpr int kBN = kAttentionBwdBlockN;
   QueryBlocks qb;
-  qb.end = (seq_q + kBM - 1) / kBM;
+  qb.end = (seq_q + block_rows - 1) / block_rows;
   if (causal) {
     const int64_t first_row = int64_t(key_block) * kBN - shift;
-    if (first_row > 0) qb.begin = static_cast<int>(first_row / kBM < qb.end ? first_row / kBM : qb.end);
+    if (first_row > 0)
+      qb.begin = static_cast<int>(first_row / block_rows < qb.end ? first_row / block_rows : qb.end);
   }
   return qb;
 }
 __host__ __device__ inline QueryBlocks query_blocks(int key_block, int seq_q, int seq_k, bool causal,
-                                                    int kBM) {
-  return query_blocks_shifted(key_block, seq_q, seq_k - seq_q, causal, kBM);
+                                                    int block_rows) {
+  return query_blocks_shifted(key_block, seq_q, seq_k - seq_q, causal, block_rows);
 }
 
 // Where sequence b's per-row terms (LSE, D) begin in the workspace's rows: a multiple of 4, so that every
