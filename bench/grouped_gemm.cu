@@ -66,6 +66,45 @@ void run_grouped_gemm(Context& ctx) {
                    (long long)s.n, ms);
     }
   ctx.add(std::move(t));
+
+  // The tile order and width at the DeepSeek-V3 up-projection shape, against weft's dense GEMM of the same
+  // FLOPs: which of the grouped GEMM's choices cost it.
+  Table o("grouped GEMM options, 32 experts x 1024 rows, K 7168, N 4096, B [E, N, K], GPU 0",
+          {"kernel", "group_m", "tile_n", "ms", "TFLOP/s"},
+          "group_m: tile rows (128 each) per band of the tile order (8 = one expert's rows); tile_n: the "
+          "output tile's width. weft dense: weft::gemm over all rows with expert 0's B.");
+  {
+    const int experts = 32, each = 1024;
+    const int64_t k = 7168, n = 4096, rows = int64_t(experts) * each;
+    Mem a(rows * k * 2), b(int64_t(experts) * k * n * 2), c(rows * n * 2), ends(experts * 4);
+    fill_uniform_bf16(a.p, rows * k, 1, stream);
+    fill_uniform_bf16(b.p, int64_t(experts) * k * n, 2, stream);
+    std::vector<int32_t> e(experts);
+    for (int i = 0; i < experts; ++i) e[i] = (i + 1) * each;
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(ends.p, e.data(), e.size() * 4, cudaMemcpyHostToDevice, stream));
+    const double flops = 2.0 * rows * n * k;
+    const int iters = ctx.quick ? 10 : 30;
+    for (int tile_n : {256, 128})
+      for (int group_m : {4, 8, 16, 32}) {
+        GemmOptions opt;
+        opt.group_m = group_m;
+        opt.tile_n = tile_n;
+        for (bool grouped : {true, false}) {
+          const float ms = median_call_ms(
+              [&] {
+                if (grouped)
+                  grouped_gemm(a.p, b.p, c.p, static_cast<int32_t*>(ends.p), experts, rows, n, k,
+                               BLayout::kNK, DType::kBF16, stream, opt);
+                else
+                  gemm(a.p, b.p, c.p, rows, n, k, BLayout::kNK, DType::kBF16, stream, opt);
+              },
+              iters, stream);
+          o.add({grouped ? "weft grouped" : "weft dense", std::to_string(group_m), std::to_string(tile_n),
+                 fmt("%.3f", ms), fmt("%.1f", flops / (ms * 1e9))});
+        }
+      }
+  }
+  ctx.add(std::move(o));
   cublasDestroy(blas);
   cudaStreamDestroy(stream);
 }

@@ -1,43 +1,72 @@
-"""torch baselines for weft-bench grouped_gemm: torch._grouped_mm and a dense torch.mm of the same FLOPs at the
-same MoE shapes (DeepSeek-V3: 32 experts x 1024 rows, K 7168 N 4096 and K 2048 N 7168; Mixtral-like: 2 x 8192
-rows, K 4096, N 28672), bf16, each call timed alone with CUDA events, median of 30.
+"""weft.grouped_mm against torch._grouped_mm and a dense torch.mm of the same FLOPs at MoE shapes
+(DeepSeek-V3: 32 experts x 1024 rows, K 7168 N 4096 and K 2048 N 7168; Mixtral-like: 2 x 8192 rows, K 4096,
+N 28672), bf16, B as stacked nn.Linear weights ([E, N, K], passed transposed) and as [E, K, N].
 
-    python3 python/benchmarks/grouped_gemm.py
+The three run in turn, round after round (10 rounds of 10 timed calls each, CUDA events per call), so the
+GPU's clock and temperature drift hits them alike; a cell is the median over all its calls. Without the
+weft module (PYTHONPATH=build/python) only the torch columns are printed.
+
+    PYTHONPATH=build/python python3 python/benchmarks/grouped_gemm.py
 """
 import statistics
 
 import torch
 
+try:
+    import weft
+except ImportError:
+    weft = None
 
-def time_ms(fn, iters=30):
-    for _ in range(3):
-        fn()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+
+def time_calls(fn, n):
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
     ev[0].record()
-    for i in range(iters):
+    for i in range(n):
         fn()
         ev[i + 1].record()
     torch.cuda.synchronize()
-    return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(iters))
+    return [ev[i].elapsed_time(ev[i + 1]) for i in range(n)]
+
+
+def alternating(fns, rounds=10, per_round=10):
+    for fn in fns:
+        for _ in range(3):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            times[i] += time_calls(fn, per_round)
+    return [statistics.median(t) for t in times]
 
 
 def main():
     torch.cuda.set_device(0)
-    print("| experts | rows each | K | N | torch._grouped_mm ms | TFLOP/s | torch.mm dense TFLOP/s |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    print("| experts x rows | K | N | B | weft ms | weft TFLOP/s | torch._grouped_mm TFLOP/s | weft / torch | "
+          "torch.mm dense TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for e, rows, k, n in [(32, 1024, 7168, 4096), (32, 1024, 2048, 7168), (2, 8192, 4096, 28672)]:
         a = torch.randn(e * rows, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)  # nn.Linear weights per expert
         offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * rows
         flops = 2.0 * e * rows * k * n
-        try:
-            ms = time_ms(lambda: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs))
-            grouped = f"{ms:.3f} | {flops / ms / 1e9:.1f}"
-        except Exception as ex:  # not every torch build has it for this GPU
-            grouped = f"n/a ({type(ex).__name__}: {str(ex)[:60]}) | -"
-        w0 = w[0].t()
-        dense_ms = time_ms(lambda: torch.mm(a, w0))
-        print(f"| {e} | {rows} | {k} | {n} | {grouped} | {flops / dense_ms / 1e9:.1f} |", flush=True)
+        for layout in ("nk", "kn"):
+            if layout == "nk":  # nn.Linear weights per expert, [E, N, K], used as [E, K, N]
+                b = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16).transpose(-2, -1)
+            else:
+                b = torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16)
+            b0 = b[0]
+            fns = [lambda: torch._grouped_mm(a, b, offs=offs), lambda: torch.mm(a, b0)]
+            if weft is not None:
+                fns.append(lambda: weft.grouped_mm(a, b, offs, validate=False))
+            ms = alternating(fns)
+            torch_tf, dense_tf = flops / ms[0] / 1e9, flops / ms[1] / 1e9
+            if weft is not None:
+                w = f"{ms[2]:.3f} | {flops / ms[2] / 1e9:.1f}"
+                ratio = f"{ms[0] / ms[2]:.3f}"
+            else:
+                w, ratio = "- | -", "-"
+            print(f"| {e} x {rows} | {k} | {n} | {layout} | {w} | {torch_tf:.1f} | {ratio} | {dense_tf:.1f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

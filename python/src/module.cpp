@@ -18,6 +18,7 @@
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/context_attention.hpp"
 #include "weft/ops/fused.hpp"
+#include "weft/ops/gemm.hpp"
 #include "weft/ops/moe.hpp"
 #include "weft/runtime/communicator.hpp"
 #include "ops/ring_attention_plan.hpp"
@@ -376,6 +377,23 @@ PYBIND11_MODULE(_weft, m) {
       py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
       py::arg("shape"), py::arg("causal"), py::arg("scale"), py::arg("stream"),
       py::arg("segments") = py::tuple(), py::arg("accumulate") = py::tuple(), py::arg("dtype") = "bf16");
+  // Grouped GEMM on one GPU (weft/ops/gemm.hpp): c [rows, n] = a [rows, k] . b_e per group e of rows; b
+  // [groups, n, k] ("nk") or [groups, k, n] ("kn"); rows past the last group's end are zeroed.
+  m.def(
+      "grouped_gemm",
+      [](int device, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t group_end, int groups, int64_t rows,
+         int64_t n, int64_t k, const std::string& b_layout, const std::string& c_dtype, uintptr_t stream) {
+        OnDevice on(device);
+        weft::GemmOptions o;
+        o.zero_unused_rows = true;
+        weft::grouped_gemm(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
+                           reinterpret_cast<void*>(c), reinterpret_cast<const int32_t*>(group_end), groups,
+                           rows, n, k, b_layout == "nk" ? weft::BLayout::kNK : weft::BLayout::kKN,
+                           parse_dtype(c_dtype), reinterpret_cast<cudaStream_t>(stream), o);
+      },
+      py::arg("device"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("group_end"), py::arg("groups"),
+      py::arg("rows"), py::arg("n"), py::arg("k"), py::arg("b_layout"), py::arg("c_dtype"),
+      py::arg("stream"));
   m.def(
       "flash_attention_backward_workspace_bytes",
       [=](py::tuple shape, py::tuple segments, bool deterministic) {

@@ -45,7 +45,7 @@ class WeftTypeError(WeftError, TypeError):
 
 __all__ = ["init", "virtual_team", "Team", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
            "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
-           "matmul_all_reduce", "flash_attention", "flash_attention_varlen", "ring_shard_indices", "ring_shard",
+           "matmul_all_reduce", "flash_attention", "flash_attention_varlen", "grouped_mm", "ring_shard_indices", "ring_shard",
            "ring_unshard", "context_attention", "ring_attention", "ulysses_attention", "MoeDispatch",
            "moe_dispatch", "moe_combine_input", "moe_combine"]
 
@@ -598,6 +598,63 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
         raise WeftValueError(f"weft.flash_attention: softmax_scale must be positive, got {softmax_scale}")
     out, lse = _ops.flash_attention(q, k, v, bool(causal), scale, None, bool(deterministic))
     return (out, lse) if return_lse else out
+
+
+# ---- grouped GEMM (one GPU, no communicator) ---------------------------------------------------------------
+
+
+def grouped_mm(a, b, group_end, out_dtype=None, validate=True):
+    """Grouped matmul of an MoE layer's experts on one GPU (weft's Hopper kernel), with autograd.
+
+    a [rows, K] bf16: the rows of group e are [group_end[e - 1], group_end[e]) (group 0 from row 0), each end
+    a multiple of 128 (e.g. weft.moe_dispatch's group_end with align=128), ascending, at most rows; rows a
+    multiple of 128. b [E, K, N] bf16 (torch._grouped_mm's layout): contiguous, or the transpose of a
+    contiguous [E, N, K] (stacked nn.Linear weights, `w.transpose(1, 2)`), read in place either way.
+    group_end: int32 [E] on a's device. Returns [rows, N] of out_dtype (torch.bfloat16, the default, or
+    torch.float32): row r of group e is a[r] @ b[e]; rows past the last end are zero. K and N multiples of 8.
+    The backward gives dA by the same kernel and dB by torch's row-grouped matmul.
+    validate=True reads group_end on the host (a synchronisation; skipped while a CUDA graph is captured): an
+    end that is not a multiple of 128 would otherwise stop the kernel with a device trap.
+    """
+    where = "weft.grouped_mm"
+    if not (_torch_tensor(a) and _torch_tensor(b) and _torch_tensor(group_end)):
+        raise WeftTypeError(f"{where}: a, b and group_end must be torch tensors")
+    torch = _ops.torch
+    for name, x in (("a", a), ("b", b), ("group_end", group_end)):
+        if not x.is_cuda or x.device != a.device:
+            raise WeftValueError(f"{where}: {name} must be a CUDA tensor on a's device, got one on {x.device}")
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise WeftTypeError(f"{where}: a and b must be bf16, got {a.dtype} and {b.dtype}")
+    if group_end.dtype != torch.int32 or group_end.dim() != 1 or group_end.numel() < 1:
+        raise WeftTypeError(f"{where}: group_end must be a 1-d int32 tensor of at least one end, got "
+                            f"{group_end.dtype} {tuple(group_end.shape)}")
+    if a.dim() != 2 or b.dim() != 3:
+        raise WeftValueError(f"{where}: a must be [rows, K] and b [E, K, N], got {tuple(a.shape)} and "
+                             f"{tuple(b.shape)}")
+    rows, k = a.shape
+    e, kb, n = b.shape
+    if kb != k or e != group_end.numel():
+        raise WeftValueError(f"{where}: b must be [E, K, N] with K = a's {k} and E = group_end's "
+                             f"{group_end.numel()}, got {tuple(b.shape)}")
+    if rows % 128 or rows < 128:
+        raise WeftValueError(f"{where}: a's rows must be a positive multiple of 128 (whole tiles), got {rows}")
+    if k % 8 or n % 8:
+        raise WeftValueError(f"{where}: K and N must be multiples of 8 (16-byte rows for TMA), got K {k}, N {n}")
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise WeftTypeError(f"{where}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if validate and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling():
+        ends = group_end.tolist()
+        if any(x % 128 for x in ends) or any(y < x for x, y in zip(ends, ends[1:])) or ends[0] < 0 or ends[-1] > rows:
+            raise WeftValueError(f"{where}: group_end must ascend in multiples of 128 up to rows ({rows}), got "
+                                 f"{ends[:8]}{' ...' if len(ends) > 8 else ''}")
+    if b.is_contiguous():
+        stored, nk = b, False
+    elif b.transpose(1, 2).is_contiguous():
+        stored, nk = b.transpose(1, 2), True
+    else:
+        stored, nk = b.contiguous(), False
+    return _ops.grouped_mm(a.contiguous(), stored, group_end.contiguous(), nk, out_dtype)
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,

@@ -457,6 +457,60 @@ def flash_attention(q, k, v, causal, scale, packed, deterministic):
     return out, lse.detach()
 
 
+# ---- grouped GEMM (one GPU) -------------------------------------------------------------------------------
+# b is passed as stored: [E, N, K] (b_nk: nn.Linear weights) or [E, K, N].
+
+
+@torch.library.custom_op("weft::grouped_mm", mutates_args=())
+def _grouped_mm(a: Tensor, b: Tensor, group_end: Tensor, b_nk: bool, out_dtype: torch.dtype) -> Tensor:
+    rows, k = a.shape
+    n = b.shape[1] if b_nk else b.shape[2]
+    out = a.new_empty((rows, n), dtype=out_dtype)
+    _weft.grouped_gemm(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), group_end.data_ptr(),
+                       group_end.shape[0], rows, n, k, "nk" if b_nk else "kn", DTYPES[out_dtype], _stream(a))
+    return out
+
+
+@_grouped_mm.register_fake
+def _(a, b, group_end, b_nk, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1] if b_nk else b.shape[2]), dtype=out_dtype)
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    a, b, group_end, b_nk, _ = inputs
+    ctx.save_for_backward(a, b, group_end)
+    ctx.b_nk = b_nk
+
+
+def _grouped_weight_grad(a, g, group_end):
+    """[E, K, N]: A_e^T dC_e per group (rows past the last end belong to none)."""
+    try:
+        return torch._grouped_mm(a.t(), g, offs=group_end)
+    except (RuntimeError, AttributeError):  # a torch without the row-grouped form: one matmul per group
+        ends = [0] + group_end.tolist()
+        return torch.stack([a[ends[e]:ends[e + 1]].t() @ g[ends[e]:ends[e + 1]] for e in range(len(ends) - 1)])
+
+
+def _grouped_mm_backward(ctx, grad):
+    a, b, group_end = ctx.saved_tensors
+    g = grad.to(a.dtype).contiguous()
+    da = db = None
+    if ctx.needs_input_grad[0]:  # dA = dC B_e^T: the same stored B read the other way round
+        da = _grouped_mm(g, b, group_end, not ctx.b_nk, a.dtype)
+    if ctx.needs_input_grad[1]:
+        dkn = _grouped_weight_grad(a, g, group_end).to(b.dtype)
+        db = dkn.transpose(1, 2).contiguous() if ctx.b_nk else dkn
+    return da, db, None, None, None
+
+
+_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def grouped_mm(a, b, group_end, b_nk, out_dtype):
+    """Arguments checked by the caller; b as stored (see above)."""
+    return _grouped_mm(a, b, group_end, b_nk, out_dtype)
+
+
 # ---- sequence-parallel attention (a team) ----------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@
 #include "weft/ops/gemm.hpp"
 #include "weft/runtime/current_device.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/kernel_preload.hpp"
 #include "weft/runtime/tensor_map.hpp"
 
 namespace weft {
@@ -35,6 +36,15 @@ std::string hex(const void* p) {
 
 using ops::device_facts;
 using ops::DeviceFacts;
+
+// C's rows [*end, rows) zeroed (16-byte vectors, row_vecs per row): the rows a grouped GEMM leaves past its
+// last group, whose end only the device knows.
+__global__ void zero_rows_past(uint4* c, const int32_t* end, int64_t rows, int64_t row_vecs) {
+  const int64_t first = int64_t(__ldg(end)) * row_vecs, last = rows * row_vecs;
+  for (int64_t i = first + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < last;
+       i += int64_t(gridDim.x) * blockDim.x)
+    c[i] = make_uint4(0, 0, 0, 0);
+}
 
 // Plans (and, with a stream, launches) one problem with the GemmOp instantiation for these types.
 template <class Op, bool kKMajor, int kCluster>
@@ -139,6 +149,8 @@ Plan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
       WEFT_CHECK(reinterpret_cast<uintptr_t>(pr.group_end) % 4 == 0,
                  where + "group_end is not 4-byte aligned");
     }
+  } else {
+    WEFT_CHECK(!pr.opt.zero_unused_rows, where + "options.zero_unused_rows is for grouped_gemm only");
   }
   const bool nk = pr.b_layout == BLayout::kNK;
   const GemmOptions& opt = pr.opt;
@@ -219,6 +231,13 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_en
                   int64_t n, int64_t k, BLayout b_layout, DType c_type, cudaStream_t stream,
                   const GemmOptions& opt) {
   dispatch(Problem{a, b, c, rows, n, k, 0, 0, 0, b_layout, c_type, opt, group_end, groups}, stream, true);
+  if (opt.zero_unused_rows) {
+    const int64_t row_vecs = n * (c_type == DType::kFP32 ? 4 : 2) / 16;  // rows are 16-byte multiples
+    detail::preload<&zero_rows_past>();
+    zero_rows_past<<<2 * device_facts().sms, 256, 0, stream>>>(static_cast<uint4*>(c), group_end + groups - 1,
+                                                               rows, row_vecs);
+    WEFT_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 }  // namespace weft

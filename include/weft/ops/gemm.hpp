@@ -30,6 +30,7 @@ struct GemmOptions {
   int group_m = 0;     // tile rows (128 each) per band of the grouped tile order; 0: 16
   int start_tile = 0;  // rotates the tile order (fused ops give each rank its own start)
   int max_blocks = 0;  // cap on persistent compute blocks; 0: every SM
+  bool zero_unused_rows = false;  // grouped_gemm only: C's rows past the last group's end are zeroed
 };
 
 // Enqueues C = A.B (or C += A.B) on `stream` for the current device.
@@ -54,8 +55,9 @@ Plan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type,
 // of 128, e.g. the dispatch's rows padded per expert), and C's rows of group e = A's rows of group e times
 // B_e. b is [groups, N, K] (b_layout kNK: nn.Linear weights) or [groups, K, N] (kKN), bf16, dense. `rows` is
 // A's and C's row count (a multiple of 128, at least the last group's end); rows past that end are left as
-// they are. The counts stay on the GPU: nothing synchronises. An end that is not a multiple of 128 traps
-// the kernel. options: tile_n and max_blocks as for gemm; cluster 1, dense strides, store only.
+// they are (or zeroed, with options.zero_unused_rows). The counts stay on the GPU: nothing synchronises. An
+// end that is not a multiple of 128 traps the kernel. options: tile_n, group_m and max_blocks as for gemm;
+// cluster 1, dense strides, store only.
 void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_end, int groups, int64_t rows,
                   int64_t n, int64_t k, BLayout b_layout, DType c_type, cudaStream_t stream,
                   const GemmOptions& options = {});
