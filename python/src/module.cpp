@@ -378,14 +378,15 @@ PYBIND11_MODULE(_weft, m) {
       py::arg("shape"), py::arg("causal"), py::arg("scale"), py::arg("stream"),
       py::arg("segments") = py::tuple(), py::arg("accumulate") = py::tuple(), py::arg("dtype") = "bf16");
   // Grouped GEMM on one GPU (weft/ops/gemm.hpp): c [rows, n] = a [rows, k] . b_e per group e of rows; b
-  // [groups, n, k] ("nk") or [groups, k, n] ("kn"); rows past the last group's end are zeroed.
+  // [groups, n, k] ("nk") or [groups, k, n] ("kn"); rows past the last group's end zeroed or left.
   m.def(
       "grouped_gemm",
       [](int device, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t group_end, int groups, int64_t rows,
-         int64_t n, int64_t k, const std::string& b_layout, const std::string& c_dtype, uintptr_t stream) {
+         int64_t n, int64_t k, const std::string& b_layout, const std::string& c_dtype, bool zero_unused_rows,
+         uintptr_t stream) {
         OnDevice on(device);
         weft::GemmOptions o;
-        o.zero_unused_rows = true;
+        o.zero_unused_rows = zero_unused_rows;
         weft::grouped_gemm(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
                            reinterpret_cast<void*>(c), reinterpret_cast<const int32_t*>(group_end), groups,
                            rows, n, k, b_layout == "nk" ? weft::BLayout::kNK : weft::BLayout::kKN,
@@ -393,7 +394,7 @@ PYBIND11_MODULE(_weft, m) {
       },
       py::arg("device"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("group_end"), py::arg("groups"),
       py::arg("rows"), py::arg("n"), py::arg("k"), py::arg("b_layout"), py::arg("c_dtype"),
-      py::arg("stream"));
+      py::arg("zero_unused_rows"), py::arg("stream"));
   m.def(
       "flash_attention_backward_workspace_bytes",
       [=](py::tuple shape, py::tuple segments, bool deterministic) {
@@ -540,6 +541,23 @@ PYBIND11_MODULE(_weft, m) {
                             reinterpret_cast<const float*>(weights), reinterpret_cast<void*>(out),
                             moe_shape(shape), parse_dtype(dtype), c.stream(stream));
         });
+  m.def("moe_combine_grad_input", [=](const Comm& c, py::tuple shape, const std::string& dtype) {
+    const weft::MoeShape s = moe_shape(shape);
+    void* p = weft::moe_combine_grad_input(*c.comm, c.rank(), s, parse_dtype(dtype));
+    return view_of(c, p, {weft::moe_capacity(c.rank().world(), s), s.hidden}, dtype);
+  });
+  m.def("moe_combine_backward", [=](const Comm& c, uintptr_t expert_out, uintptr_t row_of, uintptr_t experts,
+                                    uintptr_t weights, uintptr_t dout, uintptr_t d_expert_out,
+                                    uintptr_t d_weights, py::tuple shape, const std::string& dtype,
+                                    uintptr_t stream) {
+    weft::MoeDispatched d;
+    d.row_of = reinterpret_cast<const int32_t*>(row_of);
+    d.experts = reinterpret_cast<const int32_t*>(experts);
+    weft::moe_combine_backward(*c.comm, c.rank(), reinterpret_cast<const void*>(expert_out), d,
+                               reinterpret_cast<const float*>(weights), reinterpret_cast<const void*>(dout),
+                               reinterpret_cast<void*>(d_expert_out), reinterpret_cast<float*>(d_weights),
+                               moe_shape(shape), parse_dtype(dtype), c.stream(stream));
+  });
 
   // Fused tensor-parallel ops (bf16): b_layout "kn" ([K, N] row-major) or "nk" (an [N, K] weight); the
   // return value names the path that ran ("fused" or "sequential").

@@ -264,6 +264,41 @@ def moe_compiled(team, g):
             check(f"{label} compiled vs eager", comp[r], eager[r], 1e-6)
 
 
+def moe_autograd(team, g):
+    """Gradients of the tokens and the routing weights through dispatch, a differentiable expert function and
+    combine (the dispatch's backward: a combine with weights 1; the combine's: weft.moe_combine_backward)
+    against plain torch autograd in fp32 on each rank's own tokens."""
+    w = team.world_size
+    for experts_per_rank, top_k, hidden in ((1, 2, 64), (2, 8, 136)):
+        num_experts = experts_per_rank * w
+        tokens = [150 + 23 * r for r in range(w)]
+        max_tokens = max(tokens)
+        xs = [torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for t in tokens]
+        ids = [torch.randint(-1, num_experts, (t, top_k), device="cuda", generator=g, dtype=torch.int32)
+               for t in tokens]
+        weights = [torch.rand(t, top_k, device="cuda", generator=g) for t in tokens]
+        ours_x, ours_w = leaves(xs), leaves(weights)
+        args = (ours_x, ids, ours_w, [num_experts] * w, [max_tokens] * w)
+        team.warmup(moe_layer, *args)
+        for t in ours_x + ours_w:
+            t.grad = None
+        outs = team.run(moe_layer, *args)
+        grads = [torch.randn_like(o) for o in outs]
+        torch.autograd.backward(outs, grads)
+        for r in range(w):
+            x32, w32 = leaves([xs[r]], torch.float32)[0], leaves([weights[r]])[0]
+            scale = 1 + ids[r].clamp(min=0).float() / 4
+            want = torch.zeros(tokens[r], hidden, device="cuda")
+            for j in range(top_k):
+                routed = x32 * scale[:, j:j + 1]
+                want = want + torch.where(ids[r][:, j:j + 1] >= 0, w32[:, j:j + 1] * routed, torch.zeros_like(routed))
+            want.backward(grads[r].float())
+            label = f"MoE autograd E={num_experts} top_k={top_k} hidden={hidden}: rank {r}"
+            check(f"{label} output", outs[r], want, TOL[torch.bfloat16])
+            check(f"{label} d tokens", ours_x[r].grad, x32.grad, TOL[torch.bfloat16])
+            check(f"{label} d weights", ours_w[r].grad, w32.grad, TOL[torch.bfloat16])
+
+
 def flash_attention_compiled(g):
     q, k, v = (torch.randn(2, 1000, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     fn = lambda q, k, v: weft.flash_attention(q, k, v, causal=True)
@@ -313,7 +348,7 @@ def main():
         team = _team = weft.virtual_team(w)
         g = torch.Generator(device="cuda").manual_seed(1000 + w)
         before = cases
-        for step in (collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled, moe_compiled):
+        for step in (collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled, moe_compiled, moe_autograd):
             step(team, g)
             team.synchronize()
             print(f"W = {w}: {step.__name__} passed", flush=True)

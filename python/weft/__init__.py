@@ -603,7 +603,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
 # ---- grouped GEMM (one GPU, no communicator) ---------------------------------------------------------------
 
 
-def grouped_mm(a, b, group_end, out_dtype=None, validate=True):
+def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=True):
     """Grouped matmul of an MoE layer's experts on one GPU (weft's Hopper kernel), with autograd.
 
     a [rows, K] bf16: the rows of group e are [group_end[e - 1], group_end[e]) (group 0 from row 0), each end
@@ -611,7 +611,9 @@ def grouped_mm(a, b, group_end, out_dtype=None, validate=True):
     multiple of 128. b [E, K, N] bf16 (torch._grouped_mm's layout): contiguous, or the transpose of a
     contiguous [E, N, K] (stacked nn.Linear weights, `w.transpose(1, 2)`), read in place either way.
     group_end: int32 [E] on a's device. Returns [rows, N] of out_dtype (torch.bfloat16, the default, or
-    torch.float32): row r of group e is a[r] @ b[e]; rows past the last end are zero. K and N multiples of 8.
+    torch.float32): row r of group e is a[r] @ b[e]; rows past the last end are zero (left unwritten with
+    zero_unused_rows=False, e.g. for a dispatch's worst-case capacity, whose unused rows combine never reads;
+    the backward's dA then leaves them too). K and N multiples of 8.
     The backward gives dA by the same kernel and dB by torch's row-grouped matmul.
     validate=True reads group_end on the host (a synchronisation; skipped while a CUDA graph is captured): an
     end that is not a multiple of 128 would otherwise stop the kernel with a device trap.
@@ -654,7 +656,7 @@ def grouped_mm(a, b, group_end, out_dtype=None, validate=True):
         stored, nk = b.transpose(1, 2), True
     else:
         stored, nk = b.contiguous(), False
-    return _ops.grouped_mm(a.contiguous(), stored, group_end.contiguous(), nk, out_dtype)
+    return _ops.grouped_mm(a.contiguous(), stored, group_end.contiguous(), nk, out_dtype, bool(zero_unused_rows))
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
@@ -870,7 +872,9 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None)
     global expert ids (-1: a dropped slot). max_tokens: the most tokens any rank passes (the same on every rank;
     default this rank's count, right when all ranks pass as many). Every rank calls it. No host
     synchronisation: buffers are sized for the worst case. Returns a MoeDispatch. A torch operator
-    (torch.compile traces it; no autograd yet).
+    (torch.compile traces it) with autograd: x's gradient is the sum of its rows' gradients (a combine with
+    weights 1). rows is a view of the team's dispatch area, valid until the next dispatch; when x requires
+    grad it is a copy (its consumers, e.g. weft.grouped_mm, may keep it for their backward).
     """
     where = "weft.moe_dispatch"
     if not (_torch_tensor(x) and _torch_tensor(experts)):
@@ -908,7 +912,10 @@ def moe_combine(expert_out, dispatched, weights):
     """out[t] = sum over j of weights[t, j] * the expert output of token t's j-th slot, in fp32 in slot order
     (deterministic), rounded once. expert_out [capacity, hidden] in dispatched.rows' layout (best:
     weft.moe_combine_input(dispatched), else it is copied there); weights [tokens, top_k] (fp32). Every rank
-    calls it. Returns out [tokens, hidden]. A torch operator (torch.compile traces it)."""
+    calls it. Returns out [tokens, hidden]. A torch operator (torch.compile traces it) with autograd:
+    expert_out's gradient is weights[t, j] * dout[t] at each slot's row (zeros elsewhere), the weights'
+    <dout[t], the slot's expert output> (weft.moe_combine_backward's kernel, rows read and written on the
+    experts' ranks)."""
     where = "weft.moe_combine"
     if not isinstance(dispatched, MoeDispatch):
         raise WeftTypeError(f"{where}: pass what weft.moe_dispatch returned")

@@ -462,24 +462,26 @@ def flash_attention(q, k, v, causal, scale, packed, deterministic):
 
 
 @torch.library.custom_op("weft::grouped_mm", mutates_args=())
-def _grouped_mm(a: Tensor, b: Tensor, group_end: Tensor, b_nk: bool, out_dtype: torch.dtype) -> Tensor:
+def _grouped_mm(a: Tensor, b: Tensor, group_end: Tensor, b_nk: bool, out_dtype: torch.dtype,
+                zero_unused_rows: bool) -> Tensor:
     rows, k = a.shape
     n = b.shape[1] if b_nk else b.shape[2]
     out = a.new_empty((rows, n), dtype=out_dtype)
     _weft.grouped_gemm(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), group_end.data_ptr(),
-                       group_end.shape[0], rows, n, k, "nk" if b_nk else "kn", DTYPES[out_dtype], _stream(a))
+                       group_end.shape[0], rows, n, k, "nk" if b_nk else "kn", DTYPES[out_dtype], zero_unused_rows,
+                       _stream(a))
     return out
 
 
 @_grouped_mm.register_fake
-def _(a, b, group_end, b_nk, out_dtype):
+def _(a, b, group_end, b_nk, out_dtype, zero_unused_rows):
     return a.new_empty((a.shape[0], b.shape[1] if b_nk else b.shape[2]), dtype=out_dtype)
 
 
 def _grouped_mm_setup(ctx, inputs, output):
-    a, b, group_end, b_nk, _ = inputs
+    a, b, group_end, b_nk, _, zero_unused_rows = inputs
     ctx.save_for_backward(a, b, group_end)
-    ctx.b_nk = b_nk
+    ctx.b_nk, ctx.zero_unused_rows = b_nk, zero_unused_rows
 
 
 def _grouped_weight_grad(a, g, group_end):
@@ -496,19 +498,19 @@ def _grouped_mm_backward(ctx, grad):
     g = grad.to(a.dtype).contiguous()
     da = db = None
     if ctx.needs_input_grad[0]:  # dA = dC B_e^T: the same stored B read the other way round
-        da = _grouped_mm(g, b, group_end, not ctx.b_nk, a.dtype)
+        da = _grouped_mm(g, b, group_end, not ctx.b_nk, a.dtype, ctx.zero_unused_rows)
     if ctx.needs_input_grad[1]:
         dkn = _grouped_weight_grad(a, g, group_end).to(b.dtype)
         db = dkn.transpose(1, 2).contiguous() if ctx.b_nk else dkn
-    return da, db, None, None, None
+    return da, db, None, None, None, None
 
 
 _grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
-def grouped_mm(a, b, group_end, b_nk, out_dtype):
+def grouped_mm(a, b, group_end, b_nk, out_dtype, zero_unused_rows):
     """Arguments checked by the caller; b as stored (see above)."""
-    return _grouped_mm(a, b, group_end, b_nk, out_dtype)
+    return _grouped_mm(a, b, group_end, b_nk, out_dtype, zero_unused_rows)
 
 
 # ---- sequence-parallel attention (a team) ----------------------------------------------------------------
@@ -656,9 +658,84 @@ def _(expert_out, row_of, kept, weights, shape, comm):
     return expert_out.new_empty((shape[0], shape[2]))
 
 
+# Autograd. The dispatch's backward is a combine of the rows' gradient with weights 1 (a token's gradient is
+# the sum over its slots' rows); the combine's backward gives the expert outputs' gradient (weights[t, j] *
+# dout[t] at each slot's row on its expert's rank, zeros elsewhere) and the weights' (<dout[t], the slot's
+# expert output>).
+def _moe_dispatch_setup(ctx, inputs, output):
+    _, _, shape, _, comm = inputs
+    ctx.save_for_backward(output[2], output[3])
+    ctx.shape, ctx.comm = shape, comm
+
+
+def _moe_dispatch_backward(ctx, grad_rows, _grad_ends, _grad_row_of, _grad_kept):
+    row_of, kept = ctx.saved_tensors
+    if grad_rows is None:
+        return None, None, None, None, None
+    ones = torch.ones((ctx.shape[0], ctx.shape[4]), dtype=torch.float32, device=grad_rows.device)
+    return _moe_combine(grad_rows.contiguous(), row_of, kept, ones, ctx.shape, ctx.comm), None, None, None, None
+
+
+_moe_dispatch.register_autograd(_moe_dispatch_backward, setup_context=_moe_dispatch_setup)
+
+
+@torch.library.custom_op("weft::moe_combine_backward", mutates_args=())
+def _moe_combine_backward(dout: Tensor, expert_out: Tensor, row_of: Tensor, kept: Tensor, weights: Tensor,
+                          shape: list[int], comm: int) -> tuple[Tensor, Tensor]:
+    tokens, top_k = shape[0], shape[4]
+    if EMULATE:
+        return expert_out.new_zeros(expert_out.shape), weights.new_zeros((tokens, top_k))
+    native = _native(comm)
+    dtype = DTYPES[expert_out.dtype]
+    area = torch.from_dlpack(_weft.moe_combine_input(native, tuple(shape), dtype))
+    if expert_out.data_ptr() != area.data_ptr():
+        area.copy_(expert_out)
+    grad = torch.from_dlpack(_weft.moe_combine_grad_input(native, tuple(shape), dtype))
+    d_weights = weights.new_empty((tokens, top_k))
+    _weft.moe_combine_backward(native, area.data_ptr(), row_of.data_ptr(), kept.data_ptr(), weights.data_ptr(),
+                               dout.data_ptr(), grad.data_ptr(), d_weights.data_ptr(), tuple(shape), dtype,
+                               _stream(dout))
+    # The gradient buffer is the team's (peers write it again in the next combine backward): a copy of its own.
+    return grad.clone(), d_weights
+
+
+@_moe_combine_backward.register_fake
+def _(dout, expert_out, row_of, kept, weights, shape, comm):
+    return expert_out.new_empty(expert_out.shape), weights.new_empty((shape[0], shape[4]))
+
+
+def _moe_combine_setup(ctx, inputs, output):
+    expert_out, row_of, kept, weights, shape, comm = inputs
+    # The team's combine area is overwritten by the next combine: outputs written there are kept as a copy
+    # (under torch.compile, where pointers are not known, always).
+    if torch.compiler.is_compiling():
+        expert_out = expert_out.clone()
+    elif not EMULATE:
+        area = _weft.moe_combine_input(_native(comm), tuple(shape), DTYPES[expert_out.dtype])
+        if expert_out.data_ptr() == area.data_ptr:
+            expert_out = expert_out.clone()
+    ctx.save_for_backward(expert_out, row_of, kept, weights)
+    ctx.shape, ctx.comm = shape, comm
+
+
+def _moe_combine_backward_fn(ctx, grad):
+    expert_out, row_of, kept, weights = ctx.saved_tensors
+    d_out, d_weights = _moe_combine_backward(grad.to(expert_out.dtype).contiguous(), expert_out, row_of, kept,
+                                             weights, ctx.shape, ctx.comm)
+    return d_out, None, None, d_weights, None, None
+
+
+_moe_combine.register_autograd(_moe_combine_backward_fn, setup_context=_moe_combine_setup)
+
+
 def moe_dispatch(x, ids, shape, comm):
-    """x, ids (int32, contiguous) checked by the caller; returns (rows, group_end, row_of, kept)."""
-    return _moe_dispatch(x, ids, list(shape), comm.world_size, comm._id)
+    """x, ids (int32, contiguous) checked by the caller; returns (rows, group_end, row_of, kept). Under
+    autograd rows is a copy of the team's dispatch area (which the next dispatch overwrites), since what
+    consumes it (e.g. grouped_mm) may keep it for its backward."""
+    rows, ends, row_of, kept = _moe_dispatch(x, ids, list(shape), comm.world_size, comm._id)
+    if torch.is_grad_enabled() and x.requires_grad:
+        rows = rows.clone()
+    return rows, ends, row_of, kept
 
 
 def moe_combine(expert_out, row_of, kept, weights, shape, comm):

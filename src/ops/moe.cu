@@ -29,6 +29,7 @@ namespace {
 using ops::round256;
 const char* const kArea = "moe dispatch";
 const char* const kCombineArea = "moe combine";
+const char* const kCombineGradArea = "moe combine backward";
 
 struct Dims {
   int world, rank, experts, per_rank, top_k, align;
@@ -190,6 +191,49 @@ __global__ void combine_tokens(TeamView team, BarrierSlots slots, const T* exper
   // which this rank reaches after this kernel.
 }
 
+// The combine's backward, one warp per token, slot by slot: where the slot has an expert, d_weights =
+// <dout[t], the expert's output row> (fp32, summed over the warp) and the expert's gradient row = weights *
+// dout[t], stored into that rank's gradient buffer at the slot's row (every slot has a row of its own); a
+// dropped slot's d_weights is 0.
+template <class T>
+__global__ void combine_backward_tokens(TeamView team, const T* expert_out, T* d_expert_out,
+                                        const int32_t* experts, const int32_t* row_of, const float* weights,
+                                        const T* dout, Dims d, float* d_weights) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < d.tokens; t += warps)
+    for (int j = 0; j < d.top_k; ++j) {
+      const int64_t slot = t * d.top_k + j;
+      const int e = experts[slot];
+      float dot = 0.f;
+      if (e >= 0) {
+        const float w = weights[slot];
+        const int owner = e / d.per_rank;
+        const int64_t row = int64_t(row_of[slot]) * d.hidden;
+        const T* out_row = team.peer_ptr(expert_out, owner) + row;
+        T* grad_row = team.peer_ptr(d_expert_out, owner) + row;
+        for (int64_t c = lane * 8; c < d.hidden; c += 256) {
+          const uint4 gu = *reinterpret_cast<const uint4*>(dout + t * d.hidden + c);
+          const uint4 ou = *reinterpret_cast<const uint4*>(out_row + c);
+          const T* g = reinterpret_cast<const T*>(&gu);
+          const T* o = reinterpret_cast<const T*>(&ou);
+          uint4 r;
+          T* h = reinterpret_cast<T*>(&r);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float gi = static_cast<float>(g[i]);
+            dot = fmaf(gi, static_cast<float>(o[i]), dot);
+            h[i] = static_cast<T>(w * gi);
+          }
+          *reinterpret_cast<uint4*>(grad_row + c) = r;
+        }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+      if (lane == 0) d_weights[slot] = dot;
+    }
+}
+
 struct Sizes {
   Dims d;
   int64_t capacity;
@@ -338,6 +382,56 @@ void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const M
   else
     launch(static_cast<__nv_bfloat16*>(out));
   WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
+void* moe_combine_grad_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype) {
+  const std::string where = ops::team_where("weft::moe_combine_grad_input", rank);
+  check(shape, rank.world(), where);
+  const size_t bytes = round256(size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype));
+  return ops::workspace_of(comm, rank, bytes, false, where, kCombineGradArea);
+}
+
+void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out,
+                          const MoeDispatched& dispatched, const float* weights, const void* dout,
+                          void* d_expert_out, float* d_weights, const MoeShape& shape, DType dtype,
+                          cudaStream_t stream) {
+  const std::string where = ops::team_where("weft::moe_combine_backward", rank);
+  check(shape, rank.world(), where);
+  WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "expert outputs must be bf16 or fp16");
+  WEFT_CHECK(dispatched.row_of != nullptr && dispatched.experts != nullptr,
+             where + "`dispatched` is not a dispatch's handle");
+  const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
+  WEFT_CHECK(comm.in_heap(rank, expert_out, bytes),
+             where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
+  WEFT_CHECK(comm.in_heap(rank, d_expert_out, bytes),
+             where + "d_expert_out must be the buffer moe_combine_grad_input() gives (peers write it)");
+  if (shape.tokens > 0) {
+    ops::check_pointer_alignment(dout, "dout", 16, where);
+    ops::check_pointer_alignment(weights, "weights", 4, where);
+    ops::check_pointer_alignment(d_weights, "d_weights", 4, where);
+  }
+  if (stream == nullptr) stream = rank.stream();
+  const Sizes z(rank.world(), rank.rank(), shape);
+  // Rows no slot fills keep a zero gradient; every rank has zeroed its buffer and written its expert outputs
+  // before the first meeting, and every push into it is complete after the second.
+  WEFT_CUDA_CHECK(cudaMemsetAsync(d_expert_out, 0, bytes, stream));
+  const BarrierSlots meetings = ops::meeting_slots(comm);
+  launch_team_barrier(rank.view(), meetings[0], stream);
+  const int blocks = ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2);
+  auto launch = [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    constexpr auto kernel = &combine_backward_tokens<T>;
+    detail::preload<kernel>();
+    kernel<<<blocks, 256, 0, stream>>>(rank.view(), static_cast<const T*>(expert_out),
+                                       static_cast<T*>(d_expert_out), dispatched.experts, dispatched.row_of,
+                                       weights, static_cast<const T*>(dout), z.d, d_weights);
+  };
+  if (dtype == DType::kFP16)
+    launch(static_cast<__half*>(nullptr));
+  else
+    launch(static_cast<__nv_bfloat16*>(nullptr));
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  launch_team_barrier(rank.view(), meetings[0], stream);
 }
 
 }  // namespace weft

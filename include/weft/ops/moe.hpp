@@ -63,4 +63,18 @@ void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const M
                  const float* weights, void* out, const MoeShape& shape, DType dtype,
                  cudaStream_t stream = nullptr);
 
+// The backward of moe_combine, from dout [tokens, hidden] (the gradient of combine's out on this rank):
+//   d_expert_out, [capacity, hidden] of dtype in dispatched.rows' layout (the buffer moe_combine_grad_input()
+//     gives, symmetric: the token's rank writes each row): row_of[t, j] on expert e_j's rank holds
+//     weights[t, j] * dout[t]; rows no slot fills hold zeros;
+//   d_weights [tokens, top_k] fp32: <dout[t], the expert output of slot j> (0 for a dropped slot).
+// expert_out: the forward's expert outputs, in moe_combine_input()'s buffer as for the forward. Every rank
+// calls it (single-process: once per local rank). The gradient of the dispatched rows' tokens is then
+// moe_combine of their gradient with weights 1 (the dispatch's backward).
+void* moe_combine_grad_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype);
+void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out,
+                          const MoeDispatched& dispatched, const float* weights, const void* dout,
+                          void* d_expert_out, float* d_weights, const MoeShape& shape, DType dtype,
+                          cudaStream_t stream = nullptr);
+
 }  // namespace weft
