@@ -299,6 +299,55 @@ def moe_autograd(team, g):
             check(f"{label} d weights", ours_w[r].grad, w32.grad, TOL[torch.bfloat16])
 
 
+def moe_layer_training(team, g):
+    """weft.moe_layer (dispatch, grouped GEMMs, SwiGLU, combine) against plain torch in fp32 over the whole team's
+    tokens and experts: outputs, and the gradients of the tokens, the routing weights and every rank's expert
+    weights."""
+    w = team.world_size
+    per, top_k, hidden, inter = 2, 2, 256, 128
+    num_experts = per * w
+    tokens = [160 + 40 * r for r in range(w)]
+    max_tokens = max(tokens)
+    xs = [torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for t in tokens]
+    ids = [torch.randint(-1, num_experts, (t, top_k), device="cuda", generator=g, dtype=torch.int32) for t in tokens]
+    weights = [torch.rand(t, top_k, device="cuda", generator=g) for t in tokens]
+    ups = [(torch.randn(per, hidden, 2 * inter, device="cuda", generator=g) / hidden ** 0.5).to(torch.bfloat16)
+           for _ in range(w)]
+    downs = [(torch.randn(per, inter, hidden, device="cuda", generator=g) / inter ** 0.5).to(torch.bfloat16)
+             for _ in range(w)]
+    ours = [leaves([xs[r], weights[r], ups[r], downs[r]]) for r in range(w)]
+    layer = lambda c, ins: weft.moe_layer(ins[0], ids[c.rank], ins[1], ins[2], ins[3], num_experts,
+                                          max_tokens=max_tokens, comm=c)
+    team.warmup(layer, ours)
+    for ins in ours:
+        for t in ins:
+            t.grad = None
+    outs = team.run(layer, ours)
+    grads = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads)
+    refs = [leaves([xs[r], weights[r], ups[r], downs[r]], torch.float32) for r in range(w)]
+    up_all = torch.cat([refs[r][2] for r in range(w)])  # [E, hidden, 2 inter], global expert order
+    down_all = torch.cat([refs[r][3] for r in range(w)])
+    loss = 0
+    wants = []
+    for r in range(w):
+        x, wt = refs[r][0], refs[r][1]
+        want = torch.zeros(tokens[r], hidden, device="cuda")
+        for j in range(top_k):
+            e = ids[r][:, j].long()
+            h = torch.bmm(x[:, None, :], up_all[e.clamp(min=0)])[:, 0]
+            a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+            y = torch.bmm(a[:, None, :], down_all[e.clamp(min=0)])[:, 0]
+            want = want + torch.where((e >= 0)[:, None], wt[:, j:j + 1] * y, torch.zeros_like(y))
+        wants.append(want)
+        loss = loss + (want * grads[r].float()).sum()
+    loss.backward()
+    for r in range(w):
+        check(f"MoE layer W={w}: rank {r} output", outs[r], wants[r], 3e-2)
+        for i, name in enumerate(("tokens", "routing weights", "w_up", "w_down")):
+            check(f"MoE layer W={w}: rank {r} d {name}", ours[r][i].grad, refs[r][i].grad, 3e-2)
+
+
 def flash_attention_compiled(g):
     q, k, v = (torch.randn(2, 1000, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     fn = lambda q, k, v: weft.flash_attention(q, k, v, causal=True)
@@ -348,7 +397,8 @@ def main():
         team = _team = weft.virtual_team(w)
         g = torch.Generator(device="cuda").manual_seed(1000 + w)
         before = cases
-        for step in (collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled, moe_compiled, moe_autograd):
+        for step in (collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled, moe_compiled, moe_autograd,
+                     moe_layer_training):
             step(team, g)
             team.synchronize()
             print(f"W = {w}: {step.__name__} passed", flush=True)

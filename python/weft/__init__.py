@@ -47,7 +47,7 @@ __all__ = ["init", "virtual_team", "Team", "Communicator", "WeftError", "WeftVal
            "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
            "matmul_all_reduce", "flash_attention", "flash_attention_varlen", "grouped_mm", "ring_shard_indices", "ring_shard",
            "ring_unshard", "context_attention", "ring_attention", "ulysses_attention", "MoeDispatch",
-           "moe_dispatch", "moe_combine_input", "moe_combine"]
+           "moe_dispatch", "moe_combine_input", "moe_combine", "moe_layer"]
 
 # DLPack device types (dlpack.h DLDeviceType) for messages.
 _DLPACK_DEVICES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI",
@@ -928,6 +928,52 @@ def moe_combine(expert_out, dispatched, weights):
     w = weights.to(_ops.torch.float32).contiguous()
     return _ops.moe_combine(expert_out, dispatched._row_of, dispatched._experts, w, dispatched._shape,
                             dispatched._comm)
+
+
+_ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
+
+
+def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu", max_tokens=None, align=128,
+              comm=None):
+    """The experts of an expert-parallel MoE layer: dispatch, grouped_mm up, activation, grouped_mm down, combine.
+
+    x [tokens, hidden] bf16; experts [tokens, top_k] global expert ids (-1: a dropped slot); weights [tokens,
+    top_k] routing weights; w_up: this rank's experts' first weights, [num_experts / world, hidden, 2 * inter]
+    for activation "swiglu" (gate columns, then up: silu(gate) * up) or [num_experts / world, hidden, inter]
+    for "silu", "gelu", "relu"; w_down [num_experts / world, inter, hidden]; both bf16 in torch._grouped_mm's
+    [E, K, N] layout (stacked nn.Linear weights, transposed views, are read in place). Every rank calls it;
+    returns [tokens, hidden]. With autograd (x, weights, w_up, w_down). align (a multiple of 128) pads each
+    expert's rows for the GEMM tiles. The activation runs over the dispatch's worst-case capacity rows.
+    """
+    where = "weft.moe_layer"
+    if activation not in _ACTIVATIONS:
+        raise WeftValueError(f"{where}: activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    if int(align) % 128:
+        raise WeftValueError(f"{where}: align must be a multiple of 128 (the grouped GEMM's tile rows), got {align}")
+    c = _comm(comm)
+    if not (_torch_tensor(w_up) and _torch_tensor(w_down)):
+        raise WeftTypeError(f"{where}: w_up and w_down must be torch tensors")
+    local = int(num_experts) // c.world_size
+    hidden = x.shape[-1]
+    if w_up.dim() != 3 or w_down.dim() != 3 or w_up.shape[0] != local or w_down.shape[0] != local:
+        raise WeftValueError(f"{where}: w_up and w_down must be [{local} experts of this rank, K, N], got "
+                             f"{tuple(w_up.shape)} and {tuple(w_down.shape)}")
+    inter = w_up.shape[2] // 2 if activation == "swiglu" else w_up.shape[2]
+    if w_up.shape[1] != hidden or tuple(w_down.shape[1:]) != (inter, hidden) or (
+            activation == "swiglu" and w_up.shape[2] % 2):
+        raise WeftValueError(f"{where}: with hidden {hidden} and activation {activation}, w_up must be "
+                             f"[{local}, {hidden}, {'2 x ' if activation == 'swiglu' else ''}inter] and w_down "
+                             f"[{local}, inter, {hidden}], got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
+    d = moe_dispatch(x, experts, num_experts, max_tokens=max_tokens, align=align, comm=comm)
+    # Rows past the last group are never read by combine, nor by any backward: left unwritten.
+    h = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False)
+    F = _ops.torch.nn.functional
+    if activation == "swiglu":
+        a = F.silu(h[:, :inter]) * h[:, inter:]
+    else:
+        a = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation](h)
+    y = grouped_mm(a.contiguous(), w_down, d.group_end, validate=False, zero_unused_rows=False)
+    return moe_combine(y, d, weights)
 
 
 # Communicator's bound ops say what the module-level ones say.

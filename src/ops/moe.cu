@@ -68,10 +68,12 @@ __device__ __forceinline__ int64_t padded(int64_t n, int align) {
 }
 
 // Block e (a global expert): its group's place on its rank from the counts table, this rank's rows in it
-// by token order (a block-wide scan over the slots), and, on the expert's own rank, the group's end.
-__global__ void __launch_bounds__(256)
-    place_slots(const int32_t* table, const int32_t* experts, Dims d, int32_t* row_of, int32_t* group_end) {
-  __shared__ int64_t base_s;
+// by token order (a block-wide scan over the slots), and, on the expert's own rank, the group's end and its
+// padding rows zeroed (the expert GEMMs run over whole groups: a padding row must be finite, as its
+// gradient meets it; no push writes there).
+__global__ void __launch_bounds__(256) place_slots(const int32_t* table, const int32_t* experts, Dims d,
+                                                   int32_t* row_of, int32_t* group_end, uint4* rows) {
+  __shared__ int64_t base_s, pad_begin_s, pad_end_s;
   __shared__ int warp_sums[8];
   const int e = blockIdx.x, owner = e / d.per_rank, local = e % d.per_rank;
   const int stride = d.experts + 1;
@@ -83,11 +85,20 @@ __global__ void __launch_bounds__(256)
   if (threadIdx.x == 0) {
     int64_t offset = 0;
     for (int g = owner * d.per_rank; g < e; ++g) offset += padded(total(g), d.align);
-    if (owner == d.rank) group_end[local] = static_cast<int32_t>(offset + padded(total(e), d.align));
+    const int64_t n = total(e);
+    pad_begin_s = pad_end_s = 0;
+    if (owner == d.rank) {
+      group_end[local] = static_cast<int32_t>(offset + padded(n, d.align));
+      pad_begin_s = offset + n;
+      pad_end_s = offset + padded(n, d.align);
+    }
     for (int s = 0; s < d.rank; ++s) offset += table[int64_t(s) * stride + e];
     base_s = offset;
   }
   __syncthreads();
+  const int64_t row_vecs = d.hidden * 2 / 16;
+  for (int64_t i = pad_begin_s * row_vecs + threadIdx.x; i < pad_end_s * row_vecs; i += blockDim.x)
+    rows[i] = make_uint4(0, 0, 0, 0);
   int64_t base = base_s;
   const int64_t slots = d.tokens * d.top_k;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -320,7 +331,7 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
                                          shape.num_experts);
   WEFT_CUDA_CHECK(cudaGetLastError());
   detail::preload<&place_slots>();
-  place_slots<<<shape.num_experts, 256, 0, stream>>>(table, experts, z.d, row_of, group_end);
+  place_slots<<<shape.num_experts, 256, 0, stream>>>(table, experts, z.d, row_of, group_end, rows);
   WEFT_CUDA_CHECK(cudaGetLastError());
   const int blocks =
       ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2 * rank.world());

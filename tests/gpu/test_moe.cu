@@ -2,7 +2,8 @@
 // against the host reference (src/ops/moe_layout.hpp) and every routed slot's row on its expert's rank
 // against the source token, bit for bit; combine's weighted sums against the host's, bit for bit; top-k 1, 2,
 // 8, dropped slots, repeated experts, skewed routing (half the slots to rank 0's experts), ranks with no
-// token, two dispatches in a row on one area.
+// token, two dispatches in a row on one area; combine's backward (the expert rows' gradients bit for bit,
+// zeros elsewhere; the weights' gradients against fp64).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -114,10 +115,15 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
           const int64_t row = L.row_of[s][t * mc.top_k + j];
           bad_data += std::memcmp(&rows[row * mc.hidden], &tokens[s][t * mc.hidden], mc.hidden * 2) != 0;
         }
+    // Each group's padding rows: zeros.
+    for (int e = 0; e < per; ++e)
+      for (int64_t r = L.group_offset[d][e] + L.group_rows[d][e];
+           r < L.group_offset[d][e] + (L.group_rows[d][e] + mc.align - 1) / mc.align * mc.align; ++r)
+        for (int64_t h = 0; h < mc.hidden; ++h) bad_data += __bfloat162float(rows[r * mc.hidden + h]) != 0.f;
     if (bad_rows || bad_ends || bad_data)
       failures += "\n    " + label + ": rank " + std::to_string(d) + ": " + std::to_string(bad_rows) +
                   " row_of entries, " + std::to_string(bad_ends) + " group ends, " +
-                  std::to_string(bad_data) + " rows differ from the host layout";
+                  std::to_string(bad_data) + " rows (or padding values) differ from the host layout";
   }
   if (!failures.empty()) return failures;
 
@@ -182,6 +188,89 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
     if (bad)
       failures += "\n    " + label + ": rank " + std::to_string(s) + " combine: " + std::to_string(bad) +
                   " values differ from the host's weighted sum";
+  }
+  if (!failures.empty()) return failures;
+
+  // Combine's backward on random dout: every expert row's gradient against weights x dout rounded once (bit
+  // for bit) and zeros in the rows no slot fills (the buffer poisoned first), the weights' gradient against
+  // the fp64 dot.
+  std::vector<std::vector<__nv_bfloat16>> dout(W);
+  for (int r = 0; r < W; ++r) {
+    dout[r].resize(std::max<int64_t>(T[r], 1) * mc.hidden);
+    for (auto& x : dout[r]) x = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 512.f);
+  }
+  struct Backward {
+    DeviceBuffer dout, dw;
+    Backward(size_t ob, size_t wb) : dout(ob), dw(wb) {}
+  };
+  std::vector<std::unique_ptr<Backward>> back;
+  std::vector<void*> grads(c.num_local());
+  const size_t grad_bytes = size_t(got[0].capacity) * mc.hidden * 2;
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    const int r = rank.rank();
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    MoeShape s = base;
+    s.tokens = T[r];
+    grads[i] = moe_combine_grad_input(c, rank, s, DType::kBF16);
+    weft::test::poison(c, i, grads[i], grad_bytes);
+    auto b = std::make_unique<Backward>(dout[r].size() * 2, weights[r].size() * 4);
+    weft::test::upload(c, i, b->dout.p, dout[r].data(), b->dout.bytes);
+    weft::test::poison(c, i, b->dw.p, b->dw.bytes);
+    back.push_back(std::move(b));
+  }
+  c.host_barrier();
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    MoeShape s = base;
+    s.tokens = T[rank.rank()];
+    moe_combine_backward(c, rank, inputs[i], got[i], comb[i]->w.as<float>(), back[i]->dout.p, grads[i],
+                         back[i]->dw.as<float>(), s, DType::kBF16);
+  }
+  c.synchronize();
+  for (int i = 0; i < c.num_local(); ++i) {
+    const int d = c.local(i).rank();
+    // This rank's experts' gradient rows: the slot that filled each row, or zeros.
+    std::vector<__nv_bfloat16> want(size_t(got[i].capacity) * mc.hidden, __float2bfloat16(0.f));
+    for (int s = 0; s < W; ++s)
+      for (int64_t t = 0; t < T[s]; ++t)
+        for (int j = 0; j < mc.top_k; ++j) {
+          const int e = routing[s].experts[t * mc.top_k + j];
+          if (e < 0 || e / per != d) continue;
+          const int64_t row = L.row_of[s][t * mc.top_k + j];
+          for (int64_t h = 0; h < mc.hidden; ++h)
+            want[row * mc.hidden + h] =
+                __float2bfloat16(weights[s][t * mc.top_k + j] * __bfloat162float(dout[s][t * mc.hidden + h]));
+        }
+    std::vector<__nv_bfloat16> grad(want.size());
+    weft::test::download(c, i, grad.data(), grads[i], grad_bytes);
+    int64_t bad_grad = 0;
+    for (size_t k = 0; k < grad.size(); ++k) bad_grad += std::memcmp(&grad[k], &want[k], 2) != 0;
+    // This rank's tokens' weight gradients.
+    std::vector<float> dw(std::max<size_t>(routing[d].experts.size(), 1));
+    weft::test::download(c, i, dw.data(), back[i]->dw.p, dw.size() * 4);
+    int64_t bad_dw = 0;
+    for (int64_t t = 0; t < T[d]; ++t)
+      for (int j = 0; j < mc.top_k; ++j) {
+        const int e = routing[d].experts[t * mc.top_k + j];
+        double dot = 0, scale = 0;
+        if (e >= 0) {
+          const int64_t row = L.row_of[d][t * mc.top_k + j];
+          for (int64_t h = 0; h < mc.hidden; ++h) {
+            const double p = double(__bfloat162float(dout[d][t * mc.hidden + h])) *
+                             __bfloat162float(y[e / per][row * mc.hidden + h]);
+            dot += p;
+            scale += std::abs(p);
+          }
+        }
+        const float x = dw[t * mc.top_k + j];
+        bad_dw += !(std::abs(x - dot) <= 1e-5 * scale + 1e-30);
+      }
+    if (bad_grad || bad_dw)
+      failures += "\n    " + label + ": rank " + std::to_string(d) +
+                  " combine backward: " + std::to_string(bad_grad) + " expert-gradient values, " +
+                  std::to_string(bad_dw) + " weight gradients wrong";
   }
   return failures;
 }
