@@ -253,6 +253,7 @@ PYBIND11_MODULE(_weft, m) {
       .def_property_readonly("rank", [](const Comm& c) { return c.rank().rank(); })
       .def_property_readonly("world_size", [](const Comm& c) { return c.comm->world(); })
       .def_property_readonly("device", [](const Comm& c) { return c.rank().device(); })
+      .def_property_readonly("local_ranks", [](const Comm& c) { return c.comm->num_local(); })
       .def_property_readonly("stream",
                              [](const Comm& c) { return reinterpret_cast<uintptr_t>(c.rank().stream()); })
       .def("empty",
@@ -512,7 +513,7 @@ PYBIND11_MODULE(_weft, m) {
     return weft::moe_dispatch_workspace_bytes(world, moe_shape(shape));
   });
   // Returns (rows view [capacity, hidden], group_end view [experts per rank] int32, row_of pointer, experts
-  // pointer, capacity).
+  // pointer, capacity, counts-table pointer).
   m.def("moe_dispatch", [=](const Comm& c, uintptr_t tokens, uintptr_t experts, py::tuple shape,
                             uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype,
                             uintptr_t stream) {
@@ -524,8 +525,18 @@ PYBIND11_MODULE(_weft, m) {
     return py::make_tuple(view_of(c, const_cast<void*>(d.rows), {d.capacity, s.hidden}, dtype),
                           view_of(c, const_cast<int32_t*>(d.group_end), {per}, "int32"),
                           reinterpret_cast<uintptr_t>(d.row_of), reinterpret_cast<uintptr_t>(d.experts),
-                          d.capacity);
+                          d.capacity, reinterpret_cast<uintptr_t>(d.counts));
   });
+  // The exact-count read-back of the last dispatch on this rank (synchronises its stream): (rows per local
+  // expert, padded group ends, rows in use). counts: the dispatch's counts table (moe_dispatch's 6th value).
+  m.def("moe_counts",
+        [=](const Comm& c, uintptr_t counts, uintptr_t group_end, py::tuple shape, uintptr_t stream) {
+          weft::MoeDispatched d;
+          d.counts = reinterpret_cast<const int32_t*>(counts);
+          d.group_end = reinterpret_cast<const int32_t*>(group_end);
+          const weft::MoeCounts n = weft::moe_counts(c.rank(), d, moe_shape(shape), c.stream(stream));
+          return py::make_tuple(n.expert_rows, n.group_end, n.rows);
+        });
   m.def("moe_combine_input", [=](const Comm& c, py::tuple shape, const std::string& dtype) {
     const weft::MoeShape s = moe_shape(shape);
     void* p = weft::moe_combine_input(*c.comm, c.rank(), s, parse_dtype(dtype));

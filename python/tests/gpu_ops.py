@@ -142,6 +142,28 @@ def main():
             want += torch.where(ids[:, j:j + 1] >= 0, weights[:, j:j + 1] * routed, torch.zeros_like(routed))
         check(f"moe dispatch + combine E={num_experts} top_k={top_k} hidden={hidden}", out, want.to(torch.bfloat16))
         cases += 1
+    # weft.moe_layer with the exact counts read back (one process per rank: the read-back's synchronisation
+    # waits only for this rank's own work) against the worst-case rows (checked against fp32 torch on virtual
+    # teams, python/tests/gpu_team.py): outputs and every gradient.
+    per, top_k, hidden, inter = 2, 2, 256, 128
+    num_experts = per * world
+    tokens = 100 + 37 * rank
+    max_tokens = 100 + 37 * (world - 1)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.randint(-1, num_experts, (tokens, top_k), device="cuda", generator=g, dtype=torch.int32)
+    weights = torch.rand(tokens, top_k, device="cuda", generator=g)
+    w_up = (torch.randn(per, hidden, 2 * inter, device="cuda", generator=g) / hidden ** 0.5).to(torch.bfloat16)
+    w_down = (torch.randn(per, inter, hidden, device="cuda", generator=g) / inter ** 0.5).to(torch.bfloat16)
+    dout = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    results = []
+    for exact in (False, True):
+        ins = [t.detach().clone().requires_grad_() for t in (x, weights, w_up, w_down)]
+        out = weft.moe_layer(ins[0], ids, ins[1], ins[2], ins[3], num_experts, max_tokens=max_tokens, exact=exact)
+        out.backward(dout)
+        results.append([out] + [t.grad for t in ins])
+    for name, got, want in zip(("output", "d tokens", "d weights", "d w_up", "d w_down"), results[1], results[0]):
+        check(f"moe_layer exact counts: {name}", got, want.to(got.dtype))
+        cases += 1
     # Symmetric tensors through DLPack, out=, and a captured graph.
     n = 1 << 20
     sym_in = torch.from_dlpack(comm.empty((n,), "bf16"))

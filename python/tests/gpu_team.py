@@ -315,16 +315,19 @@ def moe_layer_training(team, g):
            for _ in range(w)]
     downs = [(torch.randn(per, inter, hidden, device="cuda", generator=g) / inter ** 0.5).to(torch.bfloat16)
              for _ in range(w)]
-    ours = [leaves([xs[r], weights[r], ups[r], downs[r]]) for r in range(w)]
-    layer = lambda c, ins: weft.moe_layer(ins[0], ids[c.rank], ins[1], ins[2], ins[3], num_experts,
-                                          max_tokens=max_tokens, comm=c)
-    team.warmup(layer, ours)
-    for ins in ours:
-        for t in ins:
-            t.grad = None
-    outs = team.run(layer, ours)
-    grads = [torch.randn_like(o) for o in outs]
-    torch.autograd.backward(outs, grads)
+    grads = [torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for t in tokens]
+    runs = {}
+    for exact in (False,):  # (exact counts: python/tests/gpu_ops.py, one process per rank)
+        ours = [leaves([xs[r], weights[r], ups[r], downs[r]]) for r in range(w)]
+        layer = lambda c, ins: weft.moe_layer(ins[0], ids[c.rank], ins[1], ins[2], ins[3], num_experts,
+                                              max_tokens=max_tokens, comm=c, exact=exact)
+        team.warmup(layer, ours)
+        for ins in ours:
+            for t in ins:
+                t.grad = None
+        outs = team.run(layer, ours)
+        torch.autograd.backward(outs, grads)
+        runs[exact] = (outs, ours)
     refs = [leaves([xs[r], weights[r], ups[r], downs[r]], torch.float32) for r in range(w)]
     up_all = torch.cat([refs[r][2] for r in range(w)])  # [E, hidden, 2 inter], global expert order
     down_all = torch.cat([refs[r][3] for r in range(w)])
@@ -342,10 +345,25 @@ def moe_layer_training(team, g):
         wants.append(want)
         loss = loss + (want * grads[r].float()).sum()
     loss.backward()
-    for r in range(w):
-        check(f"MoE layer W={w}: rank {r} output", outs[r], wants[r], 3e-2)
-        for i, name in enumerate(("tokens", "routing weights", "w_up", "w_down")):
-            check(f"MoE layer W={w}: rank {r} d {name}", ours[r][i].grad, refs[r][i].grad, 3e-2)
+    for exact, (outs, ours) in runs.items():
+        label = f"MoE layer W={w}{' exact counts' if exact else ''}"
+        for r in range(w):
+            check(f"{label}: rank {r} output", outs[r], wants[r], 3e-2)
+            for i, name in enumerate(("tokens", "routing weights", "w_up", "w_down")):
+                check(f"{label}: rank {r} d {name}", ours[r][i].grad, refs[r][i].grad, 3e-2)
+
+
+def moe_exact_counts(team):
+    """exact=True refused on a virtual team before anything is queued (python/tests/gpu_ops.py runs it with one
+    process per rank)."""
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    ids = torch.zeros(8, 1, device="cuda", dtype=torch.int32)
+    try:
+        team.run(lambda c: weft.moe_dispatch(x, ids, team.world_size, comm=c, exact=True))
+        raise AssertionError("exact=True on a virtual team was not refused")
+    except weft.WeftValueError as e:
+        assert "one process per rank" in str(e), e
+    team.synchronize()
 
 
 def flash_attention_compiled(g):
@@ -403,6 +421,7 @@ def main():
             team.synchronize()
             print(f"W = {w}: {step.__name__} passed", flush=True)
         errors(team)
+        moe_exact_counts(team)
         print(f"W = {w}: {cases - before} cases passed", flush=True)
     flash_attention_compiled(torch.Generator(device="cuda").manual_seed(7))
     print(f"python team tests: {cases} passed, 0 failed", flush=True)

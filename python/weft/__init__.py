@@ -856,22 +856,27 @@ def ulysses_attention(q, k, v, causal=False, seq_len=None, cu_seqlens=None, soft
 class MoeDispatch:
     """What weft.moe_dispatch returns on this rank: `rows` [capacity, hidden] (this rank's experts' rows, one
     padded group per local expert, back to back; a view valid until the next dispatch on the team),
-    `group_end` int32 [experts per rank] (each group's padded end, on the GPU), `capacity`; and what
-    weft.moe_combine needs of the dispatch (each slot's row on its expert's rank, the expert ids)."""
+    `group_end` int32 [experts per rank] (each group's padded end, on the GPU), `capacity` (the worst case);
+    with exact=True also `counts` (rows per local expert, a host list) and rows cut to the rows in use (the
+    last group's end), else counts is None; and what weft.moe_combine needs of the dispatch (each slot's row on
+    its expert's rank, the expert ids)."""
 
-    def __init__(self, comm, shape, rows, group_end, row_of, experts):
-        self.rows, self.group_end, self.capacity = rows, group_end, rows.shape[0]
+    def __init__(self, comm, shape, rows, group_end, row_of, experts, capacity, counts=None):
+        self.rows, self.group_end, self.capacity = rows, group_end, capacity
+        self.counts = list(counts[0]) if counts is not None else None
         self._comm, self._shape = comm, shape
         self._row_of, self._experts = row_of, experts
 
 
-def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None):
+def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None, exact=False):
     """Sends each token of this rank to the ranks holding its top-k experts (experts split evenly over the team).
 
     x [tokens, hidden] bf16 / fp16 on this rank's GPU (hidden a multiple of 8); experts [tokens, top_k] integer
     global expert ids (-1: a dropped slot). max_tokens: the most tokens any rank passes (the same on every rank;
     default this rank's count, right when all ranks pass as many). Every rank calls it. No host
-    synchronisation: buffers are sized for the worst case. Returns a MoeDispatch. A torch operator
+    synchronisation: buffers are sized for the worst case; exact=True reads the counts back (one
+    synchronisation; not for CUDA graphs, nor for a team one process drives) and cuts rows to the rows in use, so what runs on them (expert
+    GEMMs, activations) skips the worst case's empty rows. Returns a MoeDispatch. A torch operator
     (torch.compile traces it) with autograd: x's gradient is the sum of its rows' gradients (a combine with
     weights 1). rows is a view of the team's dispatch area, valid until the next dispatch; when x requires
     grad it is a copy (its consumers, e.g. weft.grouped_mm, may keep it for their backward).
@@ -889,12 +894,18 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None)
         raise WeftTypeError(f"{where}: x must be bf16 or fp16, got {x.dtype}")
     if experts.dtype.is_floating_point:
         raise WeftTypeError(f"{where}: experts must hold integer ids, got {experts.dtype}")
+    if exact and c._c.local_ranks > 1:  # refused before anything is queued: the peers would wait for ever
+        raise WeftValueError(f"{where}: exact=True reads the counts back, synchronising this rank's stream, "
+                             f"which in a team that one process drives ({c._c.local_ranks} ranks here) waits for "
+                             "ranks not yet launched; run one process per rank (torchrun), or use exact=False")
     tokens, hidden = x.shape
     shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts),
              experts.shape[1], int(align))
     ids = experts.to(_ops.torch.int32).contiguous()
-    rows, ends, row_of, kept = _ops.moe_dispatch(x.contiguous(), ids, shape, c)
-    return MoeDispatch(c, shape, rows, ends, row_of, kept)
+    rows, ends, row_of, kept, counts = _ops.moe_dispatch(x.contiguous(), ids, shape, c, bool(exact))
+    # (Exact counts cut rows; the pybind call is kept out of what torch.compile traces otherwise.)
+    capacity = rows.shape[0] if counts is None else _ops._moe_capacity(shape, c.world_size)
+    return MoeDispatch(c, shape, rows, ends, row_of, kept, capacity, counts)
 
 
 def moe_combine_input(dispatched):
@@ -922,8 +933,9 @@ def moe_combine(expert_out, dispatched, weights):
     tokens, _, hidden, _, top_k, _ = dispatched._shape
     if tuple(weights.shape) != (tokens, top_k):
         raise WeftValueError(f"{where}: weights must be [{tokens}, {top_k}], got {tuple(weights.shape)}")
-    if tuple(expert_out.shape) != (dispatched.capacity, hidden) or expert_out.dtype != dispatched.rows.dtype:
-        raise WeftValueError(f"{where}: expert_out must be [{dispatched.capacity}, {hidden}] of {dispatched.rows.dtype} "
+    rows = dispatched.rows.shape[0]
+    if tuple(expert_out.shape) != (rows, hidden) or expert_out.dtype != dispatched.rows.dtype:
+        raise WeftValueError(f"{where}: expert_out must be [{rows}, {hidden}] of {dispatched.rows.dtype} "
                              f"(dispatched.rows' layout), got {tuple(expert_out.shape)} of {expert_out.dtype}")
     w = weights.to(_ops.torch.float32).contiguous()
     return _ops.moe_combine(expert_out, dispatched._row_of, dispatched._experts, w, dispatched._shape,
@@ -934,7 +946,7 @@ _ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
 
 
 def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu", max_tokens=None, align=128,
-              comm=None):
+              comm=None, exact=False):
     """The experts of an expert-parallel MoE layer: dispatch, grouped_mm up, activation, grouped_mm down, combine.
 
     x [tokens, hidden] bf16; experts [tokens, top_k] global expert ids (-1: a dropped slot); weights [tokens,
@@ -943,7 +955,8 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
     for "silu", "gelu", "relu"; w_down [num_experts / world, inter, hidden]; both bf16 in torch._grouped_mm's
     [E, K, N] layout (stacked nn.Linear weights, transposed views, are read in place). Every rank calls it;
     returns [tokens, hidden]. With autograd (x, weights, w_up, w_down). align (a multiple of 128) pads each
-    expert's rows for the GEMM tiles. The activation runs over the dispatch's worst-case capacity rows.
+    expert's rows for the GEMM tiles. The activation runs over the dispatch's worst-case capacity rows, or with
+    exact=True (one synchronisation, see moe_dispatch) over the rows in use only.
     """
     where = "weft.moe_layer"
     if activation not in _ACTIVATIONS:
@@ -964,10 +977,14 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
         raise WeftValueError(f"{where}: with hidden {hidden} and activation {activation}, w_up must be "
                              f"[{local}, {hidden}, {'2 x ' if activation == 'swiglu' else ''}inter] and w_down "
                              f"[{local}, inter, {hidden}], got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
-    d = moe_dispatch(x, experts, num_experts, max_tokens=max_tokens, align=align, comm=comm)
+    d = moe_dispatch(x, experts, num_experts, max_tokens=max_tokens, align=align, comm=comm, exact=exact)
+    F = _ops.torch.nn.functional
+    if d.rows.shape[0] == 0:  # exact counts, no row here: the experts' weights still get (zero) gradients
+        h = d.rows @ w_up[0]
+        a = F.silu(h[:, :inter]) * h[:, inter:] if activation == "swiglu" else h
+        return moe_combine(a @ w_down[0], d, weights)
     # Rows past the last group are never read by combine, nor by any backward: left unwritten.
     h = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False)
-    F = _ops.torch.nn.functional
     if activation == "swiglu":
         a = F.silu(h[:, :inter]) * h[:, inter:]
     else:

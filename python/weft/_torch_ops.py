@@ -604,6 +604,9 @@ def _moe_capacity(shape, world):
     return _weft.moe_capacity(world, (1, *(int(v) for v in shape[1:])))
 
 
+_last_counts = {}  # per communicator id: the counts table of its last dispatch (the exact-count read-back)
+
+
 @torch.library.custom_op("weft::moe_dispatch", mutates_args=())
 def _moe_dispatch(x: Tensor, experts: Tensor, shape: list[int], world: int,
                   comm: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -616,8 +619,10 @@ def _moe_dispatch(x: Tensor, experts: Tensor, shape: list[int], world: int,
     native = _native(comm)
     nbytes = _weft.moe_dispatch_workspace_bytes(world, tuple(shape))
     ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=x.device)
-    rows, ends, row_of, kept, _ = _weft.moe_dispatch(native, x.data_ptr(), experts.data_ptr(), tuple(shape),
-                                                     ws.data_ptr(), nbytes, DTYPES[x.dtype], _stream(x))
+    rows, ends, row_of, kept, _, counts = _weft.moe_dispatch(native, x.data_ptr(), experts.data_ptr(),
+                                                             tuple(shape), ws.data_ptr(), nbytes, DTYPES[x.dtype],
+                                                             _stream(x))
+    _last_counts[comm] = counts
 
     def slots(ptr):  # [tokens, top_k] int32 at ptr inside ws, copied out (combine needs only these)
         at = ptr - ws.data_ptr()
@@ -647,7 +652,7 @@ def _moe_combine(expert_out: Tensor, row_of: Tensor, kept: Tensor, weights: Tens
     # The outputs are read by the ranks that sent the tokens: from the team's symmetric combine area.
     area = torch.from_dlpack(_weft.moe_combine_input(native, tuple(shape), dtype))
     if expert_out.data_ptr() != area.data_ptr():
-        area.copy_(expert_out)
+        area[:expert_out.shape[0]].copy_(expert_out)  # exact-count rows: the used rows only
     _weft.moe_combine(native, area.data_ptr(), row_of.data_ptr(), kept.data_ptr(), weights.data_ptr(),
                       out.data_ptr(), tuple(shape), dtype, _stream(expert_out))
     return out
@@ -689,14 +694,14 @@ def _moe_combine_backward(dout: Tensor, expert_out: Tensor, row_of: Tensor, kept
     dtype = DTYPES[expert_out.dtype]
     area = torch.from_dlpack(_weft.moe_combine_input(native, tuple(shape), dtype))
     if expert_out.data_ptr() != area.data_ptr():
-        area.copy_(expert_out)
+        area[:expert_out.shape[0]].copy_(expert_out)
     grad = torch.from_dlpack(_weft.moe_combine_grad_input(native, tuple(shape), dtype))
     d_weights = weights.new_empty((tokens, top_k))
     _weft.moe_combine_backward(native, area.data_ptr(), row_of.data_ptr(), kept.data_ptr(), weights.data_ptr(),
                                dout.data_ptr(), grad.data_ptr(), d_weights.data_ptr(), tuple(shape), dtype,
                                _stream(dout))
     # The gradient buffer is the team's (peers write it again in the next combine backward): a copy of its own.
-    return grad.clone(), d_weights
+    return grad[:expert_out.shape[0]].clone(), d_weights
 
 
 @_moe_combine_backward.register_fake
@@ -728,14 +733,22 @@ def _moe_combine_backward_fn(ctx, grad):
 _moe_combine.register_autograd(_moe_combine_backward_fn, setup_context=_moe_combine_setup)
 
 
-def moe_dispatch(x, ids, shape, comm):
-    """x, ids (int32, contiguous) checked by the caller; returns (rows, group_end, row_of, kept). Under
-    autograd rows is a copy of the team's dispatch area (which the next dispatch overwrites), since what
-    consumes it (e.g. grouped_mm) may keep it for its backward."""
+def moe_dispatch(x, ids, shape, comm, exact=False):
+    """x, ids (int32, contiguous) checked by the caller; returns (rows, group_end, row_of, kept, counts). exact:
+    the counts are read back (a synchronisation) as (rows per local expert, group ends, rows in use) and rows
+    is cut to the rows in use; else counts is None. Under autograd rows is a copy of the team's dispatch area
+    (which the next dispatch overwrites), since what consumes it (e.g. grouped_mm) may keep it for its
+    backward."""
     rows, ends, row_of, kept = _moe_dispatch(x, ids, list(shape), comm.world_size, comm._id)
+    counts = None
+    if exact:
+        per = shape[3] // comm.world_size
+        counts = (([0] * per, [0] * per, 0) if EMULATE else
+                  _weft.moe_counts(comm._c, _last_counts[comm._id], ends.data_ptr(), tuple(shape), _stream(x)))
+        rows = rows[:counts[2]]
     if torch.is_grad_enabled() and x.requires_grad:
         rows = rows.clone()
-    return rows, ends, row_of, kept
+    return rows, ends, row_of, kept, counts
 
 
 def moe_combine(expert_out, row_of, kept, weights, shape, comm):

@@ -349,7 +349,33 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
   out.row_of = row_of;
   out.experts = kept;
   out.capacity = z.capacity;
+  out.counts = table;
   return out;
+}
+
+MoeCounts moe_counts(Rank& rank, const MoeDispatched& dispatched, const MoeShape& shape,
+                     cudaStream_t stream) {
+  const std::string where = ops::team_where("weft::moe_counts", rank);
+  check(shape, rank.world(), where);
+  WEFT_CHECK(dispatched.counts != nullptr && dispatched.group_end != nullptr,
+             where + "`dispatched` is not a dispatch's handle");
+  if (stream == nullptr) stream = rank.stream();
+  const int W = rank.world(), E = shape.num_experts, per = E / W;
+  std::vector<int32_t> table(size_t(W) * (E + 1)), ends(per);
+  WEFT_CUDA_CHECK(
+      cudaMemcpyAsync(table.data(), dispatched.counts, table.size() * 4, cudaMemcpyDeviceToHost, stream));
+  WEFT_CUDA_CHECK(
+      cudaMemcpyAsync(ends.data(), dispatched.group_end, ends.size() * 4, cudaMemcpyDeviceToHost, stream));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MoeCounts c;
+  for (int e = 0; e < per; ++e) {
+    int64_t n = 0;
+    for (int s = 0; s < W; ++s) n += table[size_t(s) * (E + 1) + rank.rank() * per + e];
+    c.expert_rows.push_back(n);
+    c.group_end.push_back(ends[e]);
+  }
+  c.rows = per > 0 ? c.group_end.back() : 0;
+  return c;
 }
 
 void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype) {

@@ -2,8 +2,8 @@
 // against the host reference (src/ops/moe_layout.hpp) and every routed slot's row on its expert's rank
 // against the source token, bit for bit; combine's weighted sums against the host's, bit for bit; top-k 1, 2,
 // 8, dropped slots, repeated experts, skewed routing (half the slots to rank 0's experts), ranks with no
-// token, two dispatches in a row on one area; combine's backward (the expert rows' gradients bit for bit,
-// zeros elsewhere; the weights' gradients against fp64).
+// token, two dispatches in a row on one area; the exact counts read back (moe_counts); combine's backward
+// (the expert rows' gradients bit for bit, zeros elsewhere; the weights' gradients against fp64).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -95,10 +95,15 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
     std::vector<int32_t> ends(per);
     weft::test::download(c, i, ends.data(), got[i].group_end, per * 4);
     int64_t bad_ends = 0;
+    MoeShape shape_d = base;
+    shape_d.tokens = T[d];
+    const MoeCounts counts = moe_counts(c.local(i), got[i], shape_d);  // the exact-count mode's read-back
     for (int e = 0; e < per; ++e) {
       const int want = L.group_offset[d][e] + (L.group_rows[d][e] + mc.align - 1) / mc.align * mc.align;
       bad_ends += ends[e] != want;
+      bad_ends += counts.group_end[e] != want || counts.expert_rows[e] != L.group_rows[d][e];
     }
+    bad_ends += counts.rows != L.rows[d];
     std::vector<__nv_bfloat16> rows(std::max(L.rows[d], 1) * mc.hidden);
     if (L.rows[d] > got[i].capacity) {
       failures += "\n    " + label + ": rank " + std::to_string(d) + " needs " + std::to_string(L.rows[d]) +

@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "weft/dtype.hpp"
 #include "weft/runtime/communicator.hpp"
@@ -39,7 +40,21 @@ struct MoeDispatched {
                                      // for a dropped slot (combine reads the expert outputs there)
   const int32_t* experts = nullptr;  // [tokens, top_k]: the dispatch's expert ids, kept for combine
   int64_t capacity = 0;              // rows of `rows`: the worst case, a multiple of align
+  const int32_t* counts = nullptr;   // [world][num_experts + 1]: each source's rows per expert, then its
+                                     // token count (the layout's input, in the dispatch area)
 };
+
+// What a dispatch delivered to this rank, read back to the host (synchronises `stream`: the exact-count
+// mode, not for CUDA graphs): per local expert the rows its group received (before padding) and the
+// group's padded end; `rows`, the rows in use (the last end), so the expert GEMMs and what follows them can
+// run over those rows instead of the worst-case capacity. Single-process teams: call it once every local
+// rank's dispatch is queued (the dispatch waits on the GPU for its peers').
+struct MoeCounts {
+  std::vector<int64_t> expert_rows, group_end;
+  int64_t rows = 0;
+};
+MoeCounts moe_counts(Rank& rank, const MoeDispatched& dispatched, const MoeShape& shape,
+                     cudaStream_t stream = nullptr);
 
 // Rows an expert buffer holds at most: every rank's max_tokens, each in up to top_k groups (an expert may be
 // named twice), plus each group's padding.
