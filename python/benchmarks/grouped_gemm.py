@@ -6,6 +6,9 @@ The three run in turn, round after round (10 rounds of 10 timed calls each, CUDA
 GPU's clock and temperature drift hits them alike; a cell is the median over all its calls. Without the
 weft module (PYTHONPATH=build/python) only the torch columns are printed.
 
+Then the first expert GEMM with SwiGLU: weft's SwiGLU epilogue against the GEMM followed by torch's
+silu(gate) * up (weft's and torch._grouped_mm's), in turns the same way.
+
     PYTHONPATH=build/python python3 python/benchmarks/grouped_gemm.py
 """
 import statistics
@@ -67,6 +70,31 @@ def main():
                 w, ratio = "- | -", "-"
             print(f"| {e} x {rows} | {k} | {n} | {layout} | {w} | {torch_tf:.1f} | {ratio} | {dense_tf:.1f} |",
                   flush=True)
+
+    if weft is None:
+        return
+    # The first expert GEMM with SwiGLU (DeepSeek-V3: 32 x 1024 rows, K 7168, gate + up 2 x 2048; Mixtral-like:
+    # 2 x 8192 rows, K 4096, 2 x 14336): the epilogue's SwiGLU against the GEMM and then silu(gate) * up as
+    # torch ops, for weft and torch._grouped_mm alike. Weights as stacked nn.Linear [E, 2 I, K].
+    F = torch.nn.functional
+    print()
+    print("| experts x rows | K | 2 x I | weft fused ms | weft + torch SwiGLU ms | torch._grouped_mm + SwiGLU ms | "
+          "fused / weft unfused | fused / torch |")
+    print("|---|---|---|---|---|---|---|---|")
+    for e, rows, k, inter in [(32, 1024, 7168, 2048), (2, 8192, 4096, 14336)]:
+        a = torch.randn(e * rows, k, device="cuda", dtype=torch.bfloat16)
+        offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * rows
+        b = torch.randn(e, 2 * inter, k, device="cuda", dtype=torch.bfloat16).transpose(-2, -1)
+        bi = weft.swiglu_interleave(b)
+
+        def unfused(h):
+            return F.silu(h[:, :inter]) * h[:, inter:]
+
+        ms = alternating([lambda: weft.grouped_mm(a, bi, offs, validate=False, activation="swiglu"),
+                          lambda: unfused(weft.grouped_mm(a, b, offs, validate=False)),
+                          lambda: unfused(torch._grouped_mm(a, b, offs=offs))])
+        print(f"| {e} x {rows} | {k} | 2 x {inter} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f} | {ms[1] / ms[0]:.3f} | "
+              f"{ms[2] / ms[0]:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -379,15 +379,17 @@ PYBIND11_MODULE(_weft, m) {
       py::arg("shape"), py::arg("causal"), py::arg("scale"), py::arg("stream"),
       py::arg("segments") = py::tuple(), py::arg("accumulate") = py::tuple(), py::arg("dtype") = "bf16");
   // Grouped GEMM on one GPU (weft/ops/gemm.hpp): c [rows, n] = a [rows, k] . b_e per group e of rows; b
-  // [groups, n, k] ("nk") or [groups, k, n] ("kn"); rows past the last group's end zeroed or left.
+  // [groups, n, k] ("nk") or [groups, k, n] ("kn"); rows past the last group's end zeroed or left;
+  // activation "swiglu": b's columns gate / up in blocks of 128, c [rows, n / 2] (GemmActivation::kSwiGLU).
   m.def(
       "grouped_gemm",
       [](int device, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t group_end, int groups, int64_t rows,
          int64_t n, int64_t k, const std::string& b_layout, const std::string& c_dtype, bool zero_unused_rows,
-         uintptr_t stream) {
+         const std::string& activation, uintptr_t stream) {
         OnDevice on(device);
         weft::GemmOptions o;
         o.zero_unused_rows = zero_unused_rows;
+        o.activation = activation == "swiglu" ? weft::GemmActivation::kSwiGLU : weft::GemmActivation::kNone;
         weft::grouped_gemm(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
                            reinterpret_cast<void*>(c), reinterpret_cast<const int32_t*>(group_end), groups,
                            rows, n, k, b_layout == "nk" ? weft::BLayout::kNK : weft::BLayout::kKN,
@@ -395,7 +397,7 @@ PYBIND11_MODULE(_weft, m) {
       },
       py::arg("device"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("group_end"), py::arg("groups"),
       py::arg("rows"), py::arg("n"), py::arg("k"), py::arg("b_layout"), py::arg("c_dtype"),
-      py::arg("zero_unused_rows"), py::arg("stream"));
+      py::arg("zero_unused_rows"), py::arg("activation"), py::arg("stream"));
   m.def(
       "flash_attention_backward_workspace_bytes",
       [=](py::tuple shape, py::tuple segments, bool deterministic) {

@@ -4,7 +4,7 @@
 
 Cases: empty groups, rows past the last group (zeros), partial K and N tiles, B as [E, K, N] and as the
 transpose of stacked nn.Linear weights [E, N, K], bf16 and fp32 outputs; gradients dA and dB against fp32
-autograd; a CUDA-graph capture replayed on new inputs; bad arguments refused with WeftValueError /
+autograd; the SwiGLU epilogue on interleaved weights (outputs, gradients); a CUDA-graph capture replayed on new inputs; bad arguments refused with WeftValueError /
 WeftTypeError. NaN never passes.
 """
 import sys
@@ -68,6 +68,41 @@ def run_case(sizes, rows, k, n, nk, out_dtype, g):
     print(f"  ok  {name}")
 
 
+def run_swiglu_case(sizes, rows, k, inter, nk, g):
+    """activation="swiglu" on swiglu_interleave'd weights against silu(a gate) * (a up) in fp32, and its
+    gradients (through the interleave, to the gate / up weights) against fp32 autograd."""
+    ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    e = len(sizes)
+    a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    if nk:
+        w = (torch.randn(e, 2 * inter, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+        w.requires_grad_(True)
+        b = w.transpose(1, 2)
+    else:
+        w = (torch.randn(e, k, 2 * inter, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+        w.requires_grad_(True)
+        b = w
+    out = weft.grouped_mm(a, weft.swiglu_interleave(b), ends.cuda(), activation="swiglu")
+    a32 = a.detach().float().requires_grad_(True)
+    w32 = w.detach().float().requires_grad_(True)
+    h = reference(a32, w32.transpose(1, 2) if nk else w32, ends.tolist())
+    ref = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+    name = f"swiglu sizes {sizes} rows {rows} K {k} inter {inter} {'nk' if nk else 'kn'}"
+    if out.shape != (rows, inter):
+        raise AssertionError(f"{name}: got {tuple(out.shape)}")
+    err = rel(out, ref)
+    if err > 1e-2:
+        raise AssertionError(f"{name}: output relative error {err:.3e} > 1e-2")
+    gout = torch.randn(rows, inter, device="cuda", generator=g)
+    (out.float() * gout).sum().backward()
+    (ref * gout).sum().backward()
+    for gname, got, want in (("dA", a.grad, a32.grad), ("dB", w.grad, w32.grad)):
+        err = rel(got, want)
+        if err > 2e-2:
+            raise AssertionError(f"{name}: {gname} relative error {err:.3e} > 2e-2")
+    print(f"  ok  {name}")
+
+
 def expect_error(kind, fn, part):
     try:
         fn()
@@ -89,6 +124,10 @@ def main():
         ([1024] * 8, 8192, 1024, 2048, True, torch.bfloat16),
     ]:
         run_case(sizes, rows, k, n, nk, dt, g)
+
+    for sizes, rows, k, inter, nk in [([128, 0, 256], 512, 256, 128, False), ([256, 384], 768, 264, 256, True),
+                                      ([1024] * 4, 4096, 1024, 512, True)]:
+        run_swiglu_case(sizes, rows, k, inter, nk, g)
 
     # A CUDA graph of the forward, replayed on new inputs (validation is skipped under capture).
     a = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16)
@@ -120,6 +159,7 @@ def main():
     expect_error(weft.WeftTypeError, lambda: weft.grouped_mm(x, w, e2.long()), "int32")
     expect_error(weft.WeftValueError, lambda: weft.grouped_mm(x, w[:1], e2), "E = group_end")
     expect_error(weft.WeftValueError, lambda: weft.grouped_mm(x, w[:, :, :60], e2), "multiples of 8")
+    expect_error(weft.WeftValueError, lambda: weft.grouped_mm(x, w, e2, activation="swiglu"), "multiple of 256")
     print("  ok  argument errors")
     print("gpu_grouped_mm: all cases pass")
 

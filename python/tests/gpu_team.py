@@ -317,17 +317,21 @@ def moe_layer_training(team, g):
              for _ in range(w)]
     grads = [torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for t in tokens]
     runs = {}
-    for exact in (False,):  # (exact counts: python/tests/gpu_ops.py, one process per rank)
+    # SwiGLU as torch ops on the first GEMM's output, and in its epilogue (weights interleaved inside the
+    # step, so their gradient reaches the same leaves). Exact counts: python/tests/gpu_ops.py (one process
+    # per rank).
+    for fused in (False, True):
         ours = [leaves([xs[r], weights[r], ups[r], downs[r]]) for r in range(w)]
-        layer = lambda c, ins: weft.moe_layer(ins[0], ids[c.rank], ins[1], ins[2], ins[3], num_experts,
-                                              max_tokens=max_tokens, comm=c, exact=exact)
+        layer = lambda c, ins: weft.moe_layer(ins[0], ids[c.rank], ins[1],
+                                              weft.swiglu_interleave(ins[2]) if fused else ins[2], ins[3],
+                                              num_experts, max_tokens=max_tokens, comm=c, swiglu_interleaved=fused)
         team.warmup(layer, ours)
         for ins in ours:
             for t in ins:
                 t.grad = None
         outs = team.run(layer, ours)
         torch.autograd.backward(outs, grads)
-        runs[exact] = (outs, ours)
+        runs[fused] = (outs, ours)
     refs = [leaves([xs[r], weights[r], ups[r], downs[r]], torch.float32) for r in range(w)]
     up_all = torch.cat([refs[r][2] for r in range(w)])  # [E, hidden, 2 inter], global expert order
     down_all = torch.cat([refs[r][3] for r in range(w)])
@@ -345,8 +349,8 @@ def moe_layer_training(team, g):
         wants.append(want)
         loss = loss + (want * grads[r].float()).sum()
     loss.backward()
-    for exact, (outs, ours) in runs.items():
-        label = f"MoE layer W={w}{' exact counts' if exact else ''}"
+    for fused, (outs, ours) in runs.items():
+        label = f"MoE layer W={w}{' SwiGLU epilogue' if fused else ''}"
         for r in range(w):
             check(f"{label}: rank {r} output", outs[r], wants[r], 3e-2)
             for i, name in enumerate(("tokens", "routing weights", "w_up", "w_down")):

@@ -45,7 +45,7 @@ class WeftTypeError(WeftError, TypeError):
 
 __all__ = ["init", "virtual_team", "Team", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
            "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
-           "matmul_all_reduce", "flash_attention", "flash_attention_varlen", "grouped_mm", "ring_shard_indices", "ring_shard",
+           "matmul_all_reduce", "flash_attention", "flash_attention_varlen", "grouped_mm", "swiglu_interleave", "ring_shard_indices", "ring_shard",
            "ring_unshard", "context_attention", "ring_attention", "ulysses_attention", "MoeDispatch",
            "moe_dispatch", "moe_combine_input", "moe_combine", "moe_layer"]
 
@@ -603,7 +603,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
 # ---- grouped GEMM (one GPU, no communicator) ---------------------------------------------------------------
 
 
-def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=True):
+def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=True, activation=None):
     """Grouped matmul of an MoE layer's experts on one GPU (weft's Hopper kernel), with autograd.
 
     a [rows, K] bf16: the rows of group e are [group_end[e - 1], group_end[e]) (group 0 from row 0), each end
@@ -615,6 +615,9 @@ def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=
     zero_unused_rows=False, e.g. for a dispatch's worst-case capacity, whose unused rows combine never reads;
     the backward's dA then leaves them too). K and N multiples of 8.
     The backward gives dA by the same kernel and dB by torch's row-grouped matmul.
+    activation="swiglu": the epilogue returns silu(gate) * up, [rows, N / 2], from the fp32 accumulators; b's
+    columns must hold gate and up in blocks of 128 (weft.swiglu_interleave), N a multiple of 256. Its
+    backward computes the pre-activation again (one more GEMM) instead of keeping it.
     validate=True reads group_end on the host (a synchronisation; skipped while a CUDA graph is captured): an
     end that is not a multiple of 128 would otherwise stop the kernel with a device trap.
     """
@@ -642,6 +645,11 @@ def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=
         raise WeftValueError(f"{where}: a's rows must be a positive multiple of 128 (whole tiles), got {rows}")
     if k % 8 or n % 8:
         raise WeftValueError(f"{where}: K and N must be multiples of 8 (16-byte rows for TMA), got K {k}, N {n}")
+    if activation not in (None, "swiglu"):
+        raise WeftValueError(f"{where}: activation must be None or 'swiglu', got {activation!r}")
+    if activation == "swiglu" and n % 256:
+        raise WeftValueError(f"{where}: activation='swiglu' needs N (gate and up columns) a multiple of 256, "
+                             f"got {n}")
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise WeftTypeError(f"{where}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
@@ -656,7 +664,25 @@ def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=
         stored, nk = b.transpose(1, 2), True
     else:
         stored, nk = b.contiguous(), False
-    return _ops.grouped_mm(a.contiguous(), stored, group_end.contiguous(), nk, out_dtype, bool(zero_unused_rows))
+    return _ops.grouped_mm(a.contiguous(), stored, group_end.contiguous(), nk, out_dtype, bool(zero_unused_rows),
+                           activation or "")
+
+
+def swiglu_interleave(w):
+    """SwiGLU weights [E, K, 2 I] (gate columns, then up: torch's chunk(2) order) in the column order
+    weft.grouped_mm(activation="swiglu") reads: blocks of 256 columns, the first 128 of block b gate columns
+    [128 b, 128 b + 128), the last 128 the same up columns. I a multiple of 128. A transposed view of
+    contiguous [E, 2 I, K] weights (stacked nn.Linear) stays one (nn.Linear layout); anything else comes back
+    contiguous. A copy: do it once, not per step."""
+    if not _torch_tensor(w) or w.dim() != 3 or w.shape[2] % 256:
+        raise WeftValueError("weft.swiglu_interleave: w must be a torch tensor [E, K, 2 I] with I a multiple of "
+                             f"128, got {tuple(w.shape) if hasattr(w, 'shape') else type(w).__name__}")
+    blocks = w.shape[2] // 256
+    if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():  # [E, 2 I, K] stored
+        t = w.transpose(1, 2)
+        t = t.unflatten(1, (2, blocks, 128)).transpose(1, 2).flatten(1, 3).contiguous()
+        return t.transpose(1, 2)
+    return w.unflatten(2, (2, blocks, 128)).transpose(2, 3).flatten(2, 4).contiguous()
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
@@ -946,7 +972,7 @@ _ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
 
 
 def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu", max_tokens=None, align=128,
-              comm=None, exact=False):
+              comm=None, exact=False, swiglu_interleaved=False):
     """The experts of an expert-parallel MoE layer: dispatch, grouped_mm up, activation, grouped_mm down, combine.
 
     x [tokens, hidden] bf16; experts [tokens, top_k] global expert ids (-1: a dropped slot); weights [tokens,
@@ -956,7 +982,9 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
     [E, K, N] layout (stacked nn.Linear weights, transposed views, are read in place). Every rank calls it;
     returns [tokens, hidden]. With autograd (x, weights, w_up, w_down). align (a multiple of 128) pads each
     expert's rows for the GEMM tiles. The activation runs over the dispatch's worst-case capacity rows, or with
-    exact=True (one synchronisation, see moe_dispatch) over the rows in use only.
+    exact=True (one synchronisation, see moe_dispatch) over the rows in use only. swiglu_interleaved=True: w_up's
+    columns are in weft.swiglu_interleave's order, and the first GEMM's epilogue applies SwiGLU (no
+    [rows, 2 inter] intermediate).
     """
     where = "weft.moe_layer"
     if activation not in _ACTIVATIONS:
@@ -984,6 +1012,10 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
         a = F.silu(h[:, :inter]) * h[:, inter:] if activation == "swiglu" else h
         return moe_combine(a @ w_down[0], d, weights)
     # Rows past the last group are never read by combine, nor by any backward: left unwritten.
+    if activation == "swiglu" and swiglu_interleaved:
+        a = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False, activation="swiglu")
+        y = grouped_mm(a, w_down, d.group_end, validate=False, zero_unused_rows=False)
+        return moe_combine(y, d, weights)
     h = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False)
     if activation == "swiglu":
         a = F.silu(h[:, :inter]) * h[:, inter:]

@@ -458,30 +458,32 @@ def flash_attention(q, k, v, causal, scale, packed, deterministic):
 
 
 # ---- grouped GEMM (one GPU) -------------------------------------------------------------------------------
-# b is passed as stored: [E, N, K] (b_nk: nn.Linear weights) or [E, K, N].
+# b is passed as stored: [E, N, K] (b_nk: nn.Linear weights) or [E, K, N]. activation "swiglu": b's columns
+# are gate / up in blocks of 128 (swiglu_interleave) and the output has N / 2 columns.
 
 
 @torch.library.custom_op("weft::grouped_mm", mutates_args=())
 def _grouped_mm(a: Tensor, b: Tensor, group_end: Tensor, b_nk: bool, out_dtype: torch.dtype,
-                zero_unused_rows: bool) -> Tensor:
+                zero_unused_rows: bool, activation: str) -> Tensor:
     rows, k = a.shape
     n = b.shape[1] if b_nk else b.shape[2]
-    out = a.new_empty((rows, n), dtype=out_dtype)
+    out = a.new_empty((rows, n // 2 if activation == "swiglu" else n), dtype=out_dtype)
     _weft.grouped_gemm(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), group_end.data_ptr(),
                        group_end.shape[0], rows, n, k, "nk" if b_nk else "kn", DTYPES[out_dtype], zero_unused_rows,
-                       _stream(a))
+                       activation, _stream(a))
     return out
 
 
 @_grouped_mm.register_fake
-def _(a, b, group_end, b_nk, out_dtype, zero_unused_rows):
-    return a.new_empty((a.shape[0], b.shape[1] if b_nk else b.shape[2]), dtype=out_dtype)
+def _(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation):
+    n = b.shape[1] if b_nk else b.shape[2]
+    return a.new_empty((a.shape[0], n // 2 if activation == "swiglu" else n), dtype=out_dtype)
 
 
 def _grouped_mm_setup(ctx, inputs, output):
-    a, b, group_end, b_nk, _, zero_unused_rows = inputs
+    a, b, group_end, b_nk, _, zero_unused_rows, activation = inputs
     ctx.save_for_backward(a, b, group_end)
-    ctx.b_nk, ctx.zero_unused_rows = b_nk, zero_unused_rows
+    ctx.b_nk, ctx.zero_unused_rows, ctx.activation = b_nk, zero_unused_rows, activation
 
 
 def _grouped_weight_grad(a, g, group_end):
@@ -493,24 +495,40 @@ def _grouped_weight_grad(a, g, group_end):
         return torch.stack([a[ends[e]:ends[e + 1]].t() @ g[ends[e]:ends[e + 1]] for e in range(len(ends) - 1)])
 
 
+def _swiglu_grad(h, grad):
+    """The gradient of the pre-activation h [rows, N] (gate / up in blocks of 128) from the output's."""
+    rows = h.shape[0]
+    hb = h.view(rows, -1, 2, 128)
+    gate, up = hb[:, :, 0], hb[:, :, 1]
+    g = grad.float().view(rows, -1, 128)
+    sig = torch.sigmoid(gate)
+    d_up = g * gate * sig
+    d_gate = g * up * sig * (1 + gate * (1 - sig))
+    return torch.stack((d_gate, d_up), dim=2).view(rows, -1)
+
+
 def _grouped_mm_backward(ctx, grad):
     a, b, group_end = ctx.saved_tensors
-    g = grad.to(a.dtype).contiguous()
+    if ctx.activation == "swiglu":  # the pre-activation again (fp32), then the activation's gradient
+        h = _grouped_mm(a, b, group_end, ctx.b_nk, torch.float32, ctx.zero_unused_rows, "")
+        g = _swiglu_grad(h, grad).to(a.dtype).contiguous()
+    else:
+        g = grad.to(a.dtype).contiguous()
     da = db = None
     if ctx.needs_input_grad[0]:  # dA = dC B_e^T: the same stored B read the other way round
-        da = _grouped_mm(g, b, group_end, not ctx.b_nk, a.dtype, ctx.zero_unused_rows)
+        da = _grouped_mm(g, b, group_end, not ctx.b_nk, a.dtype, ctx.zero_unused_rows, "")
     if ctx.needs_input_grad[1]:
         dkn = _grouped_weight_grad(a, g, group_end).to(b.dtype)
         db = dkn.transpose(1, 2).contiguous() if ctx.b_nk else dkn
-    return da, db, None, None, None, None
+    return da, db, None, None, None, None, None
 
 
 _grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
-def grouped_mm(a, b, group_end, b_nk, out_dtype, zero_unused_rows):
+def grouped_mm(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation=""):
     """Arguments checked by the caller; b as stored (see above)."""
-    return _grouped_mm(a, b, group_end, b_nk, out_dtype, zero_unused_rows)
+    return _grouped_mm(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation)
 
 
 # ---- sequence-parallel attention (a team) ----------------------------------------------------------------

@@ -37,6 +37,11 @@ std::string hex(const void* p) {
 using ops::device_facts;
 using ops::DeviceFacts;
 
+// C's columns: N, or N / 2 when the epilogue's SwiGLU pairs them.
+int64_t c_cols(const Problem& pr) {
+  return pr.opt.activation == GemmActivation::kSwiGLU ? pr.n / 2 : pr.n;
+}
+
 // C's rows [*end, rows) zeroed (16-byte vectors, row_vecs per row): the rows a grouped GEMM leaves past its
 // last group, whose end only the device knows.
 __global__ void zero_rows_past(uint4* c, const int32_t* end, int64_t rows, int64_t row_vecs) {
@@ -83,7 +88,7 @@ Plan run_op(const Problem& pr, cudaStream_t stream, bool launch) {
   p.b = tma::make_map_2d({pr.b, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, b_rows, b_cols, uint64_t(pr.ldb) * 2},
                          Mainloop::kBBoxRows, Mainloop::kBBoxCols, "weft::gemm: B");
   p.c = tma::make_map_2d({pr.c, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                          c_bytes, uint64_t(pr.m), uint64_t(pr.n), uint64_t(pr.ldc) * c_bytes},
+                          c_bytes, uint64_t(pr.m), uint64_t(c_cols(pr)), uint64_t(pr.ldc) * c_bytes},
                          Epilogue::kBoxRows, Epilogue::kBoxCols, "weft::gemm: C");
   p.k_blocks = static_cast<int>((pr.k + Op::kBK - 1) / Op::kBK);
   p.store_mode =
@@ -100,6 +105,9 @@ Plan run_op(const Problem& pr, cudaStream_t stream, bool launch) {
 template <class OutT, bool kKMajor, int kCluster, int kTileN>
 Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
   if (pr.groups) {
+    if constexpr (kCluster == 1 && kTileN == 256)
+      if (pr.opt.activation == GemmActivation::kSwiGLU)
+        return run_op<ops::GroupedGemmSwigluOp<OutT, kKMajor>, kKMajor, 1>(pr, stream, launch);
     if constexpr (kCluster == 1)
       return run_op<ops::GroupedGemmOp<OutT, kKMajor, kTileN>, kKMajor, 1>(pr, stream, launch);
     throw_error("weft::grouped_gemm runs with cluster 1 only");
@@ -149,8 +157,16 @@ Plan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
       WEFT_CHECK(reinterpret_cast<uintptr_t>(pr.group_end) % 4 == 0,
                  where + "group_end is not 4-byte aligned");
     }
+    if (pr.opt.activation == GemmActivation::kSwiGLU) {
+      WEFT_CHECK(pr.n % 256 == 0,
+                 where + "the SwiGLU epilogue needs N (gate and up columns) a multiple of 256");
+      WEFT_CHECK(pr.opt.tile_n == 0 || pr.opt.tile_n == 256,
+                 where + "the SwiGLU epilogue runs with tile_n 256");
+      pr.opt.tile_n = 256;
+    }
   } else {
-    WEFT_CHECK(!pr.opt.zero_unused_rows, where + "options.zero_unused_rows is for grouped_gemm only");
+    WEFT_CHECK(!pr.opt.zero_unused_rows && pr.opt.activation == GemmActivation::kNone,
+               where + "options.zero_unused_rows and options.activation are for grouped_gemm only");
   }
   const bool nk = pr.b_layout == BLayout::kNK;
   const GemmOptions& opt = pr.opt;
@@ -169,13 +185,14 @@ Plan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
 
   pr.lda = opt.lda ? opt.lda : pr.k;
   pr.ldb = opt.ldb ? opt.ldb : (nk ? pr.k : pr.n);
-  pr.ldc = opt.ldc ? opt.ldc : pr.n;
+  pr.ldc = opt.ldc ? opt.ldc : c_cols(pr);
   const char* c_name = pr.c_type == DType::kFP32 ? "f32" : "bf16";
   const int64_t c_bytes = pr.c_type == DType::kFP32 ? 4 : 2;
   WEFT_CHECK(pr.lda >= pr.k, where + "lda = " + std::to_string(pr.lda) + " is smaller than K");
   WEFT_CHECK(pr.ldb >= (nk ? pr.k : pr.n),
              where + "ldb = " + std::to_string(pr.ldb) + " is smaller than " + (nk ? "K" : "N"));
-  WEFT_CHECK(pr.ldc >= pr.n, where + "ldc = " + std::to_string(pr.ldc) + " is smaller than N");
+  WEFT_CHECK(pr.ldc >= c_cols(pr),
+             where + "ldc = " + std::to_string(pr.ldc) + " is smaller than C's columns");
 
   // TMA: every row of every operand starts on a 16-byte boundary.
   auto stride_msg = [&](const std::string& operand, const char* ld, int64_t elems, int64_t bytes_per,
@@ -232,7 +249,8 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_en
                   const GemmOptions& opt) {
   dispatch(Problem{a, b, c, rows, n, k, 0, 0, 0, b_layout, c_type, opt, group_end, groups}, stream, true);
   if (opt.zero_unused_rows) {
-    const int64_t row_vecs = n * (c_type == DType::kFP32 ? 4 : 2) / 16;  // rows are 16-byte multiples
+    const int64_t cols = opt.activation == GemmActivation::kSwiGLU ? n / 2 : n;
+    const int64_t row_vecs = cols * (c_type == DType::kFP32 ? 4 : 2) / 16;  // rows are 16-byte multiples
     detail::preload<&zero_rows_past>();
     zero_rows_past<<<2 * device_facts().sms, 256, 0, stream>>>(static_cast<uint4*>(c), group_end + groups - 1,
                                                                rows, row_vecs);

@@ -56,6 +56,17 @@ struct TmaRows4d {
   }
 };
 
+// The epilogue's shared buffers and per-warpgroup state depend on the output type and the consumer count
+// only, not on the tile's width: an op may store tiles of more than one width through them (e.g. a GEMM
+// whose epilogue halves its tile, weft/ops/gemm.cuh GroupedGemmSwigluOp).
+template <class OutT, int kConsumers>
+struct EpilogueBuffers {
+  tile::OutChunk<OutT> buf[kConsumers][2];
+};
+struct EpilogueState {
+  uint32_t chunks = 0;  // chunks this warpgroup has stored so far (selects the buffer)
+};
+
 template <class OutT, int kBN, int kConsumers>
 struct TmaStoreEpilogue {
   using Chunk = tile::OutChunk<OutT>;
@@ -64,12 +75,8 @@ struct TmaStoreEpilogue {
   static constexpr int kBoxRows = 64, kBoxCols = kChunkCols;  // the C tensor map's box
   static_assert(kBN % kChunkCols == 0, "whole chunks");
 
-  struct Smem {
-    Chunk buf[kConsumers][2];
-  };
-  struct State {
-    uint32_t chunks = 0;  // chunks this warpgroup has stored so far (selects the buffer)
-  };
+  using Smem = EpilogueBuffers<OutT, kConsumers>;
+  using State = EpilogueState;
 
   // Stores acc (the warpgroup's 64 rows) at element (row0, col0) of the map's tensor.
   template <int N>

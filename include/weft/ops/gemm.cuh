@@ -117,4 +117,31 @@ struct GroupedGemmOp : GemmOp<OutT, kBKMajor, 1, kTileN> {
   }
 };
 
+// A grouped GEMM whose epilogue applies SwiGLU (an MoE expert's first projection): B's columns come in
+// blocks of 256, the first 128 of a block the gate and the last 128 the up projection of output columns
+// [128 b, 128 b + 128); C [rows, N / 2] = silu(A.B_gate) * (A.B_up), from the fp32 accumulators. In a
+// consumer warpgroup's 64 x 256 accumulator a thread holds column c and column c + 128 in registers i and
+// i + 64, so the activation needs no data movement, and half the tile goes out.
+template <class OutT, bool kBKMajor>
+struct GroupedGemmSwigluOp : GroupedGemmOp<OutT, kBKMajor, 256> {
+  using Base = GroupedGemmOp<OutT, kBKMajor, 256>;
+  using Base::kBM, Base::kBN, Base::kConsumerWarpgroups;
+  using typename Base::Accum, typename Base::Params, typename Base::Smem, typename Base::StoreState;
+  using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN / 2, kConsumerWarpgroups>;
+
+  __device__ static void store(const Params& p, Smem& s, const lcsc::Tile& t, int wg, const Accum& acc,
+                               StoreState& es) {
+    if (Base::skipped(p, t.m * kBM)) return;
+    tile::AccumM64<kBN / 2> out;
+#pragma unroll
+    for (int i = 0; i < tile::AccumM64<kBN / 2>::kRegs; ++i) {
+      const float gate = acc.d[i], up = acc.d[i + tile::AccumM64<kBN / 2>::kRegs];
+      // The consumers store while no wgmma of theirs runs: IEEE division here cost ~9% of the GEMM.
+      // __fdividef gives 0 for a denominator past 2^126 (silu's limit for a very negative gate).
+      out.d[i] = __fdividef(gate, 1.f + __expf(-gate)) * up;
+    }
+    Epilogue::store(&p.c, lcsc::StoreMode::kStore, s.epi, es, wg, out, t.m * kBM + 64 * wg, t.n * (kBN / 2));
+  }
+};
+
 }  // namespace weft::ops

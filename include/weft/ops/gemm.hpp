@@ -20,6 +20,11 @@ enum class GemmStore {
   kReduceAdd,  // C += A.B, element-wise in C's type (TMA reduce-add; several GPUs may add into one C)
 };
 
+// An activation applied by the epilogue (grouped_gemm only). kSwiGLU: B's columns come in blocks of 256,
+// the first 128 of block b the gate and the last 128 the up projection of output columns [128 b, 128 b +
+// 128) (N a multiple of 256); C is [rows, N / 2] = silu(A.B_gate) * (A.B_up), from the fp32 accumulators.
+enum class GemmActivation { kNone, kSwiGLU };
+
 struct GemmOptions {
   GemmStore store = GemmStore::kStore;
   // Row strides in elements; 0 means dense (A: K, B: K for kNK or N for kKN, C: N).
@@ -31,6 +36,7 @@ struct GemmOptions {
   int start_tile = 0;  // rotates the tile order (fused ops give each rank its own start)
   int max_blocks = 0;  // cap on persistent compute blocks; 0: every SM
   bool zero_unused_rows = false;  // grouped_gemm only: C's rows past the last group's end are zeroed
+  GemmActivation activation = GemmActivation::kNone;  // grouped_gemm only (see above)
 };
 
 // Enqueues C = A.B (or C += A.B) on `stream` for the current device.
