@@ -3,7 +3,9 @@
 #include <climits>
 #include <cstdio>
 #include <string>
+#include <type_traits>
 
+#include "grouped_gemm_scatter.hpp"
 #include "op_args.hpp"
 #include "weft/lcsc/launch.cuh"
 #include "weft/ops/gemm.cuh"
@@ -26,6 +28,7 @@ struct Problem {
   GemmOptions opt;
   const int32_t* group_end = nullptr;  // grouped: the groups' row ends (device); m is the rows' capacity
   int groups = 0;
+  const ops::ScatterRows* scatter = nullptr;  // grouped: C's rows sent where this says (c is not written)
 };
 
 std::string hex(const void* p) {
@@ -93,6 +96,10 @@ Plan run_op(const Problem& pr, cudaStream_t stream, bool launch) {
   p.k_blocks = static_cast<int>((pr.k + Op::kBK - 1) / Op::kBK);
   p.store_mode =
       pr.opt.store == GemmStore::kReduceAdd ? lcsc::StoreMode::kReduceAdd : lcsc::StoreMode::kStore;
+  if constexpr (requires { p.scatter; }) {
+    p.scatter = *pr.scatter;
+    p.n = static_cast<int>(pr.n);
+  }
   if constexpr (requires { p.group_end; }) {
     p.group_end = pr.group_end;
     p.groups = pr.groups;
@@ -108,6 +115,9 @@ Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
     if constexpr (kCluster == 1 && kTileN == 256)
       if (pr.opt.activation == GemmActivation::kSwiGLU)
         return run_op<ops::GroupedGemmSwigluOp<OutT, kKMajor>, kKMajor, 1>(pr, stream, launch);
+    if constexpr (kCluster == 1 && kTileN == 256 && std::is_same_v<OutT, __nv_bfloat16>)
+      if (pr.scatter != nullptr)
+        return run_op<ops::GroupedGemmScatterOp<kKMajor>, kKMajor, 1>(pr, stream, launch);
     if constexpr (kCluster == 1)
       return run_op<ops::GroupedGemmOp<OutT, kKMajor, kTileN>, kKMajor, 1>(pr, stream, launch);
     throw_error("weft::grouped_gemm runs with cluster 1 only");
@@ -156,6 +166,12 @@ Plan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
       WEFT_CHECK(pr.group_end != nullptr, where + "group_end must not be null");
       WEFT_CHECK(reinterpret_cast<uintptr_t>(pr.group_end) % 4 == 0,
                  where + "group_end is not 4-byte aligned");
+    }
+    if (pr.scatter != nullptr) {
+      WEFT_CHECK(pr.c_type == DType::kBF16 && pr.opt.activation == GemmActivation::kNone &&
+                     !pr.opt.zero_unused_rows && (pr.opt.tile_n == 0 || pr.opt.tile_n == 256),
+                 where + "a scattering epilogue stores bf16 rows of 128 x 256 tiles, with no activation");
+      pr.opt.tile_n = 256;
     }
     if (pr.opt.activation == GemmActivation::kSwiGLU) {
       WEFT_CHECK(pr.n % 256 == 0,
@@ -242,6 +258,15 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
 Plan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type, const GemmOptions& opt) {
   return dispatch(Problem{nullptr, nullptr, nullptr, m, n, k, 0, 0, 0, b_layout, c_type, opt}, nullptr,
                   false);
+}
+
+void ops::grouped_gemm_scatter(const void* a, const void* b, const int32_t* group_end, int groups,
+                               int64_t rows, int64_t n, int64_t k, BLayout b_layout,
+                               const ScatterRows& scatter, cudaStream_t stream, const GemmOptions& opt) {
+  // C's map is built (and never used): it points at the destination buffer.
+  Problem pr{a, b, scatter.dest, rows, n, k, 0, 0, 0, b_layout, DType::kBF16, opt, group_end, groups};
+  pr.scatter = &scatter;
+  dispatch(pr, stream, true);
 }
 
 void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_end, int groups, int64_t rows,

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "../runtime/kernels.hpp"
+#include "grouped_gemm_scatter.hpp"
 #include "op_args.hpp"
 #include "sequence_parallel.hpp"
 #include "weft/comm/barrier.cuh"
@@ -30,6 +31,7 @@ using ops::round256;
 const char* const kArea = "moe dispatch";
 const char* const kCombineArea = "moe combine";
 const char* const kCombineGradArea = "moe combine backward";
+const char* const kStagingArea = "moe combine staging";
 
 struct Dims {
   int world, rank, experts, per_rank, top_k, align;
@@ -71,8 +73,9 @@ __device__ __forceinline__ int64_t padded(int64_t n, int align) {
 // by token order (a block-wide scan over the slots), and, on the expert's own rank, the group's end and its
 // padding rows zeroed (the expert GEMMs run over whole groups: a padding row must be finite, as its
 // gradient meets it; no push writes there).
-__global__ void __launch_bounds__(256) place_slots(const int32_t* table, const int32_t* experts, Dims d,
-                                                   int32_t* row_of, int32_t* group_end, uint4* rows) {
+__global__ void __launch_bounds__(256)
+    place_slots(const int32_t* table, const int32_t* experts, Dims d, int32_t* row_of, int32_t* group_end,
+                uint4* rows, int32_t* row_source) {
   __shared__ int64_t base_s, pad_begin_s, pad_end_s;
   __shared__ int warp_sums[8];
   const int e = blockIdx.x, owner = e / d.per_rank, local = e % d.per_rank;
@@ -99,6 +102,7 @@ __global__ void __launch_bounds__(256) place_slots(const int32_t* table, const i
   const int64_t row_vecs = d.hidden * 2 / 16;
   for (int64_t i = pad_begin_s * row_vecs + threadIdx.x; i < pad_end_s * row_vecs; i += blockDim.x)
     rows[i] = make_uint4(0, 0, 0, 0);
+  for (int64_t r = pad_begin_s + threadIdx.x; r < pad_end_s; r += blockDim.x) row_source[r] = -1;
   int64_t base = base_s;
   const int64_t slots = d.tokens * d.top_k;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -147,9 +151,10 @@ __global__ void push_tokens(TeamView team, BarrierSlots slots, const uint4* toke
   (void)barrier_block(team, slots[blockIdx.x]);
 }
 
-// Expand, on this rank: each received token's row from the first of its rows to the others. One warp per
-// (source, token).
-__global__ void expand_tokens(const int32_t* table, const int32_t* records, Dims d, uint4* rows) {
+// Expand, on this rank: each received token's row from the first of its rows to the others, and each row's
+// source slot (source rank, token, j) for a scattering epilogue. One warp per (source, token).
+__global__ void expand_tokens(const int32_t* table, const int32_t* records, Dims d, uint4* rows,
+                              int32_t* row_source) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32, row_vecs = d.hidden * 2 / 16;
   const int64_t units = int64_t(d.world) * d.max_tokens;
@@ -162,6 +167,7 @@ __global__ void expand_tokens(const int32_t* table, const int32_t* records, Dims
     for (int j = 0; j < d.top_k; ++j) {
       const int r = rec[j];
       if (r < 0) continue;
+      if (lane == 0) row_source[r] = static_cast<int32_t>(s * d.max_tokens * d.top_k + t * d.top_k + j);
       if (first < 0) {
         first = r;
         continue;
@@ -245,10 +251,36 @@ __global__ void combine_backward_tokens(TeamView team, const T* expert_out, T* d
     }
 }
 
+// The fused combine's sum, on this rank: out[t] = sum over j of weights[t, j] * staging[t * top_k + j] (the
+// experts' outputs for this rank's slots, pushed here by the scattering GEMM), in fp32 in ascending j as
+// combine_tokens sums. One warp per token, 8 elements per lane at a time.
+__global__ void sum_staged_slots(const __nv_bfloat16* staging, const int32_t* experts, const float* weights,
+                                 Dims d, __nv_bfloat16* out) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < d.tokens; t += warps)
+    for (int64_t c = lane * 8; c < d.hidden; c += 256) {
+      float acc[8] = {};
+      for (int j = 0; j < d.top_k; ++j) {
+        if (experts[t * d.top_k + j] < 0) continue;
+        const float w = weights[t * d.top_k + j];
+        const uint4 u = *reinterpret_cast<const uint4*>(staging + (t * d.top_k + j) * d.hidden + c);
+        const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&u);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, __bfloat162float(v[i]), acc[i]);
+      }
+      uint4 r;
+      __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(&r);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) h[i] = __float2bfloat16(acc[i]);
+      *reinterpret_cast<uint4*>(out + t * d.hidden + c) = r;
+    }
+}
+
 struct Sizes {
   Dims d;
   int64_t capacity;
-  size_t table_bytes, record_bytes, row_bytes, counts_bytes, row_of_bytes;
+  size_t table_bytes, record_bytes, row_bytes, source_bytes, counts_bytes, row_of_bytes;
   Sizes(int world, int rank, const MoeShape& s)
       : d{world,    rank,         s.num_experts, world > 0 ? s.num_experts / world : 0, s.top_k, s.align,
           s.tokens, s.max_tokens, s.hidden} {
@@ -257,6 +289,7 @@ struct Sizes {
     table_bytes = round256((size_t(world) * (s.num_experts + 1) + d.per_rank) * 4);
     record_bytes = round256(size_t(world) * s.max_tokens * s.top_k * 4);
     row_bytes = round256(size_t(capacity) * s.hidden * 2);
+    source_bytes = round256(size_t(capacity) * 4);
     counts_bytes = round256(size_t(s.num_experts) * 4);
     row_of_bytes = round256(size_t(std::max<int64_t>(s.max_tokens, 1)) * s.top_k * 4);
   }
@@ -307,11 +340,12 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
     ops::check_pointer_alignment(experts, "experts", 4, where);
   }
   if (stream == nullptr) stream = rank.stream();
-  char* area =
-      ops::workspace_on(comm, rank, z.table_bytes + z.record_bytes + z.row_bytes, stream, where, kArea);
+  char* area = ops::workspace_on(comm, rank, z.table_bytes + z.record_bytes + z.row_bytes + z.source_bytes,
+                                 stream, where, kArea);
   auto* table = reinterpret_cast<int32_t*>(area);
   auto* records = reinterpret_cast<int32_t*>(area + z.table_bytes);
   auto* rows = reinterpret_cast<uint4*>(area + z.table_bytes + z.record_bytes);
+  auto* row_source = reinterpret_cast<int32_t*>(area + z.table_bytes + z.record_bytes + z.row_bytes);
   auto* counts = static_cast<int32_t*>(workspace);
   auto* row_of = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes);
   auto* kept = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes + z.row_of_bytes);
@@ -331,7 +365,8 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
                                          shape.num_experts);
   WEFT_CUDA_CHECK(cudaGetLastError());
   detail::preload<&place_slots>();
-  place_slots<<<shape.num_experts, 256, 0, stream>>>(table, experts, z.d, row_of, group_end, rows);
+  place_slots<<<shape.num_experts, 256, 0, stream>>>(table, experts, z.d, row_of, group_end, rows,
+                                                     row_source);
   WEFT_CUDA_CHECK(cudaGetLastError());
   const int blocks =
       ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2 * rank.world());
@@ -341,7 +376,7 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
   WEFT_CUDA_CHECK(cudaGetLastError());
   detail::preload<&expand_tokens>();
   expand_tokens<<<ops::grid_stride_blocks(rank, int64_t(rank.world()) * shape.max_tokens * 32), 256, 0,
-                  stream>>>(table, records, z.d, rows);
+                  stream>>>(table, records, z.d, rows, row_source);
   WEFT_CUDA_CHECK(cudaGetLastError());
   MoeDispatched out;
   out.rows = rows;
@@ -350,6 +385,7 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
   out.experts = kept;
   out.capacity = z.capacity;
   out.counts = table;
+  out.row_source = row_source;
   return out;
 }
 
@@ -469,6 +505,49 @@ void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out
     launch(static_cast<__nv_bfloat16*>(nullptr));
   WEFT_CUDA_CHECK(cudaGetLastError());
   launch_team_barrier(rank.view(), meetings[0], stream);
+}
+
+void moe_grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, const void* b, BLayout b_layout,
+                              int64_t rows, int64_t inter, const MoeDispatched& dispatched,
+                              const float* weights, void* out, const MoeShape& shape, cudaStream_t stream) {
+  const std::string where = ops::team_where("weft::moe_grouped_gemm_combine", rank);
+  check(shape, rank.world(), where);
+  WEFT_CHECK(
+      dispatched.row_source != nullptr && dispatched.row_of != nullptr && dispatched.experts != nullptr,
+      where + "`dispatched` is not a dispatch's handle");
+  WEFT_CHECK(shape.align % 128 == 0,
+             where + "the grouped GEMM runs on whole 128-row tiles: dispatch with align a multiple of 128, got " +
+                 std::to_string(shape.align));
+  WEFT_CHECK(rows >= 0 && rows <= dispatched.capacity && rows % 128 == 0,
+             where + "rows must be a multiple of 128 up to the dispatch's capacity (" +
+                 std::to_string(dispatched.capacity) + "), got " + std::to_string(rows));
+  if (shape.tokens > 0) {
+    ops::check_pointer_alignment(out, "out", 16, where);
+    ops::check_pointer_alignment(weights, "weights", 4, where);
+  }
+  if (stream == nullptr) stream = rank.stream();
+  const Sizes z(rank.world(), rank.rank(), shape);
+  const int64_t slots = std::max<int64_t>(shape.max_tokens * shape.top_k, 1);
+  char* staging =
+      ops::workspace_on(comm, rank, round256(size_t(slots) * shape.hidden * 2), stream, where, kStagingArea);
+  const BarrierSlots meetings = ops::meeting_slots(comm);
+  // Every rank has summed the previous call's staging before any row of this call is pushed into it.
+  launch_team_barrier(rank.view(), meetings[0], stream);
+  if (rows > 0) {
+    GemmOptions o;
+    o.max_blocks = rank.sm_budget();
+    ops::grouped_gemm_scatter(
+        a, b, dispatched.group_end, shape.num_experts / rank.world(), rows, shape.hidden, inter, b_layout,
+        ops::ScatterRows{rank.view(), dispatched.row_source, staging, slots}, stream, o);
+  }
+  launch_team_barrier(rank.view(), meetings[0], stream);  // every row pushed here has landed
+  if (shape.tokens > 0) {
+    detail::preload<&sum_staged_slots>();
+    sum_staged_slots<<<ops::grid_stride_blocks(rank, shape.tokens * 32), 256, 0, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(staging), dispatched.experts, weights, z.d,
+        static_cast<__nv_bfloat16*>(out));
+    WEFT_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 }  // namespace weft

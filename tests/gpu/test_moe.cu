@@ -2,7 +2,8 @@
 // against the host reference (src/ops/moe_layout.hpp) and every routed slot's row on its expert's rank
 // against the source token, bit for bit; combine's weighted sums against the host's, bit for bit; top-k 1, 2,
 // 8, dropped slots, repeated experts, skewed routing (half the slots to rank 0's experts), ranks with no
-// token, two dispatches in a row on one area; the exact counts read back (moe_counts); combine's backward
+// token, two dispatches in a row on one area; the exact counts read back (moe_counts); the fused second GEMM
+// + combine against the unfused pair (bit for bit); combine's backward
 // (the expert rows' gradients bit for bit, zeros elsewhere; the weights' gradients against fp64).
 #include <cuda_bf16.h>
 
@@ -16,6 +17,7 @@
 
 #include "harness.hpp"
 #include "ops/moe_layout.hpp"
+#include "weft/ops/gemm.hpp"
 #include "weft/ops/moe.hpp"
 
 using namespace weft;
@@ -276,6 +278,64 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
       failures += "\n    " + label + ": rank " + std::to_string(d) +
                   " combine backward: " + std::to_string(bad_grad) + " expert-gradient values, " +
                   std::to_string(bad_dw) + " weight gradients wrong";
+  }
+  if (!failures.empty() || mc.align % 128 != 0) return failures;  // the GEMMs need whole 128-row tiles
+
+  // The second expert GEMM fused with the combine against grouped_gemm + moe_combine on the same rows and
+  // weights (the same tiles, the same sums): bit for bit. The outputs poisoned first.
+  const int64_t inter = 136;  // a partial K block
+  struct Fused {
+    DeviceBuffer a, b, ref, out;
+    Fused(size_t ab, size_t bb, size_t ob) : a(ab), b(bb), ref(ob), out(ob) {}
+  };
+  std::vector<std::unique_ptr<Fused>> fused;
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    const int r = rank.rank();
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    std::vector<__nv_bfloat16> a(size_t(got[i].capacity) * inter), b(size_t(per) * mc.hidden * inter);
+    for (auto& x : a) x = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 1024.f);
+    for (auto& x : b) x = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 1024.f);
+    auto f = std::make_unique<Fused>(a.size() * 2, b.size() * 2, std::max<int64_t>(T[r], 1) * mc.hidden * 2);
+    weft::test::upload(c, i, f->a.p, a.data(), f->a.bytes);
+    weft::test::upload(c, i, f->b.p, b.data(), f->b.bytes);
+    weft::test::poison(c, i, f->ref.p, f->ref.bytes);
+    weft::test::poison(c, i, f->out.p, f->out.bytes);
+    fused.push_back(std::move(f));
+  }
+  c.host_barrier();
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    MoeShape s = base;
+    s.tokens = T[rank.rank()];
+    GemmOptions o;
+    o.max_blocks = rank.sm_budget();
+    grouped_gemm(fused[i]->a.p, fused[i]->b.p, inputs[i], got[i].group_end, per, got[i].capacity, mc.hidden,
+                 inter, BLayout::kNK, DType::kBF16, rank.stream(), o);
+    moe_combine(c, rank, inputs[i], got[i], comb[i]->w.as<float>(), fused[i]->ref.p, s, DType::kBF16);
+  }
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    MoeShape s = base;
+    s.tokens = T[rank.rank()];
+    moe_grouped_gemm_combine(c, rank, fused[i]->a.p, fused[i]->b.p, BLayout::kNK, got[i].capacity, inter,
+                             got[i], comb[i]->w.as<float>(), fused[i]->out.p, s);
+  }
+  c.synchronize();
+  for (int i = 0; i < c.num_local(); ++i) {
+    const int r = c.local(i).rank();
+    const size_t bytes = size_t(T[r]) * mc.hidden * 2;
+    std::vector<uint8_t> ref(std::max<size_t>(bytes, 1)), out(std::max<size_t>(bytes, 1));
+    weft::test::download(c, i, ref.data(), fused[i]->ref.p, bytes);
+    weft::test::download(c, i, out.data(), fused[i]->out.p, bytes);
+    int64_t bad = 0;
+    for (size_t k = 0; k < bytes; k += 2) bad += std::memcmp(&ref[k], &out[k], 2) != 0;
+    if (bad)
+      failures += "\n    " + label + ": rank " + std::to_string(r) +
+                  " fused GEMM + combine: " + std::to_string(bad) +
+                  " values differ from grouped_gemm + moe_combine";
   }
   return failures;
 }

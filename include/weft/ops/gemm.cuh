@@ -15,10 +15,13 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include <utility>
+
 #include "weft/lcsc/epilogue.cuh"
 #include "weft/lcsc/kernel.cuh"
 #include "weft/lcsc/mainloop.cuh"
 #include "weft/lcsc/scheduler.cuh"
+#include "weft/team_view.hpp"
 
 namespace weft::ops {
 
@@ -141,6 +144,88 @@ struct GroupedGemmSwigluOp : GroupedGemmOp<OutT, kBKMajor, 256> {
       out.d[i] = __fdividef(gate, 1.f + __expf(-gate)) * up;
     }
     Epilogue::store(&p.c, lcsc::StoreMode::kStore, s.epi, es, wg, out, t.m * kBM + 64 * wg, t.n * (kBN / 2));
+  }
+};
+
+// Where a scattering epilogue sends C's rows (GroupedGemmScatterOp): row r to rank s's `dest` at row q,
+// where source[r] = s * dest_rows + q, or nowhere for -1 (a padding row). dest: a symmetric [dest_rows, N]
+// buffer of OutT (this rank's pointer; a peer's through the team's view).
+struct ScatterRows {
+  TeamView team;
+  const int32_t* source;
+  void* dest;
+  int64_t dest_rows;
+};
+
+// A grouped GEMM whose epilogue sends each row of C to its own place on some rank (an MoE layer's second
+// expert GEMM, each output row straight to the staging slot of the token it was dispatched from: the
+// combine's data movement inside the GEMM). A warpgroup's chunk (64 rows x 64 columns) goes to shared
+// memory as for a TMA store; then its 128 threads copy it out in 16-byte units, 8 threads per 128-byte row
+// piece, each row to its destination (peer stores, generic proxy: the kernel's end and a meeting order them
+// before the destination reads). Rows past the last group, and padding rows, are not sent.
+template <bool kBKMajor>
+struct GroupedGemmScatterOp : GroupedGemmOp<__nv_bfloat16, kBKMajor, 256> {
+  using Base = GroupedGemmOp<__nv_bfloat16, kBKMajor, 256>;
+  using Base::kBM, Base::kBN;
+  using typename Base::Accum, typename Base::Smem, typename Base::StoreState;
+  using Chunk = tile::OutChunk<__nv_bfloat16>;
+  static constexpr int kChunkCols = Chunk::kCols;  // 64: one 128-byte row piece
+  static constexpr int kUnitsPerThread = 64 * (kChunkCols * 2 / 16) / tile::kWarpgroupThreads;  // 4
+
+  struct Params : Base::Params {
+    ScatterRows scatter;
+    int n;  // C's columns
+  };
+
+  __device__ static void store(const Params& p, Smem& s, const lcsc::Tile& t, int wg, const Accum& acc,
+                               StoreState& es) {
+    if (Base::skipped(p, t.m * kBM)) return;
+    const int tid = tile::thread_in_warpgroup();
+    // This thread's units: unit u = tid + 128 k is (row u / 8, 16-byte piece u % 8) of every chunk.
+    char* dst[kUnitsPerThread];
+#pragma unroll
+    for (int k = 0; k < kUnitsPerThread; ++k) {
+      const int u = tid + tile::kWarpgroupThreads * k, row = t.m * kBM + 64 * wg + u / 8;
+      const int src = __ldg(p.scatter.source + row);
+      dst[k] = nullptr;
+      if (src >= 0) {
+        const int owner = static_cast<int>(src / p.scatter.dest_rows);
+        const int64_t q = src - int64_t(owner) * p.scatter.dest_rows;
+        dst[k] = reinterpret_cast<char*>(p.scatter.team.peer_ptr(p.scatter.dest, owner)) + (q * p.n) * 2 +
+                 (u % 8) * 16;
+      }
+    }
+    store_chunks(p, s, t, wg, acc, es, dst, std::make_integer_sequence<int, kBN / kChunkCols>{});
+  }
+
+ private:
+  template <int... kI>
+  __device__ __forceinline__ static void store_chunks(const Params& p, Smem& s, const lcsc::Tile& t, int wg,
+                                                      const Accum& acc, StoreState& es,
+                                                      char* const (&dst)[kUnitsPerThread],
+                                                      std::integer_sequence<int, kI...>) {
+    (store_chunk<kI>(p, s, t, wg, acc, es, dst), ...);
+  }
+  template <int kI>
+  __device__ __forceinline__ static void store_chunk(const Params& p, Smem& s, const lcsc::Tile& t, int wg,
+                                                     const Accum& acc, StoreState& es,
+                                                     char* const (&dst)[kUnitsPerThread]) {
+    Chunk& buf = s.epi.buf[wg][es.chunks & 1u];
+    tile::store_accum_chunk<kI, __nv_bfloat16>(acc, buf);
+    // Every thread's writes of this chunk, and (program order) its reads of the chunk before the previous
+    // one, which used this buffer, are done.
+    tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
+    const int col = t.n * kBN + kI * kChunkCols;
+    const int tid = tile::thread_in_warpgroup();
+#pragma unroll
+    for (int k = 0; k < kUnitsPerThread; ++k) {
+      const int u = tid + tile::kWarpgroupThreads * k, row = u / 8, piece = u % 8;
+      if (dst[k] != nullptr && col + piece * 8 < p.n) {
+        const uint4 v = *reinterpret_cast<const uint4*>(buf.bytes + tile::sw128_offset(row, piece * 16));
+        *reinterpret_cast<uint4*>(dst[k] + int64_t(col) * 2) = v;
+      }
+    }
+    ++es.chunks;
   }
 };
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "weft/dtype.hpp"
+#include "weft/ops/gemm.hpp"
 #include "weft/runtime/communicator.hpp"
 
 namespace weft {
@@ -40,8 +41,10 @@ struct MoeDispatched {
                                      // for a dropped slot (combine reads the expert outputs there)
   const int32_t* experts = nullptr;  // [tokens, top_k]: the dispatch's expert ids, kept for combine
   int64_t capacity = 0;              // rows of `rows`: the worst case, a multiple of align
-  const int32_t* counts = nullptr;   // [world][num_experts + 1]: each source's rows per expert, then its
-                                     // token count (the layout's input, in the dispatch area)
+  const int32_t* row_source = nullptr;  // [capacity]: per row, source * max_tokens * top_k + the slot
+                                        // (token * top_k + j) it holds; -1 for a padding row
+  const int32_t* counts = nullptr;      // [world][num_experts + 1]: each source's rows per expert, then its
+                                        // token count (the layout's input, in the dispatch area)
 };
 
 // What a dispatch delivered to this rank, read back to the host (synchronises `stream`: the exact-count
@@ -91,5 +94,18 @@ void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out
                           const MoeDispatched& dispatched, const float* weights, const void* dout,
                           void* d_expert_out, float* d_weights, const MoeShape& shape, DType dtype,
                           cudaStream_t stream = nullptr);
+
+// The second expert GEMM and the combine in one (the unfused path: grouped_gemm into moe_combine_input(),
+// then moe_combine): out = combine of (a . b_e per group), where a [rows, inter] holds this rank's experts'
+// rows in the dispatch's layout (rows: a multiple of 128 up to the capacity, at least the last group's end)
+// and b the experts' weights [experts per rank, hidden, inter] (BLayout::kNK) or [experts per rank, inter,
+// hidden] (kKN), bf16. The GEMM's epilogue sends each output row straight to the rank and slot it was
+// dispatched from (MoeDispatched::row_source) into that rank's staging area ("moe combine staging",
+// [max_tokens * top_k, hidden] bf16); after a meeting each rank sums its tokens' slots as moe_combine does
+// (fp32, ascending j: the same results). bf16 only. Every rank calls it.
+void moe_grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, const void* b, BLayout b_layout,
+                              int64_t rows, int64_t inter, const MoeDispatched& dispatched,
+                              const float* weights, void* out, const MoeShape& shape,
+                              cudaStream_t stream = nullptr);
 
 }  // namespace weft
