@@ -64,6 +64,11 @@ struct Layer {
       moe_combine(comm, rank, combine_in, d, static_cast<const float*>(weights.p), out.p, shape, DType::kBF16,
                   stream);
   }
+  // The down GEMM and the combine in one (moe_grouped_gemm_combine), after the layer has run once.
+  void run_fused_down_combine(Communicator& comm, Rank& rank, cudaStream_t stream) {
+    moe_grouped_gemm_combine(comm, rank, hidden_act.p, down_w.p, BLayout::kNK, d.capacity, inter, d,
+                             static_cast<const float*>(weights.p), out.p, shape, stream);
+  }
 };
 
 std::vector<int32_t> route(int64_t tokens, int experts, int top_k, uint64_t seed) {
@@ -104,6 +109,11 @@ void run_moe(Context& ctx) {
     int experts, top_k;
     int64_t hidden, inter;
   };
+  Table f(fmt("MoE down GEMM + combine on %s, bf16: unfused (grouped_gemm into combine's input, moe_combine) "
+              "vs fused (moe_grouped_gemm_combine: the GEMM's epilogue sends each row to its token's rank)",
+              ctx.team_label().c_str()),
+          {"tokens", "experts", "top-k", "hidden", "inter", "unfused ms", "fused ms", "unfused / fused"},
+          "The same ranks, in turn (per-rank CUDA graphs launched together, the slowest rank's median).");
   std::vector<Case> cases = {
       {4096, 32, 8, 7168, 2048}, {16384, 32, 8, 7168, 2048}, {8192, 8, 2, 4096, 14336}};
   if (ctx.quick) cases = {{8192, 32, 8, 7168, 2048}};
@@ -160,8 +170,30 @@ void run_moe(Context& ctx) {
            phase_cells[1], phase_cells[2], phase_cells[3]});
     ctx.progress("moe tokens=%lld E=%d k=%d: one GPU %.3f ms, team %.3f ms", (long long)c.tokens, c.experts,
                  c.top_k, one_ms, team_ms);
+    const auto team_tail = [&](bool fused) {
+      return [&, fused](int) {
+        for (int i = 0; i < L; ++i) {
+          WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+          if (fused)
+            layers[i]->run_fused_down_combine(comm, comm.local(i), team.streams[i]);
+          else {
+            layers[i]->run(comm, comm.local(i), inputs[i], team.streams[i], Layer::kDown);
+            layers[i]->run(comm, comm.local(i), inputs[i], team.streams[i], Layer::kCombine);
+          }
+        }
+      };
+    };
+    team_tail(true)(0);  // sizes the staging area before capture
+    comm.synchronize();
+    const std::vector<double> tail_us =
+        time_graphs_alternating(comm, team.streams, 1, iters, {team_tail(false), team_tail(true)});
+    const double unfused = team.team_max(tail_us[0]) / 1000.0, fused = team.team_max(tail_us[1]) / 1000.0;
+    f.add({std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),
+           std::to_string(c.hidden), std::to_string(c.inter), fmt("%.3f", unfused), fmt("%.3f", fused),
+           fmt("%.3f", unfused / fused)});
   }
   ctx.add(std::move(t));
+  ctx.add(std::move(f));
 }
 
 ModeRegistrar reg("moe", "MoE layer (dispatch, grouped GEMMs, combine) vs the same layer on one GPU",

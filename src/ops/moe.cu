@@ -516,7 +516,8 @@ void moe_grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, con
       dispatched.row_source != nullptr && dispatched.row_of != nullptr && dispatched.experts != nullptr,
       where + "`dispatched` is not a dispatch's handle");
   WEFT_CHECK(shape.align % 128 == 0,
-             where + "the grouped GEMM runs on whole 128-row tiles: dispatch with align a multiple of 128, got " +
+             where +
+                 "the grouped GEMM runs on whole 128-row tiles: dispatch with align a multiple of 128, got " +
                  std::to_string(shape.align));
   WEFT_CHECK(rows >= 0 && rows <= dispatched.capacity && rows % 128 == 0,
              where + "rows must be a multiple of 128 up to the dispatch's capacity (" +
@@ -533,13 +534,12 @@ void moe_grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, con
   const BarrierSlots meetings = ops::meeting_slots(comm);
   // Every rank has summed the previous call's staging before any row of this call is pushed into it.
   launch_team_barrier(rank.view(), meetings[0], stream);
-  if (rows > 0) {
-    GemmOptions o;
-    o.max_blocks = rank.sm_budget();
-    ops::grouped_gemm_scatter(
-        a, b, dispatched.group_end, shape.num_experts / rank.world(), rows, shape.hidden, inter, b_layout,
-        ops::ScatterRows{rank.view(), dispatched.row_source, staging, slots}, stream, o);
-  }
+  // The GEMM waits for nothing, so it takes every SM as grouped_gemm does (ranks sharing a GPU share them;
+  // a rank's SM budget is for kernels that wait for peers).
+  if (rows > 0)
+    ops::grouped_gemm_scatter(a, b, dispatched.group_end, shape.num_experts / rank.world(), rows,
+                              shape.hidden, inter, b_layout,
+                              ops::ScatterRows{rank.view(), dispatched.row_source, staging, slots}, stream);
   launch_team_barrier(rank.view(), meetings[0], stream);  // every row pushed here has landed
   if (shape.tokens > 0) {
     detail::preload<&sum_staged_slots>();
