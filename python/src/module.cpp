@@ -515,7 +515,7 @@ PYBIND11_MODULE(_weft, m) {
     return weft::moe_dispatch_workspace_bytes(world, moe_shape(shape));
   });
   // Returns (rows view [capacity, hidden], group_end view [experts per rank] int32, row_of pointer, experts
-  // pointer, capacity, counts-table pointer).
+  // pointer, capacity, counts-table pointer, row-source pointer).
   m.def("moe_dispatch", [=](const Comm& c, uintptr_t tokens, uintptr_t experts, py::tuple shape,
                             uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype,
                             uintptr_t stream) {
@@ -527,7 +527,8 @@ PYBIND11_MODULE(_weft, m) {
     return py::make_tuple(view_of(c, const_cast<void*>(d.rows), {d.capacity, s.hidden}, dtype),
                           view_of(c, const_cast<int32_t*>(d.group_end), {per}, "int32"),
                           reinterpret_cast<uintptr_t>(d.row_of), reinterpret_cast<uintptr_t>(d.experts),
-                          d.capacity, reinterpret_cast<uintptr_t>(d.counts));
+                          d.capacity, reinterpret_cast<uintptr_t>(d.counts),
+                          reinterpret_cast<uintptr_t>(d.row_source));
   });
   // The exact-count read-back of the last dispatch on this rank (synchronises its stream): (rows per local
   // expert, padded group ends, rows in use). counts: the dispatch's counts table (moe_dispatch's 6th value).
@@ -553,6 +554,22 @@ PYBIND11_MODULE(_weft, m) {
           weft::moe_combine(*c.comm, c.rank(), reinterpret_cast<const void*>(expert_out), d,
                             reinterpret_cast<const float*>(weights), reinterpret_cast<void*>(out),
                             moe_shape(shape), parse_dtype(dtype), c.stream(stream));
+        });
+  m.def("moe_grouped_gemm_combine",
+        [=](const Comm& c, uintptr_t a, uintptr_t b, bool b_nk, int64_t rows, int64_t inter, uintptr_t row_source,
+            uintptr_t row_of, uintptr_t experts, uintptr_t group_end, int64_t capacity, uintptr_t weights,
+            uintptr_t out, py::tuple shape, uintptr_t stream) {
+          weft::MoeDispatched d;
+          d.row_source = reinterpret_cast<const int32_t*>(row_source);
+          d.row_of = reinterpret_cast<const int32_t*>(row_of);
+          d.experts = reinterpret_cast<const int32_t*>(experts);
+          d.group_end = reinterpret_cast<const int32_t*>(group_end);
+          d.capacity = capacity;
+          weft::moe_grouped_gemm_combine(*c.comm, c.rank(), reinterpret_cast<const void*>(a),
+                                         reinterpret_cast<const void*>(b),
+                                         b_nk ? weft::BLayout::kNK : weft::BLayout::kKN, rows, inter, d,
+                                         reinterpret_cast<const float*>(weights), reinterpret_cast<void*>(out),
+                                         moe_shape(shape), c.stream(stream));
         });
   m.def("moe_combine_grad_input", [=](const Comm& c, py::tuple shape, const std::string& dtype) {
     const weft::MoeShape s = moe_shape(shape);

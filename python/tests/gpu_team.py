@@ -320,11 +320,13 @@ def moe_layer_training(team, g):
     # SwiGLU as torch ops on the first GEMM's output, and in its epilogue (weights interleaved inside the
     # step, so their gradient reaches the same leaves). Exact counts: python/tests/gpu_ops.py (one process
     # per rank).
-    for fused in (False, True):
+    # The third run also fuses the second GEMM with the combine.
+    for fused in (0, 1, 2):
         ours = [leaves([xs[r], weights[r], ups[r], downs[r]]) for r in range(w)]
         layer = lambda c, ins: weft.moe_layer(ins[0], ids[c.rank], ins[1],
                                               weft.swiglu_interleave(ins[2]) if fused else ins[2], ins[3],
-                                              num_experts, max_tokens=max_tokens, comm=c, swiglu_interleaved=fused)
+                                              num_experts, max_tokens=max_tokens, comm=c, swiglu_interleaved=fused > 0,
+                                              fused_combine=fused == 2)
         team.warmup(layer, ours)
         for ins in ours:
             for t in ins:
@@ -350,7 +352,7 @@ def moe_layer_training(team, g):
         loss = loss + (want * grads[r].float()).sum()
     loss.backward()
     for fused, (outs, ours) in runs.items():
-        label = f"MoE layer W={w}{' SwiGLU epilogue' if fused else ''}"
+        label = f"MoE layer W={w}" + ("", " SwiGLU epilogue", " SwiGLU epilogue, fused combine")[fused]
         for r in range(w):
             check(f"{label}: rank {r} output", outs[r], wants[r], 3e-2)
             for i, name in enumerate(("tokens", "routing weights", "w_up", "w_down")):

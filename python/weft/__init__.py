@@ -47,7 +47,7 @@ __all__ = ["init", "virtual_team", "Team", "Communicator", "WeftError", "WeftVal
            "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
            "matmul_all_reduce", "flash_attention", "flash_attention_varlen", "grouped_mm", "swiglu_interleave", "ring_shard_indices", "ring_shard",
            "ring_unshard", "context_attention", "ring_attention", "ulysses_attention", "MoeDispatch",
-           "moe_dispatch", "moe_combine_input", "moe_combine", "moe_layer"]
+           "moe_dispatch", "moe_combine_input", "moe_combine", "moe_grouped_mm_combine", "moe_layer"]
 
 # DLPack device types (dlpack.h DLDeviceType) for messages.
 _DLPACK_DEVICES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI",
@@ -968,11 +968,49 @@ def moe_combine(expert_out, dispatched, weights):
                             dispatched._comm)
 
 
+def moe_grouped_mm_combine(a, b, dispatched, weights):
+    """The second expert GEMM and the combine in one: weft.moe_combine(weft.grouped_mm(a, b,
+    dispatched.group_end), dispatched, weights), with the GEMM's epilogue sending each output row straight to
+    the rank of the token it came from (then each rank sums its tokens' rows as moe_combine does: the same
+    results). a [rows, inter] bf16 in dispatched.rows' layout (its row count); b [experts per rank, inter,
+    hidden] bf16 (torch._grouped_mm's layout; a transposed view of stacked nn.Linear weights is read in place);
+    weights [tokens, top_k]. No other dispatch on the team may come between this one's dispatch and it. Every
+    rank calls it. With autograd (a, b, weights; the backward computes the GEMM again)."""
+    where = "weft.moe_grouped_mm_combine"
+    if not isinstance(dispatched, MoeDispatch):
+        raise WeftTypeError(f"{where}: pass what weft.moe_dispatch returned")
+    if not (_torch_tensor(a) and _torch_tensor(b) and _torch_tensor(weights)):
+        raise WeftTypeError(f"{where}: a, b and weights must be torch tensors")
+    torch = _ops.torch
+    tokens, _, hidden, num_experts, top_k, align = dispatched._shape
+    local = num_experts // dispatched._comm.world_size
+    rows = dispatched.rows.shape[0]
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise WeftTypeError(f"{where}: a and b must be bf16, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or a.shape[0] != rows or b.dim() != 3 or tuple(b.shape) != (local, a.shape[1], hidden):
+        raise WeftValueError(f"{where}: a must be [{rows} (dispatched.rows' count), inter] and b [{local}, inter, "
+                             f"{hidden}], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] % 8 or align % 128:
+        raise WeftValueError(f"{where}: inter must be a multiple of 8 and the dispatch's align a multiple of 128, "
+                             f"got {a.shape[1]} and {align}")
+    if tuple(weights.shape) != (tokens, top_k):
+        raise WeftValueError(f"{where}: weights must be [{tokens}, {top_k}], got {tuple(weights.shape)}")
+    if b.is_contiguous():
+        stored, nk = b, False
+    elif b.transpose(1, 2).is_contiguous():
+        stored, nk = b.transpose(1, 2), True
+    else:
+        stored, nk = b.contiguous(), False
+    w = weights.to(torch.float32).contiguous()
+    return _ops.moe_grouped_mm_combine(a.contiguous(), stored, nk, dispatched.group_end, dispatched._row_of,
+                                       dispatched._experts, w, dispatched._shape, dispatched._comm)
+
+
 _ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
 
 
 def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu", max_tokens=None, align=128,
-              comm=None, exact=False, swiglu_interleaved=False):
+              comm=None, exact=False, swiglu_interleaved=False, fused_combine=False):
     """The experts of an expert-parallel MoE layer: dispatch, grouped_mm up, activation, grouped_mm down, combine.
 
     x [tokens, hidden] bf16; experts [tokens, top_k] global expert ids (-1: a dropped slot); weights [tokens,
@@ -984,7 +1022,8 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
     expert's rows for the GEMM tiles. The activation runs over the dispatch's worst-case capacity rows, or with
     exact=True (one synchronisation, see moe_dispatch) over the rows in use only. swiglu_interleaved=True: w_up's
     columns are in weft.swiglu_interleave's order, and the first GEMM's epilogue applies SwiGLU (no
-    [rows, 2 inter] intermediate).
+    [rows, 2 inter] intermediate). fused_combine=True: the second GEMM and the combine in one
+    (weft.moe_grouped_mm_combine).
     """
     where = "weft.moe_layer"
     if activation not in _ACTIVATIONS:
@@ -1014,13 +1053,14 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
     # Rows past the last group are never read by combine, nor by any backward: left unwritten.
     if activation == "swiglu" and swiglu_interleaved:
         a = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False, activation="swiglu")
-        y = grouped_mm(a, w_down, d.group_end, validate=False, zero_unused_rows=False)
-        return moe_combine(y, d, weights)
-    h = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False)
-    if activation == "swiglu":
-        a = F.silu(h[:, :inter]) * h[:, inter:]
     else:
-        a = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation](h)
+        h = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False)
+        if activation == "swiglu":
+            a = F.silu(h[:, :inter]) * h[:, inter:]
+        else:
+            a = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation](h)
+    if fused_combine:
+        return moe_grouped_mm_combine(a, w_down, d, weights)
     y = grouped_mm(a.contiguous(), w_down, d.group_end, validate=False, zero_unused_rows=False)
     return moe_combine(y, d, weights)
 

@@ -623,6 +623,7 @@ def _moe_capacity(shape, world):
 
 
 _last_counts = {}  # per communicator id: the counts table of its last dispatch (the exact-count read-back)
+_last_row_source = {}  # per communicator id: its last dispatch's row -> source slot map (the fused combine)
 
 
 @torch.library.custom_op("weft::moe_dispatch", mutates_args=())
@@ -637,10 +638,11 @@ def _moe_dispatch(x: Tensor, experts: Tensor, shape: list[int], world: int,
     native = _native(comm)
     nbytes = _weft.moe_dispatch_workspace_bytes(world, tuple(shape))
     ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=x.device)
-    rows, ends, row_of, kept, _, counts = _weft.moe_dispatch(native, x.data_ptr(), experts.data_ptr(),
-                                                             tuple(shape), ws.data_ptr(), nbytes, DTYPES[x.dtype],
-                                                             _stream(x))
+    rows, ends, row_of, kept, _, counts, row_source = _weft.moe_dispatch(native, x.data_ptr(), experts.data_ptr(),
+                                                                         tuple(shape), ws.data_ptr(), nbytes,
+                                                                         DTYPES[x.dtype], _stream(x))
     _last_counts[comm] = counts
+    _last_row_source[comm] = row_source
 
     def slots(ptr):  # [tokens, top_k] int32 at ptr inside ws, copied out (combine needs only these)
         at = ptr - ws.data_ptr()
@@ -749,6 +751,54 @@ def _moe_combine_backward_fn(ctx, grad):
 
 
 _moe_combine.register_autograd(_moe_combine_backward_fn, setup_context=_moe_combine_setup)
+
+
+# The second expert GEMM fused with the combine (weft::moe_grouped_gemm_combine), on the rows of the team's
+# last dispatch. Its backward computes the GEMM's output again (one more GEMM), then the combine's backward
+# and the GEMM's.
+@torch.library.custom_op("weft::moe_grouped_mm_combine", mutates_args=())
+def _moe_grouped_mm_combine(a: Tensor, b: Tensor, b_nk: bool, group_end: Tensor, row_of: Tensor, kept: Tensor,
+                            weights: Tensor, shape: list[int], comm: int) -> Tensor:
+    out = a.new_empty((shape[0], shape[2]))
+    if EMULATE:
+        return out.zero_()
+    inter = b.shape[2] if b_nk else b.shape[1]
+    capacity = _moe_capacity(shape, _world(comm))
+    _weft.moe_grouped_gemm_combine(_native(comm), a.data_ptr(), b.data_ptr(), b_nk, a.shape[0], inter,
+                                   _last_row_source[comm], row_of.data_ptr(), kept.data_ptr(), group_end.data_ptr(),
+                                   capacity, weights.data_ptr(), out.data_ptr(), tuple(shape), _stream(a))
+    return out
+
+
+@_moe_grouped_mm_combine.register_fake
+def _(a, b, b_nk, group_end, row_of, kept, weights, shape, comm):
+    return a.new_empty((shape[0], shape[2]))
+
+
+def _moe_grouped_mm_combine_setup(ctx, inputs, output):
+    a, b, b_nk, group_end, row_of, kept, weights, shape, comm = inputs
+    ctx.save_for_backward(a, b, group_end, row_of, kept, weights)
+    ctx.b_nk, ctx.shape, ctx.comm = b_nk, shape, comm
+
+
+def _moe_grouped_mm_combine_backward(ctx, grad):
+    a, b, group_end, row_of, kept, weights = ctx.saved_tensors
+    y = _grouped_mm(a, b, group_end, ctx.b_nk, a.dtype, False, "")
+    d_y, d_weights = _moe_combine_backward(grad.to(a.dtype).contiguous(), y, row_of, kept, weights, ctx.shape,
+                                           ctx.comm)
+    da = _grouped_mm(d_y, b, group_end, not ctx.b_nk, a.dtype, False, "")
+    dkn = _grouped_weight_grad(a, d_y, group_end).to(b.dtype)
+    db = dkn.transpose(1, 2).contiguous() if ctx.b_nk else dkn
+    return da, db, None, None, None, None, d_weights, None, None
+
+
+_moe_grouped_mm_combine.register_autograd(_moe_grouped_mm_combine_backward,
+                                          setup_context=_moe_grouped_mm_combine_setup)
+
+
+def moe_grouped_mm_combine(a, b, b_nk, group_end, row_of, kept, weights, shape, comm):
+    """Arguments checked by the caller; b as stored."""
+    return _moe_grouped_mm_combine(a, b, b_nk, group_end, row_of, kept, weights, list(shape), comm._id)
 
 
 def moe_dispatch(x, ids, shape, comm, exact=False):
