@@ -30,17 +30,18 @@ def reference(a, b, ends):
     return out
 
 
-def run_case(sizes, rows, k, n, nk, out_dtype, g):
+def operands(sizes, rows, k, n, nk, g):
+    """(group ends on the host, a [rows, k], the weights' leaf w, b = w as [E, K, N]): nk, stacked nn.Linear
+    weights [E, N, K] passed transposed."""
     ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
-    e = len(sizes)
     a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    if nk:  # stacked nn.Linear weights [E, N, K], passed as [E, K, N]
-        w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5
-        w.requires_grad_(True)
-        b = w.transpose(1, 2)
-    else:
-        w = (torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5).requires_grad_(True)
-        b = w
+    shape = (len(sizes), n, k) if nk else (len(sizes), k, n)
+    w = (torch.randn(shape, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16).requires_grad_(True)
+    return ends, a, w, w.transpose(1, 2) if nk else w
+
+
+def run_case(sizes, rows, k, n, nk, out_dtype, g):
+    ends, a, w, b = operands(sizes, rows, k, n, nk, g)
     ends_dev = ends.cuda()
     out = weft.grouped_mm(a, b, ends_dev, out_dtype=out_dtype)
     ref = reference(a.detach(), b.detach(), ends.tolist())
@@ -71,17 +72,7 @@ def run_case(sizes, rows, k, n, nk, out_dtype, g):
 def run_swiglu_case(sizes, rows, k, inter, nk, g):
     """activation="swiglu" on swiglu_interleave'd weights against silu(a gate) * (a up) in fp32, and its
     gradients (through the interleave, to the gate / up weights) against fp32 autograd."""
-    ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
-    e = len(sizes)
-    a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    if nk:
-        w = (torch.randn(e, 2 * inter, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
-        w.requires_grad_(True)
-        b = w.transpose(1, 2)
-    else:
-        w = (torch.randn(e, k, 2 * inter, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
-        w.requires_grad_(True)
-        b = w
+    ends, a, w, b = operands(sizes, rows, k, 2 * inter, nk, g)
     out = weft.grouped_mm(a, weft.swiglu_interleave(b), ends.cuda(), activation="swiglu")
     a32 = a.detach().float().requires_grad_(True)
     w32 = w.detach().float().requires_grad_(True)

@@ -603,6 +603,16 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
 # ---- grouped GEMM (one GPU, no communicator) ---------------------------------------------------------------
 
 
+def _stored_weights(b):
+    """Experts' weights given as [E, K, N]: (the tensor as stored, whether that is [E, N, K]). A transposed view of
+    contiguous [E, N, K] (stacked nn.Linear) is read in place; anything else not contiguous is copied."""
+    if b.is_contiguous():
+        return b, False
+    if b.transpose(1, 2).is_contiguous():
+        return b.transpose(1, 2), True
+    return b.contiguous(), False
+
+
 def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=True, activation=None):
     """Grouped matmul of an MoE layer's experts on one GPU (weft's Hopper kernel), with autograd.
 
@@ -658,12 +668,7 @@ def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=
         if any(x % 128 for x in ends) or any(y < x for x, y in zip(ends, ends[1:])) or ends[0] < 0 or ends[-1] > rows:
             raise WeftValueError(f"{where}: group_end must ascend in multiples of 128 up to rows ({rows}), got "
                                  f"{ends[:8]}{' ...' if len(ends) > 8 else ''}")
-    if b.is_contiguous():
-        stored, nk = b, False
-    elif b.transpose(1, 2).is_contiguous():
-        stored, nk = b.transpose(1, 2), True
-    else:
-        stored, nk = b.contiguous(), False
+    stored, nk = _stored_weights(b)
     return _ops.grouped_mm(a.contiguous(), stored, group_end.contiguous(), nk, out_dtype, bool(zero_unused_rows),
                            activation or "")
 
@@ -995,12 +1000,7 @@ def moe_grouped_mm_combine(a, b, dispatched, weights):
                              f"got {a.shape[1]} and {align}")
     if tuple(weights.shape) != (tokens, top_k):
         raise WeftValueError(f"{where}: weights must be [{tokens}, {top_k}], got {tuple(weights.shape)}")
-    if b.is_contiguous():
-        stored, nk = b, False
-    elif b.transpose(1, 2).is_contiguous():
-        stored, nk = b.transpose(1, 2), True
-    else:
-        stored, nk = b.contiguous(), False
+    stored, nk = _stored_weights(b)
     w = weights.to(torch.float32).contiguous()
     return _ops.moe_grouped_mm_combine(a.contiguous(), stored, nk, dispatched.group_end, dispatched._row_of,
                                        dispatched._experts, w, dispatched._shape, dispatched._comm)

@@ -414,16 +414,20 @@ MoeCounts moe_counts(Rank& rank, const MoeDispatched& dispatched, const MoeShape
   return c;
 }
 
-void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype) {
-  const std::string where = ops::team_where("weft::moe_combine_input", rank);
+namespace {
+// A [capacity, hidden] symmetric buffer of dtype: the combine's input, or its backward's output.
+void* expert_rows_area(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype, const char* op,
+                       const char* area) {
+  const std::string where = ops::team_where(op, rank);
   check(shape, rank.world(), where);
   const size_t bytes = round256(size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype));
-  return ops::workspace_of(comm, rank, bytes, false, where, kCombineArea);
+  return ops::workspace_of(comm, rank, bytes, false, where, area);
 }
 
-void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
-                 const float* weights, void* out, const MoeShape& shape, DType dtype, cudaStream_t stream) {
-  const std::string where = ops::team_where("weft::moe_combine", rank);
+// What combine and its backward check alike: the shape, dtype, the handle, expert_out where peers read it.
+void check_combine(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype,
+                   const MoeDispatched& dispatched, const void* expert_out, const float* weights,
+                   const std::string& where) {
   check(shape, rank.world(), where);
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "expert outputs must be bf16 or fp16");
   WEFT_CHECK(dispatched.row_of != nullptr && dispatched.experts != nullptr,
@@ -431,10 +435,19 @@ void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const M
   const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
   WEFT_CHECK(comm.in_heap(rank, expert_out, bytes),
              where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
-  if (shape.tokens > 0) {
-    ops::check_pointer_alignment(out, "out", 16, where);
-    ops::check_pointer_alignment(weights, "weights", 4, where);
-  }
+  if (shape.tokens > 0) ops::check_pointer_alignment(weights, "weights", 4, where);
+}
+}  // namespace
+
+void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype) {
+  return expert_rows_area(comm, rank, shape, dtype, "weft::moe_combine_input", kCombineArea);
+}
+
+void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
+                 const float* weights, void* out, const MoeShape& shape, DType dtype, cudaStream_t stream) {
+  const std::string where = ops::team_where("weft::moe_combine", rank);
+  check_combine(comm, rank, shape, dtype, dispatched, expert_out, weights, where);
+  if (shape.tokens > 0) ops::check_pointer_alignment(out, "out", 16, where);
   if (stream == nullptr) stream = rank.stream();
   const Sizes z(rank.world(), rank.rank(), shape);
   const int blocks = ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2);
@@ -458,10 +471,7 @@ void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const M
 }
 
 void* moe_combine_grad_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype) {
-  const std::string where = ops::team_where("weft::moe_combine_grad_input", rank);
-  check(shape, rank.world(), where);
-  const size_t bytes = round256(size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype));
-  return ops::workspace_of(comm, rank, bytes, false, where, kCombineGradArea);
+  return expert_rows_area(comm, rank, shape, dtype, "weft::moe_combine_grad_input", kCombineGradArea);
 }
 
 void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out,
@@ -469,18 +479,12 @@ void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out
                           void* d_expert_out, float* d_weights, const MoeShape& shape, DType dtype,
                           cudaStream_t stream) {
   const std::string where = ops::team_where("weft::moe_combine_backward", rank);
-  check(shape, rank.world(), where);
-  WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "expert outputs must be bf16 or fp16");
-  WEFT_CHECK(dispatched.row_of != nullptr && dispatched.experts != nullptr,
-             where + "`dispatched` is not a dispatch's handle");
+  check_combine(comm, rank, shape, dtype, dispatched, expert_out, weights, where);
   const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
-  WEFT_CHECK(comm.in_heap(rank, expert_out, bytes),
-             where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
   WEFT_CHECK(comm.in_heap(rank, d_expert_out, bytes),
              where + "d_expert_out must be the buffer moe_combine_grad_input() gives (peers write it)");
   if (shape.tokens > 0) {
     ops::check_pointer_alignment(dout, "dout", 16, where);
-    ops::check_pointer_alignment(weights, "weights", 4, where);
     ops::check_pointer_alignment(d_weights, "d_weights", 4, where);
   }
   if (stream == nullptr) stream = rank.stream();
