@@ -24,8 +24,15 @@ import torch.nn.functional as F
 
 import weft
 
-# Gradients against fp32: bf16 tolerance (torch's own bf16 block differs from fp32 by up to 3e-2 here).
-STEPS, LR, TOL = 4, 0.5, 5e-2
+# Against fp32, weft's bf16 block may differ by TOL, or by up to BF16_SLACK times what torch's own bf16 block
+# differs at the same step (bf16 rounding alone reaches 3e-2 to 6e-2 here, growing over the SGD steps).
+# Against torch's bf16 block (same inputs, same precision): TOL.
+STEPS, LR, TOL, BF16_SLACK = 4, 0.5, 5e-2, 1.25
+
+
+def against_fp32(err, torch_bf16_err):
+    """err over what it may be against fp32 (<= 1 passes)."""
+    return err / max(TOL, BF16_SLACK * torch_bf16_err)
 
 
 def weft_block(comm, x, w1, w2):
@@ -48,7 +55,7 @@ def loss_of(ys, targets, tokens):
 
 
 def worse(worst, *errors):
-    """The largest error so far; NaN sticks."""
+    """The largest error over its limit so far; NaN sticks."""
     for e in (worst, *errors):
         if e != e:
             return float("nan")
@@ -103,7 +110,7 @@ def train_virtual(world, tokens, hidden, ffn):
                 for ws, refs in ((w1s, ref1), (w2s, ref2), (bf1, ref1), (bf2, ref2))]
         el = rel(loss.detach().reshape(1), want.detach().reshape(1))
         print(f"| {step} | {loss.item():.6f} | {want.item():.6f} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
-        worst = worse(worst, errs[0], errs[1], el)
+        worst = worse(worst, against_fp32(errs[0], errs[2]), against_fp32(errs[1], errs[3]), el / TOL)
         for ws in (w1s + w2s, ref1 + ref2, bf1 + bf2):
             sgd(ws)
     return worst
@@ -147,8 +154,8 @@ def train_distributed(comm, dist, tokens, hidden, ffn):
     if rank == 0:
         print(f"TP MLP block training, {world} GPUs, tokens {tokens}, hidden {hidden}, ffn {ffn}")
         print("| step | loss (weft) | loss (torch.distributed) | loss (torch, fp32) | grad rel. err vs "
-              "torch.distributed | vs fp32 |")
-        print("|---:|---:|---:|---:|---:|---:|")
+              "torch.distributed | vs fp32 | torch.distributed's vs fp32 |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
     for step in range(STEPS):
         part, loss = team_loss(weft_block(comm, x, *ours))
         part.backward()
@@ -161,12 +168,15 @@ def train_distributed(comm, dist, tokens, hidden, ffn):
         ref = F.mse_loss(y_all, targets_all.float(), reduction="sum") / (tokens * hidden)
         (ref / world).backward()  # every rank computes the whole loss; the gathers' backward sums the ranks
         errs = torch.tensor([max(rel(a.grad, b.grad) for a, b in zip(ours, theirs)),
-                             max(rel(a.grad, b.grad) for a, b in zip(ours, full))], device="cuda")
+                             max(rel(a.grad, b.grad) for a, b in zip(ours, full)),
+                             max(rel(a.grad, b.grad) for a, b in zip(theirs, full))], device="cuda")
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)
         if rank == 0:
             print(f"| {step} | {loss.item():.6f} | {dloss.item():.6f} | {ref.item():.6f} | {errs[0].item():.2e} | "
-                  f"{errs[1].item():.2e} |")
-        worst = worse(worst, errs.max().item(), rel(loss.reshape(1), ref.detach().reshape(1)))
+                  f"{errs[1].item():.2e} | {errs[2].item():.2e} |")
+        e = errs.tolist()
+        worst = worse(worst, e[0] / TOL, against_fp32(e[1], e[2]),
+                      rel(loss.reshape(1), ref.detach().reshape(1)) / TOL)
         for ws in (ours, theirs, full):
             sgd(ws)
     return worst
@@ -243,9 +253,9 @@ def main_distributed(tokens, hidden, ffn):
         print(f"  torch.distributed + torch.matmul: {t_torch:8.1f} us")
         print(f"  weft fused ops:                   {t_weft:8.1f} us   ({t_torch / t_weft:.2f}x)")
         print(f"  max relative difference weft vs torch: {err.item():.1e}")
-        print(f"  training: worst relative difference in loss / gradients: {worst:.1e} (limit {TOL:.0e})")
+        print(f"  training: worst difference in loss / gradients over its limit: {worst:.2f} (passes <= 1)")
     dist.destroy_process_group()
-    return worse(err.item(), worst)
+    return worse(err.item() / TOL, worst)
 
 
 def main():
@@ -256,11 +266,11 @@ def main():
     if ranks is not None:
         tokens, hidden, ffn = (int(v) for v in args[:3]) if len(args) >= 3 else (1024 * ranks, 1024, 1024 * ranks)
         worst = train_virtual(ranks, tokens, hidden, ffn)
-        print(f"worst relative difference in loss / gradients: {worst:.1e} (limit {TOL:.0e})")
+        print(f"worst difference in loss / gradients over its limit: {worst:.2f} (passes <= 1)")
     else:
         tokens, hidden, ffn = (int(v) for v in args[:3]) if len(args) >= 3 else (8192, 8192, 28672)
         worst = main_distributed(tokens, hidden, ffn)
-    if not worst <= TOL:
+    if not worst <= 1.0:
         print("FAILED: weft's block differs from torch's", flush=True)
         sys.exit(1)
 

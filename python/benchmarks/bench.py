@@ -104,7 +104,7 @@ def print_table(title, rows):
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for r in rows:
-        print("| " + " | ".join(fmt(r[k]) for k in keys) + " |")
+        print("| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |")
     sys.stdout.flush()
 
 
