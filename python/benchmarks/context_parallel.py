@@ -3,6 +3,7 @@ torch baselines and the ideal (single-GPU attention over the whole sequence / W)
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     PYTHONPATH=build/python torchrun --nproc_per_node=W python/benchmarks/context_parallel.py [--quick]
+        [--methods "weft ring,torch ring"]
 
 Shapes: Llama3-8B-like (batch 1, 32 query / 8 K/V heads, head dim 128, causal) and 16 heads (16 K/V) of 128,
 non-causal; 2k, 4k, 8k, 16k, 32k tokens per GPU (--quick: 2k, 8k); forward, and forward + backward.
@@ -225,6 +226,7 @@ class TorchRingFn(torch.autograd.Function):
 
 def main():
     quick = "--quick" in sys.argv
+    only = sys.argv[sys.argv.index("--methods") + 1].split(",") if "--methods" in sys.argv else None
     comm = weft.init()
     rank, world = comm.rank, comm.world_size
     torch.cuda.set_device(comm.device)
@@ -239,13 +241,13 @@ def main():
     for label, h, kvh, causal in shapes:
         rows_out = []
         for n in per_gpu:
-            rows_out += bench_shape(sdpa, comm, rank, world, n, h, kvh, causal, quick)
+            rows_out += bench_shape(sdpa, comm, rank, world, n, h, kvh, causal, only)
         print_table(f"{label}, head dim 128, bf16, {world} GPUs: % of ideal = (single-GPU time / W) / time",
                     rows_out)
     dist.destroy_process_group()
 
 
-def bench_shape(sdpa, comm, rank, world, n, h, kvh, causal, quick):
+def bench_shape(sdpa, comm, rank, world, n, h, kvh, causal, only):
     d, b = 128, 1
     s = n * world
     scale = 1.0 / math.sqrt(d)
@@ -271,6 +273,7 @@ def bench_shape(sdpa, comm, rank, world, n, h, kvh, causal, quick):
     }
     if h % world or (kvh % world and world % kvh):
         del methods["weft ulysses"]
+    methods = {m: x for m, x in methods.items() if only is None or m in only}
     inputs = {m: [shard(x, idx) for x in full] for m, (idx, _) in methods.items()}
     leaves = {m: [x.clone().requires_grad_() for x in inputs[m][:3]] for m in methods}
 

@@ -1,9 +1,10 @@
 // Host side of weft::ring_attention_backward (weft/ops/context_attention.hpp; device code:
 // weft/ops/ring_attention_backward.cuh). The communicator's workspace area "ring attention backward"
-// (symmetric) holds this rank's fp32 dQ accumulator, the per-row terms (own and received) and the Q / dO
-// receive slots; the caller's workspace holds one tensor map per rank (its accumulator) and the pass's table.
-// Order on the stream: zero the accumulator, prepare the terms, upload, meet (slots free, accumulators
-// zeroed), the persistent kernel, meet (every add into this rank's accumulator complete), convert dQ.
+// (symmetric) holds this rank's fp32 dQ accumulator slots (one per step), the per-row terms (own and
+// received) and the Q / dO receive slots; the caller's workspace holds the dQ parts' addresses (this rank's
+// slot 0, slot s of rank r + s) and the pass's table. Order on the stream: zero slot 0, prepare the terms,
+// upload, meet (receive slots free, every peer done reading this rank's accumulator slots), zero slots 1 ..
+// W - 1, the persistent kernel, meet (every rank's slots complete), dQ = scale * the sum of its parts.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -50,19 +51,21 @@ struct Sizes : ops::RingPassSizes {
         ranges(ops::ring_query_ranges(L, rank)) {
     for (const auto& [b, e] : ranges) longest_range = std::max(longest_range, e - b);
   }
-  // The area: the dQ accumulator [slot_rows][heads][head_dim] fp32; the terms (LSE, D) [2][W][heads]
-  // [term_stride] fp32; the Q and dO slots [W - 1][slot_rows][heads][head_dim] each.
-  size_t accum_bytes() const { return round256(size_t(slot_rows * heads * head_dim) * 4); }
+  // The area: the dQ accumulator slots [W][slot_rows][heads][head_dim] fp32 (slot s: the rows of rank r - s);
+  // the terms (LSE, D) [2][W][heads][term_stride] fp32; the Q and dO slots [W - 1][slot_rows][heads]
+  // [head_dim] each.
+  size_t accum_slot_bytes() const { return size_t(slot_rows * heads * head_dim) * 4; }
+  size_t accum_bytes() const { return round256(size_t(L.world) * accum_slot_bytes()); }
   size_t terms_bytes() const { return round256(size_t(2 * L.world * heads * term_stride) * 4); }
   size_t slot_bytes() const { return size_t(slot_rows * heads * head_dim) * 2; }
   size_t area_bytes() const {
     return accum_bytes() + terms_bytes() + round256(2 * size_t(std::max(1, L.world - 1)) * slot_bytes());
   }
-  // The caller's workspace: the accumulators' maps (one per rank, 64-byte aligned), the table, and the query
-  // ranges (begins, then ends) for the prepare kernel.
-  size_t maps_bytes() const { return round256(size_t(L.world) * sizeof(CUtensorMap)); }
+  // The caller's workspace: the dQ parts' addresses (W), the table, and the query ranges (begins, then ends)
+  // for the prepare kernel.
+  size_t parts_bytes() const { return round256(size_t(L.world) * sizeof(const float*)); }
   size_t ranges_bytes() const { return round256((2 * ranges.size() + 1) * 4); }
-  size_t workspace_bytes() const { return maps_bytes() + table_bytes() + ranges_bytes() + landed_bytes(); }
+  size_t workspace_bytes() const { return parts_bytes() + table_bytes() + ranges_bytes() + landed_bytes(); }
 };
 
 struct Buffers {
@@ -87,19 +90,19 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   // A rank with no rows still needs maps: they point at the area and are never read.
   const auto own = [&](const void* p) { return z.local > 0 ? p : static_cast<const void*>(area); };
 
-  // Every rank's accumulator as this rank reaches it, the pass's table, this rank's query ranges.
-  std::vector<int32_t> map_words(z.maps_bytes() / 4, 0);
-  for (int j = 0; j < W; ++j) {
-    const CUtensorMap m = ops::map_bshd(rank.peer_ptr(accum, j), 1, z.slot_rows, heads, kD, Op::kBM,
-                                        where + "dQ accumulator of rank " + std::to_string(j), DType::kFP32);
-    std::memcpy(map_words.data() + j * sizeof(CUtensorMap) / 4, &m, sizeof(CUtensorMap));
+  // The dQ parts of this rank's rows (slot s of rank r + s, as this rank reaches it), the pass's table, this
+  // rank's query ranges.
+  std::vector<int32_t> part_words(z.parts_bytes() / 4, 0);
+  for (int s = 0; s < W; ++s) {
+    const float* part = rank.peer_ptr(accum + s * z.accum_slot_bytes() / 4, (rank.rank() + s) % W);
+    std::memcpy(part_words.data() + s * sizeof(part) / 4, &part, sizeof(part));
   }
-  ops::upload_words(reinterpret_cast<int32_t*>(workspace), map_words, stream);
-  auto* index = reinterpret_cast<int32_t*>(workspace + z.maps_bytes());
+  ops::upload_words(reinterpret_cast<int32_t*>(workspace), part_words, stream);
+  auto* index = reinterpret_cast<int32_t*>(workspace + z.parts_bytes());
   ops::upload_words(index, ops::ring_table_words(z, Op::kBM), stream);
   const ops::RingTable table(index, G, W);
   const int64_t nr = static_cast<int64_t>(z.ranges.size());
-  auto* range_begin = reinterpret_cast<int32_t*>(workspace + z.maps_bytes() + z.table_bytes());
+  auto* range_begin = reinterpret_cast<int32_t*>(workspace + z.parts_bytes() + z.table_bytes());
   std::vector<int32_t> range_words(2 * nr);
   for (int64_t i = 0; i < nr; ++i) {
     range_words[i] = static_cast<int32_t>(z.ranges[i].first);
@@ -107,10 +110,10 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   }
   if (nr > 0) ops::upload_words(range_begin, range_words, stream);
 
-  // This rank's accumulator zeroed and its rows' terms written (the base prepare over the query ranges as
-  // packed sequences: a range beginning at row x gets term rows 4 x on) before the meeting that lets the
-  // peers in.
-  WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, z.accum_bytes(), stream));
+  // This rank's own accumulator slot zeroed and its rows' terms written (the base prepare over the query
+  // ranges as packed sequences: a range beginning at row x gets term rows 4 x on) before the meeting that
+  // lets the peers in; the other slots, which the peers read after the previous call, after it.
+  WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, z.accum_slot_bytes(), stream));
   if (nr > 0) {
     const ops::AttentionRows ranges{range_begin,
                                     range_begin + nr,
@@ -134,7 +137,7 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   const int64_t group = heads / z.kv_heads;
   const int64_t bytes_per_pair = group * z.slot_rows * W * kD * (2 + 2 + 4);
   const int64_t section = std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / bytes_per_pair);
-  int* landed = reinterpret_cast<int*>(workspace + z.maps_bytes() + z.table_bytes() + z.ranges_bytes());
+  int* landed = reinterpret_cast<int*>(workspace + z.parts_bytes() + z.table_bytes() + z.ranges_bytes());
   const int blocks = ops::ring_launch_setup<Op>(comm, rank, z, table, {kState, kArrived}, z.kv_heads, Op::kBN,
                                                 section, options, landed, stream, p, where);
 
@@ -145,8 +148,8 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   p.v = ops::map_bshd(own(b.v), 1, local, z.kv_heads, kD, Op::kBN, where + "v", dtype);
   p.dk = ops::map_bshd(own(b.dk), 1, local, z.kv_heads, kD, Op::Epilogue::kBoxRows, where + "dk", dtype);
   p.dv = ops::map_bshd(own(b.dv), 1, local, z.kv_heads, kD, Op::Epilogue::kBoxRows, where + "dv", dtype);
-  p.dq_accum =
-      ops::map_bshd(accum, 1, z.slot_rows, heads, kD, Op::kBM, where + "dQ accumulator", DType::kFP32);
+  p.dq_accum = ops::map_bshd(accum, W, z.slot_rows, heads, kD, Op::kBM, where + "dQ accumulator slots",
+                             DType::kFP32);
   p.lse_map = ops::map_terms(terms, z.term_stride, W * heads, Op::kBM, where + "terms (LSE)");
   p.dsum_map = ops::map_terms(terms + W * heads * z.term_stride, z.term_stride, W * heads, Op::kBM,
                               where + "terms (D)");
@@ -169,7 +172,6 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   p.scale_log2 = scale * 1.4426950408889634f;
   p.causal = z.pass.causal ? 1 : 0;
 
-  p.dq_maps = reinterpret_cast<const CUtensorMap*>(workspace);
   p.query_begin = table.met_begin;
   p.query_end = table.met_end;
   p.q_src = static_cast<const uint4*>(own(b.q));
@@ -181,16 +183,18 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   p.term_stride = static_cast<int>(z.term_stride);
 
   const BarrierSlots meetings = comm.resources(kMeetings).slots;
-  launch_team_barrier(rank.view(), meetings[0], stream);  // slots free, accumulators zeroed
+  launch_team_barrier(rank.view(), meetings[0], stream);  // receive slots free, peers' reads of ours done
+  if (W > 1)
+    WEFT_CUDA_CHECK(cudaMemsetAsync(area + z.accum_slot_bytes(), 0, (W - 1) * z.accum_slot_bytes(), stream));
   lcsc::Launcher<Op>::launch(p, blocks, stream);
-  launch_team_barrier(rank.view(), meetings[1], stream);  // every add into the accumulator complete
+  launch_team_barrier(rank.view(), meetings[1], stream);  // every rank's accumulator slots complete
   if (z.local > 0) {
     constexpr int kThreads = 256;
     const int64_t elements = z.local * heads * kD;
-    detail::preload<&ops::attention_bwd_convert_dq<T>>();
-    ops::attention_bwd_convert_dq<T>
-        <<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-            accum, static_cast<T*>(b.dq), elements, scale);
+    detail::preload<&ops::ring_bwd_sum_dq<T>>();
+    ops::ring_bwd_sum_dq<T><<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads, 0,
+                              stream>>>(reinterpret_cast<const float* const*>(workspace), W,
+                                        static_cast<T*>(b.dq), elements, scale);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
 }
