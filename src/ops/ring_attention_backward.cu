@@ -1,11 +1,13 @@
 // Host side of weft::ring_attention_backward (weft/ops/context_attention.hpp; device code:
 // weft/ops/ring_attention_backward.cuh). The communicator's workspace area "ring attention backward"
-// (symmetric) holds this rank's fp32 dQ accumulator slots (one per step), the per-row terms (own and
-// received) and the Q / dO receive slots; the caller's workspace holds the dQ parts' addresses (this rank's
-// slot 0, slot s of rank r + s) and the pass's table. Order on the stream: zero slot 0, prepare the terms,
-// upload, meet (receive slots free, every peer done reading this rank's accumulator slots), zero slots 1 ..
-// W - 1, the persistent kernel, meet (every rank's slots complete), dQ = scale * the sum of its parts.
+// (symmetric) holds this rank's fp32 dQ accumulator slots (slot 0: its own rows; with peers on other GPUs
+// slot s: the rows of rank r - s), the per-row terms (own and received) and the Q / dO receive slots; the
+// caller's workspace holds one tensor map per step (where its dQ parts go), the dQ parts' addresses and the
+// pass's table. Order on the stream: zero slot 0, prepare the terms, upload, meet (receive slots free, every
+// peer done reading this rank's slots), zero the other GPUs' slots, the persistent kernel, meet (every add
+// complete), dQ = scale * the sum of its parts.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -51,21 +53,37 @@ struct Sizes : ops::RingPassSizes {
         ranges(ops::ring_query_ranges(L, rank)) {
     for (const auto& [b, e] : ranges) longest_range = std::max(longest_range, e - b);
   }
-  // The area: the dQ accumulator slots [W][slot_rows][heads][head_dim] fp32 (slot s: the rows of rank r - s);
-  // the terms (LSE, D) [2][W][heads][term_stride] fp32; the Q and dO slots [W - 1][slot_rows][heads]
-  // [head_dim] each.
+  // The area: the dQ accumulator slots [accum_slots][slot_rows][heads][head_dim] fp32; the terms (LSE, D)
+  // [2][W][heads][term_stride] fp32; the Q and dO slots [W - 1][slot_rows][heads][head_dim] each.
+  int accum_slots = 1;
   size_t accum_slot_bytes() const { return size_t(slot_rows * heads * head_dim) * 4; }
-  size_t accum_bytes() const { return round256(size_t(L.world) * accum_slot_bytes()); }
+  size_t accum_bytes() const { return round256(size_t(accum_slots) * accum_slot_bytes()); }
   size_t terms_bytes() const { return round256(size_t(2 * L.world * heads * term_stride) * 4); }
   size_t slot_bytes() const { return size_t(slot_rows * heads * head_dim) * 2; }
   size_t area_bytes() const {
     return accum_bytes() + terms_bytes() + round256(2 * size_t(std::max(1, L.world - 1)) * slot_bytes());
   }
-  // The caller's workspace: the dQ parts' addresses (W), the table, and the query ranges (begins, then ends)
-  // for the prepare kernel.
-  size_t parts_bytes() const { return round256(size_t(L.world) * sizeof(const float*)); }
+  // The caller's workspace: the steps' dQ maps (64-byte aligned) and the dQ parts' addresses (W each), the
+  // table, and the query ranges (begins, then ends) for the prepare kernel.
+  size_t parts_bytes() const { return round256(size_t(L.world) * (sizeof(CUtensorMap) + sizeof(float*))); }
   size_t ranges_bytes() const { return round256((2 * ranges.size() + 1) * 4); }
   size_t workspace_bytes() const { return parts_bytes() + table_bytes() + ranges_bytes() + landed_bytes(); }
+};
+
+// Where step s's dQ parts go: through this rank's slot s when the rows' owner (rank r - s) is on another GPU
+// (adding into the owner's memory would cross the links once per key block), else straight into the owner's
+// slot 0. WEFT_RING_DQ_SLOTS=1 takes slots for every peer (tests the multi-GPU route on one GPU).
+struct DqRoute {
+  std::vector<char> through_slot;  // [W]; step 0 (this rank's rows) never
+  bool any = false;
+  DqRoute(const Communicator& comm, int rank, int W) : through_slot(W, 0) {
+    const char* force = std::getenv("WEFT_RING_DQ_SLOTS");
+    const bool always = force != nullptr && std::string(force) == "1";
+    for (int s = 1; s < W; ++s) {
+      through_slot[s] = always || !comm.same_gpu(rank, (rank - s + W) % W);
+      any |= through_slot[s] != 0;
+    }
+  }
 };
 
 struct Buffers {
@@ -75,8 +93,9 @@ struct Buffers {
 };
 
 template <int kD, class T>
-void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, char* workspace, char* area,
-            cudaStream_t stream, const AttentionOptions& options, DType dtype, const std::string& where) {
+void launch(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route, const Buffers& b,
+            char* workspace, char* area, cudaStream_t stream, const AttentionOptions& options, DType dtype,
+            const std::string& where) {
   using Op = ops::RingAttentionBwdOp<kD, T>;
   const int W = z.L.world;
   const int64_t G = z.segments(), local = std::max<int64_t>(z.local, 1), heads = z.heads;
@@ -90,14 +109,26 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   // A rank with no rows still needs maps: they point at the area and are never read.
   const auto own = [&](const void* p) { return z.local > 0 ? p : static_cast<const void*>(area); };
 
-  // The dQ parts of this rank's rows (slot s of rank r + s, as this rank reaches it), the pass's table, this
-  // rank's query ranges.
-  std::vector<int32_t> part_words(z.parts_bytes() / 4, 0);
+  // Each step's dQ map; the dQ parts of this rank's rows (slot 0, then slot s of rank r + s where that rank
+  // took a slot for them: it is on another GPU, the route is the same rule seen from there); the pass's
+  // table; this rank's query ranges.
+  const int r = rank.rank();
+  const size_t slot_floats = z.accum_slot_bytes() / 4;
+  std::vector<int32_t> words(z.parts_bytes() / 4, 0);
   for (int s = 0; s < W; ++s) {
-    const float* part = rank.peer_ptr(accum + s * z.accum_slot_bytes() / 4, (rank.rank() + s) % W);
-    std::memcpy(part_words.data() + s * sizeof(part) / 4, &part, sizeof(part));
+    float* target = route.through_slot[s] ? accum + s * slot_floats : rank.peer_ptr(accum, (r - s + W) % W);
+    const CUtensorMap m = ops::map_bshd(target, 1, z.slot_rows, heads, kD, Op::kBM,
+                                        where + "dQ parts of step " + std::to_string(s), DType::kFP32);
+    std::memcpy(words.data() + s * sizeof(CUtensorMap) / 4, &m, sizeof(CUtensorMap));
   }
-  ops::upload_words(reinterpret_cast<int32_t*>(workspace), part_words, stream);
+  int parts = 0;
+  auto* part_at = words.data() + W * sizeof(CUtensorMap) / 4;
+  for (int s = 0; s < W; ++s) {
+    if (s > 0 && !DqRoute(comm, (r + s) % W, W).through_slot[s]) continue;
+    const float* part = rank.peer_ptr(accum + s * slot_floats, (r + s) % W);
+    std::memcpy(part_at + parts++ * sizeof(part) / 4, &part, sizeof(part));
+  }
+  ops::upload_words(reinterpret_cast<int32_t*>(workspace), words, stream);
   auto* index = reinterpret_cast<int32_t*>(workspace + z.parts_bytes());
   ops::upload_words(index, ops::ring_table_words(z, Op::kBM), stream);
   const ops::RingTable table(index, G, W);
@@ -148,8 +179,9 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
   p.v = ops::map_bshd(own(b.v), 1, local, z.kv_heads, kD, Op::kBN, where + "v", dtype);
   p.dk = ops::map_bshd(own(b.dk), 1, local, z.kv_heads, kD, Op::Epilogue::kBoxRows, where + "dk", dtype);
   p.dv = ops::map_bshd(own(b.dv), 1, local, z.kv_heads, kD, Op::Epilogue::kBoxRows, where + "dv", dtype);
-  p.dq_accum = ops::map_bshd(accum, W, z.slot_rows, heads, kD, Op::kBM, where + "dQ accumulator slots",
-                             DType::kFP32);
+  p.dq_accum =
+      ops::map_bshd(accum, 1, z.slot_rows, heads, kD, Op::kBM, where + "dQ accumulator", DType::kFP32);
+  p.dq_maps = reinterpret_cast<const CUtensorMap*>(workspace);
   p.lse_map = ops::map_terms(terms, z.term_stride, W * heads, Op::kBM, where + "terms (LSE)");
   p.dsum_map = ops::map_terms(terms + W * heads * z.term_stride, z.term_stride, W * heads, Op::kBM,
                               where + "terms (D)");
@@ -184,17 +216,19 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const Buffers& b, ch
 
   const BarrierSlots meetings = comm.resources(kMeetings).slots;
   launch_team_barrier(rank.view(), meetings[0], stream);  // receive slots free, peers' reads of ours done
-  if (W > 1)
-    WEFT_CUDA_CHECK(cudaMemsetAsync(area + z.accum_slot_bytes(), 0, (W - 1) * z.accum_slot_bytes(), stream));
+  for (int s = 1; s < W; ++s)
+    if (route.through_slot[s])
+      WEFT_CUDA_CHECK(cudaMemsetAsync(accum + s * slot_floats, 0, z.accum_slot_bytes(), stream));
   lcsc::Launcher<Op>::launch(p, blocks, stream);
   launch_team_barrier(rank.view(), meetings[1], stream);  // every rank's accumulator slots complete
   if (z.local > 0) {
     constexpr int kThreads = 256;
     const int64_t elements = z.local * heads * kD;
     detail::preload<&ops::ring_bwd_sum_dq<T>>();
-    ops::ring_bwd_sum_dq<T><<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads, 0,
-                              stream>>>(reinterpret_cast<const float* const*>(workspace), W,
-                                        static_cast<T*>(b.dq), elements, scale);
+    ops::ring_bwd_sum_dq<T>
+        <<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+            reinterpret_cast<const float* const*>(workspace + W * sizeof(CUtensorMap)), parts,
+            static_cast<T*>(b.dq), elements, scale);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -225,7 +259,9 @@ void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, cons
                  "options.deterministic is not supported by the ring backward (dQ parts of every rank are "
                  "added in arrival order); use context_attention_backward for bit-reproducible gradients");
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
-  const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
+  Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
+  const DqRoute route(comm, rank.rank(), rank.world());
+  z.accum_slots = route.any ? rank.world() : 1;  // the same on every rank: a team on one GPU or on several
   WEFT_CHECK(z.slot_rows * heads * head_dim < (int64_t(1) << 31) &&
                  z.term_stride * heads * rank.world() < (int64_t(1) << 31) &&
                  int64_t(z.ranges.size()) * z.longest_range * heads * 32 < (int64_t(1) << 39) &&
@@ -254,7 +290,7 @@ void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, cons
   char* area = call.workspace(z.area_bytes(), kArea);
   const Buffers b{q, k, v, out, dout, lse, dq, dk, dv};
   const auto run = [&](auto d, auto t) {
-    launch<decltype(d)::value, decltype(t)>(comm, rank, z, b, static_cast<char*>(workspace), area,
+    launch<decltype(d)::value, decltype(t)>(comm, rank, z, route, b, static_cast<char*>(workspace), area,
                                             call.stream, options, dtype, where);
   };
   using D64 = std::integral_constant<int, 64>;

@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <cmath>
 #include <random>
@@ -383,6 +384,18 @@ WEFT_GPU_TEST(ring_attention_matches_single_gpu) {
   if (!ctx.quick) cases.push_back({{4099, 2000}, 4, 1, 128, true});
   cases.push_back(cases.front());
   const std::string failures = run_cp_cases(c, Method::kRing, cases, 901);
+  WEFT_EXPECT(failures.empty(), failures);
+}
+
+// The backward's dQ parts through the accumulator slots that peers on other GPUs take (WEFT_RING_DQ_SLOTS=1
+// takes them for every peer): the multi-GPU route, on virtual ranks too.
+WEFT_GPU_TEST(ring_attention_backward_through_slots) {
+  Communicator& c = ctx.comm();
+  const std::vector<CpCase> cases = {
+      {{1000}, 4, 2, 128, true}, {{300, 0, 17, 777}, 8, 2, 64, true}, {{129, 64, 1}, 2, 1, 128, false}};
+  setenv("WEFT_RING_DQ_SLOTS", "1", 1);
+  const std::string failures = run_cp_cases(c, Method::kRing, cases, 951);
+  unsetenv("WEFT_RING_DQ_SLOTS");
   WEFT_EXPECT(failures.empty(), failures);
 }
 

@@ -13,19 +13,20 @@
 // rows against the query rows of all W ranges in turn, as the single-GPU backward runs one key block against
 // its sequence's query blocks (weft/ops/attention_backward.cuh, whose step() this op reuses): dK and dV in
 // registers from the first query block of step 0 to the last of step W - 1, rounded once at the item's end.
-// Each query block's dQ part is reduce-added (TMA, fp32) into this rank's accumulator of the step: slot s
-// holds the dQ parts of the rows of rank r - s (slot 0: this rank's own). Every add stays in local memory:
-// every key block adds into every query block it meets, so adding straight into the owner's memory would move
-// (key blocks) x (the dQ rows) over the links; the owner instead reads each peer's finished slot once
-// (ring_bwd_sum_dq). The loader waits, before the first load of a step's range, until every chunk of the slot
-// up to the range's last loaded row has landed.
+// Each query block's dQ part is reduce-added (TMA, fp32) through the step's map (one per step, in global
+// memory): every key block adds into every query block it meets, so adding straight into the owner's memory
+// would move (key blocks) x (the dQ rows) over the links. So when the rows' owner (rank r - s) is on another
+// GPU the parts go into this rank's accumulator slot s, which the owner reads once after the kernel
+// (ring_bwd_sum_dq); when it is on this GPU (virtual ranks) they go straight into the owner's slot 0. The
+// loader waits, before the first load of a step's range, until every chunk of the slot up to the range's last
+// loaded row has landed.
 //
-// Calls: the host zeroes this rank's own accumulator slot and runs the prepare kernel before a meeting (every
-// rank has finished the previous call, its reads of the peers' slots included: receive slots free), zeroes the
-// other accumulator slots after it, then runs this kernel; each consumer warpgroup completes its reduce-adds
+// Calls: the host zeroes this rank's slot 0 and runs the prepare kernel before a meeting (every rank has
+// finished the previous call, its reads of the peers' slots included: receive slots free), zeroes the slots
+// of the other GPUs' rows after it, then runs this kernel; each consumer warpgroup completes its reduce-adds
 // (and makes them visible system-wide) before it counts itself finished. A second meeting after the kernel
-// (every rank's accumulator slots complete) comes before dQ = scale * (own slot 0 + slot s of rank r + s, for
-// s = 1 .. W - 1).
+// (every rank's adds complete) comes before dQ = scale * (slot 0 + slot s of rank r + s for each such rank on
+// another GPU).
 #pragma once
 #include "weft/ops/attention_backward.cuh"
 #include "weft/ops/ring_attention.cuh"
@@ -48,6 +49,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
   struct Params : Base::Params {
     RingSync sync;
     CUtensorMap slot_q, slot_dout;           // 4-D {dim, head, row, slot}: slot s - 1 holds step s's rows
+    const CUtensorMap* dq_maps;              // [steps]: where step s's dQ parts go, 4-D {dim, head, row, 1}
     const int32_t *query_begin, *query_end;  // [segment * steps + step]: rows of the step source's local Q
     int steps;                               // the world size
     RingSlots slots;
@@ -117,6 +119,8 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
   // ---- consumers ----
   __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                                  const lcsc::AttentionWork& w, int wg, Accum& acc) {
+    if (w.iteration == 0 && tile::thread_in_warpgroup() == 0)
+      for (int j = 0; j < p.steps; ++j) tma::acquire_global_map(p.dq_maps + j);
     const int n = Base::key_block(w);
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.dk.d[i] = acc.dv.d[i] = 0.f;
@@ -132,7 +136,8 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
         const int h = w.head * p.group + g;
         for (int m = qb.begin; m < qb.end; ++m) {
           pipe.qdo.consumer_wait(st);
-          const lcsc::TmaRows4d dq_rows{&p.dq_accum, h, r.begin + m * kBM, step, lcsc::StoreMode::kReduceAdd};
+          const lcsc::TmaRows4d dq_rows{p.dq_maps + step, h, r.begin + m * kBM, 0,
+                                        lcsc::StoreMode::kReduceAdd};
           Base::step(p, len, s, st.stage, wg, key0, m, acc, dq_rows, typename Base::DqTurn{0, h, n});
           pipe.qdo.consumer_release(st);
           st.advance(kStages);
@@ -190,8 +195,8 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
   }
 };
 
-// dQ of this rank's rows = scale * the sum of its parts: parts[0] this rank's own accumulator slot, parts[s]
-// slot s of rank r + s (read over the links, once). In order, so a given set of parts gives one result.
+// dQ of this rank's rows = scale * the sum of its parts: parts[0] this rank's slot 0, then the slots of the
+// peers on other GPUs that met its rows (read over the links, once each). In order.
 template <class T>
 __global__ void ring_bwd_sum_dq(const float* const* parts, int count, T* dq, int64_t elements, float scale) {
   const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
@@ -201,8 +206,8 @@ __global__ void ring_bwd_sum_dq(const float* const* parts, int count, T* dq, int
     const float4 v = *reinterpret_cast<const float4*>(parts[s] + i);
     sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
   }
-  *reinterpret_cast<uint2*>(dq + i) = make_uint2(tile::pack2<T>(sum.x * scale, sum.y * scale),
-                                                 tile::pack2<T>(sum.z * scale, sum.w * scale));
+  *reinterpret_cast<uint2*>(dq + i) =
+      make_uint2(tile::pack2<T>(sum.x * scale, sum.y * scale), tile::pack2<T>(sum.z * scale, sum.w * scale));
 }
 
 }  // namespace weft::ops

@@ -114,6 +114,9 @@ class Communicator {
   bool is_single_process() const { return channel_ == nullptr; }
   // Ranks sharing each GPU (single-process virtual ranks; 1 otherwise).
   int ranks_per_gpu() const { return ranks_per_gpu_; }
+  // Whether ranks a and b run on one GPU (virtual ranks of a single-process team): memory between them is
+  // local, not across links.
+  bool same_gpu(int a, int b) const { return a / ranks_per_gpu_ == b / ranks_per_gpu_; }
   Launcher launcher() const { return launcher_; }
   int num_local() const { return static_cast<int>(ranks_.size()); }
   Rank& local(int i) { return *ranks_.at(i); }
