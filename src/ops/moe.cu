@@ -5,10 +5,13 @@
 // The op's symmetric workspace area ("moe dispatch"), on every rank: counts [W sources][E + 1] (each
 // source's rows per global expert, then its token count; then this rank's group ends), records [W
 // sources][max_tokens][top_k] (per source token: the row each slot fills on this rank, or -1), rows
-// [capacity][hidden]. Steps, one stream: count this rank's slots per expert; exchange the counts (meet, push
-// to every rank, meet); positions (every rank derives every group's offset from the same counts, so a source
-// knows its rows' places on every destination); push (meet, each token's row to the first of its rows on each
-// destination and a record per (token, destination), meet); expand (the records' other rows, locally).
+// [capacity][hidden], each row's source slot, landed counts [W sources][chunks of kLandedChunk tokens].
+// Steps, one stream: count this rank's slots per expert; exchange the counts (meet, push to every rank,
+// meet); positions (every rank derives every group's offset from the same counts, so a source knows its rows'
+// places on every destination); zero the landed counts; push and expand in one kernel (meet; each token's row
+// to the first of its rows on each destination, a record per (token, destination) and a count per chunk of
+// tokens there; on each rank, each landed token's row to its other rows, chunk by chunk as they complete;
+// meet).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -20,6 +23,7 @@
 #include "op_args.hpp"
 #include "sequence_parallel.hpp"
 #include "weft/comm/barrier.cuh"
+#include "weft/comm/copy_rows.cuh"
 #include "weft/ops/moe.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/kernel_preload.hpp"
@@ -123,59 +127,80 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// Push: per (token, destination) a record of the rows the token fills there; per token and destination
-// holding any of its experts, the row itself into the first of them. One warp per (token, destination).
-__global__ void push_tokens(TeamView team, BarrierSlots slots, const uint4* tokens, const int32_t* experts,
-                            const int32_t* row_of, Dims d, int32_t* records, uint4* rows) {
-  if (!barrier_block(team, slots[blockIdx.x])) return;
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32, row_vecs = d.hidden * 2 / 16;
-  const int64_t units = d.tokens * d.world;
-  for (int64_t u = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; u < units; u += warps) {
-    const int64_t t = u / d.world;
-    const int dest = static_cast<int>((u % d.world + team.rank) % d.world);  // rank-staggered
-    int first = -1;
-    for (int j = 0; j < d.top_k; ++j) {
-      const int e = experts[t * d.top_k + j];
-      const bool here = e >= 0 && e / d.per_rank == dest;
-      if (here && first < 0) first = row_of[t * d.top_k + j];
-      if (lane == j)
-        team.peer_ptr(records, dest)[(int64_t(team.rank) * d.max_tokens + t) * d.top_k + j] =
-            here ? row_of[t * d.top_k + j] : -1;
-    }
-    if (first < 0) continue;
-    uint4* to = team.peer_ptr(rows, dest) + int64_t(first) * row_vecs;
-    const uint4* from = tokens + t * row_vecs;
-    for (int64_t c = lane; c < row_vecs; c += 32) to[c] = from[c];
-  }
-  (void)barrier_block(team, slots[blockIdx.x]);
+// Dispatch's push and expand, one kernel. Pusher warps (the first kPushWarps of each block), one per (token,
+// destination): a record of the rows the token fills there and, when it fills any, the row itself into the
+// first of them; then one release add into the counter of the token's chunk (kLandedChunk tokens of this
+// source) there, whether or not it sent a row (every chunk's count reaches its token count). Expander warps,
+// one per (source, token) of this rank: once the token's chunk has all landed, the row from the first of its
+// rows to the others, and each row's source slot (source rank, token, j) for a scattering epilogue. Both walk
+// the tokens in order, so the copies on this GPU run under the pushes over the links.
+constexpr int kDispatchWarps = 16, kPushWarps = 8;
+constexpr int64_t kLandedChunk = 32;
+
+// Landed counters per source (at least one, so the area is never empty).
+__host__ __device__ constexpr int64_t landed_chunks(int64_t max_tokens) {
+  return max_tokens > 0 ? (max_tokens + kLandedChunk - 1) / kLandedChunk : 1;
 }
 
-// Expand, on this rank: each received token's row from the first of its rows to the others, and each row's
-// source slot (source rank, token, j) for a scattering epilogue. One warp per (source, token).
-__global__ void expand_tokens(const int32_t* table, const int32_t* records, Dims d, uint4* rows,
-                              int32_t* row_source) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32, row_vecs = d.hidden * 2 / 16;
-  const int64_t units = int64_t(d.world) * d.max_tokens;
-  for (int64_t u = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; u < units; u += warps) {
-    const int s = static_cast<int>(u / d.max_tokens);
-    const int64_t t = u % d.max_tokens;
-    if (t >= table[int64_t(s) * (d.experts + 1) + d.experts]) continue;  // past source s's tokens
-    const int32_t* rec = records + u * d.top_k;
-    int first = -1;
-    for (int j = 0; j < d.top_k; ++j) {
-      const int r = rec[j];
-      if (r < 0) continue;
-      if (lane == 0) row_source[r] = static_cast<int32_t>(s * d.max_tokens * d.top_k + t * d.top_k + j);
-      if (first < 0) {
-        first = r;
-        continue;
+__global__ void __launch_bounds__(kDispatchWarps * 32)
+    dispatch_tokens(TeamView team, BarrierSlots slots, const uint4* tokens, const int32_t* experts,
+                    const int32_t* row_of, const int32_t* table, Dims d, int32_t* records, uint4* rows,
+                    int32_t* row_source, uint64_t* landed) {
+  if (!barrier_block(team, slots[blockIdx.x])) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int row_vecs = static_cast<int>(d.hidden * 2 / 16);
+  const int64_t chunks = landed_chunks(d.max_tokens);
+  if (warp < kPushWarps) {
+    const int64_t warps = int64_t(gridDim.x) * kPushWarps, units = d.tokens * d.world;
+    for (int64_t u = int64_t(blockIdx.x) * kPushWarps + warp; u < units; u += warps) {
+      const int64_t t = u / d.world;
+      const int dest = static_cast<int>((u % d.world + team.rank) % d.world);  // rank-staggered
+      int first = -1;
+      for (int j = 0; j < d.top_k; ++j) {
+        const int e = experts[t * d.top_k + j];
+        const bool here = e >= 0 && e / d.per_rank == dest;
+        if (here && first < 0) first = row_of[t * d.top_k + j];
+        if (lane == j)
+          team.peer_ptr(records, dest)[(int64_t(team.rank) * d.max_tokens + t) * d.top_k + j] =
+              here ? row_of[t * d.top_k + j] : -1;
       }
-      for (int64_t c = lane; c < row_vecs; c += 32)
-        rows[int64_t(r) * row_vecs + c] = rows[int64_t(first) * row_vecs + c];
+      if (first >= 0) {
+        const int tt = static_cast<int>(t), n = static_cast<int>(d.tokens);
+        prefetch_rows_l2(tokens, tt, tt + 1, n, row_vecs, lane);
+        warp_copy_rows(tokens, team.peer_ptr(rows, dest) + int64_t(first) * row_vecs, tt, tt + 1, n, row_vecs,
+                       lane);
+      }
+      __syncwarp();  // the warp's stores, then one release covers them
+      if (lane == 0) signal_add(team, landed + int64_t(team.rank) * chunks + t / kLandedChunk, dest, 1);
+    }
+  } else {
+    const int per_block = kDispatchWarps - kPushWarps;
+    const int64_t warps = int64_t(gridDim.x) * per_block, units = int64_t(d.world) * d.max_tokens;
+    bool ok = true;
+    for (int64_t u = int64_t(blockIdx.x) * per_block + warp - kPushWarps; u < units && ok; u += warps) {
+      const int s = static_cast<int>(u % d.world);
+      const int64_t t = u / d.world, n = table[int64_t(s) * (d.experts + 1) + d.experts];
+      if (t >= n) continue;  // past source s's tokens
+      const int64_t c = t / kLandedChunk;
+      // A failed wait is recorded (synchronize() reports it); the warp stops expanding.
+      ok = wait_ge(team, landed + s * chunks + c,
+                   static_cast<uint64_t>(min(kLandedChunk, n - c * kLandedChunk)));
+      const int32_t* rec = records + (int64_t(s) * d.max_tokens + t) * d.top_k;
+      int first = -1;
+      for (int j = 0; j < d.top_k && ok; ++j) {
+        const int r = rec[j];
+        if (r < 0) continue;
+        if (lane == 0) row_source[r] = static_cast<int32_t>(s * d.max_tokens * d.top_k + t * d.top_k + j);
+        if (first < 0) {
+          first = r;
+          prefetch_rows_l2(rows, first, first + 1, first + 1, row_vecs, lane);
+          continue;
+        }
+        warp_copy_rows(rows, rows + int64_t(r) * row_vecs, first, first + 1, first + 1, row_vecs, lane);
+      }
     }
   }
+  (void)barrier_block(team, slots[blockIdx.x]);
 }
 
 // Combine: one warp per token, 256 elements (8 per lane) at a time, the slots in ascending order.
@@ -280,7 +305,7 @@ __global__ void sum_staged_slots(const __nv_bfloat16* staging, const int32_t* ex
 struct Sizes {
   Dims d;
   int64_t capacity;
-  size_t table_bytes, record_bytes, row_bytes, source_bytes, counts_bytes, row_of_bytes;
+  size_t table_bytes, record_bytes, row_bytes, source_bytes, landed_bytes, counts_bytes, row_of_bytes;
   Sizes(int world, int rank, const MoeShape& s)
       : d{world,    rank,         s.num_experts, world > 0 ? s.num_experts / world : 0, s.top_k, s.align,
           s.tokens, s.max_tokens, s.hidden} {
@@ -290,6 +315,7 @@ struct Sizes {
     record_bytes = round256(size_t(world) * s.max_tokens * s.top_k * 4);
     row_bytes = round256(size_t(capacity) * s.hidden * 2);
     source_bytes = round256(size_t(capacity) * 4);
+    landed_bytes = round256(size_t(world) * landed_chunks(s.max_tokens) * 8);
     counts_bytes = round256(size_t(s.num_experts) * 4);
     row_of_bytes = round256(size_t(std::max<int64_t>(s.max_tokens, 1)) * s.top_k * 4);
   }
@@ -340,12 +366,15 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
     ops::check_pointer_alignment(experts, "experts", 4, where);
   }
   if (stream == nullptr) stream = rank.stream();
-  char* area = ops::workspace_on(comm, rank, z.table_bytes + z.record_bytes + z.row_bytes + z.source_bytes,
-                                 stream, where, kArea);
+  char* area = ops::workspace_on(
+      comm, rank, z.table_bytes + z.record_bytes + z.row_bytes + z.source_bytes + z.landed_bytes, stream,
+      where, kArea);
   auto* table = reinterpret_cast<int32_t*>(area);
   auto* records = reinterpret_cast<int32_t*>(area + z.table_bytes);
   auto* rows = reinterpret_cast<uint4*>(area + z.table_bytes + z.record_bytes);
   auto* row_source = reinterpret_cast<int32_t*>(area + z.table_bytes + z.record_bytes + z.row_bytes);
+  auto* landed =
+      reinterpret_cast<uint64_t*>(area + z.table_bytes + z.record_bytes + z.row_bytes + z.source_bytes);
   auto* counts = static_cast<int32_t*>(workspace);
   auto* row_of = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes);
   auto* kept = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes + z.row_of_bytes);
@@ -368,15 +397,13 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
   place_slots<<<shape.num_experts, 256, 0, stream>>>(table, experts, z.d, row_of, group_end, rows,
                                                      row_source);
   WEFT_CUDA_CHECK(cudaGetLastError());
+  WEFT_CUDA_CHECK(cudaMemsetAsync(landed, 0, z.landed_bytes, stream));  // before this kernel's meetings
   const int blocks =
       ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2 * rank.world());
-  detail::preload<&push_tokens>();
-  push_tokens<<<blocks, 512, 0, stream>>>(rank.view(), meet, static_cast<const uint4*>(tokens), experts,
-                                          row_of, z.d, records, rows);
-  WEFT_CUDA_CHECK(cudaGetLastError());
-  detail::preload<&expand_tokens>();
-  expand_tokens<<<ops::grid_stride_blocks(rank, int64_t(rank.world()) * shape.max_tokens * 32), 256, 0,
-                  stream>>>(table, records, z.d, rows, row_source);
+  detail::preload<&dispatch_tokens>();
+  dispatch_tokens<<<blocks, kDispatchWarps * 32, 0, stream>>>(
+      rank.view(), meet, static_cast<const uint4*>(tokens), experts, row_of, table, z.d, records, rows,
+      row_source, landed);
   WEFT_CUDA_CHECK(cudaGetLastError());
   MoeDispatched out;
   out.rows = rows;

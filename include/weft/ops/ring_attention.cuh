@@ -21,6 +21,7 @@
 // reaches e * kRingPiecesPerChunk (CallEpoch, finishers: every consumer warpgroup and helper warp).
 #pragma once
 #include "weft/comm/call_epoch.cuh"
+#include "weft/comm/copy_rows.cuh"
 #include "weft/comm/signal.cuh"
 #include "weft/ops/attention.cuh"
 
@@ -94,36 +95,6 @@ __device__ inline void ring_wait_landed(const RingSync& sync, const RingSlots& s
     (void)wait_ge(sync.team, sync.team.flag(sync.arrived, slot * sl.chunks + have), target);
   *landed = have;
   acquire_for_tma();  // the peers' generic stores before our TMA loads
-}
-
-// Starts pulling rows [r0, r1) of src ([rows][row_vecs] 16-byte vectors) into L2, by lane 0: an
-// asynchronous bulk prefetch that takes no registers, so the copy loops that follow find their lines in L2
-// instead of waiting on DRAM for each 2 KiB a helper warp (24 registers) can have in flight.
-__device__ inline void ring_prefetch_rows(const uint4* src, int r0, int r1, int rows, int row_vecs,
-                                          int lane) {
-  const int64_t valid = int64_t(max(0, min(r1, rows) - r0)) * row_vecs;
-  if (lane == 0 && valid > 0)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src + int64_t(r0) * row_vecs),
-                 "r"(static_cast<uint32_t>(valid * 16))
-                 : "memory");
-}
-
-// Rows [r0, r1) of src ([rows][row_vecs] 16-byte vectors; zeros from row `rows` on) to dst (already offset
-// to row r0), by one warp.
-__device__ inline void ring_copy_rows(const uint4* src, uint4* dst, int r0, int r1, int rows, int row_vecs,
-                                      int lane) {
-  const int64_t n = int64_t(r1 - r0) * row_vecs, valid = int64_t(max(0, min(r1, rows) - r0)) * row_vecs;
-  const uint4* from = src + int64_t(r0) * row_vecs;
-  int64_t i = lane;
-  for (; i + 96 < valid; i += 128) {  // 4 loads in flight per lane
-    uint4 v[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) v[q] = from[i + 32 * q];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) dst[i + 32 * q] = v[q];
-  }
-  for (; i < valid; i += 32) dst[i] = from[i];
-  for (; i < n; i += 32) dst[i] = make_uint4(0, 0, 0, 0);
 }
 
 template <int kHeadDim, class T = __nv_bfloat16>
@@ -276,10 +247,10 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
     const TeamView& t = p.sync.team;
     ring_push(p.sync, p.slots, index, count, [&](int slot, int dst, int r0, int r1, int lane) {
       const int64_t at = (int64_t(slot) * p.slots.slot_rows + r0) * p.row_vecs;
-      ring_prefetch_rows(p.k_src, r0, r1, p.slots.local_rows, p.row_vecs, lane);
-      ring_prefetch_rows(p.v_src, r0, r1, p.slots.local_rows, p.row_vecs, lane);
-      ring_copy_rows(p.k_src, t.peer_ptr(p.slots_k + at, dst), r0, r1, p.slots.local_rows, p.row_vecs, lane);
-      ring_copy_rows(p.v_src, t.peer_ptr(p.slots_v + at, dst), r0, r1, p.slots.local_rows, p.row_vecs, lane);
+      prefetch_rows_l2(p.k_src, r0, r1, p.slots.local_rows, p.row_vecs, lane);
+      prefetch_rows_l2(p.v_src, r0, r1, p.slots.local_rows, p.row_vecs, lane);
+      warp_copy_rows(p.k_src, t.peer_ptr(p.slots_k + at, dst), r0, r1, p.slots.local_rows, p.row_vecs, lane);
+      warp_copy_rows(p.v_src, t.peer_ptr(p.slots_v + at, dst), r0, r1, p.slots.local_rows, p.row_vecs, lane);
     });
   }
 };

@@ -168,10 +168,10 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
     ring_push(p.sync, p.slots, index, count, [&](int slot, int dst, int r0, int r1, int lane) {
       const int64_t at = (int64_t(slot) * p.slots.slot_rows + r0) * p.row_vecs;
       const int rows = p.slots.local_rows;
-      ring_prefetch_rows(p.q_src, r0, r1, rows, p.row_vecs, lane);
-      ring_prefetch_rows(p.dout_src, r0, r1, rows, p.row_vecs, lane);
-      ring_copy_rows(p.q_src, t.peer_ptr(p.slots_q + at, dst), r0, r1, rows, p.row_vecs, lane);
-      ring_copy_rows(p.dout_src, t.peer_ptr(p.slots_dout + at, dst), r0, r1, rows, p.row_vecs, lane);
+      prefetch_rows_l2(p.q_src, r0, r1, rows, p.row_vecs, lane);
+      prefetch_rows_l2(p.dout_src, r0, r1, rows, p.row_vecs, lane);
+      warp_copy_rows(p.q_src, t.peer_ptr(p.slots_q + at, dst), r0, r1, rows, p.row_vecs, lane);
+      warp_copy_rows(p.dout_src, t.peer_ptr(p.slots_dout + at, dst), r0, r1, rows, p.row_vecs, lane);
       // LSE, then D: index 0 here to index slot + 1 there. Rows [r0, r1)'s terms lie in term rows [4 r0,
       // 4 r1) (a range beginning at row x has them from 4 x on), so a chunk's landing covers its rows' terms.
       for (int half = 0; half < 2; ++half) {
