@@ -821,7 +821,7 @@ def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, 
     method "all_gather": every rank gathers the whole K / V and attends its own queries (any head counts);
     "ring": the K / V rows travel to every rank while it attends the ones that have landed (one kernel per
     pass); in the backward the Q / dO rows travel, each rank's dK / dV stay in registers and dQ parts are
-    added into their owner's fp32 accumulator;
+    summed in fp32 on the rank that computed them, then read once by the rows' owner;
     "ulysses": heads are split over the ranks (heads a multiple of the world size, kv_heads and the world
     size dividing one another), each rank attends its heads over the whole sequence.
     Returns the output (like q), and with return_lse=True also the fp32 log-sum-exp [heads, local rows]
