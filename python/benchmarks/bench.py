@@ -262,12 +262,21 @@ def bench_host_overhead(comm, world):
                 rows)
 
 
-def main():
-    quick = "--quick" in sys.argv
+def start(title):
+    """weft's communicator and torch.distributed's NCCL group on this process's GPU; rank 0 prints the
+    bench's header. Returns (comm, rank, world)."""
     comm = weft.init()
-    rank, world = comm.rank, comm.world_size
     torch.cuda.set_device(comm.device)
     dist.init_process_group("nccl", device_id=torch.device("cuda", comm.device))
+    if comm.rank == 0:
+        print(f"# {title}: {comm.world_size} GPUs ({torch.cuda.get_device_name()}), torch {torch.__version__}, "
+              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
+    return comm, comm.rank, comm.world_size
+
+
+def main():
+    quick = "--quick" in sys.argv
+    comm, rank, world = start("weft Python bench")
     group_name = dist.group.WORLD.group_name
     try:
         import torch.distributed._symmetric_memory as symm
@@ -276,9 +285,6 @@ def main():
             symm.enable_symm_mem_for_group(group_name)
     except Exception:  # noqa: BLE001
         symm = None
-    if rank == 0:
-        print(f"# weft Python bench: {world} GPUs ({torch.cuda.get_device_name()}), torch {torch.__version__}, "
-              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
     bench_host_overhead(comm, world)
     bench_collectives(comm, world, group_name, symm, quick)
     bench_matmul_ops(comm, world, rank, group_name, symm, quick)

@@ -22,7 +22,6 @@ rank's share is the ideal), peak memory (torch's peak allocation over the call p
 """
 import math
 import os
-import statistics
 import sys
 
 import torch
@@ -30,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import print_table, team_max, timed_alternating  # noqa: E402
+from bench import print_table, start, team_max, timed_alternating  # noqa: E402
 
 import weft  # noqa: E402
 
@@ -227,15 +226,10 @@ class TorchRingFn(torch.autograd.Function):
 def main():
     quick = "--quick" in sys.argv
     only = sys.argv[sys.argv.index("--methods") + 1].split(",") if "--methods" in sys.argv else None
-    comm = weft.init()
-    rank, world = comm.rank, comm.world_size
-    torch.cuda.set_device(comm.device)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", comm.device))
+    comm, rank, world = start("sequence-parallel attention")
     sdpa = Sdpa()
     if rank == 0:
-        print(f"# sequence-parallel attention: {world} GPUs ({torch.cuda.get_device_name()}), torch "
-              f"{torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}; torch ring's blocks: "
-              f"{sdpa.backend}")
+        print(f"torch ring's blocks: {sdpa.backend}", flush=True)
     per_gpu = [2048, 8192] if quick else [2048, 4096, 8192, 16384, 32768]
     shapes = [("Llama3-8B-like, 32 / 8 heads, causal", 32, 8, True), ("16 / 16 heads, non-causal", 16, 16, False)]
     for label, h, kvh, causal in shapes:

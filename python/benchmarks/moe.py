@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import print_table, team_max, timed, timed_alternating  # noqa: E402
+from bench import print_table, start, team_max, timed, timed_alternating  # noqa: E402
 
 import weft  # noqa: E402
 
@@ -178,13 +178,7 @@ def bench_config(comm, rank, world, model, tokens, hot, quick):
 
 def main():
     quick = "--quick" in sys.argv
-    comm = weft.init()
-    rank, world = comm.rank, comm.world_size
-    torch.cuda.set_device(comm.device)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", comm.device))
-    if rank == 0:
-        print(f"# expert-parallel MoE: {world} GPUs ({torch.cuda.get_device_name()}), torch {torch.__version__}, "
-              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
+    comm, rank, world = start("expert-parallel MoE")
     models = [("DeepSeek-V3-like", 7168, 256, 8, 2048), ("Mixtral-like", 4096, 8, 2, 14336)]
     sizes = [128, 4096] if quick else [128, 512, 4096, 8192, 16384]
     for model in models:
