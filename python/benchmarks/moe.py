@@ -104,7 +104,7 @@ class TorchLayer:
         return out.to(x.dtype)
 
 
-def bench_config(comm, rank, world, model, tokens, hot, quick):
+def bench_config(comm, rank, world, model, tokens, hot):
     name, hidden, num_experts, top_k, inter = model
     local = num_experts // world
     g = torch.Generator(device="cuda").manual_seed(7 + rank)
@@ -187,7 +187,7 @@ def main():
         rows = []
         for tokens in sizes:
             for hot in (False, True):
-                rows.append(bench_config(comm, rank, world, model, tokens, hot, quick))
+                rows.append(bench_config(comm, rank, world, model, tokens, hot))
                 if rank == 0:
                     print(f"  {model[0]} {tokens} tokens {'hot' if hot else 'uniform'} done", flush=True)
                 torch.cuda.empty_cache()
