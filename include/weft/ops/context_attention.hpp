@@ -88,10 +88,12 @@ void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const
 // The ring backward: the same arguments as context_attention_backward. The keys stay and the queries
 // travel: the idle loader warps push this rank's Q, dO and per-row terms (LSE, D) to the ranks after it; each
 // key block's dK / dV accumulate in fp32 registers over all W steps (rounded once); each query block's dQ
-// part is added in fp32 straight into the accumulator of the rank that owns the rows. Receive slots and the
-// accumulator: the communicator's workspace area "ring attention backward", (W - 1) x this rank's Q and dO
-// plus fp32 dQ. The workspace holds the pass's table and a tensor map per rank. options.deterministic is
-// refused (dQ parts are added in arrival order).
+// part is added in fp32 into this rank's accumulator slot for the step when the rows' owner is on another
+// GPU (the owner reads it once after the kernel), else straight into the owner's accumulator. Receive slots
+// and accumulators: the communicator's workspace area "ring attention backward", (W - 1) x this rank's Q and
+// dO plus fp32 dQ (W x fp32 dQ on a team of several GPUs). The workspace holds the pass's table, a tensor map
+// per step and the dQ parts' addresses. options.deterministic is refused (dQ parts are added in arrival
+// order).
 size_t ring_attention_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths,
                                                bool causal, int64_t heads, int64_t kv_heads,
                                                int64_t head_dim);
