@@ -75,14 +75,18 @@ struct Sizes : ops::RingPassSizes {
 // slot 0. WEFT_RING_DQ_SLOTS=1 takes slots for every peer (tests the multi-GPU route on one GPU).
 struct DqRoute {
   std::vector<char> through_slot;  // [W]; step 0 (this rank's rows) never
-  bool any = false;
+  bool any = false, always = false;
   DqRoute(const Communicator& comm, int rank, int W) : through_slot(W, 0) {
     const char* force = std::getenv("WEFT_RING_DQ_SLOTS");
-    const bool always = force != nullptr && std::string(force) == "1";
+    always = force != nullptr && std::string(force) == "1";
     for (int s = 1; s < W; ++s) {
-      through_slot[s] = always || !comm.same_gpu(rank, (rank - s + W) % W);
+      through_slot[s] = crosses(comm, rank, s, W);
       any |= through_slot[s] != 0;
     }
+  }
+  // Whether rank `holder` takes a slot for the rows it meets at step s (those of rank holder - s).
+  bool crosses(const Communicator& comm, int holder, int s, int W) const {
+    return s > 0 && (always || !comm.same_gpu(holder, (holder - s + W) % W));
   }
 };
 
@@ -124,7 +128,7 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route
   int parts = 0;
   auto* part_at = words.data() + W * sizeof(CUtensorMap) / 4;
   for (int s = 0; s < W; ++s) {
-    if (s > 0 && !DqRoute(comm, (r + s) % W, W).through_slot[s]) continue;
+    if (s > 0 && !route.crosses(comm, (r + s) % W, s, W)) continue;
     const float* part = rank.peer_ptr(accum + s * slot_floats, (r + s) % W);
     std::memcpy(part_at + parts++ * sizeof(part) / 4, &part, sizeof(part));
   }
