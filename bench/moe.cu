@@ -64,6 +64,12 @@ struct Layer {
       moe_combine(comm, rank, combine_in, d, static_cast<const float*>(weights.p), out.p, shape, DType::kBF16,
                   stream);
   }
+  // The dispatch and the up GEMM in one (moe_dispatch_grouped_gemm).
+  void run_fused_dispatch_up(Communicator& comm, Rank& rank, cudaStream_t stream) {
+    d = moe_dispatch_grouped_gemm(comm, rank, tokens.p, static_cast<const int32_t*>(experts.p), shape, ws.p,
+                                  moe_dispatch_workspace_bytes(rank.world(), shape), up_w.p, BLayout::kNK,
+                                  inter, GemmActivation::kNone, hidden_act.p, stream);
+  }
   // The down GEMM and the combine in one (moe_grouped_gemm_combine), after the layer has run once.
   void run_fused_down_combine(Communicator& comm, Rank& rank, cudaStream_t stream) {
     moe_grouped_gemm_combine(comm, rank, hidden_act.p, down_w.p, BLayout::kNK, d.capacity, inter, d,
@@ -114,6 +120,13 @@ void run_moe(Context& ctx) {
               ctx.team_label().c_str()),
           {"tokens", "experts", "top-k", "hidden", "inter", "unfused ms", "fused ms", "unfused / fused"},
           "The same ranks, in turn (per-rank CUDA graphs launched together, the slowest rank's median).");
+  Table h(
+      fmt("MoE dispatch + up GEMM on %s, bf16: unfused (moe_dispatch, grouped_gemm) vs fused "
+          "(moe_dispatch_grouped_gemm: each 128-row tile's GEMM starts once its rows have landed)",
+          ctx.team_label().c_str()),
+      {"tokens", "experts", "top-k", "hidden", "inter", "unfused ms", "fused ms", "unfused / fused"},
+      "The same ranks, in turn (per-rank CUDA graphs launched together, the slowest rank's median). The "
+      "fused kernel waits for peers, so it runs on the rank's SM budget; the unfused GEMM takes every SM.");
   std::vector<Case> cases = {
       {4096, 32, 8, 7168, 2048}, {16384, 32, 8, 7168, 2048}, {8192, 8, 2, 4096, 14336}};
   if (ctx.quick) cases = {{8192, 32, 8, 7168, 2048}};
@@ -183,6 +196,28 @@ void run_moe(Context& ctx) {
         }
       };
     };
+    const auto team_head = [&](bool fused) {
+      return [&, fused](int) {
+        for (int i = 0; i < L; ++i) {
+          WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+          if (fused)
+            layers[i]->run_fused_dispatch_up(comm, comm.local(i), team.streams[i]);
+          else {
+            layers[i]->run(comm, comm.local(i), inputs[i], team.streams[i], Layer::kDispatch);
+            layers[i]->run(comm, comm.local(i), inputs[i], team.streams[i], Layer::kUp);
+          }
+        }
+      };
+    };
+    team_head(true)(0);  // sizes the walk area before capture
+    comm.synchronize();
+    const std::vector<double> head_us =
+        time_graphs_alternating(comm, team.streams, 1, iters, {team_head(false), team_head(true)});
+    const double head_unfused = team.team_max(head_us[0]) / 1000.0,
+                 head_fused = team.team_max(head_us[1]) / 1000.0;
+    h.add({std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),
+           std::to_string(c.hidden), std::to_string(c.inter), fmt("%.3f", head_unfused),
+           fmt("%.3f", head_fused), fmt("%.3f", head_unfused / head_fused)});
     team_tail(true)(0);  // sizes the staging area before capture
     comm.synchronize();
     const std::vector<double> tail_us =
@@ -193,6 +228,7 @@ void run_moe(Context& ctx) {
            fmt("%.3f", unfused / fused)});
   }
   ctx.add(std::move(t));
+  ctx.add(std::move(h));
   ctx.add(std::move(f));
 }
 

@@ -29,6 +29,7 @@ struct Problem {
   const int32_t* group_end = nullptr;  // grouped: the groups' row ends (device); m is the rows' capacity
   int groups = 0;
   const ops::ScatterRows* scatter = nullptr;  // grouped: C's rows sent where this says (c is not written)
+  const ops::MoeDispatchRows* dispatch = nullptr;  // grouped: A's rows moved here by the kernel's helpers
 };
 
 std::string hex(const void* p) {
@@ -96,6 +97,7 @@ Plan run_op(const Problem& pr, cudaStream_t stream, bool launch) {
   p.k_blocks = static_cast<int>((pr.k + Op::kBK - 1) / Op::kBK);
   p.store_mode =
       pr.opt.store == GemmStore::kReduceAdd ? lcsc::StoreMode::kReduceAdd : lcsc::StoreMode::kStore;
+  if constexpr (requires { p.dispatch; }) p.dispatch = *pr.dispatch;
   if constexpr (requires { p.scatter; }) {
     p.scatter = *pr.scatter;
     p.n = static_cast<int>(pr.n);
@@ -112,6 +114,15 @@ Plan run_op(const Problem& pr, cudaStream_t stream, bool launch) {
 template <class OutT, bool kKMajor, int kCluster, int kTileN>
 Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
   if (pr.groups) {
+    if constexpr (kCluster == 1 && std::is_same_v<OutT, __nv_bfloat16>)
+      if (pr.dispatch != nullptr) {
+        if constexpr (kTileN == 256)
+          if (pr.opt.activation == GemmActivation::kSwiGLU)
+            return run_op<ops::GroupedGemmDispatchOp<ops::GroupedGemmSwigluOp<OutT, kKMajor>>, kKMajor, 1>(
+                pr, stream, launch);
+        return run_op<ops::GroupedGemmDispatchOp<ops::GroupedGemmOp<OutT, kKMajor, kTileN>>, kKMajor, 1>(
+            pr, stream, launch);
+      }
     if constexpr (kCluster == 1 && kTileN == 256)
       if (pr.opt.activation == GemmActivation::kSwiGLU)
         return run_op<ops::GroupedGemmSwigluOp<OutT, kKMajor>, kKMajor, 1>(pr, stream, launch);
@@ -148,7 +159,7 @@ int auto_tile_n(int64_t m, int64_t n, int sms) {
 
 // Validates everything but the pointers' values (checked by the caller when it has them), picks the
 // instantiation and plans or launches.
-Plan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
+Plan plan_or_launch(const Problem& in, cudaStream_t stream, bool launch) {
   Problem pr = in;
   const std::string where = (pr.groups ? "weft::grouped_gemm(rows=" : "weft::gemm(M=") +
                             std::to_string(pr.m) + ", N=" + std::to_string(pr.n) +
@@ -173,6 +184,9 @@ Plan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
                  where + "a scattering epilogue stores bf16 rows of 128 x 256 tiles, with no activation");
       pr.opt.tile_n = 256;
     }
+    if (pr.dispatch != nullptr)
+      WEFT_CHECK(pr.c_type == DType::kBF16 && !pr.opt.zero_unused_rows,
+                 where + "a dispatching GEMM stores bf16 C and leaves the rows past the last group alone");
     if (pr.opt.activation == GemmActivation::kSwiGLU) {
       WEFT_CHECK(pr.n % 256 == 0,
                  where + "the SwiGLU epilogue needs N (gate and up columns) a multiple of 256");
@@ -252,12 +266,12 @@ Plan dispatch(const Problem& in, cudaStream_t stream, bool launch) {
 
 void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout,
           DType c_type, cudaStream_t stream, const GemmOptions& opt) {
-  dispatch(Problem{a, b, c, m, n, k, 0, 0, 0, b_layout, c_type, opt}, stream, true);
+  plan_or_launch(Problem{a, b, c, m, n, k, 0, 0, 0, b_layout, c_type, opt}, stream, true);
 }
 
 Plan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type, const GemmOptions& opt) {
-  return dispatch(Problem{nullptr, nullptr, nullptr, m, n, k, 0, 0, 0, b_layout, c_type, opt}, nullptr,
-                  false);
+  return plan_or_launch(Problem{nullptr, nullptr, nullptr, m, n, k, 0, 0, 0, b_layout, c_type, opt}, nullptr,
+                        false);
 }
 
 void ops::grouped_gemm_scatter(const void* a, const void* b, const int32_t* group_end, int groups,
@@ -266,13 +280,23 @@ void ops::grouped_gemm_scatter(const void* a, const void* b, const int32_t* grou
   // C's map is built (and never used): it points at the destination buffer.
   Problem pr{a, b, scatter.dest, rows, n, k, 0, 0, 0, b_layout, DType::kBF16, opt, group_end, groups};
   pr.scatter = &scatter;
-  dispatch(pr, stream, true);
+  plan_or_launch(pr, stream, true);
+}
+
+void ops::grouped_gemm_dispatch(const void* b, void* c, int64_t rows, int64_t n, int64_t k, BLayout b_layout,
+                                const MoeDispatchRows& dispatch, cudaStream_t stream,
+                                const GemmOptions& opt) {
+  Problem pr{dispatch.rows,  b, c, rows, n, k, 0, 0, 0, b_layout, DType::kBF16, opt, dispatch.group_end,
+             dispatch.groups};
+  pr.dispatch = &dispatch;
+  plan_or_launch(pr, stream, true);
 }
 
 void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_end, int groups, int64_t rows,
                   int64_t n, int64_t k, BLayout b_layout, DType c_type, cudaStream_t stream,
                   const GemmOptions& opt) {
-  dispatch(Problem{a, b, c, rows, n, k, 0, 0, 0, b_layout, c_type, opt, group_end, groups}, stream, true);
+  plan_or_launch(Problem{a, b, c, rows, n, k, 0, 0, 0, b_layout, c_type, opt, group_end, groups}, stream,
+                 true);
   if (opt.zero_unused_rows) {
     const int64_t cols = opt.activation == GemmActivation::kSwiGLU ? n / 2 : n;
     const int64_t row_vecs = cols * (c_type == DType::kFP32 ? 4 : 2) / 16;  // rows are 16-byte multiples

@@ -25,6 +25,7 @@
 #include "weft/comm/barrier.cuh"
 #include "weft/comm/copy_rows.cuh"
 #include "weft/ops/moe.hpp"
+#include "weft/ops/moe_dispatch.cuh"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/kernel_preload.hpp"
 
@@ -36,6 +37,7 @@ const char* const kArea = "moe dispatch";
 const char* const kCombineArea = "moe combine";
 const char* const kCombineGradArea = "moe combine backward";
 const char* const kStagingArea = "moe combine staging";
+const char* const kWalkArea = "moe dispatch walk";
 
 struct Dims {
   int world, rank, experts, per_rank, top_k, align;
@@ -73,14 +75,22 @@ __device__ __forceinline__ int64_t padded(int64_t n, int align) {
   return (n + align - 1) / align * align;
 }
 
+// What the dispatch inside the first GEMM (weft/ops/moe_dispatch.cuh) adds to the layout; null pointers in
+// the plain dispatch.
+struct WalkLayout {
+  int32_t *walk, *walk_begin;  // this rank's slots by (expert, token); destination d's from walk_begin[d]
+  uint64_t *row_state, *tile_rows;
+};
+
 // Block e (a global expert): its group's place on its rank from the counts table, this rank's rows in it
 // by token order (a block-wide scan over the slots), and, on the expert's own rank, the group's end and its
 // padding rows zeroed (the expert GEMMs run over whole groups: a padding row must be finite, as its
-// gradient meets it; no push writes there).
+// gradient meets it; no push writes there). With a walk: this rank's slots of expert e at their place in
+// it, and the padding rows marked and counted in their tiles.
 __global__ void __launch_bounds__(256)
     place_slots(const int32_t* table, const int32_t* experts, Dims d, int32_t* row_of, int32_t* group_end,
-                uint4* rows, int32_t* row_source) {
-  __shared__ int64_t base_s, pad_begin_s, pad_end_s;
+                uint4* rows, int32_t* row_source, WalkLayout walk) {
+  __shared__ int64_t base_s, pad_begin_s, pad_end_s, walk_s;
   __shared__ int warp_sums[8];
   const int e = blockIdx.x, owner = e / d.per_rank, local = e % d.per_rank;
   const int stride = d.experts + 1;
@@ -101,12 +111,26 @@ __global__ void __launch_bounds__(256)
     }
     for (int s = 0; s < d.rank; ++s) offset += table[int64_t(s) * stride + e];
     base_s = offset;
+    if (walk.walk != nullptr) {
+      int64_t before = 0;  // this rank's slots of the experts before e
+      for (int g = 0; g < e; ++g) before += table[int64_t(d.rank) * stride + g];
+      walk_s = before;
+      if (local == 0) walk.walk_begin[owner] = static_cast<int32_t>(before);
+      if (e == d.experts - 1)
+        walk.walk_begin[d.world] = static_cast<int32_t>(before + table[int64_t(d.rank) * stride + e]);
+      for (int64_t t = pad_begin_s / 128; t * 128 < pad_end_s; ++t)
+        atomicAdd(reinterpret_cast<unsigned long long*>(walk.tile_rows + t),
+                  static_cast<unsigned long long>(min(pad_end_s, (t + 1) * 128) - max(pad_begin_s, t * 128)));
+    }
   }
   __syncthreads();
   const int64_t row_vecs = d.hidden * 2 / 16;
   for (int64_t i = pad_begin_s * row_vecs + threadIdx.x; i < pad_end_s * row_vecs; i += blockDim.x)
     rows[i] = make_uint4(0, 0, 0, 0);
-  for (int64_t r = pad_begin_s + threadIdx.x; r < pad_end_s; r += blockDim.x) row_source[r] = -1;
+  for (int64_t r = pad_begin_s + threadIdx.x; r < pad_end_s; r += blockDim.x) {
+    row_source[r] = -1;
+    if (walk.row_state != nullptr) walk.row_state[r] = ops::kMoeRowPadding;
+  }
   int64_t base = base_s;
   const int64_t slots = d.tokens * d.top_k;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -121,7 +145,11 @@ __global__ void __launch_bounds__(256)
       before += w < warp ? warp_sums[w] : 0;
       all += warp_sums[w];
     }
-    if (mine) row_of[i] = static_cast<int32_t>(base + before + __popc(ballot & ((1u << lane) - 1)));
+    if (mine) {
+      const int64_t q = base - base_s + before + __popc(ballot & ((1u << lane) - 1));  // among this rank's
+      row_of[i] = static_cast<int32_t>(base_s + q);
+      if (walk.walk != nullptr) walk.walk[walk_s + q] = static_cast<int32_t>(i);
+    }
     base += all;
     __syncthreads();  // warp_sums reused
   }
@@ -349,13 +377,26 @@ size_t moe_dispatch_workspace_bytes(int world, const MoeShape& shape) {
   return z.counts_bytes + 2 * z.row_of_bytes;
 }
 
-MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
-                           const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
-                           cudaStream_t stream) {
-  const std::string where = ops::team_where("weft::moe_dispatch", rank);
+namespace {
+
+// A dispatch's buffers on this rank: the area's parts (symmetric), the caller's workspace's, and with a walk
+// (the dispatch inside the first GEMM) the walk area's.
+struct DispatchBuffers {
+  Sizes z;
+  int32_t *table, *records, *row_source, *counts, *row_of, *kept, *group_end, *record;
+  uint4* rows;
+  uint64_t* landed;
+  WalkLayout walk{};
+};
+
+// Checks the arguments and carves the buffers (`walk`: the walk area too).
+DispatchBuffers dispatch_buffers(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                                 const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                                 bool walk, cudaStream_t stream, const std::string& where) {
   check(shape, rank.world(), where);
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
-  const Sizes z(rank.world(), rank.rank(), shape);
+  DispatchBuffers b{Sizes(rank.world(), rank.rank(), shape)};
+  const Sizes& z = b.z;
   const size_t need = z.counts_bytes + 2 * z.row_of_bytes;
   WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
              where + "the workspace must hold " + std::to_string(need) +
@@ -365,55 +406,133 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
     ops::check_pointer_alignment(tokens, "tokens", 16, where);
     ops::check_pointer_alignment(experts, "experts", 4, where);
   }
-  if (stream == nullptr) stream = rank.stream();
   char* area = ops::workspace_on(
       comm, rank, z.table_bytes + z.record_bytes + z.row_bytes + z.source_bytes + z.landed_bytes, stream,
       where, kArea);
-  auto* table = reinterpret_cast<int32_t*>(area);
-  auto* records = reinterpret_cast<int32_t*>(area + z.table_bytes);
-  auto* rows = reinterpret_cast<uint4*>(area + z.table_bytes + z.record_bytes);
-  auto* row_source = reinterpret_cast<int32_t*>(area + z.table_bytes + z.record_bytes + z.row_bytes);
-  auto* landed =
+  b.table = reinterpret_cast<int32_t*>(area);
+  b.records = reinterpret_cast<int32_t*>(area + z.table_bytes);
+  b.rows = reinterpret_cast<uint4*>(area + z.table_bytes + z.record_bytes);
+  b.row_source = reinterpret_cast<int32_t*>(area + z.table_bytes + z.record_bytes + z.row_bytes);
+  b.landed =
       reinterpret_cast<uint64_t*>(area + z.table_bytes + z.record_bytes + z.row_bytes + z.source_bytes);
-  auto* counts = static_cast<int32_t*>(workspace);
-  auto* row_of = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes);
-  auto* kept = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes + z.row_of_bytes);
-  auto* group_end = table + size_t(z.d.world) * (z.d.experts + 1);
+  b.counts = static_cast<int32_t*>(workspace);
+  b.row_of = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes);
+  b.kept = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes + z.row_of_bytes);
+  b.group_end = b.table + size_t(z.d.world) * (z.d.experts + 1);
+  if (walk) {
+    // [capacity] row states, [capacity][top_k] records, [capacity / 128] tile counts, [max_tokens * top_k]
+    // walk, [world + 1] walk begins.
+    const size_t states = round256(size_t(z.capacity) * 8),
+                 records = round256(size_t(z.capacity) * z.d.top_k * 4);
+    const size_t tiles = round256(size_t(z.capacity / 128 + 1) * 8);
+    const size_t walk_bytes = z.row_of_bytes, begins = round256(size_t(z.d.world + 1) * 4);
+    char* w = ops::workspace_on(comm, rank, states + records + tiles + walk_bytes + begins, stream, where,
+                                kWalkArea);
+    b.walk.row_state = reinterpret_cast<uint64_t*>(w);
+    b.record = reinterpret_cast<int32_t*>(w + states);
+    b.walk.tile_rows = reinterpret_cast<uint64_t*>(w + states + records);
+    b.walk.walk = reinterpret_cast<int32_t*>(w + states + records + tiles);
+    b.walk.walk_begin = reinterpret_cast<int32_t*>(w + states + records + tiles + walk_bytes);
+  }
+  return b;
+}
 
+// The layout on the device: slots per expert, the counts exchanged, every slot's row (and with a walk, the
+// walk and the padding rows' states and tile counts: zeroed first, before the exchange's meetings, so no
+// peer pushes into them before they are).
+void place_rows(Communicator& comm, Rank& rank, const int32_t* experts, const MoeShape& shape,
+                const DispatchBuffers& b, cudaStream_t stream) {
+  const Sizes& z = b.z;
+  if (b.walk.walk != nullptr) {
+    WEFT_CUDA_CHECK(cudaMemsetAsync(b.walk.row_state, 0, size_t(z.capacity) * 8, stream));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(b.walk.tile_rows, 0, size_t(z.capacity / 128 + 1) * 8, stream));
+  }
   const int64_t slots = shape.tokens * shape.top_k;
-  WEFT_CUDA_CHECK(cudaMemsetAsync(counts, 0, z.counts_bytes, stream));
+  WEFT_CUDA_CHECK(cudaMemsetAsync(b.counts, 0, z.counts_bytes, stream));
   detail::preload<&count_slots>();
   if (slots > 0) {
     count_slots<<<ops::grid_stride_blocks(rank, slots), 256, 0, stream>>>(experts, slots, shape.num_experts,
-                                                                          counts, row_of, kept);
+                                                                          b.counts, b.row_of, b.kept);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
-  const BarrierSlots meet = ops::meeting_slots(comm);
   detail::preload<&exchange_counts>();
-  exchange_counts<<<1, 256, 0, stream>>>(rank.view(), meet, counts, static_cast<int32_t>(shape.tokens), table,
-                                         shape.num_experts);
+  exchange_counts<<<1, 256, 0, stream>>>(rank.view(), ops::meeting_slots(comm), b.counts,
+                                         static_cast<int32_t>(shape.tokens), b.table, shape.num_experts);
   WEFT_CUDA_CHECK(cudaGetLastError());
   detail::preload<&place_slots>();
-  place_slots<<<shape.num_experts, 256, 0, stream>>>(table, experts, z.d, row_of, group_end, rows,
-                                                     row_source);
+  place_slots<<<shape.num_experts, 256, 0, stream>>>(b.table, experts, z.d, b.row_of, b.group_end, b.rows,
+                                                     b.row_source, b.walk);
   WEFT_CUDA_CHECK(cudaGetLastError());
-  WEFT_CUDA_CHECK(cudaMemsetAsync(landed, 0, z.landed_bytes, stream));  // before this kernel's meetings
+}
+
+MoeDispatched handle(const DispatchBuffers& b) {
+  MoeDispatched out;
+  out.rows = b.rows;
+  out.group_end = b.group_end;
+  out.row_of = b.row_of;
+  out.experts = b.kept;
+  out.capacity = b.z.capacity;
+  out.counts = b.table;
+  out.row_source = b.row_source;
+  return out;
+}
+
+}  // namespace
+
+MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                           const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                           cudaStream_t stream) {
+  const std::string where = ops::team_where("weft::moe_dispatch", rank);
+  if (stream == nullptr) stream = rank.stream();
+  const DispatchBuffers b = dispatch_buffers(comm, rank, tokens, experts, shape, workspace, workspace_bytes,
+                                             dtype, false, stream, where);
+  place_rows(comm, rank, experts, shape, b, stream);
+  WEFT_CUDA_CHECK(cudaMemsetAsync(b.landed, 0, b.z.landed_bytes, stream));  // before this kernel's meetings
   const int blocks =
       ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2 * rank.world());
   detail::preload<&dispatch_tokens>();
   dispatch_tokens<<<blocks, kDispatchWarps * 32, 0, stream>>>(
-      rank.view(), meet, static_cast<const uint4*>(tokens), experts, row_of, table, z.d, records, rows,
-      row_source, landed);
+      rank.view(), ops::meeting_slots(comm), static_cast<const uint4*>(tokens), experts, b.row_of, b.table,
+      b.z.d, b.records, b.rows, b.row_source, b.landed);
   WEFT_CUDA_CHECK(cudaGetLastError());
-  MoeDispatched out;
-  out.rows = rows;
-  out.group_end = group_end;
-  out.row_of = row_of;
-  out.experts = kept;
-  out.capacity = z.capacity;
-  out.counts = table;
-  out.row_source = row_source;
-  return out;
+  return handle(b);
+}
+
+MoeDispatched moe_dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* tokens,
+                                        const int32_t* experts, const MoeShape& shape, void* workspace,
+                                        size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
+                                        GemmActivation activation, void* c, cudaStream_t stream) {
+  const std::string where = ops::team_where("weft::moe_dispatch_grouped_gemm", rank);
+  WEFT_CHECK(shape.align % 128 == 0,
+             where + "the GEMM's tiles wait for 128 rows each: align must be a multiple of 128, got " +
+                 std::to_string(shape.align));
+  if (stream == nullptr) stream = rank.stream();
+  const DispatchBuffers buf = dispatch_buffers(comm, rank, tokens, experts, shape, workspace, workspace_bytes,
+                                               DType::kBF16, true, stream, where);
+  place_rows(comm, rank, experts, shape, buf, stream);
+  const Sizes& z = buf.z;
+  const ops::MoeDispatchRows rows{rank.view(),
+                                  static_cast<const uint4*>(tokens),
+                                  experts,
+                                  buf.row_of,
+                                  buf.walk.walk,
+                                  buf.walk.walk_begin,
+                                  buf.group_end,
+                                  buf.rows,
+                                  buf.row_source,
+                                  buf.walk.row_state,
+                                  buf.record,
+                                  buf.walk.tile_rows,
+                                  z.d.per_rank,
+                                  z.d.top_k,
+                                  static_cast<int>(shape.hidden * 2 / 16),
+                                  z.d.per_rank,
+                                  shape.max_tokens};
+  GemmOptions o;
+  o.activation = activation;
+  o.max_blocks = rank.sm_budget();  // it waits for peers: every rank's blocks must run at once
+  ops::grouped_gemm_dispatch(b, c, z.capacity, n, shape.hidden, b_layout, rows, stream, o);
+  return handle(buf);
 }
 
 MoeCounts moe_counts(Rank& rank, const MoeDispatched& dispatched, const MoeShape& shape,

@@ -3,7 +3,8 @@
 // against the source token, bit for bit; combine's weighted sums against the host's, bit for bit; top-k 1, 2,
 // 8, dropped slots, repeated experts, skewed routing (half the slots to rank 0's experts), ranks with no
 // token, two dispatches in a row on one area; the exact counts read back (moe_counts); the fused second GEMM
-// + combine against the unfused pair (bit for bit); combine's backward
+// + combine against the unfused pair (bit for bit); the dispatch inside the first GEMM against moe_dispatch +
+// grouped_gemm (bit for bit); combine's backward
 // (the expert rows' gradients bit for bit, zeros elsewhere; the weights' gradients against fp64).
 #include <cuda_bf16.h>
 
@@ -336,6 +337,78 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
       failures += "\n    " + label + ": rank " + std::to_string(r) +
                   " fused GEMM + combine: " + std::to_string(bad) +
                   " values differ from grouped_gemm + moe_combine";
+  }
+  if (!failures.empty()) return failures;
+
+  // The dispatch inside the first expert GEMM against moe_dispatch + grouped_gemm on the same routing: the
+  // same rows and row sources, and the same GEMM outputs bit for bit over every group's rows (plain and
+  // SwiGLU epilogues, one call after the other on one area; the outputs poisoned first).
+  for (const GemmActivation act : {GemmActivation::kNone, GemmActivation::kSwiGLU}) {
+    const bool swiglu = act == GemmActivation::kSwiGLU;
+    const int64_t n = swiglu ? 512 : 200, c_cols = swiglu ? n / 2 : n;
+    struct Up {
+      DeviceBuffer b, ref, out;
+      std::vector<uint8_t> rows, sources;
+      Up(size_t bb, size_t cb) : b(bb), ref(cb), out(cb) {}
+    };
+    std::vector<std::unique_ptr<Up>> up;
+    const size_t c_bytes = size_t(got[0].capacity) * c_cols * 2;
+    for (int i = 0; i < c.num_local(); ++i) {
+      Rank& rank = c.local(i);
+      const int r = rank.rank();
+      WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+      std::vector<__nv_bfloat16> b(size_t(per) * n * mc.hidden);
+      for (auto& x : b) x = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 1024.f);
+      auto u = std::make_unique<Up>(b.size() * 2, c_bytes);
+      weft::test::upload(c, i, u->b.p, b.data(), u->b.bytes);
+      weft::test::poison(c, i, u->ref.p, c_bytes);
+      weft::test::poison(c, i, u->out.p, c_bytes);
+      // The plain dispatch's rows and sources (still in the area: nothing has dispatched since).
+      u->rows.resize(std::max<size_t>(size_t(L.rows[r]) * mc.hidden * 2, 1));
+      u->sources.resize(std::max<size_t>(size_t(L.rows[r]) * 4, 1));
+      weft::test::download(c, i, u->rows.data(), got[i].rows, size_t(L.rows[r]) * mc.hidden * 2);
+      weft::test::download(c, i, u->sources.data(), got[i].row_source, size_t(L.rows[r]) * 4);
+      GemmOptions o;
+      o.activation = act;
+      o.max_blocks = rank.sm_budget();
+      grouped_gemm(got[i].rows, u->b.p, u->ref.p, got[i].group_end, per, got[i].capacity, n, mc.hidden,
+                   BLayout::kNK, DType::kBF16, rank.stream(), o);
+      up.push_back(std::move(u));
+    }
+    c.synchronize();
+    c.host_barrier();
+    std::vector<MoeDispatched> again(c.num_local());
+    for (int i = 0; i < c.num_local(); ++i) {
+      Rank& rank = c.local(i);
+      WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+      MoeShape s = base;
+      s.tokens = T[rank.rank()];
+      again[i] =
+          moe_dispatch_grouped_gemm(c, rank, local[i]->tok.p, local[i]->exp.as<int32_t>(), s, local[i]->ws.p,
+                                    ws_bytes, up[i]->b.p, BLayout::kNK, n, act, up[i]->out.p);
+    }
+    c.synchronize();
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      std::vector<uint8_t> rows(up[i]->rows.size()), sources(up[i]->sources.size());
+      weft::test::download(c, i, rows.data(), again[i].rows, size_t(L.rows[r]) * mc.hidden * 2);
+      weft::test::download(c, i, sources.data(), again[i].row_source, size_t(L.rows[r]) * 4);
+      const size_t bytes = size_t(L.rows[r]) * c_cols * 2;
+      std::vector<uint8_t> ref(std::max<size_t>(bytes, 1)), out(std::max<size_t>(bytes, 1));
+      weft::test::download(c, i, ref.data(), up[i]->ref.p, bytes);
+      weft::test::download(c, i, out.data(), up[i]->out.p, bytes);
+      int64_t bad_rows = 0, bad_sources = 0, bad_out = 0;
+      for (size_t k = 0; k < size_t(L.rows[r]) * mc.hidden * 2; k += 2)
+        bad_rows += std::memcmp(&rows[k], &up[i]->rows[k], 2) != 0;
+      for (size_t k = 0; k < size_t(L.rows[r]) * 4; k += 4)
+        bad_sources += std::memcmp(&sources[k], &up[i]->sources[k], 4) != 0;
+      for (size_t k = 0; k < bytes; k += 2) bad_out += std::memcmp(&ref[k], &out[k], 2) != 0;
+      if (bad_rows || bad_sources || bad_out)
+        failures += "\n    " + label + (swiglu ? " swiglu" : "") + ": rank " + std::to_string(r) +
+                    " dispatch inside the GEMM: " + std::to_string(bad_rows) + " row values, " +
+                    std::to_string(bad_sources) + " row sources, " + std::to_string(bad_out) +
+                    " GEMM outputs differ from moe_dispatch + grouped_gemm";
+    }
   }
   return failures;
 }

@@ -47,6 +47,19 @@ struct MoeDispatched {
                                         // token count (the layout's input, in the dispatch area)
 };
 
+// The dispatch and the first expert GEMM in one kernel: what moe_dispatch does (the same rows in the same
+// places, the same handle), and c = rows . b_e per group as weft::grouped_gemm over the capacity (rows past
+// the last group's end untouched), where each 128-row tile's GEMM starts once its rows have landed; the rows
+// move in the idle warps of the GEMM's loader warpgroups. b: the local experts' weights [experts per rank,
+// n, hidden] (BLayout::kNK) or [experts per rank, hidden, n] (kKN), bf16; c: [capacity, n] bf16, or
+// [capacity, n / 2] with GemmActivation::kSwiGLU (n a multiple of 256; weft::grouped_gemm's SwiGLU epilogue).
+// Tokens bf16; align a multiple of 128. The kernel waits for peers, so it runs within the rank's SM budget
+// (Options::sm_budget). The unfused pair (moe_dispatch, then grouped_gemm) stays the other choice.
+MoeDispatched moe_dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* tokens,
+                                        const int32_t* experts, const MoeShape& shape, void* workspace,
+                                        size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
+                                        GemmActivation activation, void* c, cudaStream_t stream = nullptr);
+
 // What a dispatch delivered to this rank, read back to the host (synchronises `stream`: the exact-count
 // mode, not for CUDA graphs): per local expert the rows its group received (before padding) and the
 // group's padded end; `rows`, the rows in use (the last end), so the expert GEMMs and what follows them can

@@ -1,0 +1,137 @@
+// The MoE dispatch inside the first expert GEMM (host side: weft::moe_dispatch_grouped_gemm, src/ops/moe.cu):
+// the grouped GEMM of weft/ops/gemm.cuh whose loader waits, per 128-row tile of this rank's expert rows,
+// until every row of the tile has landed, while the idle warps of every block's loader warpgroup move the
+// rows.
+//
+// The rows' places are the dispatch's layout (src/ops/moe_layout.hpp: groups by local expert, within a group
+// by source rank, then token order), computed before the kernel. Each source walks its slots by destination
+// in turn (slot i of destination d, then of d + 1, ...: every destination is written at once) and, per
+// destination, by (expert, token): the destinations' groups fill in order, as the GEMM's tiles are walked.
+//   pusher warps    per slot of the walk that is its token's first on that destination (its smallest row
+//                   there): the token's row into that row, the token's other rows there into the row's
+//                   record, each row's source slot (for a scattering epilogue), then a release store of each
+//                   row's state (1: a first row, expand it; 2: a row its first row's expansion fills).
+//   expander warps  per row of this rank in order: once its state is set, a first row is copied to the other
+//                   rows of its record; then one release add per row into the row's tile count.
+//   loader          waits until its tile counts 128 rows (padding rows are counted before the kernel), then
+//                   makes the rows visible to its TMA loads (the async-proxy fence).
+// Each token crosses a link once per destination, as in weft::moe_dispatch. Row states and tile counts are
+// zeroed before the call's first meeting, so no peer writes them before they are.
+#pragma once
+#include <climits>
+
+#include "weft/comm/copy_rows.cuh"
+#include "weft/comm/signal.cuh"
+#include "weft/ops/gemm.cuh"
+
+namespace weft::ops {
+
+enum MoeRowState : uint64_t {
+  kMoeRowPending = 0,  // not landed yet
+  kMoeRowFirst = 1,    // a token's first row on this rank: landed; its expansion fills the record's rows
+  kMoeRowCopy = 2,     // a row the expansion of its token's first row fills
+  kMoeRowPadding = 3,  // a group's padding (zeros, counted in its tile before the kernel)
+};
+
+struct MoeDispatchRows {
+  TeamView team;
+  const uint4* tokens;     // this rank's [tokens][row_vecs]
+  const int32_t* experts;  // [tokens][top_k] global expert ids, -1 dropped
+  const int32_t* row_of;   // [tokens][top_k] each slot's row on its expert's rank
+  const int32_t* walk;     // this rank's slots by (expert, token); destination d's: [walk_begin[d], [d + 1])
+  const int32_t* walk_begin;  // [world + 1]
+  const int32_t* group_end;   // this rank's groups' padded ends
+  uint4* rows;                // symmetric [capacity][row_vecs]: the expert rows (the GEMM's A)
+  int32_t* row_source;        // symmetric [capacity]: source * max_tokens * top_k + slot
+  uint64_t* row_state;        // symmetric [capacity]: MoeRowState
+  int32_t* record;      // symmetric [capacity][top_k]: for a first row, the token's other rows (-1 none)
+  uint64_t* tile_rows;  // [capacity / 128]: rows of the tile in place
+  int per_rank, top_k, row_vecs, groups;
+  int64_t max_tokens;
+};
+
+// Pusher warp `index` of `count`.
+__device__ inline void moe_push_rows(const MoeDispatchRows& p, int index, int count) {
+  const TeamView& t = p.team;
+  const int lane = threadIdx.x % 32, W = t.world, k = p.top_k;
+  int longest = 0;
+  for (int d = 0; d < W; ++d) longest = max(longest, __ldg(p.walk_begin + d + 1) - __ldg(p.walk_begin + d));
+  for (int64_t u = index; u < int64_t(W) * longest; u += count) {
+    const int d = static_cast<int>((u % W + t.rank) % W);
+    const int i = static_cast<int>(u / W), b = __ldg(p.walk_begin + d);
+    if (i >= __ldg(p.walk_begin + d + 1) - b) continue;
+    const int slot = __ldg(p.walk + b + i);
+    const int64_t token = slot / k;
+    const int e = lane < k ? __ldg(p.experts + token * k + lane) : -1;
+    const bool here = e >= 0 && e / p.per_rank == d;
+    const int row = here ? __ldg(p.row_of + token * k + lane) : INT_MAX;
+    int first = row;
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) first = min(first, __shfl_xor_sync(0xffffffffu, first, off));
+    if (__ldg(p.row_of + slot) != first) continue;  // the token's first slot here carries it
+    if (lane < k) {
+      t.peer_ptr(p.record, d)[int64_t(first) * k + lane] = here && row != first ? row : -1;
+      if (here)
+        t.peer_ptr(p.row_source, d)[row] = static_cast<int32_t>(t.rank * p.max_tokens * k + token * k + lane);
+    }
+    const int tt = static_cast<int>(token);
+    prefetch_rows_l2(p.tokens, tt, tt + 1, tt + 1, p.row_vecs, lane);
+    warp_copy_rows(p.tokens, t.peer_ptr(p.rows, d) + int64_t(first) * p.row_vecs, tt, tt + 1, tt + 1,
+                   p.row_vecs, lane);
+    __syncwarp();  // the warp's stores, then each lane's release covers them
+    if (here)
+      ptx::st_release_sys(t.peer_ptr(p.row_state, d) + row, row == first ? kMoeRowFirst : kMoeRowCopy);
+  }
+}
+
+// Expander warp `index` of `count`: rows in batches of 32, a lane's wait per row (one acquire instruction
+// for the warp's 32 rows), then each first row of the batch copied to its record's rows.
+__device__ inline void moe_expand_rows(const MoeDispatchRows& p, int index, int count) {
+  const int lane = threadIdx.x % 32, k = p.top_k;
+  const int end = __ldg(p.group_end + p.groups - 1);
+  for (int r0 = 32 * index; r0 < end; r0 += 32 * count) {
+    const int r = r0 + lane;
+    // A failed wait is recorded (synchronize() reports it); the warp stops, and the loaders' waits fail.
+    const bool ok = r >= end || wait_ge(p.team, p.row_state + r, kMoeRowFirst);
+    if (!__all_sync(0xffffffffu, ok)) return;
+    __syncwarp();  // orders each lane's acquire before every lane's reads of the batch's rows and records
+    const bool first = r < end && ptx::ld_relaxed_sys(p.row_state + r) == kMoeRowFirst;
+    for (unsigned rows = __ballot_sync(0xffffffffu, first); rows != 0; rows &= rows - 1) {
+      const int from = r0 + __ffs(rows) - 1;
+      const int target = lane < k ? p.record[int64_t(from) * k + lane] : -1;
+      for (unsigned todo = __ballot_sync(0xffffffffu, target >= 0); todo != 0; todo &= todo - 1) {
+        const int to = __shfl_sync(0xffffffffu, target, __ffs(todo) - 1);
+        warp_copy_rows(p.rows, p.rows + int64_t(to) * p.row_vecs, from, from + 1, from + 1, p.row_vecs, lane);
+      }
+      __syncwarp();  // the warp's copies, then each lane's release covers them
+      if (lane == 0) ptx::red_release_gpu_add(p.tile_rows + from / 128, 1);
+      if (target >= 0) ptx::red_release_gpu_add(p.tile_rows + target / 128, 1);
+    }
+  }
+}
+
+// Base: GroupedGemmOp or GroupedGemmSwigluOp (weft/ops/gemm.cuh).
+template <class Base>
+struct GroupedGemmDispatchOp : Base {
+  using Base::kBM;
+  static_assert(Base::kBM == 128, "tile counts are per 128 rows");
+  struct Params : Base::Params {
+    MoeDispatchRows dispatch;
+  };
+  __device__ static void wait_inputs(const Params& p, const lcsc::Tile& t) {
+    if (Base::skipped(p, t.m * kBM)) return;
+    // A failed wait is recorded; the loads still go out, so the consumers drain and the kernel ends.
+    (void)wait_ge_local(p.dispatch.team, p.dispatch.tile_rows + t.m, kBM);
+    acquire_for_tma();  // the rows' generic stores before this thread's TMA loads
+  }
+  // Warps 1-3 of each block's loader warpgroup: two push, one expands (a 1 : 2 split measured the same).
+  __device__ static void helper_warp(const Params& p, typename Base::Smem&, int index, int count) {
+    const int blocks = count / 3, role = index % 3, block = index / 3;
+    if (role < 2)
+      moe_push_rows(p.dispatch, 2 * block + role, 2 * blocks);
+    else
+      moe_expand_rows(p.dispatch, block, blocks);
+  }
+};
+
+}  // namespace weft::ops
