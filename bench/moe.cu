@@ -183,32 +183,24 @@ void run_moe(Context& ctx) {
            phase_cells[1], phase_cells[2], phase_cells[3]});
     ctx.progress("moe tokens=%lld E=%d k=%d: one GPU %.3f ms, team %.3f ms", (long long)c.tokens, c.experts,
                  c.top_k, one_ms, team_ms);
-    const auto team_tail = [&](bool fused) {
-      return [&, fused](int) {
+    // The layer's first two phases (from kDispatch) or last two (from kDown) on every rank, unfused or fused.
+    const auto team_pair = [&](Layer::Phase first, bool fused) {
+      return [&, first, fused](int) {
         for (int i = 0; i < L; ++i) {
           WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-          if (fused)
-            layers[i]->run_fused_down_combine(comm, comm.local(i), team.streams[i]);
-          else {
-            layers[i]->run(comm, comm.local(i), inputs[i], team.streams[i], Layer::kDown);
-            layers[i]->run(comm, comm.local(i), inputs[i], team.streams[i], Layer::kCombine);
-          }
+          Layer& l = *layers[i];
+          if (fused && first == Layer::kDispatch)
+            l.run_fused_dispatch_up(comm, comm.local(i), team.streams[i]);
+          else if (fused)
+            l.run_fused_down_combine(comm, comm.local(i), team.streams[i]);
+          else
+            for (int p = first; p <= first + 1; ++p)
+              l.run(comm, comm.local(i), inputs[i], team.streams[i], Layer::Phase(p));
         }
       };
     };
-    const auto team_head = [&](bool fused) {
-      return [&, fused](int) {
-        for (int i = 0; i < L; ++i) {
-          WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-          if (fused)
-            layers[i]->run_fused_dispatch_up(comm, comm.local(i), team.streams[i]);
-          else {
-            layers[i]->run(comm, comm.local(i), inputs[i], team.streams[i], Layer::kDispatch);
-            layers[i]->run(comm, comm.local(i), inputs[i], team.streams[i], Layer::kUp);
-          }
-        }
-      };
-    };
+    const auto team_head = [&](bool fused) { return team_pair(Layer::kDispatch, fused); };
+    const auto team_tail = [&](bool fused) { return team_pair(Layer::kDown, fused); };
     team_head(true)(0);  // sizes the walk area before capture
     comm.synchronize();
     const std::vector<double> head_us =
