@@ -11,8 +11,9 @@
 //                   there): the token's row into that row, the token's other rows there into the row's
 //                   record, each row's source slot (for a scattering epilogue), then a release store of each
 //                   row's state (1: a first row, expand it; 2: a row its first row's expansion fills).
-//   expander warps  per row of this rank in order: once its state is set, a first row is copied to the other
-//                   rows of its record; then one release add per row into the row's tile count.
+//   expander warps  this rank's rows in order, 32 at a time (a lane's wait per row): each first row of the
+//                   batch is copied to the other rows of its record; then one release add per row into the
+//                   row's tile count.
 //   loader          waits until its tile counts 128 rows (padding rows are counted before the kernel), then
 //                   makes the rows visible to its TMA loads (the async-proxy fence).
 // Each token crosses a link once per destination, as in weft::moe_dispatch. Row states and tile counts are
