@@ -1,8 +1,16 @@
 // Copying rows of 16-byte vectors by one warp, to this GPU or a peer's: an L2 prefetch of the source rows,
 // then a copy with four loads in flight per lane. Neither orders anything: publish with a release signal
 // after the warp's stores (e.g. __syncwarp, then lane 0's signal_add).
+//
+// Or through the bulk-copy engine (BulkRowCopier): lane 0 loads chunks into a ring of shared buffers and
+// stores each from there, as many chunks in flight as the ring has buffers and no registers for the bytes.
+// A warp of 40 registers keeps ~2 KiB in flight with loads and stores of its own; a ring of 2 x 4 KiB keeps 8.
+// complete() waits for its stores and orders them before the lane's later signals.
 #pragma once
 #include <cstdint>
+
+#include "weft/device/bulk_copy.cuh"
+#include "weft/device/ptx.cuh"
 
 namespace weft {
 
@@ -34,5 +42,83 @@ __device__ inline void warp_copy_rows(const uint4* src, uint4* dst, int r0, int 
   for (; i < valid; i += 32) dst[i] = from[i];
   for (; i < n; i += 32) dst[i] = make_uint4(0, 0, 0, 0);
 }
+
+// One helper warp's staging in shared memory: kBuffers buffers of kBytes and the mbarriers their loads
+// complete on.
+template <int kBytes, int kBuffers = 2>
+struct BulkStaging {
+  static_assert(kBytes % 16 == 0 && kBuffers >= 2, "bulk copies move 16-byte multiples; the ring needs two");
+  static constexpr int kChunkBytes = kBytes, kChunks = kBuffers;
+  alignas(128) uint8_t buf[kBuffers][kBytes];
+  uint64_t full[kBuffers];
+};
+
+// Rows of 16-byte vectors by one warp through its BulkStaging (construct it in every lane of the warp, once
+// per kernel: lane 0 initialises the mbarriers). Global addresses may be this GPU's or a peer's.
+template <class Staging>
+class BulkRowCopier {
+ public:
+  __device__ explicit BulkRowCopier(Staging& s) : s_(s), lane_(static_cast<int>(threadIdx.x % 32)) {
+    if (lane_ == 0) {
+      for (int b = 0; b < Staging::kChunks; ++b) mbarrier_init(&s_.full[b], 1);
+      fence_barrier_init();  // the inits before the copy engine's completions on them
+    }
+    __syncwarp();
+  }
+
+  // Rows [r0, r1) of src ([rows][row_vecs] 16-byte vectors; zeros from row `rows` on) to dst (already offset
+  // to row r0), like warp_copy_rows. Returns once every store is issued; the zeros are the lanes' own stores.
+  __device__ void copy_rows(const uint4* src, uint4* dst, int r0, int r1, int rows, int row_vecs) {
+    const int64_t n = int64_t(r1 - r0) * row_vecs, valid = int64_t(max(0, min(r1, rows) - r0)) * row_vecs;
+    if (lane_ == 0 && valid > 0) copy_bytes(dst, src + int64_t(r0) * row_vecs, valid * 16);
+    for (int64_t i = valid + lane_; i < n; i += 32) dst[i] = make_uint4(0, 0, 0, 0);
+  }
+
+  // Lane 0: waits until this warp's bulk stores have been performed and orders them (async proxy) before
+  // the lane's later operations. Then __syncwarp and a release by lane 0 publish the copies and the zeros.
+  __device__ void complete() {
+    if (lane_ != 0) return;
+    bulk_wait<0>();
+    ptx::fence_proxy_async_global();
+  }
+
+ private:
+  static constexpr int kChunk = Staging::kChunkBytes, kRing = Staging::kChunks;
+
+  // Lane 0. Chunk c goes through buffer c % kRing: its load, then (once landed) its store; the buffer of
+  // chunk c - 1 is reloaded with chunk c - 1 + kRing once that chunk's store has read it, which it had the
+  // time of one landing to do.
+  __device__ void copy_bytes(uint4* dst, const uint4* src, int64_t bytes) {
+    const auto* from = reinterpret_cast<const uint8_t*>(src);
+    auto* to = reinterpret_cast<uint8_t*>(dst);
+    const int64_t chunks = (bytes + kChunk - 1) / kChunk;
+    const auto size = [&](int64_t c) {
+      const int64_t rest = bytes - c * kChunk;
+      return static_cast<uint32_t>(rest < kChunk ? rest : kChunk);
+    };
+    const auto load = [&](int64_t c) {
+      const int b = static_cast<int>(c % kRing);
+      mbarrier_arrive_expect_tx(&s_.full[b], size(c));
+      bulk_load(s_.buf[b], from + c * kChunk, size(c), &s_.full[b]);
+    };
+    bulk_wait_read<0>();  // the previous call's stores have read their buffers
+    for (int64_t c = 0; c < chunks && c < kRing; ++c) load(c);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int b = static_cast<int>(c % kRing);
+      mbarrier_wait(&s_.full[b], (phase_ >> b) & 1u);
+      phase_ ^= 1u << b;
+      bulk_store(to + c * kChunk, s_.buf[b], size(c));
+      bulk_commit();
+      if (c >= 1 && c - 1 + kRing < chunks) {
+        bulk_wait_read<1>();  // chunk c - 1's store has read its buffer (chunk c's may still be reading)
+        load(c - 1 + kRing);
+      }
+    }
+  }
+
+  Staging& s_;
+  int lane_;
+  uint32_t phase_ = 0;  // bit b: the parity buffer b's next landing completes
+};
 
 }  // namespace weft

@@ -31,6 +31,18 @@ inline constexpr int kRingChunkFlags = 1024;      // arrival flags, shared by th
 inline constexpr int kRingMaxChunksPerSlot = 32;  // finer chunks only cost the loader more waits
 inline constexpr int kRingPiecesPerChunk = 16;    // pushes per chunk: enough tasks for every helper warp
 inline constexpr int kRingMaxBlocks = 1024;       // compute blocks of a ring kernel (RingSlots::landed)
+inline constexpr int kRingHelperWarps = 3;        // warps 1-3 of each compute block's loader warpgroup
+
+// A ring kernel's shared memory: its attention's, and each helper warp's staging for the bulk-copy engine.
+template <class AttentionSmem>
+struct RingSmem : AttentionSmem {
+  BulkStaging<4096> staging[kRingHelperWarps];
+};
+// Helper warp's copier, over its block's staging (warp w of the loader warpgroup takes staging[w - 1]).
+template <class Smem>
+__device__ BulkRowCopier<BulkStaging<4096>> ring_copier(Smem& s) {
+  return BulkRowCopier<BulkStaging<4096>>(s.staging[threadIdx.x / 32 - 1]);
+}
 
 struct RingSync {
   TeamView team;
@@ -116,7 +128,7 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
     uint4 *slots_k, *slots_v;    // this rank's slots [steps - 1][slot_rows][row_vecs] (symmetric)
     int row_vecs;
   };
-  using typename Base::Smem;
+  using Smem = RingSmem<typename Base::Smem>;
   struct KeyRange {
     int begin, length;  // rows of the step source's local K / V
     bool causal;
@@ -243,14 +255,15 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
   }
 
   // ---- helper warps: this rank's K / V into the peers' slots ----
-  __device__ static void helper_warp(const Params& p, Smem&, int index, int count) {
+  __device__ static void helper_warp(const Params& p, Smem& s, int index, int count) {
     const TeamView& t = p.sync.team;
-    ring_push(p.sync, p.slots, index, count, [&](int slot, int dst, int r0, int r1, int lane) {
+    auto copier = ring_copier(s);
+    ring_push(p.sync, p.slots, index, count, [&](int slot, int dst, int r0, int r1, int) {
       const int64_t at = (int64_t(slot) * p.slots.slot_rows + r0) * p.row_vecs;
-      prefetch_rows_l2(p.k_src, r0, r1, p.slots.local_rows, p.row_vecs, lane);
-      prefetch_rows_l2(p.v_src, r0, r1, p.slots.local_rows, p.row_vecs, lane);
-      warp_copy_rows(p.k_src, t.peer_ptr(p.slots_k + at, dst), r0, r1, p.slots.local_rows, p.row_vecs, lane);
-      warp_copy_rows(p.v_src, t.peer_ptr(p.slots_v + at, dst), r0, r1, p.slots.local_rows, p.row_vecs, lane);
+      const int rows = p.slots.local_rows;
+      copier.copy_rows(p.k_src, t.peer_ptr(p.slots_k + at, dst), r0, r1, rows, p.row_vecs);
+      copier.copy_rows(p.v_src, t.peer_ptr(p.slots_v + at, dst), r0, r1, rows, p.row_vecs);
+      copier.complete();
     });
   }
 };

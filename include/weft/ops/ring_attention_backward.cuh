@@ -63,7 +63,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
     float* terms;
     int term_stride;
   };
-  using typename Base::Smem;
+  using Smem = RingSmem<typename Base::Smem>;
 
   // The query rows of the step's source that a key segment meets. Step 0 has this rank's rows on both
   // sides: causal when the pass is, a key visible iff its local row is not after the query's.
@@ -162,16 +162,15 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
   }
 
   // ---- helper warps: this rank's Q, dO and per-row terms into the peers' slots ----
-  __device__ static void helper_warp(const Params& p, Smem&, int index, int count) {
+  __device__ static void helper_warp(const Params& p, Smem& s, int index, int count) {
     const TeamView& t = p.sync.team;
     const int64_t terms_per_rank = int64_t(p.heads) * p.term_stride;
+    auto copier = ring_copier(s);
     ring_push(p.sync, p.slots, index, count, [&](int slot, int dst, int r0, int r1, int lane) {
       const int64_t at = (int64_t(slot) * p.slots.slot_rows + r0) * p.row_vecs;
       const int rows = p.slots.local_rows;
-      prefetch_rows_l2(p.q_src, r0, r1, rows, p.row_vecs, lane);
-      prefetch_rows_l2(p.dout_src, r0, r1, rows, p.row_vecs, lane);
-      warp_copy_rows(p.q_src, t.peer_ptr(p.slots_q + at, dst), r0, r1, rows, p.row_vecs, lane);
-      warp_copy_rows(p.dout_src, t.peer_ptr(p.slots_dout + at, dst), r0, r1, rows, p.row_vecs, lane);
+      copier.copy_rows(p.q_src, t.peer_ptr(p.slots_q + at, dst), r0, r1, rows, p.row_vecs);
+      copier.copy_rows(p.dout_src, t.peer_ptr(p.slots_dout + at, dst), r0, r1, rows, p.row_vecs);
       // LSE, then D: index 0 here to index slot + 1 there. Rows [r0, r1)'s terms lie in term rows [4 r0,
       // 4 r1) (a range beginning at row x has them from 4 x on), so a chunk's landing covers its rows' terms.
       for (int half = 0; half < 2; ++half) {
@@ -179,6 +178,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
         copy_terms(from, t.peer_ptr(p.terms + (half * p.steps + slot + 1) * terms_per_rank, dst), 4 * r0,
                    4 * r1, 4 * rows, p.heads, p.term_stride, lane);
       }
+      copier.complete();
     });
   }
 
