@@ -118,10 +118,12 @@ Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
       if (pr.dispatch != nullptr) {
         if constexpr (kTileN == 256)
           if (pr.opt.activation == GemmActivation::kSwiGLU)
-            return run_op<ops::GroupedGemmDispatchOp<ops::GroupedGemmSwigluOp<OutT, kKMajor>>, kKMajor, 1>(
-                pr, stream, launch);
-        return run_op<ops::GroupedGemmDispatchOp<ops::GroupedGemmOp<OutT, kKMajor, kTileN>>, kKMajor, 1>(
-            pr, stream, launch);
+            return run_op<ops::GroupedGemmDispatchOp<
+                              ops::GroupedGemmSwigluOp<OutT, kKMajor, ops::kMoeDispatchStages<256>>>,
+                          kKMajor, 1>(pr, stream, launch);
+        return run_op<ops::GroupedGemmDispatchOp<
+                          ops::GroupedGemmOp<OutT, kKMajor, kTileN, ops::kMoeDispatchStages<kTileN>>>,
+                      kKMajor, 1>(pr, stream, launch);
       }
     if constexpr (kCluster == 1 && kTileN == 256)
       if (pr.opt.activation == GemmActivation::kSwiGLU)

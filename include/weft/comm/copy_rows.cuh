@@ -70,12 +70,20 @@ class BulkRowCopier {
   // to row r0), like warp_copy_rows. Returns once every store is issued; the zeros are the lanes' own stores.
   __device__ void copy_rows(const uint4* src, uint4* dst, int r0, int r1, int rows, int row_vecs) {
     const int64_t n = int64_t(r1 - r0) * row_vecs, valid = int64_t(max(0, min(r1, rows) - r0)) * row_vecs;
-    if (lane_ == 0 && valid > 0) copy_bytes(dst, src + int64_t(r0) * row_vecs, valid * 16);
+    if (lane_ == 0 && valid > 0)
+      copy_bytes(src + int64_t(r0) * row_vecs, valid * 16, 1, [&](int) { return dst; });
     for (int64_t i = valid + lane_; i < n; i += 32) dst[i] = make_uint4(0, 0, 0, 0);
   }
 
+  // Lane 0: `bytes` from src to each of dst_of(0), .., dst_of(count - 1) (nullptr: skipped), each chunk
+  // loaded once and stored to all of them. Returns once every store is issued.
+  template <class DstOf>
+  __device__ void broadcast(const uint4* src, int64_t bytes, int count, DstOf dst_of) {
+    if (lane_ == 0 && bytes > 0) copy_bytes(src, bytes, count, dst_of);
+  }
+
   // Lane 0: waits until this warp's bulk stores have been performed and orders them (async proxy) before
-  // the lane's later operations. Then __syncwarp and a release by lane 0 publish the copies and the zeros.
+  // the lane's later operations. Then __syncwarp and a release by any lane publish the copies and the zeros.
   __device__ void complete() {
     if (lane_ != 0) return;
     bulk_wait<0>();
@@ -85,12 +93,12 @@ class BulkRowCopier {
  private:
   static constexpr int kChunk = Staging::kChunkBytes, kRing = Staging::kChunks;
 
-  // Lane 0. Chunk c goes through buffer c % kRing: its load, then (once landed) its store; the buffer of
-  // chunk c - 1 is reloaded with chunk c - 1 + kRing once that chunk's store has read it, which it had the
-  // time of one landing to do.
-  __device__ void copy_bytes(uint4* dst, const uint4* src, int64_t bytes) {
+  // Lane 0. Chunk c goes through buffer c % kRing: its load, then (once landed) its stores; the buffer of
+  // chunk c - 1 is reloaded with chunk c - 1 + kRing once that chunk's stores have read it, which they had
+  // the time of one landing to do.
+  template <class DstOf>
+  __device__ void copy_bytes(const uint4* src, int64_t bytes, int count, DstOf dst_of) {
     const auto* from = reinterpret_cast<const uint8_t*>(src);
-    auto* to = reinterpret_cast<uint8_t*>(dst);
     const int64_t chunks = (bytes + kChunk - 1) / kChunk;
     const auto size = [&](int64_t c) {
       const int64_t rest = bytes - c * kChunk;
@@ -107,10 +115,13 @@ class BulkRowCopier {
       const int b = static_cast<int>(c % kRing);
       mbarrier_wait(&s_.full[b], (phase_ >> b) & 1u);
       phase_ ^= 1u << b;
-      bulk_store(to + c * kChunk, s_.buf[b], size(c));
+      for (int i = 0; i < count; ++i) {
+        auto* to = reinterpret_cast<uint8_t*>(dst_of(i));
+        if (to != nullptr) bulk_store(to + c * kChunk, s_.buf[b], size(c));
+      }
       bulk_commit();
       if (c >= 1 && c - 1 + kRing < chunks) {
-        bulk_wait_read<1>();  // chunk c - 1's store has read its buffer (chunk c's may still be reading)
+        bulk_wait_read<1>();  // chunk c - 1's stores have read its buffer (chunk c's may still be reading)
         load(c - 1 + kRing);
       }
     }

@@ -25,15 +25,18 @@
 
 namespace weft::ops {
 
-template <int kTileN>
+// kStageCount 0: as many pipeline stages as shared memory holds; an op that needs some of it for other
+// buffers asks for fewer.
+template <int kTileN, int kStageCount = 0>
 struct GemmTile {
   static_assert(kTileN == 128 || kTileN == 256, "tiles of 128 x 128 or 128 x 256");
-  static constexpr int kBM = 128, kBN = kTileN, kBK = 64, kStages = kTileN == 256 ? 4 : 6;
+  static constexpr int kBM = 128, kBN = kTileN, kBK = 64,
+                       kStages = kStageCount > 0 ? kStageCount : kTileN == 256 ? 4 : 6;
 };
 
-template <class OutT, bool kBKMajor, int kCluster, int kTileN = 256>
+template <class OutT, bool kBKMajor, int kCluster, int kTileN = 256, int kStageCount = 0>
 struct GemmOp {
-  using Tile = GemmTile<kTileN>;
+  using Tile = GemmTile<kTileN, kStageCount>;
   static constexpr int kBM = Tile::kBM, kBN = Tile::kBN, kBK = Tile::kBK, kStages = Tile::kStages;
   static constexpr int kConsumerWarpgroups = kBM / 64;
   static constexpr int kClusterSize = kCluster;
@@ -87,9 +90,9 @@ struct GemmOp {
 // over the rows' capacity; a tile past the last group's end is skipped by the loader and the consumers
 // alike (both read the same end), a tile's group found by the loader thread's scan of group_end. A
 // K-tail block reads the next expert's first rows of B, which meet A's zero-filled columns: zeros.
-template <class OutT, bool kBKMajor, int kTileN = 256>
-struct GroupedGemmOp : GemmOp<OutT, kBKMajor, 1, kTileN> {
-  using Base = GemmOp<OutT, kBKMajor, 1, kTileN>;
+template <class OutT, bool kBKMajor, int kTileN = 256, int kStageCount = 0>
+struct GroupedGemmOp : GemmOp<OutT, kBKMajor, 1, kTileN, kStageCount> {
+  using Base = GemmOp<OutT, kBKMajor, 1, kTileN, kStageCount>;
   using Base::kBM, Base::kBN;
   using typename Base::Accum, typename Base::Mainloop, typename Base::Epilogue, typename Base::Pipeline,
       typename Base::Smem, typename Base::StoreState;
@@ -125,9 +128,9 @@ struct GroupedGemmOp : GemmOp<OutT, kBKMajor, 1, kTileN> {
 // [128 b, 128 b + 128); C [rows, N / 2] = silu(A.B_gate) * (A.B_up), from the fp32 accumulators. In a
 // consumer warpgroup's 64 x 256 accumulator a thread holds column c and column c + 128 in registers i and
 // i + 64, so the activation needs no data movement, and half the tile goes out.
-template <class OutT, bool kBKMajor>
-struct GroupedGemmSwigluOp : GroupedGemmOp<OutT, kBKMajor, 256> {
-  using Base = GroupedGemmOp<OutT, kBKMajor, 256>;
+template <class OutT, bool kBKMajor, int kStageCount = 0>
+struct GroupedGemmSwigluOp : GroupedGemmOp<OutT, kBKMajor, 256, kStageCount> {
+  using Base = GroupedGemmOp<OutT, kBKMajor, 256, kStageCount>;
   using Base::kBM, Base::kBN, Base::kConsumerWarpgroups;
   using typename Base::Accum, typename Base::Params, typename Base::Smem, typename Base::StoreState;
   using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN / 2, kConsumerWarpgroups>;

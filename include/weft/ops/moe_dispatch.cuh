@@ -51,10 +51,19 @@ struct MoeDispatchRows {
   int64_t max_tokens;
 };
 
+// The GEMM's pipeline stages under the dispatch: fewer than the plain grouped GEMM's (4 / 6), the shared
+// memory they leave the helper warps' staging for the bulk-copy engine (three warps of 40 registers moving
+// rows with their own loads and stores keep ~6 KiB in flight per SM; through the copy engine, 42 KiB).
+template <int kTileN>
+inline constexpr int kMoeDispatchStages = kTileN == 256 ? 3 : 4;
+using MoeDispatchStaging = BulkStaging<7168>;
+using MoeRowCopier = BulkRowCopier<MoeDispatchStaging>;
+
 // Pusher warp `index` of `count`.
-__device__ inline void moe_push_rows(const MoeDispatchRows& p, int index, int count) {
+__device__ inline void moe_push_rows(const MoeDispatchRows& p, MoeRowCopier& copier, int index, int count) {
   const TeamView& t = p.team;
   const int lane = threadIdx.x % 32, W = t.world, k = p.top_k;
+  const int64_t row_bytes = int64_t(p.row_vecs) * 16;
   int longest = 0;
   for (int d = 0; d < W; ++d) longest = max(longest, __ldg(p.walk_begin + d + 1) - __ldg(p.walk_begin + d));
   for (int64_t u = index; u < int64_t(W) * longest; u += count) {
@@ -75,43 +84,52 @@ __device__ inline void moe_push_rows(const MoeDispatchRows& p, int index, int co
       if (here)
         t.peer_ptr(p.row_source, d)[row] = static_cast<int32_t>(t.rank * p.max_tokens * k + token * k + lane);
     }
-    const int tt = static_cast<int>(token);
-    prefetch_rows_l2(p.tokens, tt, tt + 1, tt + 1, p.row_vecs, lane);
-    warp_copy_rows(p.tokens, t.peer_ptr(p.rows, d) + int64_t(first) * p.row_vecs, tt, tt + 1, tt + 1,
-                   p.row_vecs, lane);
-    __syncwarp();  // the warp's stores, then each lane's release covers them
+    uint4* to = t.peer_ptr(p.rows, d) + int64_t(first) * p.row_vecs;
+    copier.broadcast(p.tokens + token * p.row_vecs, row_bytes, 1, [&](int) { return to; });
+    copier.complete();
+    __syncwarp();  // lane 0's completed copy and the lanes' stores, then each lane's release covers them
     if (here)
       ptx::st_release_sys(t.peer_ptr(p.row_state, d) + row, row == first ? kMoeRowFirst : kMoeRowCopy);
   }
 }
 
 // Expander warp `index` of `count`: rows in batches of 32, a lane's wait per row (one acquire instruction
-// for the warp's 32 rows), then each first row of the batch copied to its record's rows.
-__device__ inline void moe_expand_rows(const MoeDispatchRows& p, int index, int count) {
+// for the warp's 32 rows). Each first row of the batch counts in its tile at once (it has landed); then it
+// is copied to its record's rows (each chunk loaded once, stored to all), and once the batch's copies are
+// complete they count in their tiles.
+__device__ inline void moe_expand_rows(const MoeDispatchRows& p, MoeRowCopier& copier, int index, int count) {
   const int lane = threadIdx.x % 32, k = p.top_k;
+  const int64_t row_bytes = int64_t(p.row_vecs) * 16;
   const int end = __ldg(p.group_end + p.groups - 1);
   for (int r0 = 32 * index; r0 < end; r0 += 32 * count) {
     const int r = r0 + lane;
     // A failed wait is recorded (synchronize() reports it); the warp stops, and the loaders' waits fail.
     const bool ok = r >= end || wait_ge(p.team, p.row_state + r, kMoeRowFirst);
     if (!__all_sync(0xffffffffu, ok)) return;
-    __syncwarp();  // orders each lane's acquire before every lane's reads of the batch's rows and records
     const bool first = r < end && ptx::ld_relaxed_sys(p.row_state + r) == kMoeRowFirst;
-    for (unsigned rows = __ballot_sync(0xffffffffu, first); rows != 0; rows &= rows - 1) {
+    if (first) ptx::red_release_gpu_add(p.tile_rows + r / 128, 1);
+    __syncwarp();  // orders each lane's acquire before lane 0's reads of the batch's rows and records
+    if (lane == 0) acquire_for_tma();  // and before its copy-engine loads of the rows
+    const unsigned firsts = __ballot_sync(0xffffffffu, first);
+    for (unsigned rows = firsts; rows != 0; rows &= rows - 1) {
+      const int from = r0 + __ffs(rows) - 1;
+      const int32_t* record = p.record + int64_t(from) * k;
+      copier.broadcast(p.rows + int64_t(from) * p.row_vecs, row_bytes, k, [&](int j) {
+        const int to = record[j];
+        return to >= 0 ? p.rows + int64_t(to) * p.row_vecs : nullptr;
+      });
+    }
+    copier.complete();
+    __syncwarp();  // lane 0's completed copies, then each lane's release covers them
+    for (unsigned rows = firsts; rows != 0; rows &= rows - 1) {
       const int from = r0 + __ffs(rows) - 1;
       const int target = lane < k ? p.record[int64_t(from) * k + lane] : -1;
-      for (unsigned todo = __ballot_sync(0xffffffffu, target >= 0); todo != 0; todo &= todo - 1) {
-        const int to = __shfl_sync(0xffffffffu, target, __ffs(todo) - 1);
-        warp_copy_rows(p.rows, p.rows + int64_t(to) * p.row_vecs, from, from + 1, from + 1, p.row_vecs, lane);
-      }
-      __syncwarp();  // the warp's copies, then each lane's release covers them
-      if (lane == 0) ptx::red_release_gpu_add(p.tile_rows + from / 128, 1);
       if (target >= 0) ptx::red_release_gpu_add(p.tile_rows + target / 128, 1);
     }
   }
 }
 
-// Base: GroupedGemmOp or GroupedGemmSwigluOp (weft/ops/gemm.cuh).
+// Base: GroupedGemmOp or GroupedGemmSwigluOp (weft/ops/gemm.cuh) with kMoeDispatchStages stages.
 template <class Base>
 struct GroupedGemmDispatchOp : Base {
   using Base::kBM;
@@ -119,19 +137,23 @@ struct GroupedGemmDispatchOp : Base {
   struct Params : Base::Params {
     MoeDispatchRows dispatch;
   };
+  struct Smem : Base::Smem {
+    MoeDispatchStaging staging[3];  // one per helper warp
+  };
   __device__ static void wait_inputs(const Params& p, const lcsc::Tile& t) {
     if (Base::skipped(p, t.m * kBM)) return;
     // A failed wait is recorded; the loads still go out, so the consumers drain and the kernel ends.
     (void)wait_ge_local(p.dispatch.team, p.dispatch.tile_rows + t.m, kBM);
-    acquire_for_tma();  // the rows' generic stores before this thread's TMA loads
+    acquire_for_tma();  // the rows' stores before this thread's TMA loads
   }
-  // Warps 1-3 of each block's loader warpgroup: two push, one expands (a 1 : 2 split measured the same).
-  __device__ static void helper_warp(const Params& p, typename Base::Smem&, int index, int count) {
+  // Warps 1-3 of each block's loader warpgroup: two push, one expands.
+  __device__ static void helper_warp(const Params& p, Smem& s, int index, int count) {
     const int blocks = count / 3, role = index % 3, block = index / 3;
+    MoeRowCopier copier(s.staging[role]);
     if (role < 2)
-      moe_push_rows(p.dispatch, 2 * block + role, 2 * blocks);
+      moe_push_rows(p.dispatch, copier, 2 * block + role, 2 * blocks);
     else
-      moe_expand_rows(p.dispatch, block, blocks);
+      moe_expand_rows(p.dispatch, copier, block, blocks);
   }
 };
 
