@@ -97,7 +97,10 @@ Plan run_op(const Problem& pr, cudaStream_t stream, bool launch) {
   p.k_blocks = static_cast<int>((pr.k + Op::kBK - 1) / Op::kBK);
   p.store_mode =
       pr.opt.store == GemmStore::kReduceAdd ? lcsc::StoreMode::kReduceAdd : lcsc::StoreMode::kStore;
-  if constexpr (requires { p.dispatch; }) p.dispatch = *pr.dispatch;
+  if constexpr (requires { p.dispatch; }) {
+    p.dispatch = *pr.dispatch;
+    s.claims = pr.dispatch->tile_claims;
+  }
   if constexpr (requires { p.scatter; }) {
     p.scatter = *pr.scatter;
     p.n = static_cast<int>(pr.n);

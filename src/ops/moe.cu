@@ -420,11 +420,11 @@ DispatchBuffers dispatch_buffers(Communicator& comm, Rank& rank, const void* tok
   b.kept = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes + z.row_of_bytes);
   b.group_end = b.table + size_t(z.d.world) * (z.d.experts + 1);
   if (walk) {
-    // [capacity] row states, [capacity][top_k] records, [capacity / 128] tile counts, [max_tokens * top_k]
-    // walk, [world + 1] walk begins.
+    // [capacity] row states, [capacity][top_k] records, [capacity / 128 + 1] tile counts then the GEMM's
+    // tile claims, [max_tokens * top_k] walk, [world + 1] walk begins.
     const size_t states = round256(size_t(z.capacity) * 8),
                  records = round256(size_t(z.capacity) * z.d.top_k * 4);
-    const size_t tiles = round256(size_t(z.capacity / 128 + 1) * 8);
+    const size_t tiles = round256(size_t(z.capacity / 128 + 2) * 8);
     const size_t walk_bytes = z.row_of_bytes, begins = round256(size_t(z.d.world + 1) * 4);
     char* w = ops::workspace_on(comm, rank, states + records + tiles + walk_bytes + begins, stream, where,
                                 kWalkArea);
@@ -445,7 +445,7 @@ void place_rows(Communicator& comm, Rank& rank, const int32_t* experts, const Mo
   const Sizes& z = b.z;
   if (b.walk.walk != nullptr) {
     WEFT_CUDA_CHECK(cudaMemsetAsync(b.walk.row_state, 0, size_t(z.capacity) * 8, stream));
-    WEFT_CUDA_CHECK(cudaMemsetAsync(b.walk.tile_rows, 0, size_t(z.capacity / 128 + 1) * 8, stream));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(b.walk.tile_rows, 0, size_t(z.capacity / 128 + 2) * 8, stream));
   }
   const int64_t slots = shape.tokens * shape.top_k;
   WEFT_CUDA_CHECK(cudaMemsetAsync(b.counts, 0, z.counts_bytes, stream));
@@ -523,6 +523,7 @@ MoeDispatched moe_dispatch_grouped_gemm(Communicator& comm, Rank& rank, const vo
                                   buf.walk.row_state,
                                   buf.record,
                                   buf.walk.tile_rows,
+                                  reinterpret_cast<int*>(buf.walk.tile_rows + z.capacity / 128 + 1),
                                   z.d.per_rank,
                                   z.d.top_k,
                                   static_cast<int>(shape.hidden * 2 / 16),

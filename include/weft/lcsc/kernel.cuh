@@ -58,6 +58,71 @@ namespace weft::lcsc {
 template <class Op>
 inline constexpr int kThreads = (1 + Op::kConsumerWarpgroups) * tile::kWarpgroupThreads;
 
+// Claimed tiles: an op whose Smem holds a TileQueue named tile_queue (and whose scheduler params name a
+// claims counter) has its loader thread claim each next unit from the counter and hand it to the consumer
+// warpgroups through the queue, in place of every block walking its own fixed share.
+struct TileQueue {
+  static constexpr int kDepth = 4;
+  int unit[kDepth];                      // a claimed position of the unit sequence, -1: none left
+  uint64_t full[kDepth], empty[kDepth];  // loader -> consumers, consumers -> loader
+  __device__ void init(int consumer_threads) {
+    for (int i = 0; i < kDepth; ++i) {
+      mbarrier_init(&full[i], 1);
+      mbarrier_init(&empty[i], consumer_threads);
+    }
+  }
+};
+
+template <class Scheduler>
+class ClaimedTiles {
+ public:
+  using Work = typename Scheduler::Work;
+  __device__ ClaimedTiles(Scheduler& s, TileQueue& q, int* claims, bool loader)
+      : s_(s), q_(q), claims_(claims), loader_(loader) {}
+  __device__ bool next(Work& t) {
+    const int i = taken_ % TileQueue::kDepth;
+    const uint32_t parity = (taken_ / TileQueue::kDepth) & 1u;
+    ++taken_;
+    int u;
+    if (loader_) {
+      tile::mbarrier_wait_bounded(&q_.empty[i], parity ^ 1u);  // the entry's previous unit has been read
+      u = atomicAdd(claims_, 1);
+      if (u >= s_.units()) u = -1;
+      q_.unit[i] = u;
+      tile::mbarrier_arrive(&q_.full[i]);  // orders the store before the consumers' reads (release, CTA)
+    } else {
+      tile::mbarrier_wait_bounded(&q_.full[i], parity);
+      u = q_.unit[i];
+      tile::mbarrier_arrive(&q_.empty[i]);
+    }
+    if (u < 0) return false;
+    s_.at(u, t);
+    return true;
+  }
+
+ private:
+  Scheduler& s_;
+  TileQueue& q_;
+  int* claims_;
+  bool loader_;
+  int taken_ = 0;
+};
+
+template <class Op>
+inline constexpr bool kClaimsTiles = requires(typename Op::Smem& s) { s.tile_queue; };
+
+// A role's tile sequence: the scheduler itself, or its units as claimed.
+template <class Op, class Scheduler>
+__device__ auto role_tiles(Scheduler& sched, typename Op::Smem& smem, const typename Op::Params& p,
+                           bool loader) {
+  if constexpr (kClaimsTiles<Op>) {
+    static_assert(Op::kClusterSize == 1, "claimed tiles: one CTA per unit");
+    return ClaimedTiles<Scheduler>(sched, smem.tile_queue, p.sched.claims, loader);
+  } else {
+    return sched;
+  }
+}
+
 // Dynamic shared memory is rounded up to 1024 bytes in the kernel (the swizzle atom).
 template <class Op>
 inline constexpr size_t kSmemBytes = sizeof(typename Op::Smem) + 1024;
@@ -98,6 +163,7 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
   typename Op::Pipeline pipe(smem.pipe);
   if (threadIdx.x == 0) {
     pipe.init();
+    if constexpr (kClaimsTiles<Op>) smem.tile_queue.init(Op::kConsumerWarpgroups * tile::kWarpgroupThreads);
     if constexpr (requires { Op::init(p, smem); }) Op::init(p, smem);
     fence_barrier_init();
   }
@@ -114,7 +180,8 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
     if (threadIdx.x == 0) {
       PipeState st;
       Work t;
-      while (sched.next(t)) {
+      auto tiles = role_tiles<Op>(sched, smem, p, true);
+      while (tiles.next(t)) {
         if constexpr (requires { Op::wait_inputs(p, t); }) Op::wait_inputs(p, t);
         Op::load(p, smem, pipe, st, t);
       }
@@ -132,7 +199,8 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
     typename Op::StoreState es{};
     PipeState st;
     Work t;
-    while (sched.next(t)) {
+    auto tiles = role_tiles<Op>(sched, smem, p, false);
+    while (tiles.next(t)) {
       // wgmma is warp-aligned: the whole warp must issue it together. Independent thread scheduling does
       // not promise that lanes split by a branch of the previous item's store have met again, so meet here.
       __syncwarp();

@@ -27,6 +27,10 @@ struct SchedulerParams {   // GemmTileScheduler::Params
   int start_unit = 0;      // rotation of the unit sequence (any integer; taken modulo the unit count)
   int parts_log2 = 0;      // unit rows dealt round-robin over 2^parts_log2 equal parts of M (see above)
   int compute_blocks = 0;  // blocks [0, compute_blocks) compute; the rest of the grid communicates
+  // Non-null: the blocks claim units in sequence order from this counter (zeroed before the kernel) instead
+  // of taking every C-th one (lcsc/kernel.cuh, ClaimedTiles): for ops whose tiles wait for their inputs, so a
+  // block that waited does not fall behind the others for the rest of the kernel.
+  int* claims = nullptr;
   __host__ __device__ int units_m() const { return (tiles_m + cluster_m - 1) / cluster_m; }
   __host__ __device__ int units() const { return units_m() * tiles_n; }
 };
@@ -75,9 +79,16 @@ class GemmTileScheduler {
   // The next tile of this block, or false when it has none left.
   __host__ __device__ __forceinline__ bool next(Tile& t) {
     if (next_ >= units_) return false;
-    int u = next_ + start_;
-    if (u >= units_) u -= units_;
+    at(next_, t);
     next_ += stride_;
+    return true;
+  }
+
+  __host__ __device__ int units() const { return units_; }
+  // Position i of the unit sequence (before rotation) as this block's next tile.
+  __host__ __device__ __forceinline__ void at(int i, Tile& t) {
+    int u = i + start_;
+    if (u >= units_) u -= units_;
     const int rows = p_.units_m();
     const int per_group = group_ * p_.tiles_n;
     const int band = u / per_group;
@@ -91,7 +102,6 @@ class GemmTileScheduler {
     t.n = r / in_band;
     t.unit = u;
     t.iteration = iteration_++;
-    return true;
   }
 
  private:

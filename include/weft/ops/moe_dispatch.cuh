@@ -14,8 +14,11 @@
 //   expander warps  this rank's rows in order, 32 at a time (a lane's wait per row): each first row of the
 //                   batch is copied to the other rows of its record; then one release add per row into the
 //                   row's tile count.
-//   loader          waits until its tile counts 128 rows (padding rows are counted before the kernel), then
-//                   makes the rows visible to its TMA loads (the async-proxy fence).
+//   loader          claims the next tile in the GEMM's order (lcsc::ClaimedTiles: with a fixed share per
+//                   block, blocks whose tiles waited fell behind the rest for good, and the tiles in flight
+//                   then spanned more experts' weights than L2 holds), waits until the tile counts 128 rows
+//                   (padding rows are counted before the kernel), then makes the rows visible to its TMA
+//                   loads (the async-proxy fence).
 // Each token crosses a link once per destination, as in weft::moe_dispatch. Row states and tile counts are
 // zeroed before the call's first meeting, so no peer writes them before they are.
 #pragma once
@@ -47,6 +50,7 @@ struct MoeDispatchRows {
   uint64_t* row_state;        // symmetric [capacity]: MoeRowState
   int32_t* record;      // symmetric [capacity][top_k]: for a first row, the token's other rows (-1 none)
   uint64_t* tile_rows;  // [capacity / 128]: rows of the tile in place
+  int* tile_claims;     // the GEMM's tiles claimed so far (lcsc::ClaimedTiles), zeroed before the kernel
   int per_rank, top_k, row_vecs, groups;
   int64_t max_tokens;
 };
@@ -139,6 +143,7 @@ struct GroupedGemmDispatchOp : Base {
   };
   struct Smem : Base::Smem {
     MoeDispatchStaging staging[3];  // one per helper warp
+    lcsc::TileQueue tile_queue;     // tiles are claimed in order: a block whose tile waited stays with the rest
   };
   __device__ static void wait_inputs(const Params& p, const lcsc::Tile& t) {
     if (Base::skipped(p, t.m * kBM)) return;
