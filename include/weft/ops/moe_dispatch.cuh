@@ -63,11 +63,23 @@ inline constexpr int kMoeDispatchStages = kTileN == 256 ? 3 : 4;
 using MoeDispatchStaging = BulkStaging<7168>;
 using MoeRowCopier = BulkRowCopier<MoeDispatchStaging>;
 
-// Pusher warp `index` of `count`.
+// Pusher warp `index` of `count`. Its copies complete, and their rows' states are released, kPushBatch
+// pushes at a time (each lane holds its rows of the batch).
+inline constexpr int kPushBatch = 4;
 __device__ inline void moe_push_rows(const MoeDispatchRows& p, MoeRowCopier& copier, int index, int count) {
   const TeamView& t = p.team;
   const int lane = threadIdx.x % 32, W = t.world, k = p.top_k;
   const int64_t row_bytes = int64_t(p.row_vecs) * 16;
+  int pending = 0, rows[kPushBatch], states[kPushBatch];  // per push: this lane's row (-1 none), (d << 2) | state
+  const auto release = [&] {
+    copier.complete();
+    __syncwarp();  // lane 0's completed copies and the lanes' stores, then each lane's releases cover them
+#pragma unroll
+    for (int j = 0; j < kPushBatch; ++j)
+      if (j < pending && rows[j] >= 0)
+        ptx::st_release_sys(t.peer_ptr(p.row_state, states[j] >> 2) + rows[j], uint64_t(states[j] & 3));
+    pending = 0;
+  };
   int longest = 0;
   for (int d = 0; d < W; ++d) longest = max(longest, __ldg(p.walk_begin + d + 1) - __ldg(p.walk_begin + d));
   for (int64_t u = index; u < int64_t(W) * longest; u += count) {
@@ -90,11 +102,16 @@ __device__ inline void moe_push_rows(const MoeDispatchRows& p, MoeRowCopier& cop
     }
     uint4* to = t.peer_ptr(p.rows, d) + int64_t(first) * p.row_vecs;
     copier.broadcast(p.tokens + token * p.row_vecs, row_bytes, 1, [&](int) { return to; });
-    copier.complete();
-    __syncwarp();  // lane 0's completed copy and the lanes' stores, then each lane's release covers them
-    if (here)
-      ptx::st_release_sys(t.peer_ptr(p.row_state, d) + row, row == first ? kMoeRowFirst : kMoeRowCopy);
+#pragma unroll
+    for (int j = kPushBatch - 1; j > 0; --j) {  // shifts (static indices keep the batch in registers)
+      rows[j] = rows[j - 1];
+      states[j] = states[j - 1];
+    }
+    rows[0] = here ? row : -1;
+    states[0] = (d << 2) | int(row == first ? kMoeRowFirst : kMoeRowCopy);
+    if (++pending == kPushBatch) release();
   }
+  release();
 }
 
 // Expander warp `index` of `count`: rows in batches of 32, a lane's wait per row (one acquire instruction
