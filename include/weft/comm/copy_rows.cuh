@@ -4,8 +4,8 @@
 //
 // Or through the bulk-copy engine (BulkRowCopier): lane 0 loads chunks into a ring of shared buffers and
 // stores each from there, as many chunks in flight as the ring has buffers and no registers for the bytes.
-// A warp of 40 registers keeps ~2 KiB in flight with loads and stores of its own; a ring of 2 x 4 KiB keeps 8.
-// complete() waits for its stores and orders them before the lane's later signals.
+// A warp of 40 registers keeps ~2 KiB in flight with loads and stores of its own; a ring of 2 x 4 KiB
+// keeps 8. complete() waits for its stores and orders them before the lane's later signals.
 #pragma once
 #include <cstdint>
 

@@ -109,7 +109,9 @@ class ClaimedTiles {
 };
 
 template <class Op>
-inline constexpr bool kClaimsTiles = requires(typename Op::Smem& s) { s.tile_queue; };
+inline constexpr bool kClaimsTiles = requires(typename Op::Smem& s) {
+  s.tile_queue;
+};
 
 // A role's tile sequence: the scheduler itself, or its units as claimed.
 template <class Op, class Scheduler>

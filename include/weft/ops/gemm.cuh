@@ -31,7 +31,9 @@ template <int kTileN, int kStageCount = 0>
 struct GemmTile {
   static_assert(kTileN == 128 || kTileN == 256, "tiles of 128 x 128 or 128 x 256");
   static constexpr int kBM = 128, kBN = kTileN, kBK = 64,
-                       kStages = kStageCount > 0 ? kStageCount : kTileN == 256 ? 4 : 6;
+                       kStages = kStageCount > 0 ? kStageCount
+                                 : kTileN == 256 ? 4
+                                                 : 6;
 };
 
 template <class OutT, bool kBKMajor, int kCluster, int kTileN = 256, int kStageCount = 0>

@@ -70,7 +70,8 @@ __device__ inline void moe_push_rows(const MoeDispatchRows& p, MoeRowCopier& cop
   const TeamView& t = p.team;
   const int lane = threadIdx.x % 32, W = t.world, k = p.top_k;
   const int64_t row_bytes = int64_t(p.row_vecs) * 16;
-  int pending = 0, rows[kPushBatch], states[kPushBatch];  // per push: this lane's row (-1 none), (d << 2) | state
+  int pending = 0, rows[kPushBatch],
+      states[kPushBatch];  // per push: this lane's row (-1 none), (d << 2) | state
   const auto release = [&] {
     copier.complete();
     __syncwarp();  // lane 0's completed copies and the lanes' stores, then each lane's releases cover them
@@ -160,7 +161,7 @@ struct GroupedGemmDispatchOp : Base {
   };
   struct Smem : Base::Smem {
     MoeDispatchStaging staging[3];  // one per helper warp
-    lcsc::TileQueue tile_queue;     // tiles are claimed in order: a block whose tile waited stays with the rest
+    lcsc::TileQueue tile_queue;  // tiles are claimed in order: a block whose tile waited stays with the rest
   };
   __device__ static void wait_inputs(const Params& p, const lcsc::Tile& t) {
     if (Base::skipped(p, t.m * kBM)) return;
