@@ -7,6 +7,7 @@
 // GQA).
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -77,15 +78,22 @@ void run_context_attention(Context& ctx) {
   if (ctx.quick) seqs = {32768};
   const int64_t H = 16, KV = 8, D = 128;
   const int iters = ctx.quick ? 5 : 10;
-  enum class M { kAllGather, kRing, kUlysses };
-  for (M method : {M::kAllGather, M::kRing, M::kUlysses})
+  // ring-no-copy: the ring kernels with every push only signalling (WEFT_RING_NO_COPY=1: wrong results, only
+  // with --cp-methods): their time is the ring's without data movement, the difference its exposed cost.
+  enum class M { kAllGather, kRing, kRingNoCopy, kUlysses };
+  for (M method : {M::kAllGather, M::kRing, M::kRingNoCopy, M::kUlysses})
     for (bool causal : {false, true})
       for (int64_t S : seqs) {
-        const bool ulysses = method == M::kUlysses, ring = method == M::kRing;
-        const char* name = ulysses ? "ulysses" : ring ? "ring" : "all-gather";
-        if (!ctx.cp_methods.empty() &&
-            ("," + ctx.cp_methods + ",").find(std::string(",") + name + ",") == std::string::npos)
+        const bool ulysses = method == M::kUlysses, no_copy = method == M::kRingNoCopy;
+        const bool ring = method == M::kRing || no_copy;
+        const char* name = ulysses ? "ulysses" : no_copy ? "ring-no-copy" : ring ? "ring" : "all-gather";
+        if (no_copy
+                ? ("," + ctx.cp_methods + ",").find(",ring-no-copy,") == std::string::npos
+                : !ctx.cp_methods.empty() &&
+                      ("," + ctx.cp_methods + ",").find(std::string(",") + name + ",") == std::string::npos)
           continue;
+        // Read by each call's host plan, so the captured graphs below carry it.
+        if (no_copy) setenv("WEFT_RING_NO_COPY", "1", 1);
         WEFT_CUDA_CHECK(cudaSetDevice(comm.local(0).device()));
         Single single(S, H, KV, D, causal, team.streams[0]);
         const std::vector<int64_t> docs = {S};
@@ -154,6 +162,7 @@ void run_context_attention(Context& ctx) {
                fmt("%.3f", bwd / (single_bwd * per))});
         ctx.progress("context_attention %s S=%lld causal=%d: fwd %.3f / %.3f ms, bwd %.3f / %.3f ms", name,
                      (long long)S, int(causal), fwd, single_fwd, bwd, single_bwd);
+        if (no_copy) unsetenv("WEFT_RING_NO_COPY");
       }
   ctx.add(std::move(t));
 }

@@ -17,7 +17,8 @@ non-causal; 2k, 4k, 8k, 16k, 32k tokens per GPU (--quick: 2k, 8k); forward, and 
   SDPA (cuDNN preferred), all_to_all_single back.
 Columns: time (max over ranks of per-rank medians, CUDA events, methods measured in turns round after round),
 % of ideal (ideal / time), time over ideal (an upper bound on the exposed communication: the compute of a
-rank's share is the ideal), peak memory (torch's peak allocation over the call plus weft's workspace), max
+rank's share is the ideal), for weft ring the exposed communication (its time minus the same kernels' with
+every push only signalling, WEFT_RING_NO_COPY=1, timed in the same rounds), peak memory (torch's peak allocation over the call plus weft's workspace), max
 |error| of the output (and of dQ / dK / dV for forward + backward) against the single-GPU result.
 """
 import math
@@ -329,11 +330,25 @@ def bench_shape(sdpa, comm, rank, world, n, h, kvh, causal, only):
         errors[m] = (team_max(e_out), team_max(e_grad))
         del out, grads
 
+    def no_copy(run):  # the ring kernels without data movement (wrong results: timing only)
+        def wrapped():
+            os.environ["WEFT_RING_NO_COPY"] = "1"
+            try:
+                run()
+            finally:
+                del os.environ["WEFT_RING_NO_COPY"]
+        return wrapped
+
+    ring_no_copy = "weft ring" in methods
     iters, rounds = (3, 2) if n * world >= 32768 else (10, 3)
     fwd_ms = timed_alternating({"single weft": single_weft_fwd, "single cudnn": single_cudnn_fwd,
-                                **{m: fwd(m) for m in methods}}, iters, rounds=rounds, reps=3)
+                                **{m: fwd(m) for m in methods},
+                                **({"no copy": no_copy(fwd("weft ring"))} if ring_no_copy else {})},
+                               iters, rounds=rounds, reps=3)
     bwd_ms = timed_alternating({"single weft": single_weft_bwd, "single cudnn": single_cudnn_bwd,
-                                **{m: fwd_bwd(m) for m in methods}}, iters, rounds=rounds, reps=3)
+                                **{m: fwd_bwd(m) for m in methods},
+                                **({"no copy": no_copy(fwd_bwd("weft ring"))} if ring_no_copy else {})},
+                               iters, rounds=rounds, reps=3)
     fwd_ms = {k: x / 1e3 for k, x in fwd_ms.items()}
     bwd_ms = {k: x / 1e3 for k, x in bwd_ms.items()}
     ideal_f = min(fwd_ms["single weft"], fwd_ms["single cudnn"]) / world
@@ -344,6 +359,8 @@ def bench_shape(sdpa, comm, rank, world, n, h, kvh, causal, only):
         rows.append({"tokens / GPU": n, "method": m, "fwd ms": f"{tf:.3f}", "fwd % ideal": f"{100 * ideal_f / tf:.1f}",
                      "fwd over ideal ms": f"{tf - ideal_f:.3f}", "fwd+bwd ms": f"{tb:.3f}",
                      "fwd+bwd % ideal": f"{100 * ideal_b / tb:.1f}", "fwd+bwd over ideal ms": f"{tb - ideal_b:.3f}",
+                     "exposed comm fwd / fwd+bwd ms":
+                         f"{tf - fwd_ms['no copy']:.3f} / {tb - bwd_ms['no copy']:.3f}" if m == "weft ring" else "",
                      "peak GiB": f"{peaks[m]:.2f}", "max err out": f"{errors[m][0]:.2e}",
                      "max err dq/dk/dv": f"{errors[m][1]:.2e}"})
     rows.append({"tokens / GPU": n, "method": "ideal (single / W)", "fwd ms": f"{ideal_f:.3f}",

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -83,6 +84,10 @@ inline std::vector<int32_t> ring_table_words(const RingPassSizes& z, int box_row
   }
   const std::vector<std::pair<int64_t, int64_t>> push =
       ring_push_rows(z.L, z.rank, z.travel, box_rows, z.slot_rows);
+  // WEFT_RING_NO_COPY=1, a developer flag (the results are wrong): every piece only signals, so a benchmark
+  // times the same kernels without their data movement; the difference is the exposed communication.
+  const char* no_copy = std::getenv("WEFT_RING_NO_COPY");
+  if (no_copy != nullptr && std::string(no_copy) == "1") return words;  // push rows [0, 0): none
   for (int64_t slot = 0; slot < slots; ++slot) {
     words[2 * G * (1 + W) + slot] = static_cast<int32_t>(push[slot].first);
     words[2 * G * (1 + W) + slots + slot] = static_cast<int32_t>(push[slot].second);
