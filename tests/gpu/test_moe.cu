@@ -431,6 +431,124 @@ WEFT_GPU_TEST(moe_dispatch_and_combine_match_host_layout) {
   WEFT_EXPECT(failures.empty(), failures);
 }
 
+// The no-host-synchronisation mode in CUDA graphs: dispatch, the rows as the experts' outputs (identity
+// experts), combine, captured once per rank and replayed on new tokens, routing and weights: out[t] against
+// the host's fp32 weighted sum of x[t] in slot order (bit for bit). The layout is computed on the device at
+// every replay.
+WEFT_GPU_TEST(moe_dispatch_and_combine_replay_in_cuda_graphs) {
+  Communicator& c = ctx.comm();
+  const int W = c.world(), E = 4 * W, k = 2;
+  const int64_t hidden = 256, max_tokens = 100 + W - 1;
+  const MoeShape base{0, max_tokens, hidden, E, k, 128};
+  const size_t ws_bytes = moe_dispatch_workspace_bytes(W, base);
+  struct Local {
+    int64_t tokens;
+    DeviceBuffer x, experts, weights, out, ws;
+    void* combine_in = nullptr;
+    MoeDispatched d;
+    cudaGraphExec_t exec = nullptr;
+    Local(int64_t t, size_t ws_bytes)
+        : tokens(t),
+          x(t * hidden * 2),
+          experts(t * k * 4),
+          weights(t * k * 4),
+          out(t * hidden * 2),
+          ws(ws_bytes) {}
+  };
+  std::vector<std::unique_ptr<Local>> local;
+  for (int i = 0; i < c.num_local(); ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+    local.push_back(std::make_unique<Local>(100 + c.local(i).rank(), ws_bytes));
+  }
+  // Inputs of a round: tokens, routing (some slots dropped) and weights, from the seed and the rank.
+  struct Inputs {
+    std::vector<__nv_bfloat16> x;
+    std::vector<int32_t> experts;
+    std::vector<float> weights;
+  };
+  auto inputs = [&](int r, int64_t tokens, uint64_t seed) {
+    std::mt19937_64 g(seed * 131 + r);
+    Inputs in;
+    in.x.resize(tokens * hidden);
+    for (auto& v : in.x) v = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 64.f);
+    for (int64_t s = 0; s < tokens * k; ++s) {
+      in.experts.push_back(g() % 10 == 0 ? -1 : static_cast<int32_t>(g() % E));
+      in.weights.push_back(float(g() % 1000) / 1000.f);
+    }
+    return in;
+  };
+  auto upload_round = [&](uint64_t seed) {
+    for (int i = 0; i < c.num_local(); ++i) {
+      Local& l = *local[i];
+      const Inputs in = inputs(c.local(i).rank(), l.tokens, seed);
+      weft::test::upload(c, i, l.x.p, in.x.data(), l.x.bytes);
+      weft::test::upload(c, i, l.experts.p, in.experts.data(), l.experts.bytes);
+      weft::test::upload(c, i, l.weights.p, in.weights.data(), l.weights.bytes);
+      weft::test::poison(c, i, l.out.p, l.out.bytes);
+    }
+    c.host_barrier();
+  };
+  // One layer on every rank's stream; the first call (outside capture) sizes the workspace areas.
+  auto layer = [&](int i) {
+    Rank& rank = c.local(i);
+    Local& l = *local[i];
+    MoeShape s = base;
+    s.tokens = l.tokens;
+    l.d = moe_dispatch(c, rank, l.x.p, l.experts.as<int32_t>(), s, l.ws.p, ws_bytes, DType::kBF16);
+    l.combine_in = moe_combine_input(c, rank, s, DType::kBF16);
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(l.combine_in, l.d.rows, size_t(l.d.capacity) * hidden * 2,
+                                    cudaMemcpyDeviceToDevice, rank.stream()));
+    moe_combine(c, rank, l.combine_in, l.d, l.weights.as<float>(), l.out.p, s, DType::kBF16);
+  };
+  upload_round(1);
+  for (int i = 0; i < c.num_local(); ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+    layer(i);
+  }
+  c.synchronize();
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    cudaGraph_t graph;
+    WEFT_CUDA_CHECK(cudaStreamBeginCapture(rank.stream(), cudaStreamCaptureModeThreadLocal));
+    layer(i);
+    WEFT_CUDA_CHECK(cudaStreamEndCapture(rank.stream(), &graph));
+    WEFT_CUDA_CHECK(cudaGraphInstantiate(&local[i]->exec, graph, 0));
+    WEFT_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+  std::string failures;
+  for (int replay = 0; replay < 3; ++replay) {
+    const uint64_t seed = 40 + replay;
+    upload_round(seed);
+    for (int i = 0; i < c.num_local(); ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+      WEFT_CUDA_CHECK(cudaGraphLaunch(local[i]->exec, c.local(i).stream()));
+    }
+    c.synchronize();
+    for (int i = 0; i < c.num_local(); ++i) {
+      const Local& l = *local[i];
+      const Inputs in = inputs(c.local(i).rank(), l.tokens, seed);
+      std::vector<__nv_bfloat16> out(l.tokens * hidden);
+      weft::test::download(c, i, out.data(), l.out.p, l.out.bytes);
+      int64_t bad = 0;
+      for (int64_t t = 0; t < l.tokens; ++t)
+        for (int64_t h = 0; h < hidden; ++h) {
+          float acc = 0.f;
+          for (int j = 0; j < k; ++j)
+            if (in.experts[t * k + j] >= 0)
+              acc = std::fma(in.weights[t * k + j], __bfloat162float(in.x[t * hidden + h]), acc);
+          bad += !(__bfloat162float(out[t * hidden + h]) == __bfloat162float(__float2bfloat16(acc)));
+        }
+      if (bad)
+        failures += "\n    replay " + std::to_string(replay) + ", rank " + std::to_string(c.local(i).rank()) +
+                    ": " + std::to_string(bad) + " values differ from the host's weighted sum";
+    }
+    c.host_barrier();
+  }
+  for (auto& l : local) WEFT_CUDA_CHECK(cudaGraphExecDestroy(l->exec));
+  WEFT_EXPECT(failures.empty(), failures);
+}
+
 WEFT_GPU_TEST(moe_dispatch_argument_errors) {
   Communicator& c = ctx.comm();
   Rank& rank = c.local(0);
