@@ -92,8 +92,17 @@ void run_context_attention(Context& ctx) {
                 : !ctx.cp_methods.empty() &&
                       ("," + ctx.cp_methods + ",").find(std::string(",") + name + ",") == std::string::npos)
           continue;
-        // Read by each call's host plan, so the captured graphs below carry it.
-        if (no_copy) setenv("WEFT_RING_NO_COPY", "1", 1);
+        // Read by each call's host plan, so the captured graphs below carry it; unset when this cell ends,
+        // however it ends.
+        struct NoCopyFlag {
+          bool set;
+          explicit NoCopyFlag(bool on) : set(on) {
+            if (set) setenv("WEFT_RING_NO_COPY", "1", 1);
+          }
+          ~NoCopyFlag() {
+            if (set) unsetenv("WEFT_RING_NO_COPY");
+          }
+        } no_copy_flag(no_copy);
         WEFT_CUDA_CHECK(cudaSetDevice(comm.local(0).device()));
         Single single(S, H, KV, D, causal, team.streams[0]);
         const std::vector<int64_t> docs = {S};
@@ -162,7 +171,6 @@ void run_context_attention(Context& ctx) {
                fmt("%.3f", bwd / (single_bwd * per))});
         ctx.progress("context_attention %s S=%lld causal=%d: fwd %.3f / %.3f ms, bwd %.3f / %.3f ms", name,
                      (long long)S, int(causal), fwd, single_fwd, bwd, single_bwd);
-        if (no_copy) unsetenv("WEFT_RING_NO_COPY");
       }
   ctx.add(std::move(t));
 }

@@ -101,6 +101,8 @@ Plan run_op(const Problem& pr, cudaStream_t stream, bool launch) {
     p.dispatch = *pr.dispatch;
     s.claims = pr.dispatch->tile_claims;
   }
+  if constexpr (lcsc::kClaimsTiles<Op>)
+    WEFT_CHECK(s.claims != nullptr, "weft::gemm: an op that claims its tiles needs a claims counter");
   if constexpr (requires { p.scatter; }) {
     p.scatter = *pr.scatter;
     p.n = static_cast<int>(pr.n);

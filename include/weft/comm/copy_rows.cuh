@@ -3,9 +3,10 @@
 // after the warp's stores (e.g. __syncwarp, then lane 0's signal_add).
 //
 // Or through the bulk-copy engine (BulkRowCopier): lane 0 loads chunks into a ring of shared buffers and
-// stores each from there, as many chunks in flight as the ring has buffers and no registers for the bytes.
-// A warp of 40 registers keeps ~2 KiB in flight with loads and stores of its own; a ring of 2 x 4 KiB
-// keeps 8. complete() waits for its stores and orders them before the lane's later signals.
+// stores each from there, with no registers for the bytes: with a ring of two, one chunk loads while the one
+// before it is stored (a 4 KiB chunk each way, against the ~2 KiB a warp of 40 registers keeps in flight with
+// loads and stores of its own). complete() waits for the stores and orders them before the lane's later
+// signals.
 #pragma once
 #include <cstdint>
 
