@@ -54,7 +54,10 @@ struct MoeDispatched {
 // n, hidden] (BLayout::kNK) or [experts per rank, hidden, n] (kKN), bf16; c: [capacity, n] bf16, or
 // [capacity, n / 2] with GemmActivation::kSwiGLU (n a multiple of 256; weft::grouped_gemm's SwiGLU epilogue).
 // Tokens bf16; align a multiple of 128. The kernel waits for peers, so it runs within the rank's SM budget
-// (Options::sm_budget). The unfused pair (moe_dispatch, then grouped_gemm) stays the other choice.
+// (Options::sm_budget). The unfused pair (moe_dispatch, then grouped_gemm) stays the other choice, and the
+// faster one where ranks share a GPU (virtual ranks: 0.54-0.84x of its speed at W = 8 .. 2,
+// bench/RESULTS.md), since there every rank's GEMM runs at once on its share of the SMs and the ranks'
+// weights share one L2.
 MoeDispatched moe_dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* tokens,
                                         const int32_t* experts, const MoeShape& shape, void* workspace,
                                         size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
