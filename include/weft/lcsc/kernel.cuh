@@ -58,6 +58,10 @@ namespace weft::lcsc {
 template <class Op>
 inline constexpr int kThreads = (1 + Op::kConsumerWarpgroups) * tile::kWarpgroupThreads;
 
+// Helper warps (an op's helper_warp hook): warps 1-3 of each compute block's loader warpgroup; helper warp h
+// of a block is its warp h + 1.
+inline constexpr int kHelperWarps = tile::kWarpgroupThreads / 32 - 1;
+
 // Claimed tiles: an op whose Smem holds a TileQueue named tile_queue (and whose scheduler params name a
 // claims counter) has its loader thread claim each next unit from the counter and hand it to the consumer
 // warpgroups through the queue, in place of every block walking its own fixed share.
@@ -115,13 +119,13 @@ inline constexpr bool kClaimsTiles = requires(typename Op::Smem& s) {
 
 // A role's tile sequence: the scheduler itself, or its units as claimed.
 template <class Op, class Scheduler>
-__device__ auto role_tiles(Scheduler& sched, typename Op::Smem& smem, const typename Op::Params& p,
-                           bool loader) {
+__device__ decltype(auto) role_tiles(Scheduler& sched, typename Op::Smem& smem, const typename Op::Params& p,
+                                     bool loader) {
   if constexpr (kClaimsTiles<Op>) {
     static_assert(Op::kClusterSize == 1, "claimed tiles: one CTA per unit");
     return ClaimedTiles<Scheduler>(sched, smem.tile_queue, p.sched.claims, loader);
   } else {
-    return sched;
+    return (sched);  // the scheduler itself, not a copy
   }
 }
 
@@ -182,17 +186,16 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
     if (threadIdx.x == 0) {
       PipeState st;
       Work t;
-      auto tiles = role_tiles<Op>(sched, smem, p, true);
+      auto&& tiles = role_tiles<Op>(sched, smem, p, true);
       while (tiles.next(t)) {
         if constexpr (requires { Op::wait_inputs(p, t); }) Op::wait_inputs(p, t);
         Op::load(p, smem, pipe, st, t);
       }
     } else if constexpr (requires { Op::helper_warp(p, smem, 0, 0); }) {
-      constexpr int kHelpers = tile::kWarpgroupThreads / 32 - 1;
       if (threadIdx.x >= 32)
         Op::helper_warp(p, smem,
-                        static_cast<int>(blockIdx.x) * kHelpers + static_cast<int>(threadIdx.x) / 32 - 1,
-                        compute_blocks * kHelpers);
+                        static_cast<int>(blockIdx.x) * kHelperWarps + static_cast<int>(threadIdx.x) / 32 - 1,
+                        compute_blocks * kHelperWarps);
     }
   } else {
     tile::setmaxnreg_inc<Op::kConsumerRegs>();
@@ -201,7 +204,7 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
     typename Op::StoreState es{};
     PipeState st;
     Work t;
-    auto tiles = role_tiles<Op>(sched, smem, p, false);
+    auto&& tiles = role_tiles<Op>(sched, smem, p, false);
     while (tiles.next(t)) {
       // wgmma is warp-aligned: the whole warp must issue it together. Independent thread scheduling does
       // not promise that lanes split by a branch of the previous item's store have met again, so meet here.

@@ -160,7 +160,7 @@ struct GroupedGemmDispatchOp : Base {
     MoeDispatchRows dispatch;
   };
   struct Smem : Base::Smem {
-    MoeDispatchStaging staging[3];  // one per helper warp
+    MoeDispatchStaging staging[lcsc::kHelperWarps];  // one per helper warp
     lcsc::TileQueue tile_queue;  // tiles are claimed in order: a block whose tile waited stays with the rest
   };
   __device__ static void wait_inputs(const Params& p, const lcsc::Tile& t) {
@@ -171,6 +171,7 @@ struct GroupedGemmDispatchOp : Base {
   }
   // Warps 1-3 of each block's loader warpgroup: two push, one expands.
   __device__ static void helper_warp(const Params& p, Smem& s, int index, int count) {
+    static_assert(lcsc::kHelperWarps == 3, "two pushers and one expander per block");
     const int blocks = count / 3, role = index % 3, block = index / 3;
     MoeRowCopier copier(s.staging[role]);
     if (role < 2)

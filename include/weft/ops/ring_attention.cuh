@@ -31,17 +31,17 @@ inline constexpr int kRingChunkFlags = 1024;      // arrival flags, shared by th
 inline constexpr int kRingMaxChunksPerSlot = 32;  // finer chunks only cost the loader more waits
 inline constexpr int kRingPiecesPerChunk = 16;    // pushes per chunk: enough tasks for every helper warp
 inline constexpr int kRingMaxBlocks = 1024;       // compute blocks of a ring kernel (RingSlots::landed)
-inline constexpr int kRingHelperWarps = 3;        // warps 1-3 of each compute block's loader warpgroup
 
 // A ring kernel's shared memory: its attention's, and each helper warp's staging for the bulk-copy engine.
+using RingStaging = BulkStaging<4096>;
 template <class AttentionSmem>
 struct RingSmem : AttentionSmem {
-  BulkStaging<4096> staging[kRingHelperWarps];
+  RingStaging staging[lcsc::kHelperWarps];
 };
 // Helper warp's copier, over its block's staging (warp w of the loader warpgroup takes staging[w - 1]).
 template <class Smem>
-__device__ BulkRowCopier<BulkStaging<4096>> ring_copier(Smem& s) {
-  return BulkRowCopier<BulkStaging<4096>>(s.staging[threadIdx.x / 32 - 1]);
+__device__ BulkRowCopier<RingStaging> ring_copier(Smem& s) {
+  return BulkRowCopier<RingStaging>(s.staging[threadIdx.x / 32 - 1]);
 }
 
 struct RingSync {
