@@ -171,26 +171,36 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
       const int rows = p.slots.local_rows;
       copier.copy_rows(p.q_src, t.peer_ptr(p.slots_q + at, dst), r0, r1, rows, p.row_vecs);
       copier.copy_rows(p.dout_src, t.peer_ptr(p.slots_dout + at, dst), r0, r1, rows, p.row_vecs);
-      // LSE, then D: index 0 here to index slot + 1 there. Rows [r0, r1)'s terms lie in term rows [4 r0,
-      // 4 r1) (a range beginning at row x has them from 4 x on), so a chunk's landing covers its rows' terms.
-      for (int half = 0; half < 2; ++half) {
-        const float* from = p.terms + half * p.steps * terms_per_rank;
-        copy_terms(from, t.peer_ptr(p.terms + (half * p.steps + slot + 1) * terms_per_rank, dst), 4 * r0,
-                   4 * r1, 4 * rows, p.heads, p.term_stride, lane);
-      }
+      // LSE and D: index 0 here to index slot + 1 there. Row x's four terms are term row 4 x's 16 bytes (a
+      // range beginning at row x has them from 4 x on), so a chunk's landing covers its rows' terms.
+      const auto* from = reinterpret_cast<const uint4*>(p.terms);
+      auto* to = reinterpret_cast<uint4*>(t.peer_ptr(p.terms, dst));
+      copy_terms(from, to, (slot + 1) * terms_per_rank / 4, p.steps * terms_per_rank / 4, r0, r1, rows,
+                 p.heads, p.term_stride / 4, lane);
       copier.complete();
     });
   }
 
  private:
-  // Rows [r0, r1) of every head's terms ([heads][stride] floats; zeros from row `rows` on), by one warp.
-  __device__ static void copy_terms(const float* src, float* dst, int r0, int r1, int rows, int heads,
-                                    int stride, int lane) {
-    const int n = r1 - r0;
-    for (int i = lane; i < heads * n; i += 32) {
-      const int h = i / n, r = r0 + i - h * n;
-      const int64_t at = int64_t(h) * stride + r;
-      dst[at] = r < rows ? src[at] : 0.f;
+  // Rows [r0, r1) of both terms' heads (LSE then D, `half` vectors apart; [heads][head_vecs] 16-byte
+  // vectors each, one per row; zeros from row `rows` on), index 0 of src to index `at` of dst, by one warp:
+  // four loads in flight per lane before their stores (a dependent load per element would leave the pushes
+  // waiting on one load latency per row and head).
+  __device__ static void copy_terms(const uint4* src, uint4* dst, int64_t at, int64_t half, int r0, int r1,
+                                    int rows, int heads, int head_vecs, int lane) {
+    const int n = r1 - r0, total = 2 * heads * n;
+    for (int i0 = 0; i0 < total; i0 += 128) {
+      uint4 v[4];
+      int64_t offset[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int i = i0 + lane + 32 * q, y = i / n, r = r0 + i - y * n;  // y: half * heads + head
+        offset[q] = (y >= heads ? half - int64_t(heads) * head_vecs : 0) + int64_t(y) * head_vecs + r;
+        v[q] = i < total && r < rows ? src[offset[q]] : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        if (i0 + lane + 32 * q < total) dst[at + offset[q]] = v[q];
     }
   }
 };
