@@ -423,7 +423,10 @@ WEFT_GPU_TEST(moe_dispatch_and_combine_match_host_layout) {
       {8, 8, 1024, 64, false, 128},
       {2, 8, 256, 300, true, 16},  // fewer experts per rank than top_k: tokens fill several groups
   };
-  if (!ctx.quick) cases.push_back({4, 8, 2048, 1000, true, 128});
+  if (!ctx.quick) {
+    cases.push_back({4, 8, 2048, 1000, true, 128});
+    cases.push_back({2, 2, 128, 16384, true, 128});  // 16k tokens on a rank beside ranks of 1 and 0
+  }
   std::string failures;
   uint64_t seed = 900;
   for (const MoeCase& mc : cases)
