@@ -38,19 +38,29 @@ struct RingLayout {
   std::vector<int64_t> doc_length;
 
   int parts() const { return zigzag ? 2 * world : world; }
-  // Part c of document d: first position in the document, and length.
+  // Part c of document d: first position in the document, and length. The first doc_length % parts() parts
+  // hold one row more (part_base / part_extra: filled by ring_layout, as the plans ask per document and
+  // step).
+  std::vector<int64_t> part_base, part_extra;
   int64_t part_begin(int d, int c) const {
-    const int64_t n = doc_length[d], p = parts(), base = n / p, extra = n % p;
-    return c * base + (c < extra ? c : extra);
+    const int64_t extra = part_extra[d];
+    return c * part_base[d] + (c < extra ? c : extra);
   }
-  int64_t part_length(int d, int c) const {
-    const int64_t n = doc_length[d], p = parts();
-    return n / p + (c < n % p ? 1 : 0);
-  }
-  // The parts rank r holds of each document, in local order.
-  std::vector<int> parts_of(int r) const {
-    if (zigzag) return {r, 2 * world - 1 - r};
-    return {r};
+  int64_t part_length(int d, int c) const { return part_base[d] + (c < part_extra[d] ? 1 : 0); }
+  // The parts rank r holds of each document, in local order: one, or two when zigzag. A value, not a vector:
+  // the plans ask for it per document and step, and an allocation per ask made a pass over 512 documents
+  // cost ~1 ms of host time per call.
+  struct Held {
+    int count = 0;
+    int part[2] = {0, 0};
+    const int* begin() const { return part; }
+    const int* end() const { return part + count; }
+    int operator[](int i) const { return part[i]; }
+    int size() const { return count; }
+  };
+  Held parts_of(int r) const {
+    if (zigzag) return {2, {r, 2 * world - 1 - r}};
+    return {1, {r, 0}};
   }
   // doc_row[r][d]: rank r's first local row of document d (doc_row[r][documents]: its row count). Filled by
   // ring_layout, so that a block's rows cost O(1) however many documents a packed batch holds.
@@ -58,7 +68,7 @@ struct RingLayout {
 
   // First local row of rank r's part `c` of document d (c one of parts_of(r)), and rank r's row count.
   int64_t local_row(int r, int d, int c) const {
-    const std::vector<int> held = parts_of(r);
+    const Held held = parts_of(r);
     if (c == held[0]) return doc_row[r][d];
     if (held.size() > 1 && c == held[1]) return doc_row[r][d] + part_length(d, held[0]);
     throw std::invalid_argument("RingLayout::local_row: rank " + std::to_string(r) + " does not hold part " +
@@ -73,7 +83,12 @@ inline RingLayout ring_layout(const std::vector<int64_t>& doc_length, int world,
   for (size_t d = 0; d < doc_length.size(); ++d)
     if (doc_length[d] < 0)
       throw std::invalid_argument("ring_layout: document " + std::to_string(d) + " has a negative length");
-  RingLayout L{world, causal, doc_length, {}};
+  RingLayout L;
+  L.world = world, L.zigzag = causal, L.doc_length = doc_length;
+  for (const int64_t n : doc_length) {
+    L.part_base.push_back(n / L.parts());
+    L.part_extra.push_back(n % L.parts());
+  }
   L.doc_row.assign(world, std::vector<int64_t>(doc_length.size() + 1, 0));
   for (int r = 0; r < world; ++r)
     for (size_t d = 0; d < doc_length.size(); ++d) {
@@ -256,6 +271,9 @@ inline RingPass ring_pass_of(const RingLayout& L, int r, RingTravel travel = Rin
   RingPass pass;
   pass.steps = L.world;
   pass.causal = L.zigzag;
+  const size_t most = L.doc_length.size() * L.parts_of(r).size();
+  pass.own_begin.reserve(most), pass.own_end.reserve(most);
+  pass.met_begin.reserve(most * L.world), pass.met_end.reserve(most * L.world);
   for (int d = 0; d < static_cast<int>(L.doc_length.size()); ++d)
     for (int own : L.parts_of(r)) {
       const int64_t n = L.part_length(d, own);
