@@ -171,8 +171,9 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
       const int rows = p.slots.local_rows;
       copier.copy_rows(p.q_src, t.peer_ptr(p.slots_q + at, dst), r0, r1, rows, p.row_vecs);
       copier.copy_rows(p.dout_src, t.peer_ptr(p.slots_dout + at, dst), r0, r1, rows, p.row_vecs);
-      // LSE and D: index 0 here to index slot + 1 there. Row x's four terms are term row 4 x's 16 bytes (a
-      // range beginning at row x has them from 4 x on), so a chunk's landing covers its rows' terms.
+      // LSE and D: index 0 here to index slot + 1 there, term rows [4 r0, 4 r1) of every head (a range
+      // beginning at row x keeps its rows' terms from term row 4 x on, so a chunk's landing covers its rows'
+      // terms), as 16-byte vectors: vector x is term rows 4 x .. 4 x + 3.
       const auto* from = reinterpret_cast<const uint4*>(p.terms);
       auto* to = reinterpret_cast<uint4*>(t.peer_ptr(p.terms, dst));
       copy_terms(from, to, (slot + 1) * terms_per_rank / 4, p.steps * terms_per_rank / 4, r0, r1, rows,
@@ -182,10 +183,10 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
   }
 
  private:
-  // Rows [r0, r1) of both terms' heads (LSE then D, `half` vectors apart; [heads][head_vecs] 16-byte
-  // vectors each, one per row; zeros from row `rows` on), index 0 of src to index `at` of dst, by one warp:
-  // four loads in flight per lane before their stores (a dependent load per element would leave the pushes
-  // waiting on one load latency per row and head).
+  // Vectors [r0, r1) of both terms' heads (LSE then D, `half` vectors apart; [heads][head_vecs] 16-byte
+  // vectors each, vector x holding term rows 4 x .. 4 x + 3; zeros from vector `rows` on), index 0 of src to
+  // index `at` of dst, by one warp: four loads in flight per lane before their stores (a dependent load per
+  // element would leave the pushes waiting on one load latency per term row and head).
   __device__ static void copy_terms(const uint4* src, uint4* dst, int64_t at, int64_t half, int r0, int r1,
                                     int rows, int heads, int head_vecs, int lane) {
     const int n = r1 - r0, total = 2 * heads * n;
