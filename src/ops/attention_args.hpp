@@ -93,6 +93,27 @@ inline CUtensorMap map_bshd(const void* base, int64_t batch, int64_t seq, int64_
   return tma::make_map(t, box, what);
 }
 
+// A head-major [heads, rows, dim] bf16 / fp16 tensor seen as map_bshd's [1, rows, heads, dim] (the same 4-D
+// map {dim, head, row, batch} and box; only the strides differ): the attention reads and writes it as a
+// packed tensor.
+inline CUtensorMap map_heads_rows(const void* base, int64_t heads, int64_t rows, int64_t dim, uint32_t box_rows,
+                                  const std::string& what, DType dtype) {
+  tma::TensorNd t;
+  t.base = base;
+  t.dtype = dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  t.elem_bytes = 2;
+  t.rank = 4;
+  t.dims[0] = uint64_t(dim);
+  t.dims[1] = uint64_t(heads);
+  t.dims[2] = uint64_t(rows);
+  t.dims[3] = 1;
+  t.strides_bytes[1] = uint64_t(rows * dim) * 2;
+  t.strides_bytes[2] = uint64_t(dim) * 2;
+  t.strides_bytes[3] = uint64_t(heads * rows * dim) * 2;
+  const uint32_t box[4] = {64u, 1, box_rows, 1};
+  return tma::make_map(t, box, what);
+}
+
 // The attention backward's per-row terms (LSE * log2(e), D): [heads][term_stride] fp32 rows viewed as a 2-D
 // map {term_stride, heads} with boxes of `rows` floats of one head.
 inline CUtensorMap map_terms(const float* base, int64_t term_stride, int64_t heads, uint32_t rows,

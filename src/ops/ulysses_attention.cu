@@ -1,15 +1,24 @@
-// Host side of weft::ulysses_attention_forward / _backward (weft/ops/context_attention.hpp): every rank
-// pushes each rank's head share of its rows straight into that rank's natural-order buffers (the
-// communicator's workspace area "ulysses attention", symmetric), attends its heads over the whole sequence
-// in one packed call over whole documents, and pulls its rows of every head back from the ranks that hold
-// them.
+// Host side of weft::ulysses_attention_forward / _backward (weft/ops/context_attention.hpp). Every rank
+// attends its share of the heads over the whole sequence, out of natural-order buffers in the communicator's
+// workspace area "ulysses attention" (symmetric), over whole documents.
+//   forward   one persistent kernel (weft/ops/ulysses_attention.cuh): the shares travel in head chunks into
+//             head-major buffers while earlier chunks are attended, and each rank pulls its rows of the
+//             finished chunks back while later ones are.
+//   backward  every rank pushes each rank's head share of its rows (q, k, v, out, dout, LSE) into that
+//             rank's row-major buffers, the attention backward runs in one packed call, and each rank pulls
+//             its rows of dQ, dK and dV (dK / dV summed in fp32 over the ranks sharing a K / V head).
 #include <algorithm>
+#include <array>
 #include <string>
 #include <vector>
 
+#include "../runtime/kernels.hpp"
+#include "attention_args.hpp"
 #include "op_args.hpp"
 #include "sequence_parallel.hpp"
+#include "weft/lcsc/launch.cuh"
 #include "weft/ops/context_attention.hpp"
+#include "weft/ops/ulysses_attention.cuh"
 #include "weft/runtime/error.hpp"
 
 namespace weft {
@@ -17,6 +26,16 @@ namespace {
 
 using ops::round256;
 const char* const kArea = "ulysses attention";
+const char* const kState = "ulysses attention: call count, finishers";
+const char* const kArrived = "ulysses attention: chunk arrivals";
+const char* const kFinished = "ulysses attention: chunks finished";
+const char* const kMeeting = "ulysses attention: buffers free";
+const ResourceDeclaration kUlyssesResources[] = {
+    ResourceDeclaration{{kState, 2}},
+    ResourceDeclaration{{kArrived, ops::kUlyssesArrivalFlags}},
+    ResourceDeclaration{{kFinished, ops::kUlyssesDoneFlags}},
+    ResourceDeclaration{{kMeeting, 0, 1}},
+};
 
 // The sizes of a call, the symmetric area's carving (natural order, this rank's heads: q, out, dout, dq,
 // k, v, LSE, fp32 dK, dV) and the caller's workspace (local -> natural rows, document offsets, the
@@ -57,6 +76,28 @@ struct Sizes {
     r.dv32 = reinterpret_cast<float*>(reinterpret_cast<char*>(r.dk32) + 2 * kv_bytes());
     return r;
   }
+  // The forward's copy segments of rank r's rows (UlyssesSegments): its runs of rows, cut into pieces.
+  std::vector<std::array<int32_t, 3>> segments_of(int r) const {
+    std::vector<std::array<int32_t, 3>> out;
+    for (const ops::RowRun& run : ops::ring_runs(L)) {
+      if (run.rank != r) continue;
+      for (int64_t at = 0; at < run.length; at += ops::kUlyssesSegmentRows)
+        out.push_back({static_cast<int32_t>(run.local + at), static_cast<int32_t>(run.natural + at),
+                       static_cast<int32_t>(std::min<int64_t>(ops::kUlyssesSegmentRows, run.length - at))});
+    }
+    return out;
+  }
+  size_t segment_bytes() const {  // the most of any rank's
+    size_t most = 0;
+    for (int r = 0; r < world; ++r) most = std::max(most, segments_of(r).size());
+    return round256(3 * most * 4);
+  }
+  // The forward's counters: the loaders' landed chunks, tasks done per (chunk, peer), items per chunk.
+  size_t counter_bytes() const {
+    const int flags = ops::ulysses_chunk_flags(world);
+    return round256(size_t(ops::kUlyssesMaxBlocks) * 4) + round256(size_t(flags) * (world + 1) * 8);
+  }
+  size_t forward_bytes() const { return index_bytes() + offsets_bytes() + segment_bytes() + counter_bytes(); }
   size_t index_bytes() const { return round256(size_t(std::max<int64_t>(max_local, 1)) * 4); }
   size_t offsets_bytes() const { return round256(size_t(docs + 1) * 4); }
   AttentionShape shape() const {
@@ -105,12 +146,99 @@ Sizes::Area start(Communicator& comm, Rank& rank, const Sizes& z, const Attentio
   return z.carve(area);
 }
 
+// The forward's kernel: the attention of this rank's heads over its head-major natural buffers, the pushes
+// and pulls of the shares (UlyssesAttentionFwdOp), after a meeting (every peer is done with its previous
+// call's buffers).
+template <int kD, class T>
+void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const void* k,
+                    const void* v, void* out, float* lse, const Sizes::Area& a, char* workspace,
+                    cudaStream_t stream, const AttentionOptions& options, DType dtype, const std::string& where) {
+  using Op = ops::UlyssesAttentionFwdOp<kD, T>;
+  const int W = z.world;
+  const int64_t qw = z.q_share.width, kvw = z.kv_share.width;
+  const auto* offsets = reinterpret_cast<const int32_t*>(workspace + z.index_bytes());
+  auto* seg_words = reinterpret_cast<int32_t*>(workspace + z.index_bytes() + z.offsets_bytes());
+  char* counters = workspace + z.index_bytes() + z.offsets_bytes() + z.segment_bytes();
+  const std::vector<std::array<int32_t, 3>> segs = z.segments_of(rank.rank());
+  std::vector<int32_t> words(3 * segs.size());
+  for (size_t i = 0; i < segs.size(); ++i)
+    for (int f = 0; f < 3; ++f) words[f * segs.size() + i] = segs[i][f];
+  if (!words.empty()) ops::upload_words(seg_words, words, stream);
+  WEFT_CUDA_CHECK(cudaMemsetAsync(counters, 0, z.counter_bytes(), stream));
+
+  typename Op::Params p{};
+  const AttentionShape shape = z.shape();
+  lcsc::AttentionSchedulerParams& sched = p.sched;
+  sched.batch = static_cast<int>(z.docs);
+  sched.heads = static_cast<int>(qw);
+  sched.q_blocks = static_cast<int>((shape.seq_q + Op::kBM - 1) / Op::kBM);
+  sched.paired = options.causal;
+  sched.row_begin = offsets;
+  sched.row_end = offsets + 1;
+  sched.block_rows = Op::kBM;
+  sched.heads_outer = true;
+  sched.section_pairs = sched.batch;  // a head per L2 section: the heads run in the order they arrive
+  const int resident = std::min(lcsc::Launcher<Op>::max_resident_clusters(), rank.sm_budget());
+  const int blocks = std::max(1, ops::attention_blocks(resident, options, sched.units()));
+  WEFT_CHECK(blocks <= ops::kUlyssesMaxBlocks, where + "more compute blocks than the landed counts hold");
+  sched.compute_blocks = blocks;
+
+  const AttentionSegments seg = z.segments(offsets);
+  p.q = ops::map_heads_rows(a.q, qw, z.total, kD, Op::kBM, where + "q", dtype);
+  p.k = ops::map_heads_rows(a.k, kvw, z.total, kD, Op::kBN, where + "k", dtype);
+  p.v = ops::map_heads_rows(a.v, kvw, z.total, kD, Op::kBN, where + "v", dtype);
+  p.o = ops::map_heads_rows(a.out, qw, z.total, kD, Op::Epilogue::kBoxRows, where + "out", dtype);
+  p.rows = ops::attention_rows(shape, seg);
+  p.lse = lse != nullptr ? a.lse : nullptr;
+  p.out = reinterpret_cast<T*>(a.out);
+  p.out_heads_first = z.total;
+  p.heads = static_cast<int>(qw);
+  p.group = static_cast<int>(qw / kvw);
+  const float scale = ops::attention_scale(shape, options);
+  p.scale = scale;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.causal = options.causal ? 1 : 0;
+
+  const int flags = ops::ulysses_chunk_flags(W);
+  p.sync = {rank.view(), comm.resources(kState).flags, comm.resources(kArrived).flags,
+            blocks * (Op::kConsumerWarpgroups + lcsc::kHelperWarps)};
+  p.finished_flags = comm.resources(kFinished).flags;
+  p.chunk = {static_cast<int>(std::min<int64_t>(qw, flags)), static_cast<int>(qw)};
+  p.flags_per_source = flags;
+  const int n = static_cast<int>(segs.size());
+  p.seg = {seg_words, seg_words + n, seg_words + 2 * n, n};
+  p.total = static_cast<int>(z.total);
+  p.heads_all = static_cast<int>(z.heads);
+  p.kv_heads_all = static_cast<int>(z.kv_heads);
+  p.kv_share = static_cast<int>(kvw);
+  int64_t item_blocks = 0;
+  for (int64_t len : z.L.doc_length) item_blocks += (len + Op::kBM - 1) / Op::kBM;
+  p.item_blocks = static_cast<int>(item_blocks);
+  p.q_src = static_cast<const uint8_t*>(q);
+  p.k_src = static_cast<const uint8_t*>(k);
+  p.v_src = static_cast<const uint8_t*>(v);
+  p.q_nat = reinterpret_cast<uint8_t*>(a.q);
+  p.k_nat = reinterpret_cast<uint8_t*>(a.k);
+  p.v_nat = reinterpret_cast<uint8_t*>(a.v);
+  p.o_nat = reinterpret_cast<uint8_t*>(a.out);
+  p.lse_nat = a.lse;
+  p.out_rows = static_cast<uint8_t*>(out);
+  p.lse_rows = lse;
+  p.local_rows = static_cast<int>(z.local);
+  p.landed = reinterpret_cast<int*>(counters);
+  p.pushed = reinterpret_cast<uint64_t*>(counters + round256(size_t(ops::kUlyssesMaxBlocks) * 4));
+  p.ended = p.pushed + size_t(flags) * W;
+
+  launch_team_barrier(rank.view(), comm.resources(kMeeting).slots[0], stream);  // buffers free
+  lcsc::Launcher<Op>::launch(p, blocks, stream);
+}
+
 }  // namespace
 
 size_t ulysses_attention_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                          int64_t heads, int64_t kv_heads, int64_t head_dim) {
   const Sizes z(world, 0, doc_lengths, causal, heads, kv_heads, head_dim);
-  return z.index_bytes() + z.offsets_bytes();
+  return z.forward_bytes();
 }
 
 size_t ulysses_attention_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths,
@@ -126,23 +254,35 @@ void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, co
                                void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
                                int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                                DType dtype, cudaStream_t stream, const AttentionOptions& options) {
-  const std::string where = ops::team_where("weft::ulysses_attention_forward", rank);
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::ulysses_attention_forward", rank));
+  const std::string& where = call.where;
   const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
-  if (stream == nullptr) stream = rank.stream();
-  const Sizes::Area a = start(comm, rank, z, options, workspace, workspace_bytes,
-                              z.index_bytes() + z.offsets_bytes(), dtype, stream, where);
+  WEFT_CHECK(ops::ulysses_chunk_flags(z.world) >= 1,
+             where + "world sizes up to " + std::to_string(ops::kUlyssesDoneFlags) + " are supported");
+  const Sizes::Area a = start(comm, rank, z, options, workspace, workspace_bytes, z.forward_bytes(), dtype,
+                              call.stream, where);
+  ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
+  WEFT_CHECK(z.total * std::max(z.q_share.width, z.kv_share.width) < (int64_t(1) << 31),
+             where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
+  if (z.local > 0) {
+    call.check_buffer(q, "q", uint64_t(z.local * heads * head_dim) * 2);
+    call.check_buffer(k, "k", uint64_t(z.local * kv_heads * head_dim) * 2);
+    call.check_buffer(v, "v", uint64_t(z.local * kv_heads * head_dim) * 2);
+    call.check_buffer(out, "out", uint64_t(z.local * heads * head_dim) * 2);
+    if (lse != nullptr) call.check_buffer(lse, "lse", uint64_t(z.local * heads) * 4, 4);
+  }
   if (z.total == 0) return;
-  const auto* local_nat = static_cast<const int32_t*>(workspace);
-  const auto* offsets = reinterpret_cast<const int32_t*>(static_cast<char*>(workspace) + z.index_bytes());
-  ops::push_rows(comm, rank, q, z.local, a.q, local_nat, z.q_share, head_dim, z.max_local, stream);
-  ops::push_rows(comm, rank, k, z.local, a.k, local_nat, z.kv_share, head_dim, z.max_local, stream);
-  ops::push_rows(comm, rank, v, z.local, a.v, local_nat, z.kv_share, head_dim, z.max_local, stream);
-  AttentionOptions o = options;
-  o.segments = z.segments(offsets);
-  flash_attention_forward(a.q, a.k, a.v, a.out, a.lse, z.shape(), dtype, stream, o);
-  ops::pull_rows(comm, rank, a.out, false, out, z.local, local_nat, z.q_share, head_dim, z.max_local, dtype,
-                 stream);
-  if (lse != nullptr) ops::pull_lse(rank, a.lse, lse, z.local, local_nat, heads, z.total, stream);
+  const auto run = [&](auto d, auto t) {
+    launch_forward<decltype(d)::value, decltype(t)>(comm, rank, z, q, k, v, out, lse, a,
+                                                    static_cast<char*>(workspace), call.stream, options, dtype,
+                                                    where);
+  };
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
+  if (dtype == DType::kFP16)
+    head_dim == 64 ? run(D64{}, __half{}) : run(D128{}, __half{});
+  else
+    head_dim == 64 ? run(D64{}, __nv_bfloat16{}) : run(D128{}, __nv_bfloat16{});
 }
 
 void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,

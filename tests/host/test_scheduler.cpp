@@ -99,11 +99,13 @@ TEST(AttentionScheduler, EveryItemOnceWithVariableLengths) {
   // Packed rows of five sequences, 64 rows per block: 5, 1, 8, 3 and 0 blocks (the longest is 8).
   const std::vector<int> begin = {0, 317, 318, 830, 1023}, end = {317, 318, 830, 980, 1023};
   const std::vector<int> blocks_of = {5, 1, 8, 3, 0};
-  for (bool paired : {false, true})
+  for (int order = 0; order < 4; ++order)
     for (bool packed : {false, true})
       for (int blocks : {1, 3, 7, 132})
         for (int section_pairs : {0, 1, 5, 15, 40}) {  // 15 = every pair; 5 leaves a short last section
+          const bool paired = order & 1;
           AttentionSchedulerParams p;
+          p.heads_outer = order & 2;
           p.batch = 5;
           p.heads = 3;
           p.q_blocks = 8;
@@ -128,6 +130,31 @@ TEST(AttentionScheduler, EveryItemOnceWithVariableLengths) {
           }
           EXPECT_EQ(seen.size(), size_t(p.heads) * (packed ? 5 + 1 + 8 + 3 : p.batch * p.q_blocks));
         }
+}
+
+// Heads outer, sections of one head's pairs: every block takes its items head after head.
+TEST(AttentionScheduler, HeadsOuterRunsHeadAfterHead) {
+  const std::vector<int> begin = {0, 317, 318, 830}, end = {317, 318, 830, 980};
+  for (bool paired : {false, true})
+    for (int blocks : {1, 5, 16, 132}) {
+      AttentionSchedulerParams p;
+      p.batch = 4;
+      p.heads = 6;
+      p.q_blocks = 8;
+      p.row_begin = begin.data();
+      p.row_end = end.data();
+      p.block_rows = 64;
+      p.paired = paired;
+      p.heads_outer = true;
+      p.compute_blocks = blocks;
+      p.section_pairs = p.batch;
+      int items = 0;
+      for (const auto& block : walk_attention(p)) {
+        for (size_t i = 1; i < block.size(); ++i) EXPECT_LE(block[i - 1].head, block[i].head);
+        items += static_cast<int>(block.size());
+      }
+      EXPECT_EQ(items, p.heads * (5 + 1 + 8 + 3));
+    }
 }
 
 // Causal: query block j costs j + 1 key blocks. Paired (block j with block count - 1 - j as one unit), the

@@ -15,6 +15,9 @@
 // Packed variable-length sequences give each sequence its own count of blocks, from its rows [row_begin[b],
 // row_end[b]) (device memory) in blocks of `block_rows`; the items past a sequence's count are skipped. One
 // CTA per item: ops using it run clusters of 1.
+// `heads_outer` numbers the pairs head by head (pair = head * batch + b) instead of sequence by sequence: with
+// sections of whole heads, the items of head h all come before those of head h + 1 (an op whose heads
+// arrive one after another, e.g. Ulysses attention's pushes, starts on the first).
 #pragma once
 #include <cstdint>
 
@@ -29,6 +32,7 @@ struct AttentionSchedulerParams {
   bool paired = false;     // causal: blocks j and count - 1 - j as one unit (see above)
   int section_pairs = 0;   // (batch, head) pairs per L2 section; 0: one section
   int compute_blocks = 0;  // blocks [0, compute_blocks) compute; the rest of the grid communicates
+  bool heads_outer = false;  // pairs numbered head-major (see above)
   // Rows of units per (batch, head) pair, and units in all.
   __host__ __device__ int unit_rows() const { return paired ? (q_blocks + 1) / 2 : q_blocks; }
   __host__ __device__ int64_t units() const { return int64_t(batch) * heads * unit_rows(); }
@@ -82,14 +86,14 @@ class AttentionScheduler {
       const int r = u - section * section_units_;
       const int row = r / pairs;
       const int pair = first_pair + r - row * pairs;
-      const int b = pair / p_.heads;
+      const int b = p_.heads_outer ? pair % p_.batch : pair / p_.heads;
       const int count =
           p_.row_begin
               ? min(p_.q_blocks, (p_.row_end[b] - p_.row_begin[b] + p_.block_rows - 1) / p_.block_rows)
               : p_.q_blocks;
       if (p_.paired ? 2 * row >= count : row >= count) continue;  // past this sequence's end
       w.batch = b;
-      w.head = pair - b * p_.heads;
+      w.head = p_.heads_outer ? pair / p_.batch : pair - b * p_.heads;
       w.q_block = p_.paired ? count - 1 - row : row;
       if (p_.paired && row != count - 1 - row) {
         second_ = row;

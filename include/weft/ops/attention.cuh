@@ -196,6 +196,7 @@ struct AttentionFwdOp {
     AttentionRows rows;
     float* lse;               // [batch, heads, seq_q] (packed: [heads, total_q]) fp32, or null
     T* out;                   // O itself: the row-by-row stores (packed sequences' last block, accumulating)
+    int64_t out_heads_first;  // 0: out is [rows, heads, dim]; else [heads, rows, dim] with this many rows
     float *acc_o, *acc_lse;   // accumulating: the running O (q's layout) and LSE (lse's); else null
     int heads, group;         // group: query heads per K / V head
     float scale, scale_log2;  // softmax scale, and times log2(e)
@@ -305,8 +306,11 @@ struct AttentionFwdOp {
     // A TMA box clips at a dense sequence's end but would write into the next packed sequence.
     if (p.rows.q_begin == nullptr || row0 + 64 <= sr.q_len)
       Epilogue::store_to(lcsc::TmaRows4d{&p.o, w.head, sr.q0 + row0, sr.batch}, s.epi, es, wg, acc.o, 0);
-    else
+    else if (p.out_heads_first == 0)
       tile::store_rows(acc.o, p.out + ((sr.q_base + row0) * p.heads + w.head) * kD, int64_t(p.heads) * kD,
+                       sr.q_len - row0);
+    else
+      tile::store_rows(acc.o, p.out + (w.head * p.out_heads_first + sr.q_base + row0) * kD, int64_t(kD),
                        sr.q_len - row0);
     // LSE by the first lane of each quad (the four hold the same value), as predicated stores: a branch
     // here could leave the warp split when the next item's (warp-aligned) wgmma begins.
