@@ -1,7 +1,8 @@
 // Host side of weft::ulysses_attention_forward / _backward (weft/ops/context_attention.hpp). Every rank
 // attends its share of the heads over the whole sequence, out of natural-order buffers in the communicator's
 // workspace area "ulysses attention" (symmetric), over whole documents.
-//   forward   one persistent kernel (weft/ops/ulysses_attention.cuh): the shares travel in head chunks into
+//   forward   three passes (push, one packed attention call, pull), or with WEFT_ULYSSES_FORWARD=pipelined
+//             one persistent kernel (weft/ops/ulysses_attention.cuh): the shares travel in head chunks into
 //             head-major buffers while earlier chunks are attended, and each rank pulls its rows of the
 //             finished chunks back while later ones are.
 //   backward  every rank pushes each rank's head share of its rows (q, k, v, out, dout, LSE) into that
@@ -9,6 +10,7 @@
 //             its rows of dQ, dK and dV (dK / dV summed in fp32 over the ranks sharing a K / V head).
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -233,6 +235,32 @@ void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* 
   lcsc::Launcher<Op>::launch(p, blocks, stream);
 }
 
+// The forward in three passes (the default): the shares pushed into the row-major natural buffers, one packed
+// attention call, the output pulled back; no overlap. WEFT_ULYSSES_FORWARD=pipelined takes the one-kernel
+// forward instead (launch_forward): on virtual ranks of one GPU it is the faster at W = 2 and the slower at
+// W = 8 (bench/RESULTS.md), where its first chunk's pushes and last chunk's pulls stay exposed and the
+// copies it hides cost only HBM time; NVLink, where it should pay, has not measured it yet.
+void forward_in_passes(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const void* k,
+                       const void* v, void* out, float* lse, const Sizes::Area& a, char* workspace,
+                       cudaStream_t stream, const AttentionOptions& options, DType dtype) {
+  const auto* local_nat = reinterpret_cast<const int32_t*>(workspace);
+  const auto* offsets = reinterpret_cast<const int32_t*>(workspace + z.index_bytes());
+  ops::push_rows(comm, rank, q, z.local, a.q, local_nat, z.q_share, z.head_dim, z.max_local, stream);
+  ops::push_rows(comm, rank, k, z.local, a.k, local_nat, z.kv_share, z.head_dim, z.max_local, stream);
+  ops::push_rows(comm, rank, v, z.local, a.v, local_nat, z.kv_share, z.head_dim, z.max_local, stream);
+  AttentionOptions o = options;
+  o.segments = z.segments(offsets);
+  flash_attention_forward(a.q, a.k, a.v, a.out, a.lse, z.shape(), dtype, stream, o);
+  ops::pull_rows(comm, rank, a.out, false, out, z.local, local_nat, z.q_share, z.head_dim, z.max_local, dtype,
+                 stream);
+  if (lse != nullptr) ops::pull_lse(rank, a.lse, lse, z.local, local_nat, z.heads, z.total, stream);
+}
+
+bool pipelined_forward_chosen() {
+  const char* e = std::getenv("WEFT_ULYSSES_FORWARD");
+  return e != nullptr && std::string(e) == "pipelined";
+}
+
 }  // namespace
 
 size_t ulysses_attention_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
@@ -272,6 +300,9 @@ void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, co
     if (lse != nullptr) call.check_buffer(lse, "lse", uint64_t(z.local * heads) * 4, 4);
   }
   if (z.total == 0) return;
+  if (!pipelined_forward_chosen())
+    return forward_in_passes(comm, rank, z, q, k, v, out, lse, a, static_cast<char*>(workspace), call.stream,
+                             options, dtype);
   const auto run = [&](auto d, auto t) {
     launch_forward<decltype(d)::value, decltype(t)>(comm, rank, z, q, k, v, out, lse, a,
                                                     static_cast<char*>(workspace), call.stream, options, dtype,

@@ -51,7 +51,9 @@ void context_attention_backward(Communicator& comm, Rank& rank, const void* q, c
                                 DType dtype, cudaStream_t stream = nullptr,
                                 const AttentionOptions& options = {});
 
-// Ulysses: heads / W query heads per rank over the whole sequence. Needs heads % W == 0 and either kv_heads
+// Ulysses: heads / W query heads per rank over the whole sequence. The forward runs in three passes (push,
+// attention, pull); WEFT_ULYSSES_FORWARD=pipelined runs it as one kernel that moves the heads in chunks
+// beside the attention of earlier ones (weft/ops/ulysses_attention.cuh). Needs heads % W == 0 and either kv_heads
 // % W == 0 (each rank gets kv_heads / W K / V heads) or W % kv_heads == 0 (a K / V head goes to the W /
 // kv_heads ranks that attend its query heads; their dK / dV are summed in fp32). Each rank sends and receives
 // about 4 (forward) or 8 (backward) of its activation-sized tensors where context_attention receives the

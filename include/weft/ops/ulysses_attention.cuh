@@ -11,7 +11,8 @@
 //                 d, segment) copies the segment's rows of chunk c's query heads of peer d's share (and the
 //                 K / V heads that chunk needs first) into d's buffers, through the bulk-copy engine. The
 //                 last task of (c, d) at this rank adds 1 to d's arrival flag of chunk c. Then they pull: task
-//                 (c, peer s, segment) waits until s has finished chunk c (s's signal at this rank), and
+//                 (c, peer s, segment) waits until s has finished chunk c (s's signal at this rank; a poll
+//                 every 20 us, wait_ge_napping: faster polls by every helper warp slow the attention), and
 //                 copies this rank's rows of those heads, O and LSE, from s's buffers into out / lse.
 //   loader        before an item's Q, waits until every rank's pushes of the item's chunk have landed (W
 //                 arrivals per flag and call).
@@ -158,7 +159,7 @@ struct UlyssesAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
       const int c = u / per_chunk, d = (u / segs) % W, i = u % segs;
       const int src = (t.rank + d) % W;
       if (lane == 0) {
-        (void)wait_ge(t, t.flag(p.finished_flags, src * p.flags_per_source + c), epoch);
+        (void)wait_ge_napping(t, t.flag(p.finished_flags, src * p.flags_per_source + c), epoch);
         acquire_for_tma();
       }
       __syncwarp();
