@@ -96,8 +96,8 @@ inline CUtensorMap map_bshd(const void* base, int64_t batch, int64_t seq, int64_
 // A head-major [heads, rows, dim] bf16 / fp16 tensor seen as map_bshd's [1, rows, heads, dim] (the same 4-D
 // map {dim, head, row, batch} and box; only the strides differ): the attention reads and writes it as a
 // packed tensor.
-inline CUtensorMap map_heads_rows(const void* base, int64_t heads, int64_t rows, int64_t dim, uint32_t box_rows,
-                                  const std::string& what, DType dtype) {
+inline CUtensorMap map_heads_rows(const void* base, int64_t heads, int64_t rows, int64_t dim,
+                                  uint32_t box_rows, const std::string& what, DType dtype) {
   tma::TensorNd t;
   t.base = base;
   t.dtype = dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;

@@ -154,7 +154,8 @@ Sizes::Area start(Communicator& comm, Rank& rank, const Sizes& z, const Attentio
 template <int kD, class T>
 void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const void* k,
                     const void* v, void* out, float* lse, const Sizes::Area& a, char* workspace,
-                    cudaStream_t stream, const AttentionOptions& options, DType dtype, const std::string& where) {
+                    cudaStream_t stream, const AttentionOptions& options, DType dtype,
+                    const std::string& where) {
   using Op = ops::UlyssesAttentionFwdOp<kD, T>;
   const int W = z.world;
   const int64_t qw = z.q_share.width, kvw = z.kv_share.width;
@@ -287,8 +288,8 @@ void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, co
   const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
   WEFT_CHECK(ops::ulysses_chunk_flags(z.world) >= 1,
              where + "world sizes up to " + std::to_string(ops::kUlyssesDoneFlags) + " are supported");
-  const Sizes::Area a = start(comm, rank, z, options, workspace, workspace_bytes, z.forward_bytes(), dtype,
-                              call.stream, where);
+  const Sizes::Area a =
+      start(comm, rank, z, options, workspace, workspace_bytes, z.forward_bytes(), dtype, call.stream, where);
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
   WEFT_CHECK(z.total * std::max(z.q_share.width, z.kv_share.width) < (int64_t(1) << 31),
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
@@ -305,8 +306,8 @@ void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, co
                              options, dtype);
   const auto run = [&](auto d, auto t) {
     launch_forward<decltype(d)::value, decltype(t)>(comm, rank, z, q, k, v, out, lse, a,
-                                                    static_cast<char*>(workspace), call.stream, options, dtype,
-                                                    where);
+                                                    static_cast<char*>(workspace), call.stream, options,
+                                                    dtype, where);
   };
   using D64 = std::integral_constant<int, 64>;
   using D128 = std::integral_constant<int, 128>;

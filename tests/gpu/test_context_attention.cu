@@ -427,40 +427,32 @@ WEFT_GPU_TEST(ring_attention_argument_errors) {
 }
 
 // Heads a multiple of W; K / V heads a multiple of W, or shared (fewer than W). For the pipelined forward's
-// head chunks (next test): one (W heads), two, eight (a K / V head per chunk, or one for all), and 33 heads
-// per rank in 32 chunks; then the first case again (the flags and call count carry over between calls of
-// other chunk counts).
+// head chunks: one (W heads), two, eight (a K / V head per chunk, or one for all), and 33 heads per rank in
+// 32 chunks; then the first case again (the flags and call count carry over between calls of other chunk
+// counts).
+static std::vector<CpCase> ulysses_cases(int64_t W, bool quick) {
+  std::vector<CpCase> cases = {
+      {{1000}, 2 * W, 2 * W, 128, true},       {{1000}, 2 * W, W, 64, false},
+      {{300, 0, 17, 777}, 2 * W, 1, 64, true}, {{129, 64, 1}, W, W, 128, false},
+      {{700, 45}, 8 * W, 8 * W, 64, true},     {{500, 3}, 8 * W, 1, 128, false},
+  };
+  if (!quick) cases.push_back({{4099, 2000}, 4 * W, W % 2 == 0 ? 2 : W, 128, true});
+  if (!quick && W <= 4) cases.push_back({{300, 77}, 33 * W, W, 64, true});
+  cases.push_back(cases.front());
+  return cases;
+}
+
 WEFT_GPU_TEST(ulysses_attention_matches_single_gpu) {
   Communicator& c = ctx.comm();
-  const int64_t W = c.world();
-  std::vector<CpCase> cases = {
-      {{1000}, 2 * W, 2 * W, 128, true},
-      {{1000}, 2 * W, W, 64, false},
-      {{300, 0, 17, 777}, 2 * W, 1, 64, true},
-      {{129, 64, 1}, W, W, 128, false},
-      {{700, 45}, 8 * W, 8 * W, 64, true},
-      {{500, 3}, 8 * W, 1, 128, false},
-  };
-  if (!ctx.quick) cases.push_back({{4099, 2000}, 4 * W, W % 2 == 0 ? 2 : W, 128, true});
-  if (!ctx.quick && W <= 4) cases.push_back({{300, 77}, 33 * W, W, 64, true});
-  cases.push_back(cases.front());
-  const std::string failures = run_cp_cases(c, Method::kUlysses, cases, 701);
+  const std::string failures = run_cp_cases(c, Method::kUlysses, ulysses_cases(c.world(), ctx.quick), 701);
   WEFT_EXPECT(failures.empty(), failures);
 }
 
 // The same through the one-kernel forward (head chunks pushed and pulled beside the attention).
 WEFT_GPU_TEST(ulysses_attention_pipelined_matches_single_gpu) {
   Communicator& c = ctx.comm();
-  const int64_t W = c.world();
-  std::vector<CpCase> cases = {
-      {{1000}, 2 * W, 2 * W, 128, true},      {{1000}, 2 * W, W, 64, false},
-      {{300, 0, 17, 777}, 2 * W, 1, 64, true}, {{129, 64, 1}, W, W, 128, false},
-      {{700, 45}, 8 * W, 8 * W, 64, true},     {{500, 3}, 8 * W, 1, 128, false},
-  };
-  if (!ctx.quick && W <= 4) cases.push_back({{300, 77}, 33 * W, W, 64, true});
-  cases.push_back(cases.front());
   setenv("WEFT_ULYSSES_FORWARD", "pipelined", 1);
-  const std::string failures = run_cp_cases(c, Method::kUlysses, cases, 751);
+  const std::string failures = run_cp_cases(c, Method::kUlysses, ulysses_cases(c.world(), ctx.quick), 751);
   unsetenv("WEFT_ULYSSES_FORWARD");
   WEFT_EXPECT(failures.empty(), failures);
 }

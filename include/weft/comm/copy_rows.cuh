@@ -3,10 +3,10 @@
 // after the warp's stores (e.g. __syncwarp, then lane 0's signal_add).
 //
 // Or through the bulk-copy engine (BulkRowCopier): lane 0 loads chunks (contiguous, or rows gathered from a
-// strided tensor) into a ring of shared buffers and stores each from there, with no registers for the bytes: with a ring of two, one chunk loads while the one
-// before it is stored (a 4 KiB chunk each way, against the ~2 KiB a warp of 40 registers keeps in flight with
-// loads and stores of its own). complete() waits for the stores and orders them before the lane's later
-// signals.
+// strided tensor) into a ring of shared buffers and stores each from there, with no registers for the bytes:
+// with a ring of two, one chunk loads while the one before it is stored (a 4 KiB chunk each way, against the
+// ~2 KiB a warp of 40 registers keeps in flight with loads and stores of its own). complete() waits for the
+// stores and orders them before the lane's later signals.
 #pragma once
 #include <cstdint>
 
@@ -103,8 +103,12 @@ class BulkRowCopier {
         (rows + per - 1) / per, [&](int64_t c) { return static_cast<uint32_t>(count(c) * row_bytes); },
         [&](int64_t c, uint8_t* buf, uint64_t* bar) {
           move(
-              c, [&](int64_t r, int i) { bulk_load(buf + i * row_bytes, from + r * src_stride, row_bytes, bar); },
-              [&](int64_t r, int n) { bulk_load(buf, from + r * src_stride, n * row_bytes, bar); }, src_stride);
+              c,
+              [&](int64_t r, int i) {
+                bulk_load(buf + i * row_bytes, from + r * src_stride, row_bytes, bar);
+              },
+              [&](int64_t r, int n) { bulk_load(buf, from + r * src_stride, n * row_bytes, bar); },
+              src_stride);
         },
         [&](int64_t c, const uint8_t* buf) {
           move(

@@ -15,8 +15,8 @@
 // Packed variable-length sequences give each sequence its own count of blocks, from its rows [row_begin[b],
 // row_end[b]) (device memory) in blocks of `block_rows`; the items past a sequence's count are skipped. One
 // CTA per item: ops using it run clusters of 1.
-// `heads_outer` numbers the pairs head by head (pair = head * batch + b) instead of sequence by sequence: with
-// sections of whole heads, the items of head h all come before those of head h + 1 (an op whose heads
+// `heads_outer` numbers the pairs head by head (pair = head * batch + b) instead of sequence by sequence:
+// with sections of whole heads, the items of head h all come before those of head h + 1 (an op whose heads
 // arrive one after another, e.g. Ulysses attention's pushes, starts on the first).
 #pragma once
 #include <cstdint>
@@ -28,10 +28,10 @@ struct AttentionSchedulerParams {
   int q_blocks = 0;                // query blocks of the longest sequence
   const int* row_begin = nullptr;  // packed sequences: each one's rows (else all have q_blocks blocks)
   const int* row_end = nullptr;
-  int block_rows = 0;      // rows per block (packed sequences)
-  bool paired = false;     // causal: blocks j and count - 1 - j as one unit (see above)
-  int section_pairs = 0;   // (batch, head) pairs per L2 section; 0: one section
-  int compute_blocks = 0;  // blocks [0, compute_blocks) compute; the rest of the grid communicates
+  int block_rows = 0;        // rows per block (packed sequences)
+  bool paired = false;       // causal: blocks j and count - 1 - j as one unit (see above)
+  int section_pairs = 0;     // (batch, head) pairs per L2 section; 0: one section
+  int compute_blocks = 0;    // blocks [0, compute_blocks) compute; the rest of the grid communicates
   bool heads_outer = false;  // pairs numbered head-major (see above)
   // Rows of units per (batch, head) pair, and units in all.
   __host__ __device__ int unit_rows() const { return paired ? (q_blocks + 1) / 2 : q_blocks; }

@@ -53,11 +53,11 @@ void context_attention_backward(Communicator& comm, Rank& rank, const void* q, c
 
 // Ulysses: heads / W query heads per rank over the whole sequence. The forward runs in three passes (push,
 // attention, pull); WEFT_ULYSSES_FORWARD=pipelined runs it as one kernel that moves the heads in chunks
-// beside the attention of earlier ones (weft/ops/ulysses_attention.cuh). Needs heads % W == 0 and either kv_heads
-// % W == 0 (each rank gets kv_heads / W K / V heads) or W % kv_heads == 0 (a K / V head goes to the W /
-// kv_heads ranks that attend its query heads; their dK / dV are summed in fp32). Each rank sends and receives
-// about 4 (forward) or 8 (backward) of its activation-sized tensors where context_attention receives the
-// whole K / V; the attention work is the same.
+// beside the attention of earlier ones (weft/ops/ulysses_attention.cuh). Needs heads % W == 0 and either
+// kv_heads % W == 0 (each rank gets kv_heads / W K / V heads) or W % kv_heads == 0 (a K / V head goes to the
+// W / kv_heads ranks that attend its query heads; their dK / dV are summed in fp32). Each rank sends and
+// receives about 4 (forward) or 8 (backward) of its activation-sized tensors where context_attention receives
+// the whole K / V; the attention work is the same.
 size_t ulysses_attention_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                          int64_t heads, int64_t kv_heads, int64_t head_dim);
 void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,

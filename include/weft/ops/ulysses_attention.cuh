@@ -1,19 +1,20 @@
-// Ulysses attention forward as one persistent LCSC kernel per call (host launcher: src/ops/ulysses_attention.cu).
+// Ulysses attention forward as one persistent LCSC kernel per call (host launcher:
+// src/ops/ulysses_attention.cu).
 //
-// Every rank holds its local rows of q, k and v ([local rows, heads, dim], ring attention's layout) and attends
-// its share of the heads (query heads [r * Hs, (r + 1) * Hs), Hs = heads / W, and their K / V heads) over the
-// whole sequence, in natural order, out of head-major buffers in its symmetric heap ([Hs][total][dim]: a head's
-// rows are contiguous, so a run of rows of one head moves in one piece and the attention's TMA maps read it
-// like any packed tensor). The shares travel in head chunks, the heads of a chunk attended as soon as they
-// have landed while the later chunks still travel; each rank's output comes back chunk by chunk while later
-// chunks are attended. The kernel's roles:
+// Every rank holds its local rows of q, k and v ([local rows, heads, dim], ring attention's layout) and
+// attends its share of the heads (query heads [r * Hs, (r + 1) * Hs), Hs = heads / W, and their K / V heads)
+// over the whole sequence, in natural order, out of head-major buffers in its symmetric heap
+// ([Hs][total][dim]: a head's rows are contiguous, so a run of rows of one head moves in one piece and the
+// attention's TMA maps read it like any packed tensor). The shares travel in head chunks, the heads of a
+// chunk attended as soon as they have landed while the later chunks still travel; each rank's output comes
+// back chunk by chunk while later chunks are attended. The kernel's roles:
 //   helper warps  (the compute blocks' idle loader warps) first push this rank's rows: task (chunk c, peer
 //                 d, segment) copies the segment's rows of chunk c's query heads of peer d's share (and the
 //                 K / V heads that chunk needs first) into d's buffers, through the bulk-copy engine. The
-//                 last task of (c, d) at this rank adds 1 to d's arrival flag of chunk c. Then they pull: task
-//                 (c, peer s, segment) waits until s has finished chunk c (s's signal at this rank; a poll
-//                 every 20 us, wait_ge_napping: faster polls by every helper warp slow the attention), and
-//                 copies this rank's rows of those heads, O and LSE, from s's buffers into out / lse.
+//                 last task of (c, d) at this rank adds 1 to d's arrival flag of chunk c. Then they pull:
+//                 task (c, peer s, segment) waits until s has finished chunk c (s's signal at this rank; a
+//                 poll every 20 us, wait_ge_napping: faster polls by every helper warp slow the attention),
+//                 and copies this rank's rows of those heads, O and LSE, from s's buffers into out / lse.
 //   loader        before an item's Q, waits until every rank's pushes of the item's chunk have landed (W
 //                 arrivals per flag and call).
 //   consumers     the attention over packed documents (AttentionFwdOp), items head-major (the scheduler's
@@ -72,17 +73,17 @@ struct UlyssesAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
     UlyssesChunks chunk;
     int flags_per_source;  // ulysses_chunk_flags(W)
     UlyssesSegments seg;
-    int total;                                  // natural rows
-    int heads_all, kv_heads_all, kv_share;      // the call's heads; K / V heads per rank (1: replicated)
-    int item_blocks;                            // query blocks of one head over all documents
-    const uint8_t *q_src, *k_src, *v_src;       // this rank's rows
-    uint8_t *q_nat, *k_nat, *v_nat, *o_nat;     // this rank's natural buffers (symmetric)
-    float* lse_nat;                             // [Hs][total] (symmetric)
-    uint8_t* out_rows;                          // out: [local rows][heads_all][dim]
-    float* lse_rows;                            // lse: [heads_all][local rows], or null
+    int total;                               // natural rows
+    int heads_all, kv_heads_all, kv_share;   // the call's heads; K / V heads per rank (1: replicated)
+    int item_blocks;                         // query blocks of one head over all documents
+    const uint8_t *q_src, *k_src, *v_src;    // this rank's rows
+    uint8_t *q_nat, *k_nat, *v_nat, *o_nat;  // this rank's natural buffers (symmetric)
+    float* lse_nat;                          // [Hs][total] (symmetric)
+    uint8_t* out_rows;                       // out: [local rows][heads_all][dim]
+    float* lse_rows;                         // lse: [heads_all][local rows], or null
     int local_rows;
-    int* landed;                // [block]: chunks its loader knows to have landed
-    uint64_t *pushed, *ended;   // [chunk][peer] tasks done; [chunk] items' warpgroups finished
+    int* landed;               // [block]: chunks its loader knows to have landed
+    uint64_t *pushed, *ended;  // [chunk][peer] tasks done; [chunk] items' warpgroups finished
   };
   using Smem = RingSmem<typename Base::Smem>;
 
@@ -171,8 +172,8 @@ struct UlyssesAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
   }
 
  private:
-  // Helper warp 0, one lane per rank dst: the flags this call has no task for (chunks past its count; every chunk
-  // when this rank has no row), arrivals at rank dst and this rank's finished flags there.
+  // Helper warp 0, one lane per rank dst: the flags this call has no task for (chunks past its count; every
+  // chunk when this rank has no row), arrivals at rank dst and this rank's finished flags there.
   __device__ static void signal_unused(const Params& p, int dst) {
     const TeamView& t = p.sync.team;
     for (int c = p.seg.count == 0 ? 0 : p.chunk.chunks; c < p.flags_per_source; ++c)
