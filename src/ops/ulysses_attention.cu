@@ -89,10 +89,11 @@ struct Sizes {
     }
     return out;
   }
-  size_t segment_bytes() const {  // the most of any rank's
-    size_t most = 0;
-    for (int r = 0; r < world; ++r) most = std::max(most, segments_of(r).size());
-    return round256(3 * most * 4);
+  // Room for any rank's segments: a run of rows (at most two per document and rank) leaves at most one short
+  // segment, the rest are whole. A bound, so that sizing the workspace walks no rank's runs.
+  size_t segment_bytes() const {
+    const int64_t most = (max_local + ops::kUlyssesSegmentRows - 1) / ops::kUlyssesSegmentRows + 2 * docs;
+    return round256(size_t(3 * most) * 4);
   }
   // The forward's counters: the loaders' landed chunks, tasks done per (chunk, peer), items per chunk.
   size_t counter_bytes() const {
@@ -118,7 +119,7 @@ struct Sizes {
   }
 };
 
-// Checks; then the area, the local -> natural rows and the document offsets. Returns the area.
+// Checks; then the area and the document offsets (after the local -> natural rows' room). Returns the area.
 Sizes::Area start(Communicator& comm, Rank& rank, const Sizes& z, const AttentionOptions& options,
                   void* workspace, size_t workspace_bytes, size_t need, DType dtype, cudaStream_t stream,
                   const std::string& where) {
@@ -140,11 +141,9 @@ Sizes::Area start(Communicator& comm, Rank& rank, const Sizes& z, const Attentio
                  " bytes (the op's workspace_bytes()), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
   char* area = ops::workspace_on(comm, rank, z.area_bytes(), stream, where, kArea);
-  auto* local_nat = static_cast<int32_t*>(workspace);
-  ops::write_local_to_natural(z.L, rank.rank(), local_nat, stream);
   std::vector<int32_t> cu(1, 0);
   for (int64_t n : z.L.doc_length) cu.push_back(static_cast<int32_t>(cu.back() + n));
-  ops::upload_words(local_nat + z.index_bytes() / 4, cu, stream);
+  ops::upload_words(static_cast<int32_t*>(workspace) + z.index_bytes() / 4, cu, stream);
   return z.carve(area);
 }
 
@@ -163,6 +162,8 @@ void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* 
   auto* seg_words = reinterpret_cast<int32_t*>(workspace + z.index_bytes() + z.offsets_bytes());
   char* counters = workspace + z.index_bytes() + z.offsets_bytes() + z.segment_bytes();
   const std::vector<std::array<int32_t, 3>> segs = z.segments_of(rank.rank());
+  WEFT_CHECK(3 * segs.size() * 4 <= z.segment_bytes(),
+             where + "internal: more copy segments than the room for them");
   std::vector<int32_t> words(3 * segs.size());
   for (size_t i = 0; i < segs.size(); ++i)
     for (int f = 0; f < 3; ++f) words[f * segs.size() + i] = segs[i][f];
@@ -244,7 +245,8 @@ void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* 
 void forward_in_passes(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const void* k,
                        const void* v, void* out, float* lse, const Sizes::Area& a, char* workspace,
                        cudaStream_t stream, const AttentionOptions& options, DType dtype) {
-  const auto* local_nat = reinterpret_cast<const int32_t*>(workspace);
+  auto* local_nat = reinterpret_cast<int32_t*>(workspace);
+  ops::write_local_to_natural(z.L, rank.rank(), local_nat, stream);
   const auto* offsets = reinterpret_cast<const int32_t*>(workspace + z.index_bytes());
   ops::push_rows(comm, rank, q, z.local, a.q, local_nat, z.q_share, z.head_dim, z.max_local, stream);
   ops::push_rows(comm, rank, k, z.local, a.k, local_nat, z.kv_share, z.head_dim, z.max_local, stream);
@@ -329,7 +331,8 @@ void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, c
   const Sizes::Area a =
       start(comm, rank, z, options, workspace, workspace_bytes, head + attention_bytes, dtype, stream, where);
   if (z.total == 0) return;
-  const auto* local_nat = static_cast<const int32_t*>(workspace);
+  auto* local_nat = static_cast<int32_t*>(workspace);
+  ops::write_local_to_natural(z.L, rank.rank(), local_nat, stream);
   const auto* offsets = reinterpret_cast<const int32_t*>(static_cast<char*>(workspace) + z.index_bytes());
   ops::push_rows(comm, rank, q, z.local, a.q, local_nat, z.q_share, head_dim, z.max_local, stream);
   // After the first push's meeting: every peer is done with its previous call's LSE and dK / dV sums.

@@ -96,19 +96,14 @@ __device__ __forceinline__ uint64_t ld_acquire(const uint64_t* flag) {
 // rank's error record (another wait already failed) and the timeout; every 1 ms at the host's abort flag.
 // The abort flag is host memory: 100+ blocks reading it every few microseconds queue up on PCIe and slow
 // every wait. `want` and `observe(value)` only feed the failure report.
-template <bool kSys, int kNapNs = kSys ? 0 : 64, bool kRelaxedPolls = false, class Done, class Observe>
+template <bool kSys, int kNapNs = kSys ? 0 : 64, class Done, class Observe>
 inline __device__ __noinline__ bool wait_slow(const TeamView& team, const uint64_t* flag, uint64_t want,
                                               Done done, Observe observe) {
   const uint64_t start = ptx::globaltimer_ns();
   uint64_t last_check = start, last_abort_check = start;
   for (;;) {
     for (int i = 0; i < 64; ++i) {
-      if constexpr (kRelaxedPolls) {
-        // Flags only grow: the acquire after a relaxed poll saw the value reads one that passes too.
-        if (done(ptx::ld_relaxed_sys(flag))) return done(ld_acquire<kSys>(flag));
-      } else if (done(ld_acquire<kSys>(flag))) {
-        return true;
-      }
+      if (done(ld_acquire<kSys>(flag))) return true;
       // Many blocks polling one local flag flood its L2 slice and slow the very writes they wait for.
       if constexpr (kNapNs > 0) __nanosleep(kNapNs);
     }
@@ -153,13 +148,13 @@ struct Identity {
   return detail::wait_slow<true>(team, flag, want, detail::AtLeast{want}, detail::Identity{});
 }
 
-// The same for a wait expected to last (a peer's compute, a phase of the kernel): a relaxed poll every 20 us.
+// The same for a wait expected to last (a peer's compute, a phase of the kernel): a poll every 20 us.
 // Hundreds of warps polling a rank's few flag lines every microsecond flood their L2 slice, and every load
 // of the compute beside them that maps to that slice waits (Ulysses' pulls: a third slower attention).
 [[nodiscard]] __device__ __forceinline__ bool wait_ge_napping(const TeamView& team, const uint64_t* flag,
                                                               uint64_t want) {
   if (ptx::ld_acquire_sys(flag) >= want) return true;
-  return detail::wait_slow<true, 20000, true>(team, flag, want, detail::AtLeast{want}, detail::Identity{});
+  return detail::wait_slow<true, 20000>(team, flag, want, detail::AtLeast{want}, detail::Identity{});
 }
 
 // The same for a flag that only threads of this GPU write (e.g. blocks of one kernel meeting).
