@@ -1,5 +1,6 @@
 // weft-bench context_attention: sequence-parallel attention (weft::context_attention_* over all-gathered
-// K / V, weft::ring_attention_*, weft::ulysses_attention_*) on the team, against weft's single-GPU
+// K / V, weft::ring_attention_*, weft::ulysses_attention_*, weft::hybrid_attention_* at every Ulysses size
+// U with 1 < U < W dividing W) on the team, against weft's single-GPU
 // attention over the whole sequence on GPU 0. On W virtual ranks of one GPU the team does the same attention
 // work as the single call, so time(team) / time(single GPU) is the method's scheduling, data-movement and
 // load-balance overhead (the issue's ratio); on W real GPUs the ideal is time(single GPU) / W. One document
@@ -7,9 +8,11 @@
 // GQA).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench.hpp"
@@ -80,17 +83,25 @@ void run_context_attention(Context& ctx) {
   const int iters = ctx.quick ? 5 : 10;
   // ring-no-copy: the ring kernels with every push only signalling (WEFT_RING_NO_COPY=1: wrong results, only
   // with --cp-methods): their time is the ring's without data movement, the difference its exposed cost.
-  enum class M { kAllGather, kRing, kRingNoCopy, kUlysses };
-  for (M method : {M::kAllGather, M::kRing, M::kRingNoCopy, M::kUlysses})
+  enum class M { kAllGather, kRing, kRingNoCopy, kUlysses, kHybrid };
+  std::vector<std::pair<M, int>> methods = {{M::kAllGather, 0}, {M::kRing, 0}, {M::kRingNoCopy, 0}, {M::kUlysses, 0}};
+  for (int U = 2; U < W; ++U)
+    if (W % U == 0) methods.push_back({M::kHybrid, U});
+  for (auto [method, U] : methods)
     for (bool causal : {false, true})
       for (int64_t S : seqs) {
         const bool ulysses = method == M::kUlysses, no_copy = method == M::kRingNoCopy;
-        const bool ring = method == M::kRing || no_copy;
-        const char* name = ulysses ? "ulysses" : no_copy ? "ring-no-copy" : ring ? "ring" : "all-gather";
+        const bool hybrid = method == M::kHybrid, ring = method == M::kRing || no_copy;
+        const char* kind = hybrid    ? "hybrid"
+                           : ulysses ? "ulysses"
+                           : no_copy ? "ring-no-copy"
+                           : ring    ? "ring"
+                                     : "all-gather";
+        const std::string name = hybrid ? fmt("hybrid U=%d", U) : std::string(kind);
         if (no_copy
                 ? ("," + ctx.cp_methods + ",").find(",ring-no-copy,") == std::string::npos
                 : !ctx.cp_methods.empty() &&
-                      ("," + ctx.cp_methods + ",").find(std::string(",") + name + ",") == std::string::npos)
+                      ("," + ctx.cp_methods + ",").find(std::string(",") + kind + ",") == std::string::npos)
           continue;
         // Read by each call's host plan, so the captured graphs below carry it; unset when this cell ends,
         // however it ends.
@@ -109,7 +120,9 @@ void run_context_attention(Context& ctx) {
         AttentionOptions o;
         o.causal = causal;
         const size_t ws_bytes =
-            ulysses ? ulysses_attention_backward_workspace_bytes(W, docs, causal, H, KV, D)
+            hybrid    ? std::max(hybrid_attention_workspace_bytes(W, U, docs, causal, H, KV, D),
+                                 hybrid_attention_backward_workspace_bytes(W, U, docs, causal, H, KV, D))
+            : ulysses ? ulysses_attention_backward_workspace_bytes(W, docs, causal, H, KV, D)
                     : std::max({context_attention_backward_workspace_bytes(W, docs, causal, H, KV, D),
                                 context_attention_workspace_bytes(W, docs, causal, KV, D),
                                 ring_attention_workspace_bytes(W, docs, causal, KV, D),
@@ -130,6 +143,11 @@ void run_context_attention(Context& ctx) {
             Rank& r = comm.local(i);
             WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
             RankData& d = *data[i];
+            if (hybrid) {
+              hybrid_attention_forward(comm, r, d.q.p, d.k.p, d.v.p, d.out.p, static_cast<float*>(d.lse.p), docs,
+                                       H, KV, D, U, d.ws.p, d.ws_bytes, DType::kBF16, team.streams[i], o);
+              continue;
+            }
             (ulysses ? ulysses_attention_forward
              : ring  ? ring_attention_forward
                      : context_attention_forward)(comm, r, d.q.p, d.k.p, d.v.p, d.out.p,
@@ -142,6 +160,12 @@ void run_context_attention(Context& ctx) {
             Rank& r = comm.local(i);
             WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
             RankData& d = *data[i];
+            if (hybrid) {
+              hybrid_attention_backward(comm, r, d.q.p, d.k.p, d.v.p, d.out.p, d.dout.p, static_cast<float*>(d.lse.p),
+                                        d.dq.p, d.dk.p, d.dv.p, docs, H, KV, D, U, d.ws.p, d.ws_bytes, DType::kBF16,
+                                        team.streams[i], o);
+              continue;
+            }
             (ulysses ? ulysses_attention_backward
              : ring  ? ring_attention_backward
                      : context_attention_backward)(
@@ -169,7 +193,7 @@ void run_context_attention(Context& ctx) {
         t.add({name, std::to_string(S), causal ? "yes" : "no", fmt("%.3f", single_fwd), fmt("%.3f", fwd),
                fmt("%.3f", fwd / (single_fwd * per)), fmt("%.3f", single_bwd), fmt("%.3f", bwd),
                fmt("%.3f", bwd / (single_bwd * per))});
-        ctx.progress("context_attention %s S=%lld causal=%d: fwd %.3f / %.3f ms, bwd %.3f / %.3f ms", name,
+        ctx.progress("context_attention %s S=%lld causal=%d: fwd %.3f / %.3f ms, bwd %.3f / %.3f ms", name.c_str(),
                      (long long)S, int(causal), fwd, single_fwd, bwd, single_bwd);
       }
   ctx.add(std::move(t));
@@ -177,7 +201,7 @@ void run_context_attention(Context& ctx) {
 
 ModeRegistrar reg(
     "context_attention",
-    "sequence-parallel attention (all-gather K / V, ring, Ulysses) vs single-GPU attention; on virtual "
+    "sequence-parallel attention (all-gather K / V, ring, Ulysses, their hybrid) vs single-GPU attention; on virtual "
     "ranks the overhead ratio",
     &run_context_attention, 2, true);
 

@@ -76,6 +76,10 @@ struct TeamView {
   uint64_t timeout_ns = 0;                  // how long a wait may spin before it reports kTimeout
   DeviceError* error = nullptr;             // this rank's error record (in its signal pad)
   const volatile int32_t* abort = nullptr;  // host-mapped; non-zero once the host saw a peer die
+  // A sub-team (Communicator::subteam) sees its member r at team rank peer_first + r * peer_stride; a team
+  // itself at r (0, 1). Only the peer table is indexed by team ranks: flags and barrier slots are the
+  // sub-team's own grants, indexed by its ranks.
+  int32_t peer_first = 0, peer_stride = 1;
 
   WEFT_HD char* pad() const { return local_base + pad_offset; }
   WEFT_HD char* const* peer_bases() const {
@@ -84,7 +88,8 @@ struct TeamView {
   // The address of `local` (a pointer into this rank's heap) in rank r's heap.
   template <class T>
   WEFT_HD T* peer_ptr(T* local, int r) const {
-    return reinterpret_cast<T*>(peer_bases()[r] + (reinterpret_cast<const char*>(local) - local_base));
+    return reinterpret_cast<T*>(peer_bases()[peer_first + r * peer_stride] +
+                                (reinterpret_cast<const char*>(local) - local_base));
   }
   // Flag i of a granted run (this rank's copy; peer_ptr reaches a peer's).
   WEFT_HD uint64_t* flag(Flags run, int i) const { return flag_word(run.first + i); }

@@ -52,7 +52,7 @@ struct Call : ops::OpCall {
     return x < y + bn && y < x + an;
   }
   int blocks(uint64_t bytes) const { return ops::collective_blocks(rank, bytes); }
-  BarrierSlots meetings() const { return ops::meeting_slots(comm); }
+  BarrierSlots meetings() const { return ops::meeting_slots(comm, rank); }
   void launched() const { WEFT_CUDA_CHECK(cudaGetLastError()); }
   // Whether a one-shot round of `bytes` fits this rank's SM budget (it needs a block per slot part).
   bool one_shot_fits(uint64_t bytes) const {
@@ -185,7 +185,7 @@ void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_
                   reinterpret_cast<uint64_t*>(region),
                   ops::ll_slot_bytes(world) / 8,
                   ops::ll_block_words(world),
-                  c.comm.resources(kOneShot).flags};
+                  c.comm.resources(c.rank, kOneShot).flags};
   // LL moves 2x the bytes and polls: spread it wide, but every block's share must fit its part of a slot
   // (callers check that the SM budget allows that many: one_shot_fits).
   const int g =

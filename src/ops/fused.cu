@@ -71,10 +71,10 @@ struct Call : ops::OpCall {
   // What a fused kernel synchronizes with; `done_target` finishers per call.
   ops::FusedSync sync(int done_target) const {
     return ops::FusedSync{rank.view(),
-                          comm.resources(kFusedState).flags,
-                          comm.resources(kRsReady).flags,
-                          comm.resources(kAgChunks).flags,
-                          ops::meeting_slots(comm),
+                          comm.resources(rank, kFusedState).flags,
+                          comm.resources(rank, kRsReady).flags,
+                          comm.resources(rank, kAgChunks).flags,
+                          ops::meeting_slots(comm, rank),
                           done_target};
   }
   // The path to run. `why_not_fused` is empty when the fused kernel can run, else the reason it cannot;
@@ -227,7 +227,7 @@ class CopyPipeline {
   // `owner` names the pipeline's flags (granted at team creation) and its workspace area.
   CopyPipeline(Call& c, const char* owner)
       : c_(c),
-        flags_(c.comm.resources(owner).flags),
+        flags_(c.comm.resources(c.rank, owner).flags),
         me_(c.rank.rank()),
         claimed_(c.rank.world()),
         s_(pipe_streams(c.rank.device(), c.rank.rank(), c.capturing, c.where)) {
@@ -417,7 +417,7 @@ void reduce_staged(Call& c, char* inbox, uint64_t slice, void* out, char* gather
   const int me = c.rank.rank();
   coll::ReduceScatter x{};
   x.team = c.rank.view();
-  x.slots = ops::meeting_slots(c.comm);
+  x.slots = ops::meeting_slots(c.comm, c.rank);
   x.staging = coll::Rows{inbox, 0};
   x.staging_step = slice;
   x.rows = 1;

@@ -456,7 +456,7 @@ void place_rows(Communicator& comm, Rank& rank, const int32_t* experts, const Mo
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   detail::preload<&exchange_counts>();
-  exchange_counts<<<1, 256, 0, stream>>>(rank.view(), ops::meeting_slots(comm), b.counts,
+  exchange_counts<<<1, 256, 0, stream>>>(rank.view(), ops::meeting_slots(comm, rank), b.counts,
                                          static_cast<int32_t>(shape.tokens), b.table, shape.num_experts);
   WEFT_CUDA_CHECK(cudaGetLastError());
   detail::preload<&place_slots>();
@@ -492,7 +492,7 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
       ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2 * rank.world());
   detail::preload<&dispatch_tokens>();
   dispatch_tokens<<<blocks, kDispatchWarps * 32, 0, stream>>>(
-      rank.view(), ops::meeting_slots(comm), static_cast<const uint4*>(tokens), experts, b.row_of, b.table,
+      rank.view(), ops::meeting_slots(comm, rank), static_cast<const uint4*>(tokens), experts, b.row_of, b.table,
       b.z.d, b.records, b.rows, b.row_source, b.landed);
   WEFT_CUDA_CHECK(cudaGetLastError());
   return handle(b);
@@ -601,12 +601,12 @@ void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const M
   // Ranks sharing a GPU meet in a one-block kernel first: a grid of blocks waiting at the meeting would hold
   // SMs that a slower peer's expert GEMMs on the same GPU still need.
   const bool shared_gpu = comm.ranks_per_gpu() > 1;
-  if (shared_gpu) launch_team_barrier(rank.view(), ops::meeting_slots(comm)[0], stream);
+  if (shared_gpu) launch_team_barrier(rank.view(), ops::meeting_slots(comm, rank)[0], stream);
   auto launch = [&](auto* typed_out) {
     using T = std::remove_pointer_t<decltype(typed_out)>;
     constexpr auto kernel = &combine_tokens<T>;
     detail::preload<kernel>();
-    kernel<<<blocks, 256, 0, stream>>>(rank.view(), ops::meeting_slots(comm),
+    kernel<<<blocks, 256, 0, stream>>>(rank.view(), ops::meeting_slots(comm, rank),
                                        static_cast<const T*>(expert_out), dispatched.experts,
                                        dispatched.row_of, weights, z.d, typed_out, !shared_gpu);
   };
@@ -639,7 +639,7 @@ void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out
   // Rows no slot fills keep a zero gradient; every rank has zeroed its buffer and written its expert outputs
   // before the first meeting, and every push into it is complete after the second.
   WEFT_CUDA_CHECK(cudaMemsetAsync(d_expert_out, 0, bytes, stream));
-  const BarrierSlots meetings = ops::meeting_slots(comm);
+  const BarrierSlots meetings = ops::meeting_slots(comm, rank);
   launch_team_barrier(rank.view(), meetings[0], stream);
   const int blocks = ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2);
   auto launch = [&](auto* typed) {
@@ -682,7 +682,7 @@ void moe_grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, con
   const int64_t slots = std::max<int64_t>(shape.max_tokens * shape.top_k, 1);
   char* staging =
       ops::workspace_on(comm, rank, round256(size_t(slots) * shape.hidden * 2), stream, where, kStagingArea);
-  const BarrierSlots meetings = ops::meeting_slots(comm);
+  const BarrierSlots meetings = ops::meeting_slots(comm, rank);
   // Every rank has summed the previous call's staging before any row of this call is pushed into it.
   launch_team_barrier(rank.view(), meetings[0], stream);
   // The GEMM waits for nothing, so it takes every SM as grouped_gemm does (ranks sharing a GPU share them;

@@ -46,8 +46,8 @@ inline int one_shot_min_blocks(int world, uint64_t bytes) {
 // and every slot's epochs advance alike on every rank).
 inline constexpr int kMeetingSlots = 256;
 inline const char* const kBlockMeetings = "block meetings (collectives, fused kernels)";
-inline BarrierSlots meeting_slots(const Communicator& comm) {
-  return comm.resources(kBlockMeetings).slots;
+inline BarrierSlots meeting_slots(Communicator& comm, const Rank& rank) {
+  return comm.resources(rank, kBlockMeetings).slots;
 }
 
 // Blocks of a collective-style kernel (one barrier slot each) moving `bytes`: one per 32 KiB, since one SM
@@ -131,7 +131,7 @@ inline void check_device_buffer(const Communicator& comm, const Rank& rank, cons
 // Index of `rank` among the communicator's local ranks.
 inline int local_index(const Communicator& comm, const Rank& rank, const std::string& where) {
   for (int i = 0; i < comm.num_local(); ++i)
-    if (&comm.local(i) == &rank) return i;
+    if (&comm.local(i) == &rank.team_rank()) return i;
   throw_error(where + "the rank does not belong to this communicator");
 }
 
@@ -139,7 +139,7 @@ inline int local_index(const Communicator& comm, const Rank& rank, const std::st
 // collectively if needed); nullptr when no area was ever needed (bytes 0).
 inline char* workspace_of(Communicator& comm, const Rank& rank, uint64_t bytes, bool capturing,
                           const std::string& where, const std::string& area = {}) {
-  const SymmetricBuffer& ws = comm.workspace(bytes, capturing, area);
+  const SymmetricBuffer& ws = comm.workspace(bytes, capturing, area + rank.scope());
   if (!ws) return nullptr;
   return ws.local[local_index(comm, rank, where)];
 }
@@ -202,9 +202,9 @@ struct OpCall {
   char* workspace(uint64_t bytes, const std::string& area = {}) {
     if (!plan) return workspace_of(comm, rank, bytes, capturing, where, area);
     if (bytes == 0) return nullptr;
-    uint64_t& need = plan->workspace[area];
+    uint64_t& need = plan->workspace[area + rank.scope()];
     need = std::max(need, bytes);
-    const SymmetricBuffer* ws = comm.current_workspace(area);
+    const SymmetricBuffer* ws = comm.current_workspace(area + rank.scope());
     if (ws && ws->bytes >= bytes) return ws->local[local_index(comm, rank, where)];
     const uint64_t span = (bytes + 255) / 256 * 256;
     if (span > comm.heap_capacity())

@@ -32,8 +32,11 @@ const ResourceDeclaration kRingResources[] = {
 
 struct Sizes : ops::RingPassSizes {
   int64_t kv_heads = 0, head_dim = 0;
-  Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, bool causal, int64_t kv, int64_t d)
-      : RingPassSizes(world, rank, doc_lengths, causal, ops::RingTravel::kKeys), kv_heads(kv), head_dim(d) {}
+  Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, bool causal, int64_t kv, int64_t d,
+        int grain)
+      : RingPassSizes(world, rank, doc_lengths, causal, ops::RingTravel::kKeys, grain),
+        kv_heads(kv),
+        head_dim(d) {}
   size_t slot_bytes() const { return size_t(slot_rows * kv_heads * head_dim) * 2; }
   size_t area_bytes() const { return round256(2 * size_t(std::max(1, L.world - 1)) * slot_bytes()); }
   size_t workspace_bytes() const { return table_bytes() + landed_bytes(); }  // the table, the landed counts
@@ -94,7 +97,7 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const
   p.slots_v = reinterpret_cast<uint4*>(slots_v);
   p.row_vecs = static_cast<int>(z.kv_heads * kD / 8);
 
-  launch_team_barrier(rank.view(), comm.resources(kMeeting).slots[0], stream);  // slots free
+  launch_team_barrier(rank.view(), comm.resources(rank, kMeeting).slots[0], stream);  // slots free
   lcsc::Launcher<Op>::launch(p, blocks, stream);
 }
 
@@ -102,23 +105,38 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const
 
 size_t ring_attention_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                       int64_t kv_heads, int64_t head_dim) {
-  size_t most = 0;
-  for (int r = 0; r < world; ++r)
-    most = std::max(most, Sizes(world, r, doc_lengths, causal, kv_heads, head_dim).workspace_bytes());
-  return most;
+  return ops::ring_forward_workspace_bytes(world, doc_lengths, causal, kv_heads, head_dim, 1);
 }
 
 void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
                             void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                             DType dtype, cudaStream_t stream, const AttentionOptions& options) {
-  ops::OpCall call(comm, rank, stream, ops::team_where("weft::ring_attention_forward", rank));
+  ops::ring_forward(comm, rank, q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim, workspace,
+                    workspace_bytes, dtype, stream, options, 1, "weft::ring_attention_forward");
+}
+
+namespace ops {
+
+size_t ring_forward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
+                                    int64_t kv_heads, int64_t head_dim, int grain) {
+  size_t most = 0;
+  for (int r = 0; r < world; ++r)
+    most = std::max(most, Sizes(world, r, doc_lengths, causal, kv_heads, head_dim, grain).workspace_bytes());
+  return most;
+}
+
+void ring_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, void* out,
+                  float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
+                  int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
+                  const AttentionOptions& options, int grain, const char* op) {
+  ops::OpCall call(comm, rank, stream, ops::team_where(op, rank));
   const std::string& where = call.where;
   WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled(),
              where + "options.segments and options.accumulate are set by the op itself; leave them empty");
   // The attention core's checks (head_dim, dtype, heads vs kv_heads, scale, Hopper) on one segment's shape.
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
-  const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, kv_heads, head_dim);
+  const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, kv_heads, head_dim, grain);
   WEFT_CHECK(z.slot_rows * std::max(heads, kv_heads) < (int64_t(1) << 31) &&
                  z.segments() * rank.world() < (int64_t(1) << 31),
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
@@ -147,4 +165,5 @@ void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const
     head_dim == 64 ? run(D64{}, __nv_bfloat16{}) : run(D128{}, __nv_bfloat16{});
 }
 
+}  // namespace ops
 }  // namespace weft

@@ -44,8 +44,8 @@ struct Sizes : ops::RingPassSizes {
   std::vector<std::pair<int64_t, int64_t>> ranges;  // this rank's query ranges that the peers meet
   int64_t longest_range = 1;
   Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, bool causal, int64_t h, int64_t kv,
-        int64_t d)
-      : RingPassSizes(world, rank, doc_lengths, causal, ops::RingTravel::kQueries),
+        int64_t d, int grain)
+      : RingPassSizes(world, rank, doc_lengths, causal, ops::RingTravel::kQueries, grain),
         heads(h),
         kv_heads(kv),
         head_dim(d),
@@ -76,17 +76,20 @@ struct Sizes : ops::RingPassSizes {
 struct DqRoute {
   std::vector<char> through_slot;  // [W]; step 0 (this rank's rows) never
   bool any = false, always = false;
-  DqRoute(const Communicator& comm, int rank, int W) : through_slot(W, 0) {
+  DqRoute(const Communicator& comm, const Rank& rank) : through_slot(rank.world(), 0) {
     const char* force = std::getenv("WEFT_RING_DQ_SLOTS");
     always = force != nullptr && std::string(force) == "1";
-    for (int s = 1; s < W; ++s) {
-      through_slot[s] = crosses(comm, rank, s, W);
+    for (int s = 1; s < rank.world(); ++s) {
+      through_slot[s] = crosses(comm, rank, rank.rank(), s);
       any |= through_slot[s] != 0;
     }
   }
-  // Whether rank `holder` takes a slot for the rows it meets at step s (those of rank holder - s).
-  bool crosses(const Communicator& comm, int holder, int s, int W) const {
-    return s > 0 && (always || !comm.same_gpu(holder, (holder - s + W) % W));
+  // Whether rank `holder` (of rank's team) takes a slot for the rows it meets at step s (those of rank
+  // holder - s).
+  bool crosses(const Communicator& comm, const Rank& rank, int holder, int s) const {
+    const int W = rank.world();
+    return s > 0 &&
+           (always || !comm.same_gpu(rank.team_rank_of(holder), rank.team_rank_of((holder - s + W) % W)));
   }
 };
 
@@ -128,7 +131,7 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route
   int parts = 0;
   auto* part_at = words.data() + W * sizeof(CUtensorMap) / 4;
   for (int s = 0; s < W; ++s) {
-    if (s > 0 && !route.crosses(comm, (r + s) % W, s, W)) continue;
+    if (s > 0 && !route.crosses(comm, rank, (r + s) % W, s)) continue;
     const float* part = rank.peer_ptr(accum + s * slot_floats, (r + s) % W);
     std::memcpy(part_at + parts++ * sizeof(part) / 4, &part, sizeof(part));
   }
@@ -218,7 +221,7 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route
   p.terms = terms;
   p.term_stride = static_cast<int>(z.term_stride);
 
-  const BarrierSlots meetings = comm.resources(kMeetings).slots;
+  const BarrierSlots meetings = comm.resources(rank, kMeetings).slots;
   launch_team_barrier(rank.view(), meetings[0], stream);  // receive slots free, peers' reads of ours done
   for (int s = 1; s < W; ++s)
     if (route.through_slot[s])
@@ -242,10 +245,7 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route
 size_t ring_attention_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths,
                                                bool causal, int64_t heads, int64_t kv_heads,
                                                int64_t head_dim) {
-  size_t most = 0;
-  for (int r = 0; r < world; ++r)
-    most = std::max(most, Sizes(world, r, doc_lengths, causal, heads, kv_heads, head_dim).workspace_bytes());
-  return most;
+  return ops::ring_backward_workspace_bytes(world, doc_lengths, causal, heads, kv_heads, head_dim, 1);
 }
 
 void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
@@ -253,7 +253,27 @@ void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, cons
                              void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
                              int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                              DType dtype, cudaStream_t stream, const AttentionOptions& options) {
-  ops::OpCall call(comm, rank, stream, ops::team_where("weft::ring_attention_backward", rank));
+  ops::ring_backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads, kv_heads, head_dim,
+                     workspace, workspace_bytes, dtype, stream, options, 1, "weft::ring_attention_backward");
+}
+
+namespace ops {
+
+size_t ring_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
+                                     int64_t heads, int64_t kv_heads, int64_t head_dim, int grain) {
+  size_t most = 0;
+  for (int r = 0; r < world; ++r)
+    most = std::max(most,
+                    Sizes(world, r, doc_lengths, causal, heads, kv_heads, head_dim, grain).workspace_bytes());
+  return most;
+}
+
+void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                   const void* out, const void* dout, const float* lse, void* dq, void* dk, void* dv,
+                   const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                   void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
+                   const AttentionOptions& options, int grain, const char* op) {
+  ops::OpCall call(comm, rank, stream, ops::team_where(op, rank));
   const std::string& where = call.where;
   WEFT_CHECK(
       !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
@@ -263,8 +283,8 @@ void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, cons
                  "options.deterministic is not supported by the ring backward (dQ parts of every rank are "
                  "added in arrival order); use context_attention_backward for bit-reproducible gradients");
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
-  Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
-  const DqRoute route(comm, rank.rank(), rank.world());
+  Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim, grain);
+  const DqRoute route(comm, rank);
   z.accum_slots = route.any ? rank.world() : 1;  // the same on every rank: a team on one GPU or on several
   WEFT_CHECK(z.slot_rows * heads * head_dim < (int64_t(1) << 31) &&
                  z.term_stride * heads * rank.world() < (int64_t(1) << 31) &&
@@ -305,4 +325,5 @@ void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, cons
     head_dim == 64 ? run(D64{}, __nv_bfloat16{}) : run(D128{}, __nv_bfloat16{});
 }
 
+}  // namespace ops
 }  // namespace weft

@@ -42,8 +42,9 @@ struct RingPassSizes {
   int64_t local = 0;      // this rank's rows
   int64_t slot_rows = 1;  // the longest rank's rows (a receive slot's)
   int64_t max_own = 1;    // the longest segment
-  RingPassSizes(int world, int r, const std::vector<int64_t>& doc_lengths, bool causal, RingTravel t)
-      : L(ring_layout(doc_lengths, world, causal)), rank(r), travel(t), pass(ring_pass_of(L, r, t)) {
+  RingPassSizes(int world, int r, const std::vector<int64_t>& doc_lengths, bool causal, RingTravel t,
+                int grain)
+      : L(ring_layout(doc_lengths, world, causal, grain)), rank(r), travel(t), pass(ring_pass_of(L, r, t)) {
     local = L.local_rows(rank);
     slot_rows = std::max<int64_t>(1, max_local_rows(L));
     for (int64_t x = 0; x < pass.segments(); ++x)
@@ -136,7 +137,7 @@ int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, co
   sched.section_pairs =
       static_cast<int>(std::min<int64_t>(section_pairs, std::max<int64_t>(z.segments(), 1) * heads));
   WEFT_CHECK(blocks <= kRingMaxBlocks, where + "more compute blocks than the landed counts hold");
-  p.sync = {rank.view(), comm.resources(res.state).flags, comm.resources(res.arrived).flags,
+  p.sync = {rank.view(), comm.resources(rank, res.state).flags, comm.resources(rank, res.arrived).flags,
             blocks * (Op::kConsumerWarpgroups + tile::kWarpgroupThreads / 32 - 1)};
   p.steps = z.L.world;
   WEFT_CUDA_CHECK(cudaMemsetAsync(landed, 0, z.landed_bytes(), stream));

@@ -37,16 +37,24 @@ struct RingLayout {
   bool zigzag = false;  // causal: 2W parts per document; else W
   std::vector<int64_t> doc_length;
 
+  // Grain g: each part is g consecutive parts of the cut into g x parts(), the layout of a team of g x W
+  // with every g consecutive ranks merged into one (1: no merging). The hybrid of Ulysses and ring attention
+  // runs the ring over such a layout: rank i of its ring holds what ranks i g .. i g + g - 1 of the whole
+  // team's layout hold.
+  int grain = 1;
   int parts() const { return zigzag ? 2 * world : world; }
-  // Part c of document d: first position in the document, and length. The first doc_length % parts() parts
-  // hold one row more (part_base / part_extra: filled by ring_layout, as the plans ask per document and
-  // step).
+  // Part c of document d: first position in the document, and length. Of the cut into grain x parts()
+  // pieces, the first doc_length % (grain x parts()) hold one row more (part_base / part_extra: filled by
+  // ring_layout, as the plans ask per document and step).
   std::vector<int64_t> part_base, part_extra;
-  int64_t part_begin(int d, int c) const {
+  int64_t piece_begin(int d, int64_t c) const {
     const int64_t extra = part_extra[d];
     return c * part_base[d] + (c < extra ? c : extra);
   }
-  int64_t part_length(int d, int c) const { return part_base[d] + (c < part_extra[d] ? 1 : 0); }
+  int64_t part_begin(int d, int c) const { return piece_begin(d, int64_t(c) * grain); }
+  int64_t part_length(int d, int c) const {
+    return piece_begin(d, int64_t(c + 1) * grain) - piece_begin(d, int64_t(c) * grain);
+  }
   // The parts rank r holds of each document, in local order: one, or two when zigzag. A value, not a vector:
   // the plans ask for it per document and step, and an allocation per ask made a pass over 512 documents
   // cost ~1 ms of host time per call.
@@ -77,17 +85,19 @@ struct RingLayout {
   int64_t local_rows(int r) const { return doc_row[r].back(); }
 };
 
-inline RingLayout ring_layout(const std::vector<int64_t>& doc_length, int world, bool causal) {
+inline RingLayout ring_layout(const std::vector<int64_t>& doc_length, int world, bool causal, int grain = 1) {
   if (world < 1) throw std::invalid_argument("ring_layout: world size must be at least 1");
+  if (grain < 1) throw std::invalid_argument("ring_layout: grain must be at least 1");
   if (doc_length.empty()) throw std::invalid_argument("ring_layout: no documents");
   for (size_t d = 0; d < doc_length.size(); ++d)
     if (doc_length[d] < 0)
       throw std::invalid_argument("ring_layout: document " + std::to_string(d) + " has a negative length");
   RingLayout L;
-  L.world = world, L.zigzag = causal, L.doc_length = doc_length;
+  L.world = world, L.zigzag = causal, L.doc_length = doc_length, L.grain = grain;
+  const int64_t pieces = int64_t(L.parts()) * grain;
   for (const int64_t n : doc_length) {
-    L.part_base.push_back(n / L.parts());
-    L.part_extra.push_back(n % L.parts());
+    L.part_base.push_back(n / pieces);
+    L.part_extra.push_back(n % pieces);
   }
   L.doc_row.assign(world, std::vector<int64_t>(doc_length.size() + 1, 0));
   for (int r = 0; r < world; ++r)
@@ -146,6 +156,26 @@ inline std::vector<RowRun> ring_runs(const RingLayout& L) {
       doc_start += L.doc_length[d];
     }
   }
+  return runs;
+}
+
+// Rank r's local rows of L as runs of the local rows of rank r / g of `coarse`, the same cut with every g
+// consecutive ranks merged (ring_layout(documents, L.world / g, causal, g)): run.natural is a row of the
+// coarse rank's local rows. The runs of ranks r / g x g .. r / g x g + g - 1 cover that rank's rows once.
+inline std::vector<RowRun> merged_runs(const RingLayout& L, const RingLayout& coarse, int r) {
+  const int g = coarse.grain;
+  if (L.grain != 1 || g * coarse.world != L.world || coarse.zigzag != L.zigzag)
+    throw std::invalid_argument("merged_runs: the coarse layout is not L with every " + std::to_string(g) +
+                                " ranks merged");
+  std::vector<RowRun> runs;
+  for (int d = 0; d < static_cast<int>(L.doc_length.size()); ++d)
+    for (int c : L.parts_of(r)) {
+      const int64_t n = L.part_length(d, c);
+      if (n == 0) continue;
+      const int merged = c / g;  // the coarse part holding piece c
+      const int64_t at = coarse.local_row(r / g, d, merged) + L.part_begin(d, c) - coarse.part_begin(d, merged);
+      runs.push_back({at, n, r, L.local_row(r, d, c)});
+    }
   return runs;
 }
 
@@ -318,7 +348,7 @@ inline std::vector<std::pair<int64_t, int64_t>> ring_push_rows(const RingLayout&
 // whole rows and, zigzag, its late part alone (the met ranges of every rank's pass with source r are among
 // them). The per-row terms of a range beginning at local row x live at term rows 4 x, 4 x + 1, ...: every
 // range starts 16-byte aligned for TMA, and the copies of one row for the two ranges that hold it never
-// land on another row's (parts differ by at most one row, so a late part is never over three times the
+// land on another row's (a later part is never longer than an earlier one, so a late part is never over three times the
 // early part).
 inline std::vector<std::pair<int64_t, int64_t>> ring_query_ranges(const RingLayout& L, int r) {
   std::vector<std::pair<int64_t, int64_t>> ranges;

@@ -140,6 +140,10 @@ void write_local_to_natural(const RingLayout& L, int r, int32_t* natural, cudaSt
   std::vector<RowRun> runs;
   for (const RowRun& run : ring_runs(L))
     if (run.rank == r) runs.push_back(run);  // in local order
+  write_row_index(runs, natural, stream);
+}
+
+void write_row_index(const std::vector<RowRun>& runs, int32_t* natural, cudaStream_t stream) {
   detail::preload<&expand_runs>();
   for (size_t at = 0; at < runs.size(); at += kRunsPerLaunch) {
     const int n = static_cast<int>(std::min<size_t>(kRunsPerLaunch, runs.size() - at));
@@ -161,7 +165,7 @@ void push_rows(Communicator& comm, Rank& rank, const void* src, int64_t n, void*
   const int blocks = collective_blocks(rank, uint64_t(max_local * rank.world() * share.width * head_dim * 2));
   detail::preload<&push_rows_kernel>();
   push_rows_kernel<<<blocks, 512, 0, stream>>>(
-      rank.view(), meeting_slots(comm), static_cast<const uint4*>(src), n, static_cast<uint4*>(natural),
+      rank.view(), meeting_slots(comm, rank), static_cast<const uint4*>(src), n, static_cast<uint4*>(natural),
       local_nat, share, static_cast<int>(head_dim * 2 / 16));
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
@@ -174,7 +178,7 @@ void pull_rows(Communicator& comm, Rank& rank, const void* natural, bool natural
     constexpr auto kernel = &pull_rows_kernel<std::remove_cv_t<std::remove_pointer_t<decltype(in)>>,
                                               std::remove_pointer_t<decltype(out)>>;
     detail::preload<kernel>();
-    kernel<<<blocks, 512, 0, stream>>>(rank.view(), meeting_slots(comm), in, out, n, local_nat, share,
+    kernel<<<blocks, 512, 0, stream>>>(rank.view(), meeting_slots(comm, rank), in, out, n, local_nat, share,
                                        static_cast<int>(head_dim));
   };
   const bool half = dtype == DType::kFP16;

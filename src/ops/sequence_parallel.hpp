@@ -17,6 +17,7 @@
 
 #include "ring_attention_plan.hpp"
 #include "weft/dtype.hpp"
+#include "weft/ops/attention.hpp"
 #include "weft/runtime/communicator.hpp"
 
 namespace weft::ops {
@@ -33,6 +34,24 @@ void upload_words(int32_t* dst, const std::vector<int32_t>& words, cudaStream_t 
 
 // natural[x] = the natural row of rank r's local row x, for its L.local_rows(r) rows.
 void write_local_to_natural(const RingLayout& L, int r, int32_t* natural, cudaStream_t stream);
+// index[run.local + i] = run.natural + i for the runs (in local order, back to back).
+void write_row_index(const std::vector<RowRun>& runs, int32_t* index, cudaStream_t stream);
+
+// Ring attention over a layout of grain `grain` (RingLayout::grain; the public ring ops are grain 1), its
+// errors prefixed with `op`: the hybrid of Ulysses and ring attention runs it on its ring sub-teams.
+size_t ring_forward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
+                                    int64_t kv_heads, int64_t head_dim, int grain);
+void ring_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, void* out,
+                  float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
+                  int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
+                  const AttentionOptions& options, int grain, const char* op);
+size_t ring_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
+                                     int64_t heads, int64_t kv_heads, int64_t head_dim, int grain);
+void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                   const void* out, const void* dout, const float* lse, void* dq, void* dk, void* dv,
+                   const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                   void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
+                   const AttentionOptions& options, int grain, const char* op);
 
 // Which heads of a row of `groups` heads rank j holds in the natural-order buffers: [first(j), first(j) +
 // width) with first(j) = j * groups / W (Ulysses' head groups; with fewer heads than ranks W / groups

@@ -204,9 +204,9 @@ void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* 
   p.causal = options.causal ? 1 : 0;
 
   const int flags = ops::ulysses_chunk_flags(W);
-  p.sync = {rank.view(), comm.resources(kState).flags, comm.resources(kArrived).flags,
+  p.sync = {rank.view(), comm.resources(rank, kState).flags, comm.resources(rank, kArrived).flags,
             blocks * (Op::kConsumerWarpgroups + lcsc::kHelperWarps)};
-  p.finished_flags = comm.resources(kFinished).flags;
+  p.finished_flags = comm.resources(rank, kFinished).flags;
   p.chunk = {static_cast<int>(std::min<int64_t>(qw, flags)), static_cast<int>(qw)};
   p.flags_per_source = flags;
   const int n = static_cast<int>(segs.size());
@@ -233,7 +233,7 @@ void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* 
   p.pushed = reinterpret_cast<uint64_t*>(counters + round256(size_t(ops::kUlyssesMaxBlocks) * 4));
   p.ended = p.pushed + size_t(flags) * W;
 
-  launch_team_barrier(rank.view(), comm.resources(kMeeting).slots[0], stream);  // buffers free
+  launch_team_barrier(rank.view(), comm.resources(rank, kMeeting).slots[0], stream);  // buffers free
   lcsc::Launcher<Op>::launch(p, blocks, stream);
 }
 

@@ -476,8 +476,42 @@ void Communicator::grant_declared_resources() {
   }
 }
 
+Rank& Communicator::subteam(Rank& rank, int size, int stride) {
+  const Rank& base = rank.team_rank();
+  WEFT_CHECK(&base == &rank, "weft: Communicator::subteam of a sub-team's rank: split the team's own rank");
+  WEFT_CHECK(size >= 1 && stride >= 1 && world_ % (int64_t(size) * stride) == 0,
+             "weft: a sub-team of " + std::to_string(size) + " ranks " + std::to_string(stride) +
+                 " apart does not tile a team of " + std::to_string(world_) +
+                 " (size x stride must divide the world size)");
+  if (size == world_) return rank;
+  std::unique_ptr<Rank>& sub = subteams_[{&base, size, stride}];
+  if (sub) return *sub;
+  sub = std::make_unique<Rank>();
+  const int r = base.rank(), block = size * stride;
+  const int first = r / block * block + r % stride;
+  sub->device_ = base.device_;
+  sub->sm_budget_ = base.sm_budget_;
+  sub->device_sms_ = base.device_sms_;
+  sub->stream_ = base.stream_;
+  sub->view_ = base.view_;
+  sub->view_.rank = (r / stride) % size;
+  sub->view_.world = size;
+  sub->view_.peer_first = first;
+  sub->view_.peer_stride = stride;
+  for (int i = 0; i < size; ++i) sub->heap_of_.push_back(base.heap_of_[first + i * stride]);
+  sub->team_rank_ = &base;
+  sub->scope_ = " [sub-teams of " + std::to_string(size) + ", stride " + std::to_string(stride) + "]";
+  return *sub;
+}
+
 const ResourceGrant& Communicator::resources(const ResourceRequest& request) {
   return registry_.grant(request);
+}
+
+const ResourceGrant& Communicator::resources(const Rank& rank, const std::string& owner) {
+  const ResourceGrant& team = resources(owner);
+  if (rank.scope().empty()) return team;
+  return resources(ResourceRequest{owner + rank.scope(), team.flags.count, team.slots.count});
 }
 
 const ResourceGrant& Communicator::resources(const std::string& owner) const {
@@ -619,7 +653,8 @@ CUmemGenericAllocationHandle Communicator::create_physical(int device, uint64_t 
   return h;
 }
 
-std::string Communicator::foreign_heap(const Rank& rank, const void* p) const {
+std::string Communicator::foreign_heap(const Rank& sub, const void* p) const {
+  const Rank& rank = sub.team_rank();
   const char* c = static_cast<const char*>(p);
   for (auto& q : ranks_)
     for (int owner = 0; owner < world_; ++owner) {

@@ -18,6 +18,7 @@
 #include "weft/ops/collectives.hpp"
 
 using namespace weft;
+using weft::test::DeviceBuffer;
 using weft::test::TestContext;
 
 namespace {
@@ -518,4 +519,70 @@ WEFT_GPU_TEST(collective_argument_errors) {
   });
   WEFT_EXPECT(e.find("one-shot all-reduce is limited") != std::string::npos, e);
   c.free(b);
+}
+
+// Sub-teams (Communicator::subteam): every split of the team into sub-teams of 2 .. W / 2 ranks, 1 or more
+// apart, all-reducing integer-valued fp32 (exact sums) over each sub-team, one-shot and two-shot sizes,
+// with whole-team all-reduces interleaved and no host synchronization between calls: each split's
+// meetings, flags and staging are its own, so neither a split nor the whole team reads another's.
+WEFT_GPU_TEST(subteam_all_reduce_matches_reference) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  std::vector<std::pair<int, int>> splits;  // (size, stride)
+  for (int size = 2; size < W; ++size)
+    for (int stride = 1; size * stride <= W; ++stride)
+      if (W % (size * stride) == 0) splits.push_back({size, stride});
+  if (splits.empty()) WEFT_SKIP("no sub-team of 2 .. W - 1 ranks tiles a team of " + std::to_string(W));
+  const size_t counts[] = {1000, size_t(ctx.quick ? 1 << 16 : (1 << 20) + 5)};
+  auto value = [](int r, size_t i, int call) { return float(int((r * 131 + i * 7 + call * 13) % 201) - 100); };
+  struct Call {
+    int size, stride;  // size W: the whole team
+    size_t n;
+  };
+  std::vector<Call> calls;
+  for (auto [size, stride] : splits)
+    for (size_t n : counts) {
+      calls.push_back({size, stride, n});
+      calls.push_back({W, 1, n});
+    }
+  std::vector<std::vector<std::unique_ptr<DeviceBuffer>>> in(c.num_local()), out(c.num_local());
+  for (int i = 0; i < c.num_local(); ++i) {
+    const int r = c.local(i).rank();
+    WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+    for (size_t k = 0; k < calls.size(); ++k) {
+      std::vector<float> v(calls[k].n);
+      for (size_t e = 0; e < v.size(); ++e) v[e] = value(r, e, int(k));
+      in[i].push_back(std::make_unique<DeviceBuffer>(v.size() * 4));
+      out[i].push_back(std::make_unique<DeviceBuffer>(v.size() * 4));
+      weft::test::upload(c, i, in[i].back()->p, v.data(), v.size() * 4);
+      poison(c, i, out[i].back()->p, v.size() * 4);
+    }
+  }
+  c.host_barrier();
+  for (size_t k = 0; k < calls.size(); ++k)
+    for (int i = 0; i < c.num_local(); ++i) {
+      Rank& rank = c.subteam(c.local(i), calls[k].size, calls[k].stride);
+      WEFT_EXPECT(rank.world() == calls[k].size, "a sub-team's world size");
+      WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+      all_reduce(c, rank, in[i][k]->p, out[i][k]->p, calls[k].n, DType::kFP32);
+    }
+  c.synchronize();
+  for (int i = 0; i < c.num_local(); ++i) {
+    const int r = c.local(i).rank();
+    for (size_t k = 0; k < calls.size(); ++k) {
+      const int size = calls[k].size, stride = calls[k].stride, block = size * stride;
+      const int first = r / block * block + r % stride;
+      std::vector<float> got(calls[k].n);
+      weft::test::download(c, i, got.data(), out[i][k]->p, got.size() * 4);
+      size_t bad = 0;
+      for (size_t e = 0; e < got.size(); ++e) {
+        float want = 0;
+        for (int m = 0; m < size; ++m) want += value(first + m * stride, e, int(k));
+        bad += !(got[e] == want);
+      }
+      WEFT_EXPECT(bad == 0, "rank " + std::to_string(r) + ", sub-teams of " + std::to_string(size) +
+                                " stride " + std::to_string(stride) + ", " + std::to_string(calls[k].n) +
+                                " values: " + std::to_string(bad) + " differ from the sub-team's sum");
+    }
+  }
 }

@@ -38,15 +38,34 @@ struct CpCase {
   bool causal;
 };
 
-// The three methods behind one set of signatures.
-enum class Method { kAllGather, kUlysses, kRing };
+// The four methods behind one set of signatures; the hybrid's Ulysses size is hybrid_ulysses.
+enum class Method { kAllGather, kUlysses, kRing, kHybrid };
+int hybrid_ulysses = 1;
+void hybrid_forward(Communicator& c, Rank& rank, const void* q, const void* k, const void* v, void* out,
+                    float* lse, const std::vector<int64_t>& docs, int64_t h, int64_t kv, int64_t d, void* ws,
+                    size_t ws_bytes, DType t, cudaStream_t s, const AttentionOptions& o) {
+  hybrid_attention_forward(c, rank, q, k, v, out, lse, docs, h, kv, d, hybrid_ulysses, ws, ws_bytes, t, s, o);
+}
+void hybrid_backward(Communicator& c, Rank& rank, const void* q, const void* k, const void* v, const void* out,
+                     const void* dout, const float* lse, void* dq, void* dk, void* dv,
+                     const std::vector<int64_t>& docs, int64_t h, int64_t kv, int64_t d, void* ws,
+                     size_t ws_bytes, DType t, cudaStream_t s, const AttentionOptions& o) {
+  hybrid_attention_backward(c, rank, q, k, v, out, dout, lse, dq, dk, dv, docs, h, kv, d, hybrid_ulysses, ws,
+                            ws_bytes, t, s, o);
+}
 size_t forward_workspace(Method m, int W, const CpCase& cc) {
+  if (m == Method::kHybrid)
+    return hybrid_attention_workspace_bytes(W, hybrid_ulysses, cc.docs, cc.causal, cc.heads, cc.kv_heads,
+                                            cc.dim);
   if (m == Method::kRing) return ring_attention_workspace_bytes(W, cc.docs, cc.causal, cc.kv_heads, cc.dim);
   return m == Method::kUlysses
              ? ulysses_attention_workspace_bytes(W, cc.docs, cc.causal, cc.heads, cc.kv_heads, cc.dim)
              : context_attention_workspace_bytes(W, cc.docs, cc.causal, cc.kv_heads, cc.dim);
 }
 size_t backward_workspace(Method m, int W, const CpCase& cc) {
+  if (m == Method::kHybrid)
+    return hybrid_attention_backward_workspace_bytes(W, hybrid_ulysses, cc.docs, cc.causal, cc.heads,
+                                                     cc.kv_heads, cc.dim);
   if (m == Method::kRing)
     return ring_attention_backward_workspace_bytes(W, cc.docs, cc.causal, cc.heads, cc.kv_heads, cc.dim);
   return m == Method::kUlysses ? ulysses_attention_backward_workspace_bytes(W, cc.docs, cc.causal, cc.heads,
@@ -55,10 +74,12 @@ size_t backward_workspace(Method m, int W, const CpCase& cc) {
                                                                             cc.kv_heads, cc.dim);
 }
 decltype(&context_attention_forward) forward_of(Method m) {
+  if (m == Method::kHybrid) return &hybrid_forward;
   if (m == Method::kRing) return &ring_attention_forward;
   return m == Method::kUlysses ? &ulysses_attention_forward : &context_attention_forward;
 }
 decltype(&context_attention_backward) backward_of(Method m) {
+  if (m == Method::kHybrid) return &hybrid_backward;
   if (m == Method::kRing) return &ring_attention_backward;
   return m == Method::kUlysses ? &ulysses_attention_backward : &context_attention_backward;
 }
@@ -226,7 +247,7 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
   // The ring meets a document's keys in other blocks than the single call (ranges start at each rank's
   // part), so its fp32 sums differ in rounding and the bf16 outputs by up to one ulp; the other methods
   // run the single call's arithmetic per row.
-  const double ulps = method == Method::kRing ? 1.0 / 128 : 1e-3;
+  const double ulps = method == Method::kRing || method == Method::kHybrid ? 1.0 / 128 : 1e-3;
   for (int i = 0; i < c.num_local(); ++i) {
     const int r = c.local(i).rank();
     const std::vector<int64_t>& t = tokens[r];
@@ -455,6 +476,62 @@ WEFT_GPU_TEST(ulysses_attention_pipelined_matches_single_gpu) {
   const std::string failures = run_cp_cases(c, Method::kUlysses, ulysses_cases(c.world(), ctx.quick), 751);
   unsetenv("WEFT_ULYSSES_FORWARD");
   WEFT_EXPECT(failures.empty(), failures);
+}
+
+// The hybrid at every Ulysses size U with 1 < U < W that divides W (W = 4: 2; W = 8: 2 and 4): heads a
+// multiple of U, K / V heads split over the group or shared (fewer than U); odd lengths, empty and tiny
+// documents; then the first case again. Each U runs on sub-teams of its own (U consecutive ranks, and rings
+// of W / U ranks U apart). Without such a U (W = 2, 3), U = W and U = 1 are Ulysses and the ring: one case
+// each through the hybrid's entry points.
+WEFT_GPU_TEST(hybrid_attention_matches_single_gpu) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  std::string failures;
+  uint64_t seed = 1101;
+  bool any = false;
+  for (int U = 2; U < W; ++U) {
+    if (W % U != 0) continue;
+    any = true;
+    std::vector<CpCase> cases = {
+        {{1000}, 2 * U, 2 * U, 128, true}, {{1000}, 2 * U, U, 64, false}, {{300, 0, 17, 777}, 2 * U, 1, 64, true},
+        {{129, 64, 1}, U, U, 128, false},  {{3, 1}, U, U, 64, true},
+    };
+    if (!ctx.quick) cases.push_back({{4099, 2000}, 4 * U, 2, 128, true});
+    cases.push_back(cases.front());
+    hybrid_ulysses = U;
+    const std::string f = run_cp_cases(c, Method::kHybrid, cases, seed += 100);
+    if (!f.empty()) failures += "\n  Ulysses size " + std::to_string(U) + ":" + f;
+  }
+  if (!any)
+    for (int U : {W, 1}) {
+      hybrid_ulysses = U;
+      const std::string f = run_cp_cases(c, Method::kHybrid, {{{1000}, 2 * W, W, 64, true}}, seed += 100);
+      if (!f.empty()) failures += "\n  Ulysses size " + std::to_string(U) + ":" + f;
+    }
+  hybrid_ulysses = 1;
+  WEFT_EXPECT(failures.empty(), failures);
+}
+
+WEFT_GPU_TEST(hybrid_attention_argument_errors) {
+  Communicator& c = ctx.comm();
+  Rank& rank = c.local(0);
+  WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+  DeviceBuffer ws(1 << 20), x(1 << 20);
+  const std::vector<int64_t> docs = {64};
+  const int W = c.world();
+  auto call = [&](int64_t h, int64_t kv, int U) {
+    hybrid_attention_forward(c, rank, x.p, x.p, x.p, x.p, nullptr, docs, h, kv, 64, U, ws.p, ws.bytes,
+                             DType::kBF16, nullptr);
+  };
+  WEFT_EXPECT_ERROR(call(4 * W, 4 * W, W + 1), "must divide the world size");
+  WEFT_EXPECT_ERROR(call(4 * W, 4 * W, 0), "must divide the world size");
+  if (W % 2 == 0 && W > 2) {
+    WEFT_EXPECT_ERROR(call(3, 3, 2), "must be a multiple of the Ulysses size");
+    if (W % 4 == 0 && W > 4) WEFT_EXPECT_ERROR(call(12, 3, 4), "must divide one another");
+    WEFT_EXPECT_ERROR(
+        hybrid_attention_forward(c, rank, x.p, x.p, x.p, x.p, nullptr, docs, 4, 4, 64, 2, ws.p, 16, DType::kBF16),
+        "the workspace must hold");
+  }
 }
 
 // Shapes Ulysses cannot split are refused on every rank, before anything is enqueued.

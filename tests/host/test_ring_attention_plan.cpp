@@ -157,16 +157,52 @@ static std::vector<int64_t> random_documents(std::mt19937& g) {
   return docs;
 }
 
-// Calls f(docs, L) for W = 1, 2, 3, 4 and 8, causal and not, on six random packings each.
+// Calls f(docs, L) for W = 1, 2, 3, 4 and 8, causal and not, on six random packings each, and for W = 1,
+// 2, 4 with grains 2 and 3 (the layouts the hybrid's rings run over: parts of unequal pieces).
 template <class F>
 void for_random_layouts(uint32_t seed, F f) {
   std::mt19937 g(seed);
-  for (int W : {1, 2, 3, 4, 8})
+  for (auto [W, grain] : {std::pair{1, 1}, {2, 1}, {3, 1}, {4, 1}, {8, 1}, {1, 2}, {2, 2}, {4, 2}, {2, 3}})
     for (bool causal : {false, true})
       for (int trial = 0; trial < 6; ++trial) {
         const std::vector<int64_t> docs = random_documents(g);
-        f(docs, weft::ops::ring_layout(docs, W, causal));
+        f(docs, weft::ops::ring_layout(docs, W, causal, grain));
       }
+}
+
+// The hybrid's merged layout: the runs of ranks g U .. g U + U - 1 of the team's layout cover coarse rank
+// g's rows once, each row holding the same token in both.
+TEST(RingAttentionPlan, MergedRunsTileTheCoarseRanks) {
+  std::mt19937 g(5);
+  for (auto [W, U] : {std::pair{4, 2}, {6, 2}, {6, 3}, {8, 2}, {8, 4}, {4, 4}, {4, 1}})
+    for (bool causal : {false, true})
+      for (int trial = 0; trial < 8; ++trial) {
+        std::vector<int64_t> docs = random_documents(g);
+        if (trial == 0) docs = {100003, 7, 0, 1};
+        const RingLayout L = weft::ops::ring_layout(docs, W, causal);
+        const RingLayout M = weft::ops::ring_layout(docs, W / U, causal, U);
+        for (int c = 0; c < W / U; ++c) {
+          const std::vector<int64_t> coarse = weft::ops::ring_tokens(M, c);
+          std::vector<int> seen(coarse.size(), 0);
+          for (int r = c * U; r < (c + 1) * U; ++r) {
+            const std::vector<int64_t> fine = weft::ops::ring_tokens(L, r);
+            int64_t covered = 0;
+            for (const weft::ops::RowRun& run : weft::ops::merged_runs(L, M, r)) {
+              ASSERT_EQ(run.local, covered) << "runs in local order, back to back";
+              for (int64_t i = 0; i < run.length; ++i) {
+                ASSERT_LT(run.natural + i, static_cast<int64_t>(coarse.size()));
+                ASSERT_EQ(coarse[run.natural + i], fine[run.local + i]) << "W " << W << " U " << U;
+                ++seen[run.natural + i];
+              }
+              covered += run.length;
+            }
+            EXPECT_EQ(covered, static_cast<int64_t>(fine.size()));
+          }
+          for (size_t x = 0; x < seen.size(); ++x) ASSERT_EQ(seen[x], 1) << "coarse row " << x;
+        }
+      }
+  EXPECT_THROW(weft::ops::merged_runs(weft::ops::ring_layout({8}, 4, true), weft::ops::ring_layout({8}, 2, false, 2), 0),
+               std::invalid_argument);
 }
 
 // The packed sequence's tokens (document and position of each) and a count per (query, key) token pair;

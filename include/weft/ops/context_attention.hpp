@@ -106,6 +106,35 @@ void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, cons
                              DType dtype, cudaStream_t stream = nullptr,
                              const AttentionOptions& options = {});
 
+// The hybrid of the two (USP): the team split into groups of `ulysses` consecutive ranks (W % ulysses == 0).
+// Within a group the heads are split as Ulysses splits them (heads / ulysses per member), and each member's
+// heads travel a ring across the groups (rank r's ring: the ranks r % ulysses, r % ulysses + ulysses, ...),
+// over the group's rows of the sequence; the outputs come back within the group. Each rank sends and
+// receives Ulysses' volume within its group and a ring's over its ring of W / ulysses: on several nodes,
+// the groups inside a node and the rings across them. The same arguments and layout as the others; needs
+// heads % ulysses == 0 and kv_heads and ulysses dividing one another. ulysses == W is Ulysses' forward and
+// backward, ulysses == 1 the ring's. The communicator's workspace area "hybrid attention" holds a member's
+// heads of its group's rows; the ring's areas and resources are its sub-teams' own
+// (Communicator::subteam).
+size_t hybrid_attention_workspace_bytes(int world, int ulysses, const std::vector<int64_t>& doc_lengths,
+                                        bool causal, int64_t heads, int64_t kv_heads, int64_t head_dim);
+void hybrid_attention_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                              void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                              int64_t kv_heads, int64_t head_dim, int ulysses, void* workspace,
+                              size_t workspace_bytes, DType dtype, cudaStream_t stream = nullptr,
+                              const AttentionOptions& options = {});
+// The backward: dK / dV of a K / V head that several members of a group attend are summed in fp32 over
+// them, each member's part rounded to 16 bits by its ring first.
+size_t hybrid_attention_backward_workspace_bytes(int world, int ulysses, const std::vector<int64_t>& doc_lengths,
+                                                 bool causal, int64_t heads, int64_t kv_heads,
+                                                 int64_t head_dim);
+void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                               const void* out, const void* dout, const float* lse, void* dq, void* dk,
+                               void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                               int64_t kv_heads, int64_t head_dim, int ulysses, void* workspace,
+                               size_t workspace_bytes, DType dtype, cudaStream_t stream = nullptr,
+                               const AttentionOptions& options = {});
+
 // This rank's local rows in that layout.
 int64_t context_attention_local_rows(int world, int rank, const std::vector<int64_t>& doc_lengths,
                                      bool causal);

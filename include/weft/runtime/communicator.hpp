@@ -31,6 +31,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -90,6 +91,12 @@ class Rank {
   T* at(const SymmetricBuffer& b, int r, uint64_t byte_offset = 0) const {
     return reinterpret_cast<T*>(heap_of_[r] + b.offset + byte_offset);
   }
+  // Sub-teams (Communicator::subteam). The rank of the whole team this one stands for (itself when it is
+  // one), the team rank of member r, and the name of its split ("": the whole team), which suffixes the
+  // names of the resources and workspace areas its ops are granted.
+  const Rank& team_rank() const { return team_rank_ != nullptr ? *team_rank_ : *this; }
+  int team_rank_of(int r) const { return view_.peer_first + r * view_.peer_stride; }
+  const std::string& scope() const { return scope_; }
 
  private:
   friend class Communicator;
@@ -98,6 +105,8 @@ class Rank {
   cudaStream_t stream_ = nullptr;
   TeamView view_{};
   std::vector<char*> heap_of_;
+  const Rank* team_rank_ = nullptr;
+  std::string scope_;
 };
 
 class Communicator {
@@ -121,6 +130,15 @@ class Communicator {
   int num_local() const { return static_cast<int>(ranks_.size()); }
   Rank& local(int i) { return *ranks_.at(i); }
   const Rank& local(int i) const { return *ranks_.at(i); }
+  // The sub-team of `rank` with `size` ranks `stride` apart: the team's ranks arranged as [W / (size x
+  // stride)][size][stride], the ranks that differ only in the middle index (on a team of 4, size 2 stride 1:
+  // {0, 1} and {2, 3}; size 2 stride 2: {0, 2} and {1, 3}). The Rank it returns is a rank of a team of
+  // `size` (its rank(), world(), view(), heap_of()) on the same GPU, stream and SM budget, for any op: each
+  // split (size, stride) is granted flags, barrier slots and workspace areas of its own, under the names
+  // suffixed with Rank::scope(), which its disjoint sub-teams share (no rank belongs to two of them). Ops on
+  // a sub-team must be called by every rank of the team, in the same order (the grants are collective).
+  // The Rank lives as long as the communicator; size == W (stride 1) gives `rank` itself.
+  Rank& subteam(Rank& rank, int size, int stride = 1);
   uint64_t heap_capacity() const;
   uint64_t heap_granularity() const;
   uint64_t heap_in_use() const;
@@ -156,12 +174,15 @@ class Communicator {
   // so every rank must ask in the same order. The second form looks a grant up (throws if there is none).
   const ResourceGrant& resources(const ResourceRequest& request);
   const ResourceGrant& resources(const std::string& owner) const;
+  // The grant of `owner` for rank's team: on a sub-team (subteam()), one of the same counts under the name
+  // suffixed with its scope, granted on first request. Ops that may run on sub-teams ask this way.
+  const ResourceGrant& resources(const Rank& rank, const std::string& owner);
 
   // Whether [p, p + bytes) lies in rank's own symmetric heap (then peers reach it through
   // TeamView::peer_ptr).
   bool in_heap(const Rank& rank, const void* p, uint64_t bytes) const {
     const char* c = static_cast<const char*>(p);
-    const char* base = rank.heap_of(rank.rank());
+    const char* base = rank.view().local_base;
     return c >= base && bytes <= capacity_ && c + bytes <= base + capacity_;
   }
   // If p lies in a symmetric heap other than rank's own (a peer's heap as some local rank maps it), says
@@ -222,6 +243,7 @@ class Communicator {
   SymmetricBuffer pad_;
   ResourceRegistry registry_{kFlagWords, kBarrierSlots};
   std::map<std::string, SymmetricBuffer> workspaces_;  // by area name ("": the shared one)
+  std::map<std::tuple<const Rank*, int, int>, std::unique_ptr<Rank>> subteams_;  // (rank, size, stride)
   std::vector<SymmetricBuffer>
       retired_workspaces_;         // outgrown with several local ranks: freed by synchronize()
   int32_t* abort_flag_ = nullptr;  // host-mapped
