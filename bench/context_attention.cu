@@ -84,7 +84,8 @@ void run_context_attention(Context& ctx) {
   // ring-no-copy: the ring kernels with every push only signalling (WEFT_RING_NO_COPY=1: wrong results, only
   // with --cp-methods): their time is the ring's without data movement, the difference its exposed cost.
   enum class M { kAllGather, kRing, kRingNoCopy, kUlysses, kHybrid };
-  std::vector<std::pair<M, int>> methods = {{M::kAllGather, 0}, {M::kRing, 0}, {M::kRingNoCopy, 0}, {M::kUlysses, 0}};
+  std::vector<std::pair<M, int>> methods = {
+      {M::kAllGather, 0}, {M::kRing, 0}, {M::kRingNoCopy, 0}, {M::kUlysses, 0}};
   for (int U = 2; U < W; ++U)
     if (W % U == 0) methods.push_back({M::kHybrid, U});
   for (auto [method, U] : methods)
@@ -123,10 +124,10 @@ void run_context_attention(Context& ctx) {
             hybrid    ? std::max(hybrid_attention_workspace_bytes(W, U, docs, causal, H, KV, D),
                                  hybrid_attention_backward_workspace_bytes(W, U, docs, causal, H, KV, D))
             : ulysses ? ulysses_attention_backward_workspace_bytes(W, docs, causal, H, KV, D)
-                    : std::max({context_attention_backward_workspace_bytes(W, docs, causal, H, KV, D),
-                                context_attention_workspace_bytes(W, docs, causal, KV, D),
-                                ring_attention_workspace_bytes(W, docs, causal, KV, D),
-                                ring_attention_backward_workspace_bytes(W, docs, causal, H, KV, D)});
+                      : std::max({context_attention_backward_workspace_bytes(W, docs, causal, H, KV, D),
+                                  context_attention_workspace_bytes(W, docs, causal, KV, D),
+                                  ring_attention_workspace_bytes(W, docs, causal, KV, D),
+                                  ring_attention_backward_workspace_bytes(W, docs, causal, H, KV, D)});
         std::vector<std::unique_ptr<RankData>> data;
         for (int i = 0; i < L; ++i) {
           Rank& r = comm.local(i);
@@ -144,8 +145,9 @@ void run_context_attention(Context& ctx) {
             WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
             RankData& d = *data[i];
             if (hybrid) {
-              hybrid_attention_forward(comm, r, d.q.p, d.k.p, d.v.p, d.out.p, static_cast<float*>(d.lse.p), docs,
-                                       H, KV, D, U, d.ws.p, d.ws_bytes, DType::kBF16, team.streams[i], o);
+              hybrid_attention_forward(comm, r, d.q.p, d.k.p, d.v.p, d.out.p, static_cast<float*>(d.lse.p),
+                                       docs, H, KV, D, U, d.ws.p, d.ws_bytes, DType::kBF16, team.streams[i],
+                                       o);
               continue;
             }
             (ulysses ? ulysses_attention_forward
@@ -161,9 +163,9 @@ void run_context_attention(Context& ctx) {
             WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
             RankData& d = *data[i];
             if (hybrid) {
-              hybrid_attention_backward(comm, r, d.q.p, d.k.p, d.v.p, d.out.p, d.dout.p, static_cast<float*>(d.lse.p),
-                                        d.dq.p, d.dk.p, d.dv.p, docs, H, KV, D, U, d.ws.p, d.ws_bytes, DType::kBF16,
-                                        team.streams[i], o);
+              hybrid_attention_backward(comm, r, d.q.p, d.k.p, d.v.p, d.out.p, d.dout.p,
+                                        static_cast<float*>(d.lse.p), d.dq.p, d.dk.p, d.dv.p, docs, H, KV, D,
+                                        U, d.ws.p, d.ws_bytes, DType::kBF16, team.streams[i], o);
               continue;
             }
             (ulysses ? ulysses_attention_backward
@@ -193,17 +195,17 @@ void run_context_attention(Context& ctx) {
         t.add({name, std::to_string(S), causal ? "yes" : "no", fmt("%.3f", single_fwd), fmt("%.3f", fwd),
                fmt("%.3f", fwd / (single_fwd * per)), fmt("%.3f", single_bwd), fmt("%.3f", bwd),
                fmt("%.3f", bwd / (single_bwd * per))});
-        ctx.progress("context_attention %s S=%lld causal=%d: fwd %.3f / %.3f ms, bwd %.3f / %.3f ms", name.c_str(),
-                     (long long)S, int(causal), fwd, single_fwd, bwd, single_bwd);
+        ctx.progress("context_attention %s S=%lld causal=%d: fwd %.3f / %.3f ms, bwd %.3f / %.3f ms",
+                     name.c_str(), (long long)S, int(causal), fwd, single_fwd, bwd, single_bwd);
       }
   ctx.add(std::move(t));
 }
 
-ModeRegistrar reg(
-    "context_attention",
-    "sequence-parallel attention (all-gather K / V, ring, Ulysses, their hybrid) vs single-GPU attention; on virtual "
-    "ranks the overhead ratio",
-    &run_context_attention, 2, true);
+ModeRegistrar reg("context_attention",
+                  "sequence-parallel attention (all-gather K / V, ring, Ulysses, their hybrid) vs single-GPU "
+                  "attention; on virtual "
+                  "ranks the overhead ratio",
+                  &run_context_attention, 2, true);
 
 }  // namespace
 }  // namespace weft::bench

@@ -29,7 +29,8 @@ int usage(int code) {
       "  --fused-m M1,M2,..          the fused modes' M values\n"
       "  --fused-ops ag,rs,ar        the fused ops run\n"
       "  --pipeline-pieces n         FusedOptions::pipeline_pieces of the weft and pipelined columns\n"
-      "  --cp-methods all-gather,ring,ulysses,hybrid  the context_attention methods run (ring-no-copy: the ring\n"
+      "  --cp-methods all-gather,ring,ulysses,hybrid  the context_attention methods run (ring-no-copy: the "
+      "ring\n"
       "                                         kernels with no data movement, timing only)\n"
       "modes:\n");
   for (auto& m : modes()) std::fprintf(code ? stderr : stdout, "  %-10s %s\n", m.name, m.help);
@@ -62,7 +63,8 @@ bool set_developer_flag(Context& ctx, const std::string& flag, const std::string
     for (size_t p = 0; p <= v.size();) {
       const size_t e = std::min(v.find(',', p), v.size());
       const std::string m = v.substr(p, e - p);
-      if (m != "all-gather" && m != "ring" && m != "ring-no-copy" && m != "ulysses" && m != "hybrid") return false;
+      if (m != "all-gather" && m != "ring" && m != "ring-no-copy" && m != "ulysses" && m != "hybrid")
+        return false;
       p = e + 1;
     }
     ctx.cp_methods = v;

@@ -18,9 +18,10 @@ namespace weft {
 // sub-teams (Communicator::subteam) is granted its own runs of what its ops use (a ring attention pass about
 // 1k flags, the collectives' per-block meetings 256 slots), so there is room for several splits beside the
 // team's own grants: 4 MiB of inboxes per rank.
-inline constexpr int kMaxWorld = 128;        // ranks in one team (an NVL72 fits)
-inline constexpr int kFlagWords = 32768;     // 64-bit flag words
-inline constexpr int kBarrierSlots = 4096;   // independent team barriers (one block per rank at a time in each)
+inline constexpr int kMaxWorld = 128;     // ranks in one team (an NVL72 fits)
+inline constexpr int kFlagWords = 32768;  // 64-bit flag words
+inline constexpr int kBarrierSlots =
+    4096;  // independent team barriers (one block per rank at a time in each)
 
 // Typed handles to signal-pad resources. The communicator grants them by name (weft/runtime/resources.hpp:
 // every rank gets the same run for the same name), and kernels take them as parameters: no op carves the

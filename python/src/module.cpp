@@ -429,17 +429,35 @@ PYBIND11_MODULE(_weft, m) {
       py::arg("segments") = py::tuple(), py::arg("dtype") = "bf16", py::arg("deterministic") = false);
 
   // Sequence-parallel attention on this process's rank: method "all_gather" (weft::context_attention_*),
-  // "ring" (weft::ring_attention_*) or "ulysses"; tensors in ring attention's layout of doc_lengths
-  // (weft/ops/context_attention.hpp).
+  // "ring" (weft::ring_attention_*), "ulysses" or "hybrid:U" (weft::hybrid_attention_* with Ulysses size U);
+  // tensors in ring attention's layout of doc_lengths (weft/ops/context_attention.hpp).
   auto ulysses = [](const std::string& method) {
-    if (method != "all_gather" && method != "ring" && method != "ulysses")
-      throw weft::Error("weft: context attention method must be 'all_gather', 'ring' or 'ulysses', got '" +
-                        method + "'");
+    if (method != "all_gather" && method != "ring" && method != "ulysses" && method.rfind("hybrid:", 0) != 0)
+      throw weft::Error(
+          "weft: context attention method must be 'all_gather', 'ring', 'ulysses' or 'hybrid:U', got '" +
+          method + "'");
     return method == "ulysses";
+  };
+  // The Ulysses size of "hybrid:U", else 0.
+  auto hybrid = [](const std::string& method) {
+    if (method.rfind("hybrid:", 0) != 0) return 0;
+    try {
+      size_t used = 0;
+      const int u = std::stoi(method.substr(7), &used);
+      if (used == method.size() - 7 && u > 0) return u;
+    } catch (const std::exception&) {
+    }
+    throw weft::Error("weft: context attention method 'hybrid:U' needs a positive Ulysses size U, got '" +
+                      method + "'");
   };
   m.def("context_attention_workspace_bytes",
         [=](const std::string& method, int world, const std::vector<int64_t>& docs, bool causal,
             int64_t heads, int64_t kv_heads, int64_t head_dim, bool backward) -> uint64_t {
+          if (const int u = hybrid(method))
+            return backward ? weft::hybrid_attention_backward_workspace_bytes(world, u, docs, causal, heads,
+                                                                              kv_heads, head_dim)
+                            : weft::hybrid_attention_workspace_bytes(world, u, docs, causal, heads, kv_heads,
+                                                                     head_dim);
           if (ulysses(method))
             return backward ? weft::ulysses_attention_backward_workspace_bytes(world, docs, causal, heads,
                                                                                kv_heads, head_dim)
@@ -466,6 +484,12 @@ PYBIND11_MODULE(_weft, m) {
           weft::AttentionOptions o;
           o.causal = causal;
           o.softmax_scale = scale;
+          if (const int u = hybrid(method))
+            return weft::hybrid_attention_forward(
+                *c.comm, c.rank(), reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
+                reinterpret_cast<const void*>(v), reinterpret_cast<void*>(out), reinterpret_cast<float*>(lse),
+                docs, heads, kv_heads, head_dim, u, reinterpret_cast<void*>(workspace), workspace_bytes,
+                parse_dtype(dtype), c.stream(stream), o);
           auto* op = ulysses(method)    ? &weft::ulysses_attention_forward
                      : method == "ring" ? &weft::ring_attention_forward
                                         : &weft::context_attention_forward;
@@ -483,6 +507,14 @@ PYBIND11_MODULE(_weft, m) {
           weft::AttentionOptions o;
           o.causal = causal;
           o.softmax_scale = scale;
+          if (const int u = hybrid(method))
+            return weft::hybrid_attention_backward(
+                *c.comm, c.rank(), reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
+                reinterpret_cast<const void*>(v), reinterpret_cast<const void*>(out),
+                reinterpret_cast<const void*>(dout), reinterpret_cast<const float*>(lse),
+                reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk), reinterpret_cast<void*>(dv), docs,
+                heads, kv_heads, head_dim, u, reinterpret_cast<void*>(workspace), workspace_bytes,
+                parse_dtype(dtype), c.stream(stream), o);
           auto* op = ulysses(method)    ? &weft::ulysses_attention_backward
                      : method == "ring" ? &weft::ring_attention_backward
                                         : &weft::context_attention_backward;
@@ -556,9 +588,9 @@ PYBIND11_MODULE(_weft, m) {
                             moe_shape(shape), parse_dtype(dtype), c.stream(stream));
         });
   m.def("moe_grouped_gemm_combine",
-        [=](const Comm& c, uintptr_t a, uintptr_t b, bool b_nk, int64_t rows, int64_t inter, uintptr_t row_source,
-            uintptr_t row_of, uintptr_t experts, uintptr_t group_end, int64_t capacity, uintptr_t weights,
-            uintptr_t out, py::tuple shape, uintptr_t stream) {
+        [=](const Comm& c, uintptr_t a, uintptr_t b, bool b_nk, int64_t rows, int64_t inter,
+            uintptr_t row_source, uintptr_t row_of, uintptr_t experts, uintptr_t group_end, int64_t capacity,
+            uintptr_t weights, uintptr_t out, py::tuple shape, uintptr_t stream) {
           weft::MoeDispatched d;
           d.row_source = reinterpret_cast<const int32_t*>(row_source);
           d.row_of = reinterpret_cast<const int32_t*>(row_of);
@@ -568,8 +600,8 @@ PYBIND11_MODULE(_weft, m) {
           weft::moe_grouped_gemm_combine(*c.comm, c.rank(), reinterpret_cast<const void*>(a),
                                          reinterpret_cast<const void*>(b),
                                          b_nk ? weft::BLayout::kNK : weft::BLayout::kKN, rows, inter, d,
-                                         reinterpret_cast<const float*>(weights), reinterpret_cast<void*>(out),
-                                         moe_shape(shape), c.stream(stream));
+                                         reinterpret_cast<const float*>(weights),
+                                         reinterpret_cast<void*>(out), moe_shape(shape), c.stream(stream));
         });
   m.def("moe_combine_grad_input", [=](const Comm& c, py::tuple shape, const std::string& dtype) {
     const weft::MoeShape s = moe_shape(shape);

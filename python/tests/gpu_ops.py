@@ -89,7 +89,9 @@ def main():
     # each method, and compares output and gradients with single-GPU weft.flash_attention over the whole
     # sequence, sharded alike (the same kernel: agreement to rounding).
     ag = torch.Generator(device="cuda").manual_seed(99)  # the same on every rank
-    for method in ("all_gather", "ring", "ulysses"):
+    methods = [("all_gather", None), ("ring", None), ("ulysses", None)]
+    methods += [("hybrid", u) for u in range(2, world) if world % u == 0]
+    for method, u in methods:
         for causal, seq, heads, kv_heads, dim, docs in ((True, 1000, 2 * world, world, 128, None),
                                                         (False, 777, 2 * world, 1, 64, None),
                                                         (True, 1300, 2 * world, 2 * world, 64, [0, 300, 301, 1300])):
@@ -110,11 +112,11 @@ def main():
             ref.backward(dout)
             mine = [shard(x).clone().requires_grad_() for x in (q, k, v)]
             if docs is None:
-                out = weft.context_attention(*mine, causal=causal, method=method, seq_len=seq)
+                out = weft.context_attention(*mine, causal=causal, method=method, seq_len=seq, ulysses_size=u)
             else:
-                out = weft.context_attention(*mine, causal=causal, method=method, cu_seqlens=docs)
+                out = weft.context_attention(*mine, causal=causal, method=method, cu_seqlens=docs, ulysses_size=u)
             out.backward(shard(dout))
-            label = f"context_attention {method} causal={causal} seq={seq} H={heads}/{kv_heads} D={dim}" + \
+            label = f"context_attention {method}{u or ''} causal={causal} seq={seq} H={heads}/{kv_heads} D={dim}" + \
                 (" packed" if docs else "")
             check(label, out, shard(ref.detach()))
             for name, got, leaf in zip(("dq", "dk", "dv"), mine, leaves):

@@ -227,6 +227,30 @@ def ring_attention_compiled(team, g):
             check(f"ring attention compiled: rank {r} d{name}", comp_in[r][i].grad, eager_in[r][i].grad, 1e-2)
 
 
+def hybrid_attention_autograd(team, g):
+    """weft.hybrid_attention at every Ulysses size 1 < U < W dividing W (W = 4: U = 2), causal, K / V heads
+    shared by the group: output and gradients against single-GPU weft.flash_attention, sharded alike."""
+    w = team.world_size
+    for u in [u for u in range(2, w) if w % u == 0]:
+        seq, heads, kv_heads, dim = 384 * w + 5, 2 * u, 1, 128
+        whole = [torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                 for h in (heads, kv_heads, kv_heads)]
+        dout = torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        ref_in = leaves(whole)
+        ref = weft.flash_attention(*ref_in, causal=True)
+        ref.backward(dout)
+        shard = lambda t, r: weft.ring_shard(t, w, r, causal=True)
+        ins = [leaves([shard(t, r) for t in whole]) for r in range(w)]
+        layer = lambda c, q, k, v: weft.hybrid_attention(q, k, v, u, causal=True, seq_len=seq, comm=c)
+        team.warmup(lambda c, xs: layer(c, *xs), [leaves(x) for x in ins])
+        outs = team.run(lambda c, xs: layer(c, *xs), ins)
+        torch.autograd.backward(outs, [shard(dout, r) for r in range(w)])
+        for r in range(w):
+            check(f"hybrid attention U={u}: rank {r} output", outs[r], shard(ref.detach(), r), 1e-2)
+            for i, name in enumerate("qkv"):
+                check(f"hybrid attention U={u}: rank {r} d{name}", ins[r][i].grad, shard(ref_in[i].grad, r), 2e-2)
+
+
 def moe_layer(comm, x, ids, weights, num_experts, max_tokens):
     """Dispatch, each expert scaling its rows by 1 + e / 4 (expert of a row from group_end, on the GPU), combine."""
     d = weft.moe_dispatch(x, ids, num_experts, max_tokens=max_tokens, comm=comm)
@@ -421,8 +445,8 @@ def main():
         team = _team = weft.virtual_team(w)
         g = torch.Generator(device="cuda").manual_seed(1000 + w)
         before = cases
-        for step in (collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled, moe_compiled, moe_autograd,
-                     moe_layer_training):
+        for step in (collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled, hybrid_attention_autograd,
+                     moe_compiled, moe_autograd, moe_layer_training):
             step(team, g)
             team.synchronize()
             print(f"W = {w}: {step.__name__} passed", flush=True)

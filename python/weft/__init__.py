@@ -46,7 +46,7 @@ class WeftTypeError(WeftError, TypeError):
 __all__ = ["init", "virtual_team", "Team", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
            "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
            "matmul_all_reduce", "flash_attention", "flash_attention_varlen", "grouped_mm", "swiglu_interleave", "ring_shard_indices", "ring_shard",
-           "ring_unshard", "context_attention", "ring_attention", "ulysses_attention", "MoeDispatch",
+           "ring_unshard", "context_attention", "ring_attention", "ulysses_attention", "hybrid_attention", "MoeDispatch",
            "moe_dispatch", "moe_combine_input", "moe_combine", "moe_grouped_mm_combine", "moe_layer"]
 
 # DLPack device types (dlpack.h DLDeviceType) for messages.
@@ -809,7 +809,7 @@ def ring_unshard(shards, causal=True, dim=1, cu_seqlens=None):
 
 # ---- sequence-parallel attention (a team; ring attention's layout) -------------------------------------
 def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, cu_seqlens=None,
-                      softmax_scale=None, return_lse=False, comm=None):
+                      softmax_scale=None, return_lse=False, comm=None, ulysses_size=None):
     """Attention over a sequence sharded across the team (context parallelism), with autograd.
 
     Every rank calls it with its shard in ring attention's layout (weft.ring_shard: zigzag when causal).
@@ -823,16 +823,26 @@ def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, 
     pass); in the backward the Q / dO rows travel, each rank's dK / dV stay in registers and dQ parts are
     summed in fp32 on the rank that computed them, then read once by the rows' owner;
     "ulysses": heads are split over the ranks (heads a multiple of the world size, kv_heads and the world
-    size dividing one another), each rank attends its heads over the whole sequence.
+    size dividing one another), each rank attends its heads over the whole sequence;
+    "hybrid": Ulysses within groups of ulysses_size consecutive ranks (a divisor of the world size; heads a
+    multiple of it, kv_heads and it dividing one another), a ring across the groups (on several nodes: the
+    groups inside a node, the rings across them).
     Returns the output (like q), and with return_lse=True also the fp32 log-sum-exp [heads, local rows]
     (rows in q's order, batch-major; not differentiable). Runs on torch's current stream.
     """
     where = "weft.context_attention"
     if not (_torch_tensor(q) and _torch_tensor(k) and _torch_tensor(v)):
         raise WeftTypeError(f"{where}: q, k and v must be torch tensors")
-    if method not in ("all_gather", "ring", "ulysses"):
-        raise WeftValueError(f"{where}: method must be 'all_gather', 'ring' or 'ulysses', got {method!r}")
+    if method not in ("all_gather", "ring", "ulysses", "hybrid"):
+        raise WeftValueError(f"{where}: method must be 'all_gather', 'ring', 'ulysses' or 'hybrid', got {method!r}")
     c = _comm(comm)
+    if method == "hybrid":
+        if not isinstance(ulysses_size, int) or ulysses_size < 1 or c.world_size % ulysses_size != 0:
+            raise WeftValueError(f"{where}: method 'hybrid' needs ulysses_size, a divisor of the world size "
+                                 f"({c.world_size}), got {ulysses_size!r}")
+        method = f"hybrid:{ulysses_size}"
+    elif ulysses_size is not None:
+        raise WeftValueError(f"{where}: ulysses_size is for method 'hybrid' only")
     packed = cu_seqlens is not None
     ndim = 3 if packed else 4
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -881,6 +891,13 @@ def ulysses_attention(q, k, v, causal=False, seq_len=None, cu_seqlens=None, soft
     """weft.context_attention with method="ulysses" (heads split over the ranks)."""
     return context_attention(q, k, v, causal=causal, method="ulysses", seq_len=seq_len, cu_seqlens=cu_seqlens,
                              softmax_scale=softmax_scale, return_lse=return_lse, comm=comm)
+
+
+def hybrid_attention(q, k, v, ulysses_size, causal=False, seq_len=None, cu_seqlens=None, softmax_scale=None,
+                     return_lse=False, comm=None):
+    """weft.context_attention with method="hybrid": Ulysses within groups of ulysses_size ranks, ring across."""
+    return context_attention(q, k, v, causal=causal, method="hybrid", seq_len=seq_len, cu_seqlens=cu_seqlens,
+                             softmax_scale=softmax_scale, return_lse=return_lse, comm=comm, ulysses_size=ulysses_size)
 
 
 # ---- expert parallelism (MoE) ----------------------------------------------------------------------------

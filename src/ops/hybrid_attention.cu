@@ -76,9 +76,9 @@ bool degenerate(int world, int ulysses) {
 }
 
 void check_split(int world, int ulysses, int64_t heads, int64_t kv_heads, const std::string& where) {
-  WEFT_CHECK(ulysses >= 1 && world % ulysses == 0,
-             where + "the Ulysses size (" + std::to_string(ulysses) + ") must divide the world size (" +
-                 std::to_string(world) + ")");
+  WEFT_CHECK(ulysses >= 1 && world % ulysses == 0, where + "the Ulysses size (" + std::to_string(ulysses) +
+                                                       ") must divide the world size (" +
+                                                       std::to_string(world) + ")");
   if (degenerate(world, ulysses)) return;
   WEFT_CHECK(heads > 0 && heads % ulysses == 0, where + "heads (" + std::to_string(heads) +
                                                     ") must be a multiple of the Ulysses size (" +
@@ -129,13 +129,13 @@ size_t hybrid_attention_workspace_bytes(int world, int ulysses, const std::vecto
     return ulysses_attention_workspace_bytes(world, doc_lengths, causal, heads, kv_heads, head_dim);
   if (ulysses == 1) return ring_attention_workspace_bytes(world, doc_lengths, causal, kv_heads, head_dim);
   const Sizes z(world, ulysses, 0, doc_lengths, causal, heads, kv_heads, head_dim);
-  return z.index_bytes() + ops::ring_forward_workspace_bytes(z.rings, doc_lengths, causal, z.kv_share.width,
-                                                             head_dim, ulysses);
+  return z.index_bytes() +
+         ops::ring_forward_workspace_bytes(z.rings, doc_lengths, causal, z.kv_share.width, head_dim, ulysses);
 }
 
-size_t hybrid_attention_backward_workspace_bytes(int world, int ulysses, const std::vector<int64_t>& doc_lengths,
-                                                 bool causal, int64_t heads, int64_t kv_heads,
-                                                 int64_t head_dim) {
+size_t hybrid_attention_backward_workspace_bytes(int world, int ulysses,
+                                                 const std::vector<int64_t>& doc_lengths, bool causal,
+                                                 int64_t heads, int64_t kv_heads, int64_t head_dim) {
   check_split(world, ulysses, heads, kv_heads, "weft::hybrid_attention_backward_workspace_bytes: ");
   if (ulysses == world)
     return ulysses_attention_backward_workspace_bytes(world, doc_lengths, causal, heads, kv_heads, head_dim);
@@ -200,11 +200,11 @@ void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, co
                                       options);
   if (ulysses == 1)
     return ring_attention_backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads,
-                                   kv_heads, head_dim, workspace, workspace_bytes, dtype, call.stream, options);
+                                   kv_heads, head_dim, workspace, workspace_bytes, dtype, call.stream,
+                                   options);
   const Sizes z(W, ulysses, rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
-  const size_t ring_bytes = ops::ring_backward_workspace_bytes(z.rings, doc_lengths, options.causal,
-                                                               z.q_share.width, z.kv_share.width, head_dim,
-                                                               ulysses);
+  const size_t ring_bytes = ops::ring_backward_workspace_bytes(
+      z.rings, doc_lengths, options.causal, z.q_share.width, z.kv_share.width, head_dim, ulysses);
   const Start s = start(call, z, options, workspace, workspace_bytes, ring_bytes, dtype);
   WEFT_CHECK(lse != nullptr, call.where + "lse (the forward's) is required");
   if (z.local > 0) {
@@ -233,8 +233,8 @@ void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, co
   ops::push_rows(comm, group, out, z.local, a.out, s.index, z.q_share, d, z.max_local, st);
   ops::push_rows(comm, group, dout, z.local, a.dout, s.index, z.q_share, d, z.max_local, st);
   ops::ring_backward(comm, *s.ring, a.q, a.k, a.v, a.out, a.dout, a.lse, a.dq, a.dk, a.dv, doc_lengths,
-                     z.q_share.width, z.kv_share.width, d, s.ring_workspace, s.ring_workspace_bytes, dtype, st,
-                     options, ulysses, "weft::hybrid_attention_backward (its ring)");
+                     z.q_share.width, z.kv_share.width, d, s.ring_workspace, s.ring_workspace_bytes, dtype,
+                     st, options, ulysses, "weft::hybrid_attention_backward (its ring)");
   ops::pull_rows(comm, group, a.dq, false, dq, z.local, s.index, z.q_share, d, z.max_local, dtype, st);
   ops::pull_rows(comm, group, a.dk, false, dk, z.local, s.index, z.kv_share, d, z.max_local, dtype, st);
   ops::pull_rows(comm, group, a.dv, false, dv, z.local, s.index, z.kv_share, d, z.max_local, dtype, st);

@@ -492,8 +492,8 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
       ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2 * rank.world());
   detail::preload<&dispatch_tokens>();
   dispatch_tokens<<<blocks, kDispatchWarps * 32, 0, stream>>>(
-      rank.view(), ops::meeting_slots(comm, rank), static_cast<const uint4*>(tokens), experts, b.row_of, b.table,
-      b.z.d, b.records, b.rows, b.row_source, b.landed);
+      rank.view(), ops::meeting_slots(comm, rank), static_cast<const uint4*>(tokens), experts, b.row_of,
+      b.table, b.z.d, b.records, b.rows, b.row_source, b.landed);
   WEFT_CUDA_CHECK(cudaGetLastError());
   return handle(b);
 }

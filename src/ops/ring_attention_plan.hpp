@@ -173,7 +173,8 @@ inline std::vector<RowRun> merged_runs(const RingLayout& L, const RingLayout& co
       const int64_t n = L.part_length(d, c);
       if (n == 0) continue;
       const int merged = c / g;  // the coarse part holding piece c
-      const int64_t at = coarse.local_row(r / g, d, merged) + L.part_begin(d, c) - coarse.part_begin(d, merged);
+      const int64_t at =
+          coarse.local_row(r / g, d, merged) + L.part_begin(d, c) - coarse.part_begin(d, merged);
       runs.push_back({at, n, r, L.local_row(r, d, c)});
     }
   return runs;
@@ -348,8 +349,8 @@ inline std::vector<std::pair<int64_t, int64_t>> ring_push_rows(const RingLayout&
 // whole rows and, zigzag, its late part alone (the met ranges of every rank's pass with source r are among
 // them). The per-row terms of a range beginning at local row x live at term rows 4 x, 4 x + 1, ...: every
 // range starts 16-byte aligned for TMA, and the copies of one row for the two ranges that hold it never
-// land on another row's (a later part is never longer than an earlier one, so a late part is never over three times the
-// early part).
+// land on another row's (a later part is never longer than an earlier one, so a late part is never over three
+// times the early part).
 inline std::vector<std::pair<int64_t, int64_t>> ring_query_ranges(const RingLayout& L, int r) {
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (int d = 0; d < static_cast<int>(L.doc_length.size()); ++d) {

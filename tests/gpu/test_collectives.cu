@@ -534,7 +534,9 @@ WEFT_GPU_TEST(subteam_all_reduce_matches_reference) {
       if (W % (size * stride) == 0) splits.push_back({size, stride});
   if (splits.empty()) WEFT_SKIP("no sub-team of 2 .. W - 1 ranks tiles a team of " + std::to_string(W));
   const size_t counts[] = {1000, size_t(ctx.quick ? 1 << 16 : (1 << 20) + 5)};
-  auto value = [](int r, size_t i, int call) { return float(int((r * 131 + i * 7 + call * 13) % 201) - 100); };
+  auto value = [](int r, size_t i, int call) {
+    return float(int((r * 131 + i * 7 + call * 13) % 201) - 100);
+  };
   struct Call {
     int size, stride;  // size W: the whole team
     size_t n;

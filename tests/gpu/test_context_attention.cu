@@ -46,8 +46,8 @@ void hybrid_forward(Communicator& c, Rank& rank, const void* q, const void* k, c
                     size_t ws_bytes, DType t, cudaStream_t s, const AttentionOptions& o) {
   hybrid_attention_forward(c, rank, q, k, v, out, lse, docs, h, kv, d, hybrid_ulysses, ws, ws_bytes, t, s, o);
 }
-void hybrid_backward(Communicator& c, Rank& rank, const void* q, const void* k, const void* v, const void* out,
-                     const void* dout, const float* lse, void* dq, void* dk, void* dv,
+void hybrid_backward(Communicator& c, Rank& rank, const void* q, const void* k, const void* v,
+                     const void* out, const void* dout, const float* lse, void* dq, void* dk, void* dv,
                      const std::vector<int64_t>& docs, int64_t h, int64_t kv, int64_t d, void* ws,
                      size_t ws_bytes, DType t, cudaStream_t s, const AttentionOptions& o) {
   hybrid_attention_backward(c, rank, q, k, v, out, dout, lse, dq, dk, dv, docs, h, kv, d, hybrid_ulysses, ws,
@@ -493,8 +493,11 @@ WEFT_GPU_TEST(hybrid_attention_matches_single_gpu) {
     if (W % U != 0) continue;
     any = true;
     std::vector<CpCase> cases = {
-        {{1000}, 2 * U, 2 * U, 128, true}, {{1000}, 2 * U, U, 64, false}, {{300, 0, 17, 777}, 2 * U, 1, 64, true},
-        {{129, 64, 1}, U, U, 128, false},  {{3, 1}, U, U, 64, true},
+        {{1000}, 2 * U, 2 * U, 128, true},
+        {{1000}, 2 * U, U, 64, false},
+        {{300, 0, 17, 777}, 2 * U, 1, 64, true},
+        {{129, 64, 1}, U, U, 128, false},
+        {{3, 1}, U, U, 64, true},
     };
     if (!ctx.quick) cases.push_back({{4099, 2000}, 4 * U, 2, 128, true});
     cases.push_back(cases.front());
@@ -528,9 +531,9 @@ WEFT_GPU_TEST(hybrid_attention_argument_errors) {
   if (W % 2 == 0 && W > 2) {
     WEFT_EXPECT_ERROR(call(3, 3, 2), "must be a multiple of the Ulysses size");
     if (W % 4 == 0 && W > 4) WEFT_EXPECT_ERROR(call(12, 3, 4), "must divide one another");
-    WEFT_EXPECT_ERROR(
-        hybrid_attention_forward(c, rank, x.p, x.p, x.p, x.p, nullptr, docs, 4, 4, 64, 2, ws.p, 16, DType::kBF16),
-        "the workspace must hold");
+    WEFT_EXPECT_ERROR(hybrid_attention_forward(c, rank, x.p, x.p, x.p, x.p, nullptr, docs, 4, 4, 64, 2, ws.p,
+                                               16, DType::kBF16),
+                      "the workspace must hold");
   }
 }
 

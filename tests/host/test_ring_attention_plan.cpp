@@ -201,7 +201,8 @@ TEST(RingAttentionPlan, MergedRunsTileTheCoarseRanks) {
           for (size_t x = 0; x < seen.size(); ++x) ASSERT_EQ(seen[x], 1) << "coarse row " << x;
         }
       }
-  EXPECT_THROW(weft::ops::merged_runs(weft::ops::ring_layout({8}, 4, true), weft::ops::ring_layout({8}, 2, false, 2), 0),
+  EXPECT_THROW(weft::ops::merged_runs(weft::ops::ring_layout({8}, 4, true),
+                                      weft::ops::ring_layout({8}, 2, false, 2), 0),
                std::invalid_argument);
 }
 

@@ -125,9 +125,9 @@ void hybrid_attention_forward(Communicator& comm, Rank& rank, const void* q, con
                               const AttentionOptions& options = {});
 // The backward: dK / dV of a K / V head that several members of a group attend are summed in fp32 over
 // them, each member's part rounded to 16 bits by its ring first.
-size_t hybrid_attention_backward_workspace_bytes(int world, int ulysses, const std::vector<int64_t>& doc_lengths,
-                                                 bool causal, int64_t heads, int64_t kv_heads,
-                                                 int64_t head_dim);
+size_t hybrid_attention_backward_workspace_bytes(int world, int ulysses,
+                                                 const std::vector<int64_t>& doc_lengths, bool causal,
+                                                 int64_t heads, int64_t kv_heads, int64_t head_dim);
 void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
                                const void* out, const void* dout, const float* lse, void* dq, void* dk,
                                void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
