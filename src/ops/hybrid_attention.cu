@@ -163,14 +163,8 @@ void hybrid_attention_forward(Communicator& comm, Rank& rank, const void* q, con
   const Sizes z(W, ulysses, rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
   const size_t ring_bytes = ops::ring_forward_workspace_bytes(z.rings, doc_lengths, options.causal,
                                                               z.kv_share.width, head_dim, ulysses);
+  ops::check_attention_operands(call, {q, k, v, out, lse}, false, z.local, heads, kv_heads, head_dim);
   const Start s = start(call, z, options, workspace, workspace_bytes, ring_bytes, dtype);
-  if (z.local > 0) {
-    call.check_buffer(q, "q", uint64_t(z.local * heads * head_dim) * 2);
-    call.check_buffer(k, "k", uint64_t(z.local * kv_heads * head_dim) * 2);
-    call.check_buffer(v, "v", uint64_t(z.local * kv_heads * head_dim) * 2);
-    call.check_buffer(out, "out", uint64_t(z.local * heads * head_dim) * 2);
-    if (lse != nullptr) call.check_buffer(lse, "lse", uint64_t(z.local * heads) * 4, 4);
-  }
   const Sizes::Area& a = s.area;
   Rank& group = *s.group;
   const int64_t d = head_dim;
@@ -205,21 +199,9 @@ void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, co
   const Sizes z(W, ulysses, rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
   const size_t ring_bytes = ops::ring_backward_workspace_bytes(
       z.rings, doc_lengths, options.causal, z.q_share.width, z.kv_share.width, head_dim, ulysses);
+  ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
+                                head_dim);
   const Start s = start(call, z, options, workspace, workspace_bytes, ring_bytes, dtype);
-  WEFT_CHECK(lse != nullptr, call.where + "lse (the forward's) is required");
-  if (z.local > 0) {
-    const uint64_t q_bytes = uint64_t(z.local * heads * head_dim) * 2;
-    const uint64_t kv_bytes = uint64_t(z.local * kv_heads * head_dim) * 2;
-    call.check_buffer(q, "q", q_bytes);
-    call.check_buffer(k, "k", kv_bytes);
-    call.check_buffer(v, "v", kv_bytes);
-    call.check_buffer(out, "out", q_bytes);
-    call.check_buffer(dout, "dout", q_bytes);
-    call.check_buffer(lse, "lse", uint64_t(z.local * heads) * 4, 4);
-    call.check_buffer(dq, "dq", q_bytes);
-    call.check_buffer(dk, "dk", kv_bytes);
-    call.check_buffer(dv, "dv", kv_bytes);
-  }
   const Sizes::Area& a = s.area;
   Rank& group = *s.group;
   const int64_t d = head_dim;

@@ -144,13 +144,7 @@ void ring_forward(Communicator& comm, Rank& rank, const void* q, const void* k, 
              where + "the workspace must hold " + std::to_string(z.workspace_bytes()) +
                  " bytes (ring_attention_workspace_bytes()), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
-  if (z.local > 0) {
-    call.check_buffer(q, "q", uint64_t(z.local * heads * head_dim) * 2);
-    call.check_buffer(k, "k", uint64_t(z.local * kv_heads * head_dim) * 2);
-    call.check_buffer(v, "v", uint64_t(z.local * kv_heads * head_dim) * 2);
-    call.check_buffer(out, "out", uint64_t(z.local * heads * head_dim) * 2);
-    if (lse != nullptr) call.check_buffer(lse, "lse", uint64_t(z.local * heads) * 4, 4);
-  }
+  ops::check_attention_operands(call, {q, k, v, out, lse}, false, z.local, heads, kv_heads, head_dim);
   char* area = call.workspace(z.area_bytes(), kArea);
   auto* index = static_cast<int32_t*>(workspace);
   const auto run = [&](auto d, auto t) {

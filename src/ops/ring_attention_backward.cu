@@ -296,21 +296,8 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
                  " bytes (ring_attention_backward_workspace_bytes()), got " +
                  std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
-  if (z.local > 0) {
-    const uint64_t q_bytes = uint64_t(z.local * heads * head_dim) * 2;
-    const uint64_t kv_bytes = uint64_t(z.local * kv_heads * head_dim) * 2;
-    for (auto [p, name, bytes] : {std::tuple<const void*, const char*, uint64_t>{q, "q", q_bytes},
-                                  {k, "k", kv_bytes},
-                                  {v, "v", kv_bytes},
-                                  {out, "out", q_bytes},
-                                  {dout, "dout", q_bytes},
-                                  {dq, "dq", q_bytes},
-                                  {dk, "dk", kv_bytes},
-                                  {dv, "dv", kv_bytes}})
-      call.check_buffer(p, name, bytes);
-    WEFT_CHECK(lse != nullptr, where + "lse (the forward's log-sum-exp) is required");
-    call.check_buffer(lse, "lse", uint64_t(z.local * heads) * 4, 4);
-  }
+  ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
+                                head_dim);
   char* area = call.workspace(z.area_bytes(), kArea);
   const Buffers b{q, k, v, out, dout, lse, dq, dk, dv};
   const auto run = [&](auto d, auto t) {

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "op_args.hpp"
 #include "ring_attention_plan.hpp"
 #include "weft/dtype.hpp"
 #include "weft/ops/attention.hpp"
@@ -36,6 +37,33 @@ void upload_words(int32_t* dst, const std::vector<int32_t>& words, cudaStream_t 
 void write_local_to_natural(const RingLayout& L, int r, int32_t* natural, cudaStream_t stream);
 // index[run.local + i] = run.natural + i for the runs (in local order, back to back).
 void write_row_index(const std::vector<RowRun>& runs, int32_t* index, cudaStream_t stream);
+
+// The operands of a sequence-parallel attention call on this rank's `local` rows (none checked when it has
+// none): q, out [local][heads][head_dim] and k, v [local][kv_heads][head_dim], 16-bit; lse [heads][local]
+// fp32 (the forward's: optional). The backward's adds dout, dq (q's shape), dk, dv (k's) and needs lse.
+struct AttentionOperands {
+  const void *q, *k, *v, *out;
+  const float* lse;
+  const void *dout = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
+};
+inline void check_attention_operands(const OpCall& call, const AttentionOperands& x, bool backward,
+                                     int64_t local, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  if (local == 0) return;
+  const uint64_t q_bytes = uint64_t(local * heads * head_dim) * 2;
+  const uint64_t kv_bytes = uint64_t(local * kv_heads * head_dim) * 2;
+  call.check_buffer(x.q, "q", q_bytes);
+  call.check_buffer(x.k, "k", kv_bytes);
+  call.check_buffer(x.v, "v", kv_bytes);
+  call.check_buffer(x.out, "out", q_bytes);
+  if (backward) {
+    call.check_buffer(x.dout, "dout", q_bytes);
+    call.check_buffer(x.dq, "dq", q_bytes);
+    call.check_buffer(x.dk, "dk", kv_bytes);
+    call.check_buffer(x.dv, "dv", kv_bytes);
+    if (x.lse == nullptr) call.fail("lse (the forward's log-sum-exp) is required");
+  }
+  if (x.lse != nullptr) call.check_buffer(x.lse, "lse", uint64_t(local * heads) * 4, 4);
+}
 
 // Ring attention over a layout of grain `grain` (RingLayout::grain; the public ring ops are grain 1), its
 // errors prefixed with `op`: the hybrid of Ulysses and ring attention runs it on its ring sub-teams.

@@ -295,13 +295,7 @@ void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, co
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
   WEFT_CHECK(z.total * std::max(z.q_share.width, z.kv_share.width) < (int64_t(1) << 31),
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
-  if (z.local > 0) {
-    call.check_buffer(q, "q", uint64_t(z.local * heads * head_dim) * 2);
-    call.check_buffer(k, "k", uint64_t(z.local * kv_heads * head_dim) * 2);
-    call.check_buffer(v, "v", uint64_t(z.local * kv_heads * head_dim) * 2);
-    call.check_buffer(out, "out", uint64_t(z.local * heads * head_dim) * 2);
-    if (lse != nullptr) call.check_buffer(lse, "lse", uint64_t(z.local * heads) * 4, 4);
-  }
+  ops::check_attention_operands(call, {q, k, v, out, lse}, false, z.local, heads, kv_heads, head_dim);
   if (z.total == 0) return;
   if (!pipelined_forward_chosen())
     return forward_in_passes(comm, rank, z, q, k, v, out, lse, a, static_cast<char*>(workspace), call.stream,
@@ -324,12 +318,14 @@ void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, c
                                 void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
                                 int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                                 DType dtype, cudaStream_t stream, const AttentionOptions& options) {
-  const std::string where = ops::team_where("weft::ulysses_attention_backward", rank);
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::ulysses_attention_backward", rank));
+  stream = call.stream;
   const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
-  if (stream == nullptr) stream = rank.stream();
   const size_t head = z.index_bytes() + z.offsets_bytes(), attention_bytes = z.attention_backward(options);
-  const Sizes::Area a =
-      start(comm, rank, z, options, workspace, workspace_bytes, head + attention_bytes, dtype, stream, where);
+  ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
+                                head_dim);
+  const Sizes::Area a = start(comm, rank, z, options, workspace, workspace_bytes, head + attention_bytes,
+                              dtype, stream, call.where);
   if (z.total == 0) return;
   auto* local_nat = static_cast<int32_t*>(workspace);
   ops::write_local_to_natural(z.L, rank.rank(), local_nat, stream);
