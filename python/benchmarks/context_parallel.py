@@ -9,6 +9,7 @@ Shapes: Llama3-8B-like (batch 1, 32 query / 8 K/V heads, head dim 128, causal) a
 non-causal; 2k, 4k, 8k, 16k, 32k tokens per GPU (--quick: 2k, 8k); forward, and forward + backward.
 - ideal: the faster of weft.flash_attention and torch's cuDNN SDPA over the whole sequence on one GPU, / W;
 - weft ring / weft ulysses: weft.ring_attention / weft.ulysses_attention (ring layout: zigzag when causal);
+  weft hybridU: weft.hybrid_attention with Ulysses size U (each 1 < U < W dividing W);
 - torch ring: one NCCL send / receive of the K / V block per step (batch_isend_irecv) beside cuDNN SDPA on the
   block in hand, partial outputs merged in fp32 by their log-sum-exp (zigzag layout when causal, as
   ring-flash-attn); backward: cuDNN's backward per block with the merged output and LSE, dK / dV travelling
@@ -268,6 +269,9 @@ def bench_shape(sdpa, comm, rank, world, n, h, kvh, causal, only):
     }
     if h % world or (kvh % world and world % kvh):
         del methods["weft ulysses"]
+    for u in range(2, world):  # the hybrid at every Ulysses size between the two
+        if world % u == 0 and h % u == 0 and not (kvh % u and u % kvh):
+            methods[f"weft hybrid{u}"] = (zig, lambda q, k, v, u=u: weft.hybrid_attention(q, k, v, u, causal=causal))
     methods = {m: x for m, x in methods.items() if only is None or m in only}
     inputs = {m: [shard(x, idx) for x in full] for m, (idx, _) in methods.items()}
     leaves = {m: [x.clone().requires_grad_() for x in inputs[m][:3]] for m in methods}
@@ -321,7 +325,7 @@ def bench_shape(sdpa, comm, rank, world, n, h, kvh, causal, only):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         if m.startswith("weft"):
-            method = m.split()[1]
+            method = m.split()[1].replace("hybrid", "hybrid:")
             peak += max(weft._weft.context_attention_workspace_bytes(method, world, [s], causal, h, kvh, d, bw)
                         for bw in (False, True))
         peaks[m] = team_max(peak / 2**30)
