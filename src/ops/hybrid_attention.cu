@@ -98,13 +98,13 @@ struct Start {
   size_t ring_workspace_bytes = 0;
 };
 Start start(ops::OpCall& call, const Sizes& z, const AttentionOptions& options, void* workspace,
-            size_t workspace_bytes, size_t ring_bytes, DType dtype) {
+            size_t workspace_bytes, DType dtype) {
   const std::string& where = call.where;
   WEFT_CHECK(
       !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
       where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
   ops::check_attention_call({1, 1, 1, z.heads, z.kv_heads, z.head_dim}, dtype, options, where);
-  const size_t need = z.index_bytes() + ring_bytes;
+  const size_t need = z.index_bytes();  // the ring checks its own part
   WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
              where + "the workspace must hold " + std::to_string(need) +
                  " bytes (the op's workspace_bytes()), got " + std::to_string(workspace_bytes));
@@ -161,10 +161,8 @@ void hybrid_attention_forward(Communicator& comm, Rank& rank, const void* q, con
     return ring_attention_forward(comm, rank, q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim,
                                   workspace, workspace_bytes, dtype, call.stream, options);
   const Sizes z(W, ulysses, rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
-  const size_t ring_bytes = ops::ring_forward_workspace_bytes(z.rings, doc_lengths, options.causal,
-                                                              z.kv_share.width, head_dim, ulysses);
   ops::check_attention_operands(call, {q, k, v, out, lse}, false, z.local, heads, kv_heads, head_dim);
-  const Start s = start(call, z, options, workspace, workspace_bytes, ring_bytes, dtype);
+  const Start s = start(call, z, options, workspace, workspace_bytes, dtype);
   const Sizes::Area& a = s.area;
   Rank& group = *s.group;
   const int64_t d = head_dim;
@@ -173,7 +171,8 @@ void hybrid_attention_forward(Communicator& comm, Rank& rank, const void* q, con
   ops::push_rows(comm, group, v, z.local, a.v, s.index, z.kv_share, d, z.max_local, call.stream);
   ops::ring_forward(comm, *s.ring, a.q, a.k, a.v, a.out, lse != nullptr ? a.lse : nullptr, doc_lengths,
                     z.q_share.width, z.kv_share.width, d, s.ring_workspace, s.ring_workspace_bytes, dtype,
-                    call.stream, options, ulysses, "weft::hybrid_attention_forward (its ring)");
+                    call.stream, options, ulysses,
+                    {"weft::hybrid_attention_forward (its ring)", "hybrid_attention_workspace_bytes()"});
   ops::pull_rows(comm, group, a.out, false, out, z.local, s.index, z.q_share, d, z.max_local, dtype,
                  call.stream);
   if (lse != nullptr) ops::pull_lse(group, a.lse, lse, z.local, s.index, heads, z.merged, call.stream);
@@ -197,11 +196,9 @@ void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, co
                                    kv_heads, head_dim, workspace, workspace_bytes, dtype, call.stream,
                                    options);
   const Sizes z(W, ulysses, rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
-  const size_t ring_bytes = ops::ring_backward_workspace_bytes(
-      z.rings, doc_lengths, options.causal, z.q_share.width, z.kv_share.width, head_dim, ulysses);
   ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
                                 head_dim);
-  const Start s = start(call, z, options, workspace, workspace_bytes, ring_bytes, dtype);
+  const Start s = start(call, z, options, workspace, workspace_bytes, dtype);
   const Sizes::Area& a = s.area;
   Rank& group = *s.group;
   const int64_t d = head_dim;
@@ -214,9 +211,10 @@ void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, co
   ops::push_rows(comm, group, v, z.local, a.v, s.index, z.kv_share, d, z.max_local, st);
   ops::push_rows(comm, group, out, z.local, a.out, s.index, z.q_share, d, z.max_local, st);
   ops::push_rows(comm, group, dout, z.local, a.dout, s.index, z.q_share, d, z.max_local, st);
-  ops::ring_backward(comm, *s.ring, a.q, a.k, a.v, a.out, a.dout, a.lse, a.dq, a.dk, a.dv, doc_lengths,
-                     z.q_share.width, z.kv_share.width, d, s.ring_workspace, s.ring_workspace_bytes, dtype,
-                     st, options, ulysses, "weft::hybrid_attention_backward (its ring)");
+  ops::ring_backward(
+      comm, *s.ring, a.q, a.k, a.v, a.out, a.dout, a.lse, a.dq, a.dk, a.dv, doc_lengths, z.q_share.width,
+      z.kv_share.width, d, s.ring_workspace, s.ring_workspace_bytes, dtype, st, options, ulysses,
+      {"weft::hybrid_attention_backward (its ring)", "hybrid_attention_backward_workspace_bytes()"});
   ops::pull_rows(comm, group, a.dq, false, dq, z.local, s.index, z.q_share, d, z.max_local, dtype, st);
   ops::pull_rows(comm, group, a.dk, false, dk, z.local, s.index, z.kv_share, d, z.max_local, dtype, st);
   ops::pull_rows(comm, group, a.dv, false, dv, z.local, s.index, z.kv_share, d, z.max_local, dtype, st);

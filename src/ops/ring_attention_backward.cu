@@ -254,7 +254,8 @@ void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, cons
                              int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                              DType dtype, cudaStream_t stream, const AttentionOptions& options) {
   ops::ring_backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads, kv_heads, head_dim,
-                     workspace, workspace_bytes, dtype, stream, options, 1, "weft::ring_attention_backward");
+                     workspace, workspace_bytes, dtype, stream, options, 1,
+                     {"weft::ring_attention_backward", "ring_attention_backward_workspace_bytes()"});
 }
 
 namespace ops {
@@ -272,8 +273,8 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
                    const void* out, const void* dout, const float* lse, void* dq, void* dk, void* dv,
                    const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads, int64_t head_dim,
                    void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
-                   const AttentionOptions& options, int grain, const char* op) {
-  ops::OpCall call(comm, rank, stream, ops::team_where(op, rank));
+                   const AttentionOptions& options, int grain, const RingCaller& caller) {
+  ops::OpCall call(comm, rank, stream, ops::team_where(caller.op, rank));
   const std::string& where = call.where;
   WEFT_CHECK(
       !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
@@ -292,9 +293,8 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
                  z.segments() * rank.world() < (int64_t(1) << 31),
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
   WEFT_CHECK(workspace != nullptr && workspace_bytes >= z.workspace_bytes(),
-             where + "the workspace must hold " + std::to_string(z.workspace_bytes()) +
-                 " bytes (ring_attention_backward_workspace_bytes()), got " +
-                 std::to_string(workspace_bytes));
+             where + "the workspace must hold " + std::to_string(z.workspace_bytes()) + " bytes (" +
+                 caller.sizing + "), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
   ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
                                 head_dim);

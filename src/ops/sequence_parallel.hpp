@@ -65,21 +65,25 @@ inline void check_attention_operands(const OpCall& call, const AttentionOperands
   if (x.lse != nullptr) call.check_buffer(x.lse, "lse", uint64_t(local * heads) * 4, 4);
 }
 
-// Ring attention over a layout of grain `grain` (RingLayout::grain; the public ring ops are grain 1), its
-// errors prefixed with `op`: the hybrid of Ulysses and ring attention runs it on its ring sub-teams.
+// Ring attention over a layout of grain `grain` (RingLayout::grain; the public ring ops are grain 1): the
+// hybrid of Ulysses and ring attention runs it on its ring sub-teams. Its errors name the caller: `op`, and
+// `sizing`, the function that sizes the caller's workspace.
+struct RingCaller {
+  const char *op, *sizing;
+};
 size_t ring_forward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                     int64_t kv_heads, int64_t head_dim, int grain);
 void ring_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, void* out,
                   float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
                   int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
-                  const AttentionOptions& options, int grain, const char* op);
+                  const AttentionOptions& options, int grain, const RingCaller& caller);
 size_t ring_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                      int64_t heads, int64_t kv_heads, int64_t head_dim, int grain);
 void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
                    const void* out, const void* dout, const float* lse, void* dq, void* dk, void* dv,
                    const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads, int64_t head_dim,
                    void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
-                   const AttentionOptions& options, int grain, const char* op);
+                   const AttentionOptions& options, int grain, const RingCaller& caller);
 
 // Which heads of a row of `groups` heads rank j holds in the natural-order buffers: [first(j), first(j) +
 // width) with first(j) = j * groups / W (Ulysses' head groups; with fewer heads than ranks W / groups
