@@ -146,8 +146,6 @@ std::string Table::json() const {
   return o + "]}";
 }
 
-namespace {
-
 // One graph per local stream of what `enqueue` puts on the streams, captured together (team ops meet across
 // the ranks while they are enqueued).
 std::vector<cudaGraphExec_t> capture_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams,
@@ -168,6 +166,8 @@ std::vector<cudaGraphExec_t> capture_graphs(Communicator& comm, const std::vecto
   }
   return exec;
 }
+
+namespace {
 
 // Runs the candidates in turn, `reps` rounds after a warm-up round, each round starting one candidate later
 // (no fixed place in it): launch(c, i) enqueues candidate c on local stream i, whose work then ends at event

@@ -46,6 +46,7 @@ struct Context {
   std::string fused_ops;                  // --fused-ops ag,rs,ar: the fused ops run
   std::string cp_methods;                 // --cp-methods all-gather,ring,ulysses: context_attention's methods
   int pipeline_pieces = 0;                // --pipeline-pieces n: FusedOptions::pipeline_pieces
+  std::string timeline_dir;               // --timeline DIR: modes that can record one call's timeline there
   std::vector<Table> tables;
   // Prints to stderr so --json output stays clean.
   void progress(const char* fmt, ...) const;
@@ -112,6 +113,16 @@ std::string human_bytes(uint64_t b);
 // n bf16 values uniform in [-1, 1) from `seed` (bench/random.cu), queued on `stream`.
 void fill_uniform_bf16(void* p, uint64_t n, uint64_t seed, cudaStream_t stream);
 float median(std::vector<float> v);
+// One graph per local stream of what `enqueue` puts on the streams, captured together.
+std::vector<cudaGraphExec_t> capture_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams,
+                                            const std::function<void()>& enqueue);
+// Records what one call does on every local rank (weft/timeline.hpp): `enqueue` puts one call on every
+// local stream; it is captured with the ranks' timelines on into a graph per rank (as the timed runs are),
+// replayed twice, and the second replay's phases are written to `path` (CSV: one span per line; under a
+// launcher `path` gets this rank's number before its extension) and summarized in the table returned (per
+// rank and phase: spans, lanes, first start, last end, mean and max span, busy time per lane).
+Table record_timeline(Communicator& comm, const std::vector<cudaStream_t>& streams,
+                      const std::function<void()>& enqueue, const std::string& label, std::string path);
 // One GPU, one stream: the median of `iters` calls of `call`, each timed alone with its own pair of events,
 // after 3 warm-up calls (ms).
 float median_call_ms(const std::function<void()>& call, int iters, cudaStream_t stream);

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 
 #include "bench.hpp"
 #include "weft/ops/fused.hpp"
@@ -59,6 +60,8 @@ void run_fused(Context& ctx) {
     WEFT_CUDA_CHECK(cudaMalloc(&g[i].blas_ws, kBlasWs));
     FB_CUBLAS(cublasSetWorkspace(g[i].blas, g[i].blas_ws, kBlasWs));
   }
+  std::vector<Table> timelines;
+  if (!ctx.timeline_dir.empty()) std::filesystem::create_directories(ctx.timeline_dir);
   std::vector<int64_t> ms = {1024, 2048, 4096, 8192, 16384, 32768};
   if (ctx.quick) ms = {2048, 8192};
   if (!ctx.fused_m.empty()) ms = ctx.fused_m;  // --fused-m
@@ -215,6 +218,19 @@ void run_fused(Context& ctx) {
                  fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm)),
                  fmt("%.1f", t_wgemm), fmt("%.1f", t_forced),
                  t_pipe > 0 ? fmt("%.1f", t_pipe) : std::string("-")});
+          if (!ctx.timeline_dir.empty()) {  // one call of each weft path, in-kernel timestamps
+            auto record = [&](const std::function<void(int)>& f, const char* path_name) {
+              timelines.push_back(record_timeline(
+                  *comm, streams, [&] { on_all(f, false)(0); },
+                  fmt("%s M=%lld N=%lld K=%lld, %s", op_name(op), (long long)M, (long long)N, (long long)K,
+                      path_name),
+                  ctx.timeline_dir + fmt("/%s_%lldx%lldx%lld_%s.csv", op_name(op), (long long)M, (long long)N,
+                                         (long long)K, path_name)));
+            };
+            record(weft_call, fused_path_name(path));
+            if (path != FusedPath::kFused) record(fused_call, "fused");
+            if (path != FusedPath::kPipelined && nccl_on) record(pipelined_call, "pipelined");
+          }
           comm->free(wa);
           comm->free(wo);
           for (int i = 0; i < L; ++i) {
@@ -223,12 +239,142 @@ void run_fused(Context& ctx) {
           }
         }
   ctx.add(std::move(t));
+  for (Table& tl : timelines) ctx.add(std::move(tl));
   for (int i = 0; i < L; ++i) {
     cudaSetDevice(comm->local(i).device());
     cublasDestroy(g[i].blas);
     cudaFree(g[i].blas_ws);
   }
 }
+
+// GEMM + all-reduce at decode sizes: the row-parallel layers of tensor-parallel inference (Llama-70B at 4
+// GPUs: K per rank 2048 for the attention output, 7168 for the MLP down projection; N = 8192), M = the decode
+// batch. Against cuBLAS + NCCL's all-reduce and cuBLAS + weft's all-reduce in the same run.
+void run_decode(Context& ctx) {
+  WEFT_CHECK(ctx.team_size() >= 2, "decode needs at least 2 ranks");
+  BenchTeam team(ctx);
+  const bool nccl_on = team.has_nccl();
+  Communicator* comm = team.comm.get();
+  const int L = team.local();
+  std::vector<cudaStream_t>& streams = team.streams;
+  std::vector<PerGpu> g(L);
+  constexpr size_t kBlasWs = 64 << 20;
+  for (int i = 0; i < L; ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+    FB_CUBLAS(cublasCreate(&g[i].blas));
+    FB_CUBLAS(cublasSetStream(g[i].blas, streams[i]));
+    WEFT_CUDA_CHECK(cudaMalloc(&g[i].blas_ws, kBlasWs));
+    FB_CUBLAS(cublasSetWorkspace(g[i].blas, g[i].blas_ws, kBlasWs));
+  }
+  std::vector<int64_t> ms = {1, 4, 16, 64, 256};
+  if (!ctx.fused_m.empty()) ms = ctx.fused_m;
+  std::vector<Table> timelines;
+  if (!ctx.timeline_dir.empty()) std::filesystem::create_directories(ctx.timeline_dir);
+  Table t(fmt("matmul_all_reduce at decode sizes, bf16, %s: weft vs cuBLAS + NCCL %d.%d.%d and cuBLAS + weft "
+              "all_reduce",
+              ctx.team_label().c_str(), NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
+          {"M", "N", "K/rank", "gemm us", "NCCL AR us", "weft AR us", "cuBLAS+NCCL us", "cuBLAS+weft AR us",
+           "weft us", "weft path", "weft / cuBLAS+NCCL", "weft / cuBLAS+weft AR"},
+          "Per rank: out [M, N] = sum over ranks of A [M, K/rank] . W^T, W [N, K/rank]. gemm = cuBLAS alone; "
+          "the AR columns the all-reduce of [M, N] alone; weft = weft::matmul_all_reduce (kAuto). CUDA graphs "
+          "of 20 calls, columns in turns, slowest rank's median." +
+              std::string(nccl_on ? "" : " Virtual ranks: no NCCL (-)."));
+  const int64_t N = 8192;
+  for (int64_t K : {2048, 7168})
+    for (int64_t M : ms) {
+      ctx.progress("decode: M=%lld N=%lld K=%lld", (long long)M, (long long)N, (long long)K);
+      SymmetricBuffer wa = comm->alloc(M * K * 2), wo = comm->alloc(M * N * 2);
+      for (int i = 0; i < L; ++i) {
+        WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+        WEFT_CUDA_CHECK(cudaMalloc(&g[i].a, M * K * 2));
+        WEFT_CUDA_CHECK(cudaMalloc(&g[i].b, N * K * 2));
+        WEFT_CUDA_CHECK(cudaMalloc(&g[i].out, M * N * 2));
+        WEFT_CUDA_CHECK(cudaMalloc(&g[i].tmp, M * N * 2));
+        const int rk = comm->local(i).rank();
+        fill_uniform_bf16(g[i].a, M * K, 300 + 2 * rk, streams[i]);
+        fill_uniform_bf16(g[i].b, N * K, 301 + 2 * rk, streams[i]);
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(wa.local[i], g[i].a, M * K * 2, cudaMemcpyDeviceToDevice, streams[i]));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
+      }
+      FusedPath path = FusedPath::kSequential;
+      auto gemm_alone = [&](int i) { cublas_gemm(g[i].blas, g[i].a, g[i].b, g[i].tmp, M, N, K); };
+      auto nccl_ar = [&](int i) {
+        WEFT_NCCL_CHECK(
+            ncclAllReduce(g[i].tmp, g[i].out, size_t(M * N), ncclBfloat16, ncclSum, team.nccl[i], streams[i]));
+      };
+      auto weft_ar = [&](int i) {
+        all_reduce(*comm, comm->local(i), g[i].tmp, g[i].out, size_t(M * N), DType::kBF16, ReduceOp::kSum,
+                   streams[i]);
+      };
+      auto weft_call = [&](int i) {
+        path = matmul_all_reduce(*comm, comm->local(i), wa.local[i], g[i].b, wo.local[i], M, N, K,
+                                 BLayout::kNK, streams[i]);
+      };
+      auto on_all = [&](auto&& f, bool nccl_group) {
+        return [&, nccl_group](int) {
+          if (nccl_group) WEFT_NCCL_CHECK(ncclGroupStart());
+          for (int i = 0; i < L; ++i) {
+            WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+            f(i);
+          }
+          if (nccl_group) WEFT_NCCL_CHECK(ncclGroupEnd());
+        };
+      };
+      on_all(weft_call, false)(0);  // workspace grown before any capture
+      on_all(weft_ar, false)(0);
+      comm->synchronize();
+      std::vector<std::function<void(int)>> candidates = {on_all(gemm_alone, false), on_all(weft_ar, false),
+                                                          [&](int k) {
+                                                            on_all(gemm_alone, false)(k);
+                                                            on_all(weft_ar, false)(k);
+                                                          },
+                                                          on_all(weft_call, false)};
+      if (nccl_on) {
+        candidates.push_back(on_all(nccl_ar, true));
+        candidates.push_back([&](int k) {
+          on_all(gemm_alone, false)(k);
+          on_all(nccl_ar, true)(k);
+        });
+      }
+      const int iters = 20, reps = ctx.quick ? 5 : 11;
+      std::vector<double> times;
+      if (nccl_on) {
+        times = time_graphs_alternating(*comm, streams, iters, reps, candidates);
+      } else {
+        for (auto& c : candidates) times.push_back(time_graphs(*comm, streams, iters, reps, c));
+      }
+      for (double& x : times) x = team.team_max(x);
+      const double t_gemm = times[0], t_war = times[1], t_gw = times[2], t_weft = times[3];
+      const double t_nar = nccl_on ? times[4] : 0, t_gn = nccl_on ? times[5] : 0;
+      auto cell = [](double x) { return x > 0 ? fmt("%.1f", x) : std::string("-"); };
+      t.add({std::to_string(M), std::to_string(N), std::to_string(K), cell(t_gemm), cell(t_nar), cell(t_war),
+             cell(t_gn), cell(t_gw), cell(t_weft), fused_path_name(path),
+             t_gn > 0 ? fmt("%.2f", t_weft / t_gn) : std::string("-"), fmt("%.2f", t_weft / t_gw)});
+      if (!ctx.timeline_dir.empty())
+        timelines.push_back(record_timeline(
+            *comm, streams, [&] { on_all(weft_call, false)(0); },
+            fmt("matmul_all_reduce M=%lld N=%lld K=%lld, %s", (long long)M, (long long)N, (long long)K,
+                fused_path_name(path)),
+            ctx.timeline_dir + fmt("/decode_%lldx%lldx%lld.csv", (long long)M, (long long)N, (long long)K)));
+      comm->free(wa);
+      comm->free(wo);
+      for (int i = 0; i < L; ++i) {
+        WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+        for (char* p : {g[i].a, g[i].b, g[i].out, g[i].tmp}) WEFT_CUDA_CHECK(cudaFree(p));
+      }
+    }
+  ctx.add(std::move(t));
+  for (Table& tl : timelines) ctx.add(std::move(tl));
+  for (int i = 0; i < L; ++i) {
+    cudaSetDevice(comm->local(i).device());
+    cublasDestroy(g[i].blas);
+    cudaFree(g[i].blas_ws);
+  }
+}
+
+ModeRegistrar reg_decode("decode",
+                         "matmul_all_reduce at decode sizes (M 1..256) vs cuBLAS + NCCL and cuBLAS + weft AR",
+                         run_decode, 2, true);
 
 ModeRegistrar reg("fused", "all_gather_matmul / matmul_reduce_scatter / matmul_all_reduce vs cuBLAS + NCCL",
                   run_fused, 2, true);

@@ -29,6 +29,9 @@ int usage(int code) {
       "  --fused-m M1,M2,..          the fused modes' M values\n"
       "  --fused-ops ag,rs,ar        the fused ops run\n"
       "  --pipeline-pieces n         FusedOptions::pipeline_pieces of the weft and pipelined columns\n"
+      "  --timeline DIR              fused / decode: also record one call of each row's weft paths with\n"
+      "                              in-kernel timestamps: DIR/<op>_<M>x<N>x<K>_<path>.csv and a summary\n"
+      "                              table per call (scripts/plot_timeline.py draws the CSV)\n"
       "  --cp-methods all-gather,ring,ulysses,hybrid  the context_attention methods run (ring-no-copy: the "
       "ring\n"
       "                                         kernels with no data movement, timing only)\n"
@@ -70,6 +73,7 @@ bool set_developer_flag(Context& ctx, const std::string& flag, const std::string
     ctx.cp_methods = v;
     return true;
   }
+  if (flag == "--timeline") return !v.empty() && (ctx.timeline_dir = v, true);
   if (flag == "--fused-m") {
     ctx.fused_m.clear();
     for (size_t p = 0; p <= v.size();) {
@@ -106,7 +110,8 @@ int main(int argc, char** argv) {
       }
       (a == "--gpus" ? ctx.gpus : ctx.ranks) = v;
     } else if (a == "--ar-algo" || a == "--flow" || a == "--fused-ops" || a == "--min-bytes" ||
-               a == "--max-bytes" || a == "--fused-m" || a == "--pipeline-pieces" || a == "--cp-methods") {
+               a == "--max-bytes" || a == "--fused-m" || a == "--pipeline-pieces" || a == "--cp-methods" ||
+               a == "--timeline") {
       if (i + 1 >= argc) {
         std::fprintf(stderr, "weft-bench: %s takes a value\n", a.c_str());
         return 2;

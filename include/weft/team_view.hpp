@@ -14,6 +14,8 @@
 
 namespace weft {
 
+struct TimelineBuffer;  // weft/timeline.hpp
+
 // The signal pad's room: flag words and barrier slots, granted to ops by name. Each split of the team into
 // sub-teams (Communicator::subteam) is granted its own runs of what its ops use (a ring attention pass about
 // 1k flags, the collectives' per-block meetings 256 slots), so there is room for several splits beside the
@@ -85,6 +87,8 @@ struct TeamView {
   // itself at r (0, 1). Only the peer table is indexed by team ranks: flags and barrier slots are the
   // sub-team's own grants, indexed by its ranks.
   int32_t peer_first = 0, peer_stride = 1;
+  // Where this rank's kernels record their timeline (weft/timeline.hpp); null (the default): not recording.
+  TimelineBuffer* timeline = nullptr;
 
   WEFT_HD char* pad() const { return local_base + pad_offset; }
   WEFT_HD char* const* peer_bases() const {

@@ -531,7 +531,7 @@ def _summed_matmul(native_op, a, b, out, comm, scatter):
     """matmul_reduce_scatter / matmul_all_reduce: the [M, N] product summed over ranks, scattered or not."""
     c, s, x, w, layout, n, k = _matmul_operands(a, b, comm)
     m = x.shape[0]
-    if m % c.world_size:
+    if scatter and m % c.world_size:
         raise WeftValueError(f"weft: a has {m} rows, not divisible by the world size {c.world_size}")
     out, o = _output(c, s, a, x, (m // c.world_size if scatter else m, n), out)
     native_op(c._c, x.ptr, w.ptr, o.ptr, m, n, k, layout, s)

@@ -371,8 +371,6 @@ def matmul_reduce_scatter(a, b, comm):
 
 def matmul_all_reduce(a, b, comm):
     c = _matmul_operands(a, b, comm)
-    if a.shape[0] % c.world_size:
-        raise _w.WeftValueError(f"weft: a has {a.shape[0]} rows, not divisible by the world size {c.world_size}")
     return _matmul_all_reduce(a, b, c._id)
 
 

@@ -54,7 +54,8 @@ struct Call : ops::OpCall {
                into) {
     if (into) into->op = op;
     WEFT_CHECK(m > 0 && n > 0 && k > 0, where + "M, N and K must be at least 1");
-    WEFT_CHECK(m % r.world() == 0,
+    // matmul_all_reduce takes any M (its sequential path); the others split M over the ranks.
+    WEFT_CHECK(m % r.world() == 0 || std::string(op) == "matmul_all_reduce",
                where + "M must be divisible by the world size " + std::to_string(r.world()));
     WEFT_CHECK(k % 8 == 0 && n % 8 == 0,
                where + "K and N must be multiples of 8 (bf16 rows of 16-byte multiples, which TMA requires)");
@@ -90,6 +91,10 @@ struct Call : ops::OpCall {
     // one another in the GPU's shared work queues (weft-bench fused hung there: 2 ranks on one H100, 10 calls
     // per graph at M = 2048; eager calls and the suite's one-call graphs passed). Not captured there.
     const bool pipeline_ok = !(capturing && comm.ranks_per_gpu() > 1);
+    WEFT_CHECK(o.mode != Mode::kPipelined || m % rank.world() == 0,
+               where + "the copy-engine pipeline splits M over the ranks: M = " + std::to_string(m) +
+                   " is not divisible by the world size " + std::to_string(rank.world()) +
+                   " (use Mode::kAuto or kSequential)");
     WEFT_CHECK(
         o.mode != Mode::kPipelined || pipeline_ok,
         where +
@@ -108,6 +113,7 @@ struct Call : ops::OpCall {
     }
     if (rank.world() == 1 || m < o.min_fused_m) return FusedPath::kSequential;
     if (rule == FusedPath::kFused && !why_not_fused.empty()) return FusedPath::kSequential;
+    if (rule == FusedPath::kPipelined && m % rank.world() != 0) return FusedPath::kSequential;
     // Virtual ranks: never the pipeline, captured or not, so that every rank decides alike whichever of
     // them a graph captures.
     if (rule == FusedPath::kPipelined && comm.ranks_per_gpu() > 1)
@@ -135,6 +141,7 @@ struct Call : ops::OpCall {
     GemmOptions o;
     o.store = accumulate ? GemmStore::kReduceAdd : GemmStore::kStore;
     o.max_blocks = rank.sm_budget();
+    o.timeline = rank.view().timeline;
     gemm(a, b, out, m, n, k, layout, DType::kBF16, stream, o);
   }
   // Before an LCSC op's launch with `comm_blocks` communicator blocks: planning, records the fused kernel's
@@ -488,6 +495,7 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
   const int first_unit_row = static_cast<int>(c.rank.rank() * (m / W) / Op::kBM) / Op::kClusterSize;
   p.sched.start_unit = first_unit_row / band_units * band_units * p.sched.tiles_n;
   p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
+  p.sched.timeline = c.rank.view().timeline;
   p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
   p.a_local = tma::make_map_2d(
       {a_shard, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(m / W), uint64_t(k), uint64_t(k) * 2},
@@ -529,6 +537,7 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
   if ((W & (W - 1)) == 0 && p.sched.units_m() % W == 0) p.sched.parts_log2 = __builtin_ctz(unsigned(W));
   p.sched.start_unit = static_cast<int>(int64_t((me + 1) % W) * p.sched.units() / W);
   p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
+  p.sched.timeline = c.rank.view().timeline;
   p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
   p.shard_rows = static_cast<int>(rows);
   if (c.planned_kernel<Op>(p.sched, comm_blocks)) return;
@@ -541,6 +550,8 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
 std::string rs_why_not(const Call& c, int64_t m) {
   const int64_t rows = m / c.rank.world();
   if (c.rank.world() > ops::kFusedMaxWorld) return "world size above " + std::to_string(ops::kFusedMaxWorld);
+  if (m % c.rank.world() != 0)
+    return "M = " + std::to_string(m) + " is not divisible by the world size " + std::to_string(c.rank.world());
   if (rows % 64 != 0) return "M / world size = " + std::to_string(rows) + " is not a multiple of 64";
   if (rows > INT32_MAX) return "M / world size above 2^31";
   return c.why_not_in_budget<ops::RsGemmOp<true, 1>>(ops::RsGemmOp<true, 1>::kClusterSize);

@@ -69,6 +69,7 @@ Plan run_op(const Problem& pr, cudaStream_t stream, bool launch) {
   s.cluster_m = kCluster;
   s.group_m = pr.opt.group_m > 0 ? pr.opt.group_m : 16;
   s.start_unit = pr.opt.start_tile;
+  s.timeline = pr.opt.timeline;
   int clusters = Launcher::max_resident_clusters();
   if (pr.opt.max_blocks > 0) clusters = std::min(clusters, std::max(1, pr.opt.max_blocks / kCluster));
   clusters = std::min(clusters, s.units());

@@ -829,6 +829,11 @@ void Communicator::release_all() noexcept {
     cudaSetDevice(r->device_);
     cudaDeviceSynchronize();
   }
+  for (auto& [rank, buffer] : timelines_) {  // recordings never taken
+    cudaSetDevice(rank->device());
+    cudaFree(buffer);
+  }
+  timelines_.clear();
   while (!live_.empty()) {
     SymmetricBuffer b = live_.back();
     try {

@@ -466,3 +466,109 @@ WEFT_GPU_TEST(fused_ops_pipelined_in_cuda_graphs) {
   }
   for (auto& e : exec) cudaGraphExecDestroy(e);
 }
+
+// matmul_all_reduce takes any M (decode batches: 1, 3, 7, 129, 1000 rows, at any world size): kAuto and the
+// sequential path against the fp64 reference, outputs poisoned first; the fused kernel and the pipeline,
+// which split M over the ranks, are refused by name when M is not divisible by the world size; and the call
+// captured per rank into a CUDA graph replays right on fresh inputs.
+WEFT_GPU_TEST(matmul_all_reduce_any_m) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  const int64_t n = 264, k = 136;
+  for (int64_t m : {1, 3, 7, 129, 1000}) {
+    std::vector<Mat> a(W), b(W);
+    for (int r = 0; r < W; ++r) {
+      a[r] = make(size_t(m * k), 4000 + 10 * m + r);
+      b[r] = make(size_t(n * k), 5000 + 10 * m + r);
+    }
+    std::vector<double> sum(size_t(m * n), 0.0);
+    for (int q = 0; q < W; ++q) gemm_ref(sum, a[q], b[q], 0, m, n, k, true);
+    for (bool sym : {true, false}) {
+      RankBuffers A(c, m * k * 2, false), B(c, n * k * 2, false), out(c, m * n * 2, sym);
+      for (int i = 0; i < c.num_local(); ++i) {
+        const int r = c.local(i).rank();
+        upload(c, i, A.ptr[i], a[r].h.data(), m * k * 2);
+        upload(c, i, B.ptr[i], b[r].h.data(), n * k * 2);
+      }
+      for (Mode mode : {Mode::kAuto, Mode::kSequential, Mode::kFused, Mode::kPipelined}) {
+        FusedOptions o;
+        o.mode = mode;
+        o.min_fused_m = 0;  // kAuto weighs every path, as it would for a large M
+        const bool refused = m % W != 0 && (mode == Mode::kFused || mode == Mode::kPipelined);
+        if (!refused && mode != Mode::kAuto && mode != Mode::kSequential) continue;  // covered above
+        for (int i = 0; i < c.num_local(); ++i) poison(c, i, out.ptr[i], m * n * 2);
+        c.host_barrier();
+        for (int i = 0; i < c.num_local(); ++i) {
+          std::string msg;
+          try {
+            matmul_all_reduce(c, c.local(i), A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, BLayout::kNK, nullptr,
+                              o);
+          } catch (const Error& e) {
+            msg = e.what();
+          }
+          if (refused)
+            WEFT_EXPECT(msg.find("not divisible by the world size") != std::string::npos,
+                        "M=" << m << " forced " << mode_name(mode) << ": got '" << msg << "'");
+          else
+            WEFT_EXPECT(msg.empty(), "M=" << m << " " << mode_name(mode) << ": " << msg);
+        }
+        if (refused) continue;
+        c.synchronize();
+        for (int i = 0; i < c.num_local(); ++i) {
+          const std::string err = compare(get(c, i, out.ptr[i], m * n), sum);
+          WEFT_EXPECT(err.empty(), "matmul_all_reduce M=" << m << " W=" << W << " " << mode_name(mode)
+                                                          << (sym ? " symmetric" : " device") << " rank "
+                                                          << c.local(i).rank() << ": " << err);
+        }
+        c.host_barrier();
+      }
+    }
+  }
+  // Graph replay at M = 7 (kAuto): captured once per rank after a warm-up call, replayed on new inputs.
+  const int64_t m = 7;
+  RankBuffers A(c, m * k * 2, false), B(c, n * k * 2, false), out(c, m * n * 2, false);
+  auto issue = [&](int i) {
+    Rank& r = c.local(i);
+    matmul_all_reduce(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, BLayout::kNK, r.stream());
+  };
+  for (int i = 0; i < c.num_local(); ++i) issue(i);  // workspace, handles
+  c.synchronize();
+  std::vector<cudaGraphExec_t> exec(c.num_local());
+  for (int i = 0; i < c.num_local(); ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+    cudaGraph_t g;
+    WEFT_CUDA_CHECK(cudaStreamBeginCapture(c.local(i).stream(), cudaStreamCaptureModeThreadLocal));
+    issue(i);
+    WEFT_CUDA_CHECK(cudaStreamEndCapture(c.local(i).stream(), &g));
+    WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[i], g, 0));
+    WEFT_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  for (int replay = 0; replay < 3; ++replay) {
+    std::vector<Mat> a(W), b(W);
+    std::vector<double> sum(size_t(m * n), 0.0);
+    for (int r = 0; r < W; ++r) {
+      a[r] = make(size_t(m * k), 6000 + 10 * replay + r);
+      b[r] = make(size_t(n * k), 7000 + 10 * replay + r);
+      gemm_ref(sum, a[r], b[r], 0, m, n, k, true);
+    }
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      upload(c, i, A.ptr[i], a[r].h.data(), m * k * 2);
+      upload(c, i, B.ptr[i], b[r].h.data(), n * k * 2);
+      poison(c, i, out.ptr[i], m * n * 2);
+    }
+    c.host_barrier();
+    for (int i = 0; i < c.num_local(); ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+      WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], c.local(i).stream()));
+    }
+    c.synchronize();
+    for (int i = 0; i < c.num_local(); ++i) {
+      const std::string err = compare(get(c, i, out.ptr[i], m * n), sum);
+      WEFT_EXPECT(err.empty(), "replay " << replay << " matmul_all_reduce M=7 rank " << c.local(i).rank()
+                                         << ": " << err);
+    }
+    c.host_barrier();
+  }
+  for (auto& e : exec) cudaGraphExecDestroy(e);
+}

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "weft/comm/signal.cuh"
+#include "weft/device/timeline.cuh"
 
 namespace weft {
 
@@ -25,6 +26,7 @@ template <StreamWait kHow>
 __global__ void __launch_bounds__(32)
     stream_wait_kernel(TeamView team, const uint64_t* flag, uint64_t value) {
   if (threadIdx.x != 0) return;
+  const TimelineSpan span(team.timeline, TimelinePhase::kStreamWait, uint32_t(value));
   (void)wait_until(
       team, flag, value, [value](uint64_t x) { return kHow == StreamWait::kEqual ? x == value : x >= value; },
       [](uint64_t x) { return x; });  // a failure is recorded; the host's synchronize() reports it

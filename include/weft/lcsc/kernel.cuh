@@ -48,6 +48,7 @@
 
 #include <cstdint>
 
+#include "weft/device/timeline.cuh"
 #include "weft/lcsc/pipeline.cuh"
 #include "weft/lcsc/scheduler.cuh"
 #include "weft/tile/cluster.cuh"
@@ -129,6 +130,25 @@ __device__ decltype(auto) role_tiles(Scheduler& sched, typename Op::Smem& smem, 
   }
 }
 
+// Timelines (weft/timeline.hpp): ops whose scheduler params carry a `timeline` buffer get their blocks'
+// phases recorded there when it is set: each block's span (thread 0), the loader's waits for a work item's
+// inputs, each consumer warpgroup's mainloop and store per item (its first thread), a communicator block's
+// opening and tasks. The buffer is read from the (constant) parameters at each mark rather than held in a
+// register through the loops, which would cost the consumers registers they do not have.
+template <class Op>
+__device__ __forceinline__ void mark(const typename Op::Params& p, bool recorder, TimelinePhase phase, bool end,
+                                     uint32_t arg = 0) {
+  if constexpr (requires { p.sched.timeline; })
+    if (recorder && p.sched.timeline != nullptr) timeline_mark(p.sched.timeline, phase, end, arg);
+}
+template <class Work>
+__device__ __forceinline__ uint32_t timeline_arg(const Work& w) {
+  if constexpr (requires { w.m; w.n; })
+    return uint32_t(w.m) << 16 | (uint32_t(w.n) & 0xffffu);
+  else
+    return 0;
+}
+
 // Dynamic shared memory is rounded up to 1024 bytes in the kernel (the swizzle atom).
 template <class Op>
 inline constexpr size_t kSmemBytes = sizeof(typename Op::Smem) + 1024;
@@ -152,17 +172,27 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
   const int compute_blocks = Scheduler::compute_blocks(p.sched);
 
   if (static_cast<int>(blockIdx.x) >= compute_blocks) {
+    mark<Op>(p, threadIdx.x == 0, TimelinePhase::kBlock, false, 1);
     const int index = static_cast<int>(blockIdx.x) - compute_blocks;
     bool go = true;
-    if constexpr (requires { Op::comm_begin(p, smem, index); }) go = Op::comm_begin(p, smem, index);
+    if constexpr (requires { Op::comm_begin(p, smem, index); }) {
+      mark<Op>(p, threadIdx.x == 0, TimelinePhase::kCommBegin, false);
+      go = Op::comm_begin(p, smem, index);
+      mark<Op>(p, threadIdx.x == 0, TimelinePhase::kCommBegin, true);
+    }
     if constexpr (requires { typename Op::CommTasks; }) {
       if (go) {
         typename Op::CommTasks tasks(p, index, static_cast<int>(gridDim.x) - compute_blocks);
         typename Op::CommTasks::Task t;
-        while (tasks.next(t)) Op::comm_task(p, smem, t);
+        while (tasks.next(t)) {
+          mark<Op>(p, threadIdx.x == 0, TimelinePhase::kCommTask, false, uint32_t(t));
+          Op::comm_task(p, smem, t);
+          mark<Op>(p, threadIdx.x == 0, TimelinePhase::kCommTask, true, uint32_t(t));
+        }
       }
     }
     if constexpr (requires { Op::comm_end(p, smem, index); }) Op::comm_end(p, smem, index);
+    mark<Op>(p, threadIdx.x == 0, TimelinePhase::kBlock, true, 1);
     return;
   }
 
@@ -184,13 +214,19 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
   if (wg == 0) {
     tile::setmaxnreg_dec<Op::kLoaderRegs>();
     if (threadIdx.x == 0) {
+      mark<Op>(p, true, TimelinePhase::kBlock, false, 0);
       PipeState st;
       Work t;
       auto&& tiles = role_tiles<Op>(sched, smem, p, true);
       while (tiles.next(t)) {
-        if constexpr (requires { Op::wait_inputs(p, t); }) Op::wait_inputs(p, t);
+        if constexpr (requires { Op::wait_inputs(p, t); }) {
+          mark<Op>(p, true, TimelinePhase::kWaitInputs, false, timeline_arg(t));
+          Op::wait_inputs(p, t);
+          mark<Op>(p, true, TimelinePhase::kWaitInputs, true, timeline_arg(t));
+        }
         Op::load(p, smem, pipe, st, t);
       }
+      mark<Op>(p, true, TimelinePhase::kBlock, true, 0);
     } else if constexpr (requires { Op::helper_warp(p, smem, 0, 0); }) {
       if (threadIdx.x >= 32)
         Op::helper_warp(p, smem,
@@ -207,10 +243,16 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
     auto&& tiles = role_tiles<Op>(sched, smem, p, false);
     while (tiles.next(t)) {
       // wgmma is warp-aligned: the whole warp must issue it together. Independent thread scheduling does
-      // not promise that lanes split by a branch of the previous item's store have met again, so meet here.
+      // not promise that lanes split by a branch of the previous item's store (or a timeline mark) have met
+      // again, so meet here.
+      mark<Op>(p, tile::thread_in_warpgroup() == 0, TimelinePhase::kMainloop, false, timeline_arg(t));
       __syncwarp();
       Op::compute(p, smem, pipe, st, t, c, acc);
+      mark<Op>(p, tile::thread_in_warpgroup() == 0, TimelinePhase::kMainloop, true, timeline_arg(t));
+      mark<Op>(p, tile::thread_in_warpgroup() == 0, TimelinePhase::kStore, false, timeline_arg(t));
+      __syncwarp();
       Op::store(p, smem, t, c, acc, es);
+      mark<Op>(p, tile::thread_in_warpgroup() == 0, TimelinePhase::kStore, true, timeline_arg(t));
     }
     if constexpr (requires { Op::finish(p, smem, c, es); }) Op::finish(p, smem, c, es);
   }

@@ -16,6 +16,7 @@
 // only: shifts, where a division would cost the consumers registers they do not have.)
 #pragma once
 #include <cstdint>
+#include "weft/timeline.hpp"
 
 namespace weft::lcsc {
 
@@ -31,6 +32,8 @@ struct SchedulerParams {   // GemmTileScheduler::Params
   // of taking every C-th one (lcsc/kernel.cuh, ClaimedTiles): for ops whose tiles wait for their inputs, so a
   // block that waited does not fall behind the others for the rest of the kernel.
   int* claims = nullptr;
+  // Non-null: the kernel records its blocks' phases there (weft/timeline.hpp, lcsc/kernel.cuh).
+  TimelineBuffer* timeline = nullptr;
   __host__ __device__ int units_m() const { return (tiles_m + cluster_m - 1) / cluster_m; }
   __host__ __device__ int units() const { return units_m() * tiles_n; }
 };

@@ -13,6 +13,7 @@
 #include "weft/comm/barrier.cuh"
 #include "weft/comm/elementwise.cuh"
 #include "weft/device/numeric.cuh"
+#include "weft/device/timeline.cuh"
 #include "weft/team_view.hpp"
 
 namespace weft::coll {
@@ -189,6 +190,16 @@ struct Exchange {
   BarrierSlots slots;  // block b meets in slots[b]
 };
 
+// A collective kernel's block on the rank's timeline (weft/timeline.hpp), by its thread 0, where kOn: the
+// one-shot all-reduce and the fused ops' reduce (the pre-staged reduce-scatter). The other kernels are at the
+// edge of their registers, where even an unused mark moved their spills.
+template <bool kOn>
+__device__ __forceinline__ void collective_mark(const TeamView& t, uint32_t kernel, bool end) {
+  if constexpr (kOn)
+    if (threadIdx.x == 0 && t.timeline != nullptr)
+      timeline_mark(t.timeline, TimelinePhase::kCollective, end, kernel);
+}
+
 template <int V>
 __global__ void __launch_bounds__(512) exchange_kernel(Exchange x) {
   const TeamView& t = x.team;
@@ -241,11 +252,12 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
   using T = typename ElemTraits<E>::T;
   constexpr int V = 16;
   const TeamView& t = x.team;
+  collective_mark<kStaged>(t, 1u, false);
   auto src_of = [&](int s) {  // s = 0: my own slice (of the input, or staged); then the peers' staged slices
     if (s == 0 && !kStaged) return Rows{x.in.base + x.in_peer_step * t.rank, x.in.stride};
     return Rows{x.staging.base + x.staging_step * ((t.rank + s) % t.world), x.staging.stride};
   };
-  if (!meet(t, x.slots)) return;
+  if (!meet(t, x.slots)) return collective_mark<kStaged>(t, 1u, true);
   // Push my chunks of every peer's slice group by group; announce each group (barrier_arrive) and reduce
   // the previous one once every peer announced it. Odd blocks start with a half group so that the blocks
   // do not all reduce at once (the links would idle meanwhile). Pre-staged: one group, no pushes.
@@ -267,7 +279,7 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
       announced = barrier_arrive(t, x.slots[blockIdx.x]);
     }
     if (g > 0) {
-      if (!kStaged && !barrier_wait(t, x.slots[blockIdx.x], previous)) return;
+      if (!kStaged && !barrier_wait(t, x.slots[blockIdx.x], previous)) return collective_mark<kStaged>(t, 1u, true);
       reduce_rows<E, R, true>(t, x.out, src_of, x.rows, x.row_bytes / sizeof(T), x.fanout, start(g - 1),
                               start(g));
     }
@@ -277,6 +289,7 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
   for (int q = 0; q < t.world; ++q)
     copy_rows<V>(Rows{x.final_dst + q * x.row_bytes, 0},
                  Rows{const_cast<char*>(x.final_src) + q * x.row_bytes, 0}, 1, x.row_bytes);
+  collective_mark<kStaged>(t, 1u, true);
 }
 
 // dst = a (+) b in 16-byte packs, arithmetic in fp32, 4 units of each source in flight per thread.
@@ -419,6 +432,7 @@ __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
   using T = typename ElemTraits<E>::T;
   constexpr int kLanes = 4 / sizeof(T);
   const TeamView& t = x.team;
+  collective_mark<true>(t, 3u, false);
   // (The count's address is recomputed at the end rather than kept: registers are short here.)
   const uint64_t call = *reinterpret_cast<volatile uint64_t*>(t.flag(x.calls, blockIdx.x)) + 1;
   // The epoch in the words is never 0 (what a workspace holds before its first call), also after 2^32 calls.
@@ -451,7 +465,7 @@ __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
     for (int k = 1; k < t.world; ++k) {
       uint32_t v[2];
       const uint64_t* src = part + ((t.rank + k) % t.world) * x.slot_words + 2 * (q - share.begin);
-      if (!ll_wait_pair(t, src, n, epoch, v)) return;
+      if (!ll_wait_pair(t, src, n, epoch, v)) return collective_mark<true>(t, 3u, true);
       for (int h = 0; h < n; ++h)
         for (int l = 0; l < kLanes; ++l)
           acc[h][l] = combine<R>(acc[h][l], ElemTraits<E>::to_float(reinterpret_cast<const T*>(&v[h])[l]));
@@ -468,6 +482,7 @@ __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
   }
   __syncthreads();  // every thread has read the epoch; the next call (stream-ordered) reads the new one
   if (threadIdx.x == 0) *t.flag(x.calls, blockIdx.x) = call;
+  collective_mark<true>(t, 3u, true);
 }
 
 }  // namespace weft::coll

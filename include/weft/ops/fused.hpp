@@ -13,7 +13,9 @@
 //                          the summed rows into every rank's out.
 //
 // Every rank calls the op with the same arguments (single-process: once per local rank). bf16 in and out,
-// fp32 accumulation. Dense row-major operands; M divisible by the world size; K and N multiples of 8 (TMA
+// fp32 accumulation. Dense row-major operands; M divisible by the world size (matmul_all_reduce: any M, such
+// as a decode batch of 1..256 rows: the paths that split M over the ranks then give way to the sequential
+// one, and refuse by name when forced); K and N multiples of 8 (TMA
 // rows are 16-byte multiples); 16-byte aligned pointers on the rank's GPU. Any memory works: symmetric-heap
 // buffers are used in place where that helps (AG: `gathered_a`), anything else goes through
 // Communicator::workspace, which grows on first use (run once before capturing a CUDA graph, or

@@ -7,6 +7,7 @@
 
 #include "weft/dtype.hpp"  // C is kBF16 or kFP32
 #include "weft/ops/plan.hpp"
+#include "weft/timeline.hpp"
 
 namespace weft {
 
@@ -37,6 +38,7 @@ struct GemmOptions {
   int max_blocks = 0;  // cap on persistent compute blocks; 0: every SM
   bool zero_unused_rows = false;  // grouped_gemm only: C's rows past the last group's end are zeroed
   GemmActivation activation = GemmActivation::kNone;  // grouped_gemm only (see above)
+  TimelineBuffer* timeline = nullptr;  // non-null: the kernel records its phases there (weft/timeline.hpp)
 };
 
 // Enqueues C = A.B (or C += A.B) on `stream` for the current device.

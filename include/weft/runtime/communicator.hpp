@@ -39,6 +39,7 @@
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/resources.hpp"
 #include "weft/team_view.hpp"
+#include "weft/timeline.hpp"
 
 namespace weft {
 
@@ -57,6 +58,13 @@ struct Options {
   uint64_t heap_bytes = 0;   // virtual span per rank (0: WEFT_HEAP_BYTES, else the GPU's memory)
   std::chrono::milliseconds timeout{0};  // device waits and host collectives (0: WEFT_TIMEOUT_MS, else 10 s)
   std::optional<LaunchEnv> env;          // one-per-process: overrides the process environment (tests)
+};
+
+// What a rank's kernels recorded between Communicator::timeline_start and timeline_take (weft/timeline.hpp).
+struct TimelineRecord {
+  int rank = 0;                       // the team rank
+  std::vector<TimelineEvent> events;  // by time
+  uint64_t dropped = 0;               // marks past the buffer's capacity (not stored)
 };
 
 // A collective allocation: the same offset and size on every rank.
@@ -207,6 +215,14 @@ class Communicator {
   // slot 0 of 'block meetings', arrival of rank 1", ...).
   std::string describe_offset(uint64_t offset) const;
 
+  // Timelines (weft/timeline.hpp). From timeline_start on, the kernels this rank launches (and graphs
+  // captured from then on) record their phases into a device buffer of `max_events` 16-byte events, as do
+  // the rank's sub-teams. timeline_take waits for the rank's stream, stops the recording and returns what
+  // was recorded. Not collective: each rank records on its own. Off by default (no buffer, no cost beyond
+  // one branch per mark).
+  void timeline_start(Rank& rank, uint32_t max_events = 1u << 20);
+  TimelineRecord timeline_take(Rank& rank);
+
   // Live-mapping bookkeeping, for leak tests.
   size_t live_mappings() const { return live_maps_; }
 
@@ -247,6 +263,8 @@ class Communicator {
   std::vector<SymmetricBuffer>
       retired_workspaces_;         // outgrown with several local ranks: freed by synchronize()
   int32_t* abort_flag_ = nullptr;  // host-mapped
+  std::map<const Rank*, TimelineBuffer*> timelines_;  // recording ranks' buffers (device memory)
+  void set_timeline(Rank& rank, TimelineBuffer* buffer);
 };
 
 }  // namespace weft

@@ -1,0 +1,60 @@
+// Timelines: in-kernel timestamps of what each block, warp and role did, per rank (Nsight Systems does not
+// run on every machine; %globaltimer does). A rank records only while a buffer is attached
+// (Communicator::timeline_start); kernels receive the buffer through the TeamView or their scheduler's
+// params, and every mark is one predicated branch when none is (the pointer is null).
+//
+// An event is one edge of a span: (phase, begin or end, arg) at time t_ns, from block `block`, warp `warp`
+// (a span's two edges come from the same thread). Events of one rank share one clock (the GPU's global
+// timer, nanoseconds); ranks on different GPUs are aligned only as well as the GPUs' timers agree.
+#pragma once
+#include <cstdint>
+
+namespace weft {
+
+enum class TimelinePhase : uint8_t {
+  kBlock = 0,       // a persistent (LCSC) kernel's block, start to exit; arg: 0 compute, 1 communicator
+  kWaitInputs = 1,  // the loader waiting for a work item's inputs (a peer's chunk); arg: the item
+  kMainloop = 2,    // a consumer warpgroup's mainloop over one work item (incl. waits for its stages)
+  kStore = 3,       // a consumer warpgroup's store of one work item (local, peer, or staging)
+  kCommBegin = 4,   // a communicator block's opening (e.g. meeting its peers' counterparts)
+  kCommTask = 5,    // a communicator block's task; arg: the task
+  kCollective = 6,  // a collective kernel's block; arg: 0 exchange, 1 reduce-scatter (the fused RS / AR
+                    // reduce), 2 pull reduce, 3 one-shot (weft/ops/collectives.cuh)
+  kStreamWait = 7,  // a stream-ordered wait for a peer's flag (copy-engine pipelines); arg: the value
+  kCount = 8,
+};
+
+inline const char* timeline_phase_name(TimelinePhase p) {
+  switch (p) {
+    case TimelinePhase::kBlock: return "block";
+    case TimelinePhase::kWaitInputs: return "wait_inputs";
+    case TimelinePhase::kMainloop: return "mainloop";
+    case TimelinePhase::kStore: return "store";
+    case TimelinePhase::kCommBegin: return "comm_begin";
+    case TimelinePhase::kCommTask: return "comm_task";
+    case TimelinePhase::kCollective: return "collective";
+    case TimelinePhase::kStreamWait: return "stream_wait";
+    default: return "?";
+  }
+}
+
+struct TimelineEvent {
+  uint64_t t_ns;   // %globaltimer
+  uint32_t arg;    // per phase (above); work items of GEMM-shaped ops: tile m << 16 | tile n
+  uint16_t block;  // blockIdx.x
+  uint8_t warp;    // threadIdx.x / 32
+  uint8_t edge;    // phase | kTimelineEnd on a span's end
+};
+static_assert(sizeof(TimelineEvent) == 16, "one 16-byte store per event");
+inline constexpr uint8_t kTimelineEnd = 0x80;
+
+// The device buffer: a cursor that every mark bumps, then the events (marks past `capacity` are counted,
+// not stored, so the host can say the buffer was too small).
+struct TimelineBuffer {
+  uint32_t count;
+  uint32_t capacity;
+  uint64_t reserved;
+  TimelineEvent events[1];  // [capacity]
+};
+
+}  // namespace weft
