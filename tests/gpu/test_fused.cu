@@ -572,3 +572,62 @@ WEFT_GPU_TEST(matmul_all_reduce_any_m) {
   }
   for (auto& e : exec) cudaGraphExecDestroy(e);
 }
+
+// A timeline (weft/timeline.hpp) attached to every rank records the fused kernels' phases: each rank's
+// all_gather_matmul (forced fused) marks block spans, loader waits, mainloops, stores and communicator tasks,
+// every span's end after its begin, and the call's result is still right; after timeline_take nothing is
+// recorded any more, and a second take is refused.
+WEFT_GPU_TEST(timeline_records_fused_phases) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  const Shape s = kShapes[0];
+  const int64_t m = W * s.shard, n = s.n, k = s.k;
+  RankBuffers A(c, s.shard * k * 2, true), B(c, n * k * 2, false), out(c, m * n * 2, true);
+  const Mat a = make(size_t(m * k), 31);
+  std::vector<Mat> b(W);
+  for (int r = 0; r < W; ++r) b[r] = make(size_t(n * k), 32 + r);
+  for (int i = 0; i < c.num_local(); ++i) {
+    const int r = c.local(i).rank();
+    upload(c, i, A.ptr[i], a.h.data() + r * s.shard * k, s.shard * k * 2);
+    upload(c, i, B.ptr[i], b[r].h.data(), n * k * 2);
+    poison(c, i, out.ptr[i], m * n * 2);
+  }
+  c.host_barrier();
+  FusedOptions o;
+  o.mode = Mode::kFused;
+  for (int i = 0; i < c.num_local(); ++i) c.timeline_start(c.local(i), 1 << 16);
+  for (int i = 0; i < c.num_local(); ++i)
+    all_gather_matmul(c, c.local(i), A.ptr[i], B.ptr[i], out.ptr[i], nullptr, m, n, k, BLayout::kNK, nullptr, o);
+  c.synchronize();
+  for (int i = 0; i < c.num_local(); ++i) {
+    const int r = c.local(i).rank();
+    const TimelineRecord rec = c.timeline_take(c.local(i));
+    WEFT_EXPECT(rec.rank == r && rec.dropped == 0, "rank " << r << ": record of rank " << rec.rank << ", "
+                                                             << rec.dropped << " dropped");
+    int begins[int(TimelinePhase::kCount)] = {}, ends[int(TimelinePhase::kCount)] = {};
+    for (size_t e = 0; e < rec.events.size(); ++e) {
+      const int phase = rec.events[e].edge & ~kTimelineEnd;
+      WEFT_EXPECT(phase < int(TimelinePhase::kCount), "rank " << r << ": phase " << phase);
+      if (phase >= int(TimelinePhase::kCount)) break;
+      (rec.events[e].edge & kTimelineEnd ? ends : begins)[phase]++;
+      WEFT_EXPECT(e == 0 || rec.events[e].t_ns >= rec.events[e - 1].t_ns, "rank " << r << ": events not by time");
+    }
+    for (TimelinePhase p : {TimelinePhase::kBlock, TimelinePhase::kWaitInputs, TimelinePhase::kMainloop,
+                            TimelinePhase::kStore, TimelinePhase::kCommBegin, TimelinePhase::kCommTask})
+      WEFT_EXPECT(begins[int(p)] > 0 && begins[int(p)] == ends[int(p)],
+                  "rank " << r << ": " << timeline_phase_name(p) << " began " << begins[int(p)] << " times, ended "
+                          << ends[int(p)]);
+    std::vector<double> ref(size_t(m * n), 0.0);
+    gemm_ref(ref, a, b[r], 0, m, n, k, true);
+    const std::string err = compare(get(c, i, out.ptr[i], m * n), ref);
+    WEFT_EXPECT(err.empty(), "all_gather_matmul with a timeline, rank " << r << ": " << err);
+    std::string msg;
+    try {
+      c.timeline_take(c.local(i));
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    WEFT_EXPECT(msg.find("not recording") != std::string::npos, "second take: '" << msg << "'");
+  }
+  c.host_barrier();
+}
