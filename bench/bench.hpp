@@ -46,6 +46,7 @@ struct Context {
   std::string fused_ops;                  // --fused-ops ag,rs,ar: the fused ops run
   std::string cp_methods;                 // --cp-methods all-gather,ring,ulysses: context_attention's methods
   int pipeline_pieces = 0;                // --pipeline-pieces n: FusedOptions::pipeline_pieces
+  int ag_comm_blocks = 0;                 // --ag-comm-blocks n: FusedOptions::comm_blocks (0: helper warps)
   std::string timeline_dir;               // --timeline DIR: modes that can record one call's timeline there
   std::vector<Table> tables;
   // Prints to stderr so --json output stays clean.

@@ -83,6 +83,7 @@ void run_fused(Context& ctx) {
   // sets FusedOptions::pipeline_pieces for the weft and pipelined columns (tuning).
   FusedOptions weft_options;
   weft_options.pipeline_pieces = ctx.pipeline_pieces;
+  weft_options.comm_blocks = ctx.ag_comm_blocks;
   auto wanted = [&](Op op) {
     return ctx.fused_ops.empty() || ctx.fused_ops.find(op == Op::kAG   ? "ag"
                                                        : op == Op::kRS ? "rs"
@@ -140,7 +141,7 @@ void run_fused(Context& ctx) {
                                             nccl[i], streams[i]));
           };
           FusedPath path = FusedPath::kFused;
-          FusedOptions forced;
+          FusedOptions forced = weft_options;
           forced.mode = FusedOptions::Mode::kFused;
           auto weft_gemm_alone = [&](int i) {
             gemm(g[i].a, g[i].b, g[i].tmp, M, gn, gk, BLayout::kNK, DType::kBF16, streams[i]);

@@ -29,6 +29,7 @@ int usage(int code) {
       "  --fused-m M1,M2,..          the fused modes' M values\n"
       "  --fused-ops ag,rs,ar        the fused ops run\n"
       "  --pipeline-pieces n         FusedOptions::pipeline_pieces of the weft and pipelined columns\n"
+      "  --ag-comm-blocks n          FusedOptions::comm_blocks (all_gather_matmul's communicator blocks)\n"
       "  --timeline DIR              fused / decode: also record one call of each row's weft paths with\n"
       "                              in-kernel timestamps: DIR/<op>_<M>x<N>x<K>_<path>.csv and a summary\n"
       "                              table per call (scripts/plot_timeline.py draws the CSV)\n"
@@ -88,6 +89,7 @@ bool set_developer_flag(Context& ctx, const std::string& flag, const std::string
   if (flag == "--min-bytes") ctx.min_bytes = n;
   if (flag == "--max-bytes") ctx.max_bytes = n;
   if (flag == "--pipeline-pieces") ctx.pipeline_pieces = static_cast<int>(n);
+  if (flag == "--ag-comm-blocks") ctx.ag_comm_blocks = static_cast<int>(n);
   return true;
 }
 
@@ -110,7 +112,7 @@ int main(int argc, char** argv) {
       }
       (a == "--gpus" ? ctx.gpus : ctx.ranks) = v;
     } else if (a == "--ar-algo" || a == "--flow" || a == "--fused-ops" || a == "--min-bytes" ||
-               a == "--max-bytes" || a == "--fused-m" || a == "--pipeline-pieces" || a == "--cp-methods" ||
+               a == "--max-bytes" || a == "--fused-m" || a == "--pipeline-pieces" || a == "--cp-methods" || a == "--ag-comm-blocks" ||
                a == "--timeline") {
       if (i + 1 >= argc) {
         std::fprintf(stderr, "weft-bench: %s takes a value\n", a.c_str());

@@ -4,6 +4,9 @@ rank,block,warp,phase,begin_us,end_us,arg; weft/timeline.hpp says what each phas
 
     scripts/plot_timeline.py DIR/matmul_reduce_scatter_8192x8192x8192_fused.csv            # text chart
     scripts/plot_timeline.py DIR/matmul_reduce_scatter_8192x8192x8192_fused.csv out.png    # and a PNG
+    scripts/plot_timeline.py --one-clock FILE.csv     # ranks of one GPU (virtual ranks): one time axis
+
+GPUs do not share a clock, so by default each rank's times count from its own first mark.
 
 Text: per rank, one line per role (the compute blocks' loaders waiting for inputs, their consumer warpgroups'
 mainloops and stores, the communicator blocks' tasks, the collective kernels' blocks, the stream waits), each
@@ -20,12 +23,17 @@ COLORS = {"wait_inputs": "tab:red", "mainloop": "tab:blue", "store": "tab:green"
           "comm_task": "tab:orange", "collective": "tab:brown", "stream_wait": "tab:gray", "block": "none"}
 
 
-def load(path):
+def load(path, one_clock):
     spans = []
     with open(path) as f:
         for r in csv.DictReader(f):
             spans.append((int(r["rank"]), int(r["block"]), int(r["warp"]), r["phase"], float(r["begin_us"]),
                           float(r["end_us"]), int(r["arg"])))
+    if not one_clock:  # each rank from its own first mark
+        first = {}
+        for s in spans:
+            first[s[0]] = min(first.get(s[0], s[4]), s[4])
+        spans = [s[:4] + (s[4] - first[s[0]], s[5] - first[s[0]]) + s[6:] for s in spans]
     return spans
 
 
@@ -33,7 +41,7 @@ def text_chart(spans, width=100):
     t0 = min(s[4] for s in spans)
     t1 = max(s[5] for s in spans)
     step = max((t1 - t0) / width, 1e-3)
-    out = [f"{t1 - t0:.1f} us in {width} columns of {step:.2f} us (from the earliest mark of any rank)"]
+    out = [f"{t1 - t0:.1f} us in {width} columns of {step:.2f} us"]
     for rank in sorted({s[0] for s in spans}):
         out.append(f"rank {rank}")
         for phase in PHASES:
@@ -77,17 +85,18 @@ def png(spans, path):
 
 
 def main():
-    if len(sys.argv) < 2:
+    args = [a for a in sys.argv[1:] if a != "--one-clock"]
+    if not args:
         print(__doc__)
         return 2
-    spans = load(sys.argv[1])
+    spans = load(args[0], "--one-clock" in sys.argv)
     if not spans:
-        print("no spans in", sys.argv[1])
+        print("no spans in", args[0])
         return 1
     print(text_chart(spans))
-    if len(sys.argv) > 2:
-        png(spans, sys.argv[2])
-        print("wrote", sys.argv[2])
+    if len(args) > 1:
+        png(spans, args[1])
+        print("wrote", args[1])
     return 0
 
 

@@ -25,11 +25,11 @@ inline constexpr FusedKernelRule kFusedKernelRules[] = {
     {true, 4, kAnyWorld, 8192, 4096, kNoBound,
      "4 x H200, session 4: 1.47-1.83x cuBLAS + NCCL, the pipeline 1.27-1.54x; at 2 GPUs the pipeline wins "
      "these (session 9: 785.5 vs 857.3 us at 8192^3)"},
-    // Output up to 256 MiB.
-    {false, 4, kAnyWorld, 0, kNoBound, int64_t(1) << 27,
-     "4 x H200, sessions 6-7: 1.05-1.40x faster than the path before; RS 16384 x 8192 982-984 vs 1015-1038 "
-     "us, "
-     "AR 1430-1441 vs 1513-1550; above 2^27 the pipeline ties or wins"},
+    // Every output size.
+    {false, 4, kAnyWorld, 0, kNoBound, kNoBound,
+     "4 x H200, 2026-11-27 (bench/RESULTS.md, the 4-GPU fused table): the fused kernel beat the ring "
+     "pipeline at every shape, M 1024..32768 x N 8192 and 28672 (RS 32768 x 8192 1850.6 vs 1962.5 us, "
+     "8192 x 28672 1631.5 vs 1813.4; AR 32768 x 8192 2773.7 vs 3357.7, 8192 x 28672 2416.4 vs 3050.1)"},
     {false, 2, 2, 0, kNoBound, (int64_t(1) << 25) - 1,
      "2 x H200, session 10, against the ring pipeline: RS 1024 x 8192 116.5 vs 138.3 us, AR 137.6 vs 172.6; "
      "from 2^25 the pipeline wins (4096 x 8192 RS 434.0 vs 453.2)"},

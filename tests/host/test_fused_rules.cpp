@@ -19,17 +19,15 @@ TEST(FusedRules, AllGatherMatmulFusedWhereCommunicationOutweighsTheGemm) {
   EXPECT_NE(auto_path(kAG, 8192, 4096, 8192, 2), FusedPath::kFused);  // 2 GPUs: the pipeline won
 }
 
-TEST(FusedRules, SummedMatmulsFusedUpTo256MiBAtFourAndBelow64MiBAtTwo) {
-  EXPECT_EQ(auto_path(kRS, 16384, 8192, 8192, 4), FusedPath::kFused);  // M x N = 2^27: included
-  EXPECT_NE(auto_path(kRS, 16384, 8200, 8192, 4), FusedPath::kFused);
+TEST(FusedRules, SummedMatmulsFusedAtFourAndBelow64MiBAtTwo) {
+  EXPECT_EQ(auto_path(kRS, 16384, 8192, 8192, 4), FusedPath::kFused);
+  EXPECT_EQ(auto_path(kRS, 32768, 28672, 8192, 4), FusedPath::kFused);  // 2^29.8: every size at 4 GPUs
   EXPECT_EQ(auto_path(kRS, 2048, 8192, 8192, 2), FusedPath::kFused);  // 2^24
   EXPECT_NE(auto_path(kRS, 4096, 8192, 8192, 2), FusedPath::kFused);  // 2^25: excluded at 2 GPUs
   EXPECT_NE(auto_path(kRS, 1024, 8192, 8192, 3), FusedPath::kFused);  // 3 GPUs: no row
 }
 
 TEST(FusedRules, PipelineFromSixteenMiBPushesEightWithOnePeer) {
-  // RS at 4 GPUs above 2^27: push = M / 4 rows x N x 2 bytes.
-  EXPECT_EQ(auto_path(kRS, 32768, 8192, 8192, 4), FusedPath::kPipelined);  // 128 MiB pushes
   // 3 GPUs (no fused row): 16 MiB pushes pipeline, less does not.
   EXPECT_EQ(auto_path(kRS, 3072, 8192, 8192, 3), FusedPath::kPipelined);   // 1024 rows x 8192 x 2 = 16 MiB
   EXPECT_EQ(auto_path(kRS, 1536, 8192, 8192, 3), FusedPath::kSequential);  // 8 MiB

@@ -279,12 +279,14 @@ __global__ void __launch_bounds__(512) reduce_scatter_kernel(ReduceScatter x) {
       announced = barrier_arrive(t, x.slots[blockIdx.x]);
     }
     if (g > 0) {
-      if (!kStaged && !barrier_wait(t, x.slots[blockIdx.x], previous)) return collective_mark<kStaged>(t, 1u, true);
+      if (!kStaged && !barrier_wait(t, x.slots[blockIdx.x], previous))
+        return collective_mark<kStaged>(t, 1u, true);
       reduce_rows<E, R, true>(t, x.out, src_of, x.rows, x.row_bytes / sizeof(T), x.fanout, start(g - 1),
                               start(g));
     }
   }
-  if (!x.fanout || !meet(t, x.slots) || x.final_dst == nullptr) return;  // now every slice has landed
+  // Now every slice has landed.
+  if (!x.fanout || !meet(t, x.slots) || x.final_dst == nullptr) return collective_mark<kStaged>(t, 1u, true);
   // Block b copies exactly the parts it met for: its share of each slice (same partition as the reduce).
   for (int q = 0; q < t.world; ++q)
     copy_rows<V>(Rows{x.final_dst + q * x.row_bytes, 0},

@@ -7,14 +7,15 @@
 // call). Every rank makes the same fused calls in the same order, so epochs agree across ranks. Flags only
 // grow.
 //
-//   AgGemmOp  all-gather + GEMM, inter-SM overlap. Tiles whose rows lie in this rank's shard read the shard
-//             itself (a second A map): they need no wait and run first. Communicator blocks meet their
-//             counterparts (so every peer's previous call is over), then push this rank's A shard, chunk
-//             by chunk, into the peers' gathered A (rank - 1 first, then rank - 2, ...: rank - 1 walks
-//             this rank's rows right after its own) and set that rank's flag of the chunk to the epoch;
-//             the copy into this rank's own gathered A comes last (only tiles straddling two shards, and
-//             the caller's gathered A, read it). The loader's wait_inputs waits for the flags of every
-//             chunk a tile's rows touch.
+//   AgGemmOp  all-gather + GEMM. Tiles whose rows lie in this rank's shard read the shard itself (a second
+//             A map): they need no wait and run first. After a meeting with the peers (so every peer's
+//             previous call is over), this rank's A shard goes chunk by chunk into the peers' gathered A
+//             (rank - 1 first, then rank - 2, ...: rank - 1 walks this rank's rows right after its own),
+//             each chunk followed by that rank's flag of the chunk set to the epoch; the copy into this
+//             rank's own gathered A comes last (only tiles straddling two shards, and the caller's gathered
+//             A, read it). The pushes run on the helper warps of the GEMM's own blocks (every SM computes),
+//             or on communicator blocks (inter-SM overlap) when asked for. The loader's wait_inputs waits
+//             for the flags of every chunk a tile's rows touch.
 //   RsGemmOp  GEMM + reduce-scatter, intra-SM overlap. The storer TMA-stores each 64-row half tile (bf16)
 //             into the staging slot of this rank in the workspace of the rank owning those rows (one tensor
 //             map per owner); the tile order deals the owners' rows round-robin (where they split evenly),
@@ -43,7 +44,7 @@ inline constexpr int kFusedChunkFlags = 1024;  // AG chunk flags: (source rank, 
 struct FusedSync {
   TeamView team;
   Flags state;   // [0] calls completed, [1] finishers of this call
-  Flags ready;   // [0] RS: the start meeting has passed (this call's epoch)
+  Flags ready;   // [0] the start meeting has passed (this call's epoch): RS's storers, AG's helper warps
   Flags chunks;  // AG: chunk j of source rank s has landed here, flag s * chunks_per_shard + j
   BarrierSlots meetings;
   int done_target;  // finishers per call: consumer warpgroups of compute blocks + communicator blocks
@@ -63,6 +64,7 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     __nv_bfloat16* gathered;       // [W * shard_rows, K], dense, symmetric (Base::Params::a maps it)
     int64_t shard_rows, k;
     int chunk_rows, chunks;  // per shard: chunk j = rows [j * chunk_rows, ..), its flag (source * chunks + j)
+    bool helpers_push;       // the compute blocks' helper warps push the chunks (no communicator blocks)
   };
 
   __device__ static uint64_t* flag(const Params& p, int src, int j) {
@@ -102,9 +104,54 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     Base::finish(p, s, wg, es);
     if (tile::thread_in_warpgroup() == 0) p.sync.done();
   }
-  // Communicator blocks: meet the counterpart blocks (every peer has finished its previous call), then
-  // push chunks of this rank's shard, task u = chunk u % chunks to peer rank - 1 - u / chunks (peers rank -
-  // 1, rank - 2, ..., then self), each followed by its flag.
+
+  // Push task u: chunk u % chunks of this rank's shard into the gathered A of rank - 1 - u / chunks (peers
+  // rank - 1, rank - 2, ..., then itself: rank - 1 walks this rank's rows right after its own), by `threads`
+  // threads of which this is `thread`, four 16-byte loads in flight each. Returns the destination.
+  __device__ static int push_chunk(const Params& p, int u, int thread, int threads) {
+    const TeamView& t = p.sync.team;
+    const int world = t.world;
+    const int dst = (t.rank - 1 - u / p.chunks + 2 * world) % world, j = u % p.chunks;
+    const int64_t r0 = int64_t(j) * p.chunk_rows, rows = min(int64_t(p.chunk_rows), p.shard_rows - r0);
+    const uint4* from = reinterpret_cast<const uint4*>(p.a_shard + r0 * p.k);
+    uint4* to = t.peer_ptr(reinterpret_cast<uint4*>(p.gathered + (t.rank * p.shard_rows + r0) * p.k), dst);
+    const int64_t n = rows * p.k / 8;
+    int64_t i = thread;
+    for (; i + 3 * threads < n; i += 4 * threads) {
+      uint4 v[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) v[q] = from[i + q * threads];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) to[i + q * threads] = v[q];
+    }
+    for (; i < n; i += threads) to[i] = from[i];
+    return dst;
+  }
+
+  // Helper warps (helpers_push): helper warp 0 meets the peers' (each has finished its previous call, so
+  // its gathered A is free) and raises this rank's `ready` flag; every helper warp then takes push tasks
+  // index, index + count, ..., each followed by the chunk's flag at its destination. No SM is given up to
+  // communication: the pushes run beside the GEMM on the loader warpgroups' idle warps.
+  __device__ static void helper_warp(const Params& p, typename Base::Smem&, int index, int count) {
+    if (!p.helpers_push) return;
+    const TeamView& t = p.sync.team;
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    const uint64_t e = p.sync.epoch();
+    uint64_t* ready = t.flag(p.sync.ready, 0);
+    if (index == 0 && barrier_warp(t, p.sync.meetings[0]) && lane == 0) signal_set(t, ready, t.rank, e);
+    // A failed wait is recorded; the warp then pushes nothing, and the peers' waits fail in turn.
+    const bool go = __shfl_sync(0xffffffffu, lane == 0 ? wait_ge(t, ready, e) : false, 0);
+    for (int u = index; go && u < t.world * p.chunks; u += count) {
+      const int dst = push_chunk(p, u, lane, 32);
+      __syncwarp();  // the warp's stores, then one release covers them
+      if (lane == 0) signal_set(t, flag(p, t.rank, u % p.chunks), dst, e);
+    }
+    __syncwarp();
+    if (lane == 0) p.sync.done();
+  }
+
+  // Communicator blocks (not helpers_push): meet the counterpart blocks (every peer has finished its
+  // previous call), then push tasks dealt round-robin over the blocks, each followed by its flag.
   __device__ static bool comm_begin(const Params& p, typename Base::Smem&, int index) {
     return barrier_block(p.sync.team, p.sync.meetings[index]);
   }
@@ -113,24 +160,9 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
         : lcsc::StridedTasks(p.sync.team.world * p.chunks, index, count) {}
   };
   __device__ static void comm_task(const Params& p, typename Base::Smem&, int u) {
-    const TeamView& t = p.sync.team;
-    const int world = t.world;
-    const int dst = (t.rank - 1 - u / p.chunks + 2 * world) % world, j = u % p.chunks;
-    const int64_t r0 = int64_t(j) * p.chunk_rows, rows = min(int64_t(p.chunk_rows), p.shard_rows - r0);
-    const uint4* from = reinterpret_cast<const uint4*>(p.a_shard + r0 * p.k);
-    uint4* to = t.peer_ptr(reinterpret_cast<uint4*>(p.gathered + (t.rank * p.shard_rows + r0) * p.k), dst);
-    const int64_t n = rows * p.k / 8, step = blockDim.x;
-    int64_t i = threadIdx.x;
-    for (; i + 3 * step < n; i += 4 * step) {  // 4 loads in flight per thread
-      uint4 v[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) v[q] = from[i + q * step];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) to[i + q * step] = v[q];
-    }
-    for (; i < n; i += step) to[i] = from[i];
+    const int dst = push_chunk(p, u, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
     __syncthreads();  // the block's stores, then one release signal covers them
-    if (threadIdx.x == 0) signal_set(t, flag(p, t.rank, j), dst, p.sync.epoch());
+    if (threadIdx.x == 0) signal_set(p.sync.team, flag(p, p.sync.team.rank, u % p.chunks), dst, p.sync.epoch());
   }
   __device__ static void comm_end(const Params& p, typename Base::Smem&, int) {
     __syncthreads();
