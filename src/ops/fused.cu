@@ -32,8 +32,9 @@ namespace {
 // same name). The block-meeting slots they share with the collectives are declared in collectives.cu (which
 // every fused op links: its sequential paths call the collectives).
 const char* const kFusedState = "fused kernels: call count, finishers";
-const char* const kRsReady = "fused kernels: start meeting passed (RS staging free, AG pushes may start)";
+const char* const kRsReady = "matmul_reduce_scatter / all_reduce kernel: staging ready";
 const char* const kAgChunks = "all_gather_matmul kernel: chunk arrivals";
+const char* const kAgSlices = "all_gather_matmul kernel: chunk slices pushed";
 const char* const kAgPipeline = "all_gather_matmul pipeline";
 const char* const kRsPipeline = "matmul_reduce_scatter / all_reduce pipeline";
 constexpr int kPipelineFlags = 2 * kMaxWorld;  // used(r), then arrived(r)
@@ -41,6 +42,7 @@ const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kFusedState, 2}},
     ResourceDeclaration{{kRsReady, 1}},
     ResourceDeclaration{{kAgChunks, ops::kFusedChunkFlags}},
+    ResourceDeclaration{{kAgSlices, ops::kFusedChunkFlags}},
     ResourceDeclaration{{kAgPipeline, kPipelineFlags}},
     ResourceDeclaration{{kRsPipeline, kPipelineFlags}},
 };
@@ -75,6 +77,7 @@ struct Call : ops::OpCall {
                           comm.resources(rank, kFusedState).flags,
                           comm.resources(rank, kRsReady).flags,
                           comm.resources(rank, kAgChunks).flags,
+                          comm.resources(rank, kAgSlices).flags,
                           ops::meeting_slots(comm, rank),
                           done_target};
   }
@@ -473,11 +476,12 @@ struct Choice {
   int64_t chunk_rows = 0, chunks = 0;
 };
 
-// all_gather_matmul's communicator blocks: none by default (the GEMM blocks' helper warps push, so every SM
-// computes: 4 x H200, bench/RESULTS.md, the fused AG with 16 communicator blocks lost an eighth of the GEMM and
-// ended with a partial last wave of tiles), else as asked, an even count.
-int ag_comm_blocks(const FusedOptions& o) {
-  return o.comm_blocks > 0 ? (o.comm_blocks + 1) / 2 * 2 : 0;
+// all_gather_matmul's communicator blocks, an even count: as asked, else an eighth of the SM budget, at
+// most 16 (a whole 132-SM H100 / H200 gives the 16 that the fused tables were measured with; a 114-SM
+// H100 PCIe gets 14), at least 2.
+int ag_comm_blocks(const Rank& rank, const FusedOptions& o) {
+  if (o.comm_blocks > 0) return (o.comm_blocks + 1) / 2 * 2;
+  return std::clamp(rank.sm_budget() / 8, 2, 16) / 2 * 2;
 }
 
 template <bool kKMajor>
@@ -486,7 +490,6 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
   using Op = ops::AgGemmOp<kKMajor, 1>;
   typename Op::Params p{};
   const int W = c.rank.world(), comm_blocks = plan.comm_blocks;
-  const bool helpers_push = comm_blocks == 0;
   set_schedule<Op>(p.sched, m, n);
   set_gemm_maps<Op, kKMajor>(p, gathered, b, m, n, k, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m);
   // Local rows first: start at the band of tile rows holding this rank's shard; then rank + 1's (which
@@ -496,9 +499,7 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
   p.sched.start_unit = first_unit_row / band_units * band_units * p.sched.tiles_n;
   p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
   p.sched.timeline = c.rank.view().timeline;
-  p.sync = c.sync(p.sched.compute_blocks * (Op::kConsumerWarpgroups + (helpers_push ? lcsc::kHelperWarps : 0)) +
-                  comm_blocks);
-  p.helpers_push = helpers_push;
+  p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
   p.a_local = tma::make_map_2d(
       {a_shard, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(m / W), uint64_t(k), uint64_t(k) * 2},
       Op::Mainloop::kABoxRows, Op::Mainloop::kABoxCols, "all_gather_matmul: A shard");
@@ -559,19 +560,10 @@ std::string rs_why_not(const Call& c, int64_t m) {
   return c.why_not_in_budget<ops::RsGemmOp<true, 1>>(ops::RsGemmOp<true, 1>::kClusterSize);
 }
 
-// all_gather_matmul's A chunks, at most kFusedChunkFlags flags in all. Communicator blocks: whole 128-row
-// blocks, a block's task each. Helper warps: a warp's task each, so ~128 KiB (a warp keeps ~2 KiB in flight:
-// small chunks land soon after the kernel starts, and the loader's per-chunk waits, a few per tile, run
-// ahead of the consumers).
-void ag_chunks(int world, int64_t rows, int64_t row_bytes, bool helpers, int64_t& chunk_rows, int64_t& chunks) {
-  const int64_t per_shard = std::max<int64_t>(1, ops::kFusedChunkFlags / world);
-  if (helpers) {
-    chunk_rows = std::max((int64_t(128) << 10) / row_bytes, (rows + per_shard - 1) / per_shard);
-    chunk_rows = std::clamp<int64_t>(chunk_rows, 1, std::max<int64_t>(rows, 1));
-  } else {
-    const int64_t blocks = (rows + 127) / 128;
-    chunk_rows = 128 * ((blocks + per_shard - 1) / per_shard);
-  }
+// all_gather_matmul's A chunks: whole 128-row blocks, at most kFusedChunkFlags flags in all.
+void ag_chunks(int world, int64_t rows, int64_t& chunk_rows, int64_t& chunks) {
+  const int64_t blocks = (rows + 127) / 128, per_shard = std::max<int64_t>(1, ops::kFusedChunkFlags / world);
+  chunk_rows = 128 * ((blocks + per_shard - 1) / per_shard);
   chunks = (rows + chunk_rows - 1) / chunk_rows;
 }
 
@@ -582,8 +574,8 @@ Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const 
   const int W = c.rank.world();
   Choice plan;
   if (op == FusedOp::kAllGatherMatmul) {
-    plan.comm_blocks = ag_comm_blocks(o);
-    ag_chunks(W, m / W, k * 2, plan.comm_blocks == 0, plan.chunk_rows, plan.chunks);
+    ag_chunks(W, m / W, plan.chunk_rows, plan.chunks);
+    plan.comm_blocks = ag_comm_blocks(c.rank, o);
     const bool fits = W * plan.chunks <= ops::kFusedChunkFlags && plan.chunk_rows <= INT32_MAX;
     plan.why_not_fused =
         fits ? c.why_not_in_budget<ops::AgGemmOp<true, 1>>(plan.comm_blocks) : "more A chunks than flags";

@@ -107,8 +107,8 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
       out(c, out_rows * n * 2, sym), gathered(c, m * k * 2, sym);
   FusedOptions o;
   o.mode = mode;
-  o.comm_blocks = int(seed % 3) * 4;  // 0 (the helper warps push), 4 or 8 communicator blocks
-  if (o.comm_blocks >= c.local(0).sm_budget()) o.comm_blocks = 0;  // a small --sm-budget: helper warps
+  o.comm_blocks = int(seed % 3) * 4;                               // 0 (auto), 4, 8
+  if (o.comm_blocks >= c.local(0).sm_budget()) o.comm_blocks = 0;  // a small --sm-budget: auto (at least 2)
   o.pipeline_pieces = int(seed / 3 % 4);                           // 0 (auto), 1, 2, 3
   if (std::getenv("WEFT_TEST_VERBOSE"))
     std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d\n", int(op),

@@ -114,7 +114,7 @@ WEFT_GPU_TEST(small_sm_budget_refuses_big_grids_and_computes_right) {
     });
     WEFT_EXPECT(msg.find("SM budget of 4") != std::string::npos, "all_gather_matmul: got '" << msg << "'");
   }
-  fo.comm_blocks = 0;  // none: the GEMM blocks' helper warps push, every SM of the 4 computes
+  fo.comm_blocks = 0;  // auto: 2 of the 4
   for (int op = 0; op < 2; ++op) {
     for (int i = 0; i < c.num_local(); ++i) weft::test::poison(c, i, y.ptr[i], m * n * 2);
     c.host_barrier();

@@ -5,7 +5,6 @@
 //                              has arrived. Thread p < world announces to peer p and waits for peer p, so a
 //                              team of W ranks costs one round of W-1 parallel stores and polls.
 //   barrier_arrive / barrier_wait   barrier_block in two halves, for pipelined kernels (below).
-//   barrier_warp(team, slot)   barrier_block met by one warp per rank (a helper warp beside compute warps).
 //   barrier_grid(team, slot)   every thread of EVERY block calls it: the blocks of this kernel meet first,
 //                              the last one to arrive runs the cross-rank barrier, then releases the rest.
 //                              All blocks must be co-resident (a persistent grid of at most one wave).
@@ -43,23 +42,6 @@ __device__ __forceinline__ uint64_t barrier_arrive(const TeamView& team, int slo
 
 [[nodiscard]] __device__ __forceinline__ bool barrier_block(const TeamView& team, int slot = 0) {
   return barrier_wait(team, slot, barrier_arrive(team, slot));
-}
-
-// The same barrier met by one warp per rank instead of a block (e.g. a helper warp beside a kernel's compute):
-// its lanes signal and wait for the peers, 32 at a time.
-[[nodiscard]] __device__ __forceinline__ bool barrier_warp(const TeamView& team, int slot = 0) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  uint64_t* epoch_p = team.barrier_epoch(slot);
-  __syncwarp();  // the warp's earlier writes happen-before the release stores below
-  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(epoch_p) + 1;
-  __syncwarp();  // every lane read the old epoch before lane 0 advances it
-  if (lane == 0) *epoch_p = epoch;
-  for (int p = lane; p < team.world; p += 32)
-    if (p != team.rank) signal_set(team, team.barrier_inbox(slot, team.rank), p, epoch);
-  bool ok = true;
-  for (int p = lane; p < team.world; p += 32)
-    if (p != team.rank) ok &= wait_ge(team, team.barrier_inbox(slot, p), epoch);
-  return __all_sync(0xffffffffu, ok) != 0;
 }
 
 [[nodiscard]] __device__ __forceinline__ bool barrier_grid(const TeamView& team, int slot = 0) {

@@ -2,9 +2,8 @@
 //
 //   all_gather_matmul      A sharded along M ([M/W, K] on each rank) gathered and multiplied by this rank's
 //                          B ([K, N] or an [N, K] weight): out [M, N] on each rank; optionally also the
-//                          gathered A [M, K]. The GEMM blocks' helper warps push A chunks to every rank
-//                          and signal them (or communicator blocks, FusedOptions::comm_blocks); the GEMM's
-//                          loader waits per chunk (local rows first).
+//                          gathered A [M, K]. Inter-SM overlap: communicator blocks push A chunks to every
+//                          rank and signal them; the GEMM's loader waits per chunk (local rows first).
 //   matmul_reduce_scatter  A [M, K] . B ([K, N] or [N, K]) summed over ranks; rank r gets rows
 //                          r*M/W..(r+1)*M/W of the [M, N] sum. Intra-SM overlap: the storer TMA-stores
 //                          every bf16 tile into its owner's staging slot for this rank (tile rows dealt
@@ -37,7 +36,7 @@
 //               stream and cuBLAS handle: make one call before capturing a CUDA graph.
 //   kSequential a cuBLAS GEMM with weft::all_gather / reduce_scatter / all_reduce.
 // Grids follow the rank's SM budget (Rank::sm_budget): the fused kernels' communicator and GEMM blocks fit
-// in it (AG: no communicator blocks unless asked for), the pipelines' weft::gemm stays inside
+// in it (AG's default communicator blocks: an eighth of it, 2..16), the pipelines' weft::gemm stays inside
 // it; a forced fused kernel that cannot fit is refused, kAuto falls back. On virtual ranks (ranks sharing a
 // GPU) the copy-engine pipeline is not captured into CUDA graphs (forced: refused; kAuto avoids it there).
 // Where one thread drives several ranks (single-process) outside a capture, the pipelined and sequential
@@ -65,7 +64,7 @@ const char* fused_path_name(FusedPath p);
 
 struct FusedOptions {
   enum class Mode { kAuto, kFused, kSequential, kPipelined } mode = Mode::kAuto;
-  int comm_blocks = 0;  // all_gather_matmul's communicator blocks, 1..32; 0: none, the GEMM's helper warps push
+  int comm_blocks = 0;  // all_gather_matmul's communicator blocks: 0 auto (SM budget / 8, 2..16), 1..32
   int64_t min_fused_m = 1024;  // kAuto: below this M the sequential path runs (besides the measured rule)
   int max_compute_blocks = 0;  // cap on GEMM blocks (benchmarks: "compute alone" at the fused op's SM count)
   int pipeline_pieces = 0;     // kPipelined RS / AR: row pieces per ring step, 0 auto; the same on every rank
