@@ -34,7 +34,6 @@ namespace {
 const char* const kFusedState = "fused kernels: call count, finishers";
 const char* const kRsReady = "matmul_reduce_scatter / all_reduce kernel: staging ready";
 const char* const kAgChunks = "all_gather_matmul kernel: chunk arrivals";
-const char* const kAgSlices = "all_gather_matmul kernel: chunk slices pushed";
 const char* const kAgPipeline = "all_gather_matmul pipeline";
 const char* const kRsPipeline = "matmul_reduce_scatter / all_reduce pipeline";
 constexpr int kPipelineFlags = 2 * kMaxWorld;  // used(r), then arrived(r)
@@ -42,7 +41,6 @@ const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kFusedState, 2}},
     ResourceDeclaration{{kRsReady, 1}},
     ResourceDeclaration{{kAgChunks, ops::kFusedChunkFlags}},
-    ResourceDeclaration{{kAgSlices, ops::kFusedChunkFlags}},
     ResourceDeclaration{{kAgPipeline, kPipelineFlags}},
     ResourceDeclaration{{kRsPipeline, kPipelineFlags}},
 };
@@ -77,7 +75,6 @@ struct Call : ops::OpCall {
                           comm.resources(rank, kFusedState).flags,
                           comm.resources(rank, kRsReady).flags,
                           comm.resources(rank, kAgChunks).flags,
-                          comm.resources(rank, kAgSlices).flags,
                           ops::meeting_slots(comm, rank),
                           done_target};
   }

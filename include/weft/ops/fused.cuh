@@ -7,14 +7,14 @@
 // call). Every rank makes the same fused calls in the same order, so epochs agree across ranks. Flags only
 // grow.
 //
-//   AgGemmOp  all-gather + GEMM. Tiles whose rows lie in this rank's shard read the shard itself (a second
-//             A map): they need no wait and run first. After a meeting with the peers (so every peer's
-//             previous call is over), this rank's A shard goes chunk by chunk into the peers' gathered A
-//             (rank - 1 first, then rank - 2, ...: rank - 1 walks this rank's rows right after its own),
-//             each chunk followed by that rank's flag of the chunk set to the epoch; the copy into this
-//             rank's own gathered A comes last (only tiles straddling two shards, and the caller's gathered
-//             A, read it). Communicator blocks push (inter-SM overlap), every block a slice of each chunk.
-//             The loader's wait_inputs waits for the flags of every chunk a tile's rows touch.
+//   AgGemmOp  all-gather + GEMM, inter-SM overlap. Tiles whose rows lie in this rank's shard read the shard
+//             itself (a second A map): they need no wait and run first. Communicator blocks meet their
+//             counterparts (so every peer's previous call is over), then push this rank's A shard, chunk
+//             by chunk, into the peers' gathered A (rank - 1 first, then rank - 2, ...: rank - 1 walks
+//             this rank's rows right after its own) and set that rank's flag of the chunk to the epoch;
+//             the copy into this rank's own gathered A comes last (only tiles straddling two shards, and
+//             the caller's gathered A, read it). The loader's wait_inputs waits for the flags of every
+//             chunk a tile's rows touch.
 //   RsGemmOp  GEMM + reduce-scatter, intra-SM overlap. The storer TMA-stores each 64-row half tile (bf16)
 //             into the staging slot of this rank in the workspace of the rank owning those rows (one tensor
 //             map per owner); the tile order deals the owners' rows round-robin (where they split evenly),
@@ -45,7 +45,6 @@ struct FusedSync {
   Flags state;   // [0] calls completed, [1] finishers of this call
   Flags ready;   // [0] RS: the start meeting has passed (this call's epoch)
   Flags chunks;  // AG: chunk j of source rank s has landed here, flag s * chunks_per_shard + j
-  Flags slices;  // AG: communicator blocks done with task u's slices in this call (local; back to 0 after)
   BarrierSlots meetings;
   int done_target;  // finishers per call: consumer warpgroups of compute blocks + communicator blocks
   __device__ CallEpoch calls() const { return CallEpoch{team.flag(state, 0)}; }
@@ -103,49 +102,35 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     Base::finish(p, s, wg, es);
     if (tile::thread_in_warpgroup() == 0) p.sync.done();
   }
-
-  // Communicator blocks: meet the counterpart blocks (every peer has finished its previous call, so its
-  // gathered A is free), then push this rank's chunks, task u = chunk u % chunks to rank - 1 - u / chunks
-  // (peers rank - 1, rank - 2, ..., then itself: rank - 1 walks this rank's rows right after its own). Every
-  // block copies its slice of every task, so the tasks land one after another in that order (a chunk a block
-  // each landed 70-90 us into a 240 us call at M = 2048, 4 x H200); the last block done with a task's slices
-  // sets the chunk's flag at its destination.
+  // Communicator blocks: meet the counterpart blocks (every peer has finished its previous call), then
+  // push chunks of this rank's shard, task u = chunk u % chunks to peer rank - 1 - u / chunks (peers rank -
+  // 1, rank - 2, ..., then self), each followed by its flag.
   __device__ static bool comm_begin(const Params& p, typename Base::Smem&, int index) {
     return barrier_block(p.sync.team, p.sync.meetings[index]);
   }
-  struct CommTasks : lcsc::StridedTasks {  // every block takes every task
-    __device__ CommTasks(const Params& p, int, int) : lcsc::StridedTasks(p.sync.team.world * p.chunks, 0, 1) {}
+  struct CommTasks : lcsc::StridedTasks {
+    __device__ CommTasks(const Params& p, int index, int count)
+        : lcsc::StridedTasks(p.sync.team.world * p.chunks, index, count) {}
   };
   __device__ static void comm_task(const Params& p, typename Base::Smem&, int u) {
     const TeamView& t = p.sync.team;
-    const int world = t.world, slices = static_cast<int>(gridDim.x) - lcsc::GemmTileScheduler::compute_blocks(p.sched);
-    const int slice = static_cast<int>(blockIdx.x) - lcsc::GemmTileScheduler::compute_blocks(p.sched);
+    const int world = t.world;
     const int dst = (t.rank - 1 - u / p.chunks + 2 * world) % world, j = u % p.chunks;
     const int64_t r0 = int64_t(j) * p.chunk_rows, rows = min(int64_t(p.chunk_rows), p.shard_rows - r0);
-    const int64_t n = rows * p.k / 8, per = (n + slices - 1) / slices;
-    const int64_t first = min(n, slice * per), last = min(n, first + per);
     const uint4* from = reinterpret_cast<const uint4*>(p.a_shard + r0 * p.k);
     uint4* to = t.peer_ptr(reinterpret_cast<uint4*>(p.gathered + (t.rank * p.shard_rows + r0) * p.k), dst);
-    const int64_t step = blockDim.x;
-    int64_t i = first + threadIdx.x;
-    for (; i + 3 * step < last; i += 4 * step) {  // 4 loads in flight per thread
+    const int64_t n = rows * p.k / 8, step = blockDim.x;
+    int64_t i = threadIdx.x;
+    for (; i + 3 * step < n; i += 4 * step) {  // 4 loads in flight per thread
       uint4 v[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) v[q] = from[i + q * step];
 #pragma unroll
       for (int q = 0; q < 4; ++q) to[i + q * step] = v[q];
     }
-    for (; i < last; i += step) to[i] = from[i];
-    __syncthreads();  // the block's stores, then its thread 0 publishes them
-    if (threadIdx.x != 0) return;
-    // Each slice's stores are released system-wide before its count; the block that completes the count
-    // (and so acquired every other slice's release) sets the flag, which carries them all to the peer, and
-    // returns the count to 0 for the next call.
-    fence_release();
-    uint64_t* pushed = t.flag(p.sync.slices, u);
-    if (ptx::atom_add_acq_rel_gpu(pushed, 1) + 1 < uint64_t(slices)) return;
-    *pushed = 0;
-    signal_set(t, flag(p, t.rank, j), dst, p.sync.epoch());
+    for (; i < n; i += step) to[i] = from[i];
+    __syncthreads();  // the block's stores, then one release signal covers them
+    if (threadIdx.x == 0) signal_set(t, flag(p, t.rank, j), dst, p.sync.epoch());
   }
   __device__ static void comm_end(const Params& p, typename Base::Smem&, int) {
     __syncthreads();
