@@ -29,7 +29,7 @@ constexpr int kThreads = 512;
 using ops::one_shot_max_bytes;
 
 // The one-shot's per-block call counts and LL region (op_args.hpp); the meeting slots of every kernel.
-const char* const kOneShot = "all_reduce / reduce_scatter: one-shot calls per block, LL region";
+const char* const kOneShot = "all_reduce / reduce_scatter / all_to_all: one-shot calls per block, LL region";
 const ResourceDeclaration kOneShotResources{{kOneShot, ops::kMeetingSlots, 0, &ops::ll_region_bytes}};
 const ResourceDeclaration kMeetings{{ops::kBlockMeetings, 0, ops::kMeetingSlots}};
 // How a two-shot all-reduce or a reduce-scatter moves its data (the reduce half):
@@ -41,6 +41,10 @@ const ResourceDeclaration kMeetings{{ops::kBlockMeetings, 0, ops::kMeetingSlots}
 // 325 / 331 at 256 MiB / 1 GiB, the pull 319 / 328 in an earlier session).
 enum class Flow { kPull, kSteps, kPush };
 constexpr uint64_t kPullMaxBytes = 4 << 20;
+// all_to_all's parts up to this size go in one LL round (one_shot with exchange): the meet / push / meet
+// exchange costs ~10 us below 128 KiB per rank (4 x H100, 2026-11-27), NCCL 6.5 us at 8 KiB with one process
+// per GPU. A part moves as 2x its bytes in LL words, so large parts stay with the exchange.
+constexpr uint64_t kAllToAllOneShotMax = 64 << 10;
 
 struct Call : ops::OpCall {
   Call(Communicator& c, Rank& r, cudaStream_t s, const char* name, Plan* into = nullptr)
@@ -171,15 +175,17 @@ Flow pick_flow(ReduceFlow asked, uint64_t bytes, Flow large, bool vec) {
 
 // One round: every rank sends each peer p `bytes` starting at in + p * in_peer_step (in_peer_step 0: the
 // whole input to everyone, an all-reduce; the peer's slice: a reduce-scatter) and reduces what it
-// receives with its own part into out. bytes <= one_shot_max_bytes; in_peer_step a multiple of 4.
+// receives with its own part into out; or, with `exchange` (an all-to-all), places the part from rank s at
+// out + s * out_peer_step. bytes <= one_shot_max_bytes; the steps multiples of 4.
 void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_t bytes, DType dt,
-              ReduceOp op) {
+              ReduceOp op, bool exchange = false, uint64_t out_peer_step = 0) {
   const int world = c.rank.world();
   char* region = c.workspace(ops::ll_region_bytes(world), kOneShot);
   coll::OneShot x{c.rank.view(),
                   static_cast<const uint32_t*>(in),
                   in_peer_step / 4,
                   static_cast<uint32_t*>(out),
+                  out_peer_step / 4,
                   (bytes + 3) / 4,
                   static_cast<uint32_t>(bytes % 4 ? 2 : 4),
                   reinterpret_cast<uint64_t*>(region),
@@ -191,7 +197,13 @@ void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_
   const int g =
       std::clamp<int>(c.blocks(bytes * 8), ops::one_shot_min_blocks(world, bytes),
                       std::min(ops::one_shot_max_blocks(world), ops::max_collective_blocks(c.rank)));
-  if (c.planned("one-shot", g)) return;
+  if (c.planned(exchange ? "one-shot exchange" : "one-shot", g)) return;
+  if (exchange) {  // moves words: the element type does not matter
+    constexpr auto kernel = &coll::one_shot_kernel<Elem::kFP32, Reduce::kSum, true>;
+    detail::preload<kernel>();
+    kernel<<<g, kThreads, 0, c.stream>>>(x);
+    return c.launched();
+  }
   with_elem(dt, [&](auto e) {
     with_reduce(op, [&](auto r) {
       detail::preload<&coll::one_shot_kernel<e.value, r.value>>();
@@ -407,6 +419,13 @@ void run_all_to_all(Call& c, const void* in, void* out, size_t count_per_rank, D
   c.check_buffer(out, "out", bytes, dtype_size(dtype));
   if (in != out && Call::overlap(in, bytes, out, bytes)) c.fail("in and out overlap without being equal");
   if (c.alone(in, out, bytes)) return;
+  // Small parts: one LL round (data and call epoch in one 8-byte store, no meetings), which also works in
+  // place (each block sends its share of every part before it overwrites that share). The meet / push /
+  // meet exchange costs ~10 us at any size below 128 KiB (4 x H100, bench/RESULTS.md): short of NCCL at 8 KiB.
+  const auto word_aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; };
+  if (blk <= kAllToAllOneShotMax && blk % 4 == 0 && word_aligned(in) && word_aligned(out) &&
+      c.one_shot_fits(blk))
+    return one_shot(c, in, blk, out, blk, dtype, ReduceOp::kSum, true, blk);
   coll::Exchange x{};
   x.team = rank.view();
   x.slots = c.meetings();

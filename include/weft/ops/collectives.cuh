@@ -385,6 +385,8 @@ struct OneShot {
   const uint32_t* in;     // the data for rank 0; + in_peer_step words per rank (0: the same for all)
   uint64_t in_peer_step;  // words
   uint32_t* out;
+  // kExchange (all-to-all): the words from rank s land at out + s * out_peer_step, nothing is reduced.
+  uint64_t out_peer_step;
   uint64_t words;       // 4-byte words per destination (the last may be half used: bf16/fp16 odd counts)
   uint32_t tail_bytes;  // bytes used in the last word (4 if full)
   uint64_t* ll;         // workspace: [2][world][slot_words], a slot = [blocks][block_words]
@@ -428,8 +430,8 @@ __device__ __forceinline__ bool ll_wait_pair(const TeamView& team, const uint64_
 }
 
 // Each thread moves pairs of words (one 16-byte store or poll per pair and peer): half the instructions of
-// single words, and wider NVLink writes.
-template <Elem E, Reduce R>
+// single words, and wider NVLink writes. kExchange: an all-to-all (each peer's part placed, not reduced).
+template <Elem E, Reduce R, bool kExchange = false>
 __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
   using T = typename ElemTraits<E>::T;
   constexpr int kLanes = 4 / sizeof(T);
@@ -457,6 +459,25 @@ __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
       else
         ptx::st_relaxed_sys(dst, lo);
     }
+  auto put = [&](uint32_t* to, uint64_t i, uint32_t word) {  // word i of a destination; a half-used tail
+    if (i + 1 == x.words && x.tail_bytes == 2)
+      *reinterpret_cast<uint16_t*>(to + i) = static_cast<uint16_t>(word);
+    else
+      to[i] = word;
+  };
+  if constexpr (kExchange) {
+    for (uint64_t q = share.begin + threadIdx.x; q < share.end; q += blockDim.x) {
+      const int n = words_in(q);
+      for (int h = 0; h < n; ++h) put(x.out + t.rank * x.out_peer_step, 2 * q + h, word_of(t.rank, 2 * q + h));
+      for (int k = 1; k < t.world; ++k) {
+        const int src_rank = (t.rank + k) % t.world;
+        uint32_t v[2];
+        const uint64_t* src = part + src_rank * x.slot_words + 2 * (q - share.begin);
+        if (!ll_wait_pair(t, src, n, epoch, v)) return collective_mark<true>(t, 3u, true);
+        for (int h = 0; h < n; ++h) put(x.out + src_rank * x.out_peer_step, 2 * q + h, v[h]);
+      }
+    }
+  } else {
   for (uint64_t q = share.begin + threadIdx.x; q < share.end; q += blockDim.x) {
     const int n = words_in(q);
     uint32_t mine[2] = {word_of(t.rank, 2 * q), n == 2 ? word_of(t.rank, 2 * q + 1) : 0u};
@@ -473,14 +494,11 @@ __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
           acc[h][l] = combine<R>(acc[h][l], ElemTraits<E>::to_float(reinterpret_cast<const T*>(&v[h])[l]));
     }
     for (int h = 0; h < n; ++h) {
-      const uint64_t i = 2 * q + h;
       for (int l = 0; l < kLanes; ++l)
         reinterpret_cast<T*>(&mine[h])[l] = ElemTraits<E>::from_float(acc[h][l]);
-      if (i + 1 == x.words && x.tail_bytes == 2)
-        *reinterpret_cast<uint16_t*>(x.out + i) = static_cast<uint16_t>(mine[h]);
-      else
-        x.out[i] = mine[h];
+      put(x.out, 2 * q + h, mine[h]);
     }
+  }
   }
   __syncthreads();  // every thread has read the epoch; the next call (stream-ordered) reads the new one
   if (threadIdx.x == 0) *t.flag(x.calls, blockIdx.x) = call;
