@@ -34,6 +34,36 @@ struct PerGpu {
   char *a = nullptr, *b = nullptr, *out = nullptr, *tmp = nullptr;  // cudaMalloc: cuBLAS + NCCL side
 };
 
+// A cuBLAS handle with a workspace per local rank, on that rank's bench stream, for the life of the object.
+struct PerGpuBlas {
+  Communicator& comm;
+  std::vector<PerGpu> g;
+  PerGpuBlas(Communicator& c, const std::vector<cudaStream_t>& streams) : comm(c), g(c.num_local()) {
+    constexpr size_t kBlasWs = 64 << 20;
+    for (int i = 0; i < c.num_local(); ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+      FB_CUBLAS(cublasCreate(&g[i].blas));
+      FB_CUBLAS(cublasSetStream(g[i].blas, streams[i]));
+      WEFT_CUDA_CHECK(cudaMalloc(&g[i].blas_ws, kBlasWs));
+      FB_CUBLAS(cublasSetWorkspace(g[i].blas, g[i].blas_ws, kBlasWs));
+    }
+  }
+  ~PerGpuBlas() {
+    for (int i = 0; i < comm.num_local(); ++i) {
+      cudaSetDevice(comm.local(i).device());
+      cublasDestroy(g[i].blas);
+      cudaFree(g[i].blas_ws);
+    }
+  }
+  // A shape's buffers, freed.
+  void free_buffers() {
+    for (int i = 0; i < comm.num_local(); ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      for (char* p : {g[i].a, g[i].b, g[i].out, g[i].tmp}) WEFT_CUDA_CHECK(cudaFree(p));
+    }
+  }
+};
+
 // C [M,N] = A [M,K] . W^T with W [N,K], all row-major (column-major: C^T = W . A^T).
 void cublas_gemm(cublasHandle_t h, const void* a, const void* w, void* c, int64_t m, int64_t n, int64_t k) {
   const float one = 1.f, zero = 0.f;
@@ -51,15 +81,8 @@ void run_fused(Context& ctx) {
   std::vector<ncclComm_t>& nccl = team.nccl;
   std::vector<cudaStream_t>& streams = team.streams;
   auto team_max = [&](double x) { return team.team_max(x); };
-  std::vector<PerGpu> g(L);
-  constexpr size_t kBlasWs = 64 << 20;
-  for (int i = 0; i < L; ++i) {
-    WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-    FB_CUBLAS(cublasCreate(&g[i].blas));
-    FB_CUBLAS(cublasSetStream(g[i].blas, streams[i]));
-    WEFT_CUDA_CHECK(cudaMalloc(&g[i].blas_ws, kBlasWs));
-    FB_CUBLAS(cublasSetWorkspace(g[i].blas, g[i].blas_ws, kBlasWs));
-  }
+  PerGpuBlas blas(*comm, streams);
+  std::vector<PerGpu>& g = blas.g;
   std::vector<Table> timelines;
   if (!ctx.timeline_dir.empty()) std::filesystem::create_directories(ctx.timeline_dir);
   std::vector<int64_t> ms = {1024, 2048, 4096, 8192, 16384, 32768};
@@ -234,18 +257,10 @@ void run_fused(Context& ctx) {
           }
           comm->free(wa);
           comm->free(wo);
-          for (int i = 0; i < L; ++i) {
-            WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-            for (char* p : {g[i].a, g[i].b, g[i].out, g[i].tmp}) WEFT_CUDA_CHECK(cudaFree(p));
-          }
+          blas.free_buffers();
         }
   ctx.add(std::move(t));
   for (Table& tl : timelines) ctx.add(std::move(tl));
-  for (int i = 0; i < L; ++i) {
-    cudaSetDevice(comm->local(i).device());
-    cublasDestroy(g[i].blas);
-    cudaFree(g[i].blas_ws);
-  }
 }
 
 // GEMM + all-reduce at decode sizes: the row-parallel layers of tensor-parallel inference (Llama-70B at 4
@@ -258,28 +273,22 @@ void run_decode(Context& ctx) {
   Communicator* comm = team.comm.get();
   const int L = team.local();
   std::vector<cudaStream_t>& streams = team.streams;
-  std::vector<PerGpu> g(L);
-  constexpr size_t kBlasWs = 64 << 20;
-  for (int i = 0; i < L; ++i) {
-    WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-    FB_CUBLAS(cublasCreate(&g[i].blas));
-    FB_CUBLAS(cublasSetStream(g[i].blas, streams[i]));
-    WEFT_CUDA_CHECK(cudaMalloc(&g[i].blas_ws, kBlasWs));
-    FB_CUBLAS(cublasSetWorkspace(g[i].blas, g[i].blas_ws, kBlasWs));
-  }
+  PerGpuBlas blas(*comm, streams);
+  std::vector<PerGpu>& g = blas.g;
   std::vector<int64_t> ms = {1, 4, 16, 64, 256};
   if (!ctx.fused_m.empty()) ms = ctx.fused_m;
   std::vector<Table> timelines;
   if (!ctx.timeline_dir.empty()) std::filesystem::create_directories(ctx.timeline_dir);
-  Table t(fmt("matmul_all_reduce at decode sizes, bf16, %s: weft vs cuBLAS + NCCL %d.%d.%d and cuBLAS + weft "
-              "all_reduce",
-              ctx.team_label().c_str(), NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
-          {"M", "N", "K/rank", "gemm us", "NCCL AR us", "weft AR us", "cuBLAS+NCCL us", "cuBLAS+weft AR us",
-           "weft us", "weft path", "weft / cuBLAS+NCCL", "weft / cuBLAS+weft AR"},
-          "Per rank: out [M, N] = sum over ranks of A [M, K/rank] . W^T, W [N, K/rank]. gemm = cuBLAS alone; "
-          "the AR columns the all-reduce of [M, N] alone; weft = weft::matmul_all_reduce (kAuto). CUDA graphs "
-          "of 20 calls, columns in turns, slowest rank's median." +
-              std::string(nccl_on ? "" : " Virtual ranks: no NCCL (-)."));
+  Table t(
+      fmt("matmul_all_reduce at decode sizes, bf16, %s: weft vs cuBLAS + NCCL %d.%d.%d and cuBLAS + weft "
+          "all_reduce",
+          ctx.team_label().c_str(), NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
+      {"M", "N", "K/rank", "gemm us", "NCCL AR us", "weft AR us", "cuBLAS+NCCL us", "cuBLAS+weft AR us",
+       "weft us", "weft path", "weft / cuBLAS+NCCL", "weft / cuBLAS+weft AR"},
+      "Per rank: out [M, N] = sum over ranks of A [M, K/rank] . W^T, W [N, K/rank]. gemm = cuBLAS alone; "
+      "the AR columns the all-reduce of [M, N] alone; weft = weft::matmul_all_reduce (kAuto). CUDA graphs "
+      "of 20 calls, columns in turns, slowest rank's median." +
+          std::string(nccl_on ? "" : " Virtual ranks: no NCCL (-)."));
   const int64_t N = 8192;
   for (int64_t K : {2048, 7168})
     for (int64_t M : ms) {
@@ -294,14 +303,15 @@ void run_decode(Context& ctx) {
         const int rk = comm->local(i).rank();
         fill_uniform_bf16(g[i].a, M * K, 300 + 2 * rk, streams[i]);
         fill_uniform_bf16(g[i].b, N * K, 301 + 2 * rk, streams[i]);
-        WEFT_CUDA_CHECK(cudaMemcpyAsync(wa.local[i], g[i].a, M * K * 2, cudaMemcpyDeviceToDevice, streams[i]));
+        WEFT_CUDA_CHECK(
+            cudaMemcpyAsync(wa.local[i], g[i].a, M * K * 2, cudaMemcpyDeviceToDevice, streams[i]));
         WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
       }
       FusedPath path = FusedPath::kSequential;
       auto gemm_alone = [&](int i) { cublas_gemm(g[i].blas, g[i].a, g[i].b, g[i].tmp, M, N, K); };
       auto nccl_ar = [&](int i) {
-        WEFT_NCCL_CHECK(
-            ncclAllReduce(g[i].tmp, g[i].out, size_t(M * N), ncclBfloat16, ncclSum, team.nccl[i], streams[i]));
+        WEFT_NCCL_CHECK(ncclAllReduce(g[i].tmp, g[i].out, size_t(M * N), ncclBfloat16, ncclSum, team.nccl[i],
+                                      streams[i]));
       };
       auto weft_ar = [&](int i) {
         all_reduce(*comm, comm->local(i), g[i].tmp, g[i].out, size_t(M * N), DType::kBF16, ReduceOp::kSum,
@@ -359,18 +369,10 @@ void run_decode(Context& ctx) {
             ctx.timeline_dir + fmt("/decode_%lldx%lldx%lld.csv", (long long)M, (long long)N, (long long)K)));
       comm->free(wa);
       comm->free(wo);
-      for (int i = 0; i < L; ++i) {
-        WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-        for (char* p : {g[i].a, g[i].b, g[i].out, g[i].tmp}) WEFT_CUDA_CHECK(cudaFree(p));
-      }
+      blas.free_buffers();
     }
   ctx.add(std::move(t));
   for (Table& tl : timelines) ctx.add(std::move(tl));
-  for (int i = 0; i < L; ++i) {
-    cudaSetDevice(comm->local(i).device());
-    cublasDestroy(g[i].blas);
-    cudaFree(g[i].blas_ws);
-  }
 }
 
 ModeRegistrar reg_decode("decode",

@@ -91,13 +91,14 @@ Table record_timeline(Communicator& comm, const std::vector<cudaStream_t>& strea
   } else {
     std::fprintf(stderr, "weft-bench: cannot write the timeline to %s\n", path.c_str());
   }
-  Table t("timeline: " + label,
-          {"rank", "phase", "spans", "lanes", "first start us", "last end us", "mean span us", "max span us",
-           "busy per lane us"},
-          "One call (the second of two graph replays), in-kernel %globaltimer marks (weft/timeline.hpp). Times "
-          "from the rank's first mark; a lane is one (block, warp) that marks the phase; busy per lane = the "
-          "phase's summed spans / lanes. Spans: " +
-              path + (dropped ? fmt(" (%llu marks dropped: buffer full)", (unsigned long long)dropped) : ""));
+  Table t(
+      "timeline: " + label,
+      {"rank", "phase", "spans", "lanes", "first start us", "last end us", "mean span us", "max span us",
+       "busy per lane us"},
+      "One call (the second of two graph replays), in-kernel %globaltimer marks (weft/timeline.hpp). Times "
+      "from the rank's first mark; a lane is one (block, warp) that marks the phase; busy per lane = the "
+      "phase's summed spans / lanes. Spans: " +
+          path + (dropped ? fmt(" (%llu marks dropped: buffer full)", (unsigned long long)dropped) : ""));
   std::map<std::pair<int, int>, std::vector<const Span*>> by;
   for (const Span& s : spans) by[{s.rank, int(s.phase)}].push_back(&s);
   for (auto& [key, v] : by) {
@@ -111,10 +112,10 @@ Table record_timeline(Communicator& comm, const std::vector<cudaStream_t>& strea
       longest = std::max(longest, s->end - s->begin);
       lanes[{s->block, s->warp}] = 1;
     }
-    t.add({std::to_string(key.first), timeline_phase_name(TimelinePhase(key.second)), std::to_string(v.size()),
-           std::to_string(lanes.size()), fmt("%.1f", (first - origin_r) / 1e3), fmt("%.1f", (last - origin_r) / 1e3),
-           fmt("%.2f", total / 1e3 / v.size()), fmt("%.1f", longest / 1e3),
-           fmt("%.1f", total / 1e3 / lanes.size())});
+    t.add({std::to_string(key.first), timeline_phase_name(TimelinePhase(key.second)),
+           std::to_string(v.size()), std::to_string(lanes.size()), fmt("%.1f", (first - origin_r) / 1e3),
+           fmt("%.1f", (last - origin_r) / 1e3), fmt("%.2f", total / 1e3 / v.size()),
+           fmt("%.1f", longest / 1e3), fmt("%.1f", total / 1e3 / lanes.size())});
   }
   return t;
 }

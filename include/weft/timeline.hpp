@@ -26,15 +26,24 @@ enum class TimelinePhase : uint8_t {
 
 inline const char* timeline_phase_name(TimelinePhase p) {
   switch (p) {
-    case TimelinePhase::kBlock: return "block";
-    case TimelinePhase::kWaitInputs: return "wait_inputs";
-    case TimelinePhase::kMainloop: return "mainloop";
-    case TimelinePhase::kStore: return "store";
-    case TimelinePhase::kCommBegin: return "comm_begin";
-    case TimelinePhase::kCommTask: return "comm_task";
-    case TimelinePhase::kCollective: return "collective";
-    case TimelinePhase::kStreamWait: return "stream_wait";
-    default: return "?";
+    case TimelinePhase::kBlock:
+      return "block";
+    case TimelinePhase::kWaitInputs:
+      return "wait_inputs";
+    case TimelinePhase::kMainloop:
+      return "mainloop";
+    case TimelinePhase::kStore:
+      return "store";
+    case TimelinePhase::kCommBegin:
+      return "comm_begin";
+    case TimelinePhase::kCommTask:
+      return "comm_task";
+    case TimelinePhase::kCollective:
+      return "collective";
+    case TimelinePhase::kStreamWait:
+      return "stream_wait";
+    default:
+      return "?";
   }
 }
 

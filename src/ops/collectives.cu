@@ -421,7 +421,7 @@ void run_all_to_all(Call& c, const void* in, void* out, size_t count_per_rank, D
   if (c.alone(in, out, bytes)) return;
   // Small parts: one LL round (data and call epoch in one 8-byte store, no meetings), which also works in
   // place (each block sends its share of every part before it overwrites that share). The meet / push /
-  // meet exchange costs ~10 us at any size below 128 KiB (4 x H100, bench/RESULTS.md): short of NCCL at 8 KiB.
+  // meet exchange costs ~10 us at any size below 128 KiB (4 x H100, bench/RESULTS.md), short of NCCL.
   const auto word_aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; };
   if (blk <= kAllToAllOneShotMax && blk % 4 == 0 && word_aligned(in) && word_aligned(out) &&
       c.one_shot_fits(blk))

@@ -551,7 +551,8 @@ std::string rs_why_not(const Call& c, int64_t m) {
   const int64_t rows = m / c.rank.world();
   if (c.rank.world() > ops::kFusedMaxWorld) return "world size above " + std::to_string(ops::kFusedMaxWorld);
   if (m % c.rank.world() != 0)
-    return "M = " + std::to_string(m) + " is not divisible by the world size " + std::to_string(c.rank.world());
+    return "M = " + std::to_string(m) + " is not divisible by the world size " +
+           std::to_string(c.rank.world());
   if (rows % 64 != 0) return "M / world size = " + std::to_string(rows) + " is not a multiple of 64";
   if (rows > INT32_MAX) return "M / world size above 2^31";
   return c.why_not_in_budget<ops::RsGemmOp<true, 1>>(ops::RsGemmOp<true, 1>::kClusterSize);

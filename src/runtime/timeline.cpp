@@ -15,7 +15,8 @@ void Communicator::set_timeline(Rank& rank, TimelineBuffer* buffer) {
 }
 
 void Communicator::timeline_start(Rank& rank, uint32_t max_events) {
-  WEFT_CHECK(&rank.team_rank() == &rank, "weft: timeline_start of a sub-team's rank: start the team's own rank");
+  WEFT_CHECK(&rank.team_rank() == &rank,
+             "weft: timeline_start of a sub-team's rank: start the team's own rank");
   WEFT_CHECK(max_events >= 1, "weft: timeline_start needs room for at least one event");
   WEFT_CHECK(!timelines_.count(&rank),
              "weft: rank " + std::to_string(rank.rank()) + " is already recording a timeline");
@@ -47,8 +48,8 @@ TimelineRecord Communicator::timeline_take(Rank& rank) {
   rec.dropped = header.count - stored;
   rec.events.resize(stored);
   if (stored)
-    WEFT_CUDA_CHECK(cudaMemcpy(rec.events.data(), buf->events, sizeof(TimelineEvent) * stored,
-                               cudaMemcpyDeviceToHost));
+    WEFT_CUDA_CHECK(
+        cudaMemcpy(rec.events.data(), buf->events, sizeof(TimelineEvent) * stored, cudaMemcpyDeviceToHost));
   std::stable_sort(rec.events.begin(), rec.events.end(),
                    [](const TimelineEvent& a, const TimelineEvent& b) { return a.t_ns < b.t_ns; });
   set_timeline(rank, nullptr);

@@ -92,6 +92,22 @@ FusedPath path_of(Mode m) {
 
 enum class Op { kAG, kRS, kAR };
 
+// One CUDA graph per local rank of what issue(i) enqueues on rank i's stream.
+template <class Issue>
+std::vector<cudaGraphExec_t> capture_per_rank(Communicator& c, Issue&& issue) {
+  std::vector<cudaGraphExec_t> exec(c.num_local());
+  for (int i = 0; i < c.num_local(); ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+    cudaGraph_t g;
+    WEFT_CUDA_CHECK(cudaStreamBeginCapture(c.local(i).stream(), cudaStreamCaptureModeThreadLocal));
+    issue(i);
+    WEFT_CUDA_CHECK(cudaStreamEndCapture(c.local(i).stream(), &g));
+    WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[i], g, 0));
+    WEFT_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  return exec;
+}
+
 void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool sym, uint64_t seed) {
   Communicator& c = ctx.comm();
   const int W = c.world();
@@ -417,16 +433,7 @@ WEFT_GPU_TEST(fused_ops_pipelined_in_cuda_graphs) {
     for (int i = 0; i < c.num_local(); ++i) issue(i);
     c.synchronize();
   }
-  std::vector<cudaGraphExec_t> exec(c.num_local());
-  for (int i = 0; i < c.num_local(); ++i) {
-    WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-    cudaGraph_t g;
-    WEFT_CUDA_CHECK(cudaStreamBeginCapture(c.local(i).stream(), cudaStreamCaptureModeThreadLocal));
-    issue(i);
-    WEFT_CUDA_CHECK(cudaStreamEndCapture(c.local(i).stream(), &g));
-    WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[i], g, 0));
-    WEFT_CUDA_CHECK(cudaGraphDestroy(g));
-  }
+  std::vector<cudaGraphExec_t> exec = capture_per_rank(c, issue);
   for (int replay = 0; replay < 3; ++replay) {
     const uint64_t seed = 900 + 10 * replay;
     const Mat full_a = make(size_t(m * k), seed);  // AG: the gathered A; RS / AR: every rank's A
@@ -533,16 +540,7 @@ WEFT_GPU_TEST(matmul_all_reduce_any_m) {
   };
   for (int i = 0; i < c.num_local(); ++i) issue(i);  // workspace, handles
   c.synchronize();
-  std::vector<cudaGraphExec_t> exec(c.num_local());
-  for (int i = 0; i < c.num_local(); ++i) {
-    WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-    cudaGraph_t g;
-    WEFT_CUDA_CHECK(cudaStreamBeginCapture(c.local(i).stream(), cudaStreamCaptureModeThreadLocal));
-    issue(i);
-    WEFT_CUDA_CHECK(cudaStreamEndCapture(c.local(i).stream(), &g));
-    WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[i], g, 0));
-    WEFT_CUDA_CHECK(cudaGraphDestroy(g));
-  }
+  std::vector<cudaGraphExec_t> exec = capture_per_rank(c, issue);
   for (int replay = 0; replay < 3; ++replay) {
     std::vector<Mat> a(W), b(W);
     std::vector<double> sum(size_t(m * n), 0.0);
@@ -565,8 +563,8 @@ WEFT_GPU_TEST(matmul_all_reduce_any_m) {
     c.synchronize();
     for (int i = 0; i < c.num_local(); ++i) {
       const std::string err = compare(get(c, i, out.ptr[i], m * n), sum);
-      WEFT_EXPECT(err.empty(), "replay " << replay << " matmul_all_reduce M=7 rank " << c.local(i).rank()
-                                         << ": " << err);
+      WEFT_EXPECT(err.empty(),
+                  "replay " << replay << " matmul_all_reduce M=7 rank " << c.local(i).rank() << ": " << err);
     }
     c.host_barrier();
   }
@@ -597,26 +595,28 @@ WEFT_GPU_TEST(timeline_records_fused_phases) {
   o.mode = Mode::kFused;
   for (int i = 0; i < c.num_local(); ++i) c.timeline_start(c.local(i), 1 << 16);
   for (int i = 0; i < c.num_local(); ++i)
-    all_gather_matmul(c, c.local(i), A.ptr[i], B.ptr[i], out.ptr[i], nullptr, m, n, k, BLayout::kNK, nullptr, o);
+    all_gather_matmul(c, c.local(i), A.ptr[i], B.ptr[i], out.ptr[i], nullptr, m, n, k, BLayout::kNK, nullptr,
+                      o);
   c.synchronize();
   for (int i = 0; i < c.num_local(); ++i) {
     const int r = c.local(i).rank();
     const TimelineRecord rec = c.timeline_take(c.local(i));
-    WEFT_EXPECT(rec.rank == r && rec.dropped == 0, "rank " << r << ": record of rank " << rec.rank << ", "
-                                                             << rec.dropped << " dropped");
+    WEFT_EXPECT(rec.rank == r && rec.dropped == 0,
+                "rank " << r << ": record of rank " << rec.rank << ", " << rec.dropped << " dropped");
     int begins[int(TimelinePhase::kCount)] = {}, ends[int(TimelinePhase::kCount)] = {};
     for (size_t e = 0; e < rec.events.size(); ++e) {
       const int phase = rec.events[e].edge & ~kTimelineEnd;
       WEFT_EXPECT(phase < int(TimelinePhase::kCount), "rank " << r << ": phase " << phase);
       if (phase >= int(TimelinePhase::kCount)) break;
       (rec.events[e].edge & kTimelineEnd ? ends : begins)[phase]++;
-      WEFT_EXPECT(e == 0 || rec.events[e].t_ns >= rec.events[e - 1].t_ns, "rank " << r << ": events not by time");
+      WEFT_EXPECT(e == 0 || rec.events[e].t_ns >= rec.events[e - 1].t_ns,
+                  "rank " << r << ": events not by time");
     }
     for (TimelinePhase p : {TimelinePhase::kBlock, TimelinePhase::kWaitInputs, TimelinePhase::kMainloop,
                             TimelinePhase::kStore, TimelinePhase::kCommBegin, TimelinePhase::kCommTask})
       WEFT_EXPECT(begins[int(p)] > 0 && begins[int(p)] == ends[int(p)],
-                  "rank " << r << ": " << timeline_phase_name(p) << " began " << begins[int(p)] << " times, ended "
-                          << ends[int(p)]);
+                  "rank " << r << ": " << timeline_phase_name(p) << " began " << begins[int(p)]
+                          << " times, ended " << ends[int(p)]);
     std::vector<double> ref(size_t(m * n), 0.0);
     gemm_ref(ref, a, b[r], 0, m, n, k, true);
     const std::string err = compare(get(c, i, out.ptr[i], m * n), ref);

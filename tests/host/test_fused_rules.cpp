@@ -22,9 +22,9 @@ TEST(FusedRules, AllGatherMatmulFusedWhereCommunicationOutweighsTheGemm) {
 TEST(FusedRules, SummedMatmulsFusedAtFourAndBelow64MiBAtTwo) {
   EXPECT_EQ(auto_path(kRS, 16384, 8192, 8192, 4), FusedPath::kFused);
   EXPECT_EQ(auto_path(kRS, 32768, 28672, 8192, 4), FusedPath::kFused);  // 2^29.8: every size at 4 GPUs
-  EXPECT_EQ(auto_path(kRS, 2048, 8192, 8192, 2), FusedPath::kFused);  // 2^24
-  EXPECT_NE(auto_path(kRS, 4096, 8192, 8192, 2), FusedPath::kFused);  // 2^25: excluded at 2 GPUs
-  EXPECT_NE(auto_path(kRS, 1024, 8192, 8192, 3), FusedPath::kFused);  // 3 GPUs: no row
+  EXPECT_EQ(auto_path(kRS, 2048, 8192, 8192, 2), FusedPath::kFused);    // 2^24
+  EXPECT_NE(auto_path(kRS, 4096, 8192, 8192, 2), FusedPath::kFused);    // 2^25: excluded at 2 GPUs
+  EXPECT_NE(auto_path(kRS, 1024, 8192, 8192, 3), FusedPath::kFused);    // 3 GPUs: no row
 }
 
 TEST(FusedRules, PipelineFromSixteenMiBPushesEightWithOnePeer) {

@@ -136,14 +136,17 @@ __device__ decltype(auto) role_tiles(Scheduler& sched, typename Op::Smem& smem, 
 // opening and tasks. The buffer is read from the (constant) parameters at each mark rather than held in a
 // register through the loops, which would cost the consumers registers they do not have.
 template <class Op>
-__device__ __forceinline__ void mark(const typename Op::Params& p, bool recorder, TimelinePhase phase, bool end,
-                                     uint32_t arg = 0) {
+__device__ __forceinline__ void mark(const typename Op::Params& p, bool recorder, TimelinePhase phase,
+                                     bool end, uint32_t arg = 0) {
   if constexpr (requires { p.sched.timeline; })
     if (recorder && p.sched.timeline != nullptr) timeline_mark(p.sched.timeline, phase, end, arg);
 }
 template <class Work>
 __device__ __forceinline__ uint32_t timeline_arg(const Work& w) {
-  if constexpr (requires { w.m; w.n; })
+  if constexpr (requires {
+                  w.m;
+                  w.n;
+                })
     return uint32_t(w.m) << 16 | (uint32_t(w.n) & 0xffffu);
   else
     return 0;

@@ -468,7 +468,8 @@ __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
   if constexpr (kExchange) {
     for (uint64_t q = share.begin + threadIdx.x; q < share.end; q += blockDim.x) {
       const int n = words_in(q);
-      for (int h = 0; h < n; ++h) put(x.out + t.rank * x.out_peer_step, 2 * q + h, word_of(t.rank, 2 * q + h));
+      for (int h = 0; h < n; ++h)
+        put(x.out + t.rank * x.out_peer_step, 2 * q + h, word_of(t.rank, 2 * q + h));
       for (int k = 1; k < t.world; ++k) {
         const int src_rank = (t.rank + k) % t.world;
         uint32_t v[2];
@@ -478,27 +479,27 @@ __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
       }
     }
   } else {
-  for (uint64_t q = share.begin + threadIdx.x; q < share.end; q += blockDim.x) {
-    const int n = words_in(q);
-    uint32_t mine[2] = {word_of(t.rank, 2 * q), n == 2 ? word_of(t.rank, 2 * q + 1) : 0u};
-    float acc[2][kLanes];
-    for (int h = 0; h < 2; ++h)
-      for (int l = 0; l < kLanes; ++l)
-        acc[h][l] = ElemTraits<E>::to_float(reinterpret_cast<const T*>(&mine[h])[l]);
-    for (int k = 1; k < t.world; ++k) {
-      uint32_t v[2];
-      const uint64_t* src = part + ((t.rank + k) % t.world) * x.slot_words + 2 * (q - share.begin);
-      if (!ll_wait_pair(t, src, n, epoch, v)) return collective_mark<true>(t, 3u, true);
-      for (int h = 0; h < n; ++h)
+    for (uint64_t q = share.begin + threadIdx.x; q < share.end; q += blockDim.x) {
+      const int n = words_in(q);
+      uint32_t mine[2] = {word_of(t.rank, 2 * q), n == 2 ? word_of(t.rank, 2 * q + 1) : 0u};
+      float acc[2][kLanes];
+      for (int h = 0; h < 2; ++h)
         for (int l = 0; l < kLanes; ++l)
-          acc[h][l] = combine<R>(acc[h][l], ElemTraits<E>::to_float(reinterpret_cast<const T*>(&v[h])[l]));
+          acc[h][l] = ElemTraits<E>::to_float(reinterpret_cast<const T*>(&mine[h])[l]);
+      for (int k = 1; k < t.world; ++k) {
+        uint32_t v[2];
+        const uint64_t* src = part + ((t.rank + k) % t.world) * x.slot_words + 2 * (q - share.begin);
+        if (!ll_wait_pair(t, src, n, epoch, v)) return collective_mark<true>(t, 3u, true);
+        for (int h = 0; h < n; ++h)
+          for (int l = 0; l < kLanes; ++l)
+            acc[h][l] = combine<R>(acc[h][l], ElemTraits<E>::to_float(reinterpret_cast<const T*>(&v[h])[l]));
+      }
+      for (int h = 0; h < n; ++h) {
+        for (int l = 0; l < kLanes; ++l)
+          reinterpret_cast<T*>(&mine[h])[l] = ElemTraits<E>::from_float(acc[h][l]);
+        put(x.out, 2 * q + h, mine[h]);
+      }
     }
-    for (int h = 0; h < n; ++h) {
-      for (int l = 0; l < kLanes; ++l)
-        reinterpret_cast<T*>(&mine[h])[l] = ElemTraits<E>::from_float(acc[h][l]);
-      put(x.out, 2 * q + h, mine[h]);
-    }
-  }
   }
   __syncthreads();  // every thread has read the epoch; the next call (stream-ordered) reads the new one
   if (threadIdx.x == 0) *t.flag(x.calls, blockIdx.x) = call;
