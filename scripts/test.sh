@@ -15,6 +15,9 @@ command -v g++ >/dev/null || missing+=(g++)
 # The Python package's no-GPU tests: pybind11 headers (Debian's, unless pip's is there) and Python headers.
 python3 -m pybind11 --cmakedir >/dev/null 2>&1 || [ -d /usr/lib/cmake/pybind11 ] || missing+=(pybind11-dev)
 [ -f "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null)/Python.h" ] || missing+=(python3-dev)
+# The wheel test (python/tests/wheel_install.sh): pip builds the wheel, a fresh venv installs it.
+python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
+python3 -c "import venv, ensurepip" >/dev/null 2>&1 || missing+=(python3-venv)
 if [ ${#missing[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     echo "installing: ${missing[*]}"
@@ -27,4 +30,14 @@ fi
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release
 cmake --build "$build" -j "$(nproc)"
 cd "$build"
-ctest --output-on-failure --timeout 900 "$@"
+rc=0
+ctest --output-on-failure --timeout 900 "$@" || rc=$?
+# What did not run, and why: skipped ctest entries print a "SKIPPED: <reason>" line, skipped Python
+# unittest cases "... skipped '<reason>'".
+log=Testing/Temporary/LastTest.log
+if [ -f "$log" ] && grep -q -E "^SKIPPED: | skipped '" "$log"; then
+  echo "Skipped, and why:"
+  grep -E "^SKIPPED: | skipped '" "$log" | sed -E "s/^(.*) \.\.\. skipped '(.*)'$/SKIPPED: \1: \2/" | sort | uniq -c |
+    sed 's/^ */  /'
+fi
+exit $rc

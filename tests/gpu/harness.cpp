@@ -130,16 +130,20 @@ int main(int argc, char** argv) {
       for (auto& t : registry()) std::printf("%s\n", t.name);
       return 0;
     } else {
+      const bool help = a == "--help" || a == "-h";
+      if (!help)
+        std::fprintf(stderr, "weft-gpu-tests: unknown option or missing value: '%s'\n", a.c_str());
       std::fprintf(
-          stderr,
+          help ? stdout : stderr,
           "usage: weft-gpu-tests [--gpus G] [--ranks W] [--sm-budget B] [--filter a,b,-c] [--quick] "
-          "[--list]\n"
+          "[--team-only] [--list] [--help]\n"
           "  single-process over G GPUs (default: all) with one rank each; --ranks W: a team of W\n"
           "  virtual ranks over G GPUs (default G: the largest that divides W), W / G per GPU;\n"
-          "  --sm-budget B: SMs per rank (Options::sm_budget); --team-only: only tests of 2+ ranks.\n"
+          "  --sm-budget B: SMs per rank (Options::sm_budget); --team-only: only tests of 2+ ranks;\n"
+          "  --filter: tests whose name contains one of the comma-separated words, none of the -words.\n"
           "  One rank per process under weft-launch/torchrun/mpirun.\n"
           "  WEFT_TEST_TIMEOUT_S=n: exit (124) when one test runs longer (default 300, 0: never)\n");
-      return 2;
+      return help ? 0 : 2;
     }
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
