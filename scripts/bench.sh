@@ -9,6 +9,8 @@ build=${WEFT_BUILD_DIR:-$root/build}
 echo "bench.sh: configuring and building weft-bench in $build (a first build compiles every kernel for" \
   "sm_90a: minutes; progress below)" >&2
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$build" -j "$(nproc)" --target weft-bench 2>&1 | grep --line-buffered -E '^\[ *[0-9]+%\]|error' >&2
+# Progress lines and errors only; a failed build still fails the script (pipefail: cmake's status).
+cmake --build "$build" -j "$(nproc)" --target weft-bench 2>&1 |
+  { grep --line-buffered -E '^\[ *[0-9]+%\]|error' >&2 || true; }
 echo "bench.sh: running $build/bench/weft-bench $*" >&2
 exec "$build/bench/weft-bench" "$@"

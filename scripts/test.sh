@@ -32,12 +32,15 @@ cmake --build "$build" -j "$(nproc)"
 cd "$build"
 rc=0
 ctest --output-on-failure --timeout 900 "$@" || rc=$?
-# What did not run, and why: skipped ctest entries print a "SKIPPED: <reason>" line, skipped Python
-# unittest cases "... skipped '<reason>'".
+# What did not run, and why, one line per skipped test (LastTest.log holds each test's output after a
+# "N/M Testing: <name>" line): a skipped ctest entry prints "SKIPPED: <reason>" (the first one counts), a skipped
+# Python unittest case "<case> ... skipped '<reason>'".
 log=Testing/Temporary/LastTest.log
-if [ -f "$log" ] && grep -q -E "^SKIPPED: | skipped '" "$log"; then
-  echo "Skipped, and why:"
-  grep -E "^SKIPPED: | skipped '" "$log" | sed -E "s/^(.*) \.\.\. skipped '(.*)'$/SKIPPED: \1: \2/" | sort | uniq -c |
-    sed 's/^ */  /'
+if [ -f "$log" ]; then
+  awk '/^[0-9]+\/[0-9]+ Testing: / { name = $3; said = 0 }
+       /^SKIPPED: / && !said { sub(/^SKIPPED: /, ""); lines = lines "  " name ": " $0 "\n"; said = 1 }
+       / \.\.\. skipped \047/ { s = $0; sub(/ \.\.\. skipped \047/, ": ", s); sub(/\047$/, "", s);
+                                lines = lines "  " name ", " s "\n" }
+       END { if (lines != "") printf "Skipped, and why:\n%s", lines }' "$log"
 fi
 exit $rc

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <set>
@@ -46,6 +47,22 @@ struct TimedOut {
 
 std::string errno_text() {
   return std::strerror(errno);
+}
+
+// The process at the other end of a connected Unix socket (the kernel's record, not what it claims).
+ucred peer_credentials(int sock) {
+  ucred c{};
+  socklen_t len = sizeof c;
+  if (::getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &c, &len) != 0) c.uid = static_cast<uid_t>(-1);
+  return c;
+}
+// Abstract sockets carry no file permissions: any local process of any user can reach one. Only processes of
+// this process's uid take part in a rendezvous (they are sent the job's GPU memory handles).
+bool same_user(const ucred& c) {
+  return c.uid == ::getuid();
+}
+std::string describe(const ucred& c) {
+  return "uid " + std::to_string(c.uid) + " (pid " + std::to_string(c.pid) + ")";
 }
 
 sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
@@ -262,6 +279,14 @@ void Channel::hub_accept(Clock::time_point deadline) {
     }
     const int s = ::accept4(listen_sock_, nullptr, nullptr, SOCK_CLOEXEC);
     if (s < 0) continue;
+    if (const ucred c = peer_credentials(s); !same_user(c)) {  // refused; the real rank may still come
+      std::fprintf(stderr,
+                   "weft: rendezvous of job '%s' (socket @%s): refused a connection from %s: only processes "
+                   "of uid %u (this job's user) may join\n",
+                   job_id_.c_str(), name_.c_str(), describe(c).c_str(), static_cast<unsigned>(::getuid()));
+      ::close(s);
+      continue;
+    }
     Frame hello;
     try {
       hello = recv_frame(s, std::min(deadline, Clock::now() + std::chrono::seconds(10)), -1);
@@ -309,6 +334,12 @@ void Channel::client_connect(Clock::time_point deadline) {
     const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (s < 0) throw_error("weft: socket() failed: " + errno_text());
     if (::connect(s, reinterpret_cast<sockaddr*>(&addr), len) == 0) {
+      if (const ucred c = peer_credentials(s); !same_user(c)) {
+        ::close(s);  // nothing sent: the rank's handles go to this job's rank 0 only
+        throw_error("weft: rendezvous socket @" + name_ + " of job '" + job_id_ + "' is held by " +
+                    describe(c) + ", not by a process of this job's user (uid " + std::to_string(::getuid()) +
+                    "): refusing to join it; run the job under another WEFT_JOB_ID");
+      }
       peers_[0].sock = s;
       break;
     }

@@ -131,8 +131,7 @@ int main(int argc, char** argv) {
       return 0;
     } else {
       const bool help = a == "--help" || a == "-h";
-      if (!help)
-        std::fprintf(stderr, "weft-gpu-tests: unknown option or missing value: '%s'\n", a.c_str());
+      if (!help) std::fprintf(stderr, "weft-gpu-tests: unknown option or missing value: '%s'\n", a.c_str());
       std::fprintf(
           help ? stdout : stderr,
           "usage: weft-gpu-tests [--gpus G] [--ranks W] [--sm-budget B] [--filter a,b,-c] [--quick] "

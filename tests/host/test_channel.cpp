@@ -476,6 +476,55 @@ TEST(Channel, StrayConnectionsDuringRendezvousAreIgnored) {
   EXPECT_LT(ms_since(t0), 2000);
 }
 
+// Abstract sockets carry no file permissions: the rendezvous checks who is at the other end (SO_PEERCRED).
+// A process of another user reaching a job's socket is sent nothing and the job's real rank still joins; a
+// process of another user holding the socket first is refused by the job's ranks, by name.
+TEST(Channel, ProcessOfAnotherUserIsRefusedAndTheJobCompletes) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to run a process as another user (uid 65534)";
+  const std::string job = unique_job("uid");
+  std::string hub_err = "<not run>";
+  std::jthread hub([&] {
+    hub_err = error_of([&] {
+      Channel ch(job, 0, 2, milliseconds(6000));
+      EXPECT_EQ(ch.allgather("zero").data[1], "one");
+    });
+  });
+  ASSERT_TRUE(wait_for_listener(job));
+  const pid_t intruder = fork_child([&] {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) return 3;
+    const std::string err = error_of([&] { Channel ch(job, 1, 2, milliseconds(1500)); });
+    if (contains(err, "held by uid 0") || contains(err, "closed the connection")) return 0;
+    weft_test::child_note("intruder: " + err);
+    return 4;
+  });
+  EXPECT_EQ(wait_child(intruder), 0);
+  const std::string client = error_of([&] {
+    Channel ch(job, 1, 2, milliseconds(4000));
+    EXPECT_EQ(ch.allgather("one").data[0], "zero");
+  });
+  hub.join();
+  EXPECT_EQ(client, "<no exception>");
+  EXPECT_EQ(hub_err, "<no exception>");
+}
+
+TEST(Channel, SocketHeldByAnotherUserIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to run a process as another user (uid 65534)";
+  const std::string job = unique_job("squat");
+  const pid_t squatter = fork_child([&] {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) return 3;
+    (void)error_of([&] { Channel ch(job, 0, 2, milliseconds(3000)); });  // binds the name, then waits
+    return 0;
+  });
+  ASSERT_TRUE(wait_for_listener(job));
+  const auto t0 = Clock::now();
+  const std::string err = error_of([&] { Channel ch(job, 1, 2, milliseconds(2000)); });
+  EXPECT_LT(ms_since(t0), 1000);
+  EXPECT_HAS(err, "held by uid 65534");
+  EXPECT_HAS(err, "WEFT_JOB_ID");
+  ::kill(squatter, SIGKILL);
+  wait_child(squatter);
+}
+
 // ---- failures during and between collectives -----------------------------------------------------------
 
 TEST(Channel, RankExitingDuringAllgatherFailsTheOthers) {
