@@ -1,6 +1,7 @@
 // weft-launch: starts one process per GPU on this node, the way torchrun would, with no Python needed.
 //   weft-launch -n 4 ./my_program args...
-// Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and a job-unique WEFT_JOB_ID. When a child
+// Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, a job-unique WEFT_JOB_ID and the job's
+// WEFT_JOB_SECRET (random, or the one the caller set; see weft::LaunchEnv::secret). When a child
 // fails, the others are expected to notice within seconds (weft's runtime does); any still running after a
 // grace period are killed, so the launcher never hangs.
 #include <signal.h>
@@ -59,6 +60,25 @@ int main(int argc, char** argv) {
   }
   if (nproc <= 0 || i >= argc) return usage();
   const std::string job = "launch-" + std::to_string(::getpid());
+  // The job's secret (weft::LaunchEnv::secret): 128 random bits unless the caller chose one. Only processes
+  // that know it join the ranks' rendezvous; it reaches the ranks through their environment only.
+  std::string secret;
+  if (const char* given = std::getenv("WEFT_JOB_SECRET"); given != nullptr && *given != '\0') {
+    secret = given;
+  } else {
+    unsigned char bytes[16];
+    std::FILE* f = std::fopen("/dev/urandom", "rb");
+    if (f == nullptr || std::fread(bytes, 1, sizeof bytes, f) != sizeof bytes) {
+      std::fprintf(stderr, "weft-launch: cannot read /dev/urandom for the job's secret\n");
+      return 1;
+    }
+    std::fclose(f);
+    for (unsigned char b : bytes) {
+      char hex[3];
+      std::snprintf(hex, sizeof hex, "%02x", b);
+      secret += hex;
+    }
+  }
   std::vector<pid_t> kids;
   for (int r = 0; r < nproc; ++r) {
     pid_t pid = ::fork();
@@ -73,6 +93,7 @@ int main(int argc, char** argv) {
       ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
       ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
       ::setenv("WEFT_JOB_ID", job.c_str(), 1);
+      ::setenv("WEFT_JOB_SECRET", secret.c_str(), 1);
       ::execvp(argv[i], argv + i);
       std::fprintf(stderr, "weft-launch: cannot run %s\n", argv[i]);
       std::_Exit(127);

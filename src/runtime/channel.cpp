@@ -65,6 +65,28 @@ std::string describe(const ucred& c) {
   return "uid " + std::to_string(c.uid) + " (pid " + std::to_string(c.pid) + ")";
 }
 
+// 64 bits of a hash of the job secret, in hex, for the socket's name: a name that another process cannot take
+// first without the secret. Abstract socket names are listed in /proc/net/unix, so the name must not be the
+// secret itself; the greeting carries the secret, and rank 0 compares that, not the name.
+std::string secret_tag(const std::string& secret) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a, then a final avalanche (splitmix64's)
+  for (unsigned char c : secret) h = (h ^ c) * 0x100000001b3ull;
+  h ^= h >> 30;
+  h *= 0xbf58476d1ce4e5b9ull;
+  h ^= h >> 27;
+  h *= 0x94d049bb133111ebull;
+  h ^= h >> 31;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return hex;
+}
+// Compares in time that does not depend on where the strings differ.
+bool same_secret(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  return diff == 0;
+}
+
 sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
   sockaddr_un a{};
   a.sun_family = AF_UNIX;
@@ -197,12 +219,18 @@ std::string relayed(const std::string& payload) {
 
 }  // namespace
 
-Channel::Channel(std::string job_id, int rank, int world, std::chrono::milliseconds timeout)
-    : job_id_(std::move(job_id)), rank_(rank), world_(world), op_timeout_(timeout) {
+Channel::Channel(std::string job_id, int rank, int world, std::chrono::milliseconds timeout,
+                 std::string secret)
+    : job_id_(std::move(job_id)),
+      secret_(std::move(secret)),
+      rank_(rank),
+      world_(world),
+      op_timeout_(timeout) {
   WEFT_CHECK(world >= 1 && rank >= 0 && rank < world,
              "rendezvous: rank " + std::to_string(rank) + " is outside world size " + std::to_string(world));
   WEFT_CHECK(!job_id_.empty(), "rendezvous: empty job id");
   name_ = "weft." + job_id_;
+  if (!secret_.empty()) name_.append(1, '.').append(secret_tag(secret_));
   const auto deadline = Clock::now() + timeout;
   peers_.resize(rank == 0 ? world : 1);
   if (world_ == 1) return;
@@ -295,6 +323,18 @@ void Channel::hub_accept(Clock::time_point deadline) {
       continue;
     }
     const int r = hello.h.src;
+    const size_t ints = 2 * sizeof(long);  // world size, pid; then the job secret
+    if (static_cast<MsgType>(hello.h.type) != MsgType::kHello || hello.payload.size() < ints ||
+        !same_secret(hello.payload.substr(ints), secret_)) {  // refused; the real rank may still come
+      const ucred c = peer_credentials(s);
+      std::fprintf(
+          stderr,
+          "weft: rendezvous of job '%s' (socket @%s): refused a connection from %s claiming rank %d: "
+          "it did not present the job's secret (WEFT_JOB_SECRET)\n",
+          job_id_.c_str(), name_.c_str(), describe(c).c_str(), r);
+      ::close(s);
+      continue;
+    }
     const long w = unpack_int(hello.payload, 0);
     std::string why;
     if (static_cast<MsgType>(hello.h.type) != MsgType::kHello)
@@ -354,8 +394,8 @@ void Channel::client_connect(Clock::time_point deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   try {
-    send_frame(peers_[0].sock, MsgType::kHello, 0, rank_, pack_ints({world_, static_cast<long>(::getpid())}),
-               -1, 0);
+    send_frame(peers_[0].sock, MsgType::kHello, 0, rank_,
+               pack_ints({world_, static_cast<long>(::getpid())}) + secret_, -1, 0);
     Frame f = recv_frame(peers_[0].sock, deadline, 0);
     if (static_cast<MsgType>(f.h.type) == MsgType::kError) throw_error(f.payload);
     WEFT_CHECK(static_cast<MsgType>(f.h.type) == MsgType::kWelcome,

@@ -269,7 +269,7 @@ std::unique_ptr<Communicator> Communicator::create_from_launcher(const LaunchEnv
     static std::atomic<int> generation{0};
     const std::string job = env.job_id + "." + std::to_string(generation++);
     c->channel_ = std::make_unique<Channel>(job, env.rank, env.world,
-                                            std::max(c->timeout_, std::chrono::milliseconds(60000)));
+                                            std::max(c->timeout_, std::chrono::milliseconds(60000)), env.secret);
     c->channel_->set_op_timeout(std::max(c->timeout_, std::chrono::milliseconds(30000)));
     Communicator* self = c.get();
     c->channel_->set_on_peer_lost([self](const std::string&) {

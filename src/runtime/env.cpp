@@ -111,6 +111,13 @@ std::optional<LaunchEnv> parse_launch_env(const EnvGetter& env, long parent_pid)
   for (char& c : e->job_id)
     if (c == '/' || c == '\0' || c == ' ') c = '_';
   if (e->job_id.size() > 64) e->job_id = e->job_id.substr(e->job_id.size() - 64);
+  if (auto secret = env("WEFT_JOB_SECRET"); secret && !secret->empty()) {
+    WEFT_CHECK(secret->size() >= 16,
+               "weft: WEFT_JOB_SECRET must hold at least 16 characters (e.g. "
+               "$(openssl rand -hex 16)), got " +
+                   std::to_string(secret->size()));
+    e->secret = *secret;
+  }
   return e;
 }
 

@@ -525,6 +525,46 @@ TEST(Channel, SocketHeldByAnotherUserIsRefused) {
   wait_child(squatter);
 }
 
+// With a job secret: the ranks that know it meet on a socket whose name carries a hash of it (never the
+// secret itself: abstract names are listed in /proc/net/unix); a process of the same user that found the name
+// but lacks the secret is refused and sent nothing, and the real rank 1 still joins.
+TEST(Channel, JobSecretAdmitsOnlyItsHolders) {
+  const std::string job = unique_job("secret"), secret = "0123456789abcdef0123456789abcdef";
+  std::string hub_err = "<not run>", name;
+  std::jthread hub([&] {
+    hub_err = error_of([&] {
+      Channel ch(job, 0, 2, milliseconds(6000), secret);
+      name = ch.socket_name();
+      EXPECT_EQ(ch.allgather("zero").data[1], "one");
+    });
+  });
+  std::string full;  // the socket's name, as a process listing /proc/net/unix sees it
+  const auto deadline = Clock::now() + milliseconds(3000);
+  while (full.empty() && Clock::now() < deadline) {
+    std::ifstream f("/proc/net/unix");
+    for (std::string line; std::getline(f, line);)
+      if (const size_t at = line.find("@weft." + job + "."); at != std::string::npos)
+        full = line.substr(at + 6);
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+  ASSERT_FALSE(full.empty()) << "no socket @weft." << job << ".<tag>";
+  EXPECT_EQ(full.find(secret), std::string::npos) << full;
+  // The name known, the secret not: a channel whose job id is the whole name greets without the secret.
+  const std::string intruder = error_of([&] { Channel ch(full, 1, 2, milliseconds(1500)); });
+  EXPECT_HAS(intruder, "closed the connection");
+  const std::string wrong =
+      error_of([&] { Channel ch(full, 1, 2, milliseconds(1500), "not the job's secret!!"); });
+  EXPECT_NE(wrong, "<no exception>");  // another name (its own tag): it never reaches rank 0
+  const std::string client = error_of([&] {
+    Channel ch(job, 1, 2, milliseconds(4000), secret);
+    EXPECT_EQ(ch.allgather("one").data[0], "zero");
+  });
+  hub.join();
+  EXPECT_EQ(client, "<no exception>");
+  EXPECT_EQ(hub_err, "<no exception>");
+  EXPECT_EQ("weft." + full, name);
+}
+
 // ---- failures during and between collectives -----------------------------------------------------------
 
 TEST(Channel, RankExitingDuringAllgatherFailsTheOthers) {

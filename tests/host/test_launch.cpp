@@ -143,17 +143,21 @@ std::string slurp(const std::string& path) {
 TEST(Launch, EveryRankSeesTheLaunchEnvironment) {
   const std::string dir = temp_path("env");
   ASSERT_EQ(::mkdir(dir.c_str(), 0700), 0);
-  const Result r = launch(
-      {"-n", "3", "sh", "-c",
-       "echo \"$RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $WEFT_JOB_ID\" > \"$0/rank$RANK\"", dir});
+  const Result r = launch({"-n", "3", "sh", "-c",
+                           "echo \"$RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $WEFT_JOB_ID "
+                           "$WEFT_JOB_SECRET\" > \"$0/rank$RANK\"",
+                           dir});
   EXPECT_EQ(r.code, 0) << r.output;
-  std::string job;
+  std::string job, secret;
   for (int rank = 0; rank < 3; ++rank) {
     const std::string path = dir + "/rank" + std::to_string(rank);
     std::istringstream line(slurp(path));
     int rk = -1, lr = -1, ws = -1, lws = -1;
-    std::string id;
-    line >> rk >> lr >> ws >> lws >> id;
+    std::string id, sec;
+    line >> rk >> lr >> ws >> lws >> id >> sec;
+    EXPECT_EQ(sec.size(), 32u) << "a job secret of 128 random bits, in hex: '" << sec << "'";
+    if (rank == 0) secret = sec;
+    EXPECT_EQ(sec, secret) << "all ranks of one launch share the job secret";
     EXPECT_EQ(rk, rank);
     EXPECT_EQ(lr, rank);
     EXPECT_EQ(ws, 3);
@@ -165,11 +169,9 @@ TEST(Launch, EveryRankSeesTheLaunchEnvironment) {
   }
   ::rmdir(dir.c_str());
   // The ranks' environment is what parse_launch_env expects from weft-launch.
-  std::map<std::string, std::string> vars = {{"RANK", "2"},
-                                             {"LOCAL_RANK", "2"},
-                                             {"WORLD_SIZE", "3"},
-                                             {"LOCAL_WORLD_SIZE", "3"},
-                                             {"WEFT_JOB_ID", job}};
+  std::map<std::string, std::string> vars = {{"RANK", "2"},        {"LOCAL_RANK", "2"},
+                                             {"WORLD_SIZE", "3"},  {"LOCAL_WORLD_SIZE", "3"},
+                                             {"WEFT_JOB_ID", job}, {"WEFT_JOB_SECRET", secret}};
   const auto e = weft::parse_launch_env(
       [&](const std::string& k) -> std::optional<std::string> {
         auto it = vars.find(k);
@@ -179,11 +181,25 @@ TEST(Launch, EveryRankSeesTheLaunchEnvironment) {
   ASSERT_TRUE(e.has_value());
   EXPECT_EQ(e->launcher, weft::Launcher::kWeft);
   EXPECT_EQ(e->job_id, job);
+  EXPECT_EQ(e->secret, secret);
+  vars["WEFT_JOB_SECRET"] = "short";  // a secret one could guess is refused by name
+  std::string err;
+  try {
+    weft::parse_launch_env(
+        [&](const std::string& k) -> std::optional<std::string> {
+          auto it = vars.find(k);
+          return it == vars.end() ? std::nullopt : std::optional<std::string>(it->second);
+        },
+        1);
+  } catch (const weft::Error& x) {
+    err = x.what();
+  }
+  EXPECT_NE(err.find("WEFT_JOB_SECRET must hold at least 16 characters"), std::string::npos) << err;
 }
 
 TEST(Launch, EachLaunchGetsItsOwnJobId) {
-  const Result a = launch({"-n", "1", "sh", "-c", "echo \"id=$WEFT_JOB_ID\""});
-  const Result b = launch({"-n", "1", "sh", "-c", "echo \"id=$WEFT_JOB_ID\""});
+  const Result a = launch({"-n", "1", "sh", "-c", "echo \"id=$WEFT_JOB_ID secret=$WEFT_JOB_SECRET\""});
+  const Result b = launch({"-n", "1", "sh", "-c", "echo \"id=$WEFT_JOB_ID secret=$WEFT_JOB_SECRET\""});
   EXPECT_EQ(a.code, 0);
   EXPECT_EQ(b.code, 0);
   EXPECT_HAS(a.output, "id=");

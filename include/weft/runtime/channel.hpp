@@ -34,8 +34,13 @@ class Channel {
     std::vector<int> fds;           // fds[r]: rank r's descriptor, owned by the caller (-1: none, or self)
   };
 
-  // Blocks until all `world` ranks of `job_id` are connected, or throws after `timeout`.
-  Channel(std::string job_id, int rank, int world, std::chrono::milliseconds timeout);
+  // Blocks until all `world` ranks of `job_id` are connected, or throws after `timeout`. Only processes of
+  // this process's uid take part (both ends check the kernel's record of the peer). With a `secret` (the
+  // job's WEFT_JOB_SECRET), the socket's name also carries a hash of it (a name nobody without it can take
+  // first) and rank 0 admits only connections whose greeting carries it; other connections are refused and
+  // the real rank is still waited for.
+  Channel(std::string job_id, int rank, int world, std::chrono::milliseconds timeout,
+          std::string secret = {});
   ~Channel();
   Channel(const Channel&) = delete;
   Channel& operator=(const Channel&) = delete;
@@ -72,7 +77,7 @@ class Channel {
   void monitor_loop();
   void stop_monitor();
 
-  std::string job_id_, name_;
+  std::string job_id_, secret_, name_;
   int rank_ = 0, world_ = 1;
   int listen_sock_ = -1;
   std::vector<Peer> peers_;  // hub: indexed by rank (peers_[0] unused); client: peers_[0] is the hub

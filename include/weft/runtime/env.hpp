@@ -21,6 +21,10 @@ struct LaunchEnv {
   // the launcher's own job id (TORCHELASTIC_RUN_ID + MASTER_PORT, the Open MPI/PMIx job id), else the
   // parent process id (torchrun and mpirun start a node's ranks from one parent).
   std::string job_id;
+  // WEFT_JOB_SECRET (weft-launch makes one per launch; under torchrun or mpirun set it yourself, e.g.
+  // WEFT_JOB_SECRET=$(openssl rand -hex 16)): only a process that knows it can join the rendezvous, whose
+  // socket name it also decides (Channel). Empty: the rendezvous checks the peers' uid only.
+  std::string secret;
 };
 
 using EnvGetter = std::function<std::optional<std::string>(const std::string&)>;
