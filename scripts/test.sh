@@ -34,13 +34,16 @@ rc=0
 ctest --output-on-failure --timeout 900 "$@" || rc=$?
 # What did not run, and why, one line per skipped test (LastTest.log holds each test's output after a
 # "N/M Testing: <name>" line): a skipped ctest entry prints "SKIPPED: <reason>" (the first one counts), a skipped
-# Python unittest case "<case> ... skipped '<reason>'".
+# Python unittest case "<case> ... skipped '<reason>'", a skipped GoogleTest case its reason on the line before
+# "[  SKIPPED ] <case>".
 log=Testing/Temporary/LastTest.log
 if [ -f "$log" ]; then
   awk '/^[0-9]+\/[0-9]+ Testing: / { name = $3; said = 0 }
        /^SKIPPED: / && !said { sub(/^SKIPPED: /, ""); lines = lines "  " name ": " $0 "\n"; said = 1 }
        / \.\.\. skipped \047/ { s = $0; sub(/ \.\.\. skipped \047/, ": ", s); sub(/\047$/, "", s);
                                 lines = lines "  " name ", " s "\n" }
+       /^\[  SKIPPED \] [^ ]+ \(/ { lines = lines "  " name ": " prev "\n" }
+       { prev = $0 }
        END { if (lines != "") printf "Skipped, and why:\n%s", lines }' "$log"
 fi
 exit $rc

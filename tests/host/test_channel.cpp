@@ -479,8 +479,14 @@ TEST(Channel, StrayConnectionsDuringRendezvousAreIgnored) {
 // Abstract sockets carry no file permissions: the rendezvous checks who is at the other end (SO_PEERCRED).
 // A process of another user reaching a job's socket is sent nothing and the job's real rank still joins; a
 // process of another user holding the socket first is refused by the job's ranks, by name.
+// Whether a forked child can become uid 65534 here (root, with the capability to change uid).
+static bool can_become_nobody() {
+  if (::geteuid() != 0) return false;
+  return wait_child(fork_child([] { return ::setgid(65534) == 0 && ::setuid(65534) == 0 ? 0 : 1; })) == 0;
+}
+
 TEST(Channel, ProcessOfAnotherUserIsRefusedAndTheJobCompletes) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to run a process as another user (uid 65534)";
+  if (!can_become_nobody()) GTEST_SKIP() << "needs root able to run a process as another user (uid 65534)";
   const std::string job = unique_job("uid");
   std::string hub_err = "<not run>";
   std::jthread hub([&] {
@@ -508,7 +514,7 @@ TEST(Channel, ProcessOfAnotherUserIsRefusedAndTheJobCompletes) {
 }
 
 TEST(Channel, SocketHeldByAnotherUserIsRefused) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to run a process as another user (uid 65534)";
+  if (!can_become_nobody()) GTEST_SKIP() << "needs root able to run a process as another user (uid 65534)";
   const std::string job = unique_job("squat");
   const pid_t squatter = fork_child([&] {
     if (::setgid(65534) != 0 || ::setuid(65534) != 0) return 3;
