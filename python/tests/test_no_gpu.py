@@ -207,6 +207,13 @@ class NoGpu(unittest.TestCase):
         self.assertEqual(ag[4:8], (32, 24, 16, "nk"))  # M = 4 ranks x 8 rows, N, K, layout
         self.assertEqual(rs[3:7], (8, 24, 16, "kn"))
 
+    def test_matmul_all_reduce_takes_any_m(self):
+        # A decode batch of 7 rows on a team of 4: matmul_all_reduce takes it (reduce-scatter would not).
+        self.comm.matmul_all_reduce(FakeTensor((7, 16)), FakeTensor((16, 24)), out=FakeTensor((7, 24)))
+        name, args = self.calls[-1]
+        self.assertEqual(name, "matmul_all_reduce")
+        self.assertEqual(args[3:7], (7, 24, 16, "kn"))  # M, N, K, layout
+
     def test_matmul_ops_reject_bad_operands(self):
         a = FakeTensor((8, 16))
         self.raises(ValueError, "inner dimensions", self.comm.matmul_all_reduce, a, FakeTensor((8, 24)))
