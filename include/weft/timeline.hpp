@@ -18,8 +18,9 @@ enum class TimelinePhase : uint8_t {
   kStore = 3,       // a consumer warpgroup's store of one work item (local, peer, or staging)
   kCommBegin = 4,   // a communicator block's opening (e.g. meeting its peers' counterparts)
   kCommTask = 5,    // a communicator block's task; arg: the task
-  kCollective = 6,  // a collective kernel's block; arg: 0 exchange, 1 reduce-scatter (the fused RS / AR
-                    // reduce), 2 pull reduce, 3 one-shot (weft/ops/collectives.cuh)
+  kCollective = 6,  // a collective kernel's block; arg: 1 the fused RS / AR reduce (the pre-staged
+                    // reduce-scatter), 3 the one-shot (all-reduce, reduce-scatter, small all-to-all); the
+                    // other collective kernels carry no marks (weft/ops/collectives.cuh says why)
   kStreamWait = 7,  // a stream-ordered wait for a peer's flag (copy-engine pipelines); arg: the value
   kCount = 8,
 };

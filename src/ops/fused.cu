@@ -46,16 +46,17 @@ const ResourceDeclaration kFusedResources[] = {
 };
 
 struct Call : ops::OpCall {
+  // `splits_m`: the op hands each rank M / W rows (all_gather_matmul's shards, matmul_reduce_scatter's
+  // slices); matmul_all_reduce does not, and takes any M.
   Call(Communicator& c, Rank& r, cudaStream_t s, const char* op, int64_t m, int64_t n, int64_t k,
-       Plan* into = nullptr)
+       bool splits_m, Plan* into = nullptr)
       : OpCall(c, r, s,
                std::string("weft::") + op + "(M=" + std::to_string(m) + ", N=" + std::to_string(n) +
                    ", K=" + std::to_string(k) + "): ",
                into) {
     if (into) into->op = op;
     WEFT_CHECK(m > 0 && n > 0 && k > 0, where + "M, N and K must be at least 1");
-    // matmul_all_reduce takes any M (its sequential path); the others split M over the ranks.
-    WEFT_CHECK(m % r.world() == 0 || std::string(op) == "matmul_all_reduce",
+    WEFT_CHECK(!splits_m || m % r.world() == 0,
                where + "M must be divisible by the world size " + std::to_string(r.world()));
     WEFT_CHECK(k % 8 == 0 && n % 8 == 0,
                where + "K and N must be multiples of 8 (bf16 rows of 16-byte multiples, which TMA requires)");
@@ -676,14 +677,14 @@ FusedPath run_matmul_reduce(Call& c, const void* a, const void* b, void* out, in
 FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
                             void* gathered_a, int64_t m, int64_t n, int64_t k, BLayout layout,
                             cudaStream_t stream, const FusedOptions& o) {
-  Call c(comm, rank, stream, "all_gather_matmul", m, n, k);
+  Call c(comm, rank, stream, "all_gather_matmul", m, n, k, true);
   return run_all_gather_matmul(c, a_shard, b, out, gathered_a, m, n, k, layout, o);
 }
 Plan all_gather_matmul_plan(Communicator& comm, Rank& rank, const void* a_shard, const void* b,
                             const void* out, const void* gathered_a, int64_t m, int64_t n, int64_t k,
                             BLayout layout, cudaStream_t stream, const FusedOptions& o) {
   Plan plan;
-  Call c(comm, rank, stream, "all_gather_matmul", m, n, k, &plan);
+  Call c(comm, rank, stream, "all_gather_matmul", m, n, k, true, &plan);
   run_all_gather_matmul(c, a_shard, b, const_cast<void*>(out), const_cast<void*>(gathered_a), m, n, k, layout,
                         o);
   return plan;
@@ -692,14 +693,14 @@ Plan all_gather_matmul_plan(Communicator& comm, Rank& rank, const void* a_shard,
 FusedPath matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, const void* b, void* out,
                                 int64_t m, int64_t n, int64_t k, BLayout layout, cudaStream_t stream,
                                 const FusedOptions& o) {
-  Call c(comm, rank, stream, "matmul_reduce_scatter", m, n, k);
+  Call c(comm, rank, stream, "matmul_reduce_scatter", m, n, k, true);
   return run_matmul_reduce(c, a, b, out, m, n, k, layout, o, false);
 }
 Plan matmul_reduce_scatter_plan(Communicator& comm, Rank& rank, const void* a, const void* b, const void* out,
                                 int64_t m, int64_t n, int64_t k, BLayout layout, cudaStream_t stream,
                                 const FusedOptions& o) {
   Plan plan;
-  Call c(comm, rank, stream, "matmul_reduce_scatter", m, n, k, &plan);
+  Call c(comm, rank, stream, "matmul_reduce_scatter", m, n, k, true, &plan);
   run_matmul_reduce(c, a, b, const_cast<void*>(out), m, n, k, layout, o, false);
   return plan;
 }
@@ -707,14 +708,14 @@ Plan matmul_reduce_scatter_plan(Communicator& comm, Rank& rank, const void* a, c
 FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const void* b, void* out,
                             int64_t m, int64_t n, int64_t k, BLayout layout, cudaStream_t stream,
                             const FusedOptions& o) {
-  Call c(comm, rank, stream, "matmul_all_reduce", m, n, k);
+  Call c(comm, rank, stream, "matmul_all_reduce", m, n, k, false);
   return run_matmul_reduce(c, a, b, out, m, n, k, layout, o, true);
 }
 Plan matmul_all_reduce_plan(Communicator& comm, Rank& rank, const void* a, const void* b, const void* out,
                             int64_t m, int64_t n, int64_t k, BLayout layout, cudaStream_t stream,
                             const FusedOptions& o) {
   Plan plan;
-  Call c(comm, rank, stream, "matmul_all_reduce", m, n, k, &plan);
+  Call c(comm, rank, stream, "matmul_all_reduce", m, n, k, false, &plan);
   run_matmul_reduce(c, a, b, const_cast<void*>(out), m, n, k, layout, o, true);
   return plan;
 }

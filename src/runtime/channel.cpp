@@ -307,11 +307,12 @@ void Channel::hub_accept(Clock::time_point deadline) {
     }
     const int s = ::accept4(listen_sock_, nullptr, nullptr, SOCK_CLOEXEC);
     if (s < 0) continue;
-    if (const ucred c = peer_credentials(s); !same_user(c)) {  // refused; the real rank may still come
+    const ucred peer = peer_credentials(s);
+    if (!same_user(peer)) {  // refused; the real rank may still come
       std::fprintf(stderr,
                    "weft: rendezvous of job '%s' (socket @%s): refused a connection from %s: only processes "
                    "of uid %u (this job's user) may join\n",
-                   job_id_.c_str(), name_.c_str(), describe(c).c_str(), static_cast<unsigned>(::getuid()));
+                   job_id_.c_str(), name_.c_str(), describe(peer).c_str(), static_cast<unsigned>(::getuid()));
       ::close(s);
       continue;
     }
@@ -326,20 +327,17 @@ void Channel::hub_accept(Clock::time_point deadline) {
     const size_t ints = 2 * sizeof(long);  // world size, pid; then the job secret
     if (static_cast<MsgType>(hello.h.type) != MsgType::kHello || hello.payload.size() < ints ||
         !same_secret(hello.payload.substr(ints), secret_)) {  // refused; the real rank may still come
-      const ucred c = peer_credentials(s);
       std::fprintf(
           stderr,
           "weft: rendezvous of job '%s' (socket @%s): refused a connection from %s claiming rank %d: "
           "it did not present the job's secret (WEFT_JOB_SECRET)\n",
-          job_id_.c_str(), name_.c_str(), describe(c).c_str(), r);
+          job_id_.c_str(), name_.c_str(), describe(peer).c_str(), r);
       ::close(s);
       continue;
     }
     const long w = unpack_int(hello.payload, 0);
-    std::string why;
-    if (static_cast<MsgType>(hello.h.type) != MsgType::kHello)
-      why = "rank " + std::to_string(r) + " sent an unexpected first message";
-    else if (w != world_)
+    std::string why;  // a process of this job's user, with its secret, that was started wrongly
+    if (w != world_)
       why = "rank " + std::to_string(r) + " was started with world size " + std::to_string(w) +
             ", rank 0 with " + std::to_string(world_);
     else if (r <= 0 || r >= world_)
