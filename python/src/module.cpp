@@ -221,19 +221,25 @@ PYBIND11_MODULE(_weft, m) {
   py::class_<Comm>(m, "Comm")
       .def_static(
           "from_env",
-          [](int timeout_ms) {
+          [](int timeout_ms, const std::string& secret) {
             auto env = weft::parse_launch_env(weft::process_env(), static_cast<long>(::getppid()));
             if (!env)
               throw weft::Error(
                   "weft.init(): no launcher environment: start one process per GPU with torchrun, mpirun or "
                   "weft-launch (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)");
+            if (env->secret.empty() && !secret.empty()) {  // WEFT_JOB_SECRET, when set, wins
+              if (secret.size() < 16)
+                throw weft::Error("weft.init(): a job secret must hold at least 16 characters, got " +
+                                  std::to_string(secret.size()));
+              env->secret = secret;
+            }
             weft::Options o;
             o.timeout = std::chrono::milliseconds(timeout_ms);
             py::gil_scoped_release release;  // the rendezvous waits for the other processes
             return Comm::of(
                 std::shared_ptr<weft::Communicator>(weft::Communicator::create_from_launcher(*env, o)))[0];
           },
-          py::arg("timeout_ms") = 0)
+          py::arg("timeout_ms") = 0, py::arg("secret") = std::string())
       .def_static(
           "virtual_team",
           [](int world, int device, int sm_budget, int timeout_ms) {

@@ -37,6 +37,14 @@ def check(name, got, want, exact=False):
 def main():
     comm = weft.init()
     rank, world = comm.rank, comm.world_size
+    # Under torchrun the rendezvous is authenticated by a secret shared through torch's agent store.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if not os.environ.get("WEFT_JOB_SECRET") and agent_store and comm.job_secret_from != "torch store":
+        raise AssertionError(f"weft.init() under torchrun took its job secret from {comm.job_secret_from!r}, "
+                             "not torch's store")
+    if rank == 0:
+        print(f"[rank 0] job secret from: {comm.job_secret_from} (TORCHELASTIC_USE_AGENT_STORE="
+              f"{os.environ.get('TORCHELASTIC_USE_AGENT_STORE')})", flush=True)
     torch.cuda.set_device(comm.device)
     dist.init_process_group("nccl", device_id=torch.device("cuda", comm.device))
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)

@@ -136,6 +136,58 @@ class NoGpu(unittest.TestCase):
             self.raises(weft.WeftError, "no NVIDIA driver", weft.virtual_team, 2)
             self.assertEqual(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), "32")
 
+    def test_job_secret_through_torchs_store(self):
+        """Under torchrun, rank 0's random secret reaches every rank through torch's store, a new one per
+        init(); WEFT_JOB_SECRET, when set, is used instead (init passes none of its own)."""
+        class Store(dict):
+            def set(self, k, v):
+                self[k] = v.encode()
+
+            def get(self, k):
+                return self[k]
+
+        store = Store()
+        key = weft._secret_key()
+        first = weft._shared_secret(store, 0, key)
+        self.assertGreaterEqual(len(first), 32)
+        self.assertEqual([weft._shared_secret(store, r, key) for r in (1, 2, 3)], [first] * 3)
+        self.assertNotEqual(weft._secret_key(), key)
+
+        class Dist:  # torch.distributed before init_process_group, under torchrun's agent store
+            class distributed_c10d:
+                pass
+
+            made = []
+
+            @staticmethod
+            def is_available():
+                return True
+
+            @staticmethod
+            def is_initialized():
+                return False
+
+            @classmethod
+            def TCPStore(cls, addr, port, is_master, timeout):
+                cls.made.append((addr, port, is_master))
+                return store
+
+        torch = type("torch", (), {"distributed": Dist})
+        agent = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        with mock.patch.dict(os.environ, agent):
+            self.assertIs(weft._launcher_store(torch), store)
+        self.assertEqual(Dist.made, [("127.0.0.1", 29500, False)])
+        with mock.patch.dict(os.environ, {"TORCHELASTIC_USE_AGENT_STORE": "False"}):
+            self.assertIsNone(weft._launcher_store(torch))
+
+        calls = []
+        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "WEFT_JOB_SECRET": "0123456789abcdef0123"}
+        with mock.patch.dict(os.environ, env), \
+                mock.patch.object(_weft.Comm, "from_env", lambda t, s: calls.append(s) or FakeNative()):
+            self.assertEqual(weft.init().job_secret_from, "WEFT_JOB_SECRET")
+        self.assertEqual(calls, [""])
+
     def test_init_with_incomplete_environment(self):
         with mock.patch.dict(os.environ, {"RANK": "0", "WORLD_SIZE": "2"}):
             self.raises(weft.WeftError, "LOCAL_RANK", weft.init)

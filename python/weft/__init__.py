@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import sys
 
 from . import _weft
@@ -65,12 +66,63 @@ _ops = None
 def init(timeout_ms: int = 0) -> "Communicator":
     """Joins this process's GPU to the team described by the launcher's environment.
 
-    The returned communicator also becomes the default one of the module-level ops.
+    The processes meet on a local socket that only this user's processes can use, and authenticate with a
+    job secret: WEFT_JOB_SECRET when set (weft-launch sets one; set your own, 16 characters or more, under
+    mpirun), else, under torchrun or once torch.distributed is initialized, a random one that rank 0 shares
+    through torch's store. The returned communicator's `job_secret_from` says which (None: no secret, the
+    user check alone). It also becomes the default communicator of the module-level ops.
     """
     global _default
-    _torch_api()
-    _default = Communicator(_weft.Comm.from_env(timeout_ms))
+    t = _torch_api()
+    secret, source = "", None
+    if os.environ.get("WEFT_JOB_SECRET"):
+        source = "WEFT_JOB_SECRET"
+    else:
+        store = _launcher_store(sys.modules["torch"]) if t is not None else None
+        if store is not None:
+            secret, source = _shared_secret(store, int(os.environ.get("RANK", "0")), _secret_key()), "torch store"
+    comm = Communicator(_weft.Comm.from_env(timeout_ms, secret))
+    comm.job_secret_from = source
+    _default = comm
     return _default
+
+
+# init() calls so far in this process: every rank makes them in the same order, so the n-th call of each
+# rank reads the n-th secret.
+_inits = 0
+
+
+def _secret_key():
+    global _inits
+    _inits += 1
+    return f"weft/job_secret/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_inits}"
+
+
+def _launcher_store(torch):
+    """The key-value store torch gives this job's processes: torch.distributed's default store once a
+    process group exists, else torchrun's agent store (MASTER_ADDR:MASTER_PORT); None without either."""
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available():
+        return None
+    if dist.is_initialized():
+        get = getattr(dist.distributed_c10d, "_get_default_store", None)
+        if get is not None:
+            return get()
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" and addr and port:
+        import datetime
+        return dist.TCPStore(addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=300))
+    return None
+
+
+def _shared_secret(store, rank, key):
+    """Rank 0 draws a 128-bit secret and puts it in the store under key; the other ranks wait for it there."""
+    if rank == 0:
+        secret = secrets.token_hex(16)
+        store.set(key, secret)
+        return secret
+    value = store.get(key)
+    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
 
 
 def virtual_team(world: int, device=None, sm_budget: int = 0, timeout_ms: int = 0) -> "Team":
@@ -219,6 +271,8 @@ class Communicator:
         self._c = native
         # Plain attributes: every op call reads them (a native property costs a pybind11 round trip).
         self.rank, self.world_size, self.device = native.rank, native.world_size, native.device
+        # What authenticated this process's rendezvous (set by weft.init; None: no job secret).
+        self.job_secret_from = None
         self._id = len(_communicators)
         _communicators[self._id] = self
 
