@@ -1,5 +1,5 @@
 """weft's PEP 517 build backend: `pip install .` builds the Python extension with CMake and packs a wheel of the
-`weft` package alone (weft/__init__.py, weft/_torch_ops.py and the extension module: no headers, libraries or
+`weft` package alone (python/weft/*.py and the extension module: no headers, libraries or
 programs). Standard library only, so that it needs nothing from a package index and works with Debian's
 packages alone (cmake, a C++20 compiler, CUDA, Python headers, pybind11-dev).
 
@@ -21,7 +21,12 @@ import tarfile
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACKAGE_FILES = ("__init__.py", "_torch_ops.py")
+PACKAGE_DIR = os.path.join(ROOT, "python", "weft")
+
+
+def _package_files():
+    """The pure-Python modules of the package: every python/weft/*.py (as CMake copies them into the build tree)."""
+    return sorted(f for f in os.listdir(PACKAGE_DIR) if f.endswith(".py"))
 
 
 def _project():
@@ -128,7 +133,7 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     name, version = _project()[:2]
     wheel_name = "%s-%s-%s.whl" % (name, version, _tag())
     dist_info = _dist_info_name()
-    files = [("weft/" + f, open(os.path.join(ROOT, "python", "weft", f), "rb").read()) for f in PACKAGE_FILES]
+    files = [("weft/" + f, open(os.path.join(PACKAGE_DIR, f), "rb").read()) for f in _package_files()]
     files.append(("weft/" + os.path.basename(module), open(module, "rb").read()))
     files.append((dist_info + "/METADATA", _metadata().encode()))
     files.append((dist_info + "/WHEEL", _wheel_file().encode()))

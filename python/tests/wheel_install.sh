@@ -17,11 +17,14 @@ wheel=$(ls "$tmp"/dist/weft-*.whl)
 echo "built $(basename "$wheel")"
 contents=$("$py" -m zipfile -l "$wheel" | awk 'NR > 1 {print $1}')
 echo "$contents"
-if echo "$contents" | grep -v -E '^weft/(__init__\.py|_torch_ops\.py|_weft\..*\.so)$|^weft-[^/]*\.dist-info/'; then
+if echo "$contents" | grep -v -E '^weft/([A-Za-z_][A-Za-z0-9_]*\.py|_weft\..*\.so)$|^weft-[^/]*\.dist-info/'; then
   echo "FAIL: the wheel holds files beyond the weft package (above)"
   exit 1
 fi
 echo "$contents" | grep -q -E '^weft/_weft\..*\.so$' || { echo "FAIL: no extension module in the wheel"; exit 1; }
+for f in "$src"/python/weft/*.py; do  # every module of the package
+  echo "$contents" | grep -q -x "weft/$(basename "$f")" || { echo "FAIL: weft/$(basename "$f") is not in the wheel"; exit 1; }
+done
 "$py" -m venv "$tmp/venv"
 "$tmp/venv/bin/python" -m pip install --no-index --quiet "$wheel"
 cd "$tmp"  # away from the source tree, so the import finds the installed package

@@ -22,6 +22,7 @@ Imported by weft once torch is imported; weft itself never imports torch.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -34,8 +35,22 @@ from . import _weft
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # Team.warmup's emulation: the operators compute with torch on this rank alone, as if every rank held this
 # rank's input (right shapes and dtypes, no peers, no weft kernel), so that the torch work around them
-# loads its kernels and libraries while no weft kernel waits for a peer.
+# loads its kernels and libraries while no weft kernel waits for a peer. Set by `with emulated():` only; every
+# op reads it when it runs.
 EMULATE = False
+
+
+@contextlib.contextmanager
+def emulated():
+    """The ops emulated (EMULATE) inside the with block; the previous setting is back after it, error or not."""
+    global EMULATE
+    before, EMULATE = EMULATE, True
+    try:
+        yield
+    finally:
+        EMULATE = before
+
+
 _ANY = (torch.bfloat16, torch.float16, torch.float32)
 _HALF = (torch.bfloat16, torch.float16)
 

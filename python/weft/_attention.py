@@ -1,0 +1,272 @@
+"""Attention: flash_attention and its varlen form on one GPU; ring attention's sharding helpers; attention over
+a sequence sharded across a team (context_attention and its ring / Ulysses / hybrid shorthands)."""
+from __future__ import annotations
+
+import math
+
+import weft as _w
+from . import _weft
+from ._args import _comm, _dim, _dtype_name, _torch_api, _torch_tensor
+from ._errors import WeftTypeError, WeftValueError
+
+
+# ---- one GPU, no communicator ---------------------------------------------------------------------------
+
+
+def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, deterministic=False):
+    """softmax(softmax_scale * q k^T [causal mask]) v on one GPU with weft's Hopper kernel, with autograd.
+
+    q [batch, seq_q, heads, dim], k and v [batch, seq_k, kv_heads, dim] (flash-attn's layout), CUDA torch
+    tensors on one device, all bf16 or all fp16; dim 64 or 128; heads a multiple of kv_heads (GQA / MQA); any lengths >= 1.
+    causal: query i sees keys j <= i + seq_k - seq_q (aligned to the bottom right, as flash-attn); a row
+    that sees no key gets 0. softmax_scale defaults to 1 / sqrt(dim). Inputs that are not contiguous are
+    copied first. Runs on torch's current stream. Returns the output (like q), and with return_lse=True
+    also the fp32 log-sum-exp [batch, heads, seq_q] (not differentiable). deterministic=True makes the backward
+    bit-reproducible run to run (its dQ additions take turns; slower).
+    """
+    if not (_torch_tensor(q) and _torch_tensor(k) and _torch_tensor(v)):
+        raise WeftTypeError("weft.flash_attention: q, k and v must be torch tensors")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_cuda:
+            raise WeftValueError(f"weft.flash_attention: {name} must be a CUDA tensor, got one on {x.device}")
+        if x.dim() != 4:
+            raise WeftValueError(f"weft.flash_attention: {name} must be 4-d [batch, seq, heads, dim], "
+                                 f"got shape {tuple(x.shape)}")
+        if x.dtype != q.dtype or _dtype_name(x.dtype) not in ("bf16", "fp16"):
+            raise WeftTypeError(f"weft.flash_attention: q, k and v must all be bf16 or all fp16, got {q.dtype}, "
+                                f"{k.dtype}, {v.dtype}")
+        if x.device != q.device:
+            raise WeftValueError(f"weft.flash_attention: q, k and v must be on one device, got {q.device}, "
+                                 f"{k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise WeftValueError(f"weft.flash_attention: k and v must have one shape, got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+    b, sq, h, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise WeftValueError(f"weft.flash_attention: k's batch and dim must be q's, got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}")
+    if d not in (64, 128):
+        raise WeftValueError(f"weft.flash_attention: dim must be 64 or 128, got {d}")
+    if k.shape[2] < 1 or h % k.shape[2] != 0:
+        raise WeftValueError(f"weft.flash_attention: heads ({h}) must be a multiple of kv_heads ({k.shape[2]})")
+    if min(b, sq, h, k.shape[1]) < 1:
+        raise WeftValueError(f"weft.flash_attention: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not scale > 0:
+        raise WeftValueError(f"weft.flash_attention: softmax_scale must be positive, got {softmax_scale}")
+    out, lse = _w._ops.flash_attention(q, k, v, bool(causal), scale, None, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           softmax_scale=None, return_lse=False, deterministic=False):
+    """weft.flash_attention over a packed batch of variable-length sequences (flash-attn's varlen layout).
+
+    q [total_q, heads, dim], k and v [total_k, kv_heads, dim], CUDA tensors, all bf16 or all fp16; sequence b is query rows
+    cu_seqlens_q[b] .. cu_seqlens_q[b + 1] and key rows cu_seqlens_k[b] .. cu_seqlens_k[b + 1]
+    (int32 CUDA tensors of batch + 1 ascending offsets starting at 0). max_seqlen_q / max_seqlen_k: the
+    longest sequences (a Python int each; the offsets stay on the GPU, nothing synchronises); a longer
+    sequence stops the kernel with a CUDA error rather than computing a wrong answer. causal aligns each
+    sequence's mask to its bottom right. Returns the output (like q), and with return_lse=True also the fp32
+    log-sum-exp [heads, total_q]. Differentiable in q, k and v; deterministic as in flash_attention.
+    """
+    where = "weft.flash_attention_varlen"
+    if not (_torch_tensor(q) and _torch_tensor(k) and _torch_tensor(v) and _torch_tensor(cu_seqlens_q)
+            and _torch_tensor(cu_seqlens_k)):
+        raise WeftTypeError(f"{where}: q, k, v, cu_seqlens_q and cu_seqlens_k must be torch tensors")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_cuda or x.device != q.device:
+            raise WeftValueError(f"{where}: q, k and v must be CUDA tensors on one device, got {name} on {x.device}")
+        if x.dim() != 3:
+            raise WeftValueError(f"{where}: {name} must be 3-d [total, heads, dim], got shape {tuple(x.shape)}")
+        if x.dtype != q.dtype or _dtype_name(x.dtype) not in ("bf16", "fp16"):
+            raise WeftTypeError(f"{where}: q, k and v must all be bf16 or all fp16, got {q.dtype}, {k.dtype}, "
+                                f"{v.dtype}")
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if x.dtype != _w._ops.torch.int32 or x.dim() != 1 or x.device != q.device:
+            raise WeftValueError(f"{where}: {name} must be a 1-d int32 tensor on {q.device}, got {x.dtype} "
+                                 f"{tuple(x.shape)} on {x.device}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0] or cu_seqlens_q.shape[0] < 2:
+        raise WeftValueError(f"{where}: cu_seqlens_q and cu_seqlens_k must have batch + 1 >= 2 entries each, got "
+                             f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    if k.shape != v.shape:
+        raise WeftValueError(f"{where}: k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    total_q, h, d = q.shape
+    if k.shape[2] != d:
+        raise WeftValueError(f"{where}: k's dim must be q's, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if d not in (64, 128):
+        raise WeftValueError(f"{where}: dim must be 64 or 128, got {d}")
+    if k.shape[1] < 1 or h % k.shape[1] != 0:
+        raise WeftValueError(f"{where}: heads ({h}) must be a multiple of kv_heads ({k.shape[1]})")
+    max_q, max_k = int(max_seqlen_q), int(max_seqlen_k)
+    if min(total_q, k.shape[0], h, max_q, max_k) < 1 or max_q > total_q or max_k > k.shape[0]:
+        raise WeftValueError(f"{where}: need non-empty q and k and 1 <= max_seqlen <= total rows, got q "
+                             f"{tuple(q.shape)}, k {tuple(k.shape)}, max_seqlen_q {max_q}, max_seqlen_k {max_k}")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not scale > 0:
+        raise WeftValueError(f"{where}: softmax_scale must be positive, got {softmax_scale}")
+    packed = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k)
+    out, lse = _w._ops.flash_attention(q, k, v, bool(causal), scale, packed, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+# ---- ring attention's layout (sharding a sequence over a team) ---------------------------------------
+
+
+def _ring_documents(seq_len, cu_seqlens):
+    if (seq_len is None) == (cu_seqlens is None):
+        raise WeftValueError("give either seq_len (one sequence) or cu_seqlens (a packed batch of documents)")
+    if seq_len is not None:
+        return [int(seq_len)]
+    offsets = [int(x) for x in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
+    if len(offsets) < 2 or offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise WeftValueError(f"cu_seqlens must start with 0, not decrease and hold at least one document, "
+                             f"got {offsets}")
+    return [b - a for a, b in zip(offsets, offsets[1:])]
+
+
+def ring_shard_indices(world, rank, causal=True, seq_len=None, cu_seqlens=None):
+    """Positions in the (packed) sequence of the rows rank `rank` of `world` holds for ring attention.
+
+    Each document (the whole sequence, or each of a packed batch given by cu_seqlens = [0, l0, l0 + l1, ...])
+    is cut into parts differing by at most one token: with causal=True 2 * world parts, rank r holding parts r
+    and 2 * world - 1 - r (zigzag: every rank gets equal causal work); else world parts, rank r holding part r.
+    A rank's rows are its parts of document 0, then of document 1, ... Returns a list of ints.
+    """
+    docs = _ring_documents(seq_len, cu_seqlens)
+    if world < 1 or not 0 <= rank < world:
+        raise WeftValueError(f"ring_shard_indices: rank {rank} of a team of {world}")
+    if any(n < 0 for n in docs):
+        raise WeftValueError(f"ring_shard_indices: negative sequence length in {docs}")
+    return _weft.ring_shard_tokens(docs, int(world), int(rank), bool(causal))
+
+
+def ring_shard(x, world, rank, causal=True, dim=1, cu_seqlens=None):
+    """This rank's rows of the torch tensor x along `dim` (the sequence), in ring attention's layout
+    (ring_shard_indices: zigzag when causal). cu_seqlens: x holds a packed batch of documents along dim."""
+    t = _torch_api()
+    if t is None or not isinstance(x, t.Tensor):
+        raise WeftTypeError("weft.ring_shard: x must be a torch tensor")
+    d = _dim(dim, x.dim())
+    idx = ring_shard_indices(world, rank, causal, seq_len=None if cu_seqlens is not None else x.shape[d],
+                             cu_seqlens=cu_seqlens)
+    if cu_seqlens is not None and (not idx or max(idx) >= x.shape[d]):
+        raise WeftValueError(f"weft.ring_shard: cu_seqlens covers more tokens than x has along dim {d}")
+    import torch
+    return x.index_select(d, torch.tensor(idx, dtype=torch.long, device=x.device))
+
+
+def ring_unshard(shards, causal=True, dim=1, cu_seqlens=None):
+    """The inverse of ring_shard: the whole sequence from the list of every rank's shard (rank order)."""
+    t = _torch_api()
+    if t is None or not shards or not all(isinstance(x, t.Tensor) for x in shards):
+        raise WeftTypeError("weft.ring_unshard: shards must be a non-empty list of torch tensors")
+    import torch
+    world = len(shards)
+    d = _dim(dim, shards[0].dim())
+    total = sum(x.shape[d] for x in shards)
+    shape = list(shards[0].shape)
+    shape[d] = total
+    out = shards[0].new_empty(shape)
+    for r, x in enumerate(shards):
+        idx = ring_shard_indices(world, r, causal, seq_len=None if cu_seqlens is not None else total,
+                                 cu_seqlens=cu_seqlens)
+        if len(idx) != x.shape[d]:
+            raise WeftValueError(f"weft.ring_unshard: rank {r}'s shard has {x.shape[d]} rows along dim {d}, "
+                                 f"the layout gives it {len(idx)}")
+        out.index_copy_(d, torch.tensor(idx, dtype=torch.long, device=x.device), x)
+    return out
+
+
+# ---- sequence-parallel attention (a team; ring attention's layout) -------------------------------------
+def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, cu_seqlens=None,
+                      softmax_scale=None, return_lse=False, comm=None, ulysses_size=None):
+    """Attention over a sequence sharded across the team (context parallelism), with autograd.
+
+    Every rank calls it with its shard in ring attention's layout (weft.ring_shard: zigzag when causal).
+    q [batch, local_seq, heads, dim], k and v [batch, local_seq, kv_heads, dim]: each of the batch's
+    sequences (global length seq_len, default local_seq * world) sharded alike; or a packed batch of
+    documents: q [local_rows, heads, dim], k and v [local_rows, kv_heads, dim] with cu_seqlens the documents'
+    global offsets [0, l0, l0 + l1, ...] (a list or tensor; the same on every rank). bf16 or fp16, dim 64
+    or 128, on this rank's GPU. Attention never crosses a document; causal masks each one.
+    method "all_gather": every rank gathers the whole K / V and attends its own queries (any head counts);
+    "ring": the K / V rows travel to every rank while it attends the ones that have landed (one kernel per
+    pass); in the backward the Q / dO rows travel, each rank's dK / dV stay in registers and dQ parts are
+    summed in fp32 on the rank that computed them, then read once by the rows' owner;
+    "ulysses": heads are split over the ranks (heads a multiple of the world size, kv_heads and the world
+    size dividing one another), each rank attends its heads over the whole sequence;
+    "hybrid": Ulysses within groups of ulysses_size consecutive ranks (a divisor of the world size; heads a
+    multiple of it, kv_heads and it dividing one another), a ring across the groups (on several nodes: the
+    groups inside a node, the rings across them).
+    Returns the output (like q), and with return_lse=True also the fp32 log-sum-exp [heads, local rows]
+    (rows in q's order, batch-major; not differentiable). Runs on torch's current stream.
+    """
+    where = "weft.context_attention"
+    if not (_torch_tensor(q) and _torch_tensor(k) and _torch_tensor(v)):
+        raise WeftTypeError(f"{where}: q, k and v must be torch tensors")
+    if method not in ("all_gather", "ring", "ulysses", "hybrid"):
+        raise WeftValueError(f"{where}: method must be 'all_gather', 'ring', 'ulysses' or 'hybrid', got {method!r}")
+    c = _comm(comm)
+    if method == "hybrid":
+        if not isinstance(ulysses_size, int) or ulysses_size < 1 or c.world_size % ulysses_size != 0:
+            raise WeftValueError(f"{where}: method 'hybrid' needs ulysses_size, a divisor of the world size "
+                                 f"({c.world_size}), got {ulysses_size!r}")
+        method = f"hybrid:{ulysses_size}"
+    elif ulysses_size is not None:
+        raise WeftValueError(f"{where}: ulysses_size is for method 'hybrid' only")
+    packed = cu_seqlens is not None
+    ndim = 3 if packed else 4
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_cuda or x.device.index != c.device:
+            raise WeftValueError(f"{where}: {name} must be a CUDA tensor on this rank's cuda:{c.device}, got one "
+                                 f"on {x.device}")
+        if x.dim() != ndim:
+            raise WeftValueError(f"{where}: {name} must be {ndim}-d "
+                                 f"{'[local_rows, heads, dim] with cu_seqlens' if packed else '[batch, local_seq, heads, dim]'}"
+                                 f", got shape {tuple(x.shape)}")
+        if x.dtype != q.dtype or _dtype_name(x.dtype) not in ("bf16", "fp16"):
+            raise WeftTypeError(f"{where}: q, k and v must all be bf16 or all fp16, got {q.dtype}, {k.dtype}, "
+                                f"{v.dtype}")
+    if k.shape != v.shape or k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+        raise WeftValueError(f"{where}: k and v must be [..., kv_heads, dim] over q's rows, got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    heads, kv_heads, dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    if dim not in (64, 128):
+        raise WeftValueError(f"{where}: dim must be 64 or 128, got {dim}")
+    if kv_heads < 1 or heads % kv_heads != 0:
+        raise WeftValueError(f"{where}: heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    world = c.world_size
+    if packed:
+        docs = _ring_documents(None, cu_seqlens)
+    else:
+        batch, local = q.shape[0], q.shape[1]
+        docs = [int(seq_len) if seq_len is not None else local * world] * batch
+    scale = 1.0 / math.sqrt(dim) if softmax_scale is None else float(softmax_scale)
+    if not scale > 0:
+        raise WeftValueError(f"{where}: softmax_scale must be positive, got {softmax_scale}")
+    flat = lambda x: x.reshape(-1, x.shape[-2], x.shape[-1])
+    out, lse = _w._ops.context_attention(flat(q), flat(k), flat(v), method, docs, bool(causal), scale, c)
+    out = out.view(q.shape)
+    return (out, lse) if return_lse else out
+
+
+def ring_attention(q, k, v, causal=False, seq_len=None, cu_seqlens=None, softmax_scale=None, return_lse=False,
+                   comm=None):
+    """weft.context_attention with method="ring" (K / V travel to every rank while it computes)."""
+    return context_attention(q, k, v, causal=causal, method="ring", seq_len=seq_len, cu_seqlens=cu_seqlens,
+                             softmax_scale=softmax_scale, return_lse=return_lse, comm=comm)
+
+
+def ulysses_attention(q, k, v, causal=False, seq_len=None, cu_seqlens=None, softmax_scale=None, return_lse=False,
+                      comm=None):
+    """weft.context_attention with method="ulysses" (heads split over the ranks)."""
+    return context_attention(q, k, v, causal=causal, method="ulysses", seq_len=seq_len, cu_seqlens=cu_seqlens,
+                             softmax_scale=softmax_scale, return_lse=return_lse, comm=comm)
+
+
+def hybrid_attention(q, k, v, ulysses_size, causal=False, seq_len=None, cu_seqlens=None, softmax_scale=None,
+                     return_lse=False, comm=None):
+    """weft.context_attention with method="hybrid": Ulysses within groups of ulysses_size ranks, ring across."""
+    return context_attention(q, k, v, causal=causal, method="hybrid", seq_len=seq_len, cu_seqlens=cu_seqlens,
+                             softmax_scale=softmax_scale, return_lse=return_lse, comm=comm, ulysses_size=ulysses_size)
+

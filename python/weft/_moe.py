@@ -1,0 +1,283 @@
+"""Expert parallelism: the grouped GEMM of a layer's experts on one GPU (grouped_mm, swiglu_interleave) and the
+team's MoE ops (moe_dispatch, moe_combine, moe_grouped_mm_combine, moe_layer)."""
+from __future__ import annotations
+
+import sys
+
+import weft as _w
+from . import _weft
+from ._args import _comm, _dtype_name, _torch_tensor
+from ._errors import WeftTypeError, WeftValueError
+
+
+# ---- grouped GEMM (one GPU, no communicator) ---------------------------------------------------------------
+
+
+def _stored_weights(b):
+    """Experts' weights given as [E, K, N]: (the tensor as stored, whether that is [E, N, K]). A transposed view of
+    contiguous [E, N, K] (stacked nn.Linear) is read in place; anything else not contiguous is copied."""
+    if b.is_contiguous():
+        return b, False
+    if b.transpose(1, 2).is_contiguous():
+        return b.transpose(1, 2), True
+    return b.contiguous(), False
+
+
+def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=True, activation=None):
+    """Grouped matmul of an MoE layer's experts on one GPU (weft's Hopper kernel), with autograd.
+
+    a [rows, K] bf16: the rows of group e are [group_end[e - 1], group_end[e]) (group 0 from row 0), each end
+    a multiple of 128 (e.g. weft.moe_dispatch's group_end with align=128), ascending, at most rows; rows a
+    multiple of 128. b [E, K, N] bf16 (torch._grouped_mm's layout): contiguous, or the transpose of a
+    contiguous [E, N, K] (stacked nn.Linear weights, `w.transpose(1, 2)`), read in place either way.
+    group_end: int32 [E] on a's device. Returns [rows, N] of out_dtype (torch.bfloat16, the default, or
+    torch.float32): row r of group e is a[r] @ b[e]; rows past the last end are zero (left unwritten with
+    zero_unused_rows=False, e.g. for a dispatch's worst-case capacity, whose unused rows combine never reads;
+    the backward's dA then leaves them too). K and N multiples of 8.
+    The backward gives dA by the same kernel and dB by torch's row-grouped matmul.
+    activation="swiglu": the epilogue returns silu(gate) * up, [rows, N / 2], from the fp32 accumulators; b's
+    columns must hold gate and up in blocks of 128 (weft.swiglu_interleave), N a multiple of 256. Its
+    backward computes the pre-activation again (one more GEMM) instead of keeping it.
+    validate=True reads group_end on the host (a synchronisation; skipped while a CUDA graph is captured): an
+    end that is not a multiple of 128 would otherwise stop the kernel with a device trap.
+    """
+    where = "weft.grouped_mm"
+    if not (_torch_tensor(a) and _torch_tensor(b) and _torch_tensor(group_end)):
+        raise WeftTypeError(f"{where}: a, b and group_end must be torch tensors")
+    torch = _w._ops.torch
+    for name, x in (("a", a), ("b", b), ("group_end", group_end)):
+        if not x.is_cuda or x.device != a.device:
+            raise WeftValueError(f"{where}: {name} must be a CUDA tensor on a's device, got one on {x.device}")
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise WeftTypeError(f"{where}: a and b must be bf16, got {a.dtype} and {b.dtype}")
+    if group_end.dtype != torch.int32 or group_end.dim() != 1 or group_end.numel() < 1:
+        raise WeftTypeError(f"{where}: group_end must be a 1-d int32 tensor of at least one end, got "
+                            f"{group_end.dtype} {tuple(group_end.shape)}")
+    if a.dim() != 2 or b.dim() != 3:
+        raise WeftValueError(f"{where}: a must be [rows, K] and b [E, K, N], got {tuple(a.shape)} and "
+                             f"{tuple(b.shape)}")
+    rows, k = a.shape
+    e, kb, n = b.shape
+    if kb != k or e != group_end.numel():
+        raise WeftValueError(f"{where}: b must be [E, K, N] with K = a's {k} and E = group_end's "
+                             f"{group_end.numel()}, got {tuple(b.shape)}")
+    if rows % 128 or rows < 128:
+        raise WeftValueError(f"{where}: a's rows must be a positive multiple of 128 (whole tiles), got {rows}")
+    if k % 8 or n % 8:
+        raise WeftValueError(f"{where}: K and N must be multiples of 8 (16-byte rows for TMA), got K {k}, N {n}")
+    if activation not in (None, "swiglu"):
+        raise WeftValueError(f"{where}: activation must be None or 'swiglu', got {activation!r}")
+    if activation == "swiglu" and n % 256:
+        raise WeftValueError(f"{where}: activation='swiglu' needs N (gate and up columns) a multiple of 256, "
+                             f"got {n}")
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise WeftTypeError(f"{where}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if validate and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling():
+        ends = group_end.tolist()
+        if any(x % 128 for x in ends) or any(y < x for x, y in zip(ends, ends[1:])) or ends[0] < 0 or ends[-1] > rows:
+            raise WeftValueError(f"{where}: group_end must ascend in multiples of 128 up to rows ({rows}), got "
+                                 f"{ends[:8]}{' ...' if len(ends) > 8 else ''}")
+    stored, nk = _stored_weights(b)
+    return _w._ops.grouped_mm(a.contiguous(), stored, group_end.contiguous(), nk, out_dtype, bool(zero_unused_rows),
+                           activation or "")
+
+
+def swiglu_interleave(w):
+    """SwiGLU weights [E, K, 2 I] (gate columns, then up: torch's chunk(2) order) in the column order
+    weft.grouped_mm(activation="swiglu") reads: blocks of 256 columns, the first 128 of block b gate columns
+    [128 b, 128 b + 128), the last 128 the same up columns. I a multiple of 128. A transposed view of
+    contiguous [E, 2 I, K] weights (stacked nn.Linear) stays one (nn.Linear layout); anything else comes back
+    contiguous. A copy: do it once, not per step."""
+    if not _torch_tensor(w) or w.dim() != 3 or w.shape[2] % 256:
+        raise WeftValueError("weft.swiglu_interleave: w must be a torch tensor [E, K, 2 I] with I a multiple of "
+                             f"128, got {tuple(w.shape) if hasattr(w, 'shape') else type(w).__name__}")
+    blocks = w.shape[2] // 256
+    if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():  # [E, 2 I, K] stored
+        t = w.transpose(1, 2)
+        t = t.unflatten(1, (2, blocks, 128)).transpose(1, 2).flatten(1, 3).contiguous()
+        return t.transpose(1, 2)
+    return w.unflatten(2, (2, blocks, 128)).transpose(2, 3).flatten(2, 4).contiguous()
+
+
+# ---- expert parallelism (a team) ---------------------------------------------------------------------
+class MoeDispatch:
+    """What weft.moe_dispatch returns on this rank: `rows` [capacity, hidden] (this rank's experts' rows, one
+    padded group per local expert, back to back; a view valid until the next dispatch on the team),
+    `group_end` int32 [experts per rank] (each group's padded end, on the GPU), `capacity` (the worst case);
+    with exact=True also `counts` (rows per local expert, a host list) and rows cut to the rows in use (the
+    last group's end), else counts is None; and what weft.moe_combine needs of the dispatch (each slot's row on
+    its expert's rank, the expert ids)."""
+
+    def __init__(self, comm, shape, rows, group_end, row_of, experts, capacity, counts=None):
+        self.rows, self.group_end, self.capacity = rows, group_end, capacity
+        self.counts = list(counts[0]) if counts is not None else None
+        self._comm, self._shape = comm, shape
+        self._row_of, self._experts = row_of, experts
+
+
+def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None, exact=False):
+    """Sends each token of this rank to the ranks holding its top-k experts (experts split evenly over the team).
+
+    x [tokens, hidden] bf16 / fp16 on this rank's GPU (hidden a multiple of 8); experts [tokens, top_k] integer
+    global expert ids (-1: a dropped slot). max_tokens: the most tokens any rank passes (the same on every rank;
+    default this rank's count, right when all ranks pass as many). Every rank calls it. No host
+    synchronisation: buffers are sized for the worst case; exact=True reads the counts back (one
+    synchronisation; not for CUDA graphs, nor for a team one process drives) and cuts rows to the rows in use, so what runs on them (expert
+    GEMMs, activations) skips the worst case's empty rows. Returns a MoeDispatch. A torch operator
+    (torch.compile traces it) with autograd: x's gradient is the sum of its rows' gradients (a combine with
+    weights 1). rows is a view of the team's dispatch area, valid until the next dispatch; when x requires
+    grad it is a copy (its consumers, e.g. weft.grouped_mm, may keep it for their backward).
+    """
+    where = "weft.moe_dispatch"
+    if not (_torch_tensor(x) and _torch_tensor(experts)):
+        raise WeftTypeError(f"{where}: x and experts must be torch tensors")
+    c = _comm(comm)
+    if not x.is_cuda or x.device.index != c.device or experts.device != x.device:
+        raise WeftValueError(f"{where}: x and experts must be CUDA tensors on this rank's cuda:{c.device}")
+    if x.dim() != 2 or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
+        raise WeftValueError(f"{where}: x must be [tokens, hidden] and experts [tokens, top_k], got "
+                             f"{tuple(x.shape)} and {tuple(experts.shape)}")
+    if _w._ops.DTYPES.get(x.dtype) not in ("bf16", "fp16"):
+        raise WeftTypeError(f"{where}: x must be bf16 or fp16, got {x.dtype}")
+    if experts.dtype.is_floating_point:
+        raise WeftTypeError(f"{where}: experts must hold integer ids, got {experts.dtype}")
+    if exact and c._c.local_ranks > 1:  # refused before anything is queued: the peers would wait for ever
+        raise WeftValueError(f"{where}: exact=True reads the counts back, synchronising this rank's stream, "
+                             f"which in a team that one process drives ({c._c.local_ranks} ranks here) waits for "
+                             "ranks not yet launched; run one process per rank (torchrun), or use exact=False")
+    tokens, hidden = x.shape
+    shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts),
+             experts.shape[1], int(align))
+    ids = experts.to(_w._ops.torch.int32).contiguous()
+    rows, ends, row_of, kept, counts = _w._ops.moe_dispatch(x.contiguous(), ids, shape, c, bool(exact))
+    # (Exact counts cut rows; the pybind call is kept out of what torch.compile traces otherwise.)
+    capacity = rows.shape[0] if counts is None else _w._ops._moe_capacity(shape, c.world_size)
+    return MoeDispatch(c, shape, rows, ends, row_of, kept, capacity, counts)
+
+
+def moe_combine_input(dispatched):
+    """The buffer weft.moe_combine reads the experts' outputs from: [capacity, hidden] in dispatched.rows'
+    layout (write each group's output to the same rows), symmetric so every rank can read it. Writing there
+    saves moe_combine a copy; any other [capacity, hidden] tensor works too."""
+    if not isinstance(dispatched, MoeDispatch):
+        raise WeftTypeError("weft.moe_combine_input: pass what weft.moe_dispatch returned")
+    torch = sys.modules["torch"]
+    dtype = _dtype_name(dispatched.rows.dtype)
+    return torch.from_dlpack(_weft.moe_combine_input(dispatched._comm._c, dispatched._shape, dtype))
+
+
+def moe_combine(expert_out, dispatched, weights):
+    """out[t] = sum over j of weights[t, j] * the expert output of token t's j-th slot, in fp32 in slot order
+    (deterministic), rounded once. expert_out [capacity, hidden] in dispatched.rows' layout (best:
+    weft.moe_combine_input(dispatched), else it is copied there); weights [tokens, top_k] (fp32). Every rank
+    calls it. Returns out [tokens, hidden]. A torch operator (torch.compile traces it) with autograd:
+    expert_out's gradient is weights[t, j] * dout[t] at each slot's row (zeros elsewhere), the weights'
+    <dout[t], the slot's expert output> (weft.moe_combine_backward's kernel, rows read and written on the
+    experts' ranks)."""
+    where = "weft.moe_combine"
+    if not isinstance(dispatched, MoeDispatch):
+        raise WeftTypeError(f"{where}: pass what weft.moe_dispatch returned")
+    tokens, _, hidden, _, top_k, _ = dispatched._shape
+    if tuple(weights.shape) != (tokens, top_k):
+        raise WeftValueError(f"{where}: weights must be [{tokens}, {top_k}], got {tuple(weights.shape)}")
+    rows = dispatched.rows.shape[0]
+    if tuple(expert_out.shape) != (rows, hidden) or expert_out.dtype != dispatched.rows.dtype:
+        raise WeftValueError(f"{where}: expert_out must be [{rows}, {hidden}] of {dispatched.rows.dtype} "
+                             f"(dispatched.rows' layout), got {tuple(expert_out.shape)} of {expert_out.dtype}")
+    w = weights.to(_w._ops.torch.float32).contiguous()
+    return _w._ops.moe_combine(expert_out, dispatched._row_of, dispatched._experts, w, dispatched._shape,
+                            dispatched._comm)
+
+
+def moe_grouped_mm_combine(a, b, dispatched, weights):
+    """The second expert GEMM and the combine in one: weft.moe_combine(weft.grouped_mm(a, b,
+    dispatched.group_end), dispatched, weights), with the GEMM's epilogue sending each output row straight to
+    the rank of the token it came from (then each rank sums its tokens' rows as moe_combine does: the same
+    results). a [rows, inter] bf16 in dispatched.rows' layout (its row count); b [experts per rank, inter,
+    hidden] bf16 (torch._grouped_mm's layout; a transposed view of stacked nn.Linear weights is read in place);
+    weights [tokens, top_k]. No other dispatch on the team may come between this one's dispatch and it. Every
+    rank calls it. With autograd (a, b, weights; the backward computes the GEMM again)."""
+    where = "weft.moe_grouped_mm_combine"
+    if not isinstance(dispatched, MoeDispatch):
+        raise WeftTypeError(f"{where}: pass what weft.moe_dispatch returned")
+    if not (_torch_tensor(a) and _torch_tensor(b) and _torch_tensor(weights)):
+        raise WeftTypeError(f"{where}: a, b and weights must be torch tensors")
+    torch = _w._ops.torch
+    tokens, _, hidden, num_experts, top_k, align = dispatched._shape
+    local = num_experts // dispatched._comm.world_size
+    rows = dispatched.rows.shape[0]
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise WeftTypeError(f"{where}: a and b must be bf16, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or a.shape[0] != rows or b.dim() != 3 or tuple(b.shape) != (local, a.shape[1], hidden):
+        raise WeftValueError(f"{where}: a must be [{rows} (dispatched.rows' count), inter] and b [{local}, inter, "
+                             f"{hidden}], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] % 8 or align % 128:
+        raise WeftValueError(f"{where}: inter must be a multiple of 8 and the dispatch's align a multiple of 128, "
+                             f"got {a.shape[1]} and {align}")
+    if tuple(weights.shape) != (tokens, top_k):
+        raise WeftValueError(f"{where}: weights must be [{tokens}, {top_k}], got {tuple(weights.shape)}")
+    stored, nk = _stored_weights(b)
+    w = weights.to(torch.float32).contiguous()
+    return _w._ops.moe_grouped_mm_combine(a.contiguous(), stored, nk, dispatched.group_end, dispatched._row_of,
+                                       dispatched._experts, w, dispatched._shape, dispatched._comm)
+
+
+_ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
+
+
+def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu", max_tokens=None, align=128,
+              comm=None, exact=False, swiglu_interleaved=False, fused_combine=False):
+    """The experts of an expert-parallel MoE layer: dispatch, grouped_mm up, activation, grouped_mm down, combine.
+
+    x [tokens, hidden] bf16; experts [tokens, top_k] global expert ids (-1: a dropped slot); weights [tokens,
+    top_k] routing weights; w_up: this rank's experts' first weights, [num_experts / world, hidden, 2 * inter]
+    for activation "swiglu" (gate columns, then up: silu(gate) * up) or [num_experts / world, hidden, inter]
+    for "silu", "gelu", "relu"; w_down [num_experts / world, inter, hidden]; both bf16 in torch._grouped_mm's
+    [E, K, N] layout (stacked nn.Linear weights, transposed views, are read in place). Every rank calls it;
+    returns [tokens, hidden]. With autograd (x, weights, w_up, w_down). align (a multiple of 128) pads each
+    expert's rows for the GEMM tiles. The activation runs over the dispatch's worst-case capacity rows, or with
+    exact=True (one synchronisation, see moe_dispatch) over the rows in use only. swiglu_interleaved=True: w_up's
+    columns are in weft.swiglu_interleave's order, and the first GEMM's epilogue applies SwiGLU (no
+    [rows, 2 inter] intermediate). fused_combine=True: the second GEMM and the combine in one
+    (weft.moe_grouped_mm_combine).
+    """
+    where = "weft.moe_layer"
+    if activation not in _ACTIVATIONS:
+        raise WeftValueError(f"{where}: activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    if int(align) % 128:
+        raise WeftValueError(f"{where}: align must be a multiple of 128 (the grouped GEMM's tile rows), got {align}")
+    c = _comm(comm)
+    if not (_torch_tensor(w_up) and _torch_tensor(w_down)):
+        raise WeftTypeError(f"{where}: w_up and w_down must be torch tensors")
+    local = int(num_experts) // c.world_size
+    hidden = x.shape[-1]
+    if w_up.dim() != 3 or w_down.dim() != 3 or w_up.shape[0] != local or w_down.shape[0] != local:
+        raise WeftValueError(f"{where}: w_up and w_down must be [{local} experts of this rank, K, N], got "
+                             f"{tuple(w_up.shape)} and {tuple(w_down.shape)}")
+    inter = w_up.shape[2] // 2 if activation == "swiglu" else w_up.shape[2]
+    if w_up.shape[1] != hidden or tuple(w_down.shape[1:]) != (inter, hidden) or (
+            activation == "swiglu" and w_up.shape[2] % 2):
+        raise WeftValueError(f"{where}: with hidden {hidden} and activation {activation}, w_up must be "
+                             f"[{local}, {hidden}, {'2 x ' if activation == 'swiglu' else ''}inter] and w_down "
+                             f"[{local}, inter, {hidden}], got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
+    d = moe_dispatch(x, experts, num_experts, max_tokens=max_tokens, align=align, comm=comm, exact=exact)
+    F = _w._ops.torch.nn.functional
+    if d.rows.shape[0] == 0:  # exact counts, no row here: the experts' weights still get (zero) gradients
+        h = d.rows @ w_up[0]
+        a = F.silu(h[:, :inter]) * h[:, inter:] if activation == "swiglu" else h
+        return moe_combine(a @ w_down[0], d, weights)
+    # Rows past the last group are never read by combine, nor by any backward: left unwritten.
+    if activation == "swiglu" and swiglu_interleaved:
+        a = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False, activation="swiglu")
+    else:
+        h = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False)
+        if activation == "swiglu":
+            a = F.silu(h[:, :inter]) * h[:, inter:]
+        else:
+            a = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation](h)
+    if fused_combine:
+        return moe_grouped_mm_combine(a, w_down, d, weights)
+    y = grouped_mm(a.contiguous(), w_down, d.group_end, validate=False, zero_unused_rows=False)
+    return moe_combine(y, d, weights)
+

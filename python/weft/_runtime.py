@@ -1,0 +1,272 @@
+"""Runtime and teams: weft.init (the launcher's team, its job secret), weft.virtual_team (a team on one GPU),
+Team and Communicator."""
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+
+import weft as _w
+from . import _weft
+from ._args import _dtype_name, _shape_tuple, _torch_api
+from ._collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from ._errors import WeftError, WeftValueError
+from ._tensor_parallel import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+
+# The package's mutable state (_default, _communicators, _ops, _torch, _inits) lives in weft/__init__.py
+# alone and is read there at call time (`_w._default`, not a copy bound at import), so that
+# mock.patch.object(weft, "_default", ...) and weft._torch_api() reach every module.
+
+
+def init(timeout_ms: int = 0) -> "Communicator":
+    """Joins this process's GPU to the team described by the launcher's environment.
+
+    The processes meet on a local socket that only this user's processes can use, and authenticate with a
+    job secret: WEFT_JOB_SECRET when set (weft-launch sets one; set your own, 16 characters or more, under
+    mpirun), else, under torchrun or once torch.distributed is initialized, a random one that rank 0 shares
+    through torch's store. The returned communicator's `job_secret_from` says which (None: no secret, the
+    user check alone). It also becomes the default communicator of the module-level ops.
+    """
+    t = _torch_api()
+    secret, source = "", None
+    if os.environ.get("WEFT_JOB_SECRET"):
+        source = "WEFT_JOB_SECRET"
+    else:
+        store = _launcher_store(sys.modules["torch"]) if t is not None else None
+        if store is not None:
+            secret, source = _shared_secret(store, int(os.environ.get("RANK", "0")), _secret_key()), "torch store"
+    comm = Communicator(_weft.Comm.from_env(timeout_ms, secret))
+    comm.job_secret_from = source
+    _w._default = comm
+    return comm
+
+
+def _secret_key():
+    """The store key of the next init()'s secret. weft._inits counts the init() calls so far in this process:
+    every rank makes them in the same order, so the n-th call of each rank reads the n-th secret."""
+    _w._inits += 1
+    return f"weft/job_secret/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_w._inits}"
+
+
+def _launcher_store(torch):
+    """The key-value store torch gives this job's processes: torch.distributed's default store once a
+    process group exists, else torchrun's agent store (MASTER_ADDR:MASTER_PORT); None without either."""
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available():
+        return None
+    if dist.is_initialized():
+        get = getattr(dist.distributed_c10d, "_get_default_store", None)
+        if get is not None:
+            return get()
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" and addr and port:
+        import datetime
+        return dist.TCPStore(addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=300))
+    return None
+
+
+def _shared_secret(store, rank, key):
+    """Rank 0 draws a 128-bit secret and puts it in the store under key; the other ranks wait for it there."""
+    if rank == 0:
+        secret = secrets.token_hex(16)
+        store.set(key, secret)
+        return secret
+    value = store.get(key)
+    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def virtual_team(world: int, device=None, sm_budget: int = 0, timeout_ms: int = 0) -> "Team":
+    """A team of `world` ranks on one GPU, driven from this process (no launcher): every multi-rank op runs
+    on one GPU, for development and tests. Not a performance setup: the ranks share the GPU's SMs (each
+    rank's kernels get sm_budget SMs, default SMs / world), its memory bandwidth and its L2, so they
+    catch protocol and indexing bugs, not a missing system-scope fence.
+
+    Each rank has its own stream; Team.run(fn, ...) calls fn(comm_r, ...) for every rank on that stream.
+    Needs CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts (the ranks' streams must not share hardware
+    queues): set here when CUDA has not started yet, else refused with the reason.
+    device: the GPU (default torch's current device, else 0).
+    """
+    if not isinstance(world, int) or world < 2:
+        raise WeftValueError(f"weft.virtual_team: world must be an int >= 2, got {world!r}")
+    queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "")
+    if not (queues.isdigit() and int(queues) >= 32):
+        t = sys.modules.get("torch")
+        if t is not None and t.cuda.is_initialized():
+            raise WeftError("weft.virtual_team: needs CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before "
+                            f"CUDA starts (it is {queues or 'unset, i.e. 8'}) and torch has started CUDA already: "
+                            "a rank's stream waiting for a peer blocks the hardware queue it shares. Export it "
+                            "before starting Python, or call weft.virtual_team before torch uses the GPU")
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
+    t = _torch_api()
+    if device is None:
+        device = sys.modules["torch"].cuda.current_device() if t is not None else 0
+    natives = _weft.Comm.virtual_team(world, int(device), int(sm_budget), int(timeout_ms))
+    return Team([Communicator(n) for n in natives])
+
+
+def _detached_copy(x, torch):
+    """x with its tensors (x itself, or those of a list / tuple) replaced by detached copies."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone().requires_grad_(x.requires_grad)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_detached_copy(v, torch) for v in x)
+    return x
+
+
+class Team:
+    """The ranks of weft.virtual_team: team[r] is rank r's Communicator, team.streams[r] its torch stream."""
+
+    def __init__(self, comms):
+        self.comms = list(comms)
+        self.world_size = len(self.comms)
+        self.device = self.comms[0].device
+        torch = sys.modules.get("torch")
+        self.streams = [torch.cuda.Stream(device=self.device) for _ in self.comms] if torch else None
+        if torch is not None:
+            # One thread drives every rank, so a rank's kernel may wait on the GPU for a peer this thread
+            # launches later. A thread's first GEMM in torch makes its cuBLAS handle, which waits for the
+            # GPU's running work: between two ranks' launches, for ever. Make the handles (this thread's, and
+            # the autograd engine's, which runs the backward) and every stream's workspace now.
+            for s in self.streams:
+                with torch.cuda.stream(s):
+                    for dtype in (torch.float32, torch.bfloat16):
+                        x = torch.ones(16, 16, device=f"cuda:{self.device}", dtype=dtype, requires_grad=True)
+                        torch.addmm(x, x, x.t()).sum().backward()
+            torch.cuda.synchronize(self.device)
+
+    def __len__(self):
+        return self.world_size
+
+    def __getitem__(self, r):
+        return self.comms[r]
+
+    def __iter__(self):
+        return iter(self.comms)
+
+    def run(self, fn, *per_rank):
+        """[fn(team[r], a[r], b[r], ...) for every rank r], each call on rank r's stream.
+
+        Every rank's work starts after the work already queued on the current stream and the current stream
+        waits for all of it, so the results can be used right away. With torch each result tensor (or
+        tuple / list of them) is also marked as used by the current stream, for the caching allocator.
+        Calls run in rank order on this thread; an op's kernels wait on the GPU for their peers, so every
+        rank must make the same op calls in the same order, as processes do. Autograd's backward of the
+        results runs each rank's part on the stream of its forward.
+        One thread drives every rank, so a host call that waits for the GPU's running work (a library's
+        first use on a thread: cuBLAS handles, cuDNN) would wait for a kernel that waits for a rank not yet
+        launched; such a wait ends at the device-wait timeout with an error. The team makes torch's cuBLAS
+        handles up front (the main thread's and autograd's); Team.warmup(fn, ...) loads the rest of a step's
+        torch work (a GEMM shape's first cuBLAS kernel waits like that too).
+        """
+        for a in per_rank:
+            if len(a) != self.world_size:
+                raise WeftValueError(f"Team.run: every per-rank argument needs {self.world_size} entries, got {len(a)}")
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return [fn(c, *(a[r] for a in per_rank)) for r, c in enumerate(self.comms)]
+        current = torch.cuda.current_stream(self.device)
+        outs = []
+        for r, (c, s) in enumerate(zip(self.comms, self.streams)):
+            s.wait_stream(current)
+            with torch.cuda.stream(s):
+                outs.append(fn(c, *(a[r] for a in per_rank)))
+        for s in self.streams:
+            current.wait_stream(s)
+        for o in outs:
+            for t in (o if isinstance(o, (tuple, list)) else (o,)):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(current)
+        return outs
+
+    def warmup(self, fn, *per_rank):
+        """Runs fn(team[r], a[r], ...) once for every rank with weft's ops emulated (computed with torch on
+        this GPU alone, as if every rank held rank r's input), then the backward of every output that
+        requires grad: the torch work of a team step (GEMM shapes, elementwise and compiled kernels,
+        torch.compile's per-rank graphs) loads its kernels and libraries now, while no weft kernel waits for a
+        peer. Call it once before Team.run of a step that mixes torch and weft ops (Team.run explains why).
+        Tensor arguments (and those in list / tuple arguments) are passed as detached copies, so their
+        gradients land there; parameters fn reaches
+        otherwise (a module's) get warm-up gradients: zero them afterwards."""
+        torch = sys.modules["torch"]
+        from . import _torch_ops
+        with _torch_ops.emulated():
+            for r, (c, s) in enumerate(zip(self.comms, self.streams)):
+                args = [_detached_copy(a[r], torch) for a in per_rank]
+                with torch.cuda.stream(s):
+                    out = fn(c, *args)
+                    outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                            if isinstance(t, torch.Tensor) and t.requires_grad]
+                    if outs:
+                        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        self.synchronize()
+
+    def empty(self, shape, dtype="bf16"):
+        """One symmetric tensor per rank (team[r].empty for every r)."""
+        return [c.empty(shape, dtype) for c in self.comms]
+
+    def synchronize(self):
+        """Waits for the GPU, then raises WeftError if a rank's device wait failed."""
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.cuda.synchronize(self.device)
+        self.comms[0].synchronize()
+
+
+class Communicator:
+    """This process's rank of a weft team (one GPU)."""
+
+    def __init__(self, native):
+        self._c = native
+        # Plain attributes: every op call reads them (a native property costs a pybind11 round trip).
+        self.rank, self.world_size, self.device = native.rank, native.world_size, native.device
+        # What authenticated this process's rendezvous (set by weft.init; None: no job secret).
+        self.job_secret_from = None
+        communicators = _w._communicators
+        self._id = len(communicators)
+        communicators[self._id] = self
+
+    def empty(self, shape, dtype="bf16"):
+        """A symmetric tensor (collective: every rank must call it with the same shape and dtype)."""
+        shape = _shape_tuple(shape)
+        return self._c.empty(list(shape), _dtype_name(dtype))
+
+    def barrier(self):
+        """Host-side barrier of the team's processes (returns once every rank called it)."""
+        self._c.barrier()
+
+    def synchronize(self):
+        """Waits for this rank's queued weft work; raises WeftError if a device wait failed."""
+        self._c.synchronize()
+
+    def reserve_workspace(self, nbytes: int):
+        """Sizes the scratch memory up front (needed before capturing ops in a CUDA graph)."""
+        self._c.reserve_workspace(int(nbytes))
+
+    # The ops, bound to this communicator.
+    def all_reduce(self, x, op="sum", out=None):
+        return all_reduce(x, op=op, out=out, comm=self)
+
+    def all_gather(self, x, dim=0, out=None):
+        return all_gather(x, dim=dim, out=out, comm=self)
+
+    def reduce_scatter(self, x, dim=0, op="sum", out=None):
+        return reduce_scatter(x, dim=dim, op=op, out=out, comm=self)
+
+    def all_to_all(self, x, out=None):
+        return all_to_all(x, out=out, comm=self)
+
+    def all_gather_matmul(self, a, b, out=None, gathered_a=None):
+        return all_gather_matmul(a, b, out=out, gathered_a=gathered_a, comm=self)
+
+    def matmul_reduce_scatter(self, a, b, out=None):
+        return matmul_reduce_scatter(a, b, out=out, comm=self)
+
+    def matmul_all_reduce(self, a, b, out=None):
+        return matmul_all_reduce(a, b, out=out, comm=self)
+
+
+# Communicator's bound ops say what the module-level ones say.
+for _name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul",
+              "matmul_reduce_scatter", "matmul_all_reduce"):
+    getattr(Communicator, _name).__doc__ = globals()[_name].__doc__
+del _name
