@@ -32,59 +32,34 @@ int usage() {
                "Starts NPROC copies of PROGRAM, one rank each, on this node.\n");
   return 2;
 }
-}  // namespace
-
-int main(int argc, char** argv) {
-  int nproc = 0, grace_s = 30, i = 1;
-  try {
-    for (; i < argc; ++i) {
-      std::string a = argv[i];
-      if ((a == "-n" || a == "--nproc") && i + 1 < argc)
-        nproc = weft::parse_int(argv[++i], "-n", 1, weft::kMaxWorld);
-      else if (a == "--grace" && i + 1 < argc)
-        grace_s = weft::parse_int(argv[++i], "--grace", 0, 86400);
-      else if (a == "--") {
-        ++i;
-        break;
-      } else if (a == "-h" || a == "--help")
-        return usage(), 0;
-      else if (!a.empty() && a[0] == '-') {
-        std::fprintf(stderr, "weft-launch: unknown option %s\n", a.c_str());
-        return usage();
-      } else
-        break;
-    }
-  } catch (const weft::Error& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 2;
-  }
-  if (nproc <= 0 || i >= argc) return usage();
-  const std::string job = "launch-" + std::to_string(::getpid());
-  // The job's secret (weft::LaunchEnv::secret): 128 random bits unless the caller chose one. Only processes
-  // that know it join the ranks' rendezvous; it reaches the ranks through their environment only.
+// The job's secret (weft::LaunchEnv::secret): 128 random bits unless the caller chose one. Only processes
+// that know it join the ranks' rendezvous; it reaches the ranks through their environment only. Empty if
+// no random bits could be read.
+std::string job_secret() {
+  if (const char* given = std::getenv("WEFT_JOB_SECRET"); given != nullptr && *given != '\0') return given;
+  unsigned char bytes[16];
+  std::FILE* f = std::fopen("/dev/urandom", "rb");
+  const bool read = f != nullptr && std::fread(bytes, 1, sizeof bytes, f) == sizeof bytes;
+  if (f != nullptr) std::fclose(f);
+  if (!read) return {};
   std::string secret;
-  if (const char* given = std::getenv("WEFT_JOB_SECRET"); given != nullptr && *given != '\0') {
-    secret = given;
-  } else {
-    unsigned char bytes[16];
-    std::FILE* f = std::fopen("/dev/urandom", "rb");
-    if (f == nullptr || std::fread(bytes, 1, sizeof bytes, f) != sizeof bytes) {
-      std::fprintf(stderr, "weft-launch: cannot read /dev/urandom for the job's secret\n");
-      return 1;
-    }
-    std::fclose(f);
-    for (unsigned char b : bytes) {
-      char hex[3];
-      std::snprintf(hex, sizeof hex, "%02x", b);
-      secret += hex;
-    }
+  for (unsigned char b : bytes) {
+    char hex[3];
+    std::snprintf(hex, sizeof hex, "%02x", b);
+    secret += hex;
   }
+  return secret;
+}
+
+// Starts rank r = 0 .. nproc - 1 of program argv[0] (each leading its own process group); empty if a fork
+// failed.
+std::vector<pid_t> start_ranks(int nproc, char** argv, const std::string& job, const std::string& secret) {
   std::vector<pid_t> kids;
   for (int r = 0; r < nproc; ++r) {
     pid_t pid = ::fork();
     if (pid < 0) {
       std::perror("weft-launch: fork");
-      return 1;
+      return {};
     }
     if (pid == 0) {
       ::setpgid(0, 0);  // each rank leads its own process group: the launcher can stop what it starts
@@ -94,13 +69,20 @@ int main(int argc, char** argv) {
       ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
       ::setenv("WEFT_JOB_ID", job.c_str(), 1);
       ::setenv("WEFT_JOB_SECRET", secret.c_str(), 1);
-      ::execvp(argv[i], argv + i);
-      std::fprintf(stderr, "weft-launch: cannot run %s\n", argv[i]);
+      ::execvp(argv[0], argv);
+      std::fprintf(stderr, "weft-launch: cannot run %s\n", argv[0]);
       std::_Exit(127);
     }
     ::setpgid(pid, pid);
     kids.push_back(pid);
   }
+  return kids;
+}
+
+// Waits for every rank; forwards SIGINT / SIGTERM to them, kills those still running grace_s seconds after
+// one failed. Returns the first failure's code (77, "skipped", if every rank skipped), else 0.
+int wait_ranks(std::vector<pid_t> kids, int grace_s) {
+  const int nproc = static_cast<int>(kids.size());
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, nullptr);
@@ -157,4 +139,41 @@ int main(int argc, char** argv) {
     }
   }
   return status_out;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  int nproc = 0, grace_s = 30, i = 1;
+  try {
+    for (; i < argc; ++i) {
+      std::string a = argv[i];
+      if ((a == "-n" || a == "--nproc") && i + 1 < argc)
+        nproc = weft::parse_int(argv[++i], "-n", 1, weft::kMaxWorld);
+      else if (a == "--grace" && i + 1 < argc)
+        grace_s = weft::parse_int(argv[++i], "--grace", 0, 86400);
+      else if (a == "--") {
+        ++i;
+        break;
+      } else if (a == "-h" || a == "--help")
+        return usage(), 0;
+      else if (!a.empty() && a[0] == '-') {
+        std::fprintf(stderr, "weft-launch: unknown option %s\n", a.c_str());
+        return usage();
+      } else
+        break;
+    }
+  } catch (const weft::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  }
+  if (nproc <= 0 || i >= argc) return usage();
+  const std::string secret = job_secret();
+  if (secret.empty()) {
+    std::fprintf(stderr, "weft-launch: cannot read /dev/urandom for the job's secret\n");
+    return 1;
+  }
+  const std::vector<pid_t> kids =
+      start_ranks(nproc, argv + i, "launch-" + std::to_string(::getpid()), secret);
+  if (kids.empty()) return 1;
+  return wait_ranks(kids, grace_s);
 }

@@ -21,7 +21,6 @@
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/moe.hpp"
 #include "weft/runtime/communicator.hpp"
-#include "ops/ring_attention_plan.hpp"
 
 namespace py = pybind11;
 
@@ -211,13 +210,89 @@ py::tuple dlpack_info(py::capsule cap) {
   return out;
 }
 
-}  // namespace
+// Makes `device` current for the call and gives the caller's current device back.
+struct OnDevice {
+  int saved = 0;
+  explicit OnDevice(int device) {
+    cudaGetDevice(&saved);
+    if (saved != device && cudaSetDevice(device) != cudaSuccess)
+      throw weft::Error("weft: cannot make cuda:" + std::to_string(device) + " current");
+  }
+  ~OnDevice() { cudaSetDevice(saved); }
+};
 
-PYBIND11_MODULE(_weft, m) {
-  m.doc() = "weft: overlapped multi-GPU kernels (C++ extension; use the weft package)";
-  py::register_exception<weft::Error>(m, "WeftError", PyExc_RuntimeError);
-  m.attr("__version__") = WEFT_VERSION;
+// (batch, seq_q, seq_k, heads, kv_heads, head_dim)
+weft::AttentionShape attention_shape(py::tuple s) {
+  return weft::AttentionShape{s[0].cast<int64_t>(), s[1].cast<int64_t>(), s[2].cast<int64_t>(),
+                              s[3].cast<int64_t>(), s[4].cast<int64_t>(), s[5].cast<int64_t>()};
+}
 
+// segments: () for dense tensors, or (q_begin, q_end, k_begin, k_end, total_q, total_k) (device int32
+// pointers, then row counts) for packed sequences; accumulate: () or (o, lse) fp32 device pointers.
+weft::AttentionOptions attention_options(bool causal, float scale, py::tuple seg, py::tuple acc) {
+  weft::AttentionOptions o;
+  o.causal = causal;
+  o.softmax_scale = scale;
+  auto i32 = [](py::handle h) { return reinterpret_cast<const int32_t*>(h.cast<uintptr_t>()); };
+  if (seg.size() == 6)
+    o.segments = {i32(seg[0]),           i32(seg[1]), i32(seg[2]), i32(seg[3]), seg[4].cast<int64_t>(),
+                  seg[5].cast<int64_t>()};
+  else if (seg.size() != 0)
+    throw weft::Error("weft: segments must be () or (q_begin, q_end, k_begin, k_end, total_q, total_k)");
+  if (acc.size() == 2)
+    o.accumulate = {reinterpret_cast<float*>(acc[0].cast<uintptr_t>()),
+                    reinterpret_cast<float*>(acc[1].cast<uintptr_t>())};
+  else if (acc.size() != 0)
+    throw weft::Error("weft: accumulate must be () or (o, lse)");
+  return o;
+}
+
+// Checks a sequence-parallel method name; true for "ulysses".
+bool ulysses(const std::string& method) {
+  if (method != "all_gather" && method != "ring" && method != "ulysses" && method.rfind("hybrid:", 0) != 0)
+    throw weft::Error(
+        "weft: context attention method must be 'all_gather', 'ring', 'ulysses' or 'hybrid:U', got '" +
+        method + "'");
+  return method == "ulysses";
+}
+
+// The Ulysses size of "hybrid:U", else 0.
+int hybrid(const std::string& method) {
+  if (method.rfind("hybrid:", 0) != 0) return 0;
+  try {
+    size_t used = 0;
+    const int u = std::stoi(method.substr(7), &used);
+    if (used == method.size() - 7 && u > 0) return u;
+  } catch (const std::exception&) {
+  }
+  throw weft::Error("weft: context attention method 'hybrid:U' needs a positive Ulysses size U, got '" +
+                    method + "'");
+}
+
+// (tokens, max_tokens, hidden, num_experts, top_k, align)
+weft::MoeShape moe_shape(py::tuple s) {
+  return weft::MoeShape{s[0].cast<int64_t>(), s[1].cast<int64_t>(), s[2].cast<int64_t>(),
+                        s[3].cast<int>(),     s[4].cast<int>(),     s[5].cast<int>()};
+}
+
+// A SymTensor view of p, in c's heap (kept alive by the view).
+SymTensor view_of(const Comm& c, void* p, std::vector<int64_t> shape, const std::string& dtype) {
+  SymTensor t;
+  t.shape = std::move(shape);
+  t.dtype = dtype;
+  t.device = c.rank().device();
+  t.view = p;
+  t.keep = c.comm;
+  return t;
+}
+
+// b_layout "kn" ([K, N] row-major) or "nk" (an [N, K] weight).
+weft::BLayout layout(const std::string& l) {
+  return l == "nk" ? weft::BLayout::kNK : weft::BLayout::kKN;
+}
+
+// The communicator, symmetric tensors, DLPack and layout helpers.
+void bind_runtime(py::module_& m) {
   py::class_<Comm>(m, "Comm")
       .def_static(
           "from_env",
@@ -302,18 +377,19 @@ PYBIND11_MODULE(_weft, m) {
   m.def(
       "ring_shard_tokens",
       [](const std::vector<int64_t>& doc_lengths, int world, int rank, bool causal) {
-        const weft::ops::RingLayout L = weft::ops::ring_layout(doc_lengths, world, causal);
         if (rank < 0 || rank >= world)
           throw std::invalid_argument("rank " + std::to_string(rank) + " outside a team of " +
                                       std::to_string(world));
-        return weft::ops::ring_tokens(L, rank);
+        return weft::context_attention_local_tokens(world, rank, doc_lengths, causal);
       },
       "Positions in the packed sequence of rank's local rows under ring attention's layout "
-      "(src/ops/ring_attention_plan.hpp)");
+      "(weft::context_attention_local_tokens)");
   m.def("dlpack_info", &dlpack_info,
         "Reads (ptr, shape, strides, dtype, device_type, device_id) of a DLPack capsule");
+}
 
-  // Ops on raw device pointers; the Python layer checks shapes and devices first.
+// Ops on raw device pointers; the Python layer checks shapes and devices first.
+void bind_collectives(py::module_& m) {
   m.def("all_reduce", [](const Comm& c, uintptr_t in, uintptr_t out, uint64_t count, const std::string& dtype,
                          const std::string& op, uintptr_t stream) {
     weft::all_reduce(*c.comm, c.rank(), reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out),
@@ -334,46 +410,16 @@ PYBIND11_MODULE(_weft, m) {
     weft::all_to_all(*c.comm, c.rank(), reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out),
                      count_per_rank, parse_dtype(dtype), c.stream(stream));
   });
+}
 
-  // Flash attention (bf16, [batch, seq, heads, dim] tensors on GPU `device`), no communicator: the call runs
-  // with `device` current and gives the caller's current device back.
-  struct OnDevice {
-    int saved = 0;
-    explicit OnDevice(int device) {
-      cudaGetDevice(&saved);
-      if (saved != device && cudaSetDevice(device) != cudaSuccess)
-        throw weft::Error("weft: cannot make cuda:" + std::to_string(device) + " current");
-    }
-    ~OnDevice() { cudaSetDevice(saved); }
-  };
-  auto attention_shape = [](py::tuple s) {
-    return weft::AttentionShape{s[0].cast<int64_t>(), s[1].cast<int64_t>(), s[2].cast<int64_t>(),
-                                s[3].cast<int64_t>(), s[4].cast<int64_t>(), s[5].cast<int64_t>()};
-  };
-  // segments: () for dense tensors, or (q_begin, q_end, k_begin, k_end, total_q, total_k) (device int32
-  // pointers, then row counts) for packed sequences; accumulate: () or (o, lse) fp32 device pointers.
-  auto attention_options = [](bool causal, float scale, py::tuple seg, py::tuple acc) {
-    weft::AttentionOptions o;
-    o.causal = causal;
-    o.softmax_scale = scale;
-    auto i32 = [](py::handle h) { return reinterpret_cast<const int32_t*>(h.cast<uintptr_t>()); };
-    if (seg.size() == 6)
-      o.segments = {i32(seg[0]),           i32(seg[1]), i32(seg[2]), i32(seg[3]), seg[4].cast<int64_t>(),
-                    seg[5].cast<int64_t>()};
-    else if (seg.size() != 0)
-      throw weft::Error("weft: segments must be () or (q_begin, q_end, k_begin, k_end, total_q, total_k)");
-    if (acc.size() == 2)
-      o.accumulate = {reinterpret_cast<float*>(acc[0].cast<uintptr_t>()),
-                      reinterpret_cast<float*>(acc[1].cast<uintptr_t>())};
-    else if (acc.size() != 0)
-      throw weft::Error("weft: accumulate must be () or (o, lse)");
-    return o;
-  };
+// Flash attention (bf16, [batch, seq, heads, dim] tensors on GPU `device`), no communicator: the call runs
+// with `device` current and gives the caller's current device back.
+void bind_one_gpu_ops(py::module_& m) {
   m.def(
       "flash_attention_forward",
-      [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, py::tuple shape,
-          bool causal, float scale, uintptr_t stream, py::tuple segments, py::tuple accumulate,
-          const std::string& dtype) {
+      [](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, py::tuple shape,
+         bool causal, float scale, uintptr_t stream, py::tuple segments, py::tuple accumulate,
+         const std::string& dtype) {
         OnDevice on(device);
         weft::flash_attention_forward(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
                                       reinterpret_cast<const void*>(v), reinterpret_cast<void*>(out),
@@ -406,7 +452,7 @@ PYBIND11_MODULE(_weft, m) {
       py::arg("zero_unused_rows"), py::arg("activation"), py::arg("stream"));
   m.def(
       "flash_attention_backward_workspace_bytes",
-      [=](py::tuple shape, py::tuple segments, bool deterministic) {
+      [](py::tuple shape, py::tuple segments, bool deterministic) {
         weft::AttentionOptions o = attention_options(false, 0.f, segments, py::tuple());
         o.deterministic = deterministic;
         return weft::flash_attention_backward_workspace_bytes(attention_shape(shape), o);
@@ -414,10 +460,10 @@ PYBIND11_MODULE(_weft, m) {
       py::arg("shape"), py::arg("segments") = py::tuple(), py::arg("deterministic") = false);
   m.def(
       "flash_attention_backward",
-      [=](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t dout, uintptr_t lse,
-          uintptr_t dq, uintptr_t dk, uintptr_t dv, uintptr_t workspace, uint64_t workspace_bytes,
-          py::tuple shape, bool causal, float scale, uintptr_t stream, py::tuple segments,
-          const std::string& dtype, bool deterministic) {
+      [](int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t dout, uintptr_t lse,
+         uintptr_t dq, uintptr_t dk, uintptr_t dv, uintptr_t workspace, uint64_t workspace_bytes,
+         py::tuple shape, bool causal, float scale, uintptr_t stream, py::tuple segments,
+         const std::string& dtype, bool deterministic) {
         OnDevice on(device);
         weft::AttentionOptions o = attention_options(causal, scale, segments, py::tuple());
         o.deterministic = deterministic;
@@ -433,32 +479,15 @@ PYBIND11_MODULE(_weft, m) {
       py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("workspace"),
       py::arg("workspace_bytes"), py::arg("shape"), py::arg("causal"), py::arg("scale"), py::arg("stream"),
       py::arg("segments") = py::tuple(), py::arg("dtype") = "bf16", py::arg("deterministic") = false);
+}
 
-  // Sequence-parallel attention on this process's rank: method "all_gather" (weft::context_attention_*),
-  // "ring" (weft::ring_attention_*), "ulysses" or "hybrid:U" (weft::hybrid_attention_* with Ulysses size U);
-  // tensors in ring attention's layout of doc_lengths (weft/ops/context_attention.hpp).
-  auto ulysses = [](const std::string& method) {
-    if (method != "all_gather" && method != "ring" && method != "ulysses" && method.rfind("hybrid:", 0) != 0)
-      throw weft::Error(
-          "weft: context attention method must be 'all_gather', 'ring', 'ulysses' or 'hybrid:U', got '" +
-          method + "'");
-    return method == "ulysses";
-  };
-  // The Ulysses size of "hybrid:U", else 0.
-  auto hybrid = [](const std::string& method) {
-    if (method.rfind("hybrid:", 0) != 0) return 0;
-    try {
-      size_t used = 0;
-      const int u = std::stoi(method.substr(7), &used);
-      if (used == method.size() - 7 && u > 0) return u;
-    } catch (const std::exception&) {
-    }
-    throw weft::Error("weft: context attention method 'hybrid:U' needs a positive Ulysses size U, got '" +
-                      method + "'");
-  };
+// Sequence-parallel attention on this process's rank: method "all_gather" (weft::context_attention_*),
+// "ring" (weft::ring_attention_*), "ulysses" or "hybrid:U" (weft::hybrid_attention_* with Ulysses size U);
+// tensors in ring attention's layout of doc_lengths (weft/ops/context_attention.hpp).
+void bind_sequence_parallel(py::module_& m) {
   m.def("context_attention_workspace_bytes",
-        [=](const std::string& method, int world, const std::vector<int64_t>& docs, bool causal,
-            int64_t heads, int64_t kv_heads, int64_t head_dim, bool backward) -> uint64_t {
+        [](const std::string& method, int world, const std::vector<int64_t>& docs, bool causal, int64_t heads,
+           int64_t kv_heads, int64_t head_dim, bool backward) -> uint64_t {
           if (const int u = hybrid(method))
             return backward ? weft::hybrid_attention_backward_workspace_bytes(world, u, docs, causal, heads,
                                                                               kv_heads, head_dim)
@@ -483,10 +512,10 @@ PYBIND11_MODULE(_weft, m) {
           return weft::context_attention_local_rows(world, rank, docs, causal);
         });
   m.def("context_attention_forward",
-        [=](const Comm& c, const std::string& method, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
-            uintptr_t lse, const std::vector<int64_t>& docs, int64_t heads, int64_t kv_heads,
-            int64_t head_dim, uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype,
-            uintptr_t stream, bool causal, float scale) {
+        [](const Comm& c, const std::string& method, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
+           uintptr_t lse, const std::vector<int64_t>& docs, int64_t heads, int64_t kv_heads, int64_t head_dim,
+           uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype, uintptr_t stream,
+           bool causal, float scale) {
           weft::AttentionOptions o;
           o.causal = causal;
           o.softmax_scale = scale;
@@ -505,11 +534,11 @@ PYBIND11_MODULE(_weft, m) {
              parse_dtype(dtype), c.stream(stream), o);
         });
   m.def("context_attention_backward",
-        [=](const Comm& c, const std::string& method, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
-            uintptr_t dout, uintptr_t lse, uintptr_t dq, uintptr_t dk, uintptr_t dv,
-            const std::vector<int64_t>& docs, int64_t heads, int64_t kv_heads, int64_t head_dim,
-            uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype, uintptr_t stream,
-            bool causal, float scale) {
+        [](const Comm& c, const std::string& method, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
+           uintptr_t dout, uintptr_t lse, uintptr_t dq, uintptr_t dk, uintptr_t dv,
+           const std::vector<int64_t>& docs, int64_t heads, int64_t kv_heads, int64_t head_dim,
+           uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype, uintptr_t stream,
+           bool causal, float scale) {
           weft::AttentionOptions o;
           o.causal = causal;
           o.softmax_scale = scale;
@@ -531,32 +560,21 @@ PYBIND11_MODULE(_weft, m) {
              heads, kv_heads, head_dim, reinterpret_cast<void*>(workspace), workspace_bytes,
              parse_dtype(dtype), c.stream(stream), o);
         });
+}
 
-  // MoE expert parallelism on this process's rank (weft/ops/moe.hpp). shape: (tokens, max_tokens, hidden,
-  // num_experts, top_k, align). Views into the op's areas come back as SymTensor views.
-  auto moe_shape = [](py::tuple s) {
-    return weft::MoeShape{s[0].cast<int64_t>(), s[1].cast<int64_t>(), s[2].cast<int64_t>(),
-                          s[3].cast<int>(),     s[4].cast<int>(),     s[5].cast<int>()};
-  };
-  auto view_of = [](const Comm& c, void* p, std::vector<int64_t> shape, const std::string& dtype) {
-    SymTensor t;
-    t.shape = std::move(shape);
-    t.dtype = dtype;
-    t.device = c.rank().device();
-    t.view = p;
-    t.keep = c.comm;
-    return t;
-  };
+// MoE expert parallelism on this process's rank (weft/ops/moe.hpp). shape: (tokens, max_tokens, hidden,
+// num_experts, top_k, align). Views into the op's areas come back as SymTensor views.
+void bind_moe(py::module_& m) {
   m.def("moe_capacity",
-        [=](int world, py::tuple shape) { return weft::moe_capacity(world, moe_shape(shape)); });
-  m.def("moe_dispatch_workspace_bytes", [=](int world, py::tuple shape) {
+        [](int world, py::tuple shape) { return weft::moe_capacity(world, moe_shape(shape)); });
+  m.def("moe_dispatch_workspace_bytes", [](int world, py::tuple shape) {
     return weft::moe_dispatch_workspace_bytes(world, moe_shape(shape));
   });
   // Returns (rows view [capacity, hidden], group_end view [experts per rank] int32, row_of pointer, experts
   // pointer, capacity, counts-table pointer, row-source pointer).
-  m.def("moe_dispatch", [=](const Comm& c, uintptr_t tokens, uintptr_t experts, py::tuple shape,
-                            uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype,
-                            uintptr_t stream) {
+  m.def("moe_dispatch", [](const Comm& c, uintptr_t tokens, uintptr_t experts, py::tuple shape,
+                           uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype,
+                           uintptr_t stream) {
     const weft::MoeShape s = moe_shape(shape);
     const weft::MoeDispatched d = weft::moe_dispatch(
         *c.comm, c.rank(), reinterpret_cast<const void*>(tokens), reinterpret_cast<const int32_t*>(experts),
@@ -571,21 +589,21 @@ PYBIND11_MODULE(_weft, m) {
   // The exact-count read-back of the last dispatch on this rank (synchronises its stream): (rows per local
   // expert, padded group ends, rows in use). counts: the dispatch's counts table (moe_dispatch's 6th value).
   m.def("moe_counts",
-        [=](const Comm& c, uintptr_t counts, uintptr_t group_end, py::tuple shape, uintptr_t stream) {
+        [](const Comm& c, uintptr_t counts, uintptr_t group_end, py::tuple shape, uintptr_t stream) {
           weft::MoeDispatched d;
           d.counts = reinterpret_cast<const int32_t*>(counts);
           d.group_end = reinterpret_cast<const int32_t*>(group_end);
           const weft::MoeCounts n = weft::moe_counts(c.rank(), d, moe_shape(shape), c.stream(stream));
           return py::make_tuple(n.expert_rows, n.group_end, n.rows);
         });
-  m.def("moe_combine_input", [=](const Comm& c, py::tuple shape, const std::string& dtype) {
+  m.def("moe_combine_input", [](const Comm& c, py::tuple shape, const std::string& dtype) {
     const weft::MoeShape s = moe_shape(shape);
     void* p = weft::moe_combine_input(*c.comm, c.rank(), s, parse_dtype(dtype));
     return view_of(c, p, {weft::moe_capacity(c.rank().world(), s), s.hidden}, dtype);
   });
   m.def("moe_combine",
-        [=](const Comm& c, uintptr_t expert_out, uintptr_t row_of, uintptr_t experts, uintptr_t weights,
-            uintptr_t out, py::tuple shape, const std::string& dtype, uintptr_t stream) {
+        [](const Comm& c, uintptr_t expert_out, uintptr_t row_of, uintptr_t experts, uintptr_t weights,
+           uintptr_t out, py::tuple shape, const std::string& dtype, uintptr_t stream) {
           weft::MoeDispatched d;
           d.row_of = reinterpret_cast<const int32_t*>(row_of);
           d.experts = reinterpret_cast<const int32_t*>(experts);
@@ -594,9 +612,9 @@ PYBIND11_MODULE(_weft, m) {
                             moe_shape(shape), parse_dtype(dtype), c.stream(stream));
         });
   m.def("moe_grouped_gemm_combine",
-        [=](const Comm& c, uintptr_t a, uintptr_t b, bool b_nk, int64_t rows, int64_t inter,
-            uintptr_t row_source, uintptr_t row_of, uintptr_t experts, uintptr_t group_end, int64_t capacity,
-            uintptr_t weights, uintptr_t out, py::tuple shape, uintptr_t stream) {
+        [](const Comm& c, uintptr_t a, uintptr_t b, bool b_nk, int64_t rows, int64_t inter,
+           uintptr_t row_source, uintptr_t row_of, uintptr_t experts, uintptr_t group_end, int64_t capacity,
+           uintptr_t weights, uintptr_t out, py::tuple shape, uintptr_t stream) {
           weft::MoeDispatched d;
           d.row_source = reinterpret_cast<const int32_t*>(row_source);
           d.row_of = reinterpret_cast<const int32_t*>(row_of);
@@ -609,15 +627,15 @@ PYBIND11_MODULE(_weft, m) {
                                          reinterpret_cast<const float*>(weights),
                                          reinterpret_cast<void*>(out), moe_shape(shape), c.stream(stream));
         });
-  m.def("moe_combine_grad_input", [=](const Comm& c, py::tuple shape, const std::string& dtype) {
+  m.def("moe_combine_grad_input", [](const Comm& c, py::tuple shape, const std::string& dtype) {
     const weft::MoeShape s = moe_shape(shape);
     void* p = weft::moe_combine_grad_input(*c.comm, c.rank(), s, parse_dtype(dtype));
     return view_of(c, p, {weft::moe_capacity(c.rank().world(), s), s.hidden}, dtype);
   });
-  m.def("moe_combine_backward", [=](const Comm& c, uintptr_t expert_out, uintptr_t row_of, uintptr_t experts,
-                                    uintptr_t weights, uintptr_t dout, uintptr_t d_expert_out,
-                                    uintptr_t d_weights, py::tuple shape, const std::string& dtype,
-                                    uintptr_t stream) {
+  m.def("moe_combine_backward", [](const Comm& c, uintptr_t expert_out, uintptr_t row_of, uintptr_t experts,
+                                   uintptr_t weights, uintptr_t dout, uintptr_t d_expert_out,
+                                   uintptr_t d_weights, py::tuple shape, const std::string& dtype,
+                                   uintptr_t stream) {
     weft::MoeDispatched d;
     d.row_of = reinterpret_cast<const int32_t*>(row_of);
     d.experts = reinterpret_cast<const int32_t*>(experts);
@@ -626,29 +644,43 @@ PYBIND11_MODULE(_weft, m) {
                                reinterpret_cast<void*>(d_expert_out), reinterpret_cast<float*>(d_weights),
                                moe_shape(shape), parse_dtype(dtype), c.stream(stream));
   });
+}
 
-  // Fused tensor-parallel ops (bf16): b_layout "kn" ([K, N] row-major) or "nk" (an [N, K] weight); the
-  // return value names the path that ran ("fused" or "sequential").
-  auto layout = [](const std::string& l) { return l == "nk" ? weft::BLayout::kNK : weft::BLayout::kKN; };
+// Fused tensor-parallel ops (bf16): b_layout "kn" ([K, N] row-major) or "nk" (an [N, K] weight); the
+// return value names the path that ran ("fused" or "sequential").
+void bind_tensor_parallel(py::module_& m) {
   m.def("all_gather_matmul",
-        [layout](const Comm& c, uintptr_t a, uintptr_t b, uintptr_t out, uintptr_t gathered, int64_t m,
-                 int64_t n, int64_t k, const std::string& b_layout, uintptr_t stream) {
+        [](const Comm& c, uintptr_t a, uintptr_t b, uintptr_t out, uintptr_t gathered, int64_t m, int64_t n,
+           int64_t k, const std::string& b_layout, uintptr_t stream) {
           return std::string(weft::fused_path_name(weft::all_gather_matmul(
               *c.comm, c.rank(), reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
               reinterpret_cast<void*>(out), reinterpret_cast<void*>(gathered), m, n, k, layout(b_layout),
               c.stream(stream))));
         });
-  m.def("matmul_reduce_scatter",
-        [layout](const Comm& c, uintptr_t a, uintptr_t b, uintptr_t out, int64_t m, int64_t n, int64_t k,
-                 const std::string& b_layout, uintptr_t stream) {
-          return std::string(weft::fused_path_name(weft::matmul_reduce_scatter(
-              *c.comm, c.rank(), reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
-              reinterpret_cast<void*>(out), m, n, k, layout(b_layout), c.stream(stream))));
-        });
-  m.def("matmul_all_reduce", [layout](const Comm& c, uintptr_t a, uintptr_t b, uintptr_t out, int64_t m,
-                                      int64_t n, int64_t k, const std::string& b_layout, uintptr_t stream) {
+  m.def("matmul_reduce_scatter", [](const Comm& c, uintptr_t a, uintptr_t b, uintptr_t out, int64_t m,
+                                    int64_t n, int64_t k, const std::string& b_layout, uintptr_t stream) {
+    return std::string(weft::fused_path_name(weft::matmul_reduce_scatter(
+        *c.comm, c.rank(), reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
+        reinterpret_cast<void*>(out), m, n, k, layout(b_layout), c.stream(stream))));
+  });
+  m.def("matmul_all_reduce", [](const Comm& c, uintptr_t a, uintptr_t b, uintptr_t out, int64_t m, int64_t n,
+                                int64_t k, const std::string& b_layout, uintptr_t stream) {
     return std::string(weft::fused_path_name(weft::matmul_all_reduce(
         *c.comm, c.rank(), reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
         reinterpret_cast<void*>(out), m, n, k, layout(b_layout), c.stream(stream))));
   });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_weft, m) {
+  m.doc() = "weft: overlapped multi-GPU kernels (C++ extension; use the weft package)";
+  py::register_exception<weft::Error>(m, "WeftError", PyExc_RuntimeError);
+  m.attr("__version__") = WEFT_VERSION;
+  bind_runtime(m);
+  bind_collectives(m);
+  bind_one_gpu_ops(m);
+  bind_sequence_parallel(m);
+  bind_moe(m);
+  bind_tensor_parallel(m);
 }

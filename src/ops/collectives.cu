@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "one_shot.hpp"
 #include "op_args.hpp"
 #include "weft/runtime/current_device.hpp"
 #include "weft/runtime/kernel_preload.hpp"

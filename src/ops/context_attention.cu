@@ -102,6 +102,13 @@ int64_t context_attention_local_rows(int world, int rank, const std::vector<int6
   return ops::ring_layout(doc_lengths, world, causal).local_rows(rank);
 }
 
+std::vector<int64_t> context_attention_local_tokens(int world, int rank,
+                                                    const std::vector<int64_t>& doc_lengths, bool causal) {
+  WEFT_CHECK(rank >= 0 && rank < world,
+             "weft: rank " + std::to_string(rank) + " outside a team of " + std::to_string(world));
+  return ops::ring_tokens(ops::ring_layout(doc_lengths, world, causal), rank);
+}
+
 size_t context_attention_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                          int64_t kv_heads, int64_t head_dim) {
   size_t most = 0;

@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/resources.hpp"
 
 namespace weft::ops {
 namespace {
@@ -63,5 +64,13 @@ void cublas_gemm_ready(int rank, const std::string& where) {
   WEFT_CUDA_CHECK(cudaGetDevice(&device));
   handle_for(device, rank, false, where);
 }
+
+namespace {
+// Every rank's handle made when a single-process team is created (ResourceRequest::ready_rank says why).
+void ready_at_team_creation(int rank) {
+  cublas_gemm_ready(rank, "weft: Communicator::create: ");
+}
+const ResourceDeclaration kHandles{{.owner = "cuBLAS handles", .ready_rank = &ready_at_team_creation}};
+}  // namespace
 
 }  // namespace weft::ops

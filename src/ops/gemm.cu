@@ -165,14 +165,8 @@ int auto_tile_n(int64_t m, int64_t n, int sms) {
   return kNarrowRate * fill(128) > fill(256) ? 128 : 256;
 }
 
-// Validates everything but the pointers' values (checked by the caller when it has them), picks the
-// instantiation and plans or launches.
-Plan plan_or_launch(const Problem& in, cudaStream_t stream, bool launch) {
-  Problem pr = in;
-  const std::string where = (pr.groups ? "weft::grouped_gemm(rows=" : "weft::gemm(M=") +
-                            std::to_string(pr.m) + ", N=" + std::to_string(pr.n) +
-                            ", K=" + std::to_string(pr.k) +
-                            (pr.groups ? ", groups=" + std::to_string(pr.groups) : std::string()) + "): ";
+// The grouped GEMM's own checks (and tile width), or the plain GEMM's refusal of grouped-only options.
+void check_grouping(Problem& pr, bool launch, const std::string& where) {
   if (pr.groups || pr.group_end) {
     WEFT_CHECK(pr.groups >= 1, where + "groups must be at least 1");
     WEFT_CHECK(pr.m % 128 == 0, where + "rows (the capacity) must be a multiple of 128, the tile's rows");
@@ -206,21 +200,12 @@ Plan plan_or_launch(const Problem& in, cudaStream_t stream, bool launch) {
     WEFT_CHECK(!pr.opt.zero_unused_rows && pr.opt.activation == GemmActivation::kNone,
                where + "options.zero_unused_rows and options.activation are for grouped_gemm only");
   }
+}
+
+// Fills in the strides and checks them (and, when launching, the pointers' alignment) against TMA's rules.
+void check_strides(Problem& pr, bool launch, const std::string& where) {
   const bool nk = pr.b_layout == BLayout::kNK;
   const GemmOptions& opt = pr.opt;
-  WEFT_CHECK(pr.b_layout == BLayout::kNK || pr.b_layout == BLayout::kKN, where + "unknown B layout");
-  WEFT_CHECK(pr.c_type == DType::kBF16 || pr.c_type == DType::kFP32,
-             where + "C must be bf16 or fp32 (DType::kBF16, kFP32)");
-  WEFT_CHECK(pr.m > 0 && pr.n > 0 && pr.k > 0, where + "M, N and K must be at least 1");
-  WEFT_CHECK(pr.m <= INT32_MAX && pr.n <= INT32_MAX && pr.k <= INT32_MAX,
-             where + "dimensions above 2^31 - 1 are not supported (TMA coordinates are 32-bit)");
-  WEFT_CHECK(opt.cluster >= 0 && opt.cluster <= 2,
-             where + "options.cluster must be 0 (auto), 1 or 2, got " + std::to_string(opt.cluster));
-  WEFT_CHECK(opt.group_m >= 0 && opt.max_blocks >= 0, where + "options.group_m and max_blocks must be >= 0");
-  WEFT_CHECK(opt.tile_n == 0 || opt.tile_n == 128 || opt.tile_n == 256,
-             where + "options.tile_n must be 0 (auto), 128 or 256, got " + std::to_string(opt.tile_n));
-  WEFT_CHECK(opt.tile_n != 128 || opt.cluster != 2, where + "options.tile_n = 128 runs with cluster 1 only");
-
   pr.lda = opt.lda ? opt.lda : pr.k;
   pr.ldb = opt.ldb ? opt.ldb : (nk ? pr.k : pr.n);
   pr.ldc = opt.ldc ? opt.ldc : c_cols(pr);
@@ -254,6 +239,33 @@ Plan plan_or_launch(const Problem& in, cudaStream_t stream, bool launch) {
     WEFT_CHECK(reinterpret_cast<uintptr_t>(pr.b) % 16 == 0, align_msg("B", pr.b));
     WEFT_CHECK(reinterpret_cast<uintptr_t>(pr.c) % 16 == 0, align_msg("C", pr.c));
   }
+}
+
+// Validates everything but the pointers' values (checked by the caller when it has them), picks the
+// instantiation and plans or launches.
+Plan plan_or_launch(const Problem& in, cudaStream_t stream, bool launch) {
+  Problem pr = in;
+  const std::string where = (pr.groups ? "weft::grouped_gemm(rows=" : "weft::gemm(M=") +
+                            std::to_string(pr.m) + ", N=" + std::to_string(pr.n) +
+                            ", K=" + std::to_string(pr.k) +
+                            (pr.groups ? ", groups=" + std::to_string(pr.groups) : std::string()) + "): ";
+  check_grouping(pr, launch, where);
+  const bool nk = pr.b_layout == BLayout::kNK;
+  const GemmOptions& opt = pr.opt;
+  WEFT_CHECK(pr.b_layout == BLayout::kNK || pr.b_layout == BLayout::kKN, where + "unknown B layout");
+  WEFT_CHECK(pr.c_type == DType::kBF16 || pr.c_type == DType::kFP32,
+             where + "C must be bf16 or fp32 (DType::kBF16, kFP32)");
+  WEFT_CHECK(pr.m > 0 && pr.n > 0 && pr.k > 0, where + "M, N and K must be at least 1");
+  WEFT_CHECK(pr.m <= INT32_MAX && pr.n <= INT32_MAX && pr.k <= INT32_MAX,
+             where + "dimensions above 2^31 - 1 are not supported (TMA coordinates are 32-bit)");
+  WEFT_CHECK(opt.cluster >= 0 && opt.cluster <= 2,
+             where + "options.cluster must be 0 (auto), 1 or 2, got " + std::to_string(opt.cluster));
+  WEFT_CHECK(opt.group_m >= 0 && opt.max_blocks >= 0, where + "options.group_m and max_blocks must be >= 0");
+  WEFT_CHECK(opt.tile_n == 0 || opt.tile_n == 128 || opt.tile_n == 256,
+             where + "options.tile_n must be 0 (auto), 128 or 256, got " + std::to_string(opt.tile_n));
+  WEFT_CHECK(opt.tile_n != 128 || opt.cluster != 2, where + "options.tile_n = 128 runs with cluster 1 only");
+
+  check_strides(pr, launch, where);
   const DeviceFacts dev = device_facts();
   WEFT_CHECK(dev.cc == 90, "weft::gemm runs on Hopper (sm_90) GPUs (wgmma, built for sm_90a); device " +
                                std::to_string(dev.device) + " is sm_" + std::to_string(dev.cc));

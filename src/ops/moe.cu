@@ -21,7 +21,6 @@
 #include "../runtime/kernels.hpp"
 #include "grouped_gemm_scatter.hpp"
 #include "op_args.hpp"
-#include "sequence_parallel.hpp"
 #include "weft/comm/barrier.cuh"
 #include "weft/comm/copy_rows.cuh"
 #include "weft/ops/moe.hpp"
@@ -372,9 +371,24 @@ int64_t moe_capacity(int world, const MoeShape& s) {
   return (worst + s.align - 1) / s.align * s.align;
 }
 
+namespace {
+// The caller's workspace: the per-expert counts, each (token, k)'s row, and which of them were kept.
+struct WorkspaceParts {
+  int32_t *counts, *row_of, *kept;
+};
+WorkspaceParts carve_workspace(ops::WorkspaceLayout& w, const Sizes& z) {
+  WorkspaceParts p;
+  p.counts = w.take<int32_t>(z.counts_bytes);
+  p.row_of = w.take<int32_t>(z.row_of_bytes);
+  p.kept = w.take<int32_t>(z.row_of_bytes);
+  return p;
+}
+}  // namespace
+
 size_t moe_dispatch_workspace_bytes(int world, const MoeShape& shape) {
-  const Sizes z(world, 0, shape);
-  return z.counts_bytes + 2 * z.row_of_bytes;
+  ops::WorkspaceLayout w;
+  carve_workspace(w, Sizes(world, 0, shape));
+  return w.bytes();
 }
 
 namespace {
@@ -389,6 +403,25 @@ struct DispatchBuffers {
   WalkLayout walk{};
 };
 
+// The symmetric area: the table (then this rank's group ends), the records, the rows, their sources, the
+// landed counts.
+void carve_area(ops::WorkspaceLayout& a, const Sizes& z, DispatchBuffers& b) {
+  b.table = a.take<int32_t>(z.table_bytes);
+  b.records = a.take<int32_t>(z.record_bytes);
+  b.rows = a.take<uint4>(z.row_bytes);
+  b.row_source = a.take<int32_t>(z.source_bytes);
+  b.landed = a.take<uint64_t>(z.landed_bytes);
+}
+// The walk area: [capacity] row states, [capacity][top_k] records, [capacity / 128 + 2] tile counts then the
+// GEMM's tile claims, [max_tokens * top_k] walk, [world + 1] walk begins.
+void carve_walk(ops::WorkspaceLayout& w, const Sizes& z, DispatchBuffers& b) {
+  b.walk.row_state = w.take<uint64_t>(size_t(z.capacity) * 8);
+  b.record = w.take<int32_t>(size_t(z.capacity) * z.d.top_k * 4);
+  b.walk.tile_rows = w.take<uint64_t>(size_t(z.capacity / 128 + 2) * 8);
+  b.walk.walk = w.take<int32_t>(z.row_of_bytes);
+  b.walk.walk_begin = w.take<int32_t>(size_t(z.d.world + 1) * 4);
+}
+
 // Checks the arguments and carves the buffers (`walk`: the walk area too).
 DispatchBuffers dispatch_buffers(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
                                  const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
@@ -397,7 +430,7 @@ DispatchBuffers dispatch_buffers(Communicator& comm, Rank& rank, const void* tok
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
   DispatchBuffers b{Sizes(rank.world(), rank.rank(), shape)};
   const Sizes& z = b.z;
-  const size_t need = z.counts_bytes + 2 * z.row_of_bytes;
+  const size_t need = moe_dispatch_workspace_bytes(rank.world(), shape);
   WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
              where + "the workspace must hold " + std::to_string(need) +
                  " bytes (moe_dispatch_workspace_bytes()), got " + std::to_string(workspace_bytes));
@@ -406,33 +439,19 @@ DispatchBuffers dispatch_buffers(Communicator& comm, Rank& rank, const void* tok
     ops::check_pointer_alignment(tokens, "tokens", 16, where);
     ops::check_pointer_alignment(experts, "experts", 4, where);
   }
-  char* area = ops::workspace_on(
-      comm, rank, z.table_bytes + z.record_bytes + z.row_bytes + z.source_bytes + z.landed_bytes, stream,
-      where, kArea);
-  b.table = reinterpret_cast<int32_t*>(area);
-  b.records = reinterpret_cast<int32_t*>(area + z.table_bytes);
-  b.rows = reinterpret_cast<uint4*>(area + z.table_bytes + z.record_bytes);
-  b.row_source = reinterpret_cast<int32_t*>(area + z.table_bytes + z.record_bytes + z.row_bytes);
-  b.landed =
-      reinterpret_cast<uint64_t*>(area + z.table_bytes + z.record_bytes + z.row_bytes + z.source_bytes);
-  b.counts = static_cast<int32_t*>(workspace);
-  b.row_of = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes);
-  b.kept = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.counts_bytes + z.row_of_bytes);
+  ops::WorkspaceLayout sized;
+  carve_area(sized, z, b);
+  ops::WorkspaceLayout area(ops::workspace_on(comm, rank, sized.bytes(), stream, where, kArea));
+  carve_area(area, z, b);
+  ops::WorkspaceLayout own(workspace);
+  const WorkspaceParts parts = carve_workspace(own, z);
+  b.counts = parts.counts, b.row_of = parts.row_of, b.kept = parts.kept;
   b.group_end = b.table + size_t(z.d.world) * (z.d.experts + 1);
   if (walk) {
-    // [capacity] row states, [capacity][top_k] records, [capacity / 128 + 1] tile counts then the GEMM's
-    // tile claims, [max_tokens * top_k] walk, [world + 1] walk begins.
-    const size_t states = round256(size_t(z.capacity) * 8),
-                 records = round256(size_t(z.capacity) * z.d.top_k * 4);
-    const size_t tiles = round256(size_t(z.capacity / 128 + 2) * 8);
-    const size_t walk_bytes = z.row_of_bytes, begins = round256(size_t(z.d.world + 1) * 4);
-    char* w = ops::workspace_on(comm, rank, states + records + tiles + walk_bytes + begins, stream, where,
-                                kWalkArea);
-    b.walk.row_state = reinterpret_cast<uint64_t*>(w);
-    b.record = reinterpret_cast<int32_t*>(w + states);
-    b.walk.tile_rows = reinterpret_cast<uint64_t*>(w + states + records);
-    b.walk.walk = reinterpret_cast<int32_t*>(w + states + records + tiles);
-    b.walk.walk_begin = reinterpret_cast<int32_t*>(w + states + records + tiles + walk_bytes);
+    ops::WorkspaceLayout walk_sized;
+    carve_walk(walk_sized, z, b);
+    ops::WorkspaceLayout walk_area(ops::workspace_on(comm, rank, walk_sized.bytes(), stream, where, kWalkArea));
+    carve_walk(walk_area, z, b);
   }
   return b;
 }

@@ -99,23 +99,20 @@ struct Buffers {
   void *dq, *dk, *dv;
 };
 
-template <int kD, class T>
-void launch(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route, const Buffers& b,
-            char* workspace, char* area, cudaStream_t stream, const AttentionOptions& options, DType dtype,
-            const std::string& where) {
-  using Op = ops::RingAttentionBwdOp<kD, T>;
+// What a call uploads to the workspace before its kernels: each step's dQ map and the dQ parts of this
+// rank's rows (read by the final sum), the pass's table, this rank's query ranges.
+struct Uploads {
+  int parts;  // dQ parts of this rank's rows
+  ops::RingTable table;
+  const int32_t* range_begin;  // [ranges] begins, then [ranges] ends
+  int64_t ranges;
+};
+
+template <class Op, int kD>
+Uploads upload_tables(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route, char* workspace,
+                      float* accum, cudaStream_t stream, const std::string& where) {
   const int W = z.L.world;
-  const int64_t G = z.segments(), local = std::max<int64_t>(z.local, 1), heads = z.heads;
-  const AttentionShape shape{1, z.max_own, z.max_own, heads, z.kv_heads, kD};
-  const float scale = ops::attention_scale(shape, options);
-
-  float* accum = reinterpret_cast<float*>(area);
-  float* terms = reinterpret_cast<float*>(area + z.accum_bytes());
-  char* slots_q = area + z.accum_bytes() + z.terms_bytes();
-  char* slots_dout = slots_q + std::max(1, W - 1) * z.slot_bytes();
-  // A rank with no rows still needs maps: they point at the area and are never read.
-  const auto own = [&](const void* p) { return z.local > 0 ? p : static_cast<const void*>(area); };
-
+  const int64_t G = z.segments(), heads = z.heads;
   // Each step's dQ map; the dQ parts of this rank's rows (slot 0, then slot s of rank r + s where that rank
   // took a slot for them: it is on another GPU, the route is the same rule seen from there); the pass's
   // table; this rank's query ranges.
@@ -138,19 +135,26 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route
   ops::upload_words(reinterpret_cast<int32_t*>(workspace), words, stream);
   auto* index = reinterpret_cast<int32_t*>(workspace + z.parts_bytes());
   ops::upload_words(index, ops::ring_table_words(z, Op::kBM), stream);
-  const ops::RingTable table(index, G, W);
   const int64_t nr = static_cast<int64_t>(z.ranges.size());
-  auto* range_begin = reinterpret_cast<int32_t*>(workspace + z.parts_bytes() + z.table_bytes());
+  int32_t* range_begin = reinterpret_cast<int32_t*>(workspace + z.parts_bytes() + z.table_bytes());
   std::vector<int32_t> range_words(2 * nr);
   for (int64_t i = 0; i < nr; ++i) {
     range_words[i] = static_cast<int32_t>(z.ranges[i].first);
     range_words[nr + i] = static_cast<int32_t>(z.ranges[i].second);
   }
   if (nr > 0) ops::upload_words(range_begin, range_words, stream);
+  return {parts, ops::RingTable(index, G, W), range_begin, nr};
+}
 
-  // This rank's own accumulator slot zeroed and its rows' terms written (the base prepare over the query
-  // ranges as packed sequences: a range beginning at row x gets term rows 4 x on) before the meeting that
-  // lets the peers in; the other slots, which the peers read after the previous call, after it.
+// This rank's own accumulator slot zeroed and its rows' terms written (the base prepare over the query
+// ranges as packed sequences: a range beginning at row x gets term rows 4 x on) before the meeting that
+// lets the peers in; the other slots, which the peers read after the previous call, after it.
+template <int kD, class T>
+void prepare_terms(const Sizes& z, const Uploads& u, const Buffers& b, float* accum, float* terms,
+                   cudaStream_t stream) {
+  const int W = z.L.world;
+  const int64_t heads = z.heads, nr = u.ranges;
+  const int32_t* range_begin = u.range_begin;
   WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, z.accum_slot_bytes(), stream));
   if (nr > 0) {
     const ops::AttentionRows ranges{range_begin,
@@ -169,8 +173,23 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route
         static_cast<int>(z.term_stride));
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
+}
 
-  typename Op::Params p{};
+// The kernel's parameters; returns its grid.
+template <class Op, int kD, class T>
+int fill_params(Communicator& comm, Rank& rank, const Sizes& z, const Uploads& u, const Buffers& b,
+                char* workspace, char* area, float* accum, float* terms, cudaStream_t stream,
+                const AttentionOptions& options, DType dtype, const std::string& where,
+                typename Op::Params& p) {
+  const int W = z.L.world;
+  const int64_t local = std::max<int64_t>(z.local, 1), heads = z.heads;
+  const AttentionShape shape{1, z.max_own, z.max_own, heads, z.kv_heads, kD};
+  const float scale = ops::attention_scale(shape, options);
+  const ops::RingTable& table = u.table;
+  char* slots_q = area + z.accum_bytes() + z.terms_bytes();
+  char* slots_dout = slots_q + std::max(1, W - 1) * z.slot_bytes();
+  // A rank with no rows still needs maps: they point at the area and are never read.
+  const auto own = [&](const void* q) { return z.local > 0 ? q : static_cast<const void*>(area); };
   // L2 sections: K / V heads whose group's Q, dO (of all W ranks) and dQ parts fit in 2/3 of L2.
   const int64_t group = heads / z.kv_heads;
   const int64_t bytes_per_pair = group * z.slot_rows * W * kD * (2 + 2 + 4);
@@ -220,6 +239,28 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route
   p.row_vecs = static_cast<int>(heads * kD / 8);
   p.terms = terms;
   p.term_stride = static_cast<int>(z.term_stride);
+
+  return blocks;
+}
+
+template <int kD, class T>
+void launch(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route, const Buffers& b,
+            char* workspace, char* area, cudaStream_t stream, const AttentionOptions& options, DType dtype,
+            const std::string& where) {
+  using Op = ops::RingAttentionBwdOp<kD, T>;
+  const int W = z.L.world;
+  const int64_t heads = z.heads;
+  const float scale =
+      ops::attention_scale(AttentionShape{1, z.max_own, z.max_own, heads, z.kv_heads, kD}, options);
+  float* accum = reinterpret_cast<float*>(area);
+  float* terms = reinterpret_cast<float*>(area + z.accum_bytes());
+  const size_t slot_floats = z.accum_slot_bytes() / 4;
+  const Uploads u = upload_tables<Op, kD>(comm, rank, z, route, workspace, accum, stream, where);
+  const int parts = u.parts;
+  prepare_terms<kD, T>(z, u, b, accum, terms, stream);
+  typename Op::Params p{};
+  const int blocks = fill_params<Op, kD, T>(comm, rank, z, u, b, workspace, area, accum, terms, stream,
+                                            options, dtype, where, p);
 
   const BarrierSlots meetings = comm.resources(rank, kMeetings).slots;
   launch_team_barrier(rank.view(), meetings[0], stream);  // receive slots free, peers' reads of ours done

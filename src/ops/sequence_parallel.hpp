@@ -23,10 +23,6 @@
 
 namespace weft::ops {
 
-inline size_t round256(size_t b) {
-  return (b + 255) / 256 * 256;
-}
-
 int64_t max_local_rows(const RingLayout& L);
 
 // Writes `words` to device memory at `dst` through kernel arguments (no host buffer has to outlive the

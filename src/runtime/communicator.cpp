@@ -13,7 +13,6 @@
 
 #include "driver.hpp"
 #include "kernels.hpp"
-#include "../ops/cublas_gemm.hpp"
 #include "weft/runtime/channel.hpp"
 #include "weft/runtime/heap_allocator.hpp"
 
@@ -222,14 +221,14 @@ std::unique_ptr<Communicator> Communicator::create_single_process(Options opts) 
     c->init_signal_pads();
     c->grant_declared_resources();
     // One host thread drives several ranks here, so a GPU may hold a kernel that waits for a rank this
-    // thread has not launched yet. cuBLAS's first handle in a process initializes the library, which waits
-    // for the GPU's running work: inside an op (the fused ops' sequential path readies a handle for a later
-    // capture) that wait never ends. Ready every rank's handle now, before any kernel runs.
+    // thread has not launched yet: what needs the GPU idle on its first use gets ready now.
     if (c->world_ > 1)
-      for (const auto& r : c->ranks_) {
-        WEFT_CUDA_CHECK(cudaSetDevice(r->device_));
-        ops::cublas_gemm_ready(r->rank(), "weft: Communicator::create: ");
-      }
+      for (const ResourceRequest& d : declared_resources())
+        if (d.ready_rank)
+          for (const auto& r : c->ranks_) {
+            WEFT_CUDA_CHECK(cudaSetDevice(r->device_));
+            d.ready_rank(r->rank());
+          }
   } catch (...) {
     c->release_all();
     throw;
@@ -268,8 +267,8 @@ std::unique_ptr<Communicator> Communicator::create_from_launcher(const LaunchEnv
     // rendezvous apart from a previous one that a slow rank may still be leaving.
     static std::atomic<int> generation{0};
     const std::string job = env.job_id + "." + std::to_string(generation++);
-    c->channel_ = std::make_unique<Channel>(job, env.rank, env.world,
-                                            std::max(c->timeout_, std::chrono::milliseconds(60000)), env.secret);
+    c->channel_ = std::make_unique<Channel>(
+        job, env.rank, env.world, std::max(c->timeout_, std::chrono::milliseconds(60000)), env.secret);
     c->channel_->set_op_timeout(std::max(c->timeout_, std::chrono::milliseconds(30000)));
     Communicator* self = c.get();
     c->channel_->set_on_peer_lost([self](const std::string&) {

@@ -14,7 +14,7 @@
 #include <tuple>
 
 #include "harness.hpp"
-#include "ops/op_args.hpp"  // one_shot_min_blocks: what a forced one-shot needs of the SM budget
+#include "ops/one_shot.hpp"  // one_shot_min_blocks: what a forced one-shot needs of the SM budget
 #include "weft/ops/collectives.hpp"
 
 using namespace weft;

@@ -34,7 +34,7 @@
 #include "weft/lcsc/attention_scheduler.cuh"
 #include "weft/lcsc/epilogue.cuh"
 #include "weft/lcsc/kernel.cuh"
-#include "weft/ops/attention.hpp"
+#include "weft/ops/attention_types.hpp"
 #include "weft/lcsc/pipeline.cuh"
 #include "weft/lcsc/turns.cuh"
 #include "weft/tile/fragment.cuh"

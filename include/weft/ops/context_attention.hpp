@@ -138,5 +138,9 @@ void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, co
 // This rank's local rows in that layout.
 int64_t context_attention_local_rows(int world, int rank, const std::vector<int64_t>& doc_lengths,
                                      bool causal);
+// Their positions in the packed sequence: local row i is token [i] (sharding gathers these rows,
+// unsharding scatters them back). Throws weft::Error for a rank outside the team.
+std::vector<int64_t> context_attention_local_tokens(int world, int rank,
+                                                    const std::vector<int64_t>& doc_lengths, bool causal);
 
 }  // namespace weft

@@ -23,6 +23,7 @@
 #include "weft/comm/call_epoch.cuh"
 #include "weft/comm/copy_rows.cuh"
 #include "weft/comm/signal.cuh"
+#include "weft/lcsc/helper_push.cuh"
 #include "weft/ops/attention.cuh"
 
 namespace weft::ops {
@@ -31,28 +32,6 @@ inline constexpr int kRingChunkFlags = 1024;      // arrival flags, shared by th
 inline constexpr int kRingMaxChunksPerSlot = 32;  // finer chunks only cost the loader more waits
 inline constexpr int kRingPiecesPerChunk = 16;    // pushes per chunk: enough tasks for every helper warp
 inline constexpr int kRingMaxBlocks = 1024;       // compute blocks of a ring kernel (RingSlots::landed)
-
-// A ring kernel's shared memory: its attention's, and each helper warp's staging for the bulk-copy engine.
-using RingStaging = BulkStaging<4096>;
-template <class AttentionSmem>
-struct RingSmem : AttentionSmem {
-  RingStaging staging[lcsc::kHelperWarps];
-};
-// Helper warp's copier, over its block's staging (warp w of the loader warpgroup takes staging[w - 1]).
-template <class Smem>
-__device__ BulkRowCopier<RingStaging> ring_copier(Smem& s) {
-  return BulkRowCopier<RingStaging>(s.staging[threadIdx.x / 32 - 1]);
-}
-
-struct RingSync {
-  TeamView team;
-  Flags state;    // [0] calls completed, [1] finishers of this call
-  Flags arrived;  // slot s, chunk j: flag s * chunks + j
-  int done_target;
-  __device__ CallEpoch calls() const { return CallEpoch{team.flag(state, 0)}; }
-  __device__ uint64_t epoch() const { return calls().epoch(); }
-  __device__ void done() const { calls().finished(uint64_t(done_target)); }
-};
 
 // The receive slots of a pass, chunked alike on every rank (slot_rows: the longest rank's rows; chunks per
 // slot: a function of the world size alone, so each flag grows by kRingPiecesPerChunk per call).
@@ -74,7 +53,8 @@ struct RingSlots {
 // step's rows land before later ones'). push(slot, dst, r0, r1, lane) copies rows [r0, r1) of the slot;
 // then one release add per piece into the chunk's flag at dst covers the warp's stores.
 template <class Push>
-__device__ void ring_push(const RingSync& sync, const RingSlots& sl, int index, int count, Push&& push) {
+__device__ void ring_push(const lcsc::PushSync& sync, const RingSlots& sl, int index, int count,
+                          Push&& push) {
   const TeamView& t = sync.team;
   const int lane = threadIdx.x % 32;
   const int per_slot = sl.chunks * kRingPiecesPerChunk, tasks = (t.world - 1) * per_slot;
@@ -95,7 +75,8 @@ __device__ void ring_push(const RingSync& sync, const RingSlots& sl, int index, 
 }
 
 // Loader: waits until chunks [0, c) of slot `slot` have landed, c covering rows below `rows_end`.
-__device__ inline void ring_wait_landed(const RingSync& sync, const RingSlots& sl, int slot, int rows_end) {
+__device__ inline void ring_wait_landed(const lcsc::PushSync& sync, const RingSlots& sl, int slot,
+                                        int rows_end) {
   const int rows = min(rows_end, sl.slot_rows);
   const int need = min(sl.chunks, (rows + sl.chunk_rows - 1) / sl.chunk_rows);
   int* landed = sl.landed + blockIdx.x * (sync.team.world - 1) + slot;
@@ -119,7 +100,7 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
   using typename Base::Pipeline;
 
   struct Params : Base::Params {
-    RingSync sync;
+    lcsc::PushSync sync;
     CUtensorMap slot_k, slot_v;          // 4-D {dim, kv_head, row, slot}: slot s - 1 holds step s's rows
     const int32_t *key_begin, *key_end;  // [segment * steps + step]: rows of the step source's local K / V
     int steps;                           // the world size
@@ -128,7 +109,7 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
     uint4 *slots_k, *slots_v;    // this rank's slots [steps - 1][slot_rows][row_vecs] (symmetric)
     int row_vecs;
   };
-  using Smem = RingSmem<typename Base::Smem>;
+  using Smem = lcsc::WithHelperStaging<typename Base::Smem>;
   struct KeyRange {
     int begin, length;  // rows of the step source's local K / V
     bool causal;
@@ -257,7 +238,7 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
   // ---- helper warps: this rank's K / V into the peers' slots ----
   __device__ static void helper_warp(const Params& p, Smem& s, int index, int count) {
     const TeamView& t = p.sync.team;
-    auto copier = ring_copier(s);
+    auto copier = lcsc::helper_copier(s);
     ring_push(p.sync, p.slots, index, count, [&](int slot, int dst, int r0, int r1, int) {
       const int64_t at = (int64_t(slot) * p.slots.slot_rows + r0) * p.row_vecs;
       const int rows = p.slots.local_rows;

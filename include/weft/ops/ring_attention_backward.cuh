@@ -47,7 +47,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
   using typename Base::StoreState;
 
   struct Params : Base::Params {
-    RingSync sync;
+    lcsc::PushSync sync;
     CUtensorMap slot_q, slot_dout;           // 4-D {dim, head, row, slot}: slot s - 1 holds step s's rows
     const CUtensorMap* dq_maps;              // [steps]: where step s's dQ parts go, 4-D {dim, head, row, 1}
     const int32_t *query_begin, *query_end;  // [segment * steps + step]: rows of the step source's local Q
@@ -63,7 +63,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
     float* terms;
     int term_stride;
   };
-  using Smem = RingSmem<typename Base::Smem>;
+  using Smem = lcsc::WithHelperStaging<typename Base::Smem>;
 
   // The query rows of the step's source that a key segment meets. Step 0 has this rank's rows on both
   // sides: causal when the pass is, a key visible iff its local row is not after the query's.
@@ -165,7 +165,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
   __device__ static void helper_warp(const Params& p, Smem& s, int index, int count) {
     const TeamView& t = p.sync.team;
     const int64_t terms_per_rank = int64_t(p.heads) * p.term_stride;
-    auto copier = ring_copier(s);
+    auto copier = lcsc::helper_copier(s);
     ring_push(p.sync, p.slots, index, count, [&](int slot, int dst, int r0, int r1, int lane) {
       const int64_t at = (int64_t(slot) * p.slots.slot_rows + r0) * p.row_vecs;
       const int rows = p.slots.local_rows;

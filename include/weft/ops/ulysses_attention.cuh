@@ -29,7 +29,7 @@
 #include "weft/comm/copy_rows.cuh"
 #include "weft/comm/signal.cuh"
 #include "weft/ops/attention.cuh"
-#include "weft/ops/ring_attention.cuh"
+#include "weft/lcsc/helper_push.cuh"
 
 namespace weft::ops {
 
@@ -68,7 +68,7 @@ struct UlyssesAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
   static constexpr int kRowBytes = kD * 2;  // a head's row
 
   struct Params : Base::Params {  // Base: the attention over this rank's heads in its natural buffers
-    RingSync sync;                // arrived: chunk c's flag
+    lcsc::PushSync sync;          // arrived: chunk c's flag
     Flags finished_flags;         // [source][flag]: chunk done at the source
     UlyssesChunks chunk;
     int flags_per_source;  // ulysses_chunk_flags(W)
@@ -85,7 +85,7 @@ struct UlyssesAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
     int* landed;               // [block]: chunks its loader knows to have landed
     uint64_t *pushed, *ended;  // [chunk][peer] tasks done; [chunk] items' warpgroups finished
   };
-  using Smem = RingSmem<typename Base::Smem>;
+  using Smem = lcsc::WithHelperStaging<typename Base::Smem>;
 
   __device__ static int kv_first(const Params& p, int rank) {  // rank's first K / V head
     return rank * p.kv_heads_all / p.sync.team.world;
@@ -142,7 +142,7 @@ struct UlyssesAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
   __device__ static void helper_warp(const Params& p, Smem& s, int index, int count) {
     const TeamView& t = p.sync.team;
     const int lane = threadIdx.x % 32, W = t.world, segs = p.seg.count;
-    auto copier = ring_copier(s);
+    auto copier = lcsc::helper_copier(s);
     if (index == 0)
       for (int dst = lane; dst < W; dst += 32) signal_unused(p, dst);
     const int per_chunk = W * segs;

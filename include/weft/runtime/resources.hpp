@@ -31,6 +31,11 @@ struct ResourceRequest {
   // A workspace area of its own (Communicator::workspace(bytes, capturing, owner)) of area_bytes(world)
   // bytes, made at team creation (declared requests only; nullptr: none).
   uint64_t (*area_bytes)(int world) = nullptr;
+  // Called for every rank when a single-process team of several ranks is created, on the rank's device,
+  // before any kernel runs (declared requests only; nullptr: none). For a library whose first use in a
+  // process waits for the GPU's running work (cuBLAS's first handle): one host thread drives every rank, so
+  // inside an op that wait could be for a kernel waiting on a rank the thread has not launched yet.
+  void (*ready_rank)(int rank) = nullptr;
 };
 
 struct ResourceGrant {
