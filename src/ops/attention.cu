@@ -64,12 +64,8 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.out = static_cast<T*>(c.out);
   p.acc_o = acc.o;
   p.acc_lse = acc.lse;
-  p.heads = static_cast<int>(sh.heads);
-  p.group = static_cast<int>(sh.heads / sh.kv_heads);
   const float scale = ops::attention_scale(sh, c.options);
-  p.scale = scale;
-  p.scale_log2 = scale * 1.4426950408889634f;
-  p.causal = c.options.causal ? 1 : 0;
+  ops::set_softmax_params(p, sh.heads, sh.heads / sh.kv_heads, scale, c.options.causal);
   Launcher::launch(p, blocks, stream);
   return plan;
 }

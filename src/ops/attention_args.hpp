@@ -69,6 +69,18 @@ inline float attention_scale(const AttentionShape& s, const AttentionOptions& o)
   return o.softmax_scale > 0.f ? o.softmax_scale : 1.f / std::sqrt(float(s.head_dim));
 }
 
+// The softmax fields every attention kernel's parameters carry: the query heads, the query heads per K / V
+// head, the scale (and the same in log2 units: the kernels exponentiate with exp2), causal masking.
+template <class Params>
+void set_softmax_params(Params& p, int64_t heads, int64_t group, float scale, bool causal) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  p.heads = static_cast<int>(heads);
+  p.group = static_cast<int>(group);
+  p.scale = scale;
+  p.scale_log2 = scale * kLog2e;
+  p.causal = causal ? 1 : 0;
+}
+
 // A [batch, seq, heads, dim] bf16 / fp16 tensor as a 4-D map {dim, head, seq, batch} with box {64, 1, rows,
 // 1}: boxes clip at each sequence's end (loads past it read zeros, stores past it write nothing). fp32
 // tensors: box {32, 1, rows, 1}, 128 bytes across as well.

@@ -126,12 +126,8 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.dq_blocks = static_cast<int>(ws.dq_blocks);
   p.dk_out = static_cast<T*>(c.dk);
   p.dv_out = static_cast<T*>(c.dv);
-  p.heads = static_cast<int>(sh.heads);
-  p.group = static_cast<int>(group);
   const float scale = ops::attention_scale(sh, c.options);
-  p.scale = scale;
-  p.scale_log2 = scale * 1.4426950408889634f;
-  p.causal = c.options.causal ? 1 : 0;
+  ops::set_softmax_params(p, sh.heads, group, scale, c.options.causal);
   Launcher::launch(p, blocks, stream);
 
   {

@@ -450,7 +450,8 @@ DispatchBuffers dispatch_buffers(Communicator& comm, Rank& rank, const void* tok
   if (walk) {
     ops::WorkspaceLayout walk_sized;
     carve_walk(walk_sized, z, b);
-    ops::WorkspaceLayout walk_area(ops::workspace_on(comm, rank, walk_sized.bytes(), stream, where, kWalkArea));
+    ops::WorkspaceLayout walk_area(
+        ops::workspace_on(comm, rank, walk_sized.bytes(), stream, where, kWalkArea));
     carve_walk(walk_area, z, b);
   }
   return b;

@@ -81,13 +81,9 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const
       static_cast<int>(local)};
   p.lse = lse;
   p.out = static_cast<T*>(out);
-  p.heads = static_cast<int>(heads);
-  p.group = static_cast<int>(group);
   const AttentionShape shape{1, z.max_own, z.max_own, heads, z.kv_heads, kD};
   const float scale = ops::attention_scale(shape, options);
-  p.scale = scale;
-  p.scale_log2 = scale * 1.4426950408889634f;
-  p.causal = z.pass.causal ? 1 : 0;
+  ops::set_softmax_params(p, heads, group, scale, z.pass.causal);
 
   p.key_begin = table.met_begin;
   p.key_end = table.met_end;

@@ -224,11 +224,7 @@ int fill_params(Communicator& comm, Rank& rank, const Sizes& z, const Uploads& u
             static_cast<int>(local)};
   p.dk_out = static_cast<T*>(b.dk);
   p.dv_out = static_cast<T*>(b.dv);
-  p.heads = static_cast<int>(heads);
-  p.group = static_cast<int>(group);
-  p.scale = scale;
-  p.scale_log2 = scale * 1.4426950408889634f;
-  p.causal = z.pass.causal ? 1 : 0;
+  ops::set_softmax_params(p, heads, group, scale, z.pass.causal);
 
   p.query_begin = table.met_begin;
   p.query_end = table.met_end;

@@ -196,12 +196,8 @@ void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* 
   p.lse = lse != nullptr ? a.lse : nullptr;
   p.out = reinterpret_cast<T*>(a.out);
   p.out_heads_first = z.total;
-  p.heads = static_cast<int>(qw);
-  p.group = static_cast<int>(qw / kvw);
   const float scale = ops::attention_scale(shape, options);
-  p.scale = scale;
-  p.scale_log2 = scale * 1.4426950408889634f;
-  p.causal = options.causal ? 1 : 0;
+  ops::set_softmax_params(p, qw, qw / kvw, scale, options.causal);
 
   const int flags = ops::ulysses_chunk_flags(W);
   p.sync = {rank.view(), comm.resources(rank, kState).flags, comm.resources(rank, kArrived).flags,
