@@ -98,131 +98,17 @@ __device__ __forceinline__ void fence_operands(float (&d)[kRegs]) {
 // ---- mma_async: D(64 x N, fp32) = A(64 x 16) * B(16 x N) + (scale_d ? D : 0), bf16 or (kHalf) fp16 --
 // kTransB = 0: B is K-major; 1: B is N-major. kTransA = 0: A is K-major; 1: A is M-major (a tile whose
 // rows are K, read through desc_mn_major).
-// clang-format off
-#define WEFT_MMA_M64N256K16(AB) \
-  asm volatile( \
-      "{\n .reg .pred p;\n" \
-      " setp.ne.b32 p, %130, 0;\n" \
-      " wgmma.mma_async.sync.aligned.m64n256k16.f32." AB "." AB " {" \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31," \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47," \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63," \
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79," \
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95," \
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111," \
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127" \
-      "}, %128, %129, p, 1, 1, %132, %131;\n}\n" \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "n"(kTransA))
-template <int kTransB, int kTransA = 0, bool kHalf = false>
-__device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                                   int scale_d) {
-#if defined(WEFT_WGMMA_AVAILABLE)
-  if constexpr (kHalf)
-    WEFT_MMA_M64N256K16("f16");
-  else
-    WEFT_MMA_M64N256K16("bf16");
-#else
-  __trap();
-#endif
-}
-
-#define WEFT_MMA_M64N128K16(AB) \
-  asm volatile( \
-      "{\n .reg .pred p;\n" \
-      " setp.ne.b32 p, %66, 0;\n" \
-      " wgmma.mma_async.sync.aligned.m64n128k16.f32." AB "." AB " {" \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31," \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47," \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
-      "}, %64, %65, p, 1, 1, %68, %67;\n}\n" \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "n"(kTransA))
-template <int kTransB, int kTransA = 0, bool kHalf = false>
-__device__ __forceinline__ void mma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
-                                                   int scale_d) {
-#if defined(WEFT_WGMMA_AVAILABLE)
-  if constexpr (kHalf)
-    WEFT_MMA_M64N128K16("f16");
-  else
-    WEFT_MMA_M64N128K16("bf16");
-#else
-  __trap();
-#endif
-}
-
-#define WEFT_MMA_M64N64K16(AB) \
-  asm volatile( \
-      "{\n .reg .pred p;\n" \
-      " setp.ne.b32 p, %34, 0;\n" \
-      " wgmma.mma_async.sync.aligned.m64n64k16.f32." AB "." AB " {" \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
-      "}, %32, %33, p, 1, 1, %36, %35;\n}\n" \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "n"(kTransA))
-template <int kTransB, int kTransA = 0, bool kHalf = false>
-__device__ __forceinline__ void mma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
-                                                   int scale_d) {
-#if defined(WEFT_WGMMA_AVAILABLE)
-  if constexpr (kHalf)
-    WEFT_MMA_M64N64K16("f16");
-  else
-    WEFT_MMA_M64N64K16("bf16");
-#else
-  __trap();
-#endif
-}
-#define WEFT_MMA_M64N32K16(AB) \
-  asm volatile( \
-      "{\n .reg .pred p;\n" \
-      " setp.ne.b32 p, %18, 0;\n" \
-      " wgmma.mma_async.sync.aligned.m64n32k16.f32." AB "." AB " {" \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
-      "}, %16, %17, p, 1, 1, %20, %19;\n}\n" \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "n"(kTransA))
-template <int kTransB, int kTransA = 0, bool kHalf = false>
-__device__ __forceinline__ void mma_m64n32k16(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
-                                                  int scale_d) {
-#if defined(WEFT_WGMMA_AVAILABLE)
-  if constexpr (kHalf)
-    WEFT_MMA_M64N32K16("f16");
-  else
-    WEFT_MMA_M64N32K16("bf16");
-#else
-  __trap();
-#endif
-}
-// clang-format on
+//
+// ---- mma_async with A from registers: D(64 x N, fp32) = A(64 x 16, in registers) * B(16 x N) ----------
+// A is the warpgroup's 64 x 16 bf16 / fp16 tile held as 4 x .b32 per thread (two each, the lower column in
+// the lower half): a[0] = (row r, columns 2q, 2q+1), a[1] = (r + 8, 2q..), a[2] = (r, 2q + 8..), a[3] = (r +
+// 8, 2q + 8..), with r = 16 w + lane / 4 and q = lane % 4: the accumulator layout of tile/fragment.cuh, so a
+// 64 x N fp32 accumulator converted pairwise is the A operand of a following MMA (tile::pack_a). The A
+// registers must not change until the MMA has completed (wait()).
+//
+// The wrappers per shape, mma_m64n{256,128,64,32}k16 and mma_rs_m64n{64,128}k16, are generated from one table
+// (tools/gen_wgmma.py): each spells out its N / 2 accumulator operands for the inline asm.
+#include "weft/tile/wgmma_instructions.inc"
 
 // Element types of the operands: bf16 (kHalf = false) or fp16 (true), the same for A and B.
 template <class T>
@@ -247,72 +133,6 @@ template <int kN, int kTransB, int kTransA = 0>
 __device__ __forceinline__ void mma_bf16(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   mma<kN, kTransB, kTransA, false>(d, desc_a, desc_b, scale_d);
 }
-
-// ---- mma_async with A from registers: D(64 x N, fp32) = A(64 x 16, in registers) * B(16 x N) ----------
-// A is the warpgroup's 64 x 16 bf16 / fp16 tile held as 4 x .b32 per thread (two each, the lower column in
-// the lower half): a[0] = (row r, columns 2q, 2q+1), a[1] = (r + 8, 2q..), a[2] = (r, 2q + 8..), a[3] = (r +
-// 8, 2q + 8..), with r = 16 w + lane / 4 and q = lane % 4: the accumulator layout of tile/fragment.cuh, so a
-// 64 x N fp32 accumulator converted pairwise is the A operand of a following MMA (tile::pack_a). The A
-// registers must not change until the MMA has completed (wait()).
-// clang-format off
-#define WEFT_MMA_RS_M64N64K16(AB) \
-  asm volatile( \
-      "{\n .reg .pred p;\n" \
-      " setp.ne.b32 p, %37, 0;\n" \
-      " wgmma.mma_async.sync.aligned.m64n64k16.f32." AB "." AB " {" \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n" \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB))
-template <int kTransB, bool kHalf = false>
-__device__ __forceinline__ void mma_rs_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
-                                                     int scale_d) {
-#if defined(WEFT_WGMMA_AVAILABLE)
-  if constexpr (kHalf)
-    WEFT_MMA_RS_M64N64K16("f16");
-  else
-    WEFT_MMA_RS_M64N64K16("bf16");
-#else
-  __trap();
-#endif
-}
-
-#define WEFT_MMA_RS_M64N128K16(AB) \
-  asm volatile( \
-      "{\n .reg .pred p;\n" \
-      " setp.ne.b32 p, %69, 0;\n" \
-      " wgmma.mma_async.sync.aligned.m64n128k16.f32." AB "." AB " {" \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31," \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47," \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
-      "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n" \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB))
-template <int kTransB, bool kHalf = false>
-__device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
-                                                     int scale_d) {
-#if defined(WEFT_WGMMA_AVAILABLE)
-  if constexpr (kHalf)
-    WEFT_MMA_RS_M64N128K16("f16");
-  else
-    WEFT_MMA_RS_M64N128K16("bf16");
-#else
-  __trap();
-#endif
-}
-// clang-format on
 
 template <int kN, int kTransB, bool kHalf = false>
 __device__ __forceinline__ void mma_rs(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_t desc_b,
@@ -367,10 +187,3 @@ __device__ __forceinline__ void mma_rs_group(float (&d)[kN / 2], const uint32_t 
 }
 
 }  // namespace weft::wgmma
-
-#undef WEFT_MMA_M64N256K16
-#undef WEFT_MMA_M64N128K16
-#undef WEFT_MMA_M64N64K16
-#undef WEFT_MMA_M64N32K16
-#undef WEFT_MMA_RS_M64N64K16
-#undef WEFT_MMA_RS_M64N128K16
