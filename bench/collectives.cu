@@ -1,4 +1,5 @@
-// weft-bench allreduce / allgather / reducescatter / alltoall: weft against NCCL (C API) in the same run,
+// weft-bench allreduce / allgather / reducescatter / alltoall / broadcast / scatter / gather / reduce: weft
+// against NCCL (C API) in the same run,
 // nccl-tests columns. Both sides are timed as CUDA graphs of many back-to-back calls on every GPU at once;
 // a rank's time is the median over graph launches, the row's time the slowest rank's. Small messages
 // rotate through several buffer sets so L2 does not serve the data. weft uses symmetric-heap buffers
@@ -18,7 +19,12 @@
 namespace weft::bench {
 namespace {
 
-enum class Coll { kAllReduce, kAllGather, kReduceScatter, kAllToAll };
+enum class Coll { kAllReduce, kAllGather, kReduceScatter, kAllToAll, kBroadcast, kScatter, kGather, kReduce };
+// The rooted collectives' root in these runs.
+constexpr int kRoot = 0;
+bool rooted_at_receiver(Coll c) {  // only the root has a defined output
+  return c == Coll::kGather || c == Coll::kReduce;
+}
 const char* coll_name(Coll c) {
   switch (c) {
     case Coll::kAllReduce:
@@ -29,6 +35,14 @@ const char* coll_name(Coll c) {
       return "reduce-scatter";
     case Coll::kAllToAll:
       return "all-to-all";
+    case Coll::kBroadcast:
+      return "broadcast";
+    case Coll::kScatter:
+      return "scatter";
+    case Coll::kGather:
+      return "gather";
+    case Coll::kReduce:
+      return "reduce";
   }
   return "?";
 }
@@ -49,6 +63,13 @@ Geometry geometry(Coll c, uint64_t size, int W, uint64_t es) {
       return {size, size / W, size / es, double(W - 1) / W};
     case Coll::kAllToAll:
       return {size, size, size / es, double(W - 1) / W};
+    case Coll::kBroadcast:
+    case Coll::kReduce:
+      return {size, size, size / es, 1.0};
+    case Coll::kScatter:
+      return {size, size / W, size / es, double(W - 1) / W};
+    case Coll::kGather:
+      return {size / W, size, size / es, double(W - 1) / W};
   }
   return {};
 }
@@ -84,6 +105,14 @@ void enqueue_weft(Communicator& comm, Coll c, int i, const void* in, void* out, 
                             forced);
     case Coll::kAllToAll:
       return all_to_all(comm, r, in, out, g.count / W, DType::kBF16, s);
+    case Coll::kBroadcast:
+      return broadcast(comm, r, in, out, g.count, DType::kBF16, kRoot, s);
+    case Coll::kScatter:
+      return scatter(comm, r, in, out, g.out_bytes / 2, DType::kBF16, kRoot, s);
+    case Coll::kGather:
+      return gather(comm, r, in, out, g.in_bytes / 2, DType::kBF16, kRoot, s);
+    case Coll::kReduce:
+      return reduce(comm, r, in, out, g.count, DType::kBF16, ReduceOp::kSum, kRoot, s);
   }
 }
 
@@ -106,6 +135,35 @@ void enqueue_nccl(ncclComm_t nc, Coll c, const void* in, void* out, const Geomet
         WEFT_NCCL_CHECK(ncclSend(static_cast<const char*>(in) + p * n * 2, n, ncclBfloat16, p, nc, s));
         WEFT_NCCL_CHECK(ncclRecv(static_cast<char*>(out) + p * n * 2, n, ncclBfloat16, p, nc, s));
       }
+      WEFT_NCCL_CHECK(ncclGroupEnd());
+      return;
+    }
+    case Coll::kBroadcast:
+      WEFT_NCCL_CHECK(ncclBroadcast(in, out, g.count, ncclBfloat16, kRoot, nc, s));
+      return;
+    case Coll::kReduce:
+      WEFT_NCCL_CHECK(ncclReduce(in, out, g.count, ncclBfloat16, ncclSum, kRoot, nc, s));
+      return;
+    case Coll::kScatter:
+    case Coll::kGather: {  // send / recv in a group, as nccl-tests does
+      int me = 0;
+      WEFT_NCCL_CHECK(ncclCommUserRank(nc, &me));
+      const bool scatter = c == Coll::kScatter;
+      const size_t n = (scatter ? g.out_bytes : g.in_bytes) / 2;
+      const char* src = static_cast<const char*>(in);
+      char* dst = static_cast<char*>(out);
+      WEFT_NCCL_CHECK(ncclGroupStart());
+      if (me == kRoot)
+        for (int p = 0; p < W; ++p) {
+          if (scatter)
+            WEFT_NCCL_CHECK(ncclSend(src + p * n * 2, n, ncclBfloat16, p, nc, s));
+          else
+            WEFT_NCCL_CHECK(ncclRecv(dst + p * n * 2, n, ncclBfloat16, p, nc, s));
+        }
+      if (scatter)
+        WEFT_NCCL_CHECK(ncclRecv(dst, n, ncclBfloat16, kRoot, nc, s));
+      else
+        WEFT_NCCL_CHECK(ncclSend(src, n, ncclBfloat16, kRoot, nc, s));
       WEFT_NCCL_CHECK(ncclGroupEnd());
       return;
     }
@@ -157,7 +215,8 @@ void run_collective(Context& ctx, Coll which) {
               (nccl_on ? "" : " No NCCL on virtual ranks: its columns are empty, #wrong counts NaN only."));
   for (uint64_t size : sizes) {
     const Geometry g = geometry(which, size, W, 2);
-    if (g.count % W != 0 && which == Coll::kAllToAll) continue;
+    if (g.count % W != 0 && (which == Coll::kAllToAll || which == Coll::kScatter || which == Coll::kGather))
+      continue;
     ctx.progress("%s: %s", coll_name(which), human_bytes(size).c_str());
     const int sets = size <= (16u << 20) ? 4 : 1;  // rotate small buffers past the 50-60 MB L2
     Side ws, ns;
@@ -208,12 +267,14 @@ void run_collective(Context& ctx, Coll which) {
     nccl_all(0);
     uint64_t wrong = 0;
     for (int i = 0; i < L; ++i) {
+      if (rooted_at_receiver(which) && comm->local(i).rank() != kRoot) continue;
       WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
       WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
       std::vector<uint16_t> a(g.out_bytes / 2), b(g.out_bytes / 2);
       WEFT_CUDA_CHECK(cudaMemcpy(a.data(), ws.out[0][i], g.out_bytes, cudaMemcpyDeviceToHost));
       WEFT_CUDA_CHECK(cudaMemcpy(b.data(), ns.out[0][i], g.out_bytes, cudaMemcpyDeviceToHost));
-      const bool reduction = which == Coll::kAllReduce || which == Coll::kReduceScatter;
+      const bool reduction =
+          which == Coll::kAllReduce || which == Coll::kReduceScatter || which == Coll::kReduce;
       for (size_t k = 0; k < a.size(); ++k) {
         const float x = bf16_to_float(a[k]), y = bf16_to_float(b[k]);
         if (std::isnan(x) ||
@@ -260,6 +321,17 @@ ModeRegistrar r3(
     [](Context& c) { run_collective(c, Coll::kReduceScatter); }, 2, true);
 ModeRegistrar r4(
     "alltoall", "bf16 all-to-all vs NCCL", [](Context& c) { run_collective(c, Coll::kAllToAll); }, 2, true);
+ModeRegistrar r5(
+    "broadcast", "bf16 broadcast from rank 0 vs NCCL",
+    [](Context& c) { run_collective(c, Coll::kBroadcast); }, 2, true);
+ModeRegistrar r6(
+    "scatter", "bf16 scatter from rank 0 vs NCCL send / recv",
+    [](Context& c) { run_collective(c, Coll::kScatter); }, 2, true);
+ModeRegistrar r7(
+    "gather", "bf16 gather to rank 0 vs NCCL send / recv",
+    [](Context& c) { run_collective(c, Coll::kGather); }, 2, true);
+ModeRegistrar r8(
+    "reduce", "bf16 sum to rank 0 vs NCCL", [](Context& c) { run_collective(c, Coll::kReduce); }, 2, true);
 
 }  // namespace
 }  // namespace weft::bench

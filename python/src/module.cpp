@@ -410,6 +410,22 @@ void bind_collectives(py::module_& m) {
     weft::all_to_all(*c.comm, c.rank(), reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out),
                      count_per_rank, parse_dtype(dtype), c.stream(stream));
   });
+  // Rooted: count elements per part; pointers only the root uses may be 0 elsewhere.
+  using Rooted =
+      void (*)(weft::Communicator&, weft::Rank&, const void*, void*, size_t, weft::DType, int, cudaStream_t);
+  for (auto [name, fn] : {std::pair<const char*, Rooted>{"broadcast", &weft::broadcast},
+                          {"scatter", &weft::scatter},
+                          {"gather", &weft::gather}})
+    m.def(name, [fn](const Comm& c, uintptr_t in, uintptr_t out, uint64_t count, const std::string& dtype,
+                     int root, uintptr_t stream) {
+      fn(*c.comm, c.rank(), reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count,
+         parse_dtype(dtype), root, c.stream(stream));
+    });
+  m.def("reduce", [](const Comm& c, uintptr_t in, uintptr_t out, uint64_t count, const std::string& dtype,
+                     const std::string& op, int root, uintptr_t stream) {
+    weft::reduce(*c.comm, c.rank(), reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count,
+                 parse_dtype(dtype), parse_op(op), root, c.stream(stream));
+  });
 }
 
 // Flash attention (bf16, [batch, seq, heads, dim] tensors on GPU `device`), no communicator: the call runs

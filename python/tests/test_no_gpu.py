@@ -74,8 +74,8 @@ class NoGpu(unittest.TestCase):
         self.comm = weft.Communicator(FakeNative())
         # Reaching the C++ op means every check passed: record the call instead of running it.
         self.calls = []
-        for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul",
-                     "matmul_reduce_scatter", "matmul_all_reduce"):
+        for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter", "gather",
+                     "reduce", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
             p = mock.patch.object(_weft, name, lambda *a, _n=name: self.calls.append((_n, a[1:])))
             p.start()
             self.addCleanup(p.stop)
@@ -210,6 +210,26 @@ class NoGpu(unittest.TestCase):
         self.assertEqual([c[0] for c in self.calls], ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
         _, ag = self.calls[1]
         self.assertEqual(ag[2:5], (8, 6, 1))  # rows, cols, dim-1 gather
+
+    def test_rooted_collectives(self):
+        """broadcast / scatter / gather / reduce reach the kernels with the part's element count and the root;
+        a root outside the team, or a dim 0 that does not split, is refused; gather / reduce return None
+        except at the root."""
+        x = FakeTensor((8, 6))
+        self.comm.broadcast(x, root=3)
+        self.comm.scatter(x, root=1)
+        self.assertIsNotNone(self.comm.gather(x))
+        self.assertIsNone(self.comm.gather(x, root=2))
+        self.assertIsNone(self.comm.reduce(x, root=1, op="max"))
+        self.assertEqual([c[0] for c in self.calls], ["broadcast", "scatter", "gather", "gather", "reduce"])
+        self.assertEqual(self.calls[0][1][2:5], (48, "bf16", 3))  # count, dtype, root
+        self.assertEqual(self.calls[1][1][2:5], (12, "bf16", 1))  # a quarter of 48 elements
+        self.assertEqual(self.calls[3][1][1], 0)  # no out away from the root
+        self.assertEqual(self.calls[4][1][2:6], (48, "bf16", "max", 1))
+        for fn in (self.comm.broadcast, self.comm.scatter, self.comm.gather, self.comm.reduce):
+            self.raises(ValueError, "root must be a rank of the team", fn, x, root=4)
+            self.raises(ValueError, "root must be a rank of the team", fn, x, root=-1)
+        self.raises(ValueError, "splits dim 0 into 4 blocks", self.comm.scatter, FakeTensor((6, 2)))
 
     def test_unsupported_dtype(self):
         self.raises(TypeError, "unsupported dtype", self.comm.all_reduce, FakeTensor((8,), "int32"))

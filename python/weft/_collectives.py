@@ -1,4 +1,5 @@
-"""Collectives: all_reduce, all_gather, reduce_scatter, all_to_all (any dtype weft supports, torch or DLPack)."""
+"""Collectives: all_reduce, all_gather, reduce_scatter, all_to_all (any dtype weft supports, torch or DLPack); the
+rooted broadcast, scatter, gather and reduce (eager)."""
 from __future__ import annotations
 
 import math
@@ -64,3 +65,61 @@ def all_to_all(x, out=None, comm=None):
     _weft.all_to_all(c._c, a.ptr, o.ptr, a.numel // w, a.dtype, s)
     return out
 
+
+
+# ---- rooted collectives: eager calls (not torch operators: no autograd, no torch.compile tracing) ----------
+def _root(root, c):
+    if not isinstance(root, int) or not 0 <= root < c.world_size:
+        raise WeftValueError(f"weft: root must be a rank of the team (0..{c.world_size - 1}), got {root!r}")
+    return root
+
+
+def broadcast(x, root=0, out=None, comm=None):
+    """Every rank gets the root's x: returns out (new if not given), x's shape and dtype on every rank (the
+    other ranks' x gives the shape only). out=x broadcasts in place."""
+    c, s, a = _prepare(x, comm)
+    _root(root, c)
+    out, o = _output(c, s, x, a, a.shape, out)
+    _weft.broadcast(c._c, a.ptr, o.ptr, a.numel, a.dtype, root, s)
+    return out
+
+
+def scatter(x, root=0, out=None, comm=None):
+    """Rank p gets block p of the root's x split into world_size equal blocks along dim 0 (every rank passes
+    an x of that shape; only the root's data is read); returns out (new if not given)."""
+    c, s, a = _prepare(x, comm)
+    _root(root, c)
+    w = c.world_size
+    if not a.shape or a.shape[0] % w:
+        raise WeftValueError(f"weft: scatter splits dim 0 into {w} blocks; x has shape {a.shape}")
+    shape = (a.shape[0] // w,) + tuple(a.shape[1:])
+    out, o = _output(c, s, x, a, shape, out)
+    _weft.scatter(c._c, a.ptr, o.ptr, a.numel // w, a.dtype, root, s)
+    return out
+
+
+def gather(x, root=0, out=None, comm=None):
+    """The root gets every rank's x stacked along dim 0 (rank q's at block q): returns out at the root (new
+    if not given), None on the other ranks."""
+    c, s, a = _prepare(x, comm)
+    _root(root, c)
+    shape = (a.shape[0] * c.world_size if a.shape else c.world_size,) + tuple(a.shape[1:])
+    o_ptr = 0
+    if c.rank == root:
+        out, o = _output(c, s, x, a, shape, out)
+        o_ptr = o.ptr
+    _weft.gather(c._c, a.ptr, o_ptr, a.numel, a.dtype, root, s)
+    return out if c.rank == root else None
+
+
+def reduce(x, root=0, op="sum", out=None, comm=None):
+    """The root gets the elementwise reduction over ranks (sum, max or min) of x: returns out at the root (new
+    if not given), None on the other ranks."""
+    c, s, a = _prepare(x, comm, op)
+    _root(root, c)
+    o_ptr = 0
+    if c.rank == root:
+        out, o = _output(c, s, x, a, a.shape, out)
+        o_ptr = o.ptr
+    _weft.reduce(c._c, a.ptr, o_ptr, a.numel, a.dtype, op, root, s)
+    return out if c.rank == root else None

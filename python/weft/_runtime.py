@@ -9,7 +9,7 @@ import sys
 import weft as _w
 from . import _weft
 from ._args import _dtype_name, _shape_tuple, _torch_api
-from ._collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from ._collectives import all_gather, all_reduce, all_to_all, broadcast, gather, reduce, reduce_scatter, scatter
 from ._errors import WeftError, WeftValueError
 from ._tensor_parallel import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 
@@ -255,6 +255,18 @@ class Communicator:
     def all_to_all(self, x, out=None):
         return all_to_all(x, out=out, comm=self)
 
+    def broadcast(self, x, root=0, out=None):
+        return broadcast(x, root=root, out=out, comm=self)
+
+    def scatter(self, x, root=0, out=None):
+        return scatter(x, root=root, out=out, comm=self)
+
+    def gather(self, x, root=0, out=None):
+        return gather(x, root=root, out=out, comm=self)
+
+    def reduce(self, x, root=0, op="sum", out=None):
+        return reduce(x, root=root, op=op, out=out, comm=self)
+
     def all_gather_matmul(self, a, b, out=None, gathered_a=None):
         return all_gather_matmul(a, b, out=out, gathered_a=gathered_a, comm=self)
 
@@ -266,7 +278,7 @@ class Communicator:
 
 
 # Communicator's bound ops say what the module-level ones say.
-for _name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul",
-              "matmul_reduce_scatter", "matmul_all_reduce"):
+for _name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter", "gather", "reduce",
+              "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
     getattr(Communicator, _name).__doc__ = globals()[_name].__doc__
 del _name

@@ -447,6 +447,143 @@ void run_all_to_all(Call& c, const void* in, void* out, size_t count_per_rank, D
                   bytes);
 }
 
+template <int V>
+void launch_rooted_v(Call& c, const coll::Rooted& r, int grid) {
+  detail::preload<&coll::rooted_kernel<V>>();
+  coll::rooted_kernel<V><<<grid, kThreads, 0, c.stream>>>(r);
+  c.launched();
+}
+
+// The access width is a function of what is the same on every rank (the part's size, the steps, the
+// symmetric destination's offset): a block's share of the pushes and of the receivers' copy out of the
+// workspace must be the same on every rank. This rank's own buffers must allow it.
+void launch_rooted(Call& c, coll::Rooted r, uint64_t total_bytes, const char* name) {
+  const coll::Exchange& x = r.x;
+  const int v = vector_width({x.row_bytes, x.src_peer_step, x.dst_peer_step, x.final_peer_step,
+                              reinterpret_cast<uintptr_t>(x.dst.base)});
+  for (auto [p, what] : {std::pair<const char*, const char*>{x.src.base, "in"}, {x.final_dst.base, "out"}})
+    if (reinterpret_cast<uintptr_t>(p) % v != 0)
+      c.fail(std::string(what) + " is not " + std::to_string(v) + "-byte aligned, which parts of " +
+             std::to_string(x.row_bytes) +
+             " bytes take (every rank's buffers alike; allocate them with "
+             "cudaMalloc or the symmetric heap)");
+  const int g = c.blocks(total_bytes);
+  if (c.planned(std::string(name) + (x.via_workspace ? " via workspace" : ""), g)) return;
+  switch (v) {
+    case 16:
+      return launch_rooted_v<16>(c, r, g);
+    case 8:
+      return launch_rooted_v<8>(c, r, g);
+    case 4:
+      return launch_rooted_v<4>(c, r, g);
+    default:
+      return launch_rooted_v<2>(c, r, g);
+  }
+}
+
+void check_root(const Call& c, int root) {
+  if (root < 0 || root >= c.rank.world())
+    c.fail("root " + std::to_string(root) + " is not a rank of this team of " +
+           std::to_string(c.rank.world()));
+}
+
+// A rooted exchange of `bytes` per part; the caller sets the layout (src, steps).
+coll::Rooted rooted(Call& c, int root, bool from_root) {
+  coll::Rooted r{};
+  r.x.team = c.rank.view();
+  r.x.slots = c.meetings();
+  r.x.rows = 1;
+  r.root = root;
+  r.from_root = from_root;
+  return r;
+}
+
+void run_broadcast(Call& c, const void* in, void* out, size_t count, DType dtype, int root) {
+  check_root(c, root);
+  if (count == 0) return;
+  const uint64_t bytes = count * dtype_size(dtype);
+  const bool is_root = c.rank.rank() == root;
+  if (is_root) c.check_buffer(in, "in (the root's data)", bytes, dtype_size(dtype));
+  c.check_buffer(out, "out", bytes, dtype_size(dtype));
+  if (is_root && in != out && Call::overlap(in, bytes, out, bytes))
+    c.fail("in and out overlap without being equal");
+  if (c.alone(in, out, bytes)) return;
+  coll::Rooted r = rooted(c, root, true);
+  r.x.row_bytes = bytes;
+  r.x.src = Rows{const_cast<char*>(static_cast<const char*>(is_root ? in : out)), 0};
+  // Every rank's out symmetric, or the pushes land in the workspace (out symmetric on all ranks or on none).
+  r.x.via_workspace = !c.comm.in_heap(c.rank, out, bytes);
+  char* dst = r.x.via_workspace ? c.workspace(bytes) : static_cast<char*>(out);
+  r.x.dst = Rows{dst, 0};
+  r.x.final_dst = Rows{static_cast<char*>(out), 0};
+  launch_rooted(c, r, bytes, "broadcast");
+}
+
+void run_scatter(Call& c, const void* in, void* out, size_t count, DType dtype, int root) {
+  check_root(c, root);
+  if (count == 0) return;
+  const uint64_t bytes = count * dtype_size(dtype), all = bytes * c.rank.world();
+  const bool is_root = c.rank.rank() == root;
+  if (is_root) c.check_buffer(in, "in (the root's W parts)", all, dtype_size(dtype));
+  c.check_buffer(out, "out", bytes, dtype_size(dtype));
+  const char* mine = is_root ? static_cast<const char*>(in) + root * bytes : nullptr;
+  if (is_root && out != mine && Call::overlap(in, all, out, bytes))
+    c.fail("in and out overlap (in place: out == in + root * count elements)");
+  if (c.alone(in, out, bytes)) return;
+  coll::Rooted r = rooted(c, root, true);
+  r.x.row_bytes = bytes;
+  r.x.src = Rows{const_cast<char*>(static_cast<const char*>(is_root ? in : out)), 0};
+  r.x.src_peer_step = is_root ? bytes : 0;  // part p goes to rank p
+  // Through the workspace: the root's out may be a part of its in (in place), at another place than the
+  // receivers' outs, so the root cannot push into those by its own out's offset.
+  r.x.via_workspace = true;
+  r.x.dst = Rows{c.workspace(bytes), 0};
+  r.x.final_dst = Rows{static_cast<char*>(out), 0};
+  launch_rooted(c, r, bytes, "scatter");
+}
+
+void run_gather(Call& c, const void* in, void* out, size_t count, DType dtype, int root) {
+  check_root(c, root);
+  if (count == 0) return;
+  const uint64_t bytes = count * dtype_size(dtype), all = bytes * c.rank.world();
+  const bool is_root = c.rank.rank() == root;
+  c.check_buffer(in, "in", bytes, dtype_size(dtype));
+  if (is_root) {
+    c.check_buffer(out, "out (the root's W parts)", all, dtype_size(dtype));
+    const char* mine = static_cast<const char*>(out) + root * bytes;
+    if (in != mine && Call::overlap(in, bytes, out, all))
+      c.fail("in and out overlap (in place: in == out + root * count elements)");
+  }
+  if (c.alone(in, out, bytes)) return;
+  coll::Rooted r = rooted(c, root, false);
+  r.x.row_bytes = bytes;
+  r.x.src = Rows{const_cast<char*>(static_cast<const char*>(in)), 0};
+  r.x.dst_peer_step = bytes;  // rank q's part lands in part q
+  // Only the root has an out: the parts land in the workspace (the same size on every rank), then in out.
+  r.x.via_workspace = true;
+  r.x.dst = Rows{c.workspace(all), 0};
+  r.x.final_dst = Rows{static_cast<char*>(is_root ? out : r.x.dst.base), 0};
+  r.x.final_peer_step = bytes;
+  launch_rooted(c, r, all, "gather");
+}
+
+// The all-reduce into a workspace area of its own, then the root's copy: every rank takes part in the
+// reduction; out is written at the root only.
+const char* const kReduceArea = "reduce: result";
+void run_reduce(Call& c, const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root) {
+  check_root(c, root);
+  if (count == 0) return;
+  const uint64_t bytes = count * dtype_size(dtype);
+  const bool is_root = c.rank.rank() == root;
+  c.check_buffer(in, "in", bytes, dtype_size(dtype));
+  if (is_root) c.check_buffer(out, "out", bytes, dtype_size(dtype));
+  if (c.alone(in, out, bytes)) return;
+  char* result = c.workspace(bytes, kReduceArea);
+  run_all_reduce(c, in, result, count, dtype, op, {});
+  if (!is_root || c.planned("copy to the root's out")) return;
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(out, result, bytes, cudaMemcpyDeviceToDevice, c.stream));
+}
+
 }  // namespace
 
 // The calls, and their plans (the same code, planning).
@@ -500,6 +637,58 @@ Plan all_to_all_plan(Communicator& comm, Rank& rank, const void* in, void* out, 
   Plan plan;
   Call c(comm, rank, stream, "all_to_all", &plan);
   run_all_to_all(c, in, out, count_per_rank, dtype);
+  return plan;
+}
+
+void broadcast(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, int root,
+               cudaStream_t stream) {
+  Call c(comm, rank, stream, "broadcast");
+  run_broadcast(c, in, out, count, dtype, root);
+}
+Plan broadcast_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                    int root, cudaStream_t stream) {
+  Plan plan;
+  Call c(comm, rank, stream, "broadcast", &plan);
+  run_broadcast(c, in, out, count, dtype, root);
+  return plan;
+}
+
+void scatter(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, int root,
+             cudaStream_t stream) {
+  Call c(comm, rank, stream, "scatter");
+  run_scatter(c, in, out, count, dtype, root);
+}
+Plan scatter_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                  int root, cudaStream_t stream) {
+  Plan plan;
+  Call c(comm, rank, stream, "scatter", &plan);
+  run_scatter(c, in, out, count, dtype, root);
+  return plan;
+}
+
+void gather(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, int root,
+            cudaStream_t stream) {
+  Call c(comm, rank, stream, "gather");
+  run_gather(c, in, out, count, dtype, root);
+}
+Plan gather_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                 int root, cudaStream_t stream) {
+  Plan plan;
+  Call c(comm, rank, stream, "gather", &plan);
+  run_gather(c, in, out, count, dtype, root);
+  return plan;
+}
+
+void reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+            int root, cudaStream_t stream) {
+  Call c(comm, rank, stream, "reduce");
+  run_reduce(c, in, out, count, dtype, op, root);
+}
+Plan reduce_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                 ReduceOp op, int root, cudaStream_t stream) {
+  Plan plan;
+  Call c(comm, rank, stream, "reduce", &plan);
+  run_reduce(c, in, out, count, dtype, op, root);
   return plan;
 }
 

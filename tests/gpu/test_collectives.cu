@@ -433,6 +433,108 @@ WEFT_GPU_TEST(all_to_all_equal_splits) {
         }
 }
 
+// broadcast, scatter, gather, reduce: every root, odd and large sizes, symmetric and device buffers, in place
+// at the root; the outputs poisoned first and compared with the host (exact copies; reduce in fp64).
+enum class Rooted { kBroadcast, kScatter, kGather, kReduce };
+const char* rooted_name(Rooted k) {
+  return k == Rooted::kBroadcast ? "broadcast"
+         : k == Rooted::kScatter ? "scatter"
+         : k == Rooted::kGather  ? "gather"
+                                 : "reduce";
+}
+void rooted_case(TestContext& ctx, Rooted kind, DType t, size_t n, int root, bool sym, bool in_place,
+                 uint64_t seed) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  const uint64_t es = dtype_size(t), part = n * es, all = part * W;
+  // in: the root's W parts (scatter), else one part; out: the root's W parts (gather), else one part.
+  const uint64_t in_bytes = kind == Rooted::kScatter ? all : part,
+                 out_bytes = kind == Rooted::kGather ? all : part;
+  RankBuffers in(c, in_bytes, sym), out(c, out_bytes, sym);
+  std::vector<std::vector<char>> inputs;
+  for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, in_bytes / es, r, seed));
+  // In place: the root's data already sits in its out (broadcast, reduce: in == out; scatter: out is part
+  // `root` of in; gather: in is part `root` of out).
+  const auto in_of = [&](int i, int r) -> char* {
+    if (!in_place || r != root) return in.ptr[i];
+    return kind == Rooted::kGather    ? out.ptr[i] + root * part
+           : kind == Rooted::kScatter ? in.ptr[i]
+                                      : out.ptr[i];
+  };
+  const auto out_of = [&](int i, int r) -> char* {
+    return in_place && r == root && kind == Rooted::kScatter ? in.ptr[i] + root * part : out.ptr[i];
+  };
+  for_each_local(c, [&](Rank& r, int i) {
+    poison(c, i, out.ptr[i], out_bytes);
+    if (kind == Rooted::kScatter && in_place && r.rank() == root) poison(c, i, in.ptr[i], in_bytes);
+    upload(c, i, in_of(i, r.rank()), inputs[r.rank()]);
+  });
+  c.host_barrier();
+  for_each_local(c, [&](Rank& r, int i) {
+    void* src = in_of(i, r.rank());
+    void* dst = out_of(i, r.rank());
+    switch (kind) {
+      case Rooted::kBroadcast:
+        keeping_plan(c, broadcast_plan(c, r, src, dst, n, t, root),
+                     [&] { broadcast(c, r, src, dst, n, t, root); });
+        break;
+      case Rooted::kScatter:
+        keeping_plan(c, scatter_plan(c, r, src, dst, n, t, root),
+                     [&] { scatter(c, r, src, dst, n, t, root); });
+        break;
+      case Rooted::kGather:
+        keeping_plan(c, gather_plan(c, r, src, dst, n, t, root), [&] { gather(c, r, src, dst, n, t, root); });
+        break;
+      case Rooted::kReduce:
+        keeping_plan(c, reduce_plan(c, r, src, dst, n, t, ReduceOp::kSum, root),
+                     [&] { reduce(c, r, src, dst, n, t, ReduceOp::kSum, root); });
+        break;
+    }
+  });
+  c.synchronize();
+  for_each_local(c, [&](Rank& r, int i) {
+    const bool receives = kind == Rooted::kBroadcast || kind == Rooted::kScatter || r.rank() == root;
+    if (!receives) return;
+    std::vector<double> ref(out_bytes / es);
+    for (size_t k = 0; k < ref.size(); ++k) {
+      if (kind == Rooted::kBroadcast) ref[k] = to_float(t, inputs[root].data() + k * es);
+      if (kind == Rooted::kScatter) ref[k] = to_float(t, inputs[root].data() + (r.rank() * n + k) * es);
+      if (kind == Rooted::kGather) ref[k] = to_float(t, inputs[k / n].data() + (k % n) * es);
+      if (kind == Rooted::kReduce)
+        for (int q = 0; q < W; ++q) ref[k] += to_float(t, inputs[q].data() + k * es);
+    }
+    const char* got = kind == Rooted::kScatter ? out_of(i, r.rank()) : out.ptr[i];
+    const std::string err = compare(t, download(c, i, got, out_bytes), ref, kind != Rooted::kReduce, W);
+    WEFT_EXPECT(err.empty(), rooted_name(kind)
+                                 << " " << dtype_name(t) << " " << n << " root " << root
+                                 << (sym ? " symmetric" : " device") << (in_place ? " in-place" : "")
+                                 << " rank " << r.rank() << ": " << err);
+  });
+  c.host_barrier();
+}
+
+WEFT_GPU_TEST(rooted_collectives_match_reference) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  std::vector<size_t> counts = {1, 7, 4096 + 3, 1 << 20};
+  if (ctx.quick) counts = {1, 7, 4096 + 3};
+  uint64_t seed = 900;
+  for (Rooted kind : {Rooted::kBroadcast, Rooted::kScatter, Rooted::kGather, Rooted::kReduce})
+    for (DType t : kTypes)
+      for (size_t n : counts)
+        for (int root : {0, W - 1})
+          for (bool sym : {true, false})
+            for (bool in_place : {false, true}) {
+              if (ctx.quick && (t == DType::kFP16 || (sym && in_place))) continue;
+              rooted_case(ctx, kind, t, n, root, sym, in_place, seed++);
+            }
+  // Arguments: a root outside the team is refused by name.
+  Rank& r = c.local(0);
+  RankBuffers b(c, 64, true);
+  WEFT_EXPECT_ERROR(broadcast(c, r, b.ptr[0], b.ptr[0], 4, DType::kFP32, W), "is not a rank of this team");
+  WEFT_EXPECT_ERROR(gather(c, r, b.ptr[0], b.ptr[0], 4, DType::kFP32, -1), "is not a rank of this team");
+}
+
 WEFT_GPU_TEST(collectives_replay_in_cuda_graphs) {
   Communicator& c = ctx.comm();
   const int W = c.world();

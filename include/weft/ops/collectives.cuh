@@ -225,6 +225,46 @@ __global__ void __launch_bounds__(512) exchange_kernel(Exchange x) {
                  Rows{x.dst.base + x.dst_peer_step * q, x.dst.stride}, x.rows, x.row_bytes);
 }
 
+// ---- rooted: broadcast and scatter (the root pushes to every rank), gather (every rank to the root) ------
+// The layout is the Exchange's (the part for rank p at src + src_peer_step * p, landing at dst +
+// dst_peer_step * source); only the root sends (from_root) or only the root receives (gather). A rank's own
+// part goes straight to its final place (skipped where it is already there: in place). With via_workspace
+// the receivers copy what landed in the workspace out once every push has (the exit meeting).
+struct Rooted {
+  Exchange x;
+  int root;
+  bool from_root;
+};
+
+template <int V>
+__global__ void __launch_bounds__(512) rooted_kernel(Rooted r) {
+  const Exchange& x = r.x;
+  const TeamView& t = x.team;
+  if (!meet(t, x.slots)) return;
+  if (!r.from_root || t.rank == r.root) {
+    // Own part first, then the peers one at a time, staggered by rank (gather: the root alone).
+    for (int k = 0; k < t.world; ++k) {
+      const int to = (t.rank + k) % t.world;
+      const bool own = to == t.rank;
+      // Gather: a non-root sends only to the root and keeps nothing; the root only keeps its own part.
+      if (!r.from_root && (own ? t.rank != r.root : to != r.root)) continue;
+      const Rows src{x.src.base + x.src_peer_step * to, x.src.stride};
+      Rows dst{t.peer_ptr(x.dst.base + x.dst_peer_step * t.rank, to), x.dst.stride};
+      if (own && x.via_workspace)
+        dst = Rows{x.final_dst.base + x.final_peer_step * t.rank, x.final_dst.stride};
+      if (own && dst.base == src.base) continue;  // in place
+      copy_rows<V>(dst, src, x.rows, x.row_bytes);
+    }
+  }
+  if (!meet(t, x.slots) || !x.via_workspace) return;
+  for (int q = 0; q < t.world; ++q) {  // what landed here: the root's part, or (at the root) every rank's
+    const bool landed = r.from_root ? (q == r.root && t.rank != r.root) : (t.rank == r.root && q != t.rank);
+    if (landed)
+      copy_rows<V>(Rows{x.final_dst.base + x.final_peer_step * q, x.final_dst.stride},
+                   Rows{x.dst.base + x.dst_peer_step * q, x.dst.stride}, x.rows, x.row_bytes);
+  }
+}
+
 // ---- reduce-scatter and two-shot all-reduce: push slices to their owners, reduce mine (and fan out) ---
 struct ReduceScatter {
   TeamView team;

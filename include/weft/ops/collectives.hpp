@@ -1,5 +1,5 @@
-// Collectives: all-reduce, all-gather, reduce-scatter, all-to-all, written as short compositions of the
-// device primitives (weft/comm/*.cuh). Unicast NVLink only.
+// Collectives: all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, scatter, gather, reduce,
+// written as short compositions of the device primitives (weft/comm/*.cuh). Unicast NVLink only.
 //
 // Every rank of the team calls the same collective with the same arguments (in single-process mode: once
 // per local rank, each call enqueueing on that rank's stream; the kernels meet on the devices). Work is
@@ -74,6 +74,24 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
 void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank, DType dtype,
                 cudaStream_t stream = nullptr);
 
+// Rooted collectives. `root` is a rank of the team; arguments only the root uses may be null elsewhere.
+//   broadcast  out (count elements, every rank) = the root's in; in place at the root when in == out.
+//   scatter    out (count elements) of rank p = part p of the root's in (world x count elements).
+//   gather     part q of the root's out (world x count elements) = rank q's in (count elements).
+//   reduce     the root's out = op over ranks of in (count elements each).
+// broadcast pushes into every rank's out directly when out is symmetric (the same buffer on every rank; out
+// symmetric on every rank or on none: then through the workspace); scatter and gather land in the
+// workspace, then in out; reduce runs the all-reduce into a workspace area of its own and copies the result
+// to the root's out. All buffers 16-byte aligned take the widest accesses; every rank's alike.
+void broadcast(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, int root,
+               cudaStream_t stream = nullptr);
+void scatter(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, int root,
+             cudaStream_t stream = nullptr);
+void gather(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, int root,
+            cudaStream_t stream = nullptr);
+void reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+            int root, cudaStream_t stream = nullptr);
+
 // What each collective call with these arguments would do (weft/ops/plan.hpp): its algorithm, grid and
 // workspace; it throws what the call would throw.
 Plan all_reduce_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
@@ -86,5 +104,13 @@ Plan reduce_scatter_plan(Communicator& comm, Rank& rank, const void* in, void* o
                          const CollectiveOptions& options = {});
 Plan all_to_all_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank,
                      DType dtype, cudaStream_t stream = nullptr);
+Plan broadcast_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                    int root, cudaStream_t stream = nullptr);
+Plan scatter_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                  int root, cudaStream_t stream = nullptr);
+Plan gather_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                 int root, cudaStream_t stream = nullptr);
+Plan reduce_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
+                 ReduceOp op, int root, cudaStream_t stream = nullptr);
 
 }  // namespace weft
