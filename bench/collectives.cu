@@ -1,5 +1,5 @@
-// weft-bench allreduce / allgather / reducescatter / alltoall / broadcast / scatter / gather / reduce: weft
-// against NCCL (C API) in the same run,
+// weft-bench allreduce / allgather / reducescatter / alltoall / broadcast / scatter / gather / reduce /
+// alltoallv: weft against NCCL (C API) in the same run,
 // nccl-tests columns. Both sides are timed as CUDA graphs of many back-to-back calls on every GPU at once;
 // a rank's time is the median over graph launches, the row's time the slowest rank's. Small messages
 // rotate through several buffer sets so L2 does not serve the data. weft uses symmetric-heap buffers
@@ -311,6 +311,109 @@ void run_collective(Context& ctx, Coll which) {
   ctx.add(std::move(t));
 }
 
+// all_to_all_v: MoE-style routing, `tokens` rows of 4096 bf16 per rank split among the ranks by a fixed
+// random draw (some parts empty). weft reads the counts on the GPU; NCCL's grouped send / recv is given them
+// on the host (its best case: a real MoE layer first copies them to the host, a synchronisation weft avoids).
+void run_all_to_all_v(Context& ctx) {
+  WEFT_CHECK(ctx.team_size() >= 2, "alltoallv needs at least 2 ranks");
+  BenchTeam team(ctx);
+  const bool nccl_on = team.has_nccl();
+  Communicator* comm = team.comm.get();
+  const int W = team.world(), L = team.local();
+  constexpr int64_t kHidden = 4096;
+  std::vector<int64_t> token_counts = {128, 1024, 4096, 16384};
+  if (ctx.quick) token_counts = {128, 4096};
+  Table t(
+      fmt("all_to_all_v, bf16 rows of %lld, %s: weft (counts on the GPU) vs NCCL %d.%d.%d send / recv "
+          "(counts "
+          "on the host)",
+          (long long)kHidden, ctx.team_label().c_str(), NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
+      {"tokens / rank", "MiB / rank", "NCCL time us", "weft time us", "#wrong", "speedup"},
+      "Times: CUDA graphs of many calls, slowest rank's median. Counts: a fixed random split of each rank's "
+      "tokens, one part in five empty.");
+  for (int64_t tokens : token_counts) {
+    std::mt19937_64 rng(77 + tokens);
+    std::vector<std::vector<int64_t>> counts(W, std::vector<int64_t>(W, 0));
+    for (int s = 0; s < W; ++s)
+      for (int64_t k = 0; k < tokens; ++k) ++counts[s][rng() % W];
+    int64_t cap = 0;
+    for (int q = 0; q < W; ++q) {
+      int64_t col = 0;
+      for (int s = 0; s < W; ++s) col += counts[s][q];
+      cap = std::max(cap, col);
+    }
+    const uint64_t row = kHidden * 2, in_bytes = tokens * row, out_bytes = cap * row;
+    SymmetricBuffer win = comm->alloc(in_bytes), wout = comm->alloc(std::max<uint64_t>(out_bytes, 256));
+    std::vector<char*> nin(L), nout(L);
+    std::vector<int64_t*> dev_counts(L);
+    for (int i = 0; i < L; ++i) {
+      const int r = comm->local(i).rank();
+      WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+      WEFT_CUDA_CHECK(cudaMalloc(&nin[i], in_bytes));
+      WEFT_CUDA_CHECK(cudaMalloc(&nout[i], std::max<uint64_t>(out_bytes, 256)));
+      WEFT_CUDA_CHECK(cudaMalloc(&dev_counts[i], 2 * W * 8));
+      WEFT_CUDA_CHECK(cudaMemcpy(dev_counts[i], counts[r].data(), W * 8, cudaMemcpyHostToDevice));
+      std::vector<uint16_t> host(in_bytes / 2);
+      for (size_t k = 0; k < host.size(); ++k) host[k] = static_cast<uint16_t>(0x3f80 + (k + r * 131) % 97);
+      WEFT_CUDA_CHECK(cudaMemcpy(win.local[i], host.data(), in_bytes, cudaMemcpyHostToDevice));
+      WEFT_CUDA_CHECK(cudaMemcpy(nin[i], host.data(), in_bytes, cudaMemcpyHostToDevice));
+    }
+    auto weft_all = [&](int) {
+      for (int i = 0; i < L; ++i)
+        all_to_all_v(*comm, comm->local(i), win.local[i], dev_counts[i], tokens, wout.local[i],
+                     dev_counts[i] + W, cap, kHidden, DType::kBF16, team.streams[i]);
+    };
+    auto nccl_all = [&](int) {
+      if (!nccl_on) return;
+      WEFT_NCCL_CHECK(ncclGroupStart());
+      for (int i = 0; i < L; ++i) {
+        const int r = comm->local(i).rank();
+        WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+        int64_t src = 0, dst = 0;
+        for (int q = 0; q < W; ++q) {
+          WEFT_NCCL_CHECK(ncclSend(nin[i] + src * row, counts[r][q] * kHidden, ncclBfloat16, q, team.nccl[i],
+                                   team.streams[i]));
+          WEFT_NCCL_CHECK(ncclRecv(nout[i] + dst * row, counts[q][r] * kHidden, ncclBfloat16, q, team.nccl[i],
+                                   team.streams[i]));
+          src += counts[r][q];
+          dst += counts[q][r];
+        }
+      }
+      WEFT_NCCL_CHECK(ncclGroupEnd());
+    };
+    weft_all(0);
+    nccl_all(0);
+    uint64_t wrong = 0;
+    for (int i = 0; i < L; ++i) {
+      const int r = comm->local(i).rank();
+      int64_t got = 0;
+      for (int s = 0; s < W; ++s) got += counts[s][r];
+      WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(team.streams[i]));
+      std::vector<uint16_t> a(got * kHidden), b(got * kHidden);
+      WEFT_CUDA_CHECK(cudaMemcpy(a.data(), wout.local[i], got * row, cudaMemcpyDeviceToHost));
+      WEFT_CUDA_CHECK(cudaMemcpy(b.data(), nout[i], got * row, cudaMemcpyDeviceToHost));
+      for (size_t k = 0; k < a.size(); ++k) wrong += nccl_on && a[k] != b[k];
+    }
+    comm->check_device_errors();
+    wrong = static_cast<uint64_t>(team.team_max(double(wrong)));
+    const int iters = tokens <= 1024 ? 100 : 20, reps = ctx.quick ? 3 : 7;
+    const double tn = nccl_on ? team.team_max(time_graphs(*comm, team.streams, iters, reps, nccl_all)) : 0.0;
+    const double tw = team.team_max(time_graphs(*comm, team.streams, iters, reps, weft_all));
+    t.add({std::to_string(tokens), fmt("%.1f", in_bytes / 1048576.0), nccl_on ? fmt("%.1f", tn) : "-",
+           fmt("%.1f", tw), std::to_string(wrong), nccl_on ? fmt("%.2fx", tn / tw) : "-"});
+    comm->free(win);
+    comm->free(wout);
+    for (int i = 0; i < L; ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
+      WEFT_CUDA_CHECK(cudaFree(nin[i]));
+      WEFT_CUDA_CHECK(cudaFree(nout[i]));
+      WEFT_CUDA_CHECK(cudaFree(dev_counts[i]));
+    }
+  }
+  ctx.add(std::move(t));
+}
+
 ModeRegistrar r1(
     "allreduce", "bf16 all-reduce vs NCCL, 8 KiB..1 GiB",
     [](Context& c) { run_collective(c, Coll::kAllReduce); }, 2, true);
@@ -330,6 +433,9 @@ ModeRegistrar r6(
 ModeRegistrar r7(
     "gather", "bf16 gather to rank 0 vs NCCL send / recv",
     [](Context& c) { run_collective(c, Coll::kGather); }, 2, true);
+ModeRegistrar r9(
+    "alltoallv", "bf16 all-to-all with variable splits (MoE routing) vs NCCL send / recv",
+    [](Context& c) { run_all_to_all_v(c); }, 2, true);
 ModeRegistrar r8(
     "reduce", "bf16 sum to rank 0 vs NCCL", [](Context& c) { run_collective(c, Coll::kReduce); }, 2, true);
 

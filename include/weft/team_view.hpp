@@ -40,8 +40,10 @@ struct BarrierSlots {  // a run of barrier slots (barrier_block): slot i of the 
 // wait returns false, the kernel winds down, and the host reads the record after synchronizing.
 enum class DeviceErrorCode : uint32_t {
   kNone = 0,
-  kTimeout = 1,  // a wait exceeded the team's timeout
-  kAborted = 2,  // the host raised the abort flag (a peer process died) or another wait already failed
+  kTimeout = 1,    // a wait exceeded the team's timeout
+  kAborted = 2,    // the host raised the abort flag (a peer process died) or another wait already failed
+  kBadCounts = 3,  // all_to_all_v refused its counts (block: the offending rank; thread: which check;
+                   // expected: the limit; observed: what the counts need)
 };
 
 struct DeviceError {

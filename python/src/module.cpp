@@ -410,6 +410,14 @@ void bind_collectives(py::module_& m) {
     weft::all_to_all(*c.comm, c.rank(), reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out),
                      count_per_rank, parse_dtype(dtype), c.stream(stream));
   });
+  m.def("all_to_all_v", [](const Comm& c, uintptr_t in, uintptr_t send_counts, uint64_t in_rows,
+                           uintptr_t out, uintptr_t recv_counts, uint64_t out_rows, uint64_t row_elems,
+                           const std::string& dtype, uintptr_t stream) {
+    weft::all_to_all_v(*c.comm, c.rank(), reinterpret_cast<const void*>(in),
+                       reinterpret_cast<const int64_t*>(send_counts), in_rows, reinterpret_cast<void*>(out),
+                       reinterpret_cast<int64_t*>(recv_counts), out_rows, row_elems, parse_dtype(dtype),
+                       c.stream(stream));
+  });
   // Rooted: count elements per part; pointers only the root uses may be 0 elsewhere.
   using Rooted =
       void (*)(weft::Communicator&, weft::Rank&, const void*, void*, size_t, weft::DType, int, cudaStream_t);

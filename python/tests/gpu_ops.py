@@ -75,6 +75,42 @@ def main():
         dist.all_to_all_single(want, x)
         check(f"all_to_all {dtype}", weft.all_to_all(x), want, True)
         cases += 1
+        # Rooted collectives against torch.distributed's (every root).
+        for root in range(world):
+            x = torch.randn(world * 37, 5, device="cuda", dtype=dtype, generator=g)
+            want = x.clone()
+            dist.broadcast(want, src=root)
+            check(f"broadcast root {root} {dtype}", weft.broadcast(x, root=root), want, True)
+            full = x.clone()
+            dist.broadcast(full, src=root)  # the root's x, known everywhere: the scatter's reference
+            check(f"scatter root {root} {dtype}", weft.scatter(x, root=root), full.chunk(world)[rank], True)
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x)
+            got = weft.gather(x, root=root)
+            if rank == root:
+                check(f"gather root {root} {dtype}", got, torch.cat(parts), True)
+            elif got is not None:
+                raise AssertionError(f"gather root {root}: rank {rank} got a tensor, want None")
+            want = x.clone()
+            dist.reduce(want, dst=root)
+            got = weft.reduce(x, root=root)
+            if rank == root:
+                check(f"reduce root {root} {dtype}", got, want)
+            cases += 4
+        # Variable splits against all_to_all_single with split sizes (the sizes on the GPU for weft).
+        sc = torch.Generator().manual_seed(7)  # the same on every rank: the whole count matrix
+        counts = torch.randint(0, 40, (world, world), generator=sc)
+        counts[0, world - 1] = 0
+        send = counts[rank].tolist()
+        recv = counts[:, rank].tolist()
+        x = torch.randn(sum(send), 24, device="cuda", dtype=dtype, generator=g)
+        want = torch.empty(sum(recv), 24, device="cuda", dtype=dtype)
+        dist.all_to_all_single(want, x, output_split_sizes=recv, input_split_sizes=send)
+        out, got_counts = weft.all_to_all_v(x, counts[rank].cuda(), int(counts.sum(0).max()) + 3)
+        check(f"all_to_all_v {dtype}", out[:sum(recv)], want, True)
+        if got_counts.tolist() != recv:
+            raise AssertionError(f"all_to_all_v recv_counts {got_counts.tolist()}, want {recv}")
+        cases += 1
     # Fused matmul ops against torch.distributed + a fp32 torch matmul (weights in nn.Linear layout [N, K],
     # passed as w.t(); also as a contiguous [K, N]).
     for m_shard, n, k in ((128, 256, 256), (256, 264, 136), (200, 128, 64)):

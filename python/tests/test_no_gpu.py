@@ -230,6 +230,8 @@ class NoGpu(unittest.TestCase):
             self.raises(ValueError, "root must be a rank of the team", fn, x, root=4)
             self.raises(ValueError, "root must be a rank of the team", fn, x, root=-1)
         self.raises(ValueError, "splits dim 0 into 4 blocks", self.comm.scatter, FakeTensor((6, 2)))
+        # all_to_all_v's counts are int64 torch tensors: other callers are told so.
+        self.raises(TypeError, "takes torch tensors", weft.all_to_all_v, x, FakeTensor((4,)), 8, comm=self.comm)
 
     def test_unsupported_dtype(self):
         self.raises(TypeError, "unsupported dtype", self.comm.all_reduce, FakeTensor((8,), "int32"))

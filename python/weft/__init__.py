@@ -29,7 +29,7 @@ from . import _weft
 __version__ = _weft.__version__
 
 __all__ = ["init", "virtual_team", "Team", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
-           "broadcast", "scatter", "gather", "reduce",
+           "all_to_all_v", "broadcast", "scatter", "gather", "reduce",
            "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
            "matmul_all_reduce", "flash_attention", "flash_attention_varlen", "grouped_mm", "swiglu_interleave", "ring_shard_indices", "ring_shard",
            "ring_unshard", "context_attention", "ring_attention", "ulysses_attention", "hybrid_attention", "MoeDispatch",
@@ -53,7 +53,7 @@ _inits = 0
 
 # ---- the areas ---------------------------------------------------------------------------------------------
 from ._errors import WeftError, WeftTypeError, WeftValueError
-from ._collectives import all_gather, all_reduce, all_to_all, broadcast, gather, reduce, reduce_scatter, scatter
+from ._collectives import all_gather, all_reduce, all_to_all, all_to_all_v, broadcast, gather, reduce, reduce_scatter, scatter
 from ._tensor_parallel import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from ._attention import (context_attention, flash_attention, flash_attention_varlen, hybrid_attention, ring_attention,
                          ring_shard, ring_shard_indices, ring_unshard, ulysses_attention)

@@ -1,13 +1,14 @@
-"""Collectives: all_reduce, all_gather, reduce_scatter, all_to_all (any dtype weft supports, torch or DLPack); the
-rooted broadcast, scatter, gather and reduce (eager)."""
+"""Collectives: all_reduce, all_gather, reduce_scatter, all_to_all, all_to_all_v (any dtype weft supports, torch or
+DLPack; all_to_all_v torch only); the rooted broadcast, scatter, gather and reduce (eager)."""
 from __future__ import annotations
 
 import math
+import sys
 
 import weft as _w
 from . import _weft
 from ._args import _dim, _output, _prepare, _torch_tensor
-from ._errors import WeftValueError
+from ._errors import WeftTypeError, WeftValueError
 
 
 def all_reduce(x, op="sum", out=None, comm=None):
@@ -65,6 +66,38 @@ def all_to_all(x, out=None, comm=None):
     _weft.all_to_all(c._c, a.ptr, o.ptr, a.numel // w, a.dtype, s)
     return out
 
+
+
+def all_to_all_v(x, send_counts, out_rows, out=None, recv_counts=None, comm=None):
+    """Variable splits along dim 0 (torch's all_to_all_single with split sizes; MoE token routing), the sizes
+    staying on the GPU (no host synchronisation; CUDA-graph capturable). x's rows are this rank's parts for
+    ranks 0..W-1 back to back, send_counts[q] rows for rank q (an int64 CUDA tensor of W). Returns (out,
+    recv_counts): out has out_rows rows (the same on every rank) holding the parts from ranks 0..W-1 back to
+    back (rows past them untouched), recv_counts (int64, W) their sizes. Counts that do not fit (negative, past
+    x, past out_rows) are refused on every rank before anything moves: the next synchronize raises. Torch
+    tensors only; eager (not a torch operator)."""
+    c, s, a = _prepare(x, comm)
+    torch = sys.modules.get("torch")
+    if not a.torch:
+        raise WeftTypeError("weft.all_to_all_v takes torch tensors (its counts are int64 tensors)")
+    w = c.world_size
+    for name, t in (("send_counts", send_counts), ("recv_counts", recv_counts)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.numel() != w or not t.is_cuda \
+                or t.get_device() != c.device or not t.is_contiguous():
+            raise WeftValueError(f"weft: {name} must be a contiguous int64 tensor of {w} elements on cuda:{c.device}")
+    if not isinstance(out_rows, int) or out_rows < 0:
+        raise WeftValueError(f"weft: out_rows must be an int >= 0, got {out_rows!r}")
+    if not a.shape:
+        raise WeftValueError("weft: all_to_all_v splits dim 0; x is 0-d")
+    row = math.prod(a.shape[1:])
+    out, o = _output(c, s, x, a, (out_rows,) + tuple(a.shape[1:]), out)
+    if recv_counts is None:
+        recv_counts = torch.empty(w, dtype=torch.int64, device=x.device)
+    _weft.all_to_all_v(c._c, a.ptr, send_counts.data_ptr(), a.shape[0], o.ptr, recv_counts.data_ptr(), out_rows,
+                       row, a.dtype, s)
+    return out, recv_counts
 
 
 # ---- rooted collectives: eager calls (not torch operators: no autograd, no torch.compile tracing) ----------

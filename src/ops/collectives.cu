@@ -584,6 +584,47 @@ void run_reduce(Call& c, const void* in, void* out, size_t count, DType dtype, R
   WEFT_CUDA_CHECK(cudaMemcpyAsync(out, result, bytes, cudaMemcpyDeviceToDevice, c.stream));
 }
 
+const char* const kCountsArea = "all_to_all_v: counts";
+void run_all_to_all_v(Call& c, const void* in, const int64_t* send_counts, size_t in_capacity, void* out,
+                      int64_t* recv_counts, size_t out_capacity, size_t row_elems, DType dtype) {
+  const int W = c.rank.world();
+  if (row_elems == 0) c.fail("row_elems must be at least 1");
+  const uint64_t es = dtype_size(dtype), row = row_elems * es, in_bytes = in_capacity * row,
+                 out_bytes = out_capacity * row;
+  if (in_capacity > 0) c.check_buffer(in, "in", in_bytes, es);
+  if (out_capacity > 0) c.check_buffer(out, "out", out_bytes, es);
+  c.check_buffer(send_counts, "send_counts", W * 8, 8);
+  c.check_buffer(recv_counts, "recv_counts", W * 8, 8);
+  if (in_capacity > 0 && out_capacity > 0 && Call::overlap(in, in_bytes, out, out_bytes))
+    c.fail("in and out overlap (all_to_all_v is not in place)");
+  coll::AllToAllV a{};
+  a.team = c.rank.view();
+  a.in = static_cast<const char*>(in);
+  a.send_counts = send_counts;
+  a.in_capacity = static_cast<int64_t>(in_capacity);
+  a.out_capacity = static_cast<int64_t>(out_capacity);
+  a.recv_counts = recv_counts;
+  a.row_bytes = row;
+  a.slots = c.meetings();
+  a.table = reinterpret_cast<int64_t*>(c.workspace(uint64_t(W) * (W + 1) * 8, kCountsArea));
+  // out symmetric (the same buffer on every rank, out_capacity the same everywhere): pushed into directly;
+  // else through the workspace, then copied out.
+  const bool via_workspace = out_capacity > 0 && !c.comm.in_heap(c.rank, out, out_bytes);
+  a.dst = via_workspace ? c.workspace(out_bytes) : static_cast<char*>(out);
+  const int g = c.blocks(std::max<uint64_t>(out_bytes, 1));
+  if (c.planned(via_workspace ? "counts + push via workspace + copy out" : "counts + push", g)) return;
+  detail::preload<&coll::counts_kernel>();
+  coll::counts_kernel<<<1, 64, 0, c.stream>>>(a);
+  c.launched();
+  detail::preload<&coll::push_kernel>();
+  coll::push_kernel<<<g, kThreads, 0, c.stream>>>(a);
+  c.launched();
+  if (!via_workspace) return;
+  detail::preload<&coll::copy_out_kernel>();
+  coll::copy_out_kernel<<<g, kThreads, 0, c.stream>>>(a, static_cast<char*>(out));
+  c.launched();
+}
+
 }  // namespace
 
 // The calls, and their plans (the same code, planning).
@@ -689,6 +730,21 @@ Plan reduce_plan(Communicator& comm, Rank& rank, const void* in, void* out, size
   Plan plan;
   Call c(comm, rank, stream, "reduce", &plan);
   run_reduce(c, in, out, count, dtype, op, root);
+  return plan;
+}
+
+void all_to_all_v(Communicator& comm, Rank& rank, const void* in, const int64_t* send_counts,
+                  size_t in_capacity, void* out, int64_t* recv_counts, size_t out_capacity, size_t row_elems,
+                  DType dtype, cudaStream_t stream) {
+  Call c(comm, rank, stream, "all_to_all_v");
+  run_all_to_all_v(c, in, send_counts, in_capacity, out, recv_counts, out_capacity, row_elems, dtype);
+}
+Plan all_to_all_v_plan(Communicator& comm, Rank& rank, const void* in, const int64_t* send_counts,
+                       size_t in_capacity, void* out, int64_t* recv_counts, size_t out_capacity,
+                       size_t row_elems, DType dtype, cudaStream_t stream) {
+  Plan plan;
+  Call c(comm, rank, stream, "all_to_all_v", &plan);
+  run_all_to_all_v(c, in, send_counts, in_capacity, out, recv_counts, out_capacity, row_elems, dtype);
   return plan;
 }
 

@@ -804,6 +804,18 @@ void Communicator::check_device_errors() const {
     WEFT_CUDA_CHECK(cudaMemcpy(&e, ranks_[i]->view_.error, sizeof(e), cudaMemcpyDeviceToHost));
     const auto code = static_cast<DeviceErrorCode>(e.code);
     if (code == DeviceErrorCode::kNone) continue;
+    if (code == DeviceErrorCode::kBadCounts) {
+      const int64_t limit = static_cast<int64_t>(e.expected), needed = static_cast<int64_t>(e.observed);
+      const std::string who = "rank " + std::to_string(e.block);
+      throw Error("weft::all_to_all_v: refused on every rank: " +
+                  (e.thread == 0 ? who + " would receive " + std::to_string(needed) +
+                                       " elements, more than out_capacity " + std::to_string(limit)
+                   : e.thread == 1
+                       ? who + "'s send_counts add up to " + std::to_string(needed) +
+                             " elements, more than its input holds (" + std::to_string(limit) + ")"
+                       : who + " has a negative send count (" + std::to_string(needed) + ")") +
+                  "; nothing was moved, and the team's device waits fail from here on");
+    }
     std::string msg = "weft: rank " + std::to_string(e.rank) + " (block " + std::to_string(e.block) +
                       ", thread " + std::to_string(e.thread) + ") ";
     msg += code == DeviceErrorCode::kTimeout ? "timed out after " : "gave up (abort) after ";

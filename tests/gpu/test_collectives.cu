@@ -535,6 +535,75 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
   WEFT_EXPECT_ERROR(gather(c, r, b.ptr[0], b.ptr[0], 4, DType::kFP32, -1), "is not a rank of this team");
 }
 
+// all_to_all_v: random split sizes (zeros included) with the counts on the device, symmetric and device
+// outs; out and recv_counts against the host's routing of every rank's input (exact).
+WEFT_GPU_TEST(all_to_all_v_matches_reference) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  std::vector<size_t> most = {1, 9, 5000, 300000};
+  if (ctx.quick) most = {1, 9, 5000};
+  uint64_t seed = 1300;
+  for (DType t : kTypes)
+    for (size_t hi : most)
+      for (bool sym : {true, false}) {
+        const uint64_t re = hi == 9 ? 24 : 1, es = dtype_size(t) * re;  // rows of re elements (tokens)
+        // counts[s][q]: the rows rank s sends rank q, about one in five of them zero.
+        std::mt19937_64 rng(seed);
+        std::vector<std::vector<int64_t>> counts(W, std::vector<int64_t>(W));
+        for (int s = 0; s < W; ++s)
+          for (int q = 0; q < W; ++q) counts[s][q] = rng() % 5 == 0 ? 0 : int64_t(rng() % (hi + 1));
+        size_t in_cap = 1, out_cap = 1;
+        for (int s = 0; s < W; ++s) {
+          size_t row = 0, col = 0;
+          for (int q = 0; q < W; ++q) row += counts[s][q], col += counts[q][s];
+          in_cap = std::max(in_cap, row + 3);
+          out_cap = std::max(out_cap, col + 5);
+        }
+        RankBuffers in(c, in_cap * es, sym), out(c, out_cap * es, sym), cnt(c, 2 * W * 8, false);
+        std::vector<std::vector<char>> inputs;
+        for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, in_cap * re, r, seed));
+        for_each_local(c, [&](Rank& r, int i) {
+          upload(c, i, in.ptr[i], inputs[r.rank()]);
+          poison(c, i, out.ptr[i], out_cap * es);
+          std::vector<char> send(W * 8);
+          std::memcpy(send.data(), counts[r.rank()].data(), W * 8);
+          upload(c, i, cnt.ptr[i], send);
+          poison(c, i, cnt.ptr[i] + W * 8, W * 8);
+        });
+        c.host_barrier();
+        for_each_local(c, [&](Rank& r, int i) {
+          const auto* sc = reinterpret_cast<const int64_t*>(cnt.ptr[i]);
+          auto* rc = reinterpret_cast<int64_t*>(cnt.ptr[i] + W * 8);
+          keeping_plan(c, all_to_all_v_plan(c, r, in.ptr[i], sc, in_cap, out.ptr[i], rc, out_cap, re, t),
+                       [&] { all_to_all_v(c, r, in.ptr[i], sc, in_cap, out.ptr[i], rc, out_cap, re, t); });
+        });
+        c.synchronize();
+        for_each_local(c, [&](Rank& r, int i) {
+          const int me = r.rank();
+          std::vector<double> ref;
+          std::vector<int64_t> want_counts(W);
+          for (int s = 0; s < W; ++s) {
+            size_t at = 0;
+            for (int q = 0; q < me; ++q) at += counts[s][q];
+            for (uint64_t k = 0; k < uint64_t(counts[s][me]) * re; ++k)
+              ref.push_back(to_float(t, inputs[s].data() + (at * re + k) * dtype_size(t)));
+            want_counts[s] = counts[s][me];
+          }
+          std::vector<char> got_counts = download(c, i, cnt.ptr[i] + W * 8, W * 8);
+          WEFT_EXPECT(std::memcmp(got_counts.data(), want_counts.data(), W * 8) == 0,
+                      "all_to_all_v recv_counts wrong at rank " << me);
+          const std::string err =
+              ref.empty() ? std::string()
+                          : compare(t, download(c, i, out.ptr[i], ref.size() * dtype_size(t)), ref, true);
+          WEFT_EXPECT(err.empty(), "all_to_all_v " << dtype_name(t) << " up to " << hi << " rows of " << re
+                                                   << " per part" << (sym ? " symmetric" : " device")
+                                                   << " rank " << me << ": " << err);
+        });
+        c.host_barrier();
+        ++seed;
+      }
+}
+
 WEFT_GPU_TEST(collectives_replay_in_cuda_graphs) {
   Communicator& c = ctx.comm();
   const int W = c.world();

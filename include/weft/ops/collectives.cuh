@@ -265,6 +265,125 @@ __global__ void __launch_bounds__(512) rooted_kernel(Rooted r) {
   }
 }
 
+// ---- all-to-all with variable splits: counts on the device, three kernels
+// ----------------------------------
+// 1. counts_kernel (one block): meet; send this rank's row (its W send counts, then its input's capacity)
+// into
+//    every rank's table (symmetric: [source][W + 1] int64); meet, so every table is complete. Thread 0 then
+//    checks the whole table (every rank sees the same one, so every rank decides alike): a negative count, a
+//    row past its sender's input, or a column past the receivers' capacity fails the call on every rank
+//    (DeviceErrorCode::kBadCounts, the offender named) before anything moves; else recv_counts = column r.
+// 2. push_kernel (the grid): each block takes its share of every part, one peer per step (staggered), into
+//    the receiver's out (symmetric) or workspace at the offset the table gives (the parts of lower ranks
+//    first); meet (every push into this rank has landed).
+// 3. copy_out_kernel (through the workspace only): the received elements to out.
+// The next call's entry meeting keeps a fast rank's table writes and pushes away from a slow rank still in
+// this call's kernels.
+struct AllToAllV {
+  TeamView team;
+  const char* in;
+  const int64_t* send_counts;  // device [W]
+  int64_t in_capacity;         // rows of in
+  char* dst;                   // out or the workspace (symmetric: the same offset on every rank)
+  int64_t out_capacity;        // rows of out, the same on every rank
+  int64_t* table;              // symmetric [W][W + 1]
+  int64_t* recv_counts;        // device [W]
+  uint64_t row_bytes;          // counts and capacities are in rows of this many bytes
+  BarrierSlots slots;
+};
+
+inline __device__ int64_t table_at(const AllToAllV& a, int source, int column) {
+  return a.table[source * (a.team.world + 1) + column];
+}
+
+// Records a refused call (DeviceErrorCode::kBadCounts) for the host: `rank` the offender, `what` 0: a
+// receiver's column past out_capacity, 1: a sender's row past its input, 2: a negative count.
+inline __device__ void report_bad_counts(const AllToAllV& a, int rank, uint32_t what, int64_t limit,
+                                         int64_t needed) {
+  DeviceError* e = a.team.error;
+  if (atomicCAS(reinterpret_cast<unsigned int*>(&e->code), 0u,
+                static_cast<unsigned int>(DeviceErrorCode::kBadCounts)) != 0u)
+    return;
+  e->rank = a.team.rank;
+  e->block = static_cast<uint32_t>(rank);
+  e->thread = what;
+  e->flag_offset = 0;
+  e->expected = static_cast<uint64_t>(limit);
+  e->observed = static_cast<uint64_t>(needed);
+  e->waited_ns = 0;
+  __threadfence();
+}
+
+// Internal linkage (static): plain kernels in a header included by several translation units.
+static __global__ void __launch_bounds__(64) counts_kernel(AllToAllV a) {
+  const TeamView& t = a.team;
+  const int W = t.world, row = W + 1;
+  if (!meet(t, a.slots)) return;
+  for (int i = threadIdx.x; i < W * row; i += blockDim.x) {  // my row into rank p's table
+    const int p = i / row, j = i % row;
+    const int64_t v = j < W ? a.send_counts[j] : a.in_capacity;
+    *t.peer_ptr(a.table + t.rank * row + j, p) = v;
+  }
+  if (!meet(t, a.slots)) return;
+  if (threadIdx.x == 0) {
+    bool ok = true;
+    for (int s = 0; s < W && ok; ++s) {
+      int64_t sent = 0;
+      for (int q = 0; q < W; ++q) {
+        const int64_t c = table_at(a, s, q);
+        if (c < 0) report_bad_counts(a, s, 2, 0, c), ok = false;
+        sent += c;
+      }
+      if (ok && sent > table_at(a, s, W)) report_bad_counts(a, s, 1, table_at(a, s, W), sent), ok = false;
+    }
+    for (int q = 0; q < W && ok; ++q) {
+      int64_t got = 0;
+      for (int s = 0; s < W; ++s) got += table_at(a, s, q);
+      if (got > a.out_capacity) report_bad_counts(a, q, 0, a.out_capacity, got), ok = false;
+    }
+  }
+  __syncthreads();
+  if (*reinterpret_cast<volatile uint32_t*>(&t.error->code) != 0) return;
+  for (int q = threadIdx.x; q < W; q += blockDim.x) a.recv_counts[q] = table_at(a, q, t.rank);
+}
+
+// Copies this block's share of `bytes` from src to dst with the widest access all three allow.
+inline __device__ void copy_part(char* dst, const char* src, uint64_t bytes) {
+  const uintptr_t all = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes;
+  if (all % 16 == 0)
+    copy_rows<16>(Rows{dst, 0}, Rows{const_cast<char*>(src), 0}, 1, bytes);
+  else if (all % 8 == 0)
+    copy_rows<8>(Rows{dst, 0}, Rows{const_cast<char*>(src), 0}, 1, bytes);
+  else if (all % 4 == 0)
+    copy_rows<4>(Rows{dst, 0}, Rows{const_cast<char*>(src), 0}, 1, bytes);
+  else
+    copy_rows<2>(Rows{dst, 0}, Rows{const_cast<char*>(src), 0}, 1, bytes);
+}
+
+static __global__ void __launch_bounds__(512) push_kernel(AllToAllV a) {
+  const TeamView& t = a.team;
+  const int W = t.world;
+  if (*reinterpret_cast<volatile uint32_t*>(&t.error->code) != 0) return;  // refused on every rank
+  for (int k = 0; k < W; ++k) {
+    const int p = (t.rank + k) % W;
+    int64_t src_at = 0, dst_at = 0;  // my part for p starts after my parts for lower ranks; lands after
+    for (int q = 0; q < p; ++q) src_at += table_at(a, t.rank, q);  // lower ranks' parts for p
+    for (int s = 0; s < t.rank; ++s) dst_at += table_at(a, s, p);
+    const uint64_t bytes = uint64_t(table_at(a, t.rank, p)) * a.row_bytes;
+    if (bytes > 0) copy_part(t.peer_ptr(a.dst + dst_at * a.row_bytes, p), a.in + src_at * a.row_bytes, bytes);
+  }
+  (void)meet(t, a.slots);
+}
+
+// out = the received elements (the column's sum), from the workspace; a grid-stride copy.
+static __global__ void __launch_bounds__(512) copy_out_kernel(AllToAllV a, char* out) {
+  const TeamView& t = a.team;
+  if (*reinterpret_cast<volatile uint32_t*>(&t.error->code) != 0) return;
+  int64_t got = 0;
+  for (int s = 0; s < t.world; ++s) got += table_at(a, s, t.rank);
+  copy_part(out, a.dst, uint64_t(got) * a.row_bytes);
+}
+
 // ---- reduce-scatter and two-shot all-reduce: push slices to their owners, reduce mine (and fan out) ---
 struct ReduceScatter {
   TeamView team;

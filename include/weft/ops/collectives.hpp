@@ -1,5 +1,6 @@
-// Collectives: all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, scatter, gather, reduce,
-// written as short compositions of the device primitives (weft/comm/*.cuh). Unicast NVLink only.
+// Collectives: all-reduce, all-gather, reduce-scatter, all-to-all (equal and variable splits), broadcast,
+// scatter, gather, reduce, written as short compositions of the device primitives (weft/comm/*.cuh). Unicast
+// NVLink only.
 //
 // Every rank of the team calls the same collective with the same arguments (in single-process mode: once
 // per local rank, each call enqueueing on that rank's stream; the kernels meet on the devices). Work is
@@ -74,6 +75,19 @@ void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, S
 void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank, DType dtype,
                 cudaStream_t stream = nullptr);
 
+// Variable splits (torch's all_to_all_single with split sizes; MoE token routing), sizes on the device: no
+// host synchronization, capturable in CUDA graphs. Sizes count rows of row_elems elements (1: elements; an
+// MoE layer's tokens: hidden). in holds this rank's parts for ranks 0..W-1 back to back, part q of
+// send_counts[q] rows (send_counts: device int64 [W]; in holds in_capacity rows). out receives the parts from
+// ranks 0..W-1 back to back in rank order (out_capacity rows, the same on every rank), and recv_counts
+// (device int64 [W]) their sizes. Counts that do not fit (a negative count, a row past its sender's in, a
+// receiver's total past out_capacity) are refused on every rank before anything moves: the next
+// synchronize() throws naming the offender, and the team's device waits fail from then on. out symmetric
+// (the same buffer on every rank) is pushed into directly; else through the workspace. Not in place.
+void all_to_all_v(Communicator& comm, Rank& rank, const void* in, const int64_t* send_counts,
+                  size_t in_capacity, void* out, int64_t* recv_counts, size_t out_capacity, size_t row_elems,
+                  DType dtype, cudaStream_t stream = nullptr);
+
 // Rooted collectives. `root` is a rank of the team; arguments only the root uses may be null elsewhere.
 //   broadcast  out (count elements, every rank) = the root's in; in place at the root when in == out.
 //   scatter    out (count elements) of rank p = part p of the root's in (world x count elements).
@@ -104,6 +118,9 @@ Plan reduce_scatter_plan(Communicator& comm, Rank& rank, const void* in, void* o
                          const CollectiveOptions& options = {});
 Plan all_to_all_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank,
                      DType dtype, cudaStream_t stream = nullptr);
+Plan all_to_all_v_plan(Communicator& comm, Rank& rank, const void* in, const int64_t* send_counts,
+                       size_t in_capacity, void* out, int64_t* recv_counts, size_t out_capacity,
+                       size_t row_elems, DType dtype, cudaStream_t stream = nullptr);
 Plan broadcast_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
                     int root, cudaStream_t stream = nullptr);
 Plan scatter_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
