@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "one_shot.hpp"
 #include "op_args.hpp"
@@ -627,125 +628,108 @@ void run_all_to_all_v(Call& c, const void* in, const int64_t* send_counts, size_
 
 }  // namespace
 
-// The calls, and their plans (the same code, planning).
+// The calls, and their plans: the same code, run with a launching Call or a planning one.
+template <class... Args>
+void run_op(const char* name, Communicator& comm, Rank& rank, cudaStream_t stream,
+            void (*run)(Call&, Args...), std::type_identity_t<Args>... args) {
+  Call c(comm, rank, stream, name);
+  run(c, args...);
+}
+template <class... Args>
+Plan plan_op(const char* name, Communicator& comm, Rank& rank, cudaStream_t stream,
+             void (*run)(Call&, Args...), std::type_identity_t<Args>... args) {
+  Plan plan;
+  Call c(comm, rank, stream, name, &plan);
+  run(c, args...);
+  return plan;
+}
+
 void all_reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
                 ReduceOp op, cudaStream_t stream, const CollectiveOptions& options) {
-  Call c(comm, rank, stream, "all_reduce");
-  run_all_reduce(c, in, out, count, dtype, op, options);
+  run_op("all_reduce", comm, rank, stream, run_all_reduce, in, out, count, dtype, op, options);
 }
 Plan all_reduce_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
                      ReduceOp op, cudaStream_t stream, const CollectiveOptions& options) {
-  Plan plan;
-  Call c(comm, rank, stream, "all_reduce", &plan);
-  run_all_reduce(c, in, out, count, dtype, op, options);
-  return plan;
+  return plan_op("all_reduce", comm, rank, stream, run_all_reduce, in, out, count, dtype, op, options);
 }
 
 void all_gather(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D in_shape, int dim,
                 DType dtype, cudaStream_t stream) {
-  Call c(comm, rank, stream, "all_gather");
-  run_all_gather(c, in, out, in_shape, dim, dtype);
+  run_op("all_gather", comm, rank, stream, run_all_gather, in, out, in_shape, dim, dtype);
 }
 Plan all_gather_plan(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D in_shape, int dim,
                      DType dtype, cudaStream_t stream) {
-  Plan plan;
-  Call c(comm, rank, stream, "all_gather", &plan);
-  run_all_gather(c, in, out, in_shape, dim, dtype);
-  return plan;
+  return plan_op("all_gather", comm, rank, stream, run_all_gather, in, out, in_shape, dim, dtype);
 }
 
 void reduce_scatter(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D out_shape, int dim,
                     DType dtype, ReduceOp op, cudaStream_t stream, const CollectiveOptions& options) {
-  Call c(comm, rank, stream, "reduce_scatter");
-  run_reduce_scatter(c, in, out, out_shape, dim, dtype, op, options);
+  run_op("reduce_scatter", comm, rank, stream, run_reduce_scatter, in, out, out_shape, dim, dtype, op,
+         options);
 }
 Plan reduce_scatter_plan(Communicator& comm, Rank& rank, const void* in, void* out, Shape2D out_shape,
                          int dim, DType dtype, ReduceOp op, cudaStream_t stream,
                          const CollectiveOptions& options) {
-  Plan plan;
-  Call c(comm, rank, stream, "reduce_scatter", &plan);
-  run_reduce_scatter(c, in, out, out_shape, dim, dtype, op, options);
-  return plan;
+  return plan_op("reduce_scatter", comm, rank, stream, run_reduce_scatter, in, out, out_shape, dim, dtype, op,
+                 options);
 }
 
 void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank, DType dtype,
                 cudaStream_t stream) {
-  Call c(comm, rank, stream, "all_to_all");
-  run_all_to_all(c, in, out, count_per_rank, dtype);
+  run_op("all_to_all", comm, rank, stream, run_all_to_all, in, out, count_per_rank, dtype);
 }
 Plan all_to_all_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count_per_rank,
                      DType dtype, cudaStream_t stream) {
-  Plan plan;
-  Call c(comm, rank, stream, "all_to_all", &plan);
-  run_all_to_all(c, in, out, count_per_rank, dtype);
-  return plan;
+  return plan_op("all_to_all", comm, rank, stream, run_all_to_all, in, out, count_per_rank, dtype);
 }
 
 void broadcast(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, int root,
                cudaStream_t stream) {
-  Call c(comm, rank, stream, "broadcast");
-  run_broadcast(c, in, out, count, dtype, root);
+  run_op("broadcast", comm, rank, stream, run_broadcast, in, out, count, dtype, root);
 }
 Plan broadcast_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
                     int root, cudaStream_t stream) {
-  Plan plan;
-  Call c(comm, rank, stream, "broadcast", &plan);
-  run_broadcast(c, in, out, count, dtype, root);
-  return plan;
+  return plan_op("broadcast", comm, rank, stream, run_broadcast, in, out, count, dtype, root);
 }
 
 void scatter(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, int root,
              cudaStream_t stream) {
-  Call c(comm, rank, stream, "scatter");
-  run_scatter(c, in, out, count, dtype, root);
+  run_op("scatter", comm, rank, stream, run_scatter, in, out, count, dtype, root);
 }
 Plan scatter_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
                   int root, cudaStream_t stream) {
-  Plan plan;
-  Call c(comm, rank, stream, "scatter", &plan);
-  run_scatter(c, in, out, count, dtype, root);
-  return plan;
+  return plan_op("scatter", comm, rank, stream, run_scatter, in, out, count, dtype, root);
 }
 
 void gather(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, int root,
             cudaStream_t stream) {
-  Call c(comm, rank, stream, "gather");
-  run_gather(c, in, out, count, dtype, root);
+  run_op("gather", comm, rank, stream, run_gather, in, out, count, dtype, root);
 }
 Plan gather_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
                  int root, cudaStream_t stream) {
-  Plan plan;
-  Call c(comm, rank, stream, "gather", &plan);
-  run_gather(c, in, out, count, dtype, root);
-  return plan;
+  return plan_op("gather", comm, rank, stream, run_gather, in, out, count, dtype, root);
 }
 
 void reduce(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, ReduceOp op,
             int root, cudaStream_t stream) {
-  Call c(comm, rank, stream, "reduce");
-  run_reduce(c, in, out, count, dtype, op, root);
+  run_op("reduce", comm, rank, stream, run_reduce, in, out, count, dtype, op, root);
 }
 Plan reduce_plan(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype,
                  ReduceOp op, int root, cudaStream_t stream) {
-  Plan plan;
-  Call c(comm, rank, stream, "reduce", &plan);
-  run_reduce(c, in, out, count, dtype, op, root);
-  return plan;
+  return plan_op("reduce", comm, rank, stream, run_reduce, in, out, count, dtype, op, root);
 }
 
 void all_to_all_v(Communicator& comm, Rank& rank, const void* in, const int64_t* send_counts,
                   size_t in_capacity, void* out, int64_t* recv_counts, size_t out_capacity, size_t row_elems,
                   DType dtype, cudaStream_t stream) {
-  Call c(comm, rank, stream, "all_to_all_v");
-  run_all_to_all_v(c, in, send_counts, in_capacity, out, recv_counts, out_capacity, row_elems, dtype);
+  run_op("all_to_all_v", comm, rank, stream, run_all_to_all_v, in, send_counts, in_capacity, out, recv_counts,
+         out_capacity, row_elems, dtype);
 }
 Plan all_to_all_v_plan(Communicator& comm, Rank& rank, const void* in, const int64_t* send_counts,
                        size_t in_capacity, void* out, int64_t* recv_counts, size_t out_capacity,
                        size_t row_elems, DType dtype, cudaStream_t stream) {
-  Plan plan;
-  Call c(comm, rank, stream, "all_to_all_v", &plan);
-  run_all_to_all_v(c, in, send_counts, in_capacity, out, recv_counts, out_capacity, row_elems, dtype);
-  return plan;
+  return plan_op("all_to_all_v", comm, rank, stream, run_all_to_all_v, in, send_counts, in_capacity, out,
+                 recv_counts, out_capacity, row_elems, dtype);
 }
 
 }  // namespace weft
