@@ -59,6 +59,8 @@ std::vector<pid_t> start_ranks(int nproc, char** argv, const std::string& job, c
     pid_t pid = ::fork();
     if (pid < 0) {
       std::perror("weft-launch: fork");
+      for (pid_t k : kids) ::kill(-k, SIGTERM);  // the ranks started so far would wait for the rest
+      for (pid_t k : kids) ::waitpid(k, nullptr, 0);
       return {};
     }
     if (pid == 0) {
@@ -80,7 +82,7 @@ std::vector<pid_t> start_ranks(int nproc, char** argv, const std::string& job, c
 }
 
 // Waits for every rank; forwards SIGINT / SIGTERM to them, kills those still running grace_s seconds after
-// one failed. Returns the first failure's code (77, "skipped", if every rank skipped), else 0.
+// one failed. Returns the first failure's code, else 77 ("skipped") if a rank skipped, else 0.
 int wait_ranks(std::vector<pid_t> kids, int grace_s) {
   const int nproc = static_cast<int>(kids.size());
   struct sigaction sa {};

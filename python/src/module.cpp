@@ -92,8 +92,16 @@ struct Comm {
   std::shared_ptr<weft::Communicator> comm;
   int index = 0;  // which local rank
   std::shared_ptr<TeamAllocations> allocations;
+  weft::Rank* sub = nullptr;  // a sub-team's rank (Communicator::subteam), else null: the team's own
 
-  weft::Rank& rank() const { return comm->local(index); }
+  weft::Rank& rank() const { return sub ? *sub : comm->local(index); }
+  // Team-wide host calls (symmetric allocations, the host barrier) belong to the whole team's ranks.
+  void whole_team(const char* what) const {
+    if (sub)
+      throw weft::Error(std::string("weft: ") + what +
+                        " is a call of the whole team: make it on the team's " +
+                        "communicator, not on a sub-team's (subteam / group)");
+  }
   // The caller's stream. 0 is torch's default, the legacy default stream: pass that, since a null stream
   // means "weft's own stream" to the C++ ops (unordered with the caller's work). Virtual ranks need a
   // stream each: on a shared stream a rank's kernel waiting for a peer would sit in front of the peer's part.
@@ -291,8 +299,8 @@ weft::BLayout layout(const std::string& l) {
   return l == "nk" ? weft::BLayout::kNK : weft::BLayout::kKN;
 }
 
-// The communicator, symmetric tensors, DLPack and layout helpers.
-void bind_runtime(py::module_& m) {
+// The communicator: creation (launcher environment, virtual teams), sub-teams, allocations, host calls.
+void bind_comm(py::module_& m) {
   py::class_<Comm>(m, "Comm")
       .def_static(
           "from_env",
@@ -332,13 +340,25 @@ void bind_runtime(py::module_& m) {
           py::arg("world"), py::arg("device"), py::arg("sm_budget") = 0, py::arg("timeout_ms") = 0,
           "W ranks on one GPU in this process (one Comm per rank)")
       .def_property_readonly("rank", [](const Comm& c) { return c.rank().rank(); })
-      .def_property_readonly("world_size", [](const Comm& c) { return c.comm->world(); })
+      .def_property_readonly("world_size", [](const Comm& c) { return c.rank().world(); })
+      // The sub-team of `size` ranks `stride` apart holding this rank (Communicator::subteam: size x stride
+      // divides the world size); ops called with it run over that sub-team.
+      .def("subteam",
+           [](const Comm& c, int size, int stride) {
+             if (c.sub) throw weft::Error("weft: subteam of a sub-team: split the team's own communicator");
+             Comm s = c;
+             weft::Rank& r = c.comm->subteam(c.comm->local(c.index), size, stride);
+             s.sub = &r == &c.comm->local(c.index) ? nullptr : &r;
+             return s;
+           })
+      .def_property_readonly("is_subteam", [](const Comm& c) { return c.sub != nullptr; })
       .def_property_readonly("device", [](const Comm& c) { return c.rank().device(); })
       .def_property_readonly("local_ranks", [](const Comm& c) { return c.comm->num_local(); })
       .def_property_readonly("stream",
                              [](const Comm& c) { return reinterpret_cast<uintptr_t>(c.rank().stream()); })
       .def("empty",
            [](const Comm& c, std::vector<int64_t> shape, const std::string& dtype) {
+             c.whole_team("empty()");
              uint64_t n = 1;
              for (int64_t d : shape) {
                if (d < 0) throw py::value_error("weft: negative dimension in shape");
@@ -359,6 +379,7 @@ void bind_runtime(py::module_& m) {
       .def("reserve_workspace", [](const Comm& c, uint64_t bytes) { c.comm->reserve_workspace(bytes); })
       .def("barrier",
            [](const Comm& c) {
+             c.whole_team("barrier()");
              py::gil_scoped_release release;
              c.comm->host_barrier();
            })
@@ -366,7 +387,10 @@ void bind_runtime(py::module_& m) {
         py::gil_scoped_release release;
         c.comm->synchronize();
       });
+}
 
+// Symmetric tensors, DLPack and layout helpers.
+void bind_runtime(py::module_& m) {
   py::class_<SymTensor>(m, "SymTensor")
       .def_property_readonly("shape", [](const SymTensor& t) { return py::tuple(py::cast(t.shape)); })
       .def_property_readonly("dtype", [](const SymTensor& t) { return t.dtype; })
@@ -424,8 +448,8 @@ void bind_collectives(py::module_& m) {
   for (auto [name, fn] : {std::pair<const char*, Rooted>{"broadcast", &weft::broadcast},
                           {"scatter", &weft::scatter},
                           {"gather", &weft::gather}})
-    m.def(name, [fn](const Comm& c, uintptr_t in, uintptr_t out, uint64_t count, const std::string& dtype,
-                     int root, uintptr_t stream) {
+    m.def(name, [fn = fn](const Comm& c, uintptr_t in, uintptr_t out, uint64_t count,
+                          const std::string& dtype, int root, uintptr_t stream) {
       fn(*c.comm, c.rank(), reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count,
          parse_dtype(dtype), root, c.stream(stream));
     });
@@ -701,6 +725,7 @@ PYBIND11_MODULE(_weft, m) {
   m.doc() = "weft: overlapped multi-GPU kernels (C++ extension; use the weft package)";
   py::register_exception<weft::Error>(m, "WeftError", PyExc_RuntimeError);
   m.attr("__version__") = WEFT_VERSION;
+  bind_comm(m);
   bind_runtime(m);
   bind_collectives(m);
   bind_one_gpu_ops(m);

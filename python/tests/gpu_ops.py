@@ -111,6 +111,20 @@ def main():
         if got_counts.tolist() != recv:
             raise AssertionError(f"all_to_all_v recv_counts {got_counts.tolist()}, want {recv}")
         cases += 1
+    # Process groups as sub-teams (comm=group): the pairs of a (W / 2) x 2 mesh and its columns, all-reduce
+    # and all-gather against torch.distributed over the same group.
+    if world >= 4 and world % 2 == 0:
+        pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+        columns = [dist.new_group(list(range(j, world, 2))) for j in range(2)]
+        for name, group in (("pair", pairs[rank // 2]), ("column", columns[rank % 2])):
+            x = torch.randn(1000, 8, device="cuda", dtype=torch.bfloat16, generator=g)
+            want = x.clone()
+            dist.all_reduce(want, group=group)
+            check(f"all_reduce over a {name} group", weft.all_reduce(x, comm=group), want)
+            parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, x, group=group)
+            check(f"all_gather over a {name} group", weft.all_gather(x, comm=group), torch.cat(parts), True)
+            cases += 2
     # Fused matmul ops against torch.distributed + a fp32 torch matmul (weights in nn.Linear layout [N, K],
     # passed as w.t(); also as a contiguous [K, N]).
     for m_shard, n, k in ((128, 256, 256), (256, 264, 136), (200, 128, 64)):

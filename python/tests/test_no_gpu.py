@@ -233,6 +233,19 @@ class NoGpu(unittest.TestCase):
         # all_to_all_v's counts are int64 torch tensors: other callers are told so.
         self.raises(TypeError, "takes torch tensors", weft.all_to_all_v, x, FakeTensor((4,)), 8, comm=self.comm)
 
+    def test_process_groups_map_to_subteams(self):
+        """A torch ProcessGroup's ranks map to weft's sub-team shape (size, stride): a 2 x 4 mesh's rows and
+        columns on a team of 8; other rank sets are refused with the reason."""
+        shape = weft._runtime._subteam_shape
+        self.assertEqual(shape([4, 5, 6, 7], 8, 6), (4, 1))  # a mesh row: contiguous
+        self.assertEqual(shape([1, 5], 8, 5), (2, 4))  # a mesh column: stride 4
+        self.assertEqual(shape(range(8), 8, 3), (8, 1))  # the whole team
+        self.assertEqual(shape([3], 8, 3), (1, 1))
+        self.raises(ValueError, "not in the group", shape, [0, 1], 8, 5)
+        self.raises(ValueError, "not evenly spaced", shape, [0, 1, 3], 8, 0)
+        self.raises(ValueError, "do not tile", shape, [1, 2], 8, 1)  # pairs start at even ranks
+        self.raises(ValueError, "do not tile", shape, [0, 1, 2], 8, 0)  # 3 does not divide 8
+
     def test_unsupported_dtype(self):
         self.raises(TypeError, "unsupported dtype", self.comm.all_reduce, FakeTensor((8,), "int32"))
         self.raises(TypeError, "unsupported dtype", self.comm.empty, (8,), "int8")

@@ -113,10 +113,14 @@ def _compact(shape, strides):
 
 
 def _comm(comm):
-    c = comm if comm is not None else _w._default
-    if c is None:
-        raise WeftError("weft: call weft.init() first (or pass comm=)")
-    return c
+    """The Communicator of a call: comm itself, the default one (None), or the default one's sub-team that a
+    torch.distributed ProcessGroup spans (comm=group)."""
+    if comm is None or not hasattr(comm, "_c"):
+        c = _w._default
+        if c is None:
+            raise WeftError("weft: call weft.init() first (or pass comm=)")
+        return c if comm is None else c.group(comm)
+    return comm
 
 
 def _stream(c, x):

@@ -212,6 +212,23 @@ class Team:
         self.comms[0].synchronize()
 
 
+def _subteam_shape(ranks, world, rank):
+    """(size, stride) of the sub-team (Communicator.subteam) whose team ranks are `ranks` and that holds
+    `rank`; raises WeftValueError with the reason when the ranks are not one of them."""
+    ranks = sorted(int(r) for r in ranks)
+    size = len(ranks)
+    if rank not in ranks:
+        raise WeftValueError(f"weft: rank {rank} is not in the group (ranks {ranks})")
+    stride = ranks[1] - ranks[0] if size > 1 else 1
+    if stride < 1 or ranks != [ranks[0] + i * stride for i in range(size)]:
+        raise WeftValueError(f"weft: the group's ranks {ranks} are not evenly spaced: weft's sub-teams are")
+    block = size * stride
+    if world % block or ranks[0] != rank // block * block + rank % stride:
+        raise WeftValueError(f"weft: the group's ranks {ranks} do not tile the team of {world} as sub-teams of "
+                             f"{size} ranks {stride} apart do")
+    return size, stride
+
+
 class Communicator:
     """This process's rank of a weft team (one GPU)."""
 
@@ -224,6 +241,27 @@ class Communicator:
         communicators = _w._communicators
         self._id = len(communicators)
         communicators[self._id] = self
+        self._subteams = {}  # (size, stride) -> Communicator
+
+    def subteam(self, size: int, stride: int = 1) -> "Communicator":
+        """The sub-team of `size` ranks `stride` apart that holds this rank (ranks first + i * stride, with
+        first = rank // (size * stride) * (size * stride) + rank % stride; size x stride must divide the world
+        size): ops given it run over those ranks only. Made once per shape; every rank of the team makes the
+        same splits in the same order. Symmetric allocations and the host barrier stay with the whole team."""
+        if not (isinstance(size, int) and isinstance(stride, int)):
+            raise WeftValueError(f"weft: subteam size and stride must be ints, got {size!r}, {stride!r}")
+        key = (size, stride)
+        if key not in self._subteams:
+            self._subteams[key] = Communicator(self._c.subteam(size, stride))
+        return self._subteams[key]
+
+    def group(self, process_group) -> "Communicator":
+        """The sub-team of this team that a torch.distributed ProcessGroup (e.g. a DeviceMesh dimension's)
+        spans: its global ranks must be evenly spaced and tile the team as subteam() does (a mesh dimension
+        does). Ops also take the group itself as comm= (weft.all_reduce(x, comm=mesh.get_group("tp")))."""
+        dist = sys.modules["torch"].distributed
+        return self.subteam(*_subteam_shape(dist.get_process_group_ranks(process_group), self.world_size,
+                                            self.rank))
 
     def empty(self, shape, dtype="bf16"):
         """A symmetric tensor (collective: every rank must call it with the same shape and dtype)."""

@@ -448,38 +448,14 @@ void run_all_to_all(Call& c, const void* in, void* out, size_t count_per_rank, D
                   bytes);
 }
 
-template <int V>
-void launch_rooted_v(Call& c, const coll::Rooted& r, int grid) {
-  detail::preload<&coll::rooted_kernel<V>>();
-  coll::rooted_kernel<V><<<grid, kThreads, 0, c.stream>>>(r);
+// The pushes are dealt in 16-byte units whatever each rank's buffers allow (coll::copy_dealt), so no
+// alignment needs to agree across ranks. The grid is sized by what the busiest rank moves.
+void launch_rooted(Call& c, const coll::Rooted& r, uint64_t busiest_bytes, const char* name) {
+  const int g = c.blocks(busiest_bytes);
+  if (c.planned(std::string(name) + (r.x.via_workspace ? " via workspace" : ""), g)) return;
+  detail::preload<&coll::rooted_kernel>();
+  coll::rooted_kernel<<<g, kThreads, 0, c.stream>>>(r);
   c.launched();
-}
-
-// The access width is a function of what is the same on every rank (the part's size, the steps, the
-// symmetric destination's offset): a block's share of the pushes and of the receivers' copy out of the
-// workspace must be the same on every rank. This rank's own buffers must allow it.
-void launch_rooted(Call& c, coll::Rooted r, uint64_t total_bytes, const char* name) {
-  const coll::Exchange& x = r.x;
-  const int v = vector_width({x.row_bytes, x.src_peer_step, x.dst_peer_step, x.final_peer_step,
-                              reinterpret_cast<uintptr_t>(x.dst.base)});
-  for (auto [p, what] : {std::pair<const char*, const char*>{x.src.base, "in"}, {x.final_dst.base, "out"}})
-    if (reinterpret_cast<uintptr_t>(p) % v != 0)
-      c.fail(std::string(what) + " is not " + std::to_string(v) + "-byte aligned, which parts of " +
-             std::to_string(x.row_bytes) +
-             " bytes take (every rank's buffers alike; allocate them with "
-             "cudaMalloc or the symmetric heap)");
-  const int g = c.blocks(total_bytes);
-  if (c.planned(std::string(name) + (x.via_workspace ? " via workspace" : ""), g)) return;
-  switch (v) {
-    case 16:
-      return launch_rooted_v<16>(c, r, g);
-    case 8:
-      return launch_rooted_v<8>(c, r, g);
-    case 4:
-      return launch_rooted_v<4>(c, r, g);
-    default:
-      return launch_rooted_v<2>(c, r, g);
-  }
 }
 
 void check_root(const Call& c, int root) {
@@ -517,7 +493,7 @@ void run_broadcast(Call& c, const void* in, void* out, size_t count, DType dtype
   char* dst = r.x.via_workspace ? c.workspace(bytes) : static_cast<char*>(out);
   r.x.dst = Rows{dst, 0};
   r.x.final_dst = Rows{static_cast<char*>(out), 0};
-  launch_rooted(c, r, bytes, "broadcast");
+  launch_rooted(c, r, bytes * std::max(1, c.rank.world() - 1), "broadcast");
 }
 
 void run_scatter(Call& c, const void* in, void* out, size_t count, DType dtype, int root) {
@@ -540,7 +516,7 @@ void run_scatter(Call& c, const void* in, void* out, size_t count, DType dtype, 
   r.x.via_workspace = true;
   r.x.dst = Rows{c.workspace(bytes), 0};
   r.x.final_dst = Rows{static_cast<char*>(out), 0};
-  launch_rooted(c, r, bytes, "scatter");
+  launch_rooted(c, r, bytes * std::max(1, c.rank.world() - 1), "scatter");
 }
 
 void run_gather(Call& c, const void* in, void* out, size_t count, DType dtype, int root) {
@@ -580,7 +556,11 @@ void run_reduce(Call& c, const void* in, void* out, size_t count, DType dtype, R
   if (is_root) c.check_buffer(out, "out", bytes, dtype_size(dtype));
   if (c.alone(in, out, bytes)) return;
   char* result = c.workspace(bytes, kReduceArea);
-  run_all_reduce(c, in, result, count, dtype, op, {});
+  // The all-reduce reads 16-byte aligned inputs: another in is copied into the area first (in place there).
+  if (reinterpret_cast<uintptr_t>(in) % 16 != 0 && !c.planned("copy of in into the area")) {
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(result, in, bytes, cudaMemcpyDeviceToDevice, c.stream));
+  }
+  run_all_reduce(c, reinterpret_cast<uintptr_t>(in) % 16 != 0 ? result : in, result, count, dtype, op, {});
   if (!is_root || c.planned("copy to the root's out")) return;
   WEFT_CUDA_CHECK(cudaMemcpyAsync(out, result, bytes, cudaMemcpyDeviceToDevice, c.stream));
 }

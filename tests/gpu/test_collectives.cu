@@ -464,11 +464,11 @@ void rooted_case(TestContext& ctx, Rooted kind, DType t, size_t n, int root, boo
   const auto out_of = [&](int i, int r) -> char* {
     return in_place && r == root && kind == Rooted::kScatter ? in.ptr[i] + root * part : out.ptr[i];
   };
-  for_each_local(c, [&](Rank& r, int i) {
-    poison(c, i, out.ptr[i], out_bytes);
-    if (kind == Rooted::kScatter && in_place && r.rank() == root) poison(c, i, in.ptr[i], in_bytes);
-    upload(c, i, in_of(i, r.rank()), inputs[r.rank()]);
-  });
+  // Poisoned on the rank streams, then uploaded (legacy stream) once the poison is done: in place, the
+  // upload lands in the poisoned buffer.
+  for_each_local(c, [&](Rank&, int i) { poison(c, i, out.ptr[i], out_bytes); });
+  c.synchronize();
+  for_each_local(c, [&](Rank& r, int i) { upload(c, i, in_of(i, r.rank()), inputs[r.rank()]); });
   c.host_barrier();
   for_each_local(c, [&](Rank& r, int i) {
     void* src = in_of(i, r.rank());

@@ -229,15 +229,34 @@ __global__ void __launch_bounds__(512) exchange_kernel(Exchange x) {
 // The layout is the Exchange's (the part for rank p at src + src_peer_step * p, landing at dst +
 // dst_peer_step * source); only the root sends (from_root) or only the root receives (gather). A rank's own
 // part goes straight to its final place (skipped where it is already there: in place). With via_workspace
-// the receivers copy what landed in the workspace out once every push has (the exit meeting).
+// the receivers copy what landed in the workspace out once every push has (the exit meeting). Parts are one
+// row (rows = 1), copied by copy_dealt.
 struct Rooted {
   Exchange x;
   int root;
   bool from_root;
 };
 
-template <int V>
-__global__ void __launch_bounds__(512) rooted_kernel(Rooted r) {
+// This block's share of a `bytes` copy, dealt in 16-byte units whatever the pointers' alignment: the same
+// share on every rank (a receiver's copy out reads only what its counterpart blocks pushed, whatever each
+// rank's buffers allow). 16-byte accesses, 4 in flight, where both pointers allow; else 2-byte ones (the
+// sizes and pointers of 16-bit and 32-bit elements are multiples of 2).
+__device__ __forceinline__ void copy_dealt(char* dst, const char* src, uint64_t bytes) {
+  const uint64_t whole = bytes / 16, units = (bytes + 15) / 16;
+  const bool wide = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % 16) == 0;
+  for_each_chunk(units, [&](uint64_t base, uint64_t len) {
+    if (wide && base + len <= whole) {
+      copy_chunk<16>(Rows{dst, 0}, Rows{const_cast<char*>(src), 0}, 1, whole * 16, base, len);
+      return;
+    }
+    const uint64_t first = base * 16, last = min(bytes, (base + len) * 16);
+    for (uint64_t b = first + 2 * threadIdx.x; b < last; b += 2 * blockDim.x)
+      *reinterpret_cast<uint16_t*>(dst + b) = *reinterpret_cast<const uint16_t*>(src + b);
+  });
+}
+
+// Internal linkage (static): a plain kernel in a header included by several translation units.
+static __global__ void __launch_bounds__(512) rooted_kernel(Rooted r) {
   const Exchange& x = r.x;
   const TeamView& t = x.team;
   if (!meet(t, x.slots)) return;
@@ -253,15 +272,14 @@ __global__ void __launch_bounds__(512) rooted_kernel(Rooted r) {
       if (own && x.via_workspace)
         dst = Rows{x.final_dst.base + x.final_peer_step * t.rank, x.final_dst.stride};
       if (own && dst.base == src.base) continue;  // in place
-      copy_rows<V>(dst, src, x.rows, x.row_bytes);
+      copy_dealt(dst.base, src.base, x.row_bytes);
     }
   }
   if (!meet(t, x.slots) || !x.via_workspace) return;
   for (int q = 0; q < t.world; ++q) {  // what landed here: the root's part, or (at the root) every rank's
     const bool landed = r.from_root ? (q == r.root && t.rank != r.root) : (t.rank == r.root && q != t.rank);
     if (landed)
-      copy_rows<V>(Rows{x.final_dst.base + x.final_peer_step * q, x.final_dst.stride},
-                   Rows{x.dst.base + x.dst_peer_step * q, x.dst.stride}, x.rows, x.row_bytes);
+      copy_dealt(x.final_dst.base + x.final_peer_step * q, x.dst.base + x.dst_peer_step * q, x.row_bytes);
   }
 }
 
@@ -314,7 +332,7 @@ inline __device__ void report_bad_counts(const AllToAllV& a, int rank, uint32_t 
   __threadfence();
 }
 
-// Internal linkage (static): plain kernels in a header included by several translation units.
+// Internal linkage (static), as rooted_kernel.
 static __global__ void __launch_bounds__(64) counts_kernel(AllToAllV a) {
   const TeamView& t = a.team;
   const int W = t.world, row = W + 1;

@@ -96,7 +96,7 @@ void all_to_all_v(Communicator& comm, Rank& rank, const void* in, const int64_t*
 // broadcast pushes into every rank's out directly when out is symmetric (the same buffer on every rank; out
 // symmetric on every rank or on none: then through the workspace); scatter and gather land in the
 // workspace, then in out; reduce runs the all-reduce into a workspace area of its own and copies the result
-// to the root's out. All buffers 16-byte aligned take the widest accesses; every rank's alike.
+// to the root's out. 16-byte aligned buffers move in 16-byte accesses, others in 2-byte ones.
 void broadcast(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, int root,
                cudaStream_t stream = nullptr);
 void scatter(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, int root,
