@@ -6,9 +6,11 @@
 // Layout. The sequence is one or more documents (a packed variable-length batch: attention never crosses a
 // document). Each document is cut into parts: W parts without a causal mask (rank r holds part r), 2W with
 // one (zigzag: rank r holds parts r and 2W - 1 - r, so every rank holds an early and a late part and the
-// causal work is even). Parts differ in length by at most one token (the first `length % parts` are one
-// longer); a document shorter than its part count leaves some parts empty. A rank's local rows are its parts
-// of document 0, then of document 1, ...; within a document, part r before part 2W - 1 - r.
+// causal work is even), or W with one but contiguous (rank r holds part r, the sharding many training stacks
+// use: correct, but the causal work grows with the rank). Parts differ in length by at most one token (the
+// first `length % parts` are one longer); a document shorter than its part count leaves some parts empty. A
+// rank's local rows are its parts of document 0, then of document 1, ...; within a document, part r before
+// part 2W - 1 - r.
 //
 // Schedule. At step s = 0 .. W-1 rank r holds the K/V rows of rank (r - s) mod W (they travel one rank
 // along the ring per step). Query part i meets key part j of the same document when j < i (every key
@@ -34,7 +36,8 @@ enum class RingMask : uint8_t {
 
 struct RingLayout {
   int world = 0;
-  bool zigzag = false;  // causal: 2W parts per document; else W
+  bool causal = false;  // the attention is causal (the plans' masks)
+  bool zigzag = false;  // 2W parts per document (causal, balanced); else W
   std::vector<int64_t> doc_length;
 
   // Grain g: each part is g consecutive parts of the cut into g x parts(), the layout of a team of g x W
@@ -85,7 +88,9 @@ struct RingLayout {
   int64_t local_rows(int r) const { return doc_row[r].back(); }
 };
 
-inline RingLayout ring_layout(const std::vector<int64_t>& doc_length, int world, bool causal, int grain = 1) {
+// zigzag (causal only): the balanced layout; false: contiguous parts.
+inline RingLayout ring_layout(const std::vector<int64_t>& doc_length, int world, bool causal, int grain = 1,
+                              bool zigzag = true) {
   if (world < 1) throw std::invalid_argument("ring_layout: world size must be at least 1");
   if (grain < 1) throw std::invalid_argument("ring_layout: grain must be at least 1");
   if (doc_length.empty()) throw std::invalid_argument("ring_layout: no documents");
@@ -93,7 +98,7 @@ inline RingLayout ring_layout(const std::vector<int64_t>& doc_length, int world,
     if (doc_length[d] < 0)
       throw std::invalid_argument("ring_layout: document " + std::to_string(d) + " has a negative length");
   RingLayout L;
-  L.world = world, L.zigzag = causal, L.doc_length = doc_length, L.grain = grain;
+  L.world = world, L.causal = causal, L.zigzag = causal && zigzag, L.doc_length = doc_length, L.grain = grain;
   const int64_t pieces = int64_t(L.parts()) * grain;
   for (const int64_t n : doc_length) {
     L.part_base.push_back(n / pieces);
@@ -164,7 +169,7 @@ inline std::vector<RowRun> ring_runs(const RingLayout& L) {
 // coarse rank's local rows. The runs of ranks r / g x g .. r / g x g + g - 1 cover that rank's rows once.
 inline std::vector<RowRun> merged_runs(const RingLayout& L, const RingLayout& coarse, int r) {
   const int g = coarse.grain;
-  if (L.grain != 1 || g * coarse.world != L.world || coarse.zigzag != L.zigzag)
+  if (L.grain != 1 || g * coarse.world != L.world || coarse.zigzag != L.zigzag || coarse.causal != L.causal)
     throw std::invalid_argument("merged_runs: the coarse layout is not L with every " + std::to_string(g) +
                                 " ranks merged");
   std::vector<RowRun> runs;
@@ -211,14 +216,14 @@ inline std::vector<RingStep> ring_schedule_of(const RingLayout& L, int r) {
     for (int d = 0; d < static_cast<int>(L.doc_length.size()); ++d)
       for (int qc : L.parts_of(r))
         for (int kc : L.parts_of(step.source)) {
-          if (L.zigzag && kc > qc) continue;  // keys after every query of the part
+          if (L.causal && kc > qc) continue;  // keys after every query of the part
           RingBlock b;
           b.doc = d;
           b.q_row = L.local_row(r, d, qc);
           b.q_rows = L.part_length(d, qc);
           b.k_row = L.local_row(step.source, d, kc);
           b.k_rows = L.part_length(d, kc);
-          b.mask = L.zigzag && kc == qc ? RingMask::kCausal : RingMask::kFull;
+          b.mask = L.causal && kc == qc ? RingMask::kCausal : RingMask::kFull;
           if (b.q_rows > 0 && b.k_rows > 0) step.blocks.push_back(b);
         }
   }
@@ -286,8 +291,8 @@ inline std::pair<int64_t, int64_t> ring_met_rows(const RingLayout& L, int d, int
   int64_t begin = L.doc_row[src][d], end = begin;
   for (int met : L.parts_of(src)) {
     if (travel == RingTravel::kKeys) {
-      if (!L.zigzag || met <= own) end += L.part_length(d, met);  // keys up to the query part
-    } else if (L.zigzag && met < own) {
+      if (!L.causal || met <= own) end += L.part_length(d, met);  // keys up to the query part
+    } else if (L.causal && met < own) {
       begin += L.part_length(d, met);  // queries from the key part on: a suffix
     }
   }
@@ -301,7 +306,7 @@ inline RingPass ring_pass_of(const RingLayout& L, int r, RingTravel travel = Rin
                                 std::to_string(L.world));
   RingPass pass;
   pass.steps = L.world;
-  pass.causal = L.zigzag;
+  pass.causal = L.causal;
   const size_t most = L.doc_length.size() * L.parts_of(r).size();
   pass.own_begin.reserve(most), pass.own_end.reserve(most);
   pass.met_begin.reserve(most * L.world), pass.met_end.reserve(most * L.world);
@@ -370,10 +375,10 @@ inline std::vector<std::pair<int64_t, int64_t>> ring_query_ranges(const RingLayo
 // local rows, key ranges rows of the gathered sequence.
 inline RingCall gathered_call_of(const RingLayout& L, int r) {
   RingCall call;
-  call.causal = L.zigzag;
+  call.causal = L.causal;
   int64_t doc_start = 0;
   for (int d = 0; d < static_cast<int>(L.doc_length.size()); ++d) {
-    if (L.zigzag) {
+    if (L.causal) {
       for (int c : L.parts_of(r)) {
         const int64_t q = L.local_row(r, d, c), n = L.part_length(d, c);
         if (n > 0) call.segments.push_back({q, q + n, doc_start, doc_start + L.part_begin(d, c) + n});

@@ -20,8 +20,8 @@ namespace {
 
 // Counts, for every (query token, key token) of the packed sequence, how often the schedules of all ranks
 // compute it, and checks the counts against attention over the whole sequence.
-void expect_every_pair_once(const std::vector<int64_t>& docs, int W, bool causal) {
-  const RingLayout L = weft::ops::ring_layout(docs, W, causal);
+void expect_every_pair_once(const std::vector<int64_t>& docs, int W, bool causal, bool zigzag = true) {
+  const RingLayout L = weft::ops::ring_layout(docs, W, causal, 1, zigzag);
   int64_t total = 0;
   std::vector<int> doc_of, pos_of;
   for (size_t d = 0; d < docs.size(); ++d)
@@ -67,17 +67,27 @@ void expect_every_pair_once(const std::vector<int64_t>& docs, int W, bool causal
 TEST(RingAttentionPlan, EveryPairOnceForAnyLengths) {
   std::mt19937 rng(7);
   for (int W : {1, 2, 3, 4, 8})
-    for (bool causal : {false, true}) {
-      expect_every_pair_once({1}, W, causal);
-      expect_every_pair_once({2 * W}, W, causal);
-      expect_every_pair_once({2 * W + 3}, W, causal);
-      expect_every_pair_once({0, 5, 1}, W, causal);
+    for (auto [causal, zigzag] : {std::pair{false, true}, {true, true}, {true, false}}) {
+      expect_every_pair_once({1}, W, causal, zigzag);
+      expect_every_pair_once({2 * W}, W, causal, zigzag);
+      expect_every_pair_once({2 * W + 3}, W, causal, zigzag);
+      expect_every_pair_once({0, 5, 1}, W, causal, zigzag);
       for (int trial = 0; trial < 6; ++trial) {
         std::vector<int64_t> docs(1 + rng() % 4);
         for (int64_t& n : docs) n = 1 + rng() % 40;
-        expect_every_pair_once(docs, W, causal);
+        expect_every_pair_once(docs, W, causal, zigzag);
       }
     }
+}
+
+// Contiguous causal sharding: rank r holds positions [r n / W, (r + 1) n / W) of a document, in order.
+TEST(RingAttentionPlan, ContiguousLayoutHoldsConsecutivePositions) {
+  const RingLayout L = weft::ops::ring_layout({10}, 4, true, 1, false);
+  EXPECT_TRUE(L.causal);
+  EXPECT_FALSE(L.zigzag);
+  EXPECT_EQ(weft::ops::ring_tokens(L, 0), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(weft::ops::ring_tokens(L, 1), (std::vector<int64_t>{3, 4, 5}));
+  EXPECT_EQ(weft::ops::ring_tokens(L, 3), (std::vector<int64_t>{8, 9}));
 }
 
 TEST(RingAttentionPlan, RanksPartitionTheTokens) {
@@ -157,16 +167,17 @@ static std::vector<int64_t> random_documents(std::mt19937& g) {
   return docs;
 }
 
-// Calls f(docs, L) for W = 1, 2, 3, 4 and 8, causal and not, on six random packings each, and for W = 1,
+// Calls f(docs, L) for W = 1, 2, 3, 4 and 8, not causal, causal zigzag and causal contiguous, on six random
+// packings each, and for W = 1,
 // 2, 4 with grains 2 and 3 (the layouts the hybrid's rings run over: parts of unequal pieces).
 template <class F>
 void for_random_layouts(uint32_t seed, F f) {
   std::mt19937 g(seed);
   for (auto [W, grain] : {std::pair{1, 1}, {2, 1}, {3, 1}, {4, 1}, {8, 1}, {1, 2}, {2, 2}, {4, 2}, {2, 3}})
-    for (bool causal : {false, true})
+    for (auto [causal, zigzag] : {std::pair{false, true}, {true, true}, {true, false}})
       for (int trial = 0; trial < 6; ++trial) {
         const std::vector<int64_t> docs = random_documents(g);
-        f(docs, weft::ops::ring_layout(docs, W, causal, grain));
+        f(docs, weft::ops::ring_layout(docs, W, causal, grain, zigzag));
       }
 }
 
@@ -175,12 +186,12 @@ void for_random_layouts(uint32_t seed, F f) {
 TEST(RingAttentionPlan, MergedRunsTileTheCoarseRanks) {
   std::mt19937 g(5);
   for (auto [W, U] : {std::pair{4, 2}, {6, 2}, {6, 3}, {8, 2}, {8, 4}, {4, 4}, {4, 1}})
-    for (bool causal : {false, true})
+    for (auto [causal, zigzag] : {std::pair{false, true}, {true, true}, {true, false}})
       for (int trial = 0; trial < 8; ++trial) {
         std::vector<int64_t> docs = random_documents(g);
         if (trial == 0) docs = {100003, 7, 0, 1};
-        const RingLayout L = weft::ops::ring_layout(docs, W, causal);
-        const RingLayout M = weft::ops::ring_layout(docs, W / U, causal, U);
+        const RingLayout L = weft::ops::ring_layout(docs, W, causal, 1, zigzag);
+        const RingLayout M = weft::ops::ring_layout(docs, W / U, causal, U, zigzag);
         for (int c = 0; c < W / U; ++c) {
           const std::vector<int64_t> coarse = weft::ops::ring_tokens(M, c);
           std::vector<int> seen(coarse.size(), 0);
@@ -235,7 +246,7 @@ struct PairCounts {
 TEST(RingAttentionPlan, EachStepIsOneCall) {
   for_random_layouts(11, [](const std::vector<int64_t>& docs, const RingLayout& L) {
     const int W = L.world;
-    const bool causal = L.zigzag;
+    const bool causal = L.causal;
     for (int r = 0; r < W; ++r) {
       const std::vector<RingStep> steps = weft::ops::ring_schedule_of(L, r);
       for (int s = 0; s < W; ++s) {
@@ -266,7 +277,7 @@ TEST(RingAttentionPlan, EachStepIsOneCall) {
 TEST(RingAttentionPlan, GatheredCallsCoverEveryPairOnce) {
   for_random_layouts(5, [](const std::vector<int64_t>& docs, const RingLayout& L) {
     const int W = L.world;
-    const bool causal = L.zigzag;
+    const bool causal = L.causal;
     PairCounts pairs(docs);
     const int64_t total = pairs.total;
     for (int r = 0; r < W; ++r) {
@@ -297,7 +308,7 @@ void expect_pass_covers_every_pair_once(weft::ops::RingTravel travel) {
   const bool queries_travel = travel == weft::ops::RingTravel::kQueries;
   for_random_layouts(7, [&](const std::vector<int64_t>& docs, const RingLayout& L) {
     const int W = L.world;
-    const bool causal = L.zigzag;
+    const bool causal = L.causal;
     PairCounts pairs(docs);
     std::vector<std::vector<int64_t>> tokens(W);
     for (int r = 0; r < W; ++r) tokens[r] = weft::ops::ring_tokens(L, r);
