@@ -264,6 +264,15 @@ bool ulysses(const std::string& method) {
   return method == "ulysses";
 }
 
+// A sequence-parallel method name's layout suffix: "<method>/contiguous" asks for contiguous causal shards
+// (AttentionOptions::contiguous_shards). Returns the method without it.
+std::string without_layout(const std::string& method, bool* contiguous) {
+  const std::string suffix = "/contiguous";
+  *contiguous = method.size() > suffix.size() &&
+                method.compare(method.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return *contiguous ? method.substr(0, method.size() - suffix.size()) : method;
+}
+
 // The Ulysses size of "hybrid:U", else 0.
 int hybrid(const std::string& method) {
   if (method.rfind("hybrid:", 0) != 0) return 0;
@@ -400,12 +409,14 @@ void bind_runtime(py::module_& m) {
 
   m.def(
       "ring_shard_tokens",
-      [](const std::vector<int64_t>& doc_lengths, int world, int rank, bool causal) {
+      [](const std::vector<int64_t>& doc_lengths, int world, int rank, bool causal, bool contiguous) {
         if (rank < 0 || rank >= world)
           throw std::invalid_argument("rank " + std::to_string(rank) + " outside a team of " +
                                       std::to_string(world));
-        return weft::context_attention_local_tokens(world, rank, doc_lengths, causal);
+        return weft::context_attention_local_tokens(world, rank, doc_lengths, causal, contiguous);
       },
+      py::arg("doc_lengths"), py::arg("world"), py::arg("rank"), py::arg("causal"),
+      py::arg("contiguous") = false,
       "Positions in the packed sequence of rank's local rows under ring attention's layout "
       "(weft::context_attention_local_tokens)");
   m.def("dlpack_info", &dlpack_info,
@@ -534,8 +545,10 @@ void bind_one_gpu_ops(py::module_& m) {
 // tensors in ring attention's layout of doc_lengths (weft/ops/context_attention.hpp).
 void bind_sequence_parallel(py::module_& m) {
   m.def("context_attention_workspace_bytes",
-        [](const std::string& method, int world, const std::vector<int64_t>& docs, bool causal, int64_t heads,
+        [](const std::string& named, int world, const std::vector<int64_t>& docs, bool causal, int64_t heads,
            int64_t kv_heads, int64_t head_dim, bool backward) -> uint64_t {
+          bool contiguous = false;  // the sizes cover both layouts
+          const std::string method = without_layout(named, &contiguous);
           if (const int u = hybrid(method))
             return backward ? weft::hybrid_attention_backward_workspace_bytes(world, u, docs, causal, heads,
                                                                               kv_heads, head_dim)
@@ -555,18 +568,21 @@ void bind_sequence_parallel(py::module_& m) {
                      ? weft::ring_attention_workspace_bytes(world, docs, causal, kv_heads, head_dim)
                      : weft::context_attention_workspace_bytes(world, docs, causal, kv_heads, head_dim);
         });
-  m.def("context_attention_local_rows",
-        [](int world, int rank, const std::vector<int64_t>& docs, bool causal) {
-          return weft::context_attention_local_rows(world, rank, docs, causal);
-        });
+  m.def(
+      "context_attention_local_rows",
+      [](int world, int rank, const std::vector<int64_t>& docs, bool causal, bool contiguous) {
+        return weft::context_attention_local_rows(world, rank, docs, causal, contiguous);
+      },
+      py::arg("world"), py::arg("rank"), py::arg("docs"), py::arg("causal"), py::arg("contiguous") = false);
   m.def("context_attention_forward",
-        [](const Comm& c, const std::string& method, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
+        [](const Comm& c, const std::string& named, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
            uintptr_t lse, const std::vector<int64_t>& docs, int64_t heads, int64_t kv_heads, int64_t head_dim,
            uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype, uintptr_t stream,
            bool causal, float scale) {
           weft::AttentionOptions o;
           o.causal = causal;
           o.softmax_scale = scale;
+          const std::string method = without_layout(named, &o.contiguous_shards);
           if (const int u = hybrid(method))
             return weft::hybrid_attention_forward(
                 *c.comm, c.rank(), reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
@@ -582,7 +598,7 @@ void bind_sequence_parallel(py::module_& m) {
              parse_dtype(dtype), c.stream(stream), o);
         });
   m.def("context_attention_backward",
-        [](const Comm& c, const std::string& method, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
+        [](const Comm& c, const std::string& named, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
            uintptr_t dout, uintptr_t lse, uintptr_t dq, uintptr_t dk, uintptr_t dv,
            const std::vector<int64_t>& docs, int64_t heads, int64_t kv_heads, int64_t head_dim,
            uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype, uintptr_t stream,
@@ -590,6 +606,7 @@ void bind_sequence_parallel(py::module_& m) {
           weft::AttentionOptions o;
           o.causal = causal;
           o.softmax_scale = scale;
+          const std::string method = without_layout(named, &o.contiguous_shards);
           if (const int u = hybrid(method))
             return weft::hybrid_attention_backward(
                 *c.comm, c.rank(), reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),

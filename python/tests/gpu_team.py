@@ -251,6 +251,34 @@ def hybrid_attention_autograd(team, g):
                 check(f"hybrid attention U={u}: rank {r} d{name}", ins[r][i].grad, shard(ref_in[i].grad, r), 2e-2)
 
 
+def contiguous_shards_attention(team, g):
+    """Causal context attention over contiguous shards (rank r holds the r-th slice, contiguous=True) with every
+    method: output and gradients against single-GPU weft.flash_attention, sharded alike."""
+    w = team.world_size
+    seq, heads, kv_heads, dim = 300 * w + 7, 2 * w, w, 64
+    whole = [torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+             for h in (heads, kv_heads, kv_heads)]
+    dout = torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    ref_in = leaves(whole)
+    ref = weft.flash_attention(*ref_in, causal=True)
+    ref.backward(dout)
+    shard = lambda t, r: weft.ring_shard(t, w, r, causal=True, contiguous=True)
+    if [shard(torch.arange(seq, device="cuda")[None, :], r)[0, 0].item() for r in range(w)] != \
+            [r * (seq // w) + min(r, seq % w) for r in range(w)]:
+        raise AssertionError("ring_shard(contiguous=True) does not hold consecutive slices")
+    for method in ("all_gather", "ring", "ulysses"):
+        ins = [leaves([shard(t, r) for t in whole]) for r in range(w)]
+        layer = lambda c, q, k, v: weft.context_attention(q, k, v, causal=True, method=method, seq_len=seq, comm=c,
+                                                          contiguous=True)
+        team.warmup(lambda c, xs: layer(c, *xs), [leaves(x) for x in ins])
+        outs = team.run(lambda c, xs: layer(c, *xs), ins)
+        torch.autograd.backward(outs, [shard(dout, r) for r in range(w)])
+        for r in range(w):
+            check(f"{method} contiguous shards: rank {r} output", outs[r], shard(ref.detach(), r), 1e-2)
+            for i, name in enumerate("qkv"):
+                check(f"{method} contiguous shards: rank {r} d{name}", ins[r][i].grad, shard(ref_in[i].grad, r), 2e-2)
+
+
 def moe_layer(comm, x, ids, weights, num_experts, max_tokens):
     """Dispatch, each expert scaling its rows by 1 + e / 4 (expert of a row from group_end, on the GPU), combine."""
     d = weft.moe_dispatch(x, ids, num_experts, max_tokens=max_tokens, comm=comm)
@@ -446,6 +474,7 @@ def main():
         g = torch.Generator(device="cuda").manual_seed(1000 + w)
         before = cases
         for step in (collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled, hybrid_attention_autograd,
+                     contiguous_shards_attention,
                      moe_compiled, moe_autograd, moe_layer_training):
             step(team, g)
             team.synchronize()

@@ -331,6 +331,10 @@ class RingShardTest(unittest.TestCase):
         self.assertEqual(weft.ring_shard_indices(2, 0, causal=True, seq_len=8), [0, 1, 6, 7])
         self.assertEqual(weft.ring_shard_indices(2, 1, causal=True, seq_len=8), [2, 3, 4, 5])
         self.assertEqual(weft.ring_shard_indices(2, 1, causal=False, seq_len=8), [4, 5, 6, 7])
+        # Contiguous causal shards: rank r holds the r-th slice of each document.
+        self.assertEqual(weft.ring_shard_indices(4, 1, causal=True, seq_len=10, contiguous=True), [3, 4, 5])
+        self.assertEqual(weft.ring_shard_indices(2, 1, causal=True, cu_seqlens=[0, 5, 9], contiguous=True),
+                         [3, 4, 7, 8])
 
     def test_ranks_partition_any_lengths(self):
         for world in (2, 3, 4, 8):

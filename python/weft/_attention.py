@@ -125,38 +125,41 @@ def _ring_documents(seq_len, cu_seqlens):
     return [b - a for a, b in zip(offsets, offsets[1:])]
 
 
-def ring_shard_indices(world, rank, causal=True, seq_len=None, cu_seqlens=None):
+def ring_shard_indices(world, rank, causal=True, seq_len=None, cu_seqlens=None, contiguous=False):
     """Positions in the (packed) sequence of the rows rank `rank` of `world` holds for ring attention.
 
     Each document (the whole sequence, or each of a packed batch given by cu_seqlens = [0, l0, l0 + l1, ...])
     is cut into parts differing by at most one token: with causal=True 2 * world parts, rank r holding parts r
-    and 2 * world - 1 - r (zigzag: every rank gets equal causal work); else world parts, rank r holding part r.
-    A rank's rows are its parts of document 0, then of document 1, ... Returns a list of ints.
+    and 2 * world - 1 - r (zigzag: every rank gets equal causal work); else world parts, rank r holding part r
+    (also with causal=True and contiguous=True: each rank a consecutive slice, as many training stacks shard;
+    the causal work then grows with the rank). A rank's rows are its parts of document 0, then of document 1,
+    ... Returns a list of ints.
     """
     docs = _ring_documents(seq_len, cu_seqlens)
     if world < 1 or not 0 <= rank < world:
         raise WeftValueError(f"ring_shard_indices: rank {rank} of a team of {world}")
     if any(n < 0 for n in docs):
         raise WeftValueError(f"ring_shard_indices: negative sequence length in {docs}")
-    return _weft.ring_shard_tokens(docs, int(world), int(rank), bool(causal))
+    return _weft.ring_shard_tokens(docs, int(world), int(rank), bool(causal), bool(contiguous))
 
 
-def ring_shard(x, world, rank, causal=True, dim=1, cu_seqlens=None):
+def ring_shard(x, world, rank, causal=True, dim=1, cu_seqlens=None, contiguous=False):
     """This rank's rows of the torch tensor x along `dim` (the sequence), in ring attention's layout
-    (ring_shard_indices: zigzag when causal). cu_seqlens: x holds a packed batch of documents along dim."""
+    (ring_shard_indices: zigzag when causal, unless contiguous). cu_seqlens: x holds a packed batch of
+    documents along dim."""
     t = _torch_api()
     if t is None or not isinstance(x, t.Tensor):
         raise WeftTypeError("weft.ring_shard: x must be a torch tensor")
     d = _dim(dim, x.dim())
     idx = ring_shard_indices(world, rank, causal, seq_len=None if cu_seqlens is not None else x.shape[d],
-                             cu_seqlens=cu_seqlens)
+                             cu_seqlens=cu_seqlens, contiguous=contiguous)
     if cu_seqlens is not None and (not idx or max(idx) >= x.shape[d]):
         raise WeftValueError(f"weft.ring_shard: cu_seqlens covers more tokens than x has along dim {d}")
     import torch
     return x.index_select(d, torch.tensor(idx, dtype=torch.long, device=x.device))
 
 
-def ring_unshard(shards, causal=True, dim=1, cu_seqlens=None):
+def ring_unshard(shards, causal=True, dim=1, cu_seqlens=None, contiguous=False):
     """The inverse of ring_shard: the whole sequence from the list of every rank's shard (rank order)."""
     t = _torch_api()
     if t is None or not shards or not all(isinstance(x, t.Tensor) for x in shards):
@@ -170,7 +173,7 @@ def ring_unshard(shards, causal=True, dim=1, cu_seqlens=None):
     out = shards[0].new_empty(shape)
     for r, x in enumerate(shards):
         idx = ring_shard_indices(world, r, causal, seq_len=None if cu_seqlens is not None else total,
-                                 cu_seqlens=cu_seqlens)
+                                 cu_seqlens=cu_seqlens, contiguous=contiguous)
         if len(idx) != x.shape[d]:
             raise WeftValueError(f"weft.ring_unshard: rank {r}'s shard has {x.shape[d]} rows along dim {d}, "
                                  f"the layout gives it {len(idx)}")
@@ -180,10 +183,12 @@ def ring_unshard(shards, causal=True, dim=1, cu_seqlens=None):
 
 # ---- sequence-parallel attention (a team; ring attention's layout) -------------------------------------
 def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, cu_seqlens=None,
-                      softmax_scale=None, return_lse=False, comm=None, ulysses_size=None):
+                      softmax_scale=None, return_lse=False, comm=None, ulysses_size=None, contiguous=False):
     """Attention over a sequence sharded across the team (context parallelism), with autograd.
 
-    Every rank calls it with its shard in ring attention's layout (weft.ring_shard: zigzag when causal).
+    Every rank calls it with its shard in ring attention's layout (weft.ring_shard: zigzag when causal; with
+    contiguous=True the contiguous causal shards of weft.ring_shard(..., contiguous=True): every method runs
+    them, the ring with uneven work per rank).
     q [batch, local_seq, heads, dim], k and v [batch, local_seq, kv_heads, dim]: each of the batch's
     sequences (global length seq_len, default local_seq * world) sharded alike; or a packed batch of
     documents: q [local_rows, heads, dim], k and v [local_rows, kv_heads, dim] with cu_seqlens the documents'
@@ -214,6 +219,8 @@ def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, 
         method = f"hybrid:{ulysses_size}"
     elif ulysses_size is not None:
         raise WeftValueError(f"{where}: ulysses_size is for method 'hybrid' only")
+    if contiguous and causal:
+        method += "/contiguous"  # the layout travels in the method name (weft::AttentionOptions::contiguous_shards)
     packed = cu_seqlens is not None
     ndim = 3 if packed else 4
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -251,22 +258,23 @@ def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, 
 
 
 def ring_attention(q, k, v, causal=False, seq_len=None, cu_seqlens=None, softmax_scale=None, return_lse=False,
-                   comm=None):
+                   comm=None, contiguous=False):
     """weft.context_attention with method="ring" (K / V travel to every rank while it computes)."""
     return context_attention(q, k, v, causal=causal, method="ring", seq_len=seq_len, cu_seqlens=cu_seqlens,
-                             softmax_scale=softmax_scale, return_lse=return_lse, comm=comm)
+                             softmax_scale=softmax_scale, return_lse=return_lse, comm=comm, contiguous=contiguous)
 
 
 def ulysses_attention(q, k, v, causal=False, seq_len=None, cu_seqlens=None, softmax_scale=None, return_lse=False,
-                      comm=None):
+                   comm=None, contiguous=False):
     """weft.context_attention with method="ulysses" (heads split over the ranks)."""
     return context_attention(q, k, v, causal=causal, method="ulysses", seq_len=seq_len, cu_seqlens=cu_seqlens,
-                             softmax_scale=softmax_scale, return_lse=return_lse, comm=comm)
+                             softmax_scale=softmax_scale, return_lse=return_lse, comm=comm, contiguous=contiguous)
 
 
 def hybrid_attention(q, k, v, ulysses_size, causal=False, seq_len=None, cu_seqlens=None, softmax_scale=None,
-                     return_lse=False, comm=None):
+                     return_lse=False, comm=None, contiguous=False):
     """weft.context_attention with method="hybrid": Ulysses within groups of ulysses_size ranks, ring across."""
     return context_attention(q, k, v, causal=causal, method="hybrid", seq_len=seq_len, cu_seqlens=cu_seqlens,
-                             softmax_scale=softmax_scale, return_lse=return_lse, comm=comm, ulysses_size=ulysses_size)
+                             softmax_scale=softmax_scale, return_lse=return_lse, comm=comm, ulysses_size=ulysses_size,
+                             contiguous=contiguous)
 

@@ -547,9 +547,10 @@ def grouped_mm(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation=""
 # ---- sequence-parallel attention (a team) ----------------------------------------------------------------
 
 
-def _context_rows_check(q, docs, causal, comm):
+def _context_rows_check(q, method, docs, causal, comm):
     c = _w._communicators[comm]
-    rows = _weft.context_attention_local_rows(c.world_size, c.rank, list(docs), causal)
+    rows = _weft.context_attention_local_rows(c.world_size, c.rank, list(docs), causal,
+                                              method.endswith("/contiguous"))
     if q.shape[0] != rows:
         raise _w.WeftValueError(f"weft.context_attention: rank {c.rank} of {c.world_size} holds {rows} rows of "
                                 f"that layout, q has {q.shape[0]} (pass seq_len= when the global length is not "
@@ -559,7 +560,7 @@ def _context_rows_check(q, docs, causal, comm):
 @torch.library.custom_op("weft::context_attention", mutates_args=())
 def _context_attention(q: Tensor, k: Tensor, v: Tensor, method: str, docs: list[int], causal: bool, scale: float,
                        comm: int) -> tuple[Tensor, Tensor]:
-    _context_rows_check(q, docs, causal, comm)
+    _context_rows_check(q, method, docs, causal, comm)
     if EMULATE:
         return torch.zeros_like(q), q.new_zeros((q.shape[1], q.shape[0]), dtype=torch.float32)
     native = _native(comm)

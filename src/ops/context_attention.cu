@@ -25,8 +25,11 @@ struct Sizes {
   ops::RingLayout L;
   ops::RingCall call;
   int64_t max_local = 0, total = 0, local = 0, kv_heads = 0, head_dim = 0, max_q = 1, max_k = 1;
-  Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, bool causal, int64_t kv, int64_t d)
-      : L(ops::ring_layout(doc_lengths, world, causal)), kv_heads(kv), head_dim(d) {
+  Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, ops::Sharding sharding, int64_t kv,
+        int64_t d)
+      : L(ops::ring_layout(doc_lengths, world, sharding.causal, 1, sharding.zigzag)),
+        kv_heads(kv),
+        head_dim(d) {
     max_local = ops::max_local_rows(L);
     for (int64_t n : doc_lengths) total += n;
     local = L.local_rows(rank);
@@ -98,24 +101,26 @@ Gathered gather(Communicator& comm, Rank& rank, const Sizes& z, const void* k, c
 }  // namespace
 
 int64_t context_attention_local_rows(int world, int rank, const std::vector<int64_t>& doc_lengths,
-                                     bool causal) {
-  return ops::ring_layout(doc_lengths, world, causal).local_rows(rank);
+                                     bool causal, bool contiguous) {
+  return ops::ring_layout(doc_lengths, world, causal, 1, !contiguous).local_rows(rank);
 }
 
 std::vector<int64_t> context_attention_local_tokens(int world, int rank,
-                                                    const std::vector<int64_t>& doc_lengths, bool causal) {
+                                                    const std::vector<int64_t>& doc_lengths, bool causal,
+                                                    bool contiguous) {
   WEFT_CHECK(rank >= 0 && rank < world,
              "weft: rank " + std::to_string(rank) + " outside a team of " + std::to_string(world));
-  return ops::ring_tokens(ops::ring_layout(doc_lengths, world, causal), rank);
+  return ops::ring_tokens(ops::ring_layout(doc_lengths, world, causal, 1, !contiguous), rank);
 }
 
 size_t context_attention_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                          int64_t kv_heads, int64_t head_dim) {
   size_t most = 0;
-  for (int r = 0; r < world; ++r) {
-    const Sizes z(world, r, doc_lengths, causal, kv_heads, head_dim);
-    most = std::max(most, z.index_bytes() + z.segment_bytes());
-  }
+  for (int r = 0; r < world; ++r)
+    for (const ops::Sharding s : ops::Sharding(causal).both()) {
+      const Sizes z(world, r, doc_lengths, s, kv_heads, head_dim);
+      most = std::max(most, z.index_bytes() + z.segment_bytes());
+    }
   return most;
 }
 
@@ -125,10 +130,11 @@ size_t context_attention_backward_workspace_bytes(int world, const std::vector<i
   AttentionOptions o;
   o.causal = causal;
   size_t most = 0;
-  for (int r = 0; r < world; ++r) {
-    const Sizes z(world, r, doc_lengths, causal, kv_heads, head_dim);
-    most = std::max(most, z.index_bytes() + z.segment_bytes() + z.attention_backward(heads, o));
-  }
+  for (int r = 0; r < world; ++r)
+    for (const ops::Sharding s : ops::Sharding(causal).both()) {
+      const Sizes z(world, r, doc_lengths, s, kv_heads, head_dim);
+      most = std::max(most, z.index_bytes() + z.segment_bytes() + z.attention_backward(heads, o));
+    }
   return most;
 }
 
@@ -139,7 +145,7 @@ void context_attention_forward(Communicator& comm, Rank& rank, const void* q, co
   const std::string where = ops::team_where("weft::context_attention_forward", rank);
   WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled(),
              where + "options.segments and options.accumulate are set by the op itself; leave them empty");
-  const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, kv_heads, head_dim);
+  const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), kv_heads, head_dim);
   if (stream == nullptr) stream = rank.stream();
   const Gathered g = gather(comm, rank, z, k, v, workspace, workspace_bytes,
                             z.index_bytes() + z.segment_bytes(), dtype, stream, where);
@@ -158,7 +164,7 @@ void context_attention_backward(Communicator& comm, Rank& rank, const void* q, c
   WEFT_CHECK(
       !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
       where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
-  const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, kv_heads, head_dim);
+  const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), kv_heads, head_dim);
   if (stream == nullptr) stream = rank.stream();
   const size_t attention_bytes = z.attention_backward(heads, options);
   const size_t head = z.index_bytes() + z.segment_bytes();

@@ -32,14 +32,14 @@ struct Sizes {
   ops::RingLayout L, M;
   int64_t local = 0, max_local = 1, merged = 0, max_merged = 1, heads, kv_heads, head_dim;
   ops::HeadShare q_share, kv_share;
-  Sizes(int w, int u, int r, const std::vector<int64_t>& doc_lengths, bool causal, int64_t h, int64_t kv,
-        int64_t d)
+  Sizes(int w, int u, int r, const std::vector<int64_t>& doc_lengths, ops::Sharding sharding, int64_t h,
+        int64_t kv, int64_t d)
       : world(w),
         ulysses(u),
         rings(w / u),
         rank(r),
-        L(ops::ring_layout(doc_lengths, w, causal)),
-        M(ops::ring_layout(doc_lengths, w / u, causal, u)),
+        L(ops::ring_layout(doc_lengths, w, sharding.causal, 1, sharding.zigzag)),
+        M(ops::ring_layout(doc_lengths, w / u, sharding.causal, u, sharding.zigzag)),
         heads(h),
         kv_heads(kv),
         head_dim(d),
@@ -128,8 +128,12 @@ size_t hybrid_attention_workspace_bytes(int world, int ulysses, const std::vecto
   if (ulysses == world)
     return ulysses_attention_workspace_bytes(world, doc_lengths, causal, heads, kv_heads, head_dim);
   if (ulysses == 1) return ring_attention_workspace_bytes(world, doc_lengths, causal, kv_heads, head_dim);
+  size_t index = 0;
+  for (const ops::Sharding s : ops::Sharding(causal).both())
+    index =
+        std::max(index, Sizes(world, ulysses, 0, doc_lengths, s, heads, kv_heads, head_dim).index_bytes());
   const Sizes z(world, ulysses, 0, doc_lengths, causal, heads, kv_heads, head_dim);
-  return z.index_bytes() +
+  return index +
          ops::ring_forward_workspace_bytes(z.rings, doc_lengths, causal, z.kv_share.width, head_dim, ulysses);
 }
 
@@ -141,9 +145,13 @@ size_t hybrid_attention_backward_workspace_bytes(int world, int ulysses,
     return ulysses_attention_backward_workspace_bytes(world, doc_lengths, causal, heads, kv_heads, head_dim);
   if (ulysses == 1)
     return ring_attention_backward_workspace_bytes(world, doc_lengths, causal, heads, kv_heads, head_dim);
+  size_t index = 0;
+  for (const ops::Sharding s : ops::Sharding(causal).both())
+    index =
+        std::max(index, Sizes(world, ulysses, 0, doc_lengths, s, heads, kv_heads, head_dim).index_bytes());
   const Sizes z(world, ulysses, 0, doc_lengths, causal, heads, kv_heads, head_dim);
-  return z.index_bytes() + ops::ring_backward_workspace_bytes(z.rings, doc_lengths, causal, z.q_share.width,
-                                                              z.kv_share.width, head_dim, ulysses);
+  return index + ops::ring_backward_workspace_bytes(z.rings, doc_lengths, causal, z.q_share.width,
+                                                    z.kv_share.width, head_dim, ulysses);
 }
 
 void hybrid_attention_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
@@ -160,7 +168,7 @@ void hybrid_attention_forward(Communicator& comm, Rank& rank, const void* q, con
   if (ulysses == 1)
     return ring_attention_forward(comm, rank, q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim,
                                   workspace, workspace_bytes, dtype, call.stream, options);
-  const Sizes z(W, ulysses, rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
+  const Sizes z(W, ulysses, rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim);
   ops::check_attention_operands(call, {q, k, v, out, lse}, false, z.local, heads, kv_heads, head_dim);
   const Start s = start(call, z, options, workspace, workspace_bytes, dtype);
   const Sizes::Area& a = s.area;
@@ -195,7 +203,7 @@ void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, co
     return ring_attention_backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads,
                                    kv_heads, head_dim, workspace, workspace_bytes, dtype, call.stream,
                                    options);
-  const Sizes z(W, ulysses, rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
+  const Sizes z(W, ulysses, rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim);
   ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
                                 head_dim);
   const Start s = start(call, z, options, workspace, workspace_bytes, dtype);

@@ -32,8 +32,8 @@ const ResourceDeclaration kRingResources[] = {
 
 struct Sizes : ops::RingPassSizes {
   int64_t kv_heads = 0, head_dim = 0;
-  Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, bool causal, int64_t kv, int64_t d,
-        int grain)
+  Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, ops::Sharding causal, int64_t kv,
+        int64_t d, int grain)
       : RingPassSizes(world, rank, doc_lengths, causal, ops::RingTravel::kKeys, grain),
         kv_heads(kv),
         head_dim(d) {}
@@ -119,7 +119,8 @@ size_t ring_forward_workspace_bytes(int world, const std::vector<int64_t>& doc_l
                                     int64_t kv_heads, int64_t head_dim, int grain) {
   size_t most = 0;
   for (int r = 0; r < world; ++r)
-    most = std::max(most, Sizes(world, r, doc_lengths, causal, kv_heads, head_dim, grain).workspace_bytes());
+    for (const ops::Sharding s : ops::Sharding(causal).both())
+      most = std::max(most, Sizes(world, r, doc_lengths, s, kv_heads, head_dim, grain).workspace_bytes());
   return most;
 }
 
@@ -133,7 +134,7 @@ void ring_forward(Communicator& comm, Rank& rank, const void* q, const void* k, 
              where + "options.segments and options.accumulate are set by the op itself; leave them empty");
   // The attention core's checks (head_dim, dtype, heads vs kv_heads, scale, Hopper) on one segment's shape.
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
-  const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, kv_heads, head_dim, grain);
+  const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), kv_heads, head_dim, grain);
   WEFT_CHECK(z.slot_rows * std::max(heads, kv_heads) < (int64_t(1) << 31) &&
                  z.segments() * rank.world() < (int64_t(1) << 31),
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");

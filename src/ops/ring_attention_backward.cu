@@ -43,8 +43,8 @@ struct Sizes : ops::RingPassSizes {
   int64_t heads = 0, kv_heads = 0, head_dim = 0, term_stride = 0;
   std::vector<std::pair<int64_t, int64_t>> ranges;  // this rank's query ranges that the peers meet
   int64_t longest_range = 1;
-  Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, bool causal, int64_t h, int64_t kv,
-        int64_t d, int grain)
+  Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, ops::Sharding causal, int64_t h,
+        int64_t kv, int64_t d, int grain)
       : RingPassSizes(world, rank, doc_lengths, causal, ops::RingTravel::kQueries, grain),
         heads(h),
         kv_heads(kv),
@@ -301,8 +301,9 @@ size_t ring_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_
                                      int64_t heads, int64_t kv_heads, int64_t head_dim, int grain) {
   size_t most = 0;
   for (int r = 0; r < world; ++r)
-    most = std::max(most,
-                    Sizes(world, r, doc_lengths, causal, heads, kv_heads, head_dim, grain).workspace_bytes());
+    for (const Sharding s : Sharding(causal).both())
+      most =
+          std::max(most, Sizes(world, r, doc_lengths, s, heads, kv_heads, head_dim, grain).workspace_bytes());
   return most;
 }
 
@@ -321,7 +322,8 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
                  "options.deterministic is not supported by the ring backward (dQ parts of every rank are "
                  "added in arrival order); use context_attention_backward for bit-reproducible gradients");
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
-  Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim, grain);
+  Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim,
+          grain);
   const DqRoute route(comm, rank);
   z.accum_slots = route.any ? rank.world() : 1;  // the same on every rank: a team on one GPU or on several
   WEFT_CHECK(z.slot_rows * heads * head_dim < (int64_t(1) << 31) &&

@@ -42,9 +42,12 @@ struct RingPassSizes {
   int64_t local = 0;      // this rank's rows
   int64_t slot_rows = 1;  // the longest rank's rows (a receive slot's)
   int64_t max_own = 1;    // the longest segment
-  RingPassSizes(int world, int r, const std::vector<int64_t>& doc_lengths, bool causal, RingTravel t,
+  RingPassSizes(int world, int r, const std::vector<int64_t>& doc_lengths, Sharding sharding, RingTravel t,
                 int grain)
-      : L(ring_layout(doc_lengths, world, causal, grain)), rank(r), travel(t), pass(ring_pass_of(L, r, t)) {
+      : L(ring_layout(doc_lengths, world, sharding.causal, grain, sharding.zigzag)),
+        rank(r),
+        travel(t),
+        pass(ring_pass_of(L, r, t)) {
     local = L.local_rows(rank);
     slot_rows = std::max<int64_t>(1, max_local_rows(L));
     for (int64_t x = 0; x < pass.segments(); ++x)

@@ -88,6 +88,15 @@ struct RingLayout {
   int64_t local_rows(int r) const { return doc_row[r].back(); }
 };
 
+// How a sequence-parallel call shards its sequence: causal, and if so zigzag (balanced) or contiguous. From a
+// bool: the zigzag layout of a causal call. A workspace is sized for both layouts a call may take (both()).
+struct Sharding {
+  bool causal = false, zigzag = true;
+  Sharding(bool c) : causal(c) {}  // NOLINT: implicit, the layout a causal flag alone means
+  Sharding(bool c, bool z) : causal(c), zigzag(z) {}
+  std::vector<Sharding> both() const { return {Sharding{causal, true}, Sharding{causal, false}}; }
+};
+
 // zigzag (causal only): the balanced layout; false: contiguous parts.
 inline RingLayout ring_layout(const std::vector<int64_t>& doc_length, int world, bool causal, int grain = 1,
                               bool zigzag = true) {

@@ -25,6 +25,11 @@ namespace weft::ops {
 
 int64_t max_local_rows(const RingLayout& L);
 
+// The layout a call's options ask for (AttentionOptions::contiguous_shards).
+inline Sharding sharding_of(const AttentionOptions& o) {
+  return {o.causal, !o.contiguous_shards};
+}
+
 // Writes `words` to device memory at `dst` through kernel arguments (no host buffer has to outlive the
 // call; a graph captures the values).
 void upload_words(int32_t* dst, const std::vector<int32_t>& words, cudaStream_t stream);

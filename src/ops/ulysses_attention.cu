@@ -47,9 +47,9 @@ struct Sizes {
   int world = 0;
   int64_t max_local = 0, total = 0, local = 0, docs = 0, heads = 0, kv_heads = 0, head_dim = 0;
   ops::HeadShare q_share, kv_share;
-  Sizes(int w, int rank, const std::vector<int64_t>& doc_lengths, bool causal, int64_t h, int64_t kv,
-        int64_t d)
-      : L(ops::ring_layout(doc_lengths, w, causal)),
+  Sizes(int w, int rank, const std::vector<int64_t>& doc_lengths, ops::Sharding sharding, int64_t h,
+        int64_t kv, int64_t d)
+      : L(ops::ring_layout(doc_lengths, w, sharding.causal, 1, sharding.zigzag)),
         world(w),
         heads(h),
         kv_heads(kv),
@@ -264,17 +264,23 @@ bool pipelined_forward_chosen() {
 
 size_t ulysses_attention_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                          int64_t heads, int64_t kv_heads, int64_t head_dim) {
-  const Sizes z(world, 0, doc_lengths, causal, heads, kv_heads, head_dim);
-  return z.forward_bytes();
+  size_t most = 0;
+  for (const ops::Sharding s : ops::Sharding(causal).both())
+    most = std::max(most, Sizes(world, 0, doc_lengths, s, heads, kv_heads, head_dim).forward_bytes());
+  return most;
 }
 
 size_t ulysses_attention_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths,
                                                   bool causal, int64_t heads, int64_t kv_heads,
                                                   int64_t head_dim) {
-  const Sizes z(world, 0, doc_lengths, causal, heads, kv_heads, head_dim);
   AttentionOptions o;
   o.causal = causal;
-  return z.index_bytes() + z.offsets_bytes() + z.attention_backward(o);
+  size_t most = 0;
+  for (const ops::Sharding s : ops::Sharding(causal).both()) {
+    const Sizes z(world, 0, doc_lengths, s, heads, kv_heads, head_dim);
+    most = std::max(most, z.index_bytes() + z.offsets_bytes() + z.attention_backward(o));
+  }
+  return most;
 }
 
 void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
@@ -283,7 +289,7 @@ void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, co
                                DType dtype, cudaStream_t stream, const AttentionOptions& options) {
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::ulysses_attention_forward", rank));
   const std::string& where = call.where;
-  const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
+  const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim);
   WEFT_CHECK(ops::ulysses_chunk_flags(z.world) >= 1,
              where + "world sizes up to " + std::to_string(ops::kUlyssesDoneFlags) + " are supported");
   const Sizes::Area a =
@@ -316,7 +322,7 @@ void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, c
                                 DType dtype, cudaStream_t stream, const AttentionOptions& options) {
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::ulysses_attention_backward", rank));
   stream = call.stream;
-  const Sizes z(rank.world(), rank.rank(), doc_lengths, options.causal, heads, kv_heads, head_dim);
+  const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim);
   const size_t head = z.index_bytes() + z.offsets_bytes(), attention_bytes = z.attention_backward(options);
   ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
                                 head_dim);

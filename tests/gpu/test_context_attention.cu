@@ -36,6 +36,7 @@ struct CpCase {
   std::vector<int64_t> docs;
   int64_t heads, kv_heads, dim;
   bool causal;
+  bool contiguous = false;  // causal: contiguous shards (AttentionOptions::contiguous_shards), not zigzag
 };
 
 // The four methods behind one set of signatures; the hybrid's Ulysses size is hybrid_ulysses.
@@ -189,7 +190,7 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
   const int64_t H = cc.heads, KV = cc.kv_heads, D = cc.dim;
   const auto q = random_rows(total * H * D, seed), k = random_rows(total * KV * D, seed + 1),
              v = random_rows(total * KV * D, seed + 2);
-  const ops::RingLayout L = ops::ring_layout(cc.docs, W, cc.causal);
+  const ops::RingLayout L = ops::ring_layout(cc.docs, W, cc.causal, 1, !cc.contiguous);
   std::string failures;
   // Shard, run on every rank, compare.
   std::vector<std::vector<int64_t>> tokens(W);
@@ -231,6 +232,7 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
     WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
     AttentionOptions o;
     o.causal = cc.causal;
+    o.contiguous_shards = cc.contiguous;
     forward_of(method)(c, rank, local[i]->q.p, local[i]->k.p, local[i]->v.p, local[i]->out.p,
                        local[i]->lse.as<float>(), cc.docs, H, KV, D, local[i]->ws.p, ws_bytes, DType::kBF16,
                        nullptr, o);
@@ -322,6 +324,7 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
     WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
     AttentionOptions o;
     o.causal = cc.causal;
+    o.contiguous_shards = cc.contiguous;
     backward_of(method)(c, rank, local[i]->q.p, local[i]->k.p, local[i]->v.p, local[i]->out.p, grads[i]->go.p,
                         local[i]->lse.as<float>(), grads[i]->dq.p, grads[i]->dk.p, grads[i]->dv.p, cc.docs, H,
                         KV, D, grads[i]->ws.p, bws_bytes, DType::kBF16, nullptr, o);
@@ -390,6 +393,8 @@ WEFT_GPU_TEST(context_attention_matches_single_gpu) {
       {{129, 64, 1}, 2, 1, 128, false},
   };
   if (!ctx.quick) cases.push_back({{4099, 2000}, 4, 1, 128, true});
+  cases.push_back({{1000}, 4, 2, 128, true, true});  // contiguous shards
+  cases.push_back({{300, 0, 17, 777}, 8, 2, 64, true, true});
   const std::string failures = run_cp_cases(c, Method::kAllGather, cases, 501);
   WEFT_EXPECT(failures.empty(), failures);
 }
@@ -403,6 +408,8 @@ WEFT_GPU_TEST(ring_attention_matches_single_gpu) {
       {{129, 64, 1}, 2, 1, 128, false}, {{3, 1}, 2, 2, 64, true},
   };
   if (!ctx.quick) cases.push_back({{4099, 2000}, 4, 1, 128, true});
+  cases.push_back({{1000}, 4, 2, 128, true, true});  // contiguous shards
+  cases.push_back({{300, 0, 17, 777}, 8, 2, 64, true, true});
   cases.push_back(cases.front());
   const std::string failures = run_cp_cases(c, Method::kRing, cases, 901);
   WEFT_EXPECT(failures.empty(), failures);
@@ -459,6 +466,7 @@ static std::vector<CpCase> ulysses_cases(int64_t W, bool quick) {
   };
   if (!quick) cases.push_back({{4099, 2000}, 4 * W, W % 2 == 0 ? 2 : W, 128, true});
   if (!quick && W <= 4) cases.push_back({{300, 77}, 33 * W, W, 64, true});
+  cases.push_back({{1000}, 2 * W, W, 128, true, true});  // contiguous shards
   cases.push_back(cases.front());
   return cases;
 }
@@ -498,6 +506,7 @@ WEFT_GPU_TEST(hybrid_attention_matches_single_gpu) {
         {{300, 0, 17, 777}, 2 * U, 1, 64, true},
         {{129, 64, 1}, U, U, 128, false},
         {{3, 1}, U, U, 64, true},
+        {{1000, 33}, 2 * U, U, 128, true, true},  // contiguous shards
     };
     if (!ctx.quick) cases.push_back({{4099, 2000}, 4 * U, 2, 128, true});
     cases.push_back(cases.front());

@@ -27,6 +27,10 @@ struct AttentionOptions {
   AttentionAccumulate accumulate;  // forward only: merge into a running fp32 result (see above)
   bool deterministic = false;      // backward only: dQ bit-reproducible run to run (slower; see below)
   AttentionGradAccumulate accumulate_grads;  // backward only: dK / dV added in fp32 (see above)
+  // Sequence-parallel ops (weft/ops/context_attention.hpp), causal: each rank holds a contiguous 1 / W of
+  // every document (rank r the r-th; the causal work then grows with the rank) instead of the zigzag layout
+  // (balanced: weft.ring_shard's default). Ignored without a causal mask (both layouts are contiguous).
+  bool contiguous_shards = false;
 };
 
 // Enqueues the forward pass on `stream`. Head dims 64 and 128, bf16 or fp16 (dtype kBF16, kFP16); pointers

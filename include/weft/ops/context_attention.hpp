@@ -135,12 +135,13 @@ void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, co
                                size_t workspace_bytes, DType dtype, cudaStream_t stream = nullptr,
                                const AttentionOptions& options = {});
 
-// This rank's local rows in that layout.
+// This rank's local rows in that layout (contiguous: AttentionOptions::contiguous_shards's).
 int64_t context_attention_local_rows(int world, int rank, const std::vector<int64_t>& doc_lengths,
-                                     bool causal);
+                                     bool causal, bool contiguous = false);
 // Their positions in the packed sequence: local row i is token [i] (sharding gathers these rows,
 // unsharding scatters them back). Throws weft::Error for a rank outside the team.
 std::vector<int64_t> context_attention_local_tokens(int world, int rank,
-                                                    const std::vector<int64_t>& doc_lengths, bool causal);
+                                                    const std::vector<int64_t>& doc_lengths, bool causal,
+                                                    bool contiguous = false);
 
 }  // namespace weft
