@@ -385,7 +385,9 @@ void bind_comm(py::module_& m) {
            [](const Comm& c, uintptr_t p, uint64_t bytes) {
              return c.comm->in_heap(c.rank(), reinterpret_cast<void*>(p), bytes);
            })
-      .def("reserve_workspace", [](const Comm& c, uint64_t bytes) { c.comm->reserve_workspace(bytes); })
+      // A sub-team's ops use its own scope of the shared area.
+      .def("reserve_workspace",
+           [](const Comm& c, uint64_t bytes) { c.comm->reserve_workspace(bytes, c.rank().scope()); })
       .def("barrier",
            [](const Comm& c) {
              c.whole_team("barrier()");

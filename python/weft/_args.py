@@ -115,12 +115,19 @@ def _compact(shape, strides):
 def _comm(comm):
     """The Communicator of a call: comm itself, the default one (None), or the default one's sub-team that a
     torch.distributed ProcessGroup spans (comm=group)."""
-    if comm is None or not hasattr(comm, "_c"):
-        c = _w._default
-        if c is None:
+    if comm is None:
+        if _w._default is None:
             raise WeftError("weft: call weft.init() first (or pass comm=)")
-        return c if comm is None else c.group(comm)
-    return comm
+        return _w._default
+    if hasattr(comm, "_c"):
+        return comm
+    dist = getattr(sys.modules.get("torch"), "distributed", None)
+    if dist is None or not isinstance(comm, dist.ProcessGroup):
+        raise WeftTypeError(f"weft: comm must be a weft.Communicator or a torch ProcessGroup, got "
+                            f"{type(comm).__name__}")
+    if _w._default is None:
+        raise WeftError("weft: comm=<ProcessGroup> maps onto weft.init()'s team: call weft.init() first")
+    return _w._default.group(comm)
 
 
 def _stream(c, x):

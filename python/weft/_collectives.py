@@ -74,13 +74,16 @@ def all_to_all_v(x, send_counts, out_rows, out=None, recv_counts=None, comm=None
     ranks 0..W-1 back to back, send_counts[q] rows for rank q (an int64 CUDA tensor of W). Returns (out,
     recv_counts): out has out_rows rows (the same on every rank) holding the parts from ranks 0..W-1 back to
     back (rows past them untouched), recv_counts (int64, W) their sizes. Counts that do not fit (negative, past
-    x, past out_rows) are refused on every rank before anything moves: the next synchronize raises. Torch
-    tensors only; eager (not a torch operator)."""
+    x, past out_rows) or unequal out_rows are refused on every rank before anything moves (recv_counts zero):
+    the next synchronize raises, and the team's later device waits fail (a refusal ends the team, as a
+    timeout does). Torch tensors only; eager (not a torch operator)."""
     c, s, a = _prepare(x, comm)
     torch = sys.modules.get("torch")
     if not a.torch:
         raise WeftTypeError("weft.all_to_all_v takes torch tensors (its counts are int64 tensors)")
     w = c.world_size
+    if send_counts is None:
+        raise WeftValueError("weft: all_to_all_v needs send_counts (an int64 tensor of the world size)")
     for name, t in (("send_counts", send_counts), ("recv_counts", recv_counts)):
         if t is None:
             continue
@@ -101,6 +104,8 @@ def all_to_all_v(x, send_counts, out_rows, out=None, recv_counts=None, comm=None
 
 
 # ---- rooted collectives: eager calls (not torch operators: no autograd, no torch.compile tracing) ----------
+# root is a rank of the call's team: with comm= a ProcessGroup, a rank of that group (torch's group_src /
+# group_dst), not a global rank.
 def _root(root, c):
     if not isinstance(root, int) or not 0 <= root < c.world_size:
         raise WeftValueError(f"weft: root must be a rank of the team (0..{c.world_size - 1}), got {root!r}")

@@ -9,7 +9,7 @@ import sys
 import weft as _w
 from . import _weft
 from ._args import _dtype_name, _shape_tuple, _torch_api
-from ._collectives import all_gather, all_reduce, all_to_all, broadcast, gather, reduce, reduce_scatter, scatter
+from ._collectives import all_gather, all_reduce, all_to_all, all_to_all_v, broadcast, gather, reduce, reduce_scatter, scatter
 from ._errors import WeftError, WeftValueError
 from ._tensor_parallel import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 
@@ -242,6 +242,8 @@ class Communicator:
         self._id = len(communicators)
         communicators[self._id] = self
         self._subteams = {}  # (size, stride) -> Communicator
+        self._groups = {}  # torch ProcessGroup -> sub-team Communicator
+        self._parent = None  # a sub-team's team
 
     def subteam(self, size: int, stride: int = 1) -> "Communicator":
         """The sub-team of `size` ranks `stride` apart that holds this rank (ranks first + i * stride, with
@@ -250,21 +252,34 @@ class Communicator:
         same splits in the same order. Symmetric allocations and the host barrier stay with the whole team."""
         if not (isinstance(size, int) and isinstance(stride, int)):
             raise WeftValueError(f"weft: subteam size and stride must be ints, got {size!r}, {stride!r}")
+        if self._parent is not None:
+            raise WeftValueError("weft: subteam of a sub-team: split the team's own communicator")
         key = (size, stride)
         if key not in self._subteams:
-            self._subteams[key] = Communicator(self._c.subteam(size, stride))
+            sub = Communicator(self._c.subteam(size, stride))
+            sub._parent = self
+            self._subteams[key] = sub
         return self._subteams[key]
 
     def group(self, process_group) -> "Communicator":
         """The sub-team of this team that a torch.distributed ProcessGroup (e.g. a DeviceMesh dimension's)
         spans: its global ranks must be evenly spaced and tile the team as subteam() does (a mesh dimension
-        does). Ops also take the group itself as comm= (weft.all_reduce(x, comm=mesh.get_group("tp")))."""
-        dist = sys.modules["torch"].distributed
-        return self.subteam(*_subteam_shape(dist.get_process_group_ranks(process_group), self.world_size,
-                                            self.rank))
+        does). Ops also take the group itself as comm= (weft.all_reduce(x, comm=mesh.get_group("tp"))); ranks
+        in their arguments (a root) are then group ranks, as torch's group_src / group_dst are."""
+        if process_group not in self._groups:
+            dist = sys.modules["torch"].distributed
+            ranks = list(dist.get_process_group_ranks(process_group))
+            if ranks != sorted(ranks):
+                raise WeftValueError(f"weft: the group's ranks {ranks} are not in ascending order: weft's sub-team "
+                                     "ranks are")
+            self._groups[process_group] = self.subteam(*_subteam_shape(ranks, self.world_size, self.rank))
+        return self._groups[process_group]
 
     def empty(self, shape, dtype="bf16"):
-        """A symmetric tensor (collective: every rank must call it with the same shape and dtype)."""
+        """A symmetric tensor (collective: every rank must call it with the same shape and dtype). On a
+        sub-team: the team's, every rank of the team calling it (every group of the split at once)."""
+        if self._parent is not None:
+            return self._parent.empty(shape, dtype)
         shape = _shape_tuple(shape)
         return self._c.empty(list(shape), _dtype_name(dtype))
 
@@ -293,6 +308,9 @@ class Communicator:
     def all_to_all(self, x, out=None):
         return all_to_all(x, out=out, comm=self)
 
+    def all_to_all_v(self, x, send_counts, out_rows, out=None, recv_counts=None):
+        return all_to_all_v(x, send_counts, out_rows, out=out, recv_counts=recv_counts, comm=self)
+
     def broadcast(self, x, root=0, out=None):
         return broadcast(x, root=root, out=out, comm=self)
 
@@ -316,7 +334,7 @@ class Communicator:
 
 
 # Communicator's bound ops say what the module-level ones say.
-for _name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter", "gather", "reduce",
+for _name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast", "scatter", "gather", "reduce",
               "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
     getattr(Communicator, _name).__doc__ = globals()[_name].__doc__
 del _name

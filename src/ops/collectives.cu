@@ -555,12 +555,13 @@ void run_reduce(Call& c, const void* in, void* out, size_t count, DType dtype, R
   c.check_buffer(in, "in", bytes, dtype_size(dtype));
   if (is_root) c.check_buffer(out, "out", bytes, dtype_size(dtype));
   if (c.alone(in, out, bytes)) return;
+  // in copied into the area and reduced in place there: every rank's input then sits at the same offset
+  // of the same kind of memory, whatever the caller's buffers (the all-reduce's pull flows read each peer's
+  // input at the reader's own offset).
   char* result = c.workspace(bytes, kReduceArea);
-  // The all-reduce reads 16-byte aligned inputs: another in is copied into the area first (in place there).
-  if (reinterpret_cast<uintptr_t>(in) % 16 != 0 && !c.planned("copy of in into the area")) {
+  if (!c.planned("copy of in into the area"))
     WEFT_CUDA_CHECK(cudaMemcpyAsync(result, in, bytes, cudaMemcpyDeviceToDevice, c.stream));
-  }
-  run_all_reduce(c, reinterpret_cast<uintptr_t>(in) % 16 != 0 ? result : in, result, count, dtype, op, {});
+  run_all_reduce(c, result, result, count, dtype, op, {});
   if (!is_root || c.planned("copy to the root's out")) return;
   WEFT_CUDA_CHECK(cudaMemcpyAsync(out, result, bytes, cudaMemcpyDeviceToDevice, c.stream));
 }
@@ -570,6 +571,10 @@ void run_all_to_all_v(Call& c, const void* in, const int64_t* send_counts, size_
                       int64_t* recv_counts, size_t out_capacity, size_t row_elems, DType dtype) {
   const int W = c.rank.world();
   if (row_elems == 0) c.fail("row_elems must be at least 1");
+  constexpr uint64_t kMost = uint64_t(1) << 62;
+  if (row_elems > kMost / 4 || in_capacity > kMost / (row_elems * 4) ||
+      out_capacity > kMost / (row_elems * 4))
+    c.fail("in_capacity / out_capacity x row_elems overflow");
   const uint64_t es = dtype_size(dtype), row = row_elems * es, in_bytes = in_capacity * row,
                  out_bytes = out_capacity * row;
   if (in_capacity > 0) c.check_buffer(in, "in", in_bytes, es);
@@ -587,10 +592,12 @@ void run_all_to_all_v(Call& c, const void* in, const int64_t* send_counts, size_
   a.recv_counts = recv_counts;
   a.row_bytes = row;
   a.slots = c.meetings();
-  a.table = reinterpret_cast<int64_t*>(c.workspace(uint64_t(W) * (W + 1) * 8, kCountsArea));
+  a.table =
+      reinterpret_cast<int64_t*>(c.workspace(uint64_t(W) * (coll::AllToAllV::kRow + W) * 8, kCountsArea));
   // out symmetric (the same buffer on every rank, out_capacity the same everywhere): pushed into directly;
   // else through the workspace, then copied out.
   const bool via_workspace = out_capacity > 0 && !c.comm.in_heap(c.rank, out, out_bytes);
+  a.via_workspace = via_workspace ? 1 : 0;
   a.dst = via_workspace ? c.workspace(out_bytes) : static_cast<char*>(out);
   const int g = c.blocks(std::max<uint64_t>(out_bytes, 1));
   if (c.planned(via_workspace ? "counts + push via workspace + copy out" : "counts + push", g)) return;

@@ -807,14 +807,26 @@ void Communicator::check_device_errors() const {
     if (code == DeviceErrorCode::kBadCounts) {
       const int64_t limit = static_cast<int64_t>(e.expected), needed = static_cast<int64_t>(e.observed);
       const std::string who = "rank " + std::to_string(e.block);
-      throw Error("weft::all_to_all_v: refused on every rank: " +
-                  (e.thread == 0 ? who + " would receive " + std::to_string(needed) +
-                                       " elements, more than out_capacity " + std::to_string(limit)
-                   : e.thread == 1
-                       ? who + "'s send_counts add up to " + std::to_string(needed) +
-                             " elements, more than its input holds (" + std::to_string(limit) + ")"
-                       : who + " has a negative send count (" + std::to_string(needed) + ")") +
-                  "; nothing was moved, and the team's device waits fail from here on");
+      std::string why;
+      switch (e.thread) {  // coll::BadCounts
+        case 0:
+          why = who + " would receive " + std::to_string(needed) + " rows, more than out_capacity " +
+                std::to_string(limit);
+          break;
+        case 1:
+          why = who + "'s send_counts need " + std::to_string(needed) + " rows, more than its in holds (" +
+                std::to_string(limit) + ")";
+          break;
+        case 2:
+          why = who + " has a negative send count (" + std::to_string(needed) + ")";
+          break;
+        default:
+          why = who + "'s out_capacity (" + std::to_string(needed) +
+                ") or out's symmetry differs from rank 0's (" + std::to_string(limit) +
+                "): every rank passes the same";
+      }
+      throw Error("weft::all_to_all_v: refused on every rank: " + why +
+                  "; nothing was moved, recv_counts are zero, and the team's device waits fail from here on");
     }
     std::string msg = "weft: rank " + std::to_string(e.rank) + " (block " + std::to_string(e.block) +
                       ", thread " + std::to_string(e.thread) + ") ";

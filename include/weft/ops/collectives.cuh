@@ -283,18 +283,17 @@ static __global__ void __launch_bounds__(512) rooted_kernel(Rooted r) {
   }
 }
 
-// ---- all-to-all with variable splits: counts on the device, three kernels
-// ----------------------------------
-// 1. counts_kernel (one block): meet; send this rank's row (its W send counts, then its input's capacity)
-// into
-//    every rank's table (symmetric: [source][W + 1] int64); meet, so every table is complete. Thread 0 then
-//    checks the whole table (every rank sees the same one, so every rank decides alike): a negative count, a
-//    row past its sender's input, or a column past the receivers' capacity fails the call on every rank
-//    (DeviceErrorCode::kBadCounts, the offender named) before anything moves; else recv_counts = column r.
+// ---- all-to-all with variable splits: counts on the device, three kernels ---------------------------
+// 1. counts_kernel (one block): meet; send this rank's row (its in_capacity, out_capacity, whether out goes
+//    through the workspace, then its W send counts) into every rank's table (symmetric, [source][3 + W]
+//    int64); meet, so every table is complete. Thread 0 then checks the whole table (every rank sees the same
+//    one, so every rank decides alike): unequal out capacities, a negative count, a row past its sender's in
+//    or a column past out_capacity refuse the call on every rank (DeviceErrorCode::kBadCounts, the offender
+//    named; recv_counts zero) before anything moves; else recv_counts = column r.
 // 2. push_kernel (the grid): each block takes its share of every part, one peer per step (staggered), into
 //    the receiver's out (symmetric) or workspace at the offset the table gives (the parts of lower ranks
 //    first); meet (every push into this rank has landed).
-// 3. copy_out_kernel (through the workspace only): the received elements to out.
+// 3. copy_out_kernel (through the workspace only): the received rows to out.
 // The next call's entry meeting keeps a fast rank's table writes and pushes away from a slow rank still in
 // this call's kernels.
 struct AllToAllV {
@@ -303,20 +302,33 @@ struct AllToAllV {
   const int64_t* send_counts;  // device [W]
   int64_t in_capacity;         // rows of in
   char* dst;                   // out or the workspace (symmetric: the same offset on every rank)
-  int64_t out_capacity;        // rows of out, the same on every rank
-  int64_t* table;              // symmetric [W][W + 1]
+  int64_t out_capacity;        // rows of out, the same on every rank (checked)
+  int64_t via_workspace;       // 1: out is not symmetric (the same on every rank: checked)
+  int64_t* table;              // symmetric [W][kRow + W]
   int64_t* recv_counts;        // device [W]
   uint64_t row_bytes;          // counts and capacities are in rows of this many bytes
   BarrierSlots slots;
+  // A rank's row of the table: its in_capacity, out_capacity and via_workspace, then its W send counts.
+  static constexpr int kRow = 3;
 };
 
 inline __device__ int64_t table_at(const AllToAllV& a, int source, int column) {
-  return a.table[source * (a.team.world + 1) + column];
+  return a.table[source * (AllToAllV::kRow + a.team.world) + column];
+}
+inline __device__ int64_t sent_count(const AllToAllV& a, int source, int to) {
+  return table_at(a, source, AllToAllV::kRow + to);
 }
 
-// Records a refused call (DeviceErrorCode::kBadCounts) for the host: `rank` the offender, `what` 0: a
-// receiver's column past out_capacity, 1: a sender's row past its input, 2: a negative count.
-inline __device__ void report_bad_counts(const AllToAllV& a, int rank, uint32_t what, int64_t limit,
+// Why a call is refused (DeviceErrorCode::kBadCounts; DeviceError::thread carries it).
+enum class BadCounts : uint32_t {
+  kPastOutCapacity = 0,  // a receiver's rows past out_capacity
+  kPastInput = 1,        // a sender's rows past its in
+  kNegative = 2,         // a negative count
+  kUnequalOut = 3,       // out_capacity or out's symmetry differs between ranks
+};
+
+// Records a refused call for the host: `rank` the offender.
+inline __device__ void report_bad_counts(const AllToAllV& a, int rank, BadCounts what, int64_t limit,
                                          int64_t needed) {
   DeviceError* e = a.team.error;
   if (atomicCAS(reinterpret_cast<unsigned int*>(&e->code), 0u,
@@ -324,7 +336,7 @@ inline __device__ void report_bad_counts(const AllToAllV& a, int rank, uint32_t 
     return;
   e->rank = a.team.rank;
   e->block = static_cast<uint32_t>(rank);
-  e->thread = what;
+  e->thread = static_cast<uint32_t>(what);
   e->flag_offset = 0;
   e->expected = static_cast<uint64_t>(limit);
   e->observed = static_cast<uint64_t>(needed);
@@ -332,37 +344,64 @@ inline __device__ void report_bad_counts(const AllToAllV& a, int rank, uint32_t 
   __threadfence();
 }
 
+// The whole table's checks (one thread; every rank sees the same table and decides alike). Sums stop at
+// the limit they are checked against, so no count can overflow them.
+inline __device__ bool counts_fit(const AllToAllV& a) {
+  const int W = a.team.world;
+  const int64_t out_cap = table_at(a, 0, 1), via = table_at(a, 0, 2);
+  for (int s = 0; s < W; ++s) {
+    if (table_at(a, s, 1) != out_cap || table_at(a, s, 2) != via) {
+      report_bad_counts(a, s, BadCounts::kUnequalOut, out_cap, table_at(a, s, 1));
+      return false;
+    }
+    const int64_t in_cap = table_at(a, s, 0);
+    int64_t sent = 0;
+    for (int q = 0; q < W; ++q) {
+      const int64_t c = sent_count(a, s, q);
+      if (c < 0) {
+        report_bad_counts(a, s, BadCounts::kNegative, 0, c);
+        return false;
+      }
+      if (c > in_cap - sent) {
+        report_bad_counts(a, s, BadCounts::kPastInput, in_cap, c > in_cap ? c : sent + c);
+        return false;
+      }
+      sent += c;
+    }
+  }
+  for (int q = 0; q < W; ++q) {
+    int64_t got = 0;
+    for (int s = 0; s < W; ++s) {
+      const int64_t c = sent_count(a, s, q);
+      if (c > out_cap - got) {
+        report_bad_counts(a, q, BadCounts::kPastOutCapacity, out_cap, c > out_cap ? c : got + c);
+        return false;
+      }
+      got += c;
+    }
+  }
+  return true;
+}
+
 // Internal linkage (static), as rooted_kernel.
 static __global__ void __launch_bounds__(64) counts_kernel(AllToAllV a) {
   const TeamView& t = a.team;
-  const int W = t.world, row = W + 1;
+  const int W = t.world, row = AllToAllV::kRow + W;
   if (!meet(t, a.slots)) return;
   for (int i = threadIdx.x; i < W * row; i += blockDim.x) {  // my row into rank p's table
     const int p = i / row, j = i % row;
-    const int64_t v = j < W ? a.send_counts[j] : a.in_capacity;
+    const int64_t v = j == 0   ? a.in_capacity
+                      : j == 1 ? a.out_capacity
+                      : j == 2 ? a.via_workspace
+                               : a.send_counts[j - AllToAllV::kRow];
     *t.peer_ptr(a.table + t.rank * row + j, p) = v;
   }
   if (!meet(t, a.slots)) return;
-  if (threadIdx.x == 0) {
-    bool ok = true;
-    for (int s = 0; s < W && ok; ++s) {
-      int64_t sent = 0;
-      for (int q = 0; q < W; ++q) {
-        const int64_t c = table_at(a, s, q);
-        if (c < 0) report_bad_counts(a, s, 2, 0, c), ok = false;
-        sent += c;
-      }
-      if (ok && sent > table_at(a, s, W)) report_bad_counts(a, s, 1, table_at(a, s, W), sent), ok = false;
-    }
-    for (int q = 0; q < W && ok; ++q) {
-      int64_t got = 0;
-      for (int s = 0; s < W; ++s) got += table_at(a, s, q);
-      if (got > a.out_capacity) report_bad_counts(a, q, 0, a.out_capacity, got), ok = false;
-    }
-  }
+  __shared__ bool fit;
+  if (threadIdx.x == 0) fit = counts_fit(a);
   __syncthreads();
-  if (*reinterpret_cast<volatile uint32_t*>(&t.error->code) != 0) return;
-  for (int q = threadIdx.x; q < W; q += blockDim.x) a.recv_counts[q] = table_at(a, q, t.rank);
+  // Refused (or failed before): no counts received, and nothing moves.
+  for (int q = threadIdx.x; q < W; q += blockDim.x) a.recv_counts[q] = fit ? sent_count(a, q, t.rank) : 0;
 }
 
 // Copies this block's share of `bytes` from src to dst with the widest access all three allow.
@@ -385,9 +424,9 @@ static __global__ void __launch_bounds__(512) push_kernel(AllToAllV a) {
   for (int k = 0; k < W; ++k) {
     const int p = (t.rank + k) % W;
     int64_t src_at = 0, dst_at = 0;  // my part for p starts after my parts for lower ranks; lands after
-    for (int q = 0; q < p; ++q) src_at += table_at(a, t.rank, q);  // lower ranks' parts for p
-    for (int s = 0; s < t.rank; ++s) dst_at += table_at(a, s, p);
-    const uint64_t bytes = uint64_t(table_at(a, t.rank, p)) * a.row_bytes;
+    for (int q = 0; q < p; ++q) src_at += sent_count(a, t.rank, q);  // my parts for lower ranks
+    for (int s = 0; s < t.rank; ++s) dst_at += sent_count(a, s, p);  // lower ranks' parts for p
+    const uint64_t bytes = uint64_t(sent_count(a, t.rank, p)) * a.row_bytes;
     if (bytes > 0) copy_part(t.peer_ptr(a.dst + dst_at * a.row_bytes, p), a.in + src_at * a.row_bytes, bytes);
   }
   (void)meet(t, a.slots);
@@ -398,7 +437,7 @@ static __global__ void __launch_bounds__(512) copy_out_kernel(AllToAllV a, char*
   const TeamView& t = a.team;
   if (*reinterpret_cast<volatile uint32_t*>(&t.error->code) != 0) return;
   int64_t got = 0;
-  for (int s = 0; s < t.world; ++s) got += table_at(a, s, t.rank);
+  for (int s = 0; s < t.world; ++s) got += sent_count(a, s, t.rank);
   copy_part(out, a.dst, uint64_t(got) * a.row_bytes);
 }
 

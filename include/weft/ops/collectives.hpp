@@ -80,10 +80,11 @@ void all_to_all(Communicator& comm, Rank& rank, const void* in, void* out, size_
 // MoE layer's tokens: hidden). in holds this rank's parts for ranks 0..W-1 back to back, part q of
 // send_counts[q] rows (send_counts: device int64 [W]; in holds in_capacity rows). out receives the parts from
 // ranks 0..W-1 back to back in rank order (out_capacity rows, the same on every rank), and recv_counts
-// (device int64 [W]) their sizes. Counts that do not fit (a negative count, a row past its sender's in, a
-// receiver's total past out_capacity) are refused on every rank before anything moves: the next
-// synchronize() throws naming the offender, and the team's device waits fail from then on. out symmetric
-// (the same buffer on every rank) is pushed into directly; else through the workspace. Not in place.
+// (device int64 [W]) their sizes. out symmetric (the same buffer on every rank) is pushed into directly;
+// else through the workspace (out symmetric on every rank or on none). Counts that do not fit (a negative
+// count, a row past its sender's in, a receiver's total past out_capacity) and unequal out capacities or
+// out symmetry are refused on every rank before anything moves (recv_counts zero): the next synchronize()
+// throws naming the offender, and the team's device waits fail from then on. Not in place.
 void all_to_all_v(Communicator& comm, Rank& rank, const void* in, const int64_t* send_counts,
                   size_t in_capacity, void* out, int64_t* recv_counts, size_t out_capacity, size_t row_elems,
                   DType dtype, cudaStream_t stream = nullptr);
