@@ -3,6 +3,8 @@
 #   tests/gpu/run.sh            builds into ./build if needed, then runs everything below
 #   tests/gpu/run.sh PATTERN    only the steps whose name contains PATTERN (e.g. "virtual"; -PATTERN: all
 #                               but those, e.g. -sanitizer)
+#   WEFT_SUITE_QUICK=1 tests/gpu/run.sh   the real-GPU team steps with --quick too (fewer sizes: about half
+#                               the device time; a check of a change, not the suite of record)
 # At 2 and 4 GPUs (as many as the machine has): weft-gpu-tests single-process and one process per rank
 # (weft-launch), the rank-death test. On any machine: virtual ranks (teams of W = 2, 3, 4 and 8 on one GPU),
 # the team under a small SM budget, the refusal of processes sharing a GPU; the Python package under torchrun
@@ -51,11 +53,13 @@ step() {  # step NAME LOGFILE CMD...
 }
 
 # Real teams: 2 and 4 GPUs (as many as the machine has), single-process and one process per GPU.
+quick=()
+[ "${WEFT_SUITE_QUICK:-0}" = 1 ] && quick=(--quick)
 if [ "$ngpu" -ge 2 ]; then
   for n in 2 4; do
     [ "$n" -le "$ngpu" ] || continue
-    step "single-process, $n GPUs" "single_$n" "$tests" --gpus "$n"
-    step "multi-process, $n ranks" "multi_$n" "$launch" -n "$n" "$tests"
+    step "single-process, $n GPUs" "single_$n" "$tests" --gpus "$n" "${quick[@]}"
+    step "multi-process, $n ranks" "multi_$n" "$launch" -n "$n" "$tests" "${quick[@]}"
   done
   step "rank death, 2 ranks (one exits mid-wait)" "rank_death" env WEFT_TEST_RANK_DEATH=1 "$launch" -n 2 "$tests" --filter rank_death
 else
