@@ -28,12 +28,9 @@ from . import _weft
 
 __version__ = _weft.__version__
 
-__all__ = ["init", "virtual_team", "Team", "Communicator", "WeftError", "WeftValueError", "WeftTypeError", "__version__", "all_reduce",
-           "all_to_all_v", "broadcast", "scatter", "gather", "reduce",
-           "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul", "matmul_reduce_scatter",
-           "matmul_all_reduce", "flash_attention", "flash_attention_varlen", "grouped_mm", "swiglu_interleave", "ring_shard_indices", "ring_shard",
-           "ring_unshard", "context_attention", "ring_attention", "ulysses_attention", "hybrid_attention", "MoeDispatch",
-           "moe_dispatch", "moe_combine_input", "moe_combine", "moe_grouped_mm_combine", "moe_layer"]
+# The public names: these and each area module's __all__ (assembled below, after the areas are imported).
+_RUNTIME_NAMES = ["init", "virtual_team", "Team", "Communicator", "WeftError", "WeftValueError", "WeftTypeError",
+                  "__version__"]
 
 # ---- the package's mutable state -------------------------------------------------------------------------
 # It lives here, in the package module, and nowhere else: the area modules below read and write it as
@@ -53,14 +50,15 @@ _inits = 0
 
 # ---- the areas ---------------------------------------------------------------------------------------------
 from ._errors import WeftError, WeftTypeError, WeftValueError
-from ._collectives import all_gather, all_reduce, all_to_all, all_to_all_v, broadcast, gather, reduce, reduce_scatter, scatter
-from ._tensor_parallel import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
-from ._attention import (context_attention, flash_attention, flash_attention_varlen, hybrid_attention, ring_attention,
-                         ring_shard, ring_shard_indices, ring_unshard, ulysses_attention)
-from ._moe import (MoeDispatch, grouped_mm, moe_combine, moe_combine_input, moe_dispatch, moe_grouped_mm_combine,
-                   moe_layer, swiglu_interleave)
+from . import _attention, _collectives, _moe, _tensor_parallel
+from ._collectives import *  # noqa: F401,F403 (each area module's __all__)
+from ._tensor_parallel import *  # noqa: F401,F403
+from ._attention import *  # noqa: F401,F403
+from ._moe import *  # noqa: F401,F403
 from ._runtime import Communicator, Team, init, virtual_team
-from . import _args, _attention, _moe, _runtime, _tensor_parallel
+from . import _args, _runtime
+
+__all__ = _RUNTIME_NAMES + _collectives.__all__ + _tensor_parallel.__all__ + _attention.__all__ + _moe.__all__
 
 # The private helpers the single module had, under their old names (tests and weft._torch_ops reach some as
 # weft.<name>). Each is the same object as in its area module, but patching weft.<helper> does not reach the

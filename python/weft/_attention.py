@@ -9,6 +9,8 @@ from . import _weft
 from ._args import _comm, _dim, _dtype_name, _torch_api, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
 
+__all__ = ["flash_attention", "flash_attention_varlen", "ring_shard_indices", "ring_shard", "ring_unshard", "context_attention", "ring_attention", "ulysses_attention", "hybrid_attention"]
+
 
 # ---- one GPU, no communicator ---------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ from . import _weft
 from ._args import _dim, _output, _prepare, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
 
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast", "scatter", "gather", "reduce"]
+
 
 def all_reduce(x, op="sum", out=None, comm=None):
     """Elementwise reduction over ranks (sum, max or min); returns out (new tensor if not given)."""

@@ -9,6 +9,8 @@ from . import _weft
 from ._args import _comm, _dtype_name, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
 
+__all__ = ["grouped_mm", "swiglu_interleave", "MoeDispatch", "moe_dispatch", "moe_combine_input", "moe_combine", "moe_grouped_mm_combine", "moe_layer"]
+
 
 # ---- grouped GEMM (one GPU, no communicator) ---------------------------------------------------------------
 

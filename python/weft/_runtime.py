@@ -9,9 +9,8 @@ import sys
 import weft as _w
 from . import _weft
 from ._args import _dtype_name, _shape_tuple, _torch_api
-from ._collectives import all_gather, all_reduce, all_to_all, all_to_all_v, broadcast, gather, reduce, reduce_scatter, scatter
+from . import _collectives, _tensor_parallel
 from ._errors import WeftError, WeftValueError
-from ._tensor_parallel import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 
 # The package's mutable state (_default, _communicators, _ops, _torch, _inits) lives in weft/__init__.py
 # alone and is read there at call time (`_w._default`, not a copy bound at import), so that
@@ -295,46 +294,19 @@ class Communicator:
         """Sizes the scratch memory up front (needed before capturing ops in a CUDA graph)."""
         self._c.reserve_workspace(int(nbytes))
 
-    # The ops, bound to this communicator.
-    def all_reduce(self, x, op="sum", out=None):
-        return all_reduce(x, op=op, out=out, comm=self)
 
-    def all_gather(self, x, dim=0, out=None):
-        return all_gather(x, dim=dim, out=out, comm=self)
+def _bound(fn):
+    """fn as a Communicator method: the call with comm=self."""
+    def method(self, *args, **kwargs):
+        return fn(*args, comm=self, **kwargs)
 
-    def reduce_scatter(self, x, dim=0, op="sum", out=None):
-        return reduce_scatter(x, dim=dim, op=op, out=out, comm=self)
-
-    def all_to_all(self, x, out=None):
-        return all_to_all(x, out=out, comm=self)
-
-    def all_to_all_v(self, x, send_counts, out_rows, out=None, recv_counts=None):
-        return all_to_all_v(x, send_counts, out_rows, out=out, recv_counts=recv_counts, comm=self)
-
-    def broadcast(self, x, root=0, out=None):
-        return broadcast(x, root=root, out=out, comm=self)
-
-    def scatter(self, x, root=0, out=None):
-        return scatter(x, root=root, out=out, comm=self)
-
-    def gather(self, x, root=0, out=None):
-        return gather(x, root=root, out=out, comm=self)
-
-    def reduce(self, x, root=0, op="sum", out=None):
-        return reduce(x, root=root, op=op, out=out, comm=self)
-
-    def all_gather_matmul(self, a, b, out=None, gathered_a=None):
-        return all_gather_matmul(a, b, out=out, gathered_a=gathered_a, comm=self)
-
-    def matmul_reduce_scatter(self, a, b, out=None):
-        return matmul_reduce_scatter(a, b, out=out, comm=self)
-
-    def matmul_all_reduce(self, a, b, out=None):
-        return matmul_all_reduce(a, b, out=out, comm=self)
+    method.__name__, method.__qualname__, method.__doc__ = fn.__name__, f"Communicator.{fn.__name__}", fn.__doc__
+    return method
 
 
-# Communicator's bound ops say what the module-level ones say.
-for _name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast", "scatter", "gather", "reduce",
-              "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
-    getattr(Communicator, _name).__doc__ = globals()[_name].__doc__
-del _name
+# Every collective and tensor-parallel op is also a method of Communicator (comm=self): a new op of those
+# areas is a method by being in its module's __all__.
+for _area in (_collectives, _tensor_parallel):
+    for _name in _area.__all__:
+        setattr(Communicator, _name, _bound(getattr(_area, _name)))
+del _area, _name

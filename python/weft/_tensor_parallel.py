@@ -6,6 +6,8 @@ from . import _weft
 from ._args import _arg, _output, _prepare, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
 
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
+
 
 def _matmul_layout(a_shape, a_dtype, b_shape, b_dtype, b_contiguous, b_strides):
     """(layout, N, K) of A [rows, K] and B: [K, N] contiguous ("kn") or the .t() view of a contiguous [N, K]
