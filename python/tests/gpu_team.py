@@ -227,18 +227,25 @@ def ring_attention_compiled(team, g):
             check(f"ring attention compiled: rank {r} d{name}", comp_in[r][i].grad, eager_in[r][i].grad, 1e-2)
 
 
+def causal_reference(g, seq, heads, kv_heads, dim):
+    """Whole-sequence q, k, v and dO (bf16) and single-GPU causal weft.flash_attention over them, backward
+    run: (whole, dout, the reference's leaves with their gradients, its output)."""
+    whole = [torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+             for h in (heads, kv_heads, kv_heads)]
+    dout = torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    ref_in = leaves(whole)
+    ref = weft.flash_attention(*ref_in, causal=True)
+    ref.backward(dout)
+    return whole, dout, ref_in, ref
+
+
 def hybrid_attention_autograd(team, g):
     """weft.hybrid_attention at every Ulysses size 1 < U < W dividing W (W = 4: U = 2), causal, K / V heads
     shared by the group: output and gradients against single-GPU weft.flash_attention, sharded alike."""
     w = team.world_size
     for u in [u for u in range(2, w) if w % u == 0]:
-        seq, heads, kv_heads, dim = 384 * w + 5, 2 * u, 1, 128
-        whole = [torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16, generator=g)
-                 for h in (heads, kv_heads, kv_heads)]
-        dout = torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        ref_in = leaves(whole)
-        ref = weft.flash_attention(*ref_in, causal=True)
-        ref.backward(dout)
+        seq = 384 * w + 5
+        whole, dout, ref_in, ref = causal_reference(g, seq, 2 * u, 1, 128)
         shard = lambda t, r: weft.ring_shard(t, w, r, causal=True)
         ins = [leaves([shard(t, r) for t in whole]) for r in range(w)]
         layer = lambda c, q, k, v: weft.hybrid_attention(q, k, v, u, causal=True, seq_len=seq, comm=c)
@@ -255,13 +262,8 @@ def contiguous_shards_attention(team, g):
     """Causal context attention over contiguous shards (rank r holds the r-th slice, contiguous=True) with every
     method: output and gradients against single-GPU weft.flash_attention, sharded alike."""
     w = team.world_size
-    seq, heads, kv_heads, dim = 300 * w + 7, 2 * w, w, 64
-    whole = [torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16, generator=g)
-             for h in (heads, kv_heads, kv_heads)]
-    dout = torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
-    ref_in = leaves(whole)
-    ref = weft.flash_attention(*ref_in, causal=True)
-    ref.backward(dout)
+    seq = 300 * w + 7
+    whole, dout, ref_in, ref = causal_reference(g, seq, 2 * w, w, 64)
     shard = lambda t, r: weft.ring_shard(t, w, r, causal=True, contiguous=True)
     if [shard(torch.arange(seq, device="cuda")[None, :], r)[0, 0].item() for r in range(w)] != \
             [r * (seq // w) + min(r, seq % w) for r in range(w)]:
