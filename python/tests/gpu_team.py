@@ -239,6 +239,20 @@ def causal_reference(g, seq, heads, kv_heads, dim):
     return whole, dout, ref_in, ref
 
 
+def check_sharded_attention(team, name, layer, shard, whole, dout, ref_in, ref):
+    """layer(comm, q, k, v) on every rank's shard (shard(t, r)) against the single-GPU reference (causal_reference):
+    output and gradients, each rank's rows."""
+    w = team.world_size
+    ins = [leaves([shard(t, r) for t in whole]) for r in range(w)]
+    team.warmup(lambda c, xs: layer(c, *xs), [leaves(x) for x in ins])
+    outs = team.run(lambda c, xs: layer(c, *xs), ins)
+    torch.autograd.backward(outs, [shard(dout, r) for r in range(w)])
+    for r in range(w):
+        check(f"{name}: rank {r} output", outs[r], shard(ref.detach(), r), 1e-2)
+        for i, x in enumerate("qkv"):
+            check(f"{name}: rank {r} d{x}", ins[r][i].grad, shard(ref_in[i].grad, r), 2e-2)
+
+
 def hybrid_attention_autograd(team, g):
     """weft.hybrid_attention at every Ulysses size 1 < U < W dividing W (W = 4: U = 2), causal, K / V heads
     shared by the group: output and gradients against single-GPU weft.flash_attention, sharded alike."""
@@ -247,15 +261,8 @@ def hybrid_attention_autograd(team, g):
         seq = 384 * w + 5
         whole, dout, ref_in, ref = causal_reference(g, seq, 2 * u, 1, 128)
         shard = lambda t, r: weft.ring_shard(t, w, r, causal=True)
-        ins = [leaves([shard(t, r) for t in whole]) for r in range(w)]
         layer = lambda c, q, k, v: weft.hybrid_attention(q, k, v, u, causal=True, seq_len=seq, comm=c)
-        team.warmup(lambda c, xs: layer(c, *xs), [leaves(x) for x in ins])
-        outs = team.run(lambda c, xs: layer(c, *xs), ins)
-        torch.autograd.backward(outs, [shard(dout, r) for r in range(w)])
-        for r in range(w):
-            check(f"hybrid attention U={u}: rank {r} output", outs[r], shard(ref.detach(), r), 1e-2)
-            for i, name in enumerate("qkv"):
-                check(f"hybrid attention U={u}: rank {r} d{name}", ins[r][i].grad, shard(ref_in[i].grad, r), 2e-2)
+        check_sharded_attention(team, f"hybrid attention U={u}", layer, shard, whole, dout, ref_in, ref)
 
 
 def contiguous_shards_attention(team, g):
@@ -269,16 +276,9 @@ def contiguous_shards_attention(team, g):
             [r * (seq // w) + min(r, seq % w) for r in range(w)]:
         raise AssertionError("ring_shard(contiguous=True) does not hold consecutive slices")
     for method in ("all_gather", "ring", "ulysses"):
-        ins = [leaves([shard(t, r) for t in whole]) for r in range(w)]
         layer = lambda c, q, k, v: weft.context_attention(q, k, v, causal=True, method=method, seq_len=seq, comm=c,
                                                           contiguous=True)
-        team.warmup(lambda c, xs: layer(c, *xs), [leaves(x) for x in ins])
-        outs = team.run(lambda c, xs: layer(c, *xs), ins)
-        torch.autograd.backward(outs, [shard(dout, r) for r in range(w)])
-        for r in range(w):
-            check(f"{method} contiguous shards: rank {r} output", outs[r], shard(ref.detach(), r), 1e-2)
-            for i, name in enumerate("qkv"):
-                check(f"{method} contiguous shards: rank {r} d{name}", ins[r][i].grad, shard(ref_in[i].grad, r), 2e-2)
+        check_sharded_attention(team, f"{method} contiguous shards", layer, shard, whole, dout, ref_in, ref)
 
 
 def moe_layer(comm, x, ids, weights, num_experts, max_tokens):
