@@ -81,11 +81,6 @@ std::string secret_tag(const std::string& secret) {
   return hex;
 }
 // Compares in time that does not depend on where the strings differ.
-bool same_secret(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
-  return diff == 0;
-}
 
 sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
   sockaddr_un a{};
@@ -326,7 +321,7 @@ void Channel::hub_accept(Clock::time_point deadline) {
     const int r = hello.h.src;
     const size_t ints = 2 * sizeof(long);  // world size, pid; then the job secret
     if (static_cast<MsgType>(hello.h.type) != MsgType::kHello || hello.payload.size() < ints ||
-        !same_secret(hello.payload.substr(ints), secret_)) {  // refused; the real rank may still come
+        !secrets_equal(hello.payload.substr(ints), secret_)) {  // refused; the real rank may still come
       std::fprintf(
           stderr,
           "weft: rendezvous of job '%s' (socket @%s): refused a connection from %s claiming rank %d: "
@@ -577,6 +572,12 @@ void Channel::monitor_loop() {
       break;
     }
   }
+}
+
+bool secrets_equal(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  return diff == 0;
 }
 
 }  // namespace weft

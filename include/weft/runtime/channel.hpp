@@ -27,6 +27,9 @@
 
 namespace weft {
 
+// Whether two job secrets are equal, in time independent of where they differ.
+bool secrets_equal(const std::string& a, const std::string& b);
+
 class Channel {
  public:
   struct Gathered {
