@@ -278,9 +278,9 @@ inline RingCall ring_call_of(const RingStep& step) {
 // the source's local rows, contiguous because a source's parts of a document are adjacent (early, then late)
 // and a part meets either all of the other side's parts or a prefix (keys) / suffix (queries) of them. A
 // work item (segment, head, block) meets all W ranges in turn, its accumulators (O and LSE forward, dK and
-// dV backward) in registers throughout. Step 0 (the rank's own rows on both sides) is causal when the layout
-// is zigzag: a key is visible to a query iff its local row is not after the query's (within a document's
-// local rows the positions keep their order); later steps have no mask.
+// dV backward) in registers throughout. Step 0 (the rank's own rows on both sides) is causal when the
+// attention is (either layout): a key is visible to a query iff its local row is not after the query's
+// (within a document's local rows the positions keep their order); later steps have no mask.
 enum class RingTravel : uint8_t {
   kKeys,     // forward: K / V travel; segments are query rows
   kQueries,  // backward: Q, dO, LSE and D travel; segments are key rows
@@ -294,7 +294,7 @@ struct RingPass {
 };
 // The rows of rank src's local rows that the part `own` of document d meets (a rank holding that part, at
 // the step where src's rows are in hand): keys up to the query part (kKeys), or queries from the key part
-// on (kQueries); all of the document's rows when not zigzag.
+// on (kQueries); all of the document's rows when not causal.
 inline std::pair<int64_t, int64_t> ring_met_rows(const RingLayout& L, int d, int own, int src,
                                                  RingTravel travel) {
   int64_t begin = L.doc_row[src][d], end = begin;

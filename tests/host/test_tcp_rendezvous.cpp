@@ -3,6 +3,11 @@
 // rank still joins; a rank that never comes fails rank 0 with its number; no secret, no rendezvous.
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <future>
 #include <memory>
 #include <string>
@@ -56,16 +61,56 @@ TEST(TcpRendezvous, EveryRankGetsEveryRanksBytes) {
 
 TEST(TcpRendezvous, WrongSecretIsRefusedAndTheRealRankStillJoins) {
   TcpRendezvous root("127.0.0.1", 0, 0, 2, kSecret, 5000ms);
-  // An impostor claiming rank 1 with another secret connects first: refused, its call fails.
-  auto impostor = std::async(std::launch::async, [port = root.port()] {
-    TcpRendezvous t("127.0.0.1", port, 1, 2, "another-secret-of-16+", 3000ms);
-    return t.allgather("stolen?");
-  });
-  std::this_thread::sleep_for(100ms);
+  // An impostor claiming rank 1 with another secret has greeted first (its constructor returns once it has):
+  // refused, and told so at its call.
+  auto impostor =
+      std::make_shared<TcpRendezvous>("127.0.0.1", root.port(), 1, 2, "another-secret-of-16+", 3000ms);
+  auto refused = std::async(std::launch::async, [impostor] { return impostor->allgather("stolen?"); });
   auto real = start_ranks(root.port(), 2, 1);
   EXPECT_EQ(root.allgather("r0c0"), (std::vector<std::string>{"r0c0", "r1c0"}));
   EXPECT_EQ(real[0].get(), expected(2, 1));
-  EXPECT_THROW(impostor.get(), weft::Error);
+  try {
+    refused.get();
+    FAIL() << "the impostor got data";
+  } catch (const weft::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("refused this rank"), std::string::npos) << e.what();
+  }
+}
+
+// A connection that never greets holds up no one: the real rank is admitted beside it.
+TEST(TcpRendezvous, SilentConnectionsDoNotStallAdmission) {
+  TcpRendezvous root("127.0.0.1", 0, 0, 2, kSecret, 5000ms);
+  std::vector<int> silent;  // raw sockets that connect and stay silent
+  for (int i = 0; i < 3; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(root.port()));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    silent.push_back(fd);
+  }
+  auto real = start_ranks(root.port(), 2, 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(root.allgather("r0c0"), (std::vector<std::string>{"r0c0", "r1c0"}));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 900ms);
+  EXPECT_EQ(real[0].get(), expected(2, 1));
+  for (int fd : silent) ::close(fd);
+}
+
+// A rank that makes more calls than rank 0 fails (once rank 0 is gone) instead of waiting for ever.
+TEST(TcpRendezvous, ExtraCallsFailInsteadOfHanging) {
+  auto root = std::make_unique<TcpRendezvous>("127.0.0.1", 0, 0, 2, kSecret, 5000ms);
+  auto ahead = std::async(std::launch::async, [port = root->port()] {
+    TcpRendezvous t("127.0.0.1", port, 1, 2, kSecret, 5000ms);
+    t.allgather("a");
+    t.allgather("b");  // rank 0 makes one call only
+  });
+  EXPECT_EQ(root->allgather("x").size(), 2u);
+  const auto t0 = std::chrono::steady_clock::now();
+  root.reset();
+  EXPECT_THROW(ahead.get(), weft::Error);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2000ms);
 }
 
 TEST(TcpRendezvous, AMissingRankIsNamed) {

@@ -11,12 +11,13 @@
 //
 // q, out: [local_rows, heads, head_dim]; k, v: [local_rows, kv_heads, head_dim]; lse (optional): [heads,
 // local_rows] fp32; bf16 or fp16; local_rows is this rank's row count of the layout of `doc_lengths` (the
-// packed documents' lengths, the same on every rank) over the team, zigzag when options.causal
-// (context_attention_local_rows). Every rank of the team calls it with the same doc_lengths and options
-// (single-process: once per local rank). The workspace (device memory on the rank's GPU, the op's
-// workspace_bytes(), 256-byte aligned) holds the layout and the attention backward's scratch; calls on one
-// stream may share it. The natural-order buffers live in the communicator's workspace area named after the
-// method (symmetric memory, grown by the first call of a size: run a call before capturing a CUDA graph).
+// packed documents' lengths, the same on every rank) over the team, zigzag when options.causal (contiguous
+// with options.contiguous_shards; context_attention_local_rows). Every rank of the team calls it with the
+// same doc_lengths and options (single-process: once per local rank). The workspace (device memory on the
+// rank's GPU, the op's workspace_bytes(), 256-byte aligned) holds the layout and the attention backward's
+// scratch; calls on one stream may share it. The natural-order buffers live in the communicator's workspace
+// area named after the method (symmetric memory, grown by the first call of a size: run a call before
+// capturing a CUDA graph).
 #pragma once
 #include <cuda_runtime.h>
 

@@ -10,6 +10,7 @@
 // that closes mid-call fails the call.
 #pragma once
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -17,8 +18,9 @@ namespace weft {
 
 class TcpRendezvous {
  public:
-  // Rank 0 binds and listens on host:port (port 0: a free one, see port()); the others connect (retrying
-  // until the timeout: rank 0 may start later) and greet. Throws weft::Error with the reason.
+  // Rank 0 listens on `port` on every interface (port 0: a free one, see port()); the others connect to
+  // host:port (retrying lookups and connections until the timeout: rank 0 may start later) and greet.
+  // Throws weft::Error with the reason.
   TcpRendezvous(const std::string& host, int port, int rank, int world, std::string secret,
                 std::chrono::milliseconds timeout);
   ~TcpRendezvous();
@@ -35,12 +37,14 @@ class TcpRendezvous {
 
  private:
   void admit();  // rank 0: accept greetings until every rank is in
+  std::string judge(const std::string& hello, int* rank) const;
   int rank_, world_, port_ = 0;
   std::string secret_;
   std::chrono::milliseconds timeout_;
   int listen_fd_ = -1;
   std::vector<int> peers_;  // rank 0: the socket of rank r (index r; -1 for itself); others: [0] to rank 0
   bool admitted_ = false;
+  uint32_t calls_ = 0;  // allgather calls made
 };
 
 }  // namespace weft
