@@ -2,6 +2,7 @@
 Team and Communicator."""
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import sys
@@ -296,11 +297,12 @@ class Communicator:
 
 
 def _bound(fn):
-    """fn as a Communicator method: the call with comm=self."""
+    """fn as a Communicator method: the call with comm=self (help() and inspect show fn's signature)."""
+    @functools.wraps(fn)
     def method(self, *args, **kwargs):
         return fn(*args, comm=self, **kwargs)
 
-    method.__name__, method.__qualname__, method.__doc__ = fn.__name__, f"Communicator.{fn.__name__}", fn.__doc__
+    method.__qualname__ = f"Communicator.{fn.__name__}"
     return method
 
 
