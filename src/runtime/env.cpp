@@ -75,13 +75,27 @@ LaunchEnv read_vars(const EnvGetter& env, const VarSet& s, Launcher launcher) {
   e.rank = parse_int(*env(s.rank), s.rank, 0, e.world - 1);
   e.local_world = parse_int(*env(s.local_world), s.local_world, 1, kMaxWorld);
   e.local_rank = parse_int(*env(s.local_rank), s.local_rank, 0, e.local_world - 1);
-  if (e.local_world != e.world)
-    throw_error("weft: multi-node jobs are not supported yet: " + std::string(s.world) + "=" +
-                std::to_string(e.world) + " but " + s.local_world + "=" + std::to_string(e.local_world) +
-                " (all ranks must run on one node)");
-  if (e.local_rank != e.rank)
-    throw_error("weft: " + std::string(s.rank) + "=" + std::to_string(e.rank) + " differs from " +
-                s.local_rank + "=" + std::to_string(e.local_rank) + " on a single-node job");
+  // Several hosts: the same number of ranks on each, in contiguous blocks (rank = node x local_world +
+  // local_rank).
+  if (e.world % e.local_world != 0)
+    throw_error("weft: " + std::string(s.world) + "=" + std::to_string(e.world) + " is not a multiple of " +
+                s.local_world + "=" + std::to_string(e.local_world) +
+                ": a multi-node job needs the same number of ranks on every node");
+  if (e.local_rank != e.rank % e.local_world)
+    throw_error("weft: " + std::string(s.rank) + "=" + std::to_string(e.rank) + " and " + s.local_rank + "=" +
+                std::to_string(e.local_rank) + " do not place ranks in contiguous blocks of " +
+                s.local_world + "=" + std::to_string(e.local_world) + " per node (" +
+                (e.world == e.local_world ? "on a single-node job they must agree)"
+                                          : "multi-node: rank = node x local_world + local_rank)"));
+  e.node_size = e.local_world;
+  if (auto k = env("WEFT_NODE_SIZE"); k && !k->empty()) {  // fake nodes on one host (tests)
+    e.node_size = parse_int(*k, "WEFT_NODE_SIZE", 1, e.local_world);
+    if (e.local_world % e.node_size != 0)
+      throw_error("weft: WEFT_NODE_SIZE=" + *k + " does not divide the " + std::to_string(e.local_world) +
+                  " ranks of a node");
+  }
+  e.node = e.rank / e.node_size;
+  e.nodes = e.world / e.node_size;
   return e;
 }
 

@@ -199,15 +199,36 @@ TEST(Env, RankMustBeBelowWorldSize) {
   EXPECT_HAS(parse_err(with(ompi(0, 2), {{"OMPI_COMM_WORLD_RANK", "2"}})), "OMPI_COMM_WORLD_RANK='2'");
 }
 
-TEST(Env, MultiNodeIsRejected) {
-  const std::string msg =
-      parse_err({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"}});
-  EXPECT_HAS(msg, "multi-node");
-  EXPECT_HAS(msg, "WORLD_SIZE=8");
-  EXPECT_HAS(msg, "LOCAL_WORLD_SIZE=4");
-  const std::string mpi =
-      parse_err(with(ompi(3, 8), {{"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "3"}}));
-  EXPECT_HAS(mpi, "multi-node");
+// Multi-node layouts parse (the communicator refuses them, not built yet): ranks in contiguous blocks per
+// node; anything else is named. WEFT_NODE_SIZE splits one host into fake nodes.
+TEST(Env, NodesOfAMultiNodeJob) {
+  const LaunchEnv e =
+      parse_ok({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"}});
+  EXPECT_EQ(e.node, 1);
+  EXPECT_EQ(e.nodes, 2);
+  EXPECT_EQ(e.node_size, 4);
+  const LaunchEnv m =
+      parse_ok(with(ompi(3, 8), {{"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}}));
+  EXPECT_EQ(m.node, 1);
+  EXPECT_EQ(m.nodes, 4);
+  const LaunchEnv one = parse_ok(torch(2, 4));
+  EXPECT_EQ(one.nodes, 1);
+  EXPECT_EQ(one.node_size, 4);
+  const std::string uneven =
+      parse_err({{"RANK", "5"}, {"WORLD_SIZE", "6"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"}});
+  EXPECT_HAS(uneven, "same number of ranks on every node");
+  const std::string scattered =
+      parse_err({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "4"}});
+  EXPECT_HAS(scattered, "contiguous blocks");
+}
+
+TEST(Env, FakeNodesSplitOneHost) {
+  const LaunchEnv e = parse_ok(with(torch(3, 4), {{"WEFT_NODE_SIZE", "2"}}));
+  EXPECT_EQ(e.node, 1);
+  EXPECT_EQ(e.nodes, 2);
+  EXPECT_EQ(e.node_size, 2);
+  EXPECT_HAS(parse_err(with(torch(0, 4), {{"WEFT_NODE_SIZE", "3"}})), "does not divide");
+  EXPECT_HAS(parse_err(with(torch(0, 4), {{"WEFT_NODE_SIZE", "8"}})), "WEFT_NODE_SIZE='8'");
 }
 
 TEST(Env, RankAndLocalRankMustAgreeOnOneNode) {

@@ -17,6 +17,12 @@ struct LaunchEnv {
   int world = 1;
   int local_rank = 0;
   int local_world = 1;
+  // Nodes: the launcher's (ranks in contiguous blocks of local_world per host, as torchrun and mpirun's
+  // default mapping place them), or fake ones splitting one host for tests (WEFT_NODE_SIZE=k: k ranks each).
+  // node_size ranks per node; this rank is local rank rank % node_size of node `node`.
+  int node = 0;
+  int nodes = 1;
+  int node_size = 1;
   // Names this job's rendezvous socket. Two jobs on one node get different ids: WEFT_JOB_ID if set, else
   // the launcher's own job id (TORCHELASTIC_RUN_ID + MASTER_PORT, the Open MPI/PMIx job id), else the
   // parent process id (torchrun and mpirun start a node's ranks from one parent).
@@ -31,7 +37,8 @@ using EnvGetter = std::function<std::optional<std::string>(const std::string&)>;
 EnvGetter process_env();
 
 // Returns nullopt when no launcher variables are present (single-process mode). Throws weft::Error with a
-// precise message for incomplete, malformed, inconsistent or multi-node environments.
+// precise message for incomplete, malformed or inconsistent environments. Teams spanning nodes parse (the
+// communicator refuses them: not built yet).
 std::optional<LaunchEnv> parse_launch_env(const EnvGetter& env, long parent_pid);
 
 // Parses a decimal integer in [lo, hi]; throws naming `what` otherwise.
