@@ -23,6 +23,10 @@ SHAPES = [
     ("ss", 32, 16, ("bf16", "f16")),
     ("rs", 64, 16, ("bf16", "f16")),
     ("rs", 128, 16, ("bf16", "f16")),
+    # FP8 (e4m3 or, with kE5M2, e5m2 operands), both K-major (8-bit wgmma has no transpose), K = 32 per MMA.
+    ("ss8", 256, 32, ("e4m3", "e5m2")),
+    ("ss8", 128, 32, ("e4m3", "e5m2")),
+    ("ss8", 64, 32, ("e4m3", "e5m2")),
 ]
 
 
@@ -40,8 +44,11 @@ def accumulators(count):
 
 def macro(kind, n, k):
     regs = n // 2
-    name = f"WEFT_MMA_{'RS_' if kind == 'rs' else ''}M64N{n}K{k}"
-    if kind == "ss":
+    name = f"WEFT_MMA_{'RS_' if kind == 'rs' else 'FP8_' if kind == 'ss8' else ''}M64N{n}K{k}"
+    if kind == "ss8":
+        pred, a_b, tail = regs + 2, f"%{regs}, %{regs + 1}", ""
+        inputs = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
+    elif kind == "ss":
         pred, a_b, tail = regs + 2, f"%{regs}, %{regs + 1}", f"%{regs + 4}, %{regs + 3}"
         inputs = '"l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "n"(kTransA)'
     else:
@@ -54,7 +61,7 @@ def macro(kind, n, k):
              f'      " setp.ne.b32 p, %{pred}, 0;\\n" \\',
              f'      " wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32." AB "." AB " {{" \\']
     lines += [f'      "{l}{"," if i + 1 < len(d_lines) else ""}" \\' for i, l in enumerate(d_lines)]
-    lines.append(f'      "}}, {a_b}, p, 1, 1, {tail};\\n}}\\n" \\')
+    lines.append(f'      "}}, {a_b}, p, 1, 1{", " + tail if tail else ""};\\n}}\\n" \\')
     acc = accumulators(regs)
     for i, l in enumerate(acc):
         lead = "      : " if i == 0 else "        "
@@ -66,7 +73,11 @@ def macro(kind, n, k):
 def wrapper(kind, n, k, types):
     name, lines = macro(kind, n, k)
     regs = n // 2
-    if kind == "ss":
+    if kind == "ss8":
+        fn = f"mma_fp8_m64n{n}k{k}"
+        lines.append("template <bool kE5M2 = false>")
+        head = f"__device__ __forceinline__ void {fn}(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b,"
+    elif kind == "ss":
         fn = f"mma_m64n{n}k{k}"
         lines.append("template <int kTransB, int kTransA = 0, bool kHalf = false>")
         head = f"__device__ __forceinline__ void {fn}(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b,"
@@ -76,7 +87,8 @@ def wrapper(kind, n, k, types):
         head = f"__device__ __forceinline__ void {fn}(float (&d)[{regs}], const uint32_t (&a)[4], uint64_t desc_b,"
     lines.append(head)
     lines.append(" " * (head.index("(") + 1) + "int scale_d) {")
-    lines += ["#if defined(WEFT_WGMMA_AVAILABLE)", "  if constexpr (kHalf)", f'    {name}("{types[1]}");', "  else",
+    flag = "kE5M2" if kind == "ss8" else "kHalf"
+    lines += ["#if defined(WEFT_WGMMA_AVAILABLE)", f"  if constexpr ({flag})", f'    {name}("{types[1]}");', "  else",
               f'    {name}("{types[0]}");', "#else", "  __trap();", "#endif", "}"]
     return lines
 

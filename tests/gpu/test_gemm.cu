@@ -14,10 +14,24 @@
 
 #include "harness.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/tile/wgmma.cuh"
 
 using namespace weft;
 using weft::test::DeviceBuffer;
 using weft::test::TestContext;
+
+// The FP8 wgmma wrappers (tools/gen_wgmma.py) before any kernel uses them: compiled here for sm_90a, so
+// ptxas checks the instructions the generator writes. Never launched.
+__global__ void fp8_wgmma_compiles(float* out, uint64_t a, uint64_t b) {
+  float d256[128] = {}, d128[64] = {}, d64[32] = {};
+  weft::wgmma::fence();
+  weft::wgmma::mma_fp8_m64n256k32<false>(d256, a, b, 0);
+  weft::wgmma::mma_fp8_m64n128k32<true>(d128, a, b, 1);
+  weft::wgmma::mma_fp8_m64n64k32<false>(d64, a, b, 1);
+  weft::wgmma::commit();
+  weft::wgmma::wait<0>();
+  out[threadIdx.x] = d256[0] + d128[0] + d64[0];
+}
 
 namespace {
 

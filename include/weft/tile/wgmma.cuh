@@ -106,8 +106,9 @@ __device__ __forceinline__ void fence_operands(float (&d)[kRegs]) {
 // 64 x N fp32 accumulator converted pairwise is the A operand of a following MMA (tile::pack_a). The A
 // registers must not change until the MMA has completed (wait()).
 //
-// The wrappers per shape, mma_m64n{256,128,64,32}k16 and mma_rs_m64n{64,128}k16, are generated from one table
-// (tools/gen_wgmma.py): each spells out its N / 2 accumulator operands for the inline asm.
+// The wrappers per shape, mma_m64n{256,128,64,32}k16, mma_rs_m64n{64,128}k16 and the FP8
+// mma_fp8_m64n{256,128,64}k32<kE5M2> (e4m3 or e5m2 operands, both K-major: 8-bit wgmma has no transpose),
+// are generated from one table (tools/gen_wgmma.py): each spells out its N / 2 accumulator operands.
 #include "weft/tile/wgmma_instructions.inc"
 
 // Element types of the operands: bf16 (kHalf = false) or fp16 (true), the same for A and B.
