@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Development helper for a lent GPU machine: the GPU suite in pieces that fit one device call.
+#   scripts/device_suite.sh PATTERN...   builds what the suite needs, then tests/gpu/run.sh PATTERN for each
+#                                        pattern in turn (run.sh's own pattern rules: "-x" is all but x);
+#                                        its logs, in one archive, and the summaries land in $OUT.
+# The whole suite at 4 GPUs takes ~25 minutes of device time: split it, e.g. "single-process" "multi-process"
+# "-process" in three calls, and WEFT_SUITE_QUICK=1 runs the real-GPU steps with fewer sizes.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+root=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+cd "$root" || exit 1
+t0=$SECONDS
+targets=${TARGETS:-weft-gpu-tests weft-launch hello_team matmul_to_next _weft}
+# shellcheck disable=SC2086  # the targets are words
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
+  cmake --build build -j "$(nproc)" --target $targets >>"$OUT/build.log" 2>&1 || {
+  tail -40 "$OUT/build.log"
+  exit 1
+}
+echo "build: $((SECONDS - t0)) s"
+nvidia-smi -L
+logs=$(mktemp -d)
+rc=0
+i=0
+for pattern in "$@"; do
+  i=$((i + 1))
+  mkdir -p "$logs/part$i"
+  WEFT_LOG_DIR="$logs/part$i" tests/gpu/run.sh "$pattern" 2>&1 | tee -a "$OUT/suite.log" | grep -vE '^    \|'
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  tar -C "$logs" -czf "$OUT/gpu-logs.tgz" .  # after every part: a call cut short keeps what ran
+done
+exit $rc
