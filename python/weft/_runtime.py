@@ -3,6 +3,7 @@ Team and Communicator."""
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import secrets
 import sys
@@ -297,11 +298,16 @@ class Communicator:
 
 
 def _bound(fn):
-    """fn as a Communicator method: the call with comm=self (help() and inspect show fn's signature)."""
+    """fn as a Communicator method: the call with comm=self (help() and inspect show fn's parameters, self
+    first and comm left out)."""
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
         return fn(*args, comm=self, **kwargs)
 
+    sig = inspect.signature(fn)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    method.__signature__ = sig.replace(parameters=[self_param] + [p for n, p in sig.parameters.items() if n != "comm"])
+    del method.__wrapped__
     method.__qualname__ = f"Communicator.{fn.__name__}"
     return method
 

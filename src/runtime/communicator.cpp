@@ -237,10 +237,13 @@ std::unique_ptr<Communicator> Communicator::create_single_process(Options opts) 
 }
 
 std::unique_ptr<Communicator> Communicator::create_from_launcher(const LaunchEnv& env, Options opts) {
-  WEFT_CHECK(env.nodes == 1,
-             "teams spanning nodes (multi-node jobs) are not supported yet: " + std::to_string(env.nodes) +
-                 " nodes of " + std::to_string(env.node_size) + " ranks (world size " +
-                 std::to_string(env.world) + "); run one team per node (docs/DESIGN.md, scale-out)");
+  WEFT_CHECK(env.nodes == 1, "teams spanning nodes (multi-node jobs) are not supported yet: " +
+                                 std::to_string(env.nodes) + " nodes of " + std::to_string(env.node_size) +
+                                 " ranks (world size " + std::to_string(env.world) + ")" +
+                                 (env.node_size != env.local_world
+                                      ? " (WEFT_NODE_SIZE=" + std::to_string(env.node_size) +
+                                            " splits this host into fake nodes: unset it)"
+                                      : std::string("; run one team per node (docs/DESIGN.md, scale-out)")));
   WEFT_CHECK(resolve_ranks_per_gpu(opts.ranks_per_gpu) == 1,
              "virtual ranks (Options::ranks_per_gpu / WEFT_RANKS_PER_GPU above 1) are a single-process mode: "
              "one process drives all of them. Under a launcher every process is one rank with a GPU of its "

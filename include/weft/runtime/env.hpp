@@ -19,7 +19,9 @@ struct LaunchEnv {
   int local_world = 1;
   // Nodes: the launcher's (ranks in contiguous blocks of local_world per host, as torchrun and mpirun's
   // default mapping place them), or fake ones splitting one host for tests (WEFT_NODE_SIZE=k: k ranks each).
-  // node_size ranks per node; this rank is local rank rank % node_size of node `node`.
+  // node_size ranks per node; this rank is the (rank % node_size)-th of node `node` (local_rank stays the
+  // rank on its host: it picks the GPU). Checked per rank only: a job whose hosts hold different rank counts
+  // must be caught at the rendezvous (teams spanning nodes are not built yet).
   int node = 0;
   int nodes = 1;
   int node_size = 1;
