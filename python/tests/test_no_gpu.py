@@ -147,11 +147,11 @@ class NoGpu(unittest.TestCase):
                 return self[k]
 
         store = Store()
-        key = weft._secret_key()
-        first = weft._shared_secret(store, 0, key)
+        key = weft._runtime._secret_key()
+        first = weft._runtime._shared_secret(store, 0, key)
         self.assertGreaterEqual(len(first), 32)
-        self.assertEqual([weft._shared_secret(store, r, key) for r in (1, 2, 3)], [first] * 3)
-        self.assertNotEqual(weft._secret_key(), key)
+        self.assertEqual([weft._runtime._shared_secret(store, r, key) for r in (1, 2, 3)], [first] * 3)
+        self.assertNotEqual(weft._runtime._secret_key(), key)
 
         class Dist:  # torch.distributed before init_process_group, under torchrun's agent store
             class distributed_c10d:
@@ -175,10 +175,10 @@ class NoGpu(unittest.TestCase):
         torch = type("torch", (), {"distributed": Dist})
         agent = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}
         with mock.patch.dict(os.environ, agent):
-            self.assertIs(weft._launcher_store(torch), store)
+            self.assertIs(weft._runtime._launcher_store(torch), store)
         self.assertEqual(Dist.made, [("127.0.0.1", 29500, False)])
         with mock.patch.dict(os.environ, {"TORCHELASTIC_USE_AGENT_STORE": "False"}):
-            self.assertIsNone(weft._launcher_store(torch))
+            self.assertIsNone(weft._runtime._launcher_store(torch))
 
         calls = []
         env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",

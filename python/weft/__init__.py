@@ -60,35 +60,6 @@ from . import _args, _runtime
 
 __all__ = _RUNTIME_NAMES + _collectives.__all__ + _tensor_parallel.__all__ + _attention.__all__ + _moe.__all__
 
-# The private helpers the single module had, under their old names (tests and weft._torch_ops reach some as
-# weft.<name>). Each is the same object as in its area module, but patching weft.<helper> does not reach the
-# area modules' own references to it: only the state above is shared that way.
-_DLPACK_DEVICES = _args._DLPACK_DEVICES
-_DTYPES = _args._DTYPES
-_OPS = _args._OPS
-_Arg = _args._Arg
-_arg = _args._arg
-_check_input = _args._check_input
-_comm = _args._comm
-_compact = _args._compact
-_dim = _args._dim
-_dtype_name = _args._dtype_name
-_is_torch = _args._is_torch
-_output = _args._output
-_prepare = _args._prepare
-_shape_tuple = _args._shape_tuple
-_stream = _args._stream
+# torch's operators (weft._torch_ops) load once torch is imported; _args._torch_api() looks.
 _torch_api = _args._torch_api
-_torch_tensor = _args._torch_tensor
-_matmul_layout = _tensor_parallel._matmul_layout
-_matmul_operands = _tensor_parallel._matmul_operands
-_summed_matmul = _tensor_parallel._summed_matmul
-_ring_documents = _attention._ring_documents
-_ACTIVATIONS = _moe._ACTIVATIONS
-_stored_weights = _moe._stored_weights
-_detached_copy = _runtime._detached_copy
-_launcher_store = _runtime._launcher_store
-_secret_key = _runtime._secret_key
-_shared_secret = _runtime._shared_secret
-
 _torch_api()  # torch's operators, when torch came first

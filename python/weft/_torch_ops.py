@@ -31,6 +31,8 @@ from torch import Tensor
 
 import weft as _w
 from . import _weft
+from ._args import _OPS, _comm, _dim
+from ._tensor_parallel import _matmul_layout
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # Team.warmup's emulation: the operators compute with torch on this rank alone, as if every rank held this
@@ -213,25 +215,25 @@ _all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_se
 
 
 def all_reduce(x, op, comm):
-    c = _w._comm(comm)
-    if op not in _w._OPS:
+    c = _comm(comm)
+    if op not in _OPS:
         raise _w.WeftValueError(f"weft: unsupported reduction op {op!r}: use sum, max or min")
     _check(c, x, "x")
     return _all_reduce(x, op, c._id)
 
 
 def all_gather(x, dim, comm):
-    c = _w._comm(comm)
+    c = _comm(comm)
     _check(c, x, "x")
-    return _all_gather(x, _w._dim(dim, x.dim()), c.world_size, c._id)
+    return _all_gather(x, _dim(dim, x.dim()), c.world_size, c._id)
 
 
 def reduce_scatter(x, dim, op, comm):
-    c = _w._comm(comm)
-    if op not in _w._OPS:
+    c = _comm(comm)
+    if op not in _OPS:
         raise _w.WeftValueError(f"weft: unsupported reduction op {op!r}: use sum, max or min")
     _check(c, x, "x")
-    d = _w._dim(dim, x.dim())
+    d = _dim(dim, x.dim())
     if x.shape[d] % c.world_size:
         raise _w.WeftValueError(f"weft: dim {dim} has size {x.shape[d]}, not divisible by the world size "
                                 f"{c.world_size}")
@@ -239,7 +241,7 @@ def reduce_scatter(x, dim, op, comm):
 
 
 def all_to_all(x, comm):
-    c = _w._comm(comm)
+    c = _comm(comm)
     _check(c, x, "x")
     if x.numel() % c.world_size:
         raise _w.WeftValueError(f"weft: x has {x.numel()} elements, not divisible by the world size "
@@ -251,8 +253,8 @@ def all_to_all(x, comm):
 
 
 def _layout(a, b):
-    """(layout, n, k) of A [rows, K] and B [K, N] (weft._matmul_layout's checks on tensor attributes)."""
-    return _w._matmul_layout(tuple(a.shape), DTYPES.get(a.dtype, str(a.dtype)), tuple(b.shape),
+    """(layout, n, k) of A [rows, K] and B [K, N] (_tensor_parallel._matmul_layout's checks on tensor attributes)."""
+    return _matmul_layout(tuple(a.shape), DTYPES.get(a.dtype, str(a.dtype)), tuple(b.shape),
                              DTYPES.get(b.dtype, str(b.dtype)), b.is_contiguous(), tuple(b.stride()))
 
 
@@ -361,7 +363,7 @@ _matmul_all_reduce.register_autograd(_matmul_all_reduce_backward, setup_context=
 
 
 def _matmul_operands(a, b, comm):
-    c = _w._comm(comm)
+    c = _comm(comm)
     _check(c, a, "a", (torch.bfloat16,))
     if not isinstance(b, Tensor):  # b may be a transposed view: _layout checks its strides and dtype
         raise _w.WeftTypeError(f"weft: b must be a torch tensor, got {type(b).__name__}")
