@@ -237,21 +237,38 @@ struct Rooted {
   bool from_root;
 };
 
+// Bytes [first, last) of a copy (first a multiple of 16) by the block's threads, in V-byte accesses (V
+// divides both pointers' alignment) and the last few bytes in 2-byte ones.
+template <int V>
+__device__ __forceinline__ void copy_span(char* dst, const char* src, uint64_t first, uint64_t last) {
+  const uint64_t body = first + (last - first) / V * V;
+  for (uint64_t b = first + uint64_t(V) * threadIdx.x; b < body; b += uint64_t(V) * blockDim.x)
+    *reinterpret_cast<Unit<V>*>(dst + b) = *reinterpret_cast<const Unit<V>*>(src + b);
+  for (uint64_t b = body + 2 * threadIdx.x; b < last; b += 2 * blockDim.x)
+    *reinterpret_cast<uint16_t*>(dst + b) = *reinterpret_cast<const uint16_t*>(src + b);
+}
+
 // This block's share of a `bytes` copy, dealt in 16-byte units whatever the pointers' alignment: the same
 // share on every rank (a receiver's copy out reads only what its counterpart blocks pushed, whatever each
-// rank's buffers allow). 16-byte accesses, 4 in flight, where both pointers allow; else 2-byte ones (the
-// sizes and pointers of 16-bit and 32-bit elements are multiples of 2).
+// rank's buffers allow). The widest accesses both pointers allow: 16 bytes, 4 in flight, in whole chunks;
+// 8, 4 or 2 otherwise (the sizes and pointers of 16-bit and 32-bit elements are multiples of 2).
 __device__ __forceinline__ void copy_dealt(char* dst, const char* src, uint64_t bytes) {
   const uint64_t whole = bytes / 16, units = (bytes + 15) / 16;
-  const bool wide = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % 16) == 0;
+  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
   for_each_chunk(units, [&](uint64_t base, uint64_t len) {
-    if (wide && base + len <= whole) {
+    if (align % 16 == 0 && base + len <= whole) {
       copy_chunk<16>(Rows{dst, 0}, Rows{const_cast<char*>(src), 0}, 1, whole * 16, base, len);
       return;
     }
     const uint64_t first = base * 16, last = min(bytes, (base + len) * 16);
-    for (uint64_t b = first + 2 * threadIdx.x; b < last; b += 2 * blockDim.x)
-      *reinterpret_cast<uint16_t*>(dst + b) = *reinterpret_cast<const uint16_t*>(src + b);
+    if (align % 16 == 0)
+      copy_span<16>(dst, src, first, last);
+    else if (align % 8 == 0)
+      copy_span<8>(dst, src, first, last);
+    else if (align % 4 == 0)
+      copy_span<4>(dst, src, first, last);
+    else
+      copy_span<2>(dst, src, first, last);
   });
 }
 
@@ -404,19 +421,6 @@ static __global__ void __launch_bounds__(64) counts_kernel(AllToAllV a) {
   for (int q = threadIdx.x; q < W; q += blockDim.x) a.recv_counts[q] = fit ? sent_count(a, q, t.rank) : 0;
 }
 
-// Copies this block's share of `bytes` from src to dst with the widest access all three allow.
-inline __device__ void copy_part(char* dst, const char* src, uint64_t bytes) {
-  const uintptr_t all = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes;
-  if (all % 16 == 0)
-    copy_rows<16>(Rows{dst, 0}, Rows{const_cast<char*>(src), 0}, 1, bytes);
-  else if (all % 8 == 0)
-    copy_rows<8>(Rows{dst, 0}, Rows{const_cast<char*>(src), 0}, 1, bytes);
-  else if (all % 4 == 0)
-    copy_rows<4>(Rows{dst, 0}, Rows{const_cast<char*>(src), 0}, 1, bytes);
-  else
-    copy_rows<2>(Rows{dst, 0}, Rows{const_cast<char*>(src), 0}, 1, bytes);
-}
-
 static __global__ void __launch_bounds__(512) push_kernel(AllToAllV a) {
   const TeamView& t = a.team;
   const int W = t.world;
@@ -427,7 +431,8 @@ static __global__ void __launch_bounds__(512) push_kernel(AllToAllV a) {
     for (int q = 0; q < p; ++q) src_at += sent_count(a, t.rank, q);  // my parts for lower ranks
     for (int s = 0; s < t.rank; ++s) dst_at += sent_count(a, s, p);  // lower ranks' parts for p
     const uint64_t bytes = uint64_t(sent_count(a, t.rank, p)) * a.row_bytes;
-    if (bytes > 0) copy_part(t.peer_ptr(a.dst + dst_at * a.row_bytes, p), a.in + src_at * a.row_bytes, bytes);
+    if (bytes > 0)
+      copy_dealt(t.peer_ptr(a.dst + dst_at * a.row_bytes, p), a.in + src_at * a.row_bytes, bytes);
   }
   (void)meet(t, a.slots);
 }
@@ -438,7 +443,7 @@ static __global__ void __launch_bounds__(512) copy_out_kernel(AllToAllV a, char*
   if (*reinterpret_cast<volatile uint32_t*>(&t.error->code) != 0) return;
   int64_t got = 0;
   for (int s = 0; s < t.world; ++s) got += sent_count(a, s, t.rank);
-  copy_part(out, a.dst, uint64_t(got) * a.row_bytes);
+  copy_dealt(out, a.dst, uint64_t(got) * a.row_bytes);
 }
 
 // ---- reduce-scatter and two-shot all-reduce: push slices to their owners, reduce mine (and fan out) ---
