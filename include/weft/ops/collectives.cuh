@@ -250,25 +250,33 @@ __device__ __forceinline__ void copy_span(char* dst, const char* src, uint64_t f
 
 // This block's share of a `bytes` copy, dealt in 16-byte units whatever the pointers' alignment: the same
 // share on every rank (a receiver's copy out reads only what its counterpart blocks pushed, whatever each
-// rank's buffers allow). The widest accesses both pointers allow: 16 bytes, 4 in flight, in whole chunks;
-// 8, 4 or 2 otherwise (the sizes and pointers of 16-bit and 32-bit elements are multiples of 2).
-__device__ __forceinline__ void copy_dealt(char* dst, const char* src, uint64_t bytes) {
+// rank's buffers allow). The widest accesses all pointers allow: 16 bytes, 4 in flight, in whole chunks;
+// 8, 4 or 2 otherwise (the sizes and pointers of 16-bit and 32-bit elements are multiples of 2). A second
+// copy of the same length (dst2 not null) goes chunk by chunk beside the first: a rank's own part copied
+// while its first push streams, instead of before it with the links idle.
+__device__ __forceinline__ void copy_dealt(char* dst, const char* src, uint64_t bytes, char* dst2 = nullptr,
+                                           const char* src2 = nullptr) {
   const uint64_t whole = bytes / 16, units = (bytes + 15) / 16;
-  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                          reinterpret_cast<uintptr_t>(dst2) | reinterpret_cast<uintptr_t>(src2);
   for_each_chunk(units, [&](uint64_t base, uint64_t len) {
-    if (align % 16 == 0 && base + len <= whole) {
-      copy_chunk<16>(Rows{dst, 0}, Rows{const_cast<char*>(src), 0}, 1, whole * 16, base, len);
-      return;
+    for (int pair = 0; pair < (dst2 ? 2 : 1); ++pair) {
+      char* d = pair ? dst2 : dst;
+      const char* s = pair ? src2 : src;
+      if (align % 16 == 0 && base + len <= whole) {
+        copy_chunk<16>(Rows{d, 0}, Rows{const_cast<char*>(s), 0}, 1, whole * 16, base, len);
+        continue;
+      }
+      const uint64_t first = base * 16, last = min(bytes, (base + len) * 16);
+      if (align % 16 == 0)
+        copy_span<16>(d, s, first, last);
+      else if (align % 8 == 0)
+        copy_span<8>(d, s, first, last);
+      else if (align % 4 == 0)
+        copy_span<4>(d, s, first, last);
+      else
+        copy_span<2>(d, s, first, last);
     }
-    const uint64_t first = base * 16, last = min(bytes, (base + len) * 16);
-    if (align % 16 == 0)
-      copy_span<16>(dst, src, first, last);
-    else if (align % 8 == 0)
-      copy_span<8>(dst, src, first, last);
-    else if (align % 4 == 0)
-      copy_span<4>(dst, src, first, last);
-    else
-      copy_span<2>(dst, src, first, last);
   });
 }
 
@@ -278,19 +286,20 @@ static __global__ void __launch_bounds__(512) rooted_kernel(Rooted r) {
   const TeamView& t = x.team;
   if (!meet(t, x.slots)) return;
   if (!r.from_root || t.rank == r.root) {
-    // Own part first, then the peers one at a time, staggered by rank (gather: the root alone).
-    for (int k = 0; k < t.world; ++k) {
+    // The own part goes straight to its final place (not in place; a gather's non-root keeps nothing),
+    // beside the first push; the peers one at a time, staggered by rank (gather: to the root alone).
+    const char* own_src = x.src.base + x.src_peer_step * t.rank;
+    char* own_dst = x.via_workspace ? x.final_dst.base + x.final_peer_step * t.rank
+                                    : x.dst.base + x.dst_peer_step * t.rank;
+    if ((!r.from_root && t.rank != r.root) || own_dst == own_src) own_dst = nullptr;
+    for (int k = 1; k < t.world; ++k) {
       const int to = (t.rank + k) % t.world;
-      const bool own = to == t.rank;
-      // Gather: a non-root sends only to the root and keeps nothing; the root only keeps its own part.
-      if (!r.from_root && (own ? t.rank != r.root : to != r.root)) continue;
-      const Rows src{x.src.base + x.src_peer_step * to, x.src.stride};
-      Rows dst{t.peer_ptr(x.dst.base + x.dst_peer_step * t.rank, to), x.dst.stride};
-      if (own && x.via_workspace)
-        dst = Rows{x.final_dst.base + x.final_peer_step * t.rank, x.final_dst.stride};
-      if (own && dst.base == src.base) continue;  // in place
-      copy_dealt(dst.base, src.base, x.row_bytes);
+      if (!r.from_root && to != r.root) continue;
+      copy_dealt(t.peer_ptr(x.dst.base + x.dst_peer_step * t.rank, to), x.src.base + x.src_peer_step * to,
+                 x.row_bytes, own_dst, own_src);
+      own_dst = nullptr;
     }
+    if (own_dst != nullptr) copy_dealt(own_dst, own_src, x.row_bytes);
   }
   if (!meet(t, x.slots) || !x.via_workspace) return;
   for (int q = 0; q < t.world; ++q) {  // what landed here: the root's part, or (at the root) every rank's
