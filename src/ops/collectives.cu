@@ -569,56 +569,29 @@ void run_gather(Call& c, const void* in, void* out, size_t count, DType dtype, i
   launch_rooted(c, r, all, "gather");
 }
 
-// reduce. Small: the all-reduce into a workspace area of its own, then the root's copy. From
-// kReduceSplitMin: a reduce-scatter whose slices land at the root: rank q sums slice q of every rank's input
-// (pulled) and stores it into slice q of the root's area, and the root copies the area out. The root takes
-// in about one input's bytes instead of the all-reduce's two passes (4 x H200, 256 MiB: the all-reduce way
-// 1440 us, NCCL 786).
+// The all-reduce into a workspace area of its own, then the root's copy: every rank takes part in the
+// reduction; out is written at the root only. (A pull whose slices land in the root's area, without the
+// all-reduce's second pass, measured no faster: 4 x H200, 256 MiB bf16, 1299 us against 1440 with
+// symmetric inputs and no copy in, NCCL 785; and only a copy in makes every rank's input lie at the same
+// offset, which an in-place root does not give.)
 const char* const kReduceArea = "reduce: result";
-constexpr uint64_t kReduceSplitMin = 1 << 20;
-
 void run_reduce(Call& c, const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root) {
   check_root(c, root);
   if (count == 0) return;
-  const uint64_t es = dtype_size(dtype), bytes = count * es;
+  const uint64_t bytes = count * dtype_size(dtype);
   const bool is_root = c.rank.rank() == root;
-  c.check_buffer(in, "in", bytes, es);
-  if (is_root) c.check_buffer(out, "out", bytes, es);
+  c.check_buffer(in, "in", bytes, dtype_size(dtype));
+  if (is_root) c.check_buffer(out, "out", bytes, dtype_size(dtype));
   if (c.alone(in, out, bytes)) return;
-  const int W = c.rank.world();
-  // Every rank's input must sit at the same offset of symmetric memory, 16-byte aligned (the pull reads
-  // each peer's slice at the reader's own offset, in 16-byte packs): the caller's in where it is so, else a
-  // copy in the area, whose slices then also take the sums (only rank q reads or writes slice q there,
-  // each element read before it is written).
-  const uint64_t unit = 16 / es * W, main = bytes >= kReduceSplitMin ? count / unit * unit : 0;
-  const uint64_t main_bytes = main * es;
-  char* area = c.workspace(bytes, kReduceArea);
-  if (main > 0) {
-    const uint64_t slice = main_bytes / W;
-    const bool sym_in = c.comm.in_heap(c.rank, in, main_bytes) && reinterpret_cast<uintptr_t>(in) % 16 == 0;
-    if (!sym_in && !c.planned("copy of in into the area"))
-      WEFT_CUDA_CHECK(cudaMemcpyAsync(area, in, main_bytes, cudaMemcpyDeviceToDevice, c.stream));
-    coll::PullReduce x{};
-    x.team = c.rank.view();
-    x.slots = c.meetings();
-    x.in = Rows{sym_in ? const_cast<char*>(static_cast<const char*>(in)) : area, 0};
-    x.in_peer_step = slice;
-    x.out = Rows{c.rank.peer_ptr(area + c.rank.rank() * slice, root), 0};
-    x.rows = 1;
-    x.row_bytes = slice;
-    launch_pull_reduce(c, x, dtype, op, true, main_bytes, "pull into the root's area");
-  }
-  if (main < count) {
-    // The rest (under 16 W bytes, or all of a small input): copied into the area after the split's part
-    // and all-reduced in place there.
-    char* rest = area + main_bytes;
-    if (!c.planned("copy of in into the area"))
-      WEFT_CUDA_CHECK(cudaMemcpyAsync(rest, static_cast<const char*>(in) + main_bytes, bytes - main_bytes,
-                                      cudaMemcpyDeviceToDevice, c.stream));
-    run_all_reduce(c, rest, rest, count - main, dtype, op, {});
-  }
+  // in copied into the area and reduced in place there: every rank's input then sits at the same offset
+  // of the same kind of memory, whatever the caller's buffers (the all-reduce's pull flows read each peer's
+  // input at the reader's own offset).
+  char* result = c.workspace(bytes, kReduceArea);
+  if (!c.planned("copy of in into the area"))
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(result, in, bytes, cudaMemcpyDeviceToDevice, c.stream));
+  run_all_reduce(c, result, result, count, dtype, op, {});
   if (!is_root || c.planned("copy to the root's out")) return;
-  WEFT_CUDA_CHECK(cudaMemcpyAsync(out, area, bytes, cudaMemcpyDeviceToDevice, c.stream));
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(out, result, bytes, cudaMemcpyDeviceToDevice, c.stream));
 }
 
 const char* const kCountsArea = "all_to_all_v: counts";

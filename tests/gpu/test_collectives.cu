@@ -516,8 +516,8 @@ void rooted_case(TestContext& ctx, Rooted kind, DType t, size_t n, int root, boo
 WEFT_GPU_TEST(rooted_collectives_match_reference) {
   Communicator& c = ctx.comm();
   const int W = c.world();
-  // (1 << 20) + 5 and up take the split paths (broadcast: scatter + all-gather from 4 MiB at W >= 3; reduce:
-  // the pull into the root's area from 1 MiB) with a rest past the split.
+  // (1 << 20) + 5 fp32 and (1 << 21) + 5 take broadcast's split (scatter + all-gather from 4 MiB at W >= 3)
+  // with a rest past it.
   std::vector<size_t> counts = {1, 7, 4096 + 3, 1 << 20, (1 << 21) + 5};
   if (ctx.quick) counts = {1, 7, 4096 + 3, (1 << 20) + 5};
   uint64_t seed = 900;
