@@ -93,11 +93,13 @@ void run_fused(Context& ctx) {
       fmt("fused tensor-parallel ops, bf16, %s: weft vs cuBLAS + NCCL %d.%d.%d", ctx.team_label().c_str(),
           NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
       {"op", "M", "N", "K", "sequential us", "compute us", "comm us", "weft us", "weft path", "speedup",
-       "weft / bound", "weft gemm us", "fused us", "pipelined us"},
+       "weft / bound", "weft gemm us", "fused us", "fused, added at owner us", "pipelined us"},
       "sequential = cuBLAS GEMM + NCCL collective; compute = the cuBLAS GEMM alone; bound = max(compute "
       "alone, communication alone); weft path 'sequential' means the op chose its fallback (cuBLAS GEMM + "
       "weft collective) for this shape. weft gemm = weft::gemm alone on the compute shape; fused = "
-      "the op with the fused kernel forced; pipelined = the op with the copy-engine pipeline "
+      "the op with the fused kernel forced; fused, added at owner = the same with its partial tiles "
+      "reduce-added into the owner's sum (FusedOptions::Partials::kAddedAtOwner; RS / AR); pipelined = the "
+      "op with the copy-engine pipeline "
       "forced (both: what kAuto's rule weighs)." +
           std::string(nccl_on ? ""
                               : " Virtual ranks: no NCCL, comm and sequential use weft's collectives; the "
@@ -183,6 +185,9 @@ void run_fused(Context& ctx) {
           };
           auto weft_call = [&](int i) { path = call(i, weft_options); };
           auto fused_call = [&](int i) { call(i, forced); };
+          FusedOptions added = forced;
+          added.partials = FusedOptions::Partials::kAddedAtOwner;
+          auto added_call = [&](int i) { call(i, added); };
           FusedOptions pipelined = weft_options;
           pipelined.mode = FusedOptions::Mode::kPipelined;
           auto pipelined_call = [&](int i) { call(i, pipelined); };
@@ -211,6 +216,7 @@ void run_fused(Context& ctx) {
           // Every path's workspace grown before any capture; then all candidates timed in turns.
           ctx.progress("fused: warm-up, fused kernel");
           on_all(fused_call, false)(0);
+          if (op != Op::kAG) on_all(added_call, false)(0);
           comm->synchronize();
           ctx.progress("fused: warm-up, pipeline");
           on_all(pipelined_call, false)(0);
@@ -219,28 +225,30 @@ void run_fused(Context& ctx) {
           on_all(comm_alone, true)(0);  // weft's collective (virtual ranks) may grow the workspace too
           comm->synchronize();
           ctx.progress("fused: timing");
-          const std::vector<std::function<void(int)>> candidates = {seq,
-                                                                    on_all(gemm_alone, false),
-                                                                    on_all(comm_alone, true),
-                                                                    on_all(weft_call, false),
-                                                                    on_all(weft_gemm_alone, false),
-                                                                    on_all(fused_call, false),
-                                                                    on_all(pipelined_call, false)};
+          std::vector<std::function<void(int)>> candidates = {seq,
+                                                              on_all(gemm_alone, false),
+                                                              on_all(comm_alone, true),
+                                                              on_all(weft_call, false),
+                                                              on_all(weft_gemm_alone, false),
+                                                              on_all(fused_call, false),
+                                                              on_all(pipelined_call, false)};
+          if (op != Op::kAG) candidates.push_back(on_all(added_call, false));
           std::vector<double> times;
           if (nccl_on) {
             times = time_graphs_alternating(*comm, streams, iters, reps, candidates);
           } else {  // virtual ranks: not figures; one at a time; the pipeline is not captured there
-            for (size_t c = 0; c + 1 < candidates.size(); ++c)
-              times.push_back(time_graphs(*comm, streams, iters, reps, candidates[c]));
-            times.push_back(0);
+            for (size_t c = 0; c < candidates.size(); ++c)
+              times.push_back(c == 6 ? 0 : time_graphs(*comm, streams, iters, reps, candidates[c]));
           }
-          double t_all[7];
-          for (int c = 0; c < 7; ++c) t_all[c] = team_max(times[c]);
-          const auto [t_seq, t_gemm, t_comm, t_weft, t_wgemm, t_forced, t_pipe] = t_all;
+          times.resize(8, 0.0);  // AG: no added-at-owner column
+          double t_all[8];
+          for (int c = 0; c < 8; ++c) t_all[c] = team_max(times[c]);
+          const auto [t_seq, t_gemm, t_comm, t_weft, t_wgemm, t_forced, t_pipe, t_added] = t_all;
           t.add({op_name(op), std::to_string(M), std::to_string(N), std::to_string(K), fmt("%.1f", t_seq),
                  fmt("%.1f", t_gemm), fmt("%.1f", t_comm), fmt("%.1f", t_weft), fused_path_name(path),
                  fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm)),
                  fmt("%.1f", t_wgemm), fmt("%.1f", t_forced),
+                 t_added > 0 ? fmt("%.1f", t_added) : std::string("-"),
                  t_pipe > 0 ? fmt("%.1f", t_pipe) : std::string("-")});
           if (!ctx.timeline_dir.empty()) {  // one call of each weft path, in-kernel timestamps
             auto record = [&](const std::function<void(int)>& f, const char* path_name) {
@@ -254,6 +262,7 @@ void run_fused(Context& ctx) {
             record(weft_call, fused_path_name(path));
             if (path != FusedPath::kFused) record(fused_call, "fused");
             if (path != FusedPath::kPipelined && nccl_on) record(pipelined_call, "pipelined");
+            if (op != Op::kAG) record(added_call, "fused_added_at_owner");
           }
           comm->free(wa);
           comm->free(wo);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../runtime/driver.hpp"
+#include "../runtime/kernels.hpp"
 #include "cublas_gemm.hpp"
 #include "fused_rules.hpp"
 #include "op_args.hpp"
@@ -36,6 +37,8 @@ const char* const kRsReady = "matmul_reduce_scatter / all_reduce kernel: staging
 const char* const kAgChunks = "all_gather_matmul kernel: chunk arrivals";
 const char* const kAgPipeline = "all_gather_matmul pipeline";
 const char* const kRsPipeline = "matmul_reduce_scatter / all_reduce pipeline";
+// Workspace area: this rank's rows' sum, where the fused kernel's partials are added at the owner.
+const char* const kRsSum = "matmul_reduce_scatter / all_reduce kernel: the owner's sum";
 constexpr int kPipelineFlags = 2 * kMaxWorld;  // used(r), then arrived(r)
 const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kFusedState, 2}},
@@ -162,6 +165,14 @@ struct Call : ops::OpCall {
   void plan_sequential(const Plan& collective) const {
     plan->path = fused_path_name(FusedPath::kSequential) + std::string(" (") + collective.op + ": " +
                  collective.path + ")";
+    take_workspace(collective);
+  }
+  // Planning a kernel followed by a collective: its path after the kernel's, and its workspace.
+  void plan_more(const Plan& collective) const {
+    plan->path += std::string(" + ") + collective.op + ": " + collective.path;
+    take_workspace(collective);
+  }
+  void take_workspace(const Plan& collective) const {
     for (const auto& [area, bytes] : collective.workspace)
       plan->workspace[area] = std::max(plan->workspace[area], bytes);
   }
@@ -513,7 +524,11 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
 }
 
 // The RS GEMM, each tile into its owner's inbox (workspace, slot of this rank), then reduce_staged. The
-// all-reduce's non-symmetric out gathers in the workspace after the inbox.
+// all-reduce's non-symmetric out gathers in the workspace after the inbox. Partials::kAddedAtOwner: each
+// tile reduce-added into its owner's sum (an area of its own, zeroed before the kernel: the storers wait for
+// the kernel's start meeting, which every rank reaches after its zeroing); then the all-reduce all-gathers
+// the sums (its entry meeting: every rank's adds have landed), the reduce-scatter meets and copies its sum
+// out.
 template <bool kKMajor>
 void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                const FusedOptions& o, bool all_reduce) {
@@ -522,15 +537,17 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
   const int W = c.rank.world(), me = c.rank.rank(), comm_blocks = Op::kClusterSize;  // block 0 meets
   const int64_t rows = m / W;
   const uint64_t slice = uint64_t(rows) * n * 2;
-  const bool gathers = all_reduce && !c.comm.in_heap(c.rank, out, m * n * 2);
-  char* inbox = c.workspace(W * slice + (gathers ? m * n * 2 : 0));
+  const bool added = o.partials == FusedOptions::Partials::kAddedAtOwner;
+  const bool gathers = all_reduce && !added && !c.comm.in_heap(c.rank, out, m * n * 2);
+  char* inbox = added ? c.workspace(slice, kRsSum) : c.workspace(W * slice + (gathers ? m * n * 2 : 0));
   set_schedule<Op>(p.sched, m, n);
   set_gemm_maps<Op, kKMajor>(p, a, b, m, n, k, inbox, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows);
   for (int r = 0; r < W; ++r)
     p.owner[r] =
-        tma::make_map_2d({c.rank.peer_ptr(inbox + me * slice, r), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
-                          uint64_t(rows), uint64_t(n), uint64_t(n) * 2},
+        tma::make_map_2d({c.rank.peer_ptr(inbox + (added ? 0 : me * slice), r),
+                          CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(rows), uint64_t(n), uint64_t(n) * 2},
                          Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, "matmul_reduce_scatter: owner");
+  if (added) p.store_mode = lcsc::StoreMode::kReduceAdd;
   // Every band of tiles spans all owners' rows where the rows split evenly and W is a power of two (each
   // rank then sends to every owner at once: up to 6% faster, session 7, bench/RESULTS.md). Ranks also start
   // at different points of the tile sequence (rank r at (r + 1) / W of it: without the interleave, the
@@ -541,10 +558,19 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
   p.sched.timeline = c.rank.view().timeline;
   p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
   p.shard_rows = static_cast<int>(rows);
-  if (c.planned_kernel<Op>(p.sched, comm_blocks)) return;
+  const Shape2D my_rows{size_t(rows), size_t(n)};
+  if (c.planned_kernel<Op>(p.sched, comm_blocks)) {
+    if (added && all_reduce)
+      c.plan_more(all_gather_plan(c.comm, c.rank, inbox, out, my_rows, 0, DType::kBF16, c.stream));
+    return;
+  }
+  if (added) WEFT_CUDA_CHECK(cudaMemsetAsync(inbox, 0, slice, c.stream));
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
-  reduce_staged(c, inbox, slice, out, gathers ? inbox + W * slice : nullptr, all_reduce);
+  if (!added) return reduce_staged(c, inbox, slice, out, gathers ? inbox + W * slice : nullptr, all_reduce);
+  if (all_reduce) return all_gather(c.comm, c.rank, inbox, out, my_rows, 0, DType::kBF16, c.stream);
+  launch_team_barrier(c.rank.view(), ops::meeting_slots(c.comm, c.rank)[0], c.stream);
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(out, inbox, slice, cudaMemcpyDeviceToDevice, c.stream));
 }
 
 // The storer writes whole 64-row halves of a tile into one owner's slot: shards of whole halves only.

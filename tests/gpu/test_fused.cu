@@ -126,10 +126,13 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   o.comm_blocks = int(seed % 3) * 4;                               // 0 (auto), 4, 8
   if (o.comm_blocks >= c.local(0).sm_budget()) o.comm_blocks = 0;  // a small --sm-budget: auto (at least 2)
   o.pipeline_pieces = int(seed / 3 % 4);                           // 0 (auto), 1, 2, 3
+  // RS / AR: every other case sums its partials at the owner (the fused kernel only; ignored elsewhere).
+  if (op != Op::kAG && seed % 2 == 1) o.partials = FusedOptions::Partials::kAddedAtOwner;
+  const bool added = o.partials == FusedOptions::Partials::kAddedAtOwner;
   if (std::getenv("WEFT_TEST_VERBOSE"))
-    std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d\n", int(op),
+    std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d%s\n", int(op),
                  (long long)m, (long long)n, (long long)k, nk ? "NK" : "KN", mode_name(mode),
-                 sym ? "sym" : "device", o.comm_blocks, o.pipeline_pieces);
+                 sym ? "sym" : "device", o.comm_blocks, o.pipeline_pieces, added ? " added at owner" : "");
   for (int i = 0; i < c.num_local(); ++i) {
     const int r = c.local(i).rank();
     const __nv_bfloat16* a_src = op == Op::kAG ? a[0].h.data() + r * s.shard * k : a[r].h.data();
@@ -211,8 +214,8 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
                               : op == Op::kRS ? "matmul_reduce_scatter"
                                               : "matmul_all_reduce")
                                  << " M=" << m << " N=" << n << " K=" << k << (nk ? " [N,K] B" : " [K,N] B")
-                                 << " " << mode_name(mode) << (sym ? " symmetric" : " device") << " rank "
-                                 << r << ": " << err);
+                                 << " " << mode_name(mode) << (added ? " (added at owner)" : "")
+                                 << (sym ? " symmetric" : " device") << " rank " << r << ": " << err);
   }
   c.host_barrier();
 }
@@ -348,10 +351,11 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
       upload(c, i, b.ptr[i], make(size_t(n * k), 88 + r).h.data(), n * k * 2);
     }
     c.host_barrier();
-    auto run = [&](RankBuffers& dst, Mode mode) {
+    auto run = [&](RankBuffers& dst, Mode mode, bool added) {
       FusedOptions o;
       o.mode = mode;
       o.pipeline_pieces = 3;
+      if (added) o.partials = FusedOptions::Partials::kAddedAtOwner;
       for (int i = 0; i < c.num_local(); ++i) poison(c, i, dst.ptr[i], out_rows * n * 2);
       c.host_barrier();
       for (int i = 0; i < c.num_local(); ++i) {
@@ -363,11 +367,25 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
       }
       c.synchronize();
     };
-    run(ref, Mode::kSequential);
+    run(ref, Mode::kSequential, false);
+    // The partials added at the owner: against the sequential result (the adds' order varies between runs,
+    // so no bitwise comparison of repetitions).
+    for (int rep = 0; rep < 2; ++rep) {
+      run(out, Mode::kFused, true);
+      for (int i = 0; i < c.num_local(); ++i) {
+        const auto want = get(c, i, ref.ptr[i], out_rows * n);
+        const std::string err =
+            compare(get(c, i, out.ptr[i], out_rows * n), std::vector<double>(want.begin(), want.end()));
+        WEFT_EXPECT(err.empty(), (op == Op::kRS ? "matmul_reduce_scatter" : "matmul_all_reduce")
+                                     << " fused, added at owner, M=" << m << " rep " << rep << " rank "
+                                     << c.local(i).rank() << ": " << err);
+      }
+      c.host_barrier();
+    }
     for (Mode mode : {Mode::kFused, Mode::kPipelined}) {
       std::vector<std::vector<__nv_bfloat16>> first(c.num_local());
       for (int rep = 0; rep < 3; ++rep) {
-        run(out, mode);
+        run(out, mode, false);
         for (int i = 0; i < c.num_local(); ++i) {
           const int r = c.local(i).rank();
           const auto got = get(c, i, out.ptr[i], out_rows * n);

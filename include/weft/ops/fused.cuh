@@ -23,8 +23,9 @@
 //             wait on before their first store. After the GEMM, coll::reduce_scatter_kernel in its pre-staged
 //             mode meets again (every rank's stores have landed) and sums the W slots of this rank's rows
 //             (all-reduce: into every rank's copy of the output). bf16 partials, as NCCL's ring sums them:
-//             half the link bytes of fp32 partials, and plain stores instead of read-modify-write at the
-//             owner.
+//             half the link bytes of fp32 partials. With FusedOptions::Partials::kAddedAtOwner the maps point
+//             at one zeroed sum per owner and the storer reduce-adds (Params::store_mode) instead: the sum is
+//             complete at the owner when every rank's kernel has ended, with no reduce pass.
 #pragma once
 #include "weft/comm/barrier.cuh"
 #include "weft/comm/call_epoch.cuh"
@@ -169,8 +170,8 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     // The host admits only shards of whole 64-row halves: a half has one owner (none past the last row).
     const int row = t.m * Base::kBM + 64 * wg, owner = row / p.shard_rows;
     if (owner >= team.world) return;
-    Base::Epilogue::store(&p.owner[owner], lcsc::StoreMode::kStore, s.epi, es.epi, wg, acc,
-                          row - owner * p.shard_rows, t.n * Base::kBN);
+    Base::Epilogue::store(&p.owner[owner], p.store_mode, s.epi, es.epi, wg, acc, row - owner * p.shard_rows,
+                          t.n * Base::kBN);
   }
   __device__ static void finish(const Params& p, typename Base::Smem&, int, StoreState& es) {
     Base::Epilogue::finish(es.epi);  // every store has landed

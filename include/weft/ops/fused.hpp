@@ -68,6 +68,13 @@ struct FusedOptions {
   int64_t min_fused_m = 1024;  // kAuto: below this M the sequential path runs (besides the measured rule)
   int max_compute_blocks = 0;  // cap on GEMM blocks (benchmarks: "compute alone" at the fused op's SM count)
   int pipeline_pieces = 0;     // kPipelined RS / AR: row pieces per ring step, 0 auto; the same on every rank
+  // How the fused RS / AR kernel sums the W partial tiles of each row (the same on every rank):
+  //   kStaged        each rank stores its bf16 tile into its own staging slot at the owner; a reduce kernel
+  //                  after the GEMM sums the W slots in a fixed order (bitwise reproducible)
+  //   kAddedAtOwner  each rank reduce-adds its bf16 tile (TMA .add) into the owner's zeroed sum during the
+  //                  GEMM; no reduce pass, W times less staging; the order of the adds varies between runs,
+  //                  so the last bits of the result may too
+  enum class Partials { kStaged, kAddedAtOwner } partials = Partials::kStaged;
 };
 
 FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
