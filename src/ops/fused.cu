@@ -37,8 +37,10 @@ const char* const kRsReady = "matmul_reduce_scatter / all_reduce kernel: staging
 const char* const kAgChunks = "all_gather_matmul kernel: chunk arrivals";
 const char* const kAgPipeline = "all_gather_matmul pipeline";
 const char* const kRsPipeline = "matmul_reduce_scatter / all_reduce pipeline";
-// Workspace area: this rank's rows' sum, where the fused kernel's partials are added at the owner.
+// Workspace area: this rank's rows' sum, where the fused kernel's partials are added at the owner; signal-pad
+// flags: the counts of its halves and the counts they reached (ops/fused.cuh, RsGemmOp).
 const char* const kRsSum = "matmul_reduce_scatter / all_reduce kernel: the owner's sum";
+const char* const kRsHalves = "matmul_reduce_scatter / all_reduce kernel: adds per half at the owner";
 constexpr int kPipelineFlags = 2 * kMaxWorld;  // used(r), then arrived(r)
 const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kFusedState, 2}},
@@ -46,6 +48,7 @@ const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kAgChunks, ops::kFusedChunkFlags}},
     ResourceDeclaration{{kAgPipeline, kPipelineFlags}},
     ResourceDeclaration{{kRsPipeline, kPipelineFlags}},
+    ResourceDeclaration{{kRsHalves, 2 * ops::kRsHalfFlags}},
 };
 
 struct Call : ops::OpCall {
@@ -493,6 +496,13 @@ int ag_comm_blocks(const Rank& rank, const FusedOptions& o) {
   return std::clamp(rank.sm_budget() / 8, 2, 16) / 2 * 2;
 }
 
+// The counted RS / AR kernel's communicator blocks (ops/fused.cuh): the all-reduce pushes every half to
+// W - 1 peers while the GEMM runs, a sixteenth of the SM budget (8 on a whole H100 / H200); the
+// reduce-scatter only copies its halves locally, 1 or 2.
+int rs_counting_blocks(const Rank& rank, bool all_reduce) {
+  return all_reduce ? std::clamp(rank.sm_budget() / 16, 1, 8) : std::clamp(rank.sm_budget() / 64, 1, 2);
+}
+
 template <bool kKMajor>
 void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m, int64_t n,
                int64_t k, const Choice& plan, const FusedOptions& o) {
@@ -524,50 +534,77 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
 }
 
 // The RS GEMM, each tile into its owner's inbox (workspace, slot of this rank), then reduce_staged. The
-// all-reduce's non-symmetric out gathers in the workspace after the inbox. Partials::kAddedAtOwner: each
-// tile reduce-added into its owner's sum (an area of its own, zeroed before the kernel: the storers wait for
-// the kernel's start meeting, which every rank reaches after its zeroing); then the all-reduce all-gathers
-// the sums (its entry meeting: every rank's adds have landed), the reduce-scatter meets and copies its sum
-// out.
+// all-reduce's non-symmetric out gathers in the workspace after the inbox.
+// Partials::kAddedAtOwner: each tile reduce-added into its owner's sum, zeroed before the kernel (the storers
+// wait for the kernel's start meeting, which every rank reaches after its zeroing). Counted where the halves
+// fit their flags and out allows 16-byte copies (the all-reduce: a symmetric out, whose slice is the sum):
+// the kernel's communicator blocks finish the op (ops/fused.cuh). Otherwise the all-reduce all-gathers the
+// sums after the kernel (its entry meeting: every rank's adds have landed); the reduce-scatter meets and
+// copies.
 template <bool kKMajor>
 void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                const FusedOptions& o, bool all_reduce) {
   using Op = ops::RsGemmOp<kKMajor, 1>;
   typename Op::Params p{};
-  const int W = c.rank.world(), me = c.rank.rank(), comm_blocks = Op::kClusterSize;  // block 0 meets
+  const int W = c.rank.world(), me = c.rank.rank();
   const int64_t rows = m / W;
   const uint64_t slice = uint64_t(rows) * n * 2;
   const bool added = o.partials == FusedOptions::Partials::kAddedAtOwner;
+  const bool out_16 = reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const bool sym_out = c.comm.in_heap(c.rank, out, all_reduce ? m * n * 2 : slice) && out_16;
+  const bool counted = added && rows / 64 <= ops::kRsHalfFlags && (all_reduce ? sym_out : out_16);
+  const int comm_blocks =
+      counted ? rs_counting_blocks(c.rank, all_reduce) : Op::kClusterSize;  // block 0 meets
   const bool gathers = all_reduce && !added && !c.comm.in_heap(c.rank, out, m * n * 2);
-  char* inbox = added ? c.workspace(slice, kRsSum) : c.workspace(W * slice + (gathers ? m * n * 2 : 0));
+  char* const out_bytes = static_cast<char*>(out);
+  // Where this rank's tiles go at owner r (as seen here): its slot of r's inbox (staged), r's sum (added:
+  // the counted all-reduce's sum is r's slice of out, else a workspace area of its own).
+  char* inbox = nullptr;
+  if (!added)
+    inbox = c.workspace(W * slice + (gathers ? m * n * 2 : 0));
+  else if (!(counted && all_reduce))
+    inbox = c.workspace(slice, kRsSum);
+  const auto owner_view = [&](int r) -> char* {
+    if (!added) return c.rank.peer_ptr(inbox + me * slice, r);
+    return counted && all_reduce ? c.rank.peer_ptr(out_bytes + r * slice, r) : c.rank.peer_ptr(inbox, r);
+  };
+  char* sum = added ? (counted && all_reduce ? out_bytes + me * slice : inbox) : nullptr;
   set_schedule<Op>(p.sched, m, n);
-  set_gemm_maps<Op, kKMajor>(p, a, b, m, n, k, inbox, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows);
+  set_gemm_maps<Op, kKMajor>(p, a, b, m, n, k, owner_view(me), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows);
   for (int r = 0; r < W; ++r)
-    p.owner[r] =
-        tma::make_map_2d({c.rank.peer_ptr(inbox + (added ? 0 : me * slice), r),
-                          CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(rows), uint64_t(n), uint64_t(n) * 2},
-                         Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, "matmul_reduce_scatter: owner");
+    p.owner[r] = tma::make_map_2d(
+        {owner_view(r), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(rows), uint64_t(n), uint64_t(n) * 2},
+        Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, "matmul_reduce_scatter: owner");
   if (added) p.store_mode = lcsc::StoreMode::kReduceAdd;
   // Every band of tiles spans all owners' rows where the rows split evenly and W is a power of two (each
-  // rank then sends to every owner at once: up to 6% faster, session 7, bench/RESULTS.md). Ranks also start
-  // at different points of the tile sequence (rank r at (r + 1) / W of it: without the interleave, the
-  // start of rank r + 1's rows).
+  // rank then sends to every owner at once: up to 6% faster, session 7, bench/RESULTS.md). Uncounted, ranks
+  // also start at different points of the tile sequence (rank r at (r + 1) / W of it: without the
+  // interleave, the start of rank r + 1's rows); counted, all walk it in one order, so that each half is
+  // complete soon after every rank has passed it, not only at the end.
   if ((W & (W - 1)) == 0 && p.sched.units_m() % W == 0) p.sched.parts_log2 = __builtin_ctz(unsigned(W));
-  p.sched.start_unit = static_cast<int>(int64_t((me + 1) % W) * p.sched.units() / W);
+  p.sched.start_unit = counted ? 0 : static_cast<int>(int64_t((me + 1) % W) * p.sched.units() / W);
   p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
   p.sched.timeline = c.rank.view().timeline;
   p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
   p.shard_rows = static_cast<int>(rows);
+  p.counted = counted;
+  p.fan_out = counted && all_reduce;
+  p.halves = c.comm.resources(c.rank, kRsHalves).flags;
+  p.tiles_n = p.sched.tiles_n;
+  p.n = n;
+  p.sum = reinterpret_cast<__nv_bfloat16*>(sum);
+  p.out = static_cast<__nv_bfloat16*>(out);
   const Shape2D my_rows{size_t(rows), size_t(n)};
   if (c.planned_kernel<Op>(p.sched, comm_blocks)) {
-    if (added && all_reduce)
+    if (added && all_reduce && !counted)
       c.plan_more(all_gather_plan(c.comm, c.rank, inbox, out, my_rows, 0, DType::kBF16, c.stream));
     return;
   }
-  if (added) WEFT_CUDA_CHECK(cudaMemsetAsync(inbox, 0, slice, c.stream));
+  if (added) WEFT_CUDA_CHECK(cudaMemsetAsync(sum, 0, slice, c.stream));
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
   if (!added) return reduce_staged(c, inbox, slice, out, gathers ? inbox + W * slice : nullptr, all_reduce);
+  if (counted) return;
   if (all_reduce) return all_gather(c.comm, c.rank, inbox, out, my_rows, 0, DType::kBF16, c.stream);
   launch_team_barrier(c.rank.view(), ops::meeting_slots(c.comm, c.rank)[0], c.stream);
   WEFT_CUDA_CHECK(cudaMemcpyAsync(out, inbox, slice, cudaMemcpyDeviceToDevice, c.stream));

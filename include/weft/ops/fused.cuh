@@ -24,8 +24,14 @@
 //             mode meets again (every rank's stores have landed) and sums the W slots of this rank's rows
 //             (all-reduce: into every rank's copy of the output). bf16 partials, as NCCL's ring sums them:
 //             half the link bytes of fp32 partials. With FusedOptions::Partials::kAddedAtOwner the maps point
-//             at one zeroed sum per owner and the storer reduce-adds (Params::store_mode) instead: the sum is
-//             complete at the owner when every rank's kernel has ended, with no reduce pass.
+//             at one zeroed sum per owner and the storer reduce-adds (Params::store_mode) instead, with no
+//             reduce pass. Counted (Params::counted): once a half tile's adds have completed (checked when
+//             the warpgroup stores its next tile, so no store waits on the link) the storer adds 1 to the
+//             owner's count of that 64-row half; the owner's communicator blocks wait for each half's W x
+//             tiles_n adds and, while the GEMM goes on, copy it into out (reduce-scatter) or push it to every
+//             peer's out (all-reduce: the sum is the owner's slice of a symmetric out), then meet so that
+//             every push into this rank's out has landed before its kernel ends. All ranks walk the tiles in
+//             one order (no per-rank rotation), so the halves complete band by band.
 #pragma once
 #include "weft/comm/barrier.cuh"
 #include "weft/comm/call_epoch.cuh"
@@ -37,6 +43,21 @@ namespace weft::ops {
 
 inline constexpr int kFusedMaxWorld = 8;       // RsGemmOp carries one tensor map per rank
 inline constexpr int kFusedChunkFlags = 1024;  // AG chunk flags: (source rank, chunk) pairs at most
+inline constexpr int kRsHalfFlags = 1024;  // RS / AR counted halves: 64-row halves of a rank's rows at most
+
+// The block's threads copy n 16-byte units, 4 loads in flight per thread (a communicator block's push).
+__device__ __forceinline__ void block_copy16(uint4* to, const uint4* from, int64_t n) {
+  const int64_t step = blockDim.x;
+  int64_t i = threadIdx.x;
+  for (; i + 3 * step < n; i += 4 * step) {
+    uint4 v[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) v[q] = from[i + q * step];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) to[i + q * step] = v[q];
+  }
+  for (; i < n; i += step) to[i] = from[i];
+}
 
 // What every fused kernel synchronizes with (granted by the host, src/ops/fused.cu): its call count and
 // finishers (CallEpoch), RS's "start meeting passed" flag, AG's chunk flags, and the block-meeting slots it
@@ -120,16 +141,7 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     const int64_t r0 = int64_t(j) * p.chunk_rows, rows = min(int64_t(p.chunk_rows), p.shard_rows - r0);
     const uint4* from = reinterpret_cast<const uint4*>(p.a_shard + r0 * p.k);
     uint4* to = t.peer_ptr(reinterpret_cast<uint4*>(p.gathered + (t.rank * p.shard_rows + r0) * p.k), dst);
-    const int64_t n = rows * p.k / 8, step = blockDim.x;
-    int64_t i = threadIdx.x;
-    for (; i + 3 * step < n; i += 4 * step) {  // 4 loads in flight per thread
-      uint4 v[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) v[q] = from[i + q * step];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) to[i + q * step] = v[q];
-    }
-    for (; i < n; i += step) to[i] = from[i];
+    block_copy16(to, from, rows * p.k / 8);
     __syncthreads();  // the block's stores, then one release signal covers them
     if (threadIdx.x == 0) signal_set(t, flag(p, t.rank, j), dst, p.sync.epoch());
   }
@@ -145,51 +157,102 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
   using Base = GemmOp<__nv_bfloat16, kBKMajor, kCluster>;
   struct Params : Base::Params {
     FusedSync sync;
-    CUtensorMap owner[kFusedMaxWorld];  // this rank's staging slot [shard_rows, N] at rank r, as seen here
+    CUtensorMap
+        owner[kFusedMaxWorld];  // rank r's slot (staged) or sum (added) for this rank's tiles, as seen here
     int shard_rows;
+    // Counted halves (see the header): halves[h] counts the adds into half h of this rank's sum,
+    // halves[kRsHalfFlags + h] the count it reached at the end of the previous call (local).
+    bool counted;
+    bool fan_out;  // all-reduce: push each completed half to every peer's out at the same place
+    Flags halves;
+    int tiles_n;         // adds per half from each rank
+    int64_t n;           // columns
+    __nv_bfloat16* sum;  // this rank's sum [shard_rows, n]
+    __nv_bfloat16* out;  // reduce-scatter: where each completed half is copied
   };
   struct StoreState {
     typename Base::StoreState epi;
     bool ready;
+    int pending_owner = -1, pending_half = 0;  // counted: the half whose adds this warpgroup last issued
   };
 
   __device__ static void init(const Params& p, typename Base::Smem& s) {
     Base::init(p, s);
     for (int r = 0; r < p.sync.team.world; ++r) tma::prefetch_map(&p.owner[r]);
   }
+  // Counted, by the warpgroup's leader (who issued the adds): once the pending half's adds have completed,
+  // one more for that half at its owner.
+  __device__ static void count_pending(const Params& p, StoreState& es) {
+    if (es.pending_owner < 0) return;
+    bulk_wait<0>();
+    release_after_tma();  // the completed TMA adds before the count that publishes them
+    signal_add(p.sync.team, p.sync.team.flag(p.halves, es.pending_half), es.pending_owner, 1);
+    es.pending_owner = -1;
+  }
   __device__ static void store(const Params& p, typename Base::Smem& s, const lcsc::Tile& t, int wg,
                                const typename Base::Accum& acc, StoreState& es) {
     const TeamView& team = p.sync.team;
-    if (!es.ready && tile::thread_in_warpgroup() == 0) {  // only the leader issues TMA: only it waits
+    const bool leader = tile::thread_in_warpgroup() == 0;
+    if (!es.ready && leader) {  // only the leader issues TMA: only it waits
       // A failed wait is recorded and reported by synchronize(); the kernel runs to its end rather than
       // leave the other warpgroups waiting on the epilogue's barriers.
       (void)wait_ge(team, team.flag(p.sync.ready, 0), p.sync.epoch());
       acquire_for_tma();  // the peers' reads of their staging slots (generic) before our TMA stores into it
     }
     es.ready = true;
+    if (p.counted && leader) count_pending(p, es);  // the previous tile's adds were issued a mainloop ago
     // The host admits only shards of whole 64-row halves: a half has one owner (none past the last row).
     const int row = t.m * Base::kBM + 64 * wg, owner = row / p.shard_rows;
     if (owner >= team.world) return;
     Base::Epilogue::store(&p.owner[owner], p.store_mode, s.epi, es.epi, wg, acc, row - owner * p.shard_rows,
                           t.n * Base::kBN);
+    es.pending_owner = owner;
+    es.pending_half = (row - owner * p.shard_rows) / 64;
   }
   __device__ static void finish(const Params& p, typename Base::Smem&, int, StoreState& es) {
     Base::Epilogue::finish(es.epi);  // every store has landed
     if (tile::thread_in_warpgroup() == 0) {
       release_after_tma();
+      if (p.counted) count_pending(p, es);
       p.sync.done();
     }
   }
   // Block 0 of the communicator: every rank has finished the previous call's reduce (stream-ordered before
-  // its kernel), so its staging is free; then the storers may store.
+  // its kernel), so its staging is free; then the storers may store. Counted: the other blocks wait for
+  // that too (the previous call's counts are final by then), and all take halves.
   __device__ static bool comm_begin(const Params& p, typename Base::Smem&, int index) {
     const TeamView& t = p.sync.team;
     if (index == 0 && barrier_block(t, p.sync.meetings[0]) && threadIdx.x == 0)
       signal_set(t, t.flag(p.sync.ready, 0), t.rank, p.sync.epoch());
-    return false;
+    return p.counted;
   }
-  __device__ static void comm_end(const Params& p, typename Base::Smem&, int) {
+  struct CommTasks
+      : lcsc::StridedTasks {  // counted: the halves of this rank's rows, in the order they complete
+    __device__ CommTasks(const Params& p, int index, int count)
+        : lcsc::StridedTasks(p.counted ? p.shard_rows / 64 : 0, index, count) {}
+  };
+  __device__ static void comm_task(const Params& p, typename Base::Smem&, int h) {
+    const TeamView& t = p.sync.team;
+    uint64_t* done = t.flag(p.halves, kRsHalfFlags + h);
+    const uint64_t target = *done + uint64_t(t.world) * p.tiles_n;
+    // A failed wait is recorded (synchronize() reports it); the copy still runs so the kernel ends.
+    if (threadIdx.x == 0) (void)wait_ge(t, t.flag(p.halves, h), target);
     __syncthreads();
+    const int64_t first = int64_t(h) * 64 * p.n, units = 64 * p.n / 8;
+    const uint4* from = reinterpret_cast<const uint4*>(p.sum + first);
+    if (p.fan_out) {  // the sum is this rank's slice of out: the same place in every peer's out
+      for (int k = 1; k < t.world; ++k)
+        block_copy16(t.peer_ptr(const_cast<uint4*>(from), (t.rank + k) % t.world), from, units);
+    } else {
+      block_copy16(reinterpret_cast<uint4*>(p.out + first), from, units);
+    }
+    if (threadIdx.x == 0) *done = target;  // local: read by the next call's task h, after this kernel
+  }
+  // Counted all-reduce: every rank's block `index` has pushed its halves (into this rank's out among others)
+  // before this block ends, so the kernel ends only when every push into this rank's out has landed.
+  __device__ static void comm_end(const Params& p, typename Base::Smem&, int index) {
+    __syncthreads();
+    if (p.fan_out) (void)barrier_block(p.sync.team, p.sync.meetings[index]);
     if (threadIdx.x == 0) p.sync.done();
   }
 };
