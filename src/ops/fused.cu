@@ -536,23 +536,19 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
 // The RS GEMM, each tile into its owner's inbox (workspace, slot of this rank), then reduce_staged. The
 // all-reduce's non-symmetric out gathers in the workspace after the inbox.
 // Partials::kAddedAtOwner: each tile reduce-added into its owner's sum, zeroed before the kernel (the storers
-// wait for the kernel's start meeting, which every rank reaches after its zeroing). Counted where the halves
-// fit their flags and out allows 16-byte copies (the all-reduce: a symmetric out, whose slice is the sum):
-// the kernel's communicator blocks finish the op (ops/fused.cuh). Otherwise the all-reduce all-gathers the
-// sums after the kernel (its entry meeting: every rank's adds have landed); the reduce-scatter meets and
-// copies.
-template <bool kKMajor>
-void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
-               const FusedOptions& o, bool all_reduce) {
-  using Op = ops::RsGemmOp<kKMajor, 1>;
+// wait for the kernel's start meeting, which every rank reaches after its zeroing). Counted (launch_rs
+// says where): the kernel's communicator blocks finish the op (ops/fused.cuh). Otherwise the all-reduce
+// all-gathers the sums after the kernel (its entry meeting: every rank's adds have landed); the
+// reduce-scatter meets and copies.
+template <bool kKMajor, bool kCounted>
+void launch_rs_as(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
+                  const FusedOptions& o, bool all_reduce) {
+  using Op = ops::RsGemmOp<kKMajor, 1, kCounted>;
   typename Op::Params p{};
   const int W = c.rank.world(), me = c.rank.rank();
   const int64_t rows = m / W;
   const uint64_t slice = uint64_t(rows) * n * 2;
-  const bool added = o.partials == FusedOptions::Partials::kAddedAtOwner;
-  const bool out_16 = reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  const bool sym_out = c.comm.in_heap(c.rank, out, all_reduce ? m * n * 2 : slice) && out_16;
-  const bool counted = added && rows / 64 <= ops::kRsHalfFlags && (all_reduce ? sym_out : out_16);
+  const bool added = o.partials == FusedOptions::Partials::kAddedAtOwner, counted = kCounted;
   const int comm_blocks =
       counted ? rs_counting_blocks(c.rank, all_reduce) : Op::kClusterSize;  // block 0 meets
   const bool gathers = all_reduce && !added && !c.comm.in_heap(c.rank, out, m * n * 2);
@@ -587,9 +583,8 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
   p.sched.timeline = c.rank.view().timeline;
   p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
   p.shard_rows = static_cast<int>(rows);
-  p.counted = counted;
   p.fan_out = counted && all_reduce;
-  p.halves = c.comm.resources(c.rank, kRsHalves).flags;
+  if (counted) p.halves = c.comm.resources(c.rank, kRsHalves).flags;
   p.tiles_n = p.sched.tiles_n;
   p.n = n;
   p.sum = reinterpret_cast<__nv_bfloat16*>(sum);
@@ -608,6 +603,22 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
   if (all_reduce) return all_gather(c.comm, c.rank, inbox, out, my_rows, 0, DType::kBF16, c.stream);
   launch_team_barrier(c.rank.view(), ops::meeting_slots(c.comm, c.rank)[0], c.stream);
   WEFT_CUDA_CHECK(cudaMemcpyAsync(out, inbox, slice, cudaMemcpyDeviceToDevice, c.stream));
+}
+
+// Counted where the halves fit their flags and, for the all-reduce, out is symmetric (its slice is the sum;
+// as every op's symmetric buffers, out must then be symmetric on every rank, at one offset). check_operands
+// has required 16-byte alignment.
+template <bool kKMajor>
+void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
+               const FusedOptions& o, bool all_reduce) {
+  const int64_t rows = m / c.rank.world();
+  const bool counted = o.partials == FusedOptions::Partials::kAddedAtOwner &&
+                       rows / 64 <= ops::kRsHalfFlags &&
+                       (!all_reduce || c.comm.in_heap(c.rank, out, m * n * 2));
+  if (counted)
+    launch_rs_as<kKMajor, true>(c, a, b, out, m, n, k, o, all_reduce);
+  else
+    launch_rs_as<kKMajor, false>(c, a, b, out, m, n, k, o, all_reduce);
 }
 
 // The storer writes whole 64-row halves of a tile into one owner's slot: shards of whole halves only.

@@ -126,8 +126,9 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   o.comm_blocks = int(seed % 3) * 4;                               // 0 (auto), 4, 8
   if (o.comm_blocks >= c.local(0).sm_budget()) o.comm_blocks = 0;  // a small --sm-budget: auto (at least 2)
   o.pipeline_pieces = int(seed / 3 % 4);                           // 0 (auto), 1, 2, 3
-  // RS / AR: every other case sums its partials at the owner (the fused kernel only; ignored elsewhere).
-  if (op != Op::kAG && seed % 2 == 1) o.partials = FusedOptions::Partials::kAddedAtOwner;
+  // RS / AR: every other pair of cases sums its partials at the owner (the fused kernel only; ignored
+  // elsewhere): pairs, so that both a symmetric and a device out (run_all's innermost loop) take it.
+  if (op != Op::kAG && seed / 2 % 2 == 1) o.partials = FusedOptions::Partials::kAddedAtOwner;
   const bool added = o.partials == FusedOptions::Partials::kAddedAtOwner;
   if (std::getenv("WEFT_TEST_VERBOSE"))
     std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d%s\n", int(op),
@@ -269,6 +270,9 @@ WEFT_GPU_TEST(fused_ops_back_to_back) {
     run_case(ctx, Op::kRS, kShapes[rep % 4 < 2 ? 2 : 5], BLayout::kKN,
              rep % 2 ? Mode::kFused : Mode::kPipelined, true, 600 + rep);
     run_case(ctx, Op::kAR, kShapes[0], BLayout::kNK, mode, false, 700 + rep);
+    // Counted at the owner (seed / 2 odd, symmetric out): the halves' counts carry over between calls.
+    run_case(ctx, Op::kAR, kShapes[5], BLayout::kNK, Mode::kFused, true, 802 + 4 * rep);
+    run_case(ctx, Op::kRS, kShapes[2], BLayout::kNK, Mode::kFused, rep % 2 == 0, 902 + 4 * rep);
   }
 }
 
@@ -278,59 +282,63 @@ WEFT_GPU_TEST(fused_ops_back_to_back) {
 // same; between processes the abort flag also ends the waits (rank_death_fails_peers_fast).
 WEFT_GPU_TEST(fused_ops_fail_fast_when_a_rank_stalls) {
   for (Op op : {Op::kAG, Op::kRS, Op::kAR})
-    for (Mode mode : kModes) {
-      auto cp = ctx.make_comm(std::chrono::milliseconds(500));
-      Communicator& c = *cp;
-      const int W = c.world(), stalled = W - 1;
-      const int64_t shard = 128, m = W * shard, n = 256, k = 256;
-      const int64_t out_rows = op == Op::kRS ? shard : m;
-      RankBuffers A(c, (op == Op::kAG ? shard : m) * k * 2, true), B(c, n * k * 2, false),
-          out(c, out_rows * n * 2, true);
-      FusedOptions o;
-      o.mode = mode;
-      auto call_all = [&](bool skip_stalled) {
+    for (Mode mode : kModes)
+      for (bool added :
+           {false, true}) {  // RS / AR fused: also with the partials added (and counted) at the owner
+        if (added && (op == Op::kAG || mode != Mode::kFused)) continue;
+        auto cp = ctx.make_comm(std::chrono::milliseconds(500));
+        Communicator& c = *cp;
+        const int W = c.world(), stalled = W - 1;
+        const int64_t shard = 128, m = W * shard, n = 256, k = 256;
+        const int64_t out_rows = op == Op::kRS ? shard : m;
+        RankBuffers A(c, (op == Op::kAG ? shard : m) * k * 2, true), B(c, n * k * 2, false),
+            out(c, out_rows * n * 2, true);
+        FusedOptions o;
+        o.mode = mode;
+        if (added) o.partials = FusedOptions::Partials::kAddedAtOwner;
+        auto call_all = [&](bool skip_stalled) {
+          for (int i = 0; i < c.num_local(); ++i) {
+            Rank& r = c.local(i);
+            if (skip_stalled && r.rank() == stalled) continue;
+            if (op == Op::kAG)
+              all_gather_matmul(c, r, A.ptr[i], B.ptr[i], out.ptr[i], nullptr, m, n, k, BLayout::kNK, nullptr,
+                                o);
+            else if (op == Op::kRS)
+              matmul_reduce_scatter(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, BLayout::kNK, nullptr, o);
+            else
+              matmul_all_reduce(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, BLayout::kNK, nullptr, o);
+          }
+        };
         for (int i = 0; i < c.num_local(); ++i) {
-          Rank& r = c.local(i);
-          if (skip_stalled && r.rank() == stalled) continue;
-          if (op == Op::kAG)
-            all_gather_matmul(c, r, A.ptr[i], B.ptr[i], out.ptr[i], nullptr, m, n, k, BLayout::kNK, nullptr,
-                              o);
-          else if (op == Op::kRS)
-            matmul_reduce_scatter(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, BLayout::kNK, nullptr, o);
-          else
-            matmul_all_reduce(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, BLayout::kNK, nullptr, o);
+          poison(c, i, A.ptr[i], (op == Op::kAG ? shard : m) * k * 2);  // values do not matter here
+          poison(c, i, B.ptr[i], n * k * 2);
         }
-      };
-      for (int i = 0; i < c.num_local(); ++i) {
-        poison(c, i, A.ptr[i], (op == Op::kAG ? shard : m) * k * 2);  // values do not matter here
-        poison(c, i, B.ptr[i], n * k * 2);
-      }
-      call_all(false);
-      c.synchronize();
-      c.host_barrier();
-      const auto t0 = std::chrono::steady_clock::now();
-      call_all(true);
-      std::string msg;
-      try {
+        call_all(false);
         c.synchronize();
-      } catch (const Error& e) {
-        msg = e.what();
+        c.host_barrier();
+        const auto t0 = std::chrono::steady_clock::now();
+        call_all(true);
+        std::string msg;
+        try {
+          c.synchronize();
+        } catch (const Error& e) {
+          msg = e.what();
+        }
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const bool waits = !(ctx.multi_process && c.local(0).rank() == stalled);  // the stalled rank itself
+        const std::string what = std::string(op == Op::kAG   ? "all_gather_matmul"
+                                             : op == Op::kRS ? "matmul_reduce_scatter"
+                                                             : "matmul_all_reduce") +
+                                 " " + mode_name(mode) + (added ? " (added at owner)" : "");
+        if (waits) {
+          WEFT_EXPECT(msg.find("timed out") != std::string::npos || msg.find("gave up") != std::string::npos,
+                      what << ": the others should fail with a diagnostic, got '" << msg << "'");
+          WEFT_EXPECT(msg.find("waiting for") != std::string::npos, what << ": " << msg);
+          WEFT_EXPECT(s < 8.0, what << ": took " << s << " s to fail for a 0.5 s timeout");
+          std::printf("  %s: failed after %.2f s: %s\n", what.c_str(), s, msg.c_str());
+        }
+        c.host_barrier();
       }
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const bool waits = !(ctx.multi_process && c.local(0).rank() == stalled);  // the stalled rank itself
-      const std::string what = std::string(op == Op::kAG   ? "all_gather_matmul"
-                                           : op == Op::kRS ? "matmul_reduce_scatter"
-                                                           : "matmul_all_reduce") +
-                               " " + mode_name(mode);
-      if (waits) {
-        WEFT_EXPECT(msg.find("timed out") != std::string::npos || msg.find("gave up") != std::string::npos,
-                    what << ": the others should fail with a diagnostic, got '" << msg << "'");
-        WEFT_EXPECT(msg.find("waiting for") != std::string::npos, what << ": " << msg);
-        WEFT_EXPECT(s < 8.0, what << ": took " << s << " s to fail for a 0.5 s timeout");
-        std::printf("  %s: failed after %.2f s: %s\n", what.c_str(), s, msg.c_str());
-      }
-      c.host_barrier();
-    }
 }
 
 // RS / AR at a size where blocks take several tiles, of every owner, with a partial last tile column: the

@@ -152,17 +152,19 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
 };
 
 // ---- GEMM + reduce-scatter (and the first half of all-reduce) -----------------------------------------
-template <bool kBKMajor, int kCluster>
+// kCounted: the partials added at the owner and counted (see the header); an instantiation of its own, so
+// the staged kernel carries none of its registers.
+template <bool kBKMajor, int kCluster, bool kCounted = false>
 struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
   using Base = GemmOp<__nv_bfloat16, kBKMajor, kCluster>;
+  static_assert(!kCounted || kCluster == 1, "counted: one communicator block per task, no clusters");
   struct Params : Base::Params {
     FusedSync sync;
     CUtensorMap
         owner[kFusedMaxWorld];  // rank r's slot (staged) or sum (added) for this rank's tiles, as seen here
     int shard_rows;
-    // Counted halves (see the header): halves[h] counts the adds into half h of this rank's sum,
-    // halves[kRsHalfFlags + h] the count it reached at the end of the previous call (local).
-    bool counted;
+    // kCounted: halves[h] counts the adds into half h of this rank's sum, halves[kRsHalfFlags + h] the count
+    // it reached at the end of the previous call (local).
     bool fan_out;  // all-reduce: push each completed half to every peer's out at the same place
     Flags halves;
     int tiles_n;         // adds per half from each rank
@@ -173,14 +175,14 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
   struct StoreState {
     typename Base::StoreState epi;
     bool ready;
-    int pending_owner = -1, pending_half = 0;  // counted: the half whose adds this warpgroup last issued
+    int pending_owner = -1, pending_half = 0;  // kCounted: the half whose adds this warpgroup last issued
   };
 
   __device__ static void init(const Params& p, typename Base::Smem& s) {
     Base::init(p, s);
     for (int r = 0; r < p.sync.team.world; ++r) tma::prefetch_map(&p.owner[r]);
   }
-  // Counted, by the warpgroup's leader (who issued the adds): once the pending half's adds have completed,
+  // kCounted, by the warpgroup's leader (who issued the adds): once the pending half's adds have completed,
   // one more for that half at its owner.
   __device__ static void count_pending(const Params& p, StoreState& es) {
     if (es.pending_owner < 0) return;
@@ -200,59 +202,68 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
       acquire_for_tma();  // the peers' reads of their staging slots (generic) before our TMA stores into it
     }
     es.ready = true;
-    if (p.counted && leader) count_pending(p, es);  // the previous tile's adds were issued a mainloop ago
+    if constexpr (kCounted)
+      if (leader) count_pending(p, es);  // the previous tile's adds were issued a mainloop ago
     // The host admits only shards of whole 64-row halves: a half has one owner (none past the last row).
     const int row = t.m * Base::kBM + 64 * wg, owner = row / p.shard_rows;
     if (owner >= team.world) return;
     Base::Epilogue::store(&p.owner[owner], p.store_mode, s.epi, es.epi, wg, acc, row - owner * p.shard_rows,
                           t.n * Base::kBN);
-    es.pending_owner = owner;
-    es.pending_half = (row - owner * p.shard_rows) / 64;
+    if constexpr (kCounted) {
+      es.pending_owner = owner;
+      es.pending_half = (row - owner * p.shard_rows) / 64;
+    }
   }
   __device__ static void finish(const Params& p, typename Base::Smem&, int, StoreState& es) {
     Base::Epilogue::finish(es.epi);  // every store has landed
     if (tile::thread_in_warpgroup() == 0) {
       release_after_tma();
-      if (p.counted) count_pending(p, es);
+      if constexpr (kCounted) count_pending(p, es);
       p.sync.done();
     }
   }
   // Block 0 of the communicator: every rank has finished the previous call's reduce (stream-ordered before
-  // its kernel), so its staging is free; then the storers may store. Counted: the other blocks wait for
-  // that too (the previous call's counts are final by then), and all take halves.
+  // its kernel), so its staging is free; then the storers may store. kCounted: every block then takes
+  // halves (no wait needed: the previous call's counts were final when its kernel ended).
   __device__ static bool comm_begin(const Params& p, typename Base::Smem&, int index) {
     const TeamView& t = p.sync.team;
     if (index == 0 && barrier_block(t, p.sync.meetings[0]) && threadIdx.x == 0)
       signal_set(t, t.flag(p.sync.ready, 0), t.rank, p.sync.epoch());
-    return p.counted;
+    return kCounted;
   }
   struct CommTasks
-      : lcsc::StridedTasks {  // counted: the halves of this rank's rows, in the order they complete
+      : lcsc::StridedTasks {  // kCounted: the halves of this rank's rows, in the order they complete
     __device__ CommTasks(const Params& p, int index, int count)
-        : lcsc::StridedTasks(p.counted ? p.shard_rows / 64 : 0, index, count) {}
+        : lcsc::StridedTasks(kCounted ? p.shard_rows / 64 : 0, index, count) {}
   };
   __device__ static void comm_task(const Params& p, typename Base::Smem&, int h) {
-    const TeamView& t = p.sync.team;
-    uint64_t* done = t.flag(p.halves, kRsHalfFlags + h);
-    const uint64_t target = *done + uint64_t(t.world) * p.tiles_n;
-    // A failed wait is recorded (synchronize() reports it); the copy still runs so the kernel ends.
-    if (threadIdx.x == 0) (void)wait_ge(t, t.flag(p.halves, h), target);
-    __syncthreads();
-    const int64_t first = int64_t(h) * 64 * p.n, units = 64 * p.n / 8;
-    const uint4* from = reinterpret_cast<const uint4*>(p.sum + first);
-    if (p.fan_out) {  // the sum is this rank's slice of out: the same place in every peer's out
-      for (int k = 1; k < t.world; ++k)
-        block_copy16(t.peer_ptr(const_cast<uint4*>(from), (t.rank + k) % t.world), from, units);
-    } else {
-      block_copy16(reinterpret_cast<uint4*>(p.out + first), from, units);
+    if constexpr (kCounted) {
+      const TeamView& t = p.sync.team;
+      uint64_t* done = t.flag(p.halves, kRsHalfFlags + h);
+      const uint64_t target = *done + uint64_t(t.world) * p.tiles_n;
+      // Spinning, not napping (20 us naps would add up to 20 us to the last half, after the GEMM): the block
+      // has its SM to itself. A failed wait is recorded (synchronize() reports it); the copy still runs so
+      // the kernel ends, but the half's count is not taken as reached.
+      bool reached = true;
+      if (threadIdx.x == 0) reached = wait_ge(t, t.flag(p.halves, h), target);
+      __syncthreads();
+      const int64_t first = int64_t(h) * 64 * p.n, units = 64 * p.n / 8;
+      const uint4* from = reinterpret_cast<const uint4*>(p.sum + first);
+      if (p.fan_out) {  // the sum is this rank's slice of out: the same place in every peer's out
+        for (int k = 1; k < t.world; ++k)
+          block_copy16(t.peer_ptr(const_cast<uint4*>(from), (t.rank + k) % t.world), from, units);
+      } else {
+        block_copy16(reinterpret_cast<uint4*>(p.out + first), from, units);
+      }
+      if (threadIdx.x == 0 && reached) *done = target;  // local: read by the next call's task h
     }
-    if (threadIdx.x == 0) *done = target;  // local: read by the next call's task h, after this kernel
   }
-  // Counted all-reduce: every rank's block `index` has pushed its halves (into this rank's out among others)
+  // kCounted all-reduce: every rank's block `index` has pushed its halves (into this rank's out among others)
   // before this block ends, so the kernel ends only when every push into this rank's out has landed.
   __device__ static void comm_end(const Params& p, typename Base::Smem&, int index) {
     __syncthreads();
-    if (p.fan_out) (void)barrier_block(p.sync.team, p.sync.meetings[index]);
+    if constexpr (kCounted)
+      if (p.fan_out) (void)barrier_block(p.sync.team, p.sync.meetings[index]);
     if (threadIdx.x == 0) p.sync.done();
   }
 };

@@ -17,9 +17,10 @@
 // as a decode batch of 1..256 rows: the paths that split M over the ranks then give way to the sequential
 // one, and refuse by name when forced); K and N multiples of 8 (TMA
 // rows are 16-byte multiples); 16-byte aligned pointers on the rank's GPU. Any memory works: symmetric-heap
-// buffers are used in place where that helps (AG: `gathered_a`), anything else goes through
+// buffers are used in place where that helps (AG: `gathered_a`; AR: `out`), anything else goes through
 // Communicator::workspace, which grows on first use (run once before capturing a CUDA graph, or
-// reserve_workspace).
+// reserve_workspace). A buffer in the symmetric heap must be so on every rank, at one offset (each rank
+// decides from its own pointer, and peers write into it there).
 //
 // Three paths (FusedPath), each forced by its Mode; kAuto takes the one that measured fastest for the
 // shape (the table in src/ops/fused_rules.hpp, each row with its measurement), or kSequential below
@@ -72,8 +73,11 @@ struct FusedOptions {
   //   kStaged        each rank stores its bf16 tile into its own staging slot at the owner; a reduce kernel
   //                  after the GEMM sums the W slots in a fixed order (bitwise reproducible)
   //   kAddedAtOwner  each rank reduce-adds its bf16 tile (TMA .add) into the owner's zeroed sum during the
-  //                  GEMM; no reduce pass, W times less staging; the order of the adds varies between runs,
-  //                  so the last bits of the result may too
+  //                  GEMM, and the owner copies (RS) or pushes to every rank (AR, symmetric out) each 64-row
+  //                  half as soon as it is complete (ops/fused.cuh); no reduce pass, W times less staging.
+  //                  Every add rounds to bf16 (up to W - 1 roundings more than kStaged's fp32 sum of the W
+  //                  partials) in an order that varies between runs, so the result's low bits may too (AR:
+  //                  the same on every rank)
   enum class Partials { kStaged, kAddedAtOwner } partials = Partials::kStaged;
 };
 
