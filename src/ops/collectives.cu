@@ -475,12 +475,13 @@ coll::Rooted rooted(Call& c, int root, bool from_root) {
   return r;
 }
 
-void run_scatter(Call& c, const void* in, void* out, size_t count, DType dtype, int root);
-
-// Large broadcasts at 3 or more ranks: a scatter of W parts, then an all-gather in place. The root sends each
-// byte (W - 1) / W times twice instead of W - 1 times (4 x H200, 256 MiB: the root's pushes alone took
-// 2310 us, NCCL 772); at 2 ranks the root's one push is already the least it can send.
-constexpr uint64_t kBroadcastSplitMin = 4 << 20;
+// Large broadcasts at 3 or more ranks: forwarded (coll::forwarded_broadcast_kernel), the root sending each
+// byte once instead of W - 1 times (4 x H200, 256 MiB: the root's pushes to every rank took 2310 us, a
+// scatter then an all-gather 1144, NCCL 777). At 2 ranks the root's one push is already the least it can
+// send.
+constexpr uint64_t kBroadcastForwardMin = 4 << 20;
+const char* const kBroadcastLanded = "broadcast: chunks landed per block";
+const ResourceDeclaration kBroadcastResources{{kBroadcastLanded, ops::kMeetingSlots}};
 
 void run_broadcast(Call& c, const void* in, void* out, size_t count, DType dtype, int root) {
   check_root(c, root);
@@ -493,32 +494,32 @@ void run_broadcast(Call& c, const void* in, void* out, size_t count, DType dtype
     c.fail("in and out overlap without being equal");
   if (c.alone(in, out, bytes)) return;
   const int W = c.rank.world();
-  // The split covers the largest prefix of W equal parts of whole 16-byte units; the rest (under 16 W
-  // bytes) goes by the root's pushes below.
-  const uint64_t unit = 16 / es * W, main = bytes >= kBroadcastSplitMin && W >= 3 ? count / unit * unit : 0;
-  if (main > 0) {
-    const uint64_t part = main / W, part_bytes = part * es, me = c.rank.rank();
-    // The all-gather's workspace (out not symmetric) is the larger: taken first, so the scatter's does
-    // not grow under it.
-    c.workspace(c.comm.in_heap(c.rank, out, bytes) ? part_bytes : main * es);
-    char* my_part = static_cast<char*>(out) + me * part_bytes;
-    run_scatter(c, in, my_part, part, dtype, root);
-    run_all_gather(c, my_part, out, Shape2D{part, 1}, 0, dtype);
-    if (main == count) return;
-    in = is_root ? static_cast<const char*>(in) + main * es : nullptr;
-    out = static_cast<char*>(out) + main * es;
-    count -= main;
+  // Every rank's out symmetric, or the data lands in the workspace (out symmetric on all ranks or on none).
+  const bool via_workspace = !c.comm.in_heap(c.rank, out, bytes);
+  char* land = via_workspace ? c.workspace(bytes) : static_cast<char*>(out);
+  if (W >= 3 && bytes >= kBroadcastForwardMin) {
+    coll::ForwardedBroadcast f{};
+    f.team = c.rank.view();
+    f.in = static_cast<const char*>(is_root ? in : out);
+    f.land = land;
+    f.out = static_cast<char*>(out);
+    f.bytes = bytes;
+    f.root = root;
+    f.landed = c.comm.resources(c.rank, kBroadcastLanded).flags;
+    f.slots = c.meetings();
+    const int g = c.blocks(bytes);
+    if (c.planned(std::string("forwarded") + (via_workspace ? " via workspace" : ""), g)) return;
+    detail::preload<&coll::forwarded_broadcast_kernel>();
+    coll::forwarded_broadcast_kernel<<<g, kThreads, 0, c.stream>>>(f);
+    return c.launched();
   }
-  const uint64_t rest = count * es;
   coll::Rooted r = rooted(c, root, true);
-  r.x.row_bytes = rest;
+  r.x.row_bytes = bytes;
   r.x.src = Rows{const_cast<char*>(static_cast<const char*>(is_root ? in : out)), 0};
-  // Every rank's out symmetric, or the pushes land in the workspace (out symmetric on all ranks or on none).
-  r.x.via_workspace = !c.comm.in_heap(c.rank, out, rest);
-  char* dst = r.x.via_workspace ? c.workspace(rest) : static_cast<char*>(out);
-  r.x.dst = Rows{dst, 0};
+  r.x.via_workspace = via_workspace;
+  r.x.dst = Rows{land, 0};
   r.x.final_dst = Rows{static_cast<char*>(out), 0};
-  launch_rooted(c, r, rest * std::max(1, W - 1), "broadcast");
+  launch_rooted(c, r, bytes * std::max(1, W - 1), "broadcast");
 }
 
 void run_scatter(Call& c, const void* in, void* out, size_t count, DType dtype, int root) {

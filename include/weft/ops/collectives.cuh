@@ -248,35 +248,46 @@ __device__ __forceinline__ void copy_span(char* dst, const char* src, uint64_t f
     *reinterpret_cast<uint16_t*>(dst + b) = *reinterpret_cast<const uint16_t*>(src + b);
 }
 
+// The 16-byte units [base, base + len) of a `bytes` copy (the last unit may be short) by the block's threads,
+// with the widest accesses `align` (the pointers' alignment bits, or-ed) allows: 16 bytes, 4 in flight, in
+// whole units; 8, 4 or 2 otherwise (the sizes and pointers of 16-bit and 32-bit elements are multiples of 2).
+__device__ __forceinline__ void copy_units(char* dst, const char* src, uint64_t bytes, uint64_t base,
+                                           uint64_t len, uintptr_t align) {
+  if (align % 16 == 0 && base + len <= bytes / 16) {
+    copy_chunk<16>(Rows{dst, 0}, Rows{const_cast<char*>(src), 0}, 1, (base + len) * 16, base, len);
+    return;
+  }
+  const uint64_t first = base * 16, last = min(bytes, (base + len) * 16);
+  if (align % 16 == 0)
+    copy_span<16>(dst, src, first, last);
+  else if (align % 8 == 0)
+    copy_span<8>(dst, src, first, last);
+  else if (align % 4 == 0)
+    copy_span<4>(dst, src, first, last);
+  else
+    copy_span<2>(dst, src, first, last);
+}
+__device__ __forceinline__ uintptr_t align_of(const void* a, const void* b) {
+  return reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b);
+}
+
 // This block's share of a `bytes` copy, dealt in 16-byte units whatever the pointers' alignment: the same
 // share on every rank (a receiver's copy out reads only what its counterpart blocks pushed, whatever each
-// rank's buffers allow). The widest accesses all pointers allow: 16 bytes, 4 in flight, in whole chunks;
-// 8, 4 or 2 otherwise (the sizes and pointers of 16-bit and 32-bit elements are multiples of 2). A second
-// copy of the same length (dst2 not null) goes chunk by chunk beside the first: a rank's own part copied
-// while its first push streams, instead of before it with the links idle.
-__device__ __forceinline__ void copy_dealt(char* dst, const char* src, uint64_t bytes, char* dst2 = nullptr,
-                                           const char* src2 = nullptr) {
-  const uint64_t whole = bytes / 16, units = (bytes + 15) / 16;
-  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                          reinterpret_cast<uintptr_t>(dst2) | reinterpret_cast<uintptr_t>(src2);
-  for_each_chunk(units, [&](uint64_t base, uint64_t len) {
-    for (int pair = 0; pair < (dst2 ? 2 : 1); ++pair) {
-      char* d = pair ? dst2 : dst;
-      const char* s = pair ? src2 : src;
-      if (align % 16 == 0 && base + len <= whole) {
-        copy_chunk<16>(Rows{d, 0}, Rows{const_cast<char*>(s), 0}, 1, whole * 16, base, len);
-        continue;
-      }
-      const uint64_t first = base * 16, last = min(bytes, (base + len) * 16);
-      if (align % 16 == 0)
-        copy_span<16>(d, s, first, last);
-      else if (align % 8 == 0)
-        copy_span<8>(d, s, first, last);
-      else if (align % 4 == 0)
-        copy_span<4>(d, s, first, last);
-      else
-        copy_span<2>(d, s, first, last);
-    }
+// rank's buffers allow), copied by copy_units. copy_dealt_beside also copies a second region of the same
+// length, chunk by chunk beside the first: a rank's own part copied while its first push streams, instead of
+// before it with the links idle. (Two functions: the second copy's code costs the single copy's callers
+// registers.)
+__device__ __forceinline__ void copy_dealt(char* dst, const char* src, uint64_t bytes) {
+  const uintptr_t align = align_of(dst, src);
+  for_each_chunk((bytes + 15) / 16,
+                 [&](uint64_t base, uint64_t len) { copy_units(dst, src, bytes, base, len, align); });
+}
+__device__ __forceinline__ void copy_dealt_beside(char* dst, const char* src, char* dst2, const char* src2,
+                                                  uint64_t bytes) {
+  const uintptr_t align = align_of(dst, src) | align_of(dst2, src2);
+  for_each_chunk((bytes + 15) / 16, [&](uint64_t base, uint64_t len) {
+    copy_units(dst, src, bytes, base, len, align);
+    copy_units(dst2, src2, bytes, base, len, align);
   });
 }
 
@@ -295,8 +306,12 @@ static __global__ void __launch_bounds__(512) rooted_kernel(Rooted r) {
     for (int k = 1; k < t.world; ++k) {
       const int to = (t.rank + k) % t.world;
       if (!r.from_root && to != r.root) continue;
-      copy_dealt(t.peer_ptr(x.dst.base + x.dst_peer_step * t.rank, to), x.src.base + x.src_peer_step * to,
-                 x.row_bytes, own_dst, own_src);
+      char* to_dst = t.peer_ptr(x.dst.base + x.dst_peer_step * t.rank, to);
+      const char* to_src = x.src.base + x.src_peer_step * to;
+      if (own_dst != nullptr)
+        copy_dealt_beside(to_dst, to_src, own_dst, own_src, x.row_bytes);
+      else
+        copy_dealt(to_dst, to_src, x.row_bytes);
       own_dst = nullptr;
     }
     if (own_dst != nullptr) copy_dealt(own_dst, own_src, x.row_bytes);
@@ -307,6 +322,74 @@ static __global__ void __launch_bounds__(512) rooted_kernel(Rooted r) {
     if (landed)
       copy_dealt(x.final_dst.base + x.final_peer_step * q, x.dst.base + x.dst_peer_step * q, x.row_bytes);
   }
+}
+
+// ---- broadcast at 3+ ranks, forwarded: the root sends each byte once ------------------------------------
+// The data is cut into W - 1 parts, one per non-root rank (part j for rank root + 1 + j). Each block walks
+// the same chunks of a part on every rank (for_each_chunk over a part's units; parts may differ in length
+// only at the end). Chunk i: the root's block b pushes its units of every part into that part's rank (`land`,
+// symmetric), then sets that rank's landed[b] to (this call's epoch << 32) | (i + 1); the non-root's block b
+// waits for it and forwards the chunk of its part to the other non-roots. The root sends S bytes, a non-root
+// (W - 2) / (W - 1) S: against the root's (W - 1) S of the plain push. The epoch is block b's meeting slot's,
+// the same on every rank and growing, so the flags only grow. The exit meeting: every push has landed; then a
+// non-root whose out is not `land` (not symmetric) copies out.
+struct ForwardedBroadcast {
+  TeamView team;
+  const char* in;  // the root's data
+  char* land;      // where the non-roots' data lands (symmetric: out, or the workspace)
+  char* out;       // this rank's out
+  uint64_t bytes;
+  int root;
+  Flags landed;  // landed[b]: the chunks of this rank's part block b of the root has pushed (tagged)
+  BarrierSlots slots;
+};
+
+static __global__ void __launch_bounds__(512) forwarded_broadcast_kernel(ForwardedBroadcast f) {
+  const TeamView& t = f.team;
+  if (!meet(t, f.slots)) return;
+  const uint64_t tag = *t.barrier_epoch(f.slots[blockIdx.x]) << 32;  // this meeting's epoch
+  const int W = t.world, parts = W - 1;
+  const uint64_t units = (f.bytes + 15) / 16, per = (units + parts - 1) / parts;
+  const auto rank_of = [&](int j) { return (f.root + 1 + j) % W; };
+  // Units [j * per + base, .. + len) of part j, clipped to the part and the data: (first, count).
+  const auto span = [&](int j, uint64_t base, uint64_t len, uint64_t& first) -> uint64_t {
+    const uint64_t end = min(min(uint64_t(j + 1) * per, units), uint64_t(j) * per + base + len);
+    first = uint64_t(j) * per + base;
+    return end > first ? end - first : 0;
+  };
+  uint32_t i = 0;
+  if (t.rank == f.root) {
+    const bool own = f.out != f.in;
+    const uintptr_t align = align_of(f.in, f.land) | align_of(f.out, nullptr);
+    for_each_chunk(per, [&](uint64_t base, uint64_t len) {
+      for (int j = 0; j < parts; ++j) {
+        uint64_t first;
+        const uint64_t n = span(j, base, len, first);
+        if (n == 0) continue;
+        copy_units(t.peer_ptr(f.land, rank_of(j)), f.in, f.bytes, first, n, align);
+        if (own) copy_units(f.out, f.in, f.bytes, first, n, align);
+      }
+      __syncthreads();  // the block's pushes, then one release signal per part covers them
+      if (int(threadIdx.x) < parts)
+        signal_set(t, t.flag(f.landed, blockIdx.x), rank_of(threadIdx.x), tag | (i + 1));
+      ++i;
+    });
+  } else {
+    const int mine = (t.rank - f.root - 1 + W) % W;
+    const uintptr_t align = align_of(f.land, nullptr);
+    for_each_chunk(per, [&](uint64_t base, uint64_t len) {
+      // A failed wait is recorded (synchronize() reports it); the forwarding still runs, so the kernel ends.
+      if (threadIdx.x == 0) (void)wait_ge(t, t.flag(f.landed, blockIdx.x), tag | (i + 1));
+      __syncthreads();
+      uint64_t first;
+      const uint64_t n = span(mine, base, len, first);
+      for (int k = 1; n > 0 && k < parts; ++k)
+        copy_units(t.peer_ptr(f.land, rank_of((mine + k) % parts)), f.land, f.bytes, first, n, align);
+      ++i;
+    });
+  }
+  if (!meet(t, f.slots) || t.rank == f.root || f.land == f.out) return;
+  copy_dealt(f.out, f.land, f.bytes);
 }
 
 // ---- all-to-all with variable splits: counts on the device, three kernels ---------------------------
