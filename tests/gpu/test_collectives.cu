@@ -516,8 +516,8 @@ void rooted_case(TestContext& ctx, Rooted kind, DType t, size_t n, int root, boo
 WEFT_GPU_TEST(rooted_collectives_match_reference) {
   Communicator& c = ctx.comm();
   const int W = c.world();
-  // (1 << 20) + 5 fp32 and (1 << 21) + 5 take broadcast's split (scatter + all-gather from 4 MiB at W >= 3)
-  // with a rest past it.
+  // (1 << 20) + 5 fp32 and (1 << 21) + 5 take broadcast's forwarded kernel (from 4 MiB at W >= 3), with a
+  // short last 16-byte unit.
   std::vector<size_t> counts = {1, 7, 4096 + 3, 1 << 20, (1 << 21) + 5};
   if (ctx.quick) counts = {1, 7, 4096 + 3, (1 << 20) + 5};
   uint64_t seed = 900;
@@ -530,6 +530,37 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
               if (ctx.quick && (t == DType::kFP16 || (sym && in_place))) continue;
               rooted_case(ctx, kind, t, n, root, sym, in_place, seed++);
             }
+  // Back to back without a host wait: large broadcasts from changing roots into device outs, each landing
+  // in the same workspace (the forwarded kernel at W >= 3), then checked together.
+  {
+    const size_t n = (1 << 20) + 5;
+    const DType t = DType::kFP32;
+    constexpr int kReps = 3;
+    std::vector<std::unique_ptr<RankBuffers>> outs;
+    RankBuffers in(c, n * 4, false);
+    std::vector<std::vector<char>> inputs;
+    for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, n, r, 2000));
+    for_each_local(c, [&](Rank& r, int i) { upload(c, i, in.ptr[i], inputs[r.rank()]); });
+    for (int rep = 0; rep < kReps; ++rep) {
+      outs.push_back(std::make_unique<RankBuffers>(c, n * 4, false));
+      for_each_local(c, [&](Rank&, int i) { poison(c, i, outs.back()->ptr[i], n * 4); });
+    }
+    c.synchronize();
+    c.host_barrier();
+    for (int rep = 0; rep < kReps; ++rep)
+      for_each_local(c,
+                     [&](Rank& r, int i) { broadcast(c, r, in.ptr[i], outs[rep]->ptr[i], n, t, rep % W); });
+    c.synchronize();
+    for (int rep = 0; rep < kReps; ++rep)
+      for_each_local(c, [&](Rank& r, int i) {
+        std::vector<double> ref(n);
+        for (size_t k = 0; k < n; ++k) ref[k] = to_float(t, inputs[rep % W].data() + k * 4);
+        const std::string err = compare(t, download(c, i, outs[rep]->ptr[i], n * 4), ref, true, W);
+        WEFT_EXPECT(err.empty(), "broadcast back to back, call " << rep << " root " << rep % W << " rank "
+                                                                 << r.rank() << ": " << err);
+      });
+    c.host_barrier();
+  }
   // Arguments: a root outside the team is refused by name.
   Rank& r = c.local(0);
   RankBuffers b(c, 64, true);

@@ -347,7 +347,9 @@ struct ForwardedBroadcast {
 static __global__ void __launch_bounds__(512) forwarded_broadcast_kernel(ForwardedBroadcast f) {
   const TeamView& t = f.team;
   if (!meet(t, f.slots)) return;
-  const uint64_t tag = *t.barrier_epoch(f.slots[blockIdx.x]) << 32;  // this meeting's epoch
+  // This meeting's epoch, low 32 bits: a tag is (epoch << 32) | chunks, and a wait matches the epoch exactly
+  // (a stale or wrapped tag times out instead of passing).
+  const uint32_t epoch = static_cast<uint32_t>(*t.barrier_epoch(f.slots[blockIdx.x]));
   const int W = t.world, parts = W - 1;
   const uint64_t units = (f.bytes + 15) / 16, per = (units + parts - 1) / parts;
   const auto rank_of = [&](int j) { return (f.root + 1 + j) % W; };
@@ -360,18 +362,18 @@ static __global__ void __launch_bounds__(512) forwarded_broadcast_kernel(Forward
   uint32_t i = 0;
   if (t.rank == f.root) {
     const bool own = f.out != f.in;
-    const uintptr_t align = align_of(f.in, f.land) | align_of(f.out, nullptr);
+    const uintptr_t push_align = align_of(f.in, f.land), own_align = align_of(f.in, f.out);
     for_each_chunk(per, [&](uint64_t base, uint64_t len) {
       for (int j = 0; j < parts; ++j) {
         uint64_t first;
         const uint64_t n = span(j, base, len, first);
         if (n == 0) continue;
-        copy_units(t.peer_ptr(f.land, rank_of(j)), f.in, f.bytes, first, n, align);
-        if (own) copy_units(f.out, f.in, f.bytes, first, n, align);
+        copy_units(t.peer_ptr(f.land, rank_of(j)), f.in, f.bytes, first, n, push_align);
+        if (own) copy_units(f.out, f.in, f.bytes, first, n, own_align);
       }
       __syncthreads();  // the block's pushes, then one release signal per part covers them
       if (int(threadIdx.x) < parts)
-        signal_set(t, t.flag(f.landed, blockIdx.x), rank_of(threadIdx.x), tag | (i + 1));
+        signal_set(t, t.flag(f.landed, blockIdx.x), rank_of(threadIdx.x), (uint64_t(epoch) << 32) | (i + 1));
       ++i;
     });
   } else {
@@ -379,7 +381,12 @@ static __global__ void __launch_bounds__(512) forwarded_broadcast_kernel(Forward
     const uintptr_t align = align_of(f.land, nullptr);
     for_each_chunk(per, [&](uint64_t base, uint64_t len) {
       // A failed wait is recorded (synchronize() reports it); the forwarding still runs, so the kernel ends.
-      if (threadIdx.x == 0) (void)wait_ge(t, t.flag(f.landed, blockIdx.x), tag | (i + 1));
+      const uint32_t want = i + 1;
+      if (threadIdx.x == 0)
+        (void)wait_until(
+            t, t.flag(f.landed, blockIdx.x), (uint64_t(epoch) << 32) | want,
+            [epoch, want](uint64_t x) { return uint32_t(x >> 32) == epoch && uint32_t(x) >= want; },
+            [](uint64_t x) { return x; });
       __syncthreads();
       uint64_t first;
       const uint64_t n = span(mine, base, len, first);
@@ -389,7 +396,16 @@ static __global__ void __launch_bounds__(512) forwarded_broadcast_kernel(Forward
     });
   }
   if (!meet(t, f.slots) || t.rank == f.root || f.land == f.out) return;
-  copy_dealt(f.out, f.land, f.bytes);
+  // Out of the workspace by the pushes' own split: block b's exit meeting covers only what the blocks b
+  // wrote.
+  const uintptr_t align = align_of(f.out, f.land);
+  for_each_chunk(per, [&](uint64_t base, uint64_t len) {
+    for (int j = 0; j < parts; ++j) {
+      uint64_t first;
+      const uint64_t n = span(j, base, len, first);
+      if (n > 0) copy_units(f.out, f.land, f.bytes, first, n, align);
+    }
+  });
 }
 
 // ---- all-to-all with variable splits: counts on the device, three kernels ---------------------------
