@@ -5,8 +5,11 @@
 #                                        its logs, in one archive, and the summaries land in $OUT.
 # The whole suite at 4 GPUs takes ~25 minutes of device time, past one 600 s call: these parts cover every
 # step of run.sh between them, each call taking a few: "single-process", "multi-process", "rank death",
-# "virtual", "python", "examples", "consumer", "one process", "sanitizer". WEFT_SUITE_QUICK=1 runs the
-# real-GPU team steps with fewer sizes.
+# "virtual", "python", "examples", "consumer", "one process", and the sanitizer steps as "memcheck",
+# "racecheck", "synccheck" (each part's logs are archived when it ends: at 2 ranks memcheck and racecheck
+# together took ~500 s on 4 x H200, 2026-11-27). WEFT_SUITE_QUICK=1 runs the real-GPU team steps with fewer
+# sizes. Keep the device call's own output unpiped (or write it under $OUT): a call cut by its time limit
+# returns only what was printed, and `| tail` prints nothing until its input ends.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 root=$(cd "$(dirname "$0")/.." && pwd)
