@@ -21,6 +21,7 @@
 // part, or the late query part against both of the source's parts).
 #pragma once
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -94,7 +95,7 @@ struct Sharding {
   bool causal = false, zigzag = true;
   Sharding(bool c) : causal(c) {}  // NOLINT: implicit, the layout a causal flag alone means
   Sharding(bool c, bool z) : causal(c), zigzag(z) {}
-  std::vector<Sharding> both() const { return {Sharding{causal, true}, Sharding{causal, false}}; }
+  std::array<Sharding, 2> both() const { return {Sharding{causal, true}, Sharding{causal, false}}; }
 };
 
 // zigzag (causal only): the balanced layout; false: contiguous parts.
