@@ -40,10 +40,12 @@ struct BarrierSlots {  // a run of barrier slots (barrier_block): slot i of the 
 // wait returns false, the kernel winds down, and the host reads the record after synchronizing.
 enum class DeviceErrorCode : uint32_t {
   kNone = 0,
-  kTimeout = 1,    // a wait exceeded the team's timeout
-  kAborted = 2,    // the host raised the abort flag (a peer process died) or another wait already failed
-  kBadCounts = 3,  // all_to_all_v refused its counts (block: the offending rank; thread: which check;
-                   // expected: the limit; observed: what the counts need)
+  kTimeout = 1,     // a wait exceeded the team's timeout
+  kAborted = 2,     // the host raised the abort flag (a peer process died) or another wait already failed
+  kBadCounts = 3,   // all_to_all_v refused its counts (block: the offending rank; thread: which check;
+                    // expected: the limit; observed: what the counts need)
+  kPeerFailed = 4,  // a wait of rank `rank` failed (the rest of the record is its own) and work it feeds into
+                    // this rank's call went on past it (stream_wait_kernel): this rank's results are invalid
 };
 
 struct DeviceError {
@@ -56,7 +58,10 @@ struct DeviceError {
   uint64_t expected;   // the value waited for (>=)
   uint64_t observed;   // the last value seen
   uint64_t waited_ns;  // how long it waited
+  uint32_t cause;      // kPeerFailed: the failed rank's own code
+  uint32_t reserved;
 };
+static_assert(sizeof(DeviceError) <= 64, "the signal pad keeps 64 bytes for the error record");
 
 // Layout of the signal pad: one symmetric allocation made at team creation, zeroed, never reset. All flags
 // are 64-bit and monotonic (counters / epochs), so no kernel ever needs to clear them.

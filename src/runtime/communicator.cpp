@@ -832,12 +832,17 @@ void Communicator::check_device_errors() const {
       throw Error("weft::all_to_all_v: refused on every rank: " + why +
                   "; nothing was moved, recv_counts are zero, and the team's device waits fail from here on");
     }
-    std::string msg = "weft: rank " + std::to_string(e.rank) + " (block " + std::to_string(e.block) +
-                      ", thread " + std::to_string(e.thread) + ") ";
-    msg += code == DeviceErrorCode::kTimeout ? "timed out after " : "gave up (abort) after ";
+    std::string msg = "weft: ";
+    if (code == DeviceErrorCode::kPeerFailed)
+      msg += "rank " + std::to_string(ranks_[i]->rank()) + " gave up: its call took work from rank " +
+             std::to_string(e.rank) + ", whose wait failed (results of that call are invalid): ";
+    msg += "rank " + std::to_string(e.rank) + " (block " + std::to_string(e.block) + ", thread " +
+           std::to_string(e.thread) + ") ";
+    const auto cause = code == DeviceErrorCode::kPeerFailed ? static_cast<DeviceErrorCode>(e.cause) : code;
+    msg += cause == DeviceErrorCode::kTimeout ? "timed out after " : "gave up (abort) after ";
     msg += std::to_string(e.waited_ns / 1000000) + " ms waiting for " + describe_offset(e.flag_offset) +
            " to reach " + std::to_string(e.expected) + " (last saw " + std::to_string(e.observed) + ")";
-    if (code == DeviceErrorCode::kTimeout)
+    if (cause == DeviceErrorCode::kTimeout)
       msg += "; a peer is stuck, died, or skipped a matching signal (timeout: WEFT_TIMEOUT_MS)";
     if (channel_ && !channel_->lost_reason().empty()) msg += "; " + channel_->lost_reason();
     if (channel_ && !channel_->departed_reason().empty()) msg += "; " + channel_->departed_reason();

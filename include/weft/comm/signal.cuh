@@ -87,6 +87,30 @@ inline __device__ __noinline__ void report_wait_failure(const TeamView& team, De
   __threadfence();
 }
 
+// Copies this rank's failure record into every peer's (code kPeerFailed; first error wins there as well).
+// For waits whose stream goes on after a failure: the work enqueued behind a failed stream wait still runs
+// and its arrival writes can satisfy peers' waits with data computed from a partial that never came, so the
+// peers must learn that the call failed even where none of their own waits did.
+inline __device__ __noinline__ void report_failure_to_peers(const TeamView& team) {
+  const volatile DeviceError* mine = team.error;
+  for (int r = 0; r < team.world; ++r) {
+    if (r == team.rank) continue;
+    DeviceError* e = team.peer_ptr(team.error, r);
+    if (atomicCAS_system(reinterpret_cast<unsigned int*>(&e->code), 0u,
+                         static_cast<unsigned int>(DeviceErrorCode::kPeerFailed)) != 0u)
+      continue;
+    e->rank = mine->rank;
+    e->block = mine->block;
+    e->thread = mine->thread;
+    e->flag_offset = mine->flag_offset;
+    e->expected = mine->expected;
+    e->observed = mine->observed;
+    e->waited_ns = mine->waited_ns;
+    e->cause = mine->code == static_cast<uint32_t>(DeviceErrorCode::kPeerFailed) ? mine->cause : mine->code;
+  }
+  __threadfence_system();  // before the stream's next work (its pushes) starts
+}
+
 template <bool kSys>
 __device__ __forceinline__ uint64_t ld_acquire(const uint64_t* flag) {
   return kSys ? ptx::ld_acquire_sys(flag) : ptx::ld_acquire_gpu(flag);
