@@ -1,5 +1,8 @@
 # ctest package.find_package: installs this build into a scratch prefix and builds examples/consumer with
 # find_package(weft), as a user's project would.
+# Absolute paths: `cmake --install --prefix` and the consumer's CMAKE_PREFIX_PATH would each read a relative
+# one against a different directory.
+get_filename_component(WEFT_BUILD ${WEFT_BUILD} ABSOLUTE)
 set(prefix ${WEFT_BUILD}/package-test/prefix)
 set(consumer ${WEFT_BUILD}/package-test/consumer)
 file(REMOVE_RECURSE ${WEFT_BUILD}/package-test)

@@ -18,10 +18,10 @@ if [ $# -eq 0 ]; then
   exit 2
 fi
 OUT=${OUT:-/tmp/out}
-build=${WEFT_BUILD_DIR:-build}
-export WEFT_BUILD_DIR=$build
 mkdir -p "$OUT"
 cd "$root" || exit 1
+build=$(realpath -m "${WEFT_BUILD_DIR:-build}")
+export WEFT_BUILD_DIR=$build
 t0=$SECONDS
 targets=${TARGETS:-weft-gpu-tests weft-launch hello_team matmul_to_next}
 # shellcheck disable=SC2086  # the targets are words
