@@ -16,7 +16,6 @@
 namespace weft {
 namespace {
 
-using ops::round256;
 const char* const kArea = "context attention";
 
 // What a call needs: the layout, this rank's segments, the symmetric area ([total] rows of K, V, and fp32
@@ -40,10 +39,7 @@ struct Sizes {
     }
   }
   int64_t nseg() const { return static_cast<int64_t>(call.segments.size()); }
-  size_t kv_bytes() const { return round256(size_t(total * kv_heads * head_dim) * 2); }
-  size_t area_bytes() const { return 2 * kv_bytes() + 4 * kv_bytes(); }  // K, V; fp32 dK, dV
-  size_t index_bytes() const { return round256(size_t(std::max<int64_t>(max_local, 1)) * 4); }
-  size_t segment_bytes() const { return round256(size_t(4 * std::max<int64_t>(nseg(), 1)) * 4); }
+  size_t kv_elements() const { return size_t(total * kv_heads * head_dim); }
   AttentionShape shape(int64_t heads) const {
     return {std::max<int64_t>(nseg(), 1), max_q, max_k, heads, kv_heads, head_dim};
   }
@@ -55,20 +51,55 @@ struct Sizes {
     static const int32_t kAny[4] = {};  // the size does not read the ranges
     AttentionOptions o = options;
     o.segments = segments(kAny);
-    return round256(flash_attention_backward_workspace_bytes(shape(heads), o));
+    return flash_attention_backward_workspace_bytes(shape(heads), o);
   }
 };
 
-// The caller's workspace, the area, and the layout uploaded; K / V pushed into every rank's area.
-struct Gathered {
-  char* area = nullptr;
+// The symmetric area: every rank's K and V rows in natural order, then this rank's fp32 dK and dV sums
+// (backward). Carved by this one function, with a base or without (sizing).
+struct Area {
+  char *k = nullptr, *v = nullptr;
+  float *dk = nullptr, *dv = nullptr;
+};
+Area carve_area(ops::WorkspaceLayout& a, const Sizes& z) {
+  Area p;
+  p.k = a.take(z.kv_elements() * 2);
+  p.v = a.take(z.kv_elements() * 2);
+  p.dk = a.take<float>(z.kv_elements() * 4);
+  p.dv = a.take<float>(z.kv_elements() * 4);
+  return p;
+}
+size_t area_bytes(const Sizes& z) {
+  return ops::bytes_carved_by([&](ops::WorkspaceLayout& a) { carve_area(a, z); });
+}
+
+// The caller's workspace: this rank's local -> natural rows, its segments' ranges, then (backward) the
+// attention backward's own.
+struct Own {
   int32_t *local_nat = nullptr, *seg = nullptr;
-  void* k() const { return area; }
+  char* attention = nullptr;
+};
+Own carve_own(ops::WorkspaceLayout& w, const Sizes& z, size_t attention_bytes) {
+  Own p;
+  p.local_nat = w.take<int32_t>(size_t(std::max<int64_t>(z.max_local, 1)) * 4);
+  p.seg = w.take<int32_t>(size_t(4 * std::max<int64_t>(z.nseg(), 1)) * 4);
+  p.attention = attention_bytes ? w.take(attention_bytes) : nullptr;
+  return p;
+}
+size_t own_bytes(const Sizes& z, size_t attention_bytes) {
+  return ops::bytes_carved_by([&](ops::WorkspaceLayout& w) { carve_own(w, z, attention_bytes); });
+}
+
+// The caller's workspace and the area carved, the layout uploaded; K / V pushed into every rank's area.
+struct Gathered {
+  Area area;
+  Own own;
 };
 
 Gathered gather(Communicator& comm, Rank& rank, const Sizes& z, const void* k, const void* v, void* workspace,
-                size_t workspace_bytes, size_t need, DType dtype, cudaStream_t stream,
+                size_t workspace_bytes, size_t attention_bytes, DType dtype, cudaStream_t stream,
                 const std::string& where) {
+  const size_t need = own_bytes(z, attention_bytes);
   WEFT_CHECK(z.L.world == rank.world(), where + "the layout's world size differs from the team's");
   WEFT_CHECK(z.head_dim == 64 || z.head_dim == 128, where + "head_dim must be 64 or 128");
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tensors must be bf16 or fp16");
@@ -77,10 +108,11 @@ Gathered gather(Communicator& comm, Rank& rank, const Sizes& z, const void* k, c
                  " bytes (the op's workspace_bytes()), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
   Gathered g;
-  g.area = ops::workspace_on(comm, rank, z.area_bytes(), stream, where, kArea);
-  g.local_nat = static_cast<int32_t*>(workspace);
-  g.seg = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + z.index_bytes());
-  ops::write_local_to_natural(z.L, rank.rank(), g.local_nat, stream);
+  ops::WorkspaceLayout area(ops::workspace_on(comm, rank, area_bytes(z), stream, where, kArea));
+  g.area = carve_area(area, z);
+  ops::WorkspaceLayout own(workspace);
+  g.own = carve_own(own, z, attention_bytes);
+  ops::write_local_to_natural(z.L, rank.rank(), g.own.local_nat, stream);
   const int64_t s = z.nseg();
   std::vector<int32_t> segs(4 * std::max<int64_t>(s, 1), 0);
   for (int64_t i = 0; i < s; ++i) {
@@ -90,11 +122,10 @@ Gathered gather(Communicator& comm, Rank& rank, const Sizes& z, const void* k, c
     segs[2 * s + i] = static_cast<int32_t>(seg.k_begin);
     segs[3 * s + i] = static_cast<int32_t>(seg.k_end);
   }
-  ops::upload_words(g.seg, segs, stream);
+  ops::upload_words(g.own.seg, segs, stream);
   const ops::HeadShare all = ops::HeadShare::all(z.kv_heads);
-  ops::push_rows(comm, rank, k, z.local, g.area, g.local_nat, all, z.head_dim, z.max_local, stream);
-  ops::push_rows(comm, rank, v, z.local, g.area + z.kv_bytes(), g.local_nat, all, z.head_dim, z.max_local,
-                 stream);
+  ops::push_rows(comm, rank, k, z.local, g.area.k, g.own.local_nat, all, z.head_dim, z.max_local, stream);
+  ops::push_rows(comm, rank, v, z.local, g.area.v, g.own.local_nat, all, z.head_dim, z.max_local, stream);
   return g;
 }
 
@@ -119,7 +150,7 @@ size_t context_attention_workspace_bytes(int world, const std::vector<int64_t>& 
   for (int r = 0; r < world; ++r)
     for (const ops::Sharding s : ops::Sharding(causal).both()) {
       const Sizes z(world, r, doc_lengths, s, kv_heads, head_dim);
-      most = std::max(most, z.index_bytes() + z.segment_bytes());
+      most = std::max(most, own_bytes(z, 0));
     }
   return most;
 }
@@ -133,7 +164,7 @@ size_t context_attention_backward_workspace_bytes(int world, const std::vector<i
   for (int r = 0; r < world; ++r)
     for (const ops::Sharding s : ops::Sharding(causal).both()) {
       const Sizes z(world, r, doc_lengths, s, kv_heads, head_dim);
-      most = std::max(most, z.index_bytes() + z.segment_bytes() + z.attention_backward(heads, o));
+      most = std::max(most, own_bytes(z, z.attention_backward(heads, o)));
     }
   return most;
 }
@@ -147,12 +178,11 @@ void context_attention_forward(Communicator& comm, Rank& rank, const void* q, co
              where + "options.segments and options.accumulate are set by the op itself; leave them empty");
   const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), kv_heads, head_dim);
   if (stream == nullptr) stream = rank.stream();
-  const Gathered g = gather(comm, rank, z, k, v, workspace, workspace_bytes,
-                            z.index_bytes() + z.segment_bytes(), dtype, stream, where);
+  const Gathered g = gather(comm, rank, z, k, v, workspace, workspace_bytes, 0, dtype, stream, where);
   if (z.nseg() == 0) return;  // no query rows here (short documents)
   AttentionOptions o = options;
-  o.segments = z.segments(g.seg);
-  flash_attention_forward(q, g.k(), g.area + z.kv_bytes(), out, lse, z.shape(heads), dtype, stream, o);
+  o.segments = z.segments(g.own.seg);
+  flash_attention_forward(q, g.area.k, g.area.v, out, lse, z.shape(heads), dtype, stream, o);
 }
 
 void context_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
@@ -167,26 +197,27 @@ void context_attention_backward(Communicator& comm, Rank& rank, const void* q, c
   const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), kv_heads, head_dim);
   if (stream == nullptr) stream = rank.stream();
   const size_t attention_bytes = z.attention_backward(heads, options);
-  const size_t head = z.index_bytes() + z.segment_bytes();
   const Gathered g =
-      gather(comm, rank, z, k, v, workspace, workspace_bytes, head + attention_bytes, dtype, stream, where);
+      gather(comm, rank, z, k, v, workspace, workspace_bytes, attention_bytes, dtype, stream, where);
   // This rank's queries against every key: dK / dV added in fp32 into its own natural-order buffers (zero
   // where it sees none; zeroed after the pushes' meeting, when every peer has pulled the previous call's).
-  auto* dk32 = reinterpret_cast<float*>(g.area + 2 * z.kv_bytes());
-  auto* dv32 = reinterpret_cast<float*>(g.area + 4 * z.kv_bytes());
-  WEFT_CUDA_CHECK(cudaMemsetAsync(dk32, 0, 4 * z.kv_bytes(), stream));
+  float *dk32 = g.area.dk, *dv32 = g.area.dv;
+  // dK and dV are neighbours in the area: one memset clears both.
+  const auto* dv_end = reinterpret_cast<const char*>(dv32 + z.kv_elements());
+  WEFT_CUDA_CHECK(cudaMemsetAsync(dk32, 0, dv_end - reinterpret_cast<const char*>(dk32), stream));
   if (z.nseg() > 0) {
     AttentionOptions o = options;
-    o.segments = z.segments(g.seg);
+    o.segments = z.segments(g.own.seg);
     o.accumulate_grads = {dk32, dv32};
-    flash_attention_backward(q, g.k(), g.area + z.kv_bytes(), out, dout, lse, dq, nullptr, nullptr,
-                             static_cast<char*>(workspace) + head, attention_bytes, z.shape(heads), dtype,
-                             stream, o);
+    flash_attention_backward(q, g.area.k, g.area.v, out, dout, lse, dq, nullptr, nullptr, g.own.attention,
+                             attention_bytes, z.shape(heads), dtype, stream, o);
   }
   // Every rank's sums for this rank's rows, rounded once.
   const ops::HeadShare all = ops::HeadShare::all(kv_heads);
-  ops::pull_rows(comm, rank, dk32, true, dk, z.local, g.local_nat, all, head_dim, z.max_local, dtype, stream);
-  ops::pull_rows(comm, rank, dv32, true, dv, z.local, g.local_nat, all, head_dim, z.max_local, dtype, stream);
+  ops::pull_rows(comm, rank, dk32, true, dk, z.local, g.own.local_nat, all, head_dim, z.max_local, dtype,
+                 stream);
+  ops::pull_rows(comm, rank, dv32, true, dv, z.local, g.own.local_nat, all, head_dim, z.max_local, dtype,
+                 stream);
 }
 
 }  // namespace weft

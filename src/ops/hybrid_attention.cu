@@ -23,7 +23,6 @@
 namespace weft {
 namespace {
 
-using ops::round256;
 const char* const kArea = "hybrid attention";
 
 // The sizes of a call. L: the team's layout; M: the merged one (ring rank g = the rows of group g).
@@ -50,25 +49,34 @@ struct Sizes {
     merged = M.local_rows(r / u);
     max_merged = std::max<int64_t>(1, ops::max_local_rows(M));
   }
-  // The area: this member's heads of its group's rows (q, out, dout, dq; k, v, dk, dv; LSE).
-  size_t q_bytes() const { return round256(size_t(max_merged * q_share.width * head_dim) * 2); }
-  size_t kv_bytes() const { return round256(size_t(max_merged * kv_share.width * head_dim) * 2); }
-  size_t lse_bytes() const { return round256(size_t(max_merged * q_share.width) * 4); }
-  size_t area_bytes() const { return 4 * q_bytes() + 4 * kv_bytes() + lse_bytes(); }
-  struct Area {
-    char *q, *out, *dout, *dq, *k, *v, *dk, *dv;
-    float* lse;
-  };
-  Area carve(char* a) const {
-    Area r{};
-    r.q = a, r.out = a + q_bytes(), r.dout = a + 2 * q_bytes(), r.dq = a + 3 * q_bytes();
-    r.k = a + 4 * q_bytes(), r.v = r.k + kv_bytes(), r.dk = r.v + kv_bytes(), r.dv = r.dk + kv_bytes();
-    r.lse = reinterpret_cast<float*>(r.dv + kv_bytes());
-    return r;
-  }
-  // The caller's workspace: this rank's local -> merged rows, then the ring's.
-  size_t index_bytes() const { return round256(size_t(max_local) * 4); }
+  size_t q_elements() const { return size_t(max_merged * q_share.width * head_dim); }
+  size_t kv_elements() const { return size_t(max_merged * kv_share.width * head_dim); }
 };
+
+// The area: this member's heads of its group's rows (q, out, dout, dq; k, v, dk, dv; LSE), carved by this
+// one function, with a base or without (sizing).
+struct Area {
+  char *q, *out, *dout, *dq, *k, *v, *dk, *dv;
+  float* lse;
+};
+Area carve_area(ops::WorkspaceLayout& a, const Sizes& z) {
+  Area r{};
+  for (char** p : {&r.q, &r.out, &r.dout, &r.dq}) *p = a.take(z.q_elements() * 2);
+  for (char** p : {&r.k, &r.v, &r.dk, &r.dv}) *p = a.take(z.kv_elements() * 2);
+  r.lse = a.take<float>(size_t(z.max_merged * z.q_share.width) * 4);
+  return r;
+}
+size_t area_bytes(const Sizes& z) {
+  return ops::bytes_carved_by([&](ops::WorkspaceLayout& a) { carve_area(a, z); });
+}
+
+// The caller's workspace: this rank's local -> merged rows, then the ring's (the rest).
+int32_t* carve_index(ops::WorkspaceLayout& w, const Sizes& z) {
+  return w.take<int32_t>(size_t(z.max_local) * 4);
+}
+size_t index_bytes(const Sizes& z) {
+  return ops::bytes_carved_by([&](ops::WorkspaceLayout& w) { carve_index(w, z); });
+}
 
 // Ulysses alone (U == W) or the ring alone (U == 1).
 bool degenerate(int world, int ulysses) {
@@ -92,7 +100,7 @@ void check_split(int world, int ulysses, int64_t heads, int64_t kv_heads, const 
 // What both passes start with: checks, the sub-teams, the area, the local -> merged rows.
 struct Start {
   Rank *group = nullptr, *ring = nullptr;
-  Sizes::Area area{};
+  Area area{};
   int32_t* index = nullptr;
   char* ring_workspace = nullptr;
   size_t ring_workspace_bytes = 0;
@@ -104,7 +112,7 @@ Start start(ops::OpCall& call, const Sizes& z, const AttentionOptions& options, 
       !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
       where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
   ops::check_attention_call({1, 1, 1, z.heads, z.kv_heads, z.head_dim}, dtype, options, where);
-  const size_t need = z.index_bytes();  // the ring checks its own part
+  const size_t need = index_bytes(z);  // the ring checks its own part
   WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
              where + "the workspace must hold " + std::to_string(need) +
                  " bytes (the op's workspace_bytes()), got " + std::to_string(workspace_bytes));
@@ -112,10 +120,12 @@ Start start(ops::OpCall& call, const Sizes& z, const AttentionOptions& options, 
   Start s;
   s.group = &call.comm.subteam(call.rank, z.ulysses, 1);
   s.ring = &call.comm.subteam(call.rank, z.rings, z.ulysses);
-  s.area = z.carve(call.workspace(z.area_bytes(), kArea));
-  s.index = static_cast<int32_t*>(workspace);
-  s.ring_workspace = static_cast<char*>(workspace) + z.index_bytes();
-  s.ring_workspace_bytes = workspace_bytes - z.index_bytes();
+  ops::WorkspaceLayout area(call.workspace(area_bytes(z), kArea));
+  s.area = carve_area(area, z);
+  ops::WorkspaceLayout own(workspace);
+  s.index = carve_index(own, z);
+  s.ring_workspace = static_cast<char*>(workspace) + own.bytes();
+  s.ring_workspace_bytes = workspace_bytes - own.bytes();
   ops::write_row_index(ops::merged_runs(z.L, z.M, z.rank), s.index, call.stream);
   return s;
 }
@@ -130,8 +140,7 @@ size_t hybrid_attention_workspace_bytes(int world, int ulysses, const std::vecto
   if (ulysses == 1) return ring_attention_workspace_bytes(world, doc_lengths, causal, kv_heads, head_dim);
   size_t index = 0;
   for (const ops::Sharding s : ops::Sharding(causal).both())
-    index =
-        std::max(index, Sizes(world, ulysses, 0, doc_lengths, s, heads, kv_heads, head_dim).index_bytes());
+    index = std::max(index, index_bytes(Sizes(world, ulysses, 0, doc_lengths, s, heads, kv_heads, head_dim)));
   const Sizes z(world, ulysses, 0, doc_lengths, causal, heads, kv_heads, head_dim);
   return index +
          ops::ring_forward_workspace_bytes(z.rings, doc_lengths, causal, z.kv_share.width, head_dim, ulysses);
@@ -147,8 +156,7 @@ size_t hybrid_attention_backward_workspace_bytes(int world, int ulysses,
     return ring_attention_backward_workspace_bytes(world, doc_lengths, causal, heads, kv_heads, head_dim);
   size_t index = 0;
   for (const ops::Sharding s : ops::Sharding(causal).both())
-    index =
-        std::max(index, Sizes(world, ulysses, 0, doc_lengths, s, heads, kv_heads, head_dim).index_bytes());
+    index = std::max(index, index_bytes(Sizes(world, ulysses, 0, doc_lengths, s, heads, kv_heads, head_dim)));
   const Sizes z(world, ulysses, 0, doc_lengths, causal, heads, kv_heads, head_dim);
   return index + ops::ring_backward_workspace_bytes(z.rings, doc_lengths, causal, z.q_share.width,
                                                     z.kv_share.width, head_dim, ulysses);
@@ -171,7 +179,7 @@ void hybrid_attention_forward(Communicator& comm, Rank& rank, const void* q, con
   const Sizes z(W, ulysses, rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim);
   ops::check_attention_operands(call, {q, k, v, out, lse}, false, z.local, heads, kv_heads, head_dim);
   const Start s = start(call, z, options, workspace, workspace_bytes, dtype);
-  const Sizes::Area& a = s.area;
+  const Area& a = s.area;
   Rank& group = *s.group;
   const int64_t d = head_dim;
   ops::push_rows(comm, group, q, z.local, a.q, s.index, z.q_share, d, z.max_local, call.stream);
@@ -207,7 +215,7 @@ void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, co
   ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
                                 head_dim);
   const Start s = start(call, z, options, workspace, workspace_bytes, dtype);
-  const Sizes::Area& a = s.area;
+  const Area& a = s.area;
   Rank& group = *s.group;
   const int64_t d = head_dim;
   const cudaStream_t st = call.stream;

@@ -125,6 +125,14 @@ class WorkspaceLayout {
   size_t bytes_ = 0;
 };
 
+// The bytes a carving takes: `carve(layout)` run on a layout without a base.
+template <class Carve>
+size_t bytes_carved_by(Carve carve) {
+  WorkspaceLayout sized;
+  carve(sized);
+  return sized.bytes();
+}
+
 // Index of `rank` among the communicator's local ranks.
 inline int local_index(const Communicator& comm, const Rank& rank, const std::string& where) {
   for (int i = 0; i < comm.num_local(); ++i)

@@ -19,7 +19,6 @@
 namespace weft {
 namespace {
 
-using ops::round256;
 const char* const kArea = "ring attention";
 const char* const kState = "ring attention: call count, finishers";
 const char* const kArrived = "ring attention: chunk arrivals";
@@ -38,37 +37,64 @@ struct Sizes : ops::RingPassSizes {
         kv_heads(kv),
         head_dim(d) {}
   size_t slot_bytes() const { return size_t(slot_rows * kv_heads * head_dim) * 2; }
-  size_t area_bytes() const { return round256(2 * size_t(std::max(1, L.world - 1)) * slot_bytes()); }
-  size_t workspace_bytes() const { return table_bytes() + landed_bytes(); }  // the table, the landed counts
 };
+
+// The area (symmetric: peers push into its slots): the K and V receive slots, [W - 1][slot_rows][kv_heads]
+// [head_dim] each; the caller's workspace: the pass's table, then the landed counts. Each carved by one
+// function, with a base or without (sizing).
+struct Area {
+  char *slots_k = nullptr, *slots_v = nullptr;
+};
+Area carve_area(ops::WorkspaceLayout& a, const Sizes& z) {
+  const size_t slots = size_t(std::max(1, z.L.world - 1)) * z.slot_bytes();
+  Area p;
+  p.slots_k = a.take(slots);
+  p.slots_v = a.take(slots);
+  return p;
+}
+struct Own {
+  int32_t* table = nullptr;
+  int* landed = nullptr;
+};
+Own carve_own(ops::WorkspaceLayout& w, const Sizes& z) {
+  Own p;
+  p.table = w.take<int32_t>(z.table_bytes());
+  p.landed = w.take<int>(z.landed_bytes());
+  return p;
+}
+size_t area_bytes(const Sizes& z) {
+  return ops::bytes_carved_by([&](ops::WorkspaceLayout& a) { carve_area(a, z); });
+}
+size_t own_bytes(const Sizes& z) {
+  return ops::bytes_carved_by([&](ops::WorkspaceLayout& w) { carve_own(w, z); });
+}
 
 template <int kD, class T>
 void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const void* k, const void* v,
-            void* out, float* lse, int64_t heads, int32_t* index, char* area, cudaStream_t stream,
+            void* out, float* lse, int64_t heads, const Own& w, const Area& a, cudaStream_t stream,
             const AttentionOptions& options, DType dtype, const std::string& where) {
   using Op = ops::RingAttentionFwdOp<kD, T>;
   const int W = z.L.world;
   const int64_t G = z.segments(), local = std::max<int64_t>(z.local, 1);
   typename Op::Params p{};
-  ops::upload_words(index, ops::ring_table_words(z, Op::kBN), stream);
-  const ops::RingTable table(index, G, W);
+  ops::upload_words(w.table, ops::ring_table_words(z, Op::kBN), stream);
+  const ops::RingTable table(w.table, G, W);
   // L2 sections: query heads whose K / V (of all W ranks) fit in 2/3 of L2, whole GQA groups.
   const int64_t group = heads / z.kv_heads;
   const int64_t kv_bytes_per_group = 2 * z.slot_rows * W * kD * 2;
   const int64_t section =
       std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / kv_bytes_per_group) * group;
-  int* landed = index + z.table_bytes() / 4;
+  int* landed = w.landed;
   const int blocks = ops::ring_launch_setup<Op>(comm, rank, z, table, {kState, kArrived}, heads, Op::kBM,
                                                 section, options, landed, stream, p, where);
 
   // A rank with no rows still needs maps: they point at the slots and are never read.
-  const void* qs = z.local > 0 ? q : area;
-  const void* ks = z.local > 0 ? k : area;
-  const void* vs = z.local > 0 ? v : area;
-  void* os = z.local > 0 ? out : area;
+  char *slots_k = a.slots_k, *slots_v = a.slots_v;
+  const void* qs = z.local > 0 ? q : slots_k;
+  const void* ks = z.local > 0 ? k : slots_k;
+  const void* vs = z.local > 0 ? v : slots_k;
+  void* os = z.local > 0 ? out : slots_k;
   const int64_t slots = std::max(1, W - 1);
-  char* slots_k = area;
-  char* slots_v = area + slots * z.slot_bytes();
   p.q = ops::map_bshd(qs, 1, local, heads, kD, Op::kBM, where + "q", dtype);
   p.k = ops::map_bshd(ks, 1, local, z.kv_heads, kD, Op::kBN, where + "k", dtype);
   p.v = ops::map_bshd(vs, 1, local, z.kv_heads, kD, Op::kBN, where + "v", dtype);
@@ -120,7 +146,7 @@ size_t ring_forward_workspace_bytes(int world, const std::vector<int64_t>& doc_l
   size_t most = 0;
   for (int r = 0; r < world; ++r)
     for (const ops::Sharding s : ops::Sharding(causal).both())
-      most = std::max(most, Sizes(world, r, doc_lengths, s, kv_heads, head_dim, grain).workspace_bytes());
+      most = std::max(most, own_bytes(Sizes(world, r, doc_lengths, s, kv_heads, head_dim, grain)));
   return most;
 }
 
@@ -138,15 +164,18 @@ void ring_forward(Communicator& comm, Rank& rank, const void* q, const void* k, 
   WEFT_CHECK(z.slot_rows * std::max(heads, kv_heads) < (int64_t(1) << 31) &&
                  z.segments() * rank.world() < (int64_t(1) << 31),
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
-  WEFT_CHECK(workspace != nullptr && workspace_bytes >= z.workspace_bytes(),
-             where + "the workspace must hold " + std::to_string(z.workspace_bytes()) + " bytes (" +
-                 caller.sizing + "), got " + std::to_string(workspace_bytes));
+  const size_t need = own_bytes(z);
+  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
+             where + "the workspace must hold " + std::to_string(need) + " bytes (" + caller.sizing +
+                 "), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
   ops::check_attention_operands(call, {q, k, v, out, lse}, false, z.local, heads, kv_heads, head_dim);
-  char* area = call.workspace(z.area_bytes(), kArea);
-  auto* index = static_cast<int32_t*>(workspace);
+  ops::WorkspaceLayout area_layout(call.workspace(area_bytes(z), kArea));
+  const Area area = carve_area(area_layout, z);
+  ops::WorkspaceLayout own_layout(workspace);
+  const Own own = carve_own(own_layout, z);
   const auto run = [&](auto d, auto t) {
-    launch<decltype(d)::value, decltype(t)>(comm, rank, z, q, k, v, out, lse, heads, index, area, call.stream,
+    launch<decltype(d)::value, decltype(t)>(comm, rank, z, q, k, v, out, lse, heads, own, area, call.stream,
                                             options, dtype, where);
   };
   using D64 = std::integral_constant<int, 64>;

@@ -28,7 +28,6 @@
 namespace weft {
 namespace {
 
-using ops::round256;
 const char* const kArea = "ring attention backward";
 const char* const kState = "ring attention backward: call count, finishers";
 const char* const kArrived = "ring attention backward: chunk arrivals";
@@ -53,22 +52,53 @@ struct Sizes : ops::RingPassSizes {
         ranges(ops::ring_query_ranges(L, rank)) {
     for (const auto& [b, e] : ranges) longest_range = std::max(longest_range, e - b);
   }
-  // The area: the dQ accumulator slots [accum_slots][slot_rows][heads][head_dim] fp32; the terms (LSE, D)
-  // [2][W][heads][term_stride] fp32; the Q and dO slots [W - 1][slot_rows][heads][head_dim] each.
-  int accum_slots = 1;
+  int accum_slots = 1;  // dQ accumulator slots: 1, or W where some peer is on another GPU (DqRoute)
   size_t accum_slot_bytes() const { return size_t(slot_rows * heads * head_dim) * 4; }
-  size_t accum_bytes() const { return round256(size_t(accum_slots) * accum_slot_bytes()); }
-  size_t terms_bytes() const { return round256(size_t(2 * L.world * heads * term_stride) * 4); }
   size_t slot_bytes() const { return size_t(slot_rows * heads * head_dim) * 2; }
-  size_t area_bytes() const {
-    return accum_bytes() + terms_bytes() + round256(2 * size_t(std::max(1, L.world - 1)) * slot_bytes());
-  }
-  // The caller's workspace: the steps' dQ maps (64-byte aligned) and the dQ parts' addresses (W each), the
-  // table, and the query ranges (begins, then ends) for the prepare kernel.
-  size_t parts_bytes() const { return round256(size_t(L.world) * (sizeof(CUtensorMap) + sizeof(float*))); }
-  size_t ranges_bytes() const { return round256((2 * ranges.size() + 1) * 4); }
-  size_t workspace_bytes() const { return parts_bytes() + table_bytes() + ranges_bytes() + landed_bytes(); }
 };
+
+// The area (symmetric: peers write into its slots): the dQ accumulator slots
+// [accum_slots][slot_rows][heads][head_dim] fp32; the terms (LSE, D) [2][W][heads][term_stride] fp32; the Q
+// and dO slots [W - 1][slot_rows][heads][head_dim] each. Carved by this one function, with a base or without
+// (sizing), alike on every rank.
+struct Area {
+  float *accum = nullptr, *terms = nullptr;
+  char *slots_q = nullptr, *slots_dout = nullptr;
+};
+Area carve_area(ops::WorkspaceLayout& a, const Sizes& z) {
+  Area p;
+  p.accum = a.take<float>(size_t(z.accum_slots) * z.accum_slot_bytes());
+  p.terms = a.take<float>(size_t(2 * z.L.world * z.heads * z.term_stride) * 4);
+  const size_t slots = size_t(std::max(1, z.L.world - 1)) * z.slot_bytes();
+  p.slots_q = a.take(slots);
+  p.slots_dout = a.take(slots);
+  return p;
+}
+size_t area_bytes(const Sizes& z) {
+  return ops::bytes_carved_by([&](ops::WorkspaceLayout& a) { carve_area(a, z); });
+}
+
+// The caller's workspace: the steps' dQ maps (64-byte aligned) then the dQ parts' addresses (W each); the
+// pass's table; the query ranges (begins, then ends) for the prepare kernel; the landed counts.
+struct Own {
+  char* parts = nullptr;
+  int32_t *table = nullptr, *ranges = nullptr;
+  int* landed = nullptr;
+  const float* const* part_addresses(int world) const {
+    return reinterpret_cast<const float* const*>(parts + world * sizeof(CUtensorMap));
+  }
+};
+Own carve_own(ops::WorkspaceLayout& w, const Sizes& z) {
+  Own p;
+  p.parts = w.take(size_t(z.L.world) * (sizeof(CUtensorMap) + sizeof(float*)));
+  p.table = w.take<int32_t>(z.table_bytes());
+  p.ranges = w.take<int32_t>((2 * z.ranges.size() + 1) * 4);
+  p.landed = w.take<int>(z.landed_bytes());
+  return p;
+}
+size_t own_bytes(const Sizes& z) {
+  return ops::bytes_carved_by([&](ops::WorkspaceLayout& w) { carve_own(w, z); });
+}
 
 // Where step s's dQ parts go: through this rank's slot s when the rows' owner (rank r - s) is on another GPU
 // (adding into the owner's memory would cross the links once per key block), else straight into the owner's
@@ -109,7 +139,7 @@ struct Uploads {
 };
 
 template <class Op, int kD>
-Uploads upload_tables(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route, char* workspace,
+Uploads upload_tables(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route, const Own& w,
                       float* accum, cudaStream_t stream, const std::string& where) {
   const int W = z.L.world;
   const int64_t G = z.segments(), heads = z.heads;
@@ -118,7 +148,7 @@ Uploads upload_tables(Communicator& comm, Rank& rank, const Sizes& z, const DqRo
   // table; this rank's query ranges.
   const int r = rank.rank();
   const size_t slot_floats = z.accum_slot_bytes() / 4;
-  std::vector<int32_t> words(z.parts_bytes() / 4, 0);
+  std::vector<int32_t> words(size_t(W) * (sizeof(CUtensorMap) + sizeof(float*)) / 4, 0);
   for (int s = 0; s < W; ++s) {
     float* target = route.through_slot[s] ? accum + s * slot_floats : rank.peer_ptr(accum, (r - s + W) % W);
     const CUtensorMap m = ops::map_bshd(target, 1, z.slot_rows, heads, kD, Op::kBM,
@@ -132,18 +162,17 @@ Uploads upload_tables(Communicator& comm, Rank& rank, const Sizes& z, const DqRo
     const float* part = rank.peer_ptr(accum + s * slot_floats, (r + s) % W);
     std::memcpy(part_at + parts++ * sizeof(part) / 4, &part, sizeof(part));
   }
-  ops::upload_words(reinterpret_cast<int32_t*>(workspace), words, stream);
-  auto* index = reinterpret_cast<int32_t*>(workspace + z.parts_bytes());
-  ops::upload_words(index, ops::ring_table_words(z, Op::kBM), stream);
+  ops::upload_words(reinterpret_cast<int32_t*>(w.parts), words, stream);
+  ops::upload_words(w.table, ops::ring_table_words(z, Op::kBM), stream);
   const int64_t nr = static_cast<int64_t>(z.ranges.size());
-  int32_t* range_begin = reinterpret_cast<int32_t*>(workspace + z.parts_bytes() + z.table_bytes());
+  int32_t* range_begin = w.ranges;
   std::vector<int32_t> range_words(2 * nr);
   for (int64_t i = 0; i < nr; ++i) {
     range_words[i] = static_cast<int32_t>(z.ranges[i].first);
     range_words[nr + i] = static_cast<int32_t>(z.ranges[i].second);
   }
   if (nr > 0) ops::upload_words(range_begin, range_words, stream);
-  return {parts, ops::RingTable(index, G, W), range_begin, nr};
+  return {parts, ops::RingTable(w.table, G, W), range_begin, nr};
 }
 
 // This rank's own accumulator slot zeroed and its rows' terms written (the base prepare over the query
@@ -178,23 +207,22 @@ void prepare_terms(const Sizes& z, const Uploads& u, const Buffers& b, float* ac
 // The kernel's parameters; returns its grid.
 template <class Op, int kD, class T>
 int fill_params(Communicator& comm, Rank& rank, const Sizes& z, const Uploads& u, const Buffers& b,
-                char* workspace, char* area, float* accum, float* terms, cudaStream_t stream,
-                const AttentionOptions& options, DType dtype, const std::string& where,
-                typename Op::Params& p) {
+                const Own& w, const Area& a, cudaStream_t stream, const AttentionOptions& options,
+                DType dtype, const std::string& where, typename Op::Params& p) {
   const int W = z.L.world;
   const int64_t local = std::max<int64_t>(z.local, 1), heads = z.heads;
   const AttentionShape shape{1, z.max_own, z.max_own, heads, z.kv_heads, kD};
   const float scale = ops::attention_scale(shape, options);
   const ops::RingTable& table = u.table;
-  char* slots_q = area + z.accum_bytes() + z.terms_bytes();
-  char* slots_dout = slots_q + std::max(1, W - 1) * z.slot_bytes();
+  float *accum = a.accum, *terms = a.terms;
+  char *slots_q = a.slots_q, *slots_dout = a.slots_dout;
   // A rank with no rows still needs maps: they point at the area and are never read.
-  const auto own = [&](const void* q) { return z.local > 0 ? q : static_cast<const void*>(area); };
+  const auto own = [&](const void* q) { return z.local > 0 ? q : static_cast<const void*>(a.accum); };
   // L2 sections: K / V heads whose group's Q, dO (of all W ranks) and dQ parts fit in 2/3 of L2.
   const int64_t group = heads / z.kv_heads;
   const int64_t bytes_per_pair = group * z.slot_rows * W * kD * (2 + 2 + 4);
   const int64_t section = std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / bytes_per_pair);
-  int* landed = reinterpret_cast<int*>(workspace + z.parts_bytes() + z.table_bytes() + z.ranges_bytes());
+  int* landed = w.landed;
   const int blocks = ops::ring_launch_setup<Op>(comm, rank, z, table, {kState, kArrived}, z.kv_heads, Op::kBN,
                                                 section, options, landed, stream, p, where);
 
@@ -207,7 +235,7 @@ int fill_params(Communicator& comm, Rank& rank, const Sizes& z, const Uploads& u
   p.dv = ops::map_bshd(own(b.dv), 1, local, z.kv_heads, kD, Op::Epilogue::kBoxRows, where + "dv", dtype);
   p.dq_accum =
       ops::map_bshd(accum, 1, z.slot_rows, heads, kD, Op::kBM, where + "dQ accumulator", DType::kFP32);
-  p.dq_maps = reinterpret_cast<const CUtensorMap*>(workspace);
+  p.dq_maps = reinterpret_cast<const CUtensorMap*>(w.parts);
   p.lse_map = ops::map_terms(terms, z.term_stride, W * heads, Op::kBM, where + "terms (LSE)");
   p.dsum_map = ops::map_terms(terms + W * heads * z.term_stride, z.term_stride, W * heads, Op::kBM,
                               where + "terms (D)");
@@ -241,22 +269,20 @@ int fill_params(Communicator& comm, Rank& rank, const Sizes& z, const Uploads& u
 
 template <int kD, class T>
 void launch(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route, const Buffers& b,
-            char* workspace, char* area, cudaStream_t stream, const AttentionOptions& options, DType dtype,
+            const Own& w, const Area& a, cudaStream_t stream, const AttentionOptions& options, DType dtype,
             const std::string& where) {
   using Op = ops::RingAttentionBwdOp<kD, T>;
   const int W = z.L.world;
   const int64_t heads = z.heads;
   const float scale =
       ops::attention_scale(AttentionShape{1, z.max_own, z.max_own, heads, z.kv_heads, kD}, options);
-  float* accum = reinterpret_cast<float*>(area);
-  float* terms = reinterpret_cast<float*>(area + z.accum_bytes());
+  float *accum = a.accum, *terms = a.terms;
   const size_t slot_floats = z.accum_slot_bytes() / 4;
-  const Uploads u = upload_tables<Op, kD>(comm, rank, z, route, workspace, accum, stream, where);
+  const Uploads u = upload_tables<Op, kD>(comm, rank, z, route, w, accum, stream, where);
   const int parts = u.parts;
   prepare_terms<kD, T>(z, u, b, accum, terms, stream);
   typename Op::Params p{};
-  const int blocks = fill_params<Op, kD, T>(comm, rank, z, u, b, workspace, area, accum, terms, stream,
-                                            options, dtype, where, p);
+  const int blocks = fill_params<Op, kD, T>(comm, rank, z, u, b, w, a, stream, options, dtype, where, p);
 
   const BarrierSlots meetings = comm.resources(rank, kMeetings).slots;
   launch_team_barrier(rank.view(), meetings[0], stream);  // receive slots free, peers' reads of ours done
@@ -271,8 +297,7 @@ void launch(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route
     detail::preload<&ops::ring_bwd_sum_dq<T>>();
     ops::ring_bwd_sum_dq<T>
         <<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-            reinterpret_cast<const float* const*>(workspace + W * sizeof(CUtensorMap)), parts,
-            static_cast<T*>(b.dq), elements, scale);
+            w.part_addresses(W), parts, static_cast<T*>(b.dq), elements, scale);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -302,8 +327,7 @@ size_t ring_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_
   size_t most = 0;
   for (int r = 0; r < world; ++r)
     for (const Sharding s : Sharding(causal).both())
-      most =
-          std::max(most, Sizes(world, r, doc_lengths, s, heads, kv_heads, head_dim, grain).workspace_bytes());
+      most = std::max(most, own_bytes(Sizes(world, r, doc_lengths, s, heads, kv_heads, head_dim, grain)));
   return most;
 }
 
@@ -331,17 +355,21 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
                  int64_t(z.ranges.size()) * z.longest_range * heads * 32 < (int64_t(1) << 39) &&
                  z.segments() * rank.world() < (int64_t(1) << 31),
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
-  WEFT_CHECK(workspace != nullptr && workspace_bytes >= z.workspace_bytes(),
-             where + "the workspace must hold " + std::to_string(z.workspace_bytes()) + " bytes (" +
-                 caller.sizing + "), got " + std::to_string(workspace_bytes));
+  const size_t need = own_bytes(z);
+  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
+             where + "the workspace must hold " + std::to_string(need) + " bytes (" + caller.sizing +
+                 "), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
   ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
                                 head_dim);
-  char* area = call.workspace(z.area_bytes(), kArea);
+  ops::WorkspaceLayout area_layout(call.workspace(area_bytes(z), kArea));
+  const Area area = carve_area(area_layout, z);
+  ops::WorkspaceLayout own_layout(workspace);
+  const Own own = carve_own(own_layout, z);
   const Buffers b{q, k, v, out, dout, lse, dq, dk, dv};
   const auto run = [&](auto d, auto t) {
-    launch<decltype(d)::value, decltype(t)>(comm, rank, z, route, b, static_cast<char*>(workspace), area,
-                                            call.stream, options, dtype, where);
+    launch<decltype(d)::value, decltype(t)>(comm, rank, z, route, b, own, area, call.stream, options, dtype,
+                                            where);
   };
   using D64 = std::integral_constant<int, 64>;
   using D128 = std::integral_constant<int, 128>;

@@ -26,7 +26,6 @@
 namespace weft {
 namespace {
 
-using ops::round256;
 const char* const kArea = "ulysses attention";
 const char* const kState = "ulysses attention: call count, finishers";
 const char* const kArrived = "ulysses attention: chunk arrivals";
@@ -61,23 +60,8 @@ struct Sizes {
     local = L.local_rows(rank);
     docs = static_cast<int64_t>(doc_lengths.size());
   }
-  size_t q_bytes() const { return round256(size_t(total * q_share.width * head_dim) * 2); }
-  size_t kv_bytes() const { return round256(size_t(total * kv_share.width * head_dim) * 2); }
-  size_t lse_bytes() const { return round256(size_t(total * q_share.width) * 4); }
-  size_t area_bytes() const { return 4 * q_bytes() + 2 * kv_bytes() + lse_bytes() + 4 * kv_bytes(); }
-  struct Area {
-    char *q, *out, *dout, *dq, *k, *v;
-    float *lse, *dk32, *dv32;
-  };
-  Area carve(char* a) const {
-    Area r{};
-    r.q = a, r.out = a + q_bytes(), r.dout = a + 2 * q_bytes(), r.dq = a + 3 * q_bytes();
-    r.k = a + 4 * q_bytes(), r.v = r.k + kv_bytes();
-    r.lse = reinterpret_cast<float*>(r.v + kv_bytes());
-    r.dk32 = reinterpret_cast<float*>(reinterpret_cast<char*>(r.lse) + lse_bytes());
-    r.dv32 = reinterpret_cast<float*>(reinterpret_cast<char*>(r.dk32) + 2 * kv_bytes());
-    return r;
-  }
+  size_t q_elements() const { return size_t(total * q_share.width * head_dim); }
+  size_t kv_elements() const { return size_t(total * kv_share.width * head_dim); }
   // The forward's copy segments of rank r's rows (UlyssesSegments): its runs of rows, cut into pieces.
   std::vector<std::array<int32_t, 3>> segments_of(int r) const {
     std::vector<std::array<int32_t, 3>> out;
@@ -91,18 +75,10 @@ struct Sizes {
   }
   // Room for any rank's segments: a run of rows (at most two per document and rank) leaves at most one short
   // segment, the rest are whole. A bound, so that sizing the workspace walks no rank's runs.
-  size_t segment_bytes() const {
+  size_t segment_words() const {
     const int64_t most = (max_local + ops::kUlyssesSegmentRows - 1) / ops::kUlyssesSegmentRows + 2 * docs;
-    return round256(size_t(3 * most) * 4);
+    return size_t(3 * most);
   }
-  // The forward's counters: the loaders' landed chunks, tasks done per (chunk, peer), items per chunk.
-  size_t counter_bytes() const {
-    const int flags = ops::ulysses_chunk_flags(world);
-    return round256(size_t(ops::kUlyssesMaxBlocks) * 4) + round256(size_t(flags) * (world + 1) * 8);
-  }
-  size_t forward_bytes() const { return index_bytes() + offsets_bytes() + segment_bytes() + counter_bytes(); }
-  size_t index_bytes() const { return round256(size_t(std::max<int64_t>(max_local, 1)) * 4); }
-  size_t offsets_bytes() const { return round256(size_t(docs + 1) * 4); }
   AttentionShape shape() const {
     int64_t longest = 1;
     for (int64_t n : L.doc_length) longest = std::max(longest, n);
@@ -115,14 +91,66 @@ struct Sizes {
     static const int32_t kAny[2] = {};  // the size does not read the ranges
     AttentionOptions o = options;
     o.segments = segments(kAny);
-    return round256(flash_attention_backward_workspace_bytes(shape(), o));
+    return flash_attention_backward_workspace_bytes(shape(), o);
   }
 };
 
-// Checks; then the area and the document offsets (after the local -> natural rows' room). Returns the area.
-Sizes::Area start(Communicator& comm, Rank& rank, const Sizes& z, const AttentionOptions& options,
-                  void* workspace, size_t workspace_bytes, size_t need, DType dtype, cudaStream_t stream,
-                  const std::string& where) {
+// The symmetric area (natural order, this rank's heads), carved by this one function, with a base or
+// without (sizing), alike on every rank.
+struct Area {
+  char *q, *out, *dout, *dq, *k, *v;
+  float *lse, *dk32, *dv32;
+};
+Area carve_area(ops::WorkspaceLayout& a, const Sizes& z) {
+  Area r{};
+  for (char** p : {&r.q, &r.out, &r.dout, &r.dq}) *p = a.take(z.q_elements() * 2);
+  for (char** p : {&r.k, &r.v}) *p = a.take(z.kv_elements() * 2);
+  r.lse = a.take<float>(size_t(z.total * z.q_share.width) * 4);
+  r.dk32 = a.take<float>(z.kv_elements() * 4);
+  r.dv32 = a.take<float>(z.kv_elements() * 4);
+  return r;
+}
+
+// The caller's workspace: this rank's local -> natural rows and the document offsets; then the forward's
+// copy segments and counters (the loaders' landed chunks, then tasks done per (chunk, peer) and items per
+// chunk: `pushed`), or the attention backward's own (attention_bytes > 0).
+struct Own {
+  int32_t *local_nat = nullptr, *offsets = nullptr, *segments = nullptr;
+  int* landed = nullptr;
+  uint64_t* pushed = nullptr;
+  char* counters_end = nullptr;
+  char* attention = nullptr;
+};
+Own carve_own(ops::WorkspaceLayout& w, const Sizes& z, size_t attention_bytes) {
+  Own p;
+  p.local_nat = w.take<int32_t>(size_t(std::max<int64_t>(z.max_local, 1)) * 4);
+  p.offsets = w.take<int32_t>(size_t(z.docs + 1) * 4);
+  if (attention_bytes > 0) {
+    p.attention = w.take(attention_bytes);
+    return p;
+  }
+  p.segments = w.take<int32_t>(z.segment_words() * 4);
+  p.landed = w.take<int>(size_t(ops::kUlyssesMaxBlocks) * 4);
+  p.pushed = w.take<uint64_t>(size_t(ops::ulysses_chunk_flags(z.world)) * (z.world + 1) * 8);
+  p.counters_end = w.take(0);
+  return p;
+}
+size_t own_bytes(const Sizes& z, size_t attention_bytes) {
+  return ops::bytes_carved_by([&](ops::WorkspaceLayout& w) { carve_own(w, z, attention_bytes); });
+}
+size_t area_bytes(const Sizes& z) {
+  return ops::bytes_carved_by([&](ops::WorkspaceLayout& a) { carve_area(a, z); });
+}
+
+// Checks; then the area and the caller's workspace carved, the document offsets uploaded.
+struct Started {
+  Area area;
+  Own own;
+};
+Started start(Communicator& comm, Rank& rank, const Sizes& z, const AttentionOptions& options,
+              void* workspace, size_t workspace_bytes, size_t attention_bytes, DType dtype,
+              cudaStream_t stream, const std::string& where) {
+  const size_t need = own_bytes(z, attention_bytes);
   WEFT_CHECK(z.world == rank.world(), where + "the layout's world size differs from the team's");
   WEFT_CHECK(z.heads > 0 && z.heads % z.world == 0, where + "heads (" + std::to_string(z.heads) +
                                                         ") must be a multiple of the world size (" +
@@ -140,11 +168,15 @@ Sizes::Area start(Communicator& comm, Rank& rank, const Sizes& z, const Attentio
              where + "the workspace must hold " + std::to_string(need) +
                  " bytes (the op's workspace_bytes()), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
-  char* area = ops::workspace_on(comm, rank, z.area_bytes(), stream, where, kArea);
+  Started s;
+  ops::WorkspaceLayout area(ops::workspace_on(comm, rank, area_bytes(z), stream, where, kArea));
+  s.area = carve_area(area, z);
+  ops::WorkspaceLayout own(workspace);
+  s.own = carve_own(own, z, attention_bytes);
   std::vector<int32_t> cu(1, 0);
   for (int64_t n : z.L.doc_length) cu.push_back(static_cast<int32_t>(cu.back() + n));
-  ops::upload_words(static_cast<int32_t*>(workspace) + z.index_bytes() / 4, cu, stream);
-  return z.carve(area);
+  ops::upload_words(s.own.offsets, cu, stream);
+  return s;
 }
 
 // The forward's kernel: the attention of this rank's heads over its head-major natural buffers, the pushes
@@ -152,23 +184,22 @@ Sizes::Area start(Communicator& comm, Rank& rank, const Sizes& z, const Attentio
 // call's buffers).
 template <int kD, class T>
 void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const void* k,
-                    const void* v, void* out, float* lse, const Sizes::Area& a, char* workspace,
-                    cudaStream_t stream, const AttentionOptions& options, DType dtype,
-                    const std::string& where) {
+                    const void* v, void* out, float* lse, const Area& a, const Own& w, cudaStream_t stream,
+                    const AttentionOptions& options, DType dtype, const std::string& where) {
   using Op = ops::UlyssesAttentionFwdOp<kD, T>;
   const int W = z.world;
   const int64_t qw = z.q_share.width, kvw = z.kv_share.width;
-  const auto* offsets = reinterpret_cast<const int32_t*>(workspace + z.index_bytes());
-  auto* seg_words = reinterpret_cast<int32_t*>(workspace + z.index_bytes() + z.offsets_bytes());
-  char* counters = workspace + z.index_bytes() + z.offsets_bytes() + z.segment_bytes();
+  const int32_t* offsets = w.offsets;
+  int32_t* seg_words = w.segments;
   const std::vector<std::array<int32_t, 3>> segs = z.segments_of(rank.rank());
-  WEFT_CHECK(3 * segs.size() * 4 <= z.segment_bytes(),
+  WEFT_CHECK(3 * segs.size() <= z.segment_words(),
              where + "internal: more copy segments than the room for them");
   std::vector<int32_t> words(3 * segs.size());
   for (size_t i = 0; i < segs.size(); ++i)
     for (int f = 0; f < 3; ++f) words[f * segs.size() + i] = segs[i][f];
   if (!words.empty()) ops::upload_words(seg_words, words, stream);
-  WEFT_CUDA_CHECK(cudaMemsetAsync(counters, 0, z.counter_bytes(), stream));
+  // The counters are neighbours: one memset clears them all.
+  WEFT_CUDA_CHECK(cudaMemsetAsync(w.landed, 0, w.counters_end - reinterpret_cast<char*>(w.landed), stream));
 
   typename Op::Params p{};
   const AttentionShape shape = z.shape();
@@ -225,8 +256,8 @@ void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* 
   p.out_rows = static_cast<uint8_t*>(out);
   p.lse_rows = lse;
   p.local_rows = static_cast<int>(z.local);
-  p.landed = reinterpret_cast<int*>(counters);
-  p.pushed = reinterpret_cast<uint64_t*>(counters + round256(size_t(ops::kUlyssesMaxBlocks) * 4));
+  p.landed = w.landed;
+  p.pushed = w.pushed;
   p.ended = p.pushed + size_t(flags) * W;
 
   launch_team_barrier(rank.view(), comm.resources(rank, kMeeting).slots[0], stream);  // buffers free
@@ -239,11 +270,11 @@ void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* 
 // W = 8 (bench/RESULTS.md), where its first chunk's pushes and last chunk's pulls stay exposed and the
 // copies it hides cost only HBM time; NVLink, where it should pay, has not measured it yet.
 void forward_in_passes(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const void* k,
-                       const void* v, void* out, float* lse, const Sizes::Area& a, char* workspace,
-                       cudaStream_t stream, const AttentionOptions& options, DType dtype) {
-  auto* local_nat = reinterpret_cast<int32_t*>(workspace);
+                       const void* v, void* out, float* lse, const Area& a, const Own& w, cudaStream_t stream,
+                       const AttentionOptions& options, DType dtype) {
+  int32_t* local_nat = w.local_nat;
   ops::write_local_to_natural(z.L, rank.rank(), local_nat, stream);
-  const auto* offsets = reinterpret_cast<const int32_t*>(workspace + z.index_bytes());
+  const int32_t* offsets = w.offsets;
   ops::push_rows(comm, rank, q, z.local, a.q, local_nat, z.q_share, z.head_dim, z.max_local, stream);
   ops::push_rows(comm, rank, k, z.local, a.k, local_nat, z.kv_share, z.head_dim, z.max_local, stream);
   ops::push_rows(comm, rank, v, z.local, a.v, local_nat, z.kv_share, z.head_dim, z.max_local, stream);
@@ -266,7 +297,7 @@ size_t ulysses_attention_workspace_bytes(int world, const std::vector<int64_t>& 
                                          int64_t heads, int64_t kv_heads, int64_t head_dim) {
   size_t most = 0;
   for (const ops::Sharding s : ops::Sharding(causal).both())
-    most = std::max(most, Sizes(world, 0, doc_lengths, s, heads, kv_heads, head_dim).forward_bytes());
+    most = std::max(most, own_bytes(Sizes(world, 0, doc_lengths, s, heads, kv_heads, head_dim), 0));
   return most;
 }
 
@@ -278,7 +309,7 @@ size_t ulysses_attention_backward_workspace_bytes(int world, const std::vector<i
   size_t most = 0;
   for (const ops::Sharding s : ops::Sharding(causal).both()) {
     const Sizes z(world, 0, doc_lengths, s, heads, kv_heads, head_dim);
-    most = std::max(most, z.index_bytes() + z.offsets_bytes() + z.attention_backward(o));
+    most = std::max(most, own_bytes(z, z.attention_backward(o)));
   }
   return most;
 }
@@ -292,20 +323,18 @@ void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, co
   const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim);
   WEFT_CHECK(ops::ulysses_chunk_flags(z.world) >= 1,
              where + "world sizes up to " + std::to_string(ops::kUlyssesDoneFlags) + " are supported");
-  const Sizes::Area a =
-      start(comm, rank, z, options, workspace, workspace_bytes, z.forward_bytes(), dtype, call.stream, where);
+  const Started st = start(comm, rank, z, options, workspace, workspace_bytes, 0, dtype, call.stream, where);
+  const Area& a = st.area;
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
   WEFT_CHECK(z.total * std::max(z.q_share.width, z.kv_share.width) < (int64_t(1) << 31),
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
   ops::check_attention_operands(call, {q, k, v, out, lse}, false, z.local, heads, kv_heads, head_dim);
   if (z.total == 0) return;
   if (!pipelined_forward_chosen())
-    return forward_in_passes(comm, rank, z, q, k, v, out, lse, a, static_cast<char*>(workspace), call.stream,
-                             options, dtype);
+    return forward_in_passes(comm, rank, z, q, k, v, out, lse, a, st.own, call.stream, options, dtype);
   const auto run = [&](auto d, auto t) {
-    launch_forward<decltype(d)::value, decltype(t)>(comm, rank, z, q, k, v, out, lse, a,
-                                                    static_cast<char*>(workspace), call.stream, options,
-                                                    dtype, where);
+    launch_forward<decltype(d)::value, decltype(t)>(comm, rank, z, q, k, v, out, lse, a, st.own, call.stream,
+                                                    options, dtype, where);
   };
   using D64 = std::integral_constant<int, 64>;
   using D128 = std::integral_constant<int, 128>;
@@ -323,19 +352,23 @@ void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, c
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::ulysses_attention_backward", rank));
   stream = call.stream;
   const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim);
-  const size_t head = z.index_bytes() + z.offsets_bytes(), attention_bytes = z.attention_backward(options);
+  const size_t attention_bytes = z.attention_backward(options);
   ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
                                 head_dim);
-  const Sizes::Area a = start(comm, rank, z, options, workspace, workspace_bytes, head + attention_bytes,
-                              dtype, stream, call.where);
+  const Started st =
+      start(comm, rank, z, options, workspace, workspace_bytes, attention_bytes, dtype, stream, call.where);
+  const Area& a = st.area;
   if (z.total == 0) return;
-  auto* local_nat = static_cast<int32_t*>(workspace);
+  int32_t* local_nat = st.own.local_nat;
   ops::write_local_to_natural(z.L, rank.rank(), local_nat, stream);
-  const auto* offsets = reinterpret_cast<const int32_t*>(static_cast<char*>(workspace) + z.index_bytes());
+  const int32_t* offsets = st.own.offsets;
   ops::push_rows(comm, rank, q, z.local, a.q, local_nat, z.q_share, head_dim, z.max_local, stream);
   // After the first push's meeting: every peer is done with its previous call's LSE and dK / dV sums.
   ops::push_lse(rank, lse, z.local, a.lse, local_nat, heads, z.total, stream);
-  WEFT_CUDA_CHECK(cudaMemsetAsync(a.dk32, 0, 4 * z.kv_bytes(), stream));
+  // dK and dV are neighbours in the area: one memset clears both.
+  WEFT_CUDA_CHECK(cudaMemsetAsync(
+      a.dk32, 0, reinterpret_cast<char*>(a.dv32 + z.kv_elements()) - reinterpret_cast<char*>(a.dk32),
+      stream));
   ops::push_rows(comm, rank, k, z.local, a.k, local_nat, z.kv_share, head_dim, z.max_local, stream);
   ops::push_rows(comm, rank, v, z.local, a.v, local_nat, z.kv_share, head_dim, z.max_local, stream);
   ops::push_rows(comm, rank, out, z.local, a.out, local_nat, z.q_share, head_dim, z.max_local, stream);
@@ -343,9 +376,8 @@ void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, c
   AttentionOptions o = options;
   o.segments = z.segments(offsets);
   o.accumulate_grads = {a.dk32, a.dv32};
-  flash_attention_backward(a.q, a.k, a.v, a.out, a.dout, a.lse, a.dq, nullptr, nullptr,
-                           static_cast<char*>(workspace) + head, attention_bytes, z.shape(), dtype, stream,
-                           o);
+  flash_attention_backward(a.q, a.k, a.v, a.out, a.dout, a.lse, a.dq, nullptr, nullptr, st.own.attention,
+                           attention_bytes, z.shape(), dtype, stream, o);
   ops::pull_rows(comm, rank, a.dq, false, dq, z.local, local_nat, z.q_share, head_dim, z.max_local, dtype,
                  stream);
   ops::pull_rows(comm, rank, a.dk32, true, dk, z.local, local_nat, z.kv_share, head_dim, z.max_local, dtype,
