@@ -124,3 +124,97 @@ struct WgmmaMainloop {
 };
 
 }  // namespace weft::lcsc
+
+namespace weft::lcsc {
+
+// The FP8 GEMM mainloop: A row-major [M,K] and B an [N,K] weight, both e4m3 (or e5m2), K-major (8-bit
+// wgmma reads no transposed operand), fp32 accumulation with promotion. Each k-block of kBK = 128 (one
+// 128-byte row per operand row, one scale block of DeepSeek-V3's 1 x 128 / 128 x 128 scaling) is
+// multiplied by four m64nNk32 wgmmas into a register tile of its own, which is then added into the fp32
+// accumulator times a factor per row (its scale block's, or 1): Hopper's FP8 wgmma keeps fewer mantissa
+// bits than fp32 while it accumulates, so over K = 16k an accumulation left to it alone drifts; one
+// promotion per 128 of K bounds that. The wait for each block's wgmmas before its promotion leaves the
+// tensor cores to the other consumer warpgroup meanwhile (two warpgroups per CTA, staggered by the
+// pipeline), as in DeepGEMM's kernels.
+template <int kBM, int kBN, int kStages>
+struct Fp8PromotingMainloop {
+  static constexpr int kBK = 128;
+  static constexpr int kConsumers = kBM / 64;
+  using Pipeline = lcsc::Pipeline<kStages, kConsumers, 1>;
+  using ATile = tile::Sw128Tile<uint8_t, kBM, kBK>;  // rows M, columns K
+  using BTile = tile::Sw128Tile<uint8_t, kBN, kBK>;  // rows N, columns K
+  struct Stage {
+    ATile a;
+    BTile b;
+  };
+  struct Smem {
+    Stage stage[kStages];
+  };
+  using Accum = tile::AccumM64<kBN>;
+
+  static constexpr uint32_t kStageTxBytes = sizeof(ATile) + sizeof(BTile);
+  static constexpr int kABoxRows = kBM, kABoxCols = kBK;
+  static constexpr int kBBoxRows = kBN, kBBoxCols = kBK;
+  static_assert(kBM % 64 == 0 && kBM <= 256, "one to four consumer warpgroups of 64 rows");
+  static_assert(kBN == 64 || kBN == 128 || kBN == 256, "FP8 wgmma wrappers exist for N = 64, 128, 256");
+
+  // ---- loader: one thread. The k_blocks stages of the tile whose first element is (m0, n0). ----
+  __device__ static void load(Smem& s, Pipeline& pipe, PipeState& st, const CUtensorMap* a,
+                              const CUtensorMap* b, int m0, int n0, int k_blocks) {
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      Stage& stage = s.stage[st.stage];
+      uint64_t* full = pipe.producer_acquire(st, kStageTxBytes);
+      tma::load_2d(stage.a.bytes, a, kb * kBK, m0, full);
+      tma::load_2d(stage.b.bytes, b, kb * kBK, n0, full);
+      st.advance(kStages);
+    }
+  }
+
+  // ---- consumer: warpgroup `wg` sets acc to rows [64 wg, 64 wg + 64) of the tile's product. ----
+  // factor(kb) gives the promotion factors of k-block kb for the two rows this thread holds (AccumM64: row r
+  // in d[i] with (i / 2) % 2 == 0, row r + 8 in the others); it is called before the block's wait, so loads
+  // it makes overlap the wait.
+  template <bool kE5M2, class Factor>
+  __device__ static void mma(Smem& s, Pipeline& pipe, PipeState& st, int k_blocks, int wg, Accum& acc,
+                             Factor factor) {
+#pragma unroll
+    for (int i = 0; i < Accum::kRegs; ++i) acc.d[i] = 0.f;
+    Accum part;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      const float2 f = factor(kb);
+      pipe.consumer_wait(st);
+      const Stage& stage = s.stage[st.stage];
+      const uint64_t da = wgmma::desc_k_major(stage.a, 64 * wg, 0);
+      const uint64_t db = wgmma::desc_k_major(stage.b, 0, 0);
+      wgmma::fence_operands(part.d);
+      wgmma::fence();
+#pragma unroll
+      for (int k = 0; k < kBK / 32; ++k) {
+        constexpr uint32_t kStep = 32;  // 32 K columns of one byte inside the 128-byte row
+        mma_fp8<kE5M2>(part.d, wgmma::desc_advance(da, k * kStep), wgmma::desc_advance(db, k * kStep),
+                       k > 0 ? 1 : 0);
+      }
+      wgmma::commit();
+      wgmma::fence_operands(part.d);
+      wgmma::wait<0>();
+      wgmma::fence_operands(part.d);
+      pipe.consumer_release(st);
+#pragma unroll
+      for (int i = 0; i < Accum::kRegs; ++i) acc.d[i] = fmaf((i / 2) % 2 ? f.y : f.x, part.d[i], acc.d[i]);
+      st.advance(kStages);
+    }
+  }
+
+ private:
+  template <bool kE5M2>
+  __device__ static void mma_fp8(float (&d)[Accum::kRegs], uint64_t da, uint64_t db, int scale_d) {
+    if constexpr (kBN == 256)
+      wgmma::mma_fp8_m64n256k32<kE5M2>(d, da, db, scale_d);
+    else if constexpr (kBN == 128)
+      wgmma::mma_fp8_m64n128k32<kE5M2>(d, da, db, scale_d);
+    else
+      wgmma::mma_fp8_m64n64k32<kE5M2>(d, da, db, scale_d);
+  }
+};
+
+}  // namespace weft::lcsc

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "weft/dtype.hpp"  // C is kBF16 or kFP32
+#include "weft/ops/gemm_fp8_types.hpp"
 #include "weft/ops/plan.hpp"
 #include "weft/timeline.hpp"
 
@@ -57,6 +58,28 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
 // grid, shared memory). Validates the shape and options like gemm() does.
 Plan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type,
                const GemmOptions& options = {});
+
+// FP8 operands' scales: fp32 device arrays whose shapes `kind` gives (weft/ops/gemm_fp8_types.hpp).
+struct Fp8Scales {
+  Fp8Scaling kind = Fp8Scaling::kTensor;
+  const float* a = nullptr;
+  const float* b = nullptr;
+};
+
+// Enqueues C = scaled (A . B^T) on `stream` for the current device, with FP8 operands
+// (weft/ops/gemm_fp8.cuh):
+//   a  [M,K] e4m3 or e5m2 (ab_type), row-major (row stride lda, in elements = bytes)
+//   b  [N,K] e4m3 / e5m2, the same type as a: an nn.Linear weight (BLayout::kNK only: 8-bit wgmma reads
+//      K-major operands only), row stride ldb
+//   c  [M,N] bf16 or f32 (c_type), row stride ldc; stored or reduce-added (options.store)
+// fp32 accumulation, promoted every 128 of K (DeepSeek-V3's recipe), so K = 16k stays within fp32 rounding
+// of the exact sum of the scaled products. Any M, N >= 1 and K >= 1 with K (and the strides) a multiple of
+// 16 bytes; options: store, lda / ldb / ldc, group_m, start_tile, max_blocks, timeline (tile_n, cluster
+// and the grouped-only fields must stay 0 / default). Errors name the operand and the rule, as gemm()'s.
+void gemm_fp8(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, Fp8Type ab_type,
+              const Fp8Scales& scales, DType c_type, cudaStream_t stream, const GemmOptions& options = {});
+Plan gemm_fp8_plan(int64_t m, int64_t n, int64_t k, Fp8Type ab_type, const Fp8Scales& scales, DType c_type,
+                   const GemmOptions& options = {});
 
 // Grouped GEMM (an MoE layer's experts on one GPU): A's rows come in `groups` groups back to back, group e
 // being rows [group_end[e - 1], group_end[e]) (group_end: device int32 array, ascending, every end a multiple

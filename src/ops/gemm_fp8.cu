@@ -1,0 +1,162 @@
+// Host side of weft::gemm_fp8: validation with clear errors, tensor maps and launch (device code:
+// weft/ops/gemm_fp8.cuh).
+#include <algorithm>
+#include <climits>
+#include <string>
+
+#include "op_args.hpp"
+#include "weft/lcsc/launch.cuh"
+#include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_fp8.cuh"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/tensor_map.hpp"
+
+namespace weft {
+namespace {
+
+struct Fp8Problem {
+  const void *a, *b;
+  void* c;
+  int64_t m, n, k;
+  Fp8Type ab_type;
+  Fp8Scales scales;
+  DType c_type;
+  GemmOptions opt;
+  int64_t lda = 0, ldb = 0, ldc = 0;
+};
+
+const char* scaling_name(Fp8Scaling s) {
+  return s == Fp8Scaling::kTensor ? "per-tensor" : s == Fp8Scaling::kRowCol ? "per-row" : "block";
+}
+
+template <class Op>
+Plan run_op(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
+  using Launcher = lcsc::Launcher<Op>;
+  typename Op::Params p{};
+  lcsc::SchedulerParams& s = p.sched;
+  s.tiles_m = static_cast<int>((pr.m + Op::kBM - 1) / Op::kBM);
+  s.tiles_n = static_cast<int>((pr.n + Op::kBN - 1) / Op::kBN);
+  s.group_m = pr.opt.group_m > 0 ? pr.opt.group_m : 16;
+  s.start_unit = pr.opt.start_tile;
+  s.timeline = pr.opt.timeline;
+  int blocks = Launcher::max_resident_clusters();
+  if (pr.opt.max_blocks > 0) blocks = std::min(blocks, pr.opt.max_blocks);
+  s.compute_blocks = std::min(blocks, s.units());
+
+  Plan plan;
+  plan.op = "gemm_fp8";
+  plan.path = std::string("persistent FP8 GEMM, ") + scaling_name(pr.scales.kind) + " scales";
+  plan.tiles = {Op::kBM, Op::kBN, Op::kBK, Op::kStages, s.group_m, int64_t(s.tiles_m) * s.tiles_n};
+  plan.cluster = 1;
+  plan.blocks = s.compute_blocks;
+  plan.smem_bytes = static_cast<int>(lcsc::kSmemBytes<Op>);
+  if (!launch) return plan;
+
+  using Mainloop = typename Op::Mainloop;
+  using Epilogue = typename Op::Epilogue;
+  const bool f32 = pr.c_type == DType::kFP32;
+  const uint32_t c_bytes = f32 ? 4 : 2;
+  p.a = tma::make_map_2d(
+      {pr.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(pr.m), uint64_t(pr.k), uint64_t(pr.lda)},
+      Mainloop::kABoxRows, Mainloop::kABoxCols, "weft::gemm_fp8: A");
+  p.b = tma::make_map_2d(
+      {pr.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(pr.n), uint64_t(pr.k), uint64_t(pr.ldb)},
+      Mainloop::kBBoxRows, Mainloop::kBBoxCols, "weft::gemm_fp8: B");
+  p.c = tma::make_map_2d({pr.c, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                          c_bytes, uint64_t(pr.m), uint64_t(pr.n), uint64_t(pr.ldc) * c_bytes},
+                         Epilogue::kBoxRows, Epilogue::kBoxCols, "weft::gemm_fp8: C");
+  p.m = static_cast<int>(pr.m);
+  p.n = static_cast<int>(pr.n);
+  p.k_blocks = static_cast<int>((pr.k + Op::kBK - 1) / Op::kBK);
+  p.scale_a = pr.scales.a;
+  p.scale_b = pr.scales.b;
+  p.store_mode =
+      pr.opt.store == GemmStore::kReduceAdd ? lcsc::StoreMode::kReduceAdd : lcsc::StoreMode::kStore;
+  Launcher::launch(p, s.compute_blocks, stream);
+  return plan;
+}
+
+template <class OutT, bool kE5M2>
+Plan run_typed(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
+  switch (pr.scales.kind) {
+    case Fp8Scaling::kTensor:
+      return run_op<ops::Fp8GemmOp<OutT, Fp8Scaling::kTensor, kE5M2>>(pr, stream, launch);
+    case Fp8Scaling::kRowCol:
+      return run_op<ops::Fp8GemmOp<OutT, Fp8Scaling::kRowCol, kE5M2>>(pr, stream, launch);
+    default:
+      return run_op<ops::Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2>>(pr, stream, launch);
+  }
+}
+
+// The shape, types and options; strides filled in and checked against TMA's rules.
+void check_problem(Fp8Problem& pr, const std::string& where) {
+  const GemmOptions& o = pr.opt;
+  WEFT_CHECK(pr.ab_type == Fp8Type::kE4M3 || pr.ab_type == Fp8Type::kE5M2,
+             where + "ab_type must be Fp8Type::kE4M3 or kE5M2");
+  WEFT_CHECK(pr.c_type == DType::kBF16 || pr.c_type == DType::kFP32,
+             where + "C must be bf16 or fp32 (DType::kBF16, kFP32)");
+  const Fp8Scaling kind = pr.scales.kind;
+  WEFT_CHECK(kind == Fp8Scaling::kTensor || kind == Fp8Scaling::kRowCol || kind == Fp8Scaling::kBlock,
+             where + "unknown Fp8Scaling");
+  WEFT_CHECK(pr.m > 0 && pr.n > 0 && pr.k > 0, where + "M, N and K must be at least 1");
+  WEFT_CHECK(pr.m <= INT32_MAX && pr.n <= INT32_MAX && pr.k <= INT32_MAX,
+             where + "dimensions above 2^31 - 1 are not supported (TMA coordinates are 32-bit)");
+  WEFT_CHECK(o.cluster <= 1 && o.tile_n == 0 && !o.zero_unused_rows && o.activation == GemmActivation::kNone,
+             where +
+                 "options.cluster, tile_n, zero_unused_rows and activation are not taken by the FP8 GEMM "
+                 "(its tile is 128 x 128, cluster 1)");
+  WEFT_CHECK(o.group_m >= 0 && o.max_blocks >= 0, where + "options.group_m and max_blocks must be >= 0");
+  pr.lda = o.lda ? o.lda : pr.k;
+  pr.ldb = o.ldb ? o.ldb : pr.k;
+  pr.ldc = o.ldc ? o.ldc : pr.n;
+  WEFT_CHECK(pr.lda >= pr.k && pr.ldb >= pr.k, where + "lda and ldb must be at least K");
+  WEFT_CHECK(pr.ldc >= pr.n, where + "ldc must be at least N");
+  WEFT_CHECK(pr.lda % 16 == 0 && pr.ldb % 16 == 0,
+             where + "A's and B's row strides (lda = " + std::to_string(pr.lda) +
+                 ", ldb = " + std::to_string(pr.ldb) +
+                 " one-byte elements) must be multiples of 16 bytes, which TMA requires; make K a multiple "
+                 "of 16, e.g. by zero-padding");
+  const int64_t c_bytes = pr.c_type == DType::kFP32 ? 4 : 2;
+  WEFT_CHECK((pr.ldc * c_bytes) % 16 == 0, where + "C's row stride ldc = " + std::to_string(pr.ldc) +
+                                               " elements is not a multiple of 16 bytes, which TMA requires");
+}
+
+// The pointers: 16-byte aligned operands, 4-byte aligned scales on the device.
+void check_pointers(const Fp8Problem& pr, const std::string& where) {
+  WEFT_CHECK(pr.a && pr.b && pr.c, where + "A, B and C must not be null");
+  for (const auto& [p, name] : {std::pair<const void*, const char*>{pr.a, "A"}, {pr.b, "B"}, {pr.c, "C"}})
+    ops::check_pointer_alignment(p, name, 16, where);
+  WEFT_CHECK(pr.scales.a && pr.scales.b, where + "scales.a and scales.b must not be null");
+  ops::check_pointer_alignment(pr.scales.a, "scales.a", 4, where);
+  ops::check_pointer_alignment(pr.scales.b, "scales.b", 4, where);
+}
+
+Plan plan_or_launch(Fp8Problem pr, cudaStream_t stream, bool launch) {
+  const std::string where = "weft::gemm_fp8(M=" + std::to_string(pr.m) + ", N=" + std::to_string(pr.n) +
+                            ", K=" + std::to_string(pr.k) + "): ";
+  check_problem(pr, where);
+  if (launch) check_pointers(pr, where);
+  const ops::DeviceFacts dev = ops::device_facts();
+  WEFT_CHECK(dev.cc == 90, "weft::gemm_fp8 runs on Hopper (sm_90) GPUs (wgmma, built for sm_90a); device " +
+                               std::to_string(dev.device) + " is sm_" + std::to_string(dev.cc));
+  const bool e5m2 = pr.ab_type == Fp8Type::kE5M2;
+  if (pr.c_type == DType::kBF16)
+    return e5m2 ? run_typed<__nv_bfloat16, true>(pr, stream, launch)
+                : run_typed<__nv_bfloat16, false>(pr, stream, launch);
+  return e5m2 ? run_typed<float, true>(pr, stream, launch) : run_typed<float, false>(pr, stream, launch);
+}
+
+}  // namespace
+
+void gemm_fp8(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, Fp8Type ab_type,
+              const Fp8Scales& scales, DType c_type, cudaStream_t stream, const GemmOptions& options) {
+  plan_or_launch(Fp8Problem{a, b, c, m, n, k, ab_type, scales, c_type, options}, stream, true);
+}
+
+Plan gemm_fp8_plan(int64_t m, int64_t n, int64_t k, Fp8Type ab_type, const Fp8Scales& scales, DType c_type,
+                   const GemmOptions& options) {
+  return plan_or_launch(Fp8Problem{nullptr, nullptr, nullptr, m, n, k, ab_type, scales, c_type, options},
+                        nullptr, false);
+}
+
+}  // namespace weft

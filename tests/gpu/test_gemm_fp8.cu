@@ -1,0 +1,282 @@
+// GPU tests of weft::gemm_fp8: random e4m3 / e5m2 operands and fp32 scales of each kind (per tensor, per
+// row / column, DeepSeek-V3's 1 x 128 and 128 x 128 blocks); the reference is cuBLAS's fp32 GEMM of the
+// operands decoded and scaled to fp32 (so it is the exact scaled product up to fp32 rounding); outputs
+// poisoned with NaN first; partial tiles in M, N and K, a long K (16k: the promotion keeps it accurate),
+// bf16 and f32 outputs, reduce-add, leading dimensions; and the errors for what it refuses.
+// Pass: relative Frobenius error <= 1e-2 (bf16 out) or 2e-3 (f32 out), no non-finite value, nothing written
+// past column N.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "harness.hpp"
+#include "weft/ops/gemm.hpp"
+
+using namespace weft;
+using weft::test::DeviceBuffer;
+using weft::test::TestContext;
+
+namespace {
+
+__device__ __forceinline__ float unit(uint64_t seed, uint64_t i) {  // uniform in [-1, 1)
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + i + 0x632be59bd9b4e019ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return static_cast<float>(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+// FP8 values spread over the format's range (|x| up to 2^3 for e4m3, 2^6 for e5m2, sign random).
+template <bool kE5M2>
+__global__ void fill_fp8(uint8_t* p, uint64_t count, uint64_t seed) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
+       i += uint64_t(gridDim.x) * blockDim.x) {
+    const float v = unit(seed, i) * (kE5M2 ? 64.f : 8.f);
+    if constexpr (kE5M2)
+      p[i] = __nv_fp8_e5m2(v).__x;
+    else
+      p[i] = __nv_fp8_e4m3(v).__x;
+  }
+}
+// Positive scales in [2^-4, 2^-2): the scaled products stay near 1.
+__global__ void fill_scales(float* p, uint64_t count, uint64_t seed) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
+       i += uint64_t(gridDim.x) * blockDim.x)
+    p[i] = exp2f(-3.f + unit(seed, i));
+}
+// out[r][c] (dense [rows, cols] fp32) = decode(in[r][c]) x scale(r, c), in with row stride ld.
+template <bool kE5M2>
+__global__ void decode_scaled(const uint8_t* in, int64_t ld, float* out, int64_t rows, int64_t cols,
+                              Fp8Scaling kind, const float* scale, bool is_b) {
+  const int64_t groups = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < uint64_t(rows * cols);
+       i += uint64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = int64_t(i / cols), c = int64_t(i % cols);
+    float v;
+    if constexpr (kE5M2) {
+      __nv_fp8_e5m2 x;
+      x.__x = in[r * ld + c];
+      v = float(x);
+    } else {
+      __nv_fp8_e4m3 x;
+      x.__x = in[r * ld + c];
+      v = float(x);
+    }
+    const float s = kind == Fp8Scaling::kTensor   ? scale[0]
+                    : kind == Fp8Scaling::kRowCol ? scale[r]
+                    : is_b                        ? scale[(r / kFp8ScaleBlock) * groups + c / kFp8ScaleBlock]
+                                                  : scale[r * groups + c / kFp8ScaleBlock];
+    out[i] = v * s;
+  }
+}
+
+#define CUBLAS_OK(expr)                                                                         \
+  do {                                                                                          \
+    cublasStatus_t st_ = (expr);                                                                \
+    WEFT_EXPECT(st_ == CUBLAS_STATUS_SUCCESS, #expr " failed with cuBLAS status " << int(st_)); \
+  } while (0)
+
+struct Case {
+  int64_t m, n, k;
+  Fp8Scaling kind = Fp8Scaling::kTensor;
+  Fp8Type type = Fp8Type::kE4M3;
+  DType out = DType::kBF16;
+  GemmOptions opt{};
+  uint64_t seed = 1;
+};
+
+const char* str(Fp8Scaling s) {
+  return s == Fp8Scaling::kTensor ? "tensor" : s == Fp8Scaling::kRowCol ? "row/col" : "block";
+}
+
+// Scale counts of A and B for a kind.
+std::pair<int64_t, int64_t> scale_counts(const Case& c) {
+  const int64_t g = (c.k + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  if (c.kind == Fp8Scaling::kTensor) return {1, 1};
+  if (c.kind == Fp8Scaling::kRowCol) return {c.m, c.n};
+  return {c.m * g, ((c.n + kFp8ScaleBlock - 1) / kFp8ScaleBlock) * g};
+}
+
+template <bool kE5M2>
+void decode(const Case& c, const DeviceBuffer& a, int64_t lda, const DeviceBuffer& sa, const DeviceBuffer& b,
+            int64_t ldb, const DeviceBuffer& sb, float* af, float* bf, cudaStream_t s) {
+  decode_scaled<kE5M2><<<264, 256, 0, s>>>(a.as<uint8_t>(), lda, af, c.m, c.k, c.kind, sa.as<float>(), false);
+  decode_scaled<kE5M2><<<264, 256, 0, s>>>(b.as<uint8_t>(), ldb, bf, c.n, c.k, c.kind, sb.as<float>(), true);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
+// Runs one case and checks it against cuBLAS's fp32 GEMM of the decoded, scaled operands; returns the
+// relative Frobenius error.
+double check_case(cublasHandle_t blas, cudaStream_t s, const Case& c) {
+  const int64_t lda = c.opt.lda ? c.opt.lda : c.k, ldb = c.opt.ldb ? c.opt.ldb : c.k;
+  const int64_t ldc = c.opt.ldc ? c.opt.ldc : c.n;
+  const size_t es = c.out == DType::kFP32 ? 4 : 2;
+  const auto [na, nb] = scale_counts(c);
+  DeviceBuffer a(c.m * lda), b(c.n * ldb), sa(na * 4), sb(nb * 4), out(c.m * ldc * es), af(c.m * c.k * 4),
+      bf(c.n * c.k * 4), ref(c.m * c.n * 4);
+  const bool e5m2 = c.type == Fp8Type::kE5M2;
+  if (e5m2) {
+    fill_fp8<true><<<264, 256, 0, s>>>(a.as<uint8_t>(), c.m * lda, c.seed * 4 + 1);
+    fill_fp8<true><<<264, 256, 0, s>>>(b.as<uint8_t>(), c.n * ldb, c.seed * 4 + 2);
+  } else {
+    fill_fp8<false><<<264, 256, 0, s>>>(a.as<uint8_t>(), c.m * lda, c.seed * 4 + 1);
+    fill_fp8<false><<<264, 256, 0, s>>>(b.as<uint8_t>(), c.n * ldb, c.seed * 4 + 2);
+  }
+  fill_scales<<<64, 256, 0, s>>>(sa.as<float>(), na, c.seed * 4 + 3);
+  fill_scales<<<64, 256, 0, s>>>(sb.as<float>(), nb, c.seed * 4 + 4);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  // Reduce-add adds into what is there: zeros (the product is then the whole result); else NaN poison.
+  WEFT_CUDA_CHECK(cudaMemsetAsync(out.p, c.opt.store == GemmStore::kReduceAdd ? 0 : 0xff, out.bytes, s));
+  gemm_fp8(a.p, b.p, out.p, c.m, c.n, c.k, c.type, Fp8Scales{c.kind, sa.as<float>(), sb.as<float>()}, c.out,
+           s, c.opt);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  if (e5m2)
+    decode<true>(c, a, lda, sa, b, ldb, sb, af.as<float>(), bf.as<float>(), s);
+  else
+    decode<false>(c, a, lda, sa, b, ldb, sb, af.as<float>(), bf.as<float>(), s);
+  // Row-major ref [m,n] = af [m,k] . bf [n,k]^T: column-major ref^T = bf . af^T.
+  const float one = 1.f, zero = 0.f;
+  CUBLAS_OK(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(c.n), int(c.m), int(c.k), &one, bf.as<float>(),
+                        int(c.k), af.as<float>(), int(c.k), &zero, ref.as<float>(), int(c.n)));
+  std::vector<float> r(c.m * c.n);
+  std::vector<uint8_t> o(out.bytes);
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(r.data(), ref.p, r.size() * 4, cudaMemcpyDeviceToHost, s));
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(o.data(), out.p, o.size(), cudaMemcpyDeviceToHost, s));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+  double e2 = 0, r2 = 0;
+  int64_t nonfinite = 0, padding = 0;
+  for (int64_t i = 0; i < c.m; ++i)
+    for (int64_t j = 0; j < ldc; ++j) {
+      const size_t at = size_t(i * ldc + j);
+      float v;
+      if (c.out == DType::kFP32) {
+        std::memcpy(&v, o.data() + 4 * at, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, o.data() + 2 * at, 2);
+        const uint32_t w = uint32_t(h) << 16;
+        std::memcpy(&v, &w, 4);
+      }
+      if (j >= c.n) {  // stride padding: still the poison (or the zeros of reduce-add)
+        uint8_t first = o[es * at];
+        padding += first != (c.opt.store == GemmStore::kReduceAdd ? 0 : 0xff);
+        continue;
+      }
+      if (!std::isfinite(v)) {
+        ++nonfinite;
+        continue;
+      }
+      const double d = double(v) - r[i * c.n + j];
+      e2 += d * d;
+      r2 += double(r[i * c.n + j]) * r[i * c.n + j];
+    }
+  const double rel = r2 > 0 ? std::sqrt(e2 / r2) : std::sqrt(e2);
+  const double tol = c.out == DType::kFP32 ? 2e-3 : 1e-2;
+  const std::string what = std::to_string(c.m) + "x" + std::to_string(c.n) + "x" + std::to_string(c.k) + " " +
+                           (e5m2 ? "e5m2" : "e4m3") + " " + str(c.kind) + " -> " +
+                           (c.out == DType::kFP32 ? "f32" : "bf16") +
+                           (c.opt.store == GemmStore::kReduceAdd ? " (reduce-add)" : "");
+  WEFT_EXPECT(nonfinite == 0, what << ": " << nonfinite << " outputs are not finite (unwritten or NaN)");
+  WEFT_EXPECT(rel <= tol, what << ": relative Frobenius error " << rel << " > " << tol);
+  WEFT_EXPECT(padding == 0, what << ": " << padding << " elements past column N were written");
+  std::printf("    %-28s rel err %.2e\n", what.c_str(), rel);
+  return rel;
+}
+
+struct Blas {
+  cublasHandle_t h = nullptr;
+  explicit Blas(cudaStream_t s) {
+    CUBLAS_OK(cublasCreate(&h));
+    CUBLAS_OK(cublasSetStream(h, s));
+  }
+  ~Blas() { cublasDestroy(h); }
+};
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return {};
+}
+
+}  // namespace
+
+WEFT_GPU_TEST_ONE_GPU(gemm_fp8_matches_reference) {
+  Rank& rank = ctx.comm().local(0);
+  WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+  const cudaStream_t s = rank.stream();
+  Blas blas(s);
+  struct Shape {
+    int64_t m, n, k;
+  };
+  std::vector<Shape> shapes = {{128, 128, 128},  {200, 136, 144}, {1, 16, 16},     {1000, 1000, 1040},
+                               {129, 264, 4096}, {64, 384, 16},   {517, 200, 1008}};
+  if (!ctx.quick) shapes.push_back({4096, 4096, 4096});
+  uint64_t seed = 1;
+  for (const Shape& sh : shapes)
+    for (Fp8Scaling kind : {Fp8Scaling::kTensor, Fp8Scaling::kRowCol, Fp8Scaling::kBlock})
+      for (DType out : {DType::kBF16, DType::kFP32}) {
+        Case c{sh.m, sh.n, sh.k, kind};
+        c.out = out;
+        c.seed = seed++;
+        check_case(blas.h, s, c);
+      }
+  // The promotion: a long K in f32 out, block and tensor scales.
+  for (Fp8Scaling kind : {Fp8Scaling::kTensor, Fp8Scaling::kBlock}) {
+    Case c{256, 256, 16384, kind};
+    c.out = DType::kFP32;
+    c.seed = seed++;
+    check_case(blas.h, s, c);
+  }
+  // e5m2 operands; reduce-add into zeros; leading dimensions with padding columns (poison kept).
+  Case e5{300, 264, 528, Fp8Scaling::kBlock, Fp8Type::kE5M2};
+  e5.seed = seed++;
+  check_case(blas.h, s, e5);
+  Case add{260, 136, 400, Fp8Scaling::kRowCol};
+  add.opt.store = GemmStore::kReduceAdd;
+  add.out = DType::kFP32;
+  add.seed = seed++;
+  check_case(blas.h, s, add);
+  Case ld{190, 200, 272, Fp8Scaling::kBlock};
+  ld.opt.lda = 288;
+  ld.opt.ldb = 304;
+  ld.opt.ldc = 216;
+  ld.seed = seed++;
+  check_case(blas.h, s, ld);
+}
+
+WEFT_GPU_TEST_ONE_GPU(gemm_fp8_rejects_unsupported) {
+  Rank& rank = ctx.comm().local(0);
+  WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+  DeviceBuffer a(1 << 16), b(1 << 16), c(1 << 18), sc(1 << 12);
+  const Fp8Scales scales{Fp8Scaling::kTensor, sc.as<float>(), sc.as<float>()};
+  auto call = [&](int64_t m, int64_t n, int64_t k, Fp8Scales sx, DType out, GemmOptions o = {}) {
+    return error_of([&] { gemm_fp8(a.p, b.p, c.p, m, n, k, Fp8Type::kE4M3, sx, out, rank.stream(), o); });
+  };
+  std::string e = call(64, 64, 24, scales, DType::kBF16);
+  WEFT_EXPECT(e.find("multiple of 16") != std::string::npos, "K = 24: got '" << e << "'");
+  e = call(64, 60, 64, scales, DType::kBF16);
+  WEFT_EXPECT(e.find("ldc") != std::string::npos, "N = 60 bf16: got '" << e << "'");
+  e = call(64, 64, 64, Fp8Scales{Fp8Scaling::kBlock, nullptr, sc.as<float>()}, DType::kBF16);
+  WEFT_EXPECT(e.find("scales.a") != std::string::npos, "null scales: got '" << e << "'");
+  e = call(64, 64, 64, scales, DType::kFP16);
+  WEFT_EXPECT(e.find("bf16 or fp32") != std::string::npos, "fp16 out: got '" << e << "'");
+  GemmOptions wide;
+  wide.tile_n = 256;
+  e = call(64, 64, 64, scales, DType::kBF16, wide);
+  WEFT_EXPECT(e.find("tile_n") != std::string::npos, "tile_n: got '" << e << "'");
+  e = call(0, 64, 64, scales, DType::kBF16);
+  WEFT_EXPECT(e.find("at least 1") != std::string::npos, "M = 0: got '" << e << "'");
+  const Plan p = gemm_fp8_plan(4096, 4096, 4096, Fp8Type::kE4M3, scales, DType::kBF16);
+  WEFT_EXPECT(p.tiles.m == 128 && p.tiles.n == 128 && p.tiles.k == 128 && p.blocks > 0,
+              "plan: " << describe(p));
+}
