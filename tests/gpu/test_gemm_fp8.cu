@@ -3,6 +3,8 @@
 // operands decoded and scaled to fp32 (so it is the exact scaled product up to fp32 rounding); outputs
 // poisoned with NaN first; partial tiles in M, N and K, a long K (16k: the promotion keeps it accurate),
 // bf16 and f32 outputs, reduce-add, leading dimensions; and the errors for what it refuses.
+// weft::quantize_fp8 is checked against host amaxes and rounding, and end to end (quantize, gemm_fp8) against
+// a bf16 GEMM.
 // Pass: relative Frobenius error <= 1e-2 (bf16 out) or 2e-3 (f32 out), no non-finite value, nothing written
 // past column N.
 #include <cublas_v2.h>
@@ -279,4 +281,125 @@ WEFT_GPU_TEST_ONE_GPU(gemm_fp8_rejects_unsupported) {
   const Plan p = gemm_fp8_plan(4096, 4096, 4096, Fp8Type::kE4M3, scales, DType::kBF16);
   WEFT_EXPECT(p.tiles.m == 128 && p.tiles.n == 128 && p.tiles.k == 128 && p.blocks > 0,
               "plan: " << describe(p));
+}
+
+namespace {
+
+__global__ void fill_bf16_unit(__nv_bfloat16* p, uint64_t count, uint64_t seed) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
+       i += uint64_t(gridDim.x) * blockDim.x)  // a spread of magnitudes: 2^-6 .. 2^2
+    p[i] = __float2bfloat16(unit(seed, i) * exp2f(-2.f + 4.f * unit(seed + 77, i)));
+}
+
+float bf16_value(uint16_t h) {
+  const uint32_t w = uint32_t(h) << 16;
+  float v;
+  std::memcpy(&v, &w, 4);
+  return v;
+}
+
+// Host decode of e4m3 (no infinities; 0x7f / 0xff NaN).
+float e4m3_value(uint8_t b) {
+  const int sign = b >> 7, exp = (b >> 3) & 15, man = b & 7;
+  if (exp == 15 && man == 7) return NAN;
+  const float v = exp == 0 ? std::ldexp(float(man), -9) : std::ldexp(1.f + man / 8.f, exp - 7);
+  return sign ? -v : v;
+}
+
+// The scale a block of values gets: amax / 448 (the floor as the device's).
+float expected_scale(float amax) {
+  return std::max(amax, 1e-12f) / 448.f;
+}
+
+// in [rows, cols] bf16 (host copy) quantized on the GPU for `operand` and `kind`: the scales against the
+// host's amax, every element within FP8's rounding of its input. Returns the device out / scales.
+void check_quantized(const std::vector<uint16_t>& in, int64_t rows, int64_t cols, Fp8Scaling kind,
+                     Fp8Operand operand, const std::vector<uint8_t>& q, const std::vector<float>& scales) {
+  const int64_t groups = (cols + 127) / 128;
+  auto scale_index = [&](int64_t r, int64_t c) -> int64_t {
+    if (kind == Fp8Scaling::kTensor) return 0;
+    if (kind == Fp8Scaling::kRowCol) return r;
+    return operand == Fp8Operand::kA ? r * groups + c / 128 : (r / 128) * groups + c / 128;
+  };
+  std::vector<float> amax(scales.size(), 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      float& a = amax[scale_index(r, c)];
+      a = std::max(a, std::fabs(bf16_value(in[r * cols + c])));
+    }
+  int64_t bad_scales = 0, bad_values = 0;
+  for (size_t i = 0; i < scales.size(); ++i) bad_scales += scales[i] != expected_scale(amax[i]);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float x = bf16_value(in[r * cols + c]), s = scales[scale_index(r, c)];
+      const float d = e4m3_value(q[r * cols + c]) * s;
+      bad_values += !(std::fabs(d - x) <= std::fabs(x) * 0.0626f + s * std::ldexp(1.f, -10) + 1e-30f);
+    }
+  WEFT_EXPECT(bad_scales == 0, str(kind) << (operand == Fp8Operand::kA ? " A" : " B") << ": " << bad_scales
+                                         << " of " << scales.size() << " scales differ from amax / 448");
+  WEFT_EXPECT(bad_values == 0, str(kind) << (operand == Fp8Operand::kA ? " A" : " B") << ": " << bad_values
+                                         << " elements off by more than e4m3's rounding");
+}
+
+}  // namespace
+
+// bf16 operands quantized by weft::quantize_fp8 for each scale kind and operand (scales and values checked
+// on the host), then gemm_fp8 on them against cuBLAS's fp32-accumulated bf16 GEMM of the originals: the
+// quantization's error only (e4m3: ~4% per element, ~5% in the Frobenius norm of C).
+WEFT_GPU_TEST_ONE_GPU(quantize_fp8_then_gemm_fp8_matches_bf16) {
+  Rank& rank = ctx.comm().local(0);
+  WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+  const cudaStream_t s = rank.stream();
+  Blas blas(s);
+  const int64_t m = 300, n = 260, k = 1040;
+  DeviceBuffer a(m * k * 2), b(n * k * 2), qa(m * k), qb(n * k), ref(m * n * 4), out(m * n * 4);
+  fill_bf16_unit<<<264, 256, 0, s>>>(a.as<__nv_bfloat16>(), m * k, 11);
+  fill_bf16_unit<<<264, 256, 0, s>>>(b.as<__nv_bfloat16>(), n * k, 12);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  const float one = 1.f, zero = 0.f;
+  CUBLAS_OK(cublasGemmEx(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(m), int(k), &one, b.p, CUDA_R_16BF,
+                         int(k), a.p, CUDA_R_16BF, int(k), &zero, ref.p, CUDA_R_32F, int(n),
+                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  std::vector<uint16_t> ha(m * k), hb(n * k);
+  std::vector<float> hr(m * n), ho(m * n);
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(ha.data(), a.p, a.bytes, cudaMemcpyDeviceToHost, s));
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(hb.data(), b.p, b.bytes, cudaMemcpyDeviceToHost, s));
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(hr.data(), ref.p, ref.bytes, cudaMemcpyDeviceToHost, s));
+  const int64_t g = (k + 127) / 128;
+  for (Fp8Scaling kind : {Fp8Scaling::kTensor, Fp8Scaling::kRowCol, Fp8Scaling::kBlock}) {
+    const int64_t na = kind == Fp8Scaling::kTensor ? 1 : kind == Fp8Scaling::kRowCol ? m : m * g;
+    const int64_t nb = kind == Fp8Scaling::kTensor   ? 1
+                       : kind == Fp8Scaling::kRowCol ? n
+                                                     : ((n + 127) / 128) * g;
+    DeviceBuffer sa(na * 4), sb(nb * 4);
+    quantize_fp8(a.p, DType::kBF16, qa.p, Fp8Type::kE4M3, sa.as<float>(), m, k, kind, Fp8Operand::kA, s);
+    quantize_fp8(b.p, DType::kBF16, qb.p, Fp8Type::kE4M3, sb.as<float>(), n, k, kind, Fp8Operand::kB, s);
+    WEFT_CUDA_CHECK(cudaMemsetAsync(out.p, 0xff, out.bytes, s));
+    gemm_fp8(qa.p, qb.p, out.p, m, n, k, Fp8Type::kE4M3, Fp8Scales{kind, sa.as<float>(), sb.as<float>()},
+             DType::kFP32, s);
+    std::vector<uint8_t> hqa(m * k), hqb(n * k);
+    std::vector<float> hsa(na), hsb(nb);
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(hqa.data(), qa.p, qa.bytes, cudaMemcpyDeviceToHost, s));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(hqb.data(), qb.p, qb.bytes, cudaMemcpyDeviceToHost, s));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(hsa.data(), sa.p, sa.bytes, cudaMemcpyDeviceToHost, s));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(hsb.data(), sb.p, sb.bytes, cudaMemcpyDeviceToHost, s));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(ho.data(), out.p, out.bytes, cudaMemcpyDeviceToHost, s));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+    check_quantized(ha, m, k, kind, Fp8Operand::kA, hqa, hsa);
+    check_quantized(hb, n, k, kind, Fp8Operand::kB, hqb, hsb);
+    double e2 = 0, r2 = 0;
+    int64_t nonfinite = 0;
+    for (int64_t i = 0; i < m * n; ++i) {
+      if (!std::isfinite(ho[i])) {
+        ++nonfinite;
+        continue;
+      }
+      e2 += double(ho[i] - hr[i]) * (ho[i] - hr[i]);
+      r2 += double(hr[i]) * hr[i];
+    }
+    const double rel = std::sqrt(e2 / r2);
+    std::printf("    quantized %-8s -> gemm_fp8 vs bf16 GEMM: rel err %.3f\n", str(kind), rel);
+    WEFT_EXPECT(nonfinite == 0, str(kind) << ": " << nonfinite << " outputs not finite");
+    WEFT_EXPECT(rel <= 0.08, str(kind) << ": relative Frobenius error " << rel << " > 0.08");
+  }
 }

@@ -81,6 +81,21 @@ void gemm_fp8(const void* a, const void* b, void* c, int64_t m, int64_t n, int64
 Plan gemm_fp8_plan(int64_t m, int64_t n, int64_t k, Fp8Type ab_type, const Fp8Scales& scales, DType c_type,
                    const GemmOptions& options = {});
 
+// Which operand of gemm_fp8 a quantization makes: the kBlock scales are 1 x 128 groups along K for A and
+// 128 x 128 blocks for B; the other kinds are the same for both (kRowCol: one per row of the operand).
+enum class Fp8Operand { kA, kB };
+
+// Enqueues out = in quantized to FP8 with the scales gemm_fp8 reads for `operand` (Fp8Scales{kind, ...}):
+//   in      [rows, cols] bf16 or fp16 (in_type), row stride ld_in elements (0: cols)
+//   out     [rows, cols] of out_type, row stride ld_out (0: cols): A [M,K] or B [N,K] of gemm_fp8
+//   scales  fp32: kTensor [1]; kRowCol [rows]; kBlock: A [rows, ceil(cols / 128)], B [ceil(rows / 128),
+//           ceil(cols / 128)], row-major
+// Each scale is amax / (the format's largest value: 448 e4m3, 57344 e5m2) over the elements it covers, each
+// element x / scale rounded to nearest and saturated; so out x scale is in to FP8's precision.
+void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, float* scales, int64_t rows,
+                  int64_t cols, Fp8Scaling kind, Fp8Operand operand, cudaStream_t stream, int64_t ld_in = 0,
+                  int64_t ld_out = 0);
+
 // Grouped GEMM (an MoE layer's experts on one GPU): A's rows come in `groups` groups back to back, group e
 // being rows [group_end[e - 1], group_end[e]) (group_end: device int32 array, ascending, every end a multiple
 // of 128, e.g. the dispatch's rows padded per expert), and C's rows of group e = A's rows of group e times

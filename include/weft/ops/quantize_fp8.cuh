@@ -1,0 +1,121 @@
+// Device code of weft::quantize_fp8: bf16 / fp16 rows to e4m3 / e5m2 with fp32 scales in the shapes
+// weft::gemm_fp8 reads (weft/ops/gemm_fp8_types.hpp). A scale is amax / (the format's largest value), amax
+// over the elements it covers (a floor keeps an all-zero group finite); q = x / scale rounded to nearest
+// (saturating), so q * scale is x to the format's precision.
+//   group kernel   one warp per (row, 128-column group): A's 1 x 128 block scales, and per-row scales by a
+//                  warp per row that walks its groups;
+//   block kernel   one block per 128 x 128 tile: B's block scales;
+//   tensor         an amax kernel (atomicMax on the float's bits, non-negative floats order as integers,
+//                  into the scale's slot), the conversion, then the scale from the amax.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "weft/ops/gemm_fp8_types.hpp"
+
+namespace weft::ops::fp8 {
+
+inline constexpr float kAmaxFloor = 1e-12f;
+
+template <bool kE5M2>
+__device__ __forceinline__ float max_value() {
+  return kE5M2 ? 57344.f : 448.f;
+}
+template <bool kE5M2>
+__device__ __forceinline__ uint8_t encode(float v) {
+  if constexpr (kE5M2)
+    return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
+  else
+    return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+__device__ __forceinline__ float load(const __nv_bfloat16* p) {
+  return __bfloat162float(*p);
+}
+__device__ __forceinline__ float load(const __half* p) {
+  return __half2float(*p);
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Rows of `cols` elements (row stride ld_in / ld_out elements). kPerRow: one scale per row (scales[row]);
+// else one per 128-column group (scales[row * groups + g]). One warp per (row, group) or per row.
+template <class T, bool kE5M2, bool kPerRow>
+__global__ void quantize_groups_kernel(const T* in, int64_t ld_in, uint8_t* out, int64_t ld_out,
+                                       float* scales, int64_t rows, int64_t cols) {
+  const int lane = threadIdx.x % 32;
+  const int64_t groups = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  const int64_t units = kPerRow ? rows : rows * groups;
+  for (int64_t u = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; u < units;
+       u += int64_t(gridDim.x) * blockDim.x / 32) {
+    const int64_t row = kPerRow ? u : u / groups;
+    const int64_t g0 = kPerRow ? 0 : u % groups, g1 = kPerRow ? groups : g0 + 1;
+    const T* x = in + row * ld_in;
+    float amax = 0.f;
+    for (int64_t c = g0 * kFp8ScaleBlock + lane; c < cols && c < g1 * kFp8ScaleBlock; c += 32)
+      amax = fmaxf(amax, fabsf(load(x + c)));
+    amax = fmaxf(warp_max(amax), kAmaxFloor);
+    const float scale = amax / max_value<kE5M2>(), inv = max_value<kE5M2>() / amax;
+    for (int64_t c = g0 * kFp8ScaleBlock + lane; c < cols && c < g1 * kFp8ScaleBlock; c += 32)
+      out[row * ld_out + c] = encode<kE5M2>(load(x + c) * inv);
+    if (lane == 0) scales[kPerRow ? row : row * groups + g0] = scale;
+  }
+}
+
+// One block (256 threads) per 128 x 128 tile: scales[tile_row * col_tiles + tile_col].
+template <class T, bool kE5M2>
+__global__ void quantize_blocks_kernel(const T* in, int64_t ld_in, uint8_t* out, int64_t ld_out,
+                                       float* scales, int64_t rows, int64_t cols) {
+  __shared__ float warp_amax[8];
+  const int64_t col_tiles = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  const int64_t r0 = int64_t(blockIdx.y) * kFp8ScaleBlock, c0 = int64_t(blockIdx.x) * kFp8ScaleBlock;
+  const int64_t r1 = min(rows, r0 + kFp8ScaleBlock), c1 = min(cols, c0 + kFp8ScaleBlock);
+  float amax = 0.f;
+  for (int64_t r = r0 + threadIdx.x / 32; r < r1; r += 8)
+    for (int64_t c = c0 + threadIdx.x % 32; c < c1; c += 32)
+      amax = fmaxf(amax, fabsf(load(in + r * ld_in + c)));
+  amax = warp_max(amax);
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = kAmaxFloor;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) amax = fmaxf(amax, warp_amax[w]);
+  const float inv = max_value<kE5M2>() / amax;
+  for (int64_t r = r0 + threadIdx.x / 32; r < r1; r += 8)
+    for (int64_t c = c0 + threadIdx.x % 32; c < c1; c += 32)
+      out[r * ld_out + c] = encode<kE5M2>(load(in + r * ld_in + c) * inv);
+  if (threadIdx.x == 0) scales[blockIdx.y * col_tiles + blockIdx.x] = amax / max_value<kE5M2>();
+}
+
+// Per tensor: amax into *amax_bits (a float's bits, zeroed before; non-negative floats order as integers).
+template <class T>
+__global__ void amax_kernel(const T* in, int64_t ld_in, int64_t rows, int64_t cols, unsigned int* amax_bits) {
+  float amax = 0.f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols;
+       i += int64_t(gridDim.x) * blockDim.x)
+    amax = fmaxf(amax, fabsf(load(in + (i / cols) * ld_in + i % cols)));
+  amax = warp_max(amax);
+  if (threadIdx.x % 32 == 0) atomicMax(amax_bits, __float_as_uint(amax));
+}
+// Per tensor: the conversion with the one scale, whose slot holds the amax's bits until finish_tensor_scale
+// turns it into the scale.
+template <class T, bool kE5M2>
+__global__ void quantize_tensor_kernel(const T* in, int64_t ld_in, uint8_t* out, int64_t ld_out,
+                                       const unsigned int* amax_bits, int64_t rows, int64_t cols) {
+  const float inv = max_value<kE5M2>() / fmaxf(__uint_as_float(*amax_bits), kAmaxFloor);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[(i / cols) * ld_out + i % cols] = encode<kE5M2>(load(in + (i / cols) * ld_in + i % cols) * inv);
+}
+template <bool kE5M2>
+__global__ void finish_tensor_scale(float* scale) {
+  *scale =
+      fmaxf(__uint_as_float(*reinterpret_cast<const unsigned int*>(scale)), kAmaxFloor) / max_value<kE5M2>();
+}
+
+}  // namespace weft::ops::fp8

@@ -1,0 +1,88 @@
+// Host side of weft::quantize_fp8: checks and launches (device code: weft/ops/quantize_fp8.cuh).
+#include <algorithm>
+#include <string>
+
+#include "op_args.hpp"
+#include "weft/ops/gemm.hpp"
+#include "weft/ops/quantize_fp8.cuh"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/kernel_preload.hpp"
+
+namespace weft {
+namespace {
+
+struct Quantize {
+  const void* in;
+  int64_t ld_in;
+  uint8_t* out;
+  int64_t ld_out;
+  float* scales;
+  int64_t rows, cols;
+  Fp8Scaling kind;
+  Fp8Operand operand;
+  cudaStream_t stream;
+};
+
+template <class T, bool kE5M2>
+void launch(const Quantize& q) {
+  const T* in = static_cast<const T*>(q.in);
+  const int blocks = 4 * ops::device_facts().sms;
+  if (q.kind == Fp8Scaling::kBlock && q.operand == Fp8Operand::kB) {
+    const dim3 grid(unsigned((q.cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock),
+                    unsigned((q.rows + kFp8ScaleBlock - 1) / kFp8ScaleBlock));
+    detail::preload<&ops::fp8::quantize_blocks_kernel<T, kE5M2>>();
+    ops::fp8::quantize_blocks_kernel<T, kE5M2>
+        <<<grid, 256, 0, q.stream>>>(in, q.ld_in, q.out, q.ld_out, q.scales, q.rows, q.cols);
+  } else if (q.kind == Fp8Scaling::kTensor) {
+    auto* amax = reinterpret_cast<unsigned int*>(q.scales);
+    WEFT_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), q.stream));
+    detail::preload<&ops::fp8::amax_kernel<T>>();
+    ops::fp8::amax_kernel<T><<<blocks, 256, 0, q.stream>>>(in, q.ld_in, q.rows, q.cols, amax);
+    detail::preload<&ops::fp8::quantize_tensor_kernel<T, kE5M2>>();
+    ops::fp8::quantize_tensor_kernel<T, kE5M2>
+        <<<blocks, 256, 0, q.stream>>>(in, q.ld_in, q.out, q.ld_out, amax, q.rows, q.cols);
+    detail::preload<&ops::fp8::finish_tensor_scale<kE5M2>>();
+    ops::fp8::finish_tensor_scale<kE5M2><<<1, 1, 0, q.stream>>>(q.scales);
+  } else if (q.kind == Fp8Scaling::kRowCol) {
+    detail::preload<&ops::fp8::quantize_groups_kernel<T, kE5M2, true>>();
+    ops::fp8::quantize_groups_kernel<T, kE5M2, true>
+        <<<blocks, 256, 0, q.stream>>>(in, q.ld_in, q.out, q.ld_out, q.scales, q.rows, q.cols);
+  } else {
+    detail::preload<&ops::fp8::quantize_groups_kernel<T, kE5M2, false>>();
+    ops::fp8::quantize_groups_kernel<T, kE5M2, false>
+        <<<blocks, 256, 0, q.stream>>>(in, q.ld_in, q.out, q.ld_out, q.scales, q.rows, q.cols);
+  }
+  WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, float* scales, int64_t rows,
+                  int64_t cols, Fp8Scaling kind, Fp8Operand operand, cudaStream_t stream, int64_t ld_in,
+                  int64_t ld_out) {
+  const std::string where =
+      "weft::quantize_fp8(rows=" + std::to_string(rows) + ", cols=" + std::to_string(cols) + "): ";
+  WEFT_CHECK(in_type == DType::kBF16 || in_type == DType::kFP16, where + "in must be bf16 or fp16");
+  WEFT_CHECK(out_type == Fp8Type::kE4M3 || out_type == Fp8Type::kE5M2,
+             where + "out_type must be e4m3 or e5m2");
+  WEFT_CHECK(kind == Fp8Scaling::kTensor || kind == Fp8Scaling::kRowCol || kind == Fp8Scaling::kBlock,
+             where + "unknown Fp8Scaling");
+  WEFT_CHECK(operand == Fp8Operand::kA || operand == Fp8Operand::kB, where + "unknown Fp8Operand");
+  WEFT_CHECK(rows > 0 && cols > 0, where + "rows and cols must be at least 1");
+  WEFT_CHECK(rows <= (int64_t(1) << 31) * kFp8ScaleBlock && cols <= (int64_t(1) << 31) * kFp8ScaleBlock,
+             where + "sizes past the launch grid's reach are not supported");
+  ld_in = ld_in ? ld_in : cols;
+  ld_out = ld_out ? ld_out : cols;
+  WEFT_CHECK(ld_in >= cols && ld_out >= cols, where + "ld_in and ld_out must be at least cols");
+  WEFT_CHECK(in && out && scales, where + "in, out and scales must not be null");
+  ops::check_pointer_alignment(in, "in", 2, where);
+  ops::check_pointer_alignment(scales, "scales", 4, where);
+  const Quantize q{in, ld_in, static_cast<uint8_t*>(out), ld_out, scales, rows, cols, kind, operand, stream};
+  const bool e5m2 = out_type == Fp8Type::kE5M2;
+  if (in_type == DType::kBF16)
+    e5m2 ? launch<__nv_bfloat16, true>(q) : launch<__nv_bfloat16, false>(q);
+  else
+    e5m2 ? launch<__half, true>(q) : launch<__half, false>(q);
+}
+
+}  // namespace weft
