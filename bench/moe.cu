@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -127,9 +128,14 @@ void run_moe(Context& ctx) {
       {"tokens", "experts", "top-k", "hidden", "inter", "unfused ms", "fused ms", "unfused / fused"},
       "The same ranks, in turn (per-rank CUDA graphs launched together, the slowest rank's median). The "
       "fused kernel waits for peers, so it runs on the rank's SM budget; the unfused GEMM takes every SM.");
-  std::vector<Case> cases = {
-      {4096, 32, 8, 7168, 2048}, {16384, 32, 8, 7168, 2048}, {8192, 8, 2, 4096, 14336}};
-  if (ctx.quick) cases = {{8192, 32, 8, 7168, 2048}};
+  // The first case is decode-sized: 128 tokens per rank, DeepSeek-V3-like routing (256 experts, top-8).
+  std::vector<Case> cases = {{128 * int64_t(W), 256, 8, 7168, 2048},
+                             {4096, 32, 8, 7168, 2048},
+                             {16384, 32, 8, 7168, 2048},
+                             {8192, 8, 2, 4096, 14336}};
+  if (ctx.quick) cases = {{128 * int64_t(W), 256, 8, 7168, 2048}, {8192, 32, 8, 7168, 2048}};
+  std::vector<Table> timelines;
+  if (!ctx.timeline_dir.empty()) std::filesystem::create_directories(ctx.timeline_dir);
   const int iters = ctx.quick ? 5 : 10;
   for (const Case& c : cases) {
     if (c.experts % W != 0 || c.tokens % W != 0) continue;
@@ -183,6 +189,12 @@ void run_moe(Context& ctx) {
            phase_cells[1], phase_cells[2], phase_cells[3]});
     ctx.progress("moe tokens=%lld E=%d k=%d: one GPU %.3f ms, team %.3f ms", (long long)c.tokens, c.experts,
                  c.top_k, one_ms, team_ms);
+    if (!ctx.timeline_dir.empty())  // one layer call, in-kernel timestamps (TimelinePhase::kMoe: MoeStep)
+      timelines.push_back(record_timeline(
+          comm, team.streams, [&] { team_phase(Layer::kAll); },
+          fmt("moe layer tokens=%lld E=%d k=%d hidden=%lld", (long long)c.tokens, c.experts, c.top_k,
+              (long long)c.hidden),
+          ctx.timeline_dir + fmt("/moe_%lld_%d_%d.csv", (long long)c.tokens, c.experts, c.top_k)));
     // The layer's first two phases (from kDispatch) or last two (from kDown) on every rank, unfused or fused.
     const auto team_pair = [&](Layer::Phase first, bool fused) {
       return [&, first, fused](int) {
@@ -222,6 +234,7 @@ void run_moe(Context& ctx) {
   ctx.add(std::move(t));
   ctx.add(std::move(h));
   ctx.add(std::move(f));
+  for (Table& tl : timelines) ctx.add(std::move(tl));
 }
 
 ModeRegistrar reg("moe", "MoE layer (dispatch, grouped GEMMs, combine) vs the same layer on one GPU",

@@ -99,10 +99,13 @@ Table record_timeline(Communicator& comm, const std::vector<cudaStream_t>& strea
       "from the rank's first mark; a lane is one (block, warp) that marks the phase; busy per lane = the "
       "phase's summed spans / lanes. Spans: " +
           path + (dropped ? fmt(" (%llu marks dropped: buffer full)", (unsigned long long)dropped) : ""));
-  std::map<std::pair<int, int>, std::vector<const Span*>> by;
-  for (const Span& s : spans) by[{s.rank, int(s.phase)}].push_back(&s);
+  // Rows per rank and phase; the MoE kernels' phase per step (its arg).
+  std::map<std::tuple<int, int, uint32_t>, std::vector<const Span*>> by;
+  for (const Span& s : spans)
+    by[{s.rank, int(s.phase), s.phase == TimelinePhase::kMoe ? s.arg : 0}].push_back(&s);
   for (auto& [key, v] : by) {
-    const uint64_t origin_r = t0[key.first];
+    const auto [rank, phase, step] = key;
+    const uint64_t origin_r = t0[rank];
     uint64_t first = UINT64_MAX, last = 0, total = 0, longest = 0;
     std::map<std::pair<int, int>, int> lanes;
     for (const Span* s : v) {
@@ -112,10 +115,12 @@ Table record_timeline(Communicator& comm, const std::vector<cudaStream_t>& strea
       longest = std::max(longest, s->end - s->begin);
       lanes[{s->block, s->warp}] = 1;
     }
-    t.add({std::to_string(key.first), timeline_phase_name(TimelinePhase(key.second)),
-           std::to_string(v.size()), std::to_string(lanes.size()), fmt("%.1f", (first - origin_r) / 1e3),
-           fmt("%.1f", (last - origin_r) / 1e3), fmt("%.2f", total / 1e3 / v.size()),
-           fmt("%.1f", longest / 1e3), fmt("%.1f", total / 1e3 / lanes.size())});
+    std::string name = timeline_phase_name(TimelinePhase(phase));
+    if (TimelinePhase(phase) == TimelinePhase::kMoe) name += ":" + std::string(moe_step_name(MoeStep(step)));
+    t.add({std::to_string(rank), name, std::to_string(v.size()), std::to_string(lanes.size()),
+           fmt("%.1f", (first - origin_r) / 1e3), fmt("%.1f", (last - origin_r) / 1e3),
+           fmt("%.2f", total / 1e3 / v.size()), fmt("%.1f", longest / 1e3),
+           fmt("%.1f", total / 1e3 / lanes.size())});
   }
   return t;
 }

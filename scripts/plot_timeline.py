@@ -18,9 +18,10 @@ import csv
 import sys
 from collections import defaultdict
 
-PHASES = ["wait_inputs", "mainloop", "store", "comm_begin", "comm_task", "collective", "stream_wait"]
+PHASES = ["wait_inputs", "mainloop", "store", "comm_begin", "comm_task", "collective", "stream_wait", "moe"]
 COLORS = {"wait_inputs": "tab:red", "mainloop": "tab:blue", "store": "tab:green", "comm_begin": "tab:purple",
-          "comm_task": "tab:orange", "collective": "tab:brown", "stream_wait": "tab:gray", "block": "none"}
+          "comm_task": "tab:orange", "collective": "tab:brown", "stream_wait": "tab:gray", "moe": "tab:olive",
+          "block": "none"}
 
 
 def load(path, one_clock):

@@ -22,7 +22,19 @@ enum class TimelinePhase : uint8_t {
                     // reduce-scatter), 3 the one-shot (all-reduce, reduce-scatter, small all-to-all); the
                     // other collective kernels carry no marks (weft/ops/collectives.cuh says why)
   kStreamWait = 7,  // a stream-ordered wait for a peer's flag (copy-engine pipelines); arg: the value
-  kCount = 8,
+  kMoe = 8,         // a block of one of the MoE dispatch / combine kernels; arg: the step (MoeStep)
+  kCount = 9,
+};
+
+// TimelinePhase::kMoe's arg: which MoE kernel the block belongs to (src/ops/moe.cu).
+enum class MoeStep : uint32_t {
+  kCountSlots = 1,      // this rank's slots per expert
+  kExchangeCounts = 2,  // the counts to every rank (meet, push, meet)
+  kPlaceSlots = 3,      // every slot's row, the group ends, the padding rows zeroed
+  kDispatchTokens = 4,  // the rows pushed to their ranks and expanded there (meet ... meet)
+  kCombineTokens = 5,   // each token's weighted sum of its experts' rows
+  kCombineBackward = 6,
+  kSumStagedSlots = 7,  // the fused down GEMM + combine's sum
 };
 
 inline const char* timeline_phase_name(TimelinePhase p) {
@@ -43,6 +55,29 @@ inline const char* timeline_phase_name(TimelinePhase p) {
       return "collective";
     case TimelinePhase::kStreamWait:
       return "stream_wait";
+    case TimelinePhase::kMoe:
+      return "moe";
+    default:
+      return "?";
+  }
+}
+
+inline const char* moe_step_name(MoeStep s) {
+  switch (s) {
+    case MoeStep::kCountSlots:
+      return "count_slots";
+    case MoeStep::kExchangeCounts:
+      return "exchange_counts";
+    case MoeStep::kPlaceSlots:
+      return "place_slots";
+    case MoeStep::kDispatchTokens:
+      return "dispatch_tokens";
+    case MoeStep::kCombineTokens:
+      return "combine_tokens";
+    case MoeStep::kCombineBackward:
+      return "combine_backward";
+    case MoeStep::kSumStagedSlots:
+      return "sum_staged_slots";
     default:
       return "?";
   }

@@ -23,6 +23,7 @@
 #include "op_args.hpp"
 #include "weft/comm/barrier.cuh"
 #include "weft/comm/copy_rows.cuh"
+#include "weft/device/timeline.cuh"
 #include "weft/ops/moe.hpp"
 #include "weft/ops/moe_dispatch.cuh"
 #include "weft/runtime/error.hpp"
@@ -46,7 +47,9 @@ struct Dims {
 // Slots per expert, and the expert ids kept for combine; a dropped slot's row_of is -1 (place_slots writes
 // the others).
 __global__ void count_slots(const int32_t* experts, int64_t slots, int num_experts, int32_t* counts,
-                            int32_t* row_of, int32_t* kept) {
+                            int32_t* row_of, int32_t* kept, TimelineBuffer* tl) {
+  const TimelineSpan span(threadIdx.x == 0 ? tl : nullptr, TimelinePhase::kMoe,
+                          uint32_t(MoeStep::kCountSlots));
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < slots;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int e = experts[i];
@@ -62,6 +65,8 @@ __global__ void count_slots(const int32_t* experts, int64_t slots, int num_exper
 // One block: every rank gets this rank's counts and token count in its row `rank` of the counts table.
 __global__ void exchange_counts(TeamView team, BarrierSlots slots, const int32_t* mine, int32_t tokens,
                                 int32_t* table, int experts) {
+  const TimelineSpan span(threadIdx.x == 0 ? team.timeline : nullptr, TimelinePhase::kMoe,
+                          uint32_t(MoeStep::kExchangeCounts));
   if (!barrier_block(team, slots[0])) return;
   for (int p = 0; p < team.world; ++p) {
     int32_t* row = team.peer_ptr(table, p) + int64_t(team.rank) * (experts + 1);
@@ -88,7 +93,9 @@ struct WalkLayout {
 // it, and the padding rows marked and counted in their tiles.
 __global__ void __launch_bounds__(256)
     place_slots(const int32_t* table, const int32_t* experts, Dims d, int32_t* row_of, int32_t* group_end,
-                uint4* rows, int32_t* row_source, WalkLayout walk) {
+                uint4* rows, int32_t* row_source, WalkLayout walk, TimelineBuffer* tl) {
+  const TimelineSpan span(threadIdx.x == 0 ? tl : nullptr, TimelinePhase::kMoe,
+                          uint32_t(MoeStep::kPlaceSlots));
   __shared__ int64_t base_s, pad_begin_s, pad_end_s, walk_s;
   __shared__ int warp_sums[8];
   const int e = blockIdx.x, owner = e / d.per_rank, local = e % d.per_rank;
@@ -173,6 +180,8 @@ __global__ void __launch_bounds__(kDispatchWarps * 32)
     dispatch_tokens(TeamView team, BarrierSlots slots, const uint4* tokens, const int32_t* experts,
                     const int32_t* row_of, const int32_t* table, Dims d, int32_t* records, uint4* rows,
                     int32_t* row_source, uint64_t* landed) {
+  const TimelineSpan span(threadIdx.x == 0 ? team.timeline : nullptr, TimelinePhase::kMoe,
+                          uint32_t(MoeStep::kDispatchTokens));
   if (!barrier_block(team, slots[blockIdx.x])) return;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row_vecs = static_cast<int>(d.hidden * 2 / 16);
@@ -234,6 +243,8 @@ __global__ void __launch_bounds__(kDispatchWarps * 32)
 template <class T>
 __global__ void combine_tokens(TeamView team, BarrierSlots slots, const T* expert_out, const int32_t* experts,
                                const int32_t* row_of, const float* weights, Dims d, T* out, bool meet) {
+  const TimelineSpan span(threadIdx.x == 0 ? team.timeline : nullptr, TimelinePhase::kMoe,
+                          uint32_t(MoeStep::kCombineTokens));
   if (meet && !barrier_block(team, slots[blockIdx.x])) return;
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
@@ -268,6 +279,8 @@ template <class T>
 __global__ void combine_backward_tokens(TeamView team, const T* expert_out, T* d_expert_out,
                                         const int32_t* experts, const int32_t* row_of, const float* weights,
                                         const T* dout, Dims d, float* d_weights) {
+  const TimelineSpan span(threadIdx.x == 0 ? team.timeline : nullptr, TimelinePhase::kMoe,
+                          uint32_t(MoeStep::kCombineBackward));
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
   for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < d.tokens; t += warps)
@@ -307,7 +320,9 @@ __global__ void combine_backward_tokens(TeamView team, const T* expert_out, T* d
 // experts' outputs for this rank's slots, pushed here by the scattering GEMM), in fp32 in ascending j as
 // combine_tokens sums. One warp per token, 8 elements per lane at a time.
 __global__ void sum_staged_slots(const __nv_bfloat16* staging, const int32_t* experts, const float* weights,
-                                 Dims d, __nv_bfloat16* out) {
+                                 Dims d, __nv_bfloat16* out, TimelineBuffer* tl) {
+  const TimelineSpan span(threadIdx.x == 0 ? tl : nullptr, TimelinePhase::kMoe,
+                          uint32_t(MoeStep::kSumStagedSlots));
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
   for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < d.tokens; t += warps)
@@ -471,8 +486,8 @@ void place_rows(Communicator& comm, Rank& rank, const int32_t* experts, const Mo
   WEFT_CUDA_CHECK(cudaMemsetAsync(b.counts, 0, z.counts_bytes, stream));
   detail::preload<&count_slots>();
   if (slots > 0) {
-    count_slots<<<ops::grid_stride_blocks(rank, slots), 256, 0, stream>>>(experts, slots, shape.num_experts,
-                                                                          b.counts, b.row_of, b.kept);
+    count_slots<<<ops::grid_stride_blocks(rank, slots), 256, 0, stream>>>(
+        experts, slots, shape.num_experts, b.counts, b.row_of, b.kept, rank.view().timeline);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   detail::preload<&exchange_counts>();
@@ -481,7 +496,7 @@ void place_rows(Communicator& comm, Rank& rank, const int32_t* experts, const Mo
   WEFT_CUDA_CHECK(cudaGetLastError());
   detail::preload<&place_slots>();
   place_slots<<<shape.num_experts, 256, 0, stream>>>(b.table, experts, z.d, b.row_of, b.group_end, b.rows,
-                                                     b.row_source, b.walk);
+                                                     b.row_source, b.walk, rank.view().timeline);
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -716,7 +731,7 @@ void moe_grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, con
     detail::preload<&sum_staged_slots>();
     sum_staged_slots<<<ops::grid_stride_blocks(rank, shape.tokens * 32), 256, 0, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(staging), dispatched.experts, weights, z.d,
-        static_cast<__nv_bfloat16*>(out));
+        static_cast<__nv_bfloat16*>(out), rank.view().timeline);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
 }
