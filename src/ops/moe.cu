@@ -39,6 +39,8 @@ const char* const kCombineGradArea = "moe combine backward";
 const char* const kStagingArea = "moe combine staging";
 const char* const kWalkArea = "moe dispatch walk";
 
+constexpr int kMaxTopK = 16;  // MoeShape::top_k's limit
+
 struct Dims {
   int world, rank, experts, per_rank, top_k, align;
   int64_t tokens, max_tokens, hidden;
@@ -98,6 +100,7 @@ __global__ void __launch_bounds__(256)
                           uint32_t(MoeStep::kPlaceSlots));
   __shared__ int64_t base_s, pad_begin_s, pad_end_s, walk_s;
   __shared__ int warp_sums[8];
+  __shared__ int64_t warp_partials[2][8];
   const int e = blockIdx.x, owner = e / d.per_rank, local = e % d.per_rank;
   const int stride = d.experts + 1;
   auto total = [&](int g) {
@@ -105,9 +108,33 @@ __global__ void __launch_bounds__(256)
     for (int s = 0; s < d.world; ++s) n += table[int64_t(s) * stride + g];
     return n;
   };
+  // The group's offset (the padded groups of its rank's experts before it) and, with a walk, this rank's
+  // slots of the experts before e: sums over up to E entries of the counts table, taken by the whole block
+  // (one thread's dependent loads took tens of microseconds at E = 256).
+  {
+    int64_t offset_part = 0, before_part = 0;
+    for (int g = owner * d.per_rank + int(threadIdx.x); g < e; g += blockDim.x)
+      offset_part += padded(total(g), d.align);
+    if (walk.walk != nullptr)
+      for (int g = int(threadIdx.x); g < e; g += blockDim.x)
+        before_part += table[int64_t(d.rank) * stride + g];
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      offset_part += __shfl_xor_sync(0xffffffffu, offset_part, o);
+      before_part += __shfl_xor_sync(0xffffffffu, before_part, o);
+    }
+    if (threadIdx.x % 32 == 0) {
+      warp_partials[0][threadIdx.x / 32] = offset_part;
+      warp_partials[1][threadIdx.x / 32] = before_part;
+    }
+    __syncthreads();
+  }
   if (threadIdx.x == 0) {
-    int64_t offset = 0;
-    for (int g = owner * d.per_rank; g < e; ++g) offset += padded(total(g), d.align);
+    int64_t offset = 0, before = 0;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) {
+      offset += warp_partials[0][w];
+      before += warp_partials[1][w];
+    }
     const int64_t n = total(e);
     pad_begin_s = pad_end_s = 0;
     if (owner == d.rank) {
@@ -118,8 +145,6 @@ __global__ void __launch_bounds__(256)
     for (int s = 0; s < d.rank; ++s) offset += table[int64_t(s) * stride + e];
     base_s = offset;
     if (walk.walk != nullptr) {
-      int64_t before = 0;  // this rank's slots of the experts before e
-      for (int g = 0; g < e; ++g) before += table[int64_t(d.rank) * stride + g];
       walk_s = before;
       if (local == 0) walk.walk_begin[owner] = static_cast<int32_t>(before);
       if (e == d.experts - 1)
@@ -191,15 +216,18 @@ __global__ void __launch_bounds__(kDispatchWarps * 32)
     for (int64_t u = int64_t(blockIdx.x) * kPushWarps + warp; u < units; u += warps) {
       const int64_t t = u / d.world;
       const int dest = static_cast<int>((u % d.world + team.rank) % d.world);  // rank-staggered
-      int first = -1;
-      for (int j = 0; j < d.top_k; ++j) {
-        const int e = experts[t * d.top_k + j];
-        const bool here = e >= 0 && e / d.per_rank == dest;
-        if (here && first < 0) first = row_of[t * d.top_k + j];
-        if (lane == j)
-          team.peer_ptr(records, dest)[(int64_t(team.rank) * d.max_tokens + t) * d.top_k + j] =
-              here ? row_of[t * d.top_k + j] : -1;
+      // Lane j < top_k takes slot j (one round of loads for the warp, not top_k in turn); the token's row
+      // goes to the first of its rows on `dest`.
+      bool here = false;
+      int row = -1;
+      if (lane < d.top_k) {
+        const int e = experts[t * d.top_k + lane];
+        here = e >= 0 && e / d.per_rank == dest;
+        if (here) row = row_of[t * d.top_k + lane];
+        team.peer_ptr(records, dest)[(int64_t(team.rank) * d.max_tokens + t) * d.top_k + lane] = row;
       }
+      const unsigned with_row = __ballot_sync(0xffffffffu, here);
+      const int first = with_row ? __shfl_sync(0xffffffffu, row, __ffs(with_row) - 1) : -1;
       if (first >= 0) {
         const int tt = static_cast<int>(t), n = static_cast<int>(d.tokens);
         prefetch_rows_l2(tokens, tt, tt + 1, n, row_vecs, lane);
@@ -239,7 +267,10 @@ __global__ void __launch_bounds__(kDispatchWarps * 32)
   (void)barrier_block(team, slots[blockIdx.x]);
 }
 
-// Combine: one warp per token, 256 elements (8 per lane) at a time, the slots in ascending order.
+// Combine: one warp per (token, 256-column chunk), 8 elements per lane, the slots summed in ascending order.
+// Decode-sized batches have few tokens and each token's rows sit on other GPUs: so that many remote loads
+// are in flight, a warp takes a chunk rather than a whole token, its lanes first read the token's slots
+// (expert, row, weight) side by side, and all top_k rows' loads are issued before the sum.
 template <class T>
 __global__ void combine_tokens(TeamView team, BarrierSlots slots, const T* expert_out, const int32_t* experts,
                                const int32_t* row_of, const float* weights, Dims d, T* out, bool meet) {
@@ -247,26 +278,45 @@ __global__ void combine_tokens(TeamView team, BarrierSlots slots, const T* exper
                           uint32_t(MoeStep::kCombineTokens));
   if (meet && !barrier_block(team, slots[blockIdx.x])) return;
   const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
-  for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < d.tokens; t += warps)
-    for (int64_t c = lane * 8; c < d.hidden; c += 256) {
-      float acc[8] = {};
-      for (int j = 0; j < d.top_k; ++j) {
-        const int e = experts[t * d.top_k + j];
-        if (e < 0) continue;
-        const float w = weights[t * d.top_k + j];
-        const uint4 u = *reinterpret_cast<const uint4*>(team.peer_ptr(expert_out, e / d.per_rank) +
-                                                        int64_t(row_of[t * d.top_k + j]) * d.hidden + c);
-        const T* v = reinterpret_cast<const T*>(&u);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, static_cast<float>(v[i]), acc[i]);
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32, chunks = (d.hidden + 255) / 256;
+  for (int64_t u = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; u < d.tokens * chunks; u += warps) {
+    const int64_t t = u / chunks, c = (u % chunks) * 256 + lane * 8;
+    // Lane j < top_k holds slot j: its rank's row (null for a dropped slot) and weight.
+    const T* src = nullptr;
+    float w = 0.f;
+    if (lane < d.top_k) {
+      const int e = experts[t * d.top_k + lane];
+      if (e >= 0) {
+        src = team.peer_ptr(expert_out, e / d.per_rank) + int64_t(row_of[t * d.top_k + lane]) * d.hidden;
+        w = weights[t * d.top_k + lane];
       }
+    }
+    uint4 v[kMaxTopK];
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      const T* row =
+          reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), j));
+      v[j] = j < d.top_k && row != nullptr && c < d.hidden ? *reinterpret_cast<const uint4*>(row + c)
+                                                           : make_uint4(0, 0, 0, 0);
+    }
+    float acc[8] = {};
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      const float wj = __shfl_sync(0xffffffffu, w, j);
+      const bool live = __shfl_sync(0xffffffffu, src != nullptr, j);
+      if (j >= d.top_k || !live) continue;
+      const T* x = reinterpret_cast<const T*>(&v[j]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = fmaf(wj, static_cast<float>(x[i]), acc[i]);
+    }
+    if (c < d.hidden) {
       uint4 r;
       T* h = reinterpret_cast<T*>(&r);
 #pragma unroll
       for (int i = 0; i < 8; ++i) h[i] = static_cast<T>(acc[i]);
       *reinterpret_cast<uint4*>(out + t * d.hidden + c) = r;
     }
+  }
   // No meeting at the end: a peer writes its expert outputs again only after a later dispatch's meetings,
   // which this rank reaches after this kernel.
 }
@@ -367,7 +417,8 @@ void check(const MoeShape& s, int world, const std::string& where) {
   WEFT_CHECK(s.num_experts > 0 && s.num_experts % world == 0,
              where + "num_experts (" + std::to_string(s.num_experts) +
                  ") must be a positive multiple of the world size (" + std::to_string(world) + ")");
-  WEFT_CHECK(s.top_k >= 1 && s.top_k <= 16, where + "top_k must be 1..16, got " + std::to_string(s.top_k));
+  WEFT_CHECK(s.top_k >= 1 && s.top_k <= kMaxTopK,
+             where + "top_k must be 1.." + std::to_string(kMaxTopK) + ", got " + std::to_string(s.top_k));
   WEFT_CHECK(
       s.hidden > 0 && s.hidden % 8 == 0,
       where + "hidden must be a positive multiple of 8 (16-byte rows), got " + std::to_string(s.hidden));
@@ -632,7 +683,10 @@ void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const M
   if (shape.tokens > 0) ops::check_pointer_alignment(out, "out", 16, where);
   if (stream == nullptr) stream = rank.stream();
   const Sizes z(rank.world(), rank.rank(), shape);
-  const int blocks = ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2);
+  // Sized by the rows it reads (top_k per token), from max_tokens: every rank launches the same grid (its
+  // blocks meet their counterparts).
+  const int blocks =
+      ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.top_k * shape.hidden * 2);
   // Ranks sharing a GPU meet in a one-block kernel first: a grid of blocks waiting at the meeting would hold
   // SMs that a slower peer's expert GEMMs on the same GPU still need.
   const bool shared_gpu = comm.ranks_per_gpu() > 1;
