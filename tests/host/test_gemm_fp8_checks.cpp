@@ -1,0 +1,74 @@
+// weft::gemm_fp8_plan and weft::quantize_fp8 refuse bad arguments with a message naming the rule, before
+// they touch a GPU (so these run on the CPU-only CI machine).
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+
+#include "weft/ops/gemm.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace {
+
+using namespace weft;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return {};
+}
+
+const Fp8Scales kTensorScales{Fp8Scaling::kTensor, nullptr, nullptr};
+
+std::string plan_error(int64_t m, int64_t n, int64_t k, DType out = DType::kBF16, GemmOptions o = {},
+                       Fp8Type t = Fp8Type::kE4M3) {
+  return error_of([&] { (void)gemm_fp8_plan(m, n, k, t, kTensorScales, out, o); });
+}
+
+TEST(GemmFp8Checks, RefusesWhatTmaCannotDo) {
+  EXPECT_NE(plan_error(64, 64, 24).find("make K a multiple of 16"), std::string::npos);
+  EXPECT_NE(plan_error(64, 60, 64).find("ldc"), std::string::npos);  // 60 bf16 = 120 bytes
+  GemmOptions lda;
+  lda.lda = 40;
+  EXPECT_NE(plan_error(64, 64, 32, DType::kBF16, lda).find("multiples of 16 bytes"), std::string::npos);
+}
+
+TEST(GemmFp8Checks, RefusesBadShapesTypesAndOptions) {
+  EXPECT_NE(plan_error(0, 64, 64).find("at least 1"), std::string::npos);
+  EXPECT_NE(plan_error(64, 64, 64, DType::kFP16).find("bf16 or fp32"), std::string::npos);
+  GemmOptions wide;
+  wide.tile_n = 256;
+  EXPECT_NE(plan_error(64, 64, 64, DType::kBF16, wide).find("tile_n"), std::string::npos);
+  GemmOptions swiglu;
+  swiglu.activation = GemmActivation::kSwiGLU;
+  EXPECT_NE(plan_error(64, 64, 64, DType::kBF16, swiglu).find("activation"), std::string::npos);
+  EXPECT_NE(plan_error(64, 64, 64, DType::kBF16, {}, Fp8Type(7)).find("kE4M3 or kE5M2"), std::string::npos);
+  const std::string e = error_of([] {
+    (void)gemm_fp8_plan(64, 64, 64, Fp8Type::kE4M3, Fp8Scales{Fp8Scaling(9), nullptr, nullptr}, DType::kBF16);
+  });
+  EXPECT_NE(e.find("unknown Fp8Scaling"), std::string::npos) << e;
+}
+
+TEST(GemmFp8Checks, QuantizeRefusesBadArguments) {
+  float scale = 0;
+  char buf[64];
+  auto quantize = [&](DType in_type, int64_t rows, int64_t cols, int64_t ld_in = 0, void* in = nullptr) {
+    return error_of([&] {
+      quantize_fp8(in ? in : buf, in_type, buf, Fp8Type::kE4M3, &scale, rows, cols, Fp8Scaling::kBlock,
+                   Fp8Operand::kA, nullptr, ld_in);
+    });
+  };
+  EXPECT_NE(quantize(DType::kFP32, 4, 4).find("bf16 or fp16"), std::string::npos);
+  EXPECT_NE(quantize(DType::kBF16, 0, 4).find("at least 1"), std::string::npos);
+  EXPECT_NE(quantize(DType::kBF16, 4, 8, 4).find("at least cols"), std::string::npos);
+  const std::string null_in = error_of([&] {
+    quantize_fp8(nullptr, DType::kBF16, buf, Fp8Type::kE4M3, &scale, 4, 4, Fp8Scaling::kBlock, Fp8Operand::kA,
+                 nullptr);
+  });
+  EXPECT_NE(null_in.find("must not be null"), std::string::npos) << null_in;
+}
+
+}  // namespace
