@@ -738,6 +738,52 @@ void bind_tensor_parallel(py::module_& m) {
   });
 }
 
+// FP8 on one GPU (weft/ops/gemm.hpp): gemm_fp8 and quantize_fp8. Types and scaling kinds by name:
+// "e4m3" / "e5m2"; "tensor", "rowcol", "block"; operand "a" / "b".
+weft::Fp8Type parse_fp8(const std::string& t) {
+  if (t == "e4m3") return weft::Fp8Type::kE4M3;
+  if (t == "e5m2") return weft::Fp8Type::kE5M2;
+  throw weft::Error("weft: FP8 type must be 'e4m3' or 'e5m2', got '" + t + "'");
+}
+weft::Fp8Scaling parse_scaling(const std::string& s) {
+  if (s == "tensor") return weft::Fp8Scaling::kTensor;
+  if (s == "rowcol") return weft::Fp8Scaling::kRowCol;
+  if (s == "block") return weft::Fp8Scaling::kBlock;
+  throw weft::Error("weft: FP8 scaling must be 'tensor', 'rowcol' or 'block', got '" + s + "'");
+}
+void bind_fp8(py::module_& m) {
+  m.def(
+      "gemm_fp8",
+      [](int device, uintptr_t a, uintptr_t b, uintptr_t c, int64_t m_rows, int64_t n, int64_t k,
+         const std::string& ab_type, const std::string& scaling, uintptr_t scale_a, uintptr_t scale_b,
+         const std::string& c_dtype, uintptr_t stream) {
+        OnDevice on(device);
+        weft::gemm_fp8(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
+                       reinterpret_cast<void*>(c), m_rows, n, k, parse_fp8(ab_type),
+                       weft::Fp8Scales{parse_scaling(scaling), reinterpret_cast<const float*>(scale_a),
+                                       reinterpret_cast<const float*>(scale_b)},
+                       parse_dtype(c_dtype), reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("device"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("m"), py::arg("n"), py::arg("k"),
+      py::arg("ab_type"), py::arg("scaling"), py::arg("scale_a"), py::arg("scale_b"), py::arg("c_dtype"),
+      py::arg("stream"));
+  m.def(
+      "quantize_fp8",
+      [](int device, uintptr_t in, const std::string& in_dtype, uintptr_t out, const std::string& out_type,
+         uintptr_t scales, int64_t rows, int64_t cols, const std::string& scaling, const std::string& operand,
+         uintptr_t stream) {
+        OnDevice on(device);
+        weft::quantize_fp8(reinterpret_cast<const void*>(in), parse_dtype(in_dtype),
+                           reinterpret_cast<void*>(out), parse_fp8(out_type),
+                           reinterpret_cast<float*>(scales), rows, cols, parse_scaling(scaling),
+                           operand == "b" ? weft::Fp8Operand::kB : weft::Fp8Operand::kA,
+                           reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("device"), py::arg("input"), py::arg("in_dtype"), py::arg("out"), py::arg("out_type"),
+      py::arg("scales"), py::arg("rows"), py::arg("cols"), py::arg("scaling"), py::arg("operand"),
+      py::arg("stream"));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_weft, m) {
@@ -748,6 +794,7 @@ PYBIND11_MODULE(_weft, m) {
   bind_runtime(m);
   bind_collectives(m);
   bind_one_gpu_ops(m);
+  bind_fp8(m);
   bind_sequence_parallel(m);
   bind_moe(m);
   bind_tensor_parallel(m);

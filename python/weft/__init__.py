@@ -50,15 +50,17 @@ _inits = 0
 
 # ---- the areas ---------------------------------------------------------------------------------------------
 from ._errors import WeftError, WeftTypeError, WeftValueError
-from . import _attention, _collectives, _moe, _tensor_parallel
+from . import _attention, _collectives, _fp8, _moe, _tensor_parallel
 from ._collectives import *  # noqa: F401,F403 (each area module's __all__)
 from ._tensor_parallel import *  # noqa: F401,F403
 from ._attention import *  # noqa: F401,F403
 from ._moe import *  # noqa: F401,F403
+from ._fp8 import *  # noqa: F401,F403
 from ._runtime import Communicator, Team, init, virtual_team
 from . import _args, _runtime
 
-__all__ = _RUNTIME_NAMES + _collectives.__all__ + _tensor_parallel.__all__ + _attention.__all__ + _moe.__all__
+__all__ = (_RUNTIME_NAMES + _collectives.__all__ + _tensor_parallel.__all__ + _attention.__all__ + _moe.__all__ +
+           _fp8.__all__)
 
 # torch's operators (weft._torch_ops) load once torch is imported; _args._torch_api() looks.
 _torch_api = _args._torch_api

@@ -110,6 +110,8 @@ if python3 -c "import torch" 2>/dev/null; then
       python3 "$root/python/tests/gpu_attention.py"
     step "python: grouped_mm against fp32 (forward, autograd, CUDA graph)" "python_grouped_mm" \
       env PYTHONPATH="$build/python" python3 "$root/python/tests/gpu_grouped_mm.py"
+    step "python: scaled_mm and quantize_fp8 against torch._scaled_mm and fp32" "python_fp8" \
+      env PYTHONPATH="$build/python" python3 "$root/python/tests/gpu_fp8.py"
     # Torch operators on virtual teams of 2 and 4 ranks: autograd against plain torch, torch.compile,
     # CUDA graphs through torch.
     step "python: torch operators on virtual teams (W = 2, 4)" "python_team" env PYTHONPATH="$build/python" \
