@@ -311,4 +311,33 @@ float median_call_ms(const std::function<void()>& call, int iters, cudaStream_t 
   return median(ms);
 }
 
+std::vector<float> time_in_turns(const std::vector<std::function<void(int)>>& candidates, int iters,
+                                 cudaStream_t stream) {
+  const size_t n = candidates.size();
+  for (int i = 0; i < 3; ++i)
+    for (auto& c : candidates) c(i);
+  std::vector<cudaEvent_t> ev(iters * (n + 1));
+  for (auto& e : ev) WEFT_CUDA_CHECK(cudaEventCreate(&e));
+  for (int i = 0; i < iters; ++i) {
+    WEFT_CUDA_CHECK(cudaEventRecord(ev[i * (n + 1)], stream));
+    for (size_t c = 0; c < n; ++c) {
+      candidates[c](i);
+      WEFT_CUDA_CHECK(cudaEventRecord(ev[i * (n + 1) + c + 1], stream));
+    }
+  }
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<float> medians;
+  for (size_t c = 0; c < n; ++c) {
+    std::vector<float> t;
+    for (int i = 0; i < iters; ++i) {
+      float ms = 0;
+      WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[i * (n + 1) + c], ev[i * (n + 1) + c + 1]));
+      t.push_back(ms);
+    }
+    medians.push_back(median(t));
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  return medians;
+}
+
 }  // namespace weft::bench

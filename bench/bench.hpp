@@ -127,6 +127,11 @@ Table record_timeline(Communicator& comm, const std::vector<cudaStream_t>& strea
 // One GPU, one stream: the median of `iters` calls of `call`, each timed alone with its own pair of events,
 // after 3 warm-up calls (ms).
 float median_call_ms(const std::function<void()>& call, int iters, cudaStream_t stream);
+// One GPU, one stream: each candidate's median time per call (ms), after 3 warm-up rounds, over `iters`
+// rounds of one call of each in turn (candidate(i) runs round i: it rotates its inputs by i), each call
+// timed with its own events, so clock and thermal drift hit all alike.
+std::vector<float> time_in_turns(const std::vector<std::function<void(int)>>& candidates, int iters,
+                                 cudaStream_t stream);
 // Captures `iters` calls per local GPU (enqueue(k) enqueues call k on every local GPU) into one CUDA graph
 // per GPU, replays it `reps` times after a warm-up, returns the slowest local rank's median time per call in
 // us.

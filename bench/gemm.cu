@@ -75,35 +75,8 @@ class GemmBench {
     cudaStreamDestroy(stream_);
   }
 
-  // Each candidate's median time (ms) per call: after 3 warm-up rounds, `iters` rounds of one call of each
-  // in turn (candidate(i) runs round i: it rotates its inputs by i), each call timed with its own events,
-  // so clock and thermal drift hit all alike.
   std::vector<float> time_in_turns(const std::vector<std::function<void(int)>>& candidates, int iters) {
-    const size_t n = candidates.size();
-    for (int i = 0; i < 3; ++i)
-      for (auto& c : candidates) c(i);
-    std::vector<cudaEvent_t> ev(iters * (n + 1));
-    for (auto& e : ev) WEFT_CUDA_CHECK(cudaEventCreate(&e));
-    for (int i = 0; i < iters; ++i) {
-      WEFT_CUDA_CHECK(cudaEventRecord(ev[i * (n + 1)], stream_));
-      for (size_t c = 0; c < n; ++c) {
-        candidates[c](i);
-        WEFT_CUDA_CHECK(cudaEventRecord(ev[i * (n + 1) + c + 1], stream_));
-      }
-    }
-    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    std::vector<float> medians;
-    for (size_t c = 0; c < n; ++c) {
-      std::vector<float> t;
-      for (int i = 0; i < iters; ++i) {
-        float ms = 0;
-        WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[i * (n + 1) + c], ev[i * (n + 1) + c + 1]));
-        t.push_back(ms);
-      }
-      medians.push_back(median(t));
-    }
-    for (auto& e : ev) cudaEventDestroy(e);
-    return medians;
+    return bench::time_in_turns(candidates, iters, stream_);
   }
   cudaStream_t stream() const { return stream_; }
   cublasHandle_t blas() const { return blas_; }

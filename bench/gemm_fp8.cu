@@ -124,37 +124,6 @@ struct Row {
   double rel_err = -1;
 };
 
-// Each candidate's median time per call (ms), after 3 warm-up rounds, `iters` rounds of one call of each in
-// turn (candidate(i) rotates its inputs by i), each call between its own events.
-std::vector<float> time_in_turns(const std::vector<std::function<void(int)>>& cands, int iters,
-                                 cudaStream_t s) {
-  const size_t n = cands.size();
-  for (int i = 0; i < 3; ++i)
-    for (auto& c : cands) c(i);
-  std::vector<cudaEvent_t> ev(iters * (n + 1));
-  for (auto& e : ev) WEFT_CUDA_CHECK(cudaEventCreate(&e));
-  for (int i = 0; i < iters; ++i) {
-    WEFT_CUDA_CHECK(cudaEventRecord(ev[i * (n + 1)], s));
-    for (size_t c = 0; c < n; ++c) {
-      cands[c](i + int(c));
-      WEFT_CUDA_CHECK(cudaEventRecord(ev[i * (n + 1) + c + 1], s));
-    }
-  }
-  WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
-  std::vector<float> out;
-  for (size_t c = 0; c < n; ++c) {
-    std::vector<float> t;
-    for (int i = 0; i < iters; ++i) {
-      float ms = 0;
-      WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[i * (n + 1) + c], ev[i * (n + 1) + c + 1]));
-      t.push_back(ms);
-    }
-    out.push_back(median(t));
-  }
-  for (auto& e : ev) cudaEventDestroy(e);
-  return out;
-}
-
 Row run_shape(const Shape& s, bool quick, cudaStream_t stream, void* workspace, size_t workspace_bytes) {
   int l2 = 0;
   WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
@@ -188,9 +157,11 @@ Row run_shape(const Shape& s, bool quick, cudaStream_t stream, void* workspace, 
     gemm_fp8(a(i), b(i), c_weft.p, s.m, s.n, s.k, Fp8Type::kE4M3, block, DType::kBF16, stream);
   };
   auto cublaslt = [&](int i) { lt.run(a(i), b(i), c_lt.p, stream); };
+  // In turns, each on another input set than the one before it just used.
   const double est_ms = s.flops() / 1200e12 * 1e3;
   const int iters = quick ? std::clamp(int(60 / est_ms), 5, 20) : std::clamp(int(400 / est_ms), 15, 200);
-  const std::vector<float> ms = time_in_turns({weft_tensor, weft_block, cublaslt}, iters, stream);
+  const std::vector<float> ms = time_in_turns(
+      {weft_tensor, [&](int i) { weft_block(i + 1); }, [&](int i) { cublaslt(i + 2); }}, iters, stream);
   Row r{ms[0], ms[1], ms[2]};
   weft_tensor(0);
   cublaslt(0);

@@ -102,6 +102,16 @@ void parallel_for(size_t n, F&& f, size_t min_part = 4096) {
 }
 
 // cudaMalloc'd memory on the current GPU for one test's scope.
+// The message of the weft::Error that f throws; "" when it returns normally.
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return {};
+}
+
 struct DeviceBuffer {
   void* p = nullptr;
   size_t bytes = 0;

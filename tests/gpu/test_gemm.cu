@@ -18,6 +18,7 @@
 
 using namespace weft;
 using weft::test::DeviceBuffer;
+using weft::test::error_of;
 using weft::test::TestContext;
 
 // The FP8 wgmma wrappers (tools/gen_wgmma.py) before any kernel uses them: compiled here for sm_90a, so
@@ -248,15 +249,6 @@ void run_sweep(TestContext& ctx, DType out) {
         std::printf("    %-16s %-7s -> %-4s 128x%d rel err %.2e\n", str(s).c_str(), str(lay), str(out),
                     tile_n, rel);
       }
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return {};
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 
 using namespace weft;
 using weft::test::DeviceBuffer;
+using weft::test::error_of;
 using weft::test::TestContext;
 
 namespace {
@@ -200,15 +201,6 @@ struct Blas {
   }
   ~Blas() { cublasDestroy(h); }
 };
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return {};
-}
 
 }  // namespace
 

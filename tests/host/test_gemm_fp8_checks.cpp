@@ -5,21 +5,14 @@
 #include <functional>
 #include <string>
 
+#include "test_util.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace {
 
 using namespace weft;
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return {};
-}
+using weft_test::error_of;
 
 const Fp8Scales kTensorScales{Fp8Scaling::kTensor, nullptr, nullptr};
 
