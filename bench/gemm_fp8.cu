@@ -54,15 +54,10 @@ __global__ void diff_bf16(const __nv_bfloat16* x, const __nv_bfloat16* y, uint64
   atomicAdd(&sums[1], r);
 }
 
-struct Mem {
-  void* p = nullptr;
-  explicit Mem(size_t bytes) { WEFT_CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 16)); }
-  ~Mem() { cudaFree(p); }
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-};
+template <class T>
+T* as(const DeviceBuffer& b) {
+  return static_cast<T*>(b.p);
+}
 
 struct Shape {
   int64_t m, n, k;
@@ -130,26 +125,26 @@ Row run_shape(const Shape& s, bool quick, cudaStream_t stream, void* workspace, 
   const uint64_t a_bytes = uint64_t(s.m) * s.k, b_bytes = uint64_t(s.n) * s.k;
   const int sets =
       int(std::clamp<uint64_t>((3ull * l2 + a_bytes + b_bytes - 1) / (a_bytes + b_bytes), 2, 16));
-  std::vector<std::unique_ptr<Mem>> as, bs;
+  std::vector<std::unique_ptr<DeviceBuffer>> a_sets, b_sets;
   for (int i = 0; i < sets; ++i) {
-    as.push_back(std::make_unique<Mem>(a_bytes));
-    bs.push_back(std::make_unique<Mem>(b_bytes));
-    fill_e4m3<<<1024, 256, 0, stream>>>(as.back()->as<uint8_t>(), a_bytes, 2 * i + 1);
-    fill_e4m3<<<1024, 256, 0, stream>>>(bs.back()->as<uint8_t>(), b_bytes, 2 * i + 2);
+    a_sets.push_back(std::make_unique<DeviceBuffer>(a_bytes));
+    b_sets.push_back(std::make_unique<DeviceBuffer>(b_bytes));
+    fill_e4m3<<<1024, 256, 0, stream>>>(as<uint8_t>(*a_sets.back()), a_bytes, 2 * i + 1);
+    fill_e4m3<<<1024, 256, 0, stream>>>(as<uint8_t>(*b_sets.back()), b_bytes, 2 * i + 2);
   }
   const int64_t groups = (s.k + 127) / 128;
   const uint64_t na = uint64_t(s.m) * groups, nb = uint64_t((s.n + 127) / 128) * groups;
-  Mem ones(2 * sizeof(float)), block_a(na * 4), block_b(nb * 4);
-  fill_value<<<1, 32, 0, stream>>>(ones.as<float>(), 2, 1.f);
-  fill_value<<<256, 256, 0, stream>>>(block_a.as<float>(), na, 1.f);
-  fill_value<<<256, 256, 0, stream>>>(block_b.as<float>(), nb, 1.f);
+  DeviceBuffer ones(2 * sizeof(float)), block_a(na * 4), block_b(nb * 4);
+  fill_value<<<1, 32, 0, stream>>>(as<float>(ones), 2, 1.f);
+  fill_value<<<256, 256, 0, stream>>>(as<float>(block_a), na, 1.f);
+  fill_value<<<256, 256, 0, stream>>>(as<float>(block_b), nb, 1.f);
   WEFT_CUDA_CHECK(cudaGetLastError());
-  Mem c_weft(uint64_t(s.m) * s.n * 2), c_lt(uint64_t(s.m) * s.n * 2);
-  const LtFp8 lt(s, ones.as<float>(), ones.as<float>() + 1, workspace, workspace_bytes);
-  const Fp8Scales tensor{Fp8Scaling::kTensor, ones.as<float>(), ones.as<float>() + 1};
-  const Fp8Scales block{Fp8Scaling::kBlock, block_a.as<float>(), block_b.as<float>()};
-  auto a = [&](int i) { return as[i % sets]->p; };
-  auto b = [&](int i) { return bs[i % sets]->p; };
+  DeviceBuffer c_weft(uint64_t(s.m) * s.n * 2), c_lt(uint64_t(s.m) * s.n * 2);
+  const LtFp8 lt(s, as<float>(ones), as<float>(ones) + 1, workspace, workspace_bytes);
+  const Fp8Scales tensor{Fp8Scaling::kTensor, as<float>(ones), as<float>(ones) + 1};
+  const Fp8Scales block{Fp8Scaling::kBlock, as<float>(block_a), as<float>(block_b)};
+  auto a = [&](int i) { return a_sets[i % sets]->p; };
+  auto b = [&](int i) { return b_sets[i % sets]->p; };
   auto weft_tensor = [&](int i) {
     gemm_fp8(a(i), b(i), c_weft.p, s.m, s.n, s.k, Fp8Type::kE4M3, tensor, DType::kBF16, stream);
   };
@@ -165,10 +160,10 @@ Row run_shape(const Shape& s, bool quick, cudaStream_t stream, void* workspace, 
   Row r{ms[0], ms[1], ms[2]};
   weft_tensor(0);
   cublaslt(0);
-  Mem sums(2 * sizeof(double));
+  DeviceBuffer sums(2 * sizeof(double));
   WEFT_CUDA_CHECK(cudaMemsetAsync(sums.p, 0, 2 * sizeof(double), stream));
-  diff_bf16<<<512, 256, 0, stream>>>(c_weft.as<__nv_bfloat16>(), c_lt.as<__nv_bfloat16>(),
-                                     uint64_t(s.m) * s.n, sums.as<double>());
+  diff_bf16<<<512, 256, 0, stream>>>(as<__nv_bfloat16>(c_weft), as<__nv_bfloat16>(c_lt), uint64_t(s.m) * s.n,
+                                     as<double>(sums));
   double h[2];
   WEFT_CUDA_CHECK(cudaMemcpyAsync(h, sums.p, sizeof(h), cudaMemcpyDeviceToHost, stream));
   WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -185,7 +180,7 @@ void run_gemm_fp8(Context& ctx) {
   cudaStream_t stream;
   WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   constexpr size_t kWorkspace = 64ull << 20;
-  Mem workspace(kWorkspace);
+  DeviceBuffer workspace(kWorkspace);
   cudaDeviceProp prop{};
   WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::vector<Shape> shapes = {{8192, 8192, 8192}};
