@@ -93,12 +93,15 @@ void run_fused(Context& ctx) {
       fmt("fused tensor-parallel ops, bf16, %s: weft vs cuBLAS + NCCL %d.%d.%d", ctx.team_label().c_str(),
           NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
       {"op", "M", "N", "K", "sequential us", "compute us", "comm us", "weft us", "weft path", "speedup",
-       "weft / bound", "weft gemm us", "fused us", "fused, added at owner us", "pipelined us"},
+       "weft / bound", "weft gemm us", "fused us", "fused, added at owner us", "fused, staged progressive us",
+       "pipelined us"},
       "sequential = cuBLAS GEMM + NCCL collective; compute = the cuBLAS GEMM alone; bound = max(compute "
       "alone, communication alone); weft path 'sequential' means the op chose its fallback (cuBLAS GEMM + "
       "weft collective) for this shape. weft gemm = weft::gemm alone on the compute shape; fused = "
       "the op with the fused kernel forced; fused, added at owner = the same with its partial tiles "
-      "reduce-added into the owner's sum (FusedOptions::Partials::kAddedAtOwner; RS / AR); pipelined = the "
+      "reduce-added into the owner's sum (FusedOptions::Partials::kAddedAtOwner; RS / AR); fused, staged "
+      "progressive = staged, each half summed at its owner during the GEMM (Partials::kStagedProgressive); "
+      "pipelined = the "
       "op with the copy-engine pipeline "
       "forced (both: what kAuto's rule weighs)." +
           std::string(nccl_on ? ""
@@ -188,6 +191,9 @@ void run_fused(Context& ctx) {
           FusedOptions added = forced;
           added.partials = FusedOptions::Partials::kAddedAtOwner;
           auto added_call = [&](int i) { call(i, added); };
+          FusedOptions progressive = forced;
+          progressive.partials = FusedOptions::Partials::kStagedProgressive;
+          auto progressive_call = [&](int i) { call(i, progressive); };
           FusedOptions pipelined = weft_options;
           pipelined.mode = FusedOptions::Mode::kPipelined;
           auto pipelined_call = [&](int i) { call(i, pipelined); };
@@ -217,6 +223,7 @@ void run_fused(Context& ctx) {
           ctx.progress("fused: warm-up, fused kernel");
           on_all(fused_call, false)(0);
           if (op != Op::kAG) on_all(added_call, false)(0);
+          if (op != Op::kAG) on_all(progressive_call, false)(0);
           comm->synchronize();
           ctx.progress("fused: warm-up, pipeline");
           on_all(pipelined_call, false)(0);
@@ -233,6 +240,7 @@ void run_fused(Context& ctx) {
                                                               on_all(fused_call, false),
                                                               on_all(pipelined_call, false)};
           if (op != Op::kAG) candidates.push_back(on_all(added_call, false));
+          if (op != Op::kAG) candidates.push_back(on_all(progressive_call, false));
           std::vector<double> times;
           if (nccl_on) {
             times = time_graphs_alternating(*comm, streams, iters, reps, candidates);
@@ -240,15 +248,17 @@ void run_fused(Context& ctx) {
             for (size_t c = 0; c < candidates.size(); ++c)
               times.push_back(c == 6 ? 0 : time_graphs(*comm, streams, iters, reps, candidates[c]));
           }
-          times.resize(8, 0.0);  // AG: no added-at-owner column
-          double t_all[8];
-          for (int c = 0; c < 8; ++c) t_all[c] = team_max(times[c]);
-          const auto [t_seq, t_gemm, t_comm, t_weft, t_wgemm, t_forced, t_pipe, t_added] = t_all;
+          times.resize(9, 0.0);  // AG: no added-at-owner or progressive column
+          double t_all[9];
+          for (int c = 0; c < 9; ++c) t_all[c] = team_max(times[c]);
+          const auto [t_seq, t_gemm, t_comm, t_weft, t_wgemm, t_forced, t_pipe, t_added, t_progressive] =
+              t_all;
           t.add({op_name(op), std::to_string(M), std::to_string(N), std::to_string(K), fmt("%.1f", t_seq),
                  fmt("%.1f", t_gemm), fmt("%.1f", t_comm), fmt("%.1f", t_weft), fused_path_name(path),
                  fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm)),
                  fmt("%.1f", t_wgemm), fmt("%.1f", t_forced),
                  t_added > 0 ? fmt("%.1f", t_added) : std::string("-"),
+                 t_progressive > 0 ? fmt("%.1f", t_progressive) : std::string("-"),
                  t_pipe > 0 ? fmt("%.1f", t_pipe) : std::string("-")});
           if (!ctx.timeline_dir.empty()) {  // one call of each weft path, in-kernel timestamps
             auto record = [&](const std::function<void(int)>& f, const char* path_name) {
@@ -263,6 +273,7 @@ void run_fused(Context& ctx) {
             if (path != FusedPath::kFused) record(fused_call, "fused");
             if (path != FusedPath::kPipelined && nccl_on) record(pipelined_call, "pipelined");
             if (op != Op::kAG) record(added_call, "fused_added_at_owner");
+            if (op != Op::kAG) record(progressive_call, "fused_staged_progressive");
           }
           comm->free(wa);
           comm->free(wo);

@@ -91,6 +91,10 @@ struct Call : ops::OpCall {
     using Mode = FusedOptions::Mode;
     WEFT_CHECK(o.pipeline_pieces >= 0, where + "options.pipeline_pieces must be 0 (auto) or more, got " +
                                            std::to_string(o.pipeline_pieces));
+    using Partials = FusedOptions::Partials;
+    WEFT_CHECK(o.partials == Partials::kStaged || o.partials == Partials::kAddedAtOwner ||
+                   o.partials == Partials::kStagedProgressive,
+               where + "unknown options.partials");
     WEFT_CHECK(
         o.mode != Mode::kFused || why_not_fused.empty(),
         where + "the fused kernel cannot run here: " + why_not_fused + " (use Mode::kAuto to fall back)");
@@ -498,9 +502,10 @@ int ag_comm_blocks(const Rank& rank, const FusedOptions& o) {
 
 // The counted RS / AR kernel's communicator blocks (ops/fused.cuh): the all-reduce pushes every half to
 // W - 1 peers while the GEMM runs, a sixteenth of the SM budget (8 on a whole H100 / H200); the
-// reduce-scatter only copies its halves locally, 1 or 2.
-int rs_counting_blocks(const Rank& rank, bool all_reduce) {
-  return all_reduce ? std::clamp(rank.sm_budget() / 16, 1, 8) : std::clamp(rank.sm_budget() / 64, 1, 2);
+// reduce-scatter only copies its halves locally, 1 or 2, or (staged slots) sums W slots per half, 1 to 4.
+int rs_counting_blocks(const Rank& rank, bool all_reduce, bool staged_slots) {
+  if (all_reduce) return std::clamp(rank.sm_budget() / 16, 1, 8);
+  return staged_slots ? std::clamp(rank.sm_budget() / 32, 1, 4) : std::clamp(rank.sm_budget() / 64, 1, 2);
 }
 
 template <bool kKMajor>
@@ -539,7 +544,8 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
 // wait for the kernel's start meeting, which every rank reaches after its zeroing). Counted (launch_rs
 // says where): the kernel's communicator blocks finish the op (ops/fused.cuh). Otherwise the all-reduce
 // all-gathers the sums after the kernel (its entry meeting: every rank's adds have landed); the
-// reduce-scatter meets and copies.
+// reduce-scatter meets and copies. Partials::kStagedProgressive, counted: staged as kStaged, and the
+// communicator blocks sum each half's slots during the GEMM; no reduce kernel after it.
 template <bool kKMajor, bool kCounted>
 void launch_rs_as(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                   const FusedOptions& o, bool all_reduce) {
@@ -550,7 +556,7 @@ void launch_rs_as(Call& c, const void* a, const void* b, void* out, int64_t m, i
   const uint64_t slice = uint64_t(rows) * n * 2;
   const bool added = o.partials == FusedOptions::Partials::kAddedAtOwner, counted = kCounted;
   const int comm_blocks =
-      counted ? rs_counting_blocks(c.rank, all_reduce) : Op::kClusterSize;  // block 0 meets
+      counted ? rs_counting_blocks(c.rank, all_reduce, !added) : Op::kClusterSize;  // block 0 meets
   const bool gathers = all_reduce && !added && !c.comm.in_heap(c.rank, out, m * n * 2);
   char* const out_bytes = static_cast<char*>(out);
   // Where this rank's tiles go at owner r (as seen here): its slot of r's inbox (staged), r's sum (added:
@@ -589,6 +595,8 @@ void launch_rs_as(Call& c, const void* a, const void* b, void* out, int64_t m, i
   p.n = n;
   p.sum = reinterpret_cast<__nv_bfloat16*>(sum);
   p.out = static_cast<__nv_bfloat16*>(out);
+  p.staged_slots = counted && !added;
+  p.staging = reinterpret_cast<const __nv_bfloat16*>(inbox);
   const Shape2D my_rows{size_t(rows), size_t(n)};
   if (c.planned_kernel<Op>(p.sched, comm_blocks)) {
     if (added && all_reduce && !counted)
@@ -598,8 +606,8 @@ void launch_rs_as(Call& c, const void* a, const void* b, void* out, int64_t m, i
   if (added) WEFT_CUDA_CHECK(cudaMemsetAsync(sum, 0, slice, c.stream));
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
-  if (!added) return reduce_staged(c, inbox, slice, out, gathers ? inbox + W * slice : nullptr, all_reduce);
   if (counted) return;
+  if (!added) return reduce_staged(c, inbox, slice, out, gathers ? inbox + W * slice : nullptr, all_reduce);
   if (all_reduce) return all_gather(c.comm, c.rank, inbox, out, my_rows, 0, DType::kBF16, c.stream);
   launch_team_barrier(c.rank.view(), ops::meeting_slots(c.comm, c.rank)[0], c.stream);
   WEFT_CUDA_CHECK(cudaMemcpyAsync(out, inbox, slice, cudaMemcpyDeviceToDevice, c.stream));
@@ -612,8 +620,7 @@ template <bool kKMajor>
 void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                const FusedOptions& o, bool all_reduce) {
   const int64_t rows = m / c.rank.world();
-  const bool counted = o.partials == FusedOptions::Partials::kAddedAtOwner &&
-                       rows / 64 <= ops::kRsHalfFlags &&
+  const bool counted = o.partials != FusedOptions::Partials::kStaged && rows / 64 <= ops::kRsHalfFlags &&
                        (!all_reduce || c.comm.in_heap(c.rank, out, m * n * 2));
   if (counted)
     launch_rs_as<kKMajor, true>(c, a, b, out, m, n, k, o, all_reduce);

@@ -126,14 +126,18 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   o.comm_blocks = int(seed % 3) * 4;                               // 0 (auto), 4, 8
   if (o.comm_blocks >= c.local(0).sm_budget()) o.comm_blocks = 0;  // a small --sm-budget: auto (at least 2)
   o.pipeline_pieces = int(seed / 3 % 4);                           // 0 (auto), 1, 2, 3
-  // RS / AR: every other pair of cases sums its partials at the owner (the fused kernel only; ignored
-  // elsewhere): pairs, so that both a symmetric and a device out (run_all's innermost loop) take it.
-  if (op != Op::kAG && seed / 2 % 2 == 1) o.partials = FusedOptions::Partials::kAddedAtOwner;
-  const bool added = o.partials == FusedOptions::Partials::kAddedAtOwner;
+  // RS / AR: pairs of cases take the three ways of summing the partials in turn (the fused kernel only;
+  // ignored elsewhere): pairs, so that both a symmetric and a device out (run_all's innermost loop) take
+  // each.
+  if (op != Op::kAG && seed / 2 % 3 == 1) o.partials = FusedOptions::Partials::kAddedAtOwner;
+  if (op != Op::kAG && seed / 2 % 3 == 2) o.partials = FusedOptions::Partials::kStagedProgressive;
+  const char* partials = o.partials == FusedOptions::Partials::kAddedAtOwner        ? " added at owner"
+                         : o.partials == FusedOptions::Partials::kStagedProgressive ? " staged, progressive"
+                                                                                    : "";
   if (std::getenv("WEFT_TEST_VERBOSE"))
     std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d%s\n", int(op),
                  (long long)m, (long long)n, (long long)k, nk ? "NK" : "KN", mode_name(mode),
-                 sym ? "sym" : "device", o.comm_blocks, o.pipeline_pieces, added ? " added at owner" : "");
+                 sym ? "sym" : "device", o.comm_blocks, o.pipeline_pieces, partials);
   for (int i = 0; i < c.num_local(); ++i) {
     const int r = c.local(i).rank();
     const __nv_bfloat16* a_src = op == Op::kAG ? a[0].h.data() + r * s.shard * k : a[r].h.data();
@@ -215,8 +219,8 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
                               : op == Op::kRS ? "matmul_reduce_scatter"
                                               : "matmul_all_reduce")
                                  << " M=" << m << " N=" << n << " K=" << k << (nk ? " [N,K] B" : " [K,N] B")
-                                 << " " << mode_name(mode) << (added ? " (added at owner)" : "")
-                                 << (sym ? " symmetric" : " device") << " rank " << r << ": " << err);
+                                 << " " << mode_name(mode) << partials << (sym ? " symmetric" : " device")
+                                 << " rank " << r << ": " << err);
   }
   c.host_barrier();
 }
@@ -270,7 +274,8 @@ WEFT_GPU_TEST(fused_ops_back_to_back) {
     run_case(ctx, Op::kRS, kShapes[rep % 4 < 2 ? 2 : 5], BLayout::kKN,
              rep % 2 ? Mode::kFused : Mode::kPipelined, true, 600 + rep);
     run_case(ctx, Op::kAR, kShapes[0], BLayout::kNK, mode, false, 700 + rep);
-    // Counted at the owner (seed / 2 odd, symmetric out): the halves' counts carry over between calls.
+    // Counted at the owner (seed / 2 % 3: 1 added, 2 staged progressive; symmetric out): the halves' counts
+    // carry over between calls and between the two counted ways.
     run_case(ctx, Op::kAR, kShapes[5], BLayout::kNK, Mode::kFused, true, 802 + 4 * rep);
     run_case(ctx, Op::kRS, kShapes[2], BLayout::kNK, Mode::kFused, rep % 2 == 0, 902 + 4 * rep);
   }
@@ -283,9 +288,11 @@ WEFT_GPU_TEST(fused_ops_back_to_back) {
 WEFT_GPU_TEST(fused_ops_fail_fast_when_a_rank_stalls) {
   for (Op op : {Op::kAG, Op::kRS, Op::kAR})
     for (Mode mode : kModes)
-      for (bool added :
-           {false, true}) {  // RS / AR fused: also with the partials added (and counted) at the owner
-        if (added && (op == Op::kAG || mode != Mode::kFused)) continue;
+      for (FusedOptions::Partials partials :  // RS / AR fused: also with the partials counted at the owner
+           {FusedOptions::Partials::kStaged, FusedOptions::Partials::kAddedAtOwner,
+            FusedOptions::Partials::kStagedProgressive}) {
+        const bool counted = partials != FusedOptions::Partials::kStaged;
+        if (counted && (op == Op::kAG || mode != Mode::kFused)) continue;
         auto cp = ctx.make_comm(std::chrono::milliseconds(500));
         Communicator& c = *cp;
         const int W = c.world(), stalled = W - 1;
@@ -295,7 +302,7 @@ WEFT_GPU_TEST(fused_ops_fail_fast_when_a_rank_stalls) {
             out(c, out_rows * n * 2, true);
         FusedOptions o;
         o.mode = mode;
-        if (added) o.partials = FusedOptions::Partials::kAddedAtOwner;
+        o.partials = partials;
         auto call_all = [&](bool skip_stalled) {
           for (int i = 0; i < c.num_local(); ++i) {
             Rank& r = c.local(i);
@@ -326,10 +333,14 @@ WEFT_GPU_TEST(fused_ops_fail_fast_when_a_rank_stalls) {
         }
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         const bool waits = !(ctx.multi_process && c.local(0).rank() == stalled);  // the stalled rank itself
-        const std::string what = std::string(op == Op::kAG   ? "all_gather_matmul"
-                                             : op == Op::kRS ? "matmul_reduce_scatter"
-                                                             : "matmul_all_reduce") +
-                                 " " + mode_name(mode) + (added ? " (added at owner)" : "");
+        const std::string what =
+            std::string(op == Op::kAG   ? "all_gather_matmul"
+                        : op == Op::kRS ? "matmul_reduce_scatter"
+                                        : "matmul_all_reduce") +
+            " " + mode_name(mode) +
+            (partials == FusedOptions::Partials::kAddedAtOwner        ? " (added at owner)"
+             : partials == FusedOptions::Partials::kStagedProgressive ? " (staged, progressive)"
+                                                                      : "");
         if (waits) {
           WEFT_EXPECT(msg.find("timed out") != std::string::npos || msg.find("gave up") != std::string::npos,
                       what << ": the others should fail with a diagnostic, got '" << msg << "'");
@@ -359,11 +370,12 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
       upload(c, i, b.ptr[i], make(size_t(n * k), 88 + r).h.data(), n * k * 2);
     }
     c.host_barrier();
-    auto run = [&](RankBuffers& dst, Mode mode, bool added) {
+    using Partials = FusedOptions::Partials;
+    auto run = [&](RankBuffers& dst, Mode mode, Partials partials) {
       FusedOptions o;
       o.mode = mode;
       o.pipeline_pieces = 3;
-      if (added) o.partials = FusedOptions::Partials::kAddedAtOwner;
+      o.partials = partials;
       for (int i = 0; i < c.num_local(); ++i) poison(c, i, dst.ptr[i], out_rows * n * 2);
       c.host_barrier();
       for (int i = 0; i < c.num_local(); ++i) {
@@ -375,11 +387,11 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
       }
       c.synchronize();
     };
-    run(ref, Mode::kSequential, false);
+    run(ref, Mode::kSequential, Partials::kStaged);
     // The partials added at the owner: against the sequential result (the adds' order varies between runs,
     // so no bitwise comparison of repetitions).
     for (int rep = 0; rep < 2; ++rep) {
-      run(out, Mode::kFused, true);
+      run(out, Mode::kFused, Partials::kAddedAtOwner);
       for (int i = 0; i < c.num_local(); ++i) {
         const auto want = get(c, i, ref.ptr[i], out_rows * n);
         const std::string err =
@@ -390,10 +402,22 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
       }
       c.host_barrier();
     }
-    for (Mode mode : {Mode::kFused, Mode::kPipelined}) {
+    // Fused (staged; staged, progressive) and pipelined: against the sequential result, and the same bits
+    // in every repetition; the progressive sum the same bits as the staged one (one order of the W slots).
+    struct Variant {
+      Mode mode;
+      Partials partials;
+      const char* name;
+    };
+    std::vector<std::vector<__nv_bfloat16>> staged_bits(c.num_local());
+    for (const Variant v :
+         {Variant{Mode::kFused, Partials::kStaged, "fused"},
+          Variant{Mode::kFused, Partials::kStagedProgressive, "fused (staged, progressive)"},
+          Variant{Mode::kPipelined, Partials::kStaged, "pipelined"}}) {
+      const Mode mode = v.mode;
       std::vector<std::vector<__nv_bfloat16>> first(c.num_local());
       for (int rep = 0; rep < 3; ++rep) {
-        run(out, mode, false);
+        run(out, mode, v.partials);
         for (int i = 0; i < c.num_local(); ++i) {
           const int r = c.local(i).rank();
           const auto got = get(c, i, out.ptr[i], out_rows * n);
@@ -401,15 +425,20 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
           const std::vector<double> want_d(want.begin(), want.end());
           const std::string err = compare(got, want_d);
           WEFT_EXPECT(err.empty(), (op == Op::kRS ? "matmul_reduce_scatter" : "matmul_all_reduce")
-                                       << " " << mode_name(mode) << " M=" << m << " rep " << rep << " rank "
-                                       << r << ": " << err);
+                                       << " " << v.name << " M=" << m << " rep " << rep << " rank " << r
+                                       << ": " << err);
           if (rep == 0)
             first[i] = got;
           else
             WEFT_EXPECT(std::memcmp(got.data(), first[i].data(), got.size() * 2) == 0,
                         (op == Op::kRS ? "matmul_reduce_scatter" : "matmul_all_reduce")
-                            << " " << mode_name(mode) << " rank " << r << ": rep " << rep
+                            << " " << v.name << " rank " << r << ": rep " << rep
                             << " differs from rep 0 (a race?)");
+          if (rep == 0 && v.partials == Partials::kStaged && mode == Mode::kFused) staged_bits[i] = got;
+          if (rep == 0 && v.partials == Partials::kStagedProgressive)
+            WEFT_EXPECT(std::memcmp(got.data(), staged_bits[i].data(), got.size() * 2) == 0,
+                        (op == Op::kRS ? "matmul_reduce_scatter" : "matmul_all_reduce")
+                            << " rank " << r << ": the progressive sum differs from the staged one");
         }
         c.host_barrier();
       }

@@ -151,6 +151,31 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
   }
 };
 
+// A communicator block sums one half of this rank's rows over the W staged slots (slot r at staging + r x
+// slot_elems), 16-byte units [0, units): in fp32, its own slot first, then rank + 1, ... (the order of the
+// staged reduce kernel, coll::reduce_scatter_kernel, so the bits are the same), rounded once; into dst, or
+// every rank's copy of dst when fan_out.
+__device__ __forceinline__ void sum_staged_half(const TeamView& t, uint4* dst, const __nv_bfloat16* staging,
+                                                int64_t slot_elems, int64_t units, bool fan_out) {
+  for (int64_t i = threadIdx.x; i < units; i += blockDim.x) {
+    Pack<Elem::kBF16> acc;
+    for (int s = 0; s < t.world; ++s) {
+      const auto* slot =
+          reinterpret_cast<const uint4*>(staging + int64_t((t.rank + s) % t.world) * slot_elems);
+      const Pack<Elem::kBF16> x = Pack<Elem::kBF16>::load(ld16(slot + i));
+      if (s == 0)
+        acc = x;
+      else
+        acc.template combine_with<Reduce::kSum>(x);
+    }
+    const uint4 v = acc.store();
+    if (fan_out)
+      broadcast16(t, dst + i, v);
+    else
+      st16(dst + i, v);
+  }
+}
+
 // ---- GEMM + reduce-scatter (and the first half of all-reduce) -----------------------------------------
 // kCounted: the partials added at the owner and counted (see the header); an instantiation of its own, so
 // the staged kernel carries none of its registers.
@@ -169,8 +194,13 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     Flags halves;
     int tiles_n;         // adds per half from each rank
     int64_t n;           // columns
-    __nv_bfloat16* sum;  // this rank's sum [shard_rows, n]
-    __nv_bfloat16* out;  // reduce-scatter: where each completed half is copied
+    __nv_bfloat16* sum;  // this rank's sum [shard_rows, n] (added)
+    __nv_bfloat16* out;  // reduce-scatter: where each completed half goes; all-reduce (staged): out [m, n]
+    // kCounted with staged slots (Partials::kStagedProgressive): the tiles are stored, not added, into the
+    // owner's W slots of [shard_rows, n] (`staging`, this rank's inbox, slot r = rank r's), and a completed
+    // half is their sum.
+    const __nv_bfloat16* staging;
+    bool staged_slots;
   };
   struct StoreState {
     typename Base::StoreState epi;
@@ -248,6 +278,14 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
       if (threadIdx.x == 0) reached = wait_ge(t, t.flag(p.halves, h), target);
       __syncthreads();
       const int64_t first = int64_t(h) * 64 * p.n, units = 64 * p.n / 8;
+      if (p.staged_slots) {
+        // Into this rank's out (its slice of the all-reduce's out), the same place in every peer's.
+        __nv_bfloat16* dst = p.out + (p.fan_out ? int64_t(t.rank) * p.shard_rows * p.n : 0) + first;
+        sum_staged_half(t, reinterpret_cast<uint4*>(dst), p.staging + first, int64_t(p.shard_rows) * p.n,
+                        units, p.fan_out);
+        if (threadIdx.x == 0 && reached) *done = target;
+        return;
+      }
       const uint4* from = reinterpret_cast<const uint4*>(p.sum + first);
       if (p.fan_out) {  // the sum is this rank's slice of out: the same place in every peer's out
         for (int k = 1; k < t.world; ++k)
