@@ -50,7 +50,7 @@ enum class DeviceErrorCode : uint32_t {
 
 struct DeviceError {
   uint32_t code;    // DeviceErrorCode
-  int32_t rank;     // rank that waited
+  int32_t rank;     // rank that waited (its rank in the whole team, also for a sub-team's wait)
   uint32_t block;   // linear block index
   uint32_t thread;  // linear thread index in the block
   uint64_t
@@ -59,7 +59,7 @@ struct DeviceError {
   uint64_t observed;   // the last value seen
   uint64_t waited_ns;  // how long it waited
   uint32_t cause;      // kPeerFailed: the failed rank's own code
-  uint32_t reserved;
+  uint32_t complete;   // set (after a fence) once the fields above are written: a copier waits for it
 };
 static_assert(sizeof(DeviceError) <= 64, "the signal pad keeps 64 bytes for the error record");
 

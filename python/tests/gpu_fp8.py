@@ -3,8 +3,8 @@
     PYTHONPATH=build/python python3 python/tests/gpu_fp8.py
 
 scaled_mm against torch._scaled_mm on the same FP8 operands (per-tensor and per-row / column scales) and
-against an fp32 matmul of the dequantized operands (every scaling, including DeepSeek-V3's blocks, which
-torch._scaled_mm does not take on Hopper), partial tiles, bf16 and fp32 out; quantize_fp8's scales and values
+against an fp32 matmul of the dequantized operands (every scaling, including DeepSeek-V3's blocks, whose
+scale layout here, row-major, is not torch._scaled_mm's), partial tiles, bf16 and fp32 out; quantize_fp8's scales and values
 against torch's own amax and rounding; bad arguments refused with WeftValueError / WeftTypeError. NaN never
 passes.
 """
@@ -81,10 +81,11 @@ def main():
     # Refusals.
     qa = torch.zeros(64, 64, device="cuda", dtype=E4M3)
     s1 = torch.ones(1, device="cuda")
+    k24 = torch.zeros(64, 24, device="cuda", dtype=E4M3)
     cases = [
         (weft.WeftTypeError, lambda: weft.scaled_mm(qa.to(torch.bfloat16), qa.t(), s1, s1)),
         (weft.WeftValueError, lambda: weft.scaled_mm(qa, qa, s1, s1)),  # b not a transposed weight
-        (weft.WeftValueError, lambda: weft.scaled_mm(qa[:, :24].contiguous(), qa[:, :24].t(), s1, s1)),  # K = 24
+        (weft.WeftValueError, lambda: weft.scaled_mm(k24, k24.t(), s1, s1)),  # K = 24
         (weft.WeftValueError, lambda: weft.scaled_mm(qa, qa.t(), torch.ones(3, 3, device="cuda"), s1)),
         (weft.WeftTypeError, lambda: weft.quantize_fp8(torch.zeros(4, 4, device="cuda"))),
         (weft.WeftValueError, lambda: weft.quantize_fp8(torch.zeros(4, 4, device="cuda", dtype=torch.bfloat16),
@@ -97,6 +98,8 @@ def main():
             print(f"  FAIL refusal {i}: nothing raised")
         except kind as e:
             print(f"  ok   refusal {i}: {e}")
+            if i == 2 and "K = 24" not in str(e):
+                failures.append("refusal 2: not the K check")
     torch.cuda.synchronize()
     print(f"gpu_fp8: {'FAILED ' + ', '.join(failures) if failures else 'all passed'}")
     return 1 if failures else 0

@@ -1,5 +1,6 @@
-"""FP8 on one GPU (torch tensors): weft.scaled_mm, weft's FP8 GEMM with torch._scaled_mm's conventions and
-DeepSeek-V3's block scales, and weft.quantize_fp8, which makes its operands. Eager (no autograd); queued on
+"""FP8 on one GPU (torch tensors): weft.scaled_mm, weft's FP8 GEMM with torch._scaled_mm's operand layout
+(per-tensor and per-row / column scales as torch's; DeepSeek-V3's block scales row-major and contiguous,
+which is not torch's layout for them), and weft.quantize_fp8, which makes its operands. Eager (no autograd); queued on
 torch's current stream."""
 from __future__ import annotations
 

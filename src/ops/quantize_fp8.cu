@@ -1,5 +1,6 @@
 // Host side of weft::quantize_fp8: checks and launches (device code: weft/ops/quantize_fp8.cuh).
 #include <algorithm>
+#include <climits>
 #include <string>
 
 #include "op_args.hpp"
@@ -28,8 +29,8 @@ void launch(const Quantize& q) {
   const T* in = static_cast<const T*>(q.in);
   const int blocks = 4 * ops::device_facts().sms;
   if (q.kind == Fp8Scaling::kBlock && q.operand == Fp8Operand::kB) {
-    const dim3 grid(unsigned((q.cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock),
-                    unsigned((q.rows + kFp8ScaleBlock - 1) / kFp8ScaleBlock));
+    const auto grid = unsigned(((q.cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock) *
+                               ((q.rows + kFp8ScaleBlock - 1) / kFp8ScaleBlock));
     detail::preload<&ops::fp8::quantize_blocks_kernel<T, kE5M2>>();
     ops::fp8::quantize_blocks_kernel<T, kE5M2>
         <<<grid, 256, 0, q.stream>>>(in, q.ld_in, q.out, q.ld_out, q.scales, q.rows, q.cols);
@@ -69,8 +70,10 @@ void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, fl
              where + "unknown Fp8Scaling");
   WEFT_CHECK(operand == Fp8Operand::kA || operand == Fp8Operand::kB, where + "unknown Fp8Operand");
   WEFT_CHECK(rows > 0 && cols > 0, where + "rows and cols must be at least 1");
-  WEFT_CHECK(rows <= (int64_t(1) << 31) * kFp8ScaleBlock && cols <= (int64_t(1) << 31) * kFp8ScaleBlock,
-             where + "sizes past the launch grid's reach are not supported");
+  const int64_t tiles =
+      ((rows + kFp8ScaleBlock - 1) / kFp8ScaleBlock) * ((cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock);
+  WEFT_CHECK(tiles <= INT32_MAX && rows <= INT32_MAX && cols <= INT32_MAX,
+             where + "more than 2^31 - 1 rows, columns or 128 x 128 tiles are not supported");
   ld_in = ld_in ? ld_in : cols;
   ld_out = ld_out ? ld_out : cols;
   WEFT_CHECK(ld_in >= cols && ld_out >= cols, where + "ld_in and ld_out must be at least cols");

@@ -240,6 +240,19 @@ WEFT_GPU_TEST_ONE_GPU(gemm_fp8_matches_reference) {
   add.out = DType::kFP32;
   add.seed = seed++;
   check_case(blas.h, s, add);
+  // Few persistent blocks, so that every block takes many tiles (the accumulator, the pipeline's position
+  // and the epilogue's buffers carry across tiles): the quick shapes alone give each block one tile.
+  for (int blocks : {1, 3}) {
+    Case few{517, 200, 1008, Fp8Scaling::kBlock};
+    few.opt.max_blocks = blocks;
+    few.seed = seed++;
+    check_case(blas.h, s, few);
+    Case wide{1000, 1000, 1040, Fp8Scaling::kTensor};
+    wide.opt.max_blocks = blocks;
+    wide.out = DType::kFP32;
+    wide.seed = seed++;
+    check_case(blas.h, s, wide);
+  }
   Case ld{190, 200, 272, Fp8Scaling::kBlock};
   ld.opt.lda = 288;
   ld.opt.ldb = 304;

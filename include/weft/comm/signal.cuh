@@ -76,23 +76,34 @@ inline __device__ __noinline__ void report_wait_failure(const TeamView& team, De
                                                         const uint64_t* flag, uint64_t expected,
                                                         uint64_t observed, uint64_t waited_ns) {
   DeviceError* e = team.error;
-  if (atomicCAS(reinterpret_cast<unsigned int*>(&e->code), 0u, static_cast<unsigned int>(code)) != 0u) return;
-  e->rank = team.rank;
+  // System scope, as the peers' copies into this record (report_failure_to_peers) take it.
+  if (atomicCAS_system(reinterpret_cast<unsigned int*>(&e->code), 0u, static_cast<unsigned int>(code)) != 0u)
+    return;
+  e->rank = team.peer_first + team.rank * team.peer_stride;
   e->block = linear_block();
   e->thread = linear_thread();
   e->flag_offset = static_cast<uint64_t>(reinterpret_cast<const char*>(flag) - team.local_base);
   e->expected = expected;
   e->observed = observed;
   e->waited_ns = waited_ns;
-  __threadfence();
+  __threadfence_system();
+  *reinterpret_cast<volatile uint32_t*>(&e->complete) = 1u;
 }
 
 // Copies this rank's failure record into every peer's (code kPeerFailed; first error wins there as well).
 // For waits whose stream goes on after a failure: the work enqueued behind a failed stream wait still runs
 // and its arrival writes can satisfy peers' waits with data computed from a partial that never came, so the
 // peers must learn that the call failed even where none of their own waits did.
+// The record copied is complete: the thread that won this rank's record (maybe another wait's, or a peer's
+// copy) may still be writing it, so this waits for its `complete` mark (at most 1 ms; then it copies what is
+// there). A refusal of bad counts is not copied: every rank refuses that call itself.
 inline __device__ __noinline__ void report_failure_to_peers(const TeamView& team) {
   const volatile DeviceError* mine = team.error;
+  const uint64_t start = ptx::globaltimer_ns();
+  while (mine->complete == 0u && ptx::globaltimer_ns() - start < 1000000) {
+  }
+  __threadfence_system();
+  if (mine->code == static_cast<uint32_t>(DeviceErrorCode::kBadCounts)) return;
   for (int r = 0; r < team.world; ++r) {
     if (r == team.rank) continue;
     DeviceError* e = team.peer_ptr(team.error, r);
@@ -107,6 +118,8 @@ inline __device__ __noinline__ void report_failure_to_peers(const TeamView& team
     e->observed = mine->observed;
     e->waited_ns = mine->waited_ns;
     e->cause = mine->code == static_cast<uint32_t>(DeviceErrorCode::kPeerFailed) ? mine->cause : mine->code;
+    __threadfence_system();
+    *reinterpret_cast<volatile uint32_t*>(&e->complete) = 1u;
   }
   __threadfence_system();  // before the stream's next work (its pushes) starts
 }

@@ -456,17 +456,18 @@ enum class BadCounts : uint32_t {
 inline __device__ void report_bad_counts(const AllToAllV& a, int rank, BadCounts what, int64_t limit,
                                          int64_t needed) {
   DeviceError* e = a.team.error;
-  if (atomicCAS(reinterpret_cast<unsigned int*>(&e->code), 0u,
-                static_cast<unsigned int>(DeviceErrorCode::kBadCounts)) != 0u)
+  if (atomicCAS_system(reinterpret_cast<unsigned int*>(&e->code), 0u,
+                       static_cast<unsigned int>(DeviceErrorCode::kBadCounts)) != 0u)
     return;
-  e->rank = a.team.rank;
+  e->rank = a.team.peer_first + a.team.rank * a.team.peer_stride;
   e->block = static_cast<uint32_t>(rank);
   e->thread = static_cast<uint32_t>(what);
   e->flag_offset = 0;
   e->expected = static_cast<uint64_t>(limit);
   e->observed = static_cast<uint64_t>(needed);
   e->waited_ns = 0;
-  __threadfence();
+  __threadfence_system();
+  *reinterpret_cast<volatile uint32_t*>(&e->complete) = 1u;
 }
 
 // The whole table's checks (one thread; every rank sees the same table and decides alike). Sums stop at

@@ -67,13 +67,15 @@ __global__ void quantize_groups_kernel(const T* in, int64_t ld_in, uint8_t* out,
   }
 }
 
-// One block (256 threads) per 128 x 128 tile: scales[tile_row * col_tiles + tile_col].
+// One block (256 threads) per 128 x 128 tile, a 1-D grid of them row-major: scales[tile_row * col_tiles +
+// tile_col].
 template <class T, bool kE5M2>
 __global__ void quantize_blocks_kernel(const T* in, int64_t ld_in, uint8_t* out, int64_t ld_out,
                                        float* scales, int64_t rows, int64_t cols) {
   __shared__ float warp_amax[8];
   const int64_t col_tiles = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
-  const int64_t r0 = int64_t(blockIdx.y) * kFp8ScaleBlock, c0 = int64_t(blockIdx.x) * kFp8ScaleBlock;
+  const int64_t tile = blockIdx.x;  // row tile tile / col_tiles, column tile tile % col_tiles
+  const int64_t r0 = tile / col_tiles * kFp8ScaleBlock, c0 = tile % col_tiles * kFp8ScaleBlock;
   const int64_t r1 = min(rows, r0 + kFp8ScaleBlock), c1 = min(cols, c0 + kFp8ScaleBlock);
   float amax = 0.f;
   for (int64_t r = r0 + threadIdx.x / 32; r < r1; r += 8)
@@ -89,7 +91,7 @@ __global__ void quantize_blocks_kernel(const T* in, int64_t ld_in, uint8_t* out,
   for (int64_t r = r0 + threadIdx.x / 32; r < r1; r += 8)
     for (int64_t c = c0 + threadIdx.x % 32; c < c1; c += 32)
       out[r * ld_out + c] = encode<kE5M2>(load(in + r * ld_in + c) * inv);
-  if (threadIdx.x == 0) scales[blockIdx.y * col_tiles + blockIdx.x] = amax / max_value<kE5M2>();
+  if (threadIdx.x == 0) scales[tile] = amax / max_value<kE5M2>();
 }
 
 // Per tensor: amax into *amax_bits (a float's bits, zeroed before; non-negative floats order as integers).
