@@ -46,6 +46,8 @@ enum class DeviceErrorCode : uint32_t {
                     // expected: the limit; observed: what the counts need)
   kPeerFailed = 4,  // a wait of rank `rank` failed (the rest of the record is its own) and work it feeds into
                     // this rank's call went on past it (stream_wait_kernel): this rank's results are invalid
+  kBadInput = 5,  // flash_decode refused device-side input (block: the sequence; thread: ops::DecodeBadInput;
+                  // expected: the limit; observed: the value)
 };
 
 struct DeviceError {

@@ -1,0 +1,177 @@
+// Host side of weft::flash_decode (weft/ops/flash_decode.hpp): checks, the split of the work, the inbox (the
+// communicator's workspace area "flash decode inbox", symmetric) and the launch (device code:
+// weft/ops/flash_decode.cuh).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <string>
+
+#include "op_args.hpp"
+#include "weft/ops/flash_decode.cuh"
+#include "weft/ops/flash_decode.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/kernel_preload.hpp"
+
+namespace weft {
+namespace {
+
+const char* const kInbox = "flash decode inbox";
+const char* const kState = "flash_decode: call count, finishers";
+const char* const kLanded = "flash_decode: partials landed per (sequence, KV head), per call parity";
+const ResourceDeclaration kDecodeResources[] = {
+    ResourceDeclaration{{kState, 2}},
+    ResourceDeclaration{{kLanded, 2 * ops::kDecodeMaxPairs}},
+};
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+void check_shape(const DecodeShape& s, const DecodeCache& c, int world, DType dtype,
+                 const std::string& where) {
+  WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16,
+             where + "q, the cache and out must be bf16 or fp16");
+  WEFT_CHECK(s.head_dim == 64 || s.head_dim == 128,
+             where + "head_dim must be 64 or 128, got " + std::to_string(s.head_dim));
+  WEFT_CHECK(s.batch >= 1 && s.q_len >= 1 && s.kv_heads >= 1 && s.heads >= 1,
+             where + "batch, q_len, heads and kv_heads must be at least 1");
+  WEFT_CHECK(s.heads % s.kv_heads == 0, where + "heads (" + std::to_string(s.heads) +
+                                            ") must be a multiple of kv_heads (" +
+                                            std::to_string(s.kv_heads) + ")");
+  WEFT_CHECK(s.batch * s.kv_heads <= ops::kDecodeMaxPairs,
+             where + "batch x kv_heads = " + std::to_string(s.batch * s.kv_heads) + " is more than the " +
+                 std::to_string(ops::kDecodeMaxPairs) + " (sequence, KV head) pairs a call takes");
+  WEFT_CHECK(
+      s.batch * s.q_len * s.heads * s.head_dim < INT32_MAX && s.q_len * s.heads / s.kv_heads < INT32_MAX,
+      where + "sizes past 2^31 are not supported");
+  if (c.block_table != nullptr) {
+    WEFT_CHECK(c.block_size >= 1 && c.max_blocks >= 1 && c.num_blocks >= 1,
+               where + "a paged cache needs block_size, max_blocks and num_blocks of at least 1");
+    WEFT_CHECK(s.max_local == c.block_size * c.max_blocks,
+               where + "max_local (" + std::to_string(s.max_local) + ") must be max_blocks x block_size (" +
+                   std::to_string(c.block_size * c.max_blocks) + ") for a paged cache");
+    WEFT_CHECK(c.num_blocks * c.block_size * s.kv_heads * s.head_dim < (int64_t(1) << 40) &&
+                   c.num_blocks <= INT32_MAX,
+               where + "a cache past 2^40 elements is not supported");
+  } else {
+    WEFT_CHECK(c.block_size == 0 && c.max_blocks == 0 && c.num_blocks == 0,
+               where + "block_size, max_blocks and num_blocks are for a paged cache (block_table set)");
+  }
+  WEFT_CHECK(s.max_local >= 1 && s.max_local <= INT32_MAX,
+             where + "max_local must be 1 .. 2^31 - 1, got " + std::to_string(s.max_local));
+  (void)world;
+}
+
+// The work's split: every rank derives the same from the shape (max_local the same on every rank), so the
+// landed counts agree.
+struct Split {
+  int rows, row_groups, splits, chunk, grid;
+  size_t smem;
+};
+
+template <class T, int kD>
+Split split_of(const Rank& rank, const DecodeShape& s) {
+  using K = ops::DecodeKernel<T, kD>;
+  Split x{};
+  x.rows = static_cast<int>(s.q_len * (s.heads / s.kv_heads));
+  x.row_groups = static_cast<int>(ceil_div(x.rows, ops::kDecodeRows));
+  x.smem = sizeof(typename K::Smem);
+  static int per_sm = 0;  // resident blocks per SM (the same kernel attributes on every GPU of a team)
+  if (per_sm == 0)
+    WEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ops::flash_decode_kernel<T, kD>,
+                                                                  ops::kDecodeWarps * 32, x.smem));
+  const int64_t resident = int64_t(std::max(per_sm, 1)) * rank.sm_budget();
+  const int64_t pair_items = s.batch * s.kv_heads * x.row_groups;
+  // About two items per resident block; chunks of whole loop steps, at least 4 of them.
+  const int64_t want = std::clamp<int64_t>(ceil_div(2 * resident, pair_items), 1,
+                                           std::max<int64_t>(1, s.max_local / (4 * K::kTokensPerStep)));
+  x.chunk = static_cast<int>(ceil_div(ceil_div(s.max_local, want), K::kTokensPerStep) * K::kTokensPerStep);
+  x.splits = static_cast<int>(ceil_div(s.max_local, x.chunk));
+  x.grid = static_cast<int>(std::min<int64_t>(resident, pair_items * x.splits));
+  return x;
+}
+
+template <class T, int kD>
+void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, float* lse,
+            const DecodeShape& s, const DecodeOptions& o) {
+  const Split x = split_of<T, kD>(call.rank, s);
+  const int W = call.rank.world();
+  const int64_t parts = 2 * int64_t(W) * s.batch * s.kv_heads * x.splits * x.rows;  // both parities
+  ops::WorkspaceLayout inbox(call.workspace(ops::bytes_carved_by([&](ops::WorkspaceLayout& w) {
+                                              w.take(parts * kD * 4);
+                                              w.take(parts * 8);
+                                            }),
+                                            kInbox));
+  ops::DecodeParams<T> p{};
+  p.team = call.rank.view();
+  p.epoch = CallEpoch{p.team.flag(call.comm.resources(call.rank, kState).flags, 0)};
+  p.landed = call.comm.resources(call.rank, kLanded).flags;
+  p.q = static_cast<const T*>(q);
+  p.out = static_cast<T*>(out);
+  p.lse = lse;
+  p.k = static_cast<const T*>(c.k);
+  p.v = static_cast<const T*>(c.v);
+  p.block_table = c.block_table;
+  p.block_size = static_cast<int>(c.block_size);
+  p.max_blocks = static_cast<int>(c.max_blocks);
+  p.num_blocks = static_cast<int>(c.num_blocks);
+  p.seqlens = c.seqlens;
+  p.offsets = c.offsets;
+  p.seq_total = c.seq_total;
+  p.batch = static_cast<int>(s.batch);
+  p.q_len = static_cast<int>(s.q_len);
+  p.heads = static_cast<int>(s.heads);
+  p.kv_heads = static_cast<int>(s.kv_heads);
+  p.group = static_cast<int>(s.heads / s.kv_heads);
+  p.rows = x.rows;
+  p.row_groups = x.row_groups;
+  p.splits = x.splits;
+  p.chunk = x.chunk;
+  p.max_local = static_cast<int>(s.max_local);
+  const float scale = o.scale > 0.f ? o.scale : 1.f / std::sqrt(float(kD));
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.causal = o.causal;
+  p.part_o = inbox.take<float>(parts * kD * 4);
+  p.part_ml = inbox.take<float2>(parts * 8);
+  if (call.planned("split-KV decode, partials merged on every rank", x.grid)) return;
+  constexpr auto kernel = &ops::flash_decode_kernel<T, kD>;
+  detail::preload<kernel>();
+  kernel<<<x.grid, ops::kDecodeWarps * 32, x.smem, call.stream>>>(p);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void flash_decode(Communicator& comm, Rank& rank, const void* q, const DecodeCache& cache, void* out,
+                  float* lse, const DecodeShape& shape, DType dtype, cudaStream_t stream,
+                  const DecodeOptions& options) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::flash_decode", rank));
+  const std::string& where = call.where;
+  check_shape(shape, cache, rank.world(), dtype, where);
+  WEFT_CHECK(options.scale >= 0.f, where + "options.scale must be 0 (1 / sqrt(head_dim)) or positive");
+  const int64_t d = shape.head_dim, tok = shape.kv_heads * d;
+  const int64_t q_bytes = shape.batch * shape.q_len * shape.heads * d * 2;
+  call.check_buffer(q, "q", q_bytes);
+  call.check_buffer(out, "out", q_bytes);
+  const int64_t slots =
+      cache.block_table ? cache.num_blocks * cache.block_size : shape.batch * shape.max_local;
+  call.check_buffer(cache.k, "cache.k", slots * tok * 2);
+  call.check_buffer(cache.v, "cache.v", slots * tok * 2);
+  call.check_buffer(cache.seqlens, "cache.seqlens", shape.batch * 4, 4);
+  if (cache.block_table)
+    call.check_buffer(cache.block_table, "cache.block_table", shape.batch * cache.max_blocks * 4, 4);
+  if (cache.offsets) call.check_buffer(cache.offsets, "cache.offsets", shape.batch * 4, 4);
+  if (cache.seq_total) call.check_buffer(cache.seq_total, "cache.seq_total", shape.batch * 4, 4);
+  if (lse) call.check_buffer(lse, "lse", shape.batch * shape.q_len * shape.heads * 4, 4);
+  if (dtype == DType::kFP16)
+    d == 64 ? launch<__half, 64>(call, q, cache, out, lse, shape, options)
+            : launch<__half, 128>(call, q, cache, out, lse, shape, options);
+  else
+    d == 64 ? launch<__nv_bfloat16, 64>(call, q, cache, out, lse, shape, options)
+            : launch<__nv_bfloat16, 128>(call, q, cache, out, lse, shape, options);
+}
+
+}  // namespace weft

@@ -1,0 +1,268 @@
+// GPU tests of weft::flash_decode against a double-precision host reference: each sequence's cache split over
+// the team in uneven contiguous parts (a rank may hold none of a sequence), odd lengths that differ across
+// the batch, q_len 1 and 3 causal among the new tokens, GQA 4:1, MQA and 8:1, head_dim 64 and 128, bf16 and
+// fp16, contiguous and paged caches (shuffled block tables); outputs poisoned first; repeated calls (the
+// inboxes alternate); a length past the capacity fails the call with its reason. Runs at W = 1 and on every
+// team.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "harness.hpp"
+#include "weft/ops/flash_decode.hpp"
+
+using namespace weft;
+using weft::test::download;
+using weft::test::poison;
+using weft::test::RankBuffers;
+using weft::test::TestContext;
+using weft::test::upload;
+
+namespace {
+
+uint16_t to_half_bits(float f, DType t) {
+  if (t == DType::kFP16) {
+    const __half h = __float2half_rn(f);
+    uint16_t b;
+    std::memcpy(&b, &h, 2);
+    return b;
+  }
+  const __nv_bfloat16 h = __float2bfloat16_rn(f);
+  uint16_t b;
+  std::memcpy(&b, &h, 2);
+  return b;
+}
+float from_half_bits(uint16_t b, DType t) {
+  if (t == DType::kFP16) {
+    __half h;
+    std::memcpy(&h, &b, 2);
+    return __half2float(h);
+  }
+  __nv_bfloat16 h;
+  std::memcpy(&h, &b, 2);
+  return __bfloat162float(h);
+}
+
+struct Case {
+  int64_t batch, q_len, heads, kv_heads, d;
+  std::vector<int> lengths;  // global length of each sequence, the new tokens included
+  DType dtype = DType::kBF16;
+  bool paged = false;
+  int block_size = 16;
+  uint64_t seed = 1;
+};
+
+// Rank r's contiguous part [first, first + count) of a sequence of n tokens: uneven parts, rank 0 the
+// smallest (none at all when n < W), so that empty parts and parts of one token occur.
+std::pair<int, int> part_of(int n, int r, int W) {
+  std::vector<int> cut(W + 1, 0);
+  for (int i = 1; i <= W; ++i) cut[i] = int(int64_t(n) * i * (i + 1) / (W * (W + 1)));
+  cut[W] = n;
+  return {cut[r], cut[r + 1] - cut[r]};
+}
+
+void run_case(TestContext& ctx, const Case& c) {
+  Communicator& comm = ctx.comm();
+  const int W = comm.world();
+  const int64_t B = c.batch, Lq = c.q_len, H = c.heads, Hkv = c.kv_heads, D = c.d, group = H / Hkv;
+  std::mt19937_64 g(c.seed);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  // Global data (every process makes the same): q [B, Lq, H, D]; K / V per sequence [n, Hkv, D].
+  std::vector<uint16_t> q(B * Lq * H * D);
+  for (auto& x : q) x = to_half_bits(u(g), c.dtype);
+  std::vector<std::vector<uint16_t>> k(B), v(B);
+  for (int64_t b = 0; b < B; ++b) {
+    k[b].resize(size_t(c.lengths[b]) * Hkv * D);
+    v[b].resize(k[b].size());
+    for (auto& x : k[b]) x = to_half_bits(u(g), c.dtype);
+    for (auto& x : v[b]) x = to_half_bits(u(g), c.dtype);
+  }
+  int max_local = 1;
+  for (int64_t b = 0; b < B; ++b)
+    for (int r = 0; r < W; ++r) max_local = std::max(max_local, part_of(c.lengths[b], r, W).second);
+  const int max_blocks = (max_local + c.block_size - 1) / c.block_size;
+  if (c.paged) max_local = max_blocks * c.block_size;
+  const int64_t num_blocks = B * max_blocks + 3;  // a few never used
+  const int64_t slots = c.paged ? num_blocks * c.block_size : B * max_local;
+  const size_t tok = size_t(Hkv * D);
+  RankBuffers dq(comm, q.size() * 2, false), dout(comm, q.size() * 2, false),
+      dlse(comm, B * Lq * H * 4, false), dk(comm, slots * tok * 2, false), dv(comm, slots * tok * 2, false),
+      dmeta(comm, 4 * B * 4, false), dtable(comm, std::max<int64_t>(1, B * max_blocks) * 4, false);
+  for (int i = 0; i < comm.num_local(); ++i) {
+    const int r = comm.local(i).rank();
+    std::vector<uint16_t> kc(slots * tok, 0), vc(slots * tok, 0);
+    std::vector<int32_t> meta(3 * B), table(B * max_blocks);
+    // A shuffled block table: sequence b's j-th block somewhere in the pool.
+    std::vector<int32_t> pool(num_blocks);
+    std::iota(pool.begin(), pool.end(), 0);
+    std::shuffle(pool.begin(), pool.end(), std::mt19937_64(c.seed + 17 * r));
+    for (int64_t b = 0; b < B; ++b) {
+      const auto [first, count] = part_of(c.lengths[b], r, W);
+      meta[b] = count;                 // seqlens
+      meta[B + b] = first;             // offsets
+      meta[2 * B + b] = c.lengths[b];  // seq_total
+      for (int j = 0; j < max_blocks; ++j) table[b * max_blocks + j] = pool[b * max_blocks + j];
+      for (int t = 0; t < count; ++t) {
+        const int64_t slot =
+            c.paged ? int64_t(table[b * max_blocks + t / c.block_size]) * c.block_size + t % c.block_size
+                    : b * max_local + t;
+        std::memcpy(&kc[slot * tok], &k[b][size_t(first + t) * tok], tok * 2);
+        std::memcpy(&vc[slot * tok], &v[b][size_t(first + t) * tok], tok * 2);
+      }
+    }
+    upload(comm, i, dq.ptr[i], q.data(), q.size() * 2);
+    upload(comm, i, dk.ptr[i], kc.data(), kc.size() * 2);
+    upload(comm, i, dv.ptr[i], vc.data(), vc.size() * 2);
+    upload(comm, i, dmeta.ptr[i], meta.data(), meta.size() * 4);
+    upload(comm, i, dtable.ptr[i], table.data(), table.size() * 4);
+  }
+  // Host reference (double): query qi of sequence b sees global positions <= n - Lq + qi.
+  std::vector<double> ref_o(q.size()), ref_lse(B * Lq * H);
+  const double scale = 1.0 / std::sqrt(double(D));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t qi = 0; qi < Lq; ++qi)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t kh = h / group, last = c.lengths[b] - Lq + qi, o = (b * Lq + qi) * H + h;
+        std::vector<double> s(std::max<int64_t>(0, last + 1));
+        double mx = -INFINITY;
+        for (int64_t t = 0; t <= last; ++t) {
+          double acc = 0;
+          for (int64_t d = 0; d < D; ++d)
+            acc += double(from_half_bits(q[o * D + d], c.dtype)) *
+                   from_half_bits(k[b][(t * Hkv + kh) * D + d], c.dtype);
+          s[t] = acc * scale;
+          mx = std::max(mx, s[t]);
+        }
+        double sum = 0;
+        for (auto& x : s) sum += (x = std::exp(x - mx));
+        for (int64_t d = 0; d < D; ++d) {
+          double acc = 0;
+          for (int64_t t = 0; t <= last; ++t)
+            acc += s[t] * from_half_bits(v[b][(t * Hkv + kh) * D + d], c.dtype);
+          ref_o[o * D + d] = sum > 0 ? acc / sum : 0;
+        }
+        ref_lse[o] = sum > 0 ? mx + std::log(sum) : -INFINITY;
+      }
+  const DecodeShape shape{B, Lq, H, Hkv, D, max_local};
+  for (int rep = 0; rep < 3; ++rep) {  // the inboxes alternate between calls
+    for (int i = 0; i < comm.num_local(); ++i) {
+      poison(comm, i, dout.ptr[i], q.size() * 2);
+      poison(comm, i, dlse.ptr[i], B * Lq * H * 4);
+    }
+    comm.host_barrier();
+    for (int i = 0; i < comm.num_local(); ++i) {
+      const auto* meta = reinterpret_cast<const int32_t*>(dmeta.ptr[i]);
+      DecodeCache cache;
+      cache.k = dk.ptr[i];
+      cache.v = dv.ptr[i];
+      if (c.paged) {
+        cache.block_table = reinterpret_cast<const int32_t*>(dtable.ptr[i]);
+        cache.block_size = c.block_size;
+        cache.max_blocks = max_blocks;
+        cache.num_blocks = num_blocks;
+      }
+      cache.seqlens = meta;
+      cache.offsets = meta + B;
+      cache.seq_total = meta + 2 * B;
+      flash_decode(comm, comm.local(i), dq.ptr[i], cache, dout.ptr[i], reinterpret_cast<float*>(dlse.ptr[i]),
+                   shape, c.dtype);
+    }
+    comm.synchronize();
+    for (int i = 0; i < comm.num_local(); ++i) {
+      std::vector<uint16_t> out(q.size());
+      std::vector<float> lse(B * Lq * H);
+      download(comm, i, out.data(), dout.ptr[i], out.size() * 2);
+      download(comm, i, lse.data(), dlse.ptr[i], lse.size() * 4);
+      double e2 = 0, r2 = 0, lse_err = 0;
+      int64_t bad = 0;
+      for (size_t j = 0; j < out.size(); ++j) {
+        const double x = from_half_bits(out[j], c.dtype);
+        if (!std::isfinite(x)) ++bad;
+        e2 += (x - ref_o[j]) * (x - ref_o[j]);
+        r2 += ref_o[j] * ref_o[j];
+      }
+      for (size_t j = 0; j < lse.size(); ++j)
+        lse_err = std::max(lse_err, std::fabs(double(lse[j]) - ref_lse[j]));
+      const double rel = std::sqrt(e2 / std::max(r2, 1e-30));
+      const std::string what = "B=" + std::to_string(B) + " q_len=" + std::to_string(Lq) + " heads " +
+                               std::to_string(H) + "/" + std::to_string(Hkv) + " D=" + std::to_string(D) +
+                               (c.dtype == DType::kFP16 ? " fp16" : " bf16") + (c.paged ? " paged" : "") +
+                               " rank " + std::to_string(comm.local(i).rank()) + " rep " +
+                               std::to_string(rep);
+      WEFT_EXPECT(bad == 0, what << ": " << bad << " outputs not finite");
+      WEFT_EXPECT(rel <= 1e-2, what << ": relative error " << rel);
+      WEFT_EXPECT(lse_err <= 2e-3, what << ": lse off by " << lse_err);
+    }
+    comm.host_barrier();
+  }
+}
+
+}  // namespace
+
+WEFT_GPU_TEST_WORLD(flash_decode_matches_reference, 1) {
+  const std::vector<Case> cases = {
+      {3, 1, 8, 2, 128, {1, 300, 1027}},
+      {2, 3, 8, 2, 128, {5, 700}},                     // causal among 3 new tokens
+      {2, 1, 4, 1, 64, {129, 64}, DType::kFP16},       // MQA, D 64
+      {1, 2, 16, 2, 128, {2048}, DType::kBF16, true},  // GQA 8:1 (16 rows), paged
+      {4, 1, 8, 8, 64, {33, 1, 90, 257}, DType::kBF16, true, 32},
+  };
+  uint64_t seed = 1;
+  for (Case c : cases) {
+    c.seed = seed++;
+    run_case(ctx, c);
+  }
+}
+
+// A length past the capacity fails the call on the device, reported with the sequence and the limit.
+WEFT_GPU_TEST_WORLD(flash_decode_refuses_bad_lengths, 1) {
+  auto cp = ctx.make_comm(std::chrono::milliseconds(2000));
+  Communicator& comm = *cp;
+  const DecodeShape shape{1, 1, 4, 1, 64, 16};
+  RankBuffers q(comm, 4 * 64 * 2, false), out(comm, 4 * 64 * 2, false), kv(comm, 16 * 64 * 2, false),
+      len(comm, 4, false);
+  for (int i = 0; i < comm.num_local(); ++i) {
+    const int32_t n = 17;  // one past max_local
+    upload(comm, i, len.ptr[i], &n, 4);
+    poison(comm, i, q.ptr[i], 4 * 64 * 2);
+  }
+  comm.host_barrier();
+  std::string msg;
+  try {
+    for (int i = 0; i < comm.num_local(); ++i) {
+      DecodeCache c;
+      c.k = c.v = kv.ptr[i];
+      c.seqlens = reinterpret_cast<const int32_t*>(len.ptr[i]);
+      flash_decode(comm, comm.local(i), q.ptr[i], c, out.ptr[i], nullptr, shape, DType::kBF16);
+    }
+    comm.synchronize();
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  WEFT_EXPECT(msg.find("cache length 17") != std::string::npos ||
+                  msg.find("timed out") != std::string::npos || msg.find("gave up") != std::string::npos,
+              "got '" << msg << "'");
+  std::string e = weft::test::error_of([&] {
+    DecodeCache c;
+    c.k = c.v = kv.ptr[0];
+    c.seqlens = reinterpret_cast<const int32_t*>(len.ptr[0]);
+    flash_decode(comm, comm.local(0), q.ptr[0], c, out.ptr[0], nullptr, DecodeShape{1, 1, 6, 4, 64, 16},
+                 DType::kBF16);
+  });
+  WEFT_EXPECT(e.find("multiple of kv_heads") != std::string::npos, "heads 6 / kv 4: got '" << e << "'");
+  e = weft::test::error_of([&] {
+    DecodeCache c;
+    c.k = c.v = kv.ptr[0];
+    c.seqlens = reinterpret_cast<const int32_t*>(len.ptr[0]);
+    flash_decode(comm, comm.local(0), q.ptr[0], c, out.ptr[0], nullptr, DecodeShape{1, 1, 4, 1, 96, 16},
+                 DType::kBF16);
+  });
+  WEFT_EXPECT(e.find("head_dim must be 64 or 128") != std::string::npos, "head_dim 96: got '" << e << "'");
+}
