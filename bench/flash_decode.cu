@@ -1,0 +1,129 @@
+// weft-bench flash_decode: weft::flash_decode (q_len 1, bf16, D 128) on a team of one (GPU 0) and over all
+// the team's GPUs (each sequence's cache split evenly), against the floor: the KV bytes a rank reads over the
+// GPU's copy rate (cudaMemcpy device to device of 1 GiB, read + write traffic, measured in the same run).
+// CUDA graphs of many calls, the slowest rank's median. The torch baselines (SDPA; local decode + NCCL
+// all-gather + merge) are python/benchmarks' to add.
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <vector>
+
+#include "bench.hpp"
+#include "weft/ops/flash_decode.hpp"
+
+namespace weft::bench {
+namespace {
+
+struct DecodeCase {
+  int64_t batch, seq, heads, kv_heads;
+};
+
+// Bytes moved per second by a device-to-device copy on GPU `device` (read + write).
+double copy_rate(int device, cudaStream_t s) {
+  WEFT_CUDA_CHECK(cudaSetDevice(device));
+  constexpr size_t kBytes = size_t(1) << 30;
+  DeviceBuffer a(kBytes), b(kBytes);
+  const float ms = median_call_ms(
+      [&] { WEFT_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, kBytes, cudaMemcpyDeviceToDevice, s)); }, 10, s);
+  return 2.0 * double(kBytes) / (double(ms) * 1e-3);
+}
+
+// One row: every local rank's part of the cache (seq / W tokens of each sequence), timed in graphs.
+std::vector<std::string> run_case(Context& ctx, Communicator& comm, const std::vector<cudaStream_t>& streams,
+                                  const DecodeCase& c, double rate, BenchTeam* team) {
+  const int W = comm.world(), L = comm.num_local();
+  const int64_t local = (c.seq + W - 1) / W, D = 128;
+  const DecodeShape shape{c.batch, 1, c.heads, c.kv_heads, D, local};
+  struct Buffers {
+    std::unique_ptr<DeviceBuffer> q, out, k, v, meta;
+  };
+  std::vector<Buffers> rs(L);
+  for (int i = 0; i < L; ++i) {
+    Rank& r = comm.local(i);
+    WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
+    const size_t kv = size_t(c.batch) * local * c.kv_heads * D;
+    rs[i].q = std::make_unique<DeviceBuffer>(c.batch * c.heads * D * 2);
+    rs[i].out = std::make_unique<DeviceBuffer>(c.batch * c.heads * D * 2);
+    rs[i].k = std::make_unique<DeviceBuffer>(kv * 2);
+    rs[i].v = std::make_unique<DeviceBuffer>(kv * 2);
+    rs[i].meta = std::make_unique<DeviceBuffer>(3 * c.batch * 4);
+    fill_uniform_bf16(rs[i].q->p, c.batch * c.heads * D, 1, streams[i]);
+    fill_uniform_bf16(rs[i].k->p, kv, 2 + r.rank(), streams[i]);
+    fill_uniform_bf16(rs[i].v->p, kv, 3 + r.rank(), streams[i]);
+    std::vector<int32_t> meta(3 * c.batch);
+    for (int64_t b = 0; b < c.batch; ++b) {
+      const int64_t first = std::min(c.seq, r.rank() * local);
+      meta[b] = int32_t(std::min(c.seq, first + local) - first);
+      meta[c.batch + b] = int32_t(first);
+      meta[2 * c.batch + b] = int32_t(c.seq);
+    }
+    WEFT_CUDA_CHECK(
+        cudaMemcpyAsync(rs[i].meta->p, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, streams[i]));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
+  }
+  auto call = [&](int) {
+    for (int i = 0; i < L; ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      DecodeCache cache;
+      cache.k = rs[i].k->p;
+      cache.v = rs[i].v->p;
+      const auto* meta = static_cast<const int32_t*>(rs[i].meta->p);
+      cache.seqlens = meta;
+      cache.offsets = meta + c.batch;
+      cache.seq_total = meta + 2 * c.batch;
+      flash_decode(comm, comm.local(i), rs[i].q->p, cache, rs[i].out->p, nullptr, shape, DType::kBF16,
+                   streams[i]);
+    }
+  };
+  call(0);  // the inbox grows before any capture
+  comm.synchronize();
+  const double us_rank = time_graphs(comm, streams, 20, ctx.quick ? 3 : 7, call);
+  const double us = team ? team->team_max(us_rank) : us_rank;
+  const double bytes = double(c.batch) * local * c.kv_heads * D * 2 * 2;  // K and V this rank reads
+  const double floor_us = bytes / rate * 1e6;
+  return {std::to_string(W),
+          std::to_string(c.batch),
+          std::to_string(c.seq),
+          fmt("%lld/%lld", (long long)c.heads, (long long)c.kv_heads),
+          fmt("%.1f", us),
+          fmt("%.1f", floor_us),
+          fmt("%.0f", bytes / (us * 1e-6) / 1e9),
+          fmt("%.0f%%", 100.0 * floor_us / us)};
+}
+
+void run_flash_decode(Context& ctx) {
+  BenchTeam team(ctx);
+  Communicator& comm = *team.comm;
+  const double rate = copy_rate(comm.local(0).device(), team.streams[0]);
+  std::vector<DecodeCase> cases = {{1, 8192, 64, 8},  {1, 131072, 64, 8}, {16, 8192, 64, 8},
+                                   {64, 8192, 32, 8}, {8, 32768, 32, 8},  {1, 1 << 20, 64, 8}};
+  if (ctx.quick) cases = {{1, 32768, 64, 8}, {16, 8192, 64, 8}, {8, 32768, 32, 8}};
+  Table t(
+      fmt("flash_decode, bf16, D 128, q_len 1, on %s and on one GPU", ctx.team_label().c_str()),
+      {"GPUs", "batch", "tokens", "heads", "weft us", "floor us", "KV GB/s per GPU", "floor / weft"},
+      fmt("floor = the KV bytes a GPU reads / the device-to-device copy's traffic rate measured in the same "
+          "run (%.0f GB/s); the team splits each sequence's cache evenly. Graphs of 20 calls, the slowest "
+          "rank's median.",
+          rate / 1e9));
+  Options one;
+  one.devices = {comm.local(0).device()};
+  std::unique_ptr<Communicator> single = Communicator::create_single_process(one);
+  const std::vector<cudaStream_t> one_stream = {team.streams[0]};
+  for (const DecodeCase& c : cases) {
+    ctx.progress("flash_decode: batch %lld tokens %lld, one GPU", (long long)c.batch, (long long)c.seq);
+    t.add(run_case(ctx, *single, one_stream, c, rate, nullptr));
+    if (comm.world() > 1) {
+      ctx.progress("flash_decode: batch %lld tokens %lld, %d GPUs", (long long)c.batch, (long long)c.seq,
+                   comm.world());
+      t.add(run_case(ctx, comm, team.streams, c, rate, &team));
+    }
+  }
+  ctx.add(std::move(t));
+}
+
+ModeRegistrar reg("flash_decode",
+                  "distributed flash-decode: one GPU and the team, against the KV read floor (bf16, D 128)",
+                  &run_flash_decode, 1);
+
+}  // namespace
+}  // namespace weft::bench
