@@ -500,12 +500,15 @@ int ag_comm_blocks(const Rank& rank, const FusedOptions& o) {
   return std::clamp(rank.sm_budget() / 8, 2, 16) / 2 * 2;
 }
 
-// The counted RS / AR kernel's communicator blocks (ops/fused.cuh): the all-reduce pushes every half to
-// W - 1 peers while the GEMM runs, a sixteenth of the SM budget (8 on a whole H100 / H200); the
-// reduce-scatter only copies its halves locally, 1 or 2, or (staged slots) sums W slots per half, 1 to 4.
-int rs_counting_blocks(const Rank& rank, bool all_reduce, bool staged_slots) {
-  if (all_reduce) return std::clamp(rank.sm_budget() / 16, 1, 8);
-  return staged_slots ? std::clamp(rank.sm_budget() / 32, 1, 4) : std::clamp(rank.sm_budget() / 64, 1, 2);
+// The counted RS / AR kernel's communicator blocks (ops/fused.cuh), at most one per half: the all-reduce
+// pushes every half to W - 1 peers while the GEMM runs, and staged slots are read W times (W x the rows'
+// bytes from HBM during the GEMM: at 4 GPUs and 8192^2 ~350 GB/s, ~50 GB/s a block with 8 units in flight
+// per thread): a sixteenth of the SM budget (8 on a whole H100 / H200); the added reduce-scatter only copies
+// its halves locally, 1 or 2.
+int rs_counting_blocks(const Rank& rank, bool all_reduce, bool staged_slots, int64_t halves) {
+  const int blocks = all_reduce || staged_slots ? std::clamp(rank.sm_budget() / 16, 1, 8)
+                                                : std::clamp(rank.sm_budget() / 64, 1, 2);
+  return static_cast<int>(std::clamp<int64_t>(halves, 1, blocks));
 }
 
 template <bool kKMajor>
@@ -555,8 +558,8 @@ void launch_rs_as(Call& c, const void* a, const void* b, void* out, int64_t m, i
   const int64_t rows = m / W;
   const uint64_t slice = uint64_t(rows) * n * 2;
   const bool added = o.partials == FusedOptions::Partials::kAddedAtOwner, counted = kCounted;
-  const int comm_blocks =
-      counted ? rs_counting_blocks(c.rank, all_reduce, !added) : Op::kClusterSize;  // block 0 meets
+  const int comm_blocks = counted ? rs_counting_blocks(c.rank, all_reduce, !added, rows / 64)
+                                  : Op::kClusterSize;  // block 0 meets
   const bool gathers = all_reduce && !added && !c.comm.in_heap(c.rank, out, m * n * 2);
   char* const out_bytes = static_cast<char*>(out);
   // Where this rank's tiles go at owner r (as seen here): its slot of r's inbox (staged), r's sum (added:

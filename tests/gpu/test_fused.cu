@@ -129,8 +129,10 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   // RS / AR: pairs of cases take the three ways of summing the partials in turn (the fused kernel only;
   // ignored elsewhere): pairs, so that both a symmetric and a device out (run_all's innermost loop) take
   // each.
-  if (op != Op::kAG && seed / 2 % 3 == 1) o.partials = FusedOptions::Partials::kAddedAtOwner;
-  if (op != Op::kAG && seed / 2 % 3 == 2) o.partials = FusedOptions::Partials::kStagedProgressive;
+  // (run_all's 12 cases per shape and layout would line the pairs up with one choice each: hence seed / 12.)
+  const uint64_t way = (seed / 2 + seed / 12) % 3;
+  if (op != Op::kAG && way == 1) o.partials = FusedOptions::Partials::kAddedAtOwner;
+  if (op != Op::kAG && way == 2) o.partials = FusedOptions::Partials::kStagedProgressive;
   const char* partials = o.partials == FusedOptions::Partials::kAddedAtOwner        ? " added at owner"
                          : o.partials == FusedOptions::Partials::kStagedProgressive ? " staged, progressive"
                                                                                     : "";
@@ -274,8 +276,8 @@ WEFT_GPU_TEST(fused_ops_back_to_back) {
     run_case(ctx, Op::kRS, kShapes[rep % 4 < 2 ? 2 : 5], BLayout::kKN,
              rep % 2 ? Mode::kFused : Mode::kPipelined, true, 600 + rep);
     run_case(ctx, Op::kAR, kShapes[0], BLayout::kNK, mode, false, 700 + rep);
-    // Counted at the owner (seed / 2 % 3: 1 added, 2 staged progressive; symmetric out): the halves' counts
-    // carry over between calls and between the two counted ways.
+    // Symmetric outs, the ways of summing taken by seed (run_case): counted calls' halves counts carry over
+    // between calls and between the two counted ways.
     run_case(ctx, Op::kAR, kShapes[5], BLayout::kNK, Mode::kFused, true, 802 + 4 * rep);
     run_case(ctx, Op::kRS, kShapes[2], BLayout::kNK, Mode::kFused, rep % 2 == 0, 902 + 4 * rep);
   }
@@ -362,32 +364,75 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
   const int64_t shard = 1024, m = W * shard, n = 1288, k = 512;
   for (Op op : {Op::kRS, Op::kAR}) {
     const int64_t out_rows = op == Op::kRS ? shard : m;
-    RankBuffers a(c, m * k * 2, false), b(c, n * k * 2, false), out(c, out_rows * n * 2, op == Op::kAR),
-        ref(c, out_rows * n * 2, false);
+    // Two input sets: a second one's calls fill the staging slots with other partials before each checked
+    // call, so a read of a slot before this call's store landed shows.
+    RankBuffers a(c, m * k * 2, false), b(c, n * k * 2, false), a2(c, m * k * 2, false),
+        b2(c, n * k * 2, false), out(c, out_rows * n * 2, op == Op::kAR), ref(c, out_rows * n * 2, false),
+        ref2(c, out_rows * n * 2, false), scratch(c, out_rows * n * 2, op == Op::kAR),
+        outs0(c, out_rows * n * 2, op == Op::kAR), outs1(c, out_rows * n * 2, op == Op::kAR),
+        outs2(c, out_rows * n * 2, op == Op::kAR);
     for (int i = 0; i < c.num_local(); ++i) {
       const int r = c.local(i).rank();
       upload(c, i, a.ptr[i], make(size_t(m * k), 77 + r).h.data(), m * k * 2);
       upload(c, i, b.ptr[i], make(size_t(n * k), 88 + r).h.data(), n * k * 2);
+      upload(c, i, a2.ptr[i], make(size_t(m * k), 177 + r).h.data(), m * k * 2);
+      upload(c, i, b2.ptr[i], make(size_t(n * k), 188 + r).h.data(), n * k * 2);
     }
     c.host_barrier();
     using Partials = FusedOptions::Partials;
-    auto run = [&](RankBuffers& dst, Mode mode, Partials partials) {
+    // Enqueues the op on every local rank (inputs `second`: a2, b2), no synchronisation.
+    auto enqueue = [&](RankBuffers& dst, Mode mode, Partials partials, bool second) {
       FusedOptions o;
       o.mode = mode;
       o.pipeline_pieces = 3;
       o.partials = partials;
-      for (int i = 0; i < c.num_local(); ++i) poison(c, i, dst.ptr[i], out_rows * n * 2);
-      c.host_barrier();
       for (int i = 0; i < c.num_local(); ++i) {
         Rank& r = c.local(i);
+        const void *ai = second ? a2.ptr[i] : a.ptr[i], *bi = second ? b2.ptr[i] : b.ptr[i];
         if (op == Op::kRS)
-          matmul_reduce_scatter(c, r, a.ptr[i], b.ptr[i], dst.ptr[i], m, n, k, BLayout::kNK, nullptr, o);
+          matmul_reduce_scatter(c, r, ai, bi, dst.ptr[i], m, n, k, BLayout::kNK, nullptr, o);
         else
-          matmul_all_reduce(c, r, a.ptr[i], b.ptr[i], dst.ptr[i], m, n, k, BLayout::kNK, nullptr, o);
+          matmul_all_reduce(c, r, ai, bi, dst.ptr[i], m, n, k, BLayout::kNK, nullptr, o);
       }
+    };
+    auto run = [&](RankBuffers& dst, Mode mode, Partials partials) {
+      for (int i = 0; i < c.num_local(); ++i) poison(c, i, dst.ptr[i], out_rows * n * 2);
+      c.host_barrier();
+      enqueue(scratch, Mode::kFused, Partials::kStaged, true);  // other partials in the slots first
+      enqueue(dst, mode, partials, false);
       c.synchronize();
     };
+    auto expect_equal = [&](RankBuffers& got, RankBuffers& want, const char* what) {
+      for (int i = 0; i < c.num_local(); ++i) {
+        const auto w = get(c, i, want.ptr[i], out_rows * n);
+        const std::string err =
+            compare(get(c, i, got.ptr[i], out_rows * n), std::vector<double>(w.begin(), w.end()));
+        WEFT_EXPECT(err.empty(), (op == Op::kRS ? "matmul_reduce_scatter" : "matmul_all_reduce")
+                                     << " " << what << " rank " << c.local(i).rank() << ": " << err);
+      }
+    };
     run(ref, Mode::kSequential, Partials::kStaged);
+    for (int i = 0; i < c.num_local(); ++i) poison(c, i, ref2.ptr[i], out_rows * n * 2);
+    c.host_barrier();
+    enqueue(ref2, Mode::kSequential, Partials::kStaged, true);
+    c.synchronize();
+    // Counted calls back to back with no synchronisation between them, inputs alternating: each result its
+    // own (a fast rank's next call must not disturb a slow rank's slots or counts).
+    for (Partials counted : {Partials::kStagedProgressive, Partials::kAddedAtOwner}) {
+      for (RankBuffers* o : {&outs0, &outs1, &outs2})
+        for (int i = 0; i < c.num_local(); ++i) poison(c, i, o->ptr[i], out_rows * n * 2);
+      c.host_barrier();
+      enqueue(outs0, Mode::kFused, counted, false);
+      enqueue(outs1, Mode::kFused, counted, true);
+      enqueue(outs2, Mode::kFused, counted, false);
+      c.synchronize();
+      const char* name = counted == Partials::kAddedAtOwner ? "added at owner, back to back"
+                                                            : "staged progressive, back to back";
+      expect_equal(outs0, ref, name);
+      expect_equal(outs1, ref2, name);
+      expect_equal(outs2, ref, name);
+      c.host_barrier();
+    }
     // The partials added at the owner: against the sequential result (the adds' order varies between runs,
     // so no bitwise comparison of repetitions).
     for (int rep = 0; rep < 2; ++rep) {

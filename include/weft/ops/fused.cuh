@@ -31,7 +31,10 @@
 //             tiles_n adds and, while the GEMM goes on, copy it into out (reduce-scatter) or push it to every
 //             peer's out (all-reduce: the sum is the owner's slice of a symmetric out), then meet so that
 //             every push into this rank's out has landed before its kernel ends. All ranks walk the tiles in
-//             one order (no per-rank rotation), so the halves complete band by band.
+//             one order (no per-rank rotation), so the halves complete band by band. Staged and counted
+//             (Partials::kStagedProgressive, Params::staged_slots): the tiles are stored into the slots as
+//             staged, counted as added, and the communicator blocks sum each completed half's W slots
+//             (sum_staged_half, in the staged reduce's order) into out, or every rank's out.
 #pragma once
 #include "weft/comm/barrier.cuh"
 #include "weft/comm/call_epoch.cuh"
@@ -157,28 +160,41 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
 // every rank's copy of dst when fan_out.
 __device__ __forceinline__ void sum_staged_half(const TeamView& t, uint4* dst, const __nv_bfloat16* staging,
                                                 int64_t slot_elems, int64_t units, bool fan_out) {
-  for (int64_t i = threadIdx.x; i < units; i += blockDim.x) {
-    Pack<Elem::kBF16> acc;
-    for (int s = 0; s < t.world; ++s) {
-      const auto* slot =
-          reinterpret_cast<const uint4*>(staging + int64_t((t.rank + s) % t.world) * slot_elems);
-      const Pack<Elem::kBF16> x = Pack<Elem::kBF16>::load(ld16(slot + i));
-      if (s == 0)
-        acc = x;
+  // The slots in summation order, once; then every source's load of a unit issued before any is combined
+  // (the reads of a half come from HBM while the GEMM runs beside: a chain of one load at a time per thread
+  // would read a few GB/s per block).
+  const uint4* slot[kFusedMaxWorld];
+#pragma unroll
+  for (int s = 0; s < kFusedMaxWorld; ++s)
+    slot[s] = reinterpret_cast<const uint4*>(staging + int64_t((t.rank + s) % t.world) * slot_elems);
+  constexpr int kUnits = 2;  // units per thread in flight
+  for (int64_t i0 = int64_t(threadIdx.x) * kUnits; i0 < units; i0 += int64_t(blockDim.x) * kUnits) {
+    uint4 raw[kUnits][kFusedMaxWorld];
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u)
+#pragma unroll
+      for (int s = 0; s < kFusedMaxWorld; ++s)
+        if (s < t.world && i0 + u < units) raw[u][s] = ld16(slot[s] + i0 + u);
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u) {
+      if (i0 + u >= units) break;
+      Pack<Elem::kBF16> acc = Pack<Elem::kBF16>::load(raw[u][0]);
+#pragma unroll
+      for (int s = 1; s < kFusedMaxWorld; ++s)
+        if (s < t.world) acc.template combine_with<Reduce::kSum>(Pack<Elem::kBF16>::load(raw[u][s]));
+      const uint4 v = acc.store();
+      if (fan_out)
+        broadcast16(t, dst + i0 + u, v);
       else
-        acc.template combine_with<Reduce::kSum>(x);
+        st16(dst + i0 + u, v);
     }
-    const uint4 v = acc.store();
-    if (fan_out)
-      broadcast16(t, dst + i, v);
-    else
-      st16(dst + i, v);
   }
 }
 
 // ---- GEMM + reduce-scatter (and the first half of all-reduce) -----------------------------------------
-// kCounted: the partials added at the owner and counted (see the header); an instantiation of its own, so
-// the staged kernel carries none of its registers.
+// kCounted: the partials counted per half at the owner, added there or staged and summed by the
+// communicator blocks (see the header); an instantiation of its own, so the staged kernel carries none of
+// its registers.
 template <bool kBKMajor, int kCluster, bool kCounted = false>
 struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
   using Base = GemmOp<__nv_bfloat16, kBKMajor, kCluster>;
@@ -272,18 +288,20 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
       uint64_t* done = t.flag(p.halves, kRsHalfFlags + h);
       const uint64_t target = *done + uint64_t(t.world) * p.tiles_n;
       // Spinning, not napping (20 us naps would add up to 20 us to the last half, after the GEMM): the block
-      // has its SM to itself. A failed wait is recorded (synchronize() reports it); the copy still runs so
-      // the kernel ends, but the half's count is not taken as reached.
+      // has its SM to itself. A failed wait is recorded (synchronize() reports it); then nothing is summed,
+      // copied or pushed from what may be partial (a push into a dead peer would turn the report into a
+      // fault), the half's count is not taken as reached, and the block goes on to the kernel's end.
       bool reached = true;
       if (threadIdx.x == 0) reached = wait_ge(t, t.flag(p.halves, h), target);
-      __syncthreads();
+      reached = __syncthreads_and(reached);
+      if (!reached) return;
       const int64_t first = int64_t(h) * 64 * p.n, units = 64 * p.n / 8;
       if (p.staged_slots) {
         // Into this rank's out (its slice of the all-reduce's out), the same place in every peer's.
         __nv_bfloat16* dst = p.out + (p.fan_out ? int64_t(t.rank) * p.shard_rows * p.n : 0) + first;
         sum_staged_half(t, reinterpret_cast<uint4*>(dst), p.staging + first, int64_t(p.shard_rows) * p.n,
                         units, p.fan_out);
-        if (threadIdx.x == 0 && reached) *done = target;
+        if (threadIdx.x == 0) *done = target;
         return;
       }
       const uint4* from = reinterpret_cast<const uint4*>(p.sum + first);
@@ -293,7 +311,7 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
       } else {
         block_copy16(reinterpret_cast<uint4*>(p.out + first), from, units);
       }
-      if (threadIdx.x == 0 && reached) *done = target;  // local: read by the next call's task h
+      if (threadIdx.x == 0) *done = target;  // local: read by the next call's task h
     }
   }
   // kCounted all-reduce: every rank's block `index` has pushed its halves (into this rank's out among others)
