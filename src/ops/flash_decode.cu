@@ -1,10 +1,11 @@
-// Host side of weft::flash_decode (weft/ops/flash_decode.hpp): checks, the split of the work, the inbox (the
-// communicator's workspace area "flash decode inbox", symmetric) and the launch (device code:
-// weft/ops/flash_decode.cuh).
+// Host side of weft::flash_decode (weft/ops/flash_decode.hpp): checks, the split of the work, the inboxes
+// (two of the communicator's workspace areas, "flash decode inbox, even / odd calls", symmetric) and the
+// launch (device code: weft/ops/flash_decode.cuh).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <string>
@@ -18,7 +19,7 @@
 namespace weft {
 namespace {
 
-const char* const kInbox = "flash decode inbox";
+const char* const kInbox[2] = {"flash decode inbox, even calls", "flash decode inbox, odd calls"};
 const char* const kState = "flash_decode: call count, finishers";
 const char* const kLanded = "flash_decode: partials landed per (sequence, KV head), per call parity";
 const ResourceDeclaration kDecodeResources[] = {
@@ -65,31 +66,46 @@ void check_shape(const DecodeShape& s, const DecodeCache& c, int world, DType dt
   (void)world;
 }
 
-// The work's split: every rank derives the same from the shape (max_local the same on every rank), so the
-// landed counts agree.
+// The work's split: every rank derives the same from the shape, the world size and the SM budget (the same
+// on every rank), so the landed counts and the inbox layouts agree; the GPU's occupancy sizes only the grid.
+// About four items per SM; each split at least 32 x W tokens (the partials pushed stay below ~1/4 of the KV
+// bytes read) and whole loop steps; at most kDecodeMaxParts partials per row to merge.
 struct Split {
   int rows, row_groups, splits, chunk, grid;
   size_t smem;
 };
 
 template <class T, int kD>
+int resident_per_sm(int device, size_t smem) {
+  static std::atomic<int> cached[64];  // per device (0: not asked yet)
+  std::atomic<int>& c = cached[device % 64];
+  int n = c.load();
+  if (n == 0) {
+    WEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ops::flash_decode_kernel<T, kD>,
+                                                                  ops::kDecodeWarps * 32, smem));
+    n = std::max(n, 1);
+    c.store(n);
+  }
+  return n;
+}
+
+template <class T, int kD>
 Split split_of(const Rank& rank, const DecodeShape& s) {
   using K = ops::DecodeKernel<T, kD>;
+  const int W = rank.world();
   Split x{};
   x.rows = static_cast<int>(s.q_len * (s.heads / s.kv_heads));
   x.row_groups = static_cast<int>(ceil_div(x.rows, ops::kDecodeRows));
   x.smem = sizeof(typename K::Smem);
-  static int per_sm = 0;  // resident blocks per SM (the same kernel attributes on every GPU of a team)
-  if (per_sm == 0)
-    WEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ops::flash_decode_kernel<T, kD>,
-                                                                  ops::kDecodeWarps * 32, x.smem));
-  const int64_t resident = int64_t(std::max(per_sm, 1)) * rank.sm_budget();
   const int64_t pair_items = s.batch * s.kv_heads * x.row_groups;
-  // About two items per resident block; chunks of whole loop steps, at least 4 of them.
-  const int64_t want = std::clamp<int64_t>(ceil_div(2 * resident, pair_items), 1,
-                                           std::max<int64_t>(1, s.max_local / (4 * K::kTokensPerStep)));
+  const int64_t min_chunk =
+      ceil_div(std::max<int64_t>(32 * W, K::kTokensPerStep), K::kTokensPerStep) * K::kTokensPerStep;
+  const int64_t most = std::max<int64_t>(
+      1, std::min<int64_t>(ceil_div(s.max_local, min_chunk), ops::kDecodeMaxParts / std::max(W, 1)));
+  const int64_t want = std::clamp<int64_t>(ceil_div(4 * int64_t(rank.sm_budget()), pair_items), 1, most);
   x.chunk = static_cast<int>(ceil_div(ceil_div(s.max_local, want), K::kTokensPerStep) * K::kTokensPerStep);
   x.splits = static_cast<int>(ceil_div(s.max_local, x.chunk));
+  const int64_t resident = int64_t(resident_per_sm<T, kD>(rank.device(), x.smem)) * rank.sm_budget();
   x.grid = static_cast<int>(std::min<int64_t>(resident, pair_items * x.splits));
   return x;
 }
@@ -99,12 +115,11 @@ void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, f
             const DecodeShape& s, const DecodeOptions& o) {
   const Split x = split_of<T, kD>(call.rank, s);
   const int W = call.rank.world();
-  const int64_t parts = 2 * int64_t(W) * s.batch * s.kv_heads * x.splits * x.rows;  // both parities
-  ops::WorkspaceLayout inbox(call.workspace(ops::bytes_carved_by([&](ops::WorkspaceLayout& w) {
-                                              w.take(parts * kD * 4);
-                                              w.take(parts * 8);
-                                            }),
-                                            kInbox));
+  const int64_t parts = int64_t(W) * s.batch * s.kv_heads * x.splits * x.rows;  // one parity's
+  const uint64_t inbox_bytes = ops::bytes_carved_by([&](ops::WorkspaceLayout& w) {
+    w.take(parts * kD * 4);
+    w.take(parts * 8);
+  });
   ops::DecodeParams<T> p{};
   p.team = call.rank.view();
   p.epoch = CallEpoch{p.team.flag(call.comm.resources(call.rank, kState).flags, 0)};
@@ -134,8 +149,11 @@ void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, f
   const float scale = o.scale > 0.f ? o.scale : 1.f / std::sqrt(float(kD));
   p.scale_log2 = scale * 1.4426950408889634f;
   p.causal = o.causal;
-  p.part_o = inbox.take<float>(parts * kD * 4);
-  p.part_ml = inbox.take<float2>(parts * 8);
+  for (int parity = 0; parity < 2; ++parity) {
+    ops::WorkspaceLayout inbox(call.workspace(inbox_bytes, kInbox[parity]));
+    p.part_o[parity] = inbox.take<float>(parts * kD * 4);
+    p.part_ml[parity] = inbox.take<float2>(parts * 8);
+  }
   if (call.planned("split-KV decode, partials merged on every rank", x.grid)) return;
   constexpr auto kernel = &ops::flash_decode_kernel<T, kD>;
   detail::preload<kernel>();

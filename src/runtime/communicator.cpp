@@ -808,15 +808,21 @@ void Communicator::check_device_errors() const {
     WEFT_CUDA_CHECK(cudaMemcpy(&e, ranks_[i]->view_.error, sizeof(e), cudaMemcpyDeviceToHost));
     const auto code = static_cast<DeviceErrorCode>(e.code);
     if (code == DeviceErrorCode::kNone) continue;
-    if (code == DeviceErrorCode::kBadInput) {  // ops::DecodeBadInput
+    // flash_decode's refusal of device-side input (ops::DecodeBadInput), on this rank or copied from a peer.
+    if (code == DeviceErrorCode::kBadInput ||
+        (code == DeviceErrorCode::kPeerFailed &&
+         static_cast<DeviceErrorCode>(e.cause) == DeviceErrorCode::kBadInput)) {
       const std::string seq = "sequence " + std::to_string(e.block);
-      throw Error("weft::flash_decode: rank " + std::to_string(e.rank) + ": " + seq +
-                  (e.thread == 0
-                       ? "'s cache length " + std::to_string(static_cast<int64_t>(e.observed)) +
-                             " is outside 0.." + std::to_string(e.expected) + " (its capacity)"
-                       : ": block_table holds block " + std::to_string(static_cast<int32_t>(e.observed)) +
-                             ", outside the cache's " + std::to_string(e.expected) + " blocks") +
-                  "; the call's results are invalid and the team's device waits fail from here on");
+      throw Error(
+          "weft::flash_decode: rank " + std::to_string(e.rank) + ": " + seq +
+          (e.thread == 0 ? "'s cache length " + std::to_string(static_cast<int64_t>(e.observed)) +
+                               " is outside 0.." + std::to_string(e.expected) + " (its capacity)"
+                         : ": block_table holds block " + std::to_string(static_cast<int32_t>(e.observed)) +
+                               ", outside the cache's " + std::to_string(e.expected) + " blocks") +
+          "; the call's results are invalid on every rank and the team's device waits fail from here on" +
+          (code == DeviceErrorCode::kPeerFailed
+               ? " (reported to rank " + std::to_string(ranks_[i]->rank()) + ")"
+               : ""));
     }
     if (code == DeviceErrorCode::kBadCounts) {
       const int64_t limit = static_cast<int64_t>(e.expected), needed = static_cast<int64_t>(e.observed);

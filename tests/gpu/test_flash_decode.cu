@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -57,6 +58,7 @@ struct Case {
   bool paged = false;
   int block_size = 16;
   uint64_t seed = 1;
+  bool causal = true;
 };
 
 // Rank r's contiguous part [first, first + count) of a sequence of n tokens: uneven parts, rank 0 the
@@ -68,8 +70,19 @@ std::pair<int, int> part_of(int n, int r, int W) {
   return {cut[r], cut[r + 1] - cut[r]};
 }
 
-void run_case(TestContext& ctx, const Case& c) {
-  Communicator& comm = ctx.comm();
+// One case on the team: the inputs on every local rank, the double reference, the outputs.
+struct Prepared {
+  Case c;
+  DecodeShape shape;
+  int max_blocks = 0;
+  int64_t num_blocks = 0;
+  std::unique_ptr<RankBuffers> q, out, lse, k, v, meta, table;
+  std::vector<double> ref_o, ref_lse;
+};
+
+std::unique_ptr<Prepared> prepare(Communicator& comm, const Case& c) {
+  auto pr = std::make_unique<Prepared>();
+  pr->c = c;
   const int W = comm.world();
   const int64_t B = c.batch, Lq = c.q_len, H = c.heads, Hkv = c.kv_heads, D = c.d, group = H / Hkv;
   std::mt19937_64 g(c.seed);
@@ -92,9 +105,16 @@ void run_case(TestContext& ctx, const Case& c) {
   const int64_t num_blocks = B * max_blocks + 3;  // a few never used
   const int64_t slots = c.paged ? num_blocks * c.block_size : B * max_local;
   const size_t tok = size_t(Hkv * D);
-  RankBuffers dq(comm, q.size() * 2, false), dout(comm, q.size() * 2, false),
-      dlse(comm, B * Lq * H * 4, false), dk(comm, slots * tok * 2, false), dv(comm, slots * tok * 2, false),
-      dmeta(comm, 4 * B * 4, false), dtable(comm, std::max<int64_t>(1, B * max_blocks) * 4, false);
+  pr->shape = DecodeShape{B, Lq, H, Hkv, D, max_local};
+  pr->max_blocks = max_blocks;
+  pr->num_blocks = num_blocks;
+  pr->q = std::make_unique<RankBuffers>(comm, q.size() * 2, false);
+  pr->out = std::make_unique<RankBuffers>(comm, q.size() * 2, false);
+  pr->lse = std::make_unique<RankBuffers>(comm, B * Lq * H * 4, false);
+  pr->k = std::make_unique<RankBuffers>(comm, slots * tok * 2, false);
+  pr->v = std::make_unique<RankBuffers>(comm, slots * tok * 2, false);
+  pr->meta = std::make_unique<RankBuffers>(comm, 3 * B * 4, false);
+  pr->table = std::make_unique<RankBuffers>(comm, std::max<int64_t>(1, B * max_blocks) * 4, false);
   for (int i = 0; i < comm.num_local(); ++i) {
     const int r = comm.local(i).rank();
     std::vector<uint16_t> kc(slots * tok, 0), vc(slots * tok, 0);
@@ -117,89 +137,124 @@ void run_case(TestContext& ctx, const Case& c) {
         std::memcpy(&vc[slot * tok], &v[b][size_t(first + t) * tok], tok * 2);
       }
     }
-    upload(comm, i, dq.ptr[i], q.data(), q.size() * 2);
-    upload(comm, i, dk.ptr[i], kc.data(), kc.size() * 2);
-    upload(comm, i, dv.ptr[i], vc.data(), vc.size() * 2);
-    upload(comm, i, dmeta.ptr[i], meta.data(), meta.size() * 4);
-    upload(comm, i, dtable.ptr[i], table.data(), table.size() * 4);
+    upload(comm, i, pr->q->ptr[i], q.data(), q.size() * 2);
+    upload(comm, i, pr->k->ptr[i], kc.data(), kc.size() * 2);
+    upload(comm, i, pr->v->ptr[i], vc.data(), vc.size() * 2);
+    upload(comm, i, pr->meta->ptr[i], meta.data(), meta.size() * 4);
+    upload(comm, i, pr->table->ptr[i], table.data(), table.size() * 4);
   }
-  // Host reference (double): query qi of sequence b sees global positions <= n - Lq + qi.
-  std::vector<double> ref_o(q.size()), ref_lse(B * Lq * H);
+  // Host reference (double): query qi of sequence b sees global positions <= n - Lq + qi (all, not causal).
+  pr->ref_o.assign(q.size(), 0.0);
+  pr->ref_lse.assign(B * Lq * H, 0.0);
   const double scale = 1.0 / std::sqrt(double(D));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t qi = 0; qi < Lq; ++qi)
       for (int64_t h = 0; h < H; ++h) {
-        const int64_t kh = h / group, last = c.lengths[b] - Lq + qi, o = (b * Lq + qi) * H + h;
-        std::vector<double> s(std::max<int64_t>(0, last + 1));
+        const int64_t kh = h / group, o = (b * Lq + qi) * H + h;
+        const int64_t last = c.causal ? c.lengths[b] - Lq + qi : c.lengths[b] - 1;
+        std::vector<double> sc(std::max<int64_t>(0, last + 1));
         double mx = -INFINITY;
         for (int64_t t = 0; t <= last; ++t) {
           double acc = 0;
           for (int64_t d = 0; d < D; ++d)
             acc += double(from_half_bits(q[o * D + d], c.dtype)) *
                    from_half_bits(k[b][(t * Hkv + kh) * D + d], c.dtype);
-          s[t] = acc * scale;
-          mx = std::max(mx, s[t]);
+          sc[t] = acc * scale;
+          mx = std::max(mx, sc[t]);
         }
         double sum = 0;
-        for (auto& x : s) sum += (x = std::exp(x - mx));
+        for (auto& x : sc) sum += (x = std::exp(x - mx));
         for (int64_t d = 0; d < D; ++d) {
           double acc = 0;
           for (int64_t t = 0; t <= last; ++t)
-            acc += s[t] * from_half_bits(v[b][(t * Hkv + kh) * D + d], c.dtype);
-          ref_o[o * D + d] = sum > 0 ? acc / sum : 0;
+            acc += sc[t] * from_half_bits(v[b][(t * Hkv + kh) * D + d], c.dtype);
+          pr->ref_o[o * D + d] = sum > 0 ? acc / sum : 0;
         }
-        ref_lse[o] = sum > 0 ? mx + std::log(sum) : -INFINITY;
+        pr->ref_lse[o] = sum > 0 ? mx + std::log(sum) : -INFINITY;
       }
-  const DecodeShape shape{B, Lq, H, Hkv, D, max_local};
+  return pr;
+}
+
+void poison_outputs(Communicator& comm, Prepared& pr) {
+  for (int i = 0; i < comm.num_local(); ++i) {
+    poison(comm, i, pr.out->ptr[i], pr.ref_o.size() * 2);
+    poison(comm, i, pr.lse->ptr[i], pr.ref_lse.size() * 4);
+  }
+}
+
+// The call on every local rank, no synchronisation.
+void enqueue(Communicator& comm, Prepared& pr) {
+  const int64_t B = pr.c.batch;
+  for (int i = 0; i < comm.num_local(); ++i) {
+    const auto* meta = reinterpret_cast<const int32_t*>(pr.meta->ptr[i]);
+    DecodeCache cache;
+    cache.k = pr.k->ptr[i];
+    cache.v = pr.v->ptr[i];
+    if (pr.c.paged) {
+      cache.block_table = reinterpret_cast<const int32_t*>(pr.table->ptr[i]);
+      cache.block_size = pr.c.block_size;
+      cache.max_blocks = pr.max_blocks;
+      cache.num_blocks = pr.num_blocks;
+    }
+    cache.seqlens = meta;
+    cache.offsets = meta + B;
+    cache.seq_total = meta + 2 * B;
+    DecodeOptions o;
+    o.causal = pr.c.causal;
+    flash_decode(comm, comm.local(i), pr.q->ptr[i], cache, pr.out->ptr[i],
+                 reinterpret_cast<float*>(pr.lse->ptr[i]), pr.shape, pr.c.dtype, nullptr, o);
+  }
+}
+
+void check(Communicator& comm, Prepared& pr, const std::string& label) {
+  const Case& c = pr.c;
+  for (int i = 0; i < comm.num_local(); ++i) {
+    std::vector<uint16_t> out(pr.ref_o.size());
+    std::vector<float> lse(pr.ref_lse.size());
+    download(comm, i, out.data(), pr.out->ptr[i], out.size() * 2);
+    download(comm, i, lse.data(), pr.lse->ptr[i], lse.size() * 4);
+    double e2 = 0, r2 = 0, lse_err = 0;
+    int64_t bad = 0, bad_lse = 0;
+    for (size_t j = 0; j < out.size(); ++j) {
+      const double x = from_half_bits(out[j], c.dtype);
+      if (!std::isfinite(x)) ++bad;
+      e2 += (x - pr.ref_o[j]) * (x - pr.ref_o[j]);
+      r2 += pr.ref_o[j] * pr.ref_o[j];
+    }
+    for (size_t j = 0; j < lse.size(); ++j) {
+      if (std::isinf(pr.ref_lse[j])) {  // an empty row: -inf exactly
+        bad_lse += !(std::isinf(lse[j]) && lse[j] < 0);
+        continue;
+      }
+      if (!std::isfinite(lse[j])) {
+        ++bad_lse;
+        continue;
+      }
+      lse_err = std::max(lse_err, std::fabs(double(lse[j]) - pr.ref_lse[j]));
+    }
+    const double rel = std::sqrt(e2 / std::max(r2, 1e-30));
+    const std::string what = label + ": B=" + std::to_string(c.batch) + " q_len=" + std::to_string(c.q_len) +
+                             " heads " + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) +
+                             " D=" + std::to_string(c.d) + (c.dtype == DType::kFP16 ? " fp16" : " bf16") +
+                             (c.paged ? " paged" : "") + (c.causal ? "" : " not causal") + " rank " +
+                             std::to_string(comm.local(i).rank());
+    WEFT_EXPECT(bad == 0, what << ": " << bad << " outputs not finite");
+    WEFT_EXPECT(rel <= 1e-2, what << ": relative error " << rel);
+    WEFT_EXPECT(bad_lse == 0,
+                what << ": " << bad_lse << " lse values not finite (or not -inf for an empty row)");
+    WEFT_EXPECT(lse_err <= 2e-3, what << ": lse off by " << lse_err);
+  }
+}
+
+void run_case(TestContext& ctx, const Case& c) {
+  Communicator& comm = ctx.comm();
+  const auto pr = prepare(comm, c);
   for (int rep = 0; rep < 3; ++rep) {  // the inboxes alternate between calls
-    for (int i = 0; i < comm.num_local(); ++i) {
-      poison(comm, i, dout.ptr[i], q.size() * 2);
-      poison(comm, i, dlse.ptr[i], B * Lq * H * 4);
-    }
+    poison_outputs(comm, *pr);
     comm.host_barrier();
-    for (int i = 0; i < comm.num_local(); ++i) {
-      const auto* meta = reinterpret_cast<const int32_t*>(dmeta.ptr[i]);
-      DecodeCache cache;
-      cache.k = dk.ptr[i];
-      cache.v = dv.ptr[i];
-      if (c.paged) {
-        cache.block_table = reinterpret_cast<const int32_t*>(dtable.ptr[i]);
-        cache.block_size = c.block_size;
-        cache.max_blocks = max_blocks;
-        cache.num_blocks = num_blocks;
-      }
-      cache.seqlens = meta;
-      cache.offsets = meta + B;
-      cache.seq_total = meta + 2 * B;
-      flash_decode(comm, comm.local(i), dq.ptr[i], cache, dout.ptr[i], reinterpret_cast<float*>(dlse.ptr[i]),
-                   shape, c.dtype);
-    }
+    enqueue(comm, *pr);
     comm.synchronize();
-    for (int i = 0; i < comm.num_local(); ++i) {
-      std::vector<uint16_t> out(q.size());
-      std::vector<float> lse(B * Lq * H);
-      download(comm, i, out.data(), dout.ptr[i], out.size() * 2);
-      download(comm, i, lse.data(), dlse.ptr[i], lse.size() * 4);
-      double e2 = 0, r2 = 0, lse_err = 0;
-      int64_t bad = 0;
-      for (size_t j = 0; j < out.size(); ++j) {
-        const double x = from_half_bits(out[j], c.dtype);
-        if (!std::isfinite(x)) ++bad;
-        e2 += (x - ref_o[j]) * (x - ref_o[j]);
-        r2 += ref_o[j] * ref_o[j];
-      }
-      for (size_t j = 0; j < lse.size(); ++j)
-        lse_err = std::max(lse_err, std::fabs(double(lse[j]) - ref_lse[j]));
-      const double rel = std::sqrt(e2 / std::max(r2, 1e-30));
-      const std::string what = "B=" + std::to_string(B) + " q_len=" + std::to_string(Lq) + " heads " +
-                               std::to_string(H) + "/" + std::to_string(Hkv) + " D=" + std::to_string(D) +
-                               (c.dtype == DType::kFP16 ? " fp16" : " bf16") + (c.paged ? " paged" : "") +
-                               " rank " + std::to_string(comm.local(i).rank()) + " rep " +
-                               std::to_string(rep);
-      WEFT_EXPECT(bad == 0, what << ": " << bad << " outputs not finite");
-      WEFT_EXPECT(rel <= 1e-2, what << ": relative error " << rel);
-      WEFT_EXPECT(lse_err <= 2e-3, what << ": lse off by " << lse_err);
-    }
+    check(comm, *pr, "rep " + std::to_string(rep));
     comm.host_barrier();
   }
 }
@@ -213,6 +268,7 @@ WEFT_GPU_TEST_WORLD(flash_decode_matches_reference, 1) {
       {2, 1, 4, 1, 64, {129, 64}, DType::kFP16},       // MQA, D 64
       {1, 2, 16, 2, 128, {2048}, DType::kBF16, true},  // GQA 8:1 (16 rows), paged
       {4, 1, 8, 8, 64, {33, 1, 90, 257}, DType::kBF16, true, 32},
+      {2, 2, 8, 2, 128, {3, 517}, DType::kBF16, true, 16, 0, false},  // not causal, paged, q_len 2
   };
   uint64_t seed = 1;
   for (Case c : cases) {
@@ -246,9 +302,7 @@ WEFT_GPU_TEST_WORLD(flash_decode_refuses_bad_lengths, 1) {
   } catch (const Error& e) {
     msg = e.what();
   }
-  WEFT_EXPECT(msg.find("cache length 17") != std::string::npos ||
-                  msg.find("timed out") != std::string::npos || msg.find("gave up") != std::string::npos,
-              "got '" << msg << "'");
+  WEFT_EXPECT(msg.find("cache length 17") != std::string::npos, "got '" << msg << "'");
   std::string e = weft::test::error_of([&] {
     DecodeCache c;
     c.k = c.v = kv.ptr[0];
@@ -265,4 +319,22 @@ WEFT_GPU_TEST_WORLD(flash_decode_refuses_bad_lengths, 1) {
                  DType::kBF16);
   });
   WEFT_EXPECT(e.find("head_dim must be 64 or 128") != std::string::npos, "head_dim 96: got '" << e << "'");
+}
+
+// Calls of two shapes back to back with no synchronisation (they alternate between the inboxes, each laid
+// out for its own shape): every result its own.
+WEFT_GPU_TEST_WORLD(flash_decode_back_to_back_shapes, 1) {
+  Communicator& comm = ctx.comm();
+  auto a = prepare(comm, Case{2, 1, 8, 2, 128, {700, 1500}, DType::kBF16, false, 16, 41});
+  auto b = prepare(comm, Case{5, 2, 16, 4, 64, {9, 300, 64, 1, 2000}, DType::kBF16, true, 16, 42});
+  poison_outputs(comm, *a);
+  poison_outputs(comm, *b);
+  comm.host_barrier();
+  for (int rep = 0; rep < 3; ++rep) {
+    enqueue(comm, *a);
+    enqueue(comm, *b);
+  }
+  comm.synchronize();
+  check(comm, *a, "back to back (a)");
+  check(comm, *b, "back to back (b)");
 }

@@ -32,6 +32,8 @@ inline constexpr int kDecodeRows = 8;         // query rows per work item
 inline constexpr int kDecodeWarps = 4;        // per block
 inline constexpr int kDecodeUnroll = 2;       // tokens in flight per lane group
 inline constexpr int kDecodeMaxPairs = 2048;  // (sequence, KV head) pairs of a call: landed counts per parity
+inline constexpr int kDecodeMaxParts =
+    512;  // partials of a row to merge (world x splits): the merge's weights
 
 // Why flash_decode refused a call on the device (DeviceError::thread; DeviceError::block: the sequence).
 enum class DecodeBadInput : uint32_t {
@@ -54,9 +56,11 @@ struct DecodeParams {
   int batch, q_len, heads, kv_heads, group, rows, row_groups, splits, chunk, max_local;
   float scale_log2;  // softmax scale x log2(e)
   bool causal;
-  // The inbox (symmetric): per parity, source rank, pair, split, row: O [D] fp32, then (m, l).
-  float* part_o;
-  float2* part_ml;
+  // The inboxes (symmetric), one per call parity, each laid out for this call's shape: per source rank,
+  // pair, split, row: O [D] fp32, then (m, l). Two areas, not one split in halves: a layout that follows the
+  // shape would let a call of another shape write into the other parity's half.
+  float* part_o[2];
+  float2* part_ml[2];
 };
 
 __device__ __forceinline__ void report_bad_input(const TeamView& team, int b, DecodeBadInput what,
@@ -74,6 +78,7 @@ __device__ __forceinline__ void report_bad_input(const TeamView& team, int b, De
   e->waited_ns = 0;
   __threadfence_system();
   *reinterpret_cast<volatile uint32_t*>(&e->complete) = 1u;
+  detail::report_failure_to_peers(team);  // the peers' results lack this rank's part: their calls fail too
 }
 
 template <class T>
@@ -105,11 +110,8 @@ struct DecodeKernel {
 
   using P = DecodeParams<T>;
 
-  __device__ static int64_t part_index(const P& p, int parity, int src, int pair, int split, int row) {
-    return ((((int64_t(parity) * p.team.world + src) * (int64_t(p.batch) * p.kv_heads) + pair) * p.splits +
-             split) *
-            p.rows) +
-           row;
+  __device__ static int64_t part_index(const P& p, int src, int pair, int split, int row) {
+    return ((int64_t(src) * (int64_t(p.batch) * p.kv_heads) + pair) * p.splits + split) * p.rows + row;
   }
 
   // Token t of sequence b on this rank: the row of K / V holding its KV head h, or null past the capacity.
@@ -137,7 +139,7 @@ struct DecodeKernel {
     const int cap = p.block_table ? p.max_blocks * p.block_size : p.max_local;
     if (len < 0 || len > cap) {
       if (threadIdx.x == 0) report_bad_input(p.team, b, DecodeBadInput::kLengthPastCapacity, cap, len);
-      len = 0;
+      len = 0;  // the call still completes its protocol; every rank's synchronize reports the refusal
     }
     const int t0 = s * p.chunk, t1 = min(len, t0 + p.chunk);
     const int offset = p.offsets ? __ldg(p.offsets + b) : 0;
@@ -257,22 +259,24 @@ struct DecodeKernel {
         sum = fmaf(w, sm.l[g][r], sum);
       }
       if (row >= p.rows) continue;
+      const int64_t i = part_index(p, p.team.rank, pair, s, row);
       for (int dst = 0; dst < p.team.world; ++dst) {
-        const int64_t i = part_index(p, parity, p.team.rank, pair, s, row);
-        *p.team.peer_ptr(p.part_o + i * kD + d, dst) = acc;
-        if (d == 0) *p.team.peer_ptr(p.part_ml + i, dst) = make_float2(mx, sum);
+        *p.team.peer_ptr(p.part_o[parity] + i * kD + d, dst) = acc;
+        if (d == 0) *p.team.peer_ptr(p.part_ml[parity] + i, dst) = make_float2(mx, sum);
       }
     }
-    __syncthreads();  // every thread's stores, then one release per destination covers them
+    __syncthreads();  // every thread's stores, then one system fence and relaxed adds publish them
     if (threadIdx.x == 0) {
       __threadfence_system();
       for (int dst = 0; dst < p.team.world; ++dst)
-        signal_add(p.team, p.team.flag(p.landed, parity * kDecodeMaxPairs + pair), dst, 1);
+        signal_add<Order::kRelaxed>(p.team, p.team.flag(p.landed, parity * kDecodeMaxPairs + pair), dst, 1);
     }
   }
 
-  // Phase 2, one pair: every rank's partials merged into out and lse, then the count cleared.
-  __device__ static void merge(const P& p, int parity, int b, int h) {
+  // Phase 2, one pair: every rank's partials merged into out and lse, then the count cleared. Rows in groups
+  // of 8: each part's weight per row (exp2 of its max minus the rows' max; 0 for an empty part) computed once
+  // into shared memory (the phase-1 buffers; parts <= kDecodeMaxParts), then every element's rescaled sum.
+  __device__ static void merge(const P& p, Smem& sm, int parity, int b, int h) {
     const int pair = b * p.kv_heads + h;
     uint64_t* count = p.team.flag(p.landed, parity * kDecodeMaxPairs + pair);
     __shared__ bool ok;
@@ -280,35 +284,59 @@ struct DecodeKernel {
     __syncthreads();
     if (!ok) return;  // recorded; synchronize() reports it
     const int parts = p.team.world * p.splits;
-    for (int e = threadIdx.x; e < p.rows * kD; e += blockDim.x) {
-      const int row = e / kD, d = e % kD;
-      float mx = kNeg;
-      for (int i = 0; i < parts; ++i) {
-        const float2 ml = p.part_ml[part_index(p, parity, i / p.splits, pair, i % p.splits, row)];
-        if (ml.y > 0.f) mx = fmaxf(mx, ml.x);
+    float* weight = &sm.o[0][0][0];  // [kDecodeRows][parts]
+    float* total = &sm.l[0][0];      // [kDecodeRows]
+    const float* po = p.part_o[parity];
+    const float2* pml = p.part_ml[parity];
+    for (int r0 = 0; r0 < p.rows; r0 += kDecodeRows) {
+      const int nr = min(kDecodeRows, p.rows - r0);
+      // One warp per row: the max, then the weights and their sum.
+      for (int r = threadIdx.x / 32; r < nr; r += kDecodeWarps) {
+        float mx = kNeg;
+        for (int i = threadIdx.x % 32; i < parts; i += 32) {
+          const float2 ml = pml[part_index(p, i / p.splits, pair, i % p.splits, r0 + r)];
+          if (ml.y > 0.f) mx = fmaxf(mx, ml.x);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        float sum = 0.f;
+        for (int i = threadIdx.x % 32; i < parts; i += 32) {
+          const float2 ml = pml[part_index(p, i / p.splits, pair, i % p.splits, r0 + r)];
+          const float w = ml.y > 0.f ? exp2f(ml.x - mx) : 0.f;
+          weight[r * parts + i] = w;
+          sum = fmaf(w, ml.y, sum);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (threadIdx.x % 32 == 0) {
+          total[r] = sum;
+          sm.m[0][r] = mx;
+        }
       }
-      float acc = 0.f, sum = 0.f;
-      for (int i = 0; i < parts; ++i) {
-        const int64_t at = part_index(p, parity, i / p.splits, pair, i % p.splits, row);
-        const float2 ml = p.part_ml[at];
-        if (!(ml.y > 0.f)) continue;
-        const float w = exp2f(ml.x - mx);
-        acc = fmaf(w, p.part_o[at * kD + d], acc);
-        sum = fmaf(w, ml.y, sum);
+      __syncthreads();
+      for (int e = threadIdx.x; e < nr * kD; e += blockDim.x) {
+        const int r = e / kD, d = e % kD, row = r0 + r;
+        float acc = 0.f;
+        for (int i = 0; i < parts; ++i) {
+          const float w = weight[r * parts + i];
+          if (w > 0.f) acc = fmaf(w, po[part_index(p, i / p.splits, pair, i % p.splits, row) * kD + d], acc);
+        }
+        const float sum = total[r];
+        const int qi = row / p.group, head = h * p.group + row % p.group;
+        const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
+        p.out[o * kD + d] = static_cast<T>(sum > 0.f ? acc / sum : 0.f);
+        if (d == 0 && p.lse != nullptr)
+          p.lse[o] = sum > 0.f ? (sm.m[0][r] + log2f(sum)) * 0.6931471805599453f : -INFINITY;
       }
-      const int qi = row / p.group, head = h * p.group + row % p.group;
-      const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
-      p.out[o * kD + d] = static_cast<T>(sum > 0.f ? acc / sum : 0.f);
-      if (d == 0 && p.lse != nullptr)
-        p.lse[o] = sum > 0.f ? (mx + log2f(sum)) * 0.6931471805599453f : -INFINITY;
+      __syncthreads();  // the weights are rewritten for the next rows
     }
-    __syncthreads();  // every read of the inbox done before the count is cleared
-    if (threadIdx.x == 0) *reinterpret_cast<volatile uint64_t*>(count) = 0;
+    if (threadIdx.x == 0) *reinterpret_cast<volatile uint64_t*>(count) = 0;  // every inbox read is done
   }
 };
 
 template <class T, int kD>
-__global__ void __launch_bounds__(kDecodeWarps * 32) flash_decode_kernel(DecodeParams<T> p) {
+__global__ void __launch_bounds__(kDecodeWarps * 32)
+    flash_decode_kernel(const __grid_constant__ DecodeParams<T> p) {
   using K = DecodeKernel<T, kD>;
   extern __shared__ __align__(16) unsigned char decode_smem[];
   typename K::Smem& sm = *reinterpret_cast<typename K::Smem*>(decode_smem);
@@ -321,7 +349,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) flash_decode_kernel(DecodeP
     __syncthreads();  // the shared merge buffers are reused by the next item
   }
   for (int pair = blockIdx.x; pair < pairs; pair += gridDim.x) {
-    K::merge(p, parity, pair / p.kv_heads, pair % p.kv_heads);
+    K::merge(p, sm, parity, pair / p.kv_heads, pair % p.kv_heads);
     __syncthreads();
   }
   if (threadIdx.x == 0) p.epoch.finished(gridDim.x);
