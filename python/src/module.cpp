@@ -18,6 +18,7 @@
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/context_attention.hpp"
 #include "weft/ops/fused.hpp"
+#include "weft/ops/flash_decode.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/moe.hpp"
 #include "weft/runtime/communicator.hpp"
@@ -545,6 +546,35 @@ void bind_one_gpu_ops(py::module_& m) {
 // Sequence-parallel attention on this process's rank: method "all_gather" (weft::context_attention_*),
 // "ring" (weft::ring_attention_*), "ulysses" or "hybrid:U" (weft::hybrid_attention_* with Ulysses size U);
 // tensors in ring attention's layout of doc_lengths (weft/ops/context_attention.hpp).
+void bind_decode(py::module_& m) {
+  // Distributed flash-decode (weft/ops/flash_decode.hpp): block_table 0 for a contiguous cache; offsets and
+  // seq_total 0 for a team of one.
+  m.def("flash_decode", [](const Comm& c, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t block_table,
+                           int64_t block_size, int64_t max_blocks, int64_t num_blocks, uintptr_t seqlens,
+                           uintptr_t offsets, uintptr_t seq_total, uintptr_t out, uintptr_t lse,
+                           py::tuple shape, const std::string& dtype, uintptr_t stream, bool causal,
+                           float scale) {
+    weft::DecodeCache cache;
+    cache.k = reinterpret_cast<const void*>(k);
+    cache.v = reinterpret_cast<const void*>(v);
+    cache.block_table = reinterpret_cast<const int32_t*>(block_table);
+    cache.block_size = block_size;
+    cache.max_blocks = max_blocks;
+    cache.num_blocks = num_blocks;
+    cache.seqlens = reinterpret_cast<const int32_t*>(seqlens);
+    cache.offsets = reinterpret_cast<const int32_t*>(offsets);
+    cache.seq_total = reinterpret_cast<const int32_t*>(seq_total);
+    const weft::DecodeShape s{shape[0].cast<int64_t>(), shape[1].cast<int64_t>(), shape[2].cast<int64_t>(),
+                              shape[3].cast<int64_t>(), shape[4].cast<int64_t>(), shape[5].cast<int64_t>()};
+    weft::DecodeOptions o;
+    o.causal = causal;
+    o.scale = scale;
+    weft::flash_decode(*c.comm, c.rank(), reinterpret_cast<const void*>(q), cache,
+                       reinterpret_cast<void*>(out), reinterpret_cast<float*>(lse), s, parse_dtype(dtype),
+                       c.stream(stream), o);
+  });
+}
+
 void bind_sequence_parallel(py::module_& m) {
   m.def("context_attention_workspace_bytes",
         [](const std::string& named, int world, const std::vector<int64_t>& docs, bool causal, int64_t heads,
@@ -796,6 +826,7 @@ PYBIND11_MODULE(_weft, m) {
   bind_one_gpu_ops(m);
   bind_fp8(m);
   bind_sequence_parallel(m);
+  bind_decode(m);
   bind_moe(m);
   bind_tensor_parallel(m);
 }

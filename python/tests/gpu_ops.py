@@ -242,9 +242,64 @@ def main():
         dist.all_reduce(want)
         check("all_reduce in a CUDA graph (symmetric)", sym_out, want)
         cases += 1
+    cases += check_flash_decode(rank, world)
     torch.cuda.synchronize()
     print(f"[rank {rank}] python gpu tests: {cases} passed, 0 failed", flush=True)
     dist.destroy_process_group()
+
+
+def check_flash_decode(rank, world):
+    """weft.flash_decode over a cache split over the ranks (uneven parts, one rank holding none of sequence 0)
+    against torch SDPA on the whole cache, which every rank builds alike; causal among 2 new tokens, GQA 4:1;
+    contiguous and paged. Returns the cases run."""
+    g = torch.Generator(device="cuda").manual_seed(99)  # the same on every rank
+    batch, q_len, heads, kv_heads, dim = 2, 2, 8, 2, 128
+    lengths = [3, 777]
+    q = torch.randn(batch, q_len, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    ks = [torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for n in lengths]
+    vs = [torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for n in lengths]
+    parts = []  # per sequence, rank r's part [cut[r], cut[r + 1])
+    for b, n in enumerate(lengths):
+        parts.append([0] * world + [n] if b == 0 else [(n * r) // world for r in range(world + 1)])
+    first = [parts[b][rank] for b in range(batch)]
+    count = [parts[b][rank + 1] - parts[b][rank] for b in range(batch)]
+    max_local = max(max(p[r + 1] - p[r] for r in range(world)) for p in parts)
+    # The reference: each query attends the keys up to its own position (the last q_len positions).
+    want = torch.empty_like(q)
+    for b, n in enumerate(lengths):
+        k = ks[b].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)  # [heads, n, dim]
+        v = vs[b].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        mask = torch.arange(n, device="cuda")[None, :] <= (n - q_len + torch.arange(q_len, device="cuda"))[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(q[b].transpose(0, 1).float(), k.float(), v.float(),
+                                                             attn_mask=mask)
+        want[b] = o.transpose(0, 1).to(torch.bfloat16)
+    seqlens = torch.tensor(count, dtype=torch.int32, device="cuda")
+    offsets = torch.tensor(first, dtype=torch.int32, device="cuda")
+    total = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    cases = 0
+    # Contiguous.
+    kc = torch.zeros(batch, max_local, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    for b in range(batch):
+        kc[b, :count[b]] = ks[b][first[b]:first[b] + count[b]]
+        vc[b, :count[b]] = vs[b][first[b]:first[b] + count[b]]
+    check("flash_decode (contiguous cache split over the ranks)",
+          weft.flash_decode(q, kc, vc, seqlens, cache_offsets=offsets, seq_total=total), want)
+    cases += 1
+    # Paged: blocks of 16 in reverse order.
+    bs = 16
+    max_blocks = -(-max_local // bs)
+    table = torch.arange(batch * max_blocks, dtype=torch.int32, device="cuda").flip(0).reshape(batch, max_blocks)
+    kp = torch.zeros(batch * max_blocks, bs, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    vp = torch.zeros_like(kp)
+    for b in range(batch):
+        for t in range(count[b]):
+            blk = table[b, t // bs].item()
+            kp[blk, t % bs] = ks[b][first[b] + t]
+            vp[blk, t % bs] = vs[b][first[b] + t]
+    check("flash_decode (paged cache split over the ranks)",
+          weft.flash_decode(q, kp, vp, seqlens, block_table=table, cache_offsets=offsets, seq_total=total), want)
+    return cases + 1
 
 
 if __name__ == "__main__":

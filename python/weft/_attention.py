@@ -9,7 +9,7 @@ from . import _weft
 from ._args import _comm, _dim, _dtype_name, _torch_api, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
 
-__all__ = ["flash_attention", "flash_attention_varlen", "ring_shard_indices", "ring_shard", "ring_unshard", "context_attention", "ring_attention", "ulysses_attention", "hybrid_attention"]
+__all__ = ["flash_attention", "flash_attention_varlen", "ring_shard_indices", "ring_shard", "ring_unshard", "context_attention", "ring_attention", "ulysses_attention", "hybrid_attention", "flash_decode"]
 
 
 # ---- one GPU, no communicator ---------------------------------------------------------------------------
@@ -280,3 +280,58 @@ def hybrid_attention(q, k, v, ulysses_size, causal=False, seq_len=None, cu_seqle
                              softmax_scale=softmax_scale, return_lse=return_lse, comm=comm, ulysses_size=ulysses_size,
                              contiguous=contiguous)
 
+
+def flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_offsets=None, seq_total=None,
+                 causal=True, softmax_scale=None, return_lse=False, comm=None):
+    """Attention of q_len new tokens per sequence over a KV cache, on one GPU or split over the team
+    (context-parallel decoding); flash_attn_with_kvcache's layouts, the new tokens' K / V already in the cache.
+
+    q [batch, q_len, heads, dim] (the same on every rank); k_cache, v_cache this rank's part: contiguous
+    [batch, max_local, kv_heads, dim], or paged [num_blocks, block_size, kv_heads, dim] with block_table int32
+    [batch, max_blocks]; cache_seqlens int32 [batch]: the tokens of each sequence on this rank (any split, 0
+    included). On a team, for causal masking among the new tokens: cache_offsets int32 [batch] (the global
+    position of this rank's first token) and seq_total int32 [batch] (each sequence's whole length); a team of
+    one needs neither. bf16 or fp16, dim 64 or 128, heads a multiple of kv_heads. The cache's capacity
+    (max_local, or max_blocks x block_size) must be the same on every rank. Returns out (like q, the same on
+    every rank), and with return_lse=True also the fp32 log-sum-exp [batch, q_len, heads]. A torch operator
+    (torch.compile, CUDA graphs with changing lengths); no autograd. Runs on torch's current stream.
+    """
+    where = "weft.flash_decode"
+    tensors = [q, k_cache, v_cache, cache_seqlens] + [t for t in (block_table, cache_offsets, seq_total) if t is not None]
+    if not all(_torch_tensor(t) for t in tensors):
+        raise WeftTypeError(f"{where}: q, the caches and the int32 tensors must be torch tensors")
+    torch = _w._ops.torch
+    for t in tensors:
+        if not t.is_cuda or t.device != q.device or not t.is_contiguous():
+            raise WeftValueError(f"{where}: every tensor must be a contiguous CUDA tensor on q's device")
+    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise WeftTypeError(f"{where}: q and the caches must be bf16 or fp16, alike; got {q.dtype}, "
+                            f"{k_cache.dtype}, {v_cache.dtype}")
+    for name, t in (("cache_seqlens", cache_seqlens), ("block_table", block_table), ("cache_offsets", cache_offsets),
+                    ("seq_total", seq_total)):
+        if t is not None and t.dtype != torch.int32:
+            raise WeftTypeError(f"{where}: {name} must be int32, got {t.dtype}")
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise WeftValueError(f"{where}: q must be [batch, q_len, heads, dim] and the caches 4-D alike, got "
+                             f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    batch, q_len, heads, dim = q.shape
+    if k_cache.shape[3] != dim or heads % k_cache.shape[2]:
+        raise WeftValueError(f"{where}: the caches' dim must be q's ({dim}) and heads a multiple of kv_heads, got "
+                             f"{tuple(k_cache.shape)}")
+    if block_table is not None:
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise WeftValueError(f"{where}: block_table must be [batch, max_blocks], got {tuple(block_table.shape)}")
+        max_local = block_table.shape[1] * k_cache.shape[1]
+    else:
+        if k_cache.shape[0] != batch:
+            raise WeftValueError(f"{where}: a contiguous cache must be [batch, max_local, kv_heads, dim], got "
+                                 f"{tuple(k_cache.shape)} for batch {batch}")
+        max_local = k_cache.shape[1]
+    for name, t in (("cache_seqlens", cache_seqlens), ("cache_offsets", cache_offsets), ("seq_total", seq_total)):
+        if t is not None and tuple(t.shape) != (batch,):
+            raise WeftValueError(f"{where}: {name} must be [batch], got {tuple(t.shape)}")
+    c = _comm(comm)
+    scale = 1.0 / math.sqrt(dim) if softmax_scale is None else float(softmax_scale)
+    out, lse = _w._ops.flash_decode(q, k_cache, v_cache, cache_seqlens, block_table, cache_offsets, seq_total,
+                                    max_local, bool(causal), scale, c._id)
+    return (out, lse) if return_lse else out

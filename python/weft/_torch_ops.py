@@ -838,3 +838,36 @@ def moe_dispatch(x, ids, shape, comm, exact=False):
 def moe_combine(expert_out, row_of, kept, weights, shape, comm):
     return _moe_combine(expert_out.contiguous(), row_of, kept, weights, list(shape), comm._id)
 
+
+# ---- distributed flash-decode (inference: no autograd) ------------------------------------------------------
+# The cache tensors pass as they are; block_table / offsets / seq_total may be absent (None).
+
+
+@torch.library.custom_op("weft::flash_decode", mutates_args=())
+def _flash_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Tensor, block_table: Optional[Tensor],
+                  offsets: Optional[Tensor], seq_total: Optional[Tensor], max_local: int, causal: bool, scale: float,
+                  comm: int) -> tuple[Tensor, Tensor]:
+    batch, q_len, heads, dim = q.shape
+    out = torch.empty_like(q)
+    lse = q.new_empty((batch, q_len, heads), dtype=torch.float32)
+    if EMULATE:
+        return out.zero_(), lse.zero_()
+    paged = block_table is not None
+    ptr = (lambda t: 0 if t is None else t.data_ptr())
+    _weft.flash_decode(_native(comm), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), ptr(block_table),
+                       k_cache.shape[1] if paged else 0, block_table.shape[1] if paged else 0,
+                       k_cache.shape[0] if paged else 0, seqlens.data_ptr(), ptr(offsets), ptr(seq_total),
+                       out.data_ptr(), lse.data_ptr(), (batch, q_len, heads, k_cache.shape[2], dim, max_local),
+                       DTYPES[q.dtype], _stream(q), causal, scale)
+    return out, lse
+
+
+@_flash_decode.register_fake
+def _(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, max_local, causal, scale, comm):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def flash_decode(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, max_local, causal, scale, comm):
+    """Arguments checked by the caller (weft.flash_decode)."""
+    return _flash_decode(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, max_local, causal, scale,
+                         comm)
