@@ -70,24 +70,35 @@ __device__ __forceinline__ uint32_t linear_thread() {
   return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
 }
 
-// Records the first failure of this rank. Later failures keep the first record: it names the wait that
-// started the chain.
-inline __device__ __noinline__ void report_wait_failure(const TeamView& team, DeviceErrorCode code,
-                                                        const uint64_t* flag, uint64_t expected,
-                                                        uint64_t observed, uint64_t waited_ns) {
+// Writes this rank's error record if it is the first (first error wins: the record names what started the
+// chain) and returns whether it was: the code by a system-scope CAS (peers copy into records too,
+// report_failure_to_peers), the fields, a fence, then the `complete` mark a copier waits for. `rank` is the
+// rank in the whole team (a sub-team's view maps its own).
+inline __device__ __noinline__ bool report_error(const TeamView& team, DeviceErrorCode code, uint32_t block,
+                                                 uint32_t thread, uint64_t flag_offset, uint64_t expected,
+                                                 uint64_t observed, uint64_t waited_ns) {
   DeviceError* e = team.error;
-  // System scope, as the peers' copies into this record (report_failure_to_peers) take it.
   if (atomicCAS_system(reinterpret_cast<unsigned int*>(&e->code), 0u, static_cast<unsigned int>(code)) != 0u)
-    return;
+    return false;
   e->rank = team.peer_first + team.rank * team.peer_stride;
-  e->block = linear_block();
-  e->thread = linear_thread();
-  e->flag_offset = static_cast<uint64_t>(reinterpret_cast<const char*>(flag) - team.local_base);
+  e->block = block;
+  e->thread = thread;
+  e->flag_offset = flag_offset;
   e->expected = expected;
   e->observed = observed;
   e->waited_ns = waited_ns;
   __threadfence_system();
   *reinterpret_cast<volatile uint32_t*>(&e->complete) = 1u;
+  return true;
+}
+
+// A wait's failure: who waited (block, thread), for which flag, for what.
+inline __device__ __noinline__ void report_wait_failure(const TeamView& team, DeviceErrorCode code,
+                                                        const uint64_t* flag, uint64_t expected,
+                                                        uint64_t observed, uint64_t waited_ns) {
+  (void)report_error(team, code, linear_block(), linear_thread(),
+                     static_cast<uint64_t>(reinterpret_cast<const char*>(flag) - team.local_base), expected,
+                     observed, waited_ns);
 }
 
 // Copies this rank's failure record into every peer's (code kPeerFailed; first error wins there as well).

@@ -455,19 +455,9 @@ enum class BadCounts : uint32_t {
 // Records a refused call for the host: `rank` the offender.
 inline __device__ void report_bad_counts(const AllToAllV& a, int rank, BadCounts what, int64_t limit,
                                          int64_t needed) {
-  DeviceError* e = a.team.error;
-  if (atomicCAS_system(reinterpret_cast<unsigned int*>(&e->code), 0u,
-                       static_cast<unsigned int>(DeviceErrorCode::kBadCounts)) != 0u)
-    return;
-  e->rank = a.team.peer_first + a.team.rank * a.team.peer_stride;
-  e->block = static_cast<uint32_t>(rank);
-  e->thread = static_cast<uint32_t>(what);
-  e->flag_offset = 0;
-  e->expected = static_cast<uint64_t>(limit);
-  e->observed = static_cast<uint64_t>(needed);
-  e->waited_ns = 0;
-  __threadfence_system();
-  *reinterpret_cast<volatile uint32_t*>(&e->complete) = 1u;
+  (void)detail::report_error(a.team, DeviceErrorCode::kBadCounts, static_cast<uint32_t>(rank),
+                             static_cast<uint32_t>(what), 0, static_cast<uint64_t>(limit),
+                             static_cast<uint64_t>(needed), 0);
 }
 
 // The whole table's checks (one thread; every rank sees the same table and decides alike). Sums stop at

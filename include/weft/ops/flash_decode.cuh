@@ -63,22 +63,13 @@ struct DecodeParams {
   float2* part_ml[2];
 };
 
-__device__ __forceinline__ void report_bad_input(const TeamView& team, int b, DecodeBadInput what,
-                                                 int64_t limit, int64_t seen) {
-  DeviceError* e = team.error;
-  if (atomicCAS_system(reinterpret_cast<unsigned int*>(&e->code), 0u,
-                       static_cast<unsigned int>(DeviceErrorCode::kBadInput)) != 0u)
-    return;
-  e->rank = team.peer_first + team.rank * team.peer_stride;
-  e->block = static_cast<uint32_t>(b);
-  e->thread = static_cast<uint32_t>(what);
-  e->flag_offset = 0;
-  e->expected = static_cast<uint64_t>(limit);
-  e->observed = static_cast<uint64_t>(seen);
-  e->waited_ns = 0;
-  __threadfence_system();
-  *reinterpret_cast<volatile uint32_t*>(&e->complete) = 1u;
-  detail::report_failure_to_peers(team);  // the peers' results lack this rank's part: their calls fail too
+__device__ __noinline__ void report_bad_input(const TeamView& team, int b, DecodeBadInput what, int64_t limit,
+                                              int64_t seen) {
+  // The peers' results lack this rank's part: their calls fail too.
+  if (detail::report_error(team, DeviceErrorCode::kBadInput, static_cast<uint32_t>(b),
+                           static_cast<uint32_t>(what), 0, static_cast<uint64_t>(limit),
+                           static_cast<uint64_t>(seen), 0))
+    detail::report_failure_to_peers(team);
 }
 
 template <class T>
