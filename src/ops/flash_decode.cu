@@ -75,13 +75,13 @@ struct Split {
   size_t smem;
 };
 
-template <class T, int kD>
+template <class T, int kD, int kRows>
 int resident_per_sm(int device, size_t smem) {
   static std::atomic<int> cached[64];  // per device (0: not asked yet)
   std::atomic<int>& c = cached[device % 64];
   int n = c.load();
   if (n == 0) {
-    WEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ops::flash_decode_kernel<T, kD>,
+    WEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ops::flash_decode_kernel<T, kD, kRows>,
                                                                   ops::kDecodeWarps * 32, smem));
     n = std::max(n, 1);
     c.store(n);
@@ -89,13 +89,13 @@ int resident_per_sm(int device, size_t smem) {
   return n;
 }
 
-template <class T, int kD>
+template <class T, int kD, int kRows>
 Split split_of(const Rank& rank, const DecodeShape& s) {
-  using K = ops::DecodeKernel<T, kD>;
+  using K = ops::DecodeKernel<T, kD, kRows>;
   const int W = rank.world();
   Split x{};
   x.rows = static_cast<int>(s.q_len * (s.heads / s.kv_heads));
-  x.row_groups = static_cast<int>(ceil_div(x.rows, ops::kDecodeRows));
+  x.row_groups = static_cast<int>(ceil_div(x.rows, kRows));
   x.smem = sizeof(typename K::Smem);
   const int64_t pair_items = s.batch * s.kv_heads * x.row_groups;
   const int64_t min_chunk =
@@ -105,15 +105,15 @@ Split split_of(const Rank& rank, const DecodeShape& s) {
   const int64_t want = std::clamp<int64_t>(ceil_div(4 * int64_t(rank.sm_budget()), pair_items), 1, most);
   x.chunk = static_cast<int>(ceil_div(ceil_div(s.max_local, want), K::kTokensPerStep) * K::kTokensPerStep);
   x.splits = static_cast<int>(ceil_div(s.max_local, x.chunk));
-  const int64_t resident = int64_t(resident_per_sm<T, kD>(rank.device(), x.smem)) * rank.sm_budget();
+  const int64_t resident = int64_t(resident_per_sm<T, kD, kRows>(rank.device(), x.smem)) * rank.sm_budget();
   x.grid = static_cast<int>(std::min<int64_t>(resident, pair_items * x.splits));
   return x;
 }
 
-template <class T, int kD>
-void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, float* lse,
-            const DecodeShape& s, const DecodeOptions& o) {
-  const Split x = split_of<T, kD>(call.rank, s);
+template <class T, int kD, int kRows>
+void launch_rows(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, float* lse,
+                 const DecodeShape& s, const DecodeOptions& o) {
+  const Split x = split_of<T, kD, kRows>(call.rank, s);
   const int W = call.rank.world();
   const int64_t parts = int64_t(W) * s.batch * s.kv_heads * x.splits * x.rows;  // one parity's
   const uint64_t inbox_bytes = ops::bytes_carved_by([&](ops::WorkspaceLayout& w) {
@@ -155,10 +155,22 @@ void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, f
     p.part_ml[parity] = inbox.take<float2>(parts * 8);
   }
   if (call.planned("split-KV decode, partials merged on every rank", x.grid)) return;
-  constexpr auto kernel = &ops::flash_decode_kernel<T, kD>;
+  constexpr auto kernel = &ops::flash_decode_kernel<T, kD, kRows>;
   detail::preload<kernel>();
   kernel<<<x.grid, ops::kDecodeWarps * 32, x.smem, call.stream>>>(p);
   WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
+// The fewest rows per work item that hold the G = q_len x heads / kv_heads query rows of a KV head (8 at
+// most: larger G takes several row groups).
+template <class T, int kD>
+void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, float* lse,
+            const DecodeShape& s, const DecodeOptions& o) {
+  const int64_t g = s.q_len * (s.heads / s.kv_heads);
+  if (g <= 1) return launch_rows<T, kD, 1>(call, q, c, out, lse, s, o);
+  if (g <= 2) return launch_rows<T, kD, 2>(call, q, c, out, lse, s, o);
+  if (g <= 4) return launch_rows<T, kD, 4>(call, q, c, out, lse, s, o);
+  launch_rows<T, kD, 8>(call, q, c, out, lse, s, o);
 }
 
 }  // namespace

@@ -269,6 +269,7 @@ WEFT_GPU_TEST_WORLD(flash_decode_matches_reference, 1) {
       {1, 2, 16, 2, 128, {2048}, DType::kBF16, true},  // GQA 8:1 (16 rows), paged
       {4, 1, 8, 8, 64, {33, 1, 90, 257}, DType::kBF16, true, 32},
       {2, 2, 8, 2, 128, {3, 517}, DType::kBF16, true, 16, 0, false},  // not causal, paged, q_len 2
+      {2, 1, 2, 1, 128, {100, 50}},                                   // 2 rows per item
   };
   uint64_t seed = 1;
   for (Case c : cases) {

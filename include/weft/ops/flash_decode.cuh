@@ -28,9 +28,9 @@
 
 namespace weft::ops {
 
-inline constexpr int kDecodeRows = 8;         // query rows per work item
-inline constexpr int kDecodeWarps = 4;        // per block
-inline constexpr int kDecodeUnroll = 2;       // tokens in flight per lane group
+inline constexpr int kDecodeRows = 8;    // query rows per work item at most (1, 2, 4 or 8: the fewest >= G)
+inline constexpr int kDecodeWarps = 4;   // per block
+inline constexpr int kDecodeUnroll = 2;  // tokens in flight per lane group
 inline constexpr int kDecodeMaxPairs = 2048;  // (sequence, KV head) pairs of a call: landed counts per parity
 inline constexpr int kDecodeMaxParts =
     512;  // partials of a row to merge (world x splits): the merge's weights
@@ -85,8 +85,10 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
   for (int i = 0; i < 8; ++i) f[i] = to_f(x[i]);
 }
 
-template <class T, int kD>
+// kRows: the query rows a work item takes (the kernel's per-thread state: kRows x 8 elements of q and O).
+template <class T, int kD, int kRows>
 struct DecodeKernel {
+  static_assert(kRows == 1 || kRows == 2 || kRows == 4 || kRows == 8, "rows per item");
   static constexpr int kLanes = kD / 8;               // lanes per token
   static constexpr int kGroupsPerWarp = 32 / kLanes;  // tokens side by side in a warp
   static constexpr int kGroups = kDecodeWarps * kGroupsPerWarp;
@@ -94,9 +96,12 @@ struct DecodeKernel {
   static constexpr float kNeg = -1e30f;                           // "no score yet", finite
 
   struct Smem {
-    float o[kGroups][kDecodeRows][kD];
-    float m[kGroups][kDecodeRows], l[kGroups][kDecodeRows];
-    int bad;
+    union {  // phase 1: the groups' partials; phase 2: each part's weight per row
+      float o[kGroups][kRows][kD];
+      float weight[kDecodeRows * kDecodeMaxParts];
+    } u;
+    float m[kGroups][kRows], l[kGroups][kRows];
+    float row_max[kDecodeRows], row_total[kDecodeRows];
   };
 
   using P = DecodeParams<T>;
@@ -136,11 +141,11 @@ struct DecodeKernel {
     const int offset = p.offsets ? __ldg(p.offsets + b) : 0;
     const int total = p.seq_total ? __ldg(p.seq_total + b) : len;
     // This lane's 8 elements of each row's query (scaled into the exp2 domain); a row past G stays zero.
-    float q[kDecodeRows][8];
-    int last_key[kDecodeRows];  // causal: the last global position row r may see
+    float q[kRows][8];
+    int last_key[kRows];  // causal: the last global position row r may see
 #pragma unroll
-    for (int r = 0; r < kDecodeRows; ++r) {
-      const int row = rg * kDecodeRows + r;
+    for (int r = 0; r < kRows; ++r) {
+      const int row = rg * kRows + r;
       const int qi = row / p.group, head = h * p.group + row % p.group;
       last_key[r] = p.causal ? total - p.q_len + qi : INT32_MAX;
       if (row < p.rows) {
@@ -156,9 +161,9 @@ struct DecodeKernel {
         last_key[r] = -1;  // no key: the row stays empty
       }
     }
-    float m[kDecodeRows], l[kDecodeRows], o[kDecodeRows][8];
+    float m[kRows], l[kRows], o[kRows][8];
 #pragma unroll
-    for (int r = 0; r < kDecodeRows; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       m[r] = kNeg;
       l[r] = 0.f;
 #pragma unroll
@@ -187,13 +192,13 @@ struct DecodeKernel {
           }
         }
       }
-      float sc[kDecodeUnroll][kDecodeRows];
+      float sc[kDecodeUnroll][kRows];
 #pragma unroll
       for (int u = 0; u < kDecodeUnroll; ++u) {
         float kf[8];
         unpack8<T>(kv[u][0], kf);
 #pragma unroll
-        for (int r = 0; r < kDecodeRows; ++r) {
+        for (int r = 0; r < kRows; ++r) {
           float acc = 0.f;
 #pragma unroll
           for (int j = 0; j < 8; ++j) acc = fmaf(q[r][j], kf[j], acc);
@@ -203,7 +208,7 @@ struct DecodeKernel {
         }
       }
 #pragma unroll
-      for (int r = 0; r < kDecodeRows; ++r) {
+      for (int r = 0; r < kRows; ++r) {
         float mx = m[r];
 #pragma unroll
         for (int u = 0; u < kDecodeUnroll; ++u) mx = fmaxf(mx, sc[u][r]);
@@ -218,7 +223,7 @@ struct DecodeKernel {
         float vf[8];
         unpack8<T>(kv[u][1], vf);
 #pragma unroll
-        for (int r = 0; r < kDecodeRows; ++r) {
+        for (int r = 0; r < kRows; ++r) {
           const float pr = sc[u][r] > 0.5f * kNeg ? exp2f(sc[u][r] - m[r]) : 0.f;
           l[r] += pr;
 #pragma unroll
@@ -229,9 +234,9 @@ struct DecodeKernel {
     if (bad) report_bad_input(p.team, b, DecodeBadInput::kBlockOutOfRange, p.num_blocks, bad_block);
       // The block's groups merged: every group's state into shared memory, then thread i takes elements.
 #pragma unroll
-    for (int r = 0; r < kDecodeRows; ++r) {
+    for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) sm.o[group_id][r][d0 + j] = o[r][j];
+      for (int j = 0; j < 8; ++j) sm.u.o[group_id][r][d0 + j] = o[r][j];
       if (x == 0) {
         sm.m[group_id][r] = m[r];
         sm.l[group_id][r] = l[r];
@@ -239,14 +244,14 @@ struct DecodeKernel {
     }
     __syncthreads();
     const int pair = b * p.kv_heads + h;
-    for (int e = threadIdx.x; e < kDecodeRows * kD; e += blockDim.x) {
-      const int r = e / kD, d = e % kD, row = rg * kDecodeRows + r;
+    for (int e = threadIdx.x; e < kRows * kD; e += blockDim.x) {
+      const int r = e / kD, d = e % kD, row = rg * kRows + r;
       float mx = kNeg;
       for (int g = 0; g < kGroups; ++g) mx = fmaxf(mx, sm.m[g][r]);
       float acc = 0.f, sum = 0.f;
       for (int g = 0; g < kGroups; ++g) {
         const float w = sm.l[g][r] > 0.f ? exp2f(sm.m[g][r] - mx) : 0.f;
-        acc = fmaf(w, sm.o[g][r][d], acc);
+        acc = fmaf(w, sm.u.o[g][r][d], acc);
         sum = fmaf(w, sm.l[g][r], sum);
       }
       if (row >= p.rows) continue;
@@ -275,8 +280,8 @@ struct DecodeKernel {
     __syncthreads();
     if (!ok) return;  // recorded; synchronize() reports it
     const int parts = p.team.world * p.splits;
-    float* weight = &sm.o[0][0][0];  // [kDecodeRows][parts]
-    float* total = &sm.l[0][0];      // [kDecodeRows]
+    float* weight = sm.u.weight;  // [kDecodeRows][parts]
+    float* total = sm.row_total;
     const float* po = p.part_o[parity];
     const float2* pml = p.part_ml[parity];
     for (int r0 = 0; r0 < p.rows; r0 += kDecodeRows) {
@@ -301,7 +306,7 @@ struct DecodeKernel {
         for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
         if (threadIdx.x % 32 == 0) {
           total[r] = sum;
-          sm.m[0][r] = mx;
+          sm.row_max[r] = mx;
         }
       }
       __syncthreads();
@@ -317,7 +322,7 @@ struct DecodeKernel {
         const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
         p.out[o * kD + d] = static_cast<T>(sum > 0.f ? acc / sum : 0.f);
         if (d == 0 && p.lse != nullptr)
-          p.lse[o] = sum > 0.f ? (sm.m[0][r] + log2f(sum)) * 0.6931471805599453f : -INFINITY;
+          p.lse[o] = sum > 0.f ? (sm.row_max[r] + log2f(sum)) * 0.6931471805599453f : -INFINITY;
       }
       __syncthreads();  // the weights are rewritten for the next rows
     }
@@ -325,10 +330,10 @@ struct DecodeKernel {
   }
 };
 
-template <class T, int kD>
+template <class T, int kD, int kRows>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     flash_decode_kernel(const __grid_constant__ DecodeParams<T> p) {
-  using K = DecodeKernel<T, kD>;
+  using K = DecodeKernel<T, kD, kRows>;
   extern __shared__ __align__(16) unsigned char decode_smem[];
   typename K::Smem& sm = *reinterpret_cast<typename K::Smem*>(decode_smem);
   const int parity = static_cast<int>(p.epoch.epoch() & 1u);
