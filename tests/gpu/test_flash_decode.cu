@@ -80,7 +80,9 @@ struct Prepared {
   std::vector<double> ref_o, ref_lse;
 };
 
-std::unique_ptr<Prepared> prepare(Communicator& comm, const Case& c) {
+// min_max_local: the cache's capacity at least this (another case's layout, for data swapped into its
+// buffers).
+std::unique_ptr<Prepared> prepare(Communicator& comm, const Case& c, int min_max_local = 1) {
   auto pr = std::make_unique<Prepared>();
   pr->c = c;
   const int W = comm.world();
@@ -97,7 +99,7 @@ std::unique_ptr<Prepared> prepare(Communicator& comm, const Case& c) {
     for (auto& x : k[b]) x = to_half_bits(u(g), c.dtype);
     for (auto& x : v[b]) x = to_half_bits(u(g), c.dtype);
   }
-  int max_local = 1;
+  int max_local = min_max_local;
   for (int64_t b = 0; b < B; ++b)
     for (int r = 0; r < W; ++r) max_local = std::max(max_local, part_of(c.lengths[b], r, W).second);
   const int max_blocks = (max_local + c.block_size - 1) / c.block_size;
@@ -182,10 +184,10 @@ void poison_outputs(Communicator& comm, Prepared& pr) {
   }
 }
 
-// The call on every local rank, no synchronisation.
-void enqueue(Communicator& comm, Prepared& pr) {
+// The call on local rank i, on its stream.
+void enqueue_rank(Communicator& comm, Prepared& pr, int i) {
   const int64_t B = pr.c.batch;
-  for (int i = 0; i < comm.num_local(); ++i) {
+  {
     const auto* meta = reinterpret_cast<const int32_t*>(pr.meta->ptr[i]);
     DecodeCache cache;
     cache.k = pr.k->ptr[i];
@@ -204,6 +206,11 @@ void enqueue(Communicator& comm, Prepared& pr) {
     flash_decode(comm, comm.local(i), pr.q->ptr[i], cache, pr.out->ptr[i],
                  reinterpret_cast<float*>(pr.lse->ptr[i]), pr.shape, pr.c.dtype, nullptr, o);
   }
+}
+
+// The call on every local rank, no synchronisation.
+void enqueue(Communicator& comm, Prepared& pr) {
+  for (int i = 0; i < comm.num_local(); ++i) enqueue_rank(comm, pr, i);
 }
 
 void check(Communicator& comm, Prepared& pr, const std::string& label) {
@@ -338,4 +345,75 @@ WEFT_GPU_TEST_WORLD(flash_decode_back_to_back_shapes, 1) {
   comm.synchronize();
   check(comm, *a, "back to back (a)");
   check(comm, *b, "back to back (b)");
+}
+
+// Captured once per rank into a CUDA graph, replayed with other lengths and data (another case's, copied into
+// the captured buffers) and then the first again: the call epoch and the inboxes' parity live on the device.
+WEFT_GPU_TEST_WORLD(flash_decode_replays_in_cuda_graphs, 1) {
+  Communicator& comm = ctx.comm();
+  auto a = prepare(comm, Case{2, 1, 8, 2, 128, {900, 40}, DType::kBF16, false, 16, 51});
+  auto b =
+      prepare(comm, Case{2, 1, 8, 2, 128, {301, 41}, DType::kBF16, false, 16, 52}, int(a->shape.max_local));
+  WEFT_EXPECT(b->shape.max_local == a->shape.max_local, "the two cases' layouts differ");
+  enqueue(comm, *a);  // the inboxes grow before the capture
+  comm.synchronize();
+  std::vector<cudaGraphExec_t> exec(comm.num_local());
+  for (int i = 0; i < comm.num_local(); ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+    cudaGraph_t g;
+    WEFT_CUDA_CHECK(cudaStreamBeginCapture(comm.local(i).stream(), cudaStreamCaptureModeThreadLocal));
+    enqueue_rank(comm, *a, i);
+    WEFT_CUDA_CHECK(cudaStreamEndCapture(comm.local(i).stream(), &g));
+    WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec[i], g, 0));
+    WEFT_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  auto copy = [&](RankBuffers& to, RankBuffers& from, size_t bytes) {
+    for (int i = 0; i < comm.num_local(); ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      WEFT_CUDA_CHECK(cudaMemcpy(to.ptr[i], from.ptr[i], bytes, cudaMemcpyDeviceToDevice));
+    }
+  };
+  const size_t q_bytes = a->ref_o.size() * 2, meta_bytes = 3 * 2 * 4;
+  const size_t kv_bytes = size_t(2 * a->shape.max_local * 2 * 128) * 2;
+  // Case a's data is in the buffers; then b's; then a's again.
+  std::vector<std::unique_ptr<RankBuffers>> saved;
+  for (const char* name : {"a", "b", "a again"}) {
+    Prepared& want = name[0] == 'b' ? *b : *a;
+    if (name[0] == 'b') {  // keep a's inputs, then put b's in their place
+      for (RankBuffers* x : {a->q.get(), a->k.get(), a->v.get(), a->meta.get()})
+        saved.push_back(std::make_unique<RankBuffers>(comm,
+                                                      x == a->q.get()      ? q_bytes
+                                                      : x == a->meta.get() ? meta_bytes
+                                                                           : kv_bytes,
+                                                      false));
+      copy(*saved[0], *a->q, q_bytes);
+      copy(*saved[1], *a->k, kv_bytes);
+      copy(*saved[2], *a->v, kv_bytes);
+      copy(*saved[3], *a->meta, meta_bytes);
+      copy(*a->q, *b->q, q_bytes);
+      copy(*a->k, *b->k, kv_bytes);
+      copy(*a->v, *b->v, kv_bytes);
+      copy(*a->meta, *b->meta, meta_bytes);
+    } else if (!saved.empty()) {
+      copy(*a->q, *saved[0], q_bytes);
+      copy(*a->k, *saved[1], kv_bytes);
+      copy(*a->v, *saved[2], kv_bytes);
+      copy(*a->meta, *saved[3], meta_bytes);
+    }
+    poison_outputs(comm, *a);
+    comm.host_barrier();
+    for (int i = 0; i < comm.num_local(); ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], comm.local(i).stream()));
+    }
+    comm.synchronize();
+    // a's output buffers hold the replay's result; check them against the case whose data was in.
+    want.out.swap(a->out);
+    want.lse.swap(a->lse);
+    check(comm, want, std::string("graph replay, case ") + name);
+    want.out.swap(a->out);
+    want.lse.swap(a->lse);
+    comm.host_barrier();
+  }
+  for (auto& e : exec) cudaGraphExecDestroy(e);
 }
