@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import print_table, start, timed, timed_alternating  # noqa: E402
+from bench import print_table, start, team_max, timed, timed_alternating  # noqa: E402
 
 import weft  # noqa: E402
 
@@ -56,7 +56,7 @@ def main():
         g = torch.Generator(device="cuda").manual_seed(5)  # the same on every rank: the whole cache
         q = torch.randn(batch, 1, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
         k_all = torch.randn(batch, seq, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        v_all = torch.randn_like(k_all)
+        v_all = torch.randn(k_all.shape, device="cuda", dtype=torch.bfloat16, generator=g)
         first, count = min(seq, rank * local), min(seq, (rank + 1) * local) - min(seq, rank * local)
         k = torch.zeros(batch, local, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
         v = torch.zeros_like(k)
@@ -91,7 +91,7 @@ def main():
         rows.append({"batch": batch, "tokens": seq, "heads": f"{heads}/{kv_heads}", "GPUs": world,
                      "weft us": times["weft"], "torch split + NCCL us": times["torch split + NCCL"],
                      "torch SDPA one GPU us": one, "floor us": floor,
-                     "floor / weft": f"{100 * floor / times['weft']:.0f}%", "max |err|": err})
+                     "floor / weft": f"{100 * floor / times['weft']:.0f}%", "max |err|": f"{team_max(err):.2e}"})
     print_table(f"flash_decode, bf16, D 128, q_len 1, {world} GPUs (floor: KV bytes / {rate / 1e9:.0f} GB/s)", rows)
     dist.destroy_process_group()
 

@@ -543,9 +543,6 @@ void bind_one_gpu_ops(py::module_& m) {
       py::arg("segments") = py::tuple(), py::arg("dtype") = "bf16", py::arg("deterministic") = false);
 }
 
-// Sequence-parallel attention on this process's rank: method "all_gather" (weft::context_attention_*),
-// "ring" (weft::ring_attention_*), "ulysses" or "hybrid:U" (weft::hybrid_attention_* with Ulysses size U);
-// tensors in ring attention's layout of doc_lengths (weft/ops/context_attention.hpp).
 void bind_decode(py::module_& m) {
   // Distributed flash-decode (weft/ops/flash_decode.hpp): block_table 0 for a contiguous cache; offsets and
   // seq_total 0 for a team of one.
@@ -575,6 +572,9 @@ void bind_decode(py::module_& m) {
   });
 }
 
+// Sequence-parallel attention on this process's rank: method "all_gather" (weft::context_attention_*),
+// "ring" (weft::ring_attention_*), "ulysses" or "hybrid:U" (weft::hybrid_attention_* with Ulysses size U);
+// tensors in ring attention's layout of doc_lengths (weft/ops/context_attention.hpp).
 void bind_sequence_parallel(py::module_& m) {
   m.def("context_attention_workspace_bytes",
         [](const std::string& named, int world, const std::vector<int64_t>& docs, bool causal, int64_t heads,

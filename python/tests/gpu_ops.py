@@ -249,7 +249,7 @@ def main():
 
 
 def check_flash_decode(rank, world):
-    """weft.flash_decode over a cache split over the ranks (uneven parts, one rank holding none of sequence 0)
+    """weft.flash_decode over a cache split over the ranks (sequence 0 on the last rank only, sequence 1 evenly)
     against torch SDPA on the whole cache, which every rank builds alike; causal among 2 new tokens, GQA 4:1;
     contiguous and paged. Returns the cases run."""
     g = torch.Generator(device="cuda").manual_seed(99)  # the same on every rank

@@ -11,7 +11,7 @@ One process per GPU, started by torchrun, mpirun or weft-launch:
 Torch tensors in, torch tensors out when torch is the caller; other frameworks pass anything with
 __dlpack__ and get symmetric tensors back (wrap them with their from_dlpack). On torch tensors every op is a
 torch operator (torch.ops.weft.*: torch.compile traces it, CUDA graphs capture it) with autograd; ops given
-out= run eagerly and are not differentiable.
+out= run eagerly and are not differentiable, and so do the FP8 functions (scaled_mm, quantize_fp8).
 
 A team on one GPU, for developing and testing multi-rank code without several GPUs (no launcher):
 

@@ -315,7 +315,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_off
         raise WeftValueError(f"{where}: q must be [batch, q_len, heads, dim] and the caches 4-D alike, got "
                              f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     batch, q_len, heads, dim = q.shape
-    if k_cache.shape[3] != dim or heads % k_cache.shape[2]:
+    if k_cache.shape[2] < 1 or k_cache.shape[3] != dim or heads % k_cache.shape[2]:
         raise WeftValueError(f"{where}: the caches' dim must be q's ({dim}) and heads a multiple of kv_heads, got "
                              f"{tuple(k_cache.shape)}")
     if block_table is not None:
@@ -330,7 +330,16 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_off
     for name, t in (("cache_seqlens", cache_seqlens), ("cache_offsets", cache_offsets), ("seq_total", seq_total)):
         if t is not None and tuple(t.shape) != (batch,):
             raise WeftValueError(f"{where}: {name} must be [batch], got {tuple(t.shape)}")
+    if dim not in (64, 128):
+        raise WeftValueError(f"{where}: dim must be 64 or 128, got {dim}")
+    if softmax_scale is not None and not float(softmax_scale) > 0:
+        raise WeftValueError(f"{where}: softmax_scale must be positive, got {softmax_scale}")
     c = _comm(comm)
+    if c.world_size > 1 and causal and q_len > 1 and (cache_offsets is None or seq_total is None):
+        raise WeftValueError(f"{where}: on a team of {c.world_size}, causal masking among {q_len} new tokens needs "
+                             "cache_offsets and seq_total (each rank's part and the sequences' global lengths)")
+    if q.device.index != c.device:
+        raise WeftValueError(f"{where}: q is on cuda:{q.device.index} but this rank uses cuda:{c.device}")
     scale = 1.0 / math.sqrt(dim) if softmax_scale is None else float(softmax_scale)
     out, lse = _w._ops.flash_decode(q, k_cache, v_cache, cache_seqlens, block_table, cache_offsets, seq_total,
                                     max_local, bool(causal), scale, c._id)

@@ -182,6 +182,11 @@ void flash_decode(Communicator& comm, Rank& rank, const void* q, const DecodeCac
   const std::string& where = call.where;
   check_shape(shape, cache, rank.world(), dtype, where);
   WEFT_CHECK(options.scale >= 0.f, where + "options.scale must be 0 (1 / sqrt(head_dim)) or positive");
+  WEFT_CHECK(
+      rank.world() == 1 || !options.causal || shape.q_len == 1 ||
+          (cache.offsets != nullptr && cache.seq_total != nullptr),
+      where + "on a team, causal masking among " + std::to_string(shape.q_len) +
+          " new tokens needs cache.offsets and cache.seq_total (each rank's part, the global lengths)");
   const int64_t d = shape.head_dim, tok = shape.kv_heads * d;
   const int64_t q_bytes = shape.batch * shape.q_len * shape.heads * d * 2;
   call.check_buffer(q, "q", q_bytes);
