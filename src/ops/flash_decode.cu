@@ -173,12 +173,12 @@ void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, f
   launch_rows<T, kD, 8>(call, q, c, out, lse, s, o);
 }
 
-}  // namespace
-
-void flash_decode(Communicator& comm, Rank& rank, const void* q, const DecodeCache& cache, void* out,
-                  float* lse, const DecodeShape& shape, DType dtype, cudaStream_t stream,
-                  const DecodeOptions& options) {
-  ops::OpCall call(comm, rank, stream, ops::team_where("weft::flash_decode", rank));
+// The call, or its plan (weft/ops/plan.hpp) with `plan`: the same code up to the launch.
+void run(Communicator& comm, Rank& rank, const void* q, const DecodeCache& cache, void* out, float* lse,
+         const DecodeShape& shape, DType dtype, cudaStream_t stream, const DecodeOptions& options,
+         Plan* plan) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::flash_decode", rank), plan);
+  if (plan) plan->op = "flash_decode";
   const std::string& where = call.where;
   check_shape(shape, cache, rank.world(), dtype, where);
   WEFT_CHECK(options.scale >= 0.f, where + "options.scale must be 0 (1 / sqrt(head_dim)) or positive");
@@ -207,6 +207,22 @@ void flash_decode(Communicator& comm, Rank& rank, const void* q, const DecodeCac
   else
     d == 64 ? launch<__nv_bfloat16, 64>(call, q, cache, out, lse, shape, options)
             : launch<__nv_bfloat16, 128>(call, q, cache, out, lse, shape, options);
+}
+
+}  // namespace
+
+void flash_decode(Communicator& comm, Rank& rank, const void* q, const DecodeCache& cache, void* out,
+                  float* lse, const DecodeShape& shape, DType dtype, cudaStream_t stream,
+                  const DecodeOptions& options) {
+  run(comm, rank, q, cache, out, lse, shape, dtype, stream, options, nullptr);
+}
+
+Plan flash_decode_plan(Communicator& comm, Rank& rank, const void* q, const DecodeCache& cache, void* out,
+                       float* lse, const DecodeShape& shape, DType dtype, cudaStream_t stream,
+                       const DecodeOptions& options) {
+  Plan plan;
+  run(comm, rank, q, cache, out, lse, shape, dtype, stream, options, &plan);
+  return plan;
 }
 
 }  // namespace weft

@@ -256,6 +256,26 @@ void check(Communicator& comm, Prepared& pr, const std::string& label) {
 void run_case(TestContext& ctx, const Case& c) {
   Communicator& comm = ctx.comm();
   const auto pr = prepare(comm, c);
+  {  // the plan: no launch, the two inboxes named, a grid
+    DecodeCache cache;
+    cache.k = pr->k->ptr[0];
+    cache.v = pr->v->ptr[0];
+    if (c.paged) {
+      cache.block_table = reinterpret_cast<const int32_t*>(pr->table->ptr[0]);
+      cache.block_size = c.block_size;
+      cache.max_blocks = pr->max_blocks;
+      cache.num_blocks = pr->num_blocks;
+    }
+    cache.seqlens = reinterpret_cast<const int32_t*>(pr->meta->ptr[0]);
+    cache.offsets = cache.seqlens + c.batch;
+    cache.seq_total = cache.seqlens + 2 * c.batch;
+    DecodeOptions o;
+    o.causal = c.causal;
+    const Plan plan = flash_decode_plan(comm, comm.local(0), pr->q->ptr[0], cache, pr->out->ptr[0], nullptr,
+                                        pr->shape, c.dtype, nullptr, o);
+    WEFT_EXPECT(plan.op == "flash_decode" && plan.blocks > 0 && plan.workspace.size() == 2,
+                "plan: " << describe(plan));
+  }
   for (int rep = 0; rep < 3; ++rep) {  // the inboxes alternate between calls
     poison_outputs(comm, *pr);
     comm.host_barrier();

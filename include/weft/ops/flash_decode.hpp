@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "weft/dtype.hpp"
+#include "weft/ops/plan.hpp"
 #include "weft/runtime/communicator.hpp"
 
 namespace weft {
@@ -57,5 +58,11 @@ struct DecodeOptions {
 void flash_decode(Communicator& comm, Rank& rank, const void* q, const DecodeCache& cache, void* out,
                   float* lse, const DecodeShape& shape, DType dtype, cudaStream_t stream = nullptr,
                   const DecodeOptions& options = {});
+
+// What flash_decode would do with these arguments, without doing it (weft/ops/plan.hpp: the workspace areas
+// it uses, the grid), or the weft::Error it would throw.
+Plan flash_decode_plan(Communicator& comm, Rank& rank, const void* q, const DecodeCache& cache, void* out,
+                       float* lse, const DecodeShape& shape, DType dtype, cudaStream_t stream = nullptr,
+                       const DecodeOptions& options = {});
 
 }  // namespace weft
