@@ -65,12 +65,15 @@ struct Mode {
   void (*run)(Context&);
   int min_gpus;        // fewer GPUs (ranks, with virtual ranks) in use: weft-bench skips the mode, saying so
   bool virtual_ranks;  // runs on a team of virtual ranks (--ranks); else it needs one GPU per rank
+  // In the default run (no modes named). A mode whose kernels have not yet run on a GPU is named only: the
+  // main job must keep working on a fresh machine.
+  bool by_default = true;
 };
 std::vector<Mode>& modes();
 struct ModeRegistrar {
   ModeRegistrar(const char* name, const char* help, void (*run)(Context&), int min_gpus = 2,
-                bool virtual_ranks = false) {
-    modes().push_back({name, help, run, min_gpus, virtual_ranks});
+                bool virtual_ranks = false, bool by_default = true) {
+    modes().push_back({name, help, run, min_gpus, virtual_ranks, by_default});
   }
 };
 

@@ -38,7 +38,9 @@ int usage(int code) {
       "ring\n"
       "                                         kernels with no data movement, timing only)\n"
       "modes:\n");
-  for (auto& m : modes()) std::fprintf(code ? stderr : stdout, "  %-10s %s\n", m.name, m.help);
+  for (auto& m : modes())
+    std::fprintf(code ? stderr : stdout, "  %-10s %s%s\n", m.name, m.help,
+                 m.by_default ? "" : " (run by name only: not yet in the default run)");
   return code;
 }
 // A positive integer (decimal or 0x hex) filling all of `v`.
@@ -138,7 +140,8 @@ int main(int argc, char** argv) {
     }
   }
   if (chosen.empty())
-    for (auto& m : modes()) chosen.push_back(&m);
+    for (auto& m : modes())
+      if (m.by_default) chosen.push_back(&m);
 
   // Virtual ranks need the most hardware work queues (weft::Communicator says why), read when CUDA starts:
   // set before the first CUDA call, and only for them (real GPUs keep the driver's default).
