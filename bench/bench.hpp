@@ -44,6 +44,7 @@ struct Context {
   uint64_t min_bytes = 0, max_bytes = 0;  // --min-bytes / --max-bytes: collective sizes kept
   std::vector<int64_t> fused_m;           // --fused-m 4096,8192: the fused modes' M values
   std::string fused_ops;                  // --fused-ops ag,rs,ar: the fused ops run
+  bool fused_progressive = false;         // --fused-progressive: also time the staged-progressive partials
   std::string cp_methods;                 // --cp-methods all-gather,ring,ulysses: context_attention's methods
   int pipeline_pieces = 0;                // --pipeline-pieces n: FusedOptions::pipeline_pieces
   int ag_comm_blocks = 0;                 // --ag-comm-blocks n: FusedOptions::comm_blocks (0: helper warps)

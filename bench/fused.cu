@@ -100,7 +100,8 @@ void run_fused(Context& ctx) {
       "weft collective) for this shape. weft gemm = weft::gemm alone on the compute shape; fused = "
       "the op with the fused kernel forced; fused, added at owner = the same with its partial tiles "
       "reduce-added into the owner's sum (FusedOptions::Partials::kAddedAtOwner; RS / AR); fused, staged "
-      "progressive = staged, each half summed at its owner during the GEMM (Partials::kStagedProgressive); "
+      "progressive = staged, each half summed at its owner during the GEMM (Partials::kStagedProgressive; "
+      "with --fused-progressive, else -); "
       "pipelined = the "
       "op with the copy-engine pipeline "
       "forced (both: what kAuto's rule weighs)." +
@@ -223,7 +224,8 @@ void run_fused(Context& ctx) {
           ctx.progress("fused: warm-up, fused kernel");
           on_all(fused_call, false)(0);
           if (op != Op::kAG) on_all(added_call, false)(0);
-          if (op != Op::kAG) on_all(progressive_call, false)(0);
+          const bool progressive_on = op != Op::kAG && ctx.fused_progressive;
+          if (progressive_on) on_all(progressive_call, false)(0);
           comm->synchronize();
           ctx.progress("fused: warm-up, pipeline");
           on_all(pipelined_call, false)(0);
@@ -240,7 +242,7 @@ void run_fused(Context& ctx) {
                                                               on_all(fused_call, false),
                                                               on_all(pipelined_call, false)};
           if (op != Op::kAG) candidates.push_back(on_all(added_call, false));
-          if (op != Op::kAG) candidates.push_back(on_all(progressive_call, false));
+          if (progressive_on) candidates.push_back(on_all(progressive_call, false));
           std::vector<double> times;
           if (nccl_on) {
             times = time_graphs_alternating(*comm, streams, iters, reps, candidates);
@@ -273,7 +275,7 @@ void run_fused(Context& ctx) {
             if (path != FusedPath::kFused) record(fused_call, "fused");
             if (path != FusedPath::kPipelined && nccl_on) record(pipelined_call, "pipelined");
             if (op != Op::kAG) record(added_call, "fused_added_at_owner");
-            if (op != Op::kAG) record(progressive_call, "fused_staged_progressive");
+            if (progressive_on) record(progressive_call, "fused_staged_progressive");
           }
           comm->free(wa);
           comm->free(wo);

@@ -28,6 +28,7 @@ int usage(int code) {
       "  --min-bytes B --max-bytes B collective sizes kept\n"
       "  --fused-m M1,M2,..          the fused modes' M values\n"
       "  --fused-ops ag,rs,ar        the fused ops run\n"
+      "  --fused-progressive         fused: also time FusedOptions::Partials::kStagedProgressive (RS / AR)\n"
       "  --pipeline-pieces n         FusedOptions::pipeline_pieces of the weft and pipelined columns\n"
       "  --ag-comm-blocks n          FusedOptions::comm_blocks (all_gather_matmul's communicator blocks)\n"
       "  --timeline DIR              fused / decode / moe: also record one call of each row's weft paths "
@@ -107,6 +108,8 @@ int main(int argc, char** argv) {
       ctx.json = true;
     else if (a == "--quick")
       ctx.quick = true;
+    else if (a == "--fused-progressive")
+      ctx.fused_progressive = true;
     else if ((a == "--gpus" || a == "--ranks") && i + 1 < argc) {
       const int v = std::atoi(argv[++i]);
       if (v < 1) {
