@@ -78,6 +78,15 @@ struct ModeRegistrar {
   }
 };
 
+// A cuBLAS or cuBLASLt call (cublasStatus_t; CUBLAS_STATUS_SUCCESS is 0) that throws with the call and
+// status.
+#define WEFT_BLAS_CHECK(expr)                                                             \
+  do {                                                                                    \
+    const int weft_blas_st_ = static_cast<int>(expr);                                     \
+    if (weft_blas_st_ != 0)                                                               \
+      throw_error(fmt("weft-bench: %s failed (cuBLAS status %d)", #expr, weft_blas_st_)); \
+  } while (0)
+
 #define WEFT_NCCL_CHECK(expr)                                                                             \
   do {                                                                                                    \
     ncclResult_t weft_nccl_r_ = (expr);                                                                   \

@@ -17,13 +17,6 @@
 namespace weft::bench {
 namespace {
 
-#define CUBLAS_CHECK(expr)                                                           \
-  do {                                                                               \
-    const cublasStatus_t st_ = (expr);                                               \
-    if (st_ != CUBLAS_STATUS_SUCCESS)                                                \
-      throw_error(fmt("weft-bench: %s failed (cuBLAS status %d)", #expr, int(st_))); \
-  } while (0)
-
 // sums[0] += (x - y)^2, sums[1] += y^2 for bf16 x (weft) and y (cuBLAS).
 __global__ void diff_kernel(const __nv_bfloat16* x, const __nv_bfloat16* y, uint64_t n, double* sums) {
   double d = 0, r = 0;
@@ -64,10 +57,10 @@ class GemmBench {
   explicit GemmBench(bool quick) : quick_(quick) {
     WEFT_CUDA_CHECK(cudaSetDevice(0));
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    CUBLAS_CHECK(cublasCreate(&blas_));
-    CUBLAS_CHECK(cublasSetStream(blas_, stream_));
+    WEFT_BLAS_CHECK(cublasCreate(&blas_));
+    WEFT_BLAS_CHECK(cublasSetStream(blas_, stream_));
     workspace_ = std::make_unique<DevMem>(kWorkspace);
-    CUBLAS_CHECK(cublasSetWorkspace(blas_, workspace_->p, kWorkspace));
+    WEFT_BLAS_CHECK(cublasSetWorkspace(blas_, workspace_->p, kWorkspace));
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes_, cudaDevAttrL2CacheSize, 0));
   }
   ~GemmBench() {
@@ -111,10 +104,10 @@ class GemmBench {
     };
     auto blas_op = [&](int i) {
       const float alpha = 1.0f, beta = 0.0f;
-      CUBLAS_CHECK(cublasGemmEx(blas_, nk ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, int(s.n), int(s.m),
-                                int(s.k), &alpha, ops.b(i), CUDA_R_16BF, int(nk ? s.k : s.n), ops.a(i),
-                                CUDA_R_16BF, int(s.k), &beta, c_blas.p, CUDA_R_16BF, int(s.n),
-                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      WEFT_BLAS_CHECK(cublasGemmEx(blas_, nk ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, int(s.n), int(s.m),
+                                   int(s.k), &alpha, ops.b(i), CUDA_R_16BF, int(nk ? s.k : s.n), ops.a(i),
+                                   CUDA_R_16BF, int(s.k), &beta, c_blas.p, CUDA_R_16BF, int(s.n),
+                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
     const double est_ms = s.flops() / 650e12 * 1e3;
     const int iters = quick_ ? std::clamp(int(60 / est_ms), 5, 20) : std::clamp(int(400 / est_ms), 15, 200);
@@ -242,10 +235,10 @@ void run_ring_pieces(Context& ctx, GemmBench& bench, const std::string& gpu) {
           };
           auto blas = [&](int i, int64_t row, int64_t rows, bool add) {
             const float one = 1.f, beta = add ? 1.f : 0.f;
-            CUBLAS_CHECK(cublasGemmEx(bench.blas(), CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(rows), int(K), &one,
-                                      ops.b(i), CUDA_R_16BF, int(K), rows_of(ops.a(i), row, K), CUDA_R_16BF,
-                                      int(K), &beta, rows_of(c.p, row % (M / W), N), CUDA_R_16BF, int(N),
-                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+            WEFT_BLAS_CHECK(cublasGemmEx(bench.blas(), CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(rows), int(K),
+                                         &one, ops.b(i), CUDA_R_16BF, int(K), rows_of(ops.a(i), row, K),
+                                         CUDA_R_16BF, int(K), &beta, rows_of(c.p, row % (M / W), N),
+                                         CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
           };
           auto weft = [&](int i, int64_t row, int64_t rows, bool add) {
             GemmOptions o;
@@ -313,9 +306,10 @@ void run_tile_widths(Context& ctx, GemmBench& bench, const std::string& gpu) {
     };
     auto blas = [&](int i) {
       const float one = 1.f, zero = 0.f;
-      CUBLAS_CHECK(cublasGemmEx(bench.blas(), CUBLAS_OP_T, CUBLAS_OP_N, int(sh.n), int(sh.m), int(sh.k), &one,
-                                ops.b(i), CUDA_R_16BF, int(sh.k), ops.a(i), CUDA_R_16BF, int(sh.k), &zero,
-                                c.p, CUDA_R_16BF, int(sh.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      WEFT_BLAS_CHECK(cublasGemmEx(bench.blas(), CUBLAS_OP_T, CUBLAS_OP_N, int(sh.n), int(sh.m), int(sh.k),
+                                   &one, ops.b(i), CUDA_R_16BF, int(sh.k), ops.a(i), CUDA_R_16BF, int(sh.k),
+                                   &zero, c.p, CUDA_R_16BF, int(sh.n), CUBLAS_COMPUTE_32F,
+                                   CUBLAS_GEMM_DEFAULT));
     };
     const double est_ms = sh.flops() / 650e12 * 1e3;
     const int iters = std::clamp(int((ctx.quick ? 40 : 200) / std::max(est_ms, 0.01)), 10, 200);

@@ -18,13 +18,6 @@
 namespace weft::bench {
 namespace {
 
-#define LT_CHECK(expr)                                                                 \
-  do {                                                                                 \
-    const cublasStatus_t st_ = (expr);                                                 \
-    if (st_ != CUBLAS_STATUS_SUCCESS)                                                  \
-      throw_error(fmt("weft-bench: %s failed (cuBLASLt status %d)", #expr, int(st_))); \
-  } while (0)
-
 __global__ void fill_e4m3(uint8_t* p, uint64_t n, uint64_t seed) {
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n;
        i += uint64_t(gridDim.x) * blockDim.x) {
@@ -70,25 +63,25 @@ class LtFp8 {
  public:
   LtFp8(const Shape& s, const float* scale_a, const float* scale_b, void* workspace, size_t workspace_bytes)
       : workspace_(workspace), workspace_bytes_(workspace_bytes) {
-    LT_CHECK(cublasLtCreate(&lt_));
-    LT_CHECK(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    WEFT_BLAS_CHECK(cublasLtCreate(&lt_));
+    WEFT_BLAS_CHECK(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
-    LT_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
-    LT_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)));
+    WEFT_BLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
+    WEFT_BLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)));
     // Its A is our B (scale_b), its B our A (scale_a).
-    LT_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b,
-                                            sizeof(scale_b)));
-    LT_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a,
-                                            sizeof(scale_a)));
-    LT_CHECK(cublasLtMatrixLayoutCreate(&a_, CUDA_R_8F_E4M3, s.k, s.n, s.k));
-    LT_CHECK(cublasLtMatrixLayoutCreate(&b_, CUDA_R_8F_E4M3, s.k, s.m, s.k));
-    LT_CHECK(cublasLtMatrixLayoutCreate(&c_, CUDA_R_16BF, s.n, s.m, s.n));
+    WEFT_BLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b,
+                                                   sizeof(scale_b)));
+    WEFT_BLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a,
+                                                   sizeof(scale_a)));
+    WEFT_BLAS_CHECK(cublasLtMatrixLayoutCreate(&a_, CUDA_R_8F_E4M3, s.k, s.n, s.k));
+    WEFT_BLAS_CHECK(cublasLtMatrixLayoutCreate(&b_, CUDA_R_8F_E4M3, s.k, s.m, s.k));
+    WEFT_BLAS_CHECK(cublasLtMatrixLayoutCreate(&c_, CUDA_R_16BF, s.n, s.m, s.n));
     cublasLtMatmulPreference_t pref;
-    LT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                  &workspace_bytes_, sizeof(workspace_bytes_)));
+    WEFT_BLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    WEFT_BLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                         &workspace_bytes_, sizeof(workspace_bytes_)));
     int found = 0;
-    LT_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, desc_, a_, b_, c_, c_, pref, 1, &heuristic_, &found));
+    WEFT_BLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, desc_, a_, b_, c_, c_, pref, 1, &heuristic_, &found));
     cublasLtMatmulPreferenceDestroy(pref);
     if (found == 0) throw_error("weft-bench: cuBLASLt has no FP8 algorithm for this shape");
   }
@@ -101,8 +94,8 @@ class LtFp8 {
   }
   void run(const void* a, const void* b, void* c, cudaStream_t stream) const {
     const float one = 1.f, zero = 0.f;
-    LT_CHECK(cublasLtMatmul(lt_, desc_, &one, b, a_, a, b_, &zero, c, c_, c, c_, &heuristic_.algo, workspace_,
-                            workspace_bytes_, stream));
+    WEFT_BLAS_CHECK(cublasLtMatmul(lt_, desc_, &one, b, a_, a, b_, &zero, c, c_, c, c_, &heuristic_.algo,
+                                   workspace_, workspace_bytes_, stream));
   }
 
  private:

@@ -331,21 +331,18 @@ WEFT_GPU_TEST_WORLD(flash_decode_refuses_bad_lengths, 1) {
     msg = e.what();
   }
   WEFT_EXPECT(msg.find("cache length 17") != std::string::npos, "got '" << msg << "'");
-  std::string e = weft::test::error_of([&] {
-    DecodeCache c;
-    c.k = c.v = kv.ptr[0];
-    c.seqlens = reinterpret_cast<const int32_t*>(len.ptr[0]);
-    flash_decode(comm, comm.local(0), q.ptr[0], c, out.ptr[0], nullptr, DecodeShape{1, 1, 6, 4, 64, 16},
-                 DType::kBF16);
-  });
+  // Shapes refused on the host, before anything is launched.
+  auto refusal = [&](const DecodeShape& bad) {
+    return weft::test::error_of([&] {
+      DecodeCache c;
+      c.k = c.v = kv.ptr[0];
+      c.seqlens = reinterpret_cast<const int32_t*>(len.ptr[0]);
+      flash_decode(comm, comm.local(0), q.ptr[0], c, out.ptr[0], nullptr, bad, DType::kBF16);
+    });
+  };
+  std::string e = refusal(DecodeShape{1, 1, 6, 4, 64, 16});
   WEFT_EXPECT(e.find("multiple of kv_heads") != std::string::npos, "heads 6 / kv 4: got '" << e << "'");
-  e = weft::test::error_of([&] {
-    DecodeCache c;
-    c.k = c.v = kv.ptr[0];
-    c.seqlens = reinterpret_cast<const int32_t*>(len.ptr[0]);
-    flash_decode(comm, comm.local(0), q.ptr[0], c, out.ptr[0], nullptr, DecodeShape{1, 1, 4, 1, 96, 16},
-                 DType::kBF16);
-  });
+  e = refusal(DecodeShape{1, 1, 4, 1, 96, 16});
   WEFT_EXPECT(e.find("head_dim must be 64 or 128") != std::string::npos, "head_dim 96: got '" << e << "'");
 }
 
