@@ -61,7 +61,9 @@ struct Shape {
 // C^T = B^T' A (the "TN" layout FP8 requires: its A is our B, transposed; its B is our A).
 class LtFp8 {
  public:
-  LtFp8(const Shape& s, const float* scale_a, const float* scale_b, void* workspace, size_t workspace_bytes)
+  // a, b, c: operands of this shape to try the candidate algorithms on.
+  LtFp8(const Shape& s, const float* scale_a, const float* scale_b, void* workspace, size_t workspace_bytes,
+        const void* a, const void* b, void* c, cudaStream_t stream)
       : workspace_(workspace), workspace_bytes_(workspace_bytes) {
     WEFT_BLAS_CHECK(cublasLtCreate(&lt_));
     WEFT_BLAS_CHECK(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -81,9 +83,16 @@ class LtFp8 {
     WEFT_BLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                          &workspace_bytes_, sizeof(workspace_bytes_)));
     int found = 0;
-    WEFT_BLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, desc_, a_, b_, c_, c_, pref, 1, &heuristic_, &found));
+    cublasLtMatmulHeuristicResult_t candidates[8] = {};
+    WEFT_BLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, desc_, a_, b_, c_, c_, pref, 8, candidates, &found));
     cublasLtMatmulPreferenceDestroy(pref);
-    if (found == 0) throw_error("weft-bench: cuBLASLt has no FP8 algorithm for this shape");
+    // The heuristic's first answer can still be refused at the call (CUBLAS_STATUS_NOT_SUPPORTED): the
+    // first candidate that runs on this shape is the baseline.
+    for (int i = 0; i < found; ++i) {
+      heuristic_ = candidates[i];
+      if (try_run(a, b, c, stream) == CUBLAS_STATUS_SUCCESS) return;
+    }
+    throw_error(fmt("weft-bench: none of cuBLASLt's %d FP8 algorithms for this shape runs", found));
   }
   ~LtFp8() {
     cublasLtMatrixLayoutDestroy(a_);
@@ -93,12 +102,16 @@ class LtFp8 {
     cublasLtDestroy(lt_);
   }
   void run(const void* a, const void* b, void* c, cudaStream_t stream) const {
-    const float one = 1.f, zero = 0.f;
-    WEFT_BLAS_CHECK(cublasLtMatmul(lt_, desc_, &one, b, a_, a, b_, &zero, c, c_, c, c_, &heuristic_.algo,
-                                   workspace_, workspace_bytes_, stream));
+    WEFT_BLAS_CHECK(try_run(a, b, c, stream));
   }
 
  private:
+  cublasStatus_t try_run(const void* a, const void* b, void* c, cudaStream_t stream) const {
+    const float one = 1.f, zero = 0.f;
+    return cublasLtMatmul(lt_, desc_, &one, b, a_, a, b_, &zero, c, c_, c, c_, &heuristic_.algo, workspace_,
+                          workspace_bytes_, stream);
+  }
+
   cublasLtHandle_t lt_ = nullptr;
   cublasLtMatmulDesc_t desc_ = nullptr;
   cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, c_ = nullptr;
@@ -127,14 +140,17 @@ Row run_shape(const Shape& s, bool quick, cudaStream_t stream, void* workspace, 
   }
   const int64_t groups = (s.k + 127) / 128;
   const uint64_t na = uint64_t(s.m) * groups, nb = uint64_t((s.n + 127) / 128) * groups;
-  DeviceBuffer ones(2 * sizeof(float)), block_a(na * 4), block_b(nb * 4);
-  fill_value<<<1, 32, 0, stream>>>(as<float>(ones), 2, 1.f);
+  DeviceBuffer ones(8 * sizeof(float)), block_a(na * 4), block_b(nb * 4);
+  fill_value<<<1, 32, 0, stream>>>(as<float>(ones), 8, 1.f);
   fill_value<<<256, 256, 0, stream>>>(as<float>(block_a), na, 1.f);
   fill_value<<<256, 256, 0, stream>>>(as<float>(block_b), nb, 1.f);
   WEFT_CUDA_CHECK(cudaGetLastError());
   DeviceBuffer c_weft(uint64_t(s.m) * s.n * 2), c_lt(uint64_t(s.m) * s.n * 2);
-  const LtFp8 lt(s, as<float>(ones), as<float>(ones) + 1, workspace, workspace_bytes);
-  const Fp8Scales tensor{Fp8Scaling::kTensor, as<float>(ones), as<float>(ones) + 1};
+  // The two scales 16 bytes apart: cuBLASLt wants its scale pointers as aligned as its operands.
+  const float* scale_a = as<float>(ones);
+  const float* scale_b = as<float>(ones) + 4;
+  const LtFp8 lt(s, scale_a, scale_b, workspace, workspace_bytes, a_sets[0]->p, b_sets[0]->p, c_lt.p, stream);
+  const Fp8Scales tensor{Fp8Scaling::kTensor, scale_a, scale_b};
   const Fp8Scales block{Fp8Scaling::kBlock, as<float>(block_a), as<float>(block_b)};
   auto a = [&](int i) { return a_sets[i % sets]->p; };
   auto b = [&](int i) { return b_sets[i % sets]->p; };

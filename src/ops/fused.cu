@@ -505,9 +505,11 @@ int ag_comm_blocks(const Rank& rank, const FusedOptions& o) {
 // bytes from HBM during the GEMM: at 4 GPUs and 8192^2 ~350 GB/s, ~50 GB/s a block with 8 units in flight
 // per thread): a sixteenth of the SM budget (8 on a whole H100 / H200); the added reduce-scatter only copies
 // its halves locally, 1 or 2.
-int rs_counting_blocks(const Rank& rank, bool all_reduce, bool staged_slots, int64_t halves) {
-  const int blocks = all_reduce || staged_slots ? std::clamp(rank.sm_budget() / 16, 1, 8)
-                                                : std::clamp(rank.sm_budget() / 64, 1, 2);
+int rs_counting_blocks(const Rank& rank, bool all_reduce, bool staged_slots, int64_t halves,
+                       const FusedOptions& o) {
+  const int blocks = o.comm_blocks > 0               ? o.comm_blocks
+                     : all_reduce || staged_slots ? std::clamp(rank.sm_budget() / 16, 1, 8)
+                                                  : std::clamp(rank.sm_budget() / 64, 1, 2);
   return static_cast<int>(std::clamp<int64_t>(halves, 1, blocks));
 }
 
@@ -558,7 +560,7 @@ void launch_rs_as(Call& c, const void* a, const void* b, void* out, int64_t m, i
   const int64_t rows = m / W;
   const uint64_t slice = uint64_t(rows) * n * 2;
   const bool added = o.partials == FusedOptions::Partials::kAddedAtOwner, counted = kCounted;
-  const int comm_blocks = counted ? rs_counting_blocks(c.rank, all_reduce, !added, rows / 64)
+  const int comm_blocks = counted ? rs_counting_blocks(c.rank, all_reduce, !added, rows / 64, o)
                                   : Op::kClusterSize;  // block 0 meets
   const bool gathers = all_reduce && !added && !c.comm.in_heap(c.rank, out, m * n * 2);
   char* const out_bytes = static_cast<char*>(out);

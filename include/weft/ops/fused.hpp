@@ -65,7 +65,10 @@ const char* fused_path_name(FusedPath p);
 
 struct FusedOptions {
   enum class Mode { kAuto, kFused, kSequential, kPipelined } mode = Mode::kAuto;
-  int comm_blocks = 0;  // all_gather_matmul's communicator blocks: 0 auto (SM budget / 8, 2..16), 1..32
+  // Communicator blocks, 0 auto, else 1..32: all_gather_matmul's (auto: SM budget / 8, 2..16), and the
+  // counted matmul_reduce_scatter / all_reduce's (Partials kAddedAtOwner / kStagedProgressive; auto: SM
+  // budget / 16, 1..8, at most one per 64-row half of a shard).
+  int comm_blocks = 0;
   int64_t min_fused_m = 1024;  // kAuto: below this M the sequential path runs (besides the measured rule)
   int max_compute_blocks = 0;  // cap on GEMM blocks (benchmarks: "compute alone" at the fused op's SM count)
   int pipeline_pieces = 0;     // kPipelined RS / AR: row pieces per ring step, 0 auto; the same on every rank
