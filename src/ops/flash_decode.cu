@@ -22,9 +22,11 @@ namespace {
 const char* const kInbox[2] = {"flash decode inbox, even calls", "flash decode inbox, odd calls"};
 const char* const kState = "flash_decode: call count, finishers";
 const char* const kLanded = "flash_decode: partials landed per (sequence, KV head), per call parity";
+const char* const kMerged = "flash_decode: rows merged per (sequence, KV head), per call parity";
 const ResourceDeclaration kDecodeResources[] = {
     ResourceDeclaration{{kState, 2}},
     ResourceDeclaration{{kLanded, 2 * ops::kDecodeMaxPairs}},
+    ResourceDeclaration{{kMerged, 2 * ops::kDecodeMaxPairs}},
 };
 
 int64_t ceil_div(int64_t a, int64_t b) {
@@ -68,20 +70,20 @@ void check_shape(const DecodeShape& s, const DecodeCache& c, int world, DType dt
 
 // The work's split: every rank derives the same from the shape, the world size and the SM budget (the same
 // on every rank), so the landed counts and the inbox layouts agree; the GPU's occupancy sizes only the grid.
-// About four items per SM; each split at least 32 x W tokens (the partials pushed stay below ~1/4 of the KV
+// About two items per SM; each split at least 32 x W tokens (the partials pushed stay below ~1/4 of the KV
 // bytes read) and whole loop steps; at most kDecodeMaxParts partials per row to merge.
 struct Split {
   int rows, row_groups, splits, chunk, grid;
   size_t smem;
 };
 
-template <class T, int kD, int kRows>
+template <class T, int kD>
 int resident_per_sm(int device, size_t smem) {
   static std::atomic<int> cached[64];  // per device (0: not asked yet)
   std::atomic<int>& c = cached[device % 64];
   int n = c.load();
   if (n == 0) {
-    WEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ops::flash_decode_kernel<T, kD, kRows>,
+    WEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ops::flash_decode_kernel<T, kD>,
                                                                   ops::kDecodeWarps * 32, smem));
     n = std::max(n, 1);
     c.store(n);
@@ -89,31 +91,32 @@ int resident_per_sm(int device, size_t smem) {
   return n;
 }
 
-template <class T, int kD, int kRows>
+template <class T, int kD>
 Split split_of(const Rank& rank, const DecodeShape& s) {
-  using K = ops::DecodeKernel<T, kD, kRows>;
+  using K = ops::DecodeKernel<T, kD>;
   const int W = rank.world();
   Split x{};
   x.rows = static_cast<int>(s.q_len * (s.heads / s.kv_heads));
-  x.row_groups = static_cast<int>(ceil_div(x.rows, kRows));
+  x.row_groups = static_cast<int>(ceil_div(x.rows, ops::kDecodeRows));
   x.smem = sizeof(typename K::Smem);
   const int64_t pair_items = s.batch * s.kv_heads * x.row_groups;
   const int64_t min_chunk =
       ceil_div(std::max<int64_t>(32 * W, K::kTokensPerStep), K::kTokensPerStep) * K::kTokensPerStep;
   const int64_t most = std::max<int64_t>(
       1, std::min<int64_t>(ceil_div(s.max_local, min_chunk), ops::kDecodeMaxParts / std::max(W, 1)));
-  const int64_t want = std::clamp<int64_t>(ceil_div(4 * int64_t(rank.sm_budget()), pair_items), 1, most);
+  const int64_t want = std::clamp<int64_t>(ceil_div(2 * int64_t(rank.sm_budget()), pair_items), 1, most);
   x.chunk = static_cast<int>(ceil_div(ceil_div(s.max_local, want), K::kTokensPerStep) * K::kTokensPerStep);
   x.splits = static_cast<int>(ceil_div(s.max_local, x.chunk));
-  const int64_t resident = int64_t(resident_per_sm<T, kD, kRows>(rank.device(), x.smem)) * rank.sm_budget();
-  x.grid = static_cast<int>(std::min<int64_t>(resident, pair_items * x.splits));
+  const int64_t resident = int64_t(resident_per_sm<T, kD>(rank.device(), x.smem)) * rank.sm_budget();
+  x.grid = static_cast<int>(std::min<int64_t>(
+      resident, std::max<int64_t>(pair_items * x.splits, s.batch * s.kv_heads * int64_t(x.rows))));
   return x;
 }
 
-template <class T, int kD, int kRows>
-void launch_rows(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, float* lse,
-                 const DecodeShape& s, const DecodeOptions& o) {
-  const Split x = split_of<T, kD, kRows>(call.rank, s);
+template <class T, int kD>
+void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, float* lse, const DecodeShape& s,
+            const DecodeOptions& o) {
+  const Split x = split_of<T, kD>(call.rank, s);
   const int W = call.rank.world();
   const int64_t parts = int64_t(W) * s.batch * s.kv_heads * x.splits * x.rows;  // one parity's
   const uint64_t inbox_bytes = ops::bytes_carved_by([&](ops::WorkspaceLayout& w) {
@@ -124,6 +127,7 @@ void launch_rows(ops::OpCall& call, const void* q, const DecodeCache& c, void* o
   p.team = call.rank.view();
   p.epoch = CallEpoch{p.team.flag(call.comm.resources(call.rank, kState).flags, 0)};
   p.landed = call.comm.resources(call.rank, kLanded).flags;
+  p.merged = call.comm.resources(call.rank, kMerged).flags;
   p.q = static_cast<const T*>(q);
   p.out = static_cast<T*>(out);
   p.lse = lse;
@@ -155,22 +159,10 @@ void launch_rows(ops::OpCall& call, const void* q, const DecodeCache& c, void* o
     p.part_ml[parity] = inbox.take<float2>(parts * 8);
   }
   if (call.planned("split-KV decode, partials merged on every rank", x.grid)) return;
-  constexpr auto kernel = &ops::flash_decode_kernel<T, kD, kRows>;
+  constexpr auto kernel = &ops::flash_decode_kernel<T, kD>;
   detail::preload<kernel>();
   kernel<<<x.grid, ops::kDecodeWarps * 32, x.smem, call.stream>>>(p);
   WEFT_CUDA_CHECK(cudaGetLastError());
-}
-
-// The fewest rows per work item that hold the G = q_len x heads / kv_heads query rows of a KV head (8 at
-// most: larger G takes several row groups).
-template <class T, int kD>
-void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, float* lse,
-            const DecodeShape& s, const DecodeOptions& o) {
-  const int64_t g = s.q_len * (s.heads / s.kv_heads);
-  if (g <= 1) return launch_rows<T, kD, 1>(call, q, c, out, lse, s, o);
-  if (g <= 2) return launch_rows<T, kD, 2>(call, q, c, out, lse, s, o);
-  if (g <= 4) return launch_rows<T, kD, 4>(call, q, c, out, lse, s, o);
-  launch_rows<T, kD, 8>(call, q, c, out, lse, s, o);
 }
 
 // The call, or its plan (weft/ops/plan.hpp) with `plan`: the same code up to the launch.

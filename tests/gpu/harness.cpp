@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
           "[--team-only] [--list] [--help]\n"
           "  single-process over G GPUs (default: all) with one rank each; --ranks W: a team of W\n"
           "  virtual ranks over G GPUs (default G: the largest that divides W), W / G per GPU;\n"
-          "  --sm-budget B: SMs per rank (Options::sm_budget); --team-only: only tests of 2+ ranks;\n"
+          "  --sm-budget B: SMs per rank (Options::sm_budget); --team-only: only tests of teams (2+ ranks, or any);\n"
           "  --filter: tests whose name contains one of the comma-separated words, none of the -words.\n"
           "  One rank per process under weft-launch/torchrun/mpirun.\n"
           "  WEFT_TEST_TIMEOUT_S=n: exit (124) when one test runs longer (default 300, 0: never)\n");
@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
   }
   bool any_runnable = false;
   auto selected = [&](const TestCase& t) {
-    return matches(t.name, filter) && !(team_only && t.min_world < 2);
+    return matches(t.name, filter) && !(team_only && t.min_world < 2 && !t.any_world);
   };
   for (auto& t : registry()) any_runnable |= selected(t) && t.min_world <= ctx.world;
   if (!any_runnable) {

@@ -48,10 +48,13 @@ struct TestCase {
   const char* name;
   TestFn fn;
   int min_world;  // ranks the test needs (1: runs on a single-GPU machine too)
+  bool any_world;  // min_world 1 and a test of teams too: --team-only keeps it
 };
 std::vector<TestCase>& registry();
 struct Registrar {
-  Registrar(const char* name, TestFn fn, int min_world) { registry().push_back({name, fn, min_world}); }
+  Registrar(const char* name, TestFn fn, int min_world, bool any_world) {
+    registry().push_back({name, fn, min_world, any_world});
+  }
 };
 
 // Per-local-rank device buffers of one size: in the symmetric heap, or ordinary cudaMalloc memory on each
@@ -171,14 +174,18 @@ inline std::string check_call_kept_plan(const Communicator& c, const Plan& plan,
 
 }  // namespace weft::test
 
-#define WEFT_GPU_TEST_WORLD(name, min_world)                                           \
-  static void weft_test_##name(::weft::test::TestContext& ctx);                        \
-  static ::weft::test::Registrar weft_reg_##name(#name, &weft_test_##name, min_world); \
+#define WEFT_GPU_TEST_REGISTERED(name, min_world, any_world)                                      \
+  static void weft_test_##name(::weft::test::TestContext& ctx);                                   \
+  static ::weft::test::Registrar weft_reg_##name(#name, &weft_test_##name, min_world, any_world); \
   static void weft_test_##name([[maybe_unused]] ::weft::test::TestContext& ctx)
+#define WEFT_GPU_TEST_WORLD(name, min_world) WEFT_GPU_TEST_REGISTERED(name, min_world, false)
 // A test of the team: needs at least 2 ranks.
 #define WEFT_GPU_TEST(name) WEFT_GPU_TEST_WORLD(name, 2)
 // A test of one GPU's kernels (it uses rank 0 only): also runs on single-GPU machines.
 #define WEFT_GPU_TEST_ONE_GPU(name) WEFT_GPU_TEST_WORLD(name, 1)
+// A test of an op at every world size, a team of one included: runs on single-GPU machines and in the
+// team steps (--team-only) alike.
+#define WEFT_GPU_TEST_ANY_WORLD(name) WEFT_GPU_TEST_REGISTERED(name, 1, true)
 
 #define WEFT_EXPECT(cond, msg)                                                    \
   do {                                                                            \

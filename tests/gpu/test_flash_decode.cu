@@ -288,7 +288,7 @@ void run_case(TestContext& ctx, const Case& c) {
 
 }  // namespace
 
-WEFT_GPU_TEST_WORLD(flash_decode_matches_reference, 1) {
+WEFT_GPU_TEST_ANY_WORLD(flash_decode_matches_reference) {
   const std::vector<Case> cases = {
       {3, 1, 8, 2, 128, {1, 300, 1027}},
       {2, 3, 8, 2, 128, {5, 700}},                     // causal among 3 new tokens
@@ -306,7 +306,7 @@ WEFT_GPU_TEST_WORLD(flash_decode_matches_reference, 1) {
 }
 
 // A length past the capacity fails the call on the device, reported with the sequence and the limit.
-WEFT_GPU_TEST_WORLD(flash_decode_refuses_bad_lengths, 1) {
+WEFT_GPU_TEST_ANY_WORLD(flash_decode_refuses_bad_lengths) {
   auto cp = ctx.make_comm(std::chrono::milliseconds(2000));
   Communicator& comm = *cp;
   const DecodeShape shape{1, 1, 4, 1, 64, 16};
@@ -348,7 +348,7 @@ WEFT_GPU_TEST_WORLD(flash_decode_refuses_bad_lengths, 1) {
 
 // Calls of two shapes back to back with no synchronisation (they alternate between the inboxes, each laid
 // out for its own shape): every result its own.
-WEFT_GPU_TEST_WORLD(flash_decode_back_to_back_shapes, 1) {
+WEFT_GPU_TEST_ANY_WORLD(flash_decode_back_to_back_shapes) {
   Communicator& comm = ctx.comm();
   auto a = prepare(comm, Case{2, 1, 8, 2, 128, {700, 1500}, DType::kBF16, false, 16, 41});
   auto b = prepare(comm, Case{5, 2, 16, 4, 64, {9, 300, 64, 1, 2000}, DType::kBF16, true, 16, 42});
@@ -366,7 +366,7 @@ WEFT_GPU_TEST_WORLD(flash_decode_back_to_back_shapes, 1) {
 
 // Captured once per rank into a CUDA graph, replayed with other lengths and data (another case's, copied into
 // the captured buffers) and then the first again: the call epoch and the inboxes' parity live on the device.
-WEFT_GPU_TEST_WORLD(flash_decode_replays_in_cuda_graphs, 1) {
+WEFT_GPU_TEST_ANY_WORLD(flash_decode_replays_in_cuda_graphs) {
   Communicator& comm = ctx.comm();
   auto a = prepare(comm, Case{2, 1, 8, 2, 128, {900, 40}, DType::kBF16, false, 16, 51});
   auto b =

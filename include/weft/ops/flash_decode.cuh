@@ -1,15 +1,16 @@
 // Device code of weft::flash_decode (weft/ops/flash_decode.hpp): one persistent kernel per rank, every block
 // resident (the grid is sized to fit), in two phases.
-//   1. Partials. Work items (sequence b, KV head h, split s, row group g): the block attends rows [8 g, 8 g +
-//      8) of the KV head's G = q_len x heads / kv_heads query rows over tokens [s chunk, (s + 1) chunk) of
-//      b's cache on this rank, on CUDA cores (decode reads each cached byte once: it is bound by HBM, not by
-//      arithmetic, at G <= 16). A group of D / 8 lanes takes one token (8 elements a lane, 16-byte loads of
-//      K and V), kUnroll tokens in flight per group; scores are summed over the group by shuffles; each
-//      group keeps an online softmax (running max m, sum l, unnormalised O in fp32, exp2 domain) and the
-//      block merges its groups in shared memory. The partial (O, m, l) goes to every rank's inbox, then a
-//      release add into every rank's landed count of (b, h).
-//   2. Merge. Items (b, h): once every rank's S x R partials of (b, h) have landed (W x S x R adds), the
-//      block merges them (max, rescaled sums, divided once) into out and lse, then clears the count.
+//   1. Partials. Work items (sequence b, KV head h, split s, row group g): the block attends rows [16 g, 16 g
+//      + 16) of the KV head's G = q_len x heads / kv_heads query rows over tokens [s chunk, (s + 1) chunk) of
+//      b's cache on this rank, on tensor cores (mma.sync m16n8k16: at G = 8 the scores and P V take 2 G
+//      FMAs per cached element, more than CUDA cores deliver at HBM speed). Each warp takes 16 tokens a
+//      step (16-byte loads of K and V straight into MMA operands, V transposed in registers by movmatrix)
+//      and keeps an online softmax (running max m, sum l, unnormalised O in fp32, exp2 domain); the block
+//      merges its warps in shared memory. The partial (O, m, l) goes to every rank's inbox, then a relaxed
+//      add after a system fence into every rank's landed count of (b, h).
+//   2. Merge. Items (b, h, row): once every rank's S x R partials of (b, h) have landed (W x S x R adds), the
+//      block merges the row's W x S parts (max, rescaled sums, divided once) into out and lse; the last of
+//      the pair's row blocks clears the count.
 // Calls alternate between two inboxes and two sets of counts by the parity of the call's epoch (CallEpoch,
 // in the op's state flags): a rank pushes call n + 2's partials into a peer only after its own call n + 1
 // has merged the peer's call n + 1 partials, which the peer pushed after its call n ended; so nothing
@@ -25,12 +26,12 @@
 #include "weft/comm/call_epoch.cuh"
 #include "weft/comm/signal.cuh"
 #include "weft/team_view.hpp"
+#include "weft/tile/mma_sync.cuh"
 
 namespace weft::ops {
 
-inline constexpr int kDecodeRows = 8;    // query rows per work item at most (1, 2, 4 or 8: the fewest >= G)
+inline constexpr int kDecodeRows = 16;   // query rows per work item (the MMA's M; G > 16 takes several)
 inline constexpr int kDecodeWarps = 4;   // per block
-inline constexpr int kDecodeUnroll = 2;  // tokens in flight per lane group
 inline constexpr int kDecodeMaxPairs = 2048;  // (sequence, KV head) pairs of a call: landed counts per parity
 inline constexpr int kDecodeMaxParts =
     512;  // partials of a row to merge (world x splits): the merge's weights
@@ -45,7 +46,8 @@ template <class T>
 struct DecodeParams {
   TeamView team;
   CallEpoch epoch;  // the op's state flags
-  Flags landed;     // [2 parities][kDecodeMaxPairs]
+  Flags landed;     // [2 parities][kDecodeMaxPairs]: partials landed here
+  Flags merged;     // [2 parities][kDecodeMaxPairs]: row blocks done merging (local)
   const T* q;       // [batch, q_len, heads, D]
   T* out;
   float* lse;  // [batch, q_len, heads] or null
@@ -72,36 +74,33 @@ __device__ __noinline__ void report_bad_input(const TeamView& team, int b, Decod
     detail::report_failure_to_peers(team);
 }
 
-template <class T>
-__device__ __forceinline__ float to_f(T x) {
-  return static_cast<float>(x);
+// A uint4 of 8 16-bit elements as its four 32-bit pairs.
+__device__ __forceinline__ uint32_t pair_of(const uint4& u, int i) {
+  return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
 }
 
-// 8 elements of T (16 bytes) to fp32.
-template <class T>
-__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
-  const T* x = reinterpret_cast<const T*>(&u);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) f[i] = to_f(x[i]);
-}
-
-// kRows: the query rows a work item takes (the kernel's per-thread state: kRows x 8 elements of q and O).
-template <class T, int kD, int kRows>
+// Tensor-core layout (tile/mma_sync.cuh): a warp takes 16 tokens per step against the item's 16 query rows.
+// Lane 4 g + c loads 16 bytes of token g's (and g + 8's) K and V rows at dims [32 j + 8 c, +8) for each
+// 32-dim slab j, and the same dims of query rows g and g + 8. A dot product does not care in which order
+// it visits the dims, so the k index of S = Q K^T's MMAs walks those registers as loaded (slab j, half hh:
+// the lane's pairs 2 hh and 2 hh + 1); P V's B operand is each loaded pair transposed by movmatrix, which
+// makes output column 2 c' + e of tile (j, pp) the dim 32 j + 8 c' + 2 pp + e: lane 4 g + c then holds
+// rows g and g + 8 of dims [32 j + 8 c, +8), the layout of its query loads.
+template <class T, int kD>
 struct DecodeKernel {
-  static_assert(kRows == 1 || kRows == 2 || kRows == 4 || kRows == 8, "rows per item");
-  static constexpr int kLanes = kD / 8;               // lanes per token
-  static constexpr int kGroupsPerWarp = 32 / kLanes;  // tokens side by side in a warp
-  static constexpr int kGroups = kDecodeWarps * kGroupsPerWarp;
-  static constexpr int kTokensPerStep = kGroups * kDecodeUnroll;  // a block's tokens per loop step
-  static constexpr float kNeg = -1e30f;                           // "no score yet", finite
+  static constexpr int kSlabs = kD / 32;                       // 32-dim slabs
+  static constexpr int kTiles = kSlabs * 4;                    // P V output tiles of 8 dims
+  static constexpr int kTokensPerStep = kDecodeWarps * 16;     // a block's tokens per loop step
+  static constexpr float kNeg = -1e30f;                        // "no score yet", finite
 
   struct Smem {
-    union {  // phase 1: the groups' partials; phase 2: each part's weight per row
-      float o[kGroups][kRows][kD];
-      float weight[kDecodeRows * kDecodeMaxParts];
+    union {  // phase 1: the warps' partials; phase 2: each part's weight
+      float o[kDecodeWarps][kDecodeRows][kD];
+      float weight[kDecodeMaxParts];
     } u;
-    float m[kGroups][kRows], l[kGroups][kRows];
-    float row_max[kDecodeRows], row_total[kDecodeRows];
+    float m[kDecodeWarps][kDecodeRows], l[kDecodeWarps][kDecodeRows];
+    float sum[kDecodeWarps][kD];  // phase 2: each warp's share of the row's weighted sum
+    float stat[kDecodeWarps];     // phase 2: block reductions
   };
 
   using P = DecodeParams<T>;
@@ -110,7 +109,7 @@ struct DecodeKernel {
     return ((int64_t(src) * (int64_t(p.batch) * p.kv_heads) + pair) * p.splits + split) * p.rows + row;
   }
 
-  // Token t of sequence b on this rank: the row of K / V holding its KV head h, or null past the capacity.
+  // Token t of sequence b on this rank: the row of K / V holding its KV head h, or -1 past the block table.
   __device__ static int64_t token_row(const P& p, int b, int t, int h, int& bad_block) {
     int64_t slot;
     if (p.block_table == nullptr) {
@@ -126,11 +125,9 @@ struct DecodeKernel {
     return (slot * p.kv_heads + h) * kD;
   }
 
-  // Phase 1, one item: rows [8 rg, 8 rg + 8) of pair (b, h) over split s's tokens.
+  // Phase 1, one item: rows [16 rg, 16 rg + 16) of pair (b, h) over split s's tokens.
   __device__ static void partial(const P& p, Smem& sm, int parity, int b, int h, int s, int rg) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int sub = lane / kLanes, x = lane % kLanes, group_id = warp * kGroupsPerWarp + sub;
-    const int d0 = x * 8;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
     int len = __ldg(p.seqlens + b);
     const int cap = p.block_table ? p.max_blocks * p.block_size : p.max_local;
     if (len < 0 || len > cap) {
@@ -140,124 +137,148 @@ struct DecodeKernel {
     const int t0 = s * p.chunk, t1 = min(len, t0 + p.chunk);
     const int offset = p.offsets ? __ldg(p.offsets + b) : 0;
     const int total = p.seq_total ? __ldg(p.seq_total + b) : len;
-    // This lane's 8 elements of each row's query (scaled into the exp2 domain); a row past G stays zero.
-    float q[kRows][8];
-    int last_key[kRows];  // causal: the last global position row r may see
+    // Query rows g and g + 8 of the group as A fragments; a row past the group's stays zero and sees no key.
+    uint32_t qa[kSlabs][2][4];
+    int last_key[2];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int row = rg * kRows + r;
+    for (int i = 0; i < 2; ++i) {
+      const int row = rg * kDecodeRows + g + 8 * i;
       const int qi = row / p.group, head = h * p.group + row % p.group;
-      last_key[r] = p.causal ? total - p.q_len + qi : INT32_MAX;
-      if (row < p.rows) {
-        float f[8];
-        unpack8<T>(
-            *reinterpret_cast<const uint4*>(p.q + ((int64_t(b) * p.q_len + qi) * p.heads + head) * kD + d0),
-            f);
+      const bool real = row < p.rows;
+      last_key[i] = !real ? -1 : p.causal ? total - p.q_len + qi : INT32_MAX;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) q[r][j] = f[j] * p.scale_log2;
-      } else {
+      for (int j = 0; j < kSlabs; ++j) {
+        uint4 u = make_uint4(0, 0, 0, 0);
+        if (real)
+          u = *reinterpret_cast<const uint4*>(p.q + ((int64_t(b) * p.q_len + qi) * p.heads + head) * kD +
+                                              32 * j + 8 * c);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) q[r][j] = 0.f;
-        last_key[r] = -1;  // no key: the row stays empty
+        for (int hh = 0; hh < 2; ++hh) {
+          qa[j][hh][i] = pair_of(u, 2 * hh);          // a0 / a1: k 2c..2c+1
+          qa[j][hh][2 + i] = pair_of(u, 2 * hh + 1);  // a2 / a3: k 2c+8..2c+9
+        }
       }
     }
-    float m[kRows], l[kRows], o[kRows][8];
+    float m[2] = {kNeg, kNeg}, l[2] = {0.f, 0.f}, o[kTiles][4];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      m[r] = kNeg;
-      l[r] = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) o[r][j] = 0.f;
-    }
+    for (int n = 0; n < kTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     int bad_block = 0;
     bool bad = false;
-    for (int base = t0; base < t1; base += kTokensPerStep) {
-      uint4 kv[kDecodeUnroll][2];
-      int pos[kDecodeUnroll];
-      bool live[kDecodeUnroll];
+    for (int base = t0 + 16 * warp; base < t1; base += kTokensPerStep) {
+      // Tokens base + g (block 0) and base + 8 + g (block 1): K and V, 16 bytes a slab.
+      uint4 kr[2][kSlabs], vr[2][kSlabs];
 #pragma unroll
-      for (int u = 0; u < kDecodeUnroll; ++u) {
-        const int t = base + (u * kGroups + group_id);
-        live[u] = t < t1;
-        pos[u] = offset + t;
-        kv[u][0] = kv[u][1] = make_uint4(0, 0, 0, 0);
-        if (live[u]) {
-          const int64_t at = token_row(p, b, t, h, bad_block);
-          if (at < 0) {
-            live[u] = false;
-            bad = true;
-          } else {
-            kv[u][0] = *reinterpret_cast<const uint4*>(p.k + at + d0);
-            kv[u][1] = *reinterpret_cast<const uint4*>(p.v + at + d0);
+      for (int tb = 0; tb < 2; ++tb) {
+        const int t = base + 8 * tb + g;
+        int64_t at = -1;
+        if (t < t1) {
+          at = token_row(p, b, t, h, bad_block);
+          bad |= at < 0;
+        }
+#pragma unroll
+        for (int j = 0; j < kSlabs; ++j) {
+          kr[tb][j] = vr[tb][j] = make_uint4(0, 0, 0, 0);
+          if (at >= 0) {
+            kr[tb][j] = *reinterpret_cast<const uint4*>(p.k + at + 32 * j + 8 * c);
+            vr[tb][j] = *reinterpret_cast<const uint4*>(p.v + at + 32 * j + 8 * c);
           }
         }
       }
-      float sc[kDecodeUnroll][kRows];
+      // S = Q K^T: tile tb holds tokens base + 8 tb + 2c + e of rows g (e = 0, 1) and g + 8 (2, 3).
+      float sc[2][4];
 #pragma unroll
-      for (int u = 0; u < kDecodeUnroll; ++u) {
-        float kf[8];
-        unpack8<T>(kv[u][0], kf);
+      for (int tb = 0; tb < 2; ++tb) {
+        sc[tb][0] = sc[tb][1] = sc[tb][2] = sc[tb][3] = 0.f;
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          float acc = 0.f;
+        for (int j = 0; j < kSlabs; ++j)
 #pragma unroll
-          for (int j = 0; j < 8; ++j) acc = fmaf(q[r][j], kf[j], acc);
+          for (int hh = 0; hh < 2; ++hh)
+            tile::mma_16816<T>(sc[tb], qa[j][hh], pair_of(kr[tb][j], 2 * hh), pair_of(kr[tb][j], 2 * hh + 1));
 #pragma unroll
-          for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-          sc[u][r] = live[u] && pos[u] <= last_key[r] ? acc : kNeg;
+        for (int e = 0; e < 4; ++e) {
+          const int t = base + 8 * tb + 2 * c + (e & 1);
+          sc[tb][e] = t < t1 && offset + t <= last_key[e >> 1] ? sc[tb][e] * p.scale_log2 : kNeg;
         }
       }
+      // Online softmax per row (i = 0: row g, 1: row g + 8): the max over the step's 16 tokens (the quad's
+      // lanes hold them), the old state rescaled, then P in the A layout of P V.
+      float pr[2][4];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        float mx = m[r];
+      for (int i = 0; i < 2; ++i) {
+        float mx = fmaxf(fmaxf(sc[0][2 * i], sc[0][2 * i + 1]), fmaxf(sc[1][2 * i], sc[1][2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(mx, m[i]);
+        const float keep = exp2f(m[i] - mx);  // 1 while both are kNeg
+        m[i] = mx;
+        l[i] *= keep;
 #pragma unroll
-        for (int u = 0; u < kDecodeUnroll; ++u) mx = fmaxf(mx, sc[u][r]);
-        const float keep = exp2f(m[r] - mx);  // 1 while both are kNeg
-        l[r] *= keep;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) o[r][j] *= keep;
-        m[r] = mx;
-      }
-#pragma unroll
-      for (int u = 0; u < kDecodeUnroll; ++u) {
-        float vf[8];
-        unpack8<T>(kv[u][1], vf);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const float pr = sc[u][r] > 0.5f * kNeg ? exp2f(sc[u][r] - m[r]) : 0.f;
-          l[r] += pr;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) o[r][j] = fmaf(pr, vf[j], o[r][j]);
+        for (int n = 0; n < kTiles; ++n) {
+          o[n][2 * i] *= keep;
+          o[n][2 * i + 1] *= keep;
         }
+#pragma unroll
+        for (int tb = 0; tb < 2; ++tb)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = sc[tb][2 * i + e];
+            const float v = x > 0.5f * kNeg ? exp2f(x - mx) : 0.f;
+            pr[tb][2 * i + e] = v;
+            l[i] += v;
+          }
       }
+      const uint32_t pa[4] = {tile::MmaType<T>::pack(pr[0][0], pr[0][1]), tile::MmaType<T>::pack(pr[0][2], pr[0][3]),
+                              tile::MmaType<T>::pack(pr[1][0], pr[1][1]), tile::MmaType<T>::pack(pr[1][2], pr[1][3])};
+      // O += P V: tile (j, pp)'s B operand is pair pp of each token block's slab j, transposed.
+#pragma unroll
+      for (int j = 0; j < kSlabs; ++j)
+#pragma unroll
+        for (int pp = 0; pp < 4; ++pp)
+          tile::mma_16816<T>(o[4 * j + pp], pa, tile::movmatrix_trans(pair_of(vr[0][j], pp)),
+                             tile::movmatrix_trans(pair_of(vr[1][j], pp)));
     }
     if (bad) report_bad_input(p.team, b, DecodeBadInput::kBlockOutOfRange, p.num_blocks, bad_block);
-      // The block's groups merged: every group's state into shared memory, then thread i takes elements.
+    // The warps merged: each warp's state into shared memory (rows g and g + 8 of dims [32 j + 8 c, +8)),
+    // then the block's threads take 4 elements at a time.
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
+    for (int i = 0; i < 2; ++i) {
+      l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+      l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+      float* row = sm.u.o[warp][g + 8 * i];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) sm.u.o[group_id][r][d0 + j] = o[r][j];
-      if (x == 0) {
-        sm.m[group_id][r] = m[r];
-        sm.l[group_id][r] = l[r];
+      for (int j = 0; j < kSlabs; ++j)
+#pragma unroll
+        for (int pp = 0; pp < 4; ++pp)
+          *reinterpret_cast<float2*>(row + 32 * j + 8 * c + 2 * pp) =
+              make_float2(o[4 * j + pp][2 * i], o[4 * j + pp][2 * i + 1]);
+      if (c == 0) {
+        sm.m[warp][g + 8 * i] = m[i];
+        sm.l[warp][g + 8 * i] = l[i];
       }
     }
     __syncthreads();
     const int pair = b * p.kv_heads + h;
-    for (int e = threadIdx.x; e < kRows * kD; e += blockDim.x) {
-      const int r = e / kD, d = e % kD, row = rg * kRows + r;
-      float mx = kNeg;
-      for (int g = 0; g < kGroups; ++g) mx = fmaxf(mx, sm.m[g][r]);
-      float acc = 0.f, sum = 0.f;
-      for (int g = 0; g < kGroups; ++g) {
-        const float w = sm.l[g][r] > 0.f ? exp2f(sm.m[g][r] - mx) : 0.f;
-        acc = fmaf(w, sm.u.o[g][r][d], acc);
-        sum = fmaf(w, sm.l[g][r], sum);
-      }
+    for (int e = threadIdx.x; e < kDecodeRows * kD / 4; e += blockDim.x) {
+      const int r = e / (kD / 4), d = e % (kD / 4) * 4, row = rg * kDecodeRows + r;
       if (row >= p.rows) continue;
+      float mx = kNeg;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, sm.m[w][r]);
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        const float wt = sm.l[w][r] > 0.f ? exp2f(sm.m[w][r] - mx) : 0.f;
+        const float4 v = *reinterpret_cast<const float4*>(&sm.u.o[w][r][d]);
+        acc.x = fmaf(wt, v.x, acc.x);
+        acc.y = fmaf(wt, v.y, acc.y);
+        acc.z = fmaf(wt, v.z, acc.z);
+        acc.w = fmaf(wt, v.w, acc.w);
+        sum = fmaf(wt, sm.l[w][r], sum);
+      }
       const int64_t i = part_index(p, p.team.rank, pair, s, row);
       for (int dst = 0; dst < p.team.world; ++dst) {
-        *p.team.peer_ptr(p.part_o[parity] + i * kD + d, dst) = acc;
+        *reinterpret_cast<float4*>(p.team.peer_ptr(p.part_o[parity] + i * kD + d, dst)) = acc;
         if (d == 0) *p.team.peer_ptr(p.part_ml[parity] + i, dst) = make_float2(mx, sum);
       }
     }
@@ -269,71 +290,113 @@ struct DecodeKernel {
     }
   }
 
-  // Phase 2, one pair: every rank's partials merged into out and lse, then the count cleared. Rows in groups
-  // of 8: each part's weight per row (exp2 of its max minus the rows' max; 0 for an empty part) computed once
-  // into shared memory (the phase-1 buffers; parts <= kDecodeMaxParts), then every element's rescaled sum.
-  __device__ static void merge(const P& p, Smem& sm, int parity, int b, int h) {
-    const int pair = b * p.kv_heads + h;
+  // The block's max (kMax) or sum of v; every thread gets it. Uses sm.stat.
+  template <bool kMax>
+  __device__ static float block_reduce(Smem& sm, float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+      const float x = __shfl_xor_sync(0xffffffffu, v, off);
+      v = kMax ? fmaxf(v, x) : v + x;
+    }
+    __syncthreads();  // earlier readers of sm.stat are done
+    if (threadIdx.x % 32 == 0) sm.stat[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = sm.stat[0];
+#pragma unroll
+    for (int w = 1; w < kDecodeWarps; ++w) v = kMax ? fmaxf(v, sm.stat[w]) : v + sm.stat[w];
+    return v;
+  }
+
+  // Phase 2, one row of a pair: once every rank's partials of (b, h) have landed, the row's parts merged
+  // (their max, each part's weight in shared memory, the rescaled sums divided once) into out and lse; warp
+  // w sums the parts w, w + 4, ..., 4 loads in flight. The last of the pair's row blocks clears its counts.
+  __device__ static void merge(const P& p, Smem& sm, int parity, int b, int h, int row) {
+    const int pair = b * p.kv_heads + h, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     uint64_t* count = p.team.flag(p.landed, parity * kDecodeMaxPairs + pair);
     __shared__ bool ok;
     if (threadIdx.x == 0) ok = wait_ge(p.team, count, uint64_t(p.team.world) * p.splits * p.row_groups);
     __syncthreads();
     if (!ok) return;  // recorded; synchronize() reports it
     const int parts = p.team.world * p.splits;
-    float* weight = sm.u.weight;  // [kDecodeRows][parts]
-    float* total = sm.row_total;
     const float* po = p.part_o[parity];
     const float2* pml = p.part_ml[parity];
-    for (int r0 = 0; r0 < p.rows; r0 += kDecodeRows) {
-      const int nr = min(kDecodeRows, p.rows - r0);
-      // One warp per row: the max, then the weights and their sum.
-      for (int r = threadIdx.x / 32; r < nr; r += kDecodeWarps) {
-        float mx = kNeg;
-        for (int i = threadIdx.x % 32; i < parts; i += 32) {
-          const float2 ml = pml[part_index(p, i / p.splits, pair, i % p.splits, r0 + r)];
-          if (ml.y > 0.f) mx = fmaxf(mx, ml.x);
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-        float sum = 0.f;
-        for (int i = threadIdx.x % 32; i < parts; i += 32) {
-          const float2 ml = pml[part_index(p, i / p.splits, pair, i % p.splits, r0 + r)];
-          const float w = ml.y > 0.f ? exp2f(ml.x - mx) : 0.f;
-          weight[r * parts + i] = w;
-          sum = fmaf(w, ml.y, sum);
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        if (threadIdx.x % 32 == 0) {
-          total[r] = sum;
-          sm.row_max[r] = mx;
-        }
-      }
-      __syncthreads();
-      for (int e = threadIdx.x; e < nr * kD; e += blockDim.x) {
-        const int r = e / kD, d = e % kD, row = r0 + r;
-        float acc = 0.f;
-        for (int i = 0; i < parts; ++i) {
-          const float w = weight[r * parts + i];
-          if (w > 0.f) acc = fmaf(w, po[part_index(p, i / p.splits, pair, i % p.splits, row) * kD + d], acc);
-        }
-        const float sum = total[r];
-        const int qi = row / p.group, head = h * p.group + row % p.group;
-        const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
-        p.out[o * kD + d] = static_cast<T>(sum > 0.f ? acc / sum : 0.f);
-        if (d == 0 && p.lse != nullptr)
-          p.lse[o] = sum > 0.f ? (sm.row_max[r] + log2f(sum)) * 0.6931471805599453f : -INFINITY;
-      }
-      __syncthreads();  // the weights are rewritten for the next rows
+    float mx = kNeg;
+    for (int i = threadIdx.x; i < parts; i += blockDim.x) {
+      const float2 ml = pml[part_index(p, i / p.splits, pair, i % p.splits, row)];
+      if (ml.y > 0.f) mx = fmaxf(mx, ml.x);
     }
-    if (threadIdx.x == 0) *reinterpret_cast<volatile uint64_t*>(count) = 0;  // every inbox read is done
+    mx = block_reduce<true>(sm, mx);
+    float total = 0.f;
+    for (int i = threadIdx.x; i < parts; i += blockDim.x) {
+      const float2 ml = pml[part_index(p, i / p.splits, pair, i % p.splits, row)];
+      const float w = ml.y > 0.f ? exp2f(ml.x - mx) : 0.f;
+      sm.u.weight[i] = w;
+      total = fmaf(w, ml.y, total);
+    }
+    total = block_reduce<false>(sm, total);  // its barriers also publish the weights
+    constexpr int kPer = kD / 32;            // elements a lane sums: dims [kPer lane, +kPer)
+    float acc[kPer] = {};
+    constexpr int kInFlight = 4;
+    for (int i0 = warp; i0 < parts; i0 += kDecodeWarps * kInFlight) {
+      float v[kInFlight][kPer];
+      float w[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int i = i0 + u * kDecodeWarps;
+        w[u] = 0.f;
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) v[u][e] = 0.f;
+        if (i < parts) {  // every part was written (an empty one as zeros): no NaN from a zero weight
+          w[u] = sm.u.weight[i];
+          const float* src = po + part_index(p, i / p.splits, pair, i % p.splits, row) * kD + kPer * lane;
+          if constexpr (kPer == 4) {
+            const float4 x = *reinterpret_cast<const float4*>(src);
+            v[u][0] = x.x;
+            v[u][1] = x.y;
+            v[u][2] = x.z;
+            v[u][3] = x.w;
+          } else {
+            const float2 x = *reinterpret_cast<const float2*>(src);
+            v[u][0] = x.x;
+            v[u][1] = x.y;
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) acc[e] = fmaf(w[u], v[u][e], acc[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) sm.sum[warp][kPer * lane + e] = acc[e];
+    __syncthreads();
+    const int qi = row / p.group, head = h * p.group + row % p.group;
+    const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
+    for (int d = threadIdx.x; d < kD; d += blockDim.x) {
+      float x = 0.f;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) x += sm.sum[w][d];
+      p.out[o * kD + d] = static_cast<T>(total > 0.f ? x / total : 0.f);
+      if (d == 0 && p.lse != nullptr)
+        p.lse[o] = total > 0.f ? (mx + log2f(total)) * 0.6931471805599453f : -INFINITY;
+    }
+    // Every row block of the pair has passed its wait once all have counted themselves here: the last
+    // clears the landed count (and its own count) for the call after next of this parity.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint64_t* merged = p.team.flag(p.merged, parity * kDecodeMaxPairs + pair);
+      if (atomicAdd(reinterpret_cast<unsigned long long*>(merged), 1ull) + 1 == uint64_t(p.rows)) {
+        *reinterpret_cast<volatile uint64_t*>(count) = 0;
+        *reinterpret_cast<volatile uint64_t*>(merged) = 0;
+      }
+    }
   }
 };
 
-template <class T, int kD, int kRows>
+template <class T, int kD>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     flash_decode_kernel(const __grid_constant__ DecodeParams<T> p) {
-  using K = DecodeKernel<T, kD, kRows>;
+  using K = DecodeKernel<T, kD>;
   extern __shared__ __align__(16) unsigned char decode_smem[];
   typename K::Smem& sm = *reinterpret_cast<typename K::Smem*>(decode_smem);
   const int parity = static_cast<int>(p.epoch.epoch() & 1u);
@@ -344,8 +407,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     K::partial(p, sm, parity, pair / p.kv_heads, pair % p.kv_heads, s, rg);
     __syncthreads();  // the shared merge buffers are reused by the next item
   }
-  for (int pair = blockIdx.x; pair < pairs; pair += gridDim.x) {
-    K::merge(p, sm, parity, pair / p.kv_heads, pair % p.kv_heads);
+  for (int it = blockIdx.x; it < pairs * p.rows; it += gridDim.x) {
+    const int pair = it / p.rows;
+    K::merge(p, sm, parity, pair / p.kv_heads, pair % p.kv_heads, it % p.rows);
     __syncthreads();
   }
   if (threadIdx.x == 0) p.epoch.finished(gridDim.x);
