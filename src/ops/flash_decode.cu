@@ -70,7 +70,7 @@ void check_shape(const DecodeShape& s, const DecodeCache& c, int world, DType dt
 
 // The work's split: every rank derives the same from the shape, the world size and the SM budget (the same
 // on every rank), so the landed counts and the inbox layouts agree; the GPU's occupancy sizes only the grid.
-// About two items per SM; each split at least 32 x W tokens (the partials pushed stay below ~1/4 of the KV
+// Items sized to the resident blocks' waves; each split at least 32 x W tokens (the partials pushed stay below ~1/4 of the KV
 // bytes read) and whole loop steps; at most kDecodeMaxParts partials per row to merge.
 struct Split {
   int rows, row_groups, splits, chunk, grid;
@@ -104,7 +104,13 @@ Split split_of(const Rank& rank, const DecodeShape& s) {
       ceil_div(std::max<int64_t>(32 * W, K::kTokensPerStep), K::kTokensPerStep) * K::kTokensPerStep;
   const int64_t most = std::max<int64_t>(
       1, std::min<int64_t>(ceil_div(s.max_local, min_chunk), ops::kDecodeMaxParts / std::max(W, 1)));
-  const int64_t want = std::clamp<int64_t>(ceil_div(2 * int64_t(rank.sm_budget()), pair_items), 1, most);
+  // The split count whose items fill the resident blocks' waves best (time ~ waves / splits; the fewest
+  // splits among equals: fewer partials to merge). Resident blocks from a constant (the kernel's registers
+  // allow two per SM), not the occupancy query: the ranks' splits must agree.
+  const int64_t slots = int64_t(ops::kDecodeBlocksPerSm) * rank.sm_budget();
+  int64_t want = 1;
+  for (int64_t n = 2; n <= std::min<int64_t>(most, 4 * ceil_div(slots, pair_items)); ++n)
+    if (ceil_div(pair_items * n, slots) * want < ceil_div(pair_items * want, slots) * n) want = n;
   x.chunk = static_cast<int>(ceil_div(ceil_div(s.max_local, want), K::kTokensPerStep) * K::kTokensPerStep);
   x.splits = static_cast<int>(ceil_div(s.max_local, x.chunk));
   const int64_t resident = int64_t(resident_per_sm<T, kD>(rank.device(), x.smem)) * rank.sm_budget();

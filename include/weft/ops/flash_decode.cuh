@@ -32,6 +32,7 @@ namespace weft::ops {
 
 inline constexpr int kDecodeRows = 16;   // query rows per work item (the MMA's M; G > 16 takes several)
 inline constexpr int kDecodeWarps = 4;   // per block
+inline constexpr int kDecodeBlocksPerSm = 2;  // resident (its registers: ~240 a thread)
 inline constexpr int kDecodeMaxPairs = 2048;  // (sequence, KV head) pairs of a call: landed counts per parity
 inline constexpr int kDecodeMaxParts =
     512;  // partials of a row to merge (world x splits): the merge's weights
@@ -125,6 +126,30 @@ struct DecodeKernel {
     return (slot * p.kv_heads + h) * kD;
   }
 
+  // A warp's step from token base: tokens base + g (block 0) and base + 8 + g (block 1), 16 bytes of K and V
+  // a slab (zeros past t1 or a bad block-table entry, recorded in bad / bad_block).
+  __device__ static void load_step(const P& p, int b, int h, int base, int t1, uint4 (&kr)[2][kSlabs],
+                                   uint4 (&vr)[2][kSlabs], int& bad_block, bool& bad) {
+    const int g = threadIdx.x % 32 / 4, c = threadIdx.x % 4;
+#pragma unroll
+    for (int tb = 0; tb < 2; ++tb) {
+      const int t = base + 8 * tb + g;
+      int64_t at = -1;
+      if (t < t1) {
+        at = token_row(p, b, t, h, bad_block);
+        bad |= at < 0;
+      }
+#pragma unroll
+      for (int j = 0; j < kSlabs; ++j) {
+        kr[tb][j] = vr[tb][j] = make_uint4(0, 0, 0, 0);
+        if (at >= 0) {
+          kr[tb][j] = *reinterpret_cast<const uint4*>(p.k + at + 32 * j + 8 * c);
+          vr[tb][j] = *reinterpret_cast<const uint4*>(p.v + at + 32 * j + 8 * c);
+        }
+      }
+    }
+  }
+
   // Phase 1, one item: rows [16 rg, 16 rg + 16) of pair (b, h) over split s's tokens.
   __device__ static void partial(const P& p, Smem& sm, int parity, int b, int h, int s, int rg) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
@@ -164,26 +189,13 @@ struct DecodeKernel {
     for (int n = 0; n < kTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     int bad_block = 0;
     bool bad = false;
+    uint4 kr[2][kSlabs], vr[2][kSlabs];
+    load_step(p, b, h, t0 + 16 * warp, t1, kr, vr, bad_block, bad);
     for (int base = t0 + 16 * warp; base < t1; base += kTokensPerStep) {
-      // Tokens base + g (block 0) and base + 8 + g (block 1): K and V, 16 bytes a slab.
-      uint4 kr[2][kSlabs], vr[2][kSlabs];
-#pragma unroll
-      for (int tb = 0; tb < 2; ++tb) {
-        const int t = base + 8 * tb + g;
-        int64_t at = -1;
-        if (t < t1) {
-          at = token_row(p, b, t, h, bad_block);
-          bad |= at < 0;
-        }
-#pragma unroll
-        for (int j = 0; j < kSlabs; ++j) {
-          kr[tb][j] = vr[tb][j] = make_uint4(0, 0, 0, 0);
-          if (at >= 0) {
-            kr[tb][j] = *reinterpret_cast<const uint4*>(p.k + at + 32 * j + 8 * c);
-            vr[tb][j] = *reinterpret_cast<const uint4*>(p.v + at + 32 * j + 8 * c);
-          }
-        }
-      }
+      // The next step's K and V in flight while this step's are used (else a warp waits out HBM's latency
+      // every step, with only the SM's few other warps to cover it).
+      uint4 nk[2][kSlabs], nv[2][kSlabs];
+      load_step(p, b, h, base + kTokensPerStep, t1, nk, nv, bad_block, bad);
       // S = Q K^T: tile tb holds tokens base + 8 tb + 2c + e of rows g (e = 0, 1) and g + 8 (2, 3).
       float sc[2][4];
 #pragma unroll
@@ -236,6 +248,13 @@ struct DecodeKernel {
         for (int pp = 0; pp < 4; ++pp)
           tile::mma_16816<T>(o[4 * j + pp], pa, tile::movmatrix_trans(pair_of(vr[0][j], pp)),
                              tile::movmatrix_trans(pair_of(vr[1][j], pp)));
+#pragma unroll
+      for (int tb = 0; tb < 2; ++tb)
+#pragma unroll
+        for (int j = 0; j < kSlabs; ++j) {
+          kr[tb][j] = nk[tb][j];
+          vr[tb][j] = nv[tb][j];
+        }
     }
     if (bad) report_bad_input(p.team, b, DecodeBadInput::kBlockOutOfRange, p.num_blocks, bad_block);
     // The warps merged: each warp's state into shared memory (rows g and g + 8 of dims [32 j + 8 c, +8)),
