@@ -123,7 +123,7 @@ void run_flash_decode(Context& ctx) {
 
 ModeRegistrar reg("flash_decode",
                   "distributed flash-decode: one GPU and the team, against the KV read floor (bf16, D 128)",
-                  &run_flash_decode, 1, false, /*by_default=*/false);
+                  &run_flash_decode, 1, false, /*by_default=*/true);
 
 }  // namespace
 }  // namespace weft::bench

@@ -225,7 +225,7 @@ void run_gemm_fp8(Context& ctx) {
 
 ModeRegistrar reg("gemm_fp8", "weft FP8 GEMM (per-tensor and block scales) vs cuBLASLt FP8 on GPU 0",
                   &run_gemm_fp8, 1, false,
-                  /*by_default=*/false);
+                  /*by_default=*/true);
 
 }  // namespace
 }  // namespace weft::bench

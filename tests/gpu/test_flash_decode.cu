@@ -289,7 +289,7 @@ void run_case(TestContext& ctx, const Case& c) {
 }  // namespace
 
 WEFT_GPU_TEST_ANY_WORLD(flash_decode_matches_reference) {
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       {3, 1, 8, 2, 128, {1, 300, 1027}},
       {2, 3, 8, 2, 128, {5, 700}},                     // causal among 3 new tokens
       {2, 1, 4, 1, 64, {129, 64}, DType::kFP16},       // MQA, D 64
@@ -298,6 +298,12 @@ WEFT_GPU_TEST_ANY_WORLD(flash_decode_matches_reference) {
       {2, 2, 8, 2, 128, {3, 517}, DType::kBF16, true, 16, 0, false},  // not causal, paged, q_len 2
       {2, 1, 2, 1, 128, {100, 50}},                                   // 2 rows per item
   };
+  // Many rows with few parts each: the merge takes a row a warp (rows past the pair's in its last block).
+  std::vector<int> many(40), many3(24);
+  for (int i = 0; i < 40; ++i) many[i] = 1 + (37 * i + 11) % 700;
+  for (int i = 0; i < 24; ++i) many3[i] = 3 + (53 * i + 5) % 400;
+  cases.push_back({40, 1, 32, 8, 128, many});
+  cases.push_back({24, 3, 16, 8, 64, many3, DType::kFP16});  // 6 rows a pair
   uint64_t seed = 1;
   for (Case c : cases) {
     c.seed = seed++;
