@@ -23,7 +23,9 @@ enum class TimelinePhase : uint8_t {
                     // other collective kernels carry no marks (weft/ops/collectives.cuh says why)
   kStreamWait = 7,  // a stream-ordered wait for a peer's flag (copy-engine pipelines); arg: the value
   kMoe = 8,         // a block of one of the MoE dispatch / combine kernels; arg: the step (MoeStep)
-  kCount = 9,
+  kCommWait = 9,    // inside a communicator block's task, its wait for the task's input (e.g. a counted
+                    // half of the fused RS / AR); arg: the task
+  kCount = 10,
 };
 
 // TimelinePhase::kMoe's arg: which MoE kernel the block belongs to (src/ops/moe.cu).
@@ -57,6 +59,8 @@ inline const char* timeline_phase_name(TimelinePhase p) {
       return "stream_wait";
     case TimelinePhase::kMoe:
       return "moe";
+    case TimelinePhase::kCommWait:
+      return "comm_wait";
     default:
       return "?";
   }

@@ -243,9 +243,53 @@ def main():
         check("all_reduce in a CUDA graph (symmetric)", sym_out, want)
         cases += 1
     cases += check_flash_decode(rank, world)
+    cases += check_all_gather_scaled_matmul(rank, world)
     torch.cuda.synchronize()
     print(f"[rank {rank}] python gpu tests: {cases} passed, 0 failed", flush=True)
     dist.destroy_process_group()
+
+
+def check_all_gather_scaled_matmul(rank, world):
+    """weft.all_gather_scaled_matmul against NCCL's all_gather of the FP8 shard and its scales, then
+    torch._scaled_mm (row scales) or an fp32 product of the dequantized operands (block scales); the reduce
+    forms against each rank's product all-reduced by NCCL in fp32."""
+    g = torch.Generator(device="cuda").manual_seed(77 + rank)
+    cases = 0
+    for m_shard, n, k in ((128, 256, 256), (200, 264, 272)):
+        x = torch.randn(m_shard, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
+        for scaling in ("rowcol", "block"):
+            qa, sa = weft.quantize_fp8(x, scaling, "a")
+            qw, sw = weft.quantize_fp8(w, scaling, "b")
+            got = weft.all_gather_scaled_matmul(qa, qw.t(), sa, sw)
+            parts = [torch.empty_like(qa.view(torch.uint8)) for _ in range(world)]
+            dist.all_gather(parts, qa.view(torch.uint8))
+            scale_parts = [torch.empty_like(sa) for _ in range(world)]
+            dist.all_gather(scale_parts, sa)
+            qa_all, sa_all = torch.cat(parts).view(qa.dtype), torch.cat(scale_parts)
+            if scaling == "rowcol":
+                want = torch._scaled_mm(qa_all, qw.t(), scale_a=sa_all, scale_b=sw, out_dtype=torch.bfloat16)
+            else:  # dequantized: each 1 x 128 group of a and 128 x 128 block of w times its scale
+                a_f = qa_all.float() * sa_all.repeat_interleave(128, dim=1)[:, :k]
+                w_f = qw.float() * sw.repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
+                want = (a_f @ w_f.t()).to(torch.bfloat16)
+            check(f"all_gather_scaled_matmul {scaling} {m_shard}x{n}x{k}", got, want)
+            # The reduce forms: this rank's whole a (its K-slice's partial product), summed over ranks.
+            x_full = torch.randn(m_shard * world, k, device="cuda", dtype=torch.bfloat16, generator=g)
+            qx, sx = weft.quantize_fp8(x_full, scaling, "a")
+            if scaling == "rowcol":
+                part = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, out_dtype=torch.float32)
+            else:
+                x_f = qx.float() * sx.repeat_interleave(128, dim=1)[:, :k]
+                part = x_f @ w_f.t()
+            dist.all_reduce(part)
+            check(f"scaled_matmul_all_reduce {scaling} {m_shard}x{n}x{k}",
+                  weft.scaled_matmul_all_reduce(qx, qw.t(), sx, sw), part.to(torch.bfloat16))
+            mine = part[rank * m_shard:(rank + 1) * m_shard].to(torch.bfloat16)
+            check(f"scaled_matmul_reduce_scatter {scaling} {m_shard}x{n}x{k}",
+                  weft.scaled_matmul_reduce_scatter(qx, qw.t(), sx, sw), mine)
+            cases += 3
+    return cases
 
 
 def check_flash_decode(rank, world):

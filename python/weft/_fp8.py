@@ -1,4 +1,5 @@
-"""FP8 on one GPU (torch tensors): weft.scaled_mm, weft's FP8 GEMM with torch._scaled_mm's operand layout
+"""FP8 (torch tensors): on a team weft.all_gather_scaled_matmul, weft.scaled_matmul_reduce_scatter and
+weft.scaled_matmul_all_reduce; on one GPU weft.scaled_mm, weft's FP8 GEMM with torch._scaled_mm's operand layout
 (per-tensor and per-row / column scales as torch's; DeepSeek-V3's block scales row-major and contiguous,
 which is not torch's layout for them), and weft.quantize_fp8, which makes its operands. Eager (no autograd); queued on
 torch's current stream."""
@@ -6,10 +7,11 @@ from __future__ import annotations
 
 import weft as _w
 from . import _weft
-from ._args import _torch_tensor
+from ._args import _comm, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
 
-__all__ = ["scaled_mm", "quantize_fp8"]
+__all__ = ["scaled_mm", "quantize_fp8", "all_gather_scaled_matmul", "scaled_matmul_reduce_scatter",
+           "scaled_matmul_all_reduce"]
 
 _BLOCK = 128
 
@@ -124,3 +126,79 @@ def quantize_fp8(x, scaling="block", operand="a", dtype=None):
     _weft.quantize_fp8(x.get_device(), x.data_ptr(), "bf16" if x.dtype == torch.bfloat16 else "fp16", q.data_ptr(),
                        kind, scales.data_ptr(), rows, cols, scaling, operand, stream)
     return q, scales
+
+
+def _fp8_team_operands(torch, c, a, b, scale_a, scale_b, where):
+    """(rows, N, K, FP8 type name, scaling kind) of a team op's a [rows, K] and b [K, N] (the .t() view of a
+    contiguous [N, K] weight) on this rank's GPU, K a multiple of 16 and N of 8, scales as scaled_mm's."""
+    for name, x in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+        if not x.is_cuda or x.get_device() != c.device:
+            raise WeftValueError(f"{where}: {name} must be a CUDA tensor on this rank's cuda:{c.device}, got one "
+                                 f"on {x.device}")
+    ab = _fp8_name(torch, a.dtype, where)
+    if b.dtype != a.dtype:
+        raise WeftTypeError(f"{where}: a and b must have one FP8 type, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise WeftValueError(f"{where}: a must be [rows, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if not a.is_contiguous() or not b.t().is_contiguous():
+        raise WeftValueError(f"{where}: a must be contiguous and b the .t() view of a contiguous [N, K] weight")
+    rows, k = a.shape
+    n = b.shape[1]
+    if k % 16 or n % 8:
+        raise WeftValueError(f"{where}: K = {k} must be a multiple of 16 and N = {n} of 8 (16-byte rows for TMA)")
+    return rows, n, k, ab, _scaling(torch, scale_a, scale_b, rows, n, k, where)
+
+
+def all_gather_scaled_matmul(a, b, scale_a, scale_b, comm=None):
+    """out [M, N] bf16 = (all_gather(a, dim 0) @ b) scaled, a [M / world, K] FP8 on each rank; b [K, N] the .t()
+    view of this rank's contiguous [N, K] FP8 weight, as weft.scaled_mm takes it.
+
+    Scales float32, contiguous, as weft.quantize_fp8 makes them: per row (scale_a [M / world, 1], scale_b
+    [1, N]) or per block (scale_a [M / world, ceil(K/128)], scale_b [ceil(N/128), ceil(K/128)]); a's scales are
+    gathered with its rows. Per-tensor scales are refused (each rank's shard would bring its own). K a multiple
+    of 16, N of 8. Eager (no autograd); the fused kernel where it fits, else weft's all_gather then the FP8 GEMM.
+    """
+    where = "weft.all_gather_scaled_matmul"
+    if not all(_torch_tensor(x) for x in (a, b, scale_a, scale_b)):
+        raise WeftTypeError(f"{where}: a, b, scale_a and scale_b must be torch tensors")
+    torch = _w._ops.torch
+    c = _comm(comm)
+    rows, n, k, ab, kind = _fp8_team_operands(torch, c, a, b, scale_a, scale_b, where)
+    if kind == "tensor":
+        raise WeftValueError(f"{where}: per-tensor scales are refused: each rank's shard would bring its own; "
+                             "quantize a per row (scaling='rowcol') or per block (scaling='block')")
+    m = rows * c.world_size
+    out = a.new_empty((m, n), dtype=torch.bfloat16)
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    _weft.all_gather_scaled_matmul(c._c, a.data_ptr(), scale_a.data_ptr(), b.data_ptr(), scale_b.data_ptr(),
+                                   out.data_ptr(), m, n, k, ab, kind, stream)
+    return out
+
+
+def _scaled_reduce(a, b, scale_a, scale_b, comm, all_reduce, where):
+    """scaled_matmul_reduce_scatter / all_reduce: checks, then the op; this rank's rows or all of them."""
+    if not all(_torch_tensor(x) for x in (a, b, scale_a, scale_b)):
+        raise WeftTypeError(f"{where}: a, b, scale_a and scale_b must be torch tensors")
+    torch = _w._ops.torch
+    c = _comm(comm)
+    m, n, k, ab, kind = _fp8_team_operands(torch, c, a, b, scale_a, scale_b, where)
+    if not all_reduce and m % c.world_size:
+        raise WeftValueError(f"{where}: a has {m} rows, not divisible by the world size {c.world_size}")
+    out = a.new_empty((m if all_reduce else m // c.world_size, n), dtype=torch.bfloat16)
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    _weft.scaled_matmul_reduce(c._c, a.data_ptr(), scale_a.data_ptr(), b.data_ptr(), scale_b.data_ptr(),
+                               out.data_ptr(), m, n, k, ab, kind, all_reduce, stream)
+    return out
+
+
+def scaled_matmul_reduce_scatter(a, b, scale_a, scale_b, comm=None):
+    """The [M, N] bf16 sum over ranks of each rank's (a @ b) scaled by its own scales; this rank gets rows
+    rank * M / world .. (rank + 1) * M / world. a [M, K] and b [K, N] (the .t() view of a [N, K] weight) FP8,
+    scales as weft.scaled_mm takes them (per tensor, per row and column, or blocks). Eager (no autograd)."""
+    return _scaled_reduce(a, b, scale_a, scale_b, comm, False, "weft.scaled_matmul_reduce_scatter")
+
+
+def scaled_matmul_all_reduce(a, b, scale_a, scale_b, comm=None):
+    """The [M, N] bf16 sum over ranks of each rank's (a @ b) scaled by its own scales, on every rank; any M.
+    Operands and scales as scaled_matmul_reduce_scatter's. Eager (no autograd)."""
+    return _scaled_reduce(a, b, scale_a, scale_b, comm, True, "weft.scaled_matmul_all_reduce")

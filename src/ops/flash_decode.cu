@@ -70,8 +70,8 @@ void check_shape(const DecodeShape& s, const DecodeCache& c, int world, DType dt
 
 // The work's split: every rank derives the same from the shape, the world size and the SM budget (the same
 // on every rank), so the landed counts and the inbox layouts agree; the GPU's occupancy sizes only the grid.
-// Items sized to the resident blocks' waves; each split at least 32 x W tokens (the partials pushed stay below ~1/4 of the KV
-// bytes read) and whole loop steps; at most kDecodeMaxParts partials per row to merge.
+// Items sized to the resident blocks' waves; each split at least 32 x W tokens (the partials pushed stay
+// below ~1/4 of the KV bytes read) and whole loop steps; at most kDecodeMaxParts partials per row to merge.
 struct Split {
   int rows, row_groups, splits, chunk, grid;
   size_t smem;
@@ -120,8 +120,8 @@ Split split_of(const Rank& rank, const DecodeShape& s) {
 }
 
 template <class T, int kD>
-void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, float* lse, const DecodeShape& s,
-            const DecodeOptions& o) {
+void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, float* lse,
+            const DecodeShape& s, const DecodeOptions& o) {
   const Split x = split_of<T, kD>(call.rank, s);
   const int W = call.rank.world();
   const int64_t parts = int64_t(W) * s.batch * s.kv_heads * x.splits * x.rows;  // one parity's

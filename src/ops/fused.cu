@@ -18,6 +18,7 @@
 #include "weft/lcsc/launch.cuh"
 #include "weft/ops/fused.cuh"
 #include "weft/ops/fused.hpp"
+#include "weft/ops/gemm_fp8.cuh"
 #include "weft/runtime/tensor_map.hpp"
 
 namespace weft {
@@ -507,10 +508,34 @@ int ag_comm_blocks(const Rank& rank, const FusedOptions& o) {
 // its halves locally, 1 or 2.
 int rs_counting_blocks(const Rank& rank, bool all_reduce, bool staged_slots, int64_t halves,
                        const FusedOptions& o) {
-  const int blocks = o.comm_blocks > 0               ? o.comm_blocks
+  const int blocks = o.comm_blocks > 0            ? o.comm_blocks
                      : all_reduce || staged_slots ? std::clamp(rank.sm_budget() / 16, 1, 8)
                                                   : std::clamp(rank.sm_budget() / 64, 1, 2);
   return static_cast<int>(std::clamp<int64_t>(halves, 1, blocks));
+}
+
+// The all-gather half of an AllGatherA op's params: the schedule's start (local rows first: the band of tile
+// rows holding this rank's shard; then rank + 1's, which rank + 1 pushes here right after its own copy, and
+// so on), its grid and sync, the shard's map and the chunks. A's elements `elem` bytes (`type` for TMA).
+template <class Op>
+void set_all_gather(Call& c, typename Op::Params& p, const void* a_shard, char* gathered, int64_t m,
+                    int64_t k, CUtensorMapDataType type, uint32_t elem, const Choice& plan,
+                    const FusedOptions& o) {
+  const int W = c.rank.world(), comm_blocks = plan.comm_blocks;
+  const int band_units = p.sched.group_m / Op::kClusterSize;
+  const int first_unit_row = static_cast<int>(c.rank.rank() * (m / W) / Op::kBM) / Op::kClusterSize;
+  p.sched.start_unit = first_unit_row / band_units * band_units * p.sched.tiles_n;
+  p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
+  p.sched.timeline = c.rank.view().timeline;
+  p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
+  p.a_local = tma::make_map_2d({a_shard, type, elem, uint64_t(m / W), uint64_t(k), uint64_t(k) * elem},
+                               Op::Mainloop::kABoxRows, Op::Mainloop::kABoxCols, "all-gather: A shard");
+  p.a_shard = static_cast<const char*>(a_shard);
+  p.gathered = gathered;
+  p.shard_rows = m / W;
+  p.row_bytes = k * elem;
+  p.chunk_rows = static_cast<int>(plan.chunk_rows);
+  p.chunks = static_cast<int>(plan.chunks);
 }
 
 template <bool kKMajor>
@@ -518,28 +543,11 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
                int64_t k, const Choice& plan, const FusedOptions& o) {
   using Op = ops::AgGemmOp<kKMajor, 1>;
   typename Op::Params p{};
-  const int W = c.rank.world(), comm_blocks = plan.comm_blocks;
   set_schedule<Op>(p.sched, m, n);
   set_gemm_maps<Op, kKMajor>(p, gathered, b, m, n, k, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m);
-  // Local rows first: start at the band of tile rows holding this rank's shard; then rank + 1's (which
-  // rank + 1 pushes here right after its own copy), and so on.
-  const int band_units = p.sched.group_m / Op::kClusterSize;
-  const int first_unit_row = static_cast<int>(c.rank.rank() * (m / W) / Op::kBM) / Op::kClusterSize;
-  p.sched.start_unit = first_unit_row / band_units * band_units * p.sched.tiles_n;
-  p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
-  p.sched.timeline = c.rank.view().timeline;
-  p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
-  p.a_local = tma::make_map_2d(
-      {a_shard, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(m / W), uint64_t(k), uint64_t(k) * 2},
-      Op::Mainloop::kABoxRows, Op::Mainloop::kABoxCols, "all_gather_matmul: A shard");
-  p.a_shard = static_cast<const __nv_bfloat16*>(a_shard);
-  p.gathered = reinterpret_cast<__nv_bfloat16*>(gathered);
-  p.shard_rows = m / W;
-  p.k = k;
-  p.chunk_rows = static_cast<int>(plan.chunk_rows);
-  p.chunks = static_cast<int>(plan.chunks);
-  if (c.planned_kernel<Op>(p.sched, comm_blocks)) return;
-  lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
+  set_all_gather<Op>(c, p, a_shard, gathered, m, k, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, plan, o);
+  if (c.planned_kernel<Op>(p.sched, plan.comm_blocks)) return;
+  lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + plan.comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -551,10 +559,23 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
 // all-gathers the sums after the kernel (its entry meeting: every rank's adds have landed); the
 // reduce-scatter meets and copies. Partials::kStagedProgressive, counted: staged as kStaged, and the
 // communicator blocks sum each half's slots during the GEMM; no reduce kernel after it.
-template <bool kKMajor, bool kCounted>
-void launch_rs_as(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
-                  const FusedOptions& o, bool all_reduce) {
-  using Op = ops::RsGemmOp<kKMajor, 1, kCounted>;
+// The bf16 GEMM's operand maps for launch_rs_as.
+template <bool kKMajor>
+struct Bf16Maps {
+  const void *a, *b;
+  int64_t m, n, k;
+  template <class Op>
+  void set(typename Op::Params& p, const void* c, int64_t c_rows) const {
+    set_gemm_maps<Op, kKMajor>(p, a, b, m, n, k, c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, c_rows);
+  }
+};
+
+// Op: an ops::ReduceScatterC; set_maps.set<Op>(p, c, c_rows) sets its GEMM's operand maps and fields (C's map
+// at c, c_rows rows).
+template <class Op, class SetMaps>
+void launch_rs_as(Call& c, const SetMaps& set_maps, void* out, int64_t m, int64_t n, const FusedOptions& o,
+                  bool all_reduce) {
+  constexpr bool kCounted = Op::kCountedHalves;
   typename Op::Params p{};
   const int W = c.rank.world(), me = c.rank.rank();
   const int64_t rows = m / W;
@@ -577,7 +598,7 @@ void launch_rs_as(Call& c, const void* a, const void* b, void* out, int64_t m, i
   };
   char* sum = added ? (counted && all_reduce ? out_bytes + me * slice : inbox) : nullptr;
   set_schedule<Op>(p.sched, m, n);
-  set_gemm_maps<Op, kKMajor>(p, a, b, m, n, k, owner_view(me), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows);
+  set_maps.template set<Op>(p, owner_view(me), rows);
   for (int r = 0; r < W; ++r)
     p.owner[r] = tma::make_map_2d(
         {owner_view(r), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(rows), uint64_t(n), uint64_t(n) * 2},
@@ -627,10 +648,11 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
   const int64_t rows = m / c.rank.world();
   const bool counted = o.partials != FusedOptions::Partials::kStaged && rows / 64 <= ops::kRsHalfFlags &&
                        (!all_reduce || c.comm.in_heap(c.rank, out, m * n * 2));
+  const Bf16Maps<kKMajor> maps{a, b, m, n, k};
   if (counted)
-    launch_rs_as<kKMajor, true>(c, a, b, out, m, n, k, o, all_reduce);
+    launch_rs_as<ops::RsGemmOp<kKMajor, 1, true>>(c, maps, out, m, n, o, all_reduce);
   else
-    launch_rs_as<kKMajor, false>(c, a, b, out, m, n, k, o, all_reduce);
+    launch_rs_as<ops::RsGemmOp<kKMajor, 1, false>>(c, maps, out, m, n, o, all_reduce);
 }
 
 // The storer writes whole 64-row halves of a tile into one owner's slot: shards of whole halves only.
@@ -758,6 +780,241 @@ FusedPath run_matmul_reduce(Call& c, const void* a, const void* b, void* out, in
   return path;
 }
 
+// ---- all_gather_scaled_matmul: the FP8 GEMM gathering A (ops::AllGatherA on ops::Fp8GemmOp) -------------
+struct Fp8AgArgs {
+  const void* a_shard;
+  const float* scale_a_shard;
+  const void* b;
+  const float* scale_b;
+  void* out;
+  int64_t m, n, k;
+  Fp8Type type;
+  Fp8Scaling scaling;
+  // Scales a row of A carries: one (kRowCol) or one per 128 of K (kBlock).
+  int scale_cols() const {
+    return scaling == Fp8Scaling::kRowCol ? 1 : static_cast<int>((k + kFp8ScaleBlock - 1) / kFp8ScaleBlock);
+  }
+};
+
+template <Fp8Scaling kScaling, bool kE5M2>
+void launch_ag_fp8(Call& c, const Fp8AgArgs& x, char* gathered, float* scales, const Choice& plan,
+                   const FusedOptions& o) {
+  using Op = ops::AllGatherA<ops::Fp8GemmOp<__nv_bfloat16, kScaling, kE5M2>>;
+  using Mainloop = typename Op::Mainloop;
+  constexpr CUtensorMapDataType kU8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  typename Op::Params p{};
+  set_schedule<Op>(p.sched, x.m, x.n);
+  p.a = tma::make_map_2d({gathered, kU8, 1, uint64_t(x.m), uint64_t(x.k), uint64_t(x.k)}, Mainloop::kABoxRows,
+                         Mainloop::kABoxCols, "all_gather_scaled_matmul: A");
+  p.b = tma::make_map_2d({x.b, kU8, 1, uint64_t(x.n), uint64_t(x.k), uint64_t(x.k)}, Mainloop::kBBoxRows,
+                         Mainloop::kBBoxCols, "all_gather_scaled_matmul: B");
+  p.c = tma::make_map_2d(
+      {x.out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(x.m), uint64_t(x.n), uint64_t(x.n) * 2},
+      Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, "all_gather_scaled_matmul: out");
+  p.m = static_cast<int>(x.m);
+  p.n = static_cast<int>(x.n);
+  p.k_blocks = static_cast<int>((x.k + Op::kBK - 1) / Op::kBK);
+  p.scale_a = scales;  // the gathered rows' scales
+  p.scale_b = x.scale_b;
+  p.store_mode = lcsc::StoreMode::kStore;
+  set_all_gather<Op>(c, p, x.a_shard, gathered, x.m, x.k, kU8, 1, plan, o);
+  p.scale_shard = x.scale_a_shard;
+  p.scale_gathered = scales;
+  p.scale_cols = x.scale_cols();
+  if (c.planned_kernel<Op>(p.sched, plan.comm_blocks)) return;
+  // This rank's own rows read their scales among the gathered ones too (its A rows it reads in place).
+  const int64_t rows = x.m / c.rank.world();
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(scales + c.rank.rank() * rows * p.scale_cols, x.scale_a_shard,
+                                  rows * p.scale_cols * sizeof(float), cudaMemcpyDeviceToDevice, c.stream));
+  lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + plan.comm_blocks, c.stream);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
+// The checks every path shares: types, shapes (K a multiple of 16: FP8 rows of 16-byte multiples) and the
+// buffers' sizes; the FP8 GEMM's own checks with its messages.
+void check_fp8_ag(const Call& c, const Fp8AgArgs& x, const FusedOptions& o) {
+  const std::string& where = c.where;
+  WEFT_CHECK(x.type == Fp8Type::kE4M3 || x.type == Fp8Type::kE5M2, where + "type must be kE4M3 or kE5M2");
+  WEFT_CHECK(x.scaling == Fp8Scaling::kRowCol || x.scaling == Fp8Scaling::kBlock,
+             where +
+                 "per-tensor scales are refused: each rank's shard would bring its own; quantize A per row "
+                 "(Fp8Scaling::kRowCol) or per 1 x 128 group (kBlock), its scales then travel with its rows");
+  WEFT_CHECK(x.k % 16 == 0,
+             where + "K = " + std::to_string(x.k) +
+                 " must be a multiple of 16 (FP8 rows of 16-byte multiples, which TMA requires)");
+  WEFT_CHECK(o.mode != FusedOptions::Mode::kPipelined,
+             where + "has no copy-engine pipeline: use Mode::kAuto, kFused or kSequential");
+  const int64_t rows = x.m / c.rank.world(), cols = x.scale_cols();
+  c.check_buffer(x.a_shard, "a_shard", rows * x.k);
+  c.check_buffer(x.b, "b", x.n * x.k);
+  c.check_buffer(x.out, "out", x.m * x.n * 2);
+  c.check_buffer(x.scale_a_shard, "scale_a_shard", rows * cols * 4, 4);
+  const int64_t b_scales =
+      x.scaling == Fp8Scaling::kRowCol ? x.n : (x.n + kFp8ScaleBlock - 1) / kFp8ScaleBlock * cols;
+  c.check_buffer(x.scale_b, "scale_b", b_scales * 4, 4);
+  gemm_fp8_plan(x.m, x.n, x.k, x.type, Fp8Scales{x.scaling, nullptr, nullptr}, DType::kBF16);
+}
+
+FusedPath run_all_gather_scaled_matmul(Call& c, const Fp8AgArgs& x, const FusedOptions& o) {
+  check_fp8_ag(c, x, o);
+  const int W = c.rank.world();
+  const int64_t rows = x.m / W, cols = x.scale_cols();
+  Choice plan;
+  ag_chunks(W, rows, plan.chunk_rows, plan.chunks);
+  plan.comm_blocks = ag_comm_blocks(c.rank, o);
+  using AnyOp = ops::AllGatherA<ops::Fp8GemmOp<__nv_bfloat16, Fp8Scaling::kBlock, false>>;  // same grid
+  const bool fits = W * plan.chunks <= ops::kFusedChunkFlags;
+  plan.why_not_fused = fits ? c.why_not_in_budget<AnyOp>(plan.comm_blocks) : "more A chunks than flags";
+  plan.path = c.path(o, x.m, plan.why_not_fused, FusedPath::kFused);
+  if (c.planning()) c.plan->why_not = plan.why_not_fused.empty() ? "" : "fused kernel: " + plan.why_not_fused;
+  // The gathered A and its rows' scales, in the symmetric workspace (peers write into them).
+  const uint64_t a_bytes = ops::bytes_carved_by([&](ops::WorkspaceLayout& w) { w.take(x.m * x.k); });
+  char* g = c.workspace(a_bytes + x.m * cols * 4);
+  float* scales = reinterpret_cast<float*>(g + a_bytes);
+  if (plan.path == FusedPath::kSequential) {
+    const Shape2D a_rows{size_t(rows), size_t(x.k / 2)}, s_rows{size_t(rows), size_t(cols)};
+    if (c.planning()) {  // A's bytes travel as bf16 pairs
+      c.plan_sequential(all_gather_plan(c.comm, c.rank, x.a_shard, g, a_rows, 0, DType::kBF16, c.stream));
+      c.plan_more(
+          all_gather_plan(c.comm, c.rank, x.scale_a_shard, scales, s_rows, 0, DType::kFP32, c.stream));
+      return plan.path;
+    }
+    all_gather(c.comm, c.rank, x.a_shard, g, a_rows, 0, DType::kBF16, c.stream);
+    all_gather(c.comm, c.rank, x.scale_a_shard, scales, s_rows, 0, DType::kFP32, c.stream);
+    GemmOptions go;
+    go.max_blocks = c.rank.sm_budget();
+    go.timeline = c.rank.view().timeline;
+    gemm_fp8(g, x.b, x.out, x.m, x.n, x.k, x.type, Fp8Scales{x.scaling, scales, x.scale_b}, DType::kBF16,
+             c.stream, go);
+    return plan.path;
+  }
+  if (c.planning()) {
+    c.plan->chunk_rows = plan.chunk_rows;
+    c.plan->chunks = plan.chunks;
+  }
+  const bool e5 = x.type == Fp8Type::kE5M2;
+  if (x.scaling == Fp8Scaling::kRowCol)
+    e5 ? launch_ag_fp8<Fp8Scaling::kRowCol, true>(c, x, g, scales, plan, o)
+       : launch_ag_fp8<Fp8Scaling::kRowCol, false>(c, x, g, scales, plan, o);
+  else
+    e5 ? launch_ag_fp8<Fp8Scaling::kBlock, true>(c, x, g, scales, plan, o)
+       : launch_ag_fp8<Fp8Scaling::kBlock, false>(c, x, g, scales, plan, o);
+  return plan.path;
+}
+
+// ---- scaled_matmul_reduce_scatter / all_reduce: the FP8 GEMM's scaled bf16 tiles to their owners ----------
+// (ops::ReduceScatterC on ops::Fp8GemmOp; each rank's partial product is scaled by its own scales before the
+// sum, so every scaling applies).
+struct Fp8MmArgs {
+  const void* a;
+  const float* scale_a;
+  const void* b;
+  const float* scale_b;
+  void* out;
+  int64_t m, n, k;
+  Fp8Type type;
+  Fp8Scaling scaling;
+};
+
+// The FP8 GEMM's operand maps and fields for launch_rs_as (its m and n: the GEMM's, hidden in the op's
+// Params by the reduce-scatter's own n).
+struct Fp8Maps {
+  const Fp8MmArgs& x;
+  template <class Op>
+  void set(typename Op::Params& p, const void* c, int64_t c_rows) const {
+    using Mainloop = typename Op::Mainloop;
+    constexpr CUtensorMapDataType kU8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+    typename Op::Base::Params& g = p;
+    g.a = tma::make_map_2d({x.a, kU8, 1, uint64_t(x.m), uint64_t(x.k), uint64_t(x.k)}, Mainloop::kABoxRows,
+                           Mainloop::kABoxCols, "scaled matmul: A");
+    g.b = tma::make_map_2d({x.b, kU8, 1, uint64_t(x.n), uint64_t(x.k), uint64_t(x.k)}, Mainloop::kBBoxRows,
+                           Mainloop::kBBoxCols, "scaled matmul: B");
+    g.c = tma::make_map_2d(
+        {c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(c_rows), uint64_t(x.n), uint64_t(x.n) * 2},
+        Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, "scaled matmul: C");
+    g.m = static_cast<int>(x.m);
+    g.n = static_cast<int>(x.n);
+    g.k_blocks = static_cast<int>((x.k + Op::kBK - 1) / Op::kBK);
+    g.scale_a = x.scale_a;
+    g.scale_b = x.scale_b;
+    g.store_mode = lcsc::StoreMode::kStore;
+  }
+};
+
+template <Fp8Scaling kScaling>
+void launch_rs_fp8(Call& c, const Fp8MmArgs& x, const FusedOptions& o, bool all_reduce) {
+  if (x.type == Fp8Type::kE5M2)
+    launch_rs_as<ops::ReduceScatterC<ops::Fp8GemmOp<__nv_bfloat16, kScaling, true>>>(c, Fp8Maps{x}, x.out,
+                                                                                     x.m, x.n, o, all_reduce);
+  else
+    launch_rs_as<ops::ReduceScatterC<ops::Fp8GemmOp<__nv_bfloat16, kScaling, false>>>(
+        c, Fp8Maps{x}, x.out, x.m, x.n, o, all_reduce);
+}
+
+void check_fp8_mm(const Call& c, const Fp8MmArgs& x, const FusedOptions& o, bool all_reduce) {
+  const std::string& where = c.where;
+  WEFT_CHECK(x.type == Fp8Type::kE4M3 || x.type == Fp8Type::kE5M2, where + "type must be kE4M3 or kE5M2");
+  WEFT_CHECK(x.k % 16 == 0,
+             where + "K = " + std::to_string(x.k) +
+                 " must be a multiple of 16 (FP8 rows of 16-byte multiples, which TMA requires)");
+  WEFT_CHECK(o.mode != FusedOptions::Mode::kPipelined,
+             where + "has no copy-engine pipeline: use Mode::kAuto, kFused or kSequential");
+  WEFT_CHECK(o.partials == FusedOptions::Partials::kStaged,
+             where + "takes FusedOptions::Partials::kStaged only (the partials staged at their owners)");
+  const int64_t groups = (x.k + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  const int64_t a_scales = x.scaling == Fp8Scaling::kTensor   ? 1
+                           : x.scaling == Fp8Scaling::kRowCol ? x.m
+                                                              : x.m * groups;
+  const int64_t b_scales = x.scaling == Fp8Scaling::kTensor ? 1
+                           : x.scaling == Fp8Scaling::kRowCol
+                               ? x.n
+                               : (x.n + kFp8ScaleBlock - 1) / kFp8ScaleBlock * groups;
+  c.check_buffer(x.a, "a", x.m * x.k);
+  c.check_buffer(x.b, "b", x.n * x.k);
+  c.check_buffer(x.out, "out", (all_reduce ? x.m : x.m / c.rank.world()) * x.n * 2);
+  c.check_buffer(x.scale_a, "scale_a", a_scales * 4, 4);
+  c.check_buffer(x.scale_b, "scale_b", b_scales * 4, 4);
+  gemm_fp8_plan(x.m, x.n, x.k, x.type, Fp8Scales{x.scaling, nullptr, nullptr}, DType::kBF16);
+}
+
+FusedPath run_scaled_matmul_reduce(Call& c, const Fp8MmArgs& x, const FusedOptions& o, bool all_reduce) {
+  check_fp8_mm(c, x, o, all_reduce);
+  const std::string why_not = rs_why_not(c, x.m);
+  const FusedPath path = c.path(o, x.m, why_not, FusedPath::kFused);
+  if (c.planning()) c.plan->why_not = why_not.empty() ? "" : "fused kernel: " + why_not;
+  if (path == FusedPath::kFused) {
+    if (x.scaling == Fp8Scaling::kTensor)
+      launch_rs_fp8<Fp8Scaling::kTensor>(c, x, o, all_reduce);
+    else if (x.scaling == Fp8Scaling::kRowCol)
+      launch_rs_fp8<Fp8Scaling::kRowCol>(c, x, o, all_reduce);
+    else
+      launch_rs_fp8<Fp8Scaling::kBlock>(c, x, o, all_reduce);
+    return path;
+  }
+  // Sequential: the FP8 GEMM into the workspace (symmetric: the collectives read it in place), then weft's
+  // reduce_scatter or all_reduce.
+  char* tmp = c.workspace(x.m * x.n * 2);
+  const Shape2D slice{size_t(x.m / c.rank.world()), size_t(x.n)};
+  const size_t count = size_t(x.m) * x.n;
+  if (c.planning()) {
+    c.plan_sequential(all_reduce ? all_reduce_plan(c.comm, c.rank, tmp, x.out, count, DType::kBF16,
+                                                   ReduceOp::kSum, c.stream)
+                                 : reduce_scatter_plan(c.comm, c.rank, tmp, x.out, slice, 0, DType::kBF16,
+                                                       ReduceOp::kSum, c.stream));
+    return path;
+  }
+  GemmOptions go;
+  go.max_blocks = c.rank.sm_budget();
+  go.timeline = c.rank.view().timeline;
+  gemm_fp8(x.a, x.b, tmp, x.m, x.n, x.k, x.type, Fp8Scales{x.scaling, x.scale_a, x.scale_b}, DType::kBF16,
+           c.stream, go);
+  if (all_reduce)
+    weft::all_reduce(c.comm, c.rank, tmp, x.out, count, DType::kBF16, ReduceOp::kSum, c.stream);
+  else
+    reduce_scatter(c.comm, c.rank, tmp, x.out, slice, 0, DType::kBF16, ReduceOp::kSum, c.stream);
+  return path;
+}
+
 }  // namespace
 
 FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
@@ -803,6 +1060,52 @@ Plan matmul_all_reduce_plan(Communicator& comm, Rank& rank, const void* a, const
   Plan plan;
   Call c(comm, rank, stream, "matmul_all_reduce", m, n, k, false, &plan);
   run_matmul_reduce(c, a, b, const_cast<void*>(out), m, n, k, layout, o, true);
+  return plan;
+}
+
+FusedPath all_gather_scaled_matmul(Communicator& comm, Rank& rank, const void* a_shard,
+                                   const float* scale_a_shard, const void* b, const float* scale_b, void* out,
+                                   int64_t m, int64_t n, int64_t k, Fp8Type type, Fp8Scaling scaling,
+                                   cudaStream_t stream, const FusedOptions& o) {
+  Call c(comm, rank, stream, "all_gather_scaled_matmul", m, n, k, true);
+  return run_all_gather_scaled_matmul(
+      c, Fp8AgArgs{a_shard, scale_a_shard, b, scale_b, out, m, n, k, type, scaling}, o);
+}
+Plan all_gather_scaled_matmul_plan(Communicator& comm, Rank& rank, const void* a_shard,
+                                   const float* scale_a_shard, const void* b, const float* scale_b,
+                                   const void* out, int64_t m, int64_t n, int64_t k, Fp8Type type,
+                                   Fp8Scaling scaling, cudaStream_t stream, const FusedOptions& o) {
+  Plan plan;
+  Call c(comm, rank, stream, "all_gather_scaled_matmul", m, n, k, true, &plan);
+  run_all_gather_scaled_matmul(
+      c, Fp8AgArgs{a_shard, scale_a_shard, b, scale_b, const_cast<void*>(out), m, n, k, type, scaling}, o);
+  return plan;
+}
+
+FusedPath scaled_matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, const float* scale_a,
+                                       const void* b, const float* scale_b, void* out, int64_t m, int64_t n,
+                                       int64_t k, Fp8Type type, Fp8Scaling scaling, cudaStream_t stream,
+                                       const FusedOptions& o) {
+  Call c(comm, rank, stream, "scaled_matmul_reduce_scatter", m, n, k, true);
+  return run_scaled_matmul_reduce(c, Fp8MmArgs{a, scale_a, b, scale_b, out, m, n, k, type, scaling}, o,
+                                  false);
+}
+FusedPath scaled_matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const float* scale_a,
+                                   const void* b, const float* scale_b, void* out, int64_t m, int64_t n,
+                                   int64_t k, Fp8Type type, Fp8Scaling scaling, cudaStream_t stream,
+                                   const FusedOptions& o) {
+  Call c(comm, rank, stream, "scaled_matmul_all_reduce", m, n, k, false);
+  return run_scaled_matmul_reduce(c, Fp8MmArgs{a, scale_a, b, scale_b, out, m, n, k, type, scaling}, o, true);
+}
+Plan scaled_matmul_reduce_plan(Communicator& comm, Rank& rank, const void* a, const float* scale_a,
+                               const void* b, const float* scale_b, const void* out, int64_t m, int64_t n,
+                               int64_t k, Fp8Type type, Fp8Scaling scaling, bool all_reduce,
+                               cudaStream_t stream, const FusedOptions& o) {
+  Plan plan;
+  Call c(comm, rank, stream, all_reduce ? "scaled_matmul_all_reduce" : "scaled_matmul_reduce_scatter", m, n,
+         k, !all_reduce, &plan);
+  run_scaled_matmul_reduce(
+      c, Fp8MmArgs{a, scale_a, b, scale_b, const_cast<void*>(out), m, n, k, type, scaling}, o, all_reduce);
   return plan;
 }
 

@@ -138,7 +138,8 @@ int main(int argc, char** argv) {
           "[--team-only] [--list] [--help]\n"
           "  single-process over G GPUs (default: all) with one rank each; --ranks W: a team of W\n"
           "  virtual ranks over G GPUs (default G: the largest that divides W), W / G per GPU;\n"
-          "  --sm-budget B: SMs per rank (Options::sm_budget); --team-only: only tests of teams (2+ ranks, or any);\n"
+          "  --sm-budget B: SMs per rank (Options::sm_budget); --team-only: only tests of teams (2+ ranks, "
+          "or any);\n"
           "  --filter: tests whose name contains one of the comma-separated words, none of the -words.\n"
           "  One rank per process under weft-launch/torchrun/mpirun.\n"
           "  WEFT_TEST_TIMEOUT_S=n: exit (124) when one test runs longer (default 300, 0: never)\n");

@@ -47,7 +47,7 @@ using TestFn = void (*)(TestContext&);
 struct TestCase {
   const char* name;
   TestFn fn;
-  int min_world;  // ranks the test needs (1: runs on a single-GPU machine too)
+  int min_world;   // ranks the test needs (1: runs on a single-GPU machine too)
   bool any_world;  // min_world 1 and a test of teams too: --team-only keeps it
 };
 std::vector<TestCase>& registry();

@@ -30,8 +30,8 @@
 
 namespace weft::ops {
 
-inline constexpr int kDecodeRows = 16;   // query rows per work item (the MMA's M; G > 16 takes several)
-inline constexpr int kDecodeWarps = 4;   // per block
+inline constexpr int kDecodeRows = 16;        // query rows per work item (the MMA's M; G > 16 takes several)
+inline constexpr int kDecodeWarps = 4;        // per block
 inline constexpr int kDecodeBlocksPerSm = 2;  // resident (its registers: ~240 a thread)
 inline constexpr int kDecodeMaxPairs = 2048;  // (sequence, KV head) pairs of a call: landed counts per parity
 inline constexpr int kDecodeMaxParts =
@@ -89,10 +89,10 @@ __device__ __forceinline__ uint32_t pair_of(const uint4& u, int i) {
 // rows g and g + 8 of dims [32 j + 8 c, +8), the layout of its query loads.
 template <class T, int kD>
 struct DecodeKernel {
-  static constexpr int kSlabs = kD / 32;                       // 32-dim slabs
-  static constexpr int kTiles = kSlabs * 4;                    // P V output tiles of 8 dims
-  static constexpr int kTokensPerStep = kDecodeWarps * 16;     // a block's tokens per loop step
-  static constexpr float kNeg = -1e30f;                        // "no score yet", finite
+  static constexpr int kSlabs = kD / 32;                    // 32-dim slabs
+  static constexpr int kTiles = kSlabs * 4;                 // P V output tiles of 8 dims
+  static constexpr int kTokensPerStep = kDecodeWarps * 16;  // a block's tokens per loop step
+  static constexpr float kNeg = -1e30f;                     // "no score yet", finite
 
   struct Smem {
     union {  // phase 1: the warps' partials; phase 2: each part's weight
@@ -239,8 +239,9 @@ struct DecodeKernel {
             l[i] += v;
           }
       }
-      const uint32_t pa[4] = {tile::MmaType<T>::pack(pr[0][0], pr[0][1]), tile::MmaType<T>::pack(pr[0][2], pr[0][3]),
-                              tile::MmaType<T>::pack(pr[1][0], pr[1][1]), tile::MmaType<T>::pack(pr[1][2], pr[1][3])};
+      const uint32_t pa[4] = {
+          tile::MmaType<T>::pack(pr[0][0], pr[0][1]), tile::MmaType<T>::pack(pr[0][2], pr[0][3]),
+          tile::MmaType<T>::pack(pr[1][0], pr[1][1]), tile::MmaType<T>::pack(pr[1][2], pr[1][3])};
       // O += P V: tile (j, pp)'s B operand is pair pp of each token block's slab j, transposed.
 #pragma unroll
       for (int j = 0; j < kSlabs; ++j)
@@ -257,8 +258,8 @@ struct DecodeKernel {
         }
     }
     if (bad) report_bad_input(p.team, b, DecodeBadInput::kBlockOutOfRange, p.num_blocks, bad_block);
-    // The warps merged: each warp's state into shared memory (rows g and g + 8 of dims [32 j + 8 c, +8)),
-    // then the block's threads take 4 elements at a time.
+      // The warps merged: each warp's state into shared memory (rows g and g + 8 of dims [32 j + 8 c, +8)),
+      // then the block's threads take 4 elements at a time.
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);

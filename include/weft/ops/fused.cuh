@@ -7,15 +7,17 @@
 // call). Every rank makes the same fused calls in the same order, so epochs agree across ranks. Flags only
 // grow.
 //
-//   AgGemmOp  all-gather + GEMM, inter-SM overlap. Tiles whose rows lie in this rank's shard read the shard
-//             itself (a second A map): they need no wait and run first. Communicator blocks meet their
-//             counterparts (so every peer's previous call is over), then push this rank's A shard, chunk
-//             by chunk, into the peers' gathered A (rank - 1 first, then rank - 2, ...: rank - 1 walks
+//   AgGemmOp  all-gather + GEMM, inter-SM overlap (AllGatherA on the bf16 GEMM; on the FP8 GEMM, whose rows'
+//             scales travel with them, all_gather_scaled_matmul). Tiles whose rows lie in this rank's shard
+//             read the shard itself (a second A map): they need no wait and run first. Communicator blocks
+//             meet their counterparts (so every peer's previous call is over), then push this rank's A shard,
+//             chunk by chunk, into the peers' gathered A (rank - 1 first, then rank - 2, ...: rank - 1 walks
 //             this rank's rows right after its own) and set that rank's flag of the chunk to the epoch;
 //             the copy into this rank's own gathered A comes last (only tiles straddling two shards, and
 //             the caller's gathered A, read it). The loader's wait_inputs waits for the flags of every
 //             chunk a tile's rows touch.
-//   RsGemmOp  GEMM + reduce-scatter, intra-SM overlap. The storer TMA-stores each 64-row half tile (bf16)
+//   RsGemmOp  GEMM + reduce-scatter, intra-SM overlap (ReduceScatterC on the bf16 GEMM; on the FP8 GEMM,
+//             scaled_matmul_reduce_scatter / all_reduce). The storer TMA-stores each 64-row half tile (bf16)
 //             into the staging slot of this rank in the workspace of the rank owning those rows (one tensor
 //             map per owner); the tile order deals the owners' rows round-robin (where they split evenly),
 //             so each rank writes to every owner at once. One communicator block meets the team first (every
@@ -78,15 +80,21 @@ struct FusedSync {
 };
 
 // ---- all-gather + GEMM ---------------------------------------------------------------------------------
-template <bool kBKMajor, int kCluster>
-struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
-  using Base = GemmOp<__nv_bfloat16, kBKMajor, kCluster>;
+// AllGatherA<Gemm>: the hooks that gather A into any LCSC GEMM op with one A map (GemmOp bf16, Fp8GemmOp).
+// A's rows are row_bytes apart, dense; rows may carry scales (the FP8 GEMM's per-row or per-row-and-k-block
+// scales of A: scale_cols floats a row), which travel with their chunk, before its flag.
+template <class Gemm>
+struct AllGatherA : Gemm {
+  using Base = Gemm;
   struct Params : Base::Params {
     FusedSync sync;
-    CUtensorMap a_local;           // this rank's shard [shard_rows, K], same box as Base::Params::a
-    const __nv_bfloat16* a_shard;  // [shard_rows, K], dense, this rank's
-    __nv_bfloat16* gathered;       // [W * shard_rows, K], dense, symmetric (Base::Params::a maps it)
-    int64_t shard_rows, k;
+    CUtensorMap a_local;       // this rank's shard [shard_rows, K], same box as Base::Params::a
+    const char* a_shard;       // [shard_rows, K], dense, this rank's
+    char* gathered;            // [W * shard_rows, K], dense, symmetric (Base::Params::a maps it)
+    const float* scale_shard;  // [shard_rows, scale_cols], this rank's (scale_cols 0: none)
+    float* scale_gathered;     // [W * shard_rows, scale_cols], symmetric (what the GEMM reads)
+    int64_t shard_rows, row_bytes;
+    int scale_cols;
     int chunk_rows, chunks;  // per shard: chunk j = rows [j * chunk_rows, ..), its flag (source * chunks + j)
   };
 
@@ -142,9 +150,14 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     const int world = t.world;
     const int dst = (t.rank - 1 - u / p.chunks + 2 * world) % world, j = u % p.chunks;
     const int64_t r0 = int64_t(j) * p.chunk_rows, rows = min(int64_t(p.chunk_rows), p.shard_rows - r0);
-    const uint4* from = reinterpret_cast<const uint4*>(p.a_shard + r0 * p.k);
-    uint4* to = t.peer_ptr(reinterpret_cast<uint4*>(p.gathered + (t.rank * p.shard_rows + r0) * p.k), dst);
-    block_copy16(to, from, rows * p.k / 8);
+    const int64_t first = t.rank * p.shard_rows + r0;  // in the gathered rows
+    block_copy16(t.peer_ptr(reinterpret_cast<uint4*>(p.gathered + first * p.row_bytes), dst),
+                 reinterpret_cast<const uint4*>(p.a_shard + r0 * p.row_bytes), rows * p.row_bytes / 16);
+    if (p.scale_cols > 0) {  // a few floats a row: plain stores
+      float* to = t.peer_ptr(p.scale_gathered + first * p.scale_cols, dst);
+      const float* from = p.scale_shard + r0 * p.scale_cols;
+      for (int64_t i = threadIdx.x; i < rows * p.scale_cols; i += blockDim.x) to[i] = from[i];
+    }
     __syncthreads();  // the block's stores, then one release signal covers them
     if (threadIdx.x == 0) signal_set(t, flag(p, t.rank, j), dst, p.sync.epoch());
   }
@@ -153,6 +166,9 @@ struct AgGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     if (threadIdx.x == 0) p.sync.done();
   }
 };
+
+template <bool kBKMajor, int kCluster>
+using AgGemmOp = AllGatherA<GemmOp<__nv_bfloat16, kBKMajor, kCluster>>;
 
 // A communicator block sums one half of this rank's rows over the W staged slots (slot r at staging + r x
 // slot_elems), 16-byte units [0, units): in fp32, its own slot first, then rank + 1, ... (the order of the
@@ -192,13 +208,17 @@ __device__ __forceinline__ void sum_staged_half(const TeamView& t, uint4* dst, c
 }
 
 // ---- GEMM + reduce-scatter (and the first half of all-reduce) -----------------------------------------
-// kCounted: the partials counted per half at the owner, added there or staged and summed by the
-// communicator blocks (see the header); an instantiation of its own, so the staged kernel carries none of
-// its registers.
-template <bool kBKMajor, int kCluster, bool kCounted = false>
-struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
-  using Base = GemmOp<__nv_bfloat16, kBKMajor, kCluster>;
-  static_assert(!kCounted || kCluster == 1, "counted: one communicator block per task, no clusters");
+// ReduceScatterC<Gemm>: the hooks that send a GEMM's bf16 output tiles to their owners, over any LCSC GEMM op
+// whose epilogue stores bf16 tiles through a tensor map (GemmOp bf16; Fp8GemmOp, which scales its tiles
+// before the store). kCounted: the partials counted per half at the owner, added there or staged and summed
+// by the communicator blocks (see the header); an instantiation of its own, so the staged kernel carries
+// none of its registers.
+template <class Gemm, bool kCounted = false>
+struct ReduceScatterC : Gemm {
+  using Base = Gemm;
+  static_assert(!kCounted || Base::kClusterSize == 1,
+                "counted: one communicator block per task, no clusters");
+  static constexpr bool kCountedHalves = kCounted;
   struct Params : Base::Params {
     FusedSync sync;
     CUtensorMap
@@ -292,7 +312,10 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
       // copied or pushed from what may be partial (a push into a dead peer would turn the report into a
       // fault), the half's count is not taken as reached, and the block goes on to the kernel's end.
       bool reached = true;
-      if (threadIdx.x == 0) reached = wait_ge(t, t.flag(p.halves, h), target);
+      if (threadIdx.x == 0) {
+        const TimelineSpan waiting(p.sched.timeline, TimelinePhase::kCommWait, static_cast<uint32_t>(h));
+        reached = wait_ge(t, t.flag(p.halves, h), target);
+      }
       reached = __syncthreads_and(reached);
       if (!reached) return;
       const int64_t first = int64_t(h) * 64 * p.n, units = 64 * p.n / 8;
@@ -323,5 +346,8 @@ struct RsGemmOp : GemmOp<__nv_bfloat16, kBKMajor, kCluster> {
     if (threadIdx.x == 0) p.sync.done();
   }
 };
+
+template <bool kBKMajor, int kCluster, bool kCounted = false>
+using RsGemmOp = ReduceScatterC<GemmOp<__nv_bfloat16, kBKMajor, kCluster>, kCounted>;
 
 }  // namespace weft::ops

@@ -101,6 +101,33 @@ FusedPath matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const
                             int64_t m, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream = nullptr,
                             const FusedOptions& options = {});
 
+// all_gather_matmul on FP8 operands (e4m3 or e5m2, `type`): out [M, N] bf16 = the gathered A shards [M/W, K]
+// times B [N, K]^T (a K-major weight), scaled as weft::gemm_fp8 scales, A's scales gathered with its rows:
+// per row (Fp8Scaling::kRowCol: scale_a_shard [M/W], scale_b [N]) or per block (kBlock: scale_a_shard
+// [M/W, ceil(K/128)], scale_b [ceil(N/128), ceil(K/128)]). Per-tensor scales are refused: each rank's shard
+// would bring its own (quantize per row instead). K a multiple of 16. Paths: kFused (the FP8 GEMM with the
+// all-gather's communicator blocks pushing A's chunks and their scales) and kSequential (weft's all_gather
+// of A and of its scales, then gemm_fp8); Mode::kPipelined is refused. Half the link bytes of the bf16 op.
+FusedPath all_gather_scaled_matmul(Communicator& comm, Rank& rank, const void* a_shard,
+                                   const float* scale_a_shard, const void* b, const float* scale_b, void* out,
+                                   int64_t m, int64_t n, int64_t k, Fp8Type type, Fp8Scaling scaling,
+                                   cudaStream_t stream = nullptr, const FusedOptions& options = {});
+
+// matmul_reduce_scatter / matmul_all_reduce on FP8 operands: a [M, K] and b [N, K] (K-major) FP8, each rank's
+// product scaled by its own scales as weft::gemm_fp8 scales (any Fp8Scaling: scale_a / scale_b of gemm_fp8's
+// shapes for this rank's a and b), the bf16 products summed over ranks: out [M / W, N] (this rank's rows) or
+// [M, N]. K a multiple of 16. Paths: kFused (the FP8 GEMM storing its scaled bf16 tiles into their owners'
+// staging slots, then the staged reduce; partials kStaged only) and kSequential (gemm_fp8, then weft's
+// reduce_scatter / all_reduce; the all-reduce's path for M not divisible by W).
+FusedPath scaled_matmul_reduce_scatter(Communicator& comm, Rank& rank, const void* a, const float* scale_a,
+                                       const void* b, const float* scale_b, void* out, int64_t m, int64_t n,
+                                       int64_t k, Fp8Type type, Fp8Scaling scaling,
+                                       cudaStream_t stream = nullptr, const FusedOptions& options = {});
+FusedPath scaled_matmul_all_reduce(Communicator& comm, Rank& rank, const void* a, const float* scale_a,
+                                   const void* b, const float* scale_b, void* out, int64_t m, int64_t n,
+                                   int64_t k, Fp8Type type, Fp8Scaling scaling, cudaStream_t stream = nullptr,
+                                   const FusedOptions& options = {});
+
 // What each call with these arguments would do (weft/ops/plan.hpp), without doing it: the path (plan.path
 // starts with fused_path_name of the path the call returns), why the fused kernel cannot run here, the
 // fused kernel's grid and tiles, and the workspace per area (the sequential path's collective included).
@@ -115,5 +142,15 @@ Plan matmul_reduce_scatter_plan(Communicator& comm, Rank& rank, const void* a, c
 Plan matmul_all_reduce_plan(Communicator& comm, Rank& rank, const void* a, const void* b, const void* out,
                             int64_t m, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream = nullptr,
                             const FusedOptions& options = {});
+Plan all_gather_scaled_matmul_plan(Communicator& comm, Rank& rank, const void* a_shard,
+                                   const float* scale_a_shard, const void* b, const float* scale_b,
+                                   const void* out, int64_t m, int64_t n, int64_t k, Fp8Type type,
+                                   Fp8Scaling scaling, cudaStream_t stream = nullptr,
+                                   const FusedOptions& options = {});
+// scaled_matmul_all_reduce's plan with all_reduce, else scaled_matmul_reduce_scatter's.
+Plan scaled_matmul_reduce_plan(Communicator& comm, Rank& rank, const void* a, const float* scale_a,
+                               const void* b, const float* scale_b, const void* out, int64_t m, int64_t n,
+                               int64_t k, Fp8Type type, Fp8Scaling scaling, bool all_reduce,
+                               cudaStream_t stream = nullptr, const FusedOptions& options = {});
 
 }  // namespace weft

@@ -3,9 +3,9 @@
 // query rows against a few tokens.
 //
 // Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"), lane = 4 g + c:
-//   A (16 x 16, row):   a0 = (g, 2c..2c+1), a1 = (g + 8, 2c..2c+1), a2 = (g, 2c+8..2c+9), a3 = (g + 8, 2c+8..2c+9)
-//   B (16 x 8, col):    b0 = (k 2c..2c+1, n g), b1 = (k 2c+8..2c+9, n g)
-//   C (16 x 8, fp32):   c0, c1 = (g, 2c..2c+1), c2, c3 = (g + 8, 2c..2c+1)
+//   A (16 x 16, row):   a0 = (g, 2c..2c+1), a1 = (g + 8, 2c..2c+1), a2 = (g, 2c+8..2c+9), a3 = (g + 8,
+//   2c+8..2c+9) B (16 x 8, col):    b0 = (k 2c..2c+1, n g), b1 = (k 2c+8..2c+9, n g) C (16 x 8, fp32):   c0,
+//   c1 = (g, 2c..2c+1), c2, c3 = (g + 8, 2c..2c+1)
 // Each 32-bit register holds two 16-bit elements, the lower index in the low half.
 #pragma once
 #include <cuda_bf16.h>
@@ -38,8 +38,7 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 template <>
 __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                                          uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -47,8 +46,7 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const ui
 template <>
 __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                                   uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
