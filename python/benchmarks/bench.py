@@ -274,17 +274,23 @@ def start(title):
     return comm, comm.rank, comm.world_size
 
 
-def main():
-    quick = "--quick" in sys.argv
-    comm, rank, world = start("weft Python bench")
-    group_name = dist.group.WORLD.group_name
+def enable_symm(group_name):
+    """torch's symmetric-memory module with the group enabled (where this torch needs it), or None."""
     try:
         import torch.distributed._symmetric_memory as symm
 
         if hasattr(symm, "enable_symm_mem_for_group"):
             symm.enable_symm_mem_for_group(group_name)
+        return symm
     except Exception:  # noqa: BLE001
-        symm = None
+        return None
+
+
+def main():
+    quick = "--quick" in sys.argv
+    comm, rank, world = start("weft Python bench")
+    group_name = dist.group.WORLD.group_name
+    symm = enable_symm(group_name)
     bench_host_overhead(comm, world)
     bench_collectives(comm, world, group_name, symm, quick)
     bench_matmul_ops(comm, world, rank, group_name, symm, quick)

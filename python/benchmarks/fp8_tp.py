@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import print_table, rel_err, start, timed_alternating, try_symm  # noqa: E402
+from bench import enable_symm, print_table, rel_err, start, timed_alternating, try_symm  # noqa: E402
 
 import weft  # noqa: E402
 
@@ -85,13 +85,7 @@ def main():
     quick = "--quick" in sys.argv
     _, rank, world = start("weft FP8 tensor-parallel bench")
     group_name = dist.group.WORLD.group_name
-    try:
-        import torch.distributed._symmetric_memory as symm
-
-        if hasattr(symm, "enable_symm_mem_for_group"):
-            symm.enable_symm_mem_for_group(group_name)
-    except Exception:  # noqa: BLE001
-        pass
+    enable_symm(group_name)
     g = torch.Generator(device="cuda").manual_seed(300 + rank)
     rows = []
     for n, k in ((8192, 8192), (28672, 8192)):

@@ -781,23 +781,24 @@ FusedPath run_matmul_reduce(Call& c, const void* a, const void* b, void* out, in
 }
 
 // ---- all_gather_scaled_matmul: the FP8 GEMM gathering A (ops::AllGatherA on ops::Fp8GemmOp) -------------
-struct Fp8AgArgs {
-  const void* a_shard;
-  const float* scale_a_shard;
+// An FP8 team op's operands: a (all_gather_scaled_matmul: this rank's shard) and b FP8, their scales.
+struct Fp8MmArgs {
+  const void* a;
+  const float* scale_a;
   const void* b;
   const float* scale_b;
   void* out;
   int64_t m, n, k;
   Fp8Type type;
   Fp8Scaling scaling;
-  // Scales a row of A carries: one (kRowCol) or one per 128 of K (kBlock).
+  // Scales a row of A carries (all_gather_scaled_matmul): one (kRowCol) or one per 128 of K (kBlock).
   int scale_cols() const {
     return scaling == Fp8Scaling::kRowCol ? 1 : static_cast<int>((k + kFp8ScaleBlock - 1) / kFp8ScaleBlock);
   }
 };
 
 template <Fp8Scaling kScaling, bool kE5M2>
-void launch_ag_fp8(Call& c, const Fp8AgArgs& x, char* gathered, float* scales, const Choice& plan,
+void launch_ag_fp8(Call& c, const Fp8MmArgs& x, char* gathered, float* scales, const Choice& plan,
                    const FusedOptions& o) {
   using Op = ops::AllGatherA<ops::Fp8GemmOp<__nv_bfloat16, kScaling, kE5M2>>;
   using Mainloop = typename Op::Mainloop;
@@ -817,46 +818,48 @@ void launch_ag_fp8(Call& c, const Fp8AgArgs& x, char* gathered, float* scales, c
   p.scale_a = scales;  // the gathered rows' scales
   p.scale_b = x.scale_b;
   p.store_mode = lcsc::StoreMode::kStore;
-  set_all_gather<Op>(c, p, x.a_shard, gathered, x.m, x.k, kU8, 1, plan, o);
-  p.scale_shard = x.scale_a_shard;
+  set_all_gather<Op>(c, p, x.a, gathered, x.m, x.k, kU8, 1, plan, o);
+  p.scale_shard = x.scale_a;
   p.scale_gathered = scales;
   p.scale_cols = x.scale_cols();
   if (c.planned_kernel<Op>(p.sched, plan.comm_blocks)) return;
   // This rank's own rows read their scales among the gathered ones too (its A rows it reads in place).
   const int64_t rows = x.m / c.rank.world();
-  WEFT_CUDA_CHECK(cudaMemcpyAsync(scales + c.rank.rank() * rows * p.scale_cols, x.scale_a_shard,
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(scales + c.rank.rank() * rows * p.scale_cols, x.scale_a,
                                   rows * p.scale_cols * sizeof(float), cudaMemcpyDeviceToDevice, c.stream));
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + plan.comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
-// The checks every path shares: types, shapes (K a multiple of 16: FP8 rows of 16-byte multiples) and the
-// buffers' sizes; the FP8 GEMM's own checks with its messages.
-void check_fp8_ag(const Call& c, const Fp8AgArgs& x, const FusedOptions& o) {
+// What every FP8 team op checks on every path: the type, K a multiple of 16 (FP8 rows of 16-byte multiples),
+// no pipeline, the buffers' sizes (a: `a_rows` rows, out: `out_rows`; scales as gemm_fp8 reads them for a's
+// rows), then the FP8 GEMM's own checks with its messages.
+void check_fp8(const Call& c, const Fp8MmArgs& x, const FusedOptions& o, int64_t a_rows, int64_t out_rows) {
   const std::string& where = c.where;
   WEFT_CHECK(x.type == Fp8Type::kE4M3 || x.type == Fp8Type::kE5M2, where + "type must be kE4M3 or kE5M2");
-  WEFT_CHECK(x.scaling == Fp8Scaling::kRowCol || x.scaling == Fp8Scaling::kBlock,
-             where +
-                 "per-tensor scales are refused: each rank's shard would bring its own; quantize A per row "
-                 "(Fp8Scaling::kRowCol) or per 1 x 128 group (kBlock), its scales then travel with its rows");
   WEFT_CHECK(x.k % 16 == 0,
              where + "K = " + std::to_string(x.k) +
                  " must be a multiple of 16 (FP8 rows of 16-byte multiples, which TMA requires)");
   WEFT_CHECK(o.mode != FusedOptions::Mode::kPipelined,
              where + "has no copy-engine pipeline: use Mode::kAuto, kFused or kSequential");
-  const int64_t rows = x.m / c.rank.world(), cols = x.scale_cols();
-  c.check_buffer(x.a_shard, "a_shard", rows * x.k);
+  const int64_t groups = (x.k + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  const bool tensor = x.scaling == Fp8Scaling::kTensor, rowcol = x.scaling == Fp8Scaling::kRowCol;
+  const int64_t a_scales = tensor ? 1 : rowcol ? a_rows : a_rows * groups;
+  const int64_t b_scales = tensor ? 1 : rowcol ? x.n : (x.n + kFp8ScaleBlock - 1) / kFp8ScaleBlock * groups;
+  c.check_buffer(x.a, "a", a_rows * x.k);
   c.check_buffer(x.b, "b", x.n * x.k);
-  c.check_buffer(x.out, "out", x.m * x.n * 2);
-  c.check_buffer(x.scale_a_shard, "scale_a_shard", rows * cols * 4, 4);
-  const int64_t b_scales =
-      x.scaling == Fp8Scaling::kRowCol ? x.n : (x.n + kFp8ScaleBlock - 1) / kFp8ScaleBlock * cols;
+  c.check_buffer(x.out, "out", out_rows * x.n * 2);
+  c.check_buffer(x.scale_a, "scale_a", a_scales * 4, 4);
   c.check_buffer(x.scale_b, "scale_b", b_scales * 4, 4);
   gemm_fp8_plan(x.m, x.n, x.k, x.type, Fp8Scales{x.scaling, nullptr, nullptr}, DType::kBF16);
 }
 
-FusedPath run_all_gather_scaled_matmul(Call& c, const Fp8AgArgs& x, const FusedOptions& o) {
-  check_fp8_ag(c, x, o);
+FusedPath run_all_gather_scaled_matmul(Call& c, const Fp8MmArgs& x, const FusedOptions& o) {
+  WEFT_CHECK(x.scaling == Fp8Scaling::kRowCol || x.scaling == Fp8Scaling::kBlock,
+             c.where +
+                 "per-tensor scales are refused: each rank's shard would bring its own; quantize A per row "
+                 "(Fp8Scaling::kRowCol) or per 1 x 128 group (kBlock), its scales then travel with its rows");
+  check_fp8(c, x, o, x.m / c.rank.world(), x.m);
   const int W = c.rank.world();
   const int64_t rows = x.m / W, cols = x.scale_cols();
   Choice plan;
@@ -874,13 +877,12 @@ FusedPath run_all_gather_scaled_matmul(Call& c, const Fp8AgArgs& x, const FusedO
   if (plan.path == FusedPath::kSequential) {
     const Shape2D a_rows{size_t(rows), size_t(x.k / 2)}, s_rows{size_t(rows), size_t(cols)};
     if (c.planning()) {  // A's bytes travel as bf16 pairs
-      c.plan_sequential(all_gather_plan(c.comm, c.rank, x.a_shard, g, a_rows, 0, DType::kBF16, c.stream));
-      c.plan_more(
-          all_gather_plan(c.comm, c.rank, x.scale_a_shard, scales, s_rows, 0, DType::kFP32, c.stream));
+      c.plan_sequential(all_gather_plan(c.comm, c.rank, x.a, g, a_rows, 0, DType::kBF16, c.stream));
+      c.plan_more(all_gather_plan(c.comm, c.rank, x.scale_a, scales, s_rows, 0, DType::kFP32, c.stream));
       return plan.path;
     }
-    all_gather(c.comm, c.rank, x.a_shard, g, a_rows, 0, DType::kBF16, c.stream);
-    all_gather(c.comm, c.rank, x.scale_a_shard, scales, s_rows, 0, DType::kFP32, c.stream);
+    all_gather(c.comm, c.rank, x.a, g, a_rows, 0, DType::kBF16, c.stream);
+    all_gather(c.comm, c.rank, x.scale_a, scales, s_rows, 0, DType::kFP32, c.stream);
     GemmOptions go;
     go.max_blocks = c.rank.sm_budget();
     go.timeline = c.rank.view().timeline;
@@ -905,17 +907,6 @@ FusedPath run_all_gather_scaled_matmul(Call& c, const Fp8AgArgs& x, const FusedO
 // ---- scaled_matmul_reduce_scatter / all_reduce: the FP8 GEMM's scaled bf16 tiles to their owners ----------
 // (ops::ReduceScatterC on ops::Fp8GemmOp; each rank's partial product is scaled by its own scales before the
 // sum, so every scaling applies).
-struct Fp8MmArgs {
-  const void* a;
-  const float* scale_a;
-  const void* b;
-  const float* scale_b;
-  void* out;
-  int64_t m, n, k;
-  Fp8Type type;
-  Fp8Scaling scaling;
-};
-
 // The FP8 GEMM's operand maps and fields for launch_rs_as (its m and n: the GEMM's, hidden in the op's
 // Params by the reduce-scatter's own n).
 struct Fp8Maps {
@@ -951,34 +942,10 @@ void launch_rs_fp8(Call& c, const Fp8MmArgs& x, const FusedOptions& o, bool all_
         c, Fp8Maps{x}, x.out, x.m, x.n, o, all_reduce);
 }
 
-void check_fp8_mm(const Call& c, const Fp8MmArgs& x, const FusedOptions& o, bool all_reduce) {
-  const std::string& where = c.where;
-  WEFT_CHECK(x.type == Fp8Type::kE4M3 || x.type == Fp8Type::kE5M2, where + "type must be kE4M3 or kE5M2");
-  WEFT_CHECK(x.k % 16 == 0,
-             where + "K = " + std::to_string(x.k) +
-                 " must be a multiple of 16 (FP8 rows of 16-byte multiples, which TMA requires)");
-  WEFT_CHECK(o.mode != FusedOptions::Mode::kPipelined,
-             where + "has no copy-engine pipeline: use Mode::kAuto, kFused or kSequential");
-  WEFT_CHECK(o.partials == FusedOptions::Partials::kStaged,
-             where + "takes FusedOptions::Partials::kStaged only (the partials staged at their owners)");
-  const int64_t groups = (x.k + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
-  const int64_t a_scales = x.scaling == Fp8Scaling::kTensor   ? 1
-                           : x.scaling == Fp8Scaling::kRowCol ? x.m
-                                                              : x.m * groups;
-  const int64_t b_scales = x.scaling == Fp8Scaling::kTensor ? 1
-                           : x.scaling == Fp8Scaling::kRowCol
-                               ? x.n
-                               : (x.n + kFp8ScaleBlock - 1) / kFp8ScaleBlock * groups;
-  c.check_buffer(x.a, "a", x.m * x.k);
-  c.check_buffer(x.b, "b", x.n * x.k);
-  c.check_buffer(x.out, "out", (all_reduce ? x.m : x.m / c.rank.world()) * x.n * 2);
-  c.check_buffer(x.scale_a, "scale_a", a_scales * 4, 4);
-  c.check_buffer(x.scale_b, "scale_b", b_scales * 4, 4);
-  gemm_fp8_plan(x.m, x.n, x.k, x.type, Fp8Scales{x.scaling, nullptr, nullptr}, DType::kBF16);
-}
-
 FusedPath run_scaled_matmul_reduce(Call& c, const Fp8MmArgs& x, const FusedOptions& o, bool all_reduce) {
-  check_fp8_mm(c, x, o, all_reduce);
+  WEFT_CHECK(o.partials == FusedOptions::Partials::kStaged,
+             c.where + "takes FusedOptions::Partials::kStaged only (the partials staged at their owners)");
+  check_fp8(c, x, o, x.m, all_reduce ? x.m : x.m / c.rank.world());
   const std::string why_not = rs_why_not(c, x.m);
   const FusedPath path = c.path(o, x.m, why_not, FusedPath::kFused);
   if (c.planning()) c.plan->why_not = why_not.empty() ? "" : "fused kernel: " + why_not;
@@ -1069,7 +1036,7 @@ FusedPath all_gather_scaled_matmul(Communicator& comm, Rank& rank, const void* a
                                    cudaStream_t stream, const FusedOptions& o) {
   Call c(comm, rank, stream, "all_gather_scaled_matmul", m, n, k, true);
   return run_all_gather_scaled_matmul(
-      c, Fp8AgArgs{a_shard, scale_a_shard, b, scale_b, out, m, n, k, type, scaling}, o);
+      c, Fp8MmArgs{a_shard, scale_a_shard, b, scale_b, out, m, n, k, type, scaling}, o);
 }
 Plan all_gather_scaled_matmul_plan(Communicator& comm, Rank& rank, const void* a_shard,
                                    const float* scale_a_shard, const void* b, const float* scale_b,
@@ -1078,7 +1045,7 @@ Plan all_gather_scaled_matmul_plan(Communicator& comm, Rank& rank, const void* a
   Plan plan;
   Call c(comm, rank, stream, "all_gather_scaled_matmul", m, n, k, true, &plan);
   run_all_gather_scaled_matmul(
-      c, Fp8AgArgs{a_shard, scale_a_shard, b, scale_b, const_cast<void*>(out), m, n, k, type, scaling}, o);
+      c, Fp8MmArgs{a_shard, scale_a_shard, b, scale_b, const_cast<void*>(out), m, n, k, type, scaling}, o);
   return plan;
 }
 

@@ -7,10 +7,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "harness.hpp"
@@ -94,6 +97,86 @@ std::string compare(const std::vector<__nv_bfloat16>& got, const std::vector<dou
   return err > 1e-2 ? "relative error " + std::to_string(err) : std::string();
 }
 
+// The operands on every local rank: a_of(r) gives rank r's a bytes and a scales (a_bytes, sa_bytes of them),
+// b[r] its b; out poisoned.
+struct Operands {
+  RankBuffers a, sa, b, sb, out;
+  template <class AOf>
+  Operands(Communicator& c, int64_t a_bytes, int64_t sa_bytes, const std::vector<Operand>& bs,
+           int64_t out_bytes, AOf a_of)
+      : a(c, a_bytes, false),
+        sa(c, sa_bytes, false),
+        b(c, bs[0].bytes.size(), false),
+        sb(c, bs[0].scales.size() * 4, false),
+        out(c, out_bytes, false) {
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      const auto [a_host, sa_host] = a_of(r);
+      upload(c, i, a.ptr[i], a_host, a_bytes);
+      upload(c, i, sa.ptr[i], sa_host, sa_bytes);
+      upload(c, i, b.ptr[i], bs[r].bytes.data(), bs[r].bytes.size());
+      upload(c, i, sb.ptr[i], bs[r].scales.data(), bs[r].scales.size() * 4);
+      poison(c, i, out.ptr[i], out_bytes);
+    }
+    c.host_barrier();
+  }
+  const float* scale_a(int i) const { return reinterpret_cast<const float*>(sa.ptr[i]); }
+  const float* scale_b(int i) const { return reinterpret_cast<const float*>(sb.ptr[i]); }
+};
+
+// The call on every local rank after its plan: call(i, plan_only) returns the plan (plan_only) or runs the
+// call and returns its path; the path must be the planned one (and `want`, unless kAuto), the workspace no
+// larger.
+template <class Call>
+void run_planned(Communicator& c, const std::string& what, Mode mode, Call&& call) {
+  for (int i = 0; i < c.num_local(); ++i) {
+    const Plan plan = std::get<Plan>(call(i, true));
+    const weft::test::WorkspaceSizes before = weft::test::workspace_sizes(c, plan);
+    const FusedPath path = std::get<FusedPath>(call(i, false));
+    WEFT_EXPECT(plan.path.rfind(fused_path_name(path), 0) == 0,
+                what << ": the plan says '" << describe(plan) << "', the call ran " << fused_path_name(path));
+    if (mode != Mode::kAuto)
+      WEFT_EXPECT(path == (mode == Mode::kFused ? FusedPath::kFused : FusedPath::kSequential),
+                  what << ": ran " << fused_path_name(path));
+    const std::string kept = weft::test::check_call_kept_plan(c, plan, before);
+    WEFT_EXPECT(kept.empty(), what << ": " << kept);
+  }
+  c.synchronize();
+}
+
+// Every local rank's out ([rows, n] bf16) against ref_of(r, ref) (which fills ref, [rows, n]).
+template <class RefOf>
+void check_out(Communicator& c, const RankBuffers& out, int64_t rows, int64_t n, const std::string& what,
+               RefOf ref_of) {
+  for (int i = 0; i < c.num_local(); ++i) {
+    const int r = c.local(i).rank();
+    std::vector<double> ref(size_t(rows * n), 0.0);
+    ref_of(r, ref);
+    std::vector<__nv_bfloat16> got(size_t(rows * n));
+    weft::test::download(c, i, got.data(), out.ptr[i], rows * n * 2);
+    const std::string err = compare(got, ref);
+    WEFT_EXPECT(err.empty(), what << " rank " << r << ": " << err);
+  }
+  c.host_barrier();
+}
+
+// out[row][j] = the sum over the pairs (as[q], bs[q]) of as[q][row] . bs[q][j] (their values), rows [0, rows).
+void product(std::vector<double>& out, const std::vector<const Operand*>& as,
+             const std::vector<const Operand*>& bs, int64_t rows, int64_t n, int64_t k) {
+  weft::test::parallel_for(
+      size_t(rows),
+      [&](size_t i0, size_t i1) {
+        for (size_t row = i0; row < i1; ++row)
+          for (int64_t j = 0; j < n; ++j) {
+            double s = 0;
+            for (size_t q = 0; q < as.size(); ++q)
+              for (int64_t t = 0; t < k; ++t) s += as[q]->value[row * k + t] * bs[q]->value[j * k + t];
+            out[row * n + j] = s;
+          }
+      },
+      8);
+}
+
 void run_case(TestContext& ctx, const Case& cs, Mode mode, uint64_t seed) {
   Communicator& c = ctx.comm();
   const int W = c.world();
@@ -102,17 +185,9 @@ void run_case(TestContext& ctx, const Case& cs, Mode mode, uint64_t seed) {
   std::vector<Operand> b(W);
   for (int r = 0; r < W; ++r) b[r] = make(n, k, cs, true, seed * 137 + 1000 + r);
   const int64_t a_cols = a.scales.size() / m;  // scales a row of A
-  RankBuffers A(c, cs.shard * k, false), SA(c, cs.shard * a_cols * 4, false), B(c, n * k, false),
-      SB(c, b[0].scales.size() * 4, false), out(c, m * n * 2, false);
-  for (int i = 0; i < c.num_local(); ++i) {
-    const int r = c.local(i).rank();
-    upload(c, i, A.ptr[i], a.bytes.data() + r * cs.shard * k, cs.shard * k);
-    upload(c, i, SA.ptr[i], a.scales.data() + r * cs.shard * a_cols, cs.shard * a_cols * 4);
-    upload(c, i, B.ptr[i], b[r].bytes.data(), n * k);
-    upload(c, i, SB.ptr[i], b[r].scales.data(), b[r].scales.size() * 4);
-    poison(c, i, out.ptr[i], m * n * 2);
-  }
-  c.host_barrier();
+  const Operands x(c, cs.shard * k, cs.shard * a_cols * 4, b, m * n * 2, [&](int r) {
+    return std::pair{a.bytes.data() + r * cs.shard * k, a.scales.data() + r * cs.shard * a_cols};
+  });
   FusedOptions o;
   o.mode = mode;
   o.comm_blocks = int(seed % 2) * 4;  // 0 (auto) or 4
@@ -121,43 +196,16 @@ void run_case(TestContext& ctx, const Case& cs, Mode mode, uint64_t seed) {
       "all_gather_scaled_matmul M=" + std::to_string(m) + " N=" + std::to_string(n) +
       " K=" + std::to_string(k) + (cs.scaling == Fp8Scaling::kBlock ? " block" : " row") +
       (cs.type == Fp8Type::kE5M2 ? " e5m2 " : " e4m3 ") + (mode == Mode::kFused ? "fused" : "sequential");
-  for (int i = 0; i < c.num_local(); ++i) {
+  run_planned(c, what, mode, [&](int i, bool plan_only) -> std::variant<Plan, FusedPath> {
     Rank& r = c.local(i);
-    const auto* sa = reinterpret_cast<const float*>(SA.ptr[i]);
-    const auto* sb = reinterpret_cast<const float*>(SB.ptr[i]);
-    const Plan plan = all_gather_scaled_matmul_plan(c, r, A.ptr[i], sa, B.ptr[i], sb, out.ptr[i], m, n, k,
-                                                    cs.type, cs.scaling, nullptr, o);
-    const weft::test::WorkspaceSizes before = weft::test::workspace_sizes(c, plan);
-    const FusedPath path = all_gather_scaled_matmul(c, r, A.ptr[i], sa, B.ptr[i], sb, out.ptr[i], m, n, k,
-                                                    cs.type, cs.scaling, nullptr, o);
-    WEFT_EXPECT(plan.path.rfind(fused_path_name(path), 0) == 0,
-                what << ": the plan says '" << describe(plan) << "', the call ran " << fused_path_name(path));
-    WEFT_EXPECT(path == (mode == Mode::kFused ? FusedPath::kFused : FusedPath::kSequential),
-                what << ": ran " << fused_path_name(path));
-    const std::string kept = weft::test::check_call_kept_plan(c, plan, before);
-    WEFT_EXPECT(kept.empty(), what << ": " << kept);
-  }
-  c.synchronize();
-  for (int i = 0; i < c.num_local(); ++i) {
-    const int r = c.local(i).rank();
-    std::vector<double> ref(size_t(m * n), 0.0);
-    weft::test::parallel_for(
-        size_t(m),
-        [&](size_t i0, size_t i1) {
-          for (size_t row = i0; row < i1; ++row)
-            for (int64_t j = 0; j < n; ++j) {
-              double s = 0;
-              for (int64_t q = 0; q < k; ++q) s += a.value[row * k + q] * b[r].value[j * k + q];
-              ref[row * n + j] = s;
-            }
-        },
-        8);
-    std::vector<__nv_bfloat16> got(size_t(m * n));
-    weft::test::download(c, i, got.data(), out.ptr[i], m * n * 2);
-    const std::string err = compare(got, ref);
-    WEFT_EXPECT(err.empty(), what << " rank " << r << ": " << err);
-  }
-  c.host_barrier();
+    if (plan_only)
+      return all_gather_scaled_matmul_plan(c, r, x.a.ptr[i], x.scale_a(i), x.b.ptr[i], x.scale_b(i),
+                                           x.out.ptr[i], m, n, k, cs.type, cs.scaling, nullptr, o);
+    return all_gather_scaled_matmul(c, r, x.a.ptr[i], x.scale_a(i), x.b.ptr[i], x.scale_b(i), x.out.ptr[i], m,
+                                    n, k, cs.type, cs.scaling, nullptr, o);
+  });
+  check_out(c, x.out, m, n, what,
+            [&](int r, std::vector<double>& ref) { product(ref, {&a}, {&b[r]}, m, n, k); });
 }
 
 // scaled_matmul_reduce_scatter (all_reduce false) / scaled_matmul_all_reduce: rank r's a_r [M, K] and b_r
@@ -171,17 +219,9 @@ void run_reduce_case(TestContext& ctx, const Case& cs, int64_t m, bool all_reduc
     a[r] = make(m, k, cs, false, seed * 131 + r);
     b[r] = make(n, k, cs, true, seed * 137 + 1000 + r);
   }
-  RankBuffers A(c, m * k, false), SA(c, a[0].scales.size() * 4, false), B(c, n * k, false),
-      SB(c, b[0].scales.size() * 4, false), out(c, rows * n * 2, false);
-  for (int i = 0; i < c.num_local(); ++i) {
-    const int r = c.local(i).rank();
-    upload(c, i, A.ptr[i], a[r].bytes.data(), m * k);
-    upload(c, i, SA.ptr[i], a[r].scales.data(), a[r].scales.size() * 4);
-    upload(c, i, B.ptr[i], b[r].bytes.data(), n * k);
-    upload(c, i, SB.ptr[i], b[r].scales.data(), b[r].scales.size() * 4);
-    poison(c, i, out.ptr[i], rows * n * 2);
-  }
-  c.host_barrier();
+  const Operands x(c, m * k, a[0].scales.size() * 4, b, rows * n * 2, [&](int r) {
+    return std::pair{a[r].bytes.data(), a[r].scales.data()};
+  });
   FusedOptions o;
   o.mode = mode;
   const char* scaling = cs.scaling == Fp8Scaling::kBlock    ? " block"
@@ -190,50 +230,29 @@ void run_reduce_case(TestContext& ctx, const Case& cs, int64_t m, bool all_reduc
   const std::string what =
       std::string(all_reduce ? "scaled_matmul_all_reduce" : "scaled_matmul_reduce_scatter") +
       " M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k) + scaling +
-      (mode == Mode::kFused ? " fused" : " auto");
-  for (int i = 0; i < c.num_local(); ++i) {
+      (mode == Mode::kFused  ? " fused"
+       : mode == Mode::kAuto ? " auto"
+                             : " sequential");
+  run_planned(c, what, mode, [&](int i, bool plan_only) -> std::variant<Plan, FusedPath> {
     Rank& r = c.local(i);
-    const auto* sa = reinterpret_cast<const float*>(SA.ptr[i]);
-    const auto* sb = reinterpret_cast<const float*>(SB.ptr[i]);
-    const Plan plan = scaled_matmul_reduce_plan(c, r, A.ptr[i], sa, B.ptr[i], sb, out.ptr[i], m, n, k,
-                                                cs.type, cs.scaling, all_reduce, nullptr, o);
-    const weft::test::WorkspaceSizes before = weft::test::workspace_sizes(c, plan);
-    const FusedPath path = all_reduce
-                               ? scaled_matmul_all_reduce(c, r, A.ptr[i], sa, B.ptr[i], sb, out.ptr[i], m, n,
-                                                          k, cs.type, cs.scaling, nullptr, o)
-                               : scaled_matmul_reduce_scatter(c, r, A.ptr[i], sa, B.ptr[i], sb, out.ptr[i], m,
-                                                              n, k, cs.type, cs.scaling, nullptr, o);
-    WEFT_EXPECT(plan.path.rfind(fused_path_name(path), 0) == 0,
-                what << ": the plan says '" << describe(plan) << "', the call ran " << fused_path_name(path));
-    if (mode == Mode::kFused)
-      WEFT_EXPECT(path == FusedPath::kFused, what << ": ran " << fused_path_name(path));
-    const std::string kept = weft::test::check_call_kept_plan(c, plan, before);
-    WEFT_EXPECT(kept.empty(), what << ": " << kept);
+    if (plan_only)
+      return scaled_matmul_reduce_plan(c, r, x.a.ptr[i], x.scale_a(i), x.b.ptr[i], x.scale_b(i), x.out.ptr[i],
+                                       m, n, k, cs.type, cs.scaling, all_reduce, nullptr, o);
+    const auto op = all_reduce ? &scaled_matmul_all_reduce : &scaled_matmul_reduce_scatter;
+    return op(c, r, x.a.ptr[i], x.scale_a(i), x.b.ptr[i], x.scale_b(i), x.out.ptr[i], m, n, k, cs.type,
+              cs.scaling, nullptr, o);
+  });
+  std::vector<const Operand*> as, bs;
+  for (int q = 0; q < W; ++q) {
+    as.push_back(&a[q]);
+    bs.push_back(&b[q]);
   }
-  c.synchronize();
-  std::vector<double> sum(size_t(m * n), 0.0);
-  weft::test::parallel_for(
-      size_t(m),
-      [&](size_t i0, size_t i1) {
-        for (size_t row = i0; row < i1; ++row)
-          for (int64_t j = 0; j < n; ++j) {
-            double s = 0;
-            for (int q = 0; q < W; ++q)
-              for (int64_t t = 0; t < k; ++t) s += a[q].value[row * k + t] * b[q].value[j * k + t];
-            sum[row * n + j] = s;
-          }
-      },
-      8);
-  for (int i = 0; i < c.num_local(); ++i) {
-    const int r = c.local(i).rank();
+  std::vector<double> sum(size_t(m * n));  // every rank's rows, made once
+  product(sum, as, bs, m, n, k);
+  check_out(c, x.out, rows, n, what, [&](int r, std::vector<double>& ref) {
     const int64_t first = all_reduce ? 0 : r * rows * n;
-    const std::vector<double> ref(sum.begin() + first, sum.begin() + first + rows * n);
-    std::vector<__nv_bfloat16> got(size_t(rows * n));
-    weft::test::download(c, i, got.data(), out.ptr[i], rows * n * 2);
-    const std::string err = compare(got, ref);
-    WEFT_EXPECT(err.empty(), what << " rank " << r << ": " << err);
-  }
-  c.host_barrier();
+    std::copy(sum.begin() + first, sum.begin() + first + rows * n, ref.begin());
+  });
 }
 
 // What a call refuses, with its reason, before it launches anything.
