@@ -160,7 +160,7 @@ void check_out(Communicator& c, const RankBuffers& out, int64_t rows, int64_t n,
   c.host_barrier();
 }
 
-// out[row][j] = the sum over the pairs (as[q], bs[q]) of as[q][row] . bs[q][j] (their values), rows [0, rows).
+// out[row][j]: the sum over q of as[q][row] . bs[q][j] (their values), rows [0, rows).
 void product(std::vector<double>& out, const std::vector<const Operand*>& as,
              const std::vector<const Operand*>& bs, int64_t rows, int64_t n, int64_t k) {
   weft::test::parallel_for(
