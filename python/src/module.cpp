@@ -793,8 +793,7 @@ void bind_fp8(py::module_& m) {
               reinterpret_cast<void*>(out), m, n, k, parse_fp8(ab_type), parse_scaling(scaling),
               c.stream(stream))));
         });
-  // scaled_matmul_reduce_scatter / all_reduce: a [M, K] and b [N, K] FP8; out this rank's [M / W, N] or [M,
-  // N].
+  // scaled_matmul_reduce_scatter / all_reduce: a [M, K] and b [N, K] FP8; out [M / W, N] or [M, N].
   m.def("scaled_matmul_reduce",
         [](const Comm& c, uintptr_t a, uintptr_t scale_a, uintptr_t b, uintptr_t scale_b, uintptr_t out,
            int64_t m, int64_t n, int64_t k, const std::string& ab_type, const std::string& scaling,
