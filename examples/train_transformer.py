@@ -1,0 +1,352 @@
+"""A small Llama-style decoder trained with weft's ops on a (context x tensor) DeviceMesh, beside the same
+model in plain torch (torch.distributed + SDPA) on the same mesh, from the same weights and data.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+    PYTHONPATH=build/python torchrun --nproc_per_node=4 examples/train_transformer.py [--tp 2] [--steps 50]
+        [--layers 8] [--seq 2048] [--csv FILE] [--plot FILE.png]
+
+The model: RMSNorm, RoPE, grouped-query attention (16 query heads, 4 KV heads, dim 128), SwiGLU MLPs, every
+second layer a mixture of experts (8 experts, top 2, SwiGLU), tied embeddings; hidden 2048. bf16 compute,
+fp32 master weights, SGD with momentum. Parallelism, mesh (cp, tp), world = cp x tp:
+- context parallel over cp: each sequence in weft.ring_shard's zigzag layout (rank r of cp holds chunks r and
+  2 cp - 1 - r), attention by weft.ring_attention; torch: the whole K / V all-gathered, SDPA with the mask of
+  the global positions;
+- tensor + sequence parallel over tp (Megatron's layout): activations split by rows between the blocks,
+  column-parallel projections by weft.all_gather_matmul, row-parallel ones by weft.matmul_reduce_scatter;
+  torch: all_gather + matmul and matmul + reduce_scatter (torch.distributed.nn.functional);
+- expert parallel over tp: weft.moe_layer with the tp group; torch: every expert's weights all-gathered and
+  each token's top 2 evaluated locally.
+Gradients of weights replicated over a mesh dimension are all-reduced over it (both models alike).
+Checks: the loss of every step equal within bf16 tolerance (TOL relative), the gradients at step 0. Then
+tokens / s and peak memory of a training step of each, measured in turns. Rank 0 prints the tables; --csv
+writes the loss curves, --plot draws them with the throughput (matplotlib, where installed).
+"""
+import argparse
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.nn import functional as dnn
+
+import weft
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 2048, 16, 4, 128, 5632
+EXPERTS, TOP_K, EXPERT_FFN, VOCAB, BATCH = 8, 2, 1408, 8192, 2
+LR, MOMENTUM, TOL = 0.02, 0.9, 2e-2
+
+
+def full_weights(layers, seed):
+    """Every weight, whole, the same on every rank (fp32)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rnd = lambda *shape, fan_in: torch.randn(*shape, device="cuda", generator=g) / math.sqrt(fan_in)
+    w = {"emb": rnd(VOCAB, HIDDEN, fan_in=HIDDEN) * 4, "norm": torch.ones(HIDDEN, device="cuda")}
+    for i in range(layers):
+        p = f"l{i}."
+        w[p + "attn_norm"] = torch.ones(HIDDEN, device="cuda")
+        w[p + "mlp_norm"] = torch.ones(HIDDEN, device="cuda")
+        w[p + "wq"] = rnd(HEADS * HEAD_DIM, HIDDEN, fan_in=HIDDEN)
+        w[p + "wk"] = rnd(KV_HEADS * HEAD_DIM, HIDDEN, fan_in=HIDDEN)
+        w[p + "wv"] = rnd(KV_HEADS * HEAD_DIM, HIDDEN, fan_in=HIDDEN)
+        w[p + "wo"] = rnd(HIDDEN, HEADS * HEAD_DIM, fan_in=HEADS * HEAD_DIM)
+        if i % 2:
+            w[p + "router"] = rnd(EXPERTS, HIDDEN, fan_in=HIDDEN)
+            w[p + "up"] = rnd(EXPERTS, HIDDEN, 2 * EXPERT_FFN, fan_in=HIDDEN)  # [E, K, N]: gate, then up
+            w[p + "down"] = rnd(EXPERTS, EXPERT_FFN, HIDDEN, fan_in=EXPERT_FFN)
+        else:
+            w[p + "w_gate"] = rnd(FFN, HIDDEN, fan_in=HIDDEN)
+            w[p + "w_up"] = rnd(FFN, HIDDEN, fan_in=HIDDEN)
+            w[p + "w_down"] = rnd(HIDDEN, FFN, fan_in=FFN)
+    return w
+
+
+def shard(w, tp, tp_rank):
+    """This rank's parameters (fp32, requiring grad) and, per name, the mesh dimensions it is replicated over."""
+    params, replicated = {}, {}
+    for name, t in w.items():
+        key = name.split(".")[-1]
+        if key in ("wq", "wk", "wv", "w_gate", "w_up", "up", "down"):
+            t = t.chunk(tp)[tp_rank]  # column-parallel: this rank's heads / columns; MoE: its experts
+        elif key in ("wo", "w_down"):
+            t = t.chunk(tp, dim=1)[tp_rank]  # row-parallel: this rank's input columns
+        sharded = key in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "up", "down")
+        params[name] = t.clone().requires_grad_()
+        replicated[name] = ("cp",) if sharded else ("cp", "tp")
+    return params, replicated
+
+
+def rms_norm(x, w):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w).to(torch.bfloat16)
+
+
+def rope(x, pos):
+    """x [batch, seq, heads, dim] rotated by the global positions pos [seq]."""
+    half = HEAD_DIM // 2
+    freq = 1.0 / (10000.0 ** (torch.arange(half, device=x.device, dtype=torch.float32) / half))
+    ang = pos.float()[:, None] * freq[None, :]
+    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+    x1, x2 = x.float()[..., :half], x.float()[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
+
+
+class Ops:
+    """The communicating pieces of the model: weft's, or plain torch's on the same mesh."""
+
+    def __init__(self, use_weft, mesh, positions, all_positions):
+        self.weft, self.tp, self.cp = use_weft, mesh.get_group("tp"), mesh.get_group("cp")
+        self.tp_size, self.cp_size = mesh.size(1), mesh.size(0)
+        self.pos, self.all_pos = positions, all_positions  # this cp rank's tokens' positions; every cp rank's
+
+    def gather_matmul(self, x, w):  # [rows / tp, K] x [N / tp, K] -> [rows, N / tp]
+        if self.weft:
+            return weft.all_gather_matmul(x, w.t(), comm=self.tp)
+        return torch.cat(dnn.all_gather(x, group=self.tp)) @ w.t()
+
+    def matmul_scatter(self, x, w):  # [rows, K / tp] x [N, K / tp] -> [rows / tp, N], summed over tp
+        if self.weft:
+            return weft.matmul_reduce_scatter(x, w.t(), comm=self.tp)
+        out = torch.empty(x.shape[0] // self.tp_size, w.shape[0], device=x.device, dtype=x.dtype)
+        return dnn.reduce_scatter(out, list((x @ w.t()).chunk(self.tp_size)), group=self.tp)
+
+    def attention(self, q, k, v):  # [batch, local_seq, heads, dim], this cp rank's tokens
+        if self.weft:
+            return weft.ring_attention(q, k, v, causal=True, comm=self.cp)
+        ks = torch.cat(dnn.all_gather(k.contiguous(), group=self.cp), 1)
+        vs = torch.cat(dnn.all_gather(v.contiguous(), group=self.cp), 1)
+        rep = q.shape[2] // k.shape[2]
+        ks, vs = ks.repeat_interleave(rep, 2), vs.repeat_interleave(rep, 2)
+        mask = self.pos[:, None] >= self.all_pos[None, :]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                           attn_mask=mask)
+        return o.transpose(1, 2)
+
+    def moe(self, h, ids, weights, up, down):  # h [rows / tp, H]; this rank's experts' weights
+        if self.weft:
+            return weft.moe_layer(h, ids, weights, up, down, EXPERTS, comm=self.tp)
+        ups = torch.cat(dnn.all_gather(up.contiguous(), group=self.tp))
+        downs = torch.cat(dnn.all_gather(down.contiguous(), group=self.tp))
+        out = torch.zeros(h.shape, device=h.device, dtype=torch.float32)
+        for e in range(EXPERTS):
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            g = h[tok] @ ups[e]
+            a = F.silu(g[:, :EXPERT_FFN]) * g[:, EXPERT_FFN:]
+            out = out.index_add(0, tok, (a @ downs[e]).float() * weights[tok, slot, None])
+        return out.to(h.dtype)
+
+
+def forward(ops, p, tokens, layers):
+    """This rank's part of the loss (sum over its tokens / every token of the team) and its token count.
+    tokens [batch, local_seq] (this cp rank's, zigzag); rows split over tp between the blocks."""
+    b, s = tokens.shape
+    rows = b * s // ops.tp_size
+    tp_rank = dist.get_rank(ops.tp)
+    mine = tokens.reshape(-1)[tp_rank * rows:(tp_rank + 1) * rows]
+    bf = lambda t: t.to(torch.bfloat16)
+    x = bf(p["emb"])[mine]  # [rows, H]
+    for i in range(layers):
+        pre = f"l{i}."
+        h = rms_norm(x, p[pre + "attn_norm"])
+        wqkv = torch.cat([bf(p[pre + n]) for n in ("wq", "wk", "wv")])
+        qkv = ops.gather_matmul(h, wqkv).view(b, s, -1, HEAD_DIM)
+        hq, hk = HEADS // ops.tp_size, KV_HEADS // ops.tp_size
+        q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hk], qkv[:, :, hq + hk:]
+        q, k = rope(q, ops.pos), rope(k, ops.pos)
+        o = ops.attention(q.contiguous(), k.contiguous(), v.contiguous())
+        x = x + ops.matmul_scatter(o.reshape(b * s, -1), bf(p[pre + "wo"]))
+        h = rms_norm(x, p[pre + "mlp_norm"])
+        if i % 2:
+            probs = (h.float() @ p[pre + "router"].t()).softmax(-1)
+            weights, ids = probs.topk(TOP_K, -1)
+            weights = weights / weights.sum(-1, keepdim=True)
+            x = x + ops.moe(h, ids, weights, bf(p[pre + "up"]), bf(p[pre + "down"]))
+        else:
+            gate = ops.gather_matmul(h, bf(p[pre + "w_gate"]))
+            up = ops.gather_matmul(h, bf(p[pre + "w_up"]))
+            x = x + ops.matmul_scatter(F.silu(gate) * up, bf(p[pre + "w_down"]))
+    logits = (rms_norm(x, p["norm"]) @ bf(p["emb"]).t()).float()
+    # Next-token targets: each token's successor in the global sequence (the last position predicts token 0).
+    targets = ops.targets.reshape(-1)[tp_rank * rows:(tp_rank + 1) * rows]
+    return F.cross_entropy(logits, targets, reduction="sum") / ops.team_tokens
+
+
+def sync_grads(params, replicated, mesh):
+    for name, t in params.items():
+        for dim in replicated[name]:
+            if mesh.size(mesh.mesh_dim_names.index(dim)) > 1:
+                dist.all_reduce(t.grad, group=mesh.get_group(dim))
+
+
+def step(params, momentum):
+    with torch.no_grad():
+        for name, t in params.items():
+            m = momentum.setdefault(name, torch.zeros_like(t))
+            m.mul_(MOMENTUM).add_(t.grad)
+            t -= LR * m
+            t.grad = None
+
+
+def worse(worst, *errors):
+    """The largest error over its limit so far; NaN sticks."""
+    for e in (worst, *errors):
+        if e != e:
+            return float("nan")
+    return max(worst, *errors)
+
+
+def team_value(x, op=dist.ReduceOp.SUM):
+    t = torch.tensor([float(x)], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def data(seq, cp, cp_rank, seed):
+    """The batch's tokens (this cp rank's zigzag part) and their next-token targets, the same on every rank."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    # A learnable sequence: counting up from a random start (mod VOCAB), a tenth of the tokens noise.
+    start = torch.randint(0, VOCAB, (BATCH, 1), device="cuda", generator=g)
+    whole = (start + torch.arange(seq, device="cuda")) % VOCAB
+    noise = torch.randint(0, VOCAB, (BATCH, seq), device="cuda", generator=g)
+    whole = torch.where(torch.rand(BATCH, seq, device="cuda", generator=g) < 0.1, noise, whole)
+    targets = whole.roll(-1, 1)
+    return weft.ring_shard(whole, cp, cp_rank, causal=True), weft.ring_shard(targets, cp, cp_rank, causal=True)
+
+
+def timed_step(fn, reps=5):
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return team_value(statistics.median(times), dist.ReduceOp.MAX)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048, help="tokens of each sequence per cp rank")
+    ap.add_argument("--csv")
+    ap.add_argument("--plot")
+    args = ap.parse_args()
+    comm = weft.init()
+    torch.cuda.set_device(comm.device)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", comm.device))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp = min(args.tp, world)
+    if world % tp or KV_HEADS % tp or EXPERTS % tp:
+        raise SystemExit(f"--tp {tp} must divide the world size {world}, {KV_HEADS} KV heads and {EXPERTS} experts")
+    cp = world // tp
+    mesh = init_device_mesh("cuda", (cp, tp), mesh_dim_names=("cp", "tp"))
+    cp_rank, tp_rank = mesh.get_local_rank(0), mesh.get_local_rank(1)
+    seq = args.seq * cp
+    pos = torch.tensor(weft.ring_shard_indices(cp, cp_rank, causal=True, seq_len=seq), device="cuda")
+    all_pos = torch.cat([torch.tensor(weft.ring_shard_indices(cp, r, causal=True, seq_len=seq), device="cuda")
+                         for r in range(cp)])
+    w = full_weights(args.layers, seed=1)
+    models = {}
+    for name in ("weft", "torch"):
+        params, replicated = shard(w, tp, tp_rank)
+        ops = Ops(name == "weft", mesh, pos, all_pos)
+        ops.team_tokens = BATCH * seq
+        models[name] = (params, replicated, ops, {})
+    del w
+    if rank == 0:
+        print(f"# train_transformer: {world} GPUs ({torch.cuda.get_device_name()}), mesh cp {cp} x tp {tp}, "
+              f"{args.layers} layers, hidden {HIDDEN}, batch {BATCH} x {seq} tokens")
+        print("| step | loss, weft | loss, torch | relative difference |")
+        print("|---:|---:|---:|---:|")
+    curves, worst, first_grads = [], 0.0, {}
+    for it in range(args.steps):
+        tokens, targets = data(seq, cp, cp_rank, seed=1000 + it)
+        losses = {}
+        for name, (params, replicated, ops, momentum) in models.items():
+            ops.targets = targets
+            loss = forward(ops, params, tokens, args.layers)
+            loss.backward()
+            sync_grads(params, replicated, mesh)
+            losses[name] = team_value(loss.item())
+            if it == 0:
+                first_grads[name] = {n: t.grad.detach().clone() for n, t in params.items()}
+            step(params, momentum)
+        if it == 0:  # the gradients at step 0, largest relative difference over the parameters and ranks
+            gw, gt = first_grads.pop("weft"), first_grads.pop("torch")
+            errs = [((gw[n] - gt[n]).norm() / gt[n].norm().clamp_min(1e-30)).item() for n in gw]
+            gerr = team_value(float("nan") if any(e != e for e in errs) else max(errs), dist.ReduceOp.MAX)
+            if rank == 0:
+                print(f"gradients at step 0: largest relative difference {gerr:.2e}")
+            worst = worse(worst, gerr / (5 * TOL))
+        diff = abs(losses["weft"] - losses["torch"]) / abs(losses["torch"])
+        worst = worse(worst, diff / TOL)
+        curves.append((it, losses["weft"], losses["torch"]))
+        if rank == 0 and (it < 5 or it % 5 == 4 or it == args.steps - 1):
+            print(f"| {it} | {losses['weft']:.4f} | {losses['torch']:.4f} | {diff:.2e} |")
+    # Throughput and peak memory of one training step of each, in turns.
+    tokens, targets = data(seq, cp, cp_rank, seed=7)
+    perf = {}
+    for _ in range(2):
+        for name, (params, replicated, ops, momentum) in models.items():
+            ops.targets = targets
+
+            def one():
+                forward(ops, params, tokens, args.layers).backward()
+                sync_grads(params, replicated, mesh)
+                step(params, momentum)
+
+            torch.cuda.reset_peak_memory_stats()
+            secs = timed_step(one)
+            peak = team_value(torch.cuda.max_memory_allocated() / 2**30, dist.ReduceOp.MAX)
+            perf[name] = (BATCH * seq / secs, peak)
+    if rank == 0:
+        print("| model | tokens / s (team) | peak memory GiB (max over ranks) |")
+        print("|---|---:|---:|")
+        for name, (tps, peak) in perf.items():
+            print(f"| {name} | {tps:,.0f} | {peak:.1f} |")
+        print(f"weft / torch throughput: {perf['weft'][0] / perf['torch'][0]:.2f}x; worst loss / gradient difference "
+              f"over its limit: {worst:.2f} (passes <= 1)")
+        if args.csv:
+            with open(args.csv, "w") as f:
+                f.write("step,loss_weft,loss_torch\n")
+                f.writelines(f"{s},{a},{b}\n" for s, a, b in curves)
+        if args.plot:
+            plot(args.plot, curves, perf, f"cp {cp} x tp {tp}, {world} GPUs")
+    dist.destroy_process_group()
+    if not worst <= 1.0:
+        print("FAILED: weft's model differs from torch's", flush=True)
+        sys.exit(1)
+
+
+def plot(path, curves, perf, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(matplotlib is not installed: no plot at {path})")
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = [c[0] for c in curves]
+    a.plot(steps, [c[1] for c in curves], label="weft")
+    a.plot(steps, [c[2] for c in curves], "--", label="torch")
+    a.set_xlabel("step")
+    a.set_ylabel("loss")
+    a.legend()
+    b.bar(list(perf), [v[0] for v in perf.values()])
+    b.set_ylabel("tokens / s")
+    fig.suptitle(f"train_transformer: {title}")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    main()
