@@ -18,7 +18,7 @@ fp32 master weights, SGD with momentum. Parallelism, mesh (cp, tp), world = cp x
   each token's top 2 evaluated locally.
 Gradients of weights replicated over a mesh dimension are all-reduced over it (both models alike).
 Checks: the loss of every step equal within bf16 tolerance (TOL relative), the gradients at step 0. Then
-tokens / s and peak memory of a training step of each, measured in turns. Rank 0 prints the tables; --csv
+tokens / s and memory of a training step of each, measured in turns. Rank 0 prints the tables; --csv
 writes the loss curves, --plot draws them with the throughput (matplotlib, where installed).
 """
 import argparse
@@ -149,7 +149,8 @@ def forward(ops, p, tokens, layers):
     tp_rank = dist.get_rank(ops.tp)
     mine = tokens.reshape(-1)[tp_rank * rows:(tp_rank + 1) * rows]
     bf = lambda t: t.to(torch.bfloat16)
-    x = bf(p["emb"])[mine]  # [rows, H]
+    emb = bf(p["emb"])
+    x = emb[mine]  # [rows, H]
     for i in range(layers):
         pre = f"l{i}."
         h = rms_norm(x, p[pre + "attn_norm"])
@@ -167,10 +168,9 @@ def forward(ops, p, tokens, layers):
             weights = weights / weights.sum(-1, keepdim=True)
             x = x + ops.moe(h, ids, weights, bf(p[pre + "up"]), bf(p[pre + "down"]))
         else:
-            gate = ops.gather_matmul(h, bf(p[pre + "w_gate"]))
-            up = ops.gather_matmul(h, bf(p[pre + "w_up"]))
+            gate, up = ops.gather_matmul(h, torch.cat([bf(p[pre + "w_gate"]), bf(p[pre + "w_up"])])).chunk(2, -1)
             x = x + ops.matmul_scatter(F.silu(gate) * up, bf(p[pre + "w_down"]))
-    logits = (rms_norm(x, p["norm"]) @ bf(p["emb"]).t()).float()
+    logits = (rms_norm(x, p["norm"]) @ emb.t()).float()
     # Next-token targets: each token's successor in the global sequence (the last position predicts token 0).
     targets = ops.targets.reshape(-1)[tp_rank * rows:(tp_rank + 1) * rows]
     return F.cross_entropy(logits, targets, reduction="sum") / ops.team_tokens
@@ -186,7 +186,9 @@ def sync_grads(params, replicated, mesh):
 def step(params, momentum):
     with torch.no_grad():
         for name, t in params.items():
-            m = momentum.setdefault(name, torch.zeros_like(t))
+            m = momentum.get(name)
+            if m is None:
+                m = momentum[name] = torch.zeros_like(t)
             m.mul_(MOMENTUM).add_(t.grad)
             t -= LR * m
             t.grad = None
@@ -246,6 +248,8 @@ def main():
     tp = min(args.tp, world)
     if world % tp or KV_HEADS % tp or EXPERTS % tp:
         raise SystemExit(f"--tp {tp} must divide the world size {world}, {KV_HEADS} KV heads and {EXPERTS} experts")
+    if args.seq % 2 or BATCH * args.seq % tp:
+        raise SystemExit(f"--seq {args.seq} must be even (the zigzag's two chunks) and BATCH x seq divisible by tp")
     cp = world // tp
     mesh = init_device_mesh("cuda", (cp, tp), mesh_dim_names=("cp", "tp"))
     cp_rank, tp_rank = mesh.get_local_rank(0), mesh.get_local_rank(1)
@@ -282,7 +286,8 @@ def main():
         if it == 0:  # the gradients at step 0, largest relative difference over the parameters and ranks
             gw, gt = first_grads.pop("weft"), first_grads.pop("torch")
             errs = [((gw[n] - gt[n]).norm() / gt[n].norm().clamp_min(1e-30)).item() for n in gw]
-            gerr = team_value(float("nan") if any(e != e for e in errs) else max(errs), dist.ReduceOp.MAX)
+            # (a NaN goes as inf: NCCL's max may pass over a NaN)
+            gerr = team_value(float("inf") if any(e != e for e in errs) else max(errs), dist.ReduceOp.MAX)
             if rank == 0:
                 print(f"gradients at step 0: largest relative difference {gerr:.2e}")
             worst = worse(worst, gerr / (5 * TOL))
@@ -306,12 +311,16 @@ def main():
             torch.cuda.reset_peak_memory_stats()
             secs = timed_step(one)
             peak = team_value(torch.cuda.max_memory_allocated() / 2**30, dist.ReduceOp.MAX)
-            perf[name] = (BATCH * seq / secs, peak)
+            free, total = torch.cuda.mem_get_info()
+            used = team_value((total - free) / 2**30, dist.ReduceOp.MAX)
+            perf[name] = (BATCH * seq / secs, peak, used)
     if rank == 0:
-        print("| model | tokens / s (team) | peak memory GiB (max over ranks) |")
-        print("|---|---:|---:|")
-        for name, (tps, peak) in perf.items():
-            print(f"| {name} | {tps:,.0f} | {peak:.1f} |")
+        # torch's allocator does not see weft's symmetric heap (cuMemCreate) nor NCCL's buffers: the device's
+        # memory in use after the step is printed beside it (both models' weights live in this process).
+        print("| model | tokens / s (team) | torch allocator peak GiB | device memory in use GiB (max over ranks) |")
+        print("|---|---:|---:|---:|")
+        for name, (tps, peak, used) in perf.items():
+            print(f"| {name} | {tps:,.0f} | {peak:.1f} | {used:.1f} |")
         print(f"weft / torch throughput: {perf['weft'][0] / perf['torch'][0]:.2f}x; worst loss / gradient difference "
               f"over its limit: {worst:.2f} (passes <= 1)")
         if args.csv:
