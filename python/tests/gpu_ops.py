@@ -250,38 +250,38 @@ def main():
 
 
 def check_all_gather_scaled_matmul(rank, world):
-    """weft.all_gather_scaled_matmul against NCCL's all_gather of the FP8 shard and its scales, then
-    torch._scaled_mm (row scales) or an fp32 product of the dequantized operands (block scales); the reduce
-    forms against each rank's product all-reduced by NCCL in fp32."""
+    """weft's FP8 team ops against NCCL collectives and fp32 products of the dequantized operands (each 1 x 128
+    group / 128 x 128 block, or each row, times its scale): all_gather_scaled_matmul against NCCL's all_gather of
+    the FP8 shard and its scales; the reduce forms against each rank's product all-reduced by NCCL in fp32."""
     g = torch.Generator(device="cuda").manual_seed(77 + rank)
+
+    def dequant(q, s, scaling, operand, rows, cols):
+        if scaling == "rowcol":
+            return q.float() * (s if operand == "a" else s.t())
+        if operand == "a":
+            return q.float() * s.repeat_interleave(128, dim=1)[:, :cols]
+        return q.float() * s.repeat_interleave(128, dim=0)[:rows].repeat_interleave(128, dim=1)[:, :cols]
+
     cases = 0
-    for m_shard, n, k in ((128, 256, 256), (200, 264, 272)):
+    for m_shard, n, k in ((128, 256, 256), (200, 272, 272)):
         x = torch.randn(m_shard, k, device="cuda", dtype=torch.bfloat16, generator=g)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
         for scaling in ("rowcol", "block"):
             qa, sa = weft.quantize_fp8(x, scaling, "a")
             qw, sw = weft.quantize_fp8(w, scaling, "b")
+            w_f = dequant(qw, sw, scaling, "b", n, k)
             got = weft.all_gather_scaled_matmul(qa, qw.t(), sa, sw)
             parts = [torch.empty_like(qa.view(torch.uint8)) for _ in range(world)]
             dist.all_gather(parts, qa.view(torch.uint8))
             scale_parts = [torch.empty_like(sa) for _ in range(world)]
             dist.all_gather(scale_parts, sa)
             qa_all, sa_all = torch.cat(parts).view(qa.dtype), torch.cat(scale_parts)
-            if scaling == "rowcol":
-                want = torch._scaled_mm(qa_all, qw.t(), scale_a=sa_all, scale_b=sw, out_dtype=torch.bfloat16)
-            else:  # dequantized: each 1 x 128 group of a and 128 x 128 block of w times its scale
-                a_f = qa_all.float() * sa_all.repeat_interleave(128, dim=1)[:, :k]
-                w_f = qw.float() * sw.repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
-                want = (a_f @ w_f.t()).to(torch.bfloat16)
-            check(f"all_gather_scaled_matmul {scaling} {m_shard}x{n}x{k}", got, want)
+            want = dequant(qa_all, sa_all, scaling, "a", m_shard * world, k) @ w_f.t()
+            check(f"all_gather_scaled_matmul {scaling} {m_shard}x{n}x{k}", got, want.to(torch.bfloat16))
             # The reduce forms: this rank's whole a (its K-slice's partial product), summed over ranks.
             x_full = torch.randn(m_shard * world, k, device="cuda", dtype=torch.bfloat16, generator=g)
             qx, sx = weft.quantize_fp8(x_full, scaling, "a")
-            if scaling == "rowcol":
-                part = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, out_dtype=torch.float32)
-            else:
-                x_f = qx.float() * sx.repeat_interleave(128, dim=1)[:, :k]
-                part = x_f @ w_f.t()
+            part = dequant(qx, sx, scaling, "a", m_shard * world, k) @ w_f.t()
             dist.all_reduce(part)
             check(f"scaled_matmul_all_reduce {scaling} {m_shard}x{n}x{k}",
                   weft.scaled_matmul_all_reduce(qx, qw.t(), sx, sw), part.to(torch.bfloat16))

@@ -656,6 +656,8 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
 }
 
 // The storer writes whole 64-row halves of a tile into one owner's slot: shards of whole halves only.
+// Op: the kernel's op (its grid under the SM budget).
+template <class Op = ops::RsGemmOp<true, 1>>
 std::string rs_why_not(const Call& c, int64_t m) {
   const int64_t rows = m / c.rank.world();
   if (c.rank.world() > ops::kFusedMaxWorld) return "world size above " + std::to_string(ops::kFusedMaxWorld);
@@ -664,7 +666,7 @@ std::string rs_why_not(const Call& c, int64_t m) {
            std::to_string(c.rank.world());
   if (rows % 64 != 0) return "M / world size = " + std::to_string(rows) + " is not a multiple of 64";
   if (rows > INT32_MAX) return "M / world size above 2^31";
-  return c.why_not_in_budget<ops::RsGemmOp<true, 1>>(ops::RsGemmOp<true, 1>::kClusterSize);
+  return c.why_not_in_budget<Op>(Op::kClusterSize);
 }
 
 // all_gather_matmul's A chunks: whole 128-row blocks, at most kFusedChunkFlags flags in all.
@@ -946,7 +948,8 @@ FusedPath run_scaled_matmul_reduce(Call& c, const Fp8MmArgs& x, const FusedOptio
   WEFT_CHECK(o.partials == FusedOptions::Partials::kStaged,
              c.where + "takes FusedOptions::Partials::kStaged only (the partials staged at their owners)");
   check_fp8(c, x, o, x.m, all_reduce ? x.m : x.m / c.rank.world());
-  const std::string why_not = rs_why_not(c, x.m);
+  const std::string why_not =
+      rs_why_not<ops::ReduceScatterC<ops::Fp8GemmOp<__nv_bfloat16, Fp8Scaling::kBlock, false>>>(c, x.m);
   const FusedPath path = c.path(o, x.m, why_not, FusedPath::kFused);
   if (c.planning()) c.plan->why_not = why_not.empty() ? "" : "fused kernel: " + why_not;
   if (path == FusedPath::kFused) {
@@ -958,27 +961,28 @@ FusedPath run_scaled_matmul_reduce(Call& c, const Fp8MmArgs& x, const FusedOptio
       launch_rs_fp8<Fp8Scaling::kBlock>(c, x, o, all_reduce);
     return path;
   }
-  // Sequential: the FP8 GEMM into the workspace (symmetric: the collectives read it in place), then weft's
-  // reduce_scatter or all_reduce.
-  char* tmp = c.workspace(x.m * x.n * 2);
+  // Sequential, as the bf16 ops: the all-reduce's product in out and summed in place (all_reduce takes the
+  // shared workspace for itself, so the product must not sit there); the reduce-scatter's in the workspace
+  // (symmetric: reduce_scatter reads it in place, which it guards), then weft's reduce_scatter.
   const Shape2D slice{size_t(x.m / c.rank.world()), size_t(x.n)};
   const size_t count = size_t(x.m) * x.n;
+  char* product = all_reduce ? static_cast<char*>(x.out) : c.workspace(x.m * x.n * 2);
   if (c.planning()) {
-    c.plan_sequential(all_reduce ? all_reduce_plan(c.comm, c.rank, tmp, x.out, count, DType::kBF16,
+    c.plan_sequential(all_reduce ? all_reduce_plan(c.comm, c.rank, x.out, x.out, count, DType::kBF16,
                                                    ReduceOp::kSum, c.stream)
-                                 : reduce_scatter_plan(c.comm, c.rank, tmp, x.out, slice, 0, DType::kBF16,
+                                 : reduce_scatter_plan(c.comm, c.rank, product, x.out, slice, 0, DType::kBF16,
                                                        ReduceOp::kSum, c.stream));
     return path;
   }
   GemmOptions go;
   go.max_blocks = c.rank.sm_budget();
   go.timeline = c.rank.view().timeline;
-  gemm_fp8(x.a, x.b, tmp, x.m, x.n, x.k, x.type, Fp8Scales{x.scaling, x.scale_a, x.scale_b}, DType::kBF16,
+  gemm_fp8(x.a, x.b, product, x.m, x.n, x.k, x.type, Fp8Scales{x.scaling, x.scale_a, x.scale_b}, DType::kBF16,
            c.stream, go);
   if (all_reduce)
-    weft::all_reduce(c.comm, c.rank, tmp, x.out, count, DType::kBF16, ReduceOp::kSum, c.stream);
+    weft::all_reduce(c.comm, c.rank, x.out, x.out, count, DType::kBF16, ReduceOp::kSum, c.stream);
   else
-    reduce_scatter(c.comm, c.rank, tmp, x.out, slice, 0, DType::kBF16, ReduceOp::kSum, c.stream);
+    reduce_scatter(c.comm, c.rank, product, x.out, slice, 0, DType::kBF16, ReduceOp::kSum, c.stream);
   return path;
 }
 

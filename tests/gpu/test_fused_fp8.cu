@@ -316,6 +316,8 @@ WEFT_GPU_TEST(scaled_matmul_reduce_matches_fp64_reference) {
       if (!ctx.quick) run_reduce_case(ctx, cs, m, all_reduce, Mode::kSequential, seed++);
     }
   run_reduce_case(ctx, {0, 136, 144, Fp8Scaling::kRowCol}, 3 * W + 1, true, Mode::kAuto, seed++);
+  // Past the all-reduce's 4 MiB (its push flow takes the shared workspace): the product must not sit there.
+  run_reduce_case(ctx, {0, 2048, 128, Fp8Scaling::kRowCol}, 1025, true, Mode::kAuto, seed++);
 }
 
 WEFT_GPU_TEST(scaled_matmul_reduce_refusals) {
