@@ -100,17 +100,17 @@ void run_moe(Context& ctx) {
   one.devices = {comm.local(0).device()};
   one.ranks_per_gpu = 1;
   std::unique_ptr<Communicator> single = Communicator::create_single_process(one);
-  Table t(
-      fmt("MoE layer (dispatch, grouped GEMM up, grouped GEMM down, combine) on %s, bf16",
-          ctx.team_label().c_str()),
-      {"tokens", "experts", "top-k", "hidden", "inter", "one GPU ms", "team ms", "ratio", "TFLOP/s (one GPU)",
-       "in the layer, ms (one GPU / team): dispatch", "up GEMM", "down GEMM", "combine"},
-      ctx.virtual_ranks() ? "ratio = team time / the same layer on a team of one (virtual ranks: the "
-                            "same work on one GPU, so the "
-                            "ratio is the expert-parallel overhead; goal <= 1.15). Per-rank CUDA graphs "
-                            "launched together, the "
-                            "slowest rank's median, in turn with the one-GPU layer's graph."
-                          : "ratio = team time / (one-GPU time / W).");
+  Table t(fmt("MoE layer (dispatch, grouped GEMM up, grouped GEMM down, combine) on %s, bf16",
+              ctx.team_label().c_str()),
+          {"tokens", "experts", "top-k", "hidden", "inter", "one GPU ms", "team ms", "ratio",
+           "TFLOP/s (one GPU)", "in the layer, ms (one GPU / team): dispatch", "up GEMM", "down GEMM",
+           "combine", "team dispatch ms, padding not zeroed"},
+          ctx.virtual_ranks() ? "ratio = team time / the same layer on a team of one (virtual ranks: the "
+                                "same work on one GPU, so the "
+                                "ratio is the expert-parallel overhead; goal <= 1.15). Per-rank CUDA graphs "
+                                "launched together, the "
+                                "slowest rank's median, in turn with the one-GPU layer's graph."
+                              : "ratio = team time / (one-GPU time / W).");
   struct Case {
     int64_t tokens;  // over the team
     int experts, top_k;
@@ -173,8 +173,15 @@ void run_moe(Context& ctx) {
     WEFT_CUDA_CHECK(cudaStreamSynchronize(team.streams[0]));
     // The layer in its four phases, with events between them in each rank's graph: the layer's time and where
     // it goes (a team phase includes waiting for the slowest rank at dispatch's and combine's meetings).
-    const std::vector<std::vector<double>> us =
-        time_phases_alternating(comm, team.streams, Layer::kAll, iters, {one_phase, team_phase});
+    // The team's layer for inference: the dispatch leaves its padding rows as they are
+    // (MoeShape::zero_padding; the graphs keep the shape they were captured with).
+    const auto inference_phase = [&](int phase) {
+      for (auto& l : layers) l->shape.zero_padding = false;
+      team_phase(phase);
+      for (auto& l : layers) l->shape.zero_padding = true;
+    };
+    const std::vector<std::vector<double>> us = time_phases_alternating(
+        comm, team.streams, Layer::kAll, iters, {one_phase, team_phase, inference_phase});
     const double one_ms = team.team_max(us[0][Layer::kAll]) / 1000.0,
                  team_ms = team.team_max(us[1][Layer::kAll]) / 1000.0;
     std::vector<std::string> phase_cells;
@@ -186,7 +193,8 @@ void run_moe(Context& ctx) {
     t.add({std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),
            std::to_string(c.hidden), std::to_string(c.inter), fmt("%.3f", one_ms), fmt("%.3f", team_ms),
            fmt("%.3f", team_ms / (one_ms * per)), fmt("%.1f", flops / (one_ms * 1e9)), phase_cells[0],
-           phase_cells[1], phase_cells[2], phase_cells[3]});
+           phase_cells[1], phase_cells[2], phase_cells[3],
+           fmt("%.3f", team.team_max(us[2][Layer::kDispatch]) / 1000.0)});
     ctx.progress("moe tokens=%lld E=%d k=%d: one GPU %.3f ms, team %.3f ms", (long long)c.tokens, c.experts,
                  c.top_k, one_ms, team_ms);
     if (!ctx.timeline_dir.empty())  // one layer call, in-kernel timestamps (TimelinePhase::kMoe: MoeStep)

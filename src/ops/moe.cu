@@ -44,6 +44,7 @@ constexpr int kMaxTopK = 16;  // MoeShape::top_k's limit
 struct Dims {
   int world, rank, experts, per_rank, top_k, align;
   int64_t tokens, max_tokens, hidden;
+  bool zero_padding;  // MoeShape::zero_padding
 };
 
 // Slots per expert, and the expert ids kept for combine; a dropped slot's row_of is -1 (place_slots writes
@@ -90,9 +91,9 @@ struct WalkLayout {
 
 // Block e (a global expert): its group's place on its rank from the counts table, this rank's rows in it
 // by token order (a block-wide scan over the slots), and, on the expert's own rank, the group's end and its
-// padding rows zeroed (the expert GEMMs run over whole groups: a padding row must be finite, as its
-// gradient meets it; no push writes there). With a walk: this rank's slots of expert e at their place in
-// it, and the padding rows marked and counted in their tiles.
+// padding rows zeroed unless Dims::zero_padding is off (the expert GEMMs run over whole groups: a padding
+// row must be finite where a gradient meets it; no push writes there). With a walk: this rank's slots of
+// expert e at their place in it, and the padding rows marked and counted in their tiles.
 __global__ void __launch_bounds__(256)
     place_slots(const int32_t* table, const int32_t* experts, Dims d, int32_t* row_of, int32_t* group_end,
                 uint4* rows, int32_t* row_source, WalkLayout walk, TimelineBuffer* tl) {
@@ -156,8 +157,9 @@ __global__ void __launch_bounds__(256)
   }
   __syncthreads();
   const int64_t row_vecs = d.hidden * 2 / 16;
-  for (int64_t i = pad_begin_s * row_vecs + threadIdx.x; i < pad_end_s * row_vecs; i += blockDim.x)
-    rows[i] = make_uint4(0, 0, 0, 0);
+  if (d.zero_padding)
+    for (int64_t i = pad_begin_s * row_vecs + threadIdx.x; i < pad_end_s * row_vecs; i += blockDim.x)
+      rows[i] = make_uint4(0, 0, 0, 0);
   for (int64_t r = pad_begin_s + threadIdx.x; r < pad_end_s; r += blockDim.x) {
     row_source[r] = -1;
     if (walk.row_state != nullptr) walk.row_state[r] = ops::kMoeRowPadding;
@@ -399,8 +401,9 @@ struct Sizes {
   int64_t capacity;
   size_t table_bytes, record_bytes, row_bytes, source_bytes, landed_bytes, counts_bytes, row_of_bytes;
   Sizes(int world, int rank, const MoeShape& s)
-      : d{world,    rank,         s.num_experts, world > 0 ? s.num_experts / world : 0, s.top_k, s.align,
-          s.tokens, s.max_tokens, s.hidden} {
+      : d{world,    rank,          s.num_experts, world > 0 ? s.num_experts / world : 0,
+          s.top_k,  s.align,       s.tokens,      s.max_tokens,
+          s.hidden, s.zero_padding} {
     capacity = moe_capacity(world, s);
     // the table, then this rank's group ends
     table_bytes = round256((size_t(world) * (s.num_experts + 1) + d.per_rank) * 4);

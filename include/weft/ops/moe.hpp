@@ -28,6 +28,11 @@ struct MoeShape {
   int num_experts = 0;     // a multiple of the world size
   int top_k = 0;           // 1..16
   int align = 128;         // each local expert's rows padded to a multiple of this (grouped GEMM tiles)
+  // Padding rows zeroed: a backward meets them (a weight's gradient rows^T . dY, dY zero there, must not
+  // meet NaN). false leaves them as they are for inference, where nothing reads their products (combine
+  // reads the slots' rows only): at decode sizes the padding is most of the rows (a few rows an expert
+  // against align 128), and zeroing it most of the dispatch's time.
+  bool zero_padding = true;
 };
 
 // What a dispatch leaves on this rank (device pointers). rows and group_end live in the communicator's
