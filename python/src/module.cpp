@@ -287,10 +287,12 @@ int hybrid(const std::string& method) {
                     method + "'");
 }
 
-// (tokens, max_tokens, hidden, num_experts, top_k, align)
+// (tokens, max_tokens, hidden, num_experts, top_k, align[, zero_padding])
 weft::MoeShape moe_shape(py::tuple s) {
-  return weft::MoeShape{s[0].cast<int64_t>(), s[1].cast<int64_t>(), s[2].cast<int64_t>(),
-                        s[3].cast<int>(),     s[4].cast<int>(),     s[5].cast<int>()};
+  weft::MoeShape m{s[0].cast<int64_t>(), s[1].cast<int64_t>(), s[2].cast<int64_t>(),
+                   s[3].cast<int>(),     s[4].cast<int>(),     s[5].cast<int>()};
+  if (s.size() > 6) m.zero_padding = s[6].cast<int>() != 0;
+  return m;
 }
 
 // A SymTensor view of p, in c's heap (kept alive by the view).

@@ -187,7 +187,9 @@ def main():
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
         ids = torch.randint(-1, num_experts, (tokens, top_k), device="cuda", generator=g, dtype=torch.int32)
         weights = torch.rand(tokens, top_k, device="cuda", generator=g)
-        d = weft.moe_dispatch(x, ids, num_experts, max_tokens=max_tokens)
+        # The last shape under torch.no_grad(): the dispatch leaves its padding rows as they are (inference).
+        with torch.set_grad_enabled(hidden != 512):
+            d = weft.moe_dispatch(x, ids, num_experts, max_tokens=max_tokens)
         y = weft.moe_combine_input(d)
         begin = 0
         for local, end in enumerate(d.group_end.tolist()):

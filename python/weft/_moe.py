@@ -149,8 +149,11 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None,
                              f"which in a team that one process drives ({c._c.local_ranks} ranks here) waits for "
                              "ranks not yet launched; run one process per rank (torchrun), or use exact=False")
     tokens, hidden = x.shape
+    # Under torch.no_grad() no backward can meet the padding rows (a weight's gradient rows^T . dY would): the
+    # dispatch leaves them as they are (MoeShape::zero_padding), at decode sizes most of its work.
+    zero_padding = int(_w._ops.torch.is_grad_enabled())
     shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts),
-             experts.shape[1], int(align))
+             experts.shape[1], int(align), zero_padding)
     ids = experts.to(_w._ops.torch.int32).contiguous()
     rows, ends, row_of, kept, counts = _w._ops.moe_dispatch(x.contiguous(), ids, shape, c, bool(exact))
     # (Exact counts cut rows; the pybind call is kept out of what torch.compile traces otherwise.)
@@ -180,7 +183,7 @@ def moe_combine(expert_out, dispatched, weights):
     where = "weft.moe_combine"
     if not isinstance(dispatched, MoeDispatch):
         raise WeftTypeError(f"{where}: pass what weft.moe_dispatch returned")
-    tokens, _, hidden, _, top_k, _ = dispatched._shape
+    tokens, _, hidden, _, top_k, _ = dispatched._shape[:6]
     if tuple(weights.shape) != (tokens, top_k):
         raise WeftValueError(f"{where}: weights must be [{tokens}, {top_k}], got {tuple(weights.shape)}")
     rows = dispatched.rows.shape[0]
@@ -206,7 +209,7 @@ def moe_grouped_mm_combine(a, b, dispatched, weights):
     if not (_torch_tensor(a) and _torch_tensor(b) and _torch_tensor(weights)):
         raise WeftTypeError(f"{where}: a, b and weights must be torch tensors")
     torch = _w._ops.torch
-    tokens, _, hidden, num_experts, top_k, align = dispatched._shape
+    tokens, _, hidden, num_experts, top_k, align = dispatched._shape[:6]
     local = num_experts // dispatched._comm.world_size
     rows = dispatched.rows.shape[0]
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
