@@ -78,6 +78,25 @@ def main():
             check(f"{m}x{k} {scaling} quantization within e4m3's rounding (excess)", (err - bound).clamp_min(0).max().item(),
                   0)
 
+    # The operator: torch.compile traces weft.scaled_mm without a graph break (its fake implementation), and the
+    # compiled call gives the eager call's bits; a CUDA graph replays it.
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16)
+    qx, sx = weft.quantize_fp8(x, "block", "a")
+    qw, sw = weft.quantize_fp8(w, "block", "b")
+    eager = weft.scaled_mm(qx, qw.t(), sx, sw)
+    compiled = torch.compile(lambda a, b, sa, sb: weft.scaled_mm(a, b, sa, sb), fullgraph=True)(qx, qw.t(), sx, sw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = weft.scaled_mm(qx, qw.t(), sx, sw)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, got in (("torch.compile", compiled), ("CUDA graph", replayed)):
+        same = torch.equal(got, eager)
+        print(f"  {'ok  ' if same else 'FAIL'} scaled_mm under {name}: {'the eager bits' if same else 'differs'}")
+        if not same:
+            failures.append(f"scaled_mm under {name}")
+
     # Refusals.
     qa = torch.zeros(64, 64, device="cuda", dtype=E4M3)
     s1 = torch.ones(1, device="cuda")

@@ -1,8 +1,9 @@
 """FP8 (torch tensors): on a team weft.all_gather_scaled_matmul, weft.scaled_matmul_reduce_scatter and
 weft.scaled_matmul_all_reduce; on one GPU weft.scaled_mm, weft's FP8 GEMM with torch._scaled_mm's operand layout
 (per-tensor and per-row / column scales as torch's; DeepSeek-V3's block scales row-major and contiguous,
-which is not torch's layout for them), and weft.quantize_fp8, which makes its operands. Eager (no autograd); queued on
-torch's current stream."""
+which is not torch's layout for them), and weft.quantize_fp8, which makes its operands. The matmuls are torch
+operators (torch.ops.weft.*, fake implementations: torch.compile traces them, CUDA graphs capture them), with no
+autograd; queued on torch's current stream."""
 from __future__ import annotations
 
 import weft as _w
@@ -84,11 +85,7 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
     if n % (8 if out_dtype == torch.bfloat16 else 4):
         raise WeftValueError(f"{where}: N = {n} must be a multiple of 8 (bf16 out) or 4 (float32 out)")
     kind = _scaling(torch, scale_a, scale_b, m, n, k, where)
-    out = a.new_empty((m, n), dtype=out_dtype)
-    stream = torch.cuda.current_stream(a.device).cuda_stream
-    _weft.gemm_fp8(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, ab, kind,
-                   scale_a.data_ptr(), scale_b.data_ptr(), "bf16" if out_dtype == torch.bfloat16 else "fp32", stream)
-    return out
+    return _w._ops.scaled_mm(a, b, scale_a, scale_b, ab, kind, out_dtype == torch.bfloat16)
 
 
 def quantize_fp8(x, scaling="block", operand="a", dtype=None):
@@ -156,7 +153,7 @@ def all_gather_scaled_matmul(a, b, scale_a, scale_b, comm=None):
     Scales float32, contiguous, as weft.quantize_fp8 makes them: per row (scale_a [M / world, 1], scale_b
     [1, N]) or per block (scale_a [M / world, ceil(K/128)], scale_b [ceil(N/128), ceil(K/128)]); a's scales are
     gathered with its rows. Per-tensor scales are refused (each rank's shard would bring its own). K a multiple
-    of 16, N of 8. Eager (no autograd); the fused kernel where it fits, else weft's all_gather then the FP8 GEMM.
+    of 16, N of 8. A torch operator (no autograd); the fused kernel where it fits, else all_gather then the FP8 GEMM.
     """
     where = "weft.all_gather_scaled_matmul"
     if not all(_torch_tensor(x) for x in (a, b, scale_a, scale_b)):
@@ -167,12 +164,7 @@ def all_gather_scaled_matmul(a, b, scale_a, scale_b, comm=None):
     if kind == "tensor":
         raise WeftValueError(f"{where}: per-tensor scales are refused: each rank's shard would bring its own; "
                              "quantize a per row (scaling='rowcol') or per block (scaling='block')")
-    m = rows * c.world_size
-    out = a.new_empty((m, n), dtype=torch.bfloat16)
-    stream = torch.cuda.current_stream(a.device).cuda_stream
-    _weft.all_gather_scaled_matmul(c._c, a.data_ptr(), scale_a.data_ptr(), b.data_ptr(), scale_b.data_ptr(),
-                                   out.data_ptr(), m, n, k, ab, kind, stream)
-    return out
+    return _w._ops.all_gather_scaled_matmul(a, b, scale_a, scale_b, ab, kind, c)
 
 
 def _scaled_reduce(a, b, scale_a, scale_b, comm, all_reduce, where):
@@ -184,21 +176,17 @@ def _scaled_reduce(a, b, scale_a, scale_b, comm, all_reduce, where):
     m, n, k, ab, kind = _fp8_team_operands(torch, c, a, b, scale_a, scale_b, where)
     if not all_reduce and m % c.world_size:
         raise WeftValueError(f"{where}: a has {m} rows, not divisible by the world size {c.world_size}")
-    out = a.new_empty((m if all_reduce else m // c.world_size, n), dtype=torch.bfloat16)
-    stream = torch.cuda.current_stream(a.device).cuda_stream
-    _weft.scaled_matmul_reduce(c._c, a.data_ptr(), scale_a.data_ptr(), b.data_ptr(), scale_b.data_ptr(),
-                               out.data_ptr(), m, n, k, ab, kind, all_reduce, stream)
-    return out
+    return _w._ops.scaled_matmul_reduce(a, b, scale_a, scale_b, ab, kind, all_reduce, c)
 
 
 def scaled_matmul_reduce_scatter(a, b, scale_a, scale_b, comm=None):
     """The [M, N] bf16 sum over ranks of each rank's (a @ b) scaled by its own scales; this rank gets rows
     rank * M / world .. (rank + 1) * M / world. a [M, K] and b [K, N] (the .t() view of a [N, K] weight) FP8,
-    scales as weft.scaled_mm takes them (per tensor, per row and column, or blocks). Eager (no autograd)."""
+    scales as weft.scaled_mm takes them (per tensor, per row and column, or blocks). A torch operator (no autograd)."""
     return _scaled_reduce(a, b, scale_a, scale_b, comm, False, "weft.scaled_matmul_reduce_scatter")
 
 
 def scaled_matmul_all_reduce(a, b, scale_a, scale_b, comm=None):
     """The [M, N] bf16 sum over ranks of each rank's (a @ b) scaled by its own scales, on every rank; any M.
-    Operands and scales as scaled_matmul_reduce_scatter's. Eager (no autograd)."""
+    Operands and scales as scaled_matmul_reduce_scatter's. A torch operator (no autograd)."""
     return _scaled_reduce(a, b, scale_a, scale_b, comm, True, "weft.scaled_matmul_all_reduce")

@@ -871,3 +871,70 @@ def flash_decode(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, 
     """Arguments checked by the caller (weft.flash_decode)."""
     return _flash_decode(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, max_local, causal, scale,
                          comm)
+
+
+# ---- FP8 (weft._fp8): operators with fake implementations, no autograd ---------------------------------------
+# Arguments checked by weft._fp8's functions; ab: the FP8 type's name ("e4m3" / "e5m2"), kind: the scaling's
+# ("tensor", "rowcol", "block"). b is the .t() view of a contiguous [N, K] weight (its data pointer is the
+# weight's).
+@torch.library.custom_op("weft::scaled_mm", mutates_args=())
+def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str, kind: str, out_bf16: bool) -> Tensor:
+    (m, k), n = a.shape, b.shape[1]
+    out = a.new_empty((m, n), dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    if EMULATE:
+        return out.zero_()
+    _weft.gemm_fp8(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, ab, kind, scale_a.data_ptr(),
+                   scale_b.data_ptr(), "bf16" if out_bf16 else "fp32", _stream(a))
+    return out
+
+
+@_scaled_mm.register_fake
+def _(a, b, scale_a, scale_b, ab, kind, out_bf16):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16 if out_bf16 else torch.float32)
+
+
+def scaled_mm(a, b, scale_a, scale_b, ab, kind, out_bf16):
+    return _scaled_mm(a, b, scale_a, scale_b, ab, kind, out_bf16)
+
+
+@torch.library.custom_op("weft::all_gather_scaled_matmul", mutates_args=())
+def _all_gather_scaled_matmul(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str, kind: str, world: int,
+                              comm: int) -> Tensor:
+    m, k, n = a.shape[0] * world, a.shape[1], b.shape[1]
+    out = a.new_empty((m, n), dtype=torch.bfloat16)
+    if EMULATE:
+        return out.zero_()
+    _weft.all_gather_scaled_matmul(_native(comm), a.data_ptr(), scale_a.data_ptr(), b.data_ptr(), scale_b.data_ptr(),
+                                   out.data_ptr(), m, n, k, ab, kind, _stream(a))
+    return out
+
+
+@_all_gather_scaled_matmul.register_fake
+def _(a, b, scale_a, scale_b, ab, kind, world, comm):
+    return a.new_empty((a.shape[0] * world, b.shape[1]), dtype=torch.bfloat16)
+
+
+def all_gather_scaled_matmul(a, b, scale_a, scale_b, ab, kind, comm):
+    return _all_gather_scaled_matmul(a, b, scale_a, scale_b, ab, kind, comm.world_size, comm._id)
+
+
+@torch.library.custom_op("weft::scaled_matmul_reduce", mutates_args=())
+def _scaled_matmul_reduce(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str, kind: str,
+                          all_reduce: bool, world: int, comm: int) -> Tensor:
+    (m, k), n = a.shape, b.shape[1]
+    out = a.new_empty((m if all_reduce else m // world, n), dtype=torch.bfloat16)
+    if EMULATE:
+        return out.zero_()
+    _weft.scaled_matmul_reduce(_native(comm), a.data_ptr(), scale_a.data_ptr(), b.data_ptr(), scale_b.data_ptr(),
+                               out.data_ptr(), m, n, k, ab, kind, all_reduce, _stream(a))
+    return out
+
+
+@_scaled_matmul_reduce.register_fake
+def _(a, b, scale_a, scale_b, ab, kind, all_reduce, world, comm):
+    rows = a.shape[0] if all_reduce else a.shape[0] // world
+    return a.new_empty((rows, b.shape[1]), dtype=torch.bfloat16)
+
+
+def scaled_matmul_reduce(a, b, scale_a, scale_b, ab, kind, all_reduce, comm):
+    return _scaled_matmul_reduce(a, b, scale_a, scale_b, ab, kind, all_reduce, comm.world_size, comm._id)
