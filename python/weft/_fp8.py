@@ -1,13 +1,12 @@
 """FP8 (torch tensors): on a team weft.all_gather_scaled_matmul, weft.scaled_matmul_reduce_scatter and
 weft.scaled_matmul_all_reduce; on one GPU weft.scaled_mm, weft's FP8 GEMM with torch._scaled_mm's operand layout
 (per-tensor and per-row / column scales as torch's; DeepSeek-V3's block scales row-major and contiguous,
-which is not torch's layout for them), and weft.quantize_fp8, which makes its operands. The matmuls are torch
+which is not torch's layout for them), and weft.quantize_fp8, which makes its operands. These are torch
 operators (torch.ops.weft.*, fake implementations: torch.compile traces them, CUDA graphs capture them), with no
 autograd; queued on torch's current stream."""
 from __future__ import annotations
 
 import weft as _w
-from . import _weft
 from ._args import _comm, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
 
@@ -117,12 +116,7 @@ def quantize_fp8(x, scaling="block", operand="a", dtype=None):
         shape = (rows, 1) if operand == "a" else (1, rows)
     else:
         shape = (rows, groups) if operand == "a" else (-(-rows // _BLOCK), groups)
-    q = torch.empty((rows, cols), dtype=dtype, device=x.device)
-    scales = torch.empty(shape, dtype=torch.float32, device=x.device)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    _weft.quantize_fp8(x.get_device(), x.data_ptr(), "bf16" if x.dtype == torch.bfloat16 else "fp16", q.data_ptr(),
-                       kind, scales.data_ptr(), rows, cols, scaling, operand, stream)
-    return q, scales
+    return _w._ops.quantize_fp8(x, kind, scaling, operand, shape)
 
 
 def _fp8_team_operands(torch, c, a, b, scale_a, scale_b, where):

@@ -938,3 +938,26 @@ def _(a, b, scale_a, scale_b, ab, kind, all_reduce, world, comm):
 
 def scaled_matmul_reduce(a, b, scale_a, scale_b, ab, kind, all_reduce, comm):
     return _scaled_matmul_reduce(a, b, scale_a, scale_b, ab, kind, all_reduce, comm.world_size, comm._id)
+
+
+@torch.library.custom_op("weft::quantize_fp8", mutates_args=())
+def _quantize_fp8(x: Tensor, fp8: str, scaling: str, operand: str, scale_shape: list[int]) -> tuple[Tensor, Tensor]:
+    rows, cols = x.shape
+    q = torch.empty((rows, cols), dtype=torch.float8_e5m2 if fp8 == "e5m2" else torch.float8_e4m3fn,
+                    device=x.device)
+    scales = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+    if EMULATE:
+        return q.zero_(), scales.fill_(1.0)
+    _weft.quantize_fp8(x.get_device(), x.data_ptr(), DTYPES[x.dtype], q.data_ptr(), fp8, scales.data_ptr(), rows,
+                       cols, scaling, operand, _stream(x))
+    return q, scales
+
+
+@_quantize_fp8.register_fake
+def _(x, fp8, scaling, operand, scale_shape):
+    dtype = torch.float8_e5m2 if fp8 == "e5m2" else torch.float8_e4m3fn
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32)
+
+
+def quantize_fp8(x, fp8, scaling, operand, scale_shape):
+    return _quantize_fp8(x, fp8, scaling, operand, list(scale_shape))
