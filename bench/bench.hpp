@@ -126,6 +126,9 @@ double measure_all_to_all_egress(Communicator& comm, uint64_t bytes_per_peer);
 std::string human_bytes(uint64_t b);
 // n bf16 values uniform in [-1, 1) from `seed` (bench/random.cu), queued on `stream`.
 void fill_uniform_bf16(void* p, uint64_t n, uint64_t seed, cudaStream_t stream);
+// ||x - y|| / ||y|| over n bf16 values on the device (bench/random.cu); -1 when y is all zeros. Synchronises
+// `stream`.
+double rel_err_bf16(const void* x, const void* y, uint64_t n, cudaStream_t stream);
 float median(std::vector<float> v);
 // One graph per local stream of what `enqueue` puts on the streams, captured together.
 std::vector<cudaGraphExec_t> capture_graphs(Communicator& comm, const std::vector<cudaStream_t>& streams,

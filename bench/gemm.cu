@@ -17,25 +17,6 @@
 namespace weft::bench {
 namespace {
 
-// sums[0] += (x - y)^2, sums[1] += y^2 for bf16 x (weft) and y (cuBLAS).
-__global__ void diff_kernel(const __nv_bfloat16* x, const __nv_bfloat16* y, uint64_t n, double* sums) {
-  double d = 0, r = 0;
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n;
-       i += uint64_t(gridDim.x) * blockDim.x) {
-    const double a = __bfloat162float(x[i]), b = __bfloat162float(y[i]);
-    d += (a - b) * (a - b);
-    r += b * b;
-  }
-  for (int o = 16; o > 0; o /= 2) {
-    d += __shfl_down_sync(0xffffffffu, d, o);
-    r += __shfl_down_sync(0xffffffffu, r, o);
-  }
-  if (threadIdx.x % 32 == 0) {
-    atomicAdd(&sums[0], d);
-    atomicAdd(&sums[1], r);
-  }
-}
-
 struct DevMem {
   void* p = nullptr;
   explicit DevMem(size_t bytes) { WEFT_CUDA_CHECK(cudaMalloc(&p, bytes)); }
@@ -119,15 +100,7 @@ class GemmBench {
     if (check) {  // same inputs for both, then compare the bf16 outputs
       weft_op(0);
       blas_op(0);
-      DevMem sums(2 * sizeof(double));
-      WEFT_CUDA_CHECK(cudaMemsetAsync(sums.p, 0, 2 * sizeof(double), stream_));
-      diff_kernel<<<1024, 256, 0, stream_>>>(static_cast<const __nv_bfloat16*>(c_weft.p),
-                                             static_cast<const __nv_bfloat16*>(c_blas.p), c_elems,
-                                             static_cast<double*>(sums.p));
-      double h[2];
-      WEFT_CUDA_CHECK(cudaMemcpyAsync(h, sums.p, sizeof(h), cudaMemcpyDeviceToHost, stream_));
-      WEFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      r.rel_err = h[1] > 0 ? std::sqrt(h[0] / h[1]) : -1;
+      r.rel_err = rel_err_bf16(c_weft.p, c_blas.p, c_elems, stream_);
     }
     return r;
   }

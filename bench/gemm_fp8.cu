@@ -34,19 +34,6 @@ __global__ void fill_value(float* p, uint64_t n, float v) {
        i += uint64_t(gridDim.x) * blockDim.x)
     p[i] = v;
 }
-// sums[0] += (x - y)^2, sums[1] += y^2 (bf16).
-__global__ void diff_bf16(const __nv_bfloat16* x, const __nv_bfloat16* y, uint64_t n, double* sums) {
-  double d = 0, r = 0;
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n;
-       i += uint64_t(gridDim.x) * blockDim.x) {
-    const double a = __bfloat162float(x[i]), b = __bfloat162float(y[i]);
-    d += (a - b) * (a - b);
-    r += b * b;
-  }
-  atomicAdd(&sums[0], d);
-  atomicAdd(&sums[1], r);
-}
-
 template <class T>
 T* as(const DeviceBuffer& b) {
   return static_cast<T*>(b.p);
@@ -169,14 +156,7 @@ Row run_shape(const Shape& s, bool quick, cudaStream_t stream, void* workspace, 
   Row r{ms[0], ms[1], ms[2]};
   weft_tensor(0);
   cublaslt(0);
-  DeviceBuffer sums(2 * sizeof(double));
-  WEFT_CUDA_CHECK(cudaMemsetAsync(sums.p, 0, 2 * sizeof(double), stream));
-  diff_bf16<<<512, 256, 0, stream>>>(as<__nv_bfloat16>(c_weft), as<__nv_bfloat16>(c_lt), uint64_t(s.m) * s.n,
-                                     as<double>(sums));
-  double h[2];
-  WEFT_CUDA_CHECK(cudaMemcpyAsync(h, sums.p, sizeof(h), cudaMemcpyDeviceToHost, stream));
-  WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-  r.rel_err = h[1] > 0 ? std::sqrt(h[0] / h[1]) : -1;
+  r.rel_err = rel_err_bf16(c_weft.p, c_lt.p, uint64_t(s.m) * s.n, stream);
   return r;
 }
 
