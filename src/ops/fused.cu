@@ -802,7 +802,7 @@ struct Fp8MmArgs {
 template <Fp8Scaling kScaling, bool kE5M2>
 void launch_ag_fp8(Call& c, const Fp8MmArgs& x, char* gathered, float* scales, const Choice& plan,
                    const FusedOptions& o) {
-  using Op = ops::AllGatherA<ops::Fp8GemmOp<__nv_bfloat16, kScaling, kE5M2>>;
+  using Op = ops::AllGatherA<ops::Fp8GemmOp<__nv_bfloat16, kScaling, kE5M2, /*kScalesFromPeers=*/true>>;
   using Mainloop = typename Op::Mainloop;
   constexpr CUtensorMapDataType kU8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   typename Op::Params p{};
@@ -867,7 +867,7 @@ FusedPath run_all_gather_scaled_matmul(Call& c, const Fp8MmArgs& x, const FusedO
   Choice plan;
   ag_chunks(W, rows, plan.chunk_rows, plan.chunks);
   plan.comm_blocks = ag_comm_blocks(c.rank, o);
-  using AnyOp = ops::AllGatherA<ops::Fp8GemmOp<__nv_bfloat16, Fp8Scaling::kBlock, false>>;  // same grid
+  using AnyOp = ops::AllGatherA<ops::Fp8GemmOp<__nv_bfloat16, Fp8Scaling::kBlock, false, true>>;  // same grid
   const bool fits = W * plan.chunks <= ops::kFusedChunkFlags;
   plan.why_not_fused = fits ? c.why_not_in_budget<AnyOp>(plan.comm_blocks) : "more A chunks than flags";
   plan.path = c.path(o, x.m, plan.why_not_fused, FusedPath::kFused);

@@ -15,7 +15,8 @@
 //             this rank's rows right after its own) and set that rank's flag of the chunk to the epoch;
 //             the copy into this rank's own gathered A comes last (only tiles straddling two shards, and
 //             the caller's gathered A, read it). The loader's wait_inputs waits for the flags of every
-//             chunk a tile's rows touch.
+//             chunk a tile's rows touch; where rows carry scales, which the consumers read themselves, one
+//             thread of each consumer warpgroup waits for them too.
 //   RsGemmOp  GEMM + reduce-scatter, intra-SM overlap (ReduceScatterC on the bf16 GEMM; on the FP8 GEMM,
 //             scaled_matmul_reduce_scatter / all_reduce). The storer TMA-stores each 64-row half tile (bf16)
 //             into the staging slot of this rank in the workspace of the rank owning those rows (one tensor
@@ -118,6 +119,21 @@ struct AllGatherA : Gemm {
   }
   __device__ static void wait_inputs(const Params& p, const lcsc::Tile& t) {
     if (local_row(p, t) >= 0) return;  // the shard itself: ready before the kernel started
+    wait_rows(p, t);
+    acquire_for_tma();  // peers' generic stores before our TMA loads
+  }
+  // Rows' scales: the GEMM's consumers read them before their first pipeline wait (the loads overlap it), so
+  // they cannot rely on the loader's wait: one thread of the warpgroup waits for the same chunks first.
+  __device__ static void compute(const Params& p, typename Base::Smem& s, typename Base::Pipeline& pipe,
+                                 lcsc::PipeState& st, const lcsc::Tile& t, int wg, typename Base::Accum& acc) {
+    if (p.scale_cols > 0 && local_row(p, t) < 0) {
+      if (tile::thread_in_warpgroup() == 0) wait_rows(p, t);
+      tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
+    }
+    Base::compute(p, s, pipe, st, t, wg, acc);
+  }
+  // Waits (acquiring) for the flag of every (source, chunk) the rows of tile t touch.
+  __device__ static void wait_rows(const Params& p, const lcsc::Tile& t) {
     const uint64_t e = p.sync.epoch();
     const int64_t m_end = p.shard_rows * p.sync.team.world;
     const int64_t r0 = int64_t(t.m) * Base::kBM, r1 = min(r0 + Base::kBM, m_end) - 1;
@@ -128,7 +144,6 @@ struct AllGatherA : Gemm {
       (void)wait_ge(p.sync.team, flag(p, src, j), e);
       r = src * p.shard_rows + min(int64_t(j + 1) * p.chunk_rows, p.shard_rows);
     }
-    acquire_for_tma();  // peers' generic stores before our TMA loads
   }
   __device__ static void finish(const Params& p, typename Base::Smem& s, int wg,
                                 typename Base::StoreState& es) {

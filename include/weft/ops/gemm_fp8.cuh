@@ -9,6 +9,8 @@
 //            [N / 128, K / 128] (both rounded up); each k-block's product is promoted times sa sb.
 // Tile 128 x 128 x 128: two consumer warpgroups of 64 x 128 (m64n128k32 wgmma), each holding its fp32
 // accumulator and the k-block's product (64 + 64 registers), so a tile's column block is one B scale block.
+// kScalesFromPeers: A's scales are written by peers while the kernel runs (all_gather_scaled_matmul, after its
+// consumers' wait for them): read through L2 (ld.global.cg), never the non-coherent read-only path.
 #pragma once
 #include <cuda.h>
 
@@ -20,7 +22,7 @@
 
 namespace weft::ops {
 
-template <class OutT, Fp8Scaling kScaling, bool kE5M2 = false>
+template <class OutT, Fp8Scaling kScaling, bool kE5M2 = false, bool kScalesFromPeers = false>
 struct Fp8GemmOp {
   static constexpr int kBM = 128, kBN = 128, kStages = 6;
   static constexpr int kConsumerWarpgroups = kBM / 64;
@@ -73,7 +75,7 @@ struct Fp8GemmOp {
       const bool in = row < p.m, in8 = row8 < p.m;
       Mainloop::template mma<kE5M2>(s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb) {
         const float b = __ldg(sb + kb);
-        return make_float2(in ? __ldg(sa + kb) * b : 0.f, in8 ? __ldg(sa8 + kb) * b : 0.f);
+        return make_float2(in ? scale_a_at(sa + kb) * b : 0.f, in8 ? scale_a_at(sa8 + kb) * b : 0.f);
       });
     } else {
       Mainloop::template mma<kE5M2>(s.main, pipe, st, p.k_blocks, wg, acc,
@@ -88,16 +90,20 @@ struct Fp8GemmOp {
   __device__ static void finish(const Params&, Smem&, int, StoreState& es) { Epilogue::finish(es); }
 
  private:
+  __device__ static float scale_a_at(const float* s) {
+    if constexpr (kScalesFromPeers) return __ldcg(s);
+    return __ldg(s);
+  }
   // kTensor / kRowCol: the accumulator times sa sb (a row past M or a column past N reads no scale; TMA's
   // store clips them).
   __device__ static void scale_after(const Params& p, const lcsc::Tile& t, int row, int row8, Accum& acc) {
     if constexpr (kScaling == Fp8Scaling::kTensor) {
-      const float f = __ldg(p.scale_a) * __ldg(p.scale_b);
+      const float f = scale_a_at(p.scale_a) * __ldg(p.scale_b);
 #pragma unroll
       for (int i = 0; i < Accum::kRegs; ++i) acc.d[i] *= f;
     } else {
-      const float a = row < p.m ? __ldg(p.scale_a + row) : 0.f,
-                  a8 = row8 < p.m ? __ldg(p.scale_a + row8) : 0.f;
+      const float a = row < p.m ? scale_a_at(p.scale_a + row) : 0.f,
+                  a8 = row8 < p.m ? scale_a_at(p.scale_a + row8) : 0.f;
       const int col0 = t.n * kBN;
 #pragma unroll
       for (int i = 0; i < Accum::kRegs; ++i) {
