@@ -47,6 +47,8 @@ _ops = None
 _torch = None
 # init() calls so far in this process (_secret_key: the n-th call of each rank reads the n-th secret).
 _inits = 0
+# Whether weft's torch.distributed backend ("weft", weft._torch_backend) is registered (by _torch_api).
+_torch_backend_registered = False
 
 # ---- the areas ---------------------------------------------------------------------------------------------
 from ._errors import WeftError, WeftTypeError, WeftValueError

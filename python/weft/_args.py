@@ -53,6 +53,8 @@ def _torch_api():
         _w._torch = _T
         from . import _torch_ops
         _w._ops = _torch_ops
+        from . import _torch_backend  # dist.init_process_group("weft")
+        _torch_backend.register()
     return _w._torch
 
 

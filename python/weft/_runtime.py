@@ -28,14 +28,20 @@ def init(timeout_ms: int = 0) -> "Communicator":
     through torch's store. The returned communicator's `job_secret_from` says which (None: no secret, the
     user check alone). It also becomes the default communicator of the module-level ops.
     """
-    t = _torch_api()
+    store = None
+    if not os.environ.get("WEFT_JOB_SECRET") and _torch_api() is not None:
+        store = _launcher_store(sys.modules["torch"])
+    return _join_team(timeout_ms, store, int(os.environ.get("RANK", "0")))
+
+
+def _join_team(timeout_ms, store, rank):
+    """init()'s rendezvous, the secret (where WEFT_JOB_SECRET is not set) drawn by rank 0 into `store` (a torch
+    key-value store every rank reads; None: no secret); also the torch backend's first group's (its store)."""
     secret, source = "", None
     if os.environ.get("WEFT_JOB_SECRET"):
         source = "WEFT_JOB_SECRET"
-    else:
-        store = _launcher_store(sys.modules["torch"]) if t is not None else None
-        if store is not None:
-            secret, source = _shared_secret(store, int(os.environ.get("RANK", "0")), _secret_key()), "torch store"
+    elif store is not None:
+        secret, source = _shared_secret(store, rank, _secret_key()), "torch store"
     comm = Communicator(_weft.Comm.from_env(timeout_ms, secret))
     comm.job_secret_from = source
     _w._default = comm

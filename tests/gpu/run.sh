@@ -101,6 +101,11 @@ if python3 -c "import torch" 2>/dev/null; then
       [ "$n" -eq 1 ] && [ "$ngpu" -ge 2 ] && continue
       step "python (torchrun), $n processes" "python_$n" env PYTHONPATH="$build/python" \
         python3 -m torch.distributed.run --nproc_per_node="$n" "$root/python/tests/gpu_ops.py"
+      # weft as torch.distributed's backend (init_process_group("weft")): collectives, DDP, FSDP2, a mesh,
+      # against an NCCL group of the same ranks.
+      [ "$n" -ge 2 ] && step "python: the torch.distributed backend 'weft' (torchrun), $n processes" \
+        "python_backend_$n" env PYTHONPATH="$build/python" \
+        python3 -m torch.distributed.run --nproc_per_node="$n" "$root/python/tests/gpu_backend.py"
       # Training through weft's ops against torch.distributed's differentiable collectives and fp32.
       [ "$n" -ge 2 ] && step "python: examples/tp_mlp.py trains (torchrun), $n processes" "python_tp_mlp_$n" \
         env PYTHONPATH="$build/python" python3 -m torch.distributed.run --nproc_per_node="$n" \

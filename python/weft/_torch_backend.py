@@ -1,0 +1,322 @@
+"""weft as a torch.distributed backend: `dist.init_process_group("weft")` (registered once weft and torch are both
+imported) runs torch.distributed's collectives, and what is built on them (DDP, FSDP2, DeviceMesh, DTensor's
+functional collectives), on weft's kernels, unchanged.
+
+    import torch, torch.distributed as dist, weft
+    dist.init_process_group("weft")                   # under torchrun, weft-launch or mpirun: one GPU per process
+    mesh = init_device_mesh("cuda", (2, 2))           # each dimension a weft sub-team
+
+What runs on weft: all_reduce (sum, avg, max, min), all_gather / all_gather_into_tensor, reduce_scatter /
+reduce_scatter_tensor, all_to_all_single (equal or given splits) and all_to_all, broadcast, reduce, gather, scatter,
+barrier. Reductions take bf16, fp16 and fp32; the copying collectives any dtype (moved as bytes). Each call is queued
+on the caller's current CUDA stream; its Work makes the waiting stream wait for it (as NCCL's does) and
+barrier() waits on the host. Refused with the reason, never run elsewhere: point-to-point send / recv, other
+reduction ops (product, bitwise, premultiplied sums), CPU tensors, non-contiguous tensors, groups whose ranks are
+not a weft sub-team (evenly spaced ranks tiling the team, as a DeviceMesh dimension's are; every rank creates its
+dimension's group in the same order, as DeviceMesh does).
+
+The team: the default group's creation joins weft's team (weft.init(), the job secret through the group's store)
+unless weft.init() ran first; its ranks must be torch's global ranks. A group created later is the sub-team of
+that team its global ranks span.
+"""
+from __future__ import annotations
+
+import math
+
+# Imported once torch is (weft._args._torch_api): weft never imports torch first.
+import torch
+import torch.distributed as dist
+
+import weft as _w
+from ._errors import WeftError, WeftValueError
+
+BACKEND = "weft"
+
+
+def register():
+    """Registers the backend with torch.distributed (once; where torch.distributed is available)."""
+    if not dist.is_available() or _w._torch_backend_registered:
+        return
+    if BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cuda"])
+    _w._torch_backend_registered = True
+
+
+def _create(opts, backend_options=None):
+    """torch's creator of the backend's process group (extended API: opts carries the store, the group's rank,
+    size and global ranks)."""
+    ranks = list(getattr(opts, "global_ranks_in_group", []) or range(opts.group_size))
+    if _w._default is None:
+        if len(ranks) != opts.group_size or ranks != list(range(opts.group_size)):
+            raise WeftError("weft: the backend's first group must be the default group (every rank): call "
+                            "dist.init_process_group('weft') or weft.init() first")
+        from ._runtime import _join_team
+        _join_team(0, opts.store, opts.group_rank)
+    team = _w._default
+    torch.cuda.set_device(team.device)
+    if len(ranks) == team.world_size and ranks == list(range(team.world_size)):
+        group = team
+        if opts.group_rank != team.rank:
+            raise WeftError(f"weft: torch's rank {opts.group_rank} is weft's rank {team.rank}: the launcher's "
+                            "environment (RANK, WORLD_SIZE) and init_process_group's arguments disagree")
+    else:
+        from ._runtime import _subteam_shape
+        group = team.subteam(*_subteam_shape(ranks, team.world_size, team.rank))
+    return ProcessGroupWeft(group, opts.group_rank, opts.group_size)
+
+
+_REDUCIBLE = (torch.bfloat16, torch.float16, torch.float32)
+
+if dist.is_available():  # the classes' bases live in torch.distributed
+    _REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
+                   dist.ReduceOp.MIN: "min"}  # torch's -> weft's (avg: the sum, divided)
+
+    class Work(dist._Work):
+        """A call queued on a stream: wait() makes the caller's current stream wait for it (barrier: the host)."""
+
+        def __init__(self, result, host_wait=False):
+            super().__init__()
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._host_wait = host_wait
+            self._future = torch.futures.Future()
+            self._future.set_result(result)
+
+        def wait(self, timeout=None):
+            if self._host_wait:
+                self._event.synchronize()
+            else:
+                torch.cuda.current_stream().wait_event(self._event)
+            return True
+
+        def is_completed(self):
+            return self._event.query()
+
+        def is_success(self):
+            return True
+
+        def get_future(self):
+            return self._future
+
+    class ProcessGroupWeft(dist.ProcessGroup):
+        """A torch process group on a weft team or sub-team (comm)."""
+
+        def __init__(self, comm, rank, size):
+            super().__init__(rank, size)
+            self.comm = comm
+
+        def getBackendName(self):
+            return BACKEND
+
+        def __repr__(self):
+            return f"ProcessGroupWeft(rank {self.comm.rank} of {self.comm.world_size})"
+
+        # ---- checks -----------------------------------------------------------------------------------
+        def _tensor(self, t, what):
+            if not t.is_cuda or t.get_device() != self.comm.device:
+                raise WeftValueError(f"weft backend: {what}: the tensor is on {t.device}, this rank's GPU is "
+                                     f"cuda:{self.comm.device} (CPU tensors: a gloo group, "
+                                     "dist.new_group(backend='gloo'))")
+            if not t.is_contiguous():
+                raise WeftValueError(f"weft backend: {what}: the tensor is not contiguous")
+            return t
+
+        def _op(self, reduce_op, t, what):
+            for k, name in _REDUCE_OPS.items():
+                if reduce_op == k:
+                    break
+            else:
+                raise WeftValueError(f"weft backend: {what}: reduction {reduce_op} is not supported (sum, avg, "
+                                     "max, min)")
+            if t.dtype not in _REDUCIBLE:
+                raise WeftValueError(f"weft backend: {what}: reductions take bf16, fp16 or fp32, got {t.dtype}")
+            return name
+
+        def _words(self, t, what):
+            """t flat, as weft moves it: itself in bf16 / fp16 / fp32, else its bytes as 2-byte words."""
+            flat = self._tensor(t, what).reshape(-1)
+            if flat.dtype in _REDUCIBLE:
+                return flat
+            nbytes = flat.numel() * flat.element_size()
+            if nbytes % 2:
+                raise WeftValueError(f"weft backend: {what}: {flat.dtype} tensor of {nbytes} bytes: the copying "
+                                     "collectives move 2-byte words (an even byte count)")
+            return flat.view(torch.uint8).view(torch.float16)
+
+        def _reduced(self, name, x, out):
+            """out = the reduction of x over the group (name "avg": the sum divided by the group's size)."""
+            _w.all_reduce(x, "sum" if name == "avg" else name, out=out, comm=self.comm)
+            if name == "avg":
+                out.div_(self.comm.world_size)
+
+        # ---- collectives --------------------------------------------------------------------------------
+        def allreduce(self, tensors, opts=None):
+            for t in tensors:
+                name = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t, "all_reduce")
+                self._reduced(name, self._tensor(t, "all_reduce").view(-1), t.view(-1))
+            return Work(tensors)
+
+        def allreduce_coalesced(self, tensors, opts=None):
+            return self.allreduce(tensors, opts)
+
+        def all_gather_single(self, output, input, opts=None):
+            x = self._words(input, "all_gather_into_tensor")
+            out = self._words(output, "all_gather_into_tensor")
+            if out.numel() != x.numel() * self.comm.world_size:
+                raise WeftValueError(f"weft backend: all_gather_into_tensor: output has {output.numel()} elements, "
+                                     f"expected {input.numel()} x {self.comm.world_size}")
+            _w.all_gather(x, out=out, comm=self.comm)
+            return Work(output)
+
+        _allgather_base = all_gather_single
+
+        def allgather(self, output_tensors, input_tensors, opts=None):
+            for outs, x in zip(output_tensors, input_tensors):
+                flat = torch.empty(x.numel() * self.comm.world_size, dtype=x.dtype, device=x.device)
+                self.all_gather_single(flat, x)
+                for q, o in enumerate(outs):
+                    o.copy_(flat[q * x.numel():(q + 1) * x.numel()].view(o.shape))
+            return Work(output_tensors)
+
+        def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+            for o, x in zip(outputs, inputs):
+                self.all_gather_single(o, x)
+            return Work(outputs)
+
+        all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+        def reduce_scatter_single(self, output, input, opts=None):
+            name = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, input, "reduce_scatter_tensor")
+            x = self._tensor(input, "reduce_scatter_tensor").view(-1)
+            out = self._tensor(output, "reduce_scatter_tensor").view(-1)
+            if x.numel() != out.numel() * self.comm.world_size:
+                raise WeftValueError(f"weft backend: reduce_scatter_tensor: input has {input.numel()} elements, "
+                                     f"expected {output.numel()} x {self.comm.world_size}")
+            _w.reduce_scatter(x, op="sum" if name == "avg" else name, out=out, comm=self.comm)
+            if name == "avg":
+                out.div_(self.comm.world_size)
+            return Work(output)
+
+        _reduce_scatter_base = reduce_scatter_single
+
+        def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+            for out, xs in zip(output_tensors, input_tensors):
+                self.reduce_scatter_single(out, torch.cat([x.reshape(-1) for x in xs]), opts)
+            return Work(output_tensors)
+
+        def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+            for o, x in zip(outputs, inputs):
+                self.reduce_scatter_single(o, x, opts)
+            return Work(outputs)
+
+        reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+        def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+            w = self.comm.world_size
+            self._tensor(input, "all_to_all_single")
+            self._tensor(output, "all_to_all_single")
+            if not output_split_sizes and not input_split_sizes:
+                x, out = self._words(input, "all_to_all_single"), self._words(output, "all_to_all_single")
+                if x.numel() != out.numel() or x.numel() % w:
+                    raise WeftValueError(f"weft backend: all_to_all_single: input and output of {input.numel()} and "
+                                         f"{output.numel()} elements: equal splits need one size, divisible by {w}")
+                _w.all_to_all(x, out=out, comm=self.comm)
+                return Work(output)
+            rows_in, rows_out = input.shape[0] if input.dim() else 0, output.shape[0] if output.dim() else 0
+            send = list(input_split_sizes) or [rows_in // w] * w
+            recv = list(output_split_sizes) or [rows_out // w] * w
+            if len(send) != w or len(recv) != w or sum(send) != rows_in or sum(recv) != rows_out:
+                raise WeftValueError(f"weft backend: all_to_all_single: splits {send} / {recv} do not cut {rows_in} "
+                                     f"/ {rows_out} rows into {w} parts")
+            # Rows as 2-byte words (any dtype); all_to_all_v's out rows are one number on every rank: the
+            # largest output over the group (a host read), through a bigger buffer where this rank's is smaller.
+            if input.shape[1:] != output.shape[1:] or input.dtype != output.dtype:
+                raise WeftValueError("weft backend: all_to_all_single: input and output rows differ in shape or dtype")
+            words = self._words(input, "all_to_all_single")
+            row_bytes = math.prod(input.shape[1:]) * input.element_size()
+            if row_bytes % words.element_size():
+                raise WeftValueError("weft backend: all_to_all_single: rows of an odd byte count (the copying "
+                                     "collectives move 2-byte words)")
+            row = row_bytes // words.element_size()  # words a row
+            x = words.view(rows_in, row)
+            bound = self._max_over_group(rows_out)
+            counts = torch.tensor(send, dtype=torch.int64, device=input.device)
+            if bound == rows_out:
+                out = self._words(output, "all_to_all_single").view(rows_out, row)
+                _w.all_to_all_v(x, counts, bound, out=out, comm=self.comm)
+            else:
+                out, _ = _w.all_to_all_v(x, counts, bound, comm=self.comm)
+                self._words(output, "all_to_all_single").view(rows_out, row).copy_(out[:rows_out])
+            return Work(output)
+
+        alltoall_base = all_to_all_single
+
+        def alltoall(self, output_tensors, input_tensors, opts=None):
+            x = torch.cat([t.reshape(-1) for t in input_tensors])
+            out = torch.empty(sum(t.numel() for t in output_tensors), dtype=x.dtype, device=x.device)
+            self.all_to_all_single(out.view(-1, 1), x.view(-1, 1), [t.numel() for t in output_tensors],
+                                   [t.numel() for t in input_tensors])
+            first = 0
+            for t in output_tensors:
+                t.copy_(out[first:first + t.numel()].view(t.shape))
+                first += t.numel()
+            return Work(output_tensors)
+
+        def _max_over_group(self, value):
+            """The largest value over the group's ranks (a host read: all_to_all_v's out rows are one size)."""
+            t = torch.tensor([float(value)], device=torch.device("cuda", self.comm.device))
+            _w.all_reduce(t, "max", out=t, comm=self.comm)
+            return int(t.item())
+
+        def broadcast(self, tensors, opts=None):
+            root = opts.rootRank if opts is not None else 0
+            for t in tensors:
+                x = self._words(t, "broadcast")
+                _w.broadcast(x, root=root, out=x, comm=self.comm)
+            return Work(tensors)
+
+        def reduce(self, tensors, opts=None):
+            root = opts.rootRank if opts is not None else 0
+            for t in tensors:
+                name = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t, "reduce")
+                x = self._tensor(t, "reduce").view(-1)
+                if name == "avg":
+                    raise WeftValueError("weft backend: reduce: avg is not supported (sum, max, min)")
+                got = _w.reduce(x, root=root, op=name, comm=self.comm)
+                if got is not None:
+                    x.copy_(got)
+            return Work(tensors)
+
+        def gather(self, output_tensors, input_tensors, opts=None):
+            root = opts.rootRank if opts is not None else 0
+            x = self._words(input_tensors[0], "gather")
+            got = _w.gather(x, root=root, comm=self.comm)
+            if got is not None:
+                for q, o in enumerate(output_tensors[0]):
+                    self._words(o, "gather").copy_(got[q * x.numel():(q + 1) * x.numel()])
+            return Work(output_tensors)
+
+        def scatter(self, output_tensors, input_tensors, opts=None):
+            root = opts.rootRank if opts is not None else 0
+            out = self._words(output_tensors[0], "scatter")
+            if self.comm.rank == root:
+                x = torch.cat([self._words(t, "scatter") for t in input_tensors[0]])
+            else:  # only the root's data is read; the others pass the shape
+                x = torch.empty(out.numel() * self.comm.world_size, dtype=out.dtype, device=out.device)
+            _w.scatter(x, root=root, out=out, comm=self.comm)
+            return Work(output_tensors)
+
+        def barrier(self, opts=None):
+            t = torch.zeros(1, device=torch.device("cuda", self.comm.device))
+            _w.all_reduce(t, "sum", out=t, comm=self.comm)
+            return Work([t], host_wait=True)
+
+        def send(self, tensors, dst, tag=0):
+            raise WeftError("weft backend: point-to-point send / recv is not supported: make an NCCL group for it "
+                            "(dist.new_group(backend='nccl'))")
+
+        def recv(self, tensors, src, tag=0):
+            return self.send(tensors, src, tag)
+
+        def recv_anysource(self, tensors, tag=0):
+            return self.send(tensors, -1, tag)
