@@ -1,5 +1,6 @@
 // weft-launch: starts one process per GPU on this node, the way torchrun would, with no Python needed.
 //   weft-launch -n 4 ./my_program args...
+//   weft-launch -n 8 --nnodes 2 --node-rank 0 --master node0:29500 ./my_program   (on each node, its rank)
 // Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, a job-unique WEFT_JOB_ID and the job's
 // WEFT_JOB_SECRET (random, or the one the caller set; see weft::LaunchEnv::secret). When a child
 // fails, the others are expected to notice within seconds (weft's runtime does); any still running after a
@@ -28,8 +29,11 @@ void on_signal(int sig) {
 
 int usage() {
   std::fprintf(stderr,
-               "usage: weft-launch -n NPROC [--grace SECONDS] [--] PROGRAM [ARGS...]\n"
-               "Starts NPROC copies of PROGRAM, one rank each, on this node.\n");
+               "usage: weft-launch -n NPROC [--nnodes N --node-rank I --master HOST:PORT] [--grace SECONDS]\n"
+               "                   [--] PROGRAM [ARGS...]\n"
+               "Starts NPROC copies of PROGRAM, one rank each, on this node. A job of N nodes runs one\n"
+               "launcher per node, each with its --node-rank (ranks I x NPROC ..), the same --master (an\n"
+               "address of node 0 every node reaches) and the same WEFT_JOB_SECRET in the environment.\n");
   return 2;
 }
 // The job's secret (weft::LaunchEnv::secret): 128 random bits unless the caller chose one. Only processes
@@ -51,9 +55,17 @@ std::string job_secret() {
   return secret;
 }
 
-// Starts rank r = 0 .. nproc - 1 of program argv[0] (each leading its own process group); empty if a fork
-// failed.
-std::vector<pid_t> start_ranks(int nproc, char** argv, const std::string& job, const std::string& secret) {
+// This launcher's place in a job of several nodes (one launcher per node).
+struct Nodes {
+  int count = 1, index = 0;
+  std::string master_host;  // --master HOST:PORT: the nodes' meeting address (node 0's), empty: none given
+  int master_port = 0;
+};
+
+// Starts local rank r = 0 .. nproc - 1 of program argv[0] (each leading its own process group); empty if a
+// fork failed.
+std::vector<pid_t> start_ranks(int nproc, const Nodes& nodes, char** argv, const std::string& job,
+                               const std::string& secret) {
   std::vector<pid_t> kids;
   for (int r = 0; r < nproc; ++r) {
     pid_t pid = ::fork();
@@ -65,10 +77,15 @@ std::vector<pid_t> start_ranks(int nproc, char** argv, const std::string& job, c
     }
     if (pid == 0) {
       ::setpgid(0, 0);  // each rank leads its own process group: the launcher can stop what it starts
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("RANK", std::to_string(nodes.index * nproc + r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(nodes.count * nproc).c_str(), 1);
       ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      if (!nodes.master_host.empty()) {
+        ::setenv("MASTER_ADDR", nodes.master_host.c_str(), 1);
+        ::setenv("MASTER_PORT", std::to_string(nodes.master_port).c_str(), 1);
+        ::setenv("WEFT_RENDEZVOUS_PORT", std::to_string(nodes.master_port).c_str(), 1);
+      }
       ::setenv("WEFT_JOB_ID", job.c_str(), 1);
       ::setenv("WEFT_JOB_SECRET", secret.c_str(), 1);
       ::execvp(argv[0], argv);
@@ -142,15 +159,31 @@ int wait_ranks(std::vector<pid_t> kids, int grace_s) {
   }
   return status_out;
 }
+
+// HOST:PORT of --master into n; throws naming the malformed part.
+void parse_master(const std::string& text, Nodes& n) {
+  const size_t colon = text.rfind(':');
+  if (colon == std::string::npos || colon == 0)
+    weft::throw_error("weft-launch: --master wants HOST:PORT, got '" + text + "'");
+  n.master_host = text.substr(0, colon);
+  n.master_port = weft::parse_int(text.substr(colon + 1), "--master's port", 1, 65535);
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   int nproc = 0, grace_s = 30, i = 1;
+  Nodes nodes;
   try {
     for (; i < argc; ++i) {
       std::string a = argv[i];
       if ((a == "-n" || a == "--nproc") && i + 1 < argc)
         nproc = weft::parse_int(argv[++i], "-n", 1, weft::kMaxWorld);
+      else if (a == "--nnodes" && i + 1 < argc)
+        nodes.count = weft::parse_int(argv[++i], "--nnodes", 1, weft::kMaxWorld);
+      else if (a == "--node-rank" && i + 1 < argc)
+        nodes.index = weft::parse_int(argv[++i], "--node-rank", 0, weft::kMaxWorld);
+      else if (a == "--master" && i + 1 < argc)
+        parse_master(argv[++i], nodes);
       else if (a == "--grace" && i + 1 < argc)
         grace_s = weft::parse_int(argv[++i], "--grace", 0, 86400);
       else if (a == "--") {
@@ -164,6 +197,16 @@ int main(int argc, char** argv) {
       } else
         break;
     }
+    if (nodes.index >= nodes.count)
+      weft::throw_error("weft-launch: --node-rank " + std::to_string(nodes.index) +
+                        " is not a node of --nnodes " + std::to_string(nodes.count));
+    if (nodes.count > 1 && nodes.master_host.empty() && !std::getenv("MASTER_ADDR"))
+      weft::throw_error("weft-launch: a job of several nodes needs --master HOST:PORT (node 0's address)");
+    if (nodes.count > 1 && std::getenv("WEFT_JOB_SECRET") == nullptr)
+      weft::throw_error(
+          "weft-launch: a job of several nodes needs WEFT_JOB_SECRET in the environment, the same on every "
+          "node (e.g. export WEFT_JOB_SECRET=$(openssl rand -hex 16) where every launcher reads it): each "
+          "launcher would draw a different one");
   } catch (const weft::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 2;
@@ -175,7 +218,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   const std::vector<pid_t> kids =
-      start_ranks(nproc, argv + i, "launch-" + std::to_string(::getpid()), secret);
+      start_ranks(nproc, nodes, argv + i, "launch-" + std::to_string(::getpid()), secret);
   if (kids.empty()) return 1;
   return wait_ranks(kids, grace_s);
 }

@@ -6,8 +6,10 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <future>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -18,6 +20,7 @@
 #include "test_util.hpp"
 #include "weft/runtime/channel.hpp"
 #include "weft/runtime/env.hpp"
+#include "weft/runtime/job_rendezvous.hpp"
 
 #ifndef WEFT_LAUNCH_PATH
 #error "WEFT_LAUNCH_PATH must name the weft-launch binary"
@@ -32,9 +35,29 @@ namespace {
 // ---- this binary as a rank under weft-launch -----------------------------------------------------------
 // When WEFT_HOST_TEST_CHILD is set, the process is a rank started by weft-launch: it runs the named scenario
 // before gtest starts and exits with its verdict (0 = as expected).
+// A rank of a job of several nodes (one launcher each): every rank gets every rank's bytes, twice.
+int job_rendezvous_rank(const weft::LaunchEnv& env) {
+  weft::JobRendezvous job(env, weft::leaders_address(weft::process_env(), env.launcher),
+                          std::chrono::milliseconds(10000));
+  for (int round = 0; round < 2; ++round) {
+    const auto all = job.allgather("rank " + std::to_string(env.rank) + " node " + std::to_string(env.node) +
+                                   " round " + std::to_string(round));
+    if (static_cast<int>(all.size()) != env.world) return 97;
+    for (int r = 0; r < env.world; ++r)
+      if (all[r] != "rank " + std::to_string(r) + " node " + std::to_string(r / env.node_size) + " round " +
+                        std::to_string(round)) {
+        weft_test::child_note("rank " + std::to_string(env.rank) + " got '" + all[r] + "' for rank " +
+                              std::to_string(r));
+        return 98;
+      }
+  }
+  return env.nodes == 2 ? 0 : 99;
+}
+
 int launched_rank(const std::string& mode) {
   const auto env = weft::parse_launch_env(weft::process_env(), static_cast<long>(::getppid()));
   if (!env || env->launcher != weft::Launcher::kWeft) return 90;
+  if (mode == "job_rendezvous") return job_rendezvous_rank(*env);
   weft::Channel ch(env->job_id, env->rank, env->world, std::chrono::milliseconds(5000));
   ch.set_op_timeout(std::chrono::milliseconds(10000));
   if (mode == "allgather") {
@@ -88,7 +111,7 @@ struct Result {
 };
 
 std::string temp_path(const std::string& tag) {
-  static int n = 0;
+  static std::atomic<int> n{0};  // launches may run side by side (several nodes' launchers)
   return "/tmp/weft-host-test-" + std::to_string(::getpid()) + "-" + tag + "-" + std::to_string(n++);
 }
 
@@ -290,6 +313,44 @@ TEST(Launch, EndToEndRanksRendezvous) {
   const Result r = launch({"-n", "3", "--grace", "10", exe}, {{"WEFT_HOST_TEST_CHILD", "allgather"}});
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_LT(r.ms, 5000);
+}
+
+// Two launchers on one host as the two nodes of one job (--nnodes 2, each its --node-rank, one --master): the
+// ranks meet through JobRendezvous (each node's Channel, the nodes' first ranks over TCP).
+TEST(Launch, TwoLaunchersMakeOneJobOfTwoNodes) {
+  const std::string exe = self_exe();
+  ASSERT_FALSE(exe.empty());
+  const std::string master = "127.0.0.1:" + std::to_string(weft_test::free_tcp_port());
+  const std::map<std::string, std::string> env = {{"WEFT_HOST_TEST_CHILD", "job_rendezvous"},
+                                                  {"WEFT_JOB_SECRET", "two-launchers-one-secret"}};
+  auto node = [&](int index) {
+    return std::async(std::launch::async, [&, index] {
+      return launch({"-n", "2", "--nnodes", "2", "--node-rank", std::to_string(index), "--master", master,
+                     "--grace", "10", exe},
+                    env, milliseconds(20000));
+    });
+  };
+  auto first = node(0), second = node(1);
+  const Result a = first.get(), b = second.get();
+  EXPECT_EQ(a.code, 0) << a.output;
+  EXPECT_EQ(b.code, 0) << b.output;
+}
+
+TEST(Launch, SeveralNodesNeedAMasterAndOneSecret) {
+  if (std::getenv("WEFT_JOB_SECRET") || std::getenv("MASTER_ADDR"))
+    GTEST_SKIP() << "WEFT_JOB_SECRET or MASTER_ADDR is set in this test's environment";
+  Result r = launch({"-n", "1", "--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:1", "true"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_HAS(r.output, "needs WEFT_JOB_SECRET");
+  r = launch({"-n", "1", "--nnodes", "2", "--node-rank", "0", "true"}, {{"WEFT_JOB_SECRET", "s"}});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_HAS(r.output, "needs --master HOST:PORT");
+  r = launch({"-n", "1", "--nnodes", "2", "--node-rank", "2", "--master", "h:1", "true"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_HAS(r.output, "is not a node of --nnodes 2");
+  r = launch({"-n", "1", "--master", "nohost", "true"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_HAS(r.output, "--master wants HOST:PORT");
 }
 
 TEST(Launch, EndToEndCrashIsNoticedByTheOtherRanks) {

@@ -1,7 +1,10 @@
 // Helpers shared by the host tests: error capture, substring checks, forked ranks with hard time limits.
 #pragma once
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -103,6 +106,23 @@ inline int wait_child(pid_t pid, milliseconds limit = milliseconds(10000)) {
     }
     std::this_thread::sleep_for(milliseconds(2));
   }
+}
+
+// A TCP port free on 127.0.0.1 a moment ago (bound to port 0, read, closed): for a listener that other
+// processes must know in advance. 0 if none could be bound.
+inline int free_tcp_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+    port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
 }
 
 }  // namespace weft_test
