@@ -6,7 +6,7 @@
 #   WEFT_SUITE_QUICK=1 tests/gpu/run.sh   the real-GPU team steps with --quick too (fewer sizes: about half
 #                               the device time; a check of a change, not the suite of record)
 # At 2 and 4 GPUs (as many as the machine has): weft-gpu-tests single-process and one process per rank
-# (weft-launch), the rank-death test. On any machine: virtual ranks (teams of W = 2, 3, 4 and 8 on one GPU),
+# (weft-launch), the rank-death test, teams spanning fake nodes (2 x 1, 2 x 2 ranks). On any machine: virtual ranks (teams of W = 2, 3, 4 and 8 on one GPU),
 # the team under a small SM budget, the refusal of processes sharing a GPU; the Python package under torchrun
 # (a team of one on a single GPU), and compute-sanitizer memcheck / racecheck / synccheck on small cases.
 # Logs go to $WEFT_LOG_DIR (default: build/gpu-logs). Exit 0 only if every step passed.
@@ -17,9 +17,10 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${WEFT_BUILD_DIR:-$root/build}
 logs=${WEFT_LOG_DIR:-$build/gpu-logs}
 if [ ! -x "$build/tests/gpu/weft-gpu-tests" ] || [ ! -x "$build/weft-launch" ] ||
-  [ ! -x "$build/examples/matmul_to_next" ]; then
+  [ ! -x "$build/examples/matmul_to_next" ] || [ ! -x "$build/tests/gpu/weft-multinode-tests" ]; then
   cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-    cmake --build "$build" -j "$(nproc)" --target weft-gpu-tests weft-launch hello_team matmul_to_next || exit 1
+    cmake --build "$build" -j "$(nproc)" --target weft-gpu-tests weft-launch hello_team matmul_to_next \
+      weft-multinode-tests || exit 1
 fi
 mkdir -p "$logs"
 tests=$build/tests/gpu/weft-gpu-tests
@@ -62,6 +63,15 @@ if [ "$ngpu" -ge 2 ]; then
     step "multi-process, $n ranks" "multi_$n" "$launch" -n "$n" "$tests" "${quick[@]}"
   done
   step "rank death, 2 ranks (one exits mid-wait)" "rank_death" env WEFT_TEST_RANK_DEATH=1 "$launch" -n 2 "$tests" --filter rank_death
+  # Teams spanning nodes on fake nodes of this host (WEFT_NODE_SIZE), NCCL forced onto sockets between them:
+  # the hierarchical collectives against NCCL's flat ones.
+  for size in 1 2; do  # nodes of `size` ranks, 2 nodes
+    [ $((2 * size)) -le "$ngpu" ] || continue
+    step "fake nodes: 2 x $size ranks (NCCL over sockets between nodes), hierarchical collectives" \
+      "fake_nodes_2x$size" env WEFT_NODE_SIZE="$size" MASTER_ADDR=127.0.0.1 \
+      WEFT_RENDEZVOUS_PORT=$((20000 + RANDOM % 20000)) NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 \
+      "$launch" -n $((2 * size)) "$build/tests/gpu/weft-multinode-tests"
+  done
 else
   step "single-process, 1 GPU (one-GPU tests)" "single_1" "$tests" --gpus 1
 fi

@@ -1,0 +1,35 @@
+// Collectives over a team spanning nodes (weft/runtime/multi_node.hpp): weft's kernels inside each node,
+// NCCL between nodes, each rank's network leg carrying only its own share. Every rank of the job calls the
+// same collective with the same arguments; work is queued on `stream` (default: the node rank's stream),
+// the node's weft collective and the NCCL call one after the other. Buffers are device pointers on the rank's
+// GPU, anywhere in device memory; in == out is allowed for all_reduce. Ranks: rank = node x node_size + i.
+//
+//   all_reduce      count elements. count divisible by the node size: a reduce-scatter in the node, an NCCL
+//                   all-reduce of this rank's 1 / node_size shard among the i-th ranks of the nodes, an
+//                   all-gather in the node. Otherwise an all-reduce in the node, then of the whole vector
+//                   among the i-th ranks (correct for any count; node_size times the network bytes).
+//   all_gather      in: count elements; out: world x count, rank r's at r x count. NCCL all-gather among the
+//                   i-th ranks (out of each node: this rank's count), then weft's all-gather in the node
+//                   along the inner dimension, which puts every block where its rank's place is.
+//   reduce_scatter  in: world x count; out: this rank's count of the reduction. weft's reduce-scatter in the
+//                   node along the inner dimension (the i-th rank gets the node's sum of every node's i-th
+//                   block), then an NCCL reduce-scatter among the i-th ranks.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "weft/dtype.hpp"
+#include "weft/ops/collectives.hpp"
+#include "weft/runtime/multi_node.hpp"
+
+namespace weft {
+
+void hierarchical_all_reduce(MultiNodeTeam& team, const void* in, void* out, size_t count, DType dtype,
+                             ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr);
+void hierarchical_all_gather(MultiNodeTeam& team, const void* in, void* out, size_t count, DType dtype,
+                             cudaStream_t stream = nullptr);
+void hierarchical_reduce_scatter(MultiNodeTeam& team, const void* in, void* out, size_t count, DType dtype,
+                                 ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr);
+
+}  // namespace weft

@@ -1,0 +1,58 @@
+// A team spanning nodes (issue 58): weft's team of this node's ranks (its NVLink kernels and symmetric heap:
+// peer mappings exist only inside the node, so nothing can address a rank of another node) plus NCCL
+// communicators for the legs between nodes, made through the job's rendezvous (JobRendezvous). NCCL is
+// loaded at run time, here only. The hierarchical collectives over it are in weft/ops/hierarchical.hpp.
+//
+// Ranks: rank = node x node_size + i (i: the rank inside its node, the launcher's contiguous blocks). The
+// node team's rank is i; `across` holds the i-th rank of every node (its rank: the node).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <memory>
+
+#include "weft/runtime/communicator.hpp"
+#include "weft/runtime/env.hpp"
+
+namespace weft {
+
+class JobRendezvous;
+
+class MultiNodeTeam {
+ public:
+  // One rank per process under a launcher (torchrun, mpirun, weft-launch; WEFT_NODE_SIZE splits one host into
+  // fake nodes for tests). Every rank of the job calls it; throws weft::Error with the reason (no NCCL, no
+  // WEFT_JOB_SECRET across nodes, a rank missing at the timeout). A job of one node is a team of one node.
+  static std::unique_ptr<MultiNodeTeam> create_from_launcher(const LaunchEnv& env, Options opts = {});
+  static std::unique_ptr<MultiNodeTeam> create(Options opts = {});  // the process environment
+  ~MultiNodeTeam();
+  MultiNodeTeam(const MultiNodeTeam&) = delete;
+  MultiNodeTeam& operator=(const MultiNodeTeam&) = delete;
+
+  Communicator& node_team() { return *node_; }
+  Rank& node_rank() { return node_->local(0); }
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  int node() const { return node_index_; }
+  int nodes() const { return nodes_; }
+  int node_size() const { return node_size_; }
+  // The NCCL communicators (ncclComm_t): `across` the i-th rank of every node; `all` every rank (NCCL's own
+  // algorithms over the whole job: the baseline the hierarchical ops are measured against).
+  void* nccl_across() const { return across_; }
+  void* nccl_all() const { return all_; }
+  // A device buffer of at least `bytes` on this rank's GPU for calls on `stream`, grown on demand (outside a
+  // graph capture; growing waits for the stream's earlier calls, which may still use the old one).
+  void* scratch(size_t bytes, cudaStream_t stream);
+
+ private:
+  MultiNodeTeam() = default;
+  int rank_ = 0, world_ = 1, node_index_ = 0, nodes_ = 1, node_size_ = 1;
+  std::unique_ptr<JobRendezvous> job_;
+  std::unique_ptr<Communicator> node_;
+  void* across_ = nullptr;
+  void* all_ = nullptr;
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+};
+
+}  // namespace weft

@@ -1,0 +1,79 @@
+#include "weft/ops/hierarchical.hpp"
+
+#include "../runtime/nccl_api.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft {
+
+namespace {
+
+nccl::RedOp red_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return nccl::kSum;
+    case ReduceOp::kMax:
+      return nccl::kMax;
+    case ReduceOp::kMin:
+      return nccl::kMin;
+  }
+  throw_error("weft: no NCCL reduction for this op");
+}
+
+nccl::Comm across(const MultiNodeTeam& t) {
+  return static_cast<nccl::Comm>(t.nccl_across());
+}
+
+cudaStream_t stream_of(MultiNodeTeam& t, cudaStream_t s) {
+  return s ? s : t.node_rank().stream();
+}
+
+}  // namespace
+
+void hierarchical_all_reduce(MultiNodeTeam& t, const void* in, void* out, size_t count, DType dtype,
+                             ReduceOp op, cudaStream_t stream) {
+  stream = stream_of(t, stream);
+  Communicator& node = t.node_team();
+  const auto& n = nccl::api();
+  const int ns = t.node_size();
+  if (count == 0) return;
+  if (count % ns != 0) {
+    all_reduce(node, t.node_rank(), in, out, count, dtype, op, stream);
+    nccl::check(n.AllReduce(out, out, count, nccl::data_type(dtype), red_op(op), across(t), stream),
+                "weft: hierarchical_all_reduce: ncclAllReduce");
+    return;
+  }
+  const size_t shard = count / ns;
+  void* part = t.scratch(shard * dtype_size(dtype), stream);
+  reduce_scatter(node, t.node_rank(), in, part, Shape2D{shard, 1}, 0, dtype, op, stream);
+  nccl::check(n.AllReduce(part, part, shard, nccl::data_type(dtype), red_op(op), across(t), stream),
+              "weft: hierarchical_all_reduce: ncclAllReduce");
+  all_gather(node, t.node_rank(), part, out, Shape2D{shard, 1}, 0, dtype, stream);
+}
+
+void hierarchical_all_gather(MultiNodeTeam& t, const void* in, void* out, size_t count, DType dtype,
+                             cudaStream_t stream) {
+  stream = stream_of(t, stream);
+  if (count == 0) return;
+  // [nodes, count]: row m the i-th rank of node m's; gathered along columns in the node: row m becomes
+  // node m's ranks' blocks side by side, which is out's layout.
+  void* rows = t.scratch(size_t(t.nodes()) * count * dtype_size(dtype), stream);
+  nccl::check(nccl::api().AllGather(in, rows, count, nccl::data_type(dtype), across(t), stream),
+              "weft: hierarchical_all_gather: ncclAllGather");
+  all_gather(t.node_team(), t.node_rank(), rows, out, Shape2D{size_t(t.nodes()), count}, 1, dtype, stream);
+}
+
+void hierarchical_reduce_scatter(MultiNodeTeam& t, const void* in, void* out, size_t count, DType dtype,
+                                 ReduceOp op, cudaStream_t stream) {
+  stream = stream_of(t, stream);
+  if (count == 0) return;
+  // in as [nodes, node_size x count]: reduced in the node along columns, the i-th rank keeps [nodes, count],
+  // the node's sum of each node's i-th block; then among the i-th ranks, node m keeps row m.
+  void* rows = t.scratch(size_t(t.nodes()) * count * dtype_size(dtype), stream);
+  reduce_scatter(t.node_team(), t.node_rank(), in, rows, Shape2D{size_t(t.nodes()), count}, 1, dtype, op,
+                 stream);
+  nccl::check(
+      nccl::api().ReduceScatter(rows, out, count, nccl::data_type(dtype), red_op(op), across(t), stream),
+      "weft: hierarchical_reduce_scatter: ncclReduceScatter");
+}
+
+}  // namespace weft

@@ -1,0 +1,99 @@
+#include "weft/runtime/multi_node.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "nccl_api.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/job_rendezvous.hpp"
+
+namespace weft {
+
+namespace {
+
+// An NCCL communicator of `size` ranks (this one `rank`) whose id the rank `maker` (a global rank) drew:
+// every rank of the job takes part in the allgather that carries the ids, whichever communicator it joins.
+nccl::Comm make_comm(JobRendezvous& job, bool draws, int maker, int size, int rank, const std::string& what) {
+  std::string mine;
+  if (draws) {
+    nccl::UniqueId id{};
+    nccl::check(nccl::api().GetUniqueId(&id), "weft: ncclGetUniqueId (" + what + ")");
+    mine.assign(id.internal, sizeof id.internal);
+  }
+  const std::vector<std::string> ids = job.allgather(mine);
+  WEFT_CHECK(ids[maker].size() == sizeof(nccl::UniqueId),
+             "multi-node team: rank " + std::to_string(maker) + " sent no NCCL id for " + what);
+  nccl::UniqueId id{};
+  std::memcpy(id.internal, ids[maker].data(), sizeof id.internal);
+  nccl::Comm comm = nullptr;
+  nccl::check(nccl::api().CommInitRank(&comm, size, id, rank), "weft: ncclCommInitRank (" + what + ")");
+  return comm;
+}
+
+}  // namespace
+
+std::unique_ptr<MultiNodeTeam> MultiNodeTeam::create(Options opts) {
+  const auto env = opts.env ? opts.env : parse_launch_env(process_env(), static_cast<long>(::getppid()));
+  WEFT_CHECK(env.has_value(),
+             "a multi-node team needs a launcher (torchrun, mpirun or weft-launch): its ranks "
+             "are processes");
+  return create_from_launcher(*env, std::move(opts));
+}
+
+std::unique_ptr<MultiNodeTeam> MultiNodeTeam::create_from_launcher(const LaunchEnv& env, Options opts) {
+  std::unique_ptr<MultiNodeTeam> t(new MultiNodeTeam());
+  t->rank_ = env.rank;
+  t->world_ = env.world;
+  t->node_index_ = env.node;
+  t->nodes_ = env.nodes;
+  t->node_size_ = env.node_size;
+  const auto timeout = std::max(opts.timeout, std::chrono::milliseconds(60000));
+  RendezvousAddress leaders;
+  if (env.nodes > 1) leaders = leaders_address(process_env(), env.launcher);
+  if (env.nodes > 1) nccl::api();  // NCCL missing: say so before anything waits on the other ranks
+  t->job_ = std::make_unique<JobRendezvous>(env, leaders, timeout);
+  // This node's team: the node's ranks only (its own rendezvous name, so fake nodes of one host stay apart);
+  // local_rank still picks the GPU.
+  LaunchEnv in_node = env;
+  in_node.rank = env.rank % env.node_size;
+  in_node.world = env.node_size;
+  in_node.node = 0;
+  in_node.nodes = 1;
+  if (env.nodes > 1) in_node.job_id = env.job_id + ".team" + std::to_string(env.node);
+  t->node_ = Communicator::create_from_launcher(in_node, opts);
+  WEFT_CUDA_CHECK(cudaSetDevice(t->node_rank().device()));
+  // NCCL: every rank (rank 0 draws the id), then the i-th ranks of the nodes (node 0's i-th rank draws).
+  const int i = env.rank % env.node_size;
+  t->all_ = make_comm(*t->job_, env.rank == 0, 0, env.world, env.rank, "every rank");
+  t->across_ = make_comm(*t->job_, env.node == 0, i, env.nodes, env.node,
+                         "rank " + std::to_string(i) + " of every node");
+  return t;
+}
+
+MultiNodeTeam::~MultiNodeTeam() {
+  if (scratch_) cudaFree(scratch_);
+  for (void* c : {across_, all_})
+    if (c) nccl::api().CommDestroy(static_cast<nccl::Comm>(c));
+}
+
+void* MultiNodeTeam::scratch(size_t bytes, cudaStream_t stream) {
+  if (bytes > scratch_bytes_) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    WEFT_CHECK(capturing == cudaStreamCaptureStatusNone, "multi-node team: scratch of " +
+                                                             std::to_string(bytes) +
+                                                             " bytes needed during a graph capture: "
+                                                             "run the call once before capturing");
+    if (scratch_) WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));  // the last call may still read it
+    if (scratch_) WEFT_CUDA_CHECK(cudaFree(scratch_));
+    scratch_ = nullptr;
+    WEFT_CUDA_CHECK(cudaMalloc(&scratch_, bytes));
+    scratch_bytes_ = bytes;
+  }
+  return scratch_;
+}
+
+}  // namespace weft

@@ -1,0 +1,173 @@
+// GPU tests of teams spanning nodes (weft/runtime/multi_node.hpp, weft/ops/hierarchical.hpp), one process
+// per GPU under a launcher, nodes real or fake (WEFT_NODE_SIZE=k splits one host into nodes of k ranks):
+//
+//   NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 WEFT_NODE_SIZE=2 \
+//   MASTER_ADDR=127.0.0.1 WEFT_RENDEZVOUS_PORT=29611 build/weft-launch -n 4
+//   build/tests/gpu/weft-multinode-tests
+//
+// (NCCL forced onto sockets, so the legs between fake nodes take the network path.) The hierarchical
+// all-reduce, all-gather and reduce-scatter against NCCL's flat collective over every rank (the same inputs),
+// bf16 and fp32, sum and max, sizes straddling the node size; outputs poisoned first; each rank's node team
+// is its node's ranks only. Pass: max gives NCCL's bits, sums within 1e-5 (fp32) / 2e-2 (bf16) relative; no
+// NaN. Exit 0 pass, 1 fail, 77 skipped (no GPU, or not enough for one rank each).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "runtime/nccl_api.hpp"
+#include "weft/ops/hierarchical.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/multi_node.hpp"
+
+namespace {
+
+using weft::DType;
+using weft::ReduceOp;
+
+struct Device {
+  void* p = nullptr;
+  explicit Device(size_t bytes) { WEFT_CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 1)); }
+  ~Device() { cudaFree(p); }
+};
+
+// Rank r's n values (as floats), the same sequence whenever asked.
+std::vector<float> values(int rank, size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed * 1000003 + rank);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+void upload(void* dst, const std::vector<float>& v, DType t) {
+  if (t == DType::kFP32) {
+    WEFT_CUDA_CHECK(cudaMemcpy(dst, v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+    return;
+  }
+  std::vector<__nv_bfloat16> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = __float2bfloat16(v[i]);
+  WEFT_CUDA_CHECK(cudaMemcpy(dst, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+}
+
+std::vector<float> download(const void* src, size_t n, DType t) {
+  std::vector<float> v(n);
+  if (t == DType::kFP32) {
+    WEFT_CUDA_CHECK(cudaMemcpy(v.data(), src, n * 4, cudaMemcpyDeviceToHost));
+    return v;
+  }
+  std::vector<__nv_bfloat16> b(n);
+  WEFT_CUDA_CHECK(cudaMemcpy(b.data(), src, n * 2, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < n; ++i) v[i] = __bfloat162float(b[i]);
+  return v;
+}
+
+// "" when got matches want (exactly, or within the dtype's relative Frobenius tolerance), else why not.
+std::string compare(const std::vector<float>& got, const std::vector<float>& want, DType t, bool exact) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) return "non-finite value at " + std::to_string(i) + " (not written?)";
+    if (exact && std::memcmp(&got[i], &want[i], 4) != 0)
+      return "element " + std::to_string(i) + ": " + std::to_string(got[i]) + ", NCCL " +
+             std::to_string(want[i]);
+    num += double(got[i] - want[i]) * (got[i] - want[i]);
+    den += double(want[i]) * want[i];
+  }
+  const double err = std::sqrt(num / std::max(den, 1e-30)), tol = t == DType::kFP32 ? 1e-5 : 2e-2;
+  return err > tol ? "relative error " + std::to_string(err) : std::string();
+}
+
+enum class Op { kAllReduce, kAllGather, kReduceScatter };
+
+// One case: the hierarchical op and NCCL's flat one over every rank on the same input; "" or why they differ.
+std::string run_case(weft::MultiNodeTeam& t, Op op, size_t count, DType dtype, ReduceOp red, uint64_t seed) {
+  const int W = t.world();
+  const size_t in_n = op == Op::kReduceScatter ? W * count : count;
+  const size_t out_n = op == Op::kAllReduce ? count : op == Op::kAllGather ? W * count : count;
+  const size_t es = weft::dtype_size(dtype);
+  Device in(in_n * es), got(out_n * es), want(out_n * es);
+  upload(in.p, values(t.rank(), in_n, seed), dtype);
+  WEFT_CUDA_CHECK(cudaMemset(got.p, 0xff, out_n * es));  // NaN in bf16 and fp32: an unwritten element shows
+  WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaStream_t s = t.node_rank().stream();
+  const auto& n = weft::nccl::api();
+  const auto all = static_cast<weft::nccl::Comm>(t.nccl_all());
+  const int type = weft::nccl::data_type(dtype),
+            nop = red == ReduceOp::kMax ? weft::nccl::kMax : weft::nccl::kSum;
+  if (op == Op::kAllReduce) {
+    weft::hierarchical_all_reduce(t, in.p, got.p, count, dtype, red, s);
+    weft::nccl::check(n.AllReduce(in.p, want.p, count, type, nop, all, s), "reference ncclAllReduce");
+  } else if (op == Op::kAllGather) {
+    weft::hierarchical_all_gather(t, in.p, got.p, count, dtype, s);
+    weft::nccl::check(n.AllGather(in.p, want.p, count, type, all, s), "reference ncclAllGather");
+  } else {
+    weft::hierarchical_reduce_scatter(t, in.p, got.p, count, dtype, red, s);
+    weft::nccl::check(n.ReduceScatter(in.p, want.p, count, type, nop, all, s), "reference ncclReduceScatter");
+  }
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+  t.node_team().synchronize();
+  return compare(download(got.p, out_n, dtype), download(want.p, out_n, dtype), dtype,
+                 op == Op::kAllGather || red == ReduceOp::kMax);
+}
+
+int run(weft::MultiNodeTeam& t) {
+  const char* names[] = {"all_reduce", "all_gather", "reduce_scatter"};
+  int passed = 0, failed = 0;
+  uint64_t seed = 1;
+  for (Op op : {Op::kAllReduce, Op::kAllGather, Op::kReduceScatter})
+    for (DType dtype : {DType::kFP32, DType::kBF16})
+      for (ReduceOp red : {ReduceOp::kSum, ReduceOp::kMax}) {
+        if (op == Op::kAllGather && red == ReduceOp::kMax) continue;
+        for (size_t count : {size_t(1), size_t(7), size_t(1000), size_t(65536 + 3), size_t(1) << 20}) {
+          const std::string what = std::string(names[int(op)]) + " " + weft::dtype_name(dtype) +
+                                   (op == Op::kAllGather    ? ""
+                                    : red == ReduceOp::kMax ? " max"
+                                                            : " sum") +
+                                   " count " + std::to_string(count);
+          const std::string err = run_case(t, op, count, dtype, red, seed++);
+          if (err.empty()) {
+            ++passed;
+          } else {
+            ++failed;
+            std::printf("[rank %d] FAILED %s: %s\n", t.rank(), what.c_str(), err.c_str());
+          }
+        }
+      }
+  std::printf("[rank %d] summary: %d passed, %d failed (%d nodes of %d ranks)\n", t.rank(), passed, failed,
+              t.nodes(), t.node_size());
+  return failed == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main() {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  if (const std::string why = weft::cuda_unavailable_reason(); !why.empty()) {
+    std::printf("SKIPPED: weft-multinode-tests: %s\n", why.c_str());
+    return 77;
+  }
+  try {
+    const auto env = weft::parse_launch_env(weft::process_env(), static_cast<long>(::getppid()));
+    if (!env) {
+      std::printf("SKIPPED: weft-multinode-tests: run under a launcher (weft-launch -n N), one rank a GPU\n");
+      return 77;
+    }
+    int ndev = 0;
+    WEFT_CUDA_CHECK(cudaGetDeviceCount(&ndev));
+    if (ndev < env->local_world) {
+      std::printf("SKIPPED: weft-multinode-tests: %d ranks on this host, %d GPUs\n", env->local_world, ndev);
+      return 77;
+    }
+    auto team = weft::MultiNodeTeam::create_from_launcher(*env);
+    return run(*team);
+  } catch (const std::exception& e) {
+    std::printf("[rank ?] FAILED: %s\n", e.what());
+    return 1;
+  }
+}
