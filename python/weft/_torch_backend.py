@@ -166,7 +166,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
                 raise WeftValueError(f"weft backend: all_gather_into_tensor: output has {output.numel()} elements, "
                                      f"expected {input.numel()} x {self.comm.world_size}")
             _w.all_gather(x, out=out, comm=self.comm)
-            return Work(output)
+            return Work([output])
 
         _allgather_base = all_gather_single
 
@@ -195,7 +195,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
             _w.reduce_scatter(x, op="sum" if name == "avg" else name, out=out, comm=self.comm)
             if name == "avg":
                 out.div_(self.comm.world_size)
-            return Work(output)
+            return Work([output])
 
         _reduce_scatter_base = reduce_scatter_single
 
@@ -221,7 +221,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
                     raise WeftValueError(f"weft backend: all_to_all_single: input and output of {input.numel()} and "
                                          f"{output.numel()} elements: equal splits need one size, divisible by {w}")
                 _w.all_to_all(x, out=out, comm=self.comm)
-                return Work(output)
+                return Work([output])
             rows_in, rows_out = input.shape[0] if input.dim() else 0, output.shape[0] if output.dim() else 0
             send = list(input_split_sizes) or [rows_in // w] * w
             recv = list(output_split_sizes) or [rows_out // w] * w
@@ -247,7 +247,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
             else:
                 out, _ = _w.all_to_all_v(x, counts, bound, comm=self.comm)
                 self._words(output, "all_to_all_single").view(rows_out, row).copy_(out[:rows_out])
-            return Work(output)
+            return Work([output])
 
         alltoall_base = all_to_all_single
 

@@ -10,10 +10,14 @@
 // bf16 and fp32, sum and max, sizes straddling the node size; outputs poisoned first; each rank's node team
 // is its node's ranks only. Pass: max gives NCCL's bits, sums within 1e-5 (fp32) / 2e-2 (bf16) relative; no
 // NaN. Exit 0 pass, 1 fail, 77 skipped (no GPU, or not enough for one rank each).
+// --bench: after the tests, device us per call of each hierarchical collective and of NCCL's flat one over
+// every rank (bf16 sums, 1 MiB .. 256 MiB of output per rank; median of 20 after 3 warm-ups, slowest rank),
+// as a markdown table. On fake nodes that is NCCL over loopback sockets, not a network: label it so.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -144,9 +148,93 @@ int run(weft::MultiNodeTeam& t) {
   return failed == 0 ? 0 : 1;
 }
 
+// The median over `iters` calls of call(stream) in device us, the slowest rank's (an NCCL max over every
+// rank).
+template <class Call>
+float time_us(weft::MultiNodeTeam& t, cudaStream_t s, Call&& call, int iters = 20) {
+  cudaEvent_t a, b;
+  WEFT_CUDA_CHECK(cudaEventCreate(&a));
+  WEFT_CUDA_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) call();
+  std::vector<float> us;
+  for (int i = 0; i < iters; ++i) {
+    WEFT_CUDA_CHECK(cudaEventRecord(a, s));
+    call();
+    WEFT_CUDA_CHECK(cudaEventRecord(b, s));
+    WEFT_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    us.push_back(ms * 1000.f);
+  }
+  std::sort(us.begin(), us.end());
+  Device m(4);
+  WEFT_CUDA_CHECK(cudaMemcpy(m.p, &us[us.size() / 2], 4, cudaMemcpyHostToDevice));
+  weft::nccl::check(weft::nccl::api().AllReduce(m.p, m.p, 1, weft::nccl::kFloat32, weft::nccl::kMax,
+                                                static_cast<weft::nccl::Comm>(t.nccl_all()), s),
+                    "timing max");
+  float slowest = 0;
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(&slowest, m.p, 4, cudaMemcpyDeviceToHost, s));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return slowest;
+}
+
+void bench(weft::MultiNodeTeam& t) {
+  const int W = t.world();
+  cudaStream_t s = t.node_rank().stream();
+  const auto& n = weft::nccl::api();
+  const auto all = static_cast<weft::nccl::Comm>(t.nccl_all());
+  const int bf = weft::nccl::kBfloat16;
+  if (t.rank() == 0)
+    std::printf(
+        "\n## hierarchical collectives, bf16 sum, %d nodes x %d ranks (between nodes: NCCL as configured; "
+        "fake nodes: loopback, not a network): device us per call, slowest rank\n"
+        "| op | bytes out per rank | weft hierarchical us | NCCL flat us | NCCL / weft "
+        "|\n|---|---|---|---|---|\n",
+        t.nodes(), t.node_size());
+  for (size_t bytes = size_t(1) << 20; bytes <= (size_t(256) << 20); bytes *= 16) {
+    const size_t count = bytes / 2;  // bf16 elements out per rank
+    Device in(bytes * W), out(bytes * W);
+    WEFT_CUDA_CHECK(cudaMemset(in.p, 0, bytes * W));
+    struct Row {
+      const char* name;
+      float weft, nccl;
+    };
+    const size_t c_rs = count, c_ag = count / W;  // reduce-scatter: count out; all-gather: W x c_ag out
+    Row rows[] = {
+        {"all_reduce",
+         time_us(
+             t, s,
+             [&] { weft::hierarchical_all_reduce(t, in.p, out.p, count, DType::kBF16, ReduceOp::kSum, s); }),
+         time_us(t, s,
+                 [&] {
+                   weft::nccl::check(n.AllReduce(in.p, out.p, count, bf, weft::nccl::kSum, all, s), "AR");
+                 })},
+        {"all_gather",
+         time_us(t, s, [&] { weft::hierarchical_all_gather(t, in.p, out.p, c_ag, DType::kBF16, s); }),
+         time_us(t, s, [&] { weft::nccl::check(n.AllGather(in.p, out.p, c_ag, bf, all, s), "AG"); })},
+        {"reduce_scatter",
+         time_us(t, s,
+                 [&] {
+                   weft::hierarchical_reduce_scatter(t, in.p, out.p, c_rs, DType::kBF16, ReduceOp::kSum, s);
+                 }),
+         time_us(t, s,
+                 [&] {
+                   weft::nccl::check(n.ReduceScatter(in.p, out.p, c_rs, bf, weft::nccl::kSum, all, s), "RS");
+                 })},
+    };
+    if (t.rank() == 0)
+      for (const Row& r : rows)
+        std::printf("| %s | %zu MiB | %.1f | %.1f | %.2fx |\n", r.name, bytes >> 20, r.weft, r.nccl,
+                    r.nccl / r.weft);
+  }
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  const bool want_bench = argc > 1 && std::string(argv[1]) == "--bench";
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (const std::string why = weft::cuda_unavailable_reason(); !why.empty()) {
     std::printf("SKIPPED: weft-multinode-tests: %s\n", why.c_str());
@@ -165,7 +253,9 @@ int main() {
       return 77;
     }
     auto team = weft::MultiNodeTeam::create_from_launcher(*env);
-    return run(*team);
+    const int rc = run(*team);
+    if (rc == 0 && want_bench) bench(*team);
+    return rc;
   } catch (const std::exception& e) {
     std::printf("[rank ?] FAILED: %s\n", e.what());
     return 1;
