@@ -83,8 +83,7 @@ std::vector<pid_t> start_ranks(int nproc, const Nodes& nodes, char** argv, const
       ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
       if (!nodes.master_host.empty()) {
         ::setenv("MASTER_ADDR", nodes.master_host.c_str(), 1);
-        ::setenv("MASTER_PORT", std::to_string(nodes.master_port).c_str(), 1);
-        ::setenv("WEFT_RENDEZVOUS_PORT", std::to_string(nodes.master_port).c_str(), 1);
+        ::setenv("MASTER_PORT", std::to_string(nodes.master_port).c_str(), 1);  // weft's nodes meet on + 1
       }
       ::setenv("WEFT_JOB_ID", job.c_str(), 1);
       ::setenv("WEFT_JOB_SECRET", secret.c_str(), 1);
@@ -202,7 +201,7 @@ int main(int argc, char** argv) {
                         " is not a node of --nnodes " + std::to_string(nodes.count));
     if (nodes.count > 1 && nodes.master_host.empty() && !std::getenv("MASTER_ADDR"))
       weft::throw_error("weft-launch: a job of several nodes needs --master HOST:PORT (node 0's address)");
-    if (nodes.count > 1 && std::getenv("WEFT_JOB_SECRET") == nullptr)
+    if (const char* s = std::getenv("WEFT_JOB_SECRET"); nodes.count > 1 && (s == nullptr || *s == '\0'))
       weft::throw_error(
           "weft-launch: a job of several nodes needs WEFT_JOB_SECRET in the environment, the same on every "
           "node (e.g. export WEFT_JOB_SECRET=$(openssl rand -hex 16) where every launcher reads it): each "

@@ -36,14 +36,16 @@ void hierarchical_all_reduce(MultiNodeTeam& t, const void* in, void* out, size_t
   const auto& n = nccl::api();
   const int ns = t.node_size();
   if (count == 0) return;
-  if (count % ns != 0) {
-    all_reduce(node, t.node_rank(), in, out, count, dtype, op, stream);
-    nccl::check(n.AllReduce(out, out, count, nccl::data_type(dtype), red_op(op), across(t), stream),
-                "weft: hierarchical_all_reduce: ncclAllReduce");
-    return;
-  }
-  const size_t shard = count / ns;
-  void* part = t.scratch(shard * dtype_size(dtype), stream);
+  // The elements past the last whole shard (fewer than node_size): NCCL's all-reduce over every rank (they
+  // are apart from the main part's, so in == out stays safe).
+  const size_t shard = count / ns, main = shard * ns, es = dtype_size(dtype);
+  if (main < count)
+    nccl::check(n.AllReduce(static_cast<const char*>(in) + main * es, static_cast<char*>(out) + main * es,
+                            count - main, nccl::data_type(dtype), red_op(op),
+                            static_cast<nccl::Comm>(t.nccl_all()), stream),
+                "weft: hierarchical_all_reduce: ncclAllReduce (the last count % node_size elements)");
+  if (shard == 0) return;
+  void* part = t.scratch(shard * es, stream);
   reduce_scatter(node, t.node_rank(), in, part, Shape2D{shard, 1}, 0, dtype, op, stream);
   nccl::check(n.AllReduce(part, part, shard, nccl::data_type(dtype), red_op(op), across(t), stream),
               "weft: hierarchical_all_reduce: ncclAllReduce");

@@ -71,7 +71,9 @@ LaunchEnv read_vars(const EnvGetter& env, const VarSet& s, Launcher launcher) {
   }
   LaunchEnv e;
   e.launcher = launcher;
-  e.world = parse_int(*env(s.world), s.world, 1, kMaxWorld);
+  // A job spanning nodes may hold more ranks than one team (kMaxWorld bounds the ranks of a node).
+  constexpr int kMaxJobWorld = 1 << 16;
+  e.world = parse_int(*env(s.world), s.world, 1, kMaxJobWorld);
   e.rank = parse_int(*env(s.rank), s.rank, 0, e.world - 1);
   e.local_world = parse_int(*env(s.local_world), s.local_world, 1, kMaxWorld);
   e.local_rank = parse_int(*env(s.local_rank), s.local_rank, 0, e.local_world - 1);

@@ -1,6 +1,9 @@
 #include "weft/runtime/job_rendezvous.hpp"
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <cstring>
 
 #include "weft/runtime/error.hpp"
@@ -35,6 +38,14 @@ std::vector<std::string> unpack(const std::string& blob, const std::string& what
   return parts;
 }
 
+// The number of JobRendezvous rank `rank` of job `job` made before in this process (ranks may be threads).
+int next_generation(const std::string& job, int rank) {
+  static std::mutex lock;
+  static std::map<std::pair<std::string, int>, int> made;
+  std::lock_guard<std::mutex> hold(lock);
+  return made[{job, rank}]++;
+}
+
 }  // namespace
 
 RendezvousAddress leaders_address(const EnvGetter& env, Launcher launcher) {
@@ -52,8 +63,10 @@ RendezvousAddress leaders_address(const EnvGetter& env, Launcher launcher) {
   const auto master = env("MASTER_PORT");
   WEFT_CHECK(master && !master->empty(),
              "weft: a job spanning nodes needs WEFT_RENDEZVOUS_PORT or MASTER_PORT, neither is set");
-  // torchrun's own store listens on MASTER_PORT: the nodes meet on the next port.
-  a.port = parse_int(*master, "MASTER_PORT", 1, 65535) + (launcher == Launcher::kTorchrun ? 1 : 0);
+  // torch's store (torchrun's, or init_process_group's env:// one) listens on MASTER_PORT: the nodes meet on
+  // the next port, whatever the launcher.
+  (void)launcher;
+  a.port = parse_int(*master, "MASTER_PORT", 1, 65535) + 1;
   WEFT_CHECK(a.port <= 65535, "weft: MASTER_PORT + 1 is past 65535: set WEFT_RENDEZVOUS_PORT");
   return a;
 }
@@ -73,8 +86,11 @@ JobRendezvous::JobRendezvous(const LaunchEnv& env, const RendezvousAddress& lead
       "weft: a job spanning nodes needs WEFT_JOB_SECRET (16 characters or more, the same on every node: "
       "e.g. WEFT_JOB_SECRET=$(openssl rand -hex 16) exported before the launchers start): the nodes "
       "meet over TCP, where the secret is the only admission");
-  // The node's channel: named per node, so fake nodes of one host (WEFT_NODE_SIZE) meet apart.
-  const std::string job = nodes_ == 1 ? env.job_id : env.job_id + ".node" + std::to_string(node_index_);
+  // The node's channel: named per node, so fake nodes of one host (WEFT_NODE_SIZE) meet apart, and per
+  // rendezvous of the rank (every rank makes them in the same order), so a new one stays apart from a
+  // previous one that a slow rank may still be leaving.
+  const std::string job = env.job_id + ".rdv" + std::to_string(next_generation(env.job_id, rank_)) +
+                          (nodes_ == 1 ? std::string() : ".node" + std::to_string(node_index_));
   node_ = std::make_unique<Channel>(job, rank_ - node_index_ * node_size_, node_size_, timeout, env.secret);
   if (nodes_ > 1 && rank_ % node_size_ == 0)
     leaders_ =

@@ -70,10 +70,13 @@ std::unique_ptr<MultiNodeTeam> MultiNodeTeam::create_from_launcher(const LaunchE
   t->all_ = make_comm(*t->job_, env.rank == 0, 0, env.world, env.rank, "every rank");
   t->across_ = make_comm(*t->job_, env.node == 0, i, env.nodes, env.node,
                          "rank " + std::to_string(i) + " of every node");
+  t->job_.reset();  // the rendezvous is over: its sockets closed (the node team keeps its own channel)
   return t;
 }
 
 MultiNodeTeam::~MultiNodeTeam() {
+  if (scratch_ || !retired_.empty()) cudaDeviceSynchronize();
+  for (void* p : retired_) cudaFree(p);
   if (scratch_) cudaFree(scratch_);
   for (void* c : {across_, all_})
     if (c) nccl::api().CommDestroy(static_cast<nccl::Comm>(c));
@@ -87,11 +90,13 @@ void* MultiNodeTeam::scratch(size_t bytes, cudaStream_t stream) {
                                                              std::to_string(bytes) +
                                                              " bytes needed during a graph capture: "
                                                              "run the call once before capturing");
-    if (scratch_) WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));  // the last call may still read it
-    if (scratch_) WEFT_CUDA_CHECK(cudaFree(scratch_));
+    // The outgrown buffer stays allocated until the team ends: calls queued on any stream, or captured in a
+    // graph, may still use it. Growth doubles, so they are few.
+    if (scratch_) retired_.push_back(scratch_);
     scratch_ = nullptr;
-    WEFT_CUDA_CHECK(cudaMalloc(&scratch_, bytes));
-    scratch_bytes_ = bytes;
+    const size_t grown = std::max(bytes, 2 * scratch_bytes_);
+    WEFT_CUDA_CHECK(cudaMalloc(&scratch_, grown));
+    scratch_bytes_ = grown;
   }
   return scratch_;
 }

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <vector>
 
 #include "weft/runtime/error.hpp"
 
@@ -13,7 +14,15 @@ const Api& api() {
     const char* given = std::getenv("WEFT_NCCL_LIBRARY");
     const std::string name = given && *given ? given : "libnccl.so.2";
     void* lib = ::dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (lib == nullptr && !(given && *given)) lib = ::dlopen("libnccl.so", RTLD_NOW | RTLD_LOCAL);
+    // Not on the loader's path: the NCCL weft was built beside (WEFT_NCCL_HINT, where CMake found one), the
+    // CUDA toolkit's.
+    std::vector<std::string> elsewhere = {"libnccl.so"};
+#ifdef WEFT_NCCL_HINT
+    elsewhere.push_back(WEFT_NCCL_HINT);
+#endif
+    elsewhere.push_back("/usr/local/cuda/lib64/libnccl.so.2");
+    for (size_t i = 0; lib == nullptr && !(given && *given) && i < elsewhere.size(); ++i)
+      lib = ::dlopen(elsewhere[i].c_str(), RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) {
       const char* why = ::dlerror();
       throw_error("weft: a team spanning nodes needs NCCL (the legs between nodes), and " + name +
@@ -36,9 +45,10 @@ const Api& api() {
     resolve("ncclReduceScatter", &a.ReduceScatter);
     resolve("ncclGetErrorString", &a.GetErrorString);
     resolve("ncclGetVersion", &a.GetVersion);
-    a.GetVersion(&a.version);
-    if (a.version < 20000)
-      throw_error("weft: " + name + " is NCCL " + std::to_string(a.version) + ": NCCL 2 needed");
+    // Version codes: major x 10000 + minor x 100 + patch from 2.9 on (x 1000 before); bf16 needs 2.10.
+    if (a.GetVersion(&a.version) != 0 || a.version < 21000)
+      throw_error("weft: the NCCL loaded (" + name + ", version code " + std::to_string(a.version) +
+                  ") is older than 2.10, which teams spanning nodes need (bf16)");
     return a;
   }();
   return loaded;

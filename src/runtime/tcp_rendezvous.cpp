@@ -302,6 +302,8 @@ void TcpRendezvous::admit() {
   for (const Pending& p : pending) ::close(p.fd);
   for (int fd : refused) ::close(fd);
   admitted_ = true;
+  ::close(listen_fd_);  // every rank is in: the port is free again (a later connection would only be refused)
+  listen_fd_ = -1;
 }
 
 // Frames: a rank's contribution is (call number, bytes); rank 0's reply is (kData, call number, every rank's

@@ -12,7 +12,8 @@
 // NaN. Exit 0 pass, 1 fail, 77 skipped (no GPU, or not enough for one rank each).
 // --bench: after the tests, device us per call of each hierarchical collective and of NCCL's flat one over
 // every rank (bf16 sums, 1 MiB .. 256 MiB of output per rank; median of 20 after 3 warm-ups, slowest rank),
-// as a markdown table. On fake nodes that is NCCL over loopback sockets, not a network: label it so.
+// as a markdown table. On fake nodes that is NCCL over loopback sockets, not a network: label it so. Buffers
+// from cudaMalloc (weft's collectives then go through the node team's workspace, not the zero-copy path).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <unistd.h>
@@ -20,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -104,15 +106,19 @@ std::string run_case(weft::MultiNodeTeam& t, Op op, size_t count, DType dtype, R
   const auto all = static_cast<weft::nccl::Comm>(t.nccl_all());
   const int type = weft::nccl::data_type(dtype),
             nop = red == ReduceOp::kMax ? weft::nccl::kMax : weft::nccl::kSum;
+  // The reference first (a hierarchical op that wrote into its input would show), then weft's; all_reduce
+  // in place on odd seeds (out = a copy of the input).
+  const bool in_place = op == Op::kAllReduce && seed % 2 == 1;
   if (op == Op::kAllReduce) {
-    weft::hierarchical_all_reduce(t, in.p, got.p, count, dtype, red, s);
     weft::nccl::check(n.AllReduce(in.p, want.p, count, type, nop, all, s), "reference ncclAllReduce");
+    if (in_place) WEFT_CUDA_CHECK(cudaMemcpyAsync(got.p, in.p, count * es, cudaMemcpyDeviceToDevice, s));
+    weft::hierarchical_all_reduce(t, in_place ? got.p : in.p, got.p, count, dtype, red, s);
   } else if (op == Op::kAllGather) {
-    weft::hierarchical_all_gather(t, in.p, got.p, count, dtype, s);
     weft::nccl::check(n.AllGather(in.p, want.p, count, type, all, s), "reference ncclAllGather");
+    weft::hierarchical_all_gather(t, in.p, got.p, count, dtype, s);
   } else {
-    weft::hierarchical_reduce_scatter(t, in.p, got.p, count, dtype, red, s);
     weft::nccl::check(n.ReduceScatter(in.p, want.p, count, type, nop, all, s), "reference ncclReduceScatter");
+    weft::hierarchical_reduce_scatter(t, in.p, got.p, count, dtype, red, s);
   }
   WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
   t.node_team().synchronize();
@@ -246,9 +252,15 @@ int main(int argc, char** argv) {
       std::printf("SKIPPED: weft-multinode-tests: run under a launcher (weft-launch -n N), one rank a GPU\n");
       return 77;
     }
+    try {
+      weft::nccl::api();
+    } catch (const std::exception& e) {
+      std::printf("SKIPPED: weft-multinode-tests: %s\n", e.what());
+      return 77;
+    }
     int ndev = 0;
     WEFT_CUDA_CHECK(cudaGetDeviceCount(&ndev));
-    if (ndev < env->local_world) {
+    if (ndev < env->local_world && !std::getenv("CUDA_VISIBLE_DEVICES")) {
       std::printf("SKIPPED: weft-multinode-tests: %d ranks on this host, %d GPUs\n", env->local_world, ndev);
       return 77;
     }

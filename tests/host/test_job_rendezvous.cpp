@@ -83,9 +83,9 @@ TEST(JobRendezvous, LeadersAddressFromTheEnvironment) {
   auto a =
       weft::leaders_address(getter({{"MASTER_ADDR", "n0"}, {"MASTER_PORT", "29500"}}), Launcher::kTorchrun);
   EXPECT_EQ(a.host, "n0");
-  EXPECT_EQ(a.port, 29501);  // torchrun's store holds MASTER_PORT itself
+  EXPECT_EQ(a.port, 29501);  // torch's store holds MASTER_PORT itself
   a = weft::leaders_address(getter({{"MASTER_ADDR", "n0"}, {"MASTER_PORT", "29500"}}), Launcher::kMpi);
-  EXPECT_EQ(a.port, 29500);
+  EXPECT_EQ(a.port, 29501);
   a = weft::leaders_address(
       getter({{"MASTER_ADDR", "n0"}, {"MASTER_PORT", "29500"}, {"WEFT_RENDEZVOUS_PORT", "40000"}}),
       Launcher::kTorchrun);

@@ -4,10 +4,9 @@
 // the node's weft collective and the NCCL call one after the other. Buffers are device pointers on the rank's
 // GPU, anywhere in device memory; in == out is allowed for all_reduce. Ranks: rank = node x node_size + i.
 //
-//   all_reduce      count elements. count divisible by the node size: a reduce-scatter in the node, an NCCL
-//                   all-reduce of this rank's 1 / node_size shard among the i-th ranks of the nodes, an
-//                   all-gather in the node. Otherwise an all-reduce in the node, then of the whole vector
-//                   among the i-th ranks (correct for any count; node_size times the network bytes).
+//   all_reduce      count elements: a reduce-scatter in the node, an NCCL all-reduce of this rank's
+//                   1 / node_size shard among the i-th ranks of the nodes, an all-gather in the node; the
+//                   last count % node_size elements by NCCL's all-reduce over every rank.
 //   all_gather      in: count elements; out: world x count, rank r's at r x count. NCCL all-gather among the
 //                   i-th ranks (out of each node: this rank's count), then weft's all-gather in the node
 //                   along the inner dimension, which puts every block where its rank's place is.

@@ -5,7 +5,8 @@
 // team spanning nodes exchanges once (host names, the NCCL unique id). On one node it is the Channel alone.
 //
 // Where the first ranks meet (leaders_address): MASTER_ADDR, port WEFT_RENDEZVOUS_PORT, else MASTER_PORT + 1
-// under torchrun (whose own store listens on MASTER_PORT), else MASTER_PORT (weft-launch --master sets both).
+// (torch's store, torchrun's or init_process_group's, listens on MASTER_PORT itself). The listener is closed
+// once every node is in.
 #pragma once
 #include <chrono>
 #include <memory>

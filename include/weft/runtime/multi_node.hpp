@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <vector>
 
 #include "weft/runtime/communicator.hpp"
 #include "weft/runtime/env.hpp"
@@ -40,8 +41,9 @@ class MultiNodeTeam {
   // algorithms over the whole job: the baseline the hierarchical ops are measured against).
   void* nccl_across() const { return across_; }
   void* nccl_all() const { return all_; }
-  // A device buffer of at least `bytes` on this rank's GPU for calls on `stream`, grown on demand (outside a
-  // graph capture; growing waits for the stream's earlier calls, which may still use the old one).
+  // A device buffer of at least `bytes` on this rank's GPU, grown on demand (outside a graph capture; an
+  // outgrown one is kept until the team ends). One buffer for the team's calls: they run one at a time,
+  // on one stream or ordered between streams, as the team's collectives do.
   void* scratch(size_t bytes, cudaStream_t stream);
 
  private:
@@ -53,6 +55,7 @@ class MultiNodeTeam {
   void* all_ = nullptr;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  std::vector<void*> retired_;  // outgrown scratch buffers, freed with the team
 };
 
 }  // namespace weft
