@@ -109,6 +109,30 @@ def all_to_all(nccl, rank, world, g):
     return 3
 
 
+def two_streams(nccl, rank, world, g):
+    """An all-gather and a reduce-scatter issued on two streams at once (as FSDP2 does), each against NCCL: the
+    backend runs weft's in issue order, so they neither race on the rank's workspace nor cross between ranks."""
+    x = torch.randn(1 << 18, device="cuda", generator=g)
+    big = torch.randn(world << 18, device="cuda", generator=g)
+    results = []
+    for grp in (None, nccl):
+        a, b = torch.cuda.Stream(), torch.cuda.Stream()
+        a.wait_stream(torch.cuda.current_stream())
+        b.wait_stream(torch.cuda.current_stream())
+        ag, rs = torch.empty(world << 18, device="cuda"), torch.empty(1 << 18, device="cuda")
+        with torch.cuda.stream(a):
+            w1 = dist.all_gather_into_tensor(ag, x, group=grp, async_op=True)
+        with torch.cuda.stream(b):
+            w2 = dist.reduce_scatter_tensor(rs, big, group=grp, async_op=True)
+        w1.wait()
+        w2.wait()
+        torch.cuda.synchronize()
+        results.append((ag, rs))
+    check("all_gather_into_tensor beside a reduce-scatter on another stream", results[0][0], results[1][0], exact=True)
+    check("reduce_scatter_tensor beside an all-gather on another stream", results[0][1], results[1][1])
+    return 2
+
+
 def refusals(rank, world):
     x = torch.ones(4, device="cuda")
     cases = [("product", lambda: dist.all_reduce(x, op=dist.ReduceOp.PRODUCT), "is not supported"),
@@ -131,7 +155,7 @@ def model(seed):
 
 
 def train(m, rank, steps=5):
-    """SGD on this rank's batches; the loss of each step averaged over ranks (on the default group)."""
+    """SGD on this rank's batches; this rank's loss of each step."""
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator(device="cuda").manual_seed(77 + rank)
     losses = []
@@ -202,7 +226,7 @@ def main():
         raise AssertionError(f"init_process_group('weft'): backend {dist.get_backend()}, weft team {weft._default}")
     nccl = dist.new_group(backend="nccl")
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    cases = collectives(nccl, rank, world, g) + refusals(rank, world)
+    cases = collectives(nccl, rank, world, g) + two_streams(nccl, rank, world, g) + refusals(rank, world)
     d, f = ddp_and_fsdp(nccl, rank)
     if world >= 4 and world % 2 == 0:
         cases += mesh_dimensions(rank, world, g)

@@ -29,8 +29,8 @@ from . import _weft
 __version__ = _weft.__version__
 
 # The public names: these and each area module's __all__ (assembled below, after the areas are imported).
-_RUNTIME_NAMES = ["init", "virtual_team", "Team", "Communicator", "WeftError", "WeftValueError", "WeftTypeError",
-                  "__version__"]
+_RUNTIME_NAMES = ["init", "virtual_team", "Team", "Communicator", "register_torch_backend", "WeftError",
+                  "WeftValueError", "WeftTypeError", "__version__"]
 
 # ---- the package's mutable state -------------------------------------------------------------------------
 # It lives here, in the package module, and nowhere else: the area modules below read and write it as
@@ -58,7 +58,7 @@ from ._tensor_parallel import *  # noqa: F401,F403
 from ._attention import *  # noqa: F401,F403
 from ._moe import *  # noqa: F401,F403
 from ._fp8 import *  # noqa: F401,F403
-from ._runtime import Communicator, Team, init, virtual_team
+from ._runtime import Communicator, Team, init, register_torch_backend, virtual_team
 from . import _args, _runtime
 
 __all__ = (_RUNTIME_NAMES + _collectives.__all__ + _tensor_parallel.__all__ + _attention.__all__ + _moe.__all__ +

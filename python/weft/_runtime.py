@@ -34,6 +34,15 @@ def init(timeout_ms: int = 0) -> "Communicator":
     return _join_team(timeout_ms, store, int(os.environ.get("RANK", "0")))
 
 
+def register_torch_backend():
+    """Registers weft as torch.distributed's backend "weft" (dist.init_process_group("weft")). Importing weft
+    does it when torch was imported first; this imports torch and does it whatever the order."""
+    import torch  # noqa: F401 (the caller asks for torch's backend)
+    _torch_api()
+    if not _w._torch_backend_registered:
+        raise WeftError("weft: torch.distributed is not available in this torch build: no backend to register")
+
+
 def _join_team(timeout_ms, store, rank):
     """init()'s rendezvous, the secret (where WEFT_JOB_SECRET is not set) drawn by rank 0 into `store` (a torch
     key-value store every rank reads; None: no secret); also the torch backend's first group's (its store)."""

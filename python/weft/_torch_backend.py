@@ -17,7 +17,15 @@ dimension's group in the same order, as DeviceMesh does).
 
 The team: the default group's creation joins weft's team (weft.init(), the job secret through the group's store)
 unless weft.init() ran first; its ranks must be torch's global ranks. A group created later is the sub-team of
-that team its global ranks span.
+that team its global ranks span; every rank of the team must create the groups of a split together (a sub-team's
+first call reserves resources on every rank), as DeviceMesh does: dist.new_group([0, 1]) alone on a team of 4
+would leave ranks 2 and 3 behind.
+
+Registered when weft finds torch imported (import torch before weft, or call weft.register_torch_backend()).
+Not supported: init_process_group(..., device_id=...) (torch then asks the group for a C++ backend to split,
+which this Python group has none of), object collectives (they move CPU tensors), and C++ callers of the group
+methods torch 2.11's Python trampoline does not forward (gather, scatter, reduce, _allgather_base from compiled
+code such as torch.ops._c10d_functional.all_gather_into_tensor_out): they fail in torch naming the device type.
 """
 from __future__ import annotations
 
@@ -45,6 +53,7 @@ def register():
 def _create(opts, backend_options=None):
     """torch's creator of the backend's process group (extended API: opts carries the store, the group's rank,
     size and global ranks)."""
+    ranks_given = bool(getattr(opts, "global_ranks_in_group", []))  # [] for the default group
     ranks = list(getattr(opts, "global_ranks_in_group", []) or range(opts.group_size))
     if _w._default is None:
         if len(ranks) != opts.group_size or ranks != list(range(opts.group_size)):
@@ -54,6 +63,10 @@ def _create(opts, backend_options=None):
         _join_team(0, opts.store, opts.group_rank)
     team = _w._default
     torch.cuda.set_device(team.device)
+    if not ranks_given and opts.group_size != team.world_size:
+        raise WeftError(f"weft: torch's default group has {opts.group_size} ranks, weft's team "
+                        f"{team.world_size}: the launcher's environment (WORLD_SIZE) and init_process_group's "
+                        "arguments disagree")
     if len(ranks) == team.world_size and ranks == list(range(team.world_size)):
         group = team
         if opts.group_rank != team.rank:
@@ -66,6 +79,24 @@ def _create(opts, backend_options=None):
 
 
 _REDUCIBLE = (torch.bfloat16, torch.float16, torch.float32)
+# The event after this process's last weft collective on each device. weft's collectives of one rank run one
+# at a time (they share the rank's workspace and meeting slots, and every rank must run them in one order),
+# while torch's callers issue them from several streams (FSDP2: all-gathers and reduce-scatters on streams of
+# their own, overlapping by design); so each call first makes its stream wait for the previous one, and the
+# calls run in issue order, as NCCL's do on its one stream per communicator.
+_LAST = {}
+
+
+def _in_issue_order(method):
+    """method, run on the caller's stream after every earlier weft collective of this process on the device."""
+    def ordered(self, *args, **kwargs):
+        last = _LAST.get(self.comm.device)
+        if last is not None:
+            torch.cuda.current_stream().wait_event(last)
+        return method(self, *args, **kwargs)
+
+    ordered.__name__ = method.__name__
+    return ordered
 
 if dist.is_available():  # the classes' bases live in torch.distributed
     _REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
@@ -78,6 +109,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
             super().__init__()
             self._event = torch.cuda.Event()
             self._event.record()
+            _LAST[torch.cuda.current_device()] = self._event
             self._host_wait = host_wait
             self._future = torch.futures.Future()
             self._future.set_result(result)
@@ -104,9 +136,24 @@ if dist.is_available():  # the classes' bases live in torch.distributed
         def __init__(self, comm, rank, size):
             super().__init__(rank, size)
             self.comm = comm
+            self._group_name, self._group_desc = "", ""
 
         def getBackendName(self):
             return BACKEND
+
+        # torch names the group after creating it; with no C++ backend behind this group, the base class
+        # would keep no name (and DeviceMesh, DTensor and FSDP2 read it).
+        def setGroupName(self, name):
+            self._group_name = name
+
+        def getGroupName(self):
+            return self._group_name
+
+        def setGroupDesc(self, desc):
+            self._group_desc = desc
+
+        def getGroupDesc(self):
+            return self._group_desc
 
         def __repr__(self):
             return f"ProcessGroupWeft(rank {self.comm.rank} of {self.comm.world_size})"
@@ -138,6 +185,9 @@ if dist.is_available():  # the classes' bases live in torch.distributed
             if flat.dtype in _REDUCIBLE:
                 return flat
             nbytes = flat.numel() * flat.element_size()
+            if flat.data_ptr() % 2:
+                raise WeftValueError(f"weft backend: {what}: a {flat.dtype} tensor at an odd address: the copying "
+                                     "collectives move 2-byte words")
             if nbytes % 2:
                 raise WeftValueError(f"weft backend: {what}: {flat.dtype} tensor of {nbytes} bytes: the copying "
                                      "collectives move 2-byte words (an even byte count)")
@@ -150,15 +200,18 @@ if dist.is_available():  # the classes' bases live in torch.distributed
                 out.div_(self.comm.world_size)
 
         # ---- collectives --------------------------------------------------------------------------------
+        @_in_issue_order
         def allreduce(self, tensors, opts=None):
             for t in tensors:
                 name = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t, "all_reduce")
                 self._reduced(name, self._tensor(t, "all_reduce").view(-1), t.view(-1))
             return Work(tensors)
 
+        @_in_issue_order
         def allreduce_coalesced(self, tensors, opts=None):
             return self.allreduce(tensors, opts)
 
+        @_in_issue_order
         def all_gather_single(self, output, input, opts=None):
             x = self._words(input, "all_gather_into_tensor")
             out = self._words(output, "all_gather_into_tensor")
@@ -170,6 +223,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
 
         _allgather_base = all_gather_single
 
+        @_in_issue_order
         def allgather(self, output_tensors, input_tensors, opts=None):
             for outs, x in zip(output_tensors, input_tensors):
                 flat = torch.empty(x.numel() * self.comm.world_size, dtype=x.dtype, device=x.device)
@@ -178,6 +232,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
                     o.copy_(flat[q * x.numel():(q + 1) * x.numel()].view(o.shape))
             return Work(output_tensors)
 
+        @_in_issue_order
         def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
             for o, x in zip(outputs, inputs):
                 self.all_gather_single(o, x)
@@ -185,6 +240,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
 
         all_gather_single_coalesced = allgather_into_tensor_coalesced
 
+        @_in_issue_order
         def reduce_scatter_single(self, output, input, opts=None):
             name = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, input, "reduce_scatter_tensor")
             x = self._tensor(input, "reduce_scatter_tensor").view(-1)
@@ -199,11 +255,13 @@ if dist.is_available():  # the classes' bases live in torch.distributed
 
         _reduce_scatter_base = reduce_scatter_single
 
+        @_in_issue_order
         def reduce_scatter(self, output_tensors, input_tensors, opts=None):
             for out, xs in zip(output_tensors, input_tensors):
                 self.reduce_scatter_single(out, torch.cat([x.reshape(-1) for x in xs]), opts)
             return Work(output_tensors)
 
+        @_in_issue_order
         def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
             for o, x in zip(outputs, inputs):
                 self.reduce_scatter_single(o, x, opts)
@@ -211,15 +269,20 @@ if dist.is_available():  # the classes' bases live in torch.distributed
 
         reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
+        @_in_issue_order
         def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
             w = self.comm.world_size
             self._tensor(input, "all_to_all_single")
             self._tensor(output, "all_to_all_single")
             if not output_split_sizes and not input_split_sizes:
+                rows = input.shape[0] if input.dim() else 0
+                if input.shape != output.shape or rows % w:
+                    raise WeftValueError(f"weft backend: all_to_all_single: input {tuple(input.shape)} and output "
+                                         f"{tuple(output.shape)}: equal splits need one shape, dim 0 divisible by {w}")
                 x, out = self._words(input, "all_to_all_single"), self._words(output, "all_to_all_single")
-                if x.numel() != out.numel() or x.numel() % w:
-                    raise WeftValueError(f"weft backend: all_to_all_single: input and output of {input.numel()} and "
-                                         f"{output.numel()} elements: equal splits need one size, divisible by {w}")
+                if x.numel() % w:
+                    raise WeftValueError("weft backend: all_to_all_single: each rank's part has an odd byte count "
+                                         "(the copying collectives move 2-byte words)")
                 _w.all_to_all(x, out=out, comm=self.comm)
                 return Work([output])
             rows_in, rows_out = input.shape[0] if input.dim() else 0, output.shape[0] if output.dim() else 0
@@ -251,6 +314,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
 
         alltoall_base = all_to_all_single
 
+        @_in_issue_order
         def alltoall(self, output_tensors, input_tensors, opts=None):
             x = torch.cat([t.reshape(-1) for t in input_tensors])
             out = torch.empty(sum(t.numel() for t in output_tensors), dtype=x.dtype, device=x.device)
@@ -264,10 +328,13 @@ if dist.is_available():  # the classes' bases live in torch.distributed
 
         def _max_over_group(self, value):
             """The largest value over the group's ranks (a host read: all_to_all_v's out rows are one size)."""
-            t = torch.tensor([float(value)], device=torch.device("cuda", self.comm.device))
-            _w.all_reduce(t, "max", out=t, comm=self.comm)
-            return int(t.item())
+            t = torch.tensor([int(value)], dtype=torch.int64, device=torch.device("cuda", self.comm.device))
+            every = torch.empty(self.comm.world_size, dtype=torch.int64, device=t.device)
+            _w.all_gather(self._words(t, "all_to_all_single"), out=self._words(every, "all_to_all_single"),
+                          comm=self.comm)
+            return int(every.max().item())
 
+        @_in_issue_order
         def broadcast(self, tensors, opts=None):
             root = opts.rootRank if opts is not None else 0
             for t in tensors:
@@ -275,18 +342,20 @@ if dist.is_available():  # the classes' bases live in torch.distributed
                 _w.broadcast(x, root=root, out=x, comm=self.comm)
             return Work(tensors)
 
+        @_in_issue_order
         def reduce(self, tensors, opts=None):
             root = opts.rootRank if opts is not None else 0
             for t in tensors:
                 name = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t, "reduce")
                 x = self._tensor(t, "reduce").view(-1)
-                if name == "avg":
-                    raise WeftValueError("weft backend: reduce: avg is not supported (sum, max, min)")
-                got = _w.reduce(x, root=root, op=name, comm=self.comm)
+                got = _w.reduce(x, root=root, op="sum" if name == "avg" else name, comm=self.comm)
                 if got is not None:
                     x.copy_(got)
+                    if name == "avg":
+                        x.div_(self.comm.world_size)
             return Work(tensors)
 
+        @_in_issue_order
         def gather(self, output_tensors, input_tensors, opts=None):
             root = opts.rootRank if opts is not None else 0
             x = self._words(input_tensors[0], "gather")
@@ -296,6 +365,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
                     self._words(o, "gather").copy_(got[q * x.numel():(q + 1) * x.numel()])
             return Work(output_tensors)
 
+        @_in_issue_order
         def scatter(self, output_tensors, input_tensors, opts=None):
             root = opts.rootRank if opts is not None else 0
             out = self._words(output_tensors[0], "scatter")
@@ -306,6 +376,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
             _w.scatter(x, root=root, out=out, comm=self.comm)
             return Work(output_tensors)
 
+        @_in_issue_order
         def barrier(self, opts=None):
             t = torch.zeros(1, device=torch.device("cuda", self.comm.device))
             _w.all_reduce(t, "sum", out=t, comm=self.comm)
