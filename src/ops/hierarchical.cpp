@@ -1,5 +1,8 @@
 #include "weft/ops/hierarchical.hpp"
 
+#include <mutex>
+#include <string>
+
 #include "../runtime/nccl_api.hpp"
 #include "weft/runtime/error.hpp"
 
@@ -19,12 +22,19 @@ nccl::RedOp red_op(ReduceOp op) {
   throw_error("weft: no NCCL reduction for this op");
 }
 
-nccl::Comm across(const MultiNodeTeam& t) {
-  return static_cast<nccl::Comm>(t.nccl_across());
-}
-
 cudaStream_t stream_of(MultiNodeTeam& t, cudaStream_t s) {
   return s ? s : t.node_rank().stream();
+}
+
+// Enqueues enqueue(across, all) (the team's NCCL communicators) under the team's NCCL lock, unless the team
+// has failed (its watchdog aborts them from another thread).
+template <class Enqueue>
+void nccl_call(MultiNodeTeam& t, const std::string& what, Enqueue&& enqueue) {
+  t.check_alive();
+  std::lock_guard<std::mutex> hold(t.nccl_lock());
+  WEFT_CHECK(t.nccl_across() != nullptr && t.nccl_all() != nullptr, what + ": the team was aborted");
+  nccl::check(enqueue(static_cast<nccl::Comm>(t.nccl_across()), static_cast<nccl::Comm>(t.nccl_all())),
+              "weft: " + what);
 }
 
 }  // namespace
@@ -40,15 +50,18 @@ void hierarchical_all_reduce(MultiNodeTeam& t, const void* in, void* out, size_t
   // are apart from the main part's, so in == out stays safe).
   const size_t shard = count / ns, main = shard * ns, es = dtype_size(dtype);
   if (main < count)
-    nccl::check(n.AllReduce(static_cast<const char*>(in) + main * es, static_cast<char*>(out) + main * es,
-                            count - main, nccl::data_type(dtype), red_op(op),
-                            static_cast<nccl::Comm>(t.nccl_all()), stream),
-                "weft: hierarchical_all_reduce: ncclAllReduce (the last count % node_size elements)");
+    nccl_call(t, "hierarchical_all_reduce: ncclAllReduce (the last count % node_size elements)",
+              [&](nccl::Comm, nccl::Comm all) {
+                return n.AllReduce(static_cast<const char*>(in) + main * es,
+                                   static_cast<char*>(out) + main * es, count - main, nccl::data_type(dtype),
+                                   red_op(op), all, stream);
+              });
   if (shard == 0) return;
   void* part = t.scratch(shard * es, stream);
   reduce_scatter(node, t.node_rank(), in, part, Shape2D{shard, 1}, 0, dtype, op, stream);
-  nccl::check(n.AllReduce(part, part, shard, nccl::data_type(dtype), red_op(op), across(t), stream),
-              "weft: hierarchical_all_reduce: ncclAllReduce");
+  nccl_call(t, "hierarchical_all_reduce: ncclAllReduce", [&](nccl::Comm across, nccl::Comm) {
+    return n.AllReduce(part, part, shard, nccl::data_type(dtype), red_op(op), across, stream);
+  });
   all_gather(node, t.node_rank(), part, out, Shape2D{shard, 1}, 0, dtype, stream);
 }
 
@@ -59,8 +72,9 @@ void hierarchical_all_gather(MultiNodeTeam& t, const void* in, void* out, size_t
   // [nodes, count]: row m the i-th rank of node m's; gathered along columns in the node: row m becomes
   // node m's ranks' blocks side by side, which is out's layout.
   void* rows = t.scratch(size_t(t.nodes()) * count * dtype_size(dtype), stream);
-  nccl::check(nccl::api().AllGather(in, rows, count, nccl::data_type(dtype), across(t), stream),
-              "weft: hierarchical_all_gather: ncclAllGather");
+  nccl_call(t, "hierarchical_all_gather: ncclAllGather", [&](nccl::Comm across, nccl::Comm) {
+    return nccl::api().AllGather(in, rows, count, nccl::data_type(dtype), across, stream);
+  });
   all_gather(t.node_team(), t.node_rank(), rows, out, Shape2D{size_t(t.nodes()), count}, 1, dtype, stream);
 }
 
@@ -73,9 +87,9 @@ void hierarchical_reduce_scatter(MultiNodeTeam& t, const void* in, void* out, si
   void* rows = t.scratch(size_t(t.nodes()) * count * dtype_size(dtype), stream);
   reduce_scatter(t.node_team(), t.node_rank(), in, rows, Shape2D{size_t(t.nodes()), count}, 1, dtype, op,
                  stream);
-  nccl::check(
-      nccl::api().ReduceScatter(rows, out, count, nccl::data_type(dtype), red_op(op), across(t), stream),
-      "weft: hierarchical_reduce_scatter: ncclReduceScatter");
+  nccl_call(t, "hierarchical_reduce_scatter: ncclReduceScatter", [&](nccl::Comm across, nccl::Comm) {
+    return nccl::api().ReduceScatter(rows, out, count, nccl::data_type(dtype), red_op(op), across, stream);
+  });
 }
 
 }  // namespace weft

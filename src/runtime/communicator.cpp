@@ -769,6 +769,18 @@ void Communicator::synchronize() {
   retired_workspaces_.clear();
 }
 
+void Communicator::abort(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> hold(abort_lock_);
+    if (abort_reason_.empty()) abort_reason_ = why;
+  }
+  if (abort_flag_) *reinterpret_cast<volatile int32_t*>(abort_flag_) = 1;
+}
+
+bool Communicator::aborted() const {
+  return abort_flag_ && *reinterpret_cast<volatile const int32_t*>(abort_flag_) != 0;
+}
+
 std::string Communicator::describe_offset(uint64_t offset) const {
   if (pad_ && offset >= pad_.offset && offset < pad_.offset + SignalPadLayout::kBytes) {
     const uint64_t o = offset - pad_.offset;
@@ -862,7 +874,13 @@ void Communicator::check_device_errors() const {
       msg += "; a peer is stuck, died, or skipped a matching signal (timeout: WEFT_TIMEOUT_MS)";
     if (channel_ && !channel_->lost_reason().empty()) msg += "; " + channel_->lost_reason();
     if (channel_ && !channel_->departed_reason().empty()) msg += "; " + channel_->departed_reason();
+    std::lock_guard<std::mutex> hold(abort_lock_);
+    if (!abort_reason_.empty()) msg += "; " + abort_reason_;
     throw Error(msg);
+  }
+  {
+    std::lock_guard<std::mutex> hold(abort_lock_);
+    if (!abort_reason_.empty()) throw Error(abort_reason_);
   }
   if (channel_) {
     std::string lost = channel_->lost_reason();

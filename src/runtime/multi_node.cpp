@@ -71,15 +71,58 @@ std::unique_ptr<MultiNodeTeam> MultiNodeTeam::create_from_launcher(const LaunchE
   t->across_ = make_comm(*t->job_, env.node == 0, i, env.nodes, env.node,
                          "rank " + std::to_string(i) + " of every node");
   t->job_.reset();  // the rendezvous is over: its sockets closed (the node team keeps its own channel)
+  t->watchdog_ = std::thread([self = t.get()] { self->watch(); });
   return t;
 }
 
 MultiNodeTeam::~MultiNodeTeam() {
+  stop_ = true;
+  if (watchdog_.joinable()) watchdog_.join();
   if (scratch_ || !retired_.empty()) cudaDeviceSynchronize();
   for (void* p : retired_) cudaFree(p);
   if (scratch_) cudaFree(scratch_);
-  for (void* c : {across_, all_})
+  for (void* c : {across_, all_})  // aborted ones are gone already (fail() cleared them)
     if (c) nccl::api().CommDestroy(static_cast<nccl::Comm>(c));
+}
+
+void MultiNodeTeam::fail(const std::string& why) {
+  std::lock_guard<std::mutex> hold(nccl_lock_);
+  if (!failure_.empty()) return;
+  failure_ = why;
+  for (void** c : {&across_, &all_})
+    if (*c) {
+      nccl::api().CommAbort(static_cast<nccl::Comm>(*c));
+      *c = nullptr;
+    }
+  node_->abort(why);
+}
+
+void MultiNodeTeam::watch() {
+  const std::pair<void*, const char*> comms[] = {{across_, "between nodes"}, {all_, "over every rank"}};
+  while (!stop_) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (node_->aborted()) {
+      fail("weft: rank " + std::to_string(rank_) + ": the node's team gave up (a rank of node " +
+           std::to_string(node_index_) + " was lost or failed); the NCCL communicators were aborted");
+      return;
+    }
+    for (auto [comm, what] : comms) {
+      int status = nccl::kSuccess;
+      if (nccl::api().CommGetAsyncError(static_cast<nccl::Comm>(comm), &status) != nccl::kSuccess) continue;
+      if (status != nccl::kSuccess && status != nccl::kInProgress) {
+        const char* text = nccl::api().GetErrorString(status);
+        fail("weft: rank " + std::to_string(rank_) + ": NCCL reported error " + std::to_string(status) +
+             " (" + (text ? text : "?") + ") on its communicator " + what +
+             " (a rank of another node died or its network failed); the team was aborted");
+        return;
+      }
+    }
+  }
+}
+
+void MultiNodeTeam::check_alive() const {
+  std::lock_guard<std::mutex> hold(nccl_lock_);
+  if (!failure_.empty()) throw_error(failure_);
 }
 
 void* MultiNodeTeam::scratch(size_t bytes, cudaStream_t stream) {

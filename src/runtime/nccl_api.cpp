@@ -40,6 +40,7 @@ const Api& api() {
     resolve("ncclCommInitRank", &a.CommInitRank);
     resolve("ncclCommDestroy", &a.CommDestroy);
     resolve("ncclCommAbort", &a.CommAbort);
+    resolve("ncclCommGetAsyncError", &a.CommGetAsyncError);
     resolve("ncclAllReduce", &a.AllReduce);
     resolve("ncclAllGather", &a.AllGather);
     resolve("ncclReduceScatter", &a.ReduceScatter);

@@ -18,12 +18,14 @@ struct UniqueId {
 };
 enum DataType : int { kFloat16 = 6, kFloat32 = 7, kBfloat16 = 9 };  // ncclDataType_t
 enum RedOp : int { kSum = 0, kMax = 2, kMin = 3 };                  // ncclRedOp_t
+enum Status : int { kSuccess = 0, kInProgress = 7 };  // ncclResult_t: the two that are not errors
 
 struct Api {
   int (*GetUniqueId)(UniqueId*) = nullptr;
   int (*CommInitRank)(Comm*, int, UniqueId, int) = nullptr;
   int (*CommDestroy)(Comm) = nullptr;
   int (*CommAbort)(Comm) = nullptr;
+  int (*CommGetAsyncError)(Comm, int*) = nullptr;
   int (*AllReduce)(const void*, void*, size_t, int, int, Comm, cudaStream_t) = nullptr;
   int (*AllGather)(const void*, void*, size_t, int, Comm, cudaStream_t) = nullptr;
   int (*ReduceScatter)(const void*, void*, size_t, int, int, Comm, cudaStream_t) = nullptr;

@@ -10,6 +10,9 @@
 // bf16 and fp32, sum and max, sizes straddling the node size; outputs poisoned first; each rank's node team
 // is its node's ranks only. Pass: max gives NCCL's bits, sums within 1e-5 (fp32) / 2e-2 (bf16) relative; no
 // NaN. Exit 0 pass, 1 fail, 77 skipped (no GPU, or not enough for one rank each).
+// WEFT_TEST_RANK_DEATH=1: instead of the tests, the last rank exits (status 0) after a first all-reduce while
+// the others go on calling all-reduces: every other rank, on its node or another, must report the loss within
+// 20 s ("saw after S s: ...") rather than wait in NCCL or in weft's kernels until the launcher's grace kill.
 // --bench: after the tests, device us per call of each hierarchical collective and of NCCL's flat one over
 // every rank (bf16 sums, 1 MiB .. 256 MiB of output per rank; median of 20 after 3 warm-ups, slowest rank),
 // as a markdown table. On fake nodes that is NCCL over loopback sockets, not a network: label it so. Buffers
@@ -25,6 +28,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "runtime/nccl_api.hpp"
@@ -237,6 +241,52 @@ void bench(weft::MultiNodeTeam& t) {
   }
 }
 
+// The rank-death scenario (see the header): 0 when this rank saw the loss in time (or is the one that left).
+int rank_death(weft::MultiNodeTeam& t) {
+  const size_t count = size_t(1) << 20;
+  Device buf(count * 4);
+  WEFT_CUDA_CHECK(cudaMemset(buf.p, 0, count * 4));
+  cudaStream_t s = t.node_rank().stream();
+  weft::hierarchical_all_reduce(t, buf.p, buf.p, count, DType::kFP32, ReduceOp::kSum, s);
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (t.rank() == t.world() - 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    std::printf("[rank %d] leaving without a word\n", t.rank());
+    std::fflush(stdout);
+    ::_exit(0);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  std::string msg;
+  while (msg.empty() && seconds() < 60) {
+    try {
+      weft::hierarchical_all_reduce(t, buf.p, buf.p, count, DType::kFP32, ReduceOp::kSum, s);
+      // Polled, not a blocking synchronize: a rank stuck for good shows as a failure here, not a hang.
+      cudaEvent_t done;
+      WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+      WEFT_CUDA_CHECK(cudaEventRecord(done, s));
+      while (cudaEventQuery(done) == cudaErrorNotReady && seconds() < 60)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      const bool finished = cudaEventQuery(done) == cudaSuccess;
+      cudaEventDestroy(done);
+      if (!finished) {
+        msg = "nothing reported: the call was still waiting after 60 s";
+        break;
+      }
+      t.node_team().synchronize();
+      t.check_alive();
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+  }
+  std::printf("[rank %d] saw after %.2f s: %s\n", t.rank(), seconds(), msg.c_str());
+  const bool ok = !msg.empty() && seconds() < 20 && msg.rfind("nothing reported", 0) != 0;
+  std::printf("[rank %d] summary: %d passed, %d failed (rank death, %d nodes of %d ranks)\n", t.rank(),
+              ok ? 1 : 0, ok ? 0 : 1, t.nodes(), t.node_size());
+  std::fflush(stdout);
+  ::_exit(ok ? 0 : 1);  // the team's teardown would wait for the rank that left
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -265,6 +315,7 @@ int main(int argc, char** argv) {
       return 77;
     }
     auto team = weft::MultiNodeTeam::create_from_launcher(*env);
+    if (std::getenv("WEFT_TEST_RANK_DEATH")) return rank_death(*team);
     const int rc = run(*team);
     if (rc == 0 && want_bench) bench(*team);
     return rc;

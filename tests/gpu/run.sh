@@ -71,6 +71,10 @@ if [ "$ngpu" -ge 2 ]; then
       "fake_nodes_2x$size" env WEFT_NODE_SIZE="$size" MASTER_ADDR=127.0.0.1 \
       WEFT_RENDEZVOUS_PORT=$((20000 + RANDOM % 20000)) NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 \
       "$launch" -n $((2 * size)) "$build/tests/gpu/weft-multinode-tests"
+    step "fake nodes: 2 x $size ranks, the last rank leaves: every other rank reports it" \
+      "fake_nodes_death_2x$size" env WEFT_TEST_RANK_DEATH=1 WEFT_NODE_SIZE="$size" MASTER_ADDR=127.0.0.1 \
+      WEFT_RENDEZVOUS_PORT=$((20000 + RANDOM % 20000)) NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 \
+      "$launch" -n $((2 * size)) --grace 60 "$build/tests/gpu/weft-multinode-tests"
   done
 else
   step "single-process, 1 GPU (one-GPU tests)" "single_1" "$tests" --gpus 1

@@ -30,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -209,6 +210,12 @@ class Communicator {
   void device_barrier();
   // Waits for every local stream, then throws if any rank's device wait failed or a peer process died.
   void synchronize();
+  // Gives up on the team from outside its kernels (a team spanning nodes whose NCCL leg failed): raises the
+  // abort flag, so every device wait of this process's ranks fails within milliseconds, and synchronize()
+  // reports `why`. Thread-safe; the first reason stays.
+  void abort(const std::string& why);
+  // Whether the team has given up (abort(), or a peer process lost: the rendezvous channel raised the flag).
+  bool aborted() const;
   // Throws weft::Error describing the first device wait failure of a local rank, if any.
   void check_device_errors() const;
   // Describes a heap offset for error messages ("flag 3 of 'all_gather_matmul: chunk arrivals'", "barrier
@@ -263,6 +270,8 @@ class Communicator {
   std::vector<SymmetricBuffer>
       retired_workspaces_;         // outgrown with several local ranks: freed by synchronize()
   int32_t* abort_flag_ = nullptr;  // host-mapped
+  mutable std::mutex abort_lock_;
+  std::string abort_reason_;                          // abort()'s first reason
   std::map<const Rank*, TimelineBuffer*> timelines_;  // recording ranks' buffers (device memory)
   void set_timeline(Rank& rank, TimelineBuffer* buffer);
 };

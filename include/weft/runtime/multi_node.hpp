@@ -9,7 +9,11 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <atomic>
 #include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "weft/runtime/communicator.hpp"
@@ -38,9 +42,14 @@ class MultiNodeTeam {
   int nodes() const { return nodes_; }
   int node_size() const { return node_size_; }
   // The NCCL communicators (ncclComm_t): `across` the i-th rank of every node; `all` every rank (NCCL's own
-  // algorithms over the whole job: the baseline the hierarchical ops are measured against).
+  // algorithms over the whole job: the baseline the hierarchical ops are measured against). Enqueue on them
+  // only while holding nccl_lock() and after check_alive(): a failure aborts (frees) them from another
+  // thread.
   void* nccl_across() const { return across_; }
   void* nccl_all() const { return all_; }
+  std::mutex& nccl_lock() { return nccl_lock_; }
+  // Throws the failure that ended the team (an NCCL error between nodes, a rank of this node lost), if any.
+  void check_alive() const;
   // A device buffer of at least `bytes` on this rank's GPU, grown on demand (outside a graph capture; an
   // outgrown one is kept until the team ends). One buffer for the team's calls: they run one at a time,
   // on one stream or ordered between streams, as the team's collectives do.
@@ -56,6 +65,16 @@ class MultiNodeTeam {
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   std::vector<void*> retired_;  // outgrown scratch buffers, freed with the team
+  // The watchdog: every 20 ms, NCCL's asynchronous errors of both communicators and the node team's abort
+  // flag. On either, once: the NCCL communicators are aborted (their kernels return; a rank that died on
+  // another node fails this one instead of leaving it waiting in NCCL) and the node team too (its device
+  // waits fail), with the reason.
+  void watch();
+  void fail(const std::string& why);
+  mutable std::mutex nccl_lock_;
+  std::string failure_;  // under nccl_lock_
+  std::atomic<bool> stop_{false};
+  std::thread watchdog_;
 };
 
 }  // namespace weft
