@@ -20,8 +20,10 @@
 #include "weft/ops/fused.hpp"
 #include "weft/ops/flash_decode.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/hierarchical.hpp"
 #include "weft/ops/moe.hpp"
 #include "weft/runtime/communicator.hpp"
+#include "weft/runtime/multi_node.hpp"
 
 namespace py = pybind11;
 
@@ -311,28 +313,40 @@ weft::BLayout layout(const std::string& l) {
   return l == "nk" ? weft::BLayout::kNK : weft::BLayout::kKN;
 }
 
+// The launcher's environment of this process, with `secret` (shared by the Python side through torch's store)
+// where WEFT_JOB_SECRET did not set one; throws naming `who` when there is no launcher.
+weft::LaunchEnv launch_env(const std::string& who, const std::string& secret) {
+  auto env = weft::parse_launch_env(weft::process_env(), static_cast<long>(::getppid()));
+  if (!env)
+    throw weft::Error(who +
+                      ": no launcher environment: start one process per GPU with torchrun, mpirun or "
+                      "weft-launch (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)");
+  if (env->secret.empty() && !secret.empty()) {  // WEFT_JOB_SECRET, when set, wins
+    if (secret.size() < 16)
+      throw weft::Error(who + ": a job secret must hold at least 16 characters, got " +
+                        std::to_string(secret.size()));
+    env->secret = secret;
+  }
+  return *env;
+}
+
 // The communicator: creation (launcher environment, virtual teams), sub-teams, allocations, host calls.
 void bind_comm(py::module_& m) {
   py::class_<Comm>(m, "Comm")
       .def_static(
           "from_env",
           [](int timeout_ms, const std::string& secret) {
-            auto env = weft::parse_launch_env(weft::process_env(), static_cast<long>(::getppid()));
-            if (!env)
+            const weft::LaunchEnv env = launch_env("weft.init()", secret);
+            if (env.nodes > 1)
               throw weft::Error(
-                  "weft.init(): no launcher environment: start one process per GPU with torchrun, mpirun or "
-                  "weft-launch (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)");
-            if (env->secret.empty() && !secret.empty()) {  // WEFT_JOB_SECRET, when set, wins
-              if (secret.size() < 16)
-                throw weft::Error("weft.init(): a job secret must hold at least 16 characters, got " +
-                                  std::to_string(secret.size()));
-              env->secret = secret;
-            }
+                  "weft.init(): a multi-node job (" + std::to_string(env.nodes) +
+                  " nodes): weft.init_multi_node() makes its team (the node's weft team and NCCL "
+                  "between the nodes)");
             weft::Options o;
             o.timeout = std::chrono::milliseconds(timeout_ms);
             py::gil_scoped_release release;  // the rendezvous waits for the other processes
             return Comm::of(
-                std::shared_ptr<weft::Communicator>(weft::Communicator::create_from_launcher(*env, o)))[0];
+                std::shared_ptr<weft::Communicator>(weft::Communicator::create_from_launcher(env, o)))[0];
           },
           py::arg("timeout_ms") = 0, py::arg("secret") = std::string())
       .def_static(
@@ -841,6 +855,59 @@ void bind_fp8(py::module_& m) {
 
 }  // namespace
 
+// A team spanning nodes (weft.init_multi_node): the node's weft team as a Comm, the hierarchical collectives
+// (weft inside the node, NCCL between nodes).
+void bind_multi_node(py::module_& m) {
+  using weft::MultiNodeTeam;
+  py::class_<MultiNodeTeam, std::shared_ptr<MultiNodeTeam>>(m, "MultiNode")
+      .def_static(
+          "from_env",
+          [](int timeout_ms, const std::string& secret) {
+            const weft::LaunchEnv env = launch_env("weft.init_multi_node()", secret);
+            weft::Options o;
+            o.timeout = std::chrono::milliseconds(timeout_ms);
+            py::gil_scoped_release release;  // the rendezvous waits for the other processes
+            return std::shared_ptr<MultiNodeTeam>(MultiNodeTeam::create_from_launcher(env, o));
+          },
+          py::arg("timeout_ms") = 0, py::arg("secret") = std::string())
+      .def_property_readonly("rank", &MultiNodeTeam::rank)
+      .def_property_readonly("world_size", &MultiNodeTeam::world)
+      .def_property_readonly("node", &MultiNodeTeam::node)
+      .def_property_readonly("nodes", &MultiNodeTeam::nodes)
+      .def_property_readonly("node_size", &MultiNodeTeam::node_size)
+      .def_property_readonly("device", [](MultiNodeTeam& t) { return t.node_rank().device(); })
+      // The node's team (it keeps the whole team alive).
+      .def("node_comm",
+           [](const std::shared_ptr<MultiNodeTeam>& t) {
+             return Comm::of(std::shared_ptr<weft::Communicator>(t, &t->node_team()))[0];
+           })
+      .def("check_alive", &MultiNodeTeam::check_alive);
+  // How many nodes the launcher's job spans (0: no launcher environment).
+  m.def("launch_nodes", [] {
+    const auto env = weft::parse_launch_env(weft::process_env(), static_cast<long>(::getppid()));
+    return env ? env->nodes : 0;
+  });
+  const auto stream = [](uintptr_t s) { return s ? reinterpret_cast<cudaStream_t>(s) : cudaStreamLegacy; };
+  const auto ptr = [](uintptr_t p) { return reinterpret_cast<void*>(p); };
+  m.def("hierarchical_all_reduce", [=](MultiNodeTeam& t, uintptr_t in, uintptr_t out, uint64_t count,
+                                       const std::string& dtype, const std::string& op, uintptr_t s) {
+    weft::hierarchical_all_reduce(t, ptr(in), ptr(out), count, parse_dtype(dtype), parse_op(op), stream(s));
+  });
+  m.def("hierarchical_all_gather", [=](MultiNodeTeam& t, uintptr_t in, uintptr_t out, uint64_t count,
+                                       const std::string& dtype, uintptr_t s) {
+    weft::hierarchical_all_gather(t, ptr(in), ptr(out), count, parse_dtype(dtype), stream(s));
+  });
+  m.def("hierarchical_reduce_scatter", [=](MultiNodeTeam& t, uintptr_t in, uintptr_t out, uint64_t count,
+                                           const std::string& dtype, const std::string& op, uintptr_t s) {
+    weft::hierarchical_reduce_scatter(t, ptr(in), ptr(out), count, parse_dtype(dtype), parse_op(op),
+                                      stream(s));
+  });
+  m.def("hierarchical_broadcast", [=](MultiNodeTeam& t, uintptr_t in, uintptr_t out, uint64_t count,
+                                      const std::string& dtype, int root, uintptr_t s) {
+    weft::hierarchical_broadcast(t, ptr(in), ptr(out), count, parse_dtype(dtype), root, stream(s));
+  });
+}
+
 PYBIND11_MODULE(_weft, m) {
   m.doc() = "weft: overlapped multi-GPU kernels (C++ extension; use the weft package)";
   py::register_exception<weft::Error>(m, "WeftError", PyExc_RuntimeError);
@@ -854,4 +921,5 @@ PYBIND11_MODULE(_weft, m) {
   bind_decode(m);
   bind_moe(m);
   bind_tensor_parallel(m);
+  bind_multi_node(m);
 }

@@ -197,6 +197,12 @@ class NoGpu(unittest.TestCase):
         with mock.patch.dict(os.environ, env):
             self.raises(weft.WeftError, "multi-node", weft.init)
 
+    def test_init_multi_node_needs_the_nodes_meeting_address(self):
+        env = {"RANK": "0", "WORLD_SIZE": "16", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}
+        with mock.patch.dict(os.environ, env):
+            os.environ.pop("MASTER_ADDR", None)
+            self.raises(weft.WeftError, "MASTER_ADDR", weft.init_multi_node)
+
     def test_ops_need_init(self):
         with mock.patch.object(weft, "_default", None):
             self.raises(RuntimeError, "weft.init()", weft.all_reduce, FakeTensor((8,)))

@@ -29,8 +29,8 @@ from . import _weft
 __version__ = _weft.__version__
 
 # The public names: these and each area module's __all__ (assembled below, after the areas are imported).
-_RUNTIME_NAMES = ["init", "virtual_team", "Team", "Communicator", "register_torch_backend", "WeftError",
-                  "WeftValueError", "WeftTypeError", "__version__"]
+_RUNTIME_NAMES = ["init", "init_multi_node", "virtual_team", "Team", "Communicator", "MultiNodeTeam",
+                  "register_torch_backend", "WeftError", "WeftValueError", "WeftTypeError", "__version__"]
 
 # ---- the package's mutable state -------------------------------------------------------------------------
 # It lives here, in the package module, and nowhere else: the area modules below read and write it as
@@ -47,6 +47,8 @@ _ops = None
 _torch = None
 # init() calls so far in this process (_secret_key: the n-th call of each rank reads the n-th secret).
 _inits = 0
+# The MultiNodeTeam of init_multi_node() (the torch backend's, on a job spanning nodes), else None.
+_default_multi_node = None
 # Whether weft's torch.distributed backend ("weft", weft._torch_backend) is registered (by _torch_api).
 _torch_backend_registered = False
 
@@ -58,7 +60,7 @@ from ._tensor_parallel import *  # noqa: F401,F403
 from ._attention import *  # noqa: F401,F403
 from ._moe import *  # noqa: F401,F403
 from ._fp8 import *  # noqa: F401,F403
-from ._runtime import Communicator, Team, init, register_torch_backend, virtual_team
+from ._runtime import Communicator, MultiNodeTeam, Team, init, init_multi_node, register_torch_backend, virtual_team
 from . import _args, _runtime
 
 __all__ = (_RUNTIME_NAMES + _collectives.__all__ + _tensor_parallel.__all__ + _attention.__all__ + _moe.__all__ +

@@ -10,7 +10,7 @@ import sys
 
 import weft as _w
 from . import _weft
-from ._args import _dtype_name, _shape_tuple, _torch_api
+from ._args import _dtype_name, _output, _prepare, _shape_tuple, _torch_api
 from . import _collectives, _tensor_parallel
 from ._errors import WeftError, WeftValueError
 
@@ -34,6 +34,82 @@ def init(timeout_ms: int = 0) -> "Communicator":
     return _join_team(timeout_ms, store, int(os.environ.get("RANK", "0")))
 
 
+def init_multi_node(timeout_ms: int = 0) -> "MultiNodeTeam":
+    """Joins this process's GPU to a job spanning nodes (torchrun --nnodes N, weft-launch --nnodes N; fake nodes
+    of one host with WEFT_NODE_SIZE=k): weft's team of the node's ranks plus NCCL between the nodes. The job
+    secret as for init() (across nodes one is required: WEFT_JOB_SECRET, or torch's store under torchrun).
+    The nodes meet at MASTER_ADDR, port WEFT_RENDEZVOUS_PORT or MASTER_PORT + 1. Needs NCCL 2.10+ (loaded at
+    run time: WEFT_NCCL_LIBRARY, else libnccl.so.2)."""
+    store = None
+    if not os.environ.get("WEFT_JOB_SECRET") and _torch_api() is not None:
+        store = _launcher_store(sys.modules["torch"])
+    return _join_nodes(timeout_ms, store, int(os.environ.get("RANK", "0")))
+
+
+def _join_nodes(timeout_ms, store, rank):
+    secret, source = _job_secret(store, rank)
+    team = MultiNodeTeam(_weft.MultiNode.from_env(timeout_ms, secret))
+    team.node.job_secret_from = source
+    _w._default_multi_node = team
+    return team
+
+
+class MultiNodeTeam:
+    """This process's rank of a job spanning nodes. `node` is weft's team of this node's ranks (a Communicator:
+    every weft op runs on it, inside the node); the collectives below span every rank of the job, weft's kernels
+    inside each node and NCCL between nodes, each rank's network leg carrying its share only. Ranks: rank =
+    node_index x node_size + the rank in the node. Eager calls, queued on torch's current stream (torch tensors)
+    or the node rank's stream (DLPack); dim 0 is the one gathered and scattered."""
+
+    def __init__(self, native):
+        self._m = native
+        self.rank, self.world_size = native.rank, native.world_size
+        self.node_index, self.nodes, self.node_size = native.node, native.nodes, native.node_size
+        self.device = native.device
+        self.node = Communicator(native.node_comm())
+
+    def all_reduce(self, x, op="sum", out=None):
+        """Elementwise reduction over every rank of the job (sum, max or min); returns out (new if not given)."""
+        c, s, a = _prepare(x, self.node, op)
+        out, o = _output(c, s, x, a, a.shape, out)
+        _weft.hierarchical_all_reduce(self._m, a.ptr, o.ptr, a.numel, a.dtype, op, s)
+        return out
+
+    def all_gather(self, x, out=None):
+        """Every rank's x, concatenated along dim 0 in rank order."""
+        c, s, a = _prepare(x, self.node)
+        if not a.shape:
+            raise WeftValueError("weft: all_gather concatenates along dim 0; x is 0-d")
+        out, o = _output(c, s, x, a, (a.shape[0] * self.world_size,) + tuple(a.shape[1:]), out)
+        _weft.hierarchical_all_gather(self._m, a.ptr, o.ptr, a.numel, a.dtype, s)
+        return out
+
+    def reduce_scatter(self, x, op="sum", out=None):
+        """The reduction over every rank of x, rank r keeping the r-th of world_size equal slices along dim 0."""
+        c, s, a = _prepare(x, self.node, op)
+        if not a.shape or a.shape[0] % self.world_size:
+            raise WeftValueError(f"weft: reduce_scatter splits dim 0 into {self.world_size} slices; x has shape "
+                                 f"{a.shape}")
+        shape = (a.shape[0] // self.world_size,) + tuple(a.shape[1:])
+        out, o = _output(c, s, x, a, shape, out)
+        _weft.hierarchical_reduce_scatter(self._m, a.ptr, o.ptr, a.numel // self.world_size, a.dtype, op, s)
+        return out
+
+    def broadcast(self, x, root=0, out=None):
+        """Every rank gets rank root's x (the others' x gives the shape); out=x broadcasts in place."""
+        if not isinstance(root, int) or not 0 <= root < self.world_size:
+            raise WeftValueError(f"weft: root must be a rank of the job (0..{self.world_size - 1}), got {root!r}")
+        c, s, a = _prepare(x, self.node)
+        out, o = _output(c, s, x, a, a.shape, out)
+        _weft.hierarchical_broadcast(self._m, a.ptr, o.ptr, a.numel, a.dtype, root, s)
+        return out
+
+    def synchronize(self):
+        """Waits for this rank's queued work; raises WeftError if the team failed (a rank lost, an NCCL error)."""
+        self.node.synchronize()
+        self._m.check_alive()
+
+
 def register_torch_backend():
     """Registers weft as torch.distributed's backend "weft" (dist.init_process_group("weft")). Importing weft
     does it when torch was imported first; this imports torch and does it whatever the order."""
@@ -43,14 +119,20 @@ def register_torch_backend():
         raise WeftError("weft: torch.distributed is not available in this torch build: no backend to register")
 
 
+def _job_secret(store, rank):
+    """(secret, where it came from) for a rendezvous: WEFT_JOB_SECRET's (read by the C++ side itself), else one
+    rank 0 draws into `store` (a torch key-value store every rank reads), else none."""
+    if os.environ.get("WEFT_JOB_SECRET"):
+        return "", "WEFT_JOB_SECRET"
+    if store is not None:
+        return _shared_secret(store, rank, _secret_key()), "torch store"
+    return "", None
+
+
 def _join_team(timeout_ms, store, rank):
     """init()'s rendezvous, the secret (where WEFT_JOB_SECRET is not set) drawn by rank 0 into `store` (a torch
     key-value store every rank reads; None: no secret); also the torch backend's first group's (its store)."""
-    secret, source = "", None
-    if os.environ.get("WEFT_JOB_SECRET"):
-        source = "WEFT_JOB_SECRET"
-    elif store is not None:
-        secret, source = _shared_secret(store, rank, _secret_key()), "torch store"
+    secret, source = _job_secret(store, rank)
     comm = Communicator(_weft.Comm.from_env(timeout_ms, secret))
     comm.job_secret_from = source
     _w._default = comm

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import weft as _w
+from . import _weft
 from ._errors import WeftError, WeftValueError
 
 BACKEND = "weft"
@@ -55,6 +56,11 @@ def _create(opts, backend_options=None):
     size and global ranks)."""
     ranks_given = bool(getattr(opts, "global_ranks_in_group", []))  # [] for the default group
     ranks = list(getattr(opts, "global_ranks_in_group", []) or range(opts.group_size))
+    if _w._default is None and _w._default_multi_node is None and _weft.launch_nodes() > 1:
+        from ._runtime import _join_nodes  # a job spanning nodes: the hierarchical team
+        _join_nodes(0, opts.store, opts.group_rank)
+    if _w._default_multi_node is not None:
+        return _multi_node_group(opts, ranks_given)
     if _w._default is None:
         if len(ranks) != opts.group_size or ranks != list(range(opts.group_size)):
             raise WeftError("weft: the backend's first group must be the default group (every rank): call "
@@ -76,6 +82,19 @@ def _create(opts, backend_options=None):
         from ._runtime import _subteam_shape
         group = team.subteam(*_subteam_shape(ranks, team.world_size, team.rank))
     return ProcessGroupWeft(group, opts.group_rank, opts.group_size)
+
+
+def _multi_node_group(opts, ranks_given):
+    """The default group of a job spanning nodes, on weft.init_multi_node()'s team."""
+    team = _w._default_multi_node
+    torch.cuda.set_device(team.device)
+    if ranks_given and list(opts.global_ranks_in_group) != list(range(team.world_size)):
+        raise WeftError("weft backend: groups of a job spanning nodes are not built yet: only the default group "
+                        "(every rank) runs on weft; make other groups with backend='nccl'")
+    if opts.group_size != team.world_size or opts.group_rank != team.rank:
+        raise WeftError(f"weft: torch's rank {opts.group_rank} of {opts.group_size} is weft's {team.rank} of "
+                        f"{team.world_size}: the launcher's environment and init_process_group's arguments disagree")
+    return ProcessGroupWeftNodes(team, opts.group_rank, opts.group_size)
 
 
 _REDUCIBLE = (torch.bfloat16, torch.float16, torch.float32)
@@ -391,3 +410,94 @@ if dist.is_available():  # the classes' bases live in torch.distributed
 
         def recv_anysource(self, tensors, tag=0):
             return self.send(tensors, -1, tag)
+
+    class ProcessGroupWeftNodes(ProcessGroupWeft):
+        """The default group of a job spanning nodes (weft.MultiNodeTeam): all-reduce, all-gather, reduce-scatter
+        and broadcast are the hierarchical ones (weft inside each node, NCCL between nodes); the rest is refused."""
+
+        def __init__(self, team, rank, size):
+            super().__init__(team.node, rank, size)
+            self.team = team
+
+        def __repr__(self):
+            return f"ProcessGroupWeftNodes(rank {self.team.rank} of {self.team.world_size}, {self.team.nodes} nodes)"
+
+        def _not_built(self, what):
+            raise WeftError(f"weft backend: {what} is not built for a job spanning nodes yet (all_reduce, "
+                            "all_gather, reduce_scatter, broadcast and barrier are): make an NCCL group for it")
+
+        @_in_issue_order
+        def allreduce(self, tensors, opts=None):
+            for t in tensors:
+                name = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t, "all_reduce")
+                x = self._tensor(t, "all_reduce").view(-1)
+                self.team.all_reduce(x, "sum" if name == "avg" else name, out=x)
+                if name == "avg":
+                    x.div_(self.team.world_size)
+            return Work(tensors)
+
+        @_in_issue_order
+        def all_gather_single(self, output, input, opts=None):
+            x, out = self._words(input, "all_gather_into_tensor"), self._words(output, "all_gather_into_tensor")
+            if out.numel() != x.numel() * self.team.world_size:
+                raise WeftValueError(f"weft backend: all_gather_into_tensor: output has {output.numel()} elements, "
+                                     f"expected {input.numel()} x {self.team.world_size}")
+            self.team.all_gather(x, out=out)
+            return Work([output])
+
+        _allgather_base = all_gather_single
+
+        @_in_issue_order
+        def allgather(self, output_tensors, input_tensors, opts=None):
+            for outs, x in zip(output_tensors, input_tensors):
+                flat = torch.empty(x.numel() * self.team.world_size, dtype=x.dtype, device=x.device)
+                self.all_gather_single(flat, x)
+                for q, o in enumerate(outs):
+                    o.copy_(flat[q * x.numel():(q + 1) * x.numel()].view(o.shape))
+            return Work(output_tensors)
+
+        @_in_issue_order
+        def reduce_scatter_single(self, output, input, opts=None):
+            name = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, input, "reduce_scatter_tensor")
+            x = self._tensor(input, "reduce_scatter_tensor").view(-1)
+            out = self._tensor(output, "reduce_scatter_tensor").view(-1)
+            if x.numel() != out.numel() * self.team.world_size:
+                raise WeftValueError(f"weft backend: reduce_scatter_tensor: input has {input.numel()} elements, "
+                                     f"expected {output.numel()} x {self.team.world_size}")
+            self.team.reduce_scatter(x, op="sum" if name == "avg" else name, out=out)
+            if name == "avg":
+                out.div_(self.team.world_size)
+            return Work([output])
+
+        _reduce_scatter_base = reduce_scatter_single
+
+        @_in_issue_order
+        def broadcast(self, tensors, opts=None):
+            root = opts.rootRank if opts is not None else 0
+            for t in tensors:
+                x = self._words(t, "broadcast")
+                self.team.broadcast(x, root=root, out=x)
+            return Work(tensors)
+
+        @_in_issue_order
+        def barrier(self, opts=None):
+            t = torch.zeros(1, device=torch.device("cuda", self.team.device))
+            self.team.all_reduce(t, out=t)
+            return Work([t], host_wait=True)
+
+        def all_to_all_single(self, *args, **kwargs):
+            self._not_built("all_to_all_single")
+
+        alltoall_base = all_to_all_single
+
+        def alltoall(self, *args, **kwargs):
+            self._not_built("all_to_all")
+
+        def reduce(self, *args, **kwargs):
+            self._not_built("reduce")
+
+        def gather(self, *args, **kwargs):
+            self._not_built("gather")
+
+        def scatter(self, *args, **kwargs):
+            self._not_built("scatter")

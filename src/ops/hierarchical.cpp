@@ -92,4 +92,19 @@ void hierarchical_reduce_scatter(MultiNodeTeam& t, const void* in, void* out, si
   });
 }
 
+void hierarchical_broadcast(MultiNodeTeam& t, const void* in, void* out, size_t count, DType dtype, int root,
+                            cudaStream_t stream) {
+  stream = stream_of(t, stream);
+  WEFT_CHECK(root >= 0 && root < t.world(), "hierarchical_broadcast: root " + std::to_string(root) +
+                                                " is not a rank of the job's " + std::to_string(t.world()));
+  if (count == 0) return;
+  const int index = root % t.node_size();  // root's place in its node
+  if (t.rank() % t.node_size() == index)   // the index-th ranks: out of root's node into every node's
+    nccl_call(t, "hierarchical_broadcast: ncclBroadcast", [&](nccl::Comm across, nccl::Comm) {
+      return nccl::api().Broadcast(in, out, count, nccl::data_type(dtype), root / t.node_size(), across,
+                                   stream);
+    });
+  broadcast(t.node_team(), t.node_rank(), out, out, count, dtype, index, stream);
+}
+
 }  // namespace weft

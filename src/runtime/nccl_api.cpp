@@ -44,6 +44,7 @@ const Api& api() {
     resolve("ncclAllReduce", &a.AllReduce);
     resolve("ncclAllGather", &a.AllGather);
     resolve("ncclReduceScatter", &a.ReduceScatter);
+    resolve("ncclBroadcast", &a.Broadcast);
     resolve("ncclGetErrorString", &a.GetErrorString);
     resolve("ncclGetVersion", &a.GetVersion);
     // Version codes: major x 10000 + minor x 100 + patch from 2.9 on (x 1000 before); bf16 needs 2.10.

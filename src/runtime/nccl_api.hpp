@@ -29,6 +29,7 @@ struct Api {
   int (*AllReduce)(const void*, void*, size_t, int, int, Comm, cudaStream_t) = nullptr;
   int (*AllGather)(const void*, void*, size_t, int, Comm, cudaStream_t) = nullptr;
   int (*ReduceScatter)(const void*, void*, size_t, int, int, Comm, cudaStream_t) = nullptr;
+  int (*Broadcast)(const void*, void*, size_t, int, int, Comm, cudaStream_t) = nullptr;
   const char* (*GetErrorString)(int) = nullptr;
   int (*GetVersion)(int*) = nullptr;
   int version = 0;  // NCCL_VERSION_CODE of the loaded library (e.g. 22809)

@@ -120,6 +120,17 @@ if python3 -c "import torch" 2>/dev/null; then
       [ "$n" -ge 2 ] && step "python: the torch.distributed backend 'weft' (torchrun), $n processes" \
         "python_backend_$n" env PYTHONPATH="$build/python" \
         python3 -m torch.distributed.run --nproc_per_node="$n" "$root/python/tests/gpu_backend.py"
+      # A job spanning fake nodes of this host (WEFT_NODE_SIZE; NCCL onto sockets between them): the
+      # hierarchical collectives from Python, and the backend on them (DDP), against NCCL.
+      for size in 1 2; do
+        [ "$n" -eq $((2 * size)) ] || continue
+        for mode in ops backend; do
+          step "python: a job of 2 fake nodes of $size (weft.init_multi_node, $mode; torchrun), $n processes" \
+            "python_multinode_${mode}_2x$size" env PYTHONPATH="$build/python" WEFT_NODE_SIZE="$size" \
+            NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 python3 -m torch.distributed.run \
+            --nproc_per_node="$n" "$root/python/tests/gpu_multinode.py" "$mode"
+        done
+      done
       # Training through weft's ops against torch.distributed's differentiable collectives and fp32.
       [ "$n" -ge 2 ] && step "python: examples/tp_mlp.py trains (torchrun), $n processes" "python_tp_mlp_$n" \
         env PYTHONPATH="$build/python" python3 -m torch.distributed.run --nproc_per_node="$n" \

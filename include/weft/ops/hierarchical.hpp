@@ -13,6 +13,9 @@
 //   reduce_scatter  in: world x count; out: this rank's count of the reduction. weft's reduce-scatter in the
 //                   node along the inner dimension (the i-th rank gets the node's sum of every node's i-th
 //                   block), then an NCCL reduce-scatter among the i-th ranks.
+//   broadcast       count elements from rank `root` (in read there only) into every rank's out: NCCL's
+//                   broadcast among the ranks with root's index in their node (from root's node), then
+//                   weft's broadcast in every node from that index. in == out is allowed.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -30,5 +33,7 @@ void hierarchical_all_gather(MultiNodeTeam& team, const void* in, void* out, siz
                              cudaStream_t stream = nullptr);
 void hierarchical_reduce_scatter(MultiNodeTeam& team, const void* in, void* out, size_t count, DType dtype,
                                  ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr);
+void hierarchical_broadcast(MultiNodeTeam& team, const void* in, void* out, size_t count, DType dtype,
+                            int root, cudaStream_t stream = nullptr);
 
 }  // namespace weft
