@@ -119,6 +119,9 @@ def _comm(comm):
     torch.distributed ProcessGroup spans (comm=group)."""
     if comm is None:
         if _w._default is None:
+            if _w._default_multi_node is not None:
+                raise WeftError("weft: a multi-node job has no default team for the module's ops: pass "
+                                "comm=team.node (inside the node), or call the team's own collectives")
             raise WeftError("weft: call weft.init() first (or pass comm=)")
         return _w._default
     if hasattr(comm, "_c"):

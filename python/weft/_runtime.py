@@ -28,6 +28,10 @@ def init(timeout_ms: int = 0) -> "Communicator":
     through torch's store. The returned communicator's `job_secret_from` says which (None: no secret, the
     user check alone). It also becomes the default communicator of the module-level ops.
     """
+    nodes = _weft.launch_nodes()
+    if nodes > 1:  # before any secret is drawn: the n-th init() of every rank reads the n-th one
+        raise WeftError(f"weft.init(): a multi-node job ({nodes} nodes): weft.init_multi_node() makes its team "
+                        "(the node's weft team and NCCL between the nodes)")
     store = None
     if not os.environ.get("WEFT_JOB_SECRET") and _torch_api() is not None:
         store = _launcher_store(sys.modules["torch"])
@@ -105,7 +109,11 @@ class MultiNodeTeam:
         return out
 
     def synchronize(self):
-        """Waits for this rank's queued work; raises WeftError if the team failed (a rank lost, an NCCL error)."""
+        """Waits for this rank's queued work (torch's current stream, where the calls on torch tensors ran, and
+        the node rank's own); raises WeftError if the team failed (a rank lost, an NCCL error)."""
+        t = _torch_api()
+        if t is not None:
+            t.current_stream(self.device).synchronize()
         self.node.synchronize()
         self._m.check_alive()
 

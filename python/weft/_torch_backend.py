@@ -59,7 +59,7 @@ def _create(opts, backend_options=None):
     if _w._default is None and _w._default_multi_node is None and _weft.launch_nodes() > 1:
         from ._runtime import _join_nodes  # a job spanning nodes: the hierarchical team
         _join_nodes(0, opts.store, opts.group_rank)
-    if _w._default_multi_node is not None:
+    if _w._default_multi_node is not None and _w._default_multi_node.nodes > 1:
         return _multi_node_group(opts, ranks_given)
     if _w._default is None:
         if len(ranks) != opts.group_size or ranks != list(range(opts.group_size)):

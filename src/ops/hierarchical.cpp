@@ -26,15 +26,21 @@ cudaStream_t stream_of(MultiNodeTeam& t, cudaStream_t s) {
   return s ? s : t.node_rank().stream();
 }
 
-// Enqueues enqueue(across, all) (the team's NCCL communicators) under the team's NCCL lock, unless the team
-// has failed (its watchdog aborts them from another thread).
+// Enqueues enqueue(across, all) (the team's NCCL communicators) unless the team has failed. The lock covers
+// taking the pointers, not the enqueue (which can block on the host until the GPU drains NCCL's queue, or
+// until an abort): the watchdog takes them away under it before it aborts them, as torch's does. A call
+// already past the check may still reach an aborting communicator, whose flag makes it return.
 template <class Enqueue>
 void nccl_call(MultiNodeTeam& t, const std::string& what, Enqueue&& enqueue) {
+  nccl::Comm across = nullptr, all = nullptr;
+  {
+    std::lock_guard<std::mutex> hold(t.nccl_lock());
+    across = static_cast<nccl::Comm>(t.nccl_across());
+    all = static_cast<nccl::Comm>(t.nccl_all());
+  }
   t.check_alive();
-  std::lock_guard<std::mutex> hold(t.nccl_lock());
-  WEFT_CHECK(t.nccl_across() != nullptr && t.nccl_all() != nullptr, what + ": the team was aborted");
-  nccl::check(enqueue(static_cast<nccl::Comm>(t.nccl_across()), static_cast<nccl::Comm>(t.nccl_all())),
-              "weft: " + what);
+  WEFT_CHECK(across != nullptr && all != nullptr, what + ": the team was aborted");
+  nccl::check(enqueue(across, all), "weft: " + what);
 }
 
 }  // namespace
@@ -97,6 +103,7 @@ void hierarchical_broadcast(MultiNodeTeam& t, const void* in, void* out, size_t 
   stream = stream_of(t, stream);
   WEFT_CHECK(root >= 0 && root < t.world(), "hierarchical_broadcast: root " + std::to_string(root) +
                                                 " is not a rank of the job's " + std::to_string(t.world()));
+  t.check_alive();
   if (count == 0) return;
   const int index = root % t.node_size();  // root's place in its node
   if (t.rank() % t.node_size() == index)   // the index-th ranks: out of root's node into every node's

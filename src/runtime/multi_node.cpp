@@ -75,26 +75,44 @@ std::unique_ptr<MultiNodeTeam> MultiNodeTeam::create_from_launcher(const LaunchE
   return t;
 }
 
+namespace {
+// Aborts both communicators at once (one thread each): each abort raises its own kernels' flag first, then
+// waits for them, and a kernel of one may sit on the stream in front of the other's.
+void abort_both(nccl::Comm a, nccl::Comm b) {
+  std::thread second([b] {
+    if (b) nccl::api().CommAbort(b);
+  });
+  if (a) nccl::api().CommAbort(a);
+  second.join();
+}
+}  // namespace
+
+// Teardown aborts the communicators rather than destroying them: ncclCommDestroy waits for queued work, which
+// waits for ever if a peer died after the last call (synchronize() first: work still queued is cut off).
 MultiNodeTeam::~MultiNodeTeam() {
   stop_ = true;
   if (watchdog_.joinable()) watchdog_.join();
+  if (node_) cudaSetDevice(node_rank().device());  // (none when the construction failed before it)
+  abort_both(static_cast<nccl::Comm>(across_), static_cast<nccl::Comm>(all_));
   if (scratch_ || !retired_.empty()) cudaDeviceSynchronize();
   for (void* p : retired_) cudaFree(p);
   if (scratch_) cudaFree(scratch_);
-  for (void* c : {across_, all_})  // aborted ones are gone already (fail() cleared them)
-    if (c) nccl::api().CommDestroy(static_cast<nccl::Comm>(c));
 }
 
+// The node team first (its kernels stop waiting), then the communicators, outside the lock: a thread blocked
+// in an NCCL enqueue (it holds no lock; see nccl_call) returns once its communicator's abort flag is up.
 void MultiNodeTeam::fail(const std::string& why) {
-  std::lock_guard<std::mutex> hold(nccl_lock_);
-  if (!failure_.empty()) return;
-  failure_ = why;
-  for (void** c : {&across_, &all_})
-    if (*c) {
-      nccl::api().CommAbort(static_cast<nccl::Comm>(*c));
-      *c = nullptr;
-    }
+  void *across = nullptr, *all = nullptr;
+  {
+    std::lock_guard<std::mutex> hold(nccl_lock_);
+    if (!failure_.empty()) return;
+    failure_ = why;
+    std::swap(across, across_);
+    std::swap(all, all_);
+  }
   node_->abort(why);
+  cudaSetDevice(node_rank().device());
+  abort_both(static_cast<nccl::Comm>(across), static_cast<nccl::Comm>(all));
 }
 
 void MultiNodeTeam::watch() {
@@ -127,6 +145,9 @@ void MultiNodeTeam::check_alive() const {
 
 void* MultiNodeTeam::scratch(size_t bytes, cudaStream_t stream) {
   if (bytes > scratch_bytes_) {
+    int caller_device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&caller_device));
+    WEFT_CUDA_CHECK(cudaSetDevice(node_rank().device()));
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
     WEFT_CHECK(capturing == cudaStreamCaptureStatusNone, "multi-node team: scratch of " +
@@ -140,6 +161,7 @@ void* MultiNodeTeam::scratch(size_t bytes, cudaStream_t stream) {
     const size_t grown = std::max(bytes, 2 * scratch_bytes_);
     WEFT_CUDA_CHECK(cudaMalloc(&scratch_, grown));
     scratch_bytes_ = grown;
+    WEFT_CUDA_CHECK(cudaSetDevice(caller_device));
   }
   return scratch_;
 }

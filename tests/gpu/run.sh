@@ -128,7 +128,8 @@ if python3 -c "import torch" 2>/dev/null; then
           step "python: a job of 2 fake nodes of $size (weft.init_multi_node, $mode; torchrun), $n processes" \
             "python_multinode_${mode}_2x$size" env PYTHONPATH="$build/python" WEFT_NODE_SIZE="$size" \
             NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 python3 -m torch.distributed.run \
-            --nproc_per_node="$n" "$root/python/tests/gpu_multinode.py" "$mode"
+            --master-port=$((20000 + RANDOM % 20000)) --nproc_per_node="$n" "$root/python/tests/gpu_multinode.py" \
+            "$mode"
         done
       done
       # Training through weft's ops against torch.distributed's differentiable collectives and fp32.

@@ -42,9 +42,10 @@ class MultiNodeTeam {
   int nodes() const { return nodes_; }
   int node_size() const { return node_size_; }
   // The NCCL communicators (ncclComm_t): `across` the i-th rank of every node; `all` every rank (NCCL's own
-  // algorithms over the whole job: the baseline the hierarchical ops are measured against). Enqueue on them
-  // only while holding nccl_lock() and after check_alive(): a failure aborts (frees) them from another
-  // thread.
+  // algorithms over the whole job: the baseline the hierarchical ops are measured against). Read them under
+  // nccl_lock() and check_alive() before enqueueing: a failure takes them away (under the lock) and aborts
+  // them from the watchdog's thread. Null once aborted. Call synchronize on the team's streams before the
+  // team ends: its teardown aborts the communicators (destroying would wait for ever on a dead peer).
   void* nccl_across() const { return across_; }
   void* nccl_all() const { return all_; }
   std::mutex& nccl_lock() { return nccl_lock_; }
