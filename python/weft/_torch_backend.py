@@ -21,6 +21,10 @@ that team its global ranks span; every rank of the team must create the groups o
 first call reserves resources on every rank), as DeviceMesh does: dist.new_group([0, 1]) alone on a team of 4
 would leave ranks 2 and 3 behind.
 
+On a job spanning nodes (weft.init_multi_node()'s team) the default group alone runs on weft, with all_reduce,
+all_gather, reduce_scatter, broadcast and barrier hierarchical (weft inside each node, NCCL between nodes); its other
+collectives and other groups are refused (NCCL groups serve them).
+
 Registered when weft finds torch imported (import torch before weft, or call weft.register_torch_backend()).
 Not supported: init_process_group(..., device_id=...) (torch then asks the group for a C++ backend to split,
 which this Python group has none of), object collectives (they move CPU tensors), and C++ callers of the group
