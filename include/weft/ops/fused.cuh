@@ -125,7 +125,8 @@ struct AllGatherA : Gemm {
   // Rows' scales: the GEMM's consumers read them before their first pipeline wait (the loads overlap it), so
   // they cannot rely on the loader's wait: one thread of the warpgroup waits for the same chunks first.
   __device__ static void compute(const Params& p, typename Base::Smem& s, typename Base::Pipeline& pipe,
-                                 lcsc::PipeState& st, const lcsc::Tile& t, int wg, typename Base::Accum& acc) {
+                                 lcsc::PipeState& st, const lcsc::Tile& t, int wg,
+                                 typename Base::Accum& acc) {
     if (p.scale_cols > 0 && local_row(p, t) < 0) {
       if (tile::thread_in_warpgroup() == 0) wait_rows(p, t);
       tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);

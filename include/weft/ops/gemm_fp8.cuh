@@ -9,8 +9,8 @@
 //            [N / 128, K / 128] (both rounded up); each k-block's product is promoted times sa sb.
 // Tile 128 x 128 x 128: two consumer warpgroups of 64 x 128 (m64n128k32 wgmma), each holding its fp32
 // accumulator and the k-block's product (64 + 64 registers), so a tile's column block is one B scale block.
-// kScalesFromPeers: A's scales are written by peers while the kernel runs (all_gather_scaled_matmul, after its
-// consumers' wait for them): read through L2 (ld.global.cg), never the non-coherent read-only path.
+// kScalesFromPeers: A's scales are written by peers while the kernel runs (all_gather_scaled_matmul, after
+// its consumers' wait for them): read through L2 (ld.global.cg), never the non-coherent read-only path.
 #pragma once
 #include <cuda.h>
 
