@@ -121,6 +121,7 @@ def _in_issue_order(method):
     ordered.__name__ = method.__name__
     return ordered
 
+
 if dist.is_available():  # the classes' bases live in torch.distributed
     _REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
                    dist.ReduceOp.MIN: "min"}  # torch's -> weft's (avg: the sum, divided)
