@@ -23,7 +23,7 @@ cd "$root" || exit 1
 build=$(realpath -m "${WEFT_BUILD_DIR:-build}")
 export WEFT_BUILD_DIR=$build
 t0=$SECONDS
-targets=${TARGETS:-weft-gpu-tests weft-launch hello_team matmul_to_next weft-multinode-tests}
+targets=${TARGETS:-weft-gpu-tests weft-launch hello_team matmul_to_next weft-multinode-tests hello_nodes}
 # shellcheck disable=SC2086  # the targets are words
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
   cmake --build "$build" -j "$(nproc)" --target $targets >>"$OUT/build.log" 2>&1 || {

@@ -17,10 +17,11 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${WEFT_BUILD_DIR:-$root/build}
 logs=${WEFT_LOG_DIR:-$build/gpu-logs}
 if [ ! -x "$build/tests/gpu/weft-gpu-tests" ] || [ ! -x "$build/weft-launch" ] ||
-  [ ! -x "$build/examples/matmul_to_next" ] || [ ! -x "$build/tests/gpu/weft-multinode-tests" ]; then
+  [ ! -x "$build/examples/matmul_to_next" ] || [ ! -x "$build/tests/gpu/weft-multinode-tests" ] ||
+  [ ! -x "$build/examples/hello_nodes" ]; then
   cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null &&
     cmake --build "$build" -j "$(nproc)" --target weft-gpu-tests weft-launch hello_team matmul_to_next \
-      weft-multinode-tests || exit 1
+      weft-multinode-tests hello_nodes || exit 1
 fi
 mkdir -p "$logs"
 tests=$build/tests/gpu/weft-gpu-tests
@@ -76,6 +77,9 @@ if [ "$ngpu" -ge 2 ]; then
       WEFT_RENDEZVOUS_PORT=$((20000 + RANDOM % 20000)) NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 \
       "$launch" -n $((2 * size)) --grace 60 "$build/tests/gpu/weft-multinode-tests"
   done
+  step "examples: hello_nodes on 2 fake nodes of 1 GPU" "hello_nodes" env WEFT_NODE_SIZE=1 MASTER_ADDR=127.0.0.1 \
+    MASTER_PORT=$((20000 + RANDOM % 20000)) NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 \
+    "$launch" -n 2 "$build/examples/hello_nodes"
 else
   step "single-process, 1 GPU (one-GPU tests)" "single_1" "$tests" --gpus 1
 fi
