@@ -96,9 +96,13 @@ struct Gathered {
   Own own;
 };
 
-Gathered gather(Communicator& comm, Rank& rank, const Sizes& z, const void* k, const void* v, void* workspace,
-                size_t workspace_bytes, size_t attention_bytes, DType dtype, cudaStream_t stream,
-                const std::string& where) {
+// Checks, the workspace carved; then (not when planning) the layout tables and K / V pushed to every rank.
+Gathered gather(ops::OpCall& call, const Sizes& z, const void* k, const void* v, void* workspace,
+                size_t workspace_bytes, size_t attention_bytes, DType dtype) {
+  Communicator& comm = call.comm;
+  Rank& rank = call.rank;
+  const cudaStream_t stream = call.stream;
+  const std::string& where = call.where;
   const size_t need = own_bytes(z, attention_bytes);
   WEFT_CHECK(z.L.world == rank.world(), where + "the layout's world size differs from the team's");
   WEFT_CHECK(z.head_dim == 64 || z.head_dim == 128, where + "head_dim must be 64 or 128");
@@ -108,10 +112,11 @@ Gathered gather(Communicator& comm, Rank& rank, const Sizes& z, const void* k, c
                  " bytes (the op's workspace_bytes()), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
   Gathered g;
-  ops::WorkspaceLayout area(ops::workspace_on(comm, rank, area_bytes(z), stream, where, kArea));
+  ops::WorkspaceLayout area(call.workspace(area_bytes(z), kArea));
   g.area = carve_area(area, z);
   ops::WorkspaceLayout own(workspace);
   g.own = carve_own(own, z, attention_bytes);
+  if (call.planning()) return g;
   ops::write_local_to_natural(z.L, rank.rank(), g.own.local_nat, stream);
   const int64_t s = z.nseg();
   std::vector<int32_t> segs(4 * std::max<int64_t>(s, 1), 0);
@@ -127,6 +132,80 @@ Gathered gather(Communicator& comm, Rank& rank, const Sizes& z, const void* k, c
   ops::push_rows(comm, rank, k, z.local, g.area.k, g.own.local_nat, all, z.head_dim, z.max_local, stream);
   ops::push_rows(comm, rank, v, z.local, g.area.v, g.own.local_nat, all, z.head_dim, z.max_local, stream);
   return g;
+}
+
+// Planning: the attention core's plan on this rank's segments (its grid, its refusals) into the op's, and the
+// path; true (launch nothing). Else false.
+bool planned(ops::OpCall& call, const char* op, const Plan* core, const char* path) {
+  if (!call.planning()) return false;
+  call.plan->op = op;
+  if (core) {
+    call.plan->blocks = core->blocks;
+    call.plan->smem_bytes = core->smem_bytes;
+  }
+  return call.planned(path, call.plan->blocks);
+}
+
+void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, void* out,
+             float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
+             int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
+             const AttentionOptions& options, Plan* plan) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::context_attention_forward", rank), plan);
+  const std::string& where = call.where;
+  WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled(),
+             where + "options.segments and options.accumulate are set by the op itself; leave them empty");
+  const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), kv_heads, head_dim);
+  const Gathered g = gather(call, z, k, v, workspace, workspace_bytes, 0, dtype);
+  AttentionOptions o = options;
+  o.segments = z.segments(g.own.seg);
+  if (call.planning()) {
+    const Plan core = z.nseg() > 0 ? flash_attention_forward_plan(z.shape(heads), dtype, o) : Plan{};
+    planned(call, "context_attention_forward", z.nseg() > 0 ? &core : nullptr,
+            "K / V pushed to every rank, then flash attention of this rank's queries over every key");
+    return;
+  }
+  if (z.nseg() == 0) return;  // no query rows here (short documents)
+  flash_attention_forward(q, g.area.k, g.area.v, out, lse, z.shape(heads), dtype, call.stream, o);
+}
+
+void backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, const void* out,
+              const void* dout, const float* lse, void* dq, void* dk, void* dv,
+              const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads, int64_t head_dim,
+              void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
+              const AttentionOptions& options, Plan* plan) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::context_attention_backward", rank), plan);
+  const std::string& where = call.where;
+  WEFT_CHECK(
+      !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
+      where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
+  const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), kv_heads, head_dim);
+  stream = call.stream;
+  const size_t attention_bytes = z.attention_backward(heads, options);
+  const Gathered g = gather(call, z, k, v, workspace, workspace_bytes, attention_bytes, dtype);
+  // This rank's queries against every key: dK / dV added in fp32 into its own natural-order buffers (zero
+  // where it sees none; zeroed after the pushes' meeting, when every peer has pulled the previous call's).
+  float *dk32 = g.area.dk, *dv32 = g.area.dv;
+  AttentionOptions o = options;
+  o.segments = z.segments(g.own.seg);
+  o.accumulate_grads = {dk32, dv32};
+  if (call.planning()) {
+    const Plan core = z.nseg() > 0 ? flash_attention_backward_plan(z.shape(heads), dtype, o) : Plan{};
+    planned(call, "context_attention_backward", z.nseg() > 0 ? &core : nullptr,
+            "K / V pushed to every rank, flash attention backward into fp32 dK / dV sums, the sums pulled");
+    return;
+  }
+  // dK and dV are neighbours in the area: one memset clears both.
+  const auto* dv_end = reinterpret_cast<const char*>(dv32 + z.kv_elements());
+  WEFT_CUDA_CHECK(cudaMemsetAsync(dk32, 0, dv_end - reinterpret_cast<const char*>(dk32), stream));
+  if (z.nseg() > 0)
+    flash_attention_backward(q, g.area.k, g.area.v, out, dout, lse, dq, nullptr, nullptr, g.own.attention,
+                             attention_bytes, z.shape(heads), dtype, stream, o);
+  // Every rank's sums for this rank's rows, rounded once.
+  const ops::HeadShare all = ops::HeadShare::all(kv_heads);
+  ops::pull_rows(comm, rank, dk32, true, dk, z.local, g.own.local_nat, all, head_dim, z.max_local, dtype,
+                 stream);
+  ops::pull_rows(comm, rank, dv32, true, dv, z.local, g.own.local_nat, all, head_dim, z.max_local, dtype,
+                 stream);
 }
 
 }  // namespace
@@ -173,16 +252,19 @@ void context_attention_forward(Communicator& comm, Rank& rank, const void* q, co
                                void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
                                int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                                DType dtype, cudaStream_t stream, const AttentionOptions& options) {
-  const std::string where = ops::team_where("weft::context_attention_forward", rank);
-  WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled(),
-             where + "options.segments and options.accumulate are set by the op itself; leave them empty");
-  const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), kv_heads, head_dim);
-  if (stream == nullptr) stream = rank.stream();
-  const Gathered g = gather(comm, rank, z, k, v, workspace, workspace_bytes, 0, dtype, stream, where);
-  if (z.nseg() == 0) return;  // no query rows here (short documents)
-  AttentionOptions o = options;
-  o.segments = z.segments(g.own.seg);
-  flash_attention_forward(q, g.area.k, g.area.v, out, lse, z.shape(heads), dtype, stream, o);
+  forward(comm, rank, q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim, workspace, workspace_bytes,
+          dtype, stream, options, nullptr);
+}
+
+Plan context_attention_forward_plan(Communicator& comm, Rank& rank, const void* q, const void* k,
+                                    const void* v, void* out, float* lse,
+                                    const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
+                                    int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype,
+                                    cudaStream_t stream, const AttentionOptions& options) {
+  Plan plan;
+  forward(comm, rank, q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim, workspace, workspace_bytes,
+          dtype, stream, options, &plan);
+  return plan;
 }
 
 void context_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
@@ -190,34 +272,20 @@ void context_attention_backward(Communicator& comm, Rank& rank, const void* q, c
                                 void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
                                 int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                                 DType dtype, cudaStream_t stream, const AttentionOptions& options) {
-  const std::string where = ops::team_where("weft::context_attention_backward", rank);
-  WEFT_CHECK(
-      !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
-      where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
-  const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), kv_heads, head_dim);
-  if (stream == nullptr) stream = rank.stream();
-  const size_t attention_bytes = z.attention_backward(heads, options);
-  const Gathered g =
-      gather(comm, rank, z, k, v, workspace, workspace_bytes, attention_bytes, dtype, stream, where);
-  // This rank's queries against every key: dK / dV added in fp32 into its own natural-order buffers (zero
-  // where it sees none; zeroed after the pushes' meeting, when every peer has pulled the previous call's).
-  float *dk32 = g.area.dk, *dv32 = g.area.dv;
-  // dK and dV are neighbours in the area: one memset clears both.
-  const auto* dv_end = reinterpret_cast<const char*>(dv32 + z.kv_elements());
-  WEFT_CUDA_CHECK(cudaMemsetAsync(dk32, 0, dv_end - reinterpret_cast<const char*>(dk32), stream));
-  if (z.nseg() > 0) {
-    AttentionOptions o = options;
-    o.segments = z.segments(g.own.seg);
-    o.accumulate_grads = {dk32, dv32};
-    flash_attention_backward(q, g.area.k, g.area.v, out, dout, lse, dq, nullptr, nullptr, g.own.attention,
-                             attention_bytes, z.shape(heads), dtype, stream, o);
-  }
-  // Every rank's sums for this rank's rows, rounded once.
-  const ops::HeadShare all = ops::HeadShare::all(kv_heads);
-  ops::pull_rows(comm, rank, dk32, true, dk, z.local, g.own.local_nat, all, head_dim, z.max_local, dtype,
-                 stream);
-  ops::pull_rows(comm, rank, dv32, true, dv, z.local, g.own.local_nat, all, head_dim, z.max_local, dtype,
-                 stream);
+  backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads, kv_heads, head_dim, workspace,
+           workspace_bytes, dtype, stream, options, nullptr);
+}
+
+Plan context_attention_backward_plan(Communicator& comm, Rank& rank, const void* q, const void* k,
+                                     const void* v, const void* out, const void* dout, const float* lse,
+                                     void* dq, void* dk, void* dv, const std::vector<int64_t>& doc_lengths,
+                                     int64_t heads, int64_t kv_heads, int64_t head_dim, void* workspace,
+                                     size_t workspace_bytes, DType dtype, cudaStream_t stream,
+                                     const AttentionOptions& options) {
+  Plan plan;
+  backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads, kv_heads, head_dim, workspace,
+           workspace_bytes, dtype, stream, options, &plan);
+  return plan;
 }
 
 }  // namespace weft

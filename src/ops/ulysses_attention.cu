@@ -147,9 +147,11 @@ struct Started {
   Area area;
   Own own;
 };
-Started start(Communicator& comm, Rank& rank, const Sizes& z, const AttentionOptions& options,
-              void* workspace, size_t workspace_bytes, size_t attention_bytes, DType dtype,
-              cudaStream_t stream, const std::string& where) {
+// Checks and the workspace carved; then (not when planning) the documents' offsets uploaded.
+Started start(ops::OpCall& call, const Sizes& z, const AttentionOptions& options, void* workspace,
+              size_t workspace_bytes, size_t attention_bytes, DType dtype) {
+  Rank& rank = call.rank;
+  const std::string& where = call.where;
   const size_t need = own_bytes(z, attention_bytes);
   WEFT_CHECK(z.world == rank.world(), where + "the layout's world size differs from the team's");
   WEFT_CHECK(z.heads > 0 && z.heads % z.world == 0, where + "heads (" + std::to_string(z.heads) +
@@ -169,13 +171,14 @@ Started start(Communicator& comm, Rank& rank, const Sizes& z, const AttentionOpt
                  " bytes (the op's workspace_bytes()), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
   Started s;
-  ops::WorkspaceLayout area(ops::workspace_on(comm, rank, area_bytes(z), stream, where, kArea));
+  ops::WorkspaceLayout area(call.workspace(area_bytes(z), kArea));
   s.area = carve_area(area, z);
   ops::WorkspaceLayout own(workspace);
   s.own = carve_own(own, z, attention_bytes);
+  if (call.planning()) return s;
   std::vector<int32_t> cu(1, 0);
   for (int64_t n : z.L.doc_length) cu.push_back(static_cast<int32_t>(cu.back() + n));
-  ops::upload_words(s.own.offsets, cu, stream);
+  ops::upload_words(s.own.offsets, cu, call.stream);
   return s;
 }
 
@@ -314,21 +317,43 @@ size_t ulysses_attention_backward_workspace_bytes(int world, const std::vector<i
   return most;
 }
 
-void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
-                               void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
-                               int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
-                               DType dtype, cudaStream_t stream, const AttentionOptions& options) {
-  ops::OpCall call(comm, rank, stream, ops::team_where("weft::ulysses_attention_forward", rank));
+namespace {
+
+// Planning: the attention core's plan (its grid, its refusals) into the op's, and the path; true (launch
+// nothing). Else false.
+bool planned(ops::OpCall& call, const char* op, const Plan& core, const std::string& path) {
+  if (!call.planning()) return false;
+  call.plan->op = op;
+  call.plan->blocks = core.blocks;
+  call.plan->smem_bytes = core.smem_bytes;
+  return call.planned(path, core.blocks);
+}
+
+void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, void* out,
+             float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
+             int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
+             const AttentionOptions& options, Plan* plan) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::ulysses_attention_forward", rank), plan);
   const std::string& where = call.where;
   const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim);
   WEFT_CHECK(ops::ulysses_chunk_flags(z.world) >= 1,
              where + "world sizes up to " + std::to_string(ops::kUlyssesDoneFlags) + " are supported");
-  const Started st = start(comm, rank, z, options, workspace, workspace_bytes, 0, dtype, call.stream, where);
+  const Started st = start(call, z, options, workspace, workspace_bytes, 0, dtype);
   const Area& a = st.area;
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
   WEFT_CHECK(z.total * std::max(z.q_share.width, z.kv_share.width) < (int64_t(1) << 31),
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
   ops::check_attention_operands(call, {q, k, v, out, lse}, false, z.local, heads, kv_heads, head_dim);
+  if (call.planning()) {
+    AttentionOptions o = options;
+    o.segments = z.segments(st.own.offsets);
+    const Plan core = z.total > 0 ? flash_attention_forward_plan(z.shape(), dtype, o) : Plan{};
+    planned(call, "ulysses_attention_forward", core,
+            pipelined_forward_chosen()
+                ? "one kernel: heads moved in chunks beside the attention of earlier ones"
+                : "heads pushed (all-to-all), flash attention over the whole sequence, outputs pulled back");
+    return;
+  }
   if (z.total == 0) return;
   if (!pipelined_forward_chosen())
     return forward_in_passes(comm, rank, z, q, k, v, out, lse, a, st.own, call.stream, options, dtype);
@@ -344,24 +369,33 @@ void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, co
     head_dim == 64 ? run(D64{}, __nv_bfloat16{}) : run(D128{}, __nv_bfloat16{});
 }
 
-void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
-                                const void* out, const void* dout, const float* lse, void* dq, void* dk,
-                                void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
-                                int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
-                                DType dtype, cudaStream_t stream, const AttentionOptions& options) {
-  ops::OpCall call(comm, rank, stream, ops::team_where("weft::ulysses_attention_backward", rank));
+void backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, const void* out,
+              const void* dout, const float* lse, void* dq, void* dk, void* dv,
+              const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads, int64_t head_dim,
+              void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
+              const AttentionOptions& options, Plan* plan) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::ulysses_attention_backward", rank), plan);
   stream = call.stream;
   const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim);
   const size_t attention_bytes = z.attention_backward(options);
   ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
                                 head_dim);
-  const Started st =
-      start(comm, rank, z, options, workspace, workspace_bytes, attention_bytes, dtype, stream, call.where);
+  const Started st = start(call, z, options, workspace, workspace_bytes, attention_bytes, dtype);
   const Area& a = st.area;
+  AttentionOptions o = options;
+  o.segments = z.segments(st.own.offsets);
+  o.accumulate_grads = {a.dk32, a.dv32};
+  if (call.planning()) {
+    const Plan core = z.total > 0 ? flash_attention_backward_plan(z.shape(), dtype, o) : Plan{};
+    planned(
+        call, "ulysses_attention_backward", core,
+        "q, k, v, out, dout and LSE pushed (all-to-all), flash attention backward into fp32 dK / dV sums, "
+        "dq, dk, dv pulled back");
+    return;
+  }
   if (z.total == 0) return;
   int32_t* local_nat = st.own.local_nat;
   ops::write_local_to_natural(z.L, rank.rank(), local_nat, stream);
-  const int32_t* offsets = st.own.offsets;
   ops::push_rows(comm, rank, q, z.local, a.q, local_nat, z.q_share, head_dim, z.max_local, stream);
   // After the first push's meeting: every peer is done with its previous call's LSE and dK / dV sums.
   ops::push_lse(rank, lse, z.local, a.lse, local_nat, heads, z.total, stream);
@@ -373,9 +407,6 @@ void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, c
   ops::push_rows(comm, rank, v, z.local, a.v, local_nat, z.kv_share, head_dim, z.max_local, stream);
   ops::push_rows(comm, rank, out, z.local, a.out, local_nat, z.q_share, head_dim, z.max_local, stream);
   ops::push_rows(comm, rank, dout, z.local, a.dout, local_nat, z.q_share, head_dim, z.max_local, stream);
-  AttentionOptions o = options;
-  o.segments = z.segments(offsets);
-  o.accumulate_grads = {a.dk32, a.dv32};
   flash_attention_backward(a.q, a.k, a.v, a.out, a.dout, a.lse, a.dq, nullptr, nullptr, st.own.attention,
                            attention_bytes, z.shape(), dtype, stream, o);
   ops::pull_rows(comm, rank, a.dq, false, dq, z.local, local_nat, z.q_share, head_dim, z.max_local, dtype,
@@ -384,6 +415,48 @@ void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, c
                  stream);
   ops::pull_rows(comm, rank, a.dv32, true, dv, z.local, local_nat, z.kv_share, head_dim, z.max_local, dtype,
                  stream);
+}
+
+}  // namespace
+
+void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                               void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                               int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
+                               DType dtype, cudaStream_t stream, const AttentionOptions& options) {
+  forward(comm, rank, q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim, workspace, workspace_bytes,
+          dtype, stream, options, nullptr);
+}
+
+Plan ulysses_attention_forward_plan(Communicator& comm, Rank& rank, const void* q, const void* k,
+                                    const void* v, void* out, float* lse,
+                                    const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
+                                    int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype,
+                                    cudaStream_t stream, const AttentionOptions& options) {
+  Plan plan;
+  forward(comm, rank, q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim, workspace, workspace_bytes,
+          dtype, stream, options, &plan);
+  return plan;
+}
+
+void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                                const void* out, const void* dout, const float* lse, void* dq, void* dk,
+                                void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                                int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
+                                DType dtype, cudaStream_t stream, const AttentionOptions& options) {
+  backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads, kv_heads, head_dim, workspace,
+           workspace_bytes, dtype, stream, options, nullptr);
+}
+
+Plan ulysses_attention_backward_plan(Communicator& comm, Rank& rank, const void* q, const void* k,
+                                     const void* v, const void* out, const void* dout, const float* lse,
+                                     void* dq, void* dk, void* dv, const std::vector<int64_t>& doc_lengths,
+                                     int64_t heads, int64_t kv_heads, int64_t head_dim, void* workspace,
+                                     size_t workspace_bytes, DType dtype, cudaStream_t stream,
+                                     const AttentionOptions& options) {
+  Plan plan;
+  backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads, kv_heads, head_dim, workspace,
+           workspace_bytes, dtype, stream, options, &plan);
+  return plan;
 }
 
 }  // namespace weft

@@ -79,6 +79,16 @@ decltype(&context_attention_forward) forward_of(Method m) {
   if (m == Method::kRing) return &ring_attention_forward;
   return m == Method::kUlysses ? &ulysses_attention_forward : &context_attention_forward;
 }
+// The op's plan function where it has one (null otherwise): run before the call, whose workspace must stay
+// within what it named.
+decltype(&context_attention_forward_plan) forward_plan_of(Method m) {
+  if (m == Method::kUlysses) return &ulysses_attention_forward_plan;
+  return m == Method::kAllGather ? &context_attention_forward_plan : nullptr;
+}
+decltype(&context_attention_backward_plan) backward_plan_of(Method m) {
+  if (m == Method::kUlysses) return &ulysses_attention_backward_plan;
+  return m == Method::kAllGather ? &context_attention_backward_plan : nullptr;
+}
 decltype(&context_attention_backward) backward_of(Method m) {
   if (m == Method::kHybrid) return &hybrid_backward;
   if (m == Method::kRing) return &ring_attention_backward;
@@ -227,17 +237,29 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
     local.push_back(std::move(l));
   }
   c.host_barrier();
+  AttentionOptions fo;
+  fo.causal = cc.causal;
+  fo.contiguous_shards = cc.contiguous;
+  std::vector<Plan> plans;
+  std::vector<weft::test::WorkspaceSizes> before;
+  if (const auto plan_of = forward_plan_of(method))
+    for (int i = 0; i < c.num_local(); ++i) {  // every rank's plan before any call grows a workspace
+      plans.push_back(plan_of(c, c.local(i), local[i]->q.p, local[i]->k.p, local[i]->v.p, local[i]->out.p,
+                              local[i]->lse.as<float>(), cc.docs, H, KV, D, local[i]->ws.p, ws_bytes,
+                              DType::kBF16, nullptr, fo));
+      before.push_back(weft::test::workspace_sizes(c, plans.back()));
+    }
   for (int i = 0; i < c.num_local(); ++i) {
     Rank& rank = c.local(i);
     WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
-    AttentionOptions o;
-    o.causal = cc.causal;
-    o.contiguous_shards = cc.contiguous;
     forward_of(method)(c, rank, local[i]->q.p, local[i]->k.p, local[i]->v.p, local[i]->out.p,
                        local[i]->lse.as<float>(), cc.docs, H, KV, D, local[i]->ws.p, ws_bytes, DType::kBF16,
-                       nullptr, o);
+                       nullptr, fo);
   }
   c.synchronize();
+  for (size_t i = 0; i < plans.size(); ++i)
+    if (const std::string kept = weft::test::check_call_kept_plan(c, plans[i], before[i]); !kept.empty())
+      return "forward: " + kept;
   // The reference, on local rank 0's GPU (every process computes the same).
   const auto go = random_rows(total * H * D, seed + 3);
   const Reference reference = single_gpu_reference(c, cc, q, k, v, go);
@@ -319,17 +341,27 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
     grads.push_back(std::move(gr));
   }
   c.host_barrier();
+  plans.clear();
+  before.clear();
+  if (const auto plan_of = backward_plan_of(method))
+    for (int i = 0; i < c.num_local(); ++i) {  // every rank's plan before any call grows a workspace
+      plans.push_back(plan_of(c, c.local(i), local[i]->q.p, local[i]->k.p, local[i]->v.p, local[i]->out.p,
+                              grads[i]->go.p, local[i]->lse.as<float>(), grads[i]->dq.p, grads[i]->dk.p,
+                              grads[i]->dv.p, cc.docs, H, KV, D, grads[i]->ws.p, bws_bytes, DType::kBF16,
+                              nullptr, fo));
+      before.push_back(weft::test::workspace_sizes(c, plans.back()));
+    }
   for (int i = 0; i < c.num_local(); ++i) {
     Rank& rank = c.local(i);
     WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
-    AttentionOptions o;
-    o.causal = cc.causal;
-    o.contiguous_shards = cc.contiguous;
     backward_of(method)(c, rank, local[i]->q.p, local[i]->k.p, local[i]->v.p, local[i]->out.p, grads[i]->go.p,
                         local[i]->lse.as<float>(), grads[i]->dq.p, grads[i]->dk.p, grads[i]->dv.p, cc.docs, H,
-                        KV, D, grads[i]->ws.p, bws_bytes, DType::kBF16, nullptr, o);
+                        KV, D, grads[i]->ws.p, bws_bytes, DType::kBF16, nullptr, fo);
   }
   c.synchronize();
+  for (size_t i = 0; i < plans.size(); ++i)
+    if (const std::string kept = weft::test::check_call_kept_plan(c, plans[i], before[i]); !kept.empty())
+      return "backward: " + kept;
   // Small cases also against fp64: every rank's max error within 1.5x of the single call's (over the whole
   // sequence: the single call's worst row may sit on any rank).
   auto compare = [&](const char* name, const std::vector<__nv_bfloat16>& got,

@@ -38,6 +38,14 @@ void context_attention_forward(Communicator& comm, Rank& rank, const void* q, co
                                int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                                DType dtype, cudaStream_t stream = nullptr,
                                const AttentionOptions& options = {});
+// What the call would do (weft/ops/plan.hpp: the communicator workspace areas it uses, the attention kernel's
+// grid), or the weft::Error it would throw; the same arguments, nothing launched. Likewise the _plan of each
+// op below that has one.
+Plan context_attention_forward_plan(Communicator& comm, Rank& rank, const void* q, const void* k,
+                                    const void* v, void* out, float* lse,
+                                    const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
+                                    int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype,
+                                    cudaStream_t stream = nullptr, const AttentionOptions& options = {});
 
 // The backward: dq (q's layout), dk, dv (k's layout, this rank's rows) from the forward's out and lse and
 // out's gradient dout. dK / dV are summed over the team in fp32 and rounded once. The workspace:
@@ -51,6 +59,12 @@ void context_attention_backward(Communicator& comm, Rank& rank, const void* q, c
                                 int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                                 DType dtype, cudaStream_t stream = nullptr,
                                 const AttentionOptions& options = {});
+Plan context_attention_backward_plan(Communicator& comm, Rank& rank, const void* q, const void* k,
+                                     const void* v, const void* out, const void* dout, const float* lse,
+                                     void* dq, void* dk, void* dv, const std::vector<int64_t>& doc_lengths,
+                                     int64_t heads, int64_t kv_heads, int64_t head_dim, void* workspace,
+                                     size_t workspace_bytes, DType dtype, cudaStream_t stream = nullptr,
+                                     const AttentionOptions& options = {});
 
 // Ulysses: heads / W query heads per rank over the whole sequence. The forward runs in three passes (push,
 // attention, pull); WEFT_ULYSSES_FORWARD=pipelined runs it as one kernel that moves the heads in chunks
@@ -66,6 +80,11 @@ void ulysses_attention_forward(Communicator& comm, Rank& rank, const void* q, co
                                int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                                DType dtype, cudaStream_t stream = nullptr,
                                const AttentionOptions& options = {});
+Plan ulysses_attention_forward_plan(Communicator& comm, Rank& rank, const void* q, const void* k,
+                                    const void* v, void* out, float* lse,
+                                    const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
+                                    int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype,
+                                    cudaStream_t stream = nullptr, const AttentionOptions& options = {});
 size_t ulysses_attention_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths,
                                                   bool causal, int64_t heads, int64_t kv_heads,
                                                   int64_t head_dim);
@@ -75,6 +94,12 @@ void ulysses_attention_backward(Communicator& comm, Rank& rank, const void* q, c
                                 int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                                 DType dtype, cudaStream_t stream = nullptr,
                                 const AttentionOptions& options = {});
+Plan ulysses_attention_backward_plan(Communicator& comm, Rank& rank, const void* q, const void* k,
+                                     const void* v, const void* out, const void* dout, const float* lse,
+                                     void* dq, void* dk, void* dv, const std::vector<int64_t>& doc_lengths,
+                                     int64_t heads, int64_t kv_heads, int64_t head_dim, void* workspace,
+                                     size_t workspace_bytes, DType dtype, cudaStream_t stream = nullptr,
+                                     const AttentionOptions& options = {});
 
 // Ring attention: each rank attends its queries against every rank's K / V rows while they travel (one
 // persistent kernel per pass: the compute blocks' idle loader warps push this rank's K / V into the ranks
