@@ -134,18 +134,6 @@ Gathered gather(ops::OpCall& call, const Sizes& z, const void* k, const void* v,
   return g;
 }
 
-// Planning: the attention core's plan on this rank's segments (its grid, its refusals) into the op's, and the
-// path; true (launch nothing). Else false.
-bool planned(ops::OpCall& call, const char* op, const Plan* core, const char* path) {
-  if (!call.planning()) return false;
-  call.plan->op = op;
-  if (core) {
-    call.plan->blocks = core->blocks;
-    call.plan->smem_bytes = core->smem_bytes;
-  }
-  return call.planned(path, call.plan->blocks);
-}
-
 void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, void* out,
              float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
              int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
@@ -160,8 +148,9 @@ void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const
   o.segments = z.segments(g.own.seg);
   if (call.planning()) {
     const Plan core = z.nseg() > 0 ? flash_attention_forward_plan(z.shape(heads), dtype, o) : Plan{};
-    planned(call, "context_attention_forward", z.nseg() > 0 ? &core : nullptr,
-            "K / V pushed to every rank, then flash attention of this rank's queries over every key");
+    ops::planned_around_attention(
+        call, "context_attention_forward", core,
+        "K / V pushed to every rank, then flash attention of this rank's queries over every key");
     return;
   }
   if (z.nseg() == 0) return;  // no query rows here (short documents)
@@ -190,8 +179,9 @@ void backward(Communicator& comm, Rank& rank, const void* q, const void* k, cons
   o.accumulate_grads = {dk32, dv32};
   if (call.planning()) {
     const Plan core = z.nseg() > 0 ? flash_attention_backward_plan(z.shape(heads), dtype, o) : Plan{};
-    planned(call, "context_attention_backward", z.nseg() > 0 ? &core : nullptr,
-            "K / V pushed to every rank, flash attention backward into fp32 dK / dV sums, the sums pulled");
+    ops::planned_around_attention(
+        call, "context_attention_backward", core,
+        "K / V pushed to every rank, flash attention backward into fp32 dK / dV sums, the sums pulled");
     return;
   }
   // dK and dV are neighbours in the area: one memset clears both.

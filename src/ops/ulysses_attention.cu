@@ -319,16 +319,6 @@ size_t ulysses_attention_backward_workspace_bytes(int world, const std::vector<i
 
 namespace {
 
-// Planning: the attention core's plan (its grid, its refusals) into the op's, and the path; true (launch
-// nothing). Else false.
-bool planned(ops::OpCall& call, const char* op, const Plan& core, const std::string& path) {
-  if (!call.planning()) return false;
-  call.plan->op = op;
-  call.plan->blocks = core.blocks;
-  call.plan->smem_bytes = core.smem_bytes;
-  return call.planned(path, core.blocks);
-}
-
 void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, void* out,
              float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
              int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
@@ -348,10 +338,11 @@ void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const
     AttentionOptions o = options;
     o.segments = z.segments(st.own.offsets);
     const Plan core = z.total > 0 ? flash_attention_forward_plan(z.shape(), dtype, o) : Plan{};
-    planned(call, "ulysses_attention_forward", core,
-            pipelined_forward_chosen()
-                ? "one kernel: heads moved in chunks beside the attention of earlier ones"
-                : "heads pushed (all-to-all), flash attention over the whole sequence, outputs pulled back");
+    ops::planned_around_attention(
+        call, "ulysses_attention_forward", core,
+        pipelined_forward_chosen()
+            ? "one kernel: heads moved in chunks beside the attention of earlier ones"
+            : "heads pushed (all-to-all), flash attention over the whole sequence, outputs pulled back");
     return;
   }
   if (z.total == 0) return;
@@ -387,7 +378,7 @@ void backward(Communicator& comm, Rank& rank, const void* q, const void* k, cons
   o.accumulate_grads = {a.dk32, a.dv32};
   if (call.planning()) {
     const Plan core = z.total > 0 ? flash_attention_backward_plan(z.shape(), dtype, o) : Plan{};
-    planned(
+    ops::planned_around_attention(
         call, "ulysses_attention_backward", core,
         "q, k, v, out, dout and LSE pushed (all-to-all), flash attention backward into fp32 dK / dV sums, "
         "dq, dk, dv pulled back");
