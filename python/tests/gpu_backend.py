@@ -20,7 +20,7 @@ import torch.nn as nn
 import weft
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_ops import check  # noqa: E402
+from gpu_ops import check, run_per_rank  # noqa: E402
 
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -238,8 +238,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as e:  # a clear line per rank, then a non-zero exit
-        print(f"[rank {os.environ.get('RANK', '?')}] FAILED: {e}", flush=True)
-        sys.exit(1)
+    run_per_rank(main)

@@ -348,9 +348,15 @@ def check_flash_decode(rank, world):
     return cases + 1
 
 
-if __name__ == "__main__":
+def run_per_rank(main):
+    """main(), and on its first failure a clear line for this rank, then a non-zero exit (torchrun's own report
+    follows)."""
     try:
         main()
-    except Exception as e:  # a clear line per rank, then a non-zero exit
+    except Exception as e:
         print(f"[rank {os.environ.get('RANK', '?')}] FAILED: {e}", flush=True)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    run_per_rank(main)

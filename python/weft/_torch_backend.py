@@ -159,7 +159,8 @@ if dist.is_available():  # the classes' bases live in torch.distributed
 
         def __init__(self, comm, rank, size):
             super().__init__(rank, size)
-            self.comm = comm
+            self.comm = comm  # the weft team (or sub-team) whose rank runs this process's part
+            self.world = comm.world_size  # the group's ranks
             self._group_name, self._group_desc = "", ""
 
         def getBackendName(self):
@@ -217,18 +218,32 @@ if dist.is_available():  # the classes' bases live in torch.distributed
                                      "collectives move 2-byte words (an even byte count)")
             return flat.view(torch.uint8).view(torch.float16)
 
-        def _reduced(self, name, x, out):
-            """out = the reduction of x over the group (name "avg": the sum divided by the group's size)."""
-            _w.all_reduce(x, "sum" if name == "avg" else name, out=out, comm=self.comm)
+        # ---- the transport: weft's collectives on the group's team (ProcessGroupWeftNodes: hierarchical) ----
+        def _all_reduce(self, x, op, out):
+            _w.all_reduce(x, op, out=out, comm=self.comm)
+
+        def _all_gather(self, x, out):
+            _w.all_gather(x, out=out, comm=self.comm)
+
+        def _reduce_scatter(self, x, op, out):
+            _w.reduce_scatter(x, op=op, out=out, comm=self.comm)
+
+        def _broadcast(self, x, root):
+            _w.broadcast(x, root=root, out=x, comm=self.comm)
+
+        def _averaged(self, name, run, out):
+            """run(op) with avg as the sum, then divided by the group's size."""
+            run("sum" if name == "avg" else name)
             if name == "avg":
-                out.div_(self.comm.world_size)
+                out.div_(self.world)
 
         # ---- collectives --------------------------------------------------------------------------------
         @_in_issue_order
         def allreduce(self, tensors, opts=None):
             for t in tensors:
                 name = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t, "all_reduce")
-                self._reduced(name, self._tensor(t, "all_reduce").view(-1), t.view(-1))
+                x = self._tensor(t, "all_reduce").view(-1)
+                self._averaged(name, lambda op: self._all_reduce(x, op, x), x)
             return Work(tensors)
 
         @_in_issue_order
@@ -239,10 +254,10 @@ if dist.is_available():  # the classes' bases live in torch.distributed
         def all_gather_single(self, output, input, opts=None):
             x = self._words(input, "all_gather_into_tensor")
             out = self._words(output, "all_gather_into_tensor")
-            if out.numel() != x.numel() * self.comm.world_size:
+            if out.numel() != x.numel() * self.world:
                 raise WeftValueError(f"weft backend: all_gather_into_tensor: output has {output.numel()} elements, "
-                                     f"expected {input.numel()} x {self.comm.world_size}")
-            _w.all_gather(x, out=out, comm=self.comm)
+                                     f"expected {input.numel()} x {self.world}")
+            self._all_gather(x, out)
             return Work([output])
 
         _allgather_base = all_gather_single
@@ -250,7 +265,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
         @_in_issue_order
         def allgather(self, output_tensors, input_tensors, opts=None):
             for outs, x in zip(output_tensors, input_tensors):
-                flat = torch.empty(x.numel() * self.comm.world_size, dtype=x.dtype, device=x.device)
+                flat = torch.empty(x.numel() * self.world, dtype=x.dtype, device=x.device)
                 self.all_gather_single(flat, x)
                 for q, o in enumerate(outs):
                     o.copy_(flat[q * x.numel():(q + 1) * x.numel()].view(o.shape))
@@ -269,12 +284,10 @@ if dist.is_available():  # the classes' bases live in torch.distributed
             name = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, input, "reduce_scatter_tensor")
             x = self._tensor(input, "reduce_scatter_tensor").view(-1)
             out = self._tensor(output, "reduce_scatter_tensor").view(-1)
-            if x.numel() != out.numel() * self.comm.world_size:
+            if x.numel() != out.numel() * self.world:
                 raise WeftValueError(f"weft backend: reduce_scatter_tensor: input has {input.numel()} elements, "
-                                     f"expected {output.numel()} x {self.comm.world_size}")
-            _w.reduce_scatter(x, op="sum" if name == "avg" else name, out=out, comm=self.comm)
-            if name == "avg":
-                out.div_(self.comm.world_size)
+                                     f"expected {output.numel()} x {self.world}")
+            self._averaged(name, lambda op: self._reduce_scatter(x, op, out), out)
             return Work([output])
 
         _reduce_scatter_base = reduce_scatter_single
@@ -295,7 +308,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
 
         @_in_issue_order
         def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-            w = self.comm.world_size
+            w = self.world
             self._tensor(input, "all_to_all_single")
             self._tensor(output, "all_to_all_single")
             if not output_split_sizes and not input_split_sizes:
@@ -353,7 +366,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
         def _max_over_group(self, value):
             """The largest value over the group's ranks (a host read: all_to_all_v's out rows are one size)."""
             t = torch.tensor([int(value)], dtype=torch.int64, device=torch.device("cuda", self.comm.device))
-            every = torch.empty(self.comm.world_size, dtype=torch.int64, device=t.device)
+            every = torch.empty(self.world, dtype=torch.int64, device=t.device)
             _w.all_gather(self._words(t, "all_to_all_single"), out=self._words(every, "all_to_all_single"),
                           comm=self.comm)
             return int(every.max().item())
@@ -362,8 +375,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
         def broadcast(self, tensors, opts=None):
             root = opts.rootRank if opts is not None else 0
             for t in tensors:
-                x = self._words(t, "broadcast")
-                _w.broadcast(x, root=root, out=x, comm=self.comm)
+                self._broadcast(self._words(t, "broadcast"), root)
             return Work(tensors)
 
         @_in_issue_order
@@ -376,7 +388,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
                 if got is not None:
                     x.copy_(got)
                     if name == "avg":
-                        x.div_(self.comm.world_size)
+                        x.div_(self.world)
             return Work(tensors)
 
         @_in_issue_order
@@ -396,14 +408,14 @@ if dist.is_available():  # the classes' bases live in torch.distributed
             if self.comm.rank == root:
                 x = torch.cat([self._words(t, "scatter") for t in input_tensors[0]])
             else:  # only the root's data is read; the others pass the shape
-                x = torch.empty(out.numel() * self.comm.world_size, dtype=out.dtype, device=out.device)
+                x = torch.empty(out.numel() * self.world, dtype=out.dtype, device=out.device)
             _w.scatter(x, root=root, out=out, comm=self.comm)
             return Work(output_tensors)
 
         @_in_issue_order
         def barrier(self, opts=None):
             t = torch.zeros(1, device=torch.device("cuda", self.comm.device))
-            _w.all_reduce(t, "sum", out=t, comm=self.comm)
+            self._all_reduce(t, "sum", t)
             return Work([t], host_wait=True)
 
         def send(self, tensors, dst, tag=0):
@@ -421,8 +433,9 @@ if dist.is_available():  # the classes' bases live in torch.distributed
         and broadcast are the hierarchical ones (weft inside each node, NCCL between nodes); the rest is refused."""
 
         def __init__(self, team, rank, size):
-            super().__init__(team.node, rank, size)
+            super().__init__(team.node, rank, size)  # comm: the node's team (this rank's GPU)
             self.team = team
+            self.world = team.world_size
 
         def __repr__(self):
             return f"ProcessGroupWeftNodes(rank {self.team.rank} of {self.team.world_size}, {self.team.nodes} nodes)"
@@ -431,64 +444,17 @@ if dist.is_available():  # the classes' bases live in torch.distributed
             raise WeftError(f"weft backend: {what} is not built for a job spanning nodes yet (all_reduce, "
                             "all_gather, reduce_scatter, broadcast and barrier are): make an NCCL group for it")
 
-        @_in_issue_order
-        def allreduce(self, tensors, opts=None):
-            for t in tensors:
-                name = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t, "all_reduce")
-                x = self._tensor(t, "all_reduce").view(-1)
-                self.team.all_reduce(x, "sum" if name == "avg" else name, out=x)
-                if name == "avg":
-                    x.div_(self.team.world_size)
-            return Work(tensors)
+        def _all_reduce(self, x, op, out):
+            self.team.all_reduce(x, op, out=out)
 
-        @_in_issue_order
-        def all_gather_single(self, output, input, opts=None):
-            x, out = self._words(input, "all_gather_into_tensor"), self._words(output, "all_gather_into_tensor")
-            if out.numel() != x.numel() * self.team.world_size:
-                raise WeftValueError(f"weft backend: all_gather_into_tensor: output has {output.numel()} elements, "
-                                     f"expected {input.numel()} x {self.team.world_size}")
+        def _all_gather(self, x, out):
             self.team.all_gather(x, out=out)
-            return Work([output])
 
-        _allgather_base = all_gather_single
+        def _reduce_scatter(self, x, op, out):
+            self.team.reduce_scatter(x, op=op, out=out)
 
-        @_in_issue_order
-        def allgather(self, output_tensors, input_tensors, opts=None):
-            for outs, x in zip(output_tensors, input_tensors):
-                flat = torch.empty(x.numel() * self.team.world_size, dtype=x.dtype, device=x.device)
-                self.all_gather_single(flat, x)
-                for q, o in enumerate(outs):
-                    o.copy_(flat[q * x.numel():(q + 1) * x.numel()].view(o.shape))
-            return Work(output_tensors)
-
-        @_in_issue_order
-        def reduce_scatter_single(self, output, input, opts=None):
-            name = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, input, "reduce_scatter_tensor")
-            x = self._tensor(input, "reduce_scatter_tensor").view(-1)
-            out = self._tensor(output, "reduce_scatter_tensor").view(-1)
-            if x.numel() != out.numel() * self.team.world_size:
-                raise WeftValueError(f"weft backend: reduce_scatter_tensor: input has {input.numel()} elements, "
-                                     f"expected {output.numel()} x {self.team.world_size}")
-            self.team.reduce_scatter(x, op="sum" if name == "avg" else name, out=out)
-            if name == "avg":
-                out.div_(self.team.world_size)
-            return Work([output])
-
-        _reduce_scatter_base = reduce_scatter_single
-
-        @_in_issue_order
-        def broadcast(self, tensors, opts=None):
-            root = opts.rootRank if opts is not None else 0
-            for t in tensors:
-                x = self._words(t, "broadcast")
-                self.team.broadcast(x, root=root, out=x)
-            return Work(tensors)
-
-        @_in_issue_order
-        def barrier(self, opts=None):
-            t = torch.zeros(1, device=torch.device("cuda", self.team.device))
-            self.team.all_reduce(t, out=t)
-            return Work([t], host_wait=True)
+        def _broadcast(self, x, root):
+            self.team.broadcast(x, root=root, out=x)
 
         def all_to_all_single(self, *args, **kwargs):
             self._not_built("all_to_all_single")
