@@ -9,7 +9,8 @@
 # (weft-launch), the rank-death test, teams spanning fake nodes (2 x 1, 2 x 2 ranks). On any machine: virtual ranks (teams of W = 2, 3, 4 and 8 on one GPU),
 # the team under a small SM budget, the refusal of processes sharing a GPU; the Python package under torchrun
 # (a team of one on a single GPU), and compute-sanitizer memcheck / racecheck / synccheck on small cases.
-# Logs go to $WEFT_LOG_DIR (default: build/gpu-logs). Exit 0 only if every step passed.
+# Logs go to $WEFT_LOG_DIR (default: build/gpu-logs). Each step is stopped after WEFT_STEP_TIMEOUT_S seconds
+# (default 900). Exit 0 only if every step passed.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
@@ -43,7 +44,7 @@ step() {  # step NAME LOGFILE CMD...
   esac
   echo "=== $name"
   local t0=$SECONDS
-  timeout 900 "$@" >"$log" 2>&1
+  timeout "${WEFT_STEP_TIMEOUT_S:-900}" "$@" >"$log" 2>&1
   local rc=$?
   grep -E 'summary:|FAILED|HUNG|SKIPPED|ERROR SUMMARY|saw after' "$log" | sed 's/^/    /' | head -20
   if [ $rc -eq 0 ]; then
