@@ -129,10 +129,13 @@ struct DeviceBuffer {
 };
 
 // Host <-> device copies and poisoning on local rank i's GPU.
-// cudaMemcpy from pageable memory may return before its DMA lands, on the legacy stream, which the rank's
-// non-blocking stream does not wait for: wait for it here.
+// cudaMemcpy runs on the legacy stream, which neither waits for the rank's non-blocking stream nor is waited
+// for by it: wait for the rank's stream first (a poison queued there must not land on the data uploaded after
+// it, as it would for an in-place op's input inside a poisoned output), and for the copy's DMA after it
+// (from pageable memory cudaMemcpy may return before it lands).
 inline void upload(Communicator& c, int i, void* dst, const void* src, size_t bytes) {
   WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(c.local(i).stream()));
   WEFT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
   WEFT_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
 }
