@@ -905,6 +905,11 @@ void bind_multi_node(py::module_& m) {
     weft::hierarchical_reduce_scatter(t, ptr(in), ptr(out), count, parse_dtype(dtype), parse_op(op),
                                       stream(s));
   });
+  m.def("hierarchical_all_to_all", [=](MultiNodeTeam& t, uintptr_t in, uintptr_t out, uint64_t count,
+                                       const std::string& dtype, uintptr_t s) {
+    py::gil_scoped_release release;  // NCCL's enqueue may wait for the GPU to drain its queue
+    weft::hierarchical_all_to_all(t, ptr(in), ptr(out), count, parse_dtype(dtype), stream(s));
+  });
   m.def("hierarchical_broadcast", [=](MultiNodeTeam& t, uintptr_t in, uintptr_t out, uint64_t count,
                                       const std::string& dtype, int root, uintptr_t s) {
     py::gil_scoped_release release;  // NCCL's enqueue may wait for the GPU to drain its queue

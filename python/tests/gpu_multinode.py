@@ -5,11 +5,11 @@ of k ranks on one host; NCCL forced onto sockets so the legs between them take t
     NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 WEFT_NODE_SIZE=2 PYTHONPATH=build/python \\
     torchrun --nproc_per_node=4 python/tests/gpu_multinode.py [ops | backend]
 
-ops (default): weft.init_multi_node()'s all_reduce / all_gather / reduce_scatter / broadcast against NCCL's over
-every rank (dist.init_process_group("nccl")), bf16 and fp32, odd sizes, in place; weft.init() refused with the way
-out. backend: dist.init_process_group("weft") on the job: the same collectives through torch.distributed against
-an NCCL group of every rank, what it refuses, and DDP training with the same losses as on NCCL. One line per rank;
-non-zero exit on the first mismatch.
+ops (default): weft.init_multi_node()'s all_reduce / all_gather / reduce_scatter / broadcast / all_to_all against
+NCCL's over every rank (dist.init_process_group("nccl")), bf16 and fp32, odd sizes, in place; weft.init() refused
+with the way out. backend: dist.init_process_group("weft") on the job: the same collectives through
+torch.distributed against an NCCL group of every rank, what it refuses, and DDP training with the same losses as on
+NCCL. One line per rank; non-zero exit on the first mismatch.
 """
 import os
 import sys
@@ -69,7 +69,10 @@ def ops_against_nccl(team, g):
             want = x.clone()
             dist.broadcast(want, src=root)
             check(f"broadcast {dtype} {n} from {root}", team.broadcast(x, root=root), want, exact=True)
-            cases += 6
+            want = torch.empty_like(big)
+            dist.all_to_all_single(want, big)
+            check(f"all_to_all {dtype} {n} per rank", team.all_to_all(big), want, exact=True)
+            cases += 7
     team.synchronize()
     return cases
 
@@ -118,9 +121,16 @@ def backend_mode(rank):
     ints = torch.arange(10, device="cuda", dtype=torch.int64) * (rank + 1)
     dist.broadcast(ints, src=world - 1)
     check("backend broadcast int64", ints, torch.arange(10, device="cuda", dtype=torch.int64) * world, exact=True)
+    x = torch.randn(world * 1001, device="cuda", generator=g)
+    a, b = torch.empty_like(x), torch.empty_like(x)
+    dist.all_to_all_single(a, x)
+    dist.all_to_all_single(b, x, group=nccl)
+    check("backend all_to_all_single (equal splits)", a, b, exact=True)
     try:
-        dist.all_to_all_single(torch.empty(world, device="cuda"), torch.ones(world, device="cuda"))
-        raise AssertionError("all_to_all_single on a job spanning nodes was not refused")
+        sizes = [2] * (world - 1) + [0]
+        dist.all_to_all_single(torch.empty(sum(sizes), device="cuda"), torch.ones(sum(sizes), device="cuda"),
+                               sizes, sizes)
+        raise AssertionError("all_to_all_single with unequal splits on a job spanning nodes was not refused")
     except Exception as e:  # through torch's dispatch: the reason survives
         if "not built for a job spanning nodes" not in str(e):
             raise AssertionError(f"all_to_all_single's refusal: {e}")

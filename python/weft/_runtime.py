@@ -99,6 +99,19 @@ class MultiNodeTeam:
         _weft.hierarchical_reduce_scatter(self._m, a.ptr, o.ptr, a.numel // self.world_size, a.dtype, op, s)
         return out
 
+    def all_to_all(self, x, out=None):
+        """x's world_size equal slices along dim 0, slice j to rank j; out's slice j is rank j's slice for this rank
+        (not in place)."""
+        c, s, a = _prepare(x, self.node)
+        if not a.shape or a.shape[0] % self.world_size:
+            raise WeftValueError(f"weft: all_to_all splits dim 0 into {self.world_size} slices; x has shape "
+                                 f"{a.shape}")
+        out, o = _output(c, s, x, a, a.shape, out)
+        if o.ptr == a.ptr and a.numel:
+            raise WeftValueError("weft: all_to_all is not in place: out must not be x")
+        _weft.hierarchical_all_to_all(self._m, a.ptr, o.ptr, a.numel // self.world_size, a.dtype, s)
+        return out
+
     def broadcast(self, x, root=0, out=None):
         """Every rank gets rank root's x (the others' x gives the shape); out=x broadcasts in place."""
         if not isinstance(root, int) or not 0 <= root < self.world_size:

@@ -22,8 +22,8 @@ first call reserves resources on every rank), as DeviceMesh does: dist.new_group
 would leave ranks 2 and 3 behind.
 
 On a job spanning nodes (weft.init_multi_node()'s team) the default group alone runs on weft, with all_reduce,
-all_gather, reduce_scatter, broadcast and barrier hierarchical (weft inside each node, NCCL between nodes); its other
-collectives and other groups are refused (NCCL groups serve them).
+all_gather, reduce_scatter, broadcast, all_to_all_single of equal splits and barrier hierarchical (weft inside each
+node, NCCL between nodes); its other collectives and other groups are refused (NCCL groups serve them).
 
 Registered when weft finds torch imported (import torch before weft, or call weft.register_torch_backend()).
 Not supported: init_process_group(..., device_id=...) (torch then asks the group for a C++ backend to split,
@@ -429,8 +429,9 @@ if dist.is_available():  # the classes' bases live in torch.distributed
             return self.send(tensors, -1, tag)
 
     class ProcessGroupWeftNodes(ProcessGroupWeft):
-        """The default group of a job spanning nodes (weft.MultiNodeTeam): all-reduce, all-gather, reduce-scatter
-        and broadcast are the hierarchical ones (weft inside each node, NCCL between nodes); the rest is refused."""
+        """The default group of a job spanning nodes (weft.MultiNodeTeam): all-reduce, all-gather, reduce-scatter,
+        broadcast and the all-to-all of equal splits are the hierarchical ones (weft inside each node, NCCL between
+        nodes); the rest is refused."""
 
         def __init__(self, team, rank, size):
             super().__init__(team.node, rank, size)  # comm: the node's team (this rank's GPU)
@@ -442,7 +443,8 @@ if dist.is_available():  # the classes' bases live in torch.distributed
 
         def _not_built(self, what):
             raise WeftError(f"weft backend: {what} is not built for a job spanning nodes yet (all_reduce, "
-                            "all_gather, reduce_scatter, broadcast and barrier are): make an NCCL group for it")
+                            "all_gather, reduce_scatter, broadcast, all_to_all_single of equal splits and barrier "
+                            "are): make an NCCL group for it")
 
         def _all_reduce(self, x, op, out):
             self.team.all_reduce(x, op, out=out)
@@ -456,13 +458,26 @@ if dist.is_available():  # the classes' bases live in torch.distributed
         def _broadcast(self, x, root):
             self.team.broadcast(x, root=root, out=x)
 
-        def all_to_all_single(self, *args, **kwargs):
-            self._not_built("all_to_all_single")
+        @_in_issue_order
+        def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+            """Equal splits only (the hierarchical all-to-all); given unequal splits are refused."""
+            w = self.world
+            rows = input.shape[0] if input.dim() else 0
+            splits = list(input_split_sizes or []) + list(output_split_sizes or [])
+            if input.shape != output.shape or rows % w or any(n != rows // w for n in splits):
+                self._not_built(f"all_to_all_single with unequal splits or shapes (input {tuple(input.shape)}, "
+                                f"output {tuple(output.shape)}, splits {splits})")
+            x, out = self._words(input, "all_to_all_single"), self._words(output, "all_to_all_single")
+            if x.numel() % w:
+                raise WeftValueError("weft backend: all_to_all_single: each rank's part has an odd byte count "
+                                     "(the copying collectives move 2-byte words)")
+            self.team.all_to_all(x, out=out)
+            return Work([output])
 
         alltoall_base = all_to_all_single
 
         def alltoall(self, *args, **kwargs):
-            self._not_built("all_to_all")
+            self._not_built("all_to_all (of tensor lists)")
 
         def reduce(self, *args, **kwargs):
             self._not_built("reduce")

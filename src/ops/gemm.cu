@@ -294,22 +294,23 @@ Plan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, DType c_type, 
                         false);
 }
 
-void ops::grouped_gemm_scatter(const void* a, const void* b, const int32_t* group_end, int groups,
+Plan ops::grouped_gemm_scatter(const void* a, const void* b, const int32_t* group_end, int groups,
                                int64_t rows, int64_t n, int64_t k, BLayout b_layout,
-                               const ScatterRows& scatter, cudaStream_t stream, const GemmOptions& opt) {
+                               const ScatterRows& scatter, cudaStream_t stream, const GemmOptions& opt,
+                               bool launch) {
   // C's map is built (and never used): it points at the destination buffer.
   Problem pr{a, b, scatter.dest, rows, n, k, 0, 0, 0, b_layout, DType::kBF16, opt, group_end, groups};
   pr.scatter = &scatter;
-  plan_or_launch(pr, stream, true);
+  return plan_or_launch(pr, stream, launch);
 }
 
-void ops::grouped_gemm_dispatch(const void* b, void* c, int64_t rows, int64_t n, int64_t k, BLayout b_layout,
-                                const MoeDispatchRows& dispatch, cudaStream_t stream,
-                                const GemmOptions& opt) {
+Plan ops::grouped_gemm_dispatch(const void* b, void* c, int64_t rows, int64_t n, int64_t k, BLayout b_layout,
+                                const MoeDispatchRows& dispatch, cudaStream_t stream, const GemmOptions& opt,
+                                bool launch) {
   Problem pr{dispatch.rows,  b, c, rows, n, k, 0, 0, 0, b_layout, DType::kBF16, opt, dispatch.group_end,
              dispatch.groups};
   pr.dispatch = &dispatch;
-  plan_or_launch(pr, stream, true);
+  return plan_or_launch(pr, stream, launch);
 }
 
 void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_end, int groups, int64_t rows,

@@ -17,11 +17,13 @@
 
 namespace weft::ops {
 
-void grouped_gemm_scatter(const void* a, const void* b, const int32_t* group_end, int groups, int64_t rows,
+// Each returns the GEMM's plan; `launch` false: only that (nothing built or launched).
+Plan grouped_gemm_scatter(const void* a, const void* b, const int32_t* group_end, int groups, int64_t rows,
                           int64_t n, int64_t k, BLayout b_layout, const ScatterRows& scatter,
-                          cudaStream_t stream, const GemmOptions& options = {});
+                          cudaStream_t stream, const GemmOptions& options = {}, bool launch = true);
 
-void grouped_gemm_dispatch(const void* b, void* c, int64_t rows, int64_t n, int64_t k, BLayout b_layout,
-                           const MoeDispatchRows& dispatch, cudaStream_t stream, const GemmOptions& options);
+Plan grouped_gemm_dispatch(const void* b, void* c, int64_t rows, int64_t n, int64_t k, BLayout b_layout,
+                           const MoeDispatchRows& dispatch, cudaStream_t stream, const GemmOptions& options,
+                           bool launch = true);
 
 }  // namespace weft::ops

@@ -98,6 +98,50 @@ void hierarchical_reduce_scatter(MultiNodeTeam& t, const void* in, void* out, si
   });
 }
 
+namespace {
+
+// Blocks of `block` bytes as a [rows, cols] grid, transposed: dst block (c, r) = src block (r, c).
+void transpose_blocks(const void* src, void* dst, size_t rows, size_t cols, size_t block,
+                      cudaStream_t stream) {
+  for (size_t c = 0; c < cols; ++c)  // src column c -> dst row c
+    WEFT_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<char*>(dst) + c * rows * block, block,
+                                      static_cast<const char*>(src) + c * block, cols * block, block, rows,
+                                      cudaMemcpyDeviceToDevice, stream));
+}
+
+}  // namespace
+
+void hierarchical_all_to_all(MultiNodeTeam& t, const void* in, void* out, size_t count, DType dtype,
+                             cudaStream_t stream) {
+  stream = stream_of(t, stream);
+  WEFT_CHECK(in != out, "hierarchical_all_to_all: in and out must differ (not in place)");
+  t.check_alive();
+  if (count == 0) return;
+  const size_t nodes = t.nodes(), ns = t.node_size(), es = dtype_size(dtype), row = ns * count;
+  // Block (m, i) of a [nodes, node_size] grid: in's block for rank m x node_size + i.
+  char* scratch = static_cast<char*>(t.scratch(2 * nodes * row * es, stream));
+  char *landed = scratch, *grouped = scratch + nodes * row * es;
+  // 1. Among the i-th ranks: row m of in (every block for node m) to node m; landed row m: node m's i-th
+  //    rank's blocks for this node, by destination index.
+  const auto& n = nccl::api();
+  nccl_call(t, "hierarchical_all_to_all: ncclSend / ncclRecv", [&](nccl::Comm across, nccl::Comm) {
+    const int type = nccl::data_type(dtype);
+    int rc = n.GroupStart();
+    for (size_t m = 0; m < nodes && rc == 0; ++m) {
+      rc = n.Send(static_cast<const char*>(in) + m * row * es, row, type, int(m), across, stream);
+      if (rc == 0) rc = n.Recv(landed + m * row * es, row, type, int(m), across, stream);
+    }
+    const int end = n.GroupEnd();
+    return rc != 0 ? rc : end;
+  });
+  // 2. Grouped by destination index (grouped row i': every node's blocks for this node's rank i'), then
+  //    weft's all-to-all in the node: landed row i holds node rank i's blocks for this rank, from each node.
+  transpose_blocks(landed, grouped, nodes, ns, count * es, stream);
+  all_to_all(t.node_team(), t.node_rank(), grouped, landed, nodes * count, dtype, stream);
+  // 3. Rank order: out block (m, i) = landed block (i, m).
+  transpose_blocks(landed, out, ns, nodes, count * es, stream);
+}
+
 void hierarchical_broadcast(MultiNodeTeam& t, const void* in, void* out, size_t count, DType dtype, int root,
                             cudaStream_t stream) {
   stream = stream_of(t, stream);

@@ -126,7 +126,7 @@ Start start(ops::OpCall& call, const Sizes& z, const AttentionOptions& options, 
   s.index = carve_index(own, z);
   s.ring_workspace = static_cast<char*>(workspace) + own.bytes();
   s.ring_workspace_bytes = workspace_bytes - own.bytes();
-  ops::write_row_index(ops::merged_runs(z.L, z.M, z.rank), s.index, call.stream);
+  if (!call.planning()) ops::write_row_index(ops::merged_runs(z.L, z.M, z.rank), s.index, call.stream);
   return s;
 }
 
@@ -162,55 +162,76 @@ size_t hybrid_attention_backward_workspace_bytes(int world, int ulysses,
                                                     z.kv_share.width, head_dim, ulysses);
 }
 
-void hybrid_attention_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
-                              void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
-                              int64_t kv_heads, int64_t head_dim, int ulysses, void* workspace,
-                              size_t workspace_bytes, DType dtype, cudaStream_t stream,
-                              const AttentionOptions& options) {
-  ops::OpCall call(comm, rank, stream, ops::team_where("weft::hybrid_attention_forward", rank));
+namespace {
+
+// The hybrid's own passes where planning (OpCall::planning): the op's name and the group pushes before its
+// ring's plan; the pulls after it. Else nothing.
+void plan_pass(ops::OpCall& call, const char* op, const char* path) {
+  if (!call.planning()) return;
+  if (call.plan->op.empty()) call.plan->op = op;
+  call.planned(path);
+}
+
+void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, void* out,
+             float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
+             int64_t head_dim, int ulysses, void* workspace, size_t workspace_bytes, DType dtype,
+             cudaStream_t stream, const AttentionOptions& options, Plan* plan) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::hybrid_attention_forward", rank), plan);
   const int W = rank.world();
   check_split(W, ulysses, heads, kv_heads, call.where);
-  if (ulysses == W)
-    return ulysses_attention_forward(comm, rank, q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim,
-                                     workspace, workspace_bytes, dtype, call.stream, options);
-  if (ulysses == 1)
-    return ring_attention_forward(comm, rank, q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim,
-                                  workspace, workspace_bytes, dtype, call.stream, options);
+  if (ulysses == W || ulysses == 1) {  // Ulysses or the ring alone
+    const auto with_args = [&](auto op) {
+      return op(comm, rank, q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim, workspace,
+                workspace_bytes, dtype, call.stream, options);
+    };
+    if (plan)
+      *plan = with_args(ulysses == W ? &ulysses_attention_forward_plan : &ring_attention_forward_plan);
+    else
+      with_args(ulysses == W ? &ulysses_attention_forward : &ring_attention_forward);
+    return;
+  }
   const Sizes z(W, ulysses, rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim);
   ops::check_attention_operands(call, {q, k, v, out, lse}, false, z.local, heads, kv_heads, head_dim);
   const Start s = start(call, z, options, workspace, workspace_bytes, dtype);
   const Area& a = s.area;
   Rank& group = *s.group;
   const int64_t d = head_dim;
-  ops::push_rows(comm, group, q, z.local, a.q, s.index, z.q_share, d, z.max_local, call.stream);
-  ops::push_rows(comm, group, k, z.local, a.k, s.index, z.kv_share, d, z.max_local, call.stream);
-  ops::push_rows(comm, group, v, z.local, a.v, s.index, z.kv_share, d, z.max_local, call.stream);
-  ops::ring_forward(comm, *s.ring, a.q, a.k, a.v, a.out, lse != nullptr ? a.lse : nullptr, doc_lengths,
-                    z.q_share.width, z.kv_share.width, d, s.ring_workspace, s.ring_workspace_bytes, dtype,
-                    call.stream, options, ulysses,
-                    {"weft::hybrid_attention_forward (its ring)", "hybrid_attention_workspace_bytes()"});
+  plan_pass(call, "hybrid_attention_forward", "q, k, v heads pushed within the Ulysses group");
+  if (!call.planning()) {
+    ops::push_rows(comm, group, q, z.local, a.q, s.index, z.q_share, d, z.max_local, call.stream);
+    ops::push_rows(comm, group, k, z.local, a.k, s.index, z.kv_share, d, z.max_local, call.stream);
+    ops::push_rows(comm, group, v, z.local, a.v, s.index, z.kv_share, d, z.max_local, call.stream);
+  }
+  ops::ring_forward(
+      comm, *s.ring, a.q, a.k, a.v, a.out, lse != nullptr ? a.lse : nullptr, doc_lengths, z.q_share.width,
+      z.kv_share.width, d, s.ring_workspace, s.ring_workspace_bytes, dtype, call.stream, options, ulysses,
+      {"weft::hybrid_attention_forward (its ring)", "hybrid_attention_workspace_bytes()", plan});
+  plan_pass(call, "hybrid_attention_forward", "outputs (and LSE) pulled back within the group");
+  if (call.planning()) return;
   ops::pull_rows(comm, group, a.out, false, out, z.local, s.index, z.q_share, d, z.max_local, dtype,
                  call.stream);
   if (lse != nullptr) ops::pull_lse(group, a.lse, lse, z.local, s.index, heads, z.merged, call.stream);
 }
 
-void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
-                               const void* out, const void* dout, const float* lse, void* dq, void* dk,
-                               void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
-                               int64_t kv_heads, int64_t head_dim, int ulysses, void* workspace,
-                               size_t workspace_bytes, DType dtype, cudaStream_t stream,
-                               const AttentionOptions& options) {
-  ops::OpCall call(comm, rank, stream, ops::team_where("weft::hybrid_attention_backward", rank));
+void backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, const void* out,
+              const void* dout, const float* lse, void* dq, void* dk, void* dv,
+              const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads, int64_t head_dim,
+              int ulysses, void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
+              const AttentionOptions& options, Plan* plan) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::hybrid_attention_backward", rank), plan);
   const int W = rank.world();
   check_split(W, ulysses, heads, kv_heads, call.where);
-  if (ulysses == W)
-    return ulysses_attention_backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads,
-                                      kv_heads, head_dim, workspace, workspace_bytes, dtype, call.stream,
-                                      options);
-  if (ulysses == 1)
-    return ring_attention_backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads,
-                                   kv_heads, head_dim, workspace, workspace_bytes, dtype, call.stream,
-                                   options);
+  if (ulysses == W || ulysses == 1) {  // Ulysses or the ring alone
+    const auto with_args = [&](auto op) {
+      return op(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads, kv_heads, head_dim,
+                workspace, workspace_bytes, dtype, call.stream, options);
+    };
+    if (plan)
+      *plan = with_args(ulysses == W ? &ulysses_attention_backward_plan : &ring_attention_backward_plan);
+    else
+      with_args(ulysses == W ? &ulysses_attention_backward : &ring_attention_backward);
+    return;
+  }
   const Sizes z(W, ulysses, rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim);
   ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
                                 head_dim);
@@ -219,21 +240,71 @@ void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, co
   Rank& group = *s.group;
   const int64_t d = head_dim;
   const cudaStream_t st = call.stream;
-  ops::push_rows(comm, group, q, z.local, a.q, s.index, z.q_share, d, z.max_local, st);
-  // After the first push's meeting (every member is done with its previous call's buffers), before the
-  // last push's (every member's rows have landed).
-  ops::push_lse(group, lse, z.local, a.lse, s.index, heads, z.merged, st);
-  ops::push_rows(comm, group, k, z.local, a.k, s.index, z.kv_share, d, z.max_local, st);
-  ops::push_rows(comm, group, v, z.local, a.v, s.index, z.kv_share, d, z.max_local, st);
-  ops::push_rows(comm, group, out, z.local, a.out, s.index, z.q_share, d, z.max_local, st);
-  ops::push_rows(comm, group, dout, z.local, a.dout, s.index, z.q_share, d, z.max_local, st);
+  plan_pass(call, "hybrid_attention_backward",
+            "q, k, v, out, dout heads and LSE pushed within the Ulysses group");
+  if (!call.planning()) {
+    ops::push_rows(comm, group, q, z.local, a.q, s.index, z.q_share, d, z.max_local, st);
+    // After the first push's meeting (every member is done with its previous call's buffers), before the
+    // last push's (every member's rows have landed).
+    ops::push_lse(group, lse, z.local, a.lse, s.index, heads, z.merged, st);
+    ops::push_rows(comm, group, k, z.local, a.k, s.index, z.kv_share, d, z.max_local, st);
+    ops::push_rows(comm, group, v, z.local, a.v, s.index, z.kv_share, d, z.max_local, st);
+    ops::push_rows(comm, group, out, z.local, a.out, s.index, z.q_share, d, z.max_local, st);
+    ops::push_rows(comm, group, dout, z.local, a.dout, s.index, z.q_share, d, z.max_local, st);
+  }
   ops::ring_backward(
       comm, *s.ring, a.q, a.k, a.v, a.out, a.dout, a.lse, a.dq, a.dk, a.dv, doc_lengths, z.q_share.width,
       z.kv_share.width, d, s.ring_workspace, s.ring_workspace_bytes, dtype, st, options, ulysses,
-      {"weft::hybrid_attention_backward (its ring)", "hybrid_attention_backward_workspace_bytes()"});
+      {"weft::hybrid_attention_backward (its ring)", "hybrid_attention_backward_workspace_bytes()", plan});
+  plan_pass(call, "hybrid_attention_backward", "dq, dk, dv pulled back within the group (dK / dV summed)");
+  if (call.planning()) return;
   ops::pull_rows(comm, group, a.dq, false, dq, z.local, s.index, z.q_share, d, z.max_local, dtype, st);
   ops::pull_rows(comm, group, a.dk, false, dk, z.local, s.index, z.kv_share, d, z.max_local, dtype, st);
   ops::pull_rows(comm, group, a.dv, false, dv, z.local, s.index, z.kv_share, d, z.max_local, dtype, st);
+}
+
+}  // namespace
+
+void hybrid_attention_forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                              void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                              int64_t kv_heads, int64_t head_dim, int ulysses, void* workspace,
+                              size_t workspace_bytes, DType dtype, cudaStream_t stream,
+                              const AttentionOptions& options) {
+  forward(comm, rank, q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim, ulysses, workspace,
+          workspace_bytes, dtype, stream, options, nullptr);
+}
+
+Plan hybrid_attention_forward_plan(Communicator& comm, Rank& rank, const void* q, const void* k,
+                                   const void* v, void* out, float* lse,
+                                   const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
+                                   int64_t head_dim, int ulysses, void* workspace, size_t workspace_bytes,
+                                   DType dtype, cudaStream_t stream, const AttentionOptions& options) {
+  Plan plan;
+  forward(comm, rank, q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim, ulysses, workspace,
+          workspace_bytes, dtype, stream, options, &plan);
+  return plan;
+}
+
+void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                               const void* out, const void* dout, const float* lse, void* dq, void* dk,
+                               void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                               int64_t kv_heads, int64_t head_dim, int ulysses, void* workspace,
+                               size_t workspace_bytes, DType dtype, cudaStream_t stream,
+                               const AttentionOptions& options) {
+  backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads, kv_heads, head_dim, ulysses,
+           workspace, workspace_bytes, dtype, stream, options, nullptr);
+}
+
+Plan hybrid_attention_backward_plan(Communicator& comm, Rank& rank, const void* q, const void* k,
+                                    const void* v, const void* out, const void* dout, const float* lse,
+                                    void* dq, void* dk, void* dv, const std::vector<int64_t>& doc_lengths,
+                                    int64_t heads, int64_t kv_heads, int64_t head_dim, int ulysses,
+                                    void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
+                                    const AttentionOptions& options) {
+  Plan plan;
+  backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads, kv_heads, head_dim, ulysses,
+           workspace, workspace_bytes, dtype, stream, options, &plan);
+  return plan;
 }
 
 }  // namespace weft

@@ -492,9 +492,11 @@ void carve_walk(ops::WorkspaceLayout& w, const Sizes& z, DispatchBuffers& b) {
 }
 
 // Checks the arguments and carves the buffers (`walk`: the walk area too).
-DispatchBuffers dispatch_buffers(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+DispatchBuffers dispatch_buffers(ops::OpCall& call, const void* tokens, const int32_t* experts,
                                  const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
-                                 bool walk, cudaStream_t stream, const std::string& where) {
+                                 bool walk) {
+  Rank& rank = call.rank;
+  const std::string& where = call.where;
   check(shape, rank.world(), where);
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
   DispatchBuffers b{Sizes(rank.world(), rank.rank(), shape)};
@@ -510,7 +512,7 @@ DispatchBuffers dispatch_buffers(Communicator& comm, Rank& rank, const void* tok
   }
   ops::WorkspaceLayout sized;
   carve_area(sized, z, b);
-  ops::WorkspaceLayout area(ops::workspace_on(comm, rank, sized.bytes(), stream, where, kArea));
+  ops::WorkspaceLayout area(call.workspace(sized.bytes(), kArea));
   carve_area(area, z, b);
   ops::WorkspaceLayout own(workspace);
   const WorkspaceParts parts = carve_workspace(own, z);
@@ -519,8 +521,7 @@ DispatchBuffers dispatch_buffers(Communicator& comm, Rank& rank, const void* tok
   if (walk) {
     ops::WorkspaceLayout walk_sized;
     carve_walk(walk_sized, z, b);
-    ops::WorkspaceLayout walk_area(
-        ops::workspace_on(comm, rank, walk_sized.bytes(), stream, where, kWalkArea));
+    ops::WorkspaceLayout walk_area(call.workspace(walk_sized.bytes(), kWalkArea));
     carve_walk(walk_area, z, b);
   }
   return b;
@@ -568,17 +569,41 @@ MoeDispatched handle(const DispatchBuffers& b) {
 
 }  // namespace
 
-MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
-                           const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
-                           cudaStream_t stream) {
-  const std::string where = ops::team_where("weft::moe_dispatch", rank);
-  if (stream == nullptr) stream = rank.stream();
-  const DispatchBuffers b = dispatch_buffers(comm, rank, tokens, experts, shape, workspace, workspace_bytes,
-                                             dtype, false, stream, where);
-  place_rows(comm, rank, experts, shape, b, stream);
-  WEFT_CUDA_CHECK(cudaMemsetAsync(b.landed, 0, b.z.landed_bytes, stream));  // before this kernel's meetings
+namespace {
+
+// An MoE op planning (OpCall::planning): its name and path, and the grid of its main kernel, or the plan of
+// the grouped GEMM it runs inside (`gemm`: its grid, tiles and shared memory); true (launch nothing). Else
+// false.
+bool moe_planned(ops::OpCall& call, const char* op, const std::string& path, int blocks,
+                 const Plan* gemm = nullptr) {
+  if (!call.planning()) return false;
+  Plan& plan = *call.plan;
+  plan.op = op;
+  if (gemm != nullptr) {
+    plan.tiles = gemm->tiles;
+    plan.cluster = gemm->cluster;
+    plan.smem_bytes = gemm->smem_bytes;
+    blocks = std::max(blocks, gemm->blocks);
+  }
+  return call.planned(path, blocks);
+}
+
+MoeDispatched dispatch(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                       const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                       cudaStream_t stream, Plan* plan) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_dispatch", rank), plan);
+  stream = call.stream;
+  const DispatchBuffers b =
+      dispatch_buffers(call, tokens, experts, shape, workspace, workspace_bytes, dtype, false);
   const int blocks =
       ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2 * rank.world());
+  if (moe_planned(call, "moe_dispatch",
+                  "expert counts exchanged, slots placed, then one kernel pushing each token to its experts' "
+                  "ranks",
+                  blocks))
+    return handle(b);
+  place_rows(comm, rank, experts, shape, b, stream);
+  WEFT_CUDA_CHECK(cudaMemsetAsync(b.landed, 0, b.z.landed_bytes, stream));  // before this kernel's meetings
   detail::preload<&dispatch_tokens>();
   dispatch_tokens<<<blocks, kDispatchWarps * 32, 0, stream>>>(
       rank.view(), ops::meeting_slots(comm, rank), static_cast<const uint4*>(tokens), experts, b.row_of,
@@ -587,18 +612,18 @@ MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, c
   return handle(b);
 }
 
-MoeDispatched moe_dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* tokens,
-                                        const int32_t* experts, const MoeShape& shape, void* workspace,
-                                        size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
-                                        GemmActivation activation, void* c, cudaStream_t stream) {
-  const std::string where = ops::team_where("weft::moe_dispatch_grouped_gemm", rank);
+MoeDispatched dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* tokens,
+                                    const int32_t* experts, const MoeShape& shape, void* workspace,
+                                    size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
+                                    GemmActivation activation, void* c, cudaStream_t stream, Plan* plan) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_dispatch_grouped_gemm", rank), plan);
+  const std::string& where = call.where;
   WEFT_CHECK(shape.align % 128 == 0,
              where + "the GEMM's tiles wait for 128 rows each: align must be a multiple of 128, got " +
                  std::to_string(shape.align));
-  if (stream == nullptr) stream = rank.stream();
-  const DispatchBuffers buf = dispatch_buffers(comm, rank, tokens, experts, shape, workspace, workspace_bytes,
-                                               DType::kBF16, true, stream, where);
-  place_rows(comm, rank, experts, shape, buf, stream);
+  stream = call.stream;
+  const DispatchBuffers buf =
+      dispatch_buffers(call, tokens, experts, shape, workspace, workspace_bytes, DType::kBF16, true);
   const Sizes& z = buf.z;
   const ops::MoeDispatchRows rows{rank.view(),
                                   static_cast<const uint4*>(tokens),
@@ -621,8 +646,53 @@ MoeDispatched moe_dispatch_grouped_gemm(Communicator& comm, Rank& rank, const vo
   GemmOptions o;
   o.activation = activation;
   o.max_blocks = rank.sm_budget();  // it waits for peers: every rank's blocks must run at once
+  if (call.planning()) {
+    const Plan gemm =
+        ops::grouped_gemm_dispatch(b, c, z.capacity, n, shape.hidden, b_layout, rows, stream, o, false);
+    moe_planned(
+        call, "moe_dispatch_grouped_gemm",
+        "expert counts exchanged, slots placed, then one grouped GEMM whose idle loader warps move the "
+        "tokens (each tile starts once its rows have landed)",
+        0, &gemm);
+    return handle(buf);
+  }
+  place_rows(comm, rank, experts, shape, buf, stream);
   ops::grouped_gemm_dispatch(b, c, z.capacity, n, shape.hidden, b_layout, rows, stream, o);
   return handle(buf);
+}
+
+}  // namespace
+
+MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                           const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                           cudaStream_t stream) {
+  return dispatch(comm, rank, tokens, experts, shape, workspace, workspace_bytes, dtype, stream, nullptr);
+}
+
+Plan moe_dispatch_plan(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                       const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                       cudaStream_t stream) {
+  Plan plan;
+  dispatch(comm, rank, tokens, experts, shape, workspace, workspace_bytes, dtype, stream, &plan);
+  return plan;
+}
+
+MoeDispatched moe_dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* tokens,
+                                        const int32_t* experts, const MoeShape& shape, void* workspace,
+                                        size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
+                                        GemmActivation activation, void* c, cudaStream_t stream) {
+  return dispatch_grouped_gemm(comm, rank, tokens, experts, shape, workspace, workspace_bytes, b, b_layout, n,
+                               activation, c, stream, nullptr);
+}
+
+Plan moe_dispatch_grouped_gemm_plan(Communicator& comm, Rank& rank, const void* tokens,
+                                    const int32_t* experts, const MoeShape& shape, void* workspace,
+                                    size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
+                                    GemmActivation activation, void* c, cudaStream_t stream) {
+  Plan plan;
+  dispatch_grouped_gemm(comm, rank, tokens, experts, shape, workspace, workspace_bytes, b, b_layout, n,
+                        activation, c, stream, &plan);
+  return plan;
 }
 
 MoeCounts moe_counts(Rank& rank, const MoeDispatched& dispatched, const MoeShape& shape,
@@ -679,12 +749,16 @@ void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, D
   return expert_rows_area(comm, rank, shape, dtype, "weft::moe_combine_input", kCombineArea);
 }
 
-void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
-                 const float* weights, void* out, const MoeShape& shape, DType dtype, cudaStream_t stream) {
-  const std::string where = ops::team_where("weft::moe_combine", rank);
+namespace {
+
+void combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
+             const float* weights, void* out, const MoeShape& shape, DType dtype, cudaStream_t stream,
+             Plan* plan) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_combine", rank), plan);
+  const std::string& where = call.where;
   check_combine(comm, rank, shape, dtype, dispatched, expert_out, weights, where);
   if (shape.tokens > 0) ops::check_pointer_alignment(out, "out", 16, where);
-  if (stream == nullptr) stream = rank.stream();
+  stream = call.stream;
   const Sizes z(rank.world(), rank.rank(), shape);
   // Sized by the rows it reads (top_k per token), from max_tokens: every rank launches the same grid (its
   // blocks meet their counterparts).
@@ -693,6 +767,11 @@ void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const M
   // Ranks sharing a GPU meet in a one-block kernel first: a grid of blocks waiting at the meeting would hold
   // SMs that a slower peer's expert GEMMs on the same GPU still need.
   const bool shared_gpu = comm.ranks_per_gpu() > 1;
+  if (moe_planned(call, "moe_combine",
+                  std::string(shared_gpu ? "a meeting, then " : "") +
+                      "one kernel: each token's slots read from their experts' ranks and summed",
+                  blocks))
+    return;
   if (shared_gpu) launch_team_barrier(rank.view(), ops::meeting_slots(comm, rank)[0], stream);
   auto launch = [&](auto* typed_out) {
     using T = std::remove_pointer_t<decltype(typed_out)>;
@@ -709,15 +788,11 @@ void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const M
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
-void* moe_combine_grad_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype) {
-  return expert_rows_area(comm, rank, shape, dtype, "weft::moe_combine_grad_input", kCombineGradArea);
-}
-
-void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out,
-                          const MoeDispatched& dispatched, const float* weights, const void* dout,
-                          void* d_expert_out, float* d_weights, const MoeShape& shape, DType dtype,
-                          cudaStream_t stream) {
-  const std::string where = ops::team_where("weft::moe_combine_backward", rank);
+void combine_backward(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
+                      const float* weights, const void* dout, void* d_expert_out, float* d_weights,
+                      const MoeShape& shape, DType dtype, cudaStream_t stream, Plan* plan) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_combine_backward", rank), plan);
+  const std::string& where = call.where;
   check_combine(comm, rank, shape, dtype, dispatched, expert_out, weights, where);
   const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
   WEFT_CHECK(comm.in_heap(rank, d_expert_out, bytes),
@@ -726,14 +801,19 @@ void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out
     ops::check_pointer_alignment(dout, "dout", 16, where);
     ops::check_pointer_alignment(d_weights, "d_weights", 4, where);
   }
-  if (stream == nullptr) stream = rank.stream();
+  stream = call.stream;
   const Sizes z(rank.world(), rank.rank(), shape);
+  const int blocks = ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2);
+  if (moe_planned(call, "moe_combine_backward",
+                  "d_expert_out zeroed, a meeting, one kernel writing each slot's gradient into its expert's "
+                  "rank (and the weights' gradients), a meeting",
+                  blocks))
+    return;
   // Rows no slot fills keep a zero gradient; every rank has zeroed its buffer and written its expert outputs
   // before the first meeting, and every push into it is complete after the second.
   WEFT_CUDA_CHECK(cudaMemsetAsync(d_expert_out, 0, bytes, stream));
   const BarrierSlots meetings = ops::meeting_slots(comm, rank);
   launch_team_barrier(rank.view(), meetings[0], stream);
-  const int blocks = ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2);
   auto launch = [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
     constexpr auto kernel = &combine_backward_tokens<T>;
@@ -750,10 +830,11 @@ void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out
   launch_team_barrier(rank.view(), meetings[0], stream);
 }
 
-void moe_grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, const void* b, BLayout b_layout,
-                              int64_t rows, int64_t inter, const MoeDispatched& dispatched,
-                              const float* weights, void* out, const MoeShape& shape, cudaStream_t stream) {
-  const std::string where = ops::team_where("weft::moe_grouped_gemm_combine", rank);
+void grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, const void* b, BLayout b_layout,
+                          int64_t rows, int64_t inter, const MoeDispatched& dispatched, const float* weights,
+                          void* out, const MoeShape& shape, cudaStream_t stream, Plan* plan) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_grouped_gemm_combine", rank), plan);
+  const std::string& where = call.where;
   check(shape, rank.world(), where);
   WEFT_CHECK(
       dispatched.row_source != nullptr && dispatched.row_of != nullptr && dispatched.experts != nullptr,
@@ -769,20 +850,31 @@ void moe_grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, con
     ops::check_pointer_alignment(out, "out", 16, where);
     ops::check_pointer_alignment(weights, "weights", 4, where);
   }
-  if (stream == nullptr) stream = rank.stream();
+  stream = call.stream;
   const Sizes z(rank.world(), rank.rank(), shape);
   const int64_t slots = std::max<int64_t>(shape.max_tokens * shape.top_k, 1);
-  char* staging =
-      ops::workspace_on(comm, rank, round256(size_t(slots) * shape.hidden * 2), stream, where, kStagingArea);
+  char* staging = call.workspace(round256(size_t(slots) * shape.hidden * 2), kStagingArea);
+  const int groups = shape.num_experts / rank.world();
+  const ops::ScatterRows scatter{rank.view(), dispatched.row_source, staging, slots};
+  if (call.planning()) {
+    const Plan gemm = rows > 0
+                          ? ops::grouped_gemm_scatter(a, b, dispatched.group_end, groups, rows, shape.hidden,
+                                                      inter, b_layout, scatter, stream, {}, false)
+                          : Plan{};
+    moe_planned(call, "moe_grouped_gemm_combine",
+                "a meeting, one grouped GEMM sending each output row to its token's rank, a meeting, the "
+                "staged slots summed",
+                ops::grid_stride_blocks(rank, shape.tokens * 32), &gemm);
+    return;
+  }
   const BarrierSlots meetings = ops::meeting_slots(comm, rank);
   // Every rank has summed the previous call's staging before any row of this call is pushed into it.
   launch_team_barrier(rank.view(), meetings[0], stream);
   // The GEMM waits for nothing, so it takes every SM as grouped_gemm does (ranks sharing a GPU share them;
   // a rank's SM budget is for kernels that wait for peers).
   if (rows > 0)
-    ops::grouped_gemm_scatter(a, b, dispatched.group_end, shape.num_experts / rank.world(), rows,
-                              shape.hidden, inter, b_layout,
-                              ops::ScatterRows{rank.view(), dispatched.row_source, staging, slots}, stream);
+    ops::grouped_gemm_scatter(a, b, dispatched.group_end, groups, rows, shape.hidden, inter, b_layout,
+                              scatter, stream);
   launch_team_barrier(rank.view(), meetings[0], stream);  // every row pushed here has landed
   if (shape.tokens > 0) {
     detail::preload<&sum_staged_slots>();
@@ -791,6 +883,60 @@ void moe_grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, con
         static_cast<__nv_bfloat16*>(out), rank.view().timeline);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
+}
+
+}  // namespace
+
+void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
+                 const float* weights, void* out, const MoeShape& shape, DType dtype, cudaStream_t stream) {
+  combine(comm, rank, expert_out, dispatched, weights, out, shape, dtype, stream, nullptr);
+}
+
+Plan moe_combine_plan(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
+                      const float* weights, void* out, const MoeShape& shape, DType dtype,
+                      cudaStream_t stream) {
+  Plan plan;
+  combine(comm, rank, expert_out, dispatched, weights, out, shape, dtype, stream, &plan);
+  return plan;
+}
+
+void* moe_combine_grad_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype) {
+  return expert_rows_area(comm, rank, shape, dtype, "weft::moe_combine_grad_input", kCombineGradArea);
+}
+
+void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out,
+                          const MoeDispatched& dispatched, const float* weights, const void* dout,
+                          void* d_expert_out, float* d_weights, const MoeShape& shape, DType dtype,
+                          cudaStream_t stream) {
+  combine_backward(comm, rank, expert_out, dispatched, weights, dout, d_expert_out, d_weights, shape, dtype,
+                   stream, nullptr);
+}
+
+Plan moe_combine_backward_plan(Communicator& comm, Rank& rank, const void* expert_out,
+                               const MoeDispatched& dispatched, const float* weights, const void* dout,
+                               void* d_expert_out, float* d_weights, const MoeShape& shape, DType dtype,
+                               cudaStream_t stream) {
+  Plan plan;
+  combine_backward(comm, rank, expert_out, dispatched, weights, dout, d_expert_out, d_weights, shape, dtype,
+                   stream, &plan);
+  return plan;
+}
+
+void moe_grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, const void* b, BLayout b_layout,
+                              int64_t rows, int64_t inter, const MoeDispatched& dispatched,
+                              const float* weights, void* out, const MoeShape& shape, cudaStream_t stream) {
+  grouped_gemm_combine(comm, rank, a, b, b_layout, rows, inter, dispatched, weights, out, shape, stream,
+                       nullptr);
+}
+
+Plan moe_grouped_gemm_combine_plan(Communicator& comm, Rank& rank, const void* a, const void* b,
+                                   BLayout b_layout, int64_t rows, int64_t inter,
+                                   const MoeDispatched& dispatched, const float* weights, void* out,
+                                   const MoeShape& shape, cudaStream_t stream) {
+  Plan plan;
+  grouped_gemm_combine(comm, rank, a, b, b_layout, rows, inter, dispatched, weights, out, shape, stream,
+                       &plan);
+  return plan;
 }
 
 }  // namespace weft

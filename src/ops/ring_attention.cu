@@ -70,15 +70,23 @@ size_t own_bytes(const Sizes& z) {
 }
 
 template <int kD, class T>
-void launch(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const void* k, const void* v,
-            void* out, float* lse, int64_t heads, const Own& w, const Area& a, cudaStream_t stream,
-            const AttentionOptions& options, DType dtype, const std::string& where) {
+void launch(ops::OpCall& call, const Sizes& z, const void* q, const void* k, const void* v, void* out,
+            float* lse, int64_t heads, const Own& w, const Area& a, const AttentionOptions& options,
+            DType dtype) {
   using Op = ops::RingAttentionFwdOp<kD, T>;
+  Communicator& comm = call.comm;
+  Rank& rank = call.rank;
+  const cudaStream_t stream = call.stream;
+  const std::string& where = call.where;
   const int W = z.L.world;
   const int64_t G = z.segments(), local = std::max<int64_t>(z.local, 1);
+  const ops::RingTable table(w.table, G, W);
+  if (ops::ring_planned<Op>(call, z, table, heads, Op::kBM, options, "ring_attention_forward",
+                            "ring attention: one persistent kernel, K / V pushed around the ring beside the "
+                            "attention of the rows already landed"))
+    return;
   typename Op::Params p{};
   ops::upload_words(w.table, ops::ring_table_words(z, Op::kBN), stream);
-  const ops::RingTable table(w.table, G, W);
   // L2 sections: query heads whose K / V (of all W ranks) fit in 2/3 of L2, whole GQA groups.
   const int64_t group = heads / z.kv_heads;
   const int64_t kv_bytes_per_group = 2 * z.slot_rows * W * kD * 2;
@@ -139,6 +147,18 @@ void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const
                     {"weft::ring_attention_forward", "ring_attention_workspace_bytes()"});
 }
 
+Plan ring_attention_forward_plan(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                                 void* out, float* lse, const std::vector<int64_t>& doc_lengths,
+                                 int64_t heads, int64_t kv_heads, int64_t head_dim, void* workspace,
+                                 size_t workspace_bytes, DType dtype, cudaStream_t stream,
+                                 const AttentionOptions& options) {
+  Plan plan;
+  ops::ring_forward(comm, rank, q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim, workspace,
+                    workspace_bytes, dtype, stream, options, 1,
+                    {"weft::ring_attention_forward", "ring_attention_workspace_bytes()", &plan});
+  return plan;
+}
+
 namespace ops {
 
 size_t ring_forward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
@@ -154,7 +174,7 @@ void ring_forward(Communicator& comm, Rank& rank, const void* q, const void* k, 
                   float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
                   int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
                   const AttentionOptions& options, int grain, const RingCaller& caller) {
-  ops::OpCall call(comm, rank, stream, ops::team_where(caller.op, rank));
+  ops::OpCall call(comm, rank, stream, ops::team_where(caller.op, rank), caller.plan);
   const std::string& where = call.where;
   WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled(),
              where + "options.segments and options.accumulate are set by the op itself; leave them empty");
@@ -175,8 +195,7 @@ void ring_forward(Communicator& comm, Rank& rank, const void* q, const void* k, 
   ops::WorkspaceLayout own_layout(workspace);
   const Own own = carve_own(own_layout, z);
   const auto run = [&](auto d, auto t) {
-    launch<decltype(d)::value, decltype(t)>(comm, rank, z, q, k, v, out, lse, heads, own, area, call.stream,
-                                            options, dtype, where);
+    launch<decltype(d)::value, decltype(t)>(call, z, q, k, v, out, lse, heads, own, area, options, dtype);
   };
   using D64 = std::integral_constant<int, 64>;
   using D128 = std::integral_constant<int, 128>;

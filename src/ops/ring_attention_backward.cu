@@ -268,12 +268,21 @@ int fill_params(Communicator& comm, Rank& rank, const Sizes& z, const Uploads& u
 }
 
 template <int kD, class T>
-void launch(Communicator& comm, Rank& rank, const Sizes& z, const DqRoute& route, const Buffers& b,
-            const Own& w, const Area& a, cudaStream_t stream, const AttentionOptions& options, DType dtype,
-            const std::string& where) {
+void launch(ops::OpCall& call, const Sizes& z, const DqRoute& route, const Buffers& b, const Own& w,
+            const Area& a, const AttentionOptions& options, DType dtype) {
   using Op = ops::RingAttentionBwdOp<kD, T>;
+  Communicator& comm = call.comm;
+  Rank& rank = call.rank;
+  const cudaStream_t stream = call.stream;
+  const std::string& where = call.where;
   const int W = z.L.world;
   const int64_t heads = z.heads;
+  if (ops::ring_planned<Op>(call, z, ops::RingTable(w.table, z.segments(), W), z.kv_heads, Op::kBN, options,
+                            "ring_attention_backward",
+                            "ring attention backward: the per-row terms, then one persistent kernel (Q, dO "
+                            "and terms pushed around the ring; dQ parts added into fp32 accumulators), then "
+                            "dQ summed from its parts"))
+    return;
   const float scale =
       ops::attention_scale(AttentionShape{1, z.max_own, z.max_own, heads, z.kv_heads, kD}, options);
   float *accum = a.accum, *terms = a.terms;
@@ -320,6 +329,18 @@ void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, cons
                      {"weft::ring_attention_backward", "ring_attention_backward_workspace_bytes()"});
 }
 
+Plan ring_attention_backward_plan(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                                  const void* out, const void* dout, const float* lse, void* dq, void* dk,
+                                  void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                                  int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
+                                  DType dtype, cudaStream_t stream, const AttentionOptions& options) {
+  Plan plan;
+  ops::ring_backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads, kv_heads, head_dim,
+                     workspace, workspace_bytes, dtype, stream, options, 1,
+                     {"weft::ring_attention_backward", "ring_attention_backward_workspace_bytes()", &plan});
+  return plan;
+}
+
 namespace ops {
 
 size_t ring_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
@@ -336,7 +357,7 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
                    const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads, int64_t head_dim,
                    void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
                    const AttentionOptions& options, int grain, const RingCaller& caller) {
-  ops::OpCall call(comm, rank, stream, ops::team_where(caller.op, rank));
+  ops::OpCall call(comm, rank, stream, ops::team_where(caller.op, rank), caller.plan);
   const std::string& where = call.where;
   WEFT_CHECK(
       !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
@@ -368,8 +389,7 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
   const Own own = carve_own(own_layout, z);
   const Buffers b{q, k, v, out, dout, lse, dq, dk, dv};
   const auto run = [&](auto d, auto t) {
-    launch<decltype(d)::value, decltype(t)>(comm, rank, z, route, b, own, area, call.stream, options, dtype,
-                                            where);
+    launch<decltype(d)::value, decltype(t)>(call, z, route, b, own, area, options, dtype);
   };
   using D64 = std::integral_constant<int, 64>;
   using D128 = std::integral_constant<int, 128>;

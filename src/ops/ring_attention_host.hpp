@@ -116,17 +116,13 @@ struct RingResources {
   const char *state, *arrived;
 };
 
-// What a ring launch sets up alike for both passes: the persistent grid over items (segment, head, block of
-// `block_rows` own rows; heads = the scheduler's head count) within the rank's SM budget (every rank
-// launches at least one block: its pushes feed its peers and its call count must advance with theirs), L2
-// sections of `section_pairs`, the team sync (finishers: every consumer warpgroup and helper warp) and the
-// landed counts zeroed on `stream`. Returns the grid.
+// What a ring launch sets up alike for both passes, in two parts.
+// The scheduler's fields that follow from the sizes alone (`block_rows` own rows per work unit; heads = the
+// scheduler's head count) and the grid within the rank's SM budget (every rank launches at least one block:
+// its pushes feed its peers and its call count must advance with theirs). Plans and launches alike.
 template <class Op>
-int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, const RingTable& table,
-                      const RingResources& res, int64_t heads, int block_rows, int64_t section_pairs,
-                      const AttentionOptions& options, int* landed, cudaStream_t stream,
-                      typename Op::Params& p, const std::string& where) {
-  lcsc::AttentionSchedulerParams& sched = p.sched;
+int ring_schedule(const Rank& rank, const RingPassSizes& z, const RingTable& table, int64_t heads,
+                  int block_rows, const AttentionOptions& options, lcsc::AttentionSchedulerParams& sched) {
   sched.batch = static_cast<int>(z.segments());
   sched.heads = static_cast<int>(heads);
   sched.q_blocks = static_cast<int>((z.max_own + block_rows - 1) / block_rows);
@@ -137,6 +133,31 @@ int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, co
   const int resident = std::min(lcsc::Launcher<Op>::max_resident_clusters(), rank.sm_budget());
   const int blocks = std::max(1, attention_blocks(resident, options, sched.units()));
   sched.compute_blocks = blocks;
+  return blocks;
+}
+
+// A ring kernel planning (OpCall::planning): its grid and shared memory into the plan (the op's name where
+// the plan has none yet: a hybrid names its own) and its path; true (launch nothing). Else false.
+template <class Op>
+bool ring_planned(OpCall& call, const RingPassSizes& z, const RingTable& table, int64_t heads, int block_rows,
+                  const AttentionOptions& options, const char* op, const std::string& path) {
+  if (!call.planning()) return false;
+  lcsc::AttentionSchedulerParams sched{};
+  const int blocks = ring_schedule<Op>(call.rank, z, table, heads, block_rows, options, sched);
+  if (call.plan->op.empty()) call.plan->op = op;
+  call.plan->smem_bytes = std::max(call.plan->smem_bytes, static_cast<int>(lcsc::kSmemBytes<Op>));
+  return call.planned(path, blocks);
+}
+
+// The launch setup: ring_schedule, L2 sections of `section_pairs`, the team sync (finishers: every consumer
+// warpgroup and helper warp) and the landed counts zeroed on `stream`. Returns the grid.
+template <class Op>
+int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, const RingTable& table,
+                      const RingResources& res, int64_t heads, int block_rows, int64_t section_pairs,
+                      const AttentionOptions& options, int* landed, cudaStream_t stream,
+                      typename Op::Params& p, const std::string& where) {
+  lcsc::AttentionSchedulerParams& sched = p.sched;
+  const int blocks = ring_schedule<Op>(rank, z, table, heads, block_rows, options, sched);
   sched.section_pairs =
       static_cast<int>(std::min<int64_t>(section_pairs, std::max<int64_t>(z.segments(), 1) * heads));
   WEFT_CHECK(blocks <= kRingMaxBlocks, where + "more compute blocks than the landed counts hold");

@@ -68,9 +68,11 @@ inline void check_attention_operands(const OpCall& call, const AttentionOperands
 
 // Ring attention over a layout of grain `grain` (RingLayout::grain; the public ring ops are grain 1): the
 // hybrid of Ulysses and ring attention runs it on its ring sub-teams. Its errors name the caller: `op`, and
-// `sizing`, the function that sizes the caller's workspace.
+// `sizing`, the function that sizes the caller's workspace. `plan`: the caller's plan (weft/ops/plan.hpp),
+// into which the ring records its workspace area, kernel and path and launches nothing; null for a call.
 struct RingCaller {
   const char *op, *sizing;
+  Plan* plan = nullptr;
 };
 size_t ring_forward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                     int64_t kv_heads, int64_t head_dim, int grain);

@@ -45,6 +45,10 @@ const Api& api() {
     resolve("ncclAllGather", &a.AllGather);
     resolve("ncclReduceScatter", &a.ReduceScatter);
     resolve("ncclBroadcast", &a.Broadcast);
+    resolve("ncclSend", &a.Send);
+    resolve("ncclRecv", &a.Recv);
+    resolve("ncclGroupStart", &a.GroupStart);
+    resolve("ncclGroupEnd", &a.GroupEnd);
     resolve("ncclGetErrorString", &a.GetErrorString);
     resolve("ncclGetVersion", &a.GetVersion);
     // Version codes: major x 10000 + minor x 100 + patch from 2.9 on (x 1000 before); bf16 needs 2.10.

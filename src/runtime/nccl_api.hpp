@@ -30,6 +30,10 @@ struct Api {
   int (*AllGather)(const void*, void*, size_t, int, Comm, cudaStream_t) = nullptr;
   int (*ReduceScatter)(const void*, void*, size_t, int, int, Comm, cudaStream_t) = nullptr;
   int (*Broadcast)(const void*, void*, size_t, int, int, Comm, cudaStream_t) = nullptr;
+  int (*Send)(const void*, size_t, int, int, Comm, cudaStream_t) = nullptr;  // buf, count, type, peer
+  int (*Recv)(void*, size_t, int, int, Comm, cudaStream_t) = nullptr;
+  int (*GroupStart)() = nullptr;
+  int (*GroupEnd)() = nullptr;
   const char* (*GetErrorString)(int) = nullptr;
   int (*GetVersion)(int*) = nullptr;
   int version = 0;  // NCCL_VERSION_CODE of the loaded library (e.g. 22809)

@@ -212,6 +212,20 @@ inline std::string check_call_kept_plan(const Communicator& c, const Plan& plan,
                 "expected an error naming '" << (part) << "', got '" << weft_msg_ << "'"); \
   } while (0)
 
+// A call after its plan (weft/ops/plan.hpp): the call must keep to the plan's workspace, and the plan must
+// name its path and (on a team) a grid; returns the plan.
+namespace weft::test {
+template <class Call>
+Plan keeping_plan(Communicator& c, const Plan& plan, Call&& call) {
+  const WorkspaceSizes before = workspace_sizes(c, plan);
+  call();
+  const std::string kept = check_call_kept_plan(c, plan, before);
+  WEFT_EXPECT(kept.empty(), kept);
+  WEFT_EXPECT(!plan.path.empty() && (plan.blocks > 0 || c.world() == 1), describe(plan));
+  return plan;
+}
+}  // namespace weft::test
+
 #define WEFT_SKIP(msg)       \
   throw ::weft::test::Skip { \
     msg                      \

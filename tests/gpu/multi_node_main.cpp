@@ -6,14 +6,16 @@
 //   build/tests/gpu/weft-multinode-tests
 //
 // (NCCL forced onto sockets, so the legs between fake nodes take the network path.) The hierarchical
-// all-reduce (also in place), all-gather and reduce-scatter against the host's fp64 result over every rank's
-// inputs, bf16 and fp32, sum and max, sizes straddling the node size; outputs poisoned first, inputs checked
-// unchanged; each rank's node team is its node's ranks only. Pass: max and all-gather exact, sums within 1e-6
-// (fp32) / 1e-2 (bf16) of the magnitudes summed; no NaN. Exit 0 pass, 1 fail, 77 skipped (no GPU, no NCCL,
-// or not enough GPUs for one rank each).
+// all-reduce (also in place), all-gather, reduce-scatter and all-to-all against the host's fp64 result over
+// every rank's inputs, bf16 and fp32, sum and max, sizes straddling the node size; outputs poisoned first,
+// inputs checked unchanged; each rank's node team is its node's ranks only. Pass: max, all-gather and
+// all-to-all exact, sums within 1e-6 (fp32) / 1e-2 (bf16) of the magnitudes summed; no NaN. Exit 0 pass, 1
+// fail, 77 skipped (no GPU, no NCCL, or not enough GPUs for one rank each).
+//
 // WEFT_TEST_RANK_DEATH=1: instead of the tests, the last rank exits (status 0) after a first all-reduce while
 // the others go on calling all-reduces: every other rank, on its node or another, must report the loss within
 // 20 s ("saw after S s: ...") rather than wait in NCCL or in weft's kernels until the launcher's grace kill.
+//
 // --bench: after the tests, device us per call of each hierarchical collective and of NCCL's flat one over
 // every rank (bf16 sums, 1 MiB .. 256 MiB of output per rank; median of 20 after 3 warm-ups, slowest rank),
 // as a markdown table. On fake nodes that is NCCL over loopback sockets, not a network: label it so. Buffers
@@ -87,7 +89,15 @@ std::vector<float> held(int rank, size_t n, uint64_t seed, DType t) {
   return v;
 }
 
-enum class Op { kAllReduce, kAllGather, kReduceScatter };
+enum class Op { kAllReduce, kAllGather, kReduceScatter, kAllToAll };
+
+// Elements of a rank's input and output for `count` of the op.
+size_t in_count(const weft::MultiNodeTeam& t, Op op, size_t count) {
+  return op == Op::kReduceScatter || op == Op::kAllToAll ? t.world() * count : count;
+}
+size_t out_count(const weft::MultiNodeTeam& t, Op op, size_t count) {
+  return op == Op::kAllGather || op == Op::kAllToAll ? t.world() * count : count;
+}
 
 // "" when got matches the host's fp64 result of the op over every rank's held inputs, else why not: max and
 // all_gather exactly; sums within the dtype's tolerance of the magnitudes summed (the norm of sum |x| over
@@ -95,13 +105,13 @@ enum class Op { kAllReduce, kAllGather, kReduceScatter };
 std::string check_against_host(const std::vector<float>& got, weft::MultiNodeTeam& t, Op op, size_t count,
                                DType dtype, ReduceOp red, uint64_t seed) {
   const int W = t.world();
-  const size_t in_n = op == Op::kReduceScatter ? W * count : count;
+  const size_t in_n = in_count(t, op, count);
   std::vector<double> want(got.size(), red == ReduceOp::kMax ? -1e300 : 0.0), scale(got.size(), 0.0);
   for (int r = 0; r < W; ++r) {
     const std::vector<float> x = held(r, in_n, seed, dtype);
     for (size_t i = 0; i < got.size(); ++i) {
-      if (op == Op::kAllGather) {
-        if (i / count == size_t(r)) want[i] = x[i % count];
+      if (op == Op::kAllGather || op == Op::kAllToAll) {  // block r: rank r's input (its block for us)
+        if (i / count == size_t(r)) want[i] = x[(op == Op::kAllToAll ? t.rank() * count : 0) + i % count];
         continue;
       }
       const double v = x[op == Op::kReduceScatter ? t.rank() * count + i : i];
@@ -109,7 +119,7 @@ std::string check_against_host(const std::vector<float>& got, weft::MultiNodeTea
       scale[i] += std::fabs(v);
     }
   }
-  const bool exact = op == Op::kAllGather || red == ReduceOp::kMax;
+  const bool exact = op == Op::kAllGather || op == Op::kAllToAll || red == ReduceOp::kMax;
   double num = 0, den = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     if (!std::isfinite(got[i])) return "non-finite value at " + std::to_string(i) + " (not written?)";
@@ -127,9 +137,7 @@ std::string check_against_host(const std::vector<float>& got, weft::MultiNodeTea
 // One case: the hierarchical op on every rank's inputs, against the host's result; all_reduce in place on odd
 // seeds (out = a copy of the input).
 std::string run_case(weft::MultiNodeTeam& t, Op op, size_t count, DType dtype, ReduceOp red, uint64_t seed) {
-  const int W = t.world();
-  const size_t in_n = op == Op::kReduceScatter ? W * count : count;
-  const size_t out_n = op == Op::kAllReduce ? count : op == Op::kAllGather ? W * count : count;
+  const size_t in_n = in_count(t, op, count), out_n = out_count(t, op, count);
   const size_t es = weft::dtype_size(dtype);
   Device in(in_n * es), got(out_n * es);
   upload(in.p, values(t.rank(), in_n, seed), dtype);
@@ -142,6 +150,8 @@ std::string run_case(weft::MultiNodeTeam& t, Op op, size_t count, DType dtype, R
     weft::hierarchical_all_reduce(t, in_place ? got.p : in.p, got.p, count, dtype, red, s);
   } else if (op == Op::kAllGather) {
     weft::hierarchical_all_gather(t, in.p, got.p, count, dtype, s);
+  } else if (op == Op::kAllToAll) {
+    weft::hierarchical_all_to_all(t, in.p, got.p, count, dtype, s);
   } else {
     weft::hierarchical_reduce_scatter(t, in.p, got.p, count, dtype, red, s);
   }
@@ -149,7 +159,7 @@ std::string run_case(weft::MultiNodeTeam& t, Op op, size_t count, DType dtype, R
   t.node_team().synchronize();
   t.check_alive();
   std::string err = check_against_host(download(got.p, out_n, dtype), t, op, count, dtype, red, seed);
-  if (err.empty() && !in_place && op != Op::kAllGather) {  // the input left as it was
+  if (err.empty() && !in_place) {  // the input left as it was
     const std::vector<float> after = download(in.p, in_n, dtype), before = held(t.rank(), in_n, seed, dtype);
     if (after != before) err = "the op wrote into its input";
   }
@@ -157,16 +167,17 @@ std::string run_case(weft::MultiNodeTeam& t, Op op, size_t count, DType dtype, R
 }
 
 int run(weft::MultiNodeTeam& t) {
-  const char* names[] = {"all_reduce", "all_gather", "reduce_scatter"};
+  const char* names[] = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"};
   int passed = 0, failed = 0;
   uint64_t seed = 1;
-  for (Op op : {Op::kAllReduce, Op::kAllGather, Op::kReduceScatter})
+  for (Op op : {Op::kAllReduce, Op::kAllGather, Op::kReduceScatter, Op::kAllToAll})
     for (DType dtype : {DType::kFP32, DType::kBF16})
       for (ReduceOp red : {ReduceOp::kSum, ReduceOp::kMax}) {
-        if (op == Op::kAllGather && red == ReduceOp::kMax) continue;
+        const bool moves_only = op == Op::kAllGather || op == Op::kAllToAll;  // no reduction
+        if (moves_only && red == ReduceOp::kMax) continue;
         for (size_t count : {size_t(1), size_t(7), size_t(1000), size_t(65536 + 3), size_t(1) << 20}) {
           const std::string what = std::string(names[int(op)]) + " " + weft::dtype_name(dtype) +
-                                   (op == Op::kAllGather    ? ""
+                                   (moves_only              ? ""
                                     : red == ReduceOp::kMax ? " max"
                                                             : " sum") +
                                    " count " + std::to_string(count);
@@ -250,6 +261,19 @@ void bench(weft::MultiNodeTeam& t) {
         {"all_gather",
          time_us(t, s, [&] { weft::hierarchical_all_gather(t, in.p, out.p, c_ag, DType::kBF16, s); }),
          time_us(t, s, [&] { weft::nccl::check(n.AllGather(in.p, out.p, c_ag, bf, all, s), "AG"); })},
+        {"all_to_all",
+         time_us(t, s, [&] { weft::hierarchical_all_to_all(t, in.p, out.p, c_ag, DType::kBF16, s); }),
+         time_us(t, s,
+                 [&] {
+                   weft::nccl::check(n.GroupStart(), "A2A");
+                   for (int p = 0; p < W; ++p) {
+                     weft::nccl::check(n.Send(static_cast<char*>(in.p) + p * c_ag * 2, c_ag, bf, p, all, s),
+                                       "A2A");
+                     weft::nccl::check(n.Recv(static_cast<char*>(out.p) + p * c_ag * 2, c_ag, bf, p, all, s),
+                                       "A2A");
+                   }
+                   weft::nccl::check(n.GroupEnd(), "A2A");
+                 })},
         {"reduce_scatter",
          time_us(t, s,
                  [&] {

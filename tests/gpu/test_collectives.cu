@@ -44,17 +44,6 @@ void from_float(DType t, float f, void* p) {
     *static_cast<__half*>(p) = __float2half_rn(f);
 }
 
-// A call after its plan (weft/ops/plan.hpp): the call must keep to the plan's workspace; returns the plan.
-template <class Call>
-Plan keeping_plan(Communicator& c, const Plan& plan, Call&& call) {
-  const weft::test::WorkspaceSizes before = weft::test::workspace_sizes(c, plan);
-  call();
-  const std::string kept = weft::test::check_call_kept_plan(c, plan, before);
-  WEFT_EXPECT(kept.empty(), kept);
-  WEFT_EXPECT(!plan.path.empty() && (plan.blocks > 0 || c.world() == 1), describe(plan));
-  return plan;
-}
-
 // Rank r's input for one test case: values in [-1, 1], exactly representable in the dtype. Made in parts of
 // 64 Ki elements, each from its own generator (so in parallel), and kept for the next asks of the same
 // case (the reference and the upload want every rank's input).
@@ -86,6 +75,7 @@ double reduce(ReduceOp op, double a, double b) {
   return op == ReduceOp::kSum ? a + b : op == ReduceOp::kMax ? std::max(a, b) : std::min(a, b);
 }
 
+using weft::test::keeping_plan;
 using weft::test::poison;
 using weft::test::RankBuffers;
 

@@ -54,6 +54,19 @@ void hybrid_backward(Communicator& c, Rank& rank, const void* q, const void* k, 
   hybrid_attention_backward(c, rank, q, k, v, out, dout, lse, dq, dk, dv, docs, h, kv, d, hybrid_ulysses, ws,
                             ws_bytes, t, s, o);
 }
+Plan hybrid_forward_plan(Communicator& c, Rank& rank, const void* q, const void* k, const void* v, void* out,
+                         float* lse, const std::vector<int64_t>& docs, int64_t h, int64_t kv, int64_t d,
+                         void* ws, size_t ws_bytes, DType t, cudaStream_t s, const AttentionOptions& o) {
+  return hybrid_attention_forward_plan(c, rank, q, k, v, out, lse, docs, h, kv, d, hybrid_ulysses, ws,
+                                       ws_bytes, t, s, o);
+}
+Plan hybrid_backward_plan(Communicator& c, Rank& rank, const void* q, const void* k, const void* v,
+                          const void* out, const void* dout, const float* lse, void* dq, void* dk, void* dv,
+                          const std::vector<int64_t>& docs, int64_t h, int64_t kv, int64_t d, void* ws,
+                          size_t ws_bytes, DType t, cudaStream_t s, const AttentionOptions& o) {
+  return hybrid_attention_backward_plan(c, rank, q, k, v, out, dout, lse, dq, dk, dv, docs, h, kv, d,
+                                        hybrid_ulysses, ws, ws_bytes, t, s, o);
+}
 size_t forward_workspace(Method m, int W, const CpCase& cc) {
   if (m == Method::kHybrid)
     return hybrid_attention_workspace_bytes(W, hybrid_ulysses, cc.docs, cc.causal, cc.heads, cc.kv_heads,
@@ -79,15 +92,16 @@ decltype(&context_attention_forward) forward_of(Method m) {
   if (m == Method::kRing) return &ring_attention_forward;
   return m == Method::kUlysses ? &ulysses_attention_forward : &context_attention_forward;
 }
-// The op's plan function where it has one (null otherwise): run before the call, whose workspace must stay
-// within what it named.
+// The op's plan function: run before the call, whose workspace must stay within what it named.
 decltype(&context_attention_forward_plan) forward_plan_of(Method m) {
-  if (m == Method::kUlysses) return &ulysses_attention_forward_plan;
-  return m == Method::kAllGather ? &context_attention_forward_plan : nullptr;
+  if (m == Method::kHybrid) return &hybrid_forward_plan;
+  if (m == Method::kRing) return &ring_attention_forward_plan;
+  return m == Method::kUlysses ? &ulysses_attention_forward_plan : &context_attention_forward_plan;
 }
 decltype(&context_attention_backward_plan) backward_plan_of(Method m) {
-  if (m == Method::kUlysses) return &ulysses_attention_backward_plan;
-  return m == Method::kAllGather ? &context_attention_backward_plan : nullptr;
+  if (m == Method::kHybrid) return &hybrid_backward_plan;
+  if (m == Method::kRing) return &ring_attention_backward_plan;
+  return m == Method::kUlysses ? &ulysses_attention_backward_plan : &context_attention_backward_plan;
 }
 decltype(&context_attention_backward) backward_of(Method m) {
   if (m == Method::kHybrid) return &hybrid_backward;
@@ -257,9 +271,12 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
                        nullptr, fo);
   }
   c.synchronize();
-  for (size_t i = 0; i < plans.size(); ++i)
+  for (size_t i = 0; i < plans.size(); ++i) {
+    if (plans[i].op.empty() || plans[i].path.empty())
+      return "forward: a plan without its op or path: " + describe(plans[i]);
     if (const std::string kept = weft::test::check_call_kept_plan(c, plans[i], before[i]); !kept.empty())
       return "forward: " + kept;
+  }
   // The reference, on local rank 0's GPU (every process computes the same).
   const auto go = random_rows(total * H * D, seed + 3);
   const Reference reference = single_gpu_reference(c, cc, q, k, v, go);
@@ -359,9 +376,12 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
                         KV, D, grads[i]->ws.p, bws_bytes, DType::kBF16, nullptr, fo);
   }
   c.synchronize();
-  for (size_t i = 0; i < plans.size(); ++i)
+  for (size_t i = 0; i < plans.size(); ++i) {
+    if (plans[i].op.empty() || plans[i].path.empty())
+      return "backward: a plan without its op or path: " + describe(plans[i]);
     if (const std::string kept = weft::test::check_call_kept_plan(c, plans[i], before[i]); !kept.empty())
       return "backward: " + kept;
+  }
   // Small cases also against fp64: every rank's max error within 1.5x of the single call's (over the whole
   // sequence: the single call's worst row may sit on any rank).
   auto compare = [&](const char* name, const std::vector<__nv_bfloat16>& got,

@@ -81,8 +81,12 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
     WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
     MoeShape s = base;
     s.tokens = T[rank.rank()];
-    got[i] = moe_dispatch(c, rank, local[i]->tok.p, local[i]->exp.as<int32_t>(), s, local[i]->ws.p, ws_bytes,
-                          DType::kBF16);
+    const auto* experts = local[i]->exp.as<int32_t>();
+    weft::test::keeping_plan(
+        c, moe_dispatch_plan(c, rank, local[i]->tok.p, experts, s, local[i]->ws.p, ws_bytes, DType::kBF16),
+        [&] {
+          got[i] = moe_dispatch(c, rank, local[i]->tok.p, experts, s, local[i]->ws.p, ws_bytes, DType::kBF16);
+        });
   }
   c.synchronize();
   std::string failures;
@@ -174,7 +178,10 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
     WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
     MoeShape s = base;
     s.tokens = T[rank.rank()];
-    moe_combine(c, rank, inputs[i], got[i], comb[i]->w.as<float>(), comb[i]->out.p, s, DType::kBF16);
+    const float* w = comb[i]->w.as<float>();
+    weft::test::keeping_plan(
+        c, moe_combine_plan(c, rank, inputs[i], got[i], w, comb[i]->out.p, s, DType::kBF16),
+        [&] { moe_combine(c, rank, inputs[i], got[i], w, comb[i]->out.p, s, DType::kBF16); });
   }
   c.synchronize();
   for (int i = 0; i < c.num_local(); ++i) {
@@ -235,8 +242,15 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
     WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
     MoeShape s = base;
     s.tokens = T[rank.rank()];
-    moe_combine_backward(c, rank, inputs[i], got[i], comb[i]->w.as<float>(), back[i]->dout.p, grads[i],
-                         back[i]->dw.as<float>(), s, DType::kBF16);
+    const float* w = comb[i]->w.as<float>();
+    float* dw = back[i]->dw.as<float>();
+    weft::test::keeping_plan(c,
+                             moe_combine_backward_plan(c, rank, inputs[i], got[i], w, back[i]->dout.p,
+                                                       grads[i], dw, s, DType::kBF16),
+                             [&] {
+                               moe_combine_backward(c, rank, inputs[i], got[i], w, back[i]->dout.p, grads[i],
+                                                    dw, s, DType::kBF16);
+                             });
   }
   c.synchronize();
   for (int i = 0; i < c.num_local(); ++i) {
@@ -323,8 +337,15 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
     WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
     MoeShape s = base;
     s.tokens = T[rank.rank()];
-    moe_grouped_gemm_combine(c, rank, fused[i]->a.p, fused[i]->b.p, BLayout::kNK, got[i].capacity, inter,
-                             got[i], comb[i]->w.as<float>(), fused[i]->out.p, s);
+    const float* w = comb[i]->w.as<float>();
+    weft::test::keeping_plan(
+        c,
+        moe_grouped_gemm_combine_plan(c, rank, fused[i]->a.p, fused[i]->b.p, BLayout::kNK, got[i].capacity,
+                                      inter, got[i], w, fused[i]->out.p, s),
+        [&] {
+          moe_grouped_gemm_combine(c, rank, fused[i]->a.p, fused[i]->b.p, BLayout::kNK, got[i].capacity,
+                                   inter, got[i], w, fused[i]->out.p, s);
+        });
   }
   c.synchronize();
   for (int i = 0; i < c.num_local(); ++i) {
@@ -385,9 +406,15 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
       WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
       MoeShape s = base;
       s.tokens = T[rank.rank()];
-      again[i] =
-          moe_dispatch_grouped_gemm(c, rank, local[i]->tok.p, local[i]->exp.as<int32_t>(), s, local[i]->ws.p,
-                                    ws_bytes, up[i]->b.p, BLayout::kNK, n, act, up[i]->out.p);
+      const auto* experts = local[i]->exp.as<int32_t>();
+      weft::test::keeping_plan(
+          c,
+          moe_dispatch_grouped_gemm_plan(c, rank, local[i]->tok.p, experts, s, local[i]->ws.p, ws_bytes,
+                                         up[i]->b.p, BLayout::kNK, n, act, up[i]->out.p),
+          [&] {
+            again[i] = moe_dispatch_grouped_gemm(c, rank, local[i]->tok.p, experts, s, local[i]->ws.p,
+                                                 ws_bytes, up[i]->b.p, BLayout::kNK, n, act, up[i]->out.p);
+          });
     }
     c.synchronize();
     for (int i = 0; i < c.num_local(); ++i) {

@@ -112,6 +112,11 @@ void ring_attention_forward(Communicator& comm, Rank& rank, const void* q, const
                             void* out, float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                             DType dtype, cudaStream_t stream = nullptr, const AttentionOptions& options = {});
+Plan ring_attention_forward_plan(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                                 void* out, float* lse, const std::vector<int64_t>& doc_lengths,
+                                 int64_t heads, int64_t kv_heads, int64_t head_dim, void* workspace,
+                                 size_t workspace_bytes, DType dtype, cudaStream_t stream = nullptr,
+                                 const AttentionOptions& options = {});
 
 // The ring backward: the same arguments as context_attention_backward. The keys stay and the queries
 // travel: the idle loader warps push this rank's Q, dO and per-row terms (LSE, D) to the ranks after it; each
@@ -131,6 +136,12 @@ void ring_attention_backward(Communicator& comm, Rank& rank, const void* q, cons
                              int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
                              DType dtype, cudaStream_t stream = nullptr,
                              const AttentionOptions& options = {});
+Plan ring_attention_backward_plan(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
+                                  const void* out, const void* dout, const float* lse, void* dq, void* dk,
+                                  void* dv, const std::vector<int64_t>& doc_lengths, int64_t heads,
+                                  int64_t kv_heads, int64_t head_dim, void* workspace, size_t workspace_bytes,
+                                  DType dtype, cudaStream_t stream = nullptr,
+                                  const AttentionOptions& options = {});
 
 // The hybrid of the two (USP): the team split into groups of `ulysses` consecutive ranks (W % ulysses == 0).
 // Within a group the heads are split as Ulysses splits them (heads / ulysses per member), and each member's
@@ -149,6 +160,12 @@ void hybrid_attention_forward(Communicator& comm, Rank& rank, const void* q, con
                               int64_t kv_heads, int64_t head_dim, int ulysses, void* workspace,
                               size_t workspace_bytes, DType dtype, cudaStream_t stream = nullptr,
                               const AttentionOptions& options = {});
+Plan hybrid_attention_forward_plan(Communicator& comm, Rank& rank, const void* q, const void* k,
+                                   const void* v, void* out, float* lse,
+                                   const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
+                                   int64_t head_dim, int ulysses, void* workspace, size_t workspace_bytes,
+                                   DType dtype, cudaStream_t stream = nullptr,
+                                   const AttentionOptions& options = {});
 // The backward: dK / dV of a K / V head that several members of a group attend are summed in fp32 over
 // them, each member's part rounded to 16 bits by its ring first.
 size_t hybrid_attention_backward_workspace_bytes(int world, int ulysses,
@@ -160,6 +177,12 @@ void hybrid_attention_backward(Communicator& comm, Rank& rank, const void* q, co
                                int64_t kv_heads, int64_t head_dim, int ulysses, void* workspace,
                                size_t workspace_bytes, DType dtype, cudaStream_t stream = nullptr,
                                const AttentionOptions& options = {});
+Plan hybrid_attention_backward_plan(Communicator& comm, Rank& rank, const void* q, const void* k,
+                                    const void* v, const void* out, const void* dout, const float* lse,
+                                    void* dq, void* dk, void* dv, const std::vector<int64_t>& doc_lengths,
+                                    int64_t heads, int64_t kv_heads, int64_t head_dim, int ulysses,
+                                    void* workspace, size_t workspace_bytes, DType dtype,
+                                    cudaStream_t stream = nullptr, const AttentionOptions& options = {});
 
 // This rank's local rows in that layout (contiguous: AttentionOptions::contiguous_shards's).
 int64_t context_attention_local_rows(int world, int rank, const std::vector<int64_t>& doc_lengths,

@@ -13,6 +13,11 @@
 //   reduce_scatter  in: world x count; out: this rank's count of the reduction. weft's reduce-scatter in the
 //                   node along the inner dimension (the i-th rank gets the node's sum of every node's i-th
 //                   block), then an NCCL reduce-scatter among the i-th ranks.
+//   all_to_all      in and out: world blocks of count_per_rank elements; out block j on rank r is in block r
+//                   of rank j. Between nodes first: NCCL send / recv among the i-th ranks, each node's
+//                   row of blocks (node_size blocks) to that node; then, blocks regrouped by their
+//                   destination's index in the node, weft's all-to-all in the node, and the blocks put in
+//                   rank order. Not in place.
 //   broadcast       count elements from rank `root` (in read there only) into every rank's out: NCCL's
 //                   broadcast among the ranks with root's index in their node (from root's node), then
 //                   weft's broadcast in every node from that index. in == out is allowed.
@@ -33,6 +38,8 @@ void hierarchical_all_gather(MultiNodeTeam& team, const void* in, void* out, siz
                              cudaStream_t stream = nullptr);
 void hierarchical_reduce_scatter(MultiNodeTeam& team, const void* in, void* out, size_t count, DType dtype,
                                  ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr);
+void hierarchical_all_to_all(MultiNodeTeam& team, const void* in, void* out, size_t count_per_rank,
+                             DType dtype, cudaStream_t stream = nullptr);
 void hierarchical_broadcast(MultiNodeTeam& team, const void* in, void* out, size_t count, DType dtype,
                             int root, cudaStream_t stream = nullptr);
 

@@ -67,6 +67,13 @@ MoeDispatched moe_dispatch_grouped_gemm(Communicator& comm, Rank& rank, const vo
                                         const int32_t* experts, const MoeShape& shape, void* workspace,
                                         size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
                                         GemmActivation activation, void* c, cudaStream_t stream = nullptr);
+// What the call would do (weft/ops/plan.hpp: the communicator workspace areas it uses, its path, the grid,
+// tiles and shared memory of its main kernel), or the weft::Error it would throw; the same arguments,
+// nothing launched. Likewise the _plan of each op below.
+Plan moe_dispatch_grouped_gemm_plan(Communicator& comm, Rank& rank, const void* tokens,
+                                    const int32_t* experts, const MoeShape& shape, void* workspace,
+                                    size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
+                                    GemmActivation activation, void* c, cudaStream_t stream = nullptr);
 
 // What a dispatch delivered to this rank, read back to the host (synchronises `stream`: the exact-count
 // mode, not for CUDA graphs): per local expert the rows its group received (before padding) and the
@@ -89,6 +96,9 @@ size_t moe_dispatch_workspace_bytes(int world, const MoeShape& shape);
 MoeDispatched moe_dispatch(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
                            const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
                            cudaStream_t stream = nullptr);
+Plan moe_dispatch_plan(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                       const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                       cudaStream_t stream = nullptr);
 
 // Combine: out[t] = sum over j of weights[t, j] * (the expert output at row_of[t, j] on expert e_j's rank),
 // in fp32 in ascending j (deterministic), rounded once to dtype; a token with every slot dropped gets zeros.
@@ -101,6 +111,9 @@ void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, D
 void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
                  const float* weights, void* out, const MoeShape& shape, DType dtype,
                  cudaStream_t stream = nullptr);
+Plan moe_combine_plan(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
+                      const float* weights, void* out, const MoeShape& shape, DType dtype,
+                      cudaStream_t stream = nullptr);
 
 // The backward of moe_combine, from dout [tokens, hidden] (the gradient of combine's out on this rank):
 //   d_expert_out, [capacity, hidden] of dtype in dispatched.rows' layout (the buffer moe_combine_grad_input()
@@ -115,6 +128,10 @@ void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out
                           const MoeDispatched& dispatched, const float* weights, const void* dout,
                           void* d_expert_out, float* d_weights, const MoeShape& shape, DType dtype,
                           cudaStream_t stream = nullptr);
+Plan moe_combine_backward_plan(Communicator& comm, Rank& rank, const void* expert_out,
+                               const MoeDispatched& dispatched, const float* weights, const void* dout,
+                               void* d_expert_out, float* d_weights, const MoeShape& shape, DType dtype,
+                               cudaStream_t stream = nullptr);
 
 // The second expert GEMM and the combine in one (the unfused path: grouped_gemm into moe_combine_input(),
 // then moe_combine): out = combine of (a . b_e per group), where a [rows, inter] holds this rank's experts'
@@ -128,5 +145,9 @@ void moe_grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, con
                               int64_t rows, int64_t inter, const MoeDispatched& dispatched,
                               const float* weights, void* out, const MoeShape& shape,
                               cudaStream_t stream = nullptr);
+Plan moe_grouped_gemm_combine_plan(Communicator& comm, Rank& rank, const void* a, const void* b,
+                                   BLayout b_layout, int64_t rows, int64_t inter,
+                                   const MoeDispatched& dispatched, const float* weights, void* out,
+                                   const MoeShape& shape, cudaStream_t stream = nullptr);
 
 }  // namespace weft
