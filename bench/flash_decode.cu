@@ -1,7 +1,8 @@
 // weft-bench flash_decode: weft::flash_decode (q_len 1, bf16, D 128) on a team of one (GPU 0) and over all
 // the team's GPUs (each sequence's cache split evenly), against the floor: the KV bytes a rank reads over the
 // GPU's copy rate (cudaMemcpy device to device of 1 GiB, read + write traffic, measured in the same run).
-// CUDA graphs of many calls, the slowest rank's median. The torch baselines (SDPA; local decode + NCCL
+// CUDA graphs of many calls, the slowest rank's median; team rows also with the output on rank 0 alone
+// (DecodeOptions::out_rank). The torch baselines (SDPA; local decode + NCCL
 // all-gather + merge) are python/benchmarks' to add.
 #include <cuda_runtime.h>
 
@@ -61,6 +62,7 @@ std::vector<std::string> run_case(Context& ctx, Communicator& comm, const std::v
         cudaMemcpyAsync(rs[i].meta->p, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, streams[i]));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
   }
+  DecodeOptions o;
   auto call = [&](int) {
     for (int i = 0; i < L; ++i) {
       WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
@@ -72,13 +74,21 @@ std::vector<std::string> run_case(Context& ctx, Communicator& comm, const std::v
       cache.offsets = meta + c.batch;
       cache.seq_total = meta + 2 * c.batch;
       flash_decode(comm, comm.local(i), rs[i].q->p, cache, rs[i].out->p, nullptr, shape, DType::kBF16,
-                   streams[i]);
+                   streams[i], o);
     }
   };
   call(0);  // the inbox grows before any capture
   comm.synchronize();
-  const double us_rank = time_graphs(comm, streams, 20, ctx.quick ? 3 : 7, call);
-  const double us = team ? team->team_max(us_rank) : us_rank;
+  const auto timed = [&] {
+    const double us_rank = time_graphs(comm, streams, 20, ctx.quick ? 3 : 7, call);
+    return team ? team->team_max(us_rank) : us_rank;
+  };
+  const double us = timed();
+  std::string one_rank_us;
+  if (W > 1) {
+    o.out_rank = 0;
+    one_rank_us = fmt("%.1f", timed());
+  }
   const double bytes = double(c.batch) * local * c.kv_heads * D * 2 * 2;  // K and V this rank reads
   const double floor_us = bytes / rate * 1e6;
   return {std::to_string(W),
@@ -86,6 +96,7 @@ std::vector<std::string> run_case(Context& ctx, Communicator& comm, const std::v
           std::to_string(c.seq),
           fmt("%lld/%lld", (long long)c.heads, (long long)c.kv_heads),
           fmt("%.1f", us),
+          one_rank_us,
           fmt("%.1f", floor_us),
           fmt("%.0f", bytes / (us * 1e-6) / 1e9),
           fmt("%.0f%%", 100.0 * floor_us / us)};
@@ -100,7 +111,8 @@ void run_flash_decode(Context& ctx) {
   if (ctx.quick) cases = {{1, 32768, 64, 8}, {16, 8192, 64, 8}, {8, 32768, 32, 8}};
   Table t(
       fmt("flash_decode, bf16, D 128, q_len 1, on %s and on one GPU", ctx.team_label().c_str()),
-      {"GPUs", "batch", "tokens", "heads", "weft us", "floor us", "KV GB/s per GPU", "floor / weft"},
+      {"GPUs", "batch", "tokens", "heads", "weft us", "out on rank 0 us", "floor us", "KV GB/s per GPU",
+       "floor / weft"},
       fmt("floor = the KV bytes a GPU reads / the device-to-device copy's traffic rate measured in the same "
           "run (%.0f GB/s); the team splits each sequence's cache evenly. Graphs of 20 calls, the slowest "
           "rank's median.",

@@ -561,12 +561,12 @@ void bind_one_gpu_ops(py::module_& m) {
 
 void bind_decode(py::module_& m) {
   // Distributed flash-decode (weft/ops/flash_decode.hpp): block_table 0 for a contiguous cache; offsets and
-  // seq_total 0 for a team of one.
+  // seq_total 0 for a team of one; out_rank -1: out on every rank.
   m.def("flash_decode", [](const Comm& c, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t block_table,
                            int64_t block_size, int64_t max_blocks, int64_t num_blocks, uintptr_t seqlens,
                            uintptr_t offsets, uintptr_t seq_total, uintptr_t out, uintptr_t lse,
                            py::tuple shape, const std::string& dtype, uintptr_t stream, bool causal,
-                           float scale) {
+                           float scale, int out_rank) {
     weft::DecodeCache cache;
     cache.k = reinterpret_cast<const void*>(k);
     cache.v = reinterpret_cast<const void*>(v);
@@ -582,6 +582,7 @@ void bind_decode(py::module_& m) {
     weft::DecodeOptions o;
     o.causal = causal;
     o.scale = scale;
+    o.out_rank = out_rank;
     weft::flash_decode(*c.comm, c.rank(), reinterpret_cast<const void*>(q), cache,
                        reinterpret_cast<void*>(out), reinterpret_cast<float*>(lse), s, parse_dtype(dtype),
                        c.stream(stream), o);

@@ -345,7 +345,26 @@ def check_flash_decode(rank, world):
             vp[blk, t % bs] = vs[b][first[b] + t]
     check("flash_decode (paged cache split over the ranks)",
           weft.flash_decode(q, kp, vp, seqlens, block_table=table, cache_offsets=offsets, seq_total=total), want)
-    return cases + 1
+    cases += 1
+    # The result on one rank only (out_rank), each rank in turn, between calls of every rank's result: the others
+    # get None, and the calls alternating the two modes keep their inboxes apart.
+    for root in range(world):
+        got = weft.flash_decode(q, kc, vc, seqlens, cache_offsets=offsets, seq_total=total, out_rank=root,
+                                return_lse=True)
+        if rank == root:
+            check(f"flash_decode (out_rank={root})", got[0], want)
+        elif got != (None, None):
+            raise AssertionError(f"flash_decode (out_rank={root}) on rank {rank}: {got!r}, not (None, None)")
+        check(f"flash_decode (every rank, after out_rank={root})",
+              weft.flash_decode(q, kp, vp, seqlens, block_table=table, cache_offsets=offsets, seq_total=total), want)
+        cases += 2
+    try:
+        weft.flash_decode(q, kc, vc, seqlens, cache_offsets=offsets, seq_total=total, out_rank=world)
+        raise AssertionError("flash_decode with out_rank past the team was not refused")
+    except weft.WeftValueError as e:
+        if "out_rank" not in str(e):
+            raise AssertionError(f"flash_decode's out_rank refusal: {e}")
+    return cases
 
 
 def run_per_rank(main):

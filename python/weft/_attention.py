@@ -282,7 +282,7 @@ def hybrid_attention(q, k, v, ulysses_size, causal=False, seq_len=None, cu_seqle
 
 
 def flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_offsets=None, seq_total=None,
-                 causal=True, softmax_scale=None, return_lse=False, comm=None):
+                 causal=True, softmax_scale=None, return_lse=False, out_rank=None, comm=None):
     """Attention of q_len new tokens per sequence over a KV cache, on one GPU or split over the team
     (context-parallel decoding); flash_attn_with_kvcache's layouts, the new tokens' K / V already in the cache.
 
@@ -293,8 +293,9 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_off
     position of this rank's first token) and seq_total int32 [batch] (each sequence's whole length); a team of
     one needs neither. bf16 or fp16, dim 64 or 128, heads a multiple of kv_heads. The cache's capacity
     (max_local, or max_blocks x block_size) must be the same on every rank. Returns out (like q, the same on
-    every rank), and with return_lse=True also the fp32 log-sum-exp [batch, q_len, heads]. A torch operator
-    (torch.compile, CUDA graphs with changing lengths); no autograd. Runs on torch's current stream.
+    every rank), and with return_lse=True also the fp32 log-sum-exp [batch, q_len, heads]. out_rank=r: the result
+    on rank r alone (the others push their partials there and merge nothing) and None on the others. A torch
+    operator (torch.compile, CUDA graphs with changing lengths); no autograd. Runs on torch's current stream.
     """
     where = "weft.flash_decode"
     tensors = [q, k_cache, v_cache, cache_seqlens] + [t for t in (block_table, cache_offsets, seq_total) if t is not None]
@@ -340,7 +341,13 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_off
                              "cache_offsets and seq_total (each rank's part and the sequences' global lengths)")
     if q.device.index != c.device:
         raise WeftValueError(f"{where}: q is on cuda:{q.device.index} but this rank uses cuda:{c.device}")
+    if out_rank is not None and (isinstance(out_rank, bool) or not isinstance(out_rank, int)
+                                 or not 0 <= out_rank < c.world_size):
+        raise WeftValueError(f"{where}: out_rank must be None (every rank) or a rank of the team (0.."
+                             f"{c.world_size - 1}), got {out_rank!r}")
     scale = 1.0 / math.sqrt(dim) if softmax_scale is None else float(softmax_scale)
     out, lse = _w._ops.flash_decode(q, k_cache, v_cache, cache_seqlens, block_table, cache_offsets, seq_total,
-                                    max_local, bool(causal), scale, c._id)
+                                    max_local, bool(causal), scale, c._id, -1 if out_rank is None else out_rank)
+    if out_rank is not None and out_rank != c.rank:
+        out = lse = None  # not written here
     return (out, lse) if return_lse else out

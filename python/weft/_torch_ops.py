@@ -846,7 +846,7 @@ def moe_combine(expert_out, row_of, kept, weights, shape, comm):
 @torch.library.custom_op("weft::flash_decode", mutates_args=())
 def _flash_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Tensor, block_table: Optional[Tensor],
                   offsets: Optional[Tensor], seq_total: Optional[Tensor], max_local: int, causal: bool, scale: float,
-                  comm: int) -> tuple[Tensor, Tensor]:
+                  comm: int, out_rank: int) -> tuple[Tensor, Tensor]:
     batch, q_len, heads, dim = q.shape
     out = torch.empty_like(q)
     lse = q.new_empty((batch, q_len, heads), dtype=torch.float32)
@@ -858,19 +858,21 @@ def _flash_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Tensor, 
                        k_cache.shape[1] if paged else 0, block_table.shape[1] if paged else 0,
                        k_cache.shape[0] if paged else 0, seqlens.data_ptr(), ptr(offsets), ptr(seq_total),
                        out.data_ptr(), lse.data_ptr(), (batch, q_len, heads, k_cache.shape[2], dim, max_local),
-                       DTYPES[q.dtype], _stream(q), causal, scale)
+                       DTYPES[q.dtype], _stream(q), causal, scale, out_rank)
     return out, lse
 
 
 @_flash_decode.register_fake
-def _(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, max_local, causal, scale, comm):
+def _(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, max_local, causal, scale, comm, out_rank):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def flash_decode(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, max_local, causal, scale, comm):
-    """Arguments checked by the caller (weft.flash_decode)."""
+def flash_decode(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, max_local, causal, scale, comm,
+                 out_rank=-1):
+    """Arguments checked by the caller (weft.flash_decode). out_rank >= 0: out and lse written on that rank only
+    (elsewhere their contents are undefined)."""
     return _flash_decode(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, max_local, causal, scale,
-                         comm)
+                         comm, out_rank)
 
 
 # ---- FP8 (weft._fp8): operators with fake implementations, no autograd ---------------------------------------

@@ -23,10 +23,12 @@ const char* const kInbox[2] = {"flash decode inbox, even calls", "flash decode i
 const char* const kState = "flash_decode: call count, finishers";
 const char* const kLanded = "flash_decode: partials landed per (sequence, KV head), per call parity";
 const char* const kMerged = "flash_decode: rows merged per (sequence, KV head), per call parity";
+const char* const kReleased = "flash_decode: the last call each rank finished, per call parity";
 const ResourceDeclaration kDecodeResources[] = {
     ResourceDeclaration{{kState, 2}},
     ResourceDeclaration{{kLanded, 2 * ops::kDecodeMaxPairs}},
     ResourceDeclaration{{kMerged, 2 * ops::kDecodeMaxPairs}},
+    ResourceDeclaration{{kReleased, 2 * ops::kDecodeMaxWorld}},
 };
 
 int64_t ceil_div(int64_t a, int64_t b) {
@@ -134,6 +136,8 @@ void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, f
   p.epoch = CallEpoch{p.team.flag(call.comm.resources(call.rank, kState).flags, 0)};
   p.landed = call.comm.resources(call.rank, kLanded).flags;
   p.merged = call.comm.resources(call.rank, kMerged).flags;
+  p.released = call.comm.resources(call.rank, kReleased).flags;
+  p.out_rank = o.out_rank;
   p.q = static_cast<const T*>(q);
   p.out = static_cast<T*>(out);
   p.lse = lse;
@@ -164,7 +168,10 @@ void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, f
     p.part_o[parity] = inbox.take<float>(parts * kD * 4);
     p.part_ml[parity] = inbox.take<float2>(parts * 8);
   }
-  if (call.planned("split-KV decode, partials merged on every rank", x.grid)) return;
+  if (call.planned(o.out_rank < 0 ? "split-KV decode, partials merged on every rank"
+                                  : "split-KV decode, partials merged on rank " + std::to_string(o.out_rank),
+                   x.grid))
+    return;
   constexpr auto kernel = &ops::flash_decode_kernel<T, kD>;
   detail::preload<kernel>();
   kernel<<<x.grid, ops::kDecodeWarps * 32, x.smem, call.stream>>>(p);
@@ -180,6 +187,12 @@ void run(Communicator& comm, Rank& rank, const void* q, const DecodeCache& cache
   const std::string& where = call.where;
   check_shape(shape, cache, rank.world(), dtype, where);
   WEFT_CHECK(options.scale >= 0.f, where + "options.scale must be 0 (1 / sqrt(head_dim)) or positive");
+  WEFT_CHECK(rank.world() <= ops::kDecodeMaxWorld,
+             where + "teams of up to " + std::to_string(ops::kDecodeMaxWorld) + " ranks");
+  WEFT_CHECK(options.out_rank >= -1 && options.out_rank < rank.world(),
+             where + "options.out_rank must be -1 (every rank) or a rank of the team (0.." +
+                 std::to_string(rank.world() - 1) + "), got " + std::to_string(options.out_rank));
+  const bool writes_out = options.out_rank < 0 || options.out_rank == rank.rank();
   WEFT_CHECK(
       rank.world() == 1 || !options.causal || shape.q_len == 1 ||
           (cache.offsets != nullptr && cache.seq_total != nullptr),
@@ -188,7 +201,7 @@ void run(Communicator& comm, Rank& rank, const void* q, const DecodeCache& cache
   const int64_t d = shape.head_dim, tok = shape.kv_heads * d;
   const int64_t q_bytes = shape.batch * shape.q_len * shape.heads * d * 2;
   call.check_buffer(q, "q", q_bytes);
-  call.check_buffer(out, "out", q_bytes);
+  if (writes_out) call.check_buffer(out, "out", q_bytes);
   const int64_t slots =
       cache.block_table ? cache.num_blocks * cache.block_size : shape.batch * shape.max_local;
   call.check_buffer(cache.k, "cache.k", slots * tok * 2);
@@ -198,7 +211,7 @@ void run(Communicator& comm, Rank& rank, const void* q, const DecodeCache& cache
     call.check_buffer(cache.block_table, "cache.block_table", shape.batch * cache.max_blocks * 4, 4);
   if (cache.offsets) call.check_buffer(cache.offsets, "cache.offsets", shape.batch * 4, 4);
   if (cache.seq_total) call.check_buffer(cache.seq_total, "cache.seq_total", shape.batch * 4, 4);
-  if (lse) call.check_buffer(lse, "lse", shape.batch * shape.q_len * shape.heads * 4, 4);
+  if (lse && writes_out) call.check_buffer(lse, "lse", shape.batch * shape.q_len * shape.heads * 4, 4);
   if (dtype == DType::kFP16)
     d == 64 ? launch<__half, 64>(call, q, cache, out, lse, shape, options)
             : launch<__half, 128>(call, q, cache, out, lse, shape, options);

@@ -78,6 +78,7 @@ struct Prepared {
   int64_t num_blocks = 0;
   std::unique_ptr<RankBuffers> q, out, lse, k, v, meta, table;
   std::vector<double> ref_o, ref_lse;
+  int out_rank = -1;  // DecodeOptions::out_rank of the calls
 };
 
 // min_max_local: the cache's capacity at least this (another case's layout, for data swapped into its
@@ -203,6 +204,7 @@ void enqueue_rank(Communicator& comm, Prepared& pr, int i) {
     cache.seq_total = meta + 2 * B;
     DecodeOptions o;
     o.causal = pr.c.causal;
+    o.out_rank = pr.out_rank;
     flash_decode(comm, comm.local(i), pr.q->ptr[i], cache, pr.out->ptr[i],
                  reinterpret_cast<float*>(pr.lse->ptr[i]), pr.shape, pr.c.dtype, nullptr, o);
   }
@@ -213,6 +215,8 @@ void enqueue(Communicator& comm, Prepared& pr) {
   for (int i = 0; i < comm.num_local(); ++i) enqueue_rank(comm, pr, i);
 }
 
+// Every rank's out and lse against the reference; with pr.out_rank set, that rank's, and the others' left as
+// poisoned (not written).
 void check(Communicator& comm, Prepared& pr, const std::string& label) {
   const Case& c = pr.c;
   for (int i = 0; i < comm.num_local(); ++i) {
@@ -220,6 +224,13 @@ void check(Communicator& comm, Prepared& pr, const std::string& label) {
     std::vector<float> lse(pr.ref_lse.size());
     download(comm, i, out.data(), pr.out->ptr[i], out.size() * 2);
     download(comm, i, lse.data(), pr.lse->ptr[i], lse.size() * 4);
+    if (pr.out_rank >= 0 && comm.local(i).rank() != pr.out_rank) {
+      const bool untouched = std::all_of(out.begin(), out.end(), [](uint16_t x) { return x == 0xffff; }) &&
+                             std::all_of(lse.begin(), lse.end(), [](float x) { return std::isnan(x); });
+      WEFT_EXPECT(untouched, label << ": rank " << comm.local(i).rank() << " wrote out or lse (out_rank "
+                                   << pr.out_rank << ")");
+      continue;
+    }
     double e2 = 0, r2 = 0, lse_err = 0;
     int64_t bad = 0, bad_lse = 0;
     for (size_t j = 0; j < out.size(); ++j) {
@@ -284,6 +295,25 @@ void run_case(TestContext& ctx, const Case& c) {
     check(comm, *pr, "rep " + std::to_string(rep));
     comm.host_barrier();
   }
+  // The result on one rank (out_rank), each rank in turn and twice in a row, then on every rank again: calls
+  // of both modes back to back on the stream, checked after the last.
+  if (comm.world() == 1) return;
+  for (int root = 0; root < comm.world(); ++root) {
+    pr->out_rank = root;
+    poison_outputs(comm, *pr);
+    comm.host_barrier();
+    for (int rep = 0; rep < 2; ++rep) enqueue(comm, *pr);
+    comm.synchronize();
+    check(comm, *pr, "out_rank " + std::to_string(root));
+    comm.host_barrier();
+  }
+  pr->out_rank = -1;
+  poison_outputs(comm, *pr);
+  comm.host_barrier();
+  enqueue(comm, *pr);
+  comm.synchronize();
+  check(comm, *pr, "every rank after out_rank calls");
+  comm.host_barrier();
 }
 
 }  // namespace

@@ -6,17 +6,21 @@
 //      FMAs per cached element, more than CUDA cores deliver at HBM speed). Each warp takes 16 tokens a
 //      step (16-byte loads of K and V straight into MMA operands, V transposed in registers by movmatrix)
 //      and keeps an online softmax (running max m, sum l, unnormalised O in fp32, exp2 domain); the block
-//      merges its warps in shared memory. The partial (O, m, l) goes to every rank's inbox, then a relaxed
-//      add after a system fence into every rank's landed count of (b, h).
-//   2. Merge. Items (b, h, row): once every rank's S x R partials of (b, h) have landed (W x S x R adds), the
-//      block merges the row's W x S parts (max, rescaled sums, divided once) into out and lse; the last of
-//      the pair's row blocks clears the count.
+//      merges its warps in shared memory. The partial (O, m, l) goes to the inbox of every rank that merges
+//      (every rank, or out_rank alone), then a relaxed add after a system fence into their landed counts of
+//      (b, h).
+//   2. Merge, on the ranks that merge. Items (b, h, row): once every rank's S x R partials of (b, h) have
+//      landed (W x S x R adds), the block merges the row's W x S parts (max, rescaled sums, divided once)
+//      into out and lse; the last of the pair's row blocks clears the count.
 // Calls alternate between two inboxes and two sets of counts by the parity of the call's epoch (CallEpoch,
-// in the op's state flags): a rank pushes call n + 2's partials into a peer only after its own call n + 1
-// has merged the peer's call n + 1 partials, which the peer pushed after its call n ended; so nothing
-// overwrites what a slow peer still reads, and a count is cleared by its owner before it is used again.
-// No phase-2 wait can block a phase-1 item: each block finishes its phase-1 items before its first wait, and
-// all blocks of every rank are resident.
+// in the op's state flags, the same call number on every rank). A rank pushes call n's partials into a
+// rank's inbox only once that rank has finished its call n - 2 (the last to read that inbox): the last
+// finisher of each call sets its call number into every peer's `released` flag of the parity (with every
+// rank merging, that wait has always passed already: the peer's call n - 1 partials, merged here, came after
+// its call n - 2 ended); so nothing overwrites what a slow rank still reads, whichever ranks merged which
+// call, and a count is cleared by its owner before it is used again. No wait can block a phase-1 item of the
+// rank waited for: phase-1 waits are for earlier calls, each block finishes its phase-1 items before its
+// first phase-2 wait, and all blocks of every rank are resident.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -36,6 +40,7 @@ inline constexpr int kDecodeBlocksPerSm = 2;  // resident (its registers: ~240 a
 inline constexpr int kDecodeMaxPairs = 2048;  // (sequence, KV head) pairs of a call: landed counts per parity
 inline constexpr int kDecodeMaxParts =
     512;  // partials of a row to merge (world x splits): the merge's weights
+inline constexpr int kDecodeMaxWorld = 64;  // ranks of a team: `released` flags per (rank, parity)
 
 // Why flash_decode refused a call on the device (DeviceError::thread; DeviceError::block: the sequence).
 enum class DecodeBadInput : uint32_t {
@@ -49,6 +54,8 @@ struct DecodeParams {
   CallEpoch epoch;  // the op's state flags
   Flags landed;     // [2 parities][kDecodeMaxPairs]: partials landed here
   Flags merged;     // [2 parities][kDecodeMaxPairs]: row blocks done merging (local)
+  Flags released;   // [kDecodeMaxWorld ranks][2 parities]: the last call of the parity that rank finished
+  int out_rank;     // the rank that merges (gets out and lse); -1: every rank
   const T* q;       // [batch, q_len, heads, D]
   T* out;
   float* lse;  // [batch, q_len, heads] or null
@@ -151,7 +158,29 @@ struct DecodeKernel {
   }
 
   // Phase 1, one item: rows [16 rg, 16 rg + 16) of pair (b, h) over split s's tokens.
-  __device__ static void partial(const P& p, Smem& sm, int parity, int b, int h, int s, int rg) {
+  // The ranks that merge (receive partials): [first, last).
+  __device__ static int first_merger(const P& p) {
+    return p.out_rank >= 0 ? p.out_rank : 0;
+  }
+  __device__ static int last_merger(const P& p) {
+    return p.out_rank >= 0 ? p.out_rank + 1 : p.team.world;
+  }
+
+  // Before call `call`'s first push: every rank that merges has finished call - 2 (the inbox's last reader).
+  // False (recorded) on timeout or abort.
+  __device__ static bool released(const P& p, uint64_t call, int parity) {
+    __shared__ bool ok;
+    if (threadIdx.x == 0) {
+      ok = true;
+      for (int r = first_merger(p); r < last_merger(p) && ok && call > 2; ++r)
+        ok = wait_ge(p.team, p.team.flag(p.released, 2 * r + parity), call - 2);
+    }
+    __syncthreads();
+    return ok;
+  }
+
+  __device__ static void partial(const P& p, Smem& sm, int parity, uint64_t call, int b, int h, int s,
+                                 int rg) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
     int len = __ldg(p.seqlens + b);
     const int cap = p.block_table ? p.max_blocks * p.block_size : p.max_local;
@@ -277,6 +306,7 @@ struct DecodeKernel {
       }
     }
     __syncthreads();
+    if (!released(p, call, parity)) return;
     const int pair = b * p.kv_heads + h;
     for (int e = threadIdx.x; e < kDecodeRows * kD / 4; e += blockDim.x) {
       const int r = e / (kD / 4), d = e % (kD / 4) * 4, row = rg * kDecodeRows + r;
@@ -297,7 +327,7 @@ struct DecodeKernel {
         sum = fmaf(wt, sm.l[w][r], sum);
       }
       const int64_t i = part_index(p, p.team.rank, pair, s, row);
-      for (int dst = 0; dst < p.team.world; ++dst) {
+      for (int dst = first_merger(p); dst < last_merger(p); ++dst) {
         *reinterpret_cast<float4*>(p.team.peer_ptr(p.part_o[parity] + i * kD + d, dst)) = acc;
         if (d == 0) *p.team.peer_ptr(p.part_ml[parity] + i, dst) = make_float2(mx, sum);
       }
@@ -305,7 +335,7 @@ struct DecodeKernel {
     __syncthreads();  // every thread's stores, then one system fence and relaxed adds publish them
     if (threadIdx.x == 0) {
       __threadfence_system();
-      for (int dst = 0; dst < p.team.world; ++dst)
+      for (int dst = first_merger(p); dst < last_merger(p); ++dst)
         signal_add<Order::kRelaxed>(p.team, p.team.flag(p.landed, parity * kDecodeMaxPairs + pair), dst, 1);
     }
   }
@@ -419,20 +449,29 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   using K = DecodeKernel<T, kD>;
   extern __shared__ __align__(16) unsigned char decode_smem[];
   typename K::Smem& sm = *reinterpret_cast<typename K::Smem*>(decode_smem);
-  const int parity = static_cast<int>(p.epoch.epoch() & 1u);
+  const uint64_t call = p.epoch.epoch();
+  const int parity = static_cast<int>(call & 1u);
   const int pairs = p.batch * p.kv_heads;
   const int items = pairs * p.splits * p.row_groups;
   for (int it = blockIdx.x; it < items; it += gridDim.x) {
     const int rg = it % p.row_groups, s = it / p.row_groups % p.splits, pair = it / (p.row_groups * p.splits);
-    K::partial(p, sm, parity, pair / p.kv_heads, pair % p.kv_heads, s, rg);
+    K::partial(p, sm, parity, call, pair / p.kv_heads, pair % p.kv_heads, s, rg);
     __syncthreads();  // the shared merge buffers are reused by the next item
   }
-  for (int it = blockIdx.x; it < pairs * p.rows; it += gridDim.x) {
+  const bool merges = p.out_rank < 0 || p.out_rank == p.team.rank;
+  for (int it = blockIdx.x; merges && it < pairs * p.rows; it += gridDim.x) {
     const int pair = it / p.rows;
     K::merge(p, sm, parity, pair / p.kv_heads, pair % p.kv_heads, it % p.rows);
     __syncthreads();
   }
-  if (threadIdx.x == 0) p.epoch.finished(gridDim.x);
+  // The call's end, told to every rank: it may push its call + 2 into this rank's inbox of this parity. The
+  // system fence orders this block's reads of the inbox before the last finisher's release.
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    if (p.epoch.finished(gridDim.x))
+      for (int dst = 0; dst < p.team.world; ++dst)  // itself too: its own pushes wait on the same flags
+        signal_set(p.team, p.team.flag(p.released, 2 * p.team.rank + parity), dst, call);
+  }
 }
 
 }  // namespace weft::ops

@@ -2,8 +2,9 @@
 // sharded over the team (context-parallel decoding), with flash-attn's flash_attn_with_kvcache conventions.
 // One kernel per rank: split-KV partials over its part of every sequence's cache (the query heads of a KV
 // head together, so each cached byte is read once), pushed with their log-sum-exps to every rank, and merged
-// on every rank as they land (the output is replicated). No other kernel, no barrier, no host
-// synchronisation: CUDA-graph capturable with lengths that change between replays. Host-only header.
+// on every rank as they land (the output is replicated), or pushed to one rank and merged there
+// (DecodeOptions::out_rank). No other kernel, no barrier, no host synchronisation: CUDA-graph capturable with
+// lengths that change between replays. Host-only header.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -47,14 +48,18 @@ struct DecodeCache {
 struct DecodeOptions {
   float scale = 0.f;   // softmax scale; 0: 1 / sqrt(head_dim)
   bool causal = true;  // among the new tokens (no effect at q_len 1)
+  // -1: out and lse on every rank. A rank r: on rank r alone (the others push their partials there and
+  // merge nothing: 1 / W of the pushes, and no merge work off r; their out and lse are not written and may
+  // be null). The same on every rank of a call; calls may change it.
+  int out_rank = -1;
 };
 
-// q [batch, q_len, heads, head_dim] (the same on every rank), out likewise (written on every rank), lse
-// [batch, q_len, heads] fp32 (natural log; null: not written). bf16 or fp16. Every rank of the team calls
-// it (single-process: once per local rank) with the same shape. A sequence whose whole cache is empty gets
-// zeros and an lse of -inf. Errors (shape, dtype, alignment, a length past the capacity, a block id out of
-// range) are refused on the host where it can see them; lengths and block ids live on the device and fail
-// the call there (reported by Communicator::synchronize()).
+// q [batch, q_len, heads, head_dim] (the same on every rank), out likewise (written on every rank, or on
+// options.out_rank), lse [batch, q_len, heads] fp32 (natural log; null: not written). bf16 or fp16. Every
+// rank of the team calls it (single-process: once per local rank) with the same shape. A sequence whose whole
+// cache is empty gets zeros and an lse of -inf. Errors (shape, dtype, alignment, a length past the capacity,
+// a block id out of range) are refused on the host where it can see them; lengths and block ids live on the
+// device and fail the call there (reported by Communicator::synchronize()).
 void flash_decode(Communicator& comm, Rank& rank, const void* q, const DecodeCache& cache, void* out,
                   float* lse, const DecodeShape& shape, DType dtype, cudaStream_t stream = nullptr,
                   const DecodeOptions& options = {});
