@@ -911,6 +911,20 @@ void bind_multi_node(py::module_& m) {
     py::gil_scoped_release release;  // NCCL's enqueue may wait for the GPU to drain its queue
     weft::hierarchical_all_to_all(t, ptr(in), ptr(out), count, parse_dtype(dtype), stream(s));
   });
+  m.def("hierarchical_all_gather_matmul",
+        [=](MultiNodeTeam& t, uintptr_t a, uintptr_t b, uintptr_t out, uintptr_t gathered, int64_t rows,
+            int64_t n, int64_t k, const std::string& b_layout, uintptr_t s) {
+          py::gil_scoped_release release;  // NCCL's enqueue may wait for the GPU to drain its queue
+          weft::hierarchical_all_gather_matmul(t, ptr(a), ptr(b), ptr(out), ptr(gathered), rows, n, k,
+                                               layout(b_layout), stream(s));
+        });
+  m.def("hierarchical_matmul_reduce_scatter",
+        [=](MultiNodeTeam& t, uintptr_t a, uintptr_t b, uintptr_t out, int64_t rows, int64_t n, int64_t k,
+            const std::string& b_layout, uintptr_t s) {
+          py::gil_scoped_release release;  // NCCL's enqueue may wait for the GPU to drain its queue
+          weft::hierarchical_matmul_reduce_scatter(t, ptr(a), ptr(b), ptr(out), rows, n, k, layout(b_layout),
+                                                   stream(s));
+        });
   m.def("hierarchical_broadcast", [=](MultiNodeTeam& t, uintptr_t in, uintptr_t out, uint64_t count,
                                       const std::string& dtype, int root, uintptr_t s) {
     py::gil_scoped_release release;  // NCCL's enqueue may wait for the GPU to drain its queue

@@ -6,8 +6,9 @@ of k ranks on one host; NCCL forced onto sockets so the legs between them take t
     torchrun --nproc_per_node=4 python/tests/gpu_multinode.py [ops | backend]
 
 ops (default): weft.init_multi_node()'s all_reduce / all_gather / reduce_scatter / broadcast / all_to_all against
-NCCL's over every rank (dist.init_process_group("nccl")), bf16 and fp32, odd sizes, in place; weft.init() refused
-with the way out. backend: dist.init_process_group("weft") on the job: the same collectives through
+NCCL's over every rank (dist.init_process_group("nccl")), bf16 and fp32, odd sizes, in place, and its
+all_gather_matmul / matmul_reduce_scatter against torch's fp32 products; weft.init() refused with the way out.
+backend: dist.init_process_group("weft") on the job: the same collectives through
 torch.distributed against an NCCL group of every rank, what it refuses, and DDP training with the same losses as on
 NCCL. One line per rank; non-zero exit on the first mismatch.
 """
@@ -73,8 +74,34 @@ def ops_against_nccl(team, g):
             dist.all_to_all_single(want, big)
             check(f"all_to_all {dtype} {n} per rank", team.all_to_all(big), want, exact=True)
             cases += 7
+    # The tensor-parallel GEMMs across nodes against torch's fp32 products of the same bf16 inputs.
+    for m in (64, 200):
+        a = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        torch.manual_seed(5)  # the [N, K] weight, the same on every rank
+        w = torch.randn(264, 256, device="cuda", dtype=torch.bfloat16)
+        every = torch.empty(m * world, 256, device="cuda", dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(every, a)
+        gathered = torch.empty_like(every)
+        got = team.all_gather_matmul(a, w.t(), gathered_a=gathered)
+        check(f"all_gather_matmul m {m} (gathered a)", gathered, every, exact=True)
+        check_close(f"all_gather_matmul m {m}", got, every.float() @ w.t().float())
+        a = torch.randn(m * world, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        b = torch.randn(256, 264, device="cuda", dtype=torch.bfloat16, generator=g)  # this rank's shard
+        want = (a.float() @ b.float())
+        dist.all_reduce(want)
+        check_close(f"matmul_reduce_scatter m {m}", team.matmul_reduce_scatter(a, b), want[rank * m:(rank + 1) * m])
+        cases += 2
     team.synchronize()
     return cases
+
+
+def check_close(name, got, want, tol=2e-2):
+    """bf16 got against an fp32 want: relative error (Frobenius) within tol, no NaN."""
+    if not torch.isfinite(got).all():
+        raise AssertionError(f"{name}: non-finite values")
+    err = ((got.float() - want).norm() / want.norm().clamp_min(1e-30)).item()
+    if err > tol:
+        raise AssertionError(f"{name}: relative error {err:.3g} > {tol}")
 
 
 def ops_mode(rank):

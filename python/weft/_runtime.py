@@ -112,6 +112,31 @@ class MultiNodeTeam:
         _weft.hierarchical_all_to_all(self._m, a.ptr, o.ptr, a.numel // self.world_size, a.dtype, s)
         return out
 
+    def all_gather_matmul(self, a, b, out=None, gathered_a=None):
+        """out [world x m, N] = every rank's a [m, K] gathered along dim 0 in rank order, times b ([K, N], or the
+        .t() view of an [N, K] weight; the same on every rank); also fills gathered_a [world x m, K] when given.
+        bf16."""
+        c, s, x, w, layout, n, k = _tensor_parallel._matmul_operands(a, b, self.node)
+        m = x.shape[0]
+        out, o = _output(c, s, a, x, (m * self.world_size, n), out)
+        g = 0
+        if gathered_a is not None:
+            _, ga = _output(c, s, a, x, (m * self.world_size, k), gathered_a, "gathered_a")
+            g = ga.ptr
+        _weft.hierarchical_all_gather_matmul(self._m, x.ptr, w.ptr, o.ptr, g, m, n, k, layout, s)
+        return out
+
+    def matmul_reduce_scatter(self, a, b, out=None):
+        """The [M, N] product a @ b (a [M, K], b as all_gather_matmul's) summed over every rank; this rank gets
+        rows rank x M / world .. (rank + 1) x M / world. bf16."""
+        c, s, x, w, layout, n, k = _tensor_parallel._matmul_operands(a, b, self.node)
+        if x.shape[0] % self.world_size:
+            raise WeftValueError(f"weft: a has {x.shape[0]} rows, not divisible by the world size {self.world_size}")
+        m = x.shape[0] // self.world_size
+        out, o = _output(c, s, a, x, (m, n), out)
+        _weft.hierarchical_matmul_reduce_scatter(self._m, x.ptr, w.ptr, o.ptr, m, n, k, layout, s)
+        return out
+
     def broadcast(self, x, root=0, out=None):
         """Every rank gets rank root's x (the others' x gives the shape); out=x broadcasts in place."""
         if not isinstance(root, int) or not 0 <= root < self.world_size:

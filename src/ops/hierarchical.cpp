@@ -4,6 +4,7 @@
 #include <string>
 
 #include "../runtime/nccl_api.hpp"
+#include "weft/ops/fused.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft {
@@ -140,6 +141,68 @@ void hierarchical_all_to_all(MultiNodeTeam& t, const void* in, void* out, size_t
   all_to_all(t.node_team(), t.node_rank(), grouped, landed, nodes * count, dtype, stream);
   // 3. Rank order: out block (m, i) = landed block (i, m).
   transpose_blocks(landed, out, ns, nodes, count * es, stream);
+}
+
+namespace {
+
+// What both TP ops check: bf16 operands of whole 16-byte rows, sizes the GEMMs take.
+void check_tp(const char* op, int64_t m, int64_t n, int64_t k) {
+  WEFT_CHECK(m >= 1 && n >= 1 && k >= 1, std::string(op) + ": m, n and k must be at least 1");
+  WEFT_CHECK(n % 8 == 0 && k % 8 == 0, std::string(op) +
+                                           ": n and k must be multiples of 8 (16-byte rows), got " +
+                                           std::to_string(n) + " and " + std::to_string(k));
+}
+
+}  // namespace
+
+void hierarchical_all_gather_matmul(MultiNodeTeam& t, const void* a_shard, const void* b, void* out,
+                                    void* gathered_a, int64_t m, int64_t n, int64_t k, BLayout b_layout,
+                                    cudaStream_t stream) {
+  check_tp("hierarchical_all_gather_matmul", m, n, k);
+  stream = stream_of(t, stream);
+  t.check_alive();
+  WEFT_CUDA_CHECK(cudaSetDevice(t.node_rank().device()));
+  const int64_t ns = t.node_size(), node_rows = ns * m, first = int64_t(t.node()) * node_rows;
+  char* ga = static_cast<char*>(gathered_a ? gathered_a : t.scratch(size_t(t.world()) * m * k * 2, stream));
+  // The NCCL leg on the side stream (after what the caller queued before: a_shard written), beside this
+  // node's rows on the caller's stream.
+  const MultiNodeTeam::SideStream& side = t.side_stream();
+  WEFT_CUDA_CHECK(cudaEventRecord(side.fork, stream));
+  WEFT_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
+  nccl_call(t, "hierarchical_all_gather_matmul: ncclAllGather", [&](nccl::Comm, nccl::Comm all) {
+    return nccl::api().AllGather(a_shard, ga, size_t(m) * k, nccl::kBfloat16, all, side.stream);
+  });
+  WEFT_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
+  char* o = static_cast<char*>(out);
+  all_gather_matmul(t.node_team(), t.node_rank(), a_shard, b, o + first * n * 2, nullptr, node_rows, n, k,
+                    b_layout, stream);
+  // The other nodes' rows, once their shards have landed: those before this node's, then those after.
+  WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
+  if (first > 0) gemm(ga, b, o, first, n, k, b_layout, DType::kBF16, stream);
+  const int64_t after = int64_t(t.world()) * m - first - node_rows;
+  if (after > 0)
+    gemm(ga + (first + node_rows) * k * 2, b, o + (first + node_rows) * n * 2, after, n, k, b_layout,
+         DType::kBF16, stream);
+}
+
+void hierarchical_matmul_reduce_scatter(MultiNodeTeam& t, const void* a, const void* b, void* out, int64_t m,
+                                        int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream) {
+  check_tp("hierarchical_matmul_reduce_scatter", m, n, k);
+  stream = stream_of(t, stream);
+  t.check_alive();
+  WEFT_CUDA_CHECK(cudaSetDevice(t.node_rank().device()));
+  const size_t nodes = t.nodes(), ns = t.node_size(), block = size_t(m) * k * 2;
+  // a's row blocks as [nodes][node_size] (block (g, i): rank g x node_size + i's rows), regrouped as
+  // [node_size][nodes]: the in-node reduce-scatter then gives the i-th rank the node's sums of every node's
+  // i-th rank's rows, [nodes][m][N]; among the i-th ranks, node g keeps its own.
+  char* scratch = static_cast<char*>(t.scratch(nodes * ns * block + nodes * size_t(m) * n * 2, stream));
+  char *regrouped = scratch, *sums = scratch + nodes * ns * block;
+  transpose_blocks(a, regrouped, nodes, ns, block, stream);
+  matmul_reduce_scatter(t.node_team(), t.node_rank(), regrouped, b, sums, int64_t(nodes * ns) * m, n, k,
+                        b_layout, stream);
+  nccl_call(t, "hierarchical_matmul_reduce_scatter: ncclReduceScatter", [&](nccl::Comm across, nccl::Comm) {
+    return nccl::api().ReduceScatter(sums, out, size_t(m) * n, nccl::kBfloat16, nccl::kSum, across, stream);
+  });
 }
 
 void hierarchical_broadcast(MultiNodeTeam& t, const void* in, void* out, size_t count, DType dtype, int root,

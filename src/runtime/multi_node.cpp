@@ -94,9 +94,14 @@ MultiNodeTeam::~MultiNodeTeam() {
   if (watchdog_.joinable()) watchdog_.join();
   if (node_) cudaSetDevice(node_rank().device());  // (none when the construction failed before it)
   abort_both(static_cast<nccl::Comm>(across_), static_cast<nccl::Comm>(all_));
-  if (scratch_ || !retired_.empty()) cudaDeviceSynchronize();
+  if (scratch_ || !retired_.empty() || side_.stream) cudaDeviceSynchronize();
   for (void* p : retired_) cudaFree(p);
   if (scratch_) cudaFree(scratch_);
+  if (side_.stream) {
+    cudaEventDestroy(side_.fork);
+    cudaEventDestroy(side_.join);
+    cudaStreamDestroy(side_.stream);
+  }
 }
 
 // The node team first (its kernels stop waiting), then the communicators, outside the lock: a thread blocked
@@ -141,6 +146,19 @@ void MultiNodeTeam::watch() {
 void MultiNodeTeam::check_alive() const {
   std::lock_guard<std::mutex> hold(nccl_lock_);
   if (!failure_.empty()) throw_error(failure_);
+}
+
+const MultiNodeTeam::SideStream& MultiNodeTeam::side_stream() {
+  if (!side_.stream) {
+    int caller_device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&caller_device));
+    WEFT_CUDA_CHECK(cudaSetDevice(node_rank().device()));
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&side_.stream, cudaStreamNonBlocking));
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&side_.fork, cudaEventDisableTiming));
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&side_.join, cudaEventDisableTiming));
+    WEFT_CUDA_CHECK(cudaSetDevice(caller_device));
+  }
+  return side_;
 }
 
 void* MultiNodeTeam::scratch(size_t bytes, cudaStream_t stream) {

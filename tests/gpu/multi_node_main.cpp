@@ -9,8 +9,10 @@
 // all-reduce (also in place), all-gather, reduce-scatter and all-to-all against the host's fp64 result over
 // every rank's inputs, bf16 and fp32, sum and max, sizes straddling the node size; outputs poisoned first,
 // inputs checked unchanged; each rank's node team is its node's ranks only. Pass: max, all-gather and
-// all-to-all exact, sums within 1e-6 (fp32) / 1e-2 (bf16) of the magnitudes summed; no NaN. Exit 0 pass, 1
-// fail, 77 skipped (no GPU, no NCCL, or not enough GPUs for one rank each).
+// all-to-all exact, sums within 1e-6 (fp32) / 1e-2 (bf16) of the magnitudes summed; no NaN. The
+// tensor-parallel GEMMs across nodes (all_gather_matmul with its gathered A, matmul_reduce_scatter; bf16, odd
+// rows per rank) against the host's fp64 products: relative error within 2e-2. Exit 0 pass, 1 fail, 77
+// skipped (no GPU, no NCCL, or not enough GPUs for one rank each).
 //
 // WEFT_TEST_RANK_DEATH=1: instead of the tests, the last rank exits (status 0) after a first all-reduce while
 // the others go on calling all-reduces: every other rank, on its node or another, must report the loss within
@@ -166,6 +168,64 @@ std::string run_case(weft::MultiNodeTeam& t, Op op, size_t count, DType dtype, R
   return err;
 }
 
+// The tensor-parallel GEMMs across nodes against the host's fp64 products of the bf16 inputs (B [K, N]):
+// all_gather_matmul's out and gathered A, matmul_reduce_scatter's rows of the sum. "" or why not: relative
+// error (Frobenius) within 2e-2, no NaN, gathered A exact.
+std::string relative_error(const std::vector<float>& got, const std::vector<double>& want, double tol) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return "non-finite value at " + std::to_string(i) + " (not written?)";
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  const double err = std::sqrt(num / std::max(den, 1e-30));
+  return err > tol ? "relative error " + std::to_string(err) : std::string();
+}
+
+std::string tp_case(weft::MultiNodeTeam& t, bool gather, int64_t m, int64_t n, int64_t k, uint64_t seed) {
+  const int W = t.world(), r = t.rank();
+  const int64_t a_rows = gather ? m : W * m, out_rows = gather ? W * m : m;
+  // B: the same on every rank for the all-gather's GEMM (a replicated weight), each rank's own for the
+  // reduce-scatter's (a row-parallel weight shard).
+  const auto b_of = [&](int q) { return held(gather ? 1000 : 1000 + q, size_t(k * n), seed, DType::kBF16); };
+  Device a(a_rows * k * 2), b(k * n * 2), out(out_rows * n * 2), ga(gather ? W * m * k * 2 : 2);
+  upload(a.p, values(r, size_t(a_rows * k), seed), DType::kBF16);
+  upload(b.p, gather ? values(1000, size_t(k * n), seed) : values(1000 + r, size_t(k * n), seed),
+         DType::kBF16);
+  WEFT_CUDA_CHECK(cudaMemset(out.p, 0xff, out_rows * n * 2));
+  WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaStream_t s = t.node_rank().stream();
+  if (gather)
+    weft::hierarchical_all_gather_matmul(t, a.p, b.p, out.p, ga.p, m, n, k, weft::BLayout::kKN, s);
+  else
+    weft::hierarchical_matmul_reduce_scatter(t, a.p, b.p, out.p, m, n, k, weft::BLayout::kKN, s);
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+  t.node_team().synchronize();
+  t.check_alive();
+  std::vector<double> want(size_t(out_rows * n), 0.0);
+  for (int q = 0; q < W; ++q) {
+    // gather: rank q's shard is out's rows [q m, +m); reduce-scatter: rank q's rows [r m, +m) of its a.
+    const std::vector<float> aq = held(q, size_t((gather ? m : W * m) * k), seed, DType::kBF16);
+    const std::vector<float> bq = b_of(q);
+    const int64_t a_first = gather ? 0 : r * m, o_first = gather ? q * m : 0;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const double x = aq[size_t((a_first + i) * k + kk)];
+        if (x == 0) continue;
+        for (int64_t j = 0; j < n; ++j) want[size_t((o_first + i) * n + j)] += x * bq[size_t(kk * n + j)];
+      }
+  }
+  std::string err = relative_error(download(out.p, size_t(out_rows * n), DType::kBF16), want, 2e-2);
+  if (err.empty() && gather)
+    for (int q = 0; q < W && err.empty(); ++q) {
+      const std::vector<float> got =
+          download(static_cast<char*>(ga.p) + q * m * k * 2, size_t(m * k), DType::kBF16);
+      if (got != held(q, size_t(m * k), seed, DType::kBF16))
+        err = "gathered A: rank " + std::to_string(q) + "'s rows differ";
+    }
+  return err;
+}
+
 int run(weft::MultiNodeTeam& t) {
   const char* names[] = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"};
   int passed = 0, failed = 0;
@@ -190,6 +250,19 @@ int run(weft::MultiNodeTeam& t) {
           }
         }
       }
+  for (bool gather : {true, false})
+    for (int64_t m : {int64_t(64), int64_t(200)}) {
+      const int64_t n = 264, k = 256;
+      const std::string what = std::string(gather ? "all_gather_matmul" : "matmul_reduce_scatter") + " m " +
+                               std::to_string(m) + " n " + std::to_string(n) + " k " + std::to_string(k);
+      const std::string err = tp_case(t, gather, m, n, k, seed++);
+      if (err.empty()) {
+        ++passed;
+      } else {
+        ++failed;
+        std::printf("[rank %d] FAILED %s: %s\n", t.rank(), what.c_str(), err.c_str());
+      }
+    }
   std::printf("[rank %d] summary: %d passed, %d failed (%d nodes of %d ranks)\n", t.rank(), passed, failed,
               t.nodes(), t.node_size());
   return failed == 0 ? 0 : 1;

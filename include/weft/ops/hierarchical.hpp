@@ -18,6 +18,20 @@
 //                   row of blocks (node_size blocks) to that node; then, blocks regrouped by their
 //                   destination's index in the node, weft's all-to-all in the node, and the blocks put in
 //                   rank order. Not in place.
+//
+// Tensor-parallel GEMMs across nodes (bf16, fp32 accumulation; B [K, N] or an [N, K] weight, BLayout; K and N
+// multiples of 8; rows per rank any count the node's fused op takes):
+//   all_gather_matmul      a_shard [m, K] on each rank; out [world x m, N] = the ranks' shards in rank order
+//                          times B (the same B on every rank), and gathered_a [world x m, K] when not null.
+//                          NCCL's all-gather of the shards over every rank on a side stream, beside weft's
+//                          all_gather_matmul in the node (this node's rows of out); then weft's GEMM over the
+//                          other nodes' rows.
+//   matmul_reduce_scatter  a [world x m, K] and B on each rank; out [m, N] = rows [rank x m, +m) of the sum
+//   over
+//                          every rank of a . B. a's row blocks regrouped by their owner's index in its node,
+//                          weft's matmul_reduce_scatter in the node (the i-th rank gets the node's sums of
+//                          the i-th ranks' rows of every node), then NCCL's reduce-scatter among the i-th
+//                          ranks.
 //   broadcast       count elements from rank `root` (in read there only) into every rank's out: NCCL's
 //                   broadcast among the ranks with root's index in their node (from root's node), then
 //                   weft's broadcast in every node from that index. in == out is allowed.
@@ -27,7 +41,10 @@
 #include <cstddef>
 
 #include "weft/dtype.hpp"
+#include <cstdint>
+
 #include "weft/ops/collectives.hpp"
+#include "weft/ops/gemm.hpp"
 #include "weft/runtime/multi_node.hpp"
 
 namespace weft {
@@ -40,6 +57,12 @@ void hierarchical_reduce_scatter(MultiNodeTeam& team, const void* in, void* out,
                                  ReduceOp op = ReduceOp::kSum, cudaStream_t stream = nullptr);
 void hierarchical_all_to_all(MultiNodeTeam& team, const void* in, void* out, size_t count_per_rank,
                              DType dtype, cudaStream_t stream = nullptr);
+void hierarchical_all_gather_matmul(MultiNodeTeam& team, const void* a_shard, const void* b, void* out,
+                                    void* gathered_a, int64_t m, int64_t n, int64_t k, BLayout b_layout,
+                                    cudaStream_t stream = nullptr);
+void hierarchical_matmul_reduce_scatter(MultiNodeTeam& team, const void* a, const void* b, void* out,
+                                        int64_t m, int64_t n, int64_t k, BLayout b_layout,
+                                        cudaStream_t stream = nullptr);
 void hierarchical_broadcast(MultiNodeTeam& team, const void* in, void* out, size_t count, DType dtype,
                             int root, cudaStream_t stream = nullptr);
 

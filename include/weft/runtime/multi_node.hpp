@@ -55,6 +55,14 @@ class MultiNodeTeam {
   // outgrown one is kept until the team ends). One buffer for the team's calls: they run one at a time,
   // on one stream or ordered between streams, as the team's collectives do.
   void* scratch(size_t bytes, cudaStream_t stream);
+  // A second stream of this rank's GPU for a leg that overlaps the caller's stream (the NCCL leg beside
+  // weft's in-node kernels), with two events to fork and join it. Created on first use (outside a capture);
+  // the team's calls use it one at a time, as the scratch.
+  struct SideStream {
+    cudaStream_t stream = nullptr;
+    cudaEvent_t fork = nullptr, join = nullptr;
+  };
+  const SideStream& side_stream();
 
  private:
   MultiNodeTeam() = default;
@@ -66,6 +74,7 @@ class MultiNodeTeam {
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   std::vector<void*> retired_;  // outgrown scratch buffers, freed with the team
+  SideStream side_;
   // The watchdog: every 20 ms, NCCL's asynchronous errors of both communicators and the node team's abort
   // flag. On either, once: the NCCL communicators are aborted (their kernels return; a rank that died on
   // another node fails this one instead of leaving it waiting in NCCL) and the node team too (its device
