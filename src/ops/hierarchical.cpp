@@ -174,8 +174,13 @@ void hierarchical_all_gather_matmul(MultiNodeTeam& t, const void* a_shard, const
   });
   WEFT_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
   char* o = static_cast<char*>(out);
+  // In the node: the gather, then the GEMM (FusedOptions::Mode::kSequential). Not the fused kernel: beside
+  // NCCL's kernel on the side stream, a kernel as wide as the SM budget whose blocks wait for peers' blocks
+  // could wait for ones that NCCL's keep from being scheduled.
+  FusedOptions in_node;
+  in_node.mode = FusedOptions::Mode::kSequential;
   all_gather_matmul(t.node_team(), t.node_rank(), a_shard, b, o + first * n * 2, nullptr, node_rows, n, k,
-                    b_layout, stream);
+                    b_layout, stream, in_node);
   // The other nodes' rows, once their shards have landed: those before this node's, then those after.
   WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
   if (first > 0) gemm(ga, b, o, first, n, k, b_layout, DType::kBF16, stream);

@@ -24,8 +24,8 @@
 //   all_gather_matmul      a_shard [m, K] on each rank; out [world x m, N] = the ranks' shards in rank order
 //                          times B (the same B on every rank), and gathered_a [world x m, K] when not null.
 //                          NCCL's all-gather of the shards over every rank on a side stream, beside weft's
-//                          all_gather_matmul in the node (this node's rows of out); then weft's GEMM over the
-//                          other nodes' rows.
+//                          all_gather_matmul in the node (its sequential path: this node's rows of out); then
+//                          weft's GEMM over the other nodes' rows.
 //   matmul_reduce_scatter  a [world x m, K] and B on each rank; out [m, N] = rows [rank x m, +m) of the sum
 //   over
 //                          every rank of a . B. a's row blocks regrouped by their owner's index in its node,
