@@ -1,5 +1,6 @@
 #include "weft/ops/hierarchical.hpp"
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 
@@ -51,7 +52,7 @@ void hierarchical_all_reduce(MultiNodeTeam& t, const void* in, void* out, size_t
   stream = stream_of(t, stream);
   Communicator& node = t.node_team();
   const auto& n = nccl::api();
-  const int ns = t.node_size();
+  const size_t ns = t.node_size();
   if (count == 0) return;
   // The elements past the last whole shard (fewer than node_size): NCCL's all-reduce over every rank (they
   // are apart from the main part's, so in == out stays safe).
@@ -64,12 +65,44 @@ void hierarchical_all_reduce(MultiNodeTeam& t, const void* in, void* out, size_t
                                    red_op(op), all, stream);
               });
   if (shard == 0) return;
-  void* part = t.scratch(shard * es, stream);
-  reduce_scatter(node, t.node_rank(), in, part, Shape2D{shard, 1}, 0, dtype, op, stream);
-  nccl_call(t, "hierarchical_all_reduce: ncclAllReduce", [&](nccl::Comm across, nccl::Comm) {
-    return n.AllReduce(part, part, shard, nccl::data_type(dtype), red_op(op), across, stream);
-  });
-  all_gather(node, t.node_rank(), part, out, Shape2D{shard, 1}, 0, dtype, stream);
+  // Pieces of the main part (each a whole number of node_size x `per` elements), pipelined: the in-node
+  // reduce-scatters on the caller's stream, each piece's NCCL all-reduce on the side stream as soon as its
+  // shard is summed, the in-node all-gathers after. Piece p's NCCL leg runs beside piece p + 1's
+  // reduce-scatter and piece p - 1's all-gather. One piece below 8 MiB (the legs' fixed costs).
+  const size_t pieces = std::clamp<size_t>(main * es / (size_t(8) << 20), 1, MultiNodeTeam::kSidePieces);
+  const size_t per = (shard + pieces - 1) / pieces;  // each rank's elements of a piece
+  char* part = static_cast<char*>(t.scratch(shard * es, stream));
+  const auto piece = [&](size_t p, size_t& first, size_t& rows) {  // rank elements [first, first + rows)
+    first = p * per;
+    rows = first < shard ? std::min(per, shard - first) : 0;
+  };
+  const MultiNodeTeam::SideStream* side = pieces > 1 ? &t.side_stream() : nullptr;
+  for (size_t p = 0; p < pieces; ++p) {
+    size_t first = 0, rows = 0;
+    piece(p, first, rows);
+    if (rows == 0) continue;
+    const char* from = static_cast<const char*>(in) + first * ns * es;
+    reduce_scatter(node, t.node_rank(), from, part + first * es, Shape2D{rows, 1}, 0, dtype, op, stream);
+    cudaStream_t leg = stream;
+    if (side) {
+      WEFT_CUDA_CHECK(cudaEventRecord(side->fork[p], stream));
+      WEFT_CUDA_CHECK(cudaStreamWaitEvent(side->stream, side->fork[p], 0));
+      leg = side->stream;
+    }
+    nccl_call(t, "hierarchical_all_reduce: ncclAllReduce", [&](nccl::Comm across, nccl::Comm) {
+      return n.AllReduce(part + first * es, part + first * es, rows, nccl::data_type(dtype), red_op(op),
+                         across, leg);
+    });
+    if (side) WEFT_CUDA_CHECK(cudaEventRecord(side->join[p], side->stream));
+  }
+  for (size_t p = 0; p < pieces; ++p) {
+    size_t first = 0, rows = 0;
+    piece(p, first, rows);
+    if (rows == 0) continue;
+    if (side) WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, side->join[p], 0));
+    all_gather(node, t.node_rank(), part + first * es, static_cast<char*>(out) + first * ns * es,
+               Shape2D{rows, 1}, 0, dtype, stream);
+  }
 }
 
 void hierarchical_all_gather(MultiNodeTeam& t, const void* in, void* out, size_t count, DType dtype,
@@ -167,12 +200,12 @@ void hierarchical_all_gather_matmul(MultiNodeTeam& t, const void* a_shard, const
   // The NCCL leg on the side stream (after what the caller queued before: a_shard written), beside this
   // node's rows on the caller's stream.
   const MultiNodeTeam::SideStream& side = t.side_stream();
-  WEFT_CUDA_CHECK(cudaEventRecord(side.fork, stream));
-  WEFT_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
+  WEFT_CUDA_CHECK(cudaEventRecord(side.fork[0], stream));
+  WEFT_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork[0], 0));
   nccl_call(t, "hierarchical_all_gather_matmul: ncclAllGather", [&](nccl::Comm, nccl::Comm all) {
     return nccl::api().AllGather(a_shard, ga, size_t(m) * k, nccl::kBfloat16, all, side.stream);
   });
-  WEFT_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
+  WEFT_CUDA_CHECK(cudaEventRecord(side.join[0], side.stream));
   char* o = static_cast<char*>(out);
   // In the node: the gather, then the GEMM (FusedOptions::Mode::kSequential). Not the fused kernel: beside
   // NCCL's kernel on the side stream, a kernel as wide as the SM budget whose blocks wait for peers' blocks
@@ -182,7 +215,7 @@ void hierarchical_all_gather_matmul(MultiNodeTeam& t, const void* a_shard, const
   all_gather_matmul(t.node_team(), t.node_rank(), a_shard, b, o + first * n * 2, nullptr, node_rows, n, k,
                     b_layout, stream, in_node);
   // The other nodes' rows, once their shards have landed: those before this node's, then those after.
-  WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
+  WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join[0], 0));
   if (first > 0) gemm(ga, b, o, first, n, k, b_layout, DType::kBF16, stream);
   const int64_t after = int64_t(t.world()) * m - first - node_rows;
   if (after > 0)

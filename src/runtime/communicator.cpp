@@ -811,13 +811,18 @@ std::string Communicator::describe_offset(uint64_t offset) const {
   return "heap offset " + std::to_string(offset);
 }
 
-void Communicator::check_device_errors() const {
+void Communicator::check_device_errors(cudaStream_t probe) const {
   const CurrentDeviceGuard keep_device;
   for (size_t i = 0; i < ranks_.size(); ++i) {
     if (!ranks_[i]->view_.error) continue;
     DeviceError e{};
     WEFT_CUDA_CHECK(cudaSetDevice(ranks_[i]->device_));
-    WEFT_CUDA_CHECK(cudaMemcpy(&e, ranks_[i]->view_.error, sizeof(e), cudaMemcpyDeviceToHost));
+    if (probe) {
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(&e, ranks_[i]->view_.error, sizeof(e), cudaMemcpyDeviceToHost, probe));
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(probe));
+    } else {
+      WEFT_CUDA_CHECK(cudaMemcpy(&e, ranks_[i]->view_.error, sizeof(e), cudaMemcpyDeviceToHost));
+    }
     const auto code = static_cast<DeviceErrorCode>(e.code);
     if (code == DeviceErrorCode::kNone) continue;
     // flash_decode's refusal of device-side input (ops::DecodeBadInput), on this rank or copied from a peer.

@@ -98,8 +98,10 @@ MultiNodeTeam::~MultiNodeTeam() {
   for (void* p : retired_) cudaFree(p);
   if (scratch_) cudaFree(scratch_);
   if (side_.stream) {
-    cudaEventDestroy(side_.fork);
-    cudaEventDestroy(side_.join);
+    for (int p = 0; p < kSidePieces; ++p) {
+      cudaEventDestroy(side_.fork[p]);
+      cudaEventDestroy(side_.join[p]);
+    }
     cudaStreamDestroy(side_.stream);
   }
 }
@@ -122,12 +124,29 @@ void MultiNodeTeam::fail(const std::string& why) {
 
 void MultiNodeTeam::watch() {
   const std::pair<void*, const char*> comms[] = {{across_, "between nodes"}, {all_, "over every rank"}};
+  // The node team's device error records, read through a stream of the watchdog's own: a device wait that
+  // failed inside the node (a timeout, a peer's failure) fails the NCCL legs too, which would otherwise wait
+  // for this rank's part for ever.
+  cudaStream_t probe = nullptr;
+  if (cudaSetDevice(node_rank().device()) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&probe, cudaStreamNonBlocking) != cudaSuccess)
+    probe = nullptr;  // then only NCCL's errors and the node team's abort flag are watched
   while (!stop_) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     if (node_->aborted()) {
       fail("weft: rank " + std::to_string(rank_) + ": the node's team gave up (a rank of node " +
            std::to_string(node_index_) + " was lost or failed); the NCCL communicators were aborted");
-      return;
+      break;
+    }
+    if (probe) {
+      try {
+        node_->check_device_errors(probe);
+      } catch (const std::exception& e) {
+        fail("weft: rank " + std::to_string(rank_) + ": a device wait of node " +
+             std::to_string(node_index_) + "'s team failed (" + e.what() +
+             "); the NCCL communicators were aborted");
+        break;
+      }
     }
     for (auto [comm, what] : comms) {
       int status = nccl::kSuccess;
@@ -137,10 +156,12 @@ void MultiNodeTeam::watch() {
         fail("weft: rank " + std::to_string(rank_) + ": NCCL reported error " + std::to_string(status) +
              " (" + (text ? text : "?") + ") on its communicator " + what +
              " (a rank of another node died or its network failed); the team was aborted");
-        return;
+        stop_ = true;
+        break;
       }
     }
   }
+  if (probe) cudaStreamDestroy(probe);
 }
 
 void MultiNodeTeam::check_alive() const {
@@ -154,8 +175,10 @@ const MultiNodeTeam::SideStream& MultiNodeTeam::side_stream() {
     WEFT_CUDA_CHECK(cudaGetDevice(&caller_device));
     WEFT_CUDA_CHECK(cudaSetDevice(node_rank().device()));
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&side_.stream, cudaStreamNonBlocking));
-    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&side_.fork, cudaEventDisableTiming));
-    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&side_.join, cudaEventDisableTiming));
+    for (int p = 0; p < kSidePieces; ++p) {
+      WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&side_.fork[p], cudaEventDisableTiming));
+      WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&side_.join[p], cudaEventDisableTiming));
+    }
     WEFT_CUDA_CHECK(cudaSetDevice(caller_device));
   }
   return side_;

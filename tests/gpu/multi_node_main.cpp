@@ -7,9 +7,10 @@
 //
 // (NCCL forced onto sockets, so the legs between fake nodes take the network path.) The hierarchical
 // all-reduce (also in place), all-gather, reduce-scatter and all-to-all against the host's fp64 result over
-// every rank's inputs, bf16 and fp32, sum and max, sizes straddling the node size; outputs poisoned first,
-// inputs checked unchanged; each rank's node team is its node's ranks only. Pass: max, all-gather and
-// all-to-all exact, sums within 1e-6 (fp32) / 1e-2 (bf16) of the magnitudes summed; no NaN. The
+// every rank's inputs, bf16 and fp32, sum and max, sizes straddling the node size (and 8 Mi + 5 elements for
+// the all-reduce's pipelined pieces); outputs poisoned first, inputs checked unchanged; each rank's node team
+// is its node's ranks only. Pass: max, all-gather and all-to-all exact, sums within 1e-6 (fp32) / 1e-2
+// (bf16) of the magnitudes summed; no NaN. The
 // tensor-parallel GEMMs across nodes (all_gather_matmul with its gathered A, matmul_reduce_scatter; bf16, odd
 // rows per rank) against the host's fp64 products: relative error within 2e-2. Exit 0 pass, 1 fail, 77
 // skipped (no GPU, no NCCL, or not enough GPUs for one rank each).
@@ -235,7 +236,10 @@ int run(weft::MultiNodeTeam& t) {
       for (ReduceOp red : {ReduceOp::kSum, ReduceOp::kMax}) {
         const bool moves_only = op == Op::kAllGather || op == Op::kAllToAll;  // no reduction
         if (moves_only && red == ReduceOp::kMax) continue;
-        for (size_t count : {size_t(1), size_t(7), size_t(1000), size_t(65536 + 3), size_t(1) << 20}) {
+        // All-reduces from 16 MiB on run in pipelined pieces: one such size for them.
+        std::vector<size_t> counts = {1, 7, 1000, 65536 + 3, size_t(1) << 20};
+        if (op == Op::kAllReduce && red == ReduceOp::kSum) counts.push_back((size_t(1) << 23) + 5);
+        for (size_t count : counts) {
           const std::string what = std::string(names[int(op)]) + " " + weft::dtype_name(dtype) +
                                    (moves_only              ? ""
                                     : red == ReduceOp::kMax ? " max"

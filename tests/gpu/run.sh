@@ -28,6 +28,10 @@ mkdir -p "$logs"
 tests=$build/tests/gpu/weft-gpu-tests
 launch=$build/weft-launch
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# The one GPU of the one-GPU steps: the first of CUDA_VISIBLE_DEVICES (a lane of scripts/device_suite.sh),
+# else 0.
+one_gpu=${CUDA_VISIBLE_DEVICES:-0}
+one_gpu=${one_gpu%%,*}
 if [ "${ngpu:-0}" -lt 1 ]; then
   echo "SKIPPED: tests/gpu/run.sh found no GPU; the GPU suite did not run"
   exit 77
@@ -98,7 +102,7 @@ step "virtual ranks, W = 2, SM budget 4" "budget_4" "$tests" --gpus 1 --ranks 2 
   --filter all_reduce,all_gather,reduce_scatter,all_to_all,collective,matmul,fused,budget
 # The C++ examples (a team program, an LCSC op of one's own) on 3 virtual ranks of one GPU.
 step "examples (hello_team, matmul_to_next), 3 virtual ranks" "examples" env WEFT_RANKS_PER_GPU=3 \
-  CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=0 bash -c \
+  CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=$one_gpu bash -c \
   "'$build/examples/hello_team' && '$build/examples/matmul_to_next'"
 # The installed package as a user's project consumes it (README "Using it from CMake"): examples/consumer
 # builds hello_team with find_package(weft) against `cmake --install` (which installs every built program,
@@ -106,14 +110,15 @@ step "examples (hello_team, matmul_to_next), 3 virtual ranks" "examples" env WEF
 step "find_package(weft) consumer: hello_team, 2 virtual ranks" "consumer" bash -c \
   "cmake --build '$build' -j '$(nproc)' >/dev/null && \
    cmake -DWEFT_BUILD='$build' -DWEFT_SOURCE='$root' -P '$root/cmake/TestPackage.cmake' && \
-   WEFT_RANKS_PER_GPU=2 CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=0 '$build/package-test/consumer/hello_team'"
+   WEFT_RANKS_PER_GPU=2 CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=$one_gpu '$build/package-test/consumer/hello_team'"
 # One process per rank on a shared GPU is refused at creation with the reason and what to do instead.
 step "one process per rank on one GPU: refused" "shared_gpu" bash -c \
-  "! CUDA_VISIBLE_DEVICES=0 '$launch' -n 2 '$tests' --filter team_layout && \
+  "! CUDA_VISIBLE_DEVICES=$one_gpu '$launch' -n 2 '$tests' --filter team_layout && \
    grep -q 'one process per rank needs a GPU per rank' '$logs/shared_gpu.log'"
 # The Python package under torchrun, against torch.distributed (when torch and the module are there).
 if python3 -c "import torch" 2>/dev/null; then
-  cmake --build "$build" -j "$(nproc)" --target _weft >/dev/null 2>&1 || true
+  # (WEFT_SUITE_NO_BUILD=1: built already; lanes of scripts/device_suite.sh must not build side by side.)
+  [ "${WEFT_SUITE_NO_BUILD:-0}" = 1 ] || cmake --build "$build" -j "$(nproc)" --target _weft >/dev/null 2>&1 || true
   if ls "$build"/python/weft/_weft*.so >/dev/null 2>&1; then
     for n in 1 2 4; do
       [ "$n" -le "$ngpu" ] || continue
@@ -155,9 +160,9 @@ if python3 -c "import torch" 2>/dev/null; then
     # Torch operators on virtual teams of 2 and 4 ranks: autograd against plain torch, torch.compile,
     # CUDA graphs through torch.
     step "python: torch operators on virtual teams (W = 2, 4)" "python_team" env PYTHONPATH="$build/python" \
-      CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=0 python3 "$root/python/tests/gpu_team.py" 2 4
+      CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=$one_gpu python3 "$root/python/tests/gpu_team.py" 2 4
     step "python: examples/tp_mlp.py trains on virtual teams (W = 2, 4) as plain torch does" "python_tp_mlp" \
-      env PYTHONPATH="$build/python" CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=0 bash -c \
+      env PYTHONPATH="$build/python" CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=$one_gpu bash -c \
       "python3 '$root/examples/tp_mlp.py' --ranks 2 && python3 '$root/examples/tp_mlp.py' --ranks 4"
   else
     echo "=== python: the extension module was not built (pybind11 / Python headers missing); skipped"

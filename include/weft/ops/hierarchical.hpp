@@ -6,7 +6,9 @@
 //
 //   all_reduce      count elements: a reduce-scatter in the node, an NCCL all-reduce of this rank's
 //                   1 / node_size shard among the i-th ranks of the nodes, an all-gather in the node; the
-//                   last count % node_size elements by NCCL's all-reduce over every rank.
+//                   last count % node_size elements by NCCL's all-reduce over every rank. From 16 MiB on in
+//                   pieces of >= 8 MiB (at most 8), pipelined: each piece's NCCL leg on the team's side
+//                   stream beside the next piece's reduce-scatter and the previous one's all-gather.
 //   all_gather      in: count elements; out: world x count, rank r's at r x count. NCCL all-gather among the
 //                   i-th ranks (out of each node: this rank's count), then weft's all-gather in the node
 //                   along the inner dimension, which puts every block where its rank's place is.

@@ -216,8 +216,10 @@ class Communicator {
   void abort(const std::string& why);
   // Whether the team has given up (abort(), or a peer process lost: the rendezvous channel raised the flag).
   bool aborted() const;
-  // Throws weft::Error describing the first device wait failure of a local rank, if any.
-  void check_device_errors() const;
+  // Throws weft::Error describing the first device wait failure of a local rank, if any. `probe`: a
+  // non-blocking stream on the local ranks' one GPU to read the error records through (a thread that must not
+  // wait behind work queued on the legacy default stream, e.g. a watchdog); null: cudaMemcpy.
+  void check_device_errors(cudaStream_t probe = nullptr) const;
   // Describes a heap offset for error messages ("flag 3 of 'all_gather_matmul: chunk arrivals'", "barrier
   // slot 0 of 'block meetings', arrival of rank 1", ...).
   std::string describe_offset(uint64_t offset) const;

@@ -56,11 +56,12 @@ class MultiNodeTeam {
   // on one stream or ordered between streams, as the team's collectives do.
   void* scratch(size_t bytes, cudaStream_t stream);
   // A second stream of this rank's GPU for a leg that overlaps the caller's stream (the NCCL leg beside
-  // weft's in-node kernels), with two events to fork and join it. Created on first use (outside a capture);
-  // the team's calls use it one at a time, as the scratch.
+  // weft's in-node kernels), with events to fork and join it (one pair per piece of a pipelined call).
+  // Created on first use (outside a capture); the team's calls use it one at a time, as the scratch.
+  static constexpr int kSidePieces = 8;
   struct SideStream {
     cudaStream_t stream = nullptr;
-    cudaEvent_t fork = nullptr, join = nullptr;
+    cudaEvent_t fork[kSidePieces] = {}, join[kSidePieces] = {};
   };
   const SideStream& side_stream();
 
@@ -75,10 +76,10 @@ class MultiNodeTeam {
   size_t scratch_bytes_ = 0;
   std::vector<void*> retired_;  // outgrown scratch buffers, freed with the team
   SideStream side_;
-  // The watchdog: every 20 ms, NCCL's asynchronous errors of both communicators and the node team's abort
-  // flag. On either, once: the NCCL communicators are aborted (their kernels return; a rank that died on
-  // another node fails this one instead of leaving it waiting in NCCL) and the node team too (its device
-  // waits fail), with the reason.
+  // The watchdog: every 20 ms, NCCL's asynchronous errors of both communicators, the node team's abort flag
+  // and its device error records (a device wait that failed inside the node). On any, once: the NCCL
+  // communicators are aborted (their kernels return; a rank that died on another node fails this one instead
+  // of leaving it waiting in NCCL) and the node team too (its device waits fail), with the reason.
   void watch();
   void fail(const std::string& why);
   mutable std::mutex nccl_lock_;
