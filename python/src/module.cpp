@@ -888,6 +888,11 @@ void bind_multi_node(py::module_& m) {
     const auto env = weft::parse_launch_env(weft::process_env(), static_cast<long>(::getppid()));
     return env ? env->nodes : 0;
   });
+}
+
+// The collectives, tensor-parallel GEMMs and MoE across nodes (weft/ops/hierarchical.hpp) on a MultiNode.
+void bind_hierarchical(py::module_& m) {
+  using weft::MultiNodeTeam;
   const auto stream = [](uintptr_t s) { return s ? reinterpret_cast<cudaStream_t>(s) : cudaStreamLegacy; };
   const auto ptr = [](uintptr_t p) { return reinterpret_cast<void*>(p); };
   m.def("hierarchical_all_reduce", [=](MultiNodeTeam& t, uintptr_t in, uintptr_t out, uint64_t count,
@@ -925,6 +930,46 @@ void bind_multi_node(py::module_& m) {
           weft::hierarchical_matmul_reduce_scatter(t, ptr(a), ptr(b), ptr(out), rows, n, k, layout(b_layout),
                                                    stream(s));
         });
+  // The MoE across nodes: shape as moe_dispatch's (this rank's tokens; num_experts over the job). The
+  // dispatch returns (rows view, group_end view, row_of, experts, capacity, weights, node_out, partials): the
+  // in-node dispatch's views and what the combine takes back.
+  m.def("hierarchical_moe_workspace_bytes", [](MultiNodeTeam& t, py::tuple shape, const std::string& dtype) {
+    return weft::hierarchical_moe_workspace_bytes(t, moe_shape(shape), parse_dtype(dtype));
+  });
+  m.def("hierarchical_moe_dispatch", [=](MultiNodeTeam& t, const Comm& node, uintptr_t tokens,
+                                         uintptr_t experts, uintptr_t weights, py::tuple shape,
+                                         uintptr_t workspace, uint64_t workspace_bytes,
+                                         const std::string& dtype, uintptr_t s) {
+    const weft::MoeShape ms = moe_shape(shape);
+    weft::HierarchicalMoeDispatched d;
+    {
+      py::gil_scoped_release release;  // NCCL's enqueue may wait for the GPU to drain its queue
+      d = weft::hierarchical_moe_dispatch(t, ptr(tokens), reinterpret_cast<const int32_t*>(experts),
+                                          reinterpret_cast<const float*>(weights), ms, ptr(workspace),
+                                          workspace_bytes, parse_dtype(dtype), stream(s));
+    }
+    const int64_t per = d.node_shape.num_experts / t.node_size();
+    const auto address = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };
+    return py::make_tuple(view_of(node, const_cast<void*>(d.node.rows), {d.node.capacity, ms.hidden}, dtype),
+                          view_of(node, const_cast<int32_t*>(d.node.group_end), {per}, "int32"),
+                          address(d.node.row_of), address(d.node.experts), d.node.capacity,
+                          address(d.weights), address(d.node_out), address(d.partials));
+  });
+  m.def("hierarchical_moe_combine",
+        [=](MultiNodeTeam& t, uintptr_t expert_out, py::tuple handle, uintptr_t out, py::tuple shape,
+            const std::string& dtype, uintptr_t s) {
+          const weft::MoeShape ms = moe_shape(shape);
+          weft::HierarchicalMoeDispatched d;
+          d.node.row_of = reinterpret_cast<const int32_t*>(handle[0].cast<uintptr_t>());
+          d.node.experts = reinterpret_cast<const int32_t*>(handle[1].cast<uintptr_t>());
+          d.node.capacity = handle[2].cast<int64_t>();
+          d.weights = reinterpret_cast<const float*>(handle[3].cast<uintptr_t>());
+          d.node_out = ptr(handle[4].cast<uintptr_t>());
+          d.partials = ptr(handle[5].cast<uintptr_t>());
+          d.node_shape = weft::hierarchical_moe_node_shape(t, ms);
+          py::gil_scoped_release release;  // NCCL's enqueue may wait for the GPU to drain its queue
+          weft::hierarchical_moe_combine(t, ptr(expert_out), d, ptr(out), ms, parse_dtype(dtype), stream(s));
+        });
   m.def("hierarchical_broadcast", [=](MultiNodeTeam& t, uintptr_t in, uintptr_t out, uint64_t count,
                                       const std::string& dtype, int root, uintptr_t s) {
     py::gil_scoped_release release;  // NCCL's enqueue may wait for the GPU to drain its queue
@@ -946,4 +991,5 @@ PYBIND11_MODULE(_weft, m) {
   bind_moe(m);
   bind_tensor_parallel(m);
   bind_multi_node(m);
+  bind_hierarchical(m);
 }

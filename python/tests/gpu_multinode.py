@@ -7,7 +7,8 @@ of k ranks on one host; NCCL forced onto sockets so the legs between them take t
 
 ops (default): weft.init_multi_node()'s all_reduce / all_gather / reduce_scatter / broadcast / all_to_all against
 NCCL's over every rank (dist.init_process_group("nccl")), bf16 and fp32, odd sizes, in place, and its
-all_gather_matmul / matmul_reduce_scatter against torch's fp32 products; weft.init() refused with the way out.
+all_gather_matmul / matmul_reduce_scatter against torch's fp32 products, its MoE dispatch + combine against
+torch; weft.init() refused with the way out.
 backend: dist.init_process_group("weft") on the job: the same collectives through
 torch.distributed against an NCCL group of every rank, what it refuses, and DDP training with the same losses as on
 NCCL. One line per rank; non-zero exit on the first mismatch.
@@ -91,6 +92,22 @@ def ops_against_nccl(team, g):
         dist.all_reduce(want)
         check_close(f"matmul_reduce_scatter m {m}", team.matmul_reduce_scatter(a, b), want[rank * m:(rank + 1) * m])
         cases += 2
+    # MoE across nodes against torch: expert e scales its rows by (e + 1) / 8; each rank its own token count.
+    per, k = 4, 3
+    tokens, most = 50 + 7 * rank, 50 + 7 * (world - 1)
+    x = torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.randint(-1, per * world, (tokens, k), device="cuda", generator=g)  # -1: dropped
+    w = torch.rand(tokens, k, device="cuda", generator=g)
+    d = team.moe_dispatch(x, ids, w, per * world, max_tokens=most, align=8)
+    expert_out = team.moe_combine_input(d)
+    begin = 0
+    for e, end in enumerate(d.group_end.tolist()):
+        expert_out[begin:end] = d.rows[begin:end] * ((rank * per + e + 1) / 8)
+        begin = end
+    factor = torch.where(ids >= 0, (ids + 1).float() / 8, torch.zeros_like(w))
+    check_close("moe dispatch + combine across nodes", team.moe_combine(expert_out, d),
+                (w * factor).sum(1, keepdim=True) * x.float())
+    cases += 1
     team.synchronize()
     return cases
 

@@ -58,6 +58,16 @@ def _join_nodes(timeout_ms, store, rank):
     return team
 
 
+class MoeNodesDispatch:
+    """What MultiNodeTeam.moe_dispatch returns: `rows` [capacity, hidden] and `group_end` int32 [experts per rank]
+    (this rank's experts' rows, one padded group per local expert, as weft.moe_dispatch's), and what the
+    combine takes back (the workspace and inputs kept alive until then)."""
+
+    def __init__(self, rows, group_end, shape, dtype, handle, keep):
+        self.rows, self.group_end = rows, group_end
+        self._shape, self._dtype, self._handle, self._keep = shape, dtype, handle, keep
+
+
 class MultiNodeTeam:
     """This process's rank of a job spanning nodes. `node` is weft's team of this node's ranks (a Communicator:
     every weft op runs on it, inside the node); the collectives below span every rank of the job, weft's kernels
@@ -135,6 +145,66 @@ class MultiNodeTeam:
         m = x.shape[0] // self.world_size
         out, o = _output(c, s, a, x, (m, n), out)
         _weft.hierarchical_matmul_reduce_scatter(self._m, x.ptr, w.ptr, o.ptr, m, n, k, layout, s)
+        return out
+
+    def moe_dispatch(self, x, experts, weights, num_experts, max_tokens=None, align=128):
+        """Expert parallelism across nodes (experts split evenly over the job's ranks): this rank's tokens x
+        [tokens, hidden] (bf16 / fp16) with their top-k global expert ids experts [tokens, top_k] (-1: dropped) and
+        weights [tokens, top_k] go to every node's i-th rank, then weft's dispatch in the node. Returns a
+        MoeNodesDispatch: `rows` / `group_end` as weft.moe_dispatch's (this rank's experts' rows; the expert
+        GEMMs run on them into team.moe_combine_input(d)), then team.moe_combine(expert_out, d). max_tokens:
+        the most tokens any rank passes (default this rank's count). Eager; every rank calls it."""
+        torch = sys.modules.get("torch")
+        if torch is None or not all(isinstance(t, torch.Tensor) for t in (x, experts, weights)):
+            raise WeftValueError("weft: moe_dispatch takes torch tensors x, experts and weights")
+        if x.dim() != 2 or experts.dim() != 2 or tuple(weights.shape) != tuple(experts.shape) or \
+                experts.shape[0] != x.shape[0]:
+            raise WeftValueError(f"weft: moe_dispatch: x [tokens, hidden], experts and weights [tokens, top_k], got "
+                                 f"{tuple(x.shape)}, {tuple(experts.shape)}, {tuple(weights.shape)}")
+        for t in (x, experts, weights):
+            if not t.is_cuda or t.device.index != self.device:
+                raise WeftValueError(f"weft: moe_dispatch: tensors must be on this rank's cuda:{self.device}")
+        dtype = _dtype_name(x.dtype)
+        tokens, hidden = x.shape
+        shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts),
+                 experts.shape[1], int(align), int(torch.is_grad_enabled()))
+        x = x.contiguous()
+        ids = experts.to(torch.int32).contiguous()
+        w = weights.to(torch.float32).contiguous()
+        workspace = torch.empty(_weft.hierarchical_moe_workspace_bytes(self._m, shape, dtype), dtype=torch.uint8,
+                                device=x.device)
+        s = torch.cuda.current_stream(x.device).cuda_stream
+        rows, ends, *handle = _weft.hierarchical_moe_dispatch(self._m, self.node._c, x.data_ptr(), ids.data_ptr(),
+                                                              w.data_ptr(), shape, workspace.data_ptr(),
+                                                              workspace.numel(), dtype, s)
+        return MoeNodesDispatch(torch.from_dlpack(rows), torch.from_dlpack(ends), shape, dtype, handle,
+                                (workspace, x, ids, w))
+
+    def moe_combine_input(self, dispatched):
+        """The buffer team.moe_combine reads the experts' outputs from ([capacity, hidden] in dispatched.rows'
+        layout, in the node team's symmetric memory)."""
+        torch = sys.modules["torch"]
+        t = self.nodes * dispatched._shape[1]
+        s = dispatched._shape
+        node_shape = (t, t, s[2], s[3] // self.nodes, s[4], s[5], s[6])
+        return torch.from_dlpack(_weft.moe_combine_input(self.node._c, node_shape, dispatched._dtype))
+
+    def moe_combine(self, expert_out, dispatched):
+        """out [tokens, hidden]: each token's sum over its slots of weight x its expert's output (fp32, rounded
+        once per node, the nodes' parts summed in fp32). expert_out: team.moe_combine_input(dispatched), written
+        in dispatched.rows' layout. Eager; every rank calls it."""
+        torch = sys.modules["torch"]
+        if not isinstance(dispatched, MoeNodesDispatch):
+            raise WeftValueError("weft: moe_combine takes what this team's moe_dispatch returned")
+        if tuple(expert_out.shape) != tuple(dispatched.rows.shape) or expert_out.dtype != dispatched.rows.dtype:
+            raise WeftValueError(f"weft: moe_combine: expert_out must be {tuple(dispatched.rows.shape)} of "
+                                 f"{dispatched.rows.dtype} (team.moe_combine_input(dispatched)), got "
+                                 f"{tuple(expert_out.shape)} of {expert_out.dtype}")
+        tokens, hidden = dispatched._shape[0], dispatched._shape[2]
+        out = torch.empty(tokens, hidden, dtype=dispatched.rows.dtype, device=dispatched.rows.device)
+        s = torch.cuda.current_stream(out.device).cuda_stream
+        _weft.hierarchical_moe_combine(self._m, expert_out.data_ptr(), tuple(dispatched._handle), out.data_ptr(),
+                                       dispatched._shape, dispatched._dtype, s)
         return out
 
     def broadcast(self, x, root=0, out=None):

@@ -4,48 +4,16 @@
 #include <mutex>
 #include <string>
 
-#include "../runtime/nccl_api.hpp"
+#include "hierarchical_legs.hpp"
 #include "weft/ops/fused.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft {
 
-namespace {
-
-nccl::RedOp red_op(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-      return nccl::kSum;
-    case ReduceOp::kMax:
-      return nccl::kMax;
-    case ReduceOp::kMin:
-      return nccl::kMin;
-  }
-  throw_error("weft: no NCCL reduction for this op");
-}
-
-cudaStream_t stream_of(MultiNodeTeam& t, cudaStream_t s) {
-  return s ? s : t.node_rank().stream();
-}
-
-// Enqueues enqueue(across, all) (the team's NCCL communicators) unless the team has failed. The lock covers
-// taking the pointers, not the enqueue (which can block on the host until the GPU drains NCCL's queue, or
-// until an abort): the watchdog takes them away under it before it aborts them, as torch's does. A call
-// already past the check may still reach an aborting communicator, whose flag makes it return.
-template <class Enqueue>
-void nccl_call(MultiNodeTeam& t, const std::string& what, Enqueue&& enqueue) {
-  nccl::Comm across = nullptr, all = nullptr;
-  {
-    std::lock_guard<std::mutex> hold(t.nccl_lock());
-    across = static_cast<nccl::Comm>(t.nccl_across());
-    all = static_cast<nccl::Comm>(t.nccl_all());
-  }
-  t.check_alive();
-  WEFT_CHECK(across != nullptr && all != nullptr, what + ": the team was aborted");
-  nccl::check(enqueue(across, all), "weft: " + what);
-}
-
-}  // namespace
+using ops::exchange_across;
+using ops::nccl_call;
+using ops::red_op;
+using ops::stream_of;
 
 void hierarchical_all_reduce(MultiNodeTeam& t, const void* in, void* out, size_t count, DType dtype,
                              ReduceOp op, cudaStream_t stream) {
@@ -157,17 +125,7 @@ void hierarchical_all_to_all(MultiNodeTeam& t, const void* in, void* out, size_t
   char *landed = scratch, *grouped = scratch + nodes * row * es;
   // 1. Among the i-th ranks: row m of in (every block for node m) to node m; landed row m: node m's i-th
   //    rank's blocks for this node, by destination index.
-  const auto& n = nccl::api();
-  nccl_call(t, "hierarchical_all_to_all: ncclSend / ncclRecv", [&](nccl::Comm across, nccl::Comm) {
-    const int type = nccl::data_type(dtype);
-    int rc = n.GroupStart();
-    for (size_t m = 0; m < nodes && rc == 0; ++m) {
-      rc = n.Send(static_cast<const char*>(in) + m * row * es, row, type, int(m), across, stream);
-      if (rc == 0) rc = n.Recv(landed + m * row * es, row, type, int(m), across, stream);
-    }
-    const int end = n.GroupEnd();
-    return rc != 0 ? rc : end;
-  });
+  exchange_across(t, "hierarchical_all_to_all", in, row * es, row * es, landed, row * es, stream);
   // 2. Grouped by destination index (grouped row i': every node's blocks for this node's rank i'), then
   //    weft's all-to-all in the node: landed row i holds node rank i's blocks for this rank, from each node.
   transpose_blocks(landed, grouped, nodes, ns, count * es, stream);

@@ -16,8 +16,8 @@ using Comm = CommTag*;  // ncclComm_t
 struct UniqueId {
   char internal[128];
 };
-enum DataType : int { kFloat16 = 6, kFloat32 = 7, kBfloat16 = 9 };  // ncclDataType_t
-enum RedOp : int { kSum = 0, kMax = 2, kMin = 3 };                  // ncclRedOp_t
+enum DataType : int { kUint8 = 1, kFloat16 = 6, kFloat32 = 7, kBfloat16 = 9 };  // ncclDataType_t
+enum RedOp : int { kSum = 0, kMax = 2, kMin = 3 };                              // ncclRedOp_t
 enum Status : int { kSuccess = 0, kInProgress = 7 };  // ncclResult_t: the two that are not errors
 
 struct Api {

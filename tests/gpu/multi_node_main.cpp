@@ -12,8 +12,9 @@
 // is its node's ranks only. Pass: max, all-gather and all-to-all exact, sums within 1e-6 (fp32) / 1e-2
 // (bf16) of the magnitudes summed; no NaN. The
 // tensor-parallel GEMMs across nodes (all_gather_matmul with its gathered A, matmul_reduce_scatter; bf16, odd
-// rows per rank) against the host's fp64 products: relative error within 2e-2. Exit 0 pass, 1 fail, 77
-// skipped (no GPU, no NCCL, or not enough GPUs for one rank each).
+// rows per rank) against the host's fp64 products, and the MoE dispatch + combine across nodes (an expert
+// function applied on the host between them) against the host's weighted sums: relative error within 2e-2.
+// Exit 0 pass, 1 fail, 77 skipped (no GPU, no NCCL, or not enough GPUs for one rank each).
 //
 // WEFT_TEST_RANK_DEATH=1: instead of the tests, the last rank exits (status 0) after a first all-reduce while
 // the others go on calling all-reduces: every other rank, on its node or another, must report the loss within
@@ -227,6 +228,76 @@ std::string tp_case(weft::MultiNodeTeam& t, bool gather, int64_t m, int64_t n, i
   return err;
 }
 
+// The MoE across nodes: dispatch, an expert function on the host (expert e scales its rows by (e + 1) / 8),
+// combine; against the host's sum over each token's slots of weight x (e + 1) / 8 x the token (slots of
+// expert -1 dropped). Each rank its own token count.
+std::string moe_case(weft::MultiNodeTeam& t, uint64_t seed) {
+  using weft::MoeShape;
+  const int W = t.world(), r = t.rank();
+  MoeShape s;
+  s.max_tokens = 96;
+  s.tokens = (37 + 29 * r) % 97;
+  s.hidden = 64;
+  s.num_experts = 4 * W;
+  s.top_k = 3;
+  s.align = 8;
+  const size_t slots = size_t(s.tokens) * s.top_k;
+  const std::vector<float> x = held(r, size_t(s.tokens * s.hidden), seed, DType::kBF16);
+  std::vector<int32_t> experts(std::max<size_t>(slots, 1));
+  std::vector<float> weights(std::max<size_t>(slots, 1));
+  std::mt19937_64 g(seed * 7919 + r);
+  for (size_t i = 0; i < slots; ++i) {
+    experts[i] = int32_t(g() % (s.num_experts + 1)) - 1;  // -1: a dropped slot
+    weights[i] = float(g() % 1000) / 1000.f;
+  }
+  Device tok(size_t(s.tokens) * s.hidden * 2 + 16), ex(experts.size() * 4), wt(weights.size() * 4),
+      out(size_t(s.tokens) * s.hidden * 2 + 16);
+  upload(tok.p, x, DType::kBF16);
+  WEFT_CUDA_CHECK(cudaMemcpy(ex.p, experts.data(), experts.size() * 4, cudaMemcpyHostToDevice));
+  WEFT_CUDA_CHECK(cudaMemcpy(wt.p, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
+  WEFT_CUDA_CHECK(cudaMemset(out.p, 0xff, size_t(s.tokens) * s.hidden * 2 + 16));
+  const size_t ws_bytes = weft::hierarchical_moe_workspace_bytes(t, s, DType::kBF16);
+  Device ws(ws_bytes);
+  cudaStream_t st = t.node_rank().stream();
+  WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+  const weft::HierarchicalMoeDispatched d =
+      weft::hierarchical_moe_dispatch(t, tok.p, static_cast<const int32_t*>(ex.p),
+                                      static_cast<const float*>(wt.p), s, ws.p, ws_bytes, DType::kBF16, st);
+  // The experts on the host: this rank's groups (node m's rank i holds experts (m node_size + i) x per of
+  // the job's).
+  const weft::MoeCounts c = weft::moe_counts(t.node_rank(), d.node, d.node_shape, st);
+  const int per = s.num_experts / W;
+  std::vector<float> rows = download(d.node.rows, size_t(c.rows * s.hidden), DType::kBF16);
+  int64_t begin = 0;
+  for (int e = 0; e < per; ++e) {
+    const double f = (r * per + e + 1) / 8.0;
+    for (int64_t i = begin; i < begin + c.expert_rows[e]; ++i)
+      for (int64_t h = 0; h < s.hidden; ++h) rows[size_t(i * s.hidden + h)] *= float(f);
+    begin = c.group_end[e];
+  }
+  void* expert_out = weft::moe_combine_input(t.node_team(), t.node_rank(), d.node_shape, DType::kBF16);
+  upload(expert_out, rows, DType::kBF16);
+  weft::hierarchical_moe_combine(t, expert_out, d, out.p, s, DType::kBF16, st);
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
+  t.node_team().synchronize();
+  t.check_alive();
+  std::vector<double> want(size_t(s.tokens * s.hidden), 0.0);
+  for (int64_t tk = 0; tk < s.tokens; ++tk)
+    for (int j = 0; j < s.top_k; ++j) {
+      const int e = experts[size_t(tk * s.top_k + j)];
+      if (e < 0) continue;
+      // The expert's output was rounded to bf16 before the combine: so is the reference's term.
+      for (int64_t h = 0; h < s.hidden; ++h) {
+        const float y =
+            __bfloat162float(__float2bfloat16(x[size_t(tk * s.hidden + h)] * float((e + 1) / 8.0)));
+        want[size_t(tk * s.hidden + h)] += double(weights[size_t(tk * s.top_k + j)]) * y;
+      }
+    }
+  return s.tokens == 0
+             ? std::string()
+             : relative_error(download(out.p, size_t(s.tokens * s.hidden), DType::kBF16), want, 2e-2);
+}
+
 int run(weft::MultiNodeTeam& t) {
   const char* names[] = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"};
   int passed = 0, failed = 0;
@@ -267,6 +338,16 @@ int run(weft::MultiNodeTeam& t) {
         std::printf("[rank %d] FAILED %s: %s\n", t.rank(), what.c_str(), err.c_str());
       }
     }
+  for (int rep = 0; rep < 2; ++rep) {  // twice: the in-node areas reused
+    const std::string err = moe_case(t, seed++);
+    if (err.empty()) {
+      ++passed;
+    } else {
+      ++failed;
+      std::printf("[rank %d] FAILED moe dispatch + combine across nodes (call %d): %s\n", t.rank(), rep,
+                  err.c_str());
+    }
+  }
   std::printf("[rank %d] summary: %d passed, %d failed (%d nodes of %d ranks)\n", t.rank(), passed, failed,
               t.nodes(), t.node_size());
   return failed == 0 ? 0 : 1;

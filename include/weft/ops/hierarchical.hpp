@@ -47,6 +47,7 @@
 
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/moe.hpp"
 #include "weft/runtime/multi_node.hpp"
 
 namespace weft {
@@ -65,6 +66,42 @@ void hierarchical_all_gather_matmul(MultiNodeTeam& team, const void* a_shard, co
 void hierarchical_matmul_reduce_scatter(MultiNodeTeam& team, const void* a, const void* b, void* out,
                                         int64_t m, int64_t n, int64_t k, BLayout b_layout,
                                         cudaStream_t stream = nullptr);
+// Expert-parallel MoE across nodes (weft/ops/moe.hpp's dispatch and combine inside each node, NCCL between
+// nodes). shape: as moe_dispatch's over the job (num_experts a multiple of the world size, node g holding
+// experts [g E / nodes, (g + 1) E / nodes), its ranks E / world each; tokens, max_tokens, top_k, hidden,
+// align, zero_padding this rank's and the in-node dispatch's). tokens [tokens, hidden], experts [tokens,
+// top_k] int32 (< 0: a dropped slot), weights [tokens, top_k] fp32; bf16 or fp16.
+//   dispatch  every rank sends its max_tokens rows to the i-th rank of every node (the same rows to each:
+//             with top_k of several experts a token mostly meets every node), each slot's expert there (or
+//             -1) and its weight; then weft's moe_dispatch in the node over the nodes x max_tokens rows
+//             received. The handle's `node` is that dispatch's: the expert GEMMs run on node.rows /
+//             node.group_end as after moe_dispatch, into moe_combine_input(node_team, node_rank,
+//             node_shape, dtype).
+//   combine   weft's moe_combine in the node (each received token's sum over this node's experts), the sums
+//             sent back to the ranks that sent the tokens, and there summed over the nodes (fp32) into
+//             out [tokens, hidden].
+// The workspace (device memory, hierarchical_moe_workspace_bytes(), 256-byte aligned) holds the legs'
+// buffers and the in-node dispatch's; it lives from dispatch to combine. Not captured in CUDA graphs before a
+// first call (the in-node ops grow their workspace areas). The legs are not pipelined with the in-node work.
+struct HierarchicalMoeDispatched {
+  MoeDispatched node;              // the in-node dispatch's handle
+  MoeShape node_shape;             // its shape: E / nodes experts, nodes x max_tokens tokens
+  const float* weights = nullptr;  // each received slot's weight [nodes x max_tokens, top_k] (combine's)
+  void* node_out = nullptr;        // combine's in-node sums [nodes x max_tokens, hidden]
+  void* partials = nullptr;        // the sums sent back [nodes, max_tokens, hidden]
+};
+size_t hierarchical_moe_workspace_bytes(const MultiNodeTeam& team, const MoeShape& shape, DType dtype);
+// The in-node dispatch's shape (HierarchicalMoeDispatched::node_shape) for a call of `shape`.
+MoeShape hierarchical_moe_node_shape(const MultiNodeTeam& team, const MoeShape& shape);
+HierarchicalMoeDispatched hierarchical_moe_dispatch(MultiNodeTeam& team, const void* tokens,
+                                                    const int32_t* experts, const float* weights,
+                                                    const MoeShape& shape, void* workspace,
+                                                    size_t workspace_bytes, DType dtype,
+                                                    cudaStream_t stream = nullptr);
+void hierarchical_moe_combine(MultiNodeTeam& team, const void* expert_out,
+                              const HierarchicalMoeDispatched& dispatched, void* out, const MoeShape& shape,
+                              DType dtype, cudaStream_t stream = nullptr);
+
 void hierarchical_broadcast(MultiNodeTeam& team, const void* in, void* out, size_t count, DType dtype,
                             int root, cudaStream_t stream = nullptr);
 
