@@ -301,6 +301,14 @@ std::string moe_case(weft::MultiNodeTeam& t, uint64_t seed) {
 int run(weft::MultiNodeTeam& t) {
   const char* names[] = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"};
   int passed = 0, failed = 0;
+  const auto tally = [&](const std::string& what, const std::string& err) {
+    if (err.empty()) {
+      ++passed;
+      return;
+    }
+    ++failed;
+    std::printf("[rank %d] FAILED %s: %s\n", t.rank(), what.c_str(), err.c_str());
+  };
   uint64_t seed = 1;
   for (Op op : {Op::kAllReduce, Op::kAllGather, Op::kReduceScatter, Op::kAllToAll})
     for (DType dtype : {DType::kFP32, DType::kBF16})
@@ -316,13 +324,7 @@ int run(weft::MultiNodeTeam& t) {
                                     : red == ReduceOp::kMax ? " max"
                                                             : " sum") +
                                    " count " + std::to_string(count);
-          const std::string err = run_case(t, op, count, dtype, red, seed++);
-          if (err.empty()) {
-            ++passed;
-          } else {
-            ++failed;
-            std::printf("[rank %d] FAILED %s: %s\n", t.rank(), what.c_str(), err.c_str());
-          }
+          tally(what, run_case(t, op, count, dtype, red, seed++));
         }
       }
   for (bool gather : {true, false})
@@ -330,24 +332,10 @@ int run(weft::MultiNodeTeam& t) {
       const int64_t n = 264, k = 256;
       const std::string what = std::string(gather ? "all_gather_matmul" : "matmul_reduce_scatter") + " m " +
                                std::to_string(m) + " n " + std::to_string(n) + " k " + std::to_string(k);
-      const std::string err = tp_case(t, gather, m, n, k, seed++);
-      if (err.empty()) {
-        ++passed;
-      } else {
-        ++failed;
-        std::printf("[rank %d] FAILED %s: %s\n", t.rank(), what.c_str(), err.c_str());
-      }
+      tally(what, tp_case(t, gather, m, n, k, seed++));
     }
-  for (int rep = 0; rep < 2; ++rep) {  // twice: the in-node areas reused
-    const std::string err = moe_case(t, seed++);
-    if (err.empty()) {
-      ++passed;
-    } else {
-      ++failed;
-      std::printf("[rank %d] FAILED moe dispatch + combine across nodes (call %d): %s\n", t.rank(), rep,
-                  err.c_str());
-    }
-  }
+  for (int rep = 0; rep < 2; ++rep)  // twice: the in-node areas reused
+    tally("moe dispatch + combine across nodes (call " + std::to_string(rep) + ")", moe_case(t, seed++));
   std::printf("[rank %d] summary: %d passed, %d failed (%d nodes of %d ranks)\n", t.rank(), passed, failed,
               t.nodes(), t.node_size());
   return failed == 0 ? 0 : 1;
