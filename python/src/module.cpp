@@ -837,6 +837,18 @@ void bind_fp8(py::module_& m) {
       py::arg("device"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("m"), py::arg("n"), py::arg("k"),
       py::arg("ab_type"), py::arg("scaling"), py::arg("scale_a"), py::arg("scale_b"), py::arg("c_dtype"),
       py::arg("stream"));
+  // grouped_gemm_fp8 (weft/ops/gemm.hpp): a [rows, K], b [groups, N, K] FP8, block scales, c [rows, N].
+  m.def("grouped_gemm_fp8", [](int device, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t group_end,
+                               int groups, int64_t rows, int64_t n, int64_t k, const std::string& ab_type,
+                               uintptr_t scale_a, uintptr_t scale_b, const std::string& c_dtype,
+                               uintptr_t stream) {
+    OnDevice on(device);
+    weft::grouped_gemm_fp8(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
+                           reinterpret_cast<void*>(c), reinterpret_cast<const int32_t*>(group_end), groups,
+                           rows, n, k, parse_fp8(ab_type), reinterpret_cast<const float*>(scale_a),
+                           reinterpret_cast<const float*>(scale_b), parse_dtype(c_dtype),
+                           reinterpret_cast<cudaStream_t>(stream));
+  });
   m.def(
       "quantize_fp8",
       [](int device, uintptr_t in, const std::string& in_dtype, uintptr_t out, const std::string& out_type,

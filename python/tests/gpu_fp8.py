@@ -1,4 +1,4 @@
-"""GPU test of weft.scaled_mm and weft.quantize_fp8, one GPU:
+"""GPU test of weft.scaled_mm, weft.grouped_scaled_mm and weft.quantize_fp8, one GPU:
 
     PYTHONPATH=build/python python3 python/tests/gpu_fp8.py
 
@@ -97,6 +97,26 @@ def main():
         if not same:
             failures.append(f"scaled_mm under {name}")
 
+    # grouped_scaled_mm (an MoE's experts on FP8 rows) against scaled_mm on each group's rows: the same bits.
+    # Groups of 128, 0 and 256 rows in a capacity of 512; the rows past the last end are left unwritten.
+    ends = [128, 128, 384]
+    x = torch.randn(512, 400, device="cuda", generator=g).to(torch.bfloat16)
+    ws = (torch.randn(3, 256, 400, device="cuda", generator=g) / 20).to(torch.bfloat16)
+    qx, sx = weft.quantize_fp8(x, "block", "a")
+    qw, sw = weft.quantize_fp8(ws.reshape(3 * 256, 400), "block", "b")
+    qw, sw = qw.reshape(3, 256, 400), sw.reshape(3, 2, -1)
+    group_end = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    for out_dtype in (torch.bfloat16, torch.float32):
+        got = weft.grouped_scaled_mm(qx, qw, group_end, sx, sw, out_dtype=out_dtype)
+        same = True
+        for e, (begin, end) in enumerate(zip([0] + ends[:-1], ends)):
+            if end > begin:
+                want = weft.scaled_mm(qx[begin:end], qw[e].t(), sx[begin:end], sw[e], out_dtype=out_dtype)
+                same &= torch.equal(got[begin:end], want)
+        print(f"  {'ok  ' if same else 'FAIL'} grouped_scaled_mm -> {out_dtype}: scaled_mm's bits on every group")
+        if not same:
+            failures.append(f"grouped_scaled_mm {out_dtype}")
+
     # Refusals.
     qa = torch.zeros(64, 64, device="cuda", dtype=E4M3)
     s1 = torch.ones(1, device="cuda")
@@ -109,6 +129,7 @@ def main():
         (weft.WeftTypeError, lambda: weft.quantize_fp8(torch.zeros(4, 4, device="cuda"))),
         (weft.WeftValueError, lambda: weft.quantize_fp8(torch.zeros(4, 4, device="cuda", dtype=torch.bfloat16),
                                                         "columns")),
+        (weft.WeftValueError, lambda: weft.grouped_scaled_mm(qx[:500], qw, group_end, sx[:500], sw)),  # rows 500
     ]
     for i, (kind, f) in enumerate(cases):
         try:

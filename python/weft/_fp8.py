@@ -10,8 +10,8 @@ import weft as _w
 from ._args import _comm, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
 
-__all__ = ["scaled_mm", "quantize_fp8", "all_gather_scaled_matmul", "scaled_matmul_reduce_scatter",
-           "scaled_matmul_all_reduce"]
+__all__ = ["scaled_mm", "grouped_scaled_mm", "quantize_fp8", "all_gather_scaled_matmul",
+           "scaled_matmul_reduce_scatter", "scaled_matmul_all_reduce"]
 
 _BLOCK = 128
 
@@ -85,6 +85,50 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
         raise WeftValueError(f"{where}: N = {n} must be a multiple of 8 (bf16 out) or 4 (float32 out)")
     kind = _scaling(torch, scale_a, scale_b, m, n, k, where)
     return _w._ops.scaled_mm(a, b, scale_a, scale_b, ab, kind, out_dtype == torch.bfloat16)
+
+
+def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None):
+    """An MoE layer's experts on FP8 rows (DeepSeek-V3's recipe): out [rows, N], whose rows of group e are a's
+    rows of group e times b[e]^T, with block scales.
+
+    a [rows, K] FP8 (float8_e4m3fn / e5m2), contiguous, its rows in groups back to back: group e is rows
+    [group_end[e - 1], group_end[e]) (group_end int32 on the GPU, ascending, every end a multiple of 128, e.g.
+    weft.moe_dispatch's with align=128); rows a multiple of 128 (rows past the last end are left unwritten).
+    b [groups, N, K] of the same FP8 type, contiguous (each expert's K-major weight). scale_a [rows,
+    ceil(K/128)] and scale_b [groups, ceil(N/128), ceil(K/128)] float32 (weft.quantize_fp8's block scales of a,
+    and of each b[e] stacked). K a multiple of 16. out_dtype torch.bfloat16 (default) or torch.float32.
+    """
+    where = "weft.grouped_scaled_mm"
+    if not all(_torch_tensor(x) for x in (a, b, group_end, scale_a, scale_b)):
+        raise WeftTypeError(f"{where}: a, b, group_end, scale_a and scale_b must be torch tensors")
+    torch = _w._ops.torch
+    for name, x in (("a", a), ("b", b), ("group_end", group_end), ("scale_a", scale_a), ("scale_b", scale_b)):
+        if not x.is_cuda or x.device != a.device or not x.is_contiguous():
+            raise WeftValueError(f"{where}: {name} must be a contiguous CUDA tensor on a's device")
+    ab = _fp8_name(torch, a.dtype, where)
+    if b.dtype != a.dtype:
+        raise WeftTypeError(f"{where}: a and b must have one FP8 type, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2]:
+        raise WeftValueError(f"{where}: a must be [rows, K] and b [groups, N, K], got {tuple(a.shape)} and "
+                             f"{tuple(b.shape)}")
+    rows, k = a.shape
+    groups, n = b.shape[0], b.shape[1]
+    if group_end.dtype != torch.int32 or tuple(group_end.shape) != (groups,):
+        raise WeftValueError(f"{where}: group_end must be int32 [{groups}], got {group_end.dtype} "
+                             f"{tuple(group_end.shape)}")
+    if rows % 128 or k % 16:
+        raise WeftValueError(f"{where}: rows ({rows}) must be a multiple of 128 and K ({k}) of 16")
+    blocks = -(-k // _BLOCK)
+    if scale_a.dtype != torch.float32 or tuple(scale_a.shape) != (rows, blocks) or \
+            scale_b.dtype != torch.float32 or tuple(scale_b.shape) != (groups, -(-n // _BLOCK), blocks):
+        raise WeftValueError(f"{where}: scale_a must be float32 [{rows}, {blocks}] and scale_b float32 [{groups}, "
+                             f"{-(-n // _BLOCK)}, {blocks}], got {tuple(scale_a.shape)} and {tuple(scale_b.shape)}")
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise WeftTypeError(f"{where}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if n % (8 if out_dtype == torch.bfloat16 else 4):
+        raise WeftValueError(f"{where}: N = {n} must be a multiple of 8 (bf16 out) or 4 (float32 out)")
+    return _w._ops.grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_dtype == torch.bfloat16)
 
 
 def quantize_fp8(x, scaling="block", operand="a", dtype=None):

@@ -899,6 +899,29 @@ def scaled_mm(a, b, scale_a, scale_b, ab, kind, out_bf16):
     return _scaled_mm(a, b, scale_a, scale_b, ab, kind, out_bf16)
 
 
+@torch.library.custom_op("weft::grouped_scaled_mm", mutates_args=())
+def _grouped_scaled_mm(a: Tensor, b: Tensor, group_end: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str,
+                       out_bf16: bool) -> Tensor:
+    rows, k = a.shape
+    groups, n = b.shape[0], b.shape[1]
+    out = a.new_empty((rows, n), dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    if EMULATE:
+        return out.zero_()
+    _weft.grouped_gemm_fp8(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), group_end.data_ptr(), groups,
+                           rows, n, k, ab, scale_a.data_ptr(), scale_b.data_ptr(), "bf16" if out_bf16 else "fp32",
+                           _stream(a))
+    return out
+
+
+@_grouped_scaled_mm.register_fake
+def _(a, b, group_end, scale_a, scale_b, ab, out_bf16):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16 if out_bf16 else torch.float32)
+
+
+def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_bf16):
+    return _grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_bf16)
+
+
 @torch.library.custom_op("weft::all_gather_scaled_matmul", mutates_args=())
 def _all_gather_scaled_matmul(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str, kind: str, world: int,
                               comm: int) -> Tensor:

@@ -23,6 +23,8 @@ struct Fp8Problem {
   DType c_type;
   GemmOptions opt;
   int64_t lda = 0, ldb = 0, ldc = 0;
+  const int32_t* group_end = nullptr;  // grouped: A's groups' ends; B stacked [groups, N, K]
+  int groups = 0;
 };
 
 const char* scaling_name(Fp8Scaling s) {
@@ -44,8 +46,9 @@ Plan run_op(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
   s.compute_blocks = std::min(blocks, s.units());
 
   Plan plan;
-  plan.op = "gemm_fp8";
-  plan.path = std::string("persistent FP8 GEMM, ") + scaling_name(pr.scales.kind) + " scales";
+  plan.op = Op::kGrouped ? "grouped_gemm_fp8" : "gemm_fp8";
+  plan.path = std::string(Op::kGrouped ? "persistent grouped FP8 GEMM, " : "persistent FP8 GEMM, ") +
+              scaling_name(pr.scales.kind) + " scales";
   plan.tiles = {Op::kBM, Op::kBN, Op::kBK, Op::kStages, s.group_m, int64_t(s.tiles_m) * s.tiles_n};
   plan.cluster = 1;
   plan.blocks = s.compute_blocks;
@@ -59,9 +62,9 @@ Plan run_op(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
   p.a = tma::make_map_2d(
       {pr.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(pr.m), uint64_t(pr.k), uint64_t(pr.lda)},
       Mainloop::kABoxRows, Mainloop::kABoxCols, "weft::gemm_fp8: A");
-  p.b = tma::make_map_2d(
-      {pr.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(pr.n), uint64_t(pr.k), uint64_t(pr.ldb)},
-      Mainloop::kBBoxRows, Mainloop::kBBoxCols, "weft::gemm_fp8: B");
+  const uint64_t b_rows = uint64_t(pr.n) * std::max(1, pr.groups);  // grouped: every expert's rows
+  p.b = tma::make_map_2d({pr.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, b_rows, uint64_t(pr.k), uint64_t(pr.ldb)},
+                         Mainloop::kBBoxRows, Mainloop::kBBoxCols, "weft::gemm_fp8: B");
   p.c = tma::make_map_2d({pr.c, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                           c_bytes, uint64_t(pr.m), uint64_t(pr.n), uint64_t(pr.ldc) * c_bytes},
                          Epilogue::kBoxRows, Epilogue::kBoxCols, "weft::gemm_fp8: C");
@@ -72,12 +75,18 @@ Plan run_op(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
   p.scale_b = pr.scales.b;
   p.store_mode =
       pr.opt.store == GemmStore::kReduceAdd ? lcsc::StoreMode::kReduceAdd : lcsc::StoreMode::kStore;
+  if constexpr (Op::kGrouped) {
+    p.group_end = pr.group_end;
+    p.groups = pr.groups;
+    p.n_blocks = static_cast<int>((pr.n + Op::kBN - 1) / Op::kBN);
+  }
   Launcher::launch(p, s.compute_blocks, stream);
   return plan;
 }
 
 template <class OutT, bool kE5M2>
 Plan run_typed(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
+  if (pr.groups > 0) return run_op<ops::GroupedFp8GemmOp<OutT, kE5M2>>(pr, stream, launch);
   switch (pr.scales.kind) {
     case Fp8Scaling::kTensor:
       return run_op<ops::Fp8GemmOp<OutT, Fp8Scaling::kTensor, kE5M2>>(pr, stream, launch);
@@ -131,10 +140,30 @@ void check_pointers(const Fp8Problem& pr, const std::string& where) {
   ops::check_pointer_alignment(pr.scales.b, "scales.b", 4, where);
 }
 
+// The grouped GEMM's own rules: block scales, whole tiles of rows, dense B, C stored.
+void check_grouped(const Fp8Problem& pr, bool launch, const std::string& where) {
+  WEFT_CHECK(pr.groups >= 1, where + "groups must be at least 1");
+  WEFT_CHECK(pr.scales.kind == Fp8Scaling::kBlock,
+             where +
+                 "the grouped FP8 GEMM takes block scales (Fp8Scaling::kBlock: A [rows, K / 128], B [groups, "
+                 "N / 128, K / 128])");
+  WEFT_CHECK(pr.m % 128 == 0, where + "rows (the capacity) must be a multiple of 128, the tile's rows");
+  WEFT_CHECK(pr.opt.lda == 0 && pr.opt.ldb == 0 && pr.opt.ldc == 0, where + "strides must be dense (0)");
+  WEFT_CHECK(pr.opt.store == GemmStore::kStore, where + "C is stored (no reduce-add)");
+  WEFT_CHECK(int64_t(pr.groups) * pr.n <= INT32_MAX, where + "B's rows (groups x N) past 2^31 - 1");
+  if (launch) {
+    WEFT_CHECK(pr.group_end != nullptr, where + "group_end must not be null");
+    ops::check_pointer_alignment(pr.group_end, "group_end", 4, where);
+  }
+}
+
 Plan plan_or_launch(Fp8Problem pr, cudaStream_t stream, bool launch) {
-  const std::string where = "weft::gemm_fp8(M=" + std::to_string(pr.m) + ", N=" + std::to_string(pr.n) +
-                            ", K=" + std::to_string(pr.k) + "): ";
+  const std::string where = (pr.groups ? "weft::grouped_gemm_fp8(rows=" : "weft::gemm_fp8(M=") +
+                            std::to_string(pr.m) + ", N=" + std::to_string(pr.n) +
+                            ", K=" + std::to_string(pr.k) +
+                            (pr.groups ? ", groups=" + std::to_string(pr.groups) : "") + "): ";
   check_problem(pr, where);
+  if (pr.groups || pr.group_end) check_grouped(pr, launch, where);
   if (launch) check_pointers(pr, where);
   const ops::DeviceFacts dev = ops::device_facts();
   WEFT_CHECK(dev.cc == 90, "weft::gemm_fp8 runs on Hopper (sm_90) GPUs (wgmma, built for sm_90a); device " +
@@ -157,6 +186,24 @@ Plan gemm_fp8_plan(int64_t m, int64_t n, int64_t k, Fp8Type ab_type, const Fp8Sc
                    const GemmOptions& options) {
   return plan_or_launch(Fp8Problem{nullptr, nullptr, nullptr, m, n, k, ab_type, scales, c_type, options},
                         nullptr, false);
+}
+
+void grouped_gemm_fp8(const void* a, const void* b, void* c, const int32_t* group_end, int groups,
+                      int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, const float* scale_a,
+                      const float* scale_b, DType c_type, cudaStream_t stream, const GemmOptions& options) {
+  Fp8Problem pr{a,      b,      c, rows, n, k, ab_type, Fp8Scales{Fp8Scaling::kBlock, scale_a, scale_b},
+                c_type, options};
+  pr.group_end = group_end;
+  pr.groups = groups;
+  plan_or_launch(pr, stream, true);
+}
+
+Plan grouped_gemm_fp8_plan(int groups, int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, DType c_type,
+                           const GemmOptions& options) {
+  Fp8Problem pr{nullptr, nullptr, nullptr, rows, n, k, ab_type, Fp8Scales{Fp8Scaling::kBlock},
+                c_type,  options};
+  pr.groups = groups;
+  return plan_or_launch(pr, nullptr, false);
 }
 
 }  // namespace weft

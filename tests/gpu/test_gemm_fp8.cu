@@ -4,7 +4,7 @@
 // poisoned with NaN first; partial tiles in M, N and K, a long K (16k: the promotion keeps it accurate),
 // bf16 and f32 outputs, reduce-add, leading dimensions; and the errors for what it refuses.
 // weft::quantize_fp8 is checked against host amaxes and rounding, and end to end (quantize, gemm_fp8) against
-// a bf16 GEMM.
+// a bf16 GEMM; weft::grouped_gemm_fp8 bit for bit against gemm_fp8 on each group's rows.
 // Pass: relative Frobenius error <= 1e-2 (bf16 out) or 2e-3 (f32 out), no non-finite value, nothing written
 // past column N.
 #include <cublas_v2.h>
@@ -407,4 +407,62 @@ WEFT_GPU_TEST_ONE_GPU(quantize_fp8_then_gemm_fp8_matches_bf16) {
     WEFT_EXPECT(nonfinite == 0, str(kind) << ": " << nonfinite << " outputs not finite");
     WEFT_EXPECT(rel <= 0.08, str(kind) << ": relative Frobenius error " << rel << " > 0.08");
   }
+}
+
+// The grouped FP8 GEMM against gemm_fp8 on each group's rows (the same tiles, k-blocks and scales: the same
+// bits): groups of 128, 0 and 256 rows in a capacity of 512 (the rows past the last end left as they were),
+// a K tail (K = 400), bf16 and f32 out; its refusals and its plan.
+WEFT_GPU_TEST_ONE_GPU(grouped_gemm_fp8_matches_gemm_fp8_per_group) {
+  Rank& rank = ctx.comm().local(0);
+  WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+  const cudaStream_t s = rank.stream();
+  const int groups = 3;
+  const int64_t n = 256, k = 400, rows = 512, kb = (k + 127) / 128, nb = n / 128;
+  const std::vector<int32_t> ends = {128, 128, 384};
+  DeviceBuffer a(rows * k), b(groups * n * k), sa(rows * kb * 4), sb(groups * nb * kb * 4), ge(groups * 4),
+      c(rows * n * 4), ref(rows * n * 4);
+  fill_fp8<false><<<264, 256, 0, s>>>(a.as<uint8_t>(), rows * k, 21);
+  fill_fp8<false><<<264, 256, 0, s>>>(b.as<uint8_t>(), groups * n * k, 22);
+  fill_scales<<<64, 256, 0, s>>>(sa.as<float>(), rows * kb, 23);
+  fill_scales<<<64, 256, 0, s>>>(sb.as<float>(), groups * nb * kb, 24);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(ge.p, ends.data(), groups * 4, cudaMemcpyHostToDevice, s));
+  for (DType out : {DType::kBF16, DType::kFP32}) {
+    const int64_t es = out == DType::kFP32 ? 4 : 2;
+    WEFT_CUDA_CHECK(cudaMemsetAsync(c.p, 0xff, c.bytes, s));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(ref.p, 0xff, ref.bytes, s));
+    grouped_gemm_fp8(a.p, b.p, c.p, ge.as<int32_t>(), groups, rows, n, k, Fp8Type::kE4M3, sa.as<float>(),
+                     sb.as<float>(), out, s);
+    for (int g = 0; g < groups; ++g) {
+      const int64_t begin = g ? ends[g - 1] : 0, m = ends[g] - begin;
+      if (m == 0) continue;
+      gemm_fp8(a.as<uint8_t>() + begin * k, b.as<uint8_t>() + g * n * k, ref.as<char>() + begin * n * es, m,
+               n, k, Fp8Type::kE4M3,
+               Fp8Scales{Fp8Scaling::kBlock, sa.as<float>() + begin * kb, sb.as<float>() + g * nb * kb}, out,
+               s);
+    }
+    std::vector<uint8_t> hc(rows * n * es), hr(rows * n * es);
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(hc.data(), c.p, hc.size(), cudaMemcpyDeviceToHost, s));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(hr.data(), ref.p, hr.size(), cudaMemcpyDeviceToHost, s));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+    const size_t used = size_t(ends.back()) * n * es;
+    WEFT_EXPECT(std::memcmp(hc.data(), hr.data(), used) == 0,
+                (out == DType::kFP32 ? "f32" : "bf16") << ": the grouped GEMM's rows differ from gemm_fp8's");
+    bool untouched = true;
+    for (size_t i = used; i < hc.size(); ++i) untouched &= hc[i] == 0xff;
+    WEFT_EXPECT(untouched, "rows past the last group's end were written");
+  }
+  std::string e = error_of([&] {
+    grouped_gemm_fp8(a.p, b.p, c.p, ge.as<int32_t>(), groups, 500, n, k, Fp8Type::kE4M3, sa.as<float>(),
+                     sb.as<float>(), DType::kBF16, s);
+  });
+  WEFT_EXPECT(e.find("multiple of 128") != std::string::npos, "rows = 500: got '" << e << "'");
+  e = error_of([&] {
+    grouped_gemm_fp8(a.p, b.p, c.p, nullptr, groups, rows, n, k, Fp8Type::kE4M3, sa.as<float>(),
+                     sb.as<float>(), DType::kBF16, s);
+  });
+  WEFT_EXPECT(e.find("group_end") != std::string::npos, "null group_end: got '" << e << "'");
+  const Plan p = grouped_gemm_fp8_plan(groups, rows, n, k, Fp8Type::kE4M3, DType::kBF16);
+  WEFT_EXPECT(p.op == "grouped_gemm_fp8" && p.tiles.count == (rows / 128) * nb && p.blocks > 0,
+              "plan: " << describe(p));
 }

@@ -81,6 +81,20 @@ void gemm_fp8(const void* a, const void* b, void* c, int64_t m, int64_t n, int64
 Plan gemm_fp8_plan(int64_t m, int64_t n, int64_t k, Fp8Type ab_type, const Fp8Scales& scales, DType c_type,
                    const GemmOptions& options = {});
 
+// Grouped FP8 GEMM (an MoE layer's experts on FP8 rows, DeepSeek-V3's recipe): A [rows, K] FP8 in `groups`
+// groups back to back as grouped_gemm's (group_end: device int32, ascending, every end a multiple of 128;
+// rows a multiple of 128, at least the last end; rows past it untouched), B [groups, N, K] FP8 (each group's
+// K-major weight, stacked), C [rows, N] bf16 or f32: C's rows of group e = A's rows of group e times B_e^T,
+// block scales only: scale_a [rows, ceil(K / 128)], scale_b [groups, ceil(N / 128), ceil(K / 128)] (fp32,
+// row-major; quantize_fp8 of B as [groups x N, K] makes them where N is a multiple of 128). K a multiple of
+// 16; options: group_m, max_blocks, timeline (dense strides, C stored).
+void grouped_gemm_fp8(const void* a, const void* b, void* c, const int32_t* group_end, int groups,
+                      int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, const float* scale_a,
+                      const float* scale_b, DType c_type, cudaStream_t stream,
+                      const GemmOptions& options = {});
+Plan grouped_gemm_fp8_plan(int groups, int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, DType c_type,
+                           const GemmOptions& options = {});
+
 // Which operand of gemm_fp8 a quantization makes: the kBlock scales are 1 x 128 groups along K for A and
 // 128 x 128 blocks for B; the other kinds are the same for both (kRowCol: one per row of the operand).
 enum class Fp8Operand { kA, kB };

@@ -28,6 +28,7 @@ struct Fp8GemmOp {
   static constexpr int kConsumerWarpgroups = kBM / 64;
   static constexpr int kClusterSize = 1;
   static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;
+  static constexpr bool kGrouped = false;
 
   using Scheduler = lcsc::GemmTileScheduler;
   using Mainloop = lcsc::Fp8PromotingMainloop<kBM, kBN, kStages>;
@@ -66,17 +67,10 @@ struct Fp8GemmOp {
   __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                                  const lcsc::Tile& t, int wg, Accum& acc) {
     // The two rows this thread holds (AccumM64), in C.
-    const int row = t.m * kBM + 64 * wg + Accum::row(0), row8 = row + 8;
+    const int row = t.m * kBM + 64 * wg + Accum::row(0);
+    [[maybe_unused]] const int row8 = row + 8;
     if constexpr (kScaling == Fp8Scaling::kBlock) {
-      // Rows past M read no scale (their products are zero: TMA filled A's rows with zeros).
-      const float* sa = p.scale_a + int64_t(row) * p.k_blocks;
-      const float* sa8 = p.scale_a + int64_t(row8) * p.k_blocks;
-      const float* sb = p.scale_b + int64_t(t.n) * p.k_blocks;
-      const bool in = row < p.m, in8 = row8 < p.m;
-      Mainloop::template mma<kE5M2>(s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb) {
-        const float b = __ldg(sb + kb);
-        return make_float2(in ? scale_a_at(sa + kb) * b : 0.f, in8 ? scale_a_at(sa8 + kb) * b : 0.f);
-      });
+      block_scaled_mma(p, s, pipe, st, wg, acc, row, p.scale_b + int64_t(t.n) * p.k_blocks);
     } else {
       Mainloop::template mma<kE5M2>(s.main, pipe, st, p.k_blocks, wg, acc,
                                     [](int) { return make_float2(1.f, 1.f); });
@@ -88,6 +82,21 @@ struct Fp8GemmOp {
     Epilogue::store(&p.c, p.store_mode, s.epi, es, wg, acc, t.m * kBM + 64 * wg, t.n * kBN);
   }
   __device__ static void finish(const Params&, Smem&, int, StoreState& es) { Epilogue::finish(es); }
+
+ protected:
+  // kBlock: the k-blocks promoted times A's scales of the thread's two rows and B's of the tile's column
+  // block, sb (rows past M read no scale: their products are zero, TMA filled A's rows with zeros).
+  __device__ static void block_scaled_mma(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                                          int wg, Accum& acc, int row, const float* sb) {
+    const int row8 = row + 8;
+    const float* sa = p.scale_a + int64_t(row) * p.k_blocks;
+    const float* sa8 = p.scale_a + int64_t(row8) * p.k_blocks;
+    const bool in = row < p.m, in8 = row8 < p.m;
+    Mainloop::template mma<kE5M2>(s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb) {
+      const float b = __ldg(sb + kb);
+      return make_float2(in ? scale_a_at(sa + kb) * b : 0.f, in8 ? scale_a_at(sa8 + kb) * b : 0.f);
+    });
+  }
 
  private:
   __device__ static float scale_a_at(const float* s) {
@@ -112,6 +121,52 @@ struct Fp8GemmOp {
         acc.d[i] *= ((i / 2) % 2 ? a8 : a) * b;
       }
     }
+  }
+};
+
+// Grouped FP8 GEMM (an MoE layer's experts on FP8 rows, DeepSeek-V3's block scales): A's rows come in groups
+// back to back as GroupedGemmOp's (weft/ops/gemm.cuh: group_end device int32, each end a multiple of kBM, a
+// tile's group found by a scan of it, tiles past the last end skipped by the loader and consumers alike),
+// B stacked [E, N, K] (K-major weights, one map of E x N rows), C's rows of group e = A's rows of group e
+// times B_e, promoted per k-block times A's row scales [rows, K / 128] and B_e's block scales [E, ceil(N /
+// 128), K / 128]. A column tile past N of expert e reads expert e + 1's first rows: the store clips them.
+template <class OutT, bool kE5M2 = false>
+struct GroupedFp8GemmOp : Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2> {
+  using Base = Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2>;
+  using Base::kBM, Base::kBN;
+  using typename Base::Accum, typename Base::Mainloop, typename Base::Pipeline, typename Base::Smem,
+      typename Base::StoreState;
+  static constexpr bool kGrouped = true;
+
+  struct Params : Base::Params {
+    const int32_t* group_end;  // [groups], device
+    int groups;
+    int n_blocks;  // ceil(N / kBN): one expert's column blocks of B scales
+  };
+
+  // The group of the tile whose first row is m0 (groups: past the last group's end).
+  __device__ static int group_of(const Params& p, int m0) {
+    int e = 0;
+    while (e < p.groups && __ldg(p.group_end + e) <= m0) ++e;
+    return e;
+  }
+  __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                              const lcsc::Tile& t) {
+    const int m0 = t.m * kBM, e = group_of(p, m0);
+    if (e == p.groups) return;
+    if (__ldg(p.group_end + e) % kBM != 0) __trap();  // group ends must be whole tiles (see the header)
+    Mainloop::load(s.main, pipe, st, &p.a, &p.b, m0, e * p.n + t.n * kBN, p.k_blocks);
+  }
+  __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                                 const lcsc::Tile& t, int wg, Accum& acc) {
+    const int e = group_of(p, t.m * kBM);
+    if (e == p.groups) return;
+    Base::block_scaled_mma(p, s, pipe, st, wg, acc, t.m * kBM + 64 * wg + Accum::row(0),
+                           p.scale_b + (int64_t(e) * p.n_blocks + t.n) * p.k_blocks);
+  }
+  __device__ static void store(const Params& p, Smem& s, const lcsc::Tile& t, int wg, const Accum& acc,
+                               StoreState& es) {
+    if (group_of(p, t.m * kBM) < p.groups) Base::store(p, s, t, wg, acc, es);
   }
 };
 
