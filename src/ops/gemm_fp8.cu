@@ -25,6 +25,7 @@ struct Fp8Problem {
   int64_t lda = 0, ldb = 0, ldc = 0;
   const int32_t* group_end = nullptr;  // grouped: A's groups' ends; B stacked [groups, N, K]
   int groups = 0;
+  int64_t sa_stride = 0;  // kBlock: floats between rows of A's scales (0: ceil(K / 128))
 };
 
 const char* scaling_name(Fp8Scaling s) {
@@ -73,6 +74,7 @@ Plan run_op(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
   p.k_blocks = static_cast<int>((pr.k + Op::kBK - 1) / Op::kBK);
   p.scale_a = pr.scales.a;
   p.scale_b = pr.scales.b;
+  p.sa_stride = static_cast<int>(pr.sa_stride ? pr.sa_stride : p.k_blocks);
   p.store_mode =
       pr.opt.store == GemmStore::kReduceAdd ? lcsc::StoreMode::kReduceAdd : lcsc::StoreMode::kStore;
   if constexpr (Op::kGrouped) {
@@ -148,9 +150,13 @@ void check_grouped(const Fp8Problem& pr, bool launch, const std::string& where) 
                  "the grouped FP8 GEMM takes block scales (Fp8Scaling::kBlock: A [rows, K / 128], B [groups, "
                  "N / 128, K / 128])");
   WEFT_CHECK(pr.m % 128 == 0, where + "rows (the capacity) must be a multiple of 128, the tile's rows");
-  WEFT_CHECK(pr.opt.lda == 0 && pr.opt.ldb == 0 && pr.opt.ldc == 0, where + "strides must be dense (0)");
+  WEFT_CHECK(pr.opt.ldb == 0 && pr.opt.ldc == 0, where + "B and C must be dense (ldb, ldc 0)");
   WEFT_CHECK(pr.opt.store == GemmStore::kStore, where + "C is stored (no reduce-add)");
   WEFT_CHECK(int64_t(pr.groups) * pr.n <= INT32_MAX, where + "B's rows (groups x N) past 2^31 - 1");
+  const int64_t k_blocks = (pr.k + 127) / 128;
+  WEFT_CHECK(pr.sa_stride == 0 || (pr.sa_stride >= k_blocks && pr.sa_stride <= INT32_MAX),
+             where + "scale_a_stride (" + std::to_string(pr.sa_stride) +
+                 ") must be 0 or at least ceil(K / 128) = " + std::to_string(k_blocks));
   if (launch) {
     WEFT_CHECK(pr.group_end != nullptr, where + "group_end must not be null");
     ops::check_pointer_alignment(pr.group_end, "group_end", 4, where);
@@ -190,11 +196,13 @@ Plan gemm_fp8_plan(int64_t m, int64_t n, int64_t k, Fp8Type ab_type, const Fp8Sc
 
 void grouped_gemm_fp8(const void* a, const void* b, void* c, const int32_t* group_end, int groups,
                       int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, const float* scale_a,
-                      const float* scale_b, DType c_type, cudaStream_t stream, const GemmOptions& options) {
+                      const float* scale_b, DType c_type, cudaStream_t stream, const GemmOptions& options,
+                      int64_t scale_a_stride) {
   Fp8Problem pr{a,      b,      c, rows, n, k, ab_type, Fp8Scales{Fp8Scaling::kBlock, scale_a, scale_b},
                 c_type, options};
   pr.group_end = group_end;
   pr.groups = groups;
+  pr.sa_stride = scale_a_stride;
   plan_or_launch(pr, stream, true);
 }
 

@@ -695,6 +695,74 @@ Plan moe_dispatch_grouped_gemm_plan(Communicator& comm, Rank& rank, const void* 
   return plan;
 }
 
+namespace {
+
+// The FP8 dispatch's packed row (moe_dispatch_fp8): the e4m3 values, then the fp32 scales of the row's
+// 128-column blocks; 16-byte rows, moved by moe_dispatch as rows of row_bytes / 2 bf16 elements.
+int64_t fp8_row_bytes(int64_t hidden) {
+  return (hidden + 4 * ((hidden + 127) / 128) + 15) / 16 * 16;
+}
+MoeShape fp8_packed_shape(const MoeShape& s) {
+  MoeShape p = s;
+  p.hidden = fp8_row_bytes(s.hidden) / 2;
+  return p;
+}
+struct Fp8Parts {
+  char* inner;  // moe_dispatch's workspace
+  size_t inner_bytes;
+  uint8_t* packed;  // [max_tokens, row_bytes]
+  float* scales;    // [max_tokens, ceil(hidden / 128)]
+};
+Fp8Parts carve_fp8(ops::WorkspaceLayout& w, int world, const MoeShape& s) {
+  Fp8Parts p{};
+  p.inner_bytes = moe_dispatch_workspace_bytes(world, fp8_packed_shape(s));
+  p.inner = w.take(p.inner_bytes);
+  const size_t rows = size_t(std::max<int64_t>(s.max_tokens, 1));
+  p.packed = w.take<uint8_t>(rows * fp8_row_bytes(s.hidden));
+  p.scales = w.take<float>(rows * ((s.hidden + 127) / 128) * 4);
+  return p;
+}
+
+}  // namespace
+
+size_t moe_dispatch_fp8_workspace_bytes(int world, const MoeShape& shape) {
+  return ops::bytes_carved_by([&](ops::WorkspaceLayout& w) { carve_fp8(w, world, shape); });
+}
+
+MoeDispatchedFp8 moe_dispatch_fp8(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                                  const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                                  cudaStream_t stream) {
+  ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_dispatch_fp8", rank));
+  const std::string& where = call.where;
+  check(shape, rank.world(), where);
+  WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
+  WEFT_CHECK(shape.hidden % 16 == 0, where +
+                                         "hidden must be a multiple of 16 for FP8 rows (16-byte rows), got " +
+                                         std::to_string(shape.hidden));
+  const size_t need = moe_dispatch_fp8_workspace_bytes(rank.world(), shape);
+  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
+             where + "the workspace must hold " + std::to_string(need) +
+                 " bytes (moe_dispatch_fp8_workspace_bytes()), got " + std::to_string(workspace_bytes));
+  ops::check_pointer_alignment(workspace, "workspace", 256, where);
+  ops::WorkspaceLayout w(workspace);
+  const Fp8Parts p = carve_fp8(w, rank.world(), shape);
+  const int64_t row_bytes = fp8_row_bytes(shape.hidden), blocks = (shape.hidden + 127) / 128;
+  if (shape.tokens > 0) {
+    quantize_fp8(tokens, dtype, p.packed, Fp8Type::kE4M3, p.scales, shape.tokens, shape.hidden,
+                 Fp8Scaling::kBlock, Fp8Operand::kA, call.stream, 0, row_bytes);
+    WEFT_CUDA_CHECK(cudaMemcpy2DAsync(p.packed + shape.hidden, row_bytes, p.scales, blocks * 4, blocks * 4,
+                                      shape.tokens, cudaMemcpyDeviceToDevice, call.stream));
+  }
+  MoeDispatchedFp8 d;
+  d.dispatched = moe_dispatch(comm, rank, p.packed, experts, fp8_packed_shape(shape), p.inner, p.inner_bytes,
+                              DType::kBF16, call.stream);
+  d.values = static_cast<const uint8_t*>(d.dispatched.rows);
+  d.scales = reinterpret_cast<const float*>(d.values + shape.hidden);
+  d.row_bytes = row_bytes;
+  d.scale_stride = row_bytes / 4;
+  return d;
+}
+
 MoeCounts moe_counts(Rank& rank, const MoeDispatched& dispatched, const MoeShape& shape,
                      cudaStream_t stream) {
   const std::string where = ops::team_where("weft::moe_counts", rank);

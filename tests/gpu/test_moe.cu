@@ -5,7 +5,9 @@
 // token, two dispatches in a row on one area; the exact counts read back (moe_counts); the fused second GEMM
 // + combine against the unfused pair (bit for bit); the dispatch inside the first GEMM against moe_dispatch +
 // grouped_gemm (bit for bit); combine's backward
-// (the expert rows' gradients bit for bit, zeros elsewhere; the weights' gradients against fp64).
+// (the expert rows' gradients bit for bit, zeros elsewhere; the weights' gradients against fp64); the FP8
+// dispatch against quantize_fp8 of the bf16 dispatch's rows, and grouped_gemm_fp8 on its packed rows in place
+// against dense copies (bit for bit).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -593,4 +595,112 @@ WEFT_GPU_TEST(moe_dispatch_argument_errors) {
   WEFT_EXPECT_ERROR(call({4, 4, 64, W, 17, 128}), "top_k must be 1..16");
   WEFT_EXPECT_ERROR(call({4, 4, 60, W, 2, 128}), "hidden must be a positive multiple of 8");
   WEFT_EXPECT_ERROR(call({5, 4, 64, W, 2, 128}), "must be 0..max_tokens");
+}
+
+// The FP8 dispatch against the bf16 one on the same routing: every routed row's FP8 values and scales are
+// quantize_fp8's of the bf16 dispatch's row, bit for bit (quantizing before the trip or after it is the same
+// per row); and grouped_gemm_fp8 reading the packed rows in place (lda = row_bytes, scale_a_stride) gives the
+// bits it gives on dense copies of them. hidden 256 (two scale blocks), top-k 2, align 128; ranks with no
+// token.
+WEFT_GPU_TEST(moe_dispatch_fp8_matches_quantized_dispatch) {
+  Communicator& c = ctx.comm();
+  const int W = c.world(), per = 2, E = per * W, top_k = 2;
+  const int64_t hidden = 256, blocks = 2, n = 128;
+  std::vector<int64_t> T(W);
+  for (int r = 0; r < W; ++r) T[r] = r % 3 == 2 ? 0 : 40 + 9 * r;
+  MoeShape base{0, *std::max_element(T.begin(), T.end()), hidden, E, top_k, 128};
+  struct Local {
+    DeviceBuffer tok, exp, ws, ws8, rows, q, s, b, sb, c8, cd;
+  };
+  std::vector<std::unique_ptr<Local>> local;
+  std::vector<MoeShape> shapes;
+  std::mt19937_64 g(515);
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    MoeShape s = base;
+    s.tokens = T[rank.rank()];
+    shapes.push_back(s);
+    const int64_t cap = moe_capacity(W, s), rows_bytes = cap * hidden * 2;
+    local.push_back(std::unique_ptr<Local>(new Local{
+        DeviceBuffer(std::max<int64_t>(s.tokens, 1) * hidden * 2),
+        DeviceBuffer(std::max<int64_t>(s.tokens, 1) * top_k * 4),
+        DeviceBuffer(moe_dispatch_workspace_bytes(W, s)),
+        DeviceBuffer(moe_dispatch_fp8_workspace_bytes(W, s)), DeviceBuffer(rows_bytes),
+        DeviceBuffer(cap * hidden), DeviceBuffer(cap * blocks * 4), DeviceBuffer(per * n * hidden),
+        DeviceBuffer(per * (n / 128) * blocks * 4), DeviceBuffer(cap * n * 2), DeviceBuffer(cap * n * 2)}));
+    std::vector<__nv_bfloat16> x(std::max<int64_t>(s.tokens, 1) * hidden);
+    for (auto& v : x) v = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 256.f);
+    std::vector<int32_t> ids(std::max<int64_t>(s.tokens, 1) * top_k);
+    for (auto& e : ids) e = g() % 10 == 0 ? -1 : int32_t(g() % E);
+    weft::test::upload(c, i, local[i]->tok.p, x.data(), x.size() * 2);
+    weft::test::upload(c, i, local[i]->exp.p, ids.data(), ids.size() * 4);
+    // The experts' FP8 weights and their block scales (any values: the two GEMMs must agree).
+    std::vector<uint8_t> wb(per * n * hidden);
+    for (auto& v : wb) v = uint8_t(g() % 0x78) | uint8_t(g() % 2 ? 0x80 : 0);  // finite e4m3
+    std::vector<float> ws(per * (n / 128) * blocks);
+    for (auto& v : ws) v = float(1 + g() % 4) / 64.f;
+    weft::test::upload(c, i, local[i]->b.p, wb.data(), wb.size());
+    weft::test::upload(c, i, local[i]->sb.p, ws.data(), ws.size() * 4);
+  }
+  c.host_barrier();
+  std::vector<MoeDispatched> bf(c.num_local());
+  for (int i = 0; i < c.num_local(); ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+    bf[i] = moe_dispatch(c, c.local(i), local[i]->tok.p, local[i]->exp.as<int32_t>(), shapes[i],
+                         local[i]->ws.p, local[i]->ws.bytes, DType::kBF16);
+  }
+  for (int i = 0; i < c.num_local(); ++i) {  // the bf16 rows kept before the next dispatch reuses the area
+    WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(local[i]->rows.p, bf[i].rows, local[i]->rows.bytes,
+                                    cudaMemcpyDeviceToDevice, c.local(i).stream()));
+  }
+  c.synchronize();
+  c.host_barrier();
+  std::vector<MoeDispatchedFp8> f8(c.num_local());
+  for (int i = 0; i < c.num_local(); ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+    f8[i] = moe_dispatch_fp8(c, c.local(i), local[i]->tok.p, local[i]->exp.as<int32_t>(), shapes[i],
+                             local[i]->ws8.p, local[i]->ws8.bytes, DType::kBF16);
+  }
+  c.synchronize();
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    Local& l = *local[i];
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    const cudaStream_t st = rank.stream();
+    const int64_t cap = moe_capacity(W, shapes[i]);
+    quantize_fp8(l.rows.p, DType::kBF16, l.q.p, Fp8Type::kE4M3, l.s.as<float>(), cap, hidden,
+                 Fp8Scaling::kBlock, Fp8Operand::kA, st);
+    grouped_gemm_fp8(f8[i].values, l.b.p, l.c8.p, f8[i].dispatched.group_end, per, cap, n, hidden,
+                     Fp8Type::kE4M3, f8[i].scales, l.sb.as<float>(), DType::kBF16, st,
+                     GemmOptions{.lda = f8[i].row_bytes}, f8[i].scale_stride);
+    grouped_gemm_fp8(l.q.p, l.b.p, l.cd.p, f8[i].dispatched.group_end, per, cap, n, hidden, Fp8Type::kE4M3,
+                     l.s.as<float>(), l.sb.as<float>(), DType::kBF16, st);
+    std::vector<uint8_t> packed(cap * f8[i].row_bytes), q(cap * hidden), c8(cap * n * 2), cd(cap * n * 2);
+    std::vector<float> s(cap * blocks);
+    std::vector<int32_t> source(cap);
+    weft::test::download(c, i, packed.data(), f8[i].values, packed.size());
+    weft::test::download(c, i, q.data(), l.q.p, q.size());
+    weft::test::download(c, i, s.data(), l.s.p, s.size() * 4);
+    weft::test::download(c, i, c8.data(), l.c8.p, c8.size());
+    weft::test::download(c, i, cd.data(), l.cd.p, cd.size());
+    weft::test::download(c, i, source.data(), bf[i].row_source, source.size() * 4);
+    int64_t routed = 0, bad_values = 0, bad_scales = 0, bad_gemm = 0;
+    for (int64_t r = 0; r < cap; ++r) {
+      if (source[r] < 0) continue;  // padding, or past the last group
+      ++routed;
+      const uint8_t* row = packed.data() + r * f8[i].row_bytes;
+      bad_values += std::memcmp(row, q.data() + r * hidden, hidden) != 0;
+      bad_scales += std::memcmp(row + hidden, s.data() + r * blocks, blocks * 4) != 0;
+      bad_gemm += std::memcmp(c8.data() + r * n * 2, cd.data() + r * n * 2, n * 2) != 0;
+    }
+    WEFT_EXPECT(bad_values == 0 && bad_scales == 0,
+                "rank " << rank.rank() << ": of " << routed << " routed rows, " << bad_values
+                        << " differ in their FP8 values and " << bad_scales << " in their scales");
+    WEFT_EXPECT(bad_gemm == 0, "rank "
+                                   << rank.rank() << ": " << bad_gemm << " of " << routed
+                                   << " rows of the GEMM on the packed rows differ from the dense copy's");
+  }
+  c.host_barrier();
 }

@@ -87,11 +87,13 @@ Plan gemm_fp8_plan(int64_t m, int64_t n, int64_t k, Fp8Type ab_type, const Fp8Sc
 // K-major weight, stacked), C [rows, N] bf16 or f32: C's rows of group e = A's rows of group e times B_e^T,
 // block scales only: scale_a [rows, ceil(K / 128)], scale_b [groups, ceil(N / 128), ceil(K / 128)] (fp32,
 // row-major; quantize_fp8 of B as [groups x N, K] makes them where N is a multiple of 128). K a multiple of
-// 16; options: group_m, max_blocks, timeline (dense strides, C stored).
+// 16; options: lda (A's row stride in bytes, a multiple of 16: e.g. moe_dispatch_fp8's packed rows),
+// group_m, max_blocks, timeline (B and C dense, C stored). scale_a_stride: floats from one row's A scales to
+// the next's (0: ceil(K / 128); moe_dispatch_fp8's rows: MoeDispatchedFp8::scale_stride).
 void grouped_gemm_fp8(const void* a, const void* b, void* c, const int32_t* group_end, int groups,
                       int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, const float* scale_a,
                       const float* scale_b, DType c_type, cudaStream_t stream,
-                      const GemmOptions& options = {});
+                      const GemmOptions& options = {}, int64_t scale_a_stride = 0);
 Plan grouped_gemm_fp8_plan(int groups, int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, DType c_type,
                            const GemmOptions& options = {});
 

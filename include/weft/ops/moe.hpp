@@ -100,6 +100,25 @@ Plan moe_dispatch_plan(Communicator& comm, Rank& rank, const void* tokens, const
                        const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
                        cudaStream_t stream = nullptr);
 
+// The dispatch with FP8 tokens (DeepSeek-V3's recipe: about half the bytes on the links): this rank's tokens
+// (bf16 / fp16, hidden a multiple of 16) quantized to e4m3 with 1 x 128 block scales (quantize_fp8's A
+// scales), each row travelling with its scales in one packed row of row_bytes = hidden + 4 ceil(hidden /
+// 128) bytes rounded up to 16: the values, then the fp32 scales. The rows land as moe_dispatch's do (the same
+// places, groups and handle: dispatched.rows are the packed rows, and moe_combine takes this handle with the
+// shape of hidden elements); grouped_gemm_fp8 reads them in place (A = values with lda = row_bytes,
+// scale_a = scales with scale_a_stride = scale_stride). The workspace: moe_dispatch_fp8_workspace_bytes().
+struct MoeDispatchedFp8 {
+  MoeDispatched dispatched;
+  const uint8_t* values = nullptr;  // [capacity] rows of row_bytes: hidden e4m3 values each
+  const float* scales = nullptr;    // each row's ceil(hidden / 128) scales, at values + hidden
+  int64_t row_bytes = 0;
+  int64_t scale_stride = 0;  // row_bytes / 4: floats from one row's scales to the next's
+};
+size_t moe_dispatch_fp8_workspace_bytes(int world, const MoeShape& shape);
+MoeDispatchedFp8 moe_dispatch_fp8(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                                  const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                                  cudaStream_t stream = nullptr);
+
 // Combine: out[t] = sum over j of weights[t, j] * (the expert output at row_of[t, j] on expert e_j's rank),
 // in fp32 in ascending j (deterministic), rounded once to dtype; a token with every slot dropped gets zeros.
 // The experts' outputs must be where every rank can read them: the buffer moe_combine_input() gives
