@@ -178,6 +178,7 @@ struct SymTensor {
     t.dtype = dtype == "bf16"    ? DLDataType{4, 16, 1}
               : dtype == "fp16"  ? DLDataType{2, 16, 1}
               : dtype == "int32" ? DLDataType{0, 32, 1}
+              : dtype == "uint8" ? DLDataType{1, 8, 1}
                                  : DLDataType{2, 32, 1};
     t.shape = ctx->shape.data();
     t.strides = nullptr;
@@ -838,16 +839,38 @@ void bind_fp8(py::module_& m) {
       py::arg("ab_type"), py::arg("scaling"), py::arg("scale_a"), py::arg("scale_b"), py::arg("c_dtype"),
       py::arg("stream"));
   // grouped_gemm_fp8 (weft/ops/gemm.hpp): a [rows, K], b [groups, N, K] FP8, block scales, c [rows, N].
+  // The FP8 dispatch: returns (packed rows view [capacity, row_bytes] uint8, group_end view, row_of pointer,
+  // experts pointer, capacity, row_bytes).
+  m.def("moe_dispatch_fp8_workspace_bytes", [](int world, py::tuple shape) {
+    return weft::moe_dispatch_fp8_workspace_bytes(world, moe_shape(shape));
+  });
+  m.def("moe_dispatch_fp8", [](const Comm& c, uintptr_t tokens, uintptr_t experts, py::tuple shape,
+                               uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype,
+                               uintptr_t stream) {
+    const weft::MoeShape s = moe_shape(shape);
+    const weft::MoeDispatchedFp8 d = weft::moe_dispatch_fp8(
+        *c.comm, c.rank(), reinterpret_cast<const void*>(tokens), reinterpret_cast<const int32_t*>(experts),
+        s, reinterpret_cast<void*>(workspace), workspace_bytes, parse_dtype(dtype), c.stream(stream));
+    const int64_t per = s.num_experts / c.rank().world();
+    return py::make_tuple(
+        view_of(c, const_cast<uint8_t*>(d.values), {d.dispatched.capacity, d.row_bytes}, "uint8"),
+        view_of(c, const_cast<int32_t*>(d.dispatched.group_end), {per}, "int32"),
+        reinterpret_cast<uintptr_t>(d.dispatched.row_of), reinterpret_cast<uintptr_t>(d.dispatched.experts),
+        d.dispatched.capacity, d.row_bytes);
+  });
+  // lda: a's row stride in bytes (0: dense); scale_a_stride: floats between rows of scale_a (0: dense).
   m.def("grouped_gemm_fp8", [](int device, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t group_end,
                                int groups, int64_t rows, int64_t n, int64_t k, const std::string& ab_type,
                                uintptr_t scale_a, uintptr_t scale_b, const std::string& c_dtype,
-                               uintptr_t stream) {
+                               uintptr_t stream, int64_t lda, int64_t scale_a_stride) {
     OnDevice on(device);
+    weft::GemmOptions o;
+    o.lda = lda;
     weft::grouped_gemm_fp8(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
                            reinterpret_cast<void*>(c), reinterpret_cast<const int32_t*>(group_end), groups,
                            rows, n, k, parse_fp8(ab_type), reinterpret_cast<const float*>(scale_a),
                            reinterpret_cast<const float*>(scale_b), parse_dtype(c_dtype),
-                           reinterpret_cast<cudaStream_t>(stream));
+                           reinterpret_cast<cudaStream_t>(stream), o, scale_a_stride);
   });
   m.def(
       "quantize_fp8",

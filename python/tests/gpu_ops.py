@@ -204,6 +204,7 @@ def main():
             want += torch.where(ids[:, j:j + 1] >= 0, weights[:, j:j + 1] * routed, torch.zeros_like(routed))
         check(f"moe dispatch + combine E={num_experts} top_k={top_k} hidden={hidden}", out, want.to(torch.bfloat16))
         cases += 1
+    cases += check_moe_dispatch_fp8(rank, world, g)
     # weft.moe_layer with the exact counts read back (one process per rank: the read-back's synchronisation
     # waits only for this rank's own work) against the worst-case rows (checked against fp32 torch on virtual
     # teams, python/tests/gpu_team.py): outputs and every gradient.
@@ -249,6 +250,41 @@ def main():
     torch.cuda.synchronize()
     print(f"[rank {rank}] python gpu tests: {cases} passed, 0 failed", flush=True)
     dist.destroy_process_group()
+
+
+def check_moe_dispatch_fp8(rank, world, g):
+    """weft.moe_dispatch_fp8 against weft.moe_dispatch on the same routing: the FP8 rows and scales are
+    quantize_fp8's of the bf16 rows (bit for bit); grouped_scaled_mm on them in place gives the bits it gives on
+    contiguous copies; combine takes the FP8 handle as the bf16 one. Returns the cases run."""
+    per, top_k, hidden, n = 2, 2, 256, 128
+    num_experts = per * world
+    tokens, max_tokens = 150 + 11 * rank, 150 + 11 * (world - 1)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.randint(-1, num_experts, (tokens, top_k), device="cuda", generator=g, dtype=torch.int32)
+    weights = torch.rand(tokens, top_k, device="cuda", generator=g)
+    d = weft.moe_dispatch(x, ids, num_experts, max_tokens=max_tokens)
+    rows = d.rows.clone()  # before the next dispatch reuses the team's area
+    y = weft.moe_combine_input(d)
+    y.copy_(rows)
+    want = weft.moe_combine(y, d, weights)
+    d8 = weft.moe_dispatch_fp8(x, ids, num_experts, max_tokens=max_tokens)
+    q, s = weft.quantize_fp8(rows, "block", "a")
+    # The routed rows: inside the groups (past the last one the area holds earlier calls' rows) and not padding
+    # (zeros).
+    inside = torch.arange(rows.shape[0], device="cuda") < d.group_end[-1]
+    real = inside & (rows.float().abs().amax(1) > 0)
+    check("moe_dispatch_fp8 values", d8.rows.view(torch.uint8)[real], q.view(torch.uint8)[real], exact=True)
+    check("moe_dispatch_fp8 scales", d8.scales[real], s[real], exact=True)
+    w = (torch.randn(per * n, hidden, device="cuda", generator=g) / 16).to(torch.bfloat16)
+    qw, sw = weft.quantize_fp8(w, "block", "b")
+    qw, sw = qw.view(per, n, hidden), sw.view(per, n // 128, -1)
+    in_place = weft.grouped_scaled_mm(d8.rows, qw, d8.group_end, d8.scales, sw)
+    dense = weft.grouped_scaled_mm(d8.rows.contiguous(), qw, d8.group_end, d8.scales.contiguous(), sw)
+    check("grouped_scaled_mm on moe_dispatch_fp8's rows", in_place[real], dense[real], exact=True)
+    y = weft.moe_combine_input(d8)
+    y.copy_(rows)  # the experts' outputs: the bf16 rows themselves
+    check("moe_combine after moe_dispatch_fp8", weft.moe_combine(y, d8, weights), want, exact=True)
+    return 4
 
 
 def check_all_gather_scaled_matmul(rank, world):

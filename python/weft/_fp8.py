@@ -91,20 +91,26 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None):
     """An MoE layer's experts on FP8 rows (DeepSeek-V3's recipe): out [rows, N], whose rows of group e are a's
     rows of group e times b[e]^T, with block scales.
 
-    a [rows, K] FP8 (float8_e4m3fn / e5m2), contiguous, its rows in groups back to back: group e is rows
+    a [rows, K] FP8 (float8_e4m3fn / e5m2), rows contiguous (their stride a multiple of 16), in groups back to back: group e is rows
     [group_end[e - 1], group_end[e]) (group_end int32 on the GPU, ascending, every end a multiple of 128, e.g.
     weft.moe_dispatch's with align=128); rows a multiple of 128 (rows past the last end are left unwritten).
     b [groups, N, K] of the same FP8 type, contiguous (each expert's K-major weight). scale_a [rows,
     ceil(K/128)] and scale_b [groups, ceil(N/128), ceil(K/128)] float32 (weft.quantize_fp8's block scales of a,
-    and of each b[e] stacked). K a multiple of 16. out_dtype torch.bfloat16 (default) or torch.float32.
+    and of each b[e] stacked; scale_a's rows may be strided too). K a multiple of 16. out_dtype torch.bfloat16
+    (default) or torch.float32. weft.moe_dispatch_fp8's rows and scales go in as they are.
     """
     where = "weft.grouped_scaled_mm"
     if not all(_torch_tensor(x) for x in (a, b, group_end, scale_a, scale_b)):
         raise WeftTypeError(f"{where}: a, b, group_end, scale_a and scale_b must be torch tensors")
     torch = _w._ops.torch
     for name, x in (("a", a), ("b", b), ("group_end", group_end), ("scale_a", scale_a), ("scale_b", scale_b)):
-        if not x.is_cuda or x.device != a.device or not x.is_contiguous():
-            raise WeftValueError(f"{where}: {name} must be a contiguous CUDA tensor on a's device")
+        if not x.is_cuda or x.device != a.device:
+            raise WeftValueError(f"{where}: {name} must be a CUDA tensor on a's device")
+        # a and scale_a: rows may be strided (weft.moe_dispatch_fp8's packed rows); the rest contiguous.
+        strided_rows = name in ("a", "scale_a") and x.dim() == 2 and x.stride(1) == 1
+        if not (x.is_contiguous() or strided_rows):
+            raise WeftValueError(f"{where}: {name} must be contiguous" +
+                                 (" or have contiguous rows" if name in ("a", "scale_a") else ""))
     ab = _fp8_name(torch, a.dtype, where)
     if b.dtype != a.dtype:
         raise WeftTypeError(f"{where}: a and b must have one FP8 type, got {a.dtype} and {b.dtype}")
@@ -118,6 +124,8 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None):
                              f"{tuple(group_end.shape)}")
     if rows % 128 or k % 16:
         raise WeftValueError(f"{where}: rows ({rows}) must be a multiple of 128 and K ({k}) of 16")
+    if a.stride(0) < k or a.stride(0) % 16:
+        raise WeftValueError(f"{where}: a's row stride ({a.stride(0)} bytes) must be at least K and a multiple of 16")
     blocks = -(-k // _BLOCK)
     if scale_a.dtype != torch.float32 or tuple(scale_a.shape) != (rows, blocks) or \
             scale_b.dtype != torch.float32 or tuple(scale_b.shape) != (groups, -(-n // _BLOCK), blocks):

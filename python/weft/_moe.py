@@ -9,7 +9,7 @@ from . import _weft
 from ._args import _comm, _dtype_name, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
 
-__all__ = ["grouped_mm", "swiglu_interleave", "MoeDispatch", "moe_dispatch", "moe_combine_input", "moe_combine", "moe_grouped_mm_combine", "moe_layer"]
+__all__ = ["grouped_mm", "swiglu_interleave", "MoeDispatch", "moe_dispatch", "moe_dispatch_fp8", "moe_combine_input", "moe_combine", "moe_grouped_mm_combine", "moe_layer"]
 
 
 # ---- grouped GEMM (one GPU, no communicator) ---------------------------------------------------------------
@@ -111,11 +111,13 @@ class MoeDispatch:
     last group's end), else counts is None; and what weft.moe_combine needs of the dispatch (each slot's row on
     its expert's rank, the expert ids)."""
 
-    def __init__(self, comm, shape, rows, group_end, row_of, experts, capacity, counts=None):
+    def __init__(self, comm, shape, rows, group_end, row_of, experts, capacity, counts=None, out_dtype=None):
         self.rows, self.group_end, self.capacity = rows, group_end, capacity
         self.counts = list(counts[0]) if counts is not None else None
         self._comm, self._shape = comm, shape
         self._row_of, self._experts = row_of, experts
+        self._out_dtype = rows.dtype if out_dtype is None else out_dtype  # the experts' outputs' (combine's)
+        self.scales = None  # moe_dispatch_fp8's: each row's block scales
 
 
 def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None, exact=False):
@@ -161,6 +163,55 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None,
     return MoeDispatch(c, shape, rows, ends, row_of, kept, capacity, counts)
 
 
+def moe_dispatch_fp8(x, experts, num_experts, max_tokens=None, align=128, comm=None):
+    """weft.moe_dispatch with FP8 tokens (about half the bytes on the links): x quantized to e4m3 with 1 x 128
+    block scales on this rank (weft.quantize_fp8's), each row travelling with its scales. Returns a MoeDispatch
+    whose `rows` are the FP8 values [capacity, hidden] (torch.float8_e4m3fn) and `scales` their block scales
+    [capacity, ceil(hidden / 128)] (float32), both views of the packed rows in the team's dispatch area (valid
+    until the next dispatch): weft.grouped_scaled_mm(d.rows, w, d.group_end, d.scales, w_scales) runs the experts
+    on them in place, then weft.moe_combine_input(d) / weft.moe_combine(expert_out, d, weights) as after
+    weft.moe_dispatch, expert_out of x's dtype. x bf16 / fp16 with hidden a multiple of 16. Eager, no autograd
+    (inference)."""
+    where = "weft.moe_dispatch_fp8"
+    if not (_torch_tensor(x) and _torch_tensor(experts)):
+        raise WeftTypeError(f"{where}: x and experts must be torch tensors")
+    c = _comm(comm)
+    if not x.is_cuda or x.device.index != c.device or experts.device != x.device:
+        raise WeftValueError(f"{where}: x and experts must be CUDA tensors on this rank's cuda:{c.device}")
+    if x.dim() != 2 or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
+        raise WeftValueError(f"{where}: x must be [tokens, hidden] and experts [tokens, top_k], got "
+                             f"{tuple(x.shape)} and {tuple(experts.shape)}")
+    if _w._ops.DTYPES.get(x.dtype) not in ("bf16", "fp16"):
+        raise WeftTypeError(f"{where}: x must be bf16 or fp16, got {x.dtype}")
+    if experts.dtype.is_floating_point:
+        raise WeftTypeError(f"{where}: experts must hold integer ids, got {experts.dtype}")
+    tokens, hidden = x.shape
+    if hidden % 16:
+        raise WeftValueError(f"{where}: hidden must be a multiple of 16 (16-byte FP8 rows), got {hidden}")
+    torch = _w._ops.torch
+    top_k = experts.shape[1]
+    shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts), top_k,
+             int(align), int(torch.is_grad_enabled()))
+    x = x.contiguous()
+    ids = experts.to(torch.int32).contiguous()
+    nbytes = _weft.moe_dispatch_fp8_workspace_bytes(c.world_size, shape)
+    ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=x.device)
+    packed, ends, row_of, kept, capacity, _ = _weft.moe_dispatch_fp8(c._c, x.data_ptr(), ids.data_ptr(), shape,
+                                                                     ws.data_ptr(), nbytes, _w._ops.DTYPES[x.dtype],
+                                                                     _w._ops._stream(x))
+
+    def slots(ptr):  # [tokens, top_k] int32 at ptr inside ws, copied out (combine needs only these)
+        at = ptr - ws.data_ptr()
+        return ws[at:at + 4 * tokens * top_k].view(torch.int32).view(tokens, top_k).clone()
+
+    packed = torch.from_dlpack(packed)  # [capacity, row_bytes] uint8: the values, then the scales
+    blocks = -(-hidden // 128)
+    d = MoeDispatch(c, shape, packed[:, :hidden].view(torch.float8_e4m3fn), torch.from_dlpack(ends), slots(row_of),
+                    slots(kept), capacity, out_dtype=x.dtype)
+    d.scales = packed[:, hidden:hidden + 4 * blocks].view(torch.float32)
+    return d
+
+
 def moe_combine_input(dispatched):
     """The buffer weft.moe_combine reads the experts' outputs from: [capacity, hidden] in dispatched.rows'
     layout (write each group's output to the same rows), symmetric so every rank can read it. Writing there
@@ -168,7 +219,7 @@ def moe_combine_input(dispatched):
     if not isinstance(dispatched, MoeDispatch):
         raise WeftTypeError("weft.moe_combine_input: pass what weft.moe_dispatch returned")
     torch = sys.modules["torch"]
-    dtype = _dtype_name(dispatched.rows.dtype)
+    dtype = _dtype_name(dispatched._out_dtype)
     return torch.from_dlpack(_weft.moe_combine_input(dispatched._comm._c, dispatched._shape, dtype))
 
 
@@ -187,8 +238,8 @@ def moe_combine(expert_out, dispatched, weights):
     if tuple(weights.shape) != (tokens, top_k):
         raise WeftValueError(f"{where}: weights must be [{tokens}, {top_k}], got {tuple(weights.shape)}")
     rows = dispatched.rows.shape[0]
-    if tuple(expert_out.shape) != (rows, hidden) or expert_out.dtype != dispatched.rows.dtype:
-        raise WeftValueError(f"{where}: expert_out must be [{rows}, {hidden}] of {dispatched.rows.dtype} "
+    if tuple(expert_out.shape) != (rows, hidden) or expert_out.dtype != dispatched._out_dtype:
+        raise WeftValueError(f"{where}: expert_out must be [{rows}, {hidden}] of {dispatched._out_dtype} "
                              f"(dispatched.rows' layout), got {tuple(expert_out.shape)} of {expert_out.dtype}")
     w = weights.to(_w._ops.torch.float32).contiguous()
     return _w._ops.moe_combine(expert_out, dispatched._row_of, dispatched._experts, w, dispatched._shape,

@@ -902,6 +902,7 @@ def scaled_mm(a, b, scale_a, scale_b, ab, kind, out_bf16):
 @torch.library.custom_op("weft::grouped_scaled_mm", mutates_args=())
 def _grouped_scaled_mm(a: Tensor, b: Tensor, group_end: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str,
                        out_bf16: bool) -> Tensor:
+    # a and scale_a may be row-strided views (weft.moe_dispatch_fp8's packed rows): their row strides pass on.
     rows, k = a.shape
     groups, n = b.shape[0], b.shape[1]
     out = a.new_empty((rows, n), dtype=torch.bfloat16 if out_bf16 else torch.float32)
@@ -909,7 +910,7 @@ def _grouped_scaled_mm(a: Tensor, b: Tensor, group_end: Tensor, scale_a: Tensor,
         return out.zero_()
     _weft.grouped_gemm_fp8(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), group_end.data_ptr(), groups,
                            rows, n, k, ab, scale_a.data_ptr(), scale_b.data_ptr(), "bf16" if out_bf16 else "fp32",
-                           _stream(a))
+                           _stream(a), a.stride(0), scale_a.stride(0))
     return out
 
 
