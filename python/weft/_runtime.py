@@ -147,13 +147,14 @@ class MultiNodeTeam:
         _weft.hierarchical_matmul_reduce_scatter(self._m, x.ptr, w.ptr, o.ptr, m, n, k, layout, s)
         return out
 
-    def moe_dispatch(self, x, experts, weights, num_experts, max_tokens=None, align=128):
+    def moe_dispatch(self, x, experts, weights, num_experts, max_tokens, align=128):
         """Expert parallelism across nodes (experts split evenly over the job's ranks): this rank's tokens x
         [tokens, hidden] (bf16 / fp16) with their top-k global expert ids experts [tokens, top_k] (-1: dropped) and
         weights [tokens, top_k] go to every node's i-th rank, then weft's dispatch in the node. Returns a
         MoeNodesDispatch: `rows` / `group_end` as weft.moe_dispatch's (this rank's experts' rows; the expert
         GEMMs run on them into team.moe_combine_input(d)), then team.moe_combine(expert_out, d). max_tokens:
-        the most tokens any rank passes (default this rank's count). Eager; every rank calls it."""
+        the most tokens any rank passes, the same on every rank (it sizes the legs between nodes, whose sends
+        and receives must match). Eager; every rank calls it."""
         torch = sys.modules.get("torch")
         if torch is None or not all(isinstance(t, torch.Tensor) for t in (x, experts, weights)):
             raise WeftValueError("weft: moe_dispatch takes torch tensors x, experts and weights")
@@ -166,8 +167,11 @@ class MultiNodeTeam:
                 raise WeftValueError(f"weft: moe_dispatch: tensors must be on this rank's cuda:{self.device}")
         dtype = _dtype_name(x.dtype)
         tokens, hidden = x.shape
-        shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts),
-                 experts.shape[1], int(align), int(torch.is_grad_enabled()))
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not tokens <= max_tokens:
+            raise WeftValueError(f"weft: moe_dispatch: max_tokens must be an int >= this rank's {tokens} tokens, the "
+                                 f"same on every rank; got {max_tokens!r}")
+        shape = (tokens, max_tokens, hidden, int(num_experts), experts.shape[1], int(align),
+                 int(torch.is_grad_enabled()))
         x = x.contiguous()
         ids = experts.to(torch.int32).contiguous()
         w = weights.to(torch.float32).contiguous()

@@ -1,6 +1,7 @@
 #include "weft/ops/hierarchical.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <mutex>
 #include <string>
 
@@ -36,7 +37,9 @@ void hierarchical_all_reduce(MultiNodeTeam& t, const void* in, void* out, size_t
   // Pieces of the main part (each a whole number of node_size x `per` elements), pipelined: the in-node
   // reduce-scatters on the caller's stream, each piece's NCCL all-reduce on the side stream as soon as its
   // shard is summed, the in-node all-gathers after. Piece p's NCCL leg runs beside piece p + 1's
-  // reduce-scatter and piece p - 1's all-gather. One piece below 8 MiB (the legs' fixed costs).
+  // reduce-scatter and piece p - 1's all-gather. One piece below 8 MiB (the legs' fixed costs). (Beside
+  // NCCL's kernel only weft's collective kernels run here: small blocks, several to an SM, not a fused
+  // kernel as wide as the SM budget whose blocks could wait for ones NCCL keeps off the SMs.)
   const size_t pieces = std::clamp<size_t>(main * es / (size_t(8) << 20), 1, MultiNodeTeam::kSidePieces);
   const size_t per = (shard + pieces - 1) / pieces;  // each rank's elements of a piece
   char* part = static_cast<char*>(t.scratch(shard * es, stream));
@@ -102,13 +105,22 @@ void hierarchical_reduce_scatter(MultiNodeTeam& t, const void* in, void* out, si
 
 namespace {
 
-// Blocks of `block` bytes as a [rows, cols] grid, transposed: dst block (c, r) = src block (r, c).
+// Blocks of `block` bytes as a [rows, cols] grid, transposed: dst block (c, r) = src block (r, c). A strided
+// copy per column, or a copy per block where the source's pitch passes what cudaMemcpy2D takes (2^31 - 1).
 void transpose_blocks(const void* src, void* dst, size_t rows, size_t cols, size_t block,
                       cudaStream_t stream) {
-  for (size_t c = 0; c < cols; ++c)  // src column c -> dst row c
-    WEFT_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<char*>(dst) + c * rows * block, block,
-                                      static_cast<const char*>(src) + c * block, cols * block, block, rows,
+  const auto* from = static_cast<const char*>(src);
+  auto* to = static_cast<char*>(dst);
+  for (size_t c = 0; c < cols; ++c) {  // src column c -> dst row c
+    if (cols * block <= size_t(INT32_MAX)) {
+      WEFT_CUDA_CHECK(cudaMemcpy2DAsync(to + c * rows * block, block, from + c * block, cols * block, block,
+                                        rows, cudaMemcpyDeviceToDevice, stream));
+      continue;
+    }
+    for (size_t r = 0; r < rows; ++r)
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(to + (c * rows + r) * block, from + (r * cols + c) * block, block,
                                       cudaMemcpyDeviceToDevice, stream));
+  }
 }
 
 }  // namespace

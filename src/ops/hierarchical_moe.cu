@@ -117,6 +117,12 @@ HierarchicalMoeDispatched hierarchical_moe_dispatch(MultiNodeTeam& t, const void
              where + "the workspace must hold " + std::to_string(need) +
                  " bytes (hierarchical_moe_workspace_bytes()), got " + std::to_string(workspace_bytes));
   ops::check_pointer_alignment(workspace, "workspace", 256, where);
+  if (shape.tokens > 0) {
+    WEFT_CHECK(tokens != nullptr && experts != nullptr && weights != nullptr,
+               where + "tokens, experts and weights must not be null");
+    ops::check_pointer_alignment(experts, "experts", 4, where);
+    ops::check_pointer_alignment(weights, "weights", 4, where);
+  }
   ops::WorkspaceLayout w(workspace);
   const Parts p = carve(w, t, shape, dtype);
   const size_t rows = size_t(shape.max_tokens) * shape.hidden * dtype_size(dtype),

@@ -124,13 +124,34 @@ void MultiNodeTeam::fail(const std::string& why) {
 
 void MultiNodeTeam::watch() {
   const std::pair<void*, const char*> comms[] = {{across_, "between nodes"}, {all_, "over every rank"}};
-  // The node team's device error records, read through a stream of the watchdog's own: a device wait that
-  // failed inside the node (a timeout, a peer's failure) fails the NCCL legs too, which would otherwise wait
-  // for this rank's part for ever.
+  // The node team's device error record, read through a stream of the watchdog's own into pinned memory: a
+  // device wait that failed inside the node (a timeout, a peer's failure) fails the NCCL legs too, which
+  // would otherwise wait for this rank's part for ever. This thread's CUDA calls in relaxed capture mode:
+  // they touch only its own stream and memory, and must not disturb a CUDA graph another thread is capturing
+  // (global mode's rule). A failure of the probe itself stops the probing, not the team.
   cudaStream_t probe = nullptr;
-  if (cudaSetDevice(node_rank().device()) != cudaSuccess ||
-      cudaStreamCreateWithFlags(&probe, cudaStreamNonBlocking) != cudaSuccess)
+  DeviceError* seen = nullptr;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess ||
+      cudaSetDevice(node_rank().device()) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&probe, cudaStreamNonBlocking) != cudaSuccess ||
+      cudaMallocHost(&seen, sizeof(DeviceError)) != cudaSuccess) {
+    if (probe) cudaStreamDestroy(probe);
     probe = nullptr;  // then only NCCL's errors and the node team's abort flag are watched
+    cudaGetLastError();
+  }
+  const auto device_failed = [&] {
+    const DeviceError* record = node_rank().view().error;
+    if (!probe || !record) return false;
+    if (cudaMemcpyAsync(seen, record, sizeof(DeviceError), cudaMemcpyDeviceToHost, probe) != cudaSuccess ||
+        cudaStreamSynchronize(probe) != cudaSuccess) {
+      cudaGetLastError();
+      cudaStreamDestroy(probe);
+      probe = nullptr;
+      return false;
+    }
+    return seen->code != static_cast<uint32_t>(DeviceErrorCode::kNone);
+  };
   while (!stop_) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     if (node_->aborted()) {
@@ -138,15 +159,16 @@ void MultiNodeTeam::watch() {
            std::to_string(node_index_) + " was lost or failed); the NCCL communicators were aborted");
       break;
     }
-    if (probe) {
+    if (device_failed()) {
+      std::string why = "its error record says so";
       try {
         node_->check_device_errors(probe);
       } catch (const std::exception& e) {
-        fail("weft: rank " + std::to_string(rank_) + ": a device wait of node " +
-             std::to_string(node_index_) + "'s team failed (" + e.what() +
-             "); the NCCL communicators were aborted");
-        break;
+        why = e.what();
       }
+      fail("weft: rank " + std::to_string(rank_) + ": a device wait of node " + std::to_string(node_index_) +
+           "'s team failed (" + why + "); the NCCL communicators were aborted");
+      break;
     }
     for (auto [comm, what] : comms) {
       int status = nccl::kSuccess;
@@ -162,6 +184,7 @@ void MultiNodeTeam::watch() {
     }
   }
   if (probe) cudaStreamDestroy(probe);
+  if (seen) cudaFreeHost(seen);
 }
 
 void MultiNodeTeam::check_alive() const {

@@ -277,6 +277,9 @@ std::string moe_case(weft::MultiNodeTeam& t, uint64_t seed) {
   }
   void* expert_out = weft::moe_combine_input(t.node_team(), t.node_rank(), d.node_shape, DType::kBF16);
   upload(expert_out, rows, DType::kBF16);
+  // cudaMemcpy from pageable memory may return before its DMA lands, and the combine's stream (non-blocking)
+  // does not wait for the legacy stream: the rows in place before any rank reads them.
+  WEFT_CUDA_CHECK(cudaDeviceSynchronize());
   weft::hierarchical_moe_combine(t, expert_out, d, out.p, s, DType::kBF16, st);
   WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
   t.node_team().synchronize();

@@ -411,13 +411,12 @@ WEFT_GPU_TEST_ONE_GPU(quantize_fp8_then_gemm_fp8_matches_bf16) {
 
 // The grouped FP8 GEMM against gemm_fp8 on each group's rows (the same tiles, k-blocks and scales: the same
 // bits): groups of 128, 0 and 256 rows in a capacity of 512 (the rows past the last end left as they were),
-// a K tail (K = 400), bf16 and f32 out; its refusals and its plan.
-WEFT_GPU_TEST_ONE_GPU(grouped_gemm_fp8_matches_gemm_fp8_per_group) {
-  Rank& rank = ctx.comm().local(0);
-  WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+// a K tail (K = 400), N 256 and 192 (a column tile past N reads the next expert's rows, which the store
+// clips), bf16 and f32 out; its refusals and its plan.
+static void grouped_fp8_case(Rank& rank, int64_t n) {
   const cudaStream_t s = rank.stream();
   const int groups = 3;
-  const int64_t n = 256, k = 400, rows = 512, kb = (k + 127) / 128, nb = n / 128;
+  const int64_t k = 400, rows = 512, kb = (k + 127) / 128, nb = (n + 127) / 128;
   const std::vector<int32_t> ends = {128, 128, 384};
   DeviceBuffer a(rows * k), b(groups * n * k), sa(rows * kb * 4), sb(groups * nb * kb * 4), ge(groups * 4),
       c(rows * n * 4), ref(rows * n * 4);
@@ -452,6 +451,17 @@ WEFT_GPU_TEST_ONE_GPU(grouped_gemm_fp8_matches_gemm_fp8_per_group) {
     for (size_t i = used; i < hc.size(); ++i) untouched &= hc[i] == 0xff;
     WEFT_EXPECT(untouched, "rows past the last group's end were written");
   }
+}
+
+WEFT_GPU_TEST_ONE_GPU(grouped_gemm_fp8_matches_gemm_fp8_per_group) {
+  Rank& rank = ctx.comm().local(0);
+  WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+  for (int64_t n : {int64_t(256), int64_t(192)}) grouped_fp8_case(rank, n);
+  const cudaStream_t s = rank.stream();
+  const int groups = 3;
+  const int64_t n = 256, k = 400, rows = 512, nb = n / 128;
+  DeviceBuffer a(rows * k), b(groups * n * k), sa(rows * 4 * 4), sb(groups * nb * 4 * 4), ge(groups * 4),
+      c(rows * n * 4);
   std::string e = error_of([&] {
     grouped_gemm_fp8(a.p, b.p, c.p, ge.as<int32_t>(), groups, 500, n, k, Fp8Type::kE4M3, sa.as<float>(),
                      sb.as<float>(), DType::kBF16, s);

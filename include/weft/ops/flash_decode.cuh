@@ -40,7 +40,7 @@ inline constexpr int kDecodeBlocksPerSm = 2;  // resident (its registers: ~240 a
 inline constexpr int kDecodeMaxPairs = 2048;  // (sequence, KV head) pairs of a call: landed counts per parity
 inline constexpr int kDecodeMaxParts =
     512;  // partials of a row to merge (world x splits): the merge's weights
-inline constexpr int kDecodeMaxWorld = 64;  // ranks of a team: `released` flags per (rank, parity)
+inline constexpr int kDecodeMaxWorld = kDecodeMaxParts;  // ranks: `released` flags per (rank, parity)
 
 // Why flash_decode refused a call on the device (DeviceError::thread; DeviceError::block: the sequence).
 enum class DecodeBadInput : uint32_t {

@@ -47,7 +47,7 @@ struct Fp8GemmOp {
     int m, n, k_blocks;
     const float* scale_a;  // see the header, per kScaling
     const float* scale_b;
-    int sa_stride;  // kBlock: floats from one row's A scales to the next's (k_blocks when dense)
+    int sa_stride;  // kBlock: floats from one row's A scales to the next's (0: k_blocks, dense)
     lcsc::StoreMode store_mode;
   };
   struct Smem {
@@ -90,8 +90,9 @@ struct Fp8GemmOp {
   __device__ static void block_scaled_mma(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                                           int wg, Accum& acc, int row, const float* sb) {
     const int row8 = row + 8;
-    const float* sa = p.scale_a + int64_t(row) * p.sa_stride;
-    const float* sa8 = p.scale_a + int64_t(row8) * p.sa_stride;
+    const int64_t stride = p.sa_stride > 0 ? p.sa_stride : p.k_blocks;  // 0 (a launcher that sets none): dense
+    const float* sa = p.scale_a + int64_t(row) * stride;
+    const float* sa8 = p.scale_a + int64_t(row8) * stride;
     const bool in = row < p.m, in8 = row8 < p.m;
     Mainloop::template mma<kE5M2>(s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb) {
       const float b = __ldg(sb + kb);
