@@ -120,6 +120,24 @@ class MoeDispatch:
         self.scales = None  # moe_dispatch_fp8's: each row's block scales
 
 
+def _dispatch_args(x, experts, comm, where):
+    """The communicator of a dispatch, after the checks of x [tokens, hidden] (bf16 / fp16) and experts [tokens,
+    top_k] (integer ids) on this rank's GPU."""
+    if not (_torch_tensor(x) and _torch_tensor(experts)):
+        raise WeftTypeError(f"{where}: x and experts must be torch tensors")
+    c = _comm(comm)
+    if not x.is_cuda or x.device.index != c.device or experts.device != x.device:
+        raise WeftValueError(f"{where}: x and experts must be CUDA tensors on this rank's cuda:{c.device}")
+    if x.dim() != 2 or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
+        raise WeftValueError(f"{where}: x must be [tokens, hidden] and experts [tokens, top_k], got "
+                             f"{tuple(x.shape)} and {tuple(experts.shape)}")
+    if _w._ops.DTYPES.get(x.dtype) not in ("bf16", "fp16"):
+        raise WeftTypeError(f"{where}: x must be bf16 or fp16, got {x.dtype}")
+    if experts.dtype.is_floating_point:
+        raise WeftTypeError(f"{where}: experts must hold integer ids, got {experts.dtype}")
+    return c
+
+
 def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None, exact=False):
     """Sends each token of this rank to the ranks holding its top-k experts (experts split evenly over the team).
 
@@ -134,18 +152,7 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None,
     grad it is a copy (its consumers, e.g. weft.grouped_mm, may keep it for their backward).
     """
     where = "weft.moe_dispatch"
-    if not (_torch_tensor(x) and _torch_tensor(experts)):
-        raise WeftTypeError(f"{where}: x and experts must be torch tensors")
-    c = _comm(comm)
-    if not x.is_cuda or x.device.index != c.device or experts.device != x.device:
-        raise WeftValueError(f"{where}: x and experts must be CUDA tensors on this rank's cuda:{c.device}")
-    if x.dim() != 2 or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
-        raise WeftValueError(f"{where}: x must be [tokens, hidden] and experts [tokens, top_k], got "
-                             f"{tuple(x.shape)} and {tuple(experts.shape)}")
-    if _w._ops.DTYPES.get(x.dtype) not in ("bf16", "fp16"):
-        raise WeftTypeError(f"{where}: x must be bf16 or fp16, got {x.dtype}")
-    if experts.dtype.is_floating_point:
-        raise WeftTypeError(f"{where}: experts must hold integer ids, got {experts.dtype}")
+    c = _dispatch_args(x, experts, comm, where)
     if exact and c._c.local_ranks > 1:  # refused before anything is queued: the peers would wait for ever
         raise WeftValueError(f"{where}: exact=True reads the counts back, synchronising this rank's stream, "
                              f"which in a team that one process drives ({c._c.local_ranks} ranks here) waits for "
@@ -173,18 +180,7 @@ def moe_dispatch_fp8(x, experts, num_experts, max_tokens=None, align=128, comm=N
     weft.moe_dispatch, expert_out of x's dtype. x bf16 / fp16 with hidden a multiple of 16. Eager, no autograd
     (inference)."""
     where = "weft.moe_dispatch_fp8"
-    if not (_torch_tensor(x) and _torch_tensor(experts)):
-        raise WeftTypeError(f"{where}: x and experts must be torch tensors")
-    c = _comm(comm)
-    if not x.is_cuda or x.device.index != c.device or experts.device != x.device:
-        raise WeftValueError(f"{where}: x and experts must be CUDA tensors on this rank's cuda:{c.device}")
-    if x.dim() != 2 or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
-        raise WeftValueError(f"{where}: x must be [tokens, hidden] and experts [tokens, top_k], got "
-                             f"{tuple(x.shape)} and {tuple(experts.shape)}")
-    if _w._ops.DTYPES.get(x.dtype) not in ("bf16", "fp16"):
-        raise WeftTypeError(f"{where}: x must be bf16 or fp16, got {x.dtype}")
-    if experts.dtype.is_floating_point:
-        raise WeftTypeError(f"{where}: experts must hold integer ids, got {experts.dtype}")
+    c = _dispatch_args(x, experts, comm, where)
     tokens, hidden = x.shape
     if hidden % 16:
         raise WeftValueError(f"{where}: hidden must be a multiple of 16 (16-byte FP8 rows), got {hidden}")
