@@ -126,6 +126,9 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None):
         raise WeftValueError(f"{where}: rows ({rows}) must be a multiple of 128 and K ({k}) of 16")
     if a.stride(0) < k or a.stride(0) % 16:
         raise WeftValueError(f"{where}: a's row stride ({a.stride(0)} bytes) must be at least K and a multiple of 16")
+    if scale_a.stride(0) < -(-k // _BLOCK):
+        raise WeftValueError(f"{where}: scale_a's row stride ({scale_a.stride(0)} floats) must be at least "
+                             f"ceil(K / 128) = {-(-k // _BLOCK)}")
     blocks = -(-k // _BLOCK)
     if scale_a.dtype != torch.float32 or tuple(scale_a.shape) != (rows, blocks) or \
             scale_b.dtype != torch.float32 or tuple(scale_b.shape) != (groups, -(-n // _BLOCK), blocks):

@@ -178,7 +178,8 @@ def moe_dispatch_fp8(x, experts, num_experts, max_tokens=None, align=128, comm=N
     until the next dispatch): weft.grouped_scaled_mm(d.rows, w, d.group_end, d.scales, w_scales) runs the experts
     on them in place, then weft.moe_combine_input(d) / weft.moe_combine(expert_out, d, weights) as after
     weft.moe_dispatch, expert_out of x's dtype. x bf16 / fp16 with hidden a multiple of 16. Eager, no autograd
-    (inference)."""
+    (inference). Under torch.no_grad() the padding rows are left as they were (any bytes): their GEMM output rows
+    may then hold NaN or inf, which combine never reads but a reduction over all of the output would."""
     where = "weft.moe_dispatch_fp8"
     c = _dispatch_args(x, experts, comm, where)
     tokens, hidden = x.shape
@@ -253,6 +254,9 @@ def moe_grouped_mm_combine(a, b, dispatched, weights):
     where = "weft.moe_grouped_mm_combine"
     if not isinstance(dispatched, MoeDispatch):
         raise WeftTypeError(f"{where}: pass what weft.moe_dispatch returned")
+    if dispatched.scales is not None:
+        raise WeftValueError(f"{where}: takes a bf16 dispatch's handle (weft.moe_dispatch), not "
+                             "weft.moe_dispatch_fp8's: combine its experts' outputs with weft.moe_combine")
     if not (_torch_tensor(a) and _torch_tensor(b) and _torch_tensor(weights)):
         raise WeftTypeError(f"{where}: a, b and weights must be torch tensors")
     torch = _w._ops.torch

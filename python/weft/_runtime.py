@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import os
 import secrets
 import sys
@@ -167,9 +168,13 @@ class MultiNodeTeam:
                 raise WeftValueError(f"weft: moe_dispatch: tensors must be on this rank's cuda:{self.device}")
         dtype = _dtype_name(x.dtype)
         tokens, hidden = x.shape
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not tokens <= max_tokens:
-            raise WeftValueError(f"weft: moe_dispatch: max_tokens must be an int >= this rank's {tokens} tokens, the "
-                                 f"same on every rank; got {max_tokens!r}")
+        try:
+            max_tokens = None if isinstance(max_tokens, bool) else operator.index(max_tokens)
+        except TypeError:
+            max_tokens = None
+        if max_tokens is None or not tokens <= max_tokens:
+            raise WeftValueError(f"weft: moe_dispatch: max_tokens must be an integer >= this rank's {tokens} tokens, "
+                                 "the same on every rank")
         shape = (tokens, max_tokens, hidden, int(num_experts), experts.shape[1], int(align),
                  int(torch.is_grad_enabled()))
         x = x.contiguous()

@@ -664,11 +664,10 @@ WEFT_GPU_TEST(moe_dispatch_fp8_matches_quantized_dispatch) {
                              local[i]->ws8.p, local[i]->ws8.bytes, DType::kBF16);
   }
   c.synchronize();
-  for (int i = 0; i < c.num_local(); ++i) {
-    Rank& rank = c.local(i);
+  for (int i = 0; i < c.num_local(); ++i) {  // on every rank's stream, then one synchronisation
     Local& l = *local[i];
-    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
-    const cudaStream_t st = rank.stream();
+    WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+    const cudaStream_t st = c.local(i).stream();
     const int64_t cap = moe_capacity(W, shapes[i]);
     quantize_fp8(l.rows.p, DType::kBF16, l.q.p, Fp8Type::kE4M3, l.s.as<float>(), cap, hidden,
                  Fp8Scaling::kBlock, Fp8Operand::kA, st);
@@ -677,18 +676,27 @@ WEFT_GPU_TEST(moe_dispatch_fp8_matches_quantized_dispatch) {
                      GemmOptions{.lda = f8[i].row_bytes}, f8[i].scale_stride);
     grouped_gemm_fp8(l.q.p, l.b.p, l.cd.p, f8[i].dispatched.group_end, per, cap, n, hidden, Fp8Type::kE4M3,
                      l.s.as<float>(), l.sb.as<float>(), DType::kBF16, st);
+  }
+  c.synchronize();
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    Local& l = *local[i];
+    const int64_t cap = moe_capacity(W, shapes[i]);
     std::vector<uint8_t> packed(cap * f8[i].row_bytes), q(cap * hidden), c8(cap * n * 2), cd(cap * n * 2);
     std::vector<float> s(cap * blocks);
-    std::vector<int32_t> source(cap);
+    std::vector<int32_t> source(cap), ends(per);
     weft::test::download(c, i, packed.data(), f8[i].values, packed.size());
     weft::test::download(c, i, q.data(), l.q.p, q.size());
     weft::test::download(c, i, s.data(), l.s.p, s.size() * 4);
     weft::test::download(c, i, c8.data(), l.c8.p, c8.size());
     weft::test::download(c, i, cd.data(), l.cd.p, cd.size());
-    weft::test::download(c, i, source.data(), bf[i].row_source, source.size() * 4);
+    // The FP8 dispatch's own row sources and group ends (the same routing as the bf16 one's; its area holds
+    // the bf16 dispatch's no more).
+    weft::test::download(c, i, source.data(), f8[i].dispatched.row_source, source.size() * 4);
+    weft::test::download(c, i, ends.data(), f8[i].dispatched.group_end, ends.size() * 4);
     int64_t routed = 0, bad_values = 0, bad_scales = 0, bad_gemm = 0;
-    for (int64_t r = 0; r < cap; ++r) {
-      if (source[r] < 0) continue;  // padding, or past the last group
+    for (int64_t r = 0; r < ends.back(); ++r) {  // rows past the last group's end: written by no dispatch
+      if (source[r] < 0) continue;               // padding
       ++routed;
       const uint8_t* row = packed.data() + r * f8[i].row_bytes;
       bad_values += std::memcmp(row, q.data() + r * hidden, hidden) != 0;
