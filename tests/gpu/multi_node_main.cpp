@@ -22,7 +22,8 @@
 //
 // --bench: after the tests, device us per call of each hierarchical collective and of NCCL's flat one over
 // every rank (bf16 sums, 1 MiB .. 256 MiB of output per rank; median of 20 after 3 warm-ups, slowest rank),
-// as a markdown table. On fake nodes that is NCCL over loopback sockets, not a network: label it so. Buffers
+// as a markdown table, then the tensor-parallel GEMMs across nodes against NCCL's flat collective with weft's
+// GEMM in sequence. On fake nodes that is NCCL over loopback sockets, not a network: label it so. Buffers
 // from cudaMalloc (weft's collectives then go through the node team's workspace, not the zero-copy path).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -376,6 +377,51 @@ float time_us(weft::MultiNodeTeam& t, cudaStream_t s, Call&& call, int iters = 2
   return slowest;
 }
 
+// The tensor-parallel GEMMs across nodes against NCCL's flat collective and weft's GEMM in sequence: m rows
+// a rank, N = K = 4096, bf16.
+void bench_gemms(weft::MultiNodeTeam& t) {
+  const int W = t.world();
+  cudaStream_t s = t.node_rank().stream();
+  const auto& n = weft::nccl::api();
+  const auto all = static_cast<weft::nccl::Comm>(t.nccl_all());
+  const int64_t nk = 4096;
+  if (t.rank() == 0)
+    std::printf(
+        "\n## tensor-parallel GEMMs across nodes, bf16, N = K = %lld, %d nodes x %d ranks (fake nodes: "
+        "loopback, "
+        "not a network): device us per call, slowest rank\n"
+        "| op | rows per rank | weft hierarchical us | NCCL flat + weft GEMM us | ratio "
+        "|\n|---|---|---|---|---|\n",
+        (long long)nk, t.nodes(), t.node_size());
+  for (int64_t m : {int64_t(512), int64_t(2048)}) {
+    Device a(W * m * nk * 2), b(nk * nk * 2), out(W * m * nk * 2), tmp(W * m * nk * 2);
+    WEFT_CUDA_CHECK(cudaMemset(a.p, 0, W * m * nk * 2));
+    WEFT_CUDA_CHECK(cudaMemset(b.p, 0, nk * nk * 2));
+    const float ag = time_us(t, s, [&] {
+      weft::hierarchical_all_gather_matmul(t, a.p, b.p, out.p, nullptr, m, nk, nk, weft::BLayout::kNK, s);
+    });
+    const float ag_flat = time_us(t, s, [&] {
+      weft::nccl::check(n.AllGather(a.p, tmp.p, size_t(m * nk), weft::nccl::kBfloat16, all, s), "AG");
+      weft::gemm(tmp.p, b.p, out.p, W * m, nk, nk, weft::BLayout::kNK, DType::kBF16, s);
+    });
+    const float rs = time_us(t, s, [&] {
+      weft::hierarchical_matmul_reduce_scatter(t, a.p, b.p, out.p, m, nk, nk, weft::BLayout::kNK, s);
+    });
+    const float rs_flat = time_us(t, s, [&] {
+      weft::gemm(a.p, b.p, tmp.p, W * m, nk, nk, weft::BLayout::kNK, DType::kBF16, s);
+      weft::nccl::check(
+          n.ReduceScatter(tmp.p, out.p, size_t(m * nk), weft::nccl::kBfloat16, weft::nccl::kSum, all, s),
+          "RS");
+    });
+    if (t.rank() == 0) {
+      std::printf("| all_gather_matmul | %lld | %.1f | %.1f | %.2fx |\n", (long long)m, ag, ag_flat,
+                  ag_flat / ag);
+      std::printf("| matmul_reduce_scatter | %lld | %.1f | %.1f | %.2fx |\n", (long long)m, rs, rs_flat,
+                  rs_flat / rs);
+    }
+  }
+}
+
 void bench(weft::MultiNodeTeam& t) {
   const int W = t.world();
   cudaStream_t s = t.node_rank().stream();
@@ -438,6 +484,7 @@ void bench(weft::MultiNodeTeam& t) {
         std::printf("| %s | %zu MiB | %.1f | %.1f | %.2fx |\n", r.name, bytes >> 20, r.weft, r.nccl,
                     r.nccl / r.weft);
   }
+  bench_gemms(t);
 }
 
 // The rank-death scenario (see the header): 0 when this rank saw the loss in time (or is the one that left).
