@@ -21,6 +21,9 @@ Hierarchical forms (every GPU drives its own NIC in the cross-node leg, on 1 / g
                   NVLink beside it (the two overlap)
   MoE dispatch    all-to-all of tokens, each token sent once per destination node (DeepEP's aggregation)
                   rather than once per expert (top_k copies): the network carries distinct_nodes / top_k of it
+  MoE, every node weft's hierarchical_moe_dispatch as built: every token once to every node (fixed-size legs,
+                  no count exchange), then the dispatch inside the node; the network carries (nodes - 1) /
+                  top_k of the naive all-to-all's data
 Flat: NCCL's rings over all P GPUs, one ring per NIC (gpus_per_node rings, each carrying 1 / gpus_per_node of
 the data across each node boundary at one NIC's rate): 2 (P - 1) / P (all-reduce) or (P - 1) / P of the data
 over gpus_per_node NICs, and 2 (P - 1) or P - 1 steps of latency (all-reduce: or NCCL's tree, 2 log2(nodes)
@@ -110,6 +113,14 @@ class Machine:
         distinct = n * (1 - (1 - 1 / n) ** top_k) if n > 1 else 1.0
         return self.all_to_all(s * distinct / top_k)
 
+    def moe_every_node(self, s, top_k):
+        """weft's MoE dispatch as built: each GPU's tokens (s / top_k bytes) to every other node over its NIC,
+        beside the in-node dispatch of what arrived (nodes x its tokens' top_k share inside the node)."""
+        n, g = self.nodes, self.g
+        net = self.net_lat + (n - 1) * (s / top_k) / (self.net * 1e3) if n > 1 else 0.0
+        node = self.node_leg("all_to_all", (g - 1) / g, s) if g > 1 else 0.0
+        return net + node  # the legs are not pipelined
+
     # ---- flat: rings over all P GPUs, one per NIC --------------------------------------------------------------
     def flat(self, op, s):
         p, nics = self.p, self.g
@@ -127,7 +138,7 @@ class Machine:
 
 
 def table(args):
-    ops = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "moe_dispatch"]
+    ops = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "moe_dispatch", "moe_every_node"]
     rows = []
     for nodes in args.nodes:
         m = Machine(nodes, args.gpus_per_node, args.net_gbps, args.net_efficiency, args.net_latency_us, args.chunks)
@@ -135,6 +146,9 @@ def table(args):
             for op in ops:
                 if op == "moe_dispatch":
                     hier = m.moe_dispatch(size, args.top_k, args.experts)
+                    flat = m.flat("all_to_all", size)
+                elif op == "moe_every_node":
+                    hier = m.moe_every_node(size, args.top_k)
                     flat = m.flat("all_to_all", size)
                 else:
                     hier = getattr(m, op)(size)

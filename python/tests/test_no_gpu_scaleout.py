@@ -36,6 +36,7 @@ class ScaleoutModel(unittest.TestCase):
             for n in (2, 4, 8, 16):
                 m = machine(n)
                 self.assertLessEqual(m.moe_dispatch(s, 8, 256), m.all_to_all(s) + 1e-9)
+                self.assertGreater(m.moe_every_node(s, 8), 0)
                 for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
                     t = getattr(m, op)(s)
                     self.assertGreater(t, 0)
@@ -50,7 +51,7 @@ class ScaleoutModel(unittest.TestCase):
             self.assertEqual(model.main(["--nodes", "2", "--sizes", "1M"]), 0)
         text = out.getvalue()
         self.assertIn("MODEL (not a measurement)", text)
-        self.assertEqual(text.count("| 2 | 16 |"), 5)
+        self.assertEqual(text.count("| 2 | 16 |"), 6)
 
 
 if __name__ == "__main__":
