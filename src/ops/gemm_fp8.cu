@@ -209,7 +209,8 @@ void grouped_gemm_fp8(const void* a, const void* b, void* c, const int32_t* grou
 
 Plan grouped_gemm_fp8_plan(int groups, int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, DType c_type,
                            const GemmOptions& options) {
-  WEFT_CHECK(groups >= 1, "weft::grouped_gemm_fp8_plan: groups must be at least 1, got " + std::to_string(groups));
+  WEFT_CHECK(groups >= 1,
+             "weft::grouped_gemm_fp8_plan: groups must be at least 1, got " + std::to_string(groups));
   Fp8Problem pr{nullptr, nullptr, nullptr, rows, n, k, ab_type, Fp8Scales{Fp8Scaling::kBlock},
                 c_type,  options};
   pr.groups = groups;

@@ -90,7 +90,8 @@ struct Fp8GemmOp {
   __device__ static void block_scaled_mma(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                                           int wg, Accum& acc, int row, const float* sb) {
     const int row8 = row + 8;
-    const int64_t stride = p.sa_stride > 0 ? p.sa_stride : p.k_blocks;  // 0 (a launcher that sets none): dense
+    const int64_t stride =
+        p.sa_stride > 0 ? p.sa_stride : p.k_blocks;  // 0 (a launcher that sets none): dense
     const float* sa = p.scale_a + int64_t(row) * stride;
     const float* sa8 = p.scale_a + int64_t(row8) * stride;
     const bool in = row < p.m, in8 = row8 < p.m;
