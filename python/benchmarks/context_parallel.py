@@ -6,7 +6,11 @@ torch baselines and the ideal (single-GPU attention over the whole sequence / W)
         [--methods "weft ring,torch ring"]
 
 Shapes: Llama3-8B-like (batch 1, 32 query / 8 K/V heads, head dim 128, causal) and 16 heads (16 K/V) of 128,
-non-causal; 2k, 4k, 8k, 16k, 32k tokens per GPU (--quick: 2k, 8k); forward, and forward + backward.
+non-causal; 2k, 4k, 8k, 16k, 32k tokens per GPU (--quick: 2k, 8k); forward, and forward + backward. Then packed
+documents (the common long-context training setup): lengths drawn log-uniform in 128..32k (the same on every
+rank), packed to the same token counts, the Llama3-8B-like heads, causal within each document (--no-varlen:
+skipped); its methods: weft's (cu_seqlens), torch ulysses with SDPA per document, and the ideal from
+weft.flash_attention_varlen (torch's SDPA has no varlen form; torch ring: no packed form here).
 - ideal: the faster of weft.flash_attention and torch's cuDNN SDPA over the whole sequence on one GPU, / W;
 - weft ring / weft ulysses: weft.ring_attention / weft.ulysses_attention (ring layout: zigzag when causal);
   weft hybridU: weft.hybrid_attention with Ulysses size U (each 1 < U < W dividing W);
@@ -24,6 +28,7 @@ every push only signalling, WEFT_RING_NO_COPY=1, timed in the same rounds), peak
 """
 import math
 import os
+import random
 import sys
 
 import torch
@@ -179,27 +184,45 @@ class TorchRing:
         return (dq.to(q.dtype).transpose(1, 2), dk.to(k.dtype).transpose(1, 2), dv.to(v.dtype).transpose(1, 2))
 
 
-def torch_ulysses(q, k, v, causal, world):
-    """[B, n, H, D] contiguous shards of the sequence -> all-to-all -> SDPA over [B, S, H / W, D] -> back."""
+def to_heads(x, world):
+    """Ulysses' first all-to-all (differentiable): [B, n, X, D] contiguous shards of the sequence -> [B, W n, X / W, D]
+    (fewer K / V heads than ranks: replicated first)."""
     from torch.distributed.nn.functional import all_to_all_single
+    b, n, hx, d = x.shape
+    if hx % world:
+        x = x.repeat_interleave(world // math.gcd(world, hx), dim=2)
+        hx = x.shape[2]
+    send = x.reshape(b, n, world, hx // world, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = all_to_all_single(torch.empty_like(send), send)
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, world * n, hx // world, d)
 
-    def to_heads(x):  # [B, n, X, D] -> [B, W n, X / W, D]
-        b, n, hx, d = x.shape
-        if hx % world:  # fewer K / V heads than ranks: replicate them first
-            x = x.repeat_interleave(world // math.gcd(world, hx), dim=2)
-            hx = x.shape[2]
-        send = x.reshape(b, n, world, hx // world, d).permute(2, 0, 1, 3, 4).contiguous()
-        recv = all_to_all_single(torch.empty_like(send), send)
-        return recv.permute(1, 0, 2, 3, 4).reshape(b, world * n, hx // world, d)
 
-    qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
-    o = F.scaled_dot_product_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), is_causal=causal,
-                                       enable_gqa=kh.shape[2] != qh.shape[2]).transpose(1, 2)
+def to_sequence(o, world):
+    """Ulysses' second all-to-all: [B, S, H / W, D] -> this rank's contiguous rows [B, S / W, H, D]."""
+    from torch.distributed.nn.functional import all_to_all_single
     b, s, hw, d = o.shape
     n = s // world
     send = o.reshape(b, world, n, hw, d).permute(1, 0, 2, 3, 4).contiguous()  # [W, B, n, H / W, D]
     recv = all_to_all_single(torch.empty_like(send), send)
     return recv.permute(1, 2, 0, 3, 4).reshape(b, n, world * hw, d)
+
+
+def torch_ulysses(q, k, v, causal, world):
+    """[B, n, H, D] contiguous shards of the sequence -> all-to-all -> SDPA over [B, S, H / W, D] -> back."""
+    qh, kh, vh = to_heads(q, world), to_heads(k, world), to_heads(v, world)
+    o = F.scaled_dot_product_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), is_causal=causal,
+                                       enable_gqa=kh.shape[2] != qh.shape[2]).transpose(1, 2)
+    return to_sequence(o, world)
+
+
+def torch_ulysses_varlen(q, k, v, docs, world):
+    """Packed documents: [n, H, D] contiguous shards of the packed sequence -> all-to-all -> causal SDPA per
+    document (offsets `docs`) -> back."""
+    qh, kh, vh = (to_heads(x.unsqueeze(0), world)[0].transpose(0, 1) for x in (q, k, v))  # [X / W, S, D]
+    gqa = kh.shape[0] != qh.shape[0]
+    parts = [F.scaled_dot_product_attention(qh[None, :, b:e], kh[None, :, b:e], vh[None, :, b:e], is_causal=True,
+                                            enable_gqa=gqa)[0] for b, e in zip(docs[:-1], docs[1:])]
+    return to_sequence(torch.cat(parts, dim=1).transpose(0, 1).unsqueeze(0), world)[0]
 
 
 def sdpa_preferring_cudnn():
@@ -240,7 +263,100 @@ def main():
             rows_out += bench_shape(sdpa, comm, rank, world, n, h, kvh, causal, only)
         print_table(f"{label}, head dim 128, bf16, {world} GPUs: % of ideal = (single-GPU time / W) / time",
                     rows_out)
+    if "--no-varlen" not in sys.argv:
+        rows_out = []
+        for n in per_gpu:
+            rows_out += bench_varlen(rank, world, n, 32, 8, only)
+        print_table(f"packed documents (128..32k tokens), 32 / 8 heads, causal, head dim 128, bf16, {world} GPUs: "
+                    "% of ideal = (weft's single-GPU varlen time / W) / time", rows_out)
     dist.destroy_process_group()
+
+
+def documents(total, seed):
+    """Offsets [0, l0, l0 + l1, ..., total] of documents of lengths log-uniform in 128..32k (the last one cut
+    to fill `total`): the same on every rank."""
+    rng, offsets = random.Random(seed), [0]
+    while offsets[-1] < total:
+        offsets.append(min(total, offsets[-1] + int(2 ** rng.uniform(7, 15))))
+    return offsets
+
+
+def bench_varlen(rank, world, n, h, kvh, only):
+    """The packed-documents case: every method's forward and forward + backward against the ideal."""
+    d = 128
+    s = n * world
+    docs = documents(s, 4321 + n)
+    longest = max(e - b for b, e in zip(docs[:-1], docs[1:]))
+    cu = torch.tensor(docs, dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(99 + n)
+    full = [torch.randn(s, x, d, device="cuda", dtype=torch.bfloat16, generator=g) for x in (h, kvh, kvh, h)]
+    Q, K, V, DO = full
+    Qr, Kr, Vr = (x.clone().requires_grad_() for x in (Q, K, V))
+
+    def single(q, k, v):
+        return weft.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
+
+    ref_out = single(Qr, Kr, Vr)
+    ref_grads = torch.autograd.grad(ref_out, (Qr, Kr, Vr), DO)
+    zig = torch.tensor(weft.ring_shard_indices(world, rank, True, cu_seqlens=docs), device="cuda")
+    cont = torch.arange(rank * n, (rank + 1) * n, device="cuda")
+    methods = {
+        "weft ring": (zig, lambda q, k, v: weft.ring_attention(q, k, v, causal=True, cu_seqlens=docs)),
+        "weft ulysses": (zig, lambda q, k, v: weft.ulysses_attention(q, k, v, causal=True, cu_seqlens=docs)),
+        "torch ulysses": (cont, lambda q, k, v: torch_ulysses_varlen(q, k, v, docs, world)),
+    }
+    if h % world or (kvh % world and world % kvh):
+        del methods["weft ulysses"]
+    for u in range(2, world):
+        if world % u == 0 and h % u == 0 and not (kvh % u and u % kvh):
+            methods[f"weft hybrid{u}"] = (zig, lambda q, k, v, u=u: weft.hybrid_attention(q, k, v, u, causal=True,
+                                                                                          cu_seqlens=docs))
+    methods = {m: x for m, x in methods.items() if only is None or m in only}
+    inputs = {m: [x.index_select(0, idx).contiguous() for x in full] for m, (idx, _) in methods.items()}
+    leaves = {m: [x.clone().requires_grad_() for x in inputs[m][:3]] for m in methods}
+    errors = {}
+    for m, (idx, f) in methods.items():
+        q, k, v = leaves[m]
+        out = f(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), inputs[m][3])
+        e_out = (out.float() - ref_out.index_select(0, idx).float()).abs().max().item()
+        e_grad = max((gx.float() - rx.index_select(0, idx).float()).abs().max().item()
+                     for gx, rx in zip(grads, ref_grads))
+        errors[m] = (team_max(e_out), team_max(e_grad))
+
+    def fwd(m):
+        _, f = methods[m]
+        q, k, v, _ = inputs[m]
+
+        def run():
+            with torch.no_grad():
+                f(q, k, v)
+        return run
+
+    def fwd_bwd(m):
+        _, f = methods[m]
+        q, k, v = leaves[m]
+        do = inputs[m][3]
+        return lambda: torch.autograd.grad(f(q, k, v), (q, k, v), do)
+
+    iters, rounds = (3, 2) if s >= 32768 else (10, 3)
+    fwd_ms = timed_alternating({"single": lambda: single(Q, K, V), **{m: fwd(m) for m in methods}}, iters,
+                               rounds=rounds, reps=3)
+    bwd_ms = timed_alternating({"single": lambda: torch.autograd.grad(single(Qr, Kr, Vr), (Qr, Kr, Vr), DO),
+                                **{m: fwd_bwd(m) for m in methods}}, iters, rounds=rounds, reps=3)
+    ideal_f, ideal_b = fwd_ms["single"] / 1e3 / world, bwd_ms["single"] / 1e3 / world
+    rows = []
+    for m in methods:
+        tf, tb = fwd_ms[m] / 1e3, bwd_ms[m] / 1e3
+        rows.append({"tokens / GPU": n, "documents": len(docs) - 1, "method": m, "fwd ms": f"{tf:.3f}",
+                     "fwd % ideal": f"{100 * ideal_f / tf:.1f}", "fwd+bwd ms": f"{tb:.3f}",
+                     "fwd+bwd % ideal": f"{100 * ideal_b / tb:.1f}", "max err out": f"{errors[m][0]:.2e}",
+                     "max err dq/dk/dv": f"{errors[m][1]:.2e}"})
+    rows.append({"tokens / GPU": n, "documents": len(docs) - 1, "method": "ideal (weft varlen single / W)",
+                 "fwd ms": f"{ideal_f:.3f}", "fwd+bwd ms": f"{ideal_b:.3f}"})
+    if rank == 0:
+        print(f"  packed documents, {n} tokens / GPU done", flush=True)
+    return rows
 
 
 def bench_shape(sdpa, comm, rank, world, n, h, kvh, causal, only):
