@@ -420,6 +420,26 @@ void Channel::fail(const std::string& why) {
   throw Error(lost_);
 }
 
+void Channel::report_failure(const std::string& why) {
+  std::unique_lock<std::mutex> lk(io_mu_, std::try_to_lock);
+  if (lk.owns_lock()) {
+    if (!lost_.empty()) return;
+    lost_ = "weft: rank " + std::to_string(rank_) + " gave up: " + why;
+    for (int r = 0; r < static_cast<int>(peers_.size()); ++r) {
+      if (peers_[r].sock < 0) continue;
+      try {
+        send_frame(peers_[r].sock, MsgType::kError, 0, rank_, lost_, -1, r);
+      } catch (...) {
+      }
+      ::shutdown(peers_[r].sock, SHUT_RDWR);
+    }
+    return;
+  }
+  // The sockets stay open (closed by the destructor); shutting them down is safe beside another thread's use.
+  for (const Peer& peer : peers_)
+    if (peer.sock >= 0) ::shutdown(peer.sock, SHUT_RDWR);
+}
+
 std::string Channel::lost_reason() const {
   std::lock_guard<std::mutex> lk(io_mu_);
   return lost_;

@@ -775,6 +775,7 @@ void Communicator::abort(const std::string& why) {
     if (abort_reason_.empty()) abort_reason_ = why;
   }
   if (abort_flag_) *reinterpret_cast<volatile int32_t*>(abort_flag_) = 1;
+  if (channel_) channel_->report_failure(why);  // the other processes' kernels stop waiting too
 }
 
 bool Communicator::aborted() const {

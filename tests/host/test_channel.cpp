@@ -901,3 +901,59 @@ TEST(Channel, LeavingOnAnExceptionFailsThePeersFast) {
   ASSERT_TRUE(eventually([&] { return !ch.lost_reason().empty(); }, milliseconds(3000)));
   EXPECT_HAS(ch.lost_reason(), "rank 1 left the job on an error");
 }
+
+// A rank that gives up (Communicator::abort: report_failure) tells the others at once, through rank 0 for a
+// client, with its reason; while idle and while a collective of another thread holds the channel.
+TEST(Channel, ReportedFailureReachesEveryRankWithItsReason) {
+  constexpr int kWorld = 3;
+  const std::string job = unique_job("report");
+  const pid_t reporter = fork_child([&] {
+    Channel ch(job, 2, kWorld, kJoin);
+    ch.barrier();
+    ch.report_failure("its NCCL leg failed");
+    if (!contains(ch.lost_reason(), "rank 2 gave up: its NCCL leg failed")) return 60;
+    if (!contains(error_of([&] { ch.barrier(); }), "gave up")) return 61;
+    std::this_thread::sleep_for(milliseconds(300));  // the report goes out before the goodbye
+    return 0;
+  });
+  const pid_t other = fork_child([&] {
+    Channel ch(job, 1, kWorld, kJoin);
+    ch.barrier();
+    if (!eventually([&] { return !ch.lost_reason().empty(); }, milliseconds(3000))) return 62;
+    if (!contains(ch.lost_reason(), "its NCCL leg failed")) {
+      weft_test::child_note("rank 1 lost_reason: " + ch.lost_reason());
+      return 63;
+    }
+    return 0;
+  });
+  Channel ch(job, 0, kWorld, kJoin);
+  ch.barrier();
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(eventually([&] { return !ch.lost_reason().empty(); }, milliseconds(3000)));
+  EXPECT_LT(ms_since(t0), 1000);
+  EXPECT_HAS(ch.lost_reason(), "rank 2 gave up: its NCCL leg failed");
+  EXPECT_EQ(wait_child(reporter), 0);
+  EXPECT_EQ(wait_child(other), 0);
+}
+
+TEST(Channel, ReportedFailureDuringACollectiveFailsItAndThePeers) {
+  const std::string job = unique_job("reportbusy");
+  const pid_t peer = fork_child([&] {
+    Channel ch(job, 1, 2, kJoin);
+    ch.barrier();
+    // Rank 0 is inside a barrier this rank never joins; the report closes the connection under it.
+    if (!eventually([&] { return !ch.lost_reason().empty(); }, milliseconds(5000))) return 70;
+    return 0;
+  });
+  Channel ch(job, 0, 2, kJoin);
+  ch.barrier();
+  std::string in_barrier;
+  std::thread waiter([&] { in_barrier = error_of([&] { ch.barrier(); }); });
+  std::this_thread::sleep_for(milliseconds(200));  // the barrier holds the channel now
+  const auto t0 = Clock::now();
+  ch.report_failure("a device wait failed");
+  waiter.join();
+  EXPECT_LT(ms_since(t0), 2000);
+  EXPECT_FALSE(in_barrier.empty());
+  EXPECT_EQ(wait_child(peer), 0);
+}

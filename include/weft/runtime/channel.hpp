@@ -65,6 +65,12 @@ class Channel {
   std::string lost_reason() const;
   // Non-empty once a peer has left normally (its goodbye arrived while no collective was in flight).
   std::string departed_reason() const;
+  // Tells every peer this rank gave up (`why`: an error report, as a destructor unwinding on an exception
+  // sends; rank 0 relays it to every rank) and closes the connections: the peers' monitors raise their abort
+  // flags within milliseconds instead of waiting for their timeouts. Thread-safe. Where a collective holds
+  // the channel (waiting on its peers), no report can go in between: the connections are closed under it,
+  // which fails it and which the peers read as this rank's loss. The channel is lost from then on.
+  void report_failure(const std::string& why);
   // Per-collective wait limit (default: the constructor's timeout).
   void set_op_timeout(std::chrono::milliseconds t) { op_timeout_ = t; }
 

@@ -212,7 +212,8 @@ class Communicator {
   void synchronize();
   // Gives up on the team from outside its kernels (a team spanning nodes whose NCCL leg failed): raises the
   // abort flag, so every device wait of this process's ranks fails within milliseconds, and synchronize()
-  // reports `why`. Thread-safe; the first reason stays.
+  // reports `why`; with one process per rank it also tells the other processes (Channel::report_failure),
+  // whose waits fail as fast. Thread-safe; the first reason stays.
   void abort(const std::string& why);
   // Whether the team has given up (abort(), or a peer process lost: the rendezvous channel raised the flag).
   bool aborted() const;
