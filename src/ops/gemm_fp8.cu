@@ -208,12 +208,13 @@ void grouped_gemm_fp8(const void* a, const void* b, void* c, const int32_t* grou
 }
 
 Plan grouped_gemm_fp8_plan(int groups, int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, DType c_type,
-                           const GemmOptions& options) {
+                           const GemmOptions& options, int64_t scale_a_stride) {
   WEFT_CHECK(groups >= 1,
              "weft::grouped_gemm_fp8_plan: groups must be at least 1, got " + std::to_string(groups));
   Fp8Problem pr{nullptr, nullptr, nullptr, rows, n, k, ab_type, Fp8Scales{Fp8Scaling::kBlock},
                 c_type,  options};
   pr.groups = groups;
+  pr.sa_stride = scale_a_stride;
   return plan_or_launch(pr, nullptr, false);
 }
 

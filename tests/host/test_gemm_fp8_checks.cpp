@@ -45,6 +45,28 @@ TEST(GemmFp8Checks, RefusesBadShapesTypesAndOptions) {
   EXPECT_NE(e.find("unknown Fp8Scaling"), std::string::npos) << e;
 }
 
+TEST(GemmFp8Checks, GroupedRefusesWhatItCannotRun) {
+  auto grouped = [](int groups, int64_t rows, GemmOptions o = {}, int64_t sa_stride = 0) {
+    return error_of([&] {
+      (void)grouped_gemm_fp8_plan(groups, rows, 256, 256, Fp8Type::kE4M3, DType::kBF16, o, sa_stride);
+    });
+  };
+  EXPECT_NE(grouped(0, 256).find("groups must be at least 1"), std::string::npos);
+  EXPECT_NE(grouped(2, 500).find("multiple of 128"), std::string::npos);
+  GemmOptions ldb;
+  ldb.ldb = 512;
+  EXPECT_NE(grouped(2, 256, ldb).find("B and C must be dense"), std::string::npos);
+  GemmOptions add;
+  add.store = GemmStore::kReduceAdd;
+  EXPECT_NE(grouped(2, 256, add).find("C is stored"), std::string::npos);
+  EXPECT_NE(grouped(2, 256, {}, 1).find("scale_a_stride"), std::string::npos);  // ceil(256 / 128) = 2
+  GemmOptions lda;
+  lda.lda = 272;  // a row stride past K, a multiple of 16: moe_dispatch_fp8's packed rows
+  const std::string ok = grouped(2, 256, lda, 68);
+  EXPECT_EQ(ok.find("lda"), std::string::npos) << ok;  // (without a GPU it stops at the device check)
+  EXPECT_EQ(ok.find("scale_a_stride"), std::string::npos) << ok;
+}
+
 TEST(GemmFp8Checks, QuantizeRefusesBadArguments) {
   float scale = 0;
   char buf[64];

@@ -95,7 +95,7 @@ void grouped_gemm_fp8(const void* a, const void* b, void* c, const int32_t* grou
                       const float* scale_b, DType c_type, cudaStream_t stream,
                       const GemmOptions& options = {}, int64_t scale_a_stride = 0);
 Plan grouped_gemm_fp8_plan(int groups, int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, DType c_type,
-                           const GemmOptions& options = {});
+                           const GemmOptions& options = {}, int64_t scale_a_stride = 0);
 
 // Which operand of gemm_fp8 a quantization makes: the kBlock scales are 1 x 128 groups along K for A and
 // 128 x 128 blocks for B; the other kinds are the same for both (kRowCol: one per row of the operand).
