@@ -225,6 +225,30 @@ def torch_ulysses_varlen(q, k, v, docs, world):
     return to_sequence(torch.cat(parts, dim=1).transpose(0, 1).unsqueeze(0), world)[0]
 
 
+def timed_calls(methods, inputs, leaves):
+    """(fwd(m), fwd_bwd(m)): method m's forward (no grad) and forward + backward on its inputs, as callables to
+    time, SDPA preferring cuDNN inside."""
+    def fwd(m):
+        _, f = methods[m]
+        q, k, v, _ = inputs[m]
+
+        def run():
+            with torch.no_grad(), sdpa_preferring_cudnn():
+                f(q, k, v)
+        return run
+
+    def fwd_bwd(m):
+        _, f = methods[m]
+        q, k, v = leaves[m]
+        do = inputs[m][3]
+
+        def run():
+            with sdpa_preferring_cudnn():
+                torch.autograd.grad(f(q, k, v), (q, k, v), do)
+        return run
+    return fwd, fwd_bwd
+
+
 def sdpa_preferring_cudnn():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
@@ -324,21 +348,7 @@ def bench_varlen(rank, world, n, h, kvh, only):
                      for gx, rx in zip(grads, ref_grads))
         errors[m] = (team_max(e_out), team_max(e_grad))
 
-    def fwd(m):
-        _, f = methods[m]
-        q, k, v, _ = inputs[m]
-
-        def run():
-            with torch.no_grad():
-                f(q, k, v)
-        return run
-
-    def fwd_bwd(m):
-        _, f = methods[m]
-        q, k, v = leaves[m]
-        do = inputs[m][3]
-        return lambda: torch.autograd.grad(f(q, k, v), (q, k, v), do)
-
+    fwd, fwd_bwd = timed_calls(methods, inputs, leaves)
     iters, rounds = (3, 2) if s >= 32768 else (10, 3)
     fwd_ms = timed_alternating({"single": lambda: single(Q, K, V), **{m: fwd(m) for m in methods}}, iters,
                                rounds=rounds, reps=3)
@@ -409,24 +419,7 @@ def bench_shape(sdpa, comm, rank, world, n, h, kvh, causal, only):
                                                is_causal=causal, enable_gqa=h != kvh)
             torch.autograd.grad(o, (Qr, Kr, Vr), DO.transpose(1, 2))
 
-    def fwd(m):
-        _, f = methods[m]
-        q, k, v, _ = inputs[m]
-
-        def run():
-            with torch.no_grad(), sdpa_preferring_cudnn():
-                f(q, k, v)
-        return run
-
-    def fwd_bwd(m):
-        _, f = methods[m]
-        q, k, v = leaves[m]
-        do = inputs[m][3]
-
-        def run():
-            with sdpa_preferring_cudnn():
-                torch.autograd.grad(f(q, k, v), (q, k, v), do)
-        return run
+    fwd, fwd_bwd = timed_calls(methods, inputs, leaves)
 
     # Errors (and a first call of each, outside the timing) against the single-GPU result's rows.
     errors, peaks = {}, {}
