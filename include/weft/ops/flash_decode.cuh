@@ -167,7 +167,7 @@ struct DecodeKernel {
   }
 
   // Before call `call`'s first push: every rank that merges has finished call - 2 (the inbox's last reader).
-  // False (recorded) on timeout or abort.
+  // False (recorded) on timeout or abort. Once a block has passed it, its later items push without asking.
   __device__ static bool released(const P& p, uint64_t call, int parity) {
     __shared__ bool ok;
     if (threadIdx.x == 0) {
@@ -179,8 +179,9 @@ struct DecodeKernel {
     return ok;
   }
 
-  __device__ static void partial(const P& p, Smem& sm, int parity, uint64_t call, int b, int h, int s,
-                                 int rg) {
+  // `gated`: whether this block has passed released() in this call (the same in every thread).
+  __device__ static void partial(const P& p, Smem& sm, int parity, uint64_t call, bool& gated, int b, int h,
+                                 int s, int rg) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
     int len = __ldg(p.seqlens + b);
     const int cap = p.block_table ? p.max_blocks * p.block_size : p.max_local;
@@ -306,7 +307,7 @@ struct DecodeKernel {
       }
     }
     __syncthreads();
-    if (!released(p, call, parity)) return;
+    if (!gated && !(gated = released(p, call, parity))) return;
     const int pair = b * p.kv_heads + h;
     for (int e = threadIdx.x; e < kDecodeRows * kD / 4; e += blockDim.x) {
       const int r = e / (kD / 4), d = e % (kD / 4) * 4, row = rg * kDecodeRows + r;
@@ -453,9 +454,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int parity = static_cast<int>(call & 1u);
   const int pairs = p.batch * p.kv_heads;
   const int items = pairs * p.splits * p.row_groups;
+  bool gated = false;
   for (int it = blockIdx.x; it < items; it += gridDim.x) {
     const int rg = it % p.row_groups, s = it / p.row_groups % p.splits, pair = it / (p.row_groups * p.splits);
-    K::partial(p, sm, parity, call, pair / p.kv_heads, pair % p.kv_heads, s, rg);
+    K::partial(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads, s, rg);
     __syncthreads();  // the shared merge buffers are reused by the next item
   }
   const bool merges = p.out_rank < 0 || p.out_rank == p.team.rank;
