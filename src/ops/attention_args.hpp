@@ -175,15 +175,4 @@ inline int attention_blocks(int resident, const AttentionOptions& o, int64_t uni
   return static_cast<int>(std::min<int64_t>(blocks, units));
 }
 
-// A sequence-parallel op planning (OpCall::planning): records its name, the attention core's plan (its grid
-// and shared memory; Plan{} where this rank attends nothing) and the path; true (launch nothing). Else false.
-inline bool planned_around_attention(OpCall& call, const char* op, const Plan& core,
-                                     const std::string& path) {
-  if (!call.planning()) return false;
-  call.plan->op = op;
-  call.plan->blocks = core.blocks;
-  call.plan->smem_bytes = core.smem_bytes;
-  return call.planned(path, core.blocks);
-}
-
 }  // namespace weft::ops

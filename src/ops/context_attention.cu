@@ -148,9 +148,9 @@ void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const
   o.segments = z.segments(g.own.seg);
   if (call.planning()) {
     const Plan core = z.nseg() > 0 ? flash_attention_forward_plan(z.shape(heads), dtype, o) : Plan{};
-    ops::planned_around_attention(
-        call, "context_attention_forward", core,
-        "K / V pushed to every rank, then flash attention of this rank's queries over every key");
+    call.planned_op("context_attention_forward",
+                    "K / V pushed to every rank, then flash attention of this rank's queries over every key",
+                    core.blocks, core.smem_bytes);
     return;
   }
   if (z.nseg() == 0) return;  // no query rows here (short documents)
@@ -179,9 +179,10 @@ void backward(Communicator& comm, Rank& rank, const void* q, const void* k, cons
   o.accumulate_grads = {dk32, dv32};
   if (call.planning()) {
     const Plan core = z.nseg() > 0 ? flash_attention_backward_plan(z.shape(heads), dtype, o) : Plan{};
-    ops::planned_around_attention(
-        call, "context_attention_backward", core,
-        "K / V pushed to every rank, flash attention backward into fp32 dK / dV sums, the sums pulled");
+    call.planned_op(
+        "context_attention_backward",
+        "K / V pushed to every rank, flash attention backward into fp32 dK / dV sums, the sums pulled",
+        core.blocks, core.smem_bytes);
     return;
   }
   // dK and dV are neighbours in the area: one memset clears both.

@@ -164,14 +164,6 @@ size_t hybrid_attention_backward_workspace_bytes(int world, int ulysses,
 
 namespace {
 
-// The hybrid's own passes where planning (OpCall::planning): the op's name and the group pushes before its
-// ring's plan; the pulls after it. Else nothing.
-void plan_pass(ops::OpCall& call, const char* op, const char* path) {
-  if (!call.planning()) return;
-  if (call.plan->op.empty()) call.plan->op = op;
-  call.planned(path);
-}
-
 void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, void* out,
              float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
              int64_t head_dim, int ulysses, void* workspace, size_t workspace_bytes, DType dtype,
@@ -196,7 +188,7 @@ void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const
   const Area& a = s.area;
   Rank& group = *s.group;
   const int64_t d = head_dim;
-  plan_pass(call, "hybrid_attention_forward", "q, k, v heads pushed within the Ulysses group");
+  call.planned_op("hybrid_attention_forward", "q, k, v heads pushed within the Ulysses group", 0, 0);
   if (!call.planning()) {
     ops::push_rows(comm, group, q, z.local, a.q, s.index, z.q_share, d, z.max_local, call.stream);
     ops::push_rows(comm, group, k, z.local, a.k, s.index, z.kv_share, d, z.max_local, call.stream);
@@ -206,7 +198,7 @@ void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const
       comm, *s.ring, a.q, a.k, a.v, a.out, lse != nullptr ? a.lse : nullptr, doc_lengths, z.q_share.width,
       z.kv_share.width, d, s.ring_workspace, s.ring_workspace_bytes, dtype, call.stream, options, ulysses,
       {"weft::hybrid_attention_forward (its ring)", "hybrid_attention_workspace_bytes()", plan});
-  plan_pass(call, "hybrid_attention_forward", "outputs (and LSE) pulled back within the group");
+  call.planned_op("hybrid_attention_forward", "outputs (and LSE) pulled back within the group", 0, 0);
   if (call.planning()) return;
   ops::pull_rows(comm, group, a.out, false, out, z.local, s.index, z.q_share, d, z.max_local, dtype,
                  call.stream);
@@ -240,8 +232,8 @@ void backward(Communicator& comm, Rank& rank, const void* q, const void* k, cons
   Rank& group = *s.group;
   const int64_t d = head_dim;
   const cudaStream_t st = call.stream;
-  plan_pass(call, "hybrid_attention_backward",
-            "q, k, v, out, dout heads and LSE pushed within the Ulysses group");
+  call.planned_op("hybrid_attention_backward",
+                  "q, k, v, out, dout heads and LSE pushed within the Ulysses group", 0, 0);
   if (!call.planning()) {
     ops::push_rows(comm, group, q, z.local, a.q, s.index, z.q_share, d, z.max_local, st);
     // After the first push's meeting (every member is done with its previous call's buffers), before the
@@ -256,7 +248,8 @@ void backward(Communicator& comm, Rank& rank, const void* q, const void* k, cons
       comm, *s.ring, a.q, a.k, a.v, a.out, a.dout, a.lse, a.dq, a.dk, a.dv, doc_lengths, z.q_share.width,
       z.kv_share.width, d, s.ring_workspace, s.ring_workspace_bytes, dtype, st, options, ulysses,
       {"weft::hybrid_attention_backward (its ring)", "hybrid_attention_backward_workspace_bytes()", plan});
-  plan_pass(call, "hybrid_attention_backward", "dq, dk, dv pulled back within the group (dK / dV summed)");
+  call.planned_op("hybrid_attention_backward", "dq, dk, dv pulled back within the group (dK / dV summed)", 0,
+                  0);
   if (call.planning()) return;
   ops::pull_rows(comm, group, a.dq, false, dq, z.local, s.index, z.q_share, d, z.max_local, dtype, st);
   ops::pull_rows(comm, group, a.dk, false, dk, z.local, s.index, z.kv_share, d, z.max_local, dtype, st);

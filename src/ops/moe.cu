@@ -577,15 +577,10 @@ namespace {
 bool moe_planned(ops::OpCall& call, const char* op, const std::string& path, int blocks,
                  const Plan* gemm = nullptr) {
   if (!call.planning()) return false;
-  Plan& plan = *call.plan;
-  plan.op = op;
-  if (gemm != nullptr) {
-    plan.tiles = gemm->tiles;
-    plan.cluster = gemm->cluster;
-    plan.smem_bytes = gemm->smem_bytes;
-    blocks = std::max(blocks, gemm->blocks);
-  }
-  return call.planned(path, blocks);
+  if (gemm == nullptr) return call.planned_op(op, path, blocks, 0);
+  call.plan->tiles = gemm->tiles;
+  call.plan->cluster = gemm->cluster;
+  return call.planned_op(op, path, std::max(blocks, gemm->blocks), gemm->smem_bytes);
 }
 
 MoeDispatched dispatch(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,

@@ -225,6 +225,14 @@ struct OpCall {
     plan->blocks = std::max(plan->blocks, blocks);
     return true;
   }
+  // The same, naming the op (where the plan names none yet: an op around another, e.g. a hybrid around its
+  // ring, names itself first) and a kernel's dynamic shared memory (the largest so far).
+  bool planned_op(const char* op, const std::string& path, int blocks, int smem_bytes) const {
+    if (!plan) return false;
+    if (plan->op.empty()) plan->op = op;
+    plan->smem_bytes = std::max(plan->smem_bytes, smem_bytes);
+    return planned(path, blocks);
+  }
 };
 
 }  // namespace weft::ops

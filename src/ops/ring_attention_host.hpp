@@ -136,17 +136,15 @@ int ring_schedule(const Rank& rank, const RingPassSizes& z, const RingTable& tab
   return blocks;
 }
 
-// A ring kernel planning (OpCall::planning): its grid and shared memory into the plan (the op's name where
-// the plan has none yet: a hybrid names its own) and its path; true (launch nothing). Else false.
+// A ring kernel planning (OpCall::planning): its grid (ring_schedule's) and shared memory into the plan
+// (OpCall::planned_op); true (launch nothing). Else false.
 template <class Op>
 bool ring_planned(OpCall& call, const RingPassSizes& z, const RingTable& table, int64_t heads, int block_rows,
                   const AttentionOptions& options, const char* op, const std::string& path) {
   if (!call.planning()) return false;
   lcsc::AttentionSchedulerParams sched{};
   const int blocks = ring_schedule<Op>(call.rank, z, table, heads, block_rows, options, sched);
-  if (call.plan->op.empty()) call.plan->op = op;
-  call.plan->smem_bytes = std::max(call.plan->smem_bytes, static_cast<int>(lcsc::kSmemBytes<Op>));
-  return call.planned(path, blocks);
+  return call.planned_op(op, path, blocks, static_cast<int>(lcsc::kSmemBytes<Op>));
 }
 
 // The launch setup: ring_schedule, L2 sections of `section_pairs`, the team sync (finishers: every consumer

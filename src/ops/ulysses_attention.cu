@@ -338,11 +338,12 @@ void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const
     AttentionOptions o = options;
     o.segments = z.segments(st.own.offsets);
     const Plan core = z.total > 0 ? flash_attention_forward_plan(z.shape(), dtype, o) : Plan{};
-    ops::planned_around_attention(
-        call, "ulysses_attention_forward", core,
+    call.planned_op(
+        "ulysses_attention_forward",
         pipelined_forward_chosen()
             ? "one kernel: heads moved in chunks beside the attention of earlier ones"
-            : "heads pushed (all-to-all), flash attention over the whole sequence, outputs pulled back");
+            : "heads pushed (all-to-all), flash attention over the whole sequence, outputs pulled back",
+        core.blocks, core.smem_bytes);
     return;
   }
   if (z.total == 0) return;
@@ -378,10 +379,11 @@ void backward(Communicator& comm, Rank& rank, const void* q, const void* k, cons
   o.accumulate_grads = {a.dk32, a.dv32};
   if (call.planning()) {
     const Plan core = z.total > 0 ? flash_attention_backward_plan(z.shape(), dtype, o) : Plan{};
-    ops::planned_around_attention(
-        call, "ulysses_attention_backward", core,
+    call.planned_op(
+        "ulysses_attention_backward",
         "q, k, v, out, dout and LSE pushed (all-to-all), flash attention backward into fp32 dK / dV sums, "
-        "dq, dk, dv pulled back");
+        "dq, dk, dv pulled back",
+        core.blocks, core.smem_bytes);
     return;
   }
   if (z.total == 0) return;
