@@ -85,12 +85,12 @@ def ops_against_nccl(team, g):
         gathered = torch.empty_like(every)
         got = team.all_gather_matmul(a, w.t(), gathered_a=gathered)
         check(f"all_gather_matmul m {m} (gathered a)", gathered, every, exact=True)
-        check_close(f"all_gather_matmul m {m}", got, every.float() @ w.t().float())
+        check(f"all_gather_matmul m {m}", got, every.float() @ w.t().float())
         a = torch.randn(m * world, 256, device="cuda", dtype=torch.bfloat16, generator=g)
         b = torch.randn(256, 264, device="cuda", dtype=torch.bfloat16, generator=g)  # this rank's shard
         want = (a.float() @ b.float())
         dist.all_reduce(want)
-        check_close(f"matmul_reduce_scatter m {m}", team.matmul_reduce_scatter(a, b), want[rank * m:(rank + 1) * m])
+        check(f"matmul_reduce_scatter m {m}", team.matmul_reduce_scatter(a, b), want[rank * m:(rank + 1) * m])
         cases += 2
     # MoE across nodes against torch: expert e scales its rows by (e + 1) / 8; each rank its own token count.
     per, k = 4, 3
@@ -105,20 +105,11 @@ def ops_against_nccl(team, g):
         expert_out[begin:end] = d.rows[begin:end] * ((rank * per + e + 1) / 8)
         begin = end
     factor = torch.where(ids >= 0, (ids + 1).float() / 8, torch.zeros_like(w))
-    check_close("moe dispatch + combine across nodes", team.moe_combine(expert_out, d),
+    check("moe dispatch + combine across nodes", team.moe_combine(expert_out, d),
                 (w * factor).sum(1, keepdim=True) * x.float())
     cases += 1
     team.synchronize()
     return cases
-
-
-def check_close(name, got, want, tol=2e-2):
-    """bf16 got against an fp32 want: relative error (Frobenius) within tol, no NaN."""
-    if not torch.isfinite(got).all():
-        raise AssertionError(f"{name}: non-finite values")
-    err = ((got.float() - want).norm() / want.norm().clamp_min(1e-30)).item()
-    if err > tol:
-        raise AssertionError(f"{name}: relative error {err:.3g} > {tol}")
 
 
 def ops_mode(rank):
