@@ -186,107 +186,41 @@ struct AllGatherA : Gemm {
 template <bool kBKMajor, int kCluster>
 using AgGemmOp = AllGatherA<GemmOp<__nv_bfloat16, kBKMajor, kCluster>>;
 
-// A communicator block's buffers for sum_staged_half, carved out of the GEMM's shared memory (which
-// communicator blocks do not otherwise use): `stages` rings of every slot's next kChunkBytes, which the
-// bulk-copy engine loads, two output buffers the sums leave from (by bulk stores, to this rank or to every
-// rank), the stages' mbarriers, and the count of chunks this block has summed (stage and parity of the next).
-// Loads through the copy engine keep ~128 KiB in flight a block: a half read by threads' own loads (a few
-// units each in flight) ran at ~40 GB/s a block, far behind the GEMM that fills the slots.
-struct SlotSumStaging {
-  static constexpr int kChunkBytes = 8192;  // of each slot, per stage
-  static constexpr int kMaxStages = 8;
-  static constexpr int kLoadBytes = 128 * 1024;  // in flight, at most
-  uint8_t* base;                                 // 128-byte aligned
-  int world, stages;
-
-  __host__ __device__ static constexpr size_t bytes_for(int world, int stages) {
-    return size_t(2 + stages * world) * kChunkBytes + kMaxStages * sizeof(uint64_t) + sizeof(uint32_t);
-  }
-  // As many stages as fit `bytes` (at most kLoadBytes of loads; 0 when not even two fit).
-  __host__ __device__ static constexpr int stages_for(int world, size_t bytes) {
-    int s = kLoadBytes / (world * kChunkBytes);
-    s = s > kMaxStages ? kMaxStages : s;
-    while (s >= 2 && bytes_for(world, s) > bytes) --s;
-    return s >= 2 ? s : 0;
-  }
-  __device__ SlotSumStaging(void* smem, size_t bytes, int w)
-      : base(static_cast<uint8_t*>(smem)), world(w), stages(stages_for(w, bytes)) {}
-  __device__ uint8_t* out(uint32_t b) const { return base + (b & 1) * kChunkBytes; }
-  __device__ uint8_t* in(int stage, int s) const { return base + (2 + stage * world + s) * kChunkBytes; }
-  __device__ uint64_t* full(int stage) const {
-    return reinterpret_cast<uint64_t*>(base + size_t(2 + stages * world) * kChunkBytes) + stage;
-  }
-  __device__ uint32_t* summed() const { return reinterpret_cast<uint32_t*>(full(kMaxStages)); }
-  // By every thread of the block, once, before the first sum.
-  __device__ void init() const {
-    if (threadIdx.x == 0) {
-      for (int i = 0; i < stages; ++i) mbarrier_init(full(i), 1);
-      *summed() = 0;
-      fence_barrier_init();
-    }
-    __syncthreads();
-  }
-};
-
 // A communicator block sums one half of this rank's rows over the W staged slots (slot r at staging + r x
-// slot_elems), `bytes` of each: in fp32, its own slot first, then rank + 1, ... (the order of the staged
-// reduce kernel, coll::reduce_scatter_kernel, so the bits are the same), rounded once; into dst, or the same
-// place in every rank's copy of dst when fan_out. Thread 0 has acquired the slots (wait, then
-// acquire_for_tma). The stores are only issued: sum_staged_done() waits for them.
-__device__ __forceinline__ void sum_staged_half(const TeamView& t, const SlotSumStaging& st,
-                                                __nv_bfloat16* dst, const __nv_bfloat16* staging,
-                                                int64_t slot_elems, int64_t bytes, bool fan_out) {
-  constexpr int C = SlotSumStaging::kChunkBytes;
-  const int W = t.world, S = st.stages;
-  const uint8_t* slot[kFusedMaxWorld];
+// slot_elems), 16-byte units [0, units): in fp32, its own slot first, then rank + 1, ... (the order of the
+// staged reduce kernel, coll::reduce_scatter_kernel, so the bits are the same), rounded once; into dst, or
+// every rank's copy of dst when fan_out.
+__device__ __forceinline__ void sum_staged_half(const TeamView& t, uint4* dst, const __nv_bfloat16* staging,
+                                                int64_t slot_elems, int64_t units, bool fan_out) {
+  // The slots in summation order, once; then every source's load of a unit issued before any is combined
+  // (the reads of a half come from HBM while the GEMM runs beside: a chain of one load at a time per thread
+  // would read a few GB/s per block).
+  const uint4* slot[kFusedMaxWorld];
 #pragma unroll
   for (int s = 0; s < kFusedMaxWorld; ++s)
-    slot[s] = reinterpret_cast<const uint8_t*>(staging + int64_t((t.rank + s) % W) * slot_elems);
-  const int64_t chunks = (bytes + C - 1) / C;
-  const uint32_t g0 = *st.summed();   // chunks this block summed before: the ring's position
-  const auto load = [&](int64_t c) {  // thread 0: chunk c of every slot into its stage
-    const int stage = int((g0 + c) % S);
-    const uint32_t n = uint32_t(min(int64_t(C), bytes - c * C));
-    mbarrier_arrive_expect_tx(st.full(stage), n * W);
-    for (int s = 0; s < W; ++s) bulk_load(st.in(stage, s), slot[s] + c * C, n, st.full(stage));
-  };
-  if (threadIdx.x == 0)
-    for (int64_t c = 0; c < chunks && c < S; ++c) load(c);
-  for (int64_t c = 0; c < chunks; ++c) {
-    const uint32_t g = g0 + uint32_t(c);
-    const int stage = int(g % S);
-    const int64_t n = min(int64_t(C), bytes - c * C);
-    if (threadIdx.x == 0) bulk_wait_read<1>();  // the stores that left from this output buffer two chunks ago
-    mbarrier_wait(st.full(stage), (g / S) & 1);
-    __syncthreads();  // ... have read it before anyone writes it again
-    uint4* sum = reinterpret_cast<uint4*>(st.out(g));
-    for (int u = threadIdx.x; u < n / 16; u += blockDim.x) {
-      Pack<Elem::kBF16> acc = Pack<Elem::kBF16>::load(reinterpret_cast<const uint4*>(st.in(stage, 0))[u]);
-      for (int s = 1; s < W; ++s)
-        acc.template combine_with<Reduce::kSum>(
-            Pack<Elem::kBF16>::load(reinterpret_cast<const uint4*>(st.in(stage, s))[u]));
-      sum[u] = acc.store();
-    }
-    fence_proxy_async_smem();  // the sums before the copy engine reads them
-    __syncthreads();           // every thread's sums written, every thread done with this stage
-    if (threadIdx.x == 0) {
-      for (int k = 0; k < (fan_out ? W : 1); ++k) {
-        uint8_t* to = reinterpret_cast<uint8_t*>(fan_out ? t.peer_ptr(dst, (t.rank + 1 + k) % W) : dst);
-        bulk_store(to + c * C, sum, uint32_t(n));
-      }
-      bulk_commit();
-      if (c + S < chunks) load(c + S);
+    slot[s] = reinterpret_cast<const uint4*>(staging + int64_t((t.rank + s) % t.world) * slot_elems);
+  constexpr int kUnits = 2;  // units per thread in flight
+  for (int64_t i0 = int64_t(threadIdx.x) * kUnits; i0 < units; i0 += int64_t(blockDim.x) * kUnits) {
+    uint4 raw[kUnits][kFusedMaxWorld];
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u)
+#pragma unroll
+      for (int s = 0; s < kFusedMaxWorld; ++s)
+        if (s < t.world && i0 + u < units) raw[u][s] = ld16(slot[s] + i0 + u);
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u) {
+      if (i0 + u >= units) break;
+      Pack<Elem::kBF16> acc = Pack<Elem::kBF16>::load(raw[u][0]);
+#pragma unroll
+      for (int s = 1; s < kFusedMaxWorld; ++s)
+        if (s < t.world) acc.template combine_with<Reduce::kSum>(Pack<Elem::kBF16>::load(raw[u][s]));
+      const uint4 v = acc.store();
+      if (fan_out)
+        broadcast16(t, dst + i0 + u, v);
+      else
+        st16(dst + i0 + u, v);
     }
   }
-  if (threadIdx.x == 0) *st.summed() = g0 + uint32_t(chunks);
-  __syncthreads();
-}
-
-// Thread 0, after its last sum_staged_half: every store has landed, ordered before its later signals.
-__device__ __forceinline__ void sum_staged_done() {
-  bulk_wait<0>();
-  release_after_tma();
-  fence_release();
 }
 
 // ---- GEMM + reduce-scatter (and the first half of all-reduce) -----------------------------------------
@@ -373,28 +307,18 @@ struct ReduceScatterC : Gemm {
   // Block 0 of the communicator: every rank has finished the previous call's reduce (stream-ordered before
   // its kernel), so its staging is free; then the storers may store. kCounted: every block then takes
   // halves (no wait needed: the previous call's counts were final when its kernel ended).
-  __device__ static bool comm_begin(const Params& p, typename Base::Smem& s, int index) {
+  __device__ static bool comm_begin(const Params& p, typename Base::Smem&, int index) {
     const TeamView& t = p.sync.team;
-    if constexpr (kCounted)
-      if (p.staged_slots) staging_of(p, s).init();
     if (index == 0 && barrier_block(t, p.sync.meetings[0]) && threadIdx.x == 0)
       signal_set(t, t.flag(p.sync.ready, 0), t.rank, p.sync.epoch());
     return kCounted;
-  }
-  // A communicator block's buffers for the staged sums (two stages fit at every world size up to
-  // kFusedMaxWorld: asserted where the counted kernel is launched, src/ops/fused.cu).
-  __device__ static SlotSumStaging staging_of(const Params& p, typename Base::Smem& s) {
-    return SlotSumStaging(&s, sizeof(s), p.sync.team.world);
-  }
-  __host__ __device__ static constexpr bool staged_sum_fits(int world) {
-    return SlotSumStaging::stages_for(world, sizeof(typename Base::Smem)) >= 2;
   }
   struct CommTasks
       : lcsc::StridedTasks {  // kCounted: the halves of this rank's rows, in the order they complete
     __device__ CommTasks(const Params& p, int index, int count)
         : lcsc::StridedTasks(kCounted ? p.shard_rows / 64 : 0, index, count) {}
   };
-  __device__ static void comm_task(const Params& p, typename Base::Smem& s, int h) {
+  __device__ static void comm_task(const Params& p, typename Base::Smem&, int h) {
     if constexpr (kCounted) {
       const TeamView& t = p.sync.team;
       uint64_t* done = t.flag(p.halves, kRsHalfFlags + h);
@@ -407,7 +331,6 @@ struct ReduceScatterC : Gemm {
       if (threadIdx.x == 0) {
         const TimelineSpan waiting(p.sched.timeline, TimelinePhase::kCommWait, static_cast<uint32_t>(h));
         reached = wait_ge(t, t.flag(p.halves, h), target);
-        acquire_for_tma();  // the staged slots (peers' TMA stores, published by their counts) for our loads
       }
       reached = __syncthreads_and(reached);
       if (!reached) return;
@@ -415,8 +338,8 @@ struct ReduceScatterC : Gemm {
       if (p.staged_slots) {
         // Into this rank's out (its slice of the all-reduce's out), the same place in every peer's.
         __nv_bfloat16* dst = p.out + (p.fan_out ? int64_t(t.rank) * p.shard_rows * p.n : 0) + first;
-        sum_staged_half(t, staging_of(p, s), dst, p.staging + first, int64_t(p.shard_rows) * p.n, units * 16,
-                        p.fan_out);
+        sum_staged_half(t, reinterpret_cast<uint4*>(dst), p.staging + first, int64_t(p.shard_rows) * p.n,
+                        units, p.fan_out);
         if (threadIdx.x == 0) *done = target;
         return;
       }
@@ -433,8 +356,6 @@ struct ReduceScatterC : Gemm {
   // kCounted all-reduce: every rank's block `index` has pushed its halves (into this rank's out among others)
   // before this block ends, so the kernel ends only when every push into this rank's out has landed.
   __device__ static void comm_end(const Params& p, typename Base::Smem&, int index) {
-    if constexpr (kCounted)
-      if (p.staged_slots && threadIdx.x == 0) sum_staged_done();
     __syncthreads();
     if constexpr (kCounted)
       if (p.fan_out) (void)barrier_block(p.sync.team, p.sync.meetings[index]);
