@@ -74,9 +74,10 @@ __device__ __forceinline__ uint32_t linear_thread() {
 // chain) and returns whether it was: the code by a system-scope CAS (peers copy into records too,
 // report_failure_to_peers), the fields, a fence, then the `complete` mark a copier waits for. `rank` is the
 // rank in the whole team (a sub-team's view maps its own).
-inline __device__ __noinline__ bool report_error(const TeamView& team, DeviceErrorCode code, uint32_t block,
-                                                 uint32_t thread, uint64_t flag_offset, uint64_t expected,
-                                                 uint64_t observed, uint64_t waited_ns) {
+// record_error is the body, inlined where a call may not be (see wait_ge_inlined); report_error the call.
+__device__ __forceinline__ bool record_error(const TeamView& team, DeviceErrorCode code, uint32_t block,
+                                             uint32_t thread, uint64_t flag_offset, uint64_t expected,
+                                             uint64_t observed, uint64_t waited_ns) {
   DeviceError* e = team.error;
   if (atomicCAS_system(reinterpret_cast<unsigned int*>(&e->code), 0u, static_cast<unsigned int>(code)) != 0u)
     return false;
@@ -90,6 +91,11 @@ inline __device__ __noinline__ bool report_error(const TeamView& team, DeviceErr
   __threadfence_system();
   *reinterpret_cast<volatile uint32_t*>(&e->complete) = 1u;
   return true;
+}
+inline __device__ __noinline__ bool report_error(const TeamView& team, DeviceErrorCode code, uint32_t block,
+                                                 uint32_t thread, uint64_t flag_offset, uint64_t expected,
+                                                 uint64_t observed, uint64_t waited_ns) {
+  return record_error(team, code, block, thread, flag_offset, expected, observed, waited_ns);
 }
 
 // A wait's failure: who waited (block, thread), for which flag, for what.
@@ -140,18 +146,25 @@ __device__ __forceinline__ uint64_t ld_acquire(const uint64_t* flag) {
   return kSys ? ptx::ld_acquire_sys(flag) : ptx::ld_acquire_gpu(flag);
 }
 
+// What a poll ended with: done, or the failure to report (aborted or timed out, the last value seen, how
+// long).
+struct PollOutcome {
+  bool done;
+  DeviceErrorCode code;
+  uint64_t seen, waited_ns;
+};
+
 // Slow path of every wait: polls `done(load(flag))` with the clock running. Every 20 us it looks at this
 // rank's error record (another wait already failed) and the timeout; every 1 ms at the host's abort flag.
 // The abort flag is host memory: 100+ blocks reading it every few microseconds queue up on PCIe and slow
-// every wait. `want` and `observe(value)` only feed the failure report.
-template <bool kSys, int kNapNs = kSys ? 0 : 64, class Done, class Observe>
-inline __device__ __noinline__ bool wait_slow(const TeamView& team, const uint64_t* flag, uint64_t want,
-                                              Done done, Observe observe) {
+// every wait.
+template <bool kSys, int kNapNs, class Done>
+__device__ __forceinline__ PollOutcome poll_until(const TeamView& team, const uint64_t* flag, Done done) {
   const uint64_t start = ptx::globaltimer_ns();
   uint64_t last_check = start, last_abort_check = start;
   for (;;) {
     for (int i = 0; i < 64; ++i) {
-      if (done(ld_acquire<kSys>(flag))) return true;
+      if (done(ld_acquire<kSys>(flag))) return {true, DeviceErrorCode::kNone, 0, 0};
       // Many blocks polling one local flag flood its L2 slice and slow the very writes they wait for.
       if constexpr (kNapNs > 0) __nanosleep(kNapNs);
     }
@@ -159,21 +172,25 @@ inline __device__ __noinline__ bool wait_slow(const TeamView& team, const uint64
     if (now - last_check < 20000) continue;
     last_check = now;
     const uint64_t seen = ld_acquire<kSys>(flag);
-    if (done(seen)) return true;
+    if (done(seen)) return {true, DeviceErrorCode::kNone, 0, 0};
     bool abort = *reinterpret_cast<volatile uint32_t*>(&team.error->code) != 0;
     if (now - last_abort_check >= 1000000) {
       last_abort_check = now;
       abort |= *team.abort != 0;
     }
-    if (abort) {
-      report_wait_failure(team, DeviceErrorCode::kAborted, flag, want, observe(seen), now - start);
-      return false;
-    }
-    if (now - start > team.timeout_ns) {
-      report_wait_failure(team, DeviceErrorCode::kTimeout, flag, want, observe(seen), now - start);
-      return false;
-    }
+    if (abort) return {false, DeviceErrorCode::kAborted, seen, now - start};
+    if (now - start > team.timeout_ns) return {false, DeviceErrorCode::kTimeout, seen, now - start};
   }
+}
+
+// The slow path as a call (one copy of the loop per kernel, not per wait); `want` and `observe(value)` only
+// feed the failure report.
+template <bool kSys, int kNapNs = kSys ? 0 : 64, class Done, class Observe>
+inline __device__ __noinline__ bool wait_slow(const TeamView& team, const uint64_t* flag, uint64_t want,
+                                              Done done, Observe observe) {
+  const PollOutcome w = poll_until<kSys, kNapNs>(team, flag, done);
+  if (!w.done) report_wait_failure(team, w.code, flag, want, observe(w.seen), w.waited_ns);
+  return w.done;
 }
 
 struct AtLeast {
@@ -194,6 +211,19 @@ struct Identity {
   for (int i = 0; i < 16; ++i)
     if (ptx::ld_acquire_sys(flag) >= want) return true;
   return detail::wait_slow<true>(team, flag, want, detail::AtLeast{want}, detail::Identity{});
+}
+
+// wait_ge with no function call in it, for warps whose registers setmaxnreg cut (a GEMM's loader waiting for
+// its inputs): a call there makes ptxas ignore every setmaxnreg of the kernel, and the consumers then keep
+// the launch's 168 registers instead of 232 and spill.
+[[nodiscard]] __device__ __forceinline__ bool wait_ge_inlined(const TeamView& team, const uint64_t* flag,
+                                                              uint64_t want) {
+  const detail::PollOutcome w = detail::poll_until<true, 0>(team, flag, detail::AtLeast{want});
+  if (!w.done)
+    (void)detail::record_error(team, w.code, detail::linear_block(), detail::linear_thread(),
+                               static_cast<uint64_t>(reinterpret_cast<const char*>(flag) - team.local_base),
+                               want, w.seen, w.waited_ns);
+  return w.done;
 }
 
 // The same for a wait expected to last (a peer's compute, a phase of the kernel): a poll every 20 us.

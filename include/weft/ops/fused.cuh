@@ -142,7 +142,8 @@ struct AllGatherA : Gemm {
       const int src = int(r / p.shard_rows), j = int((r - src * p.shard_rows) / p.chunk_rows);
       // A failed wait is recorded (the host's synchronize() reports it); the loads still go out, so the
       // consumers' pipeline drains and the kernel ends instead of hanging on its stages.
-      (void)wait_ge(p.sync.team, flag(p, src, j), e);
+      // Inlined: the loader runs on setmaxnreg's cut registers (weft/comm/signal.cuh, wait_ge_inlined).
+      (void)wait_ge_inlined(p.sync.team, flag(p, src, j), e);
       r = src * p.shard_rows + min(int64_t(j + 1) * p.chunk_rows, p.shard_rows);
     }
   }
