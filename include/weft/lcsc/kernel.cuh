@@ -21,7 +21,12 @@
 //   static init(p, smem)                                   thread 0, before the block syncs (own barriers)
 //   static wait_inputs(p, const Work&)                     loader thread, before an item's loads: the hook
 //                                                          for "inputs of this item have arrived" (a wait
-//                                                          on a flag set by a peer or a communicator block)
+//                                                          on a flag set by a peer or a communicator block).
+//                                                          No function call here or in load / helper_warp
+//                                                          (wait_ge_inlined, not wait_ge): a call after
+//                                                          setmaxnreg.dec makes ptxas ignore every setmaxnreg
+//                                                          of the kernel (ptxas info C7507), and the
+//                                                          consumers then spill on the launch's registers
 //   static finish(p, smem, wg, StoreState&)                consumer warpgroup after its last item
 //   static helper_warp(p, smem, index, count)              warps 1-3 of a compute block's loader warpgroup
 //                                                          (idle otherwise; index of count such warps in
