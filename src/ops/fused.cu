@@ -11,6 +11,7 @@
 #include "cublas_gemm.hpp"
 #include "fused_rules.hpp"
 #include "op_args.hpp"
+#include "tile_width.hpp"
 #include "ring_schedule.hpp"
 #include "weft/runtime/current_device.hpp"
 #include "weft/runtime/kernel_preload.hpp"
@@ -538,10 +539,10 @@ void set_all_gather(Call& c, typename Op::Params& p, const void* a_shard, char* 
   p.chunks = static_cast<int>(plan.chunks);
 }
 
-template <bool kKMajor>
-void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m, int64_t n,
-               int64_t k, const Choice& plan, const FusedOptions& o) {
-  using Op = ops::AgGemmOp<kKMajor, 1>;
+template <bool kKMajor, int kTileN>
+void launch_ag_as(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m,
+                  int64_t n, int64_t k, const Choice& plan, const FusedOptions& o) {
+  using Op = ops::AgGemmOp<kKMajor, 1, kTileN>;
   typename Op::Params p{};
   set_schedule<Op>(p.sched, m, n);
   set_gemm_maps<Op, kKMajor>(p, gathered, b, m, n, k, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m);
@@ -549,6 +550,18 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
   if (c.planned_kernel<Op>(p.sched, plan.comm_blocks)) return;
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + plan.comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
+// The tile width as weft::gemm picks it, over the blocks the communicator leaves to the GEMM (128 x 256 tiles
+// of an 8192 x 2048 GEMM on 116 blocks run 5 waves with 4.4 waves' work; 128 x 128 tiles, 9 with 8.8).
+template <bool kKMajor>
+void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m, int64_t n,
+               int64_t k, const Choice& plan, const FusedOptions& o) {
+  const int blocks = c.compute_blocks<ops::AgGemmOp<kKMajor, 1>>(plan.comm_blocks, INT32_MAX, o);
+  if (ops::auto_tile_n(m, n, blocks) == 128)
+    launch_ag_as<kKMajor, 128>(c, a_shard, b, out, gathered, m, n, k, plan, o);
+  else
+    launch_ag_as<kKMajor, 256>(c, a_shard, b, out, gathered, m, n, k, plan, o);
 }
 
 // The RS GEMM, each tile into its owner's inbox (workspace, slot of this rank), then reduce_staged. The

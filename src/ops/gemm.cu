@@ -7,6 +7,7 @@
 
 #include "grouped_gemm_scatter.hpp"
 #include "op_args.hpp"
+#include "tile_width.hpp"
 #include "weft/lcsc/launch.cuh"
 #include "weft/ops/gemm.cuh"
 #include "weft/ops/gemm.hpp"
@@ -152,19 +153,6 @@ Plan run_config(const Problem& pr, int cluster, int tile_n, cudaStream_t stream,
                        : run<OutT, kKMajor, 1, 256>(pr, stream, launch);
 }
 
-// Tile width for cluster 1: 128 x 256 unless 128 x 128 tiles fill the SMs' waves better by more than their
-// lower rate (one H200, weft-bench gemm "tile width": the narrow tile ran large problems at 0.994-0.998 of
-// the wide one's rate, and small or narrow ones up to 1.9x faster, e.g. 256 x 8192 x 8192 49.0 vs 87.0 us).
-int auto_tile_n(int64_t m, int64_t n, int sms) {
-  constexpr double kNarrowRate = 0.97;
-  // Busy share of the SM-slots the tiles take: tiles / (waves x SMs).
-  auto fill = [&](int64_t tile_n) {
-    const int64_t tiles = ((m + 127) / 128) * ((n + tile_n - 1) / tile_n);
-    return double(tiles) / double((tiles + sms - 1) / sms * sms);
-  };
-  return kNarrowRate * fill(128) > fill(256) ? 128 : 256;
-}
-
 // The grouped GEMM's own checks (and tile width), or the plain GEMM's refusal of grouped-only options.
 void check_grouping(Problem& pr, bool launch, const std::string& where) {
   if (pr.groups || pr.group_end) {
@@ -274,7 +262,7 @@ Plan plan_or_launch(const Problem& in, cudaStream_t stream, bool launch) {
   // cluster 1 (weft-bench gemm, 2026-11-21); it stays selectable until its pipeline is fixed.
   const int cluster = opt.cluster ? opt.cluster : 1;
   const int sms = opt.max_blocks > 0 ? std::min(opt.max_blocks, dev.sms) : dev.sms;  // the SMs it may use
-  const int tile_n = cluster == 2 ? 256 : opt.tile_n ? opt.tile_n : auto_tile_n(pr.m, pr.n, sms);
+  const int tile_n = cluster == 2 ? 256 : opt.tile_n ? opt.tile_n : ops::auto_tile_n(pr.m, pr.n, sms);
   if (pr.c_type == DType::kBF16)
     return nk ? run_config<__nv_bfloat16, true>(pr, cluster, tile_n, stream, launch)
               : run_config<__nv_bfloat16, false>(pr, cluster, tile_n, stream, launch);

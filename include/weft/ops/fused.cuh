@@ -184,8 +184,8 @@ struct AllGatherA : Gemm {
   }
 };
 
-template <bool kBKMajor, int kCluster>
-using AgGemmOp = AllGatherA<GemmOp<__nv_bfloat16, kBKMajor, kCluster>>;
+template <bool kBKMajor, int kCluster, int kTileN = 256>
+using AgGemmOp = AllGatherA<GemmOp<__nv_bfloat16, kBKMajor, kCluster, kTileN>>;
 
 // A communicator block sums one half of this rank's rows over the W staged slots (slot r at staging + r x
 // slot_elems), 16-byte units [0, units): in fp32, its own slot first, then rank + 1, ... (the order of the
