@@ -557,6 +557,11 @@ void launch_ag_as(Call& c, const void* a_shard, const void* b, void* out, char* 
 template <bool kKMajor>
 void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m, int64_t n,
                int64_t k, const Choice& plan, const FusedOptions& o) {
+  // choose() checked the budget with the wide op, and its count of blocks serves both widths: one block an
+  // SM at the same shared memory.
+  static_assert(
+      lcsc::kSmemBytes<ops::AgGemmOp<kKMajor, 1, 128>> == lcsc::kSmemBytes<ops::AgGemmOp<kKMajor, 1>>,
+      "the two tile widths' kernels must need the same shared memory");
   const int blocks = c.compute_blocks<ops::AgGemmOp<kKMajor, 1>>(plan.comm_blocks, INT32_MAX, o);
   if (ops::auto_tile_n(m, n, blocks) == 128)
     launch_ag_as<kKMajor, 128>(c, a_shard, b, out, gathered, m, n, k, plan, o);
