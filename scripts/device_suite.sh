@@ -3,25 +3,33 @@
 #   scripts/device_suite.sh PATTERN...   builds what the suite needs, then tests/gpu/run.sh PATTERN for each
 #                                        pattern in turn (run.sh's own pattern rules: "-x" is all but x);
 #                                        its logs, in one archive, and the summaries land in $OUT.
-#   scripts/device_suite.sh PATTERN... --lanes PATTERN...
-#                                        the patterns after --lanes (steps of one GPU each: virtual ranks,
-#                                        examples, one-GPU Python, the attention sanitizer steps) dealt
-#                                        round-robin to one lane per GPU, the lanes side by side
-#                                        (CUDA_VISIBLE_DEVICES=g), after the patterns before it. Not for steps
-#                                        of several GPUs, nor for timings.
-# The whole suite at 4 GPUs takes ~25 minutes of device time, past one 600 s call: these parts cover every
-# step of run.sh between them, each call taking a few: "single-process", "multi-process", "rank death",
-# "virtual", "python", "examples", "consumer", "one process", and the sanitizer steps as "memcheck",
-# "racecheck", "synccheck" (each part's logs are archived when it ends: at 2 ranks memcheck and racecheck
-# together took ~500 s on 4 x H200, 2026-11-27). At 2 GPUs the whole suite took four calls and ~1500 s of
-# device time with the one-GPU steps in lanes (bench/RESULTS.md, "The GPU suite at 2 GPUs, every step"):
-#   1. "python: the torch.distributed backend" "fake nodes" "examples: hello_nodes" "rank death" "multi-process"
-#   2. "single-process" --lanes "virtual ranks, W = 2 on" "W = 4" "W = 3" "W = 8"
-#   3. "python (torchrun)" "tp_mlp.py trains (torchrun)" "train_transformer.py (torchrun)" "synccheck, 2"
-#      --lanes "SM budget" "python: flash attention" "examples (hello_team" "python: grouped_mm" "one process"
-#      "python: scaled_mm" "python: torch operators on virtual" "find_package" "python: examples/tp_mlp.py
-#      trains on virtual" "memcheck, attention" "racecheck, attention" "synccheck, attention"
-#   4. "memcheck, 2" "racecheck, 2" (~210 s each)
+#   scripts/device_suite.sh PATTERN... --pairs PATTERN... --lanes PATTERN... --serial PATTERN...
+#                                        sections in the order given: plain patterns (or after --serial) run
+#                                        one after another on every GPU; after --pairs they are dealt
+#                                        round-robin to pairs of GPUs (0,1 / 2,3 / ..., CUDA_VISIBLE_DEVICES),
+#                                        each pair running its share in turn, the pairs side by side (steps of
+#                                        2 GPUs: "single-process, 2", "multi-process, 2", the 2-process Python
+#                                        steps, the sanitizers at 2 ranks, fake nodes 2 x 1); after --lanes, to
+#                                        one GPU each (virtual ranks, examples, one-GPU Python, the attention
+#                                        sanitizer steps). Not for timings.
+# The whole suite at 4 GPUs takes ~25 minutes of device time, past one 600 s call. On 4 x H200 (2026-11-27,
+# bench/RESULTS.md "The GPU suite at 4 x H200") these ran side by side: "single-process, 2" on 0,1 beside
+# "multi-process, 2" and the 2-process Python steps on 2,3 (373 s); "memcheck, 2" on 0,1 beside the virtual
+# ranks on 2 and 3 (441 s). A schedule of three calls that covers every step of run.sh at 4 GPUs:
+#   1. --pairs "single-process, 2" "multi-process, 2" "racecheck, 2" "memcheck, 2" "rank death"
+#      "fake nodes: 2 x 1" "hello_nodes" "python (torchrun), 2" "backend 'weft' (torchrun), 2"
+#      "fake nodes of 1" "tp_mlp.py trains (torchrun), 2" "train_transformer.py (torchrun), 2"
+#      (dealt so that pair 0,1 runs ~400 s and pair 2,3 ~320 s, by the step times of that run)
+#   2. "single-process, 4" "multi-process, 4"
+#   3. "fake nodes: 2 x 2" "python (torchrun), 4" "backend 'weft' (torchrun), 4" "fake nodes of 2"
+#      "tp_mlp.py trains (torchrun), 4" "train_transformer.py (torchrun), 4" --pairs "synccheck, 2"
+#      --lanes "virtual ranks, W = 2 on" "W = 3" "W = 4" "W = 8" "SM budget" "examples (hello_team"
+#      "find_package" "one process" "python: flash attention" "python: grouped_mm" "python: scaled_mm"
+#      "python: torch operators on virtual" "python: examples/tp_mlp.py trains on virtual" "memcheck, attention"
+#      "racecheck, attention" "synccheck, attention"
+# (--pairs with one pattern uses only the first pair: a section ends before the next one starts.)
+# At 2 GPUs the whole suite took four calls and ~1500 s (bench/RESULTS.md "The GPU suite at 2 GPUs, every
+# step").
 # WEFT_SUITE_QUICK=1 runs the real-GPU team steps with fewer sizes. Keep the device call's own output unpiped (or write it under $OUT): a call cut by its time limit
 # returns only what was printed, and `| tail` prints nothing until its input ends.
 set -u
@@ -50,41 +58,66 @@ echo "build: $((SECONDS - t0)) s"
 nvidia-smi -L
 logs=$(mktemp -d)
 rc=0
-i=0
-serial=() lanes=() in_lanes=0
-for pattern in "$@"; do
-  if [ "$pattern" = --lanes ]; then
-    in_lanes=1
-  elif [ "$in_lanes" = 1 ]; then
-    lanes+=("$pattern")
-  else
-    serial+=("$pattern")
-  fi
-done
-for pattern in "${serial[@]}"; do
-  i=$((i + 1))
-  mkdir -p "$logs/part$i"
-  WEFT_LOG_DIR="$logs/part$i" tests/gpu/run.sh "$pattern" 2>&1 | tee -a "$OUT/suite.log" |
-    grep --line-buffered -vE '^    \|'
-  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-  tar -C "$logs" -czf "$OUT/gpu-logs.tgz" .  # after every part: a call cut short keeps what ran
-done
-if [ "${#lanes[@]}" -gt 0 ]; then
-  gpus=$(nvidia-smi -L | grep -c '^GPU')
-  for ((g = 0; g < gpus; g++)); do
+gpus=$(nvidia-smi -L | grep -c '^GPU')
+# run_side_by_side GROUP_SIZE PATTERN...: the patterns dealt round-robin to groups of GROUP_SIZE GPUs (0..,
+# then the next ones), each group running its patterns in turn, the groups side by side.
+run_side_by_side() {
+  local size=$1
+  shift
+  local pats=("$@") groups=$((gpus / size)) g j job
+  [ "$groups" -ge 1 ] || { echo "device_suite.sh: $gpus GPUs, groups of $size do not fit" >&2; return 1; }
+  for ((g = 0; g < groups; g++)); do
     (
-      lane_rc=0
-      for ((j = g; j < ${#lanes[@]}; j += gpus)); do
-        mkdir -p "$logs/lane$g.$j"
-        CUDA_VISIBLE_DEVICES=$g WEFT_SUITE_NO_BUILD=1 WEFT_LOG_DIR="$logs/lane$g.$j" tests/gpu/run.sh "${lanes[j]}" \
-          >>"$OUT/lane$g.log" 2>&1 || lane_rc=1
+      local visible group_rc=0
+      visible=$(seq -s, $((g * size)) $((g * size + size - 1)))
+      for ((j = g; j < ${#pats[@]}; j += groups)); do
+        mkdir -p "$logs/g$size.$g.$j"
+        CUDA_VISIBLE_DEVICES=$visible WEFT_SUITE_NO_BUILD=1 WEFT_LOG_DIR="$logs/g$size.$g.$j" \
+          tests/gpu/run.sh "${pats[j]}" >>"$OUT/group$size.$g.log" 2>&1 || group_rc=1
       done
-      exit $lane_rc
+      exit $group_rc
     ) &
   done
-  for job in $(jobs -p); do wait "$job" || rc=1; done
-  cat "$OUT"/lane*.log >>"$OUT/suite.log"
-  grep -hE '^  (PASS|FAIL)|summary:|ERROR SUMMARY' "$OUT"/lane*.log
+  local section_rc=0
+  for job in $(jobs -p); do wait "$job" || section_rc=1; done
+  cat "$OUT"/group"$size".*.log >>"$OUT/suite.log"
+  grep -hE '^  (PASS|FAIL)|summary:|ERROR SUMMARY' "$OUT"/group"$size".*.log
+  rm -f "$OUT"/group"$size".*.log
   tar -C "$logs" -czf "$OUT/gpu-logs.tgz" .
-fi
+  return $section_rc
+}
+steps=0
+run_serial() {
+  local pattern
+  for pattern in "$@"; do
+    steps=$((steps + 1))
+    mkdir -p "$logs/serial.$steps"
+    WEFT_LOG_DIR="$logs/serial.$steps" tests/gpu/run.sh "$pattern" 2>&1 | tee -a "$OUT/suite.log" |
+      grep --line-buffered -vE '^    \|'
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    tar -C "$logs" -czf "$OUT/gpu-logs.tgz" .  # after every step: a call cut short keeps what ran
+  done
+}
+# Sections in the order given: plain patterns run one after another on every GPU; after --pairs, on pairs
+# of GPUs side by side; after --lanes, on one GPU each side by side; --serial returns to the first mode.
+mode=serial section=()
+flush() {
+  [ "${#section[@]}" -gt 0 ] || return 0
+  case $mode in
+    serial) run_serial "${section[@]}" ;;
+    pairs) run_side_by_side 2 "${section[@]}" || rc=1 ;;
+    lanes) run_side_by_side 1 "${section[@]}" || rc=1 ;;
+  esac
+  section=()
+}
+for pattern in "$@"; do
+  case $pattern in
+    --serial | --pairs | --lanes)
+      flush
+      mode=${pattern#--}
+      ;;
+    *) section+=("$pattern") ;;
+  esac
+done
+flush
 exit $rc

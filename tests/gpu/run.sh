@@ -124,12 +124,14 @@ if python3 -c "import torch" 2>/dev/null; then
       [ "$n" -le "$ngpu" ] || continue
       [ "$n" -eq 1 ] && [ "$ngpu" -ge 2 ] && continue
       step "python (torchrun), $n processes" "python_$n" env PYTHONPATH="$build/python" \
-        python3 -m torch.distributed.run --nproc_per_node="$n" "$root/python/tests/gpu_ops.py"
+        python3 -m torch.distributed.run --master-port=$((20000 + RANDOM % 20000)) \
+        --nproc_per_node="$n" "$root/python/tests/gpu_ops.py"
       # weft as torch.distributed's backend (init_process_group("weft")): collectives, DDP, FSDP2, a mesh,
       # against an NCCL group of the same ranks.
       [ "$n" -ge 2 ] && step "python: the torch.distributed backend 'weft' (torchrun), $n processes" \
         "python_backend_$n" env PYTHONPATH="$build/python" \
-        python3 -m torch.distributed.run --nproc_per_node="$n" "$root/python/tests/gpu_backend.py"
+        python3 -m torch.distributed.run --master-port=$((20000 + RANDOM % 20000)) \
+        --nproc_per_node="$n" "$root/python/tests/gpu_backend.py"
       # A job spanning fake nodes of this host (WEFT_NODE_SIZE; NCCL onto sockets between them): the
       # hierarchical collectives from Python, and the backend on them (DDP), against NCCL.
       for size in 1 2; do
@@ -144,12 +146,13 @@ if python3 -c "import torch" 2>/dev/null; then
       done
       # Training through weft's ops against torch.distributed's differentiable collectives and fp32.
       [ "$n" -ge 2 ] && step "python: examples/tp_mlp.py trains (torchrun), $n processes" "python_tp_mlp_$n" \
-        env PYTHONPATH="$build/python" python3 -m torch.distributed.run --nproc_per_node="$n" \
-        "$root/examples/tp_mlp.py" 4096 2048 8192
+        env PYTHONPATH="$build/python" python3 -m torch.distributed.run --master-port=$((20000 + RANDOM % 20000)) \
+        --nproc_per_node="$n" "$root/examples/tp_mlp.py" 4096 2048 8192
       # A small decoder (attention, MLP and MoE layers) on a (context x tensor) mesh, against plain torch.
       [ "$n" -ge 2 ] && step "python: examples/train_transformer.py (torchrun), $n processes" \
         "python_train_transformer_$n" env PYTHONPATH="$build/python" python3 -m torch.distributed.run \
-        --nproc_per_node="$n" "$root/examples/train_transformer.py" --tp 2 --steps 8 --layers 2 --seq 512
+        --master-port=$((20000 + RANDOM % 20000)) --nproc_per_node="$n" "$root/examples/train_transformer.py" \
+        --tp 2 --steps 8 --layers 2 --seq 512
     done
     step "python: flash attention against fp32 and SDPA" "python_attention" env PYTHONPATH="$build/python" \
       python3 "$root/python/tests/gpu_attention.py"

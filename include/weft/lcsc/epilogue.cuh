@@ -3,11 +3,13 @@
 // The destination is whatever the tensor map points at: this rank's C, a peer's C (symmetric heap), with a
 // plain store or an element-wise reduce-add (cp.reduce.async.bulk.tensor .add).
 //
-// Each warpgroup double-buffers its chunks: it converts chunk i into buffer i % 2 while the TMA engine reads
-// chunk i - 1 from the other buffer. Thread 0 of the warpgroup issues the stores; before the barrier of
-// chunk i it waits until every earlier store has read its buffer, so once past that barrier the warpgroup
-// may overwrite the other buffer with chunk i + 1. The chunk count runs on across tiles, so the invariant
-// holds from one tile to the next.
+// Each warpgroup rings its chunks through kBuffers buffers (2 by default): it converts chunk i into buffer
+// i % kBuffers while the TMA engine reads the chunks before it from the others. Thread 0 of the warpgroup
+// issues the stores; before the barrier of chunk i it waits until the store of chunk i - kBuffers + 1 has
+// read its buffer, so once past that barrier the warpgroup may overwrite that buffer with chunk i + 1. The
+// chunk count runs on across tiles, so the invariant holds from one tile to the next. More buffers let a
+// tile's chunks leave without waiting on each other: a store into a peer's memory reads its buffer only as
+// fast as the link takes it (the fused reduce-scatter's storers, ops/fused.cuh).
 #pragma once
 #include <cuda.h>
 
@@ -59,23 +61,24 @@ struct TmaRows4d {
 // The epilogue's shared buffers and per-warpgroup state depend on the output type and the consumer count
 // only, not on the tile's width: an op may store tiles of more than one width through them (e.g. a GEMM
 // whose epilogue halves its tile, weft/ops/gemm.cuh GroupedGemmSwigluOp).
-template <class OutT, int kConsumers>
+template <class OutT, int kConsumers, int kBuffers = 2>
 struct EpilogueBuffers {
-  tile::OutChunk<OutT> buf[kConsumers][2];
+  tile::OutChunk<OutT> buf[kConsumers][kBuffers];
 };
 struct EpilogueState {
   uint32_t chunks = 0;  // chunks this warpgroup has stored so far (selects the buffer)
 };
 
-template <class OutT, int kBN, int kConsumers>
+template <class OutT, int kBN, int kConsumers, int kBuffers = 2>
 struct TmaStoreEpilogue {
+  static_assert(kBuffers >= 2, "a chunk converts while the one before it is read");
   using Chunk = tile::OutChunk<OutT>;
   static constexpr int kChunkCols = Chunk::kCols;
   static constexpr int kChunks = kBN / kChunkCols;
   static constexpr int kBoxRows = 64, kBoxCols = kChunkCols;  // the C tensor map's box
   static_assert(kBN % kChunkCols == 0, "whole chunks");
 
-  using Smem = EpilogueBuffers<OutT, kConsumers>;
+  using Smem = EpilogueBuffers<OutT, kConsumers, kBuffers>;
   using State = EpilogueState;
 
   // Stores acc (the warpgroup's 64 rows) at element (row0, col0) of the map's tensor.
@@ -109,10 +112,10 @@ struct TmaStoreEpilogue {
   __device__ __forceinline__ static void store_chunk(const Dest& dest, Smem& s, State& es, int wg,
                                                      const tile::AccumM64<kBN>& acc, int col0) {
     const bool leader = tile::thread_in_warpgroup() == 0;
-    Chunk& buf = s.buf[wg][es.chunks & 1u];
+    Chunk& buf = s.buf[wg][es.chunks % kBuffers];
     tile::store_accum_chunk<kI, OutT>(acc, buf);
     fence_proxy_async_smem();
-    if (leader) bulk_wait_read<0>();  // the previous chunk's store has read the other buffer
+    if (leader) bulk_wait_read<kBuffers - 2>();  // the buffer chunk i + 1 takes has been read
     tile::named_barrier_sync(kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
     if (leader) {
       dest.issue(col0 + kI * kChunkCols, buf.bytes);

@@ -364,7 +364,11 @@ struct ReduceScatterC : Gemm {
   }
 };
 
+// Three pipeline stages instead of four, for a ring of four output chunks a warpgroup (a whole 64 x 256
+// tile): the storers' chunks go to peers, and a store reads its buffer only as fast as the link takes it, so
+// with two buffers each chunk waited for the one before it (2.75 us a tile against a 20.5 us mainloop, 4 x
+// H200, bench/RESULTS.md).
 template <bool kBKMajor, int kCluster, bool kCounted = false>
-using RsGemmOp = ReduceScatterC<GemmOp<__nv_bfloat16, kBKMajor, kCluster>, kCounted>;
+using RsGemmOp = ReduceScatterC<GemmOp<__nv_bfloat16, kBKMajor, kCluster, 256, 3, 4>, kCounted>;
 
 }  // namespace weft::ops

@@ -36,7 +36,9 @@ struct GemmTile {
                                                  : 6;
 };
 
-template <class OutT, bool kBKMajor, int kCluster, int kTileN = 256, int kStageCount = 0>
+// kEpilogueBuffers: the storer's ring of output chunks a consumer warpgroup (lcsc/epilogue.cuh).
+template <class OutT, bool kBKMajor, int kCluster, int kTileN = 256, int kStageCount = 0,
+          int kEpilogueBuffers = 2>
 struct GemmOp {
   using Tile = GemmTile<kTileN, kStageCount>;
   static constexpr int kBM = Tile::kBM, kBN = Tile::kBN, kBK = Tile::kBK, kStages = Tile::kStages;
@@ -47,7 +49,7 @@ struct GemmOp {
 
   using Scheduler = lcsc::GemmTileScheduler;  // output tiles (lcsc::Tile) in grouped order
   using Mainloop = lcsc::WgmmaMainloop<kBM, kBN, kBK, kStages, kBKMajor, kCluster>;
-  using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN, kConsumerWarpgroups>;
+  using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN, kConsumerWarpgroups, kEpilogueBuffers>;
   using Pipeline = typename Mainloop::Pipeline;
   using Accum = typename Mainloop::Accum;
   using StoreState = typename Epilogue::State;
