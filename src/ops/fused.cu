@@ -667,6 +667,8 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
   const bool counted = o.partials != FusedOptions::Partials::kStaged && rows / 64 <= ops::kRsHalfFlags &&
                        (!all_reduce || c.comm.in_heap(c.rank, out, m * n * 2));
   const Bf16Maps<kKMajor> maps{a, b, m, n, k};
+  static_assert(ops::RsGemmOp<kKMajor, 1, true>::staged_sum_fits(ops::kFusedMaxWorld),
+                "the staged sums' buffers must fit a communicator block's shared memory");
   if (counted)
     launch_rs_as<ops::RsGemmOp<kKMajor, 1, true>>(c, maps, out, m, n, o, all_reduce);
   else

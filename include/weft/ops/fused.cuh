@@ -187,41 +187,101 @@ struct AllGatherA : Gemm {
 template <bool kBKMajor, int kCluster, int kTileN = 256>
 using AgGemmOp = AllGatherA<GemmOp<__nv_bfloat16, kBKMajor, kCluster, kTileN>>;
 
+// A communicator block's buffers for sum_staged_half, carved out of the GEMM's shared memory (which
+// communicator blocks do not otherwise use): `stages` rings of every slot's next kChunkBytes, which the
+// bulk-copy engine loads, the stages' mbarriers, and the count of chunks this block has summed (the stage and
+// parity of its next). The threads' own loads (2 units x W slots a thread: 48 KiB in flight at W = 4)
+// moved ~40 GB/s a block beside the GEMM (the timelines in bench/RESULTS.md); the copy engine keeps up to
+// kLoadBytes in flight. The sums leave by the threads' own stores: bulk stores from shared memory (the first
+// form) waited for their buffer behind the copy engine's later loads and ran ~2x slower still.
+struct SlotSumStaging {
+  // Of each slot, per stage: two 16-byte units per thread of the kernel's 384 (whole passes; a chunk ends in
+  // a block-wide barrier, so not much smaller).
+  static constexpr int kChunkBytes = 2 * 384 * 16;
+  static constexpr int kMaxStages = 16;
+  static constexpr int kLoadBytes = 192 * 1024;  // in flight, at most
+  uint8_t* base;                                 // 128-byte aligned
+  int world, stages;
+
+  __host__ __device__ static constexpr size_t bytes_for(int world, int stages) {
+    return size_t(stages * world) * kChunkBytes + kMaxStages * sizeof(uint64_t) + sizeof(uint32_t);
+  }
+  // As many stages as fit `bytes` (at most kLoadBytes of loads; 0 when not even two fit).
+  __host__ __device__ static constexpr int stages_for(int world, size_t bytes) {
+    int s = kLoadBytes / (world * kChunkBytes);
+    s = s > kMaxStages ? kMaxStages : s;
+    while (s >= 2 && bytes_for(world, s) > bytes) --s;
+    return s >= 2 ? s : 0;
+  }
+  __device__ SlotSumStaging(void* smem, size_t bytes, int w)
+      : base(static_cast<uint8_t*>(smem)), world(w), stages(stages_for(w, bytes)) {}
+  __device__ const uint4* in(int stage, int s) const {
+    return reinterpret_cast<const uint4*>(base + size_t(stage * world + s) * kChunkBytes);
+  }
+  __device__ uint64_t* full(int stage) const {
+    return reinterpret_cast<uint64_t*>(base + size_t(stages * world) * kChunkBytes) + stage;
+  }
+  __device__ uint32_t* summed() const { return reinterpret_cast<uint32_t*>(full(kMaxStages)); }
+  // By every thread of the block, once, before the first sum.
+  __device__ void init() const {
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < stages; ++i) mbarrier_init(full(i), 1);
+      *summed() = 0;
+      fence_barrier_init();
+    }
+    __syncthreads();
+  }
+};
+
 // A communicator block sums one half of this rank's rows over the W staged slots (slot r at staging + r x
-// slot_elems), 16-byte units [0, units): in fp32, its own slot first, then rank + 1, ... (the order of the
-// staged reduce kernel, coll::reduce_scatter_kernel, so the bits are the same), rounded once; into dst, or
-// every rank's copy of dst when fan_out.
-__device__ __forceinline__ void sum_staged_half(const TeamView& t, uint4* dst, const __nv_bfloat16* staging,
-                                                int64_t slot_elems, int64_t units, bool fan_out) {
-  // The slots in summation order, once; then every source's load of a unit issued before any is combined
-  // (the reads of a half come from HBM while the GEMM runs beside: a chain of one load at a time per thread
-  // would read a few GB/s per block).
-  const uint4* slot[kFusedMaxWorld];
-#pragma unroll
-  for (int s = 0; s < kFusedMaxWorld; ++s)
-    slot[s] = reinterpret_cast<const uint4*>(staging + int64_t((t.rank + s) % t.world) * slot_elems);
-  constexpr int kUnits = 2;  // units per thread in flight
-  for (int64_t i0 = int64_t(threadIdx.x) * kUnits; i0 < units; i0 += int64_t(blockDim.x) * kUnits) {
-    uint4 raw[kUnits][kFusedMaxWorld];
-#pragma unroll
-    for (int u = 0; u < kUnits; ++u)
-#pragma unroll
-      for (int s = 0; s < kFusedMaxWorld; ++s)
-        if (s < t.world && i0 + u < units) raw[u][s] = ld16(slot[s] + i0 + u);
-#pragma unroll
-    for (int u = 0; u < kUnits; ++u) {
-      if (i0 + u >= units) break;
-      Pack<Elem::kBF16> acc = Pack<Elem::kBF16>::load(raw[u][0]);
-#pragma unroll
-      for (int s = 1; s < kFusedMaxWorld; ++s)
-        if (s < t.world) acc.template combine_with<Reduce::kSum>(Pack<Elem::kBF16>::load(raw[u][s]));
+// slot_elems), `bytes` of each: in fp32, its own slot first, then rank + 1, ... (the order of the staged
+// reduce kernel, coll::reduce_scatter_kernel, so the bits are the same), rounded once; into dst, or the same
+// place in every rank's copy of dst when fan_out. Thread 0 has acquired the slots (wait, then
+// acquire_for_tma).
+__device__ __forceinline__ void sum_staged_half(const TeamView& t, const SlotSumStaging& st, uint4* dst,
+                                                const __nv_bfloat16* staging, int64_t slot_elems,
+                                                int64_t bytes, bool fan_out) {
+  constexpr int C = SlotSumStaging::kChunkBytes;
+  const int W = t.world, S = st.stages;
+  const int64_t chunks = (bytes + C - 1) / C;
+  const uint32_t g0 = *st.summed();   // chunks this block summed before: the ring's position
+  const auto load = [&](int64_t c) {  // thread 0: chunk c of every slot into its stage
+    const int stage = int((g0 + c) % S);
+    const uint32_t n = uint32_t(min(int64_t(C), bytes - c * C));
+    mbarrier_arrive_expect_tx(st.full(stage), n * W);
+    for (int s = 0; s < W; ++s) {
+      const auto* slot = reinterpret_cast<const uint8_t*>(staging + int64_t((t.rank + s) % W) * slot_elems);
+      bulk_load(const_cast<uint4*>(st.in(stage, s)), slot + c * C, n, st.full(stage));
+    }
+  };
+  if (threadIdx.x == 0)
+    for (int64_t c = 0; c < chunks && c < S; ++c) load(c);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint32_t g = g0 + uint32_t(c);
+    const int stage = int(g % S);
+    const int64_t units = min(int64_t(C), bytes - c * C) / 16;
+    mbarrier_wait(st.full(stage), (g / S) & 1);
+    uint4* to = dst + c * (C / 16);
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+      Pack<Elem::kBF16> acc = Pack<Elem::kBF16>::load(st.in(stage, 0)[u]);
+      for (int s = 1; s < W; ++s)
+        acc.template combine_with<Reduce::kSum>(Pack<Elem::kBF16>::load(st.in(stage, s)[u]));
       const uint4 v = acc.store();
-      if (fan_out)
-        broadcast16(t, dst + i0 + u, v);
-      else
-        st16(dst + i0 + u, v);
+      if (!fan_out) {
+        st16(to + u, v);
+        continue;
+      }
+      for (int k = 1; k <= W; ++k)  // rank + 1 first: the ranks' blocks start on different peers
+        st16(t.peer_ptr(to + u, (t.rank + k) % W), v);
+    }
+    __syncthreads();  // every thread done with this stage: it may load again
+    if (threadIdx.x == 0 && c + S < chunks) {
+      fence_proxy_async_smem();  // the generic reads of the stage before the copy engine's writes into it
+      load(c + S);
     }
   }
+  if (threadIdx.x == 0) *st.summed() = g0 + uint32_t(chunks);
+  __syncthreads();
 }
 
 // ---- GEMM + reduce-scatter (and the first half of all-reduce) -----------------------------------------
@@ -308,18 +368,28 @@ struct ReduceScatterC : Gemm {
   // Block 0 of the communicator: every rank has finished the previous call's reduce (stream-ordered before
   // its kernel), so its staging is free; then the storers may store. kCounted: every block then takes
   // halves (no wait needed: the previous call's counts were final when its kernel ended).
-  __device__ static bool comm_begin(const Params& p, typename Base::Smem&, int index) {
+  __device__ static bool comm_begin(const Params& p, typename Base::Smem& s, int index) {
     const TeamView& t = p.sync.team;
+    if constexpr (kCounted)
+      if (p.staged_slots) staging_of(p, s).init();
     if (index == 0 && barrier_block(t, p.sync.meetings[0]) && threadIdx.x == 0)
       signal_set(t, t.flag(p.sync.ready, 0), t.rank, p.sync.epoch());
     return kCounted;
+  }
+  // A communicator block's buffers for the staged sums (two stages fit at every world size up to
+  // kFusedMaxWorld: asserted where the counted kernel is launched, src/ops/fused.cu).
+  __device__ static SlotSumStaging staging_of(const Params& p, typename Base::Smem& s) {
+    return SlotSumStaging(&s, sizeof(s), p.sync.team.world);
+  }
+  __host__ __device__ static constexpr bool staged_sum_fits(int world) {
+    return SlotSumStaging::stages_for(world, sizeof(typename Base::Smem)) >= 2;
   }
   struct CommTasks
       : lcsc::StridedTasks {  // kCounted: the halves of this rank's rows, in the order they complete
     __device__ CommTasks(const Params& p, int index, int count)
         : lcsc::StridedTasks(kCounted ? p.shard_rows / 64 : 0, index, count) {}
   };
-  __device__ static void comm_task(const Params& p, typename Base::Smem&, int h) {
+  __device__ static void comm_task(const Params& p, typename Base::Smem& s, int h) {
     if constexpr (kCounted) {
       const TeamView& t = p.sync.team;
       uint64_t* done = t.flag(p.halves, kRsHalfFlags + h);
@@ -332,6 +402,7 @@ struct ReduceScatterC : Gemm {
       if (threadIdx.x == 0) {
         const TimelineSpan waiting(p.sched.timeline, TimelinePhase::kCommWait, static_cast<uint32_t>(h));
         reached = wait_ge(t, t.flag(p.halves, h), target);
+        acquire_for_tma();  // the staged slots (peers' TMA stores, published by their counts) for our loads
       }
       reached = __syncthreads_and(reached);
       if (!reached) return;
@@ -339,8 +410,8 @@ struct ReduceScatterC : Gemm {
       if (p.staged_slots) {
         // Into this rank's out (its slice of the all-reduce's out), the same place in every peer's.
         __nv_bfloat16* dst = p.out + (p.fan_out ? int64_t(t.rank) * p.shard_rows * p.n : 0) + first;
-        sum_staged_half(t, reinterpret_cast<uint4*>(dst), p.staging + first, int64_t(p.shard_rows) * p.n,
-                        units, p.fan_out);
+        sum_staged_half(t, staging_of(p, s), reinterpret_cast<uint4*>(dst), p.staging + first,
+                        int64_t(p.shard_rows) * p.n, units * 16, p.fan_out);
         if (threadIdx.x == 0) *done = target;
         return;
       }
