@@ -73,9 +73,11 @@ struct Shape {
   int64_t shard, n, k;  // M = W * shard
 };
 // M / W: one tile, partial tiles (200, 520: not multiples of 64), tiles straddling shards (192), tiny, and
-// three tile rows per shard.
-const Shape kShapes[] = {{128, 256, 256}, {200, 264, 136}, {192, 264, 136},
-                         {520, 384, 192}, {64, 8, 8},      {384, 264, 136}};
+// three tile rows per shard. all_gather_matmul's fused kernel picks its tile width by how its tiles fill the
+// compute blocks (src/ops/tile_width.hpp): at these sizes 128 x 128, but 128 x 256 where N <= 128 (the tiny
+// shape, and partial tiles at N = 120).
+const Shape kShapes[] = {{128, 256, 256}, {200, 264, 136}, {192, 264, 136}, {520, 384, 192},
+                         {64, 8, 8},      {384, 264, 136}, {200, 120, 136}};
 using Mode = FusedOptions::Mode;
 const Mode kModes[] = {Mode::kFused, Mode::kPipelined, Mode::kSequential};
 const char* mode_name(Mode m) {
