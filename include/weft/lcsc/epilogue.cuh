@@ -7,7 +7,8 @@
 // i % kBuffers while the TMA engine reads the chunks before it from the others. Thread 0 of the warpgroup
 // issues the stores; before the barrier of chunk i it waits until the store of chunk i - kBuffers + 1 has
 // read its buffer, so once past that barrier the warpgroup may overwrite that buffer with chunk i + 1. The
-// chunk count runs on across tiles, so the invariant holds from one tile to the next. More buffers let a
+// chunk count runs on across tiles, so the invariant holds from one tile to the next (for a kBuffers that is
+// not a power of two, up to 2^32 chunks a warpgroup and launch). With more buffers than a tile's chunks, a
 // tile's chunks leave without waiting on each other: a store into a peer's memory reads its buffer only as
 // fast as the link takes it (the fused reduce-scatter's storers, ops/fused.cuh).
 #pragma once

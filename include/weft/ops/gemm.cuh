@@ -4,10 +4,11 @@
 //
 // Tile 128 x 256 x 64: two consumer warpgroups of 64 x 256 (m64n256k16 wgmma), one loader warpgroup, a
 // 4-stage TMA pipeline with 128-byte swizzle (48 KiB per stage), 2 x 8 KiB epilogue buffers per consumer
-// warpgroup, persistent grid over a grouped tile order. With kCluster = 2, the two CTAs of a cluster take
-// vertically adjacent tiles and multicast halves of their common B tile to each other. A 128 x 128 tile
-// (m64n128k16, 6 stages of 32 KiB) serves problems whose 128 x 256 tiles would leave SMs idle
-// (src/ops/gemm.cu picks by the count of tiles per wave).
+// warpgroup (the fused reduce-scatter's storers: 3 stages and 5 buffers, ops/fused.cuh), persistent grid over
+// a grouped tile order. With kCluster = 2, the two CTAs of a cluster take vertically adjacent tiles and
+// multicast halves of their common B tile to each other. A 128 x 128 tile (m64n128k16, 6 stages of 32 KiB)
+// serves problems whose 128 x 256 tiles would leave SMs idle (src/ops/gemm.cu picks by the count of tiles per
+// wave).
 //
 // Fused ops reuse it by wrapping it: the same roles with a wait_inputs() hook (AG + GEMM), a C map per
 // destination rank (GEMM + RS), communicator blocks (lcsc/kernel.cuh).
