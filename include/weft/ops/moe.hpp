@@ -33,6 +33,15 @@ struct MoeShape {
   // reads the slots' rows only): at decode sizes the padding is most of the rows (a few rows an expert
   // against align 128), and zeroing it most of the dispatch's time.
   bool zero_padding = true;
+  // The low-latency dispatch (decode batches): every local expert gets a group of fixed capacity, W x
+  // max_tokens rows rounded up to 128, group e at e x that (moe_capacity() is then experts per rank times
+  // it), filled from its start by one system-scope atomic per (token, expert) at the expert's rank: no count
+  // exchange and no meeting before the rows move, one wait at the end for every rank's rows. Groups are not
+  // padded (align is ignored): grouped_gemm runs over them with options.group_rows = dispatched.group_rows
+  // (only the filled rows count). moe_combine and moe_combine_backward take its handle as the other's; not
+  // the dispatch inside the first GEMM, the FP8 dispatch, moe_counts nor moe_grouped_gemm_combine. A token
+  // names each expert at most once (more rows than the capacity traps the kernel).
+  bool low_latency = false;
 };
 
 // What a dispatch leaves on this rank (device pointers). rows and group_end live in the communicator's
@@ -50,6 +59,8 @@ struct MoeDispatched {
                                         // (token * top_k + j) it holds; -1 for a padding row
   const int32_t* counts = nullptr;      // [world][num_experts + 1]: each source's rows per expert, then its
                                         // token count (the layout's input, in the dispatch area)
+  const int32_t* group_rows = nullptr;  // low_latency: [experts per rank] the rows each group received
+                                        // (grouped_gemm's options.group_rows); row_source and counts null
 };
 
 // The dispatch and the first expert GEMM in one kernel: what moe_dispatch does (the same rows in the same
