@@ -44,6 +44,10 @@ const char* const kWalkArea = "moe dispatch walk";
 // zeroed[p] (rank p's counters are zero again through call zeroed[p]: p writes it here) and done[s] (rank s
 // has placed its rows of call done[s] here: s writes it), kMaxWorld each.
 const char* const kLowLatencyArea = "moe dispatch, low latency";
+// Its counters and grid counter live in an area of their own, of one fixed layout, so that a call of another
+// shape never finds them inside bytes that rows of an earlier call wrote (areas are zeroed when made only).
+const char* const kLowLatencyStateArea = "moe dispatch, low latency: counters";
+constexpr int kLowLatencyMaxExperts = 8192;  // local experts a low-latency dispatch counts rows for
 const char* const kLowLatencyFlags = "moe dispatch, low latency: call, zeroed, done";
 const ResourceDeclaration kLowLatencyResources{{kLowLatencyFlags, 2 + 2 * kMaxWorld}};
 
@@ -315,37 +319,38 @@ __global__ void __launch_bounds__(256) low_latency_rows(LowLatency a) {
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const int row_vecs = static_cast<int>(a.d.hidden * 2 / 16);
   const int64_t slots = a.d.tokens * a.d.top_k;
+  // A failed wait (recorded; synchronize() reports it) leaves the warp's remaining slots dropped (row_of -1,
+  // so a combine queued behind reads nothing of them) and the block tells every rank, whose waits then end
+  // at once instead of at their timeouts.
   bool ok = true;
-  for (int64_t i = int64_t(blockIdx.x) * warps + threadIdx.x / 32; i < slots && ok;
+  for (int64_t i = int64_t(blockIdx.x) * warps + threadIdx.x / 32; i < slots;
        i += int64_t(gridDim.x) * warps) {
     const int e = a.experts[i];
     if (e >= a.d.experts) __trap();  // an expert id past the count: stop rather than scatter anywhere
-    if (lane == 0) a.kept[i] = e;
-    if (e < 0) {
-      if (lane == 0) a.row_of[i] = -1;
-      continue;
-    }
     const int dest = e / a.d.per_rank, local = e % a.d.per_rank;
-    int row = 0;
-    if (lane == 0) {
+    int row = -1;
+    if (lane == 0 && e >= 0 && ok) {
       // The destination zeroed its counters at the end of its previous call (and they start at zero).
       ok = wait_ge(team, ll_zeroed(a, dest), epoch - 1);
       if (ok) {
         const int pos = atomicAdd_system(team.peer_ptr(a.counters + local, dest), 1);
-        if (pos >= a.group) __trap();  // more rows than the group holds: a token named an expert twice
+        if (pos < 0 || pos >= a.group) __trap();  // more rows than the group holds: an expert named twice
         row = static_cast<int>(local * a.group + pos);
-        a.row_of[i] = row;
       }
+    }
+    if (lane == 0) {
+      a.kept[i] = row >= 0 ? e : -1;
+      a.row_of[i] = row;
     }
     ok = __shfl_sync(0xffffffffu, ok, 0);
     row = __shfl_sync(0xffffffffu, row, 0);
-    if (!ok) break;
+    if (row < 0) continue;
     const int t = static_cast<int>(i / a.d.top_k), n = static_cast<int>(a.d.tokens);
     warp_copy_rows(a.tokens, team.peer_ptr(a.rows, dest) + int64_t(row) * row_vecs, t, t + 1, n, row_vecs,
                    lane);
   }
   // This block is done: the last block of the grid publishes this rank's rows and atomics to every rank.
-  __syncthreads();
+  if (!__syncthreads_and(ok) && threadIdx.x == 0) detail::report_failure_to_peers(team);
   __shared__ bool last;
   if (threadIdx.x == 0) {
     fence_release();  // the block's rows and atomics, system-wide, before the count that leads to the signal
@@ -703,10 +708,13 @@ bool moe_planned(ops::OpCall& call, const char* op, const std::string& path, int
 void carve_low_latency(ops::WorkspaceLayout& a, const Sizes& z, LowLatency& x) {
   const size_t per = round256(size_t(z.d.per_rank) * 4);
   x.rows = a.take<uint4>(round256(size_t(z.capacity) * z.d.hidden * 2));
-  x.counters = a.take<int32_t>(per);
   x.group_end = a.take<int32_t>(per);
   x.group_rows = a.take<int32_t>(per);
+}
+// The state area: the grid counter, then the counters (the same places whatever the shape).
+void carve_low_latency_state(ops::WorkspaceLayout& a, LowLatency& x) {
   x.blocks_done = a.take<uint32_t>(256);
+  x.counters = a.take<int32_t>(size_t(kLowLatencyMaxExperts) * 4);
 }
 
 MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const void* tokens,
@@ -716,6 +724,9 @@ MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const 
   const std::string& where = call.where;
   check(shape, rank.world(), where);
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
+  WEFT_CHECK(shape.num_experts / rank.world() <= kLowLatencyMaxExperts,
+             where + "the low-latency dispatch counts rows for at most " +
+                 std::to_string(kLowLatencyMaxExperts) + " experts per rank");
   const size_t need = moe_dispatch_workspace_bytes(rank.world(), shape);
   WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
              where + "the workspace must hold " + std::to_string(need) +
@@ -731,6 +742,10 @@ MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const 
   carve_low_latency(sized, z, x);
   ops::WorkspaceLayout area(call.workspace(sized.bytes(), kLowLatencyArea));
   carve_low_latency(area, z, x);
+  ops::WorkspaceLayout state_sized;
+  carve_low_latency_state(state_sized, x);
+  ops::WorkspaceLayout state(call.workspace(state_sized.bytes(), kLowLatencyStateArea));
+  carve_low_latency_state(state, x);
   ops::WorkspaceLayout own(workspace);
   const WorkspaceParts parts = carve_workspace(own, z);
   x.team = rank.view();
@@ -988,6 +1003,8 @@ void check_combine(Communicator& comm, Rank& rank, const MoeShape& shape, DType 
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "expert outputs must be bf16 or fp16");
   WEFT_CHECK(dispatched.row_of != nullptr && dispatched.experts != nullptr,
              where + "`dispatched` is not a dispatch's handle");
+  WEFT_CHECK((dispatched.group_rows != nullptr) == shape.low_latency,
+             where + "the handle and the shape disagree on MoeShape::low_latency");
   const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
   WEFT_CHECK(comm.in_heap(rank, expert_out, bytes),
              where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
@@ -1043,6 +1060,10 @@ void combine_backward(Communicator& comm, Rank& rank, const void* expert_out, co
                       const MoeShape& shape, DType dtype, cudaStream_t stream, Plan* plan) {
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_combine_backward", rank), plan);
   const std::string& where = call.where;
+  WEFT_CHECK(!shape.low_latency,
+             where +
+                 "the low-latency dispatch is for inference: rows of its groups past their counts hold no "
+                 "values a weight's gradient may meet");
   check_combine(comm, rank, shape, dtype, dispatched, expert_out, weights, where);
   const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
   WEFT_CHECK(comm.in_heap(rank, d_expert_out, bytes),

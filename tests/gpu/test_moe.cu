@@ -592,7 +592,7 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
   const int W = c.world(), per = 3, E = per * W, top_k = std::min(2, E);
   const int64_t hidden = 72;
   std::vector<int64_t> T(W);
-  for (int r = 0; r < W; ++r) T[r] = r % 3 == 2 ? 0 : 5 + 3 * r;
+  for (int r = 0; r < W; ++r) T[r] = r == W - 1 ? 0 : 5 + 3 * r;  // the last rank has no token
   const int64_t max_tokens = *std::max_element(T.begin(), T.end());
   MoeShape base{0, max_tokens, hidden, E, top_k, 128};
   base.low_latency = true;
@@ -707,6 +707,23 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
       moe_combine(c, rank, moe_combine_input(c, rank, s, DType::kBF16), got[i], local[i]->w.as<float>(),
                   local[i]->out.p, s, DType::kBF16);
     }
+    c.synchronize();
+    // The last call's routing again, four rounds of dispatch and combine back to back with no host wait: the
+    // groups' counters re-armed between rounds on the device alone.
+    for (int round = 0; round < 4 && call == 2; ++round)
+      for (int i = 0; i < c.num_local(); ++i) {
+        Rank& rank = c.local(i);
+        WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+        MoeShape s = base;
+        s.tokens = T[rank.rank()];
+        if (round == 0) weft::test::poison(c, i, local[i]->out.p, local[i]->out.bytes);
+        got[i] = moe_dispatch(c, rank, local[i]->tok.p, local[i]->exp.as<int32_t>(), s, local[i]->ws.p,
+                              ws_bytes, DType::kBF16);
+        void* in = moe_combine_input(c, rank, s, DType::kBF16);
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(in, got[i].rows, size_t(got[i].capacity) * hidden * 2,
+                                        cudaMemcpyDeviceToDevice, rank.stream()));
+        moe_combine(c, rank, in, got[i], local[i]->w.as<float>(), local[i]->out.p, s, DType::kBF16);
+      }
     c.synchronize();
     for (int i = 0; i < c.num_local(); ++i) {
       const int r = c.local(i).rank();
