@@ -55,12 +55,14 @@ struct Layer {
     if (phase == kDispatch || phase == kAll)
       d = moe_dispatch(comm, rank, tokens.p, static_cast<const int32_t*>(experts.p), shape, ws.p,
                        moe_dispatch_workspace_bytes(rank.world(), shape), DType::kBF16, stream);
+    GemmOptions counted;  // the low-latency dispatch's groups: only their filled rows (null otherwise)
+    counted.group_rows = d.group_rows;
     if (phase == kUp || phase == kAll)
       grouped_gemm(d.rows, up_w.p, hidden_act.p, d.group_end, experts_here, d.capacity, inter, shape.hidden,
-                   BLayout::kNK, DType::kBF16, stream);
+                   BLayout::kNK, DType::kBF16, stream, counted);
     if (phase == kDown || phase == kAll)
       grouped_gemm(hidden_act.p, down_w.p, combine_in, d.group_end, experts_here, d.capacity, shape.hidden,
-                   inter, BLayout::kNK, DType::kBF16, stream);
+                   inter, BLayout::kNK, DType::kBF16, stream, counted);
     if (phase == kCombine || phase == kAll)
       moe_combine(comm, rank, combine_in, d, static_cast<const float*>(weights.p), out.p, shape, DType::kBF16,
                   stream);
@@ -159,6 +161,14 @@ void run_moe(Context& ctx) {
       {"tokens", "experts", "top-k", "hidden", "inter", "bf16 ms", "FP8 ms", "bf16 / FP8"},
       "The same ranks, in turn (per-rank CUDA graphs launched together, the slowest rank's median); the FP8 "
       "time includes the quantization of the tokens.");
+  Table ll(fmt("MoE layer at decode sizes on %s, bf16: the dispatch of record vs the low-latency one "
+               "(MoeShape::low_latency: fixed-capacity groups, a row taken by an atomic, one end wait; the "
+               "expert GEMMs over the filled rows only)",
+               ctx.team_label().c_str()),
+           {"tokens", "experts", "top-k", "hidden", "inter", "dispatch ms", "low-latency dispatch ms",
+            "layer ms", "low-latency layer ms", "layer / low-latency layer"},
+           "Cases of at most 256 tokens a rank. The same ranks, in turn (per-rank CUDA graphs launched "
+           "together, the slowest rank's median); the dispatch of record leaves its padding as it is.");
   // The first case is decode-sized: 128 tokens per rank, DeepSeek-V3-like routing (256 experts, top-8).
   std::vector<Case> cases = {{128 * int64_t(W), 256, 8, 7168, 2048},
                              {4096, 32, 8, 7168, 2048},
@@ -269,6 +279,40 @@ void run_moe(Context& ctx) {
     f.add({std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),
            std::to_string(c.hidden), std::to_string(c.inter), fmt("%.3f", unfused), fmt("%.3f", fused),
            fmt("%.3f", unfused / fused)});
+    if (per_rank <= 256) {  // the low-latency dispatch: its own layers (groups of another capacity)
+      std::vector<std::unique_ptr<Layer>> lls;
+      std::vector<void*> ll_inputs;
+      for (int i = 0; i < L; ++i) {
+        Rank& r = comm.local(i);
+        WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
+        MoeShape s = layers[i]->shape;
+        s.low_latency = true;
+        const std::vector<int32_t> mine(all.begin() + r.rank() * per_rank * c.top_k,
+                                        all.begin() + (r.rank() + 1) * per_rank * c.top_k);
+        lls.push_back(std::make_unique<Layer>(s, W, c.inter, mine, 100 + r.rank(), team.streams[i]));
+        ll_inputs.push_back(moe_combine_input(comm, r, s, DType::kBF16));
+        // The combine input's area grew to the low-latency capacity: the others' pointer into it moved.
+        inputs[i] = moe_combine_input(comm, r, layers[i]->shape, DType::kBF16);
+      }
+      const auto ll_phase = [&](int phase) {
+        for (int i = 0; i < L; ++i) {
+          WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+          lls[i]->run(comm, comm.local(i), ll_inputs[i], team.streams[i], Layer::Phase(phase));
+        }
+      };
+      ll_phase(Layer::kAll);  // sizes its areas before capture (the combine input grows to its capacity)
+      team_phase(Layer::kAll);
+      comm.synchronize();
+      const std::vector<std::vector<double>> ll_us =
+          time_phases_alternating(comm, team.streams, Layer::kAll, iters, {inference_phase, ll_phase});
+      const double layer_ms = team.team_max(ll_us[0][Layer::kAll]) / 1000.0,
+                   ll_ms = team.team_max(ll_us[1][Layer::kAll]) / 1000.0;
+      ll.add({std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),
+              std::to_string(c.hidden), std::to_string(c.inter),
+              fmt("%.3f", team.team_max(ll_us[0][Layer::kDispatch]) / 1000.0),
+              fmt("%.3f", team.team_max(ll_us[1][Layer::kDispatch]) / 1000.0), fmt("%.3f", layer_ms),
+              fmt("%.3f", ll_ms), fmt("%.3f", layer_ms / ll_ms)});
+    }
     std::vector<std::unique_ptr<Fp8Head>> fp8;
     for (int i = 0; i < L; ++i) {
       WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
@@ -293,6 +337,7 @@ void run_moe(Context& ctx) {
   ctx.add(std::move(h));
   ctx.add(std::move(f));
   ctx.add(std::move(e));
+  ctx.add(std::move(ll));
   for (Table& tl : timelines) ctx.add(std::move(tl));
 }
 

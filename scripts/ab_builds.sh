@@ -4,12 +4,14 @@
 # one). Two halves, because a device call copies the working tree but not the local git history:
 #   here:   scripts/ab_builds.sh pack REF...          git archive of each REF into out/ab/<name> (name: the
 #                                                     ref with '/' as '-'); carry "out" to the device call
-#   device: scripts/ab_builds.sh run [TARGET] -- CMD  builds TARGET (default weft-bench) of the working tree
-#                                                     into build/ and of every out/ab/<name> into
+#   device: scripts/ab_builds.sh run [TARGETS] -- CMD builds TARGETS (comma-separated, default weft-bench)
+#                                                     of the working tree into build/ and of every
+#                                                     out/ab/<name> into
 #                                                     out/ab/<name>/build, side by side, then runs CMD once per
 #                                                     version in turn, with {} replaced by that version's
 #                                                     build dir, e.g.
 #           scripts/ab_builds.sh run -- {}/bench/weft-bench --quick fused --fused-ops ag
+#           scripts/ab_builds.sh run weft-bench,weft-launch -- bash -c "{}/weft-launch -n 4 {}/bench/weft-bench alltoall"
 # Each version's output goes to $OUT/ab-<name>.txt (the working tree's: $OUT/ab-worktree.txt) and its last
 # lines to stdout. Not for the suite of record: tests/gpu/run.sh runs on the working tree.
 set -u
@@ -50,7 +52,7 @@ case "${1:-}" in
       b=${dirs[i]}/build
       [ "${names[i]}" = worktree ] && b=$root/build
       (cmake -S "${dirs[i]}" -B "$b" -DCMAKE_BUILD_TYPE=Release >"$OUT/ab-build-${names[i]}.log" 2>&1 &&
-        cmake --build "$b" -j "$jobs" --target "$target" >>"$OUT/ab-build-${names[i]}.log" 2>&1) &
+        cmake --build "$b" -j "$jobs" --target ${target//,/ } >>"$OUT/ab-build-${names[i]}.log" 2>&1) &
     done
     rc=0
     for job in $(jobs -p); do wait "$job" || rc=1; done

@@ -111,6 +111,7 @@ Plan run_op(const Problem& pr, cudaStream_t stream, bool launch) {
   }
   if constexpr (requires { p.group_end; }) {
     p.group_end = pr.group_end;
+    if constexpr (requires { p.group_rows; }) p.group_rows = pr.opt.group_rows;
     p.groups = pr.groups;
     p.b_rows = static_cast<int>(kKMajor ? pr.n : pr.k);
   }
@@ -167,7 +168,13 @@ void check_grouping(Problem& pr, bool launch, const std::string& where) {
       WEFT_CHECK(pr.group_end != nullptr, where + "group_end must not be null");
       WEFT_CHECK(reinterpret_cast<uintptr_t>(pr.group_end) % 4 == 0,
                  where + "group_end is not 4-byte aligned");
+      WEFT_CHECK(reinterpret_cast<uintptr_t>(pr.opt.group_rows) % 4 == 0,
+                 where + "options.group_rows is not 4-byte aligned");
     }
+    // A partial group's tile is computed whole: rows past its count would reach a scatter's or dispatch's
+    // destinations.
+    WEFT_CHECK(pr.opt.group_rows == nullptr || (pr.scatter == nullptr && pr.dispatch == nullptr),
+               where + "options.group_rows is for grouped_gemm's own output (no scatter, no dispatch)");
     if (pr.scatter != nullptr) {
       WEFT_CHECK(pr.c_type == DType::kBF16 && pr.opt.activation == GemmActivation::kNone &&
                      !pr.opt.zero_unused_rows && (pr.opt.tile_n == 0 || pr.opt.tile_n == 256),
@@ -185,8 +192,9 @@ void check_grouping(Problem& pr, bool launch, const std::string& where) {
       pr.opt.tile_n = 256;
     }
   } else {
-    WEFT_CHECK(!pr.opt.zero_unused_rows && pr.opt.activation == GemmActivation::kNone,
-               where + "options.zero_unused_rows and options.activation are for grouped_gemm only");
+    WEFT_CHECK(!pr.opt.zero_unused_rows && pr.opt.activation == GemmActivation::kNone &&
+                   pr.opt.group_rows == nullptr,
+               where + "options.zero_unused_rows, activation and group_rows are for grouped_gemm only");
   }
 }
 

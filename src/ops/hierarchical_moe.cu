@@ -78,6 +78,7 @@ Parts carve(ops::WorkspaceLayout& w, const MultiNodeTeam& t, const MoeShape& s, 
 
 void check(const MultiNodeTeam& t, const MoeShape& s, DType dtype, const std::string& where) {
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
+  WEFT_CHECK(!s.low_latency, where + "not with the low-latency dispatch (MoeShape::low_latency) yet");
   WEFT_CHECK(s.num_experts > 0 && s.num_experts % t.world() == 0,
              where + "num_experts (" + std::to_string(s.num_experts) +
                  ") must be a positive multiple of the job's world size (" + std::to_string(t.world()) + ")");

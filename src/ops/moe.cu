@@ -22,6 +22,7 @@
 #include "grouped_gemm_scatter.hpp"
 #include "op_args.hpp"
 #include "weft/comm/barrier.cuh"
+#include "weft/comm/call_epoch.cuh"
 #include "weft/comm/copy_rows.cuh"
 #include "weft/device/timeline.cuh"
 #include "weft/ops/moe.hpp"
@@ -38,6 +39,17 @@ const char* const kCombineArea = "moe combine";
 const char* const kCombineGradArea = "moe combine backward";
 const char* const kStagingArea = "moe combine staging";
 const char* const kWalkArea = "moe dispatch walk";
+// The low-latency dispatch (MoeShape::low_latency): its workspace area (rows, the groups' counters, their
+// fixed ends, the counts a call leaves) and its signal-pad flags: [0, 2) its call epoch (CallEpoch), then
+// zeroed[p] (rank p's counters are zero again through call zeroed[p]: p writes it here) and done[s] (rank s
+// has placed its rows of call done[s] here: s writes it), kMaxWorld each.
+const char* const kLowLatencyArea = "moe dispatch, low latency";
+// Its counters and grid counter live in an area of their own, of one fixed layout, so that a call of another
+// shape never finds them inside bytes that rows of an earlier call wrote (areas are zeroed when made only).
+const char* const kLowLatencyStateArea = "moe dispatch, low latency: counters";
+constexpr int kLowLatencyMaxExperts = 8192;  // local experts a low-latency dispatch counts rows for
+const char* const kLowLatencyFlags = "moe dispatch, low latency: call, zeroed, done";
+const ResourceDeclaration kLowLatencyResources{{kLowLatencyFlags, 2 + 2 * kMaxWorld}};
 
 constexpr int kMaxTopK = 16;  // MoeShape::top_k's limit
 
@@ -269,6 +281,107 @@ __global__ void __launch_bounds__(kDispatchWarps * 32)
   (void)barrier_block(team, slots[blockIdx.x]);
 }
 
+// The low-latency dispatch, one kernel (MoeShape::low_latency; weft/ops/moe.hpp, docs/DESIGN.md). One warp
+// per slot (token, j) of this rank: lane 0 takes the slot's row in its expert's group with one system-scope
+// atomic add on the group's counter at the expert's rank (after that rank's counters are known to be zero
+// again: zeroed[d] through the previous call), and the warp stores the token's row there; row_of[slot] is
+// the row. Each block counts itself done; the last block (a grid counter, reset by it) tells every rank that
+// this rank's rows of the call are in place (release: the rows and the atomics before it). Block 0 then waits
+// until every rank's rows are in place here, copies the counters into group_rows, zeroes them, and tells
+// every rank so: their next call may add again. The other blocks leave once done.
+struct LowLatency {
+  TeamView team;
+  Flags flags;             // kLowLatencyFlags: epoch state [0, 2), zeroed [2, 2 + kMaxWorld), done after
+  const uint4* tokens;     // [tokens, hidden]
+  const int32_t* experts;  // [tokens, top_k]
+  int32_t *row_of, *kept;  // [tokens, top_k]
+  uint4* rows;             // [per_rank x group, hidden], symmetric
+  int32_t* counters;       // [per_rank], symmetric: rows taken in each group this call
+  int32_t *group_end, *group_rows;  // [per_rank]
+  uint32_t* blocks_done;            // this rank's grid counter
+  Dims d;
+  int64_t group;  // rows a group holds
+};
+
+__device__ __forceinline__ uint64_t* ll_zeroed(const LowLatency& a, int p) {
+  return a.team.flag(a.flags, 2 + p);
+}
+__device__ __forceinline__ uint64_t* ll_done(const LowLatency& a, int s) {
+  return a.team.flag(a.flags, 2 + kMaxWorld + s);
+}
+
+__global__ void __launch_bounds__(256) low_latency_rows(LowLatency a) {
+  const TimelineSpan span(threadIdx.x == 0 ? a.team.timeline : nullptr, TimelinePhase::kMoe,
+                          uint32_t(MoeStep::kDispatchTokens));
+  const TeamView& team = a.team;
+  const CallEpoch calls{team.flag(a.flags, 0)};
+  const uint64_t epoch = calls.epoch();
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int row_vecs = static_cast<int>(a.d.hidden * 2 / 16);
+  const int64_t slots = a.d.tokens * a.d.top_k;
+  // A failed wait (recorded; synchronize() reports it) leaves the warp's remaining slots dropped (row_of -1,
+  // so a combine queued behind reads nothing of them) and the block tells every rank, whose waits then end
+  // at once instead of at their timeouts.
+  bool ok = true;
+  for (int64_t i = int64_t(blockIdx.x) * warps + threadIdx.x / 32; i < slots;
+       i += int64_t(gridDim.x) * warps) {
+    const int e = a.experts[i];
+    if (e >= a.d.experts) __trap();  // an expert id past the count: stop rather than scatter anywhere
+    const int dest = e / a.d.per_rank, local = e % a.d.per_rank;
+    int row = -1;
+    if (lane == 0 && e >= 0 && ok) {
+      // The destination zeroed its counters at the end of its previous call (and they start at zero).
+      ok = wait_ge(team, ll_zeroed(a, dest), epoch - 1);
+      if (ok) {
+        const int pos = atomicAdd_system(team.peer_ptr(a.counters + local, dest), 1);
+        if (pos < 0 || pos >= a.group) __trap();  // more rows than the group holds: an expert named twice
+        row = static_cast<int>(local * a.group + pos);
+      }
+    }
+    if (lane == 0) {
+      a.kept[i] = row >= 0 ? e : -1;
+      a.row_of[i] = row;
+    }
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    row = __shfl_sync(0xffffffffu, row, 0);
+    if (row < 0) continue;
+    const int t = static_cast<int>(i / a.d.top_k), n = static_cast<int>(a.d.tokens);
+    warp_copy_rows(a.tokens, team.peer_ptr(a.rows, dest) + int64_t(row) * row_vecs, t, t + 1, n, row_vecs,
+                   lane);
+  }
+  // This block is done: the last block of the grid publishes this rank's rows and atomics to every rank.
+  if (!__syncthreads_and(ok) && threadIdx.x == 0) detail::report_failure_to_peers(team);
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    fence_release();  // the block's rows and atomics, system-wide, before the count that leads to the signal
+    last = atomicAdd(a.blocks_done, 1u) + 1 == gridDim.x;
+    if (last) {
+      *a.blocks_done = 0;  // for the next call (stream-ordered after this kernel)
+      fence_release();     // the other blocks' fenced work, seen through the count, before the signals
+    }
+  }
+  __syncthreads();
+  if (last && static_cast<int>(threadIdx.x) < team.world)
+    signal_set(team, ll_done(a, team.rank), static_cast<int>(threadIdx.x), epoch);
+  if (blockIdx.x == 0) {
+    // Every rank's rows of this call in place here: the counts are final. Then zero the counters and tell
+    // every rank (their next call's atomics wait for it).
+    bool all = true;
+    for (int s = threadIdx.x; s < team.world; s += blockDim.x) all &= wait_ge(team, ll_done(a, s), epoch);
+    if (__syncthreads_and(all)) {
+      for (int e = threadIdx.x; e < a.d.per_rank; e += blockDim.x) {
+        a.group_rows[e] = a.counters[e];
+        a.counters[e] = 0;
+        a.group_end[e] = static_cast<int32_t>((e + 1) * a.group);
+      }
+      __syncthreads();
+      if (static_cast<int>(threadIdx.x) < team.world)
+        signal_set(team, ll_zeroed(a, team.rank), static_cast<int>(threadIdx.x), epoch);
+    }
+  }
+  if (threadIdx.x == 0) (void)calls.finished(gridDim.x);
+}
+
 // Combine: one warp per (token, 256-column chunk), 8 elements per lane, the slots summed in ascending order.
 // Decode-sized batches have few tokens and each token's rows sit on other GPUs: so that many remote loads
 // are in flight, a warp takes a chunk rather than a whole token, its lanes first read the token's slots
@@ -432,10 +545,17 @@ void check(const MoeShape& s, int world, const std::string& where) {
   WEFT_CHECK(moe_capacity(world, s) < (int64_t(1) << 31), where + "the expert buffer's rows exceed int32");
 }
 
+// The low-latency dispatch's group: every source's max_tokens, rounded up to the grouped GEMM's 128-row
+// tiles.
+int64_t low_latency_group(int world, const MoeShape& s) {
+  return (int64_t(world) * s.max_tokens + 127) / 128 * 128;
+}
+
 }  // namespace
 
 int64_t moe_capacity(int world, const MoeShape& s) {
   const int per = world > 0 ? s.num_experts / world : 0;
+  if (s.low_latency) return int64_t(per) * low_latency_group(world, s);
   const int64_t worst = int64_t(world) * s.max_tokens * s.top_k + int64_t(per) * (s.align - 1);
   return (worst + s.align - 1) / s.align * s.align;
 }
@@ -583,11 +703,87 @@ bool moe_planned(ops::OpCall& call, const char* op, const std::string& path, int
   return call.planned_op(op, path, std::max(blocks, gemm->blocks), gemm->smem_bytes);
 }
 
+// The low-latency area's parts (symmetric): the rows, the groups' counters, their ends, the counts a call
+// leaves, the grid counter.
+void carve_low_latency(ops::WorkspaceLayout& a, const Sizes& z, LowLatency& x) {
+  const size_t per = round256(size_t(z.d.per_rank) * 4);
+  x.rows = a.take<uint4>(round256(size_t(z.capacity) * z.d.hidden * 2));
+  x.group_end = a.take<int32_t>(per);
+  x.group_rows = a.take<int32_t>(per);
+}
+// The state area: the grid counter, then the counters (the same places whatever the shape).
+void carve_low_latency_state(ops::WorkspaceLayout& a, LowLatency& x) {
+  x.blocks_done = a.take<uint32_t>(256);
+  x.counters = a.take<int32_t>(size_t(kLowLatencyMaxExperts) * 4);
+}
+
+MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const void* tokens,
+                                   const int32_t* experts, const MoeShape& shape, void* workspace,
+                                   size_t workspace_bytes, DType dtype) {
+  Rank& rank = call.rank;
+  const std::string& where = call.where;
+  check(shape, rank.world(), where);
+  WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
+  WEFT_CHECK(shape.num_experts / rank.world() <= kLowLatencyMaxExperts,
+             where + "the low-latency dispatch counts rows for at most " +
+                 std::to_string(kLowLatencyMaxExperts) + " experts per rank");
+  const size_t need = moe_dispatch_workspace_bytes(rank.world(), shape);
+  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
+             where + "the workspace must hold " + std::to_string(need) +
+                 " bytes (moe_dispatch_workspace_bytes()), got " + std::to_string(workspace_bytes));
+  ops::check_pointer_alignment(workspace, "workspace", 256, where);
+  if (shape.tokens > 0) {
+    ops::check_pointer_alignment(tokens, "tokens", 16, where);
+    ops::check_pointer_alignment(experts, "experts", 4, where);
+  }
+  const Sizes z(rank.world(), rank.rank(), shape);
+  LowLatency x{};
+  ops::WorkspaceLayout sized;
+  carve_low_latency(sized, z, x);
+  ops::WorkspaceLayout area(call.workspace(sized.bytes(), kLowLatencyArea));
+  carve_low_latency(area, z, x);
+  ops::WorkspaceLayout state_sized;
+  carve_low_latency_state(state_sized, x);
+  ops::WorkspaceLayout state(call.workspace(state_sized.bytes(), kLowLatencyStateArea));
+  carve_low_latency_state(state, x);
+  ops::WorkspaceLayout own(workspace);
+  const WorkspaceParts parts = carve_workspace(own, z);
+  x.team = rank.view();
+  x.flags = comm.resources(rank, kLowLatencyFlags).flags;
+  x.tokens = static_cast<const uint4*>(tokens);
+  x.experts = experts;
+  x.row_of = parts.row_of;
+  x.kept = parts.kept;
+  x.d = z.d;
+  x.group = low_latency_group(rank.world(), shape);
+  MoeDispatched out;
+  out.rows = x.rows;
+  out.group_end = x.group_end;
+  out.group_rows = x.group_rows;
+  out.row_of = x.row_of;
+  out.experts = x.kept;
+  out.capacity = z.capacity;
+  // A warp per slot, 8 a block.
+  const int blocks = ops::grid_stride_blocks(rank, shape.tokens * shape.top_k, 8);
+  if (moe_planned(
+          call, "moe_dispatch",
+          "low latency: one kernel, each slot's row taken by an atomic at its expert's rank and pushed "
+          "there, then one wait for every rank's rows",
+          blocks))
+    return out;
+  detail::preload<&low_latency_rows>();
+  low_latency_rows<<<blocks, 256, 0, call.stream>>>(x);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  return out;
+}
+
 MoeDispatched dispatch(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
                        const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
                        cudaStream_t stream, Plan* plan) {
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_dispatch", rank), plan);
   stream = call.stream;
+  if (shape.low_latency)
+    return dispatch_low_latency(comm, call, tokens, experts, shape, workspace, workspace_bytes, dtype);
   const DispatchBuffers b =
       dispatch_buffers(call, tokens, experts, shape, workspace, workspace_bytes, dtype, false);
   const int blocks =
@@ -613,6 +809,9 @@ MoeDispatched dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* 
                                     GemmActivation activation, void* c, cudaStream_t stream, Plan* plan) {
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_dispatch_grouped_gemm", rank), plan);
   const std::string& where = call.where;
+  WEFT_CHECK(!shape.low_latency, where +
+                                     "not with the low-latency dispatch (MoeShape::low_latency): "
+                                     "run moe_dispatch, then grouped_gemm with options.group_rows");
   WEFT_CHECK(shape.align % 128 == 0,
              where + "the GEMM's tiles wait for 128 rows each: align must be a multiple of 128, got " +
                  std::to_string(shape.align));
@@ -730,6 +929,7 @@ MoeDispatchedFp8 moe_dispatch_fp8(Communicator& comm, Rank& rank, const void* to
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_dispatch_fp8", rank));
   const std::string& where = call.where;
   check(shape, rank.world(), where);
+  WEFT_CHECK(!shape.low_latency, where + "not with the low-latency dispatch (MoeShape::low_latency) yet");
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
   WEFT_CHECK(shape.hidden % 16 == 0, where +
                                          "hidden must be a multiple of 16 for FP8 rows (16-byte rows), got " +
@@ -762,6 +962,8 @@ MoeCounts moe_counts(Rank& rank, const MoeDispatched& dispatched, const MoeShape
                      cudaStream_t stream) {
   const std::string where = ops::team_where("weft::moe_counts", rank);
   check(shape, rank.world(), where);
+  WEFT_CHECK(!shape.low_latency,
+             where + "the low-latency dispatch keeps its counts on the device (dispatched.group_rows)");
   WEFT_CHECK(dispatched.counts != nullptr && dispatched.group_end != nullptr,
              where + "`dispatched` is not a dispatch's handle");
   if (stream == nullptr) stream = rank.stream();
@@ -801,6 +1003,8 @@ void check_combine(Communicator& comm, Rank& rank, const MoeShape& shape, DType 
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "expert outputs must be bf16 or fp16");
   WEFT_CHECK(dispatched.row_of != nullptr && dispatched.experts != nullptr,
              where + "`dispatched` is not a dispatch's handle");
+  WEFT_CHECK((dispatched.group_rows != nullptr) == shape.low_latency,
+             where + "the handle and the shape disagree on MoeShape::low_latency");
   const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
   WEFT_CHECK(comm.in_heap(rank, expert_out, bytes),
              where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
@@ -856,6 +1060,10 @@ void combine_backward(Communicator& comm, Rank& rank, const void* expert_out, co
                       const MoeShape& shape, DType dtype, cudaStream_t stream, Plan* plan) {
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_combine_backward", rank), plan);
   const std::string& where = call.where;
+  WEFT_CHECK(!shape.low_latency,
+             where +
+                 "the low-latency dispatch is for inference: rows of its groups past their counts hold no "
+                 "values a weight's gradient may meet");
   check_combine(comm, rank, shape, dtype, dispatched, expert_out, weights, where);
   const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
   WEFT_CHECK(comm.in_heap(rank, d_expert_out, bytes),
@@ -901,7 +1109,7 @@ void grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, const v
   check(shape, rank.world(), where);
   WEFT_CHECK(
       dispatched.row_source != nullptr && dispatched.row_of != nullptr && dispatched.experts != nullptr,
-      where + "`dispatched` is not a dispatch's handle");
+      where + "`dispatched` is not a dispatch's handle (the low-latency dispatch's has no row sources)");
   WEFT_CHECK(shape.align % 128 == 0,
              where +
                  "the grouped GEMM runs on whole 128-row tiles: dispatch with align a multiple of 128, got " +

@@ -315,6 +315,50 @@ WEFT_GPU_TEST_ONE_GPU(grouped_gemm_matches_cublas_per_group) {
         for (unsigned char x : tail) written += x != 0xff;
         WEFT_EXPECT(written == 0, what << ": " << written << " bytes past the last group were written");
       }
+  // Fixed-capacity groups that fill partly (options.group_rows): group e spans [e x cap, (e + 1) x cap) and
+  // only its first counts[e] rows count. Those rows against cuBLAS; tiles wholly past a count keep the poison
+  // (skipped); the rows past a count inside a computed tile are not looked at.
+  for (BLayout lay : {BLayout::kNK, BLayout::kKN}) {
+    const int cap = 384, groups = 4;
+    const std::vector<int32_t> counts = {0, 130, 384, 1};
+    const int64_t rows = int64_t(cap) * groups, n = 264, k = 200;
+    std::vector<int32_t> ends(groups);
+    for (int e = 0; e < groups; ++e) ends[e] = (e + 1) * cap;
+    DeviceBuffer a(uint64_t(rows) * k * 2), b(uint64_t(groups) * n * k * 2), c(uint64_t(rows) * n * 2),
+        ref(uint64_t(cap) * n * 4), dend(groups * 4), drows(groups * 4);
+    fill_bf16(a.p, uint64_t(rows) * k, ++seed, g.stream);
+    fill_bf16(b.p, uint64_t(groups) * n * k, ++seed, g.stream);
+    WEFT_CUDA_CHECK(cudaMemsetAsync(c.p, 0xff, c.bytes, g.stream));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(dend.p, ends.data(), groups * 4, cudaMemcpyHostToDevice, g.stream));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(drows.p, counts.data(), groups * 4, cudaMemcpyHostToDevice, g.stream));
+    GemmOptions opt;
+    opt.group_rows = drows.as<int32_t>();
+    grouped_gemm(a.p, b.p, c.p, dend.as<int32_t>(), groups, rows, n, k, lay, DType::kBF16, g.stream, opt);
+    WEFT_CUDA_CHECK(cudaGetLastError());
+    for (int e = 0; e < groups; ++e) {
+      const int64_t lo = int64_t(e) * cap;
+      const std::string what = "grouped, group " + std::to_string(e) + " of capacity " + std::to_string(cap) +
+                               " with " + std::to_string(counts[e]) + " rows, " + str(lay);
+      if (counts[e] > 0) {
+        const Shape s{counts[e], n, k};
+        reference(g.blas, static_cast<char*>(a.p) + lo * k * 2,
+                  static_cast<char*>(b.p) + int64_t(e) * n * k * 2, ref.as<float>(), s, lay, k,
+                  lay == BLayout::kNK ? k : n);
+        const Verdict v =
+            compare(static_cast<char*>(c.p) + lo * n * 2, DType::kBF16, n, ref.as<float>(), s, g.stream);
+        WEFT_EXPECT(v.nonfinite == 0, what << ": " << v.nonfinite << " outputs are not finite");
+        WEFT_EXPECT(v.rel <= kTolerance, what << ": relative Frobenius error " << v.rel);
+      }
+      const int64_t skipped_from = lo + (counts[e] + 127) / 128 * 128, skipped_rows = lo + cap - skipped_from;
+      std::vector<unsigned char> rest(uint64_t(skipped_rows) * n * 2);
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(rest.data(), static_cast<char*>(c.p) + uint64_t(skipped_from) * n * 2,
+                                      rest.size(), cudaMemcpyDeviceToHost, g.stream));
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+      size_t written = 0;
+      for (unsigned char x : rest) written += x != 0xff;
+      WEFT_EXPECT(written == 0, what << ": " << written << " bytes of skipped tiles were written");
+    }
+  }
   // Errors: a capacity that is not whole tiles, no groups, reduce-add.
   DeviceBuffer buf(1 << 20);
   const int32_t* ends = buf.as<int32_t>();
@@ -336,6 +380,18 @@ WEFT_GPU_TEST_ONE_GPU(grouped_gemm_matches_cublas_per_group) {
         grouped_gemm(buf.p, buf.p, buf.p, ends, 2, 256, 64, 64, BLayout::kNK, DType::kBF16, g.stream, add);
       },
       "no reduce-add");
+  GemmOptions misaligned;
+  misaligned.group_rows = reinterpret_cast<const int32_t*>(static_cast<char*>(buf.p) + 2);
+  expect_error(
+      [&] {
+        grouped_gemm(buf.p, buf.p, buf.p, ends, 2, 256, 64, 64, BLayout::kNK, DType::kBF16, g.stream,
+                     misaligned);
+      },
+      "group_rows is not 4-byte aligned");
+  GemmOptions counted;
+  counted.group_rows = ends;
+  expect_error([&] { gemm(buf.p, buf.p, buf.p, 64, 64, 64, BLayout::kNK, DType::kBF16, g.stream, counted); },
+               "for grouped_gemm only");
 }
 
 WEFT_GPU_TEST_ONE_GPU(gemm_matches_cublas_bf16_out) {

@@ -582,6 +582,170 @@ WEFT_GPU_TEST(moe_dispatch_and_combine_replay_in_cuda_graphs) {
   WEFT_EXPECT(failures.empty(), failures);
 }
 
+// The low-latency dispatch (MoeShape::low_latency): three calls in a row on new routing each (the groups'
+// counters zeroed and re-armed between calls), ranks with no token, dropped slots, distinct experts per
+// token. Every slot's row lies in its expert's fixed group below the group's count, no two slots share a row,
+// the row holds the token (bit for bit), each group's count is the slots routed to it; then moe_combine
+// through the handle over the dispatched rows themselves (identity experts) against the host's fp32 sums.
+WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
+  Communicator& c = ctx.comm();
+  const int W = c.world(), per = 3, E = per * W, top_k = std::min(2, E);
+  const int64_t hidden = 72;
+  std::vector<int64_t> T(W);
+  for (int r = 0; r < W; ++r) T[r] = r == W - 1 ? 0 : 5 + 3 * r;  // the last rank has no token
+  const int64_t max_tokens = *std::max_element(T.begin(), T.end());
+  MoeShape base{0, max_tokens, hidden, E, top_k, 128};
+  base.low_latency = true;
+  const int64_t group = (W * max_tokens + 127) / 128 * 128;
+  const size_t ws_bytes = moe_dispatch_workspace_bytes(W, base);
+  std::mt19937_64 g(4242);
+  for (int call = 0; call < 3; ++call) {
+    std::vector<std::vector<int32_t>> experts(W);
+    std::vector<std::vector<__nv_bfloat16>> tokens(W);
+    std::vector<std::vector<float>> weights(W);
+    for (int r = 0; r < W; ++r) {
+      for (int64_t t = 0; t < T[r]; ++t) {
+        std::vector<int32_t> pick(E);
+        for (int e = 0; e < E; ++e) pick[e] = e;
+        std::shuffle(pick.begin(), pick.end(), g);
+        for (int j = 0; j < top_k; ++j) experts[r].push_back(g() % 16 == 0 ? -1 : pick[j]);
+      }
+      tokens[r].resize(std::max<int64_t>(T[r], 1) * hidden);
+      for (auto& x : tokens[r]) x = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 64.f);
+      weights[r].resize(std::max<size_t>(experts[r].size(), 1));
+      for (auto& w : weights[r]) w = float(g() % 1000) / 1000.f;
+    }
+    struct Local {
+      DeviceBuffer tok, exp, ws, w, out;
+      Local(size_t t, size_t e, size_t ws_, size_t wb, size_t ob) : tok(t), exp(e), ws(ws_), w(wb), out(ob) {}
+    };
+    std::vector<std::unique_ptr<Local>> local;
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+      auto l = std::make_unique<Local>(tokens[r].size() * 2, std::max<size_t>(experts[r].size(), 1) * 4,
+                                       ws_bytes, weights[r].size() * 4, tokens[r].size() * 2);
+      weft::test::upload(c, i, l->tok.p, tokens[r].data(), l->tok.bytes);
+      if (!experts[r].empty()) weft::test::upload(c, i, l->exp.p, experts[r].data(), experts[r].size() * 4);
+      weft::test::upload(c, i, l->w.p, weights[r].data(), l->w.bytes);
+      weft::test::poison(c, i, l->out.p, l->out.bytes);
+      local.push_back(std::move(l));
+    }
+    c.host_barrier();
+    std::vector<MoeDispatched> got(c.num_local());
+    for (int i = 0; i < c.num_local(); ++i) {
+      Rank& rank = c.local(i);
+      WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+      MoeShape s = base;
+      s.tokens = T[rank.rank()];
+      const auto* e = local[i]->exp.as<int32_t>();
+      weft::test::keeping_plan(
+          c, moe_dispatch_plan(c, rank, local[i]->tok.p, e, s, local[i]->ws.p, ws_bytes, DType::kBF16), [&] {
+            got[i] = moe_dispatch(c, rank, local[i]->tok.p, e, s, local[i]->ws.p, ws_bytes, DType::kBF16);
+          });
+    }
+    c.synchronize();
+    // Every rank's row_of (as a source), then each destination's counts and rows.
+    std::vector<std::vector<int32_t>> row_of(W);
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      row_of[r].resize(std::max<size_t>(experts[r].size(), 1));
+      if (!experts[r].empty())
+        weft::test::download(c, i, row_of[r].data(), got[i].row_of, experts[r].size() * 4);
+    }
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int d = c.local(i).rank();
+      WEFT_EXPECT(got[i].group_rows != nullptr && got[i].capacity == per * group,
+                  "low latency: the handle's group_rows / capacity (" << got[i].capacity << ")");
+      std::vector<int32_t> counts(per), ends(per);
+      weft::test::download(c, i, counts.data(), got[i].group_rows, per * 4);
+      weft::test::download(c, i, ends.data(), got[i].group_end, per * 4);
+      std::vector<__nv_bfloat16> rows(size_t(per * group) * hidden);
+      weft::test::download(c, i, rows.data(), got[i].rows, rows.size() * 2);
+      std::vector<int> want(per, 0);
+      std::vector<char> taken(size_t(per * group), 0);
+      int64_t bad = 0;
+      for (int s = 0; s < W; ++s) {
+        if (c.num_local() < W && s != d)
+          continue;  // one process per rank: only this rank's own slots known here
+        for (size_t x = 0; x < experts[s].size(); ++x) {
+          const int e = experts[s][x];
+          if (e < 0 || e / per != d) continue;
+          const int le = e % per, row = row_of[s][x];
+          ++want[le];
+          const bool in_group = row >= le * group && row < le * group + counts[le];
+          bad += !in_group;
+          if (!in_group) continue;
+          bad += taken[row]++ != 0;
+          bad += std::memcmp(&rows[size_t(row) * hidden], &tokens[s][(x / top_k) * hidden], hidden * 2) != 0;
+        }
+      }
+      for (int le = 0; le < per; ++le) {
+        bad += ends[le] != (le + 1) * group;
+        if (c.num_local() == W) bad += counts[le] != want[le];
+      }
+      WEFT_EXPECT(bad == 0, "low latency, call " << call << ", rank " << d << ": " << bad
+                                                 << " rows, counts or ends wrong");
+    }
+    // Combine over the dispatched rows as the experts' outputs.
+    for (int i = 0; i < c.num_local(); ++i) {
+      Rank& rank = c.local(i);
+      WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+      MoeShape s = base;
+      s.tokens = T[rank.rank()];
+      void* in = moe_combine_input(c, rank, s, DType::kBF16);
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(in, got[i].rows, size_t(got[i].capacity) * hidden * 2,
+                                      cudaMemcpyDeviceToDevice, rank.stream()));
+    }
+    c.synchronize();
+    c.host_barrier();
+    for (int i = 0; i < c.num_local(); ++i) {
+      Rank& rank = c.local(i);
+      WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+      MoeShape s = base;
+      s.tokens = T[rank.rank()];
+      moe_combine(c, rank, moe_combine_input(c, rank, s, DType::kBF16), got[i], local[i]->w.as<float>(),
+                  local[i]->out.p, s, DType::kBF16);
+    }
+    c.synchronize();
+    // The last call's routing again, four rounds of dispatch and combine back to back with no host wait: the
+    // groups' counters re-armed between rounds on the device alone.
+    for (int round = 0; round < 4 && call == 2; ++round)
+      for (int i = 0; i < c.num_local(); ++i) {
+        Rank& rank = c.local(i);
+        WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+        MoeShape s = base;
+        s.tokens = T[rank.rank()];
+        if (round == 0) weft::test::poison(c, i, local[i]->out.p, local[i]->out.bytes);
+        got[i] = moe_dispatch(c, rank, local[i]->tok.p, local[i]->exp.as<int32_t>(), s, local[i]->ws.p,
+                              ws_bytes, DType::kBF16);
+        void* in = moe_combine_input(c, rank, s, DType::kBF16);
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(in, got[i].rows, size_t(got[i].capacity) * hidden * 2,
+                                        cudaMemcpyDeviceToDevice, rank.stream()));
+        moe_combine(c, rank, in, got[i], local[i]->w.as<float>(), local[i]->out.p, s, DType::kBF16);
+      }
+    c.synchronize();
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      std::vector<__nv_bfloat16> out(tokens[r].size());
+      weft::test::download(c, i, out.data(), local[i]->out.p, out.size() * 2);
+      int64_t bad = 0;
+      for (int64_t t = 0; t < T[r]; ++t)
+        for (int64_t h = 0; h < hidden; ++h) {
+          float acc = 0.f;
+          for (int j = 0; j < top_k; ++j)
+            if (experts[r][t * top_k + j] >= 0)
+              acc += weights[r][t * top_k + j] * __bfloat162float(tokens[r][t * hidden + h]);
+          const float o = __bfloat162float(out[t * hidden + h]);
+          bad += !(std::fabs(o - acc) <= 1e-2f * std::max(1.f, std::fabs(acc)));
+        }
+      WEFT_EXPECT(bad == 0, "low latency combine, call " << call << ", rank " << r << ": " << bad
+                                                         << " outputs off the host's sums");
+    }
+    c.host_barrier();
+  }
+}
+
 WEFT_GPU_TEST(moe_dispatch_argument_errors) {
   Communicator& c = ctx.comm();
   Rank& rank = c.local(0);

@@ -93,8 +93,11 @@ struct GemmOp {
 // rows [group_end[e - 1], group_end[e]) (device int32, each end a multiple of kBM), and C's rows of group e
 // = A's rows of group e times B_e, B stacked [E, N, K] (kBKMajor) or [E, K, N]. The tiles are the GEMM's
 // over the rows' capacity; a tile past the last group's end is skipped by the loader and the consumers
-// alike (both read the same end), a tile's group found by the loader thread's scan of group_end. A
-// K-tail block reads the next expert's first rows of B, which meet A's zero-filled columns: zeros.
+// alike (both read the same end), a tile's group found by a scan of group_end. With group_rows (device
+// int32, optional), only the first group_rows[e] rows of group e count (fixed-capacity groups that fill
+// partly, as a low-latency dispatch leaves them): a tile wholly past them is skipped alike; a tile they end
+// inside is computed whole (its rows past the count hold no result). A K-tail block reads the next expert's
+// first rows of B, which meet A's zero-filled columns: zeros.
 template <class OutT, bool kBKMajor, int kTileN = 256, int kStageCount = 0>
 struct GroupedGemmOp : GemmOp<OutT, kBKMajor, 1, kTileN, kStageCount> {
   using Base = GemmOp<OutT, kBKMajor, 1, kTileN, kStageCount>;
@@ -103,18 +106,29 @@ struct GroupedGemmOp : GemmOp<OutT, kBKMajor, 1, kTileN, kStageCount> {
       typename Base::Smem, typename Base::StoreState;
 
   struct Params : Base::Params {
-    const int32_t* group_end;  // [groups], device
+    const int32_t* group_end;   // [groups], device
+    const int32_t* group_rows;  // [groups], device: the rows of each group that count; null: all
     int groups;
     int b_rows;  // rows of one expert's B: N (kBKMajor) or K
   };
 
-  __device__ static bool skipped(const Params& p, int m0) { return m0 >= __ldg(p.group_end + p.groups - 1); }
+  // The group holding row m0 (groups: past the last end).
+  __device__ static int group_of(const Params& p, int m0) {
+    int e = 0;
+    while (e < p.groups && __ldg(p.group_end + e) <= m0) ++e;
+    return e;
+  }
+  // Whether the tile at row m0 is skipped: past the last group, or (group_rows) past its group's count.
+  __device__ static bool skipped(const Params& p, int m0) {
+    if (p.group_rows == nullptr) return m0 >= __ldg(p.group_end + p.groups - 1);
+    const int e = group_of(p, m0);
+    return e == p.groups || m0 - (e > 0 ? __ldg(p.group_end + e - 1) : 0) >= __ldg(p.group_rows + e);
+  }
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                               const lcsc::Tile& t) {
     const int m0 = t.m * kBM;
-    int e = 0;
-    while (e < p.groups && __ldg(p.group_end + e) <= m0) ++e;
-    if (e == p.groups) return;
+    const int e = group_of(p, m0);
+    if (e == p.groups || skipped(p, m0)) return;
     if (__ldg(p.group_end + e) % kBM != 0) __trap();  // group ends must be whole tiles (see the header)
     Mainloop::load(s.main, pipe, st, &p.a, &p.b, m0, t.n * kBN, p.k_blocks, e * p.b_rows);
   }

@@ -38,6 +38,11 @@ struct GemmOptions {
   int start_tile = 0;  // rotates the tile order (fused ops give each rank its own start)
   int max_blocks = 0;  // cap on persistent compute blocks; 0: every SM
   bool zero_unused_rows = false;  // grouped_gemm only: C's rows past the last group's end are zeroed
+  // grouped_gemm only: the rows of each group that count (device int32 [groups]; null: all). Group e still
+  // spans [group_end[e - 1], group_end[e]) (a fixed capacity, say); only its first group_rows[e] rows are
+  // computed: tiles wholly past them are skipped (their C rows untouched), a tile they end inside is computed
+  // whole (its C rows past the count hold no result). Not with a scatter or dispatch.
+  const int32_t* group_rows = nullptr;
   GemmActivation activation = GemmActivation::kNone;  // grouped_gemm only (see above)
   TimelineBuffer* timeline = nullptr;  // non-null: the kernel records its phases there (weft/timeline.hpp)
 };

@@ -33,6 +33,18 @@ struct MoeShape {
   // reads the slots' rows only): at decode sizes the padding is most of the rows (a few rows an expert
   // against align 128), and zeroing it most of the dispatch's time.
   bool zero_padding = true;
+  // The low-latency dispatch (decode batches): every local expert gets a group of fixed capacity, W x
+  // max_tokens rows rounded up to 128, group e at e x that (moe_capacity() is then experts per rank times
+  // it), filled from its start by one system-scope atomic per (token, expert) at the expert's rank: no count
+  // exchange and no meeting before the rows move, one wait at the end for every rank's rows. Groups are not
+  // padded (align is ignored): grouped_gemm runs over them with options.group_rows = dispatched.group_rows
+  // (only the filled rows count). For inference: moe_combine takes its handle as the other's; not
+  // moe_combine_backward, the dispatch inside the first GEMM, the FP8 dispatch, moe_counts,
+  // moe_grouped_gemm_combine nor the hierarchical MoE. A token names each expert at most once (more rows
+  // than a group holds trap the kernel). A rank's next low-latency dispatch may write into the groups as soon
+  // as every rank's rows of this one are in place: run moe_combine (whose meeting follows every rank's expert
+  // GEMMs) in between, and not two low-latency dispatches of one team at once.
+  bool low_latency = false;
 };
 
 // What a dispatch leaves on this rank (device pointers). rows and group_end live in the communicator's
@@ -45,11 +57,14 @@ struct MoeDispatched {
   const int32_t* row_of = nullptr;   // [tokens, top_k]: the row each slot filled on its expert's rank, -1
                                      // for a dropped slot (combine reads the expert outputs there)
   const int32_t* experts = nullptr;  // [tokens, top_k]: the dispatch's expert ids, kept for combine
-  int64_t capacity = 0;              // rows of `rows`: the worst case, a multiple of align
+  int64_t capacity = 0;              // rows of `rows`: the worst case, a multiple of align (low_latency:
+                                     // of 128)
   const int32_t* row_source = nullptr;  // [capacity]: per row, source * max_tokens * top_k + the slot
                                         // (token * top_k + j) it holds; -1 for a padding row
   const int32_t* counts = nullptr;      // [world][num_experts + 1]: each source's rows per expert, then its
                                         // token count (the layout's input, in the dispatch area)
+  const int32_t* group_rows = nullptr;  // low_latency: [experts per rank] the rows each group received
+                                        // (grouped_gemm's options.group_rows); row_source and counts null
 };
 
 // The dispatch and the first expert GEMM in one kernel: what moe_dispatch does (the same rows in the same
