@@ -31,6 +31,8 @@ const ResourceDeclaration kDecodeResources[] = {
     ResourceDeclaration{{kReleased, 2 * ops::kDecodeMaxWorld}},
 };
 
+constexpr int64_t kFewParts = 64;  // parts of a row a warp merges alone
+
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
@@ -75,7 +77,7 @@ void check_shape(const DecodeShape& s, const DecodeCache& c, int world, DType dt
 // Items sized to the resident blocks' waves; each split at least 32 x W tokens (the partials pushed stay
 // below ~1/4 of the KV bytes read) and whole loop steps; at most kDecodeMaxParts partials per row to merge.
 struct Split {
-  int rows, row_groups, splits, chunk, grid;
+  int rows, row_groups, splits, chunk, merge_rows, grid;
   size_t smem;
 };
 
@@ -116,8 +118,13 @@ Split split_of(const Rank& rank, const DecodeShape& s) {
   x.chunk = static_cast<int>(ceil_div(ceil_div(s.max_local, want), K::kTokensPerStep) * K::kTokensPerStep);
   x.splits = static_cast<int>(ceil_div(s.max_local, x.chunk));
   const int64_t resident = int64_t(resident_per_sm<T, kD>(rank.device(), x.smem)) * rank.sm_budget();
+  // Phase 2: a row a warp where rows outnumber the blocks and each has few parts to merge (a block's chain
+  // of dependent loads then serves four rows, in fewer rounds), else a row a block.
+  const int64_t rows_total = s.batch * s.kv_heads * int64_t(x.rows);
+  x.merge_rows = int64_t(W) * x.splits <= kFewParts && rows_total > slots ? ops::kDecodeWarps : 1;
   x.grid = static_cast<int>(std::min<int64_t>(
-      resident, std::max<int64_t>(pair_items * x.splits, s.batch * s.kv_heads * int64_t(x.rows))));
+      resident, std::max<int64_t>(pair_items * x.splits,
+                                  s.batch * s.kv_heads * ceil_div(x.rows, x.merge_rows))));
   return x;
 }
 
@@ -159,6 +166,7 @@ void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, f
   p.row_groups = x.row_groups;
   p.splits = x.splits;
   p.chunk = x.chunk;
+  p.merge_rows = x.merge_rows;
   p.max_local = static_cast<int>(s.max_local);
   const float scale = o.scale > 0.f ? o.scale : 1.f / std::sqrt(float(kD));
   p.scale_log2 = scale * 1.4426950408889634f;

@@ -9,9 +9,10 @@
 //      merges its warps in shared memory. The partial (O, m, l) goes to the inbox of every rank that merges
 //      (every rank, or out_rank alone), then a relaxed add after a system fence into their landed counts of
 //      (b, h).
-//   2. Merge, on the ranks that merge. Items (b, h, row): once every rank's S x R partials of (b, h) have
-//      landed (W x S x R adds), the block merges the row's W x S parts (max, rescaled sums, divided once)
-//      into out and lse; the last of the pair's row blocks clears the count.
+//   2. Merge, on the ranks that merge. Items (b, h, rows): once every rank's S x R partials of (b, h) have
+//      landed (W x S x R adds), the block merges each row's W x S parts (max, rescaled sums, divided once)
+//      into out and lse, a row a block (many parts) or a row a warp (few); the last of the pair's blocks
+//      clears the count.
 // Calls alternate between two inboxes and two sets of counts by the parity of the call's epoch (CallEpoch,
 // in the op's state flags, the same call number on every rank). A rank pushes call n's partials into a
 // rank's inbox only once that rank has finished its call n - 2 (the last to read that inbox): the last
@@ -64,6 +65,7 @@ struct DecodeParams {
   int block_size, max_blocks, num_blocks;
   const int32_t *seqlens, *offsets, *seq_total;  // offsets / seq_total may be null
   int batch, q_len, heads, kv_heads, group, rows, row_groups, splits, chunk, max_local;
+  int merge_rows;    // rows a phase-2 block merges: 1 (its warps share a row's parts) or kDecodeWarps
   float scale_log2;  // softmax scale x log2(e)
   bool causal;
   // The inboxes (symmetric), one per call parity, each laid out for this call's shape: per source rank,
@@ -102,13 +104,13 @@ struct DecodeKernel {
   static constexpr float kNeg = -1e30f;                     // "no score yet", finite
 
   struct Smem {
-    union {  // phase 1: the warps' partials; phase 2: each part's weight
+    union {  // phase 1: the warps' partials; phase 2: each merged row's parts
       float o[kDecodeWarps][kDecodeRows][kD];
-      float weight[kDecodeMaxParts];
+      float2 ml[kDecodeWarps][kDecodeMaxParts];
     } u;
     float m[kDecodeWarps][kDecodeRows], l[kDecodeWarps][kDecodeRows];
-    float sum[kDecodeWarps][kD];  // phase 2: each warp's share of the row's weighted sum
-    float stat[kDecodeWarps];     // phase 2: block reductions
+    float sum[kDecodeWarps][kD];  // phase 2: each warp's share of a row's weighted sum
+    float stat[2][kDecodeWarps];  // phase 2: each warp's max and sum
   };
 
   using P = DecodeParams<T>;
@@ -341,28 +343,18 @@ struct DecodeKernel {
     }
   }
 
-  // The block's max (kMax) or sum of v; every thread gets it. Uses sm.stat.
-  template <bool kMax>
-  __device__ static float block_reduce(Smem& sm, float v) {
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) {
-      const float x = __shfl_xor_sync(0xffffffffu, v, off);
-      v = kMax ? fmaxf(v, x) : v + x;
-    }
-    __syncthreads();  // earlier readers of sm.stat are done
-    if (threadIdx.x % 32 == 0) sm.stat[threadIdx.x / 32] = v;
-    __syncthreads();
-    v = sm.stat[0];
-#pragma unroll
-    for (int w = 1; w < kDecodeWarps; ++w) v = kMax ? fmaxf(v, sm.stat[w]) : v + sm.stat[w];
-    return v;
-  }
-
-  // Phase 2, one row of a pair: once every rank's partials of (b, h) have landed, the row's parts merged
-  // (their max, each part's weight in shared memory, the rescaled sums divided once) into out and lse; warp
-  // w sums the parts w, w + 4, ..., 4 loads in flight. The last of the pair's row blocks clears its counts.
-  __device__ static void merge(const P& p, Smem& sm, int parity, int b, int h, int row) {
+  // Phase 2, rows [r0, r0 + kRows) of a pair (kRows 1 or kDecodeWarps): once every rank's partials of (b, h)
+  // have landed, each row's W x S parts merged (their max, each part's weight, the rescaled sums divided
+  // once) into out and lse. The kDecodeWarps / kRows warps of a row share its parts (w, w + that, ...), 4
+  // loads in flight: one row a block where the parts are many (a long sequence, few pairs), a row a warp
+  // where they are few (many pairs: fewer items, each a chain of dependent loads). The last block of the
+  // pair clears its counts.
+  template <int kRows>
+  __device__ static void merge(const P& p, Smem& sm, int parity, int b, int h, int r0) {
+    constexpr int kWarpsPerRow = kDecodeWarps / kRows;
     const int pair = b * p.kv_heads + h, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int rw = warp / kWarpsPerRow, wi = warp % kWarpsPerRow, row = r0 + rw;
+    const bool live = row < p.rows;
     uint64_t* count = p.team.flag(p.landed, parity * kDecodeMaxPairs + pair);
     __shared__ bool ok;
     if (threadIdx.x == 0) ok = wait_ge(p.team, count, uint64_t(p.team.world) * p.splits * p.row_groups);
@@ -370,35 +362,47 @@ struct DecodeKernel {
     if (!ok) return;  // recorded; synchronize() reports it
     const int parts = p.team.world * p.splits;
     const float* po = p.part_o[parity];
-    const float2* pml = p.part_ml[parity];
+    float2* ml = sm.u.ml[rw];  // the row's (m, l) per part, then (weight, l)
     float mx = kNeg;
-    for (int i = threadIdx.x; i < parts; i += blockDim.x) {
-      const float2 ml = pml[part_index(p, i / p.splits, pair, i % p.splits, row)];
-      if (ml.y > 0.f) mx = fmaxf(mx, ml.x);
+    for (int i = wi * 32 + lane; live && i < parts; i += 32 * kWarpsPerRow) {
+      const float2 x = p.part_ml[parity][part_index(p, i / p.splits, pair, i % p.splits, row)];
+      ml[i] = x;
+      if (x.y > 0.f) mx = fmaxf(mx, x.x);
     }
-    mx = block_reduce<true>(sm, mx);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    if (lane == 0) sm.stat[0][warp] = mx;
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kWarpsPerRow; ++k) mx = fmaxf(mx, sm.stat[0][rw * kWarpsPerRow + k]);
     float total = 0.f;
-    for (int i = threadIdx.x; i < parts; i += blockDim.x) {
-      const float2 ml = pml[part_index(p, i / p.splits, pair, i % p.splits, row)];
-      const float w = ml.y > 0.f ? exp2f(ml.x - mx) : 0.f;
-      sm.u.weight[i] = w;
-      total = fmaf(w, ml.y, total);
+    for (int i = wi * 32 + lane; live && i < parts; i += 32 * kWarpsPerRow) {
+      const float2 x = ml[i];
+      const float w = x.y > 0.f ? exp2f(x.x - mx) : 0.f;
+      ml[i].x = w;
+      total = fmaf(w, x.y, total);
     }
-    total = block_reduce<false>(sm, total);  // its barriers also publish the weights
-    constexpr int kPer = kD / 32;            // elements a lane sums: dims [kPer lane, +kPer)
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(0xffffffffu, total, off);
+    if (lane == 0) sm.stat[1][warp] = total;
+    __syncthreads();  // the weights and the sums
+    total = 0.f;
+#pragma unroll
+    for (int k = 0; k < kWarpsPerRow; ++k) total += sm.stat[1][rw * kWarpsPerRow + k];
+    constexpr int kPer = kD / 32;  // elements a lane sums: dims [kPer lane, +kPer)
     float acc[kPer] = {};
     constexpr int kInFlight = 4;
-    for (int i0 = warp; i0 < parts; i0 += kDecodeWarps * kInFlight) {
+    for (int i0 = wi; live && i0 < parts; i0 += kWarpsPerRow * kInFlight) {
       float v[kInFlight][kPer];
       float w[kInFlight];
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u) {
-        const int i = i0 + u * kDecodeWarps;
+        const int i = i0 + u * kWarpsPerRow;
         w[u] = 0.f;
 #pragma unroll
         for (int e = 0; e < kPer; ++e) v[u][e] = 0.f;
         if (i < parts) {  // every part was written (an empty one as zeros): no NaN from a zero weight
-          w[u] = sm.u.weight[i];
+          w[u] = ml[i].x;
           const float* src = po + part_index(p, i / p.splits, pair, i % p.splits, row) * kD + kPer * lane;
           if constexpr (kPer == 4) {
             const float4 x = *reinterpret_cast<const float4*>(src);
@@ -418,25 +422,38 @@ struct DecodeKernel {
 #pragma unroll
         for (int e = 0; e < kPer; ++e) acc[e] = fmaf(w[u], v[u][e], acc[e]);
     }
+    if constexpr (kWarpsPerRow == 1) {  // the warp has its row's sums: no exchange
+      if (live) {
+        const int qi = row / p.group, head = h * p.group + row % p.group;
+        const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) sm.sum[warp][kPer * lane + e] = acc[e];
-    __syncthreads();
-    const int qi = row / p.group, head = h * p.group + row % p.group;
-    const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
-    for (int d = threadIdx.x; d < kD; d += blockDim.x) {
-      float x = 0.f;
+        for (int e = 0; e < kPer; ++e)
+          p.out[o * kD + kPer * lane + e] = static_cast<T>(total > 0.f ? acc[e] / total : 0.f);
+        if (lane == 0 && p.lse != nullptr)
+          p.lse[o] = total > 0.f ? (mx + log2f(total)) * 0.6931471805599453f : -INFINITY;
+      }
+    } else {
 #pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) x += sm.sum[w][d];
-      p.out[o * kD + d] = static_cast<T>(total > 0.f ? x / total : 0.f);
-      if (d == 0 && p.lse != nullptr)
-        p.lse[o] = total > 0.f ? (mx + log2f(total)) * 0.6931471805599453f : -INFINITY;
+      for (int e = 0; e < kPer; ++e) sm.sum[warp][kPer * lane + e] = acc[e];
+      __syncthreads();
+      const int qi = row / p.group, head = h * p.group + row % p.group;
+      const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
+      for (int d = threadIdx.x; d < kD; d += blockDim.x) {
+        float x = 0.f;
+#pragma unroll
+        for (int w = 0; w < kDecodeWarps; ++w) x += sm.sum[w][d];
+        p.out[o * kD + d] = static_cast<T>(total > 0.f ? x / total : 0.f);
+        if (d == 0 && p.lse != nullptr)
+          p.lse[o] = total > 0.f ? (mx + log2f(total)) * 0.6931471805599453f : -INFINITY;
+      }
     }
-    // Every row block of the pair has passed its wait once all have counted themselves here: the last
-    // clears the landed count (and its own count) for the call after next of this parity.
+    // Every block of the pair has passed its wait once all its rows are counted here: the last block clears
+    // the landed count (and this count) for the call after next of this parity.
     __syncthreads();
     if (threadIdx.x == 0) {
+      const uint64_t rows = static_cast<uint64_t>(min(kRows, p.rows - r0));
       uint64_t* merged = p.team.flag(p.merged, parity * kDecodeMaxPairs + pair);
-      if (atomicAdd(reinterpret_cast<unsigned long long*>(merged), 1ull) + 1 == uint64_t(p.rows)) {
+      if (atomicAdd(reinterpret_cast<unsigned long long*>(merged), rows) + rows == uint64_t(p.rows)) {
         *reinterpret_cast<volatile uint64_t*>(count) = 0;
         *reinterpret_cast<volatile uint64_t*>(merged) = 0;
       }
@@ -460,10 +477,15 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     K::partial(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads, s, rg);
     __syncthreads();  // the shared merge buffers are reused by the next item
   }
+  // Phase 2, on the ranks that merge: a row a block, or a row a warp (DecodeParams::merge_rows).
   const bool merges = p.out_rank < 0 || p.out_rank == p.team.rank;
-  for (int it = blockIdx.x; merges && it < pairs * p.rows; it += gridDim.x) {
-    const int pair = it / p.rows;
-    K::merge(p, sm, parity, pair / p.kv_heads, pair % p.kv_heads, it % p.rows);
+  const int row_blocks = (p.rows + p.merge_rows - 1) / p.merge_rows;
+  for (int it = blockIdx.x; merges && it < pairs * row_blocks; it += gridDim.x) {
+    const int pair = it / row_blocks, r0 = it % row_blocks * p.merge_rows;
+    if (p.merge_rows == 1)
+      K::template merge<1>(p, sm, parity, pair / p.kv_heads, pair % p.kv_heads, r0);
+    else
+      K::template merge<kDecodeWarps>(p, sm, parity, pair / p.kv_heads, pair % p.kv_heads, r0);
     __syncthreads();
   }
   // The call's end, told to every rank: it may push its call + 2 into this rank's inbox of this parity. The
