@@ -54,7 +54,7 @@ struct DecodeParams {
   TeamView team;
   CallEpoch epoch;  // the op's state flags
   Flags landed;     // [2 parities][kDecodeMaxPairs]: partials landed here
-  Flags merged;     // [2 parities][kDecodeMaxPairs]: row blocks done merging (local)
+  Flags merged;     // [2 parities][kDecodeMaxPairs]: rows merged (local)
   Flags released;   // [kDecodeMaxWorld ranks][2 parities]: the last call of the parity that rank finished
   int out_rank;     // the rank that merges (gets out and lse); -1: every rank
   const T* q;       // [batch, q_len, heads, D]
@@ -477,7 +477,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     K::partial(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads, s, rg);
     __syncthreads();  // the shared merge buffers are reused by the next item
   }
-  // Phase 2, on the ranks that merge: a row a block, or a row a warp (DecodeParams::merge_rows).
+  // Phase 2, on the ranks that merge: a row a block, or a row a warp (DecodeParams::merge_rows, 1 or
+  // kDecodeWarps: another count would overlap rows and never clear the pair's counts).
+  if (p.merge_rows != 1 && p.merge_rows != kDecodeWarps) __trap();
   const bool merges = p.out_rank < 0 || p.out_rank == p.team.rank;
   const int row_blocks = (p.rows + p.merge_rows - 1) / p.merge_rows;
   for (int it = blockIdx.x; merges && it < pairs * row_blocks; it += gridDim.x) {
