@@ -45,10 +45,8 @@ enum class Flow { kPull, kSteps, kPush };
 constexpr uint64_t kPullMaxBytes = 4 << 20;
 // all_to_all's parts up to this size go in one LL round (one_shot with exchange): the meet / push / meet
 // exchange costs ~10 us below 128 KiB per rank (4 x H100, 2026-11-27), NCCL 6.5 us at 8 KiB with one process
-// per GPU. A part moves as 2x its bytes in LL words, so large parts stay with the exchange. Up to 64 KiB
-// parts measured ahead (1.23-1.96x NCCL); at 128 and 256 KiB parts (512 KiB / 1 MiB at 4 GPUs) the exchange
-// took 12-13 us, 0.81x NCCL at 512 KiB with one process per GPU: LL there is to be measured against it.
-constexpr uint64_t kAllToAllOneShotMax = 256 << 10;
+// per GPU. A part moves as 2x its bytes in LL words, so large parts stay with the exchange.
+constexpr uint64_t kAllToAllOneShotMax = 64 << 10;
 
 struct Call : ops::OpCall {
   Call(Communicator& c, Rank& r, cudaStream_t s, const char* name, Plan* into = nullptr)

@@ -435,12 +435,10 @@ struct ReduceScatterC : Gemm {
   }
 };
 
-// Three pipeline stages instead of four, for a ring of five output chunks a warpgroup instead of two: the
-// storers' chunks go to peers, and a store reads its buffer only as fast as the link takes it, so with two
-// buffers each chunk waited for the one before it (a store phase of 2.75 us a tile against a 20.5 us
-// mainloop, 4 x H200: docs/DESIGN.md, "Fused tensor-parallel ops"); with five, a tile's four chunks wait
-// only for the previous tile's. (Shared memory: 215 + 16 KiB, the four stages' 231 KiB.)
+// The storers ring two output chunks a warpgroup (TmaStoreEpilogue's default); a ring of five for three
+// pipeline stages instead of four (GemmOp<..., 256, 3, 5>) lets a tile's four chunks to peers leave without
+// waiting on each other, not yet measured against this one.
 template <bool kBKMajor, int kCluster, bool kCounted = false>
-using RsGemmOp = ReduceScatterC<GemmOp<__nv_bfloat16, kBKMajor, kCluster, 256, 3, 5>, kCounted>;
+using RsGemmOp = ReduceScatterC<GemmOp<__nv_bfloat16, kBKMajor, kCluster>, kCounted>;
 
 }  // namespace weft::ops
