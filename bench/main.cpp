@@ -33,6 +33,7 @@ int usage(int code) {
       "  --ag-comm-blocks n          FusedOptions::comm_blocks (all_gather_matmul's communicator blocks, "
       "and\n"
       "                              the counted RS / AR's: added at owner, staged progressive)\n"
+      "  --ag-tile-n 128|256         FusedOptions::tile_n (all_gather_matmul's fused tiles; default auto)\n"
       "  --timeline DIR              fused / decode / moe: also record one call of each row's weft paths "
       "with\n"
       "                              in-kernel timestamps: DIR/<op>_<M>x<N>x<K>_<path>.csv and a summary\n"
@@ -96,6 +97,7 @@ bool set_developer_flag(Context& ctx, const std::string& flag, const std::string
   if (flag == "--max-bytes") ctx.max_bytes = n;
   if (flag == "--pipeline-pieces") ctx.pipeline_pieces = static_cast<int>(n);
   if (flag == "--ag-comm-blocks") ctx.ag_comm_blocks = static_cast<int>(n);
+  if (flag == "--ag-tile-n") return (n == 128 || n == 256) && (ctx.ag_tile_n = static_cast<int>(n), true);
   return true;
 }
 
@@ -121,7 +123,7 @@ int main(int argc, char** argv) {
       (a == "--gpus" ? ctx.gpus : ctx.ranks) = v;
     } else if (a == "--ar-algo" || a == "--flow" || a == "--fused-ops" || a == "--min-bytes" ||
                a == "--max-bytes" || a == "--fused-m" || a == "--pipeline-pieces" || a == "--cp-methods" ||
-               a == "--ag-comm-blocks" || a == "--timeline") {
+               a == "--ag-comm-blocks" || a == "--ag-tile-n" || a == "--timeline") {
       if (i + 1 >= argc) {
         std::fprintf(stderr, "weft-bench: %s takes a value\n", a.c_str());
         return 2;

@@ -563,7 +563,7 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
       lcsc::kSmemBytes<ops::AgGemmOp<kKMajor, 1, 128>> == lcsc::kSmemBytes<ops::AgGemmOp<kKMajor, 1>>,
       "the two tile widths' kernels must need the same shared memory");
   const int blocks = c.compute_blocks<ops::AgGemmOp<kKMajor, 1>>(plan.comm_blocks, INT32_MAX, o);
-  if (ops::auto_tile_n(m, n, blocks) == 128)
+  if ((o.tile_n == 0 ? ops::auto_tile_n(m, n, blocks) : o.tile_n) == 128)
     launch_ag_as<kKMajor, 128>(c, a_shard, b, out, gathered, m, n, k, plan, o);
   else
     launch_ag_as<kKMajor, 256>(c, a_shard, b, out, gathered, m, n, k, plan, o);
@@ -700,6 +700,8 @@ void ag_chunks(int world, int64_t rows, int64_t& chunk_rows, int64_t& chunks) {
 // cannot run here ("" when it can), and the fused kernel's communicator blocks and A chunks.
 Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const FusedOptions& o) {
   WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 32, c.where + "options.comm_blocks must be 0..32");
+  WEFT_CHECK(o.tile_n == 0 || o.tile_n == 128 || o.tile_n == 256,
+             c.where + "options.tile_n must be 0 (auto), 128 or 256, not " + std::to_string(o.tile_n));
   const int W = c.rank.world();
   Choice plan;
   if (op == FusedOp::kAllGatherMatmul) {
