@@ -165,8 +165,8 @@ void run_moe(Context& ctx) {
                "(MoeShape::low_latency: fixed-capacity groups, a row taken by an atomic, one end wait; the "
                "expert GEMMs over the filled rows only)",
                ctx.team_label().c_str()),
-           {"tokens", "experts", "top-k", "hidden", "inter", "dispatch ms", "low-latency dispatch ms",
-            "layer ms", "low-latency layer ms", "layer / low-latency layer"},
+           {"tokens", "experts", "top-k", "hidden", "inter", "ms (record / low latency): dispatch", "up GEMM",
+            "down GEMM", "combine", "layer", "layer / low-latency layer"},
            "Cases of at most 256 tokens a rank. The same ranks, in turn (per-rank CUDA graphs launched "
            "together, the slowest rank's median); the dispatch of record leaves its padding as it is.");
   // The first case is decode-sized: 128 tokens per rank, DeepSeek-V3-like routing (256 experts, top-8).
@@ -305,13 +305,14 @@ void run_moe(Context& ctx) {
       comm.synchronize();
       const std::vector<std::vector<double>> ll_us =
           time_phases_alternating(comm, team.streams, Layer::kAll, iters, {inference_phase, ll_phase});
-      const double layer_ms = team.team_max(ll_us[0][Layer::kAll]) / 1000.0,
-                   ll_ms = team.team_max(ll_us[1][Layer::kAll]) / 1000.0;
+      const auto pair = [&](int phase) {  // "record / low latency", ms
+        return fmt("%.3f / %.3f", team.team_max(ll_us[0][phase]) / 1000.0,
+                   team.team_max(ll_us[1][phase]) / 1000.0);
+      };
       ll.add({std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),
-              std::to_string(c.hidden), std::to_string(c.inter),
-              fmt("%.3f", team.team_max(ll_us[0][Layer::kDispatch]) / 1000.0),
-              fmt("%.3f", team.team_max(ll_us[1][Layer::kDispatch]) / 1000.0), fmt("%.3f", layer_ms),
-              fmt("%.3f", ll_ms), fmt("%.3f", layer_ms / ll_ms)});
+              std::to_string(c.hidden), std::to_string(c.inter), pair(Layer::kDispatch), pair(Layer::kUp),
+              pair(Layer::kDown), pair(Layer::kCombine), pair(Layer::kAll),
+              fmt("%.3f", team.team_max(ll_us[0][Layer::kAll]) / team.team_max(ll_us[1][Layer::kAll]))});
     }
     std::vector<std::unique_ptr<Fp8Head>> fp8;
     for (int i = 0; i < L; ++i) {

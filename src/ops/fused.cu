@@ -11,7 +11,6 @@
 #include "cublas_gemm.hpp"
 #include "fused_rules.hpp"
 #include "op_args.hpp"
-#include "tile_width.hpp"
 #include "ring_schedule.hpp"
 #include "weft/runtime/current_device.hpp"
 #include "weft/runtime/kernel_preload.hpp"
@@ -552,8 +551,10 @@ void launch_ag_as(Call& c, const void* a_shard, const void* b, void* out, char* 
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
-// The tile width as weft::gemm picks it, over the blocks the communicator leaves to the GEMM (128 x 256 tiles
-// of an 8192 x 2048 GEMM on 116 blocks run 5 waves with 4.4 waves' work; 128 x 128 tiles, 9 with 8.8).
+// 128 x 256 tiles unless options.tile_n says 128. Not weft::gemm's rule (the narrow tile where it fills the
+// blocks' waves better): the fused kernel's tiles wait for their A chunks and a narrow tile reads each
+// chunk twice as often; its rule picked 128 at 8192 x 8192 x 8192 on 4 x H100 and ran 573 us against the
+// wide tile's 495 (bench/RESULTS.md, "all_gather_matmul's tile width").
 template <bool kKMajor>
 void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m, int64_t n,
                int64_t k, const Choice& plan, const FusedOptions& o) {
@@ -562,8 +563,7 @@ void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gat
   static_assert(
       lcsc::kSmemBytes<ops::AgGemmOp<kKMajor, 1, 128>> == lcsc::kSmemBytes<ops::AgGemmOp<kKMajor, 1>>,
       "the two tile widths' kernels must need the same shared memory");
-  const int blocks = c.compute_blocks<ops::AgGemmOp<kKMajor, 1>>(plan.comm_blocks, INT32_MAX, o);
-  if ((o.tile_n == 0 ? ops::auto_tile_n(m, n, blocks) : o.tile_n) == 128)
+  if (o.tile_n == 128)
     launch_ag_as<kKMajor, 128>(c, a_shard, b, out, gathered, m, n, k, plan, o);
   else
     launch_ag_as<kKMajor, 256>(c, a_shard, b, out, gathered, m, n, k, plan, o);

@@ -1,5 +1,5 @@
-// The GEMM's tile width, 128 x 256 or 128 x 128, from how well each fills its blocks' waves: weft::gemm and
-// the fused all-gather GEMM pick it alike (internal to src/ops).
+// weft::gemm's tile width, 128 x 256 or 128 x 128, from how well each fills its blocks' waves (internal to
+// src/ops; all_gather_matmul's fused kernel does not use it: src/ops/fused.cu launch_ag says why).
 #pragma once
 #include <cstdint>
 

@@ -1,5 +1,5 @@
-// The GEMM's tile width rule (src/ops/tile_width.hpp), shared by weft::gemm and all_gather_matmul's fused
-// kernel: the cases bench/RESULTS.md's tables were taken at, so that a change of the rule shows here.
+// weft::gemm's tile width rule (src/ops/tile_width.hpp): the cases bench/RESULTS.md's tables were taken
+// at, so that a change of the rule shows here.
 #include <gtest/gtest.h>
 
 #include "ops/tile_width.hpp"
@@ -15,7 +15,7 @@ TEST(TileWidth, WideTilesWhereTheyFillTheWaves) {
 
 TEST(TileWidth, NarrowTilesWherePartialWavesWouldIdleBlocks) {
   EXPECT_EQ(auto_tile_n(256, 8192, 132), 128);   // 64 wide tiles would leave half the SMs idle
-  EXPECT_EQ(auto_tile_n(8192, 2048, 116), 128);  // the fused all-gather GEMM at 4 GPUs: 512 wide tiles take
-                                                 // 5 waves with 4.4 busy, 1024 narrow ones 9 with 8.8
+  EXPECT_EQ(auto_tile_n(8192, 2048, 116), 128);  // 512 wide tiles take 5 waves with 4.4 busy, 1024
+                                                 // narrow ones 9 with 8.8
   EXPECT_EQ(auto_tile_n(4096, 2048, 116), 128);  // 256 wide tiles: 3 waves, 2.2 busy
 }

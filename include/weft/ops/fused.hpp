@@ -72,8 +72,8 @@ struct FusedOptions {
   int64_t min_fused_m = 1024;  // kAuto: below this M the sequential path runs (besides the measured rule)
   int max_compute_blocks = 0;  // cap on GEMM blocks (benchmarks: "compute alone" at the fused op's SM count)
   int pipeline_pieces = 0;     // kPipelined RS / AR: row pieces per ring step, 0 auto; the same on every rank
-  // all_gather_matmul's fused kernel: output tiles 128 x tile_n, 0 auto (as weft::gemm picks, over the
-  // blocks the communicator leaves), 128 or 256; the same on every rank
+  // all_gather_matmul's fused kernel: output tiles 128 x tile_n, 0 (auto: 256), 128 or 256; the same on
+  // every rank
   int tile_n = 0;
   // How the fused RS / AR kernel sums the W partial tiles of each row (the same on every rank):
   //   kStaged        each rank stores its bf16 tile into its own staging slot at the owner; a reduce kernel
