@@ -394,16 +394,8 @@ def moe_layer_training(team, g):
     loss = 0
     wants = []
     for r in range(w):
-        x, wt = refs[r][0], refs[r][1]
-        want = torch.zeros(tokens[r], hidden, device="cuda")
-        for j in range(top_k):
-            e = ids[r][:, j].long()
-            h = torch.bmm(x[:, None, :], up_all[e.clamp(min=0)])[:, 0]
-            a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
-            y = torch.bmm(a[:, None, :], down_all[e.clamp(min=0)])[:, 0]
-            want = want + torch.where((e >= 0)[:, None], wt[:, j:j + 1] * y, torch.zeros_like(y))
-        wants.append(want)
-        loss = loss + (want * grads[r].float()).sum()
+        wants.append(moe_reference(refs[r][0], ids[r], refs[r][1], up_all, down_all))
+        loss = loss + (wants[r] * grads[r].float()).sum()
     loss.backward()
     for fused, (outs, ours) in runs.items():
         label = f"MoE layer W={w}" + ("", " SwiGLU epilogue", " SwiGLU epilogue, fused combine")[fused]
@@ -411,6 +403,74 @@ def moe_layer_training(team, g):
             check(f"{label}: rank {r} output", outs[r], wants[r], 3e-2)
             for i, name in enumerate(("tokens", "routing weights", "w_up", "w_down")):
                 check(f"{label}: rank {r} d {name}", ours[r][i].grad, refs[r][i].grad, 3e-2)
+
+
+def moe_reference(x, ids, wt, up_all, down_all):
+    """An MoE layer in plain torch on one rank's tokens x [T, hidden]: each token's top-k experts (ids [T, k],
+    -1 none) of every expert's weights up_all [E, hidden, 2 inter] (gate, then up) and down_all [E, inter,
+    hidden], SwiGLU, weighted by wt [T, k]."""
+    inter = down_all.shape[1]
+    want = torch.zeros(x.shape[0], down_all.shape[2], device="cuda")
+    for j in range(ids.shape[1]):
+        e = ids[:, j].long()
+        h = torch.bmm(x[:, None, :], up_all[e.clamp(min=0)])[:, 0]
+        a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        y = torch.bmm(a[:, None, :], down_all[e.clamp(min=0)])[:, 0]
+        want = want + torch.where((e >= 0)[:, None], wt[:, j:j + 1] * y, torch.zeros_like(y))
+    return want
+
+
+def moe_layers_stacked_training(team, g):
+    """Two weft.moe_layer calls in a row on one team (a model's MoE layers), then one backward: each layer's
+    backward must use its own dispatch's groups, though the second dispatch rewrote the team's dispatch area.
+    The routings differ (the second piles onto rank 0's experts), so their group ends do too. Gradients of the
+    tokens, both layers' routing weights and expert weights against plain torch in fp32."""
+    w = team.world_size
+    per, top_k, hidden, inter = 2, 2, 256, 128
+    num_experts = per * w
+    tokens = [192 + 32 * r for r in range(w)]
+    xs = [torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for t in tokens]
+    ids1 = [torch.randint(0, num_experts, (t, top_k), device="cuda", generator=g, dtype=torch.int32) for t in tokens]
+    ids2 = [torch.randint(0, per, (t, top_k), device="cuda", generator=g, dtype=torch.int32) for t in tokens]
+    for ids in ids2:  # a quarter of the second layer's slots go anywhere
+        spread = torch.rand(ids.shape, device="cuda", generator=g) < 0.25
+        ids[spread] = torch.randint(0, num_experts, (int(spread.sum()),), device="cuda", generator=g,
+                                    dtype=torch.int32)
+    weight = lambda t: torch.rand(t, top_k, device="cuda", generator=g)
+    wts1, wts2 = [weight(t) for t in tokens], [weight(t) for t in tokens]
+    expert = lambda k, n: (torch.randn(per, k, n, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+    ups1, ups2 = [expert(hidden, 2 * inter) for _ in range(w)], [expert(hidden, 2 * inter) for _ in range(w)]
+    downs1, downs2 = [expert(inter, hidden) for _ in range(w)], [expert(inter, hidden) for _ in range(w)]
+    grads = [torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for t in tokens]
+    inputs = [[xs[r], wts1[r], ups1[r], downs1[r], wts2[r], ups2[r], downs2[r]] for r in range(w)]
+    ours = [leaves(ins) for ins in inputs]
+
+    def two_layers(c, ins):
+        h = weft.moe_layer(ins[0], ids1[c.rank], ins[1], ins[2], ins[3], num_experts, max_tokens=max(tokens),
+                           comm=c)
+        return weft.moe_layer(h, ids2[c.rank], ins[4], ins[5], ins[6], num_experts, max_tokens=max(tokens), comm=c)
+
+    team.warmup(two_layers, ours)
+    for ins in ours:
+        for t in ins:
+            t.grad = None
+    outs = team.run(two_layers, ours)
+    torch.autograd.backward(outs, grads)
+    refs = [leaves(ins, torch.float32) for ins in inputs]
+    every = lambda i: torch.cat([refs[r][i] for r in range(w)])  # an expert weight, global expert order
+    loss = 0
+    wants = []
+    for r in range(w):
+        h = moe_reference(refs[r][0], ids1[r], refs[r][1], every(2), every(3))
+        wants.append(moe_reference(h, ids2[r], refs[r][4], every(5), every(6)))
+        loss = loss + (wants[r] * grads[r].float()).sum()
+    loss.backward()
+    names = ("tokens", "layer 1 routing weights", "layer 1 w_up", "layer 1 w_down", "layer 2 routing weights",
+             "layer 2 w_up", "layer 2 w_down")
+    for r in range(w):
+        check(f"two MoE layers W={w}: rank {r} output", outs[r], wants[r], 3e-2)
+        for i, name in enumerate(names):
+            check(f"two MoE layers W={w}: rank {r} d {name}", ours[r][i].grad, refs[r][i].grad, 3e-2)
 
 
 def moe_exact_counts(team):
@@ -477,7 +537,7 @@ def main():
         before = cases
         for step in (collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled, hybrid_attention_autograd,
                      contiguous_shards_attention,
-                     moe_compiled, moe_autograd, moe_layer_training):
+                     moe_compiled, moe_autograd, moe_layer_training, moe_layers_stacked_training):
             step(team, g)
             team.synchronize()
             print(f"W = {w}: {step.__name__} passed", flush=True)

@@ -105,8 +105,9 @@ def swiglu_interleave(w):
 # ---- expert parallelism (a team) ---------------------------------------------------------------------
 class MoeDispatch:
     """What weft.moe_dispatch returns on this rank: `rows` [capacity, hidden] (this rank's experts' rows, one
-    padded group per local expert, back to back; a view valid until the next dispatch on the team),
-    `group_end` int32 [experts per rank] (each group's padded end, on the GPU), `capacity` (the worst case);
+    padded group per local expert, back to back; a view valid until the next dispatch on the team, a copy
+    while autograd records), `group_end` int32 [experts per rank] (each group's padded end, on the GPU; a
+    copy), `capacity` (the worst case);
     with exact=True also `counts` (rows per local expert, a host list) and rows cut to the rows in use (the
     last group's end), else counts is None; and what weft.moe_combine needs of the dispatch (each slot's row on
     its expert's rank, the expert ids)."""

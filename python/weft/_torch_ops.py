@@ -664,8 +664,9 @@ def _moe_dispatch(x: Tensor, experts: Tensor, shape: list[int], world: int,
         at = ptr - ws.data_ptr()
         return ws[at:at + 4 * tokens * top_k].view(torch.int32).view(tokens, top_k).clone()
 
-    # rows and group_end are views of the team's dispatch area (valid until the next dispatch).
-    return torch.from_dlpack(rows), torch.from_dlpack(ends), slots(row_of), slots(kept)
+    # rows is a view of the team's dispatch area (valid until the next dispatch); group_end is copied out: the
+    # expert GEMMs keep it for their backward, and the next layer's dispatch rewrites the area's ends.
+    return torch.from_dlpack(rows), torch.from_dlpack(ends).clone(), slots(row_of), slots(kept)
 
 
 @_moe_dispatch.register_fake
@@ -821,8 +822,8 @@ def moe_dispatch(x, ids, shape, comm, exact=False):
     """x, ids (int32, contiguous) checked by the caller; returns (rows, group_end, row_of, kept, counts). exact:
     the counts are read back (a synchronisation) as (rows per local expert, group ends, rows in use) and rows
     is cut to the rows in use; else counts is None. Under autograd rows is a copy of the team's dispatch area
-    (which the next dispatch overwrites), since what consumes it (e.g. grouped_mm) may keep it for its
-    backward."""
+    (which the next dispatch overwrites), since what consumes it (e.g. grouped_mm, for its weights' gradient
+    even where x needs none) may keep it for its backward."""
     rows, ends, row_of, kept = _moe_dispatch(x, ids, list(shape), comm.world_size, comm._id)
     counts = None
     if exact:
@@ -830,7 +831,7 @@ def moe_dispatch(x, ids, shape, comm, exact=False):
         counts = (([0] * per, [0] * per, 0) if EMULATE else
                   _weft.moe_counts(comm._c, _last_counts[comm._id], ends.data_ptr(), tuple(shape), _stream(x)))
         rows = rows[:counts[2]]
-    if torch.is_grad_enabled() and x.requires_grad:
+    if torch.is_grad_enabled():
         rows = rows.clone()
     return rows, ends, row_of, kept, counts
 

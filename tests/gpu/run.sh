@@ -148,11 +148,11 @@ if python3 -c "import torch" 2>/dev/null; then
       [ "$n" -ge 2 ] && step "python: examples/tp_mlp.py trains (torchrun), $n processes" "python_tp_mlp_$n" \
         env PYTHONPATH="$build/python" python3 -m torch.distributed.run --master-port=$((20000 + RANDOM % 20000)) \
         --nproc_per_node="$n" "$root/examples/tp_mlp.py" 4096 2048 8192
-      # A small decoder (attention, MLP and MoE layers) on a (context x tensor) mesh, against plain torch.
+      # A small decoder (attention, MLP and two MoE layers) on a (context x tensor) mesh, against plain torch.
       [ "$n" -ge 2 ] && step "python: examples/train_transformer.py (torchrun), $n processes" \
         "python_train_transformer_$n" env PYTHONPATH="$build/python" python3 -m torch.distributed.run \
         --master-port=$((20000 + RANDOM % 20000)) --nproc_per_node="$n" "$root/examples/train_transformer.py" \
-        --tp 2 --steps 8 --layers 2 --seq 512
+        --tp 2 --steps 8 --layers 4 --seq 512
     done
     step "python: flash attention against fp32 and SDPA" "python_attention" env PYTHONPATH="$build/python" \
       python3 "$root/python/tests/gpu_attention.py"
