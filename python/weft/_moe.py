@@ -149,8 +149,9 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None,
     synchronisation; not for CUDA graphs, nor for a team one process drives) and cuts rows to the rows in use, so what runs on them (expert
     GEMMs, activations) skips the worst case's empty rows. Returns a MoeDispatch. A torch operator
     (torch.compile traces it) with autograd: x's gradient is the sum of its rows' gradients (a combine with
-    weights 1). rows is a view of the team's dispatch area, valid until the next dispatch; when x requires
-    grad it is a copy (its consumers, e.g. weft.grouped_mm, may keep it for their backward).
+    weights 1). rows is a view of the team's dispatch area, valid until the next dispatch; while autograd
+    records it is a copy (its consumers, e.g. weft.grouped_mm, may keep it for their backward), and group_end
+    always is.
     """
     where = "weft.moe_dispatch"
     c = _dispatch_args(x, experts, comm, where)
