@@ -19,7 +19,9 @@ fp32 master weights, SGD with momentum. Parallelism, mesh (cp, tp), world = cp x
 Gradients of weights replicated over a mesh dimension are all-reduced over it (both models alike).
 Checks: the loss of every step equal within bf16 tolerance (TOL relative); the gradients at step 0 of each
 parameter against the torch model run in fp32, as close as the torch bf16 model's (within BF16_SLACK times its
-error, or GRAD_TOL: top-2 routing flips where bf16 rounding moves a token's router scores). Then
+error, or GRAD_TOL where that error is small). At step 0 every model routes each token to the experts the fp32
+model picks (its routing weights still its own): otherwise the tokens whose top 2 flip under bf16 rounding of
+the router scores, a different set in each model, would dominate the gradients' difference. Then
 tokens / s and memory of a training step of each, measured in turns. Rank 0 prints the tables; --csv
 writes the loss curves, --plot draws them with the throughput (matplotlib, where installed).
 """
@@ -104,6 +106,7 @@ class Ops:
         self.dtype = dtype  # of the activations and of the weights' copies the matmuls read
         self.tp_size, self.cp_size = mesh.size(1), mesh.size(0)
         self.pos, self.all_pos = positions, all_positions  # this cp rank's tokens' positions; every cp rank's
+        self.routes, self.picked = {}, {}  # MoE layer -> expert ids: to use; chosen by the last forward
 
     def gather_matmul(self, x, w):  # [rows / tp, K] x [N / tp, K] -> [rows, N / tp]
         if self.weft:
@@ -167,7 +170,12 @@ def forward(ops, p, tokens, layers):
         h = rms_norm(x, p[pre + "mlp_norm"])
         if i % 2:
             probs = (h.float() @ p[pre + "router"].t()).softmax(-1)
-            weights, ids = probs.topk(TOP_K, -1)
+            if i in ops.routes:  # the experts another model picked (step 0: the fp32 model's)
+                ids = ops.routes[i]
+                weights = probs.gather(-1, ids)
+            else:
+                weights, ids = probs.topk(TOP_K, -1)
+                ops.picked[i] = ids
             weights = weights / weights.sum(-1, keepdim=True)
             x = x + ops.moe(h, ids, weights, bf(p[pre + "up"]), bf(p[pre + "down"]))
         else:
@@ -297,9 +305,11 @@ def main():
     for it in range(args.steps):
         tokens, targets = data(seq, cp, cp_rank, seed=1000 + it)
         losses = {}
-        runs = models | ({"fp32": reference} if it == 0 else {})
+        # Step 0: the fp32 reference first; its routing is every model's at this step.
+        runs = ({"fp32": reference} if it == 0 else {}) | models
         for name, (params, replicated, ops, momentum) in runs.items():
             ops.targets = targets
+            ops.routes = reference[2].picked if it == 0 and name != "fp32" else {}
             loss = forward(ops, params, tokens, args.layers)
             loss.backward()
             sync_grads(params, replicated, mesh)
