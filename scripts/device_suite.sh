@@ -12,21 +12,24 @@
 #                                        steps, the sanitizers at 2 ranks, fake nodes 2 x 1); after --lanes, to
 #                                        one GPU each (virtual ranks, examples, one-GPU Python, the attention
 #                                        sanitizer steps). Not for timings.
-# The whole suite at 4 GPUs takes ~25 minutes of device time, past one 600 s call. On 4 x H200 (2026-11-27,
-# bench/RESULTS.md "The GPU suite at 4 x H200") these ran side by side: "single-process, 2" on 0,1 beside
-# "multi-process, 2" and the 2-process Python steps on 2,3 (373 s); "memcheck, 2" on 0,1 beside the virtual
-# ranks on 2 and 3 (441 s). A schedule of three calls that covers every step of run.sh at 4 GPUs:
-#   1. --pairs "single-process, 2" "multi-process, 2" "racecheck, 2" "memcheck, 2" "rank death"
+# The whole suite at 4 GPUs takes ~28 minutes of device time, past one 600 s call. On 4 x H200 (2026-11-27,
+# bench/RESULTS.md "The GPU suite at 4 x H200" and "4 GPUs on the merged branches") these ran: "single-process,
+# 2" on 0,1 beside "multi-process, 2" and the 2-process Python steps on 2,3 (373 s); "memcheck, 2" on 0,1 beside
+# the virtual ranks on 2 and 3 (441 s); the build (127 s) and "single-process, 4" (336 s) in one call (472 s);
+# "multi-process, 4" (357 s) and the 4-process steps (~190 s) in one call (547 s). A schedule of four calls on
+# one warm machine that covers every step of run.sh at 4 GPUs:
+#   1. "single-process, 4"
+#   2. "multi-process, 4" "fake nodes: 2 x 2" "python (torchrun), 4" "backend 'weft' (torchrun), 4"
+#      "fake nodes of 2" "tp_mlp.py trains (torchrun), 4" "train_transformer.py (torchrun), 4"
+#   3. --pairs "single-process, 2" "multi-process, 2" "racecheck, 2" "memcheck, 2" "rank death"
 #      "fake nodes: 2 x 1" "hello_nodes" "python (torchrun), 2" "backend 'weft' (torchrun), 2"
-#      "fake nodes of 1" "tp_mlp.py trains (torchrun), 2" "train_transformer.py (torchrun), 2"
-#      (dealt so that pair 0,1 runs ~400 s and pair 2,3 ~320 s, by the step times of that run)
-#   2. "single-process, 4" "multi-process, 4"
-#   3. "fake nodes: 2 x 2" "python (torchrun), 4" "backend 'weft' (torchrun), 4" "fake nodes of 2"
-#      "tp_mlp.py trains (torchrun), 4" "train_transformer.py (torchrun), 4" --pairs "synccheck, 2"
-#      --lanes "virtual ranks, W = 2 on" "W = 3" "W = 4" "W = 8" "SM budget" "examples (hello_team"
+#      "fake nodes of 1" "tp_mlp.py trains (torchrun), 2" "train_transformer.py (torchrun), 2" "synccheck, 2"
+#      (dealt round-robin: pair 0,1 runs ~440 s, pair 2,3 ~360 s)
+#   4. --lanes "virtual ranks, W = 2 on" "W = 3" "W = 4" "W = 8" "SM budget" "examples (hello_team"
 #      "find_package" "one process" "python: flash attention" "python: grouped_mm" "python: scaled_mm"
 #      "python: torch operators on virtual" "python: examples/tp_mlp.py trains on virtual" "memcheck, attention"
-#      "racecheck, attention" "synccheck, attention"
+#      "racecheck, attention" "synccheck, attention"   (~230 s)
+# Chain the calls (the machine goes back 30 s after a call; a fresh one costs ~50 s and the build again).
 # (--pairs with one pattern uses only the first pair: a section ends before the next one starts.)
 # At 2 GPUs the whole suite took four calls and ~1500 s (bench/RESULTS.md "The GPU suite at 2 GPUs, every
 # step").
