@@ -57,14 +57,17 @@ std::vector<char> make_input(DType t, size_t count, int rank, uint64_t seed) {
   }
   constexpr size_t kPart = 64 << 10;
   std::vector<char> v(count * dtype_size(t));
-  weft::test::parallel_for((count + kPart - 1) / kPart, [&](size_t p0, size_t p1) {
-    for (size_t p = p0; p < p1; ++p) {
-      std::mt19937_64 rng(seed * 1000003 + rank * 7919 + count + p * 0x9E3779B97F4A7C15ull);
-      std::uniform_real_distribution<float> u(-1.f, 1.f);
-      for (size_t i = p * kPart; i < std::min(count, (p + 1) * kPart); ++i)
-        from_float(t, u(rng), v.data() + i * dtype_size(t));
-    }
-  });
+  weft::test::parallel_for(
+      (count + kPart - 1) / kPart,
+      [&](size_t p0, size_t p1) {
+        for (size_t p = p0; p < p1; ++p) {
+          std::mt19937_64 rng(seed * 1000003 + rank * 7919 + count + p * 0x9E3779B97F4A7C15ull);
+          std::uniform_real_distribution<float> u(-1.f, 1.f);
+          for (size_t i = p * kPart; i < std::min(count, (p + 1) * kPart); ++i)
+            from_float(t, u(rng), v.data() + i * dtype_size(t));
+        }
+      },
+      1);  // a part (kPart values) is worth a thread: the inputs of a W-rank case are W x count values
   std::lock_guard<std::mutex> lock(mu);
   if (made.size() >= 64) made.clear();
   made[key] = v;
