@@ -259,6 +259,7 @@ std::vector<std::vector<double>> time_phases_alternating(
   std::vector<std::vector<cudaGraphExec_t>> exec(C);
   for (int c = 0; c < C; ++c)
     exec[c] = capture_graphs(comm, streams, [&] {
+      comm.device_barrier(streams);  // the ranks start the first phase together (see the header)
       mark(c, 0);
       for (int p = 0; p < phases; ++p) {
         candidates[c](p);

@@ -162,7 +162,9 @@ std::vector<double> time_graphs_alternating(Communicator& comm, const std::vecto
 // One call per candidate in `phases` phases (candidates[c](p) enqueues phase p on the local streams), with
 // event nodes between the phases in each graph, replayed in turn as above. Returns per candidate the
 // slowest local rank's median time of each phase, then of the whole call, in us (a phase's time on a rank
-// includes its waits for peers at meetings).
+// includes its waits for peers at meetings). Each graph starts with a team barrier before its first event:
+// one thread launches the ranks' graphs one after another, and without it the first rank's first phase
+// would carry the launches of the others (a single call is too short to hide them).
 std::vector<std::vector<double>> time_phases_alternating(
     Communicator& comm, const std::vector<cudaStream_t>& streams, int phases, int reps,
     const std::vector<std::function<void(int)>>& candidates);

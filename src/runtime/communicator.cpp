@@ -751,10 +751,19 @@ void Communicator::host_barrier() {
 }
 
 void Communicator::device_barrier() {
+  std::vector<cudaStream_t> streams;
+  for (auto& r : ranks_) streams.push_back(r->stream_);
+  device_barrier(streams);
+}
+
+void Communicator::device_barrier(const std::vector<cudaStream_t>& streams) {
+  WEFT_CHECK(streams.size() == ranks_.size(),
+             "Communicator::device_barrier: " + std::to_string(streams.size()) + " streams for " +
+                 std::to_string(ranks_.size()) + " local ranks");
   const CurrentDeviceGuard keep_device;
-  for (auto& r : ranks_) {
-    WEFT_CUDA_CHECK(cudaSetDevice(r->device_));
-    launch_team_barrier(r->view_, resources(kDeviceBarrier).slots[0], r->stream_);
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(ranks_[i]->device_));
+    launch_team_barrier(ranks_[i]->view_, resources(kDeviceBarrier).slots[0], streams[i]);
   }
 }
 

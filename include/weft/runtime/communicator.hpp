@@ -208,6 +208,8 @@ class Communicator {
   void host_barrier();
   // Enqueues an in-kernel barrier of the whole team on every local rank's stream.
   void device_barrier();
+  // The same on the given streams, streams[i] for local rank i (e.g. streams being captured into graphs).
+  void device_barrier(const std::vector<cudaStream_t>& streams);
   // Waits for every local stream, then throws if any rank's device wait failed or a peer process died.
   void synchronize();
   // Gives up on the team from outside its kernels (a team spanning nodes whose NCCL leg failed): raises the
