@@ -305,6 +305,12 @@ void run_moe(Context& ctx) {
       comm.synchronize();
       const std::vector<std::vector<double>> ll_us =
           time_phases_alternating(comm, team.streams, Layer::kAll, iters, {inference_phase, ll_phase});
+      if (!ctx.timeline_dir.empty())  // one layer call with the low-latency dispatch (MoeStep::kLowLatency*)
+        timelines.push_back(record_timeline(
+            comm, team.streams, [&] { ll_phase(Layer::kAll); },
+            fmt("moe layer, low-latency dispatch, tokens=%lld E=%d k=%d hidden=%lld", (long long)c.tokens,
+                c.experts, c.top_k, (long long)c.hidden),
+            ctx.timeline_dir + fmt("/moe_ll_%lld_%d_%d.csv", (long long)c.tokens, c.experts, c.top_k)));
       const auto pair = [&](int phase) {  // "record / low latency", ms
         return fmt("%.3f / %.3f", team.team_max(ll_us[0][phase]) / 1000.0,
                    team.team_max(ll_us[1][phase]) / 1000.0);

@@ -37,6 +37,10 @@ enum class MoeStep : uint32_t {
   kCombineTokens = 5,   // each token's weighted sum of its experts' rows
   kCombineBackward = 6,
   kSumStagedSlots = 7,  // the fused down GEMM + combine's sum
+  // The low-latency dispatch (one kernel):
+  kLowLatencySlots = 8,       // a block's slots: each row's atomic at its expert's rank and its stores
+  kLowLatencyPublish = 9,     // the block's fence and count; the grid's last block signals every rank
+  kLowLatencyWaitRanks = 10,  // block 0: every rank's rows in place here, then the counters zeroed
 };
 
 inline const char* timeline_phase_name(TimelinePhase p) {
@@ -82,6 +86,12 @@ inline const char* moe_step_name(MoeStep s) {
       return "combine_backward";
     case MoeStep::kSumStagedSlots:
       return "sum_staged_slots";
+    case MoeStep::kLowLatencySlots:
+      return "low_latency_slots";
+    case MoeStep::kLowLatencyPublish:
+      return "low_latency_publish";
+    case MoeStep::kLowLatencyWaitRanks:
+      return "low_latency_wait_ranks";
     default:
       return "?";
   }

@@ -311,8 +311,12 @@ __device__ __forceinline__ uint64_t* ll_done(const LowLatency& a, int s) {
 }
 
 __global__ void __launch_bounds__(256) low_latency_rows(LowLatency a) {
-  const TimelineSpan span(threadIdx.x == 0 ? a.team.timeline : nullptr, TimelinePhase::kMoe,
-                          uint32_t(MoeStep::kDispatchTokens));
+  // Thread 0 marks the block's steps (MoeStep::kLowLatency*): its slots, its publishing, block 0's wait.
+  TimelineBuffer* const tl = threadIdx.x == 0 ? a.team.timeline : nullptr;
+  const auto mark = [&](MoeStep step, bool end) {
+    timeline_mark(tl, TimelinePhase::kMoe, end, uint32_t(step));
+  };
+  mark(MoeStep::kLowLatencySlots, false);
   const TeamView& team = a.team;
   const CallEpoch calls{team.flag(a.flags, 0)};
   const uint64_t epoch = calls.epoch();
@@ -351,6 +355,8 @@ __global__ void __launch_bounds__(256) low_latency_rows(LowLatency a) {
   }
   // This block is done: the last block of the grid publishes this rank's rows and atomics to every rank.
   if (!__syncthreads_and(ok) && threadIdx.x == 0) detail::report_failure_to_peers(team);
+  mark(MoeStep::kLowLatencySlots, true);
+  mark(MoeStep::kLowLatencyPublish, false);
   __shared__ bool last;
   if (threadIdx.x == 0) {
     fence_release();  // the block's rows and atomics, system-wide, before the count that leads to the signal
@@ -363,7 +369,9 @@ __global__ void __launch_bounds__(256) low_latency_rows(LowLatency a) {
   __syncthreads();
   if (last && static_cast<int>(threadIdx.x) < team.world)
     signal_set(team, ll_done(a, team.rank), static_cast<int>(threadIdx.x), epoch);
+  mark(MoeStep::kLowLatencyPublish, true);
   if (blockIdx.x == 0) {
+    mark(MoeStep::kLowLatencyWaitRanks, false);
     // Every rank's rows of this call in place here: the counts are final. Then zero the counters and tell
     // every rank (their next call's atomics wait for it).
     bool all = true;
@@ -378,6 +386,7 @@ __global__ void __launch_bounds__(256) low_latency_rows(LowLatency a) {
       if (static_cast<int>(threadIdx.x) < team.world)
         signal_set(team, ll_zeroed(a, team.rank), static_cast<int>(threadIdx.x), epoch);
     }
+    mark(MoeStep::kLowLatencyWaitRanks, true);
   }
   if (threadIdx.x == 0) (void)calls.finished(gridDim.x);
 }
