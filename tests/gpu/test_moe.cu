@@ -467,12 +467,13 @@ WEFT_GPU_TEST(moe_dispatch_and_combine_match_host_layout) {
 // The no-host-synchronisation mode in CUDA graphs: dispatch, the rows as the experts' outputs (identity
 // experts), combine, captured once per rank and replayed on new tokens, routing and weights: out[t] against
 // the host's fp32 weighted sum of x[t] in slot order (bit for bit). The layout is computed on the device at
-// every replay.
-WEFT_GPU_TEST(moe_dispatch_and_combine_replay_in_cuda_graphs) {
-  Communicator& c = ctx.comm();
+// every replay. With the dispatch of record and the low-latency one (its groups' counters re-armed on the
+// device between replays).
+static std::string replay_in_cuda_graphs(Communicator& c, bool low_latency) {
   const int W = c.world(), E = 4 * W, k = 2;
   const int64_t hidden = 256, max_tokens = 100 + W - 1;
-  const MoeShape base{0, max_tokens, hidden, E, k, 128};
+  MoeShape base{0, max_tokens, hidden, E, k, 128};
+  base.low_latency = low_latency;
   const size_t ws_bytes = moe_dispatch_workspace_bytes(W, base);
   struct Local {
     int64_t tokens;
@@ -573,33 +574,42 @@ WEFT_GPU_TEST(moe_dispatch_and_combine_replay_in_cuda_graphs) {
           bad += !(__bfloat162float(out[t * hidden + h]) == __bfloat162float(__float2bfloat16(acc)));
         }
       if (bad)
-        failures += "\n    replay " + std::to_string(replay) + ", rank " + std::to_string(c.local(i).rank()) +
-                    ": " + std::to_string(bad) + " values differ from the host's weighted sum";
+        failures += std::string("\n    ") + (low_latency ? "low latency, " : "") + "replay " +
+                    std::to_string(replay) + ", rank " + std::to_string(c.local(i).rank()) + ": " +
+                    std::to_string(bad) + " values differ from the host's weighted sum";
     }
     c.host_barrier();
   }
   for (auto& l : local) WEFT_CUDA_CHECK(cudaGraphExecDestroy(l->exec));
+  return failures;
+}
+
+WEFT_GPU_TEST(moe_dispatch_and_combine_replay_in_cuda_graphs) {
+  Communicator& c = ctx.comm();
+  const std::string failures = replay_in_cuda_graphs(c, false) + replay_in_cuda_graphs(c, true);
   WEFT_EXPECT(failures.empty(), failures);
 }
 
-// The low-latency dispatch (MoeShape::low_latency): three calls in a row on new routing each (the groups'
-// counters zeroed and re-armed between calls), ranks with no token, dropped slots, distinct experts per
-// token. Every slot's row lies in its expert's fixed group below the group's count, no two slots share a row,
-// the row holds the token (bit for bit), each group's count is the slots routed to it; then moe_combine
-// through the handle over the dispatched rows themselves (identity experts) against the host's fp32 sums.
+// The low-latency dispatch (MoeShape::low_latency): three calls in a row on new routing each, top-k 1, 2 and
+// 8 (at most the experts; the groups' counters zeroed and re-armed between calls), ranks with no token,
+// dropped slots, distinct experts per token. Every slot's row lies in its expert's fixed group below the
+// group's count, no two slots share a row, the row holds the token (bit for bit), each group's count is the
+// slots routed to it; then moe_combine through the handle over the dispatched rows themselves (identity
+// experts) against the host's fp32 sums.
 WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
   Communicator& c = ctx.comm();
-  const int W = c.world(), per = 3, E = per * W, top_k = std::min(2, E);
+  const int W = c.world(), per = 3, E = per * W;
   const int64_t hidden = 72;
   std::vector<int64_t> T(W);
   for (int r = 0; r < W; ++r) T[r] = r == W - 1 ? 0 : 5 + 3 * r;  // the last rank has no token
   const int64_t max_tokens = *std::max_element(T.begin(), T.end());
-  MoeShape base{0, max_tokens, hidden, E, top_k, 128};
-  base.low_latency = true;
   const int64_t group = (W * max_tokens + 127) / 128 * 128;
-  const size_t ws_bytes = moe_dispatch_workspace_bytes(W, base);
   std::mt19937_64 g(4242);
   for (int call = 0; call < 3; ++call) {
+    const int top_k = std::min(call == 0 ? 1 : call == 1 ? 2 : 8, E);
+    MoeShape base{0, max_tokens, hidden, E, top_k, 128};
+    base.low_latency = true;
+    const size_t ws_bytes = moe_dispatch_workspace_bytes(W, base);
     std::vector<std::vector<int32_t>> experts(W);
     std::vector<std::vector<__nv_bfloat16>> tokens(W);
     std::vector<std::vector<float>> weights(W);
