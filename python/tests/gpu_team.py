@@ -46,6 +46,18 @@ def leaves(tensors, dtype=None):
     return [t.detach().clone().to(dtype or t.dtype).requires_grad_() for t in tensors]
 
 
+def warm_run_backward(team, fn, ours, grads):
+    """fn(comm, rank's inputs) on every rank once to warm up, then again from cleared gradients, and the
+    backward of the outputs with `grads`; returns the outputs."""
+    team.warmup(fn, ours)
+    for ins in ours:
+        for t in ins:
+            t.grad = None
+    outs = team.run(fn, ours)
+    torch.autograd.backward(outs, grads)
+    return outs
+
+
 def against_torch(team, name, weft_fn, ref_fn, inputs, tol):
     """Runs weft_fn(comm, *rank_inputs) on every rank and ref_fn(list of every rank's fp32 inputs) -> list of
     per-rank outputs; compares outputs, then the gradients of sum_r <out_r, g_r> for random g."""
@@ -381,13 +393,7 @@ def moe_layer_training(team, g):
                                               weft.swiglu_interleave(ins[2]) if fused else ins[2], ins[3],
                                               num_experts, max_tokens=max_tokens, comm=c, swiglu_interleaved=fused > 0,
                                               fused_combine=fused == 2)
-        team.warmup(layer, ours)
-        for ins in ours:
-            for t in ins:
-                t.grad = None
-        outs = team.run(layer, ours)
-        torch.autograd.backward(outs, grads)
-        runs[fused] = (outs, ours)
+        runs[fused] = (warm_run_backward(team, layer, ours, grads), ours)
     refs = [leaves([xs[r], weights[r], ups[r], downs[r]], torch.float32) for r in range(w)]
     up_all = torch.cat([refs[r][2] for r in range(w)])  # [E, hidden, 2 inter], global expert order
     down_all = torch.cat([refs[r][3] for r in range(w)])
@@ -450,12 +456,7 @@ def moe_layers_stacked_training(team, g):
                            comm=c)
         return weft.moe_layer(h, ids2[c.rank], ins[4], ins[5], ins[6], num_experts, max_tokens=max(tokens), comm=c)
 
-    team.warmup(two_layers, ours)
-    for ins in ours:
-        for t in ins:
-            t.grad = None
-    outs = team.run(two_layers, ours)
-    torch.autograd.backward(outs, grads)
+    outs = warm_run_backward(team, two_layers, ours, grads)
     refs = [leaves(ins, torch.float32) for ins in inputs]
     every = lambda i: torch.cat([refs[r][i] for r in range(w)])  # an expert weight, global expert order
     loss = 0

@@ -620,16 +620,13 @@ void carve_walk(ops::WorkspaceLayout& w, const Sizes& z, DispatchBuffers& b) {
   b.walk.walk_begin = w.take<int32_t>(size_t(z.d.world + 1) * 4);
 }
 
-// Checks the arguments and carves the buffers (`walk`: the walk area too).
-DispatchBuffers dispatch_buffers(ops::OpCall& call, const void* tokens, const int32_t* experts,
-                                 const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
-                                 bool walk) {
-  Rank& rank = call.rank;
+// A dispatch's arguments (either form): the shape, the dtype, the workspace and the pointers' alignment.
+void check_dispatch_args(const ops::OpCall& call, const void* tokens, const int32_t* experts,
+                         const MoeShape& shape, const void* workspace, size_t workspace_bytes, DType dtype) {
+  const Rank& rank = call.rank;
   const std::string& where = call.where;
   check(shape, rank.world(), where);
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
-  DispatchBuffers b{Sizes(rank.world(), rank.rank(), shape)};
-  const Sizes& z = b.z;
   const size_t need = moe_dispatch_workspace_bytes(rank.world(), shape);
   WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
              where + "the workspace must hold " + std::to_string(need) +
@@ -639,6 +636,16 @@ DispatchBuffers dispatch_buffers(ops::OpCall& call, const void* tokens, const in
     ops::check_pointer_alignment(tokens, "tokens", 16, where);
     ops::check_pointer_alignment(experts, "experts", 4, where);
   }
+}
+
+// Checks the arguments and carves the buffers (`walk`: the walk area too).
+DispatchBuffers dispatch_buffers(ops::OpCall& call, const void* tokens, const int32_t* experts,
+                                 const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                                 bool walk) {
+  Rank& rank = call.rank;
+  check_dispatch_args(call, tokens, experts, shape, workspace, workspace_bytes, dtype);
+  DispatchBuffers b{Sizes(rank.world(), rank.rank(), shape)};
+  const Sizes& z = b.z;
   ops::WorkspaceLayout sized;
   carve_area(sized, z, b);
   ops::WorkspaceLayout area(call.workspace(sized.bytes(), kArea));
@@ -730,21 +737,10 @@ MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const 
                                    const int32_t* experts, const MoeShape& shape, void* workspace,
                                    size_t workspace_bytes, DType dtype) {
   Rank& rank = call.rank;
-  const std::string& where = call.where;
-  check(shape, rank.world(), where);
-  WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
+  check_dispatch_args(call, tokens, experts, shape, workspace, workspace_bytes, dtype);
   WEFT_CHECK(shape.num_experts / rank.world() <= kLowLatencyMaxExperts,
-             where + "the low-latency dispatch counts rows for at most " +
+             call.where + "the low-latency dispatch counts rows for at most " +
                  std::to_string(kLowLatencyMaxExperts) + " experts per rank");
-  const size_t need = moe_dispatch_workspace_bytes(rank.world(), shape);
-  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
-             where + "the workspace must hold " + std::to_string(need) +
-                 " bytes (moe_dispatch_workspace_bytes()), got " + std::to_string(workspace_bytes));
-  ops::check_pointer_alignment(workspace, "workspace", 256, where);
-  if (shape.tokens > 0) {
-    ops::check_pointer_alignment(tokens, "tokens", 16, where);
-    ops::check_pointer_alignment(experts, "experts", 4, where);
-  }
   const Sizes z(rank.world(), rank.rank(), shape);
   LowLatency x{};
   ops::WorkspaceLayout sized;

@@ -36,6 +36,30 @@ struct MoeCase {
   bool zero_padding = true;  // MoeShape::zero_padding: off, the padding rows are not checked
 };
 
+// moe_dispatch on every local rank of `base` with rank r's T[r] tokens, after its plan (which the call must
+// keep); each Local holds the rank's tokens (tok), expert ids (exp) and workspace (ws). Then synchronizes.
+template <class Local>
+std::vector<MoeDispatched> dispatch_on_every_rank(Communicator& c, const MoeShape& base,
+                                                  const std::vector<int64_t>& T,
+                                                  const std::vector<std::unique_ptr<Local>>& local,
+                                                  size_t ws_bytes) {
+  std::vector<MoeDispatched> got(c.num_local());
+  for (int i = 0; i < c.num_local(); ++i) {
+    Rank& rank = c.local(i);
+    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+    MoeShape s = base;
+    s.tokens = T[rank.rank()];
+    const void* tok = local[i]->tok.p;
+    const auto* experts = local[i]->exp.template as<int32_t>();
+    void* ws = local[i]->ws.p;
+    weft::test::keeping_plan(c, moe_dispatch_plan(c, rank, tok, experts, s, ws, ws_bytes, DType::kBF16), [&] {
+      got[i] = moe_dispatch(c, rank, tok, experts, s, ws, ws_bytes, DType::kBF16);
+    });
+  }
+  c.synchronize();
+  return got;
+}
+
 std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
   const int W = c.world();
   const int E = mc.experts_per_rank * W, per = mc.experts_per_rank;
@@ -77,20 +101,7 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
     local.push_back(std::move(l));
   }
   c.host_barrier();
-  std::vector<MoeDispatched> got(c.num_local());
-  for (int i = 0; i < c.num_local(); ++i) {
-    Rank& rank = c.local(i);
-    WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
-    MoeShape s = base;
-    s.tokens = T[rank.rank()];
-    const auto* experts = local[i]->exp.as<int32_t>();
-    weft::test::keeping_plan(
-        c, moe_dispatch_plan(c, rank, local[i]->tok.p, experts, s, local[i]->ws.p, ws_bytes, DType::kBF16),
-        [&] {
-          got[i] = moe_dispatch(c, rank, local[i]->tok.p, experts, s, local[i]->ws.p, ws_bytes, DType::kBF16);
-        });
-  }
-  c.synchronize();
+  const std::vector<MoeDispatched> got = dispatch_on_every_rank(c, base, T, local, ws_bytes);
   std::string failures;
   const std::string label = "E=" + std::to_string(E) + " top_k=" + std::to_string(mc.top_k) +
                             " hidden=" + std::to_string(mc.hidden) + (mc.skewed ? " skewed" : "");
@@ -642,19 +653,7 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
       local.push_back(std::move(l));
     }
     c.host_barrier();
-    std::vector<MoeDispatched> got(c.num_local());
-    for (int i = 0; i < c.num_local(); ++i) {
-      Rank& rank = c.local(i);
-      WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
-      MoeShape s = base;
-      s.tokens = T[rank.rank()];
-      const auto* e = local[i]->exp.as<int32_t>();
-      weft::test::keeping_plan(
-          c, moe_dispatch_plan(c, rank, local[i]->tok.p, e, s, local[i]->ws.p, ws_bytes, DType::kBF16), [&] {
-            got[i] = moe_dispatch(c, rank, local[i]->tok.p, e, s, local[i]->ws.p, ws_bytes, DType::kBF16);
-          });
-    }
-    c.synchronize();
+    std::vector<MoeDispatched> got = dispatch_on_every_rank(c, base, T, local, ws_bytes);
     // Every rank's row_of (as a source), then each destination's counts and rows.
     std::vector<std::vector<int32_t>> row_of(W);
     for (int i = 0; i < c.num_local(); ++i) {
