@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_reference.hpp"
 #include "harness.hpp"
 #include "weft/ops/attention.hpp"
 
@@ -85,9 +86,6 @@ struct Problem {
   int64_t lse_index(int64_t b, int64_t h, int64_t i) const {
     return packed ? h * rows_q + seqs[b].q0 + i : (b * heads + h) * seq_q + i;
   }
-  int64_t last_key(const Seq& s, int64_t i) const {  // of query i of sequence s (-1: none)
-    return causal ? std::min(s.k_len - 1, i + s.k_len - s.q_len) : s.k_len - 1;
-  }
 };
 
 Problem dense_problem(const Case& c) {
@@ -104,75 +102,36 @@ Problem dense_problem(const Case& c) {
   return pr;
 }
 
-// fp64 forward over every sequence: O (q's layout) and LSE (lse's layout, -inf for rows that see no key);
-// `covered` marks the query rows of some sequence.
-struct ForwardRef {
-  std::vector<double> o, lse;
-  std::vector<char> covered;
-};
-ForwardRef reference_forward(const Problem& pr, const std::vector<__nv_bfloat16>& q,
-                             const std::vector<__nv_bfloat16>& k, const std::vector<__nv_bfloat16>& v) {
-  const int64_t H = pr.heads, KV = pr.kv_heads, D = pr.dim, group = H / KV;
-  ForwardRef r;
-  r.o.assign(pr.rows_q * H * D, 0.0);
-  r.lse.assign(pr.rows_q * H, 0.0);
-  r.covered.assign(pr.rows_q, 0);
-  // Work items: (sequence, head, query row).
-  std::vector<std::array<int64_t, 3>> items;
-  for (int64_t b = 0; b < int64_t(pr.seqs.size()); ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < pr.seqs[b].q_len; ++i) items.push_back({b, h, i});
-  for (const Seq& s : pr.seqs)
-    for (int64_t i = 0; i < s.q_len; ++i) r.covered[s.q0 + i] = 1;
-  weft::test::parallel_for(
-      items.size(),
-      [&](size_t i0, size_t i1) {
-        std::vector<double> p;
-        for (size_t it = i0; it < i1; ++it) {
-          const auto [b, h, i] = items[it];
-          const Seq& s = pr.seqs[b];
-          const int64_t hk = h / group, last = pr.last_key(s, i);
-          const __nv_bfloat16* qr = &q[((s.q0 + i) * H + h) * D];
-          double* o = &r.o[((s.q0 + i) * H + h) * D];
-          p.assign(std::max<int64_t>(last + 1, 0), 0.0);
-          double mx = -std::numeric_limits<double>::infinity();
-          for (int64_t j = 0; j <= last; ++j) {
-            const __nv_bfloat16* kr = &k[((s.k0 + j) * KV + hk) * D];
-            double dot = 0;
-            for (int64_t d = 0; d < D; ++d) dot += double(to_f(qr[d])) * to_f(kr[d]);
-            mx = std::max(mx, p[j] = dot * pr.scale);
-          }
-          double sum = 0;
-          for (int64_t j = 0; j <= last; ++j) {
-            sum += (p[j] = std::exp(p[j] - mx));
-            const __nv_bfloat16* vr = &v[((s.k0 + j) * KV + hk) * D];
-            for (int64_t d = 0; d < D; ++d) o[d] += p[j] * to_f(vr[d]);
-          }
-          if (last >= 0)
-            for (int64_t d = 0; d < D; ++d) o[d] /= sum;
-          r.lse[pr.lse_index(b, h, i)] =
-              last >= 0 ? mx + std::log(sum) : -std::numeric_limits<double>::infinity();
-        }
-      },
-      64);
+// The problem as the fp64 reference (attention_reference.hpp) takes it.
+weft::test::AttentionRefShape ref_shape(const Problem& pr) {
+  weft::test::AttentionRefShape r{pr.rows_q, pr.rows_k, pr.heads, pr.kv_heads,
+                                  pr.dim,    pr.causal, pr.scale, {}};
+  for (const Seq& s : pr.seqs) r.seqs.push_back({s.q0, s.q_len, s.k0, s.k_len});
   return r;
+}
+weft::test::AttentionReference reference_forward(const Problem& pr, const std::vector<__nv_bfloat16>& q,
+                                                 const std::vector<__nv_bfloat16>& k,
+                                                 const std::vector<__nv_bfloat16>& v) {
+  return weft::test::attention_reference(ref_shape(pr), q, k, v);
 }
 
 // Compares a forward's out (bf16, or fp32 when out_f32) and LSE with the reference over the covered rows;
 // rows of no sequence must still hold the poison (0xff bytes). Pass: |O - ref| <= 5e-3 + 5e-3 |ref|, |LSE -
 // ref| <= 1e-3 (1 + |ref|), -inf exactly where the reference has it.
-std::string check_forward(const Problem& pr, const ForwardRef& ref, const std::vector<uint16_t>& out,
-                          const std::vector<float>& out_f32, const std::vector<float>& lse,
-                          const std::string& label) {
+std::string check_forward(const Problem& pr, const weft::test::AttentionReference& ref,
+                          const std::vector<uint16_t>& out, const std::vector<float>& out_f32,
+                          const std::vector<float>& lse, const std::string& label) {
   const int64_t H = pr.heads, D = pr.dim;
   double w = 0, wl = 0;
   int64_t bad_o = 0, bad_lse = 0, bad_untouched = 0;
   std::string first;
+  std::vector<char> covered(pr.rows_q, 0);  // the query rows of some sequence
+  for (const Seq& s : pr.seqs) std::fill_n(covered.begin() + s.q0, s.q_len, 1);
   for (int64_t row = 0; row < pr.rows_q; ++row)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t d = 0; d < D; ++d) {
         const int64_t e = (row * H + h) * D + d;
-        if (!ref.covered[row]) {
+        if (!covered[row]) {
           if (!out.empty() && out[e] != 0xffff) ++bad_untouched;
           continue;
         }
@@ -187,8 +146,7 @@ std::string check_forward(const Problem& pr, const ForwardRef& ref, const std::v
   for (int64_t b = 0; b < int64_t(pr.seqs.size()); ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = 0; i < pr.seqs[b].q_len; ++i) {
-        const int64_t x = pr.lse_index(b, h, i);
-        const double rl = ref.lse[x], gl = lse[x];
+        const double rl = ref.lse[(pr.seqs[b].q0 + i) * H + h], gl = lse[pr.lse_index(b, h, i)];
         if (std::isinf(rl)) {
           if (!(std::isinf(gl) && gl < 0)) ++bad_lse;
           continue;
@@ -370,7 +328,7 @@ std::string run_accumulate_case(const Case& c, int parts, uint64_t seed) {
   std::vector<float> o32(qn), lse(pr.rows_q * pr.heads);
   WEFT_CUDA_CHECK(cudaMemcpy(o32.data(), acc_o.p, qn * 4, cudaMemcpyDeviceToHost));
   WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), acc_lse.p, lse.size() * 4, cudaMemcpyDeviceToHost));
-  const ForwardRef ref = reference_forward(pr, q, k, v);
+  const weft::test::AttentionReference ref = reference_forward(pr, q, k, v);
   const std::string label = case_label(c) + " in " + std::to_string(parts) + " accumulated parts (" +
                             std::to_string(calls.size()) + " calls)";
   std::string e = check_forward(pr, ref, {}, o32, lse, label + ", fp32");
@@ -384,7 +342,7 @@ std::string run_accumulate_case(const Case& c, int parts, uint64_t seed) {
 // the gradients sum up to seq terms each); the report gives the largest error relative to max|ref|. Rows of
 // no sequence: dq there must be 0, dk / dv untouched (the poison).
 std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const std::string& label) {
-  const int64_t H = pr.heads, KV = pr.kv_heads, D = pr.dim, group = H / KV;
+  const int64_t H = pr.heads, KV = pr.kv_heads, D = pr.dim;
   const int64_t qn = pr.rows_q * H * D, kn = pr.rows_k * KV * D;
   const auto q = random_bf16(qn, seed), k = random_bf16(kn, seed + 1), v = random_bf16(kn, seed + 2),
              go = random_bf16(qn, seed + 3);
@@ -420,94 +378,13 @@ std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const
     }
   }
 
-  auto dot = [&](const __nv_bfloat16* x, const __nv_bfloat16* y) {
-    double s = 0;
-    for (int64_t d = 0; d < D; ++d) s += double(to_f(x[d])) * to_f(y[d]);
-    return s;
-  };
-  auto qrow = [&](const std::vector<__nv_bfloat16>& t, int64_t row, int64_t h) {
-    return &t[(row * H + h) * D];
-  };
-  auto krow = [&](const std::vector<__nv_bfloat16>& t, int64_t row, int64_t h) {
-    return &t[(row * KV + h) * D];
-  };
-  // Pass 1, per (sequence, head, query row): LSE, D = dO . O, and dQ.
-  std::vector<std::array<int64_t, 3>> qitems, kitems;
-  for (int64_t b = 0; b < int64_t(pr.seqs.size()); ++b) {
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < pr.seqs[b].q_len; ++i) qitems.push_back({b, h, i});
-    for (int64_t h = 0; h < KV; ++h)
-      for (int64_t j = 0; j < pr.seqs[b].k_len; ++j) kitems.push_back({b, h, j});
-  }
-  std::vector<double> lse(pr.rows_q * H), dsum(pr.rows_q * H), ref_dq(qn, 0.0), ref_dk(kn, 0.0),
-      ref_dv(kn, 0.0);
+  const weft::test::AttentionReference ref = weft::test::attention_reference(ref_shape(pr), q, k, v, go);
+  const std::vector<double>&ref_dq = ref.dq, &ref_dk = ref.dk, &ref_dv = ref.dv;
   std::vector<char> q_covered(pr.rows_q, 0), k_covered(pr.rows_k, 0);
   for (const Seq& s : pr.seqs) {
-    for (int64_t i = 0; i < s.q_len; ++i) q_covered[s.q0 + i] = 1;
-    for (int64_t j = 0; j < s.k_len; ++j) k_covered[s.k0 + j] = 1;
+    std::fill_n(q_covered.begin() + s.q0, s.q_len, 1);
+    std::fill_n(k_covered.begin() + s.k0, s.k_len, 1);
   }
-  weft::test::parallel_for(
-      qitems.size(),
-      [&](size_t r0, size_t r1) {
-        std::vector<double> p, o(D);
-        for (size_t it = r0; it < r1; ++it) {
-          const auto [b, h, i] = qitems[it];
-          const Seq& s = pr.seqs[b];
-          const int64_t hk = h / group, last = pr.last_key(s, i), row = s.q0 + i;
-          if (last < 0) {
-            lse[row * H + h] = std::numeric_limits<double>::infinity();  // P = 0
-            continue;
-          }
-          p.assign(last + 1, 0.0);
-          double mx = -std::numeric_limits<double>::infinity();
-          for (int64_t j = 0; j <= last; ++j)
-            mx = std::max(mx, p[j] = pr.scale * dot(qrow(q, row, h), krow(k, s.k0 + j, hk)));
-          double sum = 0;
-          for (int64_t j = 0; j <= last; ++j) sum += (p[j] = std::exp(p[j] - mx));
-          std::fill(o.begin(), o.end(), 0.0);
-          for (int64_t j = 0; j <= last; ++j) {
-            p[j] /= sum;
-            const __nv_bfloat16* vr = krow(v, s.k0 + j, hk);
-            for (int64_t d = 0; d < D; ++d) o[d] += p[j] * to_f(vr[d]);
-          }
-          lse[row * H + h] = mx + std::log(sum);
-          double dsr = 0;
-          for (int64_t d = 0; d < D; ++d) dsr += o[d] * to_f(qrow(go, row, h)[d]);
-          dsum[row * H + h] = dsr;
-          double* dqr = &ref_dq[(row * H + h) * D];
-          for (int64_t j = 0; j <= last; ++j) {
-            const double ds = p[j] * (dot(qrow(go, row, h), krow(v, s.k0 + j, hk)) - dsr);
-            const __nv_bfloat16* kr = krow(k, s.k0 + j, hk);
-            for (int64_t d = 0; d < D; ++d) dqr[d] += pr.scale * ds * to_f(kr[d]);
-          }
-        }
-      },
-      16);
-  // Pass 2, per (sequence, K/V head, key row): dK and dV over every query row of every head of the group.
-  weft::test::parallel_for(
-      kitems.size(),
-      [&](size_t r0, size_t r1) {
-        for (size_t it = r0; it < r1; ++it) {
-          const auto [b, hk, j] = kitems[it];
-          const Seq& s = pr.seqs[b];
-          double* dkr = &ref_dk[((s.k0 + j) * KV + hk) * D];
-          double* dvr = &ref_dv[((s.k0 + j) * KV + hk) * D];
-          for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
-            for (int64_t i = 0; i < s.q_len; ++i) {
-              if (j > pr.last_key(s, i)) continue;
-              const int64_t row = s.q0 + i;
-              const double p =
-                  std::exp(pr.scale * dot(qrow(q, row, h), krow(k, s.k0 + j, hk)) - lse[row * H + h]);
-              const double ds = p * (dot(qrow(go, row, h), krow(v, s.k0 + j, hk)) - dsum[row * H + h]);
-              const __nv_bfloat16 *qr = qrow(q, row, h), *gr = qrow(go, row, h);
-              for (int64_t d = 0; d < D; ++d) {
-                dkr[d] += pr.scale * ds * to_f(qr[d]);
-                dvr[d] += p * to_f(gr[d]);
-              }
-            }
-        }
-      },
-      16);
   std::string what = label + (pr.deterministic ? " deterministic:" : ":");
   auto compare = [&](const char* name, const std::vector<uint16_t>& got, const std::vector<double>& ref,
                      const std::vector<char>& covered, int64_t heads, bool zero_outside) {

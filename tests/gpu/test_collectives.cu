@@ -97,34 +97,79 @@ std::vector<char> download(Communicator& c, int i, const char* src, uint64_t byt
 // result near zero says little: 8 ranks' fp32 sum of one element missed 1e-6 by rounding alone).
 std::string compare(DType t, const std::vector<char>& got, const std::vector<double>& ref, bool exact,
                     int terms = 0) {
-  double num = 0, den = 0;
   const size_t es = dtype_size(t);
   const bool fp32_sum = t == DType::kFP32 && !exact && terms > 0;
   const double bound = double(terms) * terms * 0x1p-24;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const float g = to_float(t, got.data() + i * es);
-    if (std::isnan(g)) return "NaN at element " + std::to_string(i) + " (not written?)";
-    if (fp32_sum) {
-      if (std::fabs(g - ref[i]) > bound)
-        return "element " + std::to_string(i) + ": got " + std::to_string(g) + ", want " +
-               std::to_string(ref[i]) + " (beyond the fp32 rounding bound " + std::to_string(bound) + ")";
-      continue;
+  // The first bad element in [i0, i1) ("" when none), and the part's sums of squares.
+  struct Part {
+    std::string bad;
+    double num = 0, den = 0;
+  };
+  const auto check = [&](size_t i0, size_t i1) {
+    Part part;
+    for (size_t i = i0; i < i1; ++i) {
+      const float g = to_float(t, got.data() + i * es);
+      if (std::isnan(g)) {
+        part.bad = "NaN at element " + std::to_string(i) + " (not written?)";
+        return part;
+      }
+      if (fp32_sum) {
+        if (std::fabs(g - ref[i]) > bound) {
+          part.bad = "element " + std::to_string(i) + ": got " + std::to_string(g) + ", want " +
+                     std::to_string(ref[i]) + " (beyond the fp32 rounding bound " + std::to_string(bound) +
+                     ")";
+          return part;
+        }
+        continue;
+      }
+      if (exact) {
+        char want[4];
+        from_float(t, static_cast<float>(ref[i]), want);
+        if (std::memcmp(want, got.data() + i * es, es) != 0) {
+          part.bad = "element " + std::to_string(i) + ": got " + std::to_string(g) + ", want " +
+                     std::to_string(ref[i]);
+          return part;
+        }
+      }
+      part.num += (g - ref[i]) * (g - ref[i]);
+      part.den += ref[i] * ref[i];
     }
-    if (exact) {
-      char want[4];
-      from_float(t, static_cast<float>(ref[i]), want);
-      if (std::memcmp(want, got.data() + i * es, es) != 0)
-        return "element " + std::to_string(i) + ": got " + std::to_string(g) + ", want " +
-               std::to_string(ref[i]);
-    }
-    num += (g - ref[i]) * (g - ref[i]);
-    den += ref[i] * ref[i];
+    return part;
+  };
+  // In parts on the host's cores (a large team's outputs hold millions of elements), the first bad element
+  // reported as a serial walk would (the lowest part with one).
+  constexpr size_t kPart = 1 << 16;
+  std::vector<Part> parts((ref.size() + kPart - 1) / kPart);
+  weft::test::parallel_for(
+      parts.size(),
+      [&](size_t p0, size_t p1) {
+        for (size_t p = p0; p < p1; ++p) parts[p] = check(p * kPart, std::min(ref.size(), (p + 1) * kPart));
+      },
+      1);
+  double num = 0, den = 0;
+  for (const Part& part : parts) {
+    if (!part.bad.empty()) return part.bad;
+    num += part.num;
+    den += part.den;
   }
   if (fp32_sum) return {};
   const double tol = t == DType::kFP32 ? 1e-6 : 1e-2;
   const double err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   if (err > tol) return "relative error " + std::to_string(err) + " > " + std::to_string(tol);
   return {};
+}
+
+// ref[k] = value(k) for k in [0, n), on the host's cores.
+template <class F>
+std::vector<double> reference(size_t n, F&& value) {
+  std::vector<double> ref(n);
+  weft::test::parallel_for(
+      n,
+      [&](size_t k0, size_t k1) {
+        for (size_t k = k0; k < k1; ++k) ref[k] = value(k);
+      },
+      size_t(1) << 16);
+  return ref;
 }
 
 const DType kTypes[] = {DType::kBF16, DType::kFP16, DType::kFP32};
@@ -154,16 +199,15 @@ void all_reduce_case(TestContext& ctx, DType t, size_t count, ReduceOp op, bool 
     });
     return;
   }
-  std::vector<double> ref(count);
-  for (int r = 0; r < W; ++r) {
-    auto x = make_input(t, count, r, seed);
-    for (size_t i = 0; i < count; ++i) {
-      const double v = to_float(t, x.data() + i * dtype_size(t));
-      ref[i] = r == 0 ? v : reduce(op, ref[i], v);
-    }
-  }
+  std::vector<std::vector<char>> inputs;
+  for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, count, r, seed));
+  const std::vector<double> ref = reference(count, [&](size_t i) {
+    double a = to_float(t, inputs[0].data() + i * dtype_size(t));
+    for (int r = 1; r < W; ++r) a = reduce(op, a, to_float(t, inputs[r].data() + i * dtype_size(t)));
+    return a;
+  });
   for_each_local(c, [&](Rank& r, int i) {
-    upload(c, i, in.ptr[i], make_input(t, count, r.rank(), seed));
+    upload(c, i, in.ptr[i], inputs[r.rank()]);
     if (!in_place) poison(c, i, out.ptr[i], bytes);
   });
   c.host_barrier();
@@ -252,15 +296,13 @@ WEFT_GPU_TEST(all_reduce_back_to_back) {
       const ReduceOp op = ops[q % 3];
       in.push_back(std::make_unique<RankBuffers>(c, n * 2, sym));
       out.push_back(std::make_unique<RankBuffers>(c, n * 2, sym));
-      std::vector<double> ref(n);
-      for (int r = 0; r < W; ++r) {
-        auto x = make_input(t, n, r, 900 + q);
-        for (size_t i = 0; i < n; ++i) {
-          const double v = to_float(t, x.data() + i * 2);
-          ref[i] = r == 0 ? v : reduce(op, ref[i], v);
-        }
-      }
-      refs.push_back(std::move(ref));
+      std::vector<std::vector<char>> inputs;
+      for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, n, r, 900 + q));
+      refs.push_back(reference(n, [&](size_t i) {
+        double a = to_float(t, inputs[0].data() + i * 2);
+        for (int r = 1; r < W; ++r) a = reduce(op, a, to_float(t, inputs[r].data() + i * 2));
+        return a;
+      }));
       for_each_local(c, [&](Rank& r, int i) {
         upload(c, i, in[q]->ptr[i], make_input(t, n, r.rank(), 900 + q));
         poison(c, i, out[q]->ptr[i], n * 2);
@@ -313,13 +355,14 @@ WEFT_GPU_TEST(all_gather_both_dims) {
                            [&] { all_gather(c, r, src, out.ptr[i], s, dim, t); });
             });
             c.synchronize();
-            std::vector<double> ref(s.count() * W);
-            for (int r = 0; r < W; ++r)
-              for (size_t i = 0; i < s.rows; ++i)
-                for (size_t j = 0; j < s.cols; ++j) {
-                  const size_t o = dim == 0 ? (r * s.rows + i) * s.cols + j : i * s.cols * W + r * s.cols + j;
-                  ref[o] = to_float(t, inputs[r].data() + (i * s.cols + j) * es);
-                }
+            // Output element o of rank r's part, row i, column j (dim 0: parts stacked; dim 1: side by side).
+            const std::vector<double> ref = reference(s.count() * W, [&](size_t o) {
+              const size_t row = dim == 0 ? o / s.cols : o / (s.cols * W),
+                           col = dim == 0 ? o % s.cols : o % (s.cols * W);
+              const size_t r = dim == 0 ? row / s.rows : col / s.cols, i = dim == 0 ? row % s.rows : row,
+                           j = dim == 0 ? col : col % s.cols;
+              return double(to_float(t, inputs[r].data() + (i * s.cols + j) * es));
+            });
             for_each_local(c, [&](Rank& r, int i) {
               const std::string err = compare(t, download(c, i, out.ptr[i], in_bytes * W), ref, true);
               WEFT_EXPECT(err.empty(), "all_gather " << dtype_name(t) << " [" << s.rows << "," << s.cols
@@ -361,14 +404,14 @@ WEFT_GPU_TEST(reduce_scatter_both_dims) {
             });
             c.synchronize();
             for_each_local(c, [&](Rank& r, int i) {
-              std::vector<double> ref(s.count(), 0.0);
-              for (int q = 0; q < W; ++q)
-                for (size_t a = 0; a < s.rows; ++a)
-                  for (size_t b = 0; b < s.cols; ++b) {
-                    const size_t src = dim == 0 ? (r.rank() * s.rows + a) * s.cols + b
-                                                : a * s.cols * W + r.rank() * s.cols + b;
-                    ref[a * s.cols + b] += to_float(t, inputs[q].data() + src * es);
-                  }
+              const std::vector<double> ref = reference(s.count(), [&](size_t e) {
+                const size_t a = e / s.cols, b = e % s.cols;
+                const size_t src =
+                    dim == 0 ? (r.rank() * s.rows + a) * s.cols + b : a * s.cols * W + r.rank() * s.cols + b;
+                double sum = 0;
+                for (int q = 0; q < W; ++q) sum += to_float(t, inputs[q].data() + src * es);
+                return sum;
+              });
               const char* o = in_place ? in.ptr[i] + r.rank() * out_bytes : out.ptr[i];
               const std::string err = compare(t, download(c, i, o, out_bytes), ref, false, W);
               WEFT_EXPECT(err.empty(), "reduce_scatter "
@@ -410,10 +453,9 @@ WEFT_GPU_TEST(all_to_all_equal_splits) {
           });
           c.synchronize();
           for_each_local(c, [&](Rank& r, int i) {
-            std::vector<double> ref(n * W);
-            for (int q = 0; q < W; ++q)
-              for (size_t k = 0; k < n; ++k)
-                ref[q * n + k] = to_float(t, inputs[q].data() + (r.rank() * n + k) * es);
+            const std::vector<double> ref = reference(n * W, [&](size_t e) {
+              return double(to_float(t, inputs[e / n].data() + (r.rank() * n + e % n) * es));
+            });
             const std::string err =
                 compare(t, download(c, i, in_place ? in.ptr[i] : out.ptr[i], bytes), ref, true);
             WEFT_EXPECT(err.empty(), "all_to_all " << dtype_name(t) << " " << n << " per rank"
@@ -488,14 +530,14 @@ void rooted_case(TestContext& ctx, Rooted kind, DType t, size_t n, int root, boo
   for_each_local(c, [&](Rank& r, int i) {
     const bool receives = kind == Rooted::kBroadcast || kind == Rooted::kScatter || r.rank() == root;
     if (!receives) return;
-    std::vector<double> ref(out_bytes / es);
-    for (size_t k = 0; k < ref.size(); ++k) {
-      if (kind == Rooted::kBroadcast) ref[k] = to_float(t, inputs[root].data() + k * es);
-      if (kind == Rooted::kScatter) ref[k] = to_float(t, inputs[root].data() + (r.rank() * n + k) * es);
-      if (kind == Rooted::kGather) ref[k] = to_float(t, inputs[k / n].data() + (k % n) * es);
-      if (kind == Rooted::kReduce)
-        for (int q = 0; q < W; ++q) ref[k] += to_float(t, inputs[q].data() + k * es);
-    }
+    const std::vector<double> ref = reference(out_bytes / es, [&](size_t k) {
+      if (kind == Rooted::kBroadcast) return double(to_float(t, inputs[root].data() + k * es));
+      if (kind == Rooted::kScatter) return double(to_float(t, inputs[root].data() + (r.rank() * n + k) * es));
+      if (kind == Rooted::kGather) return double(to_float(t, inputs[k / n].data() + (k % n) * es));
+      double sum = 0;  // reduce
+      for (int q = 0; q < W; ++q) sum += to_float(t, inputs[q].data() + k * es);
+      return sum;
+    });
     const char* got = kind == Rooted::kScatter ? out_of(i, r.rank()) : out.ptr[i];
     const std::string err = compare(t, download(c, i, got, out_bytes), ref, kind != Rooted::kReduce, W);
     WEFT_EXPECT(err.empty(), rooted_name(kind)
@@ -546,8 +588,8 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
     c.synchronize();
     for (int rep = 0; rep < kReps; ++rep)
       for_each_local(c, [&](Rank& r, int i) {
-        std::vector<double> ref(n);
-        for (size_t k = 0; k < n; ++k) ref[k] = to_float(t, inputs[rep % W].data() + k * 4);
+        const std::vector<double> ref =
+            reference(n, [&](size_t k) { return double(to_float(t, inputs[rep % W].data() + k * 4)); });
         const std::string err = compare(t, download(c, i, outs[rep]->ptr[i], n * 4), ref, true, W);
         WEFT_EXPECT(err.empty(), "broadcast back to back, call " << rep << " root " << rep % W << " rank "
                                                                  << r.rank() << ": " << err);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ops/ring_attention_plan.hpp"
+#include "attention_reference.hpp"
 #include "harness.hpp"
 #include "weft/ops/attention.hpp"
 #include "weft/ops/context_attention.hpp"
@@ -152,91 +153,20 @@ Reference single_gpu_reference(Communicator& c, const CpCase& cc, const std::vec
   return r;
 }
 
-// Attention over the packed documents in fp64 on the host (small cases): out [total][H][D] and the
-// gradients for out's gradient `go`: dq [total][H][D], dk, dv [total][KV][D]. Two passes, each spread over
-// the host's cores: per (query row, head) the softmax, out, dq and the row's log-sum-exp and dO . O; then
-// per (key row, K / V head) dk and dv over the query rows of the group's heads that see it.
-struct Exact {
-  std::vector<double> out, dq, dk, dv;
-};
-Exact exact_attention(const CpCase& cc, const std::vector<__nv_bfloat16>& q,
-                      const std::vector<__nv_bfloat16>& k, const std::vector<__nv_bfloat16>& v,
-                      const std::vector<__nv_bfloat16>& go) {
-  const int64_t H = cc.heads, KV = cc.kv_heads, D = cc.dim, group = H / KV;
-  const double scale = 1.0 / std::sqrt(double(D));
-  // Each token's document: its first token and its length.
-  std::vector<int64_t> doc_start, doc_len;
-  for (int64_t start = 0; int64_t n : cc.docs) {
-    for (int64_t i = 0; i < n; ++i) doc_start.push_back(start), doc_len.push_back(n);
-    start += n;
+// Attention over the packed documents in fp64 on the host (small cases; attention_reference.hpp): out
+// [total][H][D] and the gradients for out's gradient `go`.
+weft::test::AttentionReference exact_attention(const CpCase& cc, const std::vector<__nv_bfloat16>& q,
+                                               const std::vector<__nv_bfloat16>& k,
+                                               const std::vector<__nv_bfloat16>& v,
+                                               const std::vector<__nv_bfloat16>& go) {
+  weft::test::AttentionRefShape s{
+      0, 0, cc.heads, cc.kv_heads, cc.dim, cc.causal, 1.0 / std::sqrt(double(cc.dim)), {}};
+  for (int64_t n : cc.docs) {
+    s.seqs.push_back({s.rows_q, n, s.rows_q, n});
+    s.rows_q += n;
   }
-  const int64_t total = static_cast<int64_t>(doc_start.size());
-  const auto f = [](const __nv_bfloat16& x) { return double(__bfloat162float(x)); };
-  const auto dot = [&](const std::vector<__nv_bfloat16>& a, int64_t ai, const std::vector<__nv_bfloat16>& b,
-                       int64_t bi) {
-    double s = 0;
-    for (int64_t d = 0; d < D; ++d) s += f(a[ai + d]) * f(b[bi + d]);
-    return s;
-  };
-  Exact e{std::vector<double>(total * H * D, 0.0), std::vector<double>(total * H * D, 0.0),
-          std::vector<double>(total * KV * D, 0.0), std::vector<double>(total * KV * D, 0.0)};
-  // Query row t (a global token) sees keys [doc_start, doc_start + keys) of its document.
-  const auto keys_of = [&](int64_t t) { return cc.causal ? t - doc_start[t] + 1 : doc_len[t]; };
-  std::vector<double> lse(total * H), row(total * H);  // per (token, head): log-sum-exp, dO . O
-  weft::test::parallel_for(
-      size_t(total * H),
-      [&](size_t x0, size_t x1) {
-        std::vector<double> p;
-        for (size_t x = x0; x < x1; ++x) {
-          const int64_t t = int64_t(x) / H, h = int64_t(x) % H, kh = h / group, qi = int64_t(x) * D;
-          const int64_t first = doc_start[t], keys = keys_of(t);
-          p.assign(keys, 0.0);
-          double top = -1e300, sum = 0;
-          for (int64_t j = 0; j < keys; ++j) {
-            p[j] = dot(q, qi, k, ((first + j) * KV + kh) * D) * scale;
-            top = std::max(top, p[j]);
-          }
-          for (double& y : p) sum += (y = std::exp(y - top));
-          for (double& y : p) y /= sum;
-          lse[x] = top + std::log(sum);
-          double* o = &e.out[qi];
-          for (int64_t j = 0; j < keys; ++j)
-            for (int64_t d = 0; d < D; ++d) o[d] += p[j] * f(v[((first + j) * KV + kh) * D + d]);
-          double r = 0;
-          for (int64_t d = 0; d < D; ++d) r += f(go[qi + d]) * o[d];
-          row[x] = r;
-          // dS_ij = P_ij (dO_i . v_j - dO_i . O_i) scale; dQ_i += dS_ij k_j.
-          for (int64_t j = 0; j < keys; ++j) {
-            const int64_t kj = ((first + j) * KV + kh) * D;
-            const double ds = p[j] * (dot(go, qi, v, kj) - r) * scale;
-            for (int64_t d = 0; d < D; ++d) e.dq[qi + d] += ds * f(k[kj + d]);
-          }
-        }
-      },
-      1);
-  // dK_j += dS_ij q_i, dV_j += P_ij dO_i over the query rows i that see key j, of every head of its group.
-  weft::test::parallel_for(
-      size_t(total * KV),
-      [&](size_t y0, size_t y1) {
-        for (size_t y = y0; y < y1; ++y) {
-          const int64_t j = int64_t(y) / KV, kh = int64_t(y) % KV, kj = int64_t(y) * D;
-          const int64_t first = doc_start[j], end = first + doc_len[j];
-          double* dk = &e.dk[kj];
-          double* dv = &e.dv[kj];
-          for (int64_t i = cc.causal ? j : first; i < end; ++i)
-            for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
-              const int64_t x = i * H + h, qi = x * D;
-              const double pij = std::exp(dot(q, qi, k, kj) * scale - lse[x]);
-              const double ds = pij * (dot(go, qi, v, kj) - row[x]) * scale;
-              for (int64_t d = 0; d < D; ++d) {
-                dk[d] += ds * f(q[qi + d]);
-                dv[d] += pij * f(go[qi + d]);
-              }
-            }
-        }
-      },
-      1);
-  return e;
+  s.rows_k = s.rows_q;
+  return weft::test::attention_reference(s, q, k, v, go);
 }
 
 std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64_t seed) {
@@ -315,8 +245,9 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
   const std::vector<__nv_bfloat16>& ref = reference.out;
   const std::vector<float>& ref_lse = reference.lse;
   // The issue's bound on small cases: every rank's error against fp64 within 1.5x of the single call's.
-  const Exact exact_all = total <= 2048 ? exact_attention(cc, q, k, v, go) : Exact{};
-  const std::vector<double>& exact = exact_all.out;
+  const weft::test::AttentionReference exact_all =
+      total <= 2048 ? exact_attention(cc, q, k, v, go) : weft::test::AttentionReference{};
+  const std::vector<double>& exact = exact_all.o;
   // The ring meets a document's keys in other blocks than the single call (ranges start at each rank's
   // part), so its fp32 sums differ in rounding and the bf16 outputs by up to one ulp; the other methods
   // run the single call's arithmetic per row.
