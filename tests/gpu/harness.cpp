@@ -1,5 +1,6 @@
 #include "harness.hpp"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -97,6 +98,14 @@ class Watchdog {
 };
 
 }  // namespace
+
+// User + system CPU time of every thread of this process so far.
+static double host_cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
 
 int main(int argc, char** argv) {
   using namespace weft::test;
@@ -214,8 +223,8 @@ int main(int argc, char** argv) {
     mode += ", virtual ranks: " + std::to_string(ctx.options.ranks_per_gpu) + " per GPU on " +
             std::to_string(ctx.gpus) + " GPU" + (ctx.gpus > 1 ? "s" : "");
   if (ctx.options.sm_budget > 0) mode += ", SM budget " + std::to_string(ctx.options.sm_budget);
-  std::printf("%sweft-gpu-tests: %s, world size %d%s\n", prefix.c_str(), mode.c_str(), ctx.world,
-              ctx.quick ? " (quick)" : "");
+  std::printf("%sweft-gpu-tests: %s, world size %d%s, %u host threads\n", prefix.c_str(), mode.c_str(),
+              ctx.world, ctx.quick ? " (quick)" : "", std::thread::hardware_concurrency());
 
   int passed = 0, failed = 0, skipped = 0;
   static Watchdog watchdog(prefix);  // static: its detached thread may outlive main's frame
@@ -230,6 +239,7 @@ int main(int argc, char** argv) {
     std::printf("%s[ RUN      ] %s\n", prefix.c_str(), t.name);
     watchdog.start(t.name);
     const auto t0 = std::chrono::steady_clock::now();
+    const double cpu0 = host_cpu_seconds();
     std::string err;
     bool skip = false;
     try {
@@ -249,7 +259,10 @@ int main(int argc, char** argv) {
       std::printf("%s[  SKIPPED ] %s: %s\n", prefix.c_str(), t.name, err.c_str());
     } else if (err.empty()) {
       ++passed;
-      std::printf("%s[       OK ] %s (%.0f ms)\n", prefix.c_str(), t.name, ms);
+      // The process's CPU time beside the wall time: far above it, the test waited on host references
+      // spread over cores; near it, on one core or on the GPU (a synchronize may spin).
+      std::printf("%s[       OK ] %s (%.0f ms, host CPU %.1f s)\n", prefix.c_str(), t.name, ms,
+                  host_cpu_seconds() - cpu0);
     } else {
       ++failed;
       std::printf("%s[  FAILED  ] %s (%.0f ms): %s\n", prefix.c_str(), t.name, ms, err.c_str());
