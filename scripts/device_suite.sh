@@ -31,8 +31,16 @@
 #      "racecheck, attention" "synccheck, attention"   (~230 s)
 # Chain the calls (the machine goes back 30 s after a call; a fresh one costs ~50 s and the build again).
 # (--pairs with one pattern uses only the first pair: a section ends before the next one starts.)
-# At 2 GPUs the whole suite took four calls and ~1500 s (bench/RESULTS.md "The GPU suite at 2 GPUs, every
-# step").
+# At 2 GPUs (2 x H200, code 81fe093, bench/RESULTS.md "The GPU suite at 2 GPUs, every step, with faster host
+# references") every step ran in ~900 s of calls on one warm machine:
+#   1. "single-process, 2" "multi-process, 2" "rank death" "fake nodes: 2 x 1" "hello_nodes"   (build 90 s; 266 s)
+#   2. "python (torchrun), 2" "backend 'weft' (torchrun), 2" "fake nodes of 1" "tp_mlp.py trains (torchrun), 2"
+#      "train_transformer.py (torchrun), 2" "synccheck, 2" "racecheck, 2" "memcheck, 2"   (~320 s)
+#   3. --lanes "W = 8" "W = 4" "W = 2 on" "W = 3" "SM budget" "python: flash attention" "python: torch operators
+#      on virtual" "python: examples/tp_mlp.py trains on virtual" "python: grouped_mm" "python: scaled_mm"
+#      "memcheck, attention" "racecheck, attention" "synccheck, attention" "examples (hello_team" "find_package"
+#      "one process"   (~270 s)
+# The 4-GPU times above predate the faster host references (single-process steps took half as long since).
 # WEFT_SUITE_QUICK=1 runs the real-GPU team steps with fewer sizes. Keep the device call's own output unpiped (or write it under $OUT): a call cut by its time limit
 # returns only what was printed, and `| tail` prints nothing until its input ends.
 set -u
