@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <thread>
 
@@ -61,6 +62,13 @@ bool matches(const std::string& name, const std::string& filter) {
 // Ends the process when one test runs longer than WEFT_TEST_TIMEOUT_S (default 300 s): a host thread
 // blocked in a CUDA call (or a stream waiting for a peer: those waits have no timeout) would otherwise hang
 // the suite until its outer timeout, with no word of which test. Exit code 124, as timeout(1) uses.
+std::mutex step_mu;
+std::string step_now;  // note_step's last word in the running test
+std::string current_step() {
+  std::lock_guard<std::mutex> lock(step_mu);
+  return step_now;
+}
+
 class Watchdog {
  public:
   explicit Watchdog(std::string prefix) : prefix_(std::move(prefix)) {
@@ -69,6 +77,7 @@ class Watchdog {
     if (limit_s_ > 0) std::thread([this] { watch(); }).detach();
   }
   void start(const char* test) {
+    weft::test::note_step({});
     test_.store(test);
     started_.store(now_s());
   }
@@ -84,8 +93,9 @@ class Watchdog {
       std::this_thread::sleep_for(std::chrono::seconds(1));
       const char* test = test_.load();
       if (test && now_s() - started_.load() > limit_s_) {
-        std::printf("%s[  HUNG    ] %s: still running after %d s (WEFT_TEST_TIMEOUT_S); exiting\n",
-                    prefix_.c_str(), test, limit_s_);
+        const std::string step = current_step();
+        std::printf("%s[  HUNG    ] %s: still running after %d s (WEFT_TEST_TIMEOUT_S)%s%s; exiting\n",
+                    prefix_.c_str(), test, limit_s_, step.empty() ? "" : ", in step: ", step.c_str());
         std::fflush(stdout);
         std::_Exit(124);
       }
@@ -98,6 +108,11 @@ class Watchdog {
 };
 
 }  // namespace
+
+void weft::test::note_step(std::string what) {
+  std::lock_guard<std::mutex> lock(step_mu);
+  step_now = std::move(what);
+}
 
 // User + system CPU time of every thread of this process so far.
 static double host_cpu_seconds() {

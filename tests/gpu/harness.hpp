@@ -36,6 +36,10 @@ struct TestContext {
   std::unique_ptr<Communicator> shared;
 };
 
+// The step a test is in (set by the test, e.g. before waiting on one kernel): a test that hangs is reported
+// with its last step, so a hang names the kernel it waited on. Cleared when the next test starts.
+void note_step(std::string what);
+
 struct Failure {
   std::string what;
 };

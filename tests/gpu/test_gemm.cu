@@ -207,14 +207,20 @@ double check_case(Gpu& g, const Case& c) {
   fill_bf16(a.p, a_elems, c.seed * 2 + 1, g.stream);
   fill_bf16(b.p, b_elems, c.seed * 2 + 2, g.stream);
   WEFT_CUDA_CHECK(cudaMemsetAsync(out.p, 0xff, out.bytes, g.stream));  // NaN in bf16 and f32
-  gemm(a.p, b.p, out.p, s.m, s.n, s.k, c.lay, c.out, g.stream, c.opt);
-  WEFT_CUDA_CHECK(cudaGetLastError());
-  reference(g.blas, a.p, b.p, ref.as<float>(), s, c.lay, lda, ldb);
-  const Verdict v = compare(out.p, c.out, ldc, ref.as<float>(), s, g.stream);
   const std::string what =
       str(s) + " " + str(c.lay) + " -> " + str(c.out) + " (tile_n " + std::to_string(c.opt.tile_n) +
       ", cluster " + std::to_string(c.opt.cluster) + ", max_blocks " + std::to_string(c.opt.max_blocks) +
       ", start " + std::to_string(c.opt.start_tile) + ", group " + std::to_string(c.opt.group_m) + ")";
+  // Each kernel waited for on its own, so a hang (the test's watchdog) names weft's GEMM or the reference.
+  weft::test::note_step("weft::gemm " + what);
+  gemm(a.p, b.p, out.p, s.m, s.n, s.k, c.lay, c.out, g.stream, c.opt);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  weft::test::note_step("cuBLAS reference " + what);
+  reference(g.blas, a.p, b.p, ref.as<float>(), s, c.lay, lda, ldb);
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  weft::test::note_step("compare " + what);
+  const Verdict v = compare(out.p, c.out, ldc, ref.as<float>(), s, g.stream);
   WEFT_EXPECT(v.nonfinite == 0, what << ": " << v.nonfinite << " outputs are not finite (unwritten or NaN)");
   WEFT_EXPECT(v.rel <= kTolerance, what << ": relative Frobenius error " << v.rel << " > " << kTolerance);
   WEFT_EXPECT(v.padding_touched == 0,
