@@ -309,6 +309,16 @@ Plan ops::grouped_gemm_dispatch(const void* b, void* c, int64_t rows, int64_t n,
   return plan_or_launch(pr, stream, launch);
 }
 
+Plan grouped_gemm_plan(int groups, int64_t rows, int64_t n, int64_t k, BLayout b_layout, DType c_type,
+                       const GemmOptions& opt) {
+  // groups = 0 with no group_end would plan a dense GEMM: refused here by name.
+  WEFT_CHECK(groups >= 1,
+             "weft::grouped_gemm_plan: groups must be at least 1, got " + std::to_string(groups));
+  return plan_or_launch(
+      Problem{nullptr, nullptr, nullptr, rows, n, k, 0, 0, 0, b_layout, c_type, opt, nullptr, groups},
+      nullptr, false);
+}
+
 void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_end, int groups, int64_t rows,
                   int64_t n, int64_t k, BLayout b_layout, DType c_type, cudaStream_t stream,
                   const GemmOptions& opt) {

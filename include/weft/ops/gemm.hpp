@@ -128,5 +128,10 @@ void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, fl
 void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_end, int groups, int64_t rows,
                   int64_t n, int64_t k, BLayout b_layout, DType c_type, cudaStream_t stream,
                   const GemmOptions& options = {});
+// How grouped_gemm runs a problem on the current device, without running it (tiles, grid, shared memory;
+// the group ends are read on the GPU, so the plan holds for any counts). Validates the shape and options as
+// grouped_gemm() does.
+Plan grouped_gemm_plan(int groups, int64_t rows, int64_t n, int64_t k, BLayout b_layout, DType c_type,
+                       const GemmOptions& options = {});
 
 }  // namespace weft
