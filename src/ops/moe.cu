@@ -928,9 +928,13 @@ size_t moe_dispatch_fp8_workspace_bytes(int world, const MoeShape& shape) {
   return ops::bytes_carved_by([&](ops::WorkspaceLayout& w) { carve_fp8(w, world, shape); });
 }
 
-MoeDispatchedFp8 moe_dispatch_fp8(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
-                                  const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
-                                  cudaStream_t stream) {
+namespace {
+
+// moe_dispatch_fp8, or with `plan` its plan: the checks, then moe_dispatch's plan of the packed rows (the
+// quantization is one elementwise kernel and a copy on the stream; nothing of it needs planning).
+MoeDispatchedFp8 dispatch_fp8(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                              const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                              cudaStream_t stream, Plan* plan) {
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_dispatch_fp8", rank));
   const std::string& where = call.where;
   check(shape, rank.world(), where);
@@ -947,6 +951,13 @@ MoeDispatchedFp8 moe_dispatch_fp8(Communicator& comm, Rank& rank, const void* to
   ops::WorkspaceLayout w(workspace);
   const Fp8Parts p = carve_fp8(w, rank.world(), shape);
   const int64_t row_bytes = fp8_row_bytes(shape.hidden), blocks = (shape.hidden + 127) / 128;
+  if (plan != nullptr) {
+    *plan = moe_dispatch_plan(comm, rank, p.packed, experts, fp8_packed_shape(shape), p.inner, p.inner_bytes,
+                              DType::kBF16, call.stream);
+    plan->op = "moe_dispatch_fp8";
+    plan->path = "quantize_fp8, then " + plan->path;
+    return {};
+  }
   if (shape.tokens > 0) {
     quantize_fp8(tokens, dtype, p.packed, Fp8Type::kE4M3, p.scales, shape.tokens, shape.hidden,
                  Fp8Scaling::kBlock, Fp8Operand::kA, call.stream, 0, row_bytes);
@@ -961,6 +972,22 @@ MoeDispatchedFp8 moe_dispatch_fp8(Communicator& comm, Rank& rank, const void* to
   d.row_bytes = row_bytes;
   d.scale_stride = row_bytes / 4;
   return d;
+}
+
+}  // namespace
+
+MoeDispatchedFp8 moe_dispatch_fp8(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                                  const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                                  cudaStream_t stream) {
+  return dispatch_fp8(comm, rank, tokens, experts, shape, workspace, workspace_bytes, dtype, stream, nullptr);
+}
+
+Plan moe_dispatch_fp8_plan(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                           const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                           cudaStream_t stream) {
+  Plan plan;
+  dispatch_fp8(comm, rank, tokens, experts, shape, workspace, workspace_bytes, dtype, stream, &plan);
+  return plan;
 }
 
 MoeCounts moe_counts(Rank& rank, const MoeDispatched& dispatched, const MoeShape& shape,

@@ -833,8 +833,15 @@ WEFT_GPU_TEST(moe_dispatch_fp8_matches_quantized_dispatch) {
   std::vector<MoeDispatchedFp8> f8(c.num_local());
   for (int i = 0; i < c.num_local(); ++i) {
     WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-    f8[i] = moe_dispatch_fp8(c, c.local(i), local[i]->tok.p, local[i]->exp.as<int32_t>(), shapes[i],
-                             local[i]->ws8.p, local[i]->ws8.bytes, DType::kBF16);
+    Rank& rank = c.local(i);
+    const void* tok = local[i]->tok.p;
+    const int32_t* experts = local[i]->exp.as<int32_t>();
+    void* ws = local[i]->ws8.p;
+    const size_t ws_bytes = local[i]->ws8.bytes;
+    const Plan plan = weft::test::keeping_plan(
+        c, moe_dispatch_fp8_plan(c, rank, tok, experts, shapes[i], ws, ws_bytes, DType::kBF16),
+        [&] { f8[i] = moe_dispatch_fp8(c, rank, tok, experts, shapes[i], ws, ws_bytes, DType::kBF16); });
+    WEFT_EXPECT(plan.op == "moe_dispatch_fp8", describe(plan));
   }
   c.synchronize();
   for (int i = 0; i < c.num_local(); ++i) {  // on every rank's stream, then one synchronisation

@@ -133,6 +133,9 @@ size_t moe_dispatch_fp8_workspace_bytes(int world, const MoeShape& shape);
 MoeDispatchedFp8 moe_dispatch_fp8(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
                                   const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
                                   cudaStream_t stream = nullptr);
+Plan moe_dispatch_fp8_plan(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
+                           const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
+                           cudaStream_t stream = nullptr);
 
 // Combine: out[t] = sum over j of weights[t, j] * (the expert output at row_of[t, j] on expert e_j's rank),
 // in fp32 in ascending j (deterministic), rounded once to dtype; a token with every slot dropped gets zeros.
