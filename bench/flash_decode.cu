@@ -6,6 +6,7 @@
 // all-gather + merge) are python/benchmarks' to add.
 #include <cuda_runtime.h>
 
+#include <filesystem>
 #include <memory>
 #include <vector>
 
@@ -29,9 +30,11 @@ double copy_rate(int device, cudaStream_t s) {
   return 2.0 * double(kBytes) / (double(ms) * 1e-3);
 }
 
-// One row: every local rank's part of the cache (seq / W tokens of each sequence), timed in graphs.
+// One row: every local rank's part of the cache (seq / W tokens of each sequence), timed in graphs. On a
+// team with --timeline, one call's in-kernel timeline (TimelinePhase::kDecode's steps) into `timelines`.
 std::vector<std::string> run_case(Context& ctx, Communicator& comm, const std::vector<cudaStream_t>& streams,
-                                  const DecodeCase& c, double rate, BenchTeam* team) {
+                                  const DecodeCase& c, double rate, BenchTeam* team,
+                                  std::vector<Table>& timelines) {
   const int W = comm.world(), L = comm.num_local();
   const int64_t local = (c.seq + W - 1) / W, D = 128;
   const DecodeShape shape{c.batch, 1, c.heads, c.kv_heads, D, local};
@@ -84,6 +87,13 @@ std::vector<std::string> run_case(Context& ctx, Communicator& comm, const std::v
     return team ? team->team_max(us_rank) : us_rank;
   };
   const double us = timed();
+  if (team && !ctx.timeline_dir.empty())
+    timelines.push_back(record_timeline(
+        comm, streams, [&] { call(0); },
+        fmt("flash_decode batch=%lld tokens=%lld heads=%lld/%lld", (long long)c.batch, (long long)c.seq,
+            (long long)c.heads, (long long)c.kv_heads),
+        ctx.timeline_dir + fmt("/flash_decode_%lld_%lld_%lld.csv", (long long)c.batch, (long long)c.seq,
+                               (long long)c.heads)));
   std::string one_rank_us;
   if (W > 1) {
     o.out_rank = 0;
@@ -121,16 +131,19 @@ void run_flash_decode(Context& ctx) {
   one.devices = {comm.local(0).device()};
   std::unique_ptr<Communicator> single = Communicator::create_single_process(one);
   const std::vector<cudaStream_t> one_stream = {team.streams[0]};
+  std::vector<Table> timelines;
+  if (!ctx.timeline_dir.empty()) std::filesystem::create_directories(ctx.timeline_dir);
   for (const DecodeCase& c : cases) {
     ctx.progress("flash_decode: batch %lld tokens %lld, one GPU", (long long)c.batch, (long long)c.seq);
-    t.add(run_case(ctx, *single, one_stream, c, rate, nullptr));
+    t.add(run_case(ctx, *single, one_stream, c, rate, nullptr, timelines));
     if (comm.world() > 1) {
       ctx.progress("flash_decode: batch %lld tokens %lld, %d GPUs", (long long)c.batch, (long long)c.seq,
                    comm.world());
-      t.add(run_case(ctx, comm, team.streams, c, rate, &team));
+      t.add(run_case(ctx, comm, team.streams, c, rate, &team, timelines));
     }
   }
   ctx.add(std::move(t));
+  for (Table& tl : timelines) ctx.add(std::move(tl));
 }
 
 ModeRegistrar reg("flash_decode",

@@ -99,10 +99,12 @@ Table record_timeline(Communicator& comm, const std::vector<cudaStream_t>& strea
       "from the rank's first mark; a lane is one (block, warp) that marks the phase; busy per lane = the "
       "phase's summed spans / lanes. Spans: " +
           path + (dropped ? fmt(" (%llu marks dropped: buffer full)", (unsigned long long)dropped) : ""));
-  // Rows per rank and phase; the MoE kernels' phase per step (its arg).
+  // Rows per rank and phase; the phases whose arg is a step (MoE, flash_decode) per step.
+  const auto stepped = [](TimelinePhase p) {
+    return p == TimelinePhase::kMoe || p == TimelinePhase::kDecode;
+  };
   std::map<std::tuple<int, int, uint32_t>, std::vector<const Span*>> by;
-  for (const Span& s : spans)
-    by[{s.rank, int(s.phase), s.phase == TimelinePhase::kMoe ? s.arg : 0}].push_back(&s);
+  for (const Span& s : spans) by[{s.rank, int(s.phase), stepped(s.phase) ? s.arg : 0}].push_back(&s);
   for (auto& [key, v] : by) {
     const auto [rank, phase, step] = key;
     const uint64_t origin_r = t0[rank];
@@ -117,6 +119,8 @@ Table record_timeline(Communicator& comm, const std::vector<cudaStream_t>& strea
     }
     std::string name = timeline_phase_name(TimelinePhase(phase));
     if (TimelinePhase(phase) == TimelinePhase::kMoe) name += ":" + std::string(moe_step_name(MoeStep(step)));
+    if (TimelinePhase(phase) == TimelinePhase::kDecode)
+      name += ":" + std::string(decode_step_name(DecodeStep(step)));
     t.add({std::to_string(rank), name, std::to_string(v.size()), std::to_string(lanes.size()),
            fmt("%.1f", (first - origin_r) / 1e3), fmt("%.1f", (last - origin_r) / 1e3),
            fmt("%.2f", total / 1e3 / v.size()), fmt("%.1f", longest / 1e3),

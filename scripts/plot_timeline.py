@@ -19,10 +19,10 @@ import sys
 from collections import defaultdict
 
 PHASES = ["wait_inputs", "mainloop", "store", "comm_begin", "comm_task", "comm_wait", "collective", "stream_wait",
-          "moe"]
+          "moe", "decode"]
 COLORS = {"wait_inputs": "tab:red", "mainloop": "tab:blue", "store": "tab:green", "comm_begin": "tab:purple",
           "comm_task": "tab:orange", "comm_wait": "tab:pink", "collective": "tab:brown", "stream_wait": "tab:gray", "moe": "tab:olive",
-          "block": "none"}
+          "decode": "tab:cyan", "block": "none"}
 
 
 def load(path, one_clock):

@@ -25,7 +25,8 @@ enum class TimelinePhase : uint8_t {
   kMoe = 8,         // a block of one of the MoE dispatch / combine kernels; arg: the step (MoeStep)
   kCommWait = 9,    // inside a communicator block's task, its wait for the task's input (e.g. a counted
                     // half of the fused RS / AR); arg: the task
-  kCount = 10,
+  kDecode = 10,     // a step of a flash_decode block (thread 0's marks); arg: the step (DecodeStep)
+  kCount = 11,
 };
 
 // TimelinePhase::kMoe's arg: which MoE kernel the block belongs to (src/ops/moe.cu).
@@ -41,6 +42,14 @@ enum class MoeStep : uint32_t {
   kLowLatencySlots = 8,       // a block's slots: each row's atomic at its expert's rank and its stores
   kLowLatencyPublish = 9,     // the block's fence and count; the grid's last block signals every rank
   kLowLatencyWaitRanks = 10,  // block 0: every rank's rows in place here, then the counters zeroed
+};
+
+// TimelinePhase::kDecode's arg: the step of a flash_decode block (weft/ops/flash_decode.cuh).
+enum class DecodeStep : uint32_t {
+  kPartial = 1,       // one item's split-KV partial (its keys' scores, softmax and P V in registers)
+  kPush = 2,          // the item's partial rows to the merging ranks (the first push waits for the inbox)
+  kWaitPartials = 3,  // a merge item's wait until every rank's partials of its pair have landed
+  kMerge = 4,         // the merge of those partials into out and lse
 };
 
 inline const char* timeline_phase_name(TimelinePhase p) {
@@ -65,6 +74,23 @@ inline const char* timeline_phase_name(TimelinePhase p) {
       return "moe";
     case TimelinePhase::kCommWait:
       return "comm_wait";
+    case TimelinePhase::kDecode:
+      return "decode";
+    default:
+      return "?";
+  }
+}
+
+inline const char* decode_step_name(DecodeStep s) {
+  switch (s) {
+    case DecodeStep::kPartial:
+      return "partial";
+    case DecodeStep::kPush:
+      return "push";
+    case DecodeStep::kWaitPartials:
+      return "wait_partials";
+    case DecodeStep::kMerge:
+      return "merge";
     default:
       return "?";
   }

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -18,6 +19,7 @@
 
 #include "harness.hpp"
 #include "weft/ops/flash_decode.hpp"
+#include "weft/timeline.hpp"
 
 using namespace weft;
 using weft::test::download;
@@ -485,4 +487,35 @@ WEFT_GPU_TEST_ANY_WORLD(flash_decode_replays_in_cuda_graphs) {
     comm.host_barrier();
   }
   for (auto& e : exec) cudaGraphExecDestroy(e);
+}
+
+// A timeline (weft/timeline.hpp) on every rank records flash_decode's steps (TimelinePhase::kDecode): every
+// rank's partials and pushes, and on the merging ranks the waits for the partials and the merges, each step
+// ended as often as begun; the result is still right.
+WEFT_GPU_TEST_ANY_WORLD(flash_decode_timeline_records_its_steps) {
+  Communicator& comm = ctx.comm();
+  Case c{4, 1, 8, 2, 128, {1, 300, 1027, 64}};
+  c.seed = 71;
+  const auto pr = prepare(comm, c);
+  poison_outputs(comm, *pr);
+  comm.host_barrier();
+  for (int i = 0; i < comm.num_local(); ++i) comm.timeline_start(comm.local(i), 1 << 16);
+  enqueue(comm, *pr);
+  comm.synchronize();
+  for (int i = 0; i < comm.num_local(); ++i) {
+    const int r = comm.local(i).rank();
+    const TimelineRecord rec = comm.timeline_take(comm.local(i));
+    WEFT_EXPECT(rec.dropped == 0, "rank " << r << ": " << rec.dropped << " marks dropped");
+    std::map<uint32_t, int> begins, ends;  // per DecodeStep
+    for (const TimelineEvent& e : rec.events)
+      if ((e.edge & ~kTimelineEnd) == int(TimelinePhase::kDecode))
+        (e.edge & kTimelineEnd ? ends : begins)[e.arg]++;
+    for (DecodeStep s :
+         {DecodeStep::kPartial, DecodeStep::kPush, DecodeStep::kWaitPartials, DecodeStep::kMerge})
+      WEFT_EXPECT(begins[uint32_t(s)] > 0 && begins[uint32_t(s)] == ends[uint32_t(s)],
+                  "rank " << r << ": " << decode_step_name(s) << " began " << begins[uint32_t(s)]
+                          << " times, ended " << ends[uint32_t(s)]);
+  }
+  check(comm, *pr, "with a timeline");
+  comm.host_barrier();
 }

@@ -30,6 +30,7 @@
 
 #include "weft/comm/call_epoch.cuh"
 #include "weft/comm/signal.cuh"
+#include "weft/device/timeline.cuh"
 #include "weft/team_view.hpp"
 #include "weft/tile/mma_sync.cuh"
 
@@ -159,6 +160,15 @@ struct DecodeKernel {
     }
   }
 
+  // Timeline marks (TimelinePhase::kDecode: DecodeStep) by thread 0; nothing without a buffer
+  // (weft/timeline.hpp). A TimelineSpan marks a step up to the end of its scope, every exit included.
+  __device__ static TimelineBuffer* timeline(const P& p) {
+    return threadIdx.x == 0 ? p.team.timeline : nullptr;
+  }
+  __device__ static void mark(const P& p, DecodeStep step, bool end) {
+    timeline_mark(timeline(p), TimelinePhase::kDecode, end, uint32_t(step));
+  }
+
   // Phase 1, one item: rows [16 rg, 16 rg + 16) of pair (b, h) over split s's tokens.
   // The ranks that merge (receive partials): [first, last).
   __device__ static int first_merger(const P& p) {
@@ -184,6 +194,7 @@ struct DecodeKernel {
   // `gated`: whether this block has passed released() in this call (the same in every thread).
   __device__ static void partial(const P& p, Smem& sm, int parity, uint64_t call, bool& gated, int b, int h,
                                  int s, int rg) {
+    mark(p, DecodeStep::kPartial, false);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
     int len = __ldg(p.seqlens + b);
     const int cap = p.block_table ? p.max_blocks * p.block_size : p.max_local;
@@ -309,6 +320,8 @@ struct DecodeKernel {
       }
     }
     __syncthreads();
+    mark(p, DecodeStep::kPartial, true);
+    const TimelineSpan pushing(timeline(p), TimelinePhase::kDecode, uint32_t(DecodeStep::kPush));
     if (!gated && !(gated = released(p, call, parity))) return;
     const int pair = b * p.kv_heads + h;
     for (int e = threadIdx.x; e < kDecodeRows * kD / 4; e += blockDim.x) {
@@ -357,9 +370,12 @@ struct DecodeKernel {
     const bool live = row < p.rows;
     uint64_t* count = p.team.flag(p.landed, parity * kDecodeMaxPairs + pair);
     __shared__ bool ok;
+    mark(p, DecodeStep::kWaitPartials, false);
     if (threadIdx.x == 0) ok = wait_ge(p.team, count, uint64_t(p.team.world) * p.splits * p.row_groups);
     __syncthreads();
+    mark(p, DecodeStep::kWaitPartials, true);
     if (!ok) return;  // recorded; synchronize() reports it
+    const TimelineSpan merging(timeline(p), TimelinePhase::kDecode, uint32_t(DecodeStep::kMerge));
     const int parts = p.team.world * p.splits;
     const float* po = p.part_o[parity];
     float2* ml = sm.u.ml[rw];  // the row's (m, l) per part, then (weight, l)
