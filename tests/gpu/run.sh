@@ -181,15 +181,21 @@ for tool in memcheck racecheck synccheck; do
   # fail_fast runs a 0.5 s team timeout, which sanitized kernels can outlast without any peer stalling.
   skip=-create_destroy,-rank_death,-host_calls,-fail_fast
   [ "$tool" = racecheck ] && skip=$skip,-gemm,-fused_rs_ar_large,-fused_ops_on_a_team_of_one
+  # synccheck: cuBLAS's own kernels (nvjet_*: the GEMM tests' references) left uninstrumented. Under
+  # synccheck a cuBLAS reference GEMM (4096^3, bf16 or f32 out) never finished in 3 of 8 runs at 2 ranks
+  # (2 x H200, 2026-11-27), after weft's kernel of the same case had ended; weft's kernels stay checked.
+  excluded=()
+  [ "$tool" = synccheck ] && excluded=(--kernel-name-exclude kns=nvjet)
   # Sanitized kernels run many times slower: a 300 s device and host-collective timeout instead of 10 / 30 s,
   # and 850 s per test (weft-gpu-tests' watchdog) instead of 300. Two ranks: one process per GPU where there
   # are two GPUs, else two virtual ranks on one.
   if [ "$ngpu" -ge 2 ]; then
-    run=("$launch" -n 2 compute-sanitizer --tool "$tool" --error-exitcode 9 "$tests" --quick --filter "$skip")
+    run=("$launch" -n 2 compute-sanitizer --tool "$tool" "${excluded[@]}" --error-exitcode 9 "$tests" --quick
+      --filter "$skip")
     what="2 ranks"
   else
-    run=(compute-sanitizer --tool "$tool" --error-exitcode 9 "$tests" --gpus 1 --ranks 2 --team-only --quick
-      --filter "$skip")
+    run=(compute-sanitizer --tool "$tool" "${excluded[@]}" --error-exitcode 9 "$tests" --gpus 1 --ranks 2
+      --team-only --quick --filter "$skip")
     what="2 virtual ranks on 1 GPU"
   fi
   step "compute-sanitizer $tool, $what" "sanitizer_$tool" env WEFT_TIMEOUT_MS=300000 WEFT_TEST_TIMEOUT_S=850 \
