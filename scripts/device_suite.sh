@@ -40,7 +40,9 @@
 #      on virtual" "python: examples/tp_mlp.py trains on virtual" "python: grouped_mm" "python: scaled_mm"
 #      "memcheck, attention" "racecheck, attention" "synccheck, attention" "examples (hello_team" "find_package"
 #      "one process"   (~270 s)
-# The 4-GPU times above predate the faster host references (single-process steps took half as long since).
+# The 4-GPU times above predate the faster host references. With them (4 x H200, code 372223a, bench/RESULTS.md "The
+# GPU suite at 4 GPUs, every step, on one commit") the four calls took: 1. 159 s (build 97 s on the fresh machine
+# before it); 2. 332 s; 3. 301 s; 4. 145 s: ~1030 s of device time with the machine's start, every step of run.sh.
 # WEFT_SUITE_QUICK=1 runs the real-GPU team steps with fewer sizes. Keep the device call's own output unpiped (or write it under $OUT): a call cut by its time limit
 # returns only what was printed, and `| tail` prints nothing until its input ends.
 set -u
