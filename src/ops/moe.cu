@@ -620,6 +620,16 @@ void carve_walk(ops::WorkspaceLayout& w, const Sizes& z, DispatchBuffers& b) {
   b.walk.walk_begin = w.take<int32_t>(size_t(z.d.world + 1) * 4);
 }
 
+// The caller's workspace of a dispatch: at least `need` bytes (as `sizer`, the public size function, says),
+// 256-byte aligned.
+void check_workspace(const ops::OpCall& call, const void* workspace, size_t workspace_bytes, size_t need,
+                     const char* sizer) {
+  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
+             call.where + "the workspace must hold " + std::to_string(need) + " bytes (" + sizer + "()), got " +
+                 std::to_string(workspace_bytes));
+  ops::check_pointer_alignment(workspace, "workspace", 256, call.where);
+}
+
 // A dispatch's arguments (either form): the shape, the dtype, the workspace and the pointers' alignment.
 void check_dispatch_args(const ops::OpCall& call, const void* tokens, const int32_t* experts,
                          const MoeShape& shape, const void* workspace, size_t workspace_bytes, DType dtype) {
@@ -627,11 +637,8 @@ void check_dispatch_args(const ops::OpCall& call, const void* tokens, const int3
   const std::string& where = call.where;
   check(shape, rank.world(), where);
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
-  const size_t need = moe_dispatch_workspace_bytes(rank.world(), shape);
-  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
-             where + "the workspace must hold " + std::to_string(need) +
-                 " bytes (moe_dispatch_workspace_bytes()), got " + std::to_string(workspace_bytes));
-  ops::check_pointer_alignment(workspace, "workspace", 256, where);
+  check_workspace(call, workspace, workspace_bytes, moe_dispatch_workspace_bytes(rank.world(), shape),
+                  "moe_dispatch_workspace_bytes");
   if (shape.tokens > 0) {
     ops::check_pointer_alignment(tokens, "tokens", 16, where);
     ops::check_pointer_alignment(experts, "experts", 4, where);
@@ -943,11 +950,8 @@ MoeDispatchedFp8 dispatch_fp8(Communicator& comm, Rank& rank, const void* tokens
   WEFT_CHECK(shape.hidden % 16 == 0, where +
                                          "hidden must be a multiple of 16 for FP8 rows (16-byte rows), got " +
                                          std::to_string(shape.hidden));
-  const size_t need = moe_dispatch_fp8_workspace_bytes(rank.world(), shape);
-  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
-             where + "the workspace must hold " + std::to_string(need) +
-                 " bytes (moe_dispatch_fp8_workspace_bytes()), got " + std::to_string(workspace_bytes));
-  ops::check_pointer_alignment(workspace, "workspace", 256, where);
+  check_workspace(call, workspace, workspace_bytes, moe_dispatch_fp8_workspace_bytes(rank.world(), shape),
+                  "moe_dispatch_fp8_workspace_bytes");
   ops::WorkspaceLayout w(workspace);
   const Fp8Parts p = carve_fp8(w, rank.world(), shape);
   const int64_t row_bytes = fp8_row_bytes(shape.hidden), blocks = (shape.hidden + 127) / 128;
