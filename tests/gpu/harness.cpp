@@ -59,9 +59,6 @@ bool matches(const std::string& name, const std::string& filter) {
   return !any_positive || hit;
 }
 
-// Ends the process when one test runs longer than WEFT_TEST_TIMEOUT_S (default 300 s): a host thread
-// blocked in a CUDA call (or a stream waiting for a peer: those waits have no timeout) would otherwise hang
-// the suite until its outer timeout, with no word of which test. Exit code 124, as timeout(1) uses.
 std::mutex step_mu;
 std::string step_now;  // note_step's last word in the running test
 std::string current_step() {
@@ -69,6 +66,9 @@ std::string current_step() {
   return step_now;
 }
 
+// Ends the process when one test runs longer than WEFT_TEST_TIMEOUT_S (default 300 s): a host thread
+// blocked in a CUDA call (or a stream waiting for a peer: those waits have no timeout) would otherwise hang
+// the suite until its outer timeout, with no word of which test. Exit code 124, as timeout(1) uses.
 class Watchdog {
  public:
   explicit Watchdog(std::string prefix) : prefix_(std::move(prefix)) {
