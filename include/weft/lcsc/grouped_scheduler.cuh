@@ -164,8 +164,8 @@ class GroupedTileScheduler {
     if constexpr (kCounts) {
       if (live_ == nullptr) return;
       const int r = t.m;
-      int c =
-          0;  // the last chunk whose live rows start at or before r (a chunk without any shares its start)
+      // The last chunk whose live rows start at or before r (a chunk without any shares its start).
+      int c = 0;
       for (int step = kChunks / 2; step > 0; step /= 2)
         if (live_->live_before[c + step] <= r) c += step;
       int e = c << live_->chunk_log2, before = live_->live_before[c], first;

@@ -50,7 +50,7 @@ struct GemmOp {
   // 384 threads start with 168 registers each; the loader gives 128 x 128 back, the consumers take them.
   static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;
 
-  using Scheduler = TileScheduler;  // output tiles (lcsc::Tile) in grouped order
+  using Scheduler = TileScheduler;  // output tiles in grouped order (its Work: lcsc::Tile or a subtype)
   using Mainloop = lcsc::WgmmaMainloop<kBM, kBN, kBK, kStages, kBKMajor, kCluster>;
   using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN, kConsumerWarpgroups, kEpilogueBuffers>;
   using Pipeline = typename Mainloop::Pipeline;
