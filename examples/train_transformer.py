@@ -2,9 +2,8 @@
 model in plain torch (torch.distributed + SDPA) on the same mesh, from the same weights and data.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-    PYTHONPATH=build/python torchrun --nproc_per_node=4 examples/train_transformer.py [--tp 2] [--steps 50] [--lr 0.02]
-        [--emb-scale 4]
-        [--layers 8] [--seq 2048] [--csv FILE] [--plot FILE.png]
+    PYTHONPATH=build/python torchrun --nproc_per_node=4 examples/train_transformer.py [--tp 2] [--steps 50]
+        [--layers 8] [--seq 2048] [--lr 0.02] [--emb-scale 4] [--csv FILE] [--plot FILE.png]
 
 The model: RMSNorm, RoPE, grouped-query attention (16 query heads, 4 KV heads, dim 128), SwiGLU MLPs, every
 second layer a mixture of experts (8 experts, top 2, SwiGLU), tied embeddings; hidden 2048. bf16 compute,
