@@ -3,7 +3,7 @@ model in plain torch (torch.distributed + SDPA) on the same mesh, from the same 
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     PYTHONPATH=build/python torchrun --nproc_per_node=4 examples/train_transformer.py [--tp 2] [--steps 50]
-        [--layers 8] [--seq 2048] [--csv FILE] [--plot FILE.png]
+        [--layers 8] [--seq 2048] [--lr 0.02] [--emb-scale 4] [--csv FILE] [--plot FILE.png]
 
 The model: RMSNorm, RoPE, grouped-query attention (16 query heads, 4 KV heads, dim 128), SwiGLU MLPs, every
 second layer a mixture of experts (8 experts, top 2, SwiGLU), tied embeddings; hidden 2048. bf16 compute,
@@ -44,14 +44,15 @@ import weft
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 2048, 16, 4, 128, 5632
 EXPERTS, TOP_K, EXPERT_FFN, VOCAB, BATCH = 8, 2, 1408, 8192, 2
-LR, MOMENTUM, TOL, GRAD_TOL, BF16_SLACK = 0.02, 0.9, 2e-2, 5e-2, 1.25
+MOMENTUM, TOL, GRAD_TOL, BF16_SLACK = 0.9, 2e-2, 5e-2, 1.25
 
 
-def full_weights(layers, seed):
-    """Every weight, whole, the same on every rank (fp32)."""
+def full_weights(layers, seed, emb_scale):
+    """Every weight, whole, the same on every rank (fp32); the embedding (tied to the output) emb_scale times the
+    others' 1 / sqrt(fan_in): its logits' spread at the start."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     rnd = lambda *shape, fan_in: torch.randn(*shape, device="cuda", generator=g) / math.sqrt(fan_in)
-    w = {"emb": rnd(VOCAB, HIDDEN, fan_in=HIDDEN) * 4, "norm": torch.ones(HIDDEN, device="cuda")}
+    w = {"emb": rnd(VOCAB, HIDDEN, fan_in=HIDDEN) * emb_scale, "norm": torch.ones(HIDDEN, device="cuda")}
     for i in range(layers):
         p = f"l{i}."
         w[p + "attn_norm"] = torch.ones(HIDDEN, device="cuda")
@@ -197,14 +198,14 @@ def sync_grads(params, replicated, mesh):
                 dist.all_reduce(t.grad, group=mesh.get_group(dim))
 
 
-def step(params, momentum):
+def step(params, momentum, lr):
     with torch.no_grad():
         for name, t in params.items():
             m = momentum.get(name)
             if m is None:
                 m = momentum[name] = torch.zeros_like(t)
             m.mul_(MOMENTUM).add_(t.grad)
-            t -= LR * m
+            t -= lr * m
             t.grad = None
 
 
@@ -271,6 +272,9 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048, help="tokens of each sequence per cp rank")
+    ap.add_argument("--lr", type=float, default=0.02, help="SGD's learning rate (momentum 0.9)")
+    ap.add_argument("--emb-scale", type=float, default=4.0,
+                    help="the embedding's scale: the logits' spread at the start (1: loss ~ ln(vocab))")
     ap.add_argument("--csv")
     ap.add_argument("--plot")
     args = ap.parse_args()
@@ -290,7 +294,7 @@ def main():
     pos = torch.tensor(weft.ring_shard_indices(cp, cp_rank, causal=True, seq_len=seq), device="cuda")
     all_pos = torch.cat([torch.tensor(weft.ring_shard_indices(cp, r, causal=True, seq_len=seq), device="cuda")
                          for r in range(cp)])
-    w = full_weights(args.layers, seed=1)
+    w = full_weights(args.layers, seed=1, emb_scale=args.emb_scale)
     models = {}
     for name in ("fp32", "weft", "torch"):  # fp32 first: step 0 routes by it
         params, replicated = shard(w, tp, tp_rank)
@@ -318,7 +322,7 @@ def main():
             losses[name] = team_value(loss.item())
             if it == 0:
                 first_grads[name] = {n: t.grad.detach().clone() for n, t in params.items()}
-            step(params, momentum)
+            step(params, momentum, args.lr)
         if it == 0:
             worst = worse(worst, check_gradients(first_grads, rank))
             first_grads = None
@@ -340,7 +344,7 @@ def main():
             def one():
                 forward(ops, params, tokens, args.layers).backward()
                 sync_grads(params, replicated, mesh)
-                step(params, momentum)
+                step(params, momentum, args.lr)
 
             torch.cuda.reset_peak_memory_stats()
             secs = timed_step(one)

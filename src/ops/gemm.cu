@@ -73,6 +73,8 @@ Plan run_op(const Problem& pr, cudaStream_t stream, bool launch) {
   s.timeline = pr.opt.timeline;
   int clusters = Launcher::max_resident_clusters();
   if (pr.opt.max_blocks > 0) clusters = std::min(clusters, std::max(1, pr.opt.max_blocks / kCluster));
+  // By the tiles of the rows' capacity: with group_rows, the live tiles the scheduler walks are counted on
+  // the device (the blocks past them find none).
   clusters = std::min(clusters, s.units());
   s.compute_blocks = clusters * kCluster;
 
@@ -109,10 +111,10 @@ Plan run_op(const Problem& pr, cudaStream_t stream, bool launch) {
     p.scatter = *pr.scatter;
     p.n = static_cast<int>(pr.n);
   }
-  if constexpr (requires { p.group_end; }) {
-    p.group_end = pr.group_end;
-    if constexpr (requires { p.group_rows; }) p.group_rows = pr.opt.group_rows;
-    p.groups = pr.groups;
+  if constexpr (requires { p.sched.group_end; }) {
+    p.sched.group_end = pr.group_end;
+    p.sched.group_rows = pr.opt.group_rows;
+    p.sched.groups = pr.groups;
     p.b_rows = static_cast<int>(kKMajor ? pr.n : pr.k);
   }
   Launcher::launch(p, s.compute_blocks, stream);
@@ -127,10 +129,10 @@ Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
         if constexpr (kTileN == 256)
           if (pr.opt.activation == GemmActivation::kSwiGLU)
             return run_op<ops::GroupedGemmDispatchOp<
-                              ops::GroupedGemmSwigluOp<OutT, kKMajor, ops::kMoeDispatchStages<256>>>,
+                              ops::GroupedGemmSwigluOp<OutT, kKMajor, ops::kMoeDispatchStages<256>, false>>,
                           kKMajor, 1>(pr, stream, launch);
         return run_op<ops::GroupedGemmDispatchOp<
-                          ops::GroupedGemmOp<OutT, kKMajor, kTileN, ops::kMoeDispatchStages<kTileN>>>,
+                          ops::GroupedGemmOp<OutT, kKMajor, kTileN, ops::kMoeDispatchStages<kTileN>, false>>,
                       kKMajor, 1>(pr, stream, launch);
       }
     if constexpr (kCluster == 1 && kTileN == 256)

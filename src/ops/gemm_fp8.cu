@@ -117,6 +117,8 @@ void check_problem(Fp8Problem& pr, const std::string& where) {
                  "options.cluster, tile_n, zero_unused_rows and activation are not taken by the FP8 GEMM "
                  "(its tile is 128 x 128, cluster 1)");
   WEFT_CHECK(o.group_m >= 0 && o.max_blocks >= 0, where + "options.group_m and max_blocks must be >= 0");
+  WEFT_CHECK(o.group_rows == nullptr,
+             where + "options.group_rows is not taken by the FP8 GEMMs (grouped_gemm, bf16, takes it)");
   pr.lda = o.lda ? o.lda : pr.k;
   pr.ldb = o.ldb ? o.ldb : pr.k;
   pr.ldc = o.ldc ? o.ldc : pr.n;

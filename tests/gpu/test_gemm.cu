@@ -5,6 +5,7 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -257,6 +258,106 @@ void run_sweep(TestContext& ctx, DType out) {
       }
 }
 
+// Fixed-capacity groups that fill partly (options.group_rows): group e spans [e x cap, (e + 1) x cap) and
+// only its first counts[e] rows count, so only the tile rows holding them are computed, spread over the
+// blocks (lcsc/grouped_scheduler.cuh). Each case against the same call without group_rows (which computes
+// every tile): the computed tiles bit for bit; without an activation also against cuBLAS over the counted
+// rows; the tiles wholly past a count keep the poison. The rows past a count inside a computed tile are not
+// looked at. Cases: empty, partial, full and one-row groups with fewer live tiles than blocks; a low-latency
+// dispatch's decode layout (a live tile row in every 4th, more live tiles than blocks); more groups than the
+// scheduler's table has chunks, counts past the span, few blocks, a rotated and regrouped order; SwiGLU.
+void check_counted_groups(Gpu& g) {
+  struct CountedCase {
+    int cap;
+    std::vector<int32_t> counts;
+    int64_t n, k;
+    BLayout lay;
+    DType out;
+    GemmOptions opt;
+  };
+  std::vector<CountedCase> cases;
+  for (BLayout lay : {BLayout::kNK, BLayout::kKN})
+    cases.push_back({384, {0, 130, 384, 1}, 264, 200, lay, DType::kBF16, {}});
+  {
+    CountedCase c{512, {}, 1024, 128, BLayout::kNK, DType::kBF16, {}};
+    for (int e = 0; e < 64; ++e) c.counts.push_back(e % 11 == 3 ? 0 : e % 13 == 5 ? 512 : 1 + (e * 37) % 140);
+    c.opt.tile_n = 256;
+    cases.push_back(c);
+  }
+  {
+    CountedCase c{128, {}, 128, 64, BLayout::kKN, DType::kFP32, {}};
+    const int32_t pick[] = {0, 1, 77, 128, 200};
+    for (int e = 0; e < 300; ++e) c.counts.push_back(pick[(e * 7 + e / 5) % 5]);
+    c.opt.tile_n = 128;
+    c.opt.max_blocks = 7;
+    c.opt.start_tile = 5;
+    c.opt.group_m = 3;
+    cases.push_back(c);
+  }
+  for (DType out : {DType::kFP32, DType::kBF16}) {
+    CountedCase c{
+        256, {256, 0, 129, 3, 0, 200}, 512, 192, out == DType::kFP32 ? BLayout::kNK : BLayout::kKN, out, {}};
+    c.opt.activation = GemmActivation::kSwiGLU;
+    c.opt.max_blocks = out == DType::kFP32 ? 2 : 0;
+    cases.push_back(c);
+  }
+  uint64_t seed = 171;
+  for (const CountedCase& cc : cases) {
+    const int groups = static_cast<int>(cc.counts.size()), cap = cc.cap;
+    const bool swiglu = cc.opt.activation == GemmActivation::kSwiGLU;
+    const int64_t rows = int64_t(cap) * groups, n = cc.n, k = cc.k, cols = swiglu ? n / 2 : n;
+    const size_t es = cc.out == DType::kFP32 ? 4 : 2, row_bytes = size_t(cols) * es;
+    std::vector<int32_t> ends(groups);
+    for (int e = 0; e < groups; ++e) ends[e] = (e + 1) * cap;
+    DeviceBuffer a(uint64_t(rows) * k * 2), b(uint64_t(groups) * n * k * 2), full(rows * row_bytes),
+        counted(rows * row_bytes), ref(uint64_t(cap) * n * 4), dend(groups * 4), drows(groups * 4);
+    fill_bf16(a.p, uint64_t(rows) * k, ++seed, g.stream);
+    fill_bf16(b.p, uint64_t(groups) * n * k, ++seed, g.stream);
+    WEFT_CUDA_CHECK(cudaMemsetAsync(full.p, 0xff, full.bytes, g.stream));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(counted.p, 0xff, counted.bytes, g.stream));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(dend.p, ends.data(), groups * 4, cudaMemcpyHostToDevice, g.stream));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(drows.p, cc.counts.data(), groups * 4, cudaMemcpyHostToDevice, g.stream));
+    GemmOptions opt = cc.opt;
+    grouped_gemm(a.p, b.p, full.p, dend.as<int32_t>(), groups, rows, n, k, cc.lay, cc.out, g.stream, opt);
+    opt.group_rows = drows.as<int32_t>();
+    grouped_gemm(a.p, b.p, counted.p, dend.as<int32_t>(), groups, rows, n, k, cc.lay, cc.out, g.stream, opt);
+    WEFT_CUDA_CHECK(cudaGetLastError());
+    std::vector<unsigned char> want(full.bytes), got(counted.bytes);
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(want.data(), full.p, full.bytes, cudaMemcpyDeviceToHost, g.stream));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(got.data(), counted.p, counted.bytes, cudaMemcpyDeviceToHost, g.stream));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+    const std::string what = "grouped, " + std::to_string(groups) + " groups of capacity " +
+                             std::to_string(cap) + ", N " + std::to_string(n) + " K " + std::to_string(k) +
+                             " " + str(cc.lay) + " -> " + str(cc.out) + (swiglu ? " SwiGLU" : "") +
+                             " tile_n " + std::to_string(cc.opt.tile_n) + " max_blocks " +
+                             std::to_string(cc.opt.max_blocks);
+    size_t differ = 0, written = 0;
+    double worst = 0;
+    for (int e = 0; e < groups; ++e) {
+      const int64_t lo = int64_t(e) * cap, counted_rows = std::min(cc.counts[e], cap);
+      const int64_t computed = std::min<int64_t>((cc.counts[e] + 127) / 128 * 128, cap);
+      differ += std::memcmp(&want[lo * row_bytes], &got[lo * row_bytes], computed * row_bytes) != 0;
+      for (size_t i = (lo + computed) * row_bytes; i < (lo + cap) * row_bytes; ++i) written += got[i] != 0xff;
+      if (swiglu || counted_rows <= 0) continue;
+      const Shape s{counted_rows, n, k};
+      reference(g.blas, static_cast<char*>(a.p) + lo * k * 2,
+                static_cast<char*>(b.p) + int64_t(e) * n * k * 2, ref.as<float>(), s, cc.lay, k,
+                cc.lay == BLayout::kNK ? k : n);
+      const Verdict v =
+          compare(static_cast<char*>(counted.p) + lo * row_bytes, cc.out, n, ref.as<float>(), s, g.stream);
+      WEFT_EXPECT(v.nonfinite == 0, what << ", group " << e << " (" << cc.counts[e]
+                                         << " rows): " << v.nonfinite << " outputs are not finite");
+      worst = std::max(worst, v.rel);
+    }
+    WEFT_EXPECT(differ == 0, what << ": " << differ << " groups' computed tiles differ from the call without "
+                                  << "group_rows");
+    WEFT_EXPECT(written == 0, what << ": " << written << " bytes of tiles past the counts were written");
+    WEFT_EXPECT(worst <= kTolerance, what << ": relative Frobenius error " << worst);
+    std::printf("    %s, counted rows: %s\n", what.c_str(),
+                swiglu ? "as without group_rows" : ("rel err " + std::to_string(worst)).c_str());
+  }
+}
+
 }  // namespace
 
 // Grouped GEMM: groups of rows (multiples of 128, some empty) each times its own B, against cuBLAS per
@@ -321,50 +422,7 @@ WEFT_GPU_TEST_ONE_GPU(grouped_gemm_matches_cublas_per_group) {
         for (unsigned char x : tail) written += x != 0xff;
         WEFT_EXPECT(written == 0, what << ": " << written << " bytes past the last group were written");
       }
-  // Fixed-capacity groups that fill partly (options.group_rows): group e spans [e x cap, (e + 1) x cap) and
-  // only its first counts[e] rows count. Those rows against cuBLAS; tiles wholly past a count keep the poison
-  // (skipped); the rows past a count inside a computed tile are not looked at.
-  for (BLayout lay : {BLayout::kNK, BLayout::kKN}) {
-    const int cap = 384, groups = 4;
-    const std::vector<int32_t> counts = {0, 130, 384, 1};
-    const int64_t rows = int64_t(cap) * groups, n = 264, k = 200;
-    std::vector<int32_t> ends(groups);
-    for (int e = 0; e < groups; ++e) ends[e] = (e + 1) * cap;
-    DeviceBuffer a(uint64_t(rows) * k * 2), b(uint64_t(groups) * n * k * 2), c(uint64_t(rows) * n * 2),
-        ref(uint64_t(cap) * n * 4), dend(groups * 4), drows(groups * 4);
-    fill_bf16(a.p, uint64_t(rows) * k, ++seed, g.stream);
-    fill_bf16(b.p, uint64_t(groups) * n * k, ++seed, g.stream);
-    WEFT_CUDA_CHECK(cudaMemsetAsync(c.p, 0xff, c.bytes, g.stream));
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(dend.p, ends.data(), groups * 4, cudaMemcpyHostToDevice, g.stream));
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(drows.p, counts.data(), groups * 4, cudaMemcpyHostToDevice, g.stream));
-    GemmOptions opt;
-    opt.group_rows = drows.as<int32_t>();
-    grouped_gemm(a.p, b.p, c.p, dend.as<int32_t>(), groups, rows, n, k, lay, DType::kBF16, g.stream, opt);
-    WEFT_CUDA_CHECK(cudaGetLastError());
-    for (int e = 0; e < groups; ++e) {
-      const int64_t lo = int64_t(e) * cap;
-      const std::string what = "grouped, group " + std::to_string(e) + " of capacity " + std::to_string(cap) +
-                               " with " + std::to_string(counts[e]) + " rows, " + str(lay);
-      if (counts[e] > 0) {
-        const Shape s{counts[e], n, k};
-        reference(g.blas, static_cast<char*>(a.p) + lo * k * 2,
-                  static_cast<char*>(b.p) + int64_t(e) * n * k * 2, ref.as<float>(), s, lay, k,
-                  lay == BLayout::kNK ? k : n);
-        const Verdict v =
-            compare(static_cast<char*>(c.p) + lo * n * 2, DType::kBF16, n, ref.as<float>(), s, g.stream);
-        WEFT_EXPECT(v.nonfinite == 0, what << ": " << v.nonfinite << " outputs are not finite");
-        WEFT_EXPECT(v.rel <= kTolerance, what << ": relative Frobenius error " << v.rel);
-      }
-      const int64_t skipped_from = lo + (counts[e] + 127) / 128 * 128, skipped_rows = lo + cap - skipped_from;
-      std::vector<unsigned char> rest(uint64_t(skipped_rows) * n * 2);
-      WEFT_CUDA_CHECK(cudaMemcpyAsync(rest.data(), static_cast<char*>(c.p) + uint64_t(skipped_from) * n * 2,
-                                      rest.size(), cudaMemcpyDeviceToHost, g.stream));
-      WEFT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
-      size_t written = 0;
-      for (unsigned char x : rest) written += x != 0xff;
-      WEFT_EXPECT(written == 0, what << ": " << written << " bytes of skipped tiles were written");
-    }
-  }
+  check_counted_groups(g);
   // Errors: a capacity that is not whole tiles, no groups, reduce-add.
   DeviceBuffer buf(1 << 20);
   const int32_t* ends = buf.as<int32_t>();

@@ -283,6 +283,10 @@ WEFT_GPU_TEST_ONE_GPU(gemm_fp8_rejects_unsupported) {
   WEFT_EXPECT(e.find("tile_n") != std::string::npos, "tile_n: got '" << e << "'");
   e = call(0, 64, 64, scales, DType::kBF16);
   WEFT_EXPECT(e.find("at least 1") != std::string::npos, "M = 0: got '" << e << "'");
+  GemmOptions counted;  // grouped_gemm's (bf16) alone
+  counted.group_rows = sc.as<int32_t>();
+  e = call(64, 64, 64, scales, DType::kBF16, counted);
+  WEFT_EXPECT(e.find("group_rows") != std::string::npos, "group_rows: got '" << e << "'");
   const Plan p = gemm_fp8_plan(4096, 4096, 4096, Fp8Type::kE4M3, scales, DType::kBF16);
   WEFT_EXPECT(p.tiles.m == 128 && p.tiles.n == 128 && p.tiles.k == 128 && p.blocks > 0,
               "plan: " << describe(p));
@@ -472,6 +476,13 @@ WEFT_GPU_TEST_ONE_GPU(grouped_gemm_fp8_matches_gemm_fp8_per_group) {
                      sb.as<float>(), DType::kBF16, s);
   });
   WEFT_EXPECT(e.find("group_end") != std::string::npos, "null group_end: got '" << e << "'");
+  GemmOptions counted;  // grouped_gemm's (bf16) alone
+  counted.group_rows = ge.as<int32_t>();
+  e = error_of([&] {
+    grouped_gemm_fp8(a.p, b.p, c.p, ge.as<int32_t>(), groups, rows, n, k, Fp8Type::kE4M3, sa.as<float>(),
+                     sb.as<float>(), DType::kBF16, s, counted);
+  });
+  WEFT_EXPECT(e.find("options.group_rows") != std::string::npos, "group_rows: got '" << e << "'");
   const Plan p = grouped_gemm_fp8_plan(groups, rows, n, k, Fp8Type::kE4M3, DType::kBF16);
   WEFT_EXPECT(p.op == "grouped_gemm_fp8" && p.tiles.count == (rows / 128) * nb && p.blocks > 0,
               "plan: " << describe(p));

@@ -1,16 +1,21 @@
 // The LCSC tile scheduler on the host: every tile exactly once, over any grid and order, and the fused
-// reduce-scatter's order (M's parts dealt round-robin).
+// reduce-scatter's order (M's parts dealt round-robin); the grouped GEMM's live tiles, spread over the
+// blocks.
 #include <cuda_runtime.h>  // __host__ / __device__ for the header below
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
+#include <map>
+#include <random>
 #include <set>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "weft/lcsc/attention_scheduler.cuh"
+#include "weft/lcsc/grouped_scheduler.cuh"
 #include "weft/lcsc/scheduler.cuh"
 
 namespace {
@@ -191,4 +196,177 @@ TEST(AttentionScheduler, CausalPairsBalanceTheBlocks) {
         std::printf("  causal %dx%dx%d %s, sections of %d pairs: busiest block %.3f of the mean\n", s.batch,
                     s.heads, s.q_blocks, paired ? "paired  " : "in order", section_pairs, most / mean);
       }
+}
+
+// ---- the grouped GEMM's scheduler ----------------------------------------------------------------------
+
+namespace {
+
+using weft::lcsc::GroupedSchedulerParams;
+using weft::lcsc::GroupTile;
+using Grouped = weft::lcsc::GroupedTileScheduler<128>;
+
+// Groups of whole 128-row tiles: group e spans tile rows [sum of spans before e, + span[e]), and counts
+// rows[e] rows (any value: negative, 0, past its span).
+struct Groups {
+  std::vector<int32_t> end, rows;
+  Groups(const std::vector<int>& spans, const std::vector<int32_t>& counts) : rows(counts) {
+    int32_t at = 0;
+    for (int s : spans) end.push_back(at += 128 * s);
+  }
+  GroupedSchedulerParams params(int tiles_m, int tiles_n, int blocks, bool counted) const {
+    GroupedSchedulerParams p;
+    p.tiles_m = tiles_m;
+    p.tiles_n = tiles_n;
+    p.compute_blocks = blocks;
+    p.group_end = end.data();
+    p.group_rows = counted ? rows.data() : nullptr;
+    p.groups = static_cast<int>(end.size());
+    return p;
+  }
+};
+
+std::vector<std::vector<GroupTile>> walk_grouped(const GroupedSchedulerParams& p) {
+  Grouped::Storage storage{};
+  Grouped::prepare(p, storage);
+  std::vector<std::vector<GroupTile>> blocks(p.compute_blocks);
+  for (int b = 0; b < p.compute_blocks; ++b) {
+    Grouped s(p, storage, b, 0);
+    GroupTile t;
+    while (s.next(t)) blocks[b].push_back(t);
+  }
+  return blocks;
+}
+
+// The tiles holding counted rows, by the definition: tile row m of the capacity in group e's span, its first
+// row less than group_rows[e] past the group's first row. Each with its group.
+std::map<std::pair<int, int>, int> live_tiles(const GroupedSchedulerParams& p) {
+  std::map<std::pair<int, int>, int> live;
+  for (int e = 0, begin = 0; e < p.groups; begin = p.group_end[e++])
+    for (int m = begin / 128; m < std::min(p.group_end[e] / 128, p.tiles_m); ++m)
+      if (m * 128 - begin < p.group_rows[e])
+        for (int n = 0; n < p.tiles_n; ++n) live[{m, n}] = e;
+  return live;
+}
+
+}  // namespace
+
+// Without group_rows: GemmTileScheduler's walk of the capacity, tile for tile, block for block.
+TEST(GroupedScheduler, WithoutCountsWalksTheCapacityAsGemmTileScheduler) {
+  const Groups g({2, 0, 5, 1}, {0, 0, 0, 0});
+  for (int tiles_m : {8, 10})
+    for (int tiles_n : {1, 3})
+      for (int blocks : {1, 5, 132})
+        for (int start : {0, 7}) {
+          GroupedSchedulerParams p = g.params(tiles_m, tiles_n, blocks, false);
+          p.start_unit = start;
+          p.group_m = start ? 3 : 16;
+          const auto grouped = walk_grouped(p);
+          const auto plain = walk(p);
+          ASSERT_EQ(grouped.size(), plain.size());
+          for (size_t b = 0; b < plain.size(); ++b) {
+            ASSERT_EQ(grouped[b].size(), plain[b].size());
+            for (size_t i = 0; i < plain[b].size(); ++i) {
+              EXPECT_EQ(grouped[b][i].m, plain[b][i].m);
+              EXPECT_EQ(grouped[b][i].n, plain[b][i].n);
+              EXPECT_EQ(grouped[b][i].unit, plain[b][i].unit);
+              EXPECT_EQ(grouped[b][i].iteration, plain[b][i].iteration);
+              EXPECT_EQ(grouped[b][i].group, -1);
+            }
+          }
+        }
+}
+
+// With group_rows: every tile holding counted rows exactly once, with its group, and no other tile; the
+// blocks' shares differ by at most one tile. Groups of 0 to 5 tile rows, counts of none, some, all and more
+// than the span; a capacity that ends inside the groups; up to 1000 groups (several a chunk of the table).
+TEST(GroupedScheduler, CountedWalksEveryLiveTileOnceEvenly) {
+  std::mt19937 rng(2024);
+  for (int groups : {1, 3, 64, 128, 129, 300, 1000})
+    for (int trial = 0; trial < 3; ++trial) {
+      std::vector<int> spans(groups);
+      std::vector<int32_t> counts(groups);
+      int tiles = 0;
+      for (int e = 0; e < groups; ++e) {
+        spans[e] = static_cast<int>(rng() % 6);
+        const int32_t span_rows = 128 * spans[e];
+        const int32_t pick[] = {
+            0, 1, 127, 128, 129, span_rows, span_rows + 5, -3, static_cast<int32_t>(rng() % (span_rows + 1))};
+        counts[e] = pick[rng() % 9];
+        tiles += spans[e];
+      }
+      const Groups g(spans, counts);
+      for (int tiles_m : {tiles, tiles * 3 / 4 + 1})
+        for (int tiles_n : {1, 3, 8})
+          for (int blocks : {1, 7, 132})
+            for (int start : {0, 5}) {
+              GroupedSchedulerParams p = g.params(tiles_m, tiles_n, blocks, true);
+              p.start_unit = start;
+              p.group_m = start ? 3 : 16;
+              SCOPED_TRACE(::testing::Message() << groups << " groups (trial " << trial << "), tiles "
+                                                << tiles_m << "x" << tiles_n << ", " << blocks << " blocks");
+              const auto want = live_tiles(p);
+              std::set<std::pair<int, int>> seen;
+              size_t most = 0, least = SIZE_MAX;
+              for (const auto& block : walk_grouped(p)) {
+                int iteration = 0;
+                for (const GroupTile& t : block) {
+                  const auto it = want.find({t.m, t.n});
+                  ASSERT_TRUE(it != want.end()) << "tile " << t.m << "," << t.n << " holds no counted row";
+                  EXPECT_EQ(t.group, it->second) << "tile " << t.m << "," << t.n;
+                  EXPECT_TRUE(seen.insert({t.m, t.n}).second) << "tile " << t.m << "," << t.n << " twice";
+                  EXPECT_EQ(t.iteration, iteration++);
+                }
+                most = std::max(most, block.size());
+                least = std::min(least, block.size());
+              }
+              EXPECT_EQ(seen.size(), want.size());
+              EXPECT_LE(most - least, 1u);
+            }
+    }
+}
+
+// The decode case of a low-latency dispatch (4 ranks x 128 tokens: groups of 512 rows, 4 tile rows; 16 rows
+// counted in each of 64 groups; 8 tile columns; 132 blocks). Walking the capacity, the live tile rows are
+// every 4th, so are the live units, and block c takes units c mod 132: only the 33 blocks c = 0 mod 4 meet a
+// live tile, 15 or 16 each. Walking the live tiles, every block takes 3 or 4. The dispatch of record's
+// layout (the same counts packed, a group of one tile row each, the capacity a worst case past them) walks
+// its live tiles first in the capacity order: no skew there.
+TEST(GroupedScheduler, FixedCapacityGroupsReachEveryBlock) {
+  const int groups = 64, blocks = 132, tiles_n = 8;
+  // The live tiles each block takes (those holding counted rows, by the definition), walking the capacity
+  // (counted false) or the live tiles.
+  auto shares = [&](const Groups& g, int tiles_m, bool counted) {
+    const auto live = live_tiles(g.params(tiles_m, tiles_n, blocks, true));
+    std::vector<int> share;
+    for (const auto& block : walk_grouped(g.params(tiles_m, tiles_n, blocks, counted))) {
+      int n = 0;
+      for (const GroupTile& t : block) n += live.count({t.m, t.n}) ? 1 : 0;
+      share.push_back(n);
+    }
+    return share;
+  };
+  auto busy = [](const std::vector<int>& share) {
+    return static_cast<int>(std::count_if(share.begin(), share.end(), [](int n) { return n > 0; }));
+  };
+  auto most = [](const std::vector<int>& share) { return *std::max_element(share.begin(), share.end()); };
+  auto least = [](const std::vector<int>& share) { return *std::min_element(share.begin(), share.end()); };
+
+  const Groups fixed(std::vector<int>(groups, 4), std::vector<int32_t>(groups, 16));
+  const std::vector<int> capacity = shares(fixed, 4 * groups, false), live = shares(fixed, 4 * groups, true);
+  EXPECT_EQ(busy(capacity), 33);
+  EXPECT_EQ(most(capacity), 16);
+  EXPECT_EQ(busy(live), blocks);
+  EXPECT_EQ(least(live), 3);
+  EXPECT_EQ(most(live), 4);
+  const Groups packed(std::vector<int>(groups, 1), std::vector<int32_t>(groups, 16));
+  const std::vector<int> record = shares(packed, 96, false);
+  EXPECT_EQ(busy(record), blocks);
+  EXPECT_LE(most(record) - least(record), 1);
+  std::printf(
+      "  64 groups of 4 tile rows, 16 rows counted each, 8 tile columns, 132 blocks: walking the capacity "
+      "%d blocks meet live tiles (at most %d each); walking the live tiles %d blocks, %d-%d each; "
+      "the record's packed groups in the capacity's walk: %d blocks, %d-%d each\n",
+      busy(capacity), most(capacity), busy(live), least(live), most(live), busy(record), least(record),
+      most(record));
 }

@@ -46,8 +46,15 @@
 //   Scheduler(const Params&, int cluster_index, int cluster_rank)    on the device, per block
 //   bool next(Work&)                                       the block's next item; false when done
 //   kMaxClusterSize (optional)                             the largest cluster its items can be split over
+//   Storage, static prepare(const Params&, Storage&) (optional, together): the scheduler's shared memory,
+//                                                          Op::Smem::sched. Every thread of a compute block
+//                                                          runs prepare (e.g. a table that every role reads)
+//                                                          before the block syncs; each role's scheduler is
+//                                                          then Scheduler(params, storage, cluster_index,
+//                                                          cluster_rank)
 // The loader and every consumer warpgroup walk the same sequence. GemmTileScheduler (lcsc/scheduler.cuh)
-// serves GEMM-shaped ops: output tiles in grouped, rotated, optionally owner-interleaved order.
+// serves GEMM-shaped ops: output tiles in grouped, rotated, optionally owner-interleaved order;
+// GroupedTileScheduler (lcsc/grouped_scheduler.cuh) a grouped GEMM's, the live tiles of counted groups only.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -122,6 +129,22 @@ template <class Op>
 inline constexpr bool kClaimsTiles = requires(typename Op::Smem& s) {
   s.tile_queue;
 };
+
+// A scheduler with shared storage (Op::Smem::sched): built with it, after its prepare().
+template <class Op>
+inline constexpr bool kSchedulerStorage = requires(typename Op::Smem& s) {
+  s.sched;
+};
+
+template <class Op>
+__device__ __forceinline__ typename Op::Scheduler make_scheduler(const typename Op::Params& p,
+                                                                 typename Op::Smem& smem, int cluster_index,
+                                                                 int cluster_rank) {
+  if constexpr (kSchedulerStorage<Op>)
+    return typename Op::Scheduler(p.sched, smem.sched, cluster_index, cluster_rank);
+  else
+    return typename Op::Scheduler(p.sched, cluster_index, cluster_rank);
+}
 
 // A role's tile sequence: the scheduler itself, or its units as claimed.
 template <class Op, class Scheduler>
@@ -211,13 +234,14 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
     if constexpr (requires { Op::init(p, smem); }) Op::init(p, smem);
     fence_barrier_init();
   }
+  if constexpr (kSchedulerStorage<Op>) Scheduler::prepare(p.sched, smem.sched);  // every thread of the block
   if constexpr (Op::kClusterSize > 1)
     tile::cluster_sync();
   else
     __syncthreads();
 
   const int rank = Op::kClusterSize > 1 ? static_cast<int>(tile::cluster_ctarank()) : 0;
-  Scheduler sched(p.sched, static_cast<int>(blockIdx.x) / Op::kClusterSize, rank);
+  Scheduler sched = make_scheduler<Op>(p, smem, static_cast<int>(blockIdx.x) / Op::kClusterSize, rank);
   const int wg = tile::warpgroup_index();
   if (wg == 0) {
     tile::setmaxnreg_dec<Op::kLoaderRegs>();

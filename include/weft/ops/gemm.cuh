@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "weft/lcsc/epilogue.cuh"
+#include "weft/lcsc/grouped_scheduler.cuh"
 #include "weft/lcsc/kernel.cuh"
 #include "weft/lcsc/mainloop.cuh"
 #include "weft/lcsc/scheduler.cuh"
@@ -38,8 +39,9 @@ struct GemmTile {
 };
 
 // kEpilogueBuffers: the storer's ring of output chunks a consumer warpgroup (lcsc/epilogue.cuh).
+// TileScheduler: which output tiles, in which order (a grouped GEMM's: lcsc::GroupedTileScheduler).
 template <class OutT, bool kBKMajor, int kCluster, int kTileN = 256, int kStageCount = 0,
-          int kEpilogueBuffers = 2>
+          int kEpilogueBuffers = 2, class TileScheduler = lcsc::GemmTileScheduler>
 struct GemmOp {
   using Tile = GemmTile<kTileN, kStageCount>;
   static constexpr int kBM = Tile::kBM, kBN = Tile::kBN, kBK = Tile::kBK, kStages = Tile::kStages;
@@ -48,7 +50,7 @@ struct GemmOp {
   // 384 threads start with 168 registers each; the loader gives 128 x 128 back, the consumers take them.
   static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;
 
-  using Scheduler = lcsc::GemmTileScheduler;  // output tiles (lcsc::Tile) in grouped order
+  using Scheduler = TileScheduler;  // output tiles in grouped order (its Work: lcsc::Tile or a subtype)
   using Mainloop = lcsc::WgmmaMainloop<kBM, kBN, kBK, kStages, kBKMajor, kCluster>;
   using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN, kConsumerWarpgroups, kEpilogueBuffers>;
   using Pipeline = typename Mainloop::Pipeline;
@@ -56,7 +58,7 @@ struct GemmOp {
   using StoreState = typename Epilogue::State;
 
   struct Params {
-    lcsc::SchedulerParams sched;
+    typename Scheduler::Params sched;
     CUtensorMap a;  // [M,K] bf16, box kABoxRows x kABoxCols
     CUtensorMap b;  // [N,K] or [K,N] bf16, box kBBoxRows x kBBoxCols
     CUtensorMap c;  // [M,N] OutT, box 64 x Epilogue::kChunkCols
@@ -90,55 +92,60 @@ struct GemmOp {
 };
 
 // Grouped GEMM (an MoE layer's experts): rows of A come in groups laid out back to back, group e being
-// rows [group_end[e - 1], group_end[e]) (device int32, each end a multiple of kBM), and C's rows of group e
-// = A's rows of group e times B_e, B stacked [E, N, K] (kBKMajor) or [E, K, N]. The tiles are the GEMM's
-// over the rows' capacity; a tile past the last group's end is skipped by the loader and the consumers
-// alike (both read the same end), a tile's group found by a scan of group_end. With group_rows (device
-// int32, optional), only the first group_rows[e] rows of group e count (fixed-capacity groups that fill
-// partly, as a low-latency dispatch leaves them): a tile wholly past them is skipped alike; a tile they end
-// inside is computed whole (its rows past the count hold no result). A K-tail block reads the next expert's
+// rows [group_end[e - 1], group_end[e]) (device int32, each end a multiple of kBM; in p.sched, the
+// scheduler's), and C's rows of group e = A's rows of group e times B_e, B stacked [E, N, K] (kBKMajor) or
+// [E, K, N]. The tiles are the GEMM's over the rows' capacity; a tile past the last group's end is skipped by
+// the loader and the consumers alike (both read the same end), a tile's group found by a scan of group_end.
+// With group_rows (device int32, optional), only the first group_rows[e] rows of group e count
+// (fixed-capacity groups that fill partly, as a low-latency dispatch leaves them): the scheduler
+// (lcsc/grouped_scheduler.cuh) then walks only the tiles holding counted rows, spread over all blocks, and
+// names each one's group; a tile the count ends inside is computed whole (its rows past the count hold no
+// result). kCountedGroups false: group_rows is not taken (the scattering and dispatching variants refuse it)
+// and the scheduler's walk of live tiles is left out of the kernel. A K-tail block reads the next expert's
 // first rows of B, which meet A's zero-filled columns: zeros.
-template <class OutT, bool kBKMajor, int kTileN = 256, int kStageCount = 0>
-struct GroupedGemmOp : GemmOp<OutT, kBKMajor, 1, kTileN, kStageCount> {
-  using Base = GemmOp<OutT, kBKMajor, 1, kTileN, kStageCount>;
+template <class OutT, bool kBKMajor, int kTileN = 256, int kStageCount = 0, bool kCountedGroups = true>
+struct GroupedGemmOp
+    : GemmOp<OutT, kBKMajor, 1, kTileN, kStageCount, 2, lcsc::GroupedTileScheduler<128, kCountedGroups>> {
+  using Base =
+      GemmOp<OutT, kBKMajor, 1, kTileN, kStageCount, 2, lcsc::GroupedTileScheduler<128, kCountedGroups>>;
   using Base::kBM, Base::kBN;
+  static_assert(kBM == 128, "the scheduler's tiles are 128 rows");
   using typename Base::Accum, typename Base::Mainloop, typename Base::Epilogue, typename Base::Pipeline,
-      typename Base::Smem, typename Base::StoreState;
+      typename Base::Scheduler, typename Base::StoreState;
 
   struct Params : Base::Params {
-    const int32_t* group_end;   // [groups], device
-    const int32_t* group_rows;  // [groups], device: the rows of each group that count; null: all
-    int groups;
     int b_rows;  // rows of one expert's B: N (kBKMajor) or K
+  };
+  struct Smem : Base::Smem {
+    typename Scheduler::Storage sched;  // the scheduler's table of live tile rows (lcsc/kernel.cuh)
   };
 
   // The group holding row m0 (groups: past the last end).
   __device__ static int group_of(const Params& p, int m0) {
     int e = 0;
-    while (e < p.groups && __ldg(p.group_end + e) <= m0) ++e;
+    while (e < p.sched.groups && __ldg(p.sched.group_end + e) <= m0) ++e;
     return e;
   }
-  // Whether the tile at row m0 is skipped: past the last group, or (group_rows) past its group's count.
-  __device__ static bool skipped(const Params& p, int m0) {
-    if (p.group_rows == nullptr) return m0 >= __ldg(p.group_end + p.groups - 1);
-    const int e = group_of(p, m0);
-    return e == p.groups || m0 - (e > 0 ? __ldg(p.group_end + e - 1) : 0) >= __ldg(p.group_rows + e);
+  // Whether tile t is skipped. With group_rows the scheduler walks live tiles only, each with its group;
+  // without, every tile of the capacity, and those past the last group's end are skipped.
+  __device__ static bool skipped(const Params& p, const lcsc::GroupTile& t) {
+    return t.group < 0 && t.m * kBM >= __ldg(p.sched.group_end + p.sched.groups - 1);
   }
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
-                              const lcsc::Tile& t) {
+                              const lcsc::GroupTile& t) {
+    if (skipped(p, t)) return;
     const int m0 = t.m * kBM;
-    const int e = group_of(p, m0);
-    if (e == p.groups || skipped(p, m0)) return;
-    if (__ldg(p.group_end + e) % kBM != 0) __trap();  // group ends must be whole tiles (see the header)
+    const int e = t.group >= 0 ? t.group : group_of(p, m0);
+    if (__ldg(p.sched.group_end + e) % kBM != 0) __trap();  // group ends must be whole tiles (see the header)
     Mainloop::load(s.main, pipe, st, &p.a, &p.b, m0, t.n * kBN, p.k_blocks, e * p.b_rows);
   }
   __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
-                                 const lcsc::Tile& t, int wg, Accum& acc) {
-    if (!skipped(p, t.m * kBM)) Mainloop::mma(s.main, pipe, st, p.k_blocks, wg, acc);
+                                 const lcsc::GroupTile& t, int wg, Accum& acc) {
+    if (!skipped(p, t)) Mainloop::mma(s.main, pipe, st, p.k_blocks, wg, acc);
   }
-  __device__ static void store(const Params& p, Smem& s, const lcsc::Tile& t, int wg, const Accum& acc,
+  __device__ static void store(const Params& p, Smem& s, const lcsc::GroupTile& t, int wg, const Accum& acc,
                                StoreState& es) {
-    if (!skipped(p, t.m * kBM)) Base::store(p, s, t, wg, acc, es);
+    if (!skipped(p, t)) Base::store(p, s, t, wg, acc, es);
   }
 };
 
@@ -147,16 +154,16 @@ struct GroupedGemmOp : GemmOp<OutT, kBKMajor, 1, kTileN, kStageCount> {
 // [128 b, 128 b + 128); C [rows, N / 2] = silu(A.B_gate) * (A.B_up), from the fp32 accumulators. In a
 // consumer warpgroup's 64 x 256 accumulator a thread holds column c and column c + 128 in registers i and
 // i + 64, so the activation needs no data movement, and half the tile goes out.
-template <class OutT, bool kBKMajor, int kStageCount = 0>
-struct GroupedGemmSwigluOp : GroupedGemmOp<OutT, kBKMajor, 256, kStageCount> {
-  using Base = GroupedGemmOp<OutT, kBKMajor, 256, kStageCount>;
+template <class OutT, bool kBKMajor, int kStageCount = 0, bool kCountedGroups = true>
+struct GroupedGemmSwigluOp : GroupedGemmOp<OutT, kBKMajor, 256, kStageCount, kCountedGroups> {
+  using Base = GroupedGemmOp<OutT, kBKMajor, 256, kStageCount, kCountedGroups>;
   using Base::kBM, Base::kBN, Base::kConsumerWarpgroups;
   using typename Base::Accum, typename Base::Params, typename Base::Smem, typename Base::StoreState;
   using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN / 2, kConsumerWarpgroups>;
 
-  __device__ static void store(const Params& p, Smem& s, const lcsc::Tile& t, int wg, const Accum& acc,
+  __device__ static void store(const Params& p, Smem& s, const lcsc::GroupTile& t, int wg, const Accum& acc,
                                StoreState& es) {
-    if (Base::skipped(p, t.m * kBM)) return;
+    if (Base::skipped(p, t)) return;
     tile::AccumM64<kBN / 2> out;
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kBN / 2>::kRegs; ++i) {
@@ -184,10 +191,11 @@ struct ScatterRows {
 // combine's data movement inside the GEMM). A warpgroup's chunk (64 rows x 64 columns) goes to shared
 // memory as for a TMA store; then its 128 threads copy it out in 16-byte units, 8 threads per 128-byte row
 // piece, each row to its destination (peer stores, generic proxy: the kernel's end and a meeting order them
-// before the destination reads). Rows past the last group, and padding rows, are not sent.
+// before the destination reads). Rows past the last group, and padding rows, are not sent. No group_rows: a
+// partly filled tile's rows past the count would reach destinations.
 template <bool kBKMajor>
-struct GroupedGemmScatterOp : GroupedGemmOp<__nv_bfloat16, kBKMajor, 256> {
-  using Base = GroupedGemmOp<__nv_bfloat16, kBKMajor, 256>;
+struct GroupedGemmScatterOp : GroupedGemmOp<__nv_bfloat16, kBKMajor, 256, 0, false> {
+  using Base = GroupedGemmOp<__nv_bfloat16, kBKMajor, 256, 0, false>;
   using Base::kBM, Base::kBN;
   using typename Base::Accum, typename Base::Smem, typename Base::StoreState;
   using Chunk = tile::OutChunk<__nv_bfloat16>;
@@ -199,9 +207,9 @@ struct GroupedGemmScatterOp : GroupedGemmOp<__nv_bfloat16, kBKMajor, 256> {
     int n;  // C's columns
   };
 
-  __device__ static void store(const Params& p, Smem& s, const lcsc::Tile& t, int wg, const Accum& acc,
+  __device__ static void store(const Params& p, Smem& s, const lcsc::GroupTile& t, int wg, const Accum& acc,
                                StoreState& es) {
-    if (Base::skipped(p, t.m * kBM)) return;
+    if (Base::skipped(p, t)) return;
     const int tid = tile::thread_in_warpgroup();
     // This thread's units: unit u = tid + 128 k is (row u / 8, 16-byte piece u % 8) of every chunk.
     char* dst[kUnitsPerThread];

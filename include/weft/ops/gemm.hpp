@@ -41,7 +41,9 @@ struct GemmOptions {
   // grouped_gemm only: the rows of each group that count (device int32 [groups]; null: all). Group e still
   // spans [group_end[e - 1], group_end[e]) (a fixed capacity, say); only its first group_rows[e] rows are
   // computed: tiles wholly past them are skipped (their C rows untouched), a tile they end inside is computed
-  // whole (its C rows past the count hold no result). Not with a scatter or dispatch.
+  // whole (its C rows past the count hold no result); a count past the group's span counts the span. The
+  // computed tiles are shared evenly by the blocks, wherever they lie. Not with a scatter or dispatch, nor
+  // with the FP8 GEMMs.
   const int32_t* group_rows = nullptr;
   GemmActivation activation = GemmActivation::kNone;  // grouped_gemm only (see above)
   TimelineBuffer* timeline = nullptr;  // non-null: the kernel records its phases there (weft/timeline.hpp)

@@ -151,7 +151,8 @@ __device__ inline void moe_expand_rows(const MoeDispatchRows& p, MoeRowCopier& c
   }
 }
 
-// Base: GroupedGemmOp or GroupedGemmSwigluOp (weft/ops/gemm.cuh) with kMoeDispatchStages stages.
+// Base: GroupedGemmOp or GroupedGemmSwigluOp (weft/ops/gemm.cuh) with kMoeDispatchStages stages, without
+// counted groups (kCountedGroups false: group_rows is refused with a dispatch).
 template <class Base>
 struct GroupedGemmDispatchOp : Base {
   using Base::kBM;
@@ -163,8 +164,8 @@ struct GroupedGemmDispatchOp : Base {
     MoeDispatchStaging staging[lcsc::kHelperWarps];  // one per helper warp
     lcsc::TileQueue tile_queue;  // tiles are claimed in order: a block whose tile waited stays with the rest
   };
-  __device__ static void wait_inputs(const Params& p, const lcsc::Tile& t) {
-    if (Base::skipped(p, t.m * kBM)) return;
+  __device__ static void wait_inputs(const Params& p, const lcsc::GroupTile& t) {
+    if (Base::skipped(p, t)) return;
     // A failed wait is recorded; the loads still go out, so the consumers drain and the kernel ends.
     (void)wait_ge_local(p.dispatch.team, p.dispatch.tile_rows + t.m, kBM);
     acquire_for_tma();  // the rows' stores before this thread's TMA loads
