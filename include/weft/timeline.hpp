@@ -47,9 +47,11 @@ enum class MoeStep : uint32_t {
 // TimelinePhase::kDecode's arg: the step of a flash_decode block (weft/ops/flash_decode.cuh).
 enum class DecodeStep : uint32_t {
   kPartial = 1,       // one item's split-KV partial (its keys' scores, softmax and P V in registers)
-  kPush = 2,          // the item's partial rows to the merging ranks (the first push waits for the inbox)
+  kPush = 2,          // the item's partial rows to the merging ranks (the first push waits for the inbox),
+                      // or (several splits) into this rank's inbox, with the pair's split merge inside
   kWaitPartials = 3,  // a merge item's wait until every rank's partials of its pair have landed
   kMerge = 4,         // the merge of those partials into out and lse
+  kMergeSplits = 5,  // several splits: the pair's last item merging this rank's splits and pushing the result
 };
 
 inline const char* timeline_phase_name(TimelinePhase p) {
@@ -91,6 +93,8 @@ inline const char* decode_step_name(DecodeStep s) {
       return "wait_partials";
     case DecodeStep::kMerge:
       return "merge";
+    case DecodeStep::kMergeSplits:
+      return "merge_splits";
     default:
       return "?";
   }

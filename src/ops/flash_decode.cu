@@ -24,11 +24,13 @@ const char* const kState = "flash_decode: call count, finishers";
 const char* const kLanded = "flash_decode: partials landed per (sequence, KV head), per call parity";
 const char* const kMerged = "flash_decode: rows merged per (sequence, KV head), per call parity";
 const char* const kReleased = "flash_decode: the last call each rank finished, per call parity";
+const char* const kSplitDone = "flash_decode: split items done per (sequence, KV head), per call parity";
 const ResourceDeclaration kDecodeResources[] = {
     ResourceDeclaration{{kState, 2}},
     ResourceDeclaration{{kLanded, 2 * ops::kDecodeMaxPairs}},
     ResourceDeclaration{{kMerged, 2 * ops::kDecodeMaxPairs}},
     ResourceDeclaration{{kReleased, 2 * ops::kDecodeMaxWorld}},
+    ResourceDeclaration{{kSplitDone, 2 * ops::kDecodeMaxPairs}},
 };
 
 constexpr int64_t kFewParts = 64;  // parts of a row a warp merges alone
@@ -121,7 +123,8 @@ Split split_of(const Rank& rank, const DecodeShape& s) {
   // Phase 2: a row a warp where rows outnumber the blocks and each has few parts to merge (a block's chain
   // of dependent loads then serves four rows, in fewer rounds), else a row a block.
   const int64_t rows_total = s.batch * s.kv_heads * int64_t(x.rows);
-  x.merge_rows = int64_t(W) * x.splits <= kFewParts && rows_total > slots ? ops::kDecodeWarps : 1;
+  // (A row's parts: one a rank; the splits are merged on their own rank first.)
+  x.merge_rows = int64_t(W) <= kFewParts && rows_total > slots ? ops::kDecodeWarps : 1;
   x.grid = static_cast<int>(std::min<int64_t>(
       resident, std::max<int64_t>(pair_items * x.splits,
                                   s.batch * s.kv_heads * ceil_div(x.rows, x.merge_rows))));
@@ -144,6 +147,7 @@ void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, f
   p.landed = call.comm.resources(call.rank, kLanded).flags;
   p.merged = call.comm.resources(call.rank, kMerged).flags;
   p.released = call.comm.resources(call.rank, kReleased).flags;
+  p.split_done = call.comm.resources(call.rank, kSplitDone).flags;
   p.out_rank = o.out_rank;
   p.q = static_cast<const T*>(q);
   p.out = static_cast<T*>(out);

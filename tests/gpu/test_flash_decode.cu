@@ -515,6 +515,9 @@ WEFT_GPU_TEST_ANY_WORLD(flash_decode_timeline_records_its_steps) {
       WEFT_EXPECT(begins[uint32_t(s)] > 0 && begins[uint32_t(s)] == ends[uint32_t(s)],
                   "rank " << r << ": " << decode_step_name(s) << " began " << begins[uint32_t(s)]
                           << " times, ended " << ends[uint32_t(s)]);
+    const uint32_t splits = uint32_t(DecodeStep::kMergeSplits);  // only where a pair has several splits
+    WEFT_EXPECT(begins[splits] == ends[splits], "rank " << r << ": merge_splits began " << begins[splits]
+                                                        << " times, ended " << ends[splits]);
   }
   check(comm, *pr, "with a timeline");
   comm.host_barrier();

@@ -6,13 +6,17 @@
 //      FMAs per cached element, more than CUDA cores deliver at HBM speed). Each warp takes 16 tokens a
 //      step (16-byte loads of K and V straight into MMA operands, V transposed in registers by movmatrix)
 //      and keeps an online softmax (running max m, sum l, unnormalised O in fp32, exp2 domain); the block
-//      merges its warps in shared memory. The partial (O, m, l) goes to the inbox of every rank that merges
-//      (every rank, or out_rank alone), then a relaxed add after a system fence into their landed counts of
-//      (b, h).
-//   2. Merge, on the ranks that merge. Items (b, h, rows): once every rank's S x R partials of (b, h) have
-//      landed (W x S x R adds), the block merges each row's W x S parts (max, rescaled sums, divided once)
-//      into out and lse, a row a block (many parts) or a row a warp (few); the last of the pair's blocks
-//      clears the count.
+//      merges its warps in shared memory. With one split (S = 1) the partial (O, m, l) goes to the inbox of
+//      every rank that merges (every rank, or out_rank alone), then a relaxed add after a system fence into
+//      their landed counts of (b, h). With several, the rank merges its own splits first: the partial goes
+//      to this rank's own inbox, the item is counted in the pair's local split_done count, and the block of
+//      the pair's last item merges each row's S parts (merge_splits) into one (O, m, l) a row, pushed to the
+//      mergers with one add a pair: W partials a row cross the links, not W x S (at batch 1, 64 / 8 heads
+//      and 32 splits the pushes moved 3 MiB a rank and took 12-15 us of a 38 us call at 4 GPUs).
+//   2. Merge, on the ranks that merge. Items (b, h, rows): once every rank's partials of (b, h) have landed
+//      (W adds, or W x R with one split), the block merges each row's W parts (max, rescaled sums, divided
+//      once) into out and lse, a row a block or a row a warp; the last of the pair's blocks clears the
+//      count.
 // Calls alternate between two inboxes and two sets of counts by the parity of the call's epoch (CallEpoch,
 // in the op's state flags, the same call number on every rank). A rank pushes call n's partials into a
 // rank's inbox only once that rank has finished its call n - 2 (the last to read that inbox): the last
@@ -57,6 +61,7 @@ struct DecodeParams {
   Flags landed;     // [2 parities][kDecodeMaxPairs]: partials landed here
   Flags merged;     // [2 parities][kDecodeMaxPairs]: rows merged (local)
   Flags released;   // [kDecodeMaxWorld ranks][2 parities]: the last call of the parity that rank finished
+  Flags split_done;  // [2 parities][kDecodeMaxPairs]: phase-1 items of the pair done here (local; S > 1)
   int out_rank;     // the rank that merges (gets out and lse); -1: every rank
   const T* q;       // [batch, q_len, heads, D]
   T* out;
@@ -322,7 +327,8 @@ struct DecodeKernel {
     __syncthreads();
     mark(p, DecodeStep::kPartial, true);
     const TimelineSpan pushing(timeline(p), TimelinePhase::kDecode, uint32_t(DecodeStep::kPush));
-    if (!gated && !(gated = released(p, call, parity))) return;
+    const bool local = p.splits > 1;  // this rank's splits merged here first (merge_splits)
+    if (!local && !gated && !(gated = released(p, call, parity))) return;
     const int pair = b * p.kv_heads + h;
     for (int e = threadIdx.x; e < kDecodeRows * kD / 4; e += blockDim.x) {
       const int r = e / (kD / 4), d = e % (kD / 4) * 4, row = rg * kDecodeRows + r;
@@ -343,17 +349,87 @@ struct DecodeKernel {
         sum = fmaf(wt, sm.l[w][r], sum);
       }
       const int64_t i = part_index(p, p.team.rank, pair, s, row);
+      if (local) {  // this rank's own inbox, read by merge_splits
+        *reinterpret_cast<float4*>(p.part_o[parity] + i * kD + d) = acc;
+        if (d == 0) p.part_ml[parity][i] = make_float2(mx, sum);
+        continue;
+      }
       for (int dst = first_merger(p); dst < last_merger(p); ++dst) {
         *reinterpret_cast<float4*>(p.team.peer_ptr(p.part_o[parity] + i * kD + d, dst)) = acc;
         if (d == 0) *p.team.peer_ptr(p.part_ml[parity] + i, dst) = make_float2(mx, sum);
       }
     }
     __syncthreads();  // every thread's stores, then one system fence and relaxed adds publish them
-    if (threadIdx.x == 0) {
-      __threadfence_system();
-      for (int dst = first_merger(p); dst < last_merger(p); ++dst)
-        signal_add<Order::kRelaxed>(p.team, p.team.flag(p.landed, parity * kDecodeMaxPairs + pair), dst, 1);
+    if (!local) {
+      if (threadIdx.x == 0) publish(p, parity, pair);
+      return;
     }
+    // The item counted here (a fence orders the block's stores before it); the pair's last item merges.
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+      __threadfence();
+      auto* done =
+          reinterpret_cast<unsigned long long*>(p.team.flag(p.split_done, parity * kDecodeMaxPairs + pair));
+      last = atomicAdd(done, 1ull) + 1 == static_cast<unsigned long long>(p.splits) * p.row_groups;
+      if (last) {
+        *done = 0;        // for the call after next of this parity
+        __threadfence();  // the other items' partials, read below
+      }
+    }
+    __syncthreads();
+    if (!last || (!gated && !(gated = released(p, call, parity)))) return;
+    merge_splits(p, parity, pair);
+  }
+  // By thread 0, after the block's pushes of a pair's partials: one system fence, then one relaxed add to the
+  // pair's landed count at every rank that merges.
+  __device__ static void publish(const P& p, int parity, int pair) {
+    __threadfence_system();
+    for (int dst = first_merger(p); dst < last_merger(p); ++dst)
+      signal_add<Order::kRelaxed>(p.team, p.team.flag(p.landed, parity * kDecodeMaxPairs + pair), dst, 1);
+  }
+  // The pair's S split partials of each row, in this rank's inbox, merged into one (O = the parts' sums
+  // rescaled to their max, m = that max, l = the rescaled sums' total; not divided), a row a warp, and pushed
+  // to every rank that merges at split 0's place; then published. L2 loads: other blocks wrote the parts
+  // during this kernel.
+  __device__ static void merge_splits(const P& p, int parity, int pair) {
+    const TimelineSpan merging(timeline(p), TimelinePhase::kDecode, uint32_t(DecodeStep::kMergeSplits));
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    constexpr int kPer = kD / 32;  // dims a lane merges: [kPer lane, +kPer)
+    const float* po = p.part_o[parity];
+    const float2* pml = p.part_ml[parity];
+    for (int row = warp; row < p.rows; row += kDecodeWarps) {
+      float mx = kNeg;
+      for (int s = lane; s < p.splits; s += 32) {
+        const float2 x = __ldcg(pml + part_index(p, p.team.rank, pair, s, row));
+        if (x.y > 0.f) mx = fmaxf(mx, x.x);
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      float acc[kPer] = {}, total = 0.f;
+      for (int s = 0; s < p.splits; ++s) {  // every lane reads each part's (m, l): one L2 line
+        const int64_t i = part_index(p, p.team.rank, pair, s, row);
+        const float2 x = __ldcg(pml + i);
+        const float w = x.y > 0.f ? exp2f(x.x - mx) : 0.f;
+        total = fmaf(w, x.y, total);
+        const float* src = po + i * kD + kPer * lane;
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) acc[e] = fmaf(w, __ldcg(src + e), acc[e]);
+      }
+      const int64_t i = part_index(p, p.team.rank, pair, 0, row);
+      for (int dst = first_merger(p); dst < last_merger(p); ++dst) {
+        float* to = p.team.peer_ptr(p.part_o[parity] + i * kD + kPer * lane, dst);
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) to[e] = acc[e];
+        if (lane == 0) *p.team.peer_ptr(p.part_ml[parity] + i, dst) = make_float2(mx, total);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) publish(p, parity, pair);
+  }
+  // The adds a pair's landed count takes per call at a rank that merges: one a rank (several splits, merged
+  // first), or one a rank and row group (one split).
+  __device__ static uint64_t landed_target(const P& p) {
+    return uint64_t(p.team.world) * (p.splits > 1 ? 1 : p.row_groups);
   }
 
   // Phase 2, rows [r0, r0 + kRows) of a pair (kRows 1 or kDecodeWarps): once every rank's partials of (b, h)
@@ -371,17 +447,17 @@ struct DecodeKernel {
     uint64_t* count = p.team.flag(p.landed, parity * kDecodeMaxPairs + pair);
     __shared__ bool ok;
     mark(p, DecodeStep::kWaitPartials, false);
-    if (threadIdx.x == 0) ok = wait_ge(p.team, count, uint64_t(p.team.world) * p.splits * p.row_groups);
+    if (threadIdx.x == 0) ok = wait_ge(p.team, count, landed_target(p));
     __syncthreads();
     mark(p, DecodeStep::kWaitPartials, true);
     if (!ok) return;  // recorded; synchronize() reports it
     const TimelineSpan merging(timeline(p), TimelinePhase::kDecode, uint32_t(DecodeStep::kMerge));
-    const int parts = p.team.world * p.splits;
+    const int parts = p.team.world;  // a rank's partial at split 0's place (one split, or merged)
     const float* po = p.part_o[parity];
     float2* ml = sm.u.ml[rw];  // the row's (m, l) per part, then (weight, l)
     float mx = kNeg;
     for (int i = wi * 32 + lane; live && i < parts; i += 32 * kWarpsPerRow) {
-      const float2 x = p.part_ml[parity][part_index(p, i / p.splits, pair, i % p.splits, row)];
+      const float2 x = p.part_ml[parity][part_index(p, i, pair, 0, row)];
       ml[i] = x;
       if (x.y > 0.f) mx = fmaxf(mx, x.x);
     }
@@ -419,7 +495,7 @@ struct DecodeKernel {
         for (int e = 0; e < kPer; ++e) v[u][e] = 0.f;
         if (i < parts) {  // every part was written (an empty one as zeros): no NaN from a zero weight
           w[u] = ml[i].x;
-          const float* src = po + part_index(p, i / p.splits, pair, i % p.splits, row) * kD + kPer * lane;
+          const float* src = po + part_index(p, i, pair, 0, row) * kD + kPer * lane;
           if constexpr (kPer == 4) {
             const float4 x = *reinterpret_cast<const float4*>(src);
             v[u][0] = x.x;
