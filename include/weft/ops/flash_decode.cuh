@@ -31,6 +31,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "weft/comm/call_epoch.cuh"
 #include "weft/comm/signal.cuh"
@@ -394,7 +395,9 @@ struct DecodeKernel {
   __device__ static void merge_splits(const P& p, int parity, int pair) {
     const TimelineSpan merging(timeline(p), TimelinePhase::kDecode, uint32_t(DecodeStep::kMergeSplits));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    constexpr int kPer = kD / 32;  // dims a lane merges: [kPer lane, +kPer)
+    constexpr int kPer = kD / 32, kInFlight = 4;  // dims a lane merges ([kPer lane, +kPer)); parts in flight
+    using Vec = std::conditional_t<kPer == 4, float4, float2>;
+    static_assert(sizeof(Vec) == kPer * sizeof(float), "a lane's dims in one vector");
     const float* po = p.part_o[parity];
     const float2* pml = p.part_ml[parity];
     for (int row = warp; row < p.rows; row += kDecodeWarps) {
@@ -406,20 +409,34 @@ struct DecodeKernel {
 #pragma unroll
       for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
       float acc[kPer] = {}, total = 0.f;
-      for (int s = 0; s < p.splits; ++s) {  // every lane reads each part's (m, l): one L2 line
-        const int64_t i = part_index(p, p.team.rank, pair, s, row);
-        const float2 x = __ldcg(pml + i);
-        const float w = x.y > 0.f ? exp2f(x.x - mx) : 0.f;
-        total = fmaf(w, x.y, total);
-        const float* src = po + i * kD + kPer * lane;
+      for (int s0 = 0; s0 < p.splits; s0 += kInFlight) {  // every lane reads each part's (m, l): one L2 line
+        float2 ml[kInFlight];
+        Vec v[kInFlight];
 #pragma unroll
-        for (int e = 0; e < kPer; ++e) acc[e] = fmaf(w, __ldcg(src + e), acc[e]);
+        for (int u = 0; u < kInFlight; ++u) {
+          ml[u] = make_float2(kNeg, 0.f);
+          v[u] = Vec{};
+          if (s0 + u < p.splits) {
+            const int64_t i = part_index(p, p.team.rank, pair, s0 + u, row);
+            ml[u] = __ldcg(pml + i);
+            v[u] = __ldcg(reinterpret_cast<const Vec*>(po + i * kD + kPer * lane));
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kInFlight; ++u) {
+          const float w = ml[u].y > 0.f ? exp2f(ml[u].x - mx) : 0.f;
+          total = fmaf(w, ml[u].y, total);
+#pragma unroll
+          for (int e = 0; e < kPer; ++e) acc[e] = fmaf(w, reinterpret_cast<const float*>(&v[u])[e], acc[e]);
+        }
       }
+      Vec merged;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) reinterpret_cast<float*>(&merged)[e] = acc[e];
+      __syncwarp();  // every lane's reads of split 0's (m, l) before lane 0 overwrites it (this rank merges)
       const int64_t i = part_index(p, p.team.rank, pair, 0, row);
       for (int dst = first_merger(p); dst < last_merger(p); ++dst) {
-        float* to = p.team.peer_ptr(p.part_o[parity] + i * kD + kPer * lane, dst);
-#pragma unroll
-        for (int e = 0; e < kPer; ++e) to[e] = acc[e];
+        *reinterpret_cast<Vec*>(p.team.peer_ptr(p.part_o[parity] + i * kD + kPer * lane, dst)) = merged;
         if (lane == 0) *p.team.peer_ptr(p.part_ml[parity] + i, dst) = make_float2(mx, total);
       }
     }
