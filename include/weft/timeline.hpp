@@ -48,10 +48,11 @@ enum class MoeStep : uint32_t {
 enum class DecodeStep : uint32_t {
   kPartial = 1,       // one item's split-KV partial (its keys' scores, softmax and P V in registers)
   kPush = 2,          // the item's partial rows to the merging ranks (the first push waits for the inbox),
-                      // or (several splits) into this rank's inbox, with the pair's split merge inside
+                      // or (several splits) into this rank's inbox
   kWaitPartials = 3,  // a merge item's wait until every rank's partials of its pair have landed
   kMerge = 4,         // the merge of those partials into out and lse
-  kMergeSplits = 5,  // several splits: the pair's last item merging this rank's splits and pushing the result
+  kMergeSplits = 5,   // several splits: a merge item's wait for its pair's phase-1 items here, the merge of
+                      // this rank's splits and the push of the result to the merging ranks
 };
 
 inline const char* timeline_phase_name(TimelinePhase p) {

@@ -123,8 +123,8 @@ Split split_of(const Rank& rank, const DecodeShape& s) {
   // Phase 2: a row a warp where rows outnumber the blocks and each has few parts to merge (a block's chain
   // of dependent loads then serves four rows, in fewer rounds), else a row a block.
   const int64_t rows_total = s.batch * s.kv_heads * int64_t(x.rows);
-  // (A row's parts: one a rank; the splits are merged on their own rank first.)
-  x.merge_rows = int64_t(W) <= kFewParts && rows_total > slots ? ops::kDecodeWarps : 1;
+  // (A row's parts: one a rank, after each rank's S splits were merged, in the same items, on that rank.)
+  x.merge_rows = std::max<int64_t>(W, x.splits) <= kFewParts && rows_total > slots ? ops::kDecodeWarps : 1;
   x.grid = static_cast<int>(std::min<int64_t>(
       resident, std::max<int64_t>(pair_items * x.splits,
                                   s.batch * s.kv_heads * ceil_div(x.rows, x.merge_rows))));

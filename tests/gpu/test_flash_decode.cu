@@ -517,11 +517,13 @@ WEFT_GPU_TEST_ANY_WORLD(flash_decode_timeline_records_its_steps) {
       WEFT_EXPECT(begins[uint32_t(s)] > 0 && begins[uint32_t(s)] == ends[uint32_t(s)],
                   "rank " << r << ": " << decode_step_name(s) << " began " << begins[uint32_t(s)]
                           << " times, ended " << ends[uint32_t(s)]);
-    // Only where a pair has several splits; then once a pair (batch 4 x 2 KV heads) on every rank.
+    // Only where a pair has several splits; then once a row block of each pair (batch 4 x 2 KV heads; 4 rows
+    // a pair, one block or four) on every rank.
     const uint32_t splits = uint32_t(DecodeStep::kMergeSplits);
-    WEFT_EXPECT(begins[splits] == ends[splits] && (begins[splits] == 0 || begins[splits] == 8),
+    WEFT_EXPECT(begins[splits] == ends[splits] &&
+                    (begins[splits] == 0 || begins[splits] == 8 || begins[splits] == 32),
                 "rank " << r << ": merge_splits began " << begins[splits] << " times, ended " << ends[splits]
-                        << " (0, or once for each of the 8 pairs)");
+                        << " (0, or once for each row block of the 8 pairs: 8 or 32)");
   }
   check(comm, *pr, "with a timeline");
   comm.host_barrier();

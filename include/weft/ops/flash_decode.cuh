@@ -8,15 +8,15 @@
 //      and keeps an online softmax (running max m, sum l, unnormalised O in fp32, exp2 domain); the block
 //      merges its warps in shared memory. With one split (S = 1) the partial (O, m, l) goes to the inbox of
 //      every rank that merges (every rank, or out_rank alone), then a relaxed add after a system fence into
-//      their landed counts of (b, h). With several, the rank merges its own splits first: the partial goes
-//      to this rank's own inbox, the item is counted in the pair's local split_done count, and the block of
-//      the pair's last item merges each row's S parts (merge_splits) into one (O, m, l) a row, pushed to the
-//      mergers with one add a pair: W partials a row cross the links, not W x S (at batch 1, 64 / 8 heads
-//      and 32 splits the pushes moved 3 MiB a rank and took 12-15 us of a 38 us call at 4 GPUs).
-//   2. Merge, on the ranks that merge. Items (b, h, rows): once every rank's partials of (b, h) have landed
-//      (W adds, or W x R with one split), the block merges each row's W parts (max, rescaled sums, divided
-//      once) into out and lse, a row a block or a row a warp; the last of the pair's blocks clears the
-//      count.
+//      their landed counts of (b, h). With several, the partial goes to this rank's own inbox and the item is
+//      counted in the pair's local split_done count.
+//   2. Merges, in items (b, h, rows): a row a block or a row a warp. With several splits, every rank first
+//      merges its own: once split_done counts every item of (b, h), each row's S parts merged into one
+//      (O, m, l), pushed to the ranks that merge with one landed add a row block: W partials a row cross the
+//      links, not W x S (at batch 1, 64 / 8 heads and 32 splits those pushes moved 3 MiB a rank and took
+//      12-15 us of a 38 us call at 4 GPUs). Then, on the ranks that merge: once every rank's partials of
+//      (b, h) have landed (W adds a row block, or W x R with one split), each row's W parts merged (max,
+//      rescaled sums, divided once) into out and lse; the last of the pair's blocks clears the count.
 // Calls alternate between two inboxes and two sets of counts by the parity of the call's epoch (CallEpoch,
 // in the op's state flags, the same call number on every rank). A rank pushes call n's partials into a
 // rank's inbox only once that rank has finished its call n - 2 (the last to read that inbox): the last
@@ -25,7 +25,8 @@
 // its call n - 2 ended); so nothing overwrites what a slow rank still reads, whichever ranks merged which
 // call, and a count is cleared by its owner before it is used again. No wait can block a phase-1 item of the
 // rank waited for: phase-1 waits are for earlier calls, each block finishes its phase-1 items before its
-// first phase-2 wait, and all blocks of every rank are resident.
+// first phase-2 wait (a split merge waits for this rank's phase 1 only, and comes before the block's first
+// wait for peers), and all blocks of every rank are resident.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -328,7 +329,7 @@ struct DecodeKernel {
     __syncthreads();
     mark(p, DecodeStep::kPartial, true);
     const TimelineSpan pushing(timeline(p), TimelinePhase::kDecode, uint32_t(DecodeStep::kPush));
-    const bool local = p.splits > 1;  // this rank's splits merged here first (merge_splits)
+    const bool local = p.splits > 1;  // this rank's splits merged here first (merge<kRows, true>)
     if (!local && !gated && !(gated = released(p, call, parity))) return;
     const int pair = b * p.kv_heads + h;
     for (int e = threadIdx.x; e < kDecodeRows * kD / 4; e += blockDim.x) {
@@ -350,7 +351,7 @@ struct DecodeKernel {
         sum = fmaf(wt, sm.l[w][r], sum);
       }
       const int64_t i = part_index(p, p.team.rank, pair, s, row);
-      if (local) {  // this rank's own inbox, read by merge_splits
+      if (local) {  // this rank's own inbox, read by merge<kRows, true>
         *reinterpret_cast<float4*>(p.part_o[parity] + i * kD + d) = acc;
         if (d == 0) p.part_ml[parity][i] = make_float2(mx, sum);
         continue;
@@ -365,21 +366,13 @@ struct DecodeKernel {
       if (threadIdx.x == 0) publish(p, parity, pair);
       return;
     }
-    // The item counted here (a fence orders the block's stores before it); the pair's last item merges.
-    __shared__ bool last;
+    // The item counted in the pair's local split_done count (a fence orders the block's stores before it);
+    // merge<kRows, true> waits for every item of the pair.
     if (threadIdx.x == 0) {
       __threadfence();
-      auto* done =
-          reinterpret_cast<unsigned long long*>(p.team.flag(p.split_done, parity * kDecodeMaxPairs + pair));
-      last = atomicAdd(done, 1ull) + 1 == static_cast<unsigned long long>(p.splits) * p.row_groups;
-      if (last) {
-        *done = 0;        // for the call after next of this parity
-        __threadfence();  // the other items' partials, read below
-      }
+      atomicAdd(reinterpret_cast<unsigned long long*>(p.team.flag(p.split_done, parity * kDecodeMaxPairs + pair)),
+                1ull);
     }
-    __syncthreads();
-    if (!last || (!gated && !(gated = released(p, call, parity)))) return;
-    merge_splits(p, parity, pair);
   }
   // By thread 0, after the block's pushes of a pair's partials: one system fence, then one relaxed add to the
   // pair's landed count at every rank that merges.
@@ -388,93 +381,60 @@ struct DecodeKernel {
     for (int dst = first_merger(p); dst < last_merger(p); ++dst)
       signal_add<Order::kRelaxed>(p.team, p.team.flag(p.landed, parity * kDecodeMaxPairs + pair), dst, 1);
   }
-  // The pair's S split partials of each row, in this rank's inbox, merged into one (O = the parts' sums
-  // rescaled to their max, m = that max, l = the rescaled sums' total; not divided), a row a warp, and pushed
-  // to every rank that merges at split 0's place; then published. L2 loads: other blocks wrote the parts
-  // during this kernel.
-  __device__ static void merge_splits(const P& p, int parity, int pair) {
-    const TimelineSpan merging(timeline(p), TimelinePhase::kDecode, uint32_t(DecodeStep::kMergeSplits));
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    constexpr int kPer = kD / 32, kInFlight = 4;  // dims a lane merges ([kPer lane, +kPer)); parts in flight
-    using Vec = std::conditional_t<kPer == 4, float4, float2>;
-    static_assert(sizeof(Vec) == kPer * sizeof(float), "a lane's dims in one vector");
-    const float* po = p.part_o[parity];
-    const float2* pml = p.part_ml[parity];
-    for (int row = warp; row < p.rows; row += kDecodeWarps) {
-      float mx = kNeg;
-      for (int s = lane; s < p.splits; s += 32) {
-        const float2 x = __ldcg(pml + part_index(p, p.team.rank, pair, s, row));
-        if (x.y > 0.f) mx = fmaxf(mx, x.x);
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      float acc[kPer] = {}, total = 0.f;
-      for (int s0 = 0; s0 < p.splits; s0 += kInFlight) {  // every lane reads each part's (m, l): one L2 line
-        float2 ml[kInFlight];
-        Vec v[kInFlight];
-#pragma unroll
-        for (int u = 0; u < kInFlight; ++u) {
-          ml[u] = make_float2(kNeg, 0.f);
-          v[u] = Vec{};
-          if (s0 + u < p.splits) {
-            const int64_t i = part_index(p, p.team.rank, pair, s0 + u, row);
-            ml[u] = __ldcg(pml + i);
-            v[u] = __ldcg(reinterpret_cast<const Vec*>(po + i * kD + kPer * lane));
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kInFlight; ++u) {
-          const float w = ml[u].y > 0.f ? exp2f(ml[u].x - mx) : 0.f;
-          total = fmaf(w, ml[u].y, total);
-#pragma unroll
-          for (int e = 0; e < kPer; ++e) acc[e] = fmaf(w, reinterpret_cast<const float*>(&v[u])[e], acc[e]);
-        }
-      }
-      Vec merged;
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) reinterpret_cast<float*>(&merged)[e] = acc[e];
-      __syncwarp();  // every lane's reads of split 0's (m, l) before lane 0 overwrites it (this rank merges)
-      const int64_t i = part_index(p, p.team.rank, pair, 0, row);
-      for (int dst = first_merger(p); dst < last_merger(p); ++dst) {
-        *reinterpret_cast<Vec*>(p.team.peer_ptr(p.part_o[parity] + i * kD + kPer * lane, dst)) = merged;
-        if (lane == 0) *p.team.peer_ptr(p.part_ml[parity] + i, dst) = make_float2(mx, total);
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) publish(p, parity, pair);
+  // The row blocks of a pair in phase 2 (rows [r0, r0 + merge_rows) each).
+  __device__ static int row_blocks(const P& p) {
+    return (p.rows + p.merge_rows - 1) / p.merge_rows;
   }
-  // The adds a pair's landed count takes per call at a rank that merges: one a rank (several splits, merged
-  // first), or one a rank and row group (one split).
+  // The adds a pair's landed count takes per call at a rank that merges: one a rank and row block (several
+  // splits, merged on their rank first), or one a rank and row group (one split).
   __device__ static uint64_t landed_target(const P& p) {
-    return uint64_t(p.team.world) * (p.splits > 1 ? 1 : p.row_groups);
+    return uint64_t(p.team.world) * (p.splits > 1 ? row_blocks(p) : p.row_groups);
   }
 
-  // Phase 2, rows [r0, r0 + kRows) of a pair (kRows 1 or kDecodeWarps): once every rank's partials of (b, h)
-  // have landed, each row's W x S parts merged (their max, each part's weight, the rescaled sums divided
-  // once) into out and lse. The kDecodeWarps / kRows warps of a row share its parts (w, w + that, ...), 4
-  // loads in flight: one row a block where the parts are many (a long sequence, few pairs), a row a warp
-  // where they are few (many pairs: fewer items, each a chain of dependent loads). The last block of the
-  // pair clears its counts.
-  template <int kRows>
-  __device__ static void merge(const P& p, Smem& sm, int parity, int b, int h, int r0) {
+  // Rows [r0, r0 + kRows) of a pair (kRows 1 or kDecodeWarps), in two forms that share the arithmetic of a
+  // merge (the parts' max, each part's weight, the rescaled sums):
+  //   kSplits (several splits, on every rank): once every phase-1 item of the pair is counted in split_done,
+  //     this rank's S split partials of each row merged into one (O = the rescaled sums, m = their max, l =
+  //     the rescaled total; not divided) and pushed to every rank that merges at split 0's place, then
+  //     published (a landed add a row block). Spread over the pair's row blocks (with one row a block, all
+  //     four warps share a row's splits), not left to the pair's last phase-1 item: one block merging a pair
+  //     alone is a chain of dependent L2 loads (16 us of a 48 us call at batch 1, 64 / 8 heads, 32 splits).
+  //   otherwise (on the ranks that merge): once every rank's partials of the pair have landed, each row's W
+  //     parts merged and divided once into out and lse.
+  // The kDecodeWarps / kRows warps of a row share its parts (w, w + that, ...), 4 loads in flight: one row a
+  // block where the parts are many (a long sequence, few pairs), a row a warp where they are few (many
+  // pairs: fewer items, each a chain of dependent loads). The last block of the pair clears its count.
+  // L2 loads: other blocks and ranks wrote the parts during this kernel.
+  template <int kRows, bool kSplits>
+  __device__ static void merge(const P& p, Smem& sm, int parity, uint64_t call, bool& gated, int b, int h,
+                               int r0) {
     constexpr int kWarpsPerRow = kDecodeWarps / kRows;
     const int pair = b * p.kv_heads + h, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int rw = warp / kWarpsPerRow, wi = warp % kWarpsPerRow, row = r0 + rw;
     const bool live = row < p.rows;
-    uint64_t* count = p.team.flag(p.landed, parity * kDecodeMaxPairs + pair);
+    uint64_t* count = kSplits ? p.team.flag(p.split_done, parity * kDecodeMaxPairs + pair)
+                              : p.team.flag(p.landed, parity * kDecodeMaxPairs + pair);
+    const uint64_t target = kSplits ? uint64_t(p.splits) * p.row_groups : landed_target(p);
     __shared__ bool ok;
-    mark(p, DecodeStep::kWaitPartials, false);
-    if (threadIdx.x == 0) ok = wait_ge(p.team, count, landed_target(p));
+    const DecodeStep wait_step = kSplits ? DecodeStep::kMergeSplits : DecodeStep::kWaitPartials;
+    mark(p, wait_step, false);
+    if (threadIdx.x == 0) ok = kSplits ? wait_ge_local(p.team, count, target) : wait_ge(p.team, count, target);
     __syncthreads();
-    mark(p, DecodeStep::kWaitPartials, true);
-    if (!ok) return;  // recorded; synchronize() reports it
-    const TimelineSpan merging(timeline(p), TimelinePhase::kDecode, uint32_t(DecodeStep::kMerge));
-    const int parts = p.team.world;  // a rank's partial at split 0's place (one split, or merged)
+    bool go = ok;
+    if (kSplits && go && !gated) go = gated = released(p, call, parity);  // before the first push to a peer
+    if (!kSplits || !go) mark(p, wait_step, true);
+    if (!go) return;  // recorded; synchronize() reports it
+    const TimelineSpan merging(kSplits ? nullptr : timeline(p), TimelinePhase::kDecode,
+                               uint32_t(DecodeStep::kMerge));
+    const int parts = kSplits ? p.splits : p.team.world;
+    auto part = [&](int i) {  // part i of the row: split i of this rank, or rank i's (at split 0's place)
+      return kSplits ? part_index(p, p.team.rank, pair, i, row) : part_index(p, i, pair, 0, row);
+    };
     const float* po = p.part_o[parity];
     float2* ml = sm.u.ml[rw];  // the row's (m, l) per part, then (weight, l)
     float mx = kNeg;
     for (int i = wi * 32 + lane; live && i < parts; i += 32 * kWarpsPerRow) {
-      const float2 x = p.part_ml[parity][part_index(p, i, pair, 0, row)];
+      const float2 x = __ldcg(p.part_ml[parity] + part(i));
       ml[i] = x;
       if (x.y > 0.f) mx = fmaxf(mx, x.x);
     }
@@ -499,42 +459,43 @@ struct DecodeKernel {
 #pragma unroll
     for (int k = 0; k < kWarpsPerRow; ++k) total += sm.stat[1][rw * kWarpsPerRow + k];
     constexpr int kPer = kD / 32;  // elements a lane sums: dims [kPer lane, +kPer)
+    using Vec = std::conditional_t<kPer == 4, float4, float2>;
+    static_assert(sizeof(Vec) == kPer * sizeof(float), "a lane's dims in one vector");
     float acc[kPer] = {};
     constexpr int kInFlight = 4;
     for (int i0 = wi; live && i0 < parts; i0 += kWarpsPerRow * kInFlight) {
-      float v[kInFlight][kPer];
+      Vec v[kInFlight];
       float w[kInFlight];
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u) {
         const int i = i0 + u * kWarpsPerRow;
         w[u] = 0.f;
-#pragma unroll
-        for (int e = 0; e < kPer; ++e) v[u][e] = 0.f;
+        v[u] = Vec{};
         if (i < parts) {  // every part was written (an empty one as zeros): no NaN from a zero weight
           w[u] = ml[i].x;
-          const float* src = po + part_index(p, i, pair, 0, row) * kD + kPer * lane;
-          if constexpr (kPer == 4) {
-            const float4 x = *reinterpret_cast<const float4*>(src);
-            v[u][0] = x.x;
-            v[u][1] = x.y;
-            v[u][2] = x.z;
-            v[u][3] = x.w;
-          } else {
-            const float2 x = *reinterpret_cast<const float2*>(src);
-            v[u][0] = x.x;
-            v[u][1] = x.y;
-          }
+          v[u] = __ldcg(reinterpret_cast<const Vec*>(po + part(i) * kD + kPer * lane));
         }
       }
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u)
 #pragma unroll
-        for (int e = 0; e < kPer; ++e) acc[e] = fmaf(w[u], v[u][e], acc[e]);
+        for (int e = 0; e < kPer; ++e) acc[e] = fmaf(w[u], reinterpret_cast<const float*>(&v[u])[e], acc[e]);
     }
-    if constexpr (kWarpsPerRow == 1) {  // the warp has its row's sums: no exchange
-      if (live) {
-        const int qi = row / p.group, head = h * p.group + row % p.group;
-        const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
+    // The row's sums: a lane's dims in acc (one warp a row), or summed over the row's warps in shared memory.
+    const int qi = row / p.group, head = h * p.group + row % p.group;
+    const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
+    const int64_t at = part_index(p, p.team.rank, pair, 0, row);  // kSplits: the merged row's place
+    if constexpr (kWarpsPerRow == 1) {
+      if (live && kSplits) {
+        Vec merged;
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) reinterpret_cast<float*>(&merged)[e] = acc[e];
+        __syncwarp();  // every lane's loads of split 0 before its place is overwritten (this rank merges)
+        for (int dst = first_merger(p); dst < last_merger(p); ++dst) {
+          *reinterpret_cast<Vec*>(p.team.peer_ptr(p.part_o[parity] + at * kD + kPer * lane, dst)) = merged;
+          if (lane == 0) *p.team.peer_ptr(p.part_ml[parity] + at, dst) = make_float2(mx, total);
+        }
+      } else if (live) {
 #pragma unroll
         for (int e = 0; e < kPer; ++e)
           p.out[o * kD + kPer * lane + e] = static_cast<T>(total > 0.f ? acc[e] / total : 0.f);
@@ -544,29 +505,38 @@ struct DecodeKernel {
     } else {
 #pragma unroll
       for (int e = 0; e < kPer; ++e) sm.sum[warp][kPer * lane + e] = acc[e];
-      __syncthreads();
-      const int qi = row / p.group, head = h * p.group + row % p.group;
-      const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
+      __syncthreads();  // also: every warp's loads of split 0 before its place is overwritten
       for (int d = threadIdx.x; d < kD; d += blockDim.x) {
         float x = 0.f;
 #pragma unroll
         for (int w = 0; w < kDecodeWarps; ++w) x += sm.sum[w][d];
+        if (kSplits) {
+          for (int dst = first_merger(p); dst < last_merger(p); ++dst) {
+            *p.team.peer_ptr(p.part_o[parity] + at * kD + d, dst) = x;
+            if (d == 0) *p.team.peer_ptr(p.part_ml[parity] + at, dst) = make_float2(mx, total);
+          }
+          continue;
+        }
         p.out[o * kD + d] = static_cast<T>(total > 0.f ? x / total : 0.f);
         if (d == 0 && p.lse != nullptr)
           p.lse[o] = total > 0.f ? (mx + log2f(total)) * 0.6931471805599453f : -INFINITY;
       }
     }
-    // Every block of the pair has passed its wait once all its rows are counted here: the last block clears
-    // the landed count (and this count) for the call after next of this parity.
+    // kSplits: the block's pushes published. Every block of the pair has passed its wait once all its rows
+    // are counted (in split_done past the phase-1 items, or in merged): the last block clears the counts
+    // for the call after next of this parity.
     __syncthreads();
     if (threadIdx.x == 0) {
+      if (kSplits) publish(p, parity, pair);
       const uint64_t rows = static_cast<uint64_t>(min(kRows, p.rows - r0));
-      uint64_t* merged = p.team.flag(p.merged, parity * kDecodeMaxPairs + pair);
-      if (atomicAdd(reinterpret_cast<unsigned long long*>(merged), rows) + rows == uint64_t(p.rows)) {
+      uint64_t* merged = kSplits ? count : p.team.flag(p.merged, parity * kDecodeMaxPairs + pair);
+      const uint64_t done = kSplits ? target + uint64_t(p.rows) : uint64_t(p.rows);
+      if (atomicAdd(reinterpret_cast<unsigned long long*>(merged), rows) + rows == done) {
         *reinterpret_cast<volatile uint64_t*>(count) = 0;
         *reinterpret_cast<volatile uint64_t*>(merged) = 0;
       }
     }
+    if (kSplits) mark(p, wait_step, true);
   }
 };
 
@@ -586,17 +556,29 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     K::partial(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads, s, rg);
     __syncthreads();  // the shared merge buffers are reused by the next item
   }
-  // Phase 2, on the ranks that merge: a row a block, or a row a warp (DecodeParams::merge_rows, 1 or
-  // kDecodeWarps: another count would overlap rows and never clear the pair's counts).
+  // Phase 2: a row a block, or a row a warp (DecodeParams::merge_rows, 1 or kDecodeWarps: another count
+  // would overlap rows and never clear the pair's counts). With several splits every rank first merges its
+  // own (each block takes the same (pair, row block) items in both loops, in the same order on every rank:
+  // a block's merging waits come after all its split merges, which wait only on this rank's phase 1).
   if (p.merge_rows != 1 && p.merge_rows != kDecodeWarps) __trap();
+  const int row_blocks = K::row_blocks(p);
+  for (int it = blockIdx.x; p.splits > 1 && it < pairs * row_blocks; it += gridDim.x) {
+    const int pair = it / row_blocks, r0 = it % row_blocks * p.merge_rows;
+    if (p.merge_rows == 1)
+      K::template merge<1, true>(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads, r0);
+    else
+      K::template merge<kDecodeWarps, true>(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads,
+                                            r0);
+    __syncthreads();
+  }
   const bool merges = p.out_rank < 0 || p.out_rank == p.team.rank;
-  const int row_blocks = (p.rows + p.merge_rows - 1) / p.merge_rows;
   for (int it = blockIdx.x; merges && it < pairs * row_blocks; it += gridDim.x) {
     const int pair = it / row_blocks, r0 = it % row_blocks * p.merge_rows;
     if (p.merge_rows == 1)
-      K::template merge<1>(p, sm, parity, pair / p.kv_heads, pair % p.kv_heads, r0);
+      K::template merge<1, false>(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads, r0);
     else
-      K::template merge<kDecodeWarps>(p, sm, parity, pair / p.kv_heads, pair % p.kv_heads, r0);
+      K::template merge<kDecodeWarps, false>(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads,
+                                             r0);
     __syncthreads();
   }
   // The call's end, told to every rank: it may push its call + 2 into this rank's inbox of this parity. The
