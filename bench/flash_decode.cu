@@ -30,9 +30,14 @@ double copy_rate(int device, cudaStream_t s) {
   return 2.0 * double(kBytes) / (double(ms) * 1e-3);
 }
 
+struct DecodeRow {
+  double us;
+  std::vector<std::string> cells;
+};
+
 // One row: every local rank's part of the cache (seq / W tokens of each sequence), timed in graphs. On a
 // team with --timeline, one call's in-kernel timeline (TimelinePhase::kDecode's steps) into `timelines`.
-std::vector<std::string> run_case(Context& ctx, Communicator& comm, const std::vector<cudaStream_t>& streams,
+DecodeRow run_case(Context& ctx, Communicator& comm, const std::vector<cudaStream_t>& streams,
                                   const DecodeCase& c, double rate, BenchTeam* team,
                                   std::vector<Table>& timelines) {
   const int W = comm.world(), L = comm.num_local();
@@ -101,7 +106,8 @@ std::vector<std::string> run_case(Context& ctx, Communicator& comm, const std::v
   }
   const double bytes = double(c.batch) * local * c.kv_heads * D * 2 * 2;  // K and V this rank reads
   const double floor_us = bytes / rate * 1e6;
-  return {std::to_string(W),
+  return {us,
+          {std::to_string(W),
           std::to_string(c.batch),
           std::to_string(c.seq),
           fmt("%lld/%lld", (long long)c.heads, (long long)c.kv_heads),
@@ -109,7 +115,7 @@ std::vector<std::string> run_case(Context& ctx, Communicator& comm, const std::v
           one_rank_us,
           fmt("%.1f", floor_us),
           fmt("%.0f", bytes / (us * 1e-6) / 1e9),
-          fmt("%.0f%%", 100.0 * floor_us / us)};
+          fmt("%.0f%%", 100.0 * floor_us / us), "", ""}};
 }
 
 void run_flash_decode(Context& ctx) {
@@ -122,10 +128,11 @@ void run_flash_decode(Context& ctx) {
   Table t(
       fmt("flash_decode, bf16, D 128, q_len 1, on %s and on one GPU", ctx.team_label().c_str()),
       {"GPUs", "batch", "tokens", "heads", "weft us", "out on rank 0 us", "floor us", "KV GB/s per GPU",
-       "floor / weft"},
+       "floor / weft", "local part on one GPU us", "team - local us"},
       fmt("floor = the KV bytes a GPU reads / the device-to-device copy's traffic rate measured in the same "
           "run (%.0f GB/s); the team splits each sequence's cache evenly. Graphs of 20 calls, the slowest "
-          "rank's median.",
+          "rank's median. local part = the same call on one GPU over one rank's share of the tokens "
+          "(issue 55's team target: team <= local + 10 us).",
           rate / 1e9));
   Options one;
   one.devices = {comm.local(0).device()};
@@ -135,11 +142,17 @@ void run_flash_decode(Context& ctx) {
   if (!ctx.timeline_dir.empty()) std::filesystem::create_directories(ctx.timeline_dir);
   for (const DecodeCase& c : cases) {
     ctx.progress("flash_decode: batch %lld tokens %lld, one GPU", (long long)c.batch, (long long)c.seq);
-    t.add(run_case(ctx, *single, one_stream, c, rate, nullptr, timelines));
-    if (comm.world() > 1) {
-      ctx.progress("flash_decode: batch %lld tokens %lld, %d GPUs", (long long)c.batch, (long long)c.seq,
-                   comm.world());
-      t.add(run_case(ctx, comm, team.streams, c, rate, &team, timelines));
+    t.add(run_case(ctx, *single, one_stream, c, rate, nullptr, timelines).cells);
+    const int W = comm.world();
+    if (W > 1) {
+      ctx.progress("flash_decode: batch %lld tokens %lld, %d GPUs", (long long)c.batch, (long long)c.seq, W);
+      DecodeRow row = run_case(ctx, comm, team.streams, c, rate, &team, timelines);
+      DecodeCase part = c;
+      part.seq = (c.seq + W - 1) / W;
+      const double local_us = run_case(ctx, *single, one_stream, part, rate, nullptr, timelines).us;
+      row.cells[9] = fmt("%.1f", local_us);
+      row.cells[10] = fmt("%.1f", row.us - local_us);
+      t.add(row.cells);
     }
   }
   ctx.add(std::move(t));

@@ -399,6 +399,7 @@ struct DecodeKernel {
   //     published (a landed add a row block). Spread over the pair's row blocks (with one row a block, all
   //     four warps share a row's splits), not left to the pair's last phase-1 item: one block merging a pair
   //     alone is a chain of dependent L2 loads (16 us of a 48 us call at batch 1, 64 / 8 heads, 32 splits).
+  //     On a team of one the merged row is final (out and lse), as below.
   //   otherwise (on the ranks that merge): once every rank's partials of the pair have landed, each row's W
   //     parts merged and divided once into out and lse.
   // The kDecodeWarps / kRows warps of a row share its parts (w, w + that, ...), 4 loads in flight: one row a
@@ -485,8 +486,9 @@ struct DecodeKernel {
     const int qi = row / p.group, head = h * p.group + row % p.group;
     const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
     const int64_t at = part_index(p, p.team.rank, pair, 0, row);  // kSplits: the merged row's place
+    const bool push = kSplits && p.team.world > 1;  // else the row is final: out and lse
     if constexpr (kWarpsPerRow == 1) {
-      if (live && kSplits) {
+      if (live && push) {
         Vec merged;
 #pragma unroll
         for (int e = 0; e < kPer; ++e) reinterpret_cast<float*>(&merged)[e] = acc[e];
@@ -510,7 +512,7 @@ struct DecodeKernel {
         float x = 0.f;
 #pragma unroll
         for (int w = 0; w < kDecodeWarps; ++w) x += sm.sum[w][d];
-        if (kSplits) {
+        if (push) {
           for (int dst = first_merger(p); dst < last_merger(p); ++dst) {
             *p.team.peer_ptr(p.part_o[parity] + at * kD + d, dst) = x;
             if (d == 0) *p.team.peer_ptr(p.part_ml[parity] + at, dst) = make_float2(mx, total);
@@ -527,7 +529,7 @@ struct DecodeKernel {
     // for the call after next of this parity.
     __syncthreads();
     if (threadIdx.x == 0) {
-      if (kSplits) publish(p, parity, pair);
+      if (push) publish(p, parity, pair);
       const uint64_t rows = static_cast<uint64_t>(min(kRows, p.rows - r0));
       uint64_t* merged = kSplits ? count : p.team.flag(p.merged, parity * kDecodeMaxPairs + pair);
       const uint64_t done = kSplits ? target + uint64_t(p.rows) : uint64_t(p.rows);
@@ -571,7 +573,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
                                             r0);
     __syncthreads();
   }
-  const bool merges = p.out_rank < 0 || p.out_rank == p.team.rank;
+  // (On a team of one the split merges made out already.)
+  const bool merges = (p.out_rank < 0 || p.out_rank == p.team.rank) && !(p.splits > 1 && p.team.world == 1);
   for (int it = blockIdx.x; merges && it < pairs * row_blocks; it += gridDim.x) {
     const int pair = it / row_blocks, r0 = it % row_blocks * p.merge_rows;
     if (p.merge_rows == 1)
