@@ -19,11 +19,12 @@ TEST(FusedRules, AllGatherMatmulFusedWhereCommunicationOutweighsTheGemm) {
   EXPECT_NE(auto_path(kAG, 8192, 4096, 8192, 2), FusedPath::kFused);  // 2 GPUs: the pipeline won
 }
 
-TEST(FusedRules, SummedMatmulsFusedAtFourAndBelow64MiBAtTwo) {
+TEST(FusedRules, SummedMatmulsFusedAtFourAndUpTo2048RowsAtTwo) {
   EXPECT_EQ(auto_path(kRS, 16384, 8192, 8192, 4), FusedPath::kFused);
   EXPECT_EQ(auto_path(kRS, 32768, 28672, 8192, 4), FusedPath::kFused);  // 2^29.8: every size at 4 GPUs
-  EXPECT_EQ(auto_path(kRS, 2048, 8192, 8192, 2), FusedPath::kFused);    // 2^24
-  EXPECT_NE(auto_path(kRS, 4096, 8192, 8192, 2), FusedPath::kFused);    // 2^25: excluded at 2 GPUs
+  EXPECT_EQ(auto_path(kRS, 2048, 8192, 8192, 2), FusedPath::kFused);
+  EXPECT_EQ(auto_path(kRS, 2048, 28672, 8192, 2), FusedPath::kFused);   // any N up to 2048 rows
+  EXPECT_NE(auto_path(kRS, 4096, 8192, 8192, 2), FusedPath::kFused);    // from 4096 rows: the pipeline
   EXPECT_NE(auto_path(kRS, 1024, 8192, 8192, 3), FusedPath::kFused);    // 3 GPUs: no row
 }
 
