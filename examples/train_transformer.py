@@ -3,7 +3,7 @@ model in plain torch (torch.distributed + SDPA) on the same mesh, from the same 
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     PYTHONPATH=build/python torchrun --nproc_per_node=4 examples/train_transformer.py [--tp 2] [--steps 50]
-        [--layers 8] [--seq 2048] [--lr 0.02] [--emb-scale 4] [--csv FILE] [--plot FILE.png]
+        [--layers 8] [--seq 2048] [--lr 0.02] [--emb-scale 1] [--csv FILE] [--plot FILE.png]
 
 The model: RMSNorm, RoPE, grouped-query attention (16 query heads, 4 KV heads, dim 128), SwiGLU MLPs, every
 second layer a mixture of experts (8 experts, top 2, SwiGLU), tied embeddings; hidden 2048. bf16 compute,
@@ -273,7 +273,7 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048, help="tokens of each sequence per cp rank")
     ap.add_argument("--lr", type=float, default=0.02, help="SGD's learning rate (momentum 0.9)")
-    ap.add_argument("--emb-scale", type=float, default=4.0,
+    ap.add_argument("--emb-scale", type=float, default=1.0,
                     help="the embedding's scale: the logits' spread at the start (1: loss ~ ln(vocab))")
     ap.add_argument("--csv")
     ap.add_argument("--plot")
