@@ -3,7 +3,7 @@ model in plain torch (torch.distributed + SDPA) on the same mesh, from the same 
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     PYTHONPATH=build/python torchrun --nproc_per_node=4 examples/train_transformer.py [--tp 2] [--steps 50]
-        [--layers 8] [--seq 2048] [--lr 0.02] [--emb-scale 1] [--csv FILE] [--plot FILE.png]
+        [--layers 8] [--seq 2048] [--lr 0.02] [--emb-scale 1] [--csv FILE]
 
 The model: RMSNorm, RoPE, grouped-query attention (16 query heads, 4 KV heads, dim 128), SwiGLU MLPs, every
 second layer a mixture of experts (8 experts, top 2, SwiGLU), tied embeddings; hidden 2048. bf16 compute,
@@ -26,7 +26,7 @@ small). At step 0 every model routes each token to the experts the fp32
 model picks (its routing weights still its own): otherwise the tokens whose top 2 flip under bf16 rounding of
 the router scores, a different set in each model, would dominate the gradients' difference. Then
 tokens / s and memory of a training step of each, measured in turns. Rank 0 prints the tables; --csv
-writes the loss curves, --plot draws them with the throughput (matplotlib, where installed).
+writes the loss curves and the throughput, which `scripts/plot_training.py FILE.csv FILE.png` draws.
 """
 import argparse
 import math
@@ -275,8 +275,7 @@ def main():
     ap.add_argument("--lr", type=float, default=0.02, help="SGD's learning rate (momentum 0.9)")
     ap.add_argument("--emb-scale", type=float, default=1.0,
                     help="the embedding's scale: the logits' spread at the start (1: loss ~ ln(vocab))")
-    ap.add_argument("--csv")
-    ap.add_argument("--plot")
+    ap.add_argument("--csv", help="the loss curves and tokens / s (scripts/plot_training.py draws them)")
     args = ap.parse_args()
     comm = weft.init()
     torch.cuda.set_device(comm.device)
@@ -363,37 +362,15 @@ def main():
               f"over its limit: {worst:.2f} (passes <= 1)")
         if args.csv:
             with open(args.csv, "w") as f:
+                f.write(f"# run: cp {cp} x tp {tp}, {world} GPUs, {args.layers} layers, seq {args.seq}, "
+                        f"lr {args.lr}, emb-scale {args.emb_scale}\n")
+                f.write("# tokens_per_s: " + ",".join(f"{n}={v[0]:.0f}" for n, v in perf.items()) + "\n")
                 f.write("step,loss_weft,loss_torch,loss_fp32\n")
                 f.writelines(f"{s},{a},{b},{c}\n" for s, a, b, c in curves)
-        if args.plot:
-            plot(args.plot, curves, perf, f"cp {cp} x tp {tp}, {world} GPUs")
     dist.destroy_process_group()
     if not worst <= 1.0:
         print("FAILED: weft's model is further from the fp32 one than torch's bf16 model is", flush=True)
         sys.exit(1)
-
-
-def plot(path, curves, perf, title):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"(matplotlib is not installed: no plot at {path})")
-        return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    steps = [c[0] for c in curves]
-    a.plot(steps, [c[1] for c in curves], label="weft")
-    a.plot(steps, [c[2] for c in curves], "--", label="torch")
-    a.plot(steps, [c[3] for c in curves], ":", label="torch, fp32")
-    a.set_xlabel("step")
-    a.set_ylabel("loss")
-    a.legend()
-    b.bar(list(perf), [v[0] for v in perf.values()])
-    b.set_ylabel("tokens / s")
-    fig.suptitle(f"train_transformer: {title}")
-    fig.tight_layout()
-    fig.savefig(path)
 
 
 if __name__ == "__main__":
