@@ -540,6 +540,20 @@ struct DecodeKernel {
     }
     if (kSplits) mark(p, wait_step, true);
   }
+
+  // This block's phase-2 items of one form: (pair, row block) from blockIdx.x in steps of the grid.
+  template <bool kSplits>
+  __device__ static void merge_items(const P& p, Smem& sm, int parity, uint64_t call, bool& gated) {
+    const int pairs = p.batch * p.kv_heads, blocks = row_blocks(p);
+    for (int it = blockIdx.x; it < pairs * blocks; it += gridDim.x) {
+      const int pair = it / blocks, r0 = it % blocks * p.merge_rows;
+      if (p.merge_rows == 1)
+        merge<1, kSplits>(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads, r0);
+      else
+        merge<kDecodeWarps, kSplits>(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads, r0);
+      __syncthreads();
+    }
+  }
 };
 
 template <class T, int kD>
@@ -563,27 +577,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // own (each block takes the same (pair, row block) items in both loops, in the same order on every rank:
   // a block's merging waits come after all its split merges, which wait only on this rank's phase 1).
   if (p.merge_rows != 1 && p.merge_rows != kDecodeWarps) __trap();
-  const int row_blocks = K::row_blocks(p);
-  for (int it = blockIdx.x; p.splits > 1 && it < pairs * row_blocks; it += gridDim.x) {
-    const int pair = it / row_blocks, r0 = it % row_blocks * p.merge_rows;
-    if (p.merge_rows == 1)
-      K::template merge<1, true>(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads, r0);
-    else
-      K::template merge<kDecodeWarps, true>(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads,
-                                            r0);
-    __syncthreads();
-  }
+  if (p.splits > 1) K::template merge_items<true>(p, sm, parity, call, gated);
   // (On a team of one the split merges made out already.)
-  const bool merges = (p.out_rank < 0 || p.out_rank == p.team.rank) && !(p.splits > 1 && p.team.world == 1);
-  for (int it = blockIdx.x; merges && it < pairs * row_blocks; it += gridDim.x) {
-    const int pair = it / row_blocks, r0 = it % row_blocks * p.merge_rows;
-    if (p.merge_rows == 1)
-      K::template merge<1, false>(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads, r0);
-    else
-      K::template merge<kDecodeWarps, false>(p, sm, parity, call, gated, pair / p.kv_heads, pair % p.kv_heads,
-                                             r0);
-    __syncthreads();
-  }
+  if ((p.out_rank < 0 || p.out_rank == p.team.rank) && !(p.splits > 1 && p.team.world == 1))
+    K::template merge_items<false>(p, sm, parity, call, gated);
   // The call's end, told to every rank: it may push its call + 2 into this rank's inbox of this parity. The
   // system fence orders this block's reads of the inbox before the last finisher's release.
   if (threadIdx.x == 0) {
