@@ -51,8 +51,10 @@ enum class DecodeStep : uint32_t {
                       // or (several splits) into this rank's inbox
   kWaitPartials = 3,  // a merge item's wait until every rank's partials of its pair have landed
   kMerge = 4,         // the merge of those partials into out and lse
-  kMergeSplits = 5,   // several splits: a merge item's wait for its pair's phase-1 items here, the merge of
-                      // this rank's splits and the push of the result to the merging ranks
+  kMergeSplits = 5,   // several splits: a merge item's wait for its pair's phase-1 items here (and, before
+                      // the block's first push, for the merging ranks' release of the inbox), the merge of
+                      // this rank's splits and the push of the result to the merging ranks (on a team of
+                      // one: the result into out and lse)
 };
 
 inline const char* timeline_phase_name(TimelinePhase p) {

@@ -25,8 +25,8 @@
 // its call n - 2 ended); so nothing overwrites what a slow rank still reads, whichever ranks merged which
 // call, and a count is cleared by its owner before it is used again. No wait can block a phase-1 item of the
 // rank waited for: phase-1 waits are for earlier calls, each block finishes its phase-1 items before its
-// first phase-2 wait (a split merge waits for this rank's phase 1 only, and comes before the block's first
-// wait for peers), and all blocks of every rank are resident.
+// first phase-2 wait (a split merge waits for this rank's phase 1 and for the mergers' call n - 2, and
+// comes before the block's first wait for this call's peers), and all blocks of every rank are resident.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -393,7 +393,8 @@ struct DecodeKernel {
 
   // Rows [r0, r0 + kRows) of a pair (kRows 1 or kDecodeWarps), in two forms that share the arithmetic of a
   // merge (the parts' max, each part's weight, the rescaled sums):
-  //   kSplits (several splits, on every rank): once every phase-1 item of the pair is counted in split_done,
+  //   kSplits (several splits, on every rank): once every phase-1 item of the pair is counted in split_done
+  //     (and, before the block's first push, the merging ranks have released this parity's inbox),
   //     this rank's S split partials of each row merged into one (O = the rescaled sums, m = their max, l =
   //     the rescaled total; not divided) and pushed to every rank that merges at split 0's place, then
   //     published (a landed add a row block). Spread over the pair's row blocks (with one row a block, all
@@ -421,8 +422,9 @@ struct DecodeKernel {
     mark(p, wait_step, false);
     if (threadIdx.x == 0) ok = kSplits ? wait_ge_local(p.team, count, target) : wait_ge(p.team, count, target);
     __syncthreads();
+    const bool push = kSplits && p.team.world > 1;  // else the row is final: out and lse
     bool go = ok;
-    if (kSplits && go && !gated) go = gated = released(p, call, parity);  // before the first push to a peer
+    if (push && go && !gated) go = gated = released(p, call, parity);  // before the first push to a peer
     if (!kSplits || !go) mark(p, wait_step, true);
     if (!go) return;  // recorded; synchronize() reports it
     const TimelineSpan merging(kSplits ? nullptr : timeline(p), TimelinePhase::kDecode,
@@ -485,14 +487,15 @@ struct DecodeKernel {
     // The row's sums: a lane's dims in acc (one warp a row), or summed over the row's warps in shared memory.
     const int qi = row / p.group, head = h * p.group + row % p.group;
     const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
-    const int64_t at = part_index(p, p.team.rank, pair, 0, row);  // kSplits: the merged row's place
-    const bool push = kSplits && p.team.world > 1;  // else the row is final: out and lse
+    // kSplits: the merged row's place, split 0's. Overwriting it here is safe: each lane rewrites only the dims
+    // it loaded, lane 0 the (m, l) it read (kept in shared memory), and with a row a block the stores come
+    // after the block's sum below.
+    const int64_t at = part_index(p, p.team.rank, pair, 0, row);
     if constexpr (kWarpsPerRow == 1) {
       if (live && push) {
         Vec merged;
 #pragma unroll
         for (int e = 0; e < kPer; ++e) reinterpret_cast<float*>(&merged)[e] = acc[e];
-        __syncwarp();  // every lane's loads of split 0 before its place is overwritten (this rank merges)
         for (int dst = first_merger(p); dst < last_merger(p); ++dst) {
           *reinterpret_cast<Vec*>(p.team.peer_ptr(p.part_o[parity] + at * kD + kPer * lane, dst)) = merged;
           if (lane == 0) *p.team.peer_ptr(p.part_ml[parity] + at, dst) = make_float2(mx, total);
@@ -507,7 +510,7 @@ struct DecodeKernel {
     } else {
 #pragma unroll
       for (int e = 0; e < kPer; ++e) sm.sum[warp][kPer * lane + e] = acc[e];
-      __syncthreads();  // also: every warp's loads of split 0 before its place is overwritten
+      __syncthreads();  // also: every warp's loads of split 0 before its place is overwritten below
       for (int d = threadIdx.x; d < kD; d += blockDim.x) {
         float x = 0.f;
 #pragma unroll
