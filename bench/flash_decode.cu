@@ -38,8 +38,7 @@ struct DecodeRow {
 // One row: every local rank's part of the cache (seq / W tokens of each sequence), timed in graphs. On a
 // team with --timeline, one call's in-kernel timeline (TimelinePhase::kDecode's steps) into `timelines`.
 DecodeRow run_case(Context& ctx, Communicator& comm, const std::vector<cudaStream_t>& streams,
-                                  const DecodeCase& c, double rate, BenchTeam* team,
-                                  std::vector<Table>& timelines) {
+                   const DecodeCase& c, double rate, BenchTeam* team, std::vector<Table>& timelines) {
   const int W = comm.world(), L = comm.num_local();
   const int64_t local = (c.seq + W - 1) / W, D = 128;
   const DecodeShape shape{c.batch, 1, c.heads, c.kv_heads, D, local};
@@ -107,15 +106,10 @@ DecodeRow run_case(Context& ctx, Communicator& comm, const std::vector<cudaStrea
   const double bytes = double(c.batch) * local * c.kv_heads * D * 2 * 2;  // K and V this rank reads
   const double floor_us = bytes / rate * 1e6;
   return {us,
-          {std::to_string(W),
-          std::to_string(c.batch),
-          std::to_string(c.seq),
-          fmt("%lld/%lld", (long long)c.heads, (long long)c.kv_heads),
-          fmt("%.1f", us),
-          one_rank_us,
-          fmt("%.1f", floor_us),
-          fmt("%.0f", bytes / (us * 1e-6) / 1e9),
-          fmt("%.0f%%", 100.0 * floor_us / us), "", ""}};
+          {std::to_string(W), std::to_string(c.batch), std::to_string(c.seq),
+           fmt("%lld/%lld", (long long)c.heads, (long long)c.kv_heads), fmt("%.1f", us), one_rank_us,
+           fmt("%.1f", floor_us), fmt("%.0f", bytes / (us * 1e-6) / 1e9),
+           fmt("%.0f%%", 100.0 * floor_us / us), "", ""}};
 }
 
 void run_flash_decode(Context& ctx) {

@@ -370,8 +370,9 @@ struct DecodeKernel {
     // merge<kRows, true> waits for every item of the pair.
     if (threadIdx.x == 0) {
       __threadfence();
-      atomicAdd(reinterpret_cast<unsigned long long*>(p.team.flag(p.split_done, parity * kDecodeMaxPairs + pair)),
-                1ull);
+      atomicAdd(
+          reinterpret_cast<unsigned long long*>(p.team.flag(p.split_done, parity * kDecodeMaxPairs + pair)),
+          1ull);
     }
   }
   // By thread 0, after the block's pushes of a pair's partials: one system fence, then one relaxed add to the
@@ -420,7 +421,8 @@ struct DecodeKernel {
     __shared__ bool ok;
     const DecodeStep wait_step = kSplits ? DecodeStep::kMergeSplits : DecodeStep::kWaitPartials;
     mark(p, wait_step, false);
-    if (threadIdx.x == 0) ok = kSplits ? wait_ge_local(p.team, count, target) : wait_ge(p.team, count, target);
+    if (threadIdx.x == 0)
+      ok = kSplits ? wait_ge_local(p.team, count, target) : wait_ge(p.team, count, target);
     __syncthreads();
     const bool push = kSplits && p.team.world > 1;  // else the row is final: out and lse
     bool go = ok;
@@ -487,9 +489,9 @@ struct DecodeKernel {
     // The row's sums: a lane's dims in acc (one warp a row), or summed over the row's warps in shared memory.
     const int qi = row / p.group, head = h * p.group + row % p.group;
     const int64_t o = (int64_t(b) * p.q_len + qi) * p.heads + head;
-    // kSplits: the merged row's place, split 0's. Overwriting it here is safe: each lane rewrites only the dims
-    // it loaded, lane 0 the (m, l) it read (kept in shared memory), and with a row a block the stores come
-    // after the block's sum below.
+    // kSplits: the merged row's place, split 0's. Overwriting it here is safe: each lane rewrites only the
+    // dims it loaded, lane 0 the (m, l) it read (kept in shared memory), and with a row a block the stores
+    // come after the block's sum below.
     const int64_t at = part_index(p, p.team.rank, pair, 0, row);
     if constexpr (kWarpsPerRow == 1) {
       if (live && push) {
