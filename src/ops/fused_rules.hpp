@@ -11,27 +11,27 @@
 namespace weft::ops {
 
 // The fused kernel, where a row matches: the op (all_gather_matmul, or matmul_reduce_scatter /
-// matmul_all_reduce), the world sizes, and bounds on M, N per rank and M x N per rank (inclusive).
+// matmul_all_reduce), the world sizes, and bounds on M and N per rank (inclusive).
 struct FusedKernelRule {
   bool all_gather;
   int min_world, max_world;
-  int64_t min_m, max_m, max_n_per_rank, max_mn;
+  int64_t min_m, max_m, max_n_per_rank;
   const char* measured;
 };
 inline constexpr int64_t kNoBound = INT64_MAX;
 inline constexpr int kAnyWorld = 1 << 30;
 inline constexpr FusedKernelRule kFusedKernelRules[] = {
     // Communication outweighs the GEMM: N <= 4096 per rank at M >= 8192.
-    {true, 4, kAnyWorld, 8192, kNoBound, 4096, kNoBound,
+    {true, 4, kAnyWorld, 8192, kNoBound, 4096,
      "4 x H200, session 4: 1.47-1.83x cuBLAS + NCCL, the pipeline 1.27-1.54x; at 2 GPUs the pipeline wins "
      "these (session 9: 785.5 vs 857.3 us at 8192^3)"},
     // Every output size.
-    {false, 4, kAnyWorld, 0, kNoBound, kNoBound, kNoBound,
+    {false, 4, kAnyWorld, 0, kNoBound, kNoBound,
      "4 x H200, 2026-11-27 (bench/RESULTS.md, the 4-GPU fused table): the fused kernel beat the ring "
      "pipeline at every shape, M 1024..32768 x N 8192 and 28672 (RS 32768 x 8192 1850.6 vs 1962.5 us, "
      "8192 x 28672 1631.5 vs 1813.4; AR 32768 x 8192 2773.7 vs 3357.7, 8192 x 28672 2416.4 vs 3050.1)"},
     // M <= 2048 at any N; from M = 4096 the pipeline.
-    {false, 2, 2, 0, 2048, kNoBound, kNoBound,
+    {false, 2, 2, 0, 2048, kNoBound,
      "2 x H200, against the ring pipeline: RS 1024 x 8192 116.5 vs 138.3 us, AR 137.6 vs 172.6 (session 10); "
      "2026-11-27 (bench/RESULTS.md, the 2-GPU fused table): RS 2048 x 28672 748.8 vs 806.0, AR 850.3 vs "
      "1025.6; the pipeline wins from M = 4096 (4096 x 8192 RS 434.0 vs 453.2, session 10; 8192 x 8192 AR "
@@ -50,7 +50,7 @@ inline constexpr int64_t kOnePeerAgMaxN = 4096;
 inline FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int64_t k, int world) {
   for (const FusedKernelRule& r : kFusedKernelRules)
     if (r.all_gather == all_gather && world >= r.min_world && world <= r.max_world && m >= r.min_m &&
-        m <= r.max_m && n_per_rank <= r.max_n_per_rank && m * n_per_rank <= r.max_mn)
+        m <= r.max_m && n_per_rank <= r.max_n_per_rank)
       return FusedPath::kFused;
   const uint64_t push_bytes = uint64_t(m / world) * uint64_t(all_gather ? k : n_per_rank) * 2;
   const bool one_peer = world == 2 && !(all_gather && n_per_rank > kOnePeerAgMaxN);
