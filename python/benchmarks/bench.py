@@ -57,6 +57,26 @@ def timed_alternating(fns, iters, rounds=3, reps=3):
     return {k: (statistics.median(per_round[k]) if k in per_round else None) for k in fns}
 
 
+def graphed(fn, warmup=2):
+    """fn captured once in a CUDA graph (after `warmup` eager calls on a side stream, as torch's capture wants):
+    returns the graph's replay, a callable timed like fn without its host time per call. None where the
+    capture fails (printed)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as e:  # a baseline that cannot be captured gets no graph column, not a failed run
+        print(f"  (no CUDA graph: {type(e).__name__}: {e})", flush=True)
+        return None
+    return graph.replay
+
+
 def host_us(fn, calls=200, reps=7):
     """Host time of one call (us): `calls` back-to-back calls, fewer than the launch queue holds, so the host
     never waits for the GPU; median over reps, max over ranks."""
@@ -93,6 +113,8 @@ def try_symm(fn):
 
 
 def fmt(x):
+    if x is None:
+        return "-"
     return f"{x:.1f}" if isinstance(x, float) else str(x)
 
 
@@ -238,9 +260,23 @@ def bench_host_overhead(comm, world):
         "matmul_all_reduce (symmetric a)": lambda: weft.matmul_all_reduce(a_sym, w.t(), out=out[:64]),
         "torch.distributed.all_reduce (for scale)": lambda: dist.all_reduce(x),
     }
+    # Calls that return a new tensor run through weft's torch operators (autograd, torch.compile): eagerly the
+    # operator's implementation is called directly (weft._torch_ops._plain_eager); the last column forces
+    # torch's operator dispatch instead, in the same run.
+    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((1,), 4096, device="cuda", dtype=torch.int32)
+    through_op = {
+        "all_reduce (returns its output)": lambda: weft.all_reduce(x),
+        "matmul_all_reduce (returns its output)": lambda: weft.matmul_all_reduce(a, w.t()),
+        "flash_decode (batch 1, 4096 tokens a rank, 32 / 8 heads)": lambda: weft.flash_decode(q, kv, kv, lens,
+                                                                                               causal=False),
+    }
+    cases.update(through_op)
     # The same calls straight into the extension (pointers and sizes computed beforehand): what the C++ op
     # and pybind11 cost. The Python layer's own overhead is the difference.
-    from weft import _weft
+    from weft import _torch_ops as ops, _weft
 
     stream = torch.cuda.current_stream().cuda_stream
     native = {
@@ -253,10 +289,16 @@ def bench_host_overhead(comm, world):
     for name, fn in cases.items():
         total = host_us(fn)
         row = {"call": name, "host us per call (Python API)": total, "of which C++ op + binding": "-",
-               "Python layer": "-"}
+               "Python layer": "-", "through torch's operator us": "-"}
         if name in native:
             direct = host_us(native[name])
             row["of which C++ op + binding"], row["Python layer"] = direct, total - direct
+        if name in through_op:
+            fast, ops._FAST_PATH = ops._FAST_PATH, False
+            try:
+                row["through torch's operator us"] = host_us(fn)
+            finally:
+                ops._FAST_PATH = fast
         rows.append(row)
     print_table(f"host time per call from Python, {world} GPUs (200 back-to-back calls, median of 7, max over ranks)",
                 rows)

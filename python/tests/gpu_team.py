@@ -11,7 +11,8 @@
 - ring attention and flash attention under torch.compile(fullgraph=True) against eager;
 - an MoE layer (dispatch, per-expert scaling on the GPU, combine): eager against the direct weighted sum,
   torch.compile(fullgraph=True) against eager;
-- errors: the default stream on a virtual rank, bad operands through the torch path.
+- errors: the default stream on a virtual rank, bad operands through the torch path;
+- plain eager calls skip torch's operator dispatch (and only they), with the operator's result.
 Prints one line per case; exits non-zero on the first failure.
 """
 import os
@@ -526,6 +527,42 @@ def errors(team):
     cases += 5
 
 
+def eager_fast_path(team, g):
+    """Plain eager calls run the operator's implementation directly (weft._torch_ops._plain_eager); anything that
+    needs torch's operator (autograd to record, a dispatch or function mode, a subclass, a CPU tensor) goes
+    through it. Both give the same result."""
+    global cases
+    from weft import _torch_ops as ops
+    x = torch.randn(256, device="cuda", dtype=torch.bfloat16, generator=g)
+    assert ops._plain_eager((x, "sum", 0)), "a plain CUDA tensor did not take the fast path"
+    needs_grad = x.clone().requires_grad_()
+    assert not ops._plain_eager((needs_grad,)), "a tensor that needs a gradient took the fast path"
+    with torch.no_grad():
+        assert ops._plain_eager((needs_grad,)), "no_grad: the fast path was not taken"
+    assert not ops._plain_eager((x.cpu(),)), "a CPU tensor took the fast path"
+    assert not ops._plain_eager(([x, torch.nn.Parameter(x.float())],)), "a Parameter in a list took the fast path"
+    with torch.device("cuda"):
+        assert not ops._plain_eager((x,)), "a torch function mode was active and the fast path was taken"
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        assert not ops._plain_eager((x,)), "a dispatch mode was active and the fast path was taken"
+    xs = [torch.randn(1000, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(team.world_size)]
+    op = ops._all_reduce
+    through_op = team.run(lambda c: op._op(xs[c.rank], "sum", c._id))
+    real = op._op
+
+    def refuse(*args):
+        raise AssertionError("a plain eager call went through torch's operator")
+    op._op = refuse
+    try:
+        direct = team.run(lambda c: weft.all_reduce(xs[c.rank], comm=c))
+    finally:
+        op._op = real
+    for r in range(team.world_size):
+        check(f"all_reduce, fast path against the operator: rank {r}", direct[r], through_op[r], 0.0)
+    cases += 7
+
+
 _team = None
 
 
@@ -536,7 +573,7 @@ def main():
         team = _team = weft.virtual_team(w)
         g = torch.Generator(device="cuda").manual_seed(1000 + w)
         before = cases
-        for step in (collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled, hybrid_attention_autograd,
+        for step in (eager_fast_path, collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled, hybrid_attention_autograd,
                      contiguous_shards_attention,
                      moe_compiled, moe_autograd, moe_layer_training, moe_layers_stacked_training):
             step(team, g)

@@ -53,6 +53,61 @@ def emulated():
         EMULATE = before
 
 
+# Eager calls skip torch's operator dispatch. A call through a custom op costs 30-60 us of host time more than
+# its implementation (torch.library's schema handling, the autograd and Python dispatch keys): the whole cost
+# of a decode-sized kernel. Where nothing needs the operator (not tracing or compiling, no dispatch or
+# function mode, no functorch transform, no tensor subclass, no CPU / meta tensor, nothing to record for
+# autograd) the implementation runs directly: the same code, launches and result as through the operator.
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_function_modes = getattr(torch._C, "_len_torch_function_stack", None)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+_FAST_PATH = None not in (_dispatch_modes, _function_modes, _functorch_active)
+
+
+def _plain_tensor(t, grad):
+    return type(t) is Tensor and t.is_cuda and not (grad and t.requires_grad)
+
+
+def _plain_eager(args):
+    """True where calling an operator's implementation directly does what the operator call would."""
+    if not _FAST_PATH or torch.compiler.is_compiling() or _dispatch_modes() or _function_modes() \
+            or _functorch_active():
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, Tensor):
+            if not _plain_tensor(a, grad):
+                return False
+        elif isinstance(a, (list, tuple)):
+            if not all(_plain_tensor(t, grad) for t in a if isinstance(t, Tensor)):
+                return False
+    return True
+
+
+class _Operator:
+    """A torch operator (torch.library.custom_op) called as one: eagerly through its implementation where
+    _plain_eager allows, else through torch. register_fake / register_autograd / ... are the operator's."""
+
+    def __init__(self, op, impl):
+        self._op, self._impl = op, impl
+
+    def __getattr__(self, name):
+        return getattr(self._op, name)
+
+    def __call__(self, *args, **kwargs):
+        if _plain_eager(args) and (not kwargs or _plain_eager(tuple(kwargs.values()))):
+            return self._impl(*args, **kwargs)
+        return self._op(*args, **kwargs)
+
+
+def _operator(name):
+    """@_operator("weft::x") on an implementation: torch.library.custom_op(name, mutates_args=()) with the eager
+    fast path (every weft operator is functional: it writes only the tensors it returns)."""
+    def make(impl):
+        return _Operator(torch.library.custom_op(name, mutates_args=())(impl), impl)
+    return make
+
+
 _ANY = (torch.bfloat16, torch.float16, torch.float32)
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -98,7 +153,7 @@ def _flat_shape(shape, d):
 # ---- collectives --------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("weft::all_reduce", mutates_args=())
+@_operator("weft::all_reduce")
 def _all_reduce(x: Tensor, op: str, comm: int) -> Tensor:
     if EMULATE:
         return x * _world(comm) if op == "sum" else x.clone()
@@ -125,7 +180,7 @@ def _all_reduce_backward(ctx, grad):
 _all_reduce.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
 
 
-@torch.library.custom_op("weft::all_gather", mutates_args=())
+@_operator("weft::all_gather")
 def _all_gather(x: Tensor, dim: int, world: int, comm: int) -> Tensor:
     if EMULATE:
         return torch.cat([x] * world, dim)
@@ -145,7 +200,7 @@ def _(x, dim, world, comm):
     return x.new_empty(shape)
 
 
-@torch.library.custom_op("weft::reduce_scatter", mutates_args=())
+@_operator("weft::reduce_scatter")
 def _reduce_scatter(x: Tensor, dim: int, op: str, world: int, comm: int) -> Tensor:
     if EMULATE:
         return (x.chunk(world, dim)[0] * (world if op == "sum" else 1)).contiguous()
@@ -187,7 +242,7 @@ _all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_se
 _reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduce_scatter_setup)
 
 
-@torch.library.custom_op("weft::all_to_all", mutates_args=())
+@_operator("weft::all_to_all")
 def _all_to_all(x: Tensor, comm: int) -> Tensor:
     if EMULATE:
         return x.clone()
@@ -258,7 +313,7 @@ def _layout(a, b):
                              DTYPES.get(b.dtype, str(b.dtype)), b.is_contiguous(), tuple(b.stride()))
 
 
-@torch.library.custom_op("weft::all_gather_matmul", mutates_args=())
+@_operator("weft::all_gather_matmul")
 def _all_gather_matmul(a: Tensor, b: Tensor, gather: bool, world: int, comm: int) -> tuple[Tensor, Tensor]:
     if EMULATE:
         gathered = torch.cat([a] * world)
@@ -278,7 +333,7 @@ def _(a, b, gather, world, comm):
     return a.new_empty((m, b.shape[1])), a.new_empty((m, k) if gather else (0,))
 
 
-@torch.library.custom_op("weft::matmul_reduce_scatter", mutates_args=())
+@_operator("weft::matmul_reduce_scatter")
 def _matmul_reduce_scatter(a: Tensor, b: Tensor, world: int, comm: int) -> Tensor:
     if EMULATE:
         return (a @ b).chunk(world)[0] * world
@@ -295,7 +350,7 @@ def _(a, b, world, comm):
     return a.new_empty((a.shape[0] // world, b.shape[1]))
 
 
-@torch.library.custom_op("weft::matmul_all_reduce", mutates_args=())
+@_operator("weft::matmul_all_reduce")
 def _matmul_all_reduce(a: Tensor, b: Tensor, comm: int) -> Tensor:
     if EMULATE:
         return (a @ b) * _world(comm)
@@ -408,7 +463,7 @@ def _lse_shape(q, cu_q):
     return (q.shape[0], q.shape[2], q.shape[1]) if cu_q is None else (q.shape[1], q.shape[0])
 
 
-@torch.library.custom_op("weft::flash_attention", mutates_args=())
+@_operator("weft::flash_attention")
 def _flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, cu_seqlens_q: Optional[Tensor],
                      cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                      deterministic: bool) -> tuple[Tensor, Tensor]:
@@ -425,7 +480,7 @@ def _(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("weft::flash_attention_backward", mutates_args=())
+@_operator("weft::flash_attention_backward")
 def _flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                               causal: bool, scale: float, cu_seqlens_q: Optional[Tensor],
                               cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
@@ -477,7 +532,7 @@ def flash_attention(q, k, v, causal, scale, packed, deterministic):
 # are gate / up in blocks of 128 (swiglu_interleave) and the output has N / 2 columns.
 
 
-@torch.library.custom_op("weft::grouped_mm", mutates_args=())
+@_operator("weft::grouped_mm")
 def _grouped_mm(a: Tensor, b: Tensor, group_end: Tensor, b_nk: bool, out_dtype: torch.dtype,
                 zero_unused_rows: bool, activation: str) -> Tensor:
     rows, k = a.shape
@@ -559,7 +614,7 @@ def _context_rows_check(q, method, docs, causal, comm):
                                 "local_seq x world)")
 
 
-@torch.library.custom_op("weft::context_attention", mutates_args=())
+@_operator("weft::context_attention")
 def _context_attention(q: Tensor, k: Tensor, v: Tensor, method: str, docs: list[int], causal: bool, scale: float,
                        comm: int) -> tuple[Tensor, Tensor]:
     _context_rows_check(q, method, docs, causal, comm)
@@ -583,7 +638,7 @@ def _(q, k, v, method, docs, causal, scale, comm):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("weft::context_attention_backward", mutates_args=())
+@_operator("weft::context_attention_backward")
 def _context_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                 method: str, docs: list[int], causal: bool, scale: float,
                                 comm: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -642,7 +697,7 @@ _last_counts = {}  # per communicator id: the counts table of its last dispatch 
 _last_row_source = {}  # per communicator id: its last dispatch's row -> source slot map (the fused combine)
 
 
-@torch.library.custom_op("weft::moe_dispatch", mutates_args=())
+@_operator("weft::moe_dispatch")
 def _moe_dispatch(x: Tensor, experts: Tensor, shape: list[int], world: int,
                   comm: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     tokens, top_k = shape[0], shape[4]
@@ -678,7 +733,7 @@ def _(x, experts, shape, world, comm):
             slots.new_empty((tokens, top_k)))
 
 
-@torch.library.custom_op("weft::moe_combine", mutates_args=())
+@_operator("weft::moe_combine")
 def _moe_combine(expert_out: Tensor, row_of: Tensor, kept: Tensor, weights: Tensor, shape: list[int],
                  comm: int) -> Tensor:
     out = expert_out.new_empty((shape[0], shape[2]))
@@ -721,7 +776,7 @@ def _moe_dispatch_backward(ctx, grad_rows, _grad_ends, _grad_row_of, _grad_kept)
 _moe_dispatch.register_autograd(_moe_dispatch_backward, setup_context=_moe_dispatch_setup)
 
 
-@torch.library.custom_op("weft::moe_combine_backward", mutates_args=())
+@_operator("weft::moe_combine_backward")
 def _moe_combine_backward(dout: Tensor, expert_out: Tensor, row_of: Tensor, kept: Tensor, weights: Tensor,
                           shape: list[int], comm: int) -> tuple[Tensor, Tensor]:
     tokens, top_k = shape[0], shape[4]
@@ -773,7 +828,7 @@ _moe_combine.register_autograd(_moe_combine_backward_fn, setup_context=_moe_comb
 # The second expert GEMM fused with the combine (weft::moe_grouped_gemm_combine), on the rows of the team's
 # last dispatch. Its backward computes the GEMM's output again (one more GEMM), then the combine's backward
 # and the GEMM's.
-@torch.library.custom_op("weft::moe_grouped_mm_combine", mutates_args=())
+@_operator("weft::moe_grouped_mm_combine")
 def _moe_grouped_mm_combine(a: Tensor, b: Tensor, b_nk: bool, group_end: Tensor, row_of: Tensor, kept: Tensor,
                             weights: Tensor, shape: list[int], comm: int) -> Tensor:
     out = a.new_empty((shape[0], shape[2]))
@@ -844,7 +899,7 @@ def moe_combine(expert_out, row_of, kept, weights, shape, comm):
 # The cache tensors pass as they are; block_table / offsets / seq_total may be absent (None).
 
 
-@torch.library.custom_op("weft::flash_decode", mutates_args=())
+@_operator("weft::flash_decode")
 def _flash_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Tensor, block_table: Optional[Tensor],
                   offsets: Optional[Tensor], seq_total: Optional[Tensor], max_local: int, causal: bool, scale: float,
                   comm: int, out_rank: int) -> tuple[Tensor, Tensor]:
@@ -880,7 +935,7 @@ def flash_decode(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, 
 # Arguments checked by weft._fp8's functions; ab: the FP8 type's name ("e4m3" / "e5m2"), kind: the scaling's
 # ("tensor", "rowcol", "block"). b is the .t() view of a contiguous [N, K] weight (its data pointer is the
 # weight's).
-@torch.library.custom_op("weft::scaled_mm", mutates_args=())
+@_operator("weft::scaled_mm")
 def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str, kind: str, out_bf16: bool) -> Tensor:
     (m, k), n = a.shape, b.shape[1]
     out = a.new_empty((m, n), dtype=torch.bfloat16 if out_bf16 else torch.float32)
@@ -900,7 +955,7 @@ def scaled_mm(a, b, scale_a, scale_b, ab, kind, out_bf16):
     return _scaled_mm(a, b, scale_a, scale_b, ab, kind, out_bf16)
 
 
-@torch.library.custom_op("weft::grouped_scaled_mm", mutates_args=())
+@_operator("weft::grouped_scaled_mm")
 def _grouped_scaled_mm(a: Tensor, b: Tensor, group_end: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str,
                        out_bf16: bool) -> Tensor:
     # a and scale_a may be row-strided views (weft.moe_dispatch_fp8's packed rows): their row strides pass on.
@@ -924,7 +979,7 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_bf16):
     return _grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_bf16)
 
 
-@torch.library.custom_op("weft::all_gather_scaled_matmul", mutates_args=())
+@_operator("weft::all_gather_scaled_matmul")
 def _all_gather_scaled_matmul(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str, kind: str, world: int,
                               comm: int) -> Tensor:
     m, k, n = a.shape[0] * world, a.shape[1], b.shape[1]
@@ -945,7 +1000,7 @@ def all_gather_scaled_matmul(a, b, scale_a, scale_b, ab, kind, comm):
     return _all_gather_scaled_matmul(a, b, scale_a, scale_b, ab, kind, comm.world_size, comm._id)
 
 
-@torch.library.custom_op("weft::scaled_matmul_reduce", mutates_args=())
+@_operator("weft::scaled_matmul_reduce")
 def _scaled_matmul_reduce(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str, kind: str,
                           all_reduce: bool, world: int, comm: int) -> Tensor:
     (m, k), n = a.shape, b.shape[1]
@@ -967,7 +1022,7 @@ def scaled_matmul_reduce(a, b, scale_a, scale_b, ab, kind, all_reduce, comm):
     return _scaled_matmul_reduce(a, b, scale_a, scale_b, ab, kind, all_reduce, comm.world_size, comm._id)
 
 
-@torch.library.custom_op("weft::quantize_fp8", mutates_args=())
+@_operator("weft::quantize_fp8")
 def _quantize_fp8(x: Tensor, fp8: str, scaling: str, operand: str, scale_shape: list[int]) -> tuple[Tensor, Tensor]:
     rows, cols = x.shape
     q = torch.empty((rows, cols), dtype=torch.float8_e5m2 if fp8 == "e5m2" else torch.float8_e4m3fn,
