@@ -552,9 +552,10 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
   Communicator& c = ctx.comm();
   const int W = c.world();
   // (1 << 20) + 5 fp32 and (1 << 21) + 5 take broadcast's forwarded kernel (from 4 MiB at W >= 3), with a
-  // short last 16-byte unit.
-  std::vector<size_t> counts = {1, 7, 4096 + 3, 1 << 20, (1 << 21) + 5};
-  if (ctx.quick) counts = {1, 7, 4096 + 3, (1 << 20) + 5};
+  // short last 16-byte unit; (1 << 19) + 24 and 1 << 20 reduce's owned kernel (from 1 MiB in whole 16-byte
+  // units at W <= 8), its last part short.
+  std::vector<size_t> counts = {1, 7, 4096 + 3, (1 << 19) + 24, 1 << 20, (1 << 21) + 5};
+  if (ctx.quick) counts = {1, 7, 4096 + 3, (1 << 19) + 24, (1 << 20) + 5};
   uint64_t seed = 900;
   for (Rooted kind : {Rooted::kBroadcast, Rooted::kScatter, Rooted::kGather, Rooted::kReduce})
     for (DType t : kTypes)
@@ -593,6 +594,44 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
         const std::string err = compare(t, download(c, i, outs[rep]->ptr[i], n * 4), ref, true, W);
         WEFT_EXPECT(err.empty(), "broadcast back to back, call " << rep << " root " << rep % W << " rank "
                                                                  << r.rank() << ": " << err);
+      });
+    c.host_barrier();
+  }
+  // reduce's owned kernel with every rank's buffers at its own alignment (the path must not depend on it):
+  // odd ranks' in 2 bytes past a 16-byte boundary (copied to alignment first), the root's out too (written
+  // after the kernel); back to back from changing roots without a host wait, checked together.
+  {
+    const size_t n = (1 << 19) + 24;
+    const DType t = DType::kBF16;
+    constexpr int kReps = 3;
+    RankBuffers in(c, n * 2 + 16, false);
+    std::vector<std::unique_ptr<RankBuffers>> outs;
+    std::vector<std::vector<char>> inputs;
+    const auto shift = [](int rank) { return rank % 2 ? 2 : 0; };
+    for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, n, r, 2100));
+    for_each_local(c, [&](Rank& r, int i) { upload(c, i, in.ptr[i] + shift(r.rank()), inputs[r.rank()]); });
+    for (int rep = 0; rep < kReps; ++rep) {
+      outs.push_back(std::make_unique<RankBuffers>(c, n * 2 + 16, false));
+      for_each_local(c, [&](Rank&, int i) { poison(c, i, outs.back()->ptr[i], n * 2 + 16); });
+    }
+    c.synchronize();
+    c.host_barrier();
+    for (int rep = 0; rep < kReps; ++rep)
+      for_each_local(c, [&](Rank& r, int i) {
+        reduce(c, r, in.ptr[i] + shift(r.rank()), outs[rep]->ptr[i] + 2 * (rep % 2), n, t, ReduceOp::kSum,
+               rep % W);
+      });
+    c.synchronize();
+    for (int rep = 0; rep < kReps; ++rep)
+      for_each_local(c, [&](Rank& r, int i) {
+        if (r.rank() != rep % W) return;
+        const std::vector<double> ref = reference(n, [&](size_t k) {
+          double sum = 0;
+          for (int q = 0; q < W; ++q) sum += to_float(t, inputs[q].data() + k * 2);
+          return sum;
+        });
+        const std::string err = compare(t, download(c, i, outs[rep]->ptr[i] + 2 * (rep % 2), n * 2), ref, false, W);
+        WEFT_EXPECT(err.empty(), "reduce at mixed alignments, call " << rep << " root " << rep % W << ": " << err);
       });
     c.host_barrier();
   }

@@ -408,6 +408,93 @@ static __global__ void __launch_bounds__(512) forwarded_broadcast_kernel(Forward
   });
 }
 
+// ---- reduce at 2..8 ranks, summed by the non-roots: the root receives each byte once -------------------
+// The data (16-byte units) is cut into W - 1 parts, one per non-root rank, its owner (part j: rank root + 1
+// + j). Block b walks the same chunks of a part on every rank (for_each_chunk over a part's units). Chunk i:
+// every rank pushes its units of each part it does not own into that part's owner (`land`, symmetric: the
+// owner's W - 1 slots of a part, slot k for the sender owner + 1 + k) and sets the owner's landed[b][sender]
+// to (this call's epoch << 32) | (i + 1). The owner's block b waits for its W - 1 senders, reduces its own
+// units and the landed ones in fp32 (its own first, then the slots in order: the same order for every
+// element), pushes the result into the root's `land` at the part's place and sets the root's
+// landed[b][owner]; the root's block b waits for every owner's chunk and copies it to out. Each rank sends
+// and receives about S bytes (an owner receives S, sends (W - 2) / (W - 1) S + S / (W - 1)); the all-reduce
+// and the root's copy moved 2 (W - 1) / W S each way and copied S twice. The epoch is block b's meeting
+// slot's, the same on every rank and growing: a stale or wrapped tag never matches. A unit a block pushes
+// is read before the same block writes it (in place at the root is safe); the next call's entry meeting
+// keeps its pushes out of a slot until this call's reader has left.
+inline constexpr int kOwnedReduceMaxWorld = 8;
+struct OwnedReduce {
+  TeamView team;
+  const uint4* in;  // this rank's data, `units` 16-byte units
+  uint4* land;      // symmetric, (W - 1) x per units: an owner's slots; the root's landing of the result
+  uint4* out;       // the root's out (unused elsewhere)
+  uint64_t units;
+  int root;
+  Flags landed;  // [block * kOwnedReduceMaxWorld + sender]: chunks of block b from `sender` landed (tagged)
+  BarrierSlots slots;
+};
+
+template <Elem E, Reduce R>
+__global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
+  const TeamView& t = x.team;
+  if (!meet(t, x.slots)) return;
+  const uint32_t epoch = static_cast<uint32_t>(*t.barrier_epoch(x.slots[blockIdx.x]));
+  const int W = t.world, parts = W - 1;
+  const uint64_t per = (x.units + parts - 1) / parts;
+  const int mine = t.rank == x.root ? -1 : (t.rank - x.root - 1 + W) % W;  // my part (-1: the root)
+  const auto owner_of = [&](int j) { return (x.root + 1 + j) % W; };
+  const auto flag = [&](int sender) {
+    return t.flag(x.landed, int(blockIdx.x) * kOwnedReduceMaxWorld + sender);
+  };
+  // Units [base, base + len) of the chunk clipped to part j: how many (the last part may be short).
+  const auto clipped = [&](int j, uint64_t base, uint64_t len) -> uint64_t {
+    const uint64_t first = uint64_t(j) * per, end = min(first + per, x.units);
+    return first + base < end ? min(len, end - first - base) : 0;
+  };
+  uint32_t i = 0;
+  for_each_chunk(per, [&](uint64_t base, uint64_t len) {
+    const uint64_t tag = (uint64_t(epoch) << 32) | (i + 1);
+    for (int j = 0; j < parts; ++j) {
+      const uint64_t n = j == mine ? 0 : clipped(j, base, len);
+      if (n == 0) continue;
+      const int o = owner_of(j), slot = (t.rank - o - 1 + W) % W;
+      copy_chunk<16>(Rows{reinterpret_cast<char*>(t.peer_ptr(x.land + slot * per + base, o)), 0},
+                     Rows{reinterpret_cast<char*>(const_cast<uint4*>(x.in + j * per + base)), 0}, 1, n * 16, 0,
+                     n);
+    }
+    __syncthreads();  // the block's pushes, then one release signal per owner covers them
+    if (int(threadIdx.x) < parts && int(threadIdx.x) != mine)
+      signal_set(t, flag(t.rank), owner_of(threadIdx.x), tag);
+    // The owner waits for every sender, the root for every owner: either way every rank but this one.
+    // A failed wait is recorded (synchronize() reports it); the kernel still runs to its end.
+    if (int(threadIdx.x) < W && int(threadIdx.x) != t.rank)
+      (void)wait_until(
+          t, flag(threadIdx.x), tag,
+          [tag](uint64_t v) { return uint32_t(v >> 32) == uint32_t(tag >> 32) && uint32_t(v) >= uint32_t(tag); },
+          [](uint64_t v) { return v; });
+    __syncthreads();
+    if (mine >= 0) {
+      const uint64_t n = clipped(mine, base, len), at = uint64_t(mine) * per + base;
+      uint4* to = t.peer_ptr(x.land + at, x.root);
+      for (uint64_t u = threadIdx.x; u < n; u += blockDim.x) {
+        Pack<E> acc = Pack<E>::load(ld16(x.in + at + u));
+        for (int k = 0; k < parts; ++k) acc.template combine_with<R>(Pack<E>::load(ld16(x.land + k * per + base + u)));
+        st16(to + u, acc.store());
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) signal_set(t, flag(t.rank), x.root, tag);
+    } else if (x.out != x.land) {
+      for (int j = 0; j < parts; ++j) {
+        const uint64_t n = clipped(j, base, len), at = uint64_t(j) * per + base;
+        if (n > 0)
+          copy_chunk<16>(Rows{reinterpret_cast<char*>(x.out + at), 0}, Rows{reinterpret_cast<char*>(x.land + at), 0}, 1,
+                         n * 16, 0, n);
+      }
+    }
+    ++i;
+  });
+}
+
 // ---- all-to-all with variable splits: counts on the device, three kernels ---------------------------
 // 1. counts_kernel (one block): meet; send this rank's row (its in_capacity, out_capacity, whether out goes
 //    through the workspace, then its W send counts) into every rank's table (symmetric, [source][3 + W]
