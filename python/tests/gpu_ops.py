@@ -111,20 +111,13 @@ def main():
         if got_counts.tolist() != recv:
             raise AssertionError(f"all_to_all_v recv_counts {got_counts.tolist()}, want {recv}")
         cases += 1
-    # Process groups as sub-teams (comm=group): the pairs of a (W / 2) x 2 mesh and its columns, all-reduce
-    # and all-gather against torch.distributed over the same group.
+    # Process groups as sub-teams (comm=group): the pairs of a (W / 2) x 2 mesh and its columns.
     if world >= 4 and world % 2 == 0:
         pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
         columns = [dist.new_group(list(range(j, world, 2))) for j in range(2)]
         for name, group in (("pair", pairs[rank // 2]), ("column", columns[rank % 2])):
-            x = torch.randn(1000, 8, device="cuda", dtype=torch.bfloat16, generator=g)
-            want = x.clone()
-            dist.all_reduce(want, group=group)
-            check(f"all_reduce over a {name} group", weft.all_reduce(x, comm=group), want)
-            parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, x, group=group)
-            check(f"all_gather over a {name} group", weft.all_gather(x, comm=group), torch.cat(parts), True)
-            cases += 2
+            cases += check_group_collectives(name, group, g)
+            cases += check_group_ops(name, group, g)
     # Fused matmul ops against torch.distributed + a fp32 torch matmul (weights in nn.Linear layout [N, K],
     # passed as w.t(); also as a contiguous [K, N]).
     for m_shard, n, k in ((128, 256, 256), (256, 264, 136), (200, 128, 64)):
@@ -252,6 +245,117 @@ def main():
     dist.destroy_process_group()
 
 
+def check_group_collectives(name, group, g):
+    """Every collective over a process group (comm=group) against torch.distributed over the same group: roots
+    are the group's ranks (torch's group_src / group_dst). Returns the cases run."""
+    gw, gr = dist.get_world_size(group), dist.get_rank(group)
+    x = torch.randn(1000, 8, device="cuda", dtype=torch.bfloat16, generator=g)
+    want = x.clone()
+    dist.all_reduce(want, group=group)
+    check(f"all_reduce over a {name} group", weft.all_reduce(x, comm=group), want)
+    parts = [torch.empty_like(x) for _ in range(gw)]
+    dist.all_gather(parts, x, group=group)
+    check(f"all_gather over a {name} group", weft.all_gather(x, comm=group), torch.cat(parts), True)
+    x = torch.randn(gw * 8, 40, device="cuda", dtype=torch.bfloat16, generator=g)
+    want = torch.empty(8, 40, device="cuda", dtype=torch.bfloat16)
+    dist.reduce_scatter_tensor(want, x, group=group)
+    check(f"reduce_scatter over a {name} group", weft.reduce_scatter(x, comm=group), want)
+    x = torch.randn(gw * 6, 24, device="cuda", dtype=torch.bfloat16, generator=g)
+    want = torch.empty_like(x)
+    dist.all_to_all_single(want, x, group=group)
+    check(f"all_to_all over a {name} group", weft.all_to_all(x, comm=group), want, True)
+    counts = torch.randint(0, 30, (gw, gw), generator=torch.Generator().manual_seed(17))  # alike on every rank
+    counts[0, gw - 1] = 0
+    send, recv = counts[gr].tolist(), counts[:, gr].tolist()
+    x = torch.randn(sum(send), 24, device="cuda", dtype=torch.bfloat16, generator=g)
+    want = torch.empty(sum(recv), 24, device="cuda", dtype=torch.bfloat16)
+    dist.all_to_all_single(want, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+    out, got = weft.all_to_all_v(x, counts[gr].cuda(), int(counts.sum(0).max()) + 3, comm=group)
+    check(f"all_to_all_v over a {name} group", out[:sum(recv)], want, True)
+    if got.tolist() != recv:
+        raise AssertionError(f"all_to_all_v over a {name} group: recv_counts {got.tolist()}, want {recv}")
+    x = torch.randn(gw * 37, 5, device="cuda", dtype=torch.bfloat16, generator=g)
+    root = gw - 1
+    want = x.clone()
+    dist.broadcast(want, group=group, group_src=root)
+    check(f"broadcast over a {name} group", weft.broadcast(x, root=root, comm=group), want, True)
+    check(f"scatter over a {name} group", weft.scatter(x, root=root, comm=group), want.chunk(gw)[gr], True)
+    parts = [torch.empty_like(x) for _ in range(gw)]
+    dist.all_gather(parts, x, group=group)
+    got = weft.gather(x, root=0, comm=group)
+    if gr == 0:
+        check(f"gather over a {name} group", got, torch.cat(parts), True)
+    # reduce: a small size (the all-reduce path) and one of the owned kernel (1 MiB and up).
+    for n in (999, (1 << 19) + 24):
+        x = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+        want = x.clone()
+        dist.reduce(want, group=group, group_dst=root)
+        got = weft.reduce(x, root=root, comm=group)
+        if gr == root:
+            check(f"reduce of {n} over a {name} group", got, want)
+    return 12
+
+
+def check_group_ops(name, group, g):
+    """The TP matmul ops, ring attention, flash_decode and the MoE dispatch / combine over a process group, against
+    torch over the same group (or a single-GPU reference every rank of the group builds alike). Returns the cases
+    run."""
+    gw, gr = dist.get_world_size(group), dist.get_rank(group)
+    cases = 0
+    m_shard, n, k = 136, 264, 136
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
+    a = torch.randn(m_shard, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    parts = [torch.empty_like(a) for _ in range(gw)]
+    dist.all_gather(parts, a, group=group)
+    want = (torch.cat(parts).float() @ w.float().t()).to(torch.bfloat16)
+    check(f"all_gather_matmul over a {name} group", weft.all_gather_matmul(a, w.t(), comm=group), want)
+    a_full = torch.randn(m_shard * gw, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    total = a_full.float() @ w.float().t()
+    dist.all_reduce(total, group=group)
+    check(f"matmul_all_reduce over a {name} group", weft.matmul_all_reduce(a_full, w.t(), comm=group),
+          total.to(torch.bfloat16))
+    check(f"matmul_reduce_scatter over a {name} group", weft.matmul_reduce_scatter(a_full, w.t(), comm=group),
+          total[gr * m_shard:(gr + 1) * m_shard].to(torch.bfloat16))
+    cases += 3
+    # Ring attention over the group: the group's ranks build the same sequence (a seed per group).
+    ag = torch.Generator(device="cuda").manual_seed(500 + dist.get_global_rank(group, 0))
+    seq, heads, kv_heads, dim = 1000, 2 * gw, gw, 128
+    q, kk, v, dout = (torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16, generator=ag)
+                      for h in (heads, kv_heads, kv_heads, heads))
+    leaves = [t.clone().requires_grad_() for t in (q, kk, v)]
+    ref = weft.flash_attention(*leaves, causal=True)
+    ref.backward(dout)
+    shard = lambda t: weft.ring_shard(t, gw, gr, causal=True, dim=1)  # noqa: E731
+    mine = [shard(t).clone().requires_grad_() for t in (q, kk, v)]
+    out = weft.ring_attention(*mine, causal=True, seq_len=seq, comm=group)
+    out.backward(shard(dout))
+    check(f"ring_attention over a {name} group", out, shard(ref.detach()))
+    for grad_name, got, leaf in zip(("dq", "dk", "dv"), mine, leaves):
+        check(f"ring_attention over a {name} group: {grad_name}", got.grad, shard(leaf.grad))
+    cases += 4
+    cases += check_flash_decode(gr, gw, comm=group)
+    # MoE dispatch, each expert scaling its rows (1 + e / 4), combine, over the group's experts.
+    experts_per_rank, top_k, hidden = 2, 2, 264
+    num_experts = experts_per_rank * gw
+    tokens, max_tokens = 150 + 11 * gr, 150 + 11 * gw
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.randint(-1, num_experts, (tokens, top_k), device="cuda", generator=g, dtype=torch.int32)
+    weights = torch.rand(tokens, top_k, device="cuda", generator=g)
+    d = weft.moe_dispatch(x, ids, num_experts, max_tokens=max_tokens, comm=group)
+    y = weft.moe_combine_input(d)
+    begin = 0
+    for local, end in enumerate(d.group_end.tolist()):
+        y[begin:end] = (d.rows[begin:end].float() * (1 + (gr * experts_per_rank + local) / 4)).to(torch.bfloat16)
+        begin = end
+    scale = 1 + ids.clamp(min=0).float() / 4
+    want = torch.zeros(tokens, hidden, device="cuda")
+    for j in range(top_k):
+        routed = (x.float() * scale[:, j:j + 1]).to(torch.bfloat16).float()
+        want += torch.where(ids[:, j:j + 1] >= 0, weights[:, j:j + 1] * routed, torch.zeros_like(routed))
+    check(f"moe dispatch + combine over a {name} group", weft.moe_combine(y, d, weights), want.to(torch.bfloat16))
+    return cases + 1
+
+
 def check_moe_dispatch_fp8(rank, world, g):
     """weft.moe_dispatch_fp8 against weft.moe_dispatch on the same routing: the FP8 rows and scales are
     quantize_fp8's of the bf16 rows (bit for bit); grouped_scaled_mm on them in place gives the bits it gives on
@@ -330,10 +434,11 @@ def check_all_gather_scaled_matmul(rank, world):
     return cases
 
 
-def check_flash_decode(rank, world):
+def check_flash_decode(rank, world, comm=None):
     """weft.flash_decode over a cache split over the ranks (sequence 0 on the last rank only, sequence 1 evenly)
     against torch SDPA on the whole cache, which every rank builds alike; causal among 2 new tokens, GQA 4:1;
-    contiguous and paged. Returns the cases run."""
+    contiguous and paged. rank / world: of `comm` (a process group, or None: the whole team). Returns the
+    cases run."""
     g = torch.Generator(device="cuda").manual_seed(99)  # the same on every rank
     batch, q_len, heads, kv_heads, dim = 2, 2, 8, 2, 128
     lengths = [3, 777]
@@ -366,7 +471,7 @@ def check_flash_decode(rank, world):
         kc[b, :count[b]] = ks[b][first[b]:first[b] + count[b]]
         vc[b, :count[b]] = vs[b][first[b]:first[b] + count[b]]
     check("flash_decode (contiguous cache split over the ranks)",
-          weft.flash_decode(q, kc, vc, seqlens, cache_offsets=offsets, seq_total=total), want)
+          weft.flash_decode(q, kc, vc, seqlens, cache_offsets=offsets, seq_total=total, comm=comm), want)
     cases += 1
     # Paged: blocks of 16 in reverse order.
     bs = 16
@@ -380,22 +485,24 @@ def check_flash_decode(rank, world):
             kp[blk, t % bs] = ks[b][first[b] + t]
             vp[blk, t % bs] = vs[b][first[b] + t]
     check("flash_decode (paged cache split over the ranks)",
-          weft.flash_decode(q, kp, vp, seqlens, block_table=table, cache_offsets=offsets, seq_total=total), want)
+          weft.flash_decode(q, kp, vp, seqlens, block_table=table, cache_offsets=offsets, seq_total=total,
+                            comm=comm), want)
     cases += 1
     # The result on one rank only (out_rank), each rank in turn, between calls of every rank's result: the others
     # get None, and the calls alternating the two modes keep their inboxes apart.
     for root in range(world):
         got = weft.flash_decode(q, kc, vc, seqlens, cache_offsets=offsets, seq_total=total, out_rank=root,
-                                return_lse=True)
+                                return_lse=True, comm=comm)
         if rank == root:
             check(f"flash_decode (out_rank={root})", got[0], want)
         elif got != (None, None):
             raise AssertionError(f"flash_decode (out_rank={root}) on rank {rank}: {got!r}, not (None, None)")
         check(f"flash_decode (every rank, after out_rank={root})",
-              weft.flash_decode(q, kp, vp, seqlens, block_table=table, cache_offsets=offsets, seq_total=total), want)
+              weft.flash_decode(q, kp, vp, seqlens, block_table=table, cache_offsets=offsets, seq_total=total,
+                                comm=comm), want)
         cases += 2
     try:
-        weft.flash_decode(q, kc, vc, seqlens, cache_offsets=offsets, seq_total=total, out_rank=world)
+        weft.flash_decode(q, kc, vc, seqlens, cache_offsets=offsets, seq_total=total, out_rank=world, comm=comm)
         raise AssertionError("flash_decode with out_rank past the team was not refused")
     except weft.WeftValueError as e:
         if "out_rank" not in str(e):
