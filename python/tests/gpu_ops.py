@@ -35,18 +35,23 @@ def check(name, got, want, exact=False):
 
 
 def main():
+    # weft.init() after torch.distributed's default group: the team's ranks are the group's, and the rendezvous
+    # is authenticated by a secret shared through the group's store. (The other torchrun tests call weft.init()
+    # first: tp_mlp.py, train_transformer.py.)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     comm = weft.init()
     rank, world = comm.rank, comm.world_size
-    # Under torchrun the rendezvous is authenticated by a secret shared through torch's agent store.
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    if not os.environ.get("WEFT_JOB_SECRET") and agent_store and comm.job_secret_from != "torch store":
-        raise AssertionError(f"weft.init() under torchrun took its job secret from {comm.job_secret_from!r}, "
-                             "not torch's store")
+    if (rank, world, comm.device) != (dist.get_rank(), dist.get_world_size(), local):
+        raise AssertionError(f"weft.init() after init_process_group: rank {rank} of {world} on cuda:{comm.device}, "
+                             f"torch's rank {dist.get_rank()} of {dist.get_world_size()} on cuda:{local}")
+    if not os.environ.get("WEFT_JOB_SECRET") and comm.job_secret_from != "torch store":
+        raise AssertionError(f"weft.init() after init_process_group took its job secret from "
+                             f"{comm.job_secret_from!r}, not the default group's store")
     if rank == 0:
         print(f"[rank 0] job secret from: {comm.job_secret_from} (TORCHELASTIC_USE_AGENT_STORE="
               f"{os.environ.get('TORCHELASTIC_USE_AGENT_STORE')})", flush=True)
-    torch.cuda.set_device(comm.device)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", comm.device))
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
     cases = 0
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
