@@ -4,6 +4,8 @@ model in plain torch (torch.distributed + SDPA) on the same mesh, from the same 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     PYTHONPATH=build/python torchrun --nproc_per_node=4 examples/train_transformer.py [--tp 2] [--steps 50]
         [--layers 8] [--seq 2048] [--lr 0.02] [--emb-scale 1] [--csv FILE]
+    CUDA_DEVICE_MAX_CONNECTIONS=32 PYTHONPATH=build/python python3 examples/train_transformer.py --ranks 4 ...
+        (weft's model on 4 virtual ranks of one GPU against the torch models whole on it: correctness only)
 
 The model: RMSNorm, RoPE, grouped-query attention (16 query heads, 4 KV heads, dim 128), SwiGLU MLPs, every
 second layer a mixture of experts (8 experts, top 2, SwiGLU), tied embeddings; hidden 2048. bf16 compute,
@@ -105,29 +107,40 @@ def rope(x, pos):
 class Ops:
     """The communicating pieces of the model: weft's, or plain torch's on the same mesh."""
 
-    def __init__(self, use_weft, mesh, positions, all_positions, dtype=torch.bfloat16):
-        self.weft, self.tp, self.cp = use_weft, mesh.get_group("tp"), mesh.get_group("cp")
+    def __init__(self, use_weft, tp, cp, sizes, tp_rank, positions, all_positions, dtype=torch.bfloat16):
+        """tp, cp: the mesh dimensions' groups (process groups, or weft sub-teams of a virtual team), sizes their
+        (tp, cp) sizes; a dimension of size 1 needs no group (the torch model on one GPU)."""
+        self.weft, self.tp, self.cp = use_weft, tp, cp
         self.dtype = dtype  # of the activations and of the weights' copies the matmuls read
-        self.tp_size, self.cp_size = mesh.size(1), mesh.size(0)
+        (self.tp_size, self.cp_size), self.tp_rank = sizes, tp_rank
         self.pos, self.all_pos = positions, all_positions  # this cp rank's tokens' positions; every cp rank's
         self.routes, self.picked = {}, {}  # MoE layer -> expert ids: to use; chosen by the last forward
+
+    @classmethod
+    def on_mesh(cls, use_weft, mesh, positions, all_positions, dtype=torch.bfloat16):
+        return cls(use_weft, mesh.get_group("tp"), mesh.get_group("cp"), (mesh.size(1), mesh.size(0)),
+                   mesh.get_local_rank(1), positions, all_positions, dtype)
 
     def gather_matmul(self, x, w):  # [rows / tp, K] x [N / tp, K] -> [rows, N / tp]
         if self.weft:
             return weft.all_gather_matmul(x, w.t(), comm=self.tp)
+        if self.tp_size == 1:
+            return x @ w.t()
         return torch.cat(dnn.all_gather(x, group=self.tp)) @ w.t()
 
     def matmul_scatter(self, x, w):  # [rows, K / tp] x [N, K / tp] -> [rows / tp, N], summed over tp
         if self.weft:
             return weft.matmul_reduce_scatter(x, w.t(), comm=self.tp)
+        if self.tp_size == 1:
+            return x @ w.t()
         out = torch.empty(x.shape[0] // self.tp_size, w.shape[0], device=x.device, dtype=x.dtype)
         return dnn.reduce_scatter(out, list((x @ w.t()).chunk(self.tp_size)), group=self.tp)
 
     def attention(self, q, k, v):  # [batch, local_seq, heads, dim], this cp rank's tokens
         if self.weft:
             return weft.ring_attention(q, k, v, causal=True, comm=self.cp)
-        ks = torch.cat(dnn.all_gather(k.contiguous(), group=self.cp), 1)
-        vs = torch.cat(dnn.all_gather(v.contiguous(), group=self.cp), 1)
+        gather = (lambda t: [t]) if self.cp_size == 1 else (lambda t: dnn.all_gather(t.contiguous(), group=self.cp))
+        ks, vs = torch.cat(gather(k), 1), torch.cat(gather(v), 1)
         rep = q.shape[2] // k.shape[2]
         ks, vs = ks.repeat_interleave(rep, 2), vs.repeat_interleave(rep, 2)
         mask = self.pos[:, None] >= self.all_pos[None, :]
@@ -138,8 +151,11 @@ class Ops:
     def moe(self, h, ids, weights, up, down):  # h [rows / tp, H]; this rank's experts' weights
         if self.weft:
             return weft.moe_layer(h, ids, weights, up, down, EXPERTS, comm=self.tp)
-        ups = torch.cat(dnn.all_gather(up.contiguous(), group=self.tp))
-        downs = torch.cat(dnn.all_gather(down.contiguous(), group=self.tp))
+        if self.tp_size == 1:
+            ups, downs = up, down
+        else:
+            ups = torch.cat(dnn.all_gather(up.contiguous(), group=self.tp))
+            downs = torch.cat(dnn.all_gather(down.contiguous(), group=self.tp))
         out = torch.zeros(h.shape, device=h.device, dtype=torch.float32)
         for e in range(EXPERTS):
             tok, slot = (ids == e).nonzero(as_tuple=True)
@@ -156,7 +172,7 @@ def forward(ops, p, tokens, layers):
     tokens [batch, local_seq] (this cp rank's, zigzag); rows split over tp between the blocks."""
     b, s = tokens.shape
     rows = b * s // ops.tp_size
-    tp_rank = dist.get_rank(ops.tp)
+    tp_rank = ops.tp_rank
     mine = tokens.reshape(-1)[tp_rank * rows:(tp_rank + 1) * rows]
     bf = lambda t: t.to(ops.dtype)
     emb = bf(p["emb"])
@@ -266,6 +282,131 @@ def timed_step(fn, reps=5):
     return team_value(statistics.median(times), dist.ReduceOp.MAX)
 
 
+def virtual_rows(cp, tp, cp_rank, tp_rank, seq):
+    """Rank (cp_rank, tp_rank)'s rows as rows of the whole batch (b * seq + position): its zigzag part, then its
+    tp share of those rows (forward's split)."""
+    pos = torch.tensor(weft.ring_shard_indices(cp, cp_rank, causal=True, seq_len=seq), device="cuda")
+    rows = (torch.arange(BATCH, device="cuda")[:, None] * seq + pos[None, :]).reshape(-1)
+    n = rows.numel() // tp
+    return pos, rows[tp_rank * n:(tp_rank + 1) * n]
+
+
+def sum_replicas(ranks, cp, tp):
+    """The virtual team's sync_grads: a weight replicated over a mesh dimension gets the sum of its replicas'
+    gradients over that dimension (rank r = cp_rank x tp + tp_rank)."""
+    for name in ranks[0][0]:
+        for dim in ranks[0][1][name]:
+            size, groups = (tp, [[c * tp + t for t in range(tp)] for c in range(cp)]) if dim == "tp" else \
+                (cp, [[c * tp + t for c in range(cp)] for t in range(tp)])
+            if size == 1:
+                continue
+            for members in groups:
+                total = sum(ranks[r][0][name].grad for r in members)
+                for r in members:
+                    ranks[r][0][name].grad = total.clone()
+
+
+def train_virtual(args):
+    """--ranks W: weft's model on W virtual ranks of this GPU (the mesh's dimensions weft sub-teams: tp the
+    consecutive ranks, cp the ranks tp apart), the torch models (bf16 and the fp32 reference) whole on the same
+    GPU: the same function of the same weights and data, split differently (rounding aside). Losses and step-0
+    gradients checked as in the distributed run; no throughput (the ranks share one GPU). Returns the worst
+    difference over its limit."""
+    world = args.ranks
+    tp = min(args.tp, world)
+    if world % tp or KV_HEADS % tp or EXPERTS % tp or args.seq % 2 or BATCH * args.seq % tp:
+        raise SystemExit(f"--tp {tp} must divide --ranks {world}, {KV_HEADS} and {EXPERTS}; --seq even")
+    cp = world // tp
+    seq = args.seq * cp
+    team = weft.virtual_team(world)
+    w = full_weights(args.layers, seed=1, emb_scale=args.emb_scale)
+    ranks = []  # (params, replicated, ops, momentum, rows of the whole batch)
+    for r in range(world):
+        cp_rank, tp_rank = divmod(r, tp)
+        pos, rows = virtual_rows(cp, tp, cp_rank, tp_rank, seq)
+        params, replicated = shard(w, tp, tp_rank)
+        ops = Ops(True, team[r].subteam(tp, 1), team[r].subteam(cp, tp), (tp, cp), tp_rank, pos, None)
+        ops.team_tokens = BATCH * seq
+        ranks.append((params, replicated, ops, {}, rows))
+    whole = torch.arange(seq, device="cuda")
+    models = {}
+    for name in ("fp32", "torch"):
+        ops = Ops(False, None, None, (1, 1), 0, whole, whole, torch.float32 if name == "fp32" else torch.bfloat16)
+        ops.team_tokens = BATCH * seq
+        models[name] = (shard(w, 1, 0)[0], ops, {})
+    del w
+    fwd = lambda c, params, ops, tokens: forward(ops, params, tokens, args.layers)  # noqa: E731
+    print(f"# train_transformer: {world} virtual ranks of one GPU ({torch.cuda.get_device_name()}), mesh cp {cp} "
+          f"x tp {tp}, {args.layers} layers, hidden {HIDDEN}, batch {BATCH} x {seq} tokens (correctness only)")
+    print("| step | loss, weft | loss, torch | loss, fp32 | weft - fp32, relative | torch - fp32, relative |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    worst = 0.0
+    for it in range(args.steps):
+        tokens, targets = data(seq, 1, 0, seed=1000 + it)
+        losses, grads = {}, {}
+        for name, (params, ops, momentum) in models.items():  # fp32 first: step 0 routes by it
+            ops.targets = targets
+            ops.routes = models["fp32"][1].picked if it == 0 and name != "fp32" else {}
+            loss = forward(ops, params, tokens, args.layers)
+            loss.backward()
+            losses[name] = loss.item()
+            grads[name] = {n: t.grad.detach().clone() for n, t in params.items()} if it == 0 else None
+            step(params, momentum, args.lr)
+        parts = [data(seq, cp, r // tp, seed=1000 + it) for r in range(world)]
+        picked = models["fp32"][1].picked
+        for r, (params, _, ops, _, rows) in enumerate(ranks):
+            ops.targets = parts[r][1]
+            ops.routes = {i: ids[rows] for i, ids in picked.items()} if it == 0 else {}
+        args_of = ([x[0] for x in ranks], [x[2] for x in ranks], [p[0] for p in parts])
+        if it == 0:
+            team.warmup(fwd, *args_of)
+            for params, *_ in ranks:
+                for t in params.values():
+                    t.grad = None
+        loss = sum(team.run(fwd, *args_of))
+        loss.backward()
+        torch.cuda.synchronize()
+        sum_replicas(ranks, cp, tp)
+        losses["weft"] = loss.item()
+        if it == 0:
+            worst = worse(worst, virtual_gradients(ranks, grads, tp))
+        for params, _, _, momentum, _ in ranks:
+            step(params, momentum, args.lr)
+        ref = losses["fp32"]
+        dw, dt = [abs(losses[m] - ref) / abs(ref) for m in ("weft", "torch")]
+        worst = worse(worst, dw / max(TOL, BF16_SLACK * dt))
+        if it < 5 or it % 5 == 4 or it == args.steps - 1:
+            print(f"| {it} | {losses['weft']:.4f} | {losses['torch']:.4f} | {ref:.4f} | {dw:.2e} | {dt:.2e} |")
+    return worst
+
+
+def virtual_gradients(ranks, grads, tp):
+    """check_gradients for the virtual team: every rank's step-0 gradient against the same shard of the whole
+    fp32 model's, beside the torch bf16 model's shard; the largest error over its limit (max over ranks)."""
+    rows = []
+    with torch.no_grad():
+        for r, (params, *_) in enumerate(ranks):
+            rows += gradient_errors(params, shard(grads["fp32"], tp, r % tp)[0], shard(grads["torch"], tp, r % tp)[0],
+                                    r)
+    rows.sort(reverse=True)
+    print("gradients at step 0 against the fp32 model (relative error; the parameters nearest their limits):")
+    for ratio, n, r, ew, et in rows[:4]:
+        print(f"  {n} (rank {r}): weft {ew:.2e}, torch bf16 {et:.2e}, {ratio:.2f} of the limit")
+    return rows[0][0]
+
+
+def gradient_errors(params, want, theirs, r):
+    """(error over its limit, name, rank, weft's error, torch bf16's) of each of rank r's parameters."""
+    rows = []
+    for n, t in params.items():
+        den = want[n].norm().clamp_min(1e-30)
+        ew = ((t.grad.float() - want[n]).norm() / den).item()
+        et = ((theirs[n].float() - want[n]).norm() / den).item()
+        ew = float("inf") if ew != ew else ew
+        rows.append((ew / max(GRAD_TOL, BF16_SLACK * et), n, r, ew, et))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
@@ -276,7 +417,16 @@ def main():
     ap.add_argument("--emb-scale", type=float, default=1.0,
                     help="the embedding's scale: the logits' spread at the start (1: loss ~ ln(vocab))")
     ap.add_argument("--csv", help="the loss curves and tokens / s (scripts/plot_training.py draws them)")
+    ap.add_argument("--ranks", type=int, help="W virtual ranks of one GPU instead of torchrun's processes "
+                    "(correctness only)")
     args = ap.parse_args()
+    if args.ranks is not None:
+        worst = train_virtual(args)
+        print(f"worst loss / gradient difference over its limit: {worst:.2f} (passes <= 1)")
+        if not worst <= 1.0:
+            print("FAILED: weft's model is further from the fp32 one than torch's bf16 model is", flush=True)
+            sys.exit(1)
+        return
     comm = weft.init()
     torch.cuda.set_device(comm.device)
     dist.init_process_group("nccl", device_id=torch.device("cuda", comm.device))
@@ -297,7 +447,7 @@ def main():
     models = {}
     for name in ("fp32", "weft", "torch"):  # fp32 first: step 0 routes by it
         params, replicated = shard(w, tp, tp_rank)
-        ops = Ops(name == "weft", mesh, pos, all_pos, torch.float32 if name == "fp32" else torch.bfloat16)
+        ops = Ops.on_mesh(name == "weft", mesh, pos, all_pos, torch.float32 if name == "fp32" else torch.bfloat16)
         ops.team_tokens = BATCH * seq
         models[name] = (params, replicated, ops, {})
     reference = models["fp32"]

@@ -27,7 +27,8 @@
 #      (dealt round-robin: pair 0,1 runs ~440 s, pair 2,3 ~360 s)
 #   4. --lanes "virtual ranks, W = 2 on" "W = 3" "W = 4" "W = 8" "SM budget" "examples (hello_team"
 #      "find_package" "one process" "python: flash attention" "python: grouped_mm" "python: scaled_mm"
-#      "python: torch operators on virtual" "python: examples/tp_mlp.py trains on virtual" "memcheck, attention"
+#      "python: torch operators on virtual" "python: examples/tp_mlp.py trains on virtual"
+#      "python: examples/train_transformer.py on a virtual" "memcheck, attention"
 #      "racecheck, attention" "synccheck, attention"   (~230 s)
 # Chain the calls (the machine goes back 30 s after a call; a fresh one costs ~50 s and the build again).
 # (--pairs with one pattern uses only the first pair: a section ends before the next one starts.)

@@ -167,6 +167,10 @@ if python3 -c "import torch" 2>/dev/null; then
     step "python: examples/tp_mlp.py trains on virtual teams (W = 2, 4) as plain torch does" "python_tp_mlp" \
       env PYTHONPATH="$build/python" CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_VISIBLE_DEVICES=$one_gpu bash -c \
       "python3 '$root/examples/tp_mlp.py' --ranks 2 && python3 '$root/examples/tp_mlp.py' --ranks 4"
+    step "python: examples/train_transformer.py on a virtual team (cp 2 x tp 2) as plain torch does" \
+      "python_train_transformer_virtual" env PYTHONPATH="$build/python" CUDA_DEVICE_MAX_CONNECTIONS=32 \
+      CUDA_VISIBLE_DEVICES=$one_gpu python3 "$root/examples/train_transformer.py" --ranks 4 --tp 2 --steps 8 \
+      --layers 2 --seq 512
   else
     echo "=== python: the extension module was not built (pybind11 / Python headers missing); skipped"
   fi
