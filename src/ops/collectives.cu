@@ -579,8 +579,8 @@ void run_gather(Call& c, const void* in, void* out, size_t count, DType dtype, i
 const char* const kReduceArea = "reduce: result";
 constexpr uint64_t kOwnedReduceMin = 1 << 20;
 const char* const kReduceLanded = "reduce: chunks landed per block and sender";
-const ResourceDeclaration kReduceResources{
-    {kReduceLanded, ops::kMeetingSlots * coll::kOwnedReduceMaxWorld}};
+constexpr int kReduceLandedFlags = ops::kMeetingSlots * coll::kOwnedReduceMaxWorld;
+const ResourceDeclaration kReduceResources{{kReduceLanded, kReduceLandedFlags}};
 
 // Decided from what every rank knows alike (the world, the size), never from a rank's own pointers.
 bool owned_reduce(const Call& c, uint64_t bytes) {

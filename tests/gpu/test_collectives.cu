@@ -630,8 +630,10 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
           for (int q = 0; q < W; ++q) sum += to_float(t, inputs[q].data() + k * 2);
           return sum;
         });
-        const std::string err = compare(t, download(c, i, outs[rep]->ptr[i] + 2 * (rep % 2), n * 2), ref, false, W);
-        WEFT_EXPECT(err.empty(), "reduce at mixed alignments, call " << rep << " root " << rep % W << ": " << err);
+        const std::string err =
+            compare(t, download(c, i, outs[rep]->ptr[i] + 2 * (rep % 2), n * 2), ref, false, W);
+        WEFT_EXPECT(err.empty(),
+                    "reduce at mixed alignments, call " << rep << " root " << rep % W << ": " << err);
       });
     c.host_barrier();
   }

@@ -459,8 +459,8 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
       if (n == 0) continue;
       const int o = owner_of(j), slot = (t.rank - o - 1 + W) % W;
       copy_chunk<16>(Rows{reinterpret_cast<char*>(t.peer_ptr(x.land + slot * per + base, o)), 0},
-                     Rows{reinterpret_cast<char*>(const_cast<uint4*>(x.in + j * per + base)), 0}, 1, n * 16, 0,
-                     n);
+                     Rows{reinterpret_cast<char*>(const_cast<uint4*>(x.in + j * per + base)), 0}, 1, n * 16,
+                     0, n);
     }
     __syncthreads();  // the block's pushes, then one release signal per owner covers them
     if (int(threadIdx.x) < parts && int(threadIdx.x) != mine)
@@ -470,7 +470,9 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
     if (int(threadIdx.x) < W && int(threadIdx.x) != t.rank)
       (void)wait_until(
           t, flag(threadIdx.x), tag,
-          [tag](uint64_t v) { return uint32_t(v >> 32) == uint32_t(tag >> 32) && uint32_t(v) >= uint32_t(tag); },
+          [tag](uint64_t v) {
+            return uint32_t(v >> 32) == uint32_t(tag >> 32) && uint32_t(v) >= uint32_t(tag);
+          },
           [](uint64_t v) { return v; });
     __syncthreads();
     if (mine >= 0) {
@@ -478,7 +480,8 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
       uint4* to = t.peer_ptr(x.land + at, x.root);
       for (uint64_t u = threadIdx.x; u < n; u += blockDim.x) {
         Pack<E> acc = Pack<E>::load(ld16(x.in + at + u));
-        for (int k = 0; k < parts; ++k) acc.template combine_with<R>(Pack<E>::load(ld16(x.land + k * per + base + u)));
+        for (int k = 0; k < parts; ++k)
+          acc.template combine_with<R>(Pack<E>::load(ld16(x.land + k * per + base + u)));
         st16(to + u, acc.store());
       }
       __syncthreads();
@@ -487,8 +490,8 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
       for (int j = 0; j < parts; ++j) {
         const uint64_t n = clipped(j, base, len), at = uint64_t(j) * per + base;
         if (n > 0)
-          copy_chunk<16>(Rows{reinterpret_cast<char*>(x.out + at), 0}, Rows{reinterpret_cast<char*>(x.land + at), 0}, 1,
-                         n * 16, 0, n);
+          copy_chunk<16>(Rows{reinterpret_cast<char*>(x.out + at), 0},
+                         Rows{reinterpret_cast<char*>(x.land + at), 0}, 1, n * 16, 0, n);
       }
     }
     ++i;
