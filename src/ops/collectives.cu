@@ -630,6 +630,8 @@ void run_reduce(Call& c, const void* in, void* out, size_t count, DType dtype, R
   const bool is_root = c.rank.rank() == root;
   c.check_buffer(in, "in", bytes, dtype_size(dtype));
   if (is_root) c.check_buffer(out, "out", bytes, dtype_size(dtype));
+  if (is_root && in != out && Call::overlap(in, bytes, out, bytes))
+    c.fail("in and out overlap without being equal");
   if (c.alone(in, out, bytes)) return;
   if (owned_reduce(c, bytes)) return launch_owned_reduce(c, in, out, bytes, dtype, op, root);
   // in copied into the area and reduced in place there: every rank's input then sits at the same offset

@@ -598,18 +598,21 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
     c.host_barrier();
   }
   // reduce's owned kernel with every rank's buffers at its own alignment (the path must not depend on it):
-  // odd ranks' in 2 bytes past a 16-byte boundary (copied to alignment first), the root's out too (written
-  // after the kernel); back to back from changing roots without a host wait, checked together.
+  // odd ranks' in 2 bytes past a 16-byte boundary (copied to alignment first), the root's out shifted in
+  // calls 2 and 3 (written after the kernel), so that the root meets each mix of aligned and shifted in and
+  // out; back to back from changing roots without a host wait, call 3 a max, checked together.
   {
     const size_t n = (1 << 19) + 24;
     const DType t = DType::kBF16;
-    constexpr int kReps = 3;
+    constexpr int kReps = 4;
     RankBuffers in(c, n * 2 + 16, false);
     std::vector<std::unique_ptr<RankBuffers>> outs;
     std::vector<std::vector<char>> inputs;
-    const auto shift = [](int rank) { return rank % 2 ? 2 : 0; };
+    const auto in_shift = [](int rank) { return rank % 2 ? 2 : 0; };
+    const auto out_shift = [](int rep) { return rep / 2 % 2 ? 2 : 0; };
+    const auto op_of = [](int rep) { return rep == 3 ? ReduceOp::kMax : ReduceOp::kSum; };
     for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, n, r, 2100));
-    for_each_local(c, [&](Rank& r, int i) { upload(c, i, in.ptr[i] + shift(r.rank()), inputs[r.rank()]); });
+    for_each_local(c, [&](Rank& r, int i) { upload(c, i, in.ptr[i] + in_shift(r.rank()), inputs[r.rank()]); });
     for (int rep = 0; rep < kReps; ++rep) {
       outs.push_back(std::make_unique<RankBuffers>(c, n * 2 + 16, false));
       for_each_local(c, [&](Rank&, int i) { poison(c, i, outs.back()->ptr[i], n * 2 + 16); });
@@ -618,7 +621,7 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
     c.host_barrier();
     for (int rep = 0; rep < kReps; ++rep)
       for_each_local(c, [&](Rank& r, int i) {
-        reduce(c, r, in.ptr[i] + shift(r.rank()), outs[rep]->ptr[i] + 2 * (rep % 2), n, t, ReduceOp::kSum,
+        reduce(c, r, in.ptr[i] + in_shift(r.rank()), outs[rep]->ptr[i] + out_shift(rep), n, t, op_of(rep),
                rep % W);
       });
     c.synchronize();
@@ -626,14 +629,18 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
       for_each_local(c, [&](Rank& r, int i) {
         if (r.rank() != rep % W) return;
         const std::vector<double> ref = reference(n, [&](size_t k) {
-          double sum = 0;
-          for (int q = 0; q < W; ++q) sum += to_float(t, inputs[q].data() + k * 2);
-          return sum;
+          double v = to_float(t, inputs[0].data() + k * 2);
+          for (int q = 1; q < W; ++q) {
+            const double x = to_float(t, inputs[q].data() + k * 2);
+            v = op_of(rep) == ReduceOp::kMax ? std::max(v, x) : v + x;
+          }
+          return v;
         });
-        const std::string err =
-            compare(t, download(c, i, outs[rep]->ptr[i] + 2 * (rep % 2), n * 2), ref, false, W);
-        WEFT_EXPECT(err.empty(),
-                    "reduce at mixed alignments, call " << rep << " root " << rep % W << ": " << err);
+        const std::string err = compare(t, download(c, i, outs[rep]->ptr[i] + out_shift(rep), n * 2), ref,
+                                        op_of(rep) == ReduceOp::kMax, W);
+        WEFT_EXPECT(err.empty(), "reduce at mixed alignments, call " << rep << " root " << rep % W << " in shifted "
+                                                                     << in_shift(rep % W) << " out shifted "
+                                                                     << out_shift(rep) << ": " << err);
       });
     c.host_barrier();
   }
@@ -642,6 +649,9 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
   RankBuffers b(c, 64, true);
   WEFT_EXPECT_ERROR(broadcast(c, r, b.ptr[0], b.ptr[0], 4, DType::kFP32, W), "is not a rank of this team");
   WEFT_EXPECT_ERROR(gather(c, r, b.ptr[0], b.ptr[0], 4, DType::kFP32, -1), "is not a rank of this team");
+  // A root's in and out that overlap without being equal (refused before anything is queued).
+  WEFT_EXPECT_ERROR(reduce(c, r, b.ptr[0], b.ptr[0] + 4, 4, DType::kFP32, ReduceOp::kSum, r.rank()),
+                    "overlap without being equal");
 }
 
 // all_to_all_v: random split sizes (zeros included) with the counts on the device, symmetric and device

@@ -416,7 +416,8 @@ static __global__ void __launch_bounds__(512) forwarded_broadcast_kernel(Forward
 // to (this call's epoch << 32) | (i + 1). The owner's block b waits for its W - 1 senders, reduces its own
 // units and the landed ones in fp32 (its own first, then the slots in order: the same order for every
 // element), pushes the result into the root's `land` at the part's place and sets the root's
-// landed[b][owner]; the root's block b waits for every owner's chunk and copies it to out. Each rank sends
+// landed[b][owner]; the root's block b waits for every owner's chunk and copies it to out (each block pushes
+// chunk i before it settles chunk i - 1: one chunk in flight). Each rank sends
 // and receives about S bytes (an owner receives S, sends (W - 2) / (W - 1) S + S / (W - 1)); the all-reduce
 // and the root's copy moved 2 (W - 1) / W S each way and copied S twice. The epoch is block b's meeting
 // slot's, the same on every rank and growing: a stale or wrapped tag never matches. A unit a block pushes
@@ -451,9 +452,9 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
     const uint64_t first = uint64_t(j) * per, end = min(first + per, x.units);
     return first + base < end ? min(len, end - first - base) : 0;
   };
-  uint32_t i = 0;
-  for_each_chunk(per, [&](uint64_t base, uint64_t len) {
-    const uint64_t tag = (uint64_t(epoch) << 32) | (i + 1);
+  const auto tag = [&](uint32_t i) { return (uint64_t(epoch) << 32) | (i + 1); };
+  // Chunk i's pushes into the owners, then one release signal per owner covers them.
+  const auto push = [&](uint32_t i, uint64_t base, uint64_t len) {
     for (int j = 0; j < parts; ++j) {
       const uint64_t n = j == mine ? 0 : clipped(j, base, len);
       if (n == 0) continue;
@@ -462,16 +463,21 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
                      Rows{reinterpret_cast<char*>(const_cast<uint4*>(x.in + j * per + base)), 0}, 1, n * 16,
                      0, n);
     }
-    __syncthreads();  // the block's pushes, then one release signal per owner covers them
+    __syncthreads();
     if (int(threadIdx.x) < parts && int(threadIdx.x) != mine)
-      signal_set(t, flag(t.rank), owner_of(threadIdx.x), tag);
-    // The owner waits for every sender, the root for every owner: either way every rank but this one.
-    // A failed wait is recorded (synchronize() reports it); the kernel still runs to its end.
+      signal_set(t, flag(t.rank), owner_of(threadIdx.x), tag(i));
+  };
+  // Chunk i once it has landed: an owner reduces it and pushes the result to the root, the root copies the
+  // results to out. The owner waits for every sender, the root for every owner: either way every rank but
+  // this one (flags only grow within a call: a later chunk's tag passes an earlier chunk's wait). A failed
+  // wait is recorded (synchronize() reports it); the kernel still runs to its end.
+  const auto settle = [&](uint32_t i, uint64_t base, uint64_t len) {
+    const uint64_t want = tag(i);
     if (int(threadIdx.x) < W && int(threadIdx.x) != t.rank)
       (void)wait_until(
-          t, flag(threadIdx.x), tag,
-          [tag](uint64_t v) {
-            return uint32_t(v >> 32) == uint32_t(tag >> 32) && uint32_t(v) >= uint32_t(tag);
+          t, flag(threadIdx.x), want,
+          [want](uint64_t v) {
+            return uint32_t(v >> 32) == uint32_t(want >> 32) && uint32_t(v) >= uint32_t(want);
           },
           [](uint64_t v) { return v; });
     __syncthreads();
@@ -485,7 +491,7 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
         st16(to + u, acc.store());
       }
       __syncthreads();
-      if (threadIdx.x == 0) signal_set(t, flag(t.rank), x.root, tag);
+      if (threadIdx.x == 0) signal_set(t, flag(t.rank), x.root, want);
     } else if (x.out != x.land) {
       for (int j = 0; j < parts; ++j) {
         const uint64_t n = clipped(j, base, len), at = uint64_t(j) * per + base;
@@ -494,8 +500,19 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
                          Rows{reinterpret_cast<char*>(x.land + at), 0}, 1, n * 16, 0, n);
       }
     }
+  };
+  // One chunk in flight: chunk i is pushed before chunk i - 1 is settled, so the links carry chunk i while
+  // the block waits for chunk i - 1's senders (the root: its owners) instead of a round trip per chunk.
+  uint32_t i = 0;
+  uint64_t last_base = 0, last_len = 0;
+  for_each_chunk(per, [&](uint64_t base, uint64_t len) {
+    push(i, base, len);
+    if (i > 0) settle(i - 1, last_base, last_len);
+    last_base = base;
+    last_len = len;
     ++i;
   });
+  if (i > 0) settle(i - 1, last_base, last_len);
 }
 
 // ---- all-to-all with variable splits: counts on the device, three kernels ---------------------------

@@ -96,8 +96,11 @@ void all_to_all_v(Communicator& comm, Rank& rank, const void* in, const int64_t*
 //   reduce     the root's out = op over ranks of in (count elements each).
 // broadcast pushes into every rank's out directly when out is symmetric (the same buffer on every rank; out
 // symmetric on every rank or on none: then through the workspace); scatter and gather land in the
-// workspace, then in out; reduce runs the all-reduce into a workspace area of its own and copies the result
-// to the root's out. 16-byte aligned buffers move in 16-byte accesses, others in 2-byte ones.
+// workspace, then in out. reduce from 1 MiB in whole 16-byte units at 2..8 ranks: each non-root sums one
+// part from every rank and pushes it to the root (each rank sends and receives about count elements); below,
+// or past 8 ranks: the all-reduce into a workspace area of its own, then a copy to the root's out. in and out
+// at the root are equal (in place) or apart. 16-byte aligned buffers move in 16-byte accesses, others in
+// 2-byte ones.
 void broadcast(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, int root,
                cudaStream_t stream = nullptr);
 void scatter(Communicator& comm, Rank& rank, const void* in, void* out, size_t count, DType dtype, int root,
