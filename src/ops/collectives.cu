@@ -450,11 +450,28 @@ void run_all_to_all(Call& c, const void* in, void* out, size_t count_per_rank, D
 
 // The pushes are dealt in 16-byte units whatever each rank's buffers allow (coll::copy_dealt), so no
 // alignment needs to agree across ranks. The grid is sized by what the busiest rank moves.
+// Through the workspace at up to 8 ranks, each chunk is copied out as it lands (coll::rooted_landed_kernel);
+// otherwise the receivers copy out after an exit meeting (coll::rooted_kernel). Both choices depend only on
+// what every rank knows alike (the world size; via_workspace: out symmetric on every rank or on none).
+const char* const kRootedLanded = "rooted collectives: chunks landed per block and sender";
+constexpr int kRootedLandedFlags = ops::kMeetingSlots * coll::kRootedLandedMaxWorld;
+const ResourceDeclaration kRootedResources{{kRootedLanded, kRootedLandedFlags}};
+
 void launch_rooted(Call& c, const coll::Rooted& r, uint64_t busiest_bytes, const char* name) {
   const int g = c.blocks(busiest_bytes);
-  if (c.planned(std::string(name) + (r.x.via_workspace ? " via workspace" : ""), g)) return;
-  detail::preload<&coll::rooted_kernel>();
-  coll::rooted_kernel<<<g, kThreads, 0, c.stream>>>(r);
+  const bool landed = r.x.via_workspace && c.rank.world() <= coll::kRootedLandedMaxWorld;
+  if (c.planned(std::string(name) + (landed ? " via workspace, copied out as it lands"
+                                     : r.x.via_workspace ? " via workspace"
+                                                         : ""),
+                g))
+    return;
+  if (landed) {
+    detail::preload<&coll::rooted_landed_kernel>();
+    coll::rooted_landed_kernel<<<g, kThreads, 0, c.stream>>>(r, c.comm.resources(c.rank, kRootedLanded).flags);
+  } else {
+    detail::preload<&coll::rooted_kernel>();
+    coll::rooted_kernel<<<g, kThreads, 0, c.stream>>>(r);
+  }
   c.launched();
 }
 

@@ -324,6 +324,78 @@ static __global__ void __launch_bounds__(512) rooted_kernel(Rooted r) {
   }
 }
 
+// ---- rooted through the workspace at up to 8 ranks: each chunk copied out as it lands ---------------------
+// The same exchange as rooted_kernel with via_workspace, without its exit meeting: a sender's block b tags
+// the receiver's flag landed[b][sender] with (this call's epoch << 32) | (i + 1) after its chunk i (the
+// chunks of copy_dealt's dealing, the same on every rank), and the receiver's block b copies chunk i out of
+// the workspace once every sender's tag has reached it, while the later chunks are still in flight. A rank
+// only sends (the root of a broadcast or scatter; a gather's non-roots) or only receives (the others; a
+// gather's root, which also copies its own part), so no wait depends on one of its own. The epoch is block
+// b's meeting slot's, the same on every rank and growing: a stale or wrapped tag never matches; the next
+// call's entry meeting keeps its pushes out of the workspace until this call's receivers have left.
+inline constexpr int kRootedLandedMaxWorld = 8;
+
+static __global__ void __launch_bounds__(512) rooted_landed_kernel(Rooted r, Flags landed) {
+  const Exchange& x = r.x;
+  const TeamView& t = x.team;
+  if (!meet(t, x.slots)) return;
+  const uint32_t epoch = static_cast<uint32_t>(*t.barrier_epoch(x.slots[blockIdx.x]));
+  const auto flag = [&](int sender) {
+    return t.flag(landed, int(blockIdx.x) * kRootedLandedMaxWorld + sender);
+  };
+  const auto tag = [&](uint32_t i) { return (uint64_t(epoch) << 32) | (i + 1); };
+  const uint64_t units = (x.row_bytes + 15) / 16;
+  // The root's own part goes straight to its final place (skipped in place), beside its first push.
+  const char* own_src = x.src.base + x.src_peer_step * t.rank;
+  char* own_dst = x.final_dst.base + x.final_peer_step * t.rank;
+  const bool own = t.rank == r.root && own_dst != own_src;
+  const uintptr_t own_align = align_of(own_dst, own_src);
+  const bool sends = r.from_root == (t.rank == r.root);
+  if (sends) {
+    bool first = true;
+    for (int k = 1; k < t.world; ++k) {  // the peers one at a time, staggered by rank (gather: the root)
+      const int to = (t.rank + k) % t.world;
+      if (!r.from_root && to != r.root) continue;
+      char* to_dst = t.peer_ptr(x.dst.base + x.dst_peer_step * t.rank, to);
+      const char* to_src = x.src.base + x.src_peer_step * to;
+      const uintptr_t align = align_of(to_dst, to_src);
+      uint32_t i = 0;
+      for_each_chunk(units, [&](uint64_t base, uint64_t len) {
+        copy_units(to_dst, to_src, x.row_bytes, base, len, align);
+        if (first && own) copy_units(own_dst, own_src, x.row_bytes, base, len, own_align);
+        __syncthreads();  // the block's chunk, then one release signal covers it
+        if (threadIdx.x == 0) signal_set(t, flag(t.rank), to, tag(i));
+        ++i;
+      });
+      first = false;
+    }
+    return;
+  }
+  // A receiver: the root's part (broadcast, scatter), or at a gather's root every other rank's.
+  const auto sender = [&](int q) { return q != t.rank && (!r.from_root || q == r.root); };
+  uint32_t i = 0;
+  for_each_chunk(units, [&](uint64_t base, uint64_t len) {
+    if (own) copy_units(own_dst, own_src, x.row_bytes, base, len, own_align);
+    const uint64_t want = tag(i);
+    // A failed wait is recorded (synchronize() reports it); the copies still run, so the kernel ends.
+    if (int(threadIdx.x) < t.world && sender(threadIdx.x))
+      (void)wait_until(
+          t, flag(threadIdx.x), want,
+          [want](uint64_t v) {
+            return uint32_t(v >> 32) == uint32_t(want >> 32) && uint32_t(v) >= uint32_t(want);
+          },
+          [](uint64_t v) { return v; });
+    __syncthreads();
+    for (int q = 0; q < t.world; ++q) {
+      if (!sender(q)) continue;
+      char* to = x.final_dst.base + x.final_peer_step * q;
+      const char* from = x.dst.base + x.dst_peer_step * q;
+      copy_units(to, from, x.row_bytes, base, len, align_of(to, from));
+    }
+    ++i;
+  });
+}
+
 // ---- broadcast at 3+ ranks, forwarded: the root sends each byte once ------------------------------------
 // The data is cut into W - 1 parts, one per non-root rank (part j for rank root + 1 + j). Each block walks
 // the same chunks of a part on every rank (for_each_chunk over a part's units; parts may differ in length
