@@ -450,21 +450,19 @@ void run_all_to_all(Call& c, const void* in, void* out, size_t count_per_rank, D
 
 // The pushes are dealt in 16-byte units whatever each rank's buffers allow (coll::copy_dealt), so no
 // alignment needs to agree across ranks. The grid is sized by what the busiest rank moves.
-// Through the workspace at up to 8 ranks, each chunk is copied out as it lands (coll::rooted_landed_kernel);
-// otherwise the receivers copy out after an exit meeting (coll::rooted_kernel). Both choices depend only on
-// what every rank knows alike (the world size; via_workspace: out symmetric on every rank or on none).
+// At up to 8 ranks the receivers wait for per-chunk tags instead of an exit meeting, copying each chunk out of
+// the workspace as it lands (coll::rooted_landed_kernel); past 8, coll::rooted_kernel. Both choices depend only
+// on what every rank knows alike (the world size; via_workspace: out symmetric on every rank or on none).
 const char* const kRootedLanded = "rooted collectives: chunks landed per block and sender";
 constexpr int kRootedLandedFlags = ops::kMeetingSlots * coll::kRootedLandedMaxWorld;
 const ResourceDeclaration kRootedResources{{kRootedLanded, kRootedLandedFlags}};
 
 void launch_rooted(Call& c, const coll::Rooted& r, uint64_t busiest_bytes, const char* name) {
   const int g = c.blocks(busiest_bytes);
-  const bool landed = r.x.via_workspace && c.rank.world() <= coll::kRootedLandedMaxWorld;
-  if (c.planned(std::string(name) + (landed ? " via workspace, copied out as it lands"
-                                     : r.x.via_workspace ? " via workspace"
-                                                         : ""),
-                g))
-    return;
+  const bool landed = c.rank.world() <= coll::kRootedLandedMaxWorld;
+  const char* how = landed ? (r.x.via_workspace ? " via workspace, copied out as it lands" : ", tagged per chunk")
+                           : (r.x.via_workspace ? " via workspace" : "");
+  if (c.planned(std::string(name) + how, g)) return;
   if (landed) {
     detail::preload<&coll::rooted_landed_kernel>();
     coll::rooted_landed_kernel<<<g, kThreads, 0, c.stream>>>(r, c.comm.resources(c.rank, kRootedLanded).flags);

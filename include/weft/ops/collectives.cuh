@@ -324,11 +324,12 @@ static __global__ void __launch_bounds__(512) rooted_kernel(Rooted r) {
   }
 }
 
-// ---- rooted through the workspace at up to 8 ranks: each chunk copied out as it lands ---------------------
-// The same exchange as rooted_kernel with via_workspace, without its exit meeting: a sender's block b tags
-// the receiver's flag landed[b][sender] with (this call's epoch << 32) | (i + 1) after its chunk i (the
-// chunks of copy_dealt's dealing, the same on every rank), and the receiver's block b copies chunk i out of
-// the workspace once every sender's tag has reached it, while the later chunks are still in flight. A rank
+// ---- rooted at up to 8 ranks: each chunk copied out as it lands, no exit meeting --------------------------
+// The same exchange as rooted_kernel without its exit meeting: a sender's block b tags the receiver's flag
+// landed[b][sender] with (this call's epoch << 32) | (i + 1) after its chunk i (the chunks of copy_dealt's
+// dealing, the same on every rank); through the workspace, the receiver's block b copies chunk i out once
+// every sender's tag has reached it, while the later chunks are still in flight; into symmetric outs (a
+// broadcast's), it waits for its last chunk's tags only (flags only grow within a call). A rank
 // only sends (the root of a broadcast or scatter; a gather's non-roots) or only receives (the others; a
 // gather's root, which also copies its own part), so no wait depends on one of its own. The epoch is block
 // b's meeting slot's, the same on every rank and growing: a stale or wrapped tag never matches; the next
@@ -373,11 +374,9 @@ static __global__ void __launch_bounds__(512) rooted_landed_kernel(Rooted r, Fla
   }
   // A receiver: the root's part (broadcast, scatter), or at a gather's root every other rank's.
   const auto sender = [&](int q) { return q != t.rank && (!r.from_root || q == r.root); };
-  uint32_t i = 0;
-  for_each_chunk(units, [&](uint64_t base, uint64_t len) {
-    if (own) copy_units(own_dst, own_src, x.row_bytes, base, len, own_align);
+  // A failed wait is recorded (synchronize() reports it); the copies still run, so the kernel ends.
+  const auto wait_senders = [&](uint32_t i) {
     const uint64_t want = tag(i);
-    // A failed wait is recorded (synchronize() reports it); the copies still run, so the kernel ends.
     if (int(threadIdx.x) < t.world && sender(threadIdx.x))
       (void)wait_until(
           t, flag(threadIdx.x), want,
@@ -385,6 +384,16 @@ static __global__ void __launch_bounds__(512) rooted_landed_kernel(Rooted r, Fla
             return uint32_t(v >> 32) == uint32_t(want >> 32) && uint32_t(v) >= uint32_t(want);
           },
           [](uint64_t v) { return v; });
+  };
+  if (!x.via_workspace) {  // landed in place: the last chunk's tags cover the block's earlier chunks
+    const uint64_t chunks = chunk_iterations(units);
+    if (chunks > 0) wait_senders(static_cast<uint32_t>(chunks - 1));
+    return;
+  }
+  uint32_t i = 0;
+  for_each_chunk(units, [&](uint64_t base, uint64_t len) {
+    if (own) copy_units(own_dst, own_src, x.row_bytes, base, len, own_align);
+    wait_senders(i);
     __syncthreads();
     for (int q = 0; q < t.world; ++q) {
       if (!sender(q)) continue;
