@@ -441,6 +441,18 @@ void bind_runtime(py::module_& m) {
       "(weft::context_attention_local_tokens)");
   m.def("dlpack_info", &dlpack_info,
         "Reads (ptr, shape, strides, dtype, device_type, device_id) of a DLPack capsule");
+  m.def(
+      "capture_id",
+      [](uintptr_t stream) -> unsigned long long {
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        unsigned long long id = 0;
+        if (cudaStreamGetCaptureInfo(reinterpret_cast<cudaStream_t>(stream), &status, &id) != cudaSuccess) {
+          cudaGetLastError();
+          return 0;
+        }
+        return status == cudaStreamCaptureStatusActive ? id : 0;
+      },
+      "The id of the CUDA graph capture the stream is in (unique per capture), 0 when not capturing");
 }
 
 // Ops on raw device pointers; the Python layer checks shapes and devices first.

@@ -133,6 +133,48 @@ def two_streams(nccl, rank, world, g):
     return 2
 
 
+def graph_capture(nccl, rank, world, g):
+    """all_reduce, all_gather_into_tensor and reduce_scatter_tensor on the weft group captured in one CUDA graph
+    (after an eager warm-up on the capture's side stream: weft's workspaces cannot grow during capture),
+    replayed on new data; against NCCL's eager results."""
+    n = 4096 + 8
+    x = torch.zeros(n, device="cuda")
+    big = torch.zeros(n * world, device="cuda")
+    gathered, scattered = torch.empty(n * world, device="cuda"), torch.empty(n, device="cuda")
+
+    def step():
+        dist.all_reduce(x)
+        dist.all_gather_into_tensor(gathered, x)
+        dist.reduce_scatter_tensor(scattered, big)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    cases = 0
+    for rep in range(3):
+        x_in = torch.randn(n, device="cuda", generator=g)
+        big_in = torch.randn(n * world, device="cuda", generator=g)
+        x.copy_(x_in)
+        big.copy_(big_in)
+        graph.replay()
+        want = x_in.clone()
+        dist.all_reduce(want, group=nccl)
+        check(f"all_reduce in a CUDA graph (replay {rep})", x, want)
+        want_gathered = torch.empty(n * world, device="cuda")
+        dist.all_gather_into_tensor(want_gathered, x.clone(), group=nccl)
+        check(f"all_gather_into_tensor in a CUDA graph (replay {rep})", gathered, want_gathered, exact=True)
+        want_scattered = torch.empty(n, device="cuda")
+        dist.reduce_scatter_tensor(want_scattered, big_in, group=nccl)
+        check(f"reduce_scatter_tensor in a CUDA graph (replay {rep})", scattered, want_scattered)
+        cases += 3
+    return cases
+
+
 def refusals(rank, world):
     x = torch.ones(4, device="cuda")
     cases = [("product", lambda: dist.all_reduce(x, op=dist.ReduceOp.PRODUCT), "is not supported"),
@@ -227,6 +269,7 @@ def main():
     nccl = dist.new_group(backend="nccl")
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
     cases = collectives(nccl, rank, world, g) + two_streams(nccl, rank, world, g) + refusals(rank, world)
+    cases += graph_capture(nccl, rank, world, g)
     d, f = ddp_and_fsdp(nccl, rank)
     if world >= 4 and world % 2 == 0:
         cases += mesh_dimensions(rank, world, g)

@@ -10,7 +10,8 @@ What runs on weft: all_reduce (sum, avg, max, min), all_gather / all_gather_into
 reduce_scatter_tensor, all_to_all_single (equal or given splits) and all_to_all, broadcast, reduce, gather, scatter,
 barrier. Reductions take bf16, fp16 and fp32; the copying collectives any dtype (moved as bytes). Each call is queued
 on the caller's current CUDA stream; its Work makes the waiting stream wait for it (as NCCL's does) and
-barrier() waits on the host. Refused with the reason, never run elsewhere: point-to-point send / recv, other
+barrier() waits on the host. CUDA graphs capture every collective but barrier(), as NCCL's (run each shape once
+eagerly first: weft's workspaces cannot grow during a capture). Refused with the reason, never run elsewhere: point-to-point send / recv, other
 reduction ops (product, bitwise, premultiplied sums), CPU tensors, non-contiguous tensors, groups whose ranks are
 not a weft sub-team (evenly spaced ranks tiling the team, as a DeviceMesh dimension's are; every rank creates its
 dimension's group in the same order, as DeviceMesh does).
@@ -106,16 +107,22 @@ _REDUCIBLE = (torch.bfloat16, torch.float16, torch.float32)
 # at a time (they share the rank's workspace and meeting slots, and every rank must run them in one order),
 # while torch's callers issue them from several streams (FSDP2: all-gathers and reduce-scatters on streams of
 # their own, overlapping by design); so each call first makes its stream wait for the previous one, and the
-# calls run in issue order, as NCCL's do on its one stream per communicator.
-_LAST = {}
+# calls run in issue order, as NCCL's do on its one stream per communicator. Under CUDA graph capture the order
+# holds among the calls of one capture (a stream may wait only for events of its own capture): the event is
+# kept with the id of the capture it was recorded in (0: none), and a call waits for it only within the same.
+_LAST = {}  # device -> (event, capture id)
+
+
+def _capture_id():
+    return _weft.capture_id(torch.cuda.current_stream().cuda_stream)
 
 
 def _in_issue_order(method):
     """method, run on the caller's stream after every earlier weft collective of this process on the device."""
     def ordered(self, *args, **kwargs):
         last = _LAST.get(self.comm.device)
-        if last is not None:
-            torch.cuda.current_stream().wait_event(last)
+        if last is not None and last[1] == _capture_id():
+            torch.cuda.current_stream().wait_event(last[0])
         return method(self, *args, **kwargs)
 
     ordered.__name__ = method.__name__
@@ -133,7 +140,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
             super().__init__()
             self._event = torch.cuda.Event()
             self._event.record()
-            _LAST[torch.cuda.current_device()] = self._event
+            _LAST[torch.cuda.current_device()] = (self._event, _capture_id())
             self._host_wait = host_wait
             self._future = torch.futures.Future()
             self._future.set_result(result)
@@ -414,6 +421,8 @@ if dist.is_available():  # the classes' bases live in torch.distributed
 
         @_in_issue_order
         def barrier(self, opts=None):
+            if _capture_id():
+                raise WeftError("weft backend: barrier() waits on the host, which a CUDA graph capture cannot hold")
             t = torch.zeros(1, device=torch.device("cuda", self.comm.device))
             self._all_reduce(t, "sum", t)
             return Work([t], host_wait=True)
