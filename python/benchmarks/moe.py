@@ -13,7 +13,10 @@ Mixtral-like (hidden 4096, 8 experts, top-2, intermediate 14336); 128, 512, 4096
   (one row per (token, expert) pair), a permute into expert groups (padded to 16 rows for _grouped_mm),
   torch._grouped_mm, silu(gate) * up, torch._grouped_mm, all_to_all_single back, the weighted un-permute in fp32;
 - all-to-all: torch.distributed's (NCCL) and weft's of equal splits moving as many bytes to the other ranks
-  as the dispatch does.
+  as the dispatch does;
+- graph columns: dispatch, combine and the layer replayed from CUDA graphs (decoding's way: no host time per
+  call), and at <= 256 tokens a rank the low-latency dispatch (weft.moe_dispatch(low_latency=True)), its
+  combine and its layer (inference).
 Bandwidth counts the bytes that cross to other ranks (dispatch: one row per token and remote destination rank;
 combine: one row per remote slot), per rank, max over ranks of per-rank medians; the layer's target is
 <= 1.10 x max(dispatch + combine, grouped GEMMs).
@@ -26,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import print_table, start, team_max, timed, timed_alternating  # noqa: E402
+from bench import graphed, print_table, start, team_max, timed, timed_alternating  # noqa: E402
 
 import weft  # noqa: E402
 
@@ -143,6 +146,28 @@ def bench_config(comm, rank, world, model, tokens, hot):
         y_in = weft.moe_combine_input(d)
         parts["combine"] = timed(lambda: weft.moe_combine(y_in, d, weights), iters, reps=3)
         parts["gemms"] = timed(gemms, iters, reps=3)
+        # The same from CUDA graphs (as decoding runs them: the kernels' time without the host's per call).
+        graph_parts = {"dispatch": graphed(lambda: weft.moe_dispatch(x, experts, num_experts))}
+        d = weft.moe_dispatch(x, experts, num_experts)
+        y_in = weft.moe_combine_input(d)
+        y_in.copy_(gemms())
+        graph_parts["combine"] = graphed(lambda: weft.moe_combine(y_in, d, weights))
+        if tokens <= 256:  # the low-latency dispatch and its combine (inference)
+            graph_parts["LL dispatch"] = graphed(
+                lambda: weft.moe_dispatch(x, experts, num_experts, low_latency=True))
+            dl = weft.moe_dispatch(x, experts, num_experts, low_latency=True)
+            yl = weft.moe_combine_input(dl)
+            a = weft.grouped_mm(dl.rows, w_up_i, dl.group_end, validate=False, zero_unused_rows=False,
+                                activation="swiglu", group_rows=dl.group_rows)
+            yl.copy_(weft.grouped_mm(a, w_down, dl.group_end, validate=False, zero_unused_rows=False,
+                                     group_rows=dl.group_rows))
+            graph_parts["LL combine"] = graphed(lambda: weft.moe_combine(yl, dl, weights))
+            ll_layer = lambda: weft.moe_layer(x, experts, weights, w_up_i, w_down, num_experts,  # noqa: E731
+                                              swiglu_interleaved=True, low_latency=True)
+            graph_parts["LL layer"] = graphed(ll_layer)
+            graph_parts["layer"] = graphed(layer(False))
+            ll_err = team_max((ll_layer().float() - want).abs().max().item() / max(scale, 1e-30))
+        graph_us = {k: (timed(f, iters, reps=3) if f is not None else None) for k, f in graph_parts.items()}
         whole = timed_alternating({"weft": layer(False), "weft fused": layer(True),
                                    "torch": lambda: baseline(x, experts, weights)}, iters, rounds=2, reps=3)
         # All-to-all of equal splits moving as many bytes to the other ranks as the dispatch does.
@@ -163,6 +188,7 @@ def bench_config(comm, rank, world, model, tokens, hot):
     disp_bw = team_max(sent_rows * hidden * 2) / (parts["dispatch"] * 1e3)
     comb_bw = team_max(slot_rows * hidden * 2) / (parts["combine"] * 1e3)
     unit = (lambda us: f"{us:.1f} us") if tokens <= 512 else (lambda us: f"{us / 1e3:.3f} ms")
+    in_graph = (lambda k: "-" if graph_us.get(k) is None else unit(graph_us[k]))
     return {
         "model": name, "tokens / rank": tokens, "routing": "hot rank 4x" if hot else "uniform",
         "dispatch": unit(parts["dispatch"]), "dispatch GB/s": f"{disp_bw:.0f}",
@@ -173,6 +199,10 @@ def bench_config(comm, rank, world, model, tokens, hot):
         "GEMMs": unit(parts["gemms"]), "weft layer": unit(whole["weft"]), "weft fused": unit(whole["weft fused"]),
         "torch layer": unit(whole["torch"]), "weft / max(comm, GEMMs)": f"{best / bound:.2f}",
         "torch / weft": f"{whole['torch'] / best:.2f}", "max err vs torch": f"{err:.1e}",
+        "graph: dispatch / combine": f"{in_graph('dispatch')} / {in_graph('combine')}",
+        "graph, low latency: dispatch / combine": f"{in_graph('LL dispatch')} / {in_graph('LL combine')}",
+        "graph: layer / low-latency layer": f"{in_graph('layer')} / {in_graph('LL layer')}",
+        "low latency max err vs torch": f"{ll_err:.1e}" if tokens <= 256 else "-",
     }
 
 

@@ -290,11 +290,12 @@ int hybrid(const std::string& method) {
                     method + "'");
 }
 
-// (tokens, max_tokens, hidden, num_experts, top_k, align[, zero_padding])
+// (tokens, max_tokens, hidden, num_experts, top_k, align[, zero_padding[, low_latency]])
 weft::MoeShape moe_shape(py::tuple s) {
   weft::MoeShape m{s[0].cast<int64_t>(), s[1].cast<int64_t>(), s[2].cast<int64_t>(),
                    s[3].cast<int>(),     s[4].cast<int>(),     s[5].cast<int>()};
   if (s.size() > 6) m.zero_padding = s[6].cast<int>() != 0;
+  if (s.size() > 7) m.low_latency = s[7].cast<int>() != 0;
   return m;
 }
 
@@ -528,10 +529,11 @@ void bind_one_gpu_ops(py::module_& m) {
       "grouped_gemm",
       [](int device, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t group_end, int groups, int64_t rows,
          int64_t n, int64_t k, const std::string& b_layout, const std::string& c_dtype, bool zero_unused_rows,
-         const std::string& activation, uintptr_t stream) {
+         const std::string& activation, uintptr_t stream, uintptr_t group_rows) {
         OnDevice on(device);
         weft::GemmOptions o;
         o.zero_unused_rows = zero_unused_rows;
+        o.group_rows = reinterpret_cast<const int32_t*>(group_rows);
         o.activation = activation == "swiglu" ? weft::GemmActivation::kSwiGLU : weft::GemmActivation::kNone;
         weft::grouped_gemm(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
                            reinterpret_cast<void*>(c), reinterpret_cast<const int32_t*>(group_end), groups,
@@ -540,7 +542,7 @@ void bind_one_gpu_ops(py::module_& m) {
       },
       py::arg("device"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("group_end"), py::arg("groups"),
       py::arg("rows"), py::arg("n"), py::arg("k"), py::arg("b_layout"), py::arg("c_dtype"),
-      py::arg("zero_unused_rows"), py::arg("activation"), py::arg("stream"));
+      py::arg("zero_unused_rows"), py::arg("activation"), py::arg("stream"), py::arg("group_rows") = 0);
   m.def(
       "flash_attention_backward_workspace_bytes",
       [](py::tuple shape, py::tuple segments, bool deterministic) {
@@ -698,7 +700,8 @@ void bind_moe(py::module_& m) {
     return weft::moe_dispatch_workspace_bytes(world, moe_shape(shape));
   });
   // Returns (rows view [capacity, hidden], group_end view [experts per rank] int32, row_of pointer, experts
-  // pointer, capacity, counts-table pointer, row-source pointer).
+  // pointer, capacity, counts-table pointer, row-source pointer, group_rows view [experts per rank] int32:
+  // the low-latency dispatch's rows per group, else None).
   m.def("moe_dispatch", [](const Comm& c, uintptr_t tokens, uintptr_t experts, py::tuple shape,
                            uintptr_t workspace, uint64_t workspace_bytes, const std::string& dtype,
                            uintptr_t stream) {
@@ -711,7 +714,10 @@ void bind_moe(py::module_& m) {
                           view_of(c, const_cast<int32_t*>(d.group_end), {per}, "int32"),
                           reinterpret_cast<uintptr_t>(d.row_of), reinterpret_cast<uintptr_t>(d.experts),
                           d.capacity, reinterpret_cast<uintptr_t>(d.counts),
-                          reinterpret_cast<uintptr_t>(d.row_source));
+                          reinterpret_cast<uintptr_t>(d.row_source),
+                          d.group_rows ? py::object(py::cast(view_of(c, const_cast<int32_t*>(d.group_rows),
+                                                                     {per}, "int32")))
+                                       : py::object(py::none()));
   });
   // The exact-count read-back of the last dispatch on this rank (synchronises its stream): (rows per local
   // expert, padded group ends, rows in use). counts: the dispatch's counts table (moe_dispatch's 6th value).
@@ -728,12 +734,14 @@ void bind_moe(py::module_& m) {
     void* p = weft::moe_combine_input(*c.comm, c.rank(), s, parse_dtype(dtype));
     return view_of(c, p, {weft::moe_capacity(c.rank().world(), s), s.hidden}, dtype);
   });
+  // group_rows: the low-latency dispatch's (its handle), else 0.
   m.def("moe_combine",
         [](const Comm& c, uintptr_t expert_out, uintptr_t row_of, uintptr_t experts, uintptr_t weights,
-           uintptr_t out, py::tuple shape, const std::string& dtype, uintptr_t stream) {
+           uintptr_t out, py::tuple shape, const std::string& dtype, uintptr_t stream, uintptr_t group_rows) {
           weft::MoeDispatched d;
           d.row_of = reinterpret_cast<const int32_t*>(row_of);
           d.experts = reinterpret_cast<const int32_t*>(experts);
+          d.group_rows = reinterpret_cast<const int32_t*>(group_rows);
           weft::moe_combine(*c.comm, c.rank(), reinterpret_cast<const void*>(expert_out), d,
                             reinterpret_cast<const float*>(weights), reinterpret_cast<void*>(out),
                             moe_shape(shape), parse_dtype(dtype), c.stream(stream));

@@ -225,6 +225,20 @@ def main():
     for name, got, want in zip(("output", "d tokens", "d weights", "d w_up", "d w_down"), results[1], results[0]):
         check(f"moe_layer exact counts: {name}", got, want.to(got.dtype))
         cases += 1
+    # The low-latency dispatch (inference) against the dispatch of record on the same layer (a token names an
+    # expert at most once there); both SwiGLU forms.
+    ids_once = ids.clone()
+    ids_once[:, 1] = torch.where(ids_once[:, 1] == ids_once[:, 0], -1, ids_once[:, 1])
+    with torch.no_grad():
+        for interleaved in (False, True):
+            up = weft.swiglu_interleave(w_up) if interleaved else w_up
+            ll = weft.moe_layer(x, ids_once, weights, up, w_down, num_experts, max_tokens=max_tokens,
+                                swiglu_interleaved=interleaved, low_latency=True)
+            rec = weft.moe_layer(x, ids_once, weights, up, w_down, num_experts, max_tokens=max_tokens,
+                                 swiglu_interleaved=interleaved)
+            check(f"moe_layer low latency{' (SwiGLU epilogue)' if interleaved else ''} against the dispatch of record",
+                  ll, rec)
+            cases += 1
     # Symmetric tensors through DLPack, out=, and a captured graph.
     n = 1 << 20
     sym_in = torch.from_dlpack(comm.empty((n,), "bf16"))

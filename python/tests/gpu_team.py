@@ -412,6 +412,64 @@ def moe_layer_training(team, g):
                 check(f"{label}: rank {r} d {name}", ours[r][i].grad, refs[r][i].grad, 3e-2)
 
 
+def moe_low_latency(team, g):
+    """weft.moe_layer with the low-latency dispatch (inference, under torch.no_grad()) against plain torch in fp32
+    over the whole team's tokens and experts, both SwiGLU forms; each group's received rows against the slots
+    routed to it; a gradient through it refused."""
+    global cases
+    w = team.world_size
+    per, top_k, hidden, inter = 2, 2, 256, 128
+    num_experts = per * w
+    tokens = [40 + 24 * r for r in range(w)]
+    tokens[-1] = 0  # a rank with no token
+    max_tokens = max(tokens)
+    xs = [torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for t in tokens]
+    ids = [torch.randint(-1, num_experts, (t, top_k), device="cuda", generator=g, dtype=torch.int32) for t in tokens]
+    for r in range(w):  # a token names an expert at most once
+        if tokens[r]:
+            ids[r][:, 1] = torch.where(ids[r][:, 1] == ids[r][:, 0], -1, ids[r][:, 1])
+    weights = [torch.rand(t, top_k, device="cuda", generator=g) for t in tokens]
+    ups = [(torch.randn(per, hidden, 2 * inter, device="cuda", generator=g) / hidden ** 0.5).to(torch.bfloat16)
+           for _ in range(w)]
+    downs = [(torch.randn(per, inter, hidden, device="cuda", generator=g) / inter ** 0.5).to(torch.bfloat16)
+             for _ in range(w)]
+    up_all = torch.cat(ups).float()
+    down_all = torch.cat(downs).float()
+    wants = [moe_reference(xs[r].float(), ids[r], weights[r], up_all, down_all) for r in range(w)]
+    with torch.no_grad():
+        for interleaved in (False, True):
+            layer = lambda c, x, i, wt, up, down: weft.moe_layer(  # noqa: E731
+                x, i, wt, weft.swiglu_interleave(up) if interleaved else up, down, num_experts,
+                max_tokens=max_tokens, comm=c, swiglu_interleaved=interleaved, low_latency=True)
+            args = (xs, ids, weights, ups, downs)
+            team.warmup(layer, *args)
+            outs = team.run(layer, *args)
+            for r in range(w):
+                check(f"MoE layer, low latency, W={w}{' SwiGLU epilogue' if interleaved else ''}: rank {r}",
+                      outs[r], wants[r], 3e-2)
+        d = team.run(lambda c, x, i: weft.moe_dispatch(x, i, num_experts, max_tokens=max_tokens, comm=c,
+                                                       low_latency=True), xs, ids)
+        team.synchronize()
+        for r in range(w):
+            want = torch.zeros(per, dtype=torch.int64)
+            for s in range(w):
+                for e in ids[s].flatten().tolist():
+                    if e >= 0 and e // per == r:
+                        want[e % per] += 1
+            got = d[r].group_rows.cpu().long()
+            if not torch.equal(got, want):
+                raise AssertionError(f"low-latency dispatch W={w}: rank {r} group_rows {got.tolist()}, want "
+                                     f"{want.tolist()}")
+            cases += 1
+    x = xs[0].clone().requires_grad_()
+    try:
+        weft.moe_dispatch(x, ids[0], num_experts, max_tokens=max_tokens, comm=team[0], low_latency=True)
+        raise AssertionError("a low-latency dispatch of a tensor that needs a gradient was not refused")
+    except weft.WeftValueError as e:
+        assert "torch.no_grad" in str(e), e
+    cases += 1
+
+
 def moe_reference(x, ids, wt, up_all, down_all):
     """An MoE layer in plain torch on one rank's tokens x [T, hidden]: each token's top-k experts (ids [T, k],
     -1 none) of every expert's weights up_all [E, hidden, 2 inter] (gate, then up) and down_all [E, inter,
@@ -575,7 +633,7 @@ def main():
         before = cases
         for step in (eager_fast_path, collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled, hybrid_attention_autograd,
                      contiguous_shards_attention,
-                     moe_compiled, moe_autograd, moe_layer_training, moe_layers_stacked_training):
+                     moe_compiled, moe_autograd, moe_layer_training, moe_layers_stacked_training, moe_low_latency):
             step(team, g)
             team.synchronize()
             print(f"W = {w}: {step.__name__} passed", flush=True)

@@ -25,7 +25,8 @@ def _stored_weights(b):
     return b.contiguous(), False
 
 
-def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=True, activation=None):
+def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=True, activation=None,
+               group_rows=None):
     """Grouped matmul of an MoE layer's experts on one GPU (weft's Hopper kernel), with autograd.
 
     a [rows, K] bf16: the rows of group e are [group_end[e - 1], group_end[e]) (group 0 from row 0), each end
@@ -42,6 +43,9 @@ def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=
     backward computes the pre-activation again (one more GEMM) instead of keeping it.
     validate=True reads group_end on the host (a synchronisation; skipped while a CUDA graph is captured): an
     end that is not a multiple of 128 would otherwise stop the kernel with a device trap.
+    group_rows (int32 [E] on a's device, e.g. a low-latency dispatch's d.group_rows): group e holds only its
+    first group_rows[e] rows: the kernel walks only the tiles holding them (the rest of each group's output
+    rows are left unwritten). No autograd with it (inference).
     """
     where = "weft.grouped_mm"
     if not (_torch_tensor(a) and _torch_tensor(b) and _torch_tensor(group_end)):
@@ -80,9 +84,16 @@ def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=
         if any(x % 128 for x in ends) or any(y < x for x, y in zip(ends, ends[1:])) or ends[0] < 0 or ends[-1] > rows:
             raise WeftValueError(f"{where}: group_end must ascend in multiples of 128 up to rows ({rows}), got "
                                  f"{ends[:8]}{' ...' if len(ends) > 8 else ''}")
+    if group_rows is not None:
+        if not _torch_tensor(group_rows) or group_rows.dtype != torch.int32 or tuple(group_rows.shape) != (e,) \
+                or group_rows.device != a.device:
+            raise WeftValueError(f"{where}: group_rows must be an int32 tensor of {e} on a's device")
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            raise WeftValueError(f"{where}: no gradient with group_rows (inference): call it under torch.no_grad()")
+        group_rows = group_rows.contiguous()
     stored, nk = _stored_weights(b)
     return _w._ops.grouped_mm(a.contiguous(), stored, group_end.contiguous(), nk, out_dtype, bool(zero_unused_rows),
-                           activation or "")
+                              activation or "", group_rows)
 
 
 def swiglu_interleave(w):
@@ -112,8 +123,12 @@ class MoeDispatch:
     last group's end), else counts is None; and what weft.moe_combine needs of the dispatch (each slot's row on
     its expert's rank, the expert ids)."""
 
-    def __init__(self, comm, shape, rows, group_end, row_of, experts, capacity, counts=None, out_dtype=None):
+    def __init__(self, comm, shape, rows, group_end, row_of, experts, capacity, counts=None, out_dtype=None,
+                 group_rows=None):
         self.rows, self.group_end, self.capacity = rows, group_end, capacity
+        # low_latency=True: the rows each group holds (int32 [experts per rank], on the GPU; the groups are
+        # fixed, group_end their ends); else None.
+        self.group_rows = group_rows
         self.counts = list(counts[0]) if counts is not None else None
         self._comm, self._shape = comm, shape
         self._row_of, self._experts = row_of, experts
@@ -139,7 +154,7 @@ def _dispatch_args(x, experts, comm, where):
     return c
 
 
-def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None, exact=False):
+def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None, exact=False, low_latency=False):
     """Sends each token of this rank to the ranks holding its top-k experts (experts split evenly over the team).
 
     x [tokens, hidden] bf16 / fp16 on this rank's GPU (hidden a multiple of 8); experts [tokens, top_k] integer
@@ -152,9 +167,17 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None,
     weights 1). rows is a view of the team's dispatch area, valid until the next dispatch; while autograd
     records it is a copy (its consumers, e.g. weft.grouped_mm, may keep it for their backward), and group_end
     always is.
+    low_latency=True (decoding: up to a few hundred tokens a rank; inference, no autograd: under
+    torch.no_grad()): one kernel, no count exchange (MoeShape::low_latency): each expert a fixed group of
+    W x max_tokens rows rounded up to 128 (group_end fixed), d.group_rows the rows each group received
+    (weft.grouped_mm(..., group_rows=d.group_rows) walks only those); combine as usual. align is ignored.
     """
     where = "weft.moe_dispatch"
     c = _dispatch_args(x, experts, comm, where)
+    torch = _w._ops.torch
+    if low_latency and (exact or (torch.is_grad_enabled() and x.requires_grad)):
+        raise WeftValueError(f"{where}: low_latency=True is for inference: no exact counts, no gradient (call it "
+                             "under torch.no_grad())")
     if exact and c._c.local_ranks > 1:  # refused before anything is queued: the peers would wait for ever
         raise WeftValueError(f"{where}: exact=True reads the counts back, synchronising this rank's stream, "
                              f"which in a team that one process drives ({c._c.local_ranks} ranks here) waits for "
@@ -164,12 +187,13 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None,
     # dispatch leaves them as they are (MoeShape::zero_padding), at decode sizes most of its work.
     zero_padding = int(_w._ops.torch.is_grad_enabled())
     shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts),
-             experts.shape[1], int(align), zero_padding)
-    ids = experts.to(_w._ops.torch.int32).contiguous()
-    rows, ends, row_of, kept, counts = _w._ops.moe_dispatch(x.contiguous(), ids, shape, c, bool(exact))
+             experts.shape[1], int(align), zero_padding, int(bool(low_latency)))
+    ids = experts.to(torch.int32).contiguous()
+    rows, ends, row_of, kept, counts, group_rows = _w._ops.moe_dispatch(x.contiguous(), ids, shape, c, bool(exact))
     # (Exact counts cut rows; the pybind call is kept out of what torch.compile traces otherwise.)
     capacity = rows.shape[0] if counts is None else _w._ops._moe_capacity(shape, c.world_size)
-    return MoeDispatch(c, shape, rows, ends, row_of, kept, capacity, counts)
+    return MoeDispatch(c, shape, rows, ends, row_of, kept, capacity, counts,
+                       group_rows=group_rows if low_latency else None)
 
 
 def moe_dispatch_fp8(x, experts, num_experts, max_tokens=None, align=128, comm=None):
@@ -242,7 +266,7 @@ def moe_combine(expert_out, dispatched, weights):
                              f"(dispatched.rows' layout), got {tuple(expert_out.shape)} of {expert_out.dtype}")
     w = weights.to(_w._ops.torch.float32).contiguous()
     return _w._ops.moe_combine(expert_out, dispatched._row_of, dispatched._experts, w, dispatched._shape,
-                            dispatched._comm)
+                               dispatched._comm, dispatched.group_rows)
 
 
 def moe_grouped_mm_combine(a, b, dispatched, weights):
@@ -285,7 +309,7 @@ _ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
 
 
 def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu", max_tokens=None, align=128,
-              comm=None, exact=False, swiglu_interleaved=False, fused_combine=False):
+              comm=None, exact=False, swiglu_interleaved=False, fused_combine=False, low_latency=False):
     """The experts of an expert-parallel MoE layer: dispatch, grouped_mm up, activation, grouped_mm down, combine.
 
     x [tokens, hidden] bf16; experts [tokens, top_k] global expert ids (-1: a dropped slot); weights [tokens,
@@ -299,6 +323,10 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
     columns are in weft.swiglu_interleave's order, and the first GEMM's epilogue applies SwiGLU (no
     [rows, 2 inter] intermediate). fused_combine=True: the second GEMM and the combine in one
     (weft.moe_grouped_mm_combine).
+    low_latency=True (decoding, inference: under torch.no_grad()): weft.moe_dispatch's low-latency dispatch, the
+    GEMMs over the rows each group received only (group_rows); its fixed groups hold W x max_tokens rows each,
+    so use it with swiglu_interleaved=True (the activation in the first GEMM's epilogue, over those rows only;
+    another activation runs over every group's whole capacity). Not with exact or fused_combine.
     """
     where = "weft.moe_layer"
     if activation not in _ACTIVATIONS:
@@ -319,23 +347,28 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
         raise WeftValueError(f"{where}: with hidden {hidden} and activation {activation}, w_up must be "
                              f"[{local}, {hidden}, {'2 x ' if activation == 'swiglu' else ''}inter] and w_down "
                              f"[{local}, inter, {hidden}], got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
-    d = moe_dispatch(x, experts, num_experts, max_tokens=max_tokens, align=align, comm=comm, exact=exact)
+    if low_latency and (exact or fused_combine):
+        raise WeftValueError(f"{where}: low_latency=True takes neither exact=True nor fused_combine=True")
+    d = moe_dispatch(x, experts, num_experts, max_tokens=max_tokens, align=align, comm=comm, exact=exact,
+                     low_latency=low_latency)
     F = _w._ops.torch.nn.functional
+    live = d.group_rows  # low latency: the GEMMs walk only the rows each group received
     if d.rows.shape[0] == 0:  # exact counts, no row here: the experts' weights still get (zero) gradients
         h = d.rows @ w_up[0]
         a = F.silu(h[:, :inter]) * h[:, inter:] if activation == "swiglu" else h
         return moe_combine(a @ w_down[0], d, weights)
     # Rows past the last group are never read by combine, nor by any backward: left unwritten.
     if activation == "swiglu" and swiglu_interleaved:
-        a = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False, activation="swiglu")
+        a = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False, activation="swiglu",
+                       group_rows=live)
     else:
-        h = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False)
+        h = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False, group_rows=live)
         if activation == "swiglu":
             a = F.silu(h[:, :inter]) * h[:, inter:]
         else:
             a = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation](h)
     if fused_combine:
         return moe_grouped_mm_combine(a, w_down, d, weights)
-    y = grouped_mm(a.contiguous(), w_down, d.group_end, validate=False, zero_unused_rows=False)
+    y = grouped_mm(a.contiguous(), w_down, d.group_end, validate=False, zero_unused_rows=False, group_rows=live)
     return moe_combine(y, d, weights)
 

@@ -534,24 +534,27 @@ def flash_attention(q, k, v, causal, scale, packed, deterministic):
 
 @_operator("weft::grouped_mm")
 def _grouped_mm(a: Tensor, b: Tensor, group_end: Tensor, b_nk: bool, out_dtype: torch.dtype,
-                zero_unused_rows: bool, activation: str) -> Tensor:
+                zero_unused_rows: bool, activation: str, group_rows: Optional[Tensor] = None) -> Tensor:
     rows, k = a.shape
     n = b.shape[1] if b_nk else b.shape[2]
     out = a.new_empty((rows, n // 2 if activation == "swiglu" else n), dtype=out_dtype)
     _weft.grouped_gemm(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), group_end.data_ptr(),
                        group_end.shape[0], rows, n, k, "nk" if b_nk else "kn", DTYPES[out_dtype], zero_unused_rows,
-                       activation, _stream(a))
+                       activation, _stream(a), 0 if group_rows is None else group_rows.data_ptr())
     return out
 
 
 @_grouped_mm.register_fake
-def _(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation):
+def _(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation, group_rows=None):
     n = b.shape[1] if b_nk else b.shape[2]
     return a.new_empty((a.shape[0], n // 2 if activation == "swiglu" else n), dtype=out_dtype)
 
 
 def _grouped_mm_setup(ctx, inputs, output):
-    a, b, group_end, b_nk, _, zero_unused_rows, activation = inputs
+    a, b, group_end, b_nk, _, zero_unused_rows, activation, group_rows = inputs
+    if group_rows is not None:
+        raise _w.WeftValueError("weft.grouped_mm: no gradient over a low-latency dispatch's groups (group_rows): "
+                                "run it under torch.no_grad() (inference)")
     ctx.save_for_backward(a, b, group_end)
     ctx.b_nk, ctx.zero_unused_rows, ctx.activation = b_nk, zero_unused_rows, activation
 
@@ -590,15 +593,15 @@ def _grouped_mm_backward(ctx, grad):
     if ctx.needs_input_grad[1]:
         dkn = _grouped_weight_grad(a, g, group_end).to(b.dtype)
         db = dkn.transpose(1, 2).contiguous() if ctx.b_nk else dkn
-    return da, db, None, None, None, None, None
+    return da, db, None, None, None, None, None, None
 
 
 _grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
-def grouped_mm(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation=""):
+def grouped_mm(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation="", group_rows=None):
     """Arguments checked by the caller; b as stored (see above)."""
-    return _grouped_mm(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation)
+    return _grouped_mm(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation, group_rows)
 
 
 # ---- sequence-parallel attention (a team) ----------------------------------------------------------------
@@ -687,6 +690,11 @@ def context_attention(q, k, v, method, docs, causal, scale, comm):
 # shape: (tokens, max_tokens, hidden, num_experts, top_k, align), weft::MoeShape's fields.
 
 
+def _low_latency(shape):
+    """Whether a dispatch shape asks for the low-latency dispatch (its 8th entry)."""
+    return len(shape) > 7 and bool(shape[7])
+
+
 def _moe_capacity(shape, world):
     """Rows of the dispatch area: from max_tokens, never this rank's token count (symbolic under torch.compile,
     where passing it to C++ would specialize the graph on it)."""
@@ -699,19 +707,19 @@ _last_row_source = {}  # per communicator id: its last dispatch's row -> source 
 
 @_operator("weft::moe_dispatch")
 def _moe_dispatch(x: Tensor, experts: Tensor, shape: list[int], world: int,
-                  comm: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  comm: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     tokens, top_k = shape[0], shape[4]
     if EMULATE:
         capacity = _moe_capacity(shape, world)
         slots = torch.full((tokens, top_k), -1, dtype=torch.int32, device=x.device)
-        return (x.new_zeros((capacity, shape[2])), x.new_zeros((shape[3] // world,), dtype=torch.int32), slots,
-                slots.clone())
+        ends = x.new_zeros((shape[3] // world,), dtype=torch.int32)
+        return (x.new_zeros((capacity, shape[2])), ends, slots, slots.clone(),
+                ends.clone() if _low_latency(shape) else ends.new_empty((0,)))
     native = _native(comm)
     nbytes = _weft.moe_dispatch_workspace_bytes(world, tuple(shape))
     ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=x.device)
-    rows, ends, row_of, kept, _, counts, row_source = _weft.moe_dispatch(native, x.data_ptr(), experts.data_ptr(),
-                                                                         tuple(shape), ws.data_ptr(), nbytes,
-                                                                         DTYPES[x.dtype], _stream(x))
+    rows, ends, row_of, kept, _, counts, row_source, group_rows = _weft.moe_dispatch(
+        native, x.data_ptr(), experts.data_ptr(), tuple(shape), ws.data_ptr(), nbytes, DTYPES[x.dtype], _stream(x))
     _last_counts[comm] = counts
     _last_row_source[comm] = row_source
 
@@ -720,8 +728,11 @@ def _moe_dispatch(x: Tensor, experts: Tensor, shape: list[int], world: int,
         return ws[at:at + 4 * tokens * top_k].view(torch.int32).view(tokens, top_k).clone()
 
     # rows is a view of the team's dispatch area (valid until the next dispatch); group_end is copied out: the
-    # expert GEMMs keep it for their backward, and the next layer's dispatch rewrites the area's ends.
-    return torch.from_dlpack(rows), torch.from_dlpack(ends).clone(), slots(row_of), slots(kept)
+    # expert GEMMs keep it for their backward, and the next layer's dispatch rewrites the area's ends. The
+    # low-latency dispatch's rows per group likewise (the record dispatch's: empty).
+    ends = torch.from_dlpack(ends).clone()
+    group_rows = ends.new_empty((0,)) if group_rows is None else torch.from_dlpack(group_rows).clone()
+    return torch.from_dlpack(rows), ends, slots(row_of), slots(kept), group_rows
 
 
 @_moe_dispatch.register_fake
@@ -729,13 +740,14 @@ def _(x, experts, shape, world, comm):
     tokens, top_k = shape[0], shape[4]
     capacity = _moe_capacity(shape, world)
     slots = experts.new_empty((tokens, top_k), dtype=torch.int32)
-    return (x.new_empty((capacity, shape[2])), x.new_empty((shape[3] // world,), dtype=torch.int32), slots,
-            slots.new_empty((tokens, top_k)))
+    per = shape[3] // world
+    return (x.new_empty((capacity, shape[2])), x.new_empty((per,), dtype=torch.int32), slots,
+            slots.new_empty((tokens, top_k)), x.new_empty((per if _low_latency(shape) else 0,), dtype=torch.int32))
 
 
 @_operator("weft::moe_combine")
 def _moe_combine(expert_out: Tensor, row_of: Tensor, kept: Tensor, weights: Tensor, shape: list[int],
-                 comm: int) -> Tensor:
+                 comm: int, group_rows: Tensor) -> Tensor:
     out = expert_out.new_empty((shape[0], shape[2]))
     if EMULATE:
         return out.zero_()
@@ -746,12 +758,13 @@ def _moe_combine(expert_out: Tensor, row_of: Tensor, kept: Tensor, weights: Tens
     if expert_out.data_ptr() != area.data_ptr():
         area[:expert_out.shape[0]].copy_(expert_out)  # exact-count rows: the used rows only
     _weft.moe_combine(native, area.data_ptr(), row_of.data_ptr(), kept.data_ptr(), weights.data_ptr(),
-                      out.data_ptr(), tuple(shape), dtype, _stream(expert_out))
+                      out.data_ptr(), tuple(shape), dtype, _stream(expert_out),
+                      group_rows.data_ptr() if group_rows.numel() else 0)
     return out
 
 
 @_moe_combine.register_fake
-def _(expert_out, row_of, kept, weights, shape, comm):
+def _(expert_out, row_of, kept, weights, shape, comm, group_rows):
     return expert_out.new_empty((shape[0], shape[2]))
 
 
@@ -765,12 +778,16 @@ def _moe_dispatch_setup(ctx, inputs, output):
     ctx.shape, ctx.comm = shape, comm
 
 
-def _moe_dispatch_backward(ctx, grad_rows, _grad_ends, _grad_row_of, _grad_kept):
+def _moe_dispatch_backward(ctx, grad_rows, _grad_ends, _grad_row_of, _grad_kept, _grad_group_rows):
     row_of, kept = ctx.saved_tensors
     if grad_rows is None:
         return None, None, None, None, None
+    if _low_latency(ctx.shape):
+        raise _w.WeftValueError("weft.moe_dispatch: the low-latency dispatch has no backward: run it under "
+                                "torch.no_grad() (inference)")
     ones = torch.ones((ctx.shape[0], ctx.shape[4]), dtype=torch.float32, device=grad_rows.device)
-    return _moe_combine(grad_rows.contiguous(), row_of, kept, ones, ctx.shape, ctx.comm), None, None, None, None
+    none = row_of.new_empty((0,))
+    return _moe_combine(grad_rows.contiguous(), row_of, kept, ones, ctx.shape, ctx.comm, none), None, None, None, None
 
 
 _moe_dispatch.register_autograd(_moe_dispatch_backward, setup_context=_moe_dispatch_setup)
@@ -802,7 +819,10 @@ def _(dout, expert_out, row_of, kept, weights, shape, comm):
 
 
 def _moe_combine_setup(ctx, inputs, output):
-    expert_out, row_of, kept, weights, shape, comm = inputs
+    expert_out, row_of, kept, weights, shape, comm, _ = inputs
+    if _low_latency(shape):
+        raise _w.WeftValueError("weft.moe_combine: no gradient through a low-latency dispatch's combine: run it "
+                                "under torch.no_grad() (inference)")
     # The team's combine area is overwritten by the next combine: outputs written there are kept as a copy
     # (under torch.compile, where pointers are not known, always).
     if torch.compiler.is_compiling():
@@ -819,7 +839,7 @@ def _moe_combine_backward_fn(ctx, grad):
     expert_out, row_of, kept, weights = ctx.saved_tensors
     d_out, d_weights = _moe_combine_backward(grad.to(expert_out.dtype).contiguous(), expert_out, row_of, kept,
                                              weights, ctx.shape, ctx.comm)
-    return d_out, None, None, d_weights, None, None
+    return d_out, None, None, d_weights, None, None, None
 
 
 _moe_combine.register_autograd(_moe_combine_backward_fn, setup_context=_moe_combine_setup)
@@ -874,12 +894,13 @@ def moe_grouped_mm_combine(a, b, b_nk, group_end, row_of, kept, weights, shape, 
 
 
 def moe_dispatch(x, ids, shape, comm, exact=False):
-    """x, ids (int32, contiguous) checked by the caller; returns (rows, group_end, row_of, kept, counts). exact:
+    """x, ids (int32, contiguous) checked by the caller; returns (rows, group_end, row_of, kept, counts,
+    group_rows: the low-latency dispatch's rows per group, else an empty tensor). exact:
     the counts are read back (a synchronisation) as (rows per local expert, group ends, rows in use) and rows
     is cut to the rows in use; else counts is None. Under autograd rows is a copy of the team's dispatch area
     (which the next dispatch overwrites), since what consumes it (e.g. grouped_mm, for its weights' gradient
     even where x needs none) may keep it for its backward."""
-    rows, ends, row_of, kept = _moe_dispatch(x, ids, list(shape), comm.world_size, comm._id)
+    rows, ends, row_of, kept, group_rows = _moe_dispatch(x, ids, list(shape), comm.world_size, comm._id)
     counts = None
     if exact:
         per = shape[3] // comm.world_size
@@ -888,11 +909,13 @@ def moe_dispatch(x, ids, shape, comm, exact=False):
         rows = rows[:counts[2]]
     if torch.is_grad_enabled():
         rows = rows.clone()
-    return rows, ends, row_of, kept, counts
+    return rows, ends, row_of, kept, counts, group_rows
 
 
-def moe_combine(expert_out, row_of, kept, weights, shape, comm):
-    return _moe_combine(expert_out.contiguous(), row_of, kept, weights, list(shape), comm._id)
+def moe_combine(expert_out, row_of, kept, weights, shape, comm, group_rows=None):
+    if group_rows is None:
+        group_rows = row_of.new_empty((0,))
+    return _moe_combine(expert_out.contiguous(), row_of, kept, weights, list(shape), comm._id, group_rows)
 
 
 # ---- distributed flash-decode (inference: no autograd) ------------------------------------------------------
