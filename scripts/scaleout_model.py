@@ -24,10 +24,16 @@ Hierarchical forms (every GPU drives its own NIC in the cross-node leg, on 1 / g
   MoE, every node weft's hierarchical_moe_dispatch as built: every token once to every node (fixed-size legs,
                   no count exchange), then the dispatch inside the node; the network carries (nodes - 1) /
                   top_k of the naive all-to-all's data
+  all_gather_matmul  size = the gathered A per GPU (bf16 [rows, K]), the GEMM 2 rows K N flops at --gemm-tflops
+                  (N = --gemm-n, this GPU's columns): as built, the cross-node all-gather on NCCL beside the
+                  GEMM on the rows already in the node: max(all-gather, GEMM) + one chunk's GEMM
+  matmul_reduce_scatter  size = the GEMM's output per GPU before the reduction: as built, the GEMM, then the
+                  hierarchical reduce-scatter (the network leg not yet overlapped with the GEMM)
 Flat: NCCL's rings over all P GPUs, one ring per NIC (gpus_per_node rings, each carrying 1 / gpus_per_node of
 the data across each node boundary at one NIC's rate): 2 (P - 1) / P (all-reduce) or (P - 1) / P of the data
 over gpus_per_node NICs, and 2 (P - 1) or P - 1 steps of latency (all-reduce: or NCCL's tree, 2 log2(nodes)
-network steps, where that is faster); all-to-all as point-to-point over the NICs.
+network steps, where that is faster); all-to-all as point-to-point over the NICs; the GEMM ops as the flat
+collective and the GEMM one after the other (NCCL + cuBLAS).
 At large sizes the two meet (both keep every NIC busy); the hierarchy wins on latency (steps across nodes, not
 across GPUs), on the overlap of its legs and, for MoE, on sending a token once per node. A projection to plan
 by, each row to be checked against a real multi-node run.
@@ -121,6 +127,18 @@ class Machine:
         node = self.node_leg("all_to_all", (g - 1) / g, s) if g > 1 else 0.0
         return net + node  # the legs are not pipelined
 
+    def gemm_us(self, s, n, tflops):
+        """The GEMM of a bf16 A of s bytes ([s / 2K, K]) by [K, n]: 2 (s / 2K) K n = s n flops."""
+        return s * n / (tflops * 1e6)
+
+    def all_gather_matmul(self, s, n, tflops):
+        gemm = self.gemm_us(s, n, tflops)
+        return max(self.all_gather(s), gemm) + gemm / self.chunks
+
+    def matmul_reduce_scatter(self, s, n, tflops):
+        # s: the GEMM's output per GPU (bf16 [rows, n]), whose A holds s / (2 n) rows of K = n columns (square).
+        return self.gemm_us(s, n, tflops) + self.reduce_scatter(s)
+
     # ---- flat: rings over all P GPUs, one per NIC --------------------------------------------------------------
     def flat(self, op, s):
         p, nics = self.p, self.g
@@ -138,7 +156,8 @@ class Machine:
 
 
 def table(args):
-    ops = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "moe_dispatch", "moe_every_node"]
+    ops = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "moe_dispatch", "moe_every_node",
+           "all_gather_matmul", "matmul_reduce_scatter"]
     rows = []
     for nodes in args.nodes:
         m = Machine(nodes, args.gpus_per_node, args.net_gbps, args.net_efficiency, args.net_latency_us, args.chunks)
@@ -150,6 +169,10 @@ def table(args):
                 elif op == "moe_every_node":
                     hier = m.moe_every_node(size, args.top_k)
                     flat = m.flat("all_to_all", size)
+                elif op in ("all_gather_matmul", "matmul_reduce_scatter"):
+                    hier = getattr(m, op)(size, args.gemm_n, args.gemm_tflops)
+                    gemm = m.gemm_us(size, args.gemm_n, args.gemm_tflops)
+                    flat = gemm + m.flat("all_gather" if op == "all_gather_matmul" else "reduce_scatter", size)
                 else:
                     hier = getattr(m, op)(size)
                     flat = m.flat(op, size)
@@ -168,6 +191,8 @@ def main(argv=None):
     ap.add_argument("--chunks", type=int, default=8, help="pieces the hierarchical legs are pipelined in")
     ap.add_argument("--top-k", type=int, default=8, help="MoE: experts per token")
     ap.add_argument("--experts", type=int, default=256, help="MoE: experts in all")
+    ap.add_argument("--gemm-n", type=int, default=8192, help="the GEMM ops: this GPU's columns of B (and K)")
+    ap.add_argument("--gemm-tflops", type=float, default=700.0, help="the GEMM ops: bf16 dense TFLOP/s reached")
     args = ap.parse_args(argv)
     args.nodes = [int(x) for x in args.nodes.split(",")]
     args.sizes = [parse_size(x) for x in args.sizes.split(",")]
@@ -175,7 +200,8 @@ def main(argv=None):
         ap.error("gpus per node, node counts and chunks must be at least 1")
     print(f"Scale-out MODEL (not a measurement): {args.gpus_per_node} GPUs per node, {args.net_gbps:g} Gb/s per GPU "
           f"at {args.net_efficiency:.0%}, {args.net_latency_us:g} us per network step, legs in {args.chunks} chunks; "
-          f"inside a node weft's measured busbw (4 x H200). MoE: top-{args.top_k} of {args.experts} experts.\n")
+          f"inside a node weft's measured busbw (4 x H200). MoE: top-{args.top_k} of {args.experts} experts. GEMM "
+          f"ops: N = K = {args.gemm_n}, {args.gemm_tflops:g} TFLOP/s.\n")
     print("| nodes | GPUs | op | bytes / GPU | weft hierarchical us | NCCL flat rings us | flat / hierarchical |")
     print("|---|---|---|---|---|---|---|")
     for nodes, gpus, op, size, hier, flat in table(args):
