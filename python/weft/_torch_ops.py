@@ -551,8 +551,8 @@ def _(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation, group_rows
 
 
 def _grouped_mm_setup(ctx, inputs, output):
-    a, b, group_end, b_nk, _, zero_unused_rows, activation, group_rows = inputs
-    if group_rows is not None:
+    a, b, group_end, b_nk, _, zero_unused_rows, activation, *rest = inputs  # (group_rows, where passed)
+    if rest and rest[0] is not None:
         raise _w.WeftValueError("weft.grouped_mm: no gradient over a low-latency dispatch's groups (group_rows): "
                                 "run it under torch.no_grad() (inference)")
     ctx.save_for_backward(a, b, group_end)
