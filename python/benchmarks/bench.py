@@ -68,13 +68,17 @@ def graphed(fn, warmup=2):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    captured = 1.0
     try:
         with torch.cuda.graph(graph):
             fn()
     except Exception as e:  # a baseline that cannot be captured gets no graph column, not a failed run
         print(f"  (no CUDA graph: {type(e).__name__}: {e})", flush=True)
-        return None
-    return graph.replay
+        captured = 0.0
+    # Every rank times the graph or none does (a rank timing alone would wait for ever at the barriers).
+    flag = torch.tensor([captured], device="cuda")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return graph.replay if flag.item() == 1.0 else None
 
 
 def host_us(fn, calls=200, reps=7):

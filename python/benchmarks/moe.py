@@ -14,8 +14,8 @@ Mixtral-like (hidden 4096, 8 experts, top-2, intermediate 14336); 128, 512, 4096
   torch._grouped_mm, silu(gate) * up, torch._grouped_mm, all_to_all_single back, the weighted un-permute in fp32;
 - all-to-all: torch.distributed's (NCCL) and weft's of equal splits moving as many bytes to the other ranks
   as the dispatch does;
-- graph columns: dispatch, combine and the layer replayed from CUDA graphs (decoding's way: no host time per
-  call), and at <= 256 tokens a rank the low-latency dispatch (weft.moe_dispatch(low_latency=True)), its
+- graph columns: dispatch and combine replayed from CUDA graphs (decoding's way: no host time per call), and
+  at <= 256 tokens a rank the layer and the low-latency dispatch (weft.moe_dispatch(low_latency=True)), its
   combine and its layer (inference).
 Bandwidth counts the bytes that cross to other ranks (dispatch: one row per token and remote destination rank;
 combine: one row per remote slot), per rank, max over ranks of per-rank medians; the layer's target is

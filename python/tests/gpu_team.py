@@ -598,7 +598,7 @@ def eager_fast_path(team, g):
     with torch.no_grad():
         assert ops._plain_eager((needs_grad,)), "no_grad: the fast path was not taken"
     assert not ops._plain_eager((x.cpu(),)), "a CPU tensor took the fast path"
-    assert not ops._plain_eager(([x, torch.nn.Parameter(x.float())],)), "a Parameter in a list took the fast path"
+    assert not ops._plain_eager(([x, torch.nn.Parameter(x.float())],)), "a Parameter needing a gradient, in a list, took the fast path"
     with torch.device("cuda"):
         assert not ops._plain_eager((x,)), "a torch function mode was active and the fast path was taken"
     from torch._subclasses.fake_tensor import FakeTensorMode

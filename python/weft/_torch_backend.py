@@ -108,9 +108,9 @@ _REDUCIBLE = (torch.bfloat16, torch.float16, torch.float32)
 # while torch's callers issue them from several streams (FSDP2: all-gathers and reduce-scatters on streams of
 # their own, overlapping by design); so each call first makes its stream wait for the previous one, and the
 # calls run in issue order, as NCCL's do on its one stream per communicator. Under CUDA graph capture the order
-# holds among the calls of one capture (a stream may wait only for events of its own capture): the event is
-# kept with the id of the capture it was recorded in (0: none), and a call waits for it only within the same.
-_LAST = {}  # device -> (event, capture id)
+# holds among the calls of one capture (a stream may wait only for events of its own capture): events are kept
+# per (device, capture id; 0: none). A graph's replay is ordered against other weft calls by its caller.
+_LAST = {}  # (device, capture id) -> event
 
 
 def _capture_id():
@@ -120,9 +120,9 @@ def _capture_id():
 def _in_issue_order(method):
     """method, run on the caller's stream after every earlier weft collective of this process on the device."""
     def ordered(self, *args, **kwargs):
-        last = _LAST.get(self.comm.device)
-        if last is not None and last[1] == _capture_id():
-            torch.cuda.current_stream().wait_event(last[0])
+        last = _LAST.get((self.comm.device, _capture_id()))
+        if last is not None:
+            torch.cuda.current_stream().wait_event(last)
         return method(self, *args, **kwargs)
 
     ordered.__name__ = method.__name__
@@ -140,7 +140,8 @@ if dist.is_available():  # the classes' bases live in torch.distributed
             super().__init__()
             self._event = torch.cuda.Event()
             self._event.record()
-            _LAST[torch.cuda.current_device()] = (self._event, _capture_id())
+            self._captured = _capture_id()
+            _LAST[(torch.cuda.current_device(), self._captured)] = self._event
             self._host_wait = host_wait
             self._future = torch.futures.Future()
             self._future.set_result(result)
@@ -153,7 +154,7 @@ if dist.is_available():  # the classes' bases live in torch.distributed
             return True
 
         def is_completed(self):
-            return self._event.query()
+            return False if self._captured else self._event.query()  # (a captured event cannot be queried)
 
         def is_success(self):
             return True

@@ -61,17 +61,21 @@ def emulated():
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_modes = getattr(torch._C, "_len_torch_function_stack", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-_FAST_PATH = None not in (_dispatch_modes, _function_modes, _functorch_active)
+_jit_tracing = getattr(torch._C, "_get_tracing_state", None)
+_profiling = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
+_FAST_PATH = None not in (_dispatch_modes, _function_modes, _functorch_active, _jit_tracing)
+_PLAIN = (Tensor, torch.nn.Parameter)  # (Parameter's __torch_function__ is torch's own)
 
 
 def _plain_tensor(t, grad):
-    return type(t) is Tensor and t.is_cuda and not (grad and t.requires_grad)
+    return type(t) in _PLAIN and t.is_cuda and not (grad and t.requires_grad)
 
 
 def _plain_eager(args):
-    """True where calling an operator's implementation directly does what the operator call would."""
+    """True where calling an operator's implementation directly does what the operator call would (not under
+    torch.jit.trace, which records operators, nor while the profiler records them by name)."""
     if not _FAST_PATH or torch.compiler.is_compiling() or _dispatch_modes() or _function_modes() \
-            or _functorch_active():
+            or _functorch_active() or _jit_tracing() is not None or (_profiling is not None and _profiling()):
         return False
     grad = torch.is_grad_enabled()
     for a in args:
@@ -907,7 +911,7 @@ def moe_dispatch(x, ids, shape, comm, exact=False):
         counts = (([0] * per, [0] * per, 0) if EMULATE else
                   _weft.moe_counts(comm._c, _last_counts[comm._id], ends.data_ptr(), tuple(shape), _stream(x)))
         rows = rows[:counts[2]]
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() and not _low_latency(shape):  # (the low-latency dispatch has no backward)
         rows = rows.clone()
     return rows, ends, row_of, kept, counts, group_rows
 

@@ -36,6 +36,7 @@ namespace {
 using ops::round256;
 const char* const kArea = "moe dispatch";
 const char* const kCombineArea = "moe combine";
+const char* const kCombineLowLatencyArea = "moe combine: the low-latency dispatch's rows";
 const char* const kCombineGradArea = "moe combine backward";
 const char* const kStagingArea = "moe combine staging";
 const char* const kWalkArea = "moe dispatch walk";
@@ -1049,7 +1050,10 @@ void check_combine(Communicator& comm, Rank& rank, const MoeShape& shape, DType 
 }  // namespace
 
 void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype) {
-  return expert_rows_area(comm, rank, shape, dtype, "weft::moe_combine_input", kCombineArea);
+  // The low-latency dispatch's fixed groups make a larger area: one of its own, so that switching between
+  // the two never outgrows (and frees) the area an earlier call, or a captured graph, names.
+  return expert_rows_area(comm, rank, shape, dtype, "weft::moe_combine_input",
+                          shape.low_latency ? kCombineLowLatencyArea : kCombineArea);
 }
 
 namespace {

@@ -194,6 +194,7 @@ struct OpCall {
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
     capturing = st != cudaStreamCaptureStatusNone;
+    if (capturing) c.note_capture();
   }
   bool planning() const { return plan != nullptr; }
   [[noreturn]] void fail(const std::string& why) const { throw_error(where + why); }

@@ -706,10 +706,13 @@ const SymmetricBuffer& Communicator::workspace(uint64_t bytes, bool capturing, c
   // Freeing waits for every local GPU to go idle. A thread driving several ranks may already have queued
   // work on one GPU that waits for a peer's part it has not queued yet (the fused ops' copy pipelines):
   // waiting now would hang. There the outgrown workspace lives on until the next synchronize().
-  if (ws && num_local() > 1)
+  if (ws && captured_) {
+    // A captured graph may name the outgrown buffer: it stays allocated (and listed) until the end.
+  } else if (ws && num_local() > 1) {
     retired_workspaces_.push_back(ws);
-  else if (ws)
+  } else if (ws) {
     free(ws);
+  }
   ws = alloc(bytes);
   // Zeroed before first use: flag protocols (the one-shot's LL words) must never find a matching value in
   // memory recycled from an earlier buffer. A stream of its own, so queued work is not waited for; the

@@ -27,6 +27,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <optional>
@@ -171,7 +172,10 @@ class Communicator {
   // ops' staging; an op whose peers write into its scratch ahead of this rank's call (the fused ops'
   // copy-engine pipelines) names an area of its own, which nothing else then uses. Every rank asks for the
   // same areas in the same order (it makes the same op calls).
+  // Once an op has been captured into a CUDA graph on this communicator (note_capture), an outgrown buffer is
+  // never freed before the communicator's end: a graph captured earlier may still name it.
   const SymmetricBuffer& workspace(uint64_t bytes, bool capturing = false, const std::string& area = {});
+  void note_capture() { captured_ = true; }
   void reserve_workspace(uint64_t bytes, const std::string& area = {}) { workspace(bytes, false, area); }
   // Workspace `area` as it is now, without growing it (op plans); nullptr before its first use.
   const SymmetricBuffer* current_workspace(const std::string& area = {}) const {
@@ -274,6 +278,7 @@ class Communicator {
   std::map<std::tuple<const Rank*, int, int>, std::unique_ptr<Rank>> subteams_;  // (rank, size, stride)
   std::vector<SymmetricBuffer>
       retired_workspaces_;         // outgrown with several local ranks: freed by synchronize()
+  std::atomic<bool> captured_{false};  // an op has been captured into a CUDA graph (note_capture)
   int32_t* abort_flag_ = nullptr;  // host-mapped
   mutable std::mutex abort_lock_;
   std::string abort_reason_;                          // abort()'s first reason
