@@ -24,7 +24,7 @@
 #   3. --pairs "single-process, 2" "multi-process, 2" "racecheck, 2" "memcheck, 2" "rank death"
 #      "fake nodes: 2 x 1" "hello_nodes" "python (torchrun), 2" "backend 'weft' (torchrun), 2"
 #      "fake nodes of 1" "tp_mlp.py trains (torchrun), 2" "train_transformer.py (torchrun), 2" "synccheck, 2"
-#      (dealt round-robin: pair 0,1 runs ~440 s, pair 2,3 ~360 s)
+#      "two torchrun launchers"   (dealt round-robin: pair 0,1 runs ~440 s, pair 2,3 ~360 s)
 #   4. --lanes "virtual ranks, W = 2 on" "W = 3" "W = 4" "W = 8" "SM budget" "examples (hello_team"
 #      "find_package" "one process" "python: flash attention" "python: grouped_mm" "python: scaled_mm"
 #      "python: torch operators on virtual" "python: examples/tp_mlp.py trains on virtual"

@@ -144,6 +144,18 @@ if python3 -c "import torch" 2>/dev/null; then
             "$mode"
         done
       done
+      # A two-node job as a user launches one: a torchrun per node (--nnodes 2, its node rank, the first node's
+      # address), here both on this host, one GPU each: the job's rendezvous across launchers, then the
+      # hierarchical ops against NCCL.
+      [ "$n" -eq 2 ] && step "python: two torchrun launchers as 2 nodes of 1 GPU (weft.init_multi_node, ops)" \
+        "python_two_launchers" env PYTHONPATH="$build/python" NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 \
+        NCCL_IB_DISABLE=1 WEFT_JOB_SECRET="$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')" bash -c '
+          port=$((20000 + RANDOM % 20000)); pids=(); IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-0,1}"
+          for node in 0 1; do
+            CUDA_VISIBLE_DEVICES=${gpus[$node]} python3 -m torch.distributed.run --nnodes=2 --node-rank=$node \
+              --nproc-per-node=1 --master-addr=127.0.0.1 --master-port=$port "$0" ops & pids+=($!)
+          done
+          rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done; exit $rc' "$root/python/tests/gpu_multinode.py"
       # Training through weft's ops against torch.distributed's differentiable collectives and fp32.
       [ "$n" -ge 2 ] && step "python: examples/tp_mlp.py trains (torchrun), $n processes" "python_tp_mlp_$n" \
         env PYTHONPATH="$build/python" python3 -m torch.distributed.run --master-port=$((20000 + RANDOM % 20000)) \
