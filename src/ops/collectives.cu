@@ -453,7 +453,11 @@ void run_all_to_all(Call& c, const void* in, void* out, size_t count_per_rank, D
 // At up to 8 ranks the receivers wait for per-chunk tags instead of an exit meeting, copying each chunk out of
 // the workspace as it lands (coll::rooted_landed_kernel); past 8, coll::rooted_kernel. Both choices depend only
 // on what every rank knows alike (the world size; via_workspace: out symmetric on every rank or on none).
-const char* const kRootedLanded = "rooted collectives: chunks landed per block and sender";
+// One run of flags for the rooted kernels and the owned reduce: both index it [block x 8 + sender] and tag
+// it with block b's meeting epoch, which no two calls share (waits match it exactly), and one of them runs
+// per call; a sub-team takes a copy of the run at its first use, so one run keeps the splits' share small.
+const char* const kRootedLanded = "rooted collectives, reduce: chunks landed per block and sender";
+static_assert(coll::kRootedLandedMaxWorld == coll::kOwnedReduceMaxWorld, "the two share one run of flags");
 constexpr int kRootedLandedFlags = ops::kMeetingSlots * coll::kRootedLandedMaxWorld;
 const ResourceDeclaration kRootedResources{{kRootedLanded, kRootedLandedFlags}};
 
@@ -593,9 +597,6 @@ void run_gather(Call& c, const void* in, void* out, size_t count, DType dtype, i
 // copy in makes every rank's input lie at the same offset, which an in-place root does not give.)
 const char* const kReduceArea = "reduce: result";
 constexpr uint64_t kOwnedReduceMin = 1 << 20;
-const char* const kReduceLanded = "reduce: chunks landed per block and sender";
-constexpr int kReduceLandedFlags = ops::kMeetingSlots * coll::kOwnedReduceMaxWorld;
-const ResourceDeclaration kReduceResources{{kReduceLanded, kReduceLandedFlags}};
 
 // Decided from what every rank knows alike (the world, the size), never from a rank's own pointers.
 bool owned_reduce(const Call& c, uint64_t bytes) {
@@ -620,7 +621,7 @@ void launch_owned_reduce(Call& c, const void* in, void* out, uint64_t bytes, DTy
   x.in = static_cast<const uint4*>(aligned(in) ? in : in_copy);
   x.out = is_root && aligned(out) ? static_cast<uint4*>(out) : x.land;  // land: no copy in the kernel
   x.root = root;
-  x.landed = c.comm.resources(c.rank, kReduceLanded).flags;
+  x.landed = c.comm.resources(c.rank, kRootedLanded).flags;  // (shared with the rooted kernels)
   x.slots = c.meetings();
   if (!aligned(in) && !c.planned("copy of in to 16-byte alignment"))
     WEFT_CUDA_CHECK(cudaMemcpyAsync(in_copy, in, bytes, cudaMemcpyDeviceToDevice, c.stream));

@@ -644,6 +644,65 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
       });
     c.host_barrier();
   }
+  // The rooted kernels of up to 8 ranks (per-chunk tags, no exit meeting) back to back without a host wait:
+  // broadcast, scatter and gather from changing roots, of changing sizes (so changing grids), into symmetric
+  // and device outs; checked together at the end.
+  {
+    const DType t = DType::kFP32;
+    struct Step {
+      Rooted kind;
+      size_t n;
+      int root;
+      bool sym;
+    };
+    const std::vector<Step> steps = {{Rooted::kBroadcast, 1000, 0, true},       {Rooted::kScatter, 70000, W - 1, false},
+                                     {Rooted::kGather, 3, 1 % W, true},         {Rooted::kBroadcast, 300001, W - 1, false},
+                                     {Rooted::kGather, 50000, 0, false},        {Rooted::kScatter, 5, 1 % W, true},
+                                     {Rooted::kBroadcast, 200000, 1 % W, true}};
+    std::vector<std::unique_ptr<RankBuffers>> ins, outs;
+    std::vector<std::vector<std::vector<char>>> inputs(steps.size());
+    for (size_t k = 0; k < steps.size(); ++k) {
+      const Step& st = steps[k];
+      const size_t in_elems = st.kind == Rooted::kScatter ? st.n * W : st.n;
+      const size_t out_elems = st.kind == Rooted::kGather ? st.n * W : st.n;
+      ins.push_back(std::make_unique<RankBuffers>(c, in_elems * 4, st.sym));
+      outs.push_back(std::make_unique<RankBuffers>(c, out_elems * 4, st.sym));
+      for (int q = 0; q < W; ++q) inputs[k].push_back(make_input(t, in_elems, q, 3000 + k));
+      for_each_local(c, [&](Rank& rk, int i) {
+        upload(c, i, ins[k]->ptr[i], inputs[k][rk.rank()]);
+        poison(c, i, outs[k]->ptr[i], out_elems * 4);
+      });
+    }
+    c.synchronize();
+    c.host_barrier();
+    for (size_t k = 0; k < steps.size(); ++k)
+      for_each_local(c, [&](Rank& rk, int i) {
+        const Step& st = steps[k];
+        void* in = ins[k]->ptr[i];
+        void* out = outs[k]->ptr[i];
+        if (st.kind == Rooted::kBroadcast) broadcast(c, rk, in, out, st.n, t, st.root);
+        if (st.kind == Rooted::kScatter) scatter(c, rk, in, out, st.n, t, st.root);
+        if (st.kind == Rooted::kGather) gather(c, rk, in, out, st.n, t, st.root);
+      });
+    c.synchronize();
+    for (size_t k = 0; k < steps.size(); ++k)
+      for_each_local(c, [&](Rank& rk, int i) {
+        const Step& st = steps[k];
+        if (st.kind == Rooted::kGather && rk.rank() != st.root) return;
+        const size_t out_elems = st.kind == Rooted::kGather ? st.n * W : st.n;
+        const std::vector<double> ref = reference(out_elems, [&](size_t e) {
+          if (st.kind == Rooted::kBroadcast) return double(to_float(t, inputs[k][st.root].data() + e * 4));
+          if (st.kind == Rooted::kScatter)
+            return double(to_float(t, inputs[k][st.root].data() + (rk.rank() * st.n + e) * 4));
+          return double(to_float(t, inputs[k][e / st.n].data() + (e % st.n) * 4));
+        });
+        const std::string err = compare(t, download(c, i, outs[k]->ptr[i], out_elems * 4), ref, true, W);
+        WEFT_EXPECT(err.empty(), rooted_name(st.kind) << " back to back, call " << k << " root " << st.root
+                                                      << (st.sym ? " symmetric" : " device") << " rank "
+                                                      << rk.rank() << ": " << err);
+      });
+    c.host_barrier();
+  }
   // Arguments: a root outside the team is refused by name.
   Rank& r = c.local(0);
   RankBuffers b(c, 64, true);
