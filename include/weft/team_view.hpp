@@ -18,10 +18,11 @@ struct TimelineBuffer;  // weft/timeline.hpp
 
 // The signal pad's room: flag words and barrier slots, granted to ops by name. Each split of the team into
 // sub-teams (Communicator::subteam) is granted its own runs of what its ops use (a ring attention pass about
-// 1k flags, the collectives' per-block meetings 256 slots), so there is room for several splits beside the
-// team's own grants: 4 MiB of inboxes per rank.
-inline constexpr int kMaxWorld = 128;     // ranks in one team (an NVL72 fits)
-inline constexpr int kFlagWords = 32768;  // 64-bit flag words
+// 1k flags, flash_decode ~13k, the rooted collectives 2k, the collectives' per-block meetings 256 slots), so
+// there is room for several splits beside the team's own grants (~24k flags): 1 MiB of flags and 4 MiB of
+// inboxes per rank.
+inline constexpr int kMaxWorld = 128;      // ranks in one team (an NVL72 fits)
+inline constexpr int kFlagWords = 131072;  // 64-bit flag words
 inline constexpr int kBarrierSlots =
     4096;  // independent team barriers (one block per rank at a time in each)
 
