@@ -710,14 +710,13 @@ void bind_moe(py::module_& m) {
         *c.comm, c.rank(), reinterpret_cast<const void*>(tokens), reinterpret_cast<const int32_t*>(experts),
         s, reinterpret_cast<void*>(workspace), workspace_bytes, parse_dtype(dtype), c.stream(stream));
     const int64_t per = s.num_experts / c.rank().world();
-    return py::make_tuple(view_of(c, const_cast<void*>(d.rows), {d.capacity, s.hidden}, dtype),
-                          view_of(c, const_cast<int32_t*>(d.group_end), {per}, "int32"),
-                          reinterpret_cast<uintptr_t>(d.row_of), reinterpret_cast<uintptr_t>(d.experts),
-                          d.capacity, reinterpret_cast<uintptr_t>(d.counts),
-                          reinterpret_cast<uintptr_t>(d.row_source),
-                          d.group_rows ? py::object(py::cast(view_of(c, const_cast<int32_t*>(d.group_rows),
-                                                                     {per}, "int32")))
-                                       : py::object(py::none()));
+    return py::make_tuple(
+        view_of(c, const_cast<void*>(d.rows), {d.capacity, s.hidden}, dtype),
+        view_of(c, const_cast<int32_t*>(d.group_end), {per}, "int32"), reinterpret_cast<uintptr_t>(d.row_of),
+        reinterpret_cast<uintptr_t>(d.experts), d.capacity, reinterpret_cast<uintptr_t>(d.counts),
+        reinterpret_cast<uintptr_t>(d.row_source),
+        d.group_rows ? py::object(py::cast(view_of(c, const_cast<int32_t*>(d.group_rows), {per}, "int32")))
+                     : py::object(py::none()));
   });
   // The exact-count read-back of the last dispatch on this rank (synchronises its stream): (rows per local
   // expert, padded group ends, rows in use). counts: the dispatch's counts table (moe_dispatch's 6th value).

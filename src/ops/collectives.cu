@@ -450,12 +450,13 @@ void run_all_to_all(Call& c, const void* in, void* out, size_t count_per_rank, D
 
 // The pushes are dealt in 16-byte units whatever each rank's buffers allow (coll::copy_dealt), so no
 // alignment needs to agree across ranks. The grid is sized by what the busiest rank moves.
-// At up to 8 ranks the receivers wait for per-chunk tags instead of an exit meeting, copying each chunk out of
-// the workspace as it lands (coll::rooted_landed_kernel); past 8, coll::rooted_kernel. Both choices depend only
-// on what every rank knows alike (the world size; via_workspace: out symmetric on every rank or on none).
-// One run of flags for the rooted kernels and the owned reduce: both index it [block x 8 + sender] and tag
-// it with block b's meeting epoch, which no two calls share (waits match it exactly), and one of them runs
-// per call; a sub-team takes a copy of the run at its first use, so one run keeps the splits' share small.
+// At up to 8 ranks the receivers wait for per-chunk tags instead of an exit meeting, copying each chunk out
+// of the workspace as it lands (coll::rooted_landed_kernel); past 8, coll::rooted_kernel. Both choices depend
+// only on what every rank knows alike (the world size; via_workspace: out symmetric on every rank or on
+// none). One run of flags for the rooted kernels and the owned reduce: both index it [block x 8 + sender] and
+// tag it with block b's meeting epoch, which no two calls share (waits match it exactly), and one of them
+// runs per call; a sub-team takes a copy of the run at its first use, so one run keeps the splits' share
+// small.
 const char* const kRootedLanded = "rooted collectives, reduce: chunks landed per block and sender";
 static_assert(coll::kRootedLandedMaxWorld == coll::kOwnedReduceMaxWorld, "the two share one run of flags");
 constexpr int kRootedLandedFlags = ops::kMeetingSlots * coll::kRootedLandedMaxWorld;
@@ -464,12 +465,14 @@ const ResourceDeclaration kRootedResources{{kRootedLanded, kRootedLandedFlags}};
 void launch_rooted(Call& c, const coll::Rooted& r, uint64_t busiest_bytes, const char* name) {
   const int g = c.blocks(busiest_bytes);
   const bool landed = c.rank.world() <= coll::kRootedLandedMaxWorld;
-  const char* how = landed ? (r.x.via_workspace ? " via workspace, copied out as it lands" : ", tagged per chunk")
-                           : (r.x.via_workspace ? " via workspace" : "");
+  const char* how =
+      landed ? (r.x.via_workspace ? " via workspace, copied out as it lands" : ", tagged per chunk")
+             : (r.x.via_workspace ? " via workspace" : "");
   if (c.planned(std::string(name) + how, g)) return;
   if (landed) {
     detail::preload<&coll::rooted_landed_kernel>();
-    coll::rooted_landed_kernel<<<g, kThreads, 0, c.stream>>>(r, c.comm.resources(c.rank, kRootedLanded).flags);
+    coll::rooted_landed_kernel<<<g, kThreads, 0, c.stream>>>(r,
+                                                             c.comm.resources(c.rank, kRootedLanded).flags);
   } else {
     detail::preload<&coll::rooted_kernel>();
     coll::rooted_kernel<<<g, kThreads, 0, c.stream>>>(r);

@@ -612,7 +612,8 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
     const auto out_shift = [](int rep) { return rep / 2 % 2 ? 2 : 0; };
     const auto op_of = [](int rep) { return rep == 3 ? ReduceOp::kMax : ReduceOp::kSum; };
     for (int r = 0; r < W; ++r) inputs.push_back(make_input(t, n, r, 2100));
-    for_each_local(c, [&](Rank& r, int i) { upload(c, i, in.ptr[i] + in_shift(r.rank()), inputs[r.rank()]); });
+    for_each_local(c,
+                   [&](Rank& r, int i) { upload(c, i, in.ptr[i] + in_shift(r.rank()), inputs[r.rank()]); });
     for (int rep = 0; rep < kReps; ++rep) {
       outs.push_back(std::make_unique<RankBuffers>(c, n * 2 + 16, false));
       for_each_local(c, [&](Rank&, int i) { poison(c, i, outs.back()->ptr[i], n * 2 + 16); });
@@ -638,9 +639,9 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
         });
         const std::string err = compare(t, download(c, i, outs[rep]->ptr[i] + out_shift(rep), n * 2), ref,
                                         op_of(rep) == ReduceOp::kMax, W);
-        WEFT_EXPECT(err.empty(), "reduce at mixed alignments, call " << rep << " root " << rep % W << " in shifted "
-                                                                     << in_shift(rep % W) << " out shifted "
-                                                                     << out_shift(rep) << ": " << err);
+        WEFT_EXPECT(err.empty(), "reduce at mixed alignments, call "
+                                     << rep << " root " << rep % W << " in shifted " << in_shift(rep % W)
+                                     << " out shifted " << out_shift(rep) << ": " << err);
       });
     c.host_barrier();
   }
@@ -655,10 +656,11 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
       int root;
       bool sym;
     };
-    const std::vector<Step> steps = {{Rooted::kBroadcast, 1000, 0, true},       {Rooted::kScatter, 70000, W - 1, false},
-                                     {Rooted::kGather, 3, 1 % W, true},         {Rooted::kBroadcast, 300001, W - 1, false},
-                                     {Rooted::kGather, 50000, 0, false},        {Rooted::kScatter, 5, 1 % W, true},
-                                     {Rooted::kBroadcast, 200000, 1 % W, true}};
+    const std::vector<Step> steps = {
+        {Rooted::kBroadcast, 1000, 0, true},      {Rooted::kScatter, 70000, W - 1, false},
+        {Rooted::kGather, 3, 1 % W, true},        {Rooted::kBroadcast, 300001, W - 1, false},
+        {Rooted::kGather, 50000, 0, false},       {Rooted::kScatter, 5, 1 % W, true},
+        {Rooted::kBroadcast, 200000, 1 % W, true}};
     std::vector<std::unique_ptr<RankBuffers>> ins, outs;
     std::vector<std::vector<std::vector<char>>> inputs(steps.size());
     for (size_t k = 0; k < steps.size(); ++k) {

@@ -385,8 +385,8 @@ static __global__ void __launch_bounds__(512) rooted_landed_kernel(Rooted r, Fla
           },
           [](uint64_t v) { return v; });
   };
-  // (A receiver's own part is a gather root's only, and gather always lands in the workspace: the early return
-  // below skips no own copy.)
+  // (A receiver's own part is a gather root's only, and gather always lands in the workspace: the early
+  // return below skips no own copy.)
   if (!x.via_workspace) {  // landed in place: the last chunk's tags cover the block's earlier chunks
     const uint64_t chunks = chunk_iterations(units);
     if (chunks > 0) wait_senders(static_cast<uint32_t>(chunks - 1));
