@@ -324,6 +324,25 @@ static __global__ void __launch_bounds__(512) rooted_kernel(Rooted r) {
   }
 }
 
+// ---- per-chunk tags (the forwarded broadcast, the rooted kernels, the owned reduce) -------------------------
+// A sender sets a receiver's flag to (epoch << 32) | (i + 1) after its chunk i; epoch is the low word of
+// block b's meeting slot (the same on every rank, growing), read after the call's entry meeting. A wait
+// matches the epoch exactly (a stale or wrapped tag times out instead of passing) and passes any count from
+// i + 1 on: each flag has one writer per call, which counts up. A failed wait is recorded (synchronize()
+// reports it) and returns false.
+struct ChunkTags {
+  uint32_t epoch;
+  __device__ ChunkTags(const TeamView& t, BarrierSlots slots)
+      : epoch(static_cast<uint32_t>(*t.barrier_epoch(slots[blockIdx.x]))) {}
+  __device__ uint64_t operator()(uint32_t i) const { return (uint64_t(epoch) << 32) | (i + 1); }
+  __device__ bool wait(const TeamView& t, const uint64_t* flag, uint32_t i) const {
+    const uint32_t e = epoch, want = i + 1;
+    return wait_until(
+        t, flag, (*this)(i), [e, want](uint64_t v) { return uint32_t(v >> 32) == e && uint32_t(v) >= want; },
+        [](uint64_t v) { return v; });
+  }
+};
+
 // ---- rooted at up to 8 ranks: each chunk copied out as it lands, no exit meeting --------------------------
 // The same exchange as rooted_kernel without its exit meeting: a sender's block b tags the receiver's flag
 // landed[b][sender] with (this call's epoch << 32) | (i + 1) after its chunk i (the chunks of copy_dealt's
@@ -340,11 +359,10 @@ static __global__ void __launch_bounds__(512) rooted_landed_kernel(Rooted r, Fla
   const Exchange& x = r.x;
   const TeamView& t = x.team;
   if (!meet(t, x.slots)) return;
-  const uint32_t epoch = static_cast<uint32_t>(*t.barrier_epoch(x.slots[blockIdx.x]));
+  const ChunkTags tag(t, x.slots);
   const auto flag = [&](int sender) {
     return t.flag(landed, int(blockIdx.x) * kRootedLandedMaxWorld + sender);
   };
-  const auto tag = [&](uint32_t i) { return (uint64_t(epoch) << 32) | (i + 1); };
   const uint64_t units = (x.row_bytes + 15) / 16;
   // The root's own part goes straight to its final place (skipped in place), beside its first push.
   const char* own_src = x.src.base + x.src_peer_step * t.rank;
@@ -374,16 +392,9 @@ static __global__ void __launch_bounds__(512) rooted_landed_kernel(Rooted r, Fla
   }
   // A receiver: the root's part (broadcast, scatter), or at a gather's root every other rank's.
   const auto sender = [&](int q) { return q != t.rank && (!r.from_root || q == r.root); };
-  // A failed wait is recorded (synchronize() reports it); the copies still run, so the kernel ends.
+  // A failed wait is recorded; the copies still run, so the kernel ends.
   const auto wait_senders = [&](uint32_t i) {
-    const uint64_t want = tag(i);
-    if (int(threadIdx.x) < t.world && sender(threadIdx.x))
-      (void)wait_until(
-          t, flag(threadIdx.x), want,
-          [want](uint64_t v) {
-            return uint32_t(v >> 32) == uint32_t(want >> 32) && uint32_t(v) >= uint32_t(want);
-          },
-          [](uint64_t v) { return v; });
+    if (int(threadIdx.x) < t.world && sender(threadIdx.x)) (void)tag.wait(t, flag(threadIdx.x), i);
   };
   // (A receiver's own part is a gather root's only, and gather always lands in the workspace: the early
   // return below skips no own copy.)
@@ -430,9 +441,7 @@ struct ForwardedBroadcast {
 static __global__ void __launch_bounds__(512) forwarded_broadcast_kernel(ForwardedBroadcast f) {
   const TeamView& t = f.team;
   if (!meet(t, f.slots)) return;
-  // This meeting's epoch, low 32 bits: a tag is (epoch << 32) | chunks, and a wait matches the epoch exactly
-  // (a stale or wrapped tag times out instead of passing).
-  const uint32_t epoch = static_cast<uint32_t>(*t.barrier_epoch(f.slots[blockIdx.x]));
+  const ChunkTags tag(t, f.slots);
   const int W = t.world, parts = W - 1;
   const uint64_t units = (f.bytes + 15) / 16, per = (units + parts - 1) / parts;
   const auto rank_of = [&](int j) { return (f.root + 1 + j) % W; };
@@ -456,20 +465,15 @@ static __global__ void __launch_bounds__(512) forwarded_broadcast_kernel(Forward
       }
       __syncthreads();  // the block's pushes, then one release signal per part covers them
       if (int(threadIdx.x) < parts)
-        signal_set(t, t.flag(f.landed, blockIdx.x), rank_of(threadIdx.x), (uint64_t(epoch) << 32) | (i + 1));
+        signal_set(t, t.flag(f.landed, blockIdx.x), rank_of(threadIdx.x), tag(i));
       ++i;
     });
   } else {
     const int mine = (t.rank - f.root - 1 + W) % W;
     const uintptr_t align = align_of(f.land, nullptr);
     for_each_chunk(per, [&](uint64_t base, uint64_t len) {
-      // A failed wait is recorded (synchronize() reports it); the forwarding still runs, so the kernel ends.
-      const uint32_t want = i + 1;
-      if (threadIdx.x == 0)
-        (void)wait_until(
-            t, t.flag(f.landed, blockIdx.x), (uint64_t(epoch) << 32) | want,
-            [epoch, want](uint64_t x) { return uint32_t(x >> 32) == epoch && uint32_t(x) >= want; },
-            [](uint64_t x) { return x; });
+      // A failed wait is recorded; the forwarding still runs, so the kernel ends.
+      if (threadIdx.x == 0) (void)tag.wait(t, t.flag(f.landed, blockIdx.x), i);
       __syncthreads();
       uint64_t first;
       const uint64_t n = span(mine, base, len, first);
@@ -522,7 +526,7 @@ template <Elem E, Reduce R>
 __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
   const TeamView& t = x.team;
   if (!meet(t, x.slots)) return;
-  const uint32_t epoch = static_cast<uint32_t>(*t.barrier_epoch(x.slots[blockIdx.x]));
+  const ChunkTags tag(t, x.slots);
   const int W = t.world, parts = W - 1;
   const uint64_t per = (x.units + parts - 1) / parts;
   const int mine = t.rank == x.root ? -1 : (t.rank - x.root - 1 + W) % W;  // my part (-1: the root)
@@ -535,7 +539,6 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
     const uint64_t first = uint64_t(j) * per, end = min(first + per, x.units);
     return first + base < end ? min(len, end - first - base) : 0;
   };
-  const auto tag = [&](uint32_t i) { return (uint64_t(epoch) << 32) | (i + 1); };
   // Chunk i's pushes into the owners, then one release signal per owner covers them.
   const auto push = [&](uint32_t i, uint64_t base, uint64_t len) {
     for (int j = 0; j < parts; ++j) {
@@ -555,14 +558,7 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
   // this one (flags only grow within a call: a later chunk's tag passes an earlier chunk's wait). A failed
   // wait is recorded (synchronize() reports it); the kernel still runs to its end.
   const auto settle = [&](uint32_t i, uint64_t base, uint64_t len) {
-    const uint64_t want = tag(i);
-    if (int(threadIdx.x) < W && int(threadIdx.x) != t.rank)
-      (void)wait_until(
-          t, flag(threadIdx.x), want,
-          [want](uint64_t v) {
-            return uint32_t(v >> 32) == uint32_t(want >> 32) && uint32_t(v) >= uint32_t(want);
-          },
-          [](uint64_t v) { return v; });
+    if (int(threadIdx.x) < W && int(threadIdx.x) != t.rank) (void)tag.wait(t, flag(threadIdx.x), i);
     __syncthreads();
     if (mine >= 0) {
       const uint64_t n = clipped(mine, base, len), at = uint64_t(mine) * per + base;
@@ -574,7 +570,7 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
         st16(to + u, acc.store());
       }
       __syncthreads();
-      if (threadIdx.x == 0) signal_set(t, flag(t.rank), x.root, want);
+      if (threadIdx.x == 0) signal_set(t, flag(t.rank), x.root, tag(i));
     } else if (x.out != x.land) {
       for (int j = 0; j < parts; ++j) {
         const uint64_t n = clipped(j, base, len), at = uint64_t(j) * per + base;

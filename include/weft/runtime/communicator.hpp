@@ -26,8 +26,8 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
-#include <cstdint>
 #include <atomic>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
@@ -167,8 +167,7 @@ class Communicator {
   // while `capturing` (a CUDA graph capture is in progress): run the op once before capturing, or call
   // reserve_workspace. With several local ranks the outgrown buffer stays mapped until synchronize() (or
   // the communicator's end): freeing would wait for every local GPU while one of them may wait for a peer
-  // whose part the calling thread has not queued yet. Once any op has been captured (below), outgrown
-  // buffers stay until the communicator's end.
+  // whose part the calling thread has not queued yet.
   // Areas are separate buffers, named by the op that asks: the unnamed area serves the collectives and the
   // ops' staging; an op whose peers write into its scratch ahead of this rank's call (the fused ops'
   // copy-engine pipelines) names an area of its own, which nothing else then uses. Every rank asks for the
