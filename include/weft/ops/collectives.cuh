@@ -324,7 +324,7 @@ static __global__ void __launch_bounds__(512) rooted_kernel(Rooted r) {
   }
 }
 
-// ---- per-chunk tags (the forwarded broadcast, the rooted kernels, the owned reduce) -------------------------
+// ---- per-chunk tags (the forwarded broadcast, the rooted kernels, the owned reduce) --------------------
 // A sender sets a receiver's flag to (epoch << 32) | (i + 1) after its chunk i; epoch is the low word of
 // block b's meeting slot (the same on every rank, growing), read after the call's entry meeting. A wait
 // matches the epoch exactly (a stale or wrapped tag times out instead of passing) and passes any count from
