@@ -464,8 +464,7 @@ static __global__ void __launch_bounds__(512) forwarded_broadcast_kernel(Forward
         if (own) copy_units(f.out, f.in, f.bytes, first, n, own_align);
       }
       __syncthreads();  // the block's pushes, then one release signal per part covers them
-      if (int(threadIdx.x) < parts)
-        signal_set(t, t.flag(f.landed, blockIdx.x), rank_of(threadIdx.x), tag(i));
+      if (int(threadIdx.x) < parts) signal_set(t, t.flag(f.landed, blockIdx.x), rank_of(threadIdx.x), tag(i));
       ++i;
     });
   } else {
