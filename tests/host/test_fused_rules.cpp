@@ -32,7 +32,7 @@ TEST(FusedRules, PipelineFromSixteenMiBPushesEightWithOnePeer) {
   // 3 GPUs (no fused row): 16 MiB pushes pipeline, less does not.
   EXPECT_EQ(auto_path(kRS, 3072, 8192, 8192, 3), FusedPath::kPipelined);   // 1024 rows x 8192 x 2 = 16 MiB
   EXPECT_EQ(auto_path(kRS, 1536, 8192, 8192, 3), FusedPath::kSequential);  // 8 MiB
-  // 2 GPUs: from 2^25 (not fused) the push is M x N bytes >= 32 MiB.
+  // 2 GPUs: the fused kernel up to 2048 rows; from 4096 rows the pipeline (its push M x N bytes >= 32 MiB).
   EXPECT_EQ(auto_path(kRS, 4096, 8192, 8192, 2), FusedPath::kPipelined);
   // AG at 2 GPUs, one push per call: 8 MiB is enough where N per rank <= 4096.
   EXPECT_EQ(auto_path(kAG, 1024, 4096, 8192, 2), FusedPath::kPipelined);  // 512 rows x 8192 x 2 = 8 MiB
