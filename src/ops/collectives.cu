@@ -480,6 +480,50 @@ void launch_rooted(Call& c, const coll::Rooted& r, uint64_t busiest_bytes, const
   c.launched();
 }
 
+// Parts up to the one-shot's limit (one_shot_max_bytes) at up to 8 ranks: one LL round
+// (coll::rooted_ll_kernel), no meeting. Its own LL region and counts; decided from what every rank knows
+// alike (the world, the part's size, the SM budget), never from a rank's pointers (the kernel takes any
+// 2-byte alignment).
+const char* const kRootedLL = "broadcast / scatter / gather, small: calls and progress per block, LL region";
+constexpr int kRootedLLFlags = ops::kMeetingSlots * (1 + coll::kRootedLLMaxWorld);
+const ResourceDeclaration kRootedLLResources{{kRootedLL, kRootedLLFlags, 0, &ops::ll_region_bytes}};
+
+bool rooted_ll(const Call& c, uint64_t part_bytes) {
+  const int W = c.rank.world();
+  return W <= coll::kRootedLLMaxWorld && part_bytes % 2 == 0 && part_bytes <= one_shot_max_bytes(W) &&
+         c.one_shot_fits(part_bytes);
+}
+
+// One LL round of `bytes` per part: the part for rank p at in + p * in_peer_step, the part from rank s
+// landing at out + s * out_peer_step.
+void launch_rooted_ll(Call& c, int root, bool from_root, const void* in, uint64_t in_peer_step, void* out,
+                      uint64_t out_peer_step, uint64_t bytes, const char* name) {
+  const int world = c.rank.world();
+  const Flags flags = c.comm.resources(c.rank, kRootedLL).flags;
+  coll::RootedLL x{};
+  x.team = c.rank.view();
+  x.in = static_cast<const char*>(in);
+  x.in_peer_step = in_peer_step;
+  x.out = static_cast<char*>(out);
+  x.out_peer_step = out_peer_step;
+  x.bytes = bytes;
+  x.root = root;
+  x.from_root = from_root;
+  x.ll = reinterpret_cast<uint64_t*>(c.workspace(ops::ll_region_bytes(world), kRootedLL));
+  x.slot_words = ops::ll_slot_bytes(world) / 8;
+  x.block_words = ops::ll_block_words(world);
+  x.calls = Flags{flags.first, ops::kMeetingSlots};
+  x.progress = Flags{flags.first + ops::kMeetingSlots, ops::kMeetingSlots * coll::kRootedLLMaxWorld};
+  // As the one-shot's grid: every block's share fits its part of a slot.
+  const int g =
+      std::clamp<int>(c.blocks(bytes * 8), ops::one_shot_min_blocks(world, bytes),
+                      std::min(ops::one_shot_max_blocks(world), ops::max_collective_blocks(c.rank)));
+  if (c.planned(std::string(name) + ", one LL round", g)) return;
+  detail::preload<&coll::rooted_ll_kernel>();
+  coll::rooted_ll_kernel<<<g, kThreads, 0, c.stream>>>(x);
+  c.launched();
+}
+
 void check_root(const Call& c, int root) {
   if (root < 0 || root >= c.rank.world())
     c.fail("root " + std::to_string(root) + " is not a rank of this team of " +
@@ -516,6 +560,8 @@ void run_broadcast(Call& c, const void* in, void* out, size_t count, DType dtype
     c.fail("in and out overlap without being equal");
   if (c.alone(in, out, bytes)) return;
   const int W = c.rank.world();
+  if (rooted_ll(c, bytes))
+    return launch_rooted_ll(c, root, true, is_root ? in : out, 0, out, 0, bytes, "broadcast");
   // Every rank's out symmetric, or the data lands in the workspace (out symmetric on all ranks or on none).
   const bool via_workspace = !c.comm.in_heap(c.rank, out, bytes);
   char* land = via_workspace ? c.workspace(bytes) : static_cast<char*>(out);
@@ -555,6 +601,8 @@ void run_scatter(Call& c, const void* in, void* out, size_t count, DType dtype, 
   if (is_root && out != mine && Call::overlap(in, all, out, bytes))
     c.fail("in and out overlap (in place: out == in + root * count elements)");
   if (c.alone(in, out, bytes)) return;
+  if (rooted_ll(c, bytes))
+    return launch_rooted_ll(c, root, true, is_root ? in : out, is_root ? bytes : 0, out, 0, bytes, "scatter");
   coll::Rooted r = rooted(c, root, true);
   r.x.row_bytes = bytes;
   r.x.src = Rows{const_cast<char*>(static_cast<const char*>(is_root ? in : out)), 0};
@@ -580,6 +628,8 @@ void run_gather(Call& c, const void* in, void* out, size_t count, DType dtype, i
       c.fail("in and out overlap (in place: in == out + root * count elements)");
   }
   if (c.alone(in, out, bytes)) return;
+  if (rooted_ll(c, bytes))  // a non-root's out is unused (null)
+    return launch_rooted_ll(c, root, false, in, 0, out, is_root ? bytes : 0, bytes, "gather");
   coll::Rooted r = rooted(c, root, false);
   r.x.row_bytes = bytes;
   r.x.src = Rows{const_cast<char*>(static_cast<const char*>(in)), 0};

@@ -1032,14 +1032,19 @@ void* expert_rows_area(Communicator& comm, Rank& rank, const MoeShape& shape, DT
   return ops::workspace_of(comm, rank, bytes, false, where, area);
 }
 
+// row_of and experts hold one entry per (token, slot): a rank without tokens may pass empty (null) tables,
+// as torch gives for its empty tensors.
+bool has_slot_tables(const MoeDispatched& dispatched, const MoeShape& shape) {
+  return shape.tokens == 0 || (dispatched.row_of != nullptr && dispatched.experts != nullptr);
+}
+
 // What combine and its backward check alike: the shape, dtype, the handle, expert_out where peers read it.
 void check_combine(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype,
                    const MoeDispatched& dispatched, const void* expert_out, const float* weights,
                    const std::string& where) {
   check(shape, rank.world(), where);
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "expert outputs must be bf16 or fp16");
-  WEFT_CHECK(dispatched.row_of != nullptr && dispatched.experts != nullptr,
-             where + "`dispatched` is not a dispatch's handle");
+  WEFT_CHECK(has_slot_tables(dispatched, shape), where + "`dispatched` is not a dispatch's handle");
   WEFT_CHECK((dispatched.group_rows != nullptr) == shape.low_latency,
              where + "the handle and the shape disagree on MoeShape::low_latency");
   const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
@@ -1148,7 +1153,7 @@ void grouped_gemm_combine(Communicator& comm, Rank& rank, const void* a, const v
   const std::string& where = call.where;
   check(shape, rank.world(), where);
   WEFT_CHECK(
-      dispatched.row_source != nullptr && dispatched.row_of != nullptr && dispatched.experts != nullptr,
+      dispatched.row_source != nullptr && has_slot_tables(dispatched, shape),
       where + "`dispatched` is not a dispatch's handle (the low-latency dispatch's has no row sources)");
   WEFT_CHECK(shape.align % 128 == 0,
              where +

@@ -645,34 +645,31 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
       });
     c.host_barrier();
   }
-  // The rooted kernels of up to 8 ranks (per-chunk tags, no exit meeting) back to back without a host wait:
-  // broadcast, scatter and gather from changing roots, of changing sizes (so changing grids), into symmetric
-  // and device outs; checked together at the end.
-  {
-    const DType t = DType::kFP32;
-    struct Step {
-      Rooted kind;
-      size_t n;
-      int root;
-      bool sym;
-    };
-    const std::vector<Step> steps = {
-        {Rooted::kBroadcast, 1000, 0, true},      {Rooted::kScatter, 70000, W - 1, false},
-        {Rooted::kGather, 3, 1 % W, true},        {Rooted::kBroadcast, 300001, W - 1, false},
-        {Rooted::kGather, 50000, 0, false},       {Rooted::kScatter, 5, 1 % W, true},
-        {Rooted::kBroadcast, 200000, 1 % W, true}};
+  // Back to back without a host wait, checked together at the end: broadcast, scatter and gather from
+  // changing roots, of changing sizes (so changing kernels and grids: the LL round up to one_shot_max_bytes,
+  // the per-chunk tags of up to 8 ranks above it), into symmetric and device outs; each rank's buffers
+  // `shift(rank)` bytes past their start (the kernels must not depend on a rank's alignment).
+  struct Step {
+    Rooted kind;
+    size_t n;
+    int root;
+    bool sym;
+  };
+  const auto back_to_back = [&](DType t, const std::vector<Step>& steps, auto shift) {
+    const uint64_t es = dtype_size(t);
     std::vector<std::unique_ptr<RankBuffers>> ins, outs;
     std::vector<std::vector<std::vector<char>>> inputs(steps.size());
+    const auto elems = [&](const Step& st, bool in) {
+      return st.kind == (in ? Rooted::kScatter : Rooted::kGather) ? st.n * W : st.n;
+    };
     for (size_t k = 0; k < steps.size(); ++k) {
       const Step& st = steps[k];
-      const size_t in_elems = st.kind == Rooted::kScatter ? st.n * W : st.n;
-      const size_t out_elems = st.kind == Rooted::kGather ? st.n * W : st.n;
-      ins.push_back(std::make_unique<RankBuffers>(c, in_elems * 4, st.sym));
-      outs.push_back(std::make_unique<RankBuffers>(c, out_elems * 4, st.sym));
-      for (int q = 0; q < W; ++q) inputs[k].push_back(make_input(t, in_elems, q, 3000 + k));
+      ins.push_back(std::make_unique<RankBuffers>(c, elems(st, true) * es + 16, st.sym));
+      outs.push_back(std::make_unique<RankBuffers>(c, elems(st, false) * es + 16, st.sym));
+      for (int q = 0; q < W; ++q) inputs[k].push_back(make_input(t, elems(st, true), q, 3000 + k));
       for_each_local(c, [&](Rank& rk, int i) {
-        upload(c, i, ins[k]->ptr[i], inputs[k][rk.rank()]);
-        poison(c, i, outs[k]->ptr[i], out_elems * 4);
+        upload(c, i, ins[k]->ptr[i] + shift(rk.rank()), inputs[k][rk.rank()]);
+        poison(c, i, outs[k]->ptr[i], elems(st, false) * es + 16);
       });
     }
     c.synchronize();
@@ -680,8 +677,8 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
     for (size_t k = 0; k < steps.size(); ++k)
       for_each_local(c, [&](Rank& rk, int i) {
         const Step& st = steps[k];
-        void* in = ins[k]->ptr[i];
-        void* out = outs[k]->ptr[i];
+        void* in = ins[k]->ptr[i] + shift(rk.rank());
+        void* out = outs[k]->ptr[i] + shift(rk.rank());
         if (st.kind == Rooted::kBroadcast) broadcast(c, rk, in, out, st.n, t, st.root);
         if (st.kind == Rooted::kScatter) scatter(c, rk, in, out, st.n, t, st.root);
         if (st.kind == Rooted::kGather) gather(c, rk, in, out, st.n, t, st.root);
@@ -691,20 +688,48 @@ WEFT_GPU_TEST(rooted_collectives_match_reference) {
       for_each_local(c, [&](Rank& rk, int i) {
         const Step& st = steps[k];
         if (st.kind == Rooted::kGather && rk.rank() != st.root) return;
-        const size_t out_elems = st.kind == Rooted::kGather ? st.n * W : st.n;
-        const std::vector<double> ref = reference(out_elems, [&](size_t e) {
-          if (st.kind == Rooted::kBroadcast) return double(to_float(t, inputs[k][st.root].data() + e * 4));
+        const std::vector<double> ref = reference(elems(st, false), [&](size_t e) {
+          if (st.kind == Rooted::kBroadcast) return double(to_float(t, inputs[k][st.root].data() + e * es));
           if (st.kind == Rooted::kScatter)
-            return double(to_float(t, inputs[k][st.root].data() + (rk.rank() * st.n + e) * 4));
-          return double(to_float(t, inputs[k][e / st.n].data() + (e % st.n) * 4));
+            return double(to_float(t, inputs[k][st.root].data() + (rk.rank() * st.n + e) * es));
+          return double(to_float(t, inputs[k][e / st.n].data() + (e % st.n) * es));
         });
-        const std::string err = compare(t, download(c, i, outs[k]->ptr[i], out_elems * 4), ref, true, W);
-        WEFT_EXPECT(err.empty(), rooted_name(st.kind) << " back to back, call " << k << " root " << st.root
-                                                      << (st.sym ? " symmetric" : " device") << " rank "
-                                                      << rk.rank() << ": " << err);
+        const std::string err = compare(
+            t, download(c, i, outs[k]->ptr[i] + shift(rk.rank()), elems(st, false) * es), ref, true, W);
+        WEFT_EXPECT(err.empty(), rooted_name(st.kind)
+                                     << " back to back, " << dtype_name(t) << " call " << k << " root "
+                                     << st.root << (st.sym ? " symmetric" : " device") << " shifted "
+                                     << shift(rk.rank()) << " rank " << rk.rank() << ": " << err);
       });
     c.host_barrier();
-  }
+  };
+  back_to_back(DType::kFP32,
+               {{Rooted::kBroadcast, 1000, 0, true},
+                {Rooted::kScatter, 70000, W - 1, false},
+                {Rooted::kGather, 3, 1 % W, true},
+                {Rooted::kBroadcast, 300001, W - 1, false},
+                {Rooted::kGather, 50000, 0, false},
+                {Rooted::kScatter, 5, 1 % W, true},
+                {Rooted::kBroadcast, 200000, 1 % W, true},
+                {Rooted::kGather, 9, W - 1, false},
+                {Rooted::kBroadcast, 1, 0, false},
+                {Rooted::kScatter, 333, 0, true},
+                {Rooted::kBroadcast, 4097, W - 1, true},
+                {Rooted::kGather, 64, 1 % W, false},
+                {Rooted::kScatter, 2, W - 1, false},
+                {Rooted::kBroadcast, 777, 1 % W, false}},
+               [](int) { return 0; });
+  // 16-bit elements at odd ranks' buffers 2 bytes past a 4-byte boundary, odd counts (a half-used last word);
+  // device buffers only (a symmetric buffer lies at the same offset on every rank).
+  back_to_back(DType::kBF16,
+               {{Rooted::kBroadcast, 1001, W - 1, false},
+                {Rooted::kGather, 7, 0, false},
+                {Rooted::kScatter, 4099, 1 % W, false},
+                {Rooted::kBroadcast, 33, 0, false},
+                {Rooted::kGather, 20001, W - 1, false},
+                {Rooted::kScatter, 1, 0, false},
+                {Rooted::kBroadcast, 150001, 1 % W, false}},
+               [](int rank) { return rank % 2 ? 2 : 0; });
   // Arguments: a root outside the team is refused by name.
   Rank& r = c.local(0);
   RankBuffers b(c, 64, true);

@@ -1011,4 +1011,104 @@ __global__ void __launch_bounds__(512) one_shot_kernel(OneShot x) {
   collective_mark<true>(t, 3u, true);
 }
 
+// ---- rooted collectives, small: one LL round -----------------------------------------------------------
+// Broadcast and scatter (the root to every rank) and gather (every rank to the root) of up to
+// one_shot_max_bytes per part, as the one-shot moves its data: each 4 bytes travel beside the call's epoch in
+// one 8-byte store into the receiver's LL region, which the receiver polls. No meeting: the exchange costs
+// one crossing of the links instead of the meetings' three.
+// Unlike the one-shot's, a sender here waits on no one within a call, so the half it writes is handed back
+// explicitly: at the end of each call block b of every rank (sender or receiver) writes the call's count
+// into progress[b][its rank] at every peer, and a sender's block b, before it writes half (call & 1), waits
+// until each of its receivers' block b has finished call - 2, that half's last reader (long done in a
+// stream of calls). Every rank posts, so the root may change from call to call. A region and counts of its
+// own: the one-shot's reuse argument needs every block to have waited on every peer in its previous call.
+inline constexpr int kRootedLLMaxWorld = 8;
+
+struct RootedLL {
+  TeamView team;
+  const char* in;         // the part for rank p at in + p * in_peer_step (0: the same part for every rank)
+  uint64_t in_peer_step;  // bytes
+  char* out;              // the part from rank s lands at out + s * out_peer_step (0: a single sender)
+  uint64_t out_peer_step;
+  uint64_t bytes;  // per part, a multiple of 2; in and out 2-byte aligned at least
+  int root;
+  bool from_root;  // broadcast, scatter: the root sends; gather: the root receives
+  uint64_t* ll;    // this team's LL region: [2][world][slot_words], a slot = [blocks][block_words]
+  uint64_t slot_words, block_words;
+  Flags calls;     // calls[b]: the calls block b of this rank has completed (local state)
+  Flags progress;  // progress[b * kRootedLLMaxWorld + p]: the calls rank p's block b has completed
+};
+
+// Word i (4 bytes, the last one possibly 2) of a `bytes` part at p, whatever p's 2-byte alignment.
+__device__ __forceinline__ uint32_t load_word(const char* p, uint64_t i, uint64_t bytes) {
+  const char* at = p + 4 * i;
+  const bool full = 4 * i + 4 <= bytes;
+  if (full && reinterpret_cast<uintptr_t>(at) % 4 == 0) return *reinterpret_cast<const uint32_t*>(at);
+  const uint32_t lo = *reinterpret_cast<const uint16_t*>(at);
+  return full ? lo | uint32_t(*reinterpret_cast<const uint16_t*>(at + 2)) << 16 : lo;
+}
+__device__ __forceinline__ void store_word(char* p, uint64_t i, uint64_t bytes, uint32_t word) {
+  char* at = p + 4 * i;
+  const bool full = 4 * i + 4 <= bytes;
+  if (full && reinterpret_cast<uintptr_t>(at) % 4 == 0) {
+    *reinterpret_cast<uint32_t*>(at) = word;
+    return;
+  }
+  *reinterpret_cast<uint16_t*>(at) = static_cast<uint16_t>(word);
+  if (full) *reinterpret_cast<uint16_t*>(at + 2) = static_cast<uint16_t>(word >> 16);
+}
+
+static __global__ void __launch_bounds__(512) rooted_ll_kernel(RootedLL x) {
+  const TeamView& t = x.team;
+  const uint64_t call = *reinterpret_cast<volatile uint64_t*>(t.flag(x.calls, blockIdx.x)) + 1;
+  const uint32_t epoch = static_cast<uint32_t>(call % 0xffffffffull) + 1;  // never 0, as the one-shot's
+  // Word pair q of this block's share, from rank s, lands at part[s * slot_words + 2 * (q - share.begin)].
+  uint64_t* part = x.ll + (call & 1) * t.world * x.slot_words + blockIdx.x * x.block_words;
+  const uint64_t words = (x.bytes + 3) / 4;
+  const Share share((words + 1) / 2);  // pairs; at most block_words / 2 of them (the host sizes the grid)
+  const auto words_in = [&](uint64_t q) { return 2 * q + 1 < words ? 2 : 1; };
+  const auto progress = [&](int p) { return t.flag(x.progress, int(blockIdx.x) * kRootedLLMaxWorld + p); };
+  // Whether rank p receives from this rank's sending, and whether this rank receives from rank s.
+  const auto receives = [&](int p) { return p != x.root ? x.from_root : !x.from_root; };
+  const bool sends = x.from_root == (t.rank == x.root);
+  if (sends) {
+    const int p = threadIdx.x;
+    if (call > 2 && p < t.world && p != t.rank && receives(p)) (void)wait_ge(t, progress(p), call - 2);
+    __syncthreads();
+    for (uint64_t q = share.begin + threadIdx.x; q < share.end; q += blockDim.x)
+      for (int k = 1; k < t.world; ++k) {
+        const int to = (t.rank + k) % t.world;
+        if (!receives(to)) continue;
+        const char* src = x.in + to * x.in_peer_step;
+        uint64_t* dst = t.peer_ptr(part + t.rank * x.slot_words + 2 * (q - share.begin), to);
+        const uint64_t lo = (uint64_t(epoch) << 32) | load_word(src, 2 * q, x.bytes);
+        if (words_in(q) == 2)
+          ptx::st_relaxed_sys_v2(dst, lo, (uint64_t(epoch) << 32) | load_word(src, 2 * q + 1, x.bytes));
+        else
+          ptx::st_relaxed_sys(dst, lo);
+      }
+  }
+  if (t.rank == x.root) {  // the root's own part, skipped in place
+    const char* src = x.in + x.root * x.in_peer_step;
+    char* dst = x.out + x.root * x.out_peer_step;
+    if (src != dst)
+      for (uint64_t i = 2 * share.begin + threadIdx.x; i < min(words, 2 * share.end); i += blockDim.x)
+        store_word(dst, i, x.bytes, load_word(src, i, x.bytes));
+  }
+  if (!sends)
+    for (uint64_t q = share.begin + threadIdx.x; q < share.end; q += blockDim.x)
+      for (int k = 1; k < t.world; ++k) {
+        const int from = (t.rank + k) % t.world;
+        if (x.from_root && from != x.root) continue;
+        uint32_t v[2];
+        const int n = words_in(q);
+        if (!ll_wait_pair(t, part + from * x.slot_words + 2 * (q - share.begin), n, epoch, v)) return;
+        for (int h = 0; h < n; ++h) store_word(x.out + from * x.out_peer_step, 2 * q + h, x.bytes, v[h]);
+      }
+  __syncthreads();  // the block's reads of the region are done before any peer may write it again
+  if (threadIdx.x == 0) *t.flag(x.calls, blockIdx.x) = call;
+  if (int(threadIdx.x) < t.world && int(threadIdx.x) != t.rank)
+    signal_set(t, progress(t.rank), threadIdx.x, call);
+}
+
 }  // namespace weft::coll
