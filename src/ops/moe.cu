@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "../runtime/kernels.hpp"
@@ -51,6 +52,10 @@ const char* const kLowLatencyStateArea = "moe dispatch, low latency: counters";
 constexpr int kLowLatencyMaxExperts = 8192;  // local experts a low-latency dispatch counts rows for
 const char* const kLowLatencyFlags = "moe dispatch, low latency: call, zeroed, done";
 const ResourceDeclaration kLowLatencyResources{{kLowLatencyFlags, 2 + 2 * kMaxWorld}};
+// The combine of the dispatch sending once per rank (low_latency_combine): [0, 2) its call epoch, then the
+// weights landed from rank s, then its partial sums landed from rank s, kMaxWorld each.
+const char* const kLowLatencyCombineFlags = "moe combine, low latency once per rank: call, weights, partials";
+const ResourceDeclaration kLowLatencyCombineResources{{kLowLatencyCombineFlags, 2 + 2 * kMaxWorld}};
 
 constexpr int kMaxTopK = 16;  // MoeShape::top_k's limit
 
@@ -299,10 +304,52 @@ struct LowLatency {
   uint4* rows;             // [per_rank x group, hidden], symmetric
   int32_t* counters;       // [per_rank], symmetric: rows taken in each group this call
   int32_t *group_end, *group_rows;  // [per_rank]
-  uint32_t* blocks_done;            // this rank's grid counter
+  uint32_t* blocks_done;            // this rank's grid counters: [0] rows placed, [1] rows expanded
+  // Sending once per rank: [W sources][max_tokens][top_k], symmetric: slot j's row here, tagged with the call
+  // (record_tag); the combine reads them too.
+  uint64_t* records;
   Dims d;
   int64_t group;  // rows a group holds
 };
+
+// A record of call `epoch`: its row (or -1) beside a tag that is never 0 (what the area holds when made), so
+// a record of an earlier call, or none, never passes for this call's.
+__device__ __forceinline__ uint32_t record_tag(uint64_t epoch) {
+  return static_cast<uint32_t>(epoch % 0xffffffffull) + 1;
+}
+__device__ __forceinline__ uint64_t record_of(uint64_t epoch, int row) {
+  return (uint64_t(record_tag(epoch)) << 32) | static_cast<uint32_t>(row);
+}
+// The row a record of call `epoch` names, or -1 (another call's record, or a slot without a row here).
+__device__ __forceinline__ int record_row(uint64_t record, uint64_t epoch) {
+  return uint32_t(record >> 32) == record_tag(epoch) ? static_cast<int32_t>(uint32_t(record)) : -1;
+}
+
+// Whether this block is the grid's last to get here; every block calls it once (after a __syncthreads), when
+// its threads' writes are done. Each counts itself on `counter` (this rank's, zero between calls); the last
+// resets it. Release: every block's writes come before its count, so what the last block signals after this
+// publishes the whole grid's.
+__device__ __forceinline__ bool grid_last_block(uint32_t* counter) {
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    fence_release();
+    last = atomicAdd(counter, 1u) + 1 == gridDim.x;
+    if (last) {
+      *counter = 0;     // for the next use (stream-ordered after this kernel)
+      fence_release();  // the other blocks' fenced work, seen through the count, before the signals
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
+// Every block waits until flag(s) >= want for every rank s; false (recorded) if a wait failed.
+template <class FlagOf>
+__device__ __forceinline__ bool wait_every_rank(const TeamView& team, FlagOf flag, uint64_t want) {
+  bool ok = true;
+  for (int s = threadIdx.x; s < team.world; s += blockDim.x) ok &= wait_ge(team, flag(s), want);
+  return __syncthreads_and(ok);
+}
 
 __device__ __forceinline__ uint64_t* ll_zeroed(const LowLatency& a, int p) {
   return a.team.flag(a.flags, 2 + p);
@@ -388,6 +435,221 @@ __global__ void __launch_bounds__(256) low_latency_rows(LowLatency a) {
         signal_set(team, ll_zeroed(a, team.rank), static_cast<int>(threadIdx.x), epoch);
     }
     mark(MoeStep::kLowLatencyWaitRanks, true);
+  }
+  if (threadIdx.x == 0) (void)calls.finished(gridDim.x);
+}
+
+// The low-latency dispatch sending each token once per rank (low_latency_once_per_rank(); otherwise
+// low_latency_rows above): one warp per (token, destination rank), rank-staggered. Lane j < top_k holds slot
+// j; the lanes whose experts live on the destination take their rows there (atomics, as above), the warp
+// stores the token's row into the first of them and every lane a record of its slot's row (tagged with the
+// call) into the destination's records; on this rank itself the row goes straight into all of its rows. The
+// grid's last block tells every rank (done). Then every block waits for every rank's done and copies each
+// landed token from its first row to its others (the records of this call); the grid's last block to finish
+// copies the counters into group_rows, zeroes them and tells every rank (zeroed): their next call's pushes
+// come after every copy here. Bytes over the links: a token once per rank holding any of its experts, not
+// once per expert. The grid must be resident at once (every block waits): at most the rank's SM budget.
+__global__ void __launch_bounds__(256) low_latency_rows_once_per_rank(LowLatency a) {
+  TimelineBuffer* const tl = threadIdx.x == 0 ? a.team.timeline : nullptr;
+  const auto mark = [&](MoeStep step, bool end) {
+    timeline_mark(tl, TimelinePhase::kMoe, end, uint32_t(step));
+  };
+  mark(MoeStep::kLowLatencySlots, false);
+  const TeamView& team = a.team;
+  const CallEpoch calls{team.flag(a.flags, 0)};
+  const uint64_t epoch = calls.epoch();
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32, W = team.world;
+  const int row_vecs = static_cast<int>(a.d.hidden * 2 / 16);
+  const int n = static_cast<int>(a.d.tokens), top_k = a.d.top_k;
+  bool ok = true;
+  for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < a.d.tokens * W && ok;
+       u += int64_t(gridDim.x) * warps) {
+    const int t = static_cast<int>(u / W), dest = static_cast<int>((u % W + team.rank) % W);
+    const int64_t i = int64_t(t) * top_k + lane;  // lane's slot
+    const int e = lane < top_k ? a.experts[i] : -1;
+    if (e >= a.d.experts) __trap();  // an expert id past the count: stop rather than scatter anywhere
+    const bool here = e >= 0 && e / a.d.per_rank == dest;
+    if (lane < top_k && e < 0 && dest == team.rank) a.kept[i] = a.row_of[i] = -1;  // a dropped slot
+    if (__ballot_sync(0xffffffffu, here) == 0) continue;
+    // The destination zeroed its counters, and finished its copies, at the end of its previous call.
+    if (lane == 0) ok = wait_ge(team, ll_zeroed(a, dest), epoch - 1);
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    if (!ok) break;
+    int row = -1;
+    if (here) {
+      const int local = e % a.d.per_rank;
+      const int pos = atomicAdd_system(team.peer_ptr(a.counters + local, dest), 1);
+      if (pos < 0 || pos >= a.group) __trap();  // more rows than the group holds: an expert named twice
+      row = static_cast<int>(local * a.group + pos);
+      a.kept[i] = e;
+      a.row_of[i] = row;
+    }
+    const unsigned with_row = __ballot_sync(0xffffffffu, row >= 0);
+    uint4* rows = team.peer_ptr(a.rows, dest);
+    if (dest == team.rank) {  // every row here now
+      for (unsigned m = with_row; m != 0; m &= m - 1) {
+        const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+        warp_copy_rows(a.tokens, rows + int64_t(r) * row_vecs, t, t + 1, n, row_vecs, lane);
+      }
+    } else {
+      const int first = __shfl_sync(0xffffffffu, row, __ffs(with_row) - 1);
+      warp_copy_rows(a.tokens, rows + int64_t(first) * row_vecs, t, t + 1, n, row_vecs, lane);
+    }
+    if (lane < top_k)
+      team.peer_ptr(a.records, dest)[(int64_t(team.rank) * a.d.max_tokens + t) * top_k + lane] =
+          record_of(epoch, row);
+  }
+  if (!__syncthreads_and(ok)) {
+    if (threadIdx.x == 0) detail::report_failure_to_peers(team);
+    return;
+  }
+  mark(MoeStep::kLowLatencySlots, true);
+  mark(MoeStep::kLowLatencyPublish, false);
+  if (grid_last_block(a.blocks_done) && static_cast<int>(threadIdx.x) < W)
+    signal_set(team, ll_done(a, team.rank), static_cast<int>(threadIdx.x), epoch);
+  mark(MoeStep::kLowLatencyPublish, true);
+  mark(MoeStep::kLowLatencyWaitRanks, false);
+  if (!wait_every_rank(
+          team, [&](int s) { return ll_done(a, s); }, epoch))
+    return;
+  mark(MoeStep::kLowLatencyWaitRanks, true);
+  // Every rank's rows and records of this call are here: each other source's token from its first row to
+  // the others.
+  for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < int64_t(W) * a.d.max_tokens;
+       u += int64_t(gridDim.x) * warps) {
+    const int s = static_cast<int>(u % W);
+    const int64_t t = u / W;
+    if (s == team.rank) continue;
+    const int row =
+        lane < top_k ? record_row(a.records[(int64_t(s) * a.d.max_tokens + t) * top_k + lane], epoch) : -1;
+    const unsigned with_row = __ballot_sync(0xffffffffu, row >= 0);
+    if (__popc(with_row) < 2) continue;
+    const int first = __shfl_sync(0xffffffffu, row, __ffs(with_row) - 1);
+    for (unsigned m = with_row & (with_row - 1); m != 0; m &= m - 1) {
+      const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+      warp_copy_rows(a.rows, a.rows + int64_t(r) * row_vecs, first, first + 1, first + 1, row_vecs, lane);
+    }
+  }
+  __syncthreads();
+  if (grid_last_block(a.blocks_done + 1)) {
+    for (int e = threadIdx.x; e < a.d.per_rank; e += blockDim.x) {
+      a.group_rows[e] = a.counters[e];
+      a.counters[e] = 0;
+      a.group_end[e] = static_cast<int32_t>((e + 1) * a.group);
+    }
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < W)
+      signal_set(team, ll_zeroed(a, team.rank), static_cast<int>(threadIdx.x), epoch);
+  }
+  if (threadIdx.x == 0) (void)calls.finished(gridDim.x);
+}
+
+// The combine of low_latency_rows_once_per_rank's rows: each token's rows summed at their experts' rank and
+// one row per (token, rank) sent back, three phases in one kernel, each ended by the grid's last block
+// telling every rank. 1: each slot's weight to its expert's rank (weights[source][token][j]). 2: on each
+// rank, for every source token with rows here (this dispatch's records), the weighted sum of its rows (fp32,
+// slots in order, rounded to T) into the source's partials[this rank][token]. 3: each token's partials summed
+// (fp32, its ranks in the order of their first slots) into out. Reads expert_out on this rank only; the next
+// call's writes into a peer's buffers come after that peer has read this call's (see moe.hpp).
+struct LowLatencyCombine {
+  TeamView team;
+  Flags flags;                     // kLowLatencyCombineFlags: epoch state [0, 2), weights landed from rank
+                                   // s [2 + s], partials landed from rank s [2 + kMaxWorld + s]
+  const uint64_t* dispatch_calls;  // the dispatch's completed calls: the last dispatch's epoch
+  const uint64_t* records;         // the dispatch's records ([W][max_tokens][top_k], this rank's)
+  const int32_t* experts;          // the handle's kept experts [tokens, top_k]
+  const float* weights;            // [tokens, top_k]
+  float* slot_weights;             // [W sources][max_tokens][top_k], symmetric
+  void* partials;                  // [W ranks][max_tokens][hidden] of T, symmetric
+  uint32_t* blocks_done;           // this rank's grid counters [2], [3]
+  Dims d;
+};
+
+template <class T>
+__global__ void __launch_bounds__(256) low_latency_combine(LowLatencyCombine a, const T* expert_out, T* out) {
+  const TimelineSpan span(threadIdx.x == 0 ? a.team.timeline : nullptr, TimelinePhase::kMoe,
+                          uint32_t(MoeStep::kCombineTokens));
+  const TeamView& team = a.team;
+  const CallEpoch calls{team.flag(a.flags, 0)};
+  const uint64_t epoch = calls.epoch(),
+                 dispatched = *reinterpret_cast<const volatile uint64_t*>(a.dispatch_calls);
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32, W = team.world, top_k = a.d.top_k;
+  const int64_t chunks = (a.d.hidden + 255) / 256, mt = a.d.max_tokens;
+  const auto weights_from = [&](int s) { return team.flag(a.flags, 2 + s); };
+  const auto partials_from = [&](int s) { return team.flag(a.flags, 2 + kMaxWorld + s); };
+  T* const partials = static_cast<T*>(a.partials);
+  // 1: the weights, a thread per slot.
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < a.d.tokens * top_k;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int e = a.experts[i];
+    if (e < 0) continue;
+    const int64_t t = i / top_k, j = i % top_k;
+    team.peer_ptr(a.slot_weights, e / a.d.per_rank)[(team.rank * mt + t) * top_k + j] = a.weights[i];
+  }
+  __syncthreads();
+  if (grid_last_block(a.blocks_done) && static_cast<int>(threadIdx.x) < W)
+    signal_set(team, weights_from(team.rank), static_cast<int>(threadIdx.x), epoch);
+  if (!wait_every_rank(team, weights_from, epoch)) return;
+  // 2: a warp per (source, token, 256-column chunk); lane j < top_k holds slot j, its row here and weight.
+  for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < W * mt * chunks;
+       u += int64_t(gridDim.x) * warps) {
+    const int s = static_cast<int>(u / (mt * chunks));
+    const int64_t t = u / chunks % mt, c = (u % chunks) * 256 + lane * 8;
+    const int64_t slot = (s * mt + t) * top_k + lane;
+    const int row = lane < top_k ? record_row(a.records[slot], dispatched) : -1;
+    const unsigned with_row = __ballot_sync(0xffffffffu, row >= 0);
+    if (with_row == 0) continue;
+    const float w = row >= 0 ? a.slot_weights[slot] : 0.f;
+    float acc[8] = {};
+    for (unsigned m = with_row; m != 0; m &= m - 1) {
+      const int j = __ffs(m) - 1;
+      const int r = __shfl_sync(0xffffffffu, row, j);
+      const float wj = __shfl_sync(0xffffffffu, w, j);
+      if (c >= a.d.hidden) continue;
+      const uint4 v = *reinterpret_cast<const uint4*>(expert_out + int64_t(r) * a.d.hidden + c);
+      const T* x = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = fmaf(wj, static_cast<float>(x[q]), acc[q]);
+    }
+    if (c >= a.d.hidden) continue;
+    uint4 v;
+    T* h = reinterpret_cast<T*>(&v);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) h[q] = static_cast<T>(acc[q]);
+    *reinterpret_cast<uint4*>(team.peer_ptr(partials, s) + (team.rank * mt + t) * a.d.hidden + c) = v;
+  }
+  __syncthreads();
+  if (grid_last_block(a.blocks_done + 1) && static_cast<int>(threadIdx.x) < W)
+    signal_set(team, partials_from(team.rank), static_cast<int>(threadIdx.x), epoch);
+  if (!wait_every_rank(team, partials_from, epoch)) return;
+  // 3: a warp per (token, chunk): the partials of the ranks holding its slots, each rank once (at its first
+  // slot), summed.
+  for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < a.d.tokens * chunks;
+       u += int64_t(gridDim.x) * warps) {
+    const int64_t t = u / chunks, c = (u % chunks) * 256 + lane * 8;
+    const int e = lane < top_k ? a.experts[t * top_k + lane] : -1;
+    const int r = e >= 0 ? e / a.d.per_rank : -1;
+    // A lane leads when no lane below it holds a slot on the same rank.
+    bool leads = r >= 0;
+    for (int j = 0; j < top_k; ++j) {
+      const int rj = __shfl_sync(0xffffffffu, r, j);
+      if (j < lane && rj == r) leads = false;
+    }
+    float acc[8] = {};
+    for (unsigned m = __ballot_sync(0xffffffffu, leads); m != 0; m &= m - 1) {
+      const int rank = __shfl_sync(0xffffffffu, r, __ffs(m) - 1);
+      if (c >= a.d.hidden) continue;
+      const uint4 v = *reinterpret_cast<const uint4*>(partials + (rank * mt + t) * a.d.hidden + c);
+      const T* x = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] += static_cast<float>(x[q]);
+    }
+    if (c >= a.d.hidden) continue;
+    uint4 v;
+    T* h = reinterpret_cast<T*>(&v);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) h[q] = static_cast<T>(acc[q]);
+    *reinterpret_cast<uint4*>(out + t * a.d.hidden + c) = v;
   }
   if (threadIdx.x == 0) (void)calls.finished(gridDim.x);
 }
@@ -727,18 +989,52 @@ bool moe_planned(ops::OpCall& call, const char* op, const std::string& path, int
   return call.planned_op(op, path, std::max(blocks, gemm->blocks), gemm->smem_bytes);
 }
 
-// The low-latency area's parts (symmetric): the rows, the groups' counters, their ends, the counts a call
-// leaves, the grid counter.
-void carve_low_latency(ops::WorkspaceLayout& a, const Sizes& z, LowLatency& x) {
-  const size_t per = round256(size_t(z.d.per_rank) * 4);
+// The low-latency area's parts (symmetric): the rows, the groups' ends, the counts a call leaves; for sending
+// once per rank, the records, the slots' weights and the combine's partial sums. Then the state area's: the
+// grid counters, the groups' counters (the same places whatever the shape).
+struct LowLatencyParts {
+  uint4* rows;
+  int32_t *group_end, *group_rows;
+  uint64_t* records;
+  float* slot_weights;
+  void* partials;
+  uint32_t* blocks_done;
+  int32_t* counters;
+};
+void carve_low_latency(ops::WorkspaceLayout& a, const Sizes& z, LowLatencyParts& x) {
+  const size_t per = round256(size_t(z.d.per_rank) * 4),
+               slots = size_t(z.d.world) * z.d.max_tokens * z.d.top_k;
   x.rows = a.take<uint4>(round256(size_t(z.capacity) * z.d.hidden * 2));
   x.group_end = a.take<int32_t>(per);
   x.group_rows = a.take<int32_t>(per);
+  x.records = a.take<uint64_t>(round256(slots * 8));
+  x.slot_weights = a.take<float>(round256(slots * 4));
+  x.partials = a.take(round256(size_t(z.d.world) * z.d.max_tokens * z.d.hidden * 2));
 }
-// The state area: the grid counter, then the counters (the same places whatever the shape).
-void carve_low_latency_state(ops::WorkspaceLayout& a, LowLatency& x) {
+void carve_low_latency_state(ops::WorkspaceLayout& a, LowLatencyParts& x) {
   x.blocks_done = a.take<uint32_t>(256);
   x.counters = a.take<int32_t>(size_t(kLowLatencyMaxExperts) * 4);
+}
+LowLatencyParts low_latency_parts(ops::OpCall& call, const Sizes& z) {
+  LowLatencyParts x{};
+  ops::WorkspaceLayout sized;
+  carve_low_latency(sized, z, x);
+  ops::WorkspaceLayout area(call.workspace(sized.bytes(), kLowLatencyArea));
+  carve_low_latency(area, z, x);
+  ops::WorkspaceLayout state_sized;
+  carve_low_latency_state(state_sized, x);
+  ops::WorkspaceLayout state(call.workspace(state_sized.bytes(), kLowLatencyStateArea));
+  carve_low_latency_state(state, x);
+  return x;
+}
+
+// Which low-latency kernels run: WEFT_MOE_LL_ONCE_PER_RANK=1 sends each token once per rank
+// (low_latency_rows_once_per_rank, low_latency_combine), else once per expert (low_latency_rows, then the
+// combine of record). Read at every dispatch and combine; every rank must see the same value, and a combine
+// the value its dispatch saw. A switch for measuring the two in one build, until one of them goes.
+bool low_latency_once_per_rank() {
+  const char* v = std::getenv("WEFT_MOE_LL_ONCE_PER_RANK");
+  return v != nullptr && std::string(v) == "1";
 }
 
 MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const void* tokens,
@@ -750,23 +1046,22 @@ MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const 
              call.where + "the low-latency dispatch counts rows for at most " +
                  std::to_string(kLowLatencyMaxExperts) + " experts per rank");
   const Sizes z(rank.world(), rank.rank(), shape);
-  LowLatency x{};
-  ops::WorkspaceLayout sized;
-  carve_low_latency(sized, z, x);
-  ops::WorkspaceLayout area(call.workspace(sized.bytes(), kLowLatencyArea));
-  carve_low_latency(area, z, x);
-  ops::WorkspaceLayout state_sized;
-  carve_low_latency_state(state_sized, x);
-  ops::WorkspaceLayout state(call.workspace(state_sized.bytes(), kLowLatencyStateArea));
-  carve_low_latency_state(state, x);
+  const LowLatencyParts p = low_latency_parts(call, z);
   ops::WorkspaceLayout own(workspace);
   const WorkspaceParts parts = carve_workspace(own, z);
+  LowLatency x{};
   x.team = rank.view();
   x.flags = comm.resources(rank, kLowLatencyFlags).flags;
   x.tokens = static_cast<const uint4*>(tokens);
   x.experts = experts;
   x.row_of = parts.row_of;
   x.kept = parts.kept;
+  x.rows = p.rows;
+  x.counters = p.counters;
+  x.group_end = p.group_end;
+  x.group_rows = p.group_rows;
+  x.blocks_done = p.blocks_done;
+  x.records = p.records;
   x.d = z.d;
   x.group = low_latency_group(rank.world(), shape);
   MoeDispatched out;
@@ -776,6 +1071,22 @@ MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const 
   out.row_of = x.row_of;
   out.experts = x.kept;
   out.capacity = z.capacity;
+  if (low_latency_once_per_rank()) {
+    // A warp per (token, rank), then per (source, token): 8 a block, every block resident at once.
+    const int blocks =
+        std::min(ops::grid_stride_blocks(rank, std::max(shape.tokens, shape.max_tokens) * rank.world(), 8),
+                 rank.sm_budget());
+    if (moe_planned(
+            call, "moe_dispatch",
+            "low latency, once per rank: one kernel, each token's row pushed once to each rank of its "
+            "experts (rows taken by atomics there), then copied there into its other rows",
+            blocks))
+      return out;
+    detail::preload<&low_latency_rows_once_per_rank>();
+    low_latency_rows_once_per_rank<<<blocks, 256, 0, call.stream>>>(x);
+    WEFT_CUDA_CHECK(cudaGetLastError());
+    return out;
+  }
   // A warp per slot, 8 a block.
   const int blocks = ops::grid_stride_blocks(rank, shape.tokens * shape.top_k, 8);
   if (moe_planned(
@@ -1063,6 +1374,47 @@ void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, D
 
 namespace {
 
+// The combine of the dispatch sending once per rank (low_latency_combine).
+void combine_once_per_rank(Communicator& comm, ops::OpCall& call, const void* expert_out,
+                           const MoeDispatched& dispatched, const float* weights, void* out, const Sizes& z,
+                           DType dtype) {
+  Rank& rank = call.rank;
+  const LowLatencyParts p = low_latency_parts(call, z);
+  LowLatencyCombine x{};
+  x.team = rank.view();
+  x.flags = comm.resources(rank, kLowLatencyCombineFlags).flags;
+  x.dispatch_calls = rank.view().flag(comm.resources(rank, kLowLatencyFlags).flags, 0);
+  x.records = p.records;
+  x.experts = dispatched.experts;
+  x.weights = weights;
+  x.slot_weights = p.slot_weights;
+  x.partials = p.partials;
+  x.blocks_done = p.blocks_done + 2;
+  x.d = z.d;
+  // A warp per (source, token, 256 columns) at most, 8 a block, every block resident at once.
+  const int64_t chunks = (z.d.hidden + 255) / 256;
+  const int blocks = std::min(
+      ops::grid_stride_blocks(rank, int64_t(rank.world()) * std::max<int64_t>(z.d.max_tokens, 1) * chunks, 8),
+      rank.sm_budget());
+  if (moe_planned(
+          call, "moe_combine",
+          "low latency, once per rank: one kernel, the weights to the experts' ranks, each token's rows "
+          "summed there and one row per rank sent back, then summed",
+          blocks))
+    return;
+  auto launch = [&](auto* typed_out) {
+    using T = std::remove_pointer_t<decltype(typed_out)>;
+    constexpr auto kernel = &low_latency_combine<T>;
+    detail::preload<kernel>();
+    kernel<<<blocks, 256, 0, call.stream>>>(x, static_cast<const T*>(expert_out), typed_out);
+  };
+  if (dtype == DType::kFP16)
+    launch(static_cast<__half*>(out));
+  else
+    launch(static_cast<__nv_bfloat16*>(out));
+  WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
 void combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
              const float* weights, void* out, const MoeShape& shape, DType dtype, cudaStream_t stream,
              Plan* plan) {
@@ -1072,6 +1424,8 @@ void combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDi
   if (shape.tokens > 0) ops::check_pointer_alignment(out, "out", 16, where);
   stream = call.stream;
   const Sizes z(rank.world(), rank.rank(), shape);
+  if (shape.low_latency && low_latency_once_per_rank())
+    return combine_once_per_rank(comm, call, expert_out, dispatched, weights, out, z, dtype);
   // Sized by the rows it reads (top_k per token), from max_tokens: every rank launches the same grid (its
   // blocks meet their counterparts).
   const int blocks =

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -475,12 +476,38 @@ WEFT_GPU_TEST(moe_dispatch_and_combine_match_host_layout) {
   WEFT_EXPECT(failures.empty(), failures);
 }
 
+// The low-latency kernels of one kind while it lives: sending each token once per rank or once per expert
+// (WEFT_MOE_LL_ONCE_PER_RANK, read by src/ops/moe.cu at every dispatch and combine); the caller's setting
+// back after.
+class LowLatencyKind {
+ public:
+  explicit LowLatencyKind(bool once_per_rank) {
+    const char* v = std::getenv(kName);
+    had_ = v != nullptr;
+    if (had_) before_ = v;
+    setenv(kName, once_per_rank ? "1" : "0", 1);
+  }
+  ~LowLatencyKind() {
+    if (had_)
+      setenv(kName, before_.c_str(), 1);
+    else
+      unsetenv(kName);
+  }
+  LowLatencyKind(const LowLatencyKind&) = delete;
+  LowLatencyKind& operator=(const LowLatencyKind&) = delete;
+
+ private:
+  static constexpr const char* kName = "WEFT_MOE_LL_ONCE_PER_RANK";
+  bool had_ = false;
+  std::string before_;
+};
+
 // The no-host-synchronisation mode in CUDA graphs: dispatch, the rows as the experts' outputs (identity
 // experts), combine, captured once per rank and replayed on new tokens, routing and weights: out[t] against
 // the host's fp32 weighted sum of x[t] in slot order (bit for bit). The layout is computed on the device at
 // every replay. With the dispatch of record and the low-latency one (its groups' counters re-armed on the
 // device between replays).
-static std::string replay_in_cuda_graphs(Communicator& c, bool low_latency) {
+static std::string replay_in_cuda_graphs(Communicator& c, bool low_latency, bool once_per_rank = false) {
   const int W = c.world(), E = 4 * W, k = 2;
   const int64_t hidden = 256, max_tokens = 100 + W - 1;
   MoeShape base{0, max_tokens, hidden, E, k, 128};
@@ -578,16 +605,32 @@ static std::string replay_in_cuda_graphs(Communicator& c, bool low_latency) {
       int64_t bad = 0;
       for (int64_t t = 0; t < l.tokens; ++t)
         for (int64_t h = 0; h < hidden; ++h) {
+          const float x = __bfloat162float(in.x[t * hidden + h]);
+          const int32_t* e = &in.experts[t * k];
+          const float* w = &in.weights[t * k];
           float acc = 0.f;
-          for (int j = 0; j < k; ++j)
-            if (in.experts[t * k + j] >= 0)
-              acc = std::fma(in.weights[t * k + j], __bfloat162float(in.x[t * hidden + h]), acc);
+          if (!once_per_rank) {
+            for (int j = 0; j < k; ++j)
+              if (e[j] >= 0) acc = std::fma(w[j], x, acc);
+          } else {  // each rank's slots summed there and rounded, the ranks in the order of their first slots
+            const int per = E / W;
+            for (int j = 0; j < k; ++j) {
+              bool first = e[j] >= 0;
+              for (int i = 0; i < j; ++i) first = first && !(e[i] >= 0 && e[i] / per == e[j] / per);
+              if (!first) continue;
+              float part = 0.f;
+              for (int i = j; i < k; ++i)
+                if (e[i] >= 0 && e[i] / per == e[j] / per) part = std::fma(w[i], x, part);
+              acc += __bfloat162float(__float2bfloat16(part));
+            }
+          }
           bad += !(__bfloat162float(out[t * hidden + h]) == __bfloat162float(__float2bfloat16(acc)));
         }
       if (bad)
-        failures += std::string("\n    ") + (low_latency ? "low latency, " : "") + "replay " +
-                    std::to_string(replay) + ", rank " + std::to_string(c.local(i).rank()) + ": " +
-                    std::to_string(bad) + " values differ from the host's weighted sum";
+        failures += std::string("\n    ") + (low_latency ? "low latency, " : "") +
+                    (once_per_rank ? "once per rank, " : "") + "replay " + std::to_string(replay) +
+                    ", rank " + std::to_string(c.local(i).rank()) + ": " + std::to_string(bad) +
+                    " values differ from the host's weighted sum";
     }
     c.host_barrier();
   }
@@ -597,7 +640,11 @@ static std::string replay_in_cuda_graphs(Communicator& c, bool low_latency) {
 
 WEFT_GPU_TEST(moe_dispatch_and_combine_replay_in_cuda_graphs) {
   Communicator& c = ctx.comm();
-  const std::string failures = replay_in_cuda_graphs(c, false) + replay_in_cuda_graphs(c, true);
+  std::string failures = replay_in_cuda_graphs(c, false) + replay_in_cuda_graphs(c, true);
+  {
+    const LowLatencyKind kind(true);
+    failures += replay_in_cuda_graphs(c, true, true);
+  }
   WEFT_EXPECT(failures.empty(), failures);
 }
 
@@ -616,7 +663,11 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
   const int64_t max_tokens = *std::max_element(T.begin(), T.end());
   const int64_t group = (W * max_tokens + 127) / 128 * 128;
   std::mt19937_64 g(4242);
-  for (int call = 0; call < 3; ++call) {
+  for (int pass = 0; pass < 6; ++pass) {
+    // Calls 0-2 send each token once per expert, 3-5 once per rank; top-k 1, 2, 8 in each.
+    const int call = pass % 3;
+    const bool once = pass >= 3;
+    const LowLatencyKind kind(once);
     const int top_k = std::min(call == 0 ? 1 : call == 1 ? 2 : 8, E);
     MoeShape base{0, max_tokens, hidden, E, top_k, 128};
     base.low_latency = true;
@@ -693,8 +744,8 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
         bad += ends[le] != (le + 1) * group;
         if (c.num_local() == W) bad += counts[le] != want[le];
       }
-      WEFT_EXPECT(bad == 0, "low latency, call " << call << ", rank " << d << ": " << bad
-                                                 << " rows, counts or ends wrong");
+      WEFT_EXPECT(bad == 0, "low latency" << (once ? " once per rank" : "") << ", call " << call << ", rank "
+                                          << d << ": " << bad << " rows, counts or ends wrong");
     }
     // Combine over the dispatched rows as the experts' outputs.
     for (int i = 0; i < c.num_local(); ++i) {
@@ -748,8 +799,8 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
           const float o = __bfloat162float(out[t * hidden + h]);
           bad += !(std::fabs(o - acc) <= 1e-2f * std::max(1.f, std::fabs(acc)));
         }
-      WEFT_EXPECT(bad == 0, "low latency combine, call " << call << ", rank " << r << ": " << bad
-                                                         << " outputs off the host's sums");
+      WEFT_EXPECT(bad == 0, "low latency" << (once ? " once per rank" : "") << " combine, call " << call
+                                          << ", rank " << r << ": " << bad << " outputs off the host's sums");
     }
     c.host_barrier();
   }

@@ -44,6 +44,12 @@ struct MoeShape {
   // than a group holds trap the kernel). A rank's next low-latency dispatch may write into the groups as soon
   // as every rank's rows of this one are in place: run moe_combine (whose meeting follows every rank's expert
   // GEMMs) in between, and not two low-latency dispatches of one team at once.
+  // With WEFT_MOE_LL_ONCE_PER_RANK=1 in the environment (every rank alike, for the dispatch and its combine)
+  // the low-latency kernels send a token once to each rank holding any of its experts, not once per expert,
+  // and copy it there into its other rows; the combine sums a token's rows at their experts' rank (fp32,
+  // rounded to the output type) and sends one row per rank back, summed at the source: about half the bytes
+  // over the links at top-8 of 256 experts on 4 ranks, and no meeting. Its combine reads expert_out on its own
+  // rank only. (A switch to measure the two forms in one build; one of them will go.)
   bool low_latency = false;
 };
 
