@@ -1359,11 +1359,18 @@ void check_combine(Communicator& comm, Rank& rank, const MoeShape& shape, DType 
   WEFT_CHECK((dispatched.group_rows != nullptr) == shape.low_latency,
              where + "the handle and the shape disagree on MoeShape::low_latency");
   const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
-  WEFT_CHECK(comm.in_heap(rank, expert_out, bytes),
-             where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
+  if (moe_combine_reads_in_place(shape))
+    ops::check_pointer_alignment(expert_out, "expert_out", 16, where);
+  else
+    WEFT_CHECK(comm.in_heap(rank, expert_out, bytes),
+               where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
   if (shape.tokens > 0) ops::check_pointer_alignment(weights, "weights", 4, where);
 }
 }  // namespace
+
+bool moe_combine_reads_in_place(const MoeShape& shape) {
+  return shape.low_latency && low_latency_once_per_rank();
+}
 
 void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype) {
   // The low-latency dispatch's fixed groups make a larger area: one of its own, so that switching between
@@ -1424,7 +1431,7 @@ void combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDi
   if (shape.tokens > 0) ops::check_pointer_alignment(out, "out", 16, where);
   stream = call.stream;
   const Sizes z(rank.world(), rank.rank(), shape);
-  if (shape.low_latency && low_latency_once_per_rank())
+  if (moe_combine_reads_in_place(shape))
     return combine_once_per_rank(comm, call, expert_out, dispatched, weights, out, z, dtype);
   // Sized by the rows it reads (top_k per token), from max_tokens: every rank launches the same grid (its
   // blocks meet their counterparts).

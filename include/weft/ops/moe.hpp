@@ -150,7 +150,10 @@ Plan moe_dispatch_fp8_plan(Communicator& comm, Rank& rank, const void* tokens, c
 // `dispatched` is the dispatch's handle (its row_of), weights [tokens, top_k] fp32 and out [tokens, hidden]
 // device memory. Every rank calls it (single-process: once per local rank) after writing its experts'
 // outputs on the same stream.
+// Except where moe_combine_reads_in_place(shape): the low-latency combine sending once per rank (see
+// MoeShape::low_latency) reads expert_out on its own rank only, so any 16-byte aligned device buffer serves.
 void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype);
+bool moe_combine_reads_in_place(const MoeShape& shape);
 void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
                  const float* weights, void* out, const MoeShape& shape, DType dtype,
                  cudaStream_t stream = nullptr);
