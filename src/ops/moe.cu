@@ -308,6 +308,7 @@ struct LowLatency {
   // Sending once per rank: [W sources][max_tokens][top_k], symmetric: slot j's row here, tagged with the call
   // (record_tag); the combine reads them too.
   uint64_t* records;
+  uint64_t* words;  // this rank's: [0] every rank done (the grid's release), [3] the last such call's epoch
   Dims d;
   int64_t group;  // rows a group holds
 };
@@ -343,12 +344,26 @@ __device__ __forceinline__ bool grid_last_block(uint32_t* counter) {
   return last;
 }
 
-// Every block waits until flag(s) >= want for every rank s; false (recorded) if a wait failed.
+// Every block of the grid, once its writes are done (after a __syncthreads), tells every rank
+// (flag_of(this rank) = value there) and waits until every rank has told it the same. The grid's last block
+// to arrive signals, waits on the W flags and releases the other blocks through `go`, a word of this rank
+// they poll at GPU scope: one block polls the peers' lines, not the whole grid (each poll of a flag line by
+// ~100 blocks at once slows it ~100x, docs/DESIGN.md). A failed wait is recorded and reported to the peers;
+// the blocks go on (the host's synchronize() raises it) rather than wait out a timeout each.
 template <class FlagOf>
-__device__ __forceinline__ bool wait_every_rank(const TeamView& team, FlagOf flag, uint64_t want) {
-  bool ok = true;
-  for (int s = threadIdx.x; s < team.world; s += blockDim.x) ok &= wait_ge(team, flag(s), want);
-  return __syncthreads_and(ok);
+__device__ __forceinline__ void publish_and_wait(const TeamView& team, uint32_t* counter, uint64_t* go,
+                                                 FlagOf flag_of, uint64_t value) {
+  if (grid_last_block(counter)) {
+    if (static_cast<int>(threadIdx.x) < team.world)
+      signal_set(team, flag_of(team.rank), static_cast<int>(threadIdx.x), value);
+    bool ok = true;
+    for (int s = threadIdx.x; s < team.world; s += blockDim.x) ok &= wait_ge(team, flag_of(s), value);
+    if (!__syncthreads_and(ok) && threadIdx.x == 0) detail::report_failure_to_peers(team);
+    if (threadIdx.x == 0) ptx::st_release_gpu(go, value);
+  } else if (threadIdx.x == 0) {
+    (void)wait_ge_local(team, go, value);
+  }
+  __syncthreads();
 }
 
 __device__ __forceinline__ uint64_t* ll_zeroed(const LowLatency& a, int p) {
@@ -461,8 +476,11 @@ __global__ void __launch_bounds__(256) low_latency_rows_once_per_rank(LowLatency
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32, W = team.world;
   const int row_vecs = static_cast<int>(a.d.hidden * 2 / 16);
   const int n = static_cast<int>(a.d.tokens), top_k = a.d.top_k;
+  const int64_t capacity = a.d.per_rank * a.group;
+  // A failed wait (recorded; synchronize() reports it) leaves the warp's remaining slots dropped (row_of -1,
+  // so a combine queued behind reads nothing of them); the block tells every rank.
   bool ok = true;
-  for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < a.d.tokens * W && ok;
+  for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < a.d.tokens * W;
        u += int64_t(gridDim.x) * warps) {
     const int t = static_cast<int>(u / W), dest = static_cast<int>((u % W + team.rank) % W);
     const int64_t i = int64_t(t) * top_k + lane;  // lane's slot
@@ -472,19 +490,22 @@ __global__ void __launch_bounds__(256) low_latency_rows_once_per_rank(LowLatency
     if (lane < top_k && e < 0 && dest == team.rank) a.kept[i] = a.row_of[i] = -1;  // a dropped slot
     if (__ballot_sync(0xffffffffu, here) == 0) continue;
     // The destination zeroed its counters, and finished its copies, at the end of its previous call.
-    if (lane == 0) ok = wait_ge(team, ll_zeroed(a, dest), epoch - 1);
+    if (lane == 0 && ok) ok = wait_ge(team, ll_zeroed(a, dest), epoch - 1);
     ok = __shfl_sync(0xffffffffu, ok, 0);
-    if (!ok) break;
+    __syncwarp();  // lane 0's acquire, then every lane's atomics and stores at the destination
     int row = -1;
-    if (here) {
+    if (here && ok) {
       const int local = e % a.d.per_rank;
       const int pos = atomicAdd_system(team.peer_ptr(a.counters + local, dest), 1);
       if (pos < 0 || pos >= a.group) __trap();  // more rows than the group holds: an expert named twice
       row = static_cast<int>(local * a.group + pos);
-      a.kept[i] = e;
+    }
+    if (here) {
+      a.kept[i] = row >= 0 ? e : -1;
       a.row_of[i] = row;
     }
     const unsigned with_row = __ballot_sync(0xffffffffu, row >= 0);
+    if (with_row == 0) continue;
     uint4* rows = team.peer_ptr(a.rows, dest);
     if (dest == team.rank) {  // every row here now
       for (unsigned m = with_row; m != 0; m &= m - 1) {
@@ -499,19 +520,11 @@ __global__ void __launch_bounds__(256) low_latency_rows_once_per_rank(LowLatency
       team.peer_ptr(a.records, dest)[(int64_t(team.rank) * a.d.max_tokens + t) * top_k + lane] =
           record_of(epoch, row);
   }
-  if (!__syncthreads_and(ok)) {
-    if (threadIdx.x == 0) detail::report_failure_to_peers(team);
-    return;
-  }
+  if (!__syncthreads_and(ok) && threadIdx.x == 0) detail::report_failure_to_peers(team);
   mark(MoeStep::kLowLatencySlots, true);
-  mark(MoeStep::kLowLatencyPublish, false);
-  if (grid_last_block(a.blocks_done) && static_cast<int>(threadIdx.x) < W)
-    signal_set(team, ll_done(a, team.rank), static_cast<int>(threadIdx.x), epoch);
-  mark(MoeStep::kLowLatencyPublish, true);
   mark(MoeStep::kLowLatencyWaitRanks, false);
-  if (!wait_every_rank(
-          team, [&](int s) { return ll_done(a, s); }, epoch))
-    return;
+  publish_and_wait(
+      team, a.blocks_done, a.words, [&](int s) { return ll_done(a, s); }, epoch);
   mark(MoeStep::kLowLatencyWaitRanks, true);
   // Every rank's rows and records of this call are here: each other source's token from its first row to
   // the others.
@@ -520,8 +533,9 @@ __global__ void __launch_bounds__(256) low_latency_rows_once_per_rank(LowLatency
     const int s = static_cast<int>(u % W);
     const int64_t t = u / W;
     if (s == team.rank) continue;
-    const int row =
+    int row =
         lane < top_k ? record_row(a.records[(int64_t(s) * a.d.max_tokens + t) * top_k + lane], epoch) : -1;
+    if (row >= capacity) row = -1;  // (never: a record of this call names a row of the groups)
     const unsigned with_row = __ballot_sync(0xffffffffu, row >= 0);
     if (__popc(with_row) < 2) continue;
     const int first = __shfl_sync(0xffffffffu, row, __ffs(with_row) - 1);
@@ -537,6 +551,7 @@ __global__ void __launch_bounds__(256) low_latency_rows_once_per_rank(LowLatency
       a.counters[e] = 0;
       a.group_end[e] = static_cast<int32_t>((e + 1) * a.group);
     }
+    if (threadIdx.x == 0) a.words[3] = epoch;  // for the combine: this call sent once per rank
     __syncthreads();
     if (static_cast<int>(threadIdx.x) < W)
       signal_set(team, ll_zeroed(a, team.rank), static_cast<int>(threadIdx.x), epoch);
@@ -562,6 +577,9 @@ struct LowLatencyCombine {
   float* slot_weights;             // [W sources][max_tokens][top_k], symmetric
   void* partials;                  // [W ranks][max_tokens][hidden] of T, symmetric
   uint32_t* blocks_done;           // this rank's grid counters [2], [3]
+  uint64_t* words;                 // the dispatch's words: [1], [2] the releases of phases 1 and 2, [3] the
+                                   // epoch of the last dispatch sending once per rank
+  int64_t capacity;                // rows of expert_out
   Dims d;
 };
 
@@ -578,25 +596,27 @@ __global__ void __launch_bounds__(256) low_latency_combine(LowLatencyCombine a, 
   const auto weights_from = [&](int s) { return team.flag(a.flags, 2 + s); };
   const auto partials_from = [&](int s) { return team.flag(a.flags, 2 + kMaxWorld + s); };
   T* const partials = static_cast<T*>(a.partials);
+  // The dispatch's records are this kind's only if it sent once per rank: a combine of the other kind's
+  // handle (WEFT_MOE_LL_ONCE_PER_RANK changed in between) would sum nothing; stop instead.
+  if (a.words[3] != dispatched) __trap();
   // 1: the weights, a thread per slot.
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < a.d.tokens * top_k;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int e = a.experts[i];
-    if (e < 0) continue;
+    if (e < 0 || e >= a.d.experts) continue;
     const int64_t t = i / top_k, j = i % top_k;
     team.peer_ptr(a.slot_weights, e / a.d.per_rank)[(team.rank * mt + t) * top_k + j] = a.weights[i];
   }
   __syncthreads();
-  if (grid_last_block(a.blocks_done) && static_cast<int>(threadIdx.x) < W)
-    signal_set(team, weights_from(team.rank), static_cast<int>(threadIdx.x), epoch);
-  if (!wait_every_rank(team, weights_from, epoch)) return;
+  publish_and_wait(team, a.blocks_done, a.words + 1, weights_from, epoch);
   // 2: a warp per (source, token, 256-column chunk); lane j < top_k holds slot j, its row here and weight.
   for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < W * mt * chunks;
        u += int64_t(gridDim.x) * warps) {
     const int s = static_cast<int>(u / (mt * chunks));
     const int64_t t = u / chunks % mt, c = (u % chunks) * 256 + lane * 8;
     const int64_t slot = (s * mt + t) * top_k + lane;
-    const int row = lane < top_k ? record_row(a.records[slot], dispatched) : -1;
+    int row = lane < top_k ? record_row(a.records[slot], dispatched) : -1;
+    if (row >= a.capacity) row = -1;  // (never: a record of this call names a row of the groups)
     const unsigned with_row = __ballot_sync(0xffffffffu, row >= 0);
     if (with_row == 0) continue;
     const float w = row >= 0 ? a.slot_weights[slot] : 0.f;
@@ -619,9 +639,7 @@ __global__ void __launch_bounds__(256) low_latency_combine(LowLatencyCombine a, 
     *reinterpret_cast<uint4*>(team.peer_ptr(partials, s) + (team.rank * mt + t) * a.d.hidden + c) = v;
   }
   __syncthreads();
-  if (grid_last_block(a.blocks_done + 1) && static_cast<int>(threadIdx.x) < W)
-    signal_set(team, partials_from(team.rank), static_cast<int>(threadIdx.x), epoch);
-  if (!wait_every_rank(team, partials_from, epoch)) return;
+  publish_and_wait(team, a.blocks_done + 1, a.words + 2, partials_from, epoch);
   // 3: a warp per (token, chunk): the partials of the ranks holding its slots, each rank once (at its first
   // slot), summed.
   for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < a.d.tokens * chunks;
@@ -1000,6 +1018,7 @@ struct LowLatencyParts {
   void* partials;
   uint32_t* blocks_done;
   int32_t* counters;
+  uint64_t* words;
 };
 void carve_low_latency(ops::WorkspaceLayout& a, const Sizes& z, LowLatencyParts& x) {
   const size_t per = round256(size_t(z.d.per_rank) * 4),
@@ -1014,6 +1033,7 @@ void carve_low_latency(ops::WorkspaceLayout& a, const Sizes& z, LowLatencyParts&
 void carve_low_latency_state(ops::WorkspaceLayout& a, LowLatencyParts& x) {
   x.blocks_done = a.take<uint32_t>(256);
   x.counters = a.take<int32_t>(size_t(kLowLatencyMaxExperts) * 4);
+  x.words = a.take<uint64_t>(256);
 }
 LowLatencyParts low_latency_parts(ops::OpCall& call, const Sizes& z) {
   LowLatencyParts x{};
@@ -1062,6 +1082,7 @@ MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const 
   x.group_rows = p.group_rows;
   x.blocks_done = p.blocks_done;
   x.records = p.records;
+  x.words = p.words;
   x.d = z.d;
   x.group = low_latency_group(rank.world(), shape);
   MoeDispatched out;
@@ -1082,6 +1103,10 @@ MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const 
             "experts (rows taken by atomics there), then copied there into its other rows",
             blocks))
       return out;
+    // Ranks sharing a GPU meet in a one-block kernel first: a grid waiting for its peers would hold SMs that
+    // a slower peer's kernels on the same GPU still need.
+    if (comm.ranks_per_gpu() > 1)
+      launch_team_barrier(rank.view(), ops::meeting_slots(comm, rank)[0], call.stream);
     detail::preload<&low_latency_rows_once_per_rank>();
     low_latency_rows_once_per_rank<<<blocks, 256, 0, call.stream>>>(x);
     WEFT_CUDA_CHECK(cudaGetLastError());
@@ -1397,6 +1422,8 @@ void combine_once_per_rank(Communicator& comm, ops::OpCall& call, const void* ex
   x.slot_weights = p.slot_weights;
   x.partials = p.partials;
   x.blocks_done = p.blocks_done + 2;
+  x.words = p.words;
+  x.capacity = z.capacity;
   x.d = z.d;
   // A warp per (source, token, 256 columns) at most, 8 a block, every block resident at once.
   const int64_t chunks = (z.d.hidden + 255) / 256;
@@ -1409,6 +1436,9 @@ void combine_once_per_rank(Communicator& comm, ops::OpCall& call, const void* ex
           "summed there and one row per rank sent back, then summed",
           blocks))
     return;
+  // As the dispatch: ranks sharing a GPU meet in a one-block kernel first.
+  if (comm.ranks_per_gpu() > 1)
+    launch_team_barrier(rank.view(), ops::meeting_slots(comm, rank)[0], call.stream);
   auto launch = [&](auto* typed_out) {
     using T = std::remove_pointer_t<decltype(typed_out)>;
     constexpr auto kernel = &low_latency_combine<T>;
