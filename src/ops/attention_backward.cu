@@ -182,11 +182,8 @@ Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
         c.where + "options.accumulate is for the forward; the backward takes the forward's out and lse");
     ops::check_segment_arrays(c.options.segments, dev.device, c.where);
     const size_t need = Workspace(c.shape, c.options).bytes();
-    WEFT_CHECK(c.workspace != nullptr && c.workspace_bytes >= need,
-               c.where +
-                   "the workspace must hold flash_attention_backward_workspace_bytes(shape, options) = " +
-                   std::to_string(need) + " bytes, got " + std::to_string(c.workspace_bytes));
-    ops::check_pointer_alignment(c.workspace, "workspace", 256, c.where);
+    ops::check_workspace(c.workspace, c.workspace_bytes, need,
+                         "flash_attention_backward_workspace_bytes(shape, options)", c.where);
     ops::check_device_memory(c.workspace, "workspace", dev.device, c.where);
   }
   return c.options.deterministic ? by_type<true>(c, dtype, stream, launch)

@@ -107,10 +107,7 @@ Gathered gather(ops::OpCall& call, const Sizes& z, const void* k, const void* v,
   WEFT_CHECK(z.L.world == rank.world(), where + "the layout's world size differs from the team's");
   WEFT_CHECK(z.head_dim == 64 || z.head_dim == 128, where + "head_dim must be 64 or 128");
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tensors must be bf16 or fp16");
-  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
-             where + "the workspace must hold " + std::to_string(need) +
-                 " bytes (the op's workspace_bytes()), got " + std::to_string(workspace_bytes));
-  ops::check_pointer_alignment(workspace, "workspace", 256, where);
+  ops::check_workspace(workspace, workspace_bytes, need, "the op's workspace_bytes()", where);
   Gathered g;
   ops::WorkspaceLayout area(call.workspace(area_bytes(z), kArea));
   g.area = carve_area(area, z);

@@ -114,10 +114,7 @@ HierarchicalMoeDispatched hierarchical_moe_dispatch(MultiNodeTeam& t, const void
   t.check_alive();
   WEFT_CUDA_CHECK(cudaSetDevice(t.node_rank().device()));
   const size_t need = hierarchical_moe_workspace_bytes(t, shape, dtype);
-  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
-             where + "the workspace must hold " + std::to_string(need) +
-                 " bytes (hierarchical_moe_workspace_bytes()), got " + std::to_string(workspace_bytes));
-  ops::check_pointer_alignment(workspace, "workspace", 256, where);
+  ops::check_workspace(workspace, workspace_bytes, need, "hierarchical_moe_workspace_bytes()", where);
   if (shape.tokens > 0) {
     WEFT_CHECK(tokens != nullptr && experts != nullptr && weights != nullptr,
                where + "tokens, experts and weights must not be null");

@@ -113,10 +113,7 @@ Start start(ops::OpCall& call, const Sizes& z, const AttentionOptions& options, 
       where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
   ops::check_attention_call({1, 1, 1, z.heads, z.kv_heads, z.head_dim}, dtype, options, where);
   const size_t need = index_bytes(z);  // the ring checks its own part
-  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
-             where + "the workspace must hold " + std::to_string(need) +
-                 " bytes (the op's workspace_bytes()), got " + std::to_string(workspace_bytes));
-  ops::check_pointer_alignment(workspace, "workspace", 256, where);
+  ops::check_workspace(workspace, workspace_bytes, need, "the op's workspace_bytes()", where);
   Start s;
   s.group = &call.comm.subteam(call.rank, z.ulysses, 1);
   s.ring = &call.comm.subteam(call.rank, z.rings, z.ulysses);

@@ -905,10 +905,7 @@ void carve_walk(ops::WorkspaceLayout& w, const Sizes& z, DispatchBuffers& b) {
 // 256-byte aligned.
 void check_workspace(const ops::OpCall& call, const void* workspace, size_t workspace_bytes, size_t need,
                      const char* sizer) {
-  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
-             call.where + "the workspace must hold " + std::to_string(need) + " bytes (" + sizer + "()), got " +
-                 std::to_string(workspace_bytes));
-  ops::check_pointer_alignment(workspace, "workspace", 256, call.where);
+  ops::check_workspace(workspace, workspace_bytes, need, std::string(sizer) + "()", call.where);
 }
 
 // A dispatch's arguments (either form): the shape, the dtype, the workspace and the pointers' alignment.

@@ -69,6 +69,15 @@ inline void check_pointer_alignment(const void* p, const char* name, uint64_t al
                        "bytes"
                      : ""));
 }
+// Throws unless the caller's workspace holds at least `need` bytes (as `sizer`, the op's public size
+// function, computes them) and is 256-byte aligned (what every op's WorkspaceLayout carves from).
+inline void check_workspace(const void* workspace, size_t workspace_bytes, size_t need,
+                            const std::string& sizer, const std::string& where) {
+  if (workspace == nullptr || workspace_bytes < need)
+    throw_error(where + "the workspace must hold " + std::to_string(need) + " bytes (" + sizer + "), got " +
+                std::to_string(workspace_bytes));
+  check_pointer_alignment(workspace, "workspace", 256, where);
+}
 // Throws unless p points into device (or managed) memory, device memory on GPU `device`.
 inline void check_device_memory(const void* p, const char* name, int device, const std::string& where) {
   cudaPointerAttributes a{};

@@ -377,10 +377,7 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
                  z.segments() * rank.world() < (int64_t(1) << 31),
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
   const size_t need = own_bytes(z);
-  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
-             where + "the workspace must hold " + std::to_string(need) + " bytes (" + caller.sizing +
-                 "), got " + std::to_string(workspace_bytes));
-  ops::check_pointer_alignment(workspace, "workspace", 256, where);
+  ops::check_workspace(workspace, workspace_bytes, need, caller.sizing, where);
   ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
                                 head_dim);
   ops::WorkspaceLayout area_layout(call.workspace(area_bytes(z), kArea));

@@ -166,10 +166,7 @@ Started start(ops::OpCall& call, const Sizes& z, const AttentionOptions& options
   WEFT_CHECK(
       !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
       where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
-  WEFT_CHECK(workspace != nullptr && workspace_bytes >= need,
-             where + "the workspace must hold " + std::to_string(need) +
-                 " bytes (the op's workspace_bytes()), got " + std::to_string(workspace_bytes));
-  ops::check_pointer_alignment(workspace, "workspace", 256, where);
+  ops::check_workspace(workspace, workspace_bytes, need, "the op's workspace_bytes()", where);
   Started s;
   ops::WorkspaceLayout area(call.workspace(area_bytes(z), kArea));
   s.area = carve_area(area, z);
