@@ -495,20 +495,21 @@ static __global__ void __launch_bounds__(512) forwarded_broadcast_kernel(Forward
 }
 
 // ---- reduce at 2..8 ranks, summed by the non-roots: the root receives each byte once -------------------
-// The data (16-byte units) is cut into W - 1 parts, one per non-root rank, its owner (part j: rank root + 1
-// + j). Block b walks the same chunks of a part on every rank (for_each_chunk over a part's units). Chunk i:
-// every rank pushes its units of each part it does not own into that part's owner (`land`, symmetric: the
-// owner's W - 1 slots of a part, slot k for the sender owner + 1 + k) and sets the owner's landed[b][sender]
-// to (this call's epoch << 32) | (i + 1). The owner's block b waits for its W - 1 senders, reduces its own
-// units and the landed ones in fp32 (its own first, then the slots in order: the same order for every
-// element), pushes the result into the root's `land` at the part's place and sets the root's
-// landed[b][owner]; the root's block b waits for every owner's chunk and copies it to out (each block pushes
-// chunk i before it settles chunk i - 1: one chunk in flight). Each rank sends
-// and receives about S bytes (an owner receives S, sends (W - 2) / (W - 1) S + S / (W - 1)); the all-reduce
-// and the root's copy moved 2 (W - 1) / W S each way and copied S twice. The epoch is block b's meeting
-// slot's, the same on every rank and growing: a stale or wrapped tag never matches. A unit a block pushes
-// is read before the same block writes it (in place at the root is safe); the next call's entry meeting
-// keeps its pushes out of a slot until this call's reader has left.
+// At 3 or more ranks the data (16-byte units) is cut into W - 1 parts, one per non-root rank, its owner (part
+// j: rank root + 1 + j); at 2 ranks the root owns the one part, summed straight into out (settle_at_root).
+// Block b walks the same chunks of a part on every rank (for_each_chunk over a part's units). Chunk i: every
+// rank pushes its units of each part it does not own into that part's owner (`land`, symmetric: the owner's W
+// - 1 slots of a part, slot k for the sender owner + 1 + k) and sets the owner's landed[b][sender] to (this
+// call's epoch << 32) | (i + 1). The owner's block b waits for its W - 1 senders, reduces its own units and
+// the landed ones in fp32 (its own first, then the slots in order: the same order for every element), pushes
+// the result into the root's `land` at the part's place and sets the root's landed[b][owner]; the root's
+// block b waits for every owner's chunk and copies it to out (each block pushes chunk i before it settles
+// chunk i - 1: one chunk in flight). Each rank sends and receives about S bytes (an owner receives S, sends
+// (W - 2) / (W - 1) S + S / (W - 1)); the all-reduce and the root's copy moved 2 (W - 1) / W S each way and
+// copied S twice. The epoch is block b's meeting slot's, the same on every rank and growing: a stale or
+// wrapped tag never matches. A unit a block pushes is read before the same block writes it (in place at the
+// root is safe); the next call's entry meeting keeps its pushes out of a slot until this call's reader has
+// left.
 inline constexpr int kOwnedReduceMaxWorld = 8;
 struct OwnedReduce {
   TeamView team;
@@ -526,10 +527,16 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
   const TeamView& t = x.team;
   if (!meet(t, x.slots)) return;
   const ChunkTags tag(t, x.slots);
-  const int W = t.world, parts = W - 1;
+  // At 2 ranks the root owns the one part: the other rank pushes its data once and the root sums it into out
+  // (S bytes one way, not S each way and a second hop).
+  const bool root_owns = t.world == 2;
+  const int W = t.world, parts = root_owns ? 1 : W - 1;
   const uint64_t per = (x.units + parts - 1) / parts;
-  const int mine = t.rank == x.root ? -1 : (t.rank - x.root - 1 + W) % W;  // my part (-1: the root)
-  const auto owner_of = [&](int j) { return (x.root + 1 + j) % W; };
+  // My part (-1: none, a rank that only sends).
+  const int mine = root_owns          ? (t.rank == x.root ? 0 : -1)
+                   : t.rank == x.root ? -1
+                                      : (t.rank - x.root - 1 + W) % W;
+  const auto owner_of = [&](int j) { return root_owns ? x.root : (x.root + 1 + j) % W; };
   const auto flag = [&](int sender) {
     return t.flag(x.landed, int(blockIdx.x) * kOwnedReduceMaxWorld + sender);
   };
@@ -551,6 +558,19 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
     __syncthreads();
     if (int(threadIdx.x) < parts && int(threadIdx.x) != mine)
       signal_set(t, flag(t.rank), owner_of(threadIdx.x), tag(i));
+  };
+  // The root owning the part (2 ranks): chunk i once the other rank's has landed, summed into out.
+  const auto settle_at_root = [&](uint32_t i, uint64_t base, uint64_t len) {
+    if (mine < 0) return;  // the sender: nothing lands here
+    if (int(threadIdx.x) < W && int(threadIdx.x) != t.rank) (void)tag.wait(t, flag(threadIdx.x), i);
+    __syncthreads();
+    const uint64_t n = clipped(0, base, len);
+    for (uint64_t u = threadIdx.x; u < n;
+         u += blockDim.x) {  // (out may be `land`: each unit read, then written)
+      Pack<E> acc = Pack<E>::load(ld16(x.in + base + u));
+      acc.template combine_with<R>(Pack<E>::load(ld16(x.land + base + u)));
+      st16(x.out + base + u, acc.store());
+    }
   };
   // Chunk i once it has landed: an owner reduces it and pushes the result to the root, the root copies the
   // results to out. The owner waits for every sender, the root for every owner: either way every rank but
@@ -581,16 +601,22 @@ __global__ void __launch_bounds__(512) owned_reduce_kernel(OwnedReduce x) {
   };
   // One chunk in flight: chunk i is pushed before chunk i - 1 is settled, so the links carry chunk i while
   // the block waits for chunk i - 1's senders (the root: its owners) instead of a round trip per chunk.
+  const auto settle_chunk = [&](uint32_t i, uint64_t base, uint64_t len) {
+    if (root_owns)
+      settle_at_root(i, base, len);
+    else
+      settle(i, base, len);
+  };
   uint32_t i = 0;
   uint64_t last_base = 0, last_len = 0;
   for_each_chunk(per, [&](uint64_t base, uint64_t len) {
     push(i, base, len);
-    if (i > 0) settle(i - 1, last_base, last_len);
+    if (i > 0) settle_chunk(i - 1, last_base, last_len);
     last_base = base;
     last_len = len;
     ++i;
   });
-  if (i > 0) settle(i - 1, last_base, last_len);
+  if (i > 0) settle_chunk(i - 1, last_base, last_len);
 }
 
 // ---- all-to-all with variable splits: counts on the device, three kernels ---------------------------
