@@ -366,6 +366,14 @@ __device__ __forceinline__ void publish_and_wait(const TeamView& team, uint32_t*
   __syncthreads();
 }
 
+// A low-latency kernel's timeline marks (MoeStep::kLowLatency*), by the thread given the buffer (thread 0).
+struct LowLatencyMarks {
+  TimelineBuffer* timeline;
+  __device__ void operator()(MoeStep step, bool end) const {
+    timeline_mark(timeline, TimelinePhase::kMoe, end, uint32_t(step));
+  }
+};
+
 __device__ __forceinline__ uint64_t* ll_zeroed(const LowLatency& a, int p) {
   return a.team.flag(a.flags, 2 + p);
 }
@@ -374,11 +382,8 @@ __device__ __forceinline__ uint64_t* ll_done(const LowLatency& a, int s) {
 }
 
 __global__ void __launch_bounds__(256) low_latency_rows(LowLatency a) {
-  // Thread 0 marks the block's steps (MoeStep::kLowLatency*): its slots, its publishing, block 0's wait.
-  TimelineBuffer* const tl = threadIdx.x == 0 ? a.team.timeline : nullptr;
-  const auto mark = [&](MoeStep step, bool end) {
-    timeline_mark(tl, TimelinePhase::kMoe, end, uint32_t(step));
-  };
+  // Thread 0 marks the block's steps: its slots, its publishing, block 0's wait.
+  const LowLatencyMarks mark{threadIdx.x == 0 ? a.team.timeline : nullptr};
   mark(MoeStep::kLowLatencySlots, false);
   const TeamView& team = a.team;
   const CallEpoch calls{team.flag(a.flags, 0)};
@@ -465,10 +470,7 @@ __global__ void __launch_bounds__(256) low_latency_rows(LowLatency a) {
 // come after every copy here. Bytes over the links: a token once per rank holding any of its experts, not
 // once per expert. The grid must be resident at once (every block waits): at most the rank's SM budget.
 __global__ void __launch_bounds__(256) low_latency_rows_once_per_rank(LowLatency a) {
-  TimelineBuffer* const tl = threadIdx.x == 0 ? a.team.timeline : nullptr;
-  const auto mark = [&](MoeStep step, bool end) {
-    timeline_mark(tl, TimelinePhase::kMoe, end, uint32_t(step));
-  };
+  const LowLatencyMarks mark{threadIdx.x == 0 ? a.team.timeline : nullptr};
   mark(MoeStep::kLowLatencySlots, false);
   const TeamView& team = a.team;
   const CallEpoch calls{team.flag(a.flags, 0)};
