@@ -366,6 +366,11 @@ __device__ __forceinline__ void publish_and_wait(const TeamView& team, uint32_t*
   __syncthreads();
 }
 
+// Blocks of 256 threads an SM holds of the kernels sending once per rank (their launch bounds' minimum):
+// every block of theirs waits for peers, so the grid (at most this many an SM of the rank's budget) must be
+// resident at once.
+constexpr int kOncePerRankBlocksPerSm = 2;
+
 // A low-latency kernel's timeline marks (MoeStep::kLowLatency*), by the thread given the buffer (thread 0).
 struct LowLatencyMarks {
   TimelineBuffer* timeline;
@@ -468,8 +473,9 @@ __global__ void __launch_bounds__(256) low_latency_rows(LowLatency a) {
 // landed token from its first row to its others (the records of this call); the grid's last block to finish
 // copies the counters into group_rows, zeroes them and tells every rank (zeroed): their next call's pushes
 // come after every copy here. Bytes over the links: a token once per rank holding any of its experts, not
-// once per expert. The grid must be resident at once (every block waits): at most the rank's SM budget.
-__global__ void __launch_bounds__(256) low_latency_rows_once_per_rank(LowLatency a) {
+// once per expert. The grid must be resident at once (every block waits): at most two blocks an SM of the
+// rank's SM budget, which the launch bounds guarantee room for (kOncePerRankBlocksPerSm).
+__global__ void __launch_bounds__(256, kOncePerRankBlocksPerSm) low_latency_rows_once_per_rank(LowLatency a) {
   const LowLatencyMarks mark{threadIdx.x == 0 ? a.team.timeline : nullptr};
   mark(MoeStep::kLowLatencySlots, false);
   const TeamView& team = a.team;
@@ -586,7 +592,8 @@ struct LowLatencyCombine {
 };
 
 template <class T>
-__global__ void __launch_bounds__(256) low_latency_combine(LowLatencyCombine a, const T* expert_out, T* out) {
+__global__ void __launch_bounds__(256, kOncePerRankBlocksPerSm)
+    low_latency_combine(LowLatencyCombine a, const T* expert_out, T* out) {
   const TimelineSpan span(threadIdx.x == 0 ? a.team.timeline : nullptr, TimelinePhase::kMoe,
                           uint32_t(MoeStep::kCombineTokens));
   const TeamView& team = a.team;
@@ -1056,6 +1063,12 @@ bool low_latency_once_per_rank() {
   return v != nullptr && std::string(v) == "1";
 }
 
+// The grid of a kernel sending once per rank for `warps` units of a warp each: 8 warps a block, at most
+// kOncePerRankBlocksPerSm blocks an SM of the rank's budget.
+int once_per_rank_blocks(const Rank& rank, int64_t warps) {
+  return std::min(ops::grid_stride_blocks(warps, 8), kOncePerRankBlocksPerSm * rank.sm_budget());
+}
+
 MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const void* tokens,
                                    const int32_t* experts, const MoeShape& shape, void* workspace,
                                    size_t workspace_bytes, DType dtype) {
@@ -1093,9 +1106,7 @@ MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const 
   out.capacity = z.capacity;
   if (low_latency_once_per_rank()) {
     // A warp per (token, rank), then per (source, token): 8 a block, every block resident at once.
-    const int blocks =
-        std::min(ops::grid_stride_blocks(rank, std::max(shape.tokens, shape.max_tokens) * rank.world(), 8),
-                 rank.sm_budget());
+    const int blocks = once_per_rank_blocks(rank, std::max(shape.tokens, shape.max_tokens) * rank.world());
     if (moe_planned(
             call, "moe_dispatch",
             "low latency, once per rank: one kernel, each token's row pushed once to each rank of its "
@@ -1426,9 +1437,8 @@ void combine_once_per_rank(Communicator& comm, ops::OpCall& call, const void* ex
   x.d = z.d;
   // A warp per (source, token, 256 columns) at most, 8 a block, every block resident at once.
   const int64_t chunks = (z.d.hidden + 255) / 256;
-  const int blocks = std::min(
-      ops::grid_stride_blocks(rank, int64_t(rank.world()) * std::max<int64_t>(z.d.max_tokens, 1) * chunks, 8),
-      rank.sm_budget());
+  const int blocks =
+      once_per_rank_blocks(rank, int64_t(rank.world()) * std::max<int64_t>(z.d.max_tokens, 1) * chunks);
   if (moe_planned(
           call, "moe_combine",
           "low latency, once per rank: one kernel, the weights to the experts' ranks, each token's rows "
