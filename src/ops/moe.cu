@@ -464,6 +464,31 @@ __global__ void __launch_bounds__(256) low_latency_rows(LowLatency a) {
   if (threadIdx.x == 0) (void)calls.finished(gridDim.x);
 }
 
+// Once every rank's rows and records of call `epoch` are here (low_latency_rows_once_per_rank): each other
+// source's token from its first row here to its others, a warp per (source, token).
+__device__ void expand_landed_rows(const LowLatency& a, uint64_t epoch) {
+  const TeamView& team = a.team;
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32, W = team.world, top_k = a.d.top_k;
+  const int row_vecs = static_cast<int>(a.d.hidden * 2 / 16);
+  const int64_t capacity = a.d.per_rank * a.group;
+  for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < int64_t(W) * a.d.max_tokens;
+       u += int64_t(gridDim.x) * warps) {
+    const int s = static_cast<int>(u % W);
+    const int64_t t = u / W;
+    if (s == team.rank) continue;
+    int row =
+        lane < top_k ? record_row(a.records[(int64_t(s) * a.d.max_tokens + t) * top_k + lane], epoch) : -1;
+    if (row >= capacity) row = -1;  // (never: a record of this call names a row of the groups)
+    const unsigned with_row = __ballot_sync(0xffffffffu, row >= 0);
+    if (__popc(with_row) < 2) continue;
+    const int first = __shfl_sync(0xffffffffu, row, __ffs(with_row) - 1);
+    for (unsigned m = with_row & (with_row - 1); m != 0; m &= m - 1) {
+      const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+      warp_copy_rows(a.rows, a.rows + int64_t(r) * row_vecs, first, first + 1, first + 1, row_vecs, lane);
+    }
+  }
+}
+
 // The low-latency dispatch sending each token once per rank (low_latency_once_per_rank(); otherwise
 // low_latency_rows above): one warp per (token, destination rank), rank-staggered. Lane j < top_k holds slot
 // j; the lanes whose experts live on the destination take their rows there (atomics, as above), the warp
@@ -484,7 +509,6 @@ __global__ void __launch_bounds__(256, kOncePerRankBlocksPerSm) low_latency_rows
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32, W = team.world;
   const int row_vecs = static_cast<int>(a.d.hidden * 2 / 16);
   const int n = static_cast<int>(a.d.tokens), top_k = a.d.top_k;
-  const int64_t capacity = a.d.per_rank * a.group;
   // A failed wait (recorded; synchronize() reports it) leaves the warp's remaining slots dropped (row_of -1,
   // so a combine queued behind reads nothing of them); the block tells every rank.
   bool ok = true;
@@ -534,24 +558,7 @@ __global__ void __launch_bounds__(256, kOncePerRankBlocksPerSm) low_latency_rows
   publish_and_wait(
       team, a.blocks_done, a.words, [&](int s) { return ll_done(a, s); }, epoch);
   mark(MoeStep::kLowLatencyWaitRanks, true);
-  // Every rank's rows and records of this call are here: each other source's token from its first row to
-  // the others.
-  for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < int64_t(W) * a.d.max_tokens;
-       u += int64_t(gridDim.x) * warps) {
-    const int s = static_cast<int>(u % W);
-    const int64_t t = u / W;
-    if (s == team.rank) continue;
-    int row =
-        lane < top_k ? record_row(a.records[(int64_t(s) * a.d.max_tokens + t) * top_k + lane], epoch) : -1;
-    if (row >= capacity) row = -1;  // (never: a record of this call names a row of the groups)
-    const unsigned with_row = __ballot_sync(0xffffffffu, row >= 0);
-    if (__popc(with_row) < 2) continue;
-    const int first = __shfl_sync(0xffffffffu, row, __ffs(with_row) - 1);
-    for (unsigned m = with_row & (with_row - 1); m != 0; m &= m - 1) {
-      const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-      warp_copy_rows(a.rows, a.rows + int64_t(r) * row_vecs, first, first + 1, first + 1, row_vecs, lane);
-    }
-  }
+  expand_landed_rows(a, epoch);
   __syncthreads();
   if (grid_last_block(a.blocks_done + 1)) {
     for (int e = threadIdx.x; e < a.d.per_rank; e += blockDim.x) {
