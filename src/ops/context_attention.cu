@@ -2,15 +2,20 @@
 // pushes its K / V rows into every rank's natural-order K / V (the communicator's workspace area "context
 // attention", symmetric), then attends its own queries against them in one packed call (gathered_call_of);
 // the backward adds each rank's dK / dV in fp32 into its own natural-order buffers, and every rank pulls
-// its rows' sums from all of them.
+// its rows' sums from all of them. Across nodes (weft::hierarchical_context_attention_*, weft/ops/
+// hierarchical.hpp) the same inside each node, over the node team, with one NCCL all-reduce among the i-th
+// ranks of the nodes between: of the natural-order K / V (zeroed first, so each row is one node's, the sum
+// their union), and of the fp32 dK / dV sums before the node's pull.
 #include <algorithm>
 #include <string>
 #include <vector>
 
 #include "attention_args.hpp"
+#include "hierarchical_legs.hpp"
 #include "op_args.hpp"
 #include "sequence_parallel.hpp"
 #include "weft/ops/context_attention.hpp"
+#include "weft/ops/hierarchical.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft {
@@ -23,16 +28,18 @@ const char* const kArea = "context attention";
 struct Sizes {
   ops::RingLayout L;
   ops::RingCall call;
+  int rank = 0;  // in the layout's team (the job's, across nodes)
   int64_t max_local = 0, total = 0, local = 0, kv_heads = 0, head_dim = 0, max_q = 1, max_k = 1;
-  Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, ops::Sharding sharding, int64_t kv,
+  Sizes(int world, int rank_, const std::vector<int64_t>& doc_lengths, ops::Sharding sharding, int64_t kv,
         int64_t d)
       : L(ops::ring_layout(doc_lengths, world, sharding.causal, 1, sharding.zigzag)),
+        rank(rank_),
         kv_heads(kv),
         head_dim(d) {
     max_local = ops::max_local_rows(L);
     for (int64_t n : doc_lengths) total += n;
-    local = L.local_rows(rank);
-    call = ops::gathered_call_of(L, rank);
+    local = L.local_rows(rank_);
+    call = ops::gathered_call_of(L, rank_);
     for (const ops::RingSegment& s : call.segments) {
       max_q = std::max(max_q, s.q_end - s.q_begin);
       max_k = std::max(max_k, s.k_end - s.k_begin);
@@ -90,21 +97,32 @@ size_t own_bytes(const Sizes& z, size_t attention_bytes) {
   return ops::bytes_carved_by([&](ops::WorkspaceLayout& w) { carve_own(w, z, attention_bytes); });
 }
 
+// Across nodes: `count` elements at p summed in place among the i-th ranks of the nodes (NCCL).
+void sum_across_nodes(MultiNodeTeam& t, void* p, size_t count, DType dtype, const std::string& where,
+                      cudaStream_t stream) {
+  if (t.nodes() == 1 || count == 0) return;
+  ops::nccl_call(t, where + "ncclAllReduce across the nodes", [&](nccl::Comm across, nccl::Comm) {
+    return nccl::api().AllReduce(p, p, count, nccl::data_type(dtype), nccl::kSum, across, stream);
+  });
+}
+
 // The caller's workspace and the area carved, the layout uploaded; K / V pushed into every rank's area.
 struct Gathered {
   Area area;
   Own own;
 };
 
-// Checks, the workspace carved; then (not when planning) the layout tables and K / V pushed to every rank.
+// Checks, the workspace carved; then (not when planning) the layout tables and K / V pushed to every rank
+// of the team (with `nodes`: the node team, then NCCL's sum across the nodes of the zeroed-first buffers).
 Gathered gather(ops::OpCall& call, const Sizes& z, const void* k, const void* v, void* workspace,
-                size_t workspace_bytes, size_t attention_bytes, DType dtype) {
+                size_t workspace_bytes, size_t attention_bytes, DType dtype, MultiNodeTeam* nodes) {
   Communicator& comm = call.comm;
   Rank& rank = call.rank;
   const cudaStream_t stream = call.stream;
   const std::string& where = call.where;
   const size_t need = own_bytes(z, attention_bytes);
-  WEFT_CHECK(z.L.world == rank.world(), where + "the layout's world size differs from the team's");
+  WEFT_CHECK(z.L.world == (nodes ? nodes->world() : rank.world()),
+             where + "the layout's world size differs from the team's");
   WEFT_CHECK(z.head_dim == 64 || z.head_dim == 128, where + "head_dim must be 64 or 128");
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tensors must be bf16 or fp16");
   ops::check_workspace(workspace, workspace_bytes, need, "the op's workspace_bytes()", where);
@@ -114,7 +132,7 @@ Gathered gather(ops::OpCall& call, const Sizes& z, const void* k, const void* v,
   ops::WorkspaceLayout own(workspace);
   g.own = carve_own(own, z, attention_bytes);
   if (call.planning()) return g;
-  ops::write_local_to_natural(z.L, rank.rank(), g.own.local_nat, stream);
+  ops::write_local_to_natural(z.L, z.rank, g.own.local_nat, stream);
   const int64_t s = z.nseg();
   std::vector<int32_t> segs(4 * std::max<int64_t>(s, 1), 0);
   for (int64_t i = 0; i < s; ++i) {
@@ -126,21 +144,32 @@ Gathered gather(ops::OpCall& call, const Sizes& z, const void* k, const void* v,
   }
   ops::upload_words(g.own.seg, segs, stream);
   const ops::HeadShare all = ops::HeadShare::all(z.kv_heads);
+  // K and V are neighbours in the area (with the layout's padding between): one memset, one all-reduce.
+  // (The push's entry meeting keeps the node's pushes out until every rank of it has zeroed.)
+  const size_t es = dtype_size(dtype), span = g.area.v + z.kv_elements() * es - g.area.k;
+  if (nodes) WEFT_CUDA_CHECK(cudaMemsetAsync(g.area.k, 0, span, stream));
   ops::push_rows(comm, rank, k, z.local, g.area.k, g.own.local_nat, all, z.head_dim, z.max_local, stream);
   ops::push_rows(comm, rank, v, z.local, g.area.v, g.own.local_nat, all, z.head_dim, z.max_local, stream);
+  if (nodes) sum_across_nodes(*nodes, g.area.k, span / es, dtype, where, stream);
   return g;
 }
 
+// `nodes`: across nodes (comm and rank its node team's), else null.
 void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, void* out,
              float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
              int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
-             const AttentionOptions& options, Plan* plan) {
-  ops::OpCall call(comm, rank, stream, ops::team_where("weft::context_attention_forward", rank), plan);
+             const AttentionOptions& options, Plan* plan, MultiNodeTeam* nodes = nullptr) {
+  ops::OpCall call(
+      comm, rank, stream,
+      ops::team_where(
+          nodes ? "weft::hierarchical_context_attention_forward" : "weft::context_attention_forward", rank),
+      plan);
   const std::string& where = call.where;
   WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled(),
              where + "options.segments and options.accumulate are set by the op itself; leave them empty");
-  const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), kv_heads, head_dim);
-  const Gathered g = gather(call, z, k, v, workspace, workspace_bytes, 0, dtype);
+  const Sizes z(nodes ? nodes->world() : rank.world(), nodes ? nodes->rank() : rank.rank(), doc_lengths,
+                ops::sharding_of(options), kv_heads, head_dim);
+  const Gathered g = gather(call, z, k, v, workspace, workspace_bytes, 0, dtype, nodes);
   AttentionOptions o = options;
   o.segments = z.segments(g.own.seg);
   if (call.planning()) {
@@ -158,16 +187,21 @@ void backward(Communicator& comm, Rank& rank, const void* q, const void* k, cons
               const void* dout, const float* lse, void* dq, void* dk, void* dv,
               const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads, int64_t head_dim,
               void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
-              const AttentionOptions& options, Plan* plan) {
-  ops::OpCall call(comm, rank, stream, ops::team_where("weft::context_attention_backward", rank), plan);
+              const AttentionOptions& options, Plan* plan, MultiNodeTeam* nodes = nullptr) {
+  ops::OpCall call(
+      comm, rank, stream,
+      ops::team_where(
+          nodes ? "weft::hierarchical_context_attention_backward" : "weft::context_attention_backward", rank),
+      plan);
   const std::string& where = call.where;
   WEFT_CHECK(
       !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
       where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
-  const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), kv_heads, head_dim);
+  const Sizes z(nodes ? nodes->world() : rank.world(), nodes ? nodes->rank() : rank.rank(), doc_lengths,
+                ops::sharding_of(options), kv_heads, head_dim);
   stream = call.stream;
   const size_t attention_bytes = z.attention_backward(heads, options);
-  const Gathered g = gather(call, z, k, v, workspace, workspace_bytes, attention_bytes, dtype);
+  const Gathered g = gather(call, z, k, v, workspace, workspace_bytes, attention_bytes, dtype, nodes);
   // This rank's queries against every key: dK / dV added in fp32 into its own natural-order buffers (zero
   // where it sees none; zeroed after the pushes' meeting, when every peer has pulled the previous call's).
   float *dk32 = g.area.dk, *dv32 = g.area.dv;
@@ -188,6 +222,10 @@ void backward(Communicator& comm, Rank& rank, const void* q, const void* k, cons
   if (z.nseg() > 0)
     flash_attention_backward(q, g.area.k, g.area.v, out, dout, lse, dq, nullptr, nullptr, g.own.attention,
                              attention_bytes, z.shape(heads), dtype, stream, o);
+  // Across nodes: each i-th rank's sums added up over the nodes first (the pull then sums the node's ranks).
+  if (nodes)
+    sum_across_nodes(*nodes, dk32, (dv_end - reinterpret_cast<const char*>(dk32)) / 4, DType::kFP32, where,
+                     stream);
   // Every rank's sums for this rank's rows, rounded once.
   const ops::HeadShare all = ops::HeadShare::all(kv_heads);
   ops::pull_rows(comm, rank, dk32, true, dk, z.local, g.own.local_nat, all, head_dim, z.max_local, dtype,
@@ -274,6 +312,26 @@ Plan context_attention_backward_plan(Communicator& comm, Rank& rank, const void*
   backward(comm, rank, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads, kv_heads, head_dim, workspace,
            workspace_bytes, dtype, stream, options, &plan);
   return plan;
+}
+
+void hierarchical_context_attention_forward(MultiNodeTeam& team, const void* q, const void* k, const void* v,
+                                            void* out, float* lse, const std::vector<int64_t>& doc_lengths,
+                                            int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                            void* workspace, size_t workspace_bytes, DType dtype,
+                                            cudaStream_t stream, const AttentionOptions& options) {
+  forward(team.node_team(), team.node_rank(), q, k, v, out, lse, doc_lengths, heads, kv_heads, head_dim,
+          workspace, workspace_bytes, dtype, ops::stream_of(team, stream), options, nullptr, &team);
+}
+
+void hierarchical_context_attention_backward(MultiNodeTeam& team, const void* q, const void* k, const void* v,
+                                             const void* out, const void* dout, const float* lse, void* dq,
+                                             void* dk, void* dv, const std::vector<int64_t>& doc_lengths,
+                                             int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                             void* workspace, size_t workspace_bytes, DType dtype,
+                                             cudaStream_t stream, const AttentionOptions& options) {
+  backward(team.node_team(), team.node_rank(), q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads,
+           kv_heads, head_dim, workspace, workspace_bytes, dtype, ops::stream_of(team, stream), options,
+           nullptr, &team);
 }
 
 }  // namespace weft

@@ -12,8 +12,10 @@
 // is its node's ranks only. Pass: max, all-gather and all-to-all exact, sums within 1e-6 (fp32) / 1e-2
 // (bf16) of the magnitudes summed; no NaN. The
 // tensor-parallel GEMMs across nodes (all_gather_matmul with its gathered A, matmul_reduce_scatter; bf16, odd
-// rows per rank) against the host's fp64 products, and the MoE dispatch + combine across nodes (an expert
-// function applied on the host between them) against the host's weighted sums: relative error within 2e-2.
+// rows per rank) against the host's fp64 products, the MoE dispatch + combine across nodes (an expert
+// function applied on the host between them) against the host's weighted sums, and context-parallel
+// attention across nodes (forward and backward, two causal documents) against the host's fp64 attention:
+// relative error within 2e-2.
 // Exit 0 pass, 1 fail, 77 skipped (no GPU, no NCCL, or not enough GPUs for one rank each).
 //
 // WEFT_TEST_RANK_DEATH=1: instead of the tests, the last rank exits (status 0) after a first all-reduce while
@@ -39,7 +41,9 @@
 #include <thread>
 #include <vector>
 
+#include "attention_reference.hpp"
 #include "runtime/nccl_api.hpp"
+#include "weft/ops/context_attention.hpp"
 #include "weft/ops/hierarchical.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/multi_node.hpp"
@@ -229,6 +233,98 @@ std::string tp_case(weft::MultiNodeTeam& t, bool gather, int64_t m, int64_t n, i
   return err;
 }
 
+// Context-parallel attention across nodes (hierarchical_context_attention_*): two causal documents of odd
+// lengths over every rank of the job in the zigzag layout, GQA 4 / 2 heads, head_dim 64, bf16; this rank's
+// rows of out, lse, dq, dk and dv against the host's fp64 attention over the whole documents (the same
+// inputs on every rank). Outputs poisoned first.
+std::string context_attention_case(weft::MultiNodeTeam& t, uint64_t seed) {
+  const int W = t.world(), r = t.rank();
+  const int64_t H = 4, KV = 2, D = 64;
+  const std::vector<int64_t> docs = {37 * W + 5, 23 * W + 3};
+  const int64_t total = docs[0] + docs[1];
+  weft::AttentionOptions o;
+  o.causal = true;
+  // The whole problem (every rank alike), rounded to bf16.
+  const auto whole = [&](int which, int64_t heads) {
+    const std::vector<float> f = held(2000 + which, size_t(total * heads * D), seed, DType::kBF16);
+    std::vector<__nv_bfloat16> b(f.size());
+    for (size_t i = 0; i < f.size(); ++i) b[i] = __float2bfloat16(f[i]);
+    return b;
+  };
+  const std::vector<__nv_bfloat16> q = whole(0, H), k = whole(1, KV), v = whole(2, KV), go = whole(3, H);
+  // This rank's rows: the natural positions of the layout's local rows.
+  const std::vector<int64_t> tokens = weft::context_attention_local_tokens(W, r, docs, true, false);
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  const auto rows_of = [&](const std::vector<__nv_bfloat16>& x, int64_t heads) {
+    std::vector<__nv_bfloat16> y(size_t(std::max<int64_t>(n, 1) * heads * D));
+    for (int64_t i = 0; i < n; ++i)
+      std::copy_n(&x[size_t(tokens[i] * heads * D)], heads * D, &y[size_t(i * heads * D)]);
+    return y;
+  };
+  const size_t qb = size_t(std::max<int64_t>(n, 1) * H * D * 2),
+               kb = size_t(std::max<int64_t>(n, 1) * KV * D * 2);
+  Device dq_in(qb), dk_in(kb), dv_in(kb), dgo(qb), out(qb), lse(size_t(H * std::max<int64_t>(n, 1) * 4)),
+      dq(qb), dk(kb), dv(kb);
+  const auto put = [](void* dst, const std::vector<__nv_bfloat16>& x) {
+    WEFT_CUDA_CHECK(cudaMemcpy(dst, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  };
+  put(dq_in.p, rows_of(q, H));
+  put(dk_in.p, rows_of(k, KV));
+  put(dv_in.p, rows_of(v, KV));
+  put(dgo.p, rows_of(go, H));
+  const size_t lse_bytes = size_t(H * std::max<int64_t>(n, 1) * 4);
+  for (const auto& [d, bytes] : {std::pair{&out, qb}, {&lse, lse_bytes}, {&dq, qb}, {&dk, kb}, {&dv, kb}})
+    WEFT_CUDA_CHECK(cudaMemset(d->p, 0xff, bytes));  // NaN in bf16 and fp32: a row not written fails
+  const size_t ws_bytes = std::max(weft::context_attention_workspace_bytes(W, docs, true, KV, D),
+                                   weft::context_attention_backward_workspace_bytes(W, docs, true, H, KV, D));
+  Device ws(ws_bytes);
+  WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaStream_t s = t.node_rank().stream();
+  float* lse_p = static_cast<float*>(lse.p);
+  weft::hierarchical_context_attention_forward(t, dq_in.p, dk_in.p, dv_in.p, out.p, lse_p, docs, H, KV, D,
+                                               ws.p, ws_bytes, DType::kBF16, s, o);
+  weft::hierarchical_context_attention_backward(t, dq_in.p, dk_in.p, dv_in.p, out.p, dgo.p, lse_p, dq.p, dk.p,
+                                                dv.p, docs, H, KV, D, ws.p, ws_bytes, DType::kBF16, s, o);
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+  t.node_team().synchronize();
+  t.check_alive();
+  weft::test::AttentionRefShape shape;
+  shape.rows_q = shape.rows_k = total;
+  shape.heads = H;
+  shape.kv_heads = KV;
+  shape.dim = D;
+  shape.causal = true;
+  shape.scale = 1.0 / std::sqrt(double(D));
+  shape.seqs = {{0, docs[0], 0, docs[0]}, {docs[0], docs[1], docs[0], docs[1]}};
+  const weft::test::AttentionReference ref = weft::test::attention_reference(shape, q, k, v, go);
+  // This rank's rows of a reference tensor [total][heads][D] (or lse: [heads][n] from [total][heads]).
+  const auto want_rows = [&](const std::vector<double>& x, int64_t heads) {
+    std::vector<double> y(size_t(n * heads * D));
+    for (int64_t i = 0; i < n; ++i)
+      std::copy_n(&x[size_t(tokens[i] * heads * D)], heads * D, &y[size_t(i * heads * D)]);
+    return y;
+  };
+  std::vector<double> want_lse(size_t(H * n));
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < n; ++i) want_lse[size_t(h * n + i)] = ref.lse[size_t(tokens[i] * H + h)];
+  struct Check {
+    const char* name;
+    const void* got;
+    DType dtype;
+    std::vector<double> want;
+  };
+  const Check checks[] = {{"out", out.p, DType::kBF16, want_rows(ref.o, H)},
+                          {"lse", lse.p, DType::kFP32, want_lse},
+                          {"dq", dq.p, DType::kBF16, want_rows(ref.dq, H)},
+                          {"dk", dk.p, DType::kBF16, want_rows(ref.dk, KV)},
+                          {"dv", dv.p, DType::kBF16, want_rows(ref.dv, KV)}};
+  for (const Check& c : checks) {
+    const std::string err = relative_error(download(c.got, c.want.size(), c.dtype), c.want, 2e-2);
+    if (!err.empty()) return std::string(c.name) + ": " + err;
+  }
+  return {};
+}
+
 // The MoE across nodes: dispatch, an expert function on the host (expert e scales its rows by (e + 1) / 8),
 // combine; against the host's sum over each token's slots of weight x (e + 1) / 8 x the token (slots of
 // expert -1 dropped). Each rank its own token count.
@@ -340,6 +436,9 @@ int run(weft::MultiNodeTeam& t) {
     }
   for (int rep = 0; rep < 2; ++rep)  // twice: the in-node areas reused
     tally("moe dispatch + combine across nodes (call " + std::to_string(rep) + ")", moe_case(t, seed++));
+  for (int rep = 0; rep < 2; ++rep)  // twice: the in-node area and the layout reused
+    tally("context attention across nodes, forward + backward (call " + std::to_string(rep) + ")",
+          context_attention_case(t, seed++));
   std::printf("[rank %d] summary: %d passed, %d failed (%d nodes of %d ranks)\n", t.rank(), passed, failed,
               t.nodes(), t.node_size());
   return failed == 0 ? 0 : 1;

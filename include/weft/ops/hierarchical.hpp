@@ -45,6 +45,9 @@
 #include "weft/dtype.hpp"
 #include <cstdint>
 
+#include <vector>
+
+#include "weft/ops/attention.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/moe.hpp"
@@ -104,5 +107,28 @@ void hierarchical_moe_combine(MultiNodeTeam& team, const void* expert_out,
 
 void hierarchical_broadcast(MultiNodeTeam& team, const void* in, void* out, size_t count, DType dtype,
                             int root, cudaStream_t stream = nullptr);
+
+// Context-parallel attention across nodes: context_attention_forward / _backward (weft/ops/
+// context_attention.hpp) over the whole job, with its arguments and layout (doc_lengths sharded over
+// team.world() ranks; context_attention_local_rows(team.world(), team.rank(), ...) rows here; the workspace
+// context_attention_workspace_bytes(team.world(), ...) / context_attention_backward_workspace_bytes). Inside
+// each node as context_attention does (K / V pushed into the node's natural-order buffers by weft's
+// kernels); between nodes one NCCL all-reduce among the i-th ranks of those buffers, zeroed first, so that
+// each row, written by one node only, reaches every node (and in the backward one of the fp32 dK / dV sums
+// before the node's pull). The simple form: the whole K / V crosses between nodes and the legs do not
+// overlap the attention (a ring across nodes beside the attention is the form that would).
+void hierarchical_context_attention_forward(MultiNodeTeam& team, const void* q, const void* k, const void* v,
+                                            void* out, float* lse, const std::vector<int64_t>& doc_lengths,
+                                            int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                            void* workspace, size_t workspace_bytes, DType dtype,
+                                            cudaStream_t stream = nullptr,
+                                            const AttentionOptions& options = {});
+void hierarchical_context_attention_backward(MultiNodeTeam& team, const void* q, const void* k, const void* v,
+                                             const void* out, const void* dout, const float* lse, void* dq,
+                                             void* dk, void* dv, const std::vector<int64_t>& doc_lengths,
+                                             int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                             void* workspace, size_t workspace_bytes, DType dtype,
+                                             cudaStream_t stream = nullptr,
+                                             const AttentionOptions& options = {});
 
 }  // namespace weft
