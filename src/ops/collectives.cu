@@ -642,12 +642,13 @@ void run_gather(Call& c, const void* in, void* out, size_t count, DType dtype, i
   launch_rooted(c, r, all, "gather");
 }
 
-// From 2 to 8 ranks and 1 MiB (in whole 16-byte units): summed by the non-roots (coll::owned_reduce_kernel),
-// the root receiving each byte once. Otherwise the all-reduce into a workspace area of its own, then the
-// root's copy: every rank takes part in the reduction; out is written at the root only.
-// (A pull whose slices land in the root's area, without the all-reduce's second pass, measured no faster:
-// 4 x H200, 256 MiB bf16, 1299 us against 1440 with symmetric inputs and no copy in, NCCL 785; and only a
-// copy in makes every rank's input lie at the same offset, which an in-place root does not give.)
+// From 2 to 8 ranks and 1 MiB (in whole 16-byte units): summed by the non-roots (coll::owned_reduce_kernel;
+// at 2 ranks by the root, from the other rank's pushes), the root receiving each byte once. Otherwise the
+// all-reduce into a workspace area of its own, then the root's copy: every rank takes part in the reduction;
+// out is written at the root only. (A pull whose slices land in the root's area, without the all-reduce's
+// second pass, measured no faster: 4 x H200, 256 MiB bf16, 1299 us against 1440 with symmetric inputs and no
+// copy in, NCCL 785; and only a copy in makes every rank's input lie at the same offset, which an in-place
+// root does not give.)
 const char* const kReduceArea = "reduce: result";
 constexpr uint64_t kOwnedReduceMin = 1 << 20;
 
@@ -679,7 +680,7 @@ void launch_owned_reduce(Call& c, const void* in, void* out, uint64_t bytes, DTy
   if (!aligned(in) && !c.planned("copy of in to 16-byte alignment"))
     WEFT_CUDA_CHECK(cudaMemcpyAsync(in_copy, in, bytes, cudaMemcpyDeviceToDevice, c.stream));
   const int g = c.blocks(bytes);
-  if (!c.planned("summed by the non-roots", g)) {
+  if (!c.planned(W == 2 ? "pushed to the root and summed there" : "summed by the non-roots", g)) {
     with_elem(dtype, [&](auto e) {
       with_reduce(op, [&](auto r) {
         detail::preload<&coll::owned_reduce_kernel<e.value, r.value>>();
