@@ -121,8 +121,8 @@ Gathered gather(ops::OpCall& call, const Sizes& z, const void* k, const void* v,
   const cudaStream_t stream = call.stream;
   const std::string& where = call.where;
   const size_t need = own_bytes(z, attention_bytes);
-  WEFT_CHECK(z.L.world == (nodes ? nodes->world() : rank.world()),
-             where + "the layout's world size differs from the team's");
+  // (Across nodes the layout is the job's by construction: the public functions build it from the team.)
+  WEFT_CHECK(nodes || z.L.world == rank.world(), where + "the layout's world size differs from the team's");
   WEFT_CHECK(z.head_dim == 64 || z.head_dim == 128, where + "head_dim must be 64 or 128");
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tensors must be bf16 or fp16");
   ops::check_workspace(workspace, workspace_bytes, need, "the op's workspace_bytes()", where);
@@ -154,16 +154,22 @@ Gathered gather(ops::OpCall& call, const Sizes& z, const void* k, const void* v,
   return g;
 }
 
+// The prefix of a call's error messages: the op and this rank in its team (across nodes: the job's rank).
+std::string where_of(const char* op, const char* across_nodes, const Rank& rank, const MultiNodeTeam* nodes) {
+  if (!nodes) return ops::team_where(op, rank);
+  return std::string(across_nodes) + "(rank " + std::to_string(nodes->rank()) + " of " +
+         std::to_string(nodes->world()) + "): ";
+}
+
 // `nodes`: across nodes (comm and rank its node team's), else null.
 void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, void* out,
              float* lse, const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
              int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
              const AttentionOptions& options, Plan* plan, MultiNodeTeam* nodes = nullptr) {
-  ops::OpCall call(
-      comm, rank, stream,
-      ops::team_where(
-          nodes ? "weft::hierarchical_context_attention_forward" : "weft::context_attention_forward", rank),
-      plan);
+  ops::OpCall call(comm, rank, stream,
+                   where_of("weft::context_attention_forward", "weft::hierarchical_context_attention_forward",
+                            rank, nodes),
+                   plan);
   const std::string& where = call.where;
   WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled(),
              where + "options.segments and options.accumulate are set by the op itself; leave them empty");
@@ -188,11 +194,10 @@ void backward(Communicator& comm, Rank& rank, const void* q, const void* k, cons
               const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads, int64_t head_dim,
               void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
               const AttentionOptions& options, Plan* plan, MultiNodeTeam* nodes = nullptr) {
-  ops::OpCall call(
-      comm, rank, stream,
-      ops::team_where(
-          nodes ? "weft::hierarchical_context_attention_backward" : "weft::context_attention_backward", rank),
-      plan);
+  ops::OpCall call(comm, rank, stream,
+                   where_of("weft::context_attention_backward",
+                            "weft::hierarchical_context_attention_backward", rank, nodes),
+                   plan);
   const std::string& where = call.where;
   WEFT_CHECK(
       !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
