@@ -175,6 +175,7 @@ void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const
              where + "options.segments and options.accumulate are set by the op itself; leave them empty");
   const Sizes z(nodes ? nodes->world() : rank.world(), nodes ? nodes->rank() : rank.rank(), doc_lengths,
                 ops::sharding_of(options), kv_heads, head_dim);
+  ops::check_attention_operands(call, {q, k, v, out, lse}, false, z.local, heads, kv_heads, head_dim);
   const Gathered g = gather(call, z, k, v, workspace, workspace_bytes, 0, dtype, nodes);
   AttentionOptions o = options;
   o.segments = z.segments(g.own.seg);
@@ -206,6 +207,8 @@ void backward(Communicator& comm, Rank& rank, const void* q, const void* k, cons
                 ops::sharding_of(options), kv_heads, head_dim);
   stream = call.stream;
   const size_t attention_bytes = z.attention_backward(heads, options);
+  ops::check_attention_operands(call, {q, k, v, out, lse, dout, dq, dk, dv}, true, z.local, heads, kv_heads,
+                                head_dim);
   const Gathered g = gather(call, z, k, v, workspace, workspace_bytes, attention_bytes, dtype, nodes);
   // This rank's queries against every key: dK / dV added in fp32 into its own natural-order buffers (zero
   // where it sees none; zeroed after the pushes' meeting, when every peer has pulled the previous call's).
