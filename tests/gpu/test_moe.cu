@@ -649,7 +649,7 @@ WEFT_GPU_TEST(moe_dispatch_and_combine_replay_in_cuda_graphs) {
 }
 
 // The low-latency dispatch (MoeShape::low_latency), both kinds (each token sent once per expert, then once
-// per rank): three calls in a row on new routing each, top-k 1, 2 and 8 (at most the experts; the groups'
+// per rank): four calls in a row on new routing each, top-k 1, 2, 8 and 16 (at most the experts; the groups'
 // counters zeroed and re-armed between calls), ranks with no token, dropped slots, distinct experts per
 // token. Every slot's row lies in its expert's fixed group below the group's count, no two slots share a row,
 // the row holds the token (bit for bit), each group's count is the slots routed to it; then moe_combine
@@ -663,12 +663,13 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
   const int64_t max_tokens = *std::max_element(T.begin(), T.end());
   const int64_t group = (W * max_tokens + 127) / 128 * 128;
   std::mt19937_64 g(4242);
-  for (int pass = 0; pass < 6; ++pass) {
-    // Calls 0-2 send each token once per expert, 3-5 once per rank; top-k 1, 2, 8 in each.
-    const int call = pass % 3;
-    const bool once = pass >= 3;
+  for (int pass = 0; pass < 8; ++pass) {
+    // Calls 0-3 send each token once per expert, 4-7 once per rank; top-k 1, 2, 8 and 16 (a lane per slot,
+    // the whole warp's share) in each.
+    const int call = pass % 4;
+    const bool once = pass >= 4;
     const LowLatencyKind kind(once);
-    const int top_k = std::min(call == 0 ? 1 : call == 1 ? 2 : 8, E);
+    const int top_k = std::min(call == 0 ? 1 : call == 1 ? 2 : call == 2 ? 8 : 16, E);
     MoeShape base{0, max_tokens, hidden, E, top_k, 128};
     base.low_latency = true;
     const size_t ws_bytes = moe_dispatch_workspace_bytes(W, base);
