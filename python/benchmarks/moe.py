@@ -16,7 +16,8 @@ Mixtral-like (hidden 4096, 8 experts, top-2, intermediate 14336); 128, 512, 4096
   as the dispatch does;
 - graph columns: dispatch and combine replayed from CUDA graphs (decoding's way: no host time per call), and
   at <= 256 tokens a rank the layer and the low-latency dispatch (weft.moe_dispatch(low_latency=True)), its
-  combine and its layer (inference).
+  combine and its layer (inference); with --ll-once-per-rank also the low-latency layer on the kernels that
+  send each token once per rank (WEFT_MOE_LL_ONCE_PER_RANK, weft/ops/moe.hpp).
 Bandwidth counts the bytes that cross to other ranks (dispatch: one row per token and remote destination rank;
 combine: one row per remote slot), per rank, max over ranks of per-rank medians; the layer's target is
 <= 1.10 x max(dispatch + combine, grouped GEMMs).
@@ -167,16 +168,18 @@ def bench_config(comm, rank, world, model, tokens, hot):
             graph_parts["LL layer"] = graphed(ll_layer)
             graph_parts["layer"] = graphed(layer(False))
             ll_err = team_max((ll_layer().float() - want).abs().max().item() / max(scale, 1e-30))
-            # The low-latency kernels sending each token once per rank (weft/ops/moe.hpp), read as the graph is
-            # captured; the combine then reads the expert outputs in place.
-            before = os.environ.get("WEFT_MOE_LL_ONCE_PER_RANK")
-            os.environ["WEFT_MOE_LL_ONCE_PER_RANK"] = "1"
-            graph_parts["LL once layer"] = graphed(ll_layer)
-            ll_once_err = team_max((ll_layer().float() - want).abs().max().item() / max(scale, 1e-30))
-            if before is None:
-                del os.environ["WEFT_MOE_LL_ONCE_PER_RANK"]
-            else:
-                os.environ["WEFT_MOE_LL_ONCE_PER_RANK"] = before
+            # With --ll-once-per-rank: the low-latency kernels sending each token once per rank (weft/ops/moe.hpp),
+            # read as the graph is captured; the combine then reads the expert outputs in place.
+            ll_once_err = float("nan")
+            if "--ll-once-per-rank" in sys.argv:
+                before = os.environ.get("WEFT_MOE_LL_ONCE_PER_RANK")
+                os.environ["WEFT_MOE_LL_ONCE_PER_RANK"] = "1"
+                graph_parts["LL once layer"] = graphed(ll_layer)
+                ll_once_err = team_max((ll_layer().float() - want).abs().max().item() / max(scale, 1e-30))
+                if before is None:
+                    del os.environ["WEFT_MOE_LL_ONCE_PER_RANK"]
+                else:
+                    os.environ["WEFT_MOE_LL_ONCE_PER_RANK"] = before
         graph_us = {k: (timed(f, iters, reps=3) if f is not None else None) for k, f in graph_parts.items()}
         whole = timed_alternating({"weft": layer(False), "weft fused": layer(True),
                                    "torch": lambda: baseline(x, experts, weights)}, iters, rounds=2, reps=3)
