@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -359,6 +360,38 @@ WEFT_GPU_TEST_ANY_WORLD(flash_decode_matches_reference) {
     c.seed = seed++;
     run_case(ctx, c);
   }
+}
+
+// WEFT_DECODE_SPLITS_DIRECT=1 (src/ops/flash_decode.cu): on a team, every split's partial goes straight to
+// the merging ranks, which merge W x S parts a row; the cases with several splits against the reference, then
+// two shapes back to back.
+WEFT_GPU_TEST_ANY_WORLD(flash_decode_splits_sent_direct) {
+  setenv("WEFT_DECODE_SPLITS_DIRECT", "1", 1);
+  const std::vector<Case> cases = {
+      {3, 1, 8, 2, 128, {1, 300, 1027}},
+      {1, 2, 16, 2, 128, {2048}, DType::kBF16, true},  // GQA 8:1 (16 rows), paged
+      {1, 3, 32, 4, 128, {3000}},                      // two row groups a pair
+      {2, 2, 8, 2, 128, {3, 517}, DType::kBF16, true, 16, 0, false},
+  };
+  uint64_t seed = 300;
+  for (Case c : cases) {
+    c.seed = seed++;
+    run_case(ctx, c);
+  }
+  Communicator& comm = ctx.comm();
+  auto a = prepare(comm, Case{2, 1, 8, 2, 128, {700, 1500}, DType::kBF16, false, 16, 341});
+  auto b = prepare(comm, Case{5, 2, 16, 4, 64, {9, 300, 64, 1, 2000}, DType::kBF16, true, 16, 342});
+  poison_outputs(comm, *a);
+  poison_outputs(comm, *b);
+  comm.host_barrier();
+  for (int rep = 0; rep < 3; ++rep) {
+    enqueue(comm, *a);
+    enqueue(comm, *b);
+  }
+  comm.synchronize();
+  check(comm, *a, "splits sent direct, back to back (a)");
+  check(comm, *b, "splits sent direct, back to back (b)");
+  unsetenv("WEFT_DECODE_SPLITS_DIRECT");
 }
 
 // A length past the capacity fails the call on the device, reported with the sequence and the limit.
