@@ -335,6 +335,23 @@ void run_case(TestContext& ctx, const Case& c) {
   comm.host_barrier();
 }
 
+// Calls of two shapes back to back with no synchronisation (they alternate between the inboxes, each laid
+// out for its own shape), three times: every result its own. Seeds `seed` and seed + 1.
+void back_to_back(Communicator& comm, uint64_t seed, const std::string& label) {
+  auto a = prepare(comm, Case{2, 1, 8, 2, 128, {700, 1500}, DType::kBF16, false, 16, seed});
+  auto b = prepare(comm, Case{5, 2, 16, 4, 64, {9, 300, 64, 1, 2000}, DType::kBF16, true, 16, seed + 1});
+  poison_outputs(comm, *a);
+  poison_outputs(comm, *b);
+  comm.host_barrier();
+  for (int rep = 0; rep < 3; ++rep) {
+    enqueue(comm, *a);
+    enqueue(comm, *b);
+  }
+  comm.synchronize();
+  check(comm, *a, label + " (a)");
+  check(comm, *b, label + " (b)");
+}
+
 }  // namespace
 
 WEFT_GPU_TEST_ANY_WORLD(flash_decode_matches_reference) {
@@ -381,19 +398,7 @@ WEFT_GPU_TEST_ANY_WORLD(flash_decode_splits_sent_direct) {
     c.seed = seed++;
     run_case(ctx, c);
   }
-  Communicator& comm = ctx.comm();
-  auto a = prepare(comm, Case{2, 1, 8, 2, 128, {700, 1500}, DType::kBF16, false, 16, 341});
-  auto b = prepare(comm, Case{5, 2, 16, 4, 64, {9, 300, 64, 1, 2000}, DType::kBF16, true, 16, 342});
-  poison_outputs(comm, *a);
-  poison_outputs(comm, *b);
-  comm.host_barrier();
-  for (int rep = 0; rep < 3; ++rep) {
-    enqueue(comm, *a);
-    enqueue(comm, *b);
-  }
-  comm.synchronize();
-  check(comm, *a, "splits sent direct, back to back (a)");
-  check(comm, *b, "splits sent direct, back to back (b)");
+  back_to_back(ctx.comm(), 341, "splits sent direct, back to back");
 }
 
 // A length past the capacity fails the call on the device, reported with the sequence and the limit.
@@ -437,22 +442,9 @@ WEFT_GPU_TEST_ANY_WORLD(flash_decode_refuses_bad_lengths) {
   WEFT_EXPECT(e.find("head_dim must be 64 or 128") != std::string::npos, "head_dim 96: got '" << e << "'");
 }
 
-// Calls of two shapes back to back with no synchronisation (they alternate between the inboxes, each laid
-// out for its own shape): every result its own.
+// Calls of two shapes back to back with no synchronisation: every result its own.
 WEFT_GPU_TEST_ANY_WORLD(flash_decode_back_to_back_shapes) {
-  Communicator& comm = ctx.comm();
-  auto a = prepare(comm, Case{2, 1, 8, 2, 128, {700, 1500}, DType::kBF16, false, 16, 41});
-  auto b = prepare(comm, Case{5, 2, 16, 4, 64, {9, 300, 64, 1, 2000}, DType::kBF16, true, 16, 42});
-  poison_outputs(comm, *a);
-  poison_outputs(comm, *b);
-  comm.host_barrier();
-  for (int rep = 0; rep < 3; ++rep) {
-    enqueue(comm, *a);
-    enqueue(comm, *b);
-  }
-  comm.synchronize();
-  check(comm, *a, "back to back (a)");
-  check(comm, *b, "back to back (b)");
+  back_to_back(ctx.comm(), 41, "back to back");
 }
 
 // Captured once per rank into a CUDA graph, replayed with other lengths and data (another case's, copied into
