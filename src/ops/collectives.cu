@@ -64,6 +64,13 @@ struct Call : ops::OpCall {
   bool one_shot_fits(uint64_t bytes) const {
     return ops::one_shot_min_blocks(rank.world(), bytes) <= ops::max_collective_blocks(rank);
   }
+  // The grid of an LL round of `bytes` (the one-shot, the rooted LL round): LL moves 2x the bytes and polls,
+  // so spread it wide, but every block's share must fit its part of a slot (callers check one_shot_fits).
+  int ll_blocks(uint64_t bytes) const {
+    const int world = rank.world();
+    return std::clamp<int>(blocks(bytes * 8), ops::one_shot_min_blocks(world, bytes),
+                           std::min(ops::one_shot_max_blocks(world), ops::max_collective_blocks(rank)));
+  }
   // A team of one: every collective returns its input (no kernel, no meeting). True when it did.
   bool alone(const void* in, void* out, uint64_t bytes) const {
     if (rank.world() > 1) return false;
@@ -194,11 +201,7 @@ void one_shot(Call& c, const void* in, uint64_t in_peer_step, void* out, uint64_
                   ops::ll_slot_bytes(world) / 8,
                   ops::ll_block_words(world),
                   c.comm.resources(c.rank, kOneShot).flags};
-  // LL moves 2x the bytes and polls: spread it wide, but every block's share must fit its part of a slot
-  // (callers check that the SM budget allows that many: one_shot_fits).
-  const int g =
-      std::clamp<int>(c.blocks(bytes * 8), ops::one_shot_min_blocks(world, bytes),
-                      std::min(ops::one_shot_max_blocks(world), ops::max_collective_blocks(c.rank)));
+  const int g = c.ll_blocks(bytes);
   if (c.planned(exchange ? "one-shot exchange" : "one-shot", g)) return;
   if (exchange) {  // moves words: the element type does not matter
     constexpr auto kernel = &coll::one_shot_kernel<Elem::kFP32, Reduce::kSum, true>;
@@ -514,10 +517,7 @@ void launch_rooted_ll(Call& c, int root, bool from_root, const void* in, uint64_
   x.block_words = ops::ll_block_words(world);
   x.calls = Flags{flags.first, ops::kMeetingSlots};
   x.progress = Flags{flags.first + ops::kMeetingSlots, ops::kMeetingSlots * coll::kRootedLLMaxWorld};
-  // As the one-shot's grid: every block's share fits its part of a slot.
-  const int g =
-      std::clamp<int>(c.blocks(bytes * 8), ops::one_shot_min_blocks(world, bytes),
-                      std::min(ops::one_shot_max_blocks(world), ops::max_collective_blocks(c.rank)));
+  const int g = c.ll_blocks(bytes);
   if (c.planned(std::string(name) + ", one LL round", g)) return;
   detail::preload<&coll::rooted_ll_kernel>();
   coll::rooted_ll_kernel<<<g, kThreads, 0, c.stream>>>(x);
