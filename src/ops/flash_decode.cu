@@ -9,6 +9,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "op_args.hpp"
@@ -129,7 +130,7 @@ Split split_of(const Rank& rank, const DecodeShape& s) {
   // WEFT_DECODE_SPLITS_DIRECT=1 sends every split's partial to the merging ranks (a developer switch to
   // measure the two: every rank must see the same value).
   const char* direct = std::getenv("WEFT_DECODE_SPLITS_DIRECT");
-  x.split_merge = x.splits > 1 && !(W > 1 && direct != nullptr && std::string(direct) == "1");
+  x.split_merge = x.splits > 1 && !(W > 1 && direct != nullptr && std::strcmp(direct, "1") == 0);
   const int64_t merged_parts = x.split_merge ? std::max<int64_t>(W, x.splits) : int64_t(W) * x.splits;
   x.merge_rows = merged_parts <= kFewParts && rows_total > slots ? ops::kDecodeWarps : 1;
   x.grid = static_cast<int>(std::min<int64_t>(

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "../runtime/kernels.hpp"
@@ -295,20 +296,29 @@ __global__ void __launch_bounds__(kDispatchWarps * 32)
 // this rank's rows of the call are in place (release: the rows and the atomics before it). Block 0 then waits
 // until every rank's rows are in place here, copies the counters into group_rows, zeroes them, and tells
 // every rank so: their next call may add again. The other blocks leave once done.
-struct LowLatency {
+// The low-latency area's parts (symmetric): the rows, the groups' ends, the counts a call leaves; for sending
+// once per rank, the records, the slots' weights and the combine's partial sums. Then the state area's: the
+// grid counters, the groups' counters, the words (the same places whatever the shape).
+struct LowLatencyParts {
+  uint4* rows;                      // [per_rank x group, hidden]
+  int32_t *group_end, *group_rows;  // [per_rank]
+  // Sending once per rank: [W sources][max_tokens][top_k]: slot j's row here, tagged with the call
+  // (record_tag); the combine reads them too.
+  uint64_t* records;
+  float* slot_weights;    // the combine's: [W sources][max_tokens][top_k]
+  void* partials;         // the combine's: [W ranks][max_tokens][hidden] of the output type
+  uint32_t* blocks_done;  // this rank's grid counters: [0] rows placed, [1] rows expanded, [2], [3] combine's
+  int32_t* counters;      // [per_rank]: rows taken in each group this call
+  uint64_t* words;  // this rank's: [0] every rank done (the grid's release), [1], [2] the combine's releases,
+                    // [3] the epoch of the last dispatch that sent once per rank
+};
+
+struct LowLatency : LowLatencyParts {
   TeamView team;
   Flags flags;             // kLowLatencyFlags: epoch state [0, 2), zeroed [2, 2 + kMaxWorld), done after
   const uint4* tokens;     // [tokens, hidden]
   const int32_t* experts;  // [tokens, top_k]
   int32_t *row_of, *kept;  // [tokens, top_k]
-  uint4* rows;             // [per_rank x group, hidden], symmetric
-  int32_t* counters;       // [per_rank], symmetric: rows taken in each group this call
-  int32_t *group_end, *group_rows;  // [per_rank]
-  uint32_t* blocks_done;            // this rank's grid counters: [0] rows placed, [1] rows expanded
-  // Sending once per rank: [W sources][max_tokens][top_k], symmetric: slot j's row here, tagged with the call
-  // (record_tag); the combine reads them too.
-  uint64_t* records;
-  uint64_t* words;  // this rank's: [0] every rank done (the grid's release), [3] the last such call's epoch
   Dims d;
   int64_t group;  // rows a group holds
 };
@@ -581,19 +591,15 @@ __global__ void __launch_bounds__(256, kOncePerRankBlocksPerSm) low_latency_rows
 // slots in order, rounded to T) into the source's partials[this rank][token]. 3: each token's partials summed
 // (fp32, its ranks in the order of their first slots) into out. Reads expert_out on this rank only; the next
 // call's writes into a peer's buffers come after that peer has read this call's (see moe.hpp).
-struct LowLatencyCombine {
+// The dispatch's parts (LowLatencyParts): its records, the slots' weights, the partials, grid counters [2]
+// and [3] (phases 1 and 2), words [1] and [2] (their releases) and [3].
+struct LowLatencyCombine : LowLatencyParts {
   TeamView team;
   Flags flags;                     // kLowLatencyCombineFlags: epoch state [0, 2), weights landed from rank
                                    // s [2 + s], partials landed from rank s [2 + kMaxWorld + s]
   const uint64_t* dispatch_calls;  // the dispatch's completed calls: the last dispatch's epoch
-  const uint64_t* records;         // the dispatch's records ([W][max_tokens][top_k], this rank's)
   const int32_t* experts;          // the handle's kept experts [tokens, top_k]
   const float* weights;            // [tokens, top_k]
-  float* slot_weights;             // [W sources][max_tokens][top_k], symmetric
-  void* partials;                  // [W ranks][max_tokens][hidden] of T, symmetric
-  uint32_t* blocks_done;           // this rank's grid counters [2], [3]
-  uint64_t* words;                 // the dispatch's words: [1], [2] the releases of phases 1 and 2, [3] the
-                                   // epoch of the last dispatch sending once per rank
   int64_t capacity;                // rows of expert_out
   Dims d;
 };
@@ -624,7 +630,7 @@ __global__ void __launch_bounds__(256, kOncePerRankBlocksPerSm)
     team.peer_ptr(a.slot_weights, e / a.d.per_rank)[(team.rank * mt + t) * top_k + j] = a.weights[i];
   }
   __syncthreads();
-  publish_and_wait(team, a.blocks_done, a.words + 1, weights_from, epoch);
+  publish_and_wait(team, a.blocks_done + 2, a.words + 1, weights_from, epoch);
   // 2: a warp per (source, token, 256-column chunk); lane j < top_k holds slot j, its row here and weight.
   for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < W * mt * chunks;
        u += int64_t(gridDim.x) * warps) {
@@ -655,7 +661,7 @@ __global__ void __launch_bounds__(256, kOncePerRankBlocksPerSm)
     *reinterpret_cast<uint4*>(team.peer_ptr(partials, s) + (team.rank * mt + t) * a.d.hidden + c) = v;
   }
   __syncthreads();
-  publish_and_wait(team, a.blocks_done + 1, a.words + 2, partials_from, epoch);
+  publish_and_wait(team, a.blocks_done + 3, a.words + 2, partials_from, epoch);
   // 3: a warp per (token, chunk): the partials of the ranks holding its slots, each rank once (at its first
   // slot), summed.
   for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < a.d.tokens * chunks;
@@ -1020,19 +1026,6 @@ bool moe_planned(ops::OpCall& call, const char* op, const std::string& path, int
   return call.planned_op(op, path, std::max(blocks, gemm->blocks), gemm->smem_bytes);
 }
 
-// The low-latency area's parts (symmetric): the rows, the groups' ends, the counts a call leaves; for sending
-// once per rank, the records, the slots' weights and the combine's partial sums. Then the state area's: the
-// grid counters, the groups' counters (the same places whatever the shape).
-struct LowLatencyParts {
-  uint4* rows;
-  int32_t *group_end, *group_rows;
-  uint64_t* records;
-  float* slot_weights;
-  void* partials;
-  uint32_t* blocks_done;
-  int32_t* counters;
-  uint64_t* words;
-};
 void carve_low_latency(ops::WorkspaceLayout& a, const Sizes& z, LowLatencyParts& x) {
   const size_t per = round256(size_t(z.d.per_rank) * 4),
                slots = size_t(z.d.world) * z.d.max_tokens * z.d.top_k;
@@ -1067,7 +1060,7 @@ LowLatencyParts low_latency_parts(ops::OpCall& call, const Sizes& z) {
 // the value its dispatch saw. A switch for measuring the two in one build, until one of them goes.
 bool low_latency_once_per_rank() {
   const char* v = std::getenv("WEFT_MOE_LL_ONCE_PER_RANK");
-  return v != nullptr && std::string(v) == "1";
+  return v != nullptr && std::strcmp(v, "1") == 0;  // (no allocation: read at every call)
 }
 
 // The grid of a kernel sending once per rank for `warps` units of a warp each: 8 warps a block, at most
@@ -1085,23 +1078,16 @@ MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const 
              call.where + "the low-latency dispatch counts rows for at most " +
                  std::to_string(kLowLatencyMaxExperts) + " experts per rank");
   const Sizes z(rank.world(), rank.rank(), shape);
-  const LowLatencyParts p = low_latency_parts(call, z);
   ops::WorkspaceLayout own(workspace);
   const WorkspaceParts parts = carve_workspace(own, z);
   LowLatency x{};
+  static_cast<LowLatencyParts&>(x) = low_latency_parts(call, z);
   x.team = rank.view();
   x.flags = comm.resources(rank, kLowLatencyFlags).flags;
   x.tokens = static_cast<const uint4*>(tokens);
   x.experts = experts;
   x.row_of = parts.row_of;
   x.kept = parts.kept;
-  x.rows = p.rows;
-  x.counters = p.counters;
-  x.group_end = p.group_end;
-  x.group_rows = p.group_rows;
-  x.blocks_done = p.blocks_done;
-  x.records = p.records;
-  x.words = p.words;
   x.d = z.d;
   x.group = low_latency_group(rank.world(), shape);
   MoeDispatched out;
@@ -1428,18 +1414,13 @@ void combine_once_per_rank(Communicator& comm, ops::OpCall& call, const void* ex
                            const MoeDispatched& dispatched, const float* weights, void* out, const Sizes& z,
                            DType dtype) {
   Rank& rank = call.rank;
-  const LowLatencyParts p = low_latency_parts(call, z);
   LowLatencyCombine x{};
+  static_cast<LowLatencyParts&>(x) = low_latency_parts(call, z);
   x.team = rank.view();
   x.flags = comm.resources(rank, kLowLatencyCombineFlags).flags;
   x.dispatch_calls = rank.view().flag(comm.resources(rank, kLowLatencyFlags).flags, 0);
-  x.records = p.records;
   x.experts = dispatched.experts;
   x.weights = weights;
-  x.slot_weights = p.slot_weights;
-  x.partials = p.partials;
-  x.blocks_done = p.blocks_done + 2;
-  x.words = p.words;
   x.capacity = z.capacity;
   x.d = z.d;
   // A warp per (source, token, 256 columns) at most, 8 a block, every block resident at once.
