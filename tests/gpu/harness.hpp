@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
@@ -107,6 +108,30 @@ void parallel_for(size_t n, F&& f, size_t min_part = 4096) {
   for (size_t p = 0; p < parts; ++p) pool.emplace_back([&, p] { f(n * p / parts, n * (p + 1) / parts); });
   for (auto& t : pool) t.join();
 }
+
+// An environment variable set to `value` while the object lives, the process's earlier value (or none) back
+// after, also when a check throws: for the developer switches the ops read at each call.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* v = std::getenv(name);
+    had_ = v != nullptr;
+    if (had_) before_ = v;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_)
+      setenv(name_.c_str(), before_.c_str(), 1);
+    else
+      unsetenv(name_.c_str());
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_, before_;
+  bool had_ = false;
+};
 
 // cudaMalloc'd memory on the current GPU for one test's scope.
 // The message of the weft::Error that f throws; "" when it returns normally.

@@ -436,9 +436,11 @@ WEFT_GPU_TEST(ring_attention_backward_through_slots) {
   Communicator& c = ctx.comm();
   const std::vector<CpCase> cases = {
       {{1000}, 4, 2, 128, true}, {{300, 0, 17, 777}, 8, 2, 64, true}, {{129, 64, 1}, 2, 1, 128, false}};
-  setenv("WEFT_RING_DQ_SLOTS", "1", 1);
-  const std::string failures = run_cp_cases(c, Method::kRing, cases, 951);
-  unsetenv("WEFT_RING_DQ_SLOTS");
+  std::string failures;
+  {
+    const weft::test::ScopedEnv slots("WEFT_RING_DQ_SLOTS", "1");
+    failures = run_cp_cases(c, Method::kRing, cases, 951);
+  }
   WEFT_EXPECT(failures.empty(), failures);
 }
 
@@ -495,9 +497,11 @@ WEFT_GPU_TEST(ulysses_attention_matches_single_gpu) {
 // The same through the one-kernel forward (head chunks pushed and pulled beside the attention).
 WEFT_GPU_TEST(ulysses_attention_pipelined_matches_single_gpu) {
   Communicator& c = ctx.comm();
-  setenv("WEFT_ULYSSES_FORWARD", "pipelined", 1);
-  const std::string failures = run_cp_cases(c, Method::kUlysses, ulysses_cases(c.world(), ctx.quick), 751);
-  unsetenv("WEFT_ULYSSES_FORWARD");
+  std::string failures;
+  {
+    const weft::test::ScopedEnv pipelined("WEFT_ULYSSES_FORWARD", "pipelined");
+    failures = run_cp_cases(c, Method::kUlysses, ulysses_cases(c.world(), ctx.quick), 751);
+  }
   WEFT_EXPECT(failures.empty(), failures);
 }
 

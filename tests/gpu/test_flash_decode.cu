@@ -383,10 +383,7 @@ WEFT_GPU_TEST_ANY_WORLD(flash_decode_matches_reference) {
 // the merging ranks, which merge W x S parts a row; the cases with several splits against the reference, then
 // two shapes back to back.
 WEFT_GPU_TEST_ANY_WORLD(flash_decode_splits_sent_direct) {
-  struct Direct {  // set for this test only, also when a check throws
-    Direct() { setenv("WEFT_DECODE_SPLITS_DIRECT", "1", 1); }
-    ~Direct() { unsetenv("WEFT_DECODE_SPLITS_DIRECT"); }
-  } direct;
+  const weft::test::ScopedEnv direct("WEFT_DECODE_SPLITS_DIRECT", "1");
   const std::vector<Case> cases = {
       {3, 1, 8, 2, 128, {1, 300, 1027}},
       {1, 2, 16, 2, 128, {2048}, DType::kBF16, true},  // GQA 8:1 (16 rows), paged

@@ -476,31 +476,11 @@ WEFT_GPU_TEST(moe_dispatch_and_combine_match_host_layout) {
   WEFT_EXPECT(failures.empty(), failures);
 }
 
-// The low-latency kernels of one kind while it lives: sending each token once per rank or once per expert
-// (WEFT_MOE_LL_ONCE_PER_RANK, read by src/ops/moe.cu at every dispatch and combine); the caller's setting
-// back after.
-class LowLatencyKind {
- public:
-  explicit LowLatencyKind(bool once_per_rank) {
-    const char* v = std::getenv(kName);
-    had_ = v != nullptr;
-    if (had_) before_ = v;
-    setenv(kName, once_per_rank ? "1" : "0", 1);
-  }
-  ~LowLatencyKind() {
-    if (had_)
-      setenv(kName, before_.c_str(), 1);
-    else
-      unsetenv(kName);
-  }
-  LowLatencyKind(const LowLatencyKind&) = delete;
-  LowLatencyKind& operator=(const LowLatencyKind&) = delete;
-
- private:
-  static constexpr const char* kName = "WEFT_MOE_LL_ONCE_PER_RANK";
-  bool had_ = false;
-  std::string before_;
-};
+// The low-latency kernels of one kind while it lives: each token sent once per rank or once per expert
+// (WEFT_MOE_LL_ONCE_PER_RANK, read by src/ops/moe.cu at every dispatch and combine).
+static weft::test::ScopedEnv low_latency_kind(bool once_per_rank) {
+  return {"WEFT_MOE_LL_ONCE_PER_RANK", once_per_rank ? "1" : "0"};
+}
 
 // The no-host-synchronisation mode in CUDA graphs: dispatch, the rows as the experts' outputs (identity
 // experts), combine, captured once per rank and replayed on new tokens, routing and weights: out[t] against
@@ -642,7 +622,7 @@ WEFT_GPU_TEST(moe_dispatch_and_combine_replay_in_cuda_graphs) {
   Communicator& c = ctx.comm();
   std::string failures = replay_in_cuda_graphs(c, false);
   for (bool once : {false, true}) {
-    const LowLatencyKind kind(once);
+    const auto kind = low_latency_kind(once);
     failures += replay_in_cuda_graphs(c, true, once);
   }
   WEFT_EXPECT(failures.empty(), failures);
@@ -668,7 +648,7 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
     // the whole warp's share) in each.
     const int call = pass % 4;
     const bool once = pass >= 4;
-    const LowLatencyKind kind(once);
+    const auto kind = low_latency_kind(once);
     const int top_k = std::min(call == 0 ? 1 : call == 1 ? 2 : call == 2 ? 8 : 16, E);
     MoeShape base{0, max_tokens, hidden, E, top_k, 128};
     base.low_latency = true;
