@@ -48,8 +48,8 @@ struct MoeShape {
   // the low-latency kernels send a token once to each rank holding any of its experts, not once per expert,
   // and copy it there into its other rows; the combine sums a token's rows at their experts' rank (fp32,
   // rounded to the output type) and sends one row per rank back, summed at the source: about half the bytes
-  // over the links at top-8 of 256 experts on 4 ranks, and no meeting. Its combine reads expert_out on its own
-  // rank only. (A switch to measure the two forms in one build; one of them will go.)
+  // over the links at top-8 of 256 experts on 4 ranks, and no meeting. Its combine reads expert_out on its
+  // own rank only. (A switch to measure the two forms in one build; one of them will go.)
   bool low_latency = false;
 };
 
