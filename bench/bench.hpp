@@ -48,9 +48,6 @@ struct Context {
   // --moe-ll-once-per-rank: moe's low-latency table also times the kernels sending once per rank (weft/ops/
   // moe.hpp; not in the default run until they have run on a GPU).
   bool moe_ll_once_per_rank = false;
-  // --decode-splits-direct: flash_decode's team rows also timed with WEFT_DECODE_SPLITS_DIRECT=1 (every
-  // split's partial sent to the merging ranks; src/ops/flash_decode.cu).
-  bool decode_splits_direct = false;
   std::string cp_methods;                 // --cp-methods all-gather,ring,ulysses: context_attention's methods
   int pipeline_pieces = 0;                // --pipeline-pieces n: FusedOptions::pipeline_pieces
   int ag_tile_n = 0;                      // --ag-tile-n 128|256: FusedOptions::tile_n (0: auto)

@@ -6,7 +6,6 @@
 // all-gather + merge) are python/benchmarks' to add.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <vector>
@@ -118,7 +117,7 @@ DecodeRow run_case(Context& ctx, Communicator& comm, const std::vector<cudaStrea
           {std::to_string(W), std::to_string(c.batch), std::to_string(c.seq),
            fmt("%lld/%lld", (long long)c.heads, (long long)c.kv_heads), fmt("%.1f", us), one_rank_us,
            fmt("%.1f", floor_us), fmt("%.0f", bytes / (us * 1e-6) / 1e9),
-           fmt("%.0f%%", 100.0 * floor_us / us), "", "", "", ""}};
+           fmt("%.0f%%", 100.0 * floor_us / us), "", ""}};
 }
 
 void run_flash_decode(Context& ctx) {
@@ -131,13 +130,11 @@ void run_flash_decode(Context& ctx) {
   Table t(
       fmt("flash_decode, bf16, D 128, q_len 1, on %s and on one GPU", ctx.team_label().c_str()),
       {"GPUs", "batch", "tokens", "heads", "weft us", "out on rank 0 us", "floor us", "KV GB/s per GPU",
-       "floor / weft", "local part on one GPU us", "team - local us", "splits sent direct us",
-       "direct - local us"},
+       "floor / weft", "local part on one GPU us", "team - local us"},
       fmt("floor = the KV bytes a GPU reads / the device-to-device copy's traffic rate measured in the same "
           "run (%.0f GB/s); the team splits each sequence's cache evenly. Graphs of 20 calls, the slowest "
           "rank's median. local part = the same call on one GPU over one rank's share of the tokens "
-          "(issue 55's team target: team <= local + 10 us). splits sent direct (--decode-splits-direct): "
-          "every split's partial to the merging ranks, no split merge (WEFT_DECODE_SPLITS_DIRECT=1).",
+          "(issue 55's team target: team <= local + 10 us).",
           rate / 1e9));
   Options one;
   one.devices = {comm.local(0).device()};
@@ -157,16 +154,6 @@ void run_flash_decode(Context& ctx) {
       const double local_us = run_case(ctx, *single, one_stream, part, rate, nullptr, timelines).us;
       row.cells[9] = fmt("%.1f", local_us);
       row.cells[10] = fmt("%.1f", row.us - local_us);
-      if (ctx.decode_splits_direct) {  // the same team call with every split's partial sent (no timeline)
-        const std::string timeline_dir = ctx.timeline_dir;
-        ctx.timeline_dir.clear();
-        setenv("WEFT_DECODE_SPLITS_DIRECT", "1", 1);
-        const double direct_us = run_case(ctx, comm, team.streams, c, rate, &team, timelines).us;
-        unsetenv("WEFT_DECODE_SPLITS_DIRECT");
-        ctx.timeline_dir = timeline_dir;
-        row.cells[11] = fmt("%.1f", direct_us);
-        row.cells[12] = fmt("%.1f", direct_us - local_us);
-      }
       t.add(row.cells);
     }
   }

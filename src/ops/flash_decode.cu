@@ -8,8 +8,6 @@
 #include <atomic>
 #include <climits>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "op_args.hpp"
@@ -82,7 +80,6 @@ void check_shape(const DecodeShape& s, const DecodeCache& c, int world, DType dt
 // below ~1/4 of the KV bytes read) and whole loop steps; at most kDecodeMaxParts partials per row to merge.
 struct Split {
   int rows, row_groups, splits, chunk, merge_rows, grid;
-  bool split_merge;
   size_t smem;
 };
 
@@ -126,13 +123,8 @@ Split split_of(const Rank& rank, const DecodeShape& s) {
   // Phase 2: a row a warp where rows outnumber the blocks and each has few parts to merge (a block's chain
   // of dependent loads then serves four rows, in fewer rounds), else a row a block.
   const int64_t rows_total = s.batch * s.kv_heads * int64_t(x.rows);
-  // Several splits on a team: merged on their rank first (DecodeParams::split_merge), unless
-  // WEFT_DECODE_SPLITS_DIRECT=1 sends every split's partial to the merging ranks (a developer switch to
-  // measure the two: every rank must see the same value).
-  const char* direct = std::getenv("WEFT_DECODE_SPLITS_DIRECT");
-  x.split_merge = x.splits > 1 && !(W > 1 && direct != nullptr && std::strcmp(direct, "1") == 0);
-  const int64_t merged_parts = x.split_merge ? std::max<int64_t>(W, x.splits) : int64_t(W) * x.splits;
-  x.merge_rows = merged_parts <= kFewParts && rows_total > slots ? ops::kDecodeWarps : 1;
+  // (A row's parts: one a rank, after each rank's S splits were merged, in the same items, on that rank.)
+  x.merge_rows = std::max<int64_t>(W, x.splits) <= kFewParts && rows_total > slots ? ops::kDecodeWarps : 1;
   x.grid = static_cast<int>(std::min<int64_t>(
       resident, std::max<int64_t>(pair_items * x.splits,
                                   s.batch * s.kv_heads * ceil_div(x.rows, x.merge_rows))));
@@ -179,7 +171,6 @@ void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, f
   p.splits = x.splits;
   p.chunk = x.chunk;
   p.merge_rows = x.merge_rows;
-  p.split_merge = x.split_merge;
   p.max_local = static_cast<int>(s.max_local);
   const float scale = o.scale > 0.f ? o.scale : 1.f / std::sqrt(float(kD));
   p.scale_log2 = scale * 1.4426950408889634f;
@@ -189,12 +180,9 @@ void launch(ops::OpCall& call, const void* q, const DecodeCache& c, void* out, f
     p.part_o[parity] = inbox.take<float>(parts * kD * 4);
     p.part_ml[parity] = inbox.take<float2>(parts * 8);
   }
-  const std::string splits_how = x.splits > 1 && !x.split_merge ? " (every split's partial sent)" : "";
-  if (call.planned(
-          (o.out_rank < 0 ? "split-KV decode, partials merged on every rank"
-                          : "split-KV decode, partials merged on rank " + std::to_string(o.out_rank)) +
-              splits_how,
-          x.grid))
+  if (call.planned(o.out_rank < 0 ? "split-KV decode, partials merged on every rank"
+                                  : "split-KV decode, partials merged on rank " + std::to_string(o.out_rank),
+                   x.grid))
     return;
   constexpr auto kernel = &ops::flash_decode_kernel<T, kD>;
   detail::preload<kernel>();

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -377,25 +376,6 @@ WEFT_GPU_TEST_ANY_WORLD(flash_decode_matches_reference) {
     c.seed = seed++;
     run_case(ctx, c);
   }
-}
-
-// WEFT_DECODE_SPLITS_DIRECT=1 (src/ops/flash_decode.cu): on a team, every split's partial goes straight to
-// the merging ranks, which merge W x S parts a row; the cases with several splits against the reference, then
-// two shapes back to back.
-WEFT_GPU_TEST_ANY_WORLD(flash_decode_splits_sent_direct) {
-  const weft::test::ScopedEnv direct("WEFT_DECODE_SPLITS_DIRECT", "1");
-  const std::vector<Case> cases = {
-      {3, 1, 8, 2, 128, {1, 300, 1027}},
-      {1, 2, 16, 2, 128, {2048}, DType::kBF16, true},  // GQA 8:1 (16 rows), paged
-      {1, 3, 32, 4, 128, {3000}},                      // two row groups a pair
-      {2, 2, 8, 2, 128, {3, 517}, DType::kBF16, true, 16, 0, false},
-  };
-  uint64_t seed = 300;
-  for (Case c : cases) {
-    c.seed = seed++;
-    run_case(ctx, c);
-  }
-  back_to_back(ctx.comm(), 341, "splits sent direct, back to back");
 }
 
 // A length past the capacity fails the call on the device, reported with the sequence and the limit.

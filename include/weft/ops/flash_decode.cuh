@@ -17,8 +17,6 @@
 //      12-15 us of a 38 us call at 4 GPUs). Then, on the ranks that merge: once every rank's partials of
 //      (b, h) have landed (W adds a row block, or W x R with one split), each row's W parts merged (max,
 //      rescaled sums, divided once) into out and lse; the last of the pair's blocks clears the count.
-//      Without the split merge (DecodeParams::split_merge false with several splits: every split's partial
-//      pushed as one split's is, W x S x R adds), each row's W x S parts merged there.
 // Calls alternate between two inboxes and two sets of counts by the parity of the call's epoch (CallEpoch,
 // in the op's state flags, the same call number on every rank). A rank pushes call n's partials into a
 // rank's inbox only once that rank has finished its call n - 2 (the last to read that inbox): the last
@@ -76,9 +74,6 @@ struct DecodeParams {
   const int32_t *seqlens, *offsets, *seq_total;  // offsets / seq_total may be null
   int batch, q_len, heads, kv_heads, group, rows, row_groups, splits, chunk, max_local;
   int merge_rows;    // rows a phase-2 block merges: 1 (its warps share a row's parts) or kDecodeWarps
-  // Several splits merged on their rank first (one partial a rank crosses the links); else every split's
-  // partial goes to the ranks that merge, which merge W x S parts a row (no split-merge step).
-  bool split_merge;
   float scale_log2;  // softmax scale x log2(e)
   bool causal;
   // The inboxes (symmetric), one per call parity, each laid out for this call's shape: per source rank,
@@ -334,7 +329,7 @@ struct DecodeKernel {
     __syncthreads();
     mark(p, DecodeStep::kPartial, true);
     const TimelineSpan pushing(timeline(p), TimelinePhase::kDecode, uint32_t(DecodeStep::kPush));
-    const bool local = p.split_merge;  // this rank's splits merged here first (merge<kRows, true>)
+    const bool local = p.splits > 1;  // this rank's splits merged here first (merge<kRows, true>)
     if (!local && !gated && !(gated = released(p, call, parity))) return;
     const int pair = b * p.kv_heads + h;
     for (int e = threadIdx.x; e < kDecodeRows * kD / 4; e += blockDim.x) {
@@ -394,7 +389,7 @@ struct DecodeKernel {
   // The adds a pair's landed count takes per call at a rank that merges: one a rank and row block (several
   // splits, merged on their rank first), or one a rank and row group (one split).
   __device__ static uint64_t landed_target(const P& p) {
-    return uint64_t(p.team.world) * (p.split_merge ? row_blocks(p) : uint64_t(p.row_groups) * p.splits);
+    return uint64_t(p.team.world) * (p.splits > 1 ? row_blocks(p) : p.row_groups);
   }
 
   // Rows [r0, r0 + kRows) of a pair (kRows 1 or kDecodeWarps), in two forms that share the arithmetic of a
@@ -436,12 +431,9 @@ struct DecodeKernel {
     if (!go) return;  // recorded; synchronize() reports it
     const TimelineSpan merging(kSplits ? nullptr : timeline(p), TimelinePhase::kDecode,
                                uint32_t(DecodeStep::kMerge));
-    const int parts = kSplits ? p.splits : p.split_merge ? p.team.world : p.team.world * p.splits;
-    auto part = [&](int i) {  // part i of the row: split i of this rank, or rank i's (at split 0's place), or
-                              // (no split merge) rank i / S's split i % S
-      return kSplits         ? part_index(p, p.team.rank, pair, i, row)
-             : p.split_merge ? part_index(p, i, pair, 0, row)
-                             : part_index(p, i / p.splits, pair, i % p.splits, row);
+    const int parts = kSplits ? p.splits : p.team.world;
+    auto part = [&](int i) {  // part i of the row: split i of this rank, or rank i's (at split 0's place)
+      return kSplits ? part_index(p, p.team.rank, pair, i, row) : part_index(p, i, pair, 0, row);
     };
     const float* po = p.part_o[parity];
     float2* ml = sm.u.ml[rw];  // the row's (m, l) per part, then (weight, l)
@@ -590,9 +582,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // own (each block takes the same (pair, row block) items in both loops, in the same order on every rank:
   // a block's merging waits come after all its split merges, which wait only on this rank's phase 1).
   if (p.merge_rows != 1 && p.merge_rows != kDecodeWarps) __trap();
-  if (p.split_merge) K::template merge_items<true>(p, sm, parity, call, gated);
+  if (p.splits > 1) K::template merge_items<true>(p, sm, parity, call, gated);
   // (On a team of one the split merges made out already.)
-  if ((p.out_rank < 0 || p.out_rank == p.team.rank) && !(p.split_merge && p.team.world == 1))
+  if ((p.out_rank < 0 || p.out_rank == p.team.rank) && !(p.splits > 1 && p.team.world == 1))
     K::template merge_items<false>(p, sm, parity, call, gated);
   // The call's end, told to every rank: it may push its call + 2 into this rank's inbox of this parity. The
   // system fence orders this block's reads of the inbox before the last finisher's release.
