@@ -306,8 +306,8 @@ void run_moe(Context& ctx) {
           lls[i]->run(comm, comm.local(i), ll_inputs[i], team.streams[i], Layer::Phase(phase));
         }
       };
-      // The same layers with the low-latency kernels sending each token once per rank (moe.hpp): the switch
-      // is read as each dispatch and combine is captured.
+      // The same layers with the low-latency dispatch sending each token once per rank (moe.hpp): the switch
+      // is read as each dispatch is captured.
       const auto ll_once_phase = [&](int phase) {
         const char* before = std::getenv("WEFT_MOE_LL_ONCE_PER_RANK");
         const std::string kept = before != nullptr ? before : "";

@@ -168,8 +168,8 @@ def bench_config(comm, rank, world, model, tokens, hot):
             graph_parts["LL layer"] = graphed(ll_layer)
             graph_parts["layer"] = graphed(layer(False))
             ll_err = team_max((ll_layer().float() - want).abs().max().item() / max(scale, 1e-30))
-            # With --ll-once-per-rank: the low-latency kernels sending each token once per rank (weft/ops/moe.hpp),
-            # read as the graph is captured; the combine then reads the expert outputs in place.
+            # With --ll-once-per-rank: the low-latency dispatch sending each token once per rank (weft/ops/moe.hpp),
+            # read as the graph is captured.
             ll_once_err = float("nan")
             if "--ll-once-per-rank" in sys.argv:
                 before = os.environ.get("WEFT_MOE_LL_ONCE_PER_RANK")

@@ -733,8 +733,6 @@ void bind_moe(py::module_& m) {
     void* p = weft::moe_combine_input(*c.comm, c.rank(), s, parse_dtype(dtype));
     return view_of(c, p, {weft::moe_capacity(c.rank().world(), s), s.hidden}, dtype);
   });
-  m.def("moe_combine_reads_in_place",
-        [](py::tuple shape) { return weft::moe_combine_reads_in_place(moe_shape(shape)); });
   // group_rows: the low-latency dispatch's (its handle), else 0.
   m.def("moe_combine",
         [](const Comm& c, uintptr_t expert_out, uintptr_t row_of, uintptr_t experts, uintptr_t weights,

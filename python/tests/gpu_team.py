@@ -438,8 +438,7 @@ def moe_low_latency(team, g):
     wants = [moe_reference(xs[r].float(), ids[r], weights[r], up_all, down_all) for r in range(w)]
     before = os.environ.get("WEFT_MOE_LL_ONCE_PER_RANK")
     with torch.no_grad():
-        # Both low-latency kernel kinds: each token sent once per expert, and once per rank (the combine then
-        # reads expert_out in place).
+        # Both low-latency dispatch kinds: each token sent once per expert, and once per rank.
         for once, interleaved in ((o, i) for o in ("0", "1") for i in (False, True)):
             os.environ["WEFT_MOE_LL_ONCE_PER_RANK"] = once
             layer = lambda c, x, i, wt, up, down: weft.moe_layer(  # noqa: E731

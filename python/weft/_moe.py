@@ -326,7 +326,8 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
     low_latency=True (decoding, inference: under torch.no_grad()): weft.moe_dispatch's low-latency dispatch, the
     GEMMs over the rows each group received only (group_rows); its fixed groups hold W x max_tokens rows each,
     so use it with swiglu_interleaved=True (the activation in the first GEMM's epilogue, over those rows only;
-    another activation runs over every group's whole capacity). Not with exact or fused_combine.
+    another activation runs over every group's whole capacity); the second GEMM writes into the combine's
+    area directly. Not with exact or fused_combine.
     """
     where = "weft.moe_layer"
     if activation not in _ACTIVATIONS:
@@ -369,6 +370,14 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
             a = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation](h)
     if fused_combine:
         return moe_grouped_mm_combine(a, w_down, d, weights)
+    if low_latency:  # the down GEMM straight into the combine's area (no copy of the worst-case capacity)
+        tokens, top_k = d._shape[0], d._shape[4]
+        if tuple(weights.shape) != (tokens, top_k):
+            raise WeftValueError(f"{where}: weights must be [{tokens}, {top_k}], got {tuple(weights.shape)}")
+        stored, nk = _stored_weights(w_down)
+        w = weights.to(_w._ops.torch.float32).contiguous()
+        return _w._ops.moe_grouped_mm_then_combine(a.contiguous(), stored, nk, d.group_end, live, d._row_of,
+                                                   d._experts, w, d._shape, d._comm)
     y = grouped_mm(a.contiguous(), w_down, d.group_end, validate=False, zero_unused_rows=False, group_rows=live)
     return moe_combine(y, d, weights)
 

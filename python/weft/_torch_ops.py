@@ -757,14 +757,10 @@ def _moe_combine(expert_out: Tensor, row_of: Tensor, kept: Tensor, weights: Tens
         return out.zero_()
     native = _native(comm)
     dtype = DTYPES[expert_out.dtype]
-    # The outputs are read by the ranks that sent the tokens: from the team's symmetric combine area; or in
-    # place where only this rank reads them (the low-latency combine sending once per rank).
-    if _weft.moe_combine_reads_in_place(tuple(shape)):
-        area = expert_out
-    else:
-        area = torch.from_dlpack(_weft.moe_combine_input(native, tuple(shape), dtype))
-        if expert_out.data_ptr() != area.data_ptr():
-            area[:expert_out.shape[0]].copy_(expert_out)  # exact-count rows: the used rows only
+    # The outputs are read by the ranks that sent the tokens: from the team's symmetric combine area.
+    area = torch.from_dlpack(_weft.moe_combine_input(native, tuple(shape), dtype))
+    if expert_out.data_ptr() != area.data_ptr():
+        area[:expert_out.shape[0]].copy_(expert_out)  # exact-count rows: the used rows only
     _weft.moe_combine(native, area.data_ptr(), row_of.data_ptr(), kept.data_ptr(), weights.data_ptr(),
                       out.data_ptr(), tuple(shape), dtype, _stream(expert_out),
                       group_rows.data_ptr() if group_rows.numel() else 0)
@@ -924,6 +920,38 @@ def moe_combine(expert_out, row_of, kept, weights, shape, comm, group_rows=None)
     if group_rows is None:
         group_rows = row_of.new_empty((0,))
     return _moe_combine(expert_out.contiguous(), row_of, kept, weights, list(shape), comm._id, group_rows)
+
+
+# The low-latency layer's down GEMM and combine (inference, no autograd): the GEMM writes straight into the
+# team's combine area (the rows the peers read), so no [capacity, hidden] copy comes between the two: a
+# low-latency dispatch's capacity holds every group's worst case (~470 MB a rank at DeepSeek-V3 sizes on 4
+# ranks), and moe_combine would copy all of it.
+@_operator("weft::moe_grouped_mm_then_combine")
+def _moe_grouped_mm_then_combine(a: Tensor, b: Tensor, b_nk: bool, group_end: Tensor, group_rows: Tensor,
+                                 row_of: Tensor, kept: Tensor, weights: Tensor, shape: list[int],
+                                 comm: int) -> Tensor:
+    out = a.new_empty((shape[0], shape[2]))
+    if EMULATE:
+        return out.zero_()
+    native = _native(comm)
+    area = torch.from_dlpack(_weft.moe_combine_input(native, tuple(shape), "bf16"))
+    stream = _stream(a)
+    _weft.grouped_gemm(a.get_device(), a.data_ptr(), b.data_ptr(), area.data_ptr(), group_end.data_ptr(),
+                       group_end.shape[0], a.shape[0], shape[2], a.shape[1], "nk" if b_nk else "kn", "bf16",
+                       False, "", stream, group_rows.data_ptr())
+    _weft.moe_combine(native, area.data_ptr(), row_of.data_ptr(), kept.data_ptr(), weights.data_ptr(),
+                      out.data_ptr(), tuple(shape), "bf16", stream, group_rows.data_ptr())
+    return out
+
+
+@_moe_grouped_mm_then_combine.register_fake
+def _(a, b, b_nk, group_end, group_rows, row_of, kept, weights, shape, comm):
+    return a.new_empty((shape[0], shape[2]))
+
+
+def moe_grouped_mm_then_combine(a, b, b_nk, group_end, group_rows, row_of, kept, weights, shape, comm):
+    return _moe_grouped_mm_then_combine(a, b, b_nk, group_end, group_rows, row_of, kept, weights, list(shape),
+                                        comm._id)
 
 
 # ---- distributed flash-decode (inference: no autograd) ------------------------------------------------------

@@ -53,11 +53,6 @@ const char* const kLowLatencyStateArea = "moe dispatch, low latency: counters";
 constexpr int kLowLatencyMaxExperts = 8192;  // local experts a low-latency dispatch counts rows for
 const char* const kLowLatencyFlags = "moe dispatch, low latency: call, zeroed, done";
 const ResourceDeclaration kLowLatencyResources{{kLowLatencyFlags, 2 + 2 * kMaxWorld}};
-// The combine of the dispatch sending once per rank (low_latency_combine): [0, 2) its call epoch, then the
-// weights landed from rank s, then its partial sums landed from rank s, kMaxWorld each.
-const char* const kLowLatencyCombineFlags = "moe combine, low latency once per rank: call, weights, partials";
-const ResourceDeclaration kLowLatencyCombineResources{{kLowLatencyCombineFlags, 2 + 2 * kMaxWorld}};
-
 constexpr int kMaxTopK = 16;  // MoeShape::top_k's limit
 
 struct Dims {
@@ -297,20 +292,17 @@ __global__ void __launch_bounds__(kDispatchWarps * 32)
 // until every rank's rows are in place here, copies the counters into group_rows, zeroes them, and tells
 // every rank so: their next call may add again. The other blocks leave once done.
 // The low-latency area's parts (symmetric): the rows, the groups' ends, the counts a call leaves; for sending
-// once per rank, the records, the slots' weights and the combine's partial sums. Then the state area's: the
-// grid counters, the groups' counters, the words (the same places whatever the shape).
+// once per rank, the records. Then the state area's: the grid counters, the groups' counters, the word (the
+// same places whatever the shape).
 struct LowLatencyParts {
   uint4* rows;                      // [per_rank x group, hidden]
   int32_t *group_end, *group_rows;  // [per_rank]
   // Sending once per rank: [W sources][max_tokens][top_k]: slot j's row here, tagged with the call
-  // (record_tag); the combine reads them too.
+  // (record_tag).
   uint64_t* records;
-  float* slot_weights;    // the combine's: [W sources][max_tokens][top_k]
-  void* partials;         // the combine's: [W ranks][max_tokens][hidden] of the output type
-  uint32_t* blocks_done;  // this rank's grid counters: [0] rows placed, [1] rows expanded, [2], [3] combine's
+  uint32_t* blocks_done;  // this rank's grid counters: [0] rows placed, [1] rows expanded
   int32_t* counters;      // [per_rank]: rows taken in each group this call
-  uint64_t* words;  // this rank's: [0] every rank done (the grid's release), [1], [2] the combine's releases,
-                    // [3] the epoch of the last dispatch that sent once per rank
+  uint64_t* words;        // this rank's: [0] every rank done (the grid's release)
 };
 
 struct LowLatency : LowLatencyParts {
@@ -576,120 +568,9 @@ __global__ void __launch_bounds__(256, kOncePerRankBlocksPerSm) low_latency_rows
       a.counters[e] = 0;
       a.group_end[e] = static_cast<int32_t>((e + 1) * a.group);
     }
-    if (threadIdx.x == 0) a.words[3] = epoch;  // for the combine: this call sent once per rank
     __syncthreads();
     if (static_cast<int>(threadIdx.x) < W)
       signal_set(team, ll_zeroed(a, team.rank), static_cast<int>(threadIdx.x), epoch);
-  }
-  if (threadIdx.x == 0) (void)calls.finished(gridDim.x);
-}
-
-// The combine of low_latency_rows_once_per_rank's rows: each token's rows summed at their experts' rank and
-// one row per (token, rank) sent back, three phases in one kernel, each ended by the grid's last block
-// telling every rank. 1: each slot's weight to its expert's rank (weights[source][token][j]). 2: on each
-// rank, for every source token with rows here (this dispatch's records), the weighted sum of its rows (fp32,
-// slots in order, rounded to T) into the source's partials[this rank][token]. 3: each token's partials summed
-// (fp32, its ranks in the order of their first slots) into out. Reads expert_out on this rank only; the next
-// call's writes into a peer's buffers come after that peer has read this call's (see moe.hpp).
-// The dispatch's parts (LowLatencyParts): its records, the slots' weights, the partials, grid counters [2]
-// and [3] (phases 1 and 2), words [1] and [2] (their releases) and [3].
-struct LowLatencyCombine : LowLatencyParts {
-  TeamView team;
-  Flags flags;                     // kLowLatencyCombineFlags: epoch state [0, 2), weights landed from rank
-                                   // s [2 + s], partials landed from rank s [2 + kMaxWorld + s]
-  const uint64_t* dispatch_calls;  // the dispatch's completed calls: the last dispatch's epoch
-  const int32_t* experts;          // the handle's kept experts [tokens, top_k]
-  const float* weights;            // [tokens, top_k]
-  int64_t capacity;                // rows of expert_out
-  Dims d;
-};
-
-template <class T>
-__global__ void __launch_bounds__(256, kOncePerRankBlocksPerSm)
-    low_latency_combine(LowLatencyCombine a, const T* expert_out, T* out) {
-  const TimelineSpan span(threadIdx.x == 0 ? a.team.timeline : nullptr, TimelinePhase::kMoe,
-                          uint32_t(MoeStep::kCombineTokens));
-  const TeamView& team = a.team;
-  const CallEpoch calls{team.flag(a.flags, 0)};
-  const uint64_t epoch = calls.epoch(),
-                 dispatched = *reinterpret_cast<const volatile uint64_t*>(a.dispatch_calls);
-  const int lane = threadIdx.x % 32, warps = blockDim.x / 32, W = team.world, top_k = a.d.top_k;
-  const int64_t chunks = (a.d.hidden + 255) / 256, mt = a.d.max_tokens;
-  const auto weights_from = [&](int s) { return team.flag(a.flags, 2 + s); };
-  const auto partials_from = [&](int s) { return team.flag(a.flags, 2 + kMaxWorld + s); };
-  T* const partials = static_cast<T*>(a.partials);
-  // The dispatch's records are this kind's only if it sent once per rank: a combine of the other kind's
-  // handle (WEFT_MOE_LL_ONCE_PER_RANK changed in between) would sum nothing; stop instead.
-  if (a.words[3] != dispatched) __trap();
-  // 1: the weights, a thread per slot.
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < a.d.tokens * top_k;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int e = a.experts[i];
-    if (e < 0 || e >= a.d.experts) continue;
-    const int64_t t = i / top_k, j = i % top_k;
-    team.peer_ptr(a.slot_weights, e / a.d.per_rank)[(team.rank * mt + t) * top_k + j] = a.weights[i];
-  }
-  __syncthreads();
-  publish_and_wait(team, a.blocks_done + 2, a.words + 1, weights_from, epoch);
-  // 2: a warp per (source, token, 256-column chunk); lane j < top_k holds slot j, its row here and weight.
-  for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < W * mt * chunks;
-       u += int64_t(gridDim.x) * warps) {
-    const int s = static_cast<int>(u / (mt * chunks));
-    const int64_t t = u / chunks % mt, c = (u % chunks) * 256 + lane * 8;
-    const int64_t slot = (s * mt + t) * top_k + lane;
-    int row = lane < top_k ? record_row(a.records[slot], dispatched) : -1;
-    if (row >= a.capacity) row = -1;  // (never: a record of this call names a row of the groups)
-    const unsigned with_row = __ballot_sync(0xffffffffu, row >= 0);
-    if (with_row == 0) continue;
-    const float w = row >= 0 ? a.slot_weights[slot] : 0.f;
-    float acc[8] = {};
-    for (unsigned m = with_row; m != 0; m &= m - 1) {
-      const int j = __ffs(m) - 1;
-      const int r = __shfl_sync(0xffffffffu, row, j);
-      const float wj = __shfl_sync(0xffffffffu, w, j);
-      if (c >= a.d.hidden) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(expert_out + int64_t(r) * a.d.hidden + c);
-      const T* x = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] = fmaf(wj, static_cast<float>(x[q]), acc[q]);
-    }
-    if (c >= a.d.hidden) continue;
-    uint4 v;
-    T* h = reinterpret_cast<T*>(&v);
-#pragma unroll
-    for (int q = 0; q < 8; ++q) h[q] = static_cast<T>(acc[q]);
-    *reinterpret_cast<uint4*>(team.peer_ptr(partials, s) + (team.rank * mt + t) * a.d.hidden + c) = v;
-  }
-  __syncthreads();
-  publish_and_wait(team, a.blocks_done + 3, a.words + 2, partials_from, epoch);
-  // 3: a warp per (token, chunk): the partials of the ranks holding its slots, each rank once (at its first
-  // slot), summed.
-  for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < a.d.tokens * chunks;
-       u += int64_t(gridDim.x) * warps) {
-    const int64_t t = u / chunks, c = (u % chunks) * 256 + lane * 8;
-    const int e = lane < top_k ? a.experts[t * top_k + lane] : -1;
-    const int r = e >= 0 ? e / a.d.per_rank : -1;
-    // A lane leads when no lane below it holds a slot on the same rank.
-    bool leads = r >= 0;
-    for (int j = 0; j < top_k; ++j) {
-      const int rj = __shfl_sync(0xffffffffu, r, j);
-      if (j < lane && rj == r) leads = false;
-    }
-    float acc[8] = {};
-    for (unsigned m = __ballot_sync(0xffffffffu, leads); m != 0; m &= m - 1) {
-      const int rank = __shfl_sync(0xffffffffu, r, __ffs(m) - 1);
-      if (c >= a.d.hidden) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(partials + (rank * mt + t) * a.d.hidden + c);
-      const T* x = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] += static_cast<float>(x[q]);
-    }
-    if (c >= a.d.hidden) continue;
-    uint4 v;
-    T* h = reinterpret_cast<T*>(&v);
-#pragma unroll
-    for (int q = 0; q < 8; ++q) h[q] = static_cast<T>(acc[q]);
-    *reinterpret_cast<uint4*>(out + t * a.d.hidden + c) = v;
   }
   if (threadIdx.x == 0) (void)calls.finished(gridDim.x);
 }
@@ -1033,8 +914,6 @@ void carve_low_latency(ops::WorkspaceLayout& a, const Sizes& z, LowLatencyParts&
   x.group_end = a.take<int32_t>(per);
   x.group_rows = a.take<int32_t>(per);
   x.records = a.take<uint64_t>(round256(slots * 8));
-  x.slot_weights = a.take<float>(round256(slots * 4));
-  x.partials = a.take(round256(size_t(z.d.world) * z.d.max_tokens * z.d.hidden * 2));
 }
 void carve_low_latency_state(ops::WorkspaceLayout& a, LowLatencyParts& x) {
   x.blocks_done = a.take<uint32_t>(256);
@@ -1054,10 +933,10 @@ LowLatencyParts low_latency_parts(ops::OpCall& call, const Sizes& z) {
   return x;
 }
 
-// Which low-latency kernels run: WEFT_MOE_LL_ONCE_PER_RANK=1 sends each token once per rank
-// (low_latency_rows_once_per_rank, low_latency_combine), else once per expert (low_latency_rows, then the
-// combine of record). Read at every dispatch and combine; every rank must see the same value, and a combine
-// the value its dispatch saw. A switch for measuring the two in one build, until one of them goes.
+// Which low-latency dispatch runs: WEFT_MOE_LL_ONCE_PER_RANK=1 sends each token once per rank
+// (low_latency_rows_once_per_rank), else once per expert (low_latency_rows). Both leave the same handle
+// (row_of: each slot's row at its expert's rank), which the combine of record reads. Read at every dispatch;
+// every rank must see the same value. A switch for measuring the two in one build, until one of them goes.
 bool low_latency_once_per_rank() {
   const char* v = std::getenv("WEFT_MOE_LL_ONCE_PER_RANK");
   return v != nullptr && std::strcmp(v, "1") == 0;  // (no allocation: read at every call)
@@ -1387,18 +1266,11 @@ void check_combine(Communicator& comm, Rank& rank, const MoeShape& shape, DType 
   WEFT_CHECK((dispatched.group_rows != nullptr) == shape.low_latency,
              where + "the handle and the shape disagree on MoeShape::low_latency");
   const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
-  if (moe_combine_reads_in_place(shape))
-    ops::check_pointer_alignment(expert_out, "expert_out", 16, where);
-  else
-    WEFT_CHECK(comm.in_heap(rank, expert_out, bytes),
-               where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
+  WEFT_CHECK(comm.in_heap(rank, expert_out, bytes),
+             where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
   if (shape.tokens > 0) ops::check_pointer_alignment(weights, "weights", 4, where);
 }
 }  // namespace
-
-bool moe_combine_reads_in_place(const MoeShape& shape) {
-  return shape.low_latency && low_latency_once_per_rank();
-}
 
 void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype) {
   // The low-latency dispatch's fixed groups make a larger area: one of its own, so that switching between
@@ -1409,46 +1281,6 @@ void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, D
 
 namespace {
 
-// The combine of the dispatch sending once per rank (low_latency_combine).
-void combine_once_per_rank(Communicator& comm, ops::OpCall& call, const void* expert_out,
-                           const MoeDispatched& dispatched, const float* weights, void* out, const Sizes& z,
-                           DType dtype) {
-  Rank& rank = call.rank;
-  LowLatencyCombine x{};
-  static_cast<LowLatencyParts&>(x) = low_latency_parts(call, z);
-  x.team = rank.view();
-  x.flags = comm.resources(rank, kLowLatencyCombineFlags).flags;
-  x.dispatch_calls = rank.view().flag(comm.resources(rank, kLowLatencyFlags).flags, 0);
-  x.experts = dispatched.experts;
-  x.weights = weights;
-  x.capacity = z.capacity;
-  x.d = z.d;
-  // A warp per (source, token, 256 columns) at most, 8 a block, every block resident at once.
-  const int64_t chunks = (z.d.hidden + 255) / 256;
-  const int blocks =
-      once_per_rank_blocks(rank, int64_t(rank.world()) * std::max<int64_t>(z.d.max_tokens, 1) * chunks);
-  if (moe_planned(
-          call, "moe_combine",
-          "low latency, once per rank: one kernel, the weights to the experts' ranks, each token's rows "
-          "summed there and one row per rank sent back, then summed",
-          blocks))
-    return;
-  // As the dispatch: ranks sharing a GPU meet in a one-block kernel first.
-  if (comm.ranks_per_gpu() > 1)
-    launch_team_barrier(rank.view(), ops::meeting_slots(comm, rank)[0], call.stream);
-  auto launch = [&](auto* typed_out) {
-    using T = std::remove_pointer_t<decltype(typed_out)>;
-    constexpr auto kernel = &low_latency_combine<T>;
-    detail::preload<kernel>();
-    kernel<<<blocks, 256, 0, call.stream>>>(x, static_cast<const T*>(expert_out), typed_out);
-  };
-  if (dtype == DType::kFP16)
-    launch(static_cast<__half*>(out));
-  else
-    launch(static_cast<__nv_bfloat16*>(out));
-  WEFT_CUDA_CHECK(cudaGetLastError());
-}
-
 void combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
              const float* weights, void* out, const MoeShape& shape, DType dtype, cudaStream_t stream,
              Plan* plan) {
@@ -1458,8 +1290,6 @@ void combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDi
   if (shape.tokens > 0) ops::check_pointer_alignment(out, "out", 16, where);
   stream = call.stream;
   const Sizes z(rank.world(), rank.rank(), shape);
-  if (moe_combine_reads_in_place(shape))
-    return combine_once_per_rank(comm, call, expert_out, dispatched, weights, out, z, dtype);
   // Sized by the rows it reads (top_k per token), from max_tokens: every rank launches the same grid (its
   // blocks meet their counterparts).
   const int blocks =

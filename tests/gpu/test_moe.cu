@@ -477,7 +477,7 @@ WEFT_GPU_TEST(moe_dispatch_and_combine_match_host_layout) {
 }
 
 // The low-latency kernels of one kind while it lives: each token sent once per rank or once per expert
-// (WEFT_MOE_LL_ONCE_PER_RANK, read by src/ops/moe.cu at every dispatch and combine).
+// (WEFT_MOE_LL_ONCE_PER_RANK, read by src/ops/moe.cu at every dispatch; the combine is the same).
 static weft::test::ScopedEnv low_latency_kind(bool once_per_rank) {
   return {"WEFT_MOE_LL_ONCE_PER_RANK", once_per_rank ? "1" : "0"};
 }
@@ -589,21 +589,8 @@ static std::string replay_in_cuda_graphs(Communicator& c, bool low_latency, bool
           const int32_t* e = &in.experts[t * k];
           const float* w = &in.weights[t * k];
           float acc = 0.f;
-          if (!once_per_rank) {
-            for (int j = 0; j < k; ++j)
-              if (e[j] >= 0) acc = std::fma(w[j], x, acc);
-          } else {  // each rank's slots summed there and rounded, the ranks in the order of their first slots
-            const int per = E / W;
-            for (int j = 0; j < k; ++j) {
-              bool first = e[j] >= 0;
-              for (int i = 0; i < j; ++i) first = first && !(e[i] >= 0 && e[i] / per == e[j] / per);
-              if (!first) continue;
-              float part = 0.f;
-              for (int i = j; i < k; ++i)
-                if (e[i] >= 0 && e[i] / per == e[j] / per) part = std::fma(w[i], x, part);
-              acc += __bfloat162float(__float2bfloat16(part));
-            }
-          }
+          for (int j = 0; j < k; ++j)
+            if (e[j] >= 0) acc = std::fma(w[j], x, acc);
           bad += !(__bfloat162float(out[t * hidden + h]) == __bfloat162float(__float2bfloat16(acc)));
         }
       if (bad)

@@ -44,12 +44,10 @@ struct MoeShape {
   // than a group holds trap the kernel). A rank's next low-latency dispatch may write into the groups as soon
   // as every rank's rows of this one are in place: run moe_combine (whose meeting follows every rank's expert
   // GEMMs) in between, and not two low-latency dispatches of one team at once.
-  // With WEFT_MOE_LL_ONCE_PER_RANK=1 in the environment (every rank alike, for the dispatch and its combine)
-  // the low-latency kernels send a token once to each rank holding any of its experts, not once per expert,
-  // and copy it there into its other rows; the combine sums a token's rows at their experts' rank (fp32,
-  // rounded to the output type) and sends one row per rank back, summed at the source: about half the bytes
-  // over the links at top-8 of 256 experts on 4 ranks, and no meeting. Its combine reads expert_out on its
-  // own rank only. (A switch to measure the two forms in one build; one of them will go.)
+  // With WEFT_MOE_LL_ONCE_PER_RANK=1 in the environment (every rank alike) the low-latency dispatch sends a
+  // token once to each rank holding any of its experts, not once per expert, and copies it there into its
+  // other rows: about half the bytes over the links at top-8 of 256 experts on 4 ranks. The handle, and the
+  // combine, are the same. (A switch to measure the two forms in one build; one of them will go.)
   bool low_latency = false;
 };
 
@@ -150,10 +148,7 @@ Plan moe_dispatch_fp8_plan(Communicator& comm, Rank& rank, const void* tokens, c
 // `dispatched` is the dispatch's handle (its row_of), weights [tokens, top_k] fp32 and out [tokens, hidden]
 // device memory. Every rank calls it (single-process: once per local rank) after writing its experts'
 // outputs on the same stream.
-// Except where moe_combine_reads_in_place(shape): the low-latency combine sending once per rank (see
-// MoeShape::low_latency) reads expert_out on its own rank only, so any 16-byte aligned device buffer serves.
 void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype);
-bool moe_combine_reads_in_place(const MoeShape& shape);
 void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
                  const float* weights, void* out, const MoeShape& shape, DType dtype,
                  cudaStream_t stream = nullptr);
