@@ -45,9 +45,6 @@ struct Context {
   std::vector<int64_t> fused_m;           // --fused-m 4096,8192: the fused modes' M values
   std::string fused_ops;                  // --fused-ops ag,rs,ar: the fused ops run
   bool fused_progressive = false;         // --fused-progressive: also time the staged-progressive partials
-  // --moe-ll-once-per-rank: moe's low-latency table also times the kernels sending once per rank (weft/ops/
-  // moe.hpp; not in the default run until they have run on a GPU).
-  bool moe_ll_once_per_rank = false;
   std::string cp_methods;                 // --cp-methods all-gather,ring,ulysses: context_attention's methods
   int pipeline_pieces = 0;                // --pipeline-pieces n: FusedOptions::pipeline_pieces
   int ag_tile_n = 0;                      // --ag-tile-n 128|256: FusedOptions::tile_n (0: auto)

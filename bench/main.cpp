@@ -29,7 +29,6 @@ int usage(int code) {
       "  --fused-m M1,M2,..          the fused modes' M values\n"
       "  --fused-ops ag,rs,ar        the fused ops run\n"
       "  --fused-progressive         fused: also time FusedOptions::Partials::kStagedProgressive (RS / AR)\n"
-      "  --moe-ll-once-per-rank      moe: also time the low-latency kernels sending once per rank\n"
       "  --pipeline-pieces n         FusedOptions::pipeline_pieces of the weft and pipelined columns\n"
       "  --ag-comm-blocks n          FusedOptions::comm_blocks (all_gather_matmul's communicator blocks, "
       "and\n"
@@ -114,8 +113,6 @@ int main(int argc, char** argv) {
       ctx.quick = true;
     else if (a == "--fused-progressive")
       ctx.fused_progressive = true;
-    else if (a == "--moe-ll-once-per-rank")
-      ctx.moe_ll_once_per_rank = true;
     else if ((a == "--gpus" || a == "--ranks") && i + 1 < argc) {
       const int v = std::atoi(argv[++i]);
       if (v < 1) {

@@ -163,18 +163,14 @@ void run_moe(Context& ctx) {
       {"tokens", "experts", "top-k", "hidden", "inter", "bf16 ms", "FP8 ms", "bf16 / FP8"},
       "The same ranks, in turn (per-rank CUDA graphs launched together, the slowest rank's median); the FP8 "
       "time includes the quantization of the tokens.");
-  Table ll(
-      fmt("MoE layer at decode sizes on %s, bf16: the dispatch of record vs the low-latency one "
-          "(MoeShape::low_latency: fixed-capacity groups, a row taken by an atomic, one end wait; the "
-          "expert GEMMs over the filled rows only)",
-          ctx.team_label().c_str()),
-      {"tokens", "experts", "top-k", "hidden", "inter",
-       "ms (record / low latency / low latency once per rank): dispatch", "up GEMM", "down GEMM", "combine",
-       "layer", "layer / low-latency layer", "layer / once-per-rank layer"},
-      "Cases of at most 256 tokens a rank. The same ranks, in turn (per-rank CUDA graphs launched "
-      "together, the slowest rank's median); the dispatch of record leaves its padding as it is. Once per "
-      "rank: each token sent once to each rank of its experts, its rows summed there in the combine "
-      "(weft/ops/moe.hpp; timed with --moe-ll-once-per-rank, else \"-\").");
+  Table ll(fmt("MoE layer at decode sizes on %s, bf16: the dispatch of record vs the low-latency one "
+               "(MoeShape::low_latency: fixed-capacity groups, a row taken by an atomic, one end wait; the "
+               "expert GEMMs over the filled rows only)",
+               ctx.team_label().c_str()),
+           {"tokens", "experts", "top-k", "hidden", "inter", "ms (record / low latency): dispatch", "up GEMM",
+            "down GEMM", "combine", "layer", "layer / low-latency layer"},
+           "Cases of at most 256 tokens a rank. The same ranks, in turn (per-rank CUDA graphs launched "
+           "together, the slowest rank's median); the dispatch of record leaves its padding as it is.");
   // The first case is decode-sized: 128 tokens per rank, DeepSeek-V3-like routing (256 experts, top-8).
   std::vector<Case> cases = {{128 * int64_t(W), 256, 8, 7168, 2048},
                              {4096, 32, 8, 7168, 2048},
@@ -306,52 +302,25 @@ void run_moe(Context& ctx) {
           lls[i]->run(comm, comm.local(i), ll_inputs[i], team.streams[i], Layer::Phase(phase));
         }
       };
-      // The same layers with the low-latency dispatch sending each token once per rank (moe.hpp): the switch
-      // is read as each dispatch is captured.
-      const auto ll_once_phase = [&](int phase) {
-        const char* before = std::getenv("WEFT_MOE_LL_ONCE_PER_RANK");
-        const std::string kept = before != nullptr ? before : "";
-        setenv("WEFT_MOE_LL_ONCE_PER_RANK", "1", 1);
-        ll_phase(phase);
-        if (before != nullptr)
-          setenv("WEFT_MOE_LL_ONCE_PER_RANK", kept.c_str(), 1);
-        else
-          unsetenv("WEFT_MOE_LL_ONCE_PER_RANK");
-      };
-      const bool once = ctx.moe_ll_once_per_rank;
       ll_phase(Layer::kAll);  // sizes its areas before capture (the combine input grows to its capacity)
-      if (once) ll_once_phase(Layer::kAll);
       team_phase(Layer::kAll);
       comm.synchronize();
-      std::vector<std::function<void(int)>> kinds = {inference_phase, ll_phase};
-      if (once) kinds.push_back(ll_once_phase);
       const std::vector<std::vector<double>> ll_us =
-          time_phases_alternating(comm, team.streams, Layer::kAll, iters, kinds);
-      if (!ctx.timeline_dir.empty()) {  // one layer call with each low-latency kind (MoeStep::kLowLatency*)
+          time_phases_alternating(comm, team.streams, Layer::kAll, iters, {inference_phase, ll_phase});
+      if (!ctx.timeline_dir.empty())  // one layer call (MoeStep::kLowLatency*)
         timelines.push_back(record_timeline(
             comm, team.streams, [&] { ll_phase(Layer::kAll); },
             fmt("moe layer, low-latency dispatch, tokens=%lld E=%d k=%d hidden=%lld", (long long)c.tokens,
                 c.experts, c.top_k, (long long)c.hidden),
             ctx.timeline_dir + fmt("/moe_ll_%lld_%d_%d.csv", (long long)c.tokens, c.experts, c.top_k)));
-        if (once)
-          timelines.push_back(record_timeline(
-              comm, team.streams, [&] { ll_once_phase(Layer::kAll); },
-              fmt("moe layer, low-latency dispatch once per rank, tokens=%lld E=%d k=%d hidden=%lld",
-                  (long long)c.tokens, c.experts, c.top_k, (long long)c.hidden),
-              ctx.timeline_dir +
-                  fmt("/moe_ll_once_%lld_%d_%d.csv", (long long)c.tokens, c.experts, c.top_k)));
-      }
-      const auto pair = [&](int phase) {  // "record / low latency / once per rank", ms ("-": not timed)
-        return fmt("%.3f / %.3f / %s", team.team_max(ll_us[0][phase]) / 1000.0,
-                   team.team_max(ll_us[1][phase]) / 1000.0,
-                   once ? fmt("%.3f", team.team_max(ll_us[2][phase]) / 1000.0).c_str() : "-");
+      const auto pair = [&](int phase) {  // "record / low latency", ms
+        return fmt("%.3f / %.3f", team.team_max(ll_us[0][phase]) / 1000.0,
+                   team.team_max(ll_us[1][phase]) / 1000.0);
       };
       ll.add({std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),
               std::to_string(c.hidden), std::to_string(c.inter), pair(Layer::kDispatch), pair(Layer::kUp),
               pair(Layer::kDown), pair(Layer::kCombine), pair(Layer::kAll),
-              fmt("%.3f", team.team_max(ll_us[0][Layer::kAll]) / team.team_max(ll_us[1][Layer::kAll])),
-              once ? fmt("%.3f", team.team_max(ll_us[0][Layer::kAll]) / team.team_max(ll_us[2][Layer::kAll]))
-                   : std::string("-")});
+              fmt("%.3f", team.team_max(ll_us[0][Layer::kAll]) / team.team_max(ll_us[1][Layer::kAll]))});
     }
     std::vector<std::unique_ptr<Fp8Head>> fp8;
     for (int i = 0; i < L; ++i) {

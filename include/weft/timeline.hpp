@@ -39,9 +39,8 @@ enum class MoeStep : uint32_t {
   kCombineBackward = 6,
   kSumStagedSlots = 7,  // the fused down GEMM + combine's sum
   // The low-latency dispatch (one kernel):
-  kLowLatencySlots = 8,       // a block's slots: each row's atomic at its expert's rank and its stores
-  kLowLatencyPublish = 9,     // the block's fence and count; the grid's last block signals every rank
-  kLowLatencyWaitRanks = 10,  // block 0: every rank's rows in place here, then the counters zeroed
+  kLowLatencySlots = 8,       // a block's (token, rank) items: the rows' atomics at the rank, the row's store
+  kLowLatencyWaitRanks = 10,  // every rank's rows in place here (the grid's release)
 };
 
 // TimelinePhase::kDecode's arg: the step of a flash_decode block (weft/ops/flash_decode.cuh).
@@ -121,8 +120,6 @@ inline const char* moe_step_name(MoeStep s) {
       return "sum_staged_slots";
     case MoeStep::kLowLatencySlots:
       return "low_latency_slots";
-    case MoeStep::kLowLatencyPublish:
-      return "low_latency_publish";
     case MoeStep::kLowLatencyWaitRanks:
       return "low_latency_wait_ranks";
     default:

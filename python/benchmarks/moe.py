@@ -16,8 +16,8 @@ Mixtral-like (hidden 4096, 8 experts, top-2, intermediate 14336); 128, 512, 4096
   as the dispatch does;
 - graph columns: dispatch and combine replayed from CUDA graphs (decoding's way: no host time per call), and
   at <= 256 tokens a rank the layer and the low-latency dispatch (weft.moe_dispatch(low_latency=True)), its
-  combine and its layer (inference); with --ll-once-per-rank also the low-latency layer on the kernels that
-  send each token once per rank (WEFT_MOE_LL_ONCE_PER_RANK, weft/ops/moe.hpp).
+  combine and its layer (inference), and the low-latency floor: the bytes a rank moves at NVLink's peak egress
+  (450 GB/s) plus one signal round trip (3 us).
 Bandwidth counts the bytes that cross to other ranks (dispatch: one row per token and remote destination rank;
 combine: one row per remote slot), per rank, max over ranks of per-rank medians; the layer's target is
 <= 1.10 x max(dispatch + combine, grouped GEMMs).
@@ -46,6 +46,10 @@ def routing(tokens, num_experts, top_k, world, hot, seed):
     experts = torch.multinomial(p.expand(tokens, num_experts), top_k, replacement=False, generator=g)
     weights = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=g), dim=1)
     return experts.to(torch.int32), weights
+
+
+LINK_GBPS = 450.0  # NVLink egress a GPU, H100 / H200 SXM (18 links of 25 GB/s each way)
+ROUND_TRIP_US = 3.0  # a signal's round trip between two GPUs (bench/RESULTS.md, "latency: signal round trip")
 
 
 def crossing_rows(experts, rank, world, local):
@@ -168,18 +172,6 @@ def bench_config(comm, rank, world, model, tokens, hot):
             graph_parts["LL layer"] = graphed(ll_layer)
             graph_parts["layer"] = graphed(layer(False))
             ll_err = team_max((ll_layer().float() - want).abs().max().item() / max(scale, 1e-30))
-            # With --ll-once-per-rank: the low-latency dispatch sending each token once per rank (weft/ops/moe.hpp),
-            # read as the graph is captured.
-            ll_once_err = float("nan")
-            if "--ll-once-per-rank" in sys.argv:
-                before = os.environ.get("WEFT_MOE_LL_ONCE_PER_RANK")
-                os.environ["WEFT_MOE_LL_ONCE_PER_RANK"] = "1"
-                graph_parts["LL once layer"] = graphed(ll_layer)
-                ll_once_err = team_max((ll_layer().float() - want).abs().max().item() / max(scale, 1e-30))
-                if before is None:
-                    del os.environ["WEFT_MOE_LL_ONCE_PER_RANK"]
-                else:
-                    os.environ["WEFT_MOE_LL_ONCE_PER_RANK"] = before
         graph_us = {k: (timed(f, iters, reps=3) if f is not None else None) for k, f in graph_parts.items()}
         whole = timed_alternating({"weft": layer(False), "weft fused": layer(True),
                                    "torch": lambda: baseline(x, experts, weights)}, iters, rounds=2, reps=3)
@@ -200,6 +192,11 @@ def bench_config(comm, rank, world, model, tokens, hot):
     a2a_bw = (world - 1) * per_peer * 2 / (min(a2a.values()) * 1e3)  # GB/s (bytes / us / 1e3)
     disp_bw = team_max(sent_rows * hidden * 2) / (parts["dispatch"] * 1e3)
     comb_bw = team_max(slot_rows * hidden * 2) / (parts["combine"] * 1e3)
+    # The low-latency floor: the bytes a rank moves over NVLink at its peak egress, plus one signal round trip
+    # (the end wait): the dispatch pushes a token once per remote rank of its experts; the combine pulls one row
+    # per remote slot.
+    ll = tokens <= 256
+    ll_floor = [team_max(n * hidden * 2) / (LINK_GBPS * 1e3) + ROUND_TRIP_US for n in (sent_rows, slot_rows)]
     unit = (lambda us: f"{us:.1f} us") if tokens <= 512 else (lambda us: f"{us / 1e3:.3f} ms")
     in_graph = (lambda k: "-" if graph_us.get(k) is None else unit(graph_us[k]))
     return {
@@ -215,9 +212,10 @@ def bench_config(comm, rank, world, model, tokens, hot):
         "graph: dispatch / combine": f"{in_graph('dispatch')} / {in_graph('combine')}",
         "graph, low latency: dispatch / combine": f"{in_graph('LL dispatch')} / {in_graph('LL combine')}",
         "graph: layer / low-latency layer": f"{in_graph('layer')} / {in_graph('LL layer')}",
-        "graph: low-latency layer once per rank": in_graph("LL once layer"),
-        "low latency max err vs torch (once per expert / per rank)":
-            f"{ll_err:.1e} / {ll_once_err:.1e}" if tokens <= 256 else "-",
+        "low latency: floor dispatch / combine": f"{unit(ll_floor[0])} / {unit(ll_floor[1])}" if ll else "-",
+        "low latency / floor: dispatch / combine":
+            f"{graph_us['LL dispatch'] / ll_floor[0]:.2f} / {graph_us['LL combine'] / ll_floor[1]:.2f}" if ll else "-",
+        "low latency max err vs torch": f"{ll_err:.1e}" if ll else "-",
     }
 
 

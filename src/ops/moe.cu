@@ -283,22 +283,13 @@ __global__ void __launch_bounds__(kDispatchWarps * 32)
   (void)barrier_block(team, slots[blockIdx.x]);
 }
 
-// The low-latency dispatch, one kernel (MoeShape::low_latency; weft/ops/moe.hpp, docs/DESIGN.md). One warp
-// per slot (token, j) of this rank: lane 0 takes the slot's row in its expert's group with one system-scope
-// atomic add on the group's counter at the expert's rank (after that rank's counters are known to be zero
-// again: zeroed[d] through the previous call), and the warp stores the token's row there; row_of[slot] is
-// the row. Each block counts itself done; the last block (a grid counter, reset by it) tells every rank that
-// this rank's rows of the call are in place (release: the rows and the atomics before it). Block 0 then waits
-// until every rank's rows are in place here, copies the counters into group_rows, zeroes them, and tells
-// every rank so: their next call may add again. The other blocks leave once done.
-// The low-latency area's parts (symmetric): the rows, the groups' ends, the counts a call leaves; for sending
-// once per rank, the records. Then the state area's: the grid counters, the groups' counters, the word (the
+// The low-latency dispatch's area's parts (symmetric): the rows, the groups' ends, the counts a call leaves,
+// the records. Then the state area's: the grid counters, the groups' counters, the word (the
 // same places whatever the shape).
 struct LowLatencyParts {
   uint4* rows;                      // [per_rank x group, hidden]
   int32_t *group_end, *group_rows;  // [per_rank]
-  // Sending once per rank: [W sources][max_tokens][top_k]: slot j's row here, tagged with the call
-  // (record_tag).
+  // [W sources][max_tokens][top_k]: slot j's row here, tagged with the call (record_tag).
   uint64_t* records;
   uint32_t* blocks_done;  // this rank's grid counters: [0] rows placed, [1] rows expanded
   int32_t* counters;      // [per_rank]: rows taken in each group this call
@@ -368,10 +359,10 @@ __device__ __forceinline__ void publish_and_wait(const TeamView& team, uint32_t*
   __syncthreads();
 }
 
-// Blocks of 256 threads an SM holds of the kernels sending once per rank (their launch bounds' minimum):
-// every block of theirs waits for peers, so the grid (at most this many an SM of the rank's budget) must be
+// Blocks of 256 threads an SM holds of the low-latency dispatch (its launch bounds' minimum): every block
+// waits for peers, so the grid (at most this many an SM of the rank's budget) must be
 // resident at once.
-constexpr int kOncePerRankBlocksPerSm = 2;
+constexpr int kLowLatencyBlocksPerSm = 2;
 
 // A low-latency kernel's timeline marks (MoeStep::kLowLatency*), by the thread given the buffer (thread 0).
 struct LowLatencyMarks {
@@ -388,85 +379,7 @@ __device__ __forceinline__ uint64_t* ll_done(const LowLatency& a, int s) {
   return a.team.flag(a.flags, 2 + kMaxWorld + s);
 }
 
-__global__ void __launch_bounds__(256) low_latency_rows(LowLatency a) {
-  // Thread 0 marks the block's steps: its slots, its publishing, block 0's wait.
-  const LowLatencyMarks mark{threadIdx.x == 0 ? a.team.timeline : nullptr};
-  mark(MoeStep::kLowLatencySlots, false);
-  const TeamView& team = a.team;
-  const CallEpoch calls{team.flag(a.flags, 0)};
-  const uint64_t epoch = calls.epoch();
-  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  const int row_vecs = static_cast<int>(a.d.hidden * 2 / 16);
-  const int64_t slots = a.d.tokens * a.d.top_k;
-  // A failed wait (recorded; synchronize() reports it) leaves the warp's remaining slots dropped (row_of -1,
-  // so a combine queued behind reads nothing of them) and the block tells every rank, whose waits then end
-  // at once instead of at their timeouts.
-  bool ok = true;
-  for (int64_t i = int64_t(blockIdx.x) * warps + threadIdx.x / 32; i < slots;
-       i += int64_t(gridDim.x) * warps) {
-    const int e = a.experts[i];
-    if (e >= a.d.experts) __trap();  // an expert id past the count: stop rather than scatter anywhere
-    const int dest = e / a.d.per_rank, local = e % a.d.per_rank;
-    int row = -1;
-    if (lane == 0 && e >= 0 && ok) {
-      // The destination zeroed its counters at the end of its previous call (and they start at zero).
-      ok = wait_ge(team, ll_zeroed(a, dest), epoch - 1);
-      if (ok) {
-        const int pos = atomicAdd_system(team.peer_ptr(a.counters + local, dest), 1);
-        if (pos < 0 || pos >= a.group) __trap();  // more rows than the group holds: an expert named twice
-        row = static_cast<int>(local * a.group + pos);
-      }
-    }
-    if (lane == 0) {
-      a.kept[i] = row >= 0 ? e : -1;
-      a.row_of[i] = row;
-    }
-    ok = __shfl_sync(0xffffffffu, ok, 0);
-    row = __shfl_sync(0xffffffffu, row, 0);
-    if (row < 0) continue;
-    const int t = static_cast<int>(i / a.d.top_k), n = static_cast<int>(a.d.tokens);
-    warp_copy_rows(a.tokens, team.peer_ptr(a.rows, dest) + int64_t(row) * row_vecs, t, t + 1, n, row_vecs,
-                   lane);
-  }
-  // This block is done: the last block of the grid publishes this rank's rows and atomics to every rank.
-  if (!__syncthreads_and(ok) && threadIdx.x == 0) detail::report_failure_to_peers(team);
-  mark(MoeStep::kLowLatencySlots, true);
-  mark(MoeStep::kLowLatencyPublish, false);
-  __shared__ bool last;
-  if (threadIdx.x == 0) {
-    fence_release();  // the block's rows and atomics, system-wide, before the count that leads to the signal
-    last = atomicAdd(a.blocks_done, 1u) + 1 == gridDim.x;
-    if (last) {
-      *a.blocks_done = 0;  // for the next call (stream-ordered after this kernel)
-      fence_release();     // the other blocks' fenced work, seen through the count, before the signals
-    }
-  }
-  __syncthreads();
-  if (last && static_cast<int>(threadIdx.x) < team.world)
-    signal_set(team, ll_done(a, team.rank), static_cast<int>(threadIdx.x), epoch);
-  mark(MoeStep::kLowLatencyPublish, true);
-  if (blockIdx.x == 0) {
-    mark(MoeStep::kLowLatencyWaitRanks, false);
-    // Every rank's rows of this call in place here: the counts are final. Then zero the counters and tell
-    // every rank (their next call's atomics wait for it).
-    bool all = true;
-    for (int s = threadIdx.x; s < team.world; s += blockDim.x) all &= wait_ge(team, ll_done(a, s), epoch);
-    if (__syncthreads_and(all)) {
-      for (int e = threadIdx.x; e < a.d.per_rank; e += blockDim.x) {
-        a.group_rows[e] = a.counters[e];
-        a.counters[e] = 0;
-        a.group_end[e] = static_cast<int32_t>((e + 1) * a.group);
-      }
-      __syncthreads();
-      if (static_cast<int>(threadIdx.x) < team.world)
-        signal_set(team, ll_zeroed(a, team.rank), static_cast<int>(threadIdx.x), epoch);
-    }
-    mark(MoeStep::kLowLatencyWaitRanks, true);
-  }
-  if (threadIdx.x == 0) (void)calls.finished(gridDim.x);
-}
-
-// Once every rank's rows and records of call `epoch` are here (low_latency_rows_once_per_rank): each other
+// Once every rank's rows and records of call `epoch` are here (low_latency_rows): each other
 // source's token from its first row here to its others, a warp per (source, token).
 __device__ void expand_landed_rows(const LowLatency& a, uint64_t epoch) {
   const TeamView& team = a.team;
@@ -491,18 +404,20 @@ __device__ void expand_landed_rows(const LowLatency& a, uint64_t epoch) {
   }
 }
 
-// The low-latency dispatch sending each token once per rank (low_latency_once_per_rank(); otherwise
-// low_latency_rows above): one warp per (token, destination rank), rank-staggered. Lane j < top_k holds slot
-// j; the lanes whose experts live on the destination take their rows there (atomics, as above), the warp
-// stores the token's row into the first of them and every lane a record of its slot's row (tagged with the
-// call) into the destination's records; on this rank itself the row goes straight into all of its rows. The
-// grid's last block tells every rank (done). Then every block waits for every rank's done and copies each
-// landed token from its first row to its others (the records of this call); the grid's last block to finish
-// copies the counters into group_rows, zeroes them and tells every rank (zeroed): their next call's pushes
-// come after every copy here. Bytes over the links: a token once per rank holding any of its experts, not
-// once per expert. The grid must be resident at once (every block waits): at most two blocks an SM of the
-// rank's SM budget, which the launch bounds guarantee room for (kOncePerRankBlocksPerSm).
-__global__ void __launch_bounds__(256, kOncePerRankBlocksPerSm) low_latency_rows_once_per_rank(LowLatency a) {
+// The low-latency dispatch, one kernel (MoeShape::low_latency; weft/ops/moe.hpp, docs/DESIGN.md): one warp
+// per (token, destination rank), rank-staggered. Lane j < top_k holds slot j; the lanes whose experts live on
+// the destination take their rows there, each by one system-scope atomic add on its group's counter at that
+// rank (after the rank's counters are known to be zero again: zeroed[dest] through the previous call); the
+// warp stores the token's row into the first of them and every lane a record of its slot's row (tagged with
+// the call) into the destination's records; on this rank itself the row goes straight into all of its rows.
+// row_of[slot] is the row at the expert's rank (the combine pulls it from there). The grid's last block
+// tells every rank (done). Then every block waits for every rank's done and copies each landed token from
+// its first row to its others (the records of this call); the grid's last block to finish copies the
+// counters into group_rows, zeroes them and tells every rank (zeroed): their next call's pushes come after
+// every copy here. Bytes over the links: a token once per rank holding any of its experts, not once per
+// expert. The grid must be resident at once (every block waits): at most two blocks an SM of the rank's SM
+// budget, which the launch bounds guarantee room for (kLowLatencyBlocksPerSm).
+__global__ void __launch_bounds__(256, kLowLatencyBlocksPerSm) low_latency_rows(LowLatency a) {
   const LowLatencyMarks mark{threadIdx.x == 0 ? a.team.timeline : nullptr};
   mark(MoeStep::kLowLatencySlots, false);
   const TeamView& team = a.team;
@@ -933,19 +848,10 @@ LowLatencyParts low_latency_parts(ops::OpCall& call, const Sizes& z) {
   return x;
 }
 
-// Which low-latency dispatch runs: WEFT_MOE_LL_ONCE_PER_RANK=1 sends each token once per rank
-// (low_latency_rows_once_per_rank), else once per expert (low_latency_rows). Both leave the same handle
-// (row_of: each slot's row at its expert's rank), which the combine of record reads. Read at every dispatch;
-// every rank must see the same value. A switch for measuring the two in one build, until one of them goes.
-bool low_latency_once_per_rank() {
-  const char* v = std::getenv("WEFT_MOE_LL_ONCE_PER_RANK");
-  return v != nullptr && std::strcmp(v, "1") == 0;  // (no allocation: read at every call)
-}
-
-// The grid of a kernel sending once per rank for `warps` units of a warp each: 8 warps a block, at most
-// kOncePerRankBlocksPerSm blocks an SM of the rank's budget.
-int once_per_rank_blocks(const Rank& rank, int64_t warps) {
-  return std::min(ops::grid_stride_blocks(warps, 8), kOncePerRankBlocksPerSm * rank.sm_budget());
+// The grid of the low-latency dispatch for `warps` units of a warp each: 8 warps a block, at most
+// kLowLatencyBlocksPerSm blocks an SM of the rank's budget.
+int low_latency_blocks(const Rank& rank, int64_t warps) {
+  return std::min(ops::grid_stride_blocks(warps, 8), kLowLatencyBlocksPerSm * rank.sm_budget());
 }
 
 MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const void* tokens,
@@ -976,32 +882,17 @@ MoeDispatched dispatch_low_latency(Communicator& comm, ops::OpCall& call, const 
   out.row_of = x.row_of;
   out.experts = x.kept;
   out.capacity = z.capacity;
-  if (low_latency_once_per_rank()) {
-    // A warp per (token, rank), then per (source, token): 8 a block, every block resident at once.
-    const int blocks = once_per_rank_blocks(rank, std::max(shape.tokens, shape.max_tokens) * rank.world());
-    if (moe_planned(
-            call, "moe_dispatch",
-            "low latency, once per rank: one kernel, each token's row pushed once to each rank of its "
-            "experts (rows taken by atomics there), then copied there into its other rows",
-            blocks))
-      return out;
-    // Ranks sharing a GPU meet in a one-block kernel first: a grid waiting for its peers would hold SMs that
-    // a slower peer's kernels on the same GPU still need.
-    if (comm.ranks_per_gpu() > 1)
-      launch_team_barrier(rank.view(), ops::meeting_slots(comm, rank)[0], call.stream);
-    detail::preload<&low_latency_rows_once_per_rank>();
-    low_latency_rows_once_per_rank<<<blocks, 256, 0, call.stream>>>(x);
-    WEFT_CUDA_CHECK(cudaGetLastError());
+  // A warp per (token, rank), then per (source, token): 8 a block, every block resident at once.
+  const int blocks = low_latency_blocks(rank, std::max(shape.tokens, shape.max_tokens) * rank.world());
+  if (moe_planned(call, "moe_dispatch",
+                  "low latency: one kernel, each token's row pushed once to each rank of its experts (rows "
+                  "taken by atomics there), then copied there into its other rows",
+                  blocks))
     return out;
-  }
-  // A warp per slot, 8 a block.
-  const int blocks = ops::grid_stride_blocks(rank, shape.tokens * shape.top_k, 8);
-  if (moe_planned(
-          call, "moe_dispatch",
-          "low latency: one kernel, each slot's row taken by an atomic at its expert's rank and pushed "
-          "there, then one wait for every rank's rows",
-          blocks))
-    return out;
+  // Ranks sharing a GPU meet in a one-block kernel first: a grid waiting for its peers would hold SMs that a
+  // slower peer's kernels on the same GPU still need.
+  if (comm.ranks_per_gpu() > 1)
+    launch_team_barrier(rank.view(), ops::meeting_slots(comm, rank)[0], call.stream);
   detail::preload<&low_latency_rows>();
   low_latency_rows<<<blocks, 256, 0, call.stream>>>(x);
   WEFT_CUDA_CHECK(cudaGetLastError());

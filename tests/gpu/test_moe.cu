@@ -476,18 +476,12 @@ WEFT_GPU_TEST(moe_dispatch_and_combine_match_host_layout) {
   WEFT_EXPECT(failures.empty(), failures);
 }
 
-// The low-latency kernels of one kind while it lives: each token sent once per rank or once per expert
-// (WEFT_MOE_LL_ONCE_PER_RANK, read by src/ops/moe.cu at every dispatch; the combine is the same).
-static weft::test::ScopedEnv low_latency_kind(bool once_per_rank) {
-  return {"WEFT_MOE_LL_ONCE_PER_RANK", once_per_rank ? "1" : "0"};
-}
-
 // The no-host-synchronisation mode in CUDA graphs: dispatch, the rows as the experts' outputs (identity
 // experts), combine, captured once per rank and replayed on new tokens, routing and weights: out[t] against
 // the host's fp32 weighted sum of x[t] in slot order (bit for bit). The layout is computed on the device at
 // every replay. With the dispatch of record and the low-latency one (its groups' counters re-armed on the
 // device between replays).
-static std::string replay_in_cuda_graphs(Communicator& c, bool low_latency, bool once_per_rank = false) {
+static std::string replay_in_cuda_graphs(Communicator& c, bool low_latency) {
   const int W = c.world(), E = 4 * W, k = 2;
   const int64_t hidden = 256, max_tokens = 100 + W - 1;
   MoeShape base{0, max_tokens, hidden, E, k, 128};
@@ -594,10 +588,9 @@ static std::string replay_in_cuda_graphs(Communicator& c, bool low_latency, bool
           bad += !(__bfloat162float(out[t * hidden + h]) == __bfloat162float(__float2bfloat16(acc)));
         }
       if (bad)
-        failures += std::string("\n    ") + (low_latency ? "low latency, " : "") +
-                    (once_per_rank ? "once per rank, " : "") + "replay " + std::to_string(replay) +
-                    ", rank " + std::to_string(c.local(i).rank()) + ": " + std::to_string(bad) +
-                    " values differ from the host's weighted sum";
+        failures += std::string("\n    ") + (low_latency ? "low latency, " : "") + "replay " +
+                    std::to_string(replay) + ", rank " + std::to_string(c.local(i).rank()) + ": " +
+                    std::to_string(bad) + " values differ from the host's weighted sum";
     }
     c.host_barrier();
   }
@@ -608,15 +601,12 @@ static std::string replay_in_cuda_graphs(Communicator& c, bool low_latency, bool
 WEFT_GPU_TEST(moe_dispatch_and_combine_replay_in_cuda_graphs) {
   Communicator& c = ctx.comm();
   std::string failures = replay_in_cuda_graphs(c, false);
-  for (bool once : {false, true}) {
-    const auto kind = low_latency_kind(once);
-    failures += replay_in_cuda_graphs(c, true, once);
-  }
+  failures += replay_in_cuda_graphs(c, true);
   WEFT_EXPECT(failures.empty(), failures);
 }
 
-// The low-latency dispatch (MoeShape::low_latency), both kinds (each token sent once per expert, then once
-// per rank): four calls in a row on new routing each, top-k 1, 2, 8 and 16 (at most the experts; the groups'
+// The low-latency dispatch (MoeShape::low_latency): eight calls in a row on new routing each, top-k 1, 2, 8
+// and 16 twice (at most the experts; the groups'
 // counters zeroed and re-armed between calls), ranks with no token, dropped slots, distinct experts per
 // token. Every slot's row lies in its expert's fixed group below the group's count, no two slots share a row,
 // the row holds the token (bit for bit), each group's count is the slots routed to it; then moe_combine
@@ -631,11 +621,8 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
   const int64_t group = (W * max_tokens + 127) / 128 * 128;
   std::mt19937_64 g(4242);
   for (int pass = 0; pass < 8; ++pass) {
-    // Calls 0-3 send each token once per expert, 4-7 once per rank; top-k 1, 2, 8 and 16 (a lane per slot,
-    // the whole warp's share) in each.
+    // Top-k 1, 2, 8 and 16 (a lane per slot, the whole warp's share), twice.
     const int call = pass % 4;
-    const bool once = pass >= 4;
-    const auto kind = low_latency_kind(once);
     const int top_k = std::min(call == 0 ? 1 : call == 1 ? 2 : call == 2 ? 8 : 16, E);
     MoeShape base{0, max_tokens, hidden, E, top_k, 128};
     base.low_latency = true;
@@ -712,8 +699,8 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
         bad += ends[le] != (le + 1) * group;
         if (c.num_local() == W) bad += counts[le] != want[le];
       }
-      WEFT_EXPECT(bad == 0, "low latency" << (once ? " once per rank" : "") << ", call " << call << ", rank "
-                                          << d << ": " << bad << " rows, counts or ends wrong");
+      WEFT_EXPECT(bad == 0, "low latency, call " << call << ", rank " << d << ": " << bad
+                                                 << " rows, counts or ends wrong");
     }
     // Combine over the dispatched rows as the experts' outputs.
     for (int i = 0; i < c.num_local(); ++i) {
@@ -767,8 +754,8 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
           const float o = __bfloat162float(out[t * hidden + h]);
           bad += !(std::fabs(o - acc) <= 1e-2f * std::max(1.f, std::fabs(acc)));
         }
-      WEFT_EXPECT(bad == 0, "low latency" << (once ? " once per rank" : "") << " combine, call " << call
-                                          << ", rank " << r << ": " << bad << " outputs off the host's sums");
+      WEFT_EXPECT(bad == 0, "low latency combine, call " << call << ", rank " << r << ": " << bad
+                                                         << " outputs off the host's sums");
     }
     c.host_barrier();
   }

@@ -36,18 +36,15 @@ struct MoeShape {
   // The low-latency dispatch (decode batches): every local expert gets a group of fixed capacity, W x
   // max_tokens rows rounded up to 128, group e at e x that (moe_capacity() is then experts per rank times
   // it), filled from its start by one system-scope atomic per (token, expert) at the expert's rank: no count
-  // exchange and no meeting before the rows move, one wait at the end for every rank's rows. Groups are not
-  // padded (align is ignored): grouped_gemm runs over them with options.group_rows = dispatched.group_rows
-  // (only the filled rows count). For inference: moe_combine takes its handle as the other's; not
-  // moe_combine_backward, the dispatch inside the first GEMM, the FP8 dispatch, moe_counts,
+  // exchange and no meeting before the rows move, one wait at the end for every rank's rows. A token crosses
+  // to each rank holding any of its experts once (not once per expert) and is copied there into its other
+  // rows. Groups are not padded (align is ignored): grouped_gemm runs over them with options.group_rows =
+  // dispatched.group_rows (only the filled rows count). For inference: moe_combine takes its handle as the
+  // other's; not moe_combine_backward, the dispatch inside the first GEMM, the FP8 dispatch, moe_counts,
   // moe_grouped_gemm_combine nor the hierarchical MoE. A token names each expert at most once (more rows
   // than a group holds trap the kernel). A rank's next low-latency dispatch may write into the groups as soon
   // as every rank's rows of this one are in place: run moe_combine (whose meeting follows every rank's expert
   // GEMMs) in between, and not two low-latency dispatches of one team at once.
-  // With WEFT_MOE_LL_ONCE_PER_RANK=1 in the environment (every rank alike) the low-latency dispatch sends a
-  // token once to each rank holding any of its experts, not once per expert, and copies it there into its
-  // other rows: about half the bytes over the links at top-8 of 256 experts on 4 ranks. The handle, and the
-  // combine, are the same. (A switch to measure the two forms in one build; one of them will go.)
   bool low_latency = false;
 };
 
