@@ -41,6 +41,7 @@ enum class MoeStep : uint32_t {
   // The low-latency dispatch (one kernel):
   kLowLatencySlots = 8,       // a block's (token, rank) items: the rows' atomics at the rank, the row's store
   kLowLatencyWaitRanks = 10,  // every rank's rows in place here (the grid's release)
+  kCombineMeet = 11,          // inside kCombineTokens: the block's meeting with its peers before the pulls
 };
 
 // TimelinePhase::kDecode's arg: the step of a flash_decode block (weft/ops/flash_decode.cuh).
@@ -112,6 +113,8 @@ inline const char* moe_step_name(MoeStep s) {
       return "place_slots";
     case MoeStep::kDispatchTokens:
       return "dispatch_tokens";
+    case MoeStep::kCombineMeet:
+      return "combine_meet";
     case MoeStep::kCombineTokens:
       return "combine_tokens";
     case MoeStep::kCombineBackward:

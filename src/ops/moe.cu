@@ -499,7 +499,15 @@ __global__ void combine_tokens(TeamView team, BarrierSlots slots, const T* exper
                                const int32_t* row_of, const float* weights, Dims d, T* out, bool meet) {
   const TimelineSpan span(threadIdx.x == 0 ? team.timeline : nullptr, TimelinePhase::kMoe,
                           uint32_t(MoeStep::kCombineTokens));
-  if (meet && !barrier_block(team, slots[blockIdx.x])) return;
+  if (meet) {  // the meeting marked apart (MoeStep::kCombineMeet): a late peer's launch shows there
+    bool met;
+    {
+      const TimelineSpan meeting(threadIdx.x == 0 ? team.timeline : nullptr, TimelinePhase::kMoe,
+                                 uint32_t(MoeStep::kCombineMeet));
+      met = barrier_block(team, slots[blockIdx.x]);
+    }
+    if (!met) return;
+  }
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32, chunks = (d.hidden + 255) / 256;
   for (int64_t u = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; u < d.tokens * chunks; u += warps) {
