@@ -213,8 +213,9 @@ def bench_config(comm, rank, world, model, tokens, hot):
         "graph, low latency: dispatch / combine": f"{in_graph('LL dispatch')} / {in_graph('LL combine')}",
         "graph: layer / low-latency layer": f"{in_graph('layer')} / {in_graph('LL layer')}",
         "low latency: floor dispatch / combine": f"{unit(ll_floor[0])} / {unit(ll_floor[1])}" if ll else "-",
-        "low latency / floor: dispatch / combine":
-            f"{graph_us['LL dispatch'] / ll_floor[0]:.2f} / {graph_us['LL combine'] / ll_floor[1]:.2f}" if ll else "-",
+        "low latency / floor: dispatch / combine": " / ".join(
+            "-" if graph_us.get(k) is None else f"{graph_us[k] / f:.2f}"
+            for k, f in (("LL dispatch", ll_floor[0]), ("LL combine", ll_floor[1]))) if ll else "-",
         "low latency max err vs torch": f"{ll_err:.1e}" if ll else "-",
     }
 

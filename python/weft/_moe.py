@@ -374,8 +374,17 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
         tokens, top_k = d._shape[0], d._shape[4]
         if tuple(weights.shape) != (tokens, top_k):
             raise WeftValueError(f"{where}: weights must be [{tokens}, {top_k}], got {tuple(weights.shape)}")
+        torch = _w._ops.torch
+        if w_down.dtype != torch.bfloat16 or w_down.device != a.device:
+            raise WeftTypeError(f"{where}: w_down must be bf16 on the tokens' device, got {w_down.dtype} on "
+                                f"{w_down.device}")
+        if inter % 8:
+            raise WeftValueError(f"{where}: inter must be a multiple of 8 (16-byte rows), got {inter}")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_up, w_down)):
+            raise WeftValueError(f"{where}: low_latency=True is for inference (no gradient): run it under "
+                                 "torch.no_grad()")
         stored, nk = _stored_weights(w_down)
-        w = weights.to(_w._ops.torch.float32).contiguous()
+        w = weights.to(torch.float32).contiguous()
         return _w._ops.moe_grouped_mm_then_combine(a.contiguous(), stored, nk, d.group_end, live, d._row_of,
                                                    d._experts, w, d._shape, d._comm)
     y = grouped_mm(a.contiguous(), w_down, d.group_end, validate=False, zero_unused_rows=False, group_rows=live)

@@ -16,8 +16,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "../runtime/kernels.hpp"
@@ -42,10 +40,10 @@ const char* const kCombineLowLatencyArea = "moe combine: the low-latency dispatc
 const char* const kCombineGradArea = "moe combine backward";
 const char* const kStagingArea = "moe combine staging";
 const char* const kWalkArea = "moe dispatch walk";
-// The low-latency dispatch (MoeShape::low_latency): its workspace area (rows, the groups' counters, their
-// fixed ends, the counts a call leaves) and its signal-pad flags: [0, 2) its call epoch (CallEpoch), then
-// zeroed[p] (rank p's counters are zero again through call zeroed[p]: p writes it here) and done[s] (rank s
-// has placed its rows of call done[s] here: s writes it), kMaxWorld each.
+// The low-latency dispatch (MoeShape::low_latency): its workspace area (rows, their fixed group ends, the
+// counts a call leaves, the records; LowLatencyParts) and its signal-pad flags: [0, 2) its call epoch
+// (CallEpoch), then zeroed[p] (rank p's counters are zero again through call zeroed[p]: p writes it here) and
+// done[s] (rank s has placed its rows of call done[s] here: s writes it), kMaxWorld each.
 const char* const kLowLatencyArea = "moe dispatch, low latency";
 // Its counters and grid counter live in an area of their own, of one fixed layout, so that a call of another
 // shape never finds them inside bytes that rows of an earlier call wrote (areas are zeroed when made only).
@@ -548,8 +546,9 @@ __global__ void combine_tokens(TeamView team, BarrierSlots slots, const T* exper
       *reinterpret_cast<uint4*>(out + t * d.hidden + c) = r;
     }
   }
-  // No meeting at the end: a peer writes its expert outputs again only after a later dispatch's meetings,
-  // which this rank reaches after this kernel.
+  // No meeting at the end: a peer writes its expert outputs again only after its next dispatch, which ends
+  // after this rank's next dispatch has begun (the dispatch of record: its meetings; the low-latency one: its
+  // end wait for every rank's done), and this rank begins that only after this kernel.
 }
 
 // The combine's backward, one warp per token, slot by slot: where the slot has an expert, d_weights =

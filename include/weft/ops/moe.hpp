@@ -44,7 +44,9 @@ struct MoeShape {
   // moe_grouped_gemm_combine nor the hierarchical MoE. A token names each expert at most once (more rows
   // than a group holds trap the kernel). A rank's next low-latency dispatch may write into the groups as soon
   // as every rank's rows of this one are in place: run moe_combine (whose meeting follows every rank's expert
-  // GEMMs) in between, and not two low-latency dispatches of one team at once.
+  // GEMMs) in between, and not two low-latency dispatches of one team at once. Every block of its kernel
+  // waits for the peers, so its grid is sized to be resident at once on the rank's SM budget: a kernel of
+  // another stream holding those SMs delays it (up to the wait's timeout).
   bool low_latency = false;
 };
 
@@ -141,7 +143,8 @@ Plan moe_dispatch_fp8_plan(Communicator& comm, Rank& rank, const void* tokens, c
 // Combine: out[t] = sum over j of weights[t, j] * (the expert output at row_of[t, j] on expert e_j's rank),
 // in fp32 in ascending j (deterministic), rounded once to dtype; a token with every slot dropped gets zeros.
 // The experts' outputs must be where every rank can read them: the buffer moe_combine_input() gives
-// ([capacity, hidden] of dtype in the communicator's workspace area "moe combine"; e.g. grouped_gemm's c).
+// ([capacity, hidden] of dtype in the communicator's workspace area "moe combine", or for a low-latency
+// dispatch's handle an area of its own; e.g. grouped_gemm's c).
 // `dispatched` is the dispatch's handle (its row_of), weights [tokens, top_k] fp32 and out [tokens, hidden]
 // device memory. Every rank calls it (single-process: once per local rank) after writing its experts'
 // outputs on the same stream.
