@@ -119,6 +119,38 @@ std::vector<int32_t> route(int64_t tokens, int experts, int top_k, uint64_t seed
   return r;
 }
 
+// The low-latency floor, us (as python/benchmarks/moe.py's): the most bytes a rank moves over NVLink at its
+// peak egress (450 GB/s: 18 links of 25 GB/s) plus one signal round trip (3 us, bench/RESULTS.md's latency
+// table). The dispatch pushes a token once per remote rank of its experts; the combine pulls one row per
+// remote slot. Rank r routes tokens [r per_rank, (r + 1) per_rank) of `routing`.
+struct LowLatencyFloor {
+  double dispatch_us, combine_us;
+};
+LowLatencyFloor low_latency_floor(const std::vector<int32_t>& routing, int W, int64_t per_rank, int experts,
+                                  int top_k, int64_t hidden) {
+  constexpr double kLinkBytesPerUs = 450e3, kRoundTripUs = 3.0;
+  int64_t pushed = 0, pulled = 0;  // rows, the most over ranks
+  std::vector<char> reached(W);
+  for (int r = 0; r < W; ++r) {
+    int64_t rows_pushed = 0, rows_pulled = 0;
+    for (int64_t t = r * per_rank; t < (r + 1) * per_rank; ++t) {
+      std::fill(reached.begin(), reached.end(), 0);
+      for (int j = 0; j < top_k; ++j) {
+        const int dest = routing[t * top_k + j] / (experts / W);
+        if (dest == r) continue;
+        ++rows_pulled;
+        rows_pushed += !reached[dest];
+        reached[dest] = 1;
+      }
+    }
+    pushed = std::max(pushed, rows_pushed);
+    pulled = std::max(pulled, rows_pulled);
+  }
+  const double row_bytes = double(hidden) * 2;
+  return {pushed * row_bytes / kLinkBytesPerUs + kRoundTripUs,
+          pulled * row_bytes / kLinkBytesPerUs + kRoundTripUs};
+}
+
 void run_moe(Context& ctx) {
   BenchTeam team(ctx);
   Communicator& comm = *team.comm;
@@ -162,14 +194,18 @@ void run_moe(Context& ctx) {
       {"tokens", "experts", "top-k", "hidden", "inter", "bf16 ms", "FP8 ms", "bf16 / FP8"},
       "The same ranks, in turn (per-rank CUDA graphs launched together, the slowest rank's median); the FP8 "
       "time includes the quantization of the tokens.");
-  Table ll(fmt("MoE layer at decode sizes on %s, bf16: the dispatch of record vs the low-latency one "
-               "(MoeShape::low_latency: fixed-capacity groups, a row taken by an atomic, one end wait; the "
-               "expert GEMMs over the filled rows only)",
-               ctx.team_label().c_str()),
-           {"tokens", "experts", "top-k", "hidden", "inter", "ms (record / low latency): dispatch", "up GEMM",
-            "down GEMM", "combine", "layer", "layer / low-latency layer"},
-           "Cases of at most 256 tokens a rank. The same ranks, in turn (per-rank CUDA graphs launched "
-           "together, the slowest rank's median); the dispatch of record leaves its padding as it is.");
+  Table ll(
+      fmt("MoE layer at decode sizes on %s, bf16: the dispatch of record vs the low-latency one "
+          "(MoeShape::low_latency: fixed-capacity groups, a row taken by an atomic, one end wait; the "
+          "expert GEMMs over the filled rows only)",
+          ctx.team_label().c_str()),
+      {"tokens", "experts", "top-k", "hidden", "inter", "ms (record / low latency): dispatch", "up GEMM",
+       "down GEMM", "combine", "layer", "layer / low-latency layer",
+       "low-latency floor us: dispatch / combine", "low latency / floor: dispatch / combine"},
+      "Cases of at most 256 tokens a rank. The same ranks, in turn (per-rank CUDA graphs launched "
+      "together, the slowest rank's median); the dispatch of record leaves its padding as it is. The floor: "
+      "the most bytes a rank moves over NVLink at 450 GB/s (the dispatch: a token once per remote rank of "
+      "its experts; the combine's pull: a row per remote slot) plus one 3 us round trip.");
   // The first case is decode-sized: 128 tokens per rank, DeepSeek-V3-like routing (256 experts, top-8).
   std::vector<Case> cases = {{128 * int64_t(W), 256, 8, 7168, 2048},
                              {4096, 32, 8, 7168, 2048},
@@ -312,6 +348,7 @@ void run_moe(Context& ctx) {
             fmt("moe layer, low-latency dispatch, tokens=%lld E=%d k=%d hidden=%lld", (long long)c.tokens,
                 c.experts, c.top_k, (long long)c.hidden),
             ctx.timeline_dir + fmt("/moe_ll_%lld_%d_%d.csv", (long long)c.tokens, c.experts, c.top_k)));
+      const LowLatencyFloor ll_floor = low_latency_floor(all, W, per_rank, c.experts, c.top_k, c.hidden);
       const auto pair = [&](int phase) {  // "record / low latency", ms
         return fmt("%.3f / %.3f", team.team_max(ll_us[0][phase]) / 1000.0,
                    team.team_max(ll_us[1][phase]) / 1000.0);
@@ -319,7 +356,10 @@ void run_moe(Context& ctx) {
       ll.add({std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),
               std::to_string(c.hidden), std::to_string(c.inter), pair(Layer::kDispatch), pair(Layer::kUp),
               pair(Layer::kDown), pair(Layer::kCombine), pair(Layer::kAll),
-              fmt("%.3f", team.team_max(ll_us[0][Layer::kAll]) / team.team_max(ll_us[1][Layer::kAll]))});
+              fmt("%.3f", team.team_max(ll_us[0][Layer::kAll]) / team.team_max(ll_us[1][Layer::kAll])),
+              fmt("%.1f / %.1f", ll_floor.dispatch_us, ll_floor.combine_us),
+              fmt("%.2f / %.2f", team.team_max(ll_us[1][Layer::kDispatch]) / ll_floor.dispatch_us,
+                  team.team_max(ll_us[1][Layer::kCombine]) / ll_floor.combine_us)});
     }
     std::vector<std::unique_ptr<Fp8Head>> fp8;
     for (int i = 0; i < L; ++i) {
