@@ -239,6 +239,18 @@ def main():
             check(f"moe_layer low latency{' (SwiGLU epilogue)' if interleaved else ''} against the dispatch of record",
                   ll, rec)
             cases += 1
+    # The default (fused_combine=None) without gradients at max_tokens >= 2048 (inter <= 4096) takes the fused
+    # down GEMM + combine: against the unfused layer.
+    big = 2048
+    xb = torch.randn(big, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids_big = torch.randint(-1, num_experts, (big, top_k), device="cuda", generator=g, dtype=torch.int32)
+    weights_big = torch.rand(big, top_k, device="cuda", generator=g)
+    with torch.no_grad():
+        picked = weft.moe_layer(xb, ids_big, weights_big, w_up, w_down, num_experts, max_tokens=big)
+        unfused = weft.moe_layer(xb, ids_big, weights_big, w_up, w_down, num_experts, max_tokens=big,
+                                 fused_combine=False)
+    check("moe_layer's default at max_tokens 2048 (the fused combine) against the unfused layer", picked, unfused)
+    cases += 1
     # Symmetric tensors through DLPack, out=, and a captured graph.
     n = 1 << 20
     sym_in = torch.from_dlpack(comm.empty((n,), "bf16"))
