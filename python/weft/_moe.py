@@ -322,8 +322,8 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
     exact=True (one synchronisation, see moe_dispatch) over the rows in use only. swiglu_interleaved=True: w_up's
     columns are in weft.swiglu_interleave's order, and the first GEMM's epilogue applies SwiGLU (no
     [rows, 2 inter] intermediate). fused_combine=True: the second GEMM and the combine in one
-    (weft.moe_grouped_mm_combine); None (the default) picks it where it measured faster: without gradients,
-    inter <= 4096 and max_tokens >= 2048 (DeepSeek-V3-like layers at 4096 tokens a rank: 1.14-1.20x the unfused
+    (weft.moe_grouped_mm_combine); None (the default) picks it where it measured faster: without gradients
+    nor exact, inter <= 4096 and max_tokens >= 2048 (DeepSeek-V3-like layers at 4096 tokens a rank: 1.14-1.20x the unfused
     layer at 4 x H200, 1.02-1.08x at 2; at 128 tokens, and with Mixtral-like inter 14336, no faster or slower:
     bench/RESULTS.md), else unfused; every rank picks alike (max_tokens and the weights' shapes are the same on
     every rank).
@@ -374,7 +374,7 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
             a = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation](h)
     if fused_combine is None:
         grad = _w._ops.torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_up, w_down))
-        fused_combine = not low_latency and not grad and inter <= 4096 and d._shape[1] >= 2048
+        fused_combine = not (low_latency or exact or grad) and inter <= 4096 and d._shape[1] >= 2048
     if fused_combine:
         return moe_grouped_mm_combine(a, w_down, d, weights)
     if low_latency:  # the down GEMM straight into the combine's area (no copy of the worst-case capacity)
