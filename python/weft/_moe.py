@@ -323,10 +323,10 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
     columns are in weft.swiglu_interleave's order, and the first GEMM's epilogue applies SwiGLU (no
     [rows, 2 inter] intermediate). fused_combine=True: the second GEMM and the combine in one
     (weft.moe_grouped_mm_combine); None (the default) picks it where it measured faster: without gradients
-    nor exact, inter <= 4096 and max_tokens >= 2048 (DeepSeek-V3-like layers at 4096 tokens a rank: 1.14-1.20x the unfused
-    layer at 4 x H200, 1.02-1.08x at 2; at 128 tokens, and with Mixtral-like inter 14336, no faster or slower:
-    bench/RESULTS.md), else unfused; every rank picks alike (max_tokens and the weights' shapes are the same on
-    every rank).
+    nor exact, inter <= 4096 and max_tokens >= 2048 (DeepSeek-V3-like layers at 4096 tokens a rank:
+    1.14-1.20x the unfused layer at 4 x H200, 1.02-1.08x at 2; at 128 tokens, and with Mixtral-like inter
+    14336, no faster or slower: bench/RESULTS.md), else unfused; every rank picks alike (max_tokens and the
+    weights' shapes are the same on every rank).
     low_latency=True (decoding, inference: under torch.no_grad()): weft.moe_dispatch's low-latency dispatch, the
     GEMMs over the rows each group received only (group_rows); its fixed groups hold W x max_tokens rows each,
     so use it with swiglu_interleaved=True (the activation in the first GEMM's epilogue, over those rows only;
