@@ -205,12 +205,14 @@ void run_moe(Context& ctx) {
        "layer", "layer / low-latency layer", "low-latency floor us: dispatch / combine",
        "low latency / floor: dispatch / combine"},
       "Cases of at most 256 tokens a rank. The same ranks, in turn (per-rank CUDA graphs launched "
-      "together, the slowest rank's median); the dispatch of record leaves its padding as it is. The floor: "
-      "Rows pushed: the low-latency combine storing each slot's row into its source's staging "
-      "(WEFT_MOE_LL_PUSH_"
-      "COMBINE=1) instead of the pull. The floor: the most bytes a rank moves over NVLink at 450 GB/s (the "
-      "dispatch: a token once per remote rank of "
-      "its experts; the combine's pull: a row per remote slot) plus one 3 us round trip.");
+      "together, the slowest rank's median); the dispatch of record leaves its padding as it is. Rows "
+      "pushed: "
+      "the low-latency combine storing each slot's row into its source's staging "
+      "(WEFT_MOE_LL_PUSH_COMBINE=1) "
+      "instead of the pull. The floor (over it: the pull): the most bytes a rank moves over NVLink at 450 "
+      "GB/s "
+      "(the dispatch: a token once per remote rank of its experts; the combine: a row per remote slot) plus "
+      "one 3 us round trip.");
   // The first case is decode-sized: 128 tokens per rank, DeepSeek-V3-like routing (256 experts, top-8).
   std::vector<Case> cases = {{128 * int64_t(W), 256, 8, 7168, 2048},
                              {4096, 32, 8, 7168, 2048},
