@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <numeric>
@@ -200,19 +199,13 @@ void run_moe(Context& ctx) {
           "(MoeShape::low_latency: fixed-capacity groups, a row taken by an atomic, one end wait; the "
           "expert GEMMs over the filled rows only)",
           ctx.team_label().c_str()),
-      {"tokens", "experts", "top-k", "hidden", "inter",
-       "ms (record / low latency / low latency, rows pushed): dispatch", "up GEMM", "down GEMM", "combine",
-       "layer", "layer / low-latency layer", "low-latency floor us: dispatch / combine",
-       "low latency / floor: dispatch / combine"},
+      {"tokens", "experts", "top-k", "hidden", "inter", "ms (record / low latency): dispatch", "up GEMM",
+       "down GEMM", "combine", "layer", "layer / low-latency layer",
+       "low-latency floor us: dispatch / combine", "low latency / floor: dispatch / combine"},
       "Cases of at most 256 tokens a rank. The same ranks, in turn (per-rank CUDA graphs launched "
-      "together, the slowest rank's median); the dispatch of record leaves its padding as it is. Rows "
-      "pushed: "
-      "the low-latency combine storing each slot's row into its source's staging "
-      "(WEFT_MOE_LL_PUSH_COMBINE=1) "
-      "instead of the pull. The floor (over it: the pull): the most bytes a rank moves over NVLink at 450 "
-      "GB/s "
-      "(the dispatch: a token once per remote rank of its experts; the combine: a row per remote slot) plus "
-      "one 3 us round trip.");
+      "together, the slowest rank's median); the dispatch of record leaves its padding as it is. The floor: "
+      "the most bytes a rank moves over NVLink at 450 GB/s (the dispatch: a token once per remote rank of "
+      "its experts; the combine's pull: a row per remote slot) plus one 3 us round trip.");
   // The first case is decode-sized: 128 tokens per rank, DeepSeek-V3-like routing (256 experts, top-8).
   std::vector<Case> cases = {{128 * int64_t(W), 256, 8, 7168, 2048},
                              {4096, 32, 8, 7168, 2048},
@@ -344,40 +337,21 @@ void run_moe(Context& ctx) {
           lls[i]->run(comm, comm.local(i), ll_inputs[i], team.streams[i], Layer::Phase(phase));
         }
       };
-      // The same layers with the combine pushing rows (moe.cu): the switch is read as each combine is
-      // captured.
-      const auto ll_push_phase = [&](int phase) {
-        const char* before = std::getenv("WEFT_MOE_LL_PUSH_COMBINE");
-        const std::string kept = before != nullptr ? before : "";
-        setenv("WEFT_MOE_LL_PUSH_COMBINE", "1", 1);
-        ll_phase(phase);
-        if (before != nullptr)
-          setenv("WEFT_MOE_LL_PUSH_COMBINE", kept.c_str(), 1);
-        else
-          unsetenv("WEFT_MOE_LL_PUSH_COMBINE");
-      };
       ll_phase(Layer::kAll);  // sizes its areas before capture (the combine input grows to its capacity)
-      ll_push_phase(Layer::kAll);
       team_phase(Layer::kAll);
       comm.synchronize();
-      const std::vector<std::vector<double>> ll_us = time_phases_alternating(
-          comm, team.streams, Layer::kAll, iters, {inference_phase, ll_phase, ll_push_phase});
-      if (!ctx.timeline_dir.empty()) {  // one layer call with each combine (MoeStep::kLowLatency*)
+      const std::vector<std::vector<double>> ll_us =
+          time_phases_alternating(comm, team.streams, Layer::kAll, iters, {inference_phase, ll_phase});
+      if (!ctx.timeline_dir.empty())  // one layer call (MoeStep::kLowLatency*)
         timelines.push_back(record_timeline(
             comm, team.streams, [&] { ll_phase(Layer::kAll); },
             fmt("moe layer, low-latency dispatch, tokens=%lld E=%d k=%d hidden=%lld", (long long)c.tokens,
                 c.experts, c.top_k, (long long)c.hidden),
             ctx.timeline_dir + fmt("/moe_ll_%lld_%d_%d.csv", (long long)c.tokens, c.experts, c.top_k)));
-        timelines.push_back(record_timeline(
-            comm, team.streams, [&] { ll_push_phase(Layer::kAll); },
-            fmt("moe layer, low-latency dispatch, combine pushing rows, tokens=%lld E=%d k=%d hidden=%lld",
-                (long long)c.tokens, c.experts, c.top_k, (long long)c.hidden),
-            ctx.timeline_dir + fmt("/moe_ll_push_%lld_%d_%d.csv", (long long)c.tokens, c.experts, c.top_k)));
-      }
       const LowLatencyFloor ll_floor = low_latency_floor(all, W, per_rank, c.experts, c.top_k, c.hidden);
-      const auto pair = [&](int phase) {  // "record / low latency / rows pushed", ms
-        return fmt("%.3f / %.3f / %.3f", team.team_max(ll_us[0][phase]) / 1000.0,
-                   team.team_max(ll_us[1][phase]) / 1000.0, team.team_max(ll_us[2][phase]) / 1000.0);
+      const auto pair = [&](int phase) {  // "record / low latency", ms
+        return fmt("%.3f / %.3f", team.team_max(ll_us[0][phase]) / 1000.0,
+                   team.team_max(ll_us[1][phase]) / 1000.0);
       };
       ll.add({std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),
               std::to_string(c.hidden), std::to_string(c.inter), pair(Layer::kDispatch), pair(Layer::kUp),

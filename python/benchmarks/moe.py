@@ -167,14 +167,6 @@ def bench_config(comm, rank, world, model, tokens, hot):
             yl.copy_(weft.grouped_mm(a, w_down, dl.group_end, validate=False, zero_unused_rows=False,
                                      group_rows=dl.group_rows))
             graph_parts["LL combine"] = graphed(lambda: weft.moe_combine(yl, dl, weights))
-            # The combine pushing rows (WEFT_MOE_LL_PUSH_COMBINE=1, read as the graph is captured).
-            before = os.environ.get("WEFT_MOE_LL_PUSH_COMBINE")
-            os.environ["WEFT_MOE_LL_PUSH_COMBINE"] = "1"
-            graph_parts["LL push combine"] = graphed(lambda: weft.moe_combine(yl, dl, weights))
-            if before is None:
-                del os.environ["WEFT_MOE_LL_PUSH_COMBINE"]
-            else:
-                os.environ["WEFT_MOE_LL_PUSH_COMBINE"] = before
             ll_layer = lambda: weft.moe_layer(x, experts, weights, w_up_i, w_down, num_experts,  # noqa: E731
                                               swiglu_interleaved=True, low_latency=True)
             graph_parts["LL layer"] = graphed(ll_layer)
@@ -219,7 +211,6 @@ def bench_config(comm, rank, world, model, tokens, hot):
         "torch / weft": f"{whole['torch'] / best:.2f}", "max err vs torch": f"{err:.1e}",
         "graph: dispatch / combine": f"{in_graph('dispatch')} / {in_graph('combine')}",
         "graph, low latency: dispatch / combine": f"{in_graph('LL dispatch')} / {in_graph('LL combine')}",
-        "graph, low latency: combine pushing rows": in_graph("LL push combine"),
         "graph: layer / low-latency layer": f"{in_graph('layer')} / {in_graph('LL layer')}",
         "low latency: floor dispatch / combine": f"{unit(ll_floor[0])} / {unit(ll_floor[1])}" if ll else "-",
         "low latency / floor: dispatch / combine": " / ".join(

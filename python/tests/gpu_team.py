@@ -436,11 +436,8 @@ def moe_low_latency(team, g):
     up_all = torch.cat(ups).float()
     down_all = torch.cat(downs).float()
     wants = [moe_reference(xs[r].float(), ids[r], weights[r], up_all, down_all) for r in range(w)]
-    before = os.environ.get("WEFT_MOE_LL_PUSH_COMBINE")
     with torch.no_grad():
-        # Both low-latency combines while both live: the pull, and the rows pushed (WEFT_MOE_LL_PUSH_COMBINE).
-        for push, interleaved in ((p, i) for p in ("0", "1") for i in (False, True)):
-            os.environ["WEFT_MOE_LL_PUSH_COMBINE"] = push
+        for interleaved in (False, True):
             layer = lambda c, x, i, wt, up, down: weft.moe_layer(  # noqa: E731
                 x, i, wt, weft.swiglu_interleave(up) if interleaved else up, down, num_experts,
                 max_tokens=max_tokens, comm=c, swiglu_interleaved=interleaved, low_latency=True)
@@ -448,12 +445,8 @@ def moe_low_latency(team, g):
             team.warmup(layer, *args)
             outs = team.run(layer, *args)
             for r in range(w):
-                check(f"MoE layer, low latency{', rows pushed' if push == '1' else ''}, W={w}"
-                      f"{' SwiGLU epilogue' if interleaved else ''}: rank {r}", outs[r], wants[r], 3e-2)
-        if before is None:
-            del os.environ["WEFT_MOE_LL_PUSH_COMBINE"]
-        else:
-            os.environ["WEFT_MOE_LL_PUSH_COMBINE"] = before
+                check(f"MoE layer, low latency, W={w}{' SwiGLU epilogue' if interleaved else ''}: rank {r}",
+                      outs[r], wants[r], 3e-2)
         d = team.run(lambda c, x, i: weft.moe_dispatch(x, i, num_experts, max_tokens=max_tokens, comm=c,
                                                        low_latency=True), xs, ids)
         team.synchronize()

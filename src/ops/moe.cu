@@ -16,7 +16,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "../runtime/kernels.hpp"
@@ -52,12 +51,6 @@ const char* const kLowLatencyStateArea = "moe dispatch, low latency: counters";
 constexpr int kLowLatencyMaxExperts = 8192;  // local experts a low-latency dispatch counts rows for
 const char* const kLowLatencyFlags = "moe dispatch, low latency: call, zeroed, done";
 const ResourceDeclaration kLowLatencyResources{{kLowLatencyFlags, 2 + 2 * kMaxWorld}};
-// The low-latency combine pushing rows (low_latency_push_combine): its flags ([0, 2) its call epoch, then
-// rows pushed from rank s, kMaxWorld) and its symmetric staging area.
-const char* const kLowLatencyPushFlags = "moe combine, low latency push: call, pushed";
-const ResourceDeclaration kLowLatencyPushResources{{kLowLatencyPushFlags, 2 + kMaxWorld}};
-const char* const kLowLatencyStagingArea = "moe combine, low latency push: staging";
-
 constexpr int kMaxTopK = 16;  // MoeShape::top_k's limit
 
 struct Dims {
@@ -296,10 +289,9 @@ struct LowLatencyParts {
   int32_t *group_end, *group_rows;  // [per_rank]
   // [W sources][max_tokens][top_k]: slot j's row here, tagged with the call (record_tag).
   uint64_t* records;
-  uint32_t*
-      blocks_done;  // this rank's grid counters: [0] rows placed, [1] rows expanded, [2] the push combine's
+  uint32_t* blocks_done;  // this rank's grid counters: [0] rows placed, [1] rows expanded
   int32_t* counters;      // [per_rank]: rows taken in each group this call
-  uint64_t* words;        // this rank's: [0] every rank done (the grid's release), [1] the push combine's
+  uint64_t* words;        // this rank's: [0] every rank done (the grid's release)
 };
 
 struct LowLatency : LowLatencyParts {
@@ -557,87 +549,6 @@ __global__ void combine_tokens(TeamView team, BarrierSlots slots, const T* exper
   // No meeting at the end: a peer writes its expert outputs again only after its next dispatch, which ends
   // after this rank's next dispatch has begun (the dispatch of record: its meetings; the low-latency one: its
   // end wait for every rank's done), and this rank begins that only after this kernel.
-}
-
-// The low-latency combine pushing rows (WEFT_MOE_LL_PUSH_COMBINE=1, while measured against the pull of
-// combine_tokens): on each rank, a warp per (source, token), rank-staggered, stores each of the token's rows
-// here (this call's dispatch records) into the source's staging slot (t, j): posted stores over the links
-// instead of the pull's remote loads, the same bytes (a row per remote slot). The grid's last block tells
-// every rank; once every rank's rows are here, a warp per (token, 256 columns) sums the token's slots from
-// the staging, weighted, in slot order (fp32 fmas, rounded once: combine_tokens' bits). No meeting first: the
-// rows are read on this rank only, after its expert GEMMs (stream order). Staging reuse: a rank pushes call
-// n + 1's rows after its dispatch n + 1's end wait, which follows every rank's combine n.
-struct LowLatencyPush {
-  TeamView team;
-  Flags flags;  // kLowLatencyPushFlags: epoch state [0, 2), rows pushed from rank s [2 + s]
-  const uint64_t* dispatch_calls;  // the dispatch's completed calls: the last dispatch's epoch
-  const uint64_t* records;         // the dispatch's records here: [W sources][max_tokens][top_k]
-  uint4* staging;                  // symmetric: [max_tokens x top_k, hidden] of T, slot (t, j)'s row
-  uint32_t* blocks_done;           // a grid counter of the low-latency state area
-  uint64_t* go;                    // its release word
-  const int32_t* experts;          // the handle's kept experts [tokens, top_k]
-  const float* weights;            // [tokens, top_k]
-  int64_t capacity;                // rows of expert_out
-  Dims d;
-};
-
-template <class T>
-__global__ void __launch_bounds__(256, kLowLatencyBlocksPerSm)
-    low_latency_push_combine(LowLatencyPush a, const T* expert_out, T* out) {
-  const TimelineSpan span(threadIdx.x == 0 ? a.team.timeline : nullptr, TimelinePhase::kMoe,
-                          uint32_t(MoeStep::kCombineTokens));
-  const TeamView& team = a.team;
-  const CallEpoch calls{team.flag(a.flags, 0)};
-  const uint64_t epoch = calls.epoch(),
-                 dispatched = *reinterpret_cast<const volatile uint64_t*>(a.dispatch_calls);
-  const int lane = threadIdx.x % 32, warps = blockDim.x / 32, W = team.world, top_k = a.d.top_k;
-  const int row_vecs = static_cast<int>(a.d.hidden * 2 / 16);
-  const int64_t mt = a.d.max_tokens, chunks = (a.d.hidden + 255) / 256;
-  const auto* rows = reinterpret_cast<const uint4*>(expert_out);
-  for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < W * mt;
-       u += int64_t(gridDim.x) * warps) {
-    const int s = static_cast<int>((u % W + team.rank) % W);
-    const int64_t t = u / W;
-    int row = lane < top_k ? record_row(a.records[(s * mt + t) * top_k + lane], dispatched) : -1;
-    if (row >= a.capacity) row = -1;  // (never: a record of this call names a row of the groups)
-    uint4* slots = team.peer_ptr(a.staging, s) + t * top_k * row_vecs;
-    for (unsigned m = __ballot_sync(0xffffffffu, row >= 0); m != 0; m &= m - 1) {
-      const int j = __ffs(m) - 1;
-      const int r = __shfl_sync(0xffffffffu, row, j);
-      warp_copy_rows(rows, slots + int64_t(j) * row_vecs, r, r + 1, r + 1, row_vecs, lane);
-    }
-  }
-  __syncthreads();
-  {
-    const TimelineSpan wait(threadIdx.x == 0 ? team.timeline : nullptr, TimelinePhase::kMoe,
-                            uint32_t(MoeStep::kCombineMeet));
-    publish_and_wait(
-        team, a.blocks_done, a.go, [&](int s) { return team.flag(a.flags, 2 + s); }, epoch);
-  }
-  const T* staged = reinterpret_cast<const T*>(a.staging);
-  for (int64_t u = int64_t(blockIdx.x) * warps + threadIdx.x / 32; u < a.d.tokens * chunks;
-       u += int64_t(gridDim.x) * warps) {
-    const int64_t t = u / chunks, c = (u % chunks) * 256 + lane * 8;
-    const int e = lane < top_k ? a.experts[t * top_k + lane] : -1;
-    const float w = e >= 0 ? a.weights[t * top_k + lane] : 0.f;
-    float acc[8] = {};
-    for (unsigned m = __ballot_sync(0xffffffffu, e >= 0); m != 0; m &= m - 1) {
-      const int j = __ffs(m) - 1;
-      const float wj = __shfl_sync(0xffffffffu, w, j);
-      if (c >= a.d.hidden) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(staged + (t * top_k + j) * a.d.hidden + c);
-      const T* x = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] = fmaf(wj, static_cast<float>(x[q]), acc[q]);
-    }
-    if (c >= a.d.hidden) continue;
-    uint4 v;
-    T* h = reinterpret_cast<T*>(&v);
-#pragma unroll
-    for (int q = 0; q < 8; ++q) h[q] = static_cast<T>(acc[q]);
-    *reinterpret_cast<uint4*>(out + t * a.d.hidden + c) = v;
-  }
-  if (threadIdx.x == 0) (void)calls.finished(gridDim.x);
 }
 
 // The combine's backward, one warp per token, slot by slot: where the slot has an expert, d_weights =
@@ -1268,58 +1179,6 @@ void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, D
 
 namespace {
 
-// Which low-latency combine runs: WEFT_MOE_LL_PUSH_COMBINE=1 pushes the rows (low_latency_push_combine), else
-// the pull of combine_tokens. Read at every combine; every rank must see the same value. A switch for
-// measuring the two in one build, until one of them goes.
-bool low_latency_push_combine_on() {
-  const char* v = std::getenv("WEFT_MOE_LL_PUSH_COMBINE");
-  return v != nullptr && v[0] == '1' && v[1] == 0;  // (no allocation: read at every call)
-}
-
-void combine_pushed(Communicator& comm, ops::OpCall& call, const void* expert_out,
-                    const MoeDispatched& dispatched, const float* weights, void* out, const Sizes& z,
-                    DType dtype) {
-  Rank& rank = call.rank;
-  const LowLatencyParts parts = low_latency_parts(call, z);
-  LowLatencyPush x{};
-  x.team = rank.view();
-  x.flags = comm.resources(rank, kLowLatencyPushFlags).flags;
-  x.dispatch_calls = rank.view().flag(comm.resources(rank, kLowLatencyFlags).flags, 0);
-  x.records = parts.records;
-  x.blocks_done = parts.blocks_done + 2;
-  x.go = parts.words + 1;
-  const size_t staging_bytes = round256(size_t(z.d.max_tokens) * z.d.top_k * z.d.hidden * 2);
-  x.staging = reinterpret_cast<uint4*>(call.workspace(staging_bytes, kLowLatencyStagingArea));
-  x.experts = dispatched.experts;
-  x.weights = weights;
-  x.capacity = z.capacity;
-  x.d = z.d;
-  // A warp per (source, token), then per (token, 256 columns): 8 a block, every block resident at once.
-  const int64_t chunks = (z.d.hidden + 255) / 256;
-  const int blocks = low_latency_blocks(
-      rank, std::max<int64_t>({int64_t(rank.world()) * z.d.max_tokens, z.d.max_tokens * chunks, 1}));
-  if (moe_planned(
-          call, "moe_combine",
-          "low latency, rows pushed: one kernel, each slot's row stored into its source's staging, one "
-          "wait for every rank's, then each token's slots summed there",
-          blocks))
-    return;
-  // As the dispatch: ranks sharing a GPU meet in a one-block kernel first.
-  if (comm.ranks_per_gpu() > 1)
-    launch_team_barrier(rank.view(), ops::meeting_slots(comm, rank)[0], call.stream);
-  auto launch = [&](auto* typed_out) {
-    using T = std::remove_pointer_t<decltype(typed_out)>;
-    constexpr auto kernel = &low_latency_push_combine<T>;
-    detail::preload<kernel>();
-    kernel<<<blocks, 256, 0, call.stream>>>(x, static_cast<const T*>(expert_out), typed_out);
-  };
-  if (dtype == DType::kFP16)
-    launch(static_cast<__half*>(out));
-  else
-    launch(static_cast<__nv_bfloat16*>(out));
-  WEFT_CUDA_CHECK(cudaGetLastError());
-}
-
 void combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
              const float* weights, void* out, const MoeShape& shape, DType dtype, cudaStream_t stream,
              Plan* plan) {
@@ -1329,8 +1188,6 @@ void combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDi
   if (shape.tokens > 0) ops::check_pointer_alignment(out, "out", 16, where);
   stream = call.stream;
   const Sizes z(rank.world(), rank.rank(), shape);
-  if (shape.low_latency && low_latency_push_combine_on())
-    return combine_pushed(comm, call, expert_out, dispatched, weights, out, z, dtype);
   // Sized by the rows it reads (top_k per token), from max_tokens: every rank launches the same grid (its
   // blocks meet their counterparts).
   const int blocks =

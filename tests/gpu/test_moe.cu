@@ -476,12 +476,6 @@ WEFT_GPU_TEST(moe_dispatch_and_combine_match_host_layout) {
   WEFT_EXPECT(failures.empty(), failures);
 }
 
-// The low-latency combine of one kind while both live: the pull of record, or the rows pushed
-// (WEFT_MOE_LL_PUSH_COMBINE, read by src/ops/moe.cu at every combine).
-static weft::test::ScopedEnv low_latency_combine_kind(bool push) {
-  return {"WEFT_MOE_LL_PUSH_COMBINE", push ? "1" : "0"};
-}
-
 // The no-host-synchronisation mode in CUDA graphs: dispatch, the rows as the experts' outputs (identity
 // experts), combine, captured once per rank and replayed on new tokens, routing and weights: out[t] against
 // the host's fp32 weighted sum of x[t] in slot order (bit for bit). The layout is computed on the device at
@@ -607,18 +601,13 @@ static std::string replay_in_cuda_graphs(Communicator& c, bool low_latency) {
 WEFT_GPU_TEST(moe_dispatch_and_combine_replay_in_cuda_graphs) {
   Communicator& c = ctx.comm();
   std::string failures = replay_in_cuda_graphs(c, false);
-  for (bool push : {false, true}) {
-    const auto kind = low_latency_combine_kind(push);
-    const std::string f = replay_in_cuda_graphs(c, true);
-    if (!f.empty())
-      failures += std::string("\n  the low-latency combine ") + (push ? "pushing rows:" : "pulling:") + f;
-  }
+  failures += replay_in_cuda_graphs(c, true);
   WEFT_EXPECT(failures.empty(), failures);
 }
 
 // The low-latency dispatch (MoeShape::low_latency): eight calls in a row on new routing each, top-k 1, 2, 8
-// and 16 twice (at most the experts; the groups' counters zeroed and re-armed between calls; the second four
-// combined with the rows pushed), ranks with no token, dropped slots, distinct experts per
+// and 16 twice (at most the experts; the groups'
+// counters zeroed and re-armed between calls), ranks with no token, dropped slots, distinct experts per
 // token. Every slot's row lies in its expert's fixed group below the group's count, no two slots share a row,
 // the row holds the token (bit for bit), each group's count is the slots routed to it; then moe_combine
 // through the handle over the dispatched rows themselves (identity experts) against the host's fp32 sums.
@@ -632,11 +621,8 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
   const int64_t group = (W * max_tokens + 127) / 128 * 128;
   std::mt19937_64 g(4242);
   for (int pass = 0; pass < 8; ++pass) {
-    // Top-k 1, 2, 8 and 16 (a lane per slot, the whole warp's share), twice: combined by the pull, then with
-    // the rows pushed.
+    // Top-k 1, 2, 8 and 16 (a lane per slot, the whole warp's share), twice.
     const int call = pass % 4;
-    const bool push = pass >= 4;
-    const auto kind = low_latency_combine_kind(push);
     const int top_k = std::min(call == 0 ? 1 : call == 1 ? 2 : call == 2 ? 8 : 16, E);
     MoeShape base{0, max_tokens, hidden, E, top_k, 128};
     base.low_latency = true;
@@ -768,9 +754,8 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
           const float o = __bfloat162float(out[t * hidden + h]);
           bad += !(std::fabs(o - acc) <= 1e-2f * std::max(1.f, std::fabs(acc)));
         }
-      WEFT_EXPECT(bad == 0, "low latency combine" << (push ? " (rows pushed)" : "") << ", call " << call
-                                                  << ", rank " << r << ": " << bad
-                                                  << " outputs off the host's sums");
+      WEFT_EXPECT(bad == 0, "low latency combine, call " << call << ", rank " << r << ": " << bad
+                                                         << " outputs off the host's sums");
     }
     c.host_barrier();
   }

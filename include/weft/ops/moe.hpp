@@ -144,14 +144,10 @@ Plan moe_dispatch_fp8_plan(Communicator& comm, Rank& rank, const void* tokens, c
 // in fp32 in ascending j (deterministic), rounded once to dtype; a token with every slot dropped gets zeros.
 // The experts' outputs must be where every rank can read them: the buffer moe_combine_input() gives
 // ([capacity, hidden] of dtype in the communicator's workspace area "moe combine", or for a low-latency
-// dispatch's handle an area of its own; e.g. grouped_gemm's c). For a low-latency handle with
-// WEFT_MOE_LL_PUSH_COMBINE=1 in the environment (every rank alike) each expert rank pushes its slots' rows
-// into their sources' staging and each rank sums its tokens' slots there (the same bits; posted stores
-// instead of remote loads, one wait instead of a meeting); it reads the latest low-latency dispatch's
-// records, so each such combine needs its own dispatch before it (two in a row would race on the staging). A
-// switch while the two are measured; one of them will go. `dispatched` is the dispatch's handle (its row_of),
-// weights [tokens, top_k] fp32 and out [tokens, hidden] device memory. Every rank calls it (single-process:
-// once per local rank) after writing its experts' outputs on the same stream.
+// dispatch's handle an area of its own; e.g. grouped_gemm's c).
+// `dispatched` is the dispatch's handle (its row_of), weights [tokens, top_k] fp32 and out [tokens, hidden]
+// device memory. Every rank calls it (single-process: once per local rank) after writing its experts'
+// outputs on the same stream.
 void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype);
 void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
                  const float* weights, void* out, const MoeShape& shape, DType dtype,
