@@ -207,7 +207,9 @@ void run_moe(Context& ctx) {
       "the most bytes a rank moves over NVLink at 450 GB/s (the dispatch: a token once per remote rank of "
       "its experts; the combine's pull: a row per remote slot) plus one 3 us round trip.");
   // The first case is decode-sized: 128 tokens per rank, DeepSeek-V3-like routing (256 experts, top-8).
+  // DeepSeek-V3-like prefill (4096 tokens a rank, 256 experts) is the layer of bench/RESULTS.md's MoE table.
   std::vector<Case> cases = {{128 * int64_t(W), 256, 8, 7168, 2048},
+                             {4096 * int64_t(W), 256, 8, 7168, 2048},
                              {4096, 32, 8, 7168, 2048},
                              {16384, 32, 8, 7168, 2048},
                              {8192, 8, 2, 4096, 14336}};
