@@ -766,14 +766,14 @@ void bind_moe(py::module_& m) {
     void* p = weft::moe_combine_grad_input(*c.comm, c.rank(), s, parse_dtype(dtype));
     return view_of(c, p, {weft::moe_capacity(c.rank().world(), s), s.hidden}, dtype);
   });
-  m.def("moe_combine_backward", [](const Comm& c, uintptr_t expert_out, uintptr_t row_of, uintptr_t experts,
-                                   uintptr_t weights, uintptr_t dout, uintptr_t d_expert_out,
-                                   uintptr_t d_weights, py::tuple shape, const std::string& dtype,
-                                   uintptr_t stream) {
+  m.def("moe_combine_backward", [](const Comm& c, uintptr_t expert_out, int64_t expert_rows, uintptr_t row_of,
+                                   uintptr_t experts, uintptr_t weights, uintptr_t dout,
+                                   uintptr_t d_expert_out, uintptr_t d_weights, py::tuple shape,
+                                   const std::string& dtype, uintptr_t stream) {
     weft::MoeDispatched d;
     d.row_of = reinterpret_cast<const int32_t*>(row_of);
     d.experts = reinterpret_cast<const int32_t*>(experts);
-    weft::moe_combine_backward(*c.comm, c.rank(), reinterpret_cast<const void*>(expert_out), d,
+    weft::moe_combine_backward(*c.comm, c.rank(), reinterpret_cast<const void*>(expert_out), expert_rows, d,
                                reinterpret_cast<const float*>(weights), reinterpret_cast<const void*>(dout),
                                reinterpret_cast<void*>(d_expert_out), reinterpret_cast<float*>(d_weights),
                                moe_shape(shape), parse_dtype(dtype), c.stream(stream));

@@ -805,14 +805,15 @@ def _moe_combine_backward(dout: Tensor, expert_out: Tensor, row_of: Tensor, kept
         return expert_out.new_zeros(expert_out.shape), weights.new_zeros((tokens, top_k))
     native = _native(comm)
     dtype = DTYPES[expert_out.dtype]
-    area = torch.from_dlpack(_weft.moe_combine_input(native, tuple(shape), dtype))
-    if expert_out.data_ptr() != area.data_ptr():
-        area[:expert_out.shape[0]].copy_(expert_out)
+    # expert_out is copied where the peers read it (the team's combine area) by the op itself, after a meeting:
+    # a copy here could land while a peer's earlier combine (e.g. the next layer's dispatch backward) still
+    # reads that area.
+    expert_out = expert_out.contiguous()
     grad = torch.from_dlpack(_weft.moe_combine_grad_input(native, tuple(shape), dtype))
     d_weights = weights.new_empty((tokens, top_k))
-    _weft.moe_combine_backward(native, area.data_ptr(), row_of.data_ptr(), kept.data_ptr(), weights.data_ptr(),
-                               dout.data_ptr(), grad.data_ptr(), d_weights.data_ptr(), tuple(shape), dtype,
-                               _stream(dout))
+    _weft.moe_combine_backward(native, expert_out.data_ptr(), expert_out.shape[0], row_of.data_ptr(),
+                               kept.data_ptr(), weights.data_ptr(), dout.data_ptr(), grad.data_ptr(),
+                               d_weights.data_ptr(), tuple(shape), dtype, _stream(dout))
     # The gradient buffer is the team's (peers write it again in the next combine backward): a copy of its own.
     return grad[:expert_out.shape[0]].clone(), d_weights
 

@@ -1154,18 +1154,15 @@ bool has_slot_tables(const MoeDispatched& dispatched, const MoeShape& shape) {
   return shape.tokens == 0 || (dispatched.row_of != nullptr && dispatched.experts != nullptr);
 }
 
-// What combine and its backward check alike: the shape, dtype, the handle, expert_out where peers read it.
+// What combine and its backward check alike: the shape, dtype, the handle, the weights; the forward's
+// expert_out where peers read it (the backward copies its own there, after a meeting).
 void check_combine(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype,
-                   const MoeDispatched& dispatched, const void* expert_out, const float* weights,
-                   const std::string& where) {
+                   const MoeDispatched& dispatched, const float* weights, const std::string& where) {
   check(shape, rank.world(), where);
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "expert outputs must be bf16 or fp16");
   WEFT_CHECK(has_slot_tables(dispatched, shape), where + "`dispatched` is not a dispatch's handle");
   WEFT_CHECK((dispatched.group_rows != nullptr) == shape.low_latency,
              where + "the handle and the shape disagree on MoeShape::low_latency");
-  const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
-  WEFT_CHECK(comm.in_heap(rank, expert_out, bytes),
-             where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
   if (shape.tokens > 0) ops::check_pointer_alignment(weights, "weights", 4, where);
 }
 }  // namespace
@@ -1184,7 +1181,10 @@ void combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDi
              Plan* plan) {
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_combine", rank), plan);
   const std::string& where = call.where;
-  check_combine(comm, rank, shape, dtype, dispatched, expert_out, weights, where);
+  check_combine(comm, rank, shape, dtype, dispatched, weights, where);
+  const size_t in_bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
+  WEFT_CHECK(comm.in_heap(rank, expert_out, in_bytes),
+             where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
   if (shape.tokens > 0) ops::check_pointer_alignment(out, "out", 16, where);
   stream = call.stream;
   const Sizes z(rank.world(), rank.rank(), shape);
@@ -1216,41 +1216,57 @@ void combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDi
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
-void combine_backward(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
-                      const float* weights, const void* dout, void* d_expert_out, float* d_weights,
-                      const MoeShape& shape, DType dtype, cudaStream_t stream, Plan* plan) {
+void combine_backward(Communicator& comm, Rank& rank, const void* expert_out, int64_t expert_rows,
+                      const MoeDispatched& dispatched, const float* weights, const void* dout,
+                      void* d_expert_out, float* d_weights, const MoeShape& shape, DType dtype,
+                      cudaStream_t stream, Plan* plan) {
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_combine_backward", rank), plan);
   const std::string& where = call.where;
   WEFT_CHECK(!shape.low_latency,
              where +
                  "the low-latency dispatch is for inference: rows of its groups past their counts hold no "
                  "values a weight's gradient may meet");
-  check_combine(comm, rank, shape, dtype, dispatched, expert_out, weights, where);
-  const size_t bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
+  check_combine(comm, rank, shape, dtype, dispatched, weights, where);
+  const int64_t capacity = moe_capacity(rank.world(), shape);
+  const size_t row_bytes = size_t(shape.hidden) * dtype_size(dtype), bytes = size_t(capacity) * row_bytes;
   WEFT_CHECK(comm.in_heap(rank, d_expert_out, bytes),
              where + "d_expert_out must be the buffer moe_combine_grad_input() gives (peers write it)");
+  WEFT_CHECK(expert_rows >= 0 && expert_rows <= capacity,
+             where + "expert_rows must be 0.." + std::to_string(capacity) + " (the capacity), got " +
+                 std::to_string(expert_rows));
+  if (expert_rows > 0) ops::check_pointer_alignment(expert_out, "expert_out", 16, where);
   if (shape.tokens > 0) {
     ops::check_pointer_alignment(dout, "dout", 16, where);
     ops::check_pointer_alignment(d_weights, "d_weights", 4, where);
   }
   stream = call.stream;
+  // The rows the peers read: the forward's combine area (its expert outputs no longer needed there).
+  char* area = call.workspace(round256(bytes), kCombineArea);
   const Sizes z(rank.world(), rank.rank(), shape);
   const int blocks = ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2);
   if (moe_planned(call, "moe_combine_backward",
-                  "d_expert_out zeroed, a meeting, one kernel writing each slot's gradient into its expert's "
-                  "rank (and the weights' gradients), a meeting",
+                  "a meeting, expert_out copied where peers read it and d_expert_out zeroed, a meeting, one "
+                  "kernel writing each slot's gradient into its expert's rank (and the weights' gradients), "
+                  "a meeting",
                   blocks))
     return;
-  // Rows no slot fills keep a zero gradient; every rank has zeroed its buffer and written its expert outputs
-  // before the first meeting, and every push into it is complete after the second.
-  WEFT_CUDA_CHECK(cudaMemsetAsync(d_expert_out, 0, bytes, stream));
+  // The first meeting: every peer's earlier combine, which read this rank's combine area (no meeting ends a
+  // combine), is over, so expert_out may go there; e.g. a model's MoE layers, whose backward runs one
+  // layer's dispatch backward (a combine) and then the next layer's combine backward with no dispatch
+  // between. Rows no slot fills keep a zero gradient; every rank has zeroed its buffer and written its expert
+  // outputs before the second meeting, and every push into it is complete after the third.
   const BarrierSlots meetings = ops::meeting_slots(comm, rank);
+  launch_team_barrier(rank.view(), meetings[0], stream);
+  if (expert_rows > 0 && expert_out != area)
+    WEFT_CUDA_CHECK(
+        cudaMemcpyAsync(area, expert_out, size_t(expert_rows) * row_bytes, cudaMemcpyDeviceToDevice, stream));
+  WEFT_CUDA_CHECK(cudaMemsetAsync(d_expert_out, 0, bytes, stream));
   launch_team_barrier(rank.view(), meetings[0], stream);
   auto launch = [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
     constexpr auto kernel = &combine_backward_tokens<T>;
     detail::preload<kernel>();
-    kernel<<<blocks, 256, 0, stream>>>(rank.view(), static_cast<const T*>(expert_out),
+    kernel<<<blocks, 256, 0, stream>>>(rank.view(), reinterpret_cast<const T*>(area),
                                        static_cast<T*>(d_expert_out), dispatched.experts, dispatched.row_of,
                                        weights, static_cast<const T*>(dout), z.d, d_weights);
   };
@@ -1336,21 +1352,21 @@ void* moe_combine_grad_input(Communicator& comm, Rank& rank, const MoeShape& sha
   return expert_rows_area(comm, rank, shape, dtype, "weft::moe_combine_grad_input", kCombineGradArea);
 }
 
-void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out,
+void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out, int64_t expert_rows,
                           const MoeDispatched& dispatched, const float* weights, const void* dout,
                           void* d_expert_out, float* d_weights, const MoeShape& shape, DType dtype,
                           cudaStream_t stream) {
-  combine_backward(comm, rank, expert_out, dispatched, weights, dout, d_expert_out, d_weights, shape, dtype,
-                   stream, nullptr);
+  combine_backward(comm, rank, expert_out, expert_rows, dispatched, weights, dout, d_expert_out, d_weights,
+                   shape, dtype, stream, nullptr);
 }
 
-Plan moe_combine_backward_plan(Communicator& comm, Rank& rank, const void* expert_out,
+Plan moe_combine_backward_plan(Communicator& comm, Rank& rank, const void* expert_out, int64_t expert_rows,
                                const MoeDispatched& dispatched, const float* weights, const void* dout,
                                void* d_expert_out, float* d_weights, const MoeShape& shape, DType dtype,
                                cudaStream_t stream) {
   Plan plan;
-  combine_backward(comm, rank, expert_out, dispatched, weights, dout, d_expert_out, d_weights, shape, dtype,
-                   stream, &plan);
+  combine_backward(comm, rank, expert_out, expert_rows, dispatched, weights, dout, d_expert_out, d_weights,
+                   shape, dtype, stream, &plan);
   return plan;
 }
 

@@ -230,9 +230,11 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
     dout[r].resize(std::max<int64_t>(T[r], 1) * mc.hidden);
     for (auto& x : dout[r]) x = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 512.f);
   }
+  // expert_out as the caller's own copy on even ranks (the backward copies it where the peers read it,
+  // after its first meeting), the combine area itself on odd ones (no copy).
   struct Backward {
-    DeviceBuffer dout, dw;
-    Backward(size_t ob, size_t wb) : dout(ob), dw(wb) {}
+    DeviceBuffer dout, dw, expert_out;
+    Backward(size_t ob, size_t wb, size_t eb) : dout(ob), dw(wb), expert_out(eb) {}
   };
   std::vector<std::unique_ptr<Backward>> back;
   std::vector<void*> grads(c.num_local());
@@ -245,8 +247,9 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
     s.tokens = T[r];
     grads[i] = moe_combine_grad_input(c, rank, s, DType::kBF16);
     weft::test::poison(c, i, grads[i], grad_bytes);
-    auto b = std::make_unique<Backward>(dout[r].size() * 2, weights[r].size() * 4);
+    auto b = std::make_unique<Backward>(dout[r].size() * 2, weights[r].size() * 4, grad_bytes);
     weft::test::upload(c, i, b->dout.p, dout[r].data(), b->dout.bytes);
+    WEFT_CUDA_CHECK(cudaMemcpy(b->expert_out.p, inputs[i], grad_bytes, cudaMemcpyDeviceToDevice));
     weft::test::poison(c, i, b->dw.p, b->dw.bytes);
     back.push_back(std::move(b));
   }
@@ -258,12 +261,14 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
     s.tokens = T[rank.rank()];
     const float* w = comb[i]->w.as<float>();
     float* dw = back[i]->dw.as<float>();
+    const void* expert_out = rank.rank() % 2 == 0 ? back[i]->expert_out.p : inputs[i];
+    const int64_t rows = got[i].capacity;
     weft::test::keeping_plan(c,
-                             moe_combine_backward_plan(c, rank, inputs[i], got[i], w, back[i]->dout.p,
+                             moe_combine_backward_plan(c, rank, expert_out, rows, got[i], w, back[i]->dout.p,
                                                        grads[i], dw, s, DType::kBF16),
                              [&] {
-                               moe_combine_backward(c, rank, inputs[i], got[i], w, back[i]->dout.p, grads[i],
-                                                    dw, s, DType::kBF16);
+                               moe_combine_backward(c, rank, expert_out, rows, got[i], w, back[i]->dout.p,
+                                                    grads[i], dw, s, DType::kBF16);
                              });
   }
   c.synchronize();
