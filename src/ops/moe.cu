@@ -548,7 +548,10 @@ __global__ void combine_tokens(TeamView team, BarrierSlots slots, const T* exper
   }
   // No meeting at the end: a peer writes its expert outputs again only after its next dispatch, which ends
   // after this rank's next dispatch has begun (the dispatch of record: its meetings; the low-latency one: its
-  // end wait for every rank's done), and this rank begins that only after this kernel.
+  // end wait for every rank's done), and this rank begins that only after this kernel; or, in a backward,
+  // after the first meeting of its next moe_combine_backward (which copies them there itself) or after the
+  // last meeting of one (a dispatch's backward, a combine, copying its rows' gradient there). Two combines
+  // on the area with neither between them would race.
 }
 
 // The combine's backward, one warp per token, slot by slot: where the slot has an expert, d_weights =
@@ -1254,7 +1257,9 @@ void combine_backward(Communicator& comm, Rank& rank, const void* expert_out, in
   // combine), is over, so expert_out may go there; e.g. a model's MoE layers, whose backward runs one
   // layer's dispatch backward (a combine) and then the next layer's combine backward with no dispatch
   // between. Rows no slot fills keep a zero gradient; every rank has zeroed its buffer and written its expert
-  // outputs before the second meeting, and every push into it is complete after the third.
+  // outputs before the second meeting, and every push into it is complete after the third, which also ends
+  // every peer's reads of this rank's combine area: the caller may write it next (the dispatch's backward
+  // copying its rows' gradient there for its combine).
   const BarrierSlots meetings = ops::meeting_slots(comm, rank);
   launch_team_barrier(rank.view(), meetings[0], stream);
   if (expert_rows > 0 && expert_out != area)

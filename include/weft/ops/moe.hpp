@@ -162,13 +162,15 @@ Plan moe_combine_plan(Communicator& comm, Rank& rank, const void* expert_out, co
 //     weights[t, j] * dout[t]; rows no slot fills hold zeros;
 //   d_weights [tokens, top_k] fp32: <dout[t], the expert output of slot j> (0 for a dropped slot).
 // expert_out: the forward's expert outputs, [expert_rows, hidden] of dtype in dispatched.rows' layout
-// (expert_rows: the capacity, or the exact-count rows in use), in any device memory (not written): the call
-// first meets the team, so that every peer's earlier combine has stopped reading this rank's combine area
-// (no meeting ends a combine), then copies them there (moe_combine_input()'s buffer) for the peers to
-// read (passing that buffer itself skips the copy; written there by the caller, it races with a peer's
-// earlier combine unless a dispatch came between). Every rank calls it (single-process: once per local rank).
-// The gradient of the dispatched rows' tokens is then moe_combine of their gradient with weights 1 (the
-// dispatch's backward).
+// (expert_rows: the capacity, or the exact-count rows in use), in any device memory (16-byte aligned; not
+// written): the call first meets the team, so that every peer's earlier combine has stopped reading this
+// rank's combine area (no meeting ends a combine), then copies them there (moe_combine_input()'s buffer,
+// whose contents it overwrites) for the peers to read (passing that buffer itself skips the copy; written
+// there by the caller, it races with a peer's earlier combine unless a dispatch or another
+// moe_combine_backward came between). Its last meeting ends every peer's reads of the area: a moe_combine
+// may write its input there next. Every rank calls it (single-process: once per local rank). The gradient
+// of the dispatched rows' tokens is then moe_combine of their gradient with weights 1 (the dispatch's
+// backward).
 void* moe_combine_grad_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype);
 void moe_combine_backward(Communicator& comm, Rank& rank, const void* expert_out, int64_t expert_rows,
                           const MoeDispatched& dispatched, const float* weights, const void* dout,
