@@ -107,7 +107,10 @@ _REDUCIBLE = (torch.bfloat16, torch.float16, torch.float32)
 # at a time (they share the rank's workspace and meeting slots, and every rank must run them in one order),
 # while torch's callers issue them from several streams (FSDP2: all-gathers and reduce-scatters on streams of
 # their own, overlapping by design); so each call first makes its stream wait for the previous one, and the
-# calls run in issue order, as NCCL's do on its one stream per communicator. Under CUDA graph capture the order
+# calls run in issue order, as NCCL's do on its one stream per communicator. weft's own ops called directly
+# (weft.moe_layer, the fused matmuls, ...) on the same team are not ordered by it: they share the workspace
+# and meeting slots, so run them on the stream of the backend's collectives, or on a sub-team of their own
+# (a DeviceMesh dimension), not beside a collective on another stream. Under CUDA graph capture the order
 # holds among the calls of one capture (a stream may wait only for events of its own capture): events are kept
 # per (device, capture id; 0: none). A graph's replay is ordered against other weft calls by its caller.
 _LAST = {}  # (device, capture id) -> event
