@@ -48,6 +48,7 @@ struct Context {
   std::string cp_methods;                 // --cp-methods all-gather,ring,ulysses: context_attention's methods
   int pipeline_pieces = 0;                // --pipeline-pieces n: FusedOptions::pipeline_pieces
   int ag_tile_n = 0;                      // --ag-tile-n 128|256: FusedOptions::tile_n (0: auto)
+  int rs_store_ring = 0;                  // --rs-store-ring 2|5: FusedOptions::store_ring (0: auto)
   int ag_comm_blocks = 0;                 // --ag-comm-blocks n: FusedOptions::comm_blocks (0: helper warps)
   std::string timeline_dir;               // --timeline DIR: modes that can record one call's timeline there
   std::vector<Table> tables;

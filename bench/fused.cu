@@ -114,6 +114,7 @@ void run_fused(Context& ctx) {
   weft_options.pipeline_pieces = ctx.pipeline_pieces;
   weft_options.comm_blocks = ctx.ag_comm_blocks;
   weft_options.tile_n = ctx.ag_tile_n;
+  weft_options.store_ring = ctx.rs_store_ring;
   auto wanted = [&](Op op) {
     return ctx.fused_ops.empty() || ctx.fused_ops.find(op == Op::kAG   ? "ag"
                                                        : op == Op::kRS ? "rs"

@@ -34,6 +34,7 @@ int usage(int code) {
       "and\n"
       "                              the counted RS / AR's: added at owner, staged progressive)\n"
       "  --ag-tile-n 128|256         FusedOptions::tile_n (all_gather_matmul's fused tiles; default auto)\n"
+      "  --rs-store-ring 2|5         FusedOptions::store_ring (the fused RS / AR storers' ring of chunks)\n"
       "  --timeline DIR              fused / decode / moe / flash_decode: also record one call of each\n"
       "                              row's weft paths with in-kernel timestamps: DIR/<op>_<shape>.csv and a\n"
       "                              summary table per call (scripts/plot_timeline.py draws the CSV)\n"
@@ -97,6 +98,7 @@ bool set_developer_flag(Context& ctx, const std::string& flag, const std::string
   if (flag == "--pipeline-pieces") ctx.pipeline_pieces = static_cast<int>(n);
   if (flag == "--ag-comm-blocks") ctx.ag_comm_blocks = static_cast<int>(n);
   if (flag == "--ag-tile-n") return (n == 128 || n == 256) && (ctx.ag_tile_n = static_cast<int>(n), true);
+  if (flag == "--rs-store-ring") return (n == 2 || n == 5) && (ctx.rs_store_ring = static_cast<int>(n), true);
   return true;
 }
 
@@ -122,7 +124,7 @@ int main(int argc, char** argv) {
       (a == "--gpus" ? ctx.gpus : ctx.ranks) = v;
     } else if (a == "--ar-algo" || a == "--flow" || a == "--fused-ops" || a == "--min-bytes" ||
                a == "--max-bytes" || a == "--fused-m" || a == "--pipeline-pieces" || a == "--cp-methods" ||
-               a == "--ag-comm-blocks" || a == "--ag-tile-n" || a == "--timeline") {
+               a == "--ag-comm-blocks" || a == "--ag-tile-n" || a == "--rs-store-ring" || a == "--timeline") {
       if (i + 1 >= argc) {
         std::fprintf(stderr, "weft-bench: %s takes a value\n", a.c_str());
         return 2;

@@ -671,6 +671,8 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
                 "the staged sums' buffers must fit a communicator block's shared memory");
   if (counted)
     launch_rs_as<ops::RsGemmOp<kKMajor, 1, true>>(c, maps, out, m, n, o, all_reduce);
+  else if (o.store_ring == 5)
+    launch_rs_as<ops::RsGemmOp<kKMajor, 1, false, true>>(c, maps, out, m, n, o, all_reduce);
   else
     launch_rs_as<ops::RsGemmOp<kKMajor, 1, false>>(c, maps, out, m, n, o, all_reduce);
 }
@@ -702,6 +704,8 @@ Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const 
   WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 32, c.where + "options.comm_blocks must be 0..32");
   WEFT_CHECK(o.tile_n == 0 || o.tile_n == 128 || o.tile_n == 256,
              c.where + "options.tile_n must be 0 (auto), 128 or 256, not " + std::to_string(o.tile_n));
+  WEFT_CHECK(o.store_ring == 0 || o.store_ring == 2 || o.store_ring == 5,
+             c.where + "options.store_ring must be 0 (auto), 2 or 5, not " + std::to_string(o.store_ring));
   const int W = c.rank.world();
   Choice plan;
   if (op == FusedOp::kAllGatherMatmul) {

@@ -135,8 +135,11 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   const uint64_t way = (seed / 2 + seed / 12) % 3;
   if (op != Op::kAG && way == 1) o.partials = FusedOptions::Partials::kAddedAtOwner;
   if (op != Op::kAG && way == 2) o.partials = FusedOptions::Partials::kStagedProgressive;
+  // The staged way with the storers' wide ring (FusedOptions::store_ring 5) in every other such pair.
+  if (op != Op::kAG && way == 0 && seed / 6 % 2) o.store_ring = 5;
   const char* partials = o.partials == FusedOptions::Partials::kAddedAtOwner        ? " added at owner"
                          : o.partials == FusedOptions::Partials::kStagedProgressive ? " staged, progressive"
+                         : o.store_ring == 5                                        ? " staged, wide ring"
                                                                                     : "";
   if (std::getenv("WEFT_TEST_VERBOSE"))
     std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d%s\n", int(op),

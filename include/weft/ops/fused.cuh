@@ -39,6 +39,8 @@
 //             staged, counted as added, and the communicator blocks sum each completed half's W slots
 //             (sum_staged_half, in the staged reduce's order) into out, or every rank's out.
 #pragma once
+#include <type_traits>
+
 #include "weft/comm/barrier.cuh"
 #include "weft/comm/call_epoch.cuh"
 #include "weft/comm/signal.cuh"
@@ -435,10 +437,14 @@ struct ReduceScatterC : Gemm {
   }
 };
 
-// The storers ring two output chunks a warpgroup (TmaStoreEpilogue's default); a ring of five for three
-// pipeline stages instead of four (GemmOp<..., 256, 3, 5>) lets a tile's four chunks to peers leave without
-// waiting on each other, not yet measured against this one.
-template <bool kBKMajor, int kCluster, bool kCounted = false>
-using RsGemmOp = ReduceScatterC<GemmOp<__nv_bfloat16, kBKMajor, kCluster>, kCounted>;
+// The storers ring two output chunks a warpgroup (TmaStoreEpilogue's default); kWideRing: a ring of five for
+// three pipeline stages instead of four (GemmOp<..., 256, 3, 5>), so that a tile's four chunks to peers leave
+// without waiting on each other (a store reads its buffer only as fast as the link takes it):
+// FusedOptions::store_ring, while the two are measured.
+template <bool kBKMajor, int kCluster, bool kCounted = false, bool kWideRing = false>
+using RsGemmOp =
+    ReduceScatterC<std::conditional_t<kWideRing, GemmOp<__nv_bfloat16, kBKMajor, kCluster, 256, 3, 5>,
+                                      GemmOp<__nv_bfloat16, kBKMajor, kCluster>>,
+                   kCounted>;
 
 }  // namespace weft::ops

@@ -90,6 +90,10 @@ struct FusedOptions {
   //                  rank's out (AR, symmetric out); where that cannot run (halves past their flags, an AR
   //                  out outside the heap), kStaged
   enum class Partials { kStaged, kAddedAtOwner, kStagedProgressive } partials = Partials::kStaged;
+  // The fused RS / AR kernel's storers (kStaged): the ring of output chunks a consumer warpgroup, 0 (auto: 2)
+  // or 5 (with three pipeline stages instead of four: a tile's chunks to peers leave without waiting on each
+  // other); the same on every rank. A developer option while the two are measured.
+  int store_ring = 0;
 };
 
 FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
