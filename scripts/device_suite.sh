@@ -44,6 +44,10 @@
 # The 4-GPU times above predate the faster host references. With them (4 x H200, code 372223a, bench/RESULTS.md "The
 # GPU suite at 4 GPUs, every step, on one commit") the four calls took: 1. 159 s (build 97 s on the fresh machine
 # before it); 2. 332 s; 3. 301 s; 4. 145 s: ~1030 s of device time with the machine's start, every step of run.sh.
+# On 4 x H200 (code 687be33, bench/RESULTS.md "The GPU suite's 4-GPU steps on 687be33"), call 2's steps one
+# run.sh pattern at a time on a warm machine: "single-process, 4" 131 s; "multi-process, 4" 144 s; "fake nodes:
+# 2 x 2", "python (torchrun), 4" and "backend 'weft' (torchrun), 4" 62 s together; "fake nodes of 2",
+# "tp_mlp.py trains (torchrun), 4" and "train_transformer.py (torchrun), 4" 85 s together.
 # WEFT_SUITE_QUICK=1 runs the real-GPU team steps with fewer sizes. Keep the device call's own output unpiped (or write it under $OUT): a call cut by its time limit
 # returns only what was printed, and `| tail` prints nothing until its input ends.
 set -u
