@@ -370,15 +370,18 @@ void bind_comm(py::module_& m) {
       .def_property_readonly("rank", [](const Comm& c) { return c.rank().rank(); })
       .def_property_readonly("world_size", [](const Comm& c) { return c.rank().world(); })
       // The sub-team of `size` ranks `stride` apart holding this rank (Communicator::subteam: size x stride
-      // divides the world size); ops called with it run over that sub-team.
-      .def("subteam",
-           [](const Comm& c, int size, int stride) {
-             if (c.sub) throw weft::Error("weft: subteam of a sub-team: split the team's own communicator");
-             Comm s = c;
-             weft::Rank& r = c.comm->subteam(c.comm->local(c.index), size, stride);
-             s.sub = &r == &c.comm->local(c.index) ? nullptr : &r;
-             return s;
-           })
+      // divides the world size; lane >= 1: another instance with resources of its own); ops called with it
+      // run over that sub-team.
+      .def(
+          "subteam",
+          [](const Comm& c, int size, int stride, int lane) {
+            if (c.sub) throw weft::Error("weft: subteam of a sub-team: split the team's own communicator");
+            Comm s = c;
+            weft::Rank& r = c.comm->subteam(c.comm->local(c.index), size, stride, lane);
+            s.sub = &r == &c.comm->local(c.index) ? nullptr : &r;
+            return s;
+          },
+          py::arg("size"), py::arg("stride") = 1, py::arg("lane") = 0)
       .def_property_readonly("is_subteam", [](const Comm& c) { return c.sub != nullptr; })
       .def_property_readonly("device", [](const Comm& c) { return c.rank().device(); })
       .def_property_readonly("local_ranks", [](const Comm& c) { return c.comm->num_local(); })

@@ -239,6 +239,24 @@ class NoGpu(unittest.TestCase):
         # all_to_all_v's counts are int64 torch tensors: other callers are told so.
         self.raises(TypeError, "takes torch tensors", weft.all_to_all_v, x, FakeTensor((4,)), 8, comm=self.comm)
 
+    def test_subteam_lanes(self):
+        """Communicator.subteam's lane: refused below 0 or not an int before anything reaches C++; a lane is its
+        own sub-team (asked once per (size, stride, lane)), lane 0 of the whole team as before."""
+        self.raises(ValueError, "lane must be 0 or more", self.comm.subteam, 4, 1, -1)
+        self.raises(ValueError, "must be ints", self.comm.subteam, 4, 1, 1.0)
+        asked = []
+
+        class Native(FakeNative):
+            def subteam(self, size, stride, lane):
+                asked.append((size, stride, lane))
+                return FakeNative()
+
+        comm = weft.Communicator(Native())
+        one, again = comm.subteam(4, 1, 1), comm.subteam(4, 1, 1)
+        self.assertIs(one, again)
+        self.assertIsNot(comm.subteam(4, 1, 2), one)
+        self.assertEqual(asked, [(4, 1, 1), (4, 1, 2)])
+
     def test_process_groups_map_to_subteams(self):
         """A torch ProcessGroup's ranks map to weft's sub-team shape (size, stride): a 2 x 4 mesh's rows and
         columns on a team of 8; other rank sets are refused with the reason."""

@@ -257,7 +257,8 @@ def moe_combine(expert_out, dispatched, weights):
     expert_out's gradient is weights[t, j] * dout[t] at each slot's row (zeros elsewhere), the weights'
     <dout[t], the slot's expert output> (weft.moe_combine_backward's kernel, rows read and written on the
     experts' ranks). Combines of one team run one dispatch apart: two micro-batches interleaved (dispatch A,
-    dispatch B, combine A, combine B) are not supported yet (a peer may still read A's outputs when B's land)."""
+    dispatch B, combine A, combine B) go on two lanes of the team (B's comm=comm.subteam(comm.world_size,
+    lane=1)), else B's rows and outputs land on A's."""
     where = "weft.moe_combine"
     if not isinstance(dispatched, MoeDispatch):
         raise WeftTypeError(f"{where}: pass what weft.moe_dispatch returned")

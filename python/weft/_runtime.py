@@ -464,22 +464,29 @@ class Communicator:
         communicators = _w._communicators
         self._id = len(communicators)
         communicators[self._id] = self
-        self._subteams = {}  # (size, stride) -> Communicator
+        self._subteams = {}  # (size, stride, lane) -> Communicator
         self._groups = {}  # torch ProcessGroup -> sub-team Communicator
         self._parent = None  # a sub-team's team
 
-    def subteam(self, size: int, stride: int = 1) -> "Communicator":
+    def subteam(self, size: int, stride: int = 1, lane: int = 0) -> "Communicator":
         """The sub-team of `size` ranks `stride` apart that holds this rank (ranks first + i * stride, with
         first = rank // (size * stride) * (size * stride) + rank % stride; size x stride must divide the world
         size): ops given it run over those ranks only. Made once per shape; every rank of the team makes the
-        same splits in the same order. Symmetric allocations and the host barrier stay with the whole team."""
-        if not (isinstance(size, int) and isinstance(stride, int)):
-            raise WeftValueError(f"weft: subteam size and stride must be ints, got {size!r}, {stride!r}")
+        same splits in the same order. Symmetric allocations and the host barrier stay with the whole team.
+        lane >= 1: another instance of the split with workspace, flags and meetings of its own (size = the
+        world size: the whole team again), for work in flight at once with lane 0's on the same ranks, e.g.
+        two micro-batches' MoE layers interleaved (dispatch A, dispatch B, combine A, combine B): run B's on
+        comm.subteam(comm.world_size, lane=1)."""
+        if not all(isinstance(v, int) for v in (size, stride, lane)):
+            raise WeftValueError(f"weft: subteam size, stride and lane must be ints, got {size!r}, {stride!r}, "
+                                 f"{lane!r}")
+        if lane < 0:
+            raise WeftValueError(f"weft: a sub-team's lane must be 0 or more, got {lane}")
         if self._parent is not None:
             raise WeftValueError("weft: subteam of a sub-team: split the team's own communicator")
-        key = (size, stride)
+        key = (size, stride, lane)
         if key not in self._subteams:
-            sub = Communicator(self._c.subteam(size, stride))
+            sub = Communicator(self._c.subteam(size, stride, lane))
             sub._parent = self
             self._subteams[key] = sub
         return self._subteams[key]

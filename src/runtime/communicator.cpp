@@ -479,15 +479,16 @@ void Communicator::grant_declared_resources() {
   }
 }
 
-Rank& Communicator::subteam(Rank& rank, int size, int stride) {
+Rank& Communicator::subteam(Rank& rank, int size, int stride, int lane) {
   const Rank& base = rank.team_rank();
   WEFT_CHECK(&base == &rank, "weft: Communicator::subteam of a sub-team's rank: split the team's own rank");
   WEFT_CHECK(size >= 1 && stride >= 1 && world_ % (int64_t(size) * stride) == 0,
              "weft: a sub-team of " + std::to_string(size) + " ranks " + std::to_string(stride) +
                  " apart does not tile a team of " + std::to_string(world_) +
                  " (size x stride must divide the world size)");
-  if (size == world_) return rank;
-  std::unique_ptr<Rank>& sub = subteams_[{&base, size, stride}];
+  WEFT_CHECK(lane >= 0, "weft: a sub-team's lane must be 0 or more, got " + std::to_string(lane));
+  if (size == world_ && lane == 0) return rank;
+  std::unique_ptr<Rank>& sub = subteams_[{&base, size, stride, lane}];
   if (sub) return *sub;
   sub = std::make_unique<Rank>();
   const int r = base.rank(), block = size * stride;
@@ -503,7 +504,8 @@ Rank& Communicator::subteam(Rank& rank, int size, int stride) {
   sub->view_.peer_stride = stride;
   for (int i = 0; i < size; ++i) sub->heap_of_.push_back(base.heap_of_[first + i * stride]);
   sub->team_rank_ = &base;
-  sub->scope_ = " [sub-teams of " + std::to_string(size) + ", stride " + std::to_string(stride) + "]";
+  sub->scope_ = " [sub-teams of " + std::to_string(size) + ", stride " + std::to_string(stride) +
+                (lane > 0 ? ", lane " + std::to_string(lane) : "") + "]";
   return *sub;
 }
 

@@ -766,6 +766,111 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
   }
 }
 
+// Two micro-batches interleaved on two lanes of the team (Communicator::subteam(rank, W, 1, 1)): dispatch A,
+// dispatch B, the experts (identity: each dispatch's rows into its lane's combine input), combine A, combine
+// B, all queued with no host wait. Each lane has its own areas and flags, so B's rows and outputs do not land
+// on A's; on one lane, dispatch B would overwrite A's rows before A's experts read them. Both outputs against
+// the host's fp32 weighted sums of the tokens.
+WEFT_GPU_TEST(moe_interleaved_micro_batches_on_lanes) {
+  Communicator& c = ctx.comm();
+  const int W = c.world(), per = 2, E = per * W, top_k = 2;
+  const int64_t hidden = 264;  // a whole 256-column chunk and a short one
+  std::mt19937_64 g(919);
+  struct Batch {
+    std::vector<int64_t> T;
+    std::vector<std::vector<int32_t>> experts;
+    std::vector<std::vector<__nv_bfloat16>> tokens;
+    std::vector<std::vector<float>> weights;
+  };
+  Batch batch[2];
+  for (int b = 0; b < 2; ++b) {
+    Batch& x = batch[b];
+    x.T.resize(W);
+    x.experts.resize(W);
+    x.tokens.resize(W);
+    x.weights.resize(W);
+    for (int r = 0; r < W; ++r) {
+      x.T[r] = b == 0 ? 17 + 3 * r : 40 - 2 * r;
+      for (int64_t t = 0; t < x.T[r] * top_k; ++t)
+        x.experts[r].push_back(g() % 10 == 0 ? -1 : int32_t(g() % E));
+      x.tokens[r].resize(std::max<int64_t>(x.T[r], 1) * hidden);
+      for (auto& v : x.tokens[r]) v = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 64.f);
+      x.weights[r].resize(std::max<int64_t>(x.T[r], 1) * top_k);
+      for (auto& w : x.weights[r]) w = float(g() % 1000) / 1000.f;
+    }
+  }
+  struct Local {
+    DeviceBuffer tok, exp, ws, w, out;
+  };
+  std::vector<std::unique_ptr<Local>> local[2];
+  std::vector<MoeShape> shapes[2];
+  for (int b = 0; b < 2; ++b)
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+      const Batch& x = batch[b];
+      MoeShape s{x.T[r], *std::max_element(x.T.begin(), x.T.end()), hidden, E, top_k, 128};
+      shapes[b].push_back(s);
+      local[b].push_back(std::unique_ptr<Local>(new Local{
+          DeviceBuffer(x.tokens[r].size() * 2), DeviceBuffer(std::max<size_t>(x.experts[r].size(), 1) * 4),
+          DeviceBuffer(moe_dispatch_workspace_bytes(W, s)), DeviceBuffer(x.weights[r].size() * 4),
+          DeviceBuffer(x.tokens[r].size() * 2)}));
+      Local& l = *local[b].back();
+      weft::test::upload(c, i, l.tok.p, x.tokens[r].data(), l.tok.bytes);
+      if (!x.experts[r].empty())
+        weft::test::upload(c, i, l.exp.p, x.experts[r].data(), x.experts[r].size() * 4);
+      weft::test::upload(c, i, l.w.p, x.weights[r].data(), l.w.bytes);
+      weft::test::poison(c, i, l.out.p, l.out.bytes);
+    }
+  c.host_barrier();
+  const auto lane_rank = [&](int i, int b) -> Rank& { return c.subteam(c.local(i), W, 1, b); };
+  std::vector<MoeDispatched> got[2];
+  for (int b = 0; b < 2; ++b)  // dispatch A on lane 0, then dispatch B on lane 1
+    for (int i = 0; i < c.num_local(); ++i) {
+      Rank& rank = lane_rank(i, b);
+      WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+      Local& l = *local[b][i];
+      got[b].push_back(moe_dispatch(c, rank, l.tok.p, l.exp.as<int32_t>(), shapes[b][i], l.ws.p, l.ws.bytes,
+                                    DType::kBF16, rank.stream()));
+    }
+  for (int b = 0; b < 2; ++b)  // the experts: each lane's rows as its outputs
+    for (int i = 0; i < c.num_local(); ++i) {
+      Rank& rank = lane_rank(i, b);
+      WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+      void* in = moe_combine_input(c, rank, shapes[b][i], DType::kBF16);
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(in, got[b][i].rows, size_t(got[b][i].capacity) * hidden * 2,
+                                      cudaMemcpyDeviceToDevice, rank.stream()));
+    }
+  for (int b = 0; b < 2; ++b)  // combine A, then combine B
+    for (int i = 0; i < c.num_local(); ++i) {
+      Rank& rank = lane_rank(i, b);
+      WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+      Local& l = *local[b][i];
+      moe_combine(c, rank, moe_combine_input(c, rank, shapes[b][i], DType::kBF16), got[b][i], l.w.as<float>(),
+                  l.out.p, shapes[b][i], DType::kBF16, rank.stream());
+    }
+  c.synchronize();
+  for (int b = 0; b < 2; ++b)
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      const Batch& x = batch[b];
+      std::vector<__nv_bfloat16> out(x.tokens[r].size());
+      weft::test::download(c, i, out.data(), local[b][i]->out.p, out.size() * 2);
+      int64_t bad = 0;
+      for (int64_t t = 0; t < x.T[r]; ++t)
+        for (int64_t h = 0; h < hidden; ++h) {
+          float acc = 0.f;
+          for (int j = 0; j < top_k; ++j)
+            if (x.experts[r][t * top_k + j] >= 0)
+              acc += x.weights[r][t * top_k + j] * __bfloat162float(x.tokens[r][t * hidden + h]);
+          const float o = __bfloat162float(out[t * hidden + h]);
+          bad += !(std::fabs(o - acc) <= 1e-2f * std::max(1.f, std::fabs(acc)));
+        }
+      WEFT_EXPECT(bad == 0, "micro-batch " << (b ? "B (lane 1)" : "A (lane 0)") << ", rank " << r << ": "
+                                           << bad << " values differ from the host's weighted sums");
+    }
+}
+
 WEFT_GPU_TEST(moe_dispatch_argument_errors) {
   Communicator& c = ctx.comm();
   Rank& rank = c.local(0);

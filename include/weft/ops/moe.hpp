@@ -148,9 +148,10 @@ Plan moe_dispatch_fp8_plan(Communicator& comm, Rank& rank, const void* tokens, c
 // `dispatched` is the dispatch's handle (its row_of), weights [tokens, top_k] fp32 and out [tokens, hidden]
 // device memory. Every rank calls it (single-process: once per local rank) after writing its experts'
 // outputs on the same stream. No meeting ends a combine (peers may still read this rank's area after its
-// kernel): write the area again only after a dispatch or a moe_combine_backward of the team. So two
-// micro-batches interleaved (dispatch A, dispatch B, combine A, combine B: two-batch overlap) are not
-// supported yet: combine B's outputs could land while a peer still reads A's.
+// kernel): write the area again only after a dispatch or a moe_combine_backward of the team. Two
+// micro-batches interleaved (dispatch A, dispatch B, combine A, combine B: two-batch overlap) run on two
+// lanes of the team (Communicator::subteam(rank, W, 1, 1) for B: areas and flags of its own); on one lane
+// B's rows and outputs would land on A's.
 void* moe_combine_input(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype);
 void moe_combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDispatched& dispatched,
                  const float* weights, void* out, const MoeShape& shape, DType dtype,

@@ -147,8 +147,14 @@ class Communicator {
   // split (size, stride) is granted flags, barrier slots and workspace areas of its own, under the names
   // suffixed with Rank::scope(), which its disjoint sub-teams share (no rank belongs to two of them). Ops on
   // a sub-team must be called by every rank of the team, in the same order (the grants are collective).
-  // The Rank lives as long as the communicator; size == W (stride 1) gives `rank` itself.
-  Rank& subteam(Rank& rank, int size, int stride = 1);
+  // The Rank lives as long as the communicator; size == W (stride 1) gives `rank` itself. lane k >= 1:
+  // another instance of the split, with flags, barrier slots and workspace areas of its own again (size == W:
+  // the whole team once more), for work in flight at once with lane 0's on the same ranks: e.g. two
+  // micro-batches' MoE dispatch and combine interleaved (dispatch A, dispatch B, combine A, combine B), each
+  // on its own lane, so that neither's rows nor outputs overwrite the other's. A lane's ops are ordered
+  // against another lane's only by the caller's streams. Not split further (hybrid attention's inner splits
+  // need the team's own rank).
+  Rank& subteam(Rank& rank, int size, int stride = 1, int lane = 0);
   uint64_t heap_capacity() const;
   uint64_t heap_granularity() const;
   uint64_t heap_in_use() const;
@@ -275,7 +281,8 @@ class Communicator {
   SymmetricBuffer pad_;
   ResourceRegistry registry_{kFlagWords, kBarrierSlots};
   std::map<std::string, SymmetricBuffer> workspaces_;  // by area name ("": the shared one)
-  std::map<std::tuple<const Rank*, int, int>, std::unique_ptr<Rank>> subteams_;  // (rank, size, stride)
+  std::map<std::tuple<const Rank*, int, int, int>, std::unique_ptr<Rank>>
+      subteams_;  // (rank, size, stride, lane)
   std::vector<SymmetricBuffer>
       retired_workspaces_;         // outgrown with several local ranks: freed by synchronize()
   std::atomic<bool> captured_{false};  // an op has been captured into a CUDA graph (note_capture)
