@@ -1237,7 +1237,7 @@ void combine_backward(Communicator& comm, Rank& rank, const void* expert_out, in
   WEFT_CHECK(expert_rows >= 0 && expert_rows <= capacity,
              where + "expert_rows must be 0.." + std::to_string(capacity) + " (the capacity), got " +
                  std::to_string(expert_rows));
-  if (expert_rows > 0) ops::check_pointer_alignment(expert_out, "expert_out", 16, where);
+  if (expert_rows > 0) call.check_buffer(expert_out, "expert_out", uint64_t(expert_rows) * row_bytes);
   if (shape.tokens > 0) {
     ops::check_pointer_alignment(dout, "dout", 16, where);
     ops::check_pointer_alignment(d_weights, "d_weights", 4, where);
@@ -1245,6 +1245,10 @@ void combine_backward(Communicator& comm, Rank& rank, const void* expert_out, in
   stream = call.stream;
   // The rows the peers read: the forward's combine area (its expert outputs no longer needed there).
   char* area = call.workspace(round256(bytes), kCombineArea);
+  const char* from = static_cast<const char*>(expert_out);
+  WEFT_CHECK(
+      expert_rows == 0 || from == area || from + expert_rows * row_bytes <= area || from >= area + bytes,
+      where + "expert_out overlaps the combine area (moe_combine_input()) without starting there");
   const Sizes z(rank.world(), rank.rank(), shape);
   const int blocks = ops::collective_blocks(rank, uint64_t(shape.max_tokens) * shape.hidden * 2);
   if (moe_planned(call, "moe_combine_backward",

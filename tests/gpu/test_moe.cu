@@ -230,8 +230,9 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
     dout[r].resize(std::max<int64_t>(T[r], 1) * mc.hidden);
     for (auto& x : dout[r]) x = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 512.f);
   }
-  // expert_out as the caller's own copy on even ranks (the backward copies it where the peers read it,
-  // after its first meeting), the combine area itself on odd ones (no copy).
+  // expert_out as the caller's own buffer on even ranks, of the rows in use only, with the combine area
+  // poisoned (only the op's copy, after its first meeting, puts the outputs where the peers read them), the
+  // combine area itself on odd ones (no copy).
   struct Backward {
     DeviceBuffer dout, dw, expert_out;
     Backward(size_t ob, size_t wb, size_t eb) : dout(ob), dw(wb), expert_out(eb) {}
@@ -239,6 +240,7 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
   std::vector<std::unique_ptr<Backward>> back;
   std::vector<void*> grads(c.num_local());
   const size_t grad_bytes = size_t(got[0].capacity) * mc.hidden * 2;
+  c.host_barrier();  // every rank's combine over: its reads of the areas poisoned below are done
   for (int i = 0; i < c.num_local(); ++i) {
     Rank& rank = c.local(i);
     const int r = rank.rank();
@@ -249,7 +251,11 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
     weft::test::poison(c, i, grads[i], grad_bytes);
     auto b = std::make_unique<Backward>(dout[r].size() * 2, weights[r].size() * 4, grad_bytes);
     weft::test::upload(c, i, b->dout.p, dout[r].data(), b->dout.bytes);
-    WEFT_CUDA_CHECK(cudaMemcpy(b->expert_out.p, inputs[i], grad_bytes, cudaMemcpyDeviceToDevice));
+    if (r % 2 == 0) {
+      if (L.rows[r] > 0)
+        weft::test::upload(c, i, b->expert_out.p, y[r].data(), size_t(L.rows[r]) * mc.hidden * 2);
+      weft::test::poison(c, i, inputs[i], grad_bytes);
+    }
     weft::test::poison(c, i, b->dw.p, b->dw.bytes);
     back.push_back(std::move(b));
   }
@@ -261,8 +267,9 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
     s.tokens = T[rank.rank()];
     const float* w = comb[i]->w.as<float>();
     float* dw = back[i]->dw.as<float>();
-    const void* expert_out = rank.rank() % 2 == 0 ? back[i]->expert_out.p : inputs[i];
-    const int64_t rows = got[i].capacity;
+    const bool own = rank.rank() % 2 == 0;
+    const void* expert_out = own ? back[i]->expert_out.p : inputs[i];
+    const int64_t rows = own ? L.rows[rank.rank()] : got[i].capacity;
     weft::test::keeping_plan(c,
                              moe_combine_backward_plan(c, rank, expert_out, rows, got[i], w, back[i]->dout.p,
                                                        grads[i], dw, s, DType::kBF16),
