@@ -757,11 +757,15 @@ def _moe_combine(expert_out: Tensor, row_of: Tensor, kept: Tensor, weights: Tens
         return out.zero_()
     native = _native(comm)
     dtype = DTYPES[expert_out.dtype]
-    # The outputs are read by the ranks that sent the tokens: from the team's symmetric combine area.
-    area = torch.from_dlpack(_weft.moe_combine_input(native, tuple(shape), dtype))
-    if expert_out.data_ptr() != area.data_ptr():
-        area[:expert_out.shape[0]].copy_(expert_out)  # exact-count rows: the used rows only
-    _weft.moe_combine(native, area.data_ptr(), row_of.data_ptr(), kept.data_ptr(), weights.data_ptr(),
+    # The outputs are read by the ranks that sent the tokens: from the team's symmetric combine area. A
+    # low-latency handle's are copied there by the op (the rows its groups received, not the capacity).
+    src = expert_out.data_ptr()
+    if not group_rows.numel():
+        area = torch.from_dlpack(_weft.moe_combine_input(native, tuple(shape), dtype))
+        if src != area.data_ptr():
+            area[:expert_out.shape[0]].copy_(expert_out)  # exact-count rows: the used rows only
+        src = area.data_ptr()
+    _weft.moe_combine(native, src, row_of.data_ptr(), kept.data_ptr(), weights.data_ptr(),
                       out.data_ptr(), tuple(shape), dtype, _stream(expert_out),
                       group_rows.data_ptr() if group_rows.numel() else 0)
     return out

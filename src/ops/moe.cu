@@ -599,6 +599,16 @@ __global__ void combine_backward_tokens(TeamView team, const T* expert_out, T* d
     }
 }
 
+// A low-latency handle's expert outputs from the caller's buffer into the combine area: of each group
+// (blockIdx.y; `group` rows apart) only the rows it received (group_rows, read here), 16 bytes a thread.
+__global__ void copy_received_rows(const uint4* from, uint4* to, const int32_t* group_rows, int64_t group,
+                                   int64_t row_vecs) {
+  const int64_t base = int64_t(blockIdx.y) * group * row_vecs, n = int64_t(group_rows[blockIdx.y]) * row_vecs;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    to[base + i] = from[base + i];
+}
+
 // The fused combine's sum, on this rank: out[t] = sum over j of weights[t, j] * staging[t * top_k + j] (the
 // experts' outputs for this rank's slots, pushed here by the scattering GEMM), in fp32 in ascending j as
 // combine_tokens sums. One warp per token, 8 elements per lane at a time.
@@ -1186,11 +1196,21 @@ void combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDi
   const std::string& where = call.where;
   check_combine(comm, rank, shape, dtype, dispatched, weights, where);
   const size_t in_bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
-  WEFT_CHECK(comm.in_heap(rank, expert_out, in_bytes),
-             where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
+  // A low-latency handle's outputs may be anywhere: the rows its groups received are copied into the area
+  // first (its worst-case capacity is most of the rows); the area is written after this call's dispatch, as
+  // the expert GEMM writing there would.
+  const void* input = expert_out;
+  if (shape.low_latency) {
+    input = call.workspace(round256(in_bytes), kCombineLowLatencyArea);
+    ops::check_pointer_alignment(expert_out, "expert_out", 16, where);
+  } else {
+    WEFT_CHECK(comm.in_heap(rank, expert_out, in_bytes),
+               where + "expert_out must be the buffer moe_combine_input() gives (peers read it)");
+  }
   if (shape.tokens > 0) ops::check_pointer_alignment(out, "out", 16, where);
   stream = call.stream;
   const Sizes z(rank.world(), rank.rank(), shape);
+  const bool copy_in = input != expert_out;
   // Sized by the rows it reads (top_k per token), from max_tokens: every rank launches the same grid (its
   // blocks meet their counterparts).
   const int blocks =
@@ -1199,18 +1219,28 @@ void combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDi
   // SMs that a slower peer's expert GEMMs on the same GPU still need.
   const bool shared_gpu = comm.ranks_per_gpu() > 1;
   if (moe_planned(call, "moe_combine",
-                  std::string(shared_gpu ? "a meeting, then " : "") +
+                  std::string(copy_in ? "the received rows copied in, " : "") +
+                      (shared_gpu ? "a meeting, then " : "") +
                       "one kernel: each token's slots read from their experts' ranks and summed",
                   blocks))
     return;
+  const int groups = shape.num_experts / rank.world();
+  if (copy_in && groups > 0) {
+    detail::preload<&copy_received_rows>();
+    const dim3 grid(std::max(1, 4 * rank.sm_budget() / groups), groups);
+    copy_received_rows<<<grid, 256, 0, stream>>>(
+        static_cast<const uint4*>(expert_out), static_cast<uint4*>(const_cast<void*>(input)),
+        dispatched.group_rows, low_latency_group(rank.world(), shape), shape.hidden * dtype_size(dtype) / 16);
+    WEFT_CUDA_CHECK(cudaGetLastError());
+  }
   if (shared_gpu) launch_team_barrier(rank.view(), ops::meeting_slots(comm, rank)[0], stream);
   auto launch = [&](auto* typed_out) {
     using T = std::remove_pointer_t<decltype(typed_out)>;
     constexpr auto kernel = &combine_tokens<T>;
     detail::preload<kernel>();
     kernel<<<blocks, 256, 0, stream>>>(rank.view(), ops::meeting_slots(comm, rank),
-                                       static_cast<const T*>(expert_out), dispatched.experts,
-                                       dispatched.row_of, weights, z.d, typed_out, !shared_gpu);
+                                       static_cast<const T*>(input), dispatched.experts, dispatched.row_of,
+                                       weights, z.d, typed_out, !shared_gpu);
   };
   if (dtype == DType::kFP16)
     launch(static_cast<__half*>(out));

@@ -714,15 +714,21 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
       WEFT_EXPECT(bad == 0, "low latency, call " << call << ", rank " << d << ": " << bad
                                                  << " rows, counts or ends wrong");
     }
-    // Combine over the dispatched rows as the experts' outputs.
+    // Combine over the dispatched rows as the experts' outputs: copied into the combine area on even passes;
+    // on odd ones the dispatch's rows passed as they are, the area poisoned (NaN), so that the op's copy of
+    // the received rows must fill every row the combine reads.
+    const bool copied_by_op = pass % 2 == 1;
     for (int i = 0; i < c.num_local(); ++i) {
       Rank& rank = c.local(i);
       WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
       MoeShape s = base;
       s.tokens = T[rank.rank()];
       void* in = moe_combine_input(c, rank, s, DType::kBF16);
-      WEFT_CUDA_CHECK(cudaMemcpyAsync(in, got[i].rows, size_t(got[i].capacity) * hidden * 2,
-                                      cudaMemcpyDeviceToDevice, rank.stream()));
+      const size_t bytes = size_t(got[i].capacity) * hidden * 2;
+      if (copied_by_op)
+        WEFT_CUDA_CHECK(cudaMemsetAsync(in, 0xff, bytes, rank.stream()));
+      else
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(in, got[i].rows, bytes, cudaMemcpyDeviceToDevice, rank.stream()));
     }
     c.synchronize();
     c.host_barrier();
@@ -731,8 +737,8 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
       WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
       MoeShape s = base;
       s.tokens = T[rank.rank()];
-      moe_combine(c, rank, moe_combine_input(c, rank, s, DType::kBF16), got[i], local[i]->w.as<float>(),
-                  local[i]->out.p, s, DType::kBF16);
+      const void* expert_out = copied_by_op ? got[i].rows : moe_combine_input(c, rank, s, DType::kBF16);
+      moe_combine(c, rank, expert_out, got[i], local[i]->w.as<float>(), local[i]->out.p, s, DType::kBF16);
     }
     c.synchronize();
     // The last call's routing again, four rounds of dispatch and combine back to back with no host wait: the

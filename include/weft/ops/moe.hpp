@@ -144,7 +144,9 @@ Plan moe_dispatch_fp8_plan(Communicator& comm, Rank& rank, const void* tokens, c
 // in fp32 in ascending j (deterministic), rounded once to dtype; a token with every slot dropped gets zeros.
 // The experts' outputs must be where every rank can read them: the buffer moe_combine_input() gives
 // ([capacity, hidden] of dtype in the communicator's workspace area "moe combine", or for a low-latency
-// dispatch's handle an area of its own; e.g. grouped_gemm's c).
+// dispatch's handle an area of its own; e.g. grouped_gemm's c). With a low-latency handle expert_out may
+// also be any device memory in that layout: the rows its groups received (group_rows) are copied there
+// first, not the worst-case capacity.
 // `dispatched` is the dispatch's handle (its row_of), weights [tokens, top_k] fp32 and out [tokens, hidden]
 // device memory. Every rank calls it (single-process: once per local rank) after writing its experts'
 // outputs on the same stream. No meeting ends a combine (peers may still read this rank's area after its
