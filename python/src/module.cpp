@@ -862,7 +862,8 @@ void bind_fp8(py::module_& m) {
       py::arg("stream"));
   // grouped_gemm_fp8 (weft/ops/gemm.hpp): a [rows, K], b [groups, N, K] FP8, block scales, c [rows, N].
   // The FP8 dispatch: returns (packed rows view [capacity, row_bytes] uint8, group_end view, row_of pointer,
-  // experts pointer, capacity, row_bytes).
+  // experts pointer, capacity, row_bytes, group_rows view [experts per rank] int32: the low-latency
+  // dispatch's rows per group, else None).
   m.def("moe_dispatch_fp8_workspace_bytes", [](int world, py::tuple shape) {
     return weft::moe_dispatch_fp8_workspace_bytes(world, moe_shape(shape));
   });
@@ -878,16 +879,21 @@ void bind_fp8(py::module_& m) {
         view_of(c, const_cast<uint8_t*>(d.values), {d.dispatched.capacity, d.row_bytes}, "uint8"),
         view_of(c, const_cast<int32_t*>(d.dispatched.group_end), {per}, "int32"),
         reinterpret_cast<uintptr_t>(d.dispatched.row_of), reinterpret_cast<uintptr_t>(d.dispatched.experts),
-        d.dispatched.capacity, d.row_bytes);
+        d.dispatched.capacity, d.row_bytes,
+        d.dispatched.group_rows
+            ? py::object(py::cast(view_of(c, const_cast<int32_t*>(d.dispatched.group_rows), {per}, "int32")))
+            : py::object(py::none()));
   });
-  // lda: a's row stride in bytes (0: dense); scale_a_stride: floats between rows of scale_a (0: dense).
+  // lda: a's row stride in bytes (0: dense); scale_a_stride: floats between rows of scale_a (0: dense);
+  // group_rows: options.group_rows (0: none).
   m.def("grouped_gemm_fp8", [](int device, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t group_end,
                                int groups, int64_t rows, int64_t n, int64_t k, const std::string& ab_type,
                                uintptr_t scale_a, uintptr_t scale_b, const std::string& c_dtype,
-                               uintptr_t stream, int64_t lda, int64_t scale_a_stride) {
+                               uintptr_t stream, int64_t lda, int64_t scale_a_stride, uintptr_t group_rows) {
     OnDevice on(device);
     weft::GemmOptions o;
     o.lda = lda;
+    o.group_rows = reinterpret_cast<const int32_t*>(group_rows);
     weft::grouped_gemm_fp8(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
                            reinterpret_cast<void*>(c), reinterpret_cast<const int32_t*>(group_end), groups,
                            rows, n, k, parse_fp8(ab_type), reinterpret_cast<const float*>(scale_a),

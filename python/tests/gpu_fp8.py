@@ -117,6 +117,23 @@ def main():
         if not same:
             failures.append(f"grouped_scaled_mm {out_dtype}")
 
+    # group_rows (a low-latency dispatch's fixed groups, partly filled): groups of 256 rows counting 0, 1, 130
+    # and 256; the counted rows get the bits of the same call without group_rows.
+    spans, counts = [256, 512, 768, 1024], [0, 1, 130, 256]
+    xr = torch.randn(1024, 400, device="cuda", generator=g).to(torch.bfloat16)
+    wr = (torch.randn(4, 256, 400, device="cuda", generator=g) / 20).to(torch.bfloat16)
+    qxr, sxr = weft.quantize_fp8(xr, "block", "a")
+    qwr, swr = weft.quantize_fp8(wr.reshape(4 * 256, 400), "block", "b")
+    qwr, swr = qwr.reshape(4, 256, 400), swr.reshape(4, 2, -1)
+    ends_r = torch.tensor(spans, dtype=torch.int32, device="cuda")
+    counted = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    full = weft.grouped_scaled_mm(qxr, qwr, ends_r, sxr, swr)
+    part = weft.grouped_scaled_mm(qxr, qwr, ends_r, sxr, swr, group_rows=counted)
+    same = all(torch.equal(part[e * 256:e * 256 + c], full[e * 256:e * 256 + c]) for e, c in enumerate(counts))
+    print(f"  {'ok  ' if same else 'FAIL'} grouped_scaled_mm with group_rows: the counted rows' bits")
+    if not same:
+        failures.append("grouped_scaled_mm group_rows")
+
     # Refusals.
     qa = torch.zeros(64, 64, device="cuda", dtype=E4M3)
     s1 = torch.ones(1, device="cuda")

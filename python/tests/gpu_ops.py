@@ -419,7 +419,39 @@ def check_moe_dispatch_fp8(rank, world, g):
     y = weft.moe_combine_input(d8)
     y.copy_(rows)  # the experts' outputs: the bf16 rows themselves
     check("moe_combine after moe_dispatch_fp8", weft.moe_combine(y, d8, weights), want, exact=True)
-    return 4
+    return 4 + check_moe_dispatch_fp8_low_latency(x, ids, weights, num_experts, max_tokens, qw, sw)
+
+
+def check_moe_dispatch_fp8_low_latency(x, ids, weights, num_experts, max_tokens, qw, sw):
+    """weft.moe_dispatch_fp8(low_latency=True): its rows dequantized and combined (identity experts) give the
+    bits of the bf16 low-latency dispatch and combine of the tokens quantized and dequantized alike (rows land
+    where atomics put them, so the combine is the check); grouped_scaled_mm with group_rows on the rows in place
+    gives the counted rows' bits of the same call over every row of contiguous copies."""
+    def dequant(q, s):
+        return (q.float() * s.repeat_interleave(128, dim=1)[:, :q.shape[1]]).to(torch.bfloat16)
+
+    with torch.no_grad():
+        qx, sx = weft.quantize_fp8(x, "block", "a")
+        xd = dequant(qx, sx)
+        d = weft.moe_dispatch(xd, ids, num_experts, max_tokens=max_tokens, low_latency=True)
+        y = weft.moe_combine_input(d)
+        y.copy_(d.rows)
+        want = weft.moe_combine(y, d, weights)
+        d8 = weft.moe_dispatch_fp8(x, ids, num_experts, max_tokens=max_tokens, low_latency=True)
+        counts = d8.group_rows.tolist()
+        group = d8.rows.shape[0] // len(counts)
+        live = torch.zeros(d8.rows.shape[0], dtype=torch.bool, device="cuda")
+        for e, c in enumerate(counts):
+            live[e * group:e * group + c] = True
+        counted = weft.grouped_scaled_mm(d8.rows, qw, d8.group_end, d8.scales, sw, group_rows=d8.group_rows)
+        every = weft.grouped_scaled_mm(d8.rows.contiguous(), qw, d8.group_end, d8.scales.contiguous(), sw)
+        check("grouped_scaled_mm with group_rows on the low-latency FP8 rows", counted[live], every[live],
+              exact=True)
+        y8 = weft.moe_combine_input(d8)
+        y8[live] = dequant(d8.rows[live], d8.scales[live])
+        check("moe_combine after moe_dispatch_fp8(low_latency=True)", weft.moe_combine(y8, d8, weights), want,
+              exact=True)
+    return 2
 
 
 def check_all_gather_scaled_matmul(rank, world):

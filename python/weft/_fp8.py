@@ -87,7 +87,7 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
     return _w._ops.scaled_mm(a, b, scale_a, scale_b, ab, kind, out_dtype == torch.bfloat16)
 
 
-def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None):
+def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None, group_rows=None):
     """An MoE layer's experts on FP8 rows (DeepSeek-V3's recipe): out [rows, N], whose rows of group e are a's
     rows of group e times b[e]^T, with block scales.
 
@@ -98,6 +98,9 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None):
     ceil(K/128)] and scale_b [groups, ceil(N/128), ceil(K/128)] float32 (weft.quantize_fp8's block scales of a,
     and of each b[e] stacked; scale_a's rows may be strided too). K a multiple of 16. out_dtype torch.bfloat16
     (default) or torch.float32. weft.moe_dispatch_fp8's rows and scales go in as they are.
+    group_rows (int32 [groups] on a's device, e.g. a low-latency dispatch's d.group_rows): group e holds only its
+    first group_rows[e] rows: only the tiles holding them are computed (the rest of each group's output rows are
+    left unwritten).
     """
     where = "weft.grouped_scaled_mm"
     if not all(_torch_tensor(x) for x in (a, b, group_end, scale_a, scale_b)):
@@ -139,7 +142,13 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None):
         raise WeftTypeError(f"{where}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if n % (8 if out_dtype == torch.bfloat16 else 4):
         raise WeftValueError(f"{where}: N = {n} must be a multiple of 8 (bf16 out) or 4 (float32 out)")
-    return _w._ops.grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_dtype == torch.bfloat16)
+    if group_rows is not None:
+        if not _torch_tensor(group_rows) or group_rows.dtype != torch.int32 or \
+                tuple(group_rows.shape) != (groups,) or group_rows.device != a.device:
+            raise WeftValueError(f"{where}: group_rows must be an int32 tensor of {groups} on a's device")
+        group_rows = group_rows.contiguous()
+    return _w._ops.grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_dtype == torch.bfloat16,
+                                     group_rows)
 
 
 def quantize_fp8(x, scaling="block", operand="a", dtype=None):

@@ -199,7 +199,7 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None,
                        group_rows=group_rows if low_latency else None)
 
 
-def moe_dispatch_fp8(x, experts, num_experts, max_tokens=None, align=128, comm=None):
+def moe_dispatch_fp8(x, experts, num_experts, max_tokens=None, align=128, comm=None, low_latency=False):
     """weft.moe_dispatch with FP8 tokens (about half the bytes on the links): x quantized to e4m3 with 1 x 128
     block scales on this rank (weft.quantize_fp8's), each row travelling with its scales. Returns a MoeDispatch
     whose `rows` are the FP8 values [capacity, hidden] (torch.float8_e4m3fn) and `scales` their block scales
@@ -208,7 +208,9 @@ def moe_dispatch_fp8(x, experts, num_experts, max_tokens=None, align=128, comm=N
     on them in place, then weft.moe_combine_input(d) / weft.moe_combine(expert_out, d, weights) as after
     weft.moe_dispatch, expert_out of x's dtype. x bf16 / fp16 with hidden a multiple of 16. Eager, no autograd
     (inference). Under torch.no_grad() the padding rows are left as they were (any bytes): their GEMM output rows
-    may then hold NaN or inf, which combine never reads but a reduction over all of the output would."""
+    may then hold NaN or inf, which combine never reads but a reduction over all of the output would.
+    low_latency=True: weft.moe_dispatch(low_latency=True)'s fixed groups and one kernel (decoding), d.group_rows
+    the rows each group received: weft.grouped_scaled_mm(..., group_rows=d.group_rows) walks only those."""
     where = "weft.moe_dispatch_fp8"
     c = _dispatch_args(x, experts, comm, where)
     tokens, hidden = x.shape
@@ -217,14 +219,14 @@ def moe_dispatch_fp8(x, experts, num_experts, max_tokens=None, align=128, comm=N
     torch = _w._ops.torch
     top_k = experts.shape[1]
     shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts), top_k,
-             int(align), int(torch.is_grad_enabled()))
+             int(align), int(torch.is_grad_enabled()), int(bool(low_latency)))
     x = x.contiguous()
     ids = experts.to(torch.int32).contiguous()
     nbytes = _weft.moe_dispatch_fp8_workspace_bytes(c.world_size, shape)
     ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=x.device)
-    packed, ends, row_of, kept, capacity, _ = _weft.moe_dispatch_fp8(c._c, x.data_ptr(), ids.data_ptr(), shape,
-                                                                     ws.data_ptr(), nbytes, _w._ops.DTYPES[x.dtype],
-                                                                     _w._ops._stream(x))
+    packed, ends, row_of, kept, capacity, _, group_rows = _weft.moe_dispatch_fp8(
+        c._c, x.data_ptr(), ids.data_ptr(), shape, ws.data_ptr(), nbytes, _w._ops.DTYPES[x.dtype],
+        _w._ops._stream(x))
 
     def slots(ptr):  # [tokens, top_k] int32 at ptr inside ws, copied out (combine needs only these)
         at = ptr - ws.data_ptr()
@@ -232,8 +234,10 @@ def moe_dispatch_fp8(x, experts, num_experts, max_tokens=None, align=128, comm=N
 
     packed = torch.from_dlpack(packed)  # [capacity, row_bytes] uint8: the values, then the scales
     blocks = -(-hidden // 128)
+    # (the low-latency group_rows copied out, as moe_dispatch's: the next dispatch rewrites them)
     d = MoeDispatch(c, shape, packed[:, :hidden].view(torch.float8_e4m3fn), torch.from_dlpack(ends), slots(row_of),
-                    slots(kept), capacity, out_dtype=x.dtype)
+                    slots(kept), capacity, out_dtype=x.dtype,
+                    group_rows=torch.from_dlpack(group_rows).clone() if group_rows is not None else None)
     d.scales = packed[:, hidden:hidden + 4 * blocks].view(torch.float32)
     return d
 

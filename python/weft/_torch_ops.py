@@ -1021,7 +1021,7 @@ def scaled_mm(a, b, scale_a, scale_b, ab, kind, out_bf16):
 
 @_operator("weft::grouped_scaled_mm")
 def _grouped_scaled_mm(a: Tensor, b: Tensor, group_end: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str,
-                       out_bf16: bool) -> Tensor:
+                       out_bf16: bool, group_rows: Optional[Tensor]) -> Tensor:
     # a and scale_a may be row-strided views (weft.moe_dispatch_fp8's packed rows): their row strides pass on.
     rows, k = a.shape
     groups, n = b.shape[0], b.shape[1]
@@ -1030,17 +1030,18 @@ def _grouped_scaled_mm(a: Tensor, b: Tensor, group_end: Tensor, scale_a: Tensor,
         return out.zero_()
     _weft.grouped_gemm_fp8(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), group_end.data_ptr(), groups,
                            rows, n, k, ab, scale_a.data_ptr(), scale_b.data_ptr(), "bf16" if out_bf16 else "fp32",
-                           _stream(a), a.stride(0), scale_a.stride(0))
+                           _stream(a), a.stride(0), scale_a.stride(0),
+                           0 if group_rows is None else group_rows.data_ptr())
     return out
 
 
 @_grouped_scaled_mm.register_fake
-def _(a, b, group_end, scale_a, scale_b, ab, out_bf16):
+def _(a, b, group_end, scale_a, scale_b, ab, out_bf16, group_rows):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16 if out_bf16 else torch.float32)
 
 
-def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_bf16):
-    return _grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_bf16)
+def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_bf16, group_rows=None):
+    return _grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_bf16, group_rows)
 
 
 @_operator("weft::all_gather_scaled_matmul")

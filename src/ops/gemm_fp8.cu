@@ -78,8 +78,9 @@ Plan run_op(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
   p.store_mode =
       pr.opt.store == GemmStore::kReduceAdd ? lcsc::StoreMode::kReduceAdd : lcsc::StoreMode::kStore;
   if constexpr (Op::kGrouped) {
-    p.group_end = pr.group_end;
-    p.groups = pr.groups;
+    p.sched.group_end = pr.group_end;
+    p.sched.group_rows = pr.opt.group_rows;
+    p.sched.groups = pr.groups;
     p.n_blocks = static_cast<int>((pr.n + Op::kBN - 1) / Op::kBN);
   }
   Launcher::launch(p, s.compute_blocks, stream);
@@ -117,8 +118,8 @@ void check_problem(Fp8Problem& pr, const std::string& where) {
                  "options.cluster, tile_n, zero_unused_rows and activation are not taken by the FP8 GEMM "
                  "(its tile is 128 x 128, cluster 1)");
   WEFT_CHECK(o.group_m >= 0 && o.max_blocks >= 0, where + "options.group_m and max_blocks must be >= 0");
-  WEFT_CHECK(o.group_rows == nullptr,
-             where + "options.group_rows is not taken by the FP8 GEMMs (grouped_gemm, bf16, takes it)");
+  WEFT_CHECK(o.group_rows == nullptr || pr.groups > 0,
+             where + "options.group_rows is for the grouped FP8 GEMM (grouped_gemm_fp8)");
   pr.lda = o.lda ? o.lda : pr.k;
   pr.ldb = o.ldb ? o.ldb : pr.k;
   pr.ldc = o.ldc ? o.ldc : pr.n;
@@ -162,6 +163,8 @@ void check_grouped(const Fp8Problem& pr, bool launch, const std::string& where) 
   if (launch) {
     WEFT_CHECK(pr.group_end != nullptr, where + "group_end must not be null");
     ops::check_pointer_alignment(pr.group_end, "group_end", 4, where);
+    if (pr.opt.group_rows != nullptr)
+      ops::check_pointer_alignment(pr.opt.group_rows, "options.group_rows", 4, where);
   }
 }
 

@@ -1075,7 +1075,6 @@ MoeDispatchedFp8 dispatch_fp8(Communicator& comm, Rank& rank, const void* tokens
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_dispatch_fp8", rank));
   const std::string& where = call.where;
   check(shape, rank.world(), where);
-  WEFT_CHECK(!shape.low_latency, where + "not with the low-latency dispatch (MoeShape::low_latency) yet");
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tokens must be bf16 or fp16");
   WEFT_CHECK(shape.hidden % 16 == 0, where +
                                          "hidden must be a multiple of 16 for FP8 rows (16-byte rows), got " +

@@ -476,14 +476,62 @@ WEFT_GPU_TEST_ONE_GPU(grouped_gemm_fp8_matches_gemm_fp8_per_group) {
                      sb.as<float>(), DType::kBF16, s);
   });
   WEFT_EXPECT(e.find("group_end") != std::string::npos, "null group_end: got '" << e << "'");
-  GemmOptions counted;  // grouped_gemm's (bf16) alone
+  GemmOptions counted;  // the grouped FP8 GEMM's alone
   counted.group_rows = ge.as<int32_t>();
   e = error_of([&] {
-    grouped_gemm_fp8(a.p, b.p, c.p, ge.as<int32_t>(), groups, rows, n, k, Fp8Type::kE4M3, sa.as<float>(),
-                     sb.as<float>(), DType::kBF16, s, counted);
+    gemm_fp8(a.p, b.p, c.p, 128, n, k, Fp8Type::kE4M3,
+             Fp8Scales{Fp8Scaling::kBlock, sa.as<float>(), sb.as<float>()}, DType::kBF16, s, counted);
   });
-  WEFT_EXPECT(e.find("options.group_rows") != std::string::npos, "group_rows: got '" << e << "'");
+  WEFT_EXPECT(e.find("options.group_rows") != std::string::npos, "group_rows on gemm_fp8: got '" << e << "'");
   const Plan p = grouped_gemm_fp8_plan(groups, rows, n, k, Fp8Type::kE4M3, DType::kBF16);
   WEFT_EXPECT(p.op == "grouped_gemm_fp8" && p.tiles.count == (rows / 128) * nb && p.blocks > 0,
               "plan: " << describe(p));
+}
+
+// options.group_rows (a low-latency dispatch's fixed groups, partly filled): groups of 256 rows each in a
+// capacity of 1024, counting 0, 1, 130 and 256 rows. Every tile holding counted rows is computed whole (the
+// bits of the same call without group_rows), every other tile left as it was.
+WEFT_GPU_TEST_ONE_GPU(grouped_gemm_fp8_group_rows) {
+  Rank& rank = ctx.comm().local(0);
+  WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+  const cudaStream_t s = rank.stream();
+  const int groups = 4;
+  const int64_t n = 256, k = 400, span = 256, rows = groups * span, kb = (k + 127) / 128, nb = n / 128;
+  const std::vector<int32_t> ends = {256, 512, 768, 1024}, counts = {0, 1, 130, 256};
+  DeviceBuffer a(rows * k), b(groups * n * k), sa(rows * kb * 4), sb(groups * nb * kb * 4), ge(groups * 4),
+      gr(groups * 4), c(rows * n * 2), ref(rows * n * 2);
+  fill_fp8<false><<<264, 256, 0, s>>>(a.as<uint8_t>(), rows * k, 31);
+  fill_fp8<false><<<264, 256, 0, s>>>(b.as<uint8_t>(), groups * n * k, 32);
+  fill_scales<<<64, 256, 0, s>>>(sa.as<float>(), rows * kb, 33);
+  fill_scales<<<64, 256, 0, s>>>(sb.as<float>(), groups * nb * kb, 34);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(ge.p, ends.data(), groups * 4, cudaMemcpyHostToDevice, s));
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(gr.p, counts.data(), groups * 4, cudaMemcpyHostToDevice, s));
+  WEFT_CUDA_CHECK(cudaMemsetAsync(c.p, 0xff, c.bytes, s));
+  grouped_gemm_fp8(a.p, b.p, ref.p, ge.as<int32_t>(), groups, rows, n, k, Fp8Type::kE4M3, sa.as<float>(),
+                   sb.as<float>(), DType::kBF16, s);
+  GemmOptions o;
+  o.group_rows = gr.as<int32_t>();
+  grouped_gemm_fp8(a.p, b.p, c.p, ge.as<int32_t>(), groups, rows, n, k, Fp8Type::kE4M3, sa.as<float>(),
+                   sb.as<float>(), DType::kBF16, s, o);
+  std::vector<uint8_t> hc(c.bytes), hr(ref.bytes);
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(hc.data(), c.p, hc.size(), cudaMemcpyDeviceToHost, s));
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(hr.data(), ref.p, hr.size(), cudaMemcpyDeviceToHost, s));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+  const size_t tile_bytes = 128 * n * 2;
+  int64_t bad_live = 0, bad_dead = 0;
+  for (int e = 0; e < groups; ++e)
+    for (int64_t t = 0; t < span / 128; ++t) {
+      const size_t at = size_t(e * span + t * 128) * n * 2;
+      if (t * 128 < counts[e]) {
+        bad_live += std::memcmp(hc.data() + at, hr.data() + at, tile_bytes) != 0;
+      } else {
+        bool poisoned = true;
+        for (size_t i = 0; i < tile_bytes; ++i) poisoned &= hc[at + i] == 0xff;
+        bad_dead += !poisoned;
+      }
+    }
+  WEFT_EXPECT(bad_live == 0,
+              bad_live << " tiles holding counted rows differ from the call without group_rows");
+  WEFT_EXPECT(bad_dead == 0, bad_dead << " tiles past the counts were written");
 }

@@ -1021,3 +1021,158 @@ WEFT_GPU_TEST(moe_dispatch_fp8_matches_quantized_dispatch) {
   }
   c.host_barrier();
 }
+
+// The FP8 dispatch in low-latency mode: every routed slot's packed row, wherever its group's atomic put it,
+// holds quantize_fp8's values and scales of the slot's token, bit for bit, below its group's count (the
+// slots routed there); no two slots share a row. Then grouped_gemm_fp8 over the filled rows only
+// (options.group_rows) on the packed rows in place, against the same GEMM over every row: the same bits in
+// the tiles holding counted rows. hidden 256 (two scale blocks), top-k 2 and 8 (at most the experts); the
+// last rank has no token.
+WEFT_GPU_TEST(moe_dispatch_fp8_low_latency) {
+  Communicator& c = ctx.comm();
+  const int W = c.world(), per = 3, E = per * W;
+  const int64_t hidden = 256, blocks = 2, n = 128;
+  std::vector<int64_t> T(W);
+  for (int r = 0; r < W; ++r) T[r] = r == W - 1 ? 0 : 6 + 5 * r;
+  const int64_t max_tokens = *std::max_element(T.begin(), T.end());
+  const int64_t group = (W * max_tokens + 127) / 128 * 128, cap = per * group;
+  std::mt19937_64 g(616);
+  for (int top_k : {2, std::min(8, E)}) {
+    MoeShape base{0, max_tokens, hidden, E, top_k, 128};
+    base.low_latency = true;
+    std::vector<std::vector<int32_t>> experts(W);
+    std::vector<std::vector<__nv_bfloat16>> tokens(W);
+    for (int r = 0; r < W; ++r) {
+      for (int64_t t = 0; t < T[r]; ++t) {
+        std::vector<int32_t> pick(E);
+        for (int e = 0; e < E; ++e) pick[e] = e;
+        std::shuffle(pick.begin(), pick.end(), g);
+        for (int j = 0; j < top_k; ++j) experts[r].push_back(g() % 16 == 0 ? -1 : pick[j]);
+      }
+      tokens[r].resize(std::max<int64_t>(T[r], 1) * hidden);
+      for (auto& x : tokens[r]) x = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 128.f);
+    }
+    struct Local {
+      DeviceBuffer tok, exp, ws, q, s, b, sb, c8, cd;
+    };
+    std::vector<std::unique_ptr<Local>> local;
+    for (int i = 0; i < c.num_local(); ++i) {
+      Rank& rank = c.local(i);
+      const int r = rank.rank();
+      WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+      MoeShape s = base;
+      s.tokens = T[r];
+      const int64_t t1 = std::max<int64_t>(T[r], 1);
+      local.push_back(std::unique_ptr<Local>(
+          new Local{DeviceBuffer(t1 * hidden * 2), DeviceBuffer(std::max<size_t>(experts[r].size(), 1) * 4),
+                    DeviceBuffer(moe_dispatch_fp8_workspace_bytes(W, s)), DeviceBuffer(t1 * hidden),
+                    DeviceBuffer(t1 * blocks * 4), DeviceBuffer(per * n * hidden),
+                    DeviceBuffer(per * blocks * 4), DeviceBuffer(cap * n * 2), DeviceBuffer(cap * n * 2)}));
+      Local& l = *local.back();
+      weft::test::upload(c, i, l.tok.p, tokens[r].data(), l.tok.bytes);
+      if (!experts[r].empty()) weft::test::upload(c, i, l.exp.p, experts[r].data(), experts[r].size() * 4);
+      std::vector<uint8_t> wb(per * n * hidden);
+      for (auto& v : wb) v = uint8_t(g() % 0x78) | uint8_t(g() % 2 ? 0x80 : 0);  // finite e4m3
+      std::vector<float> ws(per * blocks);
+      for (auto& v : ws) v = float(1 + g() % 4) / 64.f;
+      weft::test::upload(c, i, l.b.p, wb.data(), wb.size());
+      weft::test::upload(c, i, l.sb.p, ws.data(), ws.size() * 4);
+      if (T[r] > 0)  // the reference: this rank's tokens quantized where they are
+        quantize_fp8(l.tok.p, DType::kBF16, l.q.p, Fp8Type::kE4M3, l.s.as<float>(), T[r], hidden,
+                     Fp8Scaling::kBlock, Fp8Operand::kA, rank.stream());
+    }
+    c.synchronize();
+    c.host_barrier();
+    std::vector<MoeDispatchedFp8> f8(c.num_local());
+    for (int i = 0; i < c.num_local(); ++i) {
+      Rank& rank = c.local(i);
+      WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+      MoeShape s = base;
+      s.tokens = T[rank.rank()];
+      Local& l = *local[i];
+      weft::test::keeping_plan(
+          c,
+          moe_dispatch_fp8_plan(c, rank, l.tok.p, l.exp.as<int32_t>(), s, l.ws.p, l.ws.bytes, DType::kBF16),
+          [&] {
+            f8[i] =
+                moe_dispatch_fp8(c, rank, l.tok.p, l.exp.as<int32_t>(), s, l.ws.p, l.ws.bytes, DType::kBF16);
+          });
+    }
+    c.synchronize();
+    for (int i = 0; i < c.num_local(); ++i) {  // the packed rows in place, over the filled rows and over all
+      Local& l = *local[i];
+      WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+      const cudaStream_t st = c.local(i).stream();
+      WEFT_CUDA_CHECK(cudaMemsetAsync(l.c8.p, 0xff, l.c8.bytes, st));
+      GemmOptions o{.lda = f8[i].row_bytes};
+      grouped_gemm_fp8(f8[i].values, l.b.p, l.cd.p, f8[i].dispatched.group_end, per, cap, n, hidden,
+                       Fp8Type::kE4M3, f8[i].scales, l.sb.as<float>(), DType::kBF16, st, o,
+                       f8[i].scale_stride);
+      o.group_rows = f8[i].dispatched.group_rows;
+      grouped_gemm_fp8(f8[i].values, l.b.p, l.c8.p, f8[i].dispatched.group_end, per, cap, n, hidden,
+                       Fp8Type::kE4M3, f8[i].scales, l.sb.as<float>(), DType::kBF16, st, o,
+                       f8[i].scale_stride);
+    }
+    c.synchronize();
+    // Every local rank's own slots' rows on their experts' ranks, its quantized tokens.
+    std::vector<std::vector<int32_t>> row_of(W);
+    std::vector<std::vector<uint8_t>> q(W);
+    std::vector<std::vector<float>> sc(W);
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      row_of[r].resize(std::max<size_t>(experts[r].size(), 1));
+      if (!experts[r].empty())
+        weft::test::download(c, i, row_of[r].data(), f8[i].dispatched.row_of, experts[r].size() * 4);
+      q[r].resize(std::max<int64_t>(T[r], 1) * hidden);
+      sc[r].resize(std::max<int64_t>(T[r], 1) * blocks);
+      weft::test::download(c, i, q[r].data(), local[i]->q.p, q[r].size());
+      weft::test::download(c, i, sc[r].data(), local[i]->s.p, sc[r].size() * 4);
+    }
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int d = c.local(i).rank();
+      WEFT_EXPECT(
+          f8[i].dispatched.group_rows != nullptr && f8[i].dispatched.capacity == cap,
+          "FP8 low latency: the handle's group_rows / capacity (" << f8[i].dispatched.capacity << ")");
+      std::vector<int32_t> counts(per);
+      weft::test::download(c, i, counts.data(), f8[i].dispatched.group_rows, per * 4);
+      std::vector<uint8_t> packed(cap * f8[i].row_bytes), c8(cap * n * 2), cd(cap * n * 2);
+      weft::test::download(c, i, packed.data(), f8[i].values, packed.size());
+      weft::test::download(c, i, c8.data(), local[i]->c8.p, c8.size());
+      weft::test::download(c, i, cd.data(), local[i]->cd.p, cd.size());
+      std::vector<int> want(per, 0);
+      std::vector<char> taken(cap, 0);
+      int64_t bad = 0;
+      for (int s = 0; s < W; ++s) {
+        if (c.num_local() < W && s != d) continue;  // one process per rank: only this rank's own slots known
+        for (size_t x = 0; x < experts[s].size(); ++x) {
+          const int e = experts[s][x];
+          if (e < 0 || e / per != d) continue;
+          const int le = e % per, row = row_of[s][x];
+          ++want[le];
+          const bool in_group = row >= le * group && row < le * group + counts[le];
+          bad += !in_group;
+          if (!in_group) continue;
+          bad += taken[row]++ != 0;
+          const uint8_t* got = packed.data() + size_t(row) * f8[i].row_bytes;
+          const size_t t = x / top_k;
+          bad += std::memcmp(got, q[s].data() + t * hidden, hidden) != 0;
+          bad += std::memcmp(got + hidden, sc[s].data() + t * blocks, blocks * 4) != 0;
+        }
+      }
+      int64_t bad_gemm = 0;
+      for (int le = 0; le < per; ++le) {
+        if (c.num_local() == W) bad += counts[le] != want[le];
+        for (int64_t t = 0; t * 128 < counts[le]; ++t) {  // the tiles holding counted rows
+          const size_t at = size_t(le * group + t * 128) * n * 2;
+          bad_gemm += std::memcmp(c8.data() + at, cd.data() + at, size_t(128) * n * 2) != 0;
+        }
+      }
+      WEFT_EXPECT(bad == 0, "FP8 low latency, top_k " << top_k << ", rank " << d << ": " << bad
+                                                      << " rows, values, scales or counts wrong");
+      WEFT_EXPECT(bad_gemm == 0, "FP8 low latency, top_k "
+                                     << top_k << ", rank " << d << ": " << bad_gemm
+                                     << " tiles of grouped_gemm_fp8 with group_rows differ");
+    }
+    c.host_barrier();
+  }
+}

@@ -38,12 +38,12 @@ struct GemmOptions {
   int start_tile = 0;  // rotates the tile order (fused ops give each rank its own start)
   int max_blocks = 0;  // cap on persistent compute blocks; 0: every SM
   bool zero_unused_rows = false;  // grouped_gemm only: C's rows past the last group's end are zeroed
-  // grouped_gemm only: the rows of each group that count (device int32 [groups]; null: all). Group e still
-  // spans [group_end[e - 1], group_end[e]) (a fixed capacity, say); only its first group_rows[e] rows are
-  // computed: tiles wholly past them are skipped (their C rows untouched), a tile they end inside is computed
-  // whole (its C rows past the count hold no result); a count past the group's span counts the span. The
-  // computed tiles are shared evenly by the blocks, wherever they lie. Not with a scatter or dispatch, nor
-  // with the FP8 GEMMs.
+  // grouped_gemm and grouped_gemm_fp8 only: the rows of each group that count (device int32 [groups]; null:
+  // all). Group e still spans [group_end[e - 1], group_end[e]) (a fixed capacity, say); only its first
+  // group_rows[e] rows are computed: tiles wholly past them are skipped (their C rows untouched), a tile they
+  // end inside is computed whole (its C rows past the count hold no result); a count past the group's span
+  // counts the span. The computed tiles are shared evenly by the blocks, wherever they lie. Not with a
+  // scatter or dispatch, nor with the plain FP8 GEMM.
   const int32_t* group_rows = nullptr;
   GemmActivation activation = GemmActivation::kNone;  // grouped_gemm only (see above)
   TimelineBuffer* timeline = nullptr;  // non-null: the kernel records its phases there (weft/timeline.hpp)
@@ -95,7 +95,8 @@ Plan gemm_fp8_plan(int64_t m, int64_t n, int64_t k, Fp8Type ab_type, const Fp8Sc
 // block scales only: scale_a [rows, ceil(K / 128)], scale_b [groups, ceil(N / 128), ceil(K / 128)] (fp32,
 // row-major; quantize_fp8 of B as [groups x N, K] makes them where N is a multiple of 128). K a multiple of
 // 16; options: lda (A's row stride in bytes, a multiple of 16: e.g. moe_dispatch_fp8's packed rows),
-// group_m, max_blocks, timeline (B and C dense, C stored). scale_a_stride: floats from one row's A scales to
+// group_m, max_blocks, timeline, group_rows (a low-latency dispatch's groups; B and C dense, C stored).
+// scale_a_stride: floats from one row's A scales to
 // the next's (0: ceil(K / 128); moe_dispatch_fp8's rows: MoeDispatchedFp8::scale_stride).
 void grouped_gemm_fp8(const void* a, const void* b, void* c, const int32_t* group_end, int groups,
                       int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, const float* scale_a,

@@ -16,13 +16,16 @@
 
 #include "weft/lcsc/epilogue.cuh"
 #include "weft/lcsc/kernel.cuh"
+#include "weft/lcsc/grouped_scheduler.cuh"
 #include "weft/lcsc/mainloop.cuh"
 #include "weft/lcsc/scheduler.cuh"
 #include "weft/ops/gemm_fp8_types.hpp"
 
 namespace weft::ops {
 
-template <class OutT, Fp8Scaling kScaling, bool kE5M2 = false, bool kScalesFromPeers = false>
+// TileScheduler: which output tiles, in which order (the grouped op's: lcsc::GroupedTileScheduler).
+template <class OutT, Fp8Scaling kScaling, bool kE5M2 = false, bool kScalesFromPeers = false,
+          class TileScheduler = lcsc::GemmTileScheduler>
 struct Fp8GemmOp {
   static constexpr int kBM = 128, kBN = 128, kStages = 6;
   static constexpr int kConsumerWarpgroups = kBM / 64;
@@ -30,7 +33,7 @@ struct Fp8GemmOp {
   static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;
   static constexpr bool kGrouped = false;
 
-  using Scheduler = lcsc::GemmTileScheduler;
+  using Scheduler = TileScheduler;
   using Mainloop = lcsc::Fp8PromotingMainloop<kBM, kBN, kStages>;
   static constexpr int kBK = Mainloop::kBK;
   using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN, kConsumerWarpgroups>;
@@ -40,7 +43,7 @@ struct Fp8GemmOp {
   static_assert(kBN == kFp8ScaleBlock && kBK == kFp8ScaleBlock, "a tile's columns and k-block: one block");
 
   struct Params {
-    lcsc::SchedulerParams sched;
+    typename Scheduler::Params sched;
     CUtensorMap a;  // [M,K] fp8, box kBM x kBK
     CUtensorMap b;  // [N,K] fp8, box kBN x kBK
     CUtensorMap c;  // [M,N] OutT, box 64 x Epilogue::kChunkCols
@@ -128,48 +131,57 @@ struct Fp8GemmOp {
 };
 
 // Grouped FP8 GEMM (an MoE layer's experts on FP8 rows, DeepSeek-V3's block scales): A's rows come in groups
-// back to back as GroupedGemmOp's (weft/ops/gemm.cuh: group_end device int32, each end a multiple of kBM, a
-// tile's group found by a scan of it, tiles past the last end skipped by the loader and consumers alike),
-// B stacked [E, N, K] (K-major weights, one map of E x N rows), C's rows of group e = A's rows of group e
-// times B_e, promoted per k-block times A's row scales [rows, K / 128] and B_e's block scales [E, ceil(N /
-// 128), K / 128]. A column tile past N of expert e reads expert e + 1's first rows: the store clips them.
+// back to back as GroupedGemmOp's (weft/ops/gemm.cuh: group_end device int32, each end a multiple of kBM, in
+// p.sched; the same scheduler, lcsc::GroupedTileScheduler, so with group_rows only the tiles holding counted
+// rows are walked, each with its group: a low-latency dispatch's fixed groups; without, every tile of the
+// capacity, a tile's group found by a scan of group_end and tiles past the last end skipped by the loader
+// and consumers alike), B stacked [E, N, K] (K-major weights, one map of E x N rows), C's rows of group e =
+// A's rows of group e times B_e, promoted per k-block times A's row scales [rows, K / 128] and B_e's block
+// scales [E, ceil(N / 128), K / 128]. A column tile past N of expert e reads expert e + 1's first rows: the
+// store clips them.
 template <class OutT, bool kE5M2 = false>
-struct GroupedFp8GemmOp : Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2> {
-  using Base = Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2>;
+struct GroupedFp8GemmOp : Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc::GroupedTileScheduler<128>> {
+  using Base = Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc::GroupedTileScheduler<128>>;
   using Base::kBM, Base::kBN;
-  using typename Base::Accum, typename Base::Mainloop, typename Base::Pipeline, typename Base::Smem,
+  using typename Base::Accum, typename Base::Mainloop, typename Base::Pipeline, typename Base::Scheduler,
       typename Base::StoreState;
+  static_assert(kBM == 128, "the scheduler's tiles are 128 rows");
   static constexpr bool kGrouped = true;
 
   struct Params : Base::Params {
-    const int32_t* group_end;  // [groups], device
-    int groups;
     int n_blocks;  // ceil(N / kBN): one expert's column blocks of B scales
+  };
+  struct Smem : Base::Smem {
+    typename Scheduler::Storage sched;  // the scheduler's table of live tile rows (lcsc/kernel.cuh)
   };
 
   // The group of the tile whose first row is m0 (groups: past the last group's end).
   __device__ static int group_of(const Params& p, int m0) {
     int e = 0;
-    while (e < p.groups && __ldg(p.group_end + e) <= m0) ++e;
+    while (e < p.sched.groups && __ldg(p.sched.group_end + e) <= m0) ++e;
     return e;
   }
+  // Tile t's group (named by the scheduler with group_rows, else found), or groups: past the last end.
+  __device__ static int group(const Params& p, const lcsc::GroupTile& t) {
+    return t.group >= 0 ? t.group : group_of(p, t.m * kBM);
+  }
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
-                              const lcsc::Tile& t) {
-    const int m0 = t.m * kBM, e = group_of(p, m0);
-    if (e == p.groups) return;
-    if (__ldg(p.group_end + e) % kBM != 0) __trap();  // group ends must be whole tiles (see the header)
+                              const lcsc::GroupTile& t) {
+    const int m0 = t.m * kBM, e = group(p, t);
+    if (e == p.sched.groups) return;
+    if (__ldg(p.sched.group_end + e) % kBM != 0) __trap();  // group ends must be whole tiles (see the header)
     Mainloop::load(s.main, pipe, st, &p.a, &p.b, m0, e * p.n + t.n * kBN, p.k_blocks);
   }
   __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
-                                 const lcsc::Tile& t, int wg, Accum& acc) {
-    const int e = group_of(p, t.m * kBM);
-    if (e == p.groups) return;
+                                 const lcsc::GroupTile& t, int wg, Accum& acc) {
+    const int e = group(p, t);
+    if (e == p.sched.groups) return;
     Base::block_scaled_mma(p, s, pipe, st, wg, acc, t.m * kBM + 64 * wg + Accum::row(0),
                            p.scale_b + (int64_t(e) * p.n_blocks + t.n) * p.k_blocks);
   }
-  __device__ static void store(const Params& p, Smem& s, const lcsc::Tile& t, int wg, const Accum& acc,
+  __device__ static void store(const Params& p, Smem& s, const lcsc::GroupTile& t, int wg, const Accum& acc,
                                StoreState& es) {
-    if (group_of(p, t.m * kBM) < p.groups) Base::store(p, s, t, wg, acc, es);
+    if (group(p, t) < p.sched.groups) Base::store(p, s, t, wg, acc, es);
   }
 };
 

@@ -39,14 +39,15 @@ struct MoeShape {
   // exchange and no meeting before the rows move, one wait at the end for every rank's rows. A token crosses
   // to each rank holding any of its experts once (not once per expert) and is copied there into its other
   // rows. Groups are not padded (align is ignored): grouped_gemm runs over them with options.group_rows =
-  // dispatched.group_rows (only the filled rows count). For inference: moe_combine takes its handle as the
-  // other's; not moe_combine_backward, the dispatch inside the first GEMM, the FP8 dispatch, moe_counts,
-  // moe_grouped_gemm_combine nor the hierarchical MoE. A token names each expert at most once (more rows
-  // than a group holds trap the kernel). A rank's next low-latency dispatch may write into the groups as soon
-  // as every rank's rows of this one are in place: run moe_combine (whose meeting follows every rank's expert
-  // GEMMs) in between, and not two low-latency dispatches of one team at once. Every block of its kernel
-  // waits for the peers, so its grid is sized to be resident at once on the rank's SM budget: a kernel of
-  // another stream holding those SMs delays it (up to the wait's timeout).
+  // dispatched.group_rows (only the filled rows count; grouped_gemm_fp8 likewise on moe_dispatch_fp8's
+  // rows). For inference: moe_combine takes its handle as the other's; not moe_combine_backward, the
+  // dispatch inside the first GEMM, moe_counts, moe_grouped_gemm_combine nor the hierarchical MoE. A token
+  // names each expert at most once (more rows than a group holds trap the kernel). A rank's next low-latency
+  // dispatch may write into the groups as soon as every rank's rows of this one are in place: run moe_combine
+  // (whose meeting follows every rank's expert GEMMs) in between, and not two low-latency dispatches of one
+  // team at once. Every block of its kernel waits for the peers, so its grid is sized to be resident at once
+  // on the rank's SM budget: a kernel of another stream holding those SMs delays it (up to the wait's
+  // timeout).
   bool low_latency = false;
 };
 
@@ -124,7 +125,8 @@ Plan moe_dispatch_plan(Communicator& comm, Rank& rank, const void* tokens, const
 // 128) bytes rounded up to 16: the values, then the fp32 scales. The rows land as moe_dispatch's do (the same
 // places, groups and handle: dispatched.rows are the packed rows, and moe_combine takes this handle with the
 // shape of hidden elements); grouped_gemm_fp8 reads them in place (A = values with lda = row_bytes,
-// scale_a = scales with scale_a_stride = scale_stride). The workspace: moe_dispatch_fp8_workspace_bytes().
+// scale_a = scales with scale_a_stride = scale_stride; with MoeShape::low_latency, options.group_rows =
+// dispatched.group_rows). The workspace: moe_dispatch_fp8_workspace_bytes().
 struct MoeDispatchedFp8 {
   MoeDispatched dispatched;
   const uint8_t* values = nullptr;  // [capacity] rows of row_bytes: hidden e4m3 values each
