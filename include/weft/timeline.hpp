@@ -33,7 +33,7 @@ enum class TimelinePhase : uint8_t {
 enum class MoeStep : uint32_t {
   kCountSlots = 1,      // this rank's slots per expert
   kExchangeCounts = 2,  // the counts to every rank (meet, push, meet)
-  kPlaceSlots = 3,      // every slot's row, the group ends, the padding rows zeroed
+  kPlaceSlots = 3,      // every slot's row, the group ends, the padding rows marked
   kDispatchTokens = 4,  // the rows pushed to their ranks and expanded there (meet ... meet)
   kCombineTokens = 5,   // each token's weighted sum of its experts' rows
   kCombineBackward = 6,
@@ -42,6 +42,7 @@ enum class MoeStep : uint32_t {
   kLowLatencySlots = 8,       // a block's (token, rank) items: the rows' atomics at the rank, the row's store
   kLowLatencyWaitRanks = 10,  // every rank's rows in place here (the grid's release)
   kCombineMeet = 11,          // inside kCombineTokens: the block's meeting with its peers before the pulls
+  kZeroPadding = 12,          // this rank's groups' padding rows zeroed (MoeShape::zero_padding)
 };
 
 // TimelinePhase::kDecode's arg: the step of a flash_decode block (weft/ops/flash_decode.cuh).
@@ -125,6 +126,8 @@ inline const char* moe_step_name(MoeStep s) {
       return "low_latency_slots";
     case MoeStep::kLowLatencyWaitRanks:
       return "low_latency_wait_ranks";
+    case MoeStep::kZeroPadding:
+      return "zero_padding";
     default:
       return "?";
   }

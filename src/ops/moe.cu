@@ -103,12 +103,11 @@ struct WalkLayout {
 
 // Block e (a global expert): its group's place on its rank from the counts table, this rank's rows in it
 // by token order (a block-wide scan over the slots), and, on the expert's own rank, the group's end and its
-// padding rows zeroed unless Dims::zero_padding is off (the expert GEMMs run over whole groups: a padding
-// row must be finite where a gradient meets it; no push writes there). With a walk: this rank's slots of
-// expert e at their place in it, and the padding rows marked and counted in their tiles.
+// padding rows' sources (none). With a walk: this rank's slots of expert e at their place in it, and the
+// padding rows marked and counted in their tiles. zero_padding_rows zeroes the padding rows after it.
 __global__ void __launch_bounds__(256)
     place_slots(const int32_t* table, const int32_t* experts, Dims d, int32_t* row_of, int32_t* group_end,
-                uint4* rows, int32_t* row_source, WalkLayout walk, TimelineBuffer* tl) {
+                int32_t* row_source, WalkLayout walk, TimelineBuffer* tl) {
   const TimelineSpan span(threadIdx.x == 0 ? tl : nullptr, TimelinePhase::kMoe,
                           uint32_t(MoeStep::kPlaceSlots));
   __shared__ int64_t base_s, pad_begin_s, pad_end_s, walk_s;
@@ -168,31 +167,40 @@ __global__ void __launch_bounds__(256)
     }
   }
   __syncthreads();
-  const int64_t row_vecs = d.hidden * 2 / 16;
-  if (d.zero_padding)
-    for (int64_t i = pad_begin_s * row_vecs + threadIdx.x; i < pad_end_s * row_vecs; i += blockDim.x)
-      rows[i] = make_uint4(0, 0, 0, 0);
   for (int64_t r = pad_begin_s + threadIdx.x; r < pad_end_s; r += blockDim.x) {
     row_source[r] = -1;
     if (walk.row_state != nullptr) walk.row_state[r] = ops::kMoeRowPadding;
   }
+  // This rank's slots of expert e in token order: each thread takes kSlotsPerThread consecutive slots a
+  // round, and a block-wide scan of the per-thread counts places them (one scan per blockDim x
+  // kSlotsPerThread slots: a scan per blockDim slots kept E blocks busy for 40-90 us at 32-64k slots).
+  constexpr int kSlotsPerThread = 8;
   int64_t base = base_s;
   const int64_t slots = d.tokens * d.top_k;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int64_t at = 0; at < slots; at += blockDim.x) {
-    const int64_t i = at + threadIdx.x;
-    const bool mine = i < slots && experts[i] == e;
-    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
-    if (lane == 0) warp_sums[warp] = __popc(ballot);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = int(blockDim.x / 32);
+  for (int64_t at = 0; at < slots; at += int64_t(blockDim.x) * kSlotsPerThread) {
+    const int64_t first = at + int64_t(threadIdx.x) * kSlotsPerThread;
+    unsigned mine = 0;
+#pragma unroll
+    for (int j = 0; j < kSlotsPerThread; ++j)
+      if (first + j < slots && experts[first + j] == e) mine |= 1u << j;
+    const int count = __popc(mine);
+    int inclusive = count;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int up = __shfl_up_sync(0xffffffffu, inclusive, o);
+      if (lane >= o) inclusive += up;
+    }
+    if (lane == 31) warp_sums[warp] = inclusive;
     __syncthreads();
-    int before = 0, all = 0;
-    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) {
+    int before = inclusive - count, all = 0;
+    for (int w = 0; w < warps; ++w) {
       before += w < warp ? warp_sums[w] : 0;
       all += warp_sums[w];
     }
-    if (mine) {
-      const int64_t q = base - base_s + before + __popc(ballot & ((1u << lane) - 1));  // among this rank's
-      row_of[i] = static_cast<int32_t>(base_s + q);
+    for (int64_t q = base - base_s + before; mine != 0; mine &= mine - 1, ++q) {
+      const int64_t i = first + __ffs(mine) - 1;
+      row_of[i] = static_cast<int32_t>(base_s + q);  // among this rank's rows of the group
       if (walk.walk != nullptr) walk.walk[walk_s + q] = static_cast<int32_t>(i);
     }
     base += all;
@@ -200,13 +208,40 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+// The padding rows of this rank's groups zeroed (the expert GEMMs run over whole groups: a padding row must
+// be finite where a gradient meets it; no push writes there): thread `worker` of `workers` takes every
+// workers-th 16 bytes of each group's padding. Run by the whole grid, not one block per expert (a group's up
+// to align - 1 rows of hidden took tens of microseconds that way).
+__device__ void zero_padding_share(const int32_t* table, const int32_t* group_end, const Dims& d, uint4* rows,
+                                   int64_t worker, int64_t workers) {
+  const int64_t row_vecs = d.hidden * 2 / 16;
+  for (int local = 0; local < d.per_rank; ++local) {
+    int64_t n = 0;
+    for (int s = 0; s < d.world; ++s) n += table[int64_t(s) * (d.experts + 1) + d.rank * d.per_rank + local];
+    const int64_t end = group_end[local], begin = end - (padded(n, d.align) - n);
+    for (int64_t i = begin * row_vecs + worker; i < end * row_vecs; i += workers)
+      rows[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// zero_padding_share over a grid of its own, before the dispatch inside the first GEMM (whose tiles may read
+// padding rows as soon as they start).
+__global__ void zero_padding_rows(const int32_t* table, const int32_t* group_end, Dims d, uint4* rows,
+                                  TimelineBuffer* tl) {
+  const TimelineSpan span(threadIdx.x == 0 ? tl : nullptr, TimelinePhase::kMoe,
+                          uint32_t(MoeStep::kZeroPadding));
+  zero_padding_share(table, group_end, d, rows, int64_t(blockIdx.x) * blockDim.x + threadIdx.x,
+                     int64_t(gridDim.x) * blockDim.x);
+}
+
 // Dispatch's push and expand, one kernel. Pusher warps (the first kPushWarps of each block), one per (token,
 // destination): a record of the rows the token fills there and, when it fills any, the row itself into the
 // first of them; then one release add into the counter of the token's chunk (kLandedChunk tokens of this
-// source) there, whether or not it sent a row (every chunk's count reaches its token count). Expander warps,
-// one per (source, token) of this rank: once the token's chunk has all landed, the row from the first of its
-// rows to the others, and each row's source slot (source rank, token, j) for a scattering epilogue. Both walk
-// the tokens in order, so the copies on this GPU run under the pushes over the links.
+// source) there, whether or not it sent a row (every chunk's count reaches its token count). Expander warps:
+// first their share of this rank's padding rows zeroed (Dims::zero_padding), then one per (source, token) of
+// this rank: once the token's chunk has all landed, the row from the first of its rows to the others, and each
+// row's source slot (source rank, token, j) for a scattering epilogue. Both walk the tokens in order, so the
+// copies on this GPU run under the pushes over the links.
 constexpr int kDispatchWarps = 16, kPushWarps = 8;
 constexpr int64_t kLandedChunk = 32;
 
@@ -217,8 +252,8 @@ __host__ __device__ constexpr int64_t landed_chunks(int64_t max_tokens) {
 
 __global__ void __launch_bounds__(kDispatchWarps * 32)
     dispatch_tokens(TeamView team, BarrierSlots slots, const uint4* tokens, const int32_t* experts,
-                    const int32_t* row_of, const int32_t* table, Dims d, int32_t* records, uint4* rows,
-                    int32_t* row_source, uint64_t* landed) {
+                    const int32_t* row_of, const int32_t* table, const int32_t* group_end, Dims d,
+                    int32_t* records, uint4* rows, int32_t* row_source, uint64_t* landed) {
   const TimelineSpan span(threadIdx.x == 0 ? team.timeline : nullptr, TimelinePhase::kMoe,
                           uint32_t(MoeStep::kDispatchTokens));
   if (!barrier_block(team, slots[blockIdx.x])) return;
@@ -254,8 +289,11 @@ __global__ void __launch_bounds__(kDispatchWarps * 32)
   } else {
     const int per_block = kDispatchWarps - kPushWarps;
     const int64_t warps = int64_t(gridDim.x) * per_block, units = int64_t(d.world) * d.max_tokens;
+    const int64_t expander = int64_t(blockIdx.x) * per_block + warp - kPushWarps;
+    // First this rank's padding rows, while the first pushes are on their way (HBM writes under link time).
+    if (d.zero_padding) zero_padding_share(table, group_end, d, rows, expander * 32 + lane, warps * 32);
     bool ok = true;
-    for (int64_t u = int64_t(blockIdx.x) * per_block + warp - kPushWarps; u < units && ok; u += warps) {
+    for (int64_t u = expander; u < units && ok; u += warps) {
       const int s = static_cast<int>(u % d.world);
       const int64_t t = u / d.world, n = table[int64_t(s) * (d.experts + 1) + d.experts];
       if (t >= n) continue;  // past source s's tokens
@@ -809,9 +847,15 @@ void place_rows(Communicator& comm, Rank& rank, const int32_t* experts, const Mo
                                          static_cast<int32_t>(shape.tokens), b.table, shape.num_experts);
   WEFT_CUDA_CHECK(cudaGetLastError());
   detail::preload<&place_slots>();
-  place_slots<<<shape.num_experts, 256, 0, stream>>>(b.table, experts, z.d, b.row_of, b.group_end, b.rows,
+  place_slots<<<shape.num_experts, 256, 0, stream>>>(b.table, experts, z.d, b.row_of, b.group_end,
                                                      b.row_source, b.walk, rank.view().timeline);
   WEFT_CUDA_CHECK(cudaGetLastError());
+  if (z.d.zero_padding && b.walk.walk != nullptr) {  // else dispatch_tokens' expanders zero them
+    detail::preload<&zero_padding_rows>();
+    zero_padding_rows<<<2 * rank.sm_budget(), 256, 0, stream>>>(b.table, b.group_end, z.d, b.rows,
+                                                                rank.view().timeline);
+    WEFT_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 MoeDispatched handle(const DispatchBuffers& b) {
@@ -940,7 +984,7 @@ MoeDispatched dispatch(Communicator& comm, Rank& rank, const void* tokens, const
   detail::preload<&dispatch_tokens>();
   dispatch_tokens<<<blocks, kDispatchWarps * 32, 0, stream>>>(
       rank.view(), ops::meeting_slots(comm, rank), static_cast<const uint4*>(tokens), experts, b.row_of,
-      b.table, b.z.d, b.records, b.rows, b.row_source, b.landed);
+      b.table, b.group_end, b.z.d, b.records, b.rows, b.row_source, b.landed);
   WEFT_CUDA_CHECK(cudaGetLastError());
   return handle(b);
 }
