@@ -239,9 +239,9 @@ __global__ void zero_padding_rows(const int32_t* table, const int32_t* group_end
 // first of them; then one release add into the counter of the token's chunk (kLandedChunk tokens of this
 // source) there, whether or not it sent a row (every chunk's count reaches its token count). Expander warps:
 // first their share of this rank's padding rows zeroed (Dims::zero_padding), then one per (source, token) of
-// this rank: once the token's chunk has all landed, the row from the first of its rows to the others, and each
-// row's source slot (source rank, token, j) for a scattering epilogue. Both walk the tokens in order, so the
-// copies on this GPU run under the pushes over the links.
+// this rank: once the token's chunk has all landed, the row from the first of its rows to the others, and
+// each row's source slot (source rank, token, j) for a scattering epilogue. Both walk the tokens in order, so
+// the copies on this GPU run under the pushes over the links.
 constexpr int kDispatchWarps = 16, kPushWarps = 8;
 constexpr int64_t kLandedChunk = 32;
 
@@ -1195,13 +1195,19 @@ MoeCounts moe_counts(Rank& rank, const MoeDispatched& dispatched, const MoeShape
 }
 
 namespace {
-// A [capacity, hidden] symmetric buffer of dtype: the combine's input, or its backward's output.
+// The bytes of [capacity, hidden] rows of dtype: the expert outputs the combine reads, or the gradients its
+// backward writes.
+size_t expert_rows_bytes(int world, const MoeShape& shape, DType dtype) {
+  return size_t(moe_capacity(world, shape)) * shape.hidden * dtype_size(dtype);
+}
+
+// A symmetric area of expert_rows_bytes: the combine's input, or its backward's output.
 void* expert_rows_area(Communicator& comm, Rank& rank, const MoeShape& shape, DType dtype, const char* op,
                        const char* area) {
   const std::string where = ops::team_where(op, rank);
   check(shape, rank.world(), where);
-  const size_t bytes = round256(size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype));
-  return ops::workspace_of(comm, rank, bytes, false, where, area);
+  return ops::workspace_of(comm, rank, round256(expert_rows_bytes(rank.world(), shape, dtype)), false, where,
+                           area);
 }
 
 // row_of and experts hold one entry per (token, slot): a rank without tokens may pass empty (null) tables,
@@ -1238,7 +1244,7 @@ void combine(Communicator& comm, Rank& rank, const void* expert_out, const MoeDi
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_combine", rank), plan);
   const std::string& where = call.where;
   check_combine(comm, rank, shape, dtype, dispatched, weights, where);
-  const size_t in_bytes = size_t(moe_capacity(rank.world(), shape)) * shape.hidden * dtype_size(dtype);
+  const size_t in_bytes = expert_rows_bytes(rank.world(), shape, dtype);
   // A low-latency handle's outputs may be anywhere: the rows its groups received are copied into the area
   // first (its worst-case capacity is most of the rows); the area is written after this call's dispatch, as
   // the expert GEMM writing there would.
@@ -1304,7 +1310,8 @@ void combine_backward(Communicator& comm, Rank& rank, const void* expert_out, in
                  "values a weight's gradient may meet");
   check_combine(comm, rank, shape, dtype, dispatched, weights, where);
   const int64_t capacity = moe_capacity(rank.world(), shape);
-  const size_t row_bytes = size_t(shape.hidden) * dtype_size(dtype), bytes = size_t(capacity) * row_bytes;
+  const size_t row_bytes = size_t(shape.hidden) * dtype_size(dtype);
+  const size_t bytes = expert_rows_bytes(rank.world(), shape, dtype);
   WEFT_CHECK(comm.in_heap(rank, d_expert_out, bytes),
              where + "d_expert_out must be the buffer moe_combine_grad_input() gives (peers write it)");
   WEFT_CHECK(expert_rows >= 0 && expert_rows <= capacity,
