@@ -101,17 +101,56 @@ struct WalkLayout {
   uint64_t *row_state, *tile_rows;
 };
 
+// Block-wide: this rank's slots of expert e, in token order, at rows base, base + 1, ... (row_of), and with a
+// walk, their slot indices at walk[walk_at ...]. Each thread takes kSlotsPerThread consecutive slots a round
+// and a block-wide scan of the per-thread counts places them (one scan per blockDim x kSlotsPerThread slots:
+// a scan per blockDim slots kept E blocks busy for 40-90 us at 32-64k slots).
+__device__ void place_own_slots(const int32_t* experts, int64_t slots, int e, int64_t base, int64_t walk_at,
+                                int32_t* row_of, int32_t* walk) {
+  constexpr int kSlotsPerThread = 8;
+  __shared__ int warp_sums[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = int(blockDim.x / 32);
+  int64_t placed = 0;  // this block's rows so far
+  for (int64_t at = 0; at < slots; at += int64_t(blockDim.x) * kSlotsPerThread) {
+    const int64_t first = at + int64_t(threadIdx.x) * kSlotsPerThread;
+    unsigned mine = 0;
+#pragma unroll
+    for (int j = 0; j < kSlotsPerThread; ++j)
+      if (first + j < slots && experts[first + j] == e) mine |= 1u << j;
+    const int count = __popc(mine);
+    int inclusive = count;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int up = __shfl_up_sync(0xffffffffu, inclusive, o);
+      if (lane >= o) inclusive += up;
+    }
+    if (lane == 31) warp_sums[warp] = inclusive;
+    __syncthreads();
+    int before = inclusive - count, all = 0;
+    for (int w = 0; w < warps; ++w) {
+      before += w < warp ? warp_sums[w] : 0;
+      all += warp_sums[w];
+    }
+    for (int64_t q = placed + before; mine != 0; mine &= mine - 1, ++q) {
+      const int64_t i = first + __ffs(mine) - 1;
+      row_of[i] = static_cast<int32_t>(base + q);
+      if (walk != nullptr) walk[walk_at + q] = static_cast<int32_t>(i);
+    }
+    placed += all;
+    __syncthreads();  // warp_sums reused
+  }
+}
+
 // Block e (a global expert): its group's place on its rank from the counts table, this rank's rows in it
 // by token order (a block-wide scan over the slots), and, on the expert's own rank, the group's end and its
 // padding rows' sources (none). With a walk: this rank's slots of expert e at their place in it, and the
-// padding rows marked and counted in their tiles. zero_padding_rows zeroes the padding rows after it.
+// padding rows marked and counted in their tiles. The padding rows are zeroed later (zero_padding_share).
 __global__ void __launch_bounds__(256)
     place_slots(const int32_t* table, const int32_t* experts, Dims d, int32_t* row_of, int32_t* group_end,
                 int32_t* row_source, WalkLayout walk, TimelineBuffer* tl) {
   const TimelineSpan span(threadIdx.x == 0 ? tl : nullptr, TimelinePhase::kMoe,
                           uint32_t(MoeStep::kPlaceSlots));
   __shared__ int64_t base_s, pad_begin_s, pad_end_s, walk_s;
-  __shared__ int warp_sums[8];
   __shared__ int64_t warp_partials[2][8];
   const int e = blockIdx.x, owner = e / d.per_rank, local = e % d.per_rank;
   const int stride = d.experts + 1;
@@ -148,7 +187,7 @@ __global__ void __launch_bounds__(256)
       before += warp_partials[1][w];
     }
     const int64_t n = total(e);
-    pad_begin_s = pad_end_s = 0;
+    pad_begin_s = pad_end_s = walk_s = 0;
     if (owner == d.rank) {
       group_end[local] = static_cast<int32_t>(offset + padded(n, d.align));
       pad_begin_s = offset + n;
@@ -171,41 +210,7 @@ __global__ void __launch_bounds__(256)
     row_source[r] = -1;
     if (walk.row_state != nullptr) walk.row_state[r] = ops::kMoeRowPadding;
   }
-  // This rank's slots of expert e in token order: each thread takes kSlotsPerThread consecutive slots a
-  // round, and a block-wide scan of the per-thread counts places them (one scan per blockDim x
-  // kSlotsPerThread slots: a scan per blockDim slots kept E blocks busy for 40-90 us at 32-64k slots).
-  constexpr int kSlotsPerThread = 8;
-  int64_t base = base_s;
-  const int64_t slots = d.tokens * d.top_k;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = int(blockDim.x / 32);
-  for (int64_t at = 0; at < slots; at += int64_t(blockDim.x) * kSlotsPerThread) {
-    const int64_t first = at + int64_t(threadIdx.x) * kSlotsPerThread;
-    unsigned mine = 0;
-#pragma unroll
-    for (int j = 0; j < kSlotsPerThread; ++j)
-      if (first + j < slots && experts[first + j] == e) mine |= 1u << j;
-    const int count = __popc(mine);
-    int inclusive = count;
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const int up = __shfl_up_sync(0xffffffffu, inclusive, o);
-      if (lane >= o) inclusive += up;
-    }
-    if (lane == 31) warp_sums[warp] = inclusive;
-    __syncthreads();
-    int before = inclusive - count, all = 0;
-    for (int w = 0; w < warps; ++w) {
-      before += w < warp ? warp_sums[w] : 0;
-      all += warp_sums[w];
-    }
-    for (int64_t q = base - base_s + before; mine != 0; mine &= mine - 1, ++q) {
-      const int64_t i = first + __ffs(mine) - 1;
-      row_of[i] = static_cast<int32_t>(base_s + q);  // among this rank's rows of the group
-      if (walk.walk != nullptr) walk.walk[walk_s + q] = static_cast<int32_t>(i);
-    }
-    base += all;
-    __syncthreads();  // warp_sums reused
-  }
+  place_own_slots(experts, d.tokens * d.top_k, e, base_s, walk_s, row_of, walk.walk);
 }
 
 // The padding rows of this rank's groups zeroed (the expert GEMMs run over whole groups: a padding row must
