@@ -61,6 +61,54 @@ std::vector<MoeDispatched> dispatch_on_every_rank(Communicator& c, const MoeShap
   return got;
 }
 
+// A rank's random routing of `tokens` tokens: top_k distinct experts of E a token, about one slot in 16
+// dropped (-1), appended to `experts`; its rows' bf16 values k / scale (k in -1000..1000), one row where the
+// rank has no token.
+void random_routing(std::mt19937_64& g, int64_t tokens, int E, int top_k, int64_t hidden, float scale,
+                    std::vector<int32_t>& experts, std::vector<__nv_bfloat16>& rows) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<int32_t> pick(E);
+    for (int e = 0; e < E; ++e) pick[e] = e;
+    std::shuffle(pick.begin(), pick.end(), g);
+    for (int j = 0; j < top_k; ++j) experts.push_back(g() % 16 == 0 ? -1 : pick[j]);
+  }
+  rows.resize(std::max<int64_t>(tokens, 1) * hidden);
+  for (auto& x : rows) x = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / scale);
+}
+
+// Errors in destination rank d's low-latency groups: every slot of an expert of d (from each source whose
+// slots are known here: every source in one process, d's own with one process per rank) at a row of its
+// expert's group below the group's count, no row taken twice, and same_row(s, x, row) (the row holds slot x
+// of source s's token); with every source known, each group's count equal to its slots. per experts a
+// rank, `group` rows each.
+template <class SameRow>
+int64_t low_latency_group_errors(Communicator& c, int d, int per, int64_t group,
+                                 const std::vector<std::vector<int32_t>>& experts,
+                                 const std::vector<std::vector<int32_t>>& row_of,
+                                 const std::vector<int32_t>& counts, SameRow same_row) {
+  const int W = c.world();
+  std::vector<int> want(per, 0);
+  std::vector<char> taken(size_t(per * group), 0);
+  int64_t bad = 0;
+  for (int s = 0; s < W; ++s) {
+    if (c.num_local() < W && s != d) continue;  // one process per rank: only this rank's own slots known
+    for (size_t x = 0; x < experts[s].size(); ++x) {
+      const int e = experts[s][x];
+      if (e < 0 || e / per != d) continue;
+      const int le = e % per, row = row_of[s][x];
+      ++want[le];
+      const bool in_group = row >= le * group && row < le * group + counts[le];
+      bad += !in_group;
+      if (!in_group) continue;
+      bad += taken[row]++ != 0;
+      bad += !same_row(s, x, row);
+    }
+  }
+  if (c.num_local() == W)
+    for (int le = 0; le < per; ++le) bad += counts[le] != want[le];
+  return bad;
+}
+
 std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
   const int W = c.world();
   const int E = mc.experts_per_rank * W, per = mc.experts_per_rank;
@@ -643,14 +691,7 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
     std::vector<std::vector<__nv_bfloat16>> tokens(W);
     std::vector<std::vector<float>> weights(W);
     for (int r = 0; r < W; ++r) {
-      for (int64_t t = 0; t < T[r]; ++t) {
-        std::vector<int32_t> pick(E);
-        for (int e = 0; e < E; ++e) pick[e] = e;
-        std::shuffle(pick.begin(), pick.end(), g);
-        for (int j = 0; j < top_k; ++j) experts[r].push_back(g() % 16 == 0 ? -1 : pick[j]);
-      }
-      tokens[r].resize(std::max<int64_t>(T[r], 1) * hidden);
-      for (auto& x : tokens[r]) x = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 64.f);
+      random_routing(g, T[r], E, top_k, hidden, 64.f, experts[r], tokens[r]);
       weights[r].resize(std::max<size_t>(experts[r].size(), 1));
       for (auto& w : weights[r]) w = float(g() % 1000) / 1000.f;
     }
@@ -689,28 +730,12 @@ WEFT_GPU_TEST(moe_low_latency_dispatch_and_combine) {
       weft::test::download(c, i, ends.data(), got[i].group_end, per * 4);
       std::vector<__nv_bfloat16> rows(size_t(per * group) * hidden);
       weft::test::download(c, i, rows.data(), got[i].rows, rows.size() * 2);
-      std::vector<int> want(per, 0);
-      std::vector<char> taken(size_t(per * group), 0);
-      int64_t bad = 0;
-      for (int s = 0; s < W; ++s) {
-        if (c.num_local() < W && s != d)
-          continue;  // one process per rank: only this rank's own slots known here
-        for (size_t x = 0; x < experts[s].size(); ++x) {
-          const int e = experts[s][x];
-          if (e < 0 || e / per != d) continue;
-          const int le = e % per, row = row_of[s][x];
-          ++want[le];
-          const bool in_group = row >= le * group && row < le * group + counts[le];
-          bad += !in_group;
-          if (!in_group) continue;
-          bad += taken[row]++ != 0;
-          bad += std::memcmp(&rows[size_t(row) * hidden], &tokens[s][(x / top_k) * hidden], hidden * 2) != 0;
-        }
-      }
-      for (int le = 0; le < per; ++le) {
-        bad += ends[le] != (le + 1) * group;
-        if (c.num_local() == W) bad += counts[le] != want[le];
-      }
+      int64_t bad =
+          low_latency_group_errors(c, d, per, group, experts, row_of, counts, [&](int s, size_t x, int row) {
+            return std::memcmp(&rows[size_t(row) * hidden], &tokens[s][(x / top_k) * hidden], hidden * 2) ==
+                   0;
+          });
+      for (int le = 0; le < per; ++le) bad += ends[le] != (le + 1) * group;
       WEFT_EXPECT(bad == 0, "low latency, call " << call << ", rank " << d << ": " << bad
                                                  << " rows, counts or ends wrong");
     }
@@ -1042,16 +1067,7 @@ WEFT_GPU_TEST(moe_dispatch_fp8_low_latency) {
     base.low_latency = true;
     std::vector<std::vector<int32_t>> experts(W);
     std::vector<std::vector<__nv_bfloat16>> tokens(W);
-    for (int r = 0; r < W; ++r) {
-      for (int64_t t = 0; t < T[r]; ++t) {
-        std::vector<int32_t> pick(E);
-        for (int e = 0; e < E; ++e) pick[e] = e;
-        std::shuffle(pick.begin(), pick.end(), g);
-        for (int j = 0; j < top_k; ++j) experts[r].push_back(g() % 16 == 0 ? -1 : pick[j]);
-      }
-      tokens[r].resize(std::max<int64_t>(T[r], 1) * hidden);
-      for (auto& x : tokens[r]) x = __float2bfloat16(float(int64_t(g() % 2001) - 1000) / 128.f);
-    }
+    for (int r = 0; r < W; ++r) random_routing(g, T[r], E, top_k, hidden, 128.f, experts[r], tokens[r]);
     struct Local {
       DeviceBuffer tok, exp, ws, q, s, b, sb, c8, cd;
     };
@@ -1139,29 +1155,15 @@ WEFT_GPU_TEST(moe_dispatch_fp8_low_latency) {
       weft::test::download(c, i, packed.data(), f8[i].values, packed.size());
       weft::test::download(c, i, c8.data(), local[i]->c8.p, c8.size());
       weft::test::download(c, i, cd.data(), local[i]->cd.p, cd.size());
-      std::vector<int> want(per, 0);
-      std::vector<char> taken(cap, 0);
-      int64_t bad = 0;
-      for (int s = 0; s < W; ++s) {
-        if (c.num_local() < W && s != d) continue;  // one process per rank: only this rank's own slots known
-        for (size_t x = 0; x < experts[s].size(); ++x) {
-          const int e = experts[s][x];
-          if (e < 0 || e / per != d) continue;
-          const int le = e % per, row = row_of[s][x];
-          ++want[le];
-          const bool in_group = row >= le * group && row < le * group + counts[le];
-          bad += !in_group;
-          if (!in_group) continue;
-          bad += taken[row]++ != 0;
-          const uint8_t* got = packed.data() + size_t(row) * f8[i].row_bytes;
-          const size_t t = x / top_k;
-          bad += std::memcmp(got, q[s].data() + t * hidden, hidden) != 0;
-          bad += std::memcmp(got + hidden, sc[s].data() + t * blocks, blocks * 4) != 0;
-        }
-      }
+      const int64_t bad =
+          low_latency_group_errors(c, d, per, group, experts, row_of, counts, [&](int s, size_t x, int row) {
+            const uint8_t* got = packed.data() + size_t(row) * f8[i].row_bytes;
+            const size_t t = x / top_k;
+            return std::memcmp(got, q[s].data() + t * hidden, hidden) == 0 &&
+                   std::memcmp(got + hidden, sc[s].data() + t * blocks, blocks * 4) == 0;
+          });
       int64_t bad_gemm = 0;
       for (int le = 0; le < per; ++le) {
-        if (c.num_local() == W) bad += counts[le] != want[le];
         for (int64_t t = 0; t * 128 < counts[le]; ++t) {  // the tiles holding counted rows
           const size_t at = size_t(le * group + t * 128) * n * 2;
           bad_gemm += std::memcmp(c8.data() + at, cd.data() + at, size_t(128) * n * 2) != 0;
