@@ -48,6 +48,9 @@
 # run.sh pattern at a time on a warm machine: "single-process, 4" 131 s; "multi-process, 4" 144 s; "fake nodes:
 # 2 x 2", "python (torchrun), 4" and "backend 'weft' (torchrun), 4" 62 s together; "fake nodes of 2",
 # "tp_mlp.py trains (torchrun), 4" and "train_transformer.py (torchrun), 4" 85 s together.
+# At 2 x H200 (code 1077c78, bench/RESULTS.md "The GPU suite at 2 GPUs on 1077c78") the 2-GPU schedule above took:
+# 1. 306 s with a fresh build (98 s); 2. 366 s (racecheck alone 158 s); 3. past 357 s on two lanes (virtual W = 8
+# 53 s, W = 2 55 s, W = 4 57 s, ...): budget ~1100 s of device time for every step at 2 GPUs.
 # WEFT_SUITE_QUICK=1 runs the real-GPU team steps with fewer sizes. Keep the device call's own output unpiped (or write it under $OUT): a call cut by its time limit
 # returns only what was printed, and `| tail` prints nothing until its input ends.
 set -u
