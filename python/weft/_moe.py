@@ -170,10 +170,10 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None,
     low_latency=True (decoding: up to a few hundred tokens a rank; inference, no autograd: under
     torch.no_grad()): one kernel, no count exchange (MoeShape::low_latency): each expert a fixed group of
     W x max_tokens rows rounded up to 128 (group_end fixed), d.group_rows the rows each group received
-    (weft.grouped_mm(..., group_rows=d.group_rows) walks only those); combine as usual, but an expert_out other
-    than weft.moe_combine_input(d) is copied there whole (every group's worst case: ~470 MB a rank at
-    DeepSeek-V3 sizes on 4 ranks); weft.moe_layer(low_latency=True) writes its down GEMM there directly. align is
-    ignored.
+    (weft.grouped_mm(..., group_rows=d.group_rows) walks only those); combine as usual: an expert_out other
+    than weft.moe_combine_input(d) has the rows its groups received copied there (not the capacity, every
+    group's worst case: ~470 MB a rank at DeepSeek-V3 sizes on 4 ranks); weft.moe_layer(low_latency=True) writes
+    its down GEMM there directly, with no copy. align is ignored.
     """
     where = "weft.moe_dispatch"
     c = _dispatch_args(x, experts, comm, where)

@@ -928,9 +928,8 @@ def moe_combine(expert_out, row_of, kept, weights, shape, comm, group_rows=None)
 
 
 # The low-latency layer's down GEMM and combine (inference, no autograd): the GEMM writes straight into the
-# team's combine area (the rows the peers read), so no [capacity, hidden] copy comes between the two: a
-# low-latency dispatch's capacity holds every group's worst case (~470 MB a rank at DeepSeek-V3 sizes on 4
-# ranks), and moe_combine would copy all of it.
+# team's combine area (the rows the peers read), so no copy comes between the two (moe_combine given the
+# GEMM's output elsewhere copies the rows the groups received into the area first).
 @_operator("weft::moe_grouped_mm_then_combine")
 def _moe_grouped_mm_then_combine(a: Tensor, b: Tensor, b_nk: bool, group_end: Tensor, group_rows: Tensor,
                                  row_of: Tensor, kept: Tensor, weights: Tensor, shape: list[int],
