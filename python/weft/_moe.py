@@ -257,8 +257,8 @@ def moe_combine(expert_out, dispatched, weights):
     """out[t] = sum over j of weights[t, j] * the expert output of token t's j-th slot, in fp32 in slot order
     (deterministic), rounded once. expert_out [capacity, hidden] in dispatched.rows' layout (best:
     weft.moe_combine_input(dispatched), else it is copied there: for a low-latency dispatch only the rows its
-    groups received, e.g. weft.grouped_mm(..., group_rows=d.group_rows)'s output as it is); weights [tokens, top_k] (fp32). Every rank
-    calls it. Returns out [tokens, hidden]. A torch operator (torch.compile traces it) with autograd:
+    groups received, e.g. weft.grouped_mm(..., group_rows=d.group_rows)'s output as it is); weights [tokens,
+    top_k] (fp32). Every rank calls it. Returns out [tokens, hidden]. A torch operator (torch.compile traces it) with autograd:
     expert_out's gradient is weights[t, j] * dout[t] at each slot's row (zeros elsewhere), the weights'
     <dout[t], the slot's expert output> (weft.moe_combine_backward's kernel, rows read and written on the
     experts' ranks). Combines of one team run one dispatch apart: two micro-batches interleaved (dispatch A,
