@@ -105,6 +105,12 @@ struct AttentionBwdOp {
   static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
   static_assert(kBM == 64 || (kBM == 128 && kD == 64), "64 query rows per step, or 128 at D = 64");
   static_assert(kBN == 64 * kConsumerWarpgroups, "64 keys per consumer warpgroup");
+  // D = 64 has the registers for dS^T as dK's A operand (packed as dV's P^T): dK then reads only Q from
+  // shared memory, whose port, not the tensor cores, limits that step; dP^T is issued right behind S^T, and
+  // each LSE / D pair is loaded once for both of a thread's rows. 1.02-1.06x at D = 64 (2026-11-28, H200,
+  // bench/RESULTS.md); at D = 128 the same step spills more and ran 0.94-1.0x, so it keeps dS^T in shared
+  // memory for dK.
+  static constexpr bool kDsInRegisters = kD == 64;
 
   using Scheduler = lcsc::AttentionScheduler;  // items: (batch, K/V head, key block); see key_block()
   using KTile = tile::Sw128Tile<T, kBN, kD>;   // rows: keys (K-major A of S^T, MN-major B of dQ)
@@ -288,31 +294,42 @@ struct AttentionBwdOp {
     tile::AccumM64<kBM> ds;  // dP^T, then dS^T
     wgmma::fence();
     issue_scores(s.k, s.q[stage], wg, sp);
-    wgmma::wait<0>();
-    wgmma::fence_operands(sp.d);
-    wgmma::fence();
-    issue_scores(s.v, s.dout[stage], wg, ds);
+    if constexpr (kDsInRegisters) {  // dP^T queued behind S^T: the tensor pipe stays busy during P^T's exp2
+      issue_scores(s.v, s.dout[stage], wg, ds);
+      wgmma::wait<1>();
+      wgmma::fence_operands(sp.d);
+    } else {
+      wgmma::wait<0>();
+      wgmma::fence_operands(sp.d);
+      wgmma::fence();
+      issue_scores(s.v, s.dout[stage], wg, ds);
+    }
     // One branch per block, not one per element: most blocks need no mask.
     if (block_needs_mask(len, key0, m * kBM))
       scores_to_ds<true>(p, len, s.lse_log2[stage], s.dsum[stage], key0, m * kBM, sp, ds);
     else
       scores_to_ds<false>(p, len, s.lse_log2[stage], s.dsum[stage], key0, m * kBM, sp, ds);
     // P as the A operand of dV (S and dP die here). dV needs nothing of the other warpgroup, so it runs on
-    // the tensor cores while dS^T goes to shared memory (the A operand of dK and dQ) and the warpgroups meet.
+    // the tensor cores while dS^T goes to shared memory (the A operand of dQ) and the warpgroups meet.
     uint32_t pa[kBM / 4];
     tile::pack_a<T>(sp, pa);
     wgmma::fence();
     issue_dv(pa, s.dout[stage], acc.dv);  // dV += P^T dO
     store_ds(ds, s.ds[stage], wg);
+    [[maybe_unused]] uint32_t dsa[kBM / 4];
+    if constexpr (kDsInRegisters) tile::pack_a<T>(ds, dsa);
     // Both warpgroups' dS^T in shared memory, visible to the tensor cores.
     fence_proxy_async_smem();
     tile::named_barrier_sync(kDsBarrierId, kConsumerWarpgroups * tile::kWarpgroupThreads);
     // dQ before dK: dQ's part is staged and sent while dK runs.
     tile::AccumM64<kDqCols> dq;
     wgmma::fence();
-    issue_dq(s.ds[stage], s.k, wg, dq);             // the warpgroup's part of dQ = dS K
-    issue_dk(s.ds[stage], s.q[stage], wg, acc.dk);  // dK += dS^T Q
-    wgmma::wait<1>();                               // dV and dQ (groups complete in order)
+    issue_dq(s.ds[stage], s.k, wg, dq);  // the warpgroup's part of dQ = dS K
+    if constexpr (kDsInRegisters)
+      issue_dk_rs(dsa, s.q[stage], acc.dk);  // dK += dS^T Q
+    else
+      issue_dk(s.ds[stage], s.q[stage], wg, acc.dk);  // dK += dS^T Q
+    wgmma::wait<1>();                                 // dV and dQ (groups complete in order)
     wgmma::fence_operands(dq.d);
     wgmma::fence_operands(acc.dv.d);
     wgmma::fence_operands(pa);
@@ -320,6 +337,7 @@ struct AttentionBwdOp {
     // dK reads this stage's Q and dS^T: complete before the stage is released.
     wgmma::wait<0>();
     wgmma::fence_operands(acc.dk.d);
+    if constexpr (kDsInRegisters) wgmma::fence_operands(dsa);
   }
 
   // D (64 x kBM, rows: this warpgroup's keys) = A_rows B^T over the head dim, both K-major in shared memory.
@@ -335,6 +353,10 @@ struct AttentionBwdOp {
   __device__ static void issue_dk(const DsTile& ds, const QTile& q, int wg, tile::AccumM64<kD>& dk) {
     wgmma::mma_ss_group<kD, kBM, DsTile, 0, QTile, 1>(dk.d, wgmma::desc_k_major(ds, 64 * wg, 0),
                                                       wgmma::desc_mn_major(q, 0), true);
+  }
+  // dK (64 x D) += dS^T (registers: this warpgroup's rows, packed as dV's P^T) Q (MN-major B).
+  __device__ static void issue_dk_rs(uint32_t (&dsa)[kBM / 4], const QTile& q, tile::AccumM64<kD>& dk) {
+    wgmma::mma_rs_group<kD, kBM, QTile, 1>(dk.d, dsa, wgmma::desc_mn_major(q, 0));
   }
   // The warpgroup's part of dQ = dS (queries x 128 keys: the dS^T tile read M-major) K (keys x columns,
   // MN-major): kBM = 64, all 64 rows and columns [wg D/2, (wg+1) D/2); kBM = 128, rows [64 wg, 64 wg + 64)
@@ -370,10 +392,12 @@ struct AttentionBwdOp {
                                       const float (&dsum)[kBM], int key0, int row0, tile::AccumM64<kBM>& sp,
                                       tile::AccumM64<kBM>& ds) {
     using Frag = tile::AccumM64<kBM>;
+    float2 lse{};
 #pragma unroll
     for (int i = 0; i < Frag::kRegs; i += 2) {
       const int col = Frag::col(i);
-      const float2 lse = lds_float2(&lse_log2[col]);
+      // Registers i and i + 2 share their columns (rows r and r + 8): kDsInRegisters loads the pair once.
+      if (!kDsInRegisters || i % 4 == 0) lse = lds_float2(&lse_log2[col]);
       float v0 = tile::ex2(fmaf(sp.d[i], p.scale_log2, -lse.x));
       float v1 = tile::ex2(fmaf(sp.d[i + 1], p.scale_log2, -lse.y));
       if constexpr (kMasked) {
@@ -387,9 +411,10 @@ struct AttentionBwdOp {
     }
     wgmma::wait<0>();
     wgmma::fence_operands(ds.d);
+    float2 d{};
 #pragma unroll
     for (int i = 0; i < Frag::kRegs; i += 2) {
-      const float2 d = lds_float2(&dsum[Frag::col(i)]);
+      if (!kDsInRegisters || i % 4 == 0) d = lds_float2(&dsum[Frag::col(i)]);
       const float g0 = sp.d[i] * (ds.d[i] - d.x), g1 = sp.d[i + 1] * (ds.d[i + 1] - d.y);
       if constexpr (kMasked) {  // 0 * NaN would not be 0
         ds.d[i] = sp.d[i] == 0.f ? 0.f : g0;
