@@ -94,14 +94,16 @@ void run_fused(Context& ctx) {
           NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
       {"op", "M", "N", "K", "sequential us", "compute us", "comm us", "weft us", "weft path", "speedup",
        "weft / bound", "weft gemm us", "fused us", "fused, added at owner us", "fused, staged progressive us",
-       "pipelined us"},
+       "fused, summed in epilogue us", "pipelined us"},
       "sequential = cuBLAS GEMM + NCCL collective; compute = the cuBLAS GEMM alone; bound = max(compute "
       "alone, communication alone); weft path 'sequential' means the op chose its fallback (cuBLAS GEMM + "
       "weft collective) for this shape. weft gemm = weft::gemm alone on the compute shape; fused = "
       "the op with the fused kernel forced; fused, added at owner = the same with its partial tiles "
       "reduce-added into the owner's sum (FusedOptions::Partials::kAddedAtOwner; RS / AR); fused, staged "
       "progressive = staged, each half summed at its owner during the GEMM (Partials::kStagedProgressive; "
-      "with --fused-progressive, else -); "
+      "with --fused-progressive, else -); fused, summed in epilogue = every tile by every rank, the owner's "
+      "last, its peers' partials added in its epilogue (Partials::kSummedInEpilogue; with "
+      "--fused-epilogue-sum, else -); "
       "pipelined = the "
       "op with the copy-engine pipeline "
       "forced (both: what kAuto's rule weighs)." +
@@ -197,6 +199,9 @@ void run_fused(Context& ctx) {
           FusedOptions progressive = forced;
           progressive.partials = FusedOptions::Partials::kStagedProgressive;
           auto progressive_call = [&](int i) { call(i, progressive); };
+          FusedOptions summed = forced;
+          summed.partials = FusedOptions::Partials::kSummedInEpilogue;
+          auto summed_call = [&](int i) { call(i, summed); };
           FusedOptions pipelined = weft_options;
           pipelined.mode = FusedOptions::Mode::kPipelined;
           auto pipelined_call = [&](int i) { call(i, pipelined); };
@@ -228,6 +233,8 @@ void run_fused(Context& ctx) {
           if (op != Op::kAG) on_all(added_call, false)(0);
           const bool progressive_on = op != Op::kAG && ctx.fused_progressive;
           if (progressive_on) on_all(progressive_call, false)(0);
+          const bool summed_on = op != Op::kAG && ctx.fused_epilogue_sum;
+          if (summed_on) on_all(summed_call, false)(0);
           comm->synchronize();
           ctx.progress("fused: warm-up, pipeline");
           on_all(pipelined_call, false)(0);
@@ -244,7 +251,11 @@ void run_fused(Context& ctx) {
                                                               on_all(fused_call, false),
                                                               on_all(pipelined_call, false)};
           if (op != Op::kAG) candidates.push_back(on_all(added_call, false));
+          // The optional columns' places among the candidates (0: not timed).
+          const size_t progressive_at = progressive_on ? candidates.size() : 0;
           if (progressive_on) candidates.push_back(on_all(progressive_call, false));
+          const size_t summed_at = summed_on ? candidates.size() : 0;
+          if (summed_on) candidates.push_back(on_all(summed_call, false));
           std::vector<double> times;
           if (nccl_on) {
             times = time_graphs_alternating(*comm, streams, iters, reps, candidates);
@@ -252,17 +263,20 @@ void run_fused(Context& ctx) {
             for (size_t c = 0; c < candidates.size(); ++c)
               times.push_back(c == 6 ? 0 : time_graphs(*comm, streams, iters, reps, candidates[c]));
           }
-          times.resize(9, 0.0);  // AG: no added-at-owner or progressive column
-          double t_all[9];
-          for (int c = 0; c < 9; ++c) t_all[c] = team_max(times[c]);
-          const auto [t_seq, t_gemm, t_comm, t_weft, t_wgemm, t_forced, t_pipe, t_added, t_progressive] =
-              t_all;
+          times.resize(10, 0.0);  // AG: no added-at-owner, progressive or summed column
+          double t_all[10];
+          for (int c = 0; c < 10; ++c) t_all[c] = team_max(times[c]);
+          const double t_seq = t_all[0], t_gemm = t_all[1], t_comm = t_all[2], t_weft = t_all[3],
+                       t_wgemm = t_all[4], t_forced = t_all[5], t_pipe = t_all[6], t_added = t_all[7];
+          const double t_progressive = progressive_at ? t_all[progressive_at] : 0.0,
+                       t_summed = summed_at ? t_all[summed_at] : 0.0;
           t.add({op_name(op), std::to_string(M), std::to_string(N), std::to_string(K), fmt("%.1f", t_seq),
                  fmt("%.1f", t_gemm), fmt("%.1f", t_comm), fmt("%.1f", t_weft), fused_path_name(path),
                  fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm)),
                  fmt("%.1f", t_wgemm), fmt("%.1f", t_forced),
                  t_added > 0 ? fmt("%.1f", t_added) : std::string("-"),
                  t_progressive > 0 ? fmt("%.1f", t_progressive) : std::string("-"),
+                 t_summed > 0 ? fmt("%.1f", t_summed) : std::string("-"),
                  t_pipe > 0 ? fmt("%.1f", t_pipe) : std::string("-")});
           if (!ctx.timeline_dir.empty()) {  // one call of each weft path, in-kernel timestamps
             auto record = [&](const std::function<void(int)>& f, const char* path_name) {
@@ -278,6 +292,7 @@ void run_fused(Context& ctx) {
             if (path != FusedPath::kPipelined && nccl_on) record(pipelined_call, "pipelined");
             if (op != Op::kAG) record(added_call, "fused_added_at_owner");
             if (progressive_on) record(progressive_call, "fused_staged_progressive");
+            if (summed_on) record(summed_call, "fused_summed_in_epilogue");
           }
           comm->free(wa);
           comm->free(wo);

@@ -42,6 +42,10 @@ const char* const kRsPipeline = "matmul_reduce_scatter / all_reduce pipeline";
 // flags: the counts of its halves and the counts they reached (ops/fused.cuh, RsGemmOp).
 const char* const kRsSum = "matmul_reduce_scatter / all_reduce kernel: the owner's sum";
 const char* const kRsHalves = "matmul_reduce_scatter / all_reduce kernel: adds per half at the owner";
+// Signal-pad flags of Partials::kSummedInEpilogue: the partials landed per half tile at the owner, and the
+// counts they reached (ops/fused.cuh, EpilogueSummedC).
+const char* const kRsTileHalves =
+    "matmul_reduce_scatter / all_reduce kernel: partials per half tile at the owner";
 constexpr int kPipelineFlags = 2 * kMaxWorld;  // used(r), then arrived(r)
 const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kFusedState, 2}},
@@ -50,6 +54,7 @@ const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kAgPipeline, kPipelineFlags}},
     ResourceDeclaration{{kRsPipeline, kPipelineFlags}},
     ResourceDeclaration{{kRsHalves, 2 * ops::kRsHalfFlags}},
+    ResourceDeclaration{{kRsTileHalves, 2 * ops::kRsTileHalfFlags}},
 };
 
 struct Call : ops::OpCall {
@@ -94,7 +99,7 @@ struct Call : ops::OpCall {
                                            std::to_string(o.pipeline_pieces));
     using Partials = FusedOptions::Partials;
     WEFT_CHECK(o.partials == Partials::kStaged || o.partials == Partials::kAddedAtOwner ||
-                   o.partials == Partials::kStagedProgressive,
+                   o.partials == Partials::kStagedProgressive || o.partials == Partials::kSummedInEpilogue,
                where + "unknown options.partials");
     WEFT_CHECK(
         o.mode != Mode::kFused || why_not_fused.empty(),
@@ -657,16 +662,82 @@ void launch_rs_as(Call& c, const SetMaps& set_maps, void* out, int64_t m, int64_
   WEFT_CUDA_CHECK(cudaMemcpyAsync(out, inbox, slice, cudaMemcpyDeviceToDevice, c.stream));
 }
 
+// Partials::kSummedInEpilogue (ops::EpilogueSummedC): every tile computed by every rank in the owners'
+// rounds (lcsc::OwnerRoundsScheduler), a peer's stored into this rank's slot of its inbox (workspace, as
+// kStaged's) and counted there, an own tile summed with the peers' partials in its epilogue and stored into
+// out, or (all-reduce, symmetric out) into this rank's slice of every rank's out; no kernel after it.
+// launch_rs checks what it needs: shards of whole 128-row tiles, the half tiles within their flags.
+template <bool kKMajor>
+void launch_rs_summed(Call& c, const Bf16Maps<kKMajor>& maps, void* out, int64_t m, int64_t n,
+                      const FusedOptions& o, bool all_reduce) {
+  using Op = ops::RsSummedGemmOp<kKMajor>;
+  // rs_why_not and choose() checked the SM budget with the staged op: one block an SM at the same shared
+  // memory.
+  static_assert(lcsc::kSmemBytes<Op> == lcsc::kSmemBytes<ops::RsGemmOp<kKMajor, 1>>,
+                "the summed and the staged kernels must need the same shared memory");
+  typename Op::Params p{};
+  const int W = c.rank.world(), me = c.rank.rank();
+  const int64_t rows = m / W;
+  const uint64_t slice = uint64_t(rows) * n * 2;
+  constexpr int comm_blocks = 1;  // block 0 meets (the all-reduce's: at the end too)
+  char* const inbox = c.workspace(W * slice);
+  char* const my_slot = inbox + me * slice;
+  const auto map_rows = [&](void* at, const char* what) {  // [rows, n] bf16 at `at`, the epilogue's box
+    return tma::make_map_2d(
+        {at, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(rows), uint64_t(n), uint64_t(n) * 2},
+        Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, what);
+  };
+  set_schedule<Op>(p.sched, m, n);
+  maps.template set<Op>(p, my_slot, rows);  // (the GEMM's own C map goes unused)
+  for (int r = 0; r < W; ++r)
+    p.owner[r] = map_rows(c.rank.peer_ptr(my_slot, r), "matmul_reduce_scatter: owner");
+  p.dests = all_reduce ? W : 1;
+  for (int i = 0; i < p.dests; ++i)
+    p.dest[i] =
+        map_rows(all_reduce ? c.rank.peer_ptr(static_cast<char*>(out) + me * slice, (me + 1 + i) % W) : out,
+                 "matmul_reduce_scatter: out");
+  p.sched.world = W;
+  p.sched.rank = me;
+  p.sched.shard_tiles_m = static_cast<int>(rows / Op::kBM);
+  // Bands of a shard's tile rows: every round spans the W owners' rows, so W x group_m A row blocks in
+  // flight, as the GEMM's 16.
+  p.sched.group_m = std::max(1, 16 / W);
+  p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
+  // The own tiles two waves of compute blocks (2 C positions, W a round) after the peers' partials of them.
+  p.sched.delay = (2 * p.sched.compute_blocks + W - 1) / W;
+  p.sched.timeline = c.rank.view().timeline;
+  p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
+  p.shard_rows = static_cast<int>(rows);
+  p.tiles_n = p.sched.tiles_n;
+  p.n = n;
+  p.halves = c.comm.resources(c.rank, kRsTileHalves).flags;
+  p.inbox = reinterpret_cast<const __nv_bfloat16*>(inbox);
+  p.slot_elems = rows * n;
+  p.fan_out = all_reduce;
+  if (c.planned_kernel<Op>(p.sched, comm_blocks)) return;
+  lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
 // Counted where the halves fit their flags and, for the all-reduce, out is symmetric (its slice is the sum;
 // as every op's symmetric buffers, out must then be symmetric on every rank, at one offset). check_operands
-// has required 16-byte alignment.
+// has required 16-byte alignment. Partials::kSummedInEpilogue where its shards are whole 128-row tiles, its
+// half tiles fit their flags and (all-reduce) out is symmetric; elsewhere it, as the counted ways, falls back
+// to kStaged.
 template <bool kKMajor>
 void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                const FusedOptions& o, bool all_reduce) {
+  using Partials = FusedOptions::Partials;
   const int64_t rows = m / c.rank.world();
-  const bool counted = o.partials != FusedOptions::Partials::kStaged && rows / 64 <= ops::kRsHalfFlags &&
-                       (!all_reduce || c.comm.in_heap(c.rank, out, m * n * 2));
+  const bool sym_ok = !all_reduce || c.comm.in_heap(c.rank, out, m * n * 2);
   const Bf16Maps<kKMajor> maps{a, b, m, n, k};
+  const int64_t tiles_n = (n + ops::RsSummedGemmOp<kKMajor>::kBN - 1) / ops::RsSummedGemmOp<kKMajor>::kBN;
+  if (o.partials == Partials::kSummedInEpilogue && sym_ok && rows % 128 == 0 &&
+      rows / 64 * tiles_n <= ops::kRsTileHalfFlags)
+    return launch_rs_summed<kKMajor>(c, maps, out, m, n, o, all_reduce);
+  const bool counted =
+      (o.partials == Partials::kAddedAtOwner || o.partials == Partials::kStagedProgressive) &&
+      rows / 64 <= ops::kRsHalfFlags && sym_ok;
   static_assert(ops::RsGemmOp<kKMajor, 1, true>::staged_sum_fits(ops::kFusedMaxWorld),
                 "the staged sums' buffers must fit a communicator block's shared memory");
   if (counted)

@@ -128,17 +128,20 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   if (o.comm_blocks >= c.local(0).sm_budget()) o.comm_blocks = 0;  // a small --sm-budget: auto (at least 2)
   o.pipeline_pieces = int(seed / 3 % 4);                           // 0 (auto), 1, 2, 3
   o.tile_n = seed / 2 % 2 ? 128 : 0;  // AG's fused kernel: 128 x 128 or auto (256), both outs each
-  // RS / AR: pairs of cases take the three ways of summing the partials in turn (the fused kernel only;
+  // RS / AR: pairs of cases take the four ways of summing the partials in turn (the fused kernel only;
   // ignored elsewhere): pairs, so that both a symmetric and a device out (run_all's innermost loop) take
-  // each.
+  // each. The summed-in-epilogue way falls back to kStaged where M / W is not a multiple of 128 (shards of
+  // 64 and 192 rows) and for the all-reduce's device out.
   // (run_all's 12 cases per shape and layout would line the pairs up with one choice each: hence seed / 12.)
-  const uint64_t way = (seed / 2 + seed / 12) % 3;
+  const uint64_t way = (seed / 2 + seed / 12) % 4;
   if (op != Op::kAG && way == 1) o.partials = FusedOptions::Partials::kAddedAtOwner;
   if (op != Op::kAG && way == 2) o.partials = FusedOptions::Partials::kStagedProgressive;
+  if (op != Op::kAG && way == 3) o.partials = FusedOptions::Partials::kSummedInEpilogue;
   // The staged way with the storers' wide ring (FusedOptions::store_ring 5) in every other such pair.
   if (op != Op::kAG && way == 0 && seed / 6 % 2) o.store_ring = 5;
   const char* partials = o.partials == FusedOptions::Partials::kAddedAtOwner        ? " added at owner"
                          : o.partials == FusedOptions::Partials::kStagedProgressive ? " staged, progressive"
+                         : o.partials == FusedOptions::Partials::kSummedInEpilogue  ? " summed in epilogue"
                          : o.store_ring == 5                                        ? " staged, wide ring"
                                                                                     : "";
   if (std::getenv("WEFT_TEST_VERBOSE"))
@@ -285,6 +288,9 @@ WEFT_GPU_TEST(fused_ops_back_to_back) {
     // between calls and between the two counted ways.
     run_case(ctx, Op::kAR, kShapes[5], BLayout::kNK, Mode::kFused, true, 802 + 4 * rep);
     run_case(ctx, Op::kRS, kShapes[2], BLayout::kNK, Mode::kFused, rep % 2 == 0, 902 + 4 * rep);
+    // Shards of whole 128-row tiles, where the summed-in-epilogue way runs (seeds 1028 + 4 rep: in reps 0
+    // and 5), among the counted ways.
+    run_case(ctx, Op::kRS, kShapes[5], BLayout::kNK, Mode::kFused, rep % 2 == 1, 1028 + 4 * rep);
   }
 }
 
@@ -297,7 +303,7 @@ WEFT_GPU_TEST(fused_ops_fail_fast_when_a_rank_stalls) {
     for (Mode mode : kModes)
       for (FusedOptions::Partials partials :  // RS / AR fused: also with the partials counted at the owner
            {FusedOptions::Partials::kStaged, FusedOptions::Partials::kAddedAtOwner,
-            FusedOptions::Partials::kStagedProgressive}) {
+            FusedOptions::Partials::kStagedProgressive, FusedOptions::Partials::kSummedInEpilogue}) {
         const bool counted = partials != FusedOptions::Partials::kStaged;
         if (counted && (op == Op::kAG || mode != Mode::kFused)) continue;
         auto cp = ctx.make_comm(std::chrono::milliseconds(500));
@@ -347,6 +353,7 @@ WEFT_GPU_TEST(fused_ops_fail_fast_when_a_rank_stalls) {
             " " + mode_name(mode) +
             (partials == FusedOptions::Partials::kAddedAtOwner        ? " (added at owner)"
              : partials == FusedOptions::Partials::kStagedProgressive ? " (staged, progressive)"
+             : partials == FusedOptions::Partials::kSummedInEpilogue  ? " (summed in epilogue)"
                                                                       : "");
         if (waits) {
           WEFT_EXPECT(msg.find("timed out") != std::string::npos || msg.find("gave up") != std::string::npos,
@@ -423,7 +430,8 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
     c.synchronize();
     // Counted calls back to back with no synchronisation between them, inputs alternating: each result its
     // own (a fast rank's next call must not disturb a slow rank's slots or counts).
-    for (Partials counted : {Partials::kStagedProgressive, Partials::kAddedAtOwner}) {
+    for (Partials counted :
+         {Partials::kStagedProgressive, Partials::kAddedAtOwner, Partials::kSummedInEpilogue}) {
       for (RankBuffers* o : {&outs0, &outs1, &outs2})
         for (int i = 0; i < c.num_local(); ++i) poison(c, i, o->ptr[i], out_rows * n * 2);
       c.host_barrier();
@@ -431,8 +439,9 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
       enqueue(outs1, Mode::kFused, counted, true);
       enqueue(outs2, Mode::kFused, counted, false);
       c.synchronize();
-      const char* name = counted == Partials::kAddedAtOwner ? "added at owner, back to back"
-                                                            : "staged progressive, back to back";
+      const char* name = counted == Partials::kAddedAtOwner       ? "added at owner, back to back"
+                         : counted == Partials::kSummedInEpilogue ? "summed in epilogue, back to back"
+                                                                  : "staged progressive, back to back";
       expect_equal(outs0, ref, name);
       expect_equal(outs1, ref2, name);
       expect_equal(outs2, ref, name);
@@ -452,8 +461,10 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
       }
       c.host_barrier();
     }
-    // Fused (staged; staged, progressive) and pipelined: against the sequential result, and the same bits
-    // in every repetition; the progressive sum the same bits as the staged one (one order of the W slots).
+    // Fused (staged; staged, progressive; summed in the epilogue) and pipelined: against the sequential
+    // result, and the same bits in every repetition (a fixed order of the partials); the progressive sum the
+    // same bits as the staged one (one order of the W slots; the epilogue's sum adds this rank's partial
+    // unrounded, so not those bits).
     struct Variant {
       Mode mode;
       Partials partials;
@@ -463,6 +474,7 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
     for (const Variant v :
          {Variant{Mode::kFused, Partials::kStaged, "fused"},
           Variant{Mode::kFused, Partials::kStagedProgressive, "fused (staged, progressive)"},
+          Variant{Mode::kFused, Partials::kSummedInEpilogue, "fused (summed in epilogue)"},
           Variant{Mode::kPipelined, Partials::kStaged, "pipelined"}}) {
       const Mode mode = v.mode;
       std::vector<std::vector<__nv_bfloat16>> first(c.num_local());

@@ -16,6 +16,7 @@
 
 #include "weft/lcsc/attention_scheduler.cuh"
 #include "weft/lcsc/grouped_scheduler.cuh"
+#include "weft/lcsc/owner_rounds_scheduler.cuh"
 #include "weft/lcsc/scheduler.cuh"
 
 namespace {
@@ -99,6 +100,62 @@ std::vector<std::vector<AttentionWork>> walk_attention(const AttentionSchedulerP
 }
 
 }  // namespace
+
+// The owners' rounds (Partials::kSummedInEpilogue): every rank takes every tile once, each owner's own tile
+// at a later position than every peer's position of it (the epilogue that adds the peers' partials comes
+// after them), and each full round sends one partial to every other owner.
+TEST(OwnerRoundsScheduler, OwnTileAfterEveryPeersPartial) {
+  using weft::lcsc::OwnerRoundsParams;
+  using weft::lcsc::OwnerRoundsScheduler;
+  using weft::lcsc::OwnerTile;
+  for (int world : {1, 2, 3, 4, 8})
+    for (int shard_tiles_m : {1, 3, 16})
+      for (int tiles_n : {1, 5, 32})
+        for (int delay : {0, 1, 7, 1000})
+          for (int blocks : {1, 6, 132}) {
+            SCOPED_TRACE(::testing::Message() << "world " << world << " shard tiles " << shard_tiles_m << "x"
+                                              << tiles_n << " delay " << delay << " blocks " << blocks);
+            std::vector<std::map<std::pair<int, int>, int>> position(world);  // per rank: tile -> position
+            for (int r = 0; r < world; ++r) {
+              OwnerRoundsParams p;
+              p.world = world;
+              p.rank = r;
+              p.shard_tiles_m = shard_tiles_m;
+              p.tiles_m = world * shard_tiles_m;
+              p.tiles_n = tiles_n;
+              p.delay = delay;
+              p.group_m = 4;
+              p.compute_blocks = blocks;
+              for (const auto& tiles : walk_blocks<OwnerRoundsScheduler>(p, 1))
+                for (const OwnerTile& t : tiles) {
+                  EXPECT_TRUE(t.m >= 0 && t.m < p.tiles_m && t.n >= 0 && t.n < tiles_n) << t.m << "," << t.n;
+                  EXPECT_EQ(t.owner, t.m / shard_tiles_m);
+                  EXPECT_TRUE(position[r].emplace(std::pair{t.m, t.n}, t.unit).second) << "tile twice";
+                }
+              EXPECT_EQ(position[r].size(), size_t(p.tiles_m) * tiles_n);
+              // The first min(delay, T) rounds hold the peers' tiles only: each sends one partial to every
+              // other owner.
+              const int peer_rounds = world > 1 ? std::min(delay, p.shard_tiles()) : 0;
+              for (int t = 0; t < peer_rounds; ++t) {
+                std::set<int> owners;
+                for (int j = 0; j < world - 1; ++j) {
+                  int owner, k;
+                  OwnerRoundsScheduler::place(p, t * (world - 1) + j, owner, k);
+                  EXPECT_EQ(k, t);
+                  owners.insert(owner);
+                }
+                EXPECT_EQ(int(owners.size()), world - 1);
+                EXPECT_EQ(owners.count(r), 0u);
+              }
+            }
+            for (int o = 0; o < world; ++o)
+              for (const auto& [tile, own] : position[o]) {
+                if (tile.first / shard_tiles_m != o) continue;
+                for (int r = 0; r < world; ++r)
+                  if (r != o) EXPECT_LT(position[r].at(tile), own) << "rank " << r << " after owner " << o;
+              }
+          }
+}
 
 TEST(AttentionScheduler, EveryItemOnceWithVariableLengths) {
   // Packed rows of five sequences, 64 rows per block: 5, 1, 8, 3 and 0 blocks (the longest is 8).

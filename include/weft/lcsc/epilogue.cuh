@@ -59,6 +59,16 @@ struct TmaRows4d {
   }
 };
 
+// The same rows, stored into each of `count` 2-D tensors (maps[0], maps[1], ...) at row `row0`: e.g. a final
+// tile of the fused all-reduce into every rank's copy of the output, one chunk in shared memory for all.
+struct TmaRowsToEach {
+  const CUtensorMap* maps;
+  int count, row0;
+  __device__ __forceinline__ void issue(int col, const void* chunk) const {
+    for (int i = 0; i < count; ++i) tma::store_2d(maps + i, col, row0, chunk);
+  }
+};
+
 // The epilogue's shared buffers and per-warpgroup state depend on the output type and the consumer count
 // only, not on the tile's width: an op may store tiles of more than one width through them (e.g. a GEMM
 // whose epilogue halves its tile, weft/ops/gemm.cuh GroupedGemmSwigluOp).

@@ -38,12 +38,16 @@
 //             (Partials::kStagedProgressive, Params::staged_slots): the tiles are stored into the slots as
 //             staged, counted as added, and the communicator blocks sum each completed half's W slots
 //             (sum_staged_half, in the staged reduce's order) into out, or every rank's out.
+//             Summed in the epilogue (Partials::kSummedInEpilogue, EpilogueSummedC below): every SM computes,
+//             the owner of a tile last (lcsc::OwnerRoundsScheduler); its epilogue adds the peers' staged
+//             partials to its accumulators and stores the final tile; no reduce pass.
 #pragma once
 #include <type_traits>
 
 #include "weft/comm/barrier.cuh"
 #include "weft/comm/call_epoch.cuh"
 #include "weft/comm/signal.cuh"
+#include "weft/lcsc/owner_rounds_scheduler.cuh"
 #include "weft/ops/collectives.cuh"
 #include "weft/ops/gemm.cuh"
 
@@ -80,6 +84,11 @@ struct FusedSync {
   __device__ CallEpoch calls() const { return CallEpoch{team.flag(state, 0)}; }
   __device__ uint64_t epoch() const { return calls().epoch(); }
   __device__ void done() const { calls().finished(uint64_t(done_target)); }  // reads the epoch no more
+  // By the one finisher that finishes last (thread 0 of a communicator block): waits until every other
+  // finisher of this call has finished (false: the wait failed, recorded).
+  __device__ bool others_finished() const {
+    return wait_ge_local(team, team.flag(state, 1), uint64_t(done_target - 1));
+  }
 };
 
 // ---- all-gather + GEMM ---------------------------------------------------------------------------------
@@ -436,6 +445,210 @@ struct ReduceScatterC : Gemm {
     if (threadIdx.x == 0) p.sync.done();
   }
 };
+
+// ---- GEMM + reduce-scatter, the partials summed in the owner's epilogue ---------------------------------
+// (64-row half, tile column) pairs of a rank's rows at most, Partials::kSummedInEpilogue (past them: kStaged)
+inline constexpr int kRsTileHalfFlags = 16384;
+
+// Adds a warpgroup's half tile of a staged slot (bf16, rows n elements apart, `at` its first element; its
+// first `cols` columns, a multiple of 8, are in the tensor) to its fp32 accumulator fragment (64 x 128),
+// through the warpgroup's two epilogue buffers (64 rows x 128 bytes each, the store's swizzle), which must be
+// free (no TMA store reading them): every thread copies 8 16-byte pieces with cp.async (.cg: peers wrote the
+// slot during this kernel; pieces past `cols` zero-filled), all in flight at once; the warpgroup meets; each
+// thread adds its fragment from shared memory (tile::store_accum_chunk's inverse: conflict-free); the
+// warpgroup meets again before the buffers are reused. Loads into registers instead, a column pair each, took
+// ~10 us a half tile on H200 against ~3 us for this (2 GPUs, 8192 x 28672 x 8192, bench/RESULTS.md).
+__device__ __forceinline__ void add_staged_half(tile::AccumM64<128>& acc, const __nv_bfloat16* at, int64_t n,
+                                                int cols, void* buf0, void* buf1, int barrier_id) {
+  const int t = tile::thread_in_warpgroup();
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const int i =
+        t + u * tile::kWarpgroupThreads;  // piece i: chunk i / 512, row (i / 8) % 64, 16 bytes i % 8
+    const int c = i / 512, r = (i / 8) % 64, q = i % 8;
+    const uint32_t dst = smem_addr(c == 0 ? buf0 : buf1) + r * 128 + ((q ^ (r & 7)) << 4);
+    const bool in = c * 64 + q * 8 < cols;
+    const __nv_bfloat16* src = in ? at + int64_t(r) * n + c * 64 + q * 8 : at;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(in ? 16 : 0)
+                 : "memory");
+  }
+  asm volatile("cp.async.commit_group;\n cp.async.wait_group 0;" ::: "memory");
+  tile::named_barrier_sync(barrier_id, tile::kWarpgroupThreads);
+  const uint32_t lane = static_cast<uint32_t>(tile::lane_id()), sw = lane >> 2;
+  const uint32_t row0 = 16u * static_cast<uint32_t>(tile::warp_in_warpgroup()) + sw;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const uint32_t base = smem_addr(c == 0 ? buf0 : buf1) + row0 * 128;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int j = c * 8 + jj;
+      const uint32_t off = ((static_cast<uint32_t>(jj) ^ sw) << 4) + 4u * (lane & 3u);
+      uint32_t lo_bits, hi_bits;
+      asm volatile("ld.shared.b32 %0, [%1];" : "=r"(lo_bits) : "r"(base + off));
+      asm volatile("ld.shared.b32 %0, [%1];" : "=r"(hi_bits) : "r"(base + 8 * 128 + off));
+      const float2 lo = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162&>(lo_bits));
+      const float2 hi = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162&>(hi_bits));
+      acc.d[4 * j] += lo.x;
+      acc.d[4 * j + 1] += lo.y;
+      acc.d[4 * j + 2] += hi.x;
+      acc.d[4 * j + 3] += hi.y;
+    }
+  }
+  tile::named_barrier_sync(barrier_id, tile::kWarpgroupThreads);
+}
+
+// EpilogueSummedC<Gemm>: GEMM + reduce-scatter (all-reduce) with no reduce pass after it
+// (Partials::kSummedInEpilogue), over a bf16 GemmOp walking lcsc::OwnerRoundsScheduler's order: every rank
+// computes every tile, a peer's tiles first, its own (rows it owns) `delay` rounds after the peers' blocks
+// computed theirs. A peer's tile is stored as kStaged stores it (this rank's slot of the owner's inbox) and,
+// once its stores have completed (checked when the warpgroup stores its next tile, so no store waits on the
+// link), counted at the owner: one add to the count of that 64-row half tile. An own tile's epilogue waits
+// for its half's W - 1 counts, adds the peers' partials from this rank's inbox to the accumulators (fp32,
+// rank + 1 first, rounded once: not kStaged's bits, which round this rank's own partial to bf16 too), and
+// stores the sum into out (reduce-scatter) or into this rank's slice of every rank's out (all-reduce: out
+// symmetric). Shards of whole 128-row tiles (a tile has one owner). One communicator block: the start
+// meeting (every owner has finished reading the previous call's slots) and, for the all-reduce, an end
+// meeting once every storer of this rank has finished, so no kernel ends before every peer's final tiles
+// have landed in its out. Counts only grow; each half's count at the end of the previous call is kept
+// locally (halves[kRsTileHalfFlags + f]), so the shape may change between calls.
+template <class Gemm>
+struct EpilogueSummedC : Gemm {
+  using Base = Gemm;
+  using Accum = typename Base::Accum;
+  static_assert(std::is_same_v<typename Base::Scheduler, lcsc::OwnerRoundsScheduler>,
+                "the owners' rounds: every peer's partial of a tile before its owner's epilogue");
+  static_assert(Base::kClusterSize == 1 && Base::kBM == 128 && Base::kBN == 128 &&
+                    Base::kConsumerWarpgroups == 2,
+                "one CTA a tile, two 64-row halves");
+  struct Params : Base::Params {
+    FusedSync sync;
+    CUtensorMap owner[kFusedMaxWorld];  // rank r's staging slot for this rank's partials, [shard_rows, n]
+    // The final tiles of this rank's rows: reduce-scatter, out [shard_rows, n]; all-reduce, this rank's slice
+    // of every rank's out, rank + 1's first (the ranks' blocks start on different peers), its own last.
+    CUtensorMap dest[kFusedMaxWorld];
+    int dests;
+    int shard_rows, tiles_n;
+    int64_t n;
+    // [f]: the partials of half tile f (64-row half h of the rows, tile column c: f = h x tiles_n + c)
+    // landed here; [kRsTileHalfFlags + f]: the count it reached at the end of the previous call (local).
+    Flags halves;
+    const __nv_bfloat16* inbox;  // this rank's W slots of [shard_rows, n] (slot s: rank s's partials)
+    int64_t slot_elems;
+    bool fan_out;  // all-reduce: the end meeting (comm_end)
+  };
+  struct StoreState {
+    typename Base::StoreState epi;
+    bool ready, failed;                        // the start meeting passed; a wait failed (leader's)
+    int pending_owner = -1, pending_half = 0;  // the peer's half tile this warpgroup last stored
+  };
+
+  __device__ static void init(const Params& p, typename Base::Smem& s) {
+    Base::init(p, s);
+    for (int r = 0; r < p.sync.team.world; ++r) tma::prefetch_map(&p.owner[r]);
+    for (int r = 0; r < p.dests; ++r) tma::prefetch_map(&p.dest[r]);
+  }
+  // By the warpgroup's leader (who issued the stores): once the pending half's stores have completed, one
+  // more for that half at its owner.
+  __device__ static void count_pending(const Params& p, StoreState& es) {
+    if (es.pending_owner < 0) return;
+    bulk_wait<0>();
+    release_after_tma();  // the completed TMA stores before the count that publishes them
+    signal_add(p.sync.team, p.sync.team.flag(p.halves, es.pending_half), es.pending_owner, 1);
+    es.pending_owner = -1;
+  }
+  __device__ static void store(const Params& p, typename Base::Smem& s, const lcsc::OwnerTile& t, int wg,
+                               Accum& acc, StoreState& es) {
+    const TeamView& team = p.sync.team;
+    if (tile::thread_in_warpgroup() == 0) {  // only the leader issues TMA: only it waits
+      if (!es.ready) {
+        // A failed wait is recorded and reported by synchronize(); the peers' tiles still go out (as
+        // kStaged's), the own tiles' waits are skipped from then on (add_partials).
+        es.failed = !wait_ge(team, team.flag(p.sync.ready, 0), p.sync.epoch());
+        acquire_for_tma();  // the peers' reads of their slots (generic) before our TMA stores into them
+      }
+      count_pending(p, es);  // the previous tile's stores were issued a mainloop ago
+    }
+    es.ready = true;
+    const int row = (t.m - t.owner * p.sched.shard_tiles_m) * Base::kBM + 64 * wg;  // in the owner's rows
+    const int half = row / 64 * p.tiles_n + t.n, col0 = t.n * Base::kBN;
+    if (t.owner != team.rank) {
+      Base::Epilogue::store(&p.owner[t.owner], lcsc::StoreMode::kStore, s.epi, es.epi, wg, acc, row, col0);
+      es.pending_owner = t.owner;
+      es.pending_half = half;
+      return;
+    }
+    if (!add_partials(p, s, wg, row, col0, half, acc, es)) return;
+    Base::Epilogue::store_to(lcsc::TmaRowsToEach{p.dest, p.dests, row}, s.epi, es.epi, wg, acc, col0);
+  }
+  // An own tile, warpgroup wg (its half: `row` of this rank's rows, columns from col0): once every peer's
+  // partial of the half has landed (W - 1 counts), adds them to the accumulators, rank + 1's first. False
+  // (nothing to store) when the leader's wait failed, for this tile or an earlier one: recorded, and the
+  // kernel runs to its end rather than hang or store what may be partial.
+  __device__ static bool add_partials(const Params& p, typename Base::Smem& s, int wg, int row, int col0,
+                                      int half, Accum& acc, StoreState& es) {
+    const TeamView& team = p.sync.team;
+    const bool leader = tile::thread_in_warpgroup() == 0;
+    if (leader && !es.failed) {
+      uint64_t* reached = team.flag(p.halves, kRsTileHalfFlags + half);
+      const uint64_t target = *reached + uint64_t(team.world - 1);
+      const TimelineSpan waiting(p.sched.timeline, TimelinePhase::kCommWait, static_cast<uint32_t>(half));
+      es.failed = !wait_ge(team, team.flag(p.halves, half), target);  // acquires the peers' stores
+      if (!es.failed) *reached = target;  // local: the next call's count of this half starts there
+    }
+    if (leader) bulk_wait_read<0>();  // the epilogue buffers' last TMA store has read them (add_staged_half)
+    // The leader's outcome to every thread; the barrier also orders its acquire before their loads.
+    __syncwarp();  // the leader's lanes again with it before the warp-aligned barrier
+    if (!ptx::bar_red_and(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads, !leader || !es.failed))
+      return false;
+    const int64_t first = int64_t(row) * p.n + col0;
+    const int cols = static_cast<int>(min(int64_t(Base::kBN), p.n - col0));
+    for (int k = 1; k < team.world; ++k) {
+      const int src = team.rank + k < team.world ? team.rank + k : team.rank + k - team.world;
+      add_staged_half(acc, p.inbox + src * p.slot_elems + first, p.n, cols, s.epi.buf[wg][0].bytes,
+                      s.epi.buf[wg][1].bytes, lcsc::kEpilogueFirstBarrierId + wg);
+    }
+    return true;
+  }
+  __device__ static void finish(const Params& p, typename Base::Smem&, int, StoreState& es) {
+    Base::Epilogue::finish(es.epi);  // every store has completed
+    if (tile::thread_in_warpgroup() == 0) {
+      release_after_tma();
+      count_pending(p, es);
+      // All-reduce: this warpgroup's final tiles in the peers' outs, before the end meeting that its done()
+      // lets start (comm_end).
+      if (p.fan_out) fence_release();
+      p.sync.done();
+    }
+  }
+  // Block 0 of the communicator: every rank has finished the previous call (stream-ordered before this
+  // kernel), so its slots are free; then the storers may store. No tasks.
+  __device__ static bool comm_begin(const Params& p, typename Base::Smem&, int index) {
+    const TeamView& t = p.sync.team;
+    if (index == 0 && barrier_block(t, p.sync.meetings[0]) && threadIdx.x == 0)
+      signal_set(t, t.flag(p.sync.ready, 0), t.rank, p.sync.epoch());
+    return false;
+  }
+  // All-reduce: the last finisher of the call. Once every storer of this rank has finished (its final tiles
+  // have landed in every out), it meets the peers' blocks, so the kernel ends only when every peer's final
+  // tiles have landed in this rank's out.
+  __device__ static void comm_end(const Params& p, typename Base::Smem&, int index) {
+    __syncthreads();
+    if (p.fan_out) {
+      bool finished = true;
+      if (threadIdx.x == 0) finished = p.sync.others_finished();
+      if (__syncthreads_and(finished)) (void)barrier_block(p.sync.team, p.sync.meetings[index]);
+    }
+    if (threadIdx.x == 0) p.sync.done();
+  }
+};
+
+// 128 x 128 tiles: on the wide tile (128 accumulator registers a consumer thread, live from one tile to the
+// next) this op's epilogue spilled (ptxas: 110 bytes of spill stores, 384 of loads; 88 / 208 without the
+// add of the partials), on the narrow one nothing; a half tile of the narrow one is also exactly the
+// warpgroup's two epilogue buffers, through which the partials are added (add_staged_half).
+template <bool kBKMajor>
+using RsSummedGemmOp =
+    EpilogueSummedC<GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, lcsc::OwnerRoundsScheduler>>;
 
 // The storers ring two output chunks a warpgroup (TmaStoreEpilogue's default); kWideRing: a ring of five for
 // three pipeline stages instead of four (GemmOp<..., 256, 3, 5>), so that a tile's four chunks to peers leave

@@ -89,7 +89,20 @@ struct FusedOptions {
   //                  bits) as soon as every rank has stored it, during the GEMM, into out (RS) or every
   //                  rank's out (AR, symmetric out); where that cannot run (halves past their flags, an AR
   //                  out outside the heap), kStaged
-  enum class Partials { kStaged, kAddedAtOwner, kStagedProgressive } partials = Partials::kStaged;
+  //   kSummedInEpilogue  every SM computes tiles, no reduce kernel follows: each rank walks the tiles so that
+  //                  the owner of a tile computes it a wave or two after the other ranks (ops/fused.cuh,
+  //                  lcsc/owner_rounds_scheduler.cuh); a peer's tile is stored as kStaged stores it and
+  //                  counted at its owner per 64-row half, and the owner's epilogue adds the W - 1 landed
+  //                  partials (bf16) to its own fp32 accumulators, then stores the sum into out (RS) or into
+  //                  every rank's out (AR, symmetric out). A fixed order (the same bits every run, not
+  //                  kStaged's: the own partial is not rounded before the sum). Where M / W is not a multiple
+  //                  of 128, the half tiles exceed their flags or an AR out is outside the heap: kStaged
+  enum class Partials {
+    kStaged,
+    kAddedAtOwner,
+    kStagedProgressive,
+    kSummedInEpilogue
+  } partials = Partials::kStaged;
   // The fused RS / AR kernel's storers (kStaged): the ring of output chunks a consumer warpgroup, 0 (auto: 2)
   // or 5 (with three pipeline stages instead of four: a tile's chunks to peers leave without waiting on each
   // other); the same on every rank. A developer option while the two are measured.
