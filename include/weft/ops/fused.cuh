@@ -296,6 +296,20 @@ __device__ __forceinline__ void sum_staged_half(const TeamView& t, const SlotSum
 }
 
 // ---- GEMM + reduce-scatter (and the first half of all-reduce) -----------------------------------------
+// A consumer warpgroup's last TMA stores (or adds) into an owner's half tile, counted at that owner once they
+// have completed: by the warpgroup's leader (who issued them), when it stores its next tile (a mainloop
+// later, so the wait rarely waits) or finishes.
+struct PendingHalf {
+  int owner = -1, half = 0;  // owner -1: nothing pending
+  __device__ void count(const TeamView& team, const Flags& halves) {
+    if (owner < 0) return;
+    bulk_wait<0>();
+    release_after_tma();  // the completed TMA writes before the count that publishes them
+    signal_add(team, team.flag(halves, half), owner, 1);
+    owner = -1;
+  }
+};
+
 // ReduceScatterC<Gemm>: the hooks that send a GEMM's bf16 output tiles to their owners, over any LCSC GEMM op
 // whose epilogue stores bf16 tiles through a tensor map (GemmOp bf16; Fp8GemmOp, which scales its tiles
 // before the store). kCounted: the partials counted per half at the owner, added there or staged and summed
@@ -329,21 +343,12 @@ struct ReduceScatterC : Gemm {
   struct StoreState {
     typename Base::StoreState epi;
     bool ready;
-    int pending_owner = -1, pending_half = 0;  // kCounted: the half whose adds this warpgroup last issued
+    PendingHalf pending;  // kCounted: the half whose adds this warpgroup last issued
   };
 
   __device__ static void init(const Params& p, typename Base::Smem& s) {
     Base::init(p, s);
     for (int r = 0; r < p.sync.team.world; ++r) tma::prefetch_map(&p.owner[r]);
-  }
-  // kCounted, by the warpgroup's leader (who issued the adds): once the pending half's adds have completed,
-  // one more for that half at its owner.
-  __device__ static void count_pending(const Params& p, StoreState& es) {
-    if (es.pending_owner < 0) return;
-    bulk_wait<0>();
-    release_after_tma();  // the completed TMA adds before the count that publishes them
-    signal_add(p.sync.team, p.sync.team.flag(p.halves, es.pending_half), es.pending_owner, 1);
-    es.pending_owner = -1;
   }
   __device__ static void store(const Params& p, typename Base::Smem& s, const lcsc::Tile& t, int wg,
                                const typename Base::Accum& acc, StoreState& es) {
@@ -357,22 +362,22 @@ struct ReduceScatterC : Gemm {
     }
     es.ready = true;
     if constexpr (kCounted)
-      if (leader) count_pending(p, es);  // the previous tile's adds were issued a mainloop ago
+      if (leader)
+        es.pending.count(p.sync.team, p.halves);  // the previous tile's adds were issued a mainloop ago
     // The host admits only shards of whole 64-row halves: a half has one owner (none past the last row).
     const int row = t.m * Base::kBM + 64 * wg, owner = row / p.shard_rows;
     if (owner >= team.world) return;
     Base::Epilogue::store(&p.owner[owner], p.store_mode, s.epi, es.epi, wg, acc, row - owner * p.shard_rows,
                           t.n * Base::kBN);
     if constexpr (kCounted) {
-      es.pending_owner = owner;
-      es.pending_half = (row - owner * p.shard_rows) / 64;
+      es.pending = PendingHalf{owner, (row - owner * p.shard_rows) / 64};
     }
   }
   __device__ static void finish(const Params& p, typename Base::Smem&, int, StoreState& es) {
     Base::Epilogue::finish(es.epi);  // every store has landed
     if (tile::thread_in_warpgroup() == 0) {
       release_after_tma();
-      if constexpr (kCounted) count_pending(p, es);
+      if constexpr (kCounted) es.pending.count(p.sync.team, p.halves);
       p.sync.done();
     }
   }
@@ -538,23 +543,14 @@ struct EpilogueSummedC : Gemm {
   };
   struct StoreState {
     typename Base::StoreState epi;
-    bool ready, failed;                        // the start meeting passed; a wait failed (leader's)
-    int pending_owner = -1, pending_half = 0;  // the peer's half tile this warpgroup last stored
+    bool ready, failed;   // the start meeting passed; a wait failed (leader's)
+    PendingHalf pending;  // the peer's half tile this warpgroup last stored
   };
 
   __device__ static void init(const Params& p, typename Base::Smem& s) {
     Base::init(p, s);
     for (int r = 0; r < p.sync.team.world; ++r) tma::prefetch_map(&p.owner[r]);
     for (int r = 0; r < p.dests; ++r) tma::prefetch_map(&p.dest[r]);
-  }
-  // By the warpgroup's leader (who issued the stores): once the pending half's stores have completed, one
-  // more for that half at its owner.
-  __device__ static void count_pending(const Params& p, StoreState& es) {
-    if (es.pending_owner < 0) return;
-    bulk_wait<0>();
-    release_after_tma();  // the completed TMA stores before the count that publishes them
-    signal_add(p.sync.team, p.sync.team.flag(p.halves, es.pending_half), es.pending_owner, 1);
-    es.pending_owner = -1;
   }
   __device__ static void store(const Params& p, typename Base::Smem& s, const lcsc::OwnerTile& t, int wg,
                                Accum& acc, StoreState& es) {
@@ -566,15 +562,14 @@ struct EpilogueSummedC : Gemm {
         es.failed = !wait_ge(team, team.flag(p.sync.ready, 0), p.sync.epoch());
         acquire_for_tma();  // the peers' reads of their slots (generic) before our TMA stores into them
       }
-      count_pending(p, es);  // the previous tile's stores were issued a mainloop ago
+      es.pending.count(p.sync.team, p.halves);  // the previous tile's stores were issued a mainloop ago
     }
     es.ready = true;
     const int row = (t.m - t.owner * p.sched.shard_tiles_m) * Base::kBM + 64 * wg;  // in the owner's rows
     const int half = row / 64 * p.tiles_n + t.n, col0 = t.n * Base::kBN;
     if (t.owner != team.rank) {
       Base::Epilogue::store(&p.owner[t.owner], lcsc::StoreMode::kStore, s.epi, es.epi, wg, acc, row, col0);
-      es.pending_owner = t.owner;
-      es.pending_half = half;
+      es.pending = PendingHalf{t.owner, half};
       return;
     }
     if (!add_partials(p, s, wg, row, col0, half, acc, es)) return;
@@ -613,7 +608,7 @@ struct EpilogueSummedC : Gemm {
     Base::Epilogue::finish(es.epi);  // every store has completed
     if (tile::thread_in_warpgroup() == 0) {
       release_after_tma();
-      count_pending(p, es);
+      es.pending.count(p.sync.team, p.halves);
       // All-reduce: this warpgroup's final tiles in the peers' outs, before the end meeting that its done()
       // lets start (comm_end).
       if (p.fan_out) fence_release();
