@@ -18,7 +18,8 @@
 //                            later signals, which otherwise publish generic writes only.
 //   wait_ge                  spins on this rank's own flag with acquire loads at system scope (flags written
 //                            by peers); wait_ge_local at GPU scope (flags written by this GPU's own blocks);
-//                            wait_ge_napping polls every 20 us (long waits beside compute warps).
+//                            wait_ge_napping polls every 20 us (long waits beside compute warps);
+//                            wait_ge_local_progressing times out only when the flag stops moving.
 //                            It never hangs: after the team's timeout, or once the host raises the abort
 //                            flag, it records who waited for what and returns false.
 #pragma once
@@ -240,6 +241,24 @@ struct Identity {
                                                             uint64_t want) {
   if (ptx::ld_acquire_gpu(flag) >= want) return true;
   return detail::wait_slow<false>(team, flag, want, detail::AtLeast{want}, detail::Identity{});
+}
+
+// wait_ge_local for a count that many finishers raise over a long time (e.g. a kernel's whole run): the
+// team's timeout bounds a stall, not the wait, and restarts whenever the count moves.
+[[nodiscard]] __device__ inline bool wait_ge_local_progressing(const TeamView& team, const uint64_t* flag,
+                                                               uint64_t want) {
+  struct AtLeastOrMoved {
+    uint64_t want, from;
+    __device__ bool operator()(uint64_t x) const { return x >= want || x != from; }
+  };
+  for (uint64_t seen = ptx::ld_acquire_gpu(flag); seen < want; seen = ptx::ld_acquire_gpu(flag)) {
+    const detail::PollOutcome w = detail::poll_until<false, 64>(team, flag, AtLeastOrMoved{want, seen});
+    if (!w.done) {
+      detail::report_wait_failure(team, w.code, flag, want, w.seen, w.waited_ns);
+      return false;
+    }
+  }
+  return true;
 }
 
 // Waits until `done(*flag)` holds for a condition other than ">=" (e.g. a word whose upper half carries a

@@ -85,9 +85,10 @@ struct FusedSync {
   __device__ uint64_t epoch() const { return calls().epoch(); }
   __device__ void done() const { calls().finished(uint64_t(done_target)); }  // reads the epoch no more
   // By the one finisher that finishes last (thread 0 of a communicator block): waits until every other
-  // finisher of this call has finished (false: the wait failed, recorded).
+  // finisher of this call has finished (false: the wait failed, recorded). It may last the whole kernel:
+  // the team's timeout applies to the finishers' count standing still, not to the wait.
   __device__ bool others_finished() const {
-    return wait_ge_local(team, team.flag(state, 1), uint64_t(done_target - 1));
+    return wait_ge_local_progressing(team, team.flag(state, 1), uint64_t(done_target - 1));
   }
 };
 
@@ -364,6 +365,7 @@ struct ReduceScatterC : Gemm {
     if constexpr (kCounted)
       if (leader)
         es.pending.count(p.sync.team, p.halves);  // the previous tile's adds were issued a mainloop ago
+    __syncwarp();  // the leader's lanes again with it before the epilogue's warp-aligned barriers
     // The host admits only shards of whole 64-row halves: a half has one owner (none past the last row).
     const int row = t.m * Base::kBM + 64 * wg, owner = row / p.shard_rows;
     if (owner >= team.world) return;
@@ -564,6 +566,7 @@ struct EpilogueSummedC : Gemm {
       }
       es.pending.count(p.sync.team, p.halves);  // the previous tile's stores were issued a mainloop ago
     }
+    __syncwarp();  // the leader's lanes again with it before the epilogue's warp-aligned barriers
     es.ready = true;
     const int row = (t.m - t.owner * p.sched.shard_tiles_m) * Base::kBM + 64 * wg;  // in the owner's rows
     const int half = row / 64 * p.tiles_n + t.n, col0 = t.n * Base::kBN;
@@ -638,9 +641,10 @@ struct EpilogueSummedC : Gemm {
 };
 
 // 128 x 128 tiles: on the wide tile (128 accumulator registers a consumer thread, live from one tile to the
-// next) this op's epilogue spilled (ptxas: 110 bytes of spill stores, 384 of loads; 88 / 208 without the
-// add of the partials), on the narrow one nothing; a half tile of the narrow one is also exactly the
-// warpgroup's two epilogue buffers, through which the partials are added (add_staged_half).
+// next) this op's kernel spilled 110 bytes of stores and 384 of loads (ptxas; 88 / 208 without the add of
+// the partials), on the narrow one 40 / 56 (the staged wide kernel: 28 / 64); a half tile of the narrow one
+// is also exactly the warpgroup's two epilogue buffers, through which the partials are added
+// (add_staged_half).
 template <bool kBKMajor>
 using RsSummedGemmOp =
     EpilogueSummedC<GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, lcsc::OwnerRoundsScheduler>>;
