@@ -82,7 +82,8 @@ struct Layer {
 };
 
 // The layer's dispatch and up GEMM in FP8 (moe_dispatch_fp8: the tokens quantized with 1 x 128 block scales
-// and packed with them; grouped_gemm_fp8 on the packed rows in place, the experts' weights quantized once).
+// and packed with them; grouped_gemm_fp8 on the packed rows in place, the experts' weights quantized once);
+// with the layer's shape in low-latency mode, the low-latency FP8 dispatch and the GEMM over filled rows.
 struct Fp8Head {
   DeviceBuffer ws, qw, sw, act;
   Fp8Head(const Layer& l, int world, cudaStream_t s)
@@ -99,6 +100,7 @@ struct Fp8Head {
                          ws.bytes, DType::kBF16, s);
     GemmOptions o;
     o.lda = d.row_bytes;
+    o.group_rows = d.dispatched.group_rows;  // a low-latency dispatch's groups: their filled rows only
     grouped_gemm_fp8(d.values, qw.p, act.p, d.dispatched.group_end, l.experts_here, d.dispatched.capacity,
                      l.inter, l.shape.hidden, Fp8Type::kE4M3, d.scales, static_cast<const float*>(sw.p),
                      DType::kBF16, s, o, d.scale_stride);
@@ -151,6 +153,40 @@ LowLatencyFloor low_latency_floor(const std::vector<int32_t>& routing, int W, in
           pulled * row_bytes / kLinkBytesPerUs + kRoundTripUs};
 }
 
+// The FP8 table's low-latency row: the low-latency layers' dispatch + up GEMM in bf16 and in FP8 (Fp8Head on
+// the same low-latency shape), in turn; `head` the case's columns.
+std::vector<std::string> low_latency_fp8_row(BenchTeam& team, std::vector<std::unique_ptr<Layer>>& lls,
+                                             int iters, std::vector<std::string> head) {
+  Communicator& comm = *team.comm;
+  const int L = team.local();
+  std::vector<void*> combine_in(L, nullptr);  // unused by the dispatch and up phases
+  std::vector<std::unique_ptr<Fp8Head>> fp8;
+  for (int i = 0; i < L; ++i) {
+    WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+    fp8.push_back(std::make_unique<Fp8Head>(*lls[i], team.world(), team.streams[i]));
+  }
+  const auto bf16_head = [&](int) {
+    for (int i = 0; i < L; ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      lls[i]->run(comm, comm.local(i), combine_in[i], team.streams[i], Layer::kDispatch);
+      lls[i]->run(comm, comm.local(i), combine_in[i], team.streams[i], Layer::kUp);
+    }
+  };
+  const auto fp8_head = [&](int) {
+    for (int i = 0; i < L; ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      fp8[i]->run(comm, comm.local(i), *lls[i], team.streams[i]);
+    }
+  };
+  fp8_head(0);  // sizes the dispatch area for the packed rows before capture
+  comm.synchronize();
+  const std::vector<double> us = time_graphs_alternating(comm, team.streams, 1, iters, {bf16_head, fp8_head});
+  const double bf16_ms = team.team_max(us[0]) / 1000.0, fp8_ms = team.team_max(us[1]) / 1000.0;
+  head.insert(head.end(),
+              {"low latency", fmt("%.3f", bf16_ms), fmt("%.3f", fp8_ms), fmt("%.3f", bf16_ms / fp8_ms)});
+  return head;
+}
+
 void run_moe(Context& ctx) {
   BenchTeam team(ctx);
   Communicator& comm = *team.comm;
@@ -191,9 +227,10 @@ void run_moe(Context& ctx) {
       fmt("MoE dispatch + up GEMM on %s: bf16 (moe_dispatch, grouped_gemm) vs FP8 (moe_dispatch_fp8: "
           "e4m3 tokens with 1 x 128 scales, 0.52 of the bytes at hidden 7168; grouped_gemm_fp8 on them)",
           ctx.team_label().c_str()),
-      {"tokens", "experts", "top-k", "hidden", "inter", "bf16 ms", "FP8 ms", "bf16 / FP8"},
+      {"tokens", "experts", "top-k", "hidden", "inter", "dispatch", "bf16 ms", "FP8 ms", "bf16 / FP8"},
       "The same ranks, in turn (per-rank CUDA graphs launched together, the slowest rank's median); the FP8 "
-      "time includes the quantization of the tokens.");
+      "time includes the quantization of the tokens. dispatch: the dispatch of record, or the low-latency "
+      "one (MoeShape::low_latency, cases of at most 256 tokens a rank; the GEMMs over the filled rows).");
   Table ll(
       fmt("MoE layer at decode sizes on %s, bf16: the dispatch of record vs the low-latency one "
           "(MoeShape::low_latency: fixed-capacity groups, a row taken by an atomic, one end wait; the "
@@ -362,6 +399,9 @@ void run_moe(Context& ctx) {
               fmt("%.1f / %.1f", ll_floor.dispatch_us, ll_floor.combine_us),
               fmt("%.2f / %.2f", team.team_max(ll_us[1][Layer::kDispatch]) / ll_floor.dispatch_us,
                   team.team_max(ll_us[1][Layer::kCombine]) / ll_floor.combine_us)});
+      e.add(low_latency_fp8_row(team, lls, iters,
+                                {std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),
+                                 std::to_string(c.hidden), std::to_string(c.inter)}));
     }
     std::vector<std::unique_ptr<Fp8Head>> fp8;
     for (int i = 0; i < L; ++i) {
@@ -380,8 +420,8 @@ void run_moe(Context& ctx) {
         time_graphs_alternating(comm, team.streams, 1, iters, {team_head(false), fp8_head});
     const double bf16_ms = team.team_max(fp8_us[0]) / 1000.0, fp8_ms = team.team_max(fp8_us[1]) / 1000.0;
     e.add({std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),
-           std::to_string(c.hidden), std::to_string(c.inter), fmt("%.3f", bf16_ms), fmt("%.3f", fp8_ms),
-           fmt("%.3f", bf16_ms / fp8_ms)});
+           std::to_string(c.hidden), std::to_string(c.inter), "record", fmt("%.3f", bf16_ms),
+           fmt("%.3f", fp8_ms), fmt("%.3f", bf16_ms / fp8_ms)});
   }
   ctx.add(std::move(t));
   ctx.add(std::move(h));
