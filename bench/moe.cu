@@ -153,29 +153,23 @@ LowLatencyFloor low_latency_floor(const std::vector<int32_t>& routing, int W, in
           pulled * row_bytes / kLinkBytesPerUs + kRoundTripUs};
 }
 
-// The FP8 table's low-latency row: the low-latency layers' dispatch + up GEMM in bf16 and in FP8 (Fp8Head on
-// the same low-latency shape), in turn; `head` the case's columns.
-std::vector<std::string> low_latency_fp8_row(BenchTeam& team, std::vector<std::unique_ptr<Layer>>& lls,
-                                             int iters, std::vector<std::string> head) {
+// A row of the FP8 table: `bf16_head` (the layers' dispatch + up GEMM in bf16) and the same in FP8 (Fp8Head
+// on each layer's shape: the dispatch of record, or the low-latency one), in turn; `head` the case's columns,
+// `dispatch` which dispatch.
+std::vector<std::string> fp8_row(BenchTeam& team, std::vector<std::unique_ptr<Layer>>& layers,
+                                 const std::function<void(int)>& bf16_head, int iters,
+                                 std::vector<std::string> head, const char* dispatch) {
   Communicator& comm = *team.comm;
   const int L = team.local();
-  std::vector<void*> combine_in(L, nullptr);  // unused by the dispatch and up phases
   std::vector<std::unique_ptr<Fp8Head>> fp8;
   for (int i = 0; i < L; ++i) {
     WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-    fp8.push_back(std::make_unique<Fp8Head>(*lls[i], team.world(), team.streams[i]));
+    fp8.push_back(std::make_unique<Fp8Head>(*layers[i], team.world(), team.streams[i]));
   }
-  const auto bf16_head = [&](int) {
-    for (int i = 0; i < L; ++i) {
-      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-      lls[i]->run(comm, comm.local(i), combine_in[i], team.streams[i], Layer::kDispatch);
-      lls[i]->run(comm, comm.local(i), combine_in[i], team.streams[i], Layer::kUp);
-    }
-  };
   const auto fp8_head = [&](int) {
     for (int i = 0; i < L; ++i) {
       WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-      fp8[i]->run(comm, comm.local(i), *lls[i], team.streams[i]);
+      fp8[i]->run(comm, comm.local(i), *layers[i], team.streams[i]);
     }
   };
   fp8_head(0);  // sizes the dispatch area for the packed rows before capture
@@ -183,7 +177,7 @@ std::vector<std::string> low_latency_fp8_row(BenchTeam& team, std::vector<std::u
   const std::vector<double> us = time_graphs_alternating(comm, team.streams, 1, iters, {bf16_head, fp8_head});
   const double bf16_ms = team.team_max(us[0]) / 1000.0, fp8_ms = team.team_max(us[1]) / 1000.0;
   head.insert(head.end(),
-              {"low latency", fmt("%.3f", bf16_ms), fmt("%.3f", fp8_ms), fmt("%.3f", bf16_ms / fp8_ms)});
+              {dispatch, fmt("%.3f", bf16_ms), fmt("%.3f", fp8_ms), fmt("%.3f", bf16_ms / fp8_ms)});
   return head;
 }
 
@@ -257,6 +251,9 @@ void run_moe(Context& ctx) {
   for (const Case& c : cases) {
     if (c.experts % W != 0 || c.tokens % W != 0) continue;
     const int64_t per_rank = c.tokens / W;
+    const std::vector<std::string> case_columns = {std::to_string(c.tokens), std::to_string(c.experts),
+                                                   std::to_string(c.top_k), std::to_string(c.hidden),
+                                                   std::to_string(c.inter)};
     const std::vector<int32_t> all = route(c.tokens, c.experts, c.top_k, 77);
     // The team: rank r routes tokens [r per_rank, (r + 1) per_rank).
     std::vector<std::unique_ptr<Layer>> layers;
@@ -399,29 +396,16 @@ void run_moe(Context& ctx) {
               fmt("%.1f / %.1f", ll_floor.dispatch_us, ll_floor.combine_us),
               fmt("%.2f / %.2f", team.team_max(ll_us[1][Layer::kDispatch]) / ll_floor.dispatch_us,
                   team.team_max(ll_us[1][Layer::kCombine]) / ll_floor.combine_us)});
-      e.add(low_latency_fp8_row(team, lls, iters,
-                                {std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),
-                                 std::to_string(c.hidden), std::to_string(c.inter)}));
+      const auto ll_head = [&](int) {  // the low-latency layers' dispatch and up GEMM
+        for (int i = 0; i < L; ++i) {
+          WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+          lls[i]->run(comm, comm.local(i), ll_inputs[i], team.streams[i], Layer::kDispatch);
+          lls[i]->run(comm, comm.local(i), ll_inputs[i], team.streams[i], Layer::kUp);
+        }
+      };
+      e.add(fp8_row(team, lls, ll_head, iters, case_columns, "low latency"));
     }
-    std::vector<std::unique_ptr<Fp8Head>> fp8;
-    for (int i = 0; i < L; ++i) {
-      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-      fp8.push_back(std::make_unique<Fp8Head>(*layers[i], W, team.streams[i]));
-    }
-    const auto fp8_head = [&](int) {
-      for (int i = 0; i < L; ++i) {
-        WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-        fp8[i]->run(comm, comm.local(i), *layers[i], team.streams[i]);
-      }
-    };
-    fp8_head(0);  // sizes the dispatch area for the packed rows before capture
-    comm.synchronize();
-    const std::vector<double> fp8_us =
-        time_graphs_alternating(comm, team.streams, 1, iters, {team_head(false), fp8_head});
-    const double bf16_ms = team.team_max(fp8_us[0]) / 1000.0, fp8_ms = team.team_max(fp8_us[1]) / 1000.0;
-    e.add({std::to_string(c.tokens), std::to_string(c.experts), std::to_string(c.top_k),
-           std::to_string(c.hidden), std::to_string(c.inter), "record", fmt("%.3f", bf16_ms),
-           fmt("%.3f", fp8_ms), fmt("%.3f", bf16_ms / fp8_ms)});
+    e.add(fp8_row(team, layers, team_head(false), iters, case_columns, "record"));
   }
   ctx.add(std::move(t));
   ctx.add(std::move(h));
