@@ -711,8 +711,9 @@ void launch_rs_summed(Call& c, const Bf16Maps<kKMajor>& maps, void* out, int64_t
   p.tiles_n = p.sched.tiles_n;
   p.n = n;
   p.halves = c.comm.resources(c.rank, kRsTileHalves).flags;
-  p.inbox = reinterpret_cast<const __nv_bfloat16*>(inbox);
-  p.slot_elems = rows * n;
+  p.inbox = tma::make_map_2d(
+      {inbox, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(W * rows), uint64_t(n), uint64_t(n) * 2},
+      Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, "matmul_reduce_scatter: inbox");
   p.fan_out = all_reduce;
   if (c.planned_kernel<Op>(p.sched, comm_blocks)) return;
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + comm_blocks, c.stream);

@@ -100,15 +100,15 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
 __device__ __forceinline__ void bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
-// bar_sync that also returns whether `v` holds in every one of the `threads` threads.
-__device__ __forceinline__ bool bar_red_and(int id, int threads, bool v) {
-  uint32_t all;
+// bar_sync that also returns whether `v` holds in any of the `threads` threads.
+__device__ __forceinline__ bool bar_red_or(int id, int threads, bool v) {
+  uint32_t any;
   asm volatile(
-      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, "
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, "
       "q;\n}"
-      : "=r"(all)
+      : "=r"(any)
       : "r"(uint32_t(v)), "r"(id), "r"(threads)
       : "memory");
-  return all != 0;
+  return any != 0;
 }
 }  // namespace weft::ptx

@@ -15,7 +15,9 @@
 //   Scheduler (the op's work items and their order, below), Params (with `Scheduler::Params sched`; passed
 //   as __grid_constant__), Smem (with `Pipeline::Storage pipe`), Pipeline, Accum, StoreState
 //   static load(p, smem, pipe, PipeState&, const Work&)                 loader thread
-//   static compute(p, smem, pipe, PipeState&, const Work&, wg, Accum&)  consumer warpgroup wg
+//   static compute(p, smem, pipe, PipeState&, const Work&, wg, Accum&)  consumer warpgroup wg (or with the
+//                                                          StoreState& last, for an op whose compute acts
+//                                                          on what its stores left, e.g. counts them)
 //   static store(p, smem, const Work&, wg, const Accum&, StoreState&)   consumer warpgroup wg
 // and optionally:
 //   static init(p, smem)                                   thread 0, before the block syncs (own barriers)
@@ -279,7 +281,10 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
       // again, so meet here.
       mark<Op>(p, tile::thread_in_warpgroup() == 0, TimelinePhase::kMainloop, false, timeline_arg(t));
       __syncwarp();
-      Op::compute(p, smem, pipe, st, t, c, acc);
+      if constexpr (requires { Op::compute(p, smem, pipe, st, t, c, acc, es); })
+        Op::compute(p, smem, pipe, st, t, c, acc, es);
+      else
+        Op::compute(p, smem, pipe, st, t, c, acc);
       mark<Op>(p, tile::thread_in_warpgroup() == 0, TimelinePhase::kMainloop, true, timeline_arg(t));
       mark<Op>(p, tile::thread_in_warpgroup() == 0, TimelinePhase::kStore, false, timeline_arg(t));
       __syncwarp();

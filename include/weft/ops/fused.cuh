@@ -457,35 +457,15 @@ struct ReduceScatterC : Gemm {
 // (64-row half, tile column) pairs of a rank's rows at most, Partials::kSummedInEpilogue (past them: kStaged)
 inline constexpr int kRsTileHalfFlags = 16384;
 
-// Adds a warpgroup's half tile of a staged slot (bf16, rows n elements apart, `at` its first element; its
-// first `cols` columns, a multiple of 8, are in the tensor) to its fp32 accumulator fragment (64 x 128),
-// through the warpgroup's two epilogue buffers (64 rows x 128 bytes each, the store's swizzle), which must be
-// free (no TMA store reading them): every thread copies 8 16-byte pieces with cp.async (.cg: peers wrote the
-// slot during this kernel; pieces past `cols` zero-filled), all in flight at once; the warpgroup meets; each
-// thread adds its fragment from shared memory (tile::store_accum_chunk's inverse: conflict-free); the
-// warpgroup meets again before the buffers are reused. Loads into registers instead, a column pair each, took
-// ~10 us a half tile on H200 against ~3 us for this (2 GPUs, 8192 x 28672 x 8192, bench/RESULTS.md).
-__device__ __forceinline__ void add_staged_half(tile::AccumM64<128>& acc, const __nv_bfloat16* at, int64_t n,
-                                                int cols, void* buf0, void* buf1, int barrier_id) {
-  const int t = tile::thread_in_warpgroup();
-#pragma unroll
-  for (int u = 0; u < 8; ++u) {
-    const int i =
-        t + u * tile::kWarpgroupThreads;  // piece i: chunk i / 512, row (i / 8) % 64, 16 bytes i % 8
-    const int c = i / 512, r = (i / 8) % 64, q = i % 8;
-    const uint32_t dst = smem_addr(c == 0 ? buf0 : buf1) + r * 128 + ((q ^ (r & 7)) << 4);
-    const bool in = c * 64 + q * 8 < cols;
-    const __nv_bfloat16* src = in ? at + int64_t(r) * n + c * 64 + q * 8 : at;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(in ? 16 : 0)
-                 : "memory");
-  }
-  asm volatile("cp.async.commit_group;\n cp.async.wait_group 0;" ::: "memory");
-  tile::named_barrier_sync(barrier_id, tile::kWarpgroupThreads);
+// Adds a peer's partial of a warpgroup's half tile, which the loader brought into shared memory as two
+// 64 x 64 bf16 chunks (TMA boxes, 128-byte swizzle; `chunks` the first), to the warpgroup's fp32 accumulator
+// fragment (64 x 128): tile::store_accum_chunk's inverse, conflict-free.
+__device__ __forceinline__ void add_partial_chunks(tile::AccumM64<128>& acc, const uint8_t* chunks) {
   const uint32_t lane = static_cast<uint32_t>(tile::lane_id()), sw = lane >> 2;
   const uint32_t row0 = 16u * static_cast<uint32_t>(tile::warp_in_warpgroup()) + sw;
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
-    const uint32_t base = smem_addr(c == 0 ? buf0 : buf1) + row0 * 128;
+    const uint32_t base = smem_addr(chunks + c * 64 * 128) + row0 * 128;
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const int j = c * 8 + jj;
@@ -501,23 +481,25 @@ __device__ __forceinline__ void add_staged_half(tile::AccumM64<128>& acc, const 
       acc.d[4 * j + 3] += hi.y;
     }
   }
-  tile::named_barrier_sync(barrier_id, tile::kWarpgroupThreads);
 }
 
 // EpilogueSummedC<Gemm>: GEMM + reduce-scatter (all-reduce) with no reduce pass after it
 // (Partials::kSummedInEpilogue), over a bf16 GemmOp walking lcsc::OwnerRoundsScheduler's order: every rank
 // computes every tile, a peer's tiles first, its own (rows it owns) `delay` rounds after the peers' blocks
 // computed theirs. A peer's tile is stored as kStaged stores it (this rank's slot of the owner's inbox) and,
-// once its stores have completed (checked when the warpgroup stores its next tile, so no store waits on the
-// link), counted at the owner: one add to the count of that 64-row half tile. An own tile's epilogue waits
-// for its half's W - 1 counts, adds the peers' partials from this rank's inbox to the accumulators (fp32,
-// rank + 1 first, rounded once: not kStaged's bits, which round this rank's own partial to bf16 too), and
-// stores the sum into out (reduce-scatter) or into this rank's slice of every rank's out (all-reduce: out
-// symmetric). Shards of whole 128-row tiles (a tile has one owner). One communicator block: the start
-// meeting (every owner has finished reading the previous call's slots) and, for the all-reduce, an end
-// meeting once every storer of this rank has finished, so no kernel ends before every peer's final tiles
-// have landed in its out. Counts only grow; each half's count at the end of the previous call is kept
-// locally (halves[kRsTileHalfFlags + f]), so the shape may change between calls.
+// once its stores have completed (checked when the warpgroup stores its next tile, or before an own tile's
+// partials are waited for, so no store waits on the link and no count waits for a peer), counted at the
+// owner: one add to the count of that 64-row half tile. For an own tile the loader, after issuing the
+// mainloop's k-blocks (kStages behind the consumers: the wait overlaps the mainloop's tail and holds back
+// the next tile's loads), waits for both halves' W - 1 counts and brings each peer's partial
+// tile into one more pipeline stage (32 KiB: a stage's A and B tiles), rank + 1's first; the consumers add
+// them to the accumulators from there (fp32, rounded once: not kStaged's bits, which round this rank's own
+// partial to bf16 too) and store the sum into out (reduce-scatter) or into this rank's slice of every rank's
+// out (all-reduce: out symmetric). Shards of whole 128-row tiles (a tile has one owner). One communicator
+// block: the start meeting (every owner has finished reading the previous call's slots) and, for the
+// all-reduce, an end meeting once every storer of this rank has finished, so no kernel ends before every
+// peer's final tiles have landed in its out. Counts only grow; each half's count at the end of the previous
+// call is kept locally (halves[kRsTileHalfFlags + f]), so the shape may change between calls.
 template <class Gemm>
 struct EpilogueSummedC : Gemm {
   using Base = Gemm;
@@ -539,13 +521,15 @@ struct EpilogueSummedC : Gemm {
     // [f]: the partials of half tile f (64-row half h of the rows, tile column c: f = h x tiles_n + c)
     // landed here; [kRsTileHalfFlags + f]: the count it reached at the end of the previous call (local).
     Flags halves;
-    const __nv_bfloat16* inbox;  // this rank's W slots of [shard_rows, n] (slot s: rank s's partials)
-    int64_t slot_elems;
+    // This rank's W slots, [W x shard_rows, n] (slot s, rows [s shard_rows, (s + 1) shard_rows): rank s's
+    // partials), box 64 x 64: the loader's reads of the partials.
+    CUtensorMap inbox;
     bool fan_out;  // all-reduce: the end meeting (comm_end)
   };
   struct StoreState {
     typename Base::StoreState epi;
-    bool ready, failed;   // the start meeting passed; a wait failed (leader's)
+    bool ready;           // the start meeting passed (leader's)
+    bool failed;          // the call failed (a wait of this rank, or a peer's failure): own tiles not stored
     PendingHalf pending;  // the peer's half tile this warpgroup last stored
   };
 
@@ -553,59 +537,99 @@ struct EpilogueSummedC : Gemm {
     Base::init(p, s);
     for (int r = 0; r < p.sync.team.world; ++r) tma::prefetch_map(&p.owner[r]);
     for (int r = 0; r < p.dests; ++r) tma::prefetch_map(&p.dest[r]);
+    tma::prefetch_map(&p.inbox);
+  }
+  static constexpr uint32_t kPartialBytes = 4 * 64 * 128;  // a peer's partial tile: four 64 x 64 chunks
+  static_assert(sizeof(typename Base::Mainloop::Stage) == kPartialBytes,
+                "a peer's partial tile fills one pipeline stage");
+  __device__ static uint8_t* stage_bytes(typename Base::Smem& s, int stage) {
+    return reinterpret_cast<uint8_t*>(&s.main.stage[stage]);
+  }
+  // The first row of the tile in its owner's rows.
+  __device__ static int owner_row(const Params& p, const lcsc::OwnerTile& t) {
+    return (t.m - t.owner * p.sched.shard_tiles_m) * Base::kBM;
+  }
+  // Loader (one thread): the mainloop's k-blocks; for an own tile then, once every peer's partials of both
+  // halves have landed, each peer's partial into a stage of its own (chunk 2 h + c: half h, columns c).
+  // A failed wait is recorded (synchronize() reports it; later waits of the rank give up within ~20 us) and
+  // the loads still go out, so no consumer waits for ever; the consumers then store no own tile (compute).
+  __device__ static void load(const Params& p, typename Base::Smem& s, typename Base::Pipeline& pipe,
+                              lcsc::PipeState& st, const lcsc::OwnerTile& t) {
+    Base::load(p, s, pipe, st, t);
+    const TeamView& team = p.sync.team;
+    if (t.owner != team.rank) return;
+    const int row = owner_row(p, t);
+    for (int h = 0; h < 2; ++h) {
+      const int half = (row / 64 + h) * p.tiles_n + t.n;
+      uint64_t* reached = team.flag(p.halves, kRsTileHalfFlags + half);
+      const uint64_t target = *reached + uint64_t(team.world - 1);
+      const TimelineSpan waiting(p.sched.timeline, TimelinePhase::kCommWait, static_cast<uint32_t>(half));
+      // Inlined: the loader runs on setmaxnreg's cut registers (weft/comm/signal.cuh, wait_ge_inlined).
+      if (wait_ge_inlined(team, team.flag(p.halves, half), target)) *reached = target;
+    }
+    acquire_for_tma();  // the peers' TMA stores, published by their counts, before our TMA loads
+    for (int k = 1; k < team.world; ++k) {
+      const int src = team.rank + k < team.world ? team.rank + k : team.rank + k - team.world;
+      uint64_t* full = pipe.producer_acquire(st, kPartialBytes);
+      uint8_t* chunks = stage_bytes(s, st.stage);
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < 2; ++c)
+          tma::load_2d(chunks + (2 * h + c) * 64 * 128, &p.inbox, t.n * Base::kBN + 64 * c,
+                       src * p.shard_rows + row + 64 * h, full);
+      st.advance(Base::kStages);
+    }
+  }
+  // Consumers: the mainloop; for an own tile then each peer's partial of the warpgroup's half added, a stage
+  // each, in the loader's order. The previous peer tile's count goes out first: a count waits for nothing
+  // of another rank, while these stages wait for the loader's wait for peers' counts (counted after a wait
+  // instead, two ranks' own tiles could each wait for the other's count at W >= 4).
+  __device__ static void compute(const Params& p, typename Base::Smem& s, typename Base::Pipeline& pipe,
+                                 lcsc::PipeState& st, const lcsc::OwnerTile& t, int wg, Accum& acc,
+                                 StoreState& es) {
+    Base::compute(p, s, pipe, st, t, wg, acc);
+    const TeamView& team = p.sync.team;
+    if (t.owner != team.rank) return;
+    const bool leader = tile::thread_in_warpgroup() == 0;
+    if (leader) es.pending.count(team, p.halves);
+    __syncwarp();  // the leader's lanes again with it before the warp-aligned waits and barriers
+    for (int k = 1; k < team.world; ++k) {
+      pipe.consumer_wait(st);
+      add_partial_chunks(acc, stage_bytes(s, st.stage) + 2 * wg * 64 * 128);
+      // Every thread's reads of the stage done before its release.
+      tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
+      pipe.consumer_release(st);
+      st.advance(Base::kStages);
+    }
+    // A failed wait (the loader's for these partials, or any earlier one of this rank, or a peer's copied
+    // here) left the sum possibly partial: the warpgroup agrees to store none of its own tiles from now on
+    // (an all-reduce would otherwise write it into peers whose own waits succeeded). The loader recorded
+    // its failure before the stages it completed, so a consumer past them sees it.
+    es.failed = ptx::bar_red_or(
+        lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads,
+        es.failed || (leader && *reinterpret_cast<volatile uint32_t*>(&team.error->code) != 0u));
   }
   __device__ static void store(const Params& p, typename Base::Smem& s, const lcsc::OwnerTile& t, int wg,
                                Accum& acc, StoreState& es) {
     const TeamView& team = p.sync.team;
+    const bool own = t.owner == team.rank;
     if (tile::thread_in_warpgroup() == 0) {  // only the leader issues TMA: only it waits
       if (!es.ready) {
-        // A failed wait is recorded and reported by synchronize(); the peers' tiles still go out (as
-        // kStaged's), the own tiles' waits are skipped from then on (add_partials).
-        es.failed = !wait_ge(team, team.flag(p.sync.ready, 0), p.sync.epoch());
+        // A failed wait is recorded and reported by synchronize(); the tiles still go out.
+        (void)wait_ge(team, team.flag(p.sync.ready, 0), p.sync.epoch());
         acquire_for_tma();  // the peers' reads of their slots (generic) before our TMA stores into them
       }
-      es.pending.count(p.sync.team, p.halves);  // the previous tile's stores were issued a mainloop ago
+      es.pending.count(team, p.halves);  // the previous tile's stores were issued a mainloop ago
     }
     __syncwarp();  // the leader's lanes again with it before the epilogue's warp-aligned barriers
     es.ready = true;
-    const int row = (t.m - t.owner * p.sched.shard_tiles_m) * Base::kBM + 64 * wg;  // in the owner's rows
-    const int half = row / 64 * p.tiles_n + t.n, col0 = t.n * Base::kBN;
-    if (t.owner != team.rank) {
+    const int row = owner_row(p, t) + 64 * wg, col0 = t.n * Base::kBN;  // row: in the owner's rows
+    if (!own) {
       Base::Epilogue::store(&p.owner[t.owner], lcsc::StoreMode::kStore, s.epi, es.epi, wg, acc, row, col0);
-      es.pending = PendingHalf{t.owner, half};
+      es.pending = PendingHalf{t.owner, row / 64 * p.tiles_n + t.n};
       return;
     }
-    if (!add_partials(p, s, wg, row, col0, half, acc, es)) return;
-    Base::Epilogue::store_to(lcsc::TmaRowsToEach{p.dest, p.dests, row}, s.epi, es.epi, wg, acc, col0);
-  }
-  // An own tile, warpgroup wg (its half: `row` of this rank's rows, columns from col0): once every peer's
-  // partial of the half has landed (W - 1 counts), adds them to the accumulators, rank + 1's first. False
-  // (nothing to store) when the leader's wait failed, for this tile or an earlier one: recorded, and the
-  // kernel runs to its end rather than hang or store what may be partial.
-  __device__ static bool add_partials(const Params& p, typename Base::Smem& s, int wg, int row, int col0,
-                                      int half, Accum& acc, StoreState& es) {
-    const TeamView& team = p.sync.team;
-    const bool leader = tile::thread_in_warpgroup() == 0;
-    if (leader && !es.failed) {
-      uint64_t* reached = team.flag(p.halves, kRsTileHalfFlags + half);
-      const uint64_t target = *reached + uint64_t(team.world - 1);
-      const TimelineSpan waiting(p.sched.timeline, TimelinePhase::kCommWait, static_cast<uint32_t>(half));
-      es.failed = !wait_ge(team, team.flag(p.halves, half), target);  // acquires the peers' stores
-      if (!es.failed) *reached = target;  // local: the next call's count of this half starts there
-    }
-    if (leader) bulk_wait_read<0>();  // the epilogue buffers' last TMA store has read them (add_staged_half)
-    // The leader's outcome to every thread; the barrier also orders its acquire before their loads.
-    __syncwarp();  // the leader's lanes again with it before the warp-aligned barrier
-    if (!ptx::bar_red_and(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads, !leader || !es.failed))
-      return false;
-    const int64_t first = int64_t(row) * p.n + col0;
-    const int cols = static_cast<int>(min(int64_t(Base::kBN), p.n - col0));
-    for (int k = 1; k < team.world; ++k) {
-      const int src = team.rank + k < team.world ? team.rank + k : team.rank + k - team.world;
-      add_staged_half(acc, p.inbox + src * p.slot_elems + first, p.n, cols, s.epi.buf[wg][0].bytes,
-                      s.epi.buf[wg][1].bytes, lcsc::kEpilogueFirstBarrierId + wg);
-    }
-    return true;
+    if (!es.failed)
+      Base::Epilogue::store_to(lcsc::TmaRowsToEach{p.dest, p.dests, row}, s.epi, es.epi, wg, acc, col0);
   }
   __device__ static void finish(const Params& p, typename Base::Smem&, int, StoreState& es) {
     Base::Epilogue::finish(es.epi);  // every store has completed
@@ -642,9 +666,8 @@ struct EpilogueSummedC : Gemm {
 
 // 128 x 128 tiles: on the wide tile (128 accumulator registers a consumer thread, live from one tile to the
 // next) this op's kernel spilled 110 bytes of stores and 384 of loads (ptxas; 88 / 208 without the add of
-// the partials), on the narrow one 40 / 56 (the staged wide kernel: 28 / 64); a half tile of the narrow one
-// is also exactly the warpgroup's two epilogue buffers, through which the partials are added
-// (add_staged_half).
+// the partials), on the narrow one none; and a narrow tile of bf16 partials fills one narrow pipeline stage
+// exactly (the loader's partials, EpilogueSummedC::load).
 template <bool kBKMajor>
 using RsSummedGemmOp =
     EpilogueSummedC<GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, lcsc::OwnerRoundsScheduler>>;
