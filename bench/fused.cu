@@ -97,8 +97,9 @@ void run_fused(Context& ctx) {
        "fused, summed in epilogue us", "pipelined us"},
       "sequential = cuBLAS GEMM + NCCL collective; compute = the cuBLAS GEMM alone; bound = max(compute "
       "alone, communication alone); weft path 'sequential' means the op chose its fallback (cuBLAS GEMM + "
-      "weft collective) for this shape. weft gemm = weft::gemm alone on the compute shape; fused = "
-      "the op with the fused kernel forced; fused, added at owner = the same with its partial tiles "
+      "weft collective) for this shape; weft's all-reduce sums in the epilogue where it can (Partials::kAuto). "
+      "weft gemm = weft::gemm alone on the compute shape; fused = "
+      "the op with the fused kernel forced, partials staged (Partials::kStaged); fused, added at owner = the same with its partial tiles "
       "reduce-added into the owner's sum (FusedOptions::Partials::kAddedAtOwner; RS / AR); fused, staged "
       "progressive = staged, each half summed at its owner during the GEMM (Partials::kStagedProgressive; "
       "with --fused-progressive, else -); fused, summed in epilogue = every tile by every rank, the owner's "
@@ -174,8 +175,9 @@ void run_fused(Context& ctx) {
                                             nccl[i], streams[i]));
           };
           FusedPath path = FusedPath::kFused;
-          FusedOptions forced = weft_options;
+          FusedOptions forced = weft_options;  // the staged kernel (weft: kAuto's partials)
           forced.mode = FusedOptions::Mode::kFused;
+          forced.partials = FusedOptions::Partials::kStaged;
           auto weft_gemm_alone = [&](int i) {
             gemm(g[i].a, g[i].b, g[i].tmp, M, gn, gk, BLayout::kNK, DType::kBF16, streams[i]);
           };

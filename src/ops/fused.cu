@@ -98,7 +98,8 @@ struct Call : ops::OpCall {
     WEFT_CHECK(o.pipeline_pieces >= 0, where + "options.pipeline_pieces must be 0 (auto) or more, got " +
                                            std::to_string(o.pipeline_pieces));
     using Partials = FusedOptions::Partials;
-    WEFT_CHECK(o.partials == Partials::kStaged || o.partials == Partials::kAddedAtOwner ||
+    WEFT_CHECK(o.partials == Partials::kAuto || o.partials == Partials::kStaged ||
+                   o.partials == Partials::kAddedAtOwner ||
                    o.partials == Partials::kStagedProgressive || o.partials == Partials::kSummedInEpilogue,
                where + "unknown options.partials");
     WEFT_CHECK(
@@ -662,15 +663,24 @@ void launch_rs_as(Call& c, const SetMaps& set_maps, void* out, int64_t m, int64_
   WEFT_CUDA_CHECK(cudaMemcpyAsync(out, inbox, slice, cudaMemcpyDeviceToDevice, c.stream));
 }
 
+// Where Partials::kSummedInEpilogue's kernel runs: shards of whole 128-row tiles (a tile has one owner), the
+// half tiles within their flags and, for the all-reduce, a symmetric out (its slice stored into every rank's).
+bool summed_runs(const Call& c, const void* out, int64_t m, int64_t n, const FusedOptions& o, bool all_reduce) {
+  const int64_t rows = m / c.rank.world(), tile_n = o.tile_n == 128 ? 128 : 256;
+  return m % c.rank.world() == 0 && rows % 128 == 0 &&
+         rows / 64 * ((n + tile_n - 1) / tile_n) <= ops::kRsTileHalfFlags &&
+         (!all_reduce || c.comm.in_heap(c.rank, out, m * n * 2));
+}
+
 // Partials::kSummedInEpilogue (ops::EpilogueSummedC): every tile computed by every rank in the owners'
 // rounds (lcsc::OwnerRoundsScheduler), a peer's stored into this rank's slot of its inbox (workspace, as
 // kStaged's) and counted there, an own tile summed with the peers' partials in its epilogue and stored into
 // out, or (all-reduce, symmetric out) into this rank's slice of every rank's out; no kernel after it.
 // launch_rs checks what it needs: shards of whole 128-row tiles, the half tiles within their flags.
-template <bool kKMajor>
+template <bool kKMajor, int kTileN>
 void launch_rs_summed(Call& c, const Bf16Maps<kKMajor>& maps, void* out, int64_t m, int64_t n,
                       const FusedOptions& o, bool all_reduce) {
-  using Op = ops::RsSummedGemmOp<kKMajor>;
+  using Op = ops::RsSummedGemmOp<kKMajor, kTileN>;
   // rs_why_not and choose() checked the SM budget with the staged op: one block an SM at the same shared
   // memory.
   static_assert(lcsc::kSmemBytes<Op> == lcsc::kSmemBytes<ops::RsGemmOp<kKMajor, 1>>,
@@ -732,10 +742,9 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
   const int64_t rows = m / c.rank.world();
   const bool sym_ok = !all_reduce || c.comm.in_heap(c.rank, out, m * n * 2);
   const Bf16Maps<kKMajor> maps{a, b, m, n, k};
-  const int64_t tiles_n = (n + ops::RsSummedGemmOp<kKMajor>::kBN - 1) / ops::RsSummedGemmOp<kKMajor>::kBN;
-  if (o.partials == Partials::kSummedInEpilogue && sym_ok && rows % 128 == 0 &&
-      rows / 64 * tiles_n <= ops::kRsTileHalfFlags)
-    return launch_rs_summed<kKMajor>(c, maps, out, m, n, o, all_reduce);
+  if (o.partials == Partials::kSummedInEpilogue && summed_runs(c, out, m, n, o, all_reduce))
+    return o.tile_n == 128 ? launch_rs_summed<kKMajor, 128>(c, maps, out, m, n, o, all_reduce)
+                           : launch_rs_summed<kKMajor, 256>(c, maps, out, m, n, o, all_reduce);
   const bool counted =
       (o.partials == Partials::kAddedAtOwner || o.partials == Partials::kStagedProgressive) &&
       rows / 64 <= ops::kRsHalfFlags && sym_ok;
@@ -772,7 +781,10 @@ void ag_chunks(int world, int64_t rows, int64_t& chunk_rows, int64_t& chunks) {
 
 // Every choice a call makes before it launches anything, in one place: the path, why the fused kernel
 // cannot run here ("" when it can), and the fused kernel's communicator blocks and A chunks.
-Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const FusedOptions& o) {
+// summed_auto: Partials::kAuto chose the all-reduce summed in the epilogue, which kAuto's rule takes at every
+// M (Partials::kAuto).
+Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const FusedOptions& o,
+              bool summed_auto = false) {
   WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 32, c.where + "options.comm_blocks must be 0..32");
   WEFT_CHECK(o.tile_n == 0 || o.tile_n == 128 || o.tile_n == 256,
              c.where + "options.tile_n must be 0 (auto), 128 or 256, not " + std::to_string(o.tile_n));
@@ -790,7 +802,9 @@ Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const 
     plan.comm_blocks = ops::RsGemmOp<true, 1>::kClusterSize;  // block 0 meets
     plan.why_not_fused = rs_why_not(c, m);
   }
-  plan.path = c.path(o, m, plan.why_not_fused, ops::auto_path(op == FusedOp::kAllGatherMatmul, m, n, k, W));
+  const FusedPath rule =
+      summed_auto ? FusedPath::kFused : ops::auto_path(op == FusedOp::kAllGatherMatmul, m, n, k, W);
+  plan.path = c.path(o, m, plan.why_not_fused, rule);
   if (c.planning()) {
     c.plan->why_not = plan.why_not_fused.empty() ? "" : "fused kernel: " + plan.why_not_fused;
     if (plan.path == FusedPath::kFused) {
@@ -840,13 +854,20 @@ FusedPath run_all_gather_matmul(Call& c, const void* a_shard, const void* b, voi
 
 // matmul_reduce_scatter (all_reduce false) and matmul_all_reduce.
 FusedPath run_matmul_reduce(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
-                            BLayout layout, const FusedOptions& o, bool sum_everywhere) {
+                            BLayout layout, const FusedOptions& options, bool sum_everywhere) {
   Communicator& comm = c.comm;
   Rank& rank = c.rank;
   const int64_t rows = m / rank.world();
   c.check_operands(a, "a", m, b, out, sum_everywhere ? m : rows, m, n, k, layout);
-  const FusedPath path =
-      choose(c, sum_everywhere ? FusedOp::kMatmulAllReduce : FusedOp::kMatmulReduceScatter, m, n, k, o).path;
+  FusedOptions o = options;
+  using Partials = FusedOptions::Partials;
+  if (o.partials == Partials::kAuto)
+    o.partials = sum_everywhere && summed_runs(c, out, m, n, o, true) ? Partials::kSummedInEpilogue
+                                                                      : Partials::kStaged;
+  const bool summed_auto = options.partials == Partials::kAuto && o.partials == Partials::kSummedInEpilogue;
+  const FusedPath path = choose(c, sum_everywhere ? FusedOp::kMatmulAllReduce : FusedOp::kMatmulReduceScatter,
+                                m, n, k, o, summed_auto)
+                             .path;
   if (path == FusedPath::kPipelined) {
     pipelined_rs(c, a, b, out, m, n, k, layout, sum_everywhere, o.pipeline_pieces);
     return path;
@@ -1043,8 +1064,9 @@ void launch_rs_fp8(Call& c, const Fp8MmArgs& x, const FusedOptions& o, bool all_
 }
 
 FusedPath run_scaled_matmul_reduce(Call& c, const Fp8MmArgs& x, const FusedOptions& o, bool all_reduce) {
-  WEFT_CHECK(o.partials == FusedOptions::Partials::kStaged,
-             c.where + "takes FusedOptions::Partials::kStaged only (the partials staged at their owners)");
+  WEFT_CHECK(o.partials == FusedOptions::Partials::kAuto || o.partials == FusedOptions::Partials::kStaged,
+             c.where +
+                 "takes FusedOptions::Partials::kAuto or kStaged only (the partials staged at their owners)");
   check_fp8(c, x, o, x.m, all_reduce ? x.m : x.m / c.rank.world());
   const std::string why_not =
       rs_why_not<ops::ReduceScatterC<ops::Fp8GemmOp<__nv_bfloat16, Fp8Scaling::kBlock, false>>>(c, x.m);

@@ -73,8 +73,8 @@ struct Shape {
   int64_t shard, n, k;  // M = W * shard
 };
 // M / W: one tile, partial tiles (200, 520: not multiples of 64), tiles straddling shards (192), tiny, and
-// three tile rows per shard, partial tiles at N = 120. all_gather_matmul's fused kernel takes 128 x 256
-// tiles, or 128 x 128 (options.tile_n): the cases alternate.
+// three tile rows per shard, partial tiles at N = 120. all_gather_matmul's fused kernel and the RS / AR summed
+// in the epilogue take 128 x 256 tiles, or 128 x 128 (options.tile_n): the cases alternate.
 const Shape kShapes[] = {{128, 256, 256}, {200, 264, 136}, {192, 264, 136}, {520, 384, 192},
                          {64, 8, 8},      {384, 264, 136}, {200, 120, 136}};
 using Mode = FusedOptions::Mode;
@@ -127,13 +127,14 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   o.comm_blocks = int(seed % 3) * 4;                               // 0 (auto), 4, 8
   if (o.comm_blocks >= c.local(0).sm_budget()) o.comm_blocks = 0;  // a small --sm-budget: auto (at least 2)
   o.pipeline_pieces = int(seed / 3 % 4);                           // 0 (auto), 1, 2, 3
-  o.tile_n = seed / 2 % 2 ? 128 : 0;  // AG's fused kernel: 128 x 128 or auto (256), both outs each
-  // RS / AR: pairs of cases take the four ways of summing the partials in turn (the fused kernel only;
-  // ignored elsewhere): pairs, so that both a symmetric and a device out (run_all's innermost loop) take
-  // each. The summed-in-epilogue way falls back to kStaged where M / W is not a multiple of 128 (shards of
-  // 64 and 192 rows) and for the all-reduce's device out.
+  o.tile_n = seed / 2 % 2 ? 128 : 0;  // 128 x 128 or auto (256), both outs each
+  // RS / AR: pairs of cases take the four ways of summing the partials and kAuto in turn (the fused kernel
+  // only; ignored elsewhere): pairs, so that both a symmetric and a device out (run_all's innermost loop)
+  // take each. The summed-in-epilogue way falls back to kStaged where M / W is not a multiple of 128 (shards
+  // of 64 and 192 rows) and for the all-reduce's device out.
   // (run_all's 12 cases per shape and layout would line the pairs up with one choice each: hence seed / 12.)
-  const uint64_t way = (seed / 2 + seed / 12) % 4;
+  const uint64_t way = (seed / 2 + seed / 12) % 5;
+  if (op != Op::kAG && way == 0) o.partials = FusedOptions::Partials::kStaged;
   if (op != Op::kAG && way == 1) o.partials = FusedOptions::Partials::kAddedAtOwner;
   if (op != Op::kAG && way == 2) o.partials = FusedOptions::Partials::kStagedProgressive;
   if (op != Op::kAG && way == 3) o.partials = FusedOptions::Partials::kSummedInEpilogue;
@@ -142,6 +143,7 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   const char* partials = o.partials == FusedOptions::Partials::kAddedAtOwner        ? " added at owner"
                          : o.partials == FusedOptions::Partials::kStagedProgressive ? " staged, progressive"
                          : o.partials == FusedOptions::Partials::kSummedInEpilogue  ? " summed in epilogue"
+                         : o.partials == FusedOptions::Partials::kAuto              ? " auto partials"
                          : o.store_ring == 5                                        ? " staged, wide ring"
                                                                                     : "";
   if (std::getenv("WEFT_TEST_VERBOSE"))

@@ -457,14 +457,15 @@ struct ReduceScatterC : Gemm {
 // (64-row half, tile column) pairs of a rank's rows at most, Partials::kSummedInEpilogue (past them: kStaged)
 inline constexpr int kRsTileHalfFlags = 16384;
 
-// Adds a peer's partial of a warpgroup's half tile, which the loader brought into shared memory as two
-// 64 x 64 bf16 chunks (TMA boxes, 128-byte swizzle; `chunks` the first), to the warpgroup's fp32 accumulator
-// fragment (64 x 128): tile::store_accum_chunk's inverse, conflict-free.
-__device__ __forceinline__ void add_partial_chunks(tile::AccumM64<128>& acc, const uint8_t* chunks) {
+// Adds a peer's partial of a warpgroup's half tile, which the loader brought into shared memory as kN / 64
+// chunks of 64 x 64 bf16 (TMA boxes, 128-byte swizzle; `chunks` the first), to the warpgroup's fp32
+// accumulator fragment (64 x kN): tile::store_accum_chunk's inverse, conflict-free.
+template <int kN>
+__device__ __forceinline__ void add_partial_chunks(tile::AccumM64<kN>& acc, const uint8_t* chunks) {
   const uint32_t lane = static_cast<uint32_t>(tile::lane_id()), sw = lane >> 2;
   const uint32_t row0 = 16u * static_cast<uint32_t>(tile::warp_in_warpgroup()) + sw;
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
+  for (int c = 0; c < kN / 64; ++c) {
     const uint32_t base = smem_addr(chunks + c * 64 * 128) + row0 * 128;
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
@@ -491,8 +492,8 @@ __device__ __forceinline__ void add_partial_chunks(tile::AccumM64<128>& acc, con
 // partials are waited for, so no store waits on the link and no count waits for a peer), counted at the
 // owner: one add to the count of that 64-row half tile. For an own tile the loader, after issuing the
 // mainloop's k-blocks (kStages behind the consumers: the wait overlaps the mainloop's tail and holds back
-// the next tile's loads), waits for both halves' W - 1 counts and brings each peer's partial
-// tile into one more pipeline stage (32 KiB: a stage's A and B tiles), rank + 1's first; the consumers add
+// the next tile's loads), waits for both halves' W - 1 counts and brings each peer's partial tile into
+// pipeline stages (narrow tile: both halves in one; wide: a half a stage), rank + 1's first; the consumers add
 // them to the accumulators from there (fp32, rounded once: not kStaged's bits, which round this rank's own
 // partial to bf16 too) and store the sum into out (reduce-scatter) or into this rank's slice of every rank's
 // out (all-reduce: out symmetric). Shards of whole 128-row tiles (a tile has one owner). One communicator
@@ -506,8 +507,7 @@ struct EpilogueSummedC : Gemm {
   using Accum = typename Base::Accum;
   static_assert(std::is_same_v<typename Base::Scheduler, lcsc::OwnerRoundsScheduler>,
                 "the owners' rounds: every peer's partial of a tile before its owner's epilogue");
-  static_assert(Base::kClusterSize == 1 && Base::kBM == 128 && Base::kBN == 128 &&
-                    Base::kConsumerWarpgroups == 2,
+  static_assert(Base::kClusterSize == 1 && Base::kBM == 128 && Base::kConsumerWarpgroups == 2,
                 "one CTA a tile, two 64-row halves");
   struct Params : Base::Params {
     FusedSync sync;
@@ -539,9 +539,11 @@ struct EpilogueSummedC : Gemm {
     for (int r = 0; r < p.dests; ++r) tma::prefetch_map(&p.dest[r]);
     tma::prefetch_map(&p.inbox);
   }
-  static constexpr uint32_t kPartialBytes = 4 * 64 * 128;  // a peer's partial tile: four 64 x 64 chunks
-  static_assert(sizeof(typename Base::Mainloop::Stage) == kPartialBytes,
-                "a peer's partial tile fills one pipeline stage");
+  // A peer's partial of a half tile: kBN / 64 chunks of 64 x 64 bf16. A pipeline stage holds both halves
+  // (narrow tile: a stage's A and B tiles, 32 KiB) or one (wide: 32 of its 48 KiB).
+  static constexpr uint32_t kChunkBytes = 64 * 128, kHalfBytes = Base::kBN / 64 * kChunkBytes;
+  static constexpr int kHalvesPerStage = sizeof(typename Base::Mainloop::Stage) >= 2 * kHalfBytes ? 2 : 1;
+  static_assert(sizeof(typename Base::Mainloop::Stage) >= kHalfBytes, "a peer's half tile fits a stage");
   __device__ static uint8_t* stage_bytes(typename Base::Smem& s, int stage) {
     return reinterpret_cast<uint8_t*>(&s.main.stage[stage]);
   }
@@ -570,13 +572,15 @@ struct EpilogueSummedC : Gemm {
     acquire_for_tma();  // the peers' TMA stores, published by their counts, before our TMA loads
     for (int k = 1; k < team.world; ++k) {
       const int src = team.rank + k < team.world ? team.rank + k : team.rank + k - team.world;
-      uint64_t* full = pipe.producer_acquire(st, kPartialBytes);
-      uint8_t* chunks = stage_bytes(s, st.stage);
-      for (int h = 0; h < 2; ++h)
-        for (int c = 0; c < 2; ++c)
-          tma::load_2d(chunks + (2 * h + c) * 64 * 128, &p.inbox, t.n * Base::kBN + 64 * c,
-                       src * p.shard_rows + row + 64 * h, full);
-      st.advance(Base::kStages);
+      for (int h0 = 0; h0 < 2; h0 += kHalvesPerStage) {
+        uint64_t* full = pipe.producer_acquire(st, kHalvesPerStage * kHalfBytes);
+        uint8_t* chunks = stage_bytes(s, st.stage);
+        for (int h = 0; h < kHalvesPerStage; ++h)
+          for (int c = 0; c < Base::kBN / 64; ++c)
+            tma::load_2d(chunks + h * kHalfBytes + c * kChunkBytes, &p.inbox, t.n * Base::kBN + 64 * c,
+                         src * p.shard_rows + row + 64 * (h0 + h), full);
+        st.advance(Base::kStages);
+      }
     }
   }
   // Consumers: the mainloop; for an own tile then each peer's partial of the warpgroup's half added, a stage
@@ -593,12 +597,15 @@ struct EpilogueSummedC : Gemm {
     if (leader) es.pending.count(team, p.halves);
     __syncwarp();  // the leader's lanes again with it before the warp-aligned waits and barriers
     for (int k = 1; k < team.world; ++k) {
-      pipe.consumer_wait(st);
-      add_partial_chunks(acc, stage_bytes(s, st.stage) + 2 * wg * 64 * 128);
-      // Every thread's reads of the stage done before its release.
-      tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
-      pipe.consumer_release(st);
-      st.advance(Base::kStages);
+      for (int h0 = 0; h0 < 2; h0 += kHalvesPerStage) {
+        pipe.consumer_wait(st);  // both warpgroups release every stage; a stage may hold the other's half
+        if (wg >= h0 && wg < h0 + kHalvesPerStage)
+          add_partial_chunks(acc, stage_bytes(s, st.stage) + (wg - h0) * kHalfBytes);
+        // Every thread's reads of the stage done before its release.
+        tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
+        pipe.consumer_release(st);
+        st.advance(Base::kStages);
+      }
     }
     // A failed wait (the loader's for these partials, or any earlier one of this rank, or a peer's copied
     // here) left the sum possibly partial: the warpgroup agrees to store none of its own tiles from now on
@@ -664,13 +671,10 @@ struct EpilogueSummedC : Gemm {
   }
 };
 
-// 128 x 128 tiles: on the wide tile (128 accumulator registers a consumer thread, live from one tile to the
-// next) this op's kernel spilled 110 bytes of stores and 384 of loads (ptxas; 88 / 208 without the add of
-// the partials), on the narrow one none; and a narrow tile of bf16 partials fills one narrow pipeline stage
-// exactly (the loader's partials, EpilogueSummedC::load).
-template <bool kBKMajor>
+// kTileN 256 (128 x 256 tiles, as the staged kernel's) or 128.
+template <bool kBKMajor, int kTileN = 256>
 using RsSummedGemmOp =
-    EpilogueSummedC<GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, lcsc::OwnerRoundsScheduler>>;
+    EpilogueSummedC<GemmOp<__nv_bfloat16, kBKMajor, 1, kTileN, 0, 2, lcsc::OwnerRoundsScheduler>>;
 
 // The storers ring two output chunks a warpgroup (TmaStoreEpilogue's default); kWideRing: a ring of five for
 // three pipeline stages instead of four (GemmOp<..., 256, 3, 5>), so that a tile's four chunks to peers leave

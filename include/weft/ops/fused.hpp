@@ -72,10 +72,14 @@ struct FusedOptions {
   int64_t min_fused_m = 1024;  // kAuto: below this M the sequential path runs (besides the measured rule)
   int max_compute_blocks = 0;  // cap on GEMM blocks (benchmarks: "compute alone" at the fused op's SM count)
   int pipeline_pieces = 0;     // kPipelined RS / AR: row pieces per ring step, 0 auto; the same on every rank
-  // all_gather_matmul's fused kernel: output tiles 128 x tile_n, 0 (auto: 256), 128 or 256; the same on
-  // every rank
+  // all_gather_matmul's fused kernel and Partials::kSummedInEpilogue's: output tiles 128 x tile_n, 0 (auto:
+  // 256), 128 or 256; the same on every rank
   int tile_n = 0;
   // How the fused RS / AR kernel sums the W partial tiles of each row (the same on every rank):
+  //   kAuto          matmul_all_reduce: kSummedInEpilogue where it runs, and Mode::kAuto then takes the
+  //                  fused kernel from min_fused_m rows on (2 x H200: 0.82-0.96 of the staged kernel's time
+  //                  and faster than the copy-engine pipeline at M 2048..8192, bench/RESULTS.md);
+  //                  matmul_reduce_scatter and the FP8 ops: kStaged
   //   kStaged        each rank stores its bf16 tile into its own staging slot at the owner; a reduce kernel
   //                  after the GEMM sums the W slots in a fixed order (bitwise reproducible)
   //   kAddedAtOwner  each rank reduce-adds its bf16 tile (TMA .add) into the owner's zeroed sum during the
@@ -98,11 +102,12 @@ struct FusedOptions {
   //                  kStaged's: the own partial is not rounded before the sum). Where M / W is not a multiple
   //                  of 128, the half tiles exceed their flags or an AR out is outside the heap: kStaged
   enum class Partials {
+    kAuto,
     kStaged,
     kAddedAtOwner,
     kStagedProgressive,
     kSummedInEpilogue
-  } partials = Partials::kStaged;
+  } partials = Partials::kAuto;
   // The fused RS / AR kernel's storers (kStaged): the ring of output chunks a consumer warpgroup, 0 (auto: 2)
   // or 5 (with three pipeline stages instead of four: a tile's chunks to peers leave without waiting on each
   // other); the same on every rank. A developer option while the two are measured.
