@@ -781,8 +781,8 @@ void ag_chunks(int world, int64_t rows, int64_t& chunk_rows, int64_t& chunks) {
 
 // Every choice a call makes before it launches anything, in one place: the path, why the fused kernel
 // cannot run here ("" when it can), and the fused kernel's communicator blocks and A chunks.
-// summed_auto: Partials::kAuto chose the all-reduce summed in the epilogue, which kAuto's rule takes at every
-// M (Partials::kAuto).
+// summed_auto: Partials::kAuto chose the partials summed in the epilogue (ops::kSummedPartialsRules), whose
+// kernel kAuto's path rule then takes at every M.
 Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const FusedOptions& o,
               bool summed_auto = false) {
   WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 32, c.where + "options.comm_blocks must be 0..32");
@@ -862,8 +862,10 @@ FusedPath run_matmul_reduce(Call& c, const void* a, const void* b, void* out, in
   FusedOptions o = options;
   using Partials = FusedOptions::Partials;
   if (o.partials == Partials::kAuto)
-    o.partials = sum_everywhere && summed_runs(c, out, m, n, o, true) ? Partials::kSummedInEpilogue
-                                                                      : Partials::kStaged;
+    o.partials = ops::auto_sums_in_epilogue(sum_everywhere, rank.world()) &&
+                         summed_runs(c, out, m, n, o, sum_everywhere)
+                     ? Partials::kSummedInEpilogue
+                     : Partials::kStaged;
   const bool summed_auto = options.partials == Partials::kAuto && o.partials == Partials::kSummedInEpilogue;
   const FusedPath path = choose(c, sum_everywhere ? FusedOp::kMatmulAllReduce : FusedOp::kMatmulReduceScatter,
                                 m, n, k, o, summed_auto)

@@ -47,6 +47,30 @@ inline constexpr FusedKernelRule kFusedKernelRules[] = {
 inline constexpr uint64_t kPipelineMinPush = 16u << 20, kPipelineMinPushOnePeer = 8u << 20;
 inline constexpr int64_t kOnePeerAgMaxN = 4096;
 
+// FusedOptions::Partials::kAuto: the partials summed in the owner's epilogue (kSummedInEpilogue, where its
+// kernel runs) for these, and then the fused kernel at every M from min_fused_m on; kStaged elsewhere.
+struct SummedPartialsRule {
+  bool all_reduce;
+  int min_world, max_world;
+  const char* measured;
+};
+inline constexpr SummedPartialsRule kSummedPartialsRules[] = {
+    {true, 2, kAnyWorld,
+     "2 x H200, 2026-11-28 (bench/RESULTS.md, \"the summed-in-epilogue kernel on wide tiles\"): AR 0.88-0.95 of "
+     "the staged kernel's time and 0.87-0.95 of the pipeline's at M 2048 / 8192 x N 8192 / 28672 (8192 x 28672: "
+     "3070.4 vs 3430.7 staged, 3478.6 pipelined); the fan-out it hides grows with W. 4 GPUs not measured"},
+    {false, 2, 2,
+     "2 x H200, 2026-11-28, same tables, two runs: RS 0.97-1.02 of the staged kernel at M = 2048 and "
+     "0.97-1.01 at 8192 (8192 x 8192: 812.5 vs 836.8), where the path rule took the pipeline, 3-9% slower "
+     "than either fused kernel (868.5, 3082.0 vs 2978.0 at 8192 x 28672). 4 GPUs not measured: kStaged there"},
+};
+
+inline bool auto_sums_in_epilogue(bool all_reduce, int world) {
+  for (const SummedPartialsRule& r : kSummedPartialsRules)
+    if (r.all_reduce == all_reduce && world >= r.min_world && world <= r.max_world) return true;
+  return false;
+}
+
 inline FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int64_t k, int world) {
   for (const FusedKernelRule& r : kFusedKernelRules)
     if (r.all_gather == all_gather && world >= r.min_world && world <= r.max_world && m >= r.min_m &&

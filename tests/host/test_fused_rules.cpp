@@ -6,6 +6,7 @@
 
 using weft::FusedPath;
 using weft::ops::auto_path;
+using weft::ops::auto_sums_in_epilogue;
 
 namespace {
 constexpr bool kAG = true, kRS = false;
@@ -42,7 +43,19 @@ TEST(FusedRules, PipelineFromSixteenMiBPushesEightWithOnePeer) {
   EXPECT_EQ(auto_path(kAG, 2048, 8192, 8192, 2), FusedPath::kPipelined);   // 16 MiB
 }
 
+TEST(FusedRules, PartialsSummedInTheEpilogueForTheAllReduceAndTheTwoGpuReduceScatter) {
+  constexpr bool kAR = true;
+  EXPECT_TRUE(auto_sums_in_epilogue(kAR, 2));
+  EXPECT_TRUE(auto_sums_in_epilogue(kAR, 4));
+  EXPECT_TRUE(auto_sums_in_epilogue(kAR, 8));
+  EXPECT_TRUE(auto_sums_in_epilogue(kRS, 2));
+  EXPECT_FALSE(auto_sums_in_epilogue(kRS, 3));  // measured at 2 GPUs only
+  EXPECT_FALSE(auto_sums_in_epilogue(kRS, 4));
+}
+
 TEST(FusedRules, EveryRowSaysWhereItWasMeasured) {
+  for (const auto& r : weft::ops::kSummedPartialsRules)
+    EXPECT_NE(std::string(r.measured).find("H200"), std::string::npos) << r.measured;
   for (const auto& r : weft::ops::kFusedKernelRules) {
     EXPECT_NE(std::string(r.measured).find("H200"), std::string::npos) << r.measured;
     EXPECT_LE(r.min_world, r.max_world);

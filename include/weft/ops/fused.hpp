@@ -76,10 +76,9 @@ struct FusedOptions {
   // 256), 128 or 256; the same on every rank
   int tile_n = 0;
   // How the fused RS / AR kernel sums the W partial tiles of each row (the same on every rank):
-  //   kAuto          matmul_all_reduce: kSummedInEpilogue where it runs, and Mode::kAuto then takes the
-  //                  fused kernel from min_fused_m rows on (2 x H200: 0.82-0.96 of the staged kernel's time
-  //                  and faster than the copy-engine pipeline at M 2048..8192, bench/RESULTS.md);
-  //                  matmul_reduce_scatter and the FP8 ops: kStaged
+  //   kAuto          kSummedInEpilogue where it runs for matmul_all_reduce, and for matmul_reduce_scatter at
+  //                  2 GPUs (the measured rows: src/ops/fused_rules.hpp), Mode::kAuto then taking the fused
+  //                  kernel from min_fused_m rows on; kStaged elsewhere and for the FP8 ops
   //   kStaged        each rank stores its bf16 tile into its own staging slot at the owner; a reduce kernel
   //                  after the GEMM sums the W slots in a fixed order (bitwise reproducible)
   //   kAddedAtOwner  each rank reduce-adds its bf16 tile (TMA .add) into the owner's zeroed sum during the
