@@ -42,10 +42,9 @@ const char* const kRsPipeline = "matmul_reduce_scatter / all_reduce pipeline";
 // flags: the counts of its halves and the counts they reached (ops/fused.cuh, RsGemmOp).
 const char* const kRsSum = "matmul_reduce_scatter / all_reduce kernel: the owner's sum";
 const char* const kRsHalves = "matmul_reduce_scatter / all_reduce kernel: adds per half at the owner";
-// Signal-pad flags of Partials::kSummedInEpilogue: the partials landed per half tile at the owner, and the
-// counts they reached (ops/fused.cuh, EpilogueSummedC).
-const char* const kRsTileHalves =
-    "matmul_reduce_scatter / all_reduce kernel: partials per half tile at the owner";
+// Signal-pad flags of Partials::kSummedInEpilogue: the partials landed per tile at the owner, and the counts
+// they reached (ops/fused.cuh, EpilogueSummedC).
+const char* const kRsTiles = "matmul_reduce_scatter / all_reduce kernel: partials per tile at the owner";
 constexpr int kPipelineFlags = 2 * kMaxWorld;  // used(r), then arrived(r)
 const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kFusedState, 2}},
@@ -54,7 +53,7 @@ const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kAgPipeline, kPipelineFlags}},
     ResourceDeclaration{{kRsPipeline, kPipelineFlags}},
     ResourceDeclaration{{kRsHalves, 2 * ops::kRsHalfFlags}},
-    ResourceDeclaration{{kRsTileHalves, 2 * ops::kRsTileHalfFlags}},
+    ResourceDeclaration{{kRsTiles, 2 * ops::kRsTileFlags}},
 };
 
 struct Call : ops::OpCall {
@@ -664,11 +663,11 @@ void launch_rs_as(Call& c, const SetMaps& set_maps, void* out, int64_t m, int64_
 }
 
 // Where Partials::kSummedInEpilogue's kernel runs: shards of whole 128-row tiles (a tile has one owner), the
-// half tiles within their flags and, for the all-reduce, a symmetric out (its slice stored into every rank's).
+// tiles within their flags and, for the all-reduce, a symmetric out (its slice stored into every rank's).
 bool summed_runs(const Call& c, const void* out, int64_t m, int64_t n, const FusedOptions& o, bool all_reduce) {
   const int64_t rows = m / c.rank.world(), tile_n = o.tile_n == 128 ? 128 : 256;
   return m % c.rank.world() == 0 && rows % 128 == 0 &&
-         rows / 64 * ((n + tile_n - 1) / tile_n) <= ops::kRsTileHalfFlags &&
+         rows / 128 * ((n + tile_n - 1) / tile_n) <= ops::kRsTileFlags &&
          (!all_reduce || c.comm.in_heap(c.rank, out, m * n * 2));
 }
 
@@ -676,7 +675,7 @@ bool summed_runs(const Call& c, const void* out, int64_t m, int64_t n, const Fus
 // rounds (lcsc::OwnerRoundsScheduler), a peer's stored into this rank's slot of its inbox (workspace, as
 // kStaged's) and counted there, an own tile summed with the peers' partials in its epilogue and stored into
 // out, or (all-reduce, symmetric out) into this rank's slice of every rank's out; no kernel after it.
-// launch_rs checks what it needs: shards of whole 128-row tiles, the half tiles within their flags.
+// launch_rs checks what it needs: shards of whole 128-row tiles, the tiles within their flags.
 template <bool kKMajor, int kTileN>
 void launch_rs_summed(Call& c, const Bf16Maps<kKMajor>& maps, void* out, int64_t m, int64_t n,
                       const FusedOptions& o, bool all_reduce) {
@@ -720,7 +719,7 @@ void launch_rs_summed(Call& c, const Bf16Maps<kKMajor>& maps, void* out, int64_t
   p.shard_rows = static_cast<int>(rows);
   p.tiles_n = p.sched.tiles_n;
   p.n = n;
-  p.halves = c.comm.resources(c.rank, kRsTileHalves).flags;
+  p.tiles = c.comm.resources(c.rank, kRsTiles).flags;
   p.inbox = tma::make_map_2d(
       {inbox, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(W * rows), uint64_t(n), uint64_t(n) * 2},
       Op::Epilogue::kBoxRows, Op::Epilogue::kBoxCols, "matmul_reduce_scatter: inbox");
@@ -733,7 +732,7 @@ void launch_rs_summed(Call& c, const Bf16Maps<kKMajor>& maps, void* out, int64_t
 // Counted where the halves fit their flags and, for the all-reduce, out is symmetric (its slice is the sum;
 // as every op's symmetric buffers, out must then be symmetric on every rank, at one offset). check_operands
 // has required 16-byte alignment. Partials::kSummedInEpilogue where its shards are whole 128-row tiles, its
-// half tiles fit their flags and (all-reduce) out is symmetric; elsewhere it, as the counted ways, falls back
+// tiles fit their flags and (all-reduce) out is symmetric; elsewhere it, as the counted ways, falls back
 // to kStaged.
 template <bool kKMajor>
 void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,

@@ -454,8 +454,9 @@ struct ReduceScatterC : Gemm {
 };
 
 // ---- GEMM + reduce-scatter, the partials summed in the owner's epilogue ---------------------------------
-// (64-row half, tile column) pairs of a rank's rows at most, Partials::kSummedInEpilogue (past them: kStaged)
-inline constexpr int kRsTileHalfFlags = 16384;
+// Tiles of a rank's rows at most, Partials::kSummedInEpilogue (past them: kStaged): 32768 x 28672 at 2 GPUs
+// on 128 x 256 tiles is 14336.
+inline constexpr int kRsTileFlags = 16384;
 
 // Adds a peer's partial of a warpgroup's half tile, which the loader brought into shared memory as kN / 64
 // chunks of 64 x 64 bf16 (TMA boxes, 128-byte swizzle; `chunks` the first), to the warpgroup's fp32
@@ -490,17 +491,18 @@ __device__ __forceinline__ void add_partial_chunks(tile::AccumM64<kN>& acc, cons
 // computed theirs. A peer's tile is stored as kStaged stores it (this rank's slot of the owner's inbox) and,
 // once its stores have completed (checked when the warpgroup stores its next tile, or before an own tile's
 // partials are waited for, so no store waits on the link and no count waits for a peer), counted at the
-// owner: one add to the count of that 64-row half tile. For an own tile the loader, after issuing the
+// owner: one add to the count of that tile (2 (W - 1) adds make it whole). For an own tile the loader, after
+// issuing the
 // mainloop's k-blocks (kStages behind the consumers: the wait overlaps the mainloop's tail and holds back
-// the next tile's loads), waits for both halves' W - 1 counts and brings each peer's partial tile into
+// the next tile's loads), waits for the tile's 2 (W - 1) counts and brings each peer's partial tile into
 // pipeline stages (narrow tile: both halves in one; wide: a half a stage), rank + 1's first; the consumers add
 // them to the accumulators from there (fp32, rounded once: not kStaged's bits, which round this rank's own
 // partial to bf16 too) and store the sum into out (reduce-scatter) or into this rank's slice of every rank's
 // out (all-reduce: out symmetric). Shards of whole 128-row tiles (a tile has one owner). One communicator
 // block: the start meeting (every owner has finished reading the previous call's slots) and, for the
 // all-reduce, an end meeting once every storer of this rank has finished, so no kernel ends before every
-// peer's final tiles have landed in its out. Counts only grow; each half's count at the end of the previous
-// call is kept locally (halves[kRsTileHalfFlags + f]), so the shape may change between calls.
+// peer's final tiles have landed in its out. Counts only grow; each tile's count at the end of the previous
+// call is kept locally (tiles[kRsTileFlags + f]), so the shape may change between calls.
 template <class Gemm>
 struct EpilogueSummedC : Gemm {
   using Base = Gemm;
@@ -518,9 +520,10 @@ struct EpilogueSummedC : Gemm {
     int dests;
     int shard_rows, tiles_n;
     int64_t n;
-    // [f]: the partials of half tile f (64-row half h of the rows, tile column c: f = h x tiles_n + c)
-    // landed here; [kRsTileHalfFlags + f]: the count it reached at the end of the previous call (local).
-    Flags halves;
+    // [f]: the peers' partials of tile f (tile row r of this rank's rows, tile column c: f = r x tiles_n + c)
+    // landed here, a count a half tile; [kRsTileFlags + f]: the count it reached at the end of the previous
+    // call (local).
+    Flags tiles;
     // This rank's W slots, [W x shard_rows, n] (slot s, rows [s shard_rows, (s + 1) shard_rows): rank s's
     // partials), box 64 x 64: the loader's reads of the partials.
     CUtensorMap inbox;
@@ -530,7 +533,7 @@ struct EpilogueSummedC : Gemm {
     typename Base::StoreState epi;
     bool ready;           // the start meeting passed (leader's)
     bool failed;          // the call failed (a wait of this rank, or a peer's failure): own tiles not stored
-    PendingHalf pending;  // the peer's half tile this warpgroup last stored
+    PendingHalf pending;  // the peer's half tile this warpgroup last stored (counted on its tile's flag)
   };
 
   __device__ static void init(const Params& p, typename Base::Smem& s) {
@@ -552,7 +555,7 @@ struct EpilogueSummedC : Gemm {
     return (t.m - t.owner * p.sched.shard_tiles_m) * Base::kBM;
   }
   // Loader (one thread): the mainloop's k-blocks; for an own tile then, once every peer's partials of both
-  // halves have landed, each peer's partial into a stage of its own (chunk 2 h + c: half h, columns c).
+  // halves have landed, each peer's partial into pipeline stages (a stage: one half, or both).
   // A failed wait is recorded (synchronize() reports it; later waits of the rank give up within ~20 us) and
   // the loads still go out, so no consumer waits for ever; the consumers then store no own tile (compute).
   __device__ static void load(const Params& p, typename Base::Smem& s, typename Base::Pipeline& pipe,
@@ -561,13 +564,13 @@ struct EpilogueSummedC : Gemm {
     const TeamView& team = p.sync.team;
     if (t.owner != team.rank) return;
     const int row = owner_row(p, t);
-    for (int h = 0; h < 2; ++h) {
-      const int half = (row / 64 + h) * p.tiles_n + t.n;
-      uint64_t* reached = team.flag(p.halves, kRsTileHalfFlags + half);
-      const uint64_t target = *reached + uint64_t(team.world - 1);
-      const TimelineSpan waiting(p.sched.timeline, TimelinePhase::kCommWait, static_cast<uint32_t>(half));
+    {
+      const int tile = row / Base::kBM * p.tiles_n + t.n;
+      uint64_t* reached = team.flag(p.tiles, kRsTileFlags + tile);
+      const uint64_t target = *reached + uint64_t(2 * (team.world - 1));
+      const TimelineSpan waiting(p.sched.timeline, TimelinePhase::kCommWait, static_cast<uint32_t>(tile));
       // Inlined: the loader runs on setmaxnreg's cut registers (weft/comm/signal.cuh, wait_ge_inlined).
-      if (wait_ge_inlined(team, team.flag(p.halves, half), target)) *reached = target;
+      if (wait_ge_inlined(team, team.flag(p.tiles, tile), target)) *reached = target;
     }
     acquire_for_tma();  // the peers' TMA stores, published by their counts, before our TMA loads
     for (int k = 1; k < team.world; ++k) {
@@ -594,7 +597,7 @@ struct EpilogueSummedC : Gemm {
     const TeamView& team = p.sync.team;
     if (t.owner != team.rank) return;
     const bool leader = tile::thread_in_warpgroup() == 0;
-    if (leader) es.pending.count(team, p.halves);
+    if (leader) es.pending.count(team, p.tiles);
     __syncwarp();  // the leader's lanes again with it before the warp-aligned waits and barriers
     for (int k = 1; k < team.world; ++k) {
       for (int h0 = 0; h0 < 2; h0 += kHalvesPerStage) {
@@ -625,14 +628,14 @@ struct EpilogueSummedC : Gemm {
         (void)wait_ge(team, team.flag(p.sync.ready, 0), p.sync.epoch());
         acquire_for_tma();  // the peers' reads of their slots (generic) before our TMA stores into them
       }
-      es.pending.count(team, p.halves);  // the previous tile's stores were issued a mainloop ago
+      es.pending.count(team, p.tiles);  // the previous tile's stores were issued a mainloop ago
     }
     __syncwarp();  // the leader's lanes again with it before the epilogue's warp-aligned barriers
     es.ready = true;
     const int row = owner_row(p, t) + 64 * wg, col0 = t.n * Base::kBN;  // row: in the owner's rows
     if (!own) {
       Base::Epilogue::store(&p.owner[t.owner], lcsc::StoreMode::kStore, s.epi, es.epi, wg, acc, row, col0);
-      es.pending = PendingHalf{t.owner, row / 64 * p.tiles_n + t.n};
+      es.pending = PendingHalf{t.owner, row / Base::kBM * p.tiles_n + t.n};
       return;
     }
     if (!es.failed)
@@ -642,7 +645,7 @@ struct EpilogueSummedC : Gemm {
     Base::Epilogue::finish(es.epi);  // every store has completed
     if (tile::thread_in_warpgroup() == 0) {
       release_after_tma();
-      es.pending.count(p.sync.team, p.halves);
+      es.pending.count(p.sync.team, p.tiles);
       // All-reduce: this warpgroup's final tiles in the peers' outs, before the end meeting that its done()
       // lets start (comm_end).
       if (p.fan_out) fence_release();
