@@ -23,8 +23,12 @@ inline constexpr int kAnyWorld = 1 << 30;
 inline constexpr FusedKernelRule kFusedKernelRules[] = {
     // Communication outweighs the GEMM: N <= 4096 per rank at M >= 8192.
     {true, 4, kAnyWorld, 8192, kNoBound, 4096,
-     "4 x H200, session 4: 1.47-1.83x cuBLAS + NCCL, the pipeline 1.27-1.54x; at 2 GPUs the pipeline wins "
-     "these (session 9: 785.5 vs 857.3 us at 8192^3)"},
+     "4 x H200, session 4: 1.47-1.83x cuBLAS + NCCL, the pipeline 1.27-1.54x"},
+    {true, 2, 2, 8192, kNoBound, 4096,
+     "2 x H200, 2026-11-28 (bench/RESULTS.md, \"Fused ops at 2 GPUs, M 2048..32768\"): the fused kernel "
+     "802.4 / 1631.5 / 3507.9 us against the pipeline's 860.2 / 1654.2 / 3593.9 at M 8192 / 16384 / 32768 x "
+     "N 8192 (session 9 had measured the reverse, 857.3 vs 785.5 at 8192^3, before the kernel's later "
+     "changes); below M = 8192 and at N 28672 the pipeline still wins (4096 x 8192: 454.1 vs 429.4)"},
     // Every output size.
     {false, 4, kAnyWorld, 0, kNoBound, kNoBound,
      "4 x H200, 2026-11-27 (bench/RESULTS.md, the 4-GPU fused table): the fused kernel beat the ring "

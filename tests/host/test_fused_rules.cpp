@@ -17,7 +17,9 @@ TEST(FusedRules, AllGatherMatmulFusedWhereCommunicationOutweighsTheGemm) {
   EXPECT_EQ(auto_path(kAG, 8192, 4096, 8192, 8), FusedPath::kFused);  // larger teams take the 4-GPU rows
   EXPECT_NE(auto_path(kAG, 8192, 4104, 8192, 4), FusedPath::kFused);  // N per rank above 4096
   EXPECT_NE(auto_path(kAG, 4096, 4096, 8192, 4), FusedPath::kFused);  // M below 8192
-  EXPECT_NE(auto_path(kAG, 8192, 4096, 8192, 2), FusedPath::kFused);  // 2 GPUs: the pipeline won
+  EXPECT_EQ(auto_path(kAG, 8192, 4096, 8192, 2), FusedPath::kFused);  // 2 GPUs too
+  EXPECT_NE(auto_path(kAG, 8192, 4104, 8192, 2), FusedPath::kFused);
+  EXPECT_NE(auto_path(kAG, 8192, 4096, 8192, 3), FusedPath::kFused);  // 3 GPUs: not measured
 }
 
 TEST(FusedRules, SummedMatmulsFusedAtFourAndUpTo2048RowsAtTwo) {
