@@ -674,11 +674,10 @@ struct EpilogueSummedC : Gemm {
   }
 };
 
-// kTileN 256 (128 x 256 tiles, as the staged kernel's) or 128; kWideRing (wide tiles): RsGemmOp's ring of
-// five chunks on three pipeline stages.
-template <bool kBKMajor, int kTileN = 256, bool kWideRing = false>
-using RsSummedGemmOp = EpilogueSummedC<GemmOp<__nv_bfloat16, kBKMajor, 1, kTileN, kWideRing ? 3 : 0,
-                                              kWideRing ? 5 : 2, lcsc::OwnerRoundsScheduler>>;
+// kTileN 256 (128 x 256 tiles, as the staged kernel's) or 128.
+template <bool kBKMajor, int kTileN = 256>
+using RsSummedGemmOp =
+    EpilogueSummedC<GemmOp<__nv_bfloat16, kBKMajor, 1, kTileN, 0, 2, lcsc::OwnerRoundsScheduler>>;
 
 // The storers ring two output chunks a warpgroup (TmaStoreEpilogue's default); kWideRing: a ring of five for
 // three pipeline stages instead of four (GemmOp<..., 256, 3, 5>), so that a tile's four chunks to peers leave

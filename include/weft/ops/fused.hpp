@@ -107,10 +107,10 @@ struct FusedOptions {
     kStagedProgressive,
     kSummedInEpilogue
   } partials = Partials::kAuto;
-  // The fused RS / AR kernel's storers (kStaged; kSummedInEpilogue on 128 x 256 tiles): the ring of output
-  // chunks a consumer warpgroup, 0 (auto: 2) or 5 (with three pipeline stages instead of four: a tile's
-  // chunks to peers leave without waiting on each other); the same on every rank. A developer option while
-  // the two are measured.
+  // The fused RS / AR kernel's storers (kStaged): the ring of output chunks a consumer warpgroup, 0 (auto: 2)
+  // or 5 (with three pipeline stages instead of four: a tile's chunks to peers leave without waiting on each
+  // other); the same on every rank. A developer option while the two are measured (the summed-in-epilogue
+  // kernel with a ring of five measured within noise of two at 2 x H200: not built).
   int store_ring = 0;
 };
 
