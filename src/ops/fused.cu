@@ -98,8 +98,8 @@ struct Call : ops::OpCall {
                                            std::to_string(o.pipeline_pieces));
     using Partials = FusedOptions::Partials;
     WEFT_CHECK(o.partials == Partials::kAuto || o.partials == Partials::kStaged ||
-                   o.partials == Partials::kAddedAtOwner ||
-                   o.partials == Partials::kStagedProgressive || o.partials == Partials::kSummedInEpilogue,
+                   o.partials == Partials::kAddedAtOwner || o.partials == Partials::kStagedProgressive ||
+                   o.partials == Partials::kSummedInEpilogue,
                where + "unknown options.partials");
     WEFT_CHECK(
         o.mode != Mode::kFused || why_not_fused.empty(),
@@ -664,7 +664,8 @@ void launch_rs_as(Call& c, const SetMaps& set_maps, void* out, int64_t m, int64_
 
 // Where Partials::kSummedInEpilogue's kernel runs: shards of whole 128-row tiles (a tile has one owner), the
 // tiles within their flags and, for the all-reduce, a symmetric out (its slice stored into every rank's).
-bool summed_runs(const Call& c, const void* out, int64_t m, int64_t n, const FusedOptions& o, bool all_reduce) {
+bool summed_runs(const Call& c, const void* out, int64_t m, int64_t n, const FusedOptions& o,
+                 bool all_reduce) {
   const int64_t rows = m / c.rank.world(), tile_n = o.tile_n == 128 ? 128 : 256;
   return m % c.rank.world() == 0 && rows % 128 == 0 &&
          rows / 128 * ((n + tile_n - 1) / tile_n) <= ops::kRsTileFlags &&
@@ -1065,9 +1066,9 @@ void launch_rs_fp8(Call& c, const Fp8MmArgs& x, const FusedOptions& o, bool all_
 }
 
 FusedPath run_scaled_matmul_reduce(Call& c, const Fp8MmArgs& x, const FusedOptions& o, bool all_reduce) {
-  WEFT_CHECK(o.partials == FusedOptions::Partials::kAuto || o.partials == FusedOptions::Partials::kStaged,
-             c.where +
-                 "takes FusedOptions::Partials::kAuto or kStaged only (the partials staged at their owners)");
+  WEFT_CHECK(
+      o.partials == FusedOptions::Partials::kAuto || o.partials == FusedOptions::Partials::kStaged,
+      c.where + "takes FusedOptions::Partials::kAuto or kStaged only (the partials staged at their owners)");
   check_fp8(c, x, o, x.m, all_reduce ? x.m : x.m / c.rank.world());
   const std::string why_not =
       rs_why_not<ops::ReduceScatterC<ops::Fp8GemmOp<__nv_bfloat16, Fp8Scaling::kBlock, false>>>(c, x.m);

@@ -60,13 +60,15 @@ struct SummedPartialsRule {
 };
 inline constexpr SummedPartialsRule kSummedPartialsRules[] = {
     {true, 2, kAnyWorld,
-     "2 x H200, 2026-11-28 (bench/RESULTS.md, \"the summed-in-epilogue kernel on wide tiles\"): AR 0.88-0.95 of "
-     "the staged kernel's time and 0.87-0.95 of the pipeline's at M 2048 / 8192 x N 8192 / 28672 (8192 x 28672: "
-     "3070.4 vs 3430.7 staged, 3478.6 pipelined); the fan-out it hides grows with W. 4 GPUs not measured"},
+     "2 x H200, 2026-11-28 (bench/RESULTS.md, \"the summed-in-epilogue kernel on wide tiles\"): AR "
+     "0.88-0.95 of the staged kernel's time and 0.87-0.95 of the pipeline's at M 2048 / 8192 x N 8192 / "
+     "28672 (8192 x 28672: 3070.4 vs 3430.7 staged, 3478.6 pipelined); the fan-out it hides grows with W. "
+     "4 GPUs not measured"},
     {false, 2, 2,
      "2 x H200, 2026-11-28, same tables, two runs: RS 0.97-1.02 of the staged kernel at M = 2048 and "
      "0.97-1.01 at 8192 (8192 x 8192: 812.5 vs 836.8), where the path rule took the pipeline, 3-9% slower "
-     "than either fused kernel (868.5, 3082.0 vs 2978.0 at 8192 x 28672). 4 GPUs not measured: kStaged there"},
+     "than either fused kernel (868.5, 3082.0 vs 2978.0 at 8192 x 28672). 4 GPUs not measured: kStaged "
+     "there"},
 };
 
 inline bool auto_sums_in_epilogue(bool all_reduce, int world) {

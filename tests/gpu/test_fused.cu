@@ -73,8 +73,8 @@ struct Shape {
   int64_t shard, n, k;  // M = W * shard
 };
 // M / W: one tile, partial tiles (200, 520: not multiples of 64), tiles straddling shards (192), tiny, and
-// three tile rows per shard, partial tiles at N = 120. all_gather_matmul's fused kernel and the RS / AR summed
-// in the epilogue take 128 x 256 tiles, or 128 x 128 (options.tile_n): the cases alternate.
+// three tile rows per shard, partial tiles at N = 120. all_gather_matmul's fused kernel and the RS / AR
+// summed in the epilogue take 128 x 256 tiles, or 128 x 128 (options.tile_n): the cases alternate.
 const Shape kShapes[] = {{128, 256, 256}, {200, 264, 136}, {192, 264, 136}, {520, 384, 192},
                          {64, 8, 8},      {384, 264, 136}, {200, 120, 136}};
 using Mode = FusedOptions::Mode;
@@ -127,7 +127,7 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   o.comm_blocks = int(seed % 3) * 4;                               // 0 (auto), 4, 8
   if (o.comm_blocks >= c.local(0).sm_budget()) o.comm_blocks = 0;  // a small --sm-budget: auto (at least 2)
   o.pipeline_pieces = int(seed / 3 % 4);                           // 0 (auto), 1, 2, 3
-  o.tile_n = seed / 2 % 2 ? 128 : 0;  // 128 x 128 or auto (256), both outs each
+  o.tile_n = seed / 2 % 2 ? 128 : 0;                               // 128 x 128 or auto (256), both outs each
   // RS / AR: pairs of cases take the four ways of summing the partials and kAuto in turn (the fused kernel
   // only; ignored elsewhere): pairs, so that both a symmetric and a device out (run_all's innermost loop)
   // take each. The summed-in-epilogue way falls back to kStaged where M / W is not a multiple of 128 (shards

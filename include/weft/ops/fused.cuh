@@ -492,15 +492,14 @@ __device__ __forceinline__ void add_partial_chunks(tile::AccumM64<kN>& acc, cons
 // once its stores have completed (checked when the warpgroup stores its next tile, or before an own tile's
 // partials are waited for, so no store waits on the link and no count waits for a peer), counted at the
 // owner: one add to the count of that tile (2 (W - 1) adds make it whole). For an own tile the loader, after
-// issuing the
-// mainloop's k-blocks (kStages behind the consumers: the wait overlaps the mainloop's tail and holds back
-// the next tile's loads), waits for the tile's 2 (W - 1) counts and brings each peer's partial tile into
-// pipeline stages (narrow tile: both halves in one; wide: a half a stage), rank + 1's first; the consumers add
-// them to the accumulators from there (fp32, rounded once: not kStaged's bits, which round this rank's own
-// partial to bf16 too) and store the sum into out (reduce-scatter) or into this rank's slice of every rank's
-// out (all-reduce: out symmetric). Shards of whole 128-row tiles (a tile has one owner). One communicator
-// block: the start meeting (every owner has finished reading the previous call's slots) and, for the
-// all-reduce, an end meeting once every storer of this rank has finished, so no kernel ends before every
+// issuing the mainloop's k-blocks (kStages behind the consumers: the wait overlaps the mainloop's tail and
+// holds back the next tile's loads), waits for the tile's 2 (W - 1) counts and brings each peer's partial
+// tile into pipeline stages (narrow tile: both halves in one; wide: a half a stage), rank + 1's first; the
+// consumers add them to the accumulators from there (fp32, rounded once: not kStaged's bits, which round this
+// rank's own partial to bf16 too) and store the sum into out (reduce-scatter) or into this rank's slice of
+// every rank's out (all-reduce: out symmetric). Shards of whole 128-row tiles (a tile has one owner). One
+// communicator block: the start meeting (every owner has finished reading the previous call's slots) and, for
+// the all-reduce, an end meeting once every storer of this rank has finished, so no kernel ends before every
 // peer's final tiles have landed in its out. Counts only grow; each tile's count at the end of the previous
 // call is kept locally (tiles[kRsTileFlags + f]), so the shape may change between calls.
 template <class Gemm>

@@ -95,11 +95,11 @@ struct FusedOptions {
   //   kSummedInEpilogue  every SM computes tiles, no reduce kernel follows: each rank walks the tiles so that
   //                  the owner of a tile computes it a wave or two after the other ranks (ops/fused.cuh,
   //                  lcsc/owner_rounds_scheduler.cuh); a peer's tile is stored as kStaged stores it and
-  //                  counted at its owner (a count a 64-row half), and the owner's epilogue adds the W - 1 landed
-  //                  partials (bf16) to its own fp32 accumulators, then stores the sum into out (RS) or into
-  //                  every rank's out (AR, symmetric out). A fixed order (the same bits every run, not
-  //                  kStaged's: the own partial is not rounded before the sum). Where M / W is not a multiple
-  //                  of 128, the tiles exceed their flags or an AR out is outside the heap: kStaged
+  //                  counted at its owner (a count a 64-row half), and the owner's epilogue adds the W - 1
+  //                  landed partials (bf16) to its own fp32 accumulators, then stores the sum into out (RS)
+  //                  or into every rank's out (AR, symmetric out). A fixed order (the same bits every run,
+  //                  not kStaged's: the own partial is not rounded before the sum). Where M / W is not a
+  //                  multiple of 128, the tiles exceed their flags or an AR out is outside the heap: kStaged
   enum class Partials {
     kAuto,
     kStaged,
