@@ -24,7 +24,9 @@ enum class TimelinePhase : uint8_t {
   kStreamWait = 7,  // a stream-ordered wait for a peer's flag (copy-engine pipelines); arg: the value
   kMoe = 8,         // a block of one of the MoE dispatch / combine kernels; arg: the step (MoeStep)
   kCommWait = 9,    // inside a communicator block's task, its wait for the task's input (e.g. a counted
-                    // half of the fused RS / AR); arg: the task
+                    // half of the fused RS / AR); arg: the task. The summed-in-epilogue RS / AR: the loader's
+                    // wait for an own tile's partials (arg: the tile) and a storer's wait for its previous
+                    // peer tile's stores before counting it (arg: bit 31 | the tile)
   kDecode = 10,     // a step of a flash_decode block (thread 0's marks); arg: the step (DecodeStep)
   kCount = 11,
 };

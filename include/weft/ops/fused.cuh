@@ -585,6 +585,15 @@ struct EpilogueSummedC : Gemm {
       }
     }
   }
+  // The leader's count of the previous peer tile, if any: its wait for that tile's stores to complete is a
+  // timeline span of its own (kCommWait, arg: bit 31 and the tile), so a store's span splits into this wait
+  // and the epilogue ring's.
+  __device__ static void count_pending(const Params& p, StoreState& es) {
+    if (es.pending.owner < 0) return;
+    const TimelineSpan counting(p.sched.timeline, TimelinePhase::kCommWait,
+                                1u << 31 | static_cast<uint32_t>(es.pending.half));
+    es.pending.count(p.sync.team, p.tiles);
+  }
   // Consumers: the mainloop; for an own tile then each peer's partial of the warpgroup's half added, a stage
   // each, in the loader's order. The previous peer tile's count goes out first: a count waits for nothing
   // of another rank, while these stages wait for the loader's wait for peers' counts (counted after a wait
@@ -596,7 +605,7 @@ struct EpilogueSummedC : Gemm {
     const TeamView& team = p.sync.team;
     if (t.owner != team.rank) return;
     const bool leader = tile::thread_in_warpgroup() == 0;
-    if (leader) es.pending.count(team, p.tiles);
+    if (leader) count_pending(p, es);
     __syncwarp();  // the leader's lanes again with it before the warp-aligned waits and barriers
     for (int k = 1; k < team.world; ++k) {
       for (int h0 = 0; h0 < 2; h0 += kHalvesPerStage) {
@@ -627,7 +636,7 @@ struct EpilogueSummedC : Gemm {
         (void)wait_ge(team, team.flag(p.sync.ready, 0), p.sync.epoch());
         acquire_for_tma();  // the peers' reads of their slots (generic) before our TMA stores into them
       }
-      es.pending.count(team, p.tiles);  // the previous tile's stores were issued a mainloop ago
+      count_pending(p, es);  // the previous tile's stores were issued a mainloop ago
     }
     __syncwarp();  // the leader's lanes again with it before the epilogue's warp-aligned barriers
     es.ready = true;
