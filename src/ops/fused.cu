@@ -802,8 +802,9 @@ Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const 
     plan.comm_blocks = ops::RsGemmOp<true, 1>::kClusterSize;  // block 0 meets
     plan.why_not_fused = rs_why_not(c, m);
   }
-  const FusedPath rule =
-      summed_auto ? FusedPath::kFused : ops::auto_path(op == FusedOp::kAllGatherMatmul, m, n, k, W);
+  const FusedPath rule = summed_auto && plan.why_not_fused.empty()
+                             ? FusedPath::kFused
+                             : ops::auto_path(op == FusedOp::kAllGatherMatmul, m, n, k, W);
   plan.path = c.path(o, m, plan.why_not_fused, rule);
   if (c.planning()) {
     c.plan->why_not = plan.why_not_fused.empty() ? "" : "fused kernel: " + plan.why_not_fused;
@@ -861,8 +862,9 @@ FusedPath run_matmul_reduce(Call& c, const void* a, const void* b, void* out, in
   c.check_operands(a, "a", m, b, out, sum_everywhere ? m : rows, m, n, k, layout);
   FusedOptions o = options;
   using Partials = FusedOptions::Partials;
+  // (store_ring 5 is the staged kernel's option: kAuto keeps it there.)
   if (o.partials == Partials::kAuto)
-    o.partials = ops::auto_sums_in_epilogue(sum_everywhere, rank.world()) &&
+    o.partials = o.store_ring != 5 && ops::auto_sums_in_epilogue(sum_everywhere, rank.world()) &&
                          summed_runs(c, out, m, n, o, sum_everywhere)
                      ? Partials::kSummedInEpilogue
                      : Partials::kStaged;

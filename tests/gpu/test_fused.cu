@@ -109,7 +109,16 @@ std::vector<cudaGraphExec_t> capture_per_rank(Communicator& c, Issue&& issue) {
   return exec;
 }
 
-void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool sym, uint64_t seed) {
+// RS / AR: how the fused kernel sums the partials (ignored on the other paths and by AG). A case names it
+// with the output tile's width: the summed-in-epilogue way and kAuto take both.
+struct Summing {
+  FusedOptions::Partials partials = FusedOptions::Partials::kStaged;
+  int tile_n = 0;  // FusedOptions::tile_n: 0 (auto, 256) or 128
+};
+using Partials = FusedOptions::Partials;
+
+void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool sym, uint64_t seed,
+              Summing summing = {}) {
   Communicator& c = ctx.comm();
   const int W = c.world();
   const int64_t m = W * s.shard, n = s.n, k = s.k;
@@ -127,25 +136,18 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   o.comm_blocks = int(seed % 3) * 4;                               // 0 (auto), 4, 8
   if (o.comm_blocks >= c.local(0).sm_budget()) o.comm_blocks = 0;  // a small --sm-budget: auto (at least 2)
   o.pipeline_pieces = int(seed / 3 % 4);                           // 0 (auto), 1, 2, 3
-  o.tile_n = seed / 2 % 2 ? 128 : 0;                               // 128 x 128 or auto (256), both outs each
-  // RS / AR: pairs of cases take the four ways of summing the partials and kAuto in turn (the fused kernel
-  // only; ignored elsewhere): pairs, so that both a symmetric and a device out (run_all's innermost loop)
-  // take each. The summed-in-epilogue way falls back to kStaged where M / W is not a multiple of 128 (shards
-  // of 64 and 192 rows) and for the all-reduce's device out.
-  // (run_all's 12 cases per shape and layout would line the pairs up with one choice each: hence seed / 12.)
-  const uint64_t way = (seed / 2 + seed / 12) % 5;
-  if (op != Op::kAG && way == 0) o.partials = FusedOptions::Partials::kStaged;
-  if (op != Op::kAG && way == 1) o.partials = FusedOptions::Partials::kAddedAtOwner;
-  if (op != Op::kAG && way == 2) o.partials = FusedOptions::Partials::kStagedProgressive;
-  if (op != Op::kAG && way == 3) o.partials = FusedOptions::Partials::kSummedInEpilogue;
-  // The staged way with the storers' wide ring (FusedOptions::store_ring 5) in every other such pair.
-  if (op != Op::kAG && way == 0 && seed / 6 % 2) o.store_ring = 5;
-  const char* partials = o.partials == FusedOptions::Partials::kAddedAtOwner        ? " added at owner"
-                         : o.partials == FusedOptions::Partials::kStagedProgressive ? " staged, progressive"
-                         : o.partials == FusedOptions::Partials::kSummedInEpilogue  ? " summed in epilogue"
-                         : o.partials == FusedOptions::Partials::kAuto              ? " auto partials"
-                         : o.store_ring == 5                                        ? " staged, wide ring"
-                                                                                    : "";
+  // AG's fused kernel: 128 x 128 or auto (256), both outs each; RS / AR: the case's.
+  o.tile_n = op == Op::kAG ? (seed / 2 % 2 ? 128 : 0) : summing.tile_n;
+  if (op != Op::kAG) o.partials = summing.partials;
+  // The staged way with the storers' wide ring (FusedOptions::store_ring 5) in every other such case.
+  if (op != Op::kAG && o.partials == Partials::kStaged && seed / 6 % 2) o.store_ring = 5;
+  const char* partials = op == Op::kAG                                ? ""
+                         : o.partials == Partials::kAddedAtOwner      ? " added at owner"
+                         : o.partials == Partials::kStagedProgressive ? " staged, progressive"
+                         : o.partials == Partials::kSummedInEpilogue  ? " summed in epilogue"
+                         : o.partials == Partials::kAuto              ? " auto partials"
+                         : o.store_ring == 5                          ? " staged, wide ring"
+                                                                      : "";
   if (std::getenv("WEFT_TEST_VERBOSE"))
     std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d%s\n", int(op),
                  (long long)m, (long long)n, (long long)k, nk ? "NK" : "KN", mode_name(mode),
@@ -237,14 +239,29 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   c.host_barrier();
 }
 
+// The RS / AR cases' ways of summing, by shape and layout (both outs take each): on the shards of whole
+// 128-row tiles (shapes 0 and 5, the only ones where the summed-in-epilogue kernel runs; --quick keeps the
+// first layout of shape 0 and the second of shape 5) the summed way on narrow and wide tiles and kAuto, on
+// the others the staged and counted ways (and kAuto's fallback).
+Summing summing_of(size_t shape, int layout) {
+  if (shape == 0)
+    return layout == 0 ? Summing{Partials::kSummedInEpilogue, 128} : Summing{Partials::kAuto, 0};
+  if (shape == 5)
+    return layout == 0 ? Summing{Partials::kAuto, 128} : Summing{Partials::kSummedInEpilogue, 0};
+  const Partials ways[] = {Partials::kStaged, Partials::kAddedAtOwner, Partials::kStagedProgressive,
+                           Partials::kAuto};
+  return {ways[(2 * shape + layout) % 4], 0};
+}
+
 void run_all(TestContext& ctx, Op op) {
   uint64_t seed = 1 + 100 * int(op);
-  for (const Shape& s : kShapes)
+  for (size_t si = 0; si < std::size(kShapes); ++si)
     for (BLayout layout : {BLayout::kNK, BLayout::kKN})
       for (Mode mode : kModes)
         for (bool sym : {true, false}) {
+          const Shape& s = kShapes[si];
           if (ctx.quick && (layout == BLayout::kKN) != (s.n % 256 != 0)) continue;
-          run_case(ctx, op, s, layout, mode, sym, seed++);
+          run_case(ctx, op, s, layout, mode, sym, seed++, summing_of(si, layout == BLayout::kKN));
         }
 }
 
@@ -286,13 +303,18 @@ WEFT_GPU_TEST(fused_ops_back_to_back) {
     run_case(ctx, Op::kRS, kShapes[rep % 4 < 2 ? 2 : 5], BLayout::kKN,
              rep % 2 ? Mode::kFused : Mode::kPipelined, true, 600 + rep);
     run_case(ctx, Op::kAR, kShapes[0], BLayout::kNK, mode, false, 700 + rep);
-    // Symmetric outs, the ways of summing taken by seed (run_case): counted calls' halves counts carry over
-    // between calls and between the two counted ways.
-    run_case(ctx, Op::kAR, kShapes[5], BLayout::kNK, Mode::kFused, true, 802 + 4 * rep);
-    run_case(ctx, Op::kRS, kShapes[2], BLayout::kNK, Mode::kFused, rep % 2 == 0, 902 + 4 * rep);
-    // Shards of whole 128-row tiles, where the summed-in-epilogue way runs (seeds 1028 + 4 rep: in reps 0
-    // and 5), among the counted ways.
-    run_case(ctx, Op::kRS, kShapes[5], BLayout::kNK, Mode::kFused, rep % 2 == 1, 1028 + 4 * rep);
+    // The ways of summing in turn, call after call: the counted calls' counts carry over between calls and
+    // between the ways. Shards of whole 128-row tiles (shape 5), where the summed-in-epilogue way runs on
+    // both tile widths; --quick's three reps take it at rep 0 (RS, wide; AR, kAuto: wide) and rep 1 (AR,
+    // narrow), kAuto's RS at rep 1.
+    const Partials ways[] = {Partials::kSummedInEpilogue, Partials::kAuto, Partials::kStaged,
+                             Partials::kAddedAtOwner, Partials::kStagedProgressive};
+    run_case(ctx, Op::kAR, kShapes[5], BLayout::kNK, Mode::kFused, true, 802 + 4 * rep,
+             Summing{ways[(6 - rep % 5) % 5], rep % 2 ? 128 : 0});
+    run_case(ctx, Op::kRS, kShapes[2], BLayout::kNK, Mode::kFused, rep % 2 == 0, 902 + 4 * rep,
+             Summing{ways[2 + rep % 3]});
+    run_case(ctx, Op::kRS, kShapes[5], BLayout::kNK, Mode::kFused, rep % 2 == 1, 1028 + 4 * rep,
+             Summing{ways[rep % 5], rep % 4 < 2 ? 0 : 128});
   }
 }
 

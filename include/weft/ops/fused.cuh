@@ -301,12 +301,12 @@ __device__ __forceinline__ void sum_staged_half(const TeamView& t, const SlotSum
 // have completed: by the warpgroup's leader (who issued them), when it stores its next tile (a mainloop
 // later, so the wait rarely waits) or finishes.
 struct PendingHalf {
-  int owner = -1, half = 0;  // owner -1: nothing pending
-  __device__ void count(const TeamView& team, const Flags& halves) {
+  int owner = -1, flag = 0;  // owner -1: nothing pending; flag: the count it adds to at the owner
+  __device__ void count(const TeamView& team, const Flags& counts) {
     if (owner < 0) return;
     bulk_wait<0>();
     release_after_tma();  // the completed TMA writes before the count that publishes them
-    signal_add(team, team.flag(halves, half), owner, 1);
+    signal_add(team, team.flag(counts, flag), owner, 1);
     owner = -1;
   }
 };
@@ -591,7 +591,7 @@ struct EpilogueSummedC : Gemm {
   __device__ static void count_pending(const Params& p, StoreState& es) {
     if (es.pending.owner < 0) return;
     const TimelineSpan counting(p.sched.timeline, TimelinePhase::kCommWait,
-                                1u << 31 | static_cast<uint32_t>(es.pending.half));
+                                1u << 31 | static_cast<uint32_t>(es.pending.flag));
     es.pending.count(p.sync.team, p.tiles);
   }
   // Consumers: the mainloop; for an own tile then each peer's partial of the warpgroup's half added, a stage
@@ -612,8 +612,10 @@ struct EpilogueSummedC : Gemm {
         pipe.consumer_wait(st);  // both warpgroups release every stage; a stage may hold the other's half
         if (wg >= h0 && wg < h0 + kHalvesPerStage)
           add_partial_chunks(acc, stage_bytes(s, st.stage) + (wg - h0) * kHalfBytes);
-        // Every thread's reads of the stage done before its release.
+        // Every thread's reads of the stage done before its release; the generic reads before the TMA
+        // writes that refill it.
         tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
+        if (tile::thread_in_warpgroup() == 0) fence_proxy_async_smem();
         pipe.consumer_release(st);
         st.advance(Base::kStages);
       }

@@ -78,7 +78,10 @@ struct FusedOptions {
   // How the fused RS / AR kernel sums the W partial tiles of each row (the same on every rank):
   //   kAuto          kSummedInEpilogue where it runs for matmul_all_reduce, and for matmul_reduce_scatter at
   //                  2 GPUs (the measured rows: src/ops/fused_rules.hpp), Mode::kAuto then taking the fused
-  //                  kernel from min_fused_m rows on; kStaged elsewhere and for the FP8 ops
+  //                  kernel from min_fused_m rows on; kStaged elsewhere, with store_ring 5 and for the FP8
+  //                  ops. The all-reduce decides by whether out is in the symmetric heap: it must be on
+  //                  every rank or on none (as every op's symmetric buffers), else the ranks take different
+  //                  kernels and the call fails with a timeout
   //   kStaged        each rank stores its bf16 tile into its own staging slot at the owner; a reduce kernel
   //                  after the GEMM sums the W slots in a fixed order (bitwise reproducible)
   //   kAddedAtOwner  each rank reduce-adds its bf16 tile (TMA .add) into the owner's zeroed sum during the
