@@ -496,6 +496,7 @@ struct Choice {
   std::string why_not_fused;
   int comm_blocks = 0;
   int64_t chunk_rows = 0, chunks = 0;
+  FusedOptions::Partials partials = FusedOptions::Partials::kStaged;  // RS / AR: options.partials resolved
 };
 
 // all_gather_matmul's communicator blocks, an even count: as asked, else an eighth of the SM budget, at
@@ -718,8 +719,6 @@ void launch_rs_summed(Call& c, const Bf16Maps<kKMajor>& maps, void* out, int64_t
   p.sched.timeline = c.rank.view().timeline;
   p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
   p.shard_rows = static_cast<int>(rows);
-  p.tiles_n = p.sched.tiles_n;
-  p.n = n;
   p.tiles = c.comm.resources(c.rank, kRsTiles).flags;
   p.inbox = tma::make_map_2d(
       {inbox, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(W * rows), uint64_t(n), uint64_t(n) * 2},
@@ -780,11 +779,10 @@ void ag_chunks(int world, int64_t rows, int64_t& chunk_rows, int64_t& chunks) {
 }
 
 // Every choice a call makes before it launches anything, in one place: the path, why the fused kernel
-// cannot run here ("" when it can), and the fused kernel's communicator blocks and A chunks.
-// summed_auto: Partials::kAuto chose the partials summed in the epilogue (ops::kSummedPartialsRules), whose
-// kernel kAuto's path rule then takes at every M.
+// cannot run here ("" when it can), the fused kernel's communicator blocks and A chunks, and RS / AR's way of
+// summing the partials. out: RS / AR's (Partials::kAuto's choice looks at whether it is symmetric).
 Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const FusedOptions& o,
-              bool summed_auto = false) {
+              const void* out = nullptr) {
   WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 32, c.where + "options.comm_blocks must be 0..32");
   WEFT_CHECK(o.tile_n == 0 || o.tile_n == 128 || o.tile_n == 256,
              c.where + "options.tile_n must be 0 (auto), 128 or 256, not " + std::to_string(o.tile_n));
@@ -801,7 +799,18 @@ Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const 
   } else {
     plan.comm_blocks = ops::RsGemmOp<true, 1>::kClusterSize;  // block 0 meets
     plan.why_not_fused = rs_why_not(c, m);
+    plan.partials = o.partials;
   }
+  // Partials::kAuto: summed in the epilogue where the measured rule (ops::kSummedPartialsRules) and the
+  // kernel's needs allow (store_ring 5 is the staged kernel's option: kStaged there), and then the fused
+  // kernel at every M; kStaged elsewhere.
+  using Partials = FusedOptions::Partials;
+  const bool all_reduce = op == FusedOp::kMatmulAllReduce;
+  const bool summed_auto = op != FusedOp::kAllGatherMatmul && o.partials == Partials::kAuto &&
+                           o.store_ring != 5 && ops::auto_sums_in_epilogue(all_reduce, W) &&
+                           summed_runs(c, out, m, n, o, all_reduce);
+  if (plan.partials == Partials::kAuto)
+    plan.partials = summed_auto ? Partials::kSummedInEpilogue : Partials::kStaged;
   const FusedPath rule = summed_auto && plan.why_not_fused.empty()
                              ? FusedPath::kFused
                              : ops::auto_path(op == FusedOp::kAllGatherMatmul, m, n, k, W);
@@ -860,18 +869,11 @@ FusedPath run_matmul_reduce(Call& c, const void* a, const void* b, void* out, in
   Rank& rank = c.rank;
   const int64_t rows = m / rank.world();
   c.check_operands(a, "a", m, b, out, sum_everywhere ? m : rows, m, n, k, layout);
+  const Choice plan = choose(c, sum_everywhere ? FusedOp::kMatmulAllReduce : FusedOp::kMatmulReduceScatter, m,
+                             n, k, options, out);
+  const FusedPath path = plan.path;
   FusedOptions o = options;
-  using Partials = FusedOptions::Partials;
-  // (store_ring 5 is the staged kernel's option: kAuto keeps it there.)
-  if (o.partials == Partials::kAuto)
-    o.partials = o.store_ring != 5 && ops::auto_sums_in_epilogue(sum_everywhere, rank.world()) &&
-                         summed_runs(c, out, m, n, o, sum_everywhere)
-                     ? Partials::kSummedInEpilogue
-                     : Partials::kStaged;
-  const bool summed_auto = options.partials == Partials::kAuto && o.partials == Partials::kSummedInEpilogue;
-  const FusedPath path = choose(c, sum_everywhere ? FusedOp::kMatmulAllReduce : FusedOp::kMatmulReduceScatter,
-                                m, n, k, o, summed_auto)
-                             .path;
+  o.partials = plan.partials;
   if (path == FusedPath::kPipelined) {
     pipelined_rs(c, a, b, out, m, n, k, layout, sum_everywhere, o.pipeline_pieces);
     return path;

@@ -517,8 +517,7 @@ struct EpilogueSummedC : Gemm {
     // of every rank's out, rank + 1's first (the ranks' blocks start on different peers), its own last.
     CUtensorMap dest[kFusedMaxWorld];
     int dests;
-    int shard_rows, tiles_n;
-    int64_t n;
+    int shard_rows;
     // [f]: the peers' partials of tile f (tile row r of this rank's rows, tile column c: f = r x tiles_n + c)
     // landed here, a count a half tile; [kRsTileFlags + f]: the count it reached at the end of the previous
     // call (local).
@@ -564,7 +563,7 @@ struct EpilogueSummedC : Gemm {
     if (t.owner != team.rank) return;
     const int row = owner_row(p, t);
     {
-      const int tile = row / Base::kBM * p.tiles_n + t.n;
+      const int tile = row / Base::kBM * p.sched.tiles_n + t.n;
       uint64_t* reached = team.flag(p.tiles, kRsTileFlags + tile);
       const uint64_t target = *reached + uint64_t(2 * (team.world - 1));
       const TimelineSpan waiting(p.sched.timeline, TimelinePhase::kCommWait, static_cast<uint32_t>(tile));
@@ -645,7 +644,7 @@ struct EpilogueSummedC : Gemm {
     const int row = owner_row(p, t) + 64 * wg, col0 = t.n * Base::kBN;  // row: in the owner's rows
     if (!own) {
       Base::Epilogue::store(&p.owner[t.owner], lcsc::StoreMode::kStore, s.epi, es.epi, wg, acc, row, col0);
-      es.pending = PendingHalf{t.owner, row / Base::kBM * p.tiles_n + t.n};
+      es.pending = PendingHalf{t.owner, row / Base::kBM * p.sched.tiles_n + t.n};
       return;
     }
     if (!es.failed)
