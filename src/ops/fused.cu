@@ -155,6 +155,12 @@ struct Call : ops::OpCall {
       return;
     if (!cublas_safe)
       ops::cublas_gemm_ready(rank.rank(), where);  // for a later capture (made with the communicator)
+    weft_gemm_into(a, b, out, m, n, k, layout, accumulate);
+  }
+  // The same on weft::gemm always (its tile width by how well the tiles fill the SMs' waves).
+  void weft_gemm_into(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k, BLayout layout,
+                      bool accumulate = false) const {
+    if (planning()) return;
     GemmOptions o;
     o.store = accumulate ? GemmStore::kReduceAdd : GemmStore::kStore;
     o.max_blocks = rank.sm_budget();
@@ -358,7 +364,9 @@ void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* 
   for (int s = 0; s < W; ++s) {
     const int r = (me - s + W) % W;
     if (r != me) p.wait_arrivals(r);
-    c.gemm_into(a_of(r), b, out_of(r), rows, n, k, layout);
+    // weft::gemm: a shard's rows are a fraction of M, where cuBLAS's 128 x 256 tiles fill the waves poorly
+    // (1024 x 14336: 3.4 waves of 132 SMs, the 4th a third full) and weft's rule takes 128 x 128 (6.8).
+    c.weft_gemm_into(a_of(r), b, out_of(r), rows, n, k, layout);
   }
   if (gathered_a)
     for (int r = 0; r < W; ++r)
