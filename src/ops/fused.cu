@@ -534,7 +534,7 @@ int rs_counting_blocks(const Rank& rank, bool all_reduce, bool staged_slots, int
 template <class Op>
 void set_all_gather(Call& c, typename Op::Params& p, const void* a_shard, char* gathered, int64_t m,
                     int64_t k, CUtensorMapDataType type, uint32_t elem, const Choice& plan,
-                    const FusedOptions& o) {
+                    const FusedOptions& o, bool copy_self) {
   const int W = c.rank.world(), comm_blocks = plan.comm_blocks;
   const int band_units = p.sched.group_m / Op::kClusterSize;
   const int first_unit_row = static_cast<int>(c.rank.rank() * (m / W) / Op::kBM) / Op::kClusterSize;
@@ -550,16 +550,17 @@ void set_all_gather(Call& c, typename Op::Params& p, const void* a_shard, char* 
   p.row_bytes = k * elem;
   p.chunk_rows = static_cast<int>(plan.chunk_rows);
   p.chunks = static_cast<int>(plan.chunks);
+  p.copy_self = copy_self || (m / W) % Op::kBM != 0;
 }
 
 template <bool kKMajor, int kTileN>
 void launch_ag_as(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m,
-                  int64_t n, int64_t k, const Choice& plan, const FusedOptions& o) {
+                  int64_t n, int64_t k, const Choice& plan, const FusedOptions& o, bool copy_self) {
   using Op = ops::AgGemmOp<kKMajor, 1, kTileN>;
   typename Op::Params p{};
   set_schedule<Op>(p.sched, m, n);
   set_gemm_maps<Op, kKMajor>(p, gathered, b, m, n, k, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m);
-  set_all_gather<Op>(c, p, a_shard, gathered, m, k, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, plan, o);
+  set_all_gather<Op>(c, p, a_shard, gathered, m, k, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, plan, o, copy_self);
   if (c.planned_kernel<Op>(p.sched, plan.comm_blocks)) return;
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + plan.comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
@@ -571,16 +572,16 @@ void launch_ag_as(Call& c, const void* a_shard, const void* b, void* out, char* 
 // wide tile's 495 (bench/RESULTS.md, "all_gather_matmul's tile width").
 template <bool kKMajor>
 void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m, int64_t n,
-               int64_t k, const Choice& plan, const FusedOptions& o) {
+               int64_t k, const Choice& plan, const FusedOptions& o, bool copy_self) {
   // choose() checked the budget with the wide op, and its count of blocks serves both widths: one block an
   // SM at the same shared memory.
   static_assert(
       lcsc::kSmemBytes<ops::AgGemmOp<kKMajor, 1, 128>> == lcsc::kSmemBytes<ops::AgGemmOp<kKMajor, 1>>,
       "the two tile widths' kernels must need the same shared memory");
   if (o.tile_n == 128)
-    launch_ag_as<kKMajor, 128>(c, a_shard, b, out, gathered, m, n, k, plan, o);
+    launch_ag_as<kKMajor, 128>(c, a_shard, b, out, gathered, m, n, k, plan, o, copy_self);
   else
-    launch_ag_as<kKMajor, 256>(c, a_shard, b, out, gathered, m, n, k, plan, o);
+    launch_ag_as<kKMajor, 256>(c, a_shard, b, out, gathered, m, n, k, plan, o, copy_self);
 }
 
 // The RS GEMM, each tile into its owner's inbox (workspace, slot of this rank), then reduce_staged. The
@@ -861,10 +862,11 @@ FusedPath run_all_gather_matmul(Call& c, const void* a_shard, const void* b, voi
     return path;
   }
   char* g = sym_gathered ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
+  // The shard into this rank's own rows of g only where the caller takes the gathered A.
   if (layout == BLayout::kNK)
-    launch_ag<true>(c, a_shard, b, out, g, m, n, k, plan, o);
+    launch_ag<true>(c, a_shard, b, out, g, m, n, k, plan, o, gathered_a != nullptr);
   else
-    launch_ag<false>(c, a_shard, b, out, g, m, n, k, plan, o);
+    launch_ag<false>(c, a_shard, b, out, g, m, n, k, plan, o, gathered_a != nullptr);
   if (gathered_a && !sym_gathered && !c.planning())
     WEFT_CUDA_CHECK(cudaMemcpyAsync(gathered_a, g, m * k * 2, cudaMemcpyDeviceToDevice, c.stream));
   return path;
@@ -953,7 +955,7 @@ void launch_ag_fp8(Call& c, const Fp8MmArgs& x, char* gathered, float* scales, c
   p.scale_a = scales;  // the gathered rows' scales
   p.scale_b = x.scale_b;
   p.store_mode = lcsc::StoreMode::kStore;
-  set_all_gather<Op>(c, p, x.a, gathered, x.m, x.k, kU8, 1, plan, o);
+  set_all_gather<Op>(c, p, x.a, gathered, x.m, x.k, kU8, 1, plan, o, /*copy_self=*/true);  // the rows' scales
   p.scale_shard = x.scale_a;
   p.scale_gathered = scales;
   p.scale_cols = x.scale_cols();

@@ -109,6 +109,10 @@ struct AllGatherA : Gemm {
     int64_t shard_rows, row_bytes;
     int scale_cols;
     int chunk_rows, chunks;  // per shard: chunk j = rows [j * chunk_rows, ..), its flag (source * chunks + j)
+    // The shard also goes into this rank's own gathered rows: needed where the caller takes the gathered A,
+    // a tile straddles two shards (its loads read both from `gathered`), or the GEMM reads every row's scales
+    // there; else the peers' pushes alone (a quarter less of the communicator blocks' work at 4 GPUs).
+    bool copy_self;
   };
 
   __device__ static uint64_t* flag(const Params& p, int src, int j) {
@@ -166,13 +170,13 @@ struct AllGatherA : Gemm {
   }
   // Communicator blocks: meet the counterpart blocks (every peer has finished its previous call), then
   // push chunks of this rank's shard, task u = chunk u % chunks to peer rank - 1 - u / chunks (peers rank -
-  // 1, rank - 2, ..., then self), each followed by its flag.
+  // 1, rank - 2, ..., then self where copy_self), each followed by its flag.
   __device__ static bool comm_begin(const Params& p, typename Base::Smem&, int index) {
     return barrier_block(p.sync.team, p.sync.meetings[index]);
   }
   struct CommTasks : lcsc::StridedTasks {
     __device__ CommTasks(const Params& p, int index, int count)
-        : lcsc::StridedTasks(p.sync.team.world * p.chunks, index, count) {}
+        : lcsc::StridedTasks((p.sync.team.world - (p.copy_self ? 0 : 1)) * p.chunks, index, count) {}
   };
   __device__ static void comm_task(const Params& p, typename Base::Smem&, int u) {
     const TeamView& t = p.sync.team;
