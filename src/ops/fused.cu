@@ -507,12 +507,14 @@ struct Choice {
   FusedOptions::Partials partials = FusedOptions::Partials::kStaged;  // RS / AR: options.partials resolved
 };
 
-// all_gather_matmul's communicator blocks, an even count: as asked, else an eighth of the SM budget, at
-// most 16 (a whole 132-SM H100 / H200 gives the 16 that the fused tables were measured with; a 114-SM
-// H100 PCIe gets 14), at least 2.
-int ag_comm_blocks(const Rank& rank, const FusedOptions& o) {
+// all_gather_matmul's communicator blocks, an even count: as asked, else an eighth of the SM budget where N
+// per rank is at most 4096 and a sixteenth above (at most 16 / 8 on a whole 132-SM H100 / H200, at least
+// 2). The wider GEMM hides the gather with fewer pushers and wants the SMs: 4 x H200 (bench/RESULTS.md,
+// "communicator blocks by N"), 8192 / 16384 x 28672: 1470.9 / 2858.1 us with 8 blocks vs 1607.7 / 3056.6
+// with 16; x 8192: 16 blocks 473.9 / 815.8 vs 8's 511.8 / 966.3.
+int ag_comm_blocks(const Rank& rank, int64_t n_per_rank, const FusedOptions& o) {
   if (o.comm_blocks > 0) return (o.comm_blocks + 1) / 2 * 2;
-  return std::clamp(rank.sm_budget() / 8, 2, 16) / 2 * 2;
+  return std::clamp(rank.sm_budget() / (n_per_rank > 4096 ? 16 : 8), 2, 16) / 2 * 2;
 }
 
 // The counted RS / AR kernel's communicator blocks (ops/fused.cuh), at most one per half: the all-reduce
@@ -801,7 +803,7 @@ Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const 
   Choice plan;
   if (op == FusedOp::kAllGatherMatmul) {
     ag_chunks(W, m / W, plan.chunk_rows, plan.chunks);
-    plan.comm_blocks = ag_comm_blocks(c.rank, o);
+    plan.comm_blocks = ag_comm_blocks(c.rank, n, o);
     const bool fits = W * plan.chunks <= ops::kFusedChunkFlags && plan.chunk_rows <= INT32_MAX;
     plan.why_not_fused =
         fits ? c.why_not_in_budget<ops::AgGemmOp<true, 1>>(plan.comm_blocks) : "more A chunks than flags";
@@ -1001,7 +1003,7 @@ FusedPath run_all_gather_scaled_matmul(Call& c, const Fp8MmArgs& x, const FusedO
   const int64_t rows = x.m / W, cols = x.scale_cols();
   Choice plan;
   ag_chunks(W, rows, plan.chunk_rows, plan.chunks);
-  plan.comm_blocks = ag_comm_blocks(c.rank, o);
+  plan.comm_blocks = ag_comm_blocks(c.rank, x.n, o);
   using AnyOp = ops::AllGatherA<ops::Fp8GemmOp<__nv_bfloat16, Fp8Scaling::kBlock, false, true>>;  // same grid
   const bool fits = W * plan.chunks <= ops::kFusedChunkFlags;
   plan.why_not_fused = fits ? c.why_not_in_budget<AnyOp>(plan.comm_blocks) : "more A chunks than flags";

@@ -21,14 +21,14 @@ struct FusedKernelRule {
 inline constexpr int64_t kNoBound = INT64_MAX;
 inline constexpr int kAnyWorld = 1 << 30;
 inline constexpr FusedKernelRule kFusedKernelRules[] = {
-    // Communication outweighs the GEMM: N <= 4096 per rank at M >= 8192.
-    {true, 4, kAnyWorld, 8192, kNoBound, 4096,
-     "4 x H200, session 4: 1.47-1.83x cuBLAS + NCCL, the pipeline 1.27-1.54x"},
-    {true, 2, 2, 8192, kNoBound, 4096,
-     "2 x H200, 2026-11-28 (bench/RESULTS.md, \"Fused ops at 2 GPUs, M 2048..32768\"): the fused kernel "
-     "802.4 / 1631.5 / 3507.9 us against the pipeline's 860.2 / 1654.2 / 3593.9 at M 8192 / 16384 / 32768 x "
-     "N 8192 (session 9 had measured the reverse, 857.3 vs 785.5 at 8192^3, before the kernel's later "
-     "changes); below M = 8192 and at N 28672 the pipeline still wins (4096 x 8192: 454.1 vs 429.4)"},
+    // all_gather_matmul from M = 8192 at 4 GPUs (N per rank 2048 and 7168 measured; the communicator blocks
+    // by N per rank, ag_comm_blocks). At 2 GPUs the pipeline (each shard's GEMM on weft::gemm) wins at every
+    // M: 8192 x 8192 764.2 vs 834.1 us, 16384 x 8192 1684.1 vs 1710.5, N 28672 by 4-11%.
+    {true, 4, kAnyWorld, 8192, kNoBound, kNoBound,
+     "4 x H200, 2026-11-28 (bench/RESULTS.md, \"all_gather_matmul at 4 GPUs: the pipeline on weft::gemm, "
+     "communicator blocks by N\"): 8192 / 16384 x 8192 473.9 / 815.8 us vs the pipeline's 510.2 / 1039.8; "
+     "x 28672 with 8 communicator blocks 1470.9 / 2858.1 vs 1621.2 / 3163.7; below M = 8192 the pipeline or "
+     "the sequential path (4096 x 8192: 323.0 pipelined vs 407.8)"},
     // Every output size.
     {false, 4, kAnyWorld, 0, kNoBound, kNoBound,
      "4 x H200, 2026-11-27 (bench/RESULTS.md, the 4-GPU fused table): the fused kernel beat the ring "

@@ -12,13 +12,13 @@ namespace {
 constexpr bool kAG = true, kRS = false;
 }
 
-TEST(FusedRules, AllGatherMatmulFusedWhereCommunicationOutweighsTheGemm) {
+TEST(FusedRules, AllGatherMatmulFusedFrom8192RowsAtFourGpus) {
   EXPECT_EQ(auto_path(kAG, 8192, 4096, 8192, 4), FusedPath::kFused);
   EXPECT_EQ(auto_path(kAG, 8192, 4096, 8192, 8), FusedPath::kFused);  // larger teams take the 4-GPU rows
-  EXPECT_NE(auto_path(kAG, 8192, 4104, 8192, 4), FusedPath::kFused);  // N per rank above 4096
+  EXPECT_EQ(auto_path(kAG, 8192, 7168, 8192, 4), FusedPath::kFused);  // any N per rank
   EXPECT_NE(auto_path(kAG, 4096, 4096, 8192, 4), FusedPath::kFused);  // M below 8192
-  EXPECT_EQ(auto_path(kAG, 8192, 4096, 8192, 2), FusedPath::kFused);  // 2 GPUs too
-  EXPECT_NE(auto_path(kAG, 8192, 4104, 8192, 2), FusedPath::kFused);
+  EXPECT_EQ(auto_path(kAG, 8192, 4096, 8192, 2), FusedPath::kPipelined);  // 2 GPUs: the pipeline
+  EXPECT_EQ(auto_path(kAG, 16384, 14336, 8192, 2), FusedPath::kPipelined);
   EXPECT_NE(auto_path(kAG, 8192, 4096, 8192, 3), FusedPath::kFused);  // 3 GPUs: not measured
 }
 
