@@ -94,7 +94,7 @@ void run_fused(Context& ctx) {
           NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
       {"op", "M", "N", "K", "sequential us", "compute us", "comm us", "weft us", "weft path", "speedup",
        "weft / bound", "weft gemm us", "fused us", "fused, added at owner us", "fused, staged progressive us",
-       "fused, summed in epilogue us", "pipelined us"},
+       "fused, summed in epilogue us", "fused, copy-engine gather us", "pipelined us"},
       "sequential = cuBLAS GEMM + NCCL collective; compute = the cuBLAS GEMM alone; bound = max(compute "
       "alone, communication alone); weft path 'sequential' means the op chose its fallback (cuBLAS GEMM + "
       "weft collective) for this shape; weft's partials as Partials::kAuto sums them (in the epilogue for "
@@ -105,7 +105,8 @@ void run_fused(Context& ctx) {
       "progressive = staged, each half summed at its owner during the GEMM (Partials::kStagedProgressive; "
       "with --fused-progressive, else -); fused, summed in epilogue = every tile by every rank, the owner's "
       "last, its peers' partials added in its epilogue (Partials::kSummedInEpilogue; with "
-      "--fused-epilogue-sum, else -); "
+      "--fused-epilogue-sum, else -); fused, copy-engine gather = AG's fused kernel fed by the copy engine "
+      "(FusedOptions::Gather::kCopyEngine; AG, else -); "
       "pipelined = the "
       "op with the copy-engine pipeline "
       "forced (both: what kAuto's rule weighs)." +
@@ -205,6 +206,10 @@ void run_fused(Context& ctx) {
           FusedOptions summed = forced;
           summed.partials = FusedOptions::Partials::kSummedInEpilogue;
           auto summed_call = [&](int i) { call(i, summed); };
+          FusedOptions copy_engine = forced;
+          copy_engine.gather = FusedOptions::Gather::kCopyEngine;
+          auto copy_engine_call = [&](int i) { call(i, copy_engine); };
+          const bool copy_engine_on = op == Op::kAG && nccl_on;  // not on virtual ranks
           FusedOptions pipelined = weft_options;
           pipelined.mode = FusedOptions::Mode::kPipelined;
           auto pipelined_call = [&](int i) { call(i, pipelined); };
@@ -238,6 +243,7 @@ void run_fused(Context& ctx) {
           if (progressive_on) on_all(progressive_call, false)(0);
           const bool summed_on = op != Op::kAG && ctx.fused_epilogue_sum;
           if (summed_on) on_all(summed_call, false)(0);
+          if (copy_engine_on) on_all(copy_engine_call, false)(0);
           comm->synchronize();
           ctx.progress("fused: warm-up, pipeline");
           on_all(pipelined_call, false)(0);
@@ -259,6 +265,8 @@ void run_fused(Context& ctx) {
           if (progressive_on) candidates.push_back(on_all(progressive_call, false));
           const size_t summed_at = summed_on ? candidates.size() : 0;
           if (summed_on) candidates.push_back(on_all(summed_call, false));
+          const size_t copy_engine_at = copy_engine_on ? candidates.size() : 0;
+          if (copy_engine_on) candidates.push_back(on_all(copy_engine_call, false));
           std::vector<double> times;
           if (nccl_on) {
             times = time_graphs_alternating(*comm, streams, iters, reps, candidates);
@@ -266,13 +274,15 @@ void run_fused(Context& ctx) {
             for (size_t c = 0; c < candidates.size(); ++c)
               times.push_back(c == 6 ? 0 : time_graphs(*comm, streams, iters, reps, candidates[c]));
           }
-          times.resize(10, 0.0);  // AG: no added-at-owner, progressive or summed column
+          times.resize(10, 0.0);  // AG: no added-at-owner, progressive or summed column (its 8th: the copy engine)
           double t_all[10];
           for (int c = 0; c < 10; ++c) t_all[c] = team_max(times[c]);
           const double t_seq = t_all[0], t_gemm = t_all[1], t_comm = t_all[2], t_weft = t_all[3],
-                       t_wgemm = t_all[4], t_forced = t_all[5], t_pipe = t_all[6], t_added = t_all[7];
+                       t_wgemm = t_all[4], t_forced = t_all[5], t_pipe = t_all[6],
+                       t_added = op != Op::kAG ? t_all[7] : 0.0;
           const double t_progressive = progressive_at ? t_all[progressive_at] : 0.0,
-                       t_summed = summed_at ? t_all[summed_at] : 0.0;
+                       t_summed = summed_at ? t_all[summed_at] : 0.0,
+                       t_copy_engine = copy_engine_at ? t_all[copy_engine_at] : 0.0;
           t.add({op_name(op), std::to_string(M), std::to_string(N), std::to_string(K), fmt("%.1f", t_seq),
                  fmt("%.1f", t_gemm), fmt("%.1f", t_comm), fmt("%.1f", t_weft), fused_path_name(path),
                  fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm)),
@@ -280,6 +290,7 @@ void run_fused(Context& ctx) {
                  t_added > 0 ? fmt("%.1f", t_added) : std::string("-"),
                  t_progressive > 0 ? fmt("%.1f", t_progressive) : std::string("-"),
                  t_summed > 0 ? fmt("%.1f", t_summed) : std::string("-"),
+                 t_copy_engine > 0 ? fmt("%.1f", t_copy_engine) : std::string("-"),
                  t_pipe > 0 ? fmt("%.1f", t_pipe) : std::string("-")});
           if (!ctx.timeline_dir.empty()) {  // one call of each weft path, in-kernel timestamps
             auto record = [&](const std::function<void(int)>& f, const char* path_name) {
@@ -296,6 +307,7 @@ void run_fused(Context& ctx) {
             if (op != Op::kAG) record(added_call, "fused_added_at_owner");
             if (progressive_on) record(progressive_call, "fused_staged_progressive");
             if (summed_on) record(summed_call, "fused_summed_in_epilogue");
+            if (copy_engine_on) record(copy_engine_call, "fused_copy_engine");
           }
           comm->free(wa);
           comm->free(wo);

@@ -302,6 +302,13 @@ class CopyPipeline {
     WEFT_CUDA_CHECK(cudaEventRecord(s_.arrived, s_.waits));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(c_.stream, s_.arrived));
   }
+  // This rank's arrival counts as a run of flags (flag s: source s's pushes here in this call), for a kernel
+  // that waits on them itself.
+  Flags arrival_flags() const { return Flags{flags_.first + kMaxWorld, kMaxWorld}; }
+  // Side stream, in order with the pushes: a copy on this GPU.
+  void local_copy(void* dst, const void* src, uint64_t bytes) const {
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s_.side));
+  }
   // Caller's stream, after everything pushed here was consumed: clear the arrival counts, free every peer to
   // push again; then join the side streams back.
   void finish() const {
@@ -504,6 +511,7 @@ struct Choice {
   std::string why_not_fused;
   int comm_blocks = 0;
   int64_t chunk_rows = 0, chunks = 0;
+  bool copy_engine = false;  // AG: FusedOptions::Gather resolved (comm_blocks 0 then)
   FusedOptions::Partials partials = FusedOptions::Partials::kStaged;  // RS / AR: options.partials resolved
 };
 
@@ -536,12 +544,15 @@ int rs_counting_blocks(const Rank& rank, bool all_reduce, bool staged_slots, int
 template <class Op>
 void set_all_gather(Call& c, typename Op::Params& p, const void* a_shard, char* gathered, int64_t m,
                     int64_t k, CUtensorMapDataType type, uint32_t elem, const Choice& plan,
-                    const FusedOptions& o, bool copy_self) {
+                    const FusedOptions& o, bool copy_self, Flags arrivals) {
   const int W = c.rank.world(), comm_blocks = plan.comm_blocks;
   const int band_units = p.sched.group_m / Op::kClusterSize;
   const int first_unit_row = static_cast<int>(c.rank.rank() * (m / W) / Op::kBM) / Op::kClusterSize;
   p.sched.start_unit = first_unit_row / band_units * band_units * p.sched.tiles_n;
-  p.sched.compute_blocks = c.compute_blocks<Op>(comm_blocks, p.sched.units(), o);
+  // The copy engine's gather leaves one SM to the side stream's waits (its first push to a peer waits for
+  // the peer's previous call): a GEMM on every SM could hold them back behind its own waits for the pushes.
+  p.sched.compute_blocks = c.compute_blocks<Op>(plan.copy_engine ? Op::kClusterSize : comm_blocks,
+                                                p.sched.units(), o);
   p.sched.timeline = c.rank.view().timeline;
   p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
   p.a_local = tma::make_map_2d({a_shard, type, elem, uint64_t(m / W), uint64_t(k), uint64_t(k) * elem},
@@ -553,16 +564,19 @@ void set_all_gather(Call& c, typename Op::Params& p, const void* a_shard, char* 
   p.chunk_rows = static_cast<int>(plan.chunk_rows);
   p.chunks = static_cast<int>(plan.chunks);
   p.copy_self = copy_self || (m / W) % Op::kBM != 0;
+  p.arrivals = arrivals;
 }
 
 template <bool kKMajor, int kTileN>
 void launch_ag_as(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m,
-                  int64_t n, int64_t k, const Choice& plan, const FusedOptions& o, bool copy_self) {
+                  int64_t n, int64_t k, const Choice& plan, const FusedOptions& o, bool copy_self,
+                  Flags arrivals) {
   using Op = ops::AgGemmOp<kKMajor, 1, kTileN>;
   typename Op::Params p{};
   set_schedule<Op>(p.sched, m, n);
   set_gemm_maps<Op, kKMajor>(p, gathered, b, m, n, k, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m);
-  set_all_gather<Op>(c, p, a_shard, gathered, m, k, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, plan, o, copy_self);
+  set_all_gather<Op>(c, p, a_shard, gathered, m, k, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, plan, o, copy_self,
+                     arrivals);
   if (c.planned_kernel<Op>(p.sched, plan.comm_blocks)) return;
   lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks + plan.comm_blocks, c.stream);
   WEFT_CUDA_CHECK(cudaGetLastError());
@@ -574,16 +588,16 @@ void launch_ag_as(Call& c, const void* a_shard, const void* b, void* out, char* 
 // wide tile's 495 (bench/RESULTS.md, "all_gather_matmul's tile width").
 template <bool kKMajor>
 void launch_ag(Call& c, const void* a_shard, const void* b, void* out, char* gathered, int64_t m, int64_t n,
-               int64_t k, const Choice& plan, const FusedOptions& o, bool copy_self) {
+               int64_t k, const Choice& plan, const FusedOptions& o, bool copy_self, Flags arrivals) {
   // choose() checked the budget with the wide op, and its count of blocks serves both widths: one block an
   // SM at the same shared memory.
   static_assert(
       lcsc::kSmemBytes<ops::AgGemmOp<kKMajor, 1, 128>> == lcsc::kSmemBytes<ops::AgGemmOp<kKMajor, 1>>,
       "the two tile widths' kernels must need the same shared memory");
   if (o.tile_n == 128)
-    launch_ag_as<kKMajor, 128>(c, a_shard, b, out, gathered, m, n, k, plan, o, copy_self);
+    launch_ag_as<kKMajor, 128>(c, a_shard, b, out, gathered, m, n, k, plan, o, copy_self, arrivals);
   else
-    launch_ag_as<kKMajor, 256>(c, a_shard, b, out, gathered, m, n, k, plan, o, copy_self);
+    launch_ag_as<kKMajor, 256>(c, a_shard, b, out, gathered, m, n, k, plan, o, copy_self, arrivals);
 }
 
 // The RS GEMM, each tile into its owner's inbox (workspace, slot of this rank), then reduce_staged. The
@@ -782,10 +796,11 @@ std::string rs_why_not(const Call& c, int64_t m) {
   return c.why_not_in_budget<Op>(Op::kClusterSize);
 }
 
-// all_gather_matmul's A chunks: whole 128-row blocks, at most kFusedChunkFlags flags in all.
-void ag_chunks(int world, int64_t rows, int64_t& chunk_rows, int64_t& chunks) {
+// all_gather_matmul's A chunks: whole 128-row blocks, at least min_rows rows, at most kFusedChunkFlags flags
+// in all.
+void ag_chunks(int world, int64_t rows, int64_t min_rows, int64_t& chunk_rows, int64_t& chunks) {
   const int64_t blocks = (rows + 127) / 128, per_shard = std::max<int64_t>(1, ops::kFusedChunkFlags / world);
-  chunk_rows = 128 * ((blocks + per_shard - 1) / per_shard);
+  chunk_rows = 128 * std::max((blocks + per_shard - 1) / per_shard, (min_rows + 127) / 128);
   chunks = (rows + chunk_rows - 1) / chunk_rows;
 }
 
@@ -802,8 +817,12 @@ Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const 
   const int W = c.rank.world();
   Choice plan;
   if (op == FusedOp::kAllGatherMatmul) {
-    ag_chunks(W, m / W, plan.chunk_rows, plan.chunks);
-    plan.comm_blocks = ag_comm_blocks(c.rank, n, o);
+    // The copy engine's gather where asked and it runs (kAuto: no measured row yet); its chunks of at least
+    // 4 MiB (a push costs a copy and a stream write).
+    plan.copy_engine = o.gather == FusedOptions::Gather::kCopyEngine && c.comm.ranks_per_gpu() == 1 &&
+                       (m / W) % 128 == 0;
+    ag_chunks(W, m / W, plan.copy_engine ? (4 << 20) / (k * 2) : 0, plan.chunk_rows, plan.chunks);
+    plan.comm_blocks = plan.copy_engine ? 0 : ag_comm_blocks(c.rank, n, o);
     const bool fits = W * plan.chunks <= ops::kFusedChunkFlags && plan.chunk_rows <= INT32_MAX;
     plan.why_not_fused =
         fits ? c.why_not_in_budget<ops::AgGemmOp<true, 1>>(plan.comm_blocks) : "more A chunks than flags";
@@ -836,6 +855,30 @@ Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const 
   return plan;
 }
 
+// FusedOptions::Gather::kCopyEngine: the fused kernel (`launch(arrivals)`, on the caller's stream) waits for
+// each chunk's count while the copy stream pushes this rank's shard to each peer, chunk after chunk, to rank
+// - 1 first (whose schedule takes this rank's rows right after its own), each chunk followed by its count
+// there; then this rank's own rows of g where the caller takes them (the kernel reads its own shard in
+// place). The pipeline's flags and handshake (CopyPipeline): a peer is pushed to once it consumed the
+// previous call's pushes, and the counts are cleared after the kernel.
+template <class Launch>
+void copy_engine_gather(Call& c, const void* a_shard, char* g, int64_t m, int64_t k, const Choice& plan,
+                        bool copy_self, Launch&& launch) {
+  const int W = c.rank.world(), me = c.rank.rank();
+  const int64_t rows = m / W, row_bytes = k * 2;
+  CopyPipeline p(c, kAgPipeline);
+  launch(p.arrival_flags());
+  const char* from = static_cast<const char*>(a_shard);
+  for (int s = 1; s < W; ++s)
+    for (int64_t j = 0; j < plan.chunks; ++j) {
+      const int64_t r0 = j * plan.chunk_rows, nr = std::min(plan.chunk_rows, rows - r0);
+      p.push((me - s + W) % W, g + (me * rows + r0) * row_bytes, from + r0 * row_bytes, uint64_t(nr * row_bytes),
+             static_cast<uint32_t>(j + 1));
+    }
+  if (copy_self) p.local_copy(g + me * rows * row_bytes, a_shard, uint64_t(rows * row_bytes));
+  p.finish();
+}
+
 // The calls' bodies, which also plan (Call::plan set: every path stops before it launches anything).
 FusedPath run_all_gather_matmul(Call& c, const void* a_shard, const void* b, void* out, void* gathered_a,
                                 int64_t m, int64_t n, int64_t k, BLayout layout, const FusedOptions& o) {
@@ -863,13 +906,24 @@ FusedPath run_all_gather_matmul(Call& c, const void* a_shard, const void* b, voi
     c.gemm_into(g, b, out, m, n, k, layout);
     return path;
   }
-  char* g = sym_gathered ? static_cast<char*>(gathered_a) : c.workspace(m * k * 2);
+  // The copy engine pushes into the pipeline's own area, never the caller's gathered_a: its handshake says a
+  // peer finished its previous call of the pipeline, not that it reached this call (the communicator
+  // blocks' meeting does).
+  char* g = plan.copy_engine ? c.workspace(m * k * 2, kAgPipeline)
+            : sym_gathered   ? static_cast<char*>(gathered_a)
+                             : c.workspace(m * k * 2);
   // The shard into this rank's own rows of g only where the caller takes the gathered A.
-  if (layout == BLayout::kNK)
-    launch_ag<true>(c, a_shard, b, out, g, m, n, k, plan, o, gathered_a != nullptr);
+  auto launch = [&](Flags arrivals) {
+    if (layout == BLayout::kNK)
+      launch_ag<true>(c, a_shard, b, out, g, m, n, k, plan, o, gathered_a != nullptr, arrivals);
+    else
+      launch_ag<false>(c, a_shard, b, out, g, m, n, k, plan, o, gathered_a != nullptr, arrivals);
+  };
+  if (plan.copy_engine && !c.planning())
+    copy_engine_gather(c, a_shard, g, m, k, plan, gathered_a != nullptr, launch);
   else
-    launch_ag<false>(c, a_shard, b, out, g, m, n, k, plan, o, gathered_a != nullptr);
-  if (gathered_a && !sym_gathered && !c.planning())
+    launch(Flags{});
+  if (gathered_a && g != gathered_a && !c.planning())
     WEFT_CUDA_CHECK(cudaMemcpyAsync(gathered_a, g, m * k * 2, cudaMemcpyDeviceToDevice, c.stream));
   return path;
 }
@@ -957,7 +1011,8 @@ void launch_ag_fp8(Call& c, const Fp8MmArgs& x, char* gathered, float* scales, c
   p.scale_a = scales;  // the gathered rows' scales
   p.scale_b = x.scale_b;
   p.store_mode = lcsc::StoreMode::kStore;
-  set_all_gather<Op>(c, p, x.a, gathered, x.m, x.k, kU8, 1, plan, o, /*copy_self=*/true);  // the rows' scales
+  set_all_gather<Op>(c, p, x.a, gathered, x.m, x.k, kU8, 1, plan, o, /*copy_self=*/true,  // the rows' scales
+                     Flags{});
   p.scale_shard = x.scale_a;
   p.scale_gathered = scales;
   p.scale_cols = x.scale_cols();
@@ -1002,7 +1057,7 @@ FusedPath run_all_gather_scaled_matmul(Call& c, const Fp8MmArgs& x, const FusedO
   const int W = c.rank.world();
   const int64_t rows = x.m / W, cols = x.scale_cols();
   Choice plan;
-  ag_chunks(W, rows, plan.chunk_rows, plan.chunks);
+  ag_chunks(W, rows, 0, plan.chunk_rows, plan.chunks);
   plan.comm_blocks = ag_comm_blocks(c.rank, x.n, o);
   using AnyOp = ops::AllGatherA<ops::Fp8GemmOp<__nv_bfloat16, Fp8Scaling::kBlock, false, true>>;  // same grid
   const bool fits = W * plan.chunks <= ops::kFusedChunkFlags;

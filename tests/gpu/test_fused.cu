@@ -141,6 +141,9 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   // AG: the gathered A taken in every other case (without it the fused kernel skips the shard's copy into
   // this rank's own rows where no tile straddles two shards).
   const bool take_gathered = op == Op::kAG && seed % 2 == 0;
+  // AG: the copy engine's gather in every other case (it runs where M / W is a multiple of 128, one rank a
+  // GPU; elsewhere the communicator blocks).
+  if (op == Op::kAG && seed / 4 % 2 == 0) o.gather = FusedOptions::Gather::kCopyEngine;
   if (op != Op::kAG) o.partials = summing.partials;
   // The staged way with the storers' wide ring (FusedOptions::store_ring 5) in every other such case.
   if (op != Op::kAG && o.partials == Partials::kStaged && seed / 6 % 2) o.store_ring = 5;
@@ -152,10 +155,11 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
                          : o.store_ring == 5                          ? " staged, wide ring"
                                                                       : "";
   if (std::getenv("WEFT_TEST_VERBOSE"))
-    std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d%s%s\n", int(op),
+    std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d%s%s%s\n", int(op),
                  (long long)m, (long long)n, (long long)k, nk ? "NK" : "KN", mode_name(mode),
                  sym ? "sym" : "device", o.comm_blocks, o.pipeline_pieces, partials,
-                 take_gathered ? " gathered" : "");
+                 take_gathered ? " gathered" : "",
+                 o.gather == FusedOptions::Gather::kCopyEngine ? " copy engine" : "");
   for (int i = 0; i < c.num_local(); ++i) {
     const int r = c.local(i).rank();
     const __nv_bfloat16* a_src = op == Op::kAG ? a[0].h.data() + r * s.shard * k : a[r].h.data();
@@ -310,6 +314,9 @@ WEFT_GPU_TEST(fused_ops_back_to_back) {
     run_case(ctx, Op::kRS, kShapes[rep % 4 < 2 ? 2 : 5], BLayout::kKN,
              rep % 2 ? Mode::kFused : Mode::kPipelined, true, 600 + rep);
     run_case(ctx, Op::kAR, kShapes[0], BLayout::kNK, mode, false, 700 + rep);
+    // AG's fused kernel on whole 128-row shards: the copy engine's gather and the communicator blocks' in
+    // turn (their flags and handshakes carry over between calls).
+    run_case(ctx, Op::kAG, kShapes[0], BLayout::kNK, Mode::kFused, rep % 2 == 0, 1100 + 4 * rep);
     // The ways of summing in turn, call after call: the counted calls' counts carry over between calls and
     // between the ways. Shards of whole 128-row tiles (shape 5), where the summed-in-epilogue way runs on
     // both tile widths; --quick's three reps take it at rep 0 (RS, wide; AR, kAuto: wide) and rep 1 (AR,

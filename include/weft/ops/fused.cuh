@@ -113,6 +113,10 @@ struct AllGatherA : Gemm {
     // a tile straddles two shards (its loads read both from `gathered`), or the GEMM reads every row's scales
     // there; else the peers' pushes alone (a quarter less of the communicator blocks' work at 4 GPUs).
     bool copy_self;
+    // FusedOptions::Gather::kCopyEngine: chunk j of source s has landed once this rank's count of s's
+    // pushes (flag s of `arrivals`, written by s's copy stream, host-set values cleared after every call)
+    // reaches j + 1; count 0: the communicator blocks' epoch flags (`sync.chunks`).
+    Flags arrivals;
   };
 
   __device__ static uint64_t* flag(const Params& p, int src, int j) {
@@ -159,7 +163,9 @@ struct AllGatherA : Gemm {
       // A failed wait is recorded (the host's synchronize() reports it); the loads still go out, so the
       // consumers' pipeline drains and the kernel ends instead of hanging on its stages.
       // Inlined: the loader runs on setmaxnreg's cut registers (weft/comm/signal.cuh, wait_ge_inlined).
-      (void)wait_ge_inlined(p.sync.team, flag(p, src, j), e);
+      (void)wait_ge_inlined(p.sync.team,
+                            p.arrivals.count ? p.sync.team.flag(p.arrivals, src) : flag(p, src, j),
+                            p.arrivals.count ? uint64_t(j + 1) : e);
       r = src * p.shard_rows + min(int64_t(j + 1) * p.chunk_rows, p.shard_rows);
     }
   }

@@ -115,6 +115,15 @@ struct FusedOptions {
   // other); the same on every rank. A developer option while the two are measured (the summed-in-epilogue
   // kernel with a ring of five measured within noise of two at 2 x H200: not built).
   int store_ring = 0;
+  // all_gather_matmul's fused kernel: what moves A's shards to the peers (the same on every rank):
+  //   kAuto                kCommunicatorBlocks (no measured row for the copy engine yet: src/ops/fused_rules.hpp)
+  //   kCommunicatorBlocks  communicator blocks beside the GEMM's blocks store each chunk, then its flag
+  //   kCopyEngine          the copy engine: a chunk's cudaMemcpyAsync into the peer on a side stream, then a
+  //                        stream write of its count there; the GEMM takes every SM but one (left for the side
+  //                        stream's waits). Where it cannot run (virtual ranks, FP8, M / W not a multiple of
+  //                        128): kCommunicatorBlocks. As the pipeline, its first call on a GPU creates the copy
+  //                        stream and must not be captured into a CUDA graph
+  enum class Gather { kAuto, kCommunicatorBlocks, kCopyEngine } gather = Gather::kAuto;
 };
 
 FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
