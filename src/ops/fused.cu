@@ -816,11 +816,13 @@ Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const 
              c.where + "options.store_ring must be 0 (auto), 2 or 5, not " + std::to_string(o.store_ring));
   const int W = c.rank.world();
   Choice plan;
+  bool gather_auto = false;  // AG: kAuto's rule took the copy engine's gather (and so the fused kernel)
   if (op == FusedOp::kAllGatherMatmul) {
-    // The copy engine's gather where asked and it runs (kAuto: no measured row yet); its chunks of at least
-    // 4 MiB (a push costs a copy and a stream write).
-    plan.copy_engine = o.gather == FusedOptions::Gather::kCopyEngine && c.comm.ranks_per_gpu() == 1 &&
-                       (m / W) % 128 == 0;
+    // The copy engine's gather where asked, or kAuto's measured rows (ops::kCopyEngineGatherRules) take it,
+    // and it runs; its chunks of at least 4 MiB (a push costs a copy and a stream write).
+    const bool runs = c.comm.ranks_per_gpu() == 1 && (m / W) % 128 == 0;
+    gather_auto = runs && o.gather == FusedOptions::Gather::kAuto && ops::auto_gathers_by_copy_engine(W, m);
+    plan.copy_engine = runs && (o.gather == FusedOptions::Gather::kCopyEngine || gather_auto);
     ag_chunks(W, m / W, plan.copy_engine ? (4 << 20) / (k * 2) : 0, plan.chunk_rows, plan.chunks);
     plan.comm_blocks = plan.copy_engine ? 0 : ag_comm_blocks(c.rank, n, o);
     const bool fits = W * plan.chunks <= ops::kFusedChunkFlags && plan.chunk_rows <= INT32_MAX;
@@ -841,7 +843,7 @@ Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const 
                            summed_runs(c, out, m, n, o, all_reduce);
   if (plan.partials == Partials::kAuto)
     plan.partials = summed_auto ? Partials::kSummedInEpilogue : Partials::kStaged;
-  const FusedPath rule = summed_auto && plan.why_not_fused.empty()
+  const FusedPath rule = (summed_auto || gather_auto) && plan.why_not_fused.empty()
                              ? FusedPath::kFused
                              : ops::auto_path(op == FusedOp::kAllGatherMatmul, m, n, k, W);
   plan.path = c.path(o, m, plan.why_not_fused, rule);

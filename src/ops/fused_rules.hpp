@@ -22,8 +22,9 @@ inline constexpr int64_t kNoBound = INT64_MAX;
 inline constexpr int kAnyWorld = 1 << 30;
 inline constexpr FusedKernelRule kFusedKernelRules[] = {
     // all_gather_matmul from M = 8192 at 4 GPUs (N per rank 2048 and 7168 measured; the communicator blocks
-    // by N per rank, ag_comm_blocks). At 2 GPUs the pipeline (each shard's GEMM on weft::gemm) wins at every
-    // M: 8192 x 8192 764.2 vs 834.1 us, 16384 x 8192 1684.1 vs 1710.5, N 28672 by 4-11%.
+    // by N per rank, ag_comm_blocks). At 2 GPUs the pipeline (each shard's GEMM on weft::gemm) beats the
+    // communicator blocks at every M (8192 x 8192 764.2 vs 834.1 us, 16384 x 8192 1684.1 vs 1710.5, N 28672
+    // by 4-11%); the copy engine's gather from 8192 rows beats both (kCopyEngineGatherRules).
     {true, 4, kAnyWorld, 8192, kNoBound, kNoBound,
      "4 x H200, 2026-11-28 (bench/RESULTS.md, \"all_gather_matmul at 4 GPUs: the pipeline on weft::gemm, "
      "communicator blocks by N\"): 8192 / 16384 x 8192 473.9 / 815.8 us vs the pipeline's 510.2 / 1039.8; "
@@ -74,6 +75,27 @@ inline constexpr SummedPartialsRule kSummedPartialsRules[] = {
 inline bool auto_sums_in_epilogue(bool all_reduce, int world) {
   for (const SummedPartialsRule& r : kSummedPartialsRules)
     if (r.all_reduce == all_reduce && world >= r.min_world && world <= r.max_world) return true;
+  return false;
+}
+
+// FusedOptions::Gather::kAuto: all_gather_matmul's fused kernel fed by the copy engine (where it runs) at
+// these world sizes from min_m rows on, and then the fused kernel there; the communicator blocks elsewhere.
+struct CopyEngineGatherRule {
+  int min_world, max_world;
+  int64_t min_m;
+  const char* measured;
+};
+inline constexpr CopyEngineGatherRule kCopyEngineGatherRules[] = {
+    {2, 2, 8192,
+     "2 x H200, 2026-11-28 (bench/RESULTS.md, \"the copy engine's gather\"): 8192 / 16384 x 8192 752.5 / "
+     "1570.0 us vs the pipeline's 801.0 / 1583.7; x 28672 2831.4 / 5654.6 vs 2918.6 / 5766.9; below 8192 rows "
+     "the pipeline (2048 x 8192: 197.0 vs 273.7). At 4 GPUs 1.2-1.6x slower than the communicator blocks at "
+     "N 8192 (8192 x 8192: 756.3 vs 472.8 us): not taken there"},
+};
+
+inline bool auto_gathers_by_copy_engine(int world, int64_t m) {
+  for (const CopyEngineGatherRule& r : kCopyEngineGatherRules)
+    if (world >= r.min_world && world <= r.max_world && m >= r.min_m) return true;
   return false;
 }
 

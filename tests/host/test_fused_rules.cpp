@@ -63,3 +63,12 @@ TEST(FusedRules, EveryRowSaysWhereItWasMeasured) {
     EXPECT_LE(r.min_world, r.max_world);
   }
 }
+
+TEST(FusedRules, CopyEngineGatherAtTwoGpusFrom8192Rows) {
+  using weft::ops::auto_gathers_by_copy_engine;
+  EXPECT_TRUE(auto_gathers_by_copy_engine(2, 8192));
+  EXPECT_TRUE(auto_gathers_by_copy_engine(2, 32768));
+  EXPECT_FALSE(auto_gathers_by_copy_engine(2, 4096));  // the pipeline below
+  EXPECT_FALSE(auto_gathers_by_copy_engine(4, 8192));  // slower than the communicator blocks at 4 GPUs
+  EXPECT_FALSE(auto_gathers_by_copy_engine(3, 8192));  // not measured
+}
