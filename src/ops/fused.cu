@@ -158,14 +158,12 @@ struct Call : ops::OpCall {
     weft_gemm_into(a, b, out, m, n, k, layout, accumulate);
   }
   // The same on weft::gemm always (its tile width by how well the tiles fill the SMs' waves).
-  // `spare_sms` of the rank's budget left to the copy pipeline's stream waits (small kernels that a GEMM on
-  // every SM would hold back until it ends).
   void weft_gemm_into(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k, BLayout layout,
-                      bool accumulate = false, int spare_sms = 0) const {
+                      bool accumulate = false) const {
     if (planning()) return;
     GemmOptions o;
     o.store = accumulate ? GemmStore::kReduceAdd : GemmStore::kStore;
-    o.max_blocks = std::max(1, rank.sm_budget() - spare_sms);
+    o.max_blocks = rank.sm_budget();
     o.timeline = rank.view().timeline;
     gemm(a, b, out, m, n, k, layout, DType::kBF16, stream, o);
   }
@@ -375,9 +373,7 @@ void pipelined_ag(Call& c, const void* a_shard, const void* b, void* out, void* 
     if (r != me) p.wait_arrivals(r);
     // weft::gemm: a shard's rows are a fraction of M, where cuBLAS's 128 x 256 tiles fill the waves poorly
     // (1024 x 14336: 3.4 waves of 132 SMs, the 4th a third full) and weft's rule takes 128 x 128 (6.8).
-    // One SM spare: the side stream's claim of its next peer (a wait kernel) and the next arrival's wait
-    // then run during this GEMM, not after it.
-    c.weft_gemm_into(a_of(r), b, out_of(r), rows, n, k, layout, false, 1);
+    c.weft_gemm_into(a_of(r), b, out_of(r), rows, n, k, layout);
   }
   if (gathered_a)
     for (int r = 0; r < W; ++r)
