@@ -274,7 +274,8 @@ void run_fused(Context& ctx) {
             for (size_t c = 0; c < candidates.size(); ++c)
               times.push_back(c == 6 ? 0 : time_graphs(*comm, streams, iters, reps, candidates[c]));
           }
-          times.resize(10, 0.0);  // AG: no added-at-owner, progressive or summed column (its 8th: the copy engine)
+          // AG: no added-at-owner, progressive or summed column (its 8th: the copy engine's gather).
+          times.resize(10, 0.0);
           double t_all[10];
           for (int c = 0; c < 10; ++c) t_all[c] = team_max(times[c]);
           const double t_seq = t_all[0], t_gemm = t_all[1], t_comm = t_all[2], t_weft = t_all[3],

@@ -158,8 +158,8 @@ struct Call : ops::OpCall {
     weft_gemm_into(a, b, out, m, n, k, layout, accumulate);
   }
   // The same on weft::gemm always (its tile width by how well the tiles fill the SMs' waves).
-  void weft_gemm_into(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k, BLayout layout,
-                      bool accumulate = false) const {
+  void weft_gemm_into(const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
+                      BLayout layout, bool accumulate = false) const {
     if (planning()) return;
     GemmOptions o;
     o.store = accumulate ? GemmStore::kReduceAdd : GemmStore::kStore;
@@ -551,8 +551,8 @@ void set_all_gather(Call& c, typename Op::Params& p, const void* a_shard, char* 
   p.sched.start_unit = first_unit_row / band_units * band_units * p.sched.tiles_n;
   // The copy engine's gather leaves one SM to the side stream's waits (its first push to a peer waits for
   // the peer's previous call): a GEMM on every SM could hold them back behind its own waits for the pushes.
-  p.sched.compute_blocks = c.compute_blocks<Op>(plan.copy_engine ? Op::kClusterSize : comm_blocks,
-                                                p.sched.units(), o);
+  p.sched.compute_blocks =
+      c.compute_blocks<Op>(plan.copy_engine ? Op::kClusterSize : comm_blocks, p.sched.units(), o);
   p.sched.timeline = c.rank.view().timeline;
   p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups + comm_blocks);
   p.a_local = tma::make_map_2d({a_shard, type, elem, uint64_t(m / W), uint64_t(k), uint64_t(k) * elem},
@@ -874,8 +874,8 @@ void copy_engine_gather(Call& c, const void* a_shard, char* g, int64_t m, int64_
   for (int s = 1; s < W; ++s)
     for (int64_t j = 0; j < plan.chunks; ++j) {
       const int64_t r0 = j * plan.chunk_rows, nr = std::min(plan.chunk_rows, rows - r0);
-      p.push((me - s + W) % W, g + (me * rows + r0) * row_bytes, from + r0 * row_bytes, uint64_t(nr * row_bytes),
-             static_cast<uint32_t>(j + 1));
+      p.push((me - s + W) % W, g + (me * rows + r0) * row_bytes, from + r0 * row_bytes,
+             uint64_t(nr * row_bytes), static_cast<uint32_t>(j + 1));
     }
   if (copy_self) p.local_copy(g + me * rows * row_bytes, a_shard, uint64_t(rows * row_bytes));
   p.finish();

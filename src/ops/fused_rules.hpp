@@ -88,7 +88,8 @@ struct CopyEngineGatherRule {
 inline constexpr CopyEngineGatherRule kCopyEngineGatherRules[] = {
     {2, 2, 8192,
      "2 x H200, 2026-11-28 (bench/RESULTS.md, \"the copy engine's gather\"): 8192 / 16384 x 8192 752.5 / "
-     "1570.0 us vs the pipeline's 801.0 / 1583.7; x 28672 2831.4 / 5654.6 vs 2918.6 / 5766.9; below 8192 rows "
+     "1570.0 us vs the pipeline's 801.0 / 1583.7; x 28672 2831.4 / 5654.6 vs 2918.6 / 5766.9; below 8192 "
+     "rows "
      "the pipeline (2048 x 8192: 197.0 vs 273.7). At 4 GPUs 1.2-1.6x slower than the communicator blocks at "
      "N 8192 (8192 x 8192: 756.3 vs 472.8 us): not taken there"},
 };

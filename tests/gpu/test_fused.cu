@@ -155,8 +155,8 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
                          : o.store_ring == 5                          ? " staged, wide ring"
                                                                       : "";
   if (std::getenv("WEFT_TEST_VERBOSE"))
-    std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d%s%s%s\n", int(op),
-                 (long long)m, (long long)n, (long long)k, nk ? "NK" : "KN", mode_name(mode),
+    std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d%s%s%s\n",
+                 int(op), (long long)m, (long long)n, (long long)k, nk ? "NK" : "KN", mode_name(mode),
                  sym ? "sym" : "device", o.comm_blocks, o.pipeline_pieces, partials,
                  take_gathered ? " gathered" : "",
                  o.gather == FusedOptions::Gather::kCopyEngine ? " copy engine" : "");
@@ -192,17 +192,17 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
     // The plan first (it grows nothing), then the call, which must take the planned path and grow no
     // workspace past what the plan named.
     const Plan plan =
-        op == Op::kAG ? all_gather_matmul_plan(c, r, A.ptr[i], B.ptr[i], out.ptr[i],
-                                               take_gathered ? gathered.ptr[i] : nullptr, m, n, k, layout,
-                                               nullptr, o)
+        op == Op::kAG
+            ? all_gather_matmul_plan(c, r, A.ptr[i], B.ptr[i], out.ptr[i],
+                                     take_gathered ? gathered.ptr[i] : nullptr, m, n, k, layout, nullptr, o)
         : op == Op::kRS
             ? matmul_reduce_scatter_plan(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, layout, nullptr, o)
             : matmul_all_reduce_plan(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, layout, nullptr, o);
     const weft::test::WorkspaceSizes before = weft::test::workspace_sizes(c, plan);
     FusedPath path;
     if (op == Op::kAG)
-      path = all_gather_matmul(c, r, A.ptr[i], B.ptr[i], out.ptr[i], take_gathered ? gathered.ptr[i] : nullptr,
-                               m, n, k, layout, nullptr, o);
+      path = all_gather_matmul(c, r, A.ptr[i], B.ptr[i], out.ptr[i],
+                               take_gathered ? gathered.ptr[i] : nullptr, m, n, k, layout, nullptr, o);
     else if (op == Op::kRS)
       path = matmul_reduce_scatter(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, layout, nullptr, o);
     else

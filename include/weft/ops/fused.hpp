@@ -116,15 +116,14 @@ struct FusedOptions {
   // kernel with a ring of five measured within noise of two at 2 x H200: not built).
   int store_ring = 0;
   // all_gather_matmul's fused kernel: what moves A's shards to the peers (the same on every rank):
-  //   kAuto                kCopyEngine where it runs at 2 GPUs from M = 8192 on (and then Mode::kAuto takes the
-  //                        fused kernel there), else kCommunicatorBlocks (the measured rows:
-  //                        src/ops/fused_rules.hpp)
+  //   kAuto                kCopyEngine where it runs, at 2 GPUs from M = 8192 (Mode::kAuto then takes the
+  //                        fused kernel there); else kCommunicatorBlocks (src/ops/fused_rules.hpp)
   //   kCommunicatorBlocks  communicator blocks beside the GEMM's blocks store each chunk, then its flag
   //   kCopyEngine          the copy engine: a chunk's cudaMemcpyAsync into the peer on a side stream, then a
-  //                        stream write of its count there; the GEMM takes every SM but one (left for the side
-  //                        stream's waits). Where it cannot run (virtual ranks, FP8, M / W not a multiple of
-  //                        128): kCommunicatorBlocks. As the pipeline, its first call on a GPU creates the copy
-  //                        stream and must not be captured into a CUDA graph
+  //                        stream write of its count there; the GEMM takes every SM but one (left for the
+  //                        side stream's waits). Where it cannot run (virtual ranks, FP8, M / W not a
+  //                        multiple of 128): kCommunicatorBlocks. As the pipeline, its first call on a GPU
+  //                        creates the copy stream and must not be captured into a CUDA graph
   enum class Gather { kAuto, kCommunicatorBlocks, kCopyEngine } gather = Gather::kAuto;
 };
 
