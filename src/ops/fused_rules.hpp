@@ -4,6 +4,7 @@
 // tested on the host (tests/host/test_fused_rules.cpp). World sizes above 4 were not measured: they take the
 // 4-GPU rows.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include "weft/ops/fused.hpp"
@@ -64,18 +65,27 @@ inline constexpr SummedPartialsRule kSummedPartialsRules[] = {
      "2 x H200, 2026-11-28 (bench/RESULTS.md, \"the summed-in-epilogue kernel on wide tiles\"): AR "
      "0.88-0.95 of the staged kernel's time and 0.87-0.95 of the pipeline's at M 2048 / 8192 x N 8192 / "
      "28672 (8192 x 28672: 3070.4 vs 3430.7 staged, 3478.6 pipelined); the fan-out it hides grows with W. "
-     "4 GPUs not measured"},
+     "4 x H200, 2026-11-28 (\"Fused ops at 4 GPUs with kAuto's partials\"): 1.04-1.10 of the bound at M "
+     "2048..16384 x N 8192 / 28672, 0.89-0.97 of the staged kernel's time"},
     {false, 2, 2,
      "2 x H200, 2026-11-28, same tables, two runs: RS 0.97-1.02 of the staged kernel at M = 2048 and "
      "0.97-1.01 at 8192 (8192 x 8192: 812.5 vs 836.8), where the path rule took the pipeline, 3-9% slower "
-     "than either fused kernel (868.5, 3082.0 vs 2978.0 at 8192 x 28672). 4 GPUs not measured: kStaged "
-     "there"},
+     "than either fused kernel (868.5, 3082.0 vs 2978.0 at 8192 x 28672). At 4 GPUs (same day, \"Fused ops "
+     "at 4 GPUs with kAuto's partials\") -2..+8% against kStaged: kStaged there"},
 };
 
-inline bool auto_sums_in_epilogue(bool all_reduce, int world) {
-  for (const SummedPartialsRule& r : kSummedPartialsRules)
-    if (r.all_reduce == all_reduce && world >= r.min_world && world <= r.max_world) return true;
+// Whether any row of `rules` matches.
+template <class Rule, size_t N, class Match>
+constexpr bool any_row(const Rule (&rules)[N], Match match) {
+  for (const Rule& r : rules)
+    if (match(r)) return true;
   return false;
+}
+
+inline bool auto_sums_in_epilogue(bool all_reduce, int world) {
+  return any_row(kSummedPartialsRules, [&](const SummedPartialsRule& r) {
+    return r.all_reduce == all_reduce && world >= r.min_world && world <= r.max_world;
+  });
 }
 
 // FusedOptions::Gather::kAuto: all_gather_matmul's fused kernel fed by the copy engine (where it runs) at
@@ -89,15 +99,14 @@ inline constexpr CopyEngineGatherRule kCopyEngineGatherRules[] = {
     {2, 2, 8192,
      "2 x H200, 2026-11-28 (bench/RESULTS.md, \"the copy engine's gather\"): 8192 / 16384 x 8192 752.5 / "
      "1570.0 us vs the pipeline's 801.0 / 1583.7; x 28672 2831.4 / 5654.6 vs 2918.6 / 5766.9; below 8192 "
-     "rows "
-     "the pipeline (2048 x 8192: 197.0 vs 273.7). At 4 GPUs 1.2-1.6x slower than the communicator blocks at "
-     "N 8192 (8192 x 8192: 756.3 vs 472.8 us): not taken there"},
+     "rows the pipeline (2048 x 8192: 197.0 vs 273.7). At 4 GPUs 1.3-1.7x slower than the communicator "
+     "blocks at N 8192 (8192 x 8192: 756.3 vs 472.8 us): not taken there"},
 };
 
 inline bool auto_gathers_by_copy_engine(int world, int64_t m) {
-  for (const CopyEngineGatherRule& r : kCopyEngineGatherRules)
-    if (world >= r.min_world && world <= r.max_world && m >= r.min_m) return true;
-  return false;
+  return any_row(kCopyEngineGatherRules, [&](const CopyEngineGatherRule& r) {
+    return world >= r.min_world && world <= r.max_world && m >= r.min_m;
+  });
 }
 
 inline FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int64_t k, int world) {
