@@ -548,6 +548,8 @@ WEFT_GPU_TEST(fused_rs_ar_large_match_sequential) {
 
 // The three ops, pipelined, captured once per rank into a CUDA graph and replayed on fresh inputs: the
 // pipelines' stream writes and waits replay with the same values, so their flags must return to 0 per call.
+// all_gather_matmul's fused kernel fed by the copy engine (Gather::kCopyEngine, on the first 512 rows of each
+// shard: whole 128-row tiles) shares the pipeline's flags and is captured beside them.
 WEFT_GPU_TEST(fused_ops_pipelined_in_cuda_graphs) {
   Communicator& c = ctx.comm();
   const int W = c.world();
@@ -557,10 +559,17 @@ WEFT_GPU_TEST(fused_ops_pipelined_in_cuda_graphs) {
   o.mode = Mode::kPipelined;
   RankBuffers a_ag(c, s.shard * k * 2, false), a(c, m * k * 2, false), b(c, n * k * 2, false),
       out_ag(c, m * n * 2, false), out_rs(c, s.shard * n * 2, false), out_ar(c, m * n * 2, true);
+  const int64_t ce_shard = 512, ce_m = W * ce_shard;
+  RankBuffers out_ce(c, ce_m * n * 2, false);
+  FusedOptions ce;
+  ce.mode = Mode::kFused;
+  ce.gather = FusedOptions::Gather::kCopyEngine;
   auto issue = [&](int i) {
     Rank& r = c.local(i);
     all_gather_matmul(c, r, a_ag.ptr[i], b.ptr[i], out_ag.ptr[i], nullptr, m, n, k, BLayout::kNK, r.stream(),
                       o);
+    all_gather_matmul(c, r, a_ag.ptr[i], b.ptr[i], out_ce.ptr[i], nullptr, ce_m, n, k, BLayout::kNK,
+                      r.stream(), ce);
     matmul_reduce_scatter(c, r, a.ptr[i], b.ptr[i], out_rs.ptr[i], m, n, k, BLayout::kNK, r.stream(), o);
     matmul_all_reduce(c, r, a.ptr[i], b.ptr[i], out_ar.ptr[i], m, n, k, BLayout::kNK, r.stream(), o);
   };
@@ -601,7 +610,8 @@ WEFT_GPU_TEST(fused_ops_pipelined_in_cuda_graphs) {
       upload(c, i, b.ptr[i], bs[r].h.data(), n * k * 2);
       for (auto [p, bytes] : {std::pair{out_ag.ptr[i], m * n * 2},
                               {out_rs.ptr[i], s.shard * n * 2},
-                              {out_ar.ptr[i], m * n * 2}})
+                              {out_ar.ptr[i], m * n * 2},
+                              {out_ce.ptr[i], ce_m * n * 2}})
         poison(c, i, p, bytes);
     }
     c.host_barrier();
@@ -610,6 +620,11 @@ WEFT_GPU_TEST(fused_ops_pipelined_in_cuda_graphs) {
       WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], c.local(i).stream()));
     }
     c.synchronize();
+    Mat ce_a = make(size_t(ce_m * k), 0);  // the copy engine's gathered A: each shard's first 512 rows
+    for (int q = 0; q < W; ++q) {
+      std::copy_n(full_a.h.begin() + q * s.shard * k, ce_shard * k, ce_a.h.begin() + q * ce_shard * k);
+      std::copy_n(full_a.d.begin() + q * s.shard * k, ce_shard * k, ce_a.d.begin() + q * ce_shard * k);
+    }
     std::vector<double> sum(size_t(m * n), 0.0);  // sum over ranks of A . B_r
     for (int q = 0; q < W; ++q) gemm_ref(sum, full_a, bs[q], 0, m, n, k, true);
     for (int i = 0; i < c.num_local(); ++i) {
@@ -623,6 +638,10 @@ WEFT_GPU_TEST(fused_ops_pipelined_in_cuda_graphs) {
       WEFT_EXPECT(err.empty(), "replay " << replay << " matmul_reduce_scatter rank " << r << ": " << err);
       err = compare(get(c, i, out_ar.ptr[i], m * n), sum);
       WEFT_EXPECT(err.empty(), "replay " << replay << " matmul_all_reduce rank " << r << ": " << err);
+      std::vector<double> ce_ref(size_t(ce_m * n), 0.0);
+      gemm_ref(ce_ref, ce_a, bs[r], 0, ce_m, n, k, true);
+      err = compare(get(c, i, out_ce.ptr[i], ce_m * n), ce_ref);
+      WEFT_EXPECT(err.empty(), "replay " << replay << " all_gather_matmul, copy engine, rank " << r << ": " << err);
     }
     c.host_barrier();
   }
