@@ -197,18 +197,19 @@ void run_fused(Context& ctx) {
           };
           auto weft_call = [&](int i) { path = call(i, weft_options); };
           auto fused_call = [&](int i) { call(i, forced); };
-          FusedOptions added = forced;
-          added.partials = FusedOptions::Partials::kAddedAtOwner;
-          auto added_call = [&](int i) { call(i, added); };
-          FusedOptions progressive = forced;
-          progressive.partials = FusedOptions::Partials::kStagedProgressive;
-          auto progressive_call = [&](int i) { call(i, progressive); };
-          FusedOptions summed = forced;
-          summed.partials = FusedOptions::Partials::kSummedInEpilogue;
-          auto summed_call = [&](int i) { call(i, summed); };
-          FusedOptions copy_engine = forced;
-          copy_engine.gather = FusedOptions::Gather::kCopyEngine;
-          auto copy_engine_call = [&](int i) { call(i, copy_engine); };
+          // The fused kernel forced with one way of summing (RS / AR) or of gathering (AG).
+          auto forced_with = [&](FusedOptions::Partials partials, FusedOptions::Gather gather) {
+            FusedOptions o = forced;
+            o.partials = partials;
+            o.gather = gather;
+            return [&call, o](int i) { call(i, o); };
+          };
+          using Partials = FusedOptions::Partials;
+          using Gather = FusedOptions::Gather;
+          auto added_call = forced_with(Partials::kAddedAtOwner, Gather::kAuto);
+          auto progressive_call = forced_with(Partials::kStagedProgressive, Gather::kAuto);
+          auto summed_call = forced_with(Partials::kSummedInEpilogue, Gather::kAuto);
+          auto copy_engine_call = forced_with(Partials::kStaged, Gather::kCopyEngine);
           const bool copy_engine_on = op == Op::kAG && nccl_on;  // not on virtual ranks
           FusedOptions pipelined = weft_options;
           pipelined.mode = FusedOptions::Mode::kPipelined;
