@@ -92,26 +92,9 @@ void run_fused(Context& ctx) {
   Table t(
       fmt("fused tensor-parallel ops, bf16, %s: weft vs cuBLAS + NCCL %d.%d.%d", ctx.team_label().c_str(),
           NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
-      {"op",
-       "M",
-       "N",
-       "K",
-       "sequential us",
-       "compute us",
-       "comm us",
-       "weft us",
-       "weft path",
-       "speedup",
-       "weft / bound",
-       "weft gemm us",
-       "fused us",
-       "fused, added at owner us",
-       "fused, staged progressive us",
-       "fused, summed in epilogue us",
-       "fused, copy-engine gather us",
-       "fused, interleaved us",
-       "fused, copy-engine interleaved us",
-       "pipelined us"},
+      {"op", "M", "N", "K", "sequential us", "compute us", "comm us", "weft us", "weft path", "speedup",
+       "weft / bound", "weft gemm us", "fused us", "fused, added at owner us", "fused, staged progressive us",
+       "fused, summed in epilogue us", "fused, copy-engine gather us", "pipelined us"},
       "sequential = cuBLAS GEMM + NCCL collective; compute = the cuBLAS GEMM alone; bound = max(compute "
       "alone, communication alone); weft path 'sequential' means the op chose its fallback (cuBLAS GEMM + "
       "weft collective) for this shape; weft's partials as Partials::kAuto sums them (in the epilogue for "
@@ -123,9 +106,7 @@ void run_fused(Context& ctx) {
       "with --fused-progressive, else -); fused, summed in epilogue = every tile by every rank, the owner's "
       "last, its peers' partials added in its epilogue (Partials::kSummedInEpilogue; with "
       "--fused-epilogue-sum, else -); fused, copy-engine gather = AG's fused kernel fed by the copy engine "
-      "(FusedOptions::Gather::kCopyEngine; AG, else -); fused, interleaved = AG's fused kernel with A's rows "
-      "dealt round-robin over the shards (FusedOptions::GatherOrder::kInterleaved), by the communicator "
-      "blocks or the copy engine (AG at 2, 4, 8 GPUs, else -); "
+      "(FusedOptions::Gather::kCopyEngine; AG, else -); "
       "pipelined = the "
       "op with the copy-engine pipeline "
       "forced (both: what kAuto's rule weighs)." +
@@ -217,25 +198,19 @@ void run_fused(Context& ctx) {
           auto weft_call = [&](int i) { path = call(i, weft_options); };
           auto fused_call = [&](int i) { call(i, forced); };
           // The fused kernel forced with one way of summing (RS / AR) or of gathering (AG).
-          using Partials = FusedOptions::Partials;
-          using Gather = FusedOptions::Gather;
-          using Order = FusedOptions::GatherOrder;
-          auto forced_with = [&](Partials partials, Gather gather, Order order = Order::kAuto) {
+          auto forced_with = [&](FusedOptions::Partials partials, FusedOptions::Gather gather) {
             FusedOptions o = forced;
             o.partials = partials;
             o.gather = gather;
-            o.gather_order = order;
             return [&call, o](int i) { call(i, o); };
           };
+          using Partials = FusedOptions::Partials;
+          using Gather = FusedOptions::Gather;
           auto added_call = forced_with(Partials::kAddedAtOwner, Gather::kAuto);
           auto progressive_call = forced_with(Partials::kStagedProgressive, Gather::kAuto);
           auto summed_call = forced_with(Partials::kSummedInEpilogue, Gather::kAuto);
           auto copy_engine_call = forced_with(Partials::kStaged, Gather::kCopyEngine);
-          auto interleaved_call =
-              forced_with(Partials::kStaged, Gather::kCommunicatorBlocks, Order::kInterleaved);
-          auto ce_interleaved_call = forced_with(Partials::kStaged, Gather::kCopyEngine, Order::kInterleaved);
           const bool copy_engine_on = op == Op::kAG && nccl_on;  // not on virtual ranks
-          const bool interleaved_on = op == Op::kAG && (W & (W - 1)) == 0 && (M / W) % 128 == 0;
           FusedOptions pipelined = weft_options;
           pipelined.mode = FusedOptions::Mode::kPipelined;
           auto pipelined_call = [&](int i) { call(i, pipelined); };
@@ -270,8 +245,6 @@ void run_fused(Context& ctx) {
           const bool summed_on = op != Op::kAG && ctx.fused_epilogue_sum;
           if (summed_on) on_all(summed_call, false)(0);
           if (copy_engine_on) on_all(copy_engine_call, false)(0);
-          if (interleaved_on) on_all(interleaved_call, false)(0);
-          if (interleaved_on && copy_engine_on) on_all(ce_interleaved_call, false)(0);
           comm->synchronize();
           ctx.progress("fused: warm-up, pipeline");
           on_all(pipelined_call, false)(0);
@@ -295,10 +268,6 @@ void run_fused(Context& ctx) {
           if (summed_on) candidates.push_back(on_all(summed_call, false));
           const size_t copy_engine_at = copy_engine_on ? candidates.size() : 0;
           if (copy_engine_on) candidates.push_back(on_all(copy_engine_call, false));
-          const size_t interleaved_at = interleaved_on ? candidates.size() : 0;
-          if (interleaved_on) candidates.push_back(on_all(interleaved_call, false));
-          const size_t ce_interleaved_at = interleaved_on && copy_engine_on ? candidates.size() : 0;
-          if (ce_interleaved_at) candidates.push_back(on_all(ce_interleaved_call, false));
           std::vector<double> times;
           if (nccl_on) {
             times = time_graphs_alternating(*comm, streams, iters, reps, candidates);
@@ -307,36 +276,23 @@ void run_fused(Context& ctx) {
               times.push_back(c == 6 ? 0 : time_graphs(*comm, streams, iters, reps, candidates[c]));
           }
           // AG: no added-at-owner, progressive or summed column (its 8th: the copy engine's gather).
-          times.resize(12, 0.0);
-          double t_all[12];
-          for (int c = 0; c < 12; ++c) t_all[c] = team_max(times[c]);
+          times.resize(10, 0.0);
+          double t_all[10];
+          for (int c = 0; c < 10; ++c) t_all[c] = team_max(times[c]);
           const double t_seq = t_all[0], t_gemm = t_all[1], t_comm = t_all[2], t_weft = t_all[3],
                        t_wgemm = t_all[4], t_forced = t_all[5], t_pipe = t_all[6],
                        t_added = op != Op::kAG ? t_all[7] : 0.0;
           const double t_progressive = progressive_at ? t_all[progressive_at] : 0.0,
                        t_summed = summed_at ? t_all[summed_at] : 0.0,
-                       t_copy_engine = copy_engine_at ? t_all[copy_engine_at] : 0.0,
-                       t_interleaved = interleaved_at ? t_all[interleaved_at] : 0.0,
-                       t_ce_interleaved = ce_interleaved_at ? t_all[ce_interleaved_at] : 0.0;
-          t.add({op_name(op),
-                 std::to_string(M),
-                 std::to_string(N),
-                 std::to_string(K),
-                 fmt("%.1f", t_seq),
-                 fmt("%.1f", t_gemm),
-                 fmt("%.1f", t_comm),
-                 fmt("%.1f", t_weft),
-                 fused_path_name(path),
-                 fmt("%.2fx", t_seq / t_weft),
-                 fmt("%.2f", t_weft / std::max(t_gemm, t_comm)),
-                 fmt("%.1f", t_wgemm),
-                 fmt("%.1f", t_forced),
+                       t_copy_engine = copy_engine_at ? t_all[copy_engine_at] : 0.0;
+          t.add({op_name(op), std::to_string(M), std::to_string(N), std::to_string(K), fmt("%.1f", t_seq),
+                 fmt("%.1f", t_gemm), fmt("%.1f", t_comm), fmt("%.1f", t_weft), fused_path_name(path),
+                 fmt("%.2fx", t_seq / t_weft), fmt("%.2f", t_weft / std::max(t_gemm, t_comm)),
+                 fmt("%.1f", t_wgemm), fmt("%.1f", t_forced),
                  t_added > 0 ? fmt("%.1f", t_added) : std::string("-"),
                  t_progressive > 0 ? fmt("%.1f", t_progressive) : std::string("-"),
                  t_summed > 0 ? fmt("%.1f", t_summed) : std::string("-"),
                  t_copy_engine > 0 ? fmt("%.1f", t_copy_engine) : std::string("-"),
-                 t_interleaved > 0 ? fmt("%.1f", t_interleaved) : std::string("-"),
-                 t_ce_interleaved > 0 ? fmt("%.1f", t_ce_interleaved) : std::string("-"),
                  t_pipe > 0 ? fmt("%.1f", t_pipe) : std::string("-")});
           if (!ctx.timeline_dir.empty()) {  // one call of each weft path, in-kernel timestamps
             auto record = [&](const std::function<void(int)>& f, const char* path_name) {

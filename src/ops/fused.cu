@@ -230,11 +230,8 @@ struct Call : ops::OpCall {
 // flag (r consumed the previous call's pushes), so no rank runs more than one call ahead.
 
 struct PipeStreams {
-  cudaStream_t side = nullptr;   // copies on this GPU
+  cudaStream_t side = nullptr;   // the copies
   cudaStream_t waits = nullptr;  // the waits for peers' arrivals
-  // The pushes into rank r: a stream (and so a copy engine) a peer, so that the pushes into different peers
-  // run at once (one copy into a peer moved ~213 GB/s beside a GEMM on 4 x H200, a third of a GPU's links).
-  cudaStream_t to_peer[kMaxWorld] = {};
   cudaEvent_t fork = nullptr, join = nullptr, gemm_done = nullptr, arrived = nullptr;
 };
 
@@ -251,7 +248,6 @@ PipeStreams& pipe_streams(int device, int rank, bool capturing, const std::strin
   PipeStreams p;
   for (cudaStream_t* st : {&p.side, &p.waits})
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking));
-  for (cudaStream_t& st : p.to_peer) WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   for (cudaEvent_t* e : {&p.fork, &p.join, &p.gemm_done, &p.arrived})
     WEFT_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   return all.emplace(std::pair{device, rank}, p).first->second;
@@ -272,35 +268,28 @@ class CopyPipeline {
         flags_(c.comm.resources(c.rank, owner).flags),
         me_(c.rank.rank()),
         claimed_(c.rank.world()),
-        seen_marks_(c.rank.world()),
         s_(pipe_streams(c.rank.device(), c.rank.rank(), c.capturing, c.where)) {
     WEFT_CUDA_CHECK(cudaEventRecord(s_.fork, c_.stream));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(s_.side, s_.fork));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(s_.waits, s_.fork));
   }
-  // Caller's stream to the push streams: the next push waits for the caller's work so far.
-  void side_waits() {
+  // Caller's stream to side stream: the side stream's next work waits for the caller's work so far.
+  void side_waits() const {
     WEFT_CUDA_CHECK(cudaEventRecord(s_.gemm_done, c_.stream));
-    ++gemm_marks_;
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(s_.side, s_.gemm_done));
   }
-  // Push stream of `to`: copy `bytes` from `src` (this GPU) to rank `to`'s copy of `dst` (a pointer into a
-  // symmetric buffer of this rank), then set `to`'s arrival count for this rank to `count` (the pieces
-  // pushed to `to` so far in this call). The first push to a peer in a call waits until it has consumed the
-  // previous call's; pushes into one peer keep their order, pushes into different peers run at once.
+  // Side stream: copy `bytes` from `src` (this GPU) to rank `to`'s copy of `dst` (a pointer into a symmetric
+  // buffer of this rank), then set `to`'s arrival count for this rank to `count` (the pieces pushed to `to`
+  // so far in this call). The first push to a peer in a call waits until it has consumed the previous call's.
   void push(int to, char* dst, const void* src, uint64_t bytes, uint32_t count = 1) {
-    cudaStream_t st = s_.to_peer[to];
-    if (!claimed_[to]) {  // the stream joins this call: after the fork, or the caller's latest mark
-      WEFT_CUDA_CHECK(cudaStreamWaitEvent(st, gemm_marks_ > 0 ? s_.gemm_done : s_.fork));
-      seen_marks_[to] = gemm_marks_;
-      wait(st, used(to), StreamWait::kEqual, 0);
-      write(st, used(to), 1);
+    if (!claimed_[to]) {
+      wait(s_.side, used(to), StreamWait::kEqual, 0);
+      write(s_.side, used(to), 1);
       claimed_[to] = true;
-    } else if (seen_marks_[to] != gemm_marks_) {
-      WEFT_CUDA_CHECK(cudaStreamWaitEvent(st, s_.gemm_done));
-      seen_marks_[to] = gemm_marks_;
     }
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(c_.rank.peer_ptr(dst, to), src, bytes, cudaMemcpyDeviceToDevice, st));
-    write(st, c_.rank.peer_ptr(arrived(me_), to), count);
+    WEFT_CUDA_CHECK(
+        cudaMemcpyAsync(c_.rank.peer_ptr(dst, to), src, bytes, cudaMemcpyDeviceToDevice, s_.side));
+    write(s_.side, c_.rank.peer_ptr(arrived(me_), to), count);
   }
   // Caller's stream: what comes next waits until `from` has pushed `count` pieces here in this call (and
   // `then` copied what it names on this GPU). The wait itself runs on a stream of its own, during the
@@ -321,17 +310,14 @@ class CopyPipeline {
     WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s_.side));
   }
   // Caller's stream, after everything pushed here was consumed: clear the arrival counts, free every peer to
-  // push again; then join the side streams back (the push streams this call used).
+  // push again; then join the side streams back.
   void finish() const {
     for (int r = 0; r < c_.rank.world(); ++r)
       if (r != me_) {
         write(c_.stream, arrived(r), 0);
         write(c_.stream, c_.rank.peer_ptr(used(me_), r), 0);
       }
-    std::vector<cudaStream_t> joined = {s_.side, s_.waits};
-    for (int r = 0; r < c_.rank.world(); ++r)
-      if (claimed_[r]) joined.push_back(s_.to_peer[r]);
-    for (cudaStream_t st : joined) {
+    for (cudaStream_t st : {s_.side, s_.waits}) {
       WEFT_CUDA_CHECK(cudaEventRecord(s_.join, st));
       WEFT_CUDA_CHECK(cudaStreamWaitEvent(c_.stream, s_.join));
     }
@@ -366,8 +352,6 @@ class CopyPipeline {
   Flags flags_;
   int me_;
   std::vector<bool> claimed_;  // peers pushed to in this call
-  std::vector<int> seen_marks_;  // per peer: the caller's marks (side_waits) its push stream waited for
-  int gemm_marks_ = 0;           // side_waits in this call
   PipeStreams& s_;
 };
 
@@ -528,7 +512,6 @@ struct Choice {
   int comm_blocks = 0;
   int64_t chunk_rows = 0, chunks = 0;
   bool copy_engine = false;  // AG: FusedOptions::Gather resolved (comm_blocks 0 then)
-  bool interleaved = false;  // AG: FusedOptions::GatherOrder resolved
   FusedOptions::Partials partials = FusedOptions::Partials::kStaged;  // RS / AR: options.partials resolved
 };
 
@@ -565,11 +548,7 @@ void set_all_gather(Call& c, typename Op::Params& p, const void* a_shard, char* 
   const int W = c.rank.world(), comm_blocks = plan.comm_blocks;
   const int band_units = p.sched.group_m / Op::kClusterSize;
   const int first_unit_row = static_cast<int>(c.rank.rank() * (m / W) / Op::kBM) / Op::kClusterSize;
-  if (plan.interleaved) {  // row i of every shard, then row i + 1: the order the chunks land in
-    while ((1 << p.sched.parts_log2) < W) ++p.sched.parts_log2;
-  } else {
-    p.sched.start_unit = first_unit_row / band_units * band_units * p.sched.tiles_n;
-  }
+  p.sched.start_unit = first_unit_row / band_units * band_units * p.sched.tiles_n;
   // The copy engine's gather leaves one SM to the side stream's waits (its first push to a peer waits for
   // the peer's previous call): a GEMM on every SM could hold them back behind its own waits for the pushes.
   p.sched.compute_blocks =
@@ -585,7 +564,6 @@ void set_all_gather(Call& c, typename Op::Params& p, const void* a_shard, char* 
   p.chunk_rows = static_cast<int>(plan.chunk_rows);
   p.chunks = static_cast<int>(plan.chunks);
   p.copy_self = copy_self || (m / W) % Op::kBM != 0;
-  p.chunk_major = plan.interleaved;
   p.arrivals = arrivals;
 }
 
@@ -847,13 +825,6 @@ Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const 
     plan.copy_engine = runs && (o.gather == FusedOptions::Gather::kCopyEngine || gather_auto);
     ag_chunks(W, m / W, plan.copy_engine ? (4 << 20) / (k * 2) : 0, plan.chunk_rows, plan.chunks);
     plan.comm_blocks = plan.copy_engine ? 0 : ag_comm_blocks(c.rank, n, o);
-    // The scheduler deals tile rows over a power of two of equal parts (lcsc::SchedulerParams::parts_log2).
-    const bool can_interleave = (W & (W - 1)) == 0 && (m / W) % 128 == 0;
-    using Order = FusedOptions::GatherOrder;
-    plan.interleaved =
-        can_interleave &&
-        (o.gather_order == Order::kInterleaved ||
-         (o.gather_order == Order::kAuto && ops::auto_interleaves_gather(W, m, n, plan.copy_engine)));
     const bool fits = W * plan.chunks <= ops::kFusedChunkFlags && plan.chunk_rows <= INT32_MAX;
     plan.why_not_fused =
         fits ? c.why_not_in_budget<ops::AgGemmOp<true, 1>>(plan.comm_blocks) : "more A chunks than flags";
@@ -900,8 +871,8 @@ void copy_engine_gather(Call& c, const void* a_shard, char* g, int64_t m, int64_
   CopyPipeline p(c, kAgPipeline);
   launch(p.arrival_flags());
   const char* from = static_cast<const char*>(a_shard);
-  for (int64_t j = 0; j < plan.chunks; ++j)  // each peer's pushes on a stream of its own: at once
-    for (int s = 1; s < W; ++s) {
+  for (int s = 1; s < W; ++s)
+    for (int64_t j = 0; j < plan.chunks; ++j) {
       const int64_t r0 = j * plan.chunk_rows, nr = std::min(plan.chunk_rows, rows - r0);
       p.push((me - s + W) % W, g + (me * rows + r0) * row_bytes, from + r0 * row_bytes,
              uint64_t(nr * row_bytes), static_cast<uint32_t>(j + 1));

@@ -109,13 +109,6 @@ inline bool auto_gathers_by_copy_engine(int world, int64_t m) {
   });
 }
 
-// FusedOptions::GatherOrder::kAuto: all_gather_matmul's rows interleaved over the shards where measured
-// faster; none yet (shard by shard everywhere).
-inline bool auto_interleaves_gather(int /*world*/, int64_t /*m*/, int64_t /*n_per_rank*/,
-                                    bool /*copy_engine*/) {
-  return false;
-}
-
 inline FusedPath auto_path(bool all_gather, int64_t m, int64_t n_per_rank, int64_t k, int world) {
   for (const FusedKernelRule& r : kFusedKernelRules)
     if (r.all_gather == all_gather && world >= r.min_world && world <= r.max_world && m >= r.min_m &&

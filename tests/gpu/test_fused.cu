@@ -144,9 +144,6 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   // AG: the copy engine's gather in every other case (it runs where M / W is a multiple of 128, one rank a
   // GPU; elsewhere the communicator blocks).
   if (op == Op::kAG && seed / 4 % 2 == 0) o.gather = FusedOptions::Gather::kCopyEngine;
-  // AG: rows interleaved over the shards in about every other case (where the world size is a power of two
-  // and M / W a multiple of 128; elsewhere shard by shard).
-  if (op == Op::kAG && (seed + seed / 4) % 2 == 1) o.gather_order = FusedOptions::GatherOrder::kInterleaved;
   if (op != Op::kAG) o.partials = summing.partials;
   // The staged way with the storers' wide ring (FusedOptions::store_ring 5) in every other such case.
   if (op != Op::kAG && o.partials == Partials::kStaged && seed / 6 % 2) o.store_ring = 5;
@@ -158,12 +155,11 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
                          : o.store_ring == 5                          ? " staged, wide ring"
                                                                       : "";
   if (std::getenv("WEFT_TEST_VERBOSE"))
-    std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d%s%s%s%s\n",
+    std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d%s%s%s\n",
                  int(op), (long long)m, (long long)n, (long long)k, nk ? "NK" : "KN", mode_name(mode),
                  sym ? "sym" : "device", o.comm_blocks, o.pipeline_pieces, partials,
                  take_gathered ? " gathered" : "",
-                 o.gather == FusedOptions::Gather::kCopyEngine ? " copy engine" : "",
-                 o.gather_order == FusedOptions::GatherOrder::kInterleaved ? " interleaved" : "");
+                 o.gather == FusedOptions::Gather::kCopyEngine ? " copy engine" : "");
   for (int i = 0; i < c.num_local(); ++i) {
     const int r = c.local(i).rank();
     const __nv_bfloat16* a_src = op == Op::kAG ? a[0].h.data() + r * s.shard * k : a[r].h.data();

@@ -113,9 +113,6 @@ struct AllGatherA : Gemm {
     // a tile straddles two shards (its loads read both from `gathered`), or the GEMM reads every row's scales
     // there; else the peers' pushes alone (a quarter less of the communicator blocks' work at 4 GPUs).
     bool copy_self;
-    // The communicator blocks' tasks chunk by chunk over the peers (FusedOptions::GatherOrder::kInterleaved:
-    // every peer's chunk j before any chunk j + 1), else peer by peer.
-    bool chunk_major;
     // FusedOptions::Gather::kCopyEngine: chunk j of source s has landed once this rank's count of s's
     // pushes (flag s of `arrivals`, written by s's copy stream, host-set values cleared after every call)
     // reaches j + 1; count 0: the communicator blocks' epoch flags (`sync.chunks`).
@@ -179,22 +176,18 @@ struct AllGatherA : Gemm {
   }
   // Communicator blocks: meet the counterpart blocks (every peer has finished its previous call), then
   // push chunks of this rank's shard, task u = chunk u % chunks to peer rank - 1 - u / chunks (peers rank -
-  // 1, rank - 2, ..., then self where copy_self), each followed by its flag; chunk_major: chunk u / P to
-  // peer rank - 1 - u % P (P the destinations).
+  // 1, rank - 2, ..., then self where copy_self), each followed by its flag.
   __device__ static bool comm_begin(const Params& p, typename Base::Smem&, int index) {
     return barrier_block(p.sync.team, p.sync.meetings[index]);
   }
   struct CommTasks : lcsc::StridedTasks {
     __device__ CommTasks(const Params& p, int index, int count)
-        : lcsc::StridedTasks(destinations(p) * p.chunks, index, count) {}
+        : lcsc::StridedTasks((p.sync.team.world - (p.copy_self ? 0 : 1)) * p.chunks, index, count) {}
   };
-  __device__ static int destinations(const Params& p) { return p.sync.team.world - (p.copy_self ? 0 : 1); }
   __device__ static void comm_task(const Params& p, typename Base::Smem&, int u) {
     const TeamView& t = p.sync.team;
     const int world = t.world;
-    const int peer = p.chunk_major ? u % destinations(p) : u / p.chunks;
-    const int dst = (t.rank - 1 - peer + 2 * world) % world,
-              j = p.chunk_major ? u / destinations(p) : u % p.chunks;
+    const int dst = (t.rank - 1 - u / p.chunks + 2 * world) % world, j = u % p.chunks;
     const int64_t r0 = int64_t(j) * p.chunk_rows, rows = min(int64_t(p.chunk_rows), p.shard_rows - r0);
     const int64_t first = t.rank * p.shard_rows + r0;  // in the gathered rows
     block_copy16(t.peer_ptr(reinterpret_cast<uint4*>(p.gathered + first * p.row_bytes), dst),

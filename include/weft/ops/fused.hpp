@@ -125,14 +125,6 @@ struct FusedOptions {
   //                        multiple of 128): kCommunicatorBlocks. As the pipeline, its first call on a GPU
   //                        creates the copy stream and must not be captured into a CUDA graph
   enum class Gather { kAuto, kCommunicatorBlocks, kCopyEngine } gather = Gather::kAuto;
-  // all_gather_matmul's fused kernel: the order of A's rows (the same on every rank):
-  //   kAuto          the measured rule (src/ops/fused_rules.hpp)
-  //   kShardByShard  this rank's shard first, then rank + 1's, ...; the pushes shard by shard
-  //   kInterleaved   tile rows dealt round-robin over the shards (row i of every shard before row i + 1 of
-  //                  any), the pushes chunk by chunk over the peers: every peer's shard lands at once, on
-  //                  every link, in the order the GEMM takes it. Where the world size is not a power of two
-  //                  or M / W not a multiple of 128: kShardByShard
-  enum class GatherOrder { kAuto, kShardByShard, kInterleaved } gather_order = GatherOrder::kAuto;
 };
 
 FusedPath all_gather_matmul(Communicator& comm, Rank& rank, const void* a_shard, const void* b, void* out,
