@@ -8,7 +8,9 @@ Shapes: DeepSeek-V3-like (hidden 7168, 256 experts over the ranks, top-8, expert
 Mixtral-like (hidden 4096, 8 experts, top-2, intermediate 14336); 128, 512, 4096, 8192, 16384 tokens per rank
 (--quick: 128, 4096); routing uniform, or with one rank's experts 4x as likely as the others' ("hot").
 - weft layer: weft.moe_layer with SwiGLU in the first GEMM's epilogue, unfused combine and fused (second GEMM +
-  combine in one kernel); its parts alone: dispatch, combine, the two grouped GEMMs (on the dispatched rows);
+  combine in one kernel), the dispatch as the layer's default picks it (fused with the first GEMM from 4 ranks
+  with at most 32 experts and 2048 tokens); the fused-combine layer with the dispatch fused and unfused, forced;
+  its parts alone: dispatch, combine, the two grouped GEMMs (on the dispatched rows);
 - torch layer: all_to_all_single of the per-expert counts (then read on the host for the splits), of the tokens
   (one row per (token, expert) pair), a permute into expert groups (padded to 16 rows for _grouped_mm),
   torch._grouped_mm, silu(gate) * up, torch._grouped_mm, all_to_all_single back, the weighted un-permute in fp32;
@@ -126,9 +128,9 @@ def bench_config(comm, rank, world, model, tokens, hot):
     w_up_i = weft.swiglu_interleave(w_up)
     baseline = TorchLayer(w_up, w_down, num_experts, world)
 
-    def layer(fused):
+    def layer(fused, fused_dispatch=None):
         return lambda: weft.moe_layer(x, experts, weights, w_up_i, w_down, num_experts, swiglu_interleaved=True,
-                                      fused_combine=fused)
+                                      fused_combine=fused, fused_dispatch=fused_dispatch)
 
     with torch.no_grad():
         want = baseline(x, experts, weights).float()
@@ -174,6 +176,8 @@ def bench_config(comm, rank, world, model, tokens, hot):
             ll_err = team_max((ll_layer().float() - want).abs().max().item() / max(scale, 1e-30))
         graph_us = {k: (timed(f, iters, reps=3) if f is not None else None) for k, f in graph_parts.items()}
         whole = timed_alternating({"weft": layer(False), "weft fused": layer(True),
+                                   "weft, dispatch fused": layer(True, True),
+                                   "weft, dispatch unfused": layer(True, False),
                                    "torch": lambda: baseline(x, experts, weights)}, iters, rounds=2, reps=3)
         # All-to-all of equal splits moving as many bytes to the other ranks as the dispatch does.
         sent_rows, slot_rows = crossing_rows(experts, rank, world, local)
@@ -207,6 +211,8 @@ def bench_config(comm, rank, world, model, tokens, hot):
                                   f"{(world - 1) * per_peer * 2 / (a2a['weft'] * 1e3):.0f}",
         "dispatch / a2a bw": f"{disp_bw / a2a_bw:.2f}", "combine / a2a bw": f"{comb_bw / a2a_bw:.2f}",
         "GEMMs": unit(parts["gemms"]), "weft layer": unit(whole["weft"]), "weft fused": unit(whole["weft fused"]),
+        "weft fused, dispatch fused / unfused": f"{unit(whole['weft, dispatch fused'])} / "
+                                                f"{unit(whole['weft, dispatch unfused'])}",
         "torch layer": unit(whole["torch"]), "weft / max(comm, GEMMs)": f"{best / bound:.2f}",
         "torch / weft": f"{whole['torch'] / best:.2f}", "max err vs torch": f"{err:.1e}",
         "graph: dispatch / combine": f"{in_graph('dispatch')} / {in_graph('combine')}",

@@ -694,6 +694,19 @@ void bind_sequence_parallel(py::module_& m) {
         });
 }
 
+// moe_dispatch's result for Python (the binding's comment says what each value is).
+py::tuple dispatched_tuple(const Comm& c, const weft::MoeDispatched& d, const weft::MoeShape& s,
+                           const std::string& dtype) {
+  const int64_t per = s.num_experts / c.rank().world();
+  return py::make_tuple(
+      view_of(c, const_cast<void*>(d.rows), {d.capacity, s.hidden}, dtype),
+      view_of(c, const_cast<int32_t*>(d.group_end), {per}, "int32"), reinterpret_cast<uintptr_t>(d.row_of),
+      reinterpret_cast<uintptr_t>(d.experts), d.capacity, reinterpret_cast<uintptr_t>(d.counts),
+      reinterpret_cast<uintptr_t>(d.row_source),
+      d.group_rows ? py::object(py::cast(view_of(c, const_cast<int32_t*>(d.group_rows), {per}, "int32")))
+                   : py::object(py::none()));
+}
+
 // MoE expert parallelism on this process's rank (weft/ops/moe.hpp). shape: (tokens, max_tokens, hidden,
 // num_experts, top_k, align). Views into the op's areas come back as SymTensor views.
 void bind_moe(py::module_& m) {
@@ -712,15 +725,24 @@ void bind_moe(py::module_& m) {
     const weft::MoeDispatched d = weft::moe_dispatch(
         *c.comm, c.rank(), reinterpret_cast<const void*>(tokens), reinterpret_cast<const int32_t*>(experts),
         s, reinterpret_cast<void*>(workspace), workspace_bytes, parse_dtype(dtype), c.stream(stream));
-    const int64_t per = s.num_experts / c.rank().world();
-    return py::make_tuple(
-        view_of(c, const_cast<void*>(d.rows), {d.capacity, s.hidden}, dtype),
-        view_of(c, const_cast<int32_t*>(d.group_end), {per}, "int32"), reinterpret_cast<uintptr_t>(d.row_of),
-        reinterpret_cast<uintptr_t>(d.experts), d.capacity, reinterpret_cast<uintptr_t>(d.counts),
-        reinterpret_cast<uintptr_t>(d.row_source),
-        d.group_rows ? py::object(py::cast(view_of(c, const_cast<int32_t*>(d.group_rows), {per}, "int32")))
-                     : py::object(py::none()));
+    return dispatched_tuple(c, d, s, dtype);
   });
+  // The dispatch and the first expert GEMM in one (bf16): c [capacity, n] (or n / 2 with swiglu) = rows . b
+  // per local expert, b [experts per rank, n, hidden] (b_nk) or [experts per rank, hidden, n]. Returns
+  // moe_dispatch's tuple.
+  m.def("moe_dispatch_grouped_gemm",
+        [](const Comm& c, uintptr_t tokens, uintptr_t experts, py::tuple shape, uintptr_t workspace,
+           uint64_t workspace_bytes, uintptr_t b, bool b_nk, int64_t n, bool swiglu, uintptr_t out,
+           uintptr_t stream) {
+          const weft::MoeShape s = moe_shape(shape);
+          const weft::MoeDispatched d = weft::moe_dispatch_grouped_gemm(
+              *c.comm, c.rank(), reinterpret_cast<const void*>(tokens),
+              reinterpret_cast<const int32_t*>(experts), s, reinterpret_cast<void*>(workspace), workspace_bytes,
+              reinterpret_cast<const void*>(b), b_nk ? weft::BLayout::kNK : weft::BLayout::kKN, n,
+              swiglu ? weft::GemmActivation::kSwiGLU : weft::GemmActivation::kNone, reinterpret_cast<void*>(out),
+              c.stream(stream));
+          return dispatched_tuple(c, d, s, "bf16");
+        });
   // The exact-count read-back of the last dispatch on this rank (synchronises its stream): (rows per local
   // expert, padded group ends, rows in use). counts: the dispatch's counts table (moe_dispatch's 6th value).
   m.def("moe_counts",

@@ -239,8 +239,19 @@ def main():
             check(f"moe_layer low latency{' (SwiGLU epilogue)' if interleaved else ''} against the dispatch of record",
                   ll, rec)
             cases += 1
-    # The default (fused_combine=None) without gradients at max_tokens >= 2048 (inter <= 4096) takes the fused
-    # down GEMM + combine: against the unfused layer.
+    # The dispatch fused with the first GEMM (inference) against the unfused layer, both SwiGLU forms.
+    with torch.no_grad():
+        for interleaved in (False, True):
+            up = weft.swiglu_interleave(w_up) if interleaved else w_up
+            fused = weft.moe_layer(x, ids, weights, up, w_down, num_experts, max_tokens=max_tokens,
+                                   swiglu_interleaved=interleaved, fused_dispatch=True)
+            rec = weft.moe_layer(x, ids, weights, up, w_down, num_experts, max_tokens=max_tokens,
+                                 swiglu_interleaved=interleaved, fused_dispatch=False)
+            check(f"moe_layer fused dispatch{' (SwiGLU epilogue)' if interleaved else ''} against the unfused layer",
+                  fused, rec)
+            cases += 1
+    # The default without gradients at max_tokens >= 2048 takes the fused down GEMM + combine (inter <= 4096),
+    # and from 4 ranks with at most 32 experts the fused dispatch too: against the unfused layer.
     big = 2048
     xb = torch.randn(big, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
     ids_big = torch.randint(-1, num_experts, (big, top_k), device="cuda", generator=g, dtype=torch.int32)
@@ -248,8 +259,9 @@ def main():
     with torch.no_grad():
         picked = weft.moe_layer(xb, ids_big, weights_big, w_up, w_down, num_experts, max_tokens=big)
         unfused = weft.moe_layer(xb, ids_big, weights_big, w_up, w_down, num_experts, max_tokens=big,
-                                 fused_combine=False)
-    check("moe_layer's default at max_tokens 2048 (the fused combine) against the unfused layer", picked, unfused)
+                                 fused_combine=False, fused_dispatch=False)
+    check("moe_layer's default at max_tokens 2048 (the fused combine; at 4 ranks the fused dispatch) against the "
+          "unfused layer", picked, unfused)
     cases += 1
     # Symmetric tensors through DLPack, out=, and a captured graph.
     n = 1 << 20

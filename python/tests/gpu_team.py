@@ -413,8 +413,8 @@ def moe_layer_training(team, g):
 
 
 def moe_low_latency(team, g):
-    """weft.moe_layer with the low-latency dispatch (inference, under torch.no_grad()) against plain torch in fp32
-    over the whole team's tokens and experts, both SwiGLU forms; each group's received rows against the slots
+    """weft.moe_layer with the low-latency dispatch, and with the dispatch fused with the first GEMM (inference,
+    under torch.no_grad()) against plain torch in fp32 over the whole team's tokens and experts, both SwiGLU forms; each group's received rows against the slots
     routed to it; a gradient through it refused."""
     global cases
     w = team.world_size
@@ -446,6 +446,17 @@ def moe_low_latency(team, g):
             outs = team.run(layer, *args)
             for r in range(w):
                 check(f"MoE layer, low latency, W={w}{' SwiGLU epilogue' if interleaved else ''}: rank {r}",
+                      outs[r], wants[r], 3e-2)
+        # The dispatch and the first GEMM in one kernel (fused_dispatch=True), both SwiGLU forms.
+        for interleaved in (False, True):
+            layer = lambda c, x, i, wt, up, down: weft.moe_layer(  # noqa: E731
+                x, i, wt, weft.swiglu_interleave(up) if interleaved else up, down, num_experts,
+                max_tokens=max_tokens, comm=c, swiglu_interleaved=interleaved, fused_dispatch=True)
+            args = (xs, ids, weights, ups, downs)
+            team.warmup(layer, *args)
+            outs = team.run(layer, *args)
+            for r in range(w):
+                check(f"MoE layer, fused dispatch, W={w}{' SwiGLU epilogue' if interleaved else ''}: rank {r}",
                       outs[r], wants[r], 3e-2)
         d = team.run(lambda c, x, i: weft.moe_dispatch(x, i, num_experts, max_tokens=max_tokens, comm=c,
                                                        low_latency=True), xs, ids)

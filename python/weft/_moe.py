@@ -9,7 +9,7 @@ from . import _weft
 from ._args import _comm, _dtype_name, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
 
-__all__ = ["grouped_mm", "swiglu_interleave", "MoeDispatch", "moe_dispatch", "moe_dispatch_fp8", "moe_combine_input", "moe_combine", "moe_grouped_mm_combine", "moe_layer"]
+__all__ = ["grouped_mm", "swiglu_interleave", "MoeDispatch", "moe_dispatch", "moe_dispatch_grouped_mm", "moe_dispatch_fp8", "moe_combine_input", "moe_combine", "moe_grouped_mm_combine", "moe_layer"]
 
 
 # ---- grouped GEMM (one GPU, no communicator) ---------------------------------------------------------------
@@ -199,6 +199,42 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None,
                        group_rows=group_rows if low_latency else None)
 
 
+def moe_dispatch_grouped_mm(x, experts, num_experts, w, max_tokens=None, align=128, comm=None, activation=None):
+    """weft.moe_dispatch and the first expert GEMM in one kernel (inference: under torch.no_grad()): each
+    128-row tile's GEMM starts once its rows have landed, the rows moved by the GEMM's idle loader warps.
+    Returns (out, d): d as weft.moe_dispatch(x, experts, num_experts, max_tokens, align, comm) returns it, out
+    = weft.grouped_mm(d.rows, w, d.group_end, activation=activation) ([capacity, N], or [capacity, N / 2] with
+    activation="swiglu": w's columns in weft.swiglu_interleave's order). x [tokens, hidden] bf16; w [experts per
+    rank, hidden, N] bf16 (torch._grouped_mm's [E, K, N]; a transposed view of stacked nn.Linear weights is read
+    in place); align a multiple of 128. Every rank calls it. It waits for peers inside one kernel, so a team one
+    process drives (virtual ranks) runs it on each rank's share of the SMs, where the unfused pair is faster."""
+    where = "weft.moe_dispatch_grouped_mm"
+    c = _dispatch_args(x, experts, comm, where)
+    torch = _w._ops.torch
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w)):
+        raise WeftValueError(f"{where}: no backward: run it under torch.no_grad() (inference), or weft.moe_dispatch "
+                             "then weft.grouped_mm")
+    if activation not in (None, "swiglu"):
+        raise WeftValueError(f"{where}: activation must be None or 'swiglu', got {activation!r}")
+    if not _torch_tensor(w):
+        raise WeftTypeError(f"{where}: w must be a torch tensor")
+    tokens, hidden = x.shape
+    local = int(num_experts) // c.world_size
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.device != x.device:
+        raise WeftTypeError(f"{where}: x and w must be bf16 on this rank's GPU, got {x.dtype} and {w.dtype} on "
+                            f"{w.device}")
+    if w.dim() != 3 or w.shape[0] != local or w.shape[1] != hidden:
+        raise WeftValueError(f"{where}: w must be [{local} experts of this rank, {hidden}, N], got {tuple(w.shape)}")
+    if int(align) % 128:
+        raise WeftValueError(f"{where}: align must be a multiple of 128 (the GEMM's tile rows), got {align}")
+    shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts),
+             experts.shape[1], int(align), 0, 0)
+    stored, nk = _stored_weights(w)
+    out, rows, ends, row_of, kept = _w._ops.moe_dispatch_grouped_mm(
+        x.contiguous(), experts.to(torch.int32).contiguous(), stored, nk, activation == "swiglu", shape, c)
+    return out, MoeDispatch(c, shape, rows, ends, row_of, kept, rows.shape[0])
+
+
 def moe_dispatch_fp8(x, experts, num_experts, max_tokens=None, align=128, comm=None, low_latency=False):
     """weft.moe_dispatch with FP8 tokens (about half the bytes on the links): x quantized to e4m3 with 1 x 128
     block scales on this rank (weft.quantize_fp8's), each row travelling with its scales. Returns a MoeDispatch
@@ -318,8 +354,26 @@ def moe_grouped_mm_combine(a, b, dispatched, weights):
 _ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
 
 
+def _fused_dispatch_faster(c, num_experts, max_tokens):
+    """moe_layer's rule for fused_dispatch=None (inference): where the dispatch fused with the first GEMM measured
+    faster than the unfused pair (4 x H200: 8 and 32 experts from 2048 tokens a rank; bench/RESULTS.md)."""
+    return c._c.local_ranks == 1 and c.world_size >= 4 and int(num_experts) <= 32 and max_tokens >= 2048
+
+
+def _activated(h, activation, inter, in_epilogue):
+    """The first GEMM's output h after the layer's activation (SwiGLU: silu(gate) * up, gate columns first), or h
+    itself where the GEMM's epilogue applied it."""
+    if in_epilogue:
+        return h
+    F = _w._ops.torch.nn.functional
+    if activation == "swiglu":
+        return F.silu(h[:, :inter]) * h[:, inter:]
+    return {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation](h)
+
+
 def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu", max_tokens=None, align=128,
-              comm=None, exact=False, swiglu_interleaved=False, fused_combine=None, low_latency=False):
+              comm=None, exact=False, swiglu_interleaved=False, fused_combine=None, low_latency=False,
+              fused_dispatch=None):
     """The experts of an expert-parallel MoE layer: dispatch, grouped_mm up, activation, grouped_mm down, combine.
 
     x [tokens, hidden] bf16; experts [tokens, top_k] global expert ids (-1: a dropped slot); weights [tokens,
@@ -342,6 +396,11 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
     so use it with swiglu_interleaved=True (the activation in the first GEMM's epilogue, over those rows only;
     another activation runs over every group's whole capacity); the second GEMM writes into the combine's
     area directly. Not with exact or fused_combine.
+    fused_dispatch=True: the dispatch and the first GEMM in one kernel (weft.moe_dispatch_grouped_mm; inference,
+    not with exact or low_latency); None (the default) picks it where it measured faster: without gradients, on
+    a team of one process a GPU of at least 4 ranks, with at most 32 experts and max_tokens >= 2048 (1.10-1.14x
+    the unfused pair at 4 x H200 with 8 or 32 experts; slower with 256 experts, at 1024 tokens, at 2 GPUs:
+    bench/RESULTS.md, "The fused dispatch + up GEMM"), else unfused.
     """
     where = "weft.moe_layer"
     if activation not in _ACTIVATIONS:
@@ -364,26 +423,30 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
                              f"[{local}, inter, {hidden}], got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
     if low_latency and (exact or fused_combine):
         raise WeftValueError(f"{where}: low_latency=True takes neither exact=True nor fused_combine=True")
-    d = moe_dispatch(x, experts, num_experts, max_tokens=max_tokens, align=align, comm=comm, exact=exact,
-                     low_latency=low_latency)
-    F = _w._ops.torch.nn.functional
-    live = d.group_rows  # low latency: the GEMMs walk only the rows each group received
+    if fused_dispatch and (exact or low_latency):
+        raise WeftValueError(f"{where}: fused_dispatch=True takes neither exact=True nor low_latency=True")
+    grad = _w._ops.torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_up, w_down))
+    if fused_dispatch is None:
+        fused_dispatch = not (low_latency or exact or grad) and _fused_dispatch_faster(
+            c, num_experts, int(max_tokens) if max_tokens is not None else x.shape[0])
+    epilogue = activation == "swiglu" and swiglu_interleaved  # SwiGLU in the first GEMM's epilogue
+    if fused_dispatch:
+        h, d = moe_dispatch_grouped_mm(x, experts, num_experts, w_up, max_tokens=max_tokens, align=align, comm=comm,
+                                       activation="swiglu" if epilogue else None)
+        live = None
+    else:
+        d = moe_dispatch(x, experts, num_experts, max_tokens=max_tokens, align=align, comm=comm, exact=exact,
+                         low_latency=low_latency)
+        live = d.group_rows  # low latency: the GEMMs walk only the rows each group received
     if d.rows.shape[0] == 0:  # exact counts, no row here: the experts' weights still get (zero) gradients
-        h = d.rows @ w_up[0]
-        a = F.silu(h[:, :inter]) * h[:, inter:] if activation == "swiglu" else h
+        a = _activated(d.rows @ w_up[0], activation, inter, False)
         return moe_combine(a @ w_down[0], d, weights)
     # Rows past the last group are never read by combine, nor by any backward: left unwritten.
-    if activation == "swiglu" and swiglu_interleaved:
-        a = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False, activation="swiglu",
-                       group_rows=live)
-    else:
-        h = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False, group_rows=live)
-        if activation == "swiglu":
-            a = F.silu(h[:, :inter]) * h[:, inter:]
-        else:
-            a = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation](h)
+    if not fused_dispatch:
+        h = grouped_mm(d.rows, w_up, d.group_end, validate=False, zero_unused_rows=False,
+                       activation="swiglu" if epilogue else None, group_rows=live)
+    a = _activated(h, activation, inter, epilogue)
     if fused_combine is None:
-        grad = _w._ops.torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_up, w_down))
         fused_combine = not (low_latency or exact or grad) and inter <= 4096 and d._shape[1] >= 2048
     if fused_combine:
         return moe_grouped_mm_combine(a, w_down, d, weights)

@@ -921,6 +921,52 @@ def moe_dispatch(x, ids, shape, comm, exact=False):
     return rows, ends, row_of, kept, counts, group_rows
 
 
+# The dispatch and the first expert GEMM in one kernel (inference: no autograd): c [capacity, n] (or n / 2
+# with SwiGLU in the epilogue) = each group's rows . its expert's b, and the dispatch's handle as
+# _moe_dispatch returns it.
+@_operator("weft::moe_dispatch_grouped_mm")
+def _moe_dispatch_grouped_mm(x: Tensor, experts: Tensor, b: Tensor, b_nk: bool, swiglu: bool, shape: list[int],
+                             world: int, comm: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    tokens, top_k = shape[0], shape[4]
+    n = b.shape[1] if b_nk else b.shape[2]
+    capacity = _moe_capacity(shape, world)
+    out = x.new_empty((capacity, n // 2 if swiglu else n))
+    if EMULATE:
+        slots = torch.full((tokens, top_k), -1, dtype=torch.int32, device=x.device)
+        ends = x.new_zeros((shape[3] // world,), dtype=torch.int32)
+        return out.zero_(), x.new_zeros((capacity, shape[2])), ends, slots, slots.clone()
+    native = _native(comm)
+    nbytes = _weft.moe_dispatch_workspace_bytes(world, tuple(shape))
+    ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=x.device)
+    rows, ends, row_of, kept, _, counts, row_source, _ = _weft.moe_dispatch_grouped_gemm(
+        native, x.data_ptr(), experts.data_ptr(), tuple(shape), ws.data_ptr(), nbytes, b.data_ptr(), b_nk, n,
+        swiglu, out.data_ptr(), _stream(x))
+    _last_counts[comm] = counts
+    _last_row_source[comm] = row_source
+
+    def slots(ptr):  # as _moe_dispatch's
+        at = ptr - ws.data_ptr()
+        return ws[at:at + 4 * tokens * top_k].view(torch.int32).view(tokens, top_k).clone()
+
+    return out, torch.from_dlpack(rows), torch.from_dlpack(ends).clone(), slots(row_of), slots(kept)
+
+
+@_moe_dispatch_grouped_mm.register_fake
+def _(x, experts, b, b_nk, swiglu, shape, world, comm):
+    tokens, top_k = shape[0], shape[4]
+    n = b.shape[1] if b_nk else b.shape[2]
+    capacity = _moe_capacity(shape, world)
+    slots = experts.new_empty((tokens, top_k), dtype=torch.int32)
+    return (x.new_empty((capacity, n // 2 if swiglu else n)), x.new_empty((capacity, shape[2])),
+            x.new_empty((shape[3] // world,), dtype=torch.int32), slots, slots.new_empty((tokens, top_k)))
+
+
+def moe_dispatch_grouped_mm(x, ids, b, b_nk, swiglu, shape, comm):
+    """x, ids (int32, contiguous), b (as stored) checked by the caller; returns (c, rows, group_end, row_of,
+    kept)."""
+    return _moe_dispatch_grouped_mm(x, ids, b, b_nk, swiglu, list(shape), comm.world_size, comm._id)
+
+
 def moe_combine(expert_out, row_of, kept, weights, shape, comm, group_rows=None):
     if group_rows is None:
         group_rows = row_of.new_empty((0,))
