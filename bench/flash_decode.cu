@@ -1,11 +1,12 @@
-// weft-bench flash_decode: weft::flash_decode (q_len 1, bf16, D 128) on a team of one (GPU 0) and over all
-// the team's GPUs (each sequence's cache split evenly), against the floor: the KV bytes a rank reads over the
-// GPU's copy rate (cudaMemcpy device to device of 1 GiB, read + write traffic, measured in the same run).
-// CUDA graphs of many calls, the slowest rank's median; team rows also with the output on rank 0 alone
-// (DecodeOptions::out_rank). The torch baselines (SDPA; local decode + NCCL
-// all-gather + merge) are python/benchmarks' to add.
+// weft-bench flash_decode: weft::flash_decode (q_len 1, bf16, D 128) on a team of one (GPU 0; a team row's
+// local part also on each of the team's GPUs alone) and over all the team's GPUs (each sequence's cache split
+// evenly), against the floor: the KV bytes a rank reads over the GPU's copy rate (cudaMemcpy device to device
+// of 1 GiB, read + write traffic, measured in the same run). CUDA graphs of many calls, the slowest rank's
+// median; team rows also with the output on rank 0 alone (DecodeOptions::out_rank). The torch baselines
+// (SDPA; local decode + NCCL all-gather + merge) are python/benchmarks/decode.py's.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <memory>
 #include <vector>
@@ -117,7 +118,7 @@ DecodeRow run_case(Context& ctx, Communicator& comm, const std::vector<cudaStrea
           {std::to_string(W), std::to_string(c.batch), std::to_string(c.seq),
            fmt("%lld/%lld", (long long)c.heads, (long long)c.kv_heads), fmt("%.1f", us), one_rank_us,
            fmt("%.1f", floor_us), fmt("%.0f", bytes / (us * 1e-6) / 1e9),
-           fmt("%.0f%%", 100.0 * floor_us / us), "", ""}};
+           fmt("%.0f%%", 100.0 * floor_us / us), "", "", "", ""}};
 }
 
 void run_flash_decode(Context& ctx) {
@@ -130,30 +131,43 @@ void run_flash_decode(Context& ctx) {
   Table t(
       fmt("flash_decode, bf16, D 128, q_len 1, on %s and on one GPU", ctx.team_label().c_str()),
       {"GPUs", "batch", "tokens", "heads", "weft us", "out on rank 0 us", "floor us", "KV GB/s per GPU",
-       "floor / weft", "local part on one GPU us", "team - local us"},
+       "floor / weft", "local part on one GPU us", "team - local us", "local part, slowest GPU us",
+       "team - slowest local us"},
       fmt("floor = the KV bytes a GPU reads / the device-to-device copy's traffic rate measured in the same "
           "run (%.0f GB/s); the team splits each sequence's cache evenly. Graphs of 20 calls, the slowest "
-          "rank's median. local part = the same call on one GPU over one rank's share of the tokens "
-          "(issue 55's team target: team <= local + 10 us).",
+          "rank's median. local part = the same call on one GPU (the team's first) over one rank's share of "
+          "the tokens (issue 55's team target: team <= local + 10 us); slowest GPU: the local part timed on "
+          "each of the team's GPUs alone, in turn, the largest (the team's calls wait for their slowest rank).",
           rate / 1e9));
-  Options one;
-  one.devices = {comm.local(0).device()};
-  std::unique_ptr<Communicator> single = Communicator::create_single_process(one);
+  // A team of one on each local GPU: the local part alone on every GPU of the team.
+  std::vector<std::unique_ptr<Communicator>> singles;
+  for (int i = 0; i < comm.num_local(); ++i) {
+    Options one;
+    one.devices = {comm.local(i).device()};
+    singles.push_back(Communicator::create_single_process(one));
+  }
+  Communicator& single = *singles[0];
   const std::vector<cudaStream_t> one_stream = {team.streams[0]};
   std::vector<Table> timelines;
   if (!ctx.timeline_dir.empty()) std::filesystem::create_directories(ctx.timeline_dir);
   for (const DecodeCase& c : cases) {
     ctx.progress("flash_decode: batch %lld tokens %lld, one GPU", (long long)c.batch, (long long)c.seq);
-    t.add(run_case(ctx, *single, one_stream, c, rate, nullptr, timelines).cells);
+    t.add(run_case(ctx, single, one_stream, c, rate, nullptr, timelines).cells);
     const int W = comm.world();
     if (W > 1) {
       ctx.progress("flash_decode: batch %lld tokens %lld, %d GPUs", (long long)c.batch, (long long)c.seq, W);
       DecodeRow row = run_case(ctx, comm, team.streams, c, rate, &team, timelines);
       DecodeCase part = c;
       part.seq = (c.seq + W - 1) / W;
-      const double local_us = run_case(ctx, *single, one_stream, part, rate, nullptr, timelines).us;
+      const double local_us = run_case(ctx, single, one_stream, part, rate, nullptr, timelines).us;
+      double slowest_us = local_us;
+      for (size_t i = 1; i < singles.size(); ++i)
+        slowest_us = std::max(
+            slowest_us, run_case(ctx, *singles[i], {team.streams[i]}, part, rate, nullptr, timelines).us);
       row.cells[9] = fmt("%.1f", local_us);
       row.cells[10] = fmt("%.1f", row.us - local_us);
+      row.cells[11] = fmt("%.1f", slowest_us);
+      row.cells[12] = fmt("%.1f", row.us - slowest_us);
       t.add(row.cells);
     }
   }
