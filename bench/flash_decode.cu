@@ -36,10 +36,10 @@ struct DecodeRow {
   std::vector<std::string> cells;
 };
 
-// One row: every local rank's part of the cache (seq / W tokens of each sequence), timed in graphs. On a
-// team with --timeline, one call's in-kernel timeline (TimelinePhase::kDecode's steps) into `timelines`.
+// One row: every local rank's part of the cache (seq / W tokens of each sequence), timed in graphs. With
+// --timeline and `timelines`, one call's in-kernel timeline (TimelinePhase::kDecode's steps) into it.
 DecodeRow run_case(Context& ctx, Communicator& comm, const std::vector<cudaStream_t>& streams,
-                   const DecodeCase& c, double rate, BenchTeam* team, std::vector<Table>& timelines) {
+                   const DecodeCase& c, double rate, BenchTeam* team, std::vector<Table>* timelines) {
   const int W = comm.world(), L = comm.num_local();
   const int64_t local = (c.seq + W - 1) / W, D = 128;
   const DecodeShape shape{c.batch, 1, c.heads, c.kv_heads, D, local};
@@ -94,19 +94,20 @@ DecodeRow run_case(Context& ctx, Communicator& comm, const std::vector<cudaStrea
   const double us = timed();
   // One call, and three in one graph: the ranks start apart in the first (one host thread launches them in
   // turn) and re-align through its merges, so the later calls show the steady state the timed graphs of 20
-  // measure.
+  // measure. Teams of one too (the local part against which a team's overhead is read).
   for (int calls : {1, 3})
-    if (team && !ctx.timeline_dir.empty())
-      timelines.push_back(record_timeline(
+    if (timelines && !ctx.timeline_dir.empty())
+      timelines->push_back(record_timeline(
           comm, streams,
           [&] {
             for (int k = 0; k < calls; ++k) call(0);
           },
-          fmt("flash_decode batch=%lld tokens=%lld heads=%lld/%lld, %d call%s in one graph",
-              (long long)c.batch, (long long)c.seq, (long long)c.heads, (long long)c.kv_heads, calls,
-              calls > 1 ? "s" : ""),
-          ctx.timeline_dir + fmt("/flash_decode_%lld_%lld_%lld_x%d.csv", (long long)c.batch, (long long)c.seq,
-                                 (long long)c.heads, calls)));
+          fmt("flash_decode on %d GPU%s, batch=%lld tokens=%lld (this rank's %lld) heads=%lld/%lld, %d call%s "
+              "in one graph",
+              W, W > 1 ? "s" : "", (long long)c.batch, (long long)c.seq, (long long)local, (long long)c.heads,
+              (long long)c.kv_heads, calls, calls > 1 ? "s" : ""),
+          ctx.timeline_dir + fmt("/flash_decode_w%d_%lld_%lld_%lld_x%d.csv", W, (long long)c.batch,
+                                 (long long)c.seq, (long long)c.heads, calls)));
   std::string one_rank_us;
   if (W > 1) {
     o.out_rank = 0;
@@ -152,18 +153,18 @@ void run_flash_decode(Context& ctx) {
   if (!ctx.timeline_dir.empty()) std::filesystem::create_directories(ctx.timeline_dir);
   for (const DecodeCase& c : cases) {
     ctx.progress("flash_decode: batch %lld tokens %lld, one GPU", (long long)c.batch, (long long)c.seq);
-    t.add(run_case(ctx, single, one_stream, c, rate, nullptr, timelines).cells);
+    t.add(run_case(ctx, single, one_stream, c, rate, nullptr, &timelines).cells);
     const int W = comm.world();
     if (W > 1) {
       ctx.progress("flash_decode: batch %lld tokens %lld, %d GPUs", (long long)c.batch, (long long)c.seq, W);
-      DecodeRow row = run_case(ctx, comm, team.streams, c, rate, &team, timelines);
+      DecodeRow row = run_case(ctx, comm, team.streams, c, rate, &team, &timelines);
       DecodeCase part = c;
       part.seq = (c.seq + W - 1) / W;
-      const double local_us = run_case(ctx, single, one_stream, part, rate, nullptr, timelines).us;
+      const double local_us = run_case(ctx, single, one_stream, part, rate, nullptr, &timelines).us;
       double slowest_us = local_us;
       for (size_t i = 1; i < singles.size(); ++i)
         slowest_us = std::max(
-            slowest_us, run_case(ctx, *singles[i], {team.streams[i]}, part, rate, nullptr, timelines).us);
+            slowest_us, run_case(ctx, *singles[i], {team.streams[i]}, part, rate, nullptr, nullptr).us);
       row.cells[9] = fmt("%.1f", local_us);
       row.cells[10] = fmt("%.1f", row.us - local_us);
       row.cells[11] = fmt("%.1f", slowest_us);
