@@ -129,6 +129,12 @@ void run_flash_decode(Context& ctx) {
   std::vector<DecodeCase> cases = {{1, 8192, 64, 8},  {1, 131072, 64, 8}, {16, 8192, 64, 8},
                                    {64, 8192, 32, 8}, {8, 32768, 32, 8},  {1, 1 << 20, 64, 8}};
   if (ctx.quick) cases = {{1, 32768, 64, 8}, {16, 8192, 64, 8}, {8, 32768, 32, 8}};
+  if (ctx.decode_grid) {  // issue 55's local target: batch 1-64 x 8k-128k tokens, GQA 64/8 and 32/8
+    cases.clear();
+    for (int64_t heads : {64, 32})
+      for (int64_t batch : {1, 4, 16, 64})
+        for (int64_t seq : {8192, 32768, 131072}) cases.push_back({batch, seq, heads, 8});
+  }
   Table t(
       fmt("flash_decode, bf16, D 128, q_len 1, on %s and on one GPU", ctx.team_label().c_str()),
       {"GPUs", "batch", "tokens", "heads", "weft us", "out on rank 0 us", "floor us", "KV GB/s per GPU",
@@ -155,7 +161,7 @@ void run_flash_decode(Context& ctx) {
     ctx.progress("flash_decode: batch %lld tokens %lld, one GPU", (long long)c.batch, (long long)c.seq);
     t.add(run_case(ctx, single, one_stream, c, rate, nullptr, &timelines).cells);
     const int W = comm.world();
-    if (W > 1) {
+    if (W > 1 && !ctx.decode_grid) {
       ctx.progress("flash_decode: batch %lld tokens %lld, %d GPUs", (long long)c.batch, (long long)c.seq, W);
       DecodeRow row = run_case(ctx, comm, team.streams, c, rate, &team, &timelines);
       DecodeCase part = c;

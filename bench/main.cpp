@@ -29,6 +29,8 @@ int usage(int code) {
       "  --fused-m M1,M2,..          the fused modes' M values\n"
       "  --fused-ops ag,rs,ar        the fused ops run\n"
       "  --fused-progressive         fused: also time FusedOptions::Partials::kStagedProgressive (RS / AR)\n"
+      "  --decode-grid               flash_decode: the one-GPU kernel over batch 1..64 x 8k..128k tokens x heads\n"
+      "                              64/8 and 32/8 instead of the cases (no team rows)\n"
       "  --fused-epilogue-sum        fused: also time FusedOptions::Partials::kSummedInEpilogue (RS / AR)\n"
       "  --pipeline-pieces n         FusedOptions::pipeline_pieces of the weft and pipelined columns\n"
       "  --ag-comm-blocks n          FusedOptions::comm_blocks (all_gather_matmul's communicator blocks, "
@@ -116,6 +118,8 @@ int main(int argc, char** argv) {
       ctx.quick = true;
     else if (a == "--fused-progressive")
       ctx.fused_progressive = true;
+    else if (a == "--decode-grid")
+      ctx.decode_grid = true;
     else if (a == "--fused-epilogue-sum")
       ctx.fused_epilogue_sum = true;
     else if ((a == "--gpus" || a == "--ranks") && i + 1 < argc) {
