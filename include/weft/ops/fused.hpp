@@ -65,7 +65,8 @@ const char* fused_path_name(FusedPath p);
 
 struct FusedOptions {
   enum class Mode { kAuto, kFused, kSequential, kPipelined } mode = Mode::kAuto;
-  // Communicator blocks, 0 auto, else 1..32: all_gather_matmul's (auto: SM budget / 8, 2..16), and the
+  // Communicator blocks, 0 auto, else 1..32: all_gather_matmul's (auto: SM budget / 8 where N per rank is at
+  // most 4096, / 32 above (FP8: / 16), 2..16), and the
   // counted matmul_reduce_scatter / all_reduce's (Partials kAddedAtOwner / kStagedProgressive; auto: SM
   // budget / 16, 1..8, at most one per 64-row half of a shard).
   int comm_blocks = 0;
