@@ -239,17 +239,27 @@ def main():
             check(f"moe_layer low latency{' (SwiGLU epilogue)' if interleaved else ''} against the dispatch of record",
                   ll, rec)
             cases += 1
-    # The dispatch fused with the first GEMM (inference) against the unfused layer, both SwiGLU forms.
+    # The dispatch fused with the first GEMM (inference) against the unfused layer, both SwiGLU forms, the
+    # weights also as a transposed view of stacked [E, N, K] (nn.Linear's) weights; under grad mode refused.
     with torch.no_grad():
-        for interleaved in (False, True):
+        for interleaved, nk in ((False, False), (True, False), (True, True)):
             up = weft.swiglu_interleave(w_up) if interleaved else w_up
+            if nk:
+                up = up.transpose(1, 2).contiguous().transpose(1, 2)
             fused = weft.moe_layer(x, ids, weights, up, w_down, num_experts, max_tokens=max_tokens,
                                    swiglu_interleaved=interleaved, fused_dispatch=True)
             rec = weft.moe_layer(x, ids, weights, up, w_down, num_experts, max_tokens=max_tokens,
                                  swiglu_interleaved=interleaved, fused_dispatch=False)
-            check(f"moe_layer fused dispatch{' (SwiGLU epilogue)' if interleaved else ''} against the unfused layer",
-                  fused, rec)
+            label = (" (SwiGLU epilogue)" if interleaved else "") + (", [E, N, K] weights" if nk else "")
+            check(f"moe_layer fused dispatch{label} against the unfused layer", fused, rec)
             cases += 1
+    try:
+        weft.moe_layer(x, ids, weights.clone().requires_grad_(), w_up, w_down, num_experts, max_tokens=max_tokens,
+                       fused_dispatch=True)
+        raise AssertionError("moe_layer(fused_dispatch=True) with a weight that needs a gradient was not refused")
+    except weft.WeftValueError as e:
+        assert "torch.no_grad" in str(e), e
+    cases += 1
     # The default without gradients at max_tokens >= 2048 takes the fused down GEMM + combine (inter <= 4096),
     # and from 4 ranks with at most 32 experts the fused dispatch too: against the unfused layer.
     big = 2048

@@ -413,8 +413,9 @@ def moe_layer_training(team, g):
 
 
 def moe_low_latency(team, g):
-    """weft.moe_layer with the low-latency dispatch, and with the dispatch fused with the first GEMM (inference,
-    under torch.no_grad()) against plain torch in fp32 over the whole team's tokens and experts, both SwiGLU forms; each group's received rows against the slots
+    """weft.moe_layer with the low-latency dispatch, and with the dispatch fused with the first GEMM
+    (inference, under torch.no_grad()) against plain torch in fp32 over the whole team's tokens and experts,
+    both SwiGLU forms; each group's received rows against the slots
     routed to it; a gradient through it refused."""
     global cases
     w = team.world_size

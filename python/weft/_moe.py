@@ -202,22 +202,29 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None,
 def moe_dispatch_grouped_mm(x, experts, num_experts, w, max_tokens=None, align=128, comm=None, activation=None):
     """weft.moe_dispatch and the first expert GEMM in one kernel (inference: under torch.no_grad()): each
     128-row tile's GEMM starts once its rows have landed, the rows moved by the GEMM's idle loader warps.
-    Returns (out, d): d as weft.moe_dispatch(x, experts, num_experts, max_tokens, align, comm) returns it, out
-    = weft.grouped_mm(d.rows, w, d.group_end, activation=activation) ([capacity, N], or [capacity, N / 2] with
-    activation="swiglu": w's columns in weft.swiglu_interleave's order). x [tokens, hidden] bf16; w [experts per
-    rank, hidden, N] bf16 (torch._grouped_mm's [E, K, N]; a transposed view of stacked nn.Linear weights is read
-    in place); align a multiple of 128. Every rank calls it. It waits for peers inside one kernel, so a team one
-    process drives (virtual ranks) runs it on each rank's share of the SMs, where the unfused pair is faster."""
+    Returns (out, d): d the dispatch's handle (as weft.moe_dispatch(x, experts, num_experts, max_tokens, align,
+    comm) returns it; d.rows a view of the team's dispatch area, valid until the next dispatch), and out
+    [capacity, N] (or [capacity, N / 2] with activation="swiglu": w's columns in weft.swiglu_interleave's
+    order) = each group's rows times its expert's w, as weft.grouped_mm(d.rows, w, d.group_end,
+    activation=activation) computes them on the rows of the groups; rows past the last group's end are left
+    unwritten and the groups' padding rows hold whatever the area held (their outputs may be NaN or inf,
+    which combine never reads). x [tokens, hidden] bf16; w [experts per rank, hidden, N] bf16 (torch._grouped_mm's
+    [E, K, N]; a transposed view of stacked nn.Linear weights is read in place), N a multiple of 8 (256 with
+    SwiGLU); align a multiple of 128. Every rank calls it, with the same max_tokens (or as many tokens). It waits
+    for peers inside one kernel, so a team one process drives (virtual ranks) runs it on each rank's share of
+    the SMs, where the unfused pair is faster."""
     where = "weft.moe_dispatch_grouped_mm"
     c = _dispatch_args(x, experts, comm, where)
     torch = _w._ops.torch
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w)):
+    if torch.is_grad_enabled() and any(_torch_tensor(t) and t.requires_grad for t in (x, w)):
         raise WeftValueError(f"{where}: no backward: run it under torch.no_grad() (inference), or weft.moe_dispatch "
                              "then weft.grouped_mm")
     if activation not in (None, "swiglu"):
         raise WeftValueError(f"{where}: activation must be None or 'swiglu', got {activation!r}")
     if not _torch_tensor(w):
         raise WeftTypeError(f"{where}: w must be a torch tensor")
+    if int(num_experts) % c.world_size:
+        raise WeftValueError(f"{where}: num_experts ({num_experts}) must split evenly over the {c.world_size} ranks")
     tokens, hidden = x.shape
     local = int(num_experts) // c.world_size
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.device != x.device:
@@ -225,10 +232,15 @@ def moe_dispatch_grouped_mm(x, experts, num_experts, w, max_tokens=None, align=1
                             f"{w.device}")
     if w.dim() != 3 or w.shape[0] != local or w.shape[1] != hidden:
         raise WeftValueError(f"{where}: w must be [{local} experts of this rank, {hidden}, N], got {tuple(w.shape)}")
+    n = w.shape[2]
+    if n % 8 or (activation == "swiglu" and n % 256):
+        raise WeftValueError(f"{where}: N must be a multiple of {256 if activation == 'swiglu' else 8} (16-byte rows"
+                             f"{'; gate and up columns in blocks of 128' if activation == 'swiglu' else ''}), got {n}")
     if int(align) % 128:
         raise WeftValueError(f"{where}: align must be a multiple of 128 (the GEMM's tile rows), got {align}")
+    # (zero_padding under grad mode, as moe_dispatch: a caller's later backward may read the padding rows)
     shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts),
-             experts.shape[1], int(align), 0, 0)
+             experts.shape[1], int(align), int(torch.is_grad_enabled()), 0)
     stored, nk = _stored_weights(w)
     out, rows, ends, row_of, kept = _w._ops.moe_dispatch_grouped_mm(
         x.contiguous(), experts.to(torch.int32).contiguous(), stored, nk, activation == "swiglu", shape, c)
@@ -354,10 +366,12 @@ def moe_grouped_mm_combine(a, b, dispatched, weights):
 _ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
 
 
-def _fused_dispatch_faster(c, num_experts, max_tokens):
+def _fused_dispatch_faster(c, num_experts, max_tokens, epilogue):
     """moe_layer's rule for fused_dispatch=None (inference): where the dispatch fused with the first GEMM measured
-    faster than the unfused pair (4 x H200: 8 and 32 experts from 2048 tokens a rank; bench/RESULTS.md)."""
-    return c._c.local_ranks == 1 and c.world_size >= 4 and int(num_experts) <= 32 and max_tokens >= 2048
+    faster than the unfused pair (4 x H200, SwiGLU in the GEMM's epilogue: 8 and 32 experts from 2048 tokens a
+    rank; bench/RESULTS.md). The same on every rank (max_tokens, the weights' shapes and the team's)."""
+    return epilogue and c._c.local_ranks == 1 and c.world_size >= 4 and int(num_experts) <= 32 \
+        and max_tokens >= 2048
 
 
 def _activated(h, activation, inter, in_epilogue):
@@ -397,10 +411,11 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
     another activation runs over every group's whole capacity); the second GEMM writes into the combine's
     area directly. Not with exact or fused_combine.
     fused_dispatch=True: the dispatch and the first GEMM in one kernel (weft.moe_dispatch_grouped_mm; inference,
-    not with exact or low_latency); None (the default) picks it where it measured faster: without gradients, on
-    a team of one process a GPU of at least 4 ranks, with at most 32 experts and max_tokens >= 2048 (1.10-1.14x
-    the unfused pair at 4 x H200 with 8 or 32 experts; slower with 256 experts, at 1024 tokens, at 2 GPUs:
-    bench/RESULTS.md, "The fused dispatch + up GEMM"), else unfused.
+    not with exact or low_latency); None (the default) picks it where it measured faster: without gradients,
+    with swiglu_interleaved=True, on a team of one process a GPU of at least 4 ranks, with at most 32 experts
+    and max_tokens >= 2048 (1.09-1.12x the unfused pair at 4 x H200 with 8 or 32 experts; slower with 256
+    experts, at 1024 tokens, at 2 GPUs: bench/RESULTS.md), else unfused. Every rank must pass the same
+    max_tokens (or as many tokens): the ranks' choices must agree.
     """
     where = "weft.moe_layer"
     if activation not in _ACTIVATIONS:
@@ -423,13 +438,14 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
                              f"[{local}, inter, {hidden}], got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
     if low_latency and (exact or fused_combine):
         raise WeftValueError(f"{where}: low_latency=True takes neither exact=True nor fused_combine=True")
-    if fused_dispatch and (exact or low_latency):
-        raise WeftValueError(f"{where}: fused_dispatch=True takes neither exact=True nor low_latency=True")
     grad = _w._ops.torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_up, w_down))
+    if fused_dispatch and (exact or low_latency or grad):
+        raise WeftValueError(f"{where}: fused_dispatch=True is for inference (no gradient: under torch.no_grad()) "
+                             "and takes neither exact=True nor low_latency=True; else pass fused_dispatch=False")
+    epilogue = activation == "swiglu" and swiglu_interleaved  # SwiGLU in the first GEMM's epilogue
     if fused_dispatch is None:
         fused_dispatch = not (low_latency or exact or grad) and _fused_dispatch_faster(
-            c, num_experts, int(max_tokens) if max_tokens is not None else x.shape[0])
-    epilogue = activation == "swiglu" and swiglu_interleaved  # SwiGLU in the first GEMM's epilogue
+            c, num_experts, int(max_tokens) if max_tokens is not None else x.shape[0], epilogue)
     if fused_dispatch:
         h, d = moe_dispatch_grouped_mm(x, experts, num_experts, w_up, max_tokens=max_tokens, align=align, comm=comm,
                                        activation="swiglu" if epilogue else None)

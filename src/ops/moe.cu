@@ -1041,6 +1041,9 @@ MoeDispatched dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* 
         0, &gemm);
     return handle(buf);
   }
+  // The GEMM's arguments checked before the count exchange is queued: a refusal after it would leave the
+  // peers waiting in their meetings.
+  ops::grouped_gemm_dispatch(b, c, z.capacity, n, shape.hidden, b_layout, rows, stream, o, false);
   place_rows(comm, rank, experts, shape, buf, stream);
   ops::grouped_gemm_dispatch(b, c, z.capacity, n, shape.hidden, b_layout, rows, stream, o);
   return handle(buf);
