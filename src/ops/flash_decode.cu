@@ -13,7 +13,6 @@
 #include "op_args.hpp"
 #include "weft/ops/flash_decode.cuh"
 #include "weft/ops/flash_decode.hpp"
-#include "weft/runtime/current_device.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/kernel_preload.hpp"
 
@@ -84,18 +83,12 @@ struct Split {
   size_t smem;
 };
 
-// Also lets the kernel have its shared memory (past the default 48 KiB: the warps' K / V stages) on `device`,
-// before the occupancy query and any launch (split_of, on every call's path, asks first).
 template <class T, int kD>
 int resident_per_sm(int device, size_t smem) {
   static std::atomic<int> cached[64];  // per device (0: not asked yet)
   std::atomic<int>& c = cached[device % 64];
   int n = c.load();
   if (n == 0) {
-    detail::CurrentDeviceGuard keep;
-    WEFT_CUDA_CHECK(cudaSetDevice(device));
-    WEFT_CUDA_CHECK(cudaFuncSetAttribute(ops::flash_decode_kernel<T, kD>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     WEFT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ops::flash_decode_kernel<T, kD>,
                                                                   ops::kDecodeWarps * 32, smem));
     n = std::max(n, 1);

@@ -1,5 +1,5 @@
 // The bulk-copy engine (TMA, non-tensor form) and the mbarrier it completes on. One thread issues; the
-// copy engine moves the bytes. Also a thread's own asynchronous 16-byte copies into shared memory (cp.async). Global addresses may be local or a peer's (through the symmetric heap), so
+// copy engine moves the bytes. Global addresses may be local or a peer's (through the symmetric heap), so
 // the same calls are a "put" (shared -> peer global) or a "get" (peer global -> shared).
 // Sizes and addresses must be multiples of 16 bytes.
 #pragma once
@@ -74,23 +74,6 @@ template <int N>
 __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 }
-// ---- cp.async: a thread's own 16-byte copies global -> shared, off the register file ----------------
-// Copies 16 bytes, or zero-fills them reading nothing where `valid` is false (gmem_src must still be a
-// global address). Completion per thread: cp_async_commit() closes a group, cp_async_wait<N>() waits until
-// at most N of this thread's groups are in flight; other threads see the bytes only after a barrier.
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 // Orders this thread's ordinary shared-memory writes before later copy-engine reads of them.
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");

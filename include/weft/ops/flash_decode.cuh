@@ -4,9 +4,8 @@
 //      + 16) of the KV head's G = q_len x heads / kv_heads query rows over tokens [s chunk, (s + 1) chunk) of
 //      b's cache on this rank, on tensor cores (mma.sync m16n8k16: at G = 8 the scores and P V take 2 G
 //      FMAs per cached element, more than CUDA cores deliver at HBM speed). Each warp takes 16 tokens a
-//      step (its lanes' 16-byte pieces of K and V copied by cp.async into a ring of its own in shared
-//      memory, kStages - 1 steps ahead, then read straight into MMA operands, V transposed in registers by
-//      movmatrix) and keeps an online softmax (running max m, sum l, unnormalised O in fp32, exp2 domain); the block
+//      step (16-byte loads of K and V straight into MMA operands, V transposed in registers by movmatrix)
+//      and keeps an online softmax (running max m, sum l, unnormalised O in fp32, exp2 domain); the block
 //      merges its warps in shared memory. With one split (S = 1) the partial (O, m, l) goes to the inbox of
 //      every rank that merges (every rank, or out_rank alone), then a relaxed add after a system fence into
 //      their landed counts of (b, h). With several, the partial goes to this rank's own inbox and the item is
@@ -37,7 +36,6 @@
 
 #include "weft/comm/call_epoch.cuh"
 #include "weft/comm/signal.cuh"
-#include "weft/device/bulk_copy.cuh"
 #include "weft/device/timeline.cuh"
 #include "weft/team_view.hpp"
 #include "weft/tile/mma_sync.cuh"
@@ -46,7 +44,7 @@ namespace weft::ops {
 
 inline constexpr int kDecodeRows = 16;        // query rows per work item (the MMA's M; G > 16 takes several)
 inline constexpr int kDecodeWarps = 4;        // per block
-inline constexpr int kDecodeBlocksPerSm = 2;  // resident (D 128: ~99 KiB of shared memory a block, 166 registers)
+inline constexpr int kDecodeBlocksPerSm = 2;  // resident (its registers: ~240 a thread)
 inline constexpr int kDecodeMaxPairs = 2048;  // (sequence, KV head) pairs of a call: landed counts per parity
 inline constexpr int kDecodeMaxParts =
     512;  // partials of a row to merge (world x splits): the merge's weights
@@ -112,20 +110,9 @@ struct DecodeKernel {
   static constexpr int kTiles = kSlabs * 4;                 // P V output tiles of 8 dims
   static constexpr int kTokensPerStep = kDecodeWarps * 16;  // a block's tokens per loop step
   static constexpr float kNeg = -1e30f;                     // "no score yet", finite
-  // Steps of K and V a warp has in flight (cp.async into shared memory) beside the one it computes on: the
-  // copies hold no registers, so HBM's latency hides behind more bytes than the registers of one prefetched
-  // step allowed.
-  static constexpr int kStages = 3;
-
-  // One warp's step in shared memory: the 16-byte pieces of K and V its lanes use (load_step's layout), lane
-  // minor, so a lane's writes and reads are conflict-free.
-  struct StepChunks {
-    uint4 k[2][kSlabs][32], v[2][kSlabs][32];
-  };
 
   struct Smem {
-    union {  // phase 1: the warps' K / V stages, then their partials; phase 2: each merged row's parts
-      StepChunks steps[kDecodeWarps][kStages];
+    union {  // phase 1: the warps' partials; phase 2: each merged row's parts
       float o[kDecodeWarps][kDecodeRows][kD];
       float2 ml[kDecodeWarps][kDecodeMaxParts];
     } u;
@@ -156,13 +143,11 @@ struct DecodeKernel {
     return (slot * p.kv_heads + h) * kD;
   }
 
-  // A warp's step from token base into `st`: tokens base + g (block 0) and base + 8 + g (block 1), 16 bytes
-  // of K and V a slab per lane, copied by cp.async (zeros past t1 or at a bad block-table entry, recorded in
-  // bad / bad_block). Nothing for a step wholly past t1 (the loop never reads it).
-  __device__ static void copy_step(const P& p, int b, int h, int base, int t1, StepChunks& st, int& bad_block,
-                                   bool& bad) {
-    if (base >= t1) return;
-    const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  // A warp's step from token base: tokens base + g (block 0) and base + 8 + g (block 1), 16 bytes of K and V
+  // a slab (zeros past t1 or a bad block-table entry, recorded in bad / bad_block).
+  __device__ static void load_step(const P& p, int b, int h, int base, int t1, uint4 (&kr)[2][kSlabs],
+                                   uint4 (&vr)[2][kSlabs], int& bad_block, bool& bad) {
+    const int g = threadIdx.x % 32 / 4, c = threadIdx.x % 4;
 #pragma unroll
     for (int tb = 0; tb < 2; ++tb) {
       const int t = base + 8 * tb + g;
@@ -171,26 +156,15 @@ struct DecodeKernel {
         at = token_row(p, b, t, h, bad_block);
         bad |= at < 0;
       }
-      const bool ok = at >= 0;
 #pragma unroll
       for (int j = 0; j < kSlabs; ++j) {
-        const int64_t e = ok ? at + 32 * j + 8 * c : 0;
-        cp_async_16(&st.k[tb][j][lane], p.k + e, ok);
-        cp_async_16(&st.v[tb][j][lane], p.v + e, ok);
+        kr[tb][j] = vr[tb][j] = make_uint4(0, 0, 0, 0);
+        if (at >= 0) {
+          kr[tb][j] = *reinterpret_cast<const uint4*>(p.k + at + 32 * j + 8 * c);
+          vr[tb][j] = *reinterpret_cast<const uint4*>(p.v + at + 32 * j + 8 * c);
+        }
       }
     }
-  }
-  // This lane's pieces of a landed step, in the MMAs' operand layout (lane 4 g + c: tokens g and g + 8, dims
-  // [32 j + 8 c, +8) of each slab j).
-  __device__ static void read_step(const StepChunks& st, uint4 (&kr)[2][kSlabs], uint4 (&vr)[2][kSlabs]) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int tb = 0; tb < 2; ++tb)
-#pragma unroll
-      for (int j = 0; j < kSlabs; ++j) {
-        kr[tb][j] = st.k[tb][j][lane];
-        vr[tb][j] = st.v[tb][j][lane];
-      }
   }
 
   // Timeline marks (TimelinePhase::kDecode: DecodeStep) by thread 0; nothing without a buffer
@@ -265,25 +239,13 @@ struct DecodeKernel {
     for (int n = 0; n < kTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     int bad_block = 0;
     bool bad = false;
-    // The warp's ring of kStages steps: kStages - 1 in flight while it computes on one (a group of copies a
-    // step, committed even when empty so the waits count steps).
-    StepChunks* ring = sm.u.steps[warp];
-    const int first = t0 + 16 * warp;
-#pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) {
-      copy_step(p, b, h, first + i * kTokensPerStep, t1, ring[i], bad_block, bad);
-      cp_async_commit();
-    }
-    int stage = 0;
-    for (int base = first; base < t1; base += kTokensPerStep) {
-      // Into the stage read one step ago (this lane's own pieces: its reads of them are done).
-      const int ahead = stage == 0 ? kStages - 1 : stage - 1;
-      copy_step(p, b, h, base + (kStages - 1) * kTokensPerStep, t1, ring[ahead], bad_block, bad);
-      cp_async_commit();
-      cp_async_wait<kStages - 1>();  // this step's group has landed
-      uint4 kr[2][kSlabs], vr[2][kSlabs];
-      read_step(ring[stage], kr, vr);
-      stage = stage + 1 == kStages ? 0 : stage + 1;
+    uint4 kr[2][kSlabs], vr[2][kSlabs];
+    load_step(p, b, h, t0 + 16 * warp, t1, kr, vr, bad_block, bad);
+    for (int base = t0 + 16 * warp; base < t1; base += kTokensPerStep) {
+      // The next step's K and V in flight while this step's are used (else a warp waits out HBM's latency
+      // every step, with only the SM's few other warps to cover it).
+      uint4 nk[2][kSlabs], nv[2][kSlabs];
+      load_step(p, b, h, base + kTokensPerStep, t1, nk, nv, bad_block, bad);
       // S = Q K^T: tile tb holds tokens base + 8 tb + 2c + e of rows g (e = 0, 1) and g + 8 (2, 3).
       float sc[2][4];
 #pragma unroll
@@ -337,10 +299,14 @@ struct DecodeKernel {
         for (int pp = 0; pp < 4; ++pp)
           tile::mma_16816<T>(o[4 * j + pp], pa, tile::movmatrix_trans(pair_of(vr[0][j], pp)),
                              tile::movmatrix_trans(pair_of(vr[1][j], pp)));
+#pragma unroll
+      for (int tb = 0; tb < 2; ++tb)
+#pragma unroll
+        for (int j = 0; j < kSlabs; ++j) {
+          kr[tb][j] = nk[tb][j];
+          vr[tb][j] = nv[tb][j];
+        }
     }
-    // Every warp's copies landed and its stages read before the union's bytes take the warps' partials.
-    cp_async_wait<0>();
-    __syncthreads();
     if (bad) report_bad_input(p.team, b, DecodeBadInput::kBlockOutOfRange, p.num_blocks, bad_block);
       // The warps merged: each warp's state into shared memory (rows g and g + 8 of dims [32 j + 8 c, +8)),
       // then the block's threads take 4 elements at a time.
