@@ -438,27 +438,18 @@ def moe_low_latency(team, g):
     down_all = torch.cat(downs).float()
     wants = [moe_reference(xs[r].float(), ids[r], weights[r], up_all, down_all) for r in range(w)]
     with torch.no_grad():
-        for interleaved in (False, True):
-            layer = lambda c, x, i, wt, up, down: weft.moe_layer(  # noqa: E731
-                x, i, wt, weft.swiglu_interleave(up) if interleaved else up, down, num_experts,
-                max_tokens=max_tokens, comm=c, swiglu_interleaved=interleaved, low_latency=True)
-            args = (xs, ids, weights, ups, downs)
-            team.warmup(layer, *args)
-            outs = team.run(layer, *args)
-            for r in range(w):
-                check(f"MoE layer, low latency, W={w}{' SwiGLU epilogue' if interleaved else ''}: rank {r}",
-                      outs[r], wants[r], 3e-2)
-        # The dispatch and the first GEMM in one kernel (fused_dispatch=True), both SwiGLU forms.
-        for interleaved in (False, True):
-            layer = lambda c, x, i, wt, up, down: weft.moe_layer(  # noqa: E731
-                x, i, wt, weft.swiglu_interleave(up) if interleaved else up, down, num_experts,
-                max_tokens=max_tokens, comm=c, swiglu_interleaved=interleaved, fused_dispatch=True)
-            args = (xs, ids, weights, ups, downs)
-            team.warmup(layer, *args)
-            outs = team.run(layer, *args)
-            for r in range(w):
-                check(f"MoE layer, fused dispatch, W={w}{' SwiGLU epilogue' if interleaved else ''}: rank {r}",
-                      outs[r], wants[r], 3e-2)
+        # The low-latency dispatch, and the dispatch and the first GEMM in one kernel; both SwiGLU forms each.
+        for mode, kw in (("low latency", {"low_latency": True}), ("fused dispatch", {"fused_dispatch": True})):
+            for interleaved in (False, True):
+                layer = lambda c, x, i, wt, up, down: weft.moe_layer(  # noqa: E731
+                    x, i, wt, weft.swiglu_interleave(up) if interleaved else up, down, num_experts,
+                    max_tokens=max_tokens, comm=c, swiglu_interleaved=interleaved, **kw)
+                args = (xs, ids, weights, ups, downs)
+                team.warmup(layer, *args)
+                outs = team.run(layer, *args)
+                for r in range(w):
+                    check(f"MoE layer, {mode}, W={w}{' SwiGLU epilogue' if interleaved else ''}: rank {r}",
+                          outs[r], wants[r], 3e-2)
         d = team.run(lambda c, x, i: weft.moe_dispatch(x, i, num_experts, max_tokens=max_tokens, comm=c,
                                                        low_latency=True), xs, ids)
         team.synchronize()
