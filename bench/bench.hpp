@@ -45,7 +45,7 @@ struct Context {
   std::vector<int64_t> fused_m;           // --fused-m 4096,8192: the fused modes' M values
   std::string fused_ops;                  // --fused-ops ag,rs,ar: the fused ops run
   bool fused_progressive = false;         // --fused-progressive: also time the staged-progressive partials
-  bool decode_grid = false;               // --decode-grid: flash_decode's local kernel over batch x tokens x heads
+  bool decode_grid = false;               // --decode-grid: flash_decode's one-GPU kernel over a grid
   bool fused_epilogue_sum = false;        // --fused-epilogue-sum: also time the epilogue-summed partials
   std::string cp_methods;                 // --cp-methods all-gather,ring,ulysses: context_attention's methods
   int pipeline_pieces = 0;                // --pipeline-pieces n: FusedOptions::pipeline_pieces

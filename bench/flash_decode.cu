@@ -102,8 +102,8 @@ DecodeRow run_case(Context& ctx, Communicator& comm, const std::vector<cudaStrea
           [&] {
             for (int k = 0; k < calls; ++k) call(0);
           },
-          fmt("flash_decode on %d GPU%s, batch=%lld tokens=%lld (this rank's %lld) heads=%lld/%lld, %d call%s "
-              "in one graph",
+          fmt("flash_decode on %d GPU%s, batch=%lld tokens=%lld (this rank's %lld) heads=%lld/%lld, "
+              "%d call%s in one graph",
               W, W > 1 ? "s" : "", (long long)c.batch, (long long)c.seq, (long long)local, (long long)c.heads,
               (long long)c.kv_heads, calls, calls > 1 ? "s" : ""),
           ctx.timeline_dir + fmt("/flash_decode_w%d_%lld_%lld_%lld_x%d.csv", W, (long long)c.batch,
@@ -143,8 +143,9 @@ void run_flash_decode(Context& ctx) {
       fmt("floor = the KV bytes a GPU reads / the device-to-device copy's traffic rate measured in the same "
           "run (%.0f GB/s); the team splits each sequence's cache evenly. Graphs of 20 calls, the slowest "
           "rank's median. local part = the same call on one GPU (the team's first) over one rank's share of "
-          "the tokens (issue 55's team target: team <= local + 10 us); slowest GPU: the local part timed on "
-          "each of the team's GPUs alone, in turn, the largest (the team's calls wait for their slowest rank).",
+          "the tokens (issue 55's team target: team <= local + 10 us); slowest GPU: the local part timed "
+          "on each of the team's GPUs alone, in turn, the largest (the team's calls wait for their slowest "
+          "rank).",
           rate / 1e9));
   // A team of one on each local GPU: the local part alone on every GPU of the team.
   std::vector<std::unique_ptr<Communicator>> singles;
@@ -169,8 +170,8 @@ void run_flash_decode(Context& ctx) {
       const double local_us = run_case(ctx, single, one_stream, part, rate, nullptr, &timelines).us;
       double slowest_us = local_us;
       for (size_t i = 1; i < singles.size(); ++i)
-        slowest_us = std::max(
-            slowest_us, run_case(ctx, *singles[i], {team.streams[i]}, part, rate, nullptr, nullptr).us);
+        slowest_us = std::max(slowest_us,
+                              run_case(ctx, *singles[i], {team.streams[i]}, part, rate, nullptr, nullptr).us);
       row.cells[9] = fmt("%.1f", local_us);
       row.cells[10] = fmt("%.1f", row.us - local_us);
       row.cells[11] = fmt("%.1f", slowest_us);

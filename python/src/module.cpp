@@ -730,19 +730,18 @@ void bind_moe(py::module_& m) {
   // The dispatch and the first expert GEMM in one (bf16): c [capacity, n] (or n / 2 with swiglu) = rows . b
   // per local expert, b [experts per rank, n, hidden] (b_nk) or [experts per rank, hidden, n]. Returns
   // moe_dispatch's tuple.
-  m.def("moe_dispatch_grouped_gemm",
-        [](const Comm& c, uintptr_t tokens, uintptr_t experts, py::tuple shape, uintptr_t workspace,
-           uint64_t workspace_bytes, uintptr_t b, bool b_nk, int64_t n, bool swiglu, uintptr_t out,
-           uintptr_t stream) {
-          const weft::MoeShape s = moe_shape(shape);
-          const weft::MoeDispatched d = weft::moe_dispatch_grouped_gemm(
-              *c.comm, c.rank(), reinterpret_cast<const void*>(tokens),
-              reinterpret_cast<const int32_t*>(experts), s, reinterpret_cast<void*>(workspace), workspace_bytes,
-              reinterpret_cast<const void*>(b), b_nk ? weft::BLayout::kNK : weft::BLayout::kKN, n,
-              swiglu ? weft::GemmActivation::kSwiGLU : weft::GemmActivation::kNone, reinterpret_cast<void*>(out),
-              c.stream(stream));
-          return dispatched_tuple(c, d, s, "bf16");
-        });
+  m.def("moe_dispatch_grouped_gemm", [](const Comm& c, uintptr_t tokens, uintptr_t experts, py::tuple shape,
+                                        uintptr_t workspace, uint64_t workspace_bytes, uintptr_t b, bool b_nk,
+                                        int64_t n, bool swiglu, uintptr_t out, uintptr_t stream) {
+    const weft::MoeShape s = moe_shape(shape);
+    const weft::MoeDispatched d = weft::moe_dispatch_grouped_gemm(
+        *c.comm, c.rank(), reinterpret_cast<const void*>(tokens), reinterpret_cast<const int32_t*>(experts),
+        s, reinterpret_cast<void*>(workspace), workspace_bytes, reinterpret_cast<const void*>(b),
+        b_nk ? weft::BLayout::kNK : weft::BLayout::kKN, n,
+        swiglu ? weft::GemmActivation::kSwiGLU : weft::GemmActivation::kNone, reinterpret_cast<void*>(out),
+        c.stream(stream));
+    return dispatched_tuple(c, d, s, "bf16");
+  });
   // The exact-count read-back of the last dispatch on this rank (synchronises its stream): (rows per local
   // expert, padded group ends, rows in use). counts: the dispatch's counts table (moe_dispatch's 6th value).
   m.def("moe_counts",
