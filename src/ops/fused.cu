@@ -515,17 +515,11 @@ struct Choice {
   FusedOptions::Partials partials = FusedOptions::Partials::kStaged;  // RS / AR: options.partials resolved
 };
 
-// all_gather_matmul's communicator blocks, an even count: as asked, else an eighth of the SM budget where N
-// per rank is at most 4096 (16 on a whole 132-SM H100 / H200) and a 32nd above (4; FP8, whose GEMM takes half
-// the time for half the bytes, a 16th: 8), at least 2. The wider GEMM hides the gather with fewer pushers and
-// wants the SMs: 4 x H200 (bench/RESULTS.md, "communicator blocks by N" and "all_gather_matmul with 4
-// communicator blocks"), 8192 / 16384 / 32768 x 28672: 1371.2 / 2762.4 / 5824.4 us with 4 blocks, 1485.2 /
-// 2895.4 / 5882.6 with 8, 1607.7 / 3056.6 with 16 (2 blocks: 2126.0 / 3988.2); x 8192: 16 blocks 473.9 /
-// 815.8 vs 8's 511.8 / 966.3 and 4's 863.5 / 1645.6.
+// all_gather_matmul's communicator blocks, an even count: as asked, else the measured rule
+// (ops::auto_ag_comm_blocks).
 int ag_comm_blocks(const Rank& rank, int64_t n_per_rank, const FusedOptions& o, bool fp8 = false) {
   if (o.comm_blocks > 0) return (o.comm_blocks + 1) / 2 * 2;
-  const int divisor = n_per_rank <= 4096 ? 8 : fp8 ? 16 : 32;
-  return std::clamp(rank.sm_budget() / divisor, 2, 16) / 2 * 2;
+  return ops::auto_ag_comm_blocks(rank.sm_budget(), n_per_rank, fp8);
 }
 
 // The counted RS / AR kernel's communicator blocks (ops/fused.cuh), at most one per half: the all-reduce

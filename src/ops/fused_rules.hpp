@@ -29,8 +29,9 @@ inline constexpr FusedKernelRule kFusedKernelRules[] = {
     {true, 4, kAnyWorld, 8192, kNoBound, kNoBound,
      "4 x H200, 2026-11-28 (bench/RESULTS.md, \"all_gather_matmul at 4 GPUs: the pipeline on weft::gemm, "
      "communicator blocks by N\"): 8192 / 16384 x 8192 473.9 / 815.8 us vs the pipeline's 510.2 / 1039.8; "
-     "x 28672 with 8 communicator blocks 1470.9 / 2858.1 vs 1621.2 / 3163.7; below M = 8192 the pipeline or "
-     "the sequential path (4096 x 8192: 323.0 pipelined vs 407.8)"},
+     "x 28672 with 8 communicator blocks 1470.9 / 2858.1 vs 1621.2 / 3163.7 (with 4, auto_ag_comm_blocks "
+     "since: 1371.2 / 2762.4); below M = 8192 the pipeline or the sequential path (4096 x 8192: 323.0 "
+     "pipelined vs 407.8)"},
     // Every output size.
     {false, 4, kAnyWorld, 0, kNoBound, kNoBound,
      "4 x H200, 2026-11-27 (bench/RESULTS.md, the 4-GPU fused table): the fused kernel beat the ring "
@@ -73,6 +74,20 @@ inline constexpr SummedPartialsRule kSummedPartialsRules[] = {
      "than either fused kernel (868.5, 3082.0 vs 2978.0 at 8192 x 28672). At 4 GPUs (same day, \"Fused ops "
      "at 4 GPUs with kAuto's partials\") -2..+8% against kStaged: kStaged there"},
 };
+
+// all_gather_matmul's fused kernel with FusedOptions::comm_blocks 0: its communicator blocks, an even count
+// from 2 to 16: an eighth of the SM budget where N per rank is at most 4096 (16 on a whole 132-SM H100 /
+// H200) and a 32nd above (4; FP8, whose GEMM takes half the time for half the bytes, a 16th: 8). The wider
+// GEMM hides the gather with fewer pushers and wants the SMs. Measured (4 x H200, bench/RESULTS.md,
+// "communicator blocks by N" and "all_gather_matmul with 4 communicator blocks"): 8192 / 16384 / 32768 x 28672
+// 1371.2 / 2762.4 / 5824.4 us with 4 blocks, 1485.2 / 2895.4 / 5882.6 with 8, 1607.7 / 3056.6 with 16 (2
+// blocks: 2126.0 / 3988.2); x 8192: 16 blocks 473.9 / 815.8 vs 8's 511.8 / 966.3 and 4's 863.5 / 1645.6.
+// FP8 with 4 blocks: not measured.
+inline int auto_ag_comm_blocks(int sm_budget, int64_t n_per_rank, bool fp8) {
+  const int divisor = n_per_rank <= 4096 ? 8 : fp8 ? 16 : 32;
+  const int blocks = sm_budget / divisor;
+  return (blocks < 2 ? 2 : blocks > 16 ? 16 : blocks) / 2 * 2;
+}
 
 // Whether any row of `rules` matches.
 template <class Rule, size_t N, class Match>

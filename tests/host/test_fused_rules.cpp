@@ -5,6 +5,7 @@
 #include "ops/fused_rules.hpp"
 
 using weft::FusedPath;
+using weft::ops::auto_ag_comm_blocks;
 using weft::ops::auto_path;
 using weft::ops::auto_sums_in_epilogue;
 
@@ -71,4 +72,14 @@ TEST(FusedRules, CopyEngineGatherAtTwoGpusFrom8192Rows) {
   EXPECT_FALSE(auto_gathers_by_copy_engine(2, 4096));  // the pipeline below
   EXPECT_FALSE(auto_gathers_by_copy_engine(4, 8192));  // slower than the communicator blocks at 4 GPUs
   EXPECT_FALSE(auto_gathers_by_copy_engine(3, 8192));  // not measured
+}
+
+TEST(FusedRules, AllGatherCommunicatorBlocksByNPerRank) {
+  EXPECT_EQ(auto_ag_comm_blocks(132, 2048, false), 16);  // N per rank <= 4096: an eighth of the budget
+  EXPECT_EQ(auto_ag_comm_blocks(132, 4096, false), 16);
+  EXPECT_EQ(auto_ag_comm_blocks(132, 7168, false), 4);  // above: a 32nd
+  EXPECT_EQ(auto_ag_comm_blocks(132, 7168, true), 8);   // FP8: a 16th
+  EXPECT_EQ(auto_ag_comm_blocks(33, 7168, false), 2);   // at least 2 (a quarter of a GPU, virtual ranks)
+  EXPECT_EQ(auto_ag_comm_blocks(66, 2048, false), 8);   // even counts
+  EXPECT_EQ(auto_ag_comm_blocks(44, 2048, false), 4);   // 5 rounded down to even
 }
