@@ -79,9 +79,9 @@ inline constexpr SummedPartialsRule kSummedPartialsRules[] = {
 // from 2 to 16: an eighth of the SM budget where N per rank is at most 4096 (16 on a whole 132-SM H100 /
 // H200) and a 32nd above (4; FP8, whose GEMM takes half the time for half the bytes, a 16th: 8). The wider
 // GEMM hides the gather with fewer pushers and wants the SMs. Measured (4 x H200, bench/RESULTS.md,
-// "communicator blocks by N" and "all_gather_matmul with 4 communicator blocks"): 8192 / 16384 / 32768 x 28672
-// 1371.2 / 2762.4 / 5824.4 us with 4 blocks, 1485.2 / 2895.4 / 5882.6 with 8, 1607.7 / 3056.6 with 16 (2
-// blocks: 2126.0 / 3988.2); x 8192: 16 blocks 473.9 / 815.8 vs 8's 511.8 / 966.3 and 4's 863.5 / 1645.6.
+// "communicator blocks by N" and "all_gather_matmul with 4 communicator blocks"): 8192 / 16384 / 32768 x
+// 28672 1371.2 / 2762.4 / 5824.4 us with 4 blocks, 1485.2 / 2895.4 / 5882.6 with 8, 1607.7 / 3056.6 with 16
+// (2 blocks: 2126.0 / 3988.2); x 8192: 16 blocks 473.9 / 815.8 vs 8's 511.8 / 966.3 and 4's 863.5 / 1645.6.
 // FP8 with 4 blocks: not measured.
 inline int auto_ag_comm_blocks(int sm_budget, int64_t n_per_rank, bool fp8) {
   const int divisor = n_per_rank <= 4096 ? 8 : fp8 ? 16 : 32;
