@@ -709,34 +709,50 @@ _last_counts = {}  # per communicator id: the counts table of its last dispatch 
 _last_row_source = {}  # per communicator id: its last dispatch's row -> source slot map (the fused combine)
 
 
-@_operator("weft::moe_dispatch")
-def _moe_dispatch(x: Tensor, experts: Tensor, shape: list[int], world: int,
-                  comm: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    tokens, top_k = shape[0], shape[4]
-    if EMULATE:
-        capacity = _moe_capacity(shape, world)
-        slots = torch.full((tokens, top_k), -1, dtype=torch.int32, device=x.device)
-        ends = x.new_zeros((shape[3] // world,), dtype=torch.int32)
-        return (x.new_zeros((capacity, shape[2])), ends, slots, slots.clone(),
-                ends.clone() if _low_latency(shape) else ends.new_empty((0,)))
-    native = _native(comm)
+def _dispatch_workspace(x, shape, world):
+    """The dispatch's caller workspace (its slots' tables, which the handle copies out)."""
     nbytes = _weft.moe_dispatch_workspace_bytes(world, tuple(shape))
-    ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=x.device)
-    rows, ends, row_of, kept, _, counts, row_source, group_rows = _weft.moe_dispatch(
-        native, x.data_ptr(), experts.data_ptr(), tuple(shape), ws.data_ptr(), nbytes, DTYPES[x.dtype], _stream(x))
+    return torch.empty(max(nbytes, 256), dtype=torch.uint8, device=x.device), nbytes
+
+
+def _dispatch_handle(ws, shape, comm, rows, ends, row_of, kept, counts, row_source):
+    """(rows, group_end, row_of, kept) of a dispatch that just ran: rows a view of the team's dispatch area
+    (valid until the next dispatch); group_end copied out (the expert GEMMs keep it for their backward, and
+    the next layer's dispatch rewrites the area's ends); each slot's row and expert copied out of `ws`
+    (combine needs only these). Records the counts table and row map of the team's last dispatch."""
     _last_counts[comm] = counts
     _last_row_source[comm] = row_source
+    tokens, top_k = shape[0], shape[4]
 
-    def slots(ptr):  # [tokens, top_k] int32 at ptr inside ws, copied out (combine needs only these)
+    def slots(ptr):  # [tokens, top_k] int32 at ptr inside ws
         at = ptr - ws.data_ptr()
         return ws[at:at + 4 * tokens * top_k].view(torch.int32).view(tokens, top_k).clone()
 
-    # rows is a view of the team's dispatch area (valid until the next dispatch); group_end is copied out: the
-    # expert GEMMs keep it for their backward, and the next layer's dispatch rewrites the area's ends. The
-    # low-latency dispatch's rows per group likewise (the record dispatch's: empty).
-    ends = torch.from_dlpack(ends).clone()
-    group_rows = ends.new_empty((0,)) if group_rows is None else torch.from_dlpack(group_rows).clone()
-    return torch.from_dlpack(rows), ends, slots(row_of), slots(kept), group_rows
+    return torch.from_dlpack(rows), torch.from_dlpack(ends).clone(), slots(row_of), slots(kept)
+
+
+def _emulated_handle(x, shape, world):
+    """What EMULATE's dispatch returns: zero rows, empty groups, every slot dropped."""
+    tokens, top_k = shape[0], shape[4]
+    slots = torch.full((tokens, top_k), -1, dtype=torch.int32, device=x.device)
+    ends = x.new_zeros((shape[3] // world,), dtype=torch.int32)
+    return x.new_zeros((_moe_capacity(shape, world), shape[2])), ends, slots, slots.clone()
+
+
+@_operator("weft::moe_dispatch")
+def _moe_dispatch(x: Tensor, experts: Tensor, shape: list[int], world: int,
+                  comm: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if EMULATE:
+        rows, ends, row_of, kept = _emulated_handle(x, shape, world)
+        return rows, ends, row_of, kept, ends.clone() if _low_latency(shape) else ends.new_empty((0,))
+    ws, nbytes = _dispatch_workspace(x, shape, world)
+    rows, ends, row_of, kept, _, counts, row_source, group_rows = _weft.moe_dispatch(
+        _native(comm), x.data_ptr(), experts.data_ptr(), tuple(shape), ws.data_ptr(), nbytes, DTYPES[x.dtype],
+        _stream(x))
+    # The low-latency dispatch's rows per group copied out as group_end (the record dispatch's: empty).
+    group_rows = None if group_rows is None else torch.from_dlpack(group_rows).clone()
+    handle = _dispatch_handle(ws, shape, comm, rows, ends, row_of, kept, counts, row_source)
+    return (*handle, handle[1].new_empty((0,)) if group_rows is None else group_rows)
 
 
 @_moe_dispatch.register_fake
@@ -927,28 +943,15 @@ def moe_dispatch(x, ids, shape, comm, exact=False):
 @_operator("weft::moe_dispatch_grouped_mm")
 def _moe_dispatch_grouped_mm(x: Tensor, experts: Tensor, b: Tensor, b_nk: bool, swiglu: bool, shape: list[int],
                              world: int, comm: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    tokens, top_k = shape[0], shape[4]
     n = b.shape[1] if b_nk else b.shape[2]
-    capacity = _moe_capacity(shape, world)
-    out = x.new_empty((capacity, n // 2 if swiglu else n))
+    out = x.new_empty((_moe_capacity(shape, world), n // 2 if swiglu else n))
     if EMULATE:
-        slots = torch.full((tokens, top_k), -1, dtype=torch.int32, device=x.device)
-        ends = x.new_zeros((shape[3] // world,), dtype=torch.int32)
-        return out.zero_(), x.new_zeros((capacity, shape[2])), ends, slots, slots.clone()
-    native = _native(comm)
-    nbytes = _weft.moe_dispatch_workspace_bytes(world, tuple(shape))
-    ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=x.device)
+        return (out.zero_(), *_emulated_handle(x, shape, world))
+    ws, nbytes = _dispatch_workspace(x, shape, world)
     rows, ends, row_of, kept, _, counts, row_source, _ = _weft.moe_dispatch_grouped_gemm(
-        native, x.data_ptr(), experts.data_ptr(), tuple(shape), ws.data_ptr(), nbytes, b.data_ptr(), b_nk, n,
-        swiglu, out.data_ptr(), _stream(x))
-    _last_counts[comm] = counts
-    _last_row_source[comm] = row_source
-
-    def slots(ptr):  # as _moe_dispatch's
-        at = ptr - ws.data_ptr()
-        return ws[at:at + 4 * tokens * top_k].view(torch.int32).view(tokens, top_k).clone()
-
-    return out, torch.from_dlpack(rows), torch.from_dlpack(ends).clone(), slots(row_of), slots(kept)
+        _native(comm), x.data_ptr(), experts.data_ptr(), tuple(shape), ws.data_ptr(), nbytes, b.data_ptr(), b_nk,
+        n, swiglu, out.data_ptr(), _stream(x))
+    return (out, *_dispatch_handle(ws, shape, comm, rows, ends, row_of, kept, counts, row_source))
 
 
 @_moe_dispatch_grouped_mm.register_fake
