@@ -43,6 +43,7 @@ struct Context {
   std::string flow;     // --flow pull|steps|push: forces the reduce flow (CollectiveOptions)
   uint64_t min_bytes = 0, max_bytes = 0;  // --min-bytes / --max-bytes: collective sizes kept
   std::vector<int64_t> fused_m;           // --fused-m 4096,8192: the fused modes' M values
+  std::vector<int64_t> gemm_shapes;       // --gemm-shapes MxNxK,...: gemm's shapes (3 per shape) instead
   std::string fused_ops;                  // --fused-ops ag,rs,ar: the fused ops run
   bool fused_progressive = false;         // --fused-progressive: also time the staged-progressive partials
   bool decode_grid = false;               // --decode-grid: flash_decode's one-GPU kernel over a grid

@@ -295,11 +295,33 @@ void run_tile_widths(Context& ctx, GemmBench& bench, const std::string& gpu) {
   ctx.add(std::move(t));
 }
 
+// --gemm-shapes: the shapes given, B [N,K], under several band heights of the grouped tile order.
+void run_gemm_shapes(Context& ctx, GemmBench& bench, const std::string& gpu) {
+  Table t("gemm: the shapes asked for, B [N,K], bf16 out, GPU 0 (" + gpu + ")",
+          {"M", "N", "K", "group_m", "weft ms", "weft TFLOP/s", "cuBLAS ms", "cuBLAS TFLOP/s", "weft / cuBLAS"},
+          "group_m: tile rows per band of weft's tile order (default 16); each row times weft and cuBLAS "
+          "in turns.");
+  for (size_t i = 0; i + 2 < ctx.gemm_shapes.size(); i += 3) {
+    const Shape s{ctx.gemm_shapes[i], ctx.gemm_shapes[i + 1], ctx.gemm_shapes[i + 2]};
+    for (int group : {16, 4, 8, 32, 64}) {
+      ctx.progress("gemm: %lldx%lldx%lld group_m %d", (long long)s.m, (long long)s.n, (long long)s.k, group);
+      GemmOptions o;
+      o.group_m = group;
+      const Result r = bench.run(s, BLayout::kNK, o);
+      t.add({std::to_string(s.m), std::to_string(s.n), std::to_string(s.k), std::to_string(group),
+             fmt("%.3f", r.weft_ms), tflops(s, r.weft_ms), fmt("%.3f", r.cublas_ms), tflops(s, r.cublas_ms),
+             fmt("%.1f%%", 100.0 * r.cublas_ms / r.weft_ms)});
+    }
+  }
+  ctx.add(std::move(t));
+}
+
 void run_gemm(Context& ctx) {
   GemmBench bench(ctx.quick);
   cudaDeviceProp prop{};
   WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const std::string gpu = fmt("%s, %d SMs", prop.name, prop.multiProcessorCount);
+  if (!ctx.gemm_shapes.empty()) return run_gemm_shapes(ctx, bench, gpu);
 
   // 1. The headline shape, both B layouts, with an output check against cuBLAS.
   {

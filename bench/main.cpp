@@ -27,6 +27,7 @@ int usage(int code) {
       "  --flow pull|steps|push      force the reduce-scatter / two-shot reduce flow\n"
       "  --min-bytes B --max-bytes B collective sizes kept\n"
       "  --fused-m M1,M2,..          the fused modes' M values\n"
+      "  --gemm-shapes MxNxK,..      gemm: only these shapes, each with the grouped order's band heights\n"
       "  --fused-ops ag,rs,ar        the fused ops run\n"
       "  --fused-progressive         fused: also time FusedOptions::Partials::kStagedProgressive (RS / AR)\n"
       "  --decode-grid               flash_decode: the one-GPU kernel over batch 1..64 x 8k..128k tokens\n"
@@ -95,6 +96,21 @@ bool set_developer_flag(Context& ctx, const std::string& flag, const std::string
     }
     return true;
   }
+  if (flag == "--gemm-shapes") {
+    ctx.gemm_shapes.clear();
+    for (size_t p = 0; p <= v.size();) {
+      const size_t e = std::min(v.find(',', p), v.size());
+      const std::string shape = v.substr(p, e - p);
+      for (size_t q = 0; q <= shape.size();) {
+        const size_t f = std::min(shape.find('x', q), shape.size());
+        if (!parse_count(shape.substr(q, f - q), n)) return false;
+        ctx.gemm_shapes.push_back(int64_t(n));
+        q = f + 1;
+      }
+      p = e + 1;
+    }
+    return ctx.gemm_shapes.size() % 3 == 0;
+  }
   if (!parse_count(v, n)) return false;
   if (flag == "--min-bytes") ctx.min_bytes = n;
   if (flag == "--max-bytes") ctx.max_bytes = n;
@@ -130,7 +146,7 @@ int main(int argc, char** argv) {
       }
       (a == "--gpus" ? ctx.gpus : ctx.ranks) = v;
     } else if (a == "--ar-algo" || a == "--flow" || a == "--fused-ops" || a == "--min-bytes" ||
-               a == "--max-bytes" || a == "--fused-m" || a == "--pipeline-pieces" || a == "--cp-methods" ||
+               a == "--max-bytes" || a == "--fused-m" || a == "--gemm-shapes" || a == "--pipeline-pieces" || a == "--cp-methods" ||
                a == "--ag-comm-blocks" || a == "--ag-tile-n" || a == "--rs-store-ring" || a == "--timeline") {
       if (i + 1 >= argc) {
         std::fprintf(stderr, "weft-bench: %s takes a value\n", a.c_str());
