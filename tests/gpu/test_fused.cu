@@ -145,19 +145,23 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   // GPU; elsewhere the communicator blocks).
   if (op == Op::kAG && seed / 4 % 2 == 0) o.gather = FusedOptions::Gather::kCopyEngine;
   if (op != Op::kAG) o.partials = summing.partials;
-  // The staged way with the storers' wide ring (FusedOptions::store_ring 5) in every other such case.
-  if (op != Op::kAG && o.partials == Partials::kStaged && seed / 6 % 2) o.store_ring = 5;
+  // The storers' wide ring (FusedOptions::store_ring 5) in every other staged case, and in every other case
+  // summed in the epilogue (or auto) on 128 x 256 tiles.
+  const bool ring_runs =
+      o.partials == Partials::kStaged ||
+      ((o.partials == Partials::kSummedInEpilogue || o.partials == Partials::kAuto) && o.tile_n != 128);
+  if (op != Op::kAG && ring_runs && seed / 6 % 2) o.store_ring = 5;
   const char* partials = op == Op::kAG                                ? ""
                          : o.partials == Partials::kAddedAtOwner      ? " added at owner"
                          : o.partials == Partials::kStagedProgressive ? " staged, progressive"
                          : o.partials == Partials::kSummedInEpilogue  ? " summed in epilogue"
                          : o.partials == Partials::kAuto              ? " auto partials"
-                         : o.store_ring == 5                          ? " staged, wide ring"
-                                                                      : "";
+                                                                      : " staged";
+  const char* ring = o.store_ring == 5 ? ", wide ring" : "";
   if (std::getenv("WEFT_TEST_VERBOSE"))
-    std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d%s%s%s\n",
+    std::fprintf(stderr, "  case op %d M=%lld N=%lld K=%lld %s %s %s comm_blocks %d pieces %d%s%s%s%s\n",
                  int(op), (long long)m, (long long)n, (long long)k, nk ? "NK" : "KN", mode_name(mode),
-                 sym ? "sym" : "device", o.comm_blocks, o.pipeline_pieces, partials,
+                 sym ? "sym" : "device", o.comm_blocks, o.pipeline_pieces, partials, ring,
                  take_gathered ? " gathered" : "",
                  o.gather == FusedOptions::Gather::kCopyEngine ? " copy engine" : "");
   for (int i = 0; i < c.num_local(); ++i) {
@@ -244,8 +248,8 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
                               : op == Op::kRS ? "matmul_reduce_scatter"
                                               : "matmul_all_reduce")
                                  << " M=" << m << " N=" << n << " K=" << k << (nk ? " [N,K] B" : " [K,N] B")
-                                 << " " << mode_name(mode) << partials << (sym ? " symmetric" : " device")
-                                 << " rank " << r << ": " << err);
+                                 << " " << mode_name(mode) << partials << ring
+                                 << (sym ? " symmetric" : " device") << " rank " << r << ": " << err);
   }
   c.host_barrier();
 }

@@ -88,8 +88,15 @@ struct WgmmaMainloop {
 
   // ---- consumer: warpgroup `wg` accumulates rows [64 wg, 64 wg + 64) of the tile into acc. ----
   // One batch of kBK / 16 wgmmas per stage, one batch kept in flight: a stage is released as soon as the
-  // batch after it has been issued and the batch reading it has completed.
+  // batch after it has been issued and the batch reading it has completed. after_issue(kb), called by every
+  // thread while k-block kb's batch runs, is work that overlaps the mainloop (it touches no accumulator and
+  // leaves each warp converged).
   __device__ static void mma(Smem& s, Pipeline& pipe, PipeState& st, int k_blocks, int wg, Accum& acc) {
+    mma(s, pipe, st, k_blocks, wg, acc, [](int) {});
+  }
+  template <class AfterIssue>
+  __device__ static void mma(Smem& s, Pipeline& pipe, PipeState& st, int k_blocks, int wg, Accum& acc,
+                             AfterIssue&& after_issue) {
     PipeState prev = st;
     for (int kb = 0; kb < k_blocks; ++kb) {
       pipe.consumer_wait(st);
@@ -112,6 +119,7 @@ struct WgmmaMainloop {
       }
       wgmma::commit();
       wgmma::fence_operands(acc.d);
+      after_issue(kb);
       wgmma::wait<1>();
       if (kb > 0) pipe.consumer_release(prev);
       prev = st;

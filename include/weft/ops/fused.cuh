@@ -610,10 +610,18 @@ struct EpilogueSummedC : Gemm {
   __device__ static void compute(const Params& p, typename Base::Smem& s, typename Base::Pipeline& pipe,
                                  lcsc::PipeState& st, const lcsc::OwnerTile& t, int wg, Accum& acc,
                                  StoreState& es) {
-    Base::compute(p, s, pipe, st, t, wg, acc);
+    const bool leader = tile::thread_in_warpgroup() == 0;
+    // The previous peer tile's count halfway through this mainloop: its stores, issued a mainloop ago, have
+    // completed by then even when every block stored its first tile at once (~a third of a mainloop at the
+    // link's rate), and its owner's loader may be waiting for it (counted at the next store instead, a
+    // first-wave partial reached its owner a whole mainloop after it landed).
+    Base::Mainloop::mma(s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb) {
+      if (kb != p.k_blocks / 2) return;
+      if (leader) count_pending(p, es);
+      __syncwarp();
+    });
     const TeamView& team = p.sync.team;
     if (t.owner != team.rank) return;
-    const bool leader = tile::thread_in_warpgroup() == 0;
     if (leader) count_pending(p, es);
     __syncwarp();  // the leader's lanes again with it before the warp-aligned waits and barriers
     for (int k = 1; k < team.world; ++k) {
@@ -693,10 +701,15 @@ struct EpilogueSummedC : Gemm {
   }
 };
 
-// kTileN 256 (128 x 256 tiles, as the staged kernel's) or 128.
-template <bool kBKMajor, int kTileN = 256>
-using RsSummedGemmOp =
-    EpilogueSummedC<GemmOp<__nv_bfloat16, kBKMajor, 1, kTileN, 0, 2, lcsc::OwnerRoundsScheduler>>;
+// kTileN 256 (128 x 256 tiles, as the staged kernel's) or 128. kWideRing (tile 256 only): the storers ring
+// five output chunks a warpgroup instead of two, with three pipeline stages instead of four (the same shared
+// memory): a 64-row half tile's four chunks then leave without waiting for the link to read the earlier ones,
+// so a warpgroup's store no longer waits while every block stores its first tile to the peers at once
+// (FusedOptions::store_ring 5).
+template <bool kBKMajor, int kTileN = 256, bool kWideRing = false>
+using RsSummedGemmOp = EpilogueSummedC<
+    std::conditional_t<kWideRing, GemmOp<__nv_bfloat16, kBKMajor, 1, 256, 3, 5, lcsc::OwnerRoundsScheduler>,
+                       GemmOp<__nv_bfloat16, kBKMajor, 1, kTileN, 0, 2, lcsc::OwnerRoundsScheduler>>>;
 
 // The storers ring two output chunks a warpgroup (TmaStoreEpilogue's default); kWideRing: a ring of five for
 // three pipeline stages instead of four (GemmOp<..., 256, 3, 5>), so that a tile's four chunks to peers leave
