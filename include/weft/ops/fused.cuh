@@ -499,9 +499,9 @@ __device__ __forceinline__ void add_partial_chunks(tile::AccumM64<kN>& acc, cons
 // (Partials::kSummedInEpilogue), over a bf16 GemmOp walking lcsc::OwnerRoundsScheduler's order: every rank
 // computes every tile, a peer's tiles first, its own (rows it owns) `delay` rounds after the peers' blocks
 // computed theirs. A peer's tile is stored as kStaged stores it (this rank's slot of the owner's inbox) and,
-// once its stores have completed (checked when the warpgroup stores its next tile, or before an own tile's
-// partials are waited for, so no store waits on the link and no count waits for a peer), counted at the
-// owner: one add to the count of that tile (2 (W - 1) adds make it whole). For an own tile the loader, after
+// once its stores have completed (checked halfway through the warpgroup's next mainloop, so no store waits
+// on the link and no count waits for a peer), counted at the owner: one add to the count of that tile
+// (2 (W - 1) adds make it whole). For an own tile the loader, after
 // issuing the mainloop's k-blocks (kStages behind the consumers: the wait overlaps the mainloop's tail and
 // holds back the next tile's loads), waits for the tile's 2 (W - 1) counts and brings each peer's partial
 // tile into pipeline stages (narrow tile: both halves in one; wide: a half a stage), rank + 1's first; the
