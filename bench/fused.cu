@@ -4,7 +4,8 @@
 // sequential path: the "weft path" column says so), and weft over the bound max(compute, communication).
 // Shapes are global (N = K = 8192, N = 28672 / K = 8192): all_gather_matmul multiplies by an N/W column
 // slice, matmul_reduce_scatter / all_reduce by a K/W slice. Times: CUDA graphs, slowest rank's median; the
-// columns of a row are timed in turns (one replay of each, then the next round), so drift does not bias them.
+// columns of a row are timed in turns (one replay of each, then the next round), so drift does not bias them;
+// inputs rotate through copies larger than L2 together (rotating_sets), as a model's layers would.
 #include <cublas_v2.h>
 #include <nccl.h>
 
@@ -31,8 +32,15 @@ const char* op_name(Op o) {
 struct PerGpu {
   cublasHandle_t blas = nullptr;
   void* blas_ws = nullptr;
-  char *a = nullptr, *b = nullptr, *out = nullptr, *tmp = nullptr;  // cudaMalloc: cuBLAS + NCCL side
+  char *out = nullptr, *tmp = nullptr;  // cudaMalloc: cuBLAS + NCCL side
+  std::vector<char*> as, bs;            // the rotating copies of A and B (rotating_sets)
 };
+
+// Copies of a rank's operands (`bytes` a copy) that together exceed three times the L2 cache (1 to 8): a
+// rotation through them finds no operand in L2 from the call before.
+int rotating_sets(uint64_t bytes, int l2_bytes) {
+  return int(std::clamp<uint64_t>((3ull * uint64_t(l2_bytes) + bytes - 1) / bytes, 1, 8));
+}
 
 // A cuBLAS handle with a workspace per local rank, on that rank's bench stream, for the life of the object.
 struct PerGpuBlas {
@@ -59,7 +67,10 @@ struct PerGpuBlas {
   void free_buffers() {
     for (int i = 0; i < comm.num_local(); ++i) {
       WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
-      for (char* p : {g[i].a, g[i].b, g[i].out, g[i].tmp}) WEFT_CUDA_CHECK(cudaFree(p));
+      for (char* p : {g[i].out, g[i].tmp}) WEFT_CUDA_CHECK(cudaFree(p));
+      for (char* p : g[i].as) WEFT_CUDA_CHECK(cudaFree(p));
+      for (char* p : g[i].bs) WEFT_CUDA_CHECK(cudaFree(p));
+      g[i] = PerGpu{g[i].blas, g[i].blas_ws};
     }
   }
 };
@@ -83,6 +94,8 @@ void run_fused(Context& ctx) {
   auto team_max = [&](double x) { return team.team_max(x); };
   PerGpuBlas blas(*comm, streams);
   std::vector<PerGpu>& g = blas.g;
+  int l2_bytes = 0;
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, comm->local(0).device()));
   std::vector<Table> timelines;
   if (!ctx.timeline_dir.empty()) std::filesystem::create_directories(ctx.timeline_dir);
   std::vector<int64_t> ms = {1024, 2048, 4096, 8192, 16384, 32768};
@@ -109,7 +122,7 @@ void run_fused(Context& ctx) {
       "(FusedOptions::Gather::kCopyEngine; AG, else -); "
       "pipelined = the "
       "op with the copy-engine pipeline "
-      "forced (both: what kAuto's rule weighs)." +
+      "forced (both: what kAuto's rule weighs). Inputs rotate through copies that together exceed 3 x L2." +
           std::string(nccl_on ? ""
                               : " Virtual ranks: no NCCL, comm and sequential use weft's collectives; the "
                                 "pipeline is not captured into graphs there (pipelined: -)."));
@@ -133,28 +146,41 @@ void run_fused(Context& ctx) {
           const int64_t gn = op == Op::kAG ? N / W : N, gk = op == Op::kAG ? K : K / W, rows = M / W;
           ctx.progress("fused: %s M=%lld N=%lld K=%lld", op_name(op), (long long)M, (long long)N,
                        (long long)K);
-          const uint64_t a_bytes = M * gk * 2, out_bytes = (op == Op::kRS ? rows : M) * gn * 2;
-          SymmetricBuffer wa = comm->alloc(op == Op::kAG ? rows * gk * 2 : a_bytes),
-                          wo = comm->alloc(out_bytes);
+          const uint64_t a_bytes = M * gk * 2, out_bytes = (op == Op::kRS ? rows : M) * gn * 2,
+                         b_bytes = gn * gk * 2, weft_a_bytes = op == Op::kAG ? rows * gk * 2 : a_bytes;
+          // Rotating inputs: call k of every column takes copy k % sets of A and B (weft's A: its symmetric
+          // copy), so no call finds its operands in L2 from the call before.
+          const int sets = rotating_sets(a_bytes + b_bytes, l2_bytes);
+          std::vector<SymmetricBuffer> was;
+          for (int c = 0; c < sets; ++c) was.push_back(comm->alloc(weft_a_bytes));
+          SymmetricBuffer wo = comm->alloc(out_bytes);
           for (int i = 0; i < L; ++i) {
             WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-            WEFT_CUDA_CHECK(cudaMalloc(&g[i].a, a_bytes));
-            WEFT_CUDA_CHECK(cudaMalloc(&g[i].b, gn * gk * 2));
+            g[i].as.assign(sets, nullptr);
+            g[i].bs.assign(sets, nullptr);
+            const int rk = comm->local(i).rank();
+            for (int c = 0; c < sets; ++c) {
+              WEFT_CUDA_CHECK(cudaMalloc(&g[i].as[c], a_bytes));
+              WEFT_CUDA_CHECK(cudaMalloc(&g[i].bs[c], b_bytes));
+              fill_uniform_bf16(g[i].as[c], a_bytes / 2, 100 + 2 * rk + 1000 * c, streams[i]);
+              fill_uniform_bf16(g[i].bs[c], b_bytes / 2, 101 + 2 * rk + 1000 * c, streams[i]);
+              WEFT_CUDA_CHECK(cudaMemcpyAsync(was[c].local[i], g[i].as[c], weft_a_bytes,
+                                              cudaMemcpyDeviceToDevice, streams[i]));
+            }
             WEFT_CUDA_CHECK(cudaMalloc(&g[i].out, out_bytes));
             WEFT_CUDA_CHECK(cudaMalloc(&g[i].tmp, M * gn * 2));
-            const int rk = comm->local(i).rank();
-            fill_uniform_bf16(g[i].a, a_bytes / 2, 100 + 2 * rk, streams[i]);
-            fill_uniform_bf16(g[i].b, gn * gk, 101 + 2 * rk, streams[i]);
-            WEFT_CUDA_CHECK(cudaMemcpyAsync(wa.local[i], g[i].a, op == Op::kAG ? rows * gk * 2 : a_bytes,
-                                            cudaMemcpyDeviceToDevice, streams[i]));
             WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
           }
-          auto gemm_alone = [&](int i) { cublas_gemm(g[i].blas, g[i].a, g[i].b, g[i].tmp, M, gn, gk); };
-          auto comm_alone = [&](int i) {
+          auto A = [&](int i, int k) { return g[i].as[k % sets]; };
+          auto B = [&](int i, int k) { return g[i].bs[k % sets]; };
+          auto gemm_alone = [&](int i, int k) {
+            cublas_gemm(g[i].blas, A(i, k), B(i, k), g[i].tmp, M, gn, gk);
+          };
+          auto comm_alone = [&](int i, int k) {
             if (!nccl_on) {  // virtual ranks: weft's collective, same buffers
               Rank& r = comm->local(i);
               if (op == Op::kAG)
-                all_gather(*comm, r, g[i].a + r.rank() * rows * gk * 2, g[i].a,
+                all_gather(*comm, r, A(i, k) + r.rank() * rows * gk * 2, A(i, k),
                            Shape2D{size_t(rows), size_t(gk)}, 0, DType::kBF16, streams[i]);
               else if (op == Op::kRS)
                 reduce_scatter(*comm, r, g[i].tmp, g[i].out, Shape2D{size_t(rows), size_t(gn)}, 0,
@@ -167,7 +193,7 @@ void run_fused(Context& ctx) {
             if (op == Op::kAG)
               // In place: this rank's rows of A are its shard (random data), so the GEMM after the gather
               // multiplies real data (a never-written send buffer would feed it zeros, which run cooler).
-              WEFT_NCCL_CHECK(ncclAllGather(g[i].a + comm->local(i).rank() * rows * gk * 2, g[i].a,
+              WEFT_NCCL_CHECK(ncclAllGather(A(i, k) + comm->local(i).rank() * rows * gk * 2, A(i, k),
                                             size_t(rows * gk), ncclBfloat16, nccl[i], streams[i]));
             else if (op == Op::kRS)
               WEFT_NCCL_CHECK(ncclReduceScatter(g[i].tmp, g[i].out, size_t(rows * gn), ncclBfloat16, ncclSum,
@@ -180,29 +206,28 @@ void run_fused(Context& ctx) {
           FusedOptions forced = weft_options;  // the staged kernel (weft: kAuto's partials)
           forced.mode = FusedOptions::Mode::kFused;
           forced.partials = FusedOptions::Partials::kStaged;
-          auto weft_gemm_alone = [&](int i) {
-            gemm(g[i].a, g[i].b, g[i].tmp, M, gn, gk, BLayout::kNK, DType::kBF16, streams[i]);
+          auto weft_gemm_alone = [&](int i, int k) {
+            gemm(A(i, k), B(i, k), g[i].tmp, M, gn, gk, BLayout::kNK, DType::kBF16, streams[i]);
           };
-          auto call = [&](int i, const FusedOptions& o) {
+          auto call = [&](int i, int k, const FusedOptions& o) {
+            void* const a = was[k % sets].local[i];
+            char* const b = B(i, k);
             Rank& r = comm->local(i);
             const BLayout nk = BLayout::kNK;
             if (op == Op::kAG)
-              return all_gather_matmul(*comm, r, wa.local[i], g[i].b, wo.local[i], nullptr, M, gn, gk, nk,
-                                       streams[i], o);
+              return all_gather_matmul(*comm, r, a, b, wo.local[i], nullptr, M, gn, gk, nk, streams[i], o);
             if (op == Op::kRS)
-              return matmul_reduce_scatter(*comm, r, wa.local[i], g[i].b, wo.local[i], M, gn, gk, nk,
-                                           streams[i], o);
-            return matmul_all_reduce(*comm, r, wa.local[i], g[i].b, wo.local[i], M, gn, gk, nk, streams[i],
-                                     o);
+              return matmul_reduce_scatter(*comm, r, a, b, wo.local[i], M, gn, gk, nk, streams[i], o);
+            return matmul_all_reduce(*comm, r, a, b, wo.local[i], M, gn, gk, nk, streams[i], o);
           };
-          auto weft_call = [&](int i) { path = call(i, weft_options); };
-          auto fused_call = [&](int i) { call(i, forced); };
+          auto weft_call = [&](int i, int k) { path = call(i, k, weft_options); };
+          auto fused_call = [&](int i, int k) { call(i, k, forced); };
           // The fused kernel forced with one way of summing (RS / AR) or of gathering (AG).
           auto forced_with = [&](FusedOptions::Partials partials, FusedOptions::Gather gather) {
             FusedOptions o = forced;
             o.partials = partials;
             o.gather = gather;
-            return [&call, o](int i) { call(i, o); };
+            return [&call, o](int i, int k) { call(i, k, o); };
           };
           using Partials = FusedOptions::Partials;
           using Gather = FusedOptions::Gather;
@@ -213,13 +238,13 @@ void run_fused(Context& ctx) {
           const bool copy_engine_on = op == Op::kAG && nccl_on;  // not on virtual ranks
           FusedOptions pipelined = weft_options;
           pipelined.mode = FusedOptions::Mode::kPipelined;
-          auto pipelined_call = [&](int i) { call(i, pipelined); };
+          auto pipelined_call = [&](int i, int k) { call(i, k, pipelined); };
           auto on_all = [&](auto&& f, bool nccl_group) {
-            return [&, nccl_group = nccl_group && nccl_on](int) {
+            return [&, nccl_group = nccl_group && nccl_on](int k) {
               if (nccl_group) WEFT_NCCL_CHECK(ncclGroupStart());
               for (int i = 0; i < L; ++i) {
                 WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-                f(i);
+                f(i, k);
               }
               if (nccl_group) WEFT_NCCL_CHECK(ncclGroupEnd());
             };
@@ -295,7 +320,7 @@ void run_fused(Context& ctx) {
                  t_copy_engine > 0 ? fmt("%.1f", t_copy_engine) : std::string("-"),
                  t_pipe > 0 ? fmt("%.1f", t_pipe) : std::string("-")});
           if (!ctx.timeline_dir.empty()) {  // one call of each weft path, in-kernel timestamps
-            auto record = [&](const std::function<void(int)>& f, const char* path_name) {
+            auto record = [&](const std::function<void(int, int)>& f, const char* path_name) {
               timelines.push_back(record_timeline(
                   *comm, streams, [&] { on_all(f, false)(0); },
                   fmt("%s M=%lld N=%lld K=%lld, %s", op_name(op), (long long)M, (long long)N, (long long)K,
@@ -311,7 +336,7 @@ void run_fused(Context& ctx) {
             if (summed_on) record(summed_call, "fused_summed_in_epilogue");
             if (copy_engine_on) record(copy_engine_call, "fused_copy_engine");
           }
-          comm->free(wa);
+          for (SymmetricBuffer& w : was) comm->free(w);
           comm->free(wo);
           blas.free_buffers();
         }
@@ -330,6 +355,8 @@ void run_decode(Context& ctx) {
   const int L = team.local();
   std::vector<cudaStream_t>& streams = team.streams;
   PerGpuBlas blas(*comm, streams);
+  int l2_bytes = 0;
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, comm->local(0).device()));
   std::vector<PerGpu>& g = blas.g;
   std::vector<int64_t> ms = {1, 4, 16, 64, 256};
   if (!ctx.fused_m.empty()) ms = ctx.fused_m;
@@ -343,46 +370,57 @@ void run_decode(Context& ctx) {
        "weft us", "weft path", "weft / cuBLAS+NCCL", "weft / cuBLAS+weft AR"},
       "Per rank: out [M, N] = sum over ranks of A [M, K/rank] . W^T, W [N, K/rank]. gemm = cuBLAS alone; "
       "the AR columns the all-reduce of [M, N] alone; weft = weft::matmul_all_reduce (kAuto). CUDA graphs "
-      "of 20 calls, columns in turns, slowest rank's median." +
+      "of 20 calls, columns in turns, slowest rank's median; inputs rotated through copies past L2." +
           std::string(nccl_on ? "" : " Virtual ranks: no NCCL (-)."));
   const int64_t N = 8192;
   for (int64_t K : {2048, 7168})
     for (int64_t M : ms) {
       ctx.progress("decode: M=%lld N=%lld K=%lld", (long long)M, (long long)N, (long long)K);
-      SymmetricBuffer wa = comm->alloc(M * K * 2), wo = comm->alloc(M * N * 2);
+      // Rotating inputs (as run_fused's): at K = 2048 a rank's weight (32 MiB) would otherwise stay in L2
+      // from one call to the next, which a model's many layers never allow.
+      const int sets = rotating_sets(uint64_t(M + N) * K * 2, l2_bytes);
+      std::vector<SymmetricBuffer> was;
+      for (int c = 0; c < sets; ++c) was.push_back(comm->alloc(M * K * 2));
+      SymmetricBuffer wo = comm->alloc(M * N * 2);
       for (int i = 0; i < L; ++i) {
         WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-        WEFT_CUDA_CHECK(cudaMalloc(&g[i].a, M * K * 2));
-        WEFT_CUDA_CHECK(cudaMalloc(&g[i].b, N * K * 2));
+        g[i].as.assign(sets, nullptr);
+        g[i].bs.assign(sets, nullptr);
+        const int rk = comm->local(i).rank();
+        for (int c = 0; c < sets; ++c) {
+          WEFT_CUDA_CHECK(cudaMalloc(&g[i].as[c], M * K * 2));
+          WEFT_CUDA_CHECK(cudaMalloc(&g[i].bs[c], N * K * 2));
+          fill_uniform_bf16(g[i].as[c], M * K, 300 + 2 * rk + 1000 * c, streams[i]);
+          fill_uniform_bf16(g[i].bs[c], N * K, 301 + 2 * rk + 1000 * c, streams[i]);
+          WEFT_CUDA_CHECK(
+              cudaMemcpyAsync(was[c].local[i], g[i].as[c], M * K * 2, cudaMemcpyDeviceToDevice, streams[i]));
+        }
         WEFT_CUDA_CHECK(cudaMalloc(&g[i].out, M * N * 2));
         WEFT_CUDA_CHECK(cudaMalloc(&g[i].tmp, M * N * 2));
-        const int rk = comm->local(i).rank();
-        fill_uniform_bf16(g[i].a, M * K, 300 + 2 * rk, streams[i]);
-        fill_uniform_bf16(g[i].b, N * K, 301 + 2 * rk, streams[i]);
-        WEFT_CUDA_CHECK(
-            cudaMemcpyAsync(wa.local[i], g[i].a, M * K * 2, cudaMemcpyDeviceToDevice, streams[i]));
         WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
       }
       FusedPath path = FusedPath::kSequential;
-      auto gemm_alone = [&](int i) { cublas_gemm(g[i].blas, g[i].a, g[i].b, g[i].tmp, M, N, K); };
-      auto nccl_ar = [&](int i) {
+      auto gemm_alone = [&](int i, int k) {
+        cublas_gemm(g[i].blas, g[i].as[k % sets], g[i].bs[k % sets], g[i].tmp, M, N, K);
+      };
+      auto nccl_ar = [&](int i, int) {
         WEFT_NCCL_CHECK(ncclAllReduce(g[i].tmp, g[i].out, size_t(M * N), ncclBfloat16, ncclSum, team.nccl[i],
                                       streams[i]));
       };
-      auto weft_ar = [&](int i) {
+      auto weft_ar = [&](int i, int) {
         all_reduce(*comm, comm->local(i), g[i].tmp, g[i].out, size_t(M * N), DType::kBF16, ReduceOp::kSum,
                    streams[i]);
       };
-      auto weft_call = [&](int i) {
-        path = matmul_all_reduce(*comm, comm->local(i), wa.local[i], g[i].b, wo.local[i], M, N, K,
-                                 BLayout::kNK, streams[i]);
+      auto weft_call = [&](int i, int k) {
+        path = matmul_all_reduce(*comm, comm->local(i), was[k % sets].local[i], g[i].bs[k % sets],
+                                 wo.local[i], M, N, K, BLayout::kNK, streams[i]);
       };
       auto on_all = [&](auto&& f, bool nccl_group) {
-        return [&, nccl_group](int) {
+        return [&, nccl_group](int k) {
           if (nccl_group) WEFT_NCCL_CHECK(ncclGroupStart());
           for (int i = 0; i < L; ++i) {
             WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-            f(i);
+            f(i, k);
           }
           if (nccl_group) WEFT_NCCL_CHECK(ncclGroupEnd());
         };
@@ -423,7 +461,7 @@ void run_decode(Context& ctx) {
             fmt("matmul_all_reduce M=%lld N=%lld K=%lld, %s", (long long)M, (long long)N, (long long)K,
                 fused_path_name(path)),
             ctx.timeline_dir + fmt("/decode_%lldx%lldx%lld.csv", (long long)M, (long long)N, (long long)K)));
-      comm->free(wa);
+      for (SymmetricBuffer& w : was) comm->free(w);
       comm->free(wo);
       blas.free_buffers();
     }
