@@ -1,9 +1,10 @@
 // weft-bench flash_decode: weft::flash_decode (q_len 1, bf16, D 128) on a team of one (GPU 0; a team row's
 // local part also on each of the team's GPUs alone) and over all the team's GPUs (each sequence's cache split
 // evenly), against the floor: the KV bytes a rank reads over the GPU's copy rate (cudaMemcpy device to device
-// of 1 GiB, read + write traffic, measured in the same run). CUDA graphs of many calls, the slowest rank's
-// median; team rows also with the output on rank 0 alone (DecodeOptions::out_rank). The torch baselines
-// (SDPA; local decode + NCCL all-gather + merge) are python/benchmarks/decode.py's.
+// of 1 GiB, read + write traffic, measured in the same run). CUDA graphs of many calls, the cache rotating
+// through copies past L2, the slowest rank's median; team rows also with the output on rank 0 alone
+// (DecodeOptions::out_rank). The torch baselines (SDPA; local decode + NCCL all-gather + merge) are
+// python/benchmarks/decode.py's.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -44,21 +45,29 @@ DecodeRow run_case(Context& ctx, Communicator& comm, const std::vector<cudaStrea
   const int64_t local = (c.seq + W - 1) / W, D = 128;
   const DecodeShape shape{c.batch, 1, c.heads, c.kv_heads, D, local};
   struct Buffers {
-    std::unique_ptr<DeviceBuffer> q, out, k, v, meta;
+    std::unique_ptr<DeviceBuffer> q, out, meta;
+    std::vector<std::unique_ptr<DeviceBuffer>> k, v;  // rotating copies of the cache
   };
+  // The cache rotates through copies that together exceed 3 x L2 (1 to 8), call k reading copy k % sets: a
+  // model's layers each read their own cache, so no call finds its cache in L2 from the call before.
+  const size_t kv = size_t(c.batch) * local * c.kv_heads * D;
+  int l2_bytes = 0;
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, comm.local(0).device()));
+  const int sets = int(std::clamp<size_t>((3 * size_t(l2_bytes) + 4 * kv - 1) / (4 * kv), 1, 8));
   std::vector<Buffers> rs(L);
   for (int i = 0; i < L; ++i) {
     Rank& r = comm.local(i);
     WEFT_CUDA_CHECK(cudaSetDevice(r.device()));
-    const size_t kv = size_t(c.batch) * local * c.kv_heads * D;
     rs[i].q = std::make_unique<DeviceBuffer>(c.batch * c.heads * D * 2);
     rs[i].out = std::make_unique<DeviceBuffer>(c.batch * c.heads * D * 2);
-    rs[i].k = std::make_unique<DeviceBuffer>(kv * 2);
-    rs[i].v = std::make_unique<DeviceBuffer>(kv * 2);
     rs[i].meta = std::make_unique<DeviceBuffer>(3 * c.batch * 4);
     fill_uniform_bf16(rs[i].q->p, c.batch * c.heads * D, 1, streams[i]);
-    fill_uniform_bf16(rs[i].k->p, kv, 2 + r.rank(), streams[i]);
-    fill_uniform_bf16(rs[i].v->p, kv, 3 + r.rank(), streams[i]);
+    for (int s = 0; s < sets; ++s) {
+      rs[i].k.push_back(std::make_unique<DeviceBuffer>(kv * 2));
+      rs[i].v.push_back(std::make_unique<DeviceBuffer>(kv * 2));
+      fill_uniform_bf16(rs[i].k[s]->p, kv, 2 + r.rank() + 100 * s, streams[i]);
+      fill_uniform_bf16(rs[i].v[s]->p, kv, 3 + r.rank() + 100 * s, streams[i]);
+    }
     std::vector<int32_t> meta(3 * c.batch);
     for (int64_t b = 0; b < c.batch; ++b) {
       const int64_t first = std::min(c.seq, r.rank() * local);
@@ -71,12 +80,12 @@ DecodeRow run_case(Context& ctx, Communicator& comm, const std::vector<cudaStrea
     WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
   }
   DecodeOptions o;
-  auto call = [&](int) {
+  auto call = [&](int k) {
     for (int i = 0; i < L; ++i) {
       WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
       DecodeCache cache;
-      cache.k = rs[i].k->p;
-      cache.v = rs[i].v->p;
+      cache.k = rs[i].k[k % sets]->p;
+      cache.v = rs[i].v[k % sets]->p;
       const auto* meta = static_cast<const int32_t*>(rs[i].meta->p);
       cache.seqlens = meta;
       cache.offsets = meta + c.batch;
@@ -100,7 +109,7 @@ DecodeRow run_case(Context& ctx, Communicator& comm, const std::vector<cudaStrea
       timelines->push_back(record_timeline(
           comm, streams,
           [&] {
-            for (int k = 0; k < calls; ++k) call(0);
+            for (int k = 0; k < calls; ++k) call(k);
           },
           fmt("flash_decode on %d GPU%s, batch=%lld tokens=%lld (this rank's %lld) heads=%lld/%lld, "
               "%d call%s in one graph",
