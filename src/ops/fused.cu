@@ -700,10 +700,10 @@ bool summed_runs(const Call& c, const void* out, int64_t m, int64_t n, const Fus
 // kStaged's) and counted there, an own tile summed with the peers' partials in its epilogue and stored into
 // out, or (all-reduce, symmetric out) into this rank's slice of every rank's out; no kernel after it.
 // launch_rs checks what it needs: shards of whole 128-row tiles, the tiles within their flags.
-template <bool kKMajor, int kTileN, bool kWideRing = false>
+template <bool kKMajor, int kTileN>
 void launch_rs_summed(Call& c, const Bf16Maps<kKMajor>& maps, void* out, int64_t m, int64_t n,
                       const FusedOptions& o, bool all_reduce) {
-  using Op = ops::RsSummedGemmOp<kKMajor, kTileN, kWideRing>;
+  using Op = ops::RsSummedGemmOp<kKMajor, kTileN>;
   // rs_why_not and choose() checked the SM budget with the staged op: one block an SM at the same shared
   // memory.
   static_assert(lcsc::kSmemBytes<Op> == lcsc::kSmemBytes<ops::RsGemmOp<kKMajor, 1>>,
@@ -764,9 +764,8 @@ void launch_rs(Call& c, const void* a, const void* b, void* out, int64_t m, int6
   const bool sym_ok = !all_reduce || c.comm.in_heap(c.rank, out, m * n * 2);
   const Bf16Maps<kKMajor> maps{a, b, m, n, k};
   if (o.partials == Partials::kSummedInEpilogue && summed_runs(c, out, m, n, o, all_reduce))
-    return o.tile_n == 128     ? launch_rs_summed<kKMajor, 128>(c, maps, out, m, n, o, all_reduce)
-           : o.store_ring == 5 ? launch_rs_summed<kKMajor, 256, true>(c, maps, out, m, n, o, all_reduce)
-                               : launch_rs_summed<kKMajor, 256>(c, maps, out, m, n, o, all_reduce);
+    return o.tile_n == 128 ? launch_rs_summed<kKMajor, 128>(c, maps, out, m, n, o, all_reduce)
+                           : launch_rs_summed<kKMajor, 256>(c, maps, out, m, n, o, all_reduce);
   const bool counted =
       (o.partials == Partials::kAddedAtOwner || o.partials == Partials::kStagedProgressive) &&
       rows / 64 <= ops::kRsHalfFlags && sym_ok;
@@ -832,11 +831,12 @@ Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const 
     plan.partials = o.partials;
   }
   // Partials::kAuto: summed in the epilogue where the measured rule (ops::kSummedPartialsRules) and the
-  // kernel's needs allow, and then the fused kernel at every M; kStaged elsewhere.
+  // kernel's needs allow (store_ring 5 is the staged kernel's option: kStaged there), and then the fused
+  // kernel at every M; kStaged elsewhere.
   using Partials = FusedOptions::Partials;
   const bool all_reduce = op == FusedOp::kMatmulAllReduce;
   const bool summed_auto = op != FusedOp::kAllGatherMatmul && o.partials == Partials::kAuto &&
-                           ops::auto_sums_in_epilogue(all_reduce, W) &&
+                           o.store_ring != 5 && ops::auto_sums_in_epilogue(all_reduce, W) &&
                            summed_runs(c, out, m, n, o, all_reduce);
   if (plan.partials == Partials::kAuto)
     plan.partials = summed_auto ? Partials::kSummedInEpilogue : Partials::kStaged;

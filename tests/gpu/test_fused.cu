@@ -145,12 +145,8 @@ void run_case(TestContext& ctx, Op op, Shape s, BLayout layout, Mode mode, bool 
   // GPU; elsewhere the communicator blocks).
   if (op == Op::kAG && seed / 4 % 2 == 0) o.gather = FusedOptions::Gather::kCopyEngine;
   if (op != Op::kAG) o.partials = summing.partials;
-  // The storers' wide ring (FusedOptions::store_ring 5) in every other staged case, and in every other case
-  // summed in the epilogue (or auto) on 128 x 256 tiles.
-  const bool ring_runs =
-      o.partials == Partials::kStaged ||
-      ((o.partials == Partials::kSummedInEpilogue || o.partials == Partials::kAuto) && o.tile_n != 128);
-  if (op != Op::kAG && ring_runs && seed / 6 % 2) o.store_ring = 5;
+  // The staged way with the storers' wide ring (FusedOptions::store_ring 5) in every other such case.
+  if (op != Op::kAG && o.partials == Partials::kStaged && seed / 6 % 2) o.store_ring = 5;
   const char* partials = op == Op::kAG                                ? ""
                          : o.partials == Partials::kAddedAtOwner      ? " added at owner"
                          : o.partials == Partials::kStagedProgressive ? " staged, progressive"

@@ -701,15 +701,10 @@ struct EpilogueSummedC : Gemm {
   }
 };
 
-// kTileN 256 (128 x 256 tiles, as the staged kernel's) or 128. kWideRing (tile 256 only): the storers ring
-// five output chunks a warpgroup instead of two, with three pipeline stages instead of four (the same shared
-// memory): a 64-row half tile's four chunks then leave without waiting for the link to read the earlier ones,
-// so a warpgroup's store no longer waits while every block stores its first tile to the peers at once
-// (FusedOptions::store_ring 5).
-template <bool kBKMajor, int kTileN = 256, bool kWideRing = false>
-using RsSummedGemmOp = EpilogueSummedC<
-    std::conditional_t<kWideRing, GemmOp<__nv_bfloat16, kBKMajor, 1, 256, 3, 5, lcsc::OwnerRoundsScheduler>,
-                       GemmOp<__nv_bfloat16, kBKMajor, 1, kTileN, 0, 2, lcsc::OwnerRoundsScheduler>>>;
+// kTileN 256 (128 x 256 tiles, as the staged kernel's) or 128.
+template <bool kBKMajor, int kTileN = 256>
+using RsSummedGemmOp =
+    EpilogueSummedC<GemmOp<__nv_bfloat16, kBKMajor, 1, kTileN, 0, 2, lcsc::OwnerRoundsScheduler>>;
 
 // The storers ring two output chunks a warpgroup (TmaStoreEpilogue's default); kWideRing: a ring of five for
 // three pipeline stages instead of four (GemmOp<..., 256, 3, 5>), so that a tile's four chunks to peers leave

@@ -79,10 +79,10 @@ struct FusedOptions {
   // How the fused RS / AR kernel sums the W partial tiles of each row (the same on every rank):
   //   kAuto          kSummedInEpilogue where it runs for matmul_all_reduce, and for matmul_reduce_scatter at
   //                  2 GPUs (the measured rows: src/ops/fused_rules.hpp), Mode::kAuto then taking the fused
-  //                  kernel from min_fused_m rows on; kStaged elsewhere and for the FP8 ops. The
-  //                  all-reduce decides by whether out is in the symmetric heap: it must be on every rank
-  //                  or on none (as every op's symmetric buffers), else the ranks take different kernels and
-  //                  the call fails with a timeout
+  //                  kernel from min_fused_m rows on; kStaged elsewhere, with store_ring 5 and for the FP8
+  //                  ops. The all-reduce decides by whether out is in the symmetric heap: it must be on
+  //                  every rank or on none (as every op's symmetric buffers), else the ranks take different
+  //                  kernels and the call fails with a timeout
   //   kStaged        each rank stores its bf16 tile into its own staging slot at the owner; a reduce kernel
   //                  after the GEMM sums the W slots in a fixed order (bitwise reproducible)
   //   kAddedAtOwner  each rank reduce-adds its bf16 tile (TMA .add) into the owner's zeroed sum during the
@@ -111,10 +111,10 @@ struct FusedOptions {
     kStagedProgressive,
     kSummedInEpilogue
   } partials = Partials::kAuto;
-  // The fused RS / AR kernel's storers (kStaged, and kSummedInEpilogue on 128 x 256 tiles): the ring of
-  // output chunks a consumer warpgroup, 0 (auto: 2) or 5 (with three pipeline stages instead of four: a
-  // tile's chunks to peers leave without waiting on each other); the same on every rank. A developer option
-  // while the two are measured.
+  // The fused RS / AR kernel's storers (kStaged): the ring of output chunks a consumer warpgroup, 0 (auto: 2)
+  // or 5 (with three pipeline stages instead of four: a tile's chunks to peers leave without waiting on each
+  // other); the same on every rank. A developer option while the two are measured (the summed-in-epilogue
+  // kernel with a ring of five: 1.00-1.03 of the ring of two's time at 2 x H200, removed).
   int store_ring = 0;
   // all_gather_matmul's fused kernel: what moves A's shards to the peers (the same on every rank):
   //   kAuto                kCopyEngine where it runs, at 2 GPUs from M = 8192 (Mode::kAuto then takes the
