@@ -63,7 +63,34 @@ struct PerGpuBlas {
       cudaFree(g[i].blas_ws);
     }
   }
-  // A shape's buffers, freed.
+  // A shape's buffers: `sets` rotating copies of A (a_bytes) and B (b_bytes) a rank, random (seeded by the
+  // rank and the copy), each A's first weft_a_bytes also in a symmetric copy for weft's ops (returned); out
+  // and tmp.
+  std::vector<SymmetricBuffer> alloc_buffers(int sets, uint64_t a_bytes, uint64_t b_bytes,
+                                             uint64_t weft_a_bytes, uint64_t out_bytes, uint64_t tmp_bytes,
+                                             uint64_t seed, const std::vector<cudaStream_t>& streams) {
+    std::vector<SymmetricBuffer> weft_a;
+    for (int c = 0; c < sets; ++c) weft_a.push_back(comm.alloc(weft_a_bytes));
+    for (int i = 0; i < comm.num_local(); ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
+      g[i].as.assign(sets, nullptr);
+      g[i].bs.assign(sets, nullptr);
+      const uint64_t rank_seed = seed + 2 * comm.local(i).rank();
+      for (int c = 0; c < sets; ++c) {
+        WEFT_CUDA_CHECK(cudaMalloc(&g[i].as[c], a_bytes));
+        WEFT_CUDA_CHECK(cudaMalloc(&g[i].bs[c], b_bytes));
+        fill_uniform_bf16(g[i].as[c], a_bytes / 2, rank_seed + 1000 * c, streams[i]);
+        fill_uniform_bf16(g[i].bs[c], b_bytes / 2, rank_seed + 1 + 1000 * c, streams[i]);
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(weft_a[c].local[i], g[i].as[c], weft_a_bytes,
+                                        cudaMemcpyDeviceToDevice, streams[i]));
+      }
+      WEFT_CUDA_CHECK(cudaMalloc(&g[i].out, out_bytes));
+      WEFT_CUDA_CHECK(cudaMalloc(&g[i].tmp, tmp_bytes));
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
+    }
+    return weft_a;
+  }
+  // A shape's buffers, freed (the symmetric copies: the caller's).
   void free_buffers() {
     for (int i = 0; i < comm.num_local(); ++i) {
       WEFT_CUDA_CHECK(cudaSetDevice(comm.local(i).device()));
@@ -151,26 +178,9 @@ void run_fused(Context& ctx) {
           // Rotating inputs: call k of every column takes copy k % sets of A and B (weft's A: its symmetric
           // copy), so no call finds its operands in L2 from the call before.
           const int sets = rotating_sets(a_bytes + b_bytes, l2_bytes);
-          std::vector<SymmetricBuffer> was;
-          for (int c = 0; c < sets; ++c) was.push_back(comm->alloc(weft_a_bytes));
+          std::vector<SymmetricBuffer> was =
+              blas.alloc_buffers(sets, a_bytes, b_bytes, weft_a_bytes, out_bytes, M * gn * 2, 100, streams);
           SymmetricBuffer wo = comm->alloc(out_bytes);
-          for (int i = 0; i < L; ++i) {
-            WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-            g[i].as.assign(sets, nullptr);
-            g[i].bs.assign(sets, nullptr);
-            const int rk = comm->local(i).rank();
-            for (int c = 0; c < sets; ++c) {
-              WEFT_CUDA_CHECK(cudaMalloc(&g[i].as[c], a_bytes));
-              WEFT_CUDA_CHECK(cudaMalloc(&g[i].bs[c], b_bytes));
-              fill_uniform_bf16(g[i].as[c], a_bytes / 2, 100 + 2 * rk + 1000 * c, streams[i]);
-              fill_uniform_bf16(g[i].bs[c], b_bytes / 2, 101 + 2 * rk + 1000 * c, streams[i]);
-              WEFT_CUDA_CHECK(cudaMemcpyAsync(was[c].local[i], g[i].as[c], weft_a_bytes,
-                                              cudaMemcpyDeviceToDevice, streams[i]));
-            }
-            WEFT_CUDA_CHECK(cudaMalloc(&g[i].out, out_bytes));
-            WEFT_CUDA_CHECK(cudaMalloc(&g[i].tmp, M * gn * 2));
-            WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
-          }
           auto A = [&](int i, int k) { return g[i].as[k % sets]; };
           auto B = [&](int i, int k) { return g[i].bs[k % sets]; };
           auto gemm_alone = [&](int i, int k) {
@@ -379,26 +389,9 @@ void run_decode(Context& ctx) {
       // Rotating inputs (as run_fused's): at K = 2048 a rank's weight (32 MiB) would otherwise stay in L2
       // from one call to the next, which a model's many layers never allow.
       const int sets = rotating_sets(uint64_t(M + N) * K * 2, l2_bytes);
-      std::vector<SymmetricBuffer> was;
-      for (int c = 0; c < sets; ++c) was.push_back(comm->alloc(M * K * 2));
+      std::vector<SymmetricBuffer> was =
+          blas.alloc_buffers(sets, M * K * 2, N * K * 2, M * K * 2, M * N * 2, M * N * 2, 300, streams);
       SymmetricBuffer wo = comm->alloc(M * N * 2);
-      for (int i = 0; i < L; ++i) {
-        WEFT_CUDA_CHECK(cudaSetDevice(comm->local(i).device()));
-        g[i].as.assign(sets, nullptr);
-        g[i].bs.assign(sets, nullptr);
-        const int rk = comm->local(i).rank();
-        for (int c = 0; c < sets; ++c) {
-          WEFT_CUDA_CHECK(cudaMalloc(&g[i].as[c], M * K * 2));
-          WEFT_CUDA_CHECK(cudaMalloc(&g[i].bs[c], N * K * 2));
-          fill_uniform_bf16(g[i].as[c], M * K, 300 + 2 * rk + 1000 * c, streams[i]);
-          fill_uniform_bf16(g[i].bs[c], N * K, 301 + 2 * rk + 1000 * c, streams[i]);
-          WEFT_CUDA_CHECK(
-              cudaMemcpyAsync(was[c].local[i], g[i].as[c], M * K * 2, cudaMemcpyDeviceToDevice, streams[i]));
-        }
-        WEFT_CUDA_CHECK(cudaMalloc(&g[i].out, M * N * 2));
-        WEFT_CUDA_CHECK(cudaMalloc(&g[i].tmp, M * N * 2));
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
-      }
       FusedPath path = FusedPath::kSequential;
       auto gemm_alone = [&](int i, int k) {
         cublas_gemm(g[i].blas, g[i].as[k % sets], g[i].bs[k % sets], g[i].tmp, M, N, K);
