@@ -1125,14 +1125,17 @@ struct Fp8Maps {
   }
 };
 
+// The FP8 reduce-scatter's kernel: one promotion register tile (with two, its storer's registers spill).
+template <Fp8Scaling kScaling, bool kE5M2>
+using RsFp8GemmOp = ops::ReduceScatterC<
+    ops::Fp8GemmOp<__nv_bfloat16, kScaling, kE5M2, false, lcsc::GemmTileScheduler, /*overlapped=*/false>>;
+
 template <Fp8Scaling kScaling>
 void launch_rs_fp8(Call& c, const Fp8MmArgs& x, const FusedOptions& o, bool all_reduce) {
   if (x.type == Fp8Type::kE5M2)
-    launch_rs_as<ops::ReduceScatterC<ops::Fp8GemmOp<__nv_bfloat16, kScaling, true>>>(c, Fp8Maps{x}, x.out,
-                                                                                     x.m, x.n, o, all_reduce);
+    launch_rs_as<RsFp8GemmOp<kScaling, true>>(c, Fp8Maps{x}, x.out, x.m, x.n, o, all_reduce);
   else
-    launch_rs_as<ops::ReduceScatterC<ops::Fp8GemmOp<__nv_bfloat16, kScaling, false>>>(
-        c, Fp8Maps{x}, x.out, x.m, x.n, o, all_reduce);
+    launch_rs_as<RsFp8GemmOp<kScaling, false>>(c, Fp8Maps{x}, x.out, x.m, x.n, o, all_reduce);
 }
 
 FusedPath run_scaled_matmul_reduce(Call& c, const Fp8MmArgs& x, const FusedOptions& o, bool all_reduce) {
@@ -1140,8 +1143,7 @@ FusedPath run_scaled_matmul_reduce(Call& c, const Fp8MmArgs& x, const FusedOptio
       o.partials == FusedOptions::Partials::kAuto || o.partials == FusedOptions::Partials::kStaged,
       c.where + "takes FusedOptions::Partials::kAuto or kStaged only (the partials staged at their owners)");
   check_fp8(c, x, o, x.m, all_reduce ? x.m : x.m / c.rank.world());
-  const std::string why_not =
-      rs_why_not<ops::ReduceScatterC<ops::Fp8GemmOp<__nv_bfloat16, Fp8Scaling::kBlock, false>>>(c, x.m);
+  const std::string why_not = rs_why_not<RsFp8GemmOp<Fp8Scaling::kBlock, false>>(c, x.m);
   const FusedPath path = c.path(o, x.m, why_not, FusedPath::kFused);
   if (c.planning()) c.plan->why_not = why_not.empty() ? "" : "fused kernel: " + why_not;
   if (path == FusedPath::kFused) {

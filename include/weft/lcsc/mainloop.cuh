@@ -181,39 +181,91 @@ struct Fp8PromotingMainloop {
   // ---- consumer: warpgroup `wg` sets acc to rows [64 wg, 64 wg + 64) of the tile's product. ----
   // factor(kb) gives the promotion factors of k-block kb for the two rows this thread holds (AccumM64: row r
   // in d[i] with (i / 2) % 2 == 0, row r + 8 in the others); it is called before the block's wait, so loads
-  // it makes overlap the wait.
-  template <bool kE5M2, class Factor>
+  // it makes overlap the wait. kOverlapped: two register tiles take the k-blocks in turn, block kb + 1's
+  // wgmmas issued before block kb is waited for and promoted, so the tensor cores have this warpgroup's next
+  // block while it promotes (both warpgroups wait for the same stage, so with one tile they promote at the
+  // same time, the tensor cores idle meanwhile); 64 registers more a thread. Otherwise one tile, each block
+  // waited for before the next is issued.
+  template <bool kE5M2, bool kOverlapped = true, class Factor>
   __device__ static void mma(Smem& s, Pipeline& pipe, PipeState& st, int k_blocks, int wg, Accum& acc,
                              Factor factor) {
 #pragma unroll
     for (int i = 0; i < Accum::kRegs; ++i) acc.d[i] = 0.f;
-    Accum part;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      const float2 f = factor(kb);
-      pipe.consumer_wait(st);
-      const Stage& stage = s.stage[st.stage];
-      const uint64_t da = wgmma::desc_k_major(stage.a, 64 * wg, 0);
-      const uint64_t db = wgmma::desc_k_major(stage.b, 0, 0);
-      wgmma::fence_operands(part.d);
-      wgmma::fence();
-#pragma unroll
-      for (int k = 0; k < kBK / 32; ++k) {
-        constexpr uint32_t kStep = 32;  // 32 K columns of one byte inside the 128-byte row
-        mma_fp8<kE5M2>(part.d, wgmma::desc_advance(da, k * kStep), wgmma::desc_advance(db, k * kStep),
-                       k > 0 ? 1 : 0);
+    if (k_blocks < 1) return;  // (every caller has K >= 1)
+    if constexpr (!kOverlapped) {
+      Accum part;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const PipeState at = st;
+        issue<kE5M2>(s, pipe, st, wg, part);
+        last<kE5M2>(pipe, at, kb, acc, part, factor);
       }
-      wgmma::commit();
-      wgmma::fence_operands(part.d);
-      wgmma::wait<0>();
-      wgmma::fence_operands(part.d);
-      pipe.consumer_release(st);
-#pragma unroll
-      for (int i = 0; i < Accum::kRegs; ++i) acc.d[i] = fmaf((i / 2) % 2 ? f.y : f.x, part.d[i], acc.d[i]);
-      st.advance(kStages);
+      return;
+    }
+    Accum part0, part1;
+    PipeState issued = st;  // the stage of the oldest block in flight
+    issue<kE5M2>(s, pipe, st, wg, part0);
+    int kb = 0;
+    for (; kb + 2 < k_blocks; kb += 2) {
+      step<kE5M2>(s, pipe, st, issued, kb, wg, acc, part0, part1, factor);
+      step<kE5M2>(s, pipe, st, issued, kb + 1, wg, acc, part1, part0, factor);
+    }
+    if (kb + 1 < k_blocks) {
+      step<kE5M2>(s, pipe, st, issued, kb, wg, acc, part0, part1, factor);
+      last<kE5M2>(pipe, issued, kb + 1, acc, part1, factor);
+    } else {
+      last<kE5M2>(pipe, issued, kb, acc, part0, factor);
     }
   }
 
  private:
+  // Block st's four wgmmas into part (one commit group); st moves on.
+  template <bool kE5M2>
+  __device__ __forceinline__ static void issue(Smem& s, Pipeline& pipe, PipeState& st, int wg, Accum& part) {
+    pipe.consumer_wait(st);
+    const Stage& stage = s.stage[st.stage];
+    const uint64_t da = wgmma::desc_k_major(stage.a, 64 * wg, 0);
+    const uint64_t db = wgmma::desc_k_major(stage.b, 0, 0);
+    wgmma::fence_operands(part.d);
+    wgmma::fence();
+#pragma unroll
+    for (int k = 0; k < kBK / 32; ++k) {
+      constexpr uint32_t kStep = 32;  // 32 K columns of one byte inside the 128-byte row
+      mma_fp8<kE5M2>(part.d, wgmma::desc_advance(da, k * kStep), wgmma::desc_advance(db, k * kStep),
+                     k > 0 ? 1 : 0);
+    }
+    wgmma::commit();
+    wgmma::fence_operands(part.d);
+    st.advance(kStages);
+  }
+  // Block kb (in `mine`, at stage `issued`) is in flight: block kb + 1 issued into `next`, then kb waited
+  // for, its stage released and its product promoted into acc.
+  template <bool kE5M2, class Factor>
+  __device__ __forceinline__ static void step(Smem& s, Pipeline& pipe, PipeState& st, PipeState& issued,
+                                              int kb, int wg, Accum& acc, Accum& mine, Accum& next,
+                                              Factor& factor) {
+    const float2 f = factor(kb);
+    const PipeState done = issued;
+    issued = st;
+    issue<kE5M2>(s, pipe, st, wg, next);
+    wgmma::wait<1>();
+    promote(pipe, done, f, acc, mine);
+  }
+  // The last block kb (in `mine`): waited for, released and promoted.
+  template <bool kE5M2, class Factor>
+  __device__ __forceinline__ static void last(Pipeline& pipe, const PipeState& issued, int kb, Accum& acc,
+                                              Accum& mine, Factor& factor) {
+    const float2 f = factor(kb);
+    wgmma::wait<0>();
+    promote(pipe, issued, f, acc, mine);
+  }
+  __device__ __forceinline__ static void promote(Pipeline& pipe, const PipeState& done, float2 f, Accum& acc,
+                                                 Accum& mine) {
+    wgmma::fence_operands(mine.d);
+    pipe.consumer_release(done);
+#pragma unroll
+    for (int i = 0; i < Accum::kRegs; ++i) acc.d[i] = fmaf((i / 2) % 2 ? f.y : f.x, mine.d[i], acc.d[i]);
+  }
+
   template <bool kE5M2>
   __device__ static void mma_fp8(float (&d)[Accum::kRegs], uint64_t da, uint64_t db, int scale_d) {
     if constexpr (kBN == 256)

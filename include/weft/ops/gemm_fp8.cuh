@@ -24,8 +24,10 @@
 namespace weft::ops {
 
 // TileScheduler: which output tiles, in which order (the grouped op's: lcsc::GroupedTileScheduler).
+// kOverlappedPromotion: the mainloop's two register tiles (lcsc::Fp8PromotingMainloop::mma), where the op's
+// hooks leave the registers for them (the fused reduce-scatter's spill with them: one tile there).
 template <class OutT, Fp8Scaling kScaling, bool kE5M2 = false, bool kScalesFromPeers = false,
-          class TileScheduler = lcsc::GemmTileScheduler>
+          class TileScheduler = lcsc::GemmTileScheduler, bool kOverlappedPromotion = true>
 struct Fp8GemmOp {
   static constexpr int kBM = 128, kBN = 128, kStages = 6;
   static constexpr int kConsumerWarpgroups = kBM / 64;
@@ -76,8 +78,8 @@ struct Fp8GemmOp {
     if constexpr (kScaling == Fp8Scaling::kBlock) {
       block_scaled_mma(p, s, pipe, st, wg, acc, row, p.scale_b + int64_t(t.n) * p.k_blocks);
     } else {
-      Mainloop::template mma<kE5M2>(s.main, pipe, st, p.k_blocks, wg, acc,
-                                    [](int) { return make_float2(1.f, 1.f); });
+      Mainloop::template mma<kE5M2, kOverlappedPromotion>(s.main, pipe, st, p.k_blocks, wg, acc,
+                                                          [](int) { return make_float2(1.f, 1.f); });
       scale_after(p, t, row, row8, acc);
     }
   }
@@ -98,7 +100,7 @@ struct Fp8GemmOp {
     const float* sa = p.scale_a + int64_t(row) * stride;
     const float* sa8 = p.scale_a + int64_t(row8) * stride;
     const bool in = row < p.m, in8 = row8 < p.m;
-    Mainloop::template mma<kE5M2>(s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb) {
+    Mainloop::template mma<kE5M2, kOverlappedPromotion>(s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb) {
       const float b = __ldg(sb + kb);
       return make_float2(in ? scale_a_at(sa + kb) * b : 0.f, in8 ? scale_a_at(sa8 + kb) * b : 0.f);
     });
