@@ -41,7 +41,8 @@ _RUNTIME_NAMES = ["init", "init_multi_node", "virtual_team", "Team", "Communicat
 _default = None  # the default Communicator of the module-level ops (set by init)
 # Every Communicator by id: torch operators name their communicator by this integer.
 _communicators = {}
-# weft._torch_ops once torch is imported (the ops on torch tensors), else None (set by _torch_api).
+# weft._torch_ops once torch is imported (it makes the torch operators of the op table, weft._op_table), else
+# None (set by _torch_api).
 _ops = None
 # torch's Tensor type, current-stream getters and empty, once the caller has imported torch (_torch_api).
 _torch = None

@@ -3,11 +3,13 @@ a sequence sharded across a team (context_attention and its ring / Ulysses / hyb
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import weft as _w
-from . import _weft
+from . import _op_table, _weft
 from ._args import _comm, _dim, _dtype_name, _torch_api, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
+from ._op_table import DTYPES, Tensor, _native, _stream, declare, torch
 
 __all__ = ["flash_attention", "flash_attention_varlen", "ring_shard_indices", "ring_shard", "ring_unshard", "context_attention", "ring_attention", "ulysses_attention", "hybrid_attention", "flash_decode"]
 
@@ -56,7 +58,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     if not scale > 0:
         raise WeftValueError(f"weft.flash_attention: softmax_scale must be positive, got {softmax_scale}")
-    out, lse = _w._ops.flash_attention(q, k, v, bool(causal), scale, None, bool(deterministic))
+    out, lse = _torch_flash_attention(q, k, v, bool(causal), scale, None, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -85,7 +87,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise WeftTypeError(f"{where}: q, k and v must all be bf16 or all fp16, got {q.dtype}, {k.dtype}, "
                                 f"{v.dtype}")
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if x.dtype != _w._ops.torch.int32 or x.dim() != 1 or x.device != q.device:
+        if x.dtype != torch.int32 or x.dim() != 1 or x.device != q.device:
             raise WeftValueError(f"{where}: {name} must be a 1-d int32 tensor on {q.device}, got {x.dtype} "
                                  f"{tuple(x.shape)} on {x.device}")
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0] or cu_seqlens_q.shape[0] < 2:
@@ -108,8 +110,89 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if not scale > 0:
         raise WeftValueError(f"{where}: softmax_scale must be positive, got {softmax_scale}")
     packed = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k)
-    out, lse = _w._ops.flash_attention(q, k, v, bool(causal), scale, packed, bool(deterministic))
+    out, lse = _torch_flash_attention(q, k, v, bool(causal), scale, packed, bool(deterministic))
     return (out, lse) if return_lse else out
+
+
+# ---- flash attention's torch operators (weft._op_table) ------------------------------------------------------
+
+
+def _attention_call(q, k, cu_q, cu_k, max_q, max_k):
+    """(shape, lse shape, segments) of a dense [batch, seq, heads, dim] call (cu_q None) or a packed one."""
+    if cu_q is None:
+        shape = (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
+        return shape, (q.shape[0], q.shape[2], q.shape[1]), ()
+    shape = (cu_q.shape[0] - 1, max_q, max_k, q.shape[1], k.shape[1], q.shape[2])
+    segments = (cu_q.data_ptr(), cu_q.data_ptr() + 4, cu_k.data_ptr(), cu_k.data_ptr() + 4, q.shape[0], k.shape[0])
+    return shape, (q.shape[1], q.shape[0]), segments
+
+
+def _lse_shape(q, cu_q):
+    return (q.shape[0], q.shape[2], q.shape[1]) if cu_q is None else (q.shape[1], q.shape[0])
+
+
+@declare("weft::flash_attention")
+def _flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, cu_seqlens_q: Optional[Tensor],
+                     cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                     deterministic: bool) -> tuple[Tensor, Tensor]:
+    shape, lse_shape, segments = _attention_call(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = torch.empty_like(q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    _weft.flash_attention_forward(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                  lse.data_ptr(), shape, causal, scale, _stream(q), segments, (), DTYPES[q.dtype])
+    return out, lse
+
+
+@_flash_attention.register_fake
+def _(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic):
+    return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
+
+
+@declare("weft::flash_attention_backward")
+def _flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              causal: bool, scale: float, cu_seqlens_q: Optional[Tensor],
+                              cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                              deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    shape, _, segments = _attention_call(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    nbytes = _weft.flash_attention_backward_workspace_bytes(shape, segments, deterministic)
+    ws = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=q.device)
+    _weft.flash_attention_backward(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                   dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                                   ws.data_ptr(), nbytes, shape, causal, scale, _stream(q), segments,
+                                   DTYPES[q.dtype], deterministic)
+    return dq, dk, dv
+
+
+@_flash_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, causal, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flash_attention_setup(ctx, inputs, output):
+    q, k, v, causal, scale, cu_q, cu_k, max_q, max_k, deterministic = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
+    ctx.args = (causal, scale, max_q, max_k, deterministic)
+
+
+def _flash_attention_backward_fn(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    causal, scale, max_q, max_k, deterministic = ctx.args
+    dq, dk, dv = _flash_attention_backward.op(dout.contiguous().to(q.dtype), q, k, v, out, lse, causal, scale,
+                                              cu_q, cu_k, max_q, max_k, deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_flash_attention.register_autograd(_flash_attention_backward_fn, setup_context=_flash_attention_setup)
+
+
+def _torch_flash_attention(q, k, v, causal, scale, packed, deterministic):
+    """packed: None, or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k). Checked by the caller."""
+    cu_q, cu_k, max_q, max_k = packed if packed is not None else (None, None, 0, 0)
+    out, lse = _flash_attention.op(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale, cu_q, cu_k,
+                                   max_q, max_k, deterministic)
+    return out, lse.detach()
 
 
 # ---- ring attention's layout (sharding a sequence over a team) ---------------------------------------
@@ -254,9 +337,91 @@ def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, 
     if not scale > 0:
         raise WeftValueError(f"{where}: softmax_scale must be positive, got {softmax_scale}")
     flat = lambda x: x.reshape(-1, x.shape[-2], x.shape[-1])
-    out, lse = _w._ops.context_attention(flat(q), flat(k), flat(v), method, docs, bool(causal), scale, c)
+    out, lse = _torch_context_attention(flat(q), flat(k), flat(v), method, docs, bool(causal), scale, c)
     out = out.view(q.shape)
     return (out, lse) if return_lse else out
+
+
+# ---- context_attention's torch operators (weft._op_table) ----------------------------------------------------
+
+
+def _context_rows_check(q, method, docs, causal, comm):
+    c = _w._communicators[comm]
+    rows = _weft.context_attention_local_rows(c.world_size, c.rank, list(docs), causal,
+                                              method.endswith("/contiguous"))
+    if q.shape[0] != rows:
+        raise WeftValueError(f"weft.context_attention: rank {c.rank} of {c.world_size} holds {rows} rows of "
+                             f"that layout, q has {q.shape[0]} (pass seq_len= when the global length is not "
+                             "local_seq x world)")
+
+
+@declare("weft::context_attention")
+def _context_attention(q: Tensor, k: Tensor, v: Tensor, method: str, docs: list[int], causal: bool, scale: float,
+                       comm: int) -> tuple[Tensor, Tensor]:
+    _context_rows_check(q, method, docs, causal, comm)
+    if _op_table.EMULATE:
+        return torch.zeros_like(q), q.new_zeros((q.shape[1], q.shape[0]), dtype=torch.float32)
+    native = _native(comm)
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty((heads, q.shape[0]), dtype=torch.float32, device=q.device)
+    nbytes = _weft.context_attention_workspace_bytes(method, native.world_size, docs, causal, heads, kv_heads, dim,
+                                                     False)
+    ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=q.device)
+    _weft.context_attention_forward(native, method, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                    lse.data_ptr(), docs, heads, kv_heads, dim, ws.data_ptr(), nbytes,
+                                    DTYPES[q.dtype], _stream(q), causal, scale)
+    return out, lse
+
+
+@_context_attention.register_fake
+def _(q, k, v, method, docs, causal, scale, comm):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@declare("weft::context_attention_backward")
+def _context_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                method: str, docs: list[int], causal: bool, scale: float,
+                                comm: int) -> tuple[Tensor, Tensor, Tensor]:
+    if _op_table.EMULATE:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    native = _native(comm)
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    nbytes = _weft.context_attention_workspace_bytes(method, native.world_size, docs, causal, heads, kv_heads, dim,
+                                                     True)
+    ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=q.device)
+    _weft.context_attention_backward(native, method, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                     dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                                     docs, heads, kv_heads, dim, ws.data_ptr(), nbytes, DTYPES[q.dtype], _stream(q),
+                                     causal, scale)
+    return dq, dk, dv
+
+
+@_context_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, method, docs, causal, scale, comm):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _context_attention_setup(ctx, inputs, output):
+    q, k, v, *ctx.args = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1])
+
+
+def _context_attention_backward_fn(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _context_attention_backward.op(dout.contiguous().to(q.dtype), q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_context_attention.register_autograd(_context_attention_backward_fn, setup_context=_context_attention_setup)
+
+
+def _torch_context_attention(q, k, v, method, docs, causal, scale, comm):
+    """q, k, v [rows, heads, dim] (checked by the caller); returns (out, lse), lse not differentiable."""
+    out, lse = _context_attention.op(q.contiguous(), k.contiguous(), v.contiguous(), method, list(docs), causal,
+                                     scale, comm._id)
+    return out, lse.detach()
 
 
 def ring_attention(q, k, v, causal=False, seq_len=None, cu_seqlens=None, softmax_scale=None, return_lse=False,
@@ -301,7 +466,6 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_off
     tensors = [q, k_cache, v_cache, cache_seqlens] + [t for t in (block_table, cache_offsets, seq_total) if t is not None]
     if not all(_torch_tensor(t) for t in tensors):
         raise WeftTypeError(f"{where}: q, the caches and the int32 tensors must be torch tensors")
-    torch = _w._ops.torch
     for t in tensors:
         if not t.is_cuda or t.device != q.device or not t.is_contiguous():
             raise WeftValueError(f"{where}: every tensor must be a contiguous CUDA tensor on q's device")
@@ -346,8 +510,44 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_off
         raise WeftValueError(f"{where}: out_rank must be None (every rank) or a rank of the team (0.."
                              f"{c.world_size - 1}), got {out_rank!r}")
     scale = 1.0 / math.sqrt(dim) if softmax_scale is None else float(softmax_scale)
-    out, lse = _w._ops.flash_decode(q, k_cache, v_cache, cache_seqlens, block_table, cache_offsets, seq_total,
-                                    max_local, bool(causal), scale, c._id, -1 if out_rank is None else out_rank)
+    out, lse = _torch_flash_decode(q, k_cache, v_cache, cache_seqlens, block_table, cache_offsets, seq_total,
+                                   max_local, bool(causal), scale, c._id, -1 if out_rank is None else out_rank)
     if out_rank is not None and out_rank != c.rank:
         out = lse = None  # not written here
     return (out, lse) if return_lse else out
+
+
+# ---- flash_decode's torch operator (weft._op_table; inference: no autograd) -----------------------------------
+# The cache tensors pass as they are; block_table / offsets / seq_total may be absent (None).
+
+
+@declare("weft::flash_decode")
+def _flash_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Tensor, block_table: Optional[Tensor],
+                  offsets: Optional[Tensor], seq_total: Optional[Tensor], max_local: int, causal: bool, scale: float,
+                  comm: int, out_rank: int) -> tuple[Tensor, Tensor]:
+    batch, q_len, heads, dim = q.shape
+    out = torch.empty_like(q)
+    lse = q.new_empty((batch, q_len, heads), dtype=torch.float32)
+    if _op_table.EMULATE:
+        return out.zero_(), lse.zero_()
+    paged = block_table is not None
+    ptr = (lambda t: 0 if t is None else t.data_ptr())
+    _weft.flash_decode(_native(comm), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), ptr(block_table),
+                       k_cache.shape[1] if paged else 0, block_table.shape[1] if paged else 0,
+                       k_cache.shape[0] if paged else 0, seqlens.data_ptr(), ptr(offsets), ptr(seq_total),
+                       out.data_ptr(), lse.data_ptr(), (batch, q_len, heads, k_cache.shape[2], dim, max_local),
+                       DTYPES[q.dtype], _stream(q), causal, scale, out_rank)
+    return out, lse
+
+
+@_flash_decode.register_fake
+def _(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, max_local, causal, scale, comm, out_rank):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _torch_flash_decode(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, max_local, causal, scale,
+                        comm, out_rank=-1):
+    """Arguments checked by the caller (weft.flash_decode). out_rank >= 0: out and lse written on that rank only
+    (elsewhere their contents are undefined)."""
+    return _flash_decode.op(q, k_cache, v_cache, seqlens, block_table, offsets, seq_total, max_local, causal,
+                            scale, comm, out_rank)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 import sys
 
-import weft as _w
-from . import _weft
-from ._args import _dim, _output, _prepare, _torch_tensor
+from . import _op_table, _weft
+from ._args import _OPS, _comm, _dim, _output, _prepare, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
+from ._op_table import DTYPES, Tensor, _check, _native, _stream, _world, declare, torch
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast", "scatter", "gather", "reduce"]
 
@@ -16,7 +16,7 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_a
 def all_reduce(x, op="sum", out=None, comm=None):
     """Elementwise reduction over ranks (sum, max or min); returns out (new tensor if not given)."""
     if out is None and _torch_tensor(x):
-        return _w._ops.all_reduce(x, op, comm)
+        return _torch_all_reduce(x, op, comm)
     c, s, a = _prepare(x, comm, op)
     out, o = _output(c, s, x, a, a.shape, out)
     _weft.all_reduce(c._c, a.ptr, o.ptr, a.numel, a.dtype, op, s)
@@ -26,7 +26,7 @@ def all_reduce(x, op="sum", out=None, comm=None):
 def all_gather(x, dim=0, out=None, comm=None):
     """Concatenates every rank's x along dim (any dim: no extra copies for inner ones)."""
     if out is None and _torch_tensor(x):
-        return _w._ops.all_gather(x, dim, comm)
+        return _torch_all_gather(x, dim, comm)
     c, s, a = _prepare(x, comm)
     d = _dim(dim, len(a.shape))
     shape = list(a.shape)
@@ -41,7 +41,7 @@ def all_gather(x, dim=0, out=None, comm=None):
 def reduce_scatter(x, dim=0, op="sum", out=None, comm=None):
     """Reduces over ranks, then rank r keeps the r-th of world_size equal slices along dim."""
     if out is None and _torch_tensor(x):
-        return _w._ops.reduce_scatter(x, dim, op, comm)
+        return _torch_reduce_scatter(x, dim, op, comm)
     c, s, a = _prepare(x, comm, op)
     d = _dim(dim, len(a.shape))
     w = c.world_size
@@ -59,7 +59,7 @@ def reduce_scatter(x, dim=0, op="sum", out=None, comm=None):
 def all_to_all(x, out=None, comm=None):
     """Equal splits: x holds world_size blocks; block p goes to rank p, and out block q comes from rank q."""
     if out is None and _torch_tensor(x):
-        return _w._ops.all_to_all(x, comm)
+        return _torch_all_to_all(x, comm)
     c, s, a = _prepare(x, comm)
     w = c.world_size
     if a.numel % w:
@@ -68,6 +68,166 @@ def all_to_all(x, out=None, comm=None):
     _weft.all_to_all(c._c, a.ptr, o.ptr, a.numel // w, a.dtype, s)
     return out
 
+
+# ---- the torch operators (weft._op_table) of all_reduce, all_gather, reduce_scatter, all_to_all ----------
+# Their torch paths (_torch_all_reduce, ...: what the functions above call on torch tensors without out=) check
+# with traceable tensor attributes only, then call the operator.
+
+
+def _flat_shape(shape, d):
+    """(rows, cols) of a gather / scatter along d as the C++ ops see it (d = 0: one row)."""
+    return math.prod(shape[:d]), math.prod(shape[d:])
+
+
+@declare("weft::all_reduce")
+def _all_reduce(x: Tensor, op: str, comm: int) -> Tensor:
+    if _op_table.EMULATE:
+        return x * _world(comm) if op == "sum" else x.clone()
+    out = torch.empty_like(x)
+    _weft.all_reduce(_native(comm), x.data_ptr(), out.data_ptr(), x.numel(), DTYPES[x.dtype], op, _stream(x))
+    return out
+
+
+@_all_reduce.register_fake
+def _(x, op, comm):
+    return torch.empty_like(x)
+
+
+def _all_reduce_setup(ctx, inputs, output):
+    _, ctx.op, ctx.comm = inputs
+
+
+def _all_reduce_backward(ctx, grad):
+    if ctx.op != "sum":
+        raise WeftValueError(f"weft.all_reduce: no gradient for op={ctx.op!r} (only for 'sum')")
+    return _all_reduce.op(grad.contiguous(), "sum", ctx.comm), None, None
+
+
+_all_reduce.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
+
+
+@declare("weft::all_gather")
+def _all_gather(x: Tensor, dim: int, world: int, comm: int) -> Tensor:
+    if _op_table.EMULATE:
+        return torch.cat([x] * world, dim)
+    shape = list(x.shape)
+    shape[dim] *= world
+    out = x.new_empty(shape)
+    rows, cols = _flat_shape(x.shape, dim)
+    _weft.all_gather(_native(comm), x.data_ptr(), out.data_ptr(), rows, cols, 0 if dim == 0 else 1,
+                     DTYPES[x.dtype], _stream(x))
+    return out
+
+
+@_all_gather.register_fake
+def _(x, dim, world, comm):
+    shape = list(x.shape)
+    shape[dim] *= world
+    return x.new_empty(shape)
+
+
+@declare("weft::reduce_scatter")
+def _reduce_scatter(x: Tensor, dim: int, op: str, world: int, comm: int) -> Tensor:
+    if _op_table.EMULATE:
+        return (x.chunk(world, dim)[0] * (world if op == "sum" else 1)).contiguous()
+    shape = list(x.shape)
+    shape[dim] //= world
+    out = x.new_empty(shape)
+    rows, cols = _flat_shape(shape, dim)
+    _weft.reduce_scatter(_native(comm), x.data_ptr(), out.data_ptr(), rows, cols, 0 if dim == 0 else 1,
+                         DTYPES[x.dtype], op, _stream(x))
+    return out
+
+
+@_reduce_scatter.register_fake
+def _(x, dim, op, world, comm):
+    shape = list(x.shape)
+    shape[dim] //= world
+    return x.new_empty(shape)
+
+
+def _all_gather_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.world, ctx.comm = inputs
+
+
+def _all_gather_backward(ctx, grad):
+    return _reduce_scatter.op(grad.contiguous(), ctx.dim, "sum", ctx.world, ctx.comm), None, None, None
+
+
+def _reduce_scatter_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.op, ctx.world, ctx.comm = inputs
+
+
+def _reduce_scatter_backward(ctx, grad):
+    if ctx.op != "sum":
+        raise WeftValueError(f"weft.reduce_scatter: no gradient for op={ctx.op!r} (only for 'sum')")
+    return _all_gather.op(grad.contiguous(), ctx.dim, ctx.world, ctx.comm), None, None, None, None
+
+
+_all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
+_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduce_scatter_setup)
+
+
+@declare("weft::all_to_all")
+def _all_to_all(x: Tensor, comm: int) -> Tensor:
+    if _op_table.EMULATE:
+        return x.clone()
+    out = torch.empty_like(x)
+    _weft.all_to_all(_native(comm), x.data_ptr(), out.data_ptr(), x.numel() // _world(comm), DTYPES[x.dtype],
+                     _stream(x))
+    return out
+
+
+@_all_to_all.register_fake
+def _(x, comm):
+    return torch.empty_like(x)
+
+
+def _all_to_all_setup(ctx, inputs, output):
+    ctx.comm = inputs[1]
+
+
+def _all_to_all_backward(ctx, grad):
+    # out block q of rank r is rank q's input block r, so the gradient goes back the same way.
+    return _all_to_all.op(grad.contiguous(), ctx.comm), None
+
+
+_all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+
+
+def _torch_all_reduce(x, op, comm):
+    c = _comm(comm)
+    if op not in _OPS:
+        raise WeftValueError(f"weft: unsupported reduction op {op!r}: use sum, max or min")
+    _check(c, x, "x")
+    return _all_reduce.op(x, op, c._id)
+
+
+def _torch_all_gather(x, dim, comm):
+    c = _comm(comm)
+    _check(c, x, "x")
+    return _all_gather.op(x, _dim(dim, x.dim()), c.world_size, c._id)
+
+
+def _torch_reduce_scatter(x, dim, op, comm):
+    c = _comm(comm)
+    if op not in _OPS:
+        raise WeftValueError(f"weft: unsupported reduction op {op!r}: use sum, max or min")
+    _check(c, x, "x")
+    d = _dim(dim, x.dim())
+    if x.shape[d] % c.world_size:
+        raise WeftValueError(f"weft: dim {dim} has size {x.shape[d]}, not divisible by the world size "
+                             f"{c.world_size}")
+    return _reduce_scatter.op(x, d, op, c.world_size, c._id)
+
+
+def _torch_all_to_all(x, comm):
+    c = _comm(comm)
+    _check(c, x, "x")
+    if x.numel() % c.world_size:
+        raise WeftValueError(f"weft: x has {x.numel()} elements, not divisible by the world size "
+                             f"{c.world_size}")
+    return _all_to_all.op(x, c._id)
 
 
 def all_to_all_v(x, send_counts, out_rows, out=None, recv_counts=None, comm=None):

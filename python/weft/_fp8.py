@@ -6,9 +6,12 @@ operators (torch.ops.weft.*, fake implementations: torch.compile traces them, CU
 autograd; queued on torch's current stream."""
 from __future__ import annotations
 
-import weft as _w
+from typing import Optional
+
+from . import _op_table, _weft
 from ._args import _comm, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
+from ._op_table import DTYPES, Tensor, _native, _stream, declare, torch
 
 __all__ = ["scaled_mm", "grouped_scaled_mm", "quantize_fp8", "all_gather_scaled_matmul",
            "scaled_matmul_reduce_scatter", "scaled_matmul_all_reduce"]
@@ -60,7 +63,6 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
     where = "weft.scaled_mm"
     if not all(_torch_tensor(x) for x in (a, b, scale_a, scale_b)):
         raise WeftTypeError(f"{where}: a, b, scale_a and scale_b must be torch tensors")
-    torch = _w._ops.torch
     for name, x in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
         if not x.is_cuda or x.device != a.device:
             raise WeftValueError(f"{where}: {name} must be a CUDA tensor on a's device, got one on {x.device}")
@@ -84,7 +86,7 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
     if n % (8 if out_dtype == torch.bfloat16 else 4):
         raise WeftValueError(f"{where}: N = {n} must be a multiple of 8 (bf16 out) or 4 (float32 out)")
     kind = _scaling(torch, scale_a, scale_b, m, n, k, where)
-    return _w._ops.scaled_mm(a, b, scale_a, scale_b, ab, kind, out_dtype == torch.bfloat16)
+    return _torch_scaled_mm(a, b, scale_a, scale_b, ab, kind, out_dtype == torch.bfloat16)
 
 
 def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None, group_rows=None):
@@ -105,7 +107,6 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None, group_r
     where = "weft.grouped_scaled_mm"
     if not all(_torch_tensor(x) for x in (a, b, group_end, scale_a, scale_b)):
         raise WeftTypeError(f"{where}: a, b, group_end, scale_a and scale_b must be torch tensors")
-    torch = _w._ops.torch
     for name, x in (("a", a), ("b", b), ("group_end", group_end), ("scale_a", scale_a), ("scale_b", scale_b)):
         if not x.is_cuda or x.device != a.device:
             raise WeftValueError(f"{where}: {name} must be a CUDA tensor on a's device")
@@ -147,8 +148,8 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None, group_r
                 tuple(group_rows.shape) != (groups,) or group_rows.device != a.device:
             raise WeftValueError(f"{where}: group_rows must be an int32 tensor of {groups} on a's device")
         group_rows = group_rows.contiguous()
-    return _w._ops.grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_dtype == torch.bfloat16,
-                                     group_rows)
+    return _torch_grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_dtype == torch.bfloat16,
+                                    group_rows)
 
 
 def quantize_fp8(x, scaling="block", operand="a", dtype=None):
@@ -162,7 +163,6 @@ def quantize_fp8(x, scaling="block", operand="a", dtype=None):
     where = "weft.quantize_fp8"
     if not _torch_tensor(x):
         raise WeftTypeError(f"{where}: x must be a torch tensor")
-    torch = _w._ops.torch
     if not x.is_cuda or x.dim() != 2 or not x.is_contiguous():
         raise WeftValueError(f"{where}: x must be a contiguous 2-D CUDA tensor, got {tuple(x.shape)} on {x.device}")
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -180,7 +180,7 @@ def quantize_fp8(x, scaling="block", operand="a", dtype=None):
         shape = (rows, 1) if operand == "a" else (1, rows)
     else:
         shape = (rows, groups) if operand == "a" else (-(-rows // _BLOCK), groups)
-    return _w._ops.quantize_fp8(x, kind, scaling, operand, shape)
+    return _torch_quantize_fp8(x, kind, scaling, operand, shape)
 
 
 def _fp8_team_operands(torch, c, a, b, scale_a, scale_b, where):
@@ -216,25 +216,23 @@ def all_gather_scaled_matmul(a, b, scale_a, scale_b, comm=None):
     where = "weft.all_gather_scaled_matmul"
     if not all(_torch_tensor(x) for x in (a, b, scale_a, scale_b)):
         raise WeftTypeError(f"{where}: a, b, scale_a and scale_b must be torch tensors")
-    torch = _w._ops.torch
     c = _comm(comm)
     rows, n, k, ab, kind = _fp8_team_operands(torch, c, a, b, scale_a, scale_b, where)
     if kind == "tensor":
         raise WeftValueError(f"{where}: per-tensor scales are refused: each rank's shard would bring its own; "
                              "quantize a per row (scaling='rowcol') or per block (scaling='block')")
-    return _w._ops.all_gather_scaled_matmul(a, b, scale_a, scale_b, ab, kind, c)
+    return _torch_all_gather_scaled_matmul(a, b, scale_a, scale_b, ab, kind, c)
 
 
 def _scaled_reduce(a, b, scale_a, scale_b, comm, all_reduce, where):
     """scaled_matmul_reduce_scatter / all_reduce: checks, then the op; this rank's rows or all of them."""
     if not all(_torch_tensor(x) for x in (a, b, scale_a, scale_b)):
         raise WeftTypeError(f"{where}: a, b, scale_a and scale_b must be torch tensors")
-    torch = _w._ops.torch
     c = _comm(comm)
     m, n, k, ab, kind = _fp8_team_operands(torch, c, a, b, scale_a, scale_b, where)
     if not all_reduce and m % c.world_size:
         raise WeftValueError(f"{where}: a has {m} rows, not divisible by the world size {c.world_size}")
-    return _w._ops.scaled_matmul_reduce(a, b, scale_a, scale_b, ab, kind, all_reduce, c)
+    return _torch_scaled_matmul_reduce(a, b, scale_a, scale_b, ab, kind, all_reduce, c)
 
 
 def scaled_matmul_reduce_scatter(a, b, scale_a, scale_b, comm=None):
@@ -248,3 +246,118 @@ def scaled_matmul_all_reduce(a, b, scale_a, scale_b, comm=None):
     """The [M, N] bf16 sum over ranks of each rank's (a @ b) scaled by its own scales, on every rank; any M.
     Operands and scales as scaled_matmul_reduce_scatter's. A torch operator (no autograd)."""
     return _scaled_reduce(a, b, scale_a, scale_b, comm, True, "weft.scaled_matmul_all_reduce")
+
+
+# ---- the torch operators (weft._op_table): fake implementations, no autograd ------------------------------------
+# Arguments checked by the functions above; ab: the FP8 type's name ("e4m3" / "e5m2"), kind: the scaling's
+# ("tensor", "rowcol", "block"). b is the .t() view of a contiguous [N, K] weight (its data pointer is the
+# weight's).
+@declare("weft::scaled_mm")
+def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str, kind: str, out_bf16: bool) -> Tensor:
+    (m, k), n = a.shape, b.shape[1]
+    out = a.new_empty((m, n), dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    if _op_table.EMULATE:
+        return out.zero_()
+    _weft.gemm_fp8(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, ab, kind, scale_a.data_ptr(),
+                   scale_b.data_ptr(), "bf16" if out_bf16 else "fp32", _stream(a))
+    return out
+
+
+@_scaled_mm.register_fake
+def _(a, b, scale_a, scale_b, ab, kind, out_bf16):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16 if out_bf16 else torch.float32)
+
+
+def _torch_scaled_mm(a, b, scale_a, scale_b, ab, kind, out_bf16):
+    return _scaled_mm.op(a, b, scale_a, scale_b, ab, kind, out_bf16)
+
+
+@declare("weft::grouped_scaled_mm")
+def _grouped_scaled_mm(a: Tensor, b: Tensor, group_end: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str,
+                       out_bf16: bool, group_rows: Optional[Tensor]) -> Tensor:
+    # a and scale_a may be row-strided views (weft.moe_dispatch_fp8's packed rows): their row strides pass on.
+    rows, k = a.shape
+    groups, n = b.shape[0], b.shape[1]
+    out = a.new_empty((rows, n), dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    if _op_table.EMULATE:
+        return out.zero_()
+    _weft.grouped_gemm_fp8(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), group_end.data_ptr(), groups,
+                           rows, n, k, ab, scale_a.data_ptr(), scale_b.data_ptr(), "bf16" if out_bf16 else "fp32",
+                           _stream(a), a.stride(0), scale_a.stride(0),
+                           0 if group_rows is None else group_rows.data_ptr())
+    return out
+
+
+@_grouped_scaled_mm.register_fake
+def _(a, b, group_end, scale_a, scale_b, ab, out_bf16, group_rows):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16 if out_bf16 else torch.float32)
+
+
+def _torch_grouped_scaled_mm(a, b, group_end, scale_a, scale_b, ab, out_bf16, group_rows=None):
+    return _grouped_scaled_mm.op(a, b, group_end, scale_a, scale_b, ab, out_bf16, group_rows)
+
+
+@declare("weft::all_gather_scaled_matmul")
+def _all_gather_scaled_matmul(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str, kind: str, world: int,
+                              comm: int) -> Tensor:
+    m, k, n = a.shape[0] * world, a.shape[1], b.shape[1]
+    out = a.new_empty((m, n), dtype=torch.bfloat16)
+    if _op_table.EMULATE:
+        return out.zero_()
+    _weft.all_gather_scaled_matmul(_native(comm), a.data_ptr(), scale_a.data_ptr(), b.data_ptr(), scale_b.data_ptr(),
+                                   out.data_ptr(), m, n, k, ab, kind, _stream(a))
+    return out
+
+
+@_all_gather_scaled_matmul.register_fake
+def _(a, b, scale_a, scale_b, ab, kind, world, comm):
+    return a.new_empty((a.shape[0] * world, b.shape[1]), dtype=torch.bfloat16)
+
+
+def _torch_all_gather_scaled_matmul(a, b, scale_a, scale_b, ab, kind, comm):
+    return _all_gather_scaled_matmul.op(a, b, scale_a, scale_b, ab, kind, comm.world_size, comm._id)
+
+
+@declare("weft::scaled_matmul_reduce")
+def _scaled_matmul_reduce(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str, kind: str,
+                          all_reduce: bool, world: int, comm: int) -> Tensor:
+    (m, k), n = a.shape, b.shape[1]
+    out = a.new_empty((m if all_reduce else m // world, n), dtype=torch.bfloat16)
+    if _op_table.EMULATE:
+        return out.zero_()
+    _weft.scaled_matmul_reduce(_native(comm), a.data_ptr(), scale_a.data_ptr(), b.data_ptr(), scale_b.data_ptr(),
+                               out.data_ptr(), m, n, k, ab, kind, all_reduce, _stream(a))
+    return out
+
+
+@_scaled_matmul_reduce.register_fake
+def _(a, b, scale_a, scale_b, ab, kind, all_reduce, world, comm):
+    rows = a.shape[0] if all_reduce else a.shape[0] // world
+    return a.new_empty((rows, b.shape[1]), dtype=torch.bfloat16)
+
+
+def _torch_scaled_matmul_reduce(a, b, scale_a, scale_b, ab, kind, all_reduce, comm):
+    return _scaled_matmul_reduce.op(a, b, scale_a, scale_b, ab, kind, all_reduce, comm.world_size, comm._id)
+
+
+@declare("weft::quantize_fp8")
+def _quantize_fp8(x: Tensor, fp8: str, scaling: str, operand: str, scale_shape: list[int]) -> tuple[Tensor, Tensor]:
+    rows, cols = x.shape
+    q = torch.empty((rows, cols), dtype=torch.float8_e5m2 if fp8 == "e5m2" else torch.float8_e4m3fn,
+                    device=x.device)
+    scales = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+    if _op_table.EMULATE:
+        return q.zero_(), scales.fill_(1.0)
+    _weft.quantize_fp8(x.get_device(), x.data_ptr(), DTYPES[x.dtype], q.data_ptr(), fp8, scales.data_ptr(), rows,
+                       cols, scaling, operand, _stream(x))
+    return q, scales
+
+
+@_quantize_fp8.register_fake
+def _(x, fp8, scaling, operand, scale_shape):
+    dtype = torch.float8_e5m2 if fp8 == "e5m2" else torch.float8_e4m3fn
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32)
+
+
+def _torch_quantize_fp8(x, fp8, scaling, operand, scale_shape):
+    return _quantize_fp8.op(x, fp8, scaling, operand, list(scale_shape))

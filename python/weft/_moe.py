@@ -3,11 +3,12 @@ team's MoE ops (moe_dispatch, moe_combine, moe_grouped_mm_combine, moe_layer).""
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
-import weft as _w
-from . import _weft
+from . import _op_table, _weft
 from ._args import _comm, _dtype_name, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
+from ._op_table import DTYPES, Tensor, _native, _stream, _world, declare, torch
 
 __all__ = ["grouped_mm", "swiglu_interleave", "MoeDispatch", "moe_dispatch", "moe_dispatch_grouped_mm", "moe_dispatch_fp8", "moe_combine_input", "moe_combine", "moe_grouped_mm_combine", "moe_layer"]
 
@@ -50,7 +51,6 @@ def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=
     where = "weft.grouped_mm"
     if not (_torch_tensor(a) and _torch_tensor(b) and _torch_tensor(group_end)):
         raise WeftTypeError(f"{where}: a, b and group_end must be torch tensors")
-    torch = _w._ops.torch
     for name, x in (("a", a), ("b", b), ("group_end", group_end)):
         if not x.is_cuda or x.device != a.device:
             raise WeftValueError(f"{where}: {name} must be a CUDA tensor on a's device, got one on {x.device}")
@@ -92,8 +92,8 @@ def grouped_mm(a, b, group_end, out_dtype=None, validate=True, zero_unused_rows=
             raise WeftValueError(f"{where}: no gradient with group_rows (inference): call it under torch.no_grad()")
         group_rows = group_rows.contiguous()
     stored, nk = _stored_weights(b)
-    return _w._ops.grouped_mm(a.contiguous(), stored, group_end.contiguous(), nk, out_dtype, bool(zero_unused_rows),
-                              activation or "", group_rows)
+    return _torch_grouped_mm(a.contiguous(), stored, group_end.contiguous(), nk, out_dtype, bool(zero_unused_rows),
+                             activation or "", group_rows)
 
 
 def swiglu_interleave(w):
@@ -111,6 +111,83 @@ def swiglu_interleave(w):
         t = t.unflatten(1, (2, blocks, 128)).transpose(1, 2).flatten(1, 3).contiguous()
         return t.transpose(1, 2)
     return w.unflatten(2, (2, blocks, 128)).transpose(2, 3).flatten(2, 4).contiguous()
+
+
+# ---- grouped_mm's torch operator (weft._op_table) --------------------------------------------------------------
+# b is passed as stored: [E, N, K] (b_nk: nn.Linear weights) or [E, K, N]. activation "swiglu": b's columns
+# are gate / up in blocks of 128 (swiglu_interleave) and the output has N / 2 columns.
+
+
+@declare("weft::grouped_mm")
+def _grouped_mm(a: Tensor, b: Tensor, group_end: Tensor, b_nk: bool, out_dtype: torch.dtype,
+                zero_unused_rows: bool, activation: str, group_rows: Optional[Tensor] = None) -> Tensor:
+    rows, k = a.shape
+    n = b.shape[1] if b_nk else b.shape[2]
+    out = a.new_empty((rows, n // 2 if activation == "swiglu" else n), dtype=out_dtype)
+    _weft.grouped_gemm(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), group_end.data_ptr(),
+                       group_end.shape[0], rows, n, k, "nk" if b_nk else "kn", DTYPES[out_dtype], zero_unused_rows,
+                       activation, _stream(a), 0 if group_rows is None else group_rows.data_ptr())
+    return out
+
+
+@_grouped_mm.register_fake
+def _(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation, group_rows=None):
+    n = b.shape[1] if b_nk else b.shape[2]
+    return a.new_empty((a.shape[0], n // 2 if activation == "swiglu" else n), dtype=out_dtype)
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    a, b, group_end, b_nk, _, zero_unused_rows, activation, *rest = inputs  # (group_rows, where passed)
+    if rest and rest[0] is not None:
+        raise WeftValueError("weft.grouped_mm: no gradient over a low-latency dispatch's groups (group_rows): "
+                             "run it under torch.no_grad() (inference)")
+    ctx.save_for_backward(a, b, group_end)
+    ctx.b_nk, ctx.zero_unused_rows, ctx.activation = b_nk, zero_unused_rows, activation
+
+
+def _grouped_weight_grad(a, g, group_end):
+    """[E, K, N]: A_e^T dC_e per group (rows past the last end belong to none)."""
+    try:
+        return torch._grouped_mm(a.t(), g, offs=group_end)
+    except (RuntimeError, AttributeError):  # a torch without the row-grouped form: one matmul per group
+        ends = [0] + group_end.tolist()
+        return torch.stack([a[ends[e]:ends[e + 1]].t() @ g[ends[e]:ends[e + 1]] for e in range(len(ends) - 1)])
+
+
+def _swiglu_grad(h, grad):
+    """The gradient of the pre-activation h [rows, N] (gate / up in blocks of 128) from the output's."""
+    rows = h.shape[0]
+    hb = h.view(rows, -1, 2, 128)
+    gate, up = hb[:, :, 0], hb[:, :, 1]
+    g = grad.float().view(rows, -1, 128)
+    sig = torch.sigmoid(gate)
+    d_up = g * gate * sig
+    d_gate = g * up * sig * (1 + gate * (1 - sig))
+    return torch.stack((d_gate, d_up), dim=2).view(rows, -1)
+
+
+def _grouped_mm_backward(ctx, grad):
+    a, b, group_end = ctx.saved_tensors
+    if ctx.activation == "swiglu":  # the pre-activation again (fp32), then the activation's gradient
+        h = _grouped_mm.op(a, b, group_end, ctx.b_nk, torch.float32, ctx.zero_unused_rows, "")
+        g = _swiglu_grad(h, grad).to(a.dtype).contiguous()
+    else:
+        g = grad.to(a.dtype).contiguous()
+    da = db = None
+    if ctx.needs_input_grad[0]:  # dA = dC B_e^T: the same stored B read the other way round
+        da = _grouped_mm.op(g, b, group_end, not ctx.b_nk, a.dtype, ctx.zero_unused_rows, "")
+    if ctx.needs_input_grad[1]:
+        dkn = _grouped_weight_grad(a, g, group_end).to(b.dtype)
+        db = dkn.transpose(1, 2).contiguous() if ctx.b_nk else dkn
+    return da, db, None, None, None, None, None, None
+
+
+_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def _torch_grouped_mm(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation="", group_rows=None):
+    """Arguments checked by the caller; b as stored (see above)."""
+    return _grouped_mm.op(a, b, group_end, b_nk, out_dtype, zero_unused_rows, activation, group_rows)
 
 
 # ---- expert parallelism (a team) ---------------------------------------------------------------------
@@ -147,7 +224,7 @@ def _dispatch_args(x, experts, comm, where):
     if x.dim() != 2 or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
         raise WeftValueError(f"{where}: x must be [tokens, hidden] and experts [tokens, top_k], got "
                              f"{tuple(x.shape)} and {tuple(experts.shape)}")
-    if _w._ops.DTYPES.get(x.dtype) not in ("bf16", "fp16"):
+    if DTYPES.get(x.dtype) not in ("bf16", "fp16"):
         raise WeftTypeError(f"{where}: x must be bf16 or fp16, got {x.dtype}")
     if experts.dtype.is_floating_point:
         raise WeftTypeError(f"{where}: experts must hold integer ids, got {experts.dtype}")
@@ -177,7 +254,6 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None,
     """
     where = "weft.moe_dispatch"
     c = _dispatch_args(x, experts, comm, where)
-    torch = _w._ops.torch
     if low_latency and (exact or (torch.is_grad_enabled() and x.requires_grad)):
         raise WeftValueError(f"{where}: low_latency=True is for inference: no exact counts, no gradient (call it "
                              "under torch.no_grad())")
@@ -188,13 +264,13 @@ def moe_dispatch(x, experts, num_experts, max_tokens=None, align=128, comm=None,
     tokens, hidden = x.shape
     # Under torch.no_grad() no backward can meet the padding rows (a weight's gradient rows^T . dY would): the
     # dispatch leaves them as they are (MoeShape::zero_padding), at decode sizes most of its work.
-    zero_padding = int(_w._ops.torch.is_grad_enabled())
+    zero_padding = int(torch.is_grad_enabled())
     shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts),
              experts.shape[1], int(align), zero_padding, int(bool(low_latency)))
     ids = experts.to(torch.int32).contiguous()
-    rows, ends, row_of, kept, counts, group_rows = _w._ops.moe_dispatch(x.contiguous(), ids, shape, c, bool(exact))
+    rows, ends, row_of, kept, counts, group_rows = _torch_moe_dispatch(x.contiguous(), ids, shape, c, bool(exact))
     # (Exact counts cut rows; the pybind call is kept out of what torch.compile traces otherwise.)
-    capacity = rows.shape[0] if counts is None else _w._ops._moe_capacity(shape, c.world_size)
+    capacity = rows.shape[0] if counts is None else _moe_capacity(shape, c.world_size)
     return MoeDispatch(c, shape, rows, ends, row_of, kept, capacity, counts,
                        group_rows=group_rows if low_latency else None)
 
@@ -215,7 +291,6 @@ def moe_dispatch_grouped_mm(x, experts, num_experts, w, max_tokens=None, align=1
     the SMs, where the unfused pair is faster."""
     where = "weft.moe_dispatch_grouped_mm"
     c = _dispatch_args(x, experts, comm, where)
-    torch = _w._ops.torch
     if torch.is_grad_enabled() and any(_torch_tensor(t) and t.requires_grad for t in (x, w)):
         raise WeftValueError(f"{where}: no backward: run it under torch.no_grad() (inference), or weft.moe_dispatch "
                              "then weft.grouped_mm")
@@ -242,7 +317,7 @@ def moe_dispatch_grouped_mm(x, experts, num_experts, w, max_tokens=None, align=1
     shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts),
              experts.shape[1], int(align), int(torch.is_grad_enabled()), 0)
     stored, nk = _stored_weights(w)
-    out, rows, ends, row_of, kept = _w._ops.moe_dispatch_grouped_mm(
+    out, rows, ends, row_of, kept = _torch_moe_dispatch_grouped_mm(
         x.contiguous(), experts.to(torch.int32).contiguous(), stored, nk, activation == "swiglu", shape, c)
     return out, MoeDispatch(c, shape, rows, ends, row_of, kept, rows.shape[0])
 
@@ -264,7 +339,6 @@ def moe_dispatch_fp8(x, experts, num_experts, max_tokens=None, align=128, comm=N
     tokens, hidden = x.shape
     if hidden % 16:
         raise WeftValueError(f"{where}: hidden must be a multiple of 16 (16-byte FP8 rows), got {hidden}")
-    torch = _w._ops.torch
     top_k = experts.shape[1]
     shape = (tokens, int(max_tokens) if max_tokens is not None else tokens, hidden, int(num_experts), top_k,
              int(align), int(torch.is_grad_enabled()), int(bool(low_latency)))
@@ -273,8 +347,7 @@ def moe_dispatch_fp8(x, experts, num_experts, max_tokens=None, align=128, comm=N
     nbytes = _weft.moe_dispatch_fp8_workspace_bytes(c.world_size, shape)
     ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=x.device)
     packed, ends, row_of, kept, capacity, _, group_rows = _weft.moe_dispatch_fp8(
-        c._c, x.data_ptr(), ids.data_ptr(), shape, ws.data_ptr(), nbytes, _w._ops.DTYPES[x.dtype],
-        _w._ops._stream(x))
+        c._c, x.data_ptr(), ids.data_ptr(), shape, ws.data_ptr(), nbytes, DTYPES[x.dtype], _stream(x))
 
     def slots(ptr):  # [tokens, top_k] int32 at ptr inside ws, copied out (combine needs only these)
         at = ptr - ws.data_ptr()
@@ -322,9 +395,9 @@ def moe_combine(expert_out, dispatched, weights):
     if tuple(expert_out.shape) != (rows, hidden) or expert_out.dtype != dispatched._out_dtype:
         raise WeftValueError(f"{where}: expert_out must be [{rows}, {hidden}] of {dispatched._out_dtype} "
                              f"(dispatched.rows' layout), got {tuple(expert_out.shape)} of {expert_out.dtype}")
-    w = weights.to(_w._ops.torch.float32).contiguous()
-    return _w._ops.moe_combine(expert_out, dispatched._row_of, dispatched._experts, w, dispatched._shape,
-                               dispatched._comm, dispatched.group_rows)
+    w = weights.to(torch.float32).contiguous()
+    return _torch_moe_combine(expert_out, dispatched._row_of, dispatched._experts, w, dispatched._shape,
+                              dispatched._comm, dispatched.group_rows)
 
 
 def moe_grouped_mm_combine(a, b, dispatched, weights):
@@ -343,7 +416,6 @@ def moe_grouped_mm_combine(a, b, dispatched, weights):
                              "weft.moe_dispatch_fp8's: combine its experts' outputs with weft.moe_combine")
     if not (_torch_tensor(a) and _torch_tensor(b) and _torch_tensor(weights)):
         raise WeftTypeError(f"{where}: a, b and weights must be torch tensors")
-    torch = _w._ops.torch
     tokens, _, hidden, num_experts, top_k, align = dispatched._shape[:6]
     local = num_experts // dispatched._comm.world_size
     rows = dispatched.rows.shape[0]
@@ -359,8 +431,8 @@ def moe_grouped_mm_combine(a, b, dispatched, weights):
         raise WeftValueError(f"{where}: weights must be [{tokens}, {top_k}], got {tuple(weights.shape)}")
     stored, nk = _stored_weights(b)
     w = weights.to(torch.float32).contiguous()
-    return _w._ops.moe_grouped_mm_combine(a.contiguous(), stored, nk, dispatched.group_end, dispatched._row_of,
-                                       dispatched._experts, w, dispatched._shape, dispatched._comm)
+    return _torch_moe_grouped_mm_combine(a.contiguous(), stored, nk, dispatched.group_end, dispatched._row_of,
+                                         dispatched._experts, w, dispatched._shape, dispatched._comm)
 
 
 _ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
@@ -379,7 +451,7 @@ def _activated(h, activation, inter, in_epilogue):
     itself where the GEMM's epilogue applied it."""
     if in_epilogue:
         return h
-    F = _w._ops.torch.nn.functional
+    F = torch.nn.functional
     if activation == "swiglu":
         return F.silu(h[:, :inter]) * h[:, inter:]
     return {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation](h)
@@ -438,7 +510,7 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
                              f"[{local}, inter, {hidden}], got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
     if low_latency and (exact or fused_combine):
         raise WeftValueError(f"{where}: low_latency=True takes neither exact=True nor fused_combine=True")
-    grad = _w._ops.torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_up, w_down))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_up, w_down))
     if fused_dispatch and (exact or low_latency or grad):
         raise WeftValueError(f"{where}: fused_dispatch=True is for inference (no gradient: under torch.no_grad()) "
                              "and takes neither exact=True nor low_latency=True; else pass fused_dispatch=False")
@@ -470,7 +542,6 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
         tokens, top_k = d._shape[0], d._shape[4]
         if tuple(weights.shape) != (tokens, top_k):
             raise WeftValueError(f"{where}: weights must be [{tokens}, {top_k}], got {tuple(weights.shape)}")
-        torch = _w._ops.torch
         if w_down.dtype != torch.bfloat16 or w_down.device != a.device:
             raise WeftTypeError(f"{where}: w_down must be bf16 on the tokens' device, got {w_down.dtype} on "
                                 f"{w_down.device}")
@@ -481,8 +552,325 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
                                  "torch.no_grad()")
         stored, nk = _stored_weights(w_down)
         w = weights.to(torch.float32).contiguous()
-        return _w._ops.moe_grouped_mm_then_combine(a.contiguous(), stored, nk, d.group_end, live, d._row_of,
-                                                   d._experts, w, d._shape, d._comm)
+        return _torch_moe_grouped_mm_then_combine(a.contiguous(), stored, nk, d.group_end, live, d._row_of,
+                                                  d._experts, w, d._shape, d._comm)
     y = grouped_mm(a.contiguous(), w_down, d.group_end, validate=False, zero_unused_rows=False, group_rows=live)
     return moe_combine(y, d, weights)
 
+
+# ---- the team's MoE torch operators (weft._op_table) -----------------------------------------------------------
+# shape: (tokens, max_tokens, hidden, num_experts, top_k, align), weft::MoeShape's fields.
+
+
+def _low_latency(shape):
+    """Whether a dispatch shape asks for the low-latency dispatch (its 8th entry)."""
+    return len(shape) > 7 and bool(shape[7])
+
+
+def _moe_capacity(shape, world):
+    """Rows of the dispatch area: from max_tokens, never this rank's token count (symbolic under torch.compile,
+    where passing it to C++ would specialize the graph on it)."""
+    return _weft.moe_capacity(world, (1, *(int(v) for v in shape[1:])))
+
+
+_last_counts = {}  # per communicator id: the counts table of its last dispatch (the exact-count read-back)
+_last_row_source = {}  # per communicator id: its last dispatch's row -> source slot map (the fused combine)
+
+
+def _dispatch_workspace(x, shape, world):
+    """The dispatch's caller workspace (its slots' tables, which the handle copies out)."""
+    nbytes = _weft.moe_dispatch_workspace_bytes(world, tuple(shape))
+    return torch.empty(max(nbytes, 256), dtype=torch.uint8, device=x.device), nbytes
+
+
+def _dispatch_handle(ws, shape, comm, rows, ends, row_of, kept, counts, row_source):
+    """(rows, group_end, row_of, kept) of a dispatch that just ran: rows a view of the team's dispatch area
+    (valid until the next dispatch); group_end copied out (the expert GEMMs keep it for their backward, and
+    the next layer's dispatch rewrites the area's ends); each slot's row and expert copied out of `ws`
+    (combine needs only these). Records the counts table and row map of the team's last dispatch."""
+    _last_counts[comm] = counts
+    _last_row_source[comm] = row_source
+    tokens, top_k = shape[0], shape[4]
+
+    def slots(ptr):  # [tokens, top_k] int32 at ptr inside ws
+        at = ptr - ws.data_ptr()
+        return ws[at:at + 4 * tokens * top_k].view(torch.int32).view(tokens, top_k).clone()
+
+    return torch.from_dlpack(rows), torch.from_dlpack(ends).clone(), slots(row_of), slots(kept)
+
+
+def _emulated_handle(x, shape, world):
+    """What the emulated dispatch (EMULATE) returns: zero rows, empty groups, every slot dropped."""
+    tokens, top_k = shape[0], shape[4]
+    slots = torch.full((tokens, top_k), -1, dtype=torch.int32, device=x.device)
+    ends = x.new_zeros((shape[3] // world,), dtype=torch.int32)
+    return x.new_zeros((_moe_capacity(shape, world), shape[2])), ends, slots, slots.clone()
+
+
+@declare("weft::moe_dispatch")
+def _moe_dispatch(x: Tensor, experts: Tensor, shape: list[int], world: int,
+                  comm: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if _op_table.EMULATE:
+        rows, ends, row_of, kept = _emulated_handle(x, shape, world)
+        return rows, ends, row_of, kept, ends.clone() if _low_latency(shape) else ends.new_empty((0,))
+    ws, nbytes = _dispatch_workspace(x, shape, world)
+    rows, ends, row_of, kept, _, counts, row_source, group_rows = _weft.moe_dispatch(
+        _native(comm), x.data_ptr(), experts.data_ptr(), tuple(shape), ws.data_ptr(), nbytes, DTYPES[x.dtype],
+        _stream(x))
+    # The low-latency dispatch's rows per group copied out as group_end (the record dispatch's: empty).
+    group_rows = None if group_rows is None else torch.from_dlpack(group_rows).clone()
+    handle = _dispatch_handle(ws, shape, comm, rows, ends, row_of, kept, counts, row_source)
+    return (*handle, handle[1].new_empty((0,)) if group_rows is None else group_rows)
+
+
+@_moe_dispatch.register_fake
+def _(x, experts, shape, world, comm):
+    tokens, top_k = shape[0], shape[4]
+    capacity = _moe_capacity(shape, world)
+    slots = experts.new_empty((tokens, top_k), dtype=torch.int32)
+    per = shape[3] // world
+    return (x.new_empty((capacity, shape[2])), x.new_empty((per,), dtype=torch.int32), slots,
+            slots.new_empty((tokens, top_k)), x.new_empty((per if _low_latency(shape) else 0,), dtype=torch.int32))
+
+
+@declare("weft::moe_combine")
+def _moe_combine(expert_out: Tensor, row_of: Tensor, kept: Tensor, weights: Tensor, shape: list[int],
+                 comm: int, group_rows: Tensor) -> Tensor:
+    out = expert_out.new_empty((shape[0], shape[2]))
+    if _op_table.EMULATE:
+        return out.zero_()
+    native = _native(comm)
+    dtype = DTYPES[expert_out.dtype]
+    # The outputs are read by the ranks that sent the tokens: from the team's symmetric combine area. A
+    # low-latency handle's are copied there by the op (the rows its groups received, not the capacity).
+    src = expert_out.data_ptr()
+    if not group_rows.numel():
+        area = torch.from_dlpack(_weft.moe_combine_input(native, tuple(shape), dtype))
+        if src != area.data_ptr():
+            area[:expert_out.shape[0]].copy_(expert_out)  # exact-count rows: the used rows only
+        src = area.data_ptr()
+    _weft.moe_combine(native, src, row_of.data_ptr(), kept.data_ptr(), weights.data_ptr(),
+                      out.data_ptr(), tuple(shape), dtype, _stream(expert_out),
+                      group_rows.data_ptr() if group_rows.numel() else 0)
+    return out
+
+
+@_moe_combine.register_fake
+def _(expert_out, row_of, kept, weights, shape, comm, group_rows):
+    return expert_out.new_empty((shape[0], shape[2]))
+
+
+# Autograd. The dispatch's backward is a combine of the rows' gradient with weights 1 (a token's gradient is
+# the sum over its slots' rows); the combine's backward gives the expert outputs' gradient (weights[t, j] *
+# dout[t] at each slot's row on its expert's rank, zeros elsewhere) and the weights' (<dout[t], the slot's
+# expert output>).
+def _moe_dispatch_setup(ctx, inputs, output):
+    _, _, shape, _, comm = inputs
+    ctx.save_for_backward(output[2], output[3])
+    ctx.shape, ctx.comm = shape, comm
+
+
+def _moe_dispatch_backward(ctx, grad_rows, _grad_ends, _grad_row_of, _grad_kept, _grad_group_rows):
+    row_of, kept = ctx.saved_tensors
+    if grad_rows is None:
+        return None, None, None, None, None
+    if _low_latency(ctx.shape):
+        raise WeftValueError("weft.moe_dispatch: the low-latency dispatch has no backward: run it under "
+                             "torch.no_grad() (inference)")
+    ones = torch.ones((ctx.shape[0], ctx.shape[4]), dtype=torch.float32, device=grad_rows.device)
+    none = row_of.new_empty((0,))
+    d_x = _moe_combine.op(grad_rows.contiguous(), row_of, kept, ones, ctx.shape, ctx.comm, none)
+    return d_x, None, None, None, None
+
+
+_moe_dispatch.register_autograd(_moe_dispatch_backward, setup_context=_moe_dispatch_setup)
+
+
+@declare("weft::moe_combine_backward")
+def _moe_combine_backward(dout: Tensor, expert_out: Tensor, row_of: Tensor, kept: Tensor, weights: Tensor,
+                          shape: list[int], comm: int) -> tuple[Tensor, Tensor]:
+    tokens, top_k = shape[0], shape[4]
+    if _op_table.EMULATE:
+        return expert_out.new_zeros(expert_out.shape), weights.new_zeros((tokens, top_k))
+    native = _native(comm)
+    dtype = DTYPES[expert_out.dtype]
+    # expert_out is copied where the peers read it (the team's combine area) by the op itself, after a meeting:
+    # a copy here could land while a peer's earlier combine (e.g. the next layer's dispatch backward) still
+    # reads that area.
+    expert_out = expert_out.contiguous()
+    grad = torch.from_dlpack(_weft.moe_combine_grad_input(native, tuple(shape), dtype))
+    d_weights = weights.new_empty((tokens, top_k))
+    _weft.moe_combine_backward(native, expert_out.data_ptr(), expert_out.shape[0], row_of.data_ptr(),
+                               kept.data_ptr(), weights.data_ptr(), dout.data_ptr(), grad.data_ptr(),
+                               d_weights.data_ptr(), tuple(shape), dtype, _stream(dout))
+    # The gradient buffer is the team's (peers write it again in the next combine backward): a copy of its own.
+    return grad[:expert_out.shape[0]].clone(), d_weights
+
+
+@_moe_combine_backward.register_fake
+def _(dout, expert_out, row_of, kept, weights, shape, comm):
+    return expert_out.new_empty(expert_out.shape), weights.new_empty((shape[0], shape[4]))
+
+
+def _moe_combine_setup(ctx, inputs, output):
+    expert_out, row_of, kept, weights, shape, comm, _ = inputs
+    if _low_latency(shape):
+        raise WeftValueError("weft.moe_combine: no gradient through a low-latency dispatch's combine: run it "
+                             "under torch.no_grad() (inference)")
+    # The team's combine area is overwritten by the next combine: outputs written there are kept as a copy
+    # (under torch.compile, where pointers are not known, always).
+    if torch.compiler.is_compiling():
+        expert_out = expert_out.clone()
+    elif not _op_table.EMULATE:
+        area = _weft.moe_combine_input(_native(comm), tuple(shape), DTYPES[expert_out.dtype])
+        if expert_out.data_ptr() == area.data_ptr:
+            expert_out = expert_out.clone()
+    ctx.save_for_backward(expert_out, row_of, kept, weights)
+    ctx.shape, ctx.comm = shape, comm
+
+
+def _moe_combine_backward_fn(ctx, grad):
+    expert_out, row_of, kept, weights = ctx.saved_tensors
+    d_out, d_weights = _moe_combine_backward.op(grad.to(expert_out.dtype).contiguous(), expert_out, row_of, kept,
+                                                weights, ctx.shape, ctx.comm)
+    return d_out, None, None, d_weights, None, None, None
+
+
+_moe_combine.register_autograd(_moe_combine_backward_fn, setup_context=_moe_combine_setup)
+
+
+# The second expert GEMM fused with the combine (weft::moe_grouped_gemm_combine), on the rows of the team's
+# last dispatch. Its backward computes the GEMM's output again (one more GEMM), then the combine's backward
+# and the GEMM's.
+@declare("weft::moe_grouped_mm_combine")
+def _moe_grouped_mm_combine(a: Tensor, b: Tensor, b_nk: bool, group_end: Tensor, row_of: Tensor, kept: Tensor,
+                            weights: Tensor, shape: list[int], comm: int) -> Tensor:
+    out = a.new_empty((shape[0], shape[2]))
+    if _op_table.EMULATE:
+        return out.zero_()
+    inter = b.shape[2] if b_nk else b.shape[1]
+    capacity = _moe_capacity(shape, _world(comm))
+    _weft.moe_grouped_gemm_combine(_native(comm), a.data_ptr(), b.data_ptr(), b_nk, a.shape[0], inter,
+                                   _last_row_source[comm], row_of.data_ptr(), kept.data_ptr(), group_end.data_ptr(),
+                                   capacity, weights.data_ptr(), out.data_ptr(), tuple(shape), _stream(a))
+    return out
+
+
+@_moe_grouped_mm_combine.register_fake
+def _(a, b, b_nk, group_end, row_of, kept, weights, shape, comm):
+    return a.new_empty((shape[0], shape[2]))
+
+
+def _moe_grouped_mm_combine_setup(ctx, inputs, output):
+    a, b, b_nk, group_end, row_of, kept, weights, shape, comm = inputs
+    ctx.save_for_backward(a, b, group_end, row_of, kept, weights)
+    ctx.b_nk, ctx.shape, ctx.comm = b_nk, shape, comm
+
+
+def _moe_grouped_mm_combine_backward(ctx, grad):
+    a, b, group_end, row_of, kept, weights = ctx.saved_tensors
+    y = _grouped_mm.op(a, b, group_end, ctx.b_nk, a.dtype, False, "")
+    d_y, d_weights = _moe_combine_backward.op(grad.to(a.dtype).contiguous(), y, row_of, kept, weights, ctx.shape,
+                                              ctx.comm)
+    da = _grouped_mm.op(d_y, b, group_end, not ctx.b_nk, a.dtype, False, "")
+    dkn = _grouped_weight_grad(a, d_y, group_end).to(b.dtype)
+    db = dkn.transpose(1, 2).contiguous() if ctx.b_nk else dkn
+    return da, db, None, None, None, None, d_weights, None, None
+
+
+_moe_grouped_mm_combine.register_autograd(_moe_grouped_mm_combine_backward,
+                                          setup_context=_moe_grouped_mm_combine_setup)
+
+
+def _torch_moe_grouped_mm_combine(a, b, b_nk, group_end, row_of, kept, weights, shape, comm):
+    """Arguments checked by the caller; b as stored."""
+    return _moe_grouped_mm_combine.op(a, b, b_nk, group_end, row_of, kept, weights, list(shape), comm._id)
+
+
+def _torch_moe_dispatch(x, ids, shape, comm, exact=False):
+    """x, ids (int32, contiguous) checked by the caller; returns (rows, group_end, row_of, kept, counts,
+    group_rows: the low-latency dispatch's rows per group, else an empty tensor). exact:
+    the counts are read back (a synchronisation) as (rows per local expert, group ends, rows in use) and rows
+    is cut to the rows in use; else counts is None. Under autograd rows is a copy of the team's dispatch area
+    (which the next dispatch overwrites), since what consumes it (e.g. grouped_mm, for its weights' gradient
+    even where x needs none) may keep it for its backward."""
+    rows, ends, row_of, kept, group_rows = _moe_dispatch.op(x, ids, list(shape), comm.world_size, comm._id)
+    counts = None
+    if exact:
+        per = shape[3] // comm.world_size
+        counts = (([0] * per, [0] * per, 0) if _op_table.EMULATE else
+                  _weft.moe_counts(comm._c, _last_counts[comm._id], ends.data_ptr(), tuple(shape), _stream(x)))
+        rows = rows[:counts[2]]
+    if torch.is_grad_enabled() and not _low_latency(shape):  # (the low-latency dispatch has no backward)
+        rows = rows.clone()
+    return rows, ends, row_of, kept, counts, group_rows
+
+
+# The dispatch and the first expert GEMM in one kernel (inference: no autograd): c [capacity, n] (or n / 2
+# with SwiGLU in the epilogue) = each group's rows . its expert's b, and the dispatch's handle as
+# _moe_dispatch returns it.
+@declare("weft::moe_dispatch_grouped_mm")
+def _moe_dispatch_grouped_mm(x: Tensor, experts: Tensor, b: Tensor, b_nk: bool, swiglu: bool, shape: list[int],
+                             world: int, comm: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    n = b.shape[1] if b_nk else b.shape[2]
+    out = x.new_empty((_moe_capacity(shape, world), n // 2 if swiglu else n))
+    if _op_table.EMULATE:
+        return (out.zero_(), *_emulated_handle(x, shape, world))
+    ws, nbytes = _dispatch_workspace(x, shape, world)
+    rows, ends, row_of, kept, _, counts, row_source, _ = _weft.moe_dispatch_grouped_gemm(
+        _native(comm), x.data_ptr(), experts.data_ptr(), tuple(shape), ws.data_ptr(), nbytes, b.data_ptr(), b_nk,
+        n, swiglu, out.data_ptr(), _stream(x))
+    return (out, *_dispatch_handle(ws, shape, comm, rows, ends, row_of, kept, counts, row_source))
+
+
+@_moe_dispatch_grouped_mm.register_fake
+def _(x, experts, b, b_nk, swiglu, shape, world, comm):
+    tokens, top_k = shape[0], shape[4]
+    n = b.shape[1] if b_nk else b.shape[2]
+    capacity = _moe_capacity(shape, world)
+    slots = experts.new_empty((tokens, top_k), dtype=torch.int32)
+    return (x.new_empty((capacity, n // 2 if swiglu else n)), x.new_empty((capacity, shape[2])),
+            x.new_empty((shape[3] // world,), dtype=torch.int32), slots, slots.new_empty((tokens, top_k)))
+
+
+def _torch_moe_dispatch_grouped_mm(x, ids, b, b_nk, swiglu, shape, comm):
+    """x, ids (int32, contiguous), b (as stored) checked by the caller; returns (c, rows, group_end, row_of,
+    kept)."""
+    return _moe_dispatch_grouped_mm.op(x, ids, b, b_nk, swiglu, list(shape), comm.world_size, comm._id)
+
+
+def _torch_moe_combine(expert_out, row_of, kept, weights, shape, comm, group_rows=None):
+    if group_rows is None:
+        group_rows = row_of.new_empty((0,))
+    return _moe_combine.op(expert_out.contiguous(), row_of, kept, weights, list(shape), comm._id, group_rows)
+
+
+# The low-latency layer's down GEMM and combine (inference, no autograd): the GEMM writes straight into the
+# team's combine area (the rows the peers read), so no copy comes between the two (moe_combine given the
+# GEMM's output elsewhere copies the rows the groups received into the area first).
+@declare("weft::moe_grouped_mm_then_combine")
+def _moe_grouped_mm_then_combine(a: Tensor, b: Tensor, b_nk: bool, group_end: Tensor, group_rows: Tensor,
+                                 row_of: Tensor, kept: Tensor, weights: Tensor, shape: list[int],
+                                 comm: int) -> Tensor:
+    out = a.new_empty((shape[0], shape[2]))
+    if _op_table.EMULATE:
+        return out.zero_()
+    native = _native(comm)
+    area = torch.from_dlpack(_weft.moe_combine_input(native, tuple(shape), "bf16"))
+    stream = _stream(a)
+    _weft.grouped_gemm(a.get_device(), a.data_ptr(), b.data_ptr(), area.data_ptr(), group_end.data_ptr(),
+                       group_end.shape[0], a.shape[0], shape[2], a.shape[1], "nk" if b_nk else "kn", "bf16",
+                       False, "", stream, group_rows.data_ptr())
+    _weft.moe_combine(native, area.data_ptr(), row_of.data_ptr(), kept.data_ptr(), weights.data_ptr(),
+                      out.data_ptr(), tuple(shape), "bf16", stream, group_rows.data_ptr())
+    return out
+
+
+@_moe_grouped_mm_then_combine.register_fake
+def _(a, b, b_nk, group_end, group_rows, row_of, kept, weights, shape, comm):
+    return a.new_empty((shape[0], shape[2]))
+
+
+def _torch_moe_grouped_mm_then_combine(a, b, b_nk, group_end, group_rows, row_of, kept, weights, shape, comm):
+    return _moe_grouped_mm_then_combine.op(a, b, b_nk, group_end, group_rows, row_of, kept, weights, list(shape),
+                                           comm._id)
