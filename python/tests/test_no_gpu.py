@@ -3,6 +3,10 @@ argument checks every op makes before anything reaches the GPU. Tensors are fake
 DLPack capsules; the communicator with a stand-in that never touches CUDA."""
 import ctypes
 import os
+import subprocess
+import sys
+import types
+import typing
 import unittest
 from unittest import mock
 
@@ -344,9 +348,6 @@ class NoGpu(unittest.TestCase):
                     FakeTensor((8, 16), strides=(1, 8)), FakeTensor((16, 24)))
 
 
-if __name__ == "__main__":
-    unittest.main()
-
 
 class RingShardTest(unittest.TestCase):
     """Ring attention's sequence layout (the C++ plan through the module): zigzag parts, packed documents."""
@@ -384,3 +385,43 @@ class RingShardTest(unittest.TestCase):
             weft.ring_shard_indices(2, 0, cu_seqlens=[0, 5, 3])
         with self.assertRaises(weft.WeftTypeError):
             weft.ring_shard([1, 2, 3], 2, 0)
+
+
+class OpTableTest(unittest.TestCase):
+    """The torch operators' declarations (weft._op_table), made into operators only once torch is imported: every
+    declaration complete, and its annotations (the operator's schema) resolvable in its module."""
+
+    def test_import_leaves_torch_alone(self):
+        code = "import sys, weft; from weft import _op_table; sys.exit('torch' in sys.modules)"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        self.assertEqual(subprocess.run([sys.executable, "-c", code], env=env).returncode, 0,
+                         "import weft imported torch")
+
+    def test_declarations_are_complete(self):
+        from weft import _op_table
+        names = [d.name for d in _op_table.DECLARATIONS]
+        self.assertEqual(len(names), len(set(names)), "an operator declared twice")
+        for expected in ("weft::all_reduce", "weft::all_gather_matmul", "weft::matmul_all_reduce",
+                         "weft::flash_attention", "weft::context_attention", "weft::moe_dispatch", "weft::scaled_mm",
+                         "weft::flash_decode", "weft::grouped_mm"):
+            self.assertIn(expected, names)
+        for d in _op_table.DECLARATIONS:
+            self.assertTrue(d.name.startswith("weft::"), d.name)
+            self.assertIsNotNone(d.fake, f"{d.name} has no fake implementation (torch.compile could not trace it)")
+            self.assertEqual(d.backward is None, d.setup_context is None, f"{d.name}: backward without setup or back")
+
+    def test_annotations_resolve_in_their_modules(self):
+        """custom_op's schema inference evaluates each string annotation in the implementation's module: Tensor,
+        Optional, ... must be there (torch.dtype through the module's torch, here a stand-in with a dtype)."""
+        from weft import _op_table
+        for d in _op_table.DECLARATIONS:
+            namespace = dict(d.impl.__globals__, torch=types.SimpleNamespace(dtype=type("dtype", (), {})))
+            try:
+                hints = typing.get_type_hints(d.impl, globalns=namespace)
+            except Exception as e:  # noqa: BLE001
+                self.fail(f"{d.name}: its annotations do not resolve in {d.impl.__module__}: {e!r}")
+            self.assertIn("return", hints, f"{d.name} has no return annotation")
+
+
+if __name__ == "__main__":
+    unittest.main()
