@@ -519,14 +519,23 @@ def moe_fp8_layer(team, g):
                 # a wrong scale or row is off by O(1)
                 check(f"FP8 MoE layer{' (low latency)' if low_latency else ''}, W={w}: rank {r}", outs[r], wants[r],
                       1e-1)
-    x = xs[1].clone().requires_grad_()
-    try:
-        weft.moe_layer_fp8(x, ids[1], weights[1], ups[1], up_scales[1], downs[1], down_scales[1], num_experts,
-                           max_tokens=max_tokens, comm=team[1])
-        raise AssertionError("weft.moe_layer_fp8 of a tensor that needs a gradient was not refused")
-    except weft.WeftValueError as e:
-        assert "torch.no_grad" in str(e), e
-    cases += 1
+    # Refused before the dispatch (a team collective), each with its reason: a gradient, an align the grouped
+    # FP8 GEMM's tiles do not take, fp16 tokens, scales of the wrong shape.
+    args = (ids[1], weights[1], ups[1], up_scales[1], downs[1], down_scales[1], num_experts)
+    refusals = [
+        (weft.WeftValueError, "torch.no_grad", (xs[1].clone().requires_grad_(),) + args, {}),
+        (weft.WeftValueError, "align", (xs[1],) + args, {"align": 64}),
+        (weft.WeftTypeError, "bf16", (xs[1].half(),) + args, {}),
+        (weft.WeftValueError, "w_up_scales", (xs[1], ids[1], weights[1], ups[1], up_scales[1][:, :1], downs[1],
+                                              down_scales[1], num_experts), {}),
+    ]
+    for kind, says, call_args, kw in refusals:
+        try:
+            weft.moe_layer_fp8(*call_args, max_tokens=max_tokens, comm=team[1], **kw)
+            raise AssertionError(f"weft.moe_layer_fp8 did not refuse ({says})")
+        except kind as e:
+            assert says in str(e), e
+        cases += 1
 
 
 def moe_reference(x, ids, wt, up_all, down_all):

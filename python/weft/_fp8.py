@@ -1,7 +1,7 @@
 """FP8 (torch tensors): on a team weft.all_gather_scaled_matmul, weft.scaled_matmul_reduce_scatter and
 weft.scaled_matmul_all_reduce; on one GPU weft.scaled_mm, weft's FP8 GEMM with torch._scaled_mm's operand layout
-(per-tensor and per-row / column scales as torch's; DeepSeek-V3's block scales row-major and contiguous,
-which is not torch's layout for them), and weft.quantize_fp8, which makes its operands. These are torch
+(per-tensor and per-row / column scales as torch's; DeepSeek-V3's block scales row-major and contiguous, or
+for A also M-major, torch's layout for them), and weft.quantize_fp8, which makes its operands. These are torch
 operators (torch.ops.weft.*, fake implementations: torch.compile traces them, CUDA graphs capture them), with no
 autograd; queued on torch's current stream."""
 from __future__ import annotations
@@ -273,8 +273,12 @@ def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str, 
     out = a.new_empty((m, n), dtype=torch.bfloat16 if out_bf16 else torch.float32)
     if _op_table.EMULATE:
         return out.zero_()
-    # block scales of A row-major (contiguous) or M-major (strides (1, ld))
+    # block scales of A row-major (contiguous) or M-major (strides (1, ld)); scaled_mm checked which on the
+    # tensor it traced, this is the one the call got
     m_stride = 0 if scale_a.is_contiguous() else scale_a.stride(1)
+    if m_stride and scale_a.stride(0) != 1:
+        raise WeftValueError(f"weft.scaled_mm: scale_a has strides {tuple(scale_a.stride())}: neither contiguous nor "
+                             "M-major (1, ld)")
     _weft.gemm_fp8(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, ab, kind, scale_a.data_ptr(),
                    scale_b.data_ptr(), "bf16" if out_bf16 else "fp32", _stream(a), m_stride)
     return out
