@@ -413,7 +413,9 @@ void run_decode(Context& ctx) {
       };
       FusedOptions split_k;
       split_k.partials = FusedOptions::Partials::kSplitK;
+      const bool split_k_runs = M <= 256;  // Partials::kSplitK's largest M (else its column says -)
       auto weft_split_k = [&](int i, int k) {
+        if (!split_k_runs) return;
         matmul_all_reduce(*comm, comm->local(i), was[k % sets].local[i], g[i].bs[k % sets], wo.local[i], M, N,
                           K, BLayout::kNK, streams[i], split_k);
       };
@@ -453,13 +455,14 @@ void run_decode(Context& ctx) {
         for (auto& c : candidates) times.push_back(time_graphs(*comm, streams, iters, reps, c));
       }
       for (double& x : times) x = team.team_max(x);
-      const double t_gemm = times[0], t_war = times[1], t_gw = times[2], t_weft = times[3], t_sk = times[4];
+      const double t_gemm = times[0], t_war = times[1], t_gw = times[2], t_weft = times[3];
+      const double t_sk = split_k_runs ? times[4] : 0;
       const double t_nar = nccl_on ? times[5] : 0, t_gn = nccl_on ? times[6] : 0;
       auto cell = [](double x) { return x > 0 ? fmt("%.1f", x) : std::string("-"); };
       t.add({std::to_string(M), std::to_string(N), std::to_string(K), cell(t_gemm), cell(t_nar), cell(t_war),
              cell(t_gn), cell(t_gw), cell(t_weft), fused_path_name(path), cell(t_sk),
              t_gn > 0 ? fmt("%.2f", t_weft / t_gn) : std::string("-"),
-             t_gn > 0 ? fmt("%.2f", t_sk / t_gn) : std::string("-"), fmt("%.2f", t_weft / t_gw)});
+             t_gn > 0 && t_sk > 0 ? fmt("%.2f", t_sk / t_gn) : std::string("-"), fmt("%.2f", t_weft / t_gw)});
       if (!ctx.timeline_dir.empty())
         timelines.push_back(record_timeline(
             *comm, streams, [&] { on_all(weft_call, false)(0); },

@@ -50,8 +50,8 @@ const char* const kRsTiles = "matmul_reduce_scatter / all_reduce kernel: partial
 // rank's call), and its flags.
 const char* const kSplitKSlots = "matmul_all_reduce at decode sizes: partials at the owner";
 const char* const kSplitKResult = "matmul_all_reduce at decode sizes: the summed bands";
-const char* const kSplitKSlotFlags = "matmul_all_reduce at decode sizes: partials landed at the owner";
-const char* const kSplitKBandFlags = "matmul_all_reduce at decode sizes: summed bands landed";
+const char* const kSplitKLanded = "matmul_all_reduce at decode sizes: partials landed at the owner";
+const char* const kSplitKSummed = "matmul_all_reduce at decode sizes: summed bands landed";
 constexpr int kPipelineFlags = 2 * kMaxWorld;  // used(r), then arrived(r)
 const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kFusedState, 2}},
@@ -61,8 +61,8 @@ const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kRsPipeline, kPipelineFlags}},
     ResourceDeclaration{{kRsHalves, 2 * ops::kRsHalfFlags}},
     ResourceDeclaration{{kRsTiles, 2 * ops::kRsTileFlags}},
-    ResourceDeclaration{{kSplitKSlotFlags, ops::kSplitKSlotFlags}},
-    ResourceDeclaration{{kSplitKBandFlags, ops::kSplitKBandFlags}},
+    ResourceDeclaration{{kSplitKLanded, ops::kSplitKSlotFlags}},
+    ResourceDeclaration{{kSplitKSummed, ops::kSplitKBandFlags}},
 };
 
 struct Call : ops::OpCall {
@@ -661,12 +661,13 @@ void launch_split_k_ar(Call& c, const void* a, const void* b, void* out, int64_t
       uint64_t(own_tiles) * ops::kSplitKBands * W * p.slices * Op::kSlotFloats * 4, kSplitKSlots));
   p.result = reinterpret_cast<__nv_bfloat16*>(c.workspace(uint64_t(m) * n * 2, kSplitKResult));
   p.out = static_cast<__nv_bfloat16*>(out);
-  p.slot_flags = c.comm.resources(c.rank, kSplitKSlotFlags).flags;
-  p.band_flags = c.comm.resources(c.rank, kSplitKBandFlags).flags;
+  p.slot_flags = c.comm.resources(c.rank, kSplitKLanded).flags;
+  p.band_flags = c.comm.resources(c.rank, kSplitKSummed).flags;
   if (c.planning()) {
     c.plan->path = fused_path_name(FusedPath::kFused) + std::string(" (split-K, ") +
                    std::to_string(p.slices) + " slices, partials summed at the column tiles' owners)";
     c.plan->blocks = p.sched.compute_blocks;
+    c.plan->cluster = 1;
     c.plan->smem_bytes = static_cast<int>(lcsc::kSmemBytes<Op>);
     c.plan->tiles = {Op::kBM, Op::kBN, Op::kBK, Op::kStages, 1, int64_t(tiles) * p.slices};
     return;

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 
 #include "harness.hpp"
@@ -748,8 +749,9 @@ WEFT_GPU_TEST(matmul_all_reduce_any_m) {
 // Partials::kSplitK (matmul_all_reduce at decode sizes, ops::SplitKAllReduceOp) against the fp64 reference:
 // M of one row, a few, a 16-row band, past one 128-row tile and two whole tiles; N with a partial column tile
 // and several tiles a rank; K with a partial k-block and many (so several slices); both B layouts, symmetric
-// and device outs, outputs poisoned first; three calls back to back on new inputs (the slots and result areas
-// serve the next call without a meeting); the plan names the kernel; a call captured per rank into a CUDA
+// and device outs, outputs poisoned first; three rounds of new inputs each; three calls with nothing between
+// them on each rank's stream, M changing in the middle (the slots and result areas serve the next call
+// without a meeting); the plan names the kernel; a call captured per rank into a CUDA
 // graph replays right on new inputs; reduce-scatter refuses it.
 WEFT_GPU_TEST(matmul_all_reduce_split_k) {
   Communicator& c = ctx.comm();
@@ -805,6 +807,46 @@ WEFT_GPU_TEST(matmul_all_reduce_split_k) {
       }
       c.host_barrier();
     }
+  }
+  // Back to back, nothing between the calls on each rank's stream (the slots, flags and result areas serve
+  // the next call without a meeting), and the shape changing in the middle (M 16, 7, 16: other bands, other
+  // slot indices); each call on its own inputs and out.
+  {
+    const int64_t n = 1024, k = 2048, rows = 16;
+    const int64_t ms[3] = {16, 7, 16};
+    std::vector<std::unique_ptr<RankBuffers>> As, outs;  // (not movable)
+    std::vector<std::vector<double>> sums(3, std::vector<double>(size_t(rows * n), 0.0));
+    RankBuffers B(c, n * k * 2, false);
+    std::vector<Mat> b(W);
+    for (int r = 0; r < W; ++r) b[r] = make(size_t(n * k), 9700 + r);
+    for (int j = 0; j < 3; ++j) {
+      As.push_back(std::make_unique<RankBuffers>(c, rows * k * 2, false));
+      outs.push_back(std::make_unique<RankBuffers>(c, rows * n * 2, j == 1));
+      for (int r = 0; r < W; ++r) {
+        const Mat a = make(size_t(rows * k), 9800 + 10 * j + r);
+        gemm_ref(sums[j], a, b[r], 0, rows, n, k, true);
+        for (int i = 0; i < c.num_local(); ++i)
+          if (c.local(i).rank() == r) upload(c, i, As[j]->ptr[i], a.h.data(), rows * k * 2);
+      }
+    }
+    for (int i = 0; i < c.num_local(); ++i) {
+      upload(c, i, B.ptr[i], b[c.local(i).rank()].h.data(), n * k * 2);
+      for (int j = 0; j < 3; ++j) poison(c, i, outs[j]->ptr[i], rows * n * 2);
+    }
+    c.host_barrier();
+    for (int j = 0; j < 3; ++j)
+      for (int i = 0; i < c.num_local(); ++i)
+        matmul_all_reduce(c, c.local(i), As[j]->ptr[i], B.ptr[i], outs[j]->ptr[i], ms[j], n, k, BLayout::kNK,
+                          nullptr, o);
+    c.synchronize();
+    for (int j = 0; j < 3; ++j)
+      for (int i = 0; i < c.num_local(); ++i) {
+        const std::vector<double> want(sums[j].begin(), sums[j].begin() + ms[j] * n);
+        const std::string err = compare(get(c, i, outs[j]->ptr[i], ms[j] * n), want);
+        WEFT_EXPECT(err.empty(), "split-K back to back, call " << j << " (M=" << ms[j] << ") rank "
+                                                               << c.local(i).rank() << ": " << err);
+      }
+    c.host_barrier();
   }
   // Captured per rank (after a warm-up call) and replayed on new inputs.
   const int64_t m = 5, n = 264, k = 392;

@@ -719,7 +719,7 @@ struct EpilogueSummedC : Gemm {
 inline constexpr int kSplitKMaxRows = 256;     // M up to two 128-row tiles
 inline constexpr int kSplitKMaxSlices = 4;     // S: W x S <= 32, a warp lane per slot flag
 inline constexpr int kSplitKBands = 8;         // 16-row bands of a 128-row tile (a consumer warp's rows)
-inline constexpr int kSplitKSlotFlags = 8192;  // (own tile, band, rank, slice) flags of a rank at most
+inline constexpr int kSplitKSlotFlags = 4096;  // (own tile, band, rank, slice) flags of a rank at most
 inline constexpr int kSplitKBandFlags = 2048;  // (tile, band) result flags at most
 
 struct SplitKTile : lcsc::Tile {
@@ -837,6 +837,7 @@ struct SplitKAllReduceOp : GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, SplitKS
       bool ok = true;
       if (lane < parts) ok = wait_ge_inlined(team, team.flag(p.slot_flags, first + lane), epoch);
       if (!__all_sync(0xffffffffu, ok)) return false;
+      __syncwarp();  // orders each lane's acquire before every lane's reads of the slots
       float sum[Accum::kRegs];
 #pragma unroll
       for (int i = 0; i < Accum::kRegs; ++i) sum[i] = 0.f;
@@ -881,6 +882,7 @@ struct SplitKAllReduceOp : GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, SplitKS
         ok = wait_ge_inlined(team, team.flag(p.band_flags, (tm + p.sched.tiles_m * tn) * kSplitKBands + band),
                              epoch);
       if (!__shfl_sync(0xffffffffu, ok, 0)) return false;
+      __syncwarp();  // orders lane 0's acquire before every lane's reads of the band
       const int row0 = tm * kBM + 16 * band, col0 = tn * kBN;
       const int pieces = (p.n - col0 < kBN ? p.n - col0 : kBN) / 8;  // 16-byte pieces of a row
       for (int e = lane; e < 16 * pieces; e += 32) {

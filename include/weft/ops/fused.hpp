@@ -104,8 +104,7 @@ struct FusedOptions {
   //                  or into every rank's out (AR, symmetric out). A fixed order (the same bits every run,
   //                  not kStaged's: the own partial is not rounded before the sum). Where M / W is not a
   //                  multiple of 128, the tiles exceed their flags or an AR out is outside the heap: kStaged
-  //   kSplitK        matmul_all_reduce at decode sizes only (M <= 256, any M, whatever options.mode says):
-  //   one
+  //   kSplitK        matmul_all_reduce at decode sizes only (M <= 256, any M; options.mode aside): one
   //                  kernel, K split over the SMs, each (tile, slice)'s fp32 partial sent to the column
   //                  tile's owner, which sums the W x S partials (a fixed order) and writes the band into
   //                  every rank (ops::SplitKAllReduceOp). Not taken by kAuto until measured.
