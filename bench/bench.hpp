@@ -15,6 +15,16 @@
 
 namespace weft::bench {
 
+// Copies of a call's operands (`bytes` a copy) that together exceed three times the L2 cache of `device`, at
+// least `fewest`, at most `most`: call k reads copy k % n, so no call finds its operands in L2 from the call
+// before (a model's layers each read their own weights and caches).
+inline int rotating_sets(uint64_t bytes, int device, int fewest = 1, int most = 8) {
+  int l2 = 0;
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+  return int(
+      std::clamp<uint64_t>((3ull * uint64_t(l2) + bytes - 1) / std::max<uint64_t>(bytes, 1), fewest, most));
+}
+
 class Table {
  public:
   Table(std::string title, std::vector<std::string> columns, std::string note = {})

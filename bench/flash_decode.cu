@@ -48,12 +48,9 @@ DecodeRow run_case(Context& ctx, Communicator& comm, const std::vector<cudaStrea
     std::unique_ptr<DeviceBuffer> q, out, meta;
     std::vector<std::unique_ptr<DeviceBuffer>> k, v;  // rotating copies of the cache
   };
-  // The cache rotates through copies that together exceed 3 x L2 (1 to 8), call k reading copy k % sets: a
-  // model's layers each read their own cache, so no call finds its cache in L2 from the call before.
+  // The cache (K and V) rotates through copies (rotating_sets), call k reading copy k % sets.
   const size_t kv = size_t(c.batch) * local * c.kv_heads * D;
-  int l2_bytes = 0;
-  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, comm.local(0).device()));
-  const int sets = int(std::clamp<size_t>((3 * size_t(l2_bytes) + 4 * kv - 1) / (4 * kv), 1, 8));
+  const int sets = rotating_sets(4 * kv, comm.local(0).device());
   std::vector<Buffers> rs(L);
   for (int i = 0; i < L; ++i) {
     Rank& r = comm.local(i);

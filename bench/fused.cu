@@ -36,12 +36,6 @@ struct PerGpu {
   std::vector<char*> as, bs;            // the rotating copies of A and B (rotating_sets)
 };
 
-// Copies of a rank's operands (`bytes` a copy) that together exceed three times the L2 cache (1 to 8): a
-// rotation through them finds no operand in L2 from the call before.
-int rotating_sets(uint64_t bytes, int l2_bytes) {
-  return int(std::clamp<uint64_t>((3ull * uint64_t(l2_bytes) + bytes - 1) / bytes, 1, 8));
-}
-
 // A cuBLAS handle with a workspace per local rank, on that rank's bench stream, for the life of the object.
 struct PerGpuBlas {
   Communicator& comm;
@@ -121,8 +115,6 @@ void run_fused(Context& ctx) {
   auto team_max = [&](double x) { return team.team_max(x); };
   PerGpuBlas blas(*comm, streams);
   std::vector<PerGpu>& g = blas.g;
-  int l2_bytes = 0;
-  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, comm->local(0).device()));
   std::vector<Table> timelines;
   if (!ctx.timeline_dir.empty()) std::filesystem::create_directories(ctx.timeline_dir);
   std::vector<int64_t> ms = {1024, 2048, 4096, 8192, 16384, 32768};
@@ -177,7 +169,7 @@ void run_fused(Context& ctx) {
                          b_bytes = gn * gk * 2, weft_a_bytes = op == Op::kAG ? rows * gk * 2 : a_bytes;
           // Rotating inputs: call k of every column takes copy k % sets of A and B (weft's A: its symmetric
           // copy), so no call finds its operands in L2 from the call before.
-          const int sets = rotating_sets(a_bytes + b_bytes, l2_bytes);
+          const int sets = rotating_sets(a_bytes + b_bytes, comm->local(0).device());
           std::vector<SymmetricBuffer> was =
               blas.alloc_buffers(sets, a_bytes, b_bytes, weft_a_bytes, out_bytes, M * gn * 2, 100, streams);
           SymmetricBuffer wo = comm->alloc(out_bytes);
@@ -365,8 +357,6 @@ void run_decode(Context& ctx) {
   const int L = team.local();
   std::vector<cudaStream_t>& streams = team.streams;
   PerGpuBlas blas(*comm, streams);
-  int l2_bytes = 0;
-  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, comm->local(0).device()));
   std::vector<PerGpu>& g = blas.g;
   std::vector<int64_t> ms = {1, 4, 16, 64, 256};
   if (!ctx.fused_m.empty()) ms = ctx.fused_m;
@@ -388,7 +378,7 @@ void run_decode(Context& ctx) {
       ctx.progress("decode: M=%lld N=%lld K=%lld", (long long)M, (long long)N, (long long)K);
       // Rotating inputs (as run_fused's): at K = 2048 a rank's weight (32 MiB) would otherwise stay in L2
       // from one call to the next, which a model's many layers never allow.
-      const int sets = rotating_sets(uint64_t(M + N) * K * 2, l2_bytes);
+      const int sets = rotating_sets(uint64_t(M + N) * K * 2, comm->local(0).device());
       std::vector<SymmetricBuffer> was =
           blas.alloc_buffers(sets, M * K * 2, N * K * 2, M * K * 2, M * N * 2, M * N * 2, 300, streams);
       SymmetricBuffer wo = comm->alloc(M * N * 2);

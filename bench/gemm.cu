@@ -42,7 +42,6 @@ class GemmBench {
     WEFT_BLAS_CHECK(cublasSetStream(blas_, stream_));
     workspace_ = std::make_unique<DevMem>(kWorkspace);
     WEFT_BLAS_CHECK(cublasSetWorkspace(blas_, workspace_->p, kWorkspace));
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes_, cudaDevAttrL2CacheSize, 0));
   }
   ~GemmBench() {
     cublasDestroy(blas_);
@@ -62,8 +61,7 @@ class GemmBench {
     void* b(int i) const { return bs[i % bs.size()]->p; }
   };
   Operands rotating_operands(uint64_t a_bytes, uint64_t b_bytes, uint64_t seed) const {
-    const int sets =
-        int(std::clamp<uint64_t>((3ull * l2_bytes_ + a_bytes + b_bytes - 1) / (a_bytes + b_bytes), 2, 16));
+    const int sets = rotating_sets(a_bytes + b_bytes, 0, 2, 16);
     Operands o;
     for (int i = 0; i < sets; ++i) {
       o.as.push_back(std::make_unique<DevMem>(a_bytes));
@@ -111,7 +109,6 @@ class GemmBench {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
   std::unique_ptr<DevMem> workspace_;
-  int l2_bytes_ = 0;
 };
 
 const char* layout_name(BLayout l) {

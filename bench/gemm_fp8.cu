@@ -113,11 +113,8 @@ struct Row {
 };
 
 Row run_shape(const Shape& s, bool quick, cudaStream_t stream, void* workspace, size_t workspace_bytes) {
-  int l2 = 0;
-  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
   const uint64_t a_bytes = uint64_t(s.m) * s.k, b_bytes = uint64_t(s.n) * s.k;
-  const int sets =
-      int(std::clamp<uint64_t>((3ull * l2 + a_bytes + b_bytes - 1) / (a_bytes + b_bytes), 2, 16));
+  const int sets = rotating_sets(a_bytes + b_bytes, 0, 2, 16);
   std::vector<std::unique_ptr<DeviceBuffer>> a_sets, b_sets;
   for (int i = 0; i < sets; ++i) {
     a_sets.push_back(std::make_unique<DeviceBuffer>(a_bytes));
