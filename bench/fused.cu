@@ -367,9 +367,12 @@ void run_decode(Context& ctx) {
           "all_reduce",
           ctx.team_label().c_str(), NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH),
       {"M", "N", "K/rank", "gemm us", "NCCL AR us", "weft AR us", "cuBLAS+NCCL us", "cuBLAS+weft AR us",
-       "weft us", "weft path", "weft / cuBLAS+NCCL", "weft / cuBLAS+weft AR"},
+       "weft us", "weft path", "weft split-K us", "weft / cuBLAS+NCCL", "split-K / cuBLAS+NCCL",
+       "weft / cuBLAS+weft AR"},
       "Per rank: out [M, N] = sum over ranks of A [M, K/rank] . W^T, W [N, K/rank]. gemm = cuBLAS alone; "
-      "the AR columns the all-reduce of [M, N] alone; weft = weft::matmul_all_reduce (kAuto). CUDA graphs "
+      "the AR columns the all-reduce of [M, N] alone; weft = weft::matmul_all_reduce (kAuto); split-K = the "
+      "same with FusedOptions::Partials::kSplitK (one kernel: K split over the SMs, partials summed at each "
+      "column tile's owner). CUDA graphs "
       "of 20 calls, columns in turns, slowest rank's median; inputs rotated through copies past L2." +
           std::string(nccl_on ? "" : " Virtual ranks: no NCCL (-)."));
   const int64_t N = 8192;
@@ -398,6 +401,14 @@ void run_decode(Context& ctx) {
         path = matmul_all_reduce(*comm, comm->local(i), was[k % sets].local[i], g[i].bs[k % sets],
                                  wo.local[i], M, N, K, BLayout::kNK, streams[i]);
       };
+      FusedOptions split_k;
+      split_k.partials = FusedOptions::Partials::kSplitK;
+      const bool split_k_runs = M <= 256;  // Partials::kSplitK's largest M (else its column says -)
+      auto weft_split_k = [&](int i, int k) {
+        if (!split_k_runs) return;
+        matmul_all_reduce(*comm, comm->local(i), was[k % sets].local[i], g[i].bs[k % sets], wo.local[i], M, N,
+                          K, BLayout::kNK, streams[i], split_k);
+      };
       auto on_all = [&](auto&& f, bool nccl_group) {
         return [&, nccl_group](int k) {
           if (nccl_group) WEFT_NCCL_CHECK(ncclGroupStart());
@@ -409,6 +420,7 @@ void run_decode(Context& ctx) {
         };
       };
       on_all(weft_call, false)(0);  // workspace grown before any capture
+      on_all(weft_split_k, false)(0);
       on_all(weft_ar, false)(0);
       comm->synchronize();
       std::vector<std::function<void(int)>> candidates = {on_all(gemm_alone, false), on_all(weft_ar, false),
@@ -416,7 +428,8 @@ void run_decode(Context& ctx) {
                                                             on_all(gemm_alone, false)(k);
                                                             on_all(weft_ar, false)(k);
                                                           },
-                                                          on_all(weft_call, false)};
+                                                          on_all(weft_call, false),
+                                                          on_all(weft_split_k, false)};
       if (nccl_on) {
         candidates.push_back(on_all(nccl_ar, true));
         candidates.push_back([&](int k) {
@@ -433,11 +446,13 @@ void run_decode(Context& ctx) {
       }
       for (double& x : times) x = team.team_max(x);
       const double t_gemm = times[0], t_war = times[1], t_gw = times[2], t_weft = times[3];
-      const double t_nar = nccl_on ? times[4] : 0, t_gn = nccl_on ? times[5] : 0;
+      const double t_sk = split_k_runs ? times[4] : 0;
+      const double t_nar = nccl_on ? times[5] : 0, t_gn = nccl_on ? times[6] : 0;
       auto cell = [](double x) { return x > 0 ? fmt("%.1f", x) : std::string("-"); };
       t.add({std::to_string(M), std::to_string(N), std::to_string(K), cell(t_gemm), cell(t_nar), cell(t_war),
-             cell(t_gn), cell(t_gw), cell(t_weft), fused_path_name(path),
-             t_gn > 0 ? fmt("%.2f", t_weft / t_gn) : std::string("-"), fmt("%.2f", t_weft / t_gw)});
+             cell(t_gn), cell(t_gw), cell(t_weft), fused_path_name(path), cell(t_sk),
+             t_gn > 0 ? fmt("%.2f", t_weft / t_gn) : std::string("-"),
+             t_gn > 0 && t_sk > 0 ? fmt("%.2f", t_sk / t_gn) : std::string("-"), fmt("%.2f", t_weft / t_gw)});
       if (!ctx.timeline_dir.empty())
         timelines.push_back(record_timeline(
             *comm, streams, [&] { on_all(weft_call, false)(0); },

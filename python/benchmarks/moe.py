@@ -11,6 +11,9 @@ Mixtral-like (hidden 4096, 8 experts, top-2, intermediate 14336); 128, 512, 4096
   combine in one kernel), the dispatch as the layer's default picks it (fused with the first GEMM from 4 ranks
   with at most 32 experts and 2048 tokens); the fused-combine layer with the dispatch fused and unfused, forced;
   its parts alone: dispatch, combine, the two grouped GEMMs (on the dispatched rows);
+- weft FP8 layer: weft.moe_layer_fp8 on the same weights quantized to e4m3 with 128 x 128 block scales (tokens
+  dispatched in FP8 with 1 x 128 scales, block-scaled FP8 grouped GEMMs, bf16 combine), its time against the best
+  bf16 weft layer and its largest difference from the torch bf16 layer (relative to the output's largest value);
 - torch layer: all_to_all_single of the per-expert counts (then read on the host for the splits), of the tokens
   (one row per (token, expert) pair), a permute into expert groups (padded to 16 rows for _grouped_mm),
   torch._grouped_mm, silu(gate) * up, torch._grouped_mm, all_to_all_single back, the weighted un-permute in fp32;
@@ -127,6 +130,14 @@ def bench_config(comm, rank, world, model, tokens, hot):
               inter**0.5).transpose(-2, -1)
     w_up_i = weft.swiglu_interleave(w_up)
     baseline = TorchLayer(w_up, w_down, num_experts, world)
+    # The same weights in FP8 with 128 x 128 block scales, [E, N, K] (weft.moe_layer_fp8's layout).
+    fp8_up = [weft.quantize_fp8(w.t().contiguous(), "block", "b") for w in w_up]
+    fp8_down = [weft.quantize_fp8(w.t().contiguous(), "block", "b") for w in w_down]
+    q_up, s_up = (torch.stack(t) for t in zip(*fp8_up))
+    q_down, s_down = (torch.stack(t) for t in zip(*fp8_down))
+    del fp8_up, fp8_down
+    fp8_layer = lambda: weft.moe_layer_fp8(x, experts, weights, q_up, s_up, q_down, s_down,  # noqa: E731
+                                           num_experts)
 
     def layer(fused, fused_dispatch=None):
         return lambda: weft.moe_layer(x, experts, weights, w_up_i, w_down, num_experts, swiglu_interleaved=True,
@@ -137,6 +148,7 @@ def bench_config(comm, rank, world, model, tokens, hot):
         got = {f: layer(f)().float() for f in (False, True)}
         scale = want.abs().max().item()
         err = team_max(max((got[f] - want).abs().max().item() for f in got) / max(scale, 1e-30))
+        fp8_err = team_max((fp8_layer().float() - want).abs().max().item() / max(scale, 1e-30))
         # The parts alone, on one dispatch.
         d = weft.moe_dispatch(x, experts, num_experts)
         y_in = weft.moe_combine_input(d)
@@ -177,7 +189,7 @@ def bench_config(comm, rank, world, model, tokens, hot):
         graph_us = {k: (timed(f, iters, reps=3) if f is not None else None) for k, f in graph_parts.items()}
         whole = timed_alternating({"weft": layer(False), "weft fused": layer(True),
                                    "weft, dispatch fused": layer(True, True),
-                                   "weft, dispatch unfused": layer(True, False),
+                                   "weft, dispatch unfused": layer(True, False), "weft FP8": fp8_layer,
                                    "torch": lambda: baseline(x, experts, weights)}, iters, rounds=2, reps=3)
         # All-to-all of equal splits moving as many bytes to the other ranks as the dispatch does.
         sent_rows, slot_rows = crossing_rows(experts, rank, world, local)
@@ -215,6 +227,8 @@ def bench_config(comm, rank, world, model, tokens, hot):
                                                 f"{unit(whole['weft, dispatch unfused'])}",
         "torch layer": unit(whole["torch"]), "weft / max(comm, GEMMs)": f"{best / bound:.2f}",
         "torch / weft": f"{whole['torch'] / best:.2f}", "max err vs torch": f"{err:.1e}",
+        "weft FP8 layer": unit(whole["weft FP8"]), "FP8 / bf16 weft layer": f"{whole['weft FP8'] / best:.2f}",
+        "FP8 max err vs torch bf16": f"{fp8_err:.1e}",
         "graph: dispatch / combine": f"{in_graph('dispatch')} / {in_graph('combine')}",
         "graph, low latency: dispatch / combine": f"{in_graph('LL dispatch')} / {in_graph('LL combine')}",
         "graph: layer / low-latency layer": f"{in_graph('layer')} / {in_graph('LL layer')}",

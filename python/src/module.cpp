@@ -870,17 +870,17 @@ void bind_fp8(py::module_& m) {
       "gemm_fp8",
       [](int device, uintptr_t a, uintptr_t b, uintptr_t c, int64_t m_rows, int64_t n, int64_t k,
          const std::string& ab_type, const std::string& scaling, uintptr_t scale_a, uintptr_t scale_b,
-         const std::string& c_dtype, uintptr_t stream) {
+         const std::string& c_dtype, uintptr_t stream, int64_t scale_a_m_stride) {
         OnDevice on(device);
         weft::gemm_fp8(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
                        reinterpret_cast<void*>(c), m_rows, n, k, parse_fp8(ab_type),
                        weft::Fp8Scales{parse_scaling(scaling), reinterpret_cast<const float*>(scale_a),
-                                       reinterpret_cast<const float*>(scale_b)},
+                                       reinterpret_cast<const float*>(scale_b), scale_a_m_stride},
                        parse_dtype(c_dtype), reinterpret_cast<cudaStream_t>(stream));
       },
       py::arg("device"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("m"), py::arg("n"), py::arg("k"),
       py::arg("ab_type"), py::arg("scaling"), py::arg("scale_a"), py::arg("scale_b"), py::arg("c_dtype"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("scale_a_m_stride") = 0);
   // grouped_gemm_fp8 (weft/ops/gemm.hpp): a [rows, K], b [groups, N, K] FP8, block scales, c [rows, N].
   // The FP8 dispatch: returns (packed rows view [capacity, row_bytes] uint8, group_end view, row_of pointer,
   // experts pointer, capacity, row_bytes, group_rows view [experts per rank] int32: the low-latency

@@ -97,6 +97,33 @@ def main():
         if not same:
             failures.append(f"scaled_mm under {name}")
 
+    # Block scales of A M-major (strides (1, ld): torch._scaled_mm's layout for them) give the contiguous ones'
+    # bits, also with a stride past M (the rows between hold NaN, never to be read); a row-strided scale_a is
+    # refused.
+    for m, n, k in ((300, 256, 1040), (1, 16, 256), (129, 264, 4096)):
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+        qa, sa = weft.quantize_fp8(x, "block", "a")
+        qb, sb = weft.quantize_fp8(w, "block", "b")
+        want = weft.scaled_mm(qa, qb.t(), sa, sb)
+        padded = torch.full((sa.shape[1], m + 5), float("nan"), device="cuda")
+        padded[:, :m] = sa.t()
+        for name, s in (("M-major", sa.t().contiguous().t()), ("M-major, stride M + 5", padded[:, :m].t())):
+            same = torch.equal(weft.scaled_mm(qa, qb.t(), s, sb), want) and not want.isnan().any().item()
+            print(f"  {'ok  ' if same else 'FAIL'} {m}x{n}x{k} block scales of A {name}: "
+                  f"{'the contiguous ones bits' if same else 'differs'}")
+            if not same:
+                failures.append(f"{m}x{n}x{k} scale_a {name}")
+        if m == 1:
+            continue  # (one row: any stride is contiguous)
+        wide = torch.ones(m, sa.shape[1] + 3, device="cuda")
+        try:
+            weft.scaled_mm(qa, qb.t(), wide[:, :sa.shape[1]], sb)
+            failures.append(f"{m}x{n}x{k}: a row-strided scale_a was taken")
+        except weft.WeftTypeError as e:
+            if "M-major" not in str(e):
+                failures.append(f"{m}x{n}x{k}: the row-strided scale_a's message does not name the M-major layout")
+
     # grouped_scaled_mm (an MoE's experts on FP8 rows) against scaled_mm on each group's rows: the same bits.
     # Groups of 128, 0 and 256 rows in a capacity of 512; the rows past the last end are left unwritten.
     ends = [128, 128, 384]

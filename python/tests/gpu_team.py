@@ -473,6 +473,71 @@ def moe_low_latency(team, g):
     cases += 1
 
 
+def moe_fp8_layer(team, g):
+    """weft.moe_layer_fp8 (FP8 dispatch, block-scaled FP8 expert GEMMs, bf16 combine; inference) against plain
+    torch in fp32 on the dequantized FP8 weights (what remains is the activations' FP8 rounding), with the normal
+    and the low-latency dispatch; a rank with no token; a gradient refused."""
+    global cases
+    w = team.world_size
+    per, top_k, hidden, inter = 2, 2, 256, 128
+    num_experts = per * w
+    tokens = [48 + 16 * r for r in range(w)]
+    tokens[0] = 0
+    max_tokens = max(tokens)
+    xs = [torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for t in tokens]
+    ids = [torch.randint(-1, num_experts, (t, top_k), device="cuda", generator=g, dtype=torch.int32) for t in tokens]
+    for r in range(w):  # a token names an expert at most once
+        if tokens[r]:
+            ids[r][:, 1] = torch.where(ids[r][:, 1] == ids[r][:, 0], -1, ids[r][:, 1])
+    weights = [torch.rand(t, top_k, device="cuda", generator=g) for t in tokens]
+
+    def quantized(shape, fan_in):  # per rank: FP8 [per, N, K] weights, their block scales, and the dequantized
+        qs, ss, deq = [], [], []
+        for _ in range(w):
+            wt = (torch.randn(per, *shape, device="cuda", generator=g) / fan_in ** 0.5).to(torch.bfloat16)
+            q, s = zip(*(weft.quantize_fp8(wt[e].contiguous(), "block", "b") for e in range(per)))
+            q, s = torch.stack(q), torch.stack(s)
+            full = s.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :shape[0], :shape[1]]
+            qs.append(q), ss.append(s), deq.append(q.float() * full)
+        return qs, ss, deq
+
+    ups, up_scales, up_deq = quantized((2 * inter, hidden), hidden)
+    downs, down_scales, down_deq = quantized((hidden, inter), inter)
+    # moe_reference takes [E, K, N] weights
+    up_all = torch.cat(up_deq).transpose(1, 2)
+    down_all = torch.cat(down_deq).transpose(1, 2)
+    wants = [moe_reference(xs[r].float(), ids[r], weights[r], up_all, down_all) for r in range(w)]
+    with torch.no_grad():
+        for low_latency in (False, True):
+            layer = lambda c, x, i, wt, up, su, down, sd: weft.moe_layer_fp8(  # noqa: E731
+                x, i, wt, up, su, down, sd, num_experts, max_tokens=max_tokens, comm=c, low_latency=low_latency)
+            args = (xs, ids, weights, ups, up_scales, downs, down_scales)
+            team.warmup(layer, *args)
+            outs = team.run(layer, *args)
+            for r in range(w):
+                # two FP8 roundings of the activations (x, then the SwiGLU output): ~3% each, ~5-6% through SwiGLU;
+                # a wrong scale or row is off by O(1)
+                check(f"FP8 MoE layer{' (low latency)' if low_latency else ''}, W={w}: rank {r}", outs[r], wants[r],
+                      1e-1)
+    # Refused before the dispatch (a team collective), each with its reason: a gradient, an align the grouped
+    # FP8 GEMM's tiles do not take, fp16 tokens, scales of the wrong shape.
+    args = (ids[1], weights[1], ups[1], up_scales[1], downs[1], down_scales[1], num_experts)
+    refusals = [
+        (weft.WeftValueError, "torch.no_grad", (xs[1].clone().requires_grad_(),) + args, {}),
+        (weft.WeftValueError, "align", (xs[1],) + args, {"align": 64}),
+        (weft.WeftTypeError, "bf16", (xs[1].half(),) + args, {}),
+        (weft.WeftValueError, "w_up_scales", (xs[1], ids[1], weights[1], ups[1], up_scales[1][:, :1], downs[1],
+                                              down_scales[1], num_experts), {}),
+    ]
+    for kind, says, call_args, kw in refusals:
+        try:
+            weft.moe_layer_fp8(*call_args, max_tokens=max_tokens, comm=team[1], **kw)
+            raise AssertionError(f"weft.moe_layer_fp8 did not refuse ({says})")
+        except kind as e:
+            assert says in str(e), e
+        cases += 1
+
+
 def moe_reference(x, ids, wt, up_all, down_all):
     """An MoE layer in plain torch on one rank's tokens x [T, hidden]: each token's top-k experts (ids [T, k],
     -1 none) of every expert's weights up_all [E, hidden, 2 inter] (gate, then up) and down_all [E, inter,
@@ -636,7 +701,8 @@ def main():
         before = cases
         for step in (eager_fast_path, collectives, tp_matmuls, tp_mlp_block, ring_attention_compiled, hybrid_attention_autograd,
                      contiguous_shards_attention,
-                     moe_compiled, moe_autograd, moe_layer_training, moe_layers_stacked_training, moe_low_latency):
+                     moe_compiled, moe_autograd, moe_layer_training, moe_layers_stacked_training, moe_low_latency,
+                     moe_fp8_layer):
             step(team, g)
             team.synchronize()
             print(f"W = {w}: {step.__name__} passed", flush=True)

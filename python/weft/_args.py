@@ -90,8 +90,9 @@ def _arg(x, name, stream):
     if _is_torch(x):
         if not x.is_cuda:
             raise WeftValueError(f"weft: {name} must be a CUDA tensor, got one on {x.device}")
-        return _Arg(x.data_ptr(), x.shape, _dtype_name(x.dtype), x.get_device(), x.is_contiguous(), True,
-                    x.stride())
+        contiguous = x.is_contiguous()  # x.stride() only for a strided x: host time on every op call
+        return _Arg(x.data_ptr(), x.shape, _dtype_name(x.dtype), x.get_device(), contiguous, True,
+                    None if contiguous else x.stride())
     if hasattr(x, "__dlpack__"):
         ptr, shape, strides, dtype, dev_type, dev_id = _weft.dlpack_info(x.__dlpack__(stream=stream or None))
         if dev_type not in (2, 13):

@@ -1,7 +1,7 @@
 """FP8 (torch tensors): on a team weft.all_gather_scaled_matmul, weft.scaled_matmul_reduce_scatter and
 weft.scaled_matmul_all_reduce; on one GPU weft.scaled_mm, weft's FP8 GEMM with torch._scaled_mm's operand layout
-(per-tensor and per-row / column scales as torch's; DeepSeek-V3's block scales row-major and contiguous,
-which is not torch's layout for them), and weft.quantize_fp8, which makes its operands. These are torch
+(per-tensor and per-row / column scales as torch's; DeepSeek-V3's block scales row-major and contiguous, or
+for A also M-major, torch's layout for them), and weft.quantize_fp8, which makes its operands. These are torch
 operators (torch.ops.weft.*, fake implementations: torch.compile traces them, CUDA graphs capture them), with no
 autograd; queued on torch's current stream."""
 from __future__ import annotations
@@ -26,11 +26,22 @@ def _fp8_name(torch, dtype, where):
     return names[dtype]
 
 
-def _scaling(torch, scale_a, scale_b, m, n, k, where):
-    """The scaling kind the scales' shapes give (see scaled_mm)."""
+def _m_major(s):
+    """Whether s [rows, cols] is M-major, strides (1, ld) with ld >= rows: torch's layout of 1 x 128 blockwise
+    scales (weft.scaled_mm reads it in fewer memory sectors than the row-major one)."""
+    return s.dim() == 2 and s.stride(0) == 1 and s.stride(1) >= s.shape[0]
+
+
+def _scaling(torch, scale_a, scale_b, m, n, k, where, m_major_a=False):
+    """The scaling kind the scales' shapes give (see scaled_mm); m_major_a: block scales of A may be M-major."""
     for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if not _torch_tensor(s) or s.dtype != torch.float32 or not s.is_contiguous():
-            raise WeftTypeError(f"{where}: {name} must be a contiguous float32 torch tensor")
+        if not _torch_tensor(s) or s.dtype != torch.float32:
+            raise WeftTypeError(f"{where}: {name} must be a float32 torch tensor")
+        if not s.is_contiguous() and not (m_major_a and name == "scale_a" and _m_major(s)):
+            also = ""
+            if m_major_a and name == "scale_a":
+                also = " (or, for block scales, M-major: strides (1, ld), ld >= M)"
+            raise WeftTypeError(f"{where}: {name} must be a contiguous float32 torch tensor{also}")
     groups = -(-k // _BLOCK)
     shapes = {
         "tensor": ((1,), (1,)),
@@ -45,6 +56,8 @@ def _scaling(torch, scale_a, scale_b, m, n, k, where):
 
     for kind, (sa, sb) in shapes.items():  # where several fit (one element each), they mean the same
         if fits(scale_a, sa) and fits(scale_b, sb):
+            if kind != "block" and not scale_a.is_contiguous():
+                raise WeftValueError(f"{where}: an M-major scale_a is for block scales only ({kind} scales here)")
             return kind
     raise WeftValueError(f"{where}: scales of shapes {tuple(scale_a.shape)} and {tuple(scale_b.shape)} match no "
                          f"scaling for M={m}, N={n}, K={k}: per tensor (one element each), per row [M, 1] and "
@@ -58,7 +71,9 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
     contiguous [N, K] weight (torch._scaled_mm's layout). Scales float32, their shapes saying how they apply:
     one element each (per tensor: out = sa sb (a @ b)); scale_a [M, 1] and scale_b [1, N] (per row and column);
     scale_a [M, ceil(K/128)] and scale_b [ceil(N/128), ceil(K/128)] (DeepSeek-V3's blocks: A 1 x 128 along K,
-    the weight 128 x 128). K a multiple of 16. out_dtype torch.bfloat16 (default) or torch.float32.
+    the weight 128 x 128); block scales of A contiguous or M-major (strides (1, ld), ld >= M: torch._scaled_mm's
+    layout for them, e.g. `s.t().contiguous().t()`), which the kernel reads in fewer memory sectors. K a multiple
+    of 16. out_dtype torch.bfloat16 (default) or torch.float32.
     """
     where = "weft.scaled_mm"
     if not all(_torch_tensor(x) for x in (a, b, scale_a, scale_b)):
@@ -85,7 +100,7 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
         raise WeftTypeError(f"{where}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if n % (8 if out_dtype == torch.bfloat16 else 4):
         raise WeftValueError(f"{where}: N = {n} must be a multiple of 8 (bf16 out) or 4 (float32 out)")
-    kind = _scaling(torch, scale_a, scale_b, m, n, k, where)
+    kind = _scaling(torch, scale_a, scale_b, m, n, k, where, m_major_a=True)
     return _torch_scaled_mm(a, b, scale_a, scale_b, ab, kind, out_dtype == torch.bfloat16)
 
 
@@ -258,8 +273,14 @@ def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str, 
     out = a.new_empty((m, n), dtype=torch.bfloat16 if out_bf16 else torch.float32)
     if _op_table.EMULATE:
         return out.zero_()
+    # block scales of A row-major (contiguous) or M-major (strides (1, ld)); scaled_mm checked which on the
+    # tensor it traced, this is the one the call got
+    m_stride = 0 if scale_a.is_contiguous() else scale_a.stride(1)
+    if m_stride and scale_a.stride(0) != 1:
+        raise WeftValueError(f"weft.scaled_mm: scale_a has strides {tuple(scale_a.stride())}: neither contiguous nor "
+                             "M-major (1, ld)")
     _weft.gemm_fp8(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, ab, kind, scale_a.data_ptr(),
-                   scale_b.data_ptr(), "bf16" if out_bf16 else "fp32", _stream(a))
+                   scale_b.data_ptr(), "bf16" if out_bf16 else "fp32", _stream(a), m_stride)
     return out
 
 

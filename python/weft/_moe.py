@@ -8,9 +8,11 @@ from typing import Optional
 from . import _op_table, _weft
 from ._args import _comm, _dtype_name, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
+from ._fp8 import grouped_scaled_mm, quantize_fp8
 from ._op_table import DTYPES, Tensor, _native, _stream, _world, declare, torch
 
-__all__ = ["grouped_mm", "swiglu_interleave", "MoeDispatch", "moe_dispatch", "moe_dispatch_grouped_mm", "moe_dispatch_fp8", "moe_combine_input", "moe_combine", "moe_grouped_mm_combine", "moe_layer"]
+__all__ = ["grouped_mm", "swiglu_interleave", "MoeDispatch", "moe_dispatch", "moe_dispatch_grouped_mm",
+           "moe_dispatch_fp8", "moe_combine_input", "moe_combine", "moe_grouped_mm_combine", "moe_layer", "moe_layer_fp8"]
 
 
 # ---- grouped GEMM (one GPU, no communicator) ---------------------------------------------------------------
@@ -555,6 +557,78 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
         return _torch_moe_grouped_mm_then_combine(a.contiguous(), stored, nk, d.group_end, live, d._row_of,
                                                   d._experts, w, d._shape, d._comm)
     y = grouped_mm(a.contiguous(), w_down, d.group_end, validate=False, zero_unused_rows=False, group_rows=live)
+    return moe_combine(y, d, weights)
+
+
+def _fp8_layer_checks(where, x, weights, w_up, w_up_scales, w_down, w_down_scales, local, activation):
+    """moe_layer_fp8's arguments, checked before its dispatch (a team collective): returns inter."""
+    named = (("x", x), ("weights", weights), ("w_up", w_up), ("w_up_scales", w_up_scales), ("w_down", w_down),
+             ("w_down_scales", w_down_scales))
+    for name, t in named:
+        if not _torch_tensor(t):
+            raise WeftTypeError(f"{where}: {name} must be a torch tensor")
+    if x.dtype != torch.bfloat16:
+        raise WeftTypeError(f"{where}: x must be bf16 (the FP8 GEMMs write bf16 rows for the combine), got {x.dtype}")
+    hidden = x.shape[-1]
+    if w_up.dim() != 3 or w_down.dim() != 3 or w_up.shape[0] != local or w_down.shape[0] != local:
+        raise WeftValueError(f"{where}: w_up and w_down must be [{local} experts of this rank, N, K], got "
+                             f"{tuple(w_up.shape)} and {tuple(w_down.shape)}")
+    inter = w_down.shape[2]
+    n_up = 2 * inter if activation == "swiglu" else inter
+    if tuple(w_up.shape[1:]) != (n_up, hidden) or w_down.shape[1] != hidden:
+        raise WeftValueError(f"{where}: with hidden {hidden} and activation {activation}, w_up must be [{local}, "
+                             f"{'2 x ' if activation == 'swiglu' else ''}inter, {hidden}] and w_down [{local}, "
+                             f"{hidden}, inter], got {tuple(w_up.shape)} and {tuple(w_down.shape)}")
+    if inter % 16 or hidden % 16:
+        raise WeftValueError(f"{where}: hidden ({hidden}) and inter ({inter}) must be multiples of 16 (16-byte FP8 "
+                             "rows)")
+    for name, w, s in (("w_up", w_up, w_up_scales), ("w_down", w_down, w_down_scales)):
+        if w.dtype != torch.float8_e4m3fn or not w.is_contiguous():
+            raise WeftTypeError(f"{where}: {name} must be a contiguous torch.float8_e4m3fn tensor (the dispatch's "
+                                f"rows are e4m3), got {w.dtype}")
+        want = (local, -(-w.shape[1] // 128), -(-w.shape[2] // 128))
+        if s.dtype != torch.float32 or tuple(s.shape) != want or not s.is_contiguous():
+            raise WeftValueError(f"{where}: {name}_scales must be contiguous float32 {list(want)} (128 x 128 "
+                                 f"blocks), got {s.dtype} {list(s.shape)}")
+    return inter
+
+
+def moe_layer_fp8(x, experts, weights, w_up, w_up_scales, w_down, w_down_scales, num_experts, activation="swiglu",
+                  max_tokens=None, align=128, comm=None, low_latency=False):
+    """weft.moe_layer on FP8 experts (inference; DeepSeek-V3's recipe): the tokens dispatched in FP8 with 1 x 128
+    block scales (weft.moe_dispatch_fp8: about half the bytes on the links), the first expert GEMM on them in place
+    (weft.grouped_scaled_mm), the activation in bf16, its output quantized again (weft.quantize_fp8) for the second
+    FP8 GEMM, the combine in bf16.
+
+    x [tokens, hidden] bf16 (hidden a multiple of 16); experts, weights, num_experts, max_tokens, align, comm as
+    weft.moe_layer's; w_up [num_experts / world, N, hidden] with N = 2 inter for "swiglu" (gate rows, then up) or
+    inter, and w_down [num_experts / world, hidden, inter]: float8_e4m3fn, the experts' stacked nn.Linear weights
+    ([out, in] each, K-major: what FP8 tensor cores read; inter a multiple of 16), with their 128 x 128 block
+    scales w_up_scales [E, ceil(N / 128), ceil(hidden / 128)] and w_down_scales [E, ceil(hidden / 128), ceil(inter
+    / 128)], float32 (weft.quantize_fp8(w_e, "block", "b") of each expert's weight). Returns [tokens, hidden]
+    bf16. No autograd: x and weights must not need gradients (call it under torch.no_grad()).
+    low_latency=True (decoding): the low-latency dispatch, both GEMMs over the rows each group received only
+    (the activation and its quantization still run over the dispatch's whole capacity: a pass to fuse).
+    Under Team.warmup it returns zeros (its kernels wait for peers; nothing of it needs loading)."""
+    where = "weft.moe_layer_fp8"
+    if activation not in _ACTIVATIONS:
+        raise WeftValueError(f"{where}: activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    if int(align) % 128:  # (the grouped FP8 GEMM's groups are whole 128-row tiles)
+        raise WeftValueError(f"{where}: align must be a multiple of 128 (the grouped GEMM's tile rows), got {align}")
+    c = _comm(comm)
+    inter = _fp8_layer_checks(where, x, weights, w_up, w_up_scales, w_down, w_down_scales,
+                              int(num_experts) // c.world_size, activation)
+    if torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad):
+        raise WeftValueError(f"{where}: no gradient through the FP8 layer (inference): call it under torch.no_grad()")
+    if _op_table.EMULATE:
+        return torch.zeros_like(x)
+    d = moe_dispatch_fp8(x, experts, num_experts, max_tokens=max_tokens, align=align, comm=c, low_latency=low_latency)
+    live = d.group_rows  # low latency: the GEMMs walk only the rows each group received
+    h = grouped_scaled_mm(d.rows, w_up, d.group_end, d.scales, w_up_scales, group_rows=live)
+    # Rows no group holds (and, at low latency, past each group's received rows) were never written: their
+    # values, scales and products stay in those rows (1 x 128 scales: a row's own), which combine never reads.
+    qa, sa = quantize_fp8(_activated(h, activation, inter, False).contiguous(), "block", "a")
+    y = grouped_scaled_mm(qa, w_down, d.group_end, sa, w_down_scales, group_rows=live)
     return moe_combine(y, d, weights)
 
 

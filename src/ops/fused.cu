@@ -1,6 +1,7 @@
 // Host side of the fused tensor-parallel ops: argument checks, the choice of path (fused kernel, copy-engine
 // pipeline or sequential), workspace layout, tensor maps and launch (device code: weft/ops/fused.cuh).
 #include <algorithm>
+#include <climits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -45,6 +46,12 @@ const char* const kRsHalves = "matmul_reduce_scatter / all_reduce kernel: adds p
 // Signal-pad flags of Partials::kSummedInEpilogue: the partials landed per tile at the owner, and the counts
 // they reached (ops/fused.cuh, EpilogueSummedC).
 const char* const kRsTiles = "matmul_reduce_scatter / all_reduce kernel: partials per tile at the owner";
+// Partials::kSplitK (ops::SplitKAllReduceOp): workspace areas of its own (peers write the slots ahead of this
+// rank's call), and its flags.
+const char* const kSplitKSlots = "matmul_all_reduce at decode sizes: partials at the owner";
+const char* const kSplitKResult = "matmul_all_reduce at decode sizes: the summed bands";
+const char* const kSplitKLanded = "matmul_all_reduce at decode sizes: partials landed at the owner";
+const char* const kSplitKSummed = "matmul_all_reduce at decode sizes: summed bands landed";
 constexpr int kPipelineFlags = 2 * kMaxWorld;  // used(r), then arrived(r)
 const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kFusedState, 2}},
@@ -54,6 +61,8 @@ const ResourceDeclaration kFusedResources[] = {
     ResourceDeclaration{{kRsPipeline, kPipelineFlags}},
     ResourceDeclaration{{kRsHalves, 2 * ops::kRsHalfFlags}},
     ResourceDeclaration{{kRsTiles, 2 * ops::kRsTileFlags}},
+    ResourceDeclaration{{kSplitKLanded, ops::kSplitKSlotFlags}},
+    ResourceDeclaration{{kSplitKSummed, ops::kSplitKBandFlags}},
 };
 
 struct Call : ops::OpCall {
@@ -99,7 +108,7 @@ struct Call : ops::OpCall {
     using Partials = FusedOptions::Partials;
     WEFT_CHECK(o.partials == Partials::kAuto || o.partials == Partials::kStaged ||
                    o.partials == Partials::kAddedAtOwner || o.partials == Partials::kStagedProgressive ||
-                   o.partials == Partials::kSummedInEpilogue,
+                   o.partials == Partials::kSummedInEpilogue || o.partials == Partials::kSplitK,
                where + "unknown options.partials");
     WEFT_CHECK(
         o.mode != Mode::kFused || why_not_fused.empty(),
@@ -616,6 +625,57 @@ struct Bf16Maps {
   }
 };
 
+// matmul_all_reduce with Partials::kSplitK (M <= ops::kSplitKMaxRows, any M): ops::SplitKAllReduceOp. As
+// many K slices as fill the SM budget with items (at most kSplitKMaxSlices, W x S <= 32: a warp lane per
+// slot flag; none empty); every rank derives the same from the shape, W and the budget.
+template <bool kKMajor>
+void launch_split_k_ar(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
+                       const FusedOptions& o) {
+  using Op = ops::SplitKAllReduceOp<kKMajor>;
+  typename Op::Params p{};
+  const int W = c.rank.world();
+  WEFT_CHECK(m <= ops::kSplitKMaxRows && W <= 32, c.where + "Partials::kSplitK takes M up to " +
+                                                      std::to_string(ops::kSplitKMaxRows) +
+                                                      " on up to 32 ranks");
+  p.sched.tiles_m = static_cast<int>((m + Op::kBM - 1) / Op::kBM);
+  p.sched.tiles_n = static_cast<int>((n + Op::kBN - 1) / Op::kBN);
+  const int k_blocks = static_cast<int>((k + Op::kBK - 1) / Op::kBK);
+  const int tiles = p.sched.tiles_m * p.sched.tiles_n;
+  const int budget = c.compute_blocks<Op>(0, INT_MAX, o);
+  const int slices = std::clamp(budget / tiles, 1, std::min({ops::kSplitKMaxSlices, 32 / W, k_blocks}));
+  p.slice_blocks = (k_blocks + slices - 1) / slices;
+  p.slices = (k_blocks + p.slice_blocks - 1) / p.slice_blocks;
+  p.sched.slices = p.slices;
+  const int64_t own_tiles = int64_t(p.sched.tiles_m) * ((p.sched.tiles_n + W - 1) / W);
+  WEFT_CHECK(
+      own_tiles * ops::kSplitKBands * W * p.slices <= ops::kSplitKSlotFlags &&
+          int64_t(tiles) * ops::kSplitKBands <= ops::kSplitKBandFlags,
+      c.where + "Partials::kSplitK: N = " + std::to_string(n) + " has more column tiles than its flags");
+  p.sched.compute_blocks = std::min(budget, tiles * p.slices);
+  p.sched.timeline = c.rank.view().timeline;
+  set_gemm_maps<Op, kKMajor>(p, a, b, m, n, k, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m);
+  p.sync = c.sync(p.sched.compute_blocks * Op::kConsumerWarpgroups);
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.slots = reinterpret_cast<float*>(c.workspace(
+      uint64_t(own_tiles) * ops::kSplitKBands * W * p.slices * Op::kSlotFloats * 4, kSplitKSlots));
+  p.result = reinterpret_cast<__nv_bfloat16*>(c.workspace(uint64_t(m) * n * 2, kSplitKResult));
+  p.out = static_cast<__nv_bfloat16*>(out);
+  p.slot_flags = c.comm.resources(c.rank, kSplitKLanded).flags;
+  p.band_flags = c.comm.resources(c.rank, kSplitKSummed).flags;
+  if (c.planning()) {
+    c.plan->path = fused_path_name(FusedPath::kFused) + std::string(" (split-K, ") +
+                   std::to_string(p.slices) + " slices, partials summed at the column tiles' owners)";
+    c.plan->blocks = p.sched.compute_blocks;
+    c.plan->cluster = 1;
+    c.plan->smem_bytes = static_cast<int>(lcsc::kSmemBytes<Op>);
+    c.plan->tiles = {Op::kBM, Op::kBN, Op::kBK, Op::kStages, 1, int64_t(tiles) * p.slices};
+    return;
+  }
+  lcsc::Launcher<Op>::launch(p, p.sched.compute_blocks, c.stream);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
 // Op: an ops::ReduceScatterC; set_maps.set<Op>(p, c, c_rows) sets its GEMM's operand maps and fields (C's map
 // at c, c_rows rows).
 template <class Op, class SetMaps>
@@ -934,6 +994,14 @@ FusedPath run_matmul_reduce(Call& c, const void* a, const void* b, void* out, in
   Rank& rank = c.rank;
   const int64_t rows = m / rank.world();
   c.check_operands(a, "a", m, b, out, sum_everywhere ? m : rows, m, n, k, layout);
+  if (options.partials == FusedOptions::Partials::kSplitK) {
+    WEFT_CHECK(sum_everywhere, c.where + "Partials::kSplitK is matmul_all_reduce's (at decode sizes)");
+    if (layout == BLayout::kNK)
+      launch_split_k_ar<true>(c, a, b, out, m, n, k, options);
+    else
+      launch_split_k_ar<false>(c, a, b, out, m, n, k, options);
+    return FusedPath::kFused;
+  }
   const Choice plan = choose(c, sum_everywhere ? FusedOp::kMatmulAllReduce : FusedOp::kMatmulReduceScatter, m,
                              n, k, options, out);
   const FusedPath path = plan.path;

@@ -74,7 +74,13 @@ Plan run_op(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
   p.k_blocks = static_cast<int>((pr.k + Op::kBK - 1) / Op::kBK);
   p.scale_a = pr.scales.a;
   p.scale_b = pr.scales.b;
-  p.sa_stride = static_cast<int>(pr.sa_stride ? pr.sa_stride : p.k_blocks);
+  if (pr.scales.a_m_stride > 0) {
+    p.sa_row_step = 1;
+    p.sa_k_step = static_cast<int>(pr.scales.a_m_stride);
+  } else {
+    p.sa_row_step = static_cast<int>(pr.sa_stride ? pr.sa_stride : p.k_blocks);
+    p.sa_k_step = 1;
+  }
   p.store_mode =
       pr.opt.store == GemmStore::kReduceAdd ? lcsc::StoreMode::kReduceAdd : lcsc::StoreMode::kStore;
   if constexpr (Op::kGrouped) {
@@ -130,6 +136,10 @@ void check_problem(Fp8Problem& pr, const std::string& where) {
                  ", ldb = " + std::to_string(pr.ldb) +
                  " one-byte elements) must be multiples of 16 bytes, which TMA requires; make K a multiple "
                  "of 16, e.g. by zero-padding");
+  WEFT_CHECK(pr.scales.a_m_stride == 0 || (kind == Fp8Scaling::kBlock && pr.groups == 0 &&
+                                           pr.scales.a_m_stride >= pr.m && pr.scales.a_m_stride <= INT32_MAX),
+             where + "scales.a_m_stride (" + std::to_string(pr.scales.a_m_stride) +
+                 ") must be 0, or for block scales of the (not grouped) FP8 GEMM at least M and below 2^31");
   const int64_t c_bytes = pr.c_type == DType::kFP32 ? 4 : 2;
   WEFT_CHECK((pr.ldc * c_bytes) % 16 == 0, where + "C's row stride ldc = " + std::to_string(pr.ldc) +
                                                " elements is not a multiple of 16 bytes, which TMA requires");

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 
 #include "harness.hpp"
@@ -743,6 +744,158 @@ WEFT_GPU_TEST(matmul_all_reduce_any_m) {
     c.host_barrier();
   }
   for (auto& e : exec) cudaGraphExecDestroy(e);
+}
+
+// Partials::kSplitK (matmul_all_reduce at decode sizes, ops::SplitKAllReduceOp) against the fp64 reference:
+// M of one row, a few, a 16-row band, past one 128-row tile and two whole tiles; N with a partial column tile
+// and several tiles a rank; K with a partial k-block and many (so several slices); both B layouts, symmetric
+// and device outs, outputs poisoned first; three rounds of new inputs each; three calls with nothing between
+// them on each rank's stream, M changing in the middle (the slots and result areas serve the next call
+// without a meeting); the plan names the kernel; a call captured per rank into a CUDA
+// graph replays right on new inputs; reduce-scatter refuses it.
+WEFT_GPU_TEST(matmul_all_reduce_split_k) {
+  Communicator& c = ctx.comm();
+  const int W = c.world();
+  struct Case {
+    int64_t m, n, k;
+    BLayout layout;
+    bool sym;
+  };
+  std::vector<Case> cases = {{1, 264, 136, BLayout::kNK, false},
+                             {7, 1024, 2048, BLayout::kKN, true},
+                             {16, 1024, 2048, BLayout::kNK, true},
+                             {129, 264, 1000, BLayout::kKN, false},
+                             {256, 512, 520, BLayout::kNK, false}};
+  if (!ctx.quick) cases.push_back({64, 8192, 2048, BLayout::kNK, true});
+  FusedOptions o;
+  o.partials = Partials::kSplitK;
+  for (const Case& cs : cases) {
+    const int64_t m = cs.m, n = cs.n, k = cs.k;
+    const bool nk = cs.layout == BLayout::kNK;
+    RankBuffers A(c, m * k * 2, false), B(c, n * k * 2, false), out(c, m * n * 2, cs.sym);
+    for (int round = 0; round < 3; ++round) {
+      std::vector<Mat> a(W), b(W);
+      std::vector<double> sum(size_t(m * n), 0.0);
+      for (int r = 0; r < W; ++r) {
+        a[r] = make(size_t(m * k), 8000 + 100 * round + 10 * m + r);
+        b[r] = make(size_t(n * k), 9000 + 100 * round + 10 * m + r);
+        gemm_ref(sum, a[r], b[r], 0, m, n, k, nk);
+      }
+      for (int i = 0; i < c.num_local(); ++i) {
+        const int r = c.local(i).rank();
+        upload(c, i, A.ptr[i], a[r].h.data(), m * k * 2);
+        upload(c, i, B.ptr[i], b[r].h.data(), n * k * 2);
+        poison(c, i, out.ptr[i], m * n * 2);
+      }
+      c.host_barrier();
+      for (int i = 0; i < c.num_local(); ++i) {
+        Rank& r = c.local(i);
+        const Plan plan =
+            matmul_all_reduce_plan(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, cs.layout, nullptr, o);
+        WEFT_EXPECT(plan.path.find("split-K") != std::string::npos, "plan: " << describe(plan));
+        const FusedPath path =
+            matmul_all_reduce(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, cs.layout, nullptr, o);
+        WEFT_EXPECT(path == FusedPath::kFused, "path " << fused_path_name(path));
+      }
+      c.synchronize();
+      for (int i = 0; i < c.num_local(); ++i) {
+        const std::string err = compare(get(c, i, out.ptr[i], m * n), sum);
+        WEFT_EXPECT(err.empty(), "split-K matmul_all_reduce M="
+                                     << m << " N=" << n << " K=" << k << (nk ? " [N,K] B" : " [K,N] B")
+                                     << " W=" << W << (cs.sym ? " symmetric" : " device") << " round "
+                                     << round << " rank " << c.local(i).rank() << ": " << err);
+      }
+      c.host_barrier();
+    }
+  }
+  // Back to back, nothing between the calls on each rank's stream (the slots, flags and result areas serve
+  // the next call without a meeting), and the shape changing in the middle (M 16, 7, 16: other bands, other
+  // slot indices); each call on its own inputs and out.
+  {
+    const int64_t n = 1024, k = 2048, rows = 16;
+    const int64_t ms[3] = {16, 7, 16};
+    std::vector<std::unique_ptr<RankBuffers>> As, outs;  // (not movable)
+    std::vector<std::vector<double>> sums(3, std::vector<double>(size_t(rows * n), 0.0));
+    RankBuffers B(c, n * k * 2, false);
+    std::vector<Mat> b(W);
+    for (int r = 0; r < W; ++r) b[r] = make(size_t(n * k), 9700 + r);
+    for (int j = 0; j < 3; ++j) {
+      As.push_back(std::make_unique<RankBuffers>(c, rows * k * 2, false));
+      outs.push_back(std::make_unique<RankBuffers>(c, rows * n * 2, j == 1));
+      for (int r = 0; r < W; ++r) {
+        const Mat a = make(size_t(rows * k), 9800 + 10 * j + r);
+        gemm_ref(sums[j], a, b[r], 0, rows, n, k, true);
+        for (int i = 0; i < c.num_local(); ++i)
+          if (c.local(i).rank() == r) upload(c, i, As[j]->ptr[i], a.h.data(), rows * k * 2);
+      }
+    }
+    for (int i = 0; i < c.num_local(); ++i) {
+      upload(c, i, B.ptr[i], b[c.local(i).rank()].h.data(), n * k * 2);
+      for (int j = 0; j < 3; ++j) poison(c, i, outs[j]->ptr[i], rows * n * 2);
+    }
+    c.host_barrier();
+    for (int j = 0; j < 3; ++j)
+      for (int i = 0; i < c.num_local(); ++i)
+        matmul_all_reduce(c, c.local(i), As[j]->ptr[i], B.ptr[i], outs[j]->ptr[i], ms[j], n, k, BLayout::kNK,
+                          nullptr, o);
+    c.synchronize();
+    for (int j = 0; j < 3; ++j)
+      for (int i = 0; i < c.num_local(); ++i) {
+        const std::vector<double> want(sums[j].begin(), sums[j].begin() + ms[j] * n);
+        const std::string err = compare(get(c, i, outs[j]->ptr[i], ms[j] * n), want);
+        WEFT_EXPECT(err.empty(), "split-K back to back, call " << j << " (M=" << ms[j] << ") rank "
+                                                               << c.local(i).rank() << ": " << err);
+      }
+    c.host_barrier();
+  }
+  // Captured per rank (after a warm-up call) and replayed on new inputs.
+  const int64_t m = 5, n = 264, k = 392;
+  RankBuffers A(c, m * k * 2, false), B(c, n * k * 2, false), out(c, m * n * 2, false);
+  auto issue = [&](int i) {
+    Rank& r = c.local(i);
+    matmul_all_reduce(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, BLayout::kNK, r.stream(), o);
+  };
+  for (int i = 0; i < c.num_local(); ++i) issue(i);  // workspace areas
+  c.synchronize();
+  std::vector<cudaGraphExec_t> exec = capture_per_rank(c, issue);
+  for (int replay = 0; replay < 3; ++replay) {
+    std::vector<Mat> a(W), b(W);
+    std::vector<double> sum(size_t(m * n), 0.0);
+    for (int r = 0; r < W; ++r) {
+      a[r] = make(size_t(m * k), 8500 + 10 * replay + r);
+      b[r] = make(size_t(n * k), 9500 + 10 * replay + r);
+      gemm_ref(sum, a[r], b[r], 0, m, n, k, true);
+    }
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      upload(c, i, A.ptr[i], a[r].h.data(), m * k * 2);
+      upload(c, i, B.ptr[i], b[r].h.data(), n * k * 2);
+      poison(c, i, out.ptr[i], m * n * 2);
+    }
+    c.host_barrier();
+    for (int i = 0; i < c.num_local(); ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+      WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], c.local(i).stream()));
+    }
+    c.synchronize();
+    for (int i = 0; i < c.num_local(); ++i) {
+      const std::string err = compare(get(c, i, out.ptr[i], m * n), sum);
+      WEFT_EXPECT(err.empty(), "split-K replay " << replay << " rank " << c.local(i).rank() << ": " << err);
+    }
+    c.host_barrier();
+  }
+  for (auto& e : exec) cudaGraphExecDestroy(e);
+  RankBuffers A_rs(c, W * k * 2, false), out_rs(c, n * 2, false);  // W rows, one a rank
+  for (int i = 0; i < c.num_local(); ++i) {
+    std::string msg;
+    try {
+      matmul_reduce_scatter(c, c.local(i), A_rs.ptr[i], B.ptr[i], out_rs.ptr[i], W, n, k, BLayout::kNK,
+                            nullptr, o);
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    WEFT_EXPECT(msg.find("kSplitK") != std::string::npos, "reduce-scatter with kSplitK: got '" << msg << "'");
+  }
 }
 
 // A timeline (weft/timeline.hpp) attached to every rank records the fused kernels' phases: each rank's

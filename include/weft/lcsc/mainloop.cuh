@@ -53,15 +53,17 @@ struct WgmmaMainloop {
   static_assert(kBKMajor || BTile::kBlocks % kCluster == 0, "B column blocks split evenly over the cluster");
 
   // ---- loader: one thread. The k_blocks stages of the tile whose first element is (m0, n0). ----
-  // b_row0: B's first row (a grouped GEMM's expert in a stacked [E, N, K] or [E, K, N] tensor).
+  // b_row0: B's first row (a grouped GEMM's expert in a stacked [E, N, K] or [E, K, N] tensor); k_block0:
+  // the first k-block (a split-K slice's).
   __device__ static void load(Smem& s, Pipeline& pipe, PipeState& st, const CUtensorMap* a,
-                              const CUtensorMap* b, int m0, int n0, int k_blocks, int b_row0 = 0) {
+                              const CUtensorMap* b, int m0, int n0, int k_blocks, int b_row0 = 0,
+                              int k_block0 = 0) {
     const uint32_t rank = kCluster > 1 ? tile::cluster_ctarank() : 0u;
     constexpr uint16_t kAll = static_cast<uint16_t>((1u << kCluster) - 1u);
     for (int kb = 0; kb < k_blocks; ++kb) {
       Stage& stage = s.stage[st.stage];
       uint64_t* full = pipe.producer_acquire(st, kStageTxBytes);
-      const int k0 = kb * kBK;
+      const int k0 = (k_block0 + kb) * kBK;
       tma::load_2d(stage.a.bytes, a, k0, m0, full);
       if constexpr (kBKMajor) {
         constexpr int kRows = kBN / kCluster;

@@ -701,6 +701,201 @@ struct EpilogueSummedC : Gemm {
   }
 };
 
+// ---- GEMM + all-reduce at decode sizes: split-K, the partials summed at each column tile's owner ---------
+// matmul_all_reduce where M is a decode batch (any M up to kSplitKMaxRows): out [M, N] = the sum over ranks
+// of A_r [M, K] B_r. Reading the weight (N x K a rank) is the work, and M's 128-row tiles are few (N / 128
+// at M <= 128), so K is split over the SMs: work item (m tile, n tile, slice s) multiplies its tile over
+// k-blocks [s slice_blocks, (s + 1) slice_blocks). Column tile n belongs to rank n mod W. Each consumer warp
+// stores its 16 rows (a band) of the item's fp32 partial, in fragment order (no shared memory), into the
+// owner's slot for (tile, band, this rank, s) and sets that slot's flag there to the call's epoch. After its
+// last item every consumer warpgroup of the grid, warp by warp: (1) as an owner, per (own tile, band) with
+// rows in M: waits for the W x S slot flags, sums the slots in one order (ranks, then slices; fp32), rounds
+// once to bf16 and writes the band into every rank's result area, then sets the band's flag there; (2) per
+// (tile, band) of out: waits for the band's flag here and copies it from the result area into out. Items
+// never wait, (1) waits for items only, (2) for (1), every block is resident: no wait cycle. Slots and result
+// areas serve the next call without a meeting: a rank starts call n + 1 once (2) saw every band of call n,
+// so after every owner read its slots of call n; an owner writes call n + 1's bands once every rank's call
+// n + 1 partials are in, so after every rank finished call n. Flags hold epochs (FusedSync) and only grow.
+inline constexpr int kSplitKMaxRows = 256;     // M up to two 128-row tiles
+inline constexpr int kSplitKMaxSlices = 4;     // S: W x S <= 32, a warp lane per slot flag
+inline constexpr int kSplitKBands = 8;         // 16-row bands of a 128-row tile (a consumer warp's rows)
+inline constexpr int kSplitKSlotFlags = 4096;  // (own tile, band, rank, slice) flags of a rank at most
+inline constexpr int kSplitKBandFlags = 2048;  // (tile, band) result flags at most
+
+struct SplitKTile : lcsc::Tile {
+  int slice = 0;  // the item's K slice
+};
+
+// The items (m tile, n tile, slice), m fastest, then the slice: compute block c takes items c, c + C, ...
+class SplitKScheduler {
+ public:
+  struct Params {
+    int tiles_m = 0, tiles_n = 0, slices = 1;
+    int compute_blocks = 0;
+    TimelineBuffer* timeline = nullptr;  // the kernel's phases (lcsc/kernel.cuh), where set
+  };
+  using Work = SplitKTile;
+  __host__ __device__ static int compute_blocks(const Params& p) { return p.compute_blocks; }
+  __host__ __device__ SplitKScheduler(const Params& p, int cluster_index, int)
+      : p_(p), next_(cluster_index) {}
+  __host__ __device__ int units() const { return p_.tiles_m * p_.tiles_n * p_.slices; }
+  __host__ __device__ bool next(Work& w) {
+    if (next_ >= units()) return false;
+    w.m = next_ % p_.tiles_m;
+    const int rest = next_ / p_.tiles_m;
+    w.slice = rest % p_.slices;
+    w.n = rest / p_.slices;
+    w.unit = next_;
+    w.iteration = iteration_++;
+    next_ += p_.compute_blocks;
+    return true;
+  }
+
+ private:
+  Params p_;
+  int next_, iteration_ = 0;
+};
+
+template <bool kBKMajor>
+struct SplitKAllReduceOp : GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, SplitKScheduler> {
+  using Base = GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, SplitKScheduler>;
+  using Base::kBM, Base::kBN;
+  using typename Base::Accum, typename Base::Mainloop, typename Base::Pipeline, typename Base::Smem,
+      typename Base::StoreState;
+  static_assert(kBM == 16 * kSplitKBands && Base::kConsumerWarpgroups == 2, "two warpgroups of 4 bands");
+  static constexpr int kSlotFloats = 16 * kBN;  // a band's partial: 16 rows x kBN fp32
+  struct Params : Base::Params {
+    FusedSync sync;
+    int m, n, slices, slice_blocks;
+    float* slots;           // this rank's (symmetric): [own tile][band][rank][slice][kSlotFloats]
+    __nv_bfloat16* result;  // this rank's result area (symmetric), [M, N]
+    __nv_bfloat16* out;     // [M, N]
+    Flags slot_flags;       // [((own tile x kSplitKBands + band) x W + rank) x S + slice]
+    Flags band_flags;       // [(tile m + tiles_m x tile n) x kSplitKBands + band]
+  };
+
+  __device__ static void init(const Params& p, Smem&) {
+    tma::prefetch_map(&p.a);
+    tma::prefetch_map(&p.b);
+  }
+  __device__ static int slice_blocks(const Params& p, const SplitKTile& t) {
+    const int rest = p.k_blocks - t.slice * p.slice_blocks;
+    return rest < p.slice_blocks ? rest : p.slice_blocks;
+  }
+  __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                              const SplitKTile& t) {
+    Mainloop::load(s.main, pipe, st, &p.a, &p.b, t.m * kBM, t.n * kBN, slice_blocks(p, t), 0,
+                   t.slice * p.slice_blocks);
+  }
+  __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                                 const SplitKTile& t, int wg, Accum& acc) {
+    Mainloop::mma(s.main, pipe, st, slice_blocks(p, t), wg, acc);
+  }
+  // A warp's band of the item's partial into its owner's slot (float4 q of lane l at [q][l]: each q's stores
+  // of the warp contiguous), then the slot's flag there. Bands past M are not sent (nor waited for).
+  __device__ static void store(const Params& p, Smem&, const SplitKTile& t, int wg, const Accum& acc,
+                               StoreState&) {
+    const TeamView& team = p.sync.team;
+    const int band = 4 * wg + tile::warp_in_warpgroup(), lane = tile::lane_id();
+    if (t.m * kBM + 16 * band >= p.m) return;
+    const int owner = t.n % team.world;
+    const int own = t.m + p.sched.tiles_m * (t.n / team.world);
+    const int slot = ((own * kSplitKBands + band) * team.world + team.rank) * p.slices + t.slice;
+    float4* dst = reinterpret_cast<float4*>(team.peer_ptr(p.slots + int64_t(slot) * kSlotFloats, owner));
+#pragma unroll
+    for (int q = 0; q < Accum::kRegs / 4; ++q)
+      dst[q * 32 + lane] = make_float4(acc.d[4 * q], acc.d[4 * q + 1], acc.d[4 * q + 2], acc.d[4 * q + 3]);
+    __syncwarp();  // the warp's stores before its signal (release, system scope)
+    if (lane == 0) signal_set(team, team.flag(p.slot_flags, slot), owner, p.sync.epoch());
+  }
+  // (1) and (2) of the header, then the warpgroup counts itself finished (CallEpoch).
+  __device__ static void finish(const Params& p, Smem&, int wg, StoreState&) {
+    const int warp =
+        (static_cast<int>(blockIdx.x) * Base::kConsumerWarpgroups + wg) * 4 + tile::warp_in_warpgroup();
+    const int warps = p.sched.compute_blocks * Base::kConsumerWarpgroups * 4;
+    const uint64_t epoch = p.sync.epoch();
+    const bool ok = sum_own_bands(p, warp, warps, epoch) && copy_bands(p, warp, warps, epoch);
+    (void)ok;  // a failed wait is recorded (the host reports it); the warpgroup still counts itself finished
+    tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
+    if (tile::thread_in_warpgroup() == 0) p.sync.done();
+  }
+
+ private:
+  // Bands of rows in M, over all m tiles (band b of m tile b / kSplitKBands).
+  __device__ static int row_bands(const Params& p) {
+    return (p.m + 15) / 16;
+  }
+
+  __device__ static bool sum_own_bands(const Params& p, int warp, int warps, uint64_t epoch) {
+    const TeamView& team = p.sync.team;
+    const int W = team.world, parts = W * p.slices, lane = tile::lane_id(), bands = row_bands(p);
+    const int own_n = (p.sched.tiles_n - team.rank + W - 1) / W;  // column tiles rank, rank + W, ...
+    for (int u = warp; u < own_n * bands; u += warps) {
+      const int j = u / bands, tm = (u % bands) / kSplitKBands, band = (u % bands) % kSplitKBands;
+      const int tn = team.rank + j * W, own = tm + p.sched.tiles_m * j;
+      const int first = (own * kSplitKBands + band) * parts;
+      bool ok = true;
+      if (lane < parts) ok = wait_ge_inlined(team, team.flag(p.slot_flags, first + lane), epoch);
+      if (!__all_sync(0xffffffffu, ok)) return false;
+      __syncwarp();  // orders each lane's acquire before every lane's reads of the slots
+      float sum[Accum::kRegs];
+#pragma unroll
+      for (int i = 0; i < Accum::kRegs; ++i) sum[i] = 0.f;
+      for (int part = 0; part < parts; ++part) {  // ranks, then slices: one order on every owner
+        const float4* from = reinterpret_cast<const float4*>(p.slots + int64_t(first + part) * kSlotFloats);
+#pragma unroll
+        for (int q = 0; q < Accum::kRegs / 4; ++q) {
+          const float4 v = __ldcg(from + q * 32 + lane);  // (L2: written by peers and other SMs)
+          sum[4 * q] += v.x;
+          sum[4 * q + 1] += v.y;
+          sum[4 * q + 2] += v.z;
+          sum[4 * q + 3] += v.w;
+        }
+      }
+      // The fragment's rows and columns (tile::AccumM64's, for the band's warp): pairs of columns.
+      const int row0 = tm * kBM + 16 * band + lane / 4, col0 = tn * kBN + 2 * (lane % 4);
+      for (int d = 1; d <= W; ++d) {  // rank + 1 first, this rank last
+        const int r = (team.rank + d) % W;
+        __nv_bfloat16* res = team.peer_ptr(p.result, r);
+#pragma unroll
+        for (int i = 0; i < Accum::kRegs; i += 2) {
+          const int row = row0 + 8 * ((i / 2) % 2), col = col0 + 8 * (i / 4);
+          if (row < p.m && col < p.n)  // (N a multiple of 8: col + 1 < N too)
+            *reinterpret_cast<uint32_t*>(res + int64_t(row) * p.n + col) =
+                tile::pack2<__nv_bfloat16>(sum[i], sum[i + 1]);
+        }
+      }
+      __syncwarp();  // every lane's writes before the signals (release, system scope)
+      const int flag = (tm + p.sched.tiles_m * tn) * kSplitKBands + band;
+      if (lane < W) signal_set(team, team.flag(p.band_flags, flag), lane, epoch);
+    }
+    return true;
+  }
+
+  __device__ static bool copy_bands(const Params& p, int warp, int warps, uint64_t epoch) {
+    const TeamView& team = p.sync.team;
+    const int lane = tile::lane_id(), bands = row_bands(p);
+    for (int u = warp; u < p.sched.tiles_n * bands; u += warps) {
+      const int tn = u / bands, tm = (u % bands) / kSplitKBands, band = (u % bands) % kSplitKBands;
+      bool ok = true;
+      if (lane == 0)
+        ok = wait_ge_inlined(team, team.flag(p.band_flags, (tm + p.sched.tiles_m * tn) * kSplitKBands + band),
+                             epoch);
+      if (!__shfl_sync(0xffffffffu, ok, 0)) return false;
+      __syncwarp();  // orders lane 0's acquire before every lane's reads of the band
+      const int row0 = tm * kBM + 16 * band, col0 = tn * kBN;
+      const int pieces = (p.n - col0 < kBN ? p.n - col0 : kBN) / 8;  // 16-byte pieces of a row
+      for (int e = lane; e < 16 * pieces; e += 32) {
+        const int row = row0 + e / pieces, col = col0 + 8 * (e % pieces);
+        if (row < p.m)
+          *reinterpret_cast<uint4*>(p.out + int64_t(row) * p.n + col) = __ldcg(
+              reinterpret_cast<const uint4*>(p.result + int64_t(row) * p.n + col));  // (peers wrote it)
+      }
+    }
+    return true;
+  }
+};
+
 // kTileN 256 (128 x 256 tiles, as the staged kernel's) or 128.
 template <bool kBKMajor, int kTileN = 256>
 using RsSummedGemmOp =

@@ -104,12 +104,17 @@ struct FusedOptions {
   //                  or into every rank's out (AR, symmetric out). A fixed order (the same bits every run,
   //                  not kStaged's: the own partial is not rounded before the sum). Where M / W is not a
   //                  multiple of 128, the tiles exceed their flags or an AR out is outside the heap: kStaged
+  //   kSplitK        matmul_all_reduce at decode sizes only (M <= 256, any M; options.mode aside): one
+  //                  kernel, K split over the SMs, each (tile, slice)'s fp32 partial sent to the column
+  //                  tile's owner, which sums the W x S partials (a fixed order) and writes the band into
+  //                  every rank (ops::SplitKAllReduceOp). Not taken by kAuto until measured.
   enum class Partials {
     kAuto,
     kStaged,
     kAddedAtOwner,
     kStagedProgressive,
-    kSummedInEpilogue
+    kSummedInEpilogue,
+    kSplitK
   } partials = Partials::kAuto;
   // The fused RS / AR kernel's storers (kStaged): the ring of output chunks a consumer warpgroup, 0 (auto: 2)
   // or 5 (with three pipeline stages instead of four: a tile's chunks to peers leave without waiting on each

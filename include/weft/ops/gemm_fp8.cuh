@@ -3,10 +3,11 @@
 // or f32, stored or reduce-added wherever C's map points. The scales (fp32, device memory) come in three
 // kinds (ops/gemm_fp8_types.hpp):
 //   kTensor  one scale for A and one for B: C = sa sb (A . B), applied after the mainloop;
-//   kRowCol  one per row of A and one per column of C (one per row of B): C[i][j] = sa[i] sb[j] (A .
-//   B)[i][j]; kBlock   DeepSeek-V3's: A per row and 128-column group of K, [M, K / 128]; B per 128 x 128
-//   block,
-//            [N / 128, K / 128] (both rounded up); each k-block's product is promoted times sa sb.
+//   kRowCol  one per row of A and one per column of C (one per row of B):
+//            C[i][j] = sa[i] sb[j] (A . B)[i][j];
+//   kBlock   DeepSeek-V3's: A per row and 128-column group of K, [M, K / 128] (row-major, or M-major:
+//            Params::sa_row_step / sa_k_step); B per 128 x 128 block, [N / 128, K / 128] row-major (both
+//            rounded up); each k-block's product is promoted times sa sb.
 // Tile 128 x 128 x 128: two consumer warpgroups of 64 x 128 (m64n128k32 wgmma), each holding its fp32
 // accumulator and the k-block's product (64 + 64 registers), so a tile's column block is one B scale block.
 // kScalesFromPeers: A's scales are written by peers while the kernel runs (all_gather_scaled_matmul, after
@@ -52,7 +53,11 @@ struct Fp8GemmOp {
     int m, n, k_blocks;
     const float* scale_a;  // see the header, per kScaling
     const float* scale_b;
-    int sa_stride;  // kBlock: floats from one row's A scales to the next's (0: k_blocks, dense)
+    // kBlock: A's scale of row i and k-block j at scale_a[i * sa_row_step + j * sa_k_step]; 0 picks the dense
+    // row-major layout's (sa_row_step k_blocks, sa_k_step 1). The M-major layout (sa_row_step 1, sa_k_step
+    // >= M: torch's for 1 x 128 blockwise scales) gives a warp's 16 rows of a k-block in two 32-byte
+    // sectors where the row-major one takes sixteen.
+    int sa_row_step, sa_k_step;
     lcsc::StoreMode store_mode;
   };
   struct Smem {
@@ -95,14 +100,16 @@ struct Fp8GemmOp {
   __device__ static void block_scaled_mma(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                                           int wg, Accum& acc, int row, const float* sb) {
     const int row8 = row + 8;
-    const int64_t stride =
-        p.sa_stride > 0 ? p.sa_stride : p.k_blocks;  // 0 (a launcher that sets none): dense
-    const float* sa = p.scale_a + int64_t(row) * stride;
-    const float* sa8 = p.scale_a + int64_t(row8) * stride;
+    // (0, a launcher that sets none: dense row-major)
+    const int64_t row_step = p.sa_row_step > 0 ? p.sa_row_step : p.k_blocks;
+    const int64_t k_step = p.sa_k_step > 0 ? p.sa_k_step : 1;
+    const float* sa = p.scale_a + int64_t(row) * row_step;
+    const float* sa8 = p.scale_a + int64_t(row8) * row_step;
     const bool in = row < p.m, in8 = row8 < p.m;
     Mainloop::template mma<kE5M2, kOverlappedPromotion>(s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb) {
       const float b = __ldg(sb + kb);
-      return make_float2(in ? scale_a_at(sa + kb) * b : 0.f, in8 ? scale_a_at(sa8 + kb) * b : 0.f);
+      const int64_t at = kb * k_step;
+      return make_float2(in ? scale_a_at(sa + at) * b : 0.f, in8 ? scale_a_at(sa8 + at) * b : 0.f);
     });
   }
 
