@@ -8,7 +8,8 @@ Three tables (rank 0 prints markdown):
 - tensor-parallel matmul ops (bf16, weights in nn.Linear layout): torch.distributed + torch.matmul in sequence,
   torch's symmetric-memory fused ops (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter),
   and weft; plus weft's relative error against the sequential torch result on the same inputs;
-- host time per weft call from Python (checks, pointer extraction, enqueue), per op.
+- host time per weft call from Python (checks, pointer extraction, enqueue), per op, also as a multiple of a
+  plain torch launch timed beside it (the host's speed drifts within a run).
 Device times: CUDA events around back-to-back calls, median of reps, max over ranks; the matmul ops'
 candidates are measured alternately, round after round (median over rounds), as the GPUs' speed drifts.
 """
@@ -289,11 +290,18 @@ def bench_host_overhead(comm, world):
         "all_gather_matmul (symmetric a)": lambda: _weft.all_gather_matmul(
             comm._c, a_sym.data_ptr(), w.data_ptr(), out.data_ptr(), 0, 64 * world, 64, 64, "nk", stream),
     }
+    # The host's speed drifts while a run lasts (lent machines were seen switching between two speeds ~1.5x
+    # apart, mid-run): each row is also given as a multiple of a plain torch launch (x.add_) timed just before
+    # and after it, a figure that compares across runs, builds and machines.
+    launch = lambda: small.add_(1)  # noqa: E731
     rows = []
     for name, fn in cases.items():
+        before = host_us(launch)
         total = host_us(fn)
-        row = {"call": name, "host us per call (Python API)": total, "of which C++ op + binding": "-",
-               "Python layer": "-", "through torch's operator us": "-"}
+        beside = (before + host_us(launch)) / 2
+        row = {"call": name, "host us per call (Python API)": total, "torch launches (x.add_ beside it)":
+               f"{total / beside:.2f}", "of which C++ op + binding": "-", "Python layer": "-",
+               "through torch's operator us": "-"}
         if name in native:
             direct = host_us(native[name])
             row["of which C++ op + binding"], row["Python layer"] = direct, total - direct
@@ -304,8 +312,8 @@ def bench_host_overhead(comm, world):
             finally:
                 ops._FAST_PATH = fast
         rows.append(row)
-    print_table(f"host time per call from Python, {world} GPUs (200 back-to-back calls, median of 7, max over ranks)",
-                rows)
+    print_table(f"host time per call from Python, {world} GPUs (200 back-to-back calls, median of 7, max over ranks; "
+                f"x.add_ beside it: {beside:.1f} us last)", rows)
 
 
 def start(title):
