@@ -56,7 +56,8 @@ struct Fp8GemmOp {
     // kBlock: A's scale of row i and k-block j at scale_a[i * sa_row_step + j * sa_k_step]; 0 picks the dense
     // row-major layout's (sa_row_step k_blocks, sa_k_step 1). The M-major layout (sa_row_step 1, sa_k_step
     // >= M: torch's for 1 x 128 blockwise scales) gives a warp's 16 rows of a k-block in two 32-byte
-    // sectors where the row-major one takes sixteen.
+    // sectors where the row-major one takes sixteen, but every k-block in a new one, where a row-major row's
+    // scales share a sector over eight k-blocks (L1 hits): measured slower (bench/RESULTS.md, 2026-11-29).
     int sa_row_step, sa_k_step;
     lcsc::StoreMode store_mode;
   };
