@@ -412,6 +412,18 @@ def moe_layer_training(team, g):
                 check(f"{label}: rank {r} d {name}", ours[r][i].grad, refs[r][i].grad, 3e-2)
 
 
+def routed_tokens(g, tokens, hidden, top_k, num_experts):
+    """Per rank: tokens[r] bf16 rows, their top_k expert ids (some -1: no expert; a token names an expert at
+    most once, top_k 2) and routing weights."""
+    xs = [torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for t in tokens]
+    ids = [torch.randint(-1, num_experts, (t, top_k), device="cuda", generator=g, dtype=torch.int32) for t in tokens]
+    for r, t in enumerate(tokens):
+        if t:
+            ids[r][:, 1] = torch.where(ids[r][:, 1] == ids[r][:, 0], -1, ids[r][:, 1])
+    weights = [torch.rand(t, top_k, device="cuda", generator=g) for t in tokens]
+    return xs, ids, weights
+
+
 def moe_low_latency(team, g):
     """weft.moe_layer with the low-latency dispatch, and with the dispatch fused with the first GEMM
     (inference, under torch.no_grad()) against plain torch in fp32 over the whole team's tokens and experts,
@@ -424,12 +436,7 @@ def moe_low_latency(team, g):
     tokens = [40 + 24 * r for r in range(w)]
     tokens[-1] = 0  # a rank with no token
     max_tokens = max(tokens)
-    xs = [torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for t in tokens]
-    ids = [torch.randint(-1, num_experts, (t, top_k), device="cuda", generator=g, dtype=torch.int32) for t in tokens]
-    for r in range(w):  # a token names an expert at most once
-        if tokens[r]:
-            ids[r][:, 1] = torch.where(ids[r][:, 1] == ids[r][:, 0], -1, ids[r][:, 1])
-    weights = [torch.rand(t, top_k, device="cuda", generator=g) for t in tokens]
+    xs, ids, weights = routed_tokens(g, tokens, hidden, top_k, num_experts)
     ups = [(torch.randn(per, hidden, 2 * inter, device="cuda", generator=g) / hidden ** 0.5).to(torch.bfloat16)
            for _ in range(w)]
     downs = [(torch.randn(per, inter, hidden, device="cuda", generator=g) / inter ** 0.5).to(torch.bfloat16)
@@ -484,12 +491,7 @@ def moe_fp8_layer(team, g):
     tokens = [48 + 16 * r for r in range(w)]
     tokens[0] = 0
     max_tokens = max(tokens)
-    xs = [torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for t in tokens]
-    ids = [torch.randint(-1, num_experts, (t, top_k), device="cuda", generator=g, dtype=torch.int32) for t in tokens]
-    for r in range(w):  # a token names an expert at most once
-        if tokens[r]:
-            ids[r][:, 1] = torch.where(ids[r][:, 1] == ids[r][:, 0], -1, ids[r][:, 1])
-    weights = [torch.rand(t, top_k, device="cuda", generator=g) for t in tokens]
+    xs, ids, weights = routed_tokens(g, tokens, hidden, top_k, num_experts)
 
     def quantized(shape, fan_in):  # per rank: FP8 [per, N, K] weights, their block scales, and the dequantized
         qs, ss, deq = [], [], []

@@ -649,6 +649,49 @@ WEFT_GPU_TEST(fused_ops_pipelined_in_cuda_graphs) {
   for (auto& e : exec) cudaGraphExecDestroy(e);
 }
 
+// matmul_all_reduce (B [N,K], options o) captured per rank into a CUDA graph after a warm-up call, then
+// replayed three times on new inputs (seeds from `seed`), each against the fp64 reference, outputs poisoned.
+static void check_all_reduce_replays(Communicator& c, int64_t m, int64_t n, int64_t k, const FusedOptions& o,
+                                     uint64_t seed, const char* what) {
+  const int W = c.world();
+  RankBuffers A(c, m * k * 2, false), B(c, n * k * 2, false), out(c, m * n * 2, false);
+  auto issue = [&](int i) {
+    Rank& r = c.local(i);
+    matmul_all_reduce(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, BLayout::kNK, r.stream(), o);
+  };
+  for (int i = 0; i < c.num_local(); ++i) issue(i);  // workspace, handles
+  c.synchronize();
+  std::vector<cudaGraphExec_t> exec = capture_per_rank(c, issue);
+  for (int replay = 0; replay < 3; ++replay) {
+    std::vector<Mat> a(W), b(W);
+    std::vector<double> sum(size_t(m * n), 0.0);
+    for (int r = 0; r < W; ++r) {
+      a[r] = make(size_t(m * k), seed + 10 * replay + r);
+      b[r] = make(size_t(n * k), seed + 1000 + 10 * replay + r);
+      gemm_ref(sum, a[r], b[r], 0, m, n, k, true);
+    }
+    for (int i = 0; i < c.num_local(); ++i) {
+      const int r = c.local(i).rank();
+      upload(c, i, A.ptr[i], a[r].h.data(), m * k * 2);
+      upload(c, i, B.ptr[i], b[r].h.data(), n * k * 2);
+      poison(c, i, out.ptr[i], m * n * 2);
+    }
+    c.host_barrier();
+    for (int i = 0; i < c.num_local(); ++i) {
+      WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
+      WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], c.local(i).stream()));
+    }
+    c.synchronize();
+    for (int i = 0; i < c.num_local(); ++i) {
+      const std::string err = compare(get(c, i, out.ptr[i], m * n), sum);
+      WEFT_EXPECT(err.empty(),
+                  what << ", replay " << replay << ", rank " << c.local(i).rank() << ": " << err);
+    }
+    c.host_barrier();
+  }
+  for (auto& e : exec) cudaGraphExecDestroy(e);
+}
+
 // matmul_all_reduce takes any M (decode batches: 1, 3, 7, 129, 1000 rows, at any world size): kAuto and the
 // sequential path against the fp64 reference, outputs poisoned first; the fused kernel and the pipeline,
 // which split M over the ranks, are refused by name when M is not divisible by the world size; and the call
@@ -706,44 +749,8 @@ WEFT_GPU_TEST(matmul_all_reduce_any_m) {
       }
     }
   }
-  // Graph replay at M = 7 (kAuto): captured once per rank after a warm-up call, replayed on new inputs.
-  const int64_t m = 7;
-  RankBuffers A(c, m * k * 2, false), B(c, n * k * 2, false), out(c, m * n * 2, false);
-  auto issue = [&](int i) {
-    Rank& r = c.local(i);
-    matmul_all_reduce(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, BLayout::kNK, r.stream());
-  };
-  for (int i = 0; i < c.num_local(); ++i) issue(i);  // workspace, handles
-  c.synchronize();
-  std::vector<cudaGraphExec_t> exec = capture_per_rank(c, issue);
-  for (int replay = 0; replay < 3; ++replay) {
-    std::vector<Mat> a(W), b(W);
-    std::vector<double> sum(size_t(m * n), 0.0);
-    for (int r = 0; r < W; ++r) {
-      a[r] = make(size_t(m * k), 6000 + 10 * replay + r);
-      b[r] = make(size_t(n * k), 7000 + 10 * replay + r);
-      gemm_ref(sum, a[r], b[r], 0, m, n, k, true);
-    }
-    for (int i = 0; i < c.num_local(); ++i) {
-      const int r = c.local(i).rank();
-      upload(c, i, A.ptr[i], a[r].h.data(), m * k * 2);
-      upload(c, i, B.ptr[i], b[r].h.data(), n * k * 2);
-      poison(c, i, out.ptr[i], m * n * 2);
-    }
-    c.host_barrier();
-    for (int i = 0; i < c.num_local(); ++i) {
-      WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-      WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], c.local(i).stream()));
-    }
-    c.synchronize();
-    for (int i = 0; i < c.num_local(); ++i) {
-      const std::string err = compare(get(c, i, out.ptr[i], m * n), sum);
-      WEFT_EXPECT(err.empty(),
-                  "replay " << replay << " matmul_all_reduce M=7 rank " << c.local(i).rank() << ": " << err);
-    }
-    c.host_barrier();
-  }
-  for (auto& e : exec) cudaGraphExecDestroy(e);
+  // Graph replay at M = 7 (kAuto).
+  check_all_reduce_replays(c, 7, n, k, FusedOptions{}, 6000, "matmul_all_reduce M=7");
 }
 
 // Partials::kSplitK (matmul_all_reduce at decode sizes, ops::SplitKAllReduceOp) against the fp64 reference:
@@ -848,44 +855,9 @@ WEFT_GPU_TEST(matmul_all_reduce_split_k) {
       }
     c.host_barrier();
   }
-  // Captured per rank (after a warm-up call) and replayed on new inputs.
-  const int64_t m = 5, n = 264, k = 392;
-  RankBuffers A(c, m * k * 2, false), B(c, n * k * 2, false), out(c, m * n * 2, false);
-  auto issue = [&](int i) {
-    Rank& r = c.local(i);
-    matmul_all_reduce(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, BLayout::kNK, r.stream(), o);
-  };
-  for (int i = 0; i < c.num_local(); ++i) issue(i);  // workspace areas
-  c.synchronize();
-  std::vector<cudaGraphExec_t> exec = capture_per_rank(c, issue);
-  for (int replay = 0; replay < 3; ++replay) {
-    std::vector<Mat> a(W), b(W);
-    std::vector<double> sum(size_t(m * n), 0.0);
-    for (int r = 0; r < W; ++r) {
-      a[r] = make(size_t(m * k), 8500 + 10 * replay + r);
-      b[r] = make(size_t(n * k), 9500 + 10 * replay + r);
-      gemm_ref(sum, a[r], b[r], 0, m, n, k, true);
-    }
-    for (int i = 0; i < c.num_local(); ++i) {
-      const int r = c.local(i).rank();
-      upload(c, i, A.ptr[i], a[r].h.data(), m * k * 2);
-      upload(c, i, B.ptr[i], b[r].h.data(), n * k * 2);
-      poison(c, i, out.ptr[i], m * n * 2);
-    }
-    c.host_barrier();
-    for (int i = 0; i < c.num_local(); ++i) {
-      WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
-      WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], c.local(i).stream()));
-    }
-    c.synchronize();
-    for (int i = 0; i < c.num_local(); ++i) {
-      const std::string err = compare(get(c, i, out.ptr[i], m * n), sum);
-      WEFT_EXPECT(err.empty(), "split-K replay " << replay << " rank " << c.local(i).rank() << ": " << err);
-    }
-    c.host_barrier();
-  }
-  for (auto& e : exec) cudaGraphExecDestroy(e);
-  RankBuffers A_rs(c, W * k * 2, false), out_rs(c, n * 2, false);  // W rows, one a rank
+  check_all_reduce_replays(c, 5, 264, 392, o, 8500, "split-K");
+  const int64_t n = 264, k = 392;
+  RankBuffers A_rs(c, W * k * 2, false), B(c, n * k * 2, false), out_rs(c, n * 2, false);  // W rows, a rank
   for (int i = 0; i < c.num_local(); ++i) {
     std::string msg;
     try {
