@@ -649,11 +649,34 @@ WEFT_GPU_TEST(fused_ops_pipelined_in_cuda_graphs) {
   for (auto& e : exec) cudaGraphExecDestroy(e);
 }
 
+// GEMM + all-reduce inputs: each rank's A [M,K] and B ([N,K] if nk, else [K,N]) drawn from seeds seed_a +
+// rank and seed_b + rank and uploaded, its out poisoned, the ranks met; returns the fp64 sum of the W
+// products.
+static std::vector<double> all_reduce_inputs(Communicator& c, RankBuffers& A, RankBuffers& B,
+                                             RankBuffers& out, int64_t m, int64_t n, int64_t k, bool nk,
+                                             uint64_t seed_a, uint64_t seed_b) {
+  const int W = c.world();
+  std::vector<Mat> a(W), b(W);
+  std::vector<double> sum(size_t(m * n), 0.0);
+  for (int r = 0; r < W; ++r) {
+    a[r] = make(size_t(m * k), seed_a + r);
+    b[r] = make(size_t(n * k), seed_b + r);
+    gemm_ref(sum, a[r], b[r], 0, m, n, k, nk);
+  }
+  for (int i = 0; i < c.num_local(); ++i) {
+    const int r = c.local(i).rank();
+    upload(c, i, A.ptr[i], a[r].h.data(), m * k * 2);
+    upload(c, i, B.ptr[i], b[r].h.data(), n * k * 2);
+    poison(c, i, out.ptr[i], m * n * 2);
+  }
+  c.host_barrier();
+  return sum;
+}
+
 // matmul_all_reduce (B [N,K], options o) captured per rank into a CUDA graph after a warm-up call, then
 // replayed three times on new inputs (seeds from `seed`), each against the fp64 reference, outputs poisoned.
 static void check_all_reduce_replays(Communicator& c, int64_t m, int64_t n, int64_t k, const FusedOptions& o,
                                      uint64_t seed, const char* what) {
-  const int W = c.world();
   RankBuffers A(c, m * k * 2, false), B(c, n * k * 2, false), out(c, m * n * 2, false);
   auto issue = [&](int i) {
     Rank& r = c.local(i);
@@ -663,20 +686,8 @@ static void check_all_reduce_replays(Communicator& c, int64_t m, int64_t n, int6
   c.synchronize();
   std::vector<cudaGraphExec_t> exec = capture_per_rank(c, issue);
   for (int replay = 0; replay < 3; ++replay) {
-    std::vector<Mat> a(W), b(W);
-    std::vector<double> sum(size_t(m * n), 0.0);
-    for (int r = 0; r < W; ++r) {
-      a[r] = make(size_t(m * k), seed + 10 * replay + r);
-      b[r] = make(size_t(n * k), seed + 1000 + 10 * replay + r);
-      gemm_ref(sum, a[r], b[r], 0, m, n, k, true);
-    }
-    for (int i = 0; i < c.num_local(); ++i) {
-      const int r = c.local(i).rank();
-      upload(c, i, A.ptr[i], a[r].h.data(), m * k * 2);
-      upload(c, i, B.ptr[i], b[r].h.data(), n * k * 2);
-      poison(c, i, out.ptr[i], m * n * 2);
-    }
-    c.host_barrier();
+    const std::vector<double> sum =
+        all_reduce_inputs(c, A, B, out, m, n, k, true, seed + 10 * replay, seed + 1000 + 10 * replay);
     for (int i = 0; i < c.num_local(); ++i) {
       WEFT_CUDA_CHECK(cudaSetDevice(c.local(i).device()));
       WEFT_CUDA_CHECK(cudaGraphLaunch(exec[i], c.local(i).stream()));
@@ -781,20 +792,8 @@ WEFT_GPU_TEST(matmul_all_reduce_split_k) {
     const bool nk = cs.layout == BLayout::kNK;
     RankBuffers A(c, m * k * 2, false), B(c, n * k * 2, false), out(c, m * n * 2, cs.sym);
     for (int round = 0; round < 3; ++round) {
-      std::vector<Mat> a(W), b(W);
-      std::vector<double> sum(size_t(m * n), 0.0);
-      for (int r = 0; r < W; ++r) {
-        a[r] = make(size_t(m * k), 8000 + 100 * round + 10 * m + r);
-        b[r] = make(size_t(n * k), 9000 + 100 * round + 10 * m + r);
-        gemm_ref(sum, a[r], b[r], 0, m, n, k, nk);
-      }
-      for (int i = 0; i < c.num_local(); ++i) {
-        const int r = c.local(i).rank();
-        upload(c, i, A.ptr[i], a[r].h.data(), m * k * 2);
-        upload(c, i, B.ptr[i], b[r].h.data(), n * k * 2);
-        poison(c, i, out.ptr[i], m * n * 2);
-      }
-      c.host_barrier();
+      const std::vector<double> sum = all_reduce_inputs(
+          c, A, B, out, m, n, k, nk, 8000 + 100 * round + 10 * m, 9000 + 100 * round + 10 * m);
       for (int i = 0; i < c.num_local(); ++i) {
         Rank& r = c.local(i);
         const Plan plan =
