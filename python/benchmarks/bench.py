@@ -7,7 +7,8 @@ Three tables (rank 0 prints markdown):
 - collectives: device us per call of torch.distributed, weft, and torch's symmetric-memory all-reduce;
 - tensor-parallel matmul ops (bf16, weights in nn.Linear layout): torch.distributed + torch.matmul in sequence,
   torch's symmetric-memory fused ops (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter),
-  and weft; plus weft's relative error against the sequential torch result on the same inputs;
+  and weft; plus weft's relative error against the sequential torch result on the same inputs; the operands
+  rotate through copies that together exceed 3 x L2 (a weight does not stay in L2 between calls);
 - host time per weft call from Python (checks, pointer extraction, enqueue), per op, also as a multiple of a
   plain torch launch timed beside it (the host's speed drifts within a run).
 Device times: CUDA events around back-to-back calls, median of reps, max over ranks; the matmul ops'
@@ -168,71 +169,117 @@ def bench_collectives(comm, world, group_name, symm, quick):
     print_table(f"collectives, bf16, {world} GPUs: device us per call (slowest rank)", rows)
 
 
+def rotating(make_set, set_bytes):
+    """Copies of a benchmark's operands (make_set() each), as many as together exceed 3 x L2 (1 to 8), and a
+    maker of turns over them: each timed call reads its own copy, so a weight no longer stays in L2 between
+    calls (a model's layers each read their own), as weft-bench's rotating sets."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    sets = [make_set() for _ in range(max(1, min(8, -(-3 * l2 // max(set_bytes, 1)))))]
+
+    def turns():
+        i = 0
+
+        def next_set():
+            nonlocal i
+            i = (i + 1) % len(sets)
+            return sets[i]
+
+        return next_set
+
+    return sets, turns
+
+
 def bench_matmul_ops(comm, world, rank, group_name, symm, quick):
-    """The issue's shapes (global M, N, K; each rank multiplies by its slice, weights [N, K] as nn.Linear)."""
+    """The issue's shapes (global M, N, K; each rank multiplies by its slice, weights [N, K] as nn.Linear); the
+    operands rotate through copies past 3 x L2 (rotating)."""
     rows = []
     ms = (2048, 8192) if quick else (1024, 4096, 8192, 16384, 32768)
     for n_glob, k_glob in ((8192, 8192), (28672, 8192)):
         for m in ms:
             iters = 10 if m <= 4096 else 3
             g = torch.Generator(device="cuda").manual_seed(100 + rank)
-            # all_gather_matmul: a [M/W, K] shard, weight [N/W, K].
-            a_shard = torch.randn(m // world, k_glob, device="cuda", dtype=torch.bfloat16, generator=g)
-            w = torch.randn(n_glob // world, k_glob, device="cuda", dtype=torch.bfloat16, generator=g) / k_glob**0.5
-            a_sym = torch.from_dlpack(comm.empty(tuple(a_shard.shape), "bf16"))
-            a_sym.copy_(a_shard)
-            gathered = torch.empty(m, k_glob, device="cuda", dtype=torch.bfloat16)
 
-            def ag_seq():
+            def operands(rows_a, cols, n_w):  # a [rows_a, cols] (also symmetric), weight [n_w, cols]
+                a = torch.randn(rows_a, cols, device="cuda", dtype=torch.bfloat16, generator=g)
+                w = torch.randn(n_w, cols, device="cuda", dtype=torch.bfloat16, generator=g) / k_glob**0.5
+                a_sym = torch.from_dlpack(comm.empty(tuple(a.shape), "bf16"))
+                a_sym.copy_(a)
+                return a, w, a_sym
+
+            # all_gather_matmul: a [M/W, K] shard, weight [N/W, K].
+            sets, turns = rotating(lambda: operands(m // world, k_glob, n_glob // world),
+                                   2 * k_glob * (m // world + n_glob // world))
+            gathered = torch.empty(m, k_glob, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n_glob // world, device="cuda", dtype=torch.bfloat16)
+
+            def ag_seq(a_shard, w):
                 dist.all_gather_into_tensor(gathered, a_shard)
                 return gathered @ w.t()
 
-            out = torch.empty(m, n_glob // world, device="cuda", dtype=torch.bfloat16)
             comm.barrier()
-            err = rel_err(weft.all_gather_matmul(a_sym, w.t(), out=out), ag_seq())
-            fused = try_symm(lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [w.t()], 0, group_name))
-            t = timed_alternating({"seq": ag_seq, "fused": fused,
-                                   "weft": lambda: weft.all_gather_matmul(a_sym, w.t(), out=out)}, iters)
+            a_shard, w, a_sym = sets[0]
+            err = rel_err(weft.all_gather_matmul(a_sym, w.t(), out=out), ag_seq(a_shard, w))
+            seq_set, fused_set, weft_set = turns(), turns(), turns()
+
+            def ag_fused():
+                a_shard, w, _ = fused_set()
+                return torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [w.t()], 0, group_name)
+
+            def ag_weft():
+                _, w, a_sym = weft_set()
+                return weft.all_gather_matmul(a_sym, w.t(), out=out)
+
+            fused = try_symm(ag_fused)
+            t = timed_alternating({"seq": lambda: ag_seq(*seq_set()[:2]), "fused": fused, "weft": ag_weft}, iters)
             rows.append({"op": "all_gather_matmul", "M": m, "N": n_glob, "K": k_glob, "torch seq us": t["seq"],
                          "torch symm fused us": t["fused"] if fused else "n/a", "weft us": t["weft"],
-                         "weft rel err": f"{err:.1e}"})
-            del a_shard, a_sym, gathered, out
+                         "weft rel err": f"{err:.1e}", "operand copies": len(sets)})
+            del sets, a_shard, w, a_sym, gathered, out
             # matmul_reduce_scatter / matmul_all_reduce: a [M, K/W], weight [N, K/W].
-            a = torch.randn(m, k_glob // world, device="cuda", dtype=torch.bfloat16, generator=g)
-            w = torch.randn(n_glob, k_glob // world, device="cuda", dtype=torch.bfloat16, generator=g) / k_glob**0.5
-            a_sym = torch.from_dlpack(comm.empty(tuple(a.shape), "bf16"))
-            a_sym.copy_(a)
+            sets, turns = rotating(lambda: operands(m, k_glob // world, n_glob), 2 * (k_glob // world) * (m + n_glob))
             rs_out = torch.empty(m // world, n_glob, device="cuda", dtype=torch.bfloat16)
             ar_out = torch.empty(m, n_glob, device="cuda", dtype=torch.bfloat16)
 
-            def rs_seq():
+            def rs_seq(a, w):
                 dist.reduce_scatter_tensor(rs_out, a @ w.t())
                 return rs_out
 
-            def ar_seq():
+            def ar_seq(a, w):
                 p = a @ w.t()
                 dist.all_reduce(p)
                 return p
 
             comm.barrier()
-            rs_want = rs_seq().clone()
+            a, w, a_sym = sets[0]
+            rs_want = rs_seq(a, w).clone()
             err = rel_err(weft.matmul_reduce_scatter(a_sym, w.t(), out=torch.empty_like(rs_out)), rs_want)
-            fused = try_symm(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w.t(), "sum", 0, group_name))
-            t = timed_alternating({"seq": rs_seq, "fused": fused,
-                                   "weft": lambda: weft.matmul_reduce_scatter(a_sym, w.t(), out=rs_out)}, iters)
+            seq_set, fused_set, weft_set, sym_set = turns(), turns(), turns(), turns()
+
+            def rs_fused():
+                a, w, _ = fused_set()
+                return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w.t(), "sum", 0, group_name)
+
+            def weft_op(op, out, turn):  # weft's op on the next copy, into out
+                _, w, a_sym = turn()
+                return op(a_sym, w.t(), out=out)
+
+            fused = try_symm(rs_fused)
+            t = timed_alternating({"seq": lambda: rs_seq(*seq_set()[:2]), "fused": fused,
+                                   "weft": lambda: weft_op(weft.matmul_reduce_scatter, rs_out, weft_set)}, iters)
             rows.append({"op": "matmul_reduce_scatter", "M": m, "N": n_glob, "K": k_glob, "torch seq us": t["seq"],
                          "torch symm fused us": t["fused"] if fused else "n/a", "weft us": t["weft"],
-                         "weft rel err": f"{err:.1e}"})
-            ar_want = ar_seq()
+                         "weft rel err": f"{err:.1e}", "operand copies": len(sets)})
+            ar_want = ar_seq(a, w)
             err = rel_err(weft.matmul_all_reduce(a_sym, w.t(), out=ar_out), ar_want)
             # A symmetric out is the zero-copy path (an ordinary out costs a local copy of [M, N] at the end).
             ar_sym = torch.from_dlpack(comm.empty((m, n_glob), "bf16"))
-            t = timed_alternating({"seq": ar_seq, "weft": lambda: weft.matmul_all_reduce(a_sym, w.t(), out=ar_out),
-                                   "weft sym": lambda: weft.matmul_all_reduce(a_sym, w.t(), out=ar_sym)}, iters)
+            t = timed_alternating({"seq": lambda: ar_seq(*seq_set()[:2]),
+                                   "weft": lambda: weft_op(weft.matmul_all_reduce, ar_out, weft_set),
+                                   "weft sym": lambda: weft_op(weft.matmul_all_reduce, ar_sym, sym_set)}, iters)
             rows.append({"op": "matmul_all_reduce", "M": m, "N": n_glob, "K": k_glob, "torch seq us": t["seq"],
                          "torch symm fused us": "n/a (no such op)", "weft us": t["weft"], "weft rel err": f"{err:.1e}",
-                         "weft, symmetric out us": t["weft sym"]})
-            del a, w, a_sym, rs_out, ar_out, ar_want, rs_want, ar_sym
+                         "operand copies": len(sets), "weft, symmetric out us": t["weft sym"]})
+            del sets, a, w, a_sym, rs_out, ar_out, ar_want, rs_want, ar_sym
             torch.cuda.empty_cache()
     for r in rows:
         r.setdefault("weft, symmetric out us", "-")
