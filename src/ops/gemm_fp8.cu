@@ -49,7 +49,7 @@ Plan run_op(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
   Plan plan;
   plan.op = Op::kGrouped ? "grouped_gemm_fp8" : "gemm_fp8";
   plan.path = std::string(Op::kGrouped ? "persistent grouped FP8 GEMM, " : "persistent FP8 GEMM, ") +
-              scaling_name(pr.scales.kind) + " scales" + (Op::kScaleAStaged ? ", A's staged by TMA" : "");
+              scaling_name(pr.scales.kind) + " scales";
   plan.tiles = {Op::kBM, Op::kBN, Op::kBK, Op::kStages, s.group_m, int64_t(s.tiles_m) * s.tiles_n};
   plan.cluster = 1;
   plan.blocks = s.compute_blocks;
@@ -77,12 +77,6 @@ Plan run_op(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
   if (pr.scales.a_m_stride > 0) {
     p.sa_row_step = 1;
     p.sa_k_step = static_cast<int>(pr.scales.a_m_stride);
-    if constexpr (Op::kScaleAStaged)
-      p.scale_a_map =
-          tma::make_map_2d({pr.scales.a, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(p.k_blocks),
-                            uint64_t(pr.m), uint64_t(pr.scales.a_m_stride) * 4},
-                           Mainloop::kScaleABoxRows, Mainloop::kScaleABoxCols,
-                           "weft::gemm_fp8: A's M-major block scales", CU_TENSOR_MAP_SWIZZLE_NONE);
   } else {
     p.sa_row_step = static_cast<int>(pr.sa_stride ? pr.sa_stride : p.k_blocks);
     p.sa_k_step = 1;
@@ -99,13 +93,6 @@ Plan run_op(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
   return plan;
 }
 
-// M-major block scales of A that TMA can copy (a 16-byte aligned base, k-blocks a multiple of 16 bytes apart)
-// ride in the pipeline's stages (Fp8GemmOp's kStagedScaleA); others are read by the consumers directly.
-bool staged_scales_fit(const Fp8Problem& pr) {
-  return pr.scales.a_m_stride > 0 && reinterpret_cast<uintptr_t>(pr.scales.a) % 16 == 0 &&
-         (pr.scales.a_m_stride * 4) % 16 == 0;
-}
-
 template <class OutT, bool kE5M2>
 Plan run_typed(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
   if (pr.groups > 0) return run_op<ops::GroupedFp8GemmOp<OutT, kE5M2>>(pr, stream, launch);
@@ -115,9 +102,6 @@ Plan run_typed(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
     case Fp8Scaling::kRowCol:
       return run_op<ops::Fp8GemmOp<OutT, Fp8Scaling::kRowCol, kE5M2>>(pr, stream, launch);
     default:
-      if (staged_scales_fit(pr))
-        return run_op<ops::Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc::GemmTileScheduler, true,
-                                     /*kStagedScaleA=*/true>>(pr, stream, launch);
       return run_op<ops::Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2>>(pr, stream, launch);
   }
 }

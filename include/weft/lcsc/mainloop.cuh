@@ -146,64 +146,44 @@ namespace weft::lcsc {
 // promotion per 128 of K bounds that. The wait for each block's wgmmas before its promotion leaves the
 // tensor cores to the other consumer warpgroup meanwhile (two warpgroups per CTA, staggered by the
 // pipeline), as in DeepGEMM's kernels.
-// kStagedScaleA: A's block scales of each k-block (kBM fp32, one per row) ride in the stage beside A, copied
-// by the loader's TMA from an M-major [K / 128][M] scale tensor (one contiguous box a k-block), so a
-// consumer reads them from shared memory once the stage is full, where a load from global memory (a new L2
-// sector each k-block in that layout) would hold up the block's promotion.
-template <int kBM, int kBN, int kStages, bool kStagedScaleA = false>
+template <int kBM, int kBN, int kStages>
 struct Fp8PromotingMainloop {
   static constexpr int kBK = 128;
   static constexpr int kConsumers = kBM / 64;
-  // Staged scales are read by the consumer threads themselves: each warp releases the stage on its own.
-  using Pipeline = lcsc::Pipeline<kStages, kConsumers, 1, kStagedScaleA>;
+  using Pipeline = lcsc::Pipeline<kStages, kConsumers, 1>;
   using ATile = tile::Sw128Tile<uint8_t, kBM, kBK>;  // rows M, columns K
   using BTile = tile::Sw128Tile<uint8_t, kBN, kBK>;  // rows N, columns K
   struct Stage {
     ATile a;
     BTile b;
   };
-  struct PlainSmem {
+  struct Smem {
     Stage stage[kStages];
   };
-  struct StagedScalesSmem {
-    Stage stage[kStages];
-    alignas(128) float scale_a[kStages][kBM];  // stage i's A scales
-  };
-  using Smem = std::conditional_t<kStagedScaleA, StagedScalesSmem, PlainSmem>;
   using Accum = tile::AccumM64<kBN>;
 
-  static constexpr uint32_t kScaleABytes = kStagedScaleA ? kBM * sizeof(float) : 0;
-  static constexpr uint32_t kStageTxBytes = sizeof(ATile) + sizeof(BTile) + kScaleABytes;
+  static constexpr uint32_t kStageTxBytes = sizeof(ATile) + sizeof(BTile);
   static constexpr int kABoxRows = kBM, kABoxCols = kBK;
   static constexpr int kBBoxRows = kBN, kBBoxCols = kBK;
-  // The M-major scale tensor's box: one k-block (row) of kBM rows of A (columns).
-  static constexpr int kScaleABoxRows = 1, kScaleABoxCols = kBM;
   static_assert(kBM % 64 == 0 && kBM <= 256, "one to four consumer warpgroups of 64 rows");
   static_assert(kBN == 64 || kBN == 128 || kBN == 256, "FP8 wgmma wrappers exist for N = 64, 128, 256");
 
-  // ---- loader: one thread. The k_blocks stages of the tile whose first element is (m0, n0); with
-  // kStagedScaleA, scale_a maps A's M-major scales (rows past M arrive as zeros). ----
+  // ---- loader: one thread. The k_blocks stages of the tile whose first element is (m0, n0). ----
   __device__ static void load(Smem& s, Pipeline& pipe, PipeState& st, const CUtensorMap* a,
-                              const CUtensorMap* b, int m0, int n0, int k_blocks,
-                              const CUtensorMap* scale_a = nullptr) {
+                              const CUtensorMap* b, int m0, int n0, int k_blocks) {
     for (int kb = 0; kb < k_blocks; ++kb) {
       Stage& stage = s.stage[st.stage];
       uint64_t* full = pipe.producer_acquire(st, kStageTxBytes);
       tma::load_2d(stage.a.bytes, a, kb * kBK, m0, full);
       tma::load_2d(stage.b.bytes, b, kb * kBK, n0, full);
-      if constexpr (kStagedScaleA) tma::load_2d(s.scale_a[st.stage], scale_a, m0, kb, full);
       st.advance(kStages);
     }
   }
-  // kStagedScaleA: A's scales of the tile's rows for the k-block in stage `stage` (valid from the consumer's
-  // wait for that stage until its release).
-  __device__ static const float* staged_scale_a(const Smem& s, int stage) { return s.scale_a[stage]; }
 
   // ---- consumer: warpgroup `wg` sets acc to rows [64 wg, 64 wg + 64) of the tile's product. ----
-  // factor(kb, stage) gives the promotion factors of k-block kb, held in stage `stage` (its shared memory
-  // readable, not yet released), for the two rows this thread holds (AccumM64: row r in d[i] with
-  // (i / 2) % 2 == 0, row r + 8 in the others); it is called before the block's wait, so loads it makes
-  // overlap the wait. kOverlapped: two register tiles take the k-blocks in turn, block kb + 1's
+  // factor(kb) gives the promotion factors of k-block kb for the two rows this thread holds (AccumM64: row r
+  // in d[i] with (i / 2) % 2 == 0, row r + 8 in the others); it is called before the block's wait, so loads
+  // it makes overlap the wait. kOverlapped: two register tiles take the k-blocks in turn, block kb + 1's
   // wgmmas issued before block kb is waited for and promoted, so the tensor cores have this warpgroup's next
   // block while it promotes (both warpgroups wait for the same stage, so with one tile they promote at the
   // same time, the tensor cores idle meanwhile); 64 registers more a thread. Otherwise one tile, each block
@@ -217,7 +197,7 @@ struct Fp8PromotingMainloop {
     if constexpr (!kOverlapped) {
       Accum part;
       for (int kb = 0; kb < k_blocks; ++kb) {
-        const PipeState at = st;  // (issue waits for the stage before `last` reads factor(kb, at.stage))
+        const PipeState at = st;
         issue<kE5M2>(s, pipe, st, wg, part);
         last<kE5M2>(pipe, at, kb, acc, part, factor);
       }
@@ -265,7 +245,7 @@ struct Fp8PromotingMainloop {
   __device__ __forceinline__ static void step(Smem& s, Pipeline& pipe, PipeState& st, PipeState& issued,
                                               int kb, int wg, Accum& acc, Accum& mine, Accum& next,
                                               Factor& factor) {
-    const float2 f = factor(kb, issued.stage);
+    const float2 f = factor(kb);
     const PipeState done = issued;
     issued = st;
     issue<kE5M2>(s, pipe, st, wg, next);
@@ -276,7 +256,7 @@ struct Fp8PromotingMainloop {
   template <bool kE5M2, class Factor>
   __device__ __forceinline__ static void last(Pipeline& pipe, const PipeState& issued, int kb, Accum& acc,
                                               Accum& mine, Factor& factor) {
-    const float2 f = factor(kb, issued.stage);
+    const float2 f = factor(kb);
     wgmma::wait<0>();
     promote(pipe, issued, f, acc, mine);
   }
