@@ -169,12 +169,18 @@ def bench_collectives(comm, world, group_name, symm, quick):
     print_table(f"collectives, bf16, {world} GPUs: device us per call (slowest rank)", rows)
 
 
+def rotating_sets(bytes_per_copy):
+    """How many copies of bytes_per_copy together exceed three times the L2 cache (1 to 8), as weft-bench's
+    rotating_sets: a call reading copy k % n finds nothing in L2 from the call before (a model's layers each
+    read their own weights and caches)."""
+    l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 50 << 20)
+    return max(1, min(8, -(-3 * l2 // max(bytes_per_copy, 1))))
+
+
 def rotating(make_set, set_bytes):
-    """Copies of a benchmark's operands (make_set() each), as many as together exceed 3 x L2 (1 to 8), and a
-    maker of turns over them: each timed call reads its own copy, so a weight no longer stays in L2 between
-    calls (a model's layers each read their own), as weft-bench's rotating sets."""
-    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-    sets = [make_set() for _ in range(max(1, min(8, -(-3 * l2 // max(set_bytes, 1)))))]
+    """rotating_sets(set_bytes) copies of a benchmark's operands (make_set() each), and a maker of turns over
+    them: each timed call reads its own copy."""
+    sets = [make_set() for _ in range(rotating_sets(set_bytes))]
 
     def turns():
         i = 0

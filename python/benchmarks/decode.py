@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import graphed, print_table, start, team_max, timed, timed_alternating  # noqa: E402
+from bench import graphed, print_table, rotating_sets, start, team_max, timed, timed_alternating  # noqa: E402
 
 import weft  # noqa: E402
 
@@ -38,12 +38,6 @@ def copy_rate():
     b = torch.empty_like(a)
     us = timed(lambda: b.copy_(a), 5)
     return 2 * a.numel() / (us * 1e-6)
-
-
-def rotating_sets(bytes_per_copy):
-    """Copies of a buffer of bytes_per_copy that together exceed three times the L2 cache (1 to 8)."""
-    l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 50 << 20)
-    return max(1, min(8, -(-3 * l2 // bytes_per_copy)))
 
 
 def every_copy(fn, sets):
