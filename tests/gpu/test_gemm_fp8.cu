@@ -298,7 +298,10 @@ WEFT_GPU_TEST_ONE_GPU(gemm_fp8_rejects_unsupported) {
 }
 
 // M-major block scales of A (Fp8Scales::a_m_stride: torch's layout for 1 x 128 blockwise scales) give the
-// row-major layout's result bit for bit; the rows between M and the stride hold NaN, never to be read.
+// row-major layout's result bit for bit; the rows between M and the stride hold NaN, never to be read. Each
+// shape twice: a stride of whole 16 bytes (the scales staged by the loader's TMA) and one float more (read
+// by the consumers), each checked against the plan's path; the row-major scales are staged where K / 128 is
+// a multiple of 4 (K = 16 and 1400 here: read by the consumers), checked the same way.
 WEFT_GPU_TEST_ONE_GPU(gemm_fp8_m_major_block_scales) {
   Rank& rank = ctx.comm().local(0);
   WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
@@ -306,49 +309,62 @@ WEFT_GPU_TEST_ONE_GPU(gemm_fp8_m_major_block_scales) {
   struct Shape {
     int64_t m, n, k;
   };
-  std::vector<Shape> shapes = {{1, 16, 16}, {129, 264, 1008}, {300, 136, 4096}, {517, 200, 400}};
+  std::vector<Shape> shapes = {
+      {1, 16, 16}, {129, 264, 1008}, {300, 136, 4096}, {517, 200, 400}, {257, 392, 1400}};
   if (!ctx.quick) shapes.push_back({2048, 2048, 7168});
   uint64_t seed = 500;
-  for (const Shape& sh : shapes) {
-    const int64_t g = (sh.k + kFp8ScaleBlock - 1) / kFp8ScaleBlock, ld = sh.m + 3;
-    const Case c{sh.m, sh.n, sh.k, Fp8Scaling::kBlock};
-    const auto [na, nb] = scale_counts(c);
-    DeviceBuffer a(sh.m * sh.k), b(sh.n * sh.k), sa(na * 4), sa_m(ld * g * 4), sb(nb * 4),
-        row_major(sh.m * sh.n * 2), m_major(sh.m * sh.n * 2);
-    fill_fp8<false><<<264, 256, 0, s>>>(a.as<uint8_t>(), sh.m * sh.k, seed++);
-    fill_fp8<false><<<264, 256, 0, s>>>(b.as<uint8_t>(), sh.n * sh.k, seed++);
-    fill_scales<<<64, 256, 0, s>>>(sa.as<float>(), na, seed++);
-    fill_scales<<<64, 256, 0, s>>>(sb.as<float>(), nb, seed++);
-    WEFT_CUDA_CHECK(cudaGetLastError());
-    std::vector<float> rows(na), cols(ld * g, std::nanf(""));
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(rows.data(), sa.p, na * 4, cudaMemcpyDeviceToHost, s));
-    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
-    for (int64_t i = 0; i < sh.m; ++i)
-      for (int64_t j = 0; j < g; ++j) cols[j * ld + i] = rows[i * g + j];
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(sa_m.p, cols.data(), cols.size() * 4, cudaMemcpyHostToDevice, s));
-    WEFT_CUDA_CHECK(cudaMemsetAsync(row_major.p, 0xff, row_major.bytes, s));
-    WEFT_CUDA_CHECK(cudaMemsetAsync(m_major.p, 0xff, m_major.bytes, s));
-    gemm_fp8(a.p, b.p, row_major.p, sh.m, sh.n, sh.k, Fp8Type::kE4M3,
-             Fp8Scales{Fp8Scaling::kBlock, sa.as<float>(), sb.as<float>()}, DType::kBF16, s);
-    gemm_fp8(a.p, b.p, m_major.p, sh.m, sh.n, sh.k, Fp8Type::kE4M3,
-             Fp8Scales{Fp8Scaling::kBlock, sa_m.as<float>(), sb.as<float>(), ld}, DType::kBF16, s);
-    WEFT_CUDA_CHECK(cudaGetLastError());
-    std::vector<uint16_t> r(sh.m * sh.n), m(sh.m * sh.n);
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(r.data(), row_major.p, row_major.bytes, cudaMemcpyDeviceToHost, s));
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(m.data(), m_major.p, m_major.bytes, cudaMemcpyDeviceToHost, s));
-    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
-    int64_t nonfinite = 0, differ = 0;
-    for (size_t i = 0; i < r.size(); ++i) {
-      nonfinite += (r[i] & 0x7f80) == 0x7f80;  // bf16 exponent all ones: inf or NaN (the poison)
-      differ += r[i] != m[i];
+  for (const Shape& sh : shapes)
+    for (const bool staged : {true, false}) {
+      const int64_t g = (sh.k + kFp8ScaleBlock - 1) / kFp8ScaleBlock,
+                    ld = (sh.m + 3) / 4 * 4 + (staged ? 4 : 5);
+      const Case c{sh.m, sh.n, sh.k, Fp8Scaling::kBlock};
+      const auto [na, nb] = scale_counts(c);
+      DeviceBuffer a(sh.m * sh.k), b(sh.n * sh.k), sa(na * 4), sa_m(ld * g * 4), sb(nb * 4),
+          row_major(sh.m * sh.n * 2), m_major(sh.m * sh.n * 2);
+      fill_fp8<false><<<264, 256, 0, s>>>(a.as<uint8_t>(), sh.m * sh.k, seed++);
+      fill_fp8<false><<<264, 256, 0, s>>>(b.as<uint8_t>(), sh.n * sh.k, seed++);
+      fill_scales<<<64, 256, 0, s>>>(sa.as<float>(), na, seed++);
+      fill_scales<<<64, 256, 0, s>>>(sb.as<float>(), nb, seed++);
+      WEFT_CUDA_CHECK(cudaGetLastError());
+      std::vector<float> rows(na), cols(ld * g, std::nanf(""));
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(rows.data(), sa.p, na * 4, cudaMemcpyDeviceToHost, s));
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+      for (int64_t i = 0; i < sh.m; ++i)
+        for (int64_t j = 0; j < g; ++j) cols[j * ld + i] = rows[i * g + j];
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(sa_m.p, cols.data(), cols.size() * 4, cudaMemcpyHostToDevice, s));
+      WEFT_CUDA_CHECK(cudaMemsetAsync(row_major.p, 0xff, row_major.bytes, s));
+      WEFT_CUDA_CHECK(cudaMemsetAsync(m_major.p, 0xff, m_major.bytes, s));
+      gemm_fp8(a.p, b.p, row_major.p, sh.m, sh.n, sh.k, Fp8Type::kE4M3,
+               Fp8Scales{Fp8Scaling::kBlock, sa.as<float>(), sb.as<float>()}, DType::kBF16, s);
+      const Fp8Scales m_scales{Fp8Scaling::kBlock, sa_m.as<float>(), sb.as<float>(), ld};
+      gemm_fp8(a.p, b.p, m_major.p, sh.m, sh.n, sh.k, Fp8Type::kE4M3, m_scales, DType::kBF16, s);
+      const std::string path = gemm_fp8_plan(sh.m, sh.n, sh.k, Fp8Type::kE4M3, m_scales, DType::kBF16).path;
+      const std::string row_path =
+          gemm_fp8_plan(sh.m, sh.n, sh.k, Fp8Type::kE4M3,
+                        Fp8Scales{Fp8Scaling::kBlock, sa.as<float>(), sb.as<float>()}, DType::kBF16)
+              .path;
+      WEFT_CUDA_CHECK(cudaGetLastError());
+      std::vector<uint16_t> r(sh.m * sh.n), m(sh.m * sh.n);
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(r.data(), row_major.p, row_major.bytes, cudaMemcpyDeviceToHost, s));
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(m.data(), m_major.p, m_major.bytes, cudaMemcpyDeviceToHost, s));
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+      int64_t nonfinite = 0, differ = 0;
+      for (size_t i = 0; i < r.size(); ++i) {
+        nonfinite += (r[i] & 0x7f80) == 0x7f80;  // bf16 exponent all ones: inf or NaN (the poison)
+        differ += r[i] != m[i];
+      }
+      const std::string what = std::to_string(sh.m) + "x" + std::to_string(sh.n) + "x" + std::to_string(sh.k);
+      WEFT_EXPECT((path.find("staged") != std::string::npos) == staged,
+                  what << ", stride " << ld << ": plan path '" << path << "'");
+      WEFT_EXPECT((row_path.find("staged") != std::string::npos) == (g % 4 == 0),
+                  what << ", row-major scales: plan path '" << row_path << "'");
+      WEFT_EXPECT(nonfinite == 0, what << ": " << nonfinite << " row-major outputs are not finite");
+      WEFT_EXPECT(differ == 0,
+                  what << ": " << differ << " outputs of the M-major scales differ from the row-major ones");
+      std::printf("    %-16s M-major scales (stride %lld, %s): %lld of %zu outputs differ\n", what.c_str(),
+                  static_cast<long long>(ld), staged ? "staged" : "read by the consumers",
+                  static_cast<long long>(differ), r.size());
     }
-    const std::string what = std::to_string(sh.m) + "x" + std::to_string(sh.n) + "x" + std::to_string(sh.k);
-    WEFT_EXPECT(nonfinite == 0, what << ": " << nonfinite << " row-major outputs are not finite");
-    WEFT_EXPECT(differ == 0,
-                what << ": " << differ << " outputs of the M-major scales differ from the row-major ones");
-    std::printf("    %-16s M-major scales (stride %lld): %lld of %zu outputs differ\n", what.c_str(),
-                static_cast<long long>(ld), static_cast<long long>(differ), r.size());
-  }
 }
 
 namespace {

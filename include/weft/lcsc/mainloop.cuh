@@ -146,44 +146,76 @@ namespace weft::lcsc {
 // promotion per 128 of K bounds that. The wait for each block's wgmmas before its promotion leaves the
 // tensor cores to the other consumer warpgroup meanwhile (two warpgroups per CTA, staggered by the
 // pipeline), as in DeepGEMM's kernels.
-template <int kBM, int kBN, int kStages>
+// kScaleAStage: A's block scales of each k-block (kBM fp32, one per row) ride in the stage beside A, copied
+// by the loader's TMA, so a consumer reads them from shared memory once the stage is full, where a load from
+// global memory just before the block's promotion would hold it up:
+//   kScaleAMMajor (1)   from an M-major [K / 128][M] tensor: one box of kBM rows of A a k-block;
+//   kScaleARowMajor (4) from a row-major [M][K / 128] tensor: a box of 4 k-blocks x kBM rows (TMA's box rows
+//                       are 16 bytes at least) starting at the k-block, of which the stage uses the first;
+//   0                   none (the consumers load the scales themselves).
+inline constexpr int kScaleAMMajor = 1, kScaleARowMajor = 4;
+template <int kBM, int kBN, int kStages, int kScaleAStage = 0>
 struct Fp8PromotingMainloop {
+  static_assert(kScaleAStage == 0 || kScaleAStage == kScaleAMMajor || kScaleAStage == kScaleARowMajor,
+                "staged scales: none, M-major or row-major");
+  static constexpr bool kStagedScaleA = kScaleAStage != 0;
   static constexpr int kBK = 128;
   static constexpr int kConsumers = kBM / 64;
-  using Pipeline = lcsc::Pipeline<kStages, kConsumers, 1>;
+  // Staged scales are read by the consumer threads themselves: each warp releases the stage on its own.
+  using Pipeline = lcsc::Pipeline<kStages, kConsumers, 1, kStagedScaleA>;
   using ATile = tile::Sw128Tile<uint8_t, kBM, kBK>;  // rows M, columns K
   using BTile = tile::Sw128Tile<uint8_t, kBN, kBK>;  // rows N, columns K
   struct Stage {
     ATile a;
     BTile b;
   };
-  struct Smem {
+  struct PlainSmem {
     Stage stage[kStages];
   };
+  struct StagedScalesSmem {
+    Stage stage[kStages];
+    alignas(128) float scale_a[kStages][kBM * kScaleAStage];  // stage i's: row r's at [r * kScaleAStage]
+  };
+  using Smem = std::conditional_t<kStagedScaleA, StagedScalesSmem, PlainSmem>;
   using Accum = tile::AccumM64<kBN>;
 
-  static constexpr uint32_t kStageTxBytes = sizeof(ATile) + sizeof(BTile);
+  static constexpr uint32_t kScaleABytes = kBM * kScaleAStage * sizeof(float);
+  static constexpr uint32_t kStageTxBytes = sizeof(ATile) + sizeof(BTile) + kScaleABytes;
   static constexpr int kABoxRows = kBM, kABoxCols = kBK;
   static constexpr int kBBoxRows = kBN, kBBoxCols = kBK;
+  // The scale tensor's box (rows x columns of the tensor): M-major, one k-block (row) of kBM rows of A
+  // (columns); row-major, kBM rows of A of 4 k-blocks each.
+  static constexpr int kScaleABoxRows = kScaleAStage == kScaleAMMajor ? 1 : kBM;
+  static constexpr int kScaleABoxCols = kScaleAStage == kScaleAMMajor ? kBM : kScaleARowMajor;
   static_assert(kBM % 64 == 0 && kBM <= 256, "one to four consumer warpgroups of 64 rows");
   static_assert(kBN == 64 || kBN == 128 || kBN == 256, "FP8 wgmma wrappers exist for N = 64, 128, 256");
 
-  // ---- loader: one thread. The k_blocks stages of the tile whose first element is (m0, n0). ----
+  // ---- loader: one thread. The k_blocks stages of the tile whose first element is (m0, n0); with
+  // kScaleAStage, scale_a maps A's scales (rows past M, k-blocks past K / 128 arrive as zeros). ----
   __device__ static void load(Smem& s, Pipeline& pipe, PipeState& st, const CUtensorMap* a,
-                              const CUtensorMap* b, int m0, int n0, int k_blocks) {
+                              const CUtensorMap* b, int m0, int n0, int k_blocks,
+                              const CUtensorMap* scale_a = nullptr) {
     for (int kb = 0; kb < k_blocks; ++kb) {
       Stage& stage = s.stage[st.stage];
       uint64_t* full = pipe.producer_acquire(st, kStageTxBytes);
       tma::load_2d(stage.a.bytes, a, kb * kBK, m0, full);
       tma::load_2d(stage.b.bytes, b, kb * kBK, n0, full);
+      if constexpr (kScaleAStage == kScaleAMMajor) tma::load_2d(s.scale_a[st.stage], scale_a, m0, kb, full);
+      if constexpr (kScaleAStage == kScaleARowMajor) tma::load_2d(s.scale_a[st.stage], scale_a, kb, m0, full);
       st.advance(kStages);
     }
   }
+  // kScaleAStage: the scale of the tile's row r for the k-block in stage `stage` (valid from the consumer's
+  // wait for that stage until its release).
+  __device__ static float staged_scale_a(const Smem& s, int stage, int r) {
+    return s.scale_a[stage][r * kScaleAStage];
+  }
 
   // ---- consumer: warpgroup `wg` sets acc to rows [64 wg, 64 wg + 64) of the tile's product. ----
-  // factor(kb) gives the promotion factors of k-block kb for the two rows this thread holds (AccumM64: row r
-  // in d[i] with (i / 2) % 2 == 0, row r + 8 in the others); it is called before the block's wait, so loads
-  // it makes overlap the wait. kOverlapped: two register tiles take the k-blocks in turn, block kb + 1's
+  // factor(kb, stage) gives the promotion factors of k-block kb, held in stage `stage` (its shared memory
+  // readable, not yet released), for the two rows this thread holds (AccumM64: row r in d[i] with
+  // (i / 2) % 2 == 0, row r + 8 in the others); it is called before the block's wait, so loads it makes
+  // overlap the wait. kOverlapped: two register tiles take the k-blocks in turn, block kb + 1's
   // wgmmas issued before block kb is waited for and promoted, so the tensor cores have this warpgroup's next
   // block while it promotes (both warpgroups wait for the same stage, so with one tile they promote at the
   // same time, the tensor cores idle meanwhile); 64 registers more a thread. Otherwise one tile, each block
@@ -197,7 +229,7 @@ struct Fp8PromotingMainloop {
     if constexpr (!kOverlapped) {
       Accum part;
       for (int kb = 0; kb < k_blocks; ++kb) {
-        const PipeState at = st;
+        const PipeState at = st;  // (issue waits for the stage before `last` reads factor(kb, at.stage))
         issue<kE5M2>(s, pipe, st, wg, part);
         last<kE5M2>(pipe, at, kb, acc, part, factor);
       }
@@ -245,7 +277,7 @@ struct Fp8PromotingMainloop {
   __device__ __forceinline__ static void step(Smem& s, Pipeline& pipe, PipeState& st, PipeState& issued,
                                               int kb, int wg, Accum& acc, Accum& mine, Accum& next,
                                               Factor& factor) {
-    const float2 f = factor(kb);
+    const float2 f = factor(kb, issued.stage);
     const PipeState done = issued;
     issued = st;
     issue<kE5M2>(s, pipe, st, wg, next);
@@ -256,7 +288,7 @@ struct Fp8PromotingMainloop {
   template <bool kE5M2, class Factor>
   __device__ __forceinline__ static void last(Pipeline& pipe, const PipeState& issued, int kb, Accum& acc,
                                               Accum& mine, Factor& factor) {
-    const float2 f = factor(kb);
+    const float2 f = factor(kb, issued.stage);
     wgmma::wait<0>();
     promote(pipe, issued, f, acc, mine);
   }

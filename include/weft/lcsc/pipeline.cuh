@@ -3,7 +3,8 @@
 //   full[s]   the loader arrives once with the stage's transaction bytes (arrive_expect_tx); the TMA loads
 //             complete the phase. Consumers wait on it.
 //   empty[s]  every consumer warpgroup of every CTA in the cluster arrives once when it no longer reads the
-//             stage. The loader waits on it before refilling the stage.
+//             stage (kWarpArrivals: every consumer warp, where threads read the stage themselves, not only
+//             through wgmma). The loader waits on it before refilling the stage.
 // With a cluster, a stage is filled partly by peer CTAs (TMA multicast of a shared operand), so a stage is
 // free only when the consumers of every CTA that receives the multicast are done with it: each consumer
 // warpgroup releases the stage in every CTA of the cluster.
@@ -30,8 +31,14 @@ struct PipeState {
   }
 };
 
-template <int kStages_, int kConsumerWarpgroups, int kClusterSize>
+// kWarpArrivals: each consumer warp releases a stage on its own (its lanes' shared-memory reads of the stage
+// done), where a warpgroup's release by its thread 0 would speak for warps still reading it: with stage data
+// read by ordinary loads (not only by the warpgroup's wgmma, complete for all its warps at once), a warp
+// may lag its warpgroup's first.
+template <int kStages_, int kConsumerWarpgroups, int kClusterSize, bool kWarpArrivals = false>
 class Pipeline {
+  static_assert(!kWarpArrivals || kClusterSize == 1, "per-warp releases: no cluster");
+
  public:
   static constexpr int kStages = kStages_;
   struct Storage {
@@ -45,7 +52,7 @@ class Pipeline {
   __device__ void init() {
     for (int i = 0; i < kStages; ++i) {
       mbarrier_init(&s_.full[i], 1);
-      mbarrier_init(&s_.empty[i], kConsumerWarpgroups * kClusterSize);
+      mbarrier_init(&s_.empty[i], kConsumerWarpgroups * kClusterSize * (kWarpArrivals ? 4 : 1));
     }
   }
 
@@ -70,7 +77,13 @@ class Pipeline {
   // Called by every thread of the warpgroup after its reads of the stage completed (wgmma::wait).
   __device__ __forceinline__ void consumer_release(const PipeState& st) {
     const int t = tile::thread_in_warpgroup();
-    if constexpr (kClusterSize == 1) {
+    if constexpr (kWarpArrivals) {
+      __syncwarp();  // every lane's reads of the stage done
+      if (t % 32 == 0) {
+        fence_proxy_async_smem();  // those generic reads before the TMA's (async proxy) writes into the stage
+        tile::mbarrier_arrive(&s_.empty[st.stage]);
+      }
+    } else if constexpr (kClusterSize == 1) {
       if (t == 0) tile::mbarrier_arrive(&s_.empty[st.stage]);
     } else {
       if (t < kClusterSize) tile::mbarrier_arrive_cluster(&s_.empty[st.stage], static_cast<uint32_t>(t));

@@ -73,7 +73,7 @@ struct Fp8Scales {
   const float* b = nullptr;
   // kBlock: 0, A's scales row-major [M, ceil(K / 128)] (dense); > 0 (at least M), M-major: the scale of row
   // i and k-block j at a[j * a_m_stride + i] (torch's layout for 1 x 128 blockwise scales: a [M, K / 128]
-  // view with strides (1, a_m_stride)). Row-major measured faster (gemm_fp8.cuh's Params).
+  // view with strides (1, a_m_stride)); one TMA can copy (16-byte base and stride) rides in the pipeline.
   int64_t a_m_stride = 0;
 };
 

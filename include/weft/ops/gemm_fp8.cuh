@@ -7,7 +7,9 @@
 //            C[i][j] = sa[i] sb[j] (A . B)[i][j];
 //   kBlock   DeepSeek-V3's: A per row and 128-column group of K, [M, K / 128] (row-major, or M-major:
 //            Params::sa_row_step / sa_k_step); B per 128 x 128 block, [N / 128, K / 128] row-major (both
-//            rounded up); each k-block's product is promoted times sa sb.
+//            rounded up); each k-block's product is promoted times sa sb. kScaleAStage (either layout,
+//            where TMA can read it): the loader's TMA brings each k-block's A scales into its stage
+//            (Params::scale_a_map); otherwise each consumer thread loads its rows' scales itself.
 // Tile 128 x 128 x 128: two consumer warpgroups of 64 x 128 (m64n128k32 wgmma), each holding its fp32
 // accumulator and the k-block's product (64 + 64 registers), so a tile's column block is one B scale block.
 // kScalesFromPeers: A's scales are written by peers while the kernel runs (all_gather_scaled_matmul, after
@@ -28,22 +30,29 @@ namespace weft::ops {
 // kOverlappedPromotion: the mainloop's two register tiles (lcsc::Fp8PromotingMainloop::mma), where the op's
 // hooks leave the registers for them (the fused reduce-scatter's spill with them: one tile there).
 template <class OutT, Fp8Scaling kScaling, bool kE5M2 = false, bool kScalesFromPeers = false,
-          class TileScheduler = lcsc::GemmTileScheduler, bool kOverlappedPromotion = true>
+          class TileScheduler = lcsc::GemmTileScheduler, bool kOverlappedPromotion = true,
+          int kScaleAStage_ = 0>
 struct Fp8GemmOp {
-  static constexpr int kBM = 128, kBN = 128, kStages = 6;
+  static constexpr bool kStagedScaleA = kScaleAStage_ != 0;
+  // Six stages fill the 227 KiB of shared memory with the epilogue's; staged scales (0.5 or 2 KiB a stage)
+  // leave five.
+  static constexpr int kBM = 128, kBN = 128, kStages = kStagedScaleA ? 5 : 6;
   static constexpr int kConsumerWarpgroups = kBM / 64;
   static constexpr int kClusterSize = 1;
   static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;
   static constexpr bool kGrouped = false;
+  static constexpr int kScaleAStage = kScaleAStage_;
 
   using Scheduler = TileScheduler;
-  using Mainloop = lcsc::Fp8PromotingMainloop<kBM, kBN, kStages>;
+  using Mainloop = lcsc::Fp8PromotingMainloop<kBM, kBN, kStages, kScaleAStage_>;
   static constexpr int kBK = Mainloop::kBK;
   using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN, kConsumerWarpgroups>;
   using Pipeline = typename Mainloop::Pipeline;
   using Accum = typename Mainloop::Accum;
   using StoreState = typename Epilogue::State;
   static_assert(kBN == kFp8ScaleBlock && kBK == kFp8ScaleBlock, "a tile's columns and k-block: one block");
+  static_assert(!kStagedScaleA || (kScaling == Fp8Scaling::kBlock && !kScalesFromPeers),
+                "staged scales: block scales of A read by TMA, none written by peers while the kernel runs");
 
   struct Params {
     typename Scheduler::Params sched;
@@ -56,9 +65,10 @@ struct Fp8GemmOp {
     // kBlock: A's scale of row i and k-block j at scale_a[i * sa_row_step + j * sa_k_step]; 0 picks the dense
     // row-major layout's (sa_row_step k_blocks, sa_k_step 1). The M-major layout (sa_row_step 1, sa_k_step
     // >= M: torch's for 1 x 128 blockwise scales) gives a warp's 16 rows of a k-block in two 32-byte
-    // sectors where the row-major one takes sixteen, but every k-block in a new one, where a row-major row's
-    // scales share a sector over eight k-blocks (L1 hits): measured slower (bench/RESULTS.md, 2026-11-29).
+    // sectors where the row-major one takes sixteen, but every k-block in a new one, where the row-major
+    // layout's rows share a sector over eight k-blocks (L1 hits): measured slower on this path (RESULTS).
     int sa_row_step, sa_k_step;
+    CUtensorMap scale_a_map;  // kScaleAStage: A's scales (Mainloop::kScaleABoxRows x kScaleABoxCols boxes)
     lcsc::StoreMode store_mode;
   };
   struct Smem {
@@ -71,10 +81,11 @@ struct Fp8GemmOp {
     tma::prefetch_map(&p.a);
     tma::prefetch_map(&p.b);
     tma::prefetch_map(&p.c);
+    if constexpr (kStagedScaleA) tma::prefetch_map(&p.scale_a_map);
   }
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                               const lcsc::Tile& t) {
-    Mainloop::load(s.main, pipe, st, &p.a, &p.b, t.m * kBM, t.n * kBN, p.k_blocks);
+    Mainloop::load(s.main, pipe, st, &p.a, &p.b, t.m * kBM, t.n * kBN, p.k_blocks, &p.scale_a_map);
   }
   __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                                  const lcsc::Tile& t, int wg, Accum& acc) {
@@ -85,7 +96,7 @@ struct Fp8GemmOp {
       block_scaled_mma(p, s, pipe, st, wg, acc, row, p.scale_b + int64_t(t.n) * p.k_blocks);
     } else {
       Mainloop::template mma<kE5M2, kOverlappedPromotion>(s.main, pipe, st, p.k_blocks, wg, acc,
-                                                          [](int) { return make_float2(1.f, 1.f); });
+                                                          [](int, int) { return make_float2(1.f, 1.f); });
       scale_after(p, t, row, row8, acc);
     }
   }
@@ -100,6 +111,16 @@ struct Fp8GemmOp {
   // block, sb (rows past M read no scale: their products are zero, TMA filled A's rows with zeros).
   __device__ static void block_scaled_mma(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                                           int wg, Accum& acc, int row, const float* sb) {
+    if constexpr (kStagedScaleA) {
+      const int in_tile = 64 * wg + Accum::row(0);  // the thread's first row in the tile (and in + 8)
+      Mainloop::template mma<kE5M2, kOverlappedPromotion>(
+          s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb, int stage) {
+            const float b = __ldg(sb + kb);
+            return make_float2(Mainloop::staged_scale_a(s.main, stage, in_tile) * b,
+                               Mainloop::staged_scale_a(s.main, stage, in_tile + 8) * b);
+          });
+      return;
+    }
     const int row8 = row + 8;
     // (0, a launcher that sets none: dense row-major)
     const int64_t row_step = p.sa_row_step > 0 ? p.sa_row_step : p.k_blocks;
@@ -107,11 +128,12 @@ struct Fp8GemmOp {
     const float* sa = p.scale_a + int64_t(row) * row_step;
     const float* sa8 = p.scale_a + int64_t(row8) * row_step;
     const bool in = row < p.m, in8 = row8 < p.m;
-    Mainloop::template mma<kE5M2, kOverlappedPromotion>(s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb) {
-      const float b = __ldg(sb + kb);
-      const int64_t at = kb * k_step;
-      return make_float2(in ? scale_a_at(sa + at) * b : 0.f, in8 ? scale_a_at(sa8 + at) * b : 0.f);
-    });
+    Mainloop::template mma<kE5M2, kOverlappedPromotion>(
+        s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb, int) {
+          const float b = __ldg(sb + kb);
+          const int64_t at = kb * k_step;
+          return make_float2(in ? scale_a_at(sa + at) * b : 0.f, in8 ? scale_a_at(sa8 + at) * b : 0.f);
+        });
   }
 
  private:
