@@ -852,24 +852,57 @@ struct SplitKAllReduceOp : GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, SplitKS
           sum[4 * q + 3] += v.w;
         }
       }
-      // The fragment's rows and columns (tile::AccumM64's, for the band's warp): pairs of columns.
-      const int row0 = tm * kBM + 16 * band + lane / 4, col0 = tn * kBN + 2 * (lane % 4);
+      // Whole 16-byte pieces of rows to every rank (a warp's store: 64 contiguous bytes in each of 8 rows),
+      // not the fragment's 4-byte column pairs, which leave each 32-byte sector half written per store.
+      uint4 piece[2][4];
+      row_pieces(sum, piece);
+      const int row0 = tm * kBM + 16 * band + lane / 4, col0 = tn * kBN + 8 * (lane % 4);
       for (int d = 1; d <= W; ++d) {  // rank + 1 first, this rank last
         const int r = (team.rank + d) % W;
         __nv_bfloat16* res = team.peer_ptr(p.result, r);
 #pragma unroll
-        for (int i = 0; i < Accum::kRegs; i += 2) {
-          const int row = row0 + 8 * ((i / 2) % 2), col = col0 + 8 * (i / 4);
-          if (row < p.m && col < p.n)  // (N a multiple of 8: col + 1 < N too)
-            *reinterpret_cast<uint32_t*>(res + int64_t(row) * p.n + col) =
-                tile::pack2<__nv_bfloat16>(sum[i], sum[i + 1]);
-        }
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int row = row0 + 8 * h, col = col0 + 32 * jj;
+            if (row < p.m && col < p.n)  // (N a multiple of 8: the piece's 8 columns are all in)
+              *reinterpret_cast<uint4*>(res + int64_t(row) * p.n + col) = piece[h][jj];
+          }
       }
       __syncwarp();  // every lane's writes before the signals (release, system scope)
       const int flag = (tm + p.sched.tiles_m * tn) * kSplitKBands + band;
       if (lane < W) signal_set(team, team.flag(p.band_flags, flag), lane, epoch);
     }
     return true;
+  }
+
+  // A warp's band sums (tile::AccumM64's fragment: lane 4 g + q holds columns 8 j + 2 q, + 1 of rows g and
+  // g + 8, j = 0..15) as bf16 pieces of 8 columns: piece[h][jj] = row g + 8 h, columns 8 (4 jj + q) .. + 7.
+  // Each group of four column blocks is a 4 x 4 transpose of packed pairs inside the quad: in round s the
+  // lane swaps with lane q ^ s the pair the other one needs (k = q ^ s: block 4 jj + k's pair goes out,
+  // the partner's pair of block 4 jj + q comes in as the piece's pair k).
+  __device__ static void row_pieces(const float (&sum)[Accum::kRegs], uint4 (&piece)[2][4]) {
+    const int q = tile::lane_id() % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        uint32_t pair[4], got[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const int i = 4 * (4 * jj + t) + 2 * h;
+          pair[t] = tile::pack2<__nv_bfloat16>(sum[i], sum[i + 1]);
+        }
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const int k = q ^ s;
+          const uint32_t out = (k & 2) ? ((k & 1) ? pair[3] : pair[2]) : ((k & 1) ? pair[1] : pair[0]);
+          const uint32_t in = __shfl_xor_sync(0xffffffffu, out, s);
+#pragma unroll
+          for (int t = 0; t < 4; ++t) got[t] = k == t ? in : got[t];
+        }
+        piece[h][jj] = make_uint4(got[0], got[1], got[2], got[3]);
+      }
   }
 
   __device__ static bool copy_bands(const Params& p, int warp, int warps, uint64_t epoch) {
