@@ -22,11 +22,13 @@ void run_attention(Context& ctx) {
   WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Table t(fmt("flash attention forward and backward, bf16, GPU 0 (%s, %d SMs)", prop.name,
               prop.multiProcessorCount),
-          {"B", "S", "H / KV", "D", "causal", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s",
-           "deterministic bwd ms", "det. / bwd"},
+          {"B", "S", "H / KV", "D", "causal", "fwd ms", "fwd TFLOP/s", "fwd 128-row ms", "fwd 192-row ms",
+           "bwd ms", "bwd TFLOP/s", "deterministic bwd ms", "det. / bwd"},
           "TFLOP/s = 4 B H S^2 D / time (halved for causal; backward 2.5x); median of the iterations, each "
-          "timed alone. The backward call includes its three launches (prepare, kernel, dQ conversion); "
-          "'deterministic': the same call with AttentionOptions::deterministic (bit-reproducible dQ).");
+          "timed alone. 'fwd 128-row' / '192-row' (D = 64): the forward with its query block forced "
+          "(AttentionOptions::query_rows; 'fwd ms' takes the call's choice). The backward call includes its "
+          "three launches (prepare, kernel, dQ conversion); 'deterministic': the same call with "
+          "AttentionOptions::deterministic (bit-reproducible dQ).");
   std::vector<int64_t> seqs = {1024, 2048, 4096, 8192, 16384};
   if (ctx.quick) seqs = {2048, 8192};
   struct Heads {
@@ -53,6 +55,17 @@ void run_attention(Context& ctx) {
           flash_attention_forward(q.p, k.p, v.p, o.p, static_cast<float*>(lse.p), shape, DType::kBF16, stream,
                                   opt);
         };
+        auto forward_rows = [&](int rows) {
+          if (hd.d != 64) return std::string("-");
+          AttentionOptions forced = opt;
+          forced.query_rows = rows;
+          return fmt("%.3f", median_call_ms(
+                                 [&] {
+                                   flash_attention_forward(q.p, k.p, v.p, o.p, static_cast<float*>(lse.p),
+                                                           shape, DType::kBF16, stream, forced);
+                                 },
+                                 ctx.quick ? 10 : 30, stream));
+        };
         AttentionOptions det = opt;
         det.deterministic = true;
         auto backward = [&] {
@@ -66,12 +79,13 @@ void run_attention(Context& ctx) {
         const double flops = 4.0 * b * hd.h * double(s) * s * hd.d * (causal ? 0.5 : 1.0);
         const int iters = ctx.quick ? 10 : 30;
         const float med = median_call_ms(forward, iters, stream);
+        const std::string rows_128 = forward_rows(128), rows_192 = forward_rows(192);
         const float bwd = median_call_ms(backward, iters, stream);
         const float bwd_det = median_call_ms(backward_det, iters, stream);
         t.add({std::to_string(b), std::to_string(s), fmt("%lld / %lld", (long long)hd.h, (long long)hd.kv),
                std::to_string(hd.d), causal ? "yes" : "no", fmt("%.3f", med),
-               fmt("%.1f", flops / (med * 1e9)), fmt("%.3f", bwd), fmt("%.1f", 2.5 * flops / (bwd * 1e9)),
-               fmt("%.3f", bwd_det), fmt("%.2f", bwd_det / bwd)});
+               fmt("%.1f", flops / (med * 1e9)), rows_128, rows_192, fmt("%.3f", bwd),
+               fmt("%.1f", 2.5 * flops / (bwd * 1e9)), fmt("%.3f", bwd_det), fmt("%.2f", bwd_det / bwd)});
         ctx.progress("attention: S=%lld D=%lld causal=%d: forward %.3f ms, backward %.3f ms", (long long)s,
                      (long long)hd.d, int(causal), med, bwd);
       }

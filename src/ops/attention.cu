@@ -19,9 +19,9 @@ struct Call {
   std::string where;
 };
 
-template <int kD, class T>
+template <int kD, class T, int kWarpgroups = ops::attention_warpgroups(kD)>
 Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
-  using Op = ops::AttentionFwdOp<kD, T>;
+  using Op = ops::AttentionFwdOp<kD, T, kWarpgroups>;
   using Launcher = lcsc::Launcher<Op>;
   const AttentionShape& sh = c.shape;
   typename Op::Params p{};
@@ -75,6 +75,10 @@ Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   const AttentionAccumulate& acc = c.options.accumulate;
   WEFT_CHECK(acc.enabled() == (acc.lse != nullptr),
              c.where + "options.accumulate needs both o and lse (the running fp32 output and LSE)");
+  const int forced = c.options.query_rows;
+  WEFT_CHECK(forced == 0 || forced == 128 || (forced == 192 && c.shape.head_dim == 64),
+             c.where + "options.query_rows must be 0 (chosen), 128, or 192 at head dim 64; got " +
+                 std::to_string(forced));
   if (launch) {
     for (auto [p, name] : {std::pair<const void*, const char*>{c.q, "q"}, {c.k, "k"}, {c.v, "v"}}) {
       ops::check_pointer_alignment(p, name, 16, c.where);
@@ -95,11 +99,16 @@ Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
     }
     ops::check_segment_arrays(c.options.segments, dev.device, c.where);
   }
-  if (dtype == DType::kFP16)
-    return c.shape.head_dim == 64 ? run<64, __half>(c, dtype, stream, launch)
-                                  : run<128, __half>(c, dtype, stream, launch);
-  return c.shape.head_dim == 64 ? run<64, __nv_bfloat16>(c, dtype, stream, launch)
-                                : run<128, __nv_bfloat16>(c, dtype, stream, launch);
+  // D = 64: 128-row query blocks (2 warpgroups) up to 2048 query rows, where 192-row blocks pad a sequence of
+  // 1024 rows to 1152 (and a causal one's last, heaviest block is a third full); 192 rows beyond.
+  const bool rows_128 = forced ? forced == 128 : c.shape.seq_q <= 2048;
+  if (dtype == DType::kFP16) {
+    if (c.shape.head_dim == 128) return run<128, __half>(c, dtype, stream, launch);
+    return rows_128 ? run<64, __half, 2>(c, dtype, stream, launch) : run<64, __half>(c, dtype, stream, launch);
+  }
+  if (c.shape.head_dim == 128) return run<128, __nv_bfloat16>(c, dtype, stream, launch);
+  return rows_128 ? run<64, __nv_bfloat16, 2>(c, dtype, stream, launch)
+                  : run<64, __nv_bfloat16>(c, dtype, stream, launch);
 }
 
 std::string where(const AttentionShape& s) {

@@ -83,6 +83,7 @@ struct Problem {
   double scale = 0;
   int64_t seq_q = 0;  // dense: each sequence's rows
   std::vector<Seq> seqs;
+  int query_rows = 0;  // forward: AttentionOptions::query_rows
   int64_t lse_index(int64_t b, int64_t h, int64_t i) const {
     return packed ? h * rows_q + seqs[b].q0 + i : (b * heads + h) * seq_q + i;
   }
@@ -218,6 +219,7 @@ std::string run_forward(const Problem& pr, uint64_t seed, int max_blocks, const 
   o.causal = pr.causal;
   o.softmax_scale = float(pr.scale);
   o.max_blocks = max_blocks;
+  o.query_rows = pr.query_rows;
   std::unique_ptr<DeviceSegments> segs;
   if (pr.packed) o.segments = (segs = std::make_unique<DeviceSegments>(pr))->seg;
   flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape_of(pr), pr.dtype, nullptr, o);
@@ -593,6 +595,54 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_deterministic_backward) {
                               (blocks ? " blocks=" + std::to_string(blocks) : std::string());
     const std::string e = run_backward(pr, seed += 10, blocks, label);
     if (!e.empty()) failures += "\n    " + e;
+  }
+  WEFT_EXPECT(failures.empty(), failures);
+}
+
+// The forward at D = 64 with either query block forced (AttentionOptions::query_rows: 128 rows, which the
+// call picks up to 2048 query rows, and 192 beyond), against the fp64 reference: partial blocks, causal with
+// seq_q != seq_k, GQA, a sequence past 2048 rows, packed sequences, an SM budget; the plan's tile; the
+// refusals (192 at D = 128, a size of no kernel).
+WEFT_GPU_TEST_ONE_GPU(flash_attention_query_rows) {
+  WEFT_CUDA_CHECK(cudaSetDevice(ctx.comm().local(0).device()));
+  std::string failures;
+  uint64_t seed = 501;
+  std::vector<std::pair<Problem, int>> problems;
+  for (const Case& c : std::vector<Case>{{2, 1000, 1000, 4, 2, 64, true, 0.f},
+                                         {3, 129, 383, 4, 4, 64, false, 0.f},
+                                         {1, 300, 129, 4, 1, 64, true, 0.f, 3},
+                                         {1, 2100, 2100, 2, 1, 64, true, 0.f}})
+    problems.push_back({dense_problem(c), c.max_blocks});
+  problems.push_back({packed_problem({{{1, 1}, {300, 300}, {129, 64}}, 2, 4, 2, 64, true}), 0});
+  for (int rows : {128, 192})
+    for (auto& [pr, blocks] : problems) {
+      pr.query_rows = rows;
+      const std::string label = std::to_string(rows) + "-row blocks, " + (pr.packed ? "packed " : "") +
+                                std::to_string(pr.rows_q) + " rows, H=" + std::to_string(pr.heads) + "/" +
+                                std::to_string(pr.kv_heads) + (pr.causal ? " causal" : "") +
+                                (blocks ? " blocks=" + std::to_string(blocks) : std::string());
+      const std::string e = run_forward(pr, seed += 10, blocks, label);
+      if (!e.empty()) failures += "\n    " + e;
+    }
+  AttentionOptions o;
+  for (int rows : {0, 128, 192}) {
+    o.query_rows = rows;
+    const Plan short_seq = flash_attention_forward_plan({16, 1024, 1024, 32, 32, 64}, DType::kBF16, o);
+    const Plan long_seq = flash_attention_forward_plan({2, 8192, 8192, 32, 32, 64}, DType::kBF16, o);
+    WEFT_EXPECT(short_seq.tiles.m == (rows ? rows : 128) && long_seq.tiles.m == (rows ? rows : 192),
+                "query_rows " << rows << ": plan tiles " << short_seq.tiles.m << " (S 1024), "
+                              << long_seq.tiles.m << " (S 8192)");
+  }
+  for (auto [rows, dim] : {std::pair{192, 128}, std::pair{64, 64}, std::pair{256, 64}}) {
+    o.query_rows = rows;
+    std::string msg;
+    try {
+      flash_attention_forward_plan({1, 16, 16, 2, 2, dim}, DType::kBF16, o);
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    WEFT_EXPECT(msg.find("query_rows") != std::string::npos,
+                "query_rows " << rows << " at D = " << dim << ": expected a refusal, got '" << msg << "'");
   }
   WEFT_EXPECT(failures.empty(), failures);
 }

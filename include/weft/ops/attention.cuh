@@ -147,10 +147,13 @@ __device__ __forceinline__ void load_head_rows(Tile& t, const CUtensorMap* map, 
     tma::load_4d(t.block(b), map, b * Tile::kBlockCols, head, row0, batch, bar);
 }
 
-template <int kHeadDim, class T = __nv_bfloat16>
+// kWarpgroups: consumer warpgroups (64 query rows each); the single-GPU forward takes 2 at D = 64 where a
+// sequence's 192-row blocks would pad it more (src/ops/attention.cu).
+template <int kHeadDim, class T = __nv_bfloat16, int kWarpgroups = attention_warpgroups(kHeadDim)>
 struct AttentionFwdOp {
   static_assert(tile::kIs16Bit<T>, "bf16 or fp16 tensors");
-  static constexpr int kConsumerWarpgroups = attention_warpgroups(kHeadDim);
+  static_assert(kWarpgroups == 2 || kWarpgroups == 3, "2 or 3 consumer warpgroups");
+  static constexpr int kConsumerWarpgroups = kWarpgroups;
   static constexpr int kD = kHeadDim, kBM = 64 * kConsumerWarpgroups, kBN = kAttentionBlockN, kStages = 2;
   static constexpr int kClusterSize = 1;
   // 2 consumers: 384 threads start with 168 registers each, 3: 512 with 128. Live together in a consumer:
