@@ -99,9 +99,10 @@ Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
     }
     ops::check_segment_arrays(c.options.segments, dev.device, c.where);
   }
-  // D = 64: 128-row query blocks (2 warpgroups) up to 2048 query rows, where 192-row blocks pad a sequence of
-  // 1024 rows to 1152 (and a causal one's last, heaviest block is a third full); 192 rows beyond.
-  const bool rows_128 = forced ? forced == 128 : c.shape.seq_q <= 2048;
+  // D = 64: 128-row query blocks (2 warpgroups) for a causal mask up to 2048 query rows, where a 192-row
+  // block's diagonal work is the larger share and the last, heaviest block of 1024 rows is a third full;
+  // 192 rows otherwise, faster even where they pad 1024 rows to 1152 (bench/RESULTS.md, attention).
+  const bool rows_128 = forced ? forced == 128 : c.options.causal && c.shape.seq_q <= 2048;
   if (dtype == DType::kFP16) {
     if (c.shape.head_dim == 128) return run<128, __half>(c, dtype, stream, launch);
     return rows_128 ? run<64, __half, 2>(c, dtype, stream, launch) : run<64, __half>(c, dtype, stream, launch);

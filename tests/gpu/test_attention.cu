@@ -600,9 +600,9 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_deterministic_backward) {
 }
 
 // The forward at D = 64 with either query block forced (AttentionOptions::query_rows: 128 rows, which the
-// call picks up to 2048 query rows, and 192 beyond), against the fp64 reference: partial blocks, causal with
-// seq_q != seq_k, GQA, a sequence past 2048 rows, packed sequences, an SM budget; the plan's tile; the
-// refusals (192 at D = 128, a size of no kernel).
+// call picks for a causal mask up to 2048 query rows, and 192 otherwise), against the fp64 reference: partial
+// blocks, causal with seq_q != seq_k, GQA, a sequence past 2048 rows, packed sequences, an SM budget; the
+// plan's tile; the refusals (192 at D = 128, a size of no kernel).
 WEFT_GPU_TEST_ONE_GPU(flash_attention_query_rows) {
   WEFT_CUDA_CHECK(cudaSetDevice(ctx.comm().local(0).device()));
   std::string failures;
@@ -625,14 +625,20 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_query_rows) {
       if (!e.empty()) failures += "\n    " + e;
     }
   AttentionOptions o;
-  for (int rows : {0, 128, 192}) {
-    o.query_rows = rows;
-    const Plan short_seq = flash_attention_forward_plan({16, 1024, 1024, 32, 32, 64}, DType::kBF16, o);
-    const Plan long_seq = flash_attention_forward_plan({2, 8192, 8192, 32, 32, 64}, DType::kBF16, o);
-    WEFT_EXPECT(short_seq.tiles.m == (rows ? rows : 128) && long_seq.tiles.m == (rows ? rows : 192),
-                "query_rows " << rows << ": plan tiles " << short_seq.tiles.m << " (S 1024), "
-                              << long_seq.tiles.m << " (S 8192)");
-  }
+  for (const bool causal : {false, true})
+    for (int rows : {0, 128, 192}) {
+      o.causal = causal;
+      o.query_rows = rows;
+      const Plan short_seq = flash_attention_forward_plan({16, 1024, 1024, 32, 32, 64}, DType::kBF16, o);
+      const Plan long_seq = flash_attention_forward_plan({2, 8192, 8192, 32, 32, 64}, DType::kBF16, o);
+      WEFT_EXPECT(short_seq.tiles.m == (rows     ? rows
+                                        : causal ? 128
+                                                 : 192) &&
+                      long_seq.tiles.m == (rows ? rows : 192),
+                  "query_rows " << rows << (causal ? ", causal" : "") << ": plan tiles " << short_seq.tiles.m
+                                << " (S 1024), " << long_seq.tiles.m << " (S 8192)");
+    }
+  o.causal = false;
   for (auto [rows, dim] : {std::pair{192, 128}, std::pair{64, 64}, std::pair{256, 64}}) {
     o.query_rows = rows;
     std::string msg;

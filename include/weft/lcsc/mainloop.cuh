@@ -151,7 +151,9 @@ namespace weft::lcsc {
 // global memory just before the block's promotion would hold it up:
 //   kScaleAMMajor (1)   from an M-major [K / 128][M] tensor: one box of kBM rows of A a k-block;
 //   kScaleARowMajor (4) from a row-major [M][K / 128] tensor: a box of 4 k-blocks x kBM rows (TMA's box rows
-//                       are 16 bytes at least) starting at the k-block, of which the stage uses the first;
+//                       are 16 bytes at least) starting at the multiple of 4 at or below the k-block (a box
+//                       must start on a 16-byte aligned address: another start is an illegal instruction),
+//                       of which the stage uses the k-block's column;
 //   0                   none (the consumers load the scales themselves).
 inline constexpr int kScaleAMMajor = 1, kScaleARowMajor = 4;
 template <int kBM, int kBN, int kStages, int kScaleAStage = 0>
@@ -174,7 +176,7 @@ struct Fp8PromotingMainloop {
   };
   struct StagedScalesSmem {
     Stage stage[kStages];
-    alignas(128) float scale_a[kStages][kBM * kScaleAStage];  // stage i's: row r's at [r * kScaleAStage]
+    alignas(128) float scale_a[kStages][kBM * kScaleAStage];  // see staged_scale_a
   };
   using Smem = std::conditional_t<kStagedScaleA, StagedScalesSmem, PlainSmem>;
   using Accum = tile::AccumM64<kBN>;
@@ -201,14 +203,15 @@ struct Fp8PromotingMainloop {
       tma::load_2d(stage.a.bytes, a, kb * kBK, m0, full);
       tma::load_2d(stage.b.bytes, b, kb * kBK, n0, full);
       if constexpr (kScaleAStage == kScaleAMMajor) tma::load_2d(s.scale_a[st.stage], scale_a, m0, kb, full);
-      if constexpr (kScaleAStage == kScaleARowMajor) tma::load_2d(s.scale_a[st.stage], scale_a, kb, m0, full);
+      if constexpr (kScaleAStage == kScaleARowMajor)
+        tma::load_2d(s.scale_a[st.stage], scale_a, kb - kb % kScaleARowMajor, m0, full);
       st.advance(kStages);
     }
   }
   // kScaleAStage: the scale of the tile's row r for the k-block in stage `stage` (valid from the consumer's
   // wait for that stage until its release).
-  __device__ static float staged_scale_a(const Smem& s, int stage, int r) {
-    return s.scale_a[stage][r * kScaleAStage];
+  __device__ static float staged_scale_a(const Smem& s, int stage, int kb, int r) {
+    return s.scale_a[stage][r * kScaleAStage + kb % kScaleAStage];
   }
 
   // ---- consumer: warpgroup `wg` sets acc to rows [64 wg, 64 wg + 64) of the tile's product. ----

@@ -31,9 +31,9 @@ struct AttentionOptions {
   // every document (rank r the r-th; the causal work then grows with the rank) instead of the zigzag layout
   // (balanced: weft.ring_shard's default). Ignored without a causal mask (both layouts are contiguous).
   bool contiguous_shards = false;
-  // Single-GPU forward only: query rows per work item, 0 to let the call choose (at head dim 64 128 up to
-  // 2048 query rows, where 192-row blocks pad a short sequence, else 192; 128 at head dim 128); 128, or 192
-  // at head dim 64, to force one (tuning, benchmarks).
+  // Single-GPU forward only: query rows per work item, 0 to let the call choose (at head dim 64 128 for a
+  // causal mask up to 2048 query rows, else 192; 128 at head dim 128); 128, or 192 at head dim 64, to force
+  // one (tuning, benchmarks).
   int query_rows = 0;
 };
 

@@ -116,8 +116,8 @@ struct Fp8GemmOp {
       Mainloop::template mma<kE5M2, kOverlappedPromotion>(
           s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb, int stage) {
             const float b = __ldg(sb + kb);
-            return make_float2(Mainloop::staged_scale_a(s.main, stage, in_tile) * b,
-                               Mainloop::staged_scale_a(s.main, stage, in_tile + 8) * b);
+            return make_float2(Mainloop::staged_scale_a(s.main, stage, kb, in_tile) * b,
+                               Mainloop::staged_scale_a(s.main, stage, kb, in_tile + 8) * b);
           });
       return;
     }
