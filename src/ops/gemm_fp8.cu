@@ -81,16 +81,11 @@ Plan run_op(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
     p.sa_row_step = static_cast<int>(pr.sa_stride ? pr.sa_stride : p.k_blocks);
     p.sa_k_step = 1;
   }
-  if constexpr (Op::kScaleAStage == lcsc::kScaleAMMajor)  // [k_blocks] rows of M scales
+  if constexpr (Op::kStagedScaleA)  // [k_blocks] rows of M scales
     p.scale_a_map = tma::make_map_2d({pr.scales.a, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(p.k_blocks),
                                       uint64_t(pr.m), uint64_t(pr.scales.a_m_stride) * 4},
                                      Mainloop::kScaleABoxRows, Mainloop::kScaleABoxCols,
                                      "weft::gemm_fp8: A's M-major block scales", CU_TENSOR_MAP_SWIZZLE_NONE);
-  if constexpr (Op::kScaleAStage == lcsc::kScaleARowMajor)  // [M] rows of k_blocks scales
-    p.scale_a_map = tma::make_map_2d({pr.scales.a, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(pr.m),
-                                      uint64_t(p.k_blocks), uint64_t(p.sa_row_step) * 4},
-                                     Mainloop::kScaleABoxRows, Mainloop::kScaleABoxCols,
-                                     "weft::gemm_fp8: A's block scales", CU_TENSOR_MAP_SWIZZLE_NONE);
   p.store_mode =
       pr.opt.store == GemmStore::kReduceAdd ? lcsc::StoreMode::kReduceAdd : lcsc::StoreMode::kStore;
   if constexpr (Op::kGrouped) {
@@ -103,15 +98,11 @@ Plan run_op(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
   return plan;
 }
 
-// How A's block scales ride in the pipeline's stages (Fp8GemmOp's kScaleAStage): where TMA can copy them (a
-// 16-byte aligned base, rows of the scale tensor a multiple of 16 bytes apart: an M-major stride, or a
-// row-major one of k-blocks, a multiple of 4 floats), lcsc::kScaleAMMajor or kScaleARowMajor; else 0, the
-// consumers load them.
-int staged_scales(const Fp8Problem& pr) {
-  if (reinterpret_cast<uintptr_t>(pr.scales.a) % 16 != 0) return 0;
-  if (pr.scales.a_m_stride > 0) return pr.scales.a_m_stride % 4 == 0 ? lcsc::kScaleAMMajor : 0;
-  const int64_t row_step = pr.sa_stride ? pr.sa_stride : (pr.k + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
-  return row_step % 4 == 0 ? lcsc::kScaleARowMajor : 0;
+// Whether A's block scales ride in the pipeline's stages (Fp8GemmOp's kStagedScaleA): M-major ones TMA can
+// copy (a 16-byte aligned base, a stride of whole 16 bytes); row-major ones, and others, the consumers load.
+bool staged_scales(const Fp8Problem& pr) {
+  return pr.scales.a_m_stride > 0 && pr.scales.a_m_stride % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(pr.scales.a) % 16 == 0;
 }
 
 template <class OutT, bool kE5M2>
@@ -123,16 +114,11 @@ Plan run_typed(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
     case Fp8Scaling::kRowCol:
       return run_op<ops::Fp8GemmOp<OutT, Fp8Scaling::kRowCol, kE5M2>>(pr, stream, launch);
     default:
-      switch (staged_scales(pr)) {
-        case lcsc::kScaleAMMajor:
-          return run_op<ops::Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc::GemmTileScheduler, true,
-                                       lcsc::kScaleAMMajor>>(pr, stream, launch);
-        case lcsc::kScaleARowMajor:
-          return run_op<ops::Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc::GemmTileScheduler, true,
-                                       lcsc::kScaleARowMajor>>(pr, stream, launch);
-        default:
-          return run_op<ops::Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2>>(pr, stream, launch);
-      }
+      if (staged_scales(pr))
+        return run_op<
+            ops::Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc::GemmTileScheduler, true, true>>(
+            pr, stream, launch);
+      return run_op<ops::Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2>>(pr, stream, launch);
   }
 }
 

@@ -300,8 +300,8 @@ WEFT_GPU_TEST_ONE_GPU(gemm_fp8_rejects_unsupported) {
 // M-major block scales of A (Fp8Scales::a_m_stride: torch's layout for 1 x 128 blockwise scales) give the
 // row-major layout's result bit for bit; the rows between M and the stride hold NaN, never to be read. Each
 // shape twice: a stride of whole 16 bytes (the scales staged by the loader's TMA) and one float more (read
-// by the consumers), each checked against the plan's path; the row-major scales are staged where K / 128 is
-// a multiple of 4 (K = 16 and 1400 here: read by the consumers), checked the same way.
+// by the consumers), each checked against the plan's path; row-major scales are never staged (checked the
+// same way).
 WEFT_GPU_TEST_ONE_GPU(gemm_fp8_m_major_block_scales) {
   Rank& rank = ctx.comm().local(0);
   WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
@@ -310,7 +310,7 @@ WEFT_GPU_TEST_ONE_GPU(gemm_fp8_m_major_block_scales) {
     int64_t m, n, k;
   };
   std::vector<Shape> shapes = {
-      {1, 16, 16}, {129, 264, 1008}, {300, 136, 4096}, {517, 200, 400}, {257, 392, 1400}};
+      {1, 16, 16}, {129, 264, 1008}, {300, 136, 4096}, {517, 200, 400}, {257, 392, 1296}};
   if (!ctx.quick) shapes.push_back({2048, 2048, 7168});
   uint64_t seed = 500;
   for (const Shape& sh : shapes)
@@ -356,7 +356,7 @@ WEFT_GPU_TEST_ONE_GPU(gemm_fp8_m_major_block_scales) {
       const std::string what = std::to_string(sh.m) + "x" + std::to_string(sh.n) + "x" + std::to_string(sh.k);
       WEFT_EXPECT((path.find("staged") != std::string::npos) == staged,
                   what << ", stride " << ld << ": plan path '" << path << "'");
-      WEFT_EXPECT((row_path.find("staged") != std::string::npos) == (g % 4 == 0),
+      WEFT_EXPECT(row_path.find("staged") == std::string::npos,
                   what << ", row-major scales: plan path '" << row_path << "'");
       WEFT_EXPECT(nonfinite == 0, what << ": " << nonfinite << " row-major outputs are not finite");
       WEFT_EXPECT(differ == 0,

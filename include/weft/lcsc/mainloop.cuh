@@ -146,21 +146,14 @@ namespace weft::lcsc {
 // promotion per 128 of K bounds that. The wait for each block's wgmmas before its promotion leaves the
 // tensor cores to the other consumer warpgroup meanwhile (two warpgroups per CTA, staggered by the
 // pipeline), as in DeepGEMM's kernels.
-// kScaleAStage: A's block scales of each k-block (kBM fp32, one per row) ride in the stage beside A, copied
-// by the loader's TMA, so a consumer reads them from shared memory once the stage is full, where a load from
-// global memory just before the block's promotion would hold it up:
-//   kScaleAMMajor (1)   from an M-major [K / 128][M] tensor: one box of kBM rows of A a k-block;
-//   kScaleARowMajor (4) from a row-major [M][K / 128] tensor: a box of 4 k-blocks x kBM rows (TMA's box rows
-//                       are 16 bytes at least) starting at the multiple of 4 at or below the k-block (a box
-//                       must start on a 16-byte aligned address: another start is an illegal instruction),
-//                       of which the stage uses the k-block's column;
-//   0                   none (the consumers load the scales themselves).
-inline constexpr int kScaleAMMajor = 1, kScaleARowMajor = 4;
-template <int kBM, int kBN, int kStages, int kScaleAStage = 0>
+// kStagedScaleA: A's block scales of each k-block (kBM fp32, one per row of the tile) ride in the stage
+// beside A, one box of an M-major [K / 128][M] scale tensor copied by the loader's TMA, so a consumer reads
+// them from shared memory once the stage is full, where a load from global memory just before the block's
+// promotion would hold it up. (Row-major scales, [M][K / 128], would take a box of 4 k-blocks x kBM rows,
+// TMA's box rows being 16 bytes at least, started at a multiple of 4 k-blocks, as a box must start
+// 16-byte aligned: measured slower than the consumers' own loads, bench/RESULTS.md 2026-11-29.)
+template <int kBM, int kBN, int kStages, bool kStagedScaleA = false>
 struct Fp8PromotingMainloop {
-  static_assert(kScaleAStage == 0 || kScaleAStage == kScaleAMMajor || kScaleAStage == kScaleARowMajor,
-                "staged scales: none, M-major or row-major");
-  static constexpr bool kStagedScaleA = kScaleAStage != 0;
   static constexpr int kBK = 128;
   static constexpr int kConsumers = kBM / 64;
   // Staged scales are read by the consumer threads themselves: each warp releases the stage on its own.
@@ -176,24 +169,22 @@ struct Fp8PromotingMainloop {
   };
   struct StagedScalesSmem {
     Stage stage[kStages];
-    alignas(128) float scale_a[kStages][kBM * kScaleAStage];  // see staged_scale_a
+    alignas(128) float scale_a[kStages][kBM];  // stage i's: row r of the tile at [i][r]
   };
   using Smem = std::conditional_t<kStagedScaleA, StagedScalesSmem, PlainSmem>;
   using Accum = tile::AccumM64<kBN>;
 
-  static constexpr uint32_t kScaleABytes = kBM * kScaleAStage * sizeof(float);
+  static constexpr uint32_t kScaleABytes = kStagedScaleA ? kBM * sizeof(float) : 0;
   static constexpr uint32_t kStageTxBytes = sizeof(ATile) + sizeof(BTile) + kScaleABytes;
   static constexpr int kABoxRows = kBM, kABoxCols = kBK;
   static constexpr int kBBoxRows = kBN, kBBoxCols = kBK;
-  // The scale tensor's box (rows x columns of the tensor): M-major, one k-block (row) of kBM rows of A
-  // (columns); row-major, kBM rows of A of 4 k-blocks each.
-  static constexpr int kScaleABoxRows = kScaleAStage == kScaleAMMajor ? 1 : kBM;
-  static constexpr int kScaleABoxCols = kScaleAStage == kScaleAMMajor ? kBM : kScaleARowMajor;
+  // The scale tensor's box (rows x columns): one k-block (row) of kBM rows of A (columns).
+  static constexpr int kScaleABoxRows = 1, kScaleABoxCols = kBM;
   static_assert(kBM % 64 == 0 && kBM <= 256, "one to four consumer warpgroups of 64 rows");
   static_assert(kBN == 64 || kBN == 128 || kBN == 256, "FP8 wgmma wrappers exist for N = 64, 128, 256");
 
   // ---- loader: one thread. The k_blocks stages of the tile whose first element is (m0, n0); with
-  // kScaleAStage, scale_a maps A's scales (rows past M, k-blocks past K / 128 arrive as zeros). ----
+  // kStagedScaleA, scale_a maps A's M-major scales (rows past M arrive as zeros). ----
   __device__ static void load(Smem& s, Pipeline& pipe, PipeState& st, const CUtensorMap* a,
                               const CUtensorMap* b, int m0, int n0, int k_blocks,
                               const CUtensorMap* scale_a = nullptr) {
@@ -202,17 +193,13 @@ struct Fp8PromotingMainloop {
       uint64_t* full = pipe.producer_acquire(st, kStageTxBytes);
       tma::load_2d(stage.a.bytes, a, kb * kBK, m0, full);
       tma::load_2d(stage.b.bytes, b, kb * kBK, n0, full);
-      if constexpr (kScaleAStage == kScaleAMMajor) tma::load_2d(s.scale_a[st.stage], scale_a, m0, kb, full);
-      if constexpr (kScaleAStage == kScaleARowMajor)
-        tma::load_2d(s.scale_a[st.stage], scale_a, kb - kb % kScaleARowMajor, m0, full);
+      if constexpr (kStagedScaleA) tma::load_2d(s.scale_a[st.stage], scale_a, m0, kb, full);
       st.advance(kStages);
     }
   }
-  // kScaleAStage: the scale of the tile's row r for the k-block in stage `stage` (valid from the consumer's
+  // kStagedScaleA: the scale of the tile's row r for the k-block in stage `stage` (valid from the consumer's
   // wait for that stage until its release).
-  __device__ static float staged_scale_a(const Smem& s, int stage, int kb, int r) {
-    return s.scale_a[stage][r * kScaleAStage + kb % kScaleAStage];
-  }
+  __device__ static float staged_scale_a(const Smem& s, int stage, int r) { return s.scale_a[stage][r]; }
 
   // ---- consumer: warpgroup `wg` sets acc to rows [64 wg, 64 wg + 64) of the tile's product. ----
   // factor(kb, stage) gives the promotion factors of k-block kb, held in stage `stage` (its shared memory

@@ -7,8 +7,8 @@
 //            C[i][j] = sa[i] sb[j] (A . B)[i][j];
 //   kBlock   DeepSeek-V3's: A per row and 128-column group of K, [M, K / 128] (row-major, or M-major:
 //            Params::sa_row_step / sa_k_step); B per 128 x 128 block, [N / 128, K / 128] row-major (both
-//            rounded up); each k-block's product is promoted times sa sb. kScaleAStage (either layout,
-//            where TMA can read it): the loader's TMA brings each k-block's A scales into its stage
+//            rounded up); each k-block's product is promoted times sa sb. kStagedScaleA (M-major scales
+//            TMA can read): the loader's TMA brings each k-block's A scales into its stage
 //            (Params::scale_a_map); otherwise each consumer thread loads its rows' scales itself.
 // Tile 128 x 128 x 128: two consumer warpgroups of 64 x 128 (m64n128k32 wgmma), each holding its fp32
 // accumulator and the k-block's product (64 + 64 registers), so a tile's column block is one B scale block.
@@ -31,20 +31,19 @@ namespace weft::ops {
 // hooks leave the registers for them (the fused reduce-scatter's spill with them: one tile there).
 template <class OutT, Fp8Scaling kScaling, bool kE5M2 = false, bool kScalesFromPeers = false,
           class TileScheduler = lcsc::GemmTileScheduler, bool kOverlappedPromotion = true,
-          int kScaleAStage_ = 0>
+          bool kStagedScaleA_ = false>
 struct Fp8GemmOp {
-  static constexpr bool kStagedScaleA = kScaleAStage_ != 0;
-  // Six stages fill the 227 KiB of shared memory with the epilogue's; staged scales (0.5 or 2 KiB a stage)
+  static constexpr bool kStagedScaleA = kStagedScaleA_;
+  // Six stages fill the 227 KiB of shared memory with the epilogue's; staged scales (512 bytes a stage)
   // leave five.
   static constexpr int kBM = 128, kBN = 128, kStages = kStagedScaleA ? 5 : 6;
   static constexpr int kConsumerWarpgroups = kBM / 64;
   static constexpr int kClusterSize = 1;
   static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;
   static constexpr bool kGrouped = false;
-  static constexpr int kScaleAStage = kScaleAStage_;
 
   using Scheduler = TileScheduler;
-  using Mainloop = lcsc::Fp8PromotingMainloop<kBM, kBN, kStages, kScaleAStage_>;
+  using Mainloop = lcsc::Fp8PromotingMainloop<kBM, kBN, kStages, kStagedScaleA>;
   static constexpr int kBK = Mainloop::kBK;
   using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN, kConsumerWarpgroups>;
   using Pipeline = typename Mainloop::Pipeline;
@@ -52,7 +51,7 @@ struct Fp8GemmOp {
   using StoreState = typename Epilogue::State;
   static_assert(kBN == kFp8ScaleBlock && kBK == kFp8ScaleBlock, "a tile's columns and k-block: one block");
   static_assert(!kStagedScaleA || (kScaling == Fp8Scaling::kBlock && !kScalesFromPeers),
-                "staged scales: block scales of A read by TMA, none written by peers while the kernel runs");
+                "staged scales: M-major block scales of A, none written by peers while the kernel runs");
 
   struct Params {
     typename Scheduler::Params sched;
@@ -68,7 +67,7 @@ struct Fp8GemmOp {
     // sectors where the row-major one takes sixteen, but every k-block in a new one, where the row-major
     // layout's rows share a sector over eight k-blocks (L1 hits): measured slower on this path (RESULTS).
     int sa_row_step, sa_k_step;
-    CUtensorMap scale_a_map;  // kScaleAStage: A's scales (Mainloop::kScaleABoxRows x kScaleABoxCols boxes)
+    CUtensorMap scale_a_map;  // kStagedScaleA: A's M-major scales, [k_blocks][M], box 1 x kBM
     lcsc::StoreMode store_mode;
   };
   struct Smem {
@@ -116,8 +115,8 @@ struct Fp8GemmOp {
       Mainloop::template mma<kE5M2, kOverlappedPromotion>(
           s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb, int stage) {
             const float b = __ldg(sb + kb);
-            return make_float2(Mainloop::staged_scale_a(s.main, stage, kb, in_tile) * b,
-                               Mainloop::staged_scale_a(s.main, stage, kb, in_tile + 8) * b);
+            return make_float2(Mainloop::staged_scale_a(s.main, stage, in_tile) * b,
+                               Mainloop::staged_scale_a(s.main, stage, in_tile + 8) * b);
           });
       return;
     }
