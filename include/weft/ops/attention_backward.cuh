@@ -28,7 +28,7 @@
 //              ends inside the TMA box).
 //   convert    (plain kernel) dQ = scale * accumulator, to q's type.
 // Every item adds into dQ in whatever order the blocks reach it (fp32 sums, not bit-reproducible run to run),
-// unless the call asks for determinism: then the adds into one query block take turns in ascending key-block
+// unless the call asks for determinism: then the adds into one query block take turns in descending key-block
 // order (a counter per query block; each add completes before the next one starts), made by a writer warp
 // per consumer warpgroup (helper warps of the loader's warpgroup), so that a turn's wait and the add's
 // completion run beside the warpgroup's next step instead of holding it.
@@ -168,12 +168,12 @@ struct AttentionBwdOp {
   };
   // kDeterministic: a consumer warpgroup hands each staged dQ part to its writer warp (helper_warp): where
   // it goes and its turn, then `full`; the writer waits for the turn, reduce-adds the part, counts it done
-  // and frees the staging buffers (`empty`). A part with key_block < 0 ends the writer.
+  // and frees the staging buffers (`empty`). A part with turn < 0 ends the writer.
   struct DqHandoff {
     uint64_t full, empty;
     int posted;                        // parts handed over so far (the warpgroup's first thread's count)
     int head, row0, batch_coord, seq;  // the dQ accumulator's rows (head, first row, batch coordinate)
-    int m, key_block;                  // the turn: sequence `seq`, query block m, key block key_block
+    int m, turn;                       // sequence `seq`'s query block m, after `turn` key blocks' adds
   };
   struct Smem {
     KTile k;
@@ -293,7 +293,7 @@ struct AttentionBwdOp {
       if (tile::thread_in_warpgroup() == 0) {
         DqHandoff& h = s.dq_handoff[wg];
         tile::mbarrier_wait_bounded(&h.empty, (static_cast<uint32_t>(h.posted) & 1u) ^ 1u);
-        h.key_block = -1;
+        h.turn = -1;
         ++h.posted;
         tile::mbarrier_arrive(&h.full);
       }
@@ -307,9 +307,9 @@ struct AttentionBwdOp {
     DqHandoff& h = s.dq_handoff[wg];
     for (uint32_t k = 0;; ++k) {
       tile::mbarrier_wait_bounded(&h.full, k & 1u);
-      if (h.key_block < 0) return;
+      if (h.turn < 0) return;
       uint64_t* counter = p.dq_order + (int64_t(h.seq) * p.heads + h.head) * p.dq_blocks + h.m;
-      tile::wait_ge_bounded(counter, 2 * static_cast<uint64_t>(h.key_block));
+      tile::wait_ge_bounded(counter, 2 * static_cast<uint64_t>(h.turn));
       ptx::fence_proxy_async_global();  // the earlier adds are complete and visible to this one's TMA
       const lcsc::TmaRows4d part{&p.dq_accum, h.head, h.row0, h.batch_coord, lcsc::StoreMode::kReduceAdd};
       const int col0 = kDqSplitRows ? 0 : wg * kDqCols;
@@ -331,13 +331,27 @@ struct AttentionBwdOp {
     bool causal;
   };
   // Deterministic dQ (kDeterministic, Params::dq_order): the adds into one query block's accumulator happen
-  // in ascending key-block order (the host then schedules key blocks in ascending order, unpaired, so every
-  // block's predecessor is handed out before it: no wait can close a cycle); a counter per (sequence, head,
-  // query block) counts the warpgroup halves added so far, and key block n waits for 2 n of them (the
-  // blocks that add into a query block are always 0 .. some last one). What an add needs to find its turn:
+  // in descending key-block order; a counter per (sequence, head, query block) counts the warpgroup halves
+  // added so far, and key block n waits for 2 (last - n) of them, where the key blocks that add into query
+  // block m are 0 .. last (dq_turn). Descending, because under a causal mask key block n + 1 reaches a query
+  // block two steps before key block n does (it starts two 64-row blocks later): ascending, each key block
+  // would idle those steps at its start, two more than the one before it. The scheduler hands a sequence's
+  // key blocks out last first (AttentionSchedulerParams::reversed), so every add's predecessors are in units
+  // handed out before its own, which a persistent block runs in order: no wait can close a cycle. What an
+  // add needs to find its turn:
   struct DqTurn {
     int batch, head, key_block;
   };
+  // The key blocks that add into query block m before key block n (one of them): those after n up to the
+  // last one whose first key the block's last row sees (query_blocks_shifted, read the other way round).
+  __device__ static int dq_turn(const Lengths& len, int n, int m) {
+    int last = (len.k + kBN - 1) / kBN - 1;
+    if (len.causal) {
+      const int last_key = (m + 1) * kBM - 1 + len.shift;  // >= n kBN >= 0: key block n adds into block m
+      last = min(last, last_key / kBN);
+    }
+    return last - n;
+  }
   __device__ static void step(const Params& p, const Lengths& len, Smem& s, int stage, int wg, int key0,
                               int m, Accum& acc, const lcsc::TmaRows4d& dq_rows, const DqTurn& turn) {
     tile::AccumM64<kBM> sp;  // S^T, then P^T: rows keys, columns queries
@@ -383,7 +397,7 @@ struct AttentionBwdOp {
     wgmma::fence_operands(dq.d);
     wgmma::fence_operands(acc.dv.d);
     wgmma::fence_operands(pa);
-    add_dq_part(p, s, wg, m, dq, dq_rows, turn);
+    add_dq_part(p, len, s, wg, m, dq, dq_rows, turn);
     // dK reads this stage's Q and dS^T: complete before the stage is released.
     wgmma::wait<0>();
     wgmma::fence_operands(acc.dk.d);
@@ -527,7 +541,7 @@ struct AttentionBwdOp {
     reduce_add_pair<0>(s, wg, acc, dest);
     if constexpr (kD / DqChunk::kCols > 2) reduce_add_pair<2>(s, wg, acc, dest);
   }
-  __device__ static void add_dq_part(const Params& p, Smem& s, int wg, int m,
+  __device__ static void add_dq_part(const Params& p, const Lengths& len, Smem& s, int wg, int m,
                                      const tile::AccumM64<kDqCols>& dq, const lcsc::TmaRows4d& dq_rows,
                                      const DqTurn& turn) {
     wait_staging_free(s, wg);
@@ -545,7 +559,7 @@ struct AttentionBwdOp {
       h.batch_coord = part.c3;
       h.seq = turn.batch;
       h.m = m;
-      h.key_block = turn.key_block;
+      h.turn = dq_turn(len, turn.key_block, m);
       ++h.posted;
       tile::mbarrier_arrive(&h.full);
     } else {
