@@ -58,8 +58,9 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.sched.heads = static_cast<int>(sh.kv_heads);
   p.sched.q_blocks = static_cast<int>((sh.seq_k + Op::kBN - 1) / Op::kBN);  // key blocks
   // Causal key blocks cost less the later they are: paired units even that out, except for deterministic
-  // calls, whose dQ turns need ascending order (heaviest first, which balances fairly well too).
+  // calls, whose dQ turns (descending) need the key blocks handed out last first.
   p.sched.paired = c.options.causal && !kDeterministic;
+  p.sched.reversed = kDeterministic;
   p.sched.row_begin = seg.k_begin;
   p.sched.row_end = seg.k_end;
   p.sched.block_rows = Op::kBN;
