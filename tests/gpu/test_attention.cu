@@ -585,10 +585,12 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_deterministic_backward) {
                                          {2, 300, 1000, 4, 1, 128, true, 0.f, 7},
                                          {1, 1000, 300, 2, 2, 64, true, 0.f},
                                          {1, 4099, 4099, 2, 1, 64, true, 0.f},
+                                         {1, 4500, 4100, 2, 1, 64, true, 0.f},
                                          {1, 4096, 4500, 2, 2, 64, false, 0.f, 5}})
     problems.push_back({dense_problem(c), c.max_blocks});
   problems.push_back({packed_problem({{{1, 1}, {900, 900}, {129, 64}, {300, 300}}, 2, 4, 2, 64, true}), 0});
   problems.push_back({packed_problem({{{1000, 1000}, {17, 500}}, 0, 2, 1, 128, false}), 5});
+  problems.push_back({packed_problem({{{4100, 4100}, {300, 4500}, {1, 1}}, 0, 2, 1, 64, true}), 0});
   for (auto& [pr, blocks] : problems) {
     pr.deterministic = true;
     const std::string label = std::string(pr.packed ? "packed " : "") + std::to_string(pr.rows_q) +

@@ -168,12 +168,13 @@ struct AttentionBwdOp {
   };
   // kDeterministic: a consumer warpgroup hands each staged dQ part to its writer warp (helper_warp): where
   // it goes and its turn, then `full`; the writer waits for the turn, reduce-adds the part, counts it done
-  // and frees the staging buffers (`empty`). A part with turn < 0 ends the writer.
+  // and frees the staging buffers (`empty`). A handoff with `end` set ends the writer.
   struct DqHandoff {
     uint64_t full, empty;
     int posted;                        // parts handed over so far (the warpgroup's first thread's count)
     int head, row0, batch_coord, seq;  // the dQ accumulator's rows (head, first row, batch coordinate)
     int m, turn;                       // sequence `seq`'s query block m, after `turn` key blocks' adds
+    int end;                           // no more parts
   };
   struct Smem {
     KTile k;
@@ -196,6 +197,7 @@ struct AttentionBwdOp {
         mbarrier_init(&h.full, 1);
         mbarrier_init(&h.empty, 1);
         h.posted = 0;
+        h.end = 0;
       }
     tma::prefetch_map(&p.q);
     tma::prefetch_map(&p.k);
@@ -217,6 +219,7 @@ struct AttentionBwdOp {
     const int n = key_block(w);
     const SeqRows sr = seq_rows(p.rows, w.batch);
     check_sequence_fits(sr.k_len, p.sched.q_blocks, kBN);
+    if constexpr (kDeterministic) check_sequence_fits(sr.q_len, p.dq_blocks, kBM);  // dq_order's counters
     tile::mbarrier_wait_bounded(&pipe.s_.kv_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
     mbarrier_arrive_expect_tx(&pipe.s_.kv_full, sizeof(KTile) + sizeof(VTile));
     load_head_rows(s.k, &p.k, w.head, sr.k0 + n * kBN, sr.batch, &pipe.s_.kv_full);
@@ -293,7 +296,7 @@ struct AttentionBwdOp {
       if (tile::thread_in_warpgroup() == 0) {
         DqHandoff& h = s.dq_handoff[wg];
         tile::mbarrier_wait_bounded(&h.empty, (static_cast<uint32_t>(h.posted) & 1u) ^ 1u);
-        h.turn = -1;
+        h.end = 1;
         ++h.posted;
         tile::mbarrier_arrive(&h.full);
       }
@@ -307,7 +310,8 @@ struct AttentionBwdOp {
     DqHandoff& h = s.dq_handoff[wg];
     for (uint32_t k = 0;; ++k) {
       tile::mbarrier_wait_bounded(&h.full, k & 1u);
-      if (h.turn < 0) return;
+      if (h.end) return;
+      if (h.turn < 0) __trap();  // (dq_turn of an adder is >= 0: a bug, not a wait that never ends)
       uint64_t* counter = p.dq_order + (int64_t(h.seq) * p.heads + h.head) * p.dq_blocks + h.m;
       tile::wait_ge_bounded(counter, 2 * static_cast<uint64_t>(h.turn));
       ptx::fence_proxy_async_global();  // the earlier adds are complete and visible to this one's TMA
