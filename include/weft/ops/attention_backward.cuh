@@ -46,6 +46,7 @@
 #include "weft/lcsc/kernel.cuh"
 #include "weft/lcsc/pipeline.cuh"
 #include "weft/ops/attention.cuh"
+#include "weft/ops/attention_backward_types.hpp"
 #include "weft/tile/fragment.cuh"
 #include "weft/tile/layout.cuh"
 #include "weft/tile/softmax.cuh"
@@ -53,31 +54,6 @@
 #include "weft/tile/wgmma.cuh"
 
 namespace weft::ops {
-
-inline constexpr int kAttentionBwdBlockN = 128;  // keys per work item, 64 per consumer warpgroup
-
-// The query blocks [begin, end) of block_rows rows that see some key of key block n. Causal: query row i
-// sees key j iff j <= i + shift (bottom-right: shift = seq_k - seq_q), so the first row that sees the block's
-// first key, n * kBN, is n * kBN - shift.
-struct QueryBlocks {
-  int begin = 0, end = 0;
-};
-__host__ __device__ inline QueryBlocks query_blocks_shifted(int key_block, int seq_q, int shift, bool causal,
-                                                            int block_rows) {
-  constexpr int kBN = kAttentionBwdBlockN;
-  QueryBlocks qb;
-  qb.end = (seq_q + block_rows - 1) / block_rows;
-  if (causal) {
-    const int64_t first_row = int64_t(key_block) * kBN - shift;
-    if (first_row > 0)
-      qb.begin = static_cast<int>(first_row / block_rows < qb.end ? first_row / block_rows : qb.end);
-  }
-  return qb;
-}
-__host__ __device__ inline QueryBlocks query_blocks(int key_block, int seq_q, int seq_k, bool causal,
-                                                    int block_rows) {
-  return query_blocks_shifted(key_block, seq_q, seq_k - seq_q, causal, block_rows);
-}
 
 // Where sequence b's per-row terms (LSE, D) begin in the workspace's rows: a multiple of 4, so that every
 // query block's 64 floats start on a 16-byte boundary (TMA boxes do in the innermost dimension). Packed:
@@ -347,14 +323,9 @@ struct AttentionBwdOp {
     int batch, head, key_block;
   };
   // The key blocks that add into query block m before key block n (one of them): those after n up to the
-  // last one whose first key the block's last row sees (query_blocks_shifted, read the other way round).
+  // last one (last_key_block_of).
   __device__ static int dq_turn(const Lengths& len, int n, int m) {
-    int last = (len.k + kBN - 1) / kBN - 1;
-    if (len.causal) {
-      const int last_key = (m + 1) * kBM - 1 + len.shift;  // >= n kBN >= 0: key block n adds into block m
-      last = min(last, last_key / kBN);
-    }
-    return last - n;
+    return last_key_block_of(m, len.k, len.shift, len.causal, kBM) - n;
   }
   __device__ static void step(const Params& p, const Lengths& len, Smem& s, int stage, int wg, int key0,
                               int m, Accum& acc, const lcsc::TmaRows4d& dq_rows, const DqTurn& turn) {
