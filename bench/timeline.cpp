@@ -84,18 +84,7 @@ Table record_timeline_one_gpu(const std::function<void(TimelineBuffer*)>& call, 
     call(tl);
     WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
-  TimelineBuffer got{};
-  WEFT_CUDA_CHECK(cudaMemcpy(&got, tl, offsetof(TimelineBuffer, events), cudaMemcpyDeviceToHost));
-  TimelineRecord rec;
-  const uint32_t stored = std::min(got.count, got.capacity);
-  rec.dropped = got.count - stored;
-  rec.events.resize(stored);
-  if (stored)
-    WEFT_CUDA_CHECK(
-        cudaMemcpy(rec.events.data(), tl->events, sizeof(TimelineEvent) * stored, cudaMemcpyDeviceToHost));
-  std::stable_sort(rec.events.begin(), rec.events.end(),
-                   [](const TimelineEvent& a, const TimelineEvent& b) { return a.t_ns < b.t_ns; });
-  return timeline_table({rec}, label, path);
+  return timeline_table({read_timeline(tl)}, label, path);
 }
 
 Table timeline_table(const std::vector<TimelineRecord>& records, const std::string& label,
