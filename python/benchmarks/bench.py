@@ -345,7 +345,8 @@ def bench_host_overhead(comm, world):
     }
     # The host's speed drifts while a run lasts (lent machines were seen switching between two speeds ~1.5x
     # apart, mid-run): each row is also given as a multiple of a plain torch launch (x.add_) timed just before
-    # and after it, a figure that compares across runs, builds and machines.
+    # and after it. That damps the drift without removing it (the ratio of torch's own dist.all_reduce moved
+    # ~10% between the two speeds, bench/RESULTS.md 2026-11-29): compare builds within one process speed.
     launch = lambda: small.add_(1)  # noqa: E731
     rows = []
     for name, fn in cases.items():

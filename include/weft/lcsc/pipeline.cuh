@@ -52,7 +52,8 @@ class Pipeline {
   __device__ void init() {
     for (int i = 0; i < kStages; ++i) {
       mbarrier_init(&s_.full[i], 1);
-      mbarrier_init(&s_.empty[i], kConsumerWarpgroups * kClusterSize * (kWarpArrivals ? 4 : 1));
+      mbarrier_init(&s_.empty[i],
+                    kConsumerWarpgroups * kClusterSize * (kWarpArrivals ? tile::kWarpgroupThreads / 32 : 1));
     }
   }
 

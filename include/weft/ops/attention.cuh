@@ -147,8 +147,9 @@ __device__ __forceinline__ void load_head_rows(Tile& t, const CUtensorMap* map, 
     tma::load_4d(t.block(b), map, b * Tile::kBlockCols, head, row0, batch, bar);
 }
 
-// kWarpgroups: consumer warpgroups (64 query rows each); the single-GPU forward takes 2 at D = 64 where a
-// sequence's 192-row blocks would pad it more (src/ops/attention.cu).
+// kWarpgroups: consumer warpgroups (64 query rows each); the single-GPU forward takes 2 at D = 64 for a
+// causal mask up to 2048 query rows, 3 otherwise (src/ops/attention.cu; AttentionOptions::query_rows forces
+// one).
 template <int kHeadDim, class T = __nv_bfloat16, int kWarpgroups = attention_warpgroups(kHeadDim)>
 struct AttentionFwdOp {
   static_assert(tile::kIs16Bit<T>, "bf16 or fp16 tensors");
