@@ -22,9 +22,9 @@ struct Call {
 
 // Query rows per step of the kernel (AttentionBwdOp's kBlockM): 128 at D = 64 from 4096 queries on
 // (1.03-1.09x the 64-row kernel's speed there; 0.88-0.92x at 1024 queries, where an item has only a few
-// steps), else 64.
-int block_rows(const AttentionShape& s, bool deterministic) {
-  return s.head_dim == 64 && s.seq_q >= 4096 && !deterministic ? 128 : 64;
+// steps), else 64; deterministic calls alike (each warpgroup's dQ part is then 64 of the block's rows).
+int block_rows(const AttentionShape& s) {
+  return s.head_dim == 64 && s.seq_q >= 4096 ? 128 : 64;
 }
 
 // The workspace: the fp32 dQ accumulator (q's layout), then LSE * log2(e) and D per query row, [heads,
@@ -39,7 +39,7 @@ struct Workspace {
     term_stride = (ops::attention_term_rows(seg.packed(), seg.total_q, s.batch, s.seq_q) + 127) / 64 * 64;
     accum_bytes = (size_t(rows * s.heads * s.head_dim) * 4 + 255) / 256 * 256;
     row_bytes = size_t(s.heads * term_stride) * 4;  // a multiple of 256
-    const int64_t block_m = block_rows(s, o.deterministic);
+    const int64_t block_m = block_rows(s);
     dq_blocks = (s.seq_q + block_m - 1) / block_m;
     if (o.deterministic) order_bytes = size_t(s.batch * s.heads * dq_blocks) * 8;
   }
@@ -58,8 +58,9 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.sched.heads = static_cast<int>(sh.kv_heads);
   p.sched.q_blocks = static_cast<int>((sh.seq_k + Op::kBN - 1) / Op::kBN);  // key blocks
   // Causal key blocks cost less the later they are: paired units even that out, except for deterministic
-  // calls, whose dQ turns need ascending order (heaviest first, which balances fairly well too).
+  // calls, whose dQ turns (descending) need the key blocks handed out last first.
   p.sched.paired = c.options.causal && !kDeterministic;
+  p.sched.reversed = kDeterministic;
   p.sched.row_begin = seg.k_begin;
   p.sched.row_end = seg.k_end;
   p.sched.block_rows = Op::kBN;
@@ -146,8 +147,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
 template <class T, bool kDeterministic>
 Plan by_shape(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   if (c.shape.head_dim == 128) return run<128, T, kDeterministic>(c, dtype, stream, launch);
-  if constexpr (!kDeterministic)
-    if (block_rows(c.shape, false) == 128) return run<64, T, false, 128>(c, dtype, stream, launch);
+  if (block_rows(c.shape) == 128) return run<64, T, kDeterministic, 128>(c, dtype, stream, launch);
   return run<64, T, kDeterministic>(c, dtype, stream, launch);
 }
 template <bool kDeterministic>

@@ -574,7 +574,7 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_fp16) {
 }
 
 // The deterministic backward: within tolerance, and the same bits in three runs (with several persistent
-// blocks per item order, causal and not, GQA, packed).
+// blocks per item order, causal and not, GQA, packed, D = 64 from 4096 queries on: 128 query rows a step).
 WEFT_GPU_TEST_ONE_GPU(flash_attention_deterministic_backward) {
   WEFT_CUDA_CHECK(cudaSetDevice(ctx.comm().local(0).device()));
   std::string failures;
@@ -583,10 +583,14 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_deterministic_backward) {
   for (const Case& c : std::vector<Case>{{2, 1000, 1000, 8, 2, 128, true, 0.f},
                                          {1, 700, 700, 4, 4, 64, false, 0.f},
                                          {2, 300, 1000, 4, 1, 128, true, 0.f, 7},
-                                         {1, 1000, 300, 2, 2, 64, true, 0.f}})
+                                         {1, 1000, 300, 2, 2, 64, true, 0.f},
+                                         {1, 4099, 4099, 2, 1, 64, true, 0.f},
+                                         {1, 4500, 4100, 2, 1, 64, true, 0.f},
+                                         {1, 4096, 4500, 2, 2, 64, false, 0.f, 5}})
     problems.push_back({dense_problem(c), c.max_blocks});
   problems.push_back({packed_problem({{{1, 1}, {900, 900}, {129, 64}, {300, 300}}, 2, 4, 2, 64, true}), 0});
   problems.push_back({packed_problem({{{1000, 1000}, {17, 500}}, 0, 2, 1, 128, false}), 5});
+  problems.push_back({packed_problem({{{4100, 4100}, {300, 4500}, {1, 1}}, 0, 2, 1, 64, true}), 0});
   for (auto& [pr, blocks] : problems) {
     pr.deterministic = true;
     const std::string label = std::string(pr.packed ? "packed " : "") + std::to_string(pr.rows_q) +
@@ -675,9 +679,15 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_small) {
     d.deterministic = true;
     e = run_backward(d, 53, 2, "small deterministic D=64 causal blocks=2");
   }
-  // The backward's kernel of 128 query rows per step (D = 64 from 4096 queries on), on two blocks.
+  // The backward's kernel of 128 query rows per step (D = 64 from 4096 queries on), on two blocks; and
+  // deterministic.
   if (e.empty())
     e = run_backward(dense_problem({1, 4100, 4100, 1, 1, 64, true, 0.f}), 59, 2, "D=64 4100 causal");
+  if (e.empty()) {
+    Problem d = dense_problem({1, 4100, 4100, 1, 1, 64, true, 0.f});
+    d.deterministic = true;
+    e = run_backward(d, 61, 2, "deterministic D=64 4100 causal blocks=2");
+  }
   if (!e.empty()) failures += "\n    " + e;
   WEFT_EXPECT(failures.empty(), failures);
 }

@@ -157,28 +157,36 @@ TEST(OwnerRoundsScheduler, OwnTileAfterEveryPeersPartial) {
           }
 }
 
+namespace {
+
+// Five sequences of three heads, 8 blocks at most; packed: rows of 64 per block, 5, 1, 8, 3 and 0 blocks.
+const std::vector<int> kFiveBegin = {0, 317, 318, 830, 1023}, kFiveEnd = {317, 318, 830, 980, 1023};
+AttentionSchedulerParams five_sequences(bool packed, bool heads_outer, int blocks, int section_pairs) {
+  AttentionSchedulerParams p;
+  p.heads_outer = heads_outer;
+  p.batch = 5;
+  p.heads = 3;
+  p.q_blocks = 8;
+  if (packed) {
+    p.row_begin = kFiveBegin.data();
+    p.row_end = kFiveEnd.data();
+    p.block_rows = 64;
+  }
+  p.compute_blocks = blocks;
+  p.section_pairs = section_pairs;
+  return p;
+}
+
+}  // namespace
+
 TEST(AttentionScheduler, EveryItemOnceWithVariableLengths) {
-  // Packed rows of five sequences, 64 rows per block: 5, 1, 8, 3 and 0 blocks (the longest is 8).
-  const std::vector<int> begin = {0, 317, 318, 830, 1023}, end = {317, 318, 830, 980, 1023};
   const std::vector<int> blocks_of = {5, 1, 8, 3, 0};
   for (int order = 0; order < 4; ++order)
     for (bool packed : {false, true})
       for (int blocks : {1, 3, 7, 132})
         for (int section_pairs : {0, 1, 5, 15, 40}) {  // 15 = every pair; 5 leaves a short last section
-          const bool paired = order & 1;
-          AttentionSchedulerParams p;
-          p.heads_outer = order & 2;
-          p.batch = 5;
-          p.heads = 3;
-          p.q_blocks = 8;
-          if (packed) {
-            p.row_begin = begin.data();
-            p.row_end = end.data();
-            p.block_rows = 64;
-          }
-          p.paired = paired;
-          p.compute_blocks = blocks;
-          p.section_pairs = section_pairs;
+          AttentionSchedulerParams p = five_sequences(packed, order & 2, blocks, section_pairs);
+          p.paired = order & 1;
           std::set<std::tuple<int, int, int>> seen;
           for (const auto& items : walk_attention(p)) {
             int iteration = 0;
@@ -192,6 +200,66 @@ TEST(AttentionScheduler, EveryItemOnceWithVariableLengths) {
           }
           EXPECT_EQ(seen.size(), size_t(p.heads) * (packed ? 5 + 1 + 8 + 3 : p.batch * p.q_blocks));
         }
+}
+
+namespace {
+
+// Whether persistent blocks that each run their items in order finish them all when item (b, h, n) cannot
+// finish before item (b, h, n + 1) has (where both exist): the deterministic attention backward's dQ turns
+// (each key block's adds wait for the later key blocks' adds into the same query block).
+bool runs_to_the_end_waiting_for_the_next_block(const std::vector<std::vector<AttentionWork>>& blocks,
+                                                const std::set<std::tuple<int, int, int>>& items) {
+  std::set<std::tuple<int, int, int>> done;
+  std::vector<size_t> next(blocks.size(), 0);
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (size_t c = 0; c < blocks.size(); ++c)
+      while (next[c] < blocks[c].size()) {
+        const AttentionWork& w = blocks[c][next[c]];
+        const std::tuple<int, int, int> after{w.batch, w.head, w.q_block + 1};
+        if (items.count(after) && !done.count(after)) break;
+        done.insert({w.batch, w.head, w.q_block});
+        ++next[c];
+        moved = true;
+      }
+  }
+  return done.size() == items.size();
+}
+
+}  // namespace
+
+// Reversed: every item once, a pair's blocks last first; with waits on the next block, the blocks always run
+// to the end (the same waits in the forward order can leave every block waiting).
+TEST(AttentionScheduler, ReversedRunsWaitsOnLaterBlocksToTheEnd) {
+  bool forward_stuck = false;
+  for (bool reversed : {true, false})
+    for (bool packed : {false, true})
+      for (bool heads_outer : {false, true})
+        for (int blocks : {1, 2, 3, 7, 132})
+          for (int section_pairs : {0, 1, 5}) {
+            AttentionSchedulerParams p = five_sequences(packed, heads_outer, blocks, section_pairs);
+            p.reversed = reversed;
+            const auto walked = walk_attention(p);
+            std::set<std::tuple<int, int, int>> items;
+            for (const auto& block : walked)
+              for (const AttentionWork& w : block) {
+                EXPECT_TRUE(items.insert({w.batch, w.head, w.q_block}).second) << "an item twice";
+                if (!reversed) continue;
+                for (const AttentionWork& earlier : block)  // a pair's later blocks before its earlier ones
+                  if (&earlier == &w)
+                    break;
+                  else if (earlier.batch == w.batch && earlier.head == w.head)
+                    EXPECT_GT(earlier.q_block, w.q_block);
+              }
+            EXPECT_EQ(items.size(), size_t(p.heads) * (packed ? 5 + 1 + 8 + 3 : p.batch * p.q_blocks));
+            const bool finished = runs_to_the_end_waiting_for_the_next_block(walked, items);
+            if (reversed)
+              EXPECT_TRUE(finished) << blocks << " blocks, sections of " << section_pairs
+                                    << (packed ? ", packed" : "") << (heads_outer ? ", heads outer" : "");
+            else
+              forward_stuck |= !finished;
+          }
+  EXPECT_TRUE(forward_stuck) << "the check never fails: it does not test the order";
 }
 
 // Heads outer, sections of one head's pairs: every block takes its items head after head.

@@ -15,6 +15,8 @@
 // Packed variable-length sequences give each sequence its own count of blocks, from its rows [row_begin[b],
 // row_end[b]) (device memory) in blocks of `block_rows`; the items past a sequence's count are skipped. One
 // CTA per item: ops using it run clusters of 1.
+// `reversed` hands a pair's blocks out last first (the deterministic attention backward's dQ turns wait for
+// later key blocks, which must be handed out before the waiting ones).
 // `heads_outer` numbers the pairs head by head (pair = head * batch + b) instead of sequence by sequence:
 // with sections of whole heads, the items of head h all come before those of head h + 1 (an op whose heads
 // arrive one after another, e.g. Ulysses attention's pushes, starts on the first).
@@ -32,6 +34,7 @@ struct AttentionSchedulerParams {
   const int* row_end = nullptr;
   int block_rows = 0;        // rows per block (packed sequences)
   bool paired = false;       // causal: blocks j and count - 1 - j as one unit (see above)
+  bool reversed = false;     // blocks in descending order: unit row r is block count - 1 - r (not paired)
   int section_pairs = 0;     // (batch, head) pairs per L2 section; 0: one section
   int compute_blocks = 0;    // blocks [0, compute_blocks) compute; the rest of the grid communicates
   bool heads_outer = false;  // pairs numbered head-major (see above)
@@ -98,7 +101,7 @@ class AttentionScheduler {
       if (p_.paired ? 2 * row >= count : row >= count) continue;  // past this sequence's end
       w.batch = b;
       w.head = p_.heads_outer ? pair / p_.batch : pair - b * p_.heads;
-      w.q_block = p_.paired ? count - 1 - row : row;
+      w.q_block = p_.paired || p_.reversed ? count - 1 - row : row;
       if (p_.paired && row != count - 1 - row) {
         second_ = row;
         second_batch_ = w.batch;

@@ -28,8 +28,10 @@
 //              ends inside the TMA box).
 //   convert    (plain kernel) dQ = scale * accumulator, to q's type.
 // Every item adds into dQ in whatever order the blocks reach it (fp32 sums, not bit-reproducible run to run),
-// unless the call asks for determinism: then the adds into one query block take turns in ascending key-block
-// order (a counter per query block; each add completes before the next one starts).
+// unless the call asks for determinism: then the adds into one query block take turns in descending key-block
+// order (a counter per query block; each add completes before the next one starts), made by a writer warp
+// per consumer warpgroup (helper warps of the loader's warpgroup), so that a turn's wait and the add's
+// completion run beside the warpgroup's next step instead of holding it.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -44,6 +46,7 @@
 #include "weft/lcsc/kernel.cuh"
 #include "weft/lcsc/pipeline.cuh"
 #include "weft/ops/attention.cuh"
+#include "weft/ops/attention_backward_types.hpp"
 #include "weft/tile/fragment.cuh"
 #include "weft/tile/layout.cuh"
 #include "weft/tile/softmax.cuh"
@@ -51,31 +54,6 @@
 #include "weft/tile/wgmma.cuh"
 
 namespace weft::ops {
-
-inline constexpr int kAttentionBwdBlockN = 128;  // keys per work item, 64 per consumer warpgroup
-
-// The query blocks [begin, end) of block_rows rows that see some key of key block n. Causal: query row i
-// sees key j iff j <= i + shift (bottom-right: shift = seq_k - seq_q), so the first row that sees the block's
-// first key, n * kBN, is n * kBN - shift.
-struct QueryBlocks {
-  int begin = 0, end = 0;
-};
-__host__ __device__ inline QueryBlocks query_blocks_shifted(int key_block, int seq_q, int shift, bool causal,
-                                                            int block_rows) {
-  constexpr int kBN = kAttentionBwdBlockN;
-  QueryBlocks qb;
-  qb.end = (seq_q + block_rows - 1) / block_rows;
-  if (causal) {
-    const int64_t first_row = int64_t(key_block) * kBN - shift;
-    if (first_row > 0)
-      qb.begin = static_cast<int>(first_row / block_rows < qb.end ? first_row / block_rows : qb.end);
-  }
-  return qb;
-}
-__host__ __device__ inline QueryBlocks query_blocks(int key_block, int seq_q, int seq_k, bool causal,
-                                                    int block_rows) {
-  return query_blocks_shifted(key_block, seq_q, seq_k - seq_q, causal, block_rows);
-}
 
 // Where sequence b's per-row terms (LSE, D) begin in the workspace's rows: a multiple of 4, so that every
 // query block's 64 floats start on a 16-byte boundary (TMA boxes do in the innermost dimension). Packed:
@@ -164,6 +142,16 @@ struct AttentionBwdOp {
     float scale, scale_log2;
     int causal;
   };
+  // kDeterministic: a consumer warpgroup hands each staged dQ part to its writer warp (helper_warp): where
+  // it goes and its turn, then `full`; the writer waits for the turn, reduce-adds the part, counts it done
+  // and frees the staging buffers (`empty`). A handoff with `end` set ends the writer.
+  struct DqHandoff {
+    uint64_t full, empty;
+    int posted;                        // parts handed over so far (the warpgroup's first thread's count)
+    int head, row0, batch_coord, seq;  // the dQ accumulator's rows (head, first row, batch coordinate)
+    int m, turn;                       // sequence `seq`'s query block m, after `turn` key blocks' adds
+    int end;                           // no more parts
+  };
   struct Smem {
     KTile k;
     VTile v;
@@ -173,12 +161,20 @@ struct AttentionBwdOp {
     alignas(128) float dsum[kStages][kBM];
     typename Epilogue::Smem epi;  // dK / dV staging; a warpgroup's two buffers also stage its dQ part
     typename Pipeline::Storage pipe;
+    DqHandoff dq_handoff[kConsumerWarpgroups];  // kDeterministic
   };
   struct Accum {
     tile::AccumM64<kD> dk, dv;
   };
 
-  __device__ static void init(const Params& p, Smem&) {
+  __device__ static void init(const Params& p, Smem& s) {
+    if constexpr (kDeterministic)
+      for (DqHandoff& h : s.dq_handoff) {
+        mbarrier_init(&h.full, 1);
+        mbarrier_init(&h.empty, 1);
+        h.posted = 0;
+        h.end = 0;
+      }
     tma::prefetch_map(&p.q);
     tma::prefetch_map(&p.k);
     tma::prefetch_map(&p.v);
@@ -199,6 +195,7 @@ struct AttentionBwdOp {
     const int n = key_block(w);
     const SeqRows sr = seq_rows(p.rows, w.batch);
     check_sequence_fits(sr.k_len, p.sched.q_blocks, kBN);
+    if constexpr (kDeterministic) check_sequence_fits(sr.q_len, p.dq_blocks, kBM);  // dq_order's counters
     tile::mbarrier_wait_bounded(&pipe.s_.kv_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
     mbarrier_arrive_expect_tx(&pipe.s_.kv_full, sizeof(KTile) + sizeof(VTile));
     load_head_rows(s.k, &p.k, w.head, sr.k0 + n * kBN, sr.batch, &pipe.s_.kv_full);
@@ -248,7 +245,7 @@ struct AttentionBwdOp {
   __device__ static void store(const Params& p, Smem& s, const lcsc::AttentionWork& w, int wg,
                                const Accum& acc, StoreState& es) {
     // The epilogue's buffers staged this warpgroup's dQ parts: wait until the last reduce-add has read them.
-    wait_staging_free(wg);
+    wait_staging_free(s, wg);
     const SeqRows sr = seq_rows(p.rows, w.batch);
     const int row0 = key_block(w) * kBN + 64 * wg;
     if (p.dkv_fp32) {  // rows past the sequence's keys hold exact zeros: harmless to add
@@ -269,8 +266,41 @@ struct AttentionBwdOp {
       tile::store_rows(acc.dv, p.dv_out + first, stride, sr.k_len - row0);
     }
   }
-  __device__ static void finish(const Params&, Smem&, int, StoreState& es) {
+  __device__ static void finish(const Params&, Smem& s, int wg, StoreState& es) {
     Epilogue::finish(es);
+    if constexpr (kDeterministic)  // the writer's last part: none
+      if (tile::thread_in_warpgroup() == 0) {
+        DqHandoff& h = s.dq_handoff[wg];
+        tile::mbarrier_wait_bounded(&h.empty, (static_cast<uint32_t>(h.posted) & 1u) ^ 1u);
+        h.end = 1;
+        ++h.posted;
+        tile::mbarrier_arrive(&h.full);
+      }
+  }
+
+  // ---- helper warps (kDeterministic): warp w < kConsumerWarpgroups writes consumer warpgroup w's dQ parts
+  // in their turns (see DqHandoff), its first lane alone. ----
+  __device__ static void helper_warp(const Params& p, Smem& s, int index, int) requires kDeterministic {
+    const int wg = index % lcsc::kHelperWarps;
+    if (wg >= kConsumerWarpgroups || threadIdx.x % 32 != 0) return;
+    DqHandoff& h = s.dq_handoff[wg];
+    for (uint32_t k = 0;; ++k) {
+      tile::mbarrier_wait_bounded(&h.full, k & 1u);
+      if (h.end) return;
+      if (h.turn < 0) __trap();  // (dq_turn of an adder is >= 0: a bug, not a wait that never ends)
+      uint64_t* counter = p.dq_order + (int64_t(h.seq) * p.heads + h.head) * p.dq_blocks + h.m;
+      tile::wait_ge_bounded(counter, 2 * static_cast<uint64_t>(h.turn));
+      ptx::fence_proxy_async_global();  // the earlier adds are complete and visible to this one's TMA
+      const lcsc::TmaRows4d part{&p.dq_accum, h.head, h.row0, h.batch_coord, lcsc::StoreMode::kReduceAdd};
+      const int col0 = kDqSplitRows ? 0 : wg * kDqCols;
+#pragma unroll
+      for (int c = 0; c < kDqChunks; ++c) part.issue(col0 + c * DqChunk::kCols, staging(s, wg, c));
+      bulk_commit();
+      bulk_wait<0>();  // this add complete (written, not only read) before the next one's turn
+      ptx::fence_proxy_async_global();
+      ptx::red_release_gpu_add(counter, 1);
+      tile::mbarrier_arrive(&h.empty);  // the staging buffers free
+    }
   }
 
  protected:
@@ -281,13 +311,22 @@ struct AttentionBwdOp {
     bool causal;
   };
   // Deterministic dQ (kDeterministic, Params::dq_order): the adds into one query block's accumulator happen
-  // in ascending key-block order (the host then schedules key blocks in ascending order, unpaired, so every
-  // block's predecessor is handed out before it: no wait can close a cycle); a counter per (sequence, head,
-  // query block) counts the warpgroup halves added so far, and key block n waits for 2 n of them (the
-  // blocks that add into a query block are always 0 .. some last one). What an add needs to find its turn:
+  // in descending key-block order; a counter per (sequence, head, query block) counts the warpgroup halves
+  // added so far, and key block n waits for 2 (last - n) of them, where the key blocks that add into query
+  // block m are 0 .. last (dq_turn). Descending, because under a causal mask key block n + 1 reaches a query
+  // block two steps before key block n does (it starts two 64-row blocks later): ascending, each key block
+  // would idle those steps at its start, two more than the one before it. The scheduler hands a sequence's
+  // key blocks out last first (AttentionSchedulerParams::reversed), so every add's predecessors are in units
+  // handed out before its own, which a persistent block runs in order: no wait can close a cycle. What an
+  // add needs to find its turn:
   struct DqTurn {
     int batch, head, key_block;
   };
+  // The key blocks that add into query block m before key block n (one of them): those after n up to the
+  // last one (last_key_block_of).
+  __device__ static int dq_turn(const Lengths& len, int n, int m) {
+    return last_key_block_of(m, len.k, len.shift, len.causal, kBM) - n;
+  }
   __device__ static void step(const Params& p, const Lengths& len, Smem& s, int stage, int wg, int key0,
                               int m, Accum& acc, const lcsc::TmaRows4d& dq_rows, const DqTurn& turn) {
     tile::AccumM64<kBM> sp;  // S^T, then P^T: rows keys, columns queries
@@ -333,7 +372,7 @@ struct AttentionBwdOp {
     wgmma::fence_operands(dq.d);
     wgmma::fence_operands(acc.dv.d);
     wgmma::fence_operands(pa);
-    add_dq_part(p, s, wg, m, dq, dq_rows, turn);
+    add_dq_part(p, len, s, wg, m, dq, dq_rows, turn);
     // dK reads this stage's Q and dS^T: complete before the stage is released.
     wgmma::wait<0>();
     wgmma::fence_operands(acc.dk.d);
@@ -437,8 +476,16 @@ struct AttentionBwdOp {
   __device__ static void* staging(Smem& s, int wg, int chunk) {
     return s.epi.buf[wg][chunk].bytes;
   }
-  __device__ static void wait_staging_free(int wg) {
-    if (tile::thread_in_warpgroup() == 0) bulk_wait_read<0>();
+  // Until the staging buffers are free: the first thread's own reduce-adds have read them and
+  // (kDeterministic) the writer warp has written every part handed to it.
+  __device__ static void wait_staging_free(Smem& s, int wg) {
+    if (tile::thread_in_warpgroup() == 0) {
+      bulk_wait_read<0>();
+      if constexpr (kDeterministic) {
+        DqHandoff& h = s.dq_handoff[wg];
+        tile::mbarrier_wait_bounded(&h.empty, (static_cast<uint32_t>(h.posted) & 1u) ^ 1u);
+      }
+    }
     tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
   }
   template <int kChunk>
@@ -452,7 +499,7 @@ struct AttentionBwdOp {
   __device__ static void reduce_add_pair(Smem& s, int wg, const tile::AccumM64<kD>& acc,
                                          const lcsc::TmaRows4d& dest) {
     constexpr int kChunks = kD / DqChunk::kCols;
-    wait_staging_free(wg);
+    wait_staging_free(s, wg);
     tile::store_accum_chunk<kChunk, float>(acc, *reinterpret_cast<DqChunk*>(staging(s, wg, 0)));
     if constexpr (kChunk + 1 < kChunks)
       tile::store_accum_chunk<kChunk + 1, float>(acc, *reinterpret_cast<DqChunk*>(staging(s, wg, 1)));
@@ -469,33 +516,32 @@ struct AttentionBwdOp {
     reduce_add_pair<0>(s, wg, acc, dest);
     if constexpr (kD / DqChunk::kCols > 2) reduce_add_pair<2>(s, wg, acc, dest);
   }
-  __device__ static void add_dq_part(const Params& p, Smem& s, int wg, int m,
+  __device__ static void add_dq_part(const Params& p, const Lengths& len, Smem& s, int wg, int m,
                                      const tile::AccumM64<kDqCols>& dq, const lcsc::TmaRows4d& dq_rows,
                                      const DqTurn& turn) {
-    wait_staging_free(wg);
+    wait_staging_free(s, wg);
     stage_dq_chunk<0>(s, wg, dq);
     stage_dq_chunk<1>(s, wg, dq);
     fence_proxy_async_smem();
     tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
-    if (tile::thread_in_warpgroup() == 0) {
-      uint64_t* counter = nullptr;
-      if constexpr (kDeterministic) {  // the earlier adds are complete and visible to this one's TMA
-        counter = p.dq_order + (int64_t(turn.batch) * p.heads + turn.head) * p.dq_blocks + m;
-        tile::wait_ge_bounded(counter, 2 * static_cast<uint64_t>(turn.key_block));
-        ptx::fence_proxy_async_global();
-      }
-      lcsc::TmaRows4d part = dq_rows;
-      if constexpr (kDqSplitRows) part.row0 += kWgRows * wg;
+    if (tile::thread_in_warpgroup() != 0) return;
+    lcsc::TmaRows4d part = dq_rows;
+    if constexpr (kDqSplitRows) part.row0 += kWgRows * wg;
+    if constexpr (kDeterministic) {  // to the writer warp, which takes the turn
+      DqHandoff& h = s.dq_handoff[wg];
+      h.head = part.c1;
+      h.row0 = part.row0;
+      h.batch_coord = part.c3;
+      h.seq = turn.batch;
+      h.m = m;
+      h.turn = dq_turn(len, turn.key_block, m);
+      ++h.posted;
+      tile::mbarrier_arrive(&h.full);
+    } else {
       const int col0 = kDqSplitRows ? 0 : wg * kDqCols;
 #pragma unroll
       for (int c = 0; c < kDqChunks; ++c) part.issue(col0 + c * DqChunk::kCols, staging(s, wg, c));
       bulk_commit();
-      if constexpr (kDeterministic) {  // this add complete (written, not only read) before the next one's
-                                       // turn
-        bulk_wait<0>();
-        ptx::fence_proxy_async_global();
-        asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
-      }
     }
   }
 };
