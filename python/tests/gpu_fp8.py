@@ -114,6 +114,15 @@ def main():
                   f"{'the contiguous ones bits' if same else 'differs'}")
             if not same:
                 failures.append(f"{m}x{n}x{k} scale_a {name}")
+        # quantize_fp8's m_major: the same values, strides (1, M rounded up to 4), the same product bits.
+        qm, sm = weft.quantize_fp8(x, "block", "a", m_major=True)
+        ld = -(-m // 4) * 4
+        same = (torch.equal(qm.view(torch.uint8), qa.view(torch.uint8)) and torch.equal(sm, sa)
+                and (m == 1 or sm.stride() == (1, ld)) and torch.equal(weft.scaled_mm(qm, qb.t(), sm, sb), want))
+        print(f"  {'ok  ' if same else 'FAIL'} {m}x{n}x{k} quantize_fp8(m_major=True): strides {sm.stride()}, "
+              f"{'the contiguous ones values and product' if same else 'differs'}")
+        if not same:
+            failures.append(f"{m}x{n}x{k} quantize_fp8 m_major")
         if m == 1:
             continue  # (one row: any stride is contiguous)
         wide = torch.ones(m, sa.shape[1] + 3, device="cuda")

@@ -169,13 +169,16 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None, group_r
                                     group_rows)
 
 
-def quantize_fp8(x, scaling="block", operand="a", dtype=None):
+def quantize_fp8(x, scaling="block", operand="a", dtype=None, m_major=False):
     """(q, scales): x [rows, cols] (bf16 / fp16, contiguous) in FP8 with the scales weft.scaled_mm reads.
 
     operand "a": x is the left operand [M, K]; "b": the weight [N, K] (pass q.t() to scaled_mm). scaling
     "tensor" (scales [1]), "rowcol" (one per row: [M, 1] for a, [1, N] for b) or "block" (a: [M, ceil(K/128)],
     b: [ceil(N/128), ceil(K/128)]). Each scale is amax / the format's largest value (448 e4m3, 57344 e5m2) over
-    what it covers. dtype torch.float8_e4m3fn (default) or torch.float8_e5m2.
+    what it covers. dtype torch.float8_e4m3fn (default) or torch.float8_e5m2. m_major (block scales of a only):
+    the scales M-major, strides (1, ld) with ld M rounded up to 4 (torch._scaled_mm's layout; the one
+    scaled_mm's pipeline copies, bench/RESULTS.md 2026-11-29), at the cost of one copy of the scales; the
+    team ops (all_gather_scaled_matmul, the MoE dispatch) take contiguous ones.
     """
     where = "weft.quantize_fp8"
     if not _torch_tensor(x):
@@ -187,6 +190,8 @@ def quantize_fp8(x, scaling="block", operand="a", dtype=None):
     if scaling not in ("tensor", "rowcol", "block") or operand not in ("a", "b"):
         raise WeftValueError(f"{where}: scaling must be 'tensor', 'rowcol' or 'block' and operand 'a' or 'b', got "
                              f"{scaling!r}, {operand!r}")
+    if m_major and (scaling, operand) != ("block", "a"):
+        raise WeftValueError(f"{where}: m_major is for block scales of operand 'a', got {scaling!r}, {operand!r}")
     dtype = torch.float8_e4m3fn if dtype is None else dtype
     kind = _fp8_name(torch, dtype, where)
     rows, cols = x.shape
@@ -197,7 +202,13 @@ def quantize_fp8(x, scaling="block", operand="a", dtype=None):
         shape = (rows, 1) if operand == "a" else (1, rows)
     else:
         shape = (rows, groups) if operand == "a" else (-(-rows // _BLOCK), groups)
-    return _torch_quantize_fp8(x, kind, scaling, operand, shape)
+    q, scales = _torch_quantize_fp8(x, kind, scaling, operand, shape)
+    if m_major:
+        ld = -(-rows // 4) * 4  # whole 16 bytes between k-blocks, so TMA can copy them
+        strided = torch.empty(groups, ld, device=x.device, dtype=torch.float32)
+        strided[:, :rows].copy_(scales.t())
+        scales = strided[:, :rows].t()
+    return q, scales
 
 
 def _fp8_team_operands(torch, c, a, b, scale_a, scale_b, where):
