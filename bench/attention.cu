@@ -29,6 +29,7 @@ void run_attention(Context& ctx) {
           "(AttentionOptions::query_rows; 'fwd ms' takes the call's choice). The backward call includes its "
           "three launches (prepare, kernel, dQ conversion); 'deterministic': the same call with "
           "AttentionOptions::deterministic (bit-reproducible dQ).");
+  std::vector<Table> timelines;
   std::vector<int64_t> seqs = {1024, 2048, 4096, 8192, 16384};
   if (ctx.quick) seqs = {2048, 8192};
   struct Heads {
@@ -88,8 +89,29 @@ void run_attention(Context& ctx) {
                fmt("%.1f", 2.5 * flops / (bwd * 1e9)), fmt("%.3f", bwd_det), fmt("%.2f", bwd_det / bwd)});
         ctx.progress("attention: S=%lld D=%lld causal=%d: forward %.3f ms, backward %.3f ms", (long long)s,
                      (long long)hd.d, int(causal), med, bwd);
+        if (!ctx.timeline_dir.empty() && causal && (s == 1024 || s == 8192))
+          for (const char* pass : {"fwd", "bwd", "bwd_det"}) {
+            const std::string name = fmt("attention_%s_%lld_%lld_%lld_%lld", pass, (long long)b, (long long)s,
+                                         (long long)hd.h, (long long)hd.d);
+            timelines.push_back(record_timeline_one_gpu(
+                [&](TimelineBuffer* tl) {
+                  AttentionOptions with = pass[3] == '_' ? det : opt;
+                  with.timeline = tl;
+                  if (pass[0] == 'f')
+                    flash_attention_forward(q.p, k.p, v.p, o.p, static_cast<float*>(lse.p), shape,
+                                            DType::kBF16, stream, with);
+                  else
+                    flash_attention_backward(q.p, k.p, v.p, o.p, dout.p, static_cast<float*>(lse.p), dq.p,
+                                             dk.p, dv.p, ws.p, ws_bytes, shape, DType::kBF16, stream, with);
+                },
+                stream,
+                fmt("%s, B=%lld S=%lld H=%lld/%lld D=%lld causal", pass, (long long)b, (long long)s,
+                    (long long)hd.h, (long long)hd.kv, (long long)hd.d),
+                ctx.timeline_dir + "/" + name + ".csv"));
+          }
       }
   ctx.add(std::move(t));
+  for (Table& tl : timelines) ctx.add(std::move(tl));
   cudaStreamDestroy(stream);
 }
 

@@ -155,6 +155,13 @@ std::vector<cudaGraphExec_t> capture_graphs(Communicator& comm, const std::vecto
 // rank and phase: spans, lanes, first start, last end, mean and max span, busy time per lane).
 Table record_timeline(Communicator& comm, const std::vector<cudaStream_t>& streams,
                       const std::function<void()>& enqueue, const std::string& label, std::string path);
+// The same for one GPU's single-GPU op: `call` puts one call on `stream` with the buffer to record into
+// (e.g. AttentionOptions::timeline); run twice, the second run's phases kept.
+Table record_timeline_one_gpu(const std::function<void(TimelineBuffer*)>& call, cudaStream_t stream,
+                              const std::string& label, const std::string& path);
+// The CSV (at `path`) and the summary table of recorded timelines, one record per rank.
+Table timeline_table(const std::vector<TimelineRecord>& records, const std::string& label,
+                     const std::string& path);
 // One GPU, one stream: the median of `iters` calls of `call`, each timed alone with its own pair of events,
 // after 3 warm-up calls (ms).
 float median_call_ms(const std::function<void()>& call, int iters, cudaStream_t stream);

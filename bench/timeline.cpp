@@ -1,6 +1,7 @@
 // record_timeline (bench.hpp): one call's in-kernel timeline per rank (weft/timeline.hpp), as a CSV of spans
 // and a table of phases.
 #include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <map>
 #include <tuple>
@@ -64,10 +65,33 @@ Table record_timeline(Communicator& comm, const std::vector<cudaStream_t>& strea
     comm.check_device_errors();
   }
   for (auto& e : exec) cudaGraphExecDestroy(e);
+  std::vector<TimelineRecord> records;
+  for (int i = 0; i < L; ++i) records.push_back(comm.timeline_take(comm.local(i)));
+  if (!comm.is_single_process()) path = with_rank(path, comm.local(0).rank());
+  return timeline_table(records, label, path);
+}
+
+Table record_timeline_one_gpu(const std::function<void(TimelineBuffer*)>& call, cudaStream_t stream,
+                              const std::string& label, const std::string& path) {
+  constexpr uint32_t kMaxEvents = 1u << 20;
+  const size_t bytes = offsetof(TimelineBuffer, events) + sizeof(TimelineEvent) * size_t(kMaxEvents);
+  DeviceBuffer buffer(bytes);
+  auto* tl = static_cast<TimelineBuffer*>(buffer.p);
+  const TimelineBuffer header{0, kMaxEvents, 0, {}};
+  for (int run = 0; run < 2; ++run) {  // the first run warms up; its events are dropped
+    WEFT_CUDA_CHECK(
+        cudaMemcpyAsync(tl, &header, offsetof(TimelineBuffer, events), cudaMemcpyHostToDevice, stream));
+    call(tl);
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  return timeline_table({read_timeline(tl)}, label, path);
+}
+
+Table timeline_table(const std::vector<TimelineRecord>& records, const std::string& label,
+                     const std::string& path) {
   std::vector<Span> spans;
   uint64_t dropped = 0;
-  for (int i = 0; i < L; ++i) {
-    const TimelineRecord rec = comm.timeline_take(comm.local(i));
+  for (const TimelineRecord& rec : records) {
     dropped += rec.dropped;
     const std::vector<Span> s = spans_of(rec);
     spans.insert(spans.end(), s.begin(), s.end());
@@ -81,7 +105,6 @@ Table record_timeline(Communicator& comm, const std::vector<cudaStream_t>& strea
     it->second = std::min(it->second, s.begin);
     origin = std::min(origin, s.begin);
   }
-  if (!comm.is_single_process()) path = with_rank(path, comm.local(0).rank());
   if (std::FILE* f = std::fopen(path.c_str(), "w")) {
     std::fprintf(f, "rank,block,warp,phase,begin_us,end_us,arg\n");
     for (const Span& s : spans)
@@ -91,14 +114,13 @@ Table record_timeline(Communicator& comm, const std::vector<cudaStream_t>& strea
   } else {
     std::fprintf(stderr, "weft-bench: cannot write the timeline to %s\n", path.c_str());
   }
-  Table t(
-      "timeline: " + label,
-      {"rank", "phase", "spans", "lanes", "first start us", "last end us", "mean span us", "max span us",
-       "busy per lane us"},
-      "One call (the second of two graph replays), in-kernel %globaltimer marks (weft/timeline.hpp). Times "
-      "from the rank's first mark; a lane is one (block, warp) that marks the phase; busy per lane = the "
-      "phase's summed spans / lanes. Spans: " +
-          path + (dropped ? fmt(" (%llu marks dropped: buffer full)", (unsigned long long)dropped) : ""));
+  Table t("timeline: " + label,
+          {"rank", "phase", "spans", "lanes", "first start us", "last end us", "mean span us", "max span us",
+           "busy per lane us"},
+          "One call (the second of two runs), in-kernel %globaltimer marks (weft/timeline.hpp). Times "
+          "from the rank's first mark; a lane is one (block, warp) that marks the phase; busy per lane = the "
+          "phase's summed spans / lanes. Spans: " +
+              path + (dropped ? fmt(" (%llu marks dropped: buffer full)", (unsigned long long)dropped) : ""));
   // Rows per rank and phase; the phases whose arg is a step (MoE, flash_decode) per step.
   const auto stepped = [](TimelinePhase p) {
     return p == TimelinePhase::kMoe || p == TimelinePhase::kDecode;

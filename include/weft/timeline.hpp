@@ -58,6 +58,7 @@ enum class DecodeStep : uint32_t {
                       // the block's first push, for the merging ranks' release of the inbox), the merge of
                       // this rank's splits and the push of the result to the merging ranks (on a team of
                       // one: the result into out and lse)
+  kRelease = 6,       // the block's end: its system fence and, in the last block, the release of the inbox
 };
 
 inline const char* timeline_phase_name(TimelinePhase p) {
@@ -101,6 +102,8 @@ inline const char* decode_step_name(DecodeStep s) {
       return "merge";
     case DecodeStep::kMergeSplits:
       return "merge_splits";
+    case DecodeStep::kRelease:
+      return "release";
     default:
       return "?";
   }

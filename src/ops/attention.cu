@@ -34,6 +34,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.sched.block_rows = Op::kBM;
   const int blocks = ops::attention_blocks(Launcher::max_resident_clusters(), c.options, p.sched.units());
   p.sched.compute_blocks = blocks;
+  p.sched.timeline = c.options.timeline;
   // L2 sections: as many (batch, head) pairs as have their K and V in 2/3 of L2 (the rest holds Q, O and
   // other traffic), whole GQA groups.
   const int64_t group = sh.heads / sh.kv_heads;

@@ -66,6 +66,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.sched.block_rows = Op::kBN;
   const int blocks = ops::attention_blocks(Launcher::max_resident_clusters(), c.options, p.sched.units());
   p.sched.compute_blocks = blocks;
+  p.sched.timeline = c.options.timeline;
   // L2 sections (lcsc/attention_scheduler.cuh): K / V heads whose group's Q, dO and dQ accumulator fit in
   // 2/3 of L2.
   const int64_t group = sh.heads / sh.kv_heads;

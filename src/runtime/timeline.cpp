@@ -31,6 +31,22 @@ void Communicator::timeline_start(Rank& rank, uint32_t max_events) {
   set_timeline(rank, static_cast<TimelineBuffer*>(p));
 }
 
+TimelineRecord read_timeline(const TimelineBuffer* buffer, int rank) {
+  TimelineBuffer header{};
+  WEFT_CUDA_CHECK(cudaMemcpy(&header, buffer, offsetof(TimelineBuffer, events), cudaMemcpyDeviceToHost));
+  TimelineRecord rec;
+  rec.rank = rank;
+  const uint32_t stored = std::min(header.count, header.capacity);
+  rec.dropped = header.count - stored;
+  rec.events.resize(stored);
+  if (stored)
+    WEFT_CUDA_CHECK(cudaMemcpy(rec.events.data(), buffer->events, sizeof(TimelineEvent) * stored,
+                               cudaMemcpyDeviceToHost));
+  std::stable_sort(rec.events.begin(), rec.events.end(),
+                   [](const TimelineEvent& a, const TimelineEvent& b) { return a.t_ns < b.t_ns; });
+  return rec;
+}
+
 TimelineRecord Communicator::timeline_take(Rank& rank) {
   auto it = timelines_.find(&rank);
   WEFT_CHECK(it != timelines_.end(),
@@ -40,18 +56,7 @@ TimelineRecord Communicator::timeline_take(Rank& rank) {
   WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
   WEFT_CUDA_CHECK(cudaStreamSynchronize(rank.stream()));
   WEFT_CUDA_CHECK(cudaDeviceSynchronize());  // kernels of the rank on other streams (pipelines) too
-  TimelineBuffer header{};
-  WEFT_CUDA_CHECK(cudaMemcpy(&header, buf, offsetof(TimelineBuffer, events), cudaMemcpyDeviceToHost));
-  TimelineRecord rec;
-  rec.rank = rank.rank();
-  const uint32_t stored = std::min(header.count, header.capacity);
-  rec.dropped = header.count - stored;
-  rec.events.resize(stored);
-  if (stored)
-    WEFT_CUDA_CHECK(
-        cudaMemcpy(rec.events.data(), buf->events, sizeof(TimelineEvent) * stored, cudaMemcpyDeviceToHost));
-  std::stable_sort(rec.events.begin(), rec.events.end(),
-                   [](const TimelineEvent& a, const TimelineEvent& b) { return a.t_ns < b.t_ns; });
+  TimelineRecord rec = read_timeline(buf, rank.rank());
   set_timeline(rank, nullptr);
   timelines_.erase(it);
   WEFT_CUDA_CHECK(cudaFree(buf));

@@ -16,6 +16,7 @@
 #include "weft/dtype.hpp"
 #include "weft/ops/attention_types.hpp"
 #include "weft/ops/plan.hpp"
+#include "weft/timeline.hpp"
 
 namespace weft {
 
@@ -35,6 +36,10 @@ struct AttentionOptions {
   // causal mask up to 2048 query rows, else 192; 128 at head dim 128); 128, or 192 at head dim 64, to force
   // one (tuning, benchmarks).
   int query_rows = 0;
+  // Single-GPU forward and backward: non-null, the kernel records its blocks' phases there (each block's
+  // span, each consumer warpgroup's mainloop and store per work item; weft/timeline.hpp). The team ops
+  // record into their rank's timeline (Communicator::timeline_start) instead.
+  TimelineBuffer* timeline = nullptr;
 };
 
 // Enqueues the forward pass on `stream`. Head dims 64 and 128, bf16 or fp16 (dtype kBF16, kFP16); pointers

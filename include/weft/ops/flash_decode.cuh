@@ -567,6 +567,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   using K = DecodeKernel<T, kD>;
   extern __shared__ __align__(16) unsigned char decode_smem[];
   typename K::Smem& sm = *reinterpret_cast<typename K::Smem*>(decode_smem);
+  // The block's whole span (start to exit, beside the steps' marks): what a call spends outside its steps.
+  TimelineBuffer* const recorder = threadIdx.x == 0 ? p.team.timeline : nullptr;
+  timeline_mark(recorder, TimelinePhase::kBlock, false);
   const uint64_t call = p.epoch.epoch();
   const int parity = static_cast<int>(call & 1u);
   const int pairs = p.batch * p.kv_heads;
@@ -589,11 +592,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // The call's end, told to every rank: it may push its call + 2 into this rank's inbox of this parity. The
   // system fence orders this block's reads of the inbox before the last finisher's release.
   if (threadIdx.x == 0) {
+    const TimelineSpan release(recorder, TimelinePhase::kDecode, uint32_t(DecodeStep::kRelease));
     __threadfence_system();
     if (p.epoch.finished(gridDim.x))
       for (int dst = 0; dst < p.team.world; ++dst)  // itself too: its own pushes wait on the same flags
         signal_set(p.team, p.team.flag(p.released, 2 * p.team.rank + parity), dst, call);
   }
+  timeline_mark(recorder, TimelinePhase::kBlock, true);
 }
 
 }  // namespace weft::ops

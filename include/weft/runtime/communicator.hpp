@@ -68,6 +68,10 @@ struct TimelineRecord {
   std::vector<TimelineEvent> events;  // by time
   uint64_t dropped = 0;               // marks past the buffer's capacity (not stored)
 };
+// The events a timeline buffer in device memory (of the current device) holds, by time; its stream's work
+// complete. What timeline_take returns; also for buffers an op was handed directly
+// (AttentionOptions::timeline).
+TimelineRecord read_timeline(const TimelineBuffer* buffer, int rank = 0);
 
 // A collective allocation: the same offset and size on every rank.
 struct SymmetricBuffer {
