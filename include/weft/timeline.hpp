@@ -157,4 +157,13 @@ struct TimelineBuffer {
   TimelineEvent events[1];  // [capacity]
 };
 
+// Scheduler parameters P with a timeline buffer. lcsc/kernel.cuh compiles its marks into an op only where
+// its scheduler parameters have a `timeline`, so an op that records only on request instantiates its timed
+// kernel on Timed<P> beside the plain one on P: the plain kernel carries no mark at all (the attention
+// kernels' marks, compiled in and off, cost 5-10% of a causal forward at head dim 128, bench/RESULTS.md).
+template <class P>
+struct Timed : P {
+  TimelineBuffer* timeline = nullptr;
+};
+
 }  // namespace weft

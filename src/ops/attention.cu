@@ -19,9 +19,9 @@ struct Call {
   std::string where;
 };
 
-template <int kD, class T, int kWarpgroups = ops::attention_warpgroups(kD)>
+template <int kD, class T, int kWarpgroups = ops::attention_warpgroups(kD), bool kTimed = false>
 Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
-  using Op = ops::AttentionFwdOp<kD, T, kWarpgroups>;
+  using Op = ops::AttentionFwdOp<kD, T, kWarpgroups, kTimed>;
   using Launcher = lcsc::Launcher<Op>;
   const AttentionShape& sh = c.shape;
   typename Op::Params p{};
@@ -34,7 +34,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.sched.block_rows = Op::kBM;
   const int blocks = ops::attention_blocks(Launcher::max_resident_clusters(), c.options, p.sched.units());
   p.sched.compute_blocks = blocks;
-  p.sched.timeline = c.options.timeline;
+  if constexpr (kTimed) p.sched.timeline = c.options.timeline;
   // L2 sections: as many (batch, head) pairs as have their K and V in 2/3 of L2 (the rest holds Q, O and
   // other traffic), whole GQA groups.
   const int64_t group = sh.heads / sh.kv_heads;
@@ -104,6 +104,14 @@ Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   // block's diagonal work is the larger share and the last, heaviest block of 1024 rows is a third full;
   // 192 rows otherwise, faster even where they pad 1024 rows to 1152 (bench/RESULTS.md, attention).
   const bool rows_128 = forced ? forced == 128 : c.options.causal && c.shape.seq_q <= 2048;
+  if (c.options.timeline != nullptr) {  // the timed kernels (bf16 only: a measuring tool)
+    WEFT_CHECK(dtype == DType::kBF16, c.where + "options.timeline: bf16 calls only");
+    using BF16 = __nv_bfloat16;
+    if (c.shape.head_dim == 128)
+      return run<128, BF16, ops::attention_warpgroups(128), true>(c, dtype, stream, launch);
+    return rows_128 ? run<64, BF16, 2, true>(c, dtype, stream, launch)
+                    : run<64, BF16, ops::attention_warpgroups(64), true>(c, dtype, stream, launch);
+  }
   if (dtype == DType::kFP16) {
     if (c.shape.head_dim == 128) return run<128, __half>(c, dtype, stream, launch);
     return rows_128 ? run<64, __half, 2>(c, dtype, stream, launch) : run<64, __half>(c, dtype, stream, launch);

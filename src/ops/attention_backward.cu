@@ -46,9 +46,9 @@ struct Workspace {
   size_t bytes() const { return accum_bytes + 2 * row_bytes + order_bytes; }
 };
 
-template <int kD, class T, bool kDeterministic, int kBM = 64>
+template <int kD, class T, bool kDeterministic, int kBM = 64, bool kTimed = false>
 Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
-  using Op = ops::AttentionBwdOp<kD, T, kDeterministic, kBM>;
+  using Op = ops::AttentionBwdOp<kD, T, kDeterministic, kBM, kTimed>;
   using Launcher = lcsc::Launcher<Op>;
   const AttentionShape& sh = c.shape;
   const AttentionSegments& seg = c.options.segments;
@@ -66,7 +66,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.sched.block_rows = Op::kBN;
   const int blocks = ops::attention_blocks(Launcher::max_resident_clusters(), c.options, p.sched.units());
   p.sched.compute_blocks = blocks;
-  p.sched.timeline = c.options.timeline;
+  if constexpr (kTimed) p.sched.timeline = c.options.timeline;
   // L2 sections (lcsc/attention_scheduler.cuh): K / V heads whose group's Q, dO and dQ accumulator fit in
   // 2/3 of L2.
   const int64_t group = sh.heads / sh.kv_heads;
@@ -144,14 +144,18 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   return plan;
 }
 
-template <class T, bool kDeterministic>
+template <class T, bool kDeterministic, bool kTimed = false>
 Plan by_shape(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
-  if (c.shape.head_dim == 128) return run<128, T, kDeterministic>(c, dtype, stream, launch);
-  if (block_rows(c.shape) == 128) return run<64, T, kDeterministic, 128>(c, dtype, stream, launch);
-  return run<64, T, kDeterministic>(c, dtype, stream, launch);
+  if (c.shape.head_dim == 128) return run<128, T, kDeterministic, 64, kTimed>(c, dtype, stream, launch);
+  if (block_rows(c.shape) == 128) return run<64, T, kDeterministic, 128, kTimed>(c, dtype, stream, launch);
+  return run<64, T, kDeterministic, 64, kTimed>(c, dtype, stream, launch);
 }
 template <bool kDeterministic>
 Plan by_type(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
+  if (c.options.timeline != nullptr) {  // the timed kernels (bf16 only: a measuring tool)
+    WEFT_CHECK(dtype == DType::kBF16, c.where + "options.timeline: bf16 calls only");
+    return by_shape<__nv_bfloat16, kDeterministic, true>(c, dtype, stream, launch);
+  }
   return dtype == DType::kFP16 ? by_shape<__half, kDeterministic>(c, dtype, stream, launch)
                                : by_shape<__nv_bfloat16, kDeterministic>(c, dtype, stream, launch);
 }

@@ -133,7 +133,6 @@ int ring_schedule(const Rank& rank, const RingPassSizes& z, const RingTable& tab
   const int resident = std::min(lcsc::Launcher<Op>::max_resident_clusters(), rank.sm_budget());
   const int blocks = std::max(1, attention_blocks(resident, options, sched.units()));
   sched.compute_blocks = blocks;
-  sched.timeline = rank.view().timeline;
   return blocks;
 }
 

@@ -217,7 +217,6 @@ void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* 
   const int blocks = std::max(1, ops::attention_blocks(resident, options, sched.units()));
   WEFT_CHECK(blocks <= ops::kUlyssesMaxBlocks, where + "more compute blocks than the landed counts hold");
   sched.compute_blocks = blocks;
-  sched.timeline = rank.view().timeline;
 
   const AttentionSegments seg = z.segments(offsets);
   p.q = ops::map_heads_rows(a.q, qw, z.total, kD, Op::kBM, where + "q", dtype);

@@ -29,6 +29,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "weft/device/ptx.cuh"
 #include "weft/lcsc/attention_scheduler.cuh"
@@ -42,6 +43,7 @@
 #include "weft/tile/softmax.cuh"
 #include "weft/tile/tma.cuh"
 #include "weft/tile/wgmma.cuh"
+#include "weft/timeline.hpp"
 
 namespace weft::ops {
 
@@ -149,8 +151,9 @@ __device__ __forceinline__ void load_head_rows(Tile& t, const CUtensorMap* map, 
 
 // kWarpgroups: consumer warpgroups (64 query rows each); the single-GPU forward takes 2 at D = 64 for a
 // causal mask up to 2048 query rows, 3 otherwise (src/ops/attention.cu; AttentionOptions::query_rows forces
-// one).
-template <int kHeadDim, class T = __nv_bfloat16, int kWarpgroups = attention_warpgroups(kHeadDim)>
+// one). kTimed: the kernel that records a timeline (AttentionOptions::timeline; weft/timeline.hpp's Timed).
+template <int kHeadDim, class T = __nv_bfloat16, int kWarpgroups = attention_warpgroups(kHeadDim),
+          bool kTimed = false>
 struct AttentionFwdOp {
   static_assert(tile::kIs16Bit<T>, "bf16 or fp16 tensors");
   static_assert(kWarpgroups == 2 || kWarpgroups == 3, "2 or 3 consumer warpgroups");
@@ -194,8 +197,10 @@ struct AttentionFwdOp {
     Ring k, v;
   };
 
+  using SchedulerParams =
+      std::conditional_t<kTimed, Timed<lcsc::AttentionSchedulerParams>, lcsc::AttentionSchedulerParams>;
   struct Params {
-    lcsc::AttentionSchedulerParams sched;
+    SchedulerParams sched;
     CUtensorMap q, k, v, o;  // 4-D {dim, head, seq, batch}
     AttentionRows rows;
     float* lse;               // [batch, heads, seq_q] (packed: [heads, total_q]) fp32, or null

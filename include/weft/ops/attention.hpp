@@ -37,8 +37,9 @@ struct AttentionOptions {
   // one (tuning, benchmarks).
   int query_rows = 0;
   // Single-GPU forward and backward: non-null, the kernel records its blocks' phases there (each block's
-  // span, each consumer warpgroup's mainloop and store per work item; weft/timeline.hpp). The team ops
-  // record into their rank's timeline (Communicator::timeline_start) instead.
+  // span, each consumer warpgroup's mainloop and store per work item; weft/timeline.hpp), bf16 calls only.
+  // Timed calls run kernels of their own (Timed scheduler parameters), so the others carry no mark. The
+  // team ops (ring, Ulysses) record none yet.
   TimelineBuffer* timeline = nullptr;
 };
 

@@ -38,6 +38,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "weft/device/ptx.cuh"
@@ -52,6 +53,7 @@
 #include "weft/tile/softmax.cuh"
 #include "weft/tile/tma.cuh"
 #include "weft/tile/wgmma.cuh"
+#include "weft/timeline.hpp"
 
 namespace weft::ops {
 
@@ -70,8 +72,10 @@ __device__ __forceinline__ int term_row(const AttentionRows& r, const SeqRows& s
 // default kernel costs it registers, and wgmma serialisation). kBlockM: query rows per step, 64, or 128 at
 // D = 64 (D = 128 leaves no registers for more: dK and dV take 64 x 128 fp32 each per warpgroup). 128 rows
 // halve the steps, and with them each step's fixed cost (waits, the warpgroups' meeting, the dQ staging),
-// for the same work; the host picks (src/ops/attention_backward.cu).
-template <int kHeadDim, class T = __nv_bfloat16, bool kDeterministic = false, int kBlockM = 64>
+// for the same work; the host picks (src/ops/attention_backward.cu). kTimed: the kernel that records a
+// timeline (AttentionOptions::timeline; weft/timeline.hpp's Timed).
+template <int kHeadDim, class T = __nv_bfloat16, bool kDeterministic = false, int kBlockM = 64,
+          bool kTimed = false>
 struct AttentionBwdOp {
   static_assert(tile::kIs16Bit<T>, "bf16 or fp16 tensors");
   static constexpr int kConsumerWarpgroups = 2;
@@ -127,8 +131,10 @@ struct AttentionBwdOp {
     Ring qdo;
   };
 
+  using SchedulerParams =
+      std::conditional_t<kTimed, Timed<lcsc::AttentionSchedulerParams>, lcsc::AttentionSchedulerParams>;
   struct Params {
-    lcsc::AttentionSchedulerParams sched;  // heads = K/V heads, q_blocks = key blocks
+    SchedulerParams sched;                 // heads = K/V heads, q_blocks = key blocks
     CUtensorMap q, k, v, dout, dk, dv;     // 4-D {dim, head, seq, batch}
     CUtensorMap dq_accum;                  // fp32, q's layout, 4-D like q (box 32 columns): reduce-adds
     CUtensorMap lse_map, dsum_map;         // LSE log2(e) and D (prepare): 2-D {term rows, heads}, box kBM
