@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Development helper for a lent multi-GPU machine: the measurements the open issues wait for, by name, at
+# the --quick sizes earlier runs used (each tool capped at 580 s; a plan or two per device call: the set's
+# times at 2 / 4 GPUs were not measured together yet).
+#   scripts/device_measure.sh PLAN...     PLAN: tp (fused TP ops with timelines, GEMM + all-reduce at decode
+#                                         sizes, all-to-all, Python bench), moe, cp (sequence parallel),
+#                                         decode (flash_decode), fp8 (FP8 GEMM and TP ops), rooted (broadcast,
+#                                         scatter, gather, reduce, all_to_all_v)
+# Every GPU of the machine; one output file per plan and tool under $OUT (timelines under $OUT/tl), the
+# lines that matter on stdout. Baselines (NCCL, cuBLAS, torch) run inside each tool, in the same process.
+# Timings of record only at real GPUs: on one GPU the team rows are virtual or missing.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root" || exit 1
+[ $# -gt 0 ] || { sed -n 2,10p "$0"; exit 2; }
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/tl"
+build=$(realpath -m "${WEFT_BUILD_DIR:-build}")
+n=$(nvidia-smi -L | grep -c '^GPU')
+t0=$SECONDS
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
+  cmake --build "$build" -j "$(nproc)" --target weft-bench _weft >>"$OUT/build.log" 2>&1 ||
+  { tail -30 "$OUT/build.log"; exit 1; }
+echo "build: $((SECONDS - t0)) s; $n GPUs"
+bench() {  # bench NAME ARGS...: weft-bench over every GPU
+  local name=$1 t=$SECONDS
+  shift
+  timeout 580 "$build/bench/weft-bench" --gpus "$n" "$@" >"$OUT/$name-${n}gpu.txt" 2>&1
+  echo "== $name ($((SECONDS - t)) s, exit $?): $OUT/$name-${n}gpu.txt"
+}
+py() {  # py NAME SCRIPT ARGS...: a Python bench under torchrun, a process per GPU
+  local name=$1 t=$SECONDS
+  shift
+  PYTHONPATH="$build/python" timeout 580 python3 -m torch.distributed.run --nproc_per_node="$n" \
+    --master-port=$((20000 + RANDOM % 20000)) "$@" >"$OUT/$name-${n}gpu.txt" 2>&1
+  echo "== $name ($((SECONDS - t)) s, exit $?): $OUT/$name-${n}gpu.txt"
+}
+for plan in "$@"; do
+  case $plan in
+    tp)
+      bench fused fused --quick --timeline "$OUT/tl"
+      bench decode decode
+      bench alltoall alltoall --quick
+      py bench_py python/benchmarks/bench.py --quick
+      ;;
+    moe) py moe python/benchmarks/moe.py --quick; bench moe moe --quick --timeline "$OUT/tl" ;;
+    cp) py context_parallel python/benchmarks/context_parallel.py --quick; bench cp context_attention --quick ;;
+    decode) bench flash_decode flash_decode --timeline "$OUT/tl"; py decode_py python/benchmarks/decode.py --quick ;;
+    fp8) bench gemm_fp8 gemm_fp8 --quick; py fp8_tp python/benchmarks/fp8_tp.py --quick ;;
+    rooted) bench rooted broadcast scatter gather reduce alltoallv --quick ;;
+    *) echo "device_measure.sh: no plan '$plan' (see the header)" >&2; exit 2 ;;
+  esac
+done
+echo "total: $((SECONDS - t0)) s"
