@@ -6,8 +6,8 @@
 #                                         sizes, all-to-all, Python bench), moe, cp (sequence parallel),
 #                                         decode (flash_decode), fp8 (FP8 GEMM and TP ops), rooted (broadcast,
 #                                         scatter, gather, reduce, all_to_all_v)
-# Every GPU of the machine; one output file per plan and tool under $OUT (timelines under $OUT/tl), the
-# lines that matter on stdout. Baselines (NCCL, cuBLAS, torch) run inside each tool, in the same process.
+# Every GPU of the machine; one output file per plan and tool under $OUT (timelines under $OUT/tl), a
+# line per tool on stdout. Baselines (NCCL, cuBLAS, torch) run inside each tool, in the same process.
 # Timings of record only at real GPUs: on one GPU the team rows are virtual or missing.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
