@@ -20,6 +20,8 @@
 #include "attention_reference.hpp"
 #include "harness.hpp"
 #include "weft/ops/attention.hpp"
+#include "weft/runtime/communicator.hpp"
+#include "weft/timeline.hpp"
 
 using namespace weft;
 using weft::test::DeviceBuffer;
@@ -84,6 +86,7 @@ struct Problem {
   int64_t seq_q = 0;  // dense: each sequence's rows
   std::vector<Seq> seqs;
   int query_rows = 0;  // forward: AttentionOptions::query_rows
+  TimelineBuffer* timeline = nullptr;  // AttentionOptions::timeline (both passes)
   int64_t lse_index(int64_t b, int64_t h, int64_t i) const {
     return packed ? h * rows_q + seqs[b].q0 + i : (b * heads + h) * seq_q + i;
   }
@@ -220,6 +223,7 @@ std::string run_forward(const Problem& pr, uint64_t seed, int max_blocks, const 
   o.softmax_scale = float(pr.scale);
   o.max_blocks = max_blocks;
   o.query_rows = pr.query_rows;
+  o.timeline = pr.timeline;
   std::unique_ptr<DeviceSegments> segs;
   if (pr.packed) o.segments = (segs = std::make_unique<DeviceSegments>(pr))->seg;
   flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape_of(pr), pr.dtype, nullptr, o);
@@ -354,6 +358,7 @@ std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const
   o.softmax_scale = float(pr.scale);
   o.max_blocks = max_blocks;
   o.deterministic = pr.deterministic;
+  o.timeline = pr.timeline;
   std::unique_ptr<DeviceSegments> segs;
   if (pr.packed) o.segments = (segs = std::make_unique<DeviceSegments>(pr))->seg;
   DeviceBuffer dq(qn * 2), dk(kn * 2), dv(kn * 2), dout(qn * 2), dgo(qn * 2), dlse(pr.rows_q * H * 4),
@@ -653,6 +658,64 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_query_rows) {
     }
     WEFT_EXPECT(msg.find("query_rows") != std::string::npos,
                 "query_rows " << rows << " at D = " << dim << ": expected a refusal, got '" << msg << "'");
+  }
+  WEFT_EXPECT(failures.empty(), failures);
+}
+
+// AttentionOptions::timeline (the bf16 kernels of their own): the forward, the backward and the
+// deterministic backward with a timeline attached still match the fp64 reference, and record each block's
+// span and each work item's mainloop and store, every span closed, none dropped; fp16 with a timeline is
+// refused.
+WEFT_GPU_TEST_ONE_GPU(flash_attention_timeline) {
+  WEFT_CUDA_CHECK(cudaSetDevice(ctx.comm().local(0).device()));
+  constexpr uint32_t kEvents = 1u << 18;
+  DeviceBuffer buffer(offsetof(TimelineBuffer, events) + sizeof(TimelineEvent) * kEvents);
+  auto* tl = static_cast<TimelineBuffer*>(buffer.p);
+  std::string failures;
+  uint64_t seed = 601;
+  const std::vector<Case> cases = {{2, 300, 300, 4, 2, 128, true, 0.f},
+                                   {1, 1000, 700, 2, 2, 64, false, 0.f},
+                                   {1, 300, 300, 2, 1, 64, true, 0.f, 3}};
+  for (const Case& c : cases)
+    for (const char* pass : {"forward", "backward", "deterministic backward"}) {
+      Problem pr = dense_problem(c);
+      pr.deterministic = pass[0] == 'd';
+      pr.timeline = tl;
+      const TimelineBuffer header{0, kEvents, 0, {}};
+      WEFT_CUDA_CHECK(cudaMemcpy(tl, &header, offsetof(TimelineBuffer, events), cudaMemcpyHostToDevice));
+      const std::string label = case_label(c) + " " + pass + " with a timeline";
+      const std::string e = pass[0] == 'f' ? run_forward(pr, seed += 10, c.max_blocks, label)
+                                           : run_backward(pr, seed += 10, c.max_blocks, label);
+      if (!e.empty()) failures += "\n    " + e;
+      const TimelineRecord rec = read_timeline(tl);
+      int begins[128] = {}, ends[128] = {};
+      for (const TimelineEvent& ev : rec.events) ++(ev.edge & kTimelineEnd ? ends : begins)[ev.edge & 0x7f];
+      bool closed = true;
+      for (int ph = 0; ph < 128; ++ph) closed = closed && begins[ph] == ends[ph];
+      const int block = int(TimelinePhase::kBlock), main = int(TimelinePhase::kMainloop),
+                store = int(TimelinePhase::kStore);
+      if (rec.dropped || !closed || begins[block] == 0 || begins[main] == 0 || begins[store] != begins[main])
+        failures += "\n    " + label + ": " + std::to_string(rec.events.size()) + " events (" +
+                    std::to_string(rec.dropped) + " dropped), blocks " + std::to_string(begins[block]) +
+                    ", mainloops " + std::to_string(begins[main]) + ", stores " +
+                    std::to_string(begins[store]) + (closed ? "" : ", a span not closed");
+    }
+  AttentionOptions o;
+  o.timeline = tl;
+  for (const bool backward : {false, true}) {
+    std::string msg;
+    try {
+      const AttentionShape s{1, 64, 64, 2, 2, 64};
+      if (backward)
+        flash_attention_backward_plan(s, DType::kFP16, o);
+      else
+        flash_attention_forward_plan(s, DType::kFP16, o);
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    WEFT_EXPECT(msg.find("timeline") != std::string::npos,
+                (backward ? "backward" : "forward")
+                    << ", fp16 with a timeline: expected a refusal, got '" << msg << "'");
   }
   WEFT_EXPECT(failures.empty(), failures);
 }
