@@ -65,6 +65,22 @@ inline DeviceFacts check_attention_call(const AttentionShape& s, DType dtype, co
   return dev;
 }
 
+// The team attention ops (ring, Ulysses, hybrid, context attention) set the per-step options themselves: a
+// caller's would be ignored, so they are refused; so is a timeline (those ops record none). with_grads:
+// accumulate_grads too (calls that run a backward; a forward leaves it alone, as training code hands the
+// forward the backward's options).
+inline void check_team_attention_options(const AttentionOptions& o, bool with_grads, const std::string& w) {
+  if (with_grads)
+    WEFT_CHECK(
+        !o.segments.packed() && !o.accumulate.enabled() && !o.accumulate_grads.enabled(),
+        w + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
+  else
+    WEFT_CHECK(!o.segments.packed() && !o.accumulate.enabled(),
+               w + "options.segments and options.accumulate are set by the op itself; leave them empty");
+  WEFT_CHECK(o.timeline == nullptr,
+             w + "options.timeline records the single-GPU flash attention only; the team ops record none");
+}
+
 inline float attention_scale(const AttentionShape& s, const AttentionOptions& o) {
   return o.softmax_scale > 0.f ? o.softmax_scale : 1.f / std::sqrt(float(s.head_dim));
 }

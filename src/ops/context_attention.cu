@@ -171,8 +171,7 @@ void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const
                             rank, nodes),
                    plan);
   const std::string& where = call.where;
-  WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled(),
-             where + "options.segments and options.accumulate are set by the op itself; leave them empty");
+  ops::check_team_attention_options(options, false, where);
   const Sizes z(nodes ? nodes->world() : rank.world(), nodes ? nodes->rank() : rank.rank(), doc_lengths,
                 ops::sharding_of(options), kv_heads, head_dim);
   ops::check_attention_operands(call, {q, k, v, out, lse}, false, z.local, heads, kv_heads, head_dim);
@@ -200,9 +199,7 @@ void backward(Communicator& comm, Rank& rank, const void* q, const void* k, cons
                             "weft::hierarchical_context_attention_backward", rank, nodes),
                    plan);
   const std::string& where = call.where;
-  WEFT_CHECK(
-      !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
-      where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
+  ops::check_team_attention_options(options, true, where);
   const Sizes z(nodes ? nodes->world() : rank.world(), nodes ? nodes->rank() : rank.rank(), doc_lengths,
                 ops::sharding_of(options), kv_heads, head_dim);
   stream = call.stream;

@@ -108,9 +108,7 @@ struct Start {
 Start start(ops::OpCall& call, const Sizes& z, const AttentionOptions& options, void* workspace,
             size_t workspace_bytes, DType dtype) {
   const std::string& where = call.where;
-  WEFT_CHECK(
-      !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
-      where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
+  ops::check_team_attention_options(options, true, where);
   ops::check_attention_call({1, 1, 1, z.heads, z.kv_heads, z.head_dim}, dtype, options, where);
   const size_t need = index_bytes(z);  // the ring checks its own part
   ops::check_workspace(workspace, workspace_bytes, need, "the op's workspace_bytes()", where);

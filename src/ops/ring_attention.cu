@@ -176,8 +176,7 @@ void ring_forward(Communicator& comm, Rank& rank, const void* q, const void* k, 
                   const AttentionOptions& options, int grain, const RingCaller& caller) {
   ops::OpCall call(comm, rank, stream, ops::team_where(caller.op, rank), caller.plan);
   const std::string& where = call.where;
-  WEFT_CHECK(!options.segments.packed() && !options.accumulate.enabled(),
-             where + "options.segments and options.accumulate are set by the op itself; leave them empty");
+  ops::check_team_attention_options(options, false, where);
   // The attention core's checks (head_dim, dtype, heads vs kv_heads, scale, Hopper) on one segment's shape.
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
   const Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), kv_heads, head_dim, grain);

@@ -359,9 +359,7 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
                    const AttentionOptions& options, int grain, const RingCaller& caller) {
   ops::OpCall call(comm, rank, stream, ops::team_where(caller.op, rank), caller.plan);
   const std::string& where = call.where;
-  WEFT_CHECK(
-      !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
-      where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
+  ops::check_team_attention_options(options, true, where);
   WEFT_CHECK(!options.deterministic,
              where +
                  "options.deterministic is not supported by the ring backward (dQ parts of every rank are "

@@ -163,9 +163,7 @@ Started start(ops::OpCall& call, const Sizes& z, const AttentionOptions& options
                  std::to_string(z.world) + ") must divide one another");
   WEFT_CHECK(z.head_dim == 64 || z.head_dim == 128, where + "head_dim must be 64 or 128");
   WEFT_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, where + "tensors must be bf16 or fp16");
-  WEFT_CHECK(
-      !options.segments.packed() && !options.accumulate.enabled() && !options.accumulate_grads.enabled(),
-      where + "options.segments / accumulate / accumulate_grads are set by the op itself; leave them empty");
+  ops::check_team_attention_options(options, true, where);
   ops::check_workspace(workspace, workspace_bytes, need, "the op's workspace_bytes()", where);
   Started s;
   ops::WorkspaceLayout area(call.workspace(area_bytes(z), kArea));

@@ -469,6 +469,10 @@ WEFT_GPU_TEST(ring_attention_argument_errors) {
   deterministic.deterministic = true;
   WEFT_EXPECT_ERROR(backward(ws.bytes, deterministic), "deterministic is not supported");
   WEFT_EXPECT_ERROR(backward(ws.bytes, packed), "set by the op itself");
+  AttentionOptions timed;  // (the pointer is only compared: the team ops record no timeline)
+  timed.timeline = reinterpret_cast<TimelineBuffer*>(ws.p);
+  WEFT_EXPECT_ERROR(call(4, 4, 64, ws.bytes, timed), "team ops record none");
+  WEFT_EXPECT_ERROR(backward(ws.bytes, timed), "team ops record none");
 }
 
 // Heads a multiple of W; K / V heads a multiple of W, or shared (fewer than W). For the pipelined forward's
