@@ -17,6 +17,7 @@ candidates are measured alternately, round after round (median over rounds), as 
 import statistics
 import sys
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -295,18 +296,24 @@ def bench_matmul_ops(comm, world, rank, group_name, symm, quick):
     print_table(f"tensor-parallel matmul ops, bf16, {world} GPUs: device us per call (slowest rank)", rows)
 
 
-def bench_host_overhead(comm, world):
-    """Host us per call with small tensors: symmetric inputs and outputs (the zero-copy path), and plain
-    torch tensors (copied into symmetric memory inside the call)."""
-    x = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    sym = torch.from_dlpack(comm.empty((4096,), "bf16"))
-    sym_out = torch.from_dlpack(comm.empty((4096 * world,), "bf16"))
-    sym.copy_(x)
-    a_sym = torch.from_dlpack(comm.empty((64, 64), "bf16"))
-    a_sym.copy_(torch.randn(64, 64, device="cuda", dtype=torch.bfloat16))
-    w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(64 * world, 64, device="cuda", dtype=torch.bfloat16)
-    small = torch.empty(4096, device="cuda", dtype=torch.bfloat16)
+def host_cases(comm, world):
+    """The host-time rows, small tensors: (cases, through_op, t). cases: symmetric inputs and outputs (the
+    zero-copy path), plain torch tensors (copied into symmetric memory inside the call), torch's own
+    all_reduce for scale; through_op: calls that return a new tensor, through weft's torch operators (eagerly
+    the operator's implementation is called directly, weft._torch_ops._plain_eager); t: the tensors they use
+    (t.small also for a plain torch launch). Also python/benchmarks/host_ab.py's rows, on builds that may
+    lack the newer ops (flash_decode)."""
+    t = types.SimpleNamespace()
+    t.x = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    t.sym = torch.from_dlpack(comm.empty((4096,), "bf16"))
+    t.sym_out = torch.from_dlpack(comm.empty((4096 * world,), "bf16"))
+    t.sym.copy_(t.x)
+    t.a_sym = torch.from_dlpack(comm.empty((64, 64), "bf16"))
+    t.a_sym.copy_(torch.randn(64, 64, device="cuda", dtype=torch.bfloat16))
+    t.w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    t.out = torch.empty(64 * world, 64, device="cuda", dtype=torch.bfloat16)
+    t.small = torch.empty(4096, device="cuda", dtype=torch.bfloat16)
+    x, sym, sym_out, a_sym, w, out, small = t.x, t.sym, t.sym_out, t.a_sym, t.w, t.out, t.small
     cases = {
         "all_reduce (symmetric in/out)": lambda: weft.all_reduce(sym, out=sym_out[:4096]),
         "all_reduce (torch tensors, copy-in)": lambda: weft.all_reduce(x, out=small),
@@ -318,20 +325,27 @@ def bench_host_overhead(comm, world):
         "matmul_all_reduce (symmetric a)": lambda: weft.matmul_all_reduce(a_sym, w.t(), out=out[:64]),
         "torch.distributed.all_reduce (for scale)": lambda: dist.all_reduce(x),
     }
-    # Calls that return a new tensor run through weft's torch operators (autograd, torch.compile): eagerly the
-    # operator's implementation is called directly (weft._torch_ops._plain_eager); the last column forces
-    # torch's operator dispatch instead, in the same run.
     a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
-    lens = torch.full((1,), 4096, device="cuda", dtype=torch.int32)
     through_op = {
         "all_reduce (returns its output)": lambda: weft.all_reduce(x),
         "matmul_all_reduce (returns its output)": lambda: weft.matmul_all_reduce(a, w.t()),
-        "flash_decode (batch 1, 4096 tokens a rank, 32 / 8 heads)": lambda: weft.flash_decode(q, kv, kv, lens,
-                                                                                               causal=False),
     }
+    if hasattr(weft, "flash_decode"):
+        q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+        lens = torch.full((1,), 4096, device="cuda", dtype=torch.int32)
+        through_op["flash_decode (batch 1, 4096 tokens a rank, 32 / 8 heads)"] = lambda: weft.flash_decode(
+            q, kv, kv, lens, causal=False)
+    return cases, through_op, t
+
+
+def bench_host_overhead(comm, world):
+    """Host us per call with small tensors (host_cases), each also as a multiple of a plain torch launch
+    timed beside it; for two calls, the C++ op and binding alone; for the calls that return their output,
+    also through torch's operator dispatch (the last column)."""
+    cases, through_op, t = host_cases(comm, world)
     cases.update(through_op)
+    sym, sym_out, a_sym, w, out, small = t.sym, t.sym_out, t.a_sym, t.w, t.out, t.small
     # The same calls straight into the extension (pointers and sizes computed beforehand): what the C++ op
     # and pybind11 cost. The Python layer's own overhead is the difference.
     from weft import _torch_ops as ops, _weft

@@ -9,11 +9,12 @@ speeds ~1.5x apart, inside a process too: bench/RESULTS.md, 2026-11-29).
     done
     python3 python/benchmarks/host_ab.py report samples.jsonl
 
-`sample`: every row (small tensors: the zero-copy paths, a copy-in, the fused TP ops, the calls that return
-their output, torch's own all_reduce) timed ROUNDS times as 100 back-to-back calls between two timings of a
-plain torch launch (x.add_), appended as JSON lines. `report`: each sample classed by the x.add_ beside it
-(fast: within 1.15x of the 10th percentile of all samples, else slow); per class and row, each build's median
-and new / old (builds named old and new).
+`sample FILE [ROUNDS]`: every row of bench.py's host table (bench.host_cases: the zero-copy paths, a copy-in,
+the fused TP ops, the calls that return their output, torch's own all_reduce; rows a build lacks are left out)
+timed ROUNDS times (12) as 100 back-to-back calls between two timings of a plain torch launch (x.add_),
+appended to FILE as JSON lines. `report FILE`: each sample classed by the x.add_ beside it (fast: within 1.15x
+of the 10th percentile of all samples, else slow); per class and row, each build's median and new / old (the
+builds named old and new in AB_BUILD).
 """
 import json
 import os
@@ -35,43 +36,20 @@ def batch_us(fn, calls=100):
     return t
 
 
-def rows(comm, torch, dist, weft):
-    world = comm.world_size
-    x = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    sym = torch.from_dlpack(comm.empty((4096,), "bf16"))
-    sym_out = torch.from_dlpack(comm.empty((4096 * world,), "bf16"))
-    sym.copy_(x)
-    a_sym = torch.from_dlpack(comm.empty((64, 64), "bf16"))
-    a_sym.copy_(torch.randn(64, 64, device="cuda", dtype=torch.bfloat16))
-    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(64 * world, 64, device="cuda", dtype=torch.bfloat16)
-    small = torch.empty(4096, device="cuda", dtype=torch.bfloat16)
-    cases = {
-        "all_reduce (symmetric in / out)": lambda: weft.all_reduce(sym, out=sym_out[:4096]),
-        "all_reduce (torch tensors, copy-in)": lambda: weft.all_reduce(x, out=small),
-        "all_gather (symmetric in)": lambda: weft.all_gather(sym, out=sym_out),
-        "reduce_scatter (symmetric in)": lambda: weft.reduce_scatter(sym, out=sym_out[:4096 // world]),
-        "all_to_all (symmetric in)": lambda: weft.all_to_all(sym, out=sym_out[:4096]),
-        "all_gather_matmul (symmetric a)": lambda: weft.all_gather_matmul(a_sym, w.t(), out=out),
-        "matmul_reduce_scatter (symmetric a)": lambda: weft.matmul_reduce_scatter(a_sym, w.t(), out=out[:64 // world]),
-        "matmul_all_reduce (symmetric a)": lambda: weft.matmul_all_reduce(a_sym, w.t(), out=out[:64]),
-        "all_reduce returning its output": lambda: weft.all_reduce(x),
-        "matmul_all_reduce returning its output": lambda: weft.matmul_all_reduce(a, w.t()),
-        "torch.distributed.all_reduce (no weft code)": lambda: dist.all_reduce(x),
-    }
-    return cases, (lambda: small.add_(1))
-
-
 def sample(path, rounds):
     import torch
     import torch.distributed as dist
     import weft
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench  # noqa: E402  (its host_cases: the same rows as its host table)
+
     comm = weft.init()
     torch.cuda.set_device(comm.device)
     dist.init_process_group("nccl", device_id=torch.device("cuda", comm.device))
-    cases, launch = rows(comm, torch, dist, weft)
+    cases, through_op, t = bench.host_cases(comm, comm.world_size)
+    cases.update(through_op)
+    launch = lambda: t.small.add_(1)  # noqa: E731
     for fn in list(cases.values()) + [launch]:
         for _ in range(30):
             fn()
@@ -80,10 +58,10 @@ def sample(path, rounds):
         for r in range(rounds):
             for name, fn in cases.items():
                 before = batch_us(launch)
-                t = batch_us(fn)
+                us = batch_us(fn)
                 beside = (before + batch_us(launch)) / 2
                 f.write(json.dumps({"build": os.environ["AB_BUILD"], "pid": os.getpid(), "round": r,
-                                    "row": name, "us": t, "launch_us": beside}) + "\n")
+                                    "row": name, "us": us, "launch_us": beside}) + "\n")
     dist.destroy_process_group()
 
 
