@@ -13,11 +13,17 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1
-[ $# -gt 0 ] || { sed -n 2,10p "$0"; exit 2; }
+plans="tp moe cp decode fp8 rooted"
+[ $# -gt 0 ] || { sed -n 2,11p "$0"; exit 2; }
+for plan in "$@"; do  # every name checked before the build
+  case " $plans " in *" $plan "*) ;; *) echo "device_measure.sh: no plan '$plan' (plans: $plans)" >&2; exit 2 ;; esac
+done
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/tl"
 build=$(realpath -m "${WEFT_BUILD_DIR:-build}")
-n=$(nvidia-smi -L | grep -c '^GPU')
+n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+[ "$n" -ge 1 ] || { echo "device_measure.sh: no GPU (nvidia-smi -L lists none)" >&2; exit 1; }
+rc=0  # the first failing tool's exit status, the script's own
 t0=$SECONDS
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
   cmake --build "$build" -j "$(nproc)" --target weft-bench _weft >>"$OUT/build.log" 2>&1 ||
@@ -27,14 +33,18 @@ bench() {  # bench NAME ARGS...: weft-bench over every GPU
   local name=$1 t=$SECONDS
   shift
   timeout 580 "$build/bench/weft-bench" --gpus "$n" "$@" >"$OUT/$name-${n}gpu.txt" 2>&1
-  echo "== $name ($((SECONDS - t)) s, exit $?): $OUT/$name-${n}gpu.txt"
+  local r=$?
+  [ $r -eq 0 ] || [ $rc -ne 0 ] || rc=$r
+  echo "== $name ($((SECONDS - t)) s, exit $r): $OUT/$name-${n}gpu.txt"
 }
 py() {  # py NAME SCRIPT ARGS...: a Python bench under torchrun, a process per GPU
   local name=$1 t=$SECONDS
   shift
   PYTHONPATH="$build/python" timeout 580 python3 -m torch.distributed.run --nproc_per_node="$n" \
     --master-port=$((20000 + RANDOM % 20000)) "$@" >"$OUT/$name-${n}gpu.txt" 2>&1
-  echo "== $name ($((SECONDS - t)) s, exit $?): $OUT/$name-${n}gpu.txt"
+  local r=$?
+  [ $r -eq 0 ] || [ $rc -ne 0 ] || rc=$r
+  echo "== $name ($((SECONDS - t)) s, exit $r): $OUT/$name-${n}gpu.txt"
 }
 for plan in "$@"; do
   case $plan in
@@ -49,7 +59,7 @@ for plan in "$@"; do
     decode) bench flash_decode flash_decode --timeline "$OUT/tl"; py decode_py python/benchmarks/decode.py --quick ;;
     fp8) bench gemm_fp8 gemm_fp8 --quick; py fp8_tp python/benchmarks/fp8_tp.py --quick ;;
     rooted) bench rooted broadcast scatter gather reduce alltoallv --quick ;;
-    *) echo "device_measure.sh: no plan '$plan' (see the header)" >&2; exit 2 ;;
   esac
 done
 echo "total: $((SECONDS - t0)) s"
+exit $rc

@@ -67,8 +67,8 @@ inline DeviceFacts check_attention_call(const AttentionShape& s, DType dtype, co
 
 // The team attention ops (ring, Ulysses, hybrid, context attention) set the per-step options themselves: a
 // caller's would be ignored, so they are refused; so is a timeline (those ops record none). with_grads:
-// accumulate_grads too (calls that run a backward; a forward leaves it alone, as training code hands the
-// forward the backward's options).
+// accumulate_grads too (the backwards, and the Ulysses / hybrid start shared by both passes; the ring and
+// context forwards leave it alone, as training code hands the forward the backward's options).
 inline void check_team_attention_options(const AttentionOptions& o, bool with_grads, const std::string& w) {
   if (with_grads)
     WEFT_CHECK(

@@ -368,7 +368,9 @@ std::string run_backward(const Problem& pr, uint64_t seed, int max_blocks, const
   upload(dv, v, pr.dtype);
   upload(dgo, go, pr.dtype);
   for (DeviceBuffer* b : {&ddq, &ddk, &ddv, &ws, &dout}) WEFT_CUDA_CHECK(cudaMemset(b->p, 0xff, b->bytes));
-  flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape, pr.dtype, nullptr, o);
+  AttentionOptions forward = o;  // a timeline records the backward alone
+  forward.timeline = nullptr;
+  flash_attention_forward(dq.p, dk.p, dv.p, dout.p, dlse.as<float>(), shape, pr.dtype, nullptr, forward);
   flash_attention_backward(dq.p, dk.p, dv.p, dout.p, dgo.p, dlse.as<float>(), ddq.p, ddk.p, ddv.p, ws.p,
                            ws.bytes, shape, pr.dtype, nullptr, o);
   WEFT_CUDA_CHECK(cudaDeviceSynchronize());
@@ -663,9 +665,9 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_query_rows) {
 }
 
 // AttentionOptions::timeline (the bf16 kernels of their own): the forward, the backward and the
-// deterministic backward with a timeline attached still match the fp64 reference, and record each block's
-// span and each work item's mainloop and store, every span closed, none dropped; fp16 with a timeline is
-// refused.
+// deterministic backward with a timeline attached (the backward's alone: run_backward's forward records
+// none) still match the fp64 reference, and record each block's span and each work item's mainloop and
+// store, every span closed, none dropped; fp16 with a timeline is refused.
 WEFT_GPU_TEST_ONE_GPU(flash_attention_timeline) {
   WEFT_CUDA_CHECK(cudaSetDevice(ctx.comm().local(0).device()));
   constexpr uint32_t kEvents = 1u << 18;
@@ -673,9 +675,11 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_timeline) {
   auto* tl = static_cast<TimelineBuffer*>(buffer.p);
   std::string failures;
   uint64_t seed = 601;
+  // (D = 64 from 4096 queries: the backward's 128-row steps.)
   const std::vector<Case> cases = {{2, 300, 300, 4, 2, 128, true, 0.f},
                                    {1, 1000, 700, 2, 2, 64, false, 0.f},
-                                   {1, 300, 300, 2, 1, 64, true, 0.f, 3}};
+                                   {1, 300, 300, 2, 1, 64, true, 0.f, 3},
+                                   {1, 4100, 4100, 1, 1, 64, true, 0.f}};
   for (const Case& c : cases)
     for (const char* pass : {"forward", "backward", "deterministic backward"}) {
       Problem pr = dense_problem(c);
