@@ -1,8 +1,12 @@
 // What the attention launchers share (internal to src/ops): the checks of a call, its error-message prefix
 // and the 4-D tensor maps of [batch, seq, heads, dim] tensors.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "op_args.hpp"
 #include "weft/ops/attention.hpp"
@@ -66,7 +70,8 @@ inline DeviceFacts check_attention_call(const AttentionShape& s, DType dtype, co
 }
 
 // The team attention ops (ring, Ulysses, hybrid, context attention) set the per-step options themselves: a
-// caller's would be ignored, so they are refused; so is a timeline (those ops record none). with_grads:
+// caller's would be ignored, so they are refused; so is options.timeline (they record into their rank's,
+// team_attention_timeline). with_grads:
 // accumulate_grads too (the backwards, and the Ulysses / hybrid start shared by both passes; the ring and
 // context forwards leave it alone, as training code hands the forward the backward's options).
 inline void check_team_attention_options(const AttentionOptions& o, bool with_grads, const std::string& w) {
@@ -78,7 +83,31 @@ inline void check_team_attention_options(const AttentionOptions& o, bool with_gr
     WEFT_CHECK(!o.segments.packed() && !o.accumulate.enabled(),
                w + "options.segments and options.accumulate are set by the op itself; leave them empty");
   WEFT_CHECK(o.timeline == nullptr,
-             w + "options.timeline records the single-GPU flash attention only; the team ops record none");
+             w + "options.timeline is for the single-GPU flash attention; the team ops "
+                 "record into their rank's timeline (Communicator::timeline_start)");
+}
+
+// The timeline a team attention op records into: its rank's (Communicator::timeline_start), for bf16 calls;
+// fp16 calls record nothing (the timed kernels, which carry the marks, exist for bf16 alone).
+inline TimelineBuffer* team_attention_timeline(const Rank& rank, DType dtype) {
+  return dtype == DType::kBF16 ? rank.view().timeline : nullptr;
+}
+
+// A team attention op's kernel for its head dim and dtype: run(std::integral_constant<int, D>{}, T{},
+// std::bool_constant<timed>{}), timed where team_attention_timeline is set.
+template <class Run>
+void by_head_dim_and_type(const Rank& rank, int64_t head_dim, DType dtype, Run&& run) {
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
+  if (dtype == DType::kFP16) {
+    head_dim == 64 ? run(D64{}, __half{}, std::false_type{}) : run(D128{}, __half{}, std::false_type{});
+  } else if (team_attention_timeline(rank, dtype) != nullptr) {
+    head_dim == 64 ? run(D64{}, __nv_bfloat16{}, std::true_type{})
+                   : run(D128{}, __nv_bfloat16{}, std::true_type{});
+  } else {
+    head_dim == 64 ? run(D64{}, __nv_bfloat16{}, std::false_type{})
+                   : run(D128{}, __nv_bfloat16{}, std::false_type{});
+  }
 }
 
 inline float attention_scale(const AttentionShape& s, const AttentionOptions& o) {

@@ -178,6 +178,7 @@ void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const
   const Gathered g = gather(call, z, k, v, workspace, workspace_bytes, 0, dtype, nodes);
   AttentionOptions o = options;
   o.segments = z.segments(g.own.seg);
+  o.timeline = ops::team_attention_timeline(rank, dtype);
   if (call.planning()) {
     const Plan core = z.nseg() > 0 ? flash_attention_forward_plan(z.shape(heads), dtype, o) : Plan{};
     call.planned_op("context_attention_forward",
@@ -213,6 +214,7 @@ void backward(Communicator& comm, Rank& rank, const void* q, const void* k, cons
   AttentionOptions o = options;
   o.segments = z.segments(g.own.seg);
   o.accumulate_grads = {dk32, dv32};
+  o.timeline = ops::team_attention_timeline(rank, dtype);
   if (call.planning()) {
     const Plan core = z.nseg() > 0 ? flash_attention_backward_plan(z.shape(heads), dtype, o) : Plan{};
     call.planned_op(

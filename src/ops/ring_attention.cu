@@ -69,11 +69,11 @@ size_t own_bytes(const Sizes& z) {
   return ops::bytes_carved_by([&](ops::WorkspaceLayout& w) { carve_own(w, z); });
 }
 
-template <int kD, class T>
+template <int kD, class T, bool kTimed>
 void launch(ops::OpCall& call, const Sizes& z, const void* q, const void* k, const void* v, void* out,
             float* lse, int64_t heads, const Own& w, const Area& a, const AttentionOptions& options,
             DType dtype) {
-  using Op = ops::RingAttentionFwdOp<kD, T>;
+  using Op = ops::RingAttentionFwdOp<kD, T, kTimed>;
   Communicator& comm = call.comm;
   Rank& rank = call.rank;
   const cudaStream_t stream = call.stream;
@@ -190,15 +190,10 @@ void ring_forward(Communicator& comm, Rank& rank, const void* q, const void* k, 
   const Area area = carve_area(area_layout, z);
   ops::WorkspaceLayout own_layout(workspace);
   const Own own = carve_own(own_layout, z);
-  const auto run = [&](auto d, auto t) {
-    launch<decltype(d)::value, decltype(t)>(call, z, q, k, v, out, lse, heads, own, area, options, dtype);
-  };
-  using D64 = std::integral_constant<int, 64>;
-  using D128 = std::integral_constant<int, 128>;
-  if (dtype == DType::kFP16)
-    head_dim == 64 ? run(D64{}, __half{}) : run(D128{}, __half{});
-  else
-    head_dim == 64 ? run(D64{}, __nv_bfloat16{}) : run(D128{}, __nv_bfloat16{});
+  ops::by_head_dim_and_type(rank, head_dim, dtype, [&](auto d, auto t, auto timed) {
+    launch<decltype(d)::value, decltype(t), decltype(timed)::value>(call, z, q, k, v, out, lse, heads, own,
+                                                                    area, options, dtype);
+  });
 }
 
 }  // namespace ops

@@ -267,10 +267,10 @@ int fill_params(Communicator& comm, Rank& rank, const Sizes& z, const Uploads& u
   return blocks;
 }
 
-template <int kD, class T>
+template <int kD, class T, bool kTimed>
 void launch(ops::OpCall& call, const Sizes& z, const DqRoute& route, const Buffers& b, const Own& w,
             const Area& a, const AttentionOptions& options, DType dtype) {
-  using Op = ops::RingAttentionBwdOp<kD, T>;
+  using Op = ops::RingAttentionBwdOp<kD, T, kTimed>;
   Communicator& comm = call.comm;
   Rank& rank = call.rank;
   const cudaStream_t stream = call.stream;
@@ -383,15 +383,10 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
   ops::WorkspaceLayout own_layout(workspace);
   const Own own = carve_own(own_layout, z);
   const Buffers b{q, k, v, out, dout, lse, dq, dk, dv};
-  const auto run = [&](auto d, auto t) {
-    launch<decltype(d)::value, decltype(t)>(call, z, route, b, own, area, options, dtype);
-  };
-  using D64 = std::integral_constant<int, 64>;
-  using D128 = std::integral_constant<int, 128>;
-  if (dtype == DType::kFP16)
-    head_dim == 64 ? run(D64{}, __half{}) : run(D128{}, __half{});
-  else
-    head_dim == 64 ? run(D64{}, __nv_bfloat16{}) : run(D128{}, __nv_bfloat16{});
+  ops::by_head_dim_and_type(rank, head_dim, dtype, [&](auto d, auto t, auto timed) {
+    launch<decltype(d)::value, decltype(t), decltype(timed)::value>(call, z, route, b, own, area, options,
+                                                                    dtype);
+  });
 }
 
 }  // namespace ops

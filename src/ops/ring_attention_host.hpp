@@ -147,8 +147,9 @@ bool ring_planned(OpCall& call, const RingPassSizes& z, const RingTable& table, 
   return call.planned_op(op, path, blocks, static_cast<int>(lcsc::kSmemBytes<Op>));
 }
 
-// The launch setup: ring_schedule, L2 sections of `section_pairs`, the team sync (finishers: every consumer
-// warpgroup and helper warp) and the landed counts zeroed on `stream`. Returns the grid.
+// The launch setup: ring_schedule, the rank's timeline (timed kernels), L2 sections of `section_pairs`, the
+// team sync (finishers: every consumer warpgroup and helper warp) and the landed counts zeroed on `stream`.
+// Returns the grid.
 template <class Op>
 int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, const RingTable& table,
                       const RingResources& res, int64_t heads, int block_rows, int64_t section_pairs,
@@ -156,6 +157,7 @@ int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, co
                       typename Op::Params& p, const std::string& where) {
   lcsc::AttentionSchedulerParams& sched = p.sched;
   const int blocks = ring_schedule<Op>(rank, z, table, heads, block_rows, options, sched);
+  if constexpr (requires { p.sched.timeline; }) p.sched.timeline = rank.view().timeline;  // the timed kernels
   sched.section_pairs =
       static_cast<int>(std::min<int64_t>(section_pairs, std::max<int64_t>(z.segments(), 1) * heads));
   WEFT_CHECK(blocks <= kRingMaxBlocks, where + "more compute blocks than the landed counts hold");

@@ -180,11 +180,11 @@ Started start(ops::OpCall& call, const Sizes& z, const AttentionOptions& options
 // The forward's kernel: the attention of this rank's heads over its head-major natural buffers, the pushes
 // and pulls of the shares (UlyssesAttentionFwdOp), after a meeting (every peer is done with its previous
 // call's buffers).
-template <int kD, class T>
+template <int kD, class T, bool kTimed>
 void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* q, const void* k,
                     const void* v, void* out, float* lse, const Area& a, const Own& w, cudaStream_t stream,
                     const AttentionOptions& options, DType dtype, const std::string& where) {
-  using Op = ops::UlyssesAttentionFwdOp<kD, T>;
+  using Op = ops::UlyssesAttentionFwdOp<kD, T, kTimed>;
   const int W = z.world;
   const int64_t qw = z.q_share.width, kvw = z.kv_share.width;
   const int32_t* offsets = w.offsets;
@@ -211,6 +211,7 @@ void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* 
   sched.block_rows = Op::kBM;
   sched.heads_outer = true;
   sched.section_pairs = sched.batch;  // a head per L2 section: the heads run in the order they arrive
+  if constexpr (kTimed) p.sched.timeline = rank.view().timeline;
   const int resident = std::min(lcsc::Launcher<Op>::max_resident_clusters(), rank.sm_budget());
   const int blocks = std::max(1, ops::attention_blocks(resident, options, sched.units()));
   WEFT_CHECK(blocks <= ops::kUlyssesMaxBlocks, where + "more compute blocks than the landed counts hold");
@@ -278,6 +279,7 @@ void forward_in_passes(Communicator& comm, Rank& rank, const Sizes& z, const voi
   ops::push_rows(comm, rank, v, z.local, a.v, local_nat, z.kv_share, z.head_dim, z.max_local, stream);
   AttentionOptions o = options;
   o.segments = z.segments(offsets);
+  o.timeline = ops::team_attention_timeline(rank, dtype);
   flash_attention_forward(a.q, a.k, a.v, a.out, a.lse, z.shape(), dtype, stream, o);
   ops::pull_rows(comm, rank, a.out, false, out, z.local, local_nat, z.q_share, z.head_dim, z.max_local, dtype,
                  stream);
@@ -344,16 +346,10 @@ void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const
   if (z.total == 0) return;
   if (!pipelined_forward_chosen())
     return forward_in_passes(comm, rank, z, q, k, v, out, lse, a, st.own, call.stream, options, dtype);
-  const auto run = [&](auto d, auto t) {
-    launch_forward<decltype(d)::value, decltype(t)>(comm, rank, z, q, k, v, out, lse, a, st.own, call.stream,
-                                                    options, dtype, where);
-  };
-  using D64 = std::integral_constant<int, 64>;
-  using D128 = std::integral_constant<int, 128>;
-  if (dtype == DType::kFP16)
-    head_dim == 64 ? run(D64{}, __half{}) : run(D128{}, __half{});
-  else
-    head_dim == 64 ? run(D64{}, __nv_bfloat16{}) : run(D128{}, __nv_bfloat16{});
+  ops::by_head_dim_and_type(rank, head_dim, dtype, [&](auto d, auto t, auto timed) {
+    launch_forward<decltype(d)::value, decltype(t), decltype(timed)::value>(
+        comm, rank, z, q, k, v, out, lse, a, st.own, call.stream, options, dtype, where);
+  });
 }
 
 void backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v, const void* out,
@@ -372,6 +368,7 @@ void backward(Communicator& comm, Rank& rank, const void* q, const void* k, cons
   AttentionOptions o = options;
   o.segments = z.segments(st.own.offsets);
   o.accumulate_grads = {a.dk32, a.dv32};
+  o.timeline = ops::team_attention_timeline(rank, dtype);
   if (call.planning()) {
     const Plan core = z.total > 0 ? flash_attention_backward_plan(z.shape(), dtype, o) : Plan{};
     call.planned_op(

@@ -18,6 +18,8 @@
 #include "harness.hpp"
 #include "weft/ops/attention.hpp"
 #include "weft/ops/context_attention.hpp"
+#include "weft/runtime/communicator.hpp"
+#include "weft/timeline.hpp"
 
 using namespace weft;
 using weft::test::DeviceBuffer;
@@ -469,10 +471,10 @@ WEFT_GPU_TEST(ring_attention_argument_errors) {
   deterministic.deterministic = true;
   WEFT_EXPECT_ERROR(backward(ws.bytes, deterministic), "deterministic is not supported");
   WEFT_EXPECT_ERROR(backward(ws.bytes, packed), "set by the op itself");
-  AttentionOptions timed;  // (the pointer is only compared: the team ops record no timeline)
+  AttentionOptions timed;  // (only compared: the team ops record into their rank's timeline instead)
   timed.timeline = reinterpret_cast<TimelineBuffer*>(ws.p);
-  WEFT_EXPECT_ERROR(call(4, 4, 64, ws.bytes, timed), "team ops record none");
-  WEFT_EXPECT_ERROR(backward(ws.bytes, timed), "team ops record none");
+  WEFT_EXPECT_ERROR(call(4, 4, 64, ws.bytes, timed), "record into their rank's timeline");
+  WEFT_EXPECT_ERROR(backward(ws.bytes, timed), "record into their rank's timeline");
 }
 
 // Heads a multiple of W; K / V heads a multiple of W, or shared (fewer than W). For the pipelined forward's
@@ -505,6 +507,43 @@ WEFT_GPU_TEST(ulysses_attention_pipelined_matches_single_gpu) {
   {
     const weft::test::ScopedEnv pipelined("WEFT_ULYSSES_FORWARD", "pipelined");
     failures = run_cp_cases(c, Method::kUlysses, ulysses_cases(c.world(), ctx.quick), 751);
+  }
+  WEFT_EXPECT(failures.empty(), failures);
+}
+
+// A timeline on every rank (Communicator::timeline_start) records the team attention ops' bf16 kernels, the
+// timed ones: the ring's forward and backward, Ulysses' one-kernel forward and its single-GPU core (forward
+// in passes, backward), context attention's core: on every rank, mainloop and store spans, each closed, none
+// dropped; the results still match single-GPU attention.
+WEFT_GPU_TEST(team_attention_timeline) {
+  Communicator& c = ctx.comm();
+  const int64_t W = c.world();
+  const std::vector<CpCase> cases = {{{1000}, 2 * W, W, 128, true}, {{300, 17}, 2 * W, 2 * W, 64, false}};
+  std::string failures;
+  uint64_t seed = 971;
+  const std::pair<Method, const char*> runs[] = {{Method::kRing, "ring"},
+                                                 {Method::kUlysses, "ulysses"},
+                                                 {Method::kUlysses, "ulysses, one-kernel forward"},
+                                                 {Method::kAllGather, "all-gather"}};
+  for (const auto& [method, name] : runs) {
+    const bool pipelined = std::string(name).find("one-kernel") != std::string::npos;
+    const weft::test::ScopedEnv forward("WEFT_ULYSSES_FORWARD", pipelined ? "pipelined" : "in passes");
+    c.host_barrier();
+    for (int i = 0; i < c.num_local(); ++i) c.timeline_start(c.local(i), 1u << 20);
+    failures += run_cp_cases(c, method, cases, seed += 100);
+    for (int i = 0; i < c.num_local(); ++i) {
+      const TimelineRecord rec = c.timeline_take(c.local(i));
+      int begins[128] = {}, ends[128] = {};
+      for (const TimelineEvent& e : rec.events) ++(e.edge & kTimelineEnd ? ends : begins)[e.edge & 0x7f];
+      bool closed = true;
+      for (int ph = 0; ph < 128; ++ph) closed = closed && begins[ph] == ends[ph];
+      const int main = int(TimelinePhase::kMainloop), store = int(TimelinePhase::kStore);
+      if (rec.dropped || !closed || begins[main] == 0 || begins[store] != begins[main])
+        failures += std::string("\n    ") + name + ", rank " + std::to_string(rec.rank) + ": " +
+                    std::to_string(rec.events.size()) + " events (" + std::to_string(rec.dropped) +
+                    " dropped), mainloops " + std::to_string(begins[main]) + ", stores " +
+                    std::to_string(begins[store]) + (closed ? "" : ", a span not closed");
+    }
   }
   WEFT_EXPECT(failures.empty(), failures);
 }

@@ -39,7 +39,8 @@ struct AttentionOptions {
   // Single-GPU forward and backward: non-null, the kernel records its blocks' phases there (each block's
   // span, each consumer warpgroup's mainloop and store per work item; weft/timeline.hpp), bf16 calls only.
   // Timed calls run kernels of their own (Timed scheduler parameters), so the others carry no mark. The
-  // team ops (ring, Ulysses) record none yet.
+  // team attention ops refuse it: they record into their rank's timeline (Communicator::timeline_start),
+  // bf16 calls, with the same timed kernels.
   TimelineBuffer* timeline = nullptr;
 };
 

@@ -90,9 +90,10 @@ __device__ inline void ring_wait_landed(const lcsc::PushSync& sync, const RingSl
   acquire_for_tma();  // the peers' generic stores before our TMA loads
 }
 
-template <int kHeadDim, class T = __nv_bfloat16>
-struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
-  using Base = AttentionFwdOp<kHeadDim, T>;
+// kTimed: the kernel that records its rank's timeline (AttentionFwdOp's).
+template <int kHeadDim, class T = __nv_bfloat16, bool kTimed = false>
+struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed> {
+  using Base = AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed>;
   using Base::kBM;
   using Base::kBN;
   using Base::kD;

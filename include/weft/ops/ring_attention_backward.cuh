@@ -33,9 +33,10 @@
 
 namespace weft::ops {
 
-template <int kHeadDim, class T = __nv_bfloat16>
-struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64> {
-  using Base = AttentionBwdOp<kHeadDim, T, false, 64>;
+// kTimed: the kernel that records its rank's timeline (AttentionBwdOp's).
+template <int kHeadDim, class T = __nv_bfloat16, bool kTimed = false>
+struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
+  using Base = AttentionBwdOp<kHeadDim, T, false, 64, kTimed>;
   using Base::kBM;
   using Base::kBN;
   using Base::kD;

@@ -59,9 +59,10 @@ struct UlyssesSegments {
   int count;
 };
 
-template <int kHeadDim, class T = __nv_bfloat16>
-struct UlyssesAttentionFwdOp : AttentionFwdOp<kHeadDim, T> {
-  using Base = AttentionFwdOp<kHeadDim, T>;
+// kTimed: the kernel that records its rank's timeline (AttentionFwdOp's).
+template <int kHeadDim, class T = __nv_bfloat16, bool kTimed = false>
+struct UlyssesAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed> {
+  using Base = AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed>;
   using Base::kConsumerWarpgroups;
   using Base::kD;
   using typename Base::Pipeline;
