@@ -334,6 +334,7 @@ void forward(Communicator& comm, Rank& rank, const void* q, const void* k, const
   if (call.planning()) {
     AttentionOptions o = options;
     o.segments = z.segments(st.own.offsets);
+    o.timeline = ops::team_attention_timeline(rank, dtype);
     const Plan core = z.total > 0 ? flash_attention_forward_plan(z.shape(), dtype, o) : Plan{};
     call.planned_op(
         "ulysses_attention_forward",

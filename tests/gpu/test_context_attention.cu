@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <cmath>
 #include <random>
@@ -45,6 +46,8 @@ struct CpCase {
 // The four methods behind one set of signatures; the hybrid's Ulysses size is hybrid_ulysses.
 enum class Method { kAllGather, kUlysses, kRing, kHybrid };
 int hybrid_ulysses = 1;
+// Called by run_cp_case between its forward (synchronized) and its backward, where set.
+std::function<void()> after_forward;
 void hybrid_forward(Communicator& c, Rank& rank, const void* q, const void* k, const void* v, void* out,
                     float* lse, const std::vector<int64_t>& docs, int64_t h, int64_t kv, int64_t d, void* ws,
                     size_t ws_bytes, DType t, cudaStream_t s, const AttentionOptions& o) {
@@ -235,6 +238,7 @@ std::string run_cp_case(Communicator& c, Method method, const CpCase& cc, uint64
                        nullptr, fo);
   }
   c.synchronize();
+  if (after_forward) after_forward();
   for (size_t i = 0; i < plans.size(); ++i) {
     if (plans[i].op.empty() || plans[i].path.empty())
       return "forward: a plan without its op or path: " + describe(plans[i]);
@@ -513,24 +517,15 @@ WEFT_GPU_TEST(ulysses_attention_pipelined_matches_single_gpu) {
 
 // A timeline on every rank (Communicator::timeline_start) records the team attention ops' bf16 kernels, the
 // timed ones: the ring's forward and backward, Ulysses' one-kernel forward and its single-GPU core (forward
-// in passes, backward), context attention's core: on every rank, mainloop and store spans, each closed, none
-// dropped; the results still match single-GPU attention.
+// in passes, backward), context attention's core, the hybrid's (on its sub-teams, at W = 4, 8): each pass
+// checked alone, on every rank mainloop and store spans, each closed, none dropped; the results still match
+// single-GPU attention.
 WEFT_GPU_TEST(team_attention_timeline) {
   Communicator& c = ctx.comm();
   const int64_t W = c.world();
-  const std::vector<CpCase> cases = {{{1000}, 2 * W, W, 128, true}, {{300, 17}, 2 * W, 2 * W, 64, false}};
   std::string failures;
-  uint64_t seed = 971;
-  const std::pair<Method, const char*> runs[] = {{Method::kRing, "ring"},
-                                                 {Method::kUlysses, "ulysses"},
-                                                 {Method::kUlysses, "ulysses, one-kernel forward"},
-                                                 {Method::kAllGather, "all-gather"}};
-  for (const auto& [method, name] : runs) {
-    const bool pipelined = std::string(name).find("one-kernel") != std::string::npos;
-    const weft::test::ScopedEnv forward("WEFT_ULYSSES_FORWARD", pipelined ? "pipelined" : "in passes");
-    c.host_barrier();
-    for (int i = 0; i < c.num_local(); ++i) c.timeline_start(c.local(i), 1u << 20);
-    failures += run_cp_cases(c, method, cases, seed += 100);
+  // Each rank's timeline since its start, checked, then (restart) started again.
+  auto check = [&](const std::string& what, bool restart) {
     for (int i = 0; i < c.num_local(); ++i) {
       const TimelineRecord rec = c.timeline_take(c.local(i));
       int begins[128] = {}, ends[128] = {};
@@ -539,12 +534,43 @@ WEFT_GPU_TEST(team_attention_timeline) {
       for (int ph = 0; ph < 128; ++ph) closed = closed && begins[ph] == ends[ph];
       const int main = int(TimelinePhase::kMainloop), store = int(TimelinePhase::kStore);
       if (rec.dropped || !closed || begins[main] == 0 || begins[store] != begins[main])
-        failures += std::string("\n    ") + name + ", rank " + std::to_string(rec.rank) + ": " +
+        failures += "\n    " + what + ", rank " + std::to_string(rec.rank) + ": " +
                     std::to_string(rec.events.size()) + " events (" + std::to_string(rec.dropped) +
                     " dropped), mainloops " + std::to_string(begins[main]) + ", stores " +
                     std::to_string(begins[store]) + (closed ? "" : ", a span not closed");
+      if (restart) c.timeline_start(c.local(i), 1u << 20);
+    }
+  };
+  struct Run {
+    Method method;
+    std::string name;
+    int ulysses;  // the hybrid's Ulysses size
+    std::vector<CpCase> cases;
+  };
+  const std::vector<CpCase> cases = {{{1000}, 2 * W, W, 128, true}, {{300, 17}, 2 * W, 2 * W, 64, false}};
+  std::vector<Run> runs = {{Method::kRing, "ring", 1, cases},
+                           {Method::kUlysses, "ulysses", 1, cases},
+                           {Method::kUlysses, "ulysses, one-kernel forward", 1, cases},
+                           {Method::kAllGather, "all-gather", 1, cases}};
+  if (W >= 4 && W % 2 == 0)
+    runs.push_back(
+        {Method::kHybrid, "hybrid, Ulysses 2", 2, {{{1000}, 4, 4, 128, true}, {{1000}, 4, 2, 64, false}}});
+  uint64_t seed = 971;
+  for (const Run& run : runs) {
+    const bool pipelined = run.name.find("one-kernel") != std::string::npos;
+    const weft::test::ScopedEnv forward("WEFT_ULYSSES_FORWARD", pipelined ? "pipelined" : "in passes");
+    hybrid_ulysses = run.ulysses;
+    for (const CpCase& cc : run.cases) {
+      const std::string what = run.name + (cc.causal ? ", causal" : "") + " D=" + std::to_string(cc.dim);
+      c.host_barrier();
+      for (int i = 0; i < c.num_local(); ++i) c.timeline_start(c.local(i), 1u << 20);
+      after_forward = [&] { check(what + ", forward", true); };
+      failures += run_cp_case(c, run.method, cc, seed += 10);
+      after_forward = nullptr;
+      check(what + ", backward", false);
     }
   }
+  hybrid_ulysses = 1;
   WEFT_EXPECT(failures.empty(), failures);
 }
 
