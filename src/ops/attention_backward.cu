@@ -127,8 +127,10 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.dsum_map = ops::map_terms(dsum, ws.term_stride, sh.heads, Op::kBM, c.where + "workspace (D)");
   p.dq_order = dq_order;
   p.dq_blocks = static_cast<int>(ws.dq_blocks);
-  if constexpr (kDeterministic)  // (zeroed with the turn counters above)
+  if constexpr (kDeterministic) {  // (zeroed with the turn counters above)
     p.sched.claims = reinterpret_cast<int*>(dq_order + ws.order_bytes / 8 - 1);
+    WEFT_CHECK(!p.sched.paired, c.where + "internal: claimed units of a paired schedule");
+  }
   p.dk_out = static_cast<T*>(c.dk);
   p.dv_out = static_cast<T*>(c.dv);
   const float scale = ops::attention_scale(sh, c.options);

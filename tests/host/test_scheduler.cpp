@@ -263,11 +263,13 @@ TEST(AttentionScheduler, ReversedRunsWaitsOnLaterBlocksToTheEnd) {
 }
 
 // Claimed units (AttentionScheduler::at, as lcsc::ClaimedTiles takes them: each free block claims the next
-// unit): every item once, in the unit order of next()'s walk, units past a sequence's end skipped; reversed,
-// a pair's later blocks claimed before its earlier ones, and blocks of random speed that each run their
-// claims in order always run to the end when each item waits for the pair's next block.
+// unit, blocks of random speed): the same items as next()'s walk, each once, units past a sequence's end
+// skipped, each block's iteration count; reversed, a pair's later blocks claimed before its earlier ones, and
+// the blocks always run to the end when each item waits for the pair's next block. (Claims out of unit
+// order can leave every block waiting: the check can fail.)
 TEST(AttentionScheduler, ClaimedUnitsRunToTheEndInEveryTiming) {
   std::mt19937 rng(7);
+  bool out_of_order_stuck = false;
   for (bool reversed : {true, false})
     for (bool packed : {false, true})
       for (bool heads_outer : {false, true})
@@ -305,7 +307,20 @@ TEST(AttentionScheduler, ClaimedUnitsRunToTheEndInEveryTiming) {
                     << blocks << " blocks, sections of " << section_pairs << (packed ? ", packed" : "")
                     << (heads_outer ? ", heads outer" : "");
             }
+            if (reversed && blocks > 1) {  // the same units claimed last first, dealt round robin
+              AttentionScheduler sched(p, 0, 0);
+              std::vector<std::vector<AttentionWork>> backwards(blocks);
+              std::set<std::tuple<int, int, int>> items;
+              for (int u = sched.units() - 1, n = 0; u >= 0; --u) {
+                AttentionWork w;
+                if (!sched.at(u, w)) continue;
+                backwards[n++ % blocks].push_back(w);
+                items.insert({w.batch, w.head, w.q_block});
+              }
+              out_of_order_stuck |= !runs_to_the_end_waiting_for_the_next_block(backwards, items);
+            }
           }
+  EXPECT_TRUE(out_of_order_stuck) << "the check never fails: it does not test the claim order";
 }
 
 // Heads outer, sections of one head's pairs: every block takes its items head after head.

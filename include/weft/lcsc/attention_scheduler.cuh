@@ -91,8 +91,9 @@ class AttentionScheduler {
     }
     return false;
   }
-  // Claimed units (lcsc::ClaimedTiles, unpaired schedules): unit u as this block's next item, or false where
-  // u lies past its sequence's end.
+  // Claimed units (lcsc::ClaimedTiles): unit u as this block's next item, or false where u lies past its
+  // sequence's end. Unpaired schedules only (a paired unit's light block would be lost: the launchers that
+  // set `claims` check `paired` is off).
   __host__ __device__ __forceinline__ bool at(int u, Work& w) {
     if (!item(u, w)) return false;
     w.iteration = iteration_++;

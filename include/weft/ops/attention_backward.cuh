@@ -168,8 +168,10 @@ struct AttentionBwdOp {
     typename Epilogue::Smem epi;  // dK / dV staging; a warpgroup's two buffers also stage its dQ part
     typename Pipeline::Storage pipe;
     DqHandoff dq_handoff[kConsumerWarpgroups];  // kDeterministic
-    // kDeterministic: units claimed in order (lcsc::ClaimedTiles, Params::sched.claims; see dq_turn)
-    [[no_unique_address]] std::conditional_t<kDeterministic, lcsc::TileQueue, lcsc::NoTileQueue> tile_queue;
+    // kDeterministic: units claimed in order (lcsc::ClaimedTiles, Params::sched.claims; see dq_turn). (No
+    // [[no_unique_address]]: with it g++ lays out a derived Smem, the ring backward's, in this one's tail
+    // padding, which the device compiler does not: host and device would disagree on its size.)
+    std::conditional_t<kDeterministic, lcsc::TileQueue, lcsc::NoTileQueue> tile_queue;
   };
   struct Accum {
     tile::AccumM64<kD> dk, dv;
