@@ -71,6 +71,14 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   return plan;
 }
 
+template <class T, bool kTimed = false>
+Plan by_shape(const Call& c, bool rows_128, DType dtype, cudaStream_t stream, bool launch) {
+  if (c.shape.head_dim == 128)
+    return run<128, T, ops::attention_warpgroups(128), kTimed>(c, dtype, stream, launch);
+  return rows_128 ? run<64, T, 2, kTimed>(c, dtype, stream, launch)
+                  : run<64, T, ops::attention_warpgroups(64), kTimed>(c, dtype, stream, launch);
+}
+
 Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   const ops::DeviceFacts dev = ops::check_attention_call(c.shape, dtype, c.options, c.where);
   const AttentionAccumulate& acc = c.options.accumulate;
@@ -104,21 +112,10 @@ Plan dispatch(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   // block's diagonal work is the larger share and the last, heaviest block of 1024 rows is a third full;
   // 192 rows otherwise, faster even where they pad 1024 rows to 1152 (bench/RESULTS.md, attention).
   const bool rows_128 = forced ? forced == 128 : c.options.causal && c.shape.seq_q <= 2048;
-  if (c.options.timeline != nullptr) {  // the timed kernels (bf16 only: a measuring tool)
-    WEFT_CHECK(dtype == DType::kBF16, c.where + "options.timeline: bf16 calls only");
-    using BF16 = __nv_bfloat16;
-    if (c.shape.head_dim == 128)
-      return run<128, BF16, ops::attention_warpgroups(128), true>(c, dtype, stream, launch);
-    return rows_128 ? run<64, BF16, 2, true>(c, dtype, stream, launch)
-                    : run<64, BF16, ops::attention_warpgroups(64), true>(c, dtype, stream, launch);
-  }
-  if (dtype == DType::kFP16) {
-    if (c.shape.head_dim == 128) return run<128, __half>(c, dtype, stream, launch);
-    return rows_128 ? run<64, __half, 2>(c, dtype, stream, launch) : run<64, __half>(c, dtype, stream, launch);
-  }
-  if (c.shape.head_dim == 128) return run<128, __nv_bfloat16>(c, dtype, stream, launch);
-  return rows_128 ? run<64, __nv_bfloat16, 2>(c, dtype, stream, launch)
-                  : run<64, __nv_bfloat16>(c, dtype, stream, launch);
+  if (c.options.timeline != nullptr)  // the timed kernels (bf16: check_attention_call)
+    return by_shape<__nv_bfloat16, true>(c, rows_128, dtype, stream, launch);
+  return dtype == DType::kFP16 ? by_shape<__half>(c, rows_128, dtype, stream, launch)
+                               : by_shape<__nv_bfloat16>(c, rows_128, dtype, stream, launch);
 }
 
 std::string where(const AttentionShape& s) {

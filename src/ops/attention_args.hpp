@@ -63,6 +63,8 @@ inline DeviceFacts check_attention_call(const AttentionShape& s, DType dtype, co
   WEFT_CHECK(!std::isnan(o.softmax_scale) && o.softmax_scale >= 0.f,
              w + "softmax_scale must be positive (or 0 for 1 / sqrt(head_dim))");
   WEFT_CHECK(o.max_blocks >= 0, w + "options.max_blocks must be >= 0");
+  WEFT_CHECK(o.timeline == nullptr || dtype == DType::kBF16,
+             w + "options.timeline: bf16 calls only (the timed kernels are a measuring tool)");
   const DeviceFacts dev = device_facts();
   WEFT_CHECK(dev.cc == 90, w + "runs on Hopper (sm_90) GPUs; device " + std::to_string(dev.device) +
                                " is sm_" + std::to_string(dev.cc));

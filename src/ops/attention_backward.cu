@@ -152,10 +152,8 @@ Plan by_shape(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
 }
 template <bool kDeterministic>
 Plan by_type(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
-  if (c.options.timeline != nullptr) {  // the timed kernels (bf16 only: a measuring tool)
-    WEFT_CHECK(dtype == DType::kBF16, c.where + "options.timeline: bf16 calls only");
+  if (c.options.timeline != nullptr)  // the timed kernels (bf16: check_attention_call)
     return by_shape<__nv_bfloat16, kDeterministic, true>(c, dtype, stream, launch);
-  }
   return dtype == DType::kFP16 ? by_shape<__half, kDeterministic>(c, dtype, stream, launch)
                                : by_shape<__nv_bfloat16, kDeterministic>(c, dtype, stream, launch);
 }

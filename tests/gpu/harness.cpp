@@ -35,6 +35,18 @@ std::unique_ptr<Communicator> TestContext::make_comm_with(Options o) {
                        : Communicator::create_single_process(o);
 }
 
+std::string lcsc_timeline_problem(const TimelineRecord& rec) {
+  std::map<int, int> begins, ends;  // per phase
+  for (const TimelineEvent& e : rec.events) ++(e.edge & kTimelineEnd ? ends : begins)[e.edge & ~kTimelineEnd];
+  const bool closed = begins == ends;
+  const int block = begins[int(TimelinePhase::kBlock)], main = begins[int(TimelinePhase::kMainloop)],
+            store = begins[int(TimelinePhase::kStore)];
+  if (!rec.dropped && closed && block > 0 && main > 0 && store == main) return "";
+  return std::to_string(rec.events.size()) + " events (" + std::to_string(rec.dropped) +
+         " dropped), blocks " + std::to_string(block) + ", mainloops " + std::to_string(main) + ", stores " +
+         std::to_string(store) + (closed ? "" : ", a span not closed");
+}
+
 }  // namespace weft::test
 
 namespace {

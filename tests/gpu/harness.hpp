@@ -109,6 +109,10 @@ void parallel_for(size_t n, F&& f, size_t min_part = 4096) {
   for (auto& t : pool) t.join();
 }
 
+// What an LCSC kernel's timeline (weft/timeline.hpp) holds that it should not, or lacks: marks dropped, a
+// span not closed, no block span, no work item's mainloop, a mainloop without its store; "" when it is whole.
+std::string lcsc_timeline_problem(const TimelineRecord& rec);
+
 // An environment variable set to `value` while the object lives, the process's earlier value (or none) back
 // after, also when a check throws: for the developer switches the ops read at each call.
 class ScopedEnv {

@@ -691,18 +691,8 @@ WEFT_GPU_TEST_ONE_GPU(flash_attention_timeline) {
       const std::string e = pass[0] == 'f' ? run_forward(pr, seed += 10, c.max_blocks, label)
                                            : run_backward(pr, seed += 10, c.max_blocks, label);
       if (!e.empty()) failures += "\n    " + e;
-      const TimelineRecord rec = read_timeline(tl);
-      int begins[128] = {}, ends[128] = {};
-      for (const TimelineEvent& ev : rec.events) ++(ev.edge & kTimelineEnd ? ends : begins)[ev.edge & 0x7f];
-      bool closed = true;
-      for (int ph = 0; ph < 128; ++ph) closed = closed && begins[ph] == ends[ph];
-      const int block = int(TimelinePhase::kBlock), main = int(TimelinePhase::kMainloop),
-                store = int(TimelinePhase::kStore);
-      if (rec.dropped || !closed || begins[block] == 0 || begins[main] == 0 || begins[store] != begins[main])
-        failures += "\n    " + label + ": " + std::to_string(rec.events.size()) + " events (" +
-                    std::to_string(rec.dropped) + " dropped), blocks " + std::to_string(begins[block]) +
-                    ", mainloops " + std::to_string(begins[main]) + ", stores " +
-                    std::to_string(begins[store]) + (closed ? "" : ", a span not closed");
+      if (const std::string bad = weft::test::lcsc_timeline_problem(read_timeline(tl)); !bad.empty())
+        failures += "\n    " + label + ": " + bad;
     }
   AttentionOptions o;
   o.timeline = tl;

@@ -528,16 +528,8 @@ WEFT_GPU_TEST(team_attention_timeline) {
   auto check = [&](const std::string& what, bool restart) {
     for (int i = 0; i < c.num_local(); ++i) {
       const TimelineRecord rec = c.timeline_take(c.local(i));
-      int begins[128] = {}, ends[128] = {};
-      for (const TimelineEvent& e : rec.events) ++(e.edge & kTimelineEnd ? ends : begins)[e.edge & 0x7f];
-      bool closed = true;
-      for (int ph = 0; ph < 128; ++ph) closed = closed && begins[ph] == ends[ph];
-      const int main = int(TimelinePhase::kMainloop), store = int(TimelinePhase::kStore);
-      if (rec.dropped || !closed || begins[main] == 0 || begins[store] != begins[main])
-        failures += "\n    " + what + ", rank " + std::to_string(rec.rank) + ": " +
-                    std::to_string(rec.events.size()) + " events (" + std::to_string(rec.dropped) +
-                    " dropped), mainloops " + std::to_string(begins[main]) + ", stores " +
-                    std::to_string(begins[store]) + (closed ? "" : ", a span not closed");
+      if (const std::string bad = weft::test::lcsc_timeline_problem(rec); !bad.empty())
+        failures += "\n    " + what + ", rank " + std::to_string(rec.rank) + ": " + bad;
       if (restart) c.timeline_start(c.local(i), 1u << 20);
     }
   };
