@@ -29,7 +29,8 @@ int block_rows(const AttentionShape& s) {
 
 // The workspace: the fp32 dQ accumulator (q's layout), then LSE * log2(e) and D per query row, [heads,
 // term_stride] each (attention_term_rows, and a box of slack).
-// Deterministic calls add a counter per (sequence, head, query block) for the turns of the dQ additions.
+// Deterministic calls add a counter per (sequence, head, query block) for the turns of the dQ additions, and
+// the kernel's unit claims counter after them.
 struct Workspace {
   int64_t rows = 0, term_stride = 0, dq_blocks = 0;
   size_t accum_bytes = 0, row_bytes = 0, order_bytes = 0;
@@ -41,7 +42,7 @@ struct Workspace {
     row_bytes = size_t(s.heads * term_stride) * 4;  // a multiple of 256
     const int64_t block_m = block_rows(s);
     dq_blocks = (s.seq_q + block_m - 1) / block_m;
-    if (o.deterministic) order_bytes = size_t(s.batch * s.heads * dq_blocks) * 8;
+    if (o.deterministic) order_bytes = size_t(s.batch * s.heads * dq_blocks) * 8 + 8;
   }
   size_t bytes() const { return accum_bytes + 2 * row_bytes + order_bytes; }
 };
@@ -126,6 +127,10 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.dsum_map = ops::map_terms(dsum, ws.term_stride, sh.heads, Op::kBM, c.where + "workspace (D)");
   p.dq_order = dq_order;
   p.dq_blocks = static_cast<int>(ws.dq_blocks);
+  if constexpr (kDeterministic) {  // (zeroed with the turn counters above)
+    p.sched.claims = reinterpret_cast<int*>(dq_order + ws.order_bytes / 8 - 1);
+    WEFT_CHECK(!p.sched.paired, c.where + "internal: claimed units of a paired schedule");
+  }
   p.dk_out = static_cast<T*>(c.dk);
   p.dv_out = static_cast<T*>(c.dv);
   const float scale = ops::attention_scale(sh, c.options);

@@ -262,6 +262,67 @@ TEST(AttentionScheduler, ReversedRunsWaitsOnLaterBlocksToTheEnd) {
   EXPECT_TRUE(forward_stuck) << "the check never fails: it does not test the order";
 }
 
+// Claimed units (AttentionScheduler::at, as lcsc::ClaimedTiles takes them: each free block claims the next
+// unit, blocks of random speed): the same items as next()'s walk, each once, units past a sequence's end
+// skipped, each block's iteration count; reversed, a pair's later blocks claimed before its earlier ones, and
+// the blocks always run to the end when each item waits for the pair's next block. (Claims out of unit
+// order can leave every block waiting: the check can fail.)
+TEST(AttentionScheduler, ClaimedUnitsRunToTheEndInEveryTiming) {
+  std::mt19937 rng(7);
+  bool out_of_order_stuck = false;
+  for (bool reversed : {true, false})
+    for (bool packed : {false, true})
+      for (bool heads_outer : {false, true})
+        for (int blocks : {1, 2, 3, 7, 132})
+          for (int section_pairs : {0, 1, 5}) {
+            AttentionSchedulerParams p = five_sequences(packed, heads_outer, blocks, section_pairs);
+            p.reversed = reversed;
+            std::set<std::tuple<int, int, int>> walked;
+            for (const auto& block : walk_attention(p))
+              for (const AttentionWork& w : block) walked.insert({w.batch, w.head, w.q_block});
+            for (int timing = 0; timing < 20; ++timing) {
+              // Each block's scheduler sees only its own claims (its iteration count), as on the GPU.
+              std::vector<AttentionScheduler> scheds;
+              for (int b = 0; b < blocks; ++b) scheds.emplace_back(p, b, 0);
+              std::vector<std::vector<AttentionWork>> claimed(blocks);
+              std::vector<int> free_at(blocks, 0);
+              std::set<std::tuple<int, int, int>> items;
+              for (int u = 0; u < scheds[0].units(); ++u) {
+                const int b = int(std::min_element(free_at.begin(), free_at.end()) - free_at.begin());
+                AttentionWork w;
+                if (!scheds[b].at(u, w)) continue;
+                EXPECT_EQ(w.iteration, int(claimed[b].size()));
+                EXPECT_TRUE(items.insert({w.batch, w.head, w.q_block}).second) << "an item twice";
+                if (reversed)
+                  for (const auto& other : claimed)
+                    for (const AttentionWork& earlier : other)
+                      if (earlier.batch == w.batch && earlier.head == w.head)
+                        EXPECT_GT(earlier.q_block, w.q_block);
+                claimed[b].push_back(w);
+                free_at[b] += 1 + int(rng() % 10);
+              }
+              EXPECT_EQ(items, walked);
+              if (reversed)
+                EXPECT_TRUE(runs_to_the_end_waiting_for_the_next_block(claimed, items))
+                    << blocks << " blocks, sections of " << section_pairs << (packed ? ", packed" : "")
+                    << (heads_outer ? ", heads outer" : "");
+            }
+            if (reversed && blocks > 1) {  // the same units claimed last first, dealt round robin
+              AttentionScheduler sched(p, 0, 0);
+              std::vector<std::vector<AttentionWork>> backwards(blocks);
+              std::set<std::tuple<int, int, int>> items;
+              for (int u = sched.units() - 1, n = 0; u >= 0; --u) {
+                AttentionWork w;
+                if (!sched.at(u, w)) continue;
+                backwards[n++ % blocks].push_back(w);
+                items.insert({w.batch, w.head, w.q_block});
+              }
+              out_of_order_stuck |= !runs_to_the_end_waiting_for_the_next_block(backwards, items);
+            }
+          }
+  EXPECT_TRUE(out_of_order_stuck) << "the check never fails: it does not test the claim order";
+}
+
 // Heads outer, sections of one head's pairs: every block takes its items head after head.
 TEST(AttentionScheduler, HeadsOuterRunsHeadAfterHead) {
   const std::vector<int> begin = {0, 317, 318, 830}, end = {317, 318, 830, 980};

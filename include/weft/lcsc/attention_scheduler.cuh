@@ -36,6 +36,9 @@ struct AttentionSchedulerParams {
   int section_pairs = 0;     // (batch, head) pairs per L2 section; 0: one section
   int compute_blocks = 0;    // blocks [0, compute_blocks) compute; the rest of the grid communicates
   bool heads_outer = false;  // pairs numbered head-major (see above)
+  // Ops that claim their units (lcsc::ClaimedTiles; unpaired schedules): the counter, zeroed before the
+  // kernel.
+  int* claims = nullptr;
   // Rows of units per (batch, head) pair, and units in all.
   __host__ __device__ int unit_rows() const { return paired ? (q_blocks + 1) / 2 : q_blocks; }
   __host__ __device__ int64_t units() const { return int64_t(batch) * heads * unit_rows(); }
@@ -82,34 +85,47 @@ class AttentionScheduler {
       const int u = run_ * runs + position_;
       ++run_;
       if (++position_ == runs) position_ = 0;
-      if (u >= units) continue;  // the last run is short
-      const int section = u / section_units_;
-      const int first_pair = section * section_pairs_;
-      const int pairs = min(section_pairs_, pairs_ - first_pair);  // the last section may be short
-      const int r = u - section * section_units_;
-      const int row = r / pairs;
-      const int pair = first_pair + r - row * pairs;
-      const int b = p_.heads_outer ? pair % p_.batch : pair / p_.heads;
-      const int count =
-          p_.row_begin
-              ? min(p_.q_blocks, (p_.row_end[b] - p_.row_begin[b] + p_.block_rows - 1) / p_.block_rows)
-              : p_.q_blocks;
-      if (p_.paired ? 2 * row >= count : row >= count) continue;  // past this sequence's end
-      w.batch = b;
-      w.head = p_.heads_outer ? pair / p_.batch : pair - b * p_.heads;
-      w.q_block = p_.paired || p_.reversed ? count - 1 - row : row;
-      if (p_.paired && row != count - 1 - row) {
-        second_ = row;
-        second_batch_ = w.batch;
-        second_head_ = w.head;
-      }
+      if (u >= units || !item(u, w)) continue;  // the last run is short; units past a sequence's end
       w.iteration = iteration_++;
       return true;
     }
     return false;
   }
+  // Claimed units (lcsc::ClaimedTiles): unit u as this block's next item, or false where u lies past its
+  // sequence's end. Unpaired schedules only (a paired unit's light block would be lost: the launchers that
+  // set `claims` check `paired` is off).
+  __host__ __device__ __forceinline__ bool at(int u, Work& w) {
+    if (!item(u, w)) return false;
+    w.iteration = iteration_++;
+    return true;
+  }
+  __host__ __device__ int units() const { return static_cast<int>(p_.units()); }
 
  private:
+  // Unit u's item (with a pair's light block due next), or false past its sequence's end.
+  __host__ __device__ __forceinline__ bool item(int u, Work& w) {
+    const int section = u / section_units_;
+    const int first_pair = section * section_pairs_;
+    const int pairs = min(section_pairs_, pairs_ - first_pair);  // the last section may be short
+    const int r = u - section * section_units_;
+    const int row = r / pairs;
+    const int pair = first_pair + r - row * pairs;
+    const int b = p_.heads_outer ? pair % p_.batch : pair / p_.heads;
+    const int count =
+        p_.row_begin ? min(p_.q_blocks, (p_.row_end[b] - p_.row_begin[b] + p_.block_rows - 1) / p_.block_rows)
+                     : p_.q_blocks;
+    if (p_.paired ? 2 * row >= count : row >= count) return false;
+    w.batch = b;
+    w.head = p_.heads_outer ? pair / p_.batch : pair - b * p_.heads;
+    w.q_block = p_.paired || p_.reversed ? count - 1 - row : row;
+    if (p_.paired && row != count - 1 - row) {
+      second_ = row;
+      second_batch_ = w.batch;
+      second_head_ = w.head;
+    }
+    return true;
+  }
+
   Params p_;
   int pairs_, section_pairs_, section_units_, position_, run_ = 0;
   int iteration_ = 0;

@@ -60,7 +60,9 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <concepts>
 #include <cstdint>
+#include <type_traits>
 
 #include "weft/device/timeline.cuh"
 #include "weft/lcsc/pipeline.cuh"
@@ -98,25 +100,32 @@ class ClaimedTiles {
   using Work = typename Scheduler::Work;
   __device__ ClaimedTiles(Scheduler& s, TileQueue& q, int* claims, bool loader)
       : s_(s), q_(q), claims_(claims), loader_(loader) {}
+  // A scheduler whose at() returns bool may skip a unit (no item there): every role skips it alike.
   __device__ bool next(Work& t) {
-    const int i = taken_ % TileQueue::kDepth;
-    const uint32_t parity = (taken_ / TileQueue::kDepth) & 1u;
-    ++taken_;
-    int u;
-    if (loader_) {
-      tile::mbarrier_wait_bounded(&q_.empty[i], parity ^ 1u);  // the entry's previous unit has been read
-      u = atomicAdd(claims_, 1);
-      if (u >= s_.units()) u = -1;
-      q_.unit[i] = u;
-      tile::mbarrier_arrive(&q_.full[i]);  // orders the store before the consumers' reads (release, CTA)
-    } else {
-      tile::mbarrier_wait_bounded(&q_.full[i], parity);
-      u = q_.unit[i];
-      tile::mbarrier_arrive(&q_.empty[i]);
+    for (;;) {
+      const int i = taken_ % TileQueue::kDepth;
+      const uint32_t parity = (taken_ / TileQueue::kDepth) & 1u;
+      ++taken_;
+      int u;
+      if (loader_) {
+        tile::mbarrier_wait_bounded(&q_.empty[i], parity ^ 1u);  // the entry's previous unit has been read
+        u = atomicAdd(claims_, 1);
+        if (u >= s_.units()) u = -1;
+        q_.unit[i] = u;
+        tile::mbarrier_arrive(&q_.full[i]);  // orders the store before the consumers' reads (release, CTA)
+      } else {
+        tile::mbarrier_wait_bounded(&q_.full[i], parity);
+        u = q_.unit[i];
+        tile::mbarrier_arrive(&q_.empty[i]);
+      }
+      if (u < 0) return false;
+      if constexpr (std::is_same_v<decltype(s_.at(u, t)), bool>) {
+        if (s_.at(u, t)) return true;
+      } else {
+        s_.at(u, t);
+        return true;
+      }
     }
-    if (u < 0) return false;
-    s_.at(u, t);
-    return true;
   }
 
  private:
@@ -127,9 +136,11 @@ class ClaimedTiles {
   int taken_ = 0;
 };
 
+// An op whose tile_queue may be absent (a variant that does not claim) declares it NoTileQueue.
+struct NoTileQueue {};
 template <class Op>
 inline constexpr bool kClaimsTiles = requires(typename Op::Smem& s) {
-  s.tile_queue;
+  { s.tile_queue } -> std::same_as<TileQueue&>;
 };
 
 // A scheduler with shared storage (Op::Smem::sched): built with it, after its prepare().

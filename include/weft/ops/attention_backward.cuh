@@ -168,6 +168,10 @@ struct AttentionBwdOp {
     typename Epilogue::Smem epi;  // dK / dV staging; a warpgroup's two buffers also stage its dQ part
     typename Pipeline::Storage pipe;
     DqHandoff dq_handoff[kConsumerWarpgroups];  // kDeterministic
+    // kDeterministic: units claimed in order (lcsc::ClaimedTiles, Params::sched.claims; see dq_turn). (No
+    // [[no_unique_address]]: with it g++ lays out a derived Smem, the ring backward's, in this one's tail
+    // padding, which the device compiler does not: host and device would disagree on its size.)
+    std::conditional_t<kDeterministic, lcsc::TileQueue, lcsc::NoTileQueue> tile_queue;
   };
   struct Accum {
     tile::AccumM64<kD> dk, dv;
@@ -322,9 +326,12 @@ struct AttentionBwdOp {
   // block m are 0 .. last (dq_turn). Descending, because under a causal mask key block n + 1 reaches a query
   // block two steps before key block n does (it starts two 64-row blocks later): ascending, each key block
   // would idle those steps at its start, two more than the one before it. The scheduler hands a sequence's
-  // key blocks out last first (AttentionSchedulerParams::reversed), so every add's predecessors are in units
-  // handed out before its own, which a persistent block runs in order: no wait can close a cycle. What an
-  // add needs to find its turn:
+  // key blocks out last first (AttentionSchedulerParams::reversed), and the blocks claim the units in that
+  // order (lcsc::ClaimedTiles: a block takes the next unit when it is free, where a fixed share would start
+  // a key block before its predecessors whenever its block's earlier items were shorter, as a causal mask
+  // makes them): every add's predecessors are in units claimed, so started, before its own, and a
+  // persistent block runs its claims in order: no wait can close a cycle. What an add needs to find its
+  // turn:
   struct DqTurn {
     int batch, head, key_block;
   };
