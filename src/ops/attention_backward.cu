@@ -128,7 +128,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   p.dq_order = dq_order;
   p.dq_blocks = static_cast<int>(ws.dq_blocks);
   if constexpr (kDeterministic) {  // (zeroed with the turn counters above)
-    p.sched.claims = reinterpret_cast<int*>(dq_order + ws.order_bytes / 8 - 1);
+    p.claims = reinterpret_cast<int*>(dq_order + ws.order_bytes / 8 - 1);
     WEFT_CHECK(!p.sched.paired, c.where + "internal: claimed units of a paired schedule");
   }
   p.dk_out = static_cast<T*>(c.dk);

@@ -36,9 +36,6 @@ struct AttentionSchedulerParams {
   int section_pairs = 0;     // (batch, head) pairs per L2 section; 0: one section
   int compute_blocks = 0;    // blocks [0, compute_blocks) compute; the rest of the grid communicates
   bool heads_outer = false;  // pairs numbered head-major (see above)
-  // Ops that claim their units (lcsc::ClaimedTiles; unpaired schedules): the counter, zeroed before the
-  // kernel.
-  int* claims = nullptr;
   // Rows of units per (batch, head) pair, and units in all.
   __host__ __device__ int unit_rows() const { return paired ? (q_blocks + 1) / 2 : q_blocks; }
   __host__ __device__ int64_t units() const { return int64_t(batch) * heads * unit_rows(); }

@@ -159,13 +159,23 @@ __device__ __forceinline__ typename Op::Scheduler make_scheduler(const typename 
     return typename Op::Scheduler(p.sched, cluster_index, cluster_rank);
 }
 
+// The counter an op's blocks claim units from: its Params::claims where it has one (an op whose scheduler
+// params are shared with kernels that do not claim, which then carry no counter), else its scheduler's.
+template <class Op>
+__device__ __forceinline__ int* claims_counter(const typename Op::Params& p) {
+  if constexpr (requires { p.claims; })
+    return p.claims;
+  else
+    return p.sched.claims;
+}
+
 // A role's tile sequence: the scheduler itself, or its units as claimed.
 template <class Op, class Scheduler>
 __device__ decltype(auto) role_tiles(Scheduler& sched, typename Op::Smem& smem, const typename Op::Params& p,
                                      bool loader) {
   if constexpr (kClaimsTiles<Op>) {
     static_assert(Op::kClusterSize == 1, "claimed tiles: one CTA per unit");
-    return ClaimedTiles<Scheduler>(sched, smem.tile_queue, p.sched.claims, loader);
+    return ClaimedTiles<Scheduler>(sched, smem.tile_queue, claims_counter<Op>(p), loader);
   } else {
     return (sched);  // the scheduler itself, not a copy
   }

@@ -147,6 +147,7 @@ struct AttentionBwdOp {
     int heads, group;
     float scale, scale_log2;
     int causal;
+    int* claims;  // kDeterministic: the unit claims counter, zeroed before the kernel (lcsc::ClaimedTiles)
   };
   // kDeterministic: a consumer warpgroup hands each staged dQ part to its writer warp (helper_warp): where
   // it goes and its turn, then `full`; the writer waits for the turn, reduce-adds the part, counts it done
@@ -168,7 +169,7 @@ struct AttentionBwdOp {
     typename Epilogue::Smem epi;  // dK / dV staging; a warpgroup's two buffers also stage its dQ part
     typename Pipeline::Storage pipe;
     DqHandoff dq_handoff[kConsumerWarpgroups];  // kDeterministic
-    // kDeterministic: units claimed in order (lcsc::ClaimedTiles, Params::sched.claims; see dq_turn). (No
+    // kDeterministic: units claimed in order (lcsc::ClaimedTiles, Params::claims; see dq_turn). (No
     // [[no_unique_address]]: with it g++ lays out a derived Smem, the ring backward's, in this one's tail
     // padding, which the device compiler does not: host and device would disagree on its size.)
     std::conditional_t<kDeterministic, lcsc::TileQueue, lcsc::NoTileQueue> tile_queue;
