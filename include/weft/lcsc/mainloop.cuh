@@ -147,9 +147,10 @@ namespace weft::lcsc {
 // tensor cores to the other consumer warpgroup meanwhile (two warpgroups per CTA, staggered by the
 // pipeline), as in DeepGEMM's kernels.
 // kStagedScaleA: A's block scales of each k-block (kBM fp32, one per row of the tile) ride in the stage
-// beside A, one box of an M-major [K / 128][M] scale tensor copied by the loader's TMA, so a consumer reads
-// them from shared memory once the stage is full, where a load from global memory just before the block's
-// promotion would hold it up. (Row-major scales, [M][K / 128], would take a box of 4 k-blocks x kBM rows,
+// beside A, one box of an M-major [K / 128][M] scale tensor copied by the loader's TMA, and B's scale of
+// the block (one fp32, loaded by the loader thread a block ahead and stored before it announces the stage),
+// so a consumer reads both from shared memory once the stage is full, where a load from global memory just
+// before the block's promotion would hold it up. (Row-major scales, [M][K / 128], would take a box of 4 k-blocks x kBM rows,
 // TMA's box rows being 16 bytes at least, started at a multiple of 4 k-blocks, as a box must start
 // 16-byte aligned: measured slower than the consumers' own loads, bench/RESULTS.md 2026-11-29.)
 template <int kBM, int kBN, int kStages, bool kStagedScaleA = false>
@@ -170,6 +171,7 @@ struct Fp8PromotingMainloop {
   struct StagedScalesSmem {
     Stage stage[kStages];
     alignas(128) float scale_a[kStages][kBM];  // stage i's: row r of the tile at [i][r]
+    float scale_b[kStages];                    // stage i's block scale of B
   };
   using Smem = std::conditional_t<kStagedScaleA, StagedScalesSmem, PlainSmem>;
   using Accum = tile::AccumM64<kBN>;
@@ -184,22 +186,36 @@ struct Fp8PromotingMainloop {
   static_assert(kBN == 64 || kBN == 128 || kBN == 256, "FP8 wgmma wrappers exist for N = 64, 128, 256");
 
   // ---- loader: one thread. The k_blocks stages of the tile whose first element is (m0, n0); with
-  // kStagedScaleA, scale_a maps A's M-major scales (rows past M arrive as zeros). ----
+  // kStagedScaleA, scale_a maps A's M-major scales (rows past M arrive as zeros) and scale_b points at the
+  // tile's column block's k_blocks scales of B. ----
   __device__ static void load(Smem& s, Pipeline& pipe, PipeState& st, const CUtensorMap* a,
                               const CUtensorMap* b, int m0, int n0, int k_blocks,
-                              const CUtensorMap* scale_a = nullptr) {
+                              const CUtensorMap* scale_a = nullptr, const float* scale_b = nullptr) {
+    [[maybe_unused]] float sb = 0.f;
+    if constexpr (kStagedScaleA) sb = __ldg(scale_b);
     for (int kb = 0; kb < k_blocks; ++kb) {
       Stage& stage = s.stage[st.stage];
-      uint64_t* full = pipe.producer_acquire(st, kStageTxBytes);
+      uint64_t* full;
+      if constexpr (kStagedScaleA)
+        full = pipe.producer_acquire(st, kStageTxBytes, [&] { s.scale_b[st.stage] = sb; });
+      else
+        full = pipe.producer_acquire(st, kStageTxBytes);
       tma::load_2d(stage.a.bytes, a, kb * kBK, m0, full);
       tma::load_2d(stage.b.bytes, b, kb * kBK, n0, full);
-      if constexpr (kStagedScaleA) tma::load_2d(s.scale_a[st.stage], scale_a, m0, kb, full);
+      if constexpr (kStagedScaleA) {
+        tma::load_2d(s.scale_a[st.stage], scale_a, m0, kb, full);
+        if (kb + 1 < k_blocks) sb = __ldg(scale_b + kb + 1);  // in flight while the next stage frees
+      }
       st.advance(kStages);
     }
   }
-  // kStagedScaleA: the scale of the tile's row r for the k-block in stage `stage` (valid from the consumer's
-  // wait for that stage until its release).
-  __device__ static float staged_scale_a(const Smem& s, int stage, int r) { return s.scale_a[stage][r]; }
+  // kStagedScaleA: the scale of the tile's row r, and B's, for the k-block in stage `stage` (valid from the
+  // consumer's wait for that stage until its release). (ld.shared spelled out: through the generic reference
+  // the compiler emits generic loads.)
+  __device__ static float staged_scale_a(const Smem& s, int stage, int r) {
+    return ld_shared_f32(&s.scale_a[stage][r]);
+  }
+  __device__ static float staged_scale_b(const Smem& s, int stage) { return ld_shared_f32(&s.scale_b[stage]); }
 
   // ---- consumer: warpgroup `wg` sets acc to rows [64 wg, 64 wg + 64) of the tile's product. ----
   // factor(kb, stage) gives the promotion factors of k-block kb, held in stage `stage` (its shared memory
@@ -290,6 +306,11 @@ struct Fp8PromotingMainloop {
     for (int i = 0; i < Accum::kRegs; ++i) acc.d[i] = fmaf((i / 2) % 2 ? f.y : f.x, mine.d[i], acc.d[i]);
   }
 
+  __device__ __forceinline__ static float ld_shared_f32(const float* p) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_addr(p)));
+    return v;
+  }
   template <bool kE5M2>
   __device__ static void mma_fp8(float (&d)[Accum::kRegs], uint64_t da, uint64_t db, int scale_d) {
     if constexpr (kBN == 256)

@@ -62,8 +62,15 @@ class Pipeline {
   // transactions: every byte that lands in this CTA's stage, whoever issued the load). Returns the barrier
   // the loads complete on.
   __device__ __forceinline__ uint64_t* producer_acquire(const PipeState& st, uint32_t bytes) {
+    return producer_acquire(st, bytes, [] {});
+  }
+  // The same, with fill() run once the stage is free and before the announcement: the loader's own stores
+  // into the stage, which the arrive (a release) publishes to the consumers' wait (an acquire).
+  template <class Fill>
+  __device__ __forceinline__ uint64_t* producer_acquire(const PipeState& st, uint32_t bytes, Fill&& fill) {
     // A fresh barrier counts as having completed the phase before phase 0, so the first pass does not wait.
     tile::mbarrier_wait_bounded(&s_.empty[st.stage], st.phase ^ 1u);
+    fill();
     mbarrier_arrive_expect_tx(&s_.full[st.stage], bytes);
     return &s_.full[st.stage];
   }
