@@ -148,9 +148,9 @@ namespace weft::lcsc {
 // pipeline), as in DeepGEMM's kernels.
 // kStagedScaleA: A's block scales of each k-block (kBM fp32, one per row of the tile) ride in the stage
 // beside A, one box of an M-major [K / 128][M] scale tensor copied by the loader's TMA, and B's scale of
-// the block (one fp32, loaded by the loader thread a block ahead and stored before it announces the stage),
-// so a consumer reads both from shared memory once the stage is full, where a load from global memory just
-// before the block's promotion would hold it up. (Row-major scales, [M][K / 128], would take a box of 4 k-blocks x kBM rows,
+// the block (one fp32 the loader thread loads a block ahead and stores with st.async, a transaction of the
+// stage's barrier as the TMA's), so a consumer reads both from shared memory once the stage is full, where
+// a load from global memory just before the block's promotion would hold it up. (Row-major scales, [M][K / 128], would take a box of 4 k-blocks x kBM rows,
 // TMA's box rows being 16 bytes at least, started at a multiple of 4 k-blocks, as a box must start
 // 16-byte aligned: measured slower than the consumers' own loads, bench/RESULTS.md 2026-11-29.)
 template <int kBM, int kBN, int kStages, bool kStagedScaleA = false>
@@ -176,8 +176,8 @@ struct Fp8PromotingMainloop {
   using Smem = std::conditional_t<kStagedScaleA, StagedScalesSmem, PlainSmem>;
   using Accum = tile::AccumM64<kBN>;
 
-  static constexpr uint32_t kScaleABytes = kStagedScaleA ? kBM * sizeof(float) : 0;
-  static constexpr uint32_t kStageTxBytes = sizeof(ATile) + sizeof(BTile) + kScaleABytes;
+  static constexpr uint32_t kScaleBytes = kStagedScaleA ? (kBM + 1) * sizeof(float) : 0;  // A's and B's
+  static constexpr uint32_t kStageTxBytes = sizeof(ATile) + sizeof(BTile) + kScaleBytes;
   static constexpr int kABoxRows = kBM, kABoxCols = kBK;
   static constexpr int kBBoxRows = kBN, kBBoxCols = kBK;
   // The scale tensor's box (rows x columns): one k-block (row) of kBM rows of A (columns).
@@ -195,15 +195,12 @@ struct Fp8PromotingMainloop {
     if constexpr (kStagedScaleA) sb = __ldg(scale_b);
     for (int kb = 0; kb < k_blocks; ++kb) {
       Stage& stage = s.stage[st.stage];
-      uint64_t* full;
-      if constexpr (kStagedScaleA)
-        full = pipe.producer_acquire(st, kStageTxBytes, [&] { s.scale_b[st.stage] = sb; });
-      else
-        full = pipe.producer_acquire(st, kStageTxBytes);
+      uint64_t* full = pipe.producer_acquire(st, kStageTxBytes);
       tma::load_2d(stage.a.bytes, a, kb * kBK, m0, full);
       tma::load_2d(stage.b.bytes, b, kb * kBK, n0, full);
       if constexpr (kStagedScaleA) {
         tma::load_2d(s.scale_a[st.stage], scale_a, m0, kb, full);
+        st_async_b32(&s.scale_b[st.stage], __float_as_uint(sb), full);
         if (kb + 1 < k_blocks) sb = __ldg(scale_b + kb + 1);  // in flight while the next stage frees
       }
       st.advance(kStages);

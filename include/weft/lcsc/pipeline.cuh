@@ -62,15 +62,8 @@ class Pipeline {
   // transactions: every byte that lands in this CTA's stage, whoever issued the load). Returns the barrier
   // the loads complete on.
   __device__ __forceinline__ uint64_t* producer_acquire(const PipeState& st, uint32_t bytes) {
-    return producer_acquire(st, bytes, [] {});
-  }
-  // The same, with fill() run once the stage is free and before the announcement: the loader's own stores
-  // into the stage, which the arrive (a release) publishes to the consumers' wait (an acquire).
-  template <class Fill>
-  __device__ __forceinline__ uint64_t* producer_acquire(const PipeState& st, uint32_t bytes, Fill&& fill) {
     // A fresh barrier counts as having completed the phase before phase 0, so the first pass does not wait.
     tile::mbarrier_wait_bounded(&s_.empty[st.stage], st.phase ^ 1u);
-    fill();
     mbarrier_arrive_expect_tx(&s_.full[st.stage], bytes);
     return &s_.full[st.stage];
   }
@@ -86,11 +79,13 @@ class Pipeline {
   __device__ __forceinline__ void consumer_release(const PipeState& st) {
     const int t = tile::thread_in_warpgroup();
     if constexpr (kWarpArrivals) {
-      __syncwarp();  // every lane's reads of the stage done
-      if (t % 32 == 0) {
-        fence_proxy_async_smem();  // those generic reads before the TMA's (async proxy) writes into the stage
-        tile::mbarrier_arrive(&s_.empty[st.stage]);
-      }
+      // Every lane's reads of the stage issued; the arrive (a release) orders them before the loader's
+      // acquire and so before the writes it then issues into the stage, as a warpgroup's arrive does for its
+      // wgmma's reads. No proxy fence (the stage's writes are TMA's and st.async's, async proxy): it is a
+      // MEMBAR.ALL.CTA, which waits for the thread's loads still in flight; the FP8 GEMM with staged scales
+      // ran 0.94x its time without it (bench/RESULTS.md 2026-11-29).
+      __syncwarp();
+      if (t % 32 == 0) tile::mbarrier_arrive(&s_.empty[st.stage]);
     } else if constexpr (kClusterSize == 1) {
       if (t == 0) tile::mbarrier_arrive(&s_.empty[st.stage]);
     } else {
