@@ -24,14 +24,6 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
                : "memory");
 }
-// Stores 4 bytes into this CTA's shared memory as a transaction of `bar` (st.async: async proxy, counted
-// toward the bytes the barrier's phase expects, as a TMA load's are).
-__device__ __forceinline__ void st_async_b32(void* smem_dst, uint32_t value, uint64_t* bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
-                   smem_addr(smem_dst)),
-               "r"(value), "r"(smem_addr(bar))
-               : "memory");
-}
 __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done;
   asm volatile(

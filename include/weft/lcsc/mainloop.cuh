@@ -147,10 +147,10 @@ namespace weft::lcsc {
 // tensor cores to the other consumer warpgroup meanwhile (two warpgroups per CTA, staggered by the
 // pipeline), as in DeepGEMM's kernels.
 // kStagedScaleA: A's block scales of each k-block (kBM fp32, one per row of the tile) ride in the stage
-// beside A, one box of an M-major [K / 128][M] scale tensor copied by the loader's TMA, and B's scale of
-// the block (one fp32 the loader thread loads a block ahead and stores with st.async, a transaction of the
-// stage's barrier as the TMA's), so a consumer reads both from shared memory once the stage is full, where
-// a load from global memory just before the block's promotion would hold it up. (Row-major scales, [M][K / 128], would take a box of 4 k-blocks x kBM rows,
+// beside A, one box of an M-major [K / 128][M] scale tensor copied by the loader's TMA, so a consumer reads
+// them from shared memory once the stage is full, where a load from global memory just before the block's
+// promotion would hold it up (B's scale, one per block and tile, stays a load of the consumers: L1 serves
+// 31 of 32). (Row-major scales, [M][K / 128], would take a box of 4 k-blocks x kBM rows,
 // TMA's box rows being 16 bytes at least, started at a multiple of 4 k-blocks, as a box must start
 // 16-byte aligned: measured slower than the consumers' own loads, bench/RESULTS.md 2026-11-29.)
 template <int kBM, int kBN, int kStages, bool kStagedScaleA = false>
@@ -171,12 +171,11 @@ struct Fp8PromotingMainloop {
   struct StagedScalesSmem {
     Stage stage[kStages];
     alignas(128) float scale_a[kStages][kBM];  // stage i's: row r of the tile at [i][r]
-    float scale_b[kStages];                    // stage i's block scale of B
   };
   using Smem = std::conditional_t<kStagedScaleA, StagedScalesSmem, PlainSmem>;
   using Accum = tile::AccumM64<kBN>;
 
-  static constexpr uint32_t kScaleBytes = kStagedScaleA ? (kBM + 1) * sizeof(float) : 0;  // A's and B's
+  static constexpr uint32_t kScaleBytes = kStagedScaleA ? kBM * sizeof(float) : 0;
   static constexpr uint32_t kStageTxBytes = sizeof(ATile) + sizeof(BTile) + kScaleBytes;
   static constexpr int kABoxRows = kBM, kABoxCols = kBK;
   static constexpr int kBBoxRows = kBN, kBBoxCols = kBK;
@@ -186,33 +185,25 @@ struct Fp8PromotingMainloop {
   static_assert(kBN == 64 || kBN == 128 || kBN == 256, "FP8 wgmma wrappers exist for N = 64, 128, 256");
 
   // ---- loader: one thread. The k_blocks stages of the tile whose first element is (m0, n0); with
-  // kStagedScaleA, scale_a maps A's M-major scales (rows past M arrive as zeros) and scale_b points at the
-  // tile's column block's k_blocks scales of B. ----
+  // kStagedScaleA, scale_a maps A's M-major scales (rows past M arrive as zeros). ----
   __device__ static void load(Smem& s, Pipeline& pipe, PipeState& st, const CUtensorMap* a,
                               const CUtensorMap* b, int m0, int n0, int k_blocks,
-                              const CUtensorMap* scale_a = nullptr, const float* scale_b = nullptr) {
-    [[maybe_unused]] float sb = 0.f;
-    if constexpr (kStagedScaleA) sb = __ldg(scale_b);
+                              const CUtensorMap* scale_a = nullptr) {
     for (int kb = 0; kb < k_blocks; ++kb) {
       Stage& stage = s.stage[st.stage];
       uint64_t* full = pipe.producer_acquire(st, kStageTxBytes);
       tma::load_2d(stage.a.bytes, a, kb * kBK, m0, full);
       tma::load_2d(stage.b.bytes, b, kb * kBK, n0, full);
-      if constexpr (kStagedScaleA) {
-        tma::load_2d(s.scale_a[st.stage], scale_a, m0, kb, full);
-        st_async_b32(&s.scale_b[st.stage], __float_as_uint(sb), full);
-        if (kb + 1 < k_blocks) sb = __ldg(scale_b + kb + 1);  // in flight while the next stage frees
-      }
+      if constexpr (kStagedScaleA) tma::load_2d(s.scale_a[st.stage], scale_a, m0, kb, full);
       st.advance(kStages);
     }
   }
-  // kStagedScaleA: the scale of the tile's row r, and B's, for the k-block in stage `stage` (valid from the
-  // consumer's wait for that stage until its release). (ld.shared spelled out: through the generic reference
-  // the compiler emits generic loads.)
+  // kStagedScaleA: the scale of the tile's row r for the k-block in stage `stage` (valid from the consumer's
+  // wait for that stage until its release). (ld.shared spelled out: through the generic reference the
+  // compiler emits a generic load.)
   __device__ static float staged_scale_a(const Smem& s, int stage, int r) {
     return ld_shared_f32(&s.scale_a[stage][r]);
   }
-  __device__ static float staged_scale_b(const Smem& s, int stage) { return ld_shared_f32(&s.scale_b[stage]); }
 
   // ---- consumer: warpgroup `wg` sets acc to rows [64 wg, 64 wg + 64) of the tile's product. ----
   // factor(kb, stage) gives the promotion factors of k-block kb, held in stage `stage` (its shared memory

@@ -80,10 +80,9 @@ class Pipeline {
     const int t = tile::thread_in_warpgroup();
     if constexpr (kWarpArrivals) {
       // Every lane's reads of the stage issued; the arrive (a release) orders them before the loader's
-      // acquire and so before the writes it then issues into the stage, as a warpgroup's arrive does for its
-      // wgmma's reads. No proxy fence (the stage's writes are TMA's and st.async's, async proxy): it is a
-      // MEMBAR.ALL.CTA, which waits for the thread's loads still in flight; the FP8 GEMM with staged scales
-      // ran 0.94x its time without it (bench/RESULTS.md 2026-11-29).
+      // acquire and so before the TMA it then issues into the stage, as a warpgroup's arrive does for its
+      // wgmma's reads. No proxy fence: it is a MEMBAR.ALL.CTA, which waits for the thread's loads still in
+      // flight (bench/RESULTS.md 2026-11-29).
       __syncwarp();
       if (t % 32 == 0) tile::mbarrier_arrive(&s_.empty[st.stage]);
     } else if constexpr (kClusterSize == 1) {

@@ -9,8 +9,7 @@
 //            Params::sa_row_step / sa_k_step); B per 128 x 128 block, [N / 128, K / 128] row-major (both
 //            rounded up); each k-block's product is promoted times sa sb. kStagedScaleA (M-major scales
 //            TMA can read): the loader's TMA brings each k-block's A scales into its stage
-//            (Params::scale_a_map) and the loader thread B's; otherwise each consumer thread loads its rows'
-//            scales and B's itself.
+//            (Params::scale_a_map); otherwise each consumer thread loads its rows' scales itself.
 // Tile 128 x 128 x 128: two consumer warpgroups of 64 x 128 (m64n128k32 wgmma), each holding its fp32
 // accumulator and the k-block's product (64 + 64 registers), so a tile's column block is one B scale block.
 // kScalesFromPeers: A's scales are written by peers while the kernel runs (all_gather_scaled_matmul, after
@@ -85,8 +84,7 @@ struct Fp8GemmOp {
   }
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                               const lcsc::Tile& t) {
-    Mainloop::load(s.main, pipe, st, &p.a, &p.b, t.m * kBM, t.n * kBN, p.k_blocks, &p.scale_a_map,
-                   p.scale_b + int64_t(t.n) * p.k_blocks);
+    Mainloop::load(s.main, pipe, st, &p.a, &p.b, t.m * kBM, t.n * kBN, p.k_blocks, &p.scale_a_map);
   }
   __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                                  const lcsc::Tile& t, int wg, Accum& acc) {
@@ -115,8 +113,8 @@ struct Fp8GemmOp {
     if constexpr (kStagedScaleA) {
       const int in_tile = 64 * wg + Accum::row(0);  // the thread's first row in the tile (and in + 8)
       Mainloop::template mma<kE5M2, kOverlappedPromotion>(
-          s.main, pipe, st, p.k_blocks, wg, acc, [&](int, int stage) {
-            const float b = Mainloop::staged_scale_b(s.main, stage);
+          s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb, int stage) {
+            const float b = __ldg(sb + kb);
             return make_float2(Mainloop::staged_scale_a(s.main, stage, in_tile) * b,
                                Mainloop::staged_scale_a(s.main, stage, in_tile + 8) * b);
           });
