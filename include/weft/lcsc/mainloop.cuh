@@ -213,8 +213,11 @@ struct Fp8PromotingMainloop {
   // wgmmas issued before block kb is waited for and promoted, so the tensor cores have this warpgroup's next
   // block while it promotes (both warpgroups wait for the same stage, so with one tile they promote at the
   // same time, the tensor cores idle meanwhile); 64 registers more a thread. Otherwise one tile, each block
-  // waited for before the next is issued.
-  template <bool kE5M2, bool kOverlapped = true, class Factor>
+  // waited for before the next is issued. kFactorsAhead (with kOverlapped): each block's factors read right
+  // after its wgmmas are issued, a whole block before its promotion, for factors loaded from global memory
+  // (a scale missing L1 then waits less than a block); factors read from the stage measured slower so
+  // (bench/RESULTS.md 2026-11-29: 0.875 of per-tensor against 0.92).
+  template <bool kE5M2, bool kOverlapped = true, bool kFactorsAhead = false, class Factor>
   __device__ static void mma(Smem& s, Pipeline& pipe, PipeState& st, int k_blocks, int wg, Accum& acc,
                              Factor factor) {
 #pragma unroll
@@ -233,15 +236,31 @@ struct Fp8PromotingMainloop {
     PipeState issued = st;  // the stage of the oldest block in flight
     issue<kE5M2>(s, pipe, st, wg, part0);
     int kb = 0;
-    for (; kb + 2 < k_blocks; kb += 2) {
-      step<kE5M2>(s, pipe, st, issued, kb, wg, acc, part0, part1, factor);
-      step<kE5M2>(s, pipe, st, issued, kb + 1, wg, acc, part1, part0, factor);
-    }
-    if (kb + 1 < k_blocks) {
-      step<kE5M2>(s, pipe, st, issued, kb, wg, acc, part0, part1, factor);
-      last<kE5M2>(pipe, issued, kb + 1, acc, part1, factor);
+    if constexpr (kFactorsAhead) {
+      float2 f = factor(0, issued.stage);  // the oldest block's factors
+      for (; kb + 2 < k_blocks; kb += 2) {
+        step_ahead<kE5M2>(s, pipe, st, issued, kb, wg, acc, part0, part1, f, factor);
+        step_ahead<kE5M2>(s, pipe, st, issued, kb + 1, wg, acc, part1, part0, f, factor);
+      }
+      if (kb + 1 < k_blocks) {
+        step_ahead<kE5M2>(s, pipe, st, issued, kb, wg, acc, part0, part1, f, factor);
+        wgmma::wait<0>();
+        promote(pipe, issued, f, acc, part1);
+      } else {
+        wgmma::wait<0>();
+        promote(pipe, issued, f, acc, part0);
+      }
     } else {
-      last<kE5M2>(pipe, issued, kb, acc, part0, factor);
+      for (; kb + 2 < k_blocks; kb += 2) {
+        step<kE5M2>(s, pipe, st, issued, kb, wg, acc, part0, part1, factor);
+        step<kE5M2>(s, pipe, st, issued, kb + 1, wg, acc, part1, part0, factor);
+      }
+      if (kb + 1 < k_blocks) {
+        step<kE5M2>(s, pipe, st, issued, kb, wg, acc, part0, part1, factor);
+        last<kE5M2>(pipe, issued, kb + 1, acc, part1, factor);
+      } else {
+        last<kE5M2>(pipe, issued, kb, acc, part0, factor);
+      }
     }
   }
 
@@ -277,6 +296,20 @@ struct Fp8PromotingMainloop {
     issue<kE5M2>(s, pipe, st, wg, next);
     wgmma::wait<1>();
     promote(pipe, done, f, acc, mine);
+  }
+  // step with the factors a block ahead: block kb's are f; block kb + 1's are read right after its issue
+  // and become f.
+  template <bool kE5M2, class Factor>
+  __device__ __forceinline__ static void step_ahead(Smem& s, Pipeline& pipe, PipeState& st, PipeState& issued,
+                                                    int kb, int wg, Accum& acc, Accum& mine, Accum& next,
+                                                    float2& f, Factor& factor) {
+    const PipeState done = issued;
+    issued = st;
+    issue<kE5M2>(s, pipe, st, wg, next);
+    const float2 f_next = factor(kb + 1, issued.stage);
+    wgmma::wait<1>();
+    promote(pipe, done, f, acc, mine);
+    f = f_next;
   }
   // The last block kb (in `mine`): waited for, released and promoted.
   template <bool kE5M2, class Factor>

@@ -127,7 +127,7 @@ struct Fp8GemmOp {
     const float* sa = p.scale_a + int64_t(row) * row_step;
     const float* sa8 = p.scale_a + int64_t(row8) * row_step;
     const bool in = row < p.m, in8 = row8 < p.m;
-    Mainloop::template mma<kE5M2, kOverlappedPromotion>(
+    Mainloop::template mma<kE5M2, kOverlappedPromotion, true>(
         s.main, pipe, st, p.k_blocks, wg, acc, [&](int kb, int) {
           const float b = __ldg(sb + kb);
           const int64_t at = kb * k_step;
