@@ -47,6 +47,35 @@ struct Workspace {
   size_t bytes() const { return accum_bytes + 2 * row_bytes + order_bytes; }
 };
 
+// The kernel's TMA maps: the operands, dK / dV (or the fp32 accumulators they are added into), and the
+// workspace's dQ accumulator and per-row terms.
+template <class Op>
+void map_operands(typename Op::Params& p, const Call& c, DType dtype, const Workspace& ws, float* accum,
+                  float* lse_log2, float* dsum) {
+  const AttentionShape& sh = c.shape;
+  const AttentionSegments& seg = c.options.segments;
+  p.q = ops::map_rows(c.q, sh, seg, false, sh.heads, Op::kBM, c.where + "q", dtype);
+  p.dout = ops::map_rows(c.dout, sh, seg, false, sh.heads, Op::kBM, c.where + "dout", dtype);
+  p.k = ops::map_rows(c.k, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "k", dtype);
+  p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v", dtype);
+  const AttentionGradAccumulate& grads = c.options.accumulate_grads;
+  if (grads.enabled()) {  // fp32 maps of the accumulators: dK / dV reduce-added
+    p.dk = ops::map_rows(grads.dk, sh, seg, true, sh.kv_heads, Op::kWgRows, c.where + "accumulate_grads.dk",
+                         DType::kFP32);
+    p.dv = ops::map_rows(grads.dv, sh, seg, true, sh.kv_heads, Op::kWgRows, c.where + "accumulate_grads.dv",
+                         DType::kFP32);
+    p.dkv_fp32 = 1;
+  } else {
+    p.dk = ops::map_rows(c.dk, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dk", dtype);
+    p.dv = ops::map_rows(c.dv, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dv", dtype);
+  }
+  p.dq_accum =
+      ops::map_rows(accum, sh, seg, false, sh.heads, Op::kWgRows, c.where + "workspace (dQ)", DType::kFP32);
+  // The per-row terms: 2-D {term rows, heads} maps, boxes of a query block's rows.
+  p.lse_map = ops::map_terms(lse_log2, ws.term_stride, sh.heads, Op::kBM, c.where + "workspace (LSE)");
+  p.dsum_map = ops::map_terms(dsum, ws.term_stride, sh.heads, Op::kBM, c.where + "workspace (D)");
+}
+
 template <int kD, class T, bool kDeterministic, int kBM = 64, bool kTimed = false>
 Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   using Op = ops::AttentionBwdOp<kD, T, kDeterministic, kBM, kTimed>;
@@ -105,26 +134,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
 
-  p.q = ops::map_rows(c.q, sh, seg, false, sh.heads, Op::kBM, c.where + "q", dtype);
-  p.dout = ops::map_rows(c.dout, sh, seg, false, sh.heads, Op::kBM, c.where + "dout", dtype);
-  p.k = ops::map_rows(c.k, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "k", dtype);
-  p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v", dtype);
-  const AttentionGradAccumulate& grads = c.options.accumulate_grads;
-  if (grads.enabled()) {  // fp32 maps of the accumulators: dK / dV reduce-added
-    p.dk = ops::map_rows(grads.dk, sh, seg, true, sh.kv_heads, Op::kWgRows, c.where + "accumulate_grads.dk",
-                         DType::kFP32);
-    p.dv = ops::map_rows(grads.dv, sh, seg, true, sh.kv_heads, Op::kWgRows, c.where + "accumulate_grads.dv",
-                         DType::kFP32);
-    p.dkv_fp32 = 1;
-  } else {
-    p.dk = ops::map_rows(c.dk, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dk", dtype);
-    p.dv = ops::map_rows(c.dv, sh, seg, true, sh.kv_heads, Op::Epilogue::kBoxRows, c.where + "dv", dtype);
-  }
-  p.dq_accum =
-      ops::map_rows(accum, sh, seg, false, sh.heads, Op::kWgRows, c.where + "workspace (dQ)", DType::kFP32);
-  // The per-row terms: 2-D {term rows, heads} maps, boxes of a query block's rows.
-  p.lse_map = ops::map_terms(lse_log2, ws.term_stride, sh.heads, Op::kBM, c.where + "workspace (LSE)");
-  p.dsum_map = ops::map_terms(dsum, ws.term_stride, sh.heads, Op::kBM, c.where + "workspace (D)");
+  map_operands<Op>(p, c, dtype, ws, accum, lse_log2, dsum);
   p.dq_order = dq_order;
   p.dq_blocks = static_cast<int>(ws.dq_blocks);
   if constexpr (kDeterministic) {  // (zeroed with the turn counters above)
