@@ -10,6 +10,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -226,12 +227,10 @@ bool runs_to_the_end_waiting_for_the_next_block(const std::vector<std::vector<At
   return done.size() == items.size();
 }
 
-}  // namespace
-
-// Reversed: every item once, a pair's blocks last first; with waits on the next block, the blocks always run
-// to the end (the same waits in the forward order can leave every block waiting).
-TEST(AttentionScheduler, ReversedRunsWaitsOnLaterBlocksToTheEnd) {
-  bool forward_stuck = false;
+// The schedules both reversed-order tests walk: five sequences, packed or not, heads outer or not, over a
+// range of blocks and section sizes, forward and reversed; fn(params, blocks, label).
+template <class Fn>
+void for_each_reversible_schedule(Fn fn) {
   for (bool reversed : {true, false})
     for (bool packed : {false, true})
       for (bool heads_outer : {false, true})
@@ -239,26 +238,40 @@ TEST(AttentionScheduler, ReversedRunsWaitsOnLaterBlocksToTheEnd) {
           for (int section_pairs : {0, 1, 5}) {
             AttentionSchedulerParams p = five_sequences(packed, heads_outer, blocks, section_pairs);
             p.reversed = reversed;
-            const auto walked = walk_attention(p);
-            std::set<std::tuple<int, int, int>> items;
-            for (const auto& block : walked)
-              for (const AttentionWork& w : block) {
-                EXPECT_TRUE(items.insert({w.batch, w.head, w.q_block}).second) << "an item twice";
-                if (!reversed) continue;
-                for (const AttentionWork& earlier : block)  // a pair's later blocks before its earlier ones
-                  if (&earlier == &w)
-                    break;
-                  else if (earlier.batch == w.batch && earlier.head == w.head)
-                    EXPECT_GT(earlier.q_block, w.q_block);
-              }
-            EXPECT_EQ(items.size(), size_t(p.heads) * (packed ? 5 + 1 + 8 + 3 : p.batch * p.q_blocks));
-            const bool finished = runs_to_the_end_waiting_for_the_next_block(walked, items);
-            if (reversed)
-              EXPECT_TRUE(finished) << blocks << " blocks, sections of " << section_pairs
-                                    << (packed ? ", packed" : "") << (heads_outer ? ", heads outer" : "");
-            else
-              forward_stuck |= !finished;
+            const std::string label = std::to_string(blocks) + " blocks, sections of " +
+                                      std::to_string(section_pairs) + (packed ? ", packed" : "") +
+                                      (heads_outer ? ", heads outer" : "");
+            fn(p, blocks, label);
           }
+}
+
+}  // namespace
+
+// Reversed: every item once, a pair's blocks last first; with waits on the next block, the blocks always run
+// to the end (the same waits in the forward order can leave every block waiting).
+TEST(AttentionScheduler, ReversedRunsWaitsOnLaterBlocksToTheEnd) {
+  bool forward_stuck = false;
+  for_each_reversible_schedule([&](const AttentionSchedulerParams& p, int, const std::string& label) {
+    const bool packed = p.row_begin != nullptr;
+    const auto walked = walk_attention(p);
+    std::set<std::tuple<int, int, int>> items;
+    for (const auto& block : walked)
+      for (const AttentionWork& w : block) {
+        EXPECT_TRUE(items.insert({w.batch, w.head, w.q_block}).second) << "an item twice";
+        if (!p.reversed) continue;
+        for (const AttentionWork& earlier : block)  // a pair's later blocks before its earlier ones
+          if (&earlier == &w)
+            break;
+          else if (earlier.batch == w.batch && earlier.head == w.head)
+            EXPECT_GT(earlier.q_block, w.q_block);
+      }
+    EXPECT_EQ(items.size(), size_t(p.heads) * (packed ? 5 + 1 + 8 + 3 : p.batch * p.q_blocks));
+    const bool finished = runs_to_the_end_waiting_for_the_next_block(walked, items);
+    if (p.reversed)
+      EXPECT_TRUE(finished) << label;
+    else
+      forward_stuck |= !finished;
+  });
   EXPECT_TRUE(forward_stuck) << "the check never fails: it does not test the order";
 }
 
@@ -270,56 +283,46 @@ TEST(AttentionScheduler, ReversedRunsWaitsOnLaterBlocksToTheEnd) {
 TEST(AttentionScheduler, ClaimedUnitsRunToTheEndInEveryTiming) {
   std::mt19937 rng(7);
   bool out_of_order_stuck = false;
-  for (bool reversed : {true, false})
-    for (bool packed : {false, true})
-      for (bool heads_outer : {false, true})
-        for (int blocks : {1, 2, 3, 7, 132})
-          for (int section_pairs : {0, 1, 5}) {
-            AttentionSchedulerParams p = five_sequences(packed, heads_outer, blocks, section_pairs);
-            p.reversed = reversed;
-            std::set<std::tuple<int, int, int>> walked;
-            for (const auto& block : walk_attention(p))
-              for (const AttentionWork& w : block) walked.insert({w.batch, w.head, w.q_block});
-            for (int timing = 0; timing < 20; ++timing) {
-              // Each block's scheduler sees only its own claims (its iteration count), as on the GPU.
-              std::vector<AttentionScheduler> scheds;
-              for (int b = 0; b < blocks; ++b) scheds.emplace_back(p, b, 0);
-              std::vector<std::vector<AttentionWork>> claimed(blocks);
-              std::vector<int> free_at(blocks, 0);
-              std::set<std::tuple<int, int, int>> items;
-              for (int u = 0; u < scheds[0].units(); ++u) {
-                const int b = int(std::min_element(free_at.begin(), free_at.end()) - free_at.begin());
-                AttentionWork w;
-                if (!scheds[b].at(u, w)) continue;
-                EXPECT_EQ(w.iteration, int(claimed[b].size()));
-                EXPECT_TRUE(items.insert({w.batch, w.head, w.q_block}).second) << "an item twice";
-                if (reversed)
-                  for (const auto& other : claimed)
-                    for (const AttentionWork& earlier : other)
-                      if (earlier.batch == w.batch && earlier.head == w.head)
-                        EXPECT_GT(earlier.q_block, w.q_block);
-                claimed[b].push_back(w);
-                free_at[b] += 1 + int(rng() % 10);
-              }
-              EXPECT_EQ(items, walked);
-              if (reversed)
-                EXPECT_TRUE(runs_to_the_end_waiting_for_the_next_block(claimed, items))
-                    << blocks << " blocks, sections of " << section_pairs << (packed ? ", packed" : "")
-                    << (heads_outer ? ", heads outer" : "");
-            }
-            if (reversed && blocks > 1) {  // the same units claimed last first, dealt round robin
-              AttentionScheduler sched(p, 0, 0);
-              std::vector<std::vector<AttentionWork>> backwards(blocks);
-              std::set<std::tuple<int, int, int>> items;
-              for (int u = sched.units() - 1, n = 0; u >= 0; --u) {
-                AttentionWork w;
-                if (!sched.at(u, w)) continue;
-                backwards[n++ % blocks].push_back(w);
-                items.insert({w.batch, w.head, w.q_block});
-              }
-              out_of_order_stuck |= !runs_to_the_end_waiting_for_the_next_block(backwards, items);
-            }
-          }
+  for_each_reversible_schedule([&](const AttentionSchedulerParams& p, int blocks, const std::string& label) {
+    std::set<std::tuple<int, int, int>> walked;
+    for (const auto& block : walk_attention(p))
+      for (const AttentionWork& w : block) walked.insert({w.batch, w.head, w.q_block});
+    for (int timing = 0; timing < 20; ++timing) {
+      // Each block's scheduler sees only its own claims (its iteration count), as on the GPU.
+      std::vector<AttentionScheduler> scheds;
+      for (int b = 0; b < blocks; ++b) scheds.emplace_back(p, b, 0);
+      std::vector<std::vector<AttentionWork>> claimed(blocks);
+      std::vector<int> free_at(blocks, 0);
+      std::set<std::tuple<int, int, int>> items;
+      for (int u = 0; u < scheds[0].units(); ++u) {
+        const int b = int(std::min_element(free_at.begin(), free_at.end()) - free_at.begin());
+        AttentionWork w;
+        if (!scheds[b].at(u, w)) continue;
+        EXPECT_EQ(w.iteration, int(claimed[b].size()));
+        EXPECT_TRUE(items.insert({w.batch, w.head, w.q_block}).second) << "an item twice";
+        if (p.reversed)
+          for (const auto& other : claimed)
+            for (const AttentionWork& earlier : other)
+              if (earlier.batch == w.batch && earlier.head == w.head) EXPECT_GT(earlier.q_block, w.q_block);
+        claimed[b].push_back(w);
+        free_at[b] += 1 + int(rng() % 10);
+      }
+      EXPECT_EQ(items, walked);
+      if (p.reversed) EXPECT_TRUE(runs_to_the_end_waiting_for_the_next_block(claimed, items)) << label;
+    }
+    if (p.reversed && blocks > 1) {  // the same units claimed last first, dealt round robin
+      AttentionScheduler sched(p, 0, 0);
+      std::vector<std::vector<AttentionWork>> backwards(blocks);
+      std::set<std::tuple<int, int, int>> items;
+      for (int u = sched.units() - 1, n = 0; u >= 0; --u) {
+        AttentionWork w;
+        if (!sched.at(u, w)) continue;
+        backwards[n++ % blocks].push_back(w);
+        items.insert({w.batch, w.head, w.q_block});
+      }
+      out_of_order_stuck |= !runs_to_the_end_waiting_for_the_next_block(backwards, items);
+    }
+  });
   EXPECT_TRUE(out_of_order_stuck) << "the check never fails: it does not test the claim order";
 }
 
