@@ -6,8 +6,9 @@
 #                                         sizes, all-to-all, Python bench), moe, cp (sequence parallel),
 #                                         decode (flash_decode), fp8 (FP8 GEMM and TP ops), rooted (broadcast,
 #                                         scatter, gather, reduce, all_to_all_v)
-# Every GPU of the machine; one output file per plan and tool under $OUT (timelines under $OUT/tl), a
-# line per tool on stdout. Baselines (NCCL, cuBLAS, torch) run inside each tool, in the same process.
+# Every GPU of the machine; one output file per plan and tool and the timelines (tl/), all in one archive,
+# $OUT/measure.tgz, rewritten after every tool (a device call returns at most 8 files of $OUT, and a call cut
+# short keeps what ran), and a line per tool on stdout. Baselines (NCCL, cuBLAS, torch) run inside each tool, in the same process.
 # Timings of record only at real GPUs: on one GPU the team rows are virtual or missing.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -19,44 +20,48 @@ for plan in "$@"; do  # every name checked before the build
   case " $plans " in *" $plan "*) ;; *) echo "device_measure.sh: no plan '$plan' (plans: $plans)" >&2; exit 2 ;; esac
 done
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/tl"
+logs=$(mktemp -d /tmp/weft-measure.XXXXXX)  # the files behind $OUT/measure.tgz
+mkdir -p "$OUT" "$logs/tl"
+pack() { tar -C "$logs" -czf "$OUT/measure.tgz" .; }
 build=$(realpath -m "${WEFT_BUILD_DIR:-build}")
 n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 [ "$n" -ge 1 ] || { echo "device_measure.sh: no GPU (nvidia-smi -L lists none)" >&2; exit 1; }
 rc=0  # the first failing tool's exit status, the script's own
 t0=$SECONDS
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
-  cmake --build "$build" -j "$(nproc)" --target weft-bench _weft >>"$OUT/build.log" 2>&1 ||
-  { tail -30 "$OUT/build.log"; exit 1; }
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >"$logs/build.log" 2>&1 &&
+  cmake --build "$build" -j "$(nproc)" --target weft-bench _weft >>"$logs/build.log" 2>&1 ||
+  { tail -30 "$logs/build.log"; pack; exit 1; }
 echo "build: $((SECONDS - t0)) s; $n GPUs"
 bench() {  # bench NAME ARGS...: weft-bench over every GPU
   local name=$1 t=$SECONDS
   shift
-  timeout 580 "$build/bench/weft-bench" --gpus "$n" "$@" >"$OUT/$name-${n}gpu.txt" 2>&1
+  timeout 580 "$build/bench/weft-bench" --gpus "$n" "$@" >"$logs/$name-${n}gpu.txt" 2>&1
   local r=$?
   [ $r -eq 0 ] || [ $rc -ne 0 ] || rc=$r
-  echo "== $name ($((SECONDS - t)) s, exit $r): $OUT/$name-${n}gpu.txt"
+  pack
+  echo "== $name ($((SECONDS - t)) s, exit $r): measure.tgz: $name-${n}gpu.txt"
 }
 py() {  # py NAME SCRIPT ARGS...: a Python bench under torchrun, a process per GPU
   local name=$1 t=$SECONDS
   shift
   PYTHONPATH="$build/python" timeout 580 python3 -m torch.distributed.run --nproc_per_node="$n" \
-    --master-port=$((20000 + RANDOM % 20000)) "$@" >"$OUT/$name-${n}gpu.txt" 2>&1
+    --master-port=$((20000 + RANDOM % 20000)) "$@" >"$logs/$name-${n}gpu.txt" 2>&1
   local r=$?
   [ $r -eq 0 ] || [ $rc -ne 0 ] || rc=$r
-  echo "== $name ($((SECONDS - t)) s, exit $r): $OUT/$name-${n}gpu.txt"
+  pack
+  echo "== $name ($((SECONDS - t)) s, exit $r): measure.tgz: $name-${n}gpu.txt"
 }
 for plan in "$@"; do
   case $plan in
     tp)
-      bench fused fused --quick --timeline "$OUT/tl"
+      bench fused fused --quick --timeline "$logs/tl"
       bench decode decode
       bench alltoall alltoall --quick
       py bench_py python/benchmarks/bench.py --quick
       ;;
-    moe) py moe python/benchmarks/moe.py --quick; bench moe moe --quick --timeline "$OUT/tl" ;;
+    moe) py moe python/benchmarks/moe.py --quick; bench moe moe --quick --timeline "$logs/tl" ;;
     cp) py context_parallel python/benchmarks/context_parallel.py --quick; bench cp context_attention --quick ;;
-    decode) bench flash_decode flash_decode --timeline "$OUT/tl"; py decode_py python/benchmarks/decode.py --quick ;;
+    decode) bench flash_decode flash_decode --timeline "$logs/tl"; py decode_py python/benchmarks/decode.py --quick ;;
     fp8) bench gemm_fp8 gemm_fp8 --quick; py fp8_tp python/benchmarks/fp8_tp.py --quick ;;
     rooted) bench rooted broadcast scatter gather reduce alltoallv --quick ;;
   esac
