@@ -218,6 +218,10 @@ for tool in memcheck racecheck synccheck; do
     "${run[@]}"
   step "compute-sanitizer $tool, attention (small cases)" "sanitizer_attention_$tool" env WEFT_TEST_TIMEOUT_S=850 \
     compute-sanitizer --tool "$tool" --error-exitcode 9 "$tests" --gpus 1 --filter flash_attention_small
+  # The FP8 GEMM's paths (one-GPU tests, which the team steps above leave out): staged scales read by each
+  # warp from the stage it releases on its own.
+  step "compute-sanitizer $tool, FP8 GEMM scale paths" "sanitizer_fp8_$tool" env WEFT_TEST_TIMEOUT_S=850 \
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$tests" --gpus 1 --quick --filter gemm_fp8_m_major_block_scales
 done
 
 echo
