@@ -109,10 +109,11 @@ class GroupedTileScheduler {
   __host__ __device__ int units() const {
     return order_.units();
   }
-  // Position i of the unit sequence as this block's next tile (lcsc::ClaimedTiles).
-  __host__ __device__ __forceinline__ void at(int i, GroupTile& t) {
+  // Position i of the unit sequence as this block's next tile (lcsc::ClaimedTiles; every unit has one).
+  __host__ __device__ __forceinline__ bool at(int i, GroupTile& t) {
     order_.at(i, t);
     place(t);
+    return true;
   }
 
  private:

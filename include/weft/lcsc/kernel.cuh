@@ -62,7 +62,6 @@
 
 #include <concepts>
 #include <cstdint>
-#include <type_traits>
 
 #include "weft/device/timeline.cuh"
 #include "weft/lcsc/pipeline.cuh"
@@ -100,7 +99,7 @@ class ClaimedTiles {
   using Work = typename Scheduler::Work;
   __device__ ClaimedTiles(Scheduler& s, TileQueue& q, int* claims, bool loader)
       : s_(s), q_(q), claims_(claims), loader_(loader) {}
-  // A scheduler whose at() returns bool may skip a unit (no item there): every role skips it alike.
+  // Scheduler::at(u, t) returns whether unit u has an item (false: skipped, by every role alike).
   __device__ bool next(Work& t) {
     for (;;) {
       const int i = taken_ % TileQueue::kDepth;
@@ -119,12 +118,7 @@ class ClaimedTiles {
         tile::mbarrier_arrive(&q_.empty[i]);
       }
       if (u < 0) return false;
-      if constexpr (std::is_same_v<decltype(s_.at(u, t)), bool>) {
-        if (s_.at(u, t)) return true;
-      } else {
-        s_.at(u, t);
-        return true;
-      }
+      if (s_.at(u, t)) return true;
     }
   }
 

@@ -81,7 +81,7 @@ class OwnerRoundsScheduler {
     row = first + r % in_band;
     col = r / in_band;
   }
-  __host__ __device__ __forceinline__ void at(int i, OwnerTile& t) {
+  __host__ __device__ __forceinline__ bool at(int i, OwnerTile& t) {
     int owner, k, row, col;
     place(p_, i, owner, k);
     in_shard(p_, k, row, col);
@@ -90,6 +90,7 @@ class OwnerRoundsScheduler {
     t.owner = owner;
     t.unit = i;
     t.iteration = iteration_++;
+    return true;
   }
 
  private:

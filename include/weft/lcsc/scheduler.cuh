@@ -88,8 +88,8 @@ class GemmTileScheduler {
   }
 
   __host__ __device__ int units() const { return units_; }
-  // Position i of the unit sequence (before rotation) as this block's next tile.
-  __host__ __device__ __forceinline__ void at(int i, Tile& t) {
+  // Position i of the unit sequence (before rotation) as this block's next tile (every unit has one).
+  __host__ __device__ __forceinline__ bool at(int i, Tile& t) {
     int u = i + start_;
     if (u >= units_) u -= units_;
     const int rows = p_.units_m();
@@ -105,6 +105,7 @@ class GemmTileScheduler {
     t.n = r / in_band;
     t.unit = u;
     t.iteration = iteration_++;
+    return true;
   }
 
  private:
