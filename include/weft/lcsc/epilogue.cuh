@@ -4,8 +4,7 @@
 // plain store or an element-wise reduce-add (cp.reduce.async.bulk.tensor .add).
 //
 // Each warpgroup rings its chunks through kBuffers buffers (2 by default): it converts chunk i into buffer
-// i % kBuffers while the TMA engine reads the chunks before it from the others. One buffer (an op short of
-// shared memory: the FP8 GEMM's staged scales) waits for the last store's read before each conversion. Thread 0 of the warpgroup
+// i % kBuffers while the TMA engine reads the chunks before it from the others. Thread 0 of the warpgroup
 // issues the stores; before the barrier of chunk i it waits until the store of chunk i - kBuffers + 1 has
 // read its buffer, so once past that barrier the warpgroup may overwrite that buffer with chunk i + 1. The
 // chunk count runs on across tiles, so the invariant holds from one tile to the next (for a kBuffers that is
@@ -83,7 +82,7 @@ struct EpilogueState {
 
 template <class OutT, int kBN, int kConsumers, int kBuffers = 2>
 struct TmaStoreEpilogue {
-  static_assert(kBuffers >= 1, "a buffer a warpgroup at least");
+  static_assert(kBuffers >= 2, "a chunk converts while the one before it is read");
   using Chunk = tile::OutChunk<OutT>;
   static constexpr int kChunkCols = Chunk::kCols;
   static constexpr int kChunks = kBN / kChunkCols;
@@ -125,15 +124,9 @@ struct TmaStoreEpilogue {
                                                      const tile::AccumM64<kBN>& acc, int col0) {
     const bool leader = tile::thread_in_warpgroup() == 0;
     Chunk& buf = s.buf[wg][es.chunks % kBuffers];
-    if constexpr (kBuffers == 1) {  // the one buffer: the store before has read it
-      if (leader) bulk_wait_read<0>();
-      tile::named_barrier_sync(kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
-    }
     tile::store_accum_chunk<kI, OutT>(acc, buf);
     fence_proxy_async_smem();
-    if constexpr (kBuffers >= 2) {
-      if (leader) bulk_wait_read<kBuffers - 2>();  // the buffer chunk i + 1 takes has been read
-    }
+    if (leader) bulk_wait_read<kBuffers - 2>();  // the buffer chunk i + 1 takes has been read
     tile::named_barrier_sync(kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
     if (leader) {
       dest.issue(col0 + kI * kChunkCols, buf.bytes);

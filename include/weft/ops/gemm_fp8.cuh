@@ -34,10 +34,9 @@ template <class OutT, Fp8Scaling kScaling, bool kE5M2 = false, bool kScalesFromP
           bool kStagedScaleA_ = false>
 struct Fp8GemmOp {
   static constexpr bool kStagedScaleA = kStagedScaleA_;
-  // Six stages fill the 227 KiB of shared memory with the epilogue's two buffers a warpgroup; with staged
-  // scales (512 bytes a stage) six stages leave room for one.
-  static constexpr int kBM = 128, kBN = 128, kStages = 6;
-  static constexpr int kEpilogueBuffers = kStagedScaleA ? 1 : 2;
+  // Six stages fill the 227 KiB of shared memory with the epilogue's; staged scales (512 bytes a stage)
+  // leave five.
+  static constexpr int kBM = 128, kBN = 128, kStages = kStagedScaleA ? 5 : 6;
   static constexpr int kConsumerWarpgroups = kBM / 64;
   static constexpr int kClusterSize = 1;
   static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;
@@ -46,7 +45,7 @@ struct Fp8GemmOp {
   using Scheduler = TileScheduler;
   using Mainloop = lcsc::Fp8PromotingMainloop<kBM, kBN, kStages, kStagedScaleA>;
   static constexpr int kBK = Mainloop::kBK;
-  using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN, kConsumerWarpgroups, kEpilogueBuffers>;
+  using Epilogue = lcsc::TmaStoreEpilogue<OutT, kBN, kConsumerWarpgroups>;
   using Pipeline = typename Mainloop::Pipeline;
   using Accum = typename Mainloop::Accum;
   using StoreState = typename Epilogue::State;
