@@ -925,17 +925,17 @@ void bind_fp8(py::module_& m) {
       "quantize_fp8",
       [](int device, uintptr_t in, const std::string& in_dtype, uintptr_t out, const std::string& out_type,
          uintptr_t scales, int64_t rows, int64_t cols, const std::string& scaling, const std::string& operand,
-         uintptr_t stream) {
+         uintptr_t stream, int64_t scale_m_stride) {
         OnDevice on(device);
         weft::quantize_fp8(reinterpret_cast<const void*>(in), parse_dtype(in_dtype),
                            reinterpret_cast<void*>(out), parse_fp8(out_type),
                            reinterpret_cast<float*>(scales), rows, cols, parse_scaling(scaling),
                            operand == "b" ? weft::Fp8Operand::kB : weft::Fp8Operand::kA,
-                           reinterpret_cast<cudaStream_t>(stream));
+                           reinterpret_cast<cudaStream_t>(stream), 0, 0, scale_m_stride);
       },
       py::arg("device"), py::arg("input"), py::arg("in_dtype"), py::arg("out"), py::arg("out_type"),
       py::arg("scales"), py::arg("rows"), py::arg("cols"), py::arg("scaling"), py::arg("operand"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("scale_m_stride") = 0);
 }
 
 }  // namespace

@@ -177,7 +177,7 @@ def quantize_fp8(x, scaling="block", operand="a", dtype=None, m_major=False):
     b: [ceil(N/128), ceil(K/128)]). Each scale is amax / the format's largest value (448 e4m3, 57344 e5m2) over
     what it covers. dtype torch.float8_e4m3fn (default) or torch.float8_e5m2. m_major (block scales of a only):
     the scales M-major, strides (1, ld) with ld M rounded up to 4 (torch._scaled_mm's layout; the one
-    scaled_mm's pipeline copies, bench/RESULTS.md 2026-11-29), at the cost of one copy of the scales; the
+    scaled_mm's pipeline copies, bench/RESULTS.md 2026-11-29), written so by the quantization itself; the
     team ops (all_gather_scaled_matmul, the MoE dispatch) take contiguous ones.
     """
     where = "weft.quantize_fp8"
@@ -202,13 +202,11 @@ def quantize_fp8(x, scaling="block", operand="a", dtype=None, m_major=False):
         shape = (rows, 1) if operand == "a" else (1, rows)
     else:
         shape = (rows, groups) if operand == "a" else (-(-rows // _BLOCK), groups)
-    q, scales = _torch_quantize_fp8(x, kind, scaling, operand, shape)
-    if m_major:
-        ld = -(-rows // 4) * 4  # whole 16 bytes between k-blocks, so TMA can copy them
-        strided = torch.empty(groups, ld, device=x.device, dtype=torch.float32)
-        strided[:, :rows].copy_(scales.t())
-        scales = strided[:, :rows].t()
-    return q, scales
+    if not m_major:
+        return _torch_quantize_fp8(x, kind, scaling, operand, shape, 0)
+    ld = -(-rows // 4) * 4  # whole 16 bytes between k-blocks, so TMA can copy them
+    q, strided = _torch_quantize_fp8(x, kind, scaling, operand, (groups, ld), ld)
+    return q, strided[:, :rows].t()
 
 
 def _fp8_team_operands(torch, c, a, b, scale_a, scale_b, where):
@@ -375,7 +373,8 @@ def _torch_scaled_matmul_reduce(a, b, scale_a, scale_b, ab, kind, all_reduce, co
 
 
 @declare("weft::quantize_fp8")
-def _quantize_fp8(x: Tensor, fp8: str, scaling: str, operand: str, scale_shape: list[int]) -> tuple[Tensor, Tensor]:
+def _quantize_fp8(x: Tensor, fp8: str, scaling: str, operand: str, scale_shape: list[int],
+                  scale_m_stride: int) -> tuple[Tensor, Tensor]:
     rows, cols = x.shape
     q = torch.empty((rows, cols), dtype=torch.float8_e5m2 if fp8 == "e5m2" else torch.float8_e4m3fn,
                     device=x.device)
@@ -383,15 +382,16 @@ def _quantize_fp8(x: Tensor, fp8: str, scaling: str, operand: str, scale_shape: 
     if _op_table.EMULATE:
         return q.zero_(), scales.fill_(1.0)
     _weft.quantize_fp8(x.get_device(), x.data_ptr(), DTYPES[x.dtype], q.data_ptr(), fp8, scales.data_ptr(), rows,
-                       cols, scaling, operand, _stream(x))
+                       cols, scaling, operand, _stream(x), scale_m_stride)
     return q, scales
 
 
 @_quantize_fp8.register_fake
-def _(x, fp8, scaling, operand, scale_shape):
+def _(x, fp8, scaling, operand, scale_shape, scale_m_stride):
     dtype = torch.float8_e5m2 if fp8 == "e5m2" else torch.float8_e4m3fn
     return x.new_empty(x.shape, dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32)
 
 
-def _torch_quantize_fp8(x, fp8, scaling, operand, scale_shape):
-    return _quantize_fp8.op(x, fp8, scaling, operand, list(scale_shape))
+def _torch_quantize_fp8(x, fp8, scaling, operand, scale_shape, scale_m_stride):
+    """scale_m_stride > 0: A's block scales M-major in a [groups, scale_m_stride] buffer (scale_shape)."""
+    return _quantize_fp8.op(x, fp8, scaling, operand, list(scale_shape), scale_m_stride)

@@ -18,6 +18,7 @@ struct Quantize {
   uint8_t* out;
   int64_t ld_out;
   float* scales;
+  int64_t scale_m_stride;
   int64_t rows, cols;
   Fp8Scaling kind;
   Fp8Operand operand;
@@ -47,11 +48,11 @@ void launch(const Quantize& q) {
   } else if (q.kind == Fp8Scaling::kRowCol) {
     detail::preload<&ops::fp8::quantize_groups_kernel<T, kE5M2, true>>();
     ops::fp8::quantize_groups_kernel<T, kE5M2, true>
-        <<<blocks, 256, 0, q.stream>>>(in, q.ld_in, q.out, q.ld_out, q.scales, q.rows, q.cols);
+        <<<blocks, 256, 0, q.stream>>>(in, q.ld_in, q.out, q.ld_out, q.scales, 0, q.rows, q.cols);
   } else {
     detail::preload<&ops::fp8::quantize_groups_kernel<T, kE5M2, false>>();
-    ops::fp8::quantize_groups_kernel<T, kE5M2, false>
-        <<<blocks, 256, 0, q.stream>>>(in, q.ld_in, q.out, q.ld_out, q.scales, q.rows, q.cols);
+    ops::fp8::quantize_groups_kernel<T, kE5M2, false><<<blocks, 256, 0, q.stream>>>(
+        in, q.ld_in, q.out, q.ld_out, q.scales, q.scale_m_stride, q.rows, q.cols);
   }
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
@@ -60,7 +61,7 @@ void launch(const Quantize& q) {
 
 void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, float* scales, int64_t rows,
                   int64_t cols, Fp8Scaling kind, Fp8Operand operand, cudaStream_t stream, int64_t ld_in,
-                  int64_t ld_out) {
+                  int64_t ld_out, int64_t scale_m_stride) {
   const std::string where =
       "weft::quantize_fp8(rows=" + std::to_string(rows) + ", cols=" + std::to_string(cols) + "): ";
   WEFT_CHECK(in_type == DType::kBF16 || in_type == DType::kFP16, where + "in must be bf16 or fp16");
@@ -77,10 +78,15 @@ void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, fl
   ld_in = ld_in ? ld_in : cols;
   ld_out = ld_out ? ld_out : cols;
   WEFT_CHECK(ld_in >= cols && ld_out >= cols, where + "ld_in and ld_out must be at least cols");
+  WEFT_CHECK(scale_m_stride == 0 || (kind == Fp8Scaling::kBlock && operand == Fp8Operand::kA),
+             where + "scale_m_stride is for block scales of operand A, got " + std::to_string(scale_m_stride));
+  WEFT_CHECK(scale_m_stride == 0 || scale_m_stride >= rows,
+             where + "scale_m_stride (" + std::to_string(scale_m_stride) + ") must be 0 or at least rows");
   WEFT_CHECK(in && out && scales, where + "in, out and scales must not be null");
   ops::check_pointer_alignment(in, "in", 2, where);
   ops::check_pointer_alignment(scales, "scales", 4, where);
-  const Quantize q{in, ld_in, static_cast<uint8_t*>(out), ld_out, scales, rows, cols, kind, operand, stream};
+  const Quantize q{in,   ld_in, static_cast<uint8_t*>(out), ld_out, scales, scale_m_stride, rows, cols,
+                   kind, operand, stream};
   const bool e5m2 = out_type == Fp8Type::kE5M2;
   if (in_type == DType::kBF16)
     e5m2 ? launch<__nv_bfloat16, true>(q) : launch<__nv_bfloat16, false>(q);

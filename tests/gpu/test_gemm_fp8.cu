@@ -427,6 +427,44 @@ void check_quantized(const std::vector<uint16_t>& in, int64_t rows, int64_t cols
 
 }  // namespace
 
+// A's block scales quantized M-major (a stride of M + 3 rows, the gaps poisoned with NaN): the row-major
+// quantization's values and scales bit for bit, and gemm_fp8 on them its product bit for bit (`want`).
+static void check_m_major_quantize(const DeviceBuffer& a, int64_t m, int64_t k, const std::vector<uint8_t>& want_q,
+                                   const std::vector<float>& want_s, const DeviceBuffer& qb, const DeviceBuffer& sb,
+                                   const std::vector<float>& want, cudaStream_t s) {
+  const int64_t g = (k + 127) / 128, ld = m + 3, n = int64_t(want.size()) / m;
+  DeviceBuffer q(m * k), sm(g * ld * 4), out(m * n * 4);
+  WEFT_CUDA_CHECK(cudaMemsetAsync(sm.p, 0xff, sm.bytes, s));  // NaN
+  WEFT_CUDA_CHECK(cudaMemsetAsync(out.p, 0xff, out.bytes, s));
+  quantize_fp8(a.p, DType::kBF16, q.p, Fp8Type::kE4M3, sm.as<float>(), m, k, Fp8Scaling::kBlock, Fp8Operand::kA,
+               s, 0, 0, ld);
+  Fp8Scales scales{Fp8Scaling::kBlock, sm.as<float>(), sb.as<float>()};
+  scales.a_m_stride = ld;
+  gemm_fp8(q.p, qb.p, out.p, m, n, k, Fp8Type::kE4M3, scales, DType::kFP32, s);
+  std::vector<uint8_t> hq(m * k);
+  std::vector<float> hs(g * ld), ho(m * n);
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(hq.data(), q.p, q.bytes, cudaMemcpyDeviceToHost, s));
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(hs.data(), sm.p, sm.bytes, cudaMemcpyDeviceToHost, s));
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(ho.data(), out.p, out.bytes, cudaMemcpyDeviceToHost, s));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+  int64_t bad_s = 0, bad_gap = 0, bad_out = 0;
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t i = 0; i < ld; ++i) {
+      const float x = hs[j * ld + i];
+      if (i >= m)
+        bad_gap += !std::isnan(x);  // never written
+      else
+        bad_s += std::memcmp(&x, &want_s[i * g + j], 4) != 0;
+    }
+  for (int64_t i = 0; i < m * n; ++i) bad_out += std::memcmp(&ho[i], &want[i], 4) != 0 || !std::isfinite(ho[i]);
+  std::printf("    block scales of A M-major (stride M + 3): %lld scales, %lld gap floats, %lld outputs differ\n",
+              (long long)bad_s, (long long)bad_gap, (long long)bad_out);
+  WEFT_EXPECT(hq == want_q, "M-major quantization: the values differ from the row-major one's");
+  WEFT_EXPECT(bad_s == 0, bad_s << " M-major scales differ from the row-major ones");
+  WEFT_EXPECT(bad_gap == 0, bad_gap << " floats between M and the stride were written");
+  WEFT_EXPECT(bad_out == 0, bad_out << " outputs of gemm_fp8 on M-major scales differ from the row-major ones'");
+}
+
 // bf16 operands quantized by weft::quantize_fp8 for each scale kind and operand (scales and values checked
 // on the host), then gemm_fp8 on them against cuBLAS's fp32-accumulated bf16 GEMM of the originals: the
 // quantization's error only (e4m3: ~4% per element, ~5% in the Frobenius norm of C).
@@ -485,6 +523,7 @@ WEFT_GPU_TEST_ONE_GPU(quantize_fp8_then_gemm_fp8_matches_bf16) {
     std::printf("    quantized %-8s -> gemm_fp8 vs bf16 GEMM: rel err %.3f\n", str(kind), rel);
     WEFT_EXPECT(nonfinite == 0, str(kind) << ": " << nonfinite << " outputs not finite");
     WEFT_EXPECT(rel <= 0.08, str(kind) << ": relative Frobenius error " << rel << " > 0.08");
+    if (kind == Fp8Scaling::kBlock) check_m_major_quantize(a, m, k, hqa, hsa, qb, sb, ho, s);
   }
 }
 

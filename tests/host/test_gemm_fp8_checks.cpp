@@ -84,6 +84,15 @@ TEST(GemmFp8Checks, QuantizeRefusesBadArguments) {
                  nullptr);
   });
   EXPECT_NE(null_in.find("must not be null"), std::string::npos) << null_in;
+  // M-major scales: block scales of operand A only, a stride of at least rows.
+  const auto m_major = [&](Fp8Scaling kind, Fp8Operand operand, int64_t stride) {
+    return error_of([&] {
+      quantize_fp8(buf, DType::kBF16, buf, Fp8Type::kE4M3, &scale, 4, 4, kind, operand, nullptr, 0, 0, stride);
+    });
+  };
+  EXPECT_NE(m_major(Fp8Scaling::kBlock, Fp8Operand::kB, 4).find("block scales of operand A"), std::string::npos);
+  EXPECT_NE(m_major(Fp8Scaling::kRowCol, Fp8Operand::kA, 4).find("block scales of operand A"), std::string::npos);
+  EXPECT_NE(m_major(Fp8Scaling::kBlock, Fp8Operand::kA, 3).find("at least rows"), std::string::npos);
 }
 
 }  // namespace

@@ -117,12 +117,14 @@ enum class Fp8Operand { kA, kB };
 //   in      [rows, cols] bf16 or fp16 (in_type), row stride ld_in elements (0: cols)
 //   out     [rows, cols] of out_type, row stride ld_out (0: cols): A [M,K] or B [N,K] of gemm_fp8
 //   scales  fp32: kTensor [1]; kRowCol [rows]; kBlock: A [rows, ceil(cols / 128)], B [ceil(rows / 128),
-//           ceil(cols / 128)], row-major
+//           ceil(cols / 128)], row-major; with scale_m_stride (kBlock, A only; >= rows) A's M-major: row i's
+//           scale of group j at scales[j * scale_m_stride + i], Fp8Scales::a_m_stride's layout (a stride of
+//           whole 16 bytes, rows rounded up to 4, lets gemm_fp8 copy them into its pipeline)
 // Each scale is amax / (the format's largest value: 448 e4m3, 57344 e5m2) over the elements it covers, each
 // element x / scale rounded to nearest and saturated; so out x scale is in to FP8's precision.
 void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, float* scales, int64_t rows,
                   int64_t cols, Fp8Scaling kind, Fp8Operand operand, cudaStream_t stream, int64_t ld_in = 0,
-                  int64_t ld_out = 0);
+                  int64_t ld_out = 0, int64_t scale_m_stride = 0);
 
 // Grouped GEMM (an MoE layer's experts on one GPU): A's rows come in `groups` groups back to back, group e
 // being rows [group_end[e - 1], group_end[e]) (group_end: device int32 array, ascending, every end a multiple

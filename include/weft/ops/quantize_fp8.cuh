@@ -44,10 +44,11 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Rows of `cols` elements (row stride ld_in / ld_out elements). kPerRow: one scale per row (scales[row]);
-// else one per 128-column group (scales[row * groups + g]). One warp per (row, group) or per row.
+// else one per 128-column group, row-major (scales[row * groups + g]) or, with scale_m_stride > 0, M-major
+// (scales[g * scale_m_stride + row]: Fp8Scales::a_m_stride's layout). One warp per (row, group) or per row.
 template <class T, bool kE5M2, bool kPerRow>
 __global__ void quantize_groups_kernel(const T* in, int64_t ld_in, uint8_t* out, int64_t ld_out,
-                                       float* scales, int64_t rows, int64_t cols) {
+                                       float* scales, int64_t scale_m_stride, int64_t rows, int64_t cols) {
   const int lane = threadIdx.x % 32;
   const int64_t groups = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
   const int64_t units = kPerRow ? rows : rows * groups;
@@ -63,7 +64,8 @@ __global__ void quantize_groups_kernel(const T* in, int64_t ld_in, uint8_t* out,
     const float scale = amax / max_value<kE5M2>(), inv = max_value<kE5M2>() / amax;
     for (int64_t c = g0 * kFp8ScaleBlock + lane; c < cols && c < g1 * kFp8ScaleBlock; c += 32)
       out[row * ld_out + c] = encode<kE5M2>(load(x + c) * inv);
-    if (lane == 0) scales[kPerRow ? row : row * groups + g0] = scale;
+    if (lane == 0)
+      scales[kPerRow ? row : scale_m_stride > 0 ? g0 * scale_m_stride + row : row * groups + g0] = scale;
   }
 }
 
