@@ -102,8 +102,8 @@ struct Fp8Head {
     o.lda = d.row_bytes;
     o.group_rows = d.dispatched.group_rows;  // a low-latency dispatch's groups: their filled rows only
     grouped_gemm_fp8(d.values, qw.p, act.p, d.dispatched.group_end, l.experts_here, d.dispatched.capacity,
-                     l.inter, l.shape.hidden, Fp8Type::kE4M3, d.scales, static_cast<const float*>(sw.p),
-                     DType::kBF16, s, o, d.scale_stride);
+                     l.inter, l.shape.hidden, Fp8Type::kE4M3, d.block_scales(static_cast<const float*>(sw.p)),
+                     DType::kBF16, s, o);
   }
 };
 

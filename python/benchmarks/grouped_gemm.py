@@ -10,7 +10,7 @@ Then the first expert GEMM with SwiGLU: weft's SwiGLU epilogue against the GEMM 
 silu(gate) * up (weft's and torch._grouped_mm's), in turns the same way.
 
 Then FP8 (e4m3, bf16 out; B as stacked nn.Linear weights): weft.grouped_scaled_mm with DeepSeek-V3's block
-scales (A 1 x 128, B 128 x 128; weft.quantize_fp8's) against torch._scaled_grouped_mm (per-row scales, the
+scales (A 1 x 128, B 128 x 128; weft.quantize_fp8's, A's row-major and M-major) against torch._scaled_grouped_mm (per-row scales, the
 scaling it takes on Hopper), torch._scaled_mm per expert with block scales (torch's 1 x 128 / 128 x 128
 blockwise form, where this torch runs it), weft.scaled_mm per expert likewise, and weft's bf16 grouped_mm of
 the same problem; a baseline this torch refuses prints its error instead of a time. --fp8: this table only.
@@ -66,10 +66,11 @@ def fp8_table():
     # DeepSeek-V3's expert GEMMs (32 local experts x 1024 rows: up K 7168 N 4096, down K 2048 N 7168) and a
     # Mixtral-like one (2 x 8192 rows, K 4096, N 28672).
     print()
-    print("| experts x rows | K | N | weft block ms | weft block TFLOP/s | torch._scaled_grouped_mm per-row TFLOP/s | "
-          "torch._scaled_mm block, per expert TFLOP/s | weft.scaled_mm block, per expert TFLOP/s | "
-          "weft bf16 grouped_mm TFLOP/s | weft / torch grouped | weft / torch per expert |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| experts x rows | K | N | weft block ms | weft block TFLOP/s | weft block, A's scales M-major TFLOP/s | "
+          "torch._scaled_grouped_mm per-row TFLOP/s | torch._scaled_mm block, per expert TFLOP/s | "
+          "weft.scaled_mm block, per expert TFLOP/s | weft bf16 grouped_mm TFLOP/s | weft M-major / torch grouped | "
+          "weft M-major / torch per expert |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     for e, rows, k, n in [(32, 1024, 7168, 4096), (32, 1024, 2048, 7168), (2, 8192, 4096, 28672)]:
         flops = 2.0 * e * rows * k * n
@@ -84,7 +85,10 @@ def fp8_table():
         rw, rsw = weft.quantize_fp8(w, "rowcol", "b")
         rw3, rsw3 = rw.view(e, n, k), rsw.view(e, n)
         b_bf = w.view(e, n, k).transpose(-2, -1)
+        # Per expert, A's scales M-major over the expert's rows alone (torch._scaled_mm's 1 x 128 form).
+        sm_e = [sa[i * rows:(i + 1) * rows].t().contiguous().t() for i in range(e)]
         fns = [lambda: weft.grouped_scaled_mm(qa, qw3, offs, sa, sw3),
+               lambda: weft.grouped_scaled_mm(qm, qw3, offs, sm, sw3),
                lambda: weft.grouped_mm(x, b_bf, offs, validate=False)]
         grouped, why = first_that_runs([
             ("torch._scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
@@ -93,25 +97,25 @@ def fp8_table():
             notes.append(f"{e} x {rows}, K {k}, N {n}: torch._scaled_grouped_mm did not run ({why})")
         per_expert, why = first_that_runs([
             (f"torch._scaled_mm blockwise, scale_b {form}", lambda form=form: [
-                torch._scaled_mm(qm[i * rows:(i + 1) * rows], qw3[i].t(), scale_a=sm[i * rows:(i + 1) * rows],
+                torch._scaled_mm(qm[i * rows:(i + 1) * rows], qw3[i].t(), scale_a=sm_e[i],
                                  scale_b=sw3[i].t() if form == "(K/128, N/128) view" else sw3[i].t().contiguous(),
                                  out_dtype=torch.bfloat16) for i in range(e)])
             for form in ("(K/128, N/128) view", "(K/128, N/128) contiguous")])
         if why:
             notes.append(f"{e} x {rows}, K {k}, N {n}: torch._scaled_mm with block scales did not run ({why})")
-        weft_per_expert = lambda: [weft.scaled_mm(qm[i * rows:(i + 1) * rows], qw3[i].t(),
-                                                  sm[i * rows:(i + 1) * rows], sw3[i]) for i in range(e)]
+        weft_per_expert = lambda: [weft.scaled_mm(qm[i * rows:(i + 1) * rows], qw3[i].t(), sm_e[i], sw3[i])
+                                   for i in range(e)]
         fns += [f for f in (grouped, per_expert) if f is not None] + [weft_per_expert]
         ms = alternating(fns)
         tf = [flops / t / 1e9 for t in ms]
-        col = iter(tf[2:])
+        col = iter(tf[3:])
         torch_grouped = next(col) if grouped else None
         torch_expert = next(col) if per_expert else None
         weft_expert = next(col)
         cell = lambda v: f"{v:.1f}" if v is not None else "n/a"
-        ratio = lambda v: f"{tf[0] / v:.3f}" if v is not None else "-"
-        print(f"| {e} x {rows} | {k} | {n} | {ms[0]:.3f} | {tf[0]:.1f} | {cell(torch_grouped)} | "
-              f"{cell(torch_expert)} | {weft_expert:.1f} | {tf[1]:.1f} | {ratio(torch_grouped)} | "
+        ratio = lambda v: f"{tf[1] / v:.3f}" if v is not None else "-"
+        print(f"| {e} x {rows} | {k} | {n} | {ms[0]:.3f} | {tf[0]:.1f} | {tf[1]:.1f} | {cell(torch_grouped)} | "
+              f"{cell(torch_expert)} | {weft_expert:.1f} | {tf[2]:.1f} | {ratio(torch_grouped)} | "
               f"{ratio(torch_expert)} |", flush=True)
     for note in notes:
         print(f"- {note}")

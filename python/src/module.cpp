@@ -842,6 +842,68 @@ weft::Fp8Scaling parse_scaling(const std::string& s) {
   if (s == "block") return weft::Fp8Scaling::kBlock;
   throw weft::Error("weft: FP8 scaling must be 'tensor', 'rowcol' or 'block', got '" + s + "'");
 }
+
+// The one-GPU FP8 ops: gemm_fp8, grouped_gemm_fp8 (a [rows, K], b [groups, N, K] FP8, block scales, c [rows,
+// N]) and quantize_fp8 (weft/ops/gemm.hpp).
+void bind_fp8_gemm(py::module_& m) {
+  m.def(
+      "gemm_fp8",
+      [](int device, uintptr_t a, uintptr_t b, uintptr_t c, int64_t m_rows, int64_t n, int64_t k,
+         const std::string& ab_type, const std::string& scaling, uintptr_t scale_a, uintptr_t scale_b,
+         const std::string& c_dtype, uintptr_t stream, int64_t scale_a_m_stride) {
+        OnDevice on(device);
+        weft::gemm_fp8(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
+                       reinterpret_cast<void*>(c), m_rows, n, k, parse_fp8(ab_type),
+                       weft::Fp8Scales{parse_scaling(scaling), reinterpret_cast<const float*>(scale_a),
+                                       reinterpret_cast<const float*>(scale_b), scale_a_m_stride},
+                       parse_dtype(c_dtype), reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("device"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("m"), py::arg("n"), py::arg("k"),
+      py::arg("ab_type"), py::arg("scaling"), py::arg("scale_a"), py::arg("scale_b"), py::arg("c_dtype"),
+      py::arg("stream"), py::arg("scale_a_m_stride") = 0);
+  // lda: a's row stride in bytes (0: dense); scale_a_stride: floats between rows of scale_a (0: dense),
+  // scale_a_m_stride: its M-major stride instead (Fp8Scales); group_rows: options.group_rows (0: none).
+  m.def(
+      "grouped_gemm_fp8",
+      [](int device, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t group_end, int groups, int64_t rows,
+         int64_t n, int64_t k, const std::string& ab_type, uintptr_t scale_a, uintptr_t scale_b,
+         const std::string& c_dtype, uintptr_t stream, int64_t lda, int64_t scale_a_stride,
+         uintptr_t group_rows, int64_t scale_a_m_stride) {
+        OnDevice on(device);
+        weft::GemmOptions o;
+        o.lda = lda;
+        o.group_rows = reinterpret_cast<const int32_t*>(group_rows);
+        weft::Fp8Scales scales{weft::Fp8Scaling::kBlock, reinterpret_cast<const float*>(scale_a),
+                               reinterpret_cast<const float*>(scale_b)};
+        scales.a_row_stride = scale_a_stride;
+        scales.a_m_stride = scale_a_m_stride;
+        weft::grouped_gemm_fp8(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
+                               reinterpret_cast<void*>(c), reinterpret_cast<const int32_t*>(group_end),
+                               groups, rows, n, k, parse_fp8(ab_type), scales, parse_dtype(c_dtype),
+                               reinterpret_cast<cudaStream_t>(stream), o);
+      },
+      py::arg("device"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("group_end"), py::arg("groups"),
+      py::arg("rows"), py::arg("n"), py::arg("k"), py::arg("ab_type"), py::arg("scale_a"), py::arg("scale_b"),
+      py::arg("c_dtype"), py::arg("stream"), py::arg("lda"), py::arg("scale_a_stride"), py::arg("group_rows"),
+      py::arg("scale_a_m_stride") = 0);
+  m.def(
+      "quantize_fp8",
+      [](int device, uintptr_t in, const std::string& in_dtype, uintptr_t out, const std::string& out_type,
+         uintptr_t scales, int64_t rows, int64_t cols, const std::string& scaling, const std::string& operand,
+         uintptr_t stream, int64_t scale_m_stride) {
+        OnDevice on(device);
+        weft::quantize_fp8(reinterpret_cast<const void*>(in), parse_dtype(in_dtype),
+                           reinterpret_cast<void*>(out), parse_fp8(out_type),
+                           reinterpret_cast<float*>(scales), rows, cols, parse_scaling(scaling),
+                           operand == "b" ? weft::Fp8Operand::kB : weft::Fp8Operand::kA,
+                           reinterpret_cast<cudaStream_t>(stream), 0, 0, scale_m_stride);
+      },
+      py::arg("device"), py::arg("input"), py::arg("in_dtype"), py::arg("out"), py::arg("out_type"),
+      py::arg("scales"), py::arg("rows"), py::arg("cols"), py::arg("scaling"), py::arg("operand"),
+      py::arg("stream"), py::arg("scale_m_stride") = 0);
+}
+
+// The team FP8 ops: all_gather_scaled_matmul, scaled_matmul_reduce_scatter / all_reduce, moe_dispatch_fp8.
 void bind_fp8(py::module_& m) {
   // all_gather_scaled_matmul (weft/ops/fused.hpp): a_shard [M / W, K] and b [N, K] FP8, out [M, N] bf16.
   m.def("all_gather_scaled_matmul",
@@ -866,22 +928,6 @@ void bind_fp8(py::module_& m) {
                  reinterpret_cast<void*>(out), m, n, k, parse_fp8(ab_type), parse_scaling(scaling),
                  c.stream(stream), weft::FusedOptions{})));
         });
-  m.def(
-      "gemm_fp8",
-      [](int device, uintptr_t a, uintptr_t b, uintptr_t c, int64_t m_rows, int64_t n, int64_t k,
-         const std::string& ab_type, const std::string& scaling, uintptr_t scale_a, uintptr_t scale_b,
-         const std::string& c_dtype, uintptr_t stream, int64_t scale_a_m_stride) {
-        OnDevice on(device);
-        weft::gemm_fp8(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
-                       reinterpret_cast<void*>(c), m_rows, n, k, parse_fp8(ab_type),
-                       weft::Fp8Scales{parse_scaling(scaling), reinterpret_cast<const float*>(scale_a),
-                                       reinterpret_cast<const float*>(scale_b), scale_a_m_stride},
-                       parse_dtype(c_dtype), reinterpret_cast<cudaStream_t>(stream));
-      },
-      py::arg("device"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("m"), py::arg("n"), py::arg("k"),
-      py::arg("ab_type"), py::arg("scaling"), py::arg("scale_a"), py::arg("scale_b"), py::arg("c_dtype"),
-      py::arg("stream"), py::arg("scale_a_m_stride") = 0);
-  // grouped_gemm_fp8 (weft/ops/gemm.hpp): a [rows, K], b [groups, N, K] FP8, block scales, c [rows, N].
   // The FP8 dispatch: returns (packed rows view [capacity, row_bytes] uint8, group_end view, row_of pointer,
   // experts pointer, capacity, row_bytes, group_rows view [experts per rank] int32: the low-latency
   // dispatch's rows per group, else None).
@@ -905,37 +951,6 @@ void bind_fp8(py::module_& m) {
             ? py::object(py::cast(view_of(c, const_cast<int32_t*>(d.dispatched.group_rows), {per}, "int32")))
             : py::object(py::none()));
   });
-  // lda: a's row stride in bytes (0: dense); scale_a_stride: floats between rows of scale_a (0: dense);
-  // group_rows: options.group_rows (0: none).
-  m.def("grouped_gemm_fp8", [](int device, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t group_end,
-                               int groups, int64_t rows, int64_t n, int64_t k, const std::string& ab_type,
-                               uintptr_t scale_a, uintptr_t scale_b, const std::string& c_dtype,
-                               uintptr_t stream, int64_t lda, int64_t scale_a_stride, uintptr_t group_rows) {
-    OnDevice on(device);
-    weft::GemmOptions o;
-    o.lda = lda;
-    o.group_rows = reinterpret_cast<const int32_t*>(group_rows);
-    weft::grouped_gemm_fp8(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
-                           reinterpret_cast<void*>(c), reinterpret_cast<const int32_t*>(group_end), groups,
-                           rows, n, k, parse_fp8(ab_type), reinterpret_cast<const float*>(scale_a),
-                           reinterpret_cast<const float*>(scale_b), parse_dtype(c_dtype),
-                           reinterpret_cast<cudaStream_t>(stream), o, scale_a_stride);
-  });
-  m.def(
-      "quantize_fp8",
-      [](int device, uintptr_t in, const std::string& in_dtype, uintptr_t out, const std::string& out_type,
-         uintptr_t scales, int64_t rows, int64_t cols, const std::string& scaling, const std::string& operand,
-         uintptr_t stream, int64_t scale_m_stride) {
-        OnDevice on(device);
-        weft::quantize_fp8(reinterpret_cast<const void*>(in), parse_dtype(in_dtype),
-                           reinterpret_cast<void*>(out), parse_fp8(out_type),
-                           reinterpret_cast<float*>(scales), rows, cols, parse_scaling(scaling),
-                           operand == "b" ? weft::Fp8Operand::kB : weft::Fp8Operand::kA,
-                           reinterpret_cast<cudaStream_t>(stream), 0, 0, scale_m_stride);
-      },
-      py::arg("device"), py::arg("input"), py::arg("in_dtype"), py::arg("out"), py::arg("out_type"),
-      py::arg("scales"), py::arg("rows"), py::arg("cols"), py::arg("scaling"), py::arg("operand"),
-      py::arg("stream"), py::arg("scale_m_stride") = 0);
 }
 
 }  // namespace
@@ -1070,6 +1085,7 @@ PYBIND11_MODULE(_weft, m) {
   bind_collectives(m);
   bind_one_gpu_ops(m);
   bind_fp8(m);
+  bind_fp8_gemm(m);
   bind_sequence_parallel(m);
   bind_decode(m);
   bind_moe(m);

@@ -152,6 +152,17 @@ def main():
         print(f"  {'ok  ' if same else 'FAIL'} grouped_scaled_mm -> {out_dtype}: scaled_mm's bits on every group")
         if not same:
             failures.append(f"grouped_scaled_mm {out_dtype}")
+        # A's scales M-major (quantize_fp8's m_major, and a stride past the rows with NaN between): the same bits.
+        _, sxm = weft.quantize_fp8(x, "block", "a", m_major=True)
+        padded = torch.full((sx.shape[1], 512 + 8), float("nan"), device="cuda")
+        padded[:, :512] = sx.t()
+        for name, s in (("m_major=True", sxm), ("M-major, stride rows + 8", padded[:, :512].t())):
+            rows = weft.grouped_scaled_mm(qx, qw, group_end, s, sw, out_dtype=out_dtype)[:ends[-1]]
+            same = torch.equal(rows, got[:ends[-1]]) and not rows.isnan().any().item()
+            print(f"  {'ok  ' if same else 'FAIL'} grouped_scaled_mm -> {out_dtype}, scale_a {name}: the row-major "
+                  f"scales' bits")
+            if not same:
+                failures.append(f"grouped_scaled_mm {out_dtype} scale_a {name}")
 
     # group_rows (a low-latency dispatch's fixed groups, partly filled): groups of 256 rows counting 0, 1, 130
     # and 256; the counted rows get the bits of the same call without group_rows.

@@ -32,6 +32,12 @@ def _m_major(s):
     return s.dim() == 2 and s.stride(0) == 1 and s.stride(1) >= s.shape[0]
 
 
+def _m_major_only(s):
+    """Whether s is M-major and not also row-major with contiguous rows (a [rows, 1] or [1, cols] tensor is
+    both: taken as row-major)."""
+    return _m_major(s) and not (s.dim() == 2 and s.stride(1) == 1)
+
+
 def _scaling(torch, scale_a, scale_b, m, n, k, where, m_major_a=False):
     """The scaling kind the scales' shapes give (see scaled_mm); m_major_a: block scales of A may be M-major."""
     for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
@@ -115,7 +121,8 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None, group_r
     weft.moe_dispatch's with align=128); rows a multiple of 128 (rows past the last end are left unwritten).
     b [groups, N, K] of the same FP8 type, contiguous (each expert's K-major weight). scale_a [rows,
     ceil(K/128)] and scale_b [groups, ceil(N/128), ceil(K/128)] float32 (weft.quantize_fp8's block scales of a,
-    and of each b[e] stacked; scale_a's rows may be strided too). K a multiple of 16. out_dtype torch.bfloat16
+    and of each b[e] stacked; scale_a's rows may be strided too, or scale_a M-major, strides (1, ld) with ld >=
+    rows: quantize_fp8(..., m_major=True)'s, the faster form). K a multiple of 16. out_dtype torch.bfloat16
     (default) or torch.float32. weft.moe_dispatch_fp8's rows and scales go in as they are.
     group_rows (int32 [groups] on a's device, e.g. a low-latency dispatch's d.group_rows): group e holds only its
     first group_rows[e] rows: only the tiles holding them are computed (the rest of each group's output rows are
@@ -127,11 +134,14 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None, group_r
     for name, x in (("a", a), ("b", b), ("group_end", group_end), ("scale_a", scale_a), ("scale_b", scale_b)):
         if not x.is_cuda or x.device != a.device:
             raise WeftValueError(f"{where}: {name} must be a CUDA tensor on a's device")
-        # a and scale_a: rows may be strided (weft.moe_dispatch_fp8's packed rows); the rest contiguous.
+        # a and scale_a: rows may be strided (weft.moe_dispatch_fp8's packed rows), scale_a M-major; the rest
+        # contiguous.
         strided_rows = name in ("a", "scale_a") and x.dim() == 2 and x.stride(1) == 1
-        if not (x.is_contiguous() or strided_rows):
+        if not (x.is_contiguous() or strided_rows or (name == "scale_a" and _m_major(x))):
             raise WeftValueError(f"{where}: {name} must be contiguous" +
-                                 (" or have contiguous rows" if name in ("a", "scale_a") else ""))
+                                 {"a": " or have contiguous rows",
+                                  "scale_a": ", have contiguous rows or be M-major (strides (1, ld), ld >= rows)"}
+                                 .get(name, ""))
     ab = _fp8_name(torch, a.dtype, where)
     if b.dtype != a.dtype:
         raise WeftTypeError(f"{where}: a and b must have one FP8 type, got {a.dtype} and {b.dtype}")
@@ -147,7 +157,7 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None, group_r
         raise WeftValueError(f"{where}: rows ({rows}) must be a multiple of 128 and K ({k}) of 16")
     if a.stride(0) < k or a.stride(0) % 16:
         raise WeftValueError(f"{where}: a's row stride ({a.stride(0)} bytes) must be at least K and a multiple of 16")
-    if scale_a.stride(0) < -(-k // _BLOCK):
+    if not _m_major_only(scale_a) and scale_a.stride(0) < -(-k // _BLOCK):
         raise WeftValueError(f"{where}: scale_a's row stride ({scale_a.stride(0)} floats) must be at least "
                              f"ceil(K / 128) = {-(-k // _BLOCK)}")
     blocks = -(-k // _BLOCK)
@@ -307,16 +317,18 @@ def _torch_scaled_mm(a, b, scale_a, scale_b, ab, kind, out_bf16):
 @declare("weft::grouped_scaled_mm")
 def _grouped_scaled_mm(a: Tensor, b: Tensor, group_end: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str,
                        out_bf16: bool, group_rows: Optional[Tensor]) -> Tensor:
-    # a and scale_a may be row-strided views (weft.moe_dispatch_fp8's packed rows): their row strides pass on.
+    # a and scale_a may be row-strided views (weft.moe_dispatch_fp8's packed rows): their row strides pass on;
+    # scale_a may be M-major: its stride between k-blocks passes on.
     rows, k = a.shape
     groups, n = b.shape[0], b.shape[1]
     out = a.new_empty((rows, n), dtype=torch.bfloat16 if out_bf16 else torch.float32)
     if _op_table.EMULATE:
         return out.zero_()
+    m_major = _m_major_only(scale_a)
     _weft.grouped_gemm_fp8(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), group_end.data_ptr(), groups,
                            rows, n, k, ab, scale_a.data_ptr(), scale_b.data_ptr(), "bf16" if out_bf16 else "fp32",
-                           _stream(a), a.stride(0), scale_a.stride(0),
-                           0 if group_rows is None else group_rows.data_ptr())
+                           _stream(a), a.stride(0), 0 if m_major else scale_a.stride(0),
+                           0 if group_rows is None else group_rows.data_ptr(), scale_a.stride(1) if m_major else 0)
     return out
 
 

@@ -627,7 +627,8 @@ def moe_layer_fp8(x, experts, weights, w_up, w_up_scales, w_down, w_down_scales,
     h = grouped_scaled_mm(d.rows, w_up, d.group_end, d.scales, w_up_scales, group_rows=live)
     # Rows no group holds (and, at low latency, past each group's received rows) were never written: their
     # values, scales and products stay in those rows (1 x 128 scales: a row's own), which combine never reads.
-    qa, sa = quantize_fp8(_activated(h, activation, inter, False).contiguous(), "block", "a")
+    # (Its scales M-major: the second GEMM's fastest form, the stages carry them.)
+    qa, sa = quantize_fp8(_activated(h, activation, inter, False).contiguous(), "block", "a", m_major=True)
     y = grouped_scaled_mm(qa, w_down, d.group_end, sa, w_down_scales, group_rows=live)
     return moe_combine(y, d, weights)
 

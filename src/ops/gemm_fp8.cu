@@ -25,7 +25,6 @@ struct Fp8Problem {
   int64_t lda = 0, ldb = 0, ldc = 0;
   const int32_t* group_end = nullptr;  // grouped: A's groups' ends; B stacked [groups, N, K]
   int groups = 0;
-  int64_t sa_stride = 0;  // kBlock: floats between rows of A's scales (0: ceil(K / 128))
 };
 
 const char* scaling_name(Fp8Scaling s) {
@@ -78,7 +77,7 @@ Plan run_op(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
     p.sa_row_step = 1;
     p.sa_k_step = static_cast<int>(pr.scales.a_m_stride);
   } else {
-    p.sa_row_step = static_cast<int>(pr.sa_stride ? pr.sa_stride : p.k_blocks);
+    p.sa_row_step = static_cast<int>(pr.scales.a_row_stride ? pr.scales.a_row_stride : p.k_blocks);
     p.sa_k_step = 1;
   }
   if constexpr (Op::kStagedScaleA)  // [k_blocks] rows of M scales
@@ -107,7 +106,10 @@ bool staged_scales(const Fp8Problem& pr) {
 
 template <class OutT, bool kE5M2>
 Plan run_typed(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
-  if (pr.groups > 0) return run_op<ops::GroupedFp8GemmOp<OutT, kE5M2>>(pr, stream, launch);
+  if (pr.groups > 0) {
+    if (staged_scales(pr)) return run_op<ops::GroupedFp8GemmOp<OutT, kE5M2, true>>(pr, stream, launch);
+    return run_op<ops::GroupedFp8GemmOp<OutT, kE5M2>>(pr, stream, launch);
+  }
   switch (pr.scales.kind) {
     case Fp8Scaling::kTensor:
       return run_op<ops::Fp8GemmOp<OutT, Fp8Scaling::kTensor, kE5M2>>(pr, stream, launch);
@@ -152,10 +154,20 @@ void check_problem(Fp8Problem& pr, const std::string& where) {
                  ", ldb = " + std::to_string(pr.ldb) +
                  " one-byte elements) must be multiples of 16 bytes, which TMA requires; make K a multiple "
                  "of 16, e.g. by zero-padding");
-  WEFT_CHECK(pr.scales.a_m_stride == 0 || (kind == Fp8Scaling::kBlock && pr.groups == 0 &&
-                                           pr.scales.a_m_stride >= pr.m && pr.scales.a_m_stride <= INT32_MAX),
-             where + "scales.a_m_stride (" + std::to_string(pr.scales.a_m_stride) +
-                 ") must be 0, or for block scales of the (not grouped) FP8 GEMM at least M and below 2^31");
+  const int64_t k_blocks = (pr.k + 127) / 128, m_stride = pr.scales.a_m_stride,
+                row_stride = pr.scales.a_row_stride;
+  WEFT_CHECK(m_stride == 0 || (kind == Fp8Scaling::kBlock && m_stride >= pr.m && m_stride <= INT32_MAX),
+             where + "scales.a_m_stride (" + std::to_string(m_stride) +
+                 ") must be 0, or for block scales at least M (rows) and below 2^31");
+  WEFT_CHECK(
+      row_stride == 0 || (kind == Fp8Scaling::kBlock && row_stride >= k_blocks && row_stride <= INT32_MAX),
+      where + "scales.a_row_stride (" + std::to_string(row_stride) +
+          ") must be 0, or for block scales at least ceil(K / 128) = " + std::to_string(k_blocks) +
+          " and below 2^31");
+  WEFT_CHECK(
+      m_stride == 0 || row_stride == 0,
+      where +
+          "A's block scales are M-major (scales.a_m_stride) or row-major (scales.a_row_stride), not both");
   const int64_t c_bytes = pr.c_type == DType::kFP32 ? 4 : 2;
   WEFT_CHECK((pr.ldc * c_bytes) % 16 == 0, where + "C's row stride ldc = " + std::to_string(pr.ldc) +
                                                " elements is not a multiple of 16 bytes, which TMA requires");
@@ -174,18 +186,15 @@ void check_pointers(const Fp8Problem& pr, const std::string& where) {
 // The grouped GEMM's own rules: block scales, whole tiles of rows, dense B, C stored.
 void check_grouped(const Fp8Problem& pr, bool launch, const std::string& where) {
   WEFT_CHECK(pr.groups >= 1, where + "groups must be at least 1");
-  WEFT_CHECK(pr.scales.kind == Fp8Scaling::kBlock,
-             where +
-                 "the grouped FP8 GEMM takes block scales (Fp8Scaling::kBlock: A [rows, K / 128], B [groups, "
-                 "N / 128, K / 128])");
+  WEFT_CHECK(
+      pr.scales.kind == Fp8Scaling::kBlock,
+      where +
+          "the grouped FP8 GEMM takes block scales (scales.kind Fp8Scaling::kBlock: A [rows, K / 128], B "
+          "[groups, N / 128, K / 128])");
   WEFT_CHECK(pr.m % 128 == 0, where + "rows (the capacity) must be a multiple of 128, the tile's rows");
   WEFT_CHECK(pr.opt.ldb == 0 && pr.opt.ldc == 0, where + "B and C must be dense (ldb, ldc 0)");
   WEFT_CHECK(pr.opt.store == GemmStore::kStore, where + "C is stored (no reduce-add)");
   WEFT_CHECK(int64_t(pr.groups) * pr.n <= INT32_MAX, where + "B's rows (groups x N) past 2^31 - 1");
-  const int64_t k_blocks = (pr.k + 127) / 128;
-  WEFT_CHECK(pr.sa_stride == 0 || (pr.sa_stride >= k_blocks && pr.sa_stride <= INT32_MAX),
-             where + "scale_a_stride (" + std::to_string(pr.sa_stride) +
-                 ") must be 0 or at least ceil(K / 128) = " + std::to_string(k_blocks));
   if (launch) {
     WEFT_CHECK(pr.group_end != nullptr, where + "group_end must not be null");
     ops::check_pointer_alignment(pr.group_end, "group_end", 4, where);
@@ -226,26 +235,21 @@ Plan gemm_fp8_plan(int64_t m, int64_t n, int64_t k, Fp8Type ab_type, const Fp8Sc
 }
 
 void grouped_gemm_fp8(const void* a, const void* b, void* c, const int32_t* group_end, int groups,
-                      int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, const float* scale_a,
-                      const float* scale_b, DType c_type, cudaStream_t stream, const GemmOptions& options,
-                      int64_t scale_a_stride) {
-  Fp8Problem pr{a,      b,      c, rows, n, k, ab_type, Fp8Scales{Fp8Scaling::kBlock, scale_a, scale_b},
-                c_type, options};
+                      int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, const Fp8Scales& scales,
+                      DType c_type, cudaStream_t stream, const GemmOptions& options) {
   WEFT_CHECK(groups >= 1, "weft::grouped_gemm_fp8: groups must be at least 1, got " + std::to_string(groups));
+  Fp8Problem pr{a, b, c, rows, n, k, ab_type, scales, c_type, options};
   pr.group_end = group_end;
   pr.groups = groups;
-  pr.sa_stride = scale_a_stride;
   plan_or_launch(pr, stream, true);
 }
 
-Plan grouped_gemm_fp8_plan(int groups, int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, DType c_type,
-                           const GemmOptions& options, int64_t scale_a_stride) {
+Plan grouped_gemm_fp8_plan(int groups, int64_t rows, int64_t n, int64_t k, Fp8Type ab_type,
+                           const Fp8Scales& scales, DType c_type, const GemmOptions& options) {
   WEFT_CHECK(groups >= 1,
              "weft::grouped_gemm_fp8_plan: groups must be at least 1, got " + std::to_string(groups));
-  Fp8Problem pr{nullptr, nullptr, nullptr, rows, n, k, ab_type, Fp8Scales{Fp8Scaling::kBlock},
-                c_type,  options};
+  Fp8Problem pr{nullptr, nullptr, nullptr, rows, n, k, ab_type, scales, c_type, options};
   pr.groups = groups;
-  pr.sa_stride = scale_a_stride;
   return plan_or_launch(pr, nullptr, false);
 }
 

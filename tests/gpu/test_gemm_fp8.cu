@@ -530,7 +530,8 @@ WEFT_GPU_TEST_ONE_GPU(quantize_fp8_then_gemm_fp8_matches_bf16) {
 // The grouped FP8 GEMM against gemm_fp8 on each group's rows (the same tiles, k-blocks and scales: the same
 // bits): groups of 128, 0 and 256 rows in a capacity of 512 (the rows past the last end left as they were),
 // a K tail (K = 400), N 256 and 192 (a column tile past N reads the next expert's rows, which the store
-// clips), bf16 and f32 out; its refusals and its plan.
+// clips), bf16 and f32 out, A's scales row-major and M-major (staged; a stride past the rows, the gap NaN);
+// its refusals and its plan.
 static void grouped_fp8_case(Rank& rank, int64_t n) {
   const cudaStream_t s = rank.stream();
   const int groups = 3;
@@ -544,31 +545,46 @@ static void grouped_fp8_case(Rank& rank, int64_t n) {
   fill_scales<<<64, 256, 0, s>>>(sb.as<float>(), groups * nb * kb, 24);
   WEFT_CUDA_CHECK(cudaGetLastError());
   WEFT_CUDA_CHECK(cudaMemcpyAsync(ge.p, ends.data(), groups * 4, cudaMemcpyHostToDevice, s));
-  for (DType out : {DType::kBF16, DType::kFP32}) {
-    const int64_t es = out == DType::kFP32 ? 4 : 2;
-    WEFT_CUDA_CHECK(cudaMemsetAsync(c.p, 0xff, c.bytes, s));
-    WEFT_CUDA_CHECK(cudaMemsetAsync(ref.p, 0xff, ref.bytes, s));
-    grouped_gemm_fp8(a.p, b.p, c.p, ge.as<int32_t>(), groups, rows, n, k, Fp8Type::kE4M3, sa.as<float>(),
-                     sb.as<float>(), out, s);
-    for (int g = 0; g < groups; ++g) {
-      const int64_t begin = g ? ends[g - 1] : 0, m = ends[g] - begin;
-      if (m == 0) continue;
-      gemm_fp8(a.as<uint8_t>() + begin * k, b.as<uint8_t>() + g * n * k, ref.as<char>() + begin * n * es, m,
-               n, k, Fp8Type::kE4M3,
-               Fp8Scales{Fp8Scaling::kBlock, sa.as<float>() + begin * kb, sb.as<float>() + g * nb * kb}, out,
-               s);
+  // The same scales M-major, rows + 4 floats between k-blocks.
+  const int64_t ld = rows + 4;
+  DeviceBuffer sam(kb * ld * 4);
+  std::vector<float> hs(rows * kb), hm(kb * ld, std::nanf(""));
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(hs.data(), sa.p, sa.bytes, cudaMemcpyDeviceToHost, s));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < kb; ++j) hm[j * ld + i] = hs[i * kb + j];
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(sam.p, hm.data(), sam.bytes, cudaMemcpyHostToDevice, s));
+  Fp8Scales m_major{Fp8Scaling::kBlock, sam.as<float>(), sb.as<float>()};
+  m_major.a_m_stride = ld;
+  const Plan staged = grouped_gemm_fp8_plan(groups, rows, n, k, Fp8Type::kE4M3, m_major, DType::kBF16);
+  WEFT_EXPECT(staged.path.find("staged") != std::string::npos, "M-major scales' plan: " << describe(staged));
+  for (const Fp8Scales& scales : {Fp8Scales{Fp8Scaling::kBlock, sa.as<float>(), sb.as<float>()}, m_major})
+    for (DType out : {DType::kBF16, DType::kFP32}) {
+      const int64_t es = out == DType::kFP32 ? 4 : 2;
+      const char* layout = scales.a_m_stride ? "M-major" : "row-major";
+      WEFT_CUDA_CHECK(cudaMemsetAsync(c.p, 0xff, c.bytes, s));
+      WEFT_CUDA_CHECK(cudaMemsetAsync(ref.p, 0xff, ref.bytes, s));
+      grouped_gemm_fp8(a.p, b.p, c.p, ge.as<int32_t>(), groups, rows, n, k, Fp8Type::kE4M3, scales, out, s);
+      for (int g = 0; g < groups; ++g) {
+        const int64_t begin = g ? ends[g - 1] : 0, m = ends[g] - begin;
+        if (m == 0) continue;
+        gemm_fp8(a.as<uint8_t>() + begin * k, b.as<uint8_t>() + g * n * k, ref.as<char>() + begin * n * es, m,
+                 n, k, Fp8Type::kE4M3,
+                 Fp8Scales{Fp8Scaling::kBlock, sa.as<float>() + begin * kb, sb.as<float>() + g * nb * kb},
+                 out, s);
+      }
+      std::vector<uint8_t> hc(rows * n * es), hr(rows * n * es);
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(hc.data(), c.p, hc.size(), cudaMemcpyDeviceToHost, s));
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(hr.data(), ref.p, hr.size(), cudaMemcpyDeviceToHost, s));
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+      const size_t used = size_t(ends.back()) * n * es;
+      WEFT_EXPECT(std::memcmp(hc.data(), hr.data(), used) == 0,
+                  (out == DType::kFP32 ? "f32" : "bf16")
+                      << ", A's scales " << layout << ": the grouped GEMM's rows differ from gemm_fp8's");
+      bool untouched = true;
+      for (size_t i = used; i < hc.size(); ++i) untouched &= hc[i] == 0xff;
+      WEFT_EXPECT(untouched, "A's scales " << layout << ": rows past the last group's end were written");
     }
-    std::vector<uint8_t> hc(rows * n * es), hr(rows * n * es);
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(hc.data(), c.p, hc.size(), cudaMemcpyDeviceToHost, s));
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(hr.data(), ref.p, hr.size(), cudaMemcpyDeviceToHost, s));
-    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
-    const size_t used = size_t(ends.back()) * n * es;
-    WEFT_EXPECT(std::memcmp(hc.data(), hr.data(), used) == 0,
-                (out == DType::kFP32 ? "f32" : "bf16") << ": the grouped GEMM's rows differ from gemm_fp8's");
-    bool untouched = true;
-    for (size_t i = used; i < hc.size(); ++i) untouched &= hc[i] == 0xff;
-    WEFT_EXPECT(untouched, "rows past the last group's end were written");
-  }
 }
 
 WEFT_GPU_TEST_ONE_GPU(grouped_gemm_fp8_matches_gemm_fp8_per_group) {
@@ -581,13 +597,13 @@ WEFT_GPU_TEST_ONE_GPU(grouped_gemm_fp8_matches_gemm_fp8_per_group) {
   DeviceBuffer a(rows * k), b(groups * n * k), sa(rows * 4 * 4), sb(groups * nb * 4 * 4), ge(groups * 4),
       c(rows * n * 4);
   std::string e = error_of([&] {
-    grouped_gemm_fp8(a.p, b.p, c.p, ge.as<int32_t>(), groups, 500, n, k, Fp8Type::kE4M3, sa.as<float>(),
-                     sb.as<float>(), DType::kBF16, s);
+    grouped_gemm_fp8(a.p, b.p, c.p, ge.as<int32_t>(), groups, 500, n, k, Fp8Type::kE4M3,
+                     Fp8Scales{Fp8Scaling::kBlock, sa.as<float>(), sb.as<float>()}, DType::kBF16, s);
   });
   WEFT_EXPECT(e.find("multiple of 128") != std::string::npos, "rows = 500: got '" << e << "'");
   e = error_of([&] {
-    grouped_gemm_fp8(a.p, b.p, c.p, nullptr, groups, rows, n, k, Fp8Type::kE4M3, sa.as<float>(),
-                     sb.as<float>(), DType::kBF16, s);
+    grouped_gemm_fp8(a.p, b.p, c.p, nullptr, groups, rows, n, k, Fp8Type::kE4M3,
+                     Fp8Scales{Fp8Scaling::kBlock, sa.as<float>(), sb.as<float>()}, DType::kBF16, s);
   });
   WEFT_EXPECT(e.find("group_end") != std::string::npos, "null group_end: got '" << e << "'");
   GemmOptions counted;  // the grouped FP8 GEMM's alone
@@ -597,7 +613,8 @@ WEFT_GPU_TEST_ONE_GPU(grouped_gemm_fp8_matches_gemm_fp8_per_group) {
              Fp8Scales{Fp8Scaling::kBlock, sa.as<float>(), sb.as<float>()}, DType::kBF16, s, counted);
   });
   WEFT_EXPECT(e.find("options.group_rows") != std::string::npos, "group_rows on gemm_fp8: got '" << e << "'");
-  const Plan p = grouped_gemm_fp8_plan(groups, rows, n, k, Fp8Type::kE4M3, DType::kBF16);
+  const Plan p =
+      grouped_gemm_fp8_plan(groups, rows, n, k, Fp8Type::kE4M3, Fp8Scales{Fp8Scaling::kBlock}, DType::kBF16);
   WEFT_EXPECT(p.op == "grouped_gemm_fp8" && p.tiles.count == (rows / 128) * nb && p.blocks > 0,
               "plan: " << describe(p));
 }
@@ -622,12 +639,13 @@ WEFT_GPU_TEST_ONE_GPU(grouped_gemm_fp8_group_rows) {
   WEFT_CUDA_CHECK(cudaMemcpyAsync(ge.p, ends.data(), groups * 4, cudaMemcpyHostToDevice, s));
   WEFT_CUDA_CHECK(cudaMemcpyAsync(gr.p, counts.data(), groups * 4, cudaMemcpyHostToDevice, s));
   WEFT_CUDA_CHECK(cudaMemsetAsync(c.p, 0xff, c.bytes, s));
-  grouped_gemm_fp8(a.p, b.p, ref.p, ge.as<int32_t>(), groups, rows, n, k, Fp8Type::kE4M3, sa.as<float>(),
-                   sb.as<float>(), DType::kBF16, s);
+  const Fp8Scales scales{Fp8Scaling::kBlock, sa.as<float>(), sb.as<float>()};
+  grouped_gemm_fp8(a.p, b.p, ref.p, ge.as<int32_t>(), groups, rows, n, k, Fp8Type::kE4M3, scales,
+                   DType::kBF16, s);
   GemmOptions o;
   o.group_rows = gr.as<int32_t>();
-  grouped_gemm_fp8(a.p, b.p, c.p, ge.as<int32_t>(), groups, rows, n, k, Fp8Type::kE4M3, sa.as<float>(),
-                   sb.as<float>(), DType::kBF16, s, o);
+  grouped_gemm_fp8(a.p, b.p, c.p, ge.as<int32_t>(), groups, rows, n, k, Fp8Type::kE4M3, scales, DType::kBF16,
+                   s, o);
   std::vector<uint8_t> hc(c.bytes), hr(ref.bytes);
   WEFT_CUDA_CHECK(cudaMemcpyAsync(hc.data(), c.p, hc.size(), cudaMemcpyDeviceToHost, s));
   WEFT_CUDA_CHECK(cudaMemcpyAsync(hr.data(), ref.p, hr.size(), cudaMemcpyDeviceToHost, s));

@@ -1006,10 +1006,10 @@ WEFT_GPU_TEST(moe_dispatch_fp8_matches_quantized_dispatch) {
     quantize_fp8(l.rows.p, DType::kBF16, l.q.p, Fp8Type::kE4M3, l.s.as<float>(), cap, hidden,
                  Fp8Scaling::kBlock, Fp8Operand::kA, st);
     grouped_gemm_fp8(f8[i].values, l.b.p, l.c8.p, f8[i].dispatched.group_end, per, cap, n, hidden,
-                     Fp8Type::kE4M3, f8[i].scales, l.sb.as<float>(), DType::kBF16, st,
-                     GemmOptions{.lda = f8[i].row_bytes}, f8[i].scale_stride);
+                     Fp8Type::kE4M3, f8[i].block_scales(l.sb.as<float>()), DType::kBF16, st,
+                     GemmOptions{.lda = f8[i].row_bytes});
     grouped_gemm_fp8(l.q.p, l.b.p, l.cd.p, f8[i].dispatched.group_end, per, cap, n, hidden, Fp8Type::kE4M3,
-                     l.s.as<float>(), l.sb.as<float>(), DType::kBF16, st);
+                     Fp8Scales{Fp8Scaling::kBlock, l.s.as<float>(), l.sb.as<float>()}, DType::kBF16, st);
   }
   c.synchronize();
   for (int i = 0; i < c.num_local(); ++i) {
@@ -1122,12 +1122,10 @@ WEFT_GPU_TEST(moe_dispatch_fp8_low_latency) {
       WEFT_CUDA_CHECK(cudaMemsetAsync(l.c8.p, 0xff, l.c8.bytes, st));
       GemmOptions o{.lda = f8[i].row_bytes};
       grouped_gemm_fp8(f8[i].values, l.b.p, l.cd.p, f8[i].dispatched.group_end, per, cap, n, hidden,
-                       Fp8Type::kE4M3, f8[i].scales, l.sb.as<float>(), DType::kBF16, st, o,
-                       f8[i].scale_stride);
+                       Fp8Type::kE4M3, f8[i].block_scales(l.sb.as<float>()), DType::kBF16, st, o);
       o.group_rows = f8[i].dispatched.group_rows;
       grouped_gemm_fp8(f8[i].values, l.b.p, l.c8.p, f8[i].dispatched.group_end, per, cap, n, hidden,
-                       Fp8Type::kE4M3, f8[i].scales, l.sb.as<float>(), DType::kBF16, st, o,
-                       f8[i].scale_stride);
+                       Fp8Type::kE4M3, f8[i].block_scales(l.sb.as<float>()), DType::kBF16, st, o);
     }
     c.synchronize();
     // Every local rank's own slots' rows on their experts' ranks, its quantized tokens.

@@ -46,11 +46,16 @@ TEST(GemmFp8Checks, RefusesBadShapesTypesAndOptions) {
 }
 
 TEST(GemmFp8Checks, GroupedRefusesWhatItCannotRun) {
-  auto grouped = [](int groups, int64_t rows, GemmOptions o = {}, int64_t sa_stride = 0) {
+  auto grouped = [](int groups, int64_t rows, GemmOptions o = {}, int64_t row_stride = 0,
+                    int64_t m_stride = 0, Fp8Scaling kind = Fp8Scaling::kBlock) {
+    Fp8Scales scales{kind};
+    scales.a_row_stride = row_stride;
+    scales.a_m_stride = m_stride;
     return error_of([&] {
-      (void)grouped_gemm_fp8_plan(groups, rows, 256, 256, Fp8Type::kE4M3, DType::kBF16, o, sa_stride);
+      (void)grouped_gemm_fp8_plan(groups, rows, 256, 256, Fp8Type::kE4M3, scales, DType::kBF16, o);
     });
   };
+  EXPECT_NE(grouped(2, 256, {}, 0, 0, Fp8Scaling::kRowCol).find("takes block scales"), std::string::npos);
   EXPECT_NE(grouped(0, 256).find("groups must be at least 1"), std::string::npos);
   EXPECT_NE(grouped(2, 500).find("multiple of 128"), std::string::npos);
   GemmOptions ldb;
@@ -59,12 +64,16 @@ TEST(GemmFp8Checks, GroupedRefusesWhatItCannotRun) {
   GemmOptions add;
   add.store = GemmStore::kReduceAdd;
   EXPECT_NE(grouped(2, 256, add).find("C is stored"), std::string::npos);
-  EXPECT_NE(grouped(2, 256, {}, 1).find("scale_a_stride"), std::string::npos);  // ceil(256 / 128) = 2
+  EXPECT_NE(grouped(2, 256, {}, 1).find("a_row_stride"), std::string::npos);     // ceil(256 / 128) = 2
+  EXPECT_NE(grouped(2, 256, {}, 0, 255).find("a_m_stride"), std::string::npos);  // below the rows
+  EXPECT_NE(grouped(2, 256, {}, 2, 256).find("not both"), std::string::npos);
   GemmOptions lda;
   lda.lda = 272;  // a row stride past K, a multiple of 16: moe_dispatch_fp8's packed rows
   const std::string ok = grouped(2, 256, lda, 68);
   EXPECT_EQ(ok.find("lda"), std::string::npos) << ok;  // (without a GPU it stops at the device check)
-  EXPECT_EQ(ok.find("scale_a_stride"), std::string::npos) << ok;
+  EXPECT_EQ(ok.find("stride"), std::string::npos) << ok;
+  const std::string m_major = grouped(2, 256, {}, 0, 260);
+  EXPECT_EQ(m_major.find("stride"), std::string::npos) << m_major;
 }
 
 TEST(GemmFp8Checks, QuantizeRefusesBadArguments) {

@@ -71,10 +71,14 @@ struct Fp8Scales {
   Fp8Scaling kind = Fp8Scaling::kTensor;
   const float* a = nullptr;
   const float* b = nullptr;
-  // kBlock: 0, A's scales row-major [M, ceil(K / 128)] (dense); > 0 (at least M), M-major: the scale of row
-  // i and k-block j at a[j * a_m_stride + i] (torch's layout for 1 x 128 blockwise scales: a [M, K / 128]
-  // view with strides (1, a_m_stride)); one TMA can copy (16-byte base and stride) rides in the pipeline.
+  // kBlock, where A's scale of row i and k-block j lies (one of the two strides, or neither):
+  //   a_m_stride > 0 (at least M): M-major, at a[j * a_m_stride + i] (torch's layout for 1 x 128 blockwise
+  //     scales: a [M, K / 128] view with strides (1, a_m_stride)); where TMA can copy them (a 16-byte
+  //     aligned base, a stride of whole 16 bytes) they ride in the GEMM's pipeline, its fastest form;
+  //   otherwise row-major, at a[i * a_row_stride + j] (a_row_stride 0: ceil(K / 128), dense; more: rows
+  //     with room between, e.g. moe_dispatch_fp8's packed rows, MoeDispatchedFp8::scale_stride).
   int64_t a_m_stride = 0;
+  int64_t a_row_stride = 0;
 };
 
 // Enqueues C = scaled (A . B^T) on `stream` for the current device, with FP8 operands
@@ -96,18 +100,18 @@ Plan gemm_fp8_plan(int64_t m, int64_t n, int64_t k, Fp8Type ab_type, const Fp8Sc
 // groups back to back as grouped_gemm's (group_end: device int32, ascending, every end a multiple of 128;
 // rows a multiple of 128, at least the last end; rows past it untouched), B [groups, N, K] FP8 (each group's
 // K-major weight, stacked), C [rows, N] bf16 or f32: C's rows of group e = A's rows of group e times B_e^T,
-// block scales only: scale_a [rows, ceil(K / 128)], scale_b [groups, ceil(N / 128), ceil(K / 128)] (fp32,
-// row-major; quantize_fp8 of B as [groups x N, K] makes them where N is a multiple of 128). K a multiple of
-// 16; options: lda (A's row stride in bytes, a multiple of 16: e.g. moe_dispatch_fp8's packed rows),
-// group_m, max_blocks, timeline, group_rows (a low-latency dispatch's groups; B and C dense, C stored).
-// scale_a_stride: floats from one row's A scales to
-// the next's (0: ceil(K / 128); moe_dispatch_fp8's rows: MoeDispatchedFp8::scale_stride).
+// block scales only (scales.kind kBlock): scales.a A's [rows, ceil(K / 128)], row-major or M-major as
+// Fp8Scales says (moe_dispatch_fp8's rows: a_row_stride = MoeDispatchedFp8::scale_stride), scales.b
+// [groups, ceil(N / 128), ceil(K / 128)] row-major (quantize_fp8 of B as [groups x N, K] makes them where N
+// is a multiple of 128). K a multiple of 16; options: lda (A's row stride in bytes, a multiple of 16: e.g.
+// moe_dispatch_fp8's packed rows), group_m, max_blocks, timeline, group_rows (a low-latency dispatch's
+// groups; B and C dense, C stored).
 void grouped_gemm_fp8(const void* a, const void* b, void* c, const int32_t* group_end, int groups,
-                      int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, const float* scale_a,
-                      const float* scale_b, DType c_type, cudaStream_t stream,
-                      const GemmOptions& options = {}, int64_t scale_a_stride = 0);
-Plan grouped_gemm_fp8_plan(int groups, int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, DType c_type,
-                           const GemmOptions& options = {}, int64_t scale_a_stride = 0);
+                      int64_t rows, int64_t n, int64_t k, Fp8Type ab_type, const Fp8Scales& scales,
+                      DType c_type, cudaStream_t stream, const GemmOptions& options = {});
+// (scales: the kind, the strides and the alignment of scales.a, which pick the path; no scale is read.)
+Plan grouped_gemm_fp8_plan(int groups, int64_t rows, int64_t n, int64_t k, Fp8Type ab_type,
+                           const Fp8Scales& scales, DType c_type, const GemmOptions& options = {});
 
 // Which operand of gemm_fp8 a quantization makes: the kBlock scales are 1 x 128 groups along K for A and
 // 128 x 128 blocks for B; the other kinds are the same for both (kRowCol: one per row of the operand).

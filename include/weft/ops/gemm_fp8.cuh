@@ -169,10 +169,12 @@ struct Fp8GemmOp {
 // and consumers alike), B stacked [E, N, K] (K-major weights, one map of E x N rows), C's rows of group e =
 // A's rows of group e times B_e, promoted per k-block times A's row scales [rows, K / 128] and B_e's block
 // scales [E, ceil(N / 128), K / 128]. A column tile past N of expert e reads expert e + 1's first rows: the
-// store clips them.
-template <class OutT, bool kE5M2 = false>
-struct GroupedFp8GemmOp : Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc::GroupedTileScheduler<128>> {
-  using Base = Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc::GroupedTileScheduler<128>>;
+// store clips them. kStagedScaleA: A's scales M-major, brought into the stages by TMA (as Fp8GemmOp's).
+template <class OutT, bool kE5M2 = false, bool kStagedScaleA = false>
+struct GroupedFp8GemmOp : Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc::GroupedTileScheduler<128>,
+                                    true, kStagedScaleA> {
+  using Base =
+      Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc::GroupedTileScheduler<128>, true, kStagedScaleA>;
   using Base::kBM, Base::kBN;
   using typename Base::Accum, typename Base::Mainloop, typename Base::Pipeline, typename Base::Scheduler,
       typename Base::StoreState;
@@ -201,7 +203,7 @@ struct GroupedFp8GemmOp : Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc
     const int m0 = t.m * kBM, e = group(p, t);
     if (e == p.sched.groups) return;
     if (__ldg(p.sched.group_end + e) % kBM != 0) __trap();  // group ends must be whole tiles (see the header)
-    Mainloop::load(s.main, pipe, st, &p.a, &p.b, m0, e * p.n + t.n * kBN, p.k_blocks);
+    Mainloop::load(s.main, pipe, st, &p.a, &p.b, m0, e * p.n + t.n * kBN, p.k_blocks, &p.scale_a_map);
   }
   __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                                  const lcsc::GroupTile& t, int wg, Accum& acc) {

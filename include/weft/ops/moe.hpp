@@ -124,8 +124,8 @@ Plan moe_dispatch_plan(Communicator& comm, Rank& rank, const void* tokens, const
 // scales), each row travelling with its scales in one packed row of row_bytes = hidden + 4 ceil(hidden /
 // 128) bytes rounded up to 16: the values, then the fp32 scales. The rows land as moe_dispatch's do (the same
 // places, groups and handle: dispatched.rows are the packed rows, and moe_combine takes this handle with the
-// shape of hidden elements); grouped_gemm_fp8 reads them in place (A = values with lda = row_bytes,
-// scale_a = scales with scale_a_stride = scale_stride; with MoeShape::low_latency, options.group_rows =
+// shape of hidden elements); grouped_gemm_fp8 reads them in place (A = values with lda = row_bytes, the
+// scales block_scales(the experts' B scales); with MoeShape::low_latency, options.group_rows =
 // dispatched.group_rows). The workspace: moe_dispatch_fp8_workspace_bytes().
 struct MoeDispatchedFp8 {
   MoeDispatched dispatched;
@@ -133,6 +133,12 @@ struct MoeDispatchedFp8 {
   const float* scales = nullptr;    // each row's ceil(hidden / 128) scales, at values + hidden
   int64_t row_bytes = 0;
   int64_t scale_stride = 0;  // row_bytes / 4: floats from one row's scales to the next's
+  // The rows' scales as grouped_gemm_fp8's A scales (row-major, a_row_stride = scale_stride), with b_scales.
+  Fp8Scales block_scales(const float* b_scales) const {
+    Fp8Scales s{Fp8Scaling::kBlock, scales, b_scales};
+    s.a_row_stride = scale_stride;
+    return s;
+  }
 };
 size_t moe_dispatch_fp8_workspace_bytes(int world, const MoeShape& shape);
 MoeDispatchedFp8 moe_dispatch_fp8(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
