@@ -926,9 +926,9 @@ WEFT_GPU_TEST(moe_dispatch_argument_errors) {
 
 // The FP8 dispatch against the bf16 one on the same routing: every routed row's FP8 values and scales are
 // quantize_fp8's of the bf16 dispatch's row, bit for bit (quantizing before the trip or after it is the same
-// per row); and grouped_gemm_fp8 reading the packed rows in place (lda = row_bytes, scale_a_stride) gives the
-// bits it gives on dense copies of them. hidden 256 (two scale blocks), top-k 2, align 128; ranks with no
-// token.
+// per row); and grouped_gemm_fp8 reading the packed rows in place (lda = row_bytes, block_scales():
+// a_row_stride) gives the bits it gives on dense copies of them. hidden 256 (two scale blocks), top-k 2,
+// align 128; ranks with no token.
 WEFT_GPU_TEST(moe_dispatch_fp8_matches_quantized_dispatch) {
   Communicator& c = ctx.comm();
   const int W = c.world(), per = 2, E = per * W, top_k = 2;
