@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Development helper: build the GPU suite's and the benchmark's executables here, carry them to a lent GPU
+# machine and run them there without building (a fresh machine spends 110-175 s of device time building;
+# the executables built here run on it: same CUDA 13.0 toolchain, sm_90a, cuBLAS / NCCL loaded from its
+# CUDA install; checked on the H200 image, Ubuntu 24.04, 2026-11-29).
+#   here:    scripts/prebuilt.sh pack [TARGET...]   builds TARGETs (default: the suite's and weft-bench) in
+#                                                   build/ and packs them into out/prebuilt/bins.tgz with the
+#                                                   source tree's hash; carry "out" to the device call
+#   device:  scripts/prebuilt.sh unpack [DIR]       unpacks them into DIR (default build-prebuilt) if the tree's
+#                                                   hash matches (exit 1 otherwise: built from other sources)
+# Then e.g. WEFT_BUILD_DIR=build-prebuilt tests/gpu/run.sh PATTERN, or WEFT_PREBUILT=1 scripts/device_suite.sh
+# PATTERN... The Python module is not carried (the device's Python differs): run.sh skips the Python steps
+# in such a build dir. Not for the suite of record: that builds on the machine it runs on.
+set -u
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root" || exit 1
+pack=out/prebuilt
+# The hash of every file the executables are built from (the device's copy of the tree has no .git).
+tree_hash() {
+  find CMakeLists.txt cmake include src tests bench examples -type f 2>/dev/null | LC_ALL=C sort |
+    xargs sha256sum | sha256sum | cut -d' ' -f1
+}
+case "${1:-}" in
+  pack)
+    shift
+    targets=("$@")
+    [ ${#targets[@]} -gt 0 ] || targets=(weft-bench weft-gpu-tests weft-launch hello_team matmul_to_next
+      weft-multinode-tests hello_nodes)
+    cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+      cmake --build build -j "$(nproc)" --target "${targets[@]}" || exit 1
+    files=()
+    for t in "${targets[@]}"; do
+      f=$(find build -maxdepth 3 -type f -name "$t" -perm -u+x | head -1)
+      [ -n "$f" ] || { echo "prebuilt.sh: no executable $t under build/" >&2; exit 1; }
+      files+=("${f#build/}")
+    done
+    mkdir -p "$pack"
+    tar -C build -czf "$pack/bins.tgz" "${files[@]}" || exit 1
+    tree_hash >"$pack/sources.sha256"
+    echo "$pack/bins.tgz: ${files[*]} ($(du -h "$pack/bins.tgz" | cut -f1)); carry \"out\""
+    ;;
+  unpack)
+    dir=${2:-build-prebuilt}
+    [ -f "$pack/bins.tgz" ] || { echo "prebuilt.sh: no $pack/bins.tgz (carry \"out\")" >&2; exit 1; }
+    if [ "$(tree_hash)" != "$(cat "$pack/sources.sha256" 2>/dev/null)" ]; then
+      echo "prebuilt.sh: $pack was built from other sources than this tree; not used" >&2
+      exit 1
+    fi
+    mkdir -p "$dir" && tar -C "$dir" -xzf "$pack/bins.tgz" || exit 1
+    echo "prebuilt.sh: unpacked into $dir"
+    ;;
+  *)
+    echo "usage: scripts/prebuilt.sh pack [TARGET...] | unpack [DIR] (see the header)" >&2
+    exit 2
+    ;;
+esac
