@@ -9,13 +9,15 @@
 # Every GPU of the machine; one output file per plan and tool and the timelines (tl/), all in one archive,
 # $OUT/measure.tgz, rewritten after every tool (a device call returns at most 8 files of $OUT, and a call cut
 # short keeps what ran), and a line per tool on stdout. Baselines (NCCL, cuBLAS, torch) run inside each tool, in the same process.
-# Timings of record only at real GPUs: on one GPU the team rows are virtual or missing.
+# Timings of record only at real GPUs: on one GPU the team rows are virtual or missing. WEFT_PREBUILT=1: the
+# executables and weft's install tree from scripts/prebuilt.sh pack (carry "out"); only the Python module
+# builds on the machine.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1
 plans="tp moe cp decode fp8 rooted"
-[ $# -gt 0 ] || { sed -n 2,11p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,14p "$0"; exit 2; }
 for plan in "$@"; do  # every name checked before the build
   case " $plans " in *" $plan "*) ;; *) echo "device_measure.sh: no plan '$plan' (plans: $plans)" >&2; exit 2 ;; esac
 done
@@ -28,9 +30,13 @@ n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 [ "$n" -ge 1 ] || { echo "device_measure.sh: no GPU (nvidia-smi -L lists none)" >&2; exit 1; }
 rc=0  # the first failing tool's exit status, the script's own
 t0=$SECONDS
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >"$logs/build.log" 2>&1 &&
-  cmake --build "$build" -j "$(nproc)" --target weft-bench _weft >>"$logs/build.log" 2>&1 ||
-  { tail -30 "$logs/build.log"; pack; exit 1; }
+if [ "${WEFT_PREBUILT:-0}" = 1 ]; then  # built before the call (scripts/prebuilt.sh): no build's device time
+  scripts/prebuilt.sh unpack "$build" >"$logs/build.log" 2>&1 || { cat "$logs/build.log"; pack; exit 1; }
+else
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >"$logs/build.log" 2>&1 &&
+    cmake --build "$build" -j "$(nproc)" --target weft-bench _weft >>"$logs/build.log" 2>&1 ||
+    { tail -30 "$logs/build.log"; pack; exit 1; }
+fi
 echo "build: $((SECONDS - t0)) s; $n GPUs"
 bench() {  # bench NAME ARGS...: weft-bench over every GPU
   local name=$1 t=$SECONDS

@@ -51,8 +51,8 @@
 # At 2 x H200 (code 1077c78, bench/RESULTS.md "The GPU suite at 2 GPUs on 1077c78") the 2-GPU schedule above took:
 # 1. 306 s with a fresh build (98 s); 2. 366 s (racecheck alone 158 s); 3. past 357 s on two lanes (virtual W = 8
 # 53 s, W = 2 55 s, W = 4 57 s, ...): budget ~1100 s of device time for every step at 2 GPUs.
-# WEFT_PREBUILT=1: the executables come from scripts/prebuilt.sh (built before the call, carried in "out"),
-# which saves the build's 110-175 s of device time; the Python steps then skip (no module) and the
+# WEFT_PREBUILT=1: the executables come from scripts/prebuilt.sh (built before the call, carried in "out";
+# only the Python module builds here, ~10 s), which saves the build's 110-175 s of device time; the
 # find_package consumer step, which installs a build, needs one made on the machine.
 # WEFT_SUITE_QUICK=1 runs the real-GPU team steps with fewer sizes. Keep the device call's own output unpiped (or write it under $OUT): a call cut by its time limit
 # returns only what was printed, and `| tail` prints nothing until its input ends.
@@ -71,7 +71,7 @@ export WEFT_BUILD_DIR=$build
 t0=$SECONDS
 targets=${TARGETS:-weft-gpu-tests weft-launch hello_team matmul_to_next weft-multinode-tests hello_nodes}
 if [ "${WEFT_PREBUILT:-0}" = 1 ]; then
-  # Executables built before the call (scripts/prebuilt.sh): no build here, no Python module.
+  # Executables built before the call (scripts/prebuilt.sh): only the Python module builds here.
   scripts/prebuilt.sh unpack "$build" || exit 1
   export WEFT_SUITE_NO_BUILD=1
 else

@@ -4,13 +4,18 @@
 # the executables built here run on it: same CUDA 13.0 toolchain, sm_90a, cuBLAS / NCCL loaded from its
 # CUDA install; checked on the H200 image, Ubuntu 24.04, 2026-11-29).
 #   here:    scripts/prebuilt.sh pack [TARGET...]   builds TARGETs (default: the suite's and weft-bench) in
-#                                                   build/ and packs them into out/prebuilt/bins.tgz with the
+#                                                   build/ and packs them, with weft's install tree (library,
+#                                                   headers, CMake package), into out/prebuilt/bins.tgz with the
 #                                                   source tree's hash; carry "out" to the device call
 #   device:  scripts/prebuilt.sh unpack [DIR]       unpacks them into DIR (default build-prebuilt) if the tree's
-#                                                   hash matches (exit 1 otherwise: built from other sources)
+#                                                   hash matches (exit 1 otherwise: built from other sources),
+#                                                   then builds the Python module there against the install
+#                                                   tree (python/CMakeLists.txt on its own: one file, ~10 s;
+#                                                   the module is not carried, the device's Python differs)
 # Then e.g. WEFT_BUILD_DIR=build-prebuilt tests/gpu/run.sh PATTERN, or WEFT_PREBUILT=1 scripts/device_suite.sh
-# PATTERN... The Python module is not carried (the device's Python differs): run.sh skips the Python steps
-# in such a build dir. Not for the suite of record: that builds on the machine it runs on.
+# PATTERN... DIR has the build tree's layout for run.sh (bench/, tests/gpu/, examples/, python/weft), not a
+# CMake build: the find_package consumer step needs a build made on the machine. Not for the suite of
+# record: that builds on the machine it runs on.
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1
@@ -35,7 +40,12 @@ case "${1:-}" in
       files+=("${f#build/}")
     done
     mkdir -p "$pack"
-    tar -C build -czf "$pack/bins.tgz" "${files[@]}" || exit 1
+    stage=$(mktemp -d)
+    cmake --install build --prefix "$stage/install" >/dev/null || exit 1
+    rm -f "$stage/install/bin/weft-bench"  # (it travels at its build-tree place)
+    tar -C build -cf "$stage/bins.tar" "${files[@]}" && tar -C "$stage" -rf "$stage/bins.tar" install &&
+      gzip -c "$stage/bins.tar" >"$pack/bins.tgz" || exit 1
+    rm -rf "$stage"
     tree_hash >"$pack/sources.sha256"
     echo "$pack/bins.tgz: ${files[*]} ($(du -h "$pack/bins.tgz" | cut -f1)); carry \"out\""
     ;;
@@ -47,7 +57,14 @@ case "${1:-}" in
       exit 1
     fi
     mkdir -p "$dir" && tar -C "$dir" -xzf "$pack/bins.tgz" || exit 1
-    echo "prebuilt.sh: unpacked into $dir"
+    dir=$(realpath "$dir")
+    if cmake -S python -B "$dir/python" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$dir/install" \
+      >"$dir/python-build.log" 2>&1 && cmake --build "$dir/python" -j "$(nproc)" >>"$dir/python-build.log" 2>&1 &&
+      ls "$dir"/python/weft/_weft*.so >/dev/null 2>&1; then
+      echo "prebuilt.sh: unpacked into $dir, the Python module built there"
+    else
+      echo "prebuilt.sh: unpacked into $dir; the Python module did not build ($dir/python-build.log)"
+    fi
     ;;
   *)
     echo "usage: scripts/prebuilt.sh pack [TARGET...] | unpack [DIR] (see the header)" >&2
