@@ -1,5 +1,5 @@
 # ctest package.find_package: installs this build into a scratch prefix and builds examples/consumer with
-# find_package(weft), as a user's project would.
+# find_package(weft), as a user's project would, and the Python module on its own against it.
 # Absolute paths: `cmake --install --prefix` and the consumer's CMAKE_PREFIX_PATH would each read a relative
 # one against a different directory.
 get_filename_component(WEFT_BUILD ${WEFT_BUILD} ABSOLUTE)
@@ -20,3 +20,21 @@ if(NOT rc EQUAL 0)
   message(FATAL_ERROR "building the consumer against the installed weft failed (${rc})")
 endif()
 message(STATUS "find_package(weft) consumer built: ${consumer}/hello_team")
+
+# The Python module on its own against the same install (python/CMakeLists.txt without the rest of weft).
+set(py ${WEFT_BUILD}/package-test/python)
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${WEFT_SOURCE}/python -B ${py} -DCMAKE_PREFIX_PATH=${prefix}
+                        -DCMAKE_BUILD_TYPE=Release RESULT_VARIABLE rc ERROR_VARIABLE py_err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "configuring the Python module against the installed weft failed (${rc}): ${py_err}")
+endif()
+if(py_err MATCHES "the Python package is not built")
+  message(STATUS "Python 3 development files or pybind11 missing: the Python module's own build not checked")
+  return()
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${py} RESULT_VARIABLE rc)
+file(GLOB module ${py}/weft/_weft*.so)
+if(NOT rc EQUAL 0 OR NOT module)
+  message(FATAL_ERROR "building the Python module against the installed weft failed (${rc})")
+endif()
+message(STATUS "the Python module built against the installed weft: ${module}")
