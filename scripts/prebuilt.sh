@@ -12,6 +12,13 @@
 #                                                   then builds the Python module there against the install
 #                                                   tree (python/CMakeLists.txt on its own: one file, ~10 s;
 #                                                   the module is not carried, the device's Python differs)
+#   A / B:   scripts/prebuilt.sh pack --as NAME ...  the same into out/prebuilt/NAME (the working tree's build
+#            scripts/prebuilt.sh unpack --as NAME DIR at the time: pack one version, change the code, pack the
+#                                                   next: incremental builds here, no device time), unpacked
+#                                                   without the tree check (a version is other sources by
+#                                                   design; it says which: the commit and the diff's stat).
+#                                                   A device call carries at most 64 MiB: pack the one
+#                                                   program the A / B runs (weft-bench: ~18 MB a version)
 # Then e.g. WEFT_BUILD_DIR=build-prebuilt tests/gpu/run.sh PATTERN, or WEFT_PREBUILT=1 scripts/device_suite.sh
 # PATTERN... DIR has the build tree's layout for run.sh (bench/, tests/gpu/, examples/, python/weft), not a
 # CMake build: the find_package consumer step needs a build made on the machine. Not for the suite of
@@ -25,9 +32,16 @@ tree_hash() {
   find CMakeLists.txt cmake include src tests bench examples -type f 2>/dev/null | LC_ALL=C sort |
     xargs sha256sum | sha256sum | cut -d' ' -f1
 }
-case "${1:-}" in
+what=${1:-}
+shift
+name=""
+if [ "${1:-}" = --as ]; then
+  name=${2:?prebuilt.sh: --as needs a name}
+  pack=out/prebuilt/$name
+  shift 2
+fi
+case "$what" in
   pack)
-    shift
     targets=("$@")
     [ ${#targets[@]} -gt 0 ] || targets=(weft-bench weft-gpu-tests weft-launch hello_team matmul_to_next
       weft-multinode-tests hello_nodes)
@@ -47,12 +61,16 @@ case "${1:-}" in
       gzip -c "$stage/bins.tar" >"$pack/bins.tgz" || exit 1
     rm -rf "$stage"
     tree_hash >"$pack/sources.sha256"
+    { git log -1 --format='%h %s' && git diff --stat HEAD; } >"$pack/sources.txt" 2>/dev/null
     echo "$pack/bins.tgz: ${files[*]} ($(du -h "$pack/bins.tgz" | cut -f1)); carry \"out\""
     ;;
   unpack)
-    dir=${2:-build-prebuilt}
+    dir=${1:-build-prebuilt}
     [ -f "$pack/bins.tgz" ] || { echo "prebuilt.sh: no $pack/bins.tgz (carry \"out\")" >&2; exit 1; }
-    if [ "$(tree_hash)" != "$(cat "$pack/sources.sha256" 2>/dev/null)" ]; then
+    if [ -n "$name" ]; then
+      echo "prebuilt.sh: version $name, built from: $(head -1 "$pack/sources.txt" 2>/dev/null)"
+      tail -n +2 "$pack/sources.txt" 2>/dev/null | sed 's/^/    /'
+    elif [ "$(tree_hash)" != "$(cat "$pack/sources.sha256" 2>/dev/null)" ]; then
       echo "prebuilt.sh: $pack was built from other sources than this tree; not used" >&2
       exit 1
     fi
@@ -67,7 +85,7 @@ case "${1:-}" in
     fi
     ;;
   *)
-    echo "usage: scripts/prebuilt.sh pack [TARGET...] | unpack [DIR] (see the header)" >&2
+    echo "usage: scripts/prebuilt.sh pack [--as NAME] [TARGET...] | unpack [--as NAME] [DIR] (see the header)" >&2
     exit 2
     ;;
 esac
