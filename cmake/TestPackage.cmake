@@ -28,6 +28,7 @@ execute_process(COMMAND ${CMAKE_COMMAND} -S ${WEFT_SOURCE}/python -B ${py} -DCMA
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "configuring the Python module against the installed weft failed (${rc}): ${py_err}")
 endif()
+string(REGEX REPLACE "[ \t\r\n]+" " " py_err "${py_err}")  # (CMake wraps its warnings' lines)
 if(py_err MATCHES "the Python package is not built")
   message(STATUS "Python 3 development files or pybind11 missing: the Python module's own build not checked")
   return()

@@ -25,13 +25,16 @@ OUT=${OUT:-/tmp/out}
 logs=$(mktemp -d /tmp/weft-measure.XXXXXX)  # the files behind $OUT/measure.tgz
 mkdir -p "$OUT" "$logs/tl"
 pack() { tar -C "$logs" -czf "$OUT/measure.tgz" .; }
-build=$(realpath -m "${WEFT_BUILD_DIR:-build}")
+default_build=build
+[ "${WEFT_PREBUILT:-0}" = 1 ] && default_build=build-prebuilt  # (never over a CMake build)
+build=$(realpath -m "${WEFT_BUILD_DIR:-$default_build}")
 n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 [ "$n" -ge 1 ] || { echo "device_measure.sh: no GPU (nvidia-smi -L lists none)" >&2; exit 1; }
 rc=0  # the first failing tool's exit status, the script's own
 t0=$SECONDS
 if [ "${WEFT_PREBUILT:-0}" = 1 ]; then  # built before the call (scripts/prebuilt.sh): no build's device time
-  scripts/prebuilt.sh unpack "$build" >"$logs/build.log" 2>&1 || { cat "$logs/build.log"; pack; exit 1; }
+  scripts/prebuilt.sh unpack "$build" >"$logs/build.log" 2>&1 && ls "$build"/python/weft/_weft*.so >/dev/null 2>&1 ||
+    { cat "$logs/build.log"; tail -20 "$build/python-build.log" 2>/dev/null; pack; exit 1; }
 else
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >"$logs/build.log" 2>&1 &&
     cmake --build "$build" -j "$(nproc)" --target weft-bench _weft >>"$logs/build.log" 2>&1 ||

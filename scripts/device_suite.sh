@@ -66,10 +66,12 @@ fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 cd "$root" || exit 1
-build=$(realpath -m "${WEFT_BUILD_DIR:-build}")
+default_build=build
+[ "${WEFT_PREBUILT:-0}" = 1 ] && default_build=build-prebuilt  # (never over a CMake build)
+build=$(realpath -m "${WEFT_BUILD_DIR:-$default_build}")
 export WEFT_BUILD_DIR=$build
 t0=$SECONDS
-targets=${TARGETS:-weft-gpu-tests weft-launch hello_team matmul_to_next weft-multinode-tests hello_nodes}
+targets=${TARGETS:-$(grep -v '^#' tests/gpu/programs.txt | cut -d' ' -f1 | tr '\n' ' ')}
 if [ "${WEFT_PREBUILT:-0}" = 1 ]; then
   # Executables built before the call (scripts/prebuilt.sh): only the Python module builds here.
   scripts/prebuilt.sh unpack "$build" || exit 1

@@ -29,8 +29,13 @@ cd "$root" || exit 1
 pack=out/prebuilt
 # The hash of every file the executables are built from (the device's copy of the tree has no .git).
 tree_hash() {
-  find CMakeLists.txt cmake include src tests bench examples -type f 2>/dev/null | LC_ALL=C sort |
-    xargs sha256sum | sha256sum | cut -d' ' -f1
+  find CMakeLists.txt cmake include src tests bench examples tools -name __pycache__ -prune -o -type f -print \
+    2>/dev/null | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1
+}
+# The programs: the suite's (tests/gpu/programs.txt: target, path in the build tree) and the benchmark.
+programs() {
+  grep -v '^#' tests/gpu/programs.txt
+  echo "weft-bench bench/weft-bench"
 }
 what=${1:-}
 shift
@@ -42,24 +47,25 @@ if [ "${1:-}" = --as ]; then
 fi
 case "$what" in
   pack)
+    declare -A path_of
+    while read -r target path; do path_of[$target]=$path; done < <(programs)
     targets=("$@")
-    [ ${#targets[@]} -gt 0 ] || targets=(weft-bench weft-gpu-tests weft-launch hello_team matmul_to_next
-      weft-multinode-tests hello_nodes)
-    cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-      cmake --build build -j "$(nproc)" --target "${targets[@]}" || exit 1
+    [ ${#targets[@]} -gt 0 ] || targets=($(programs | cut -d' ' -f1))
     files=()
     for t in "${targets[@]}"; do
-      f=$(find build -maxdepth 3 -type f -name "$t" -perm -u+x | head -1)
-      [ -n "$f" ] || { echo "prebuilt.sh: no executable $t under build/" >&2; exit 1; }
-      files+=("${f#build/}")
+      [ -n "${path_of[$t]:-}" ] || { echo "prebuilt.sh: $t is not one of: ${!path_of[*]}" >&2; exit 2; }
+      files+=("${path_of[$t]}")
     done
+    # (weft-launch and weft-bench too: the install below installs them)
+    cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+      cmake --build build -j "$(nproc)" --target "${targets[@]}" weft-launch weft-bench || exit 1
     mkdir -p "$pack"
     stage=$(mktemp -d)
+    trap 'rm -rf "$stage"' EXIT
     cmake --install build --prefix "$stage/install" >/dev/null || exit 1
-    rm -f "$stage/install/bin/weft-bench"  # (it travels at its build-tree place)
+    rm -f "$stage/install/bin/weft-bench"  # (it travels at its build-tree place when packed)
     tar -C build -cf "$stage/bins.tar" "${files[@]}" && tar -C "$stage" -rf "$stage/bins.tar" install &&
       gzip -c "$stage/bins.tar" >"$pack/bins.tgz" || exit 1
-    rm -rf "$stage"
     tree_hash >"$pack/sources.sha256"
     { git log -1 --format='%h %s' && git diff --stat HEAD; } >"$pack/sources.txt" 2>/dev/null
     echo "$pack/bins.tgz: ${files[*]} ($(du -h "$pack/bins.tgz" | cut -f1)); carry \"out\""
@@ -74,6 +80,7 @@ case "$what" in
       echo "prebuilt.sh: $pack was built from other sources than this tree; not used" >&2
       exit 1
     fi
+    [ ! -f "$dir/CMakeCache.txt" ] || { echo "prebuilt.sh: $dir is a CMake build; unpack elsewhere" >&2; exit 1; }
     mkdir -p "$dir" && tar -C "$dir" -xzf "$pack/bins.tgz" || exit 1
     dir=$(realpath "$dir")
     if cmake -S python -B "$dir/python" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$dir/install" \

@@ -57,7 +57,7 @@ def first_that_runs(candidates):
             fn()
             torch.cuda.synchronize()
             return fn, None
-        except (RuntimeError, TypeError, ValueError) as e:
+        except (RuntimeError, TypeError, ValueError, AttributeError) as e:  # (AttributeError: no such op)
             errors.append(f"{name}: {str(e).splitlines()[0][:120]}")
     return None, "; ".join(errors)
 

@@ -152,11 +152,15 @@ def main():
         print(f"  {'ok  ' if same else 'FAIL'} grouped_scaled_mm -> {out_dtype}: scaled_mm's bits on every group")
         if not same:
             failures.append(f"grouped_scaled_mm {out_dtype}")
-        # A's scales M-major (quantize_fp8's m_major, and a stride past the rows with NaN between): the same bits.
+        # A's scales M-major (quantize_fp8's m_major, and strides past the rows with NaN between: rows + 8 staged,
+        # rows + 3 read by the consumers): the same bits.
         _, sxm = weft.quantize_fp8(x, "block", "a", m_major=True)
-        padded = torch.full((sx.shape[1], 512 + 8), float("nan"), device="cuda")
-        padded[:, :512] = sx.t()
-        for name, s in (("m_major=True", sxm), ("M-major, stride rows + 8", padded[:, :512].t())):
+        padded = {}
+        for extra in (8, 3):
+            padded[extra] = torch.full((sx.shape[1], 512 + extra), float("nan"), device="cuda")
+            padded[extra][:, :512] = sx.t()
+        for name, s in (("m_major=True", sxm), ("M-major, stride rows + 8", padded[8][:, :512].t()),
+                        ("M-major, stride rows + 3", padded[3][:, :512].t())):
             rows = weft.grouped_scaled_mm(qx, qw, group_end, s, sw, out_dtype=out_dtype)[:ends[-1]]
             same = torch.equal(rows, got[:ends[-1]]) and not rows.isnan().any().item()
             print(f"  {'ok  ' if same else 'FAIL'} grouped_scaled_mm -> {out_dtype}, scale_a {name}: the row-major "

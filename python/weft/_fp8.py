@@ -26,16 +26,19 @@ def _fp8_name(torch, dtype, where):
     return names[dtype]
 
 
-def _m_major(s):
-    """Whether s [rows, cols] is M-major, strides (1, ld) with ld >= rows: torch's layout of 1 x 128 blockwise
-    scales (taken as it is; with ld a multiple of 4 the fastest layout, bench/RESULTS.md 2026-11-29)."""
-    return s.dim() == 2 and s.stride(0) == 1 and s.stride(1) >= s.shape[0]
-
-
-def _m_major_only(s):
-    """Whether s is M-major and not also row-major with contiguous rows (a [rows, 1] or [1, cols] tensor is
-    both: taken as row-major)."""
-    return _m_major(s) and not (s.dim() == 2 and s.stride(1) == 1)
+def _scale_a_layout(s):
+    """How A's block scales s [M, G] lie: ("m", ld) M-major, strides (1, ld) with ld >= M (torch's layout of 1 x
+    128 blockwise scales; with ld a multiple of 4 the fastest, bench/RESULTS.md 2026-11-29), or ("row", stride)
+    rows of contiguous scales stride floats apart; None for anything else. One k-block (G == 1) is read as rows
+    (either layout holds row i's scale at i times its first stride)."""
+    if s.dim() != 2:
+        return None
+    rows, groups = s.shape
+    if groups > 1 and s.stride(0) == 1 and s.stride(1) >= rows:
+        return ("m", s.stride(1))
+    if groups == 1 or s.stride(1) == 1:
+        return ("row", s.stride(0) if rows > 1 else groups)
+    return None
 
 
 def _scaling(torch, scale_a, scale_b, m, n, k, where, m_major_a=False):
@@ -43,7 +46,8 @@ def _scaling(torch, scale_a, scale_b, m, n, k, where, m_major_a=False):
     for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
         if not _torch_tensor(s) or s.dtype != torch.float32:
             raise WeftTypeError(f"{where}: {name} must be a float32 torch tensor")
-        if not s.is_contiguous() and not (m_major_a and name == "scale_a" and _m_major(s)):
+        if not s.is_contiguous() and not (m_major_a and name == "scale_a" and _scale_a_layout(s) and
+                                          _scale_a_layout(s)[0] == "m"):
             also = ""
             if m_major_a and name == "scale_a":
                 also = " (or, for block scales, M-major: strides (1, ld), ld >= M)"
@@ -137,7 +141,7 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None, group_r
         # a and scale_a: rows may be strided (weft.moe_dispatch_fp8's packed rows), scale_a M-major; the rest
         # contiguous.
         strided_rows = name in ("a", "scale_a") and x.dim() == 2 and x.stride(1) == 1
-        if not (x.is_contiguous() or strided_rows or (name == "scale_a" and _m_major(x))):
+        if not (x.is_contiguous() or strided_rows or (name == "scale_a" and _scale_a_layout(x))):
             raise WeftValueError(f"{where}: {name} must be contiguous" +
                                  {"a": " or have contiguous rows",
                                   "scale_a": ", have contiguous rows or be M-major (strides (1, ld), ld >= rows)"}
@@ -157,7 +161,8 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None, group_r
         raise WeftValueError(f"{where}: rows ({rows}) must be a multiple of 128 and K ({k}) of 16")
     if a.stride(0) < k or a.stride(0) % 16:
         raise WeftValueError(f"{where}: a's row stride ({a.stride(0)} bytes) must be at least K and a multiple of 16")
-    if not _m_major_only(scale_a) and scale_a.stride(0) < -(-k // _BLOCK):
+    layout = _scale_a_layout(scale_a)
+    if layout and layout[0] == "row" and layout[1] < -(-k // _BLOCK):
         raise WeftValueError(f"{where}: scale_a's row stride ({scale_a.stride(0)} floats) must be at least "
                              f"ceil(K / 128) = {-(-k // _BLOCK)}")
     blocks = -(-k // _BLOCK)
@@ -296,10 +301,11 @@ def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, ab: str, 
         return out.zero_()
     # block scales of A row-major (contiguous) or M-major (strides (1, ld)); scaled_mm checked which on the
     # tensor it traced, this is the one the call got
-    m_stride = 0 if scale_a.is_contiguous() else scale_a.stride(1)
-    if m_stride and scale_a.stride(0) != 1:
+    layout = _scale_a_layout(scale_a) if kind == "block" else ("row", 0)
+    if not scale_a.is_contiguous() and (layout is None or layout[0] != "m"):
         raise WeftValueError(f"weft.scaled_mm: scale_a has strides {tuple(scale_a.stride())}: neither contiguous nor "
                              "M-major (1, ld)")
+    m_stride = layout[1] if layout[0] == "m" else 0
     _weft.gemm_fp8(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, ab, kind, scale_a.data_ptr(),
                    scale_b.data_ptr(), "bf16" if out_bf16 else "fp32", _stream(a), m_stride)
     return out
@@ -324,11 +330,15 @@ def _grouped_scaled_mm(a: Tensor, b: Tensor, group_end: Tensor, scale_a: Tensor,
     out = a.new_empty((rows, n), dtype=torch.bfloat16 if out_bf16 else torch.float32)
     if _op_table.EMULATE:
         return out.zero_()
-    m_major = _m_major_only(scale_a)
+    layout = _scale_a_layout(scale_a)
+    if layout is None:
+        raise WeftValueError(f"weft.grouped_scaled_mm: scale_a has strides {tuple(scale_a.stride())}: neither rows of "
+                             "contiguous scales nor M-major (1, ld)")
+    m_major = layout[0] == "m"
     _weft.grouped_gemm_fp8(a.get_device(), a.data_ptr(), b.data_ptr(), out.data_ptr(), group_end.data_ptr(), groups,
                            rows, n, k, ab, scale_a.data_ptr(), scale_b.data_ptr(), "bf16" if out_bf16 else "fp32",
-                           _stream(a), a.stride(0), 0 if m_major else scale_a.stride(0),
-                           0 if group_rows is None else group_rows.data_ptr(), scale_a.stride(1) if m_major else 0)
+                           _stream(a), a.stride(0), 0 if m_major else layout[1],
+                           0 if group_rows is None else group_rows.data_ptr(), layout[1] if m_major else 0)
     return out
 
 

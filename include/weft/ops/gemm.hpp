@@ -123,7 +123,8 @@ enum class Fp8Operand { kA, kB };
 //   scales  fp32: kTensor [1]; kRowCol [rows]; kBlock: A [rows, ceil(cols / 128)], B [ceil(rows / 128),
 //           ceil(cols / 128)], row-major; with scale_m_stride (kBlock, A only; >= rows) A's M-major: row i's
 //           scale of group j at scales[j * scale_m_stride + i], Fp8Scales::a_m_stride's layout (a stride of
-//           whole 16 bytes, rows rounded up to 4, lets gemm_fp8 copy them into its pipeline)
+//           whole 16 bytes, rows rounded up to 4, and a 16-byte aligned base let gemm_fp8 copy them into its
+//           pipeline)
 // Each scale is amax / (the format's largest value: 448 e4m3, 57344 e5m2) over the elements it covers, each
 // element x / scale rounded to nearest and saturated; so out x scale is in to FP8's precision.
 void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, float* scales, int64_t rows,
