@@ -14,6 +14,12 @@
 #           scripts/ab_builds.sh run weft-bench,weft-launch -- bash -c "{}/weft-launch -n 4 {}/bench/weft-bench alltoall"
 # Each version's output goes to $OUT/ab-<name>.txt (the working tree's: $OUT/ab-worktree.txt) and its last
 # lines to stdout. Not for the suite of record: tests/gpu/run.sh runs on the working tree.
+# Without a build on the device (its 110-175 s a version): versions built here one after another
+# (scripts/prebuilt.sh pack --as NAME weft-bench, after each change), then on the device
+#           scripts/ab_builds.sh prebuilt NAME... -- CMD  each version unpacked into out/ab-prebuilt/NAME, CMD
+#                                                         run once per version and round (AB_ROUNDS, default
+#                                                         2), the versions in turn within a round, {} its dir;
+#                                                         outputs $OUT/ab-NAME-ROUND.txt
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -68,8 +74,31 @@ case "${1:-}" in
       tail -5 "$OUT/ab-${names[i]}.txt"
     done
     ;;
+  prebuilt)
+    shift
+    names=()
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do names+=("$1"); shift; done
+    [ "${1:-}" = "--" ] && shift
+    [ ${#names[@]} -gt 0 ] && [ $# -gt 0 ] ||
+      { echo "usage: scripts/ab_builds.sh prebuilt NAME... -- CMD ({} = the version's dir)" >&2; exit 2; }
+    OUT=${OUT:-/tmp/out}
+    mkdir -p "$OUT"
+    for name in "${names[@]}"; do
+      rm -rf "out/ab-prebuilt/$name"
+      scripts/prebuilt.sh unpack --as "$name" --no-python "out/ab-prebuilt/$name" || exit 1
+    done
+    for ((round = 1; round <= ${AB_ROUNDS:-2}; round++)); do
+      for name in "${names[@]}"; do
+        cmd=("$@")
+        for j in "${!cmd[@]}"; do cmd[j]=${cmd[j]//\{\}/$root/out/ab-prebuilt/$name}; done
+        echo "=== $name, round $round: ${cmd[*]}"
+        "${cmd[@]}" >"$OUT/ab-$name-$round.txt" 2>&1 || echo "    (exit $?)"
+        tail -3 "$OUT/ab-$name-$round.txt"
+      done
+    done
+    ;;
   *)
-    echo "usage: scripts/ab_builds.sh pack REF... | run [TARGET] -- CMD (see the header)" >&2
+    echo "usage: scripts/ab_builds.sh pack REF... | run [TARGET] -- CMD | prebuilt NAME... -- CMD (see the header)" >&2
     exit 2
     ;;
 esac

@@ -7,7 +7,8 @@
 #                                                   build/ and packs them, with weft's install tree (library,
 #                                                   headers, CMake package), into out/prebuilt/bins.tgz with the
 #                                                   source tree's hash; carry "out" to the device call
-#   device:  scripts/prebuilt.sh unpack [DIR]       unpacks them into DIR (default build-prebuilt) if the tree's
+#   device:  scripts/prebuilt.sh unpack [--no-python] [DIR]
+#                                                   unpacks them into DIR (default build-prebuilt) if the tree's
 #                                                   hash matches (exit 1 otherwise: built from other sources),
 #                                                   then builds the Python module there against the install
 #                                                   tree (python/CMakeLists.txt on its own: one file, ~10 s;
@@ -71,6 +72,8 @@ case "$what" in
     echo "$pack/bins.tgz: ${files[*]} ($(du -h "$pack/bins.tgz" | cut -f1)); carry \"out\""
     ;;
   unpack)
+    python=1
+    [ "${1:-}" = --no-python ] && { python=0; shift; }
     dir=${1:-build-prebuilt}
     [ -f "$pack/bins.tgz" ] || { echo "prebuilt.sh: no $pack/bins.tgz (carry \"out\")" >&2; exit 1; }
     if [ -n "$name" ]; then
@@ -83,7 +86,9 @@ case "$what" in
     [ ! -f "$dir/CMakeCache.txt" ] || { echo "prebuilt.sh: $dir is a CMake build; unpack elsewhere" >&2; exit 1; }
     mkdir -p "$dir" && tar -C "$dir" -xzf "$pack/bins.tgz" || exit 1
     dir=$(realpath "$dir")
-    if cmake -S python -B "$dir/python" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$dir/install" \
+    if [ $python = 0 ]; then
+      echo "prebuilt.sh: unpacked into $dir"
+    elif cmake -S python -B "$dir/python" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$dir/install" \
       >"$dir/python-build.log" 2>&1 && cmake --build "$dir/python" -j "$(nproc)" >>"$dir/python-build.log" 2>&1 &&
       ls "$dir"/python/weft/_weft*.so >/dev/null 2>&1; then
       echo "prebuilt.sh: unpacked into $dir, the Python module built there"
@@ -92,7 +97,8 @@ case "$what" in
     fi
     ;;
   *)
-    echo "usage: scripts/prebuilt.sh pack [--as NAME] [TARGET...] | unpack [--as NAME] [DIR] (see the header)" >&2
+    echo "usage: scripts/prebuilt.sh pack [--as NAME] [TARGET...] | unpack [--as NAME] [--no-python] [DIR]" \
+      "(see the header)" >&2
     exit 2
     ;;
 esac
