@@ -349,6 +349,35 @@ class NoGpu(unittest.TestCase):
 
 
 
+class Fp8ScaleLayoutTest(unittest.TestCase):
+    """How the FP8 GEMMs read A's block scales from a tensor's strides (weft._fp8._scale_a_layout)."""
+
+    class Strided:  # the shape and strides of a 2-D tensor, no data
+        def __init__(self, shape, strides):
+            self.shape, self._strides = tuple(shape), tuple(strides)
+
+        def dim(self):
+            return len(self.shape)
+
+        def stride(self, i=None):
+            return self._strides if i is None else self._strides[i]
+
+    def test_layouts(self):
+        from weft import _fp8
+        layout = lambda shape, strides: _fp8._scale_a_layout(self.Strided(shape, strides))  # noqa: E731
+        self.assertEqual(layout((300, 9), (9, 1)), ("row", 9))  # contiguous
+        self.assertEqual(layout((300, 9), (12, 1)), ("row", 12))  # rows with room between (a dispatch's rows)
+        self.assertEqual(layout((300, 9), (1, 304)), ("m", 304))  # M-major, torch's 1 x 128 layout
+        self.assertEqual(layout((300, 9), (1, 300)), ("m", 300))
+        self.assertEqual(layout((1, 9), (1, 4)), ("m", 4))  # one row, M-major
+        self.assertEqual(layout((1, 9), (9, 1)), ("row", 9))  # one row, contiguous
+        self.assertEqual(layout((300, 1), (1, 1)), ("row", 1))  # one k-block: either layout reads as rows
+        self.assertEqual(layout((300, 1), (1, 300)), ("row", 1))
+        self.assertIsNone(layout((300, 9), (2, 600)))  # neither
+        self.assertIsNone(layout((300, 9), (1, 299)))  # columns overlapping the next k-block's
+        self.assertIsNone(layout((300,), (1,)))
+
+
 class RingShardTest(unittest.TestCase):
     """Ring attention's sequence layout (the C++ plan through the module): zigzag parts, packed documents."""
 
