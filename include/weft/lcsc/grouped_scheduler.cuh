@@ -24,6 +24,7 @@
 #pragma once
 #include <cstdint>
 
+#include "weft/device/search.cuh"
 #include "weft/lcsc/scheduler.cuh"
 
 namespace weft::lcsc {
@@ -38,10 +39,7 @@ struct GroupedSchedulerParams : SchedulerParams {  // GroupedTileScheduler::Para
   // search, ceil(log2(groups + 1)) loads in a chain, where a walk from group 0 took one a group before it
   // (an MoE rank's 32-64 experts: a tile's consumers asked twice a tile).
   __device__ __forceinline__ int group_holding(int row) const {
-    int e = 0;  // groups [0, e) end at or before row
-    for (int step = groups > 0 ? 1 << (31 - __clz(groups)) : 0; step > 0; step /= 2)
-      if (e + step <= groups && __ldg(group_end + e + step - 1) <= row) e += step;
-    return e;
+    return first_greater(group_end, groups, row);
   }
   // Whether row `row` lies past the last group's end (its tile holds no group: skipped).
   __device__ __forceinline__ bool past_last_group(int row) const {
