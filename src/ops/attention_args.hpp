@@ -95,6 +95,13 @@ inline TimelineBuffer* team_attention_timeline(const Rank& rank, DType dtype) {
   return dtype == DType::kBF16 ? rank.view().timeline : nullptr;
 }
 
+// A team attention kernel's parameters: the timed kernels (Timed scheduler parameters, chosen by
+// by_head_dim_and_type) record into the rank's timeline; the others carry none.
+template <class Params>
+void set_team_timeline(Params& p, const Rank& rank) {
+  if constexpr (requires { p.sched.timeline; }) p.sched.timeline = rank.view().timeline;
+}
+
 // A team attention op's kernel for its head dim and dtype: run(std::integral_constant<int, D>{}, T{},
 // std::bool_constant<timed>{}), timed where team_attention_timeline is set.
 template <class Run>

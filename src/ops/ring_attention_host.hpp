@@ -157,7 +157,7 @@ int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, co
                       typename Op::Params& p, const std::string& where) {
   lcsc::AttentionSchedulerParams& sched = p.sched;
   const int blocks = ring_schedule<Op>(rank, z, table, heads, block_rows, options, sched);
-  if constexpr (requires { p.sched.timeline; }) p.sched.timeline = rank.view().timeline;  // the timed kernels
+  set_team_timeline(p, rank);
   sched.section_pairs =
       static_cast<int>(std::min<int64_t>(section_pairs, std::max<int64_t>(z.segments(), 1) * heads));
   WEFT_CHECK(blocks <= kRingMaxBlocks, where + "more compute blocks than the landed counts hold");

@@ -211,7 +211,7 @@ void launch_forward(Communicator& comm, Rank& rank, const Sizes& z, const void* 
   sched.block_rows = Op::kBM;
   sched.heads_outer = true;
   sched.section_pairs = sched.batch;  // a head per L2 section: the heads run in the order they arrive
-  if constexpr (kTimed) p.sched.timeline = rank.view().timeline;
+  ops::set_team_timeline(p, rank);
   const int resident = std::min(lcsc::Launcher<Op>::max_resident_clusters(), rank.sm_budget());
   const int blocks = std::max(1, ops::attention_blocks(resident, options, sched.units()));
   WEFT_CHECK(blocks <= ops::kUlyssesMaxBlocks, where + "more compute blocks than the landed counts hold");
