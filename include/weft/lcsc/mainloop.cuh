@@ -228,39 +228,26 @@ struct Fp8PromotingMainloop {
       for (int kb = 0; kb < k_blocks; ++kb) {
         const PipeState at = st;  // (issue waits for the stage before `last` reads factor(kb, at.stage))
         issue<kE5M2>(s, pipe, st, wg, part);
-        last<kE5M2>(pipe, at, kb, acc, part, factor);
+        float2 f;
+        last<kE5M2, false>(pipe, at, kb, acc, part, f, factor);
       }
       return;
     }
     Accum part0, part1;
     PipeState issued = st;  // the stage of the oldest block in flight
     issue<kE5M2>(s, pipe, st, wg, part0);
+    float2 f;  // kFactorsAhead: the oldest block's factors, read a block ahead
+    if constexpr (kFactorsAhead) f = factor(0, issued.stage);
     int kb = 0;
-    if constexpr (kFactorsAhead) {
-      float2 f = factor(0, issued.stage);  // the oldest block's factors
-      for (; kb + 2 < k_blocks; kb += 2) {
-        step_ahead<kE5M2>(s, pipe, st, issued, kb, wg, acc, part0, part1, f, factor);
-        step_ahead<kE5M2>(s, pipe, st, issued, kb + 1, wg, acc, part1, part0, f, factor);
-      }
-      if (kb + 1 < k_blocks) {
-        step_ahead<kE5M2>(s, pipe, st, issued, kb, wg, acc, part0, part1, f, factor);
-        wgmma::wait<0>();
-        promote(pipe, issued, f, acc, part1);
-      } else {
-        wgmma::wait<0>();
-        promote(pipe, issued, f, acc, part0);
-      }
+    for (; kb + 2 < k_blocks; kb += 2) {
+      step<kE5M2, kFactorsAhead>(s, pipe, st, issued, kb, wg, acc, part0, part1, f, factor);
+      step<kE5M2, kFactorsAhead>(s, pipe, st, issued, kb + 1, wg, acc, part1, part0, f, factor);
+    }
+    if (kb + 1 < k_blocks) {
+      step<kE5M2, kFactorsAhead>(s, pipe, st, issued, kb, wg, acc, part0, part1, f, factor);
+      last<kE5M2, kFactorsAhead>(pipe, issued, kb + 1, acc, part1, f, factor);
     } else {
-      for (; kb + 2 < k_blocks; kb += 2) {
-        step<kE5M2>(s, pipe, st, issued, kb, wg, acc, part0, part1, factor);
-        step<kE5M2>(s, pipe, st, issued, kb + 1, wg, acc, part1, part0, factor);
-      }
-      if (kb + 1 < k_blocks) {
-        step<kE5M2>(s, pipe, st, issued, kb, wg, acc, part0, part1, factor);
-        last<kE5M2>(pipe, issued, kb + 1, acc, part1, factor);
-      } else {
-        last<kE5M2>(pipe, issued, kb, acc, part0, factor);
-      }
+      last<kE5M2, kFactorsAhead>(pipe, issued, kb, acc, part0, f, factor);
     }
   }
 
@@ -285,37 +272,27 @@ struct Fp8PromotingMainloop {
     st.advance(kStages);
   }
   // Block kb (in `mine`, at stage `issued`) is in flight: block kb + 1 issued into `next`, then kb waited
-  // for, its stage released and its product promoted into acc.
-  template <bool kE5M2, class Factor>
+  // for, its stage released and its product promoted into acc. kFactorsAhead: f holds block kb's factors
+  // on entry and block kb + 1's, read right after its issue, on return; otherwise kb's are read first.
+  template <bool kE5M2, bool kFactorsAhead, class Factor>
   __device__ __forceinline__ static void step(Smem& s, Pipeline& pipe, PipeState& st, PipeState& issued,
-                                              int kb, int wg, Accum& acc, Accum& mine, Accum& next,
+                                              int kb, int wg, Accum& acc, Accum& mine, Accum& next, float2& f,
                                               Factor& factor) {
-    const float2 f = factor(kb, issued.stage);
+    if constexpr (!kFactorsAhead) f = factor(kb, issued.stage);
     const PipeState done = issued;
     issued = st;
     issue<kE5M2>(s, pipe, st, wg, next);
+    float2 f_next;
+    if constexpr (kFactorsAhead) f_next = factor(kb + 1, issued.stage);
     wgmma::wait<1>();
     promote(pipe, done, f, acc, mine);
+    if constexpr (kFactorsAhead) f = f_next;
   }
-  // step with the factors a block ahead: block kb's are f; block kb + 1's are read right after its issue
-  // and become f.
-  template <bool kE5M2, class Factor>
-  __device__ __forceinline__ static void step_ahead(Smem& s, Pipeline& pipe, PipeState& st, PipeState& issued,
-                                                    int kb, int wg, Accum& acc, Accum& mine, Accum& next,
-                                                    float2& f, Factor& factor) {
-    const PipeState done = issued;
-    issued = st;
-    issue<kE5M2>(s, pipe, st, wg, next);
-    const float2 f_next = factor(kb + 1, issued.stage);
-    wgmma::wait<1>();
-    promote(pipe, done, f, acc, mine);
-    f = f_next;
-  }
-  // The last block kb (in `mine`): waited for, released and promoted.
-  template <bool kE5M2, class Factor>
+  // The last block kb (in `mine`): waited for, released and promoted (kFactorsAhead: f holds its factors).
+  template <bool kE5M2, bool kFactorsAhead, class Factor>
   __device__ __forceinline__ static void last(Pipeline& pipe, const PipeState& issued, int kb, Accum& acc,
-                                              Accum& mine, Factor& factor) {
-    const float2 f = factor(kb, issued.stage);
+                                              Accum& mine, float2& f, Factor& factor) {
+    if constexpr (!kFactorsAhead) f = factor(kb, issued.stage);
     wgmma::wait<0>();
     promote(pipe, issued, f, acc, mine);
   }
