@@ -46,8 +46,8 @@ def _scaling(torch, scale_a, scale_b, m, n, k, where, m_major_a=False):
     for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
         if not _torch_tensor(s) or s.dtype != torch.float32:
             raise WeftTypeError(f"{where}: {name} must be a float32 torch tensor")
-        if not s.is_contiguous() and not (m_major_a and name == "scale_a" and _scale_a_layout(s) and
-                                          _scale_a_layout(s)[0] == "m"):
+        m_major = m_major_a and name == "scale_a" and (_scale_a_layout(s) or ("",))[0] == "m"
+        if not s.is_contiguous() and not m_major:
             also = ""
             if m_major_a and name == "scale_a":
                 also = " (or, for block scales, M-major: strides (1, ld), ld >= M)"
