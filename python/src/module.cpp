@@ -842,6 +842,15 @@ weft::Fp8Scaling parse_scaling(const std::string& s) {
   if (s == "block") return weft::Fp8Scaling::kBlock;
   throw weft::Error("weft: FP8 scaling must be 'tensor', 'rowcol' or 'block', got '" + s + "'");
 }
+weft::Fp8Activation parse_fp8_activation(const std::string& s) {
+  if (s == "none") return weft::Fp8Activation::kNone;
+  if (s == "swiglu") return weft::Fp8Activation::kSwiGLU;
+  if (s == "silu") return weft::Fp8Activation::kSiLU;
+  if (s == "gelu") return weft::Fp8Activation::kGELU;
+  if (s == "relu") return weft::Fp8Activation::kReLU;
+  throw weft::Error("weft: the activation must be 'none', 'swiglu', 'silu', 'gelu' or 'relu', got '" + s +
+                    "'");
+}
 
 // The one-GPU FP8 ops: gemm_fp8, grouped_gemm_fp8 (a [rows, K], b [groups, N, K] FP8, block scales, c [rows,
 // N]) and quantize_fp8 (weft/ops/gemm.hpp).
@@ -901,6 +910,24 @@ void bind_fp8_gemm(py::module_& m) {
       py::arg("device"), py::arg("input"), py::arg("in_dtype"), py::arg("out"), py::arg("out_type"),
       py::arg("scales"), py::arg("rows"), py::arg("cols"), py::arg("scaling"), py::arg("operand"),
       py::arg("stream"), py::arg("scale_m_stride") = 0);
+  // activate_quantize_fp8: in [rows, cols or 2 cols] -> out [rows, cols] FP8 with A's block scales;
+  // group_end / group_rows (0: every row) with `groups` of them.
+  m.def(
+      "activate_quantize_fp8",
+      [](int device, uintptr_t in, const std::string& in_dtype, const std::string& activation, uintptr_t out,
+         const std::string& out_type, uintptr_t scales, int64_t rows, int64_t cols, uintptr_t stream,
+         int64_t scale_m_stride, uintptr_t group_end, uintptr_t group_rows, int groups) {
+        OnDevice on(device);
+        weft::activate_quantize_fp8(
+            reinterpret_cast<const void*>(in), parse_dtype(in_dtype), parse_fp8_activation(activation),
+            reinterpret_cast<void*>(out), parse_fp8(out_type), reinterpret_cast<float*>(scales), rows, cols,
+            reinterpret_cast<cudaStream_t>(stream), 0, 0, scale_m_stride,
+            weft::Fp8QuantizeRows{reinterpret_cast<const int32_t*>(group_end),
+                                  reinterpret_cast<const int32_t*>(group_rows), groups});
+      },
+      py::arg("device"), py::arg("input"), py::arg("in_dtype"), py::arg("activation"), py::arg("out"),
+      py::arg("out_type"), py::arg("scales"), py::arg("rows"), py::arg("cols"), py::arg("stream"),
+      py::arg("scale_m_stride"), py::arg("group_end"), py::arg("group_rows"), py::arg("groups"));
 }
 
 // The team FP8 ops: all_gather_scaled_matmul, scaled_matmul_reduce_scatter / all_reduce, moe_dispatch_fp8.

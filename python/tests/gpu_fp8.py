@@ -185,6 +185,32 @@ def main():
     if not same:
         failures.append("grouped_scaled_mm group_rows")
 
+    # quantize_fp8 with an activation (one pass, fp32 activation): within e4m3's rounding of torch's fp32
+    # activation; M-major scales the same bits; with group_rows only the counted rows, with the full call's bits.
+    F = torch.nn.functional
+    xa = torch.randn(300, 2 * 260, device="cuda", generator=g).to(torch.bfloat16)
+    acts = {"swiglu": lambda t: F.silu(t[:, :260]) * t[:, 260:], "silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+    for name, fn in acts.items():
+        src = xa if name == "swiglu" else xa[:, :260].contiguous()
+        q, s = weft.quantize_fp8(src, "block", "a", activation=name)
+        check(f"quantize_fp8(activation={name!r}) vs torch's fp32 activation",
+              rel(dequantize(q, s, "block", "a"), fn(src.float())), 0.04)
+        qm, sm = weft.quantize_fp8(src, "block", "a", m_major=True, activation=name)
+        same = torch.equal(qm.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sm, s)
+        print(f"  {'ok  ' if same else 'FAIL'} quantize_fp8(activation={name!r}, m_major=True): the same values "
+              f"and scales")
+        if not same:
+            failures.append(f"quantize_fp8 activation {name} m_major")
+    ends = torch.tensor([128, 128, 300], dtype=torch.int32, device="cuda")
+    counts = torch.tensor([5, 0, 100], dtype=torch.int32, device="cuda")
+    q, s = weft.quantize_fp8(xa, "block", "a", activation="swiglu")
+    qc, sc = weft.quantize_fp8(xa, "block", "a", activation="swiglu", group_end=ends, group_rows=counts)
+    rows = torch.cat([torch.arange(0, 5), torch.arange(128, 228)]).cuda()
+    same = torch.equal(qc[rows].view(torch.uint8), q[rows].view(torch.uint8)) and torch.equal(sc[rows], s[rows])
+    print(f"  {'ok  ' if same else 'FAIL'} quantize_fp8(activation='swiglu', group_rows): the counted rows' bits")
+    if not same:
+        failures.append("quantize_fp8 activation group_rows")
+
     # Refusals.
     qa = torch.zeros(64, 64, device="cuda", dtype=E4M3)
     s1 = torch.ones(1, device="cuda")

@@ -184,7 +184,11 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None, group_r
                                     group_rows)
 
 
-def quantize_fp8(x, scaling="block", operand="a", dtype=None, m_major=False):
+_ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
+
+
+def quantize_fp8(x, scaling="block", operand="a", dtype=None, m_major=False, activation=None, group_end=None,
+                 group_rows=None):
     """(q, scales): x [rows, cols] (bf16 / fp16, contiguous) in FP8 with the scales weft.scaled_mm reads.
 
     operand "a": x is the left operand [M, K]; "b": the weight [N, K] (pass q.t() to scaled_mm). scaling
@@ -194,6 +198,11 @@ def quantize_fp8(x, scaling="block", operand="a", dtype=None, m_major=False):
     the scales M-major, strides (1, ld) with ld M rounded up to 4 (torch._scaled_mm's layout; the one
     scaled_mm's pipeline copies, bench/RESULTS.md 2026-11-29), written so by the quantization itself; the
     team ops (all_gather_scaled_matmul, the MoE dispatch) take contiguous ones.
+    activation (block scales of a only): "swiglu" (x [rows, 2 cols] as [gate | up]: silu(gate) * up), "silu",
+    "gelu" (erf form) or "relu", applied in fp32 in the same pass (no bf16 intermediate; cols a multiple of 4).
+    group_end and group_rows (int32 [groups] on x's device, with an activation or without): only the first
+    group_rows[e] rows of each group e, rows [group_end[e - 1], group_end[e]), are quantized, as a low-latency
+    dispatch fills its groups; the other rows of q and scales are left unwritten (undefined).
     """
     where = "weft.quantize_fp8"
     if not _torch_tensor(x):
@@ -209,6 +218,8 @@ def quantize_fp8(x, scaling="block", operand="a", dtype=None, m_major=False):
         raise WeftValueError(f"{where}: m_major is for block scales of operand 'a', got {scaling!r}, {operand!r}")
     dtype = torch.float8_e4m3fn if dtype is None else dtype
     kind = _fp8_name(torch, dtype, where)
+    if activation is not None or group_rows is not None:
+        return _activate_quantize(x, kind, activation, m_major, group_end, group_rows, scaling, operand, where)
     rows, cols = x.shape
     groups = -(-cols // _BLOCK)
     if scaling == "tensor":
@@ -222,6 +233,35 @@ def quantize_fp8(x, scaling="block", operand="a", dtype=None, m_major=False):
     ld = -(-rows // 4) * 4  # whole 16 bytes between k-blocks, so TMA can copy them
     q, strided = _torch_quantize_fp8(x, kind, scaling, operand, (groups, ld), ld)
     return q, strided[:, :rows].t()
+
+
+def _activate_quantize(x, kind, activation, m_major, group_end, group_rows, scaling, operand, where):
+    """quantize_fp8 with an activation or counted rows (weft::activate_quantize_fp8): A's block scales."""
+    if (scaling, operand) != ("block", "a"):
+        raise WeftValueError(f"{where}: an activation or group_rows is for block scales of operand 'a', got "
+                             f"{scaling!r}, {operand!r}")
+    if activation is not None and activation not in _ACTIVATIONS:
+        raise WeftValueError(f"{where}: activation must be None or one of {_ACTIVATIONS}, got {activation!r}")
+    rows, in_cols = x.shape
+    cols = in_cols // 2 if activation == "swiglu" else in_cols
+    if cols % 4 or (activation == "swiglu" and in_cols % 2):
+        raise WeftValueError(f"{where}: the output's columns ({cols}) must be a multiple of 4"
+                             + (" and x's even (gate | up)" if activation == "swiglu" else ""))
+    if (group_end is None) != (group_rows is None):
+        raise WeftValueError(f"{where}: group_end and group_rows go together")
+    if group_rows is not None:
+        for name, t in (("group_end", group_end), ("group_rows", group_rows)):
+            if not _torch_tensor(t) or t.dtype != torch.int32 or t.dim() != 1 or t.device != x.device:
+                raise WeftValueError(f"{where}: {name} must be a 1-D int32 tensor on x's device")
+        if group_end.shape != group_rows.shape or group_end.numel() < 1:
+            raise WeftValueError(f"{where}: group_end and group_rows must have one (and the same) length, got "
+                                 f"{tuple(group_end.shape)} and {tuple(group_rows.shape)}")
+        group_end, group_rows = group_end.contiguous(), group_rows.contiguous()
+    groups = -(-cols // _BLOCK)
+    ld = -(-rows // 4) * 4 if m_major else 0
+    q, scales = _activate_quantize_fp8.op(x, kind, activation or "none", cols, [groups, ld] if m_major else
+                                          [rows, groups], ld, group_end, group_rows)
+    return q, scales[:, :rows].t() if m_major else scales
 
 
 def _fp8_team_operands(torch, c, a, b, scale_a, scale_b, where):
@@ -412,6 +452,29 @@ def _quantize_fp8(x: Tensor, fp8: str, scaling: str, operand: str, scale_shape: 
 def _(x, fp8, scaling, operand, scale_shape, scale_m_stride):
     dtype = torch.float8_e5m2 if fp8 == "e5m2" else torch.float8_e4m3fn
     return x.new_empty(x.shape, dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32)
+
+
+@declare("weft::activate_quantize_fp8")
+def _activate_quantize_fp8(x: Tensor, fp8: str, activation: str, cols: int, scale_shape: list[int], scale_m_stride: int,
+                           group_end: Optional[Tensor], group_rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    rows = x.shape[0]
+    q = torch.empty((rows, cols), dtype=torch.float8_e5m2 if fp8 == "e5m2" else torch.float8_e4m3fn,
+                    device=x.device)
+    scales = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+    if _op_table.EMULATE:
+        return q.zero_(), scales.fill_(1.0)
+    _weft.activate_quantize_fp8(x.get_device(), x.data_ptr(), DTYPES[x.dtype], activation, q.data_ptr(), fp8,
+                                scales.data_ptr(), rows, cols, _stream(x), scale_m_stride,
+                                0 if group_end is None else group_end.data_ptr(),
+                                0 if group_rows is None else group_rows.data_ptr(),
+                                0 if group_rows is None else group_rows.numel())
+    return q, scales
+
+
+@_activate_quantize_fp8.register_fake
+def _(x, fp8, activation, cols, scale_shape, scale_m_stride, group_end, group_rows):
+    dtype = torch.float8_e5m2 if fp8 == "e5m2" else torch.float8_e4m3fn
+    return x.new_empty((x.shape[0], cols), dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32)
 
 
 def _torch_quantize_fp8(x, fp8, scaling, operand, scale_shape, scale_m_stride):

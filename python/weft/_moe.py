@@ -597,8 +597,8 @@ def moe_layer_fp8(x, experts, weights, w_up, w_up_scales, w_down, w_down_scales,
                   max_tokens=None, align=128, comm=None, low_latency=False):
     """weft.moe_layer on FP8 experts (inference; DeepSeek-V3's recipe): the tokens dispatched in FP8 with 1 x 128
     block scales (weft.moe_dispatch_fp8: about half the bytes on the links), the first expert GEMM on them in place
-    (weft.grouped_scaled_mm), the activation in bf16, its output quantized again (weft.quantize_fp8) for the second
-    FP8 GEMM, the combine in bf16.
+    (weft.grouped_scaled_mm), the activation and the quantization of its output in one pass (weft.quantize_fp8's
+    activation) for the second FP8 GEMM, the combine in bf16.
 
     x [tokens, hidden] bf16 (hidden a multiple of 16); experts, weights, num_experts, max_tokens, align, comm as
     weft.moe_layer's; w_up [num_experts / world, N, hidden] with N = 2 inter for "swiglu" (gate rows, then up) or
@@ -607,8 +607,8 @@ def moe_layer_fp8(x, experts, weights, w_up, w_up_scales, w_down, w_down_scales,
     scales w_up_scales [E, ceil(N / 128), ceil(hidden / 128)] and w_down_scales [E, ceil(hidden / 128), ceil(inter
     / 128)], float32 (weft.quantize_fp8(w_e, "block", "b") of each expert's weight). Returns [tokens, hidden]
     bf16. No autograd: x and weights must not need gradients (call it under torch.no_grad()).
-    low_latency=True (decoding): the low-latency dispatch, both GEMMs over the rows each group received only
-    (the activation and its quantization still run over the dispatch's whole capacity: a pass to fuse).
+    low_latency=True (decoding): the low-latency dispatch, both GEMMs and the activation's quantization over the
+    rows each group received only.
     Under Team.warmup it returns zeros (its kernels wait for peers; nothing of it needs loading)."""
     where = "weft.moe_layer_fp8"
     if activation not in _ACTIVATIONS:
@@ -616,8 +616,8 @@ def moe_layer_fp8(x, experts, weights, w_up, w_up_scales, w_down, w_down_scales,
     if int(align) % 128:  # (the grouped FP8 GEMM's groups are whole 128-row tiles)
         raise WeftValueError(f"{where}: align must be a multiple of 128 (the grouped GEMM's tile rows), got {align}")
     c = _comm(comm)
-    inter = _fp8_layer_checks(where, x, weights, w_up, w_up_scales, w_down, w_down_scales,
-                              int(num_experts) // c.world_size, activation)
+    _fp8_layer_checks(where, x, weights, w_up, w_up_scales, w_down, w_down_scales, int(num_experts) // c.world_size,
+                      activation)
     if torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad):
         raise WeftValueError(f"{where}: no gradient through the FP8 layer (inference): call it under torch.no_grad()")
     if _op_table.EMULATE:
@@ -627,8 +627,10 @@ def moe_layer_fp8(x, experts, weights, w_up, w_up_scales, w_down, w_down_scales,
     h = grouped_scaled_mm(d.rows, w_up, d.group_end, d.scales, w_up_scales, group_rows=live)
     # Rows no group holds (and, at low latency, past each group's received rows) were never written: their
     # values, scales and products stay in those rows (1 x 128 scales: a row's own), which combine never reads.
-    # (Its scales M-major: the second GEMM's fastest form, the stages carry them.)
-    qa, sa = quantize_fp8(_activated(h, activation, inter, False).contiguous(), "block", "a", m_major=True)
+    # The activation and its quantization in one pass (scales M-major: the second GEMM's fastest form); at low
+    # latency over the rows each group received only.
+    qa, sa = quantize_fp8(h, "block", "a", m_major=True, activation=activation,
+                          group_end=None if live is None else d.group_end, group_rows=live)
     y = grouped_scaled_mm(qa, w_down, d.group_end, sa, w_down_scales, group_rows=live)
     return moe_combine(y, d, weights)
 

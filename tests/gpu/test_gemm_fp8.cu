@@ -527,6 +527,130 @@ WEFT_GPU_TEST_ONE_GPU(quantize_fp8_then_gemm_fp8_matches_bf16) {
   }
 }
 
+namespace {
+
+double activated(Fp8Activation act, double x, double up) {
+  switch (act) {
+    case Fp8Activation::kSwiGLU:
+      return x / (1 + std::exp(-x)) * up;
+    case Fp8Activation::kSiLU:
+      return x / (1 + std::exp(-x));
+    case Fp8Activation::kGELU:
+      return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
+    case Fp8Activation::kReLU:
+      return std::max(x, 0.0);
+    default:
+      return x;
+  }
+}
+
+// One activate_quantize_fp8 call's output against the host: every written row's scales (amax / 448 of the
+// fp64 activation, to fp32's rounding of the device's fp32 one) and values (within e4m3's rounding), every
+// other row's left as poisoned. Returns the rows written.
+int64_t check_activated(const std::vector<uint16_t>& in, int64_t rows, int64_t cols, Fp8Activation act,
+                        const std::vector<uint8_t>& q, const std::vector<float>& scales, int64_t m_stride,
+                        const std::function<bool(int64_t)>& written) {
+  const int64_t groups = (cols + 127) / 128, in_cols = act == Fp8Activation::kSwiGLU ? 2 * cols : cols;
+  int64_t bad_scales = 0, bad_values = 0, touched = 0, live = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool w = written(r);
+    live += w;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = scales[m_stride ? g * m_stride + r : r * groups + g];
+      double amax = 0;
+      std::vector<double> y;
+      for (int64_t c = g * 128; c < std::min(cols, g * 128 + 128); ++c) {
+        y.push_back(activated(act, bf16_value(in[r * in_cols + c]),
+                              act == Fp8Activation::kSwiGLU ? bf16_value(in[r * in_cols + cols + c]) : 1.0));
+        amax = std::max(amax, std::fabs(y.back()));
+      }
+      if (!w) {
+        touched += !std::isnan(s);
+        for (int64_t c = g * 128; c < std::min(cols, g * 128 + 128); ++c) touched += q[r * cols + c] != 0x7f;
+        continue;
+      }
+      const double want = std::max(amax, 1e-12) / 448;
+      bad_scales += !(std::fabs(s - want) <= want * 1e-5);
+      for (size_t i = 0; i < y.size(); ++i) {
+        const double d = e4m3_value(q[r * cols + g * 128 + int64_t(i)]) * double(s);
+        bad_values += !(std::fabs(d - y[i]) <= std::fabs(y[i]) * 0.0626 + s * std::ldexp(1.0, -10) + 1e-30);
+      }
+    }
+  }
+  WEFT_EXPECT(bad_scales == 0, bad_scales << " scales differ from amax / 448 of the activation");
+  WEFT_EXPECT(bad_values == 0, bad_values << " values off by more than e4m3's rounding of the activation");
+  WEFT_EXPECT(touched == 0, touched << " values or scales of rows not to be written were written");
+  return live;
+}
+
+}  // namespace
+
+// activate_quantize_fp8 against the host for each activation: 320 x 260 (a partial 128-column group), scales
+// row-major and M-major (stride rows + 3), every row and only a low-latency dispatch's counted rows (groups
+// ending at 128, 128, 300, counting 5, 0 and 100 rows; rows 300-319 past the last end). Without an
+// activation: quantize_fp8's bits. Outputs poisoned (e4m3 NaN, NaN scales) before each call.
+WEFT_GPU_TEST_ONE_GPU(activate_quantize_fp8_matches_host) {
+  Rank& rank = ctx.comm().local(0);
+  WEFT_CUDA_CHECK(cudaSetDevice(rank.device()));
+  const cudaStream_t s = rank.stream();
+  const int64_t rows = 320, cols = 260, groups = 3, ld = rows + 3;
+  const std::vector<int32_t> ends = {128, 128, 300}, counts = {5, 0, 100};
+  DeviceBuffer in(rows * 2 * cols * 2), q(rows * cols), sc(groups * ld * 4), ge(12), gr(12), q0(rows * cols),
+      s0(rows * groups * 4);
+  fill_bf16_unit<<<264, 256, 0, s>>>(in.as<__nv_bfloat16>(), rows * 2 * cols, 41);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(ge.p, ends.data(), 12, cudaMemcpyHostToDevice, s));
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(gr.p, counts.data(), 12, cudaMemcpyHostToDevice, s));
+  std::vector<uint16_t> hin(rows * 2 * cols);
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(hin.data(), in.p, in.bytes, cudaMemcpyDeviceToHost, s));
+  const Fp8QuantizeRows counted{ge.as<int32_t>(), gr.as<int32_t>(), 3};
+  auto is_counted = [&](int64_t r) {
+    for (int e = 0; e < 3; ++e)
+      if (r < ends[e]) return r - (e ? ends[e - 1] : 0) < counts[e];
+    return false;
+  };
+  for (Fp8Activation act : {Fp8Activation::kNone, Fp8Activation::kSwiGLU, Fp8Activation::kSiLU,
+                            Fp8Activation::kGELU, Fp8Activation::kReLU})
+    for (const int64_t m_stride : {int64_t(0), ld})
+      for (const bool only_counted : {false, true}) {
+        WEFT_CUDA_CHECK(cudaMemsetAsync(q.p, 0x7f, q.bytes, s));
+        WEFT_CUDA_CHECK(cudaMemsetAsync(sc.p, 0xff, sc.bytes, s));
+        activate_quantize_fp8(in.p, DType::kBF16, act, q.p, Fp8Type::kE4M3, sc.as<float>(), rows, cols, s, 0,
+                              0, m_stride, only_counted ? counted : Fp8QuantizeRows{});
+        std::vector<uint8_t> hq(q.bytes);
+        std::vector<float> hs(sc.bytes / 4);
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(hq.data(), q.p, q.bytes, cudaMemcpyDeviceToHost, s));
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(hs.data(), sc.p, sc.bytes, cudaMemcpyDeviceToHost, s));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+        const int64_t live = check_activated(hin, rows, cols, act, hq, hs, m_stride,
+                                             [&](int64_t r) { return !only_counted || is_counted(r); });
+        std::printf("    activation %d, scales %s, %s: %lld rows written\n", int(act),
+                    m_stride ? "M-major" : "row-major", only_counted ? "counted rows" : "every row",
+                    (long long)live);
+        if (act != Fp8Activation::kNone || m_stride || only_counted) continue;
+        // No activation: quantize_fp8's bits.
+        quantize_fp8(in.p, DType::kBF16, q0.p, Fp8Type::kE4M3, s0.as<float>(), rows, cols, Fp8Scaling::kBlock,
+                     Fp8Operand::kA, s);
+        std::vector<uint8_t> hq0(q0.bytes);
+        std::vector<float> hs0(s0.bytes / 4);
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(hq0.data(), q0.p, q0.bytes, cudaMemcpyDeviceToHost, s));
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(hs0.data(), s0.p, s0.bytes, cudaMemcpyDeviceToHost, s));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+        WEFT_EXPECT(hq0 == hq && std::memcmp(hs0.data(), hs.data(), hs0.size() * 4) == 0,
+                    "no activation: the values or scales differ from quantize_fp8's");
+      }
+  WEFT_EXPECT_ERROR(activate_quantize_fp8(in.p, DType::kBF16, Fp8Activation::kSwiGLU, q.p, Fp8Type::kE4M3,
+                                          sc.as<float>(), rows, 258, s),
+                    "multiples of 4");
+  WEFT_EXPECT_ERROR(activate_quantize_fp8(in.p, DType::kBF16, Fp8Activation::kSwiGLU, q.p, Fp8Type::kE4M3,
+                                          sc.as<float>(), rows, cols, s, cols),
+                    "ld_in must be at least 520");
+  WEFT_EXPECT_ERROR(
+      activate_quantize_fp8(in.p, DType::kBF16, Fp8Activation::kNone, q.p, Fp8Type::kE4M3, sc.as<float>(),
+                            rows, cols, s, 0, 0, 0, Fp8QuantizeRows{nullptr, gr.as<int32_t>(), 3}),
+      "needs which.group_end");
+}
+
 // The grouped FP8 GEMM against gemm_fp8 on each group's rows (the same tiles, k-blocks and scales: the same
 // bits): groups of 128, 0 and 256 rows in a capacity of 512 (the rows past the last end left as they were),
 // a K tail (K = 400), N 256 and 192 (a column tile past N reads the next expert's rows, which the store

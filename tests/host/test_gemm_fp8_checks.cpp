@@ -104,4 +104,23 @@ TEST(GemmFp8Checks, QuantizeRefusesBadArguments) {
   EXPECT_NE(m_major(Fp8Scaling::kBlock, Fp8Operand::kA, 3).find("at least rows"), std::string::npos);
 }
 
+TEST(GemmFp8Checks, ActivateQuantizeRefusesBadArguments) {
+  float scale = 0;
+  alignas(16) char buf[256];
+  int32_t ends[1] = {4};
+  auto call = [&](Fp8Activation act, int64_t cols, int64_t ld_in = 0, const Fp8QuantizeRows& which = {},
+                  DType in_type = DType::kBF16) {
+    return error_of([&] {
+      activate_quantize_fp8(buf, in_type, act, buf, Fp8Type::kE4M3, &scale, 4, cols, nullptr, ld_in, 0, 0,
+                            which);
+    });
+  };
+  EXPECT_NE(call(Fp8Activation::kNone, 6).find("multiples of 4"), std::string::npos);
+  EXPECT_NE(call(Fp8Activation::kSwiGLU, 8, 8).find("ld_in must be at least 16"), std::string::npos);
+  EXPECT_NE(call(Fp8Activation(9), 8).find("unknown Fp8Activation"), std::string::npos);
+  EXPECT_NE(call(Fp8Activation::kGELU, 8, 0, {}, DType::kFP32).find("bf16 or fp16"), std::string::npos);
+  EXPECT_NE(call(Fp8Activation::kSiLU, 8, 0, Fp8QuantizeRows{nullptr, ends, 1}).find("needs which.group_end"),
+            std::string::npos);
+}
+
 }  // namespace

@@ -24,6 +24,7 @@
 #pragma once
 #include <cstdint>
 
+#include "weft/device/search.cuh"
 #include "weft/lcsc/scheduler.cuh"
 
 namespace weft::lcsc {
@@ -32,6 +33,19 @@ struct GroupedSchedulerParams : SchedulerParams {  // GroupedTileScheduler::Para
   const int32_t* group_end = nullptr;   // [groups], device: each group's end row (ascending, whole tiles)
   const int32_t* group_rows = nullptr;  // [groups], device: the rows of each group that count; null: all
   int groups = 0;
+
+#ifdef __CUDACC__
+  // The group holding row `row`: the first whose end is past it (groups: past the last end). A binary
+  // search, ceil(log2(groups + 1)) loads in a chain, where a walk from group 0 took one a group before it
+  // (an MoE rank's 32-64 experts: a tile's consumers asked twice a tile).
+  __device__ __forceinline__ int group_holding(int row) const {
+    return first_greater(group_end, groups, row);
+  }
+  // Whether row `row` lies past the last group's end (its tile holds no group: skipped).
+  __device__ __forceinline__ bool past_last_group(int row) const {
+    return row >= __ldg(group_end + groups - 1);
+  }
+#endif
 };
 
 struct GroupTile : Tile {  // GroupedTileScheduler::Work

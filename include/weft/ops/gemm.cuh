@@ -95,7 +95,7 @@ struct GemmOp {
 // rows [group_end[e - 1], group_end[e]) (device int32, each end a multiple of kBM; in p.sched, the
 // scheduler's), and C's rows of group e = A's rows of group e times B_e, B stacked [E, N, K] (kBKMajor) or
 // [E, K, N]. The tiles are the GEMM's over the rows' capacity; a tile past the last group's end is skipped by
-// the loader and the consumers alike (both read the same end), a tile's group found by a scan of group_end.
+// the loader and the consumers alike (both read the same end), a tile's group found by a search of group_end.
 // With group_rows (device int32, optional), only the first group_rows[e] rows of group e count
 // (fixed-capacity groups that fill partly, as a low-latency dispatch leaves them): the scheduler
 // (lcsc/grouped_scheduler.cuh) then walks only the tiles holding counted rows, spread over all blocks, and
@@ -120,22 +120,16 @@ struct GroupedGemmOp
     typename Scheduler::Storage sched;  // the scheduler's table of live tile rows (lcsc/kernel.cuh)
   };
 
-  // The group holding row m0 (groups: past the last end).
-  __device__ static int group_of(const Params& p, int m0) {
-    int e = 0;
-    while (e < p.sched.groups && __ldg(p.sched.group_end + e) <= m0) ++e;
-    return e;
-  }
   // Whether tile t is skipped. With group_rows the scheduler walks live tiles only, each with its group;
   // without, every tile of the capacity, and those past the last group's end are skipped.
   __device__ static bool skipped(const Params& p, const lcsc::GroupTile& t) {
-    return t.group < 0 && t.m * kBM >= __ldg(p.sched.group_end + p.sched.groups - 1);
+    return t.group < 0 && p.sched.past_last_group(t.m * kBM);
   }
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                               const lcsc::GroupTile& t) {
     if (skipped(p, t)) return;
     const int m0 = t.m * kBM;
-    const int e = t.group >= 0 ? t.group : group_of(p, m0);
+    const int e = t.group >= 0 ? t.group : p.sched.group_holding(m0);
     if (__ldg(p.sched.group_end + e) % kBM != 0) __trap();  // group ends must be whole tiles (see the header)
     Mainloop::load(s.main, pipe, st, &p.a, &p.b, m0, t.n * kBN, p.k_blocks, e * p.b_rows);
   }

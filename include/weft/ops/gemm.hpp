@@ -131,6 +131,29 @@ void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, fl
                   int64_t cols, Fp8Scaling kind, Fp8Operand operand, cudaStream_t stream, int64_t ld_in = 0,
                   int64_t ld_out = 0, int64_t scale_m_stride = 0);
 
+// The rows activate_quantize_fp8 writes: every row (group_rows null), or only the first group_rows[e] rows of
+// each group e, rows [group_end[e - 1], group_end[e]) (device int32, ascending; a low-latency dispatch's
+// groups: MoeDispatched::group_end, group_rows), the rest (and rows past the last end) left as they are.
+struct Fp8QuantizeRows {
+  const int32_t* group_end = nullptr;
+  const int32_t* group_rows = nullptr;
+  int groups = 0;
+};
+// Enqueues out = quantize_fp8(activation(in)) with A's 1 x 128 block scales, in one pass over in (an MoE
+// expert's first GEMM output to the second FP8 GEMM's input, no bf16 intermediate):
+//   in      [rows, in_cols] bf16 / fp16, row stride ld_in (0: in_cols); in_cols = 2 cols for kSwiGLU
+//           ([gate | up]), cols otherwise
+//   out     [rows, cols] of out_type, row stride ld_out (0: cols)
+//   scales  A's block scales of out: row-major [rows, ceil(cols / 128)], or M-major with scale_m_stride
+//           (>= rows; as quantize_fp8's)
+// cols, ld_in and ld_out multiples of 4, in 8-byte and out 4-byte aligned (each lane of a warp moves four
+// elements). Scales and values as quantize_fp8's of the activation computed in fp32 (the same bits as
+// quantize_fp8 of a bf16 activation only where that rounding does not move an element).
+void activate_quantize_fp8(const void* in, DType in_type, Fp8Activation activation, void* out,
+                           Fp8Type out_type, float* scales, int64_t rows, int64_t cols, cudaStream_t stream,
+                           int64_t ld_in = 0, int64_t ld_out = 0, int64_t scale_m_stride = 0,
+                           const Fp8QuantizeRows& which = {});
+
 // Grouped GEMM (an MoE layer's experts on one GPU): A's rows come in `groups` groups back to back, group e
 // being rows [group_end[e - 1], group_end[e]) (group_end: device int32 array, ascending, every end a multiple
 // of 128, e.g. the dispatch's rows padded per expert), and C's rows of group e = A's rows of group e times

@@ -165,7 +165,7 @@ struct Fp8GemmOp {
 // back to back as GroupedGemmOp's (weft/ops/gemm.cuh: group_end device int32, each end a multiple of kBM, in
 // p.sched; the same scheduler, lcsc::GroupedTileScheduler, so with group_rows only the tiles holding counted
 // rows are walked, each with its group: a low-latency dispatch's fixed groups; without, every tile of the
-// capacity, a tile's group found by a scan of group_end and tiles past the last end skipped by the loader
+// capacity, a tile's group found by a search of group_end and tiles past the last end skipped by the loader
 // and consumers alike), B stacked [E, N, K] (K-major weights, one map of E x N rows), C's rows of group e =
 // A's rows of group e times B_e, promoted per k-block times A's row scales [rows, K / 128] and B_e's block
 // scales [E, ceil(N / 128), K / 128]. A column tile past N of expert e reads expert e + 1's first rows: the
@@ -188,15 +188,9 @@ struct GroupedFp8GemmOp : Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc
     typename Scheduler::Storage sched;  // the scheduler's table of live tile rows (lcsc/kernel.cuh)
   };
 
-  // The group of the tile whose first row is m0 (groups: past the last group's end).
-  __device__ static int group_of(const Params& p, int m0) {
-    int e = 0;
-    while (e < p.sched.groups && __ldg(p.sched.group_end + e) <= m0) ++e;
-    return e;
-  }
   // Tile t's group (named by the scheduler with group_rows, else found), or groups: past the last end.
   __device__ static int group(const Params& p, const lcsc::GroupTile& t) {
-    return t.group >= 0 ? t.group : group_of(p, t.m * kBM);
+    return t.group >= 0 ? t.group : p.sched.group_holding(t.m * kBM);
   }
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                               const lcsc::GroupTile& t) {

@@ -6,7 +6,10 @@
 //                  warp per row that walks its groups;
 //   block kernel   one block per 128 x 128 tile: B's block scales;
 //   tensor         an amax kernel (atomicMax on the float's bits, non-negative floats order as integers,
-//                  into the scale's slot), the conversion, then the scale from the amax.
+//                  into the scale's slot), the conversion, then the scale from the amax;
+//   activation     one warp per (row, 128-column group) as the group kernel, the activation computed in
+//                  fp32 from four elements a lane (of gate and up for SwiGLU) held in registers for both the
+//                  amax and the conversion (activate_quantize_fp8).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -14,6 +17,7 @@
 
 #include <cstdint>
 
+#include "weft/device/search.cuh"
 #include "weft/ops/gemm_fp8_types.hpp"
 
 namespace weft::ops::fp8 {
@@ -41,6 +45,79 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ float4 load4(const __half* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+template <Fp8Activation kAct>
+__device__ __forceinline__ float activate(float x, float up) {
+  if constexpr (kAct == Fp8Activation::kSwiGLU) return x / (1.f + expf(-x)) * up;
+  if constexpr (kAct == Fp8Activation::kSiLU) return x / (1.f + expf(-x));
+  if constexpr (kAct == Fp8Activation::kGELU) return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
+  if constexpr (kAct == Fp8Activation::kReLU) return fmaxf(x, 0.f);
+  return x;
+}
+
+// The rows activate_quantize_kernel writes: all, or group e's first group_rows[e] (Fp8QuantizeRows).
+struct QuantizedRows {
+  const int32_t* group_end;
+  const int32_t* group_rows;  // null: every row
+  int groups;
+  __device__ __forceinline__ bool has(int64_t row) const {
+    if (group_rows == nullptr) return true;
+    const int e = first_greater(group_end, groups, static_cast<int>(row));
+    if (e == groups) return false;
+    const int begin = e > 0 ? __ldg(group_end + e - 1) : 0;
+    return row - begin < __ldg(group_rows + e);
+  }
+};
+
+// out [rows, cols] = activation(in) quantized, A's 1 x 128 block scales (row-major, or M-major with
+// scale_m_stride > 0). in's row: cols elements, or for SwiGLU 2 cols ([gate | up]). One warp per (row,
+// 128-column group), four columns a lane: cols, ld_in and ld_out multiples of 4 (the host checks them).
+template <class T, bool kE5M2, Fp8Activation kAct>
+__global__ void activate_quantize_kernel(const T* in, int64_t ld_in, uint8_t* out, int64_t ld_out,
+                                         float* scales, int64_t scale_m_stride, int64_t rows, int64_t cols,
+                                         QuantizedRows which) {
+  const int lane = threadIdx.x % 32;
+  const int64_t groups = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  for (int64_t u = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; u < rows * groups;
+       u += int64_t(gridDim.x) * blockDim.x / 32) {
+    const int64_t row = u / groups, g = u % groups, c = g * kFp8ScaleBlock + 4 * lane;
+    if (!which.has(row)) continue;  // (the same for the whole warp)
+    float y[4] = {0.f, 0.f, 0.f, 0.f};
+    if (c < cols) {
+      const float4 x = load4(in + row * ld_in + c);
+      float4 up = make_float4(1.f, 1.f, 1.f, 1.f);
+      if constexpr (kAct == Fp8Activation::kSwiGLU) up = load4(in + row * ld_in + cols + c);
+      y[0] = activate<kAct>(x.x, up.x);
+      y[1] = activate<kAct>(x.y, up.y);
+      y[2] = activate<kAct>(x.z, up.z);
+      y[3] = activate<kAct>(x.w, up.w);
+    }
+    float amax = fmaxf(fmaxf(fabsf(y[0]), fabsf(y[1])), fmaxf(fabsf(y[2]), fabsf(y[3])));
+    amax = fmaxf(warp_max(amax), kAmaxFloor);
+    const float inv = max_value<kE5M2>() / amax;
+    if (c < cols) {
+      const uint32_t q = uint32_t(encode<kE5M2>(y[0] * inv)) | uint32_t(encode<kE5M2>(y[1] * inv)) << 8 |
+                         uint32_t(encode<kE5M2>(y[2] * inv)) << 16 |
+                         uint32_t(encode<kE5M2>(y[3] * inv)) << 24;
+      *reinterpret_cast<uint32_t*>(out + row * ld_out + c) = q;
+    }
+    if (lane == 0)
+      scales[scale_m_stride > 0 ? g * scale_m_stride + row : row * groups + g] = amax / max_value<kE5M2>();
+  }
 }
 
 // Rows of `cols` elements (row stride ld_in / ld_out elements). kPerRow: one scale per row (scales[row]);
