@@ -375,10 +375,19 @@ struct DecodeKernel {
           1ull);
     }
   }
-  // By thread 0, after the block's pushes of a pair's partials: one system fence, then one relaxed add to the
-  // pair's landed count at every rank that merges.
+  // Orders this thread's earlier memory operations before its later signals, for the ranks that read them:
+  // across GPUs a system fence; on a team of one only this GPU reads them (a GPU-scope fence, far cheaper at
+  // a call's tail, where every block passes one).
+  __device__ static void fence_for_readers(const P& p) {
+    if (p.team.world == 1)
+      __threadfence();
+    else
+      __threadfence_system();
+  }
+  // By thread 0, after the block's pushes of a pair's partials: one fence, then one relaxed add to the pair's
+  // landed count at every rank that merges.
   __device__ static void publish(const P& p, int parity, int pair) {
-    __threadfence_system();
+    fence_for_readers(p);
     for (int dst = first_merger(p); dst < last_merger(p); ++dst)
       signal_add<Order::kRelaxed>(p.team, p.team.flag(p.landed, parity * kDecodeMaxPairs + pair), dst, 1);
   }
@@ -590,10 +599,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   if ((p.out_rank < 0 || p.out_rank == p.team.rank) && !(p.splits > 1 && p.team.world == 1))
     K::template merge_items<false>(p, sm, parity, call, gated);
   // The call's end, told to every rank: it may push its call + 2 into this rank's inbox of this parity. The
-  // system fence orders this block's reads of the inbox before the last finisher's release.
+  // fence orders this block's reads of the inbox before the last finisher's release.
   if (threadIdx.x == 0) {
     const TimelineSpan release(recorder, TimelinePhase::kDecode, uint32_t(DecodeStep::kRelease));
-    __threadfence_system();
+    K::fence_for_readers(p);
     if (p.epoch.finished(gridDim.x))
       for (int dst = 0; dst < p.team.world; ++dst)  // itself too: its own pushes wait on the same flags
         signal_set(p.team, p.team.flag(p.released, 2 * p.team.rank + parity), dst, call);
