@@ -135,14 +135,21 @@ Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
                           ops::GroupedGemmOp<OutT, kKMajor, kTileN, ops::kMoeDispatchStages<kTileN>, false>>,
                       kKMajor, 1>(pr, stream, launch);
       }
+    // Without group_rows, the kernels without the scheduler's walk of live tiles (whose data-dependent
+    // branches cost the consumers' loop; ops::GroupedFp8GemmOp).
+    const bool counted = pr.opt.group_rows != nullptr;
     if constexpr (kCluster == 1 && kTileN == 256)
       if (pr.opt.activation == GemmActivation::kSwiGLU)
-        return run_op<ops::GroupedGemmSwigluOp<OutT, kKMajor>, kKMajor, 1>(pr, stream, launch);
+        return counted ? run_op<ops::GroupedGemmSwigluOp<OutT, kKMajor>, kKMajor, 1>(pr, stream, launch)
+                       : run_op<ops::GroupedGemmSwigluOp<OutT, kKMajor, 0, false>, kKMajor, 1>(pr, stream,
+                                                                                               launch);
     if constexpr (kCluster == 1 && kTileN == 256 && std::is_same_v<OutT, __nv_bfloat16>)
       if (pr.scatter != nullptr)
         return run_op<ops::GroupedGemmScatterOp<kKMajor>, kKMajor, 1>(pr, stream, launch);
     if constexpr (kCluster == 1)
-      return run_op<ops::GroupedGemmOp<OutT, kKMajor, kTileN>, kKMajor, 1>(pr, stream, launch);
+      return counted ? run_op<ops::GroupedGemmOp<OutT, kKMajor, kTileN>, kKMajor, 1>(pr, stream, launch)
+                     : run_op<ops::GroupedGemmOp<OutT, kKMajor, kTileN, 0, false>, kKMajor, 1>(pr, stream,
+                                                                                               launch);
     throw_error("weft::grouped_gemm runs with cluster 1 only");
   }
   return run_op<ops::GemmOp<OutT, kKMajor, kCluster, kTileN>, kKMajor, kCluster>(pr, stream, launch);

@@ -107,8 +107,11 @@ bool staged_scales(const Fp8Problem& pr) {
 template <class OutT, bool kE5M2>
 Plan run_typed(const Fp8Problem& pr, cudaStream_t stream, bool launch) {
   if (pr.groups > 0) {
-    if (staged_scales(pr)) return run_op<ops::GroupedFp8GemmOp<OutT, kE5M2, true>>(pr, stream, launch);
-    return run_op<ops::GroupedFp8GemmOp<OutT, kE5M2>>(pr, stream, launch);
+    if (pr.opt.group_rows != nullptr)  // (counted groups: a low-latency dispatch's)
+      return staged_scales(pr) ? run_op<ops::GroupedFp8GemmOp<OutT, kE5M2, true>>(pr, stream, launch)
+                               : run_op<ops::GroupedFp8GemmOp<OutT, kE5M2>>(pr, stream, launch);
+    return staged_scales(pr) ? run_op<ops::GroupedFp8GemmOp<OutT, kE5M2, true, false>>(pr, stream, launch)
+                             : run_op<ops::GroupedFp8GemmOp<OutT, kE5M2, false, false>>(pr, stream, launch);
   }
   switch (pr.scales.kind) {
     case Fp8Scaling::kTensor:

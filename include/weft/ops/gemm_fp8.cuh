@@ -170,11 +170,15 @@ struct Fp8GemmOp {
 // A's rows of group e times B_e, promoted per k-block times A's row scales [rows, K / 128] and B_e's block
 // scales [E, ceil(N / 128), K / 128]. A column tile past N of expert e reads expert e + 1's first rows: the
 // store clips them. kStagedScaleA: A's scales M-major, brought into the stages by TMA (as Fp8GemmOp's).
-template <class OutT, bool kE5M2 = false, bool kStagedScaleA = false>
-struct GroupedFp8GemmOp : Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc::GroupedTileScheduler<128>,
-                                    true, kStagedScaleA> {
-  using Base =
-      Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false, lcsc::GroupedTileScheduler<128>, true, kStagedScaleA>;
+// kCountedGroups: group_rows taken (the scheduler's walk of live tiles); a call without group_rows runs the
+// kernel without that walk, whose data-dependent branches make the consumers' k-block loop compile into
+// per-thread stage registers and divergence checks (0.90 of the kernel without them, bench/RESULTS.md
+// 2026-11-29).
+template <class OutT, bool kE5M2 = false, bool kStagedScaleA = false, bool kCountedGroups = true>
+struct GroupedFp8GemmOp : Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false,
+                                    lcsc::GroupedTileScheduler<128, kCountedGroups>, true, kStagedScaleA> {
+  using Base = Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false,
+                         lcsc::GroupedTileScheduler<128, kCountedGroups>, true, kStagedScaleA>;
   using Base::kBM, Base::kBN;
   using typename Base::Accum, typename Base::Mainloop, typename Base::Pipeline, typename Base::Scheduler,
       typename Base::StoreState;
