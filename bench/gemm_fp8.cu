@@ -190,7 +190,7 @@ std::vector<std::string> grouped_row(const GroupedShape& g, bool quick, cudaStre
   const int64_t total = g.experts * g.rows, kb = (g.k + 127) / 128, nb = (g.n + 127) / 128;
   DeviceBuffer a(uint64_t(total) * g.k), b(uint64_t(g.experts) * g.n * g.k), c(uint64_t(total) * g.n * 2),
       sa(uint64_t(total) * kb * 4), sb(uint64_t(g.experts) * nb * kb * 4), ends(g.experts * 4),
-      ones(8 * sizeof(float));
+      counts(g.experts * 4), ones(8 * sizeof(float));
   fill_e4m3<<<1024, 256, 0, stream>>>(as<uint8_t>(a), a.bytes, 11);
   fill_e4m3<<<1024, 256, 0, stream>>>(as<uint8_t>(b), b.bytes, 12);
   fill_value<<<256, 256, 0, stream>>>(as<float>(sa), sa.bytes / 4, 1.f);  // (row-major and M-major alike)
@@ -200,6 +200,9 @@ std::vector<std::string> grouped_row(const GroupedShape& g, bool quick, cudaStre
   std::vector<int32_t> h_ends(g.experts);
   for (int e = 0; e < g.experts; ++e) h_ends[e] = int32_t((e + 1) * g.rows);
   WEFT_CUDA_CHECK(cudaMemcpyAsync(ends.p, h_ends.data(), ends.bytes, cudaMemcpyHostToDevice, stream));
+  const std::vector<int32_t> h_counts(g.experts, int32_t(g.rows));  // every row counted
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(counts.p, h_counts.data(), counts.bytes, cudaMemcpyHostToDevice, stream));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));  // (the host vectors)
   const Fp8Scales row_major{Fp8Scaling::kBlock, as<float>(sa), as<float>(sb)};
   Fp8Scales m_major = row_major;
   m_major.a_m_stride = total;
@@ -212,9 +215,11 @@ std::vector<std::string> grouped_row(const GroupedShape& g, bool quick, cudaStre
   const Shape one{g.rows, g.n, g.k};
   const float* scale = as<float>(ones);
   const LtFp8 lt(one, scale, scale + 4, workspace, workspace_bytes, a.p, b.p, c.p, stream);
-  auto grouped = [&](const Fp8Scales& sc) {
+  auto grouped = [&](const Fp8Scales& sc, bool counted = false) {
+    GemmOptions o;
+    if (counted) o.group_rows = as<int32_t>(counts);
     grouped_gemm_fp8(a.p, b.p, c.p, as<int32_t>(ends), g.experts, total, g.n, g.k, Fp8Type::kE4M3, sc,
-                     DType::kBF16, stream);
+                     DType::kBF16, stream, o);
   };
   auto per_expert = [&](bool cublas) {
     for (int e = 0; e < g.experts; ++e) {
@@ -228,10 +233,10 @@ std::vector<std::string> grouped_row(const GroupedShape& g, bool quick, cudaStre
   const double flops = 2.0 * double(total) * double(g.n) * double(g.k);
   const int iters = quick ? std::clamp(int(60 / (flops / 1200e9)), 5, 20)
                           : std::clamp(int(400 / (flops / 1200e9)), 15, 100);
-  const std::vector<float> ms =
-      time_in_turns({[&](int) { grouped(row_major); }, [&](int) { grouped(m_major); },
-                     [&](int) { per_expert(false); }, [&](int) { per_expert(true); }},
-                    iters, stream);
+  const std::vector<float> ms = time_in_turns(
+      {[&](int) { grouped(row_major); }, [&](int) { grouped(m_major); }, [&](int) { per_expert(false); },
+       [&](int) { per_expert(true); }, [&](int) { grouped(m_major, true); }},
+      iters, stream);
   auto tf = [&](float t) { return fmt("%.0f", flops / (double(t) * 1e-3) / 1e12); };
   return {fmt("%d x %lld", g.experts, (long long)g.rows),
           std::to_string(g.k),
@@ -241,7 +246,9 @@ std::vector<std::string> grouped_row(const GroupedShape& g, bool quick, cudaStre
           tf(ms[2]),
           tf(ms[3]),
           fmt("%.3f", ms[2] / ms[1]),
-          fmt("%.3f", ms[3] / ms[1])};
+          fmt("%.3f", ms[3] / ms[1]),
+          tf(ms[4]),
+          fmt("%.3f", ms[1] / ms[4])};
 }
 
 Table grouped_table(const Context& ctx, cudaStream_t stream, void* workspace, size_t workspace_bytes) {
@@ -250,10 +257,12 @@ Table grouped_table(const Context& ctx, cudaStream_t stream, void* workspace, si
   Table t("grouped_gemm_fp8: an MoE rank's experts (equal groups), e4m3 in, bf16 out, GPU 0",
           {"experts x rows", "K", "N", "grouped, A's scales row-major TFLOP/s", "grouped, M-major TFLOP/s",
            "weft gemm_fp8 per expert, M-major TFLOP/s", "cuBLASLt per expert, per-tensor TFLOP/s",
-           "grouped M-major / weft per expert", "grouped M-major / cuBLASLt per expert"},
+           "grouped M-major / weft per expert", "grouped M-major / cuBLASLt per expert",
+           "M-major, every row counted (group_rows) TFLOP/s", "counted / grouped M-major"},
           "Block scales (A 1 x 128, B 128 x 128) for weft, per-tensor for cuBLASLt (it has no block scales "
           "here); per expert: one launch an expert, in a row. The grouped kernel should match weft's own "
-          "per-expert GEMMs on the same staged path.");
+          "per-expert GEMMs on the same staged path. Counted: the same call with group_rows (every row), the "
+          "kernel a low-latency dispatch's counts run (the scheduler's walk of live tiles).");
   for (const GroupedShape& g : shapes) {
     ctx.progress("gemm_fp8 grouped: %d x %lld, K %lld, N %lld", g.experts, (long long)g.rows, (long long)g.k,
                  (long long)g.n);
