@@ -52,8 +52,9 @@ struct GroupTile : Tile {  // GroupedTileScheduler::Work
   int group = -1;          // the tile's group; -1: not named (no group_rows: the op finds it)
 };
 
-// kCounts false: group_rows is not taken (ignored) and the walk of live tiles is left out of the code, for
-// ops that refuse group_rows (their loaders have no registers to spare for it).
+// kCounts false: group_rows is not taken (ignored) and the walk of live tiles is left out of the code: for
+// ops that refuse group_rows (their loaders have no registers to spare for it), and for grouped GEMM calls
+// without group_rows (the walk in the consumers' tile step costs their k-block loop).
 template <int kTileRows, bool kCounts = true>
 class GroupedTileScheduler {
  public:

@@ -100,9 +100,9 @@ struct GemmOp {
 // (fixed-capacity groups that fill partly, as a low-latency dispatch leaves them): the scheduler
 // (lcsc/grouped_scheduler.cuh) then walks only the tiles holding counted rows, spread over all blocks, and
 // names each one's group; a tile the count ends inside is computed whole (its rows past the count hold no
-// result). kCountedGroups false: group_rows is not taken (the scattering and dispatching variants refuse it)
-// and the scheduler's walk of live tiles is left out of the kernel. A K-tail block reads the next expert's
-// first rows of B, which meet A's zero-filled columns: zeros.
+// result). kCountedGroups false: group_rows is not taken (the scattering and dispatching variants refuse it;
+// calls without group_rows run it too) and the scheduler's walk of live tiles is left out of the kernel. A
+// K-tail block reads the next expert's first rows of B, which meet A's zero-filled columns: zeros.
 template <class OutT, bool kBKMajor, int kTileN = 256, int kStageCount = 0, bool kCountedGroups = true>
 struct GroupedGemmOp
     : GemmOp<OutT, kBKMajor, 1, kTileN, kStageCount, 2, lcsc::GroupedTileScheduler<128, kCountedGroups>> {
