@@ -57,39 +57,39 @@ void launch(const Quantize& q) {
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
+// activate_quantize_fp8's launch, its arguments checked.
+struct Activated {
+  const void* in;
+  int64_t ld_in;
+  void* out;
+  int64_t ld_out;
+  float* scales;
+  ops::fp8::ScaleSteps steps;
+  int64_t rows, cols;
+  Fp8QuantizeRows which;
+  cudaStream_t stream;
+};
+
 template <class T, bool kE5M2, Fp8Activation kAct>
-void launch_activated(const void* in, int64_t ld_in, void* out, int64_t ld_out, float* scales,
-                      ops::fp8::ScaleSteps steps, int64_t rows, int64_t cols, const Fp8QuantizeRows& which,
-                      cudaStream_t stream) {
+void launch_activated(const Activated& a) {
   constexpr auto kernel = &ops::fp8::activate_quantize_kernel<T, kE5M2, kAct>;
   detail::preload<kernel>();
-  kernel<<<4 * ops::device_facts().sms, 256, 0, stream>>>(
-      static_cast<const T*>(in), ld_in, static_cast<uint8_t*>(out), ld_out, scales, steps, rows, cols,
-      ops::fp8::QuantizedRows{which.group_end, which.group_rows, which.groups});
+  kernel<<<4 * ops::device_facts().sms, 256, 0, a.stream>>>(
+      static_cast<const T*>(a.in), a.ld_in, static_cast<uint8_t*>(a.out), a.ld_out, a.scales, a.steps, a.rows,
+      a.cols, ops::fp8::QuantizedRows{a.which.group_end, a.which.group_rows, a.which.groups});
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
+// The kernel of `activation`, one of kActs.
+template <class T, bool kE5M2, Fp8Activation... kActs>
+void launch_activated_one_of(Fp8Activation activation, const Activated& a) {
+  ((activation == kActs && (launch_activated<T, kE5M2, kActs>(a), true)) || ...);
+}
+
 template <class T, bool kE5M2>
-void launch_activated(Fp8Activation activation, const void* in, int64_t ld_in, void* out, int64_t ld_out,
-                      float* scales, ops::fp8::ScaleSteps steps, int64_t rows, int64_t cols,
-                      const Fp8QuantizeRows& which, cudaStream_t stream) {
-  switch (activation) {
-    case Fp8Activation::kSwiGLU:
-      return launch_activated<T, kE5M2, Fp8Activation::kSwiGLU>(in, ld_in, out, ld_out, scales, steps, rows,
-                                                                cols, which, stream);
-    case Fp8Activation::kSiLU:
-      return launch_activated<T, kE5M2, Fp8Activation::kSiLU>(in, ld_in, out, ld_out, scales, steps, rows,
-                                                              cols, which, stream);
-    case Fp8Activation::kGELU:
-      return launch_activated<T, kE5M2, Fp8Activation::kGELU>(in, ld_in, out, ld_out, scales, steps, rows,
-                                                              cols, which, stream);
-    case Fp8Activation::kReLU:
-      return launch_activated<T, kE5M2, Fp8Activation::kReLU>(in, ld_in, out, ld_out, scales, steps, rows,
-                                                              cols, which, stream);
-    default:
-      return launch_activated<T, kE5M2, Fp8Activation::kNone>(in, ld_in, out, ld_out, scales, steps, rows,
-                                                              cols, which, stream);
-  }
+void launch_activated(Fp8Activation activation, const Activated& a) {
+  using A = Fp8Activation;
+  launch_activated_one_of<T, kE5M2, A::kNone, A::kSwiGLU, A::kSiLU, A::kGELU, A::kReLU>(activation, a);
 }
 
 // Where A's block scales go (ops::fp8::ScaleSteps): M-major with scale_m_stride, rows of scale_row_stride
@@ -135,18 +135,14 @@ void activate_quantize_fp8(const void* in, DType in_type, Fp8Activation activati
     ops::check_pointer_alignment(which.group_end, "which.group_end", 4, where);
     ops::check_pointer_alignment(which.group_rows, "which.group_rows", 4, where);
   }
-  const ops::fp8::ScaleSteps steps = block_scale_steps(cols, scale_m_stride, 0);
+  const Activated a{in,   ld_in, out,   ld_out, scales, block_scale_steps(cols, scale_m_stride, 0),
+                    rows, cols,  which, stream};
   const bool e5m2 = out_type == Fp8Type::kE5M2;
   if (in_type == DType::kBF16)
-    e5m2 ? launch_activated<__nv_bfloat16, true>(activation, in, ld_in, out, ld_out, scales, steps, rows,
-                                                 cols, which, stream)
-         : launch_activated<__nv_bfloat16, false>(activation, in, ld_in, out, ld_out, scales, steps, rows,
-                                                  cols, which, stream);
+    e5m2 ? launch_activated<__nv_bfloat16, true>(activation, a)
+         : launch_activated<__nv_bfloat16, false>(activation, a);
   else
-    e5m2 ? launch_activated<__half, true>(activation, in, ld_in, out, ld_out, scales, steps, rows, cols,
-                                          which, stream)
-         : launch_activated<__half, false>(activation, in, ld_in, out, ld_out, scales, steps, rows, cols,
-                                           which, stream);
+    e5m2 ? launch_activated<__half, true>(activation, a) : launch_activated<__half, false>(activation, a);
 }
 
 void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, float* scales, int64_t rows,
