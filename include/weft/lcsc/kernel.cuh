@@ -99,32 +99,27 @@ class ClaimedTiles {
   using Work = typename Scheduler::Work;
   __device__ ClaimedTiles(Scheduler& s, TileQueue& q, int* claims, bool loader)
       : s_(s), q_(q), claims_(claims), loader_(loader) {}
-  // Scheduler::at(u, t) returns whether unit u has an item (false: skipped). The loader claims units until
-  // one has an item and hands that one over; the consumers take each unit as it comes, with no loop over
-  // claims in their tile step: a loop there whose trip count follows loaded values can compile the
-  // consumers' whole mainloop as possibly divergent (the grouped GEMMs' live-tile walk did, bench/RESULTS.md
-  // 2026-11-29).
+  // Scheduler::at(u, t) returns whether unit u has an item (false: skipped, by every role alike).
   __device__ bool next(Work& t) {
-    const int i = taken_ % TileQueue::kDepth;
-    const uint32_t parity = (taken_ / TileQueue::kDepth) & 1u;
-    ++taken_;
-    int u;
-    if (loader_) {
-      tile::mbarrier_wait_bounded(&q_.empty[i], parity ^ 1u);  // the entry's previous unit has been read
-      const int units = s_.units();
-      do u = atomicAdd(claims_, 1);
-      while (u < units && !s_.at(u, t));
-      if (u >= units) u = -1;
-      q_.unit[i] = u;
-      tile::mbarrier_arrive(&q_.full[i]);  // orders the store before the consumers' reads (release, CTA)
-      return u >= 0;
+    for (;;) {
+      const int i = taken_ % TileQueue::kDepth;
+      const uint32_t parity = (taken_ / TileQueue::kDepth) & 1u;
+      ++taken_;
+      int u;
+      if (loader_) {
+        tile::mbarrier_wait_bounded(&q_.empty[i], parity ^ 1u);  // the entry's previous unit has been read
+        u = atomicAdd(claims_, 1);
+        if (u >= s_.units()) u = -1;
+        q_.unit[i] = u;
+        tile::mbarrier_arrive(&q_.full[i]);  // orders the store before the consumers' reads (release, CTA)
+      } else {
+        tile::mbarrier_wait_bounded(&q_.full[i], parity);
+        u = q_.unit[i];
+        tile::mbarrier_arrive(&q_.empty[i]);
+      }
+      if (u < 0) return false;
+      if (s_.at(u, t)) return true;
     }
-    tile::mbarrier_wait_bounded(&q_.full[i], parity);
-    u = q_.unit[i];
-    tile::mbarrier_arrive(&q_.empty[i]);
-    if (u < 0) return false;
-    (void)s_.at(u, t);  // (an item: the loader checked)
-    return true;
   }
 
  private:
