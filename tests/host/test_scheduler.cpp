@@ -34,12 +34,7 @@ std::vector<std::vector<typename Scheduler::Work>> walk_blocks(const typename Sc
   for (int b = 0; b < Scheduler::compute_blocks(p); ++b) {
     Scheduler s(p, b / cluster, b % cluster);
     typename Scheduler::Work w;
-    while (s.next(w))
-      if constexpr (requires { w.skip; }) {
-        if (!w.skip) blocks[b].push_back(w);  // (a unit without an item: the kernel passes over it)
-      } else {
-        blocks[b].push_back(w);
-      }
+    while (s.next(w)) blocks[b].push_back(w);
   }
   return blocks;
 }

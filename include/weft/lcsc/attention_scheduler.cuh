@@ -44,7 +44,6 @@ struct AttentionSchedulerParams {
 struct AttentionWork {
   int batch = 0, head = 0, q_block = 0;
   int iteration = 0;  // how many items this block took before this one
-  int skip = 0;       // next(): a unit without an item (past its sequence's end, or the last run's end)
 };
 
 class AttentionScheduler {
@@ -63,43 +62,37 @@ class AttentionScheduler {
         section_units_(section_pairs_ * p.unit_rows()),
         position_(cluster_index) {}
 
-  // The next unit of this block, or false when it has none left; a unit without an item (past its
-  // sequence's end, or the last run's end) comes with skip set, and the kernel passes over it (lcsc/
-  // kernel.cuh). One unit a call, no loop over units: whether a unit has an item follows packed sequences'
-  // lengths, read from memory, and a loop whose trip count follows loaded values in the consumers' tile step
-  // can compile their whole mainloop as possibly divergent (the grouped GEMMs' live-tile walk did,
-  // bench/RESULTS.md 2026-11-29). 32-bit arithmetic (the host keeps units() below 2^31): a 64-bit division
-  // is a subroutine call, which caps the registers of the whole consumer.
+  // The next item of this block, or false when it has none left. 32-bit arithmetic (the host keeps units()
+  // below 2^31): a 64-bit division is a subroutine call, which caps the registers of the whole consumer.
   __host__ __device__ __forceinline__ bool next(Work& w) {
     if (second_ >= 0) {  // the light block of a pair
       w.batch = second_batch_;
       w.head = second_head_;
       w.q_block = second_;
-      w.skip = 0;
       second_ = -1;
       w.iteration = iteration_++;
       return true;
     }
     const int runs = p_.compute_blocks, units = static_cast<int>(p_.units());
-    if (runs <= 0 || run_ >= (units + runs - 1) / runs) return false;
-    // Rotated by the run: a block does not take the same position of every run (with an odd count of
-    // blocks, a pair's middle block is a unit of half the cost, and the same position would give it to the
-    // same persistent blocks each run).
-    const int u = run_ * runs + position_;
-    ++run_;
-    if (++position_ == runs) position_ = 0;
-    const bool has = u < units && item(u, w);  // (the last run is short; units past a sequence's end)
-    w.skip = has ? 0 : 1;
-    w.iteration = iteration_;
-    iteration_ += has ? 1 : 0;
-    return true;
+    if (runs <= 0) return false;
+    while (run_ < (units + runs - 1) / runs) {
+      // Rotated by the run: a block does not take the same position of every run (with an odd count of
+      // blocks, a pair's middle block is a unit of half the cost, and the same position would give it to
+      // the same persistent blocks each run).
+      const int u = run_ * runs + position_;
+      ++run_;
+      if (++position_ == runs) position_ = 0;
+      if (u >= units || !item(u, w)) continue;  // the last run is short; units past a sequence's end
+      w.iteration = iteration_++;
+      return true;
+    }
+    return false;
   }
   // Claimed units (lcsc::ClaimedTiles): unit u as this block's next item, or false where u lies past its
   // sequence's end. Unpaired schedules only (a paired unit's light block would be lost: the launchers that
   // set `claims` check `paired` is off).
   __host__ __device__ __forceinline__ bool at(int u, Work& w) {
     if (!item(u, w)) return false;
-    w.skip = 0;
     w.iteration = iteration_++;
     return true;
   }

@@ -197,16 +197,6 @@ __device__ __forceinline__ uint32_t timeline_arg(const Work& w) {
     return 0;
 }
 
-// Whether a scheduler handed out a unit without an item (Work::skip, where a scheduler has it: every role
-// passes over it alike).
-template <class Work>
-__device__ __forceinline__ bool skipped(const Work& w) {
-  if constexpr (requires { w.skip; })
-    return w.skip != 0;
-  else
-    return false;
-}
-
 // Dynamic shared memory is rounded up to 1024 bytes in the kernel (the swizzle atom).
 template <class Op>
 inline constexpr size_t kSmemBytes = sizeof(typename Op::Smem) + 1024;
@@ -278,7 +268,6 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
       Work t;
       auto&& tiles = role_tiles<Op>(sched, smem, p, true);
       while (tiles.next(t)) {
-        if (skipped(t)) continue;
         if constexpr (requires { Op::wait_inputs(p, t); }) {
           mark<Op>(p, true, TimelinePhase::kWaitInputs, false, timeline_arg(t));
           Op::wait_inputs(p, t);
@@ -302,7 +291,6 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
     Work t;
     auto&& tiles = role_tiles<Op>(sched, smem, p, false);
     while (tiles.next(t)) {
-      if (skipped(t)) continue;
       // wgmma is warp-aligned: the whole warp must issue it together. Independent thread scheduling does
       // not promise that lanes split by a branch of the previous item's store (or a timeline mark) have met
       // again, so meet here.
