@@ -20,6 +20,11 @@
 #                                                   design; it says which: the commit and the diff's stat).
 #                                                   A device call carries at most 64 MiB: pack the one
 #                                                   program the A / B runs (weft-bench: ~18 MB a version)
+#            scripts/prebuilt.sh pack --as NAME --revert REV ... [TARGET...]
+#                                                   a held-back change as a version: REV (a "Hold back"
+#                                                   commit; --revert again for several) reverted here, the
+#                                                   version packed, then the tree reset to where it was (a
+#                                                   clean working tree only)
 # Then e.g. WEFT_BUILD_DIR=build-prebuilt tests/gpu/run.sh PATTERN, or WEFT_PREBUILT=1 scripts/device_suite.sh
 # PATTERN... DIR has the build tree's layout for run.sh (bench/, tests/gpu/, examples/, python/weft), not a
 # CMake build: the find_package consumer step needs a build made on the machine. Not for the suite of
@@ -46,6 +51,27 @@ if [ "${1:-}" = --as ]; then
   pack=out/prebuilt/$name
   shift 2
 fi
+# On exit: the pack's staging directory removed, and with --revert the tree reset to where it was.
+staged="" head=""
+cleanup() {
+  [ -z "$staged" ] || rm -rf "$staged"
+  if [ -n "$head" ]; then
+    git reset -q --hard "$head" && echo "prebuilt.sh: the tree is back at $(git log -1 --format=%h)" >&2
+  fi
+}
+trap cleanup EXIT
+reverts=()
+while [ "${1:-}" = --revert ]; do
+  [ -n "$name" ] || { echo "prebuilt.sh: --revert needs --as NAME (a version)" >&2; exit 2; }
+  reverts+=("${2:?prebuilt.sh: --revert needs a commit}")
+  shift 2
+done
+if [ ${#reverts[@]} -gt 0 ]; then  # pack the tree with REVs reverted, then put the tree back
+  git diff --quiet && git diff --cached --quiet ||
+    { echo "prebuilt.sh: --revert needs a clean working tree (commit or stash first)" >&2; exit 2; }
+  head=$(git rev-parse HEAD)
+  git revert --no-edit "${reverts[@]}" >/dev/null || { git revert --abort 2>/dev/null; exit 1; }
+fi
 case "$what" in
   pack)
     declare -A path_of
@@ -62,7 +88,7 @@ case "$what" in
       cmake --build build -j "$(nproc)" --target "${targets[@]}" weft-launch weft-bench || exit 1
     mkdir -p "$pack"
     stage=$(mktemp -d)
-    trap 'rm -rf "$stage"' EXIT
+    staged=$stage  # (removed on exit)
     cmake --install build --prefix "$stage/install" >/dev/null || exit 1
     rm -f "$stage/install/bin/weft-bench"  # (it travels at its build-tree place when packed)
     tar -C build -cf "$stage/bins.tar" "${files[@]}" && tar -C "$stage" -rf "$stage/bins.tar" install &&
