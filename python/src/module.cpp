@@ -861,10 +861,11 @@ void bind_fp8_gemm(py::module_& m) {
          const std::string& ab_type, const std::string& scaling, uintptr_t scale_a, uintptr_t scale_b,
          const std::string& c_dtype, uintptr_t stream, int64_t scale_a_m_stride) {
         OnDevice on(device);
+        weft::Fp8Scales scales{parse_scaling(scaling), reinterpret_cast<const float*>(scale_a),
+                               reinterpret_cast<const float*>(scale_b)};
+        scales.a_m_stride = scale_a_m_stride;
         weft::gemm_fp8(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
-                       reinterpret_cast<void*>(c), m_rows, n, k, parse_fp8(ab_type),
-                       weft::Fp8Scales{parse_scaling(scaling), reinterpret_cast<const float*>(scale_a),
-                                       reinterpret_cast<const float*>(scale_b), scale_a_m_stride},
+                       reinterpret_cast<void*>(c), m_rows, n, k, parse_fp8(ab_type), scales,
                        parse_dtype(c_dtype), reinterpret_cast<cudaStream_t>(stream));
       },
       py::arg("device"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("m"), py::arg("n"), py::arg("k"),

@@ -135,13 +135,14 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None, group_r
     where = "weft.grouped_scaled_mm"
     if not all(_torch_tensor(x) for x in (a, b, group_end, scale_a, scale_b)):
         raise WeftTypeError(f"{where}: a, b, group_end, scale_a and scale_b must be torch tensors")
+    layout = _scale_a_layout(scale_a)
     for name, x in (("a", a), ("b", b), ("group_end", group_end), ("scale_a", scale_a), ("scale_b", scale_b)):
         if not x.is_cuda or x.device != a.device:
             raise WeftValueError(f"{where}: {name} must be a CUDA tensor on a's device")
-        # a and scale_a: rows may be strided (weft.moe_dispatch_fp8's packed rows), scale_a M-major; the rest
-        # contiguous.
-        strided_rows = name in ("a", "scale_a") and x.dim() == 2 and x.stride(1) == 1
-        if not (x.is_contiguous() or strided_rows or (name == "scale_a" and _scale_a_layout(x))):
+        # a: rows may be strided (weft.moe_dispatch_fp8's packed rows); scale_a: any layout _scale_a_layout
+        # names (strided rows, M-major); the rest contiguous.
+        strided_rows = name == "a" and x.dim() == 2 and x.stride(1) == 1
+        if not (x.is_contiguous() or strided_rows or (name == "scale_a" and layout)):
             raise WeftValueError(f"{where}: {name} must be contiguous" +
                                  {"a": " or have contiguous rows",
                                   "scale_a": ", have contiguous rows or be M-major (strides (1, ld), ld >= rows)"}
@@ -161,15 +162,14 @@ def grouped_scaled_mm(a, b, group_end, scale_a, scale_b, out_dtype=None, group_r
         raise WeftValueError(f"{where}: rows ({rows}) must be a multiple of 128 and K ({k}) of 16")
     if a.stride(0) < k or a.stride(0) % 16:
         raise WeftValueError(f"{where}: a's row stride ({a.stride(0)} bytes) must be at least K and a multiple of 16")
-    layout = _scale_a_layout(scale_a)
-    if layout and layout[0] == "row" and layout[1] < -(-k // _BLOCK):
-        raise WeftValueError(f"{where}: scale_a's row stride ({scale_a.stride(0)} floats) must be at least "
-                             f"ceil(K / 128) = {-(-k // _BLOCK)}")
     blocks = -(-k // _BLOCK)
     if scale_a.dtype != torch.float32 or tuple(scale_a.shape) != (rows, blocks) or \
             scale_b.dtype != torch.float32 or tuple(scale_b.shape) != (groups, -(-n // _BLOCK), blocks):
         raise WeftValueError(f"{where}: scale_a must be float32 [{rows}, {blocks}] and scale_b float32 [{groups}, "
                              f"{-(-n // _BLOCK)}, {blocks}], got {tuple(scale_a.shape)} and {tuple(scale_b.shape)}")
+    if layout[0] == "row" and layout[1] < blocks:
+        raise WeftValueError(f"{where}: scale_a's row stride ({scale_a.stride(0)} floats) must be at least "
+                             f"ceil(K / 128) = {blocks}")
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise WeftTypeError(f"{where}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")

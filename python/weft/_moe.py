@@ -8,7 +8,7 @@ from typing import Optional
 from . import _op_table, _weft
 from ._args import _comm, _dtype_name, _torch_tensor
 from ._errors import WeftTypeError, WeftValueError
-from ._fp8 import grouped_scaled_mm, quantize_fp8
+from ._fp8 import _ACTIVATIONS, grouped_scaled_mm, quantize_fp8
 from ._op_table import DTYPES, Tensor, _native, _stream, _world, declare, torch
 
 __all__ = ["grouped_mm", "swiglu_interleave", "MoeDispatch", "moe_dispatch", "moe_dispatch_grouped_mm",
@@ -437,9 +437,6 @@ def moe_grouped_mm_combine(a, b, dispatched, weights):
                                          dispatched._experts, w, dispatched._shape, dispatched._comm)
 
 
-_ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
-
-
 def _fused_dispatch_faster(c, num_experts, max_tokens, epilogue):
     """moe_layer's rule for fused_dispatch=None (inference): where the dispatch fused with the first GEMM measured
     faster than the unfused pair (4 x H200, SwiGLU in the GEMM's epilogue: 8 and 32 experts from 2048 tokens a
@@ -561,7 +558,7 @@ def moe_layer(x, experts, weights, w_up, w_down, num_experts, activation="swiglu
 
 
 def _fp8_layer_checks(where, x, weights, w_up, w_up_scales, w_down, w_down_scales, local, activation):
-    """moe_layer_fp8's arguments, checked before its dispatch (a team collective): returns inter."""
+    """moe_layer_fp8's arguments, checked before its dispatch (a team collective)."""
     named = (("x", x), ("weights", weights), ("w_up", w_up), ("w_up_scales", w_up_scales), ("w_down", w_down),
              ("w_down_scales", w_down_scales))
     for name, t in named:
@@ -590,7 +587,6 @@ def _fp8_layer_checks(where, x, weights, w_up, w_up_scales, w_down, w_down_scale
         if s.dtype != torch.float32 or tuple(s.shape) != want or not s.is_contiguous():
             raise WeftValueError(f"{where}: {name}_scales must be contiguous float32 {list(want)} (128 x 128 "
                                  f"blocks), got {s.dtype} {list(s.shape)}")
-    return inter
 
 
 def moe_layer_fp8(x, experts, weights, w_up, w_up_scales, w_down, w_down_scales, num_experts, activation="swiglu",
