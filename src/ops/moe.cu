@@ -1099,7 +1099,6 @@ struct Fp8Parts {
   char* inner;  // moe_dispatch's workspace
   size_t inner_bytes;
   uint8_t* packed;  // [max_tokens, row_bytes]
-  float* scales;    // [max_tokens, ceil(hidden / 128)]
 };
 Fp8Parts carve_fp8(ops::WorkspaceLayout& w, int world, const MoeShape& s) {
   Fp8Parts p{};
@@ -1107,7 +1106,6 @@ Fp8Parts carve_fp8(ops::WorkspaceLayout& w, int world, const MoeShape& s) {
   p.inner = w.take(p.inner_bytes);
   const size_t rows = size_t(std::max<int64_t>(s.max_tokens, 1));
   p.packed = w.take<uint8_t>(rows * fp8_row_bytes(s.hidden));
-  p.scales = w.take<float>(rows * ((s.hidden + 127) / 128) * 4);
   return p;
 }
 
@@ -1120,7 +1118,7 @@ size_t moe_dispatch_fp8_workspace_bytes(int world, const MoeShape& shape) {
 namespace {
 
 // moe_dispatch_fp8, or with `plan` its plan: the checks, then moe_dispatch's plan of the packed rows (the
-// quantization is one elementwise kernel and a copy on the stream; nothing of it needs planning).
+// quantization is one elementwise kernel on the stream; nothing of it needs planning).
 MoeDispatchedFp8 dispatch_fp8(Communicator& comm, Rank& rank, const void* tokens, const int32_t* experts,
                               const MoeShape& shape, void* workspace, size_t workspace_bytes, DType dtype,
                               cudaStream_t stream, Plan* plan) {
@@ -1135,7 +1133,7 @@ MoeDispatchedFp8 dispatch_fp8(Communicator& comm, Rank& rank, const void* tokens
                   "moe_dispatch_fp8_workspace_bytes");
   ops::WorkspaceLayout w(workspace);
   const Fp8Parts p = carve_fp8(w, rank.world(), shape);
-  const int64_t row_bytes = fp8_row_bytes(shape.hidden), blocks = (shape.hidden + 127) / 128;
+  const int64_t row_bytes = fp8_row_bytes(shape.hidden);
   if (plan != nullptr) {
     *plan = moe_dispatch_plan(comm, rank, p.packed, experts, fp8_packed_shape(shape), p.inner, p.inner_bytes,
                               DType::kBF16, call.stream);
@@ -1143,12 +1141,10 @@ MoeDispatchedFp8 dispatch_fp8(Communicator& comm, Rank& rank, const void* tokens
     plan->path = "quantize_fp8, then " + plan->path;
     return {};
   }
-  if (shape.tokens > 0) {
-    quantize_fp8(tokens, dtype, p.packed, Fp8Type::kE4M3, p.scales, shape.tokens, shape.hidden,
-                 Fp8Scaling::kBlock, Fp8Operand::kA, call.stream, 0, row_bytes);
-    WEFT_CUDA_CHECK(cudaMemcpy2DAsync(p.packed + shape.hidden, row_bytes, p.scales, blocks * 4, blocks * 4,
-                                      shape.tokens, cudaMemcpyDeviceToDevice, call.stream));
-  }
+  if (shape.tokens > 0)  // the values, and each row's scales behind them (4-byte aligned: hidden % 16 == 0)
+    quantize_fp8(tokens, dtype, p.packed, Fp8Type::kE4M3, reinterpret_cast<float*>(p.packed + shape.hidden),
+                 shape.tokens, shape.hidden, Fp8Scaling::kBlock, Fp8Operand::kA, call.stream, 0, row_bytes, 0,
+                 row_bytes / 4);
   MoeDispatchedFp8 d;
   d.dispatched = moe_dispatch(comm, rank, p.packed, experts, fp8_packed_shape(shape), p.inner, p.inner_bytes,
                               DType::kBF16, call.stream);

@@ -18,7 +18,7 @@ struct Quantize {
   uint8_t* out;
   int64_t ld_out;
   float* scales;
-  int64_t scale_m_stride;
+  ops::fp8::ScaleSteps steps;  // kBlock, operand A
   int64_t rows, cols;
   Fp8Scaling kind;
   Fp8Operand operand;
@@ -47,49 +47,56 @@ void launch(const Quantize& q) {
     ops::fp8::finish_tensor_scale<kE5M2><<<1, 1, 0, q.stream>>>(q.scales);
   } else if (q.kind == Fp8Scaling::kRowCol) {
     detail::preload<&ops::fp8::quantize_groups_kernel<T, kE5M2, true>>();
-    ops::fp8::quantize_groups_kernel<T, kE5M2, true>
-        <<<blocks, 256, 0, q.stream>>>(in, q.ld_in, q.out, q.ld_out, q.scales, 0, q.rows, q.cols);
+    ops::fp8::quantize_groups_kernel<T, kE5M2, true><<<blocks, 256, 0, q.stream>>>(
+        in, q.ld_in, q.out, q.ld_out, q.scales, ops::fp8::ScaleSteps{1, 0}, q.rows, q.cols);
   } else {
     detail::preload<&ops::fp8::quantize_groups_kernel<T, kE5M2, false>>();
-    ops::fp8::quantize_groups_kernel<T, kE5M2, false><<<blocks, 256, 0, q.stream>>>(
-        in, q.ld_in, q.out, q.ld_out, q.scales, q.scale_m_stride, q.rows, q.cols);
+    ops::fp8::quantize_groups_kernel<T, kE5M2, false>
+        <<<blocks, 256, 0, q.stream>>>(in, q.ld_in, q.out, q.ld_out, q.scales, q.steps, q.rows, q.cols);
   }
   WEFT_CUDA_CHECK(cudaGetLastError());
 }
 
+// activate_quantize_fp8's launch, its arguments checked.
+struct Activated {
+  const void* in;
+  int64_t ld_in;
+  void* out;
+  int64_t ld_out;
+  float* scales;
+  ops::fp8::ScaleSteps steps;
+  int64_t rows, cols;
+  Fp8QuantizeRows which;
+  cudaStream_t stream;
+};
+
 template <class T, bool kE5M2, Fp8Activation kAct>
-void launch_activated(const void* in, int64_t ld_in, void* out, int64_t ld_out, float* scales,
-                      int64_t scale_m_stride, int64_t rows, int64_t cols, const Fp8QuantizeRows& which,
-                      cudaStream_t stream) {
+void launch_activated(const Activated& a) {
   constexpr auto kernel = &ops::fp8::activate_quantize_kernel<T, kE5M2, kAct>;
   detail::preload<kernel>();
-  kernel<<<4 * ops::device_facts().sms, 256, 0, stream>>>(
-      static_cast<const T*>(in), ld_in, static_cast<uint8_t*>(out), ld_out, scales, scale_m_stride, rows,
-      cols, ops::fp8::QuantizedRows{which.group_end, which.group_rows, which.groups});
+  kernel<<<4 * ops::device_facts().sms, 256, 0, a.stream>>>(
+      static_cast<const T*>(a.in), a.ld_in, static_cast<uint8_t*>(a.out), a.ld_out, a.scales, a.steps, a.rows,
+      a.cols, ops::fp8::QuantizedRows{a.which.group_end, a.which.group_rows, a.which.groups});
   WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
+// The kernel of `activation`, one of kActs.
+template <class T, bool kE5M2, Fp8Activation... kActs>
+void launch_activated_one_of(Fp8Activation activation, const Activated& a) {
+  ((activation == kActs && (launch_activated<T, kE5M2, kActs>(a), true)) || ...);
 }
 
 template <class T, bool kE5M2>
-void launch_activated(Fp8Activation activation, const void* in, int64_t ld_in, void* out, int64_t ld_out,
-                      float* scales, int64_t scale_m_stride, int64_t rows, int64_t cols,
-                      const Fp8QuantizeRows& which, cudaStream_t stream) {
-  switch (activation) {
-    case Fp8Activation::kSwiGLU:
-      return launch_activated<T, kE5M2, Fp8Activation::kSwiGLU>(in, ld_in, out, ld_out, scales,
-                                                                scale_m_stride, rows, cols, which, stream);
-    case Fp8Activation::kSiLU:
-      return launch_activated<T, kE5M2, Fp8Activation::kSiLU>(in, ld_in, out, ld_out, scales, scale_m_stride,
-                                                              rows, cols, which, stream);
-    case Fp8Activation::kGELU:
-      return launch_activated<T, kE5M2, Fp8Activation::kGELU>(in, ld_in, out, ld_out, scales, scale_m_stride,
-                                                              rows, cols, which, stream);
-    case Fp8Activation::kReLU:
-      return launch_activated<T, kE5M2, Fp8Activation::kReLU>(in, ld_in, out, ld_out, scales, scale_m_stride,
-                                                              rows, cols, which, stream);
-    default:
-      return launch_activated<T, kE5M2, Fp8Activation::kNone>(in, ld_in, out, ld_out, scales, scale_m_stride,
-                                                              rows, cols, which, stream);
-  }
+void launch_activated(Fp8Activation activation, const Activated& a) {
+  using A = Fp8Activation;
+  launch_activated_one_of<T, kE5M2, A::kNone, A::kSwiGLU, A::kSiLU, A::kGELU, A::kReLU>(activation, a);
+}
+
+// Where A's block scales go (ops::fp8::ScaleSteps): M-major with scale_m_stride, rows of scale_row_stride
+// floats, or dense row-major.
+ops::fp8::ScaleSteps block_scale_steps(int64_t cols, int64_t scale_m_stride, int64_t scale_row_stride) {
+  if (scale_m_stride > 0) return {1, scale_m_stride};
+  return {scale_row_stride > 0 ? scale_row_stride : (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock, 1};
 }
 
 }  // namespace
@@ -128,22 +135,19 @@ void activate_quantize_fp8(const void* in, DType in_type, Fp8Activation activati
     ops::check_pointer_alignment(which.group_end, "which.group_end", 4, where);
     ops::check_pointer_alignment(which.group_rows, "which.group_rows", 4, where);
   }
+  const Activated a{in,   ld_in, out,   ld_out, scales, block_scale_steps(cols, scale_m_stride, 0),
+                    rows, cols,  which, stream};
   const bool e5m2 = out_type == Fp8Type::kE5M2;
   if (in_type == DType::kBF16)
-    e5m2 ? launch_activated<__nv_bfloat16, true>(activation, in, ld_in, out, ld_out, scales, scale_m_stride,
-                                                 rows, cols, which, stream)
-         : launch_activated<__nv_bfloat16, false>(activation, in, ld_in, out, ld_out, scales, scale_m_stride,
-                                                  rows, cols, which, stream);
+    e5m2 ? launch_activated<__nv_bfloat16, true>(activation, a)
+         : launch_activated<__nv_bfloat16, false>(activation, a);
   else
-    e5m2 ? launch_activated<__half, true>(activation, in, ld_in, out, ld_out, scales, scale_m_stride, rows,
-                                          cols, which, stream)
-         : launch_activated<__half, false>(activation, in, ld_in, out, ld_out, scales, scale_m_stride, rows,
-                                           cols, which, stream);
+    e5m2 ? launch_activated<__half, true>(activation, a) : launch_activated<__half, false>(activation, a);
 }
 
 void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, float* scales, int64_t rows,
                   int64_t cols, Fp8Scaling kind, Fp8Operand operand, cudaStream_t stream, int64_t ld_in,
-                  int64_t ld_out, int64_t scale_m_stride) {
+                  int64_t ld_out, int64_t scale_m_stride, int64_t scale_row_stride) {
   const std::string where =
       "weft::quantize_fp8(rows=" + std::to_string(rows) + ", cols=" + std::to_string(cols) + "): ";
   WEFT_CHECK(in_type == DType::kBF16 || in_type == DType::kFP16, where + "in must be bf16 or fp16");
@@ -160,15 +164,25 @@ void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, fl
   ld_in = ld_in ? ld_in : cols;
   ld_out = ld_out ? ld_out : cols;
   WEFT_CHECK(ld_in >= cols && ld_out >= cols, where + "ld_in and ld_out must be at least cols");
-  WEFT_CHECK(scale_m_stride == 0 || (kind == Fp8Scaling::kBlock && operand == Fp8Operand::kA),
-             where + "scale_m_stride is for block scales of operand A, got " + std::to_string(scale_m_stride));
+  WEFT_CHECK((scale_m_stride == 0 && scale_row_stride == 0) ||
+                 (kind == Fp8Scaling::kBlock && operand == Fp8Operand::kA),
+             where + "scale_m_stride and scale_row_stride are for block scales of operand A, got " +
+                 std::to_string(scale_m_stride) + " and " + std::to_string(scale_row_stride));
+  WEFT_CHECK(scale_m_stride == 0 || scale_row_stride == 0,
+             where + "scale_m_stride and scale_row_stride are two layouts: give one");
   WEFT_CHECK(scale_m_stride == 0 || scale_m_stride >= rows,
              where + "scale_m_stride (" + std::to_string(scale_m_stride) + ") must be 0 or at least rows");
+  const int64_t groups = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  WEFT_CHECK(scale_row_stride == 0 || scale_row_stride >= groups,
+             where + "scale_row_stride (" + std::to_string(scale_row_stride) +
+                 ") must be 0 or at least the row's 128-column groups (" + std::to_string(groups) + ")");
   WEFT_CHECK(in && out && scales, where + "in, out and scales must not be null");
   ops::check_pointer_alignment(in, "in", 2, where);
   ops::check_pointer_alignment(scales, "scales", 4, where);
-  const Quantize q{in,   ld_in, static_cast<uint8_t*>(out), ld_out, scales, scale_m_stride, rows, cols,
-                   kind, operand, stream};
+  const Quantize q{in,      ld_in,  static_cast<uint8_t*>(out),
+                   ld_out,  scales, block_scale_steps(cols, scale_m_stride, scale_row_stride),
+                   rows,    cols,   kind,
+                   operand, stream};
   const bool e5m2 = out_type == Fp8Type::kE5M2;
   if (in_type == DType::kBF16)
     e5m2 ? launch<__nv_bfloat16, true>(q) : launch<__nv_bfloat16, false>(q);

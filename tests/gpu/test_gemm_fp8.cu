@@ -465,6 +465,38 @@ static void check_m_major_quantize(const DeviceBuffer& a, int64_t m, int64_t k, 
   WEFT_EXPECT(bad_out == 0, bad_out << " outputs of gemm_fp8 on M-major scales differ from the row-major ones'");
 }
 
+// A's block scales quantized into rows of a stride (the groups + 3 floats a row, the gaps poisoned with NaN,
+// as moe_dispatch_fp8 puts them behind each row's values): the row-major quantization's values and scales bit
+// for bit, the gaps untouched.
+static void check_row_stride_quantize(const DeviceBuffer& a, int64_t m, int64_t k,
+                                      const std::vector<uint8_t>& want_q, const std::vector<float>& want_s,
+                                      cudaStream_t s) {
+  const int64_t g = (k + 127) / 128, ld = g + 3;
+  DeviceBuffer q(m * k), sr(m * ld * 4);
+  WEFT_CUDA_CHECK(cudaMemsetAsync(sr.p, 0xff, sr.bytes, s));  // NaN
+  quantize_fp8(a.p, DType::kBF16, q.p, Fp8Type::kE4M3, sr.as<float>(), m, k, Fp8Scaling::kBlock,
+               Fp8Operand::kA, s, 0, 0, 0, ld);
+  std::vector<uint8_t> hq(m * k);
+  std::vector<float> hs(m * ld);
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(hq.data(), q.p, q.bytes, cudaMemcpyDeviceToHost, s));
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(hs.data(), sr.p, sr.bytes, cudaMemcpyDeviceToHost, s));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+  int64_t bad_s = 0, bad_gap = 0;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < ld; ++j) {
+      const float x = hs[i * ld + j];
+      if (j >= g)
+        bad_gap += !std::isnan(x);  // never written
+      else
+        bad_s += std::memcmp(&x, &want_s[i * g + j], 4) != 0;
+    }
+  std::printf("    block scales of A in rows of a stride (groups + 3): %lld scales, %lld gap floats differ\n",
+              (long long)bad_s, (long long)bad_gap);
+  WEFT_EXPECT(hq == want_q, "row-stride quantization: the values differ from the row-major one's");
+  WEFT_EXPECT(bad_s == 0, bad_s << " row-stride scales differ from the row-major ones");
+  WEFT_EXPECT(bad_gap == 0, bad_gap << " floats between a row's groups and the stride were written");
+}
+
 // bf16 operands quantized by weft::quantize_fp8 for each scale kind and operand (scales and values checked
 // on the host), then gemm_fp8 on them against cuBLAS's fp32-accumulated bf16 GEMM of the originals: the
 // quantization's error only (e4m3: ~4% per element, ~5% in the Frobenius norm of C).
@@ -523,7 +555,10 @@ WEFT_GPU_TEST_ONE_GPU(quantize_fp8_then_gemm_fp8_matches_bf16) {
     std::printf("    quantized %-8s -> gemm_fp8 vs bf16 GEMM: rel err %.3f\n", str(kind), rel);
     WEFT_EXPECT(nonfinite == 0, str(kind) << ": " << nonfinite << " outputs not finite");
     WEFT_EXPECT(rel <= 0.08, str(kind) << ": relative Frobenius error " << rel << " > 0.08");
-    if (kind == Fp8Scaling::kBlock) check_m_major_quantize(a, m, k, hqa, hsa, qb, sb, ho, s);
+    if (kind == Fp8Scaling::kBlock) {
+      check_m_major_quantize(a, m, k, hqa, hsa, qb, sb, ho, s);
+      check_row_stride_quantize(a, m, k, hqa, hsa, s);
+    }
   }
 }
 

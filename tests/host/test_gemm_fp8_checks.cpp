@@ -102,6 +102,22 @@ TEST(GemmFp8Checks, QuantizeRefusesBadArguments) {
   EXPECT_NE(m_major(Fp8Scaling::kBlock, Fp8Operand::kB, 4).find("block scales of operand A"), std::string::npos);
   EXPECT_NE(m_major(Fp8Scaling::kRowCol, Fp8Operand::kA, 4).find("block scales of operand A"), std::string::npos);
   EXPECT_NE(m_major(Fp8Scaling::kBlock, Fp8Operand::kA, 3).find("at least rows"), std::string::npos);
+  // Rows of a stride: block scales of operand A only, at least the row's groups, not with M-major.
+  const auto row_stride = [&](Fp8Scaling kind, Fp8Operand operand, int64_t cols, int64_t m_stride,
+                              int64_t stride) {
+    return error_of([&] {
+      quantize_fp8(buf, DType::kBF16, buf, Fp8Type::kE4M3, &scale, 4, cols, kind, operand, nullptr, 0, 0,
+                   m_stride, stride);
+    });
+  };
+  EXPECT_NE(row_stride(Fp8Scaling::kBlock, Fp8Operand::kB, 4, 0, 1).find("block scales of operand A"),
+            std::string::npos);
+  EXPECT_NE(row_stride(Fp8Scaling::kTensor, Fp8Operand::kA, 4, 0, 1).find("block scales of operand A"),
+            std::string::npos);
+  EXPECT_NE(row_stride(Fp8Scaling::kBlock, Fp8Operand::kA, 300, 0, 2)
+                .find("at least the row's 128-column groups (3)"),
+            std::string::npos);
+  EXPECT_NE(row_stride(Fp8Scaling::kBlock, Fp8Operand::kA, 4, 4, 1).find("two layouts"), std::string::npos);
 }
 
 TEST(GemmFp8Checks, ActivateQuantizeRefusesBadArguments) {

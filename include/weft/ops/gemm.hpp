@@ -124,12 +124,14 @@ enum class Fp8Operand { kA, kB };
 //           ceil(cols / 128)], row-major; with scale_m_stride (kBlock, A only; >= rows) A's M-major: row i's
 //           scale of group j at scales[j * scale_m_stride + i], Fp8Scales::a_m_stride's layout (a stride of
 //           whole 16 bytes, rows rounded up to 4, and a 16-byte aligned base let gemm_fp8 copy them into its
-//           pipeline)
+//           pipeline); or with scale_row_stride (kBlock, A only; >= ceil(cols / 128)) rows of that many
+//           floats: row i's at scales[i * scale_row_stride + j], Fp8Scales::a_row_stride's layout (e.g. each
+//           row's scales behind its values in one packed row, as moe_dispatch_fp8 moves them)
 // Each scale is amax / (the format's largest value: 448 e4m3, 57344 e5m2) over the elements it covers, each
 // element x / scale rounded to nearest and saturated; so out x scale is in to FP8's precision.
 void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, float* scales, int64_t rows,
                   int64_t cols, Fp8Scaling kind, Fp8Operand operand, cudaStream_t stream, int64_t ld_in = 0,
-                  int64_t ld_out = 0, int64_t scale_m_stride = 0);
+                  int64_t ld_out = 0, int64_t scale_m_stride = 0, int64_t scale_row_stride = 0);
 
 // The rows activate_quantize_fp8 writes: every row (group_rows null), or only the first group_rows[e] rows of
 // each group e, rows [group_end[e - 1], group_end[e]) (device int32, ascending; a low-latency dispatch's

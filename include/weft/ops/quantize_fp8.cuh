@@ -83,12 +83,18 @@ struct QuantizedRows {
   }
 };
 
-// out [rows, cols] = activation(in) quantized, A's 1 x 128 block scales (row-major, or M-major with
-// scale_m_stride > 0). in's row: cols elements, or for SwiGLU 2 cols ([gate | up]). One warp per (row,
-// 128-column group), four columns a lane: cols, ld_in and ld_out multiples of 4 (the host checks them).
+// Where row i's scale of 128-column group g goes: scales[i * row + g * group] (row-major [rows, groups]:
+// (groups, 1), rows of a stride: (stride, 1), M-major: (1, stride); one scale a row: (1, 0)).
+struct ScaleSteps {
+  int64_t row, group;
+};
+
+// out [rows, cols] = activation(in) quantized, A's 1 x 128 block scales at `steps`. in's row: cols elements,
+// or for SwiGLU 2 cols ([gate | up]). One warp per (row, 128-column group), four columns a lane: cols, ld_in
+// and ld_out multiples of 4 (the host checks them).
 template <class T, bool kE5M2, Fp8Activation kAct>
 __global__ void activate_quantize_kernel(const T* in, int64_t ld_in, uint8_t* out, int64_t ld_out,
-                                         float* scales, int64_t scale_m_stride, int64_t rows, int64_t cols,
+                                         float* scales, ScaleSteps steps, int64_t rows, int64_t cols,
                                          QuantizedRows which) {
   const int lane = threadIdx.x % 32;
   const int64_t groups = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
@@ -115,17 +121,15 @@ __global__ void activate_quantize_kernel(const T* in, int64_t ld_in, uint8_t* ou
                          uint32_t(encode<kE5M2>(y[3] * inv)) << 24;
       *reinterpret_cast<uint32_t*>(out + row * ld_out + c) = q;
     }
-    if (lane == 0)
-      scales[scale_m_stride > 0 ? g * scale_m_stride + row : row * groups + g] = amax / max_value<kE5M2>();
+    if (lane == 0) scales[row * steps.row + g * steps.group] = amax / max_value<kE5M2>();
   }
 }
 
-// Rows of `cols` elements (row stride ld_in / ld_out elements). kPerRow: one scale per row (scales[row]);
-// else one per 128-column group, row-major (scales[row * groups + g]) or, with scale_m_stride > 0, M-major
-// (scales[g * scale_m_stride + row]: Fp8Scales::a_m_stride's layout). One warp per (row, group) or per row.
+// Rows of `cols` elements (row stride ld_in / ld_out elements). kPerRow: one scale per row; else one per
+// 128-column group; each at `steps`. One warp per (row, group) or per row.
 template <class T, bool kE5M2, bool kPerRow>
 __global__ void quantize_groups_kernel(const T* in, int64_t ld_in, uint8_t* out, int64_t ld_out,
-                                       float* scales, int64_t scale_m_stride, int64_t rows, int64_t cols) {
+                                       float* scales, ScaleSteps steps, int64_t rows, int64_t cols) {
   const int lane = threadIdx.x % 32;
   const int64_t groups = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
   const int64_t units = kPerRow ? rows : rows * groups;
@@ -141,8 +145,7 @@ __global__ void quantize_groups_kernel(const T* in, int64_t ld_in, uint8_t* out,
     const float scale = amax / max_value<kE5M2>(), inv = max_value<kE5M2>() / amax;
     for (int64_t c = g0 * kFp8ScaleBlock + lane; c < cols && c < g1 * kFp8ScaleBlock; c += 32)
       out[row * ld_out + c] = encode<kE5M2>(load(x + c) * inv);
-    if (lane == 0)
-      scales[kPerRow ? row : scale_m_stride > 0 ? g0 * scale_m_stride + row : row * groups + g0] = scale;
+    if (lane == 0) scales[row * steps.row + g0 * steps.group] = scale;
   }
 }
 
