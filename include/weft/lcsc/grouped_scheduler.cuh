@@ -18,9 +18,9 @@
 // Each block counts the live rows once, at the kernel's start (prepare, every thread), into a table in shared
 // memory (Storage): the live rows before each of kChunks chunks of consecutive groups, a group a chunk up to
 // kChunks groups, else 2, 4, ... A live row is placed by a binary search over the table for its chunk, then
-// a read of every group of the chunk (one group up to kChunks groups; 64 at a low-latency dispatch's limit
-// of 8192). The loader and the consumers read the same table and the same group arrays, so they walk the
-// same tiles.
+// a walk over the chunk's groups (one group up to kChunks groups; 64 at a low-latency dispatch's limit of
+// 8192). The loader and the consumers read the same table and the same group arrays, so they walk the same
+// tiles.
 #pragma once
 #include <cstdint>
 
@@ -61,10 +61,11 @@ class GroupedTileScheduler {
   using Params = GroupedSchedulerParams;
   using Work = GroupTile;
   static constexpr int kMaxClusterSize = 1;  // a live row's neighbour need not be live: no cluster pairs
-  static constexpr int kChunks = 128;        // 516 bytes: the grouped GEMM then takes all of Hopper's 227 KiB
+  static constexpr int kChunks = 128;        // 520 bytes: the grouped GEMM then takes all of Hopper's 227 KiB
   static_assert(kChunks % 32 == 0, "the table is scanned by one warp, kChunks / 32 entries a lane");
   struct Storage {
     int live_before[kChunks + 1];  // live rows in the chunks before chunk c; [kChunks]: all of them
+    int chunk_log2;                // groups per chunk: 1 << chunk_log2
   };
 
   __host__ __device__ static int compute_blocks(const Params& p) { return p.compute_blocks; }
@@ -73,7 +74,8 @@ class GroupedTileScheduler {
   // (it syncs the block inside) and the caller syncs the block after; on the host, one call.
   __host__ __device__ static void prepare(const Params& p, Storage& s) {
     if (!kCounts || p.group_rows == nullptr) return;
-    const int log2 = chunk_log2(p);
+    int log2 = 0;
+    while (((p.groups - 1) >> log2) >= kChunks) ++log2;
 #ifdef __CUDA_ARCH__
     for (int c = static_cast<int>(threadIdx.x); c < kChunks; c += static_cast<int>(blockDim.x))
       s.live_before[c + 1] = chunk_live_rows(p, c, log2);
@@ -94,11 +96,15 @@ class GroupedTileScheduler {
         before += mine[i];
         mine[i] = before;
       }
-      if (lane == 0) s.live_before[0] = 0;
+      if (lane == 0) {
+        s.live_before[0] = 0;
+        s.chunk_log2 = log2;
+      }
     }
 #else
     s.live_before[0] = 0;
     for (int c = 0; c < kChunks; ++c) s.live_before[c + 1] = s.live_before[c] + chunk_live_rows(p, c, log2);
+    s.chunk_log2 = log2;
 #endif
   }
 
@@ -132,12 +138,6 @@ class GroupedTileScheduler {
 #else
     return *p;
 #endif
-  }
-  // Groups per chunk of the table: 1 << chunk_log2 (from the parameters alone: the same in every thread).
-  __host__ __device__ __forceinline__ static int chunk_log2(const Params& p) {
-    int log2 = 0;
-    while (((p.groups - 1) >> log2) >= kChunks) ++log2;
-    return log2;
   }
   // Group e's live rows, and its first tile row. Not negative, whatever the counts and ends.
   __host__ __device__ __forceinline__ static int live_rows(const Params& p, int e, int& first) {
@@ -180,27 +180,13 @@ class GroupedTileScheduler {
     if constexpr (kCounts) {
       if (live_ == nullptr) return;
       const int r = t.m;
-      // The last chunk whose live rows start at or before r (a chunk without any shares its start), then
-      // the group of the chunk holding r: every group of the chunk read (one up to kChunks groups; the
-      // loads independent of each other), the answer kept by selects. Every thread calls this in its tile
-      // step, and with a loop whose trip count follows loaded values there (the walk up to r's group) the
-      // counted FP8 kernel ran 0.88-0.91 of the uncounted one, its k-block loop compiled with divergence
-      // checks (ops::GroupedFp8GemmOp's kCountedGroups).
+      // The last chunk whose live rows start at or before r (a chunk without any shares its start).
       int c = 0;
-      for (int step = kChunks / 2; step > 0; step /= 2) c = live_->live_before[c + step] <= r ? c + step : c;
-      const int span = 1 << chunk_log2(p_), first_group = c * span;
-      int before = live_->live_before[c], e = first_group, first = 0;
-      bool found = false;
-      for (int i = 0; i < span; ++i) {
-        const int g = first_group + i < p_.groups ? first_group + i : p_.groups - 1;
-        int g_first;
-        const int live = live_rows(p_, g, g_first);
-        const bool here = !found && r - before < live;
-        e = here ? g : e;
-        first = here ? g_first : first;
-        before = found || here ? before : before + live;
-        found = found || here;
-      }
+      for (int step = kChunks / 2; step > 0; step /= 2)
+        if (live_->live_before[c + step] <= r) c += step;
+      int e = c << live_->chunk_log2, before = live_->live_before[c], first;
+      for (int live = live_rows(p_, e, first); r - before >= live; live = live_rows(p_, ++e, first))
+        before += live;
       t.m = first + (r - before);
       t.group = e;
     }
