@@ -211,7 +211,12 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
                 "setmaxnreg: the warpgroups together need more registers than the block is given");
   extern __shared__ __align__(1024) uint8_t lcsc_smem[];
   using Smem = typename Op::Smem;
-  Smem& smem = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(lcsc_smem) + 1023) & ~uintptr_t(1023));
+  // Aligned by pointer arithmetic on the shared array, not through an integer: the compiler then knows
+  // every address derived from `smem` is a shared one and keeps them as 32-bit shared addresses, where
+  // through uintptr_t each use re-derived the generic address (the shared window's base, the CTA's id in
+  // the cluster) and converted it back, in every consumer loop.
+  const uint32_t misalign = smem_addr(lcsc_smem) % 1024u;
+  Smem& smem = *reinterpret_cast<Smem*>(lcsc_smem + (misalign == 0 ? 0u : 1024u - misalign));
   using Scheduler = typename Op::Scheduler;
   using Work = typename Scheduler::Work;
   if constexpr (requires { Scheduler::kMaxClusterSize; })

@@ -19,8 +19,8 @@
 //   consumers  per key block n, in the warpgroup's turn at the tensor cores (lcsc/turns.cuh): issue
 //              S_n = Q K_n^T (both operands in shared memory) and O += P_{n+1} V_{n+1} (P from registers,
 //              V as the MN-major B operand: no transpose); while the P V runs, the mask where the block
-//              needs one and the online softmax (tile/softmax.cuh) turn S_n into P_n; then O is rescaled
-//              to the new row maxima (see compute()).
+//              needs one and the online softmax (tile/softmax.cuh) turn S_n into P_n; O is rescaled to
+//              the new row maxima while the next block's S runs (see compute()).
 //   store      O normalised by the row sums, through the TMA storer into O's 4-D map; LSE by the lanes that
 //              own a row. Accumulating (a ring step): merged into the running fp32 O and LSE instead.
 #pragma once
@@ -242,9 +242,9 @@ struct AttentionFwdOp {
 
   // ---- consumers ----
   // Per key block n, from the last to the first, in the warpgroup's turn (lcsc/turns.cuh): issue S_n =
-  // Q K_n^T, then O += P_{n+1} V_{n+1} with the previous block's P; turn over. While the P V MMAs run, the
-  // softmax turns S_n into P_n (after the mask where the block needs one); once they are done, O is rescaled
-  // to the new row maxima. The first block issues only its S, the last P V runs after the loop.
+  // Q K_n^T; while it runs, rescale O to the row maxima of P_{n+1} and wait for V_{n+1}; issue O += P_{n+1}
+  // V_{n+1}; turn over. While the P V MMAs run, the softmax turns S_n into P_n (after the mask where the
+  // block needs one). The first block issues only its S, the last P V runs after the loop.
   __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
                                  const lcsc::AttentionWork& w, int wg, Accum& acc) {
     if (w.iteration == 0) Turns::start(wg);
@@ -278,10 +278,14 @@ struct AttentionFwdOp {
     tile::pack_a<T>(sc, pa);
     for (--n; n >= 0; --n) {
       pipe.k.consumer_wait(kst);
-      pipe.v.consumer_wait(vst);
       Turns::begin(wg);
       wgmma::fence();
       issue_scores(s, wg, kst.stage, sc);
+      // While S_n's MMAs run: O to the row maxima P_{n+1} was taken at, and V_{n+1}'s wait, off the path
+      // from one block's P V to the next block's S.
+      tile::scale_rows(acc.o, rescale);
+      pipe.v.consumer_wait(vst);
+      wgmma::fence();  // O's registers were written since the last fence
       issue_pv(s, vst.stage, pa, acc.o);
       Turns::end(wg);
       wgmma::wait<1>();  // S_n has landed; P_{n+1} V_{n+1} may still run
@@ -289,10 +293,10 @@ struct AttentionFwdOp {
       to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
       wgmma::wait<0>();
       pv_landed(pipe, vst, pa, acc.o);
-      tile::scale_rows(acc.o, rescale);  // O to the new row maxima, as P_n is
       tile::pack_a<T>(sc, pa);
     }
     // The last block's P V.
+    tile::scale_rows(acc.o, rescale);
     pipe.v.consumer_wait(vst);
     Turns::begin(wg);
     wgmma::fence();
