@@ -230,9 +230,16 @@ def quantize_fp8(x, scaling="block", operand="a", dtype=None, m_major=False, act
         shape = (rows, groups) if operand == "a" else (-(-rows // _BLOCK), groups)
     if not m_major:
         return _torch_quantize_fp8(x, kind, scaling, operand, shape, 0)
-    ld = -(-rows // 4) * 4  # whole 16 bytes between k-blocks, so TMA can copy them
-    q, strided = _torch_quantize_fp8(x, kind, scaling, operand, (groups, ld), ld)
+    shape, ld = _m_major_layout(rows, groups)
+    q, strided = _torch_quantize_fp8(x, kind, scaling, operand, shape, ld)
     return q, strided[:, :rows].t()
+
+
+def _m_major_layout(rows, groups):
+    """The buffer A's M-major block scales are written into, [groups, ld], and ld: rows rounded up to 4 (whole
+    16 bytes between k-blocks, so TMA can copy them); the scales are its [:, :rows].t() view."""
+    ld = -(-rows // 4) * 4
+    return [groups, ld], ld
 
 
 def _activate_quantize(x, kind, activation, m_major, group_end, group_rows, scaling, operand, where):
@@ -258,9 +265,8 @@ def _activate_quantize(x, kind, activation, m_major, group_end, group_rows, scal
                                  f"{tuple(group_end.shape)} and {tuple(group_rows.shape)}")
         group_end, group_rows = group_end.contiguous(), group_rows.contiguous()
     groups = -(-cols // _BLOCK)
-    ld = -(-rows // 4) * 4 if m_major else 0
-    q, scales = _activate_quantize_fp8.op(x, kind, activation or "none", cols, [groups, ld] if m_major else
-                                          [rows, groups], ld, group_end, group_rows)
+    shape, ld = _m_major_layout(rows, groups) if m_major else ([rows, groups], 0)
+    q, scales = _activate_quantize_fp8.op(x, kind, activation or "none", cols, shape, ld, group_end, group_rows)
     return q, scales[:, :rows].t() if m_major else scales
 
 

@@ -93,10 +93,19 @@ void launch_activated(Fp8Activation activation, const Activated& a) {
 }
 
 // Where A's block scales go (ops::fp8::ScaleSteps): M-major with scale_m_stride, rows of scale_row_stride
-// floats, or dense row-major.
-ops::fp8::ScaleSteps block_scale_steps(int64_t cols, int64_t scale_m_stride, int64_t scale_row_stride) {
+// floats, or dense row-major; the strides checked here for both entry points.
+ops::fp8::ScaleSteps block_scale_steps(int64_t rows, int64_t cols, int64_t scale_m_stride,
+                                       int64_t scale_row_stride, const std::string& where) {
+  const int64_t groups = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  WEFT_CHECK(scale_m_stride == 0 || scale_row_stride == 0,
+             where + "scale_m_stride and scale_row_stride are two layouts: give one");
+  WEFT_CHECK(scale_m_stride == 0 || scale_m_stride >= rows,
+             where + "scale_m_stride (" + std::to_string(scale_m_stride) + ") must be 0 or at least rows");
+  WEFT_CHECK(scale_row_stride == 0 || scale_row_stride >= groups,
+             where + "scale_row_stride (" + std::to_string(scale_row_stride) +
+                 ") must be 0 or at least the row's 128-column groups (" + std::to_string(groups) + ")");
   if (scale_m_stride > 0) return {1, scale_m_stride};
-  return {scale_row_stride > 0 ? scale_row_stride : (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock, 1};
+  return {scale_row_stride > 0 ? scale_row_stride : groups, 1};
 }
 
 }  // namespace
@@ -123,8 +132,7 @@ void activate_quantize_fp8(const void* in, DType in_type, Fp8Activation activati
                  std::to_string(ld_in) + ", ld_out " + std::to_string(ld_out));
   WEFT_CHECK(ld_in >= in_cols && ld_out >= cols,
              where + "ld_in must be at least " + std::to_string(in_cols) + " and ld_out at least cols");
-  WEFT_CHECK(scale_m_stride == 0 || scale_m_stride >= rows,
-             where + "scale_m_stride (" + std::to_string(scale_m_stride) + ") must be 0 or at least rows");
+  const ops::fp8::ScaleSteps steps = block_scale_steps(rows, cols, scale_m_stride, 0, where);
   WEFT_CHECK(in && out && scales, where + "in, out and scales must not be null");
   ops::check_pointer_alignment(in, "in", 8, where);
   ops::check_pointer_alignment(out, "out", 4, where);
@@ -135,8 +143,7 @@ void activate_quantize_fp8(const void* in, DType in_type, Fp8Activation activati
     ops::check_pointer_alignment(which.group_end, "which.group_end", 4, where);
     ops::check_pointer_alignment(which.group_rows, "which.group_rows", 4, where);
   }
-  const Activated a{in,   ld_in, out,   ld_out, scales, block_scale_steps(cols, scale_m_stride, 0),
-                    rows, cols,  which, stream};
+  const Activated a{in, ld_in, out, ld_out, scales, steps, rows, cols, which, stream};
   const bool e5m2 = out_type == Fp8Type::kE5M2;
   if (in_type == DType::kBF16)
     e5m2 ? launch_activated<__nv_bfloat16, true>(activation, a)
@@ -168,20 +175,11 @@ void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, fl
                  (kind == Fp8Scaling::kBlock && operand == Fp8Operand::kA),
              where + "scale_m_stride and scale_row_stride are for block scales of operand A, got " +
                  std::to_string(scale_m_stride) + " and " + std::to_string(scale_row_stride));
-  WEFT_CHECK(scale_m_stride == 0 || scale_row_stride == 0,
-             where + "scale_m_stride and scale_row_stride are two layouts: give one");
-  WEFT_CHECK(scale_m_stride == 0 || scale_m_stride >= rows,
-             where + "scale_m_stride (" + std::to_string(scale_m_stride) + ") must be 0 or at least rows");
-  const int64_t groups = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
-  WEFT_CHECK(scale_row_stride == 0 || scale_row_stride >= groups,
-             where + "scale_row_stride (" + std::to_string(scale_row_stride) +
-                 ") must be 0 or at least the row's 128-column groups (" + std::to_string(groups) + ")");
+  const ops::fp8::ScaleSteps steps = block_scale_steps(rows, cols, scale_m_stride, scale_row_stride, where);
   WEFT_CHECK(in && out && scales, where + "in, out and scales must not be null");
   ops::check_pointer_alignment(in, "in", 2, where);
   ops::check_pointer_alignment(scales, "scales", 4, where);
-  const Quantize q{in,      ld_in,  static_cast<uint8_t*>(out),
-                   ld_out,  scales, block_scale_steps(cols, scale_m_stride, scale_row_stride),
-                   rows,    cols,   kind,
+  const Quantize q{in,      ld_in, static_cast<uint8_t*>(out), ld_out, scales, steps, rows, cols, kind,
                    operand, stream};
   const bool e5m2 = out_type == Fp8Type::kE5M2;
   if (in_type == DType::kBF16)

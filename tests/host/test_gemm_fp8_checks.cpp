@@ -137,6 +137,11 @@ TEST(GemmFp8Checks, ActivateQuantizeRefusesBadArguments) {
   EXPECT_NE(call(Fp8Activation::kGELU, 8, 0, {}, DType::kFP32).find("bf16 or fp16"), std::string::npos);
   EXPECT_NE(call(Fp8Activation::kSiLU, 8, 0, Fp8QuantizeRows{nullptr, ends, 1}).find("needs which.group_end"),
             std::string::npos);
+  const std::string m_major = error_of([&] {
+    activate_quantize_fp8(buf, DType::kBF16, Fp8Activation::kNone, buf, Fp8Type::kE4M3, &scale, 4, 8, nullptr,
+                          0, 0, 3);
+  });
+  EXPECT_NE(m_major.find("scale_m_stride (3) must be 0 or at least rows"), std::string::npos) << m_major;
 }
 
 }  // namespace
