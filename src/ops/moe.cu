@@ -1031,9 +1031,11 @@ MoeDispatched dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* 
   GemmOptions o;
   o.activation = activation;
   o.max_blocks = rank.sm_budget();  // it waits for peers: every rank's blocks must run at once
+  // The GEMM planned (its arguments checked) before the count exchange is queued: a refusal after it would
+  // leave the peers waiting in their meetings.
+  const Plan gemm =
+      ops::grouped_gemm_dispatch(b, c, z.capacity, n, shape.hidden, b_layout, rows, stream, o, false);
   if (call.planning()) {
-    const Plan gemm =
-        ops::grouped_gemm_dispatch(b, c, z.capacity, n, shape.hidden, b_layout, rows, stream, o, false);
     moe_planned(
         call, "moe_dispatch_grouped_gemm",
         "expert counts exchanged, slots placed, then one grouped GEMM whose idle loader warps move the "
@@ -1041,9 +1043,6 @@ MoeDispatched dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* 
         0, &gemm);
     return handle(buf);
   }
-  // The GEMM's arguments checked before the count exchange is queued: a refusal after it would leave the
-  // peers waiting in their meetings.
-  ops::grouped_gemm_dispatch(b, c, z.capacity, n, shape.hidden, b_layout, rows, stream, o, false);
   place_rows(comm, rank, experts, shape, buf, stream);
   ops::grouped_gemm_dispatch(b, c, z.capacity, n, shape.hidden, b_layout, rows, stream, o);
   return handle(buf);
