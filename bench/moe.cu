@@ -72,7 +72,7 @@ struct Layer {
   void run_fused_dispatch_up(Communicator& comm, Rank& rank, cudaStream_t stream) {
     d = moe_dispatch_grouped_gemm(comm, rank, tokens.p, static_cast<const int32_t*>(experts.p), shape, ws.p,
                                   moe_dispatch_workspace_bytes(rank.world(), shape), up_w.p, BLayout::kNK,
-                                  inter, GemmActivation::kNone, hidden_act.p, stream);
+                                  inter, Activation::kNone, hidden_act.p, stream);
   }
   // The down GEMM and the combine in one (moe_grouped_gemm_combine), after the layer has run once.
   void run_fused_down_combine(Communicator& comm, Rank& rank, cudaStream_t stream) {

@@ -527,7 +527,7 @@ void bind_one_gpu_ops(py::module_& m) {
       py::arg("segments") = py::tuple(), py::arg("accumulate") = py::tuple(), py::arg("dtype") = "bf16");
   // Grouped GEMM on one GPU (weft/ops/gemm.hpp): c [rows, n] = a [rows, k] . b_e per group e of rows; b
   // [groups, n, k] ("nk") or [groups, k, n] ("kn"); rows past the last group's end zeroed or left;
-  // activation "swiglu": b's columns gate / up in blocks of 128, c [rows, n / 2] (GemmActivation::kSwiGLU).
+  // activation "swiglu": b's columns gate / up in blocks of 128, c [rows, n / 2] (Activation::kSwiGLU).
   m.def(
       "grouped_gemm",
       [](int device, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t group_end, int groups, int64_t rows,
@@ -537,7 +537,7 @@ void bind_one_gpu_ops(py::module_& m) {
         weft::GemmOptions o;
         o.zero_unused_rows = zero_unused_rows;
         o.group_rows = reinterpret_cast<const int32_t*>(group_rows);
-        o.activation = activation == "swiglu" ? weft::GemmActivation::kSwiGLU : weft::GemmActivation::kNone;
+        o.activation = activation == "swiglu" ? weft::Activation::kSwiGLU : weft::Activation::kNone;
         weft::grouped_gemm(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
                            reinterpret_cast<void*>(c), reinterpret_cast<const int32_t*>(group_end), groups,
                            rows, n, k, b_layout == "nk" ? weft::BLayout::kNK : weft::BLayout::kKN,
@@ -738,7 +738,7 @@ void bind_moe(py::module_& m) {
         *c.comm, c.rank(), reinterpret_cast<const void*>(tokens), reinterpret_cast<const int32_t*>(experts),
         s, reinterpret_cast<void*>(workspace), workspace_bytes, reinterpret_cast<const void*>(b),
         b_nk ? weft::BLayout::kNK : weft::BLayout::kKN, n,
-        swiglu ? weft::GemmActivation::kSwiGLU : weft::GemmActivation::kNone, reinterpret_cast<void*>(out),
+        swiglu ? weft::Activation::kSwiGLU : weft::Activation::kNone, reinterpret_cast<void*>(out),
         c.stream(stream));
     return dispatched_tuple(c, d, s, "bf16");
   });
@@ -842,12 +842,12 @@ weft::Fp8Scaling parse_scaling(const std::string& s) {
   if (s == "block") return weft::Fp8Scaling::kBlock;
   throw weft::Error("weft: FP8 scaling must be 'tensor', 'rowcol' or 'block', got '" + s + "'");
 }
-weft::Fp8Activation parse_fp8_activation(const std::string& s) {
-  if (s == "none") return weft::Fp8Activation::kNone;
-  if (s == "swiglu") return weft::Fp8Activation::kSwiGLU;
-  if (s == "silu") return weft::Fp8Activation::kSiLU;
-  if (s == "gelu") return weft::Fp8Activation::kGELU;
-  if (s == "relu") return weft::Fp8Activation::kReLU;
+weft::Activation parse_fp8_activation(const std::string& s) {
+  if (s == "none") return weft::Activation::kNone;
+  if (s == "swiglu") return weft::Activation::kSwiGLU;
+  if (s == "silu") return weft::Activation::kSiLU;
+  if (s == "gelu") return weft::Activation::kGELU;
+  if (s == "relu") return weft::Activation::kReLU;
   throw weft::Error("weft: the activation must be 'none', 'swiglu', 'silu', 'gelu' or 'relu', got '" + s +
                     "'");
 }

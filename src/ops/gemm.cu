@@ -44,7 +44,7 @@ using ops::DeviceFacts;
 
 // C's columns: N, or N / 2 when the epilogue's SwiGLU pairs them.
 int64_t c_cols(const Problem& pr) {
-  return pr.opt.activation == GemmActivation::kSwiGLU ? pr.n / 2 : pr.n;
+  return pr.opt.activation == Activation::kSwiGLU ? pr.n / 2 : pr.n;
 }
 
 // C's rows [*end, rows) zeroed (16-byte vectors, row_vecs per row): the rows a grouped GEMM leaves past its
@@ -127,7 +127,7 @@ Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
     if constexpr (kCluster == 1 && std::is_same_v<OutT, __nv_bfloat16>)
       if (pr.dispatch != nullptr) {
         if constexpr (kTileN == 256)
-          if (pr.opt.activation == GemmActivation::kSwiGLU)
+          if (pr.opt.activation == Activation::kSwiGLU)
             return run_op<ops::GroupedGemmDispatchOp<
                               ops::GroupedGemmSwigluOp<OutT, kKMajor, ops::kMoeDispatchStages<256>, false>>,
                           kKMajor, 1>(pr, stream, launch);
@@ -139,7 +139,7 @@ Plan run(const Problem& pr, cudaStream_t stream, bool launch) {
     // branches cost the consumers' loop; ops::GroupedFp8GemmOp).
     const bool counted = pr.opt.group_rows != nullptr;
     if constexpr (kCluster == 1 && kTileN == 256)
-      if (pr.opt.activation == GemmActivation::kSwiGLU)
+      if (pr.opt.activation == Activation::kSwiGLU)
         return counted ? run_op<ops::GroupedGemmSwigluOp<OutT, kKMajor>, kKMajor, 1>(pr, stream, launch)
                        : run_op<ops::GroupedGemmSwigluOp<OutT, kKMajor, 0, false>, kKMajor, 1>(pr, stream,
                                                                                                launch);
@@ -185,7 +185,7 @@ void check_grouping(Problem& pr, bool launch, const std::string& where) {
     WEFT_CHECK(pr.opt.group_rows == nullptr || (pr.scatter == nullptr && pr.dispatch == nullptr),
                where + "options.group_rows is for grouped_gemm's own output (no scatter, no dispatch)");
     if (pr.scatter != nullptr) {
-      WEFT_CHECK(pr.c_type == DType::kBF16 && pr.opt.activation == GemmActivation::kNone &&
+      WEFT_CHECK(pr.c_type == DType::kBF16 && pr.opt.activation == Activation::kNone &&
                      !pr.opt.zero_unused_rows && (pr.opt.tile_n == 0 || pr.opt.tile_n == 256),
                  where + "a scattering epilogue stores bf16 rows of 128 x 256 tiles, with no activation");
       pr.opt.tile_n = 256;
@@ -193,7 +193,11 @@ void check_grouping(Problem& pr, bool launch, const std::string& where) {
     if (pr.dispatch != nullptr)
       WEFT_CHECK(pr.c_type == DType::kBF16 && !pr.opt.zero_unused_rows,
                  where + "a dispatching GEMM stores bf16 C and leaves the rows past the last group alone");
-    if (pr.opt.activation == GemmActivation::kSwiGLU) {
+    WEFT_CHECK(pr.opt.activation == Activation::kNone || pr.opt.activation == Activation::kSwiGLU,
+               where + "grouped_gemm's epilogue applies Activation::kNone or kSwiGLU, got Activation(" +
+                   std::to_string(static_cast<int>(pr.opt.activation)) +
+                   ") (activate_quantize_fp8 applies the others)");
+    if (pr.opt.activation == Activation::kSwiGLU) {
       WEFT_CHECK(pr.n % 256 == 0,
                  where + "the SwiGLU epilogue needs N (gate and up columns) a multiple of 256");
       WEFT_CHECK(pr.opt.tile_n == 0 || pr.opt.tile_n == 256,
@@ -201,9 +205,9 @@ void check_grouping(Problem& pr, bool launch, const std::string& where) {
       pr.opt.tile_n = 256;
     }
   } else {
-    WEFT_CHECK(!pr.opt.zero_unused_rows && pr.opt.activation == GemmActivation::kNone &&
-                   pr.opt.group_rows == nullptr,
-               where + "options.zero_unused_rows, activation and group_rows are for grouped_gemm only");
+    WEFT_CHECK(
+        !pr.opt.zero_unused_rows && pr.opt.activation == Activation::kNone && pr.opt.group_rows == nullptr,
+        where + "options.zero_unused_rows, activation and group_rows are for grouped_gemm only");
   }
 }
 
@@ -334,7 +338,7 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_en
   plan_or_launch(Problem{a, b, c, rows, n, k, 0, 0, 0, b_layout, c_type, opt, group_end, groups}, stream,
                  true);
   if (opt.zero_unused_rows) {
-    const int64_t cols = opt.activation == GemmActivation::kSwiGLU ? n / 2 : n;
+    const int64_t cols = opt.activation == Activation::kSwiGLU ? n / 2 : n;
     const int64_t row_vecs = cols * (c_type == DType::kFP32 ? 4 : 2) / 16;  // rows are 16-byte multiples
     detail::preload<&zero_rows_past>();
     zero_rows_past<<<2 * device_facts().sms, 256, 0, stream>>>(static_cast<uint4*>(c), group_end + groups - 1,

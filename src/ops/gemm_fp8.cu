@@ -140,7 +140,7 @@ void check_problem(Fp8Problem& pr, const std::string& where) {
   WEFT_CHECK(pr.m > 0 && pr.n > 0 && pr.k > 0, where + "M, N and K must be at least 1");
   WEFT_CHECK(pr.m <= INT32_MAX && pr.n <= INT32_MAX && pr.k <= INT32_MAX,
              where + "dimensions above 2^31 - 1 are not supported (TMA coordinates are 32-bit)");
-  WEFT_CHECK(o.cluster <= 1 && o.tile_n == 0 && !o.zero_unused_rows && o.activation == GemmActivation::kNone,
+  WEFT_CHECK(o.cluster <= 1 && o.tile_n == 0 && !o.zero_unused_rows && o.activation == Activation::kNone,
              where +
                  "options.cluster, tile_n, zero_unused_rows and activation are not taken by the FP8 GEMM "
                  "(its tile is 128 x 128, cluster 1)");

@@ -997,7 +997,7 @@ MoeDispatched dispatch(Communicator& comm, Rank& rank, const void* tokens, const
 MoeDispatched dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* tokens,
                                     const int32_t* experts, const MoeShape& shape, void* workspace,
                                     size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
-                                    GemmActivation activation, void* c, cudaStream_t stream, Plan* plan) {
+                                    Activation activation, void* c, cudaStream_t stream, Plan* plan) {
   ops::OpCall call(comm, rank, stream, ops::team_where("weft::moe_dispatch_grouped_gemm", rank), plan);
   const std::string& where = call.where;
   WEFT_CHECK(!shape.low_latency, where +
@@ -1067,7 +1067,7 @@ Plan moe_dispatch_plan(Communicator& comm, Rank& rank, const void* tokens, const
 MoeDispatched moe_dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* tokens,
                                         const int32_t* experts, const MoeShape& shape, void* workspace,
                                         size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
-                                        GemmActivation activation, void* c, cudaStream_t stream) {
+                                        Activation activation, void* c, cudaStream_t stream) {
   return dispatch_grouped_gemm(comm, rank, tokens, experts, shape, workspace, workspace_bytes, b, b_layout, n,
                                activation, c, stream, nullptr);
 }
@@ -1075,7 +1075,7 @@ MoeDispatched moe_dispatch_grouped_gemm(Communicator& comm, Rank& rank, const vo
 Plan moe_dispatch_grouped_gemm_plan(Communicator& comm, Rank& rank, const void* tokens,
                                     const int32_t* experts, const MoeShape& shape, void* workspace,
                                     size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
-                                    GemmActivation activation, void* c, cudaStream_t stream) {
+                                    Activation activation, void* c, cudaStream_t stream) {
   Plan plan;
   dispatch_grouped_gemm(comm, rank, tokens, experts, shape, workspace, workspace_bytes, b, b_layout, n,
                         activation, c, stream, &plan);

@@ -70,7 +70,7 @@ struct Activated {
   cudaStream_t stream;
 };
 
-template <class T, bool kE5M2, Fp8Activation kAct>
+template <class T, bool kE5M2, Activation kAct>
 void launch_activated(const Activated& a) {
   constexpr auto kernel = &ops::fp8::activate_quantize_kernel<T, kE5M2, kAct>;
   detail::preload<kernel>();
@@ -81,14 +81,14 @@ void launch_activated(const Activated& a) {
 }
 
 // The kernel of `activation`, one of kActs.
-template <class T, bool kE5M2, Fp8Activation... kActs>
-void launch_activated_one_of(Fp8Activation activation, const Activated& a) {
+template <class T, bool kE5M2, Activation... kActs>
+void launch_activated_one_of(Activation activation, const Activated& a) {
   ((activation == kActs && (launch_activated<T, kE5M2, kActs>(a), true)) || ...);
 }
 
 template <class T, bool kE5M2>
-void launch_activated(Fp8Activation activation, const Activated& a) {
-  using A = Fp8Activation;
+void launch_activated(Activation activation, const Activated& a) {
+  using A = Activation;
   launch_activated_one_of<T, kE5M2, A::kNone, A::kSwiGLU, A::kSiLU, A::kGELU, A::kReLU>(activation, a);
 }
 
@@ -110,20 +110,19 @@ ops::fp8::ScaleSteps block_scale_steps(int64_t rows, int64_t cols, int64_t scale
 
 }  // namespace
 
-void activate_quantize_fp8(const void* in, DType in_type, Fp8Activation activation, void* out,
-                           Fp8Type out_type, float* scales, int64_t rows, int64_t cols, cudaStream_t stream,
-                           int64_t ld_in, int64_t ld_out, int64_t scale_m_stride,
-                           const Fp8QuantizeRows& which) {
+void activate_quantize_fp8(const void* in, DType in_type, Activation activation, void* out, Fp8Type out_type,
+                           float* scales, int64_t rows, int64_t cols, cudaStream_t stream, int64_t ld_in,
+                           int64_t ld_out, int64_t scale_m_stride, const Fp8QuantizeRows& which) {
   const std::string where =
       "weft::activate_quantize_fp8(rows=" + std::to_string(rows) + ", cols=" + std::to_string(cols) + "): ";
   WEFT_CHECK(in_type == DType::kBF16 || in_type == DType::kFP16, where + "in must be bf16 or fp16");
   WEFT_CHECK(out_type == Fp8Type::kE4M3 || out_type == Fp8Type::kE5M2,
              where + "out_type must be e4m3 or e5m2");
-  WEFT_CHECK(activation >= Fp8Activation::kNone && activation <= Fp8Activation::kReLU,
-             where + "unknown Fp8Activation");
+  WEFT_CHECK(activation >= Activation::kNone && activation <= Activation::kReLU,
+             where + "unknown Activation");
   WEFT_CHECK(rows > 0 && cols > 0 && rows <= INT32_MAX && cols <= INT32_MAX,
              where + "rows and cols must be in [1, 2^31 - 1]");
-  const int64_t in_cols = activation == Fp8Activation::kSwiGLU ? 2 * cols : cols;
+  const int64_t in_cols = activation == Activation::kSwiGLU ? 2 * cols : cols;
   ld_in = ld_in ? ld_in : in_cols;
   ld_out = ld_out ? ld_out : cols;
   WEFT_CHECK(cols % 4 == 0 && ld_in % 4 == 0 && ld_out % 4 == 0,

@@ -297,14 +297,14 @@ void check_counted_groups(Gpu& g) {
   for (DType out : {DType::kFP32, DType::kBF16}) {
     CountedCase c{
         256, {256, 0, 129, 3, 0, 200}, 512, 192, out == DType::kFP32 ? BLayout::kNK : BLayout::kKN, out, {}};
-    c.opt.activation = GemmActivation::kSwiGLU;
+    c.opt.activation = Activation::kSwiGLU;
     c.opt.max_blocks = out == DType::kFP32 ? 2 : 0;
     cases.push_back(c);
   }
   uint64_t seed = 171;
   for (const CountedCase& cc : cases) {
     const int groups = static_cast<int>(cc.counts.size()), cap = cc.cap;
-    const bool swiglu = cc.opt.activation == GemmActivation::kSwiGLU;
+    const bool swiglu = cc.opt.activation == Activation::kSwiGLU;
     const int64_t rows = int64_t(cap) * groups, n = cc.n, k = cc.k, cols = swiglu ? n / 2 : n;
     const size_t es = cc.out == DType::kFP32 ? 4 : 2, row_bytes = size_t(cols) * es;
     std::vector<int32_t> ends(groups);

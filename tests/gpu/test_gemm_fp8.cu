@@ -564,15 +564,15 @@ WEFT_GPU_TEST_ONE_GPU(quantize_fp8_then_gemm_fp8_matches_bf16) {
 
 namespace {
 
-double activated(Fp8Activation act, double x, double up) {
+double activated(Activation act, double x, double up) {
   switch (act) {
-    case Fp8Activation::kSwiGLU:
+    case Activation::kSwiGLU:
       return x / (1 + std::exp(-x)) * up;
-    case Fp8Activation::kSiLU:
+    case Activation::kSiLU:
       return x / (1 + std::exp(-x));
-    case Fp8Activation::kGELU:
+    case Activation::kGELU:
       return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
-    case Fp8Activation::kReLU:
+    case Activation::kReLU:
       return std::max(x, 0.0);
     default:
       return x;
@@ -582,10 +582,10 @@ double activated(Fp8Activation act, double x, double up) {
 // One activate_quantize_fp8 call's output against the host: every written row's scales (amax / 448 of the
 // fp64 activation, to fp32's rounding of the device's fp32 one) and values (within e4m3's rounding), every
 // other row's left as poisoned. Returns the rows written.
-int64_t check_activated(const std::vector<uint16_t>& in, int64_t rows, int64_t cols, Fp8Activation act,
+int64_t check_activated(const std::vector<uint16_t>& in, int64_t rows, int64_t cols, Activation act,
                         const std::vector<uint8_t>& q, const std::vector<float>& scales, int64_t m_stride,
                         const std::function<bool(int64_t)>& written) {
-  const int64_t groups = (cols + 127) / 128, in_cols = act == Fp8Activation::kSwiGLU ? 2 * cols : cols;
+  const int64_t groups = (cols + 127) / 128, in_cols = act == Activation::kSwiGLU ? 2 * cols : cols;
   int64_t bad_scales = 0, bad_values = 0, touched = 0, live = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const bool w = written(r);
@@ -596,7 +596,7 @@ int64_t check_activated(const std::vector<uint16_t>& in, int64_t rows, int64_t c
       std::vector<double> y;
       for (int64_t c = g * 128; c < std::min(cols, g * 128 + 128); ++c) {
         y.push_back(activated(act, bf16_value(in[r * in_cols + c]),
-                              act == Fp8Activation::kSwiGLU ? bf16_value(in[r * in_cols + cols + c]) : 1.0));
+                              act == Activation::kSwiGLU ? bf16_value(in[r * in_cols + cols + c]) : 1.0));
         amax = std::max(amax, std::fabs(y.back()));
       }
       if (!w) {
@@ -644,8 +644,8 @@ WEFT_GPU_TEST_ONE_GPU(activate_quantize_fp8_matches_host) {
       if (r < ends[e]) return r - (e ? ends[e - 1] : 0) < counts[e];
     return false;
   };
-  for (Fp8Activation act : {Fp8Activation::kNone, Fp8Activation::kSwiGLU, Fp8Activation::kSiLU,
-                            Fp8Activation::kGELU, Fp8Activation::kReLU})
+  for (Activation act :
+       {Activation::kNone, Activation::kSwiGLU, Activation::kSiLU, Activation::kGELU, Activation::kReLU})
     for (const int64_t m_stride : {int64_t(0), ld})
       for (const bool only_counted : {false, true}) {
         WEFT_CUDA_CHECK(cudaMemsetAsync(q.p, 0x7f, q.bytes, s));
@@ -662,7 +662,7 @@ WEFT_GPU_TEST_ONE_GPU(activate_quantize_fp8_matches_host) {
         std::printf("    activation %d, scales %s, %s: %lld rows written\n", int(act),
                     m_stride ? "M-major" : "row-major", only_counted ? "counted rows" : "every row",
                     (long long)live);
-        if (act != Fp8Activation::kNone || m_stride || only_counted) continue;
+        if (act != Activation::kNone || m_stride || only_counted) continue;
         // No activation: quantize_fp8's bits.
         quantize_fp8(in.p, DType::kBF16, q0.p, Fp8Type::kE4M3, s0.as<float>(), rows, cols, Fp8Scaling::kBlock,
                      Fp8Operand::kA, s);
@@ -674,15 +674,15 @@ WEFT_GPU_TEST_ONE_GPU(activate_quantize_fp8_matches_host) {
         WEFT_EXPECT(hq0 == hq && std::memcmp(hs0.data(), hs.data(), hs0.size() * 4) == 0,
                     "no activation: the values or scales differ from quantize_fp8's");
       }
-  WEFT_EXPECT_ERROR(activate_quantize_fp8(in.p, DType::kBF16, Fp8Activation::kSwiGLU, q.p, Fp8Type::kE4M3,
+  WEFT_EXPECT_ERROR(activate_quantize_fp8(in.p, DType::kBF16, Activation::kSwiGLU, q.p, Fp8Type::kE4M3,
                                           sc.as<float>(), rows, 258, s),
                     "multiples of 4");
-  WEFT_EXPECT_ERROR(activate_quantize_fp8(in.p, DType::kBF16, Fp8Activation::kSwiGLU, q.p, Fp8Type::kE4M3,
+  WEFT_EXPECT_ERROR(activate_quantize_fp8(in.p, DType::kBF16, Activation::kSwiGLU, q.p, Fp8Type::kE4M3,
                                           sc.as<float>(), rows, cols, s, cols),
                     "ld_in must be at least 520");
   WEFT_EXPECT_ERROR(
-      activate_quantize_fp8(in.p, DType::kBF16, Fp8Activation::kNone, q.p, Fp8Type::kE4M3, sc.as<float>(),
-                            rows, cols, s, 0, 0, 0, Fp8QuantizeRows{nullptr, gr.as<int32_t>(), 3}),
+      activate_quantize_fp8(in.p, DType::kBF16, Activation::kNone, q.p, Fp8Type::kE4M3, sc.as<float>(), rows,
+                            cols, s, 0, 0, 0, Fp8QuantizeRows{nullptr, gr.as<int32_t>(), 3}),
       "needs which.group_end");
 }
 

@@ -440,8 +440,8 @@ std::string run_moe_case(Communicator& c, const MoeCase& mc, uint64_t seed) {
   // The dispatch inside the first expert GEMM against moe_dispatch + grouped_gemm on the same routing: the
   // same rows and row sources, and the same GEMM outputs bit for bit over every group's rows (plain and
   // SwiGLU epilogues, one call after the other on one area; the outputs poisoned first).
-  for (const GemmActivation act : {GemmActivation::kNone, GemmActivation::kSwiGLU}) {
-    const bool swiglu = act == GemmActivation::kSwiGLU;
+  for (const Activation act : {Activation::kNone, Activation::kSwiGLU}) {
+    const bool swiglu = act == Activation::kSwiGLU;
     const int64_t n = swiglu ? 512 : 200, c_cols = swiglu ? n / 2 : n;
     struct Up {
       DeviceBuffer b, ref, out;

@@ -59,6 +59,12 @@ TEST(GemmChecks, GroupedRefusesWhatItCannotRun) {
   GemmOptions cluster;
   cluster.cluster = 2;
   EXPECT_TRUE(has(grouped_error(2, 256, cluster), "options.cluster must be 0 or 1"));
+  GemmOptions gelu;
+  gelu.activation = Activation::kGELU;
+  EXPECT_TRUE(has(grouped_error(2, 256, gelu), "kNone or kSwiGLU, got Activation(3)"));
+  GemmOptions swiglu;
+  swiglu.activation = Activation::kSwiGLU;  // N = 256 takes it
+  EXPECT_FALSE(has(grouped_error(2, 256, swiglu), "Activation")) << grouped_error(2, 256, swiglu);
   // A plan the rules allow: without a GPU it stops at the device check, past every rule above.
   const std::string ok = grouped_error(2, 256);
   for (const char* rule : {"groups", "multiple of 128", "dense", "C is stored", "cluster"})

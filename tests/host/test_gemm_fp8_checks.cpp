@@ -36,7 +36,7 @@ TEST(GemmFp8Checks, RefusesBadShapesTypesAndOptions) {
   wide.tile_n = 256;
   EXPECT_NE(plan_error(64, 64, 64, DType::kBF16, wide).find("tile_n"), std::string::npos);
   GemmOptions swiglu;
-  swiglu.activation = GemmActivation::kSwiGLU;
+  swiglu.activation = Activation::kSwiGLU;
   EXPECT_NE(plan_error(64, 64, 64, DType::kBF16, swiglu).find("activation"), std::string::npos);
   EXPECT_NE(plan_error(64, 64, 64, DType::kBF16, {}, Fp8Type(7)).find("kE4M3 or kE5M2"), std::string::npos);
   const std::string e = error_of([] {
@@ -124,22 +124,22 @@ TEST(GemmFp8Checks, ActivateQuantizeRefusesBadArguments) {
   float scale = 0;
   alignas(16) char buf[256];
   int32_t ends[1] = {4};
-  auto call = [&](Fp8Activation act, int64_t cols, int64_t ld_in = 0, const Fp8QuantizeRows& which = {},
+  auto call = [&](Activation act, int64_t cols, int64_t ld_in = 0, const Fp8QuantizeRows& which = {},
                   DType in_type = DType::kBF16) {
     return error_of([&] {
       activate_quantize_fp8(buf, in_type, act, buf, Fp8Type::kE4M3, &scale, 4, cols, nullptr, ld_in, 0, 0,
                             which);
     });
   };
-  EXPECT_NE(call(Fp8Activation::kNone, 6).find("multiples of 4"), std::string::npos);
-  EXPECT_NE(call(Fp8Activation::kSwiGLU, 8, 8).find("ld_in must be at least 16"), std::string::npos);
-  EXPECT_NE(call(Fp8Activation(9), 8).find("unknown Fp8Activation"), std::string::npos);
-  EXPECT_NE(call(Fp8Activation::kGELU, 8, 0, {}, DType::kFP32).find("bf16 or fp16"), std::string::npos);
-  EXPECT_NE(call(Fp8Activation::kSiLU, 8, 0, Fp8QuantizeRows{nullptr, ends, 1}).find("needs which.group_end"),
+  EXPECT_NE(call(Activation::kNone, 6).find("multiples of 4"), std::string::npos);
+  EXPECT_NE(call(Activation::kSwiGLU, 8, 8).find("ld_in must be at least 16"), std::string::npos);
+  EXPECT_NE(call(Activation(9), 8).find("unknown Activation"), std::string::npos);
+  EXPECT_NE(call(Activation::kGELU, 8, 0, {}, DType::kFP32).find("bf16 or fp16"), std::string::npos);
+  EXPECT_NE(call(Activation::kSiLU, 8, 0, Fp8QuantizeRows{nullptr, ends, 1}).find("needs which.group_end"),
             std::string::npos);
   const std::string m_major = error_of([&] {
-    activate_quantize_fp8(buf, DType::kBF16, Fp8Activation::kNone, buf, Fp8Type::kE4M3, &scale, 4, 8, nullptr,
-                          0, 0, 3);
+    activate_quantize_fp8(buf, DType::kBF16, Activation::kNone, buf, Fp8Type::kE4M3, &scale, 4, 8, nullptr, 0,
+                          0, 3);
   });
   EXPECT_NE(m_major.find("scale_m_stride (3) must be 0 or at least rows"), std::string::npos) << m_major;
 }

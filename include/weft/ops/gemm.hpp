@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "weft/dtype.hpp"  // C is kBF16 or kFP32
+#include "weft/ops/activation_types.hpp"
 #include "weft/ops/gemm_fp8_types.hpp"
 #include "weft/ops/plan.hpp"
 #include "weft/timeline.hpp"
@@ -21,11 +22,6 @@ enum class GemmStore {
   kStore,      // C = A.B
   kReduceAdd,  // C += A.B, element-wise in C's type (TMA reduce-add; several GPUs may add into one C)
 };
-
-// An activation applied by the epilogue (grouped_gemm only). kSwiGLU: B's columns come in blocks of 256,
-// the first 128 of block b the gate and the last 128 the up projection of output columns [128 b, 128 b +
-// 128) (N a multiple of 256); C is [rows, N / 2] = silu(A.B_gate) * (A.B_up), from the fp32 accumulators.
-enum class GemmActivation { kNone, kSwiGLU };
 
 struct GemmOptions {
   GemmStore store = GemmStore::kStore;
@@ -45,7 +41,11 @@ struct GemmOptions {
   // counts the span. The computed tiles are shared evenly by the blocks, wherever they lie. Not with a
   // scatter or dispatch, nor with the plain FP8 GEMM.
   const int32_t* group_rows = nullptr;
-  GemmActivation activation = GemmActivation::kNone;  // grouped_gemm only (see above)
+  // grouped_gemm only: Activation::kNone or kSwiGLU, applied by the epilogue. kSwiGLU: B's columns come in
+  // blocks of 256, the first 128 of block b the gate and the last 128 the up projection of output columns
+  // [128 b, 128 b + 128) (N a multiple of 256); C is [rows, N / 2] = silu(A.B_gate) * (A.B_up), from the
+  // fp32 accumulators.
+  Activation activation = Activation::kNone;
   TimelineBuffer* timeline = nullptr;  // non-null: the kernel records its phases there (weft/timeline.hpp)
 };
 
@@ -151,10 +151,9 @@ struct Fp8QuantizeRows {
 // cols, ld_in and ld_out multiples of 4, in 8-byte and out 4-byte aligned (each lane of a warp moves four
 // elements). Scales and values as quantize_fp8's of the activation computed in fp32 (the same bits as
 // quantize_fp8 of a bf16 activation only where that rounding does not move an element).
-void activate_quantize_fp8(const void* in, DType in_type, Fp8Activation activation, void* out,
-                           Fp8Type out_type, float* scales, int64_t rows, int64_t cols, cudaStream_t stream,
-                           int64_t ld_in = 0, int64_t ld_out = 0, int64_t scale_m_stride = 0,
-                           const Fp8QuantizeRows& which = {});
+void activate_quantize_fp8(const void* in, DType in_type, Activation activation, void* out, Fp8Type out_type,
+                           float* scales, int64_t rows, int64_t cols, cudaStream_t stream, int64_t ld_in = 0,
+                           int64_t ld_out = 0, int64_t scale_m_stride = 0, const Fp8QuantizeRows& which = {});
 
 // Grouped GEMM (an MoE layer's experts on one GPU): A's rows come in `groups` groups back to back, group e
 // being rows [group_end[e - 1], group_end[e]) (group_end: device int32 array, ascending, every end a multiple

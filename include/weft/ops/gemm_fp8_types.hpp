@@ -20,9 +20,4 @@ enum class Fp8Scaling : int {
 
 inline constexpr int kFp8ScaleBlock = 128;  // kBlock's group of K (and block of N)
 
-// The activation activate_quantize_fp8 applies before quantizing (weft/ops/gemm.hpp). kSwiGLU: the input's
-// columns are [gate | up], out = silu(gate) * up (half as many columns); the others elementwise (kGELU:
-// the erf form, torch's default).
-enum class Fp8Activation : int { kNone = 0, kSwiGLU = 1, kSiLU = 2, kGELU = 3, kReLU = 4 };
-
 }  // namespace weft

@@ -76,7 +76,7 @@ struct MoeDispatched {
 // the last group's end untouched), where each 128-row tile's GEMM starts once its rows have landed; the rows
 // move in the idle warps of the GEMM's loader warpgroups. b: the local experts' weights [experts per rank,
 // n, hidden] (BLayout::kNK) or [experts per rank, hidden, n] (kKN), bf16; c: [capacity, n] bf16, or
-// [capacity, n / 2] with GemmActivation::kSwiGLU (n a multiple of 256; weft::grouped_gemm's SwiGLU epilogue).
+// [capacity, n / 2] with Activation::kSwiGLU (n a multiple of 256; weft::grouped_gemm's SwiGLU epilogue).
 // Tokens bf16; align a multiple of 128. The kernel waits for peers, so it runs within the rank's SM budget
 // (Options::sm_budget). The unfused pair (moe_dispatch, then grouped_gemm) stays the other choice, and the
 // faster one where ranks share a GPU (virtual ranks: 0.54-0.84x of its speed at W = 8 .. 2,
@@ -85,14 +85,14 @@ struct MoeDispatched {
 MoeDispatched moe_dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* tokens,
                                         const int32_t* experts, const MoeShape& shape, void* workspace,
                                         size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
-                                        GemmActivation activation, void* c, cudaStream_t stream = nullptr);
+                                        Activation activation, void* c, cudaStream_t stream = nullptr);
 // What the call would do (weft/ops/plan.hpp: the communicator workspace areas it uses, its path, the grid,
 // tiles and shared memory of its main kernel), or the weft::Error it would throw; the same arguments,
 // nothing launched. Likewise the _plan of each op below.
 Plan moe_dispatch_grouped_gemm_plan(Communicator& comm, Rank& rank, const void* tokens,
                                     const int32_t* experts, const MoeShape& shape, void* workspace,
                                     size_t workspace_bytes, const void* b, BLayout b_layout, int64_t n,
-                                    GemmActivation activation, void* c, cudaStream_t stream = nullptr);
+                                    Activation activation, void* c, cudaStream_t stream = nullptr);
 
 // What a dispatch delivered to this rank, read back to the host (synchronises `stream`: the exact-count
 // mode, not for CUDA graphs): per local expert the rows its group received (before padding) and the

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "weft/device/search.cuh"
+#include "weft/ops/activation_types.hpp"
 #include "weft/ops/gemm_fp8_types.hpp"
 
 namespace weft::ops::fp8 {
@@ -60,12 +61,12 @@ __device__ __forceinline__ float4 load4(const __half* p) {
   return make_float4(a.x, a.y, b.x, b.y);
 }
 
-template <Fp8Activation kAct>
+template <Activation kAct>
 __device__ __forceinline__ float activate(float x, float up) {
-  if constexpr (kAct == Fp8Activation::kSwiGLU) return x / (1.f + expf(-x)) * up;
-  if constexpr (kAct == Fp8Activation::kSiLU) return x / (1.f + expf(-x));
-  if constexpr (kAct == Fp8Activation::kGELU) return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
-  if constexpr (kAct == Fp8Activation::kReLU) return fmaxf(x, 0.f);
+  if constexpr (kAct == Activation::kSwiGLU) return x / (1.f + expf(-x)) * up;
+  if constexpr (kAct == Activation::kSiLU) return x / (1.f + expf(-x));
+  if constexpr (kAct == Activation::kGELU) return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
+  if constexpr (kAct == Activation::kReLU) return fmaxf(x, 0.f);
   return x;
 }
 
@@ -92,7 +93,7 @@ struct ScaleSteps {
 // out [rows, cols] = activation(in) quantized, A's 1 x 128 block scales at `steps`. in's row: cols elements,
 // or for SwiGLU 2 cols ([gate | up]). One warp per (row, 128-column group), four columns a lane: cols, ld_in
 // and ld_out multiples of 4 (the host checks them).
-template <class T, bool kE5M2, Fp8Activation kAct>
+template <class T, bool kE5M2, Activation kAct>
 __global__ void activate_quantize_kernel(const T* in, int64_t ld_in, uint8_t* out, int64_t ld_out,
                                          float* scales, ScaleSteps steps, int64_t rows, int64_t cols,
                                          QuantizedRows which) {
@@ -106,7 +107,7 @@ __global__ void activate_quantize_kernel(const T* in, int64_t ld_in, uint8_t* ou
     if (c < cols) {
       const float4 x = load4(in + row * ld_in + c);
       float4 up = make_float4(1.f, 1.f, 1.f, 1.f);
-      if constexpr (kAct == Fp8Activation::kSwiGLU) up = load4(in + row * ld_in + cols + c);
+      if constexpr (kAct == Activation::kSwiGLU) up = load4(in + row * ld_in + cols + c);
       y[0] = activate<kAct>(x.x, up.x);
       y[1] = activate<kAct>(x.y, up.y);
       y[2] = activate<kAct>(x.z, up.z);
