@@ -28,12 +28,27 @@ LANDMARKS = ("BAR", "SYNCS", "BRA", "WARPGROUP", "WARPSYNC", "BSYNC", "BSSY", "E
 
 
 def read(path):
-    """(stall reason columns, rows as dicts) of an ncu source-page CSV (its first line names the kernel)."""
+    """(stall reason columns, rows as dicts) of an ncu source-page CSV of one kernel (the header is the line
+    with the "Source" column; ncu writes the kernel's name above it)."""
     with open(path, newline="") as f:
         lines = list(csv.reader(f))
-    header, rows = lines[1], lines[2:]
+    at = next((i for i, r in enumerate(lines) if "Source" in r and SAMPLES in r), None)
+    if at is None:
+        sys.exit(f"ncu_source.py: {path}: no header with 'Source' and '{SAMPLES}' (ncu -i REP --page source "
+                 "--print-source sass --csv)")
+    header, rows = lines[at], [r for r in lines[at + 1:] if len(r) == len(lines[at])]
+    if any("Source" in r and SAMPLES in r for r in rows):
+        sys.exit(f"ncu_source.py: {path} holds several kernels: export one report per kernel")
     reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
     return reasons, [dict(zip(header, r)) for r in rows]
+
+
+def opcode_of(source):
+    """The instruction's opcode: its first word after a predicate ("@!P0  BRA ..." -> "BRA")."""
+    words = source.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0] if words else ""
 
 
 def number(value):
@@ -70,32 +85,39 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--by", default=None, help="a stall reason (wait, barrier, long_sb, ...): rank by it")
-    ap.add_argument("--list", default=None, help="FIRST:LAST instructions to list")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--list", default=None, help="FIRST:LAST instructions to list")
+    mode.add_argument("--regions", default=None, help="comma-separated cut points")
     ap.add_argument("--min", type=float, default=100, help="--list: the samples an instruction needs")
-    ap.add_argument("--regions", default=None, help="comma-separated cut points")
     args = ap.parse_args()
+    try:
+        span = [int(x) for x in args.list.split(":")] if args.list else None
+        cuts = sorted(int(c) for c in args.regions.split(",")) if args.regions else None
+    except ValueError:
+        ap.error("--list takes FIRST:LAST and --regions comma-separated instruction numbers")
+    if span is not None and len(span) != 2:
+        ap.error("--list takes FIRST:LAST")
     reasons, rows = read(args.csv)
+    key = f"stall_{args.by}" if args.by else SAMPLES
+    if not rows or key not in rows[0]:
+        sys.exit(f"ncu_source.py: no instructions, or no column {key!r}")
     total = summary(reasons, rows)
-    if args.regions:
-        cuts = [0] + [int(c) for c in args.regions.split(",")] + [len(rows)]
+    if cuts is not None:
+        cuts = [0] + [c for c in cuts if 0 < c < len(rows)] + [len(rows)]
         for a, b in zip(cuts, cuts[1:]):
             part = rows[a:b]
             s = sum(number(r[SAMPLES]) for r in part)
             agg = {k: sum(number(r[k]) for r in part) for k in reasons}
             print(f"[{a:5d}, {b:5d}) samples {s:7.0f} ({100 * s / max(total, 1):4.1f}%) executed "
                   f"{sum(number(r[EXECUTED]) for r in part):11.0f}  {top_reasons(agg, reasons, 5)}")
-    elif args.list:
-        first, last = (int(x) for x in args.list.split(":"))
-        for i in range(first, min(last + 1, len(rows))):
-            if number(rows[i][SAMPLES]) >= args.min or any(t in rows[i]["Source"] for t in LANDMARKS):
+    elif span is not None:
+        for i in range(max(span[0], 0), min(span[1] + 1, len(rows))):
+            opcode = opcode_of(rows[i]["Source"])
+            if number(rows[i][SAMPLES]) >= args.min or opcode.startswith(LANDMARKS):
                 print(line(i, rows[i], reasons))
     else:
-        key = f"stall_{args.by}" if args.by else SAMPLES
-        if key not in rows[0]:
-            sys.exit(f"ncu_source.py: no column {key!r}")
         for i in sorted(sorted(range(len(rows)), key=lambda i: -number(rows[i][key]))[:args.top]):
             print(line(i, rows[i], reasons))
-
 
 if __name__ == "__main__":
     main()

@@ -1031,8 +1031,9 @@ MoeDispatched dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* 
   GemmOptions o;
   o.activation = activation;
   o.max_blocks = rank.sm_budget();  // it waits for peers: every rank's blocks must run at once
-  // The GEMM planned (its arguments checked) before the count exchange is queued: a refusal after it would
-  // leave the peers waiting in their meetings.
+  // The GEMM planned (its shapes and options checked) before the count exchange is queued, and its
+  // pointers below (a plan does not read them): a refusal after the exchange would leave the peers waiting in
+  // their meetings.
   const Plan gemm =
       ops::grouped_gemm_dispatch(b, c, z.capacity, n, shape.hidden, b_layout, rows, stream, o, false);
   if (call.planning()) {
@@ -1043,6 +1044,8 @@ MoeDispatched dispatch_grouped_gemm(Communicator& comm, Rank& rank, const void* 
         0, &gemm);
     return handle(buf);
   }
+  ops::check_pointer_alignment(b, "b", 16, where);
+  ops::check_pointer_alignment(c, "c", 16, where);
   place_rows(comm, rank, experts, shape, buf, stream);
   ops::grouped_gemm_dispatch(b, c, z.capacity, n, shape.hidden, b_layout, rows, stream, o);
   return handle(buf);

@@ -197,9 +197,10 @@ __device__ __forceinline__ uint32_t timeline_arg(const Work& w) {
     return 0;
 }
 
-// Dynamic shared memory is rounded up to 1024 bytes in the kernel (the swizzle atom).
+// Dynamic shared memory: the op's Smem, at the 1024-byte alignment of the kernel's declaration (the swizzle
+// atom).
 template <class Op>
-inline constexpr size_t kSmemBytes = sizeof(typename Op::Smem) + 1024;
+inline constexpr size_t kSmemBytes = sizeof(typename Op::Smem);
 inline constexpr size_t kMaxSmemBytes = 227 * 1024;  // Hopper's per-block opt-in limit
 
 template <class Op>
@@ -211,12 +212,12 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
                 "setmaxnreg: the warpgroups together need more registers than the block is given");
   extern __shared__ __align__(1024) uint8_t lcsc_smem[];
   using Smem = typename Op::Smem;
-  // Aligned by pointer arithmetic on the shared array, not through an integer: the compiler then knows
-  // every address derived from `smem` is a shared one and keeps them as 32-bit shared addresses, where
-  // through uintptr_t each use re-derived the generic address (the shared window's base, the CTA's id in
-  // the cluster) and converted it back, in every consumer loop.
-  const uint32_t misalign = smem_addr(lcsc_smem) % 1024u;
-  Smem& smem = *reinterpret_cast<Smem*>(lcsc_smem + (misalign == 0 ? 0u : 1024u - misalign));
+  // The array itself: every address derived from `smem` is then a shared one at a fixed offset (32-bit
+  // shared addresses, the offsets folded into the instructions). The 1024-byte alignment the swizzled tiles
+  // need is the declaration's, which the compiler and the driver both honour; an align-up through an integer
+  // made each use re-derive the generic address (the shared window's base, the CTA's id in the cluster) and
+  // convert it back, in every consumer loop.
+  Smem& smem = *reinterpret_cast<Smem*>(lcsc_smem);
   using Scheduler = typename Op::Scheduler;
   using Work = typename Scheduler::Work;
   if constexpr (requires { Scheduler::kMaxClusterSize; })

@@ -242,7 +242,7 @@ struct AttentionFwdOp {
 
   // ---- consumers ----
   // Per key block n, from the last to the first, in the warpgroup's turn (lcsc/turns.cuh): issue S_n =
-  // Q K_n^T; while it runs, rescale O to the row maxima of P_{n+1} and wait for V_{n+1}; issue O += P_{n+1}
+  // Q K_n^T; while it runs, wait for V_{n+1} and rescale O to the row maxima of P_{n+1}; issue O += P_{n+1}
   // V_{n+1}; turn over. While the P V MMAs run, the softmax turns S_n into P_n (after the mask where the
   // block needs one). The first block issues only its S, the last P V runs after the loop.
   __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
@@ -281,11 +281,12 @@ struct AttentionFwdOp {
       Turns::begin(wg);
       wgmma::fence();
       issue_scores(s, wg, kst.stage, sc);
-      // While S_n's MMAs run: O to the row maxima P_{n+1} was taken at, and V_{n+1}'s wait, off the path
-      // from one block's P V to the next block's S.
-      tile::scale_rows(acc.o, rescale);
+      // While S_n's MMAs run: V_{n+1}'s wait and O to the row maxima P_{n+1} was taken at, off the path from
+      // one block's P V to the next block's S.
       pipe.v.consumer_wait(vst);
-      wgmma::fence();  // O's registers were written since the last fence
+      tile::scale_rows(acc.o, rescale);
+      wgmma::fence_operands(acc.o.d);  // the multiplies stay before the fence (PTX: no accumulator write
+      wgmma::fence();                  // between a wgmma.fence and the wgmma that reads the registers)
       issue_pv(s, vst.stage, pa, acc.o);
       Turns::end(wg);
       wgmma::wait<1>();  // S_n has landed; P_{n+1} V_{n+1} may still run
@@ -297,6 +298,7 @@ struct AttentionFwdOp {
     }
     // The last block's P V.
     tile::scale_rows(acc.o, rescale);
+    wgmma::fence_operands(acc.o.d);
     pipe.v.consumer_wait(vst);
     Turns::begin(wg);
     wgmma::fence();

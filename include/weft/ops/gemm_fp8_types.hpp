@@ -1,6 +1,7 @@
 // Plain types of the FP8 GEMM, shared by its host API (weft/ops/gemm.hpp) and its device code
 // (weft/ops/gemm_fp8.cuh).
 #pragma once
+#include "weft/ops/activation_types.hpp"  // Activation (Fp8Activation's name before)
 
 namespace weft {
 

@@ -147,8 +147,9 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHe
   }
 
   // ---- consumers ----
-  // The forward's loop over key blocks (attention.cuh), run over the item's W ranges as one sequence of
-  // blocks (KeyCursor): S of a block is issued with P V of the block before it, whichever range that was in.
+  // The forward's loop over key blocks (attention.cuh) in its earlier order (V waited for with K, O rescaled
+  // once the previous P V landed), run over the item's W ranges as one sequence of blocks (KeyCursor): S of a
+  // block is issued with P V of the block before it, whichever range that was in.
   // The first block is peeled off as in the forward: a wgmma under a branch would make ptxas serialise
   // every wgmma of the kernel.
   struct KeyCursor {
