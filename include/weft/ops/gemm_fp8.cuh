@@ -173,7 +173,8 @@ struct Fp8GemmOp {
 // kCountedGroups: group_rows taken (the scheduler's walk of live tiles); a call without group_rows runs the
 // kernel without that walk, whose data-dependent branches make the consumers' k-block loop compile into
 // per-thread stage registers and divergence checks (0.90 of the kernel without them, bench/RESULTS.md
-// 2026-11-29).
+// 2026-11-29; since shared memory is addressed straight from the array, 1.04-1.09x of it in one run: see
+// docs/DESIGN.md's schedulers).
 template <class OutT, bool kE5M2 = false, bool kStagedScaleA = false, bool kCountedGroups = true>
 struct GroupedFp8GemmOp : Fp8GemmOp<OutT, Fp8Scaling::kBlock, kE5M2, false,
                                     lcsc::GroupedTileScheduler<128, kCountedGroups>, true, kStagedScaleA> {
