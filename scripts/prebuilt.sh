@@ -25,6 +25,10 @@
 #                                                   commit; --revert again for several) reverted here, the
 #                                                   version packed, then the tree reset to where it was (a
 #                                                   clean working tree only)
+#            scripts/prebuilt.sh pack --as NAME --at REV [TARGET...]
+#                                                   an earlier commit as a version (a measured build to time
+#                                                   the current one against): REV checked out here, packed,
+#                                                   then the branch checked out again (a clean tree only)
 # Then e.g. WEFT_BUILD_DIR=build-prebuilt tests/gpu/run.sh PATTERN, or WEFT_PREBUILT=1 scripts/device_suite.sh
 # PATTERN... DIR has the build tree's layout for run.sh (bench/, tests/gpu/, examples/, python/weft), not a
 # CMake build: the find_package consumer step needs a build made on the machine. Not for the suite of
@@ -52,10 +56,12 @@ if [ "${1:-}" = --as ]; then
   shift 2
 fi
 # On exit: the pack's staging directory removed, and with --revert the tree reset to where it was.
-staged="" head=""
+staged="" head="" branch=""
 cleanup() {
   [ -z "$staged" ] || rm -rf "$staged"
-  if [ -n "$head" ]; then
+  if [ -n "$branch" ]; then
+    git checkout -q "$branch" && echo "prebuilt.sh: back on $branch at $(git log -1 --format=%h)" >&2
+  elif [ -n "$head" ]; then
     git reset -q --hard "$head" && echo "prebuilt.sh: the tree is back at $(git log -1 --format=%h)" >&2
   fi
 }
@@ -66,11 +72,22 @@ while [ "${1:-}" = --revert ]; do
   reverts+=("${2:?prebuilt.sh: --revert needs a commit}")
   shift 2
 done
-if [ ${#reverts[@]} -gt 0 ]; then  # pack the tree with REVs reverted, then put the tree back
+at=""
+if [ "${1:-}" = --at ]; then
+  [ -n "$name" ] && [ ${#reverts[@]} -eq 0 ] || { echo "prebuilt.sh: --at needs --as NAME, not --revert" >&2; exit 2; }
+  at=${2:?prebuilt.sh: --at needs a commit}
+  shift 2
+fi
+if [ ${#reverts[@]} -gt 0 ] || [ -n "$at" ]; then  # pack another tree, then put this one back
   git diff --quiet && git diff --cached --quiet ||
-    { echo "prebuilt.sh: --revert needs a clean working tree (commit or stash first)" >&2; exit 2; }
+    { echo "prebuilt.sh: --revert / --at need a clean working tree (commit or stash first)" >&2; exit 2; }
   head=$(git rev-parse HEAD)
-  git revert --no-edit "${reverts[@]}" >/dev/null || { git revert --abort 2>/dev/null; exit 1; }
+  if [ -n "$at" ]; then
+    branch=$(git symbolic-ref -q --short HEAD || git rev-parse HEAD)
+    git checkout -q --detach "$at" || exit 1
+  else
+    git revert --no-edit "${reverts[@]}" >/dev/null || { git revert --abort 2>/dev/null; exit 1; }
+  fi
 fi
 case "$what" in
   pack)
