@@ -61,6 +61,16 @@ weft::DType parse_dtype(const std::string& s) {
   if (s == "fp32") return weft::DType::kFP32;
   throw py::type_error("weft: unsupported dtype '" + s + "' (bf16, fp16 or fp32)");
 }
+// An activation's name ("" or "none": none); the op refuses the ones it does not apply.
+weft::Activation parse_activation(const std::string& s) {
+  if (s.empty() || s == "none") return weft::Activation::kNone;
+  if (s == "swiglu") return weft::Activation::kSwiGLU;
+  if (s == "silu") return weft::Activation::kSiLU;
+  if (s == "gelu") return weft::Activation::kGELU;
+  if (s == "relu") return weft::Activation::kReLU;
+  throw weft::Error("weft: the activation must be 'none', 'swiglu', 'silu', 'gelu' or 'relu', got '" + s +
+                    "'");
+}
 weft::ReduceOp parse_op(const std::string& s) {
   if (s == "sum") return weft::ReduceOp::kSum;
   if (s == "max") return weft::ReduceOp::kMax;
@@ -537,7 +547,7 @@ void bind_one_gpu_ops(py::module_& m) {
         weft::GemmOptions o;
         o.zero_unused_rows = zero_unused_rows;
         o.group_rows = reinterpret_cast<const int32_t*>(group_rows);
-        o.activation = activation == "swiglu" ? weft::Activation::kSwiGLU : weft::Activation::kNone;
+        o.activation = parse_activation(activation);
         weft::grouped_gemm(reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
                            reinterpret_cast<void*>(c), reinterpret_cast<const int32_t*>(group_end), groups,
                            rows, n, k, b_layout == "nk" ? weft::BLayout::kNK : weft::BLayout::kKN,
@@ -842,15 +852,6 @@ weft::Fp8Scaling parse_scaling(const std::string& s) {
   if (s == "block") return weft::Fp8Scaling::kBlock;
   throw weft::Error("weft: FP8 scaling must be 'tensor', 'rowcol' or 'block', got '" + s + "'");
 }
-weft::Activation parse_fp8_activation(const std::string& s) {
-  if (s == "none") return weft::Activation::kNone;
-  if (s == "swiglu") return weft::Activation::kSwiGLU;
-  if (s == "silu") return weft::Activation::kSiLU;
-  if (s == "gelu") return weft::Activation::kGELU;
-  if (s == "relu") return weft::Activation::kReLU;
-  throw weft::Error("weft: the activation must be 'none', 'swiglu', 'silu', 'gelu' or 'relu', got '" + s +
-                    "'");
-}
 
 // The one-GPU FP8 ops: gemm_fp8, grouped_gemm_fp8 (a [rows, K], b [groups, N, K] FP8, block scales, c [rows,
 // N]) and quantize_fp8 (weft/ops/gemm.hpp).
@@ -920,7 +921,7 @@ void bind_fp8_gemm(py::module_& m) {
          int64_t scale_m_stride, uintptr_t group_end, uintptr_t group_rows, int groups) {
         OnDevice on(device);
         weft::activate_quantize_fp8(
-            reinterpret_cast<const void*>(in), parse_dtype(in_dtype), parse_fp8_activation(activation),
+            reinterpret_cast<const void*>(in), parse_dtype(in_dtype), parse_activation(activation),
             reinterpret_cast<void*>(out), parse_fp8(out_type), reinterpret_cast<float*>(scales), rows, cols,
             reinterpret_cast<cudaStream_t>(stream), 0, 0, scale_m_stride,
             weft::Fp8QuantizeRows{reinterpret_cast<const int32_t*>(group_end),

@@ -92,6 +92,16 @@ void launch_activated(Activation activation, const Activated& a) {
   launch_activated_one_of<T, kE5M2, A::kNone, A::kSwiGLU, A::kSiLU, A::kGELU, A::kReLU>(activation, a);
 }
 
+// Calls run.template operator()<T, kE5M2>() with in_type's element type and out_type's format.
+template <class Run>
+void by_types(DType in_type, Fp8Type out_type, Run&& run) {
+  const bool e5m2 = out_type == Fp8Type::kE5M2;
+  if (in_type == DType::kBF16)
+    e5m2 ? run.template operator()<__nv_bfloat16, true>() : run.template operator()<__nv_bfloat16, false>();
+  else
+    e5m2 ? run.template operator()<__half, true>() : run.template operator()<__half, false>();
+}
+
 // Where A's block scales go (ops::fp8::ScaleSteps): M-major with scale_m_stride, rows of scale_row_stride
 // floats, or dense row-major; the strides checked here for both entry points.
 ops::fp8::ScaleSteps block_scale_steps(int64_t rows, int64_t cols, int64_t scale_m_stride,
@@ -132,8 +142,7 @@ void activate_quantize_fp8(const void* in, DType in_type, Activation activation,
   WEFT_CHECK(ld_in >= in_cols && ld_out >= cols,
              where + "ld_in must be at least " + std::to_string(in_cols) + " and ld_out at least cols");
   const ops::fp8::ScaleSteps steps = block_scale_steps(rows, cols, scale_m_stride, 0, where);
-  WEFT_CHECK(in && out && scales, where + "in, out and scales must not be null");
-  ops::check_pointer_alignment(in, "in", 8, where);
+  ops::check_pointer_alignment(in, "in", 8, where);  // (each: not null, and aligned)
   ops::check_pointer_alignment(out, "out", 4, where);
   ops::check_pointer_alignment(scales, "scales", 4, where);
   if (which.group_rows != nullptr) {
@@ -143,12 +152,7 @@ void activate_quantize_fp8(const void* in, DType in_type, Activation activation,
     ops::check_pointer_alignment(which.group_rows, "which.group_rows", 4, where);
   }
   const Activated a{in, ld_in, out, ld_out, scales, steps, rows, cols, which, stream};
-  const bool e5m2 = out_type == Fp8Type::kE5M2;
-  if (in_type == DType::kBF16)
-    e5m2 ? launch_activated<__nv_bfloat16, true>(activation, a)
-         : launch_activated<__nv_bfloat16, false>(activation, a);
-  else
-    e5m2 ? launch_activated<__half, true>(activation, a) : launch_activated<__half, false>(activation, a);
+  by_types(in_type, out_type, [&]<class T, bool kE5M2>() { launch_activated<T, kE5M2>(activation, a); });
 }
 
 void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, float* scales, int64_t rows,
@@ -180,11 +184,7 @@ void quantize_fp8(const void* in, DType in_type, void* out, Fp8Type out_type, fl
   ops::check_pointer_alignment(scales, "scales", 4, where);
   const Quantize q{in,      ld_in, static_cast<uint8_t*>(out), ld_out, scales, steps, rows, cols, kind,
                    operand, stream};
-  const bool e5m2 = out_type == Fp8Type::kE5M2;
-  if (in_type == DType::kBF16)
-    e5m2 ? launch<__nv_bfloat16, true>(q) : launch<__nv_bfloat16, false>(q);
-  else
-    e5m2 ? launch<__half, true>(q) : launch<__half, false>(q);
+  by_types(in_type, out_type, [&]<class T, bool kE5M2>() { launch<T, kE5M2>(q); });
 }
 
 }  // namespace weft

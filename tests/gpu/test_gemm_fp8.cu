@@ -427,6 +427,26 @@ void check_quantized(const std::vector<uint16_t>& in, int64_t rows, int64_t cols
 
 }  // namespace
 
+// Block scales read back from a layout with gaps (poisoned with NaN before the quantization), row i's scale
+// of group j at hs[i * row_step + j * group_step]: how many differ bit for bit from the row-major want_s
+// [m, g], and how many gap floats were written.
+struct StridedScaleDiff {
+  int64_t scales = 0, gaps = 0;
+};
+static StridedScaleDiff compare_strided_scales(const std::vector<float>& hs, const std::vector<float>& want_s,
+                                               int64_t m, int64_t g, int64_t row_step, int64_t group_step) {
+  StridedScaleDiff d;
+  std::vector<char> used(hs.size(), 0);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t at = i * row_step + j * group_step;
+      used[at] = 1;
+      d.scales += std::memcmp(&hs[at], &want_s[i * g + j], 4) != 0;
+    }
+  for (size_t x = 0; x < hs.size(); ++x) d.gaps += !used[x] && !std::isnan(hs[x]);  // never written
+  return d;
+}
+
 // A's block scales quantized M-major (a stride of M + 3 rows, the gaps poisoned with NaN): the row-major
 // quantization's values and scales bit for bit, and gemm_fp8 on them its product bit for bit (`want`).
 static void check_m_major_quantize(const DeviceBuffer& a, int64_t m, int64_t k, const std::vector<uint8_t>& want_q,
@@ -447,15 +467,9 @@ static void check_m_major_quantize(const DeviceBuffer& a, int64_t m, int64_t k, 
   WEFT_CUDA_CHECK(cudaMemcpyAsync(hs.data(), sm.p, sm.bytes, cudaMemcpyDeviceToHost, s));
   WEFT_CUDA_CHECK(cudaMemcpyAsync(ho.data(), out.p, out.bytes, cudaMemcpyDeviceToHost, s));
   WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
-  int64_t bad_s = 0, bad_gap = 0, bad_out = 0;
-  for (int64_t j = 0; j < g; ++j)
-    for (int64_t i = 0; i < ld; ++i) {
-      const float x = hs[j * ld + i];
-      if (i >= m)
-        bad_gap += !std::isnan(x);  // never written
-      else
-        bad_s += std::memcmp(&x, &want_s[i * g + j], 4) != 0;
-    }
+  const StridedScaleDiff d = compare_strided_scales(hs, want_s, m, g, 1, ld);
+  const int64_t bad_s = d.scales, bad_gap = d.gaps;
+  int64_t bad_out = 0;
   for (int64_t i = 0; i < m * n; ++i) bad_out += std::memcmp(&ho[i], &want[i], 4) != 0 || !std::isfinite(ho[i]);
   std::printf("    block scales of A M-major (stride M + 3): %lld scales, %lld gap floats, %lld outputs differ\n",
               (long long)bad_s, (long long)bad_gap, (long long)bad_out);
@@ -481,15 +495,8 @@ static void check_row_stride_quantize(const DeviceBuffer& a, int64_t m, int64_t 
   WEFT_CUDA_CHECK(cudaMemcpyAsync(hq.data(), q.p, q.bytes, cudaMemcpyDeviceToHost, s));
   WEFT_CUDA_CHECK(cudaMemcpyAsync(hs.data(), sr.p, sr.bytes, cudaMemcpyDeviceToHost, s));
   WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
-  int64_t bad_s = 0, bad_gap = 0;
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < ld; ++j) {
-      const float x = hs[i * ld + j];
-      if (j >= g)
-        bad_gap += !std::isnan(x);  // never written
-      else
-        bad_s += std::memcmp(&x, &want_s[i * g + j], 4) != 0;
-    }
+  const StridedScaleDiff d = compare_strided_scales(hs, want_s, m, g, ld, 1);
+  const int64_t bad_s = d.scales, bad_gap = d.gaps;
   std::printf("    block scales of A in rows of a stride (groups + 3): %lld scales, %lld gap floats differ\n",
               (long long)bad_s, (long long)bad_gap);
   WEFT_EXPECT(hq == want_q, "row-stride quantization: the values differ from the row-major one's");

@@ -32,6 +32,14 @@ struct ElemTraits<Elem::kFP32> {
   static __device__ __forceinline__ T from_float(float x) { return x; }
 };
 
+// Two adjacent bf16 / fp16 elements as floats (p 4-byte aligned).
+__device__ __forceinline__ float2 to_float2(const __nv_bfloat16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+__device__ __forceinline__ float2 to_float2(const __half* p) {
+  return __half22float2(*reinterpret_cast<const __half2*>(p));
+}
+
 template <Reduce R>
 __device__ __forceinline__ float combine(float a, float b) {
   if constexpr (R == Reduce::kSum)

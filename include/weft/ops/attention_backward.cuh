@@ -41,6 +41,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "weft/device/numeric.cuh"  // to_float2
 #include "weft/device/ptx.cuh"
 #include "weft/lcsc/attention_scheduler.cuh"
 #include "weft/lcsc/epilogue.cuh"
@@ -564,14 +565,6 @@ struct AttentionBwdOp {
 // prepare: one warp per (sequence, query row, head). D = rowsum(dO o O) in fp32 from the T tensors; LSE
 // in log2 units, +inf where P must be 0 (a row that sees no key, LSE = -inf); both into [heads,
 // term_stride] arrays at the sequence's term_row.
-// Two adjacent bf16 / fp16 elements as floats.
-__device__ __forceinline__ float2 to_float2(const __nv_bfloat16* p) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
-}
-__device__ __forceinline__ float2 to_float2(const __half* p) {
-  return __half22float2(*reinterpret_cast<const __half2*>(p));
-}
-
 template <int kD, class T>
 __global__ void attention_bwd_prepare(const T* out, const T* dout, const float* lse, float* lse_log2,
                                       float* dsum, AttentionRows rows, int batch, int heads,

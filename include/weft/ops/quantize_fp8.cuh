@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "weft/device/numeric.cuh"  // to_float2
 #include "weft/device/search.cuh"
 #include "weft/ops/activation_types.hpp"
 #include "weft/ops/gemm_fp8_types.hpp"
@@ -48,16 +49,12 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
+// Four adjacent bf16 / fp16 elements as floats, in one 8-byte load (p 8-byte aligned).
+template <class T>
+__device__ __forceinline__ float4 load4(const T* p) {
   const uint2 u = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-  return make_float4(a.x, a.y, b.x, b.y);
-}
-__device__ __forceinline__ float4 load4(const __half* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  const float2 a = to_float2(reinterpret_cast<const T*>(&u.x)),
+               b = to_float2(reinterpret_cast<const T*>(&u.y));
   return make_float4(a.x, a.y, b.x, b.y);
 }
 
