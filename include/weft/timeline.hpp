@@ -14,8 +14,9 @@ namespace weft {
 enum class TimelinePhase : uint8_t {
   kBlock = 0,       // a persistent (LCSC) kernel's block, start to exit; arg: 0 compute, 1 communicator
   kWaitInputs = 1,  // the loader waiting for a work item's inputs (a peer's chunk); arg: the item
-  kMainloop = 2,    // a consumer warpgroup's mainloop over one work item (incl. waits for its stages)
-  kStore = 3,       // a consumer warpgroup's store of one work item (local, peer, or staging)
+  kMainloop = 2,    // a consumer warpgroup's mainloop over one work item (incl. waits for its stages); arg:
+                    // the tile (m << 16 | n), attention's item (head << 16 | block), else 0
+  kStore = 3,       // a consumer warpgroup's store of one work item (local, peer, or staging); arg: as above
   kCommBegin = 4,   // a communicator block's opening (e.g. meeting its peers' counterparts)
   kCommTask = 5,    // a communicator block's task; arg: the task
   kCollective = 6,  // a collective kernel's block; arg: 1 the fused RS / AR reduce (the pre-staged

@@ -193,6 +193,11 @@ __device__ __forceinline__ uint32_t timeline_arg(const Work& w) {
                   w.n;
                 })
     return uint32_t(w.m) << 16 | (uint32_t(w.n) & 0xffffu);
+  else if constexpr (requires {
+                       w.head;
+                       w.q_block;
+                     })  // attention: (head, block of the sequence)
+    return uint32_t(w.head) << 16 | (uint32_t(w.q_block) & 0xffffu);
   else
     return 0;
 }
