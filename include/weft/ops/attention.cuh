@@ -152,11 +152,8 @@ __device__ __forceinline__ void load_head_rows(Tile& t, const CUtensorMap* map, 
 // kWarpgroups: consumer warpgroups (64 query rows each); the single-GPU forward takes 2 at D = 64 for a
 // causal mask up to 2048 query rows, 3 otherwise (src/ops/attention.cu; AttentionOptions::query_rows forces
 // one). kTimed: the kernel that records a timeline (AttentionOptions::timeline; weft/timeline.hpp's Timed).
-// kStoreBuffers: O's staging buffers per warpgroup (three: an item's O is two chunks at D = 128, and with two
-// buffers its second chunk would wait for the first one's TMA read, the buffer the next chunk takes, on the
-// path from one item's last MMAs to the next item's first; two where shared memory is short).
 template <int kHeadDim, class T = __nv_bfloat16, int kWarpgroups = attention_warpgroups(kHeadDim),
-          bool kTimed = false, int kStoreBuffers = 3>
+          bool kTimed = false>
 struct AttentionFwdOp {
   static_assert(tile::kIs16Bit<T>, "bf16 or fp16 tensors");
   static_assert(kWarpgroups == 2 || kWarpgroups == 3, "2 or 3 consumer warpgroups");
@@ -176,7 +173,7 @@ struct AttentionFwdOp {
   using QTile = tile::Sw128Tile<T, kBM, kD>;  // rows: queries; the K-major A of S = Q K^T
   using KTile = tile::Sw128Tile<T, kBN, kD>;  // rows: keys; the K-major B of S
   using VTile = tile::Sw128Tile<T, kBN, kD>;  // rows: keys; the MN-major B of O += P V
-  using Epilogue = lcsc::TmaStoreEpilogue<T, kD, kConsumerWarpgroups, kStoreBuffers>;
+  using Epilogue = lcsc::TmaStoreEpilogue<T, kD, kConsumerWarpgroups>;
   using StoreState = typename Epilogue::State;
   using Ring = lcsc::Pipeline<kStages, kConsumerWarpgroups, 1>;
   using Turns = lcsc::Turns<kConsumerWarpgroups, lcsc::kEpilogueFirstBarrierId + kConsumerWarpgroups>;

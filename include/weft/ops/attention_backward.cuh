@@ -74,12 +74,9 @@ __device__ __forceinline__ int term_row(const AttentionRows& r, const SeqRows& s
 // D = 64 (D = 128 leaves no registers for more: dK and dV take 64 x 128 fp32 each per warpgroup). 128 rows
 // halve the steps, and with them each step's fixed cost (waits, the warpgroups' meeting, the dQ staging),
 // for the same work; the host picks (src/ops/attention_backward.cu). kTimed: the kernel that records a
-// timeline (AttentionOptions::timeline; weft/timeline.hpp's Timed). kStoreBuffers: the epilogue's staging
-// buffers per warpgroup (dK and dV are four chunks: with two, each chunk's store waits for the previous
-// one's TMA read; a third lets it wait for the one before that instead, read long since; two where shared
-// memory is short). Two of them also stage the dQ parts.
+// timeline (AttentionOptions::timeline; weft/timeline.hpp's Timed).
 template <int kHeadDim, class T = __nv_bfloat16, bool kDeterministic = false, int kBlockM = 64,
-          bool kTimed = false, int kStoreBuffers = 3>
+          bool kTimed = false>
 struct AttentionBwdOp {
   static_assert(tile::kIs16Bit<T>, "bf16 or fp16 tensors");
   static constexpr int kConsumerWarpgroups = 2;
@@ -103,7 +100,7 @@ struct AttentionBwdOp {
   using VTile = tile::Sw128Tile<T, kBN, kD>;   // rows: keys (K-major A of dP^T)
   using QTile = tile::Sw128Tile<T, kBM, kD>;   // rows: queries (K-major B of S^T, MN-major B of dK); dO alike
   using DsTile = tile::Sw128Tile<T, kBN, kBM>;  // dS^T: rows keys, columns queries (M-major A of dQ)
-  using Epilogue = lcsc::TmaStoreEpilogue<T, kD, kConsumerWarpgroups, kStoreBuffers>;
+  using Epilogue = lcsc::TmaStoreEpilogue<T, kD, kConsumerWarpgroups>;
   using StoreState = typename Epilogue::State;
   using Ring = lcsc::Pipeline<kStages, kConsumerWarpgroups, 1>;
   // dQ = dS K of a step (kBM x kD) is split between the warpgroups by columns when kBM = 64 and by rows when

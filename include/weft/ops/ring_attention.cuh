@@ -92,9 +92,8 @@ __device__ inline void ring_wait_landed(const lcsc::PushSync& sync, const RingSl
 
 // kTimed: the kernel that records its rank's timeline (AttentionFwdOp's).
 template <int kHeadDim, class T = __nv_bfloat16, bool kTimed = false>
-struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed, 2> {
-  // (Two store buffers: with the helper warps' staging a third would pass the shared-memory limit.)
-  using Base = AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed, 2>;
+struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed> {
+  using Base = AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed>;
   using Base::kBM;
   using Base::kBN;
   using Base::kD;

@@ -35,9 +35,8 @@ namespace weft::ops {
 
 // kTimed: the kernel that records its rank's timeline (AttentionBwdOp's).
 template <int kHeadDim, class T = __nv_bfloat16, bool kTimed = false>
-struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed, 2> {
-  // (Two store buffers: with the helper warps' staging a third would pass the shared-memory limit.)
-  using Base = AttentionBwdOp<kHeadDim, T, false, 64, kTimed, 2>;
+struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
+  using Base = AttentionBwdOp<kHeadDim, T, false, 64, kTimed>;
   using Base::kBM;
   using Base::kBN;
   using Base::kD;

@@ -61,9 +61,8 @@ struct UlyssesSegments {
 
 // kTimed: the kernel that records its rank's timeline (AttentionFwdOp's).
 template <int kHeadDim, class T = __nv_bfloat16, bool kTimed = false>
-struct UlyssesAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed, 2> {
-  // (Two store buffers: with the helper warps' staging a third would pass the shared-memory limit.)
-  using Base = AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed, 2>;
+struct UlyssesAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed> {
+  using Base = AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed>;
   using Base::kConsumerWarpgroups;
   using Base::kD;
   using typename Base::Pipeline;
