@@ -21,7 +21,7 @@ struct Call {
 
 template <int kD, class T, int kWarpgroups = ops::attention_warpgroups(kD), bool kTimed = false>
 Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
-  using Op = ops::AttentionFwdOp<kD, T, kWarpgroups, kTimed>;
+  using Op = ops::ChainedAttentionFwdOp<kD, T, kWarpgroups, kTimed>;
   using Launcher = lcsc::Launcher<Op>;
   const AttentionShape& sh = c.shape;
   typename Op::Params p{};

@@ -30,6 +30,8 @@
 //                                                          of the kernel (ptxas info C7507), and the
 //                                                          consumers then spill on the launch's registers
 //   static finish(p, smem, wg, StoreState&)                consumer warpgroup after its last item
+//   static finish(p, smem, wg, StoreState&, Accum&)        the same, for an op whose compute() leaves part
+//                                                          of an item to the next call (its last one's here)
 //   static helper_warp(p, smem, index, count)              warps 1-3 of a compute block's loader warpgroup
 //                                                          (idle otherwise; index of count such warps in
 //                                                          the grid), with the loader's registers: side work
@@ -317,7 +319,10 @@ __global__ void __launch_bounds__(kThreads<Op>, 1)
       Op::store(p, smem, t, c, acc, es);
       mark<Op>(p, tile::thread_in_warpgroup() == 0, TimelinePhase::kStore, true, timeline_arg(t));
     }
-    if constexpr (requires { Op::finish(p, smem, c, es); }) Op::finish(p, smem, c, es);
+    if constexpr (requires { Op::finish(p, smem, c, es, acc); })
+      Op::finish(p, smem, c, es, acc);
+    else if constexpr (requires { Op::finish(p, smem, c, es); })
+      Op::finish(p, smem, c, es);
   }
   // No CTA of a cluster may leave while a peer can still multicast into it or arrive on its barriers.
   if constexpr (Op::kClusterSize > 1) {

@@ -447,4 +447,150 @@ struct AttentionFwdOp {
   }
 };
 
+// The single-GPU forward with a warpgroup's items chained: an item's last P V is issued in the same turn as
+// the next item's first S, and the item's O is normalised and stored while that S's softmax has run, instead
+// of ending each item with a turn of its own, a wait for that P V and the store, and starting the next with
+// an S whose softmax no MMA of the warpgroup overlaps. compute() leaves the last P V (P, O's factor, the V
+// stage, the row statistics and where O goes) in Accum; the next compute() or finish() completes it, so the
+// timeline's mainloop of an item holds the previous item's store, and store() does nothing. (The ring's and
+// Ulysses' forwards, whose stores are followed by a signal per item, keep AttentionFwdOp's order.)
+template <int kHeadDim, class T = __nv_bfloat16, int kWarpgroups = attention_warpgroups(kHeadDim),
+          bool kTimed = false>
+struct ChainedAttentionFwdOp : AttentionFwdOp<kHeadDim, T, kWarpgroups, kTimed> {
+  using Base = AttentionFwdOp<kHeadDim, T, kWarpgroups, kTimed>;
+  using Base::kBN;
+  using Base::kD;
+  using typename Base::Lengths;
+  using typename Base::Params;
+  using typename Base::Pipeline;
+  using typename Base::Smem;
+  using typename Base::StoreState;
+  using typename Base::Turns;
+
+  struct Accum : Base::Accum {
+    tile::OnlineSoftmax<kBN> softmax;  // the pending item's row statistics
+    uint32_t pa[kBN / 4];              // its last block's P
+    float rescale[2];                  // O's factor to the row maxima P was taken at
+    lcsc::PipeState vst;               // V's stage of that block
+    lcsc::AttentionWork item;          // where its O goes
+    bool pending = false;              // an item's last P V and store are still to come
+  };
+
+  __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
+                                 const lcsc::AttentionWork& w, int wg, Accum& acc, StoreState& es) {
+    if (w.iteration == 0) Turns::start(wg);
+    const SeqRows sr = seq_rows(p.rows, w.batch);
+    const Lengths len{sr.q_len, sr.k_len, p.causal != 0};
+    const KeyBlocks kb = key_blocks(w.q_block, Base::kBM, len.q, len.k, len.causal);
+    const int row0 = w.q_block * Base::kBM + 64 * wg;
+    tile::OnlineSoftmax<kBN> softmax;
+    tile::mbarrier_wait_bounded(&pipe.s_.q_full, static_cast<uint32_t>(w.iteration) & 1u);
+    if (kb.end == 0) {  // no key: the pending item first, then O = 0, LSE = -inf, stored now
+      Base::release_q(pipe);
+      if (acc.pending) complete_pending(p, s, pipe, wg, acc, es);
+      zero(acc.o);
+      Base::finish_rows(p, softmax, acc);
+      Base::store(p, s, w, wg, acc, es);
+      return;
+    }
+    lcsc::PipeState kst = st, vst = st;
+    tile::AccumM64<kBN> sc;
+    uint32_t pa[kBN / 4];
+    float rescale[2];
+    int n = kb.end - 1;
+    // The first block's S, with the pending item's last P V in the same turn.
+    pipe.k.consumer_wait(kst);
+    Turns::begin(wg);
+    wgmma::fence();
+    Base::issue_scores(s, wg, kst.stage, sc);
+    if (acc.pending) {
+      pipe.v.consumer_wait(acc.vst);
+      tile::scale_rows(acc.o, acc.rescale);
+      wgmma::fence_operands(acc.o.d);
+      wgmma::fence();
+      Base::issue_pv(s, acc.vst.stage, acc.pa, acc.o);
+      Turns::end(wg);
+      wgmma::wait<1>();  // S has landed; the P V may still run
+    } else {
+      Turns::end(wg);
+      wgmma::wait<0>();
+    }
+    Base::scores_landed(pipe, kst, sc, n);
+    Base::to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
+    if (acc.pending) {  // the pending item's O complete: normalised and stored
+      wgmma::wait<0>();
+      Base::pv_landed(pipe, acc.vst, acc.pa, acc.o);
+      tile::pack_a<T>(sc, pa);
+      store_pending(p, s, wg, acc, es);
+    } else {
+      tile::pack_a<T>(sc, pa);
+    }
+    zero(acc.o);
+    for (--n; n >= 0; --n) {
+      pipe.k.consumer_wait(kst);
+      Turns::begin(wg);
+      wgmma::fence();
+      Base::issue_scores(s, wg, kst.stage, sc);
+      pipe.v.consumer_wait(vst);
+      tile::scale_rows(acc.o, rescale);
+      wgmma::fence_operands(acc.o.d);
+      wgmma::fence();
+      Base::issue_pv(s, vst.stage, pa, acc.o);
+      Turns::end(wg);
+      wgmma::wait<1>();
+      Base::scores_landed(pipe, kst, sc, n);
+      Base::to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
+      wgmma::wait<0>();
+      Base::pv_landed(pipe, vst, pa, acc.o);
+      tile::pack_a<T>(sc, pa);
+    }
+    // The last block's P V: left to the next item (or finish()).
+#pragma unroll
+    for (int i = 0; i < kBN / 4; ++i) acc.pa[i] = pa[i];
+    acc.rescale[0] = rescale[0];
+    acc.rescale[1] = rescale[1];
+    acc.softmax = softmax;
+    acc.vst = vst;
+    acc.item = w;
+    acc.pending = true;
+    st = kst;  // the K ring has advanced by the item's blocks; the V ring one block less
+  }
+  // O was stored by the next item's compute() (or finish()).
+  __device__ static void store(const Params&, Smem&, const lcsc::AttentionWork&, int, const Accum&,
+                               StoreState&) {}
+  // The last item's P V, in a turn of its own, and its store; then the base's finish.
+  __device__ static void finish(const Params& p, Smem& s, int wg, StoreState& es, Accum& acc) {
+    if (acc.pending) {
+      Pipeline pipe(s.pipe);
+      complete_pending(p, s, pipe, wg, acc, es);
+    }
+    Base::finish(p, s, wg, es);
+  }
+
+ private:
+  __device__ static void zero(tile::AccumM64<kD>& o) {
+#pragma unroll
+    for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) o.d[i] = 0.f;
+  }
+  // The pending item's last P V in a turn of its own, then its store.
+  __device__ static void complete_pending(const Params& p, Smem& s, Pipeline& pipe, int wg, Accum& acc,
+                                          StoreState& es) {
+    tile::scale_rows(acc.o, acc.rescale);
+    wgmma::fence_operands(acc.o.d);
+    pipe.v.consumer_wait(acc.vst);
+    Turns::begin(wg);
+    wgmma::fence();
+    Base::issue_pv(s, acc.vst.stage, acc.pa, acc.o);
+    Turns::end(wg);
+    wgmma::wait<0>();
+    Base::pv_landed(pipe, acc.vst, acc.pa, acc.o);
+    store_pending(p, s, wg, acc, es);
+  }
+  __device__ static void store_pending(const Params& p, Smem& s, int wg, Accum& acc, StoreState& es) {
+    Base::finish_rows(p, acc.softmax, acc);
+    Base::store(p, s, acc.item, wg, acc, es);
+    acc.pending = false;
+  }
+};
+
 }  // namespace weft::ops
