@@ -498,12 +498,14 @@ struct ChainedAttentionFwdOp : AttentionFwdOp<kHeadDim, T, kWarpgroups, kTimed> 
     uint32_t pa[kBN / 4];
     float rescale[2];
     int n = kb.end - 1;
-    // The first block's S, with the pending item's last P V in the same turn.
+    // The first block's S, with the pending item's last P V in the same turn. Each branch ends with no MMA
+    // in flight: where paths with different MMAs in flight merge, ptxas waits for them (C7517) and then
+    // serialises every wgmma of the kernel (C7518).
     pipe.k.consumer_wait(kst);
-    Turns::begin(wg);
-    wgmma::fence();
-    Base::issue_scores(s, wg, kst.stage, sc);
     if (acc.pending) {
+      Turns::begin(wg);
+      wgmma::fence();
+      Base::issue_scores(s, wg, kst.stage, sc);
       pipe.v.consumer_wait(acc.vst);
       tile::scale_rows(acc.o, acc.rescale);
       wgmma::fence_operands(acc.o.d);
@@ -511,18 +513,20 @@ struct ChainedAttentionFwdOp : AttentionFwdOp<kHeadDim, T, kWarpgroups, kTimed> 
       Base::issue_pv(s, acc.vst.stage, acc.pa, acc.o);
       Turns::end(wg);
       wgmma::wait<1>();  // S has landed; the P V may still run
-    } else {
-      Turns::end(wg);
-      wgmma::wait<0>();
-    }
-    Base::scores_landed(pipe, kst, sc, n);
-    Base::to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
-    if (acc.pending) {  // the pending item's O complete: normalised and stored
+      Base::scores_landed(pipe, kst, sc, n);
+      Base::to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
       wgmma::wait<0>();
       Base::pv_landed(pipe, acc.vst, acc.pa, acc.o);
       tile::pack_a<T>(sc, pa);
-      store_pending(p, s, wg, acc, es);
+      store_pending(p, s, wg, acc, es);  // the pending item's O complete: normalised and stored
     } else {
+      Turns::begin(wg);
+      wgmma::fence();
+      Base::issue_scores(s, wg, kst.stage, sc);
+      Turns::end(wg);
+      wgmma::wait<0>();
+      Base::scores_landed(pipe, kst, sc, n);
+      Base::to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
       tile::pack_a<T>(sc, pa);
     }
     zero(acc.o);
