@@ -89,10 +89,10 @@ struct AttentionBwdOp {
   static_assert(kBM == 64 || (kBM == 128 && kD == 64), "64 query rows per step, or 128 at D = 64");
   static_assert(kBN == 64 * kConsumerWarpgroups, "64 keys per consumer warpgroup");
   // D = 64 has the registers for dS^T as dK's A operand (packed as dV's P^T): dK then reads only Q from
-  // shared memory, whose port, not the tensor cores, limits that step, and each LSE / D pair is loaded once
-  // for both of a thread's rows. 1.02-1.06x at D = 64 (2026-11-28, H200, bench/RESULTS.md, with dP^T issued
-  // right behind S^T, which every head dim now does); at D = 128 the same step spills more and ran
-  // 0.94-1.0x, so it keeps dS^T in shared memory for dK.
+  // shared memory, whose port, not the tensor cores, limits that step; dP^T is issued right behind S^T, and
+  // each LSE / D pair is loaded once for both of a thread's rows. 1.02-1.06x at D = 64 (2026-11-28, H200,
+  // bench/RESULTS.md); at D = 128 the same step spills more and ran 0.94-1.0x, so it keeps dS^T in shared
+  // memory for dK.
   static constexpr bool kDsInRegisters = kD == 64;
 
   using Scheduler = lcsc::AttentionScheduler;  // items: (batch, K/V head, key block); see key_block()
@@ -348,10 +348,16 @@ struct AttentionBwdOp {
     tile::AccumM64<kBM> ds;  // dP^T, then dS^T
     wgmma::fence();
     issue_scores(s.k, s.q[stage], wg, sp);
-    // dP^T queued behind S^T: the tensor pipe stays busy during P^T's exp2.
-    issue_scores(s.v, s.dout[stage], wg, ds);
-    wgmma::wait<1>();
-    wgmma::fence_operands(sp.d);
+    if constexpr (kDsInRegisters) {  // dP^T queued behind S^T: the tensor pipe stays busy during P^T's exp2
+      issue_scores(s.v, s.dout[stage], wg, ds);
+      wgmma::wait<1>();
+      wgmma::fence_operands(sp.d);
+    } else {
+      wgmma::wait<0>();
+      wgmma::fence_operands(sp.d);
+      wgmma::fence();
+      issue_scores(s.v, s.dout[stage], wg, ds);
+    }
     // One branch per block, not one per element: most blocks need no mask.
     if (block_needs_mask(len, key0, m * kBM))
       scores_to_ds<true>(p, len, s.lse_log2[stage], s.dsum[stage], key0, m * kBM, sp, ds);
