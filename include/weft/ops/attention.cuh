@@ -252,26 +252,62 @@ struct AttentionFwdOp {
     const Lengths len{sr.q_len, sr.k_len, p.causal != 0};
     const KeyBlocks kb = key_blocks(w.q_block, kBM, len.q, len.k, len.causal);
     const int row0 = w.q_block * kBM + 64 * wg;  // this warpgroup's first query row (of the sequence)
+    tile::OnlineSoftmax<kBN> softmax;
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.o.d[i] = 0.f;
     tile::mbarrier_wait_bounded(&pipe.s_.q_full, static_cast<uint32_t>(w.iteration) & 1u);
     if (kb.end == 0) {  // no key: O = 0, LSE = -inf
       release_q(pipe);
-      finish_rows(p, tile::OnlineSoftmax<kBN>{}, acc);
+      finish_rows(p, softmax, acc);
       return;
     }
     lcsc::PipeState kst = st, vst = st;  // the V ring runs one block behind the K ring
-    KeyBlockRegs r;
+    tile::AccumM64<kBN> sc;              // S_n, turned into P_n in place
+    uint32_t pa[kBN / 4];                // P of the block whose P V is next, as the MMA's A operand
+    float rescale[2];
     int n = kb.end - 1;
-    auto to_p = [&](KeyBlockRegs& regs) {
-      to_probabilities(p, len, kb, n, row0, regs.softmax, regs.sc, regs.rescale);
-    };
+    // The first block: S only.
     pipe.k.consumer_wait(kst);
-    first_block(s, pipe, kst, wg, n, r, to_p);
-    for (--n; n >= 0; --n) next_block(s, pipe, kst, vst, wg, n, r, acc.o, to_p);
-    last_pv(s, pipe, vst, wg, r.pa, r.rescale, acc.o);
+    Turns::begin(wg);
+    wgmma::fence();
+    issue_scores(s, wg, kst.stage, sc);
+    Turns::end(wg);
+    wgmma::wait<0>();
+    scores_landed(pipe, kst, sc, n);
+    to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
+    tile::pack_a<T>(sc, pa);
+    for (--n; n >= 0; --n) {
+      pipe.k.consumer_wait(kst);
+      Turns::begin(wg);
+      wgmma::fence();
+      issue_scores(s, wg, kst.stage, sc);
+      // While S_n's MMAs run: V_{n+1}'s wait and O to the row maxima P_{n+1} was taken at, off the path from
+      // one block's P V to the next block's S.
+      pipe.v.consumer_wait(vst);
+      tile::scale_rows(acc.o, rescale);
+      wgmma::fence_operands(acc.o.d);  // the multiplies stay before the fence (PTX: no accumulator write
+      wgmma::fence();                  // between a wgmma.fence and the wgmma that reads the registers)
+      issue_pv(s, vst.stage, pa, acc.o);
+      Turns::end(wg);
+      wgmma::wait<1>();  // S_n has landed; P_{n+1} V_{n+1} may still run
+      scores_landed(pipe, kst, sc, n);
+      to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
+      wgmma::wait<0>();
+      pv_landed(pipe, vst, pa, acc.o);
+      tile::pack_a<T>(sc, pa);
+    }
+    // The last block's P V.
+    tile::scale_rows(acc.o, rescale);
+    wgmma::fence_operands(acc.o.d);
+    pipe.v.consumer_wait(vst);
+    Turns::begin(wg);
+    wgmma::fence();
+    issue_pv(s, vst.stage, pa, acc.o);
+    Turns::end(wg);
+    wgmma::wait<0>();
+    pv_landed(pipe, vst, pa, acc.o);
     st = kst;  // both rings have advanced by the item's blocks
-    finish_rows(p, r.softmax, acc);
+    finish_rows(p, softmax, acc);
   }
 
   __device__ static void store(const Params& p, Smem& s, const lcsc::AttentionWork& w, int wg,
@@ -311,67 +347,6 @@ struct AttentionFwdOp {
     int q, k;     // the sequence's query and key rows
     bool causal;  // under the bottom-right causal mask
   };
-  // The registers a consumer warpgroup carries from one key block to the next.
-  struct KeyBlockRegs {
-    tile::OnlineSoftmax<kBN> softmax;
-    tile::AccumM64<kBN> sc;  // S_n, turned into P_n in place
-    uint32_t pa[kBN / 4];    // P of the block whose P V is next, as the MMA's A operand
-    float rescale[2];        // O's factor to the row maxima that P was taken at
-  };
-  // The key-block steps of compute(). `to_p(regs)`: the block's mask and softmax step (S_n into P_n); `n`:
-  // the block, for scores_landed. Inlined straight-line code (no MMA left in flight where paths merge: see
-  // ChainedAttentionFwdOp).
-  // The first key block (K_n waited for by the caller): S only, then its P.
-  template <class ToP>
-  __device__ __forceinline__ static void first_block(Smem& s, Pipeline& pipe, lcsc::PipeState& kst, int wg,
-                                                     int n, KeyBlockRegs& r, ToP&& to_p) {
-    Turns::begin(wg);
-    wgmma::fence();
-    issue_scores(s, wg, kst.stage, r.sc);
-    Turns::end(wg);
-    wgmma::wait<0>();
-    scores_landed(pipe, kst, r.sc, n);
-    to_p(r);
-    tile::pack_a<T>(r.sc, r.pa);
-  }
-  // A later block: issue S_n; while it runs, wait for V_{n+1} and rescale O to the row maxima of P_{n+1}
-  // (off the path from one block's P V to the next block's S); issue O += P_{n+1} V_{n+1}; turn over; the
-  // softmax of S_n while the P V runs.
-  template <class ToP>
-  __device__ __forceinline__ static void next_block(Smem& s, Pipeline& pipe, lcsc::PipeState& kst,
-                                                    lcsc::PipeState& vst, int wg, int n, KeyBlockRegs& r,
-                                                    tile::AccumM64<kD>& o, ToP&& to_p) {
-    pipe.k.consumer_wait(kst);
-    Turns::begin(wg);
-    wgmma::fence();
-    issue_scores(s, wg, kst.stage, r.sc);
-    pipe.v.consumer_wait(vst);
-    tile::scale_rows(o, r.rescale);
-    wgmma::fence_operands(o.d);  // the multiplies stay before the fence (PTX: no accumulator write
-    wgmma::fence();              // between a wgmma.fence and the wgmma that reads the registers)
-    issue_pv(s, vst.stage, r.pa, o);
-    Turns::end(wg);
-    wgmma::wait<1>();  // S_n has landed; P_{n+1} V_{n+1} may still run
-    scores_landed(pipe, kst, r.sc, n);
-    to_p(r);
-    wgmma::wait<0>();
-    pv_landed(pipe, vst, r.pa, o);
-    tile::pack_a<T>(r.sc, r.pa);
-  }
-  // The last block's P V, in a turn of its own.
-  __device__ __forceinline__ static void last_pv(Smem& s, Pipeline& pipe, lcsc::PipeState& vst, int wg,
-                                                 uint32_t (&pa)[kBN / 4], const float (&rescale)[2],
-                                                 tile::AccumM64<kD>& o) {
-    tile::scale_rows(o, rescale);
-    wgmma::fence_operands(o.d);
-    pipe.v.consumer_wait(vst);
-    Turns::begin(wg);
-    wgmma::fence();
-    issue_pv(s, vst.stage, pa, o);
-    Turns::end(wg);
-    wgmma::wait<0>();
-    pv_landed(pipe, vst, pa, o);
-  }
   // Q of the item, once the consumers are done with the previous item's (a fresh barrier passes the first
   // wait).
   __device__ static void load_q(const Params& p, Smem& s, Pipeline& pipe, const lcsc::AttentionWork& w,
@@ -485,7 +460,6 @@ struct ChainedAttentionFwdOp : AttentionFwdOp<kHeadDim, T, kWarpgroups, kTimed> 
   using Base = AttentionFwdOp<kHeadDim, T, kWarpgroups, kTimed>;
   using Base::kBN;
   using Base::kD;
-  using typename Base::KeyBlockRegs;
   using typename Base::Lengths;
   using typename Base::Params;
   using typename Base::Pipeline;
@@ -509,21 +483,21 @@ struct ChainedAttentionFwdOp : AttentionFwdOp<kHeadDim, T, kWarpgroups, kTimed> 
     const Lengths len{sr.q_len, sr.k_len, p.causal != 0};
     const KeyBlocks kb = key_blocks(w.q_block, Base::kBM, len.q, len.k, len.causal);
     const int row0 = w.q_block * Base::kBM + 64 * wg;
+    tile::OnlineSoftmax<kBN> softmax;
     tile::mbarrier_wait_bounded(&pipe.s_.q_full, static_cast<uint32_t>(w.iteration) & 1u);
     if (kb.end == 0) {  // no key: the pending item first, then O = 0, LSE = -inf, stored now
       Base::release_q(pipe);
       if (acc.pending) complete_pending(p, s, pipe, wg, acc, es);
       zero(acc.o);
-      Base::finish_rows(p, tile::OnlineSoftmax<kBN>{}, acc);
+      Base::finish_rows(p, softmax, acc);
       Base::store(p, s, w, wg, acc, es);
       return;
     }
     lcsc::PipeState kst = st, vst = st;
-    KeyBlockRegs r;
+    tile::AccumM64<kBN> sc;
+    uint32_t pa[kBN / 4];
+    float rescale[2];
     int n = kb.end - 1;
-    auto to_p = [&](KeyBlockRegs& regs) {
-      Base::to_probabilities(p, len, kb, n, row0, regs.softmax, regs.sc, regs.rescale);
-    };
     // The first block's S, with the pending item's last P V in the same turn. Each branch ends with no MMA
     // in flight: where paths with different MMAs in flight merge, ptxas waits for them (C7517) and then
     // serialises every wgmma of the kernel (C7518).
@@ -531,7 +505,7 @@ struct ChainedAttentionFwdOp : AttentionFwdOp<kHeadDim, T, kWarpgroups, kTimed> 
     if (acc.pending) {
       Turns::begin(wg);
       wgmma::fence();
-      Base::issue_scores(s, wg, kst.stage, r.sc);
+      Base::issue_scores(s, wg, kst.stage, sc);
       pipe.v.consumer_wait(acc.vst);
       tile::scale_rows(acc.o, acc.rescale);
       wgmma::fence_operands(acc.o.d);
@@ -539,23 +513,47 @@ struct ChainedAttentionFwdOp : AttentionFwdOp<kHeadDim, T, kWarpgroups, kTimed> 
       Base::issue_pv(s, acc.vst.stage, acc.pa, acc.o);
       Turns::end(wg);
       wgmma::wait<1>();  // S has landed; the P V may still run
-      Base::scores_landed(pipe, kst, r.sc, n);
-      to_p(r);
+      Base::scores_landed(pipe, kst, sc, n);
+      Base::to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
       wgmma::wait<0>();
       Base::pv_landed(pipe, acc.vst, acc.pa, acc.o);
-      tile::pack_a<T>(r.sc, r.pa);
+      tile::pack_a<T>(sc, pa);
       store_pending(p, s, wg, acc, es);  // the pending item's O complete: normalised and stored
     } else {
-      Base::first_block(s, pipe, kst, wg, n, r, to_p);
+      Turns::begin(wg);
+      wgmma::fence();
+      Base::issue_scores(s, wg, kst.stage, sc);
+      Turns::end(wg);
+      wgmma::wait<0>();
+      Base::scores_landed(pipe, kst, sc, n);
+      Base::to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
+      tile::pack_a<T>(sc, pa);
     }
     zero(acc.o);
-    for (--n; n >= 0; --n) Base::next_block(s, pipe, kst, vst, wg, n, r, acc.o, to_p);
+    for (--n; n >= 0; --n) {
+      pipe.k.consumer_wait(kst);
+      Turns::begin(wg);
+      wgmma::fence();
+      Base::issue_scores(s, wg, kst.stage, sc);
+      pipe.v.consumer_wait(vst);
+      tile::scale_rows(acc.o, rescale);
+      wgmma::fence_operands(acc.o.d);
+      wgmma::fence();
+      Base::issue_pv(s, vst.stage, pa, acc.o);
+      Turns::end(wg);
+      wgmma::wait<1>();
+      Base::scores_landed(pipe, kst, sc, n);
+      Base::to_probabilities(p, len, kb, n, row0, softmax, sc, rescale);
+      wgmma::wait<0>();
+      Base::pv_landed(pipe, vst, pa, acc.o);
+      tile::pack_a<T>(sc, pa);
+    }
     // The last block's P V: left to the next item (or finish()).
 #pragma unroll
-    for (int i = 0; i < kBN / 4; ++i) acc.pa[i] = r.pa[i];
-    acc.rescale[0] = r.rescale[0];
-    acc.rescale[1] = r.rescale[1];
-    acc.softmax = r.softmax;
+    for (int i = 0; i < kBN / 4; ++i) acc.pa[i] = pa[i];
+    acc.rescale[0] = rescale[0];
+    acc.rescale[1] = rescale[1];
+    acc.softmax = softmax;
     acc.vst = vst;
     acc.item = w;
     acc.pending = true;
@@ -581,7 +579,15 @@ struct ChainedAttentionFwdOp : AttentionFwdOp<kHeadDim, T, kWarpgroups, kTimed> 
   // The pending item's last P V in a turn of its own, then its store.
   __device__ static void complete_pending(const Params& p, Smem& s, Pipeline& pipe, int wg, Accum& acc,
                                           StoreState& es) {
-    Base::last_pv(s, pipe, acc.vst, wg, acc.pa, acc.rescale, acc.o);
+    tile::scale_rows(acc.o, acc.rescale);
+    wgmma::fence_operands(acc.o.d);
+    pipe.v.consumer_wait(acc.vst);
+    Turns::begin(wg);
+    wgmma::fence();
+    Base::issue_pv(s, acc.vst.stage, acc.pa, acc.o);
+    Turns::end(wg);
+    wgmma::wait<0>();
+    Base::pv_landed(pipe, acc.vst, acc.pa, acc.o);
     store_pending(p, s, wg, acc, es);
   }
   __device__ static void store_pending(const Params& p, Smem& s, int wg, Accum& acc, StoreState& es) {

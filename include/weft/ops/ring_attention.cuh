@@ -147,11 +147,11 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHe
   }
 
   // ---- consumers ----
-  // The forward's key-block steps (attention.cuh: first_block, next_block, last_pv), run over the item's W
-  // ranges as one sequence of blocks (KeyCursor): S of a block is issued with P V of the block before it,
-  // whichever range that was in.
-  // The first block is peeled off as in the forward (S only): no path merges with MMAs in flight on one side
-  // only, where ptxas would serialise every wgmma of the kernel (C7517 / C7518).
+  // The forward's loop over key blocks (attention.cuh) in its earlier order (V waited for with K, O rescaled
+  // once the previous P V landed), run over the item's W ranges as one sequence of blocks (KeyCursor): S of a
+  // block is issued with P V of the block before it, whichever range that was in.
+  // The first block is peeled off as in the forward: a wgmma under a branch would make ptxas serialise
+  // every wgmma of the kernel.
   struct KeyCursor {
     int step = -1, n = -1;  // the current block: block n of step `step`'s range
     Lengths len{};
@@ -179,27 +179,57 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHe
     if (w.iteration == 0) Turns::start(wg);
     const SeqRows sr = seq_rows(p.rows, w.batch);
     const int row0 = w.q_block * kBM + 64 * wg;
+    tile::OnlineSoftmax<kBN> softmax;
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.o.d[i] = 0.f;
     tile::mbarrier_wait_bounded(&pipe.s_.q_full, static_cast<uint32_t>(w.iteration) & 1u);
     KeyCursor c;
     if (!advance(p, sr, w, c)) {  // no key: O = 0, LSE = -inf
       Base::release_q(pipe);
-      Base::finish_rows(p, tile::OnlineSoftmax<kBN>{}, acc);
+      Base::finish_rows(p, softmax, acc);
       return;
     }
     lcsc::PipeState kst = st, vst = st;  // the V ring runs one block behind the K ring
-    typename Base::KeyBlockRegs r;
-    auto to_p = [&](typename Base::KeyBlockRegs& regs) {
-      Base::to_probabilities(p, c.len, c.kb, c.n, row0, regs.softmax, regs.sc, regs.rescale);
-    };
+    tile::AccumM64<kBN> sc;
+    uint32_t pa[kBN / 4];
+    float rescale[2];
+    // The first block: S only.
     pipe.k.consumer_wait(kst);
-    Base::first_block(s, pipe, kst, wg, -1, r, to_p);
-    while (advance(p, sr, w, c)) Base::next_block(s, pipe, kst, vst, wg, -1, r, acc.o, to_p);
+    Turns::begin(wg);
+    wgmma::fence();
+    Base::issue_scores(s, wg, kst.stage, sc);
+    Turns::end(wg);
+    wgmma::wait<0>();
+    Base::scores_landed(pipe, kst, sc, -1);
+    Base::to_probabilities(p, c.len, c.kb, c.n, row0, softmax, sc, rescale);
+    tile::pack_a<T>(sc, pa);
+    while (advance(p, sr, w, c)) {
+      pipe.k.consumer_wait(kst);
+      pipe.v.consumer_wait(vst);
+      Turns::begin(wg);
+      wgmma::fence();
+      Base::issue_scores(s, wg, kst.stage, sc);
+      Base::issue_pv(s, vst.stage, pa, acc.o);
+      Turns::end(wg);
+      wgmma::wait<1>();  // S has landed; the previous block's P V may still run
+      Base::scores_landed(pipe, kst, sc, -1);
+      Base::to_probabilities(p, c.len, c.kb, c.n, row0, softmax, sc, rescale);
+      wgmma::wait<0>();
+      Base::pv_landed(pipe, vst, pa, acc.o);
+      tile::scale_rows(acc.o, rescale);
+      tile::pack_a<T>(sc, pa);
+    }
     Base::release_q(pipe);  // every S has landed
-    Base::last_pv(s, pipe, vst, wg, r.pa, r.rescale, acc.o);
+    // The last block's P V.
+    pipe.v.consumer_wait(vst);
+    Turns::begin(wg);
+    wgmma::fence();
+    Base::issue_pv(s, vst.stage, pa, acc.o);
+    Turns::end(wg);
+    wgmma::wait<0>();
+    Base::pv_landed(pipe, vst, pa, acc.o);
     st = kst;
-    Base::finish_rows(p, r.softmax, acc);
+    Base::finish_rows(p, softmax, acc);
   }
 
   __device__ static void finish(const Params& p, Smem& s, int wg, typename Base::StoreState& es) {
