@@ -448,7 +448,7 @@ struct AttentionFwdOp {
 };
 
 // The single-GPU forward with a warpgroup's items chained: an item's last P V is issued in the same turn as
-// the next item's first S, and the item's O is normalised and stored while that S's softmax has run, instead
+// the next item's first S and runs beside that S's softmax, then the item's O is normalised and stored, instead
 // of ending each item with a turn of its own, a wait for that P V and the store, and starting the next with
 // an S whose softmax no MMA of the warpgroup overlaps. compute() leaves the last P V (P, O's factor, the V
 // stage, the row statistics and where O goes) in Accum; the next compute() or finish() completes it, so the
