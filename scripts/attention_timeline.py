@@ -12,7 +12,8 @@ marks themselves cost some of each gap). The rows per query block default to the
 file's shape (forward: 128 at D 128, and at D 64 for causal S <= 2048, else 192; backward: 64, or 128 at D 64
 from 4096 query rows); --block-rows overrides it. --group: query heads per K / V head (a backward item steps
 through each of them; the bench's GQA shape, 32 / 8 heads, has 4; the file name does not say). Marks cost time: compare fits of timed runs with each other,
-not with the bench's untimed times.
+not with the bench's untimed times. The chained forward (ChainedAttentionFwdOp) stores an item inside the next
+item's mainloop: its fixed part holds the store, and its store spans are empty.
 """
 import argparse
 import collections
