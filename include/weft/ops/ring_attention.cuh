@@ -150,8 +150,8 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHe
   // The forward's loop over key blocks (attention.cuh) in its earlier order (V waited for with K, O rescaled
   // once the previous P V landed), run over the item's W ranges as one sequence of blocks (KeyCursor): S of a
   // block is issued with P V of the block before it, whichever range that was in.
-  // The first block is peeled off as in the forward: a wgmma under a branch would make ptxas serialise
-  // every wgmma of the kernel.
+  // The first block is peeled off as in the forward (S only): no path merges with MMAs in flight on one side
+  // only, where ptxas would serialise every wgmma of the kernel (C7517 / C7518).
   struct KeyCursor {
     int step = -1, n = -1;  // the current block: block n of step `step`'s range
     Lengths len{};
