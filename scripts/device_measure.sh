@@ -68,7 +68,7 @@ for plan in "$@"; do
       bench alltoall alltoall --quick
       py bench_py python/benchmarks/bench.py --quick
       ;;
-    moe) py moe python/benchmarks/moe.py --quick; bench moe moe --quick --timeline "$logs/tl" ;;
+    moe) py moe_py python/benchmarks/moe.py --quick; bench moe moe --quick --timeline "$logs/tl" ;;
     cp) py context_parallel python/benchmarks/context_parallel.py --quick; bench cp context_attention --quick ;;
     decode) bench flash_decode flash_decode --timeline "$logs/tl"; py decode_py python/benchmarks/decode.py --quick ;;
     fp8) bench gemm_fp8 gemm_fp8 --quick; py fp8_tp python/benchmarks/fp8_tp.py --quick ;;

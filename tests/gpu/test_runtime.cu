@@ -184,12 +184,19 @@ WEFT_GPU_TEST(symmetric_alloc_same_offsets_and_reuse) {
   const uint64_t g = c.heap_granularity();
   SymmetricBuffer a = c.alloc(1000), b = c.alloc(3 * g + 1), d = c.alloc(g);
   WEFT_EXPECT(a.bytes == g && b.bytes == 4 * g && d.bytes == g, "sizes round up to the granularity " << g);
-  WEFT_EXPECT(b.offset == a.offset + a.bytes && d.offset == b.offset + b.bytes, "first fit, in call order");
+  // Earlier tests of the same process may leave holes in the heap (ops keep their workspaces), so the
+  // placement is checked relative to them: disjoint blocks, and b's hole found again by the next block of
+  // its size (b went to the lowest hole that fit it; a and d only shrank holes). The allocator's placement
+  // on an empty heap is tested on the host (tests/host/test_heap_allocator.cpp).
+  auto disjoint = [](const SymmetricBuffer& x, const SymmetricBuffer& y) {
+    return x.offset + x.bytes <= y.offset || y.offset + y.bytes <= x.offset;
+  };
+  WEFT_EXPECT(disjoint(a, b) && disjoint(a, d) && disjoint(b, d), "live blocks overlap");
   for_each_local(
       c, [&](Rank& r, int i) { WEFT_EXPECT(b.local[i] == r.heap_of(r.rank()) + b.offset, "local ptr"); });
   const uint64_t b_off = b.offset;
   c.free(b);
-  SymmetricBuffer e = c.alloc(2 * g);
+  SymmetricBuffer e = c.alloc(4 * g);
   WEFT_EXPECT(e.offset == b_off, "a freed hole is reused first");
   c.free(a);
   c.free(d);
