@@ -628,10 +628,10 @@ struct Bf16Maps {
 // matmul_all_reduce with Partials::kSplitK (M <= ops::kSplitKMaxRows, any M): ops::SplitKAllReduceOp. As
 // many K slices as fill the SM budget with items (at most kSplitKMaxSlices, W x S <= 32: a warp lane per
 // slot flag; none empty); every rank derives the same from the shape, W and the budget.
-template <bool kKMajor>
+template <bool kKMajor, int kTileN>
 void launch_split_k_ar(Call& c, const void* a, const void* b, void* out, int64_t m, int64_t n, int64_t k,
                        const FusedOptions& o) {
-  using Op = ops::SplitKAllReduceOp<kKMajor>;
+  using Op = ops::SplitKAllReduceOp<kKMajor, kTileN>;
   typename Op::Params p{};
   const int W = c.rank.world();
   WEFT_CHECK(m <= ops::kSplitKMaxRows && W <= 32, c.where + "Partials::kSplitK takes M up to " +
@@ -649,7 +649,7 @@ void launch_split_k_ar(Call& c, const void* a, const void* b, void* out, int64_t
   const int64_t own_tiles = int64_t(p.sched.tiles_m) * ((p.sched.tiles_n + W - 1) / W);
   WEFT_CHECK(
       own_tiles * ops::kSplitKBands * W * p.slices <= ops::kSplitKSlotFlags &&
-          int64_t(tiles) * ops::kSplitKBands <= ops::kSplitKBandFlags,
+          int64_t(tiles) * ops::kSplitKBands * Op::kColumnParts <= ops::kSplitKBandFlags,
       c.where + "Partials::kSplitK: N = " + std::to_string(n) + " has more column tiles than its flags");
   p.sched.compute_blocks = std::min(budget, tiles * p.slices);
   p.sched.timeline = c.rank.view().timeline;
@@ -665,7 +665,8 @@ void launch_split_k_ar(Call& c, const void* a, const void* b, void* out, int64_t
   p.band_flags = c.comm.resources(c.rank, kSplitKSummed).flags;
   if (c.planning()) {
     c.plan->path = fused_path_name(FusedPath::kFused) + std::string(" (split-K, ") +
-                   std::to_string(p.slices) + " slices, partials summed at the column tiles' owners)";
+                   std::to_string(p.slices) + " slices of 128 x " + std::to_string(Op::kBN) +
+                   " tiles, partials summed at the column tiles' owners)";
     c.plan->blocks = p.sched.compute_blocks;
     c.plan->cluster = 1;
     c.plan->smem_bytes = static_cast<int>(lcsc::kSmemBytes<Op>);
@@ -996,10 +997,19 @@ FusedPath run_matmul_reduce(Call& c, const void* a, const void* b, void* out, in
   c.check_operands(a, "a", m, b, out, sum_everywhere ? m : rows, m, n, k, layout);
   if (options.partials == FusedOptions::Partials::kSplitK) {
     WEFT_CHECK(sum_everywhere, c.where + "Partials::kSplitK is matmul_all_reduce's (at decode sizes)");
+    WEFT_CHECK(
+        options.tile_n == 0 || options.tile_n == 128 || options.tile_n == 256,
+        c.where + "options.tile_n must be 0 (auto), 128 or 256, not " + std::to_string(options.tile_n));
+    // Auto: 128 x 256 items for one 16-row band (M <= 16), where their wider stages streamed the weight
+    // faster (2 x H200, N 8192, K 7168: 44-46 us against 52-58); 128 x 128 above (M 64, 256: 53 / 70 us
+    // against 57 / 82), bench/RESULTS.md.
+    const bool wide = options.tile_n == 256 || (options.tile_n == 0 && m <= 16);
     if (layout == BLayout::kNK)
-      launch_split_k_ar<true>(c, a, b, out, m, n, k, options);
+      wide ? launch_split_k_ar<true, 256>(c, a, b, out, m, n, k, options)
+           : launch_split_k_ar<true, 128>(c, a, b, out, m, n, k, options);
     else
-      launch_split_k_ar<false>(c, a, b, out, m, n, k, options);
+      wide ? launch_split_k_ar<false, 256>(c, a, b, out, m, n, k, options)
+           : launch_split_k_ar<false, 128>(c, a, b, out, m, n, k, options);
     return FusedPath::kFused;
   }
   const Choice plan = choose(c, sum_everywhere ? FusedOp::kMatmulAllReduce : FusedOp::kMatmulReduceScatter, m,

@@ -768,9 +768,9 @@ WEFT_GPU_TEST(matmul_all_reduce_any_m) {
 // M of one row, a few, a 16-row band, past one 128-row tile and two whole tiles; N with a partial column tile
 // and several tiles a rank; K with a partial k-block and many (so several slices); both B layouts, symmetric
 // and device outs, outputs poisoned first; three rounds of new inputs each; three calls with nothing between
-// them on each rank's stream, M changing in the middle (the slots and result areas serve the next call
-// without a meeting); the plan names the kernel; a call captured per rank into a CUDA
-// graph replays right on new inputs; reduce-scatter refuses it.
+// them on each rank's stream, M and the tile width changing in the middle (the slots and result areas serve
+// the next call without a meeting); both tile widths (FusedOptions::tile_n 128, 256); the plan names the
+// kernel; a call captured per rank into a CUDA graph replays right on new inputs; reduce-scatter refuses it.
 WEFT_GPU_TEST(matmul_all_reduce_split_k) {
   Communicator& c = ctx.comm();
   const int W = c.world();
@@ -787,36 +787,40 @@ WEFT_GPU_TEST(matmul_all_reduce_split_k) {
   if (!ctx.quick) cases.push_back({64, 8192, 2048, BLayout::kNK, true});
   FusedOptions o;
   o.partials = Partials::kSplitK;
-  for (const Case& cs : cases) {
-    const int64_t m = cs.m, n = cs.n, k = cs.k;
-    const bool nk = cs.layout == BLayout::kNK;
-    RankBuffers A(c, m * k * 2, false), B(c, n * k * 2, false), out(c, m * n * 2, cs.sym);
-    for (int round = 0; round < 3; ++round) {
-      const std::vector<double> sum = all_reduce_inputs(
-          c, A, B, out, m, n, k, nk, 8000 + 100 * round + 10 * m, 9000 + 100 * round + 10 * m);
-      for (int i = 0; i < c.num_local(); ++i) {
-        Rank& r = c.local(i);
-        const Plan plan =
-            matmul_all_reduce_plan(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, cs.layout, nullptr, o);
-        WEFT_EXPECT(plan.path.find("split-K") != std::string::npos, "plan: " << describe(plan));
-        const FusedPath path =
-            matmul_all_reduce(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, cs.layout, nullptr, o);
-        WEFT_EXPECT(path == FusedPath::kFused, "path " << fused_path_name(path));
+  FusedOptions wide = o;
+  wide.tile_n = 256;  // 128 x 256 items
+  for (const Case& cs : cases)
+    for (const FusedOptions& ot : {o, wide}) {
+      const int64_t m = cs.m, n = cs.n, k = cs.k;
+      const bool nk = cs.layout == BLayout::kNK;
+      RankBuffers A(c, m * k * 2, false), B(c, n * k * 2, false), out(c, m * n * 2, cs.sym);
+      for (int round = 0; round < 3; ++round) {
+        const std::vector<double> sum = all_reduce_inputs(
+            c, A, B, out, m, n, k, nk, 8000 + 100 * round + 10 * m, 9000 + 100 * round + 10 * m);
+        for (int i = 0; i < c.num_local(); ++i) {
+          Rank& r = c.local(i);
+          const Plan plan =
+              matmul_all_reduce_plan(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, cs.layout, nullptr, ot);
+          WEFT_EXPECT(plan.path.find("split-K") != std::string::npos, "plan: " << describe(plan));
+          const FusedPath path =
+              matmul_all_reduce(c, r, A.ptr[i], B.ptr[i], out.ptr[i], m, n, k, cs.layout, nullptr, ot);
+          WEFT_EXPECT(path == FusedPath::kFused, "path " << fused_path_name(path));
+        }
+        c.synchronize();
+        for (int i = 0; i < c.num_local(); ++i) {
+          const std::string err = compare(get(c, i, out.ptr[i], m * n), sum);
+          WEFT_EXPECT(err.empty(), "split-K matmul_all_reduce M="
+                                       << m << " N=" << n << " K=" << k << " tile_n " << ot.tile_n
+                                       << (nk ? " [N,K] B" : " [K,N] B") << " W=" << W
+                                       << (cs.sym ? " symmetric" : " device") << " round " << round
+                                       << " rank " << c.local(i).rank() << ": " << err);
+        }
+        c.host_barrier();
       }
-      c.synchronize();
-      for (int i = 0; i < c.num_local(); ++i) {
-        const std::string err = compare(get(c, i, out.ptr[i], m * n), sum);
-        WEFT_EXPECT(err.empty(), "split-K matmul_all_reduce M="
-                                     << m << " N=" << n << " K=" << k << (nk ? " [N,K] B" : " [K,N] B")
-                                     << " W=" << W << (cs.sym ? " symmetric" : " device") << " round "
-                                     << round << " rank " << c.local(i).rank() << ": " << err);
-      }
-      c.host_barrier();
     }
-  }
   // Back to back, nothing between the calls on each rank's stream (the slots, flags and result areas serve
-  // the next call without a meeting), and the shape changing in the middle (M 16, 7, 16: other bands, other
-  // slot indices); each call on its own inputs and out.
+  // the next call without a meeting), and the shape changing in the middle (M 16, 7, 16 and 128 x 128, 128 x
+  // 256, 128 x 128 items: other bands, other slot indices); each call on its own inputs and out.
   {
     const int64_t n = 1024, k = 2048, rows = 16;
     const int64_t ms[3] = {16, 7, 16};
@@ -843,7 +847,7 @@ WEFT_GPU_TEST(matmul_all_reduce_split_k) {
     for (int j = 0; j < 3; ++j)
       for (int i = 0; i < c.num_local(); ++i)
         matmul_all_reduce(c, c.local(i), As[j]->ptr[i], B.ptr[i], outs[j]->ptr[i], ms[j], n, k, BLayout::kNK,
-                          nullptr, o);
+                          nullptr, j == 1 ? wide : o);
     c.synchronize();
     for (int j = 0; j < 3; ++j)
       for (int i = 0; i < c.num_local(); ++i) {
@@ -855,6 +859,7 @@ WEFT_GPU_TEST(matmul_all_reduce_split_k) {
     c.host_barrier();
   }
   check_all_reduce_replays(c, 5, 264, 392, o, 8500, "split-K");
+  check_all_reduce_replays(c, 5, 264, 392, wide, 8600, "split-K, 128 x 256 items");
   const int64_t n = 264, k = 392;
   RankBuffers A_rs(c, W * k * 2, false), B(c, n * k * 2, false), out_rs(c, n * 2, false);  // W rows, a rank
   for (int i = 0; i < c.num_local(); ++i) {

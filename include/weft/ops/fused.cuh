@@ -708,10 +708,11 @@ struct EpilogueSummedC : Gemm {
 // k-blocks [s slice_blocks, (s + 1) slice_blocks). Column tile n belongs to rank n mod W. Each consumer warp
 // stores its 16 rows (a band) of the item's fp32 partial, in fragment order (no shared memory), into the
 // owner's slot for (tile, band, this rank, s) and sets that slot's flag there to the call's epoch. After its
-// last item every consumer warpgroup of the grid, warp by warp: (1) as an owner, per (own tile, band) with
-// rows in M: waits for the W x S slot flags, sums the slots in one order (ranks, then slices; fp32), rounds
-// once to bf16 and writes the band into every rank's result area, then sets the band's flag there; (2) per
-// (tile, band) of out: waits for the band's flag here and copies it from the result area into out. Items
+// last item every consumer warpgroup of the grid, warp by warp: (1) as an owner, per (own tile, band with
+// rows in M, 64-column part): waits for the W x S slot flags, sums the part of the slots in one order
+// (ranks, then slices; fp32), rounds once to bf16 and writes it into every rank's result area, then sets
+// its flag there; (2) per (tile, band, part) of out: waits for its flag here and copies it from the result
+// area into out. Items
 // never wait, (1) waits for items only, (2) for (1), every block is resident: no wait cycle. Slots and result
 // areas serve the next call without a meeting: a rank starts call n + 1 once (2) saw every band of call n,
 // so after every owner read its slots of call n; an owner writes call n + 1's bands once every rank's call
@@ -720,7 +721,7 @@ inline constexpr int kSplitKMaxRows = 256;     // M up to two 128-row tiles
 inline constexpr int kSplitKMaxSlices = 4;     // S: W x S <= 32, a warp lane per slot flag
 inline constexpr int kSplitKBands = 8;         // 16-row bands of a 128-row tile (a consumer warp's rows)
 inline constexpr int kSplitKSlotFlags = 4096;  // (own tile, band, rank, slice) flags of a rank at most
-inline constexpr int kSplitKBandFlags = 2048;  // (tile, band) result flags at most
+inline constexpr int kSplitKBandFlags = 4096;  // (tile, band, column part) result flags at most
 
 struct SplitKTile : lcsc::Tile {
   int slice = 0;  // the item's K slice
@@ -756,14 +757,21 @@ class SplitKScheduler {
   int next_, iteration_ = 0;
 };
 
-template <bool kBKMajor>
-struct SplitKAllReduceOp : GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, SplitKScheduler> {
-  using Base = GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, SplitKScheduler>;
+// kTileN: the items' column tiles, 128 or 256 wide (fewer tiles, so more K slices, and a wider stage of B
+// beside the same A stage: half of each stage is A's 128 rows, of which a decode batch fills few).
+template <bool kBKMajor, int kTileN = 128>
+struct SplitKAllReduceOp : GemmOp<__nv_bfloat16, kBKMajor, 1, kTileN, 0, 2, SplitKScheduler> {
+  using Base = GemmOp<__nv_bfloat16, kBKMajor, 1, kTileN, 0, 2, SplitKScheduler>;
   using Base::kBM, Base::kBN;
   using typename Base::Accum, typename Base::Mainloop, typename Base::Pipeline, typename Base::Smem,
       typename Base::StoreState;
   static_assert(kBM == 16 * kSplitKBands && Base::kConsumerWarpgroups == 2, "two warpgroups of 4 bands");
   static constexpr int kSlotFloats = 16 * kBN;  // a band's partial: 16 rows x kBN fp32
+  // The owners' sums go by column parts of a band (a warp each): enough units for the grid's warps at M = 1,
+  // and a part's loads of kSumBatch slots in flight at once (kPartFloats / 4 float4s a lane each).
+  static constexpr int kPartCols = 64, kColumnParts = kBN / kPartCols;
+  static constexpr int kPartFloats = kPartCols / 2, kPartGroups = kPartCols / 32;  // a lane's, its pieces
+  static constexpr int kSumBatch = 4;
   struct Params : Base::Params {
     FusedSync sync;
     int m, n, slices, slice_blocks;
@@ -814,7 +822,14 @@ struct SplitKAllReduceOp : GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, SplitKS
         (static_cast<int>(blockIdx.x) * Base::kConsumerWarpgroups + wg) * 4 + tile::warp_in_warpgroup();
     const int warps = p.sched.compute_blocks * Base::kConsumerWarpgroups * 4;
     const uint64_t epoch = p.sync.epoch();
-    const bool ok = sum_own_bands(p, warp, warps, epoch) && copy_bands(p, warp, warps, epoch);
+    // Timeline: (1) as comm_task 0, (2) as comm_task 1, by the warpgroup's first thread.
+    const bool recorder = tile::thread_in_warpgroup() == 0 && p.sched.timeline != nullptr;
+    if (recorder) timeline_mark(p.sched.timeline, TimelinePhase::kCommTask, false, 0);
+    bool ok = sum_own_bands(p, warp, warps, epoch);
+    if (recorder) timeline_mark(p.sched.timeline, TimelinePhase::kCommTask, true, 0);
+    if (recorder) timeline_mark(p.sched.timeline, TimelinePhase::kCommTask, false, 1);
+    ok = ok && copy_bands(p, warp, warps, epoch);
+    if (recorder) timeline_mark(p.sched.timeline, TimelinePhase::kCommTask, true, 1);
     (void)ok;  // a failed wait is recorded (the host reports it); the warpgroup still counts itself finished
     tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
     if (tile::thread_in_warpgroup() == 0) p.sync.done();
@@ -828,65 +843,87 @@ struct SplitKAllReduceOp : GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, SplitKS
 
   __device__ static bool sum_own_bands(const Params& p, int warp, int warps, uint64_t epoch) {
     const TeamView& team = p.sync.team;
-    const int W = team.world, parts = W * p.slices, lane = tile::lane_id(), bands = row_bands(p);
+    const int W = team.world, parts = W * p.slices, lane = tile::lane_id();
+    const int units_per_tile = row_bands(p) * kColumnParts;  // (band, column part), bands over all m tiles
     const int own_n = (p.sched.tiles_n - team.rank + W - 1) / W;  // column tiles rank, rank + W, ...
-    for (int u = warp; u < own_n * bands; u += warps) {
-      const int j = u / bands, tm = (u % bands) / kSplitKBands, band = (u % bands) % kSplitKBands;
+    for (int u = warp; u < own_n * units_per_tile; u += warps) {
+      const int j = u / units_per_tile, bp = u % units_per_tile, cp = bp % kColumnParts;
+      const int tm = bp / kColumnParts / kSplitKBands, band = bp / kColumnParts % kSplitKBands;
       const int tn = team.rank + j * W, own = tm + p.sched.tiles_m * j;
       const int first = (own * kSplitKBands + band) * parts;
       bool ok = true;
       if (lane < parts) ok = wait_ge_inlined(team, team.flag(p.slot_flags, first + lane), epoch);
       if (!__all_sync(0xffffffffu, ok)) return false;
       __syncwarp();  // orders each lane's acquire before every lane's reads of the slots
-      float sum[Accum::kRegs];
+      // The part's float4s of each slot (fragment order: float4 q of lane l at [q][l], q = a column block
+      // of 8), kSumBatch slots' loads in flight before their adds; the adds in slot order (ranks, then
+      // slices: one order on every owner).
+      float sum[kPartFloats];
 #pragma unroll
-      for (int i = 0; i < Accum::kRegs; ++i) sum[i] = 0.f;
-      for (int part = 0; part < parts; ++part) {  // ranks, then slices: one order on every owner
-        const float4* from = reinterpret_cast<const float4*>(p.slots + int64_t(first + part) * kSlotFloats);
+      for (int i = 0; i < kPartFloats; ++i) sum[i] = 0.f;
+      for (int part0 = 0; part0 < parts; part0 += kSumBatch) {
+        float4 v[kSumBatch][kPartFloats / 4];
 #pragma unroll
-        for (int q = 0; q < Accum::kRegs / 4; ++q) {
-          const float4 v = __ldcg(from + q * 32 + lane);  // (L2: written by peers and other SMs)
-          sum[4 * q] += v.x;
-          sum[4 * q + 1] += v.y;
-          sum[4 * q + 2] += v.z;
-          sum[4 * q + 3] += v.w;
-        }
+        for (int b = 0; b < kSumBatch; ++b)
+          if (part0 + b < parts) {
+            const float4* from =
+                reinterpret_cast<const float4*>(p.slots + int64_t(first + part0 + b) * kSlotFloats) +
+                cp * (kPartFloats / 4) * 32;
+#pragma unroll
+            for (int q = 0; q < kPartFloats / 4; ++q)
+              v[b][q] = __ldcg(from + q * 32 + lane);  // (L2: written by peers and other SMs)
+          }
+#pragma unroll
+        for (int b = 0; b < kSumBatch; ++b)
+          if (part0 + b < parts)
+#pragma unroll
+            for (int q = 0; q < kPartFloats / 4; ++q) {
+              sum[4 * q] += v[b][q].x;
+              sum[4 * q + 1] += v[b][q].y;
+              sum[4 * q + 2] += v[b][q].z;
+              sum[4 * q + 3] += v[b][q].w;
+            }
       }
       // Whole 16-byte pieces of rows to every rank (a warp's store: 64 contiguous bytes in each of 8 rows),
       // not the fragment's 4-byte column pairs, which leave each 32-byte sector half written per store.
-      uint4 piece[2][4];
+      uint4 piece[2][kPartGroups];
       row_pieces(sum, piece);
-      const int row0 = tm * kBM + 16 * band + lane / 4, col0 = tn * kBN + 8 * (lane % 4);
+      const int row0 = tm * kBM + 16 * band + lane / 4, col0 = tn * kBN + cp * kPartCols + 8 * (lane % 4);
       for (int d = 1; d <= W; ++d) {  // rank + 1 first, this rank last
         const int r = (team.rank + d) % W;
         __nv_bfloat16* res = team.peer_ptr(p.result, r);
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int jj = 0; jj < 4; ++jj) {
+          for (int jj = 0; jj < kPartGroups; ++jj) {
             const int row = row0 + 8 * h, col = col0 + 32 * jj;
             if (row < p.m && col < p.n)  // (N a multiple of 8: the piece's 8 columns are all in)
               *reinterpret_cast<uint4*>(res + int64_t(row) * p.n + col) = piece[h][jj];
           }
       }
       __syncwarp();  // every lane's writes before the signals (release, system scope)
-      const int flag = (tm + p.sched.tiles_m * tn) * kSplitKBands + band;
-      if (lane < W) signal_set(team, team.flag(p.band_flags, flag), lane, epoch);
+      if (lane < W) signal_set(team, team.flag(p.band_flags, part_flag(p, tm, tn, band, cp)), lane, epoch);
     }
     return true;
   }
 
-  // A warp's band sums (tile::AccumM64's fragment: lane 4 g + q holds columns 8 j + 2 q, + 1 of rows g and
-  // g + 8, j = 0..15) as bf16 pieces of 8 columns: piece[h][jj] = row g + 8 h, columns 8 (4 jj + q) .. + 7.
+  // The flag of (m tile, n tile, band, column part) in every rank's band_flags.
+  __device__ static int part_flag(const Params& p, int tm, int tn, int band, int cp) {
+    return ((tm + p.sched.tiles_m * tn) * kSplitKBands + band) * kColumnParts + cp;
+  }
+
+  // A warp's sums of a column part of its band (tile::AccumM64's fragment: lane 4 g + q holds columns
+  // 8 j + 2 q, + 1 of rows g and g + 8, j = 0..kPartCols / 8 - 1 in the part) as bf16 pieces of 8 columns:
+  // piece[h][jj] = row g + 8 h, columns 8 (4 jj + q) .. + 7 of the part.
   // Each group of four column blocks is a 4 x 4 transpose of packed pairs inside the quad: in round s the
   // lane swaps with lane q ^ s the pair the other one needs (k = q ^ s: block 4 jj + k's pair goes out,
   // the partner's pair of block 4 jj + q comes in as the piece's pair k).
-  __device__ static void row_pieces(const float (&sum)[Accum::kRegs], uint4 (&piece)[2][4]) {
+  __device__ static void row_pieces(const float (&sum)[kPartFloats], uint4 (&piece)[2][kPartGroups]) {
     const int q = tile::lane_id() % 4;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
+      for (int jj = 0; jj < kPartGroups; ++jj) {
         uint32_t pair[4], got[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
@@ -907,17 +944,18 @@ struct SplitKAllReduceOp : GemmOp<__nv_bfloat16, kBKMajor, 1, 128, 0, 2, SplitKS
 
   __device__ static bool copy_bands(const Params& p, int warp, int warps, uint64_t epoch) {
     const TeamView& team = p.sync.team;
-    const int lane = tile::lane_id(), bands = row_bands(p);
-    for (int u = warp; u < p.sched.tiles_n * bands; u += warps) {
-      const int tn = u / bands, tm = (u % bands) / kSplitKBands, band = (u % bands) % kSplitKBands;
+    const int lane = tile::lane_id(), units_per_tile = row_bands(p) * kColumnParts;
+    for (int u = warp; u < p.sched.tiles_n * units_per_tile; u += warps) {
+      const int tn = u / units_per_tile, bp = u % units_per_tile, cp = bp % kColumnParts;
+      const int tm = bp / kColumnParts / kSplitKBands, band = bp / kColumnParts % kSplitKBands;
+      const int row0 = tm * kBM + 16 * band, col0 = tn * kBN + cp * kPartCols;
+      if (col0 >= p.n) continue;  // a part past N: never summed, never flagged
       bool ok = true;
       if (lane == 0)
-        ok = wait_ge_inlined(team, team.flag(p.band_flags, (tm + p.sched.tiles_m * tn) * kSplitKBands + band),
-                             epoch);
+        ok = wait_ge_inlined(team, team.flag(p.band_flags, part_flag(p, tm, tn, band, cp)), epoch);
       if (!__shfl_sync(0xffffffffu, ok, 0)) return false;
       __syncwarp();  // orders lane 0's acquire before every lane's reads of the band
-      const int row0 = tm * kBM + 16 * band, col0 = tn * kBN;
-      const int pieces = (p.n - col0 < kBN ? p.n - col0 : kBN) / 8;  // 16-byte pieces of a row
+      const int pieces = (p.n - col0 < kPartCols ? p.n - col0 : kPartCols) / 8;  // 16-byte pieces of a row
       for (int e = lane; e < 16 * pieces; e += 32) {
         const int row = row0 + e / pieces, col = col0 + 8 * (e % pieces);
         if (row < p.m)

@@ -74,7 +74,8 @@ struct FusedOptions {
   int max_compute_blocks = 0;  // cap on GEMM blocks (benchmarks: "compute alone" at the fused op's SM count)
   int pipeline_pieces = 0;     // kPipelined RS / AR: row pieces per ring step, 0 auto; the same on every rank
   // all_gather_matmul's fused kernel and Partials::kSummedInEpilogue's: output tiles 128 x tile_n, 0 (auto:
-  // 256), 128 or 256; the same on every rank
+  // 256), 128 or 256; Partials::kSplitK's items likewise (auto: 256 up to M = 16, else 128); the same on
+  // every rank
   int tile_n = 0;
   // How the fused RS / AR kernel sums the W partial tiles of each row (the same on every rank):
   //   kAuto          kSummedInEpilogue where it runs for matmul_all_reduce, and for matmul_reduce_scatter at
