@@ -404,8 +404,6 @@ __device__ __forceinline__ void publish_and_wait(const TeamView& team, uint32_t*
 // waits for peers, so the grid (at most this many an SM of the rank's budget) must be
 // resident at once.
 constexpr int kLowLatencyBlocksPerSm = 2;
-// Loads in flight per lane of its row copies (a warp per (token, rank): each warp's one row is the work).
-constexpr int kLowLatencyCopyLoads = 8;
 
 // A low-latency kernel's timeline marks (MoeStep::kLowLatency*), by the thread given the buffer (thread 0).
 struct LowLatencyMarks {
@@ -481,9 +479,6 @@ __global__ void __launch_bounds__(256, kLowLatencyBlocksPerSm) low_latency_rows(
     const bool here = e >= 0 && e / a.d.per_rank == dest;
     if (lane < top_k && e < 0 && dest == team.rank) a.kept[i] = a.row_of[i] = -1;  // a dropped slot
     if (__ballot_sync(0xffffffffu, here) == 0) continue;
-    // The token's row into L2 while the wait and the atomic's round trip to the destination go on, so the
-    // copy's loads below find it there.
-    prefetch_rows_l2(a.tokens, t, t + 1, n, row_vecs, lane);
     // The destination zeroed its counters, and finished its copies, at the end of its previous call.
     if (lane == 0 && ok) ok = wait_ge(team, ll_zeroed(a, dest), epoch - 1);
     ok = __shfl_sync(0xffffffffu, ok, 0);
@@ -505,12 +500,11 @@ __global__ void __launch_bounds__(256, kLowLatencyBlocksPerSm) low_latency_rows(
     if (dest == team.rank) {  // every row here now
       for (unsigned m = with_row; m != 0; m &= m - 1) {
         const int r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-        warp_copy_rows<kLowLatencyCopyLoads>(a.tokens, rows + int64_t(r) * row_vecs, t, t + 1, n, row_vecs, lane);
+        warp_copy_rows(a.tokens, rows + int64_t(r) * row_vecs, t, t + 1, n, row_vecs, lane);
       }
     } else {
       const int first = __shfl_sync(0xffffffffu, row, __ffs(with_row) - 1);
-      warp_copy_rows<kLowLatencyCopyLoads>(a.tokens, rows + int64_t(first) * row_vecs, t, t + 1, n, row_vecs,
-                                           lane);
+      warp_copy_rows(a.tokens, rows + int64_t(first) * row_vecs, t, t + 1, n, row_vecs, lane);
     }
     if (lane < top_k)
       team.peer_ptr(a.records, dest)[(int64_t(team.rank) * a.d.max_tokens + t) * top_k + lane] =

@@ -1,5 +1,5 @@
 // Copying rows of 16-byte vectors by one warp, to this GPU or a peer's: an L2 prefetch of the source rows,
-// then a copy with a few loads in flight per lane (four unless the caller has registers for more). Neither orders anything: publish with a release signal
+// then a copy with four loads in flight per lane. Neither orders anything: publish with a release signal
 // after the warp's stores (e.g. __syncwarp, then lane 0's signal_add).
 //
 // Or through the bulk-copy engine (BulkRowCopier): lane 0 loads chunks (contiguous, or rows gathered from a
@@ -27,19 +27,18 @@ __device__ inline void prefetch_rows_l2(const uint4* src, int r0, int r1, int ro
 }
 
 // Rows [r0, r1) of src ([rows][row_vecs] 16-byte vectors; zeros from row `rows` on) to dst (already offset
-// to row r0), by one warp, kLoads loads in flight per lane (4 registers each).
-template <int kLoads = 4>
+// to row r0), by one warp.
 __device__ inline void warp_copy_rows(const uint4* src, uint4* dst, int r0, int r1, int rows, int row_vecs,
                                       int lane) {
   const int64_t n = int64_t(r1 - r0) * row_vecs, valid = int64_t(max(0, min(r1, rows) - r0)) * row_vecs;
   const uint4* from = src + int64_t(r0) * row_vecs;
   int64_t i = lane;
-  for (; i + 32 * (kLoads - 1) < valid; i += 32 * kLoads) {
-    uint4 v[kLoads];
+  for (; i + 96 < valid; i += 128) {  // 4 loads in flight per lane
+    uint4 v[4];
 #pragma unroll
-    for (int q = 0; q < kLoads; ++q) v[q] = from[i + 32 * q];
+    for (int q = 0; q < 4; ++q) v[q] = from[i + 32 * q];
 #pragma unroll
-    for (int q = 0; q < kLoads; ++q) dst[i + 32 * q] = v[q];
+    for (int q = 0; q < 4; ++q) dst[i + 32 * q] = v[q];
   }
   for (; i < valid; i += 32) dst[i] = from[i];
   for (; i < n; i += 32) dst[i] = make_uint4(0, 0, 0, 0);
