@@ -59,6 +59,8 @@ struct Context {
   bool decode_grid = false;               // --decode-grid: flash_decode's one-GPU kernel over a grid
   bool fused_epilogue_sum = false;        // --fused-epilogue-sum: also time the epilogue-summed partials
   std::string cp_methods;                 // --cp-methods all-gather,ring,ulysses: context_attention's methods
+  std::vector<int64_t> cp_seqs;           // --cp-seqs 4096,32768: context_attention's sequence lengths
+  int cp_heads = 0, cp_kv_heads = 0;      // --cp-heads 32,8: context_attention's query / K-V heads
   int pipeline_pieces = 0;                // --pipeline-pieces n: FusedOptions::pipeline_pieces
   int ag_tile_n = 0;                      // --ag-tile-n 128|256: FusedOptions::tile_n (0: auto)
   int rs_store_ring = 0;                  // --rs-store-ring 2|5: FusedOptions::store_ring (0: auto)

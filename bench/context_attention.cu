@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <utility>
@@ -69,7 +70,9 @@ void run_context_attention(Context& ctx) {
   Communicator& comm = *team.comm;
   const int W = team.world(), L = team.local();
   Table t(
-      fmt("sequence-parallel attention on %s, bf16, H 16 / KV 8, D 128", ctx.team_label().c_str()),
+      fmt("sequence-parallel attention on %s, bf16, H %lld / KV %lld, D 128", ctx.team_label().c_str(),
+          (long long)(ctx.cp_heads > 0 ? ctx.cp_heads : 16),
+          (long long)(ctx.cp_heads > 0 ? ctx.cp_kv_heads : 8)),
       {"method", "S", "causal", "single fwd ms", "team fwd ms", "fwd ratio", "single bwd ms", "team bwd ms",
        "bwd ratio"},
       ctx.virtual_ranks()
@@ -79,7 +82,11 @@ void run_context_attention(Context& ctx) {
           : "ratio = team time / (single-GPU time / W): 1.0 is perfect scaling.");
   std::vector<int64_t> seqs = {16384, 32768, 65536};
   if (ctx.quick) seqs = {32768};
-  const int64_t H = 16, KV = 8, D = 128;
+  if (!ctx.cp_seqs.empty()) seqs = ctx.cp_seqs;
+  const int64_t H = ctx.cp_heads > 0 ? ctx.cp_heads : 16, KV = ctx.cp_heads > 0 ? ctx.cp_kv_heads : 8,
+                D = 128;
+  std::vector<Table> timelines;
+  if (!ctx.timeline_dir.empty()) std::filesystem::create_directories(ctx.timeline_dir);
   const int iters = ctx.quick ? 5 : 10;
   // ring-no-copy: the ring kernels with every push only signalling (WEFT_RING_NO_COPY=1: wrong results, only
   // with --cp-methods): their time is the ring's without data movement, the difference its exposed cost.
@@ -197,8 +204,19 @@ void run_context_attention(Context& ctx) {
                fmt("%.3f", bwd / (single_bwd * per))});
         ctx.progress("context_attention %s S=%lld causal=%d: fwd %.3f / %.3f ms, bwd %.3f / %.3f ms",
                      name.c_str(), (long long)S, int(causal), fwd, single_fwd, bwd, single_bwd);
+        if (!ctx.timeline_dir.empty() && (ring || ulysses || hybrid))  // the kernels that record phases
+          for (int pass = 0; pass < 2; ++pass) {
+            const std::string file = fmt("/context_attention_%s_%lld_%s_%s.csv", kind, (long long)S,
+                                         causal ? "causal" : "full", pass == 0 ? "fwd" : "bwd");
+            timelines.push_back(record_timeline(
+                comm, team.streams, [&] { pass == 0 ? forward(0) : backward(0); },
+                fmt("context_attention %s S=%lld H %lld / KV %lld%s, %s", name.c_str(), (long long)S,
+                    (long long)H, (long long)KV, causal ? " causal" : "", pass == 0 ? "forward" : "backward"),
+                ctx.timeline_dir + file));
+          }
       }
   ctx.add(std::move(t));
+  for (Table& tl : timelines) ctx.add(std::move(tl));
 }
 
 ModeRegistrar reg("context_attention",

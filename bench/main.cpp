@@ -39,13 +39,17 @@ int usage(int code) {
       "                              the counted RS / AR's: added at owner, staged progressive)\n"
       "  --ag-tile-n 128|256         FusedOptions::tile_n (all_gather_matmul's fused tiles; default auto)\n"
       "  --rs-store-ring 2|5         FusedOptions::store_ring (the fused RS / AR storers' ring of chunks)\n"
-      "  --timeline DIR              fused / decode / moe / flash_decode / attention: also record one call "
+      "  --timeline DIR              fused / decode / moe / flash_decode / attention / context_attention: "
+      "also "
+      "record one call "
       "of each\n"
       "                              row's weft paths with in-kernel timestamps: DIR/<op>_<shape>.csv and a\n"
       "                              summary table per call (scripts/plot_timeline.py draws the CSV)\n"
       "  --cp-methods all-gather,ring,ulysses,hybrid  the context_attention methods run (ring-no-copy: the "
       "ring\n"
       "                                         kernels with no data movement, timing only)\n"
+      "  --cp-seqs S,...             context_attention: these sequence lengths (the whole team's tokens)\n"
+      "  --cp-heads H,KV             context_attention: H query heads, KV K / V heads (default 16,8)\n"
       "modes:\n");
   for (auto& m : modes())
     std::fprintf(code ? stderr : stdout, "  %-10s %s%s\n", m.name, m.help,
@@ -87,6 +91,20 @@ bool set_developer_flag(Context& ctx, const std::string& flag, const std::string
     return true;
   }
   if (flag == "--timeline") return !v.empty() && (ctx.timeline_dir = v, true);
+  if (flag == "--cp-seqs" || flag == "--cp-heads") {
+    std::vector<int64_t> xs;
+    for (size_t p = 0; p <= v.size();) {
+      const size_t e = std::min(v.find(',', p), v.size());
+      if (!parse_count(v.substr(p, e - p), n)) return false;
+      xs.push_back(int64_t(n));
+      p = e + 1;
+    }
+    if (flag == "--cp-seqs") return ctx.cp_seqs = xs, true;
+    if (xs.size() != 2 || xs[0] % xs[1] != 0) return false;  // whole GQA groups
+    ctx.cp_heads = static_cast<int>(xs[0]);
+    ctx.cp_kv_heads = static_cast<int>(xs[1]);
+    return true;
+  }
   if (flag == "--fused-m") {
     ctx.fused_m.clear();
     for (size_t p = 0; p <= v.size();) {
@@ -147,8 +165,9 @@ int main(int argc, char** argv) {
       }
       (a == "--gpus" ? ctx.gpus : ctx.ranks) = v;
     } else if (a == "--ar-algo" || a == "--flow" || a == "--fused-ops" || a == "--min-bytes" ||
-               a == "--max-bytes" || a == "--fused-m" || a == "--gemm-shapes" || a == "--pipeline-pieces" || a == "--cp-methods" ||
-               a == "--ag-comm-blocks" || a == "--ag-tile-n" || a == "--rs-store-ring" || a == "--timeline") {
+               a == "--max-bytes" || a == "--fused-m" || a == "--gemm-shapes" || a == "--pipeline-pieces" ||
+               a == "--cp-methods" || a == "--cp-seqs" || a == "--cp-heads" || a == "--ag-comm-blocks" ||
+               a == "--ag-tile-n" || a == "--rs-store-ring" || a == "--timeline") {
       if (i + 1 >= argc) {
         std::fprintf(stderr, "weft-bench: %s takes a value\n", a.c_str());
         return 2;
