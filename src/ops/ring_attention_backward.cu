@@ -53,6 +53,22 @@ struct Sizes : ops::RingPassSizes {
     for (const auto& [b, e] : ranges) longest_range = std::max(longest_range, e - b);
   }
   int accum_slots = 1;  // dQ accumulator slots: 1, or W where some peer is on another GPU (DqRoute)
+  // Items per K / V head (RingAttentionBwdOp::Params::head_split): its GQA group's query heads in this many
+  // parts where the unsplit items are too few to fill the SMs three times over (a short sequence a rank: at
+  // 2k rows, 32 / 8 heads, 128 items of very unequal causal cost on 132 SMs ran the kernel 3.5x its balanced
+  // time), else 1. From the longest rank's rows and the SM budget: the same on every rank (the area's size).
+  int head_split = 1;
+  void choose_head_split(int sm_budget) {
+    const int64_t group = heads / kv_heads, items = (slot_rows + 127) / 128 * kv_heads;
+    for (int d = 1; d <= group; ++d)
+      if (group % d == 0) {
+        head_split = d;
+        if (items * d >= 3 * int64_t(sm_budget)) break;
+      }
+  }
+  size_t dkv_accum_bytes() const {  // each of dK, dV: fp32 [slot_rows][kv_heads][head_dim], if split
+    return head_split > 1 ? size_t(slot_rows * kv_heads * head_dim) * 4 : 0;
+  }
   size_t accum_slot_bytes() const { return size_t(slot_rows * heads * head_dim) * 4; }
   size_t slot_bytes() const { return size_t(slot_rows * heads * head_dim) * 2; }
 };
@@ -64,6 +80,7 @@ struct Sizes : ops::RingPassSizes {
 struct Area {
   float *accum = nullptr, *terms = nullptr;
   char *slots_q = nullptr, *slots_dout = nullptr;
+  float *dk_accum = nullptr, *dv_accum = nullptr;  // Sizes::head_split > 1 only
 };
 Area carve_area(ops::WorkspaceLayout& a, const Sizes& z) {
   Area p;
@@ -72,6 +89,10 @@ Area carve_area(ops::WorkspaceLayout& a, const Sizes& z) {
   const size_t slots = size_t(std::max(1, z.L.world - 1)) * z.slot_bytes();
   p.slots_q = a.take(slots);
   p.slots_dout = a.take(slots);
+  if (z.head_split > 1) {
+    p.dk_accum = a.take<float>(z.dkv_accum_bytes());
+    p.dv_accum = a.take<float>(z.dkv_accum_bytes());
+  }
   return p;
 }
 size_t area_bytes(const Sizes& z) {
@@ -223,16 +244,26 @@ int fill_params(Communicator& comm, Rank& rank, const Sizes& z, const Uploads& u
   const int64_t bytes_per_pair = group * z.slot_rows * W * kD * (2 + 2 + 4);
   const int64_t section = std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / bytes_per_pair);
   int* landed = w.landed;
-  const int blocks = ops::ring_launch_setup<Op>(comm, rank, z, table, {kState, kArrived}, z.kv_heads, Op::kBN,
-                                                section, options, landed, stream, p, where);
+  const int blocks = ops::ring_launch_setup<Op>(comm, rank, z, table, {kState, kArrived},
+                                                z.kv_heads * z.head_split, Op::kBN, section * z.head_split,
+                                                options, landed, stream, p, where, z.head_split == 1);
+  p.head_split = z.head_split;
 
   const int64_t slots = std::max(1, W - 1);
   p.q = ops::map_bshd(own(b.q), 1, local, heads, kD, Op::kBM, where + "q", dtype);
   p.dout = ops::map_bshd(own(b.dout), 1, local, heads, kD, Op::kBM, where + "dout", dtype);
   p.k = ops::map_bshd(own(b.k), 1, local, z.kv_heads, kD, Op::kBN, where + "k", dtype);
   p.v = ops::map_bshd(own(b.v), 1, local, z.kv_heads, kD, Op::kBN, where + "v", dtype);
-  p.dk = ops::map_bshd(own(b.dk), 1, local, z.kv_heads, kD, Op::Epilogue::kBoxRows, where + "dk", dtype);
-  p.dv = ops::map_bshd(own(b.dv), 1, local, z.kv_heads, kD, Op::Epilogue::kBoxRows, where + "dv", dtype);
+  if (z.head_split > 1) {  // the items' dK / dV reduce-added into fp32 accumulators, converted after
+    p.dk = ops::map_bshd(a.dk_accum, 1, local, z.kv_heads, kD, Op::kWgRows, where + "dK accumulator",
+                         DType::kFP32);
+    p.dv = ops::map_bshd(a.dv_accum, 1, local, z.kv_heads, kD, Op::kWgRows, where + "dV accumulator",
+                         DType::kFP32);
+    p.dkv_fp32 = 1;
+  } else {
+    p.dk = ops::map_bshd(own(b.dk), 1, local, z.kv_heads, kD, Op::Epilogue::kBoxRows, where + "dk", dtype);
+    p.dv = ops::map_bshd(own(b.dv), 1, local, z.kv_heads, kD, Op::Epilogue::kBoxRows, where + "dv", dtype);
+  }
   p.dq_accum =
       ops::map_bshd(accum, 1, z.slot_rows, heads, kD, Op::kBM, where + "dQ accumulator", DType::kFP32);
   p.dq_maps = reinterpret_cast<const CUtensorMap*>(w.parts);
@@ -277,11 +308,17 @@ void launch(ops::OpCall& call, const Sizes& z, const DqRoute& route, const Buffe
   const std::string& where = call.where;
   const int W = z.L.world;
   const int64_t heads = z.heads;
-  if (ops::ring_planned<Op>(call, z, ops::RingTable(w.table, z.segments(), W), z.kv_heads, Op::kBN, options,
-                            "ring_attention_backward",
-                            "ring attention backward: the per-row terms, then one persistent kernel (Q, dO "
-                            "and terms pushed around the ring; dQ parts added into fp32 accumulators), then "
-                            "dQ summed from its parts"))
+  if (ops::ring_planned<Op>(
+          call, z, ops::RingTable(w.table, z.segments(), W), z.kv_heads * z.head_split, Op::kBN, options,
+          "ring_attention_backward",
+          std::string("ring attention backward: the per-row terms, then one persistent kernel "
+                      "(Q, dO and terms pushed around the ring; dQ parts added into fp32 "
+                      "accumulators") +
+              (z.head_split > 1 ? ", a K / V head's query heads in " + std::to_string(z.head_split) +
+                                      " items, dK / dV added in fp32 and converted after"
+                                : "") +
+              "), then dQ summed from its parts",
+          z.head_split == 1))
     return;
   const float scale =
       ops::attention_scale(AttentionShape{1, z.max_own, z.max_own, heads, z.kv_heads, kD}, options);
@@ -298,7 +335,20 @@ void launch(ops::OpCall& call, const Sizes& z, const DqRoute& route, const Buffe
   for (int s = 1; s < W; ++s)
     if (route.through_slot[s])
       WEFT_CUDA_CHECK(cudaMemsetAsync(accum + s * slot_floats, 0, z.accum_slot_bytes(), stream));
+  const int64_t dkv_elements = z.local * z.kv_heads * kD;
+  if (z.head_split > 1 && z.local > 0) {  // (local: peers never touch these)
+    WEFT_CUDA_CHECK(cudaMemsetAsync(a.dk_accum, 0, size_t(dkv_elements) * 4, stream));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(a.dv_accum, 0, size_t(dkv_elements) * 4, stream));
+  }
   lcsc::Launcher<Op>::launch(p, blocks, stream);
+  if (z.head_split > 1 && z.local > 0) {
+    constexpr int kThreads = 256;
+    detail::preload<&ops::ring_bwd_convert_dkv<T>>();
+    ops::ring_bwd_convert_dkv<T>
+        <<<static_cast<unsigned>((dkv_elements / 4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+            a.dk_accum, a.dv_accum, static_cast<T*>(b.dk), static_cast<T*>(b.dv), dkv_elements);
+    WEFT_CUDA_CHECK(cudaGetLastError());
+  }
   launch_team_barrier(rank.view(), meetings[1], stream);  // every rank's accumulator slots complete
   if (z.local > 0) {
     constexpr int kThreads = 256;
@@ -369,6 +419,7 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
           grain);
   const DqRoute route(comm, rank);
   z.accum_slots = route.any ? rank.world() : 1;  // the same on every rank: a team on one GPU or on several
+  z.choose_head_split(rank.sm_budget());
   WEFT_CHECK(z.slot_rows * heads * head_dim < (int64_t(1) << 31) &&
                  z.term_stride * heads * rank.world() < (int64_t(1) << 31) &&
                  int64_t(z.ranges.size()) * z.longest_range * heads * 32 < (int64_t(1) << 39) &&

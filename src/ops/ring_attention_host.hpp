@@ -120,16 +120,19 @@ struct RingResources {
 // The scheduler's fields that follow from the sizes alone (`block_rows` own rows per work unit; heads = the
 // scheduler's head count) and the grid within the rank's SM budget (every rank launches at least one block:
 // its pushes feed its peers and its call count must advance with theirs). Plans and launches alike.
+// `pair_causal`: causal units pair blocks j and count - 1 - j (lcsc/attention_scheduler.cuh), as they do
+// unless an op's units are already small.
 template <class Op>
 int ring_schedule(const Rank& rank, const RingPassSizes& z, const RingTable& table, int64_t heads,
-                  int block_rows, const AttentionOptions& options, lcsc::AttentionSchedulerParams& sched) {
+                  int block_rows, const AttentionOptions& options, lcsc::AttentionSchedulerParams& sched,
+                  bool pair_causal = true) {
   sched.batch = static_cast<int>(z.segments());
   sched.heads = static_cast<int>(heads);
   sched.q_blocks = static_cast<int>((z.max_own + block_rows - 1) / block_rows);
   sched.row_begin = table.own_begin;
   sched.row_end = table.own_end;
   sched.block_rows = block_rows;
-  sched.paired = z.pass.causal;
+  sched.paired = z.pass.causal && pair_causal;
   const int resident = std::min(lcsc::Launcher<Op>::max_resident_clusters(), rank.sm_budget());
   const int blocks = std::max(1, attention_blocks(resident, options, sched.units()));
   sched.compute_blocks = blocks;
@@ -140,10 +143,11 @@ int ring_schedule(const Rank& rank, const RingPassSizes& z, const RingTable& tab
 // (OpCall::planned_op); true (launch nothing). Else false.
 template <class Op>
 bool ring_planned(OpCall& call, const RingPassSizes& z, const RingTable& table, int64_t heads, int block_rows,
-                  const AttentionOptions& options, const char* op, const std::string& path) {
+                  const AttentionOptions& options, const char* op, const std::string& path,
+                  bool pair_causal = true) {
   if (!call.planning()) return false;
   lcsc::AttentionSchedulerParams sched{};
-  const int blocks = ring_schedule<Op>(call.rank, z, table, heads, block_rows, options, sched);
+  const int blocks = ring_schedule<Op>(call.rank, z, table, heads, block_rows, options, sched, pair_causal);
   return call.planned_op(op, path, blocks, static_cast<int>(lcsc::kSmemBytes<Op>));
 }
 
@@ -154,9 +158,9 @@ template <class Op>
 int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, const RingTable& table,
                       const RingResources& res, int64_t heads, int block_rows, int64_t section_pairs,
                       const AttentionOptions& options, int* landed, cudaStream_t stream,
-                      typename Op::Params& p, const std::string& where) {
+                      typename Op::Params& p, const std::string& where, bool pair_causal = true) {
   lcsc::AttentionSchedulerParams& sched = p.sched;
-  const int blocks = ring_schedule<Op>(rank, z, table, heads, block_rows, options, sched);
+  const int blocks = ring_schedule<Op>(rank, z, table, heads, block_rows, options, sched, pair_causal);
   set_team_timeline(p, rank);
   sched.section_pairs =
       static_cast<int>(std::min<int64_t>(section_pairs, std::max<int64_t>(z.segments(), 1) * heads));
