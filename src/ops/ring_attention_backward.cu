@@ -54,12 +54,15 @@ struct Sizes : ops::RingPassSizes {
   }
   int accum_slots = 1;  // dQ accumulator slots: 1, or W where some peer is on another GPU (DqRoute)
   // Items per K / V head (RingAttentionBwdOp::Params::head_split): its GQA group's query heads in this many
-  // parts where the unsplit items are too few to fill the SMs three times over (a short sequence a rank: at
-  // 2k rows, 32 / 8 heads, 128 items of very unequal causal cost on 132 SMs ran the kernel 3.5x its balanced
-  // time), else 1. From the longest rank's rows and the SM budget: the same on every rank (the area's size).
+  // parts, else 1. Causal passes only: their items cost very unequal amounts (a zigzag rank's first chunk of
+  // keys meets every later query, its last chunk few), and the smallest split giving three items per SM of
+  // the budget evens that out (2k rows a rank, 32 / 8 heads, 2 x H200: the kernel 2.4x faster than with its
+  // 128 items on 132 SMs). Non-causal items cost alike: a four-way split of 128 items ran 6% slower. From the
+  // longest rank's rows and the SM budget: the same on every rank (the area's size).
   int head_split = 1;
   void choose_head_split(int sm_budget) {
     const int64_t group = heads / kv_heads, items = (slot_rows + 127) / 128 * kv_heads;
+    if (!pass.causal) return;
     for (int d = 1; d <= group; ++d)
       if (group % d == 0) {
         head_split = d;
