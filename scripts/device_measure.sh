@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Development helper for a lent multi-GPU machine: the measurements the open issues wait for, by name, at
-# the --quick sizes earlier runs used (each tool capped at 580 s; a plan or two per device call: the set's
-# times at 2 / 4 GPUs were not measured together yet).
+# the --quick sizes earlier runs used (each tool capped at 580 s; at 2 x H200 with WEFT_PREBUILT=1, tp + moe
+# took 130 s and cp + decode + fp8 + rooted 124 s, before cp's small sizes were added; 4 GPUs not timed yet).
 #   scripts/device_measure.sh PLAN...     PLAN: tp (fused TP ops with timelines, GEMM + all-reduce at decode
-#                                         sizes, all-to-all, Python bench), moe, cp (sequence parallel),
+#                                         sizes, all-to-all, Python bench), moe, cp (sequence parallel; with
+#                                         2k / 8k a GPU timelines and host_vs_gpu.py),
 #                                         decode (flash_decode), fp8 (FP8 GEMM and TP ops), rooted (broadcast,
 #                                         scatter, gather, reduce, all_to_all_v)
 # Every GPU of the machine; one output file per plan and tool and the timelines (tl/), all in one archive,
@@ -69,7 +70,14 @@ for plan in "$@"; do
       py bench_py python/benchmarks/bench.py --quick
       ;;
     moe) py moe_py python/benchmarks/moe.py --quick; bench moe moe --quick --timeline "$logs/tl" ;;
-    cp) py context_parallel python/benchmarks/context_parallel.py --quick; bench cp context_attention --quick ;;
+    cp)
+      py context_parallel python/benchmarks/context_parallel.py --quick
+      bench cp context_attention --quick
+      # 2k and 8k tokens a GPU, Llama3-8B-like heads: the kernels' per-rank timelines, and host vs GPU time
+      bench cp_small context_attention --quick --cp-seqs $((2048 * n)),$((8192 * n)) --cp-heads 32,8 \
+        --cp-methods ring,ulysses --timeline "$logs/tl"
+      py host_vs_gpu python/benchmarks/host_vs_gpu.py 2048 8192
+      ;;
     decode) bench flash_decode flash_decode --timeline "$logs/tl"; py decode_py python/benchmarks/decode.py --quick ;;
     fp8) bench gemm_fp8 gemm_fp8 --quick; py fp8_tp python/benchmarks/fp8_tp.py --quick ;;
     rooted) bench rooted broadcast scatter gather reduce alltoallv --quick ;;
