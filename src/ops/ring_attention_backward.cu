@@ -7,7 +7,6 @@
 // peer done reading this rank's slots), zero the other GPUs' slots, the persistent kernel, meet (every add
 // complete), dQ = scale * the sum of its parts.
 #include <algorithm>
-#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -64,7 +63,7 @@ struct Sizes : ops::RingPassSizes {
   void choose_head_split(int sm_budget) {
     const int64_t group = heads / kv_heads, items = (slot_rows + 127) / 128 * kv_heads;
     if (!pass.causal) return;
-    for (int d = 1; d <= group; d *= 2)  // powers of two (AttentionBwdOp::Params::head_split_log2)
+    for (int d = 1; d <= group; ++d)
       if (group % d == 0) {
         head_split = d;
         if (items * d >= 3 * int64_t(sm_budget)) break;
@@ -251,7 +250,7 @@ int fill_params(Communicator& comm, Rank& rank, const Sizes& z, const Uploads& u
   const int blocks = ops::ring_launch_setup<Op>(comm, rank, z, table, {kState, kArrived},
                                                 z.kv_heads * z.head_split, Op::kBN, section * z.head_split,
                                                 options, landed, stream, p, where, z.head_split == 1);
-  p.head_split_log2 = std::countr_zero(static_cast<unsigned>(z.head_split));
+  p.head_split = z.head_split;
 
   const int64_t slots = std::max(1, W - 1);
   p.q = ops::map_bshd(own(b.q), 1, local, heads, kD, Op::kBM, where + "q", dtype);
@@ -345,14 +344,12 @@ void launch(ops::OpCall& call, const Sizes& z, const DqRoute& route, const Buffe
     WEFT_CUDA_CHECK(cudaMemsetAsync(a.dv_accum, 0, size_t(dkv_elements) * 4, stream));
   }
   lcsc::Launcher<Op>::launch(p, blocks, stream);
-  if (z.head_split > 1 && z.local > 0) {  // dK (its scale applied in the kernel) and dV
+  if (z.head_split > 1 && z.local > 0) {
     constexpr int kThreads = 256;
-    const auto grid = static_cast<unsigned>((dkv_elements / 4 + kThreads - 1) / kThreads);
-    detail::preload<&ops::attention_bwd_convert_dq<T>>();
-    ops::attention_bwd_convert_dq<T>
-        <<<grid, kThreads, 0, stream>>>(a.dk_accum, static_cast<T*>(b.dk), dkv_elements, 1.f);
-    ops::attention_bwd_convert_dq<T>
-        <<<grid, kThreads, 0, stream>>>(a.dv_accum, static_cast<T*>(b.dv), dkv_elements, 1.f);
+    detail::preload<&ops::ring_bwd_convert_dkv<T>>();
+    ops::ring_bwd_convert_dkv<T>
+        <<<static_cast<unsigned>((dkv_elements / 4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+            a.dk_accum, a.dv_accum, static_cast<T*>(b.dk), static_cast<T*>(b.dv), dkv_elements);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   launch_team_barrier(rank.view(), meetings[1], stream);  // every rank's accumulator slots complete

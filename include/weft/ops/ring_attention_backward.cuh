@@ -65,8 +65,21 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
     // {term_stride, steps * heads}.
     float* terms;
     int term_stride;
+    // Items per K / V head: its query heads (the GQA group) in head_split parts, an item each (the
+    // scheduler's heads are K / V head x head_split + part). Above 1, dK / dV are reduce-added in fp32
+    // (Base::Params::dkv_fp32: dk / dv map fp32 accumulators, converted after the kernel).
+    int head_split;
   };
   using Smem = lcsc::WithHelperStaging<typename Base::Smem>;
+
+  // The item's K / V head and its query heads [first, first + count).
+  struct Heads {
+    int kv, first, count;
+  };
+  __device__ static Heads heads_of(const Params& p, const lcsc::AttentionWork& w) {
+    const int kv = w.head / p.head_split, count = p.group / p.head_split;
+    return {kv, kv * p.group + w.head % p.head_split * count, count};
+  }
 
   // The query rows of the step's source that a key segment meets. Step 0 has this rank's rows on both
   // sides: causal when the pass is, a key visible iff its local row is not after the query's.
@@ -90,7 +103,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
                               const lcsc::AttentionWork& w) {
     const int n = Base::key_block(w);
     const SeqRows sr = seq_rows(p.rows, w.batch);
-    const typename Base::Heads hs = Base::heads_of(p, w);
+    const Heads hs = heads_of(p, w);
     check_sequence_fits(sr.k_len, p.sched.q_blocks, kBN);
     tile::mbarrier_wait_bounded(&pipe.s_.kv_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
     mbarrier_arrive_expect_tx(&pipe.s_.kv_full, sizeof(typename Base::KTile) + sizeof(typename Base::VTile));
@@ -131,7 +144,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
     tile::mbarrier_wait_bounded(&pipe.s_.kv_full, static_cast<uint32_t>(w.iteration) & 1u);
     __syncwarp();
     const SeqRows sr = seq_rows(p.rows, w.batch);
-    const typename Base::Heads hs = Base::heads_of(p, w);
+    const Heads hs = heads_of(p, w);
     const int key0 = n * kBN + 64 * wg;  // this warpgroup's first key (of the segment)
     for (int step = 0; step < p.steps; ++step) {
       const QueryRange r = query_range(p, sr, w.batch, step);
@@ -152,6 +165,14 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
     if (tile::thread_in_warpgroup() == 0) tile::mbarrier_arrive(&pipe.s_.kv_empty);
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.dk.d[i] *= p.scale;
+  }
+
+  // dK / dV of the item's K / V head (stored, or reduce-added where the head's query heads are split).
+  __device__ static void store(const Params& p, Smem& s, const lcsc::AttentionWork& w, int wg,
+                               const Accum& acc, StoreState& es) {
+    lcsc::AttentionWork kv_item = w;
+    kv_item.head = heads_of(p, w).kv;
+    Base::store(p, s, kv_item, wg, acc, es);
   }
 
   // Base::finish waits until this warpgroup's bulk operations (dQ reduce-adds, dK / dV stores) have
@@ -224,6 +245,18 @@ __global__ void ring_bwd_sum_dq(const float* const* parts, int count, T* dq, int
   }
   *reinterpret_cast<uint2*>(dq + i) =
       make_uint2(tile::pack2<T>(sum.x * scale, sum.y * scale), tile::pack2<T>(sum.z * scale, sum.w * scale));
+}
+
+// dK and dV from their fp32 accumulators (RingAttentionBwdOp::Params::head_split > 1), `elements` each.
+template <class T>
+__global__ void ring_bwd_convert_dkv(const float* dk_accum, const float* dv_accum, T* dk, T* dv,
+                                     int64_t elements) {
+  const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (i >= elements) return;
+  const float4 a = *reinterpret_cast<const float4*>(dk_accum + i),
+               b = *reinterpret_cast<const float4*>(dv_accum + i);
+  *reinterpret_cast<uint2*>(dk + i) = make_uint2(tile::pack2<T>(a.x, a.y), tile::pack2<T>(a.z, a.w));
+  *reinterpret_cast<uint2*>(dv + i) = make_uint2(tile::pack2<T>(b.x, b.y), tile::pack2<T>(b.z, b.w));
 }
 
 }  // namespace weft::ops
