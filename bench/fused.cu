@@ -402,21 +402,20 @@ void run_decode(Context& ctx) {
         path = matmul_all_reduce(*comm, comm->local(i), was[k % sets].local[i], g[i].bs[k % sets],
                                  wo.local[i], M, N, K, BLayout::kNK, streams[i]);
       };
-      FusedOptions split_k;
-      split_k.partials = FusedOptions::Partials::kSplitK;
-      const bool split_k_runs = M <= 256;  // Partials::kSplitK's largest M (else its column says -)
-      auto weft_split_k = [&](int i, int k) {
-        if (!split_k_runs) return;
-        matmul_all_reduce(*comm, comm->local(i), was[k % sets].local[i], g[i].bs[k % sets], wo.local[i], M, N,
-                          K, BLayout::kNK, streams[i], split_k);
+      const bool split_k_runs = M <= 256;  // Partials::kSplitK's largest M (else its columns say -)
+      // Partials::kSplitK with 128 x tile_n items.
+      auto split_k_call = [&](int tile_n) {
+        FusedOptions o;
+        o.partials = FusedOptions::Partials::kSplitK;
+        o.tile_n = tile_n;
+        return [&, o](int i, int k) {
+          if (!split_k_runs) return;
+          matmul_all_reduce(*comm, comm->local(i), was[k % sets].local[i], g[i].bs[k % sets], wo.local[i], M,
+                            N, K, BLayout::kNK, streams[i], o);
+        };
       };
-      FusedOptions split_k_wide = split_k;
-      split_k_wide.tile_n = 256;
-      auto weft_split_k_wide = [&](int i, int k) {
-        if (!split_k_runs) return;
-        matmul_all_reduce(*comm, comm->local(i), was[k % sets].local[i], g[i].bs[k % sets], wo.local[i], M, N,
-                          K, BLayout::kNK, streams[i], split_k_wide);
-      };
+      auto weft_split_k = split_k_call(128);
+      auto weft_split_k_wide = split_k_call(256);
       auto on_all = [&](auto&& f, bool nccl_group) {
         return [&, nccl_group](int k) {
           if (nccl_group) WEFT_NCCL_CHECK(ncclGroupStart());

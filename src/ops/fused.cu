@@ -865,13 +865,18 @@ void ag_chunks(int world, int64_t rows, int64_t min_rows, int64_t& chunk_rows, i
 // Every choice a call makes before it launches anything, in one place: the path, why the fused kernel
 // cannot run here ("" when it can), the fused kernel's communicator blocks and A chunks, and RS / AR's way of
 // summing the partials. out: RS / AR's (Partials::kAuto's choice looks at whether it is symmetric).
-Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const FusedOptions& o,
-              const void* out = nullptr) {
+// The options' values every path reads (the split-K path, which makes no choice, as well).
+void check_options(const Call& c, const FusedOptions& o) {
   WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 32, c.where + "options.comm_blocks must be 0..32");
   WEFT_CHECK(o.tile_n == 0 || o.tile_n == 128 || o.tile_n == 256,
              c.where + "options.tile_n must be 0 (auto), 128 or 256, not " + std::to_string(o.tile_n));
   WEFT_CHECK(o.store_ring == 0 || o.store_ring == 2 || o.store_ring == 5,
              c.where + "options.store_ring must be 0 (auto), 2 or 5, not " + std::to_string(o.store_ring));
+}
+
+Choice choose(const Call& c, FusedOp op, int64_t m, int64_t n, int64_t k, const FusedOptions& o,
+              const void* out = nullptr) {
+  check_options(c, o);
   const int W = c.rank.world();
   Choice plan;
   bool gather_auto = false;  // AG: kAuto's rule took the copy engine's gather (and so the fused kernel)
@@ -997,9 +1002,7 @@ FusedPath run_matmul_reduce(Call& c, const void* a, const void* b, void* out, in
   c.check_operands(a, "a", m, b, out, sum_everywhere ? m : rows, m, n, k, layout);
   if (options.partials == FusedOptions::Partials::kSplitK) {
     WEFT_CHECK(sum_everywhere, c.where + "Partials::kSplitK is matmul_all_reduce's (at decode sizes)");
-    WEFT_CHECK(
-        options.tile_n == 0 || options.tile_n == 128 || options.tile_n == 256,
-        c.where + "options.tile_n must be 0 (auto), 128 or 256, not " + std::to_string(options.tile_n));
+    check_options(c, options);
     // Auto: 128 x 256 items for one 16-row band (M <= 16), where their wider stages streamed the weight
     // faster (2 x H200, N 8192, K 7168: 44-46 us against 52-58); 128 x 128 above (M 64, 256: 53 / 70 us
     // against 57 / 82), bench/RESULTS.md.

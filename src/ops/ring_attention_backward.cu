@@ -61,7 +61,8 @@ struct Sizes : ops::RingPassSizes {
   // longest rank's rows and the SM budget: the same on every rank (the area's size).
   int head_split = 1;
   void choose_head_split(int sm_budget) {
-    const int64_t group = heads / kv_heads, items = (slot_rows + 127) / 128 * kv_heads;
+    const int64_t key_blocks = (slot_rows + ops::kAttentionBwdBlockN - 1) / ops::kAttentionBwdBlockN;
+    const int64_t group = heads / kv_heads, items = key_blocks * kv_heads;
     if (!pass.causal) return;
     for (int d = 1; d <= group; ++d)
       if (group % d == 0) {
@@ -344,12 +345,14 @@ void launch(ops::OpCall& call, const Sizes& z, const DqRoute& route, const Buffe
     WEFT_CUDA_CHECK(cudaMemsetAsync(a.dv_accum, 0, size_t(dkv_elements) * 4, stream));
   }
   lcsc::Launcher<Op>::launch(p, blocks, stream);
-  if (z.head_split > 1 && z.local > 0) {
+  if (z.head_split > 1 && z.local > 0) {  // dK (its scale applied in the kernel) and dV
     constexpr int kThreads = 256;
-    detail::preload<&ops::ring_bwd_convert_dkv<T>>();
-    ops::ring_bwd_convert_dkv<T>
-        <<<static_cast<unsigned>((dkv_elements / 4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-            a.dk_accum, a.dv_accum, static_cast<T*>(b.dk), static_cast<T*>(b.dv), dkv_elements);
+    const auto grid = static_cast<unsigned>((dkv_elements / 4 + kThreads - 1) / kThreads);
+    detail::preload<&ops::attention_bwd_convert_dq<T>>();
+    ops::attention_bwd_convert_dq<T>
+        <<<grid, kThreads, 0, stream>>>(a.dk_accum, static_cast<T*>(b.dk), dkv_elements, 1.f);
+    ops::attention_bwd_convert_dq<T>
+        <<<grid, kThreads, 0, stream>>>(a.dv_accum, static_cast<T*>(b.dv), dkv_elements, 1.f);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
   launch_team_barrier(rank.view(), meetings[1], stream);  // every rank's accumulator slots complete

@@ -823,13 +823,16 @@ struct SplitKAllReduceOp : GemmOp<__nv_bfloat16, kBKMajor, 1, kTileN, 0, 2, Spli
     const int warps = p.sched.compute_blocks * Base::kConsumerWarpgroups * 4;
     const uint64_t epoch = p.sync.epoch();
     // Timeline: (1) as comm_task 0, (2) as comm_task 1, by the warpgroup's first thread.
-    const bool recorder = tile::thread_in_warpgroup() == 0 && p.sched.timeline != nullptr;
-    if (recorder) timeline_mark(p.sched.timeline, TimelinePhase::kCommTask, false, 0);
-    bool ok = sum_own_bands(p, warp, warps, epoch);
-    if (recorder) timeline_mark(p.sched.timeline, TimelinePhase::kCommTask, true, 0);
-    if (recorder) timeline_mark(p.sched.timeline, TimelinePhase::kCommTask, false, 1);
-    ok = ok && copy_bands(p, warp, warps, epoch);
-    if (recorder) timeline_mark(p.sched.timeline, TimelinePhase::kCommTask, true, 1);
+    TimelineBuffer* const timeline = tile::thread_in_warpgroup() == 0 ? p.sched.timeline : nullptr;
+    bool ok;
+    {
+      const TimelineSpan summing(timeline, TimelinePhase::kCommTask, 0);
+      ok = sum_own_bands(p, warp, warps, epoch);
+    }
+    {
+      const TimelineSpan copying(timeline, TimelinePhase::kCommTask, 1);
+      ok = ok && copy_bands(p, warp, warps, epoch);
+    }
     (void)ok;  // a failed wait is recorded (the host reports it); the warpgroup still counts itself finished
     tile::named_barrier_sync(lcsc::kEpilogueFirstBarrierId + wg, tile::kWarpgroupThreads);
     if (tile::thread_in_warpgroup() == 0) p.sync.done();

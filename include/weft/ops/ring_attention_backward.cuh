@@ -67,7 +67,8 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
     int term_stride;
     // Items per K / V head: its query heads (the GQA group) in head_split parts, an item each (the
     // scheduler's heads are K / V head x head_split + part). Above 1, dK / dV are reduce-added in fp32
-    // (Base::Params::dkv_fp32: dk / dv map fp32 accumulators, converted after the kernel).
+    // (Base::Params::dkv_fp32: dk / dv map fp32 accumulators, converted after the kernel by
+    // attention_bwd_convert_dq).
     int head_split;
   };
   using Smem = lcsc::WithHelperStaging<typename Base::Smem>;
@@ -245,18 +246,6 @@ __global__ void ring_bwd_sum_dq(const float* const* parts, int count, T* dq, int
   }
   *reinterpret_cast<uint2*>(dq + i) =
       make_uint2(tile::pack2<T>(sum.x * scale, sum.y * scale), tile::pack2<T>(sum.z * scale, sum.w * scale));
-}
-
-// dK and dV from their fp32 accumulators (RingAttentionBwdOp::Params::head_split > 1), `elements` each.
-template <class T>
-__global__ void ring_bwd_convert_dkv(const float* dk_accum, const float* dv_accum, T* dk, T* dv,
-                                     int64_t elements) {
-  const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
-  if (i >= elements) return;
-  const float4 a = *reinterpret_cast<const float4*>(dk_accum + i),
-               b = *reinterpret_cast<const float4*>(dv_accum + i);
-  *reinterpret_cast<uint2*>(dk + i) = make_uint2(tile::pack2<T>(a.x, a.y), tile::pack2<T>(a.z, a.w));
-  *reinterpret_cast<uint2*>(dv + i) = make_uint2(tile::pack2<T>(b.x, b.y), tile::pack2<T>(b.z, b.w));
 }
 
 }  // namespace weft::ops
