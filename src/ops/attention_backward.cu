@@ -1,6 +1,7 @@
 // Host side of weft::flash_attention_backward: validation, the workspace layout, and the three launches
 // (prepare, the LCSC op, convert; device code: weft/ops/attention_backward.cuh).
 #include <algorithm>
+#include <bit>
 #include <string>
 
 #include "attention_args.hpp"
@@ -31,9 +32,15 @@ int block_rows(const AttentionShape& s) {
 // term_stride] each (attention_term_rows, and a box of slack).
 // Deterministic calls add a counter per (sequence, head, query block) for the turns of the dQ additions, and
 // the kernel's unit claims counter after them.
+// Where the items are fewer than the SMs (a small batch x sequence with few K / V heads: Ulysses' core at 2k
+// tokens a GPU ran 64 items on 132 SMs), a K / V head's GQA query heads are split over head_split items
+// (AttentionBwdOp::Params::head_split_log2), the largest power of two that still fits one wave; their dK /
+// dV are reduce-added into fp32 accumulators after the above (or into accumulate_grads'), converted after
+// the kernel. Not for deterministic calls (the adds' order varies).
 struct Workspace {
-  int64_t rows = 0, term_stride = 0, dq_blocks = 0;
-  size_t accum_bytes = 0, row_bytes = 0, order_bytes = 0;
+  int64_t rows = 0, term_stride = 0, dq_blocks = 0, key_rows = 0;
+  size_t accum_bytes = 0, row_bytes = 0, order_bytes = 0, dkv_bytes = 0;
+  int head_split = 1;
   Workspace(const AttentionShape& s, const AttentionOptions& o) {
     const AttentionSegments& seg = o.segments;
     rows = ops::query_rows(s, seg);
@@ -43,15 +50,34 @@ struct Workspace {
     const int64_t block_m = block_rows(s);
     dq_blocks = (s.seq_q + block_m - 1) / block_m;
     if (o.deterministic) order_bytes = size_t(s.batch * s.heads * dq_blocks) * 8 + 8;
+    // The size reserves for the most splitting the shape allows (causal's paired units, every SM): the
+    // sizing calls know neither causal nor max_blocks, and either only lowers the split.
+    const int sms = ops::device_facts().sms;  // one persistent block an SM (the kernel's shared memory)
+    head_split =
+        o.deterministic ? 1 : split_for(s, o.causal, o.max_blocks > 0 ? std::min(sms, o.max_blocks) : sms);
+    const int most = o.deterministic ? 1 : split_for(s, true, sms);
+    key_rows = seg.packed() ? seg.total_k : s.batch * s.seq_k;
+    if (most > 1 && !o.accumulate_grads.enabled())
+      dkv_bytes = (size_t(key_rows * s.kv_heads * s.head_dim) * 4 + 255) / 256 * 256;
   }
-  size_t bytes() const { return accum_bytes + 2 * row_bytes + order_bytes; }
+  size_t bytes() const { return accum_bytes + 2 * row_bytes + order_bytes + 2 * dkv_bytes; }
+  // The largest power-of-two split of the group (AttentionBwdOp::Params::head_split_log2) whose items still
+  // fit one wave of `wave` blocks.
+  static int split_for(const AttentionShape& s, bool causal, int64_t wave) {
+    const int64_t group = s.heads / s.kv_heads, key_blocks = (s.seq_k + 127) / 128;  // (kBN = 128)
+    const int64_t units = s.batch * s.kv_heads * (causal ? (key_blocks + 1) / 2 : key_blocks);
+    int split = 1;
+    for (int64_t d = 2; d <= group; d *= 2)
+      if (group % d == 0 && units * d <= wave) split = static_cast<int>(d);
+    return split;
+  }
 };
 
 // The kernel's TMA maps: the operands, dK / dV (or the fp32 accumulators they are added into), and the
 // workspace's dQ accumulator and per-row terms.
 template <class Op>
 void map_operands(typename Op::Params& p, const Call& c, DType dtype, const Workspace& ws, float* accum,
-                  float* lse_log2, float* dsum) {
+                  float* lse_log2, float* dsum, float* dk_accum, float* dv_accum) {
   const AttentionShape& sh = c.shape;
   const AttentionSegments& seg = c.options.segments;
   p.q = ops::map_rows(c.q, sh, seg, false, sh.heads, Op::kBM, c.where + "q", dtype);
@@ -59,7 +85,13 @@ void map_operands(typename Op::Params& p, const Call& c, DType dtype, const Work
   p.k = ops::map_rows(c.k, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "k", dtype);
   p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v", dtype);
   const AttentionGradAccumulate& grads = c.options.accumulate_grads;
-  if (grads.enabled()) {  // fp32 maps of the accumulators: dK / dV reduce-added
+  if (ws.head_split > 1 && !grads.enabled()) {  // split items: the workspace's fp32 accumulators, converted
+    p.dk = ops::map_rows(dk_accum, sh, seg, true, sh.kv_heads, Op::kWgRows, c.where + "workspace (dK)",
+                         DType::kFP32);
+    p.dv = ops::map_rows(dv_accum, sh, seg, true, sh.kv_heads, Op::kWgRows, c.where + "workspace (dV)",
+                         DType::kFP32);
+    p.dkv_fp32 = 1;
+  } else if (grads.enabled()) {  // fp32 maps of the accumulators: dK / dV reduce-added
     p.dk = ops::map_rows(grads.dk, sh, seg, true, sh.kv_heads, Op::kWgRows, c.where + "accumulate_grads.dk",
                          DType::kFP32);
     p.dv = ops::map_rows(grads.dv, sh, seg, true, sh.kv_heads, Op::kWgRows, c.where + "accumulate_grads.dv",
@@ -85,7 +117,8 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   const Workspace ws(sh, c.options);
   typename Op::Params p{};
   p.sched.batch = static_cast<int>(sh.batch);
-  p.sched.heads = static_cast<int>(sh.kv_heads);
+  p.sched.heads = static_cast<int>(sh.kv_heads * ws.head_split);
+  p.head_split_log2 = std::countr_zero(static_cast<unsigned>(ws.head_split));
   p.sched.q_blocks = static_cast<int>((sh.seq_k + Op::kBN - 1) / Op::kBN);  // key blocks
   // Causal key blocks cost less the later they are: paired units even that out, except for deterministic
   // calls, whose dQ turns (descending) need the key blocks handed out last first.
@@ -102,14 +135,18 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   const int64_t group = sh.heads / sh.kv_heads;
   const int64_t bytes_per_pair = group * sh.seq_q * kD * (2 + 2 + 4);
   int64_t section = std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / bytes_per_pair);
-  p.sched.section_pairs = static_cast<int>(std::min<int64_t>(section, sh.batch * sh.kv_heads));
+  p.sched.section_pairs = static_cast<int>(  // (a split pair holds 1 / head_split of the group)
+      std::min<int64_t>(section * ws.head_split, sh.batch * sh.kv_heads * ws.head_split));
 
   Plan plan;
   plan.op = "flash_attention_backward";
   plan.path = std::string(c.options.causal ? "prepare, persistent attention backward (causal), convert dQ"
                                            : "prepare, persistent attention backward, convert dQ") +
               (seg.packed() ? ", packed sequences" : "") +
-              (c.options.deterministic ? ", deterministic dQ" : "");
+              (c.options.deterministic ? ", deterministic dQ" : "") +
+              (ws.head_split > 1 ? ", a K / V head's query heads over " + std::to_string(ws.head_split) +
+                                       " items (dK / dV added in fp32, converted after)"
+                                 : "");
   plan.blocks = blocks;
   plan.cluster = 1;
   plan.smem_bytes = static_cast<int>(lcsc::kSmemBytes<Op>);
@@ -121,7 +158,11 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   auto* dsum = reinterpret_cast<float*>(static_cast<char*>(c.workspace) + ws.accum_bytes + ws.row_bytes);
   auto* dq_order =
       reinterpret_cast<uint64_t*>(static_cast<char*>(c.workspace) + ws.accum_bytes + 2 * ws.row_bytes);
+  char* const dkv = static_cast<char*>(c.workspace) + ws.accum_bytes + 2 * ws.row_bytes + ws.order_bytes;
+  auto *dk_accum = reinterpret_cast<float*>(dkv), *dv_accum = reinterpret_cast<float*>(dkv + ws.dkv_bytes);
   WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, ws.accum_bytes, stream));
+  const bool dkv_accum = ws.head_split > 1 && !c.options.accumulate_grads.enabled();  // (dkv_bytes > 0 then)
+  if (dkv_accum) WEFT_CUDA_CHECK(cudaMemsetAsync(dkv, 0, 2 * ws.dkv_bytes, stream));
   if (ws.order_bytes) WEFT_CUDA_CHECK(cudaMemsetAsync(dq_order, 0, ws.order_bytes, stream));
   p.rows = ops::attention_rows(sh, seg);
   {
@@ -134,7 +175,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
 
-  map_operands<Op>(p, c, dtype, ws, accum, lse_log2, dsum);
+  map_operands<Op>(p, c, dtype, ws, accum, lse_log2, dsum, dk_accum, dv_accum);
   p.dq_order = dq_order;
   p.dq_blocks = static_cast<int>(ws.dq_blocks);
   if constexpr (kDeterministic) {  // (zeroed with the turn counters above)
@@ -155,6 +196,15 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
         <<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
             accum, static_cast<T*>(c.dq), elements, scale);
     WEFT_CUDA_CHECK(cudaGetLastError());
+    if (dkv_accum) {  // dK (its scale applied in the kernel) and dV
+      const int64_t kv_elements = ws.key_rows * sh.kv_heads * kD;
+      const auto grid = static_cast<unsigned>((kv_elements / 4 + kThreads - 1) / kThreads);
+      ops::attention_bwd_convert_dq<T>
+          <<<grid, kThreads, 0, stream>>>(dk_accum, static_cast<T*>(c.dk), kv_elements, 1.f);
+      ops::attention_bwd_convert_dq<T>
+          <<<grid, kThreads, 0, stream>>>(dv_accum, static_cast<T*>(c.dv), kv_elements, 1.f);
+      WEFT_CUDA_CHECK(cudaGetLastError());
+    }
   }
   return plan;
 }

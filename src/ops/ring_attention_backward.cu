@@ -7,6 +7,7 @@
 // peer done reading this rank's slots), zero the other GPUs' slots, the persistent kernel, meet (every add
 // complete), dQ = scale * the sum of its parts.
 #include <algorithm>
+#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -64,7 +65,7 @@ struct Sizes : ops::RingPassSizes {
     const int64_t key_blocks = (slot_rows + ops::kAttentionBwdBlockN - 1) / ops::kAttentionBwdBlockN;
     const int64_t group = heads / kv_heads, items = key_blocks * kv_heads;
     if (!pass.causal) return;
-    for (int d = 1; d <= group; ++d)
+    for (int d = 1; d <= group; d *= 2)  // powers of two (AttentionBwdOp::Params::head_split_log2)
       if (group % d == 0) {
         head_split = d;
         if (items * d >= 3 * int64_t(sm_budget)) break;
@@ -251,7 +252,7 @@ int fill_params(Communicator& comm, Rank& rank, const Sizes& z, const Uploads& u
   const int blocks = ops::ring_launch_setup<Op>(comm, rank, z, table, {kState, kArrived},
                                                 z.kv_heads * z.head_split, Op::kBN, section * z.head_split,
                                                 options, landed, stream, p, where, z.head_split == 1);
-  p.head_split = z.head_split;
+  p.head_split_log2 = std::countr_zero(static_cast<unsigned>(z.head_split));
 
   const int64_t slots = std::max(1, W - 1);
   p.q = ops::map_bshd(own(b.q), 1, local, heads, kD, Op::kBM, where + "q", dtype);

@@ -135,13 +135,17 @@ struct AttentionBwdOp {
   using SchedulerParams =
       std::conditional_t<kTimed, Timed<lcsc::AttentionSchedulerParams>, lcsc::AttentionSchedulerParams>;
   struct Params {
-    SchedulerParams sched;                 // heads = K/V heads, q_blocks = key blocks
+    SchedulerParams sched;                 // heads = K/V heads x 2^head_split_log2, q_blocks = key blocks
     CUtensorMap q, k, v, dout, dk, dv;     // 4-D {dim, head, seq, batch}
     CUtensorMap dq_accum;                  // fp32, q's layout, 4-D like q (box 32 columns): reduce-adds
     CUtensorMap lse_map, dsum_map;         // LSE log2(e) and D (prepare): 2-D {term rows, heads}, box kBM
     AttentionRows rows;
     T *dk_out, *dv_out;  // dK, dV themselves: the row-by-row stores
     int dkv_fp32;        // dk / dv are fp32 maps that dK / dV are reduce-added into
+    // Items per K / V head: its query heads (the GQA group) in 2^head_split_log2 parts, an item each, where
+    // the unsplit items are too few for the SMs (see heads_of); above 1 dK / dV are reduce-added
+    // (dkv_fp32). A power of two: the split costs the loop shifts, not divisions.
+    int head_split_log2;
     uint64_t* dq_order;  // kDeterministic: contributions so far per (sequence, head, query
                          // block), [batch, heads, dq_blocks]
     int dq_blocks;       // query blocks of the longest sequence
@@ -200,6 +204,15 @@ struct AttentionBwdOp {
 
   // The item's key block: the scheduler's blocks (AttentionWork::q_block) run along the keys here.
   __device__ static int key_block(const lcsc::AttentionWork& w) { return w.q_block; }
+  // The item's K / V head and its query heads [first, first + count): the scheduler's head is K / V head x
+  // 2^head_split_log2 + part, part taking count = group / 2^head_split_log2 of the group's query heads.
+  struct Heads {
+    int kv, first, count;
+  };
+  __device__ static Heads heads_of(const Params& p, const lcsc::AttentionWork& w) {
+    const int kv = w.head >> p.head_split_log2, count = p.group >> p.head_split_log2;
+    return {kv, kv * p.group + (w.head & ((1 << p.head_split_log2) - 1)) * count, count};
+  }
 
   // ---- loader (one thread) ----
   __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
@@ -208,13 +221,14 @@ struct AttentionBwdOp {
     const SeqRows sr = seq_rows(p.rows, w.batch);
     check_sequence_fits(sr.k_len, p.sched.q_blocks, kBN);
     if constexpr (kDeterministic) check_sequence_fits(sr.q_len, p.dq_blocks, kBM);  // dq_order's counters
+    const Heads hs = heads_of(p, w);
     tile::mbarrier_wait_bounded(&pipe.s_.kv_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
     mbarrier_arrive_expect_tx(&pipe.s_.kv_full, sizeof(KTile) + sizeof(VTile));
-    load_head_rows(s.k, &p.k, w.head, sr.k0 + n * kBN, sr.batch, &pipe.s_.kv_full);
-    load_head_rows(s.v, &p.v, w.head, sr.k0 + n * kBN, sr.batch, &pipe.s_.kv_full);
+    load_head_rows(s.k, &p.k, hs.kv, sr.k0 + n * kBN, sr.batch, &pipe.s_.kv_full);
+    load_head_rows(s.v, &p.v, hs.kv, sr.k0 + n * kBN, sr.batch, &pipe.s_.kv_full);
     const QueryBlocks qb = query_blocks(n, sr.q_len, sr.k_len, p.causal != 0, kBM);
-    for (int g = 0; g < p.group; ++g) {
-      const int h = w.head * p.group + g;
+    for (int g = 0; g < hs.count; ++g) {
+      const int h = hs.first + g;
       for (int m = qb.begin; m < qb.end; ++m) {
         uint64_t* bar = pipe.qdo.producer_acquire(st, 2 * sizeof(QTile) + 2 * kBM * sizeof(float));
         load_head_rows(s.q[st.stage], &p.q, h, sr.q0 + m * kBM, sr.batch, bar);
@@ -239,8 +253,9 @@ struct AttentionBwdOp {
     const Lengths len{sr.q_len, sr.k_len, sr.k_len - sr.q_len, p.causal != 0};
     const QueryBlocks qb = query_blocks(n, len.q, len.k, len.causal, kBM);
     const int key0 = n * kBN + 64 * wg;  // this warpgroup's first key (of the sequence)
-    for (int g = 0; g < p.group; ++g) {
-      const int h = w.head * p.group + g;
+    const Heads hs = heads_of(p, w);
+    for (int g = 0; g < hs.count; ++g) {
+      const int h = hs.first + g;
       for (int m = qb.begin; m < qb.end; ++m) {
         pipe.qdo.consumer_wait(st);
         const lcsc::TmaRows4d dq_rows{&p.dq_accum, h, sr.q0 + m * kBM, sr.batch, lcsc::StoreMode::kReduceAdd};
@@ -259,21 +274,21 @@ struct AttentionBwdOp {
     // The epilogue's buffers staged this warpgroup's dQ parts: wait until the last reduce-add has read them.
     wait_staging_free(s, wg);
     const SeqRows sr = seq_rows(p.rows, w.batch);
-    const int row0 = key_block(w) * kBN + 64 * wg;
+    const int row0 = key_block(w) * kBN + 64 * wg, kv = heads_of(p, w).kv;
     if (p.dkv_fp32) {  // rows past the sequence's keys hold exact zeros: harmless to add
       reduce_add_rows(s, wg, acc.dk,
-                      lcsc::TmaRows4d{&p.dk, w.head, sr.k0 + row0, sr.batch, lcsc::StoreMode::kReduceAdd});
+                      lcsc::TmaRows4d{&p.dk, kv, sr.k0 + row0, sr.batch, lcsc::StoreMode::kReduceAdd});
       reduce_add_rows(s, wg, acc.dv,
-                      lcsc::TmaRows4d{&p.dv, w.head, sr.k0 + row0, sr.batch, lcsc::StoreMode::kReduceAdd});
+                      lcsc::TmaRows4d{&p.dv, kv, sr.k0 + row0, sr.batch, lcsc::StoreMode::kReduceAdd});
       return;
     }
     // A TMA box clips at a dense sequence's end but would write into the next packed sequence.
     if (p.rows.q_begin == nullptr || row0 + 64 <= sr.k_len) {
-      Epilogue::store_to(lcsc::TmaRows4d{&p.dk, w.head, sr.k0 + row0, sr.batch}, s.epi, es, wg, acc.dk, 0);
-      Epilogue::store_to(lcsc::TmaRows4d{&p.dv, w.head, sr.k0 + row0, sr.batch}, s.epi, es, wg, acc.dv, 0);
+      Epilogue::store_to(lcsc::TmaRows4d{&p.dk, kv, sr.k0 + row0, sr.batch}, s.epi, es, wg, acc.dk, 0);
+      Epilogue::store_to(lcsc::TmaRows4d{&p.dv, kv, sr.k0 + row0, sr.batch}, s.epi, es, wg, acc.dv, 0);
     } else {
-      const int64_t stride = int64_t(p.sched.heads) * kD;
-      const int64_t first = (sr.k_base + row0) * stride + int64_t(w.head) * kD;
+      const int64_t stride = int64_t(p.sched.heads >> p.head_split_log2) * kD;  // (the K / V heads)
+      const int64_t first = (sr.k_base + row0) * stride + int64_t(kv) * kD;
       tile::store_rows(acc.dk, p.dk_out + first, stride, sr.k_len - row0);
       tile::store_rows(acc.dv, p.dv_out + first, stride, sr.k_len - row0);
     }

@@ -13,8 +13,8 @@
 // rows against the query rows of all W ranges in turn, as the single-GPU backward runs one key block against
 // its sequence's query blocks (weft/ops/attention_backward.cuh, whose step() this op reuses): dK and dV in
 // registers from the first query block of step 0 to the last of step W - 1, rounded once at the item's end.
-// Where those items are too few for the SMs (a short sequence a rank; Params::head_split), an item takes a
-// part of the K / V head's query heads (GQA) and reduce-adds its dK / dV into fp32 accumulators instead.
+// Where those items are too few for the SMs (a short sequence a rank; Params::head_split_log2), an item takes
+// a part of the K / V head's query heads (GQA) and reduce-adds its dK / dV into fp32 accumulators instead.
 // Each query block's dQ part is reduce-added (TMA, fp32) through the step's map (one per step, in global
 // memory): every key block adds into every query block it meets, so adding straight into the owner's memory
 // would move (key blocks) x (the dQ rows) over the links. So when the rows' owner (rank r - s) is on another
@@ -65,22 +65,8 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
     // {term_stride, steps * heads}.
     float* terms;
     int term_stride;
-    // Items per K / V head: its query heads (the GQA group) in head_split parts, an item each (the
-    // scheduler's heads are K / V head x head_split + part). Above 1, dK / dV are reduce-added in fp32
-    // (Base::Params::dkv_fp32: dk / dv map fp32 accumulators, converted after the kernel by
-    // attention_bwd_convert_dq).
-    int head_split;
   };
   using Smem = lcsc::WithHelperStaging<typename Base::Smem>;
-
-  // The item's K / V head and its query heads [first, first + count).
-  struct Heads {
-    int kv, first, count;
-  };
-  __device__ static Heads heads_of(const Params& p, const lcsc::AttentionWork& w) {
-    const int kv = w.head / p.head_split, count = p.group / p.head_split;
-    return {kv, kv * p.group + w.head % p.head_split * count, count};
-  }
 
   // The query rows of the step's source that a key segment meets. Step 0 has this rank's rows on both
   // sides: causal when the pass is, a key visible iff its local row is not after the query's.
@@ -104,7 +90,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
                               const lcsc::AttentionWork& w) {
     const int n = Base::key_block(w);
     const SeqRows sr = seq_rows(p.rows, w.batch);
-    const Heads hs = heads_of(p, w);
+    const typename Base::Heads hs = Base::heads_of(p, w);
     check_sequence_fits(sr.k_len, p.sched.q_blocks, kBN);
     tile::mbarrier_wait_bounded(&pipe.s_.kv_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
     mbarrier_arrive_expect_tx(&pipe.s_.kv_full, sizeof(typename Base::KTile) + sizeof(typename Base::VTile));
@@ -145,7 +131,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
     tile::mbarrier_wait_bounded(&pipe.s_.kv_full, static_cast<uint32_t>(w.iteration) & 1u);
     __syncwarp();
     const SeqRows sr = seq_rows(p.rows, w.batch);
-    const Heads hs = heads_of(p, w);
+    const typename Base::Heads hs = Base::heads_of(p, w);
     const int key0 = n * kBN + 64 * wg;  // this warpgroup's first key (of the segment)
     for (int step = 0; step < p.steps; ++step) {
       const QueryRange r = query_range(p, sr, w.batch, step);
@@ -166,14 +152,6 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
     if (tile::thread_in_warpgroup() == 0) tile::mbarrier_arrive(&pipe.s_.kv_empty);
 #pragma unroll
     for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.dk.d[i] *= p.scale;
-  }
-
-  // dK / dV of the item's K / V head (stored, or reduce-added where the head's query heads are split).
-  __device__ static void store(const Params& p, Smem& s, const lcsc::AttentionWork& w, int wg,
-                               const Accum& acc, StoreState& es) {
-    lcsc::AttentionWork kv_item = w;
-    kv_item.head = heads_of(p, w).kv;
-    Base::store(p, s, kv_item, wg, acc, es);
   }
 
   // Base::finish waits until this warpgroup's bulk operations (dQ reduce-adds, dK / dV stores) have
