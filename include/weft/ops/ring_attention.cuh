@@ -74,14 +74,17 @@ __device__ void ring_push(const lcsc::PushSync& sync, const RingSlots& sl, int i
   if (lane == 0) sync.done();
 }
 
-// Loader: waits until chunks [0, c) of slot `slot` have landed, c covering rows below `rows_end`.
+// Loader: waits until chunks [0, c) of slot `slot` have landed, c covering rows below `rows_end`. A timed
+// kernel passes its timeline: a wait that was not already over is marked (TimelinePhase::kWaitInputs, arg:
+// the slot).
 __device__ inline void ring_wait_landed(const lcsc::PushSync& sync, const RingSlots& sl, int slot,
-                                        int rows_end) {
+                                        int rows_end, TimelineBuffer* timeline = nullptr) {
   const int rows = min(rows_end, sl.slot_rows);
   const int need = min(sl.chunks, (rows + sl.chunk_rows - 1) / sl.chunk_rows);
   int* landed = sl.landed + blockIdx.x * (sync.team.world - 1) + slot;
   int have = *landed;
   if (have >= need) return;
+  const TimelineSpan waiting(timeline, TimelinePhase::kWaitInputs, static_cast<uint32_t>(slot));
   const uint64_t target = sync.epoch() * kRingPiecesPerChunk;
   // A failed wait is recorded (synchronize() reports it); the loads still go out so the kernel drains.
   for (; have < need; ++have)
@@ -91,6 +94,16 @@ __device__ inline void ring_wait_landed(const lcsc::PushSync& sync, const RingSl
 }
 
 // kTimed: the kernel that records its rank's timeline (AttentionFwdOp's).
+// The timeline a ring kernel's loader marks its waits on: the timed kernel's (kTimed: Params::sched is
+// Timed<...>), else none.
+template <class Params>
+__device__ __forceinline__ TimelineBuffer* timeline_of(const Params& p) {
+  if constexpr (requires { p.sched.timeline; })
+    return p.sched.timeline;
+  else
+    return nullptr;
+}
+
 template <int kHeadDim, class T = __nv_bfloat16, bool kTimed = false>
 struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed> {
   using Base = AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed>;
@@ -140,7 +153,7 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHe
       if (step == 0) {
         Base::load_keys(&p.k, &p.v, s, pipe, st, kv_head, r.begin, 0, kb.end);
       } else {
-        ring_wait_landed(p.sync, p.slots, step - 1, r.begin + kb.end * kBN);
+        ring_wait_landed(p.sync, p.slots, step - 1, r.begin + kb.end * kBN, timeline_of(p));
         Base::load_keys(&p.slot_k, &p.slot_v, s, pipe, st, kv_head, r.begin, step - 1, kb.end);
       }
     }

@@ -100,7 +100,7 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
       const QueryRange r = query_range(p, sr, w.batch, step);
       const QueryBlocks qb = query_blocks_shifted(n, r.length, r.shift, r.causal, kBM);
       if (qb.begin >= qb.end) continue;
-      if (step > 0) ring_wait_landed(p.sync, p.slots, step - 1, r.begin + qb.end * kBM);
+      if (step > 0) ring_wait_landed(p.sync, p.slots, step - 1, r.begin + qb.end * kBM, timeline_of(p));
       const CUtensorMap* q = step == 0 ? &p.q : &p.slot_q;
       const CUtensorMap* dout = step == 0 ? &p.dout : &p.slot_dout;
       const int slot = step == 0 ? 0 : step - 1;
