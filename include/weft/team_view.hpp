@@ -6,11 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define WEFT_HD __host__ __device__ __forceinline__
-#else
-#define WEFT_HD inline
-#endif
+#include "weft/host_device.hpp"
 
 namespace weft {
 

@@ -94,7 +94,7 @@ void launch(ops::OpCall& call, const Sizes& z, const void* q, const void* k, con
       std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / kv_bytes_per_group) * group;
   int* landed = w.landed;
   const int blocks = ops::ring_launch_setup<Op>(comm, rank, z, table, {kState, kArrived}, heads, Op::kBM,
-                                                section, options, landed, stream, p, where);
+                                                section, group, options, landed, stream, p, where);
 
   // A rank with no rows still needs maps: they point at the slots and are never read.
   char *slots_k = a.slots_k, *slots_v = a.slots_v;

@@ -249,9 +249,9 @@ int fill_params(Communicator& comm, Rank& rank, const Sizes& z, const Uploads& u
   const int64_t bytes_per_pair = group * z.slot_rows * W * kD * (2 + 2 + 4);
   const int64_t section = std::max<int64_t>(1, ops::device_facts().l2_bytes * 2 / 3 / bytes_per_pair);
   int* landed = w.landed;
-  const int blocks = ops::ring_launch_setup<Op>(comm, rank, z, table, {kState, kArrived},
-                                                z.kv_heads * z.head_split, Op::kBN, section * z.head_split,
-                                                options, landed, stream, p, where, z.head_split == 1);
+  const int blocks = ops::ring_launch_setup<Op>(
+      comm, rank, z, table, {kState, kArrived}, z.kv_heads * z.head_split, Op::kBN, section * z.head_split,
+      z.head_split, options, landed, stream, p, where, z.head_split == 1);
   p.head_split_log2 = std::countr_zero(static_cast<unsigned>(z.head_split));
 
   const int64_t slots = std::max(1, W - 1);

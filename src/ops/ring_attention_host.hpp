@@ -63,18 +63,12 @@ struct RingPassSizes {
   size_t landed_bytes() const { return round256(size_t(kRingMaxBlocks) * std::max(1, L.world - 1) * 4); }
 };
 
-// The table's words, segments heaviest first (by the rows they meet over the pass: in a causal pass a late
-// part meets about three times an early part's), so the persistent blocks' last items are light ones and
-// they end together; then the slots' push rows (ring_push_rows).
+// The table's words, segments heaviest first (ring_segment_order), so the persistent blocks' last items are
+// light ones and they end together; then the slots' push rows (ring_push_rows).
 inline std::vector<int32_t> ring_table_words(const RingPassSizes& z, int box_rows) {
   const RingPass& pass = z.pass;
   const int64_t G = pass.segments(), W = pass.steps;
-  std::vector<int64_t> order(G), met(G, 0);
-  for (int64_t x = 0; x < G; ++x) {
-    order[x] = x;
-    for (int64_t s = 0; s < W; ++s) met[x] += pass.met_end[x * W + s] - pass.met_begin[x * W + s];
-  }
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return met[a] > met[b]; });
+  const std::vector<int64_t> order = ring_segment_order(pass);
   const int64_t slots = std::max<int64_t>(1, W - 1);
   std::vector<int32_t> words(2 * G * (1 + W) + 2 * slots + 1, 0);
   for (int64_t y = 0; y < G; ++y) {
@@ -151,19 +145,21 @@ bool ring_planned(OpCall& call, const RingPassSizes& z, const RingTable& table, 
   return call.planned_op(op, path, blocks, static_cast<int>(lcsc::kSmemBytes<Op>));
 }
 
-// The launch setup: ring_schedule, the rank's timeline (timed kernels), L2 sections of `section_pairs`, the
-// team sync (finishers: every consumer warpgroup and helper warp) and the landed counts zeroed on `stream`.
-// Returns the grid.
+// The launch setup: ring_schedule, the rank's timeline (timed kernels), L2 sections of up to `section_pairs`
+// within a segment (ring_section_pairs; `section_granule`: their multiple), the team sync (finishers: every
+// consumer warpgroup and helper warp) and the landed counts zeroed on `stream`. Returns the grid.
 template <class Op>
 int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, const RingTable& table,
                       const RingResources& res, int64_t heads, int block_rows, int64_t section_pairs,
-                      const AttentionOptions& options, int* landed, cudaStream_t stream,
-                      typename Op::Params& p, const std::string& where, bool pair_causal = true) {
+                      int64_t section_granule, const AttentionOptions& options, int* landed,
+                      cudaStream_t stream, typename Op::Params& p, const std::string& where,
+                      bool pair_causal = true) {
   lcsc::AttentionSchedulerParams& sched = p.sched;
   const int blocks = ring_schedule<Op>(rank, z, table, heads, block_rows, options, sched, pair_causal);
   set_team_timeline(p, rank);
-  sched.section_pairs =
-      static_cast<int>(std::min<int64_t>(section_pairs, std::max<int64_t>(z.segments(), 1) * heads));
+  sched.section_pairs = static_cast<int>(
+      ring_section_pairs(std::min<int64_t>(section_pairs, std::max<int64_t>(z.segments(), 1) * heads), heads,
+                         z.segments(), section_granule));
   WEFT_CHECK(blocks <= kRingMaxBlocks, where + "more compute blocks than the landed counts hold");
   p.sync = {rank.view(), comm.resources(rank, res.state).flags, comm.resources(rank, res.arrived).flags,
             blocks * (Op::kConsumerWarpgroups + tile::kWarpgroupThreads / 32 - 1)};

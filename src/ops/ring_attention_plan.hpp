@@ -335,6 +335,35 @@ inline RingPass ring_pass_of(const RingLayout& L, int r, RingTravel travel = Rin
   return pass;
 }
 
+// The order the launchers number a pass's segments in: heaviest first, by the rows they meet over the pass
+// (in a causal pass a late part meets about three times an early part's), ties in pass order.
+inline std::vector<int64_t> ring_segment_order(const RingPass& pass) {
+  const int64_t G = pass.segments(), W = pass.steps;
+  std::vector<int64_t> order(G), met(G, 0);
+  for (int64_t x = 0; x < G; ++x) {
+    order[x] = x;
+    for (int64_t s = 0; s < W; ++s) met[x] += pass.met_end[x * W + s] - pass.met_begin[x * W + s];
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return met[a] > met[b]; });
+  return order;
+}
+
+// L2 sections for a ring kernel's scheduler (lcsc/attention_scheduler.cuh), whose (segment, head) pairs are
+// numbered segment by segment, the segments in ring_segment_order: the most pairs up to `wanted` that divide
+// `heads` and are a multiple of `granule` (whole GQA groups), or `wanted` when that exceeds `heads` and
+// `segments` is 1. No section then spans two segments, so the units run segment after segment, heaviest
+// first, and the persistent blocks' static rotation deals each about the same share of heavy and of light
+// units; a section across segments interleaves their units row by row, and the blocks that draw heavy units
+// in every run end long after the rest (causal, 2k tokens a rank at W = 2: blocks ending 18-211 us).
+inline int64_t ring_section_pairs(int64_t wanted, int64_t heads, int64_t segments, int64_t granule) {
+  if (segments <= 1 || wanted >= heads * segments) return wanted;
+  if (wanted >= heads) return heads;
+  int64_t best = granule;
+  for (int64_t d = granule; d <= wanted; d += granule)
+    if (heads % d == 0) best = d;
+  return best;
+}
+
 // The rows of rank r's local rows that the receiver of each of its slots reads (slot s: rank r + s + 1, at
 // its step s + 1): the hull of that receiver's met ranges with r as the source, each range extended to whole
 // boxes of `box_rows` (a range's last load reads its box whole), within the slot. The rest is never read,

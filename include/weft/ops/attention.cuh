@@ -52,34 +52,6 @@ namespace weft::ops {
 __host__ __device__ constexpr int attention_warpgroups(int head_dim) {
   return head_dim == 64 ? 3 : 2;
 }
-inline constexpr int kAttentionBlockN = 128;  // keys per block
-
-// The key blocks [0, end) a query block of `block_m` rows attends to, and from which block on a block needs
-// a mask (the sequence's partial last block, the causal diagonal). The loader and the consumers both use it.
-struct KeyBlocks {
-  int end = 0;          // blocks of kAttentionBlockN keys; 0: the block sees no key
-  int masked_from = 0;  // blocks >= this one need the mask
-};
-__host__ __device__ inline KeyBlocks key_blocks(int q_block, int block_m, int seq_q, int seq_k, bool causal) {
-  constexpr int kBN = kAttentionBlockN;
-  KeyBlocks kb;
-  kb.end = (seq_k + kBN - 1) / kBN;
-  kb.masked_from = seq_k / kBN;  // the partial last block, if any
-  if (causal) {
-    const int64_t first_row = int64_t(q_block) * block_m;
-    const int64_t last_row = (first_row + block_m < seq_q ? first_row + block_m : seq_q) - 1;
-    const int64_t last_key = last_row + seq_k - seq_q;  // the last row's last visible key
-    const int64_t end = last_key < 0 ? 0 : last_key / kBN + 1;
-    if (end < kb.end) kb.end = static_cast<int>(end);
-    // Keys past the first row's limit need the mask: from the block holding key first_row + seq_k - seq_q
-    // + 1.
-    const int64_t first_masked_key = first_row + seq_k - seq_q + 1;
-    const int64_t from = first_masked_key <= 0 ? 0 : first_masked_key / kBN;
-    if (from < kb.masked_from) kb.masked_from = static_cast<int>(from);
-  }
-  if (kb.masked_from > kb.end) kb.masked_from = kb.end;
-  return kb;
-}
 
 // Where sequence b's rows lie. Dense tensors are [batch, seq, heads, dim]: the maps' batch coordinate
 // selects the sequence. Packed ones are [total, heads, dim] with sequence b at rows [q_begin[b], q_end[b])
