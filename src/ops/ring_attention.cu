@@ -10,6 +10,7 @@
 #include "attention_args.hpp"
 #include "ring_attention_host.hpp"
 #include "op_args.hpp"
+#include "phase_clock.hpp"
 #include "sequence_parallel.hpp"
 #include "weft/lcsc/launch.cuh"
 #include "weft/ops/context_attention.hpp"
@@ -86,6 +87,7 @@ void launch(ops::OpCall& call, const Sizes& z, const void* q, const void* k, con
                             "attention of the rows already landed"))
     return;
   typename Op::Params p{};
+  ops::PhaseClock clock(where, stream);
   ops::upload_words(w.table, ops::ring_table_words(z, Op::kBN), stream);
   // L2 sections: query heads whose K / V (of all W ranks) fit in 2/3 of L2, whole GQA groups.
   const int64_t group = heads / z.kv_heads;
@@ -127,8 +129,11 @@ void launch(ops::OpCall& call, const Sizes& z, const void* q, const void* k, con
   p.slots_v = reinterpret_cast<uint4*>(slots_v);
   p.row_vecs = static_cast<int>(z.kv_heads * kD / 8);
 
+  clock.mark("upload, landed counts zeroed");
   launch_team_barrier(rank.view(), comm.resources(rank, kMeeting).slots[0], stream);  // slots free
+  clock.mark("meeting");
   lcsc::Launcher<Op>::launch(p, blocks, stream);
+  clock.mark("kernel");
 }
 
 }  // namespace

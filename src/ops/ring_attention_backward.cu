@@ -18,6 +18,7 @@
 #include "../runtime/kernels.hpp"
 #include "attention_args.hpp"
 #include "op_args.hpp"
+#include "phase_clock.hpp"
 #include "ring_attention_host.hpp"
 #include "sequence_parallel.hpp"
 #include "weft/lcsc/launch.cuh"
@@ -329,14 +330,19 @@ void launch(ops::OpCall& call, const Sizes& z, const DqRoute& route, const Buffe
       ops::attention_scale(AttentionShape{1, z.max_own, z.max_own, heads, z.kv_heads, kD}, options);
   float *accum = a.accum, *terms = a.terms;
   const size_t slot_floats = z.accum_slot_bytes() / 4;
+  ops::PhaseClock clock(where, stream);
   const Uploads u = upload_tables<Op, kD>(comm, rank, z, route, w, accum, stream, where);
   const int parts = u.parts;
+  clock.mark("uploads");
   prepare_terms<kD, T>(z, u, b, accum, terms, stream);
+  clock.mark("terms");
   typename Op::Params p{};
   const int blocks = fill_params<Op, kD, T>(comm, rank, z, u, b, w, a, stream, options, dtype, where, p);
 
   const BarrierSlots meetings = comm.resources(rank, kMeetings).slots;
+  clock.mark("params");
   launch_team_barrier(rank.view(), meetings[0], stream);  // receive slots free, peers' reads of ours done
+  clock.mark("meeting");
   for (int s = 1; s < W; ++s)
     if (route.through_slot[s])
       WEFT_CUDA_CHECK(cudaMemsetAsync(accum + s * slot_floats, 0, z.accum_slot_bytes(), stream));
@@ -345,7 +351,9 @@ void launch(ops::OpCall& call, const Sizes& z, const DqRoute& route, const Buffe
     WEFT_CUDA_CHECK(cudaMemsetAsync(a.dk_accum, 0, size_t(dkv_elements) * 4, stream));
     WEFT_CUDA_CHECK(cudaMemsetAsync(a.dv_accum, 0, size_t(dkv_elements) * 4, stream));
   }
+  clock.mark("zeroing");
   lcsc::Launcher<Op>::launch(p, blocks, stream);
+  clock.mark("kernel");
   if (z.head_split > 1 && z.local > 0) {  // dK (its scale applied in the kernel) and dV
     constexpr int kThreads = 256;
     const auto grid = static_cast<unsigned>((dkv_elements / 4 + kThreads - 1) / kThreads);
@@ -356,7 +364,9 @@ void launch(ops::OpCall& call, const Sizes& z, const DqRoute& route, const Buffe
         <<<grid, kThreads, 0, stream>>>(a.dv_accum, static_cast<T*>(b.dv), dkv_elements, 1.f);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
+  clock.mark("dK / dV convert");
   launch_team_barrier(rank.view(), meetings[1], stream);  // every rank's accumulator slots complete
+  clock.mark("meeting");
   if (z.local > 0) {
     constexpr int kThreads = 256;
     const int64_t elements = z.local * heads * kD;
@@ -366,6 +376,7 @@ void launch(ops::OpCall& call, const Sizes& z, const DqRoute& route, const Buffe
             w.part_addresses(W), parts, static_cast<T*>(b.dq), elements, scale);
     WEFT_CUDA_CHECK(cudaGetLastError());
   }
+  clock.mark("dQ sum");
 }
 
 }  // namespace
