@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <string>
+#include <utility>
 
 #include "attention_args.hpp"
 #include "weft/lcsc/launch.cuh"
@@ -196,13 +197,17 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
         <<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
             accum, static_cast<T*>(c.dq), elements, scale);
     WEFT_CUDA_CHECK(cudaGetLastError());
-    if (dkv_accum) {  // dK (its scale applied in the kernel) and dV
-      const int64_t kv_elements = ws.key_rows * sh.kv_heads * kD;
-      const auto grid = static_cast<unsigned>((kv_elements / 4 + kThreads - 1) / kThreads);
-      ops::attention_bwd_convert_dq<T>
-          <<<grid, kThreads, 0, stream>>>(dk_accum, static_cast<T*>(c.dk), kv_elements, 1.f);
-      ops::attention_bwd_convert_dq<T>
-          <<<grid, kThreads, 0, stream>>>(dv_accum, static_cast<T*>(c.dv), kv_elements, 1.f);
+    if (dkv_accum) {  // dK (its scale applied in the kernel) and dV, of the sequences' key rows only
+      const int64_t row_elements = sh.kv_heads * kD;
+      const int64_t range_rows = seg.packed() ? sh.seq_k : ws.key_rows;  // the longest range
+      const dim3 grid(static_cast<unsigned>(
+                          std::min<int64_t>((range_rows * row_elements / 4 + kThreads - 1) / kThreads, 4096)),
+                      seg.packed() ? static_cast<unsigned>(sh.batch) : 1u);
+      detail::preload<&ops::attention_bwd_convert_key_rows<T>>();
+      for (const auto& [from, to] : {std::pair{dk_accum, c.dk}, std::pair{dv_accum, c.dv}})
+        ops::attention_bwd_convert_key_rows<T><<<grid, kThreads, 0, stream>>>(
+            from, static_cast<T*>(to), ws.key_rows, row_elements, seg.packed() ? seg.k_begin : nullptr,
+            seg.packed() ? seg.k_end : nullptr);
       WEFT_CUDA_CHECK(cudaGetLastError());
     }
   }

@@ -618,4 +618,21 @@ __global__ void attention_bwd_convert_dq(const float* dq_accum, T* dq, int64_t e
       make_uint2(tile::pack2<T>(v.x * scale, v.y * scale), tile::pack2<T>(v.z * scale, v.w * scale));
 }
 
+// convert, the split items' dK / dV (AttentionBwdOp::Params::dkv_fp32): out (T) = the accumulator (fp32),
+// both [rows][row_elements], over the key rows of each sequence only (blockIdx.y: sequence b's rows
+// [begin[b], end[b]); begin null: rows [0, rows) as one): rows in no sequence keep what the caller's tensors
+// hold, as the unsplit kernel leaves them. Four elements a thread, grid-striding over the range.
+template <class T>
+__global__ void attention_bwd_convert_key_rows(const float* accum, T* out, int64_t rows, int64_t row_elements,
+                                               const int32_t* begin, const int32_t* end) {
+  const int b = blockIdx.y;
+  const int64_t first = begin ? int64_t(__ldg(begin + b)) * row_elements : 0;
+  const int64_t last = begin ? int64_t(__ldg(end + b)) * row_elements : rows * row_elements;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x * 4;
+  for (int64_t i = first + (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4; i < last; i += stride) {
+    const float4 v = *reinterpret_cast<const float4*>(accum + i);
+    *reinterpret_cast<uint2*>(out + i) = make_uint2(tile::pack2<T>(v.x, v.y), tile::pack2<T>(v.z, v.w));
+  }
+}
+
 }  // namespace weft::ops
