@@ -1,24 +1,31 @@
 // A developer's view of where a multi-kernel op's GPU time goes: with WEFT_OP_PHASES=1 a launcher's
-// PhaseClock records a CUDA event on its stream at each mark and, when it goes out of scope, synchronizes the
-// stream and prints each phase's time on stderr (one line a call). The call then blocks the host: for
-// finding the phase to work on, not for timings of record. Off (the default), a mark is one branch.
+// PhaseClock records a CUDA event on its stream at each mark; a later call's clock prints the phases of every
+// earlier call whose events have completed, one line a call on stderr. It never waits for the GPU (a wait
+// would hang a single-process team, whose next rank's work is not issued yet), so the last calls of a
+// process go unprinted; for finding the phase to work on, not for timings of record. Off (the default), a
+// mark is one branch.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <list>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace weft::ops {
 
 class PhaseClock {
  public:
-  PhaseClock(std::string op, cudaStream_t stream) : op_(std::move(op)), stream_(stream) {
+  PhaseClock(std::string op, cudaStream_t stream) : stream_(stream) {
     const char* e = std::getenv("WEFT_OP_PHASES");
     if (e == nullptr || std::strcmp(e, "1") != 0) return;
     on_ = true;
+    call_.op = std::move(op);
+    print_completed();
     mark("");
   }
   PhaseClock(const PhaseClock&) = delete;
@@ -27,24 +34,17 @@ class PhaseClock {
   void mark(const char* phase) {
     if (!on_) return;
     cudaEvent_t e;
-    if (cudaEventCreate(&e) != cudaSuccess || cudaEventRecord(e, stream_) != cudaSuccess) return;
-    marks_.push_back({phase, e});
+    if (cudaEventCreate(&e) != cudaSuccess) return;
+    if (cudaEventRecord(e, stream_) != cudaSuccess) {
+      cudaEventDestroy(e);
+      return;
+    }
+    call_.marks.push_back({phase, e});
   }
   ~PhaseClock() {
     if (!on_) return;
-    std::string line = "weft phases " + op_ + ":";
-    float total = 0;
-    if (cudaStreamSynchronize(stream_) == cudaSuccess)
-      for (size_t i = 1; i < marks_.size(); ++i) {
-        float ms = 0;
-        cudaEventElapsedTime(&ms, marks_[i - 1].event, marks_[i].event);
-        total += ms;
-        char cell[96];
-        std::snprintf(cell, sizeof cell, " %s %.1f us,", marks_[i].phase, ms * 1e3f);
-        line += cell;
-      }
-    for (const Mark& m : marks_) cudaEventDestroy(m.event);
-    std::fprintf(stderr, "%s total %.1f us\n", line.c_str(), total * 1e3f);
+    const std::lock_guard<std::mutex> lock(state().mutex);
+    state().pending.push_back(std::move(call_));
   }
 
  private:
@@ -52,10 +52,46 @@ class PhaseClock {
     const char* phase;
     cudaEvent_t event;
   };
-  std::string op_;
+  struct Call {
+    std::string op;
+    std::vector<Mark> marks;
+  };
+  struct State {
+    std::mutex mutex;
+    std::list<Call> pending;
+  };
+  static State& state() {
+    static State s;
+    return s;
+  }
+  static void print_completed() {
+    State& s = state();
+    const std::lock_guard<std::mutex> lock(s.mutex);
+    for (auto it = s.pending.begin(); it != s.pending.end();) {
+      const std::vector<Mark>& m = it->marks;
+      if (!m.empty() && cudaEventQuery(m.back().event) == cudaErrorNotReady) {
+        ++it;
+        continue;
+      }
+      std::string line = "weft phases " + it->op + ":";
+      float total = 0;
+      for (size_t i = 1; i < m.size(); ++i) {
+        float ms = 0;
+        cudaEventElapsedTime(&ms, m[i - 1].event, m[i].event);
+        total += ms;
+        char cell[96];
+        std::snprintf(cell, sizeof cell, " %s %.1f us,", m[i].phase, ms * 1e3f);
+        line += cell;
+      }
+      std::fprintf(stderr, "%s total %.1f us\n", line.c_str(), total * 1e3f);
+      for (const Mark& x : m) cudaEventDestroy(x.event);
+      it = s.pending.erase(it);
+    }
+  }
+
   cudaStream_t stream_;
   bool on_ = false;
-  std::vector<Mark> marks_;
+  Call call_;
 };
 
 }  // namespace weft::ops

@@ -349,14 +349,14 @@ inline std::vector<int64_t> ring_segment_order(const RingPass& pass) {
 }
 
 // L2 sections for a ring kernel's scheduler (lcsc/attention_scheduler.cuh), whose (segment, head) pairs are
-// numbered segment by segment, the segments in ring_segment_order: the most pairs up to `wanted` that divide
-// `heads` and are a multiple of `granule` (whole GQA groups), or `wanted` when that exceeds `heads` and
-// `segments` is 1. No section then spans two segments, so the units run segment after segment, heaviest
+// numbered segment by segment, the segments in ring_segment_order: the most pairs up to `wanted` (and up to
+// `heads`) that divide `heads` and are a multiple of `granule` (whole GQA groups); `wanted` itself for a
+// pass of one segment. No section then spans two segments, so the units run segment after segment, heaviest
 // first, and the persistent blocks' static rotation deals each about the same share of heavy and of light
 // units; a section across segments interleaves their units row by row, and the blocks that draw heavy units
 // in every run end long after the rest (causal, 2k tokens a rank at W = 2: blocks ending 18-211 us).
 inline int64_t ring_section_pairs(int64_t wanted, int64_t heads, int64_t segments, int64_t granule) {
-  if (segments <= 1 || wanted >= heads * segments) return wanted;
+  if (segments <= 1) return wanted;
   if (wanted >= heads) return heads;
   int64_t best = granule;
   for (int64_t d = granule; d <= wanted; d += granule)

@@ -71,29 +71,31 @@ Spread forward_spread(int world, int r, int64_t tokens_per_rank, bool causal, in
 }  // namespace
 
 TEST(RingAttentionBalance, SegmentsRunHeaviestFirstAndTheBlocksEndTogether) {
-  // L2 sections as the forward's launcher sizes them for a 50 MB L2 (2/3 of it over a GQA group's K / V of
-  // all W ranks), in query-head pairs.
-  for (int world : {2, 3, 4, 8})
-    for (int64_t tokens : {2048, 8192, 32768})
-      for (bool causal : {true, false}) {
-        const int heads = 32, kv_heads = 8, group = heads / kv_heads;
-        const int64_t slot_rows = tokens, kv_bytes_per_group = 2 * slot_rows * world * 128 * 2;
-        const int64_t wanted = std::max<int64_t>(1, 50'000'000LL * 2 / 3 / kv_bytes_per_group) * group;
-        double worst_new = 0, worst_old = 0, over_ideal = 0;
-        for (int r = 0; r < world; ++r) {
-          const Spread s = forward_spread(world, r, tokens, causal, heads, kv_heads, wanted, false);
-          const Spread o = forward_spread(world, r, tokens, causal, heads, kv_heads, wanted, true);
-          worst_new = std::max(worst_new, s.busiest / s.mean);
-          worst_old = std::max(worst_old, o.busiest / o.mean);
-          over_ideal = std::max(over_ideal, s.busiest / s.ideal);
+  // L2 sections as the forward's launcher sizes them for the L2 of an H100 (50 MB) and of an H200 (60 MB):
+  // 2/3 of it over a GQA group's K / V of all W ranks, in query-head pairs.
+  for (int64_t l2 : {50LL << 20, 60LL << 20})
+    for (int world : {2, 3, 4, 8})
+      for (int64_t tokens : {2048, 8192, 32768})
+        for (bool causal : {true, false}) {
+          const int heads = 32, kv_heads = 8, group = heads / kv_heads;
+          const int64_t slot_rows = tokens, kv_bytes_per_group = 2 * slot_rows * world * 128 * 2;
+          const int64_t wanted = std::max<int64_t>(1, l2 * 2 / 3 / kv_bytes_per_group) * group;
+          double worst_new = 0, worst_old = 0, over_ideal = 0;
+          for (int r = 0; r < world; ++r) {
+            const Spread s = forward_spread(world, r, tokens, causal, heads, kv_heads, wanted, false);
+            const Spread o = forward_spread(world, r, tokens, causal, heads, kv_heads, wanted, true);
+            worst_new = std::max(worst_new, s.busiest / s.mean);
+            worst_old = std::max(worst_old, o.busiest / o.mean);
+            over_ideal = std::max(over_ideal, s.busiest / s.ideal);
+          }
+          std::printf(
+              "  L2 %lld MiB, W %d, %6lld tokens a rank, %s: busiest block / mean %.3f (sections across "
+              "segments: %.3f), "
+              "/ the work over every SM %.3f\n",
+              static_cast<long long>(l2 >> 20), world, static_cast<long long>(tokens),
+              causal ? "causal    " : "not causal", worst_new, worst_old, over_ideal);
+          // Few units a block (2k tokens: two) leave one unit's rounding; more units, less.
+          EXPECT_LE(worst_new, tokens <= 2048 ? 1.30 : 1.12) << "W " << world << " tokens " << tokens;
+          EXPECT_LE(worst_new, worst_old + 1e-9) << "W " << world << " tokens " << tokens;
         }
-        std::printf(
-            "  W %d, %6lld tokens a rank, %s: busiest block / mean %.3f (sections across segments: %.3f), "
-            "/ the work over every SM %.3f\n",
-            world, static_cast<long long>(tokens), causal ? "causal    " : "not causal", worst_new, worst_old,
-            over_ideal);
-        // Few units a block (2k tokens: two) leave one unit's rounding; more units, less.
-        EXPECT_LE(worst_new, tokens <= 2048 ? 1.30 : 1.12) << "W " << world << " tokens " << tokens;
-        EXPECT_LE(worst_new, worst_old + 1e-9) << "W " << world << " tokens " << tokens;
-      }
 }
