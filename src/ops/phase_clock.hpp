@@ -25,7 +25,8 @@ class PhaseClock {
     if (e == nullptr || std::strcmp(e, "1") != 0) return;
     on_ = true;
     call_.op = std::move(op);
-    print_completed();
+    if (cudaGetDevice(&call_.device) != cudaSuccess) (void)cudaGetLastError();
+    print_completed(call_.device);
     mark("");
   }
   PhaseClock(const PhaseClock&) = delete;
@@ -34,8 +35,12 @@ class PhaseClock {
   void mark(const char* phase) {
     if (!on_) return;
     cudaEvent_t e;
-    if (cudaEventCreate(&e) != cudaSuccess) return;
+    if (cudaEventCreate(&e) != cudaSuccess) {
+      (void)cudaGetLastError();  // (ours: the failing call was the last)
+      return;
+    }
     if (cudaEventRecord(e, stream_) != cudaSuccess) {
+      (void)cudaGetLastError();
       cudaEventDestroy(e);
       return;
     }
@@ -54,6 +59,7 @@ class PhaseClock {
   };
   struct Call {
     std::string op;
+    int device = 0;  // where its events are: queried and timed with that device current
     std::vector<Mark> marks;
   };
   struct State {
@@ -64,12 +70,19 @@ class PhaseClock {
     static State s;
     return s;
   }
-  static void print_completed() {
+  // The completed calls of `device` (the current one; a single-process team's ranks each print their own).
+  static void print_completed(int device) {
     State& s = state();
     const std::lock_guard<std::mutex> lock(s.mutex);
     for (auto it = s.pending.begin(); it != s.pending.end();) {
       const std::vector<Mark>& m = it->marks;
-      if (!m.empty() && cudaEventQuery(m.back().event) == cudaErrorNotReady) {
+      if (it->device != device) {
+        ++it;
+        continue;
+      }
+      const cudaError_t done = m.empty() ? cudaSuccess : cudaEventQuery(m.back().event);
+      if (done != cudaSuccess) {  // not ready (that status, where recorded, cleared), or ours
+        if (done != cudaErrorNotReady || cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
         ++it;
         continue;
       }
@@ -77,7 +90,7 @@ class PhaseClock {
       float total = 0;
       for (size_t i = 1; i < m.size(); ++i) {
         float ms = 0;
-        cudaEventElapsedTime(&ms, m[i - 1].event, m[i].event);
+        if (cudaEventElapsedTime(&ms, m[i - 1].event, m[i].event) != cudaSuccess) (void)cudaGetLastError();
         total += ms;
         char cell[96];
         std::snprintf(cell, sizeof cell, " %s %.1f us,", m[i].phase, ms * 1e3f);
