@@ -2,8 +2,8 @@
 // PhaseClock records a CUDA event on its stream at each mark; a later call's clock prints the phases of every
 // earlier call whose events have completed, one line a call on stderr. It never waits for the GPU (a wait
 // would hang a single-process team, whose next rank's work is not issued yet), so the last calls of a
-// process go unprinted; for finding the phase to work on, not for timings of record. Off (the default), a
-// mark is one branch.
+// process go unprinted, and calls captured into a CUDA graph are not timed; for finding the phase to work on,
+// not for timings of record. Off (the default), a mark is one branch.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -23,6 +23,9 @@ class PhaseClock {
   PhaseClock(std::string op, cudaStream_t stream) : stream_(stream) {
     const char* e = std::getenv("WEFT_OP_PHASES");
     if (e == nullptr || std::strcmp(e, "1") != 0) return;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) (void)cudaGetLastError();
+    if (capture != cudaStreamCaptureStatusNone) return;  // (a graph's calls: not timed)
     on_ = true;
     call_.op = std::move(op);
     if (cudaGetDevice(&call_.device) != cudaSuccess) (void)cudaGetLastError();
