@@ -1,12 +1,14 @@
-// A developer's view of where a multi-kernel op's GPU time goes: with WEFT_OP_PHASES=1 a launcher's
-// PhaseClock records a CUDA event on its stream at each mark; a later call's clock prints the phases of every
-// earlier call whose events have completed, one line a call on stderr. It never waits for the GPU (a wait
-// would hang a single-process team, whose next rank's work is not issued yet), so the last calls of a
-// process go unprinted, and calls captured into a CUDA graph are not timed; for finding the phase to work on,
-// not for timings of record. Off (the default), a mark is one branch.
+// A developer's view of where a multi-kernel op's time goes: with WEFT_OP_PHASES=1 a launcher's PhaseClock
+// records a CUDA event on its stream and the host's clock at each mark (a phase: "GPU us / host us", the
+// GPU's including any wait for the host to issue it); a later call's clock prints the phases of every earlier
+// call whose events have completed, one line a call on stderr. It never waits for the GPU (a wait would hang
+// a single-process team, whose next rank's work is not issued yet), so the last calls of a process go
+// unprinted, and calls captured into a CUDA graph are not timed; for finding the phase to work on, not for
+// timings of record. Off (the default), a mark is one branch.
 #pragma once
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -47,7 +49,7 @@ class PhaseClock {
       cudaEventDestroy(e);
       return;
     }
-    call_.marks.push_back({phase, e});
+    call_.marks.push_back({phase, e, std::chrono::steady_clock::now()});
   }
   ~PhaseClock() {
     if (!on_) return;
@@ -59,6 +61,7 @@ class PhaseClock {
   struct Mark {
     const char* phase;
     cudaEvent_t event;
+    std::chrono::steady_clock::time_point host;
   };
   struct Call {
     std::string op;
@@ -95,11 +98,14 @@ class PhaseClock {
         float ms = 0;
         if (cudaEventElapsedTime(&ms, m[i - 1].event, m[i].event) != cudaSuccess) (void)cudaGetLastError();
         total += ms;
-        char cell[96];
-        std::snprintf(cell, sizeof cell, " %s %.1f us,", m[i].phase, ms * 1e3f);
+        const double host = std::chrono::duration<double, std::micro>(m[i].host - m[i - 1].host).count();
+        char cell[128];
+        std::snprintf(cell, sizeof cell, " %s %.1f / %.1f us,", m[i].phase, ms * 1e3f, host);
         line += cell;
       }
-      std::fprintf(stderr, "%s total %.1f us\n", line.c_str(), total * 1e3f);
+      const double host =
+          m.empty() ? 0 : std::chrono::duration<double, std::micro>(m.back().host - m.front().host).count();
+      std::fprintf(stderr, "%s total %.1f / %.1f us (GPU / host)\n", line.c_str(), total * 1e3f, host);
       for (const Mark& x : m) cudaEventDestroy(x.event);
       it = s.pending.erase(it);
     }

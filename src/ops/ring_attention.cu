@@ -71,9 +71,9 @@ size_t own_bytes(const Sizes& z) {
 }
 
 template <int kD, class T, bool kTimed>
-void launch(ops::OpCall& call, const Sizes& z, const void* q, const void* k, const void* v, void* out,
-            float* lse, int64_t heads, const Own& w, const Area& a, const AttentionOptions& options,
-            DType dtype) {
+void launch(ops::OpCall& call, ops::PhaseClock& clock, const Sizes& z, const void* q, const void* k,
+            const void* v, void* out, float* lse, int64_t heads, const Own& w, const Area& a,
+            const AttentionOptions& options, DType dtype) {
   using Op = ops::RingAttentionFwdOp<kD, T, kTimed>;
   Communicator& comm = call.comm;
   Rank& rank = call.rank;
@@ -87,7 +87,6 @@ void launch(ops::OpCall& call, const Sizes& z, const void* q, const void* k, con
                             "attention of the rows already landed"))
     return;
   typename Op::Params p{};
-  ops::PhaseClock clock(where, stream);
   ops::upload_words(w.table, ops::ring_table_words(z, Op::kBN), stream);
   // L2 sections: query heads whose K / V (of all W ranks) fit in 2/3 of L2, whole GQA groups.
   const int64_t group = heads / z.kv_heads;
@@ -180,6 +179,7 @@ void ring_forward(Communicator& comm, Rank& rank, const void* q, const void* k, 
                   int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
                   const AttentionOptions& options, int grain, const RingCaller& caller) {
   ops::OpCall call(comm, rank, stream, ops::team_where(caller.op, rank), caller.plan);
+  ops::PhaseClock clock(call.where, stream);
   const std::string& where = call.where;
   ops::check_team_attention_options(options, false, where);
   // The attention core's checks (head_dim, dtype, heads vs kv_heads, scale, Hopper) on one segment's shape.
@@ -195,9 +195,10 @@ void ring_forward(Communicator& comm, Rank& rank, const void* q, const void* k, 
   const Area area = carve_area(area_layout, z);
   ops::WorkspaceLayout own_layout(workspace);
   const Own own = carve_own(own_layout, z);
+  clock.mark("checks, sizes, workspace");
   ops::by_head_dim_and_type(rank, head_dim, dtype, [&](auto d, auto t, auto timed) {
-    launch<decltype(d)::value, decltype(t), decltype(timed)::value>(call, z, q, k, v, out, lse, heads, own,
-                                                                    area, options, dtype);
+    launch<decltype(d)::value, decltype(t), decltype(timed)::value>(call, clock, z, q, k, v, out, lse, heads,
+                                                                    own, area, options, dtype);
   });
 }
 

@@ -305,8 +305,8 @@ int fill_params(Communicator& comm, Rank& rank, const Sizes& z, const Uploads& u
 }
 
 template <int kD, class T, bool kTimed>
-void launch(ops::OpCall& call, const Sizes& z, const DqRoute& route, const Buffers& b, const Own& w,
-            const Area& a, const AttentionOptions& options, DType dtype) {
+void launch(ops::OpCall& call, ops::PhaseClock& clock, const Sizes& z, const DqRoute& route, const Buffers& b,
+            const Own& w, const Area& a, const AttentionOptions& options, DType dtype) {
   using Op = ops::RingAttentionBwdOp<kD, T, kTimed>;
   Communicator& comm = call.comm;
   Rank& rank = call.rank;
@@ -330,7 +330,6 @@ void launch(ops::OpCall& call, const Sizes& z, const DqRoute& route, const Buffe
       ops::attention_scale(AttentionShape{1, z.max_own, z.max_own, heads, z.kv_heads, kD}, options);
   float *accum = a.accum, *terms = a.terms;
   const size_t slot_floats = z.accum_slot_bytes() / 4;
-  ops::PhaseClock clock(where, stream);
   const Uploads u = upload_tables<Op, kD>(comm, rank, z, route, w, accum, stream, where);
   const int parts = u.parts;
   clock.mark("uploads");
@@ -426,6 +425,7 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
                    void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
                    const AttentionOptions& options, int grain, const RingCaller& caller) {
   ops::OpCall call(comm, rank, stream, ops::team_where(caller.op, rank), caller.plan);
+  ops::PhaseClock clock(call.where, stream);
   const std::string& where = call.where;
   ops::check_team_attention_options(options, true, where);
   WEFT_CHECK(!options.deterministic,
@@ -452,9 +452,10 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
   ops::WorkspaceLayout own_layout(workspace);
   const Own own = carve_own(own_layout, z);
   const Buffers b{q, k, v, out, dout, lse, dq, dk, dv};
+  clock.mark("checks, sizes, workspace");
   ops::by_head_dim_and_type(rank, head_dim, dtype, [&](auto d, auto t, auto timed) {
-    launch<decltype(d)::value, decltype(t), decltype(timed)::value>(call, z, route, b, own, area, options,
-                                                                    dtype);
+    launch<decltype(d)::value, decltype(t), decltype(timed)::value>(call, clock, z, route, b, own, area,
+                                                                    options, dtype);
   });
 }
 
