@@ -2,7 +2,8 @@
 """Fails on an #include that goes the wrong way between weft's layers (run by CI through ctest).
 
 Device side (include/weft/):  base < device < comm < tile < lcsc < ops, with runtime (host) beside device:
-  base      dtype.hpp, team_view.hpp, timeline.hpp: plain types every layer shares
+  base      dtype.hpp, host_device.hpp, team_view.hpp, timeline.hpp: plain types and the host / device
+            qualifier every layer shares
   device    PTX wrappers, numerics, bulk copies
   runtime   the host runtime's public types (communicator, resources, errors)
   comm      transfer and synchronization primitives
@@ -21,7 +22,7 @@ import os
 import re
 import sys
 
-BASE = {"dtype.hpp", "team_view.hpp", "timeline.hpp"}
+BASE = {"dtype.hpp", "host_device.hpp", "team_view.hpp", "timeline.hpp"}
 # What each layer of include/weft may include (besides itself and system headers).
 MAY_INCLUDE = {
     "base": set(),

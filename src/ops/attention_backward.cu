@@ -109,6 +109,26 @@ void map_operands(typename Op::Params& p, const Call& c, DType dtype, const Work
   p.dsum_map = ops::map_terms(dsum, ws.term_stride, sh.heads, Op::kBM, c.where + "workspace (D)");
 }
 
+// The split items' dK / dV (fp32 accumulators) into the caller's tensors, over the sequences' key rows only.
+template <class T>
+void convert_key_rows(const Call& c, const Workspace& ws, int64_t head_dim, const float* dk_accum,
+                      const float* dv_accum, cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  const AttentionShape& sh = c.shape;
+  const AttentionSegments& seg = c.options.segments;
+  const int64_t row_elements = sh.kv_heads * head_dim;
+  const int64_t range_rows = seg.packed() ? sh.seq_k : ws.key_rows;  // the longest range
+  const dim3 grid(static_cast<unsigned>(
+                      std::min<int64_t>((range_rows * row_elements / 4 + kThreads - 1) / kThreads, 4096)),
+                  seg.packed() ? static_cast<unsigned>(sh.batch) : 1u);
+  detail::preload<&ops::attention_bwd_convert_key_rows<T>>();
+  for (const auto& [from, to] : {std::pair{dk_accum, c.dk}, std::pair{dv_accum, c.dv}})
+    ops::attention_bwd_convert_key_rows<T><<<grid, kThreads, 0, stream>>>(
+        from, static_cast<T*>(to), ws.key_rows, row_elements, seg.packed() ? seg.k_begin : nullptr,
+        seg.packed() ? seg.k_end : nullptr);
+  WEFT_CUDA_CHECK(cudaGetLastError());
+}
+
 template <int kD, class T, bool kDeterministic, int kBM = 64, bool kTimed = false>
 Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   using Op = ops::AttentionBwdOp<kD, T, kDeterministic, kBM, kTimed>;
@@ -197,19 +217,8 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
         <<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
             accum, static_cast<T*>(c.dq), elements, scale);
     WEFT_CUDA_CHECK(cudaGetLastError());
-    if (dkv_accum) {  // dK (its scale applied in the kernel) and dV, of the sequences' key rows only
-      const int64_t row_elements = sh.kv_heads * kD;
-      const int64_t range_rows = seg.packed() ? sh.seq_k : ws.key_rows;  // the longest range
-      const dim3 grid(static_cast<unsigned>(
-                          std::min<int64_t>((range_rows * row_elements / 4 + kThreads - 1) / kThreads, 4096)),
-                      seg.packed() ? static_cast<unsigned>(sh.batch) : 1u);
-      detail::preload<&ops::attention_bwd_convert_key_rows<T>>();
-      for (const auto& [from, to] : {std::pair{dk_accum, c.dk}, std::pair{dv_accum, c.dv}})
-        ops::attention_bwd_convert_key_rows<T><<<grid, kThreads, 0, stream>>>(
-            from, static_cast<T*>(to), ws.key_rows, row_elements, seg.packed() ? seg.k_begin : nullptr,
-            seg.packed() ? seg.k_end : nullptr);
-      WEFT_CUDA_CHECK(cudaGetLastError());
-    }
+    if (dkv_accum)
+      convert_key_rows<T>(c, ws, kD, dk_accum, dv_accum, stream);  // dK (scaled in the kernel), dV
   }
   return plan;
 }
