@@ -40,18 +40,11 @@ const ResourceDeclaration kResources[] = {
     ResourceDeclaration{{kMeetings, 0, 2}},
 };
 
-// One key part of step s's source (rank r - s) and the rows of this rank's queries it meets.
-struct Entry {
-  int step;
-  int64_t q_begin, q_end;  // this rank's local rows
-  int64_t k_begin, k_end;  // the source's local rows
-};
-
 struct Sizes : ops::RingPassSizes {
   int64_t heads = 0, kv_heads = 0, head_dim = 0, term_stride = 0;
   std::vector<std::pair<int64_t, int64_t>> ranges;  // this rank's query ranges (the terms' layout)
   int64_t longest_range = 1, longest_keys = 1, key_blocks = 0;
-  std::vector<Entry> entries;  // step by step, step 0 first (no wait)
+  std::vector<ops::RingKeyEntry> entries;  // step by step, step 0 first (no wait)
   int head_split = 1;
   Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, ops::Sharding causal, int64_t h,
         int64_t kv, int64_t d, int grain)
@@ -60,21 +53,12 @@ struct Sizes : ops::RingPassSizes {
         kv_heads(kv),
         head_dim(d),
         term_stride(4 * slot_rows),
-        ranges(ops::ring_query_ranges(L, rank)) {
+        ranges(ops::ring_query_ranges(L, rank)),
+        entries(ops::ring_key_entries(L, rank)) {
     for (const auto& [b, e] : ranges) longest_range = std::max(longest_range, e - b);
-    for (int s = 0; s < world; ++s) {
-      const int src = (rank - s + world) % world;
-      for (int doc = 0; doc < static_cast<int>(L.doc_length.size()); ++doc)
-        for (int part : L.parts_of(src)) {
-          const int64_t n = L.part_length(doc, part);
-          if (n == 0) continue;
-          const auto [qb, qe] = ops::ring_met_rows(L, doc, part, rank, ops::RingTravel::kQueries);
-          if (qe <= qb) continue;
-          const int64_t kb = L.local_row(src, doc, part);
-          entries.push_back({s, qb, qe, kb, kb + n});
-          longest_keys = std::max(longest_keys, n);
-          key_blocks += (n + ops::kAttentionBwdBlockN - 1) / ops::kAttentionBwdBlockN;
-        }
+    for (const ops::RingKeyEntry& e : entries) {
+      longest_keys = std::max(longest_keys, e.k_end - e.k_begin);
+      key_blocks += (e.k_end - e.k_begin + ops::kAttentionBwdBlockN - 1) / ops::kAttentionBwdBlockN;
     }
   }
   // Items per K / V head, as the other backward's (causal passes, the smallest power-of-two split of the
@@ -165,15 +149,15 @@ void upload(Rank& rank, const Sizes& z, const Own& w, const Area& a, cudaStream_
   const int64_t E = static_cast<int64_t>(z.entries.size());
   std::vector<int32_t> words(z.table_words(), 0);
   for (int64_t i = 0; i < E; ++i) {
-    const Entry& e = z.entries[i];
+    const ops::RingKeyEntry& e = z.entries[i];
     words[i] = static_cast<int32_t>(e.q_begin);
     words[E + i] = static_cast<int32_t>(e.q_end);
     words[2 * E + i] = static_cast<int32_t>(e.k_begin);
     words[3 * E + i] = static_cast<int32_t>(e.k_end);
     words[4 * E + i] = e.step;
   }
-  // This rank's K / V rows each receiver reads, whole key boxes (as the forward's).
-  const auto push = ops::ring_push_rows(z.L, r, ops::RingTravel::kKeys, kBN, z.slot_rows);
+  // This rank's K / V rows each receiver reads, whole key boxes from each part's first row.
+  const auto push = ops::ring_key_push_rows(z.L, r, kBN, z.slot_rows);
   const int slots = std::max(1, W - 1);
   for (int s = 0; s < slots; ++s) {
     words[5 * E + s] = static_cast<int32_t>(push[s].first);
