@@ -88,6 +88,7 @@ void launch(ops::OpCall& call, ops::PhaseClock& clock, const Sizes& z, const voi
     return;
   typename Op::Params p{};
   ops::upload_words(w.table, ops::ring_table_words(z, Op::kBN), stream);
+  clock.mark("table");
   // L2 sections: query heads whose K / V (of all W ranks) fit in 2/3 of L2, whole GQA groups.
   const int64_t group = heads / z.kv_heads;
   const int64_t kv_bytes_per_group = 2 * z.slot_rows * W * kD * 2;
@@ -96,6 +97,7 @@ void launch(ops::OpCall& call, ops::PhaseClock& clock, const Sizes& z, const voi
   int* landed = w.landed;
   const int blocks = ops::ring_launch_setup<Op>(comm, rank, z, table, {kState, kArrived}, heads, Op::kBM,
                                                 section, group, options, landed, stream, p, where);
+  clock.mark("schedule, sync, landed counts zeroed");
 
   // A rank with no rows still needs maps: they point at the slots and are never read.
   char *slots_k = a.slots_k, *slots_v = a.slots_v;
@@ -128,7 +130,7 @@ void launch(ops::OpCall& call, ops::PhaseClock& clock, const Sizes& z, const voi
   p.slots_v = reinterpret_cast<uint4*>(slots_v);
   p.row_vecs = static_cast<int>(z.kv_heads * kD / 8);
 
-  clock.mark("upload, landed counts zeroed");
+  clock.mark("tensor maps, params");
   launch_team_barrier(rank.view(), comm.resources(rank, kMeeting).slots[0], stream);  // slots free
   clock.mark("meeting");
   lcsc::Launcher<Op>::launch(p, blocks, stream);
