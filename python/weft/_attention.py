@@ -2,6 +2,7 @@
 a sequence sharded across a team (context_attention and its ring / Ulysses / hybrid shorthands)."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -345,10 +346,21 @@ def context_attention(q, k, v, causal=False, method="all_gather", seq_len=None, 
 # ---- context_attention's torch operators (weft._op_table) ----------------------------------------------------
 
 
+# A layout's sizes, the same every step of a training run: computed once (weft's host code builds the ring
+# layout of every rank for them, ~15-20 us a call at 2 ranks).
+@functools.lru_cache(maxsize=256)
+def _context_workspace_bytes(method, world, docs, causal, heads, kv_heads, dim, backward):
+    return _weft.context_attention_workspace_bytes(method, world, list(docs), causal, heads, kv_heads, dim, backward)
+
+
+@functools.lru_cache(maxsize=256)
+def _context_local_rows(world, rank, docs, causal, contiguous):
+    return _weft.context_attention_local_rows(world, rank, list(docs), causal, contiguous)
+
+
 def _context_rows_check(q, method, docs, causal, comm):
     c = _w._communicators[comm]
-    rows = _weft.context_attention_local_rows(c.world_size, c.rank, list(docs), causal,
-                                              method.endswith("/contiguous"))
+    rows = _context_local_rows(c.world_size, c.rank, tuple(docs), causal, method.endswith("/contiguous"))
     if q.shape[0] != rows:
         raise WeftValueError(f"weft.context_attention: rank {c.rank} of {c.world_size} holds {rows} rows of "
                              f"that layout, q has {q.shape[0]} (pass seq_len= when the global length is not "
@@ -365,7 +377,7 @@ def _context_attention(q: Tensor, k: Tensor, v: Tensor, method: str, docs: list[
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     out = torch.empty_like(q)
     lse = torch.empty((heads, q.shape[0]), dtype=torch.float32, device=q.device)
-    nbytes = _weft.context_attention_workspace_bytes(method, native.world_size, docs, causal, heads, kv_heads, dim,
+    nbytes = _context_workspace_bytes(method, native.world_size, tuple(docs), causal, heads, kv_heads, dim,
                                                      False)
     ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=q.device)
     _weft.context_attention_forward(native, method, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
@@ -388,7 +400,7 @@ def _context_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o
     native = _native(comm)
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    nbytes = _weft.context_attention_workspace_bytes(method, native.world_size, docs, causal, heads, kv_heads, dim,
+    nbytes = _context_workspace_bytes(method, native.world_size, tuple(docs), causal, heads, kv_heads, dim,
                                                      True)
     ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=q.device)
     _weft.context_attention_backward(native, method, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
