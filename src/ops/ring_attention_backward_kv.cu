@@ -61,16 +61,8 @@ struct Sizes : ops::RingPassSizes {
       key_blocks += (e.k_end - e.k_begin + ops::kAttentionBwdBlockN - 1) / ops::kAttentionBwdBlockN;
     }
   }
-  // Items per K / V head, as the other backward's (causal passes, the smallest power-of-two split of the
-  // GQA group giving three items per SM of the budget). Every item's dK / dV is reduce-added here anyway.
-  void choose_head_split(int sm_budget) {
-    const int64_t group = heads / kv_heads, items = key_blocks * kv_heads;
-    if (!pass.causal) return;
-    for (int d = 1; d <= group; d *= 2)
-      if (group % d == 0) {
-        head_split = d;
-        if (items * d >= 3 * int64_t(sm_budget)) break;
-      }
+  void choose_head_split(int sm_budget) {  // (ring_key_head_split)
+    head_split = ops::ring_key_head_split(pass.causal, heads / kv_heads, kv_heads, key_blocks, sm_budget);
   }
   size_t parts_bytes() const { return size_t(L.world * slot_rows * kv_heads * head_dim) * 4; }  // dK or dV
   size_t accum_bytes() const { return size_t(std::max<int64_t>(local, 1) * heads * head_dim) * 4; }

@@ -415,6 +415,25 @@ inline std::vector<RingKeyEntry> ring_key_entries(const RingLayout& L, int r) {
   }
   return entries;
 }
+// Items per K / V head in that backward: its GQA group's query heads in this many parts (a power of two
+// dividing the group; AttentionBwdOp::Params::head_split_log2), an item each. Causal passes' items cost very
+// unequal amounts (step 0's keys early in a part meet more queries), and a static schedule of them leaves the
+// busiest block far above the mean: at least two parts, more until the items (over `key_blocks` key blocks of
+// `kv_heads` heads) are three per SM of the budget. Modelled (tests/host/test_ring_attention_balance.cpp, a
+// fixed three query steps an item): the busiest block 1.49 / 2.02 / 1.53 of the mean unsplit at 2k tokens a
+// rank and W = 2 / 4 / 8, 1.24 / 1.14 / 1.09 in two parts; 1.15 -> 1.09 at 8k (W = 2). Not causal: 1.
+inline int ring_key_head_split(bool causal, int64_t group, int64_t kv_heads, int64_t key_blocks,
+                               int sm_budget) {
+  if (!causal) return 1;
+  int split = 1;
+  for (int d = 2; d <= group; d *= 2) {
+    if (group % d != 0) break;
+    split = d;
+    if (key_blocks * kv_heads * d >= 3 * int64_t(sm_budget)) break;
+  }
+  return split;
+}
+
 // The rows of rank r's K / V that the receiver of each of its slots (slot s: rank r + s + 1, at its step s +
 // 1) loads in that backward: the hull of its entries' key parts, each extended to whole boxes of `box_rows`
 // from the part's first row (every row of a box a kernel loads must have landed: rows past a part are read
