@@ -412,7 +412,9 @@ namespace ops {
 
 size_t ring_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                      int64_t heads, int64_t kv_heads, int64_t head_dim, int grain) {
-  size_t most = 0;
+  // Either direction (ring_backward_keys_travel reads the environment at the call).
+  size_t most =
+      ring_backward_keys_workspace_bytes(world, doc_lengths, causal, heads, kv_heads, head_dim, grain);
   for (int r = 0; r < world; ++r)
     for (const Sharding s : Sharding(causal).both())
       most = std::max(most, own_bytes(Sizes(world, r, doc_lengths, s, heads, kv_heads, head_dim, grain)));
@@ -433,6 +435,9 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
                  "options.deterministic is not supported by the ring backward (dQ parts of every rank are "
                  "added in arrival order); use context_attention_backward for bit-reproducible gradients");
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
+  if (ring_backward_keys_travel(heads, kv_heads))
+    return ring_backward_keys(call, clock, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads, kv_heads,
+                              head_dim, workspace, workspace_bytes, dtype, options, grain, caller);
   Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim,
           grain);
   const DqRoute route(comm, rank);

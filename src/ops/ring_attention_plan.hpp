@@ -389,6 +389,72 @@ inline std::vector<std::pair<int64_t, int64_t>> ring_push_rows(const RingLayout&
   return rows;
 }
 
+// The backward with the keys travelling (weft/ops/ring_attention_backward.cuh, RingAttentionBwdKvOp): rank r
+// meets at step s each key part of rank r - s with the rows of its own queries that part meets (a suffix of a
+// document's rows, one of ring_query_ranges(L, r)), step 0 under the causal mask when causal (a key visible
+// iff its local row is not after the query's). Steps in order, step 0 first; parts meeting no row left out.
+struct RingKeyEntry {
+  int step;
+  int64_t q_begin, q_end;  // rank r's local rows
+  int64_t k_begin, k_end;  // the source's (rank r - step) local rows: one key part
+};
+inline std::vector<RingKeyEntry> ring_key_entries(const RingLayout& L, int r) {
+  std::vector<RingKeyEntry> entries;
+  const int W = L.world;
+  for (int s = 0; s < W; ++s) {
+    const int src = (r - s + W) % W;
+    for (int d = 0; d < static_cast<int>(L.doc_length.size()); ++d)
+      for (int part : L.parts_of(src)) {
+        const int64_t n = L.part_length(d, part);
+        if (n == 0) continue;
+        const auto [qb, qe] = ring_met_rows(L, d, part, r, RingTravel::kQueries);
+        if (qe <= qb) continue;
+        const int64_t kb = L.local_row(src, d, part);
+        entries.push_back({s, qb, qe, kb, kb + n});
+      }
+  }
+  return entries;
+}
+// Items per K / V head in that backward: its GQA group's query heads in this many parts (a power of two
+// dividing the group; AttentionBwdOp::Params::head_split_log2), an item each. Causal passes' items cost very
+// unequal amounts (step 0's keys early in a part meet more queries), and a static schedule of them leaves the
+// busiest block far above the mean: at least two parts, more until the items (over `key_blocks` key blocks of
+// `kv_heads` heads) are three per SM of the budget. Modelled (tests/host/test_ring_attention_balance.cpp, a
+// fixed three query steps an item): the busiest block 1.49 / 2.02 / 1.53 of the mean unsplit at 2k tokens a
+// rank and W = 2 / 4 / 8, 1.24 / 1.14 / 1.09 in two parts; 1.15 -> 1.09 at 8k (W = 2). Not causal: 1.
+inline int ring_key_head_split(bool causal, int64_t group, int64_t kv_heads, int64_t key_blocks,
+                               int sm_budget) {
+  if (!causal) return 1;
+  int split = 1;
+  for (int d = 2; d <= group; d *= 2) {
+    if (group % d != 0) break;
+    split = d;
+    if (key_blocks * kv_heads * d >= 3 * int64_t(sm_budget)) break;
+  }
+  return split;
+}
+
+// The rows of rank r's K / V that the receiver of each of its slots (slot s: rank r + s + 1, at its step s +
+// 1) loads in that backward: the hull of its entries' key parts, each extended to whole boxes of `box_rows`
+// from the part's first row (every row of a box a kernel loads must have landed: rows past a part are read
+// and masked), within the slot.
+inline std::vector<std::pair<int64_t, int64_t>> ring_key_push_rows(const RingLayout& L, int r, int box_rows,
+                                                                   int64_t slot_rows) {
+  const int W = L.world;
+  std::vector<std::pair<int64_t, int64_t>> rows(std::max(1, W - 1), {0, 0});
+  for (int slot = 0; slot + 1 < W; ++slot) {
+    int64_t lo = slot_rows, hi = 0;
+    for (const RingKeyEntry& e : ring_key_entries(L, (r + slot + 1) % W)) {
+      if (e.step != slot + 1) continue;
+      lo = std::min(lo, e.k_begin);
+      hi = std::max(
+          hi, std::min(slot_rows, e.k_begin + (e.k_end - e.k_begin + box_rows - 1) / box_rows * box_rows));
+    }
+    if (hi > lo) rows[slot] = {lo, hi};
+  }
+  return rows;
+}
+
 // The query ranges of rank r that backward passes (RingTravel::kQueries) meet, each once: per document its
 // whole rows and, zigzag, its late part alone (the met ranges of every rank's pass with source r are among
 // them). The per-row terms of a range beginning at local row x live at term rows 4 x, 4 x + 1, ...: every

@@ -12,6 +12,7 @@
 
 #include "ops/ring_attention_plan.hpp"
 #include "weft/lcsc/attention_scheduler.cuh"
+#include "weft/ops/attention_backward_types.hpp"
 #include "weft/ops/attention_types.hpp"
 
 namespace {
@@ -98,4 +99,58 @@ TEST(RingAttentionBalance, SegmentsRunHeaviestFirstAndTheBlocksEndTogether) {
           EXPECT_LE(worst_new, tokens <= 2048 ? 1.30 : 1.12) << "W " << world << " tokens " << tokens;
           EXPECT_LE(worst_new, worst_old + 1e-9) << "W " << world << " tokens " << tokens;
         }
+}
+
+// The backward with the keys travelling: its items (entry, K / V head part, key block; ring_key_entries)
+// under the launcher's schedule (sections of one entry's heads, causal units paired where unsplit, the split
+// of ring_key_head_split for a 132-SM budget), each costed in 64-row query steps of its part's heads plus
+// three steps an item. The busiest block stays near the mean.
+TEST(RingAttentionBalance, KeysTravellingBackwardEndsTogether) {
+  for (int world : {2, 3, 4, 8})
+    for (int64_t tokens : {2048, 8192, 32768})
+      for (bool causal : {true, false}) {
+        const int heads = 32, kv_heads = 8, group = heads / kv_heads;
+        const RingLayout L = ring_layout({tokens * world}, world, causal);
+        double worst = 0;
+        for (int r = 0; r < world; ++r) {
+          const std::vector<RingKeyEntry> entries = ring_key_entries(L, r);
+          std::vector<int> begin, end;
+          int64_t longest = 0, key_blocks = 0;
+          for (const RingKeyEntry& e : entries) {
+            begin.push_back(static_cast<int>(e.k_begin));
+            end.push_back(static_cast<int>(e.k_end));
+            longest = std::max(longest, e.k_end - e.k_begin);
+            key_blocks += (e.k_end - e.k_begin + 127) / 128;
+          }
+          const int split = ring_key_head_split(causal, group, kv_heads, key_blocks, kSms);
+          AttentionSchedulerParams p;
+          p.batch = static_cast<int>(entries.size());
+          p.heads = kv_heads * split;
+          p.q_blocks = static_cast<int>((longest + 127) / 128);
+          p.row_begin = begin.data();
+          p.row_end = end.data();
+          p.block_rows = 128;
+          p.paired = causal && split == 1;
+          p.section_pairs = p.heads;
+          p.compute_blocks = static_cast<int>(std::min<int64_t>(kSms, p.units()));
+          double most = 0, total = 0;
+          for (int c = 0; c < p.compute_blocks; ++c) {
+            AttentionScheduler s(p, c, 0);
+            double cost = 0;
+            for (AttentionWork w; s.next(w);) {
+              const RingKeyEntry& e = entries[w.batch];
+              const QueryBlocks qb =
+                  query_blocks_shifted(w.q_block, static_cast<int>(e.q_end - e.q_begin),
+                                       static_cast<int>(e.q_begin - e.k_begin), causal && e.step == 0, 64);
+              cost += 3.0 + double(qb.end - qb.begin) * (group / split);
+            }
+            most = std::max(most, cost);
+            total += cost;
+          }
+          worst = std::max(worst, most / (total / p.compute_blocks));
+        }
+        std::printf("  W %d, %6lld tokens a rank, %s: busiest block / mean %.3f\n", world,
+                    static_cast<long long>(tokens), causal ? "causal    " : "not causal", worst);
+        EXPECT_LE(worst, tokens <= 2048 ? 1.30 : 1.12) << "W " << world << " tokens " << tokens;
+      }
 }
