@@ -19,6 +19,7 @@
 #include "attention_args.hpp"
 #include "op_args.hpp"
 #include "phase_clock.hpp"
+#include "ring_backward_host.hpp"
 #include "ring_attention_host.hpp"
 #include "sequence_parallel.hpp"
 #include "weft/lcsc/launch.cuh"
@@ -42,8 +43,8 @@ const ResourceDeclaration kResources[] = {
 
 struct Sizes : ops::RingPassSizes {
   int64_t heads = 0, kv_heads = 0, head_dim = 0, term_stride = 0;
-  std::vector<std::pair<int64_t, int64_t>> ranges;  // this rank's query ranges (the terms' layout)
-  int64_t longest_range = 1, longest_keys = 1, key_blocks = 0;
+  ops::RingQueryRanges queries;  // this rank's query ranges (the terms' layout)
+  int64_t longest_keys = 1, key_blocks = 0;
   std::vector<ops::RingKeyEntry> entries;  // step by step, step 0 first (no wait)
   int head_split = 1;
   Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, ops::Sharding causal, int64_t h,
@@ -53,9 +54,8 @@ struct Sizes : ops::RingPassSizes {
         kv_heads(kv),
         head_dim(d),
         term_stride(4 * slot_rows),
-        ranges(ops::ring_query_ranges(L, rank)),
+        queries(L, rank),
         entries(ops::ring_key_entries(L, rank)) {
-    for (const auto& [b, e] : ranges) longest_range = std::max(longest_range, e - b);
     for (const ops::RingKeyEntry& e : entries) {
       longest_keys = std::max(longest_keys, e.k_end - e.k_begin);
       key_blocks += (e.k_end - e.k_begin + ops::kAttentionBwdBlockN - 1) / ops::kAttentionBwdBlockN;
@@ -105,7 +105,7 @@ struct Own {
 Own carve_own(ops::WorkspaceLayout& w, const Sizes& z) {
   Own p;
   p.table = w.take<int32_t>(z.table_words() * 4);
-  p.ranges = w.take<int32_t>((2 * z.ranges.size() + 1) * 4);
+  p.ranges = w.take<int32_t>(z.queries.words_bytes());
   p.landed = w.take<int>(z.landed_bytes());
   p.parts = reinterpret_cast<const float**>(w.take(2 * size_t(z.L.world) * sizeof(float*)));
   return p;
@@ -114,11 +114,7 @@ size_t own_bytes(const Sizes& z) {
   return ops::bytes_carved_by([&](ops::WorkspaceLayout& w) { carve_own(w, z); });
 }
 
-struct Buffers {
-  const void *q, *k, *v, *out, *dout;
-  const float* lse;
-  void *dq, *dk, *dv;
-};
+using Buffers = ops::RingBackwardTensors;
 
 // Where the uploaded table's arrays start.
 struct Table {
@@ -156,13 +152,7 @@ void upload(Rank& rank, const Sizes& z, const Own& w, const Area& a, cudaStream_
     words[5 * E + slots + s] = static_cast<int32_t>(push[s].second);
   }
   ops::upload_words(w.table, words, stream);
-  const int64_t nr = static_cast<int64_t>(z.ranges.size());
-  std::vector<int32_t> range_words(2 * nr);
-  for (int64_t i = 0; i < nr; ++i) {
-    range_words[i] = static_cast<int32_t>(z.ranges[i].first);
-    range_words[nr + i] = static_cast<int32_t>(z.ranges[i].second);
-  }
-  if (nr > 0) ops::upload_words(w.ranges, range_words, stream);
+  z.queries.upload(w.ranges, stream);
   const size_t part_floats = z.parts_bytes() / 4 / W;
   std::vector<int32_t> part_words(2 * W * sizeof(float*) / 4);
   for (int s = 0; s < W; ++s)
@@ -178,26 +168,9 @@ void upload(Rank& rank, const Sizes& z, const Own& w, const Area& a, cudaStream_
 // touch either.
 template <int kD, class T>
 void prepare(const Sizes& z, const Own& w, const Area& a, const Buffers& b, cudaStream_t stream) {
-  const int64_t heads = z.heads;
   WEFT_CUDA_CHECK(cudaMemsetAsync(a.accum, 0, z.accum_bytes(), stream));
-  const int64_t nr = static_cast<int64_t>(z.ranges.size());
-  float* dsum = a.terms + heads * z.term_stride;
-  if (nr > 0) {
-    const ops::AttentionRows ranges{w.ranges,
-                                    w.ranges + nr,
-                                    w.ranges,
-                                    w.ranges + nr,
-                                    static_cast<int>(z.longest_range),
-                                    static_cast<int>(z.longest_range),
-                                    static_cast<int>(z.local)};
-    constexpr int kThreads = 256;
-    const int64_t grid = (nr * z.longest_range * heads * 32 + kThreads - 1) / kThreads;
-    detail::preload<&ops::attention_bwd_prepare<kD, T>>();
-    ops::attention_bwd_prepare<kD, T><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-        static_cast<const T*>(b.out), static_cast<const T*>(b.dout), b.lse, a.terms, dsum, ranges,
-        static_cast<int>(nr), static_cast<int>(heads), static_cast<int>(z.term_stride));
-    WEFT_CUDA_CHECK(cudaGetLastError());
-  }
+  z.queries.prepare<kD, T>(w.ranges, z.local, z.heads, z.term_stride, b, a.terms,
+                           a.terms + z.heads * z.term_stride, stream);
 }
 
 // The kernel's parameters past its scheduler's.
@@ -213,7 +186,7 @@ void fill_params(Communicator& comm, Rank& rank, const Sizes& z, const Own& w, c
             table.q_end,
             table.k_begin,
             table.k_end,
-            static_cast<int>(z.longest_range),
+            static_cast<int>(z.queries.longest),
             static_cast<int>(z.longest_keys),
             static_cast<int>(local)};
   p.entry_step = table.step;
@@ -345,11 +318,9 @@ bool ring_backward_keys_travel(int64_t heads, int64_t kv_heads) {
 
 size_t ring_backward_keys_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                           int64_t heads, int64_t kv_heads, int64_t head_dim, int grain) {
-  size_t most = 0;
-  for (int r = 0; r < world; ++r)
-    for (const Sharding s : Sharding(causal).both())
-      most = std::max(most, own_bytes(Sizes(world, r, doc_lengths, s, heads, kv_heads, head_dim, grain)));
-  return most;
+  return ring_most_bytes(world, causal, [&](int r, Sharding s) {
+    return own_bytes(Sizes(world, r, doc_lengths, s, heads, kv_heads, head_dim, grain));
+  });
 }
 
 void ring_backward_keys(OpCall& call, PhaseClock& clock, const void* q, const void* k, const void* v,

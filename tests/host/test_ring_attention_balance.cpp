@@ -30,6 +30,22 @@ struct Spread {
   double busiest, mean, ideal;  // ideal: the whole work over every SM
 };
 
+// The blocks' totals under the scheduler p (its compute_blocks set here: every SM, or fewer for fewer units),
+// each item costing cost(item).
+template <class Cost>
+Spread spread_of(AttentionSchedulerParams p, Cost&& cost) {
+  p.compute_blocks = static_cast<int>(std::min<int64_t>(kSms, p.units()));
+  double most = 0, total = 0;
+  for (int c = 0; c < p.compute_blocks; ++c) {
+    AttentionScheduler s(p, c, 0);
+    double block = 0;
+    for (AttentionWork w; s.next(w);) block += cost(w);
+    most = std::max(most, block);
+    total += block;
+  }
+  return {most, total / p.compute_blocks, total / kSms};
+}
+
 // Rank r's forward with `heads` query heads over `kv_heads`, sections of up to `wanted` pairs chosen as the
 // launcher chooses them (old: true, the section capped at every pair only).
 Spread forward_spread(int world, int r, int64_t tokens_per_rank, bool causal, int heads, int kv_heads,
@@ -47,26 +63,18 @@ Spread forward_spread(int world, int r, int64_t tokens_per_rank, bool causal, in
   p.paired = causal;
   const int64_t capped = std::min<int64_t>(wanted, G * heads);
   p.section_pairs = static_cast<int>(old ? capped : ring_section_pairs(capped, heads, G, heads / kv_heads));
-  p.compute_blocks = static_cast<int>(std::min<int64_t>(kSms, p.units()));
-  double most = 0, total = 0;
-  for (int c = 0; c < p.compute_blocks; ++c) {
-    AttentionScheduler s(p, c, 0);
-    double cost = 0;
-    for (AttentionWork w; s.next(w);) {
-      const int64_t x = order[w.batch], q_len = pass.own_end[x] - pass.own_begin[x];
-      if (int64_t(w.q_block) * kBlockRows >= q_len) continue;
-      cost += kItemCost;
-      for (int step = 0; step < pass.steps; ++step) {
-        const int64_t k_len = pass.met_end[x * pass.steps + step] - pass.met_begin[x * pass.steps + step];
-        cost += key_blocks(w.q_block, kBlockRows, static_cast<int>(q_len), static_cast<int>(k_len),
-                           pass.causal && step == 0)
-                    .end;
-      }
+  return spread_of(p, [&](const AttentionWork& w) {
+    const int64_t x = order[w.batch], q_len = pass.own_end[x] - pass.own_begin[x];
+    if (int64_t(w.q_block) * kBlockRows >= q_len) return 0.0;
+    double cost = kItemCost;
+    for (int step = 0; step < pass.steps; ++step) {
+      const int64_t k_len = pass.met_end[x * pass.steps + step] - pass.met_begin[x * pass.steps + step];
+      cost += key_blocks(w.q_block, kBlockRows, static_cast<int>(q_len), static_cast<int>(k_len),
+                         pass.causal && step == 0)
+                  .end;
     }
-    most = std::max(most, cost);
-    total += cost;
-  }
-  return {most, total / p.compute_blocks, total / kSms};
+    return cost;
+  });
 }
 
 }  // namespace
@@ -132,22 +140,14 @@ TEST(RingAttentionBalance, KeysTravellingBackwardEndsTogether) {
           p.block_rows = 128;
           p.paired = causal && split == 1;
           p.section_pairs = p.heads;
-          p.compute_blocks = static_cast<int>(std::min<int64_t>(kSms, p.units()));
-          double most = 0, total = 0;
-          for (int c = 0; c < p.compute_blocks; ++c) {
-            AttentionScheduler s(p, c, 0);
-            double cost = 0;
-            for (AttentionWork w; s.next(w);) {
-              const RingKeyEntry& e = entries[w.batch];
-              const QueryBlocks qb =
-                  query_blocks_shifted(w.q_block, static_cast<int>(e.q_end - e.q_begin),
-                                       static_cast<int>(e.q_begin - e.k_begin), causal && e.step == 0, 64);
-              cost += 3.0 + double(qb.end - qb.begin) * (group / split);
-            }
-            most = std::max(most, cost);
-            total += cost;
-          }
-          worst = std::max(worst, most / (total / p.compute_blocks));
+          const Spread sp = spread_of(p, [&](const AttentionWork& w) {
+            const RingKeyEntry& e = entries[w.batch];
+            const QueryBlocks qb =
+                query_blocks_shifted(w.q_block, static_cast<int>(e.q_end - e.q_begin),
+                                     static_cast<int>(e.q_begin - e.k_begin), causal && e.step == 0, 64);
+            return 3.0 + double(qb.end - qb.begin) * (group / split);
+          });
+          worst = std::max(worst, sp.busiest / sp.mean);
         }
         std::printf("  W %d, %6lld tokens a rank, %s: busiest block / mean %.3f\n", world,
                     static_cast<long long>(tokens), causal ? "causal    " : "not causal", worst);

@@ -35,19 +35,32 @@
 
 namespace weft::ops {
 
+// What both ring backward ops (the queries travelling, RingAttentionBwdOp; the keys, RingAttentionBwdKvOp)
+// take from the single-GPU backward, and their finish: AttentionBwdOp::finish waits until the warpgroup's
+// bulk operations (dQ reduce-adds, dK / dV stores or adds) have completed; then they are made visible to the
+// peers (which read the accumulators after the kernel's meeting) before the warpgroup counts itself finished.
+template <int kHeadDim, class T, bool kTimed>
+struct RingAttentionBwdCommon : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
+  using Single = AttentionBwdOp<kHeadDim, T, false, 64, kTimed>;
+
+  template <class Params, class Smem>
+  __device__ static void finish(const Params& p, Smem& s, int wg, typename Single::StoreState& es) {
+    Single::finish(p, s, wg, es);
+    if (tile::thread_in_warpgroup() == 0) {
+      ptx::fence_proxy_async_global();
+      __threadfence_system();
+      p.sync.done();
+    }
+  }
+};
+
 // kTimed: the kernel that records its rank's timeline (AttentionBwdOp's).
 template <int kHeadDim, class T = __nv_bfloat16, bool kTimed = false>
-struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
-  using Base = AttentionBwdOp<kHeadDim, T, false, 64, kTimed>;
-  using Base::kBM;
-  using Base::kBN;
-  using Base::kD;
-  using Base::kStages;
-  using typename Base::Accum;
-  using typename Base::Lengths;
-  using typename Base::Pipeline;
-  using typename Base::QTile;
-  using typename Base::StoreState;
+struct RingAttentionBwdOp : RingAttentionBwdCommon<kHeadDim, T, kTimed> {
+  using Base = RingAttentionBwdCommon<kHeadDim, T, kTimed>;
+  using Base::kBM, Base::kBN, Base::kD, Base::kStages;
+  using typename Base::Accum, typename Base::Lengths, typename Base::Pipeline, typename Base::QTile,
+      typename Base::StoreState;
 
   struct Params : Base::Params {
     lcsc::PushSync sync;
@@ -154,18 +167,6 @@ struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
     for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.dk.d[i] *= p.scale;
   }
 
-  // Base::finish waits until this warpgroup's bulk operations (dQ reduce-adds, dK / dV stores) have
-  // completed; then they are made visible to the peers (which read the accumulator slots after the kernel's
-  // meeting) before the warpgroup counts itself finished.
-  __device__ static void finish(const Params& p, Smem& s, int wg, StoreState& es) {
-    Base::finish(p, s, wg, es);
-    if (tile::thread_in_warpgroup() == 0) {
-      ptx::fence_proxy_async_global();
-      __threadfence_system();
-      p.sync.done();
-    }
-  }
-
   // ---- helper warps: this rank's Q, dO and per-row terms into the peers' slots ----
   __device__ static void helper_warp(const Params& p, Smem& s, int index, int count) {
     const TeamView& t = p.sync.team;
@@ -240,17 +241,11 @@ __global__ void ring_bwd_sum_dq(const float* const* parts, int count, T* dq, int
 // met and head dim, 12 x kv_heads bytes cross the links (K and V out, fp32 dK and dV back) against 8 x heads
 // for the queries travelling: fewer from a GQA group of 2 on.
 template <int kHeadDim, class T = __nv_bfloat16, bool kTimed = false>
-struct RingAttentionBwdKvOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
-  using Base = AttentionBwdOp<kHeadDim, T, false, 64, kTimed>;
-  using Base::kBM;
-  using Base::kBN;
-  using Base::kD;
-  using Base::kStages;
-  using typename Base::Accum;
-  using typename Base::Lengths;
-  using typename Base::Pipeline;
-  using typename Base::QTile;
-  using typename Base::StoreState;
+struct RingAttentionBwdKvOp : RingAttentionBwdCommon<kHeadDim, T, kTimed> {
+  using Base = RingAttentionBwdCommon<kHeadDim, T, kTimed>;
+  using Base::kBM, Base::kBN, Base::kD, Base::kStages;
+  using typename Base::Accum, typename Base::Lengths, typename Base::Pipeline, typename Base::QTile,
+      typename Base::StoreState;
 
   struct Params : Base::Params {
     lcsc::PushSync sync;
@@ -344,17 +339,6 @@ struct RingAttentionBwdKvOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
                           lcsc::TmaRows4d{&p.dk_parts, kv, row, step, lcsc::StoreMode::kReduceAdd});
     Base::reduce_add_rows(s, wg, acc.dv,
                           lcsc::TmaRows4d{&p.dv_parts, kv, row, step, lcsc::StoreMode::kReduceAdd});
-  }
-
-  // As the other backward's: this warpgroup's reduce-adds complete and visible to the peers (which read the
-  // parts after the kernel's meeting) before it counts itself finished.
-  __device__ static void finish(const Params& p, Smem& s, int wg, StoreState& es) {
-    Base::finish(p, s, wg, es);
-    if (tile::thread_in_warpgroup() == 0) {
-      ptx::fence_proxy_async_global();
-      __threadfence_system();
-      p.sync.done();
-    }
   }
 
   __device__ static void helper_warp(const Params& p, Smem& s, int index, int count) {
