@@ -19,7 +19,6 @@
 #include "attention_args.hpp"
 #include "op_args.hpp"
 #include "phase_clock.hpp"
-#include "ring_backward_host.hpp"
 #include "ring_attention_host.hpp"
 #include "sequence_parallel.hpp"
 #include "weft/lcsc/launch.cuh"
@@ -43,7 +42,8 @@ const ResourceDeclaration kRingBackwardResources[] = {
 
 struct Sizes : ops::RingPassSizes {
   int64_t heads = 0, kv_heads = 0, head_dim = 0, term_stride = 0;
-  ops::RingQueryRanges queries;  // this rank's query ranges that the peers meet
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // this rank's query ranges that the peers meet
+  int64_t longest_range = 1;
   Sizes(int world, int rank, const std::vector<int64_t>& doc_lengths, ops::Sharding causal, int64_t h,
         int64_t kv, int64_t d, int grain)
       : RingPassSizes(world, rank, doc_lengths, causal, ops::RingTravel::kQueries, grain),
@@ -51,7 +51,9 @@ struct Sizes : ops::RingPassSizes {
         kv_heads(kv),
         head_dim(d),
         term_stride(4 * slot_rows),  // a range beginning at row x has its terms from term row 4 x on
-        queries(L, rank) {}
+        ranges(ops::ring_query_ranges(L, rank)) {
+    for (const auto& [b, e] : ranges) longest_range = std::max(longest_range, e - b);
+  }
   int accum_slots = 1;  // dQ accumulator slots: 1, or W where some peer is on another GPU (DqRoute)
   // Items per K / V head (RingAttentionBwdOp::Params::head_split): its GQA group's query heads in this many
   // parts, else 1. Causal passes only: their items cost very unequal amounts (a zigzag rank's first chunk of
@@ -117,7 +119,7 @@ Own carve_own(ops::WorkspaceLayout& w, const Sizes& z) {
   Own p;
   p.parts = w.take(size_t(z.L.world) * (sizeof(CUtensorMap) + sizeof(float*)));
   p.table = w.take<int32_t>(z.table_bytes());
-  p.ranges = w.take<int32_t>(z.queries.words_bytes());
+  p.ranges = w.take<int32_t>((2 * z.ranges.size() + 1) * 4);
   p.landed = w.take<int>(z.landed_bytes());
   return p;
 }
@@ -148,14 +150,19 @@ struct DqRoute {
   }
 };
 
-using Buffers = ops::RingBackwardTensors;
+struct Buffers {
+  const void *q, *k, *v, *out, *dout;
+  const float* lse;
+  void *dq, *dk, *dv;
+};
 
 // What a call uploads to the workspace before its kernels: each step's dQ map and the dQ parts of this
 // rank's rows (read by the final sum), the pass's table, this rank's query ranges.
 struct Uploads {
   int parts;  // dQ parts of this rank's rows
   ops::RingTable table;
-  const int32_t* ranges;  // this rank's query ranges: begins, then ends
+  const int32_t* range_begin;  // [ranges] begins, then [ranges] ends
+  int64_t ranges;
 };
 
 template <class Op, int kD>
@@ -184,8 +191,15 @@ Uploads upload_tables(Communicator& comm, Rank& rank, const Sizes& z, const DqRo
   }
   ops::upload_words(reinterpret_cast<int32_t*>(w.parts), words, stream);
   ops::upload_words(w.table, ops::ring_table_words(z, Op::kBM), stream);
-  z.queries.upload(w.ranges, stream);
-  return {parts, ops::RingTable(w.table, G, W), w.ranges};
+  const int64_t nr = static_cast<int64_t>(z.ranges.size());
+  int32_t* range_begin = w.ranges;
+  std::vector<int32_t> range_words(2 * nr);
+  for (int64_t i = 0; i < nr; ++i) {
+    range_words[i] = static_cast<int32_t>(z.ranges[i].first);
+    range_words[nr + i] = static_cast<int32_t>(z.ranges[i].second);
+  }
+  if (nr > 0) ops::upload_words(range_begin, range_words, stream);
+  return {parts, ops::RingTable(w.table, G, W), range_begin, nr};
 }
 
 // This rank's own accumulator slot zeroed and its rows' terms written (the base prepare over the query
@@ -194,9 +208,27 @@ Uploads upload_tables(Communicator& comm, Rank& rank, const Sizes& z, const DqRo
 template <int kD, class T>
 void prepare_terms(const Sizes& z, const Uploads& u, const Buffers& b, float* accum, float* terms,
                    cudaStream_t stream) {
+  const int W = z.L.world;
+  const int64_t heads = z.heads, nr = u.ranges;
+  const int32_t* range_begin = u.range_begin;
   WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, z.accum_slot_bytes(), stream));
-  z.queries.prepare<kD, T>(u.ranges, z.local, z.heads, z.term_stride, b, terms,
-                           terms + z.L.world * z.heads * z.term_stride, stream);
+  if (nr > 0) {
+    const ops::AttentionRows ranges{range_begin,
+                                    range_begin + nr,
+                                    range_begin,
+                                    range_begin + nr,
+                                    static_cast<int>(z.longest_range),
+                                    static_cast<int>(z.longest_range),
+                                    static_cast<int>(z.local)};
+    constexpr int kThreads = 256;
+    const int64_t grid = (nr * z.longest_range * heads * 32 + kThreads - 1) / kThreads;
+    detail::preload<&ops::attention_bwd_prepare<kD, T>>();
+    ops::attention_bwd_prepare<kD, T><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+        static_cast<const T*>(b.out), static_cast<const T*>(b.dout), b.lse, terms,
+        terms + W * heads * z.term_stride, ranges, static_cast<int>(nr), static_cast<int>(heads),
+        static_cast<int>(z.term_stride));
+    WEFT_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 // The kernel's parameters; returns its grid.
@@ -380,12 +412,11 @@ namespace ops {
 
 size_t ring_backward_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
                                      int64_t heads, int64_t kv_heads, int64_t head_dim, int grain) {
-  // Either direction (ring_backward_keys_travel reads the environment at the call).
-  return std::max(
-      ring_backward_keys_workspace_bytes(world, doc_lengths, causal, heads, kv_heads, head_dim, grain),
-      ring_most_bytes(world, causal, [&](int r, Sharding s) {
-        return own_bytes(Sizes(world, r, doc_lengths, s, heads, kv_heads, head_dim, grain));
-      }));
+  size_t most = 0;
+  for (int r = 0; r < world; ++r)
+    for (const Sharding s : Sharding(causal).both())
+      most = std::max(most, own_bytes(Sizes(world, r, doc_lengths, s, heads, kv_heads, head_dim, grain)));
+  return most;
 }
 
 void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k, const void* v,
@@ -402,9 +433,6 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
                  "options.deterministic is not supported by the ring backward (dQ parts of every rank are "
                  "added in arrival order); use context_attention_backward for bit-reproducible gradients");
   ops::check_attention_call({1, 1, 1, heads, kv_heads, head_dim}, dtype, options, where);
-  if (ring_backward_keys_travel(heads, kv_heads))
-    return ring_backward_keys(call, clock, q, k, v, out, dout, lse, dq, dk, dv, doc_lengths, heads, kv_heads,
-                              head_dim, workspace, workspace_bytes, dtype, options, grain, caller);
   Sizes z(rank.world(), rank.rank(), doc_lengths, ops::sharding_of(options), heads, kv_heads, head_dim,
           grain);
   const DqRoute route(comm, rank);
@@ -412,7 +440,7 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
   z.choose_head_split(rank.sm_budget());
   WEFT_CHECK(z.slot_rows * heads * head_dim < (int64_t(1) << 31) &&
                  z.term_stride * heads * rank.world() < (int64_t(1) << 31) &&
-                 z.queries.count() * z.queries.longest * heads * 32 < (int64_t(1) << 39) &&
+                 int64_t(z.ranges.size()) * z.longest_range * heads * 32 < (int64_t(1) << 39) &&
                  z.segments() * rank.world() < (int64_t(1) << 31),
              where + "sizes past 2^31 are not supported (TMA coordinates and work items are 32-bit)");
   const size_t need = own_bytes(z);

@@ -145,25 +145,9 @@ bool ring_planned(OpCall& call, const RingPassSizes& z, const RingTable& table, 
   return call.planned_op(op, path, blocks, static_cast<int>(lcsc::kSmemBytes<Op>));
 }
 
-// The team's part of a ring launch of `blocks` compute blocks: the rank's timeline (timed kernels), the team
-// sync (finishers: every consumer warpgroup and helper warp), the landed counts zeroed on `stream`, the slots
-// (their push rows: the table's).
-template <class Op>
-void ring_team_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, const int32_t* push_begin,
-                     const int32_t* push_end, const RingResources& res, int blocks, int* landed,
-                     cudaStream_t stream, typename Op::Params& p, const std::string& where) {
-  set_team_timeline(p, rank);
-  WEFT_CHECK(blocks <= kRingMaxBlocks, where + "more compute blocks than the landed counts hold");
-  p.sync = {rank.view(), comm.resources(rank, res.state).flags, comm.resources(rank, res.arrived).flags,
-            blocks * (Op::kConsumerWarpgroups + tile::kWarpgroupThreads / 32 - 1)};
-  WEFT_CUDA_CHECK(cudaMemsetAsync(landed, 0, z.landed_bytes(), stream));
-  p.slots = ring_slots(z.L.world, z.slot_rows, z.local, landed);
-  p.slots.push_begin = push_begin;
-  p.slots.push_end = push_end;
-}
-
-// The launch setup: ring_schedule, L2 sections of up to `section_pairs` within a segment (ring_section_pairs;
-// `section_granule`: their multiple), then ring_team_setup. Returns the grid.
+// The launch setup: ring_schedule, the rank's timeline (timed kernels), L2 sections of up to `section_pairs`
+// within a segment (ring_section_pairs; `section_granule`: their multiple), the team sync (finishers: every
+// consumer warpgroup and helper warp) and the landed counts zeroed on `stream`. Returns the grid.
 template <class Op>
 int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, const RingTable& table,
                       const RingResources& res, int64_t heads, int block_rows, int64_t section_pairs,
@@ -172,11 +156,18 @@ int ring_launch_setup(Communicator& comm, Rank& rank, const RingPassSizes& z, co
                       bool pair_causal = true) {
   lcsc::AttentionSchedulerParams& sched = p.sched;
   const int blocks = ring_schedule<Op>(rank, z, table, heads, block_rows, options, sched, pair_causal);
+  set_team_timeline(p, rank);
   sched.section_pairs = static_cast<int>(
       ring_section_pairs(std::min<int64_t>(section_pairs, std::max<int64_t>(z.segments(), 1) * heads), heads,
                          z.segments(), section_granule));
-  ring_team_setup<Op>(comm, rank, z, table.push_begin, table.push_end, res, blocks, landed, stream, p, where);
+  WEFT_CHECK(blocks <= kRingMaxBlocks, where + "more compute blocks than the landed counts hold");
+  p.sync = {rank.view(), comm.resources(rank, res.state).flags, comm.resources(rank, res.arrived).flags,
+            blocks * (Op::kConsumerWarpgroups + tile::kWarpgroupThreads / 32 - 1)};
   p.steps = z.L.world;
+  WEFT_CUDA_CHECK(cudaMemsetAsync(landed, 0, z.landed_bytes(), stream));
+  p.slots = ring_slots(z.L.world, z.slot_rows, z.local, landed);
+  p.slots.push_begin = table.push_begin;
+  p.slots.push_end = table.push_end;
   return blocks;
 }
 

@@ -88,19 +88,6 @@ void ring_backward(Communicator& comm, Rank& rank, const void* q, const void* k,
                    void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream,
                    const AttentionOptions& options, int grain, const RingCaller& caller);
 
-// The ring backward with the keys travelling (src/ops/ring_attention_backward_kv.cu), which ring_backward
-// takes where ring_backward_keys_travel says (a GQA group of 2 or more; WEFT_RING_BACKWARD=keys|queries, a
-// developer flag, forces either); its workspace (ring_backward_workspace_bytes covers both).
-bool ring_backward_keys_travel(int64_t heads, int64_t kv_heads);
-size_t ring_backward_keys_workspace_bytes(int world, const std::vector<int64_t>& doc_lengths, bool causal,
-                                          int64_t heads, int64_t kv_heads, int64_t head_dim, int grain);
-class PhaseClock;
-void ring_backward_keys(OpCall& call, PhaseClock& clock, const void* q, const void* k, const void* v,
-                        const void* out, const void* dout, const float* lse, void* dq, void* dk, void* dv,
-                        const std::vector<int64_t>& doc_lengths, int64_t heads, int64_t kv_heads,
-                        int64_t head_dim, void* workspace, size_t workspace_bytes, DType dtype,
-                        const AttentionOptions& options, int grain, const RingCaller& caller);
-
 // Which heads of a row of `groups` heads rank j holds in the natural-order buffers: [first(j), first(j) +
 // width) with first(j) = j * groups / W (Ulysses' head groups; with fewer heads than ranks W / groups
 // ranks share one), or all of them on every rank (`replicate`: the all-gather of K / V).

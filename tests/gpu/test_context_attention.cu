@@ -445,25 +445,7 @@ WEFT_GPU_TEST(ring_attention_backward_through_slots) {
   std::string failures;
   {
     const weft::test::ScopedEnv slots("WEFT_RING_DQ_SLOTS", "1");
-    const weft::test::ScopedEnv queries("WEFT_RING_BACKWARD", "queries");  // (the slots are that direction's)
     failures = run_cp_cases(c, Method::kRing, cases, 951);
-  }
-  WEFT_EXPECT(failures.empty(), failures);
-}
-
-// The ring backward in both directions (ring_backward_keys_travel picks one by the GQA group; the other is
-// forced here): the keys travelling with MHA heads, the queries travelling with a GQA group, both causal
-// (zigzag), contiguous and not, packed documents with empty ones.
-WEFT_GPU_TEST(ring_attention_backward_both_directions) {
-  Communicator& c = ctx.comm();
-  const std::vector<CpCase> cases = {{{1000}, 4, 4, 128, true},        {{300, 0, 17, 777}, 8, 2, 64, true},
-                                     {{129, 64, 1}, 2, 1, 128, false}, {{2048}, 8, 1, 128, true},
-                                     {{513, 1000}, 4, 4, 64, false},   {{1000}, 4, 2, 128, true, true}};
-  std::string failures;
-  for (const char* direction : {"keys", "queries"}) {
-    const weft::test::ScopedEnv env("WEFT_RING_BACKWARD", direction);
-    const std::string f = run_cp_cases(c, Method::kRing, cases, 977);
-    if (!f.empty()) failures += std::string(direction) + " travelling: " + f;
   }
   WEFT_EXPECT(failures.empty(), failures);
 }

@@ -12,7 +12,6 @@
 
 #include "ops/ring_attention_plan.hpp"
 #include "weft/lcsc/attention_scheduler.cuh"
-#include "weft/ops/attention_backward_types.hpp"
 #include "weft/ops/attention_types.hpp"
 
 namespace {
@@ -29,22 +28,6 @@ constexpr int kSms = 132;
 struct Spread {
   double busiest, mean, ideal;  // ideal: the whole work over every SM
 };
-
-// The blocks' totals under the scheduler p (its compute_blocks set here: every SM, or fewer for fewer units),
-// each item costing cost(item).
-template <class Cost>
-Spread spread_of(AttentionSchedulerParams p, Cost&& cost) {
-  p.compute_blocks = static_cast<int>(std::min<int64_t>(kSms, p.units()));
-  double most = 0, total = 0;
-  for (int c = 0; c < p.compute_blocks; ++c) {
-    AttentionScheduler s(p, c, 0);
-    double block = 0;
-    for (AttentionWork w; s.next(w);) block += cost(w);
-    most = std::max(most, block);
-    total += block;
-  }
-  return {most, total / p.compute_blocks, total / kSms};
-}
 
 // Rank r's forward with `heads` query heads over `kv_heads`, sections of up to `wanted` pairs chosen as the
 // launcher chooses them (old: true, the section capped at every pair only).
@@ -63,18 +46,26 @@ Spread forward_spread(int world, int r, int64_t tokens_per_rank, bool causal, in
   p.paired = causal;
   const int64_t capped = std::min<int64_t>(wanted, G * heads);
   p.section_pairs = static_cast<int>(old ? capped : ring_section_pairs(capped, heads, G, heads / kv_heads));
-  return spread_of(p, [&](const AttentionWork& w) {
-    const int64_t x = order[w.batch], q_len = pass.own_end[x] - pass.own_begin[x];
-    if (int64_t(w.q_block) * kBlockRows >= q_len) return 0.0;
-    double cost = kItemCost;
-    for (int step = 0; step < pass.steps; ++step) {
-      const int64_t k_len = pass.met_end[x * pass.steps + step] - pass.met_begin[x * pass.steps + step];
-      cost += key_blocks(w.q_block, kBlockRows, static_cast<int>(q_len), static_cast<int>(k_len),
-                         pass.causal && step == 0)
-                  .end;
+  p.compute_blocks = static_cast<int>(std::min<int64_t>(kSms, p.units()));
+  double most = 0, total = 0;
+  for (int c = 0; c < p.compute_blocks; ++c) {
+    AttentionScheduler s(p, c, 0);
+    double cost = 0;
+    for (AttentionWork w; s.next(w);) {
+      const int64_t x = order[w.batch], q_len = pass.own_end[x] - pass.own_begin[x];
+      if (int64_t(w.q_block) * kBlockRows >= q_len) continue;
+      cost += kItemCost;
+      for (int step = 0; step < pass.steps; ++step) {
+        const int64_t k_len = pass.met_end[x * pass.steps + step] - pass.met_begin[x * pass.steps + step];
+        cost += key_blocks(w.q_block, kBlockRows, static_cast<int>(q_len), static_cast<int>(k_len),
+                           pass.causal && step == 0)
+                    .end;
+      }
     }
-    return cost;
-  });
+    most = std::max(most, cost);
+    total += cost;
+  }
+  return {most, total / p.compute_blocks, total / kSms};
 }
 
 }  // namespace
@@ -107,50 +98,4 @@ TEST(RingAttentionBalance, SegmentsRunHeaviestFirstAndTheBlocksEndTogether) {
           EXPECT_LE(worst_new, tokens <= 2048 ? 1.30 : 1.12) << "W " << world << " tokens " << tokens;
           EXPECT_LE(worst_new, worst_old + 1e-9) << "W " << world << " tokens " << tokens;
         }
-}
-
-// The backward with the keys travelling: its items (entry, K / V head part, key block; ring_key_entries)
-// under the launcher's schedule (sections of one entry's heads, causal units paired where unsplit, the split
-// of ring_key_head_split for a 132-SM budget), each costed in 64-row query steps of its part's heads plus
-// three steps an item. The busiest block stays near the mean.
-TEST(RingAttentionBalance, KeysTravellingBackwardEndsTogether) {
-  for (int world : {2, 3, 4, 8})
-    for (int64_t tokens : {2048, 8192, 32768})
-      for (bool causal : {true, false}) {
-        const int heads = 32, kv_heads = 8, group = heads / kv_heads;
-        const RingLayout L = ring_layout({tokens * world}, world, causal);
-        double worst = 0;
-        for (int r = 0; r < world; ++r) {
-          const std::vector<RingKeyEntry> entries = ring_key_entries(L, r);
-          std::vector<int> begin, end;
-          int64_t longest = 0, key_blocks = 0;
-          for (const RingKeyEntry& e : entries) {
-            begin.push_back(static_cast<int>(e.k_begin));
-            end.push_back(static_cast<int>(e.k_end));
-            longest = std::max(longest, e.k_end - e.k_begin);
-            key_blocks += (e.k_end - e.k_begin + 127) / 128;
-          }
-          const int split = ring_key_head_split(causal, group, kv_heads, key_blocks, kSms);
-          AttentionSchedulerParams p;
-          p.batch = static_cast<int>(entries.size());
-          p.heads = kv_heads * split;
-          p.q_blocks = static_cast<int>((longest + 127) / 128);
-          p.row_begin = begin.data();
-          p.row_end = end.data();
-          p.block_rows = 128;
-          p.paired = causal && split == 1;
-          p.section_pairs = p.heads;
-          const Spread sp = spread_of(p, [&](const AttentionWork& w) {
-            const RingKeyEntry& e = entries[w.batch];
-            const QueryBlocks qb =
-                query_blocks_shifted(w.q_block, static_cast<int>(e.q_end - e.q_begin),
-                                     static_cast<int>(e.q_begin - e.k_begin), causal && e.step == 0, 64);
-            return 3.0 + double(qb.end - qb.begin) * (group / split);
-          });
-          worst = std::max(worst, sp.busiest / sp.mean);
-        }
-        std::printf("  W %d, %6lld tokens a rank, %s: busiest block / mean %.3f\n", world,
-                    static_cast<long long>(tokens), causal ? "causal    " : "not causal", worst);
-        EXPECT_LE(worst, tokens <= 2048 ? 1.30 : 1.12) << "W " << world << " tokens " << tokens;
-      }
 }

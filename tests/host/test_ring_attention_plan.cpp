@@ -345,54 +345,6 @@ void expect_pass_covers_every_pair_once(weft::ops::RingTravel travel) {
     pairs.expect_every_pair_counted_once(causal, W);
   });
 }
-// The backward with the keys travelling (ring_key_entries): over all ranks and entries every pair of
-// attention over the whole sequence is met exactly once (step 0 under the causal mask when causal), each
-// entry's query range is one whose terms the rank prepares (ring_query_ranges), steps come in order, and the
-// pushes (ring_key_push_rows) cover every key box an entry's items load (from the part's first row, within
-// the slot).
-TEST(RingAttentionPlan, KeysTravellingBackwardCoversEveryPairOnce) {
-  for_random_layouts(17, [](const std::vector<int64_t>& docs, const RingLayout& L) {
-    const int W = L.world;
-    PairCounts pairs(docs);
-    std::vector<std::vector<int64_t>> tokens(W);
-    int64_t slot_rows = 1;
-    for (int r = 0; r < W; ++r) {
-      tokens[r] = weft::ops::ring_tokens(L, r);
-      slot_rows = std::max(slot_rows, L.local_rows(r));
-    }
-    for (int r = 0; r < W; ++r) {
-      const auto ranges = weft::ops::ring_query_ranges(L, r);
-      int last_step = 0;
-      for (const weft::ops::RingKeyEntry& e : weft::ops::ring_key_entries(L, r)) {
-        EXPECT_GE(e.step, last_step) << "steps out of order";
-        last_step = e.step;
-        const int src = (r - e.step + W) % W;
-        ASSERT_LT(e.q_begin, e.q_end);
-        ASSERT_LT(e.k_begin, e.k_end);
-        ASSERT_LE(e.q_end, static_cast<int64_t>(tokens[r].size()));
-        ASSERT_LE(e.k_end, static_cast<int64_t>(tokens[src].size()));
-        EXPECT_NE(std::find(ranges.begin(), ranges.end(), std::make_pair(e.q_begin, e.q_end)), ranges.end())
-            << "rank " << r << " step " << e.step << ": query rows [" << e.q_begin << ", " << e.q_end
-            << ") have no terms";
-        for (int64_t q = e.q_begin; q < e.q_end; ++q)
-          for (int64_t k = e.k_begin; k < e.k_end; ++k) {
-            if (L.causal && e.step == 0 && k > q) continue;
-            pairs.add(tokens[r][q], tokens[src][k]);
-          }
-        if (e.step == 0) continue;
-        for (int box : {64, 128}) {
-          const auto push = weft::ops::ring_key_push_rows(L, src, box, slot_rows)[e.step - 1];
-          for (int64_t b0 = e.k_begin; b0 < e.k_end; b0 += box)
-            EXPECT_TRUE(push.first <= b0 && std::min(b0 + box, slot_rows) <= push.second)
-                << "rank " << r << " step " << e.step << ": box at " << b0 << " of rank " << src
-                << " not pushed (pushes [" << push.first << ", " << push.second << "))";
-        }
-      }
-    }
-    pairs.expect_every_pair_counted_once(L.causal, W);
-  });
-}
-
 // The term rows of a rank's query ranges (range [b, e) at term rows [4 b, 4 b + e - b)): no term row holds
 // two different rows.
 TEST(RingAttentionPlan, QueryRangeTermsNeverCollide) {

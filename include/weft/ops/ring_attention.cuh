@@ -93,22 +93,7 @@ __device__ inline void ring_wait_landed(const lcsc::PushSync& sync, const RingSl
   acquire_for_tma();  // the peers' generic stores before our TMA loads
 }
 
-// Helper warp `index` of `count` of a kernel whose K / V travel (the forward; the backward with travelling
-// keys): this rank's K / V rows (Params::k_src, v_src: slots.local_rows rows of row_vecs 16-byte vectors)
-// into the peers' slots (Params::slots_k, slots_v, symmetric), by ring_push.
-template <class Params, class Smem>
-__device__ void ring_push_keys(const Params& p, Smem& s, int index, int count) {
-  const TeamView& t = p.sync.team;
-  auto copier = lcsc::helper_copier(s);
-  ring_push(p.sync, p.slots, index, count, [&](int slot, int dst, int r0, int r1, int) {
-    const int64_t at = (int64_t(slot) * p.slots.slot_rows + r0) * p.row_vecs;
-    const int rows = p.slots.local_rows;
-    copier.copy_rows(p.k_src, t.peer_ptr(p.slots_k + at, dst), r0, r1, rows, p.row_vecs);
-    copier.copy_rows(p.v_src, t.peer_ptr(p.slots_v + at, dst), r0, r1, rows, p.row_vecs);
-    copier.complete();
-  });
-}
-
+// kTimed: the kernel that records its rank's timeline (AttentionFwdOp's).
 // The timeline a ring kernel's loader marks its waits on: the timed kernel's (kTimed: Params::sched is
 // Timed<...>), else none.
 template <class Params>
@@ -119,7 +104,6 @@ __device__ __forceinline__ TimelineBuffer* timeline_of(const Params& p) {
     return nullptr;
 }
 
-// kTimed: the kernel that records its rank's timeline (AttentionFwdOp's).
 template <int kHeadDim, class T = __nv_bfloat16, bool kTimed = false>
 struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed> {
   using Base = AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHeadDim), kTimed>;
@@ -268,7 +252,15 @@ struct RingAttentionFwdOp : AttentionFwdOp<kHeadDim, T, attention_warpgroups(kHe
 
   // ---- helper warps: this rank's K / V into the peers' slots ----
   __device__ static void helper_warp(const Params& p, Smem& s, int index, int count) {
-    ring_push_keys(p, s, index, count);
+    const TeamView& t = p.sync.team;
+    auto copier = lcsc::helper_copier(s);
+    ring_push(p.sync, p.slots, index, count, [&](int slot, int dst, int r0, int r1, int) {
+      const int64_t at = (int64_t(slot) * p.slots.slot_rows + r0) * p.row_vecs;
+      const int rows = p.slots.local_rows;
+      copier.copy_rows(p.k_src, t.peer_ptr(p.slots_k + at, dst), r0, r1, rows, p.row_vecs);
+      copier.copy_rows(p.v_src, t.peer_ptr(p.slots_v + at, dst), r0, r1, rows, p.row_vecs);
+      copier.complete();
+    });
   }
 };
 

@@ -35,32 +35,19 @@
 
 namespace weft::ops {
 
-// What both ring backward ops (the queries travelling, RingAttentionBwdOp; the keys, RingAttentionBwdKvOp)
-// take from the single-GPU backward, and their finish: AttentionBwdOp::finish waits until the warpgroup's
-// bulk operations (dQ reduce-adds, dK / dV stores or adds) have completed; then they are made visible to the
-// peers (which read the accumulators after the kernel's meeting) before the warpgroup counts itself finished.
-template <int kHeadDim, class T, bool kTimed>
-struct RingAttentionBwdCommon : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
-  using Single = AttentionBwdOp<kHeadDim, T, false, 64, kTimed>;
-
-  template <class Params, class Smem>
-  __device__ static void finish(const Params& p, Smem& s, int wg, typename Single::StoreState& es) {
-    Single::finish(p, s, wg, es);
-    if (tile::thread_in_warpgroup() == 0) {
-      ptx::fence_proxy_async_global();
-      __threadfence_system();
-      p.sync.done();
-    }
-  }
-};
-
 // kTimed: the kernel that records its rank's timeline (AttentionBwdOp's).
 template <int kHeadDim, class T = __nv_bfloat16, bool kTimed = false>
-struct RingAttentionBwdOp : RingAttentionBwdCommon<kHeadDim, T, kTimed> {
-  using Base = RingAttentionBwdCommon<kHeadDim, T, kTimed>;
-  using Base::kBM, Base::kBN, Base::kD, Base::kStages;
-  using typename Base::Accum, typename Base::Lengths, typename Base::Pipeline, typename Base::QTile,
-      typename Base::StoreState;
+struct RingAttentionBwdOp : AttentionBwdOp<kHeadDim, T, false, 64, kTimed> {
+  using Base = AttentionBwdOp<kHeadDim, T, false, 64, kTimed>;
+  using Base::kBM;
+  using Base::kBN;
+  using Base::kD;
+  using Base::kStages;
+  using typename Base::Accum;
+  using typename Base::Lengths;
+  using typename Base::Pipeline;
+  using typename Base::QTile;
+  using typename Base::StoreState;
 
   struct Params : Base::Params {
     lcsc::PushSync sync;
@@ -167,6 +154,18 @@ struct RingAttentionBwdOp : RingAttentionBwdCommon<kHeadDim, T, kTimed> {
     for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.dk.d[i] *= p.scale;
   }
 
+  // Base::finish waits until this warpgroup's bulk operations (dQ reduce-adds, dK / dV stores) have
+  // completed; then they are made visible to the peers (which read the accumulator slots after the kernel's
+  // meeting) before the warpgroup counts itself finished.
+  __device__ static void finish(const Params& p, Smem& s, int wg, StoreState& es) {
+    Base::finish(p, s, wg, es);
+    if (tile::thread_in_warpgroup() == 0) {
+      ptx::fence_proxy_async_global();
+      __threadfence_system();
+      p.sync.done();
+    }
+  }
+
   // ---- helper warps: this rank's Q, dO and per-row terms into the peers' slots ----
   __device__ static void helper_warp(const Params& p, Smem& s, int index, int count) {
     const TeamView& t = p.sync.team;
@@ -226,124 +225,5 @@ __global__ void ring_bwd_sum_dq(const float* const* parts, int count, T* dq, int
   *reinterpret_cast<uint2*>(dq + i) =
       make_uint2(tile::pack2<T>(sum.x * scale, sum.y * scale), tile::pack2<T>(sum.z * scale, sum.w * scale));
 }
-
-// ---- the backward with the keys travelling (host launcher: src/ops/ring_attention_backward_kv.cu)
-// ---------- The forward's direction: this rank's K / V rows travel to ranks r + 1, r + 2, ...
-// (ring_push_keys, the forward's slots and pushes), its queries stay. A work item is (entry, K / V head part,
-// key block of 128): an entry is one key part of step s's source (rank r - s) with the rows of this rank's
-// queries it meets (Params::rows as packed sequences: query range [q_begin, q_end) of this rank's rows, key
-// range [k_begin, k_end) of the source's; Params::entry_step), step 0 this rank's own keys (causal where the
-// pass is, shifted as the other backward's step 0). dK / dV of the item's keys stay in registers over its
-// query blocks, then are reduce-added (fp32) into this rank's part for the source, index s of
-// Params::dk_parts / dv_parts; the keys' owner sums the W parts of its rows after the kernel
-// (ring_bwd_sum_dq: index s of rank r + s). dQ is all this rank's: reduce-added into its own accumulator
-// (Base::Params::dq_accum); LSE and D are its own rows' terms (the other backward's index 0 layout). Per row
-// met and head dim, 12 x kv_heads bytes cross the links (K and V out, fp32 dK and dV back) against 8 x heads
-// for the queries travelling: fewer from a GQA group of 2 on.
-template <int kHeadDim, class T = __nv_bfloat16, bool kTimed = false>
-struct RingAttentionBwdKvOp : RingAttentionBwdCommon<kHeadDim, T, kTimed> {
-  using Base = RingAttentionBwdCommon<kHeadDim, T, kTimed>;
-  using Base::kBM, Base::kBN, Base::kD, Base::kStages;
-  using typename Base::Accum, typename Base::Lengths, typename Base::Pipeline, typename Base::QTile,
-      typename Base::StoreState;
-
-  struct Params : Base::Params {
-    lcsc::PushSync sync;
-    CUtensorMap slot_k, slot_v;  // 4-D {dim, kv_head, row, slot}: slot s - 1 holds step s's K / V rows
-    CUtensorMap dk_parts,
-        dv_parts;               // fp32 4-D {dim, kv_head, row, step}: index s, the parts of rank r - s's keys
-    const int32_t* entry_step;  // [entry]: its step
-    RingSlots slots;
-    const uint4 *k_src, *v_src;  // this rank's K / V: local_rows rows of row_vecs 16-byte vectors
-    uint4 *slots_k, *slots_v;    // this rank's receive slots [steps - 1][slot_rows][row_vecs] (symmetric)
-    int row_vecs;
-  };
-  using Smem = lcsc::WithHelperStaging<typename Base::Smem>;
-
-  __device__ static void init(const Params& p, Smem& s) {
-    Base::init(p, s);
-    tma::prefetch_map(&p.slot_k);
-    tma::prefetch_map(&p.slot_v);
-    tma::prefetch_map(&p.dk_parts);
-    tma::prefetch_map(&p.dv_parts);
-  }
-  // The entry's lengths: keys visible iff not after the query (local rows) in step 0 of a causal pass.
-  __device__ static Lengths lengths(const Params& p, const SeqRows& sr, int step) {
-    return Lengths{sr.q_len, sr.k_len, sr.q0 - sr.k0, p.causal != 0 && step == 0};
-  }
-
-  // ---- loader (one thread) ----
-  __device__ static void load(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
-                              const lcsc::AttentionWork& w) {
-    const int n = Base::key_block(w), step = __ldg(p.entry_step + w.batch);
-    const SeqRows sr = seq_rows(p.rows, w.batch);
-    const typename Base::Heads hs = Base::heads_of(p, w);
-    check_sequence_fits(sr.k_len, p.sched.q_blocks, kBN);
-    const int key_row = sr.k0 + n * kBN;
-    // The whole box must have landed: rows past the range are read (and masked), and must be finite.
-    if (step > 0) ring_wait_landed(p.sync, p.slots, step - 1, key_row + kBN, timeline_of(p));
-    tile::mbarrier_wait_bounded(&pipe.s_.kv_empty, (static_cast<uint32_t>(w.iteration) & 1u) ^ 1u);
-    mbarrier_arrive_expect_tx(&pipe.s_.kv_full, sizeof(typename Base::KTile) + sizeof(typename Base::VTile));
-    load_head_rows(s.k, step == 0 ? &p.k : &p.slot_k, hs.kv, key_row, step == 0 ? 0 : step - 1,
-                   &pipe.s_.kv_full);
-    load_head_rows(s.v, step == 0 ? &p.v : &p.slot_v, hs.kv, key_row, step == 0 ? 0 : step - 1,
-                   &pipe.s_.kv_full);
-    const Lengths len = lengths(p, sr, step);
-    const QueryBlocks qb = query_blocks_shifted(n, len.q, len.shift, len.causal, kBM);
-    for (int h = hs.first; h < hs.first + hs.count; ++h)
-      for (int m = qb.begin; m < qb.end; ++m) {
-        uint64_t* bar = pipe.qdo.producer_acquire(st, 2 * sizeof(QTile) + 2 * kBM * sizeof(float));
-        load_head_rows(s.q[st.stage], &p.q, h, sr.q0 + m * kBM, 0, bar);
-        load_head_rows(s.dout[st.stage], &p.dout, h, sr.q0 + m * kBM, 0, bar);
-        // The terms of a query range beginning at local row x from term row 4 x on (ring_query_ranges).
-        tma::load_2d(s.lse_log2[st.stage], &p.lse_map, 4 * sr.q0 + m * kBM, h, bar);
-        tma::load_2d(s.dsum[st.stage], &p.dsum_map, 4 * sr.q0 + m * kBM, h, bar);
-        st.advance(kStages);
-      }
-  }
-
-  // ---- consumers ----
-  __device__ static void compute(const Params& p, Smem& s, Pipeline& pipe, lcsc::PipeState& st,
-                                 const lcsc::AttentionWork& w, int wg, Accum& acc) {
-    const int n = Base::key_block(w), step = __ldg(p.entry_step + w.batch);
-#pragma unroll
-    for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.dk.d[i] = acc.dv.d[i] = 0.f;
-    tile::mbarrier_wait_bounded(&pipe.s_.kv_full, static_cast<uint32_t>(w.iteration) & 1u);
-    __syncwarp();
-    const SeqRows sr = seq_rows(p.rows, w.batch);
-    const Lengths len = lengths(p, sr, step);
-    const QueryBlocks qb = query_blocks_shifted(n, len.q, len.shift, len.causal, kBM);
-    const typename Base::Heads hs = Base::heads_of(p, w);
-    const int key0 = n * kBN + 64 * wg;  // this warpgroup's first key (of the entry's keys)
-    for (int h = hs.first; h < hs.first + hs.count; ++h)
-      for (int m = qb.begin; m < qb.end; ++m) {
-        pipe.qdo.consumer_wait(st);
-        const lcsc::TmaRows4d dq_rows{&p.dq_accum, h, sr.q0 + m * kBM, 0, lcsc::StoreMode::kReduceAdd};
-        Base::step(p, len, s, st.stage, wg, key0, m, acc, dq_rows, typename Base::DqTurn{0, h, n});
-        pipe.qdo.consumer_release(st);
-        st.advance(kStages);
-      }
-    if (tile::thread_in_warpgroup() == 0) tile::mbarrier_arrive(&pipe.s_.kv_empty);
-#pragma unroll
-    for (int i = 0; i < tile::AccumM64<kD>::kRegs; ++i) acc.dk.d[i] *= p.scale;
-  }
-
-  // dK / dV into the source's part (rows past the entry's keys hold exact zeros: harmless to add).
-  __device__ static void store(const Params& p, Smem& s, const lcsc::AttentionWork& w, int wg,
-                               const Accum& acc, StoreState&) {
-    Base::wait_staging_free(s, wg);  // (the staging buffers held this warpgroup's dQ parts)
-    const SeqRows sr = seq_rows(p.rows, w.batch);
-    const int row = sr.k0 + Base::key_block(w) * kBN + 64 * wg, kv = Base::heads_of(p, w).kv;
-    const int step = __ldg(p.entry_step + w.batch);
-    Base::reduce_add_rows(s, wg, acc.dk,
-                          lcsc::TmaRows4d{&p.dk_parts, kv, row, step, lcsc::StoreMode::kReduceAdd});
-    Base::reduce_add_rows(s, wg, acc.dv,
-                          lcsc::TmaRows4d{&p.dv_parts, kv, row, step, lcsc::StoreMode::kReduceAdd});
-  }
-
-  __device__ static void helper_warp(const Params& p, Smem& s, int index, int count) {
-    ring_push_keys(p, s, index, count);
-  }
-};
 
 }  // namespace weft::ops
