@@ -19,7 +19,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1
 plans="tp moe cp decode fp8 rooted"
-[ $# -gt 0 ] || { sed -n 2,14p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,16p "$0"; exit 2; }
 for plan in "$@"; do  # every name checked before the build
   case " $plans " in *" $plan "*) ;; *) echo "device_measure.sh: no plan '$plan' (plans: $plans)" >&2; exit 2 ;; esac
 done
