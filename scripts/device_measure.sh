@@ -5,7 +5,7 @@
 #   scripts/device_measure.sh PLAN...     PLAN: tp (fused TP ops with timelines, GEMM + all-reduce at decode
 #                                         sizes, all-to-all, Python bench), moe, cp (sequence parallel; with
 #                                         2k / 8k a GPU timelines and host_vs_gpu.py, at 2k with the ring
-#                                         ops' phases: WEFT_OP_PHASES=1),
+#                                         ops' phases and every call's GPU activities: --kernels),
 #                                         decode (flash_decode), fp8 (FP8 GEMM and TP ops), rooted (broadcast,
 #                                         scatter, gather, reduce, all_to_all_v)
 # Every GPU of the machine; one output file per plan and tool and the timelines (tl/), all in one archive,
@@ -78,9 +78,10 @@ for plan in "$@"; do
       bench cp_small context_attention --quick --cp-seqs $((2048 * n)),$((8192 * n)) --cp-heads 32,8 \
         --cp-methods ring,ulysses --timeline "$logs/tl"
       py host_vs_gpu python/benchmarks/host_vs_gpu.py 2048 8192
-      # The ring ops' phases per call, GPU and host time (ops::PhaseClock), from the eager calls at 2k.
+      # At 2k: the ring ops' phases per call, GPU and host time (ops::PhaseClock), and each method's GPU
+      # activities of one call (torch.profiler), kernel by kernel with the idle time between them.
       export WEFT_OP_PHASES=1
-      py host_vs_gpu_phases python/benchmarks/host_vs_gpu.py 2048
+      py host_vs_gpu_phases python/benchmarks/host_vs_gpu.py 2048 --kernels
       unset WEFT_OP_PHASES
       ;;
     decode) bench flash_decode flash_decode --timeline "$logs/tl"; py decode_py python/benchmarks/decode.py --quick ;;

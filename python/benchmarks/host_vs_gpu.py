@@ -10,7 +10,9 @@ per call three ways, one process per GPU:
 - GPU: the events' time of the same calls, issued while the GPU slept (torch.cuda._sleep): the GPU runs them
   back to back, host gaps removed. "GPU / eager" near 1: the GPU is the limit; well under 1: the host is.
 Forward (no grad) and forward + backward (autograd), Llama3-8B-like heads (32 / 8, head dim 128, causal), bf16,
-batch 1; tokens per GPU from the arguments (default 2048 8192). Max over ranks of per-rank medians.
+batch 1; tokens per GPU from the arguments (default 2048 8192). Max over ranks of per-rank medians. --kernels:
+also each method's GPU activities of one forward + backward call, in order, with the idle time between them
+(torch.profiler).
 """
 import os
 import statistics
@@ -66,9 +68,42 @@ def behind_sleep(fn, per_cycle, calls=20, reps=5):
     return team_max(statistics.median(host)), team_max(statistics.median(gpu))
 
 
+def kernel_list(fn, title, rank):
+    """--kernels: one call under torch.profiler (after a warm-up call), every rank alike; rank 0 prints its GPU
+    activities in order (start from the first, length, the idle time before it, name) and the call's busy time
+    against its span: where a call's GPU time goes kernel by kernel, and how much of it is waiting for the
+    host."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    dist.barrier()
+    if rank != 0:
+        return
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if not events:
+        print(f"## {title}: no GPU activity recorded", flush=True)
+        return
+    t0, end, busy = events[0].time_range.start, events[0].time_range.start, 0.0
+    print(f"## {title}: GPU activities of one call (rank 0), us", flush=True)
+    print("| start | length | idle before | activity |\n|---|---|---|---|")
+    for e in events:
+        length = e.time_range.elapsed_us()
+        idle = max(0.0, e.time_range.start - end)
+        print(f"| {e.time_range.start - t0:.1f} | {length:.1f} | {idle:.1f} | {e.name[:100]} |")
+        busy += length
+        end = max(end, e.time_range.end)
+    print(f"busy {busy:.1f} us of a {end - t0:.1f} us span\n", flush=True)
+
+
 def main():
     comm, rank, world = start("host vs GPU time per call, sequence-parallel attention")
-    per_gpu = [int(a) for a in sys.argv[1:]] or [2048, 8192]
+    kernels = "--kernels" in sys.argv[1:]
+    per_gpu = [int(a) for a in sys.argv[1:] if a != "--kernels"] or [2048, 8192]
     per_cycle = us_per_sleep_cycle()
     h, kvh, d, causal = 32, 8, 128, True
     rows = []
@@ -100,6 +135,8 @@ def main():
                 with sdpa_preferring_cudnn():
                     torch.autograd.grad(f(*leaves), leaves, do)
 
+            if kernels and f is not None:
+                kernel_list(fwd_bwd, f"{name}, {n} tokens / GPU, fwd+bwd", rank)
             for label, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
                 eager = timed(fn, 20)
                 host, gpu = behind_sleep(fn, per_cycle)
