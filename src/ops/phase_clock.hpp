@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <list>
+#include <map>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -39,17 +40,15 @@ class PhaseClock {
   // The phase since the previous mark ends here.
   void mark(const char* phase) {
     if (!on_) return;
-    cudaEvent_t e;
-    if (cudaEventCreate(&e) != cudaSuccess) {
-      (void)cudaGetLastError();  // (ours: the failing call was the last)
-      return;
-    }
+    const auto host = std::chrono::steady_clock::now();  // (before the mark's own API calls)
+    cudaEvent_t e = take_event(call_.device);
+    if (e == nullptr) return;
     if (cudaEventRecord(e, stream_) != cudaSuccess) {
-      (void)cudaGetLastError();
+      (void)cudaGetLastError();  // (ours: the failing call was the last)
       cudaEventDestroy(e);
       return;
     }
-    call_.marks.push_back({phase, e, std::chrono::steady_clock::now()});
+    call_.marks.push_back({phase, e, host});
   }
   ~PhaseClock() {
     if (!on_) return;
@@ -71,7 +70,28 @@ class PhaseClock {
   struct State {
     std::mutex mutex;
     std::list<Call> pending;
+    std::map<int, std::vector<cudaEvent_t>> spare;  // printed calls' events, per device, for reuse
   };
+  // An event of `device` (the current one): a printed call's, else a new one (creating one costs more than
+  // recording it, and would count in the phases' host time).
+  static cudaEvent_t take_event(int device) {
+    {
+      State& s = state();
+      const std::lock_guard<std::mutex> lock(s.mutex);
+      std::vector<cudaEvent_t>& spare = s.spare[device];
+      if (!spare.empty()) {
+        const cudaEvent_t e = spare.back();
+        spare.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    if (cudaEventCreate(&e) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return e;
+  }
   static State& state() {
     static State s;
     return s;
@@ -106,7 +126,7 @@ class PhaseClock {
       const double host =
           m.empty() ? 0 : std::chrono::duration<double, std::micro>(m.back().host - m.front().host).count();
       std::fprintf(stderr, "%s total %.1f / %.1f us (GPU / host)\n", line.c_str(), total * 1e3f, host);
-      for (const Mark& x : m) cudaEventDestroy(x.event);
+      for (const Mark& x : m) s.spare[it->device].push_back(x.event);
       it = s.pending.erase(it);
     }
   }
