@@ -42,6 +42,7 @@ struct Workspace {
   int64_t rows = 0, term_stride = 0, dq_blocks = 0, key_rows = 0;
   size_t accum_bytes = 0, row_bytes = 0, order_bytes = 0, dkv_bytes = 0;
   int head_split = 1;
+  bool dkv_accum = false;  // split items add dK / dV into the workspace's fp32 accumulators (converted after)
   Workspace(const AttentionShape& s, const AttentionOptions& o) {
     const AttentionSegments& seg = o.segments;
     rows = ops::query_rows(s, seg);
@@ -60,6 +61,7 @@ struct Workspace {
     key_rows = seg.packed() ? seg.total_k : s.batch * s.seq_k;
     if (most > 1 && !o.accumulate_grads.enabled())
       dkv_bytes = (size_t(key_rows * s.kv_heads * s.head_dim) * 4 + 255) / 256 * 256;
+    dkv_accum = head_split > 1 && !o.accumulate_grads.enabled();  // (dkv_bytes > 0 then)
   }
   size_t bytes() const { return accum_bytes + 2 * row_bytes + order_bytes + 2 * dkv_bytes; }
   // The largest power-of-two split of the group (AttentionBwdOp::Params::head_split_log2) whose items still
@@ -86,7 +88,7 @@ void map_operands(typename Op::Params& p, const Call& c, DType dtype, const Work
   p.k = ops::map_rows(c.k, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "k", dtype);
   p.v = ops::map_rows(c.v, sh, seg, true, sh.kv_heads, Op::kBN, c.where + "v", dtype);
   const AttentionGradAccumulate& grads = c.options.accumulate_grads;
-  if (ws.head_split > 1 && !grads.enabled()) {  // split items: the workspace's fp32 accumulators, converted
+  if (ws.dkv_accum) {  // split items: the workspace's fp32 accumulators, converted
     p.dk = ops::map_rows(dk_accum, sh, seg, true, sh.kv_heads, Op::kWgRows, c.where + "workspace (dK)",
                          DType::kFP32);
     p.dv = ops::map_rows(dv_accum, sh, seg, true, sh.kv_heads, Op::kWgRows, c.where + "workspace (dV)",
@@ -182,8 +184,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
   char* const dkv = static_cast<char*>(c.workspace) + ws.accum_bytes + 2 * ws.row_bytes + ws.order_bytes;
   auto *dk_accum = reinterpret_cast<float*>(dkv), *dv_accum = reinterpret_cast<float*>(dkv + ws.dkv_bytes);
   WEFT_CUDA_CHECK(cudaMemsetAsync(accum, 0, ws.accum_bytes, stream));
-  const bool dkv_accum = ws.head_split > 1 && !c.options.accumulate_grads.enabled();  // (dkv_bytes > 0 then)
-  if (dkv_accum) WEFT_CUDA_CHECK(cudaMemsetAsync(dkv, 0, 2 * ws.dkv_bytes, stream));
+  if (ws.dkv_accum) WEFT_CUDA_CHECK(cudaMemsetAsync(dkv, 0, 2 * ws.dkv_bytes, stream));
   if (ws.order_bytes) WEFT_CUDA_CHECK(cudaMemsetAsync(dq_order, 0, ws.order_bytes, stream));
   p.rows = ops::attention_rows(sh, seg);
   {
@@ -217,7 +218,7 @@ Plan run(const Call& c, DType dtype, cudaStream_t stream, bool launch) {
         <<<static_cast<unsigned>((elements / 4 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
             accum, static_cast<T*>(c.dq), elements, scale);
     WEFT_CUDA_CHECK(cudaGetLastError());
-    if (dkv_accum)
+    if (ws.dkv_accum)
       convert_key_rows<T>(c, ws, kD, dk_accum, dv_accum, stream);  // dK (scaled in the kernel), dV
   }
   return plan;

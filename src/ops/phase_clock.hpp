@@ -23,14 +23,14 @@ namespace weft::ops {
 
 class PhaseClock {
  public:
-  PhaseClock(std::string op, cudaStream_t stream) : stream_(stream) {
+  PhaseClock(const std::string& op, cudaStream_t stream) : stream_(stream) {  // (off: no copy of op)
     const char* e = std::getenv("WEFT_OP_PHASES");
     if (e == nullptr || std::strcmp(e, "1") != 0) return;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) (void)cudaGetLastError();
     if (capture != cudaStreamCaptureStatusNone) return;  // (a graph's calls: not timed)
     on_ = true;
-    call_.op = std::move(op);
+    call_.op = op;
     if (cudaGetDevice(&call_.device) != cudaSuccess) (void)cudaGetLastError();
     print_completed(call_.device);
     mark("");
