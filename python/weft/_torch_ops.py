@@ -47,26 +47,37 @@ _FAST_PATH = None not in (_dispatch_modes, _function_modes, _functorch_active, _
 _PLAIN = (Tensor, torch.nn.Parameter)  # (Parameter's __torch_function__ is torch's own)
 
 
-def _plain_tensor(t, grad):
-    return type(t) in _PLAIN and t.is_cuda and not (grad and t.requires_grad)
+# How an eager call runs (_eager_route): the operator itself, its implementation directly, or the implementation
+# under the declaration's own autograd node (_eager_function).
+_OPERATOR, _IMPL, _FUNCTION = 0, 1, 2
 
 
-def _plain_eager(args, differentiable=False):
-    """True where calling an operator's implementation directly does what the operator call would (not under
-    torch.jit.trace, which records operators, nor while the profiler records them by name). differentiable:
-    inputs may require grad (the caller records the autograd node itself: _eager_function)."""
+def _eager_route(args):
+    """_IMPL where calling an operator's implementation directly does what the operator call would; _FUNCTION
+    where so but an input requires grad (the caller then records the autograd node itself); _OPERATOR under
+    torch.jit.trace (which records operators), while the profiler records them by name, when compiling, in a
+    mode or a functorch transform, or with a tensor subclass, a CPU / meta tensor, or a tensor that requires
+    grad inside a list. args: the call's arguments."""
     if not _FAST_PATH or torch.compiler.is_compiling() or _dispatch_modes() or _function_modes() \
             or _functorch_active() or _jit_tracing() is not None or (_profiling is not None and _profiling()):
-        return False
-    grad = torch.is_grad_enabled() and not differentiable
+        return _OPERATOR
+    grad = torch.is_grad_enabled()
+    needs_grad = False
     for a in args:
         if isinstance(a, Tensor):
-            if not _plain_tensor(a, grad):
-                return False
+            if type(a) not in _PLAIN or not a.is_cuda:
+                return _OPERATOR
+            needs_grad = needs_grad or (grad and a.requires_grad)
         elif isinstance(a, (list, tuple)):
-            if not all(_plain_tensor(t, grad) for t in a if isinstance(t, Tensor)):
-                return False
-    return True
+            for t in a:  # (an autograd.Function does not see tensors inside a list: those take the operator)
+                if isinstance(t, Tensor) and (type(t) not in _PLAIN or not t.is_cuda or (grad and t.requires_grad)):
+                    return _OPERATOR
+    return _FUNCTION if needs_grad else _IMPL
+
+
+def _plain_eager(args):
+    """True where the implementation runs directly (no autograd node needed): _eager_route's _IMPL."""
+    return _eager_route(args) == _IMPL
 
 
 def _eager_function(decl):
@@ -94,7 +105,7 @@ def _eager_function(decl):
 
 class _Operator:
     """A torch operator (torch.library.custom_op) called as one: eagerly through its implementation where
-    _plain_eager allows (through its _eager_function where inputs require grad and every argument is given
+    _eager_route allows (through its _eager_function where inputs require grad and every argument is given
     by position), else through torch. register_fake / register_autograd / ... are the operator's."""
 
     def __init__(self, op, impl, function=None, arity=0):
@@ -104,10 +115,10 @@ class _Operator:
         return getattr(self._op, name)
 
     def __call__(self, *args, **kwargs):
-        if _plain_eager(args) and (not kwargs or _plain_eager(tuple(kwargs.values()))):
+        route = _eager_route(args + tuple(kwargs.values()) if kwargs else args)
+        if route == _IMPL:
             return self._impl(*args, **kwargs)
-        if self._function is not None and not kwargs and len(args) == self._arity \
-                and _plain_eager(args, differentiable=True):
+        if route == _FUNCTION and self._function is not None and not kwargs and len(args) == self._arity:
             return self._function.apply(*args)
         return self._op(*args, **kwargs)
 
